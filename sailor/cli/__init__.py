@@ -1,0 +1,55 @@
+"""The `sailor` command line: a thin typer layer over the library.
+
+Each command lives in its own module below this package and registers itself on `app`. Bad input
+(`SailorInputError`) is printed as one line on stderr with exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from sailor.errors import SailorInputError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Sailor: plan, simulate and run LLM training on heterogeneous, geo-distributed GPUs.")
+
+
+def _register() -> None:
+    # Importing a command module registers its commands on `app`. Heavy imports (torch) stay inside
+    # the command functions so `sailor plan` starts fast.
+    from sailor.cli import simulate  # noqa: F401
+    for name in ("plan", "train", "validate", "profile", "elastic", "report", "launch"):
+        try:
+            __import__(f"sailor.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"sailor.cli.{name}":
+                raise
+
+
+def fail(message: str) -> "typer.Exit":
+    """Print one error line on stderr and return the exit-2 exception to raise."""
+    print(f"error: {message}", file=sys.stderr)
+    return typer.Exit(code=2)
+
+
+def main() -> None:
+    """Console-script entry point: runs the app, turning input errors into one line and exit 2."""
+    _register()
+    try:
+        app(standalone_mode=False)
+    except SailorInputError as e:
+        print(f"error: {e.one_line()}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # click usage errors
+        import click
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(2)
+        raise

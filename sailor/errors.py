@@ -1,0 +1,59 @@
+"""The one exception type for bad user input.
+
+Two kinds of failure (STYLE.md §2.14): a user's mistake raises `SailorInputError` (a `ValueError`),
+which the CLI prints as one line and exit status 2; a broken invariant is an `assert`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class SailorInputError(ValueError):
+    """Bad user input: a file, a field in it, and what is wrong.
+
+    Args:
+        message: what is wrong, with numbers where they help.
+        source: the file (or command-line option) the input came from, if any.
+        field: dotted path of the offending field inside that file, if any.
+        fix: a short hint on how to fix it, if there is one.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, field: str | None = None,
+                 fix: str | None = None) -> None:
+        self.message = message
+        self.source = source
+        self.field = field
+        self.fix = fix
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        """The error as one line: `source: field: message (fix)`."""
+        parts = [p for p in (self.source, self.field) if p]
+        text = ": ".join(parts + [self.message])
+        return f"{text} ({self.fix})" if self.fix else text
+
+    def located(self, *, source: str | None = None, field_prefix: str | None = None) -> "SailorInputError":
+        """A copy that also names the file and/or a parent field (keeps what is already known)."""
+        field = self.field
+        if field_prefix:
+            field = f"{field_prefix}.{field}" if field else field_prefix
+        return SailorInputError(self.message, source=self.source or source, field=field, fix=self.fix)
+
+
+class InfeasibleError(SailorInputError):
+    """No plan satisfies the job, cluster and constraints; the message names the binding reason."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str | None:
+    """A 'did you mean X?' hint for a misspelt name, or None when nothing is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else None
+
+
+def unknown_name(kind: str, name: str, choices: Iterable[str], **where: str | None) -> SailorInputError:
+    """An error for an unknown GPU type, zone, model... listing the known ones or the closest."""
+    choices = sorted(choices)
+    fix = did_you_mean(name, choices) or f"known: {', '.join(choices)}"
+    return SailorInputError(f"unknown {kind} {name!r}", fix=fix, **where)

@@ -1,0 +1,101 @@
+"""Reading spec files (YAML or JSON) and writing any file atomically.
+
+Every reader turns a parse failure into a one-line `SailorInputError` naming the file; every writer
+writes to a temporary name in the same folder, fsyncs and renames, so a crash never leaves a
+half-written file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from sailor.errors import SailorInputError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def read_text(path: str | Path) -> str:
+    """The file's text; raises SailorInputError if it is missing or unreadable."""
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SailorInputError("no such file", source=str(p)) from None
+    except IsADirectoryError:
+        raise SailorInputError("is a folder, expected a file", source=str(p)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SailorInputError(f"cannot read: {e}", source=str(p)) from None
+
+
+def load_mapping(path: str | Path) -> dict[str, Any]:
+    """Parse a JSON or YAML file whose top level is a mapping.
+
+    Raises:
+        SailorInputError: missing file, syntax error (with line), or a top level that is not a mapping.
+    """
+    text = read_text(path)
+    src = str(path)
+    try:
+        if str(path).endswith(".json"):
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except json.JSONDecodeError as e:
+        raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=src) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SailorInputError(f"invalid YAML{where}: {getattr(e, 'problem', e)}", source=src) from None
+    if not isinstance(data, dict):
+        raise SailorInputError(f"expected a mapping at the top level, got {type(data).__name__}", source=src)
+    return data
+
+
+def validation_error(err: ValidationError, source: str | None) -> SailorInputError:
+    """The first problem of a pydantic ValidationError as one SailorInputError line."""
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first.get("loc", ())) or None
+    msg = first.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if first.get("type") != "value_error" and "input" in first and not isinstance(first["input"], (dict, list)):
+        msg = f"{msg} (got {first['input']!r})"
+    return SailorInputError(msg, source=source, field=field)
+
+
+def parse_model(cls: type[T], data: Any, source: str | None) -> T:
+    """Validate `data` into the pydantic model `cls`, turning errors into one-line SailorInputErrors."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e, source) from None
+    except SailorInputError as e:
+        raise e.located(source=source) from None
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` atomically: temporary file in the same folder, fsync, rename."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write `obj` as indented JSON, atomically."""
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")

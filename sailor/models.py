@@ -1,0 +1,228 @@
+"""Model specs: a dense decoder-only transformer as a layer list `embedding, N x block, head`.
+
+Layer index 0 is the embedding (token + learned position embeddings), 1..N the transformer blocks,
+N+1 the head (final norm + LM head + loss), as in the public Sailor data. Per layer and TP degree this
+module gives parameters, forward FLOPs, activation bytes kept for backward and the size of the tensor
+passed on. Formulas:
+- parameters and FLOPs: Megatron accounting (Narayanan et al., SC'21, "Efficient Large-Scale Language
+  Model Training on GPU Clusters", §5.1), generalised to grouped-query attention and gated MLPs;
+  backward = 2 x forward (no recomputation).
+- activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", Table 2 (no sequence parallelism, no recomputation), generalised to any element size.
+- the vocabulary is padded to a multiple of 128 x TP, as Megatron-LM does (`--make-vocab-size-
+  divisible-by 128`); the public Sailor `llm_info.json` parameter counts match this exactly.
+The head holds its own LM-head weights: untied models have them anyway, and tied ones keep a
+duplicate on the last pipeline stage under Megatron's pipelining.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sailor.errors import SailorInputError, unknown_name
+
+VOCAB_MULTIPLE = 128  # Megatron-LM default for --make-vocab-size-divisible-by
+
+
+class LayerKind(str, Enum):
+    """The three kinds of layer in the layer list."""
+
+    EMBEDDING = "embedding"
+    BLOCK = "block"
+    HEAD = "head"
+
+
+class ModelSpec(BaseModel):
+    """Geometry of a decoder-only transformer (frozen; unknown fields are an error)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="Short name, e.g. 'opt-350m'.")
+    num_blocks: int = Field(gt=0, description="Transformer blocks N; the layer list has N + 2 layers.")
+    hidden_size: int = Field(gt=0, description="Model width h.")
+    num_heads: int = Field(gt=0, description="Attention heads a; TP degrees must divide it.")
+    num_kv_heads: int | None = Field(default=None, gt=0, description="KV heads for grouped-query attention; default a.")
+    ffn_hidden_size: int | None = Field(default=None, gt=0, description="MLP width f; default 4h.")
+    vocab_size: int = Field(gt=0, description="Vocabulary size before padding.")
+    max_sequence_length: int = Field(gt=0, description="Context length (learned position table size).")
+    gated_mlp: bool = Field(default=False, description="SwiGLU-style MLP with three matrices (Llama).")
+    learned_positions: bool = Field(default=True, description="Learned position table in the embedding (OPT, GPT); False for rotary.")
+    bias: bool = Field(default=True, description="Linear layers carry biases.")
+    rms_norm: bool = Field(default=False, description="RMSNorm (h params) instead of LayerNorm (2h).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.kv_heads}")
+        return self
+
+    # ---- derived geometry -------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_layers(self) -> int:
+        """Length of the layer list: embedding + blocks + head."""
+        return self.num_blocks + 2
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        """Kind of layer `layer` (0-based index into the layer list)."""
+        assert 0 <= layer < self.num_layers, layer
+        if layer == 0:
+            return LayerKind.EMBEDDING
+        return LayerKind.HEAD if layer == self.num_layers - 1 else LayerKind.BLOCK
+
+    def padded_vocab(self, tp: int) -> int:
+        """Vocabulary padded to a multiple of 128 x tp (Megatron-LM)."""
+        m = VOCAB_MULTIPLE * tp
+        return math.ceil(self.vocab_size / m) * m
+
+    def tp_degrees(self, max_tp: int) -> list[int]:
+        """TP degrees <= max_tp that divide the attention (and KV) heads."""
+        return [t for t in range(1, max_tp + 1) if self.num_heads % t == 0 and self.kv_heads % t == 0]
+
+    def check_tp(self, tp: int) -> None:
+        """Raise SailorInputError unless `tp` divides the attention heads."""
+        if tp < 1 or self.num_heads % tp or self.kv_heads % tp:
+            raise SailorInputError(f"TP {tp} does not divide the {self.num_heads} attention heads"
+                                   f" ({self.kv_heads} KV heads) of {self.name}")
+
+    # ---- per-layer accounting (per GPU of a TP group of size tp) -----------------------------
+    def _norm_params(self) -> int:
+        return self.hidden_size if self.rms_norm else 2 * self.hidden_size
+
+    def params(self, layer: int, tp: int = 1) -> int:
+        """Parameters held by one GPU of a TP group for layer `layer`.
+
+        Sharded over TP: QKV/MLP-in weights (column-parallel) with their biases, out/MLP-out weights
+        (row-parallel), the vocabulary of embedding and LM head. Replicated: norms, row-parallel biases,
+        the position table.
+        """
+        h, f, kvd = self.hidden_size, self.ffn, self.kv_heads * self.head_dim
+        kind = self.layer_kind(layer)
+        if kind is LayerKind.EMBEDDING:
+            pos = self.max_sequence_length * h if self.learned_positions else 0
+            return self.padded_vocab(tp) * h // tp + pos
+        if kind is LayerKind.HEAD:
+            return self._norm_params() + self.padded_vocab(tp) * h // tp
+        mlp_in = 2 if self.gated_mlp else 1  # gate and up projections for SwiGLU
+        sharded = h * (h + 2 * kvd) + h * h + mlp_in * h * f + f * h
+        sharded_bias = (h + 2 * kvd) + mlp_in * f if self.bias else 0
+        replicated = 2 * self._norm_params() + (2 * h if self.bias else 0)
+        return (sharded + sharded_bias) // tp + replicated
+
+    def total_params(self) -> int:
+        """Parameters of the whole model at TP 1 (LM head counted separately from the embedding)."""
+        return sum(self.params(i) for i in range(self.num_layers))
+
+    def forward_flop(self, layer: int, *, tp: int, mbs: int, seq: int) -> float:
+        """Forward FLOPs of one micro-batch on one GPU of the TP group (SC'21 §5.1: 2 FLOPs per MAC).
+
+        Block: 2·b·s·(h(h+2·kv_dim) + h² + m·h·f) for the matmuls (m = 3 gated, 2 plain) plus
+        4·b·s²·h for QKᵀ and attention·V. Head: 2·b·s·h·V. Embedding: a lookup, 0 FLOPs.
+        """
+        h, f, kvd = self.hidden_size, self.ffn, self.kv_heads * self.head_dim
+        kind = self.layer_kind(layer)
+        if kind is LayerKind.EMBEDDING:
+            return 0.0
+        if kind is LayerKind.HEAD:
+            return 2.0 * mbs * seq * h * self.padded_vocab(tp) / tp
+        m = 3 if self.gated_mlp else 2
+        matmul = 2.0 * mbs * seq * (h * (h + 2 * kvd) + h * h + m * h * f)
+        attention = 4.0 * mbs * seq * seq * h
+        return (matmul + attention) / tp
+
+    def backward_flop(self, layer: int, *, tp: int, mbs: int, seq: int) -> float:
+        """Backward FLOPs: twice the forward (gradients w.r.t. inputs and weights)."""
+        return 2.0 * self.forward_flop(layer, tp=tp, mbs=mbs, seq=seq)
+
+    def activation_bytes(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int) -> float:
+        """Bytes one GPU keeps from a micro-batch's forward until its backward.
+
+        Block (Korthikanti et al. 2022, Table 2, generalised to element size e): replicated
+        s·b·h·(4e + 2) (norm and matmul inputs, dropout masks); sharded over TP
+        s·b·h·(4 + m·f/h)·e/t + a·s²·b·(2e + 1)/t (Q, K, V, attention out, MLP intermediates, softmax
+        output and its dropout). For e = 2, f = 4h this is s·b·h·(10 + 24/t) + 5·a·s²·b/t.
+        Embedding: its output and dropout mask. Head: its input and the fp32 logits and their gradient.
+        """
+        s, b, h, e = seq, mbs, self.hidden_size, elem_bytes
+        kind = self.layer_kind(layer)
+        if kind is LayerKind.EMBEDDING:
+            return s * b * h * (e + 1)
+        if kind is LayerKind.HEAD:
+            return 2 * s * b * h * e + 2 * s * b * self.padded_vocab(tp) / tp * 4
+        m = 3 if self.gated_mlp else 2
+        replicated = s * b * h * (4 * e + 2)
+        sharded = s * b * h * (4 + m * self.ffn / h) * e + self.num_heads * s * s * b * (2 * e + 1)
+        return replicated + sharded / tp
+
+    def output_bytes(self, layer: int, *, mbs: int, seq: int, elem_bytes: int) -> float:
+        """Size of the tensor layer `layer` passes to the next one (the full, unsharded activation);
+        the head passes only the loss."""
+        if self.layer_kind(layer) is LayerKind.HEAD:
+            return 4.0
+        return float(mbs * seq * self.hidden_size * elem_bytes)
+
+
+# Published configs. OPT: facebook/opt-350m and opt-30b config.json (OPT-350m's 512-wide input/output
+# projections are ignored: the public Sailor profiles model it as a plain 1024-wide GPT). GPT-Neo:
+# EleutherAI/gpt-neo-2.7B config.json. Llama 3: meta-llama/Meta-Llama-3-8B config.json. GPT-3:
+# Brown et al. 2020, Table 2.1. tiny: the CPU test model (byte vocabulary).
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in [
+        ModelSpec(name="opt-350m", num_blocks=24, hidden_size=1024, num_heads=16, vocab_size=50272,
+                  max_sequence_length=2048),
+        ModelSpec(name="gpt-neo-2.7b", num_blocks=32, hidden_size=2560, num_heads=20, vocab_size=50257,
+                  max_sequence_length=2048),
+        ModelSpec(name="llama-3-8b", num_blocks=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                  ffn_hidden_size=14336, vocab_size=128256, max_sequence_length=8192, gated_mlp=True,
+                  learned_positions=False, bias=False, rms_norm=True),
+        ModelSpec(name="opt-30b", num_blocks=48, hidden_size=7168, num_heads=56, vocab_size=50272,
+                  max_sequence_length=2048),
+        ModelSpec(name="gpt3-175b", num_blocks=96, hidden_size=12288, num_heads=96, vocab_size=50257,
+                  max_sequence_length=2048),
+        ModelSpec(name="tiny", num_blocks=4, hidden_size=64, num_heads=4, vocab_size=256,
+                  max_sequence_length=64),
+    ]
+}
+
+# Names used by the public Sailor data.
+MODEL_ALIASES = {"OPT-350": "opt-350m", "GPT-Neo-2.7": "gpt-neo-2.7b", "LLAMA-3-8": "llama-3-8b",
+                 "OPT-30": "opt-30b"}
+
+
+def canonical_model_name(name: str) -> str:
+    """Canonical built-in model name for `name` or a Sailor alias; raises SailorInputError if unknown."""
+    if name in BUILTIN_MODELS:
+        return name
+    lowered = {k.lower(): v for k, v in MODEL_ALIASES.items()}
+    if name in MODEL_ALIASES or name.lower() in lowered:
+        return MODEL_ALIASES.get(name) or lowered[name.lower()]
+    if name.lower() in BUILTIN_MODELS:
+        return name.lower()
+    raise unknown_name("model", name, list(BUILTIN_MODELS) + list(MODEL_ALIASES))
+
+
+def get_model(spec: str | dict[str, Any] | ModelSpec) -> ModelSpec:
+    """A ModelSpec from a built-in name/alias, an inline architecture mapping, or a ModelSpec."""
+    if isinstance(spec, ModelSpec):
+        return spec
+    if isinstance(spec, str):
+        return BUILTIN_MODELS[canonical_model_name(spec)]
+    return ModelSpec.model_validate(spec)

@@ -1,0 +1,282 @@
+"""The Plan: one layer partition shared by all pipelines, and D pipelines (data-parallel replicas).
+
+```
+stages:    [[0, 7], [7, 26]]             # half-open layer ranges over the model's layer list
+pipelines: - microbatches: 20            # this pipeline's share of the global batch
+             replicas: [{stage: 0, gpu: A100-40, zone: us-central1-a, tp: 4},
+                        {stage: 1, gpu: V100-16, zone: us-central1-b, tp: 4}]
+micro_batch_size: 4
+```
+Replica (i, j) is stage i of pipeline j: a TP group of `tp` GPUs of one type on one node. A plan file
+may carry the `job` and `cluster` it was made for. `rank_layout` is the one place where ranks, nodes
+and TP groups are derived from a plan (the runtime, launchers and simulator all use it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sailor import catalog
+from sailor.errors import SailorInputError
+from sailor.fileio import load_mapping, parse_model, write_json
+from sailor.specs import ClusterSpec, JobSpec
+
+
+class Replica(BaseModel):
+    """Stage `stage` of one pipeline on a TP group of `tp` GPUs of type `gpu` in `zone`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    stage: int = Field(ge=0)
+    gpu: str
+    zone: str
+    tp: int = Field(default=1, ge=1)
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: str) -> str:
+        return catalog.canonical_gpu(v)
+
+
+class Pipeline(BaseModel):
+    """One data-parallel replica of the model: `microbatches` micro-batches per iteration, one
+    replica per stage in stage order."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    microbatches: int = Field(gt=0)
+    replicas: tuple[Replica, ...]
+
+    @property
+    def gpus(self) -> int:
+        return sum(r.tp for r in self.replicas)
+
+
+class Plan(BaseModel):
+    """A full parallelization plan (validated on construction for internal consistency; use
+    `check_against` for consistency with a job and a cluster)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    micro_batch_size: int = Field(gt=0)
+    stages: tuple[tuple[int, int], ...]
+    pipelines: tuple[Pipeline, ...]
+    job: JobSpec | None = None
+    cluster: ClusterSpec | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Plan":
+        if not self.stages:
+            raise SailorInputError("a plan needs at least one stage", field="stages")
+        start = 0
+        for i, (a, b) in enumerate(self.stages):
+            if a != start:
+                what = "overlaps the previous stage" if a < start else "leaves a gap after the previous stage"
+                raise SailorInputError(f"stage {i} starts at layer {a} and {what} (expected {start})", field=f"stages.{i}")
+            if b <= a:
+                raise SailorInputError(f"stage {i} [{a}, {b}) holds no layer", field=f"stages.{i}")
+            start = b
+        if not self.pipelines:
+            raise SailorInputError("a plan needs at least one pipeline", field="pipelines")
+        for j, p in enumerate(self.pipelines):
+            if len(p.replicas) != len(self.stages):
+                raise SailorInputError(f"pipeline {j} has {len(p.replicas)} replicas for {len(self.stages)} stages",
+                                       field=f"pipelines.{j}.replicas")
+            for i, r in enumerate(p.replicas):
+                if r.stage != i:
+                    raise SailorInputError(f"replica {i} of pipeline {j} names stage {r.stage}, expected {i}",
+                                           field=f"pipelines.{j}.replicas.{i}.stage")
+        return self
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1][1]
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * sum(p.microbatches for p in self.pipelines)
+
+    @property
+    def world_size(self) -> int:
+        return sum(p.gpus for p in self.pipelines)
+
+    def gpu_usage(self) -> Counter:
+        """GPUs used per (zone, GPU type)."""
+        use: Counter = Counter()
+        for p in self.pipelines:
+            for r in p.replicas:
+                use[(r.zone, r.gpu)] += r.tp
+        return use
+
+    def check_against(self, job: JobSpec, cluster: ClusterSpec | None = None) -> None:
+        """Raise SailorInputError unless this plan fits `job` (layers, batch, TP) and `cluster`
+        (zones, GPU counts, TP within a node)."""
+        model = job.model
+        if self.num_layers != model.num_layers:
+            raise SailorInputError(f"stages cover layers [0, {self.num_layers}) but {model.name} has"
+                                   f" {model.num_layers} layers (embedding, {model.num_blocks} blocks, head)",
+                                   field="stages")
+        if self.global_batch_size != job.global_batch_size:
+            mbs = [p.microbatches for p in self.pipelines]
+            raise SailorInputError(f"micro_batch_size {self.micro_batch_size} x microbatches {mbs} ="
+                                   f" {self.global_batch_size} samples, but the job's global batch is"
+                                   f" {job.global_batch_size}", field="pipelines")
+        for j, p in enumerate(self.pipelines):
+            for i, r in enumerate(p.replicas):
+                try:
+                    model.check_tp(r.tp)
+                except SailorInputError as e:
+                    raise e.located(field_prefix=f"pipelines.{j}.replicas.{i}.tp") from None
+        if cluster is None:
+            return
+        for j, p in enumerate(self.pipelines):
+            for i, r in enumerate(p.replicas):
+                where = f"pipelines.{j}.replicas.{i}"
+                try:
+                    cluster.prov.region(r.zone)
+                except SailorInputError as e:
+                    raise e.located(field_prefix=f"{where}.zone") from None
+                if r.tp > cluster.node_size(r.gpu):
+                    raise SailorInputError(f"TP {r.tp} is larger than a {r.gpu} node ({cluster.node_size(r.gpu)} GPUs);"
+                                           " TP never crosses a node", field=f"{where}.tp")
+        for (zone, gpu), n in sorted(self.gpu_usage().items()):
+            have = cluster.available(zone, gpu)
+            if n > have:
+                raise SailorInputError(f"the plan uses {n} {gpu} in {zone} but the cluster has {have}", field="pipelines")
+
+    def to_dict(self, *, with_specs: bool = True) -> dict[str, Any]:
+        """JSON-ready form (the plan file format)."""
+        d: dict[str, Any] = {
+            "micro_batch_size": self.micro_batch_size,
+            "stages": [list(s) for s in self.stages],
+            "pipelines": [{"microbatches": p.microbatches,
+                           "replicas": [r.model_dump(mode="json") for r in p.replicas]} for p in self.pipelines],
+        }
+        if with_specs and self.job is not None:
+            d["job"] = self.job.to_dict()
+        if with_specs and self.cluster is not None:
+            d["cluster"] = self.cluster.to_dict()
+        return d
+
+    def with_specs(self, job: JobSpec | None, cluster: ClusterSpec | None) -> "Plan":
+        """A copy carrying `job` and `cluster` (validated again)."""
+        d = self.to_dict(with_specs=False)
+        d["job"] = job.to_dict() if job else None
+        d["cluster"] = cluster.to_dict() if cluster else None
+        return Plan.model_validate(d)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan file atomically."""
+        write_json(path, self.to_dict())
+
+
+# ---- rank layout: the one Plan -> ranks/nodes function ------------------------------------------
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a global rank sits: pipeline j, stage i, TP rank, and its node."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    tp_rank: int
+    tp: int
+    gpu: str
+    zone: str
+    node: str  # "<zone>/<gpu>/<index>": a machine of `gpus_per_node` GPUs
+    local_rank: int  # GPU index within the node
+
+
+def rank_layout(plan: Plan, gpus_per_node: dict[str, int] | None = None) -> list[RankInfo]:
+    """Global ranks of a plan, in order pipeline, stage, TP rank; TP groups packed onto nodes.
+
+    Nodes are filled first-fit per (zone, GPU type) with `gpus_per_node[gpu]` GPUs each (catalog
+    default), never splitting a TP group. Asserts that every rank appears once.
+    """
+    sizes = gpus_per_node or {}
+    free: dict[tuple[str, str], list[int]] = {}  # (zone, gpu) -> free GPUs per opened node
+    out: list[RankInfo] = []
+    for j, p in enumerate(plan.pipelines):
+        for i, r in enumerate(p.replicas):
+            cap = sizes.get(r.gpu) or catalog.gpu(r.gpu).gpus_per_node
+            nodes = free.setdefault((r.zone, r.gpu), [])
+            idx = next((k for k, f in enumerate(nodes) if f >= r.tp), None)
+            if idx is None:
+                nodes.append(max(cap, r.tp))
+                idx = len(nodes) - 1
+            first_local = (max(cap, r.tp)) - nodes[idx]
+            nodes[idx] -= r.tp
+            for t in range(r.tp):
+                out.append(RankInfo(rank=len(out), pipeline=j, stage=i, tp_rank=t, tp=r.tp, gpu=r.gpu,
+                                    zone=r.zone, node=f"{r.zone}/{r.gpu}/{idx}", local_rank=first_local + t))
+    assert [x.rank for x in out] == list(range(plan.world_size))
+    return out
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def plan_from_dict(data: dict[str, Any], source: str | None = None) -> Plan:
+    """A Plan from our format or the public Sailor `plan_config` format (detected)."""
+    if "pipeline_list" in data:
+        data = sailor_plan_to_dict(data, source)
+    return parse_model(Plan, data, source)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file (ours or Sailor's plan_config); raises SailorInputError naming file and field."""
+    return plan_from_dict(load_mapping(path), str(path))
+
+
+def sailor_plan_to_dict(d: dict[str, Any], source: str | None = None) -> dict[str, Any]:
+    """Convert a public Sailor plan_config (see shared/reference/sailor/README.md) to our plan dict.
+
+    Each `pipeline_list` entry with `dp` = D replicas per stage becomes D pipelines taking equal
+    shares of `gbs`; `tmp_per_stage[stage][replica] = [[[gpu, gpus_per_node, zone]], tp]`.
+    """
+    def bad(msg: str, field: str) -> SailorInputError:
+        return SailorInputError(msg, source=source, field=field)
+
+    try:
+        mbs, gbs = int(d["mbs"]), int(d["gbs"])
+        entries = d["pipeline_list"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise bad(f"missing or invalid {e}", "pipeline_list/mbs/gbs") from None
+    stages: list[list[int]] | None = None
+    pipelines: list[dict[str, Any]] = []
+    for k, entry in enumerate(entries):
+        layers = entry["layers_per_stage"]
+        ranges = [[min(ls), max(ls) + 1] for ls in layers]
+        for s, ls in enumerate(layers):
+            if sorted(ls) != list(range(min(ls), max(ls) + 1)):
+                raise bad("stage layers are not contiguous", f"pipeline_list.{k}.layers_per_stage.{s}")
+        if stages is None:
+            stages = ranges
+        elif stages != ranges:
+            raise bad("pipelines with different layer partitions are not supported", f"pipeline_list.{k}")
+        dps = entry["dp"]
+        if len(set(dps)) != 1:
+            raise bad(f"stages with different data-parallel degrees {dps} are not supported", f"pipeline_list.{k}.dp")
+        for rep in range(dps[0]):
+            replicas = []
+            for s in range(len(layers)):
+                (gpu, _per_node, zone), tp = entry["tmp_per_stage"][s][rep][0][0], entry["tmp_per_stage"][s][rep][1]
+                replicas.append({"stage": s, "gpu": gpu, "zone": zone, "tp": tp})
+            pipelines.append({"replicas": replicas})
+    if not pipelines:
+        raise bad("no pipeline", "pipeline_list")
+    per = gbs // (mbs * len(pipelines))
+    if per * mbs * len(pipelines) != gbs:
+        raise bad(f"gbs {gbs} is not divisible by mbs {mbs} x {len(pipelines)} pipelines", "gbs")
+    for p in pipelines:
+        p["microbatches"] = per
+    return {"micro_batch_size": mbs, "stages": stages, "pipelines": pipelines}
+
+
+def dumps(plan: Plan) -> str:
+    return json.dumps(plan.to_dict(), indent=2)

@@ -1,0 +1,235 @@
+"""Job and cluster specs: what to train, and which GPUs can be had where, at what price.
+
+Both are frozen pydantic models with `extra="forbid"` (a misspelt field is an error). Load them from
+YAML or JSON with `load_job` / `load_cluster`; both raise `SailorInputError` naming file and field.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sailor import catalog
+from sailor.errors import SailorInputError
+from sailor.fileio import load_mapping, parse_model
+from sailor.models import ModelSpec, get_model
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class Optimizer(str, Enum):
+    """Optimizers whose state size the simulator knows."""
+
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+# Bytes per parameter held on a GPU (weights, gradients, optimizer states).
+# fp32 Adam: 4 weights + 4 grads + 8 (two fp32 moments). Mixed precision (ZeRO paper, Rajbhandari et
+# al. 2020, §3.1, "16 bytes per parameter"): 2 half weights + 2 half grads + 4 fp32 master weights
+# + 8 moments. SGD without momentum keeps no state (fp32: 4 + 4; mixed: 2 + 2 + 4 master).
+STATE_BYTES_PER_PARAM: dict[tuple[str, Optimizer], dict[str, int]] = {
+    ("fp32", Optimizer.ADAM): {"weights": 4, "gradients": 4, "optimizer": 8},
+    ("fp32", Optimizer.SGD): {"weights": 4, "gradients": 4, "optimizer": 0},
+    ("mixed", Optimizer.ADAM): {"weights": 2, "gradients": 2, "optimizer": 12},
+    ("mixed", Optimizer.SGD): {"weights": 2, "gradients": 2, "optimizer": 4},
+}
+
+
+class JobSpec(BaseModel):
+    """What to train. Units: samples (global batch), tokens (sequence length)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelSpec = Field(description="Built-in name/alias (e.g. 'opt-350m', 'OPT-350') or an inline architecture.")
+    global_batch_size: int = Field(gt=0, description="Samples per iteration (optimizer step).")
+    sequence_length: int | None = Field(default=None, gt=0, description="Tokens per sample; default the model's context length.")
+    precision: Precision = Field(default="fp32", description="fp32, or bf16/fp16 mixed precision.")
+    optimizer: Optimizer = Field(default=Optimizer.ADAM, description="adam (AdamW) or sgd.")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, v: Any) -> Any:
+        if isinstance(v, (str, dict)):
+            return get_model(v)
+        return v
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _optimizer(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _check(self) -> "JobSpec":
+        if self.sequence_length and self.sequence_length > self.model.max_sequence_length and self.model.learned_positions:
+            raise ValueError(f"sequence_length {self.sequence_length} exceeds {self.model.name}'s learned"
+                             f" position table of {self.model.max_sequence_length}")
+        return self
+
+    @property
+    def seq(self) -> int:
+        """Tokens per sample."""
+        return self.sequence_length or self.model.max_sequence_length
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes per activation element: 4 for fp32, 2 for bf16/fp16."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def state_bytes_per_param(self) -> dict[str, int]:
+        """Bytes per parameter for weights, gradients and optimizer state."""
+        return STATE_BYTES_PER_PARAM[("fp32" if self.precision == "fp32" else "mixed", self.optimizer)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form; built-in models are written by name."""
+        d = self.model_dump(mode="json")
+        from sailor.models import BUILTIN_MODELS
+        if BUILTIN_MODELS.get(self.model.name) == self.model:
+            d["model"] = self.model.name
+        return d
+
+
+class LinkOverride(BaseModel):
+    """A default link replaced by the user: latency (s) and bandwidth (bytes/s)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    latency_s: float = Field(ge=0)
+    bandwidth_bytes_per_s: float = Field(gt=0)
+
+
+class ClusterSpec(BaseModel):
+    """GPUs that can be had now, per zone and GPU type, with prices and network overrides.
+
+    `prices` maps GPU type -> $/GPU-hour, or zone -> {GPU type -> $/GPU-hour}; anything not given is
+    the provider's list price. `network` maps a link class (same_zone, same_region, same_continent,
+    intercontinental) to a `LinkOverride`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    provider: Literal["gcp", "local"] = "gcp"
+    zones: dict[str, dict[str, int]] = Field(description="zone -> GPU type -> GPUs available now.")
+    gpus_per_node: dict[str, int] = Field(default_factory=dict, description="GPU type -> GPUs per node (default: catalog).")
+    prices: dict[str, float | dict[str, float]] = Field(default_factory=dict, description="$/GPU-hour overrides.")
+    network: dict[catalog.LinkClass, LinkOverride] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _canonical_names(cls, data: Any) -> Any:
+        """Map GPU aliases to canonical names and check zones, types and counts."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        prov = catalog.provider(data.get("provider", "gcp")) if data.get("provider", "gcp") in ("gcp", "local") else None
+        zones = data.get("zones")
+        if isinstance(zones, dict):
+            out = {}
+            for zone, gpus in zones.items():
+                if prov is not None:
+                    _located(lambda: prov.region(zone), f"zones.{zone}")
+                if not isinstance(gpus, dict):
+                    raise SailorInputError("expected a mapping of GPU type to count", field=f"zones.{zone}")
+                counts = {}
+                for g, n in gpus.items():
+                    name = _located(lambda: catalog.canonical_gpu(g), f"zones.{zone}.{g}")
+                    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                        raise SailorInputError(f"GPU count must be a whole number >= 0, got {n!r}", field=f"zones.{zone}.{g}")
+                    counts[name] = counts.get(name, 0) + n
+                out[zone] = counts
+            data["zones"] = out
+        gpn = data.get("gpus_per_node")
+        if isinstance(gpn, dict):
+            data["gpus_per_node"] = {_located(lambda: catalog.canonical_gpu(g), f"gpus_per_node.{g}"): n for g, n in gpn.items()}
+        prices = data.get("prices")
+        if isinstance(prices, dict):
+            canon: dict[str, Any] = {}
+            for k, v in prices.items():
+                if isinstance(v, dict):
+                    canon[k] = {_located(lambda: catalog.canonical_gpu(g), f"prices.{k}.{g}"): p for g, p in v.items()}
+                else:
+                    canon[_located(lambda: catalog.canonical_gpu(k), f"prices.{k}")] = v
+            data["prices"] = canon
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterSpec":
+        for g, n in self.gpus_per_node.items():
+            if n < 1:
+                raise SailorInputError(f"must be >= 1, got {n}", field=f"gpus_per_node.{g}")
+        for k, v in self.prices.items():
+            for g, p in (v.items() if isinstance(v, dict) else [(k, v)]):
+                if p < 0:
+                    raise SailorInputError(f"price must be >= 0, got {p}", field=f"prices.{k}")
+        return self
+
+    # ---- lookups ---------------------------------------------------------------------------
+    @property
+    def prov(self) -> catalog.Provider:
+        return catalog.provider(self.provider)
+
+    def node_size(self, gpu: str) -> int:
+        """GPUs per node of type `gpu` here (spec override, else catalog)."""
+        g = catalog.canonical_gpu(gpu)
+        return self.gpus_per_node.get(g) or catalog.gpu(g).gpus_per_node
+
+    def price(self, zone: str, gpu: str) -> float:
+        """$/GPU-hour of `gpu` in `zone`; raises SailorInputError when no price is known."""
+        g = catalog.canonical_gpu(gpu)
+        zone_prices = self.prices.get(zone)
+        if isinstance(zone_prices, dict) and g in zone_prices:
+            return float(zone_prices[g])
+        flat = self.prices.get(g)
+        if isinstance(flat, (int, float)):
+            return float(flat)
+        return catalog.list_price(self.provider, g)
+
+    def available(self, zone: str, gpu: str) -> int:
+        """GPUs of type `gpu` available in `zone` (0 if none listed)."""
+        return self.zones.get(zone, {}).get(catalog.canonical_gpu(gpu), 0)
+
+    def gpu_types(self) -> list[str]:
+        """GPU types with at least one GPU available somewhere, sorted."""
+        return sorted({g for z in self.zones.values() for g, n in z.items() if n > 0})
+
+    def total_gpus(self) -> int:
+        return sum(n for z in self.zones.values() for n in z.values())
+
+    def link(self, link_class: catalog.LinkClass) -> catalog.Link:
+        """Default inter-node link of a class, after the spec's overrides."""
+        if link_class in self.network:
+            o = self.network[link_class]
+            return catalog.Link(o.latency_s, o.bandwidth_bytes_per_s)
+        return self.prov.links[link_class]
+
+    def with_zones(self, zones: dict[str, dict[str, int]]) -> "ClusterSpec":
+        """A copy with other availability, validated again."""
+        return ClusterSpec.model_validate({**self.model_dump(mode="json"), "zones": zones})
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_defaults=True) | {"provider": self.provider}
+
+
+def _located(fn, field: str):
+    try:
+        return fn()
+    except SailorInputError as e:
+        raise e.located(field_prefix=field) from None
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read and validate a job spec (YAML or JSON); raises SailorInputError naming file and field."""
+    return parse_model(JobSpec, load_mapping(path), str(path))
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Read and validate a cluster spec (YAML or JSON); raises SailorInputError naming file and field."""
+    return parse_model(ClusterSpec, load_mapping(path), str(path))
+
+
+def local_cluster(processes: int) -> ClusterSpec:
+    """The `local` provider with `processes` CPU 'GPUs' in zone `local`, all on one node."""
+    return ClusterSpec(provider="local", zones={"local": {"cpu": processes}}, gpus_per_node={"cpu": max(processes, 1)})
