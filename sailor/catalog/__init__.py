@@ -45,6 +45,7 @@ class GpuSpec:
         hbm_bytes_per_s: device-memory bandwidth (bytes/s).
         gpus_per_node: GPUs in one node (TP never crosses a node).
         intra_node_bytes_per_s: GPU-to-GPU bandwidth inside a node (bytes/s).
+        framework_bytes: memory beyond tensors (CUDA context, workspaces) per GPU (bytes).
     """
 
     name: str
@@ -53,6 +54,7 @@ class GpuSpec:
     hbm_bytes_per_s: float
     gpus_per_node: int
     intra_node_bytes_per_s: float
+    framework_bytes: int
 
     def peak(self, dtype: Dtype) -> float:
         """Dense peak FLOP/s for `dtype`; falls back to fp32 where the dtype has no fast path."""
@@ -120,6 +122,7 @@ def _gpu_table() -> tuple[dict[str, GpuSpec], dict[str, str]]:
             hbm_bytes_per_s=float(d["hbm_bytes_per_s"]),
             gpus_per_node=int(d["gpus_per_node"]),
             intra_node_bytes_per_s=float(d["intra_node_bytes_per_s"]),
+            framework_bytes=int(float(d["framework_bytes"])),
         )
         for alias in d.get("aliases", []):
             aliases[alias] = name

@@ -16,6 +16,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Sailor: plan, simulate and run LLM training on heterogeneous, geo-distributed GPUs.")
 
 
+@app.callback()
+def _root() -> None:
+    """Sailor: plan, simulate and run LLM training on heterogeneous, geo-distributed GPUs."""
+
+
 def _register() -> None:
     # Importing a command module registers its commands on `app`. Heavy imports (torch) stay inside
     # the command functions so `sailor plan` starts fast.
@@ -35,21 +40,16 @@ def fail(message: str) -> "typer.Exit":
 
 
 def main() -> None:
-    """Console-script entry point: runs the app, turning input errors into one line and exit 2."""
+    """Console-script entry point: runs the app, turning input errors into one line and exit 2.
+
+    Usage errors (unknown option, missing argument) are reported by typer with exit status 2 too.
+    """
     _register()
     try:
-        app(standalone_mode=False)
+        app()
     except SailorInputError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         sys.exit(2)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
+    except KeyboardInterrupt:
         print("aborted", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(2)
-        raise

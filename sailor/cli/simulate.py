@@ -1,0 +1,82 @@
+"""`sailor simulate PLAN`: predicted iteration time, memory per GPU and cost of a plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sailor.cli import app
+from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models, resolve_specs
+from sailor.plan import load_plan
+from sailor.simulator import Estimate, make_context, simulate
+
+GIB = 2**30
+
+
+@app.command("simulate")
+def simulate_command(
+    plan_path: Path = typer.Argument(..., metavar="PLAN", help="Plan file (ours, or a Sailor plan_config JSON)."),
+    job: Optional[Path] = JobOpt,
+    cluster: Optional[Path] = ClusterOpt,
+    profiles: Optional[Path] = ProfilesOpt,
+    network: Optional[Path] = NetworkOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Simulate one training iteration of PLAN: time, memory per GPU, cost."""
+    plan = load_plan(plan_path)
+    job_spec, cluster_spec = resolve_specs(plan, job, cluster)
+    try:
+        plan.check_against(job_spec, cluster_spec)
+    except Exception as e:
+        from sailor.errors import SailorInputError
+        if isinstance(e, SailorInputError):
+            raise e.located(source=str(plan_path)) from None
+        raise
+    prof, net = resolve_models(job_spec, cluster_spec, profiles, network)
+    est = simulate(plan, make_context(job_spec, cluster_spec, prof, net))
+    if as_json:
+        print(json.dumps(est.to_dict()))
+        return
+    render_estimate(est, console(), title=f"{job_spec.model.name} · {plan_path}")
+
+
+def render_estimate(est: Estimate, console: Console, title: str = "") -> None:
+    """Rich tables: one row per replica, then totals."""
+    t = Table(title=title or None, show_lines=False)
+    for col in ("stage", "pipe", "GPU", "zone", "TP", "layers", "fwd+bwd/mb (s)", "p2p/mb (s)", "sync (s)",
+                "memory (GiB)", "OOM"):
+        t.add_column(col, justify="right" if col not in ("GPU", "zone") else "left")
+    for r in sorted(est.replicas, key=lambda r: (r.stage, r.pipeline)):
+        t.add_row(str(r.stage), str(r.pipeline), r.gpu, r.zone, str(r.tp), f"[{r.layers[0]},{r.layers[1]})",
+                  f"{r.forward_s + r.backward_s:.4f}", f"{r.p2p_s:.4f}", f"{r.sync_s:.4f}",
+                  f"{r.peak_memory_bytes / GIB:.1f} / {r.memory_capacity_bytes / GIB:.1f}",
+                  "[red]yes[/red]" if r.oom else "no")
+    console.print(t)
+    s = Table(show_header=False, box=None)
+    s.add_column(justify="left")
+    s.add_column(justify="right")
+    rows = [
+        ("iteration time (s)", f"{est.iteration_time_s:.4f}"),
+        ("  pipeline (1F1B, slowest) (s)", f"{est.pipeline_s:.4f}"),
+        ("  gradient sync (s)", f"{est.gradient_sync_s:.4f}"),
+        ("  optimizer (s)", f"{est.optimizer_s:.4f}"),
+        ("iterations/s", f"{est.throughput_iters_per_s:.4f}"),
+        ("samples/s", f"{est.samples_per_s:.1f}"),
+        ("tokens/s", f"{est.tokens_per_s:,.0f}"),
+        ("MFU", f"{est.mfu:.1%}"),
+        ("GPUs", str(est.gpus)),
+        ("$/iteration", f"{est.cost_per_iteration_usd:.4f}"),
+        ("$/hour", f"{est.cost_per_hour_usd:.2f}"),
+        ("egress $/iteration", f"{est.egress_per_iteration_usd:.4f}"),
+        ("fits in memory", "yes" if est.fits_in_memory else "[red]NO[/red]"),
+    ]
+    for k, v in rows:
+        s.add_row(k, v)
+    console.print(s)
+    if est.estimated:
+        console.print(f"[yellow]estimated (no measurement): {'; '.join(est.estimated)}[/yellow]")

@@ -1,0 +1,235 @@
+"""Network model: how long moving bytes between two GPUs takes, and collectives built from links.
+
+A link between two replicas is chosen by where they sit: same node (intra-node link), same zone,
+same region, same continent, intercontinental. Each link is α (latency, s) + bytes / β (bytes/s),
+or a measured curve. Measured curves come from the public Sailor fits (bandwidth in GB/s of a message
+of x bytes = c0·L² + c1·L + c2, L = log2(x / 1e6), fitted on NCCL sweeps from 64 KiB to 1 GiB):
+they are never evaluated outside that range (the message size is clamped into it), and where the fit
+is not positive there the class default α–β link is used instead.
+
+`count`/`flows` = concurrent flows between the two nodes (one per TP rank); a fit for `flows` gives
+the *aggregate* bandwidth of those flows, so concurrent flows share the NIC as measured.
+
+Our link file (JSON, schema "sailor.network/1"):
+  {"schema", "classes": {link_class: {"latency_s", "bandwidth_bytes_per_s"}},
+   "links": [{"src_zone", "src_gpu", "dst_zone", "dst_gpu", "flows", "latency_s", "bandwidth_bytes_per_s"}]}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sailor import catalog
+from sailor.catalog import Link, LinkClass
+from sailor.errors import SailorInputError
+from sailor.fileio import read_text
+from sailor.specs import ClusterSpec
+
+SCHEMA = "sailor.network/1"
+FIT_MIN_BYTES = 64 * 1024  # range of the Sailor NCCL sweeps
+FIT_MAX_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class CurveFit:
+    """Measured bandwidth curve: GB/s = c0·L² + c1·L + c2 with L = log2(bytes / 1e6), valid on
+    [FIT_MIN_BYTES, FIT_MAX_BYTES], capped at `max_bytes_per_s`."""
+
+    c0: float
+    c1: float
+    c2: float
+    max_bytes_per_s: float
+
+    def bandwidth(self, nbytes: float) -> float | None:
+        """Bytes/s for a message of `nbytes` (clamped into the fitted range); None where the fit is
+        not positive (the caller then falls back to α–β)."""
+        x = min(max(nbytes, FIT_MIN_BYTES), FIT_MAX_BYTES)
+        lg = math.log2(x / 1e6)
+        bw = (self.c0 * lg * lg + self.c1 * lg + self.c2) * 1e9
+        if bw <= 0:
+            return None
+        return min(bw, self.max_bytes_per_s) if self.max_bytes_per_s > 0 else bw
+
+
+@dataclass
+class NetworkModel:
+    """Links of one cluster: measured (fits or α–β per GPU/zone pair) over class defaults.
+
+    Attributes:
+        cluster: gives zones -> regions and default links per class (after its overrides).
+        fits: (src_zone, src_gpu, dst_zone, dst_gpu, flows) -> CurveFit, inter-node.
+        links: same key -> Link (α–β measured by `sailor profile network`).
+        intra_fits: (gpu, flows) -> CurveFit inside a node.
+        class_links: link class -> Link overriding the cluster defaults.
+        source: where measurements came from ("defaults" when none).
+    """
+
+    cluster: ClusterSpec
+    fits: dict[tuple[str, str, str, str, int], CurveFit] = field(default_factory=dict)
+    links: dict[tuple[str, str, str, str, int], Link] = field(default_factory=dict)
+    intra_fits: dict[tuple[str, int], CurveFit] = field(default_factory=dict)
+    class_links: dict[LinkClass, Link] = field(default_factory=dict)
+    source: str = "defaults"
+
+    def link_class(self, zone_a: str, zone_b: str, same_node: bool = False) -> LinkClass:
+        return LinkClass.SAME_NODE if same_node else self.cluster.prov.link_class(zone_a, zone_b)
+
+    def default_link(self, lc: LinkClass, gpu: str) -> Link:
+        if lc in self.class_links:
+            return self.class_links[lc]
+        if lc is LinkClass.SAME_NODE:
+            return Link(5e-6, catalog.gpu(gpu).intra_node_bytes_per_s)  # NVLink/PCIe p2p latency ~5 µs
+        return self.cluster.link(lc)
+
+    def _lookup(self, table: dict, key: tuple, flows: int):
+        """Exact flows, else the nearest measured flow count (same endpoints, either direction)."""
+        for k in (key, (key[2], key[3], key[0], key[1])):
+            if k + (flows,) in table:
+                return table[k + (flows,)], flows
+            counts = [c for (*rest, c) in table if tuple(rest) == k]
+            if counts:
+                c = min(counts, key=lambda c: (abs(c - flows), c))
+                return table[k + (c,)], c
+        return None, None
+
+    def transfer_time_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, nbytes: float, *,
+                        flows: int = 1, same_node: bool = False) -> float:
+        """Seconds for `flows` concurrent messages of `nbytes` bytes each between two nodes (or inside
+        one node when `same_node`); 0 for 0 bytes.
+
+        A measured curve already includes latency: time = max(x, 64 KiB) / bw(x), the fit evaluated
+        only inside its range. Otherwise α + flows·x / (aggregate β), with β the measured α–β link
+        or the class default times the number of flows.
+        """
+        if nbytes <= 0:
+            return 0.0
+        lc = self.link_class(src_zone, dst_zone, same_node)
+        slow = min((src_gpu, dst_gpu), key=lambda g: catalog.gpu(g).intra_node_bytes_per_s)
+        base = self.default_link(lc, slow)
+        fit, got = None, None
+        if same_node:
+            fit, got = (self.intra_fits.get((src_gpu, flows)), flows) if src_gpu == dst_gpu else (None, None)
+        else:
+            fit, got = self._lookup(self.fits, (src_zone, src_gpu, dst_zone, dst_gpu), flows)
+        if fit is not None:
+            bw = fit.bandwidth(nbytes)
+            if bw is not None:
+                # aggregate of `got` measured flows, scaled to `flows` when the count was not measured
+                return flows * max(nbytes, FIT_MIN_BYTES) / (bw * flows / got)
+        if not same_node:
+            link, got = self._lookup(self.links, (src_zone, src_gpu, dst_zone, dst_gpu), flows)
+            if link is not None:
+                return link.latency_s + flows * nbytes / (link.bandwidth_bytes_per_s * flows / got)
+        per_flow = base.bandwidth_bytes_per_s if not same_node else base.bandwidth_bytes_per_s / flows
+        return base.latency_s + flows * nbytes / (per_flow * flows)
+
+    def p2p_time_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, nbytes: float, *,
+                   same_node: bool = False) -> float:
+        """Seconds to send one message of `nbytes` bytes (one flow); 0 for 0 bytes."""
+        return self.transfer_time_s(src_zone, src_gpu, dst_zone, dst_gpu, nbytes, same_node=same_node)
+
+
+def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> NetworkModel:
+    """The cluster's network: class defaults, plus measurements from `path` (our link file, or a
+    Sailor network folder / `multizone_bandwidths*.json` file; format detected)."""
+    net = NetworkModel(cluster=cluster)
+    if path is None:
+        return net
+    p = Path(path)
+    if p.is_dir():
+        files = [p / "multizone_bandwidths_het.json", p / "multizone_bandwidths.json"]
+        het = next((f for f in files if f.exists()), None)
+        if het is None:
+            raise SailorInputError("folder holds no multizone_bandwidths_het.json or multizone_bandwidths.json",
+                                   source=str(p))
+        _import_sailor_multizone(net, het)
+        if (p / "intra_node_bandwidths.json").exists():
+            _import_sailor_intra(net, p / "intra_node_bandwidths.json")
+        net.source = f"sailor:{p}"
+        return net
+    data = _load_json(p)
+    if isinstance(data, dict) and data.get("schema") == SCHEMA:
+        _import_ours(net, data, str(p))
+    elif isinstance(data, dict) and data:
+        _import_sailor_multizone(net, p, data)
+    else:
+        raise SailorInputError(f"not a network file (expected schema {SCHEMA!r} or a Sailor bandwidth file)", source=str(p))
+    net.source = str(p)
+    return net
+
+
+def _load_json(p: Path) -> Any:
+    try:
+        return json.loads(read_text(p))
+    except json.JSONDecodeError as e:
+        raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=str(p)) from None
+
+
+def _leaf(v: Any, source: str, where: str) -> CurveFit:
+    try:
+        (c0, c1, c2), mx = v
+        return CurveFit(float(c0), float(c1), float(c2), float(mx))
+    except (TypeError, ValueError):
+        raise SailorInputError("expected [[c0, c1, c2], max_bytes_per_s]", source=source, field=where) from None
+
+
+def _gpu_or_none(name: str) -> str | None:
+    try:
+        return catalog.canonical_gpu(name)
+    except SailorInputError:
+        return None
+
+
+def _import_sailor_multizone(net: NetworkModel, path: Path, data: Any = None) -> None:
+    """[send_zone][send_gpu][send_count][recv_zone][recv_gpu][recv_count] = [[c0,c1,c2], max_bw].
+    We keep entries with send_count == recv_count (both nodes run the same number of flows)."""
+    data = data if data is not None else _load_json(path)
+    src = str(path)
+    try:
+        for sz, by_gpu in data.items():
+            for sg, by_cnt in by_gpu.items():
+                g1 = _gpu_or_none(sg)
+                for cnt, by_rz in by_cnt.items():
+                    for rz, by_rg in by_rz.items():
+                        for rg, by_rc in by_rg.items():
+                            g2 = _gpu_or_none(rg)
+                            if g1 is None or g2 is None or cnt not in by_rc:
+                                continue
+                            net.fits[(sz, g1, rz, g2, int(cnt))] = _leaf(by_rc[cnt], src, f"{sz}.{sg}.{cnt}.{rz}.{rg}.{cnt}")
+    except AttributeError:
+        raise SailorInputError("unexpected layout (expected zone -> gpu -> count -> zone -> gpu -> count)", source=src) from None
+
+
+def _import_sailor_intra(net: NetworkModel, path: Path) -> None:
+    data = _load_json(path)
+    for g, by_cnt in data.items():
+        gpu = _gpu_or_none(g)
+        if gpu is None or not isinstance(by_cnt, dict):
+            continue
+        for cnt, leaf in by_cnt.items():
+            net.intra_fits[(gpu, int(cnt))] = _leaf(leaf, str(path), f"{g}.{cnt}")
+
+
+def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
+    for name, v in (data.get("classes") or {}).items():
+        try:
+            net.class_links[LinkClass(name)] = Link(float(v["latency_s"]), float(v["bandwidth_bytes_per_s"]))
+        except (ValueError, KeyError, TypeError):
+            raise SailorInputError("expected a link class with latency_s and bandwidth_bytes_per_s",
+                                   source=source, field=f"classes.{name}") from None
+    for k, v in enumerate(data.get("links") or []):
+        try:
+            key = (v["src_zone"], catalog.canonical_gpu(v["src_gpu"]), v["dst_zone"], catalog.canonical_gpu(v["dst_gpu"]),
+                   int(v.get("flows", 1)))
+            link = Link(float(v["latency_s"]), float(v["bandwidth_bytes_per_s"]))
+        except KeyError as e:
+            raise SailorInputError("missing field", source=source, field=f"links.{k}.{e.args[0]}") from None
+        except (TypeError, ValueError) as e:
+            raise SailorInputError(f"invalid value: {e}", source=source, field=f"links.{k}") from None
+        if link.bandwidth_bytes_per_s <= 0 or link.latency_s < 0:
+            raise SailorInputError("bandwidth must be > 0 and latency >= 0", source=source, field=f"links.{k}")
+        net.links[key] = link

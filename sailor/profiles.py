@@ -1,0 +1,318 @@
+"""Profiles: how long each layer takes on each GPU type, per TP degree and micro-batch size.
+
+Sources, in order of preference for a (GPU type, TP degree):
+1. measured: our own JSON format (written by `sailor profile`) or the public Sailor files
+   (`profiles_tmp.json` + `llm_info.json`, imported by `load_sailor_profiles`);
+2. scaled: a TP degree that was not measured on a GPU that was, estimated as the roofline at that TP
+   times the measured/roofline ratio at the nearest measured TP (labelled estimated);
+3. roofline: an analytic estimate from the catalog (labelled estimated).
+Every estimate is recorded in `Profiles.estimates_used`, and every simulator output lists them.
+Lookups interpolate linearly in micro-batch size between measured sizes and scale proportionally
+outside them. A profile whose model, sequence length or precision differs from the job's is an error.
+
+Our file format (JSON, schema "sailor.profiles/1"):
+  {"schema", "model", "sequence_length", "precision", "source", "device", "versions", "date",
+   "layers": [{"gpu", "tp", "mbs", "forward_s": [per layer], "backward_s": [per layer],
+               "forward_spread_s"?: [...], "backward_spread_s"?: [...]}],
+   "optimizer": {gpu: {"seconds_per_param": float}},
+   "memory": [{"gpu"?, "tp", "activation_bytes_per_sample": [per layer], "peak_bytes"?: ...}]}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sailor import catalog
+from sailor.errors import SailorInputError
+from sailor.fileio import read_text, write_json
+from sailor.models import LayerKind, ModelSpec, canonical_model_name
+from sailor.specs import JobSpec
+
+SCHEMA = "sailor.profiles/1"
+
+# Fraction of dense peak FLOP/s that large transformer matmuls reach: Narayanan et al. SC'21 report
+# 163 of 312 TFLOP/s per A100 (52 %) for GPT-3 175B; we use 0.5 for the roofline estimate.
+ROOFLINE_FLOP_EFFICIENCY = 0.5
+# Optimizer step traffic per parameter (bytes), AdamW in fp32: read param, grad, m, v (16 B) and write
+# param, m, v (12 B) = 28 B; memory-bound, so time = params x 28 / HBM bandwidth.
+ADAM_BYTES_PER_PARAM = 28
+SGD_BYTES_PER_PARAM = 12  # read param and grad, write param
+
+
+@dataclass
+class Profiles:
+    """Per-layer timings for one model at one sequence length and precision.
+
+    Attributes:
+        model: canonical model name.
+        sequence_length: tokens per sample the timings were taken at.
+        precision: "fp32" | "bf16" | "fp16".
+        times: (gpu, tp) -> {mbs: array (num_layers, 2)} of forward and backward seconds.
+        optimizer_s_per_param: gpu -> measured optimizer-step seconds per parameter.
+        activation_bytes: tp -> array (num_layers,) of measured activation bytes kept per sample.
+        source: where the data came from (for outputs).
+        estimates_used: (gpu, tp, how) recorded each time an estimate stands in for a measurement.
+    """
+
+    model: str
+    sequence_length: int
+    precision: str
+    times: dict[tuple[str, int], dict[int, np.ndarray]] = field(default_factory=dict)
+    optimizer_s_per_param: dict[str, float] = field(default_factory=dict)
+    activation_bytes: dict[int, np.ndarray] = field(default_factory=dict)
+    source: str = "roofline"
+    meta: dict[str, Any] = field(default_factory=dict)
+    estimates_used: set[tuple[str, int, str]] = field(default_factory=set)
+
+    # ---- checks ----------------------------------------------------------------------------
+    def check_job(self, job: JobSpec, source: str | None = None) -> None:
+        """Raise SailorInputError if these profiles were not taken for `job`'s model, sequence length
+        and precision (a roofline-only Profiles fits any job)."""
+        if not self.times:
+            return
+        if self.model != job.model.name:
+            raise SailorInputError(f"profiles are for model {self.model!r}, the job trains {job.model.name!r}",
+                                   source=source, field="model")
+        if self.sequence_length != job.seq:
+            raise SailorInputError(f"profiles were taken at sequence length {self.sequence_length}, the job uses {job.seq}",
+                                   source=source, field="sequence_length")
+        if self.precision != job.precision:
+            raise SailorInputError(f"profiles were taken in {self.precision}, the job trains in {job.precision}",
+                                   source=source, field="precision")
+        for (gpu, _tp), by_mbs in self.times.items():
+            for arr in by_mbs.values():
+                if arr.shape[0] != job.model.num_layers:
+                    raise SailorInputError(f"{gpu} profile has {arr.shape[0]} layers, {job.model.name} has"
+                                           f" {job.model.num_layers}", source=source, field="layers")
+
+    def measured(self, gpu: str, tp: int) -> bool:
+        return (gpu, tp) in self.times
+
+    # ---- lookups ---------------------------------------------------------------------------
+    def layer_times(self, job: JobSpec, gpu: str, tp: int, mbs: int) -> np.ndarray:
+        """Forward and backward seconds of every layer for one micro-batch of `mbs` samples on one
+        replica of `tp` GPUs of type `gpu`: array (num_layers, 2). Estimates are recorded."""
+        if (gpu, tp) in self.times:
+            return _interpolate(self.times[(gpu, tp)], mbs)
+        measured_tps = sorted(t for g, t in self.times if g == gpu)
+        roof = roofline_times(job, gpu, tp, mbs)
+        if not measured_tps:
+            self.estimates_used.add((gpu, tp, "roofline"))
+            return roof
+        near = min(measured_tps, key=lambda t: (abs(np.log2(t / tp)), t))
+        meas = _interpolate(self.times[(gpu, near)], mbs)
+        roof_near = roofline_times(job, gpu, near, mbs)
+        ratio = np.divide(meas, roof_near, out=np.ones_like(meas), where=roof_near > 0)
+        self.estimates_used.add((gpu, tp, f"scaled from TP {near}"))
+        return roof * ratio
+
+    def optimizer_time_s(self, job: JobSpec, gpu: str, params: float) -> float:
+        """Seconds of one optimizer step over `params` parameters held by one GPU of type `gpu`:
+        measured seconds/param if profiled, else memory-bound roofline over HBM bandwidth."""
+        if gpu in self.optimizer_s_per_param:
+            return params * self.optimizer_s_per_param[gpu]
+        per = ADAM_BYTES_PER_PARAM if job.optimizer.value == "adam" else SGD_BYTES_PER_PARAM
+        return params * per / catalog.gpu(gpu).hbm_bytes_per_s
+
+    def activation_bytes_per_layer(self, job: JobSpec, tp: int, mbs: int) -> np.ndarray:
+        """Activation bytes kept for backward per layer for one micro-batch: measured (scaled
+        linearly in mbs) when profiled at this TP, else the model's formula. Array (num_layers,)."""
+        if tp in self.activation_bytes:
+            return self.activation_bytes[tp] * mbs
+        m = job.model
+        return np.array([m.activation_bytes(i, tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes)
+                         for i in range(m.num_layers)])
+
+    # ---- save ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        layers = []
+        for (gpu, tp), by_mbs in sorted(self.times.items()):
+            for mbs, arr in sorted(by_mbs.items()):
+                layers.append({"gpu": gpu, "tp": tp, "mbs": mbs, "forward_s": arr[:, 0].tolist(),
+                               "backward_s": arr[:, 1].tolist()})
+        return {"schema": SCHEMA, "model": self.model, "sequence_length": self.sequence_length,
+                "precision": self.precision, "source": self.source, **self.meta, "layers": layers,
+                "optimizer": {g: {"seconds_per_param": v} for g, v in self.optimizer_s_per_param.items()},
+                "memory": [{"tp": tp, "activation_bytes_per_sample": arr.tolist()}
+                           for tp, arr in sorted(self.activation_bytes.items())]}
+
+    def save(self, path: str | Path) -> None:
+        """Write our JSON format atomically."""
+        write_json(path, self.to_dict())
+
+
+def _interpolate(by_mbs: dict[int, np.ndarray], mbs: int) -> np.ndarray:
+    """Linear interpolation in micro-batch size; proportional scaling outside the measured range."""
+    if mbs in by_mbs:
+        return by_mbs[mbs]
+    sizes = sorted(by_mbs)
+    if mbs < sizes[0]:
+        return by_mbs[sizes[0]] * (mbs / sizes[0])
+    if mbs > sizes[-1]:
+        return by_mbs[sizes[-1]] * (mbs / sizes[-1])
+    hi = next(s for s in sizes if s > mbs)
+    lo = max(s for s in sizes if s < mbs)
+    w = (mbs - lo) / (hi - lo)
+    return by_mbs[lo] * (1 - w) + by_mbs[hi] * w
+
+
+def roofline_times(job: JobSpec, gpu: str, tp: int, mbs: int) -> np.ndarray:
+    """Analytic forward/backward seconds per layer: max(FLOPs / (peak x efficiency), bytes / HBM).
+
+    Bytes: the layer's weights read once (twice in backward) plus its input and output activations.
+    Array (num_layers, 2). An estimate, never a measurement.
+    """
+    spec = catalog.gpu(gpu)
+    peak = spec.peak(job.precision) * ROOFLINE_FLOP_EFFICIENCY
+    m, e = job.model, job.elem_bytes
+    out = np.zeros((m.num_layers, 2))
+    for i in range(m.num_layers):
+        weights = m.params(i, tp) * e
+        act = m.output_bytes(i, mbs=mbs, seq=job.seq, elem_bytes=e) if m.layer_kind(i) is not LayerKind.HEAD \
+            else mbs * job.seq * m.padded_vocab(tp) / tp * 4
+        fwd_bytes = weights + 2 * act
+        f = m.forward_flop(i, tp=tp, mbs=mbs, seq=job.seq)
+        out[i, 0] = max(f / peak, fwd_bytes / spec.hbm_bytes_per_s)
+        out[i, 1] = max(2 * f / peak, 2 * fwd_bytes / spec.hbm_bytes_per_s)
+    return out
+
+
+def roofline_profiles(job: JobSpec) -> Profiles:
+    """Profiles with no measurements: every lookup is a (labelled) roofline estimate."""
+    return Profiles(model=job.model.name, sequence_length=job.seq, precision=job.precision, source="roofline")
+
+
+# ---- loading -------------------------------------------------------------------------------------
+def load_profiles(path: str | Path, job: JobSpec) -> Profiles:
+    """Load profiles for `job` from our JSON file, or from a folder holding the Sailor files
+    `profiles_tmp.json` and `llm_info.json` (format detected). Raises SailorInputError naming the file
+    and what is missing or malformed."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "profiles_tmp.json").exists():
+            raise SailorInputError("folder holds no profiles_tmp.json (Sailor format) ", source=str(p))
+        prof = load_sailor_profiles(p / "profiles_tmp.json", p / "llm_info.json", job)
+        src = str(p / "profiles_tmp.json")
+    else:
+        data = _load_json(p)
+        if isinstance(data, dict) and data.get("schema") == SCHEMA:
+            prof = profiles_from_dict(data, str(p))
+        elif isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()) and "layers" not in data:
+            prof = load_sailor_profiles(p, p.parent / "llm_info.json", job)
+        else:
+            raise SailorInputError(f"not a profile file (expected schema {SCHEMA!r} or the Sailor profiles_tmp.json form)",
+                                   source=str(p), field="schema")
+        src = str(p)
+    prof.check_job(job, src)
+    return prof
+
+
+def _load_json(p: Path) -> Any:
+    text = read_text(p)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=str(p)) from None
+
+
+def _positive_list(v: Any, n: int | None, where: str, source: str) -> list[float]:
+    if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        raise SailorInputError("expected a list of numbers", source=source, field=where)
+    if n is not None and len(v) != n:
+        raise SailorInputError(f"expected {n} values (one per layer), got {len(v)}", source=source, field=where)
+    if any(x < 0 for x in v):
+        raise SailorInputError("times and sizes must be >= 0", source=source, field=where)
+    return [float(x) for x in v]
+
+
+def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profiles:
+    """Parse our profile format; raises SailorInputError naming the field."""
+    try:
+        model = canonical_model_name(str(d["model"]))
+        seq, precision = int(d["sequence_length"]), str(d["precision"])
+        rows = d["layers"]
+    except KeyError as e:
+        raise SailorInputError("missing field", source=source, field=str(e.args[0])) from None
+    except (TypeError, ValueError) as e:
+        raise SailorInputError(f"invalid value: {e}", source=source) from None
+    except SailorInputError as e:
+        raise e.located(source=source, field_prefix="model") from None
+    prof = Profiles(model=model, sequence_length=seq, precision=precision, source=str(d.get("source", "measured")),
+                    meta={k: d[k] for k in ("device", "versions", "date") if k in d})
+    n_layers = None
+    for k, row in enumerate(rows if isinstance(rows, list) else []):
+        where = f"layers.{k}"
+        try:
+            gpu = catalog.canonical_gpu(str(row["gpu"]))
+            tp, mbs = int(row["tp"]), int(row["mbs"])
+        except KeyError as e:
+            raise SailorInputError("missing field", source=source, field=f"{where}.{e.args[0]}") from None
+        except SailorInputError as e:
+            raise e.located(source=source, field_prefix=f"{where}.gpu") from None
+        if tp < 1 or mbs < 1:
+            raise SailorInputError("tp and mbs must be >= 1", source=source, field=where)
+        fwd = _positive_list(row.get("forward_s"), n_layers, f"{where}.forward_s", source)
+        n_layers = len(fwd)
+        bwd = _positive_list(row.get("backward_s"), n_layers, f"{where}.backward_s", source)
+        prof.times.setdefault((gpu, tp), {})[mbs] = np.array([fwd, bwd]).T
+    if not isinstance(rows, list):
+        raise SailorInputError("expected a list", source=source, field="layers")
+    for gpu, v in (d.get("optimizer") or {}).items():
+        prof.optimizer_s_per_param[catalog.canonical_gpu(gpu)] = float(v["seconds_per_param"])
+    for k, row in enumerate(d.get("memory") or []):
+        prof.activation_bytes[int(row["tp"])] = np.array(
+            _positive_list(row.get("activation_bytes_per_sample"), n_layers, f"memory.{k}.activation_bytes_per_sample", source))
+    return prof
+
+
+def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec) -> Profiles:
+    """Import the public Sailor `profiles_tmp.json` ([model][gpu][mbs][tp][layer] = [fwd_s, bwd_s,
+    update_s]) for `job`'s model, and `llm_info.json` ([model][tp][layer] -> act_mem_floats, measured at
+    micro-batch 1) for activation memory when present. The Sailor data is fp32 at the model's full
+    context (sequence 2048; Llama 8192). `update_s` is ignored: it times a small profiling model, not
+    the layer (see shared/reference/sailor/README.md)."""
+    data = _load_json(profiles_path)
+    src = str(profiles_path)
+    names = {canonical_model_name(k): k for k in data if _known_model(k)}
+    if job.model.name not in names:
+        raise SailorInputError(f"holds no profiles for {job.model.name} (it has {', '.join(sorted(data))})", source=src)
+    raw = data[names[job.model.name]]
+    n = job.model.num_layers
+    prof = Profiles(model=job.model.name, sequence_length=job.model.max_sequence_length, precision="fp32",
+                    source=f"sailor:{profiles_path}")
+    for gpu_name, by_mbs in raw.items():
+        try:
+            gpu = catalog.canonical_gpu(gpu_name)
+        except SailorInputError:
+            continue  # a GPU type we do not catalogue cannot be planned for anyway
+        for mbs, by_tp in by_mbs.items():
+            for tp, layers in by_tp.items():
+                try:
+                    arr = np.array([[float(layers[str(i)][0]), float(layers[str(i)][1])] for i in range(n)])
+                except (KeyError, IndexError, TypeError, ValueError):
+                    raise SailorInputError(f"{gpu_name} mbs {mbs} tp {tp} does not hold {n} layers [fwd, bwd, update]",
+                                           source=src, field=f"{names[job.model.name]}.{gpu_name}.{mbs}.{tp}") from None
+                prof.times.setdefault((gpu, int(tp)), {})[int(mbs)] = arr
+    if llm_info_path.exists():
+        info = _load_json(llm_info_path)
+        key = next((k for k in info if _known_model(k) and canonical_model_name(k) == job.model.name), None)
+        for tp, layers in (info.get(key) or {}).items() if key else []:
+            try:
+                prof.activation_bytes[int(tp)] = np.array([float(layers[str(i)]["act_mem_floats"]) * 4 for i in range(n)])
+            except (KeyError, TypeError, ValueError):
+                raise SailorInputError(f"tp {tp} does not hold {n} layers with act_mem_floats",
+                                       source=str(llm_info_path), field=f"{key}.{tp}") from None
+    return prof
+
+
+def _known_model(name: str) -> bool:
+    try:
+        canonical_model_name(name)
+        return True
+    except SailorInputError:
+        return False

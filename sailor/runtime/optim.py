@@ -1,0 +1,36 @@
+"""Optimizer settings shared by the distributed runtime and the single-process reference."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with a constant learning rate and global gradient-norm clipping."""
+
+    lr: float = 1e-3
+    """Learning rate (constant; a schedule would be a function of the step, stored in checkpoints)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam moments; 0.95 for the second as in GPT-3 (Brown et al. 2020, App. B)."""
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices only (GPT-3, App. B); biases, norms get none."""
+    max_grad_norm: float = 1.0
+    """Global L2 norm the gradient is clipped to (GPT-3, App. B)."""
+
+
+def build_optimizer(params: Mapping[str, nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over `params` (canonical name -> parameter), weight decay on parameters with >= 2 dims.
+
+    `foreach=False` keeps the per-parameter update arithmetic identical however the model is split.
+    """
+    decay = [p for p in params.values() if p.dim() >= 2]
+    rest = [p for p in params.values() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+

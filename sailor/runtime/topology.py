@@ -1,0 +1,123 @@
+"""Plan -> rank roles and process groups: the one place the runtime derives communication from a Plan.
+
+Torch-free and pure, so it is tested without any process group. Ranks come from
+`sailor.plan.rank_layout` (order: pipeline, stage, TP rank). For every rank this module gives:
+
+- its TP group (the ranks of its replica, in TP-rank order);
+- its pipeline neighbours. Between replica A (stage i, `a` ranks) and replica B (stage i+1, `b` ranks)
+  of one pipeline the full activation moves once per receiving rank: B's TP rank t receives it from
+  A's TP rank `t % a`; the gradient flows back the same way (A's rank s receives from B's rank `s % b`).
+  Every rank of a replica holds the full (replicated) activation at a stage boundary, so any sender
+  will do; spreading receivers over senders keeps the boundary load even when TP degrees differ.
+- its gradient-sync groups. A stage's replicas may have different TP degrees, so a sharded parameter
+  is split into `L = lcm(TP degrees of the stage's replicas)` equal *blocks* (the finest sharding).
+  Block k is held, in a replica of TP degree t, by TP rank `k // (L / t)`; its group is those D
+  ranks, one per pipeline. Replicated parameters (norms, row-parallel biases, position table) are
+  held by every rank of the stage: their group is all of them (each rank weighs its copy by 1/t).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sailor.plan import Plan, rank_layout
+
+Ranks = tuple[int, ...]  # global ranks, in a fixed order
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """Everything one rank needs to know about its place in the plan."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    tp_rank: int
+    tp: int
+    layers: tuple[int, int]  # half-open range over the model's layer list
+    num_stages: int
+    num_pipelines: int
+    microbatches: int  # this pipeline's micro-batches per step
+    first_sample: int  # index in the global batch of this pipeline's first sample
+    tp_group: Ranks  # the ranks of this replica, by TP rank
+    fwd_recv_from: int | None  # rank that sends this rank its input activation (None: first stage)
+    fwd_send_to: Ranks  # ranks this rank sends its output activation to
+    bwd_recv_from: int | None  # rank that sends this rank the gradient of its output (None: last stage)
+    bwd_send_to: Ranks  # ranks this rank sends the gradient of its input to
+    sync_blocks: int  # L: blocks per sharded parameter in this stage (lcm of its TP degrees)
+    block_groups: tuple[Ranks, ...]  # sync group of each block this rank holds (L / tp of them, in order)
+    stage_group: Ranks  # every rank holding this stage (sync group of replicated parameters)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The roles of all ranks of a plan, and the process groups they need."""
+
+    world_size: int
+    roles: tuple[RankRole, ...]  # indexed by global rank
+
+    def groups(self) -> list[Ranks]:
+        """Every distinct group of two or more ranks, in one deterministic order (all ranks must
+        create torch groups in the same order)."""
+        seen: dict[Ranks, None] = {}
+        for r in self.roles:
+            for g in (r.tp_group, *r.block_groups, r.stage_group):
+                if len(g) > 1:
+                    seen.setdefault(g, None)
+        return sorted(seen, key=lambda g: (len(g), g))
+
+
+def derive_topology(plan: Plan) -> Topology:
+    """Roles of all ranks of `plan` (see the module docstring). Asserts the invariants: each rank
+    appears once, TP groups partition the world, each block group has one rank per pipeline."""
+    layout = rank_layout(plan, {r.gpu: plan.world_size for p in plan.pipelines for r in p.replicas})
+    replica: dict[tuple[int, int], list[int]] = {}  # (pipeline, stage) -> ranks by TP rank
+    for info in layout:
+        replica.setdefault((info.pipeline, info.stage), []).append(info.rank)
+    num_stages, num_pipes = plan.num_stages, len(plan.pipelines)
+    # Finest sharding of each stage and, per block, the ranks (one per pipeline) that hold it.
+    finest = [math.lcm(*(p.replicas[i].tp for p in plan.pipelines)) for i in range(num_stages)]
+    block_group = {(i, k): tuple(replica[(j, i)][k // (finest[i] // p.replicas[i].tp)]
+                                 for j, p in enumerate(plan.pipelines))
+                   for i in range(num_stages) for k in range(finest[i])}
+    stage_group = {i: tuple(r for j in range(num_pipes) for r in replica[(j, i)]) for i in range(num_stages)}
+    first = [0]
+    for p in plan.pipelines:
+        first.append(first[-1] + p.microbatches * plan.micro_batch_size)
+
+    roles = []
+    for info in layout:
+        i, j, t = info.stage, info.pipeline, info.tp_rank
+        prev = replica.get((j, i - 1))
+        nxt = replica.get((j, i + 1))
+        blocks_per_rank = finest[i] // info.tp
+        roles.append(RankRole(
+            rank=info.rank, pipeline=j, stage=i, tp_rank=t, tp=info.tp, layers=tuple(plan.stages[i]),
+            num_stages=num_stages, num_pipelines=num_pipes, microbatches=plan.pipelines[j].microbatches,
+            first_sample=first[j], tp_group=tuple(replica[(j, i)]),
+            fwd_recv_from=prev[t % len(prev)] if prev else None,
+            fwd_send_to=tuple(r for u, r in enumerate(nxt) if u % info.tp == t) if nxt else (),
+            bwd_recv_from=nxt[t % len(nxt)] if nxt else None,
+            bwd_send_to=tuple(r for s, r in enumerate(prev) if s % info.tp == t) if prev else (),
+            sync_blocks=finest[i],
+            block_groups=tuple(block_group[(i, k)] for k in range(t * blocks_per_rank, (t + 1) * blocks_per_rank)),
+            stage_group=stage_group[i]))
+
+    assert [r.rank for r in roles] == list(range(plan.world_size))
+    assert sorted(x for g in replica.values() for x in g) == list(range(plan.world_size))
+    assert all(len(g) == num_pipes for g in block_group.values())
+    for r in roles:  # every forward edge has its backward twin
+        for d in r.fwd_send_to:
+            assert roles[d].fwd_recv_from == r.rank
+        for s in r.bwd_send_to:
+            assert roles[s].bwd_recv_from == r.rank
+    return Topology(world_size=plan.world_size, roles=tuple(roles))

@@ -1,0 +1,298 @@
+"""Simulator: iteration time, memory per GPU and cost of a Plan, with a breakdown a user can read.
+
+`simulate(plan, ctx)` runs the event simulation of the 1F1B schedule for every distinct pipeline,
+then gradient synchronization per stage, then the optimizer step:
+
+    iteration_time = max_j pipeline_j + max_i sync_i + max_{replicas} optimizer
+
+The slowest pipeline sets the pace (straggler); sync waits for all pipelines. `SimContext` holds the
+job, cluster, profiles and network for one simulation or planning call and caches per-(GPU, TP,
+micro-batch) layer tables; its caches are keyed on every input and die with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sailor import catalog
+from sailor.catalog import LinkClass
+from sailor.network import NetworkModel, network_for
+from sailor.plan import Plan, rank_layout
+from sailor.profiles import Profiles, roofline_profiles
+from sailor.simulator.collectives import Member, allreduce_time_s, ring_egress
+from sailor.simulator.memory import MemoryBreakdown, replica_memory
+from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b
+from sailor.specs import ClusterSpec, JobSpec
+
+
+@dataclass
+class SimContext:
+    """Everything a simulation needs besides the plan; caches live and die with this object.
+
+    Attributes:
+        job, cluster: the specs.
+        profiles: layer timings (roofline estimates when None is given to `make_context`).
+        network: links of the cluster.
+        calibration: per-GPU-type constants fitted on measured runs (see simulator.calibration).
+    """
+
+    job: JobSpec
+    cluster: ClusterSpec
+    profiles: Profiles
+    network: NetworkModel
+    calibration: dict[str, dict[str, float]] = field(default_factory=dict)
+    _cum: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _act: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _params: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def layer_cumsum(self, gpu: str, tp: int, mbs: int) -> np.ndarray:
+        """Cumulative forward/backward seconds over layers: array (num_layers + 1, 2), row 0 = 0."""
+        key = (gpu, tp, mbs)
+        if key not in self._cum:
+            t = self.profiles.layer_times(self.job, gpu, tp, mbs)
+            self._cum[key] = np.vstack([np.zeros((1, 2)), np.cumsum(t, axis=0)])
+        return self._cum[key]
+
+    def stage_compute_s(self, gpu: str, tp: int, mbs: int, a: int, b: int) -> tuple[float, float]:
+        """(forward_s, backward_s) of one micro-batch on layers [a, b) for one replica."""
+        c = self.layer_cumsum(gpu, tp, mbs)
+        f, bw = c[b] - c[a]
+        return float(f), float(bw)
+
+    def params_cumsum(self, tp: int) -> np.ndarray:
+        """Cumulative parameters per GPU over layers at TP `tp`: array (num_layers + 1,)."""
+        if tp not in self._params:
+            m = self.job.model
+            self._params[tp] = np.concatenate([[0], np.cumsum([m.params(i, tp) for i in range(m.num_layers)])])
+        return self._params[tp]
+
+    def stage_params(self, tp: int, a: int, b: int) -> float:
+        c = self.params_cumsum(tp)
+        return float(c[b] - c[a])
+
+    def act_cumsum(self, tp: int, mbs: int) -> np.ndarray:
+        key = (tp, mbs)
+        if key not in self._act:
+            a = self.profiles.activation_bytes_per_layer(self.job, tp, mbs)
+            self._act[key] = np.concatenate([[0.0], np.cumsum(a)])
+        return self._act[key]
+
+    def boundary_bytes(self, layer_end: int, mbs: int) -> float:
+        """Bytes of the activation leaving layer `layer_end - 1` (one micro-batch, full tensor)."""
+        return self.job.model.output_bytes(layer_end - 1, mbs=mbs, seq=self.job.seq, elem_bytes=self.job.elem_bytes)
+
+    def framework_bytes(self, gpu: str) -> float:
+        return self.calibration.get(gpu, {}).get("framework_bytes", catalog.gpu(gpu).framework_bytes)
+
+    def memory_capacity(self, gpu: str) -> int:
+        return catalog.gpu(gpu).memory_bytes
+
+
+def make_context(job: JobSpec, cluster: ClusterSpec, profiles: Profiles | None = None,
+                 network: NetworkModel | None = None,
+                 calibration: dict[str, dict[str, float]] | None = None) -> SimContext:
+    """A SimContext with roofline profiles and default links where none are given."""
+    from sailor.simulator.calibration import default_calibration
+    return SimContext(job=job, cluster=cluster, profiles=profiles or roofline_profiles(job),
+                      network=network or network_for(cluster),
+                      calibration=default_calibration() if calibration is None else calibration)
+
+
+@dataclass
+class ReplicaEstimate:
+    """Replica (stage i of pipeline j): per-micro-batch compute and p2p, per-iteration sync and
+    optimizer seconds, and memory per GPU (bytes)."""
+
+    pipeline: int
+    stage: int
+    gpu: str
+    zone: str
+    tp: int
+    layers: tuple[int, int]
+    forward_s: float
+    backward_s: float
+    p2p_s: float
+    sync_s: float
+    optimizer_s: float
+    memory: MemoryBreakdown
+    memory_capacity_bytes: int
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return self.memory.total
+
+    @property
+    def oom(self) -> bool:
+        return self.memory.total > self.memory_capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "pipeline": self.pipeline, "gpu": self.gpu, "zone": self.zone, "tp": self.tp,
+                "layers": list(self.layers), "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "p2p_s": self.p2p_s, "sync_s": self.sync_s, "optimizer_s": self.optimizer_s,
+                "peak_memory_bytes": int(self.peak_memory_bytes), "memory_capacity_bytes": self.memory_capacity_bytes,
+                "memory_breakdown_bytes": self.memory.to_dict(), "out_of_memory": self.oom}
+
+
+@dataclass
+class Estimate:
+    """What one iteration of a plan costs. Seconds, bytes, $ (USD)."""
+
+    iteration_time_s: float
+    pipeline_s: float
+    gradient_sync_s: float
+    optimizer_s: float
+    pipeline_times_s: list[float]
+    replicas: list[ReplicaEstimate]
+    global_batch_size: int
+    sequence_length: int
+    gpus: int
+    gpu_cost_per_iteration_usd: float
+    egress_per_iteration_usd: float
+    cross_zone_bytes: float
+    model_flop_per_iteration: float
+    peak_flop_per_s: float
+    estimated: list[str]
+
+    @property
+    def throughput_iters_per_s(self) -> float:
+        return 1.0 / self.iteration_time_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch_size / self.iteration_time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.samples_per_s * self.sequence_length
+
+    @property
+    def cost_per_iteration_usd(self) -> float:
+        return self.gpu_cost_per_iteration_usd + self.egress_per_iteration_usd
+
+    @property
+    def cost_per_hour_usd(self) -> float:
+        return self.cost_per_iteration_usd * 3600.0 / self.iteration_time_s
+
+    @property
+    def fits_in_memory(self) -> bool:
+        return not any(r.oom for r in self.replicas)
+
+    @property
+    def min_headroom_bytes(self) -> float:
+        """Smallest free memory over all GPUs (negative when something does not fit)."""
+        return min(r.memory_capacity_bytes - r.peak_memory_bytes for r in self.replicas)
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs per iteration / (iteration time x Σ peak FLOP/s)."""
+        return self.model_flop_per_iteration / (self.iteration_time_s * self.peak_flop_per_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `sailor simulate --json` object."""
+        return {
+            "iteration_time_s": self.iteration_time_s,
+            "throughput_iters_per_s": self.throughput_iters_per_s,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "cost_per_iteration_usd": self.cost_per_iteration_usd,
+            "cost_per_hour_usd": self.cost_per_hour_usd,
+            "egress_per_iteration_usd": self.egress_per_iteration_usd,
+            "cross_zone_bytes_per_iteration": self.cross_zone_bytes,
+            "fits_in_memory": self.fits_in_memory,
+            "gpus": self.gpus,
+            "mfu": self.mfu,
+            "breakdown": {"pipeline": self.pipeline_s, "gradient_sync": self.gradient_sync_s,
+                          "optimizer": self.optimizer_s},
+            "pipeline_times_s": self.pipeline_times_s,
+            "estimated": self.estimated,
+            "replicas": [r.to_dict() for r in self.replicas],
+        }
+
+
+# ---- the simulation -------------------------------------------------------------------------------
+def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
+    """Simulate one iteration of `plan`.
+
+    Args:
+        plan: the plan (assumed checked against ctx.job; see Plan.check_against).
+        ctx: job, cluster, profiles, network.
+        event: True for the 1F1B event simulation, False for the closed form (planner fast path).
+    Returns:
+        Estimate with times (s), memory per GPU (bytes) and cost ($).
+    """
+    job, mbs = ctx.job, plan.micro_batch_size
+    P = plan.num_stages
+    layout = rank_layout(plan, ctx.cluster.gpus_per_node)
+    node_of: dict[tuple[int, int], str] = {}
+    for r in layout:
+        node_of.setdefault((r.pipeline, r.stage), r.node)
+
+    replicas: list[ReplicaEstimate] = []
+    pipeline_times: list[float] = []
+    cache: dict[tuple, float] = {}
+    egress_usd, cross_bytes = 0.0, 0.0
+    prov = ctx.cluster.prov
+    for j, pipe in enumerate(plan.pipelines):
+        m = pipe.microbatches
+        f = np.zeros(P)
+        b = np.zeros(P)
+        c = np.zeros(max(P - 1, 0))
+        for i, r in enumerate(pipe.replicas):
+            a, e = plan.stages[i]
+            f[i], b[i] = ctx.stage_compute_s(r.gpu, r.tp, mbs, a, e)
+            if i < P - 1:
+                nxt = pipe.replicas[i + 1]
+                nbytes = ctx.boundary_bytes(e, mbs)
+                same = node_of[(j, i)] == node_of[(j, i + 1)]
+                c[i] = ctx.network.p2p_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, nbytes, same_node=same)
+                lc = ctx.network.link_class(r.zone, nxt.zone, same)
+                if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
+                    moved = 2.0 * nbytes * m  # activations forward, gradients backward
+                    cross_bytes += moved
+                    egress_usd += moved / 1e9 * prov.egress_usd_per_gb[lc]
+        key = (tuple(f), tuple(b), tuple(c), m, event)
+        if key not in cache:
+            cache[key] = simulate_1f1b(f, b, c, m)[0] if event else closed_form_1f1b(f, b, c, m)
+        pipeline_times.append(cache[key])
+        for i, r in enumerate(pipe.replicas):
+            a, e = plan.stages[i]
+            mem = replica_memory(ctx, r.gpu, r.tp, mbs, a, e, stage=i, num_stages=P, microbatches=m)
+            replicas.append(ReplicaEstimate(
+                pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(a, e), forward_s=f[i],
+                backward_s=b[i], p2p_s=c[i] if i < P - 1 else 0.0, sync_s=0.0,
+                optimizer_s=ctx.profiles.optimizer_time_s(job, r.gpu, ctx.stage_params(r.tp, a, e)),
+                memory=mem, memory_capacity_bytes=ctx.memory_capacity(r.gpu)))
+
+    sync_times = []
+    grad_bytes = job.state_bytes_per_param["gradients"]
+    for i in range(P):
+        a, e = plan.stages[i]
+        members = [Member(zone=r.zone, gpu=r.gpu, tp=r.tp, node=node_of[(j, i)])
+                   for j, p in enumerate(plan.pipelines) for r in [p.replicas[i]]]
+        nbytes = ctx.stage_params(1, a, e) * grad_bytes
+        t = allreduce_time_s(members, nbytes, ctx.network)
+        sync_times.append(t)
+        eb, eu = ring_egress(members, nbytes, ctx.network)
+        cross_bytes += eb
+        egress_usd += eu
+    for rep in replicas:
+        rep.sync_s = sync_times[rep.stage]
+
+    iteration = max(pipeline_times) + max(sync_times) + max(r.optimizer_s for r in replicas)
+    gpu_usd_per_hour = sum(r.tp * ctx.cluster.price(r.zone, r.gpu) for p in plan.pipelines for r in p.replicas)
+    model = job.model
+    model_flop = 3.0 * job.global_batch_size * sum(model.forward_flop(i, tp=1, mbs=1, seq=job.seq)
+                                                   for i in range(model.num_layers))
+    peak = sum(r.tp * catalog.gpu(r.gpu).peak(job.precision) for p in plan.pipelines for r in p.replicas)
+    return Estimate(
+        iteration_time_s=iteration, pipeline_s=max(pipeline_times), gradient_sync_s=max(sync_times),
+        optimizer_s=max(r.optimizer_s for r in replicas), pipeline_times_s=pipeline_times, replicas=replicas,
+        global_batch_size=plan.global_batch_size, sequence_length=job.seq, gpus=plan.world_size,
+        gpu_cost_per_iteration_usd=gpu_usd_per_hour * iteration / 3600.0, egress_per_iteration_usd=egress_usd,
+        cross_zone_bytes=cross_bytes, model_flop_per_iteration=model_flop, peak_flop_per_s=peak,
+        estimated=sorted(f"{g} TP {t}: {how}" for g, t, how in ctx.profiles.estimates_used
+                         if any(r.gpu == g and r.tp == t for r in replicas)),
+    )
