@@ -53,6 +53,8 @@ class ModelSpec(BaseModel):
     learned_positions: bool = Field(default=True, description="Learned position table in the embedding (OPT, GPT); False for rotary.")
     bias: bool = Field(default=True, description="Linear layers carry biases.")
     rms_norm: bool = Field(default=False, description="RMSNorm (h params) instead of LayerNorm (2h).")
+    tied_embeddings: bool = Field(default=True, description="LM head reuses the input embedding matrix"
+                                  " (OPT, GPT-Neo, GPT-3; Hugging Face tie_word_embeddings).")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -192,7 +194,7 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
                   max_sequence_length=2048),
         ModelSpec(name="llama-3-8b", num_blocks=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
                   ffn_hidden_size=14336, vocab_size=128256, max_sequence_length=8192, gated_mlp=True,
-                  learned_positions=False, bias=False, rms_norm=True),
+                  learned_positions=False, bias=False, rms_norm=True, tied_embeddings=False),
         ModelSpec(name="opt-30b", num_blocks=48, hidden_size=7168, num_heads=56, vocab_size=50272,
                   max_sequence_length=2048),
         ModelSpec(name="gpt3-175b", num_blocks=96, hidden_size=12288, num_heads=96, vocab_size=50257,

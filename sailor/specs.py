@@ -233,3 +233,19 @@ def load_cluster(path: str | Path) -> ClusterSpec:
 def local_cluster(processes: int) -> ClusterSpec:
     """The `local` provider with `processes` CPU 'GPUs' in zone `local`, all on one node."""
     return ClusterSpec(provider="local", zones={"local": {"cpu": processes}}, gpus_per_node={"cpu": max(processes, 1)})
+
+
+# Built-in example for `sailor plan` without --job/--cluster: OPT-350M with the paper's global batch
+# on a realistic mix of what GCP us-central1 and us-west1 zones had free (A100-40 nodes of 8 and
+# V100-16 nodes of 8, as on a2-highgpu-8g and n1 8-GPU machines), at the paper's prices.
+EXAMPLE_JOB = JobSpec(model="opt-350m", global_batch_size=1024, precision="fp32", optimizer=Optimizer.ADAM)
+EXAMPLE_CLUSTER = ClusterSpec(
+    provider="gcp",
+    zones={
+        "us-central1-a": {"A100-40": 16, "V100-16": 32},
+        "us-central1-b": {"A100-40": 8, "V100-16": 16},
+        "us-central1-c": {"V100-16": 24},
+        "us-central1-f": {"A100-40": 8},
+        "us-west1-b": {"A100-40": 16, "V100-16": 16},
+    },
+)

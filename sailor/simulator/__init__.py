@@ -1,11 +1,25 @@
 """Simulator: iteration time, memory per GPU and cost of a Plan, with a breakdown a user can read.
 
-`simulate(plan, ctx)` runs the event simulation of the 1F1B schedule for every distinct pipeline,
-then gradient synchronization per stage, then the optimizer step:
+`simulate(plan, ctx)` runs the event simulation of the 1F1B schedule (DeepSpeed's pipeline-engine
+order, see `schedule`) for every distinct pipeline, then the gradient reductions, then the optimizer
+step, in the order DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads,
+OptimizerStep):
 
-    iteration_time = max_j pipeline_j + max_i sync_i + max_{replicas} optimizer
+    iteration_time = max_j pipeline_j + tied + max_i sync_i + max_{replicas} optimizer
 
-The slowest pipeline sets the pace (straggler); sync waits for all pipelines. `SimContext` holds the
+- pipeline: every TP rank of a stage sends the full activation to its peer rank of the next stage
+  (DeepSpeed's p2p does not split it over TP), so a boundary carries min(t_i, t_i+1) concurrent flows
+  of one activation each.
+- tied: tied input/output embeddings (OPT, GPT-Neo, GPT-3) split over P > 1 stages: the first and
+  last stage each hold a copy of the embedding module and all-reduce its gradient between them.
+  With P = 1 there is one copy only (`tied_embeddings`).
+- sync: each TP rank all-reduces its own gradient shard (params(stage, t) x gradient bytes, norms
+  and row-parallel biases included) with its peers of the other D - 1 replicas.
+- optimizer: proportional to the parameters on one GPU (memory-bound).
+The slowest pipeline sets the pace (straggler); the reductions wait for all pipelines. Every p2p transfer and
+all-reduce hop between two replicas is modelled on the link between two *nodes* of their zones
+(conservative where a launcher co-locates small TP groups on one node): so all pipelines with the
+same GPU type, zone and TP degrees take the same time, which the planner relies on. `SimContext` holds the
 job, cluster, profiles and network for one simulation or planning call and caches per-(GPU, TP,
 micro-batch) layer tables; its caches are keyed on every input and die with it.
 """
@@ -20,12 +34,30 @@ import numpy as np
 from sailor import catalog
 from sailor.catalog import LinkClass
 from sailor.network import NetworkModel, network_for
-from sailor.plan import Plan, rank_layout
+from sailor.plan import Plan
+from sailor.models import ModelSpec
 from sailor.profiles import Profiles, roofline_profiles
-from sailor.simulator.collectives import Member, allreduce_time_s, ring_egress
+from sailor.simulator.collectives import Group, Member, allreduce_time_s, group_members, ring_egress
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
+from sailor.simulator.calibration import gpu_constant
 from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b
 from sailor.specs import ClusterSpec, JobSpec
+
+
+def tied_embeddings(model: ModelSpec) -> bool:
+    """True when the model's LM head reuses the input embedding's weights (`ModelSpec.tied_embeddings`;
+    also Megatron-DeepSpeed's default, GPTModelPipe's TiedLayerSpec)."""
+    return model.tied_embeddings
+
+
+def embedding_params(model: ModelSpec, tp: int) -> int:
+    """Parameters per GPU of the embedding module (word shard + position table), layer 0."""
+    return model.params(0, tp)
+
+
+def head_vocab_params(model: ModelSpec, tp: int) -> int:
+    """Parameters per GPU of the LM-head matrix alone (the part a tied model shares), vocab / tp x h."""
+    return model.padded_vocab(tp) * model.hidden_size // tp
 
 
 @dataclass
@@ -53,6 +85,11 @@ class SimContext:
         key = (gpu, tp, mbs)
         if key not in self._cum:
             t = self.profiles.layer_times(self.job, gpu, tp, mbs)
+            if self.profiles.measured(gpu, tp):
+                # A profiler times each layer alone between two device synchronisations, so every
+                # timing carries a launch-and-sync gap that a real, asynchronous run hides.
+                gap = gpu_constant(self.calibration, gpu, "profile_overhead_s", 0.0)
+                t = np.maximum(t - gap, 0.0)
             self._cum[key] = np.vstack([np.zeros((1, 2)), np.cumsum(t, axis=0)])
         return self._cum[key]
 
@@ -70,8 +107,20 @@ class SimContext:
         return self._params[tp]
 
     def stage_params(self, tp: int, a: int, b: int) -> float:
+        """Parameters per GPU of a replica holding layers [a, b) at TP `tp`.
+
+        Tied embeddings (`tied_embeddings`): a stage holding both the embedding and the head keeps one
+        copy (the head's vocab matrix is not counted again); a stage holding the head without the
+        embedding keeps a copy of the whole embedding module (DeepSpeed ties the module: word and
+        position tables) instead of the head's own matrix."""
         c = self.params_cumsum(tp)
-        return float(c[b] - c[a])
+        n = float(c[b] - c[a])
+        m = self.job.model
+        if tied_embeddings(m) and b == m.num_layers:
+            n -= head_vocab_params(m, tp)
+            if a > 0:
+                n += embedding_params(m, tp)
+        return n
 
     def act_cumsum(self, tp: int, mbs: int) -> np.ndarray:
         key = (tp, mbs)
@@ -85,7 +134,14 @@ class SimContext:
         return self.job.model.output_bytes(layer_end - 1, mbs=mbs, seq=self.job.seq, elem_bytes=self.job.elem_bytes)
 
     def framework_bytes(self, gpu: str) -> float:
-        return self.calibration.get(gpu, {}).get("framework_bytes", catalog.gpu(gpu).framework_bytes)
+        """Memory per GPU beyond tensors (bytes): calibrated, else the catalog default."""
+        return gpu_constant(self.calibration, gpu, "framework_bytes", catalog.gpu(gpu).framework_bytes)
+
+    def allreduce_efficiency(self, members: list[Member]) -> float:
+        """Fraction of the p2p link bandwidth an NCCL ring all-reduce reaches among `members`
+        (calibrated per GPU type, 1 by default; the lowest member's value): reductions, chunking and
+        the concurrent rings of all TP ranks of a node make it slower than a send/recv sweep."""
+        return min(gpu_constant(self.calibration, mb.gpu, "allreduce_efficiency", 1.0) for mb in members)
 
     def memory_capacity(self, gpu: str) -> int:
         return catalog.gpu(gpu).memory_bytes
@@ -212,6 +268,62 @@ class Estimate:
         }
 
 
+# ---- building blocks shared with the planner ------------------------------------------------------
+Slot = Member  # where one replica runs: zone, GPU type, TP degree
+
+
+def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """Per-micro-batch forward, backward and boundary-transfer seconds of one pipeline, arrays (P,),
+    (P,), (P-1,), plus (bytes crossing zones, egress $) per micro-batch.
+
+    Every TP rank of a stage sends the full activation to its peer rank of the next stage (DeepSpeed's
+    p2p does not split it over TP), so a boundary carries min(t_i, t_i+1) concurrent flows."""
+    P = len(stages)
+    f, b, c = np.zeros(P), np.zeros(P), np.zeros(max(P - 1, 0))
+    moved, usd = 0.0, 0.0
+    for i, (r, (a, e)) in enumerate(zip(slots, stages)):
+        f[i], b[i] = ctx.stage_compute_s(r.gpu, r.tp, mbs, a, e)
+        if i < P - 1:
+            nxt = slots[i + 1]
+            nbytes = ctx.boundary_bytes(e, mbs)
+            flows = min(r.tp, nxt.tp)
+            c[i] = ctx.network.transfer_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, nbytes, flows=flows)
+            lc = ctx.network.link_class(r.zone, nxt.zone)
+            if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
+                both = 2.0 * nbytes * flows  # activation forward, gradient backward
+                moved += both
+                usd += both / 1e9 * ctx.cluster.prov.egress_usd_per_gb[lc]
+    return f, b, c, moved, usd
+
+
+def optimizer_s(ctx: SimContext, slot: Slot, a: int, e: int) -> float:
+    """Optimizer-step seconds of one replica holding layers [a, e)."""
+    return ctx.profiles.optimizer_time_s(ctx.job, slot.gpu, ctx.stage_params(slot.tp, a, e))
+
+
+def stage_sync(ctx: SimContext, groups: list[Group], a: int, e: int) -> tuple[float, float, float]:
+    """(seconds, bytes crossing zones, egress $) of the gradient all-reduce of layers [a, e) across
+    the replicas of one stage, given as (Slot, count) groups in ring order (`group_members`). Each of the t ranks all-reduces its own shard of
+    params(stage, t) parameters (replicated norms and biases included), t = the finest common
+    sharding's flow count; divided by the calibrated all-reduce efficiency."""
+    t = min(r.tp for r, _ in groups)
+    nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["gradients"]
+    seconds = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency([r for r, _ in groups])
+    return (seconds, *ring_egress(groups, nbytes, ctx.network))
+
+
+def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tuple[float, float, float]:
+    """(seconds, bytes crossing zones, egress $) of the all-reduce of tied embedding gradients between
+    a pipeline's first and last stage (DeepSpeed ReduceTiedGrads); 0 for one stage or untied models."""
+    if num_stages < 2 or not tied_embeddings(ctx.job.model):
+        return 0.0, 0.0, 0.0
+    groups = group_members([first, last])
+    t = min(first.tp, last.tp)
+    nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
+    seconds = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency([first, last])
+    return (seconds, *ring_egress(groups, nbytes, ctx.network))
+
+
 # ---- the simulation -------------------------------------------------------------------------------
 def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     """Simulate one iteration of `plan`.
@@ -225,34 +337,16 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     """
     job, mbs = ctx.job, plan.micro_batch_size
     P = plan.num_stages
-    layout = rank_layout(plan, ctx.cluster.gpus_per_node)
-    node_of: dict[tuple[int, int], str] = {}
-    for r in layout:
-        node_of.setdefault((r.pipeline, r.stage), r.node)
-
     replicas: list[ReplicaEstimate] = []
     pipeline_times: list[float] = []
     cache: dict[tuple, float] = {}
     egress_usd, cross_bytes = 0.0, 0.0
-    prov = ctx.cluster.prov
+    slots = [[Slot(zone=r.zone, gpu=r.gpu, tp=r.tp) for r in p.replicas] for p in plan.pipelines]
     for j, pipe in enumerate(plan.pipelines):
         m = pipe.microbatches
-        f = np.zeros(P)
-        b = np.zeros(P)
-        c = np.zeros(max(P - 1, 0))
-        for i, r in enumerate(pipe.replicas):
-            a, e = plan.stages[i]
-            f[i], b[i] = ctx.stage_compute_s(r.gpu, r.tp, mbs, a, e)
-            if i < P - 1:
-                nxt = pipe.replicas[i + 1]
-                nbytes = ctx.boundary_bytes(e, mbs)
-                same = node_of[(j, i)] == node_of[(j, i + 1)]
-                c[i] = ctx.network.p2p_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, nbytes, same_node=same)
-                lc = ctx.network.link_class(r.zone, nxt.zone, same)
-                if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
-                    moved = 2.0 * nbytes * m  # activations forward, gradients backward
-                    cross_bytes += moved
-                    egress_usd += moved / 1e9 * prov.egress_usd_per_gb[lc]
+        f, b, c, moved, usd = pipeline_arrays(ctx, slots[j], plan.stages, mbs)
+        cross_bytes += moved * m
+        egress_usd += usd * m
         key = (tuple(f), tuple(b), tuple(c), m, event)
         if key not in cache:
             cache[key] = simulate_1f1b(f, b, c, m)[0] if event else closed_form_1f1b(f, b, c, m)
@@ -263,32 +357,33 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
             replicas.append(ReplicaEstimate(
                 pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(a, e), forward_s=f[i],
                 backward_s=b[i], p2p_s=c[i] if i < P - 1 else 0.0, sync_s=0.0,
-                optimizer_s=ctx.profiles.optimizer_time_s(job, r.gpu, ctx.stage_params(r.tp, a, e)),
+                optimizer_s=optimizer_s(ctx, slots[j][i], a, e),
                 memory=mem, memory_capacity_bytes=ctx.memory_capacity(r.gpu)))
 
+    tied_s = 0.0
+    for sl in slots:
+        t, eb, eu = tied_sync(ctx, sl[0], sl[-1], P)
+        tied_s = max(tied_s, t)
+        cross_bytes += eb
+        egress_usd += eu
     sync_times = []
-    grad_bytes = job.state_bytes_per_param["gradients"]
-    for i in range(P):
-        a, e = plan.stages[i]
-        members = [Member(zone=r.zone, gpu=r.gpu, tp=r.tp, node=node_of[(j, i)])
-                   for j, p in enumerate(plan.pipelines) for r in [p.replicas[i]]]
-        nbytes = ctx.stage_params(1, a, e) * grad_bytes
-        t = allreduce_time_s(members, nbytes, ctx.network)
+    for i, (a, e) in enumerate(plan.stages):
+        t, eb, eu = stage_sync(ctx, group_members([sl[i] for sl in slots]), a, e)
         sync_times.append(t)
-        eb, eu = ring_egress(members, nbytes, ctx.network)
         cross_bytes += eb
         egress_usd += eu
     for rep in replicas:
-        rep.sync_s = sync_times[rep.stage]
+        rep.sync_s = sync_times[rep.stage] + (tied_s if rep.stage in (0, P - 1) else 0.0)
 
-    iteration = max(pipeline_times) + max(sync_times) + max(r.optimizer_s for r in replicas)
+    sync_s = tied_s + max(sync_times)
+    iteration = max(pipeline_times) + sync_s + max(r.optimizer_s for r in replicas)
     gpu_usd_per_hour = sum(r.tp * ctx.cluster.price(r.zone, r.gpu) for p in plan.pipelines for r in p.replicas)
     model = job.model
     model_flop = 3.0 * job.global_batch_size * sum(model.forward_flop(i, tp=1, mbs=1, seq=job.seq)
                                                    for i in range(model.num_layers))
     peak = sum(r.tp * catalog.gpu(r.gpu).peak(job.precision) for p in plan.pipelines for r in p.replicas)
     return Estimate(
-        iteration_time_s=iteration, pipeline_s=max(pipeline_times), gradient_sync_s=max(sync_times),
+        iteration_time_s=iteration, pipeline_s=max(pipeline_times), gradient_sync_s=sync_s,
         optimizer_s=max(r.optimizer_s for r in replicas), pipeline_times_s=pipeline_times, replicas=replicas,
         global_batch_size=plan.global_batch_size, sequence_length=job.seq, gpus=plan.world_size,
         gpu_cost_per_iteration_usd=gpu_usd_per_hour * iteration / 3600.0, egress_per_iteration_usd=egress_usd,

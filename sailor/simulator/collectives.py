@@ -22,66 +22,79 @@ from sailor.network import NetworkModel
 
 @dataclass(frozen=True)
 class Member:
-    """One replica taking part in a stage's all-reduce."""
+    """Where one replica runs (and so how it takes part in a stage's all-reduce)."""
 
     zone: str
     gpu: str
     tp: int
-    node: str
+
+
+Group = tuple[Member, int]  # a member kind and how many replicas of that kind take part
+
+
+def group_members(members: list[Member]) -> list[Group]:
+    """Members as (kind, count) in ring order: sorted by zone, GPU type, TP, so zones are contiguous."""
+    counts: dict[Member, int] = {}
+    for m in members:
+        counts[m] = counts.get(m, 0) + 1
+    return sorted(counts.items(), key=lambda g: (g[0].zone, g[0].gpu, g[0].tp))
 
 
 def _step_time(a: Member, b: Member, chunk_bytes: float, net: NetworkModel) -> float:
     flows = max(1, min(a.tp, b.tp))
-    return net.transfer_time_s(a.zone, a.gpu, b.zone, b.gpu, chunk_bytes / flows, flows=flows,
-                               same_node=a.node == b.node)
+    return net.transfer_time_s(a.zone, a.gpu, b.zone, b.gpu, chunk_bytes / flows, flows=flows)
 
 
-def _ring_step(members: list[Member], chunk_bytes: float, net: NetworkModel) -> float:
-    """Seconds of one ring step (every member sends `chunk_bytes` to the next)."""
-    n = len(members)
-    if n < 2:
-        return 0.0
-    return max(_step_time(members[k], members[(k + 1) % n], chunk_bytes, net) for k in range(n))
+def _ring_edges(groups: list[Group]) -> set[tuple[Member, Member]]:
+    """Distinct (sender, receiver) kinds of a ring laid out in group order, wrap-around included."""
+    if sum(n for _, n in groups) < 2:
+        return set()
+    edges = {(m, m) for m, n in groups if n >= 2}
+    if len(groups) >= 2:
+        kinds = [m for m, _ in groups]
+        edges.update(zip(kinds, kinds[1:] + kinds[:1]))
+    return edges
 
 
-def _ring_order(members: list[Member]) -> list[Member]:
-    return sorted(members, key=lambda x: (x.zone, x.node))
+def _ring_step(groups: list[Group], chunk_bytes: float, net: NetworkModel) -> float:
+    """Seconds of one ring step (every member sends `chunk_bytes` to the next): the slowest edge."""
+    edges = _ring_edges(groups)
+    return max((_step_time(a, b, chunk_bytes, net) for a, b in edges), default=0.0)
 
 
-def allreduce_time_s(members: list[Member], nbytes: float, net: NetworkModel) -> float:
-    """Seconds to all-reduce `nbytes` (one replica's full gradient) across `members`: min(flat ring,
-    hierarchical by zone). 0 for a single member."""
-    d = len(members)
+def allreduce_time_s(groups: list[Group], nbytes: float, net: NetworkModel) -> float:
+    """Seconds to all-reduce `nbytes` (one replica's full gradient) across the members `groups`
+    (from `group_members`): min(flat ring, hierarchical by zone). 0 for a single member."""
+    d = sum(n for _, n in groups)
     if d < 2 or nbytes <= 0:
         return 0.0
-    ring = _ring_order(members)
-    flat = 2 * (d - 1) * _ring_step(ring, nbytes / d, net)
-    zones = [list(g) for _, g in groupby(ring, key=lambda x: x.zone)]
+    flat = 2 * (d - 1) * _ring_step(groups, nbytes / d, net)
+    zones = [list(g) for _, g in groupby(groups, key=lambda g: g[0].zone)]
     if len(zones) == 1:
         return flat
-    dz_max = max(len(z) for z in zones)
-    dz_min = min(len(z) for z in zones)
-    intra = max(_ring_step(z, nbytes / len(z), net) for z in zones)
-    leaders = [z[0] for z in zones]
-    shard = nbytes / dz_min
+    sizes = [sum(n for _, n in z) for z in zones]
+    intra = max(_ring_step(z, nbytes / s, net) for z, s in zip(zones, sizes))
+    leaders = [(z[0][0], 1) for z in zones]
+    shard = nbytes / min(sizes)
     cross = 2 * (len(zones) - 1) * _ring_step(leaders, shard / len(zones), net)
-    hier = 2 * (dz_max - 1) * intra + cross
+    hier = 2 * (max(sizes) - 1) * intra + cross
     return min(flat, hier)
 
 
-def ring_egress(members: list[Member], nbytes: float, net: NetworkModel) -> tuple[float, float]:
+def ring_egress(groups: list[Group], nbytes: float, net: NetworkModel) -> tuple[float, float]:
     """(bytes crossing zones, egress $) per all-reduce: each ring edge between zones carries
     2(D-1)/D x nbytes (flat ring order, zones contiguous)."""
-    d = len(members)
+    d = sum(n for _, n in groups)
     if d < 2 or nbytes <= 0:
         return 0.0, 0.0
-    ring = _ring_order(members)
     per_edge = 2 * (d - 1) / d * nbytes
     moved, usd = 0.0, 0.0
     prices = net.cluster.prov.egress_usd_per_gb
-    for k in range(d):
-        a, b = ring[k], ring[(k + 1) % d]
-        lc = net.link_class(a.zone, b.zone, a.node == b.node)
+    kinds = [m for m, _ in groups]
+    for a, b in zip(kinds, kinds[1:] + kinds[:1]):
+        if len(kinds) < 2:
+            break
+        lc = net.link_class(a.zone, b.zone)
         if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
             moved += per_edge
             usd += per_edge / 1e9 * prices[lc]

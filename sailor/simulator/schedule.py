@@ -2,23 +2,36 @@
 
 Notation, for one pipeline of P stages running m micro-batches:
   f[i], b[i]   forward / backward seconds of one micro-batch on stage i
-  c[i]         seconds to send one micro-batch's activation from stage i to i+1 (its gradient comes
+  c[i]         seconds to move one micro-batch's activation from stage i to i+1 (its gradient comes
                back in the same time), i = 0..P-2
 Stage i runs w_i = min(P - i, m) forwards, then alternates one backward and one forward until its
-forwards are done, then drains its backwards (PipeDream-Flush / Megatron 1F1B, Narayanan et al.
-SC'21 §2.2). F(i, k) needs F(i-1, k) plus c[i-1]; B(i, k) needs B(i+1, k) plus c[i] (the last stage's
-B needs only its own F). Sends are blocking, as in Megatron-LM and DeepSpeed's pipeline engines
-(`send_forward`/`send_backward` wait for completion): the sending stage is busy until its message
-has arrived, and a link carries one message at a time per direction.
+forwards are done, then drains its backwards (PipeDream-Flush / 1F1B, Narayanan et al. SC'21 §2.2).
+
+Communication follows DeepSpeed's pipeline engine (`deepspeed/runtime/pipe/schedule.py`,
+`TrainSchedule`), which Megatron-DeepSpeed runs: the schedule is a list of 2(m + P - 1) steps; a
+stage forwards on steps of its own parity and backwards on the others. A forward step first sends
+the gradient of the previous (backward) step upstream, then receives this step's activation; a
+backward step first receives this step's gradient, then sends the previous (forward) step's
+activation downstream. Transfers are blocking on *both* sides (NCCL send/recv on the compute
+stream): a transfer starts when sender and receiver have both reached it and both are busy for c.
+So a middle stage spends 4 transfers per micro-batch (receive and send of an activation and of a
+gradient), an end stage 2, and an activation leaves its stage only one step after it was computed.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+# Instruction kinds of `pipeline_instructions`.
+FWD, BWD = "F", "B"
+SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "SA", "RA", "SG", "RG"
+_PEER = {SEND_ACT: (1, RECV_ACT), RECV_ACT: (-1, SEND_ACT), SEND_GRAD: (-1, RECV_GRAD), RECV_GRAD: (1, SEND_GRAD)}
+
 
 def schedule_order(num_stages: int, stage: int, m: int) -> list[tuple[str, int]]:
-    """Op order of `stage` under 1F1B: [("F", 0), ("F", 1), ..., ("B", 0), ("F", k), ("B", 1), ...]."""
+    """Op order of `stage` under 1F1B: [("F", 0), ("F", 1), ..., ("B", 0), ("F", k), ("B", 1), ...].
+
+    The compute instructions of `pipeline_instructions` follow exactly this order (tested)."""
     warm = min(num_stages - stage, m)
     order = [("F", k) for k in range(warm)]
     nf, nb = warm, 0
@@ -31,83 +44,116 @@ def schedule_order(num_stages: int, stage: int, m: int) -> list[tuple[str, int]]
     return order
 
 
+def _step_micro_batch(step: int, num_stages: int, stage: int) -> tuple[int, bool]:
+    """(micro-batch, is_forward) of `stage` at schedule step `step` (DeepSpeed TrainSchedule's
+    `_step_to_micro_batch`); the micro-batch may be out of range (an idle step)."""
+    if step % 2 == stage % 2:  # forward steps have the stage's parity
+        return (step - stage % 2) // 2 - stage // 2, True
+    if step % 2 == 0:  # odd stage, even step
+        return step // 2 - num_stages + (stage + 1) // 2, False
+    return (step - 1) // 2 - num_stages + 1 + stage // 2, False
+
+
+def pipeline_instructions(num_stages: int, stage: int, m: int) -> list[tuple[str, int]]:
+    """Instruction stream of `stage`: compute ("F"/"B", k) and transfers ("SA"/"RA"/"SG"/"RG", k) in
+    DeepSpeed TrainSchedule order (see the module docstring)."""
+    P, i = num_stages, stage
+    out: list[tuple[str, int]] = []
+    prev = -1
+    for step in range(2 * (m + P - 1)):
+        k, forward = _step_micro_batch(step, P, i)
+        if forward:
+            if 0 <= prev < m and i > 0:
+                out.append((SEND_GRAD, prev))
+            if 0 <= k < m and i > 0:
+                out.append((RECV_ACT, k))
+        else:
+            if 0 <= k < m and i < P - 1:
+                out.append((RECV_GRAD, k))
+            if 0 <= prev < m and i < P - 1:
+                out.append((SEND_ACT, prev))
+        if 0 <= k < m:
+            out.append((FWD if forward else BWD, k))
+        prev = k
+    return out
+
+
+def in_flight(num_stages: int, stage: int, m: int) -> int:
+    """Most micro-batches whose activations `stage` holds at once (forwarded, not yet backwarded):
+    min(P - i, m) under 1F1B."""
+    return min(num_stages - stage, m)
+
+
 def simulate_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int) -> tuple[float, np.ndarray, np.ndarray]:
     """Event simulation of one pipeline iteration (compute and p2p only; no sync or optimizer).
 
+    Every stage executes `pipeline_instructions` in order; a compute instruction takes f[i] or b[i];
+    a transfer across boundary i is a rendezvous: it starts when both stages reached it and ends c[i]
+    later for both.
+
     Args:
         f, b: arrays (P,) of forward / backward seconds per micro-batch for each stage.
-        c: array (P-1,) of p2p seconds per message across each stage boundary.
+        c: array (P-1,) of seconds per message across each stage boundary.
         m: micro-batches.
     Returns:
         (makespan_s, busy_s (P,) compute seconds per stage, end_s (P,) when each stage finished).
     """
     P = len(f)
-    orders = [schedule_order(P, i, m) for i in range(P)]
-    f_done = np.full((P, m), np.nan)   # compute end of F(i, k)
-    b_done = np.full((P, m), np.nan)
-    f_arrive = np.full((P, m), np.nan)  # activation of micro-batch k available at stage i
-    b_arrive = np.full((P, m), np.nan)  # gradient of micro-batch k available at stage i
-    link_fwd = np.zeros(max(P - 1, 0))  # when boundary i's forward direction is free
-    link_bwd = np.zeros(max(P - 1, 0))
-    f_arrive[0, :] = 0.0
+    progs = [pipeline_instructions(P, i, m) for i in range(P)]
     pos = [0] * P
     clock = np.zeros(P)
-    remaining = sum(len(o) for o in orders)
+    remaining = sum(len(p) for p in progs)
     while remaining:
         progressed = False
         for i in range(P):
-            while pos[i] < len(orders[i]):
-                kind, k = orders[i][pos[i]]
-                if kind == "F":
-                    ready = f_arrive[i, k]
+            while pos[i] < len(progs[i]):
+                kind, k = progs[i][pos[i]]
+                if kind == FWD:
+                    clock[i] += f[i]
+                elif kind == BWD:
+                    clock[i] += b[i]
                 else:
-                    ready = f_done[i, k] if i == P - 1 else b_arrive[i, k]
-                if np.isnan(ready):
-                    break
-                start = max(clock[i], ready)
-                if kind == "F":
-                    end = start + f[i]
-                    f_done[i, k] = end
-                    if i < P - 1:  # blocking send of the activation to stage i + 1
-                        end = max(end, link_fwd[i]) + c[i]
-                        link_fwd[i] = end
-                        f_arrive[i + 1, k] = end
-                else:
-                    end = start + b[i]
-                    b_done[i, k] = end
-                    if i > 0:  # blocking send of the input gradient to stage i - 1
-                        end = max(end, link_bwd[i - 1]) + c[i - 1]
-                        link_bwd[i - 1] = end
-                        b_arrive[i - 1, k] = end
-                clock[i] = end
+                    step, want = _PEER[kind]
+                    j = i + step
+                    if pos[j] >= len(progs[j]) or progs[j][pos[j]] != (want, k):
+                        break  # the peer has not reached the matching transfer yet
+                    clock[i] = clock[j] = max(clock[i], clock[j]) + c[min(i, j)]
+                    pos[j] += 1
+                    remaining -= 1
                 pos[i] += 1
                 remaining -= 1
                 progressed = True
-        assert progressed, "1F1B schedule deadlocked"  # cannot happen: the order is dependency-safe
+        assert progressed, "pipeline schedule deadlocked"  # cannot happen: DeepSpeed's order is safe
     return float(clock.max()), m * (f + b), clock.copy()
 
 
 def stage_times(f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Seconds each stage is busy per micro-batch, blocking sends included: f_i + b_i + c_i (send of
-    the activation forward, i < P-1) + c_{i-1} (send of the gradient backward, i > 0). Array (P,)."""
+    """Seconds each stage is busy per micro-batch in steady state, transfers included: f_i + b_i +
+    2·c_i (activation out, gradient in; i < P-1) + 2·c_{i-1} (activation in, gradient out; i > 0).
+    Array (P,)."""
     t = f + b
-    t[:-1] += c
-    t[1:] += c
+    t[:-1] += 2.0 * c
+    t[1:] += 2.0 * c
     return t
 
 
 def closed_form_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int) -> float:
     """Closed-form pipeline time with the straggler stage s = argmax_i t_i (`stage_times`):
 
-        T = Σ_i(f_i + b_i) + 2·Σ_i c_i + (m - 1)·t_s - [m > 1]·min(c_{s-1}, c_s)
+        T = Σ_i(f_i + b_i) + 2·Σ_i c_i + (m - 1)·t_s - [m > 1, 0 < s < P-1]·(min(c', f_s) + min(c', b_s))
 
-    One micro-batch pays the full fill and drain (the first two terms); the other m - 1 each cost
-    the straggler's busy time; of the straggler's two sends per micro-batch, the shorter one overlaps
-    the first micro-batch's path (an end stage has only one send, so nothing overlaps). Equal to
-    `simulate_1f1b` on uniform stages and links (tested); an estimate otherwise, which is why the
-    planner re-scores its finalists with the event simulation.
+    with c' = min(c_{s-1}, c_s). One micro-batch pays the full fill and drain (the first two terms);
+    the other m - 1 each cost the straggler's busy time; a middle straggler's receive of the first
+    micro-batch's activation overlaps its neighbour's compute by up to a forward, and its last
+    gradient send by up to a backward, hence the last term (an end stage has one neighbour, nothing
+    overlaps). Equal to `simulate_1f1b` on uniform stages and links for every P, m, f, b, c (derived
+    from the DeepSpeed order; tested on a grid); an estimate otherwise, which is why the planner
+    re-scores its finalists with the event simulation.
     """
     t = stage_times(f, b, c)
     s = int(np.argmax(t))
-    overlap = min(c[s - 1], c[s]) if 0 < s < len(t) - 1 and m > 1 else 0.0
+    overlap = 0.0
+    if 0 < s < len(t) - 1 and m > 1:
+        cc = min(c[s - 1], c[s])
+        overlap = min(cc, f[s]) + min(cc, b[s])
     return float((f + b).sum() + 2.0 * c.sum() + (m - 1) * t[s] - overlap)

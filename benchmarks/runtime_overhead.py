@@ -1,0 +1,145 @@
+"""Runtime overhead on CPU: tokens/s of `sailor train` on a 2-pipeline homogeneous plan against
+`torch.nn.parallel.DistributedDataParallel` on the same model, batch, data and optimizer.
+
+Both run as 2 gloo ranks under torchrun on this machine; each rank processes its half of the global
+batch in micro-batches (DDP skips the all-reduce on all but the last micro-batch with `no_sync`).
+Throughput = tokens of the timed steps / the sum of their step times, the first `--warmup` steps
+excluded. Target: sailor >= 90 % of DDP. Prints a table, then one JSON line with the figures.
+
+    python benchmarks/runtime_overhead.py [--steps 30] [--hidden 128] [--blocks 4] [--seq 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _model(args) -> dict:
+    return {"name": "bench", "num_blocks": args.blocks, "hidden_size": args.hidden, "num_heads": args.heads,
+            "vocab_size": 256, "max_sequence_length": args.seq}
+
+
+def ddp_worker(args) -> None:
+    """One DDP rank (run under torchrun): prints the step times of rank 0 as one JSON line."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sailor.runtime.data import batch_tokens, load_corpus
+    from sailor.runtime.model import init_full_model, lm_loss_sum
+    from sailor.runtime.optim import OptimConfig, build_optimizer
+    from sailor.specs import JobSpec
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    job = JobSpec(model=_model(args), global_batch_size=args.gbs)
+    model = init_full_model(job.model, 0)
+    ddp = DistributedDataParallel(model)
+    cfg = OptimConfig()
+    opt = build_optimizer(dict(model.named_parameters()), cfg)
+    corpus = load_corpus()
+    share, mbs, seq = args.gbs // world, args.mbs, job.seq
+    times = []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        tok = torch.from_numpy(batch_tokens(corpus, seed=0, step=step, first=rank * share, count=share, seq=seq))
+        loss_sum = 0.0
+        for k in range(share // mbs):
+            mb = tok[k * mbs:(k + 1) * mbs]
+            last = k == share // mbs - 1
+            ctx = ddp.no_sync() if not last else _null()
+            with ctx:
+                # DDP averages over ranks, so scale by world / global tokens to get the global mean.
+                loss = lm_loss_sum(ddp(mb[:, :-1]), mb[:, 1:])
+                (loss * world / (args.gbs * seq)).backward()
+            loss_sum += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(total)  # the loss report sailor's runtime also makes
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        print("DDP_TIMES " + json.dumps(times), flush=True)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # see sailor.runtime.worker.main: skip gloo's teardown at exit
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _throughput(times: list[float], warmup: int, tokens_per_step: int) -> float:
+    timed = times[warmup:]
+    return tokens_per_step * len(timed) / sum(timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--gbs", type=int, default=16)
+    ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.ddp_worker:
+        ddp_worker(args)
+        return
+
+    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+
+    tokens = args.gbs * args.seq
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = Path(tmp) / "plan.json"
+        rep = {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}
+        per = args.gbs // args.mbs // 2
+        plan.write_text(json.dumps({
+            "micro_batch_size": args.mbs, "stages": [[0, args.blocks + 2]],
+            "pipelines": [{"microbatches": per, "replicas": [rep]}, {"microbatches": per, "replicas": [rep]}],
+            "job": {"model": _model(args), "global_batch_size": args.gbs, "sequence_length": args.seq}}))
+        metrics = Path(tmp) / "m.jsonl"
+        result = launch(prepare(TrainOptions(plan=str(plan), steps=args.steps, metrics=str(metrics))),
+                        handle_signals=False)
+        assert result.status is ExitStatus.DONE, result.message
+        sailor_times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, "--ddp-worker"] + [f"--{k}={v}" for k, v in
+                                            (("steps", args.steps), ("hidden", args.hidden), ("heads", args.heads),
+                                             ("blocks", args.blocks), ("seq", args.seq), ("gbs", args.gbs),
+                                             ("mbs", args.mbs))]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        ddp_times = json.loads(next(x for x in out.splitlines() if x.startswith("DDP_TIMES "))[len("DDP_TIMES "):])
+
+    sailor_tps = _throughput(sailor_times, args.warmup, tokens)
+    ddp_tps = _throughput(ddp_times, args.warmup, tokens)
+    ratio = sailor_tps / ddp_tps
+    print(f"model: {args.blocks} blocks, hidden {args.hidden}; global batch {args.gbs}, micro-batch {args.mbs},"
+          f" sequence {args.seq}; 2 pipelines x TP 1 (gloo, CPU); {args.steps - args.warmup} timed steps")
+    print(f"{'runtime':<10}{'tokens/s':>12}")
+    print(f"{'sailor':<10}{sailor_tps:>12,.0f}")
+    print(f"{'DDP':<10}{ddp_tps:>12,.0f}")
+    print(f"ratio sailor / DDP: {ratio:.3f} (target >= 0.90)")
+    print(json.dumps({"sailor_tokens_per_s": sailor_tps, "ddp_tokens_per_s": ddp_tps, "ratio": ratio,
+                      "steps_timed": args.steps - args.warmup, "global_batch": args.gbs, "micro_batch": args.mbs,
+                      "seq": args.seq, "hidden": args.hidden, "blocks": args.blocks}))
+
+
+if __name__ == "__main__":
+    main()

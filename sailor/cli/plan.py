@@ -1,0 +1,128 @@
+"""`sailor plan`: choose GPUs, zones and the parallelization plan (the main job)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sailor.cli import app
+from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models
+from sailor.errors import SailorInputError
+from sailor.planner import Constraints, Objective, PlanOptions, PlanResult, SearchSpace, plan_job
+from sailor.plan import Plan
+from sailor.simulator import make_context
+from sailor.specs import EXAMPLE_CLUSTER, EXAMPLE_JOB, load_cluster, load_job
+
+GIB = 2**30
+
+
+@app.command("plan")
+def plan_command(
+    job: Optional[Path] = JobOpt,
+    cluster: Optional[Path] = ClusterOpt,
+    profiles: Optional[Path] = ProfilesOpt,
+    network: Optional[Path] = NetworkOpt,
+    objective: Objective = typer.Option(Objective.THROUGHPUT, "--objective",
+                                        help="throughput: max iterations/s; cost: min $/iteration."),
+    max_cost_per_iteration: Optional[float] = typer.Option(None, "--max-cost-per-iteration", min=0,
+                                                           help="Budget in $ per iteration, e.g. 1.2."),
+    max_cost_per_hour: Optional[float] = typer.Option(None, "--max-cost-per-hour", min=0,
+                                                      help="Spending rate limit in $/hour, e.g. 500."),
+    min_throughput: Optional[float] = typer.Option(None, "--min-throughput", min=0,
+                                                   help="Floor in iterations/s, e.g. 0.2."),
+    search: SearchSpace = typer.Option(SearchSpace.FULL, "--search",
+                                       help="full (ours), paper (published space) or homogeneous (one GPU type, one zone)."),
+    max_stages: int = typer.Option(16, "--max-stages", min=1, help="Largest pipeline depth P tried."),
+    top: int = typer.Option(3, "--top", min=0, help="Alternatives to show."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the plan (with its job and cluster) to this JSON file."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Find the best plan for JOB on the GPUs CLUSTER offers (built-in example when both are omitted)."""
+    if (job is None) != (cluster is None):
+        raise SailorInputError("pass both --job and --cluster, or neither for the built-in example")
+    job_spec = load_job(job) if job else EXAMPLE_JOB
+    cluster_spec = load_cluster(cluster) if cluster else EXAMPLE_CLUSTER
+    prof, net = resolve_models(job_spec, cluster_spec, profiles, network)
+    ctx = make_context(job_spec, cluster_spec, prof, net)
+    opts = PlanOptions(objective=objective, search=search, max_stages=max_stages, top_k=top,
+                       constraints=Constraints(max_cost_per_iteration=max_cost_per_iteration,
+                                               max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput))
+    con = console()
+    if as_json:
+        result = plan_job(ctx, opts)
+    else:
+        with Progress(TextColumn("searching plans"), BarColumn(), TextColumn("{task.completed}/{task.total} families"),
+                      TimeElapsedColumn(), console=con, transient=True) as bar:
+            task = bar.add_task("plan", total=None)
+            result = plan_job(ctx, opts, progress=lambda d, t: bar.update(task, completed=d, total=t))
+    if out:
+        result.plan.save(out)
+    if as_json:
+        print(json.dumps({"plan": result.plan.to_dict(), "estimate": result.estimate.to_dict(),
+                          "search_time_s": result.search_time_s,
+                          "alternatives": [{"plan": c.plan.to_dict(with_specs=False), "estimate": c.estimate.to_dict()}
+                                           for c in result.alternatives]}))
+        return
+    render_plan_result(result, con, title=f"{job_spec.model.name}, global batch {job_spec.global_batch_size}"
+                       + ("" if job else " (built-in example)"))
+    if out:
+        con.print(f"plan written to {out}")
+
+
+def pipeline_groups(plan: Plan) -> list[tuple[str, str, tuple[int, ...], list[int]]]:
+    """Pipelines grouped by (GPU type, zone, TP per stage): (gpu, zone, tps, micro-batches of each).
+    Mixed pipelines are shown with '+'-joined GPU types and zones."""
+    groups: dict[tuple, list[int]] = {}
+    for p in plan.pipelines:
+        gpus = "+".join(dict.fromkeys(r.gpu for r in p.replicas))
+        zones = "+".join(dict.fromkeys(r.zone for r in p.replicas))
+        groups.setdefault((gpus, zones, tuple(r.tp for r in p.replicas)), []).append(p.microbatches)
+    return [(g, z, t, m) for (g, z, t), m in groups.items()]
+
+
+def render_plan_result(result: PlanResult, con, title: str) -> None:
+    """The chosen plan, its predictions and the alternatives, as rich tables."""
+    plan, est = result.plan, result.estimate
+    con.print(f"[bold]{title}[/bold]")
+    stages = ", ".join(f"{i}: layers [{a}, {b})" for i, (a, b) in enumerate(plan.stages))
+    con.print(f"{plan.num_stages} stage(s) ({stages}); micro-batch {plan.micro_batch_size}; "
+              f"{len(plan.pipelines)} pipeline(s) on {plan.world_size} GPUs")
+    t = Table(title="pipelines (data-parallel replicas)")
+    for col in ("GPU", "zone", "TP per stage", "pipelines", "micro-batches each", "samples each"):
+        t.add_column(col)
+    for gpu, zone, tps, mbs in pipeline_groups(plan):
+        shares = sorted(set(mbs))
+        t.add_row(gpu, zone, ",".join(map(str, tps)), str(len(mbs)), "/".join(map(str, shares)),
+                  "/".join(str(m * plan.micro_batch_size) for m in shares))
+    con.print(t)
+    s = Table(show_header=False, box=None)
+    s.add_column()
+    s.add_column(justify="right")
+    for k, v in [("iterations/s", f"{est.throughput_iters_per_s:.4f}"),
+                 ("iteration time (s)", f"{est.iteration_time_s:.3f} (pipeline {est.pipeline_s:.3f},"
+                                        f" sync {est.gradient_sync_s:.3f}, optimizer {est.optimizer_s:.3f})"),
+                 ("tokens/s", f"{est.tokens_per_s:,.0f}"),
+                 ("$/iteration", f"{est.cost_per_iteration_usd:.4f}"),
+                 ("$/hour", f"{est.cost_per_hour_usd:.2f}"),
+                 ("memory headroom (GiB)", f"{est.min_headroom_bytes / GIB:.1f} on the fullest GPU"),
+                 ("MFU", f"{est.mfu:.1%}"),
+                 ("search time (s)", f"{result.search_time_s:.2f}")]:
+        s.add_row(k, v)
+    con.print(s)
+    if est.estimated:
+        con.print(f"[yellow]estimated (no measurement): {'; '.join(est.estimated)}[/yellow]")
+    if result.alternatives:
+        a = Table(title="alternatives")
+        for col in ("#", "P", "mbs", "pipelines", "GPUs", "iterations/s", "$/iteration", "$/hour"):
+            a.add_column(col, justify="right")
+        for i, c in enumerate(result.alternatives, 1):
+            e, p = c.estimate, c.plan
+            desc = "; ".join(f"{len(m)}x {g} {z} TP {','.join(map(str, tp))}" for g, z, tp, m in pipeline_groups(p))
+            a.add_row(str(i), str(p.num_stages), str(p.micro_batch_size), desc, str(p.world_size),
+                      f"{e.throughput_iters_per_s:.4f}", f"{e.cost_per_iteration_usd:.4f}", f"{e.cost_per_hour_usd:.2f}")
+        con.print(a)

@@ -1,0 +1,92 @@
+"""`sailor train PLAN`: run a plan with torch.distributed on this machine (torchrun, one process per rank).
+
+Exit statuses: 0 done, 1 a rank failed, 2 bad input (before any process starts), 3 stopped on
+request (SIGTERM/SIGINT or --stop-file) after writing a checkpoint, 130 killed by a second interrupt.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sailor.cli import app
+
+
+@app.command()
+def train(
+    plan: str = typer.Argument(..., help="Plan file (JSON/YAML; ours or Sailor's plan_config). GPU type 'cpu' and"
+                                         " zone 'local' run on this machine's CPU."),
+    job: str = typer.Option(None, "--job", help="Job spec file; default: the job carried by the plan."),
+    steps: int = typer.Option(10, "--steps", help="Train until this many optimizer steps in total (a resumed"
+                                                  " run counts the checkpoint's steps), e.g. 100."),
+    checkpoint_dir: str = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints (step-<n>/ each);"
+                                                                      " one is written at the end and on stop."),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Also checkpoint every N steps (0: never)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest verified checkpoint in"
+                                                        " --checkpoint-dir (any plan)."),
+    metrics: str = typer.Option(None, "--metrics", help="Append one JSON line per step to this file (.jsonl)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of initial weights and data order."),
+    device: str = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (NCCL, bf16 autocast)."),
+    data: str = typer.Option(None, "--data", help="Text file or folder of files, as byte tokens; default: Python's"
+                                                  " own pydoc topics."),
+    stop_file: str = typer.Option(None, "--stop-file", help="Creating this file stops the run gracefully at the"
+                                                            " next step boundary (checkpoint, exit 3)."),
+    timeout_s: float = typer.Option(300.0, "--timeout-s", help="Seconds any collective or transfer may wait"
+                                                               " before the job fails."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the rank layout and exit."),
+) -> None:
+    """Train a plan exactly: tensor, pipeline (1F1B) and data parallelism as the plan says."""
+    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+
+    err = Console(stderr=True)
+    prep = prepare(TrainOptions(plan=plan, job=job, steps=steps, checkpoint_dir=checkpoint_dir,
+                                checkpoint_every=checkpoint_every, resume=resume, metrics=metrics, seed=seed,
+                                device=device, data=data, stop_file=stop_file, timeout_s=timeout_s))
+    for note in prep.notes:
+        err.print(f"[yellow]{note}[/yellow]" if note.startswith("skipped") else note)
+    if dry_run:
+        Console().print(_layout_table(prep))
+        return
+    result = _run_with_progress(prep, launch, err)
+    if result.status is ExitStatus.DONE:
+        err.print(f"[green]{result.message}[/green]")
+    elif result.status is ExitStatus.STOPPED:
+        err.print(f"[yellow]{result.message}[/yellow]")
+    else:
+        tail = next((e["text"] for e in result.events if e["event"] == "stderr_tail"), "")
+        if tail:
+            sys.stderr.write(tail[-2000:])
+        print(f"error: {result.message}", file=sys.stderr)
+    raise typer.Exit(code=int(result.status))
+
+
+def _layout_table(prep) -> Table:
+    t = Table(title=f"{prep.plan.world_size} ranks, {prep.job.model.name}, global batch {prep.job.global_batch_size}")
+    for col in ("rank", "pipeline", "stage", "layers", "tp rank", "gpu", "zone", "microbatches"):
+        t.add_column(col)
+    for r in prep.ranks:
+        a, b = prep.plan.stages[r.stage]
+        t.add_row(str(r.rank), str(r.pipeline), str(r.stage), f"[{a}, {b})", f"{r.tp_rank}/{r.tp}", r.gpu, r.zone,
+                  str(prep.plan.pipelines[r.pipeline].microbatches))
+    return t
+
+
+def _run_with_progress(prep, launch, console: Console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("train", total=prep.options.steps, completed=prep.resume_step, info="starting")
+
+        def on_event(ev) -> None:
+            if ev["event"] == "step":
+                progress.update(task, completed=ev["step"],
+                                info=f"loss {ev['loss']:.4f}  {ev['tokens_per_s']:,.0f} tokens/s")
+            elif ev["event"] == "checkpoint":
+                progress.console.print(f"checkpoint {ev['path']}")
+
+        return launch(prep, on_event=on_event)

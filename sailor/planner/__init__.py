@@ -1,0 +1,506 @@
+"""Planner: which GPUs, where, and how to parallelize — the best plan under the simulator.
+
+Three phases (STYLE.md §2.8): (1) tables — `space`: stage options, TP templates, partitions;
+(2) search — `search`: pipeline counts per (GPU type, zone) and batch shares, exact on small spaces
+and bounded scans on large ones, everything scored with the simulator's closed form; (3) scoring —
+the best `rescore` candidates are simulated again with the 1F1B event simulation and the best of them
+under the objective is returned with its alternatives.
+
+Pruning (DESIGN.md §5): H1 TP within a node; H2 only TP degrees whose memory fits (stage options);
+H3/H4 data-parallel degree scanned from large to small (throughput) or small to large (cost) with a
+sound stopping bound; H5 a plan uses the zones of one region; H6 zones of a region share one search
+(their pipelines are counted per zone, so prices and links of each zone still count). Outer loops
+(P, micro-batch, partition, templates) are skipped when a lower bound on their best score cannot beat
+the best plan found so far.
+
+Every call builds its own SimContext: nothing is cached across calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+from sailor.errors import InfeasibleError, SailorInputError
+from sailor.plan import Plan
+from sailor.simulator import Estimate, SimContext, Slot, simulate, stage_sync
+from sailor.simulator.memory import replica_memory
+from sailor.planner import search as S
+from sailor.planner.space import (candidate_partitions, even_partition, mbs_candidates, stage_options,
+                                  templates)
+
+GB = 1e9
+
+
+class Objective(str, Enum):
+    """What to optimise. With a fixed global batch, these are time-to-train and cost-to-train."""
+
+    THROUGHPUT = "throughput"  # maximise iterations/s
+    COST = "cost"              # minimise $/iteration
+
+
+class SearchSpace(str, Enum):
+    """`full`: our space. `paper`: the published one (even layer split, equal batch per pipeline, one
+    TP per GPU type). `homogeneous`: one GPU type in one zone, uniform TP, even split, equal shares."""
+
+    FULL = "full"
+    PAPER = "paper"
+    HOMOGENEOUS = "homogeneous"
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Limits a plan must respect (None = no limit). Units: $/iteration, $/hour, iterations/s."""
+
+    max_cost_per_iteration: float | None = None
+    max_cost_per_hour: float | None = None
+    min_throughput: float | None = None
+
+    def ok(self, time_s: float, cost_usd: float) -> bool:
+        if self.max_cost_per_iteration is not None and cost_usd > self.max_cost_per_iteration:
+            return False
+        if self.max_cost_per_hour is not None and cost_usd * 3600.0 / time_s > self.max_cost_per_hour:
+            return False
+        if self.min_throughput is not None and 1.0 / time_s < self.min_throughput:
+            return False
+        return True
+
+
+@dataclass
+class PlanOptions:
+    """Search settings. `max_stages` bounds P; `max_mbs` the micro-batch size; `top_k` the
+    alternatives kept; `rescore` how many closed-form finalists get the event simulation;
+    `templates_per_gpu` how many TP templates per GPU type enter the count search on large spaces."""
+
+    objective: Objective = Objective.THROUGHPUT
+    constraints: Constraints = field(default_factory=Constraints)
+    search: SearchSpace = SearchSpace.FULL
+    max_stages: int = 16
+    max_mbs: int = 32
+    top_k: int = 5
+    rescore: int = 8
+    templates_per_gpu: int = 3
+
+
+@dataclass
+class Choice:
+    """A finalist: the plan, its closed-form score and (after phase 3) its event-simulated estimate."""
+
+    plan: Plan
+    closed_time_s: float
+    closed_cost_usd: float
+    estimate: Estimate | None = None
+
+
+@dataclass
+class PlanResult:
+    """The best plan, its estimate, the alternatives and search statistics."""
+
+    plan: Plan
+    estimate: Estimate
+    alternatives: list[Choice]
+    best_closed: Choice
+    search_time_s: float
+    points: int           # (P, mbs, partition, templates) points searched
+    candidates: int       # count vectors scored
+
+
+def _key(objective: Objective) -> Callable[[float, float], tuple[float, float]]:
+    if objective is Objective.THROUGHPUT:
+        return lambda t, c: (t, c)
+    return lambda t, c: (c, t)
+
+
+def plan_job(ctx: SimContext, options: PlanOptions | None = None,
+             progress: Callable[[int, int], None] | None = None) -> PlanResult:
+    """Find the best plan for ctx.job on ctx.cluster.
+
+    Best-first branch and bound over *families* (region, P, micro-batch, partition): each family gets
+    a lower bound on its best objective from an optimistic virtual pipeline (every stage at its
+    fastest feasible TP, the fewest GPUs per pipeline); families are searched in bound order and the
+    search stops when the next bound cannot beat the best plan found (exact for the space).
+
+    Args:
+        ctx: job, cluster, profiles and network (a fresh SimContext per call).
+        options: objective, constraints, search space and bounds.
+        progress: called as progress(done, total) as families are searched or pruned.
+    Returns:
+        PlanResult with the best plan (carrying job and cluster) and its event-simulated estimate.
+    Raises:
+        InfeasibleError: no plan fits memory, GPUs or constraints; the message names the binding reason.
+    """
+    opts = options or PlanOptions()
+    t0 = time.perf_counter()
+    job, cluster = ctx.job, ctx.cluster
+    if cluster.total_gpus() == 0:
+        raise InfeasibleError("the cluster offers no GPUs")
+    key = _key(opts.objective)
+    finalists: dict[tuple, tuple[tuple[float, float], S.Candidate, tuple]] = {}
+    state = {"best": None, "points": 0, "candidates": 0}
+    keep = 2 * max(opts.top_k, opts.rescore)
+
+    def offer(cand: S.Candidate, point: tuple) -> None:
+        state["candidates"] += 1
+        if not opts.constraints.ok(cand.iteration_time_s, cand.cost_per_iteration_usd):
+            return
+        k = key(cand.iteration_time_s, cand.cost_per_iteration_usd)
+        finalists[(point, cand.counts)] = (k, cand, point)
+        if state["best"] is None or k < state["best"]:
+            state["best"] = k
+        if len(finalists) > 2 * keep:
+            for sig in sorted(finalists, key=lambda s: finalists[s][0])[keep:]:
+                del finalists[sig]
+
+    families = sorted(_families(ctx, opts), key=lambda f: f[0])
+    for done, (bound, fam) in enumerate(families):
+        if state["best"] is not None and bound[0] >= state["best"][0]:
+            break  # bounds are sorted: no later family can win
+        for types, point in _points(ctx, opts, fam):
+            state["points"] += 1
+            _search_counts(ctx, opts, types, point, fam.M, offer, state, key)
+        if progress:
+            progress(done + 1, len(families))
+    if progress:
+        progress(len(families), len(families))
+
+    if not finalists:
+        raise InfeasibleError(_why_infeasible(ctx, opts, bool(families)))
+    ranked = sorted(finalists.values(), key=lambda v: v[0])
+    choices = [Choice(_build_plan(ctx, cand, point), cand.iteration_time_s, cand.cost_per_iteration_usd)
+               for _, cand, point in ranked[: max(opts.rescore, opts.top_k + 1)]]
+    best_closed = choices[0]
+    for ch in choices[: opts.rescore]:
+        ch.estimate = simulate(ch.plan, ctx)
+    scored = [c for c in choices[: opts.rescore]
+              if opts.constraints.ok(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd)]
+    scored = scored or choices[:1]
+    scored.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
+    best = scored[0]
+    alternatives = [c for c in choices if c is not best][: opts.top_k]
+    for c in alternatives:
+        if c.estimate is None:
+            c.estimate = simulate(c.plan, ctx)
+    alternatives.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
+    return PlanResult(plan=best.plan, estimate=best.estimate, alternatives=alternatives,
+                      best_closed=best_closed, search_time_s=time.perf_counter() - t0,
+                      points=state["points"], candidates=state["candidates"])
+
+
+@dataclass(frozen=True)
+class Family:
+    """(region, P, micro-batch, partition) with the TP templates feasible per GPU type."""
+
+    zones: tuple[str, ...]
+    mbs: int
+    M: int
+    partition: tuple
+    templates: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]  # (gpu, its templates)
+
+
+def _families(ctx: SimContext, opts: PlanOptions):
+    """Yield (lower-bound key, Family) for every family with at least one feasible template."""
+    job = ctx.job
+    P_max = min(job.model.num_layers, opts.max_stages)
+    for zones in _regions(ctx.cluster).values():
+        gpus = sorted({g for z in zones for g, n in ctx.cluster.zones[z].items() if n > 0})
+        for P in range(1, P_max + 1):
+            for mbs in mbs_candidates(job.global_batch_size, opts.max_mbs):
+                M = job.global_batch_size // mbs
+                if opts.search is SearchSpace.FULL:
+                    partitions = candidate_partitions(ctx, P, mbs, gpus)
+                else:
+                    partitions = [even_partition(job.model.num_layers, P)]
+                for partition in partitions:
+                    per_gpu, virtual, s2 = [], [], float("inf")
+                    for g in gpus:
+                        options = stage_options(ctx, g, partition, mbs, M)
+                        tmpl = templates(options)
+                        if opts.search is not SearchSpace.FULL:
+                            uniform = [t for t in tmpl if len(set(t)) == 1]
+                            # the published rule: the smallest TP degree that fits (H2), one per GPU type
+                            tmpl = uniform[:1] if opts.search is SearchSpace.PAPER else uniform
+                        if not tmpl:
+                            continue
+                        per_gpu.append((g, tuple(tmpl)))
+                        virtual += _virtual_types(ctx, g, zones, options, tmpl, partition, mbs)
+                        s2 = min(s2, _sync_floor(ctx, g, zones, options, partition))
+                    if per_gpu:
+                        fam = Family(tuple(zones), mbs, M, partition, tuple(per_gpu))
+                        yield _lower_bound(virtual, M, opts, s2), fam
+
+
+def _virtual_types(ctx, gpu, zones, options, tmpls, partition, mbs) -> list[S.PipelineType]:
+    """Per zone, an optimistic pipeline for `gpu`: each stage at its fastest option, the fewest GPUs
+    any template uses, the smallest optimizer step. Its closed-form times and GPU count bound every
+    real template's from below (the closed form is non-decreasing in f, b and c)."""
+    out = []
+    fastest = [min(o, key=lambda x: x.time_s).tp for o in options]
+    fewest = min(sum(t) for t in tmpls)
+    for z in zones:
+        avail = ctx.cluster.available(z, gpu)
+        if avail < fewest:
+            continue
+        v = S.make_pipeline_type(ctx, gpu, z, tuple(fastest), partition, mbs, avail // fewest)
+        opt = min(S.make_pipeline_type(ctx, gpu, z, t, partition, mbs, 1).optimizer_s for t in tmpls[:1])
+        out.append(S.PipelineType(gpu=gpu, zone=z, tps=v.tps, fill_s=v.fill_s, two_s=v.two_s, period_s=v.period_s,
+                                  gpus=fewest, usd_per_hour=fewest * ctx.cluster.price(z, gpu), optimizer_s=0.0 * opt,
+                                  max_count=avail // fewest))
+    return out
+
+
+def _sync_floor(ctx, gpu: str, zones, options, partition) -> float:
+    """Lower bound on the gradient sync of any plan with >= 2 pipelines of `gpu`: per stage, the
+    all-reduce between just two replicas at the most favourable feasible TP degree, in the most
+    favourable zone (more members, mixed TP degrees or other zones only add ring steps, shrink the
+    flow count or slow the links)."""
+    best = float("inf")
+    for z in zones:
+        worst = 0.0
+        for opts_i, (a, e) in zip(options, partition):
+            worst = max(worst, min(stage_sync(ctx, [(Slot(zone=z, gpu=gpu, tp=o.tp), 2)], a, e)[0] for o in opts_i))
+        best = min(best, worst)
+    return best
+
+
+def _regions(cluster) -> dict[str, list[str]]:
+    """Region -> zones with GPUs, in a stable order."""
+    out: dict[str, list[str]] = {}
+    for zone in sorted(cluster.zones):
+        if sum(cluster.zones[zone].values()) > 0:
+            out.setdefault(cluster.prov.region(zone), []).append(zone)
+    return out
+
+
+def _points(ctx: SimContext, opts: PlanOptions, fam: Family):
+    """Yield (pipeline types, point) for every template combination of a family, best bound first."""
+    per_gpu = dict(fam.templates)
+    zones = list(fam.zones)
+    if opts.search is SearchSpace.HOMOGENEOUS:
+        combos = [({g: t}, [z]) for g, tmpls in per_gpu.items() for z in zones if ctx.cluster.available(z, g)
+                  for t in tmpls]
+    else:
+        combos = [(c, zones) for c in _template_combos(ctx, per_gpu, zones, fam.partition, fam.mbs, opts)]
+    pts = []
+    for combo, zs in combos:
+        types = _types(ctx, combo, zs, fam.partition, fam.mbs)
+        if types:
+            point = (fam.partition, fam.mbs, tuple(sorted(combo.items())), tuple(zs))
+            pts.append((_lower_bound(types, fam.M, opts, _types_sync_floor(ctx, types, fam.partition)), types, point))
+    pts.sort(key=lambda x: x[0])
+    for _, types, point in pts:
+        yield types, point
+
+
+def _types_sync_floor(ctx, types: list[S.PipelineType], partition) -> float:
+    """`_sync_floor` for pipeline types whose TP template is fixed."""
+    return min(max(stage_sync(ctx, [(t.slot(i), 2)], a, e)[0] for i, (a, e) in enumerate(partition)) for t in types)
+
+
+def _types(ctx, combo: dict[str, tuple[int, ...]], zones: list[str], partition, mbs: int) -> list[S.PipelineType]:
+    out = []
+    for g, tps in sorted(combo.items()):
+        for z in zones:
+            avail = ctx.cluster.available(z, g)
+            if avail >= sum(tps):
+                out.append(S.make_pipeline_type(ctx, g, z, tps, partition, mbs, avail // sum(tps)))
+    return out
+
+
+def _template_combos(ctx, per_gpu: dict[str, list[tuple[int, ...]]], zones, partition, mbs, opts: PlanOptions):
+    """One template per GPU type (or the type unused). On large spaces only the best few templates per
+    type by pipeline throughput per GPU enter, plus the one with the fewest GPUs."""
+    lists = []
+    for g, tmpls in sorted(per_gpu.items()):
+        if len(tmpls) > opts.templates_per_gpu and opts.search is SearchSpace.FULL and _large(ctx, per_gpu, zones):
+            zone = max(zones, key=lambda z: ctx.cluster.available(z, g))
+            scored = sorted(tmpls, key=lambda t: S.make_pipeline_type(ctx, g, zone, t, partition, mbs, 1).period_s * sum(t))
+            keep = scored[: opts.templates_per_gpu]
+            fewest = min(tmpls, key=lambda t: (sum(t), t))
+            tmpls = keep + ([fewest] if fewest not in keep else [])
+        lists.append([(g, t) for t in tmpls] + [None])
+    for pick in itertools.product(*lists):
+        chosen = {x[0]: x[1] for x in pick if x is not None}
+        if chosen:
+            yield chosen
+
+
+def _large(ctx, per_gpu, zones) -> bool:
+    """A space whose count vectors cannot all be scored (see search.EXHAUSTIVE_COUNTS)."""
+    n = 1
+    for g in per_gpu:
+        for z in zones:
+            n *= ctx.cluster.available(z, g) + 1
+    return n > S.EXHAUSTIVE_COUNTS
+
+
+def _search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M: int, offer, state, key) -> None:
+    """Phase 2 for one point: every count vector on small spaces, else the bounded D scan."""
+    s_min = _types_sync_floor(ctx, types, point[0])
+    if state["best"] is not None and _lower_bound(types, M, opts, s_min)[0] >= state["best"][0]:
+        return
+    scorer = S.Scorer(ctx, point[0], types, M)
+    gpus_in_point = {g for g, _ in point[2]}
+
+    def consider(counts) -> S.Candidate | None:
+        if {t.gpu for t, n in zip(types, counts) if n} != gpus_in_point:
+            return None  # a vector leaving a GPU type unused belongs to another combination
+        cand = scorer.score(counts)
+        if cand is not None:
+            offer(cand, point)
+        return cand
+
+    if opts.search is not SearchSpace.FULL:
+        _equal_share_scan(types, M, consider)
+        return
+    if _prod(types) <= S.EXHAUSTIVE_COUNTS:
+        for counts in S.all_count_vectors(types):
+            consider(counts)
+        return
+    D_max = min(sum(t.max_count for t in types), M)
+    throughput = opts.objective is Objective.THROUGHPUT
+    opt_min = min(t.optimizer_s for t in types)
+    for k in range(len(types)):  # one pipeline alone pays no sync: always a candidate
+        consider(tuple(1 if j == k else 0 for j in range(len(types))))
+    for D in (range(D_max, 1, -1) if throughput else range(2, D_max + 1)):
+        counts = S.min_w_allocation(types, D, M)
+        if counts is None:
+            continue
+        consider(counts)
+        best = state["best"]
+        if best is None:
+            continue
+        if throughput:
+            W = S.min_makespan(types, counts, M)
+            if W is not None and W + s_min + opt_min >= best[0]:
+                break  # a smaller D only raises W; sync and optimizer cannot drop below their floors
+        elif _cost_floor(types, D + 1) >= best[0]:
+            break
+
+
+def _equal_share_scan(types, M, consider) -> None:
+    """Published space: every pipeline gets M / D micro-batches (D must divide M); within a GPU type
+    all zones are filled in order. Scans D for each type mix."""
+    for counts in S.all_count_vectors(types) if _prod(types) <= S.EXHAUSTIVE_COUNTS else _fill_orders(types, M):
+        D = sum(counts)
+        if M % D == 0:
+            consider(counts)
+
+
+def _fill_orders(types, M):
+    """Count vectors of the form 'first n pipelines of each GPU type, zones filled in order'."""
+    by_gpu: dict[str, list[int]] = {}
+    for k, t in enumerate(types):
+        by_gpu.setdefault(t.gpu, []).append(k)
+    ranges = []
+    for g, ks in by_gpu.items():
+        total = sum(types[k].max_count for k in ks)
+        ranges.append((ks, range(0, min(total, M) + 1)))
+    for pick in itertools.product(*(r for _, r in ranges)):
+        counts = [0] * len(types)
+        for (ks, _), n in zip(ranges, pick):
+            for k in ks:
+                take = min(n, types[k].max_count)
+                counts[k] = take
+                n -= take
+        if any(counts) and sum(counts) <= M:
+            yield tuple(counts)
+
+
+def _prod(types) -> int:
+    n = 1
+    for t in types:
+        n *= t.max_count + 1
+    return n
+
+
+def _cost_floor(types, D: int) -> float:
+    """$ lower bound for any plan with >= D pipelines: each pipeline is paid for at least its fill."""
+    return D * min(t.usd_per_hour * min(t.fill_s, t.two_s - t.period_s) for t in types) / 3600.0
+
+
+def _lower_bound(types: list[S.PipelineType], M: int, opts: PlanOptions, sync2: float) -> tuple[float, float]:
+    """Lower bound on the objective key of any count vector over `types` (at most max_count each).
+
+    Time: one pipeline alone (no sync) or, with two or more, the makespan if every available
+    pipeline could be used and some could sit idle (a relaxation of the shares) plus `sync2`, a lower
+    bound on the all-reduce of two or more replicas; plus the smallest optimizer step. Cost: each
+    micro-batch costs at least the cheapest rate x period, the plan pays for at least one pipeline's
+    fill, and for two or more pipelines at least twice the cheapest rate over `sync2`.
+    """
+    used = [t for t in types if t.max_count]
+    if not used:
+        return (float("inf"), float("inf"))
+    lo, hi = min(t.fill_s for t in used), max(t.two_s for t in used) + M * max(t.period_s for t in used)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if sum(min(t.max_count, M) * t.cap(mid) for t in used) >= M:
+            hi = mid
+        else:
+            lo = mid
+    alone = min(t.time_s(M) for t in used)
+    opt = min(t.optimizer_s for t in used)
+    T = min(alone, lo + sync2) + opt
+    base = min(t.usd_per_hour * min(t.fill_s, t.two_s - t.period_s) for t in used)
+    rate = min(t.usd_per_hour for t in used)
+    work = (M * min(t.usd_per_hour * t.period_s for t in used) + min(base, 0.0) * M + max(base, 0.0)) / 3600.0
+    cost = min(min(t.usd_per_hour * t.time_s(M) for t in used) / 3600.0, work + 2 * rate * sync2 / 3600.0)
+    return (T, cost) if opts.objective is Objective.THROUGHPUT else (cost, T)
+
+
+def _build_plan(ctx: SimContext, cand: S.Candidate, point) -> Plan:
+    partition, mbs = point[0], point[1]
+    types = cand.scorer.types
+    pipelines = []
+    for t, shares in zip(types, cand.shares):
+        for m in shares:
+            pipelines.append({"microbatches": m, "replicas": [
+                {"stage": i, "gpu": t.gpu, "zone": t.zone, "tp": tp} for i, tp in enumerate(t.tps)]})
+    plan = Plan.model_validate({"micro_batch_size": mbs, "stages": [list(s) for s in partition], "pipelines": pipelines,
+                                "job": ctx.job.to_dict(), "cluster": ctx.cluster.to_dict()})
+    plan.check_against(ctx.job, ctx.cluster)
+    return plan
+
+
+def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
+    """The binding reason no plan was found, with numbers."""
+    job, cluster = ctx.job, ctx.cluster
+    model = job.model
+    if not any_fit:
+        # memory: the least memory per GPU over stage counts, TP degrees and a micro-batch of 1
+        best = None
+        for g in cluster.gpu_types():
+            for tp in model.tp_degrees(cluster.node_size(g)):
+                for P in range(1, min(model.num_layers, opts.max_stages) + 1):
+                    part = even_partition(model.num_layers, P)
+                    need = max(replica_memory(ctx, g, tp, 1, a, b, stage=i, num_stages=P, microbatches=job.global_batch_size).total
+                               for i, (a, b) in enumerate(part))
+                    if best is None or need < best[0]:
+                        best = (need, g, tp, P)
+        if best is None:
+            return "no GPU type in the cluster can hold a TP group of this model"
+        need, g, tp, P = best
+        largest = max(cluster.gpu_types(), key=lambda x: ctx.memory_capacity(x))
+        return (f"{model.name} needs {need / GB:.1f} GB per GPU at best (TP {tp}, {P} stages, micro-batch 1);"
+                f" the largest GPU offered ({largest}) has {ctx.memory_capacity(largest) / GB:.1f} GB")
+    c = opts.constraints
+    parts = []
+    if c.min_throughput is not None:
+        parts.append(f"at least {c.min_throughput:g} iterations/s")
+    if c.max_cost_per_iteration is not None:
+        parts.append(f"at most ${c.max_cost_per_iteration:g}/iteration")
+    if c.max_cost_per_hour is not None:
+        parts.append(f"at most ${c.max_cost_per_hour:g}/hour")
+    free = plan_job(ctx, PlanOptions(objective=opts.objective, search=opts.search, max_stages=opts.max_stages,
+                                     max_mbs=opts.max_mbs, top_k=1, rescore=1))
+    fastest = plan_job(ctx, PlanOptions(objective=Objective.THROUGHPUT, search=opts.search,
+                                        max_stages=opts.max_stages, max_mbs=opts.max_mbs, top_k=1, rescore=1))
+    cheapest = plan_job(ctx, PlanOptions(objective=Objective.COST, search=opts.search,
+                                         max_stages=opts.max_stages, max_mbs=opts.max_mbs, top_k=1, rescore=1))
+    del free
+    return (f"no plan meets {' and '.join(parts)}: the fastest plan reaches"
+            f" {fastest.estimate.throughput_iters_per_s:.3g} iterations/s at ${fastest.estimate.cost_per_iteration_usd:.3g}/iteration"
+            f" (${fastest.estimate.cost_per_hour_usd:.3g}/hour); the cheapest costs"
+            f" ${cheapest.estimate.cost_per_iteration_usd:.3g}/iteration at {cheapest.estimate.throughput_iters_per_s:.3g} iterations/s")

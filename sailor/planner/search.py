@@ -1,0 +1,245 @@
+"""Phase 2 of the planner: given the tables of one (P, micro-batch, partition, TP templates) point,
+choose how many pipelines of each (GPU type, zone) to run and each pipeline's share of the batch.
+
+Notation. A pipeline type k = (GPU type, zone, TP template) has, under the closed form of
+`simulator.schedule.closed_form_1f1b` (affine in m from m = 2 on: the straggler pays each extra
+micro-batch), a time for m micro-batches
+
+    time_k(1) = A_k,   time_k(m) = B_k + (m - 2)·t_k  for m >= 2
+
+and uses G_k GPUs. A candidate is a count vector n (n_k pipelines of type k, n_k·G_k <= GPUs
+available). Its iteration time is
+
+    T(n) = W(n) + max_i S_i(n) + O(n)
+
+with W the pipeline makespan under the best integer batch shares, S_i the all-reduce of stage i over
+the D = Σ n_k replicas, and O the slowest optimizer step.
+
+Batch shares (exact): W(n) = min τ such that Σ_k n_k·cap_k(τ) >= M, cap_k(τ) = max{m >= 1 :
+time_k(m) <= τ}, M = global batch / micro-batch; found by bisection on τ, then each pipeline gets
+cap_k(τ) micro-batches and the excess is taken back from the slowest pipelines. (Min-max of
+non-decreasing separable functions: a τ is reachable iff the capacities add up to M.)
+
+Count vectors: all of them when there are at most `EXHAUSTIVE_COUNTS` (small clusters: the result
+is then the optimum of the space). Otherwise a scan over D with the min-W allocation for each D (the
+D pipelines with the largest capacity at the optimal τ), from large to small D when maximising
+throughput and small to large when minimising cost (H3/H4), stopped by a bound: W only grows as D
+shrinks, and S_i >= its value with one replica per type, so once W*(D) + S_min + O >= the best T no
+smaller D can win; for cost, D·min_k(rate_k·A_k) bounds the GPU-seconds of any D-pipeline plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_sync, tied_sync
+from sailor.simulator.schedule import closed_form_1f1b
+
+EXHAUSTIVE_COUNTS = 4096
+
+
+@dataclass(frozen=True)
+class PipelineType:
+    """Pipelines of one GPU type in one zone with one TP template (all identical under the model)."""
+
+    gpu: str
+    zone: str
+    tps: tuple[int, ...]
+    fill_s: float        # A_k: time of one micro-batch through the pipeline (s)
+    two_s: float         # B_k: time of two micro-batches (s)
+    period_s: float      # t_k: time each further micro-batch adds (the straggler's period) (s)
+    gpus: int            # G_k
+    usd_per_hour: float  # G_k x $/GPU-hour in this zone
+    optimizer_s: float   # slowest optimizer step among its stages (s)
+    max_count: int       # pipelines that fit in this zone's GPUs
+
+    def slot(self, stage: int) -> Slot:
+        return Slot(zone=self.zone, gpu=self.gpu, tp=self.tps[stage])
+
+    def time_s(self, m: int) -> float:
+        return self.fill_s if m == 1 else self.two_s + (m - 2) * self.period_s
+
+    def cap(self, tau: float) -> int:
+        """Most micro-batches one pipeline finishes within tau seconds (0 if not even one)."""
+        eps = 1e-12 * max(1.0, abs(tau))
+        if tau < self.fill_s - eps:
+            return 0
+        if tau < self.two_s - eps:
+            return 1
+        return 2 + math.floor((tau - self.two_s) / self.period_s + 1e-9)
+
+
+def make_pipeline_type(ctx: SimContext, gpu: str, zone: str, tps: tuple[int, ...], partition, mbs: int,
+                       max_count: int) -> PipelineType:
+    """Closed-form constants of a (GPU, zone, TP template) pipeline, from the simulator's own building
+    blocks (`pipeline_arrays`, `closed_form_1f1b`, `optimizer_s`), so planner and simulator agree."""
+    slots = [Slot(zone=zone, gpu=gpu, tp=t) for t in tps]
+    f, b, c, _, _ = pipeline_arrays(ctx, slots, partition, mbs)
+    t1, t2, t3, t4 = (closed_form_1f1b(f, b, c, m) for m in (1, 2, 3, 4))
+    assert abs((t4 - t3) - (t3 - t2)) <= 1e-9 * t4, "closed form must be affine in m from m = 2"
+    opt = max(optimizer_s(ctx, sl, a, e) for sl, (a, e) in zip(slots, partition))
+    return PipelineType(gpu=gpu, zone=zone, tps=tuple(tps), fill_s=t1, two_s=t2, period_s=t3 - t2,
+                        gpus=sum(tps), usd_per_hour=sum(tps) * ctx.cluster.price(zone, gpu), optimizer_s=opt,
+                        max_count=max_count)
+
+
+def min_makespan(types: list[PipelineType], counts: tuple[int, ...], M: int) -> float | None:
+    """Smallest τ at which the pipelines (counts[k] of type k) can finish M micro-batches, each
+    pipeline at least one; None when there are more pipelines than micro-batches.
+
+    The answer is a breakpoint time_k(m). Ignoring the floors, Σ_k n_k·(2 + (τ - B_k)/t_k) = M gives
+    τ0; the floors lose less than one micro-batch per pipeline, so τ* lies in [τ0, τ0 + max t_k] and
+    only the few breakpoints in that window are tried, in order.
+    """
+    D = sum(counts)
+    if D == 0 or D > M:
+        return None
+    used = [(types[k], n) for k, n in enumerate(counts) if n]
+    lo = max(t.fill_s for t, _ in used)
+
+    def total(tau: float) -> int:
+        return sum(n * t.cap(tau) for t, n in used)
+
+    if total(lo) >= M:
+        return lo
+    rate = sum(n / t.period_s for t, n in used)
+    tau0 = max(lo, (M - sum(n * (2.0 - t.two_s / t.period_s) for t, n in used)) / rate)
+    t_max = max(t.period_s for t, _ in used)
+    points = {t.two_s for t, _ in used if t.two_s >= lo}
+    for t, _ in used:
+        j0 = max(0, math.floor((tau0 - t.two_s) / t.period_s) - 1)
+        j1 = math.ceil((tau0 + t_max - t.two_s) / t.period_s) + 1
+        points.update(t.two_s + j * t.period_s for j in range(j0, j1 + 1))
+    for tau in sorted(p for p in points if p >= lo):
+        if total(tau) >= M:
+            return tau
+    raise AssertionError("makespan window missed")  # the window argument above rules this out
+
+
+def waterfill(types: list[PipelineType], counts: tuple[int, ...], M: int) -> tuple[float, list[list[int]]] | None:
+    """Best integer batch shares: (makespan W in s, micro-batches per pipeline for each type), or None
+    when the pipelines outnumber the M micro-batches (each needs at least one)."""
+    tau = min_makespan(types, counts, M)
+    if tau is None:
+        return None
+    shares = [[types[k].cap(tau)] * n if n else [] for k, n in enumerate(counts)]
+    excess = sum(map(sum, shares)) - M
+    # Take the excess back, one micro-batch per pipeline per pass, slowest types first: the makespan
+    # stays τ (τ is optimal, so it cannot drop below it) and every pipeline keeps at least one.
+    order = sorted(range(len(types)), key=lambda k: -types[k].time_s(shares[k][0]) if shares[k] else 0.0)
+    while excess > 0:
+        for k in order:
+            for j, m in enumerate(shares[k]):
+                if excess == 0:
+                    break
+                if m > 1:
+                    shares[k][j] = m - 1
+                    excess -= 1
+    W = max(types[k].time_s(max(s)) for k, s in enumerate(shares) if s)
+    return W, shares
+
+
+@dataclass
+class Scorer:
+    """Scores count vectors for one (P, mbs, partition, templates) point; caches sync per member set."""
+
+    ctx: SimContext
+    partition: tuple
+    types: list[PipelineType]
+    M: int
+    _sync: dict = field(default_factory=dict)
+
+    def sync(self, counts: tuple[int, ...]) -> tuple[float, float]:
+        """(tied + slowest stage all-reduce seconds, egress $ per iteration) for these counts, as
+        `simulate` computes them (`tied_sync`, `stage_sync`)."""
+        if counts not in self._sync:
+            P = len(self.partition)
+            used = [(t, n) for t, n in zip(self.types, counts) if n]
+            tied, usd = 0.0, 0.0
+            for t, n in used:
+                s, _, u = tied_sync(self.ctx, t.slot(0), t.slot(P - 1), P)
+                tied = max(tied, s)
+                usd += n * u
+            worst = 0.0
+            for i, (a, e) in enumerate(self.partition):
+                groups: dict = {}
+                for t, n in used:
+                    groups[t.slot(i)] = groups.get(t.slot(i), 0) + n
+                ordered = sorted(groups.items(), key=lambda g: (g[0].zone, g[0].gpu, g[0].tp))
+                s, _, u = stage_sync(self.ctx, ordered, a, e)
+                worst = max(worst, s)
+                usd += u
+            self._sync[counts] = (tied + worst, usd)
+        return self._sync[counts]
+
+    def score(self, counts: tuple[int, ...]) -> "Candidate | None":
+        wf = waterfill(self.types, counts, self.M)
+        if wf is None:
+            return None
+        W, shares = wf
+        sync_s, egress = self.sync(counts)
+        opt = max(t.optimizer_s for t, n in zip(self.types, counts) if n)
+        T = W + sync_s + opt
+        rate = sum(t.usd_per_hour * n for t, n in zip(self.types, counts))
+        return Candidate(iteration_time_s=T, cost_per_iteration_usd=rate * T / 3600.0 + egress,
+                         usd_per_hour_gpus=rate, counts=counts, shares=shares, scorer=self)
+
+
+@dataclass
+class Candidate:
+    """A scored point of the space (closed form)."""
+
+    iteration_time_s: float
+    cost_per_iteration_usd: float
+    usd_per_hour_gpus: float
+    counts: tuple[int, ...]
+    shares: list[list[int]]
+    scorer: Scorer
+
+    @property
+    def throughput(self) -> float:
+        return 1.0 / self.iteration_time_s
+
+    @property
+    def cost_per_hour_usd(self) -> float:
+        return self.cost_per_iteration_usd * 3600.0 / self.iteration_time_s
+
+
+def all_count_vectors(types: list[PipelineType]):
+    """Every count vector within availability (all zero excluded)."""
+    for counts in itertools.product(*(range(t.max_count + 1) for t in types)):
+        if any(counts):
+            yield counts
+
+
+def min_w_allocation(types: list[PipelineType], D: int, M: int) -> tuple[int, ...] | None:
+    """The D pipelines (at most max_count per type) with the smallest makespan: bisection on τ with
+    the D largest capacities at τ."""
+    if D > sum(t.max_count for t in types) or D > M:
+        return None
+
+    def pick(tau: float) -> tuple[int, tuple[int, ...]]:
+        order = sorted(range(len(types)), key=lambda k: (-types[k].cap(tau), types[k].fill_s))
+        left, counts, total = D, [0] * len(types), 0
+        for k in order:
+            take = min(left, types[k].max_count)
+            counts[k] = take
+            total += take * types[k].cap(tau)
+            left -= take
+        return total, tuple(counts)
+
+    lo = min(t.fill_s for t in types if t.max_count)
+    hi = max(t.fill_s for t in types) + M * max(t.period_s for t in types)
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if pick(mid)[0] >= M:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    return pick(hi)[1]

@@ -1,0 +1,299 @@
+"""`sailor train`'s launcher: validate, then run torchrun with one process per rank of the plan.
+
+Exit statuses (`ExitStatus`): 0 every step done; 1 a rank failed (the whole job is ended within
+seconds: torchrun stops the other ranks, and the launcher kills the process group); 2 bad input,
+reported before any process starts; 3 stopped on request after writing a checkpoint; 130 killed by a
+second interrupt.
+
+Stop protocol: SIGTERM or SIGINT to the launcher (or creating the `stop_file`) asks every rank to
+finish its current step; they agree at the next step boundary, write a checkpoint (if a checkpoint
+folder is set) and exit; the launcher then exits 3. A second signal kills the job at once.
+
+torchrun runs in its own session (process group); every rank has the kernel kill it if torchrun dies
+(PR_SET_PDEATHSIG), torchrun gets SIGTERM if the launcher dies, and the launcher kills the whole
+group on every exit path, so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sailor.errors import SailorInputError
+from sailor.plan import Plan, RankInfo, load_plan, rank_layout
+from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.data import check_corpus, load_corpus
+from sailor.runtime.validate import check_runtime_geometry
+from sailor.specs import JobSpec, load_job
+
+EVENT_PREFIX = "SAILOR_EVENT "  # the worker's event lines (sailor.runtime.worker.emit)
+MONITOR_INTERVAL_S = 0.2  # how often torchrun checks its ranks: a crash is noticed within this
+
+
+class ExitStatus(enum.IntEnum):
+    """Exit statuses of `sailor train` (module docstring)."""
+
+    DONE = 0
+    FAILED = 1
+    BAD_INPUT = 2
+    STOPPED = 3
+    KILLED = 130
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """Everything `sailor train` is asked to do (paths as given by the user)."""
+
+    plan: str
+    job: str | None = None
+    steps: int = 10
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    metrics: str | None = None
+    seed: int = 0
+    device: str = "cpu"
+    data: str | None = None
+    stop_file: str | None = None
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated run: the plan, its job, the rank layout and the checkpoint to resume from."""
+
+    options: TrainOptions
+    plan: Plan
+    job: JobSpec
+    ranks: list[RankInfo]
+    resume_from: Path | None
+    resume_step: int
+    notes: tuple[str, ...]  # things to tell the user (e.g. a checkpoint skipped for its checksum)
+
+
+@dataclass
+class TrainResult:
+    """How a run ended."""
+
+    status: ExitStatus
+    message: str
+    last_step: int | None = None  # steps completed (as counted by the last step event)
+    checkpoint: str | None = None  # the last checkpoint written
+    pgid: int | None = None  # torchrun's process group (gone when this is returned)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def prepare(options: TrainOptions) -> Prepared:
+    """Check plan, job, data and checkpoint against each other without starting any process.
+
+    Raises:
+        SailorInputError: the plan does not fit the job (layers, global batch, TP not dividing the
+            heads), no job is given, bad steps/device/data, or an incompatible checkpoint.
+    """
+    plan = load_plan(options.plan)
+    if options.job:
+        job = load_job(options.job)
+    elif plan.job is not None:
+        job = plan.job
+    else:
+        raise SailorInputError("the plan carries no job", source=options.plan, fix="pass --job JOB")
+    try:
+        plan.check_against(job, plan.cluster)
+    except SailorInputError as e:
+        raise e.located(source=options.plan) from None
+    check_runtime_geometry(plan, job, source=options.plan)
+    if options.steps < 1:
+        raise SailorInputError(f"--steps must be >= 1, got {options.steps}", source="--steps")
+    if options.device not in ("cpu", "cuda"):
+        raise SailorInputError(f"unknown device {options.device!r}", source="--device", fix="cpu or cuda")
+    if options.device == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if plan.world_size > have:
+            raise SailorInputError(f"the plan has {plan.world_size} ranks but this machine has {have} CUDA devices",
+                                   source=options.plan, fix="run it with --device cpu, or on a larger machine")
+    check_corpus(load_corpus(options.data), seq=job.seq, vocab_size=job.model.vocab_size,
+                 source=options.data or "pydoc_data.topics")
+    notes: list[str] = []
+    resume_from, resume_step = None, 0
+    if options.resume:
+        if not options.checkpoint_dir:
+            raise SailorInputError("--resume needs --checkpoint-dir", source="--resume")
+        found = ckpt.find_latest(options.checkpoint_dir)
+        notes += [f"skipped checkpoint: {why}" for why in found.skipped]
+        if found.path is None:
+            notes.append(f"no verified checkpoint in {options.checkpoint_dir}; starting from step 0")
+        else:
+            ckpt.check_compatible(found.manifest, model=job.model.model_dump(mode="json"), seed=options.seed,
+                                  global_batch_size=job.global_batch_size, source=str(found.path))
+            resume_from, resume_step = found.path, int(found.manifest["step"])
+            notes.append(f"resuming from {found.path} (step {resume_step})")
+    ranks = rank_layout(plan, {r.gpu: plan.world_size for p in plan.pipelines for r in p.replicas})
+    return Prepared(options, plan, job, ranks, resume_from, resume_step, tuple(notes))
+
+
+def worker_command(prep: Prepared, job_file: str | None, stop_file: str) -> list[str]:
+    """The torchrun command line (through `_torchrun_main`) for a prepared run."""
+    o = prep.options
+    cmd = [sys.executable, "-m", "sailor.runtime.launcher", "--standalone",
+           "--nproc-per-node", str(prep.plan.world_size), "--monitor-interval", str(MONITOR_INTERVAL_S),
+           "-m", "sailor.runtime.worker", "--plan", str(Path(o.plan).resolve()), "--steps", str(o.steps),
+           "--seed", str(o.seed), "--device", o.device, "--timeout-s", str(o.timeout_s), "--stop-file", stop_file]
+    for flag, value in (("--job", job_file), ("--data", o.data), ("--checkpoint-dir", o.checkpoint_dir),
+                        ("--metrics", o.metrics), ("--resume-from", prep.resume_from)):
+        if value:
+            cmd += [flag, str(Path(value).resolve())]
+    if o.checkpoint_every:
+        cmd += ["--checkpoint-every", str(o.checkpoint_every)]
+    return cmd
+
+
+def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None = None,
+           handle_signals: bool = True, echo_stderr: bool = False) -> TrainResult:
+    """Run torchrun for `prep` and wait for it; `on_event` sees every worker event (progress).
+
+    Installs SIGTERM/SIGINT handlers (stop protocol) when `handle_signals` and on the main thread.
+    """
+    o = prep.options
+    with tempfile.TemporaryDirectory(prefix="sailor-train-") as tmp:
+        stop_file = o.stop_file or os.path.join(tmp, "stop")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(worker_command(prep, o.job, stop_file), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        result = TrainResult(ExitStatus.FAILED, "", pgid=proc.pid)
+        tail: collections.deque[str] = collections.deque(maxlen=200)
+        signals = {"count": 0}
+
+        def read_stdout() -> None:
+            for line in proc.stdout:
+                if line.startswith(EVENT_PREFIX):
+                    with contextlib.suppress(ValueError):
+                        ev = json.loads(line[len(EVENT_PREFIX):])
+                        result.events.append(ev)
+                        if on_event:
+                            on_event(ev)
+                else:
+                    sys.stdout.write(line)
+
+        def read_stderr() -> None:
+            for line in proc.stderr:
+                tail.append(line)
+                if echo_stderr:
+                    sys.stderr.write(line)
+
+        def on_signal(signum, frame) -> None:
+            signals["count"] += 1
+            if signals["count"] == 1:
+                Path(stop_file).touch()  # ranks agree on it at the next step boundary
+            else:
+                _kill_group(proc.pid)
+
+        readers = [threading.Thread(target=f, daemon=True) for f in (read_stdout, read_stderr)]
+        for t in readers:
+            t.start()
+        old = {}
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while proc.poll() is None:
+                time.sleep(0.1)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            _kill_group(proc.pid)
+            for t in readers:
+                t.join(timeout=5)
+        return _result(result, proc.returncode, signals["count"], "".join(tail))
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _result(result: TrainResult, returncode: int, signals: int, stderr_tail: str) -> TrainResult:
+    steps = [e for e in result.events if e["event"] == "step"]
+    result.last_step = steps[-1]["step"] if steps else None
+    ckpts = [e for e in result.events if e["event"] in ("checkpoint", "stopped") and e.get("checkpoint", e.get("path"))]
+    if ckpts:
+        result.checkpoint = ckpts[-1].get("path") or ckpts[-1].get("checkpoint")
+    stopped = [e for e in result.events if e["event"] == "stopped"]
+    errors = [e for e in result.events if e["event"] == "error"]
+    if returncode == 0 and stopped:
+        result.status = ExitStatus.STOPPED
+        where = f"; checkpoint {result.checkpoint}" if result.checkpoint else " (no --checkpoint-dir: nothing saved)"
+        result.message = f"stopped on request before step {stopped[-1]['step'] + 1}{where}"
+    elif returncode == 0:
+        result.status = ExitStatus.DONE
+        result.message = f"done: {result.last_step or 0} steps"
+    elif signals >= 2:
+        result.status = ExitStatus.KILLED
+        result.message = "killed by a second interrupt"
+    else:
+        result.status = ExitStatus.FAILED
+        why = _first_failure(errors, _failures(stderr_tail)) or f"torchrun exited with status {returncode}"
+        if len(why) > 300:
+            why = why[:297] + "..."
+        result.message = f"training failed ({why}); all ranks stopped"
+        result.events.append({"event": "stderr_tail", "text": stderr_tail[-4000:]})
+    return result
+
+
+def _failures(stderr: str) -> list[tuple[str, str]]:
+    """(rank, exit status) of each failed rank in torchrun's failure report, root cause first."""
+    if "Root Cause" in stderr:
+        i = stderr.index("Root Cause")
+        stderr = stderr[i:] + stderr[:i]
+    out, rank = [], None
+    for line in stderr.splitlines():
+        s = line.strip()
+        if s.startswith("rank") and ":" in s:
+            rank = s.split(":", 1)[1].split("(")[0].strip()
+        elif s.startswith("exitcode") and ":" in s and rank is not None:
+            out.append((rank, s.split(":", 1)[1].split("(")[0].strip()))
+            rank = None
+    return out
+
+
+def _first_failure(errors: list[dict[str, Any]], failures: list[tuple[str, str]]) -> str | None:
+    """The most likely cause: a rank's own error; else a rank that died without one (not one torchrun
+    stopped with SIGTERM); else an error of a rank that only lost contact with a peer."""
+    own = [e for e in errors if not e.get("peer_lost")]
+    if own:
+        return f"rank {own[0]['rank']} failed: {own[0]['error']}"
+    reported = {str(e["rank"]) for e in errors}
+    silent = [(r, c) for r, c in failures if r not in reported and c != "-15"]
+    if silent:
+        return f"rank {silent[0][0]} exited with status {silent[0][1]}"
+    if errors:
+        return f"rank {errors[0]['rank']} failed: {errors[0]['error']}"
+    return None
+
+
+def _torchrun_main() -> None:
+    # torchrun, made to receive SIGTERM when the launcher dies (Linux), so it stops its ranks.
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    from torch.distributed.run import main
+
+    main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    _torchrun_main()

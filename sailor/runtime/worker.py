@@ -1,0 +1,272 @@
+"""One rank of `sailor train`: the training loop torchrun starts (`python -m sailor.runtime.worker`).
+
+Order of construction (fixed; each step is its own function):
+1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups.
+2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers) -> `apply_tp`.
+3. `materialize`: every parameter's full value (seeded init, or checkpoint) sharded for this TP rank.
+4. AdamW (`build_optimizer`), restored from the checkpoint when resuming.
+Each step: stop check (all ranks agree) -> 1F1B over this pipeline's micro-batches -> `GradSync`
+(sample-weighted SUM) -> global-norm clipping -> AdamW -> metrics (loss, timings) to rank 0.
+
+Rank 0 reports to the launcher with single stdout lines `SAILOR_EVENT <json>`: {"event": "step", ...}
+per step, {"event": "checkpoint", "step", "path"}, {"event": "stopped", "step", "checkpoint"},
+{"event": "done", "step"}; any rank reports {"event": "error", "rank", "error", "peer_lost"} before exiting 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sailor.plan import load_plan
+from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.data import batch_tokens, load_corpus
+from sailor.runtime.grad_sync import GradSync, clip_grad_norm
+from sailor.runtime.groups import create_groups
+from sailor.runtime.model import GPT, init_param, lm_loss_sum
+from sailor.runtime.optim import OptimConfig, build_optimizer
+from sailor.runtime.pipeline import P2P, build_stage, run_pipeline
+from sailor.runtime.tensor_parallel import apply_tp, shard, shard_dim
+from sailor.runtime.topology import RankRole, derive_topology
+from sailor.specs import JobSpec, load_job
+
+EVENT_PREFIX = "SAILOR_EVENT "
+FAULT_ENV = "SAILOR_FAULT"  # test hook: "<rank>:<step>" makes that rank die (exit 13) at that step
+
+
+def emit(event: str, **fields: Any) -> None:
+    """One event line for the launcher on stdout."""
+    print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+
+
+def _die_with_parent() -> None:
+    # Linux: have the kernel kill this rank if torchrun dies, so no rank is ever orphaned.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def materialize(stage: nn.Module, full_value, *, tp_rank: int, tp: int, device: torch.device) -> None:
+    """Allocate `stage`'s (meta) parameters on `device` and fill each with TP rank `tp_rank`'s shard
+    of `full_value(name, full_shape)`, the parameter's full tensor."""
+    shapes = {}
+    for name, p in stage.named_parameters():
+        dim = shard_dim(name)
+        full = list(p.shape)
+        if dim is not None:
+            full[dim] *= tp
+        shapes[name] = tuple(full)
+    stage.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            p.copy_(shard(full_value(name, shapes[name]), shard_dim(name), tp_rank, tp))
+
+
+def _barrier(device: torch.device) -> None:
+    dist.all_reduce(torch.zeros(1, device=device))
+
+
+def _full(t: torch.Tensor, name: str, role: RankRole, group) -> torch.Tensor:
+    """The full tensor of a TP-sharded `t` (all-gathered over the TP group)."""
+    dim = shard_dim(name)
+    if dim is None or role.tp == 1:
+        return t.detach().cpu().clone()
+    parts = [torch.empty_like(t) for _ in range(role.tp)]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dim).cpu()
+
+
+def save_checkpoint(root: Path, step: int, meta: dict[str, Any], params: dict[str, nn.Parameter],
+                    opt: torch.optim.Optimizer, role: RankRole, tp_group, device: torch.device) -> Path:
+    """Collective over all ranks: write checkpoint `step` (layout in `sailor.runtime.checkpoint`)."""
+    if dist.get_rank() == 0:
+        ckpt.prepare_tmp(root, step)
+    _barrier(device)
+    if role.pipeline == 0:
+        tensors = {}
+        for name, p in params.items():
+            state = opt.state.get(p, {})
+            entry = {"param": _full(p, name, role, tp_group)}
+            for key in ckpt.OPTIMIZER_KEYS:
+                if key in state:
+                    entry[key] = _full(state[key], name, role, tp_group)
+            tensors[name] = entry
+        if role.tp_rank == 0:
+            ckpt.write_stage_file(ckpt.tmp_dir(root, step), role.stage, tensors)
+    _barrier(device)
+    path = ckpt.step_dir(root, step)
+    if dist.get_rank() == 0:
+        ckpt.commit(root, step, meta)
+    _barrier(device)
+    return path
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter], tensors: dict[str, dict],
+                      step: int, role: RankRole) -> None:
+    """Put the checkpoint's Adam moments (sharded for this rank) and step count into `opt`."""
+    for name, p in params.items():
+        entry = tensors[name]
+        if not all(k in entry for k in ckpt.OPTIMIZER_KEYS):
+            continue  # written before the first step
+        opt.state[p] = {"step": torch.tensor(float(step)),
+                        **{k: shard(entry[k], shard_dim(name), role.tp_rank, role.tp).to(p.device).clone()
+                           for k in ckpt.OPTIMIZER_KEYS}}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="sailor.runtime.worker", description="One rank of `sailor train`.")
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--job")
+    ap.add_argument("--steps", type=int, required=True, help="train until this many steps in total")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--data")
+    ap.add_argument("--checkpoint-dir")
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--resume-from")
+    ap.add_argument("--metrics")
+    ap.add_argument("--stop-file")
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    return ap.parse_args(argv)
+
+
+def train(args: argparse.Namespace) -> None:
+    """The training loop of this rank (module docstring)."""
+    plan = load_plan(args.plan)
+    job: JobSpec = load_job(args.job) if args.job else plan.job
+    spec, mbs, seq, gbs = job.model, plan.micro_batch_size, job.seq, job.global_batch_size
+    rank = int(os.environ.get("RANK", "0"))
+    timeout = timedelta(seconds=args.timeout_s)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    topo = derive_topology(plan)
+    assert topo.world_size == dist.get_world_size(), (topo.world_size, dist.get_world_size())
+    role = topo.roles[rank]
+    groups = create_groups(topo, timeout)
+    tp_group = groups.get(role.tp_group)
+
+    with torch.device("meta"):
+        stage = GPT(spec)
+    build_stage(stage, role.layers)
+    apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=tp_group)
+    start, tensors = 0, None
+    if args.resume_from:
+        manifest = ckpt.read_manifest(args.resume_from)
+        start = manifest["step"]
+        tensors = ckpt.load_tensors(args.resume_from, manifest, [n for n, _ in stage.named_parameters()])
+        materialize(stage, lambda n, s: tensors[n]["param"], tp_rank=role.tp_rank, tp=role.tp, device=device)
+    else:
+        materialize(stage, lambda n, s: init_param(n, s, seed=args.seed, num_blocks=spec.num_blocks),
+                    tp_rank=role.tp_rank, tp=role.tp, device=device)
+    params = dict(stage.named_parameters())
+    cfg = OptimConfig()
+    opt = build_optimizer(params, cfg)
+    if tensors is not None:
+        restore_optimizer(opt, params, tensors, start, role)
+        del tensors
+    sync = GradSync(params, role, groups)
+    p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout)
+    corpus = load_corpus(args.data)
+    meta = {"seed": args.seed, "model": spec.model_dump(mode="json"), "global_batch_size": gbs}
+    root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    fault = os.environ.get(FAULT_ENV, "")
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext)
+    n_local = role.microbatches * mbs
+    saved_at = start if args.resume_from else None
+
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        flag = torch.tensor([1.0 if args.stop_file and os.path.exists(args.stop_file) else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            path = None
+            if root is not None:
+                path = save_checkpoint(root, step, meta, params, opt, role, tp_group, device) if saved_at != step \
+                    else ckpt.step_dir(root, step)
+            if rank == 0:
+                emit("stopped", step=step, checkpoint=str(path) if path else None)
+            return
+        if fault == f"{rank}:{step}":
+            os._exit(13)
+        tok = torch.from_numpy(batch_tokens(corpus, seed=args.seed, step=step, first=role.first_sample,
+                                            count=n_local, seq=seq)).to(device)
+        loss_sum, times = run_pipeline(
+            stage, role, p2p, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
+            targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=lm_loss_sum,
+            loss_scale=1.0 / (gbs * seq), autocast=autocast)
+        t1 = time.perf_counter()
+        sync.sync()
+        grad_norm = clip_grad_norm(params, role, cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        # Loss: SUM of each pipeline's last-stage loss (TP rank 0 only); timings: MAX per stage.
+        loss = torch.tensor([loss_sum if role.is_last_stage and role.tp_rank == 0 else 0.0],
+                            dtype=torch.float64, device=device)
+        dist.all_reduce(loss)
+        stage_times = torch.zeros(role.num_stages, 4, dtype=torch.float64, device=device)
+        stage_times[role.stage] = torch.tensor([times.forward_s, times.backward_s, times.wait_s, t2 - t1])
+        dist.all_reduce(stage_times, op=dist.ReduceOp.MAX)
+        step_time = time.perf_counter() - t0
+        if rank == 0:
+            record = {"step": step + 1, "loss": loss.item() / (gbs * seq), "samples": gbs, "tokens": gbs * seq,
+                      "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time, "grad_norm": grad_norm,
+                      "stages": [dict(zip(("forward_s", "backward_s", "wait_s", "sync_update_s"), row))
+                                 for row in stage_times.tolist()]}
+            if args.metrics:
+                with open(args.metrics, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            emit("step", **record)
+        done = step + 1
+        if root is not None and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+            path = save_checkpoint(root, done, meta, params, opt, role, tp_group, device)
+            saved_at = done
+            if rank == 0:
+                emit("checkpoint", step=done, path=str(path))
+    if rank == 0:
+        emit("done", step=max(args.steps, start))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of one rank; exits 1 after reporting any error."""
+    _die_with_parent()
+    args = _parse(argv)
+    try:
+        train(args)
+        # Every rank is past its last transfer before any exits. Then leave without running the
+        # process groups' C++ destructors: tearing down gloo's threads at exit intermittently aborts
+        # ("terminate called without an active exception", SIGABRT), which torchrun reports as a failure.
+        _barrier(torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu"))
+        code = 0
+    except BaseException as e:  # report which rank failed and why, then fail fast
+        text = f"{type(e).__name__}: {e}"
+        # A rank that lost contact with a peer is usually a victim, not the cause: say so, so the
+        # launcher can name the rank that failed first.
+        peer_lost = isinstance(e, (TimeoutError, dist.DistError)) or any(
+            s in text for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out"))
+        emit("error", rank=int(os.environ.get("RANK", "0")), error=text.splitlines()[0], peer_lost=peer_lost)
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Runtime units that need no process group: topology, 1F1B order, data, sharding, checkpoints."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from sailor.errors import SailorInputError
+from sailor.plan import Plan
+from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.data import batch_tokens, load_corpus
+from sailor.runtime.model import GPT, init_full_model, init_param
+from sailor.runtime.pipeline import build_stage, schedule_1f1b
+from sailor.runtime.tensor_parallel import shard, shard_dim
+from sailor.runtime.topology import derive_topology
+from sailor.runtime.validate import check_runtime_geometry
+from sailor.specs import JobSpec
+
+
+def _rep(stage: int, tp: int) -> dict:
+    return {"stage": stage, "gpu": "cpu", "zone": "local", "tp": tp}
+
+
+PLAN_C = Plan.model_validate({
+    "micro_batch_size": 2, "stages": [[0, 3], [3, 6]],
+    "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 2), _rep(1, 1)]},
+                  {"microbatches": 1, "replicas": [_rep(0, 1), _rep(1, 2)]}]})
+
+
+def test_topology_of_mixed_tp_plan_by_hand():
+    topo = derive_topology(PLAN_C)
+    r = topo.roles
+    # ranks: p0 s0 tp2 -> 0, 1; p0 s1 tp1 -> 2; p1 s0 tp1 -> 3; p1 s1 tp2 -> 4, 5
+    assert [(x.pipeline, x.stage, x.tp_rank) for x in r] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (1, 1, 0), (1, 1, 1)]
+    assert r[0].fwd_send_to == (2,) and r[1].fwd_send_to == ()
+    assert r[2].fwd_recv_from == 0 and r[2].bwd_send_to == (0, 1)
+    assert r[0].bwd_recv_from == 2 and r[1].bwd_recv_from == 2
+    assert r[3].fwd_send_to == (4, 5) and r[4].fwd_recv_from == 3 and r[5].fwd_recv_from == 3
+    assert r[4].bwd_send_to == (3,) and r[5].bwd_send_to == () and r[3].bwd_recv_from == 4
+    # finest sharding of both stages is 2 blocks; each block group has one rank per pipeline
+    assert r[0].block_groups == ((0, 3),) and r[1].block_groups == ((1, 3),)
+    assert r[3].block_groups == ((0, 3), (1, 3))
+    assert r[2].block_groups == ((2, 4), (2, 5)) and r[5].block_groups == ((2, 5),)
+    assert r[2].stage_group == (2, 4, 5) and r[0].stage_group == (0, 1, 3)
+    assert (r[0].first_sample, r[3].first_sample) == (0, 6)
+    assert topo.groups() == [(0, 1), (0, 3), (1, 3), (2, 4), (2, 5), (4, 5), (0, 1, 3), (2, 4, 5)]
+
+
+def test_schedule_1f1b_by_hand():
+    assert schedule_1f1b(0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    assert schedule_1f1b(1, 2, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    # fewer micro-batches than stages: all forwards, then all backwards
+    assert schedule_1f1b(0, 4, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    for stage in range(3):
+        order = schedule_1f1b(stage, 3, 5)
+        assert sorted(order) == sorted([("F", k) for k in range(5)] + [("B", k) for k in range(5)])
+        assert all(order.index(("F", k)) < order.index(("B", k)) for k in range(5))
+
+
+def test_data_order_depends_only_on_seed_step_and_index():
+    corpus = load_corpus()
+    whole = batch_tokens(corpus, seed=1, step=4, first=0, count=8, seq=64)
+    assert whole.shape == (8, 65) and whole.dtype == np.int64
+    np.testing.assert_array_equal(batch_tokens(corpus, seed=1, step=4, first=6, count=2, seq=64), whole[6:])
+    assert not np.array_equal(batch_tokens(corpus, seed=1, step=5, first=0, count=8, seq=64), whole)
+    assert not np.array_equal(batch_tokens(corpus, seed=2, step=4, first=0, count=8, seq=64), whole)
+
+
+def test_data_from_user_file(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_bytes(b"hello world " * 20)
+    assert bytes(load_corpus(f)[:5]) == b"hello"
+    with pytest.raises(SailorInputError, match="no such file"):
+        load_corpus(tmp_path / "missing")
+
+
+def test_shard_table_and_slices():
+    assert shard_dim("layers.2.attn.q.weight") == 0 and shard_dim("layers.2.attn.q.bias") == 0
+    assert shard_dim("layers.2.attn.o.weight") == 1 and shard_dim("layers.2.attn.o.bias") is None
+    assert shard_dim("layers.0.tok.weight") == 0 and shard_dim("layers.0.pos.weight") is None
+    assert shard_dim("layers.5.lm.weight") == 0 and shard_dim("layers.5.norm.weight") is None
+    full = torch.arange(12.0).reshape(4, 3)
+    assert torch.equal(torch.cat([shard(full, 0, t, 2) for t in range(2)]), full)
+    assert shard(full, None, 1, 2) is full
+
+
+def test_init_is_per_name_and_stage_keeps_global_names():
+    job = JobSpec(model="tiny", global_batch_size=8)
+    a = init_param("layers.3.attn.q.weight", (64, 64), seed=0, num_blocks=4)
+    assert torch.equal(a, init_param("layers.3.attn.q.weight", (64, 64), seed=0, num_blocks=4))
+    assert not torch.equal(a, init_param("layers.3.attn.q.weight", (64, 64), seed=1, num_blocks=4))
+    assert abs(a.std().item() - 0.02) < 0.003
+    stage = build_stage(GPT(job.model), (3, 6))
+    names = [n for n, _ in stage.named_parameters()]
+    assert names[0].startswith("layers.3.") and names[-1] == "layers.5.lm.weight"
+    assert all(n.split(".")[1] in ("3", "4", "5") for n in names)
+    full = dict(init_full_model(job.model, 0).named_parameters())
+    assert torch.equal(full["layers.3.attn.q.weight"], a)
+
+
+def test_runtime_geometry_rejects_tp_not_dividing_the_vocabulary():
+    job = JobSpec(model={"name": "six", "num_blocks": 1, "hidden_size": 96, "num_heads": 6, "vocab_size": 256,
+                         "max_sequence_length": 16}, global_batch_size=2)
+    plan = Plan.model_validate({"micro_batch_size": 2, "stages": [[0, 3]],
+                                "pipelines": [{"microbatches": 1, "replicas": [_rep(0, 3)]}]})
+    plan.check_against(job)  # 3 divides the 6 heads ...
+    with pytest.raises(SailorInputError, match="TP 3 does not divide the 256 padded vocabulary"):
+        check_runtime_geometry(plan, job)  # ... but not the 256-row vocabulary
+
+
+def _write_checkpoint(root, step: int, value: float) -> None:
+    tmp = ckpt.prepare_tmp(root, step)
+    ckpt.write_stage_file(tmp, 0, {"layers.0.tok.weight": {"param": torch.full((2, 2), value)}})
+    ckpt.commit(root, step, {"seed": 0, "model": {}, "global_batch_size": 8})
+
+
+def test_checkpoint_roundtrip_and_checksum_fallback(tmp_path):
+    _write_checkpoint(tmp_path, 2, 2.0)
+    _write_checkpoint(tmp_path, 3, 3.0)
+    found = ckpt.find_latest(tmp_path)
+    assert found.path == tmp_path / "step-00000003" and found.manifest["step"] == 3 and not found.skipped
+    got = ckpt.load_tensors(found.path, found.manifest, ["layers.0.tok.weight"])
+    assert torch.equal(got["layers.0.tok.weight"]["param"], torch.full((2, 2), 3.0))
+    # flip one byte of the newest checkpoint: it is never loaded, the previous one is used instead
+    f = tmp_path / "step-00000003" / "stage-0.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    found = ckpt.find_latest(tmp_path)
+    assert found.path == tmp_path / "step-00000002"
+    assert len(found.skipped) == 1 and "checksum mismatch" in found.skipped[0]
+    with pytest.raises(ckpt.CheckpointError, match="checksum"):
+        ckpt.load_tensors(tmp_path / "step-00000003", ckpt.read_manifest(tmp_path / "step-00000002"),
+                          ["layers.0.tok.weight"])
+    # a half-written attempt (no rename yet) is invisible
+    ckpt.prepare_tmp(tmp_path, 4)
+    assert ckpt.find_latest(tmp_path).path == tmp_path / "step-00000002"
+
+
+def test_plan_level_modules_stay_torch_free():
+    import subprocess
+    code = ("import sys; import sailor.runtime.topology, sailor.runtime.validate, sailor.runtime.data,"
+            " sailor.runtime.checkpoint, sailor.runtime.launcher; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

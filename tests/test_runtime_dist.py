@@ -1,0 +1,191 @@
+"""The runtime against the single-process reference, on CPU with gloo (torchrun, <= 6 processes each).
+
+For the `tiny` model (global batch 8, micro-batch 2, sequence 64) every plan's loss at each step and
+its final parameters must equal the reference's within 1e-5 relative; a run saved under one plan and
+resumed under another must continue the reference's loss curve; a crashing rank must end the job
+fast with a clear message; a stop request must checkpoint and exit 3; nothing may be left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.data import load_corpus
+from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+from sailor.runtime.reference import train_reference
+from sailor.specs import JobSpec
+
+JOB = {"model": "tiny", "global_batch_size": 8}
+STEPS = 5
+RTOL = 1e-5
+
+
+def _rep(stage: int, tp: int) -> dict:
+    return {"stage": stage, "gpu": "cpu", "zone": "local", "tp": tp}
+
+
+PLANS = {
+    "a_two_stages": {"stages": [[0, 3], [3, 6]], "pipelines": [{"microbatches": 4, "replicas": [_rep(0, 1), _rep(1, 1)]}]},
+    "b_tp1_tp2_shares_3_1": {"stages": [[0, 6]], "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 1)]},
+                                                               {"microbatches": 1, "replicas": [_rep(0, 2)]}]},
+    "c_mixed_tp_two_stages": {"stages": [[0, 3], [3, 6]],
+                              "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 2), _rep(1, 1)]},
+                                            {"microbatches": 1, "replicas": [_rep(0, 1), _rep(1, 2)]}]},
+}
+
+
+def write_plan(tmp: Path, name: str) -> str:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps({"micro_batch_size": 2, **PLANS[name], "job": JOB}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    losses, model = train_reference(JobSpec(**JOB), steps=STEPS, seed=0, corpus=load_corpus())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _run(tmp: Path, plan: str, **kw) -> tuple:
+    metrics = tmp / f"metrics-{Path(plan).stem}-{time.monotonic_ns()}.jsonl"
+    opts = TrainOptions(plan=plan, metrics=str(metrics), timeout_s=60, **kw)
+    result = launch(prepare(opts), handle_signals=False)
+    assert result.status is ExitStatus.DONE, result.message + str(result.events)
+    return result, [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Command lines of live processes mentioning `marker` (a test's temporary folder)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmd:
+                out.append(cmd)
+    return out
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_plan_equals_single_process_run(name, tmp_path, reference):
+    ref_losses, ref_params = reference
+    result, rows = _run(tmp_path, write_plan(tmp_path, name), steps=STEPS, checkpoint_dir=str(tmp_path / "ck"))
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r, want in zip(rows, ref_losses):
+        assert r["loss"] == pytest.approx(want, rel=RTOL)
+        assert r["samples"] == 8 and r["tokens"] == 8 * 64 and r["step_time_s"] > 0
+        assert len(r["stages"]) == len(PLANS[name]["stages"])
+    found = ckpt.find_latest(tmp_path / "ck")
+    assert found.manifest["step"] == STEPS
+    got = ckpt.load_tensors(found.path, found.manifest, list(ref_params))
+    for n, want in ref_params.items():
+        torch.testing.assert_close(got[n]["param"], want, rtol=RTOL, atol=RTOL, msg=n)
+    assert not _leftovers(str(tmp_path))
+
+
+def test_save_under_c_resume_under_a(tmp_path, reference):
+    ref_losses, _ = reference
+    ck = str(tmp_path / "ck")
+    _run(tmp_path, write_plan(tmp_path, "c_mixed_tp_two_stages"), steps=3, checkpoint_dir=ck)
+    prep = prepare(TrainOptions(plan=write_plan(tmp_path, "a_two_stages"), steps=STEPS, checkpoint_dir=ck,
+                                resume=True))
+    assert prep.resume_step == 3
+    _, rows = _run(tmp_path, write_plan(tmp_path, "a_two_stages"), steps=STEPS, checkpoint_dir=ck, resume=True)
+    assert [r["step"] for r in rows] == [4, 5]  # no step skipped or repeated
+    for r, want in zip(rows, ref_losses[3:]):
+        assert r["loss"] == pytest.approx(want, rel=RTOL)
+
+
+def test_crashing_rank_ends_the_job_fast_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAILOR_FAULT", "1:2")  # rank 1 dies at step 2 (0-based)
+    plan = write_plan(tmp_path, "a_two_stages")
+    t0 = time.monotonic()
+    result = launch(prepare(TrainOptions(plan=plan, steps=50, timeout_s=60)), handle_signals=False)
+    elapsed = time.monotonic() - t0
+    assert result.status is ExitStatus.FAILED
+    assert "rank 1 exited with status 13" in result.message
+    assert result.last_step == 2
+    assert elapsed < 30, elapsed  # startup included; the failure itself is seen within ~1 s
+    assert not _leftovers(str(tmp_path))
+
+
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
+    plan = write_plan(tmp_path, "a_two_stages")
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-c", "from sailor.cli import main; main()", "train", plan,
+                             "--steps", "100000", "--metrics", str(metrics), "--checkpoint-dir", str(ck)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == ExitStatus.STOPPED, err
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    found = ckpt.find_latest(ck)
+    assert found.manifest["step"] == last  # the checkpoint holds exactly the steps reported
+    assert "stopped on request" in err
+    assert not _leftovers(str(tmp_path))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["pipelines"][0]["replicas"][0].update(tp=3), "TP 3 does not divide the 4 attention heads"),
+    (lambda d: d["pipelines"][0].update(microbatches=2), "micro_batch_size 2 x microbatches [2, 1] = 6 samples"),
+    (lambda d: d.update(stages=[[0, 3], [3, 7]]), "stages cover layers [0, 7) but tiny has 6 layers"),
+    (lambda d: d.update(cluster={"provider": "local", "zones": {"local": {"cpu": 4}}}),
+     "the plan uses 6 cpu in local but the cluster has 4"),
+])
+def test_bad_plan_exits_2_with_one_line_before_any_process(change, message, tmp_path, monkeypatch, capsys):
+    d = {"micro_batch_size": 2, **json.loads(json.dumps(PLANS["c_mixed_tp_two_stages"])), "job": JOB}
+    change(d)
+    plan = tmp_path / "bad.json"
+    plan.write_text(json.dumps(d))
+
+    def no_process(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    monkeypatch.setattr(sys, "argv", ["sailor", "train", str(plan), "--steps", "2"])
+    from sailor.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_killing_the_launcher_leaves_no_process(tmp_path):
+    plan = write_plan(tmp_path, "b_tp1_tp2_shares_3_1")
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen([sys.executable, "-c", "from sailor.cli import main; main()", "train", plan,
+                             "--steps", "100000", "--metrics", str(metrics)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and metrics.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        assert len(_leftovers(str(tmp_path))) >= 4  # launcher, torchrun and 3 ranks are running
+    finally:
+        proc.kill()  # SIGKILL: the launcher cannot clean up; the kernel's parent-death signals do
+        proc.wait()
+    deadline = time.monotonic() + 15
+    while _leftovers(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _leftovers(str(tmp_path))

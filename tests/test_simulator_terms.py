@@ -1,0 +1,123 @@
+"""Unit tests for each term of the simulator's time and memory model (issue 4)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from sailor.plan import Plan
+from sailor.simulator import head_vocab_params, make_context, simulate, tied_embeddings
+from sailor.simulator.calibration import fit_memory
+from sailor.simulator.memory import in_flight, logits_grad_bytes
+from sailor.simulator.schedule import (closed_form_1f1b, pipeline_instructions, schedule_order, simulate_1f1b,
+                                       stage_times)
+from sailor.specs import ClusterSpec, JobSpec
+
+JOB = JobSpec(model="opt-350m", global_batch_size=32)
+CLUSTER = ClusterSpec(provider="gcp", zones={"us-central1-a": {"A100-40": 16}})
+
+
+def _plan(stages, tp=4, d=1, m=4, mbs=2):
+    reps = [{"stage": i, "gpu": "A100-40", "zone": "us-central1-a", "tp": tp} for i in range(len(stages))]
+    return Plan.model_validate({"micro_batch_size": mbs, "stages": stages,
+                                "pipelines": [{"microbatches": m, "replicas": reps}] * d})
+
+
+def test_deepspeed_order_compute_follows_1f1b():
+    for P, m in itertools.product((1, 2, 3, 4), (1, 2, 5)):
+        for i in range(P):
+            comp = [x for x in pipeline_instructions(P, i, m) if x[0] in ("F", "B")]
+            assert comp == schedule_order(P, i, m)
+
+
+def test_deepspeed_order_two_stages_by_hand():
+    # stage 0 of 2 stages, 2 micro-batches: F0, send act 0, F1, recv grad 0, send act 1, B0, recv grad 1, B1
+    assert pipeline_instructions(2, 0, 2) == [("F", 0), ("SA", 0), ("F", 1), ("RG", 0), ("SA", 1), ("B", 0),
+                                              ("RG", 1), ("B", 1)]
+
+
+def test_two_stage_by_hand_with_rendezvous_transfers():
+    # f = 1, b = 2, c = 0.5, m = 2: stage 1 gets act 0 at 1.5, F0 to 2.5, B0 to 4.5, sends grad (5.0),
+    # receives act 1 (5.5), F1 6.5, B1 8.5, sends grad 9.0; stage 0 then B1 -> 11.0.
+    f, b, c = np.array([1.0, 1.0]), np.array([2.0, 2.0]), np.array([0.5])
+    assert simulate_1f1b(f, b, c, 2)[0] == pytest.approx(11.0)
+    assert closed_form_1f1b(f, b, c, 2) == pytest.approx(11.0)
+
+
+def test_closed_form_equals_event_simulation_on_uniform_pipelines():
+    for P, m, f, b, c in itertools.product((1, 2, 3, 4, 6), (1, 2, 3, 8), (0.5, 1.0), (1.0, 2.5), (0.0, 0.2, 1.5)):
+        F, B, C = np.full(P, f), np.full(P, b), np.full(P - 1, c)
+        assert closed_form_1f1b(F, B, C, m) == pytest.approx(simulate_1f1b(F, B, C, m)[0], rel=1e-12)
+
+
+def test_middle_stage_pays_four_transfers_per_micro_batch():
+    t = stage_times(np.ones(3), np.ones(3), np.array([0.1, 0.1]))
+    assert t.tolist() == pytest.approx([2.2, 2.4, 2.2])
+
+
+def test_in_flight_capped_by_micro_batches():
+    assert [in_flight(i, 4, 32) for i in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(i, 4, 2) for i in range(4)] == [2, 2, 2, 1]
+
+
+def test_tied_embeddings_counted_once_on_one_stage_and_copied_on_two():
+    ctx = make_context(JOB, CLUSTER)
+    m = JOB.model
+    assert tied_embeddings(m)
+    whole = sum(m.params(i, 4) for i in range(m.num_layers))
+    assert ctx.stage_params(4, 0, m.num_layers) == whole - head_vocab_params(m, 4)
+    last = sum(m.params(i, 4) for i in range(13, m.num_layers))
+    assert ctx.stage_params(4, 13, m.num_layers) == last - head_vocab_params(m, 4) + m.params(0, 4)
+
+
+def test_gradient_sync_uses_tp_shard_bytes_and_optimizer_scales_with_stage_params():
+    cal = {"A100-40": {"allreduce_efficiency": 1.0}}
+    one = simulate(_plan([[0, 26]], d=2, m=2), make_context(JOB, CLUSTER, calibration=cal))
+    two = simulate(_plan([[0, 13], [13, 26]], d=2, m=2), make_context(JOB, CLUSTER, calibration=cal))
+    assert one.gradient_sync_s > 0 and two.gradient_sync_s < one.gradient_sync_s
+    r0, r1 = two.replicas[0], two.replicas[1]
+    ctx = make_context(JOB, CLUSTER)
+    ratio = ctx.stage_params(4, 0, 13) / ctx.stage_params(4, 13, 26)
+    assert r0.optimizer_s / r1.optimizer_s == pytest.approx(ratio)
+    # halving the all-reduce efficiency doubles the sync time of a one-stage plan
+    half = simulate(_plan([[0, 26]], d=2, m=2),
+                    make_context(JOB, CLUSTER, calibration={"A100-40": {"allreduce_efficiency": 0.5}}))
+    assert half.gradient_sync_s == pytest.approx(2 * one.gradient_sync_s)
+
+
+def test_tied_gradient_reduction_only_with_pipelines():
+    cal = {"A100-40": {"allreduce_efficiency": 1.0}}
+    two = simulate(_plan([[0, 13], [13, 26]], d=1), make_context(JOB, CLUSTER, calibration=cal))
+    one = simulate(_plan([[0, 26]], d=1), make_context(JOB, CLUSTER, calibration=cal))
+    assert one.gradient_sync_s == 0.0
+    assert two.gradient_sync_s > 0.0  # D = 1, so all of it is the tied embedding reduction
+
+
+def test_memory_terms():
+    cal = {"A100-40": {"framework_bytes": 1e9, "reserve_fraction": 0.1}}
+    ctx = make_context(JOB, CLUSTER, calibration=cal)
+    est = simulate(_plan([[0, 13], [13, 26]], m=4, mbs=2), ctx)
+    first, last = est.replicas[0].memory, est.replicas[1].memory
+    act = ctx.act_cumsum(4, 2)
+    assert first.activations == pytest.approx((act[13] - act[0]) * 2)  # two micro-batches in flight
+    assert last.activations == pytest.approx(act[26] - act[13])
+    assert first.buffers == pytest.approx(ctx.boundary_bytes(13, 2))  # gradient receive buffer
+    assert last.buffers == pytest.approx(ctx.boundary_bytes(13, 2) + logits_grad_bytes(ctx, 4, 2))
+    assert logits_grad_bytes(ctx, 4, 2) == 2 * 2048 * 50688 // 4 * 4
+    assert first.reserve == pytest.approx(0.1 * (first.activations + first.buffers))
+    assert first.framework == 1e9
+    assert first.weights == pytest.approx(4 * ctx.stage_params(4, 0, 13))
+
+
+def test_fit_memory_recovers_constants():
+    fixed = np.array([1e9, 2e9, 0.5e9, 1.5e9])
+    trans = np.array([5e9, 20e9, 2e9, 10e9])
+    meas = fixed + 1.12 * trans + 3e9
+    got = fit_memory(fixed, trans, meas)
+    assert got["reserve_fraction"] == pytest.approx(0.12)
+    assert got["framework_bytes"] == pytest.approx(3e9)
+
+
+def test_profile_gap_only_applies_to_measured_profiles():
+    ctx = make_context(JOB, CLUSTER, calibration={"A100-40": {"profile_overhead_s": 1.0}})
+    assert ctx.stage_compute_s("A100-40", 4, 2, 1, 2)[0] > 0  # roofline estimate: no gap subtracted
