@@ -215,20 +215,30 @@ def _import_sailor_intra(net: NetworkModel, path: Path) -> None:
 
 
 def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
-    for name, v in (data.get("classes") or {}).items():
+    classes, links = data.get("classes") or {}, data.get("links") or []
+    if not isinstance(classes, dict):
+        raise SailorInputError("expected a mapping of link class to link", source=source, field="classes")
+    if not isinstance(links, list):
+        raise SailorInputError("expected a list of links", source=source, field="links")
+    for name, v in classes.items():
         try:
-            net.class_links[LinkClass(name)] = Link(float(v["latency_s"]), float(v["bandwidth_bytes_per_s"]))
+            lc, link = LinkClass(name), Link(float(v["latency_s"]), float(v["bandwidth_bytes_per_s"]))
         except (ValueError, KeyError, TypeError):
             raise SailorInputError("expected a link class with latency_s and bandwidth_bytes_per_s",
                                    source=source, field=f"classes.{name}") from None
-    for k, v in enumerate(data.get("links") or []):
+        if link.bandwidth_bytes_per_s <= 0 or link.latency_s < 0:
+            raise SailorInputError("bandwidth must be > 0 and latency >= 0", source=source, field=f"classes.{name}")
+        net.class_links[lc] = link
+    for k, v in enumerate(links):
         try:
             key = (v["src_zone"], catalog.canonical_gpu(v["src_gpu"]), v["dst_zone"], catalog.canonical_gpu(v["dst_gpu"]),
                    int(v.get("flows", 1)))
             link = Link(float(v["latency_s"]), float(v["bandwidth_bytes_per_s"]))
         except KeyError as e:
             raise SailorInputError("missing field", source=source, field=f"links.{k}.{e.args[0]}") from None
-        except (TypeError, ValueError) as e:
+        except SailorInputError as e:
+            raise e.located(source=source, field_prefix=f"links.{k}") from None
+        except (TypeError, ValueError, AttributeError) as e:
             raise SailorInputError(f"invalid value: {e}", source=source, field=f"links.{k}") from None
         if link.bandwidth_bytes_per_s <= 0 or link.latency_s < 0:
             raise SailorInputError("bandwidth must be > 0 and latency >= 0", source=source, field=f"links.{k}")

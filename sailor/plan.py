@@ -249,25 +249,16 @@ def sailor_plan_to_dict(d: dict[str, Any], source: str | None = None) -> dict[st
         raise bad(f"missing or invalid {e}", "pipeline_list/mbs/gbs") from None
     stages: list[list[int]] | None = None
     pipelines: list[dict[str, Any]] = []
+    if not isinstance(entries, list):
+        raise bad("expected a list of pipelines", "pipeline_list")
     for k, entry in enumerate(entries):
-        layers = entry["layers_per_stage"]
-        ranges = [[min(ls), max(ls) + 1] for ls in layers]
-        for s, ls in enumerate(layers):
-            if sorted(ls) != list(range(min(ls), max(ls) + 1)):
-                raise bad("stage layers are not contiguous", f"pipeline_list.{k}.layers_per_stage.{s}")
-        if stages is None:
-            stages = ranges
-        elif stages != ranges:
-            raise bad("pipelines with different layer partitions are not supported", f"pipeline_list.{k}")
-        dps = entry["dp"]
-        if len(set(dps)) != 1:
-            raise bad(f"stages with different data-parallel degrees {dps} are not supported", f"pipeline_list.{k}.dp")
-        for rep in range(dps[0]):
-            replicas = []
-            for s in range(len(layers)):
-                (gpu, _per_node, zone), tp = entry["tmp_per_stage"][s][rep][0][0], entry["tmp_per_stage"][s][rep][1]
-                replicas.append({"stage": s, "gpu": gpu, "zone": zone, "tp": tp})
-            pipelines.append({"replicas": replicas})
+        try:
+            stages = _sailor_entry(entry, k, stages, pipelines, bad)
+        except SailorInputError:
+            raise
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise bad(f"malformed pipeline entry ({type(e).__name__}: {e}); expected layers_per_stage, dp and"
+                      " tmp_per_stage[stage][replica] = [[[gpu, gpus_per_node, zone]], tp]", f"pipeline_list.{k}") from None
     if not pipelines:
         raise bad("no pipeline", "pipeline_list")
     per = gbs // (mbs * len(pipelines))
@@ -276,6 +267,30 @@ def sailor_plan_to_dict(d: dict[str, Any], source: str | None = None) -> dict[st
     for p in pipelines:
         p["microbatches"] = per
     return {"micro_batch_size": mbs, "stages": stages, "pipelines": pipelines}
+
+
+def _sailor_entry(entry: dict[str, Any], k: int, stages: list[list[int]] | None, pipelines: list[dict[str, Any]],
+                  bad) -> list[list[int]]:
+    """Append the pipelines of Sailor `pipeline_list[k]` to `pipelines`; returns the layer partition."""
+    layers = entry["layers_per_stage"]
+    ranges = [[min(ls), max(ls) + 1] for ls in layers]
+    for s, ls in enumerate(layers):
+        if sorted(ls) != list(range(min(ls), max(ls) + 1)):
+            raise bad("stage layers are not contiguous", f"pipeline_list.{k}.layers_per_stage.{s}")
+    if stages is None:
+        stages = ranges
+    elif stages != ranges:
+        raise bad("pipelines with different layer partitions are not supported", f"pipeline_list.{k}")
+    dps = entry["dp"]
+    if len(set(dps)) != 1:
+        raise bad(f"stages with different data-parallel degrees {dps} are not supported", f"pipeline_list.{k}.dp")
+    for rep in range(dps[0]):
+        replicas = []
+        for s in range(len(layers)):
+            (gpu, _per_node, zone), tp = entry["tmp_per_stage"][s][rep][0][0], entry["tmp_per_stage"][s][rep][1]
+            replicas.append({"stage": s, "gpu": gpu, "zone": zone, "tp": tp})
+        pipelines.append({"replicas": replicas})
+    return stages
 
 
 def dumps(plan: Plan) -> str:

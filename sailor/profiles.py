@@ -247,27 +247,52 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
     n_layers = None
     for k, row in enumerate(rows if isinstance(rows, list) else []):
         where = f"layers.{k}"
+        if not isinstance(row, dict):
+            raise SailorInputError("expected a mapping with gpu, tp, mbs, forward_s, backward_s", source=source, field=where)
         try:
             gpu = catalog.canonical_gpu(str(row["gpu"]))
-            tp, mbs = int(row["tp"]), int(row["mbs"])
+            tp, mbs = row["tp"], row["mbs"]
         except KeyError as e:
             raise SailorInputError("missing field", source=source, field=f"{where}.{e.args[0]}") from None
         except SailorInputError as e:
             raise e.located(source=source, field_prefix=f"{where}.gpu") from None
-        if tp < 1 or mbs < 1:
-            raise SailorInputError("tp and mbs must be >= 1", source=source, field=where)
+        tp, mbs = _whole(tp, source, f"{where}.tp"), _whole(mbs, source, f"{where}.mbs")
         fwd = _positive_list(row.get("forward_s"), n_layers, f"{where}.forward_s", source)
         n_layers = len(fwd)
         bwd = _positive_list(row.get("backward_s"), n_layers, f"{where}.backward_s", source)
         prof.times.setdefault((gpu, tp), {})[mbs] = np.array([fwd, bwd]).T
     if not isinstance(rows, list):
         raise SailorInputError("expected a list", source=source, field="layers")
-    for gpu, v in (d.get("optimizer") or {}).items():
-        prof.optimizer_s_per_param[catalog.canonical_gpu(gpu)] = float(v["seconds_per_param"])
-    for k, row in enumerate(d.get("memory") or []):
-        prof.activation_bytes[int(row["tp"])] = np.array(
+    optimizer = d.get("optimizer") or {}
+    if not isinstance(optimizer, dict):
+        raise SailorInputError("expected a mapping of GPU type to {seconds_per_param}", source=source, field="optimizer")
+    for gpu, v in optimizer.items():
+        where = f"optimizer.{gpu}.seconds_per_param"
+        try:
+            name = catalog.canonical_gpu(gpu)
+        except SailorInputError as e:
+            raise e.located(source=source, field_prefix=f"optimizer.{gpu}") from None
+        per = v.get("seconds_per_param") if isinstance(v, dict) else None
+        if not isinstance(per, (int, float)) or isinstance(per, bool) or per < 0:
+            raise SailorInputError(f"expected a number >= 0 under seconds_per_param, got {per!r}", source=source, field=where)
+        prof.optimizer_s_per_param[name] = float(per)
+    memory = d.get("memory") or []
+    if not isinstance(memory, list):
+        raise SailorInputError("expected a list", source=source, field="memory")
+    for k, row in enumerate(memory):
+        if not isinstance(row, dict) or "tp" not in row:
+            raise SailorInputError("expected a mapping with tp and activation_bytes_per_sample", source=source,
+                                   field=f"memory.{k}")
+        prof.activation_bytes[_whole(row["tp"], source, f"memory.{k}.tp")] = np.array(
             _positive_list(row.get("activation_bytes_per_sample"), n_layers, f"memory.{k}.activation_bytes_per_sample", source))
     return prof
+
+
+def _whole(v: Any, source: str, where: str) -> int:
+    """`v` as a whole number >= 1, else a SailorInputError naming the field."""
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise SailorInputError(f"expected a whole number >= 1, got {v!r}", source=source, field=where)
+    return v
 
 
 def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec) -> Profiles:

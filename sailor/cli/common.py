@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.network import NetworkModel, network_for
 from sailor.plan import Plan
@@ -34,6 +35,13 @@ def resolve_specs(plan: Plan | None, job_path: Optional[Path], cluster_path: Opt
         for (zone, gpu), n in plan.gpu_usage().items():
             zones.setdefault(zone, {})[gpu] = n
         provider = "local" if set(zones) == {"local"} else "gcp"
+        # Name the plan's field for an unknown zone (the derived cluster would only name its own).
+        for j, p in enumerate(plan.pipelines):
+            for i, r in enumerate(p.replicas):
+                try:
+                    catalog.provider(provider).region(r.zone)
+                except SailorInputError as e:
+                    raise e.located(field_prefix=f"pipelines.{j}.replicas.{i}.zone") from None
         cluster = ClusterSpec(provider=provider, zones=zones)
     if cluster is None:
         raise SailorInputError("no cluster: pass --cluster CLUSTER.yaml")

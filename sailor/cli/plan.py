@@ -40,6 +40,8 @@ def plan_command(
     max_stages: int = typer.Option(16, "--max-stages", min=1, help="Largest pipeline depth P tried."),
     top: int = typer.Option(3, "--top", min=0, help="Alternatives to show."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the plan (with its job and cluster) to this JSON file."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Write figures (PNG, SVG) and index.html to this"
+                                          " folder, e.g. report/ (also runs the paper and homogeneous searches)."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the best plan for JOB on the GPUs CLUSTER offers (built-in example when both are omitted)."""
@@ -62,6 +64,10 @@ def plan_command(
             result = plan_job(ctx, opts, progress=lambda d, t: bar.update(task, completed=d, total=t))
     if out:
         result.plan.save(out)
+    if report:
+        from sailor.report import plan_report
+        plan_report(report, result, lambda: make_context(job_spec, cluster_spec, prof, net), opts,
+                    title=f"sailor plan: {job_spec.model.name}, global batch {job_spec.global_batch_size}")
     if as_json:
         print(json.dumps({"plan": result.plan.to_dict(), "estimate": result.estimate.to_dict(),
                           "search_time_s": result.search_time_s,
@@ -72,6 +78,8 @@ def plan_command(
                        + ("" if job else " (built-in example)"))
     if out:
         con.print(f"plan written to {out}")
+    if report:
+        con.print(f"report written to {report / 'index.html'}")
 
 
 def pipeline_groups(plan: Plan) -> list[tuple[str, str, tuple[int, ...], list[int]]]:

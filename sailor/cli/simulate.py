@@ -25,12 +25,14 @@ def simulate_command(
     cluster: Optional[Path] = ClusterOpt,
     profiles: Optional[Path] = ProfilesOpt,
     network: Optional[Path] = NetworkOpt,
+    report: Optional[Path] = typer.Option(None, "--report", help="Write figures (PNG, SVG) and index.html to this"
+                                          " folder, e.g. report/."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Simulate one training iteration of PLAN: time, memory per GPU, cost."""
     plan = load_plan(plan_path)
-    job_spec, cluster_spec = resolve_specs(plan, job, cluster)
     try:
+        job_spec, cluster_spec = resolve_specs(plan, job, cluster)
         plan.check_against(job_spec, cluster_spec)
     except Exception as e:
         from sailor.errors import SailorInputError
@@ -38,7 +40,11 @@ def simulate_command(
             raise e.located(source=str(plan_path)) from None
         raise
     prof, net = resolve_models(job_spec, cluster_spec, profiles, network)
-    est = simulate(plan, make_context(job_spec, cluster_spec, prof, net))
+    ctx = make_context(job_spec, cluster_spec, prof, net)
+    est = simulate(plan, ctx)
+    if report:
+        from sailor.report import write_report
+        write_report(report, plan, est, ctx, title=f"sailor simulate: {job_spec.model.name} · {plan_path.name}")
     if as_json:
         print(json.dumps(est.to_dict()))
         return

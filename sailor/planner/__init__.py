@@ -18,7 +18,10 @@ Every call builds its own SimContext: nothing is cached across calls.
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -26,13 +29,20 @@ from typing import Callable
 
 from sailor.errors import InfeasibleError, SailorInputError
 from sailor.plan import Plan
+import numpy as np
+
 from sailor.simulator import Estimate, SimContext, Slot, simulate, stage_sync
+from sailor.simulator.collectives import allreduce_time_s
 from sailor.simulator.memory import replica_memory
 from sailor.planner import search as S
 from sailor.planner.space import (candidate_partitions, even_partition, mbs_candidates, stage_options,
                                   templates)
 
 GB = 1e9
+# Clusters of at most this many GPUs are searched exactly (every template, every count vector where
+# there are at most search.EXHAUSTIVE_COUNTS); larger ones with the heuristics of `_template_combos`
+# and `_search_counts` (the brute-force tests check the exact mode).
+EXACT_MAX_GPUS = 32
 
 
 class Objective(str, Enum):
@@ -106,6 +116,9 @@ class PlanResult:
     search_time_s: float
     points: int           # (P, mbs, partition, templates) points searched
     candidates: int       # count vectors scored
+    pareto: list[tuple[float, float]] = field(default_factory=list)
+    """Closed-form (iteration time s, $/iteration) of the scored candidates that no other scored
+    candidate beats on both, sorted by time (constraints not applied): the trade-off curve."""
 
 
 def _key(objective: Objective) -> Callable[[float, float], tuple[float, float]]:
@@ -142,8 +155,11 @@ def plan_job(ctx: SimContext, options: PlanOptions | None = None,
     state = {"best": None, "points": 0, "candidates": 0}
     keep = 2 * max(opts.top_k, opts.rescore)
 
+    front: list[tuple[float, float]] = []
+
     def offer(cand: S.Candidate, point: tuple) -> None:
         state["candidates"] += 1
+        _pareto_add(front, (cand.iteration_time_s, cand.cost_per_iteration_usd))
         if not opts.constraints.ok(cand.iteration_time_s, cand.cost_per_iteration_usd):
             return
         k = key(cand.iteration_time_s, cand.cost_per_iteration_usd)
@@ -154,20 +170,36 @@ def plan_job(ctx: SimContext, options: PlanOptions | None = None,
             for sig in sorted(finalists, key=lambda s: finalists[s][0])[keep:]:
                 del finalists[sig]
 
-    families = sorted(_families(ctx, opts), key=lambda f: f[0])
-    for done, (bound, fam) in enumerate(families):
+    exact = cluster.total_gpus() <= EXACT_MAX_GPUS
+    # Two-level best-first branch and bound: coarse nodes (region, P, micro-batch) are expanded into
+    # families (one per partition) only when their bound can still beat the best plan; families are
+    # searched in bound order; everything left once the smallest bound cannot win is pruned.
+    heap: list = []
+    coarse = list(_coarse_nodes(ctx, opts))
+    for n, (bound, node) in enumerate(coarse):
+        heapq.heappush(heap, (bound, 0, n, node))
+    counter, done, any_family = len(coarse), 0, False
+    while heap:
+        bound, kind, _, item = heapq.heappop(heap)
         if state["best"] is not None and bound[0] >= state["best"][0]:
-            break  # bounds are sorted: no later family can win
-        for types, point in _points(ctx, opts, fam):
+            break  # the heap is ordered by bound: nothing left can win
+        if kind == 0:
+            for fbound, fam in _families(ctx, opts, *item):
+                any_family = True
+                counter += 1
+                heapq.heappush(heap, (fbound, 1, counter, fam))
+            done += 1
+            if progress:
+                progress(done, len(coarse))
+            continue
+        for types, point in _points(ctx, opts, item, exact):
             state["points"] += 1
-            _search_counts(ctx, opts, types, point, fam.M, offer, state, key)
-        if progress:
-            progress(done + 1, len(families))
+            _search_counts(ctx, opts, types, point, item.M, offer, state, key, exact)
     if progress:
-        progress(len(families), len(families))
+        progress(len(coarse), len(coarse))
 
     if not finalists:
-        raise InfeasibleError(_why_infeasible(ctx, opts, bool(families)))
+        raise InfeasibleError(_why_infeasible(ctx, opts, any_family))
     ranked = sorted(finalists.values(), key=lambda v: v[0])
     choices = [Choice(_build_plan(ctx, cand, point), cand.iteration_time_s, cand.cost_per_iteration_usd)
                for _, cand, point in ranked[: max(opts.rescore, opts.top_k + 1)]]
@@ -186,7 +218,16 @@ def plan_job(ctx: SimContext, options: PlanOptions | None = None,
     alternatives.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     return PlanResult(plan=best.plan, estimate=best.estimate, alternatives=alternatives,
                       best_closed=best_closed, search_time_s=time.perf_counter() - t0,
-                      points=state["points"], candidates=state["candidates"])
+                      points=state["points"], candidates=state["candidates"], pareto=sorted(front))
+
+
+def _pareto_add(front: list[tuple[float, float]], p: tuple[float, float]) -> None:
+    """Add (time, cost) to a Pareto front (minimise both) kept in place; amortised cheap because most
+    points are dominated by one of the few front points."""
+    if any(q[0] <= p[0] and q[1] <= p[1] for q in front):
+        return
+    front[:] = [q for q in front if not (p[0] <= q[0] and p[1] <= q[1])]
+    front.append(p)
 
 
 @dataclass(frozen=True)
@@ -200,55 +241,101 @@ class Family:
     templates: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]  # (gpu, its templates)
 
 
-def _families(ctx: SimContext, opts: PlanOptions):
-    """Yield (lower-bound key, Family) for every family with at least one feasible template."""
+def _coarse_nodes(ctx: SimContext, opts: PlanOptions):
+    """Yield (lower-bound key, (zones, P, mbs)) for every region, pipeline depth and micro-batch."""
     job = ctx.job
     P_max = min(job.model.num_layers, opts.max_stages)
     for zones in _regions(ctx.cluster).values():
-        gpus = sorted({g for z in zones for g, n in ctx.cluster.zones[z].items() if n > 0})
         for P in range(1, P_max + 1):
             for mbs in mbs_candidates(job.global_batch_size, opts.max_mbs):
-                M = job.global_batch_size // mbs
-                if opts.search is SearchSpace.FULL:
-                    partitions = candidate_partitions(ctx, P, mbs, gpus)
-                else:
-                    partitions = [even_partition(job.model.num_layers, P)]
-                for partition in partitions:
-                    per_gpu, virtual, s2 = [], [], float("inf")
-                    for g in gpus:
-                        options = stage_options(ctx, g, partition, mbs, M)
-                        tmpl = templates(options)
-                        if opts.search is not SearchSpace.FULL:
-                            uniform = [t for t in tmpl if len(set(t)) == 1]
-                            # the published rule: the smallest TP degree that fits (H2), one per GPU type
-                            tmpl = uniform[:1] if opts.search is SearchSpace.PAPER else uniform
-                        if not tmpl:
-                            continue
-                        per_gpu.append((g, tuple(tmpl)))
-                        virtual += _virtual_types(ctx, g, zones, options, tmpl, partition, mbs)
-                        s2 = min(s2, _sync_floor(ctx, g, zones, options, partition))
-                    if per_gpu:
-                        fam = Family(tuple(zones), mbs, M, partition, tuple(per_gpu))
-                        yield _lower_bound(virtual, M, opts, s2), fam
+                yield _coarse_bound(ctx, zones, P, mbs, opts), (tuple(zones), P, mbs)
 
 
-def _virtual_types(ctx, gpu, zones, options, tmpls, partition, mbs) -> list[S.PipelineType]:
-    """Per zone, an optimistic pipeline for `gpu`: each stage at its fastest option, the fewest GPUs
-    any template uses, the smallest optimizer step. Its closed-form times and GPU count bound every
-    real template's from below (the closed form is non-decreasing in f, b and c)."""
-    out = []
-    fastest = [min(o, key=lambda x: x.time_s).tp for o in options]
-    fewest = min(sum(t) for t in tmpls)
+def _coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) -> tuple[float, float]:
+    """Lower bound on any plan with P stages and micro-batch `mbs` in these zones, whatever its
+    partition and TP degrees (memory ignored, so it stays a bound).
+
+    Per GPU type: a pipeline's first micro-batch takes at least fill = Σ_layers min_t (f+b)(layer, t),
+    each further one at least fill / P (its slowest stage holds at least 1/P of that compute), and a
+    pipeline j of any TP degrees spends at least work = Σ_layers min_t t·(f+b)(layer, t) GPU-seconds
+    per micro-batch (G_j x its period). A pipeline finishes cap_j <= 1 + (τ - fill_j)/period_j <=
+    τ·G_j/work micro-batches by τ (fill_j >= period_j), so `a` GPUs of a type in a zone finish at most
+    min((a/P)·(1 + (τ - fill)·P/fill), a·τ/work) by τ.
+    The sync of two or more replicas is at least half the two-replica all-reduce of 1/P of the
+    model's gradient at the most favourable TP degree and zone. Cost: every micro-batch costs at
+    least the cheapest price x work.
+    """
+    job, model = ctx.job, ctx.job.model
+    L = model.num_layers
+    grad = job.state_bytes_per_param["gradients"]
+    kinds = []  # (available, fill, per-mb, work, price)
+    sync2 = float("inf")
     for z in zones:
-        avail = ctx.cluster.available(z, gpu)
-        if avail < fewest:
-            continue
-        v = S.make_pipeline_type(ctx, gpu, z, tuple(fastest), partition, mbs, avail // fewest)
-        opt = min(S.make_pipeline_type(ctx, gpu, z, t, partition, mbs, 1).optimizer_s for t in tmpls[:1])
-        out.append(S.PipelineType(gpu=gpu, zone=z, tps=v.tps, fill_s=v.fill_s, two_s=v.two_s, period_s=v.period_s,
-                                  gpus=fewest, usd_per_hour=fewest * ctx.cluster.price(z, gpu), optimizer_s=0.0 * opt,
-                                  max_count=avail // fewest))
-    return out
+        for g, a in ctx.cluster.zones[z].items():
+            if a < P:
+                continue
+            tps = [t for t in model.tp_degrees(ctx.cluster.node_size(g)) if t <= a]
+            per_tp = np.array([np.diff(ctx.layer_cumsum(g, t, mbs), axis=0).sum(axis=1) for t in tps])  # (tps, L)
+            fill = float(per_tp.min(axis=0).sum())
+            work = float((per_tp * np.array(tps)[:, None]).min(axis=0).sum())
+            kinds.append((a, fill, fill / P, work, ctx.cluster.price(z, g)))
+            for t in tps:
+                nbytes = t * ctx.stage_params(t, 0, L) / P * grad
+                slot = Slot(zone=z, gpu=g, tp=t)
+                s = allreduce_time_s([(slot, 2)], nbytes, ctx.network) / ctx.allreduce_efficiency([slot])
+                sync2 = min(sync2, s)
+    if not kinds:
+        return (float("inf"), float("inf"))
+
+    def capacity(tau: float) -> float:
+        total = 0.0
+        for a, fill, per, work, _ in kinds:
+            if tau >= fill:
+                total += min((a // P) * (1 + math.floor((tau - fill) / per + 1e-9)), a * tau / work)
+        return total
+
+    lo = min(k[1] for k in kinds)
+    hi = max(k[1] for k in kinds) * (1 + job.global_batch_size)
+    M = job.global_batch_size // mbs
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        if capacity(mid) >= M:
+            hi = mid
+        else:
+            lo = mid
+    alone = min(fill + (M - 1) * per for _, fill, per, _, _ in kinds)
+    T = min(alone, lo + sync2 / 2)
+    cost = M * min(price * work for _, _, _, work, price in kinds) / 3600.0
+    return (T, cost) if opts.objective is Objective.THROUGHPUT else (cost, T)
+
+
+def _families(ctx: SimContext, opts: PlanOptions, zones: tuple[str, ...], P: int, mbs: int):
+    """Yield (lower-bound key, Family) for every partition of (zones, P, mbs) with a feasible template."""
+    job = ctx.job
+    M = job.global_batch_size // mbs
+    gpus = sorted({g for z in zones for g, n in ctx.cluster.zones[z].items() if n > 0})
+    if opts.search is SearchSpace.FULL:
+        partitions = candidate_partitions(ctx, P, mbs, gpus)
+    else:
+        partitions = [even_partition(job.model.num_layers, P)]
+    for partition in partitions:
+        per_gpu, relaxed, s2 = [], [], float("inf")
+        for g in gpus:
+            options = stage_options(ctx, g, partition, mbs, M)
+            tmpl = templates(options)
+            if opts.search is not SearchSpace.FULL:
+                uniform = [t for t in tmpl if len(set(t)) == 1]
+                # the published rule: the smallest TP degree that fits (H2), one per GPU type
+                tmpl = uniform[:1] if opts.search is SearchSpace.PAPER else uniform
+            if not tmpl:
+                continue
+            per_gpu.append((g, tuple(tmpl)))
+            # relaxation: every template of a GPU type may use all of its GPUs at once
+            relaxed += [x for t in tmpl for x in _types(ctx, {g: t}, list(zones), partition, mbs)]
+            s2 = min(s2, _sync_floor(ctx, g, zones, options, partition))
+        if per_gpu:
+            fam = Family(tuple(zones), mbs, M, partition, tuple(per_gpu))
+            yield _lower_bound(relaxed, M, opts, s2, shared=True), fam
 
 
 def _sync_floor(ctx, gpu: str, zones, options, partition) -> float:
@@ -274,7 +361,7 @@ def _regions(cluster) -> dict[str, list[str]]:
     return out
 
 
-def _points(ctx: SimContext, opts: PlanOptions, fam: Family):
+def _points(ctx: SimContext, opts: PlanOptions, fam: Family, exact: bool):
     """Yield (pipeline types, point) for every template combination of a family, best bound first."""
     per_gpu = dict(fam.templates)
     zones = list(fam.zones)
@@ -282,7 +369,7 @@ def _points(ctx: SimContext, opts: PlanOptions, fam: Family):
         combos = [({g: t}, [z]) for g, tmpls in per_gpu.items() for z in zones if ctx.cluster.available(z, g)
                   for t in tmpls]
     else:
-        combos = [(c, zones) for c in _template_combos(ctx, per_gpu, zones, fam.partition, fam.mbs, opts)]
+        combos = [(c, zones) for c in _template_combos(ctx, per_gpu, zones, fam.partition, fam.mbs, opts, exact, fam.M)]
     pts = []
     for combo, zs in combos:
         types = _types(ctx, combo, zs, fam.partition, fam.mbs)
@@ -309,17 +396,15 @@ def _types(ctx, combo: dict[str, tuple[int, ...]], zones: list[str], partition, 
     return out
 
 
-def _template_combos(ctx, per_gpu: dict[str, list[tuple[int, ...]]], zones, partition, mbs, opts: PlanOptions):
-    """One template per GPU type (or the type unused). On large spaces only the best few templates per
-    type by pipeline throughput per GPU enter, plus the one with the fewest GPUs."""
+def _template_combos(ctx, per_gpu: dict[str, list[tuple[int, ...]]], zones, partition, mbs, opts: PlanOptions,
+                     exact: bool, M: int):
+    """One template per GPU type (or the type unused). Outside exact mode only the best
+    `templates_per_gpu` templates per type enter, ranked by the objective of that type alone."""
     lists = []
     for g, tmpls in sorted(per_gpu.items()):
-        if len(tmpls) > opts.templates_per_gpu and opts.search is SearchSpace.FULL and _large(ctx, per_gpu, zones):
-            zone = max(zones, key=lambda z: ctx.cluster.available(z, g))
-            scored = sorted(tmpls, key=lambda t: S.make_pipeline_type(ctx, g, zone, t, partition, mbs, 1).period_s * sum(t))
-            keep = scored[: opts.templates_per_gpu]
-            fewest = min(tmpls, key=lambda t: (sum(t), t))
-            tmpls = keep + ([fewest] if fewest not in keep else [])
+        if not exact and len(tmpls) > opts.templates_per_gpu:
+            tmpls = sorted(tmpls, key=lambda t: _alone_score(ctx, g, zones, t, partition, mbs, M, opts))
+            tmpls = tmpls[: opts.templates_per_gpu]
         lists.append([(g, t) for t in tmpls] + [None])
     for pick in itertools.product(*lists):
         chosen = {x[0]: x[1] for x in pick if x is not None}
@@ -327,21 +412,31 @@ def _template_combos(ctx, per_gpu: dict[str, list[tuple[int, ...]]], zones, part
             yield chosen
 
 
-def _large(ctx, per_gpu, zones) -> bool:
-    """A space whose count vectors cannot all be scored (see search.EXHAUSTIVE_COUNTS)."""
-    n = 1
-    for g in per_gpu:
-        for z in zones:
-            n *= ctx.cluster.available(z, g) + 1
-    return n > S.EXHAUSTIVE_COUNTS
+def _alone_score(ctx, gpu, zones, tps, partition, mbs, M: int, opts: PlanOptions) -> tuple[float, float]:
+    """Objective key of the best of a few plans using only this template in its largest zone
+    (all, half, a quarter of the pipelines that fit, and one)."""
+    zone = max(zones, key=lambda z: ctx.cluster.available(z, gpu))
+    n_max = min(ctx.cluster.available(zone, gpu) // sum(tps), M)
+    if n_max < 1:
+        return (float("inf"), float("inf"))
+    t = S.make_pipeline_type(ctx, gpu, zone, tps, partition, mbs, n_max)
+    scorer = S.Scorer(ctx, partition, [t], M)
+    key = _key(opts.objective)
+    best = (float("inf"), float("inf"))
+    for n in {n_max, max(1, n_max // 2), max(1, n_max // 4), 1}:
+        c = scorer.score((n,))
+        if c is not None:
+            best = min(best, key(c.iteration_time_s, c.cost_per_iteration_usd))
+    return best
 
 
-def _search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M: int, offer, state, key) -> None:
+def _search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M: int, offer, state, key,
+                   exact: bool) -> None:
     """Phase 2 for one point: every count vector on small spaces, else the bounded D scan."""
     s_min = _types_sync_floor(ctx, types, point[0])
     if state["best"] is not None and _lower_bound(types, M, opts, s_min)[0] >= state["best"][0]:
         return
-    scorer = S.Scorer(ctx, point[0], types, M)
+    scorer = S.Scorer(ctx, point[0], types, M, equal_shares=opts.search is not SearchSpace.FULL)
     gpus_in_point = {g for g, _ in point[2]}
 
     def consider(counts) -> S.Candidate | None:
@@ -355,29 +450,24 @@ def _search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M
     if opts.search is not SearchSpace.FULL:
         _equal_share_scan(types, M, consider)
         return
-    if _prod(types) <= S.EXHAUSTIVE_COUNTS:
+    if exact and _prod(types) <= S.EXHAUSTIVE_COUNTS:
         for counts in S.all_count_vectors(types):
             consider(counts)
         return
     D_max = min(sum(t.max_count for t in types), M)
-    throughput = opts.objective is Objective.THROUGHPUT
     opt_min = min(t.optimizer_s for t in types)
-    for k in range(len(types)):  # one pipeline alone pays no sync: always a candidate
-        consider(tuple(1 if j == k else 0 for j in range(len(types))))
-    for D in (range(D_max, 1, -1) if throughput else range(2, D_max + 1)):
-        counts = S.min_w_allocation(types, D, M)
-        if counts is None:
+    subsets = [types] + [[t if j == k else dataclasses.replace(t, max_count=0) for j, t in enumerate(types)]
+                         for k in range(len(types))]
+    seen: set[tuple[int, ...]] = set()
+    for D in range(1, D_max + 1):
+        floor = S.makespan_floor(types, D, M) + s_min * (D - 1) / D + opt_min
+        if state["best"] is not None and opts.objective is Objective.THROUGHPUT and floor >= state["best"][0]:
             continue
-        consider(counts)
-        best = state["best"]
-        if best is None:
-            continue
-        if throughput:
-            W = S.min_makespan(types, counts, M)
-            if W is not None and W + s_min + opt_min >= best[0]:
-                break  # a smaller D only raises W; sync and optimizer cannot drop below their floors
-        elif _cost_floor(types, D + 1) >= best[0]:
-            break
+        for subset in subsets:
+            counts = S.fastest_first(subset, D)
+            if counts is not None and counts not in seen:
+                seen.add(counts)
+                consider(counts)
 
 
 def _equal_share_scan(types, M, consider) -> None:
@@ -421,33 +511,58 @@ def _cost_floor(types, D: int) -> float:
     return D * min(t.usd_per_hour * min(t.fill_s, t.two_s - t.period_s) for t in types) / 3600.0
 
 
-def _lower_bound(types: list[S.PipelineType], M: int, opts: PlanOptions, sync2: float) -> tuple[float, float]:
+def _lower_bound(types: list[S.PipelineType], M: int, opts: PlanOptions, sync2: float,
+                 shared: bool = False) -> tuple[float, float]:
     """Lower bound on the objective key of any count vector over `types` (at most max_count each).
 
-    Time: one pipeline alone (no sync) or, with two or more, the makespan if every available
-    pipeline could be used and some could sit idle (a relaxation of the shares) plus `sync2`, a lower
-    bound on the all-reduce of two or more replicas; plus the smallest optimizer step. Cost: each
-    micro-batch costs at least the cheapest rate x period, the plan pays for at least one pipeline's
-    fill, and for two or more pipelines at least twice the cheapest rate over `sync2`.
+    One pipeline alone pays no sync: time >= min_k time_k(M). Two or more: the makespan is at least
+    the smallest τ at which the available pipelines could finish M micro-batches even if some sat
+    idle (Σ_k max_count_k·cap_k(τ) >= M; with `shared`, types of one GPU type and zone are
+    alternative templates competing for the same GPUs, so only the best of them counts at each τ),
+    and the sync at least sync2 / 2 (a ring over D replicas takes 2(D-1) steps of 1/D of the
+    gradient: at least (D-1)/D >= 1/2 of the two-replica time `sync2`, even where bandwidth varies
+    with message size within 2x); plus the smallest optimizer step. Cost: the same times at the
+    cheapest rates, and each micro-batch costs at least the cheapest rate x period.
     """
     used = [t for t in types if t.max_count]
     if not used:
         return (float("inf"), float("inf"))
+    groups: dict[tuple, list[S.PipelineType]] = {}
+    for t in used:
+        groups.setdefault((t.gpu, t.zone) if shared else (t,), []).append(t)
+
+    def capacity(tau: float) -> int:
+        return sum(max(min(t.max_count, M) * t.cap(tau) for t in g) for g in groups.values())
+
     lo, hi = min(t.fill_s for t in used), max(t.two_s for t in used) + M * max(t.period_s for t in used)
-    for _ in range(60):
+    for _ in range(50):
         mid = 0.5 * (lo + hi)
-        if sum(min(t.max_count, M) * t.cap(mid) for t in used) >= M:
+        if capacity(mid) >= M:
             hi = mid
         else:
             lo = mid
-    alone = min(t.time_s(M) for t in used)
     opt = min(t.optimizer_s for t in used)
-    T = min(alone, lo + sync2) + opt
-    base = min(t.usd_per_hour * min(t.fill_s, t.two_s - t.period_s) for t in used)
+    alone = min(t.time_s(M) for t in used) + opt
+    many = lo + sync2 / 2 + opt if sum(t.max_count for t in used) >= 2 else float("inf")
+    T = min(alone, many)
     rate = min(t.usd_per_hour for t in used)
+    base = min(t.usd_per_hour * min(t.fill_s, t.two_s - t.period_s) for t in used)
     work = (M * min(t.usd_per_hour * t.period_s for t in used) + min(base, 0.0) * M + max(base, 0.0)) / 3600.0
-    cost = min(min(t.usd_per_hour * t.time_s(M) for t in used) / 3600.0, work + 2 * rate * sync2 / 3600.0)
+    cost = min(min(t.usd_per_hour * t.time_s(M) for t in used) / 3600.0 + 0.0,
+               max(work, 2 * rate * (lo + sync2 / 2 + opt) / 3600.0))
     return (T, cost) if opts.objective is Objective.THROUGHPUT else (cost, T)
+
+
+def _distinct_d(M: int, D_max: int) -> list[int]:
+    """The smallest D for each distinct ceil(M / D), D <= D_max (about 2·sqrt(M) values)."""
+    out, D = [], 1
+    while D <= D_max:
+        out.append(D)
+        m = -(-M // D)
+        if m == 1:
+            break
+        D = -(-M // (m - 1))  # smallest D with ceil(M / D) <= m - 1
+    return out
 
 
 def _build_plan(ctx: SimContext, cand: S.Candidate, point) -> Plan:

@@ -21,15 +21,15 @@ cap_k(τ) micro-batches and the excess is taken back from the slowest pipelines.
 non-decreasing separable functions: a τ is reachable iff the capacities add up to M.)
 
 Count vectors: all of them when there are at most `EXHAUSTIVE_COUNTS` (small clusters: the result
-is then the optimum of the space). Otherwise a scan over D with the min-W allocation for each D (the
-D pipelines with the largest capacity at the optimal τ), from large to small D when maximising
-throughput and small to large when minimising cost (H3/H4), stopped by a bound: W only grows as D
-shrinks, and S_i >= its value with one replica per type, so once W*(D) + S_min + O >= the best T no
-smaller D can win; for cost, D·min_k(rate_k·A_k) bounds the GPU-seconds of any D-pipeline plan.
+is then the optimum of the space). Otherwise, for every pipeline count D, the D fastest pipelines
+(`fastest_first`) and, for each GPU type alone, D pipelines of it — skipping every D whose lower
+bound (`makespan_floor` plus a sync floor) cannot beat the best plan found (see
+planner._search_counts). This scan is a heuristic: mixes other than fastest-first are not tried.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -76,15 +76,20 @@ class PipelineType:
 def make_pipeline_type(ctx: SimContext, gpu: str, zone: str, tps: tuple[int, ...], partition, mbs: int,
                        max_count: int) -> PipelineType:
     """Closed-form constants of a (GPU, zone, TP template) pipeline, from the simulator's own building
-    blocks (`pipeline_arrays`, `closed_form_1f1b`, `optimizer_s`), so planner and simulator agree."""
+    blocks (`pipeline_arrays`, `closed_form_1f1b`, `optimizer_s`), so planner and simulator agree.
+    Memoised in the context (it lives for one planning call)."""
+    key = ("pipeline_type", gpu, zone, tuple(tps), tuple(partition), mbs)
+    if key in ctx.memo:
+        return dataclasses.replace(ctx.memo[key], max_count=max_count)
     slots = [Slot(zone=zone, gpu=gpu, tp=t) for t in tps]
     f, b, c, _, _ = pipeline_arrays(ctx, slots, partition, mbs)
     t1, t2, t3, t4 = (closed_form_1f1b(f, b, c, m) for m in (1, 2, 3, 4))
     assert abs((t4 - t3) - (t3 - t2)) <= 1e-9 * t4, "closed form must be affine in m from m = 2"
     opt = max(optimizer_s(ctx, sl, a, e) for sl, (a, e) in zip(slots, partition))
-    return PipelineType(gpu=gpu, zone=zone, tps=tuple(tps), fill_s=t1, two_s=t2, period_s=t3 - t2,
-                        gpus=sum(tps), usd_per_hour=sum(tps) * ctx.cluster.price(zone, gpu), optimizer_s=opt,
-                        max_count=max_count)
+    ctx.memo[key] = PipelineType(gpu=gpu, zone=zone, tps=tuple(tps), fill_s=t1, two_s=t2, period_s=t3 - t2,
+                                 gpus=sum(tps), usd_per_hour=sum(tps) * ctx.cluster.price(zone, gpu), optimizer_s=opt,
+                                 max_count=max_count)
+    return ctx.memo[key]
 
 
 def min_makespan(types: list[PipelineType], counts: tuple[int, ...], M: int) -> float | None:
@@ -151,6 +156,7 @@ class Scorer:
     partition: tuple
     types: list[PipelineType]
     M: int
+    equal_shares: bool = False  # the published space: every pipeline gets M / D micro-batches
     _sync: dict = field(default_factory=dict)
 
     def sync(self, counts: tuple[int, ...]) -> tuple[float, float]:
@@ -177,10 +183,17 @@ class Scorer:
         return self._sync[counts]
 
     def score(self, counts: tuple[int, ...]) -> "Candidate | None":
-        wf = waterfill(self.types, counts, self.M)
-        if wf is None:
-            return None
-        W, shares = wf
+        if self.equal_shares:
+            D = sum(counts)
+            if D == 0 or self.M % D:
+                return None
+            shares = [[self.M // D] * n for n in counts]
+            W = max(t.time_s(self.M // D) for t, n in zip(self.types, counts) if n)
+        else:
+            wf = waterfill(self.types, counts, self.M)
+            if wf is None:
+                return None
+            W, shares = wf
         sync_s, egress = self.sync(counts)
         opt = max(t.optimizer_s for t, n in zip(self.types, counts) if n)
         T = W + sync_s + opt
@@ -216,30 +229,20 @@ def all_count_vectors(types: list[PipelineType]):
             yield counts
 
 
-def min_w_allocation(types: list[PipelineType], D: int, M: int) -> tuple[int, ...] | None:
-    """The D pipelines (at most max_count per type) with the smallest makespan: bisection on τ with
-    the D largest capacities at τ."""
-    if D > sum(t.max_count for t in types) or D > M:
-        return None
+def makespan_floor(types: list[PipelineType], D: int, M: int) -> float:
+    """Lower bound on the makespan of any plan of D pipelines over `types`: some pipeline runs at
+    least ceil(M / D) micro-batches, and takes at least the fastest type's time for that many."""
+    m = -(-M // D)
+    return min(t.time_s(m) for t in types if t.max_count)
 
-    def pick(tau: float) -> tuple[int, tuple[int, ...]]:
-        order = sorted(range(len(types)), key=lambda k: (-types[k].cap(tau), types[k].fill_s))
-        left, counts, total = D, [0] * len(types), 0
-        for k in order:
-            take = min(left, types[k].max_count)
-            counts[k] = take
-            total += take * types[k].cap(tau)
-            left -= take
-        return total, tuple(counts)
 
-    lo = min(t.fill_s for t in types if t.max_count)
-    hi = max(t.fill_s for t in types) + M * max(t.period_s for t in types)
-    for _ in range(100):
-        mid = 0.5 * (lo + hi)
-        if pick(mid)[0] >= M:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-12 * hi:
-            break
-    return pick(hi)[1]
+def fastest_first(types: list[PipelineType], D: int) -> tuple[int, ...] | None:
+    """D pipelines taken from the types with the shortest period first (then shortest fill), each
+    type up to its max_count; None if fewer than D are available."""
+    order = sorted(range(len(types)), key=lambda k: (types[k].period_s, types[k].fill_s))
+    counts, left = [0] * len(types), D
+    for k in order:
+        take = min(left, types[k].max_count)
+        counts[k] = take
+        left -= take
+    return tuple(counts) if left == 0 else None

@@ -27,7 +27,7 @@ from sailor.simulator import SimContext
 from sailor.simulator.memory import replica_memory
 
 EXHAUSTIVE_PARTITIONS = 16
-EXHAUSTIVE_TEMPLATES = 64
+EXHAUSTIVE_TEMPLATES = 8
 
 Partition = tuple[tuple[int, int], ...]
 

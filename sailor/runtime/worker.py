@@ -8,8 +8,9 @@ Order of construction (fixed; each step is its own function):
 Each step: stop check (all ranks agree) -> 1F1B over this pipeline's micro-batches -> `GradSync`
 (sample-weighted SUM) -> global-norm clipping -> AdamW -> metrics (loss, timings) to rank 0.
 
-Rank 0 reports to the launcher with single stdout lines `SAILOR_EVENT <json>`: {"event": "step", ...}
-per step, {"event": "checkpoint", "step", "path"}, {"event": "stopped", "step", "checkpoint"},
+Rank 0 reports to the launcher with single stdout lines `SAILOR_EVENT <json>`: {"event": "started"}
+once the process groups are up, {"event": "loaded", "step"} once the weights are in place,
+{"event": "step", ...} per step, {"event": "checkpoint", "step", "path"}, {"event": "stopped", "step", "checkpoint"},
 {"event": "done", "step"}; any rank reports {"event": "error", "rank", "error", "peer_lost"} before exiting 1.
 """
 
@@ -159,6 +160,8 @@ def train(args: argparse.Namespace) -> None:
     assert topo.world_size == dist.get_world_size(), (topo.world_size, dist.get_world_size())
     role = topo.roles[rank]
     groups = create_groups(topo, timeout)
+    if rank == 0:
+        emit("started", world_size=topo.world_size)  # process groups are up (the controller times phases)
     tp_group = groups.get(role.tp_group)
 
     with torch.device("meta"):
@@ -180,6 +183,8 @@ def train(args: argparse.Namespace) -> None:
     if tensors is not None:
         restore_optimizer(opt, params, tensors, start, role)
         del tensors
+    if rank == 0:
+        emit("loaded", step=start)  # weights and optimizer state in place; step `start` runs next
     sync = GradSync(params, role, groups)
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout)
     corpus = load_corpus(args.data)

@@ -79,6 +79,9 @@ class SimContext:
     _cum: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _act: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _params: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    memo: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    """Results of pure functions of this context (all-reduce times, pipeline constants), keyed on
+    every argument: the planner asks for the same ones many times within one call."""
 
     def layer_cumsum(self, gpu: str, tp: int, mbs: int) -> np.ndarray:
         """Cumulative forward/backward seconds over layers: array (num_layers + 1, 2), row 0 = 0."""
@@ -90,6 +93,9 @@ class SimContext:
                 # timing carries a launch-and-sync gap that a real, asynchronous run hides.
                 gap = gpu_constant(self.calibration, gpu, "profile_overhead_s", 0.0)
                 t = np.maximum(t - gap, 0.0)
+                # Layer micro-benchmarks run faster than the same layers inside a training run on
+                # some devices (local CPU processes: see calibration.py, `compute_factor`).
+                t = t * gpu_constant(self.calibration, gpu, "compute_factor", 1.0)
             self._cum[key] = np.vstack([np.zeros((1, 2)), np.cumsum(t, axis=0)])
         return self._cum[key]
 
@@ -306,10 +312,13 @@ def stage_sync(ctx: SimContext, groups: list[Group], a: int, e: int) -> tuple[fl
     the replicas of one stage, given as (Slot, count) groups in ring order (`group_members`). Each of the t ranks all-reduces its own shard of
     params(stage, t) parameters (replicated norms and biases included), t = the finest common
     sharding's flow count; divided by the calibrated all-reduce efficiency."""
-    t = min(r.tp for r, _ in groups)
-    nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["gradients"]
-    seconds = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency([r for r, _ in groups])
-    return (seconds, *ring_egress(groups, nbytes, ctx.network))
+    key = ("stage_sync", tuple(groups), a, e)
+    if key not in ctx.memo:
+        t = min(r.tp for r, _ in groups)
+        nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["gradients"]
+        seconds = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency([r for r, _ in groups])
+        ctx.memo[key] = (seconds, *ring_egress(groups, nbytes, ctx.network))
+    return ctx.memo[key]
 
 
 def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tuple[float, float, float]:
@@ -317,11 +326,14 @@ def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tupl
     a pipeline's first and last stage (DeepSpeed ReduceTiedGrads); 0 for one stage or untied models."""
     if num_stages < 2 or not tied_embeddings(ctx.job.model):
         return 0.0, 0.0, 0.0
-    groups = group_members([first, last])
-    t = min(first.tp, last.tp)
-    nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
-    seconds = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency([first, last])
-    return (seconds, *ring_egress(groups, nbytes, ctx.network))
+    key = ("tied_sync", first, last)
+    if key not in ctx.memo:
+        groups = group_members([first, last])
+        t = min(first.tp, last.tp)
+        nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
+        seconds = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency([first, last])
+        ctx.memo[key] = (seconds, *ring_egress(groups, nbytes, ctx.network))
+    return ctx.memo[key]
 
 
 # ---- the simulation -------------------------------------------------------------------------------

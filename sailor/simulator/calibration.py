@@ -13,6 +13,12 @@ Each constant is physical and the same for every run on that GPU type:
 - `allreduce_efficiency` (dimensionless): fraction of the p2p link bandwidth (the NCCL send/recv
   fits) that the gradient all-reduces reach (reduction kernels, chunking, the t concurrent rings of a
   node's TP ranks, DeepSpeed's flatten/unflatten around them).
+- `compute_factor` (dimensionless): a training run's per-stage compute time (the runtime's
+  forward_s + backward_s per micro-batch, waits excluded) over the sum of the profiled layer times
+  of that stage; multiplies measured layer times. 1 on GPUs (profiling and training run the same
+  kernels). On local CPU processes it is ~2: the profiler times one layer at a time with its weights
+  and inputs hot in cache, while a run's ranks interleave whole stages, their p2p copies and the
+  loss on shared cores and caches (and, on the shared build machines, other jobs' processes).
 The catalog holds a default `framework_bytes` per GPU type; a GPU type with no entry here uses it,
 no reserve, no profiler gap and efficiency 1. `sailor validate DIR --fit` refits these on a folder of measured runs (`fit_memory`
 below: linear least squares on relative error) and `leave_one_out` shows how they generalise.
@@ -36,6 +42,13 @@ CALIBRATION: dict[str, dict[str, float]] = {
         "reserve_fraction": 0.107,  # caching allocator: 10.7 % of the transient tensors
         "profile_overhead_s": 125e-6,  # 125 µs per profiled layer pass
         "allreduce_efficiency": 0.175,  # ring all-reduce at 17.5 % of send/recv bandwidth
+    },
+    # cpu (local gloo processes, 2-vCPU build machine): `compute_factor` fitted by `fit_compute_factor`
+    # (median over stages) on the 2-process runs of benchmarks/closed_loop.py (tiny model, global
+    # batch 64, micro-batch 4; plans dp2, pp2, pp2_uneven, dp2_shares; 3 runs, 15 stage ratios from
+    # 1.4 to 5.3, median 2.3), profiles by `sailor profile` taken before the runs.
+    "cpu": {
+        "compute_factor": 2.3,
     },
 }
 
@@ -75,3 +88,18 @@ def fit_memory(fixed_bytes: np.ndarray, transient_bytes: np.ndarray, measured_by
         r = 0.0
         F = float(np.sum(y * meas / meas**2) / np.sum(1.0 / meas**2))
     return {"framework_bytes": float(F), "reserve_fraction": float(r)}
+
+
+def fit_compute_factor(measured_stage_s: np.ndarray, profiled_stage_s: np.ndarray) -> float:
+    """Fit `compute_factor` of one GPU type: the median over stages of measured / profiled compute.
+
+    Args:
+        measured_stage_s: arrays (stages,), a run's forward + backward seconds per micro-batch of each
+            stage (the runtime's metrics, waits excluded).
+        profiled_stage_s: arrays (stages,), the profiled layer times of the same stages, summed.
+    Returns:
+        The factor (dimensionless); the median, so one disturbed stage does not move it.
+    """
+    meas, prof = np.asarray(measured_stage_s, dtype=float), np.asarray(profiled_stage_s, dtype=float)
+    assert meas.shape == prof.shape and meas.size >= 1 and np.all(prof > 0)
+    return float(np.median(meas / prof))

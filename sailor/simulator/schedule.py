@@ -98,6 +98,28 @@ def simulate_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int) -> tuple[
     Returns:
         (makespan_s, busy_s (P,) compute seconds per stage, end_s (P,) when each stage finished).
     """
+    clock = _run_1f1b(f, b, c, m, None)
+    return float(clock.max()), m * (f + b), clock.copy()
+
+
+def timeline_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int) -> list[list[tuple[str, int, float, float]]]:
+    """Per-stage op timeline of the event simulation `simulate_1f1b` runs (same events, same makespan).
+
+    Args: as `simulate_1f1b`.
+    Returns:
+        one list per stage of (kind, micro-batch, start_s, end_s) in execution order; kind is one of
+        "F", "B" (compute) or "SA", "RA", "SG", "RG" (send/receive of an activation or a gradient).
+        Gaps between consecutive ops are the stage's idle time (bubbles, waits for a peer).
+    """
+    ops: list[list[tuple[str, int, float, float]]] = [[] for _ in range(len(f))]
+    _run_1f1b(f, b, c, m, ops)
+    return ops
+
+
+def _run_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int,
+              ops: list[list[tuple[str, int, float, float]]] | None) -> np.ndarray:
+    """The event loop shared by `simulate_1f1b` and `timeline_1f1b`: (P,) end times per stage; appends
+    every op to `ops[stage]` when `ops` is given (mutates it)."""
     P = len(f)
     progs = [pipeline_instructions(P, i, m) for i in range(P)]
     pos = [0] * P
@@ -108,23 +130,28 @@ def simulate_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int) -> tuple[
         for i in range(P):
             while pos[i] < len(progs[i]):
                 kind, k = progs[i][pos[i]]
-                if kind == FWD:
-                    clock[i] += f[i]
-                elif kind == BWD:
-                    clock[i] += b[i]
+                if kind == FWD or kind == BWD:
+                    start = clock[i]
+                    clock[i] += f[i] if kind == FWD else b[i]
+                    if ops is not None:
+                        ops[i].append((kind, k, float(start), float(clock[i])))
                 else:
                     step, want = _PEER[kind]
                     j = i + step
                     if pos[j] >= len(progs[j]) or progs[j][pos[j]] != (want, k):
                         break  # the peer has not reached the matching transfer yet
-                    clock[i] = clock[j] = max(clock[i], clock[j]) + c[min(i, j)]
+                    start = max(clock[i], clock[j])
+                    clock[i] = clock[j] = start + c[min(i, j)]
+                    if ops is not None:
+                        ops[i].append((kind, k, float(start), float(clock[i])))
+                        ops[j].append((want, k, float(start), float(clock[j])))
                     pos[j] += 1
                     remaining -= 1
                 pos[i] += 1
                 remaining -= 1
                 progressed = True
         assert progressed, "pipeline schedule deadlocked"  # cannot happen: DeepSpeed's order is safe
-    return float(clock.max()), m * (f + b), clock.copy()
+    return clock
 
 
 def stage_times(f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:

@@ -1,0 +1,175 @@
+"""Closed loop on this machine: profile, simulate, train, compare predicted and measured step time.
+
+1. `sailor profile` the job's model on this device (TP 1 and 2, the plans' micro-batch size) and
+   `sailor profile network --nproc 2` the links between local processes;
+2. for each plan below, `sailor simulate --profiles --network --json` (predicted iteration time) and
+   `sailor train --steps N --metrics` (measured: median step_time_s after the first `--skip` steps);
+3. print a table, then, as the last line, one JSON object with `mean_abs_error_pct`, `plans` and the
+   per-plan rows. Target on the 2-core CPU build machines: mean absolute error <= 10 %.
+
+Plans (the `tiny` model, 2 processes each, so every process has a core):
+  dp2       1 stage x 2 pipelines (data parallel)
+  pp2       2 stages, layers split 3 | 3
+  tp2       1 stage at TP 2
+  pp2_uneven 2 stages, layers split 2 | 4
+  dp2_shares 1 stage x 2 pipelines taking 3/4 and 1/4 of the batch
+
+    python benchmarks/closed_loop.py [--device cpu] [--steps 8] [--skip 3] [--gbs 64] [--mbs 4]
+        [--model tiny] [--seq N] [--out DIR] [--single-device --mbs 1,2,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _rep(stage: int, tp: int, gpu: str) -> dict:
+    return {"stage": stage, "gpu": gpu, "zone": "local", "tp": tp}
+
+
+def plans(gbs: int, mbs: int, gpu: str) -> dict[str, dict]:
+    """The benchmark's plans for a global batch of `gbs` samples in micro-batches of `mbs`."""
+    m = gbs // mbs
+    one = [[0, 6]]
+    return {
+        "dp2": {"stages": one, "pipelines": [{"microbatches": m // 2, "replicas": [_rep(0, 1, gpu)]}] * 2},
+        "pp2": {"stages": [[0, 3], [3, 6]],
+                "pipelines": [{"microbatches": m, "replicas": [_rep(0, 1, gpu), _rep(1, 1, gpu)]}]},
+        "tp2": {"stages": one, "pipelines": [{"microbatches": m, "replicas": [_rep(0, 2, gpu)]}]},
+        "pp2_uneven": {"stages": [[0, 2], [2, 6]],
+                       "pipelines": [{"microbatches": m, "replicas": [_rep(0, 1, gpu), _rep(1, 1, gpu)]}]},
+        "dp2_shares": {"stages": one, "pipelines": [{"microbatches": 3 * m // 4, "replicas": [_rep(0, 1, gpu)]},
+                                                    {"microbatches": m // 4, "replicas": [_rep(0, 1, gpu)]}]},
+    }
+
+
+def single_device_plans(gbs: int, mbs_list: list[int], gpu: str) -> dict[str, tuple[int, dict]]:
+    """One process, one stage, one pipeline per micro-batch size: name -> (mbs, plan body)."""
+    return {f"single_mbs{b}": (b, {"stages": [[0, 0]], "pipelines": [{"microbatches": gbs // b,
+                                                                      "replicas": [_rep(0, 1, gpu)]}]})
+            for b in mbs_list}
+
+
+def _sailor() -> str:
+    exe = Path(sys.executable).parent / "sailor"
+    return str(exe) if exe.exists() else (shutil.which("sailor") or "sailor")
+
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def closed_loop(args: argparse.Namespace, work: Path) -> list[dict]:
+    """Profile, then simulate and train every plan; returns the per-plan rows."""
+    sailor = _sailor()
+    model = {"model": args.model, "global_batch_size": args.gbs,
+             "precision": "fp32" if args.device == "cpu" else "bf16"}
+    if args.seq:
+        model["sequence_length"] = args.seq
+    job = work / "job.json"
+    job.write_text(json.dumps(model))
+    prof, net = work / "profile.json", work / "network.json"
+
+    mbs_list = [int(b) for b in str(args.mbs).split(",")]
+    tps = "1" if args.single_device else "1,2"
+
+    def profile() -> str:
+        print(f"profiling {args.model} on {args.device} ...", file=sys.stderr)
+        _run([sailor, "profile", "--job", str(job), "--device", args.device, "--tp", tps, "--mbs", str(args.mbs),
+              "--repeats", str(args.repeats), "--out", str(prof)])
+        return next(iter(json.loads(prof.read_text())["optimizer"]))
+
+    gpu = profile()
+    net_args = []
+    if not args.single_device:
+        _run([sailor, "profile", "network", "--nproc", "2", "--device", args.device, "--out", str(net)])
+        net_args = ["--network", str(net)]
+    num_layers = len(json.loads(prof.read_text())["layers"][0]["forward_s"])
+    if args.single_device:
+        todo = {n: (b, {**body, "stages": [[0, num_layers]]}) for n, (b, body) in
+                single_device_plans(args.gbs, mbs_list, gpu).items()}
+    else:
+        todo = {n: (mbs_list[0], body) for n, body in plans(args.gbs, mbs_list[0], gpu).items()}
+    rows = []
+    for k, (name, (mbs, body)) in enumerate(todo.items()):
+        if args.plans and name not in args.plans:
+            continue
+        if args.reprofile and k:
+            # A shared machine's background load drifts over minutes: profile again just before each
+            # run, so prediction and measurement see the same machine.
+            profile()
+        plan = work / f"{name}.json"
+        plan.write_text(json.dumps({"micro_batch_size": mbs, **body, "job": model}))
+        est = json.loads(_run([sailor, "simulate", str(plan), "--profiles", str(prof), *net_args, "--json"]))
+        metrics = work / f"{name}.jsonl"
+        print(f"training {name} ...", file=sys.stderr)
+        _run([sailor, "train", str(plan), "--steps", str(args.steps), "--metrics", str(metrics),
+              "--device", args.device])
+        steps = [json.loads(line) for line in metrics.read_text().splitlines()][args.skip:]
+        measured = statistics.median(s["step_time_s"] for s in steps)
+        predicted = est["iteration_time_s"]
+        ratios = []
+        if body["pipelines"][0]["replicas"][0]["tp"] == 1:  # TP stages also hold all-reduce waits
+            layer = next(r for r in json.loads(prof.read_text())["layers"] if r["tp"] == 1 and r["mbs"] == mbs)
+            m = max(p["microbatches"] for p in body["pipelines"])
+            for i, (a, e) in enumerate(body["stages"]):
+                meas = statistics.median(s["stages"][i]["forward_s"] + s["stages"][i]["backward_s"] for s in steps) / m
+                ratios.append(meas / (sum(layer["forward_s"][a:e]) + sum(layer["backward_s"][a:e])))
+        rows.append({"plan": name, "compute_ratio_per_stage": ratios, "stages": body["stages"],
+                     "pipelines": [p["microbatches"] for p in body["pipelines"]],
+                     "tp": body["pipelines"][0]["replicas"][0]["tp"], "predicted_s": predicted,
+                     "measured_s": measured, "error_pct": 100.0 * (predicted - measured) / measured,
+                     "measured_spread_s": max(s["step_time_s"] for s in steps) - min(s["step_time_s"] for s in steps),
+                     "estimated": est["estimated"]})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--seq", type=int, default=0, help="sequence length (default: the model's)")
+    ap.add_argument("--gbs", type=int, default=64)
+    ap.add_argument("--mbs", default="4", help="micro-batch size; with --single-device a comma-separated sweep")
+    ap.add_argument("--single-device", action="store_true",
+                    help="one process per plan (a single GPU): plans single_mbs<b> for each micro-batch size b")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--skip", type=int, default=3, help="first steps left out (warm-up)")
+    ap.add_argument("--repeats", type=int, default=20, help="profiler repeats")
+    ap.add_argument("--plans", nargs="*", help="only these plans")
+    ap.add_argument("--reprofile", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile again before each plan (default; a shared machine's load drifts)")
+    ap.add_argument("--out", help="keep profile, plans and metrics in this folder")
+    args = ap.parse_args()
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        rows = closed_loop(args, Path(args.out))
+    else:
+        with tempfile.TemporaryDirectory(prefix="sailor-closed-loop-") as tmp:
+            rows = closed_loop(args, Path(tmp))
+    print(f"{'plan':<12} {'stages':<18} {'micro-batches':<14} {'TP':>3} {'predicted (s)':>14} {'measured (s)':>13}"
+          f" {'error (%)':>10}")
+    for r in rows:
+        print(f"{r['plan']:<12} {str(r['stages']):<18} {str(r['pipelines']):<14} {r['tp']:>3} {r['predicted_s']:>14.4f}"
+              f" {r['measured_s']:>13.4f} {r['error_pct']:>+10.1f}")
+    mae = statistics.mean(abs(r["error_pct"]) for r in rows)
+    ratios = [x for r in rows for x in r["compute_ratio_per_stage"]]
+    if ratios:
+        print(f"run/profile compute ratio per stage: median {statistics.median(ratios):.2f}"
+              f" (calibration `compute_factor` refit: sailor.simulator.calibration.fit_compute_factor)")
+    print(json.dumps({"mean_abs_error_pct": mae, "plans": len(rows), "device": args.device, "model": args.model,
+                      "global_batch_size": args.gbs, "micro_batch_size": args.mbs, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

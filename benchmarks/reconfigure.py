@@ -1,0 +1,73 @@
+"""Switch cost of `sailor run` on this machine: from the availability change to the first step
+completed under the new plan, phase by phase.
+
+Runs the controller on the local provider (tiny model, global batch 8, <= 4 gloo processes) over a
+trace that shrinks 4 -> 2 processes (the running plan loses GPUs: a forced switch) and grows back to
+4 (switched because the switch cost is set to 0 here, so the gain always wins). The trace runs on
+the `training` clock, so each plan trains for about a second whatever the start-up takes.
+
+Phases (controller events): replan (planner, cached or not), stop (to the step boundary),
+checkpoint (written by the ranks), teardown (processes gone), restart (torchrun, imports, process
+groups), load (model built, checkpoint loaded), first step. Target: <= 10 s in total; published
+Sailor: about 11 s on 16 V100 (DESIGN.md §7), before rollback. Prints a table, then one JSON line.
+
+    python benchmarks/reconfigure.py [--steps 80] [--processes 4] [--shrink-to 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+PHASES = ("replan_s", "stop_s", "checkpoint_s", "teardown_s", "restart_s", "load_s", "first_step_s")
+TARGET_S = 10.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--processes", type=int, default=4)
+    ap.add_argument("--shrink-to", type=int, default=2)
+    args = ap.parse_args(argv)
+    assert 1 <= args.shrink_to < args.processes <= 4, "at most 4 processes on this machine"
+
+    from sailor.elastic.availability import load_trace
+    from sailor.elastic.controller import ClockKind, RunOptions, run
+    from sailor.specs import ClusterSpec, JobSpec
+
+    with tempfile.TemporaryDirectory(prefix="sailor-reconfigure-") as tmp:
+        t = Path(tmp)
+        cluster = ClusterSpec(provider="local", zones={"local": {"cpu": args.processes}})
+        trace = t / "trace.json"
+        trace.write_text(json.dumps([{"time_s": s, "zone": "local", "gpu": "cpu", "count": n}
+                                     for s, n in ((0, args.processes), (1.0, args.shrink_to), (2.0, args.processes))]))
+        events = t / "events.jsonl"
+        res = run(RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=cluster,
+                             trace=load_trace(trace, cluster), steps=args.steps, checkpoint_dir=str(t / "ck"),
+                             checkpoint_every=0, events=str(events), clock=ClockKind.TRAINING, switch_cost_s=0.0))
+        ev = [json.loads(x) for x in events.read_text().splitlines()]
+    switches = [e for e in ev if e["event"] == "switch_finished" and not e.get("interrupted")]
+    if res.status != 0 or not switches:
+        print(f"run did not complete its switches: {res.message}", file=sys.stderr)
+        return 1
+    print(f"{'switch':<22}" + "".join(f"{p[:-2]:>12}" for p in PHASES) + f"{'total':>10}")
+    for e in switches:
+        label = f"{e['reason']} -> {e['world_size']} procs"
+        print(f"{label:<22}" + "".join(f"{e['phases_s'][p]:>12.3f}" for p in PHASES) + f"{e['total_s']:>10.2f}")
+    mean = {p: sum(e["phases_s"][p] for e in switches) / len(switches) for p in PHASES}
+    total = sum(e["total_s"] for e in switches) / len(switches)
+    print(f"{'mean':<22}" + "".join(f"{mean[p]:>12.3f}" for p in PHASES) + f"{total:>10.2f}")
+    print(f"target <= {TARGET_S:g} s: {'met' if total <= TARGET_S else 'missed'}; published Sailor about 11 s on"
+          " 16 V100 (before rollback)")
+    print(json.dumps({"benchmark": "reconfigure", "switches": [{"reason": e["reason"], "to_processes": e["world_size"],
+                                                                 "total_s": e["total_s"], **e["phases_s"]}
+                                                                for e in switches],
+                      "mean_total_s": total, "mean_phases_s": mean, "target_s": TARGET_S}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""`sailor run` (train elastically over an availability trace) and `sailor replay` (simulate it).
+
+`sailor run` exit statuses: 0 every step done; 1 the job could not continue (no GPUs left for good,
+or launches failing before their first step); 2 bad input; 3 stopped on request (SIGTERM/SIGINT)
+after writing a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sailor.cli import app
+from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, console
+from sailor.errors import SailorInputError
+
+TraceOpt = typer.Option(..., "--availability", help="Availability trace: CSV (Timestamp + <gpu>_<zone> columns),"
+                        ' JSON events [{"time_s", "zone", "gpu", "count"}], or [{"Time", "GPUs"}] for the'
+                        " cluster's one zone and GPU type.")
+JobReq = typer.Option(..., "--job", help="Job spec (YAML/JSON): model, global_batch_size, precision, optimizer.")
+ClusterReq = typer.Option(..., "--cluster", help="Cluster spec (YAML/JSON): provider, prices, node sizes (its zones"
+                          " are replaced by the trace's).")
+
+
+@app.command()
+def run(
+    job: Path = JobReq,
+    cluster: Path = ClusterReq,
+    availability: Path = TraceOpt,
+    steps: int = typer.Option(100, "--steps", help="Train until this many optimizer steps in total, e.g. 200."),
+    seed: int = typer.Option(0, "--seed", help="Seed of initial weights and data order."),
+    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder (step-<n>/);"
+                                                 " resumed from when it holds a checkpoint. Default: a temporary one."),
+    checkpoint_every: int = typer.Option(20, "--checkpoint-every", help="Also checkpoint every N steps, bounding"
+                                         " what a crash rolls back (0: only at switches and the end)."),
+    metrics: Optional[str] = typer.Option(None, "--metrics", help="Append the step lines of `sailor train` here"
+                                          " (.jsonl); a step redone after a rollback is written again."),
+    events: Optional[str] = typer.Option(None, "--events", help="Append one JSON line per controller event here."),
+    time_scale: float = typer.Option(1.0, "--time-scale", help="Clock seconds per trace second (0.01: an hour of"
+                                     " trace in 36 s)."),
+    clock: str = typer.Option("wall", "--clock", help="What drives trace time: wall (seconds since start) or training"
+                              " (seconds spent in training steps; start-up and switches excluded)."),
+    switch_cost_s: Optional[float] = typer.Option(None, "--switch-cost-s", help="Assume each switch costs this many"
+                                                  " seconds (default: measured, 11.35 s before the first)."),
+    profiles: Optional[Path] = ProfilesOpt,
+    network: Optional[Path] = NetworkOpt,
+    data: Optional[str] = typer.Option(None, "--data", help="Text file or folder, as byte tokens; default: Python's"
+                                       " pydoc topics."),
+) -> None:
+    """Train, keeping the job on the best plan as GPUs come and go (local provider: one process per GPU)."""
+    from sailor.elastic.availability import load_trace
+    from sailor.elastic.controller import ClockKind, RunOptions
+    from sailor.elastic.controller import run as run_elastic
+    from sailor.specs import load_cluster, load_job
+
+    try:
+        clock_kind = ClockKind(clock)
+    except ValueError:
+        raise SailorInputError(f"unknown clock {clock!r}", source="--clock", fix="wall or training") from None
+    job_spec, cluster_spec = load_job(job), load_cluster(cluster)
+    trace = load_trace(availability, cluster_spec)
+    result = run_elastic(RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
+                                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
+                                    events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
+                                    profiles=str(profiles) if profiles else None,
+                                    network=str(network) if network else None, data=data))
+    from rich.console import Console
+
+    summary = (f"{result.message} ({result.switches} switches, {result.crashes} crashes,"
+               f" {result.steps_rolled_back} steps rolled back)")
+    Console(stderr=True).print(summary)
+    raise typer.Exit(code=int(result.status))
+
+
+@app.command()
+def replay(
+    job: Path = JobReq,
+    cluster: Path = ClusterReq,
+    availability: Path = TraceOpt,
+    profiles: Optional[Path] = ProfilesOpt,
+    network: Optional[Path] = NetworkOpt,
+    policy: str = typer.Option("sailor", "--policy", help="sailor (re-plan each change, switch when it pays),"
+                               " static (keep the first plan until it loses GPUs), homogeneous (one GPU type"
+                               " and zone per plan)."),
+    duration_s: Optional[float] = typer.Option(None, "--duration-s", help="End of the run in trace seconds"
+                                               " (default: last point + the last spacing)."),
+    as_json: bool = JsonOpt,
+    plot_file: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of GPUs and throughput over time."),
+) -> None:
+    """Simulate a whole elastic run over an availability trace, without training."""
+    from sailor.elastic.availability import load_trace
+    from sailor.elastic.replay import Policy, plot, replay as replay_run
+    from sailor.specs import load_cluster, load_job
+
+    try:
+        pol = Policy(policy)
+    except ValueError:
+        raise SailorInputError(f"unknown policy {policy!r}", source="--policy",
+                               fix=f"one of {', '.join(p.value for p in Policy)}") from None
+    job_spec, cluster_spec = load_job(job), load_cluster(cluster)
+    trace = load_trace(availability, cluster_spec)
+    result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=str(profiles) if profiles else None,
+                        network_path=str(network) if network else None, duration_s=duration_s)
+    if plot_file:
+        plot(result, plot_file)
+    if as_json:
+        print(json.dumps(result.to_dict()))
+        return
+    _print_replay(result)
+
+
+def _print_replay(result) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"replay of {result.trace} ({result.policy.value})")
+    for col in ("start (s)", "end (s)", "GPUs avail", "GPUs used", "iter time (s)", "iters/s", "$/hour",
+                "switch (s)", "iterations", "cost ($)", "note"):
+        t.add_column(col)
+    for i in result.intervals:
+        t.add_row(f"{i.start_s:,.0f}", f"{i.end_s:,.0f}", str(i.gpus_available), str(i.gpus_used),
+                  f"{i.iteration_time_s:.3f}" if i.iteration_time_s else "-", f"{i.throughput_iters_per_s:.3f}",
+                  f"{i.cost_per_hour_usd:,.2f}", f"{i.switch_s:.1f}", f"{i.iterations:,.0f}", f"{i.cost_usd:,.2f}",
+                  i.note)
+    out = console()
+    out.print(t)
+    tot = result.totals()
+    per = f"${tot['usd_per_iteration']:.4f}/iteration" if tot["usd_per_iteration"] is not None else "no iteration"
+    out.print(f"total: {tot['iterations']:,.0f} iterations, ${tot['cost_usd']:,.2f} ({per}),"
+              f" {tot['switches']} switches losing {tot['switch_time_s']:.1f} s, planner {tot['planning_s']:.2f} s")

@@ -1,0 +1,105 @@
+"""`sailor profile`: measure this machine's layers (and, with `network`, its links) into files that
+`sailor simulate --profiles/--network` and `sailor plan --profiles/--network` read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sailor.cli import app
+from sailor.errors import SailorInputError
+
+profile_app = typer.Typer(no_args_is_help=False, help="Measure this machine: layer times, memory, links.")
+app.add_typer(profile_app, name="profile")
+
+DeviceOpt = typer.Option("cpu", "--device", help="cpu (gloo, fp32, one process per TP rank) or cuda (NCCL, bf16).")
+
+
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SailorInputError(f"expected comma-separated whole numbers, got {text!r}", field=option) from None
+    if not values:
+        raise SailorInputError("give at least one value", field=option)
+    return values
+
+
+def _progress(label: str, total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from sailor.cli.common import console
+
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console(), transient=False)
+    task = bar.add_task(label, total=total)
+    return bar, (lambda n: bar.advance(task, n))
+
+
+def _check_device(device: str) -> str:
+    if device not in ("cpu", "cuda"):
+        raise SailorInputError(f"unknown device {device!r}", field="--device", fix="use cpu or cuda")
+    return device
+
+
+@profile_app.callback(invoke_without_command=True)
+def profile_layers(
+    ctx: typer.Context,
+    job: Optional[Path] = typer.Option(None, "--job", help="Job spec (YAML/JSON): model, sequence length, precision."),
+    device: str = DeviceOpt,
+    tp: str = typer.Option("1", "--tp", help="TP degrees, comma-separated, e.g. 1,2,4 (degree t runs t processes)."),
+    mbs: str = typer.Option("1,2,4,8", "--mbs", help="Micro-batch sizes (samples), comma-separated, e.g. 1,2,4,8."),
+    warmup: int = typer.Option(3, "--warmup", help="Untimed passes before timing, e.g. 3."),
+    repeats: int = typer.Option(10, "--repeats", help="Timed passes per layer and size; the median is kept, e.g. 10."),
+    threads: int = typer.Option(1, "--threads", help="CPU threads per process (torchrun gives each rank 1)."),
+    concurrency: int = typer.Option(0, "--concurrency", help="Replicas timed at once, e.g. 2; 0: enough to keep"
+                                                             " every CPU core busy, as in a multi-process run (1 on cuda)."),
+    out: Path = typer.Option(Path("profile.json"), "--out", help="Profile file to write (JSON, sailor.profiles/1)."),
+) -> None:
+    """Time the runtime's embedding, block and head layers and the optimizer step on this machine."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if job is None:
+        raise SailorInputError("no job: pass --job JOB.yaml (or use `sailor profile network --nproc N`)")
+    from sailor.fileio import write_json
+    from sailor.profiles import profiles_from_dict
+    from sailor.runtime.profiler import ProfileOptions, check_options, profile_job, profile_steps
+    from sailor.specs import load_job
+
+    opts = ProfileOptions(job=load_job(job), device=_check_device(device),  # type: ignore[arg-type]
+                          tps=_int_list(tp, "--tp"), mbs=_int_list(mbs, "--mbs"), warmup=warmup, repeats=repeats,
+                          threads=threads, concurrency=concurrency)
+    check_options(opts)
+    bar, advance = _progress("profile", profile_steps(opts))
+    with bar:
+        data = profile_job(opts, progress=advance)
+    profiles_from_dict(data, str(out))  # what we write must load
+    write_json(out, data)
+    gpu = next(iter(data["optimizer"]))
+    print(f"profile of {data['model']} on {data['device']} (GPU type {gpu!r}) written to {out}")
+
+
+@profile_app.command("network")
+def profile_network_command(
+    nproc: int = typer.Option(2, "--nproc", help="Local processes taking part, e.g. 2 (>= 4 also measures"
+                                                 " concurrent flows)."),
+    device: str = DeviceOpt,
+    zone: str = typer.Option("local", "--zone", help="Zone name the links are written for."),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed rounds per size."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed rounds per size; the median is kept."),
+    out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.network/1)."),
+) -> None:
+    """p2p and all-reduce over 1 KiB..64 MiB between local processes; fit latency and bandwidth."""
+    from sailor.fileio import write_json
+    from sailor.runtime.netprofile import SIZES_BYTES, profile_network
+
+    bar, advance = _progress("network", len(SIZES_BYTES))
+    with bar:
+        data = profile_network(nproc, device=_check_device(device), zone=zone, warmup=warmup, repeats=repeats,
+                               progress=advance)
+    write_json(out, data)
+    link = data["classes"]["same_zone"]
+    print(f"link: latency {link['latency_s'] * 1e6:.1f} µs, bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s;"
+          f" written to {out}")

@@ -1,0 +1,11 @@
+"""Elasticity: keep a job running, on the best plan, as GPUs come and go.
+
+- `availability`: traces of GPUs per zone and type over time (CSV, JSON events, Sailor's JSON).
+- `policy`: when a switch pays off (gain over the remaining work vs. the measured switch cost).
+- `replan`: planning per availability, with a cache keyed on every input.
+- `controller`: `sailor run`, which drives the runtime's launcher (stop, checkpoint, relaunch, resume;
+  crash detection and rollback).
+- `replay`: `sailor replay`, a trace-driven simulation of a whole run under a policy.
+
+Nothing here imports torch; the runtime runs in its own processes.
+"""

@@ -1,0 +1,252 @@
+"""Availability traces: how many GPUs of each type each zone offers, over time.
+
+Three file formats are read (detected from the content):
+
+- CSV as in the public Sailor traces: a `Timestamp` column (Unix seconds) and one column per
+  `<gpu>_<zone>` with the GPU count of each row's interval; an unnamed index column is ignored.
+  Times are made relative to the first row.
+- JSON events: `[{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 4}, ...]`; `count` is the
+  number of GPUs of that type in that zone from `time_s` on (seconds from the start of the run).
+- The public `a100_trace.json` form `[{"Time": s, "GPUs": n}]`, which names no zone or GPU type:
+  it is mapped onto the one (zone, GPU type) the cluster spec lists.
+
+Every format becomes a `Trace`: a list of `Snapshot`s (time, full availability), one per point in
+time where something changed. A (zone, GPU type) pair has 0 GPUs before the trace first mentions it.
+Zones and GPU types are checked against the cluster's provider, the GPU catalog (aliases are
+mapped to canonical names) and the prices (a GPU type the provider does not offer has none).
+Every problem raises `SailorInputError` naming the file and the row.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sailor import catalog
+from sailor.errors import SailorInputError
+from sailor.fileio import read_text
+from sailor.specs import ClusterSpec
+
+Zones = dict[str, dict[str, int]]  # zone -> GPU type -> GPUs available
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Availability from `time_s` (seconds since the start of the trace) until the next snapshot."""
+
+    time_s: float
+    zones: Zones
+
+    def total(self) -> int:
+        """GPUs available in all zones together."""
+        return sum(n for z in self.zones.values() for n in z.values())
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Availability over time: snapshots in increasing time order, the first at time 0 or later;
+    `source` is the file it came from. `last_point_s + spacing_s` is where a replay ends by default."""
+
+    snapshots: tuple[Snapshot, ...]
+    source: str
+    last_point_s: float
+    """Time (s) of the trace's last point (a point that changes nothing makes no snapshot)."""
+    spacing_s: float | None
+    """Seconds between the trace's last two distinct points in time; None for a one-point trace."""
+
+    def at(self, time_s: float) -> Snapshot:
+        """The snapshot in force at `time_s` (seconds); before the first point nothing is available."""
+        current = Snapshot(0.0, {})
+        for s in self.snapshots:
+            if s.time_s > time_s:
+                break
+            current = s
+        return current
+
+    def next_change_after(self, time_s: float) -> float | None:
+        """Time (s) of the first snapshot strictly after `time_s`, or None when there is none."""
+        return next((s.time_s for s in self.snapshots if s.time_s > time_s), None)
+
+
+
+def load_trace(path: str | Path, cluster: ClusterSpec) -> Trace:
+    """Read an availability trace in any of the three formats (module docstring).
+
+    Args:
+        path: the trace file (.csv, or .json in either JSON form).
+        cluster: gives the provider whose zones are valid, and the (zone, GPU type) an
+            `[{"Time", "GPUs"}]` trace refers to.
+    Returns:
+        The trace, with canonical GPU names and times in seconds from its start.
+    Raises:
+        SailorInputError: unreadable file, a syntax error, missing or unknown columns or fields,
+            an unknown zone or GPU type, a negative or fractional count, times that go backwards,
+            or an empty trace.
+    """
+    src = str(path)
+    text = read_text(path)
+    stripped = text.lstrip()
+    if stripped.startswith("[") or stripped.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=src) from None
+        return _from_json(data, cluster, src)
+    return _from_csv(text, cluster, src)
+
+
+def _from_json(data: Any, cluster: ClusterSpec, src: str) -> Trace:
+    if not isinstance(data, list) or not data:
+        raise SailorInputError("expected a non-empty list of events", source=src,
+                               fix='e.g. [{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 4}]')
+    if all(isinstance(e, dict) and set(e) == {"Time", "GPUs"} for e in data):
+        pair = _single_pair(cluster, src)
+        events = [(_time(e["Time"], src, f"[{i}].Time"), *pair, _count(e["GPUs"], src, f"[{i}].GPUs"))
+                  for i, e in enumerate(data)]
+        return _build(events, src, cluster)
+    events = []
+    for i, e in enumerate(data):
+        if not isinstance(e, dict):
+            raise SailorInputError(f"expected an object, got {type(e).__name__}", source=src, field=f"[{i}]")
+        want = {"time_s", "zone", "gpu", "count"}
+        if set(e) != want:
+            missing, extra = sorted(want - set(e)), sorted(set(e) - want)
+            what = "; ".join(x for x in (f"missing {', '.join(missing)}" if missing else "",
+                                         f"unknown {', '.join(extra)}" if extra else "") if x)
+            raise SailorInputError(f"{what} (an event has time_s, zone, gpu, count)", source=src, field=f"[{i}]")
+        zone = _zone(e["zone"], cluster, src, f"[{i}].zone")
+        gpu = _gpu(e["gpu"], src, f"[{i}].gpu")
+        events.append((_time(e["time_s"], src, f"[{i}].time_s"), zone, gpu, _count(e["count"], src, f"[{i}].count")))
+    return _build(events, src, cluster)
+
+
+def _from_csv(text: str, cluster: ClusterSpec, src: str) -> Trace:
+    rows = list(csv.reader(io.StringIO(text)))
+    rows = [r for r in rows if any(c.strip() for c in r)]
+    if not rows:
+        raise SailorInputError("empty trace", source=src)
+    header = [h.strip() for h in rows[0]]
+    if "Timestamp" not in header:
+        raise SailorInputError("no Timestamp column", source=src, field="header",
+                               fix="a CSV trace has a Timestamp column and <gpu>_<zone> count columns")
+    t_col = header.index("Timestamp")
+    columns: list[tuple[int, str, str]] = []  # (column index, zone, gpu)
+    for k, name in enumerate(header):
+        if k == t_col or name == "":
+            continue  # the unnamed pandas index column
+        columns.append((k, *_split_column(name, cluster, src)))
+    if not columns:
+        raise SailorInputError("no <gpu>_<zone> column", source=src, field="header")
+    if len(rows) < 2:
+        raise SailorInputError("no data row", source=src)
+    events, t0 = [], None
+    for line, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise SailorInputError(f"{len(row)} fields, the header has {len(header)}", source=src, field=f"line {line}")
+        t = _time(_number(row[t_col], src, f"line {line}.Timestamp"), src, f"line {line}.Timestamp", relative=True)
+        t0 = t if t0 is None else t0
+        for k, zone, gpu in columns:
+            events.append((t - t0, zone, gpu, _count(_number(row[k], src, f"line {line}.{header[k]}"), src,
+                                                      f"line {line}.{header[k]}")))
+    return _build(events, src, cluster)
+
+
+def _build(events: list[tuple[float, str, str, int]], src: str, cluster: ClusterSpec) -> Trace:
+    """Snapshots from (time_s, zone, gpu, count) events given in file order."""
+    for z, g in sorted({(e[1], e[2]) for e in events}):
+        try:
+            cluster.price(z, g)  # a GPU type the provider does not offer has no price
+        except SailorInputError as e:
+            raise SailorInputError(f"{g} in {z}: {e.message}", source=src, fix=e.fix) from None
+    for k in range(1, len(events)):
+        if events[k][0] < events[k - 1][0]:
+            raise SailorInputError(f"time goes backwards: {events[k][0]:g} s after {events[k - 1][0]:g} s",
+                                   source=src, field=f"event {k}", fix="list events in time order")
+    seen: dict[tuple[float, str, str], int] = {}
+    for t, z, g, n in events:
+        if seen.get((t, z, g), n) != n:
+            raise SailorInputError(f"two counts ({seen[(t, z, g)]} and {n}) for {g} in {z} at {t:g} s", source=src)
+        seen[(t, z, g)] = n
+    snapshots: list[Snapshot] = []
+    state: Zones = {}
+    for k, (t, z, g, n) in enumerate(events):
+        state.setdefault(z, {})[g] = n
+        last_at_t = k + 1 == len(events) or events[k + 1][0] != t
+        if last_at_t:
+            zones = {zone: dict(gpus) for zone, gpus in state.items()}
+            if not snapshots or snapshots[-1].zones != zones:
+                snapshots.append(Snapshot(t, zones))
+    times = sorted({e[0] for e in events})
+    return Trace(tuple(snapshots), src, times[-1], times[-1] - times[-2] if len(times) > 1 else None)
+
+
+def _single_pair(cluster: ClusterSpec, src: str) -> tuple[str, str]:
+    pairs = [(z, g) for z, gpus in cluster.zones.items() for g in gpus]
+    if len(pairs) != 1:
+        listed = ", ".join(f"{g} in {z}" for z, g in pairs) or "none"
+        raise SailorInputError(f"a [{{Time, GPUs}}] trace names no zone or GPU type, and the cluster spec lists"
+                               f" {len(pairs)} ({listed})", source=src,
+                               fix="give a cluster spec with exactly one zone and GPU type")
+    return pairs[0]
+
+
+def _split_column(name: str, cluster: ClusterSpec, src: str) -> tuple[str, str]:
+    """`<gpu>_<zone>` -> (zone, canonical gpu); tries every underscore, since either part may hold one."""
+    parts = name.split("_")
+    for k in range(1, len(parts)):
+        gpu, zone = "_".join(parts[:k]), "_".join(parts[k:])
+        try:
+            return _zone(zone, cluster, src, name), _gpu(gpu, src, name)
+        except SailorInputError:
+            continue
+    if len(parts) < 2:
+        raise SailorInputError(f"column {name!r} is not <gpu>_<zone>", source=src, field="header")
+    # Name the part that is wrong, splitting at the first underscore.
+    _gpu(parts[0], src, f"header.{name}")
+    _zone("_".join(parts[1:]), cluster, src, f"header.{name}")
+    raise AssertionError("unreachable: one of the two parts must have failed")
+
+
+def _zone(zone: Any, cluster: ClusterSpec, src: str, field: str) -> str:
+    if not isinstance(zone, str):
+        raise SailorInputError(f"expected a zone name, got {zone!r}", source=src, field=field)
+    try:
+        cluster.prov.region(zone)
+    except SailorInputError as e:
+        raise e.located(source=src, field_prefix=field) from None
+    return zone
+
+
+def _gpu(gpu: Any, src: str, field: str) -> str:
+    if not isinstance(gpu, str):
+        raise SailorInputError(f"expected a GPU type, got {gpu!r}", source=src, field=field)
+    try:
+        return catalog.canonical_gpu(gpu)
+    except SailorInputError as e:
+        raise e.located(source=src, field_prefix=field) from None
+
+
+def _number(text: str, src: str, field: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise SailorInputError(f"expected a number, got {text!r}", source=src, field=field) from None
+
+
+def _time(value: Any, src: str, field: str, *, relative: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value < 0 and not relative):
+        raise SailorInputError(f"expected a time >= 0 in seconds, got {value!r}", source=src, field=field)
+    return float(value)
+
+
+def _count(value: Any, src: str, field: str) -> int:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value != int(value) or value < 0):
+        raise SailorInputError(f"GPU count must be a whole number >= 0, got {value!r}", source=src, field=field)
+    return int(value)

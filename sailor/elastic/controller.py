@@ -1,0 +1,573 @@
+"""`sailor run`: keep a training job running, on the best plan, while GPUs come and go.
+
+The loop (`run`), on the `local` provider (every "GPU" is a process of `sailor train`'s runtime on
+this machine; the runtime is driven through `sailor.runtime.launcher`, which runs torchrun):
+
+1. Plan for the availability now (trace snapshot, minus GPUs lost to crashes) and launch, resuming
+   from the newest checkpoint in the checkpoint folder that passes its checksums.
+2. While it trains, watch the trace clock. On a change, re-plan (`Replanner`, cached) and apply the
+   switch rule (`policy.decide`): always when the running plan lost GPUs, else when the expected gain
+   over the remaining steps beats the measured switch cost. To switch: create the stop file; the
+   ranks finish the step, write a checkpoint and exit; relaunch with the new plan and resume.
+3. When the job fails (a rank died: SIGKILL, a fault), the launcher returns within about a second
+   (torchrun's monitor); the dead ranks' GPUs are treated as gone until the trace next reports a
+   count for their (zone, GPU type); re-plan on the survivors and resume from the last checkpoint:
+   the steps after it are rolled back and trained again (and written to the metrics again).
+4. SIGTERM/SIGINT: stop at a step boundary with a checkpoint, exit 3; a second signal kills the job.
+
+Time: trace second t happens `t x time_scale` wall seconds after the controller starts, or, with the
+`training` clock, after `t x time_scale` seconds spent in training steps (`Clock`).
+Step accounting: a step is "kept" once it is in the trajectory that ends the run; the checkpoint a
+run resumes from fixes the step it continues at, and data order depends only on (seed, step), so the
+kept trajectory has every step 1..N exactly once with the same samples as an uninterrupted run.
+
+Events (`--events`, one JSON line each, all with `time_s` since the controller started and
+`trace_time_s`): start, availability, plan, decision, switch_started, switch_finished (seconds of
+each phase), crash, rollback, checkpoint_skipped, waiting, done / stopped / failed.
+
+This module never imports torch: the runtime runs in other processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from sailor.elastic.availability import Trace, Zones
+from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
+from sailor.elastic.replan import Planned, Replanner
+from sailor.errors import InfeasibleError, SailorInputError
+from sailor.plan import rank_layout
+from sailor.runtime.launcher import ExitStatus, TrainOptions, TrainResult, _failures, launch, prepare
+from sailor.specs import ClusterSpec, JobSpec
+
+POLL_S = 0.05  # how often the loop looks at the trace clock and the runtime's events
+MAX_FAILED_LAUNCHES = 3  # launches in a row that fail before completing a step: then give up
+
+
+class ClockKind(str, Enum):
+    """What drives the trace's time axis."""
+
+    WALL = "wall"          # wall seconds since the controller started
+    TRAINING = "training"  # seconds spent in training steps (start-up and switches excluded)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """What `sailor run` is asked to do. Units: steps, seconds."""
+
+    job: JobSpec
+    cluster: ClusterSpec
+    trace: Trace
+    steps: int = 100
+    """Train until this many optimizer steps in total."""
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    """Checkpoints (step-<n>/); a temporary folder when None. An existing folder is resumed from."""
+    checkpoint_every: int = 20
+    """Also checkpoint every N steps, so a crash rolls back at most N - 1 steps (0: only at switches)."""
+    metrics: str | None = None
+    events: str | None = None
+    time_scale: float = 1.0
+    """Clock seconds per trace second (0.01 replays an hour of trace in 36 s)."""
+    clock: ClockKind = ClockKind.WALL
+    """What drives trace time: wall seconds, or seconds spent training (`Clock`)."""
+    switch_cost_s: float | None = None
+    """Assume every switch costs this many seconds instead of measuring (None: measure)."""
+    profiles: str | None = None
+    network: str | None = None
+    data: str | None = None
+    device: str = "cpu"
+    timeout_s: float = 60.0
+    """Seconds a collective may wait before the runtime fails (a lost peer is noticed by torchrun first)."""
+
+
+@dataclass
+class RunResult:
+    """How `run` ended: status (0 done, 1 failed, 3 stopped on request), a message, the steps kept,
+    and counts of what happened."""
+
+    status: ExitStatus
+    message: str
+    steps: int
+    switches: int = 0
+    crashes: int = 0
+    steps_rolled_back: int = 0
+    switch_s: list[float] = field(default_factory=list)
+
+
+class EventLog:
+    """Appends controller events as JSON lines (`path` None: kept in memory only)."""
+
+    def __init__(self, path: str | None, clock: "Clock") -> None:
+        self.path = Path(path) if path else None
+        self.clock = clock
+        self.records: list[dict[str, Any]] = []
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Write one event; returns the record."""
+        rec = {"event": event, "time_s": round(self.clock.wall_s(), 4),
+               "trace_time_s": round(self.clock.trace_s(), 4), **fields}
+        self.records.append(rec)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        return rec
+
+
+class Clock:
+    """Wall time since the controller started, and trace time: wall (or training) seconds / time_scale.
+
+    The `training` clock replays a trace against the job's own progress, so that start-up and switch
+    times of a slow machine do not eat the trace (tests, demos on CPU); it advances by each step's
+    `step_time_s` (steps redone after a rollback count again: they took time).
+    """
+
+    def __init__(self, time_scale: float, kind: ClockKind = ClockKind.WALL) -> None:
+        if not time_scale > 0:
+            raise SailorInputError(f"must be > 0, got {time_scale}", source="--time-scale")
+        self.time_scale = time_scale
+        self.kind = kind
+        self.t0 = time.monotonic()
+        self.training_s = 0.0
+
+    def wall_s(self) -> float:
+        """Seconds since the controller started."""
+        return time.monotonic() - self.t0
+
+    def trace_s(self) -> float:
+        """Trace seconds now."""
+        return (self.wall_s() if self.kind is ClockKind.WALL else self.training_s) / self.time_scale
+
+    def add_step(self, step_time_s: float) -> None:
+        """Count one training step of `step_time_s` seconds."""
+        self.training_s += step_time_s
+
+    def wait_until(self, trace_s: float, interrupted) -> None:
+        """Let trace time reach `trace_s`: sleep (wall clock) or jump (training clock, where nothing
+        trains while waiting); returns early when `interrupted()` is true."""
+        if self.kind is ClockKind.TRAINING:
+            self.training_s = max(self.training_s, trace_s * self.time_scale)
+            return
+        while self.trace_s() < trace_s and not interrupted():
+            time.sleep(POLL_S)
+
+
+@dataclass
+class Availability:
+    """The trace's availability now, minus GPUs lost to crashes. A crash deduction for a (zone, GPU)
+    lasts until the trace reports a new count for that pair (a fresh observation)."""
+
+    trace: Trace
+    index: int = -1  # snapshot in force (-1: before the first)
+    lost: Counter = field(default_factory=Counter)
+
+    def advance(self, trace_time_s: float) -> bool:
+        """Move to the snapshot in force at `trace_time_s`; True when it changed."""
+        k = max((i for i, s in enumerate(self.trace.snapshots) if s.time_s <= trace_time_s), default=-1)
+        if k == self.index:
+            return False
+        old = self.trace.snapshots[self.index].zones if self.index >= 0 else {}
+        new = self.trace.snapshots[k].zones
+        for (z, g) in list(self.lost):
+            if old.get(z, {}).get(g) != new.get(z, {}).get(g):
+                del self.lost[(z, g)]
+        self.index = k
+        return True
+
+    def zones(self) -> Zones:
+        """Effective availability: zone -> GPU type -> GPUs."""
+        base = self.trace.snapshots[self.index].zones if self.index >= 0 else {}
+        return {z: {g: max(n - self.lost[(z, g)], 0) for g, n in gpus.items()} for z, gpus in base.items()}
+
+    def next_change_s(self) -> float | None:
+        """Trace time (s) of the next snapshot, or None when the trace has no more."""
+        t = self.trace.snapshots[self.index].time_s if self.index >= 0 else -1.0
+        return self.trace.next_change_after(t)
+
+
+class Running:
+    """One launch of the runtime in a background thread; its events arrive on `events` stamped with
+    `time.monotonic()`."""
+
+    def __init__(self, options: TrainOptions, stop_file: str) -> None:
+        self.stop_file = stop_file
+        Path(stop_file).unlink(missing_ok=True)
+        self.launched_at = time.monotonic()
+        self.prepared = prepare(options)  # raises SailorInputError on a bad checkpoint
+        self.events: queue.Queue[tuple[float, dict[str, Any]]] = queue.Queue()
+        self.result: TrainResult | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="sailor-launch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = launch(self.prepared, on_event=lambda ev: self.events.put((time.monotonic(), ev)),
+                                 handle_signals=False)
+        except BaseException as e:  # noqa: BLE001 - handed to the controller thread
+            self.error = e
+
+    def stop(self) -> None:
+        """Ask the ranks to stop at the next step boundary (checkpoint, then exit)."""
+        Path(self.stop_file).touch()
+
+    def done(self) -> bool:
+        """True once the launch has ended (its result or error is set)."""
+        return not self.thread.is_alive()
+
+
+@dataclass
+class Switch:
+    """Timestamps (monotonic s) of a switch or recovery in progress."""
+
+    reason: str
+    began: float
+    replan_s: float = 0.0
+    stop_requested: float | None = None
+    last_step_after_request: float | None = None
+    stopped: float | None = None
+    exited: float | None = None
+    launched: float | None = None
+    started: float | None = None
+    loaded: float | None = None
+
+    def phases(self, first_step: float) -> dict[str, float]:
+        """Seconds of each phase, in order; they add up to the total from the change to the first step."""
+        req = self.stop_requested if self.stop_requested is not None else self.began + self.replan_s
+        boundary = max(req, self.last_step_after_request or req)
+        stopped = self.stopped or boundary
+        exited = self.exited or stopped
+        launched = self.launched or exited
+        started = self.started or launched
+        loaded = self.loaded or started
+        return {"replan_s": req - self.began, "stop_s": boundary - req, "checkpoint_s": stopped - boundary,
+                "teardown_s": exited - stopped, "restart_s": started - exited, "load_s": loaded - started,
+                "first_step_s": first_step - loaded}
+
+
+class Controller:
+    """The `sailor run` loop (module docstring). Use `run(options)`."""
+
+    def __init__(self, options: RunOptions) -> None:
+        o = options
+        if o.cluster.provider != "local":
+            raise SailorInputError(f"sailor run drives the local provider on this machine; the cluster's provider is"
+                                   f" {o.cluster.provider!r}", source="--cluster",
+                                   fix="use provider: local (zone local, GPU type cpu)")
+        if o.steps < 1:
+            raise SailorInputError(f"must be >= 1, got {o.steps}", source="--steps")
+        if o.checkpoint_every < 0:
+            raise SailorInputError(f"must be >= 0, got {o.checkpoint_every}", source="--checkpoint-every")
+        self.o = o
+        self.clock = Clock(o.time_scale, o.clock)
+        self.log = EventLog(o.events, self.clock)
+        self.replanner = Replanner(o.job, o.cluster, profiles_path=o.profiles, network_path=o.network)
+        self.costs = SwitchCosts(fixed_s=o.switch_cost_s)
+        self.avail = Availability(o.trace)
+        self.result = RunResult(ExitStatus.FAILED, "", steps=0)
+        self.signals = 0
+        self.current: Planned | None = None
+        self.running: Running | None = None
+        self.switch: Switch | None = None
+        self.step_times: list[float] = []  # step_time_s of the current launch
+        self.ratio = 1.0  # measured / predicted iteration time, from the last plan that ran
+        self.failed_launches = 0
+        self.last_step_at = 0.0  # monotonic time of the last step event
+        self.reported: Zones | None = None  # availability last written to the event log
+
+    # ---- top level -----------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        """Run until every step is done, the job cannot continue, or a stop is requested.
+
+        Returns:
+            RunResult (status DONE, FAILED or STOPPED).
+        Raises:
+            SailorInputError: a checkpoint made for another job or seed, a bad option.
+        """
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        with contextlib.ExitStack() as stack:
+            ckpt_dir = self.o.checkpoint_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="sailor-ckpt-"))
+            self.ckpt_dir = str(Path(ckpt_dir).resolve())
+            self.work = stack.enter_context(tempfile.TemporaryDirectory(prefix="sailor-run-"))
+            try:
+                self.log.emit("start", steps=self.o.steps, seed=self.o.seed, checkpoint_dir=self.ckpt_dir,
+                              model=self.o.job.model.name, global_batch_size=self.o.job.global_batch_size)
+                self._loop()
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+                if self.running is not None and not self.running.done():
+                    self.running.stop()
+                    _kill_children()
+                    self.running.thread.join(timeout=10)
+        return self.result
+
+    def _report_availability(self) -> Zones:
+        """The effective availability; logged when it differs from what was logged last."""
+        zones = self.avail.zones()
+        if zones != self.reported:
+            self.log.emit("availability", zones=zones, lost_to_crashes=_lost(self.avail.lost))
+            self.reported = zones
+        return zones
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signals += 1
+        if self.running is not None:
+            self.running.stop()
+        if self.signals >= 2:
+            _kill_children()
+
+    def _loop(self) -> None:
+        while True:
+            if self.signals:
+                return self._finish(ExitStatus.STOPPED, "stopped on request before any step ran")
+            self.avail.advance(self.clock.trace_s())
+            zones = self._report_availability()
+            planned = self._plan(zones)
+            if planned is None:
+                wait = self.avail.next_change_s()
+                if wait is None:
+                    return self._finish(ExitStatus.FAILED, "no plan fits the GPUs left and the trace brings no more")
+                self.log.emit("waiting", until_trace_time_s=wait)
+                self.clock.wait_until(wait, lambda: self.signals)
+                continue
+            self.current = planned
+            outcome = self._train()
+            if outcome is not None:
+                return outcome
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _plan(self, zones: Zones) -> Planned | None:
+        try:
+            planned = self.replanner.plan(zones)
+        except InfeasibleError as e:
+            self.log.emit("plan", feasible=False, reason=e.one_line())
+            return None
+        est = planned.estimate
+        self.log.emit("plan", feasible=True, world_size=planned.plan.world_size,
+                      predicted_iteration_s=est.iteration_time_s,
+                      predicted_throughput_iters_per_s=est.throughput_iters_per_s,
+                      predicted_samples_per_s=est.samples_per_s, cost_per_iteration_usd=est.cost_per_iteration_usd,
+                      cost_per_hour_usd=est.cost_per_hour_usd, replan_s=planned.replan_s, cached=planned.cached,
+                      plan=planned.plan.to_dict(with_specs=False))
+        return planned
+
+    # ---- one launch ----------------------------------------------------------------------------
+    def _train(self) -> None | bool:
+        """Launch the current plan and watch it until it ends; returns None to plan and launch again."""
+        plan_file = os.path.join(self.work, f"plan-{len(self.log.records)}.json")
+        self.current.plan.save(plan_file)
+        opts = TrainOptions(plan=plan_file, steps=self.o.steps, checkpoint_dir=self.ckpt_dir,
+                            checkpoint_every=self.o.checkpoint_every, resume=True, metrics=self.o.metrics,
+                            seed=self.o.seed, device=self.o.device, data=self.o.data,
+                            stop_file=os.path.join(self.work, "stop"), timeout_s=self.o.timeout_s)
+        if self.switch is not None:
+            self.switch.launched = time.monotonic()
+        run = self.running = Running(opts, opts.stop_file)
+        prep = run.prepared
+        for note in prep.notes:
+            if note.startswith("skipped"):
+                self.log.emit("checkpoint_skipped", reason=note)
+        if self.result.steps > prep.resume_step:
+            self.log.emit("rollback", from_step=self.result.steps, to_step=prep.resume_step,
+                          steps=self.result.steps - prep.resume_step)
+            self.result.steps_rolled_back += self.result.steps - prep.resume_step
+        self.result.steps = prep.resume_step
+        self.log.emit("launch", world_size=prep.plan.world_size, resume_step=prep.resume_step,
+                      checkpoint=str(prep.resume_from) if prep.resume_from else None)
+        self.step_times = []
+        if self.signals:
+            run.stop()
+        while not run.done():
+            self._drain(run)
+            if self.signals:
+                run.stop()
+            elif self.avail.advance(self.clock.trace_s()):
+                self._on_change(run)
+            time.sleep(POLL_S)
+        run.thread.join()
+        self._drain(run)
+        if run.error is not None:
+            raise run.error
+        return self._ended(run, run.result)
+
+    def _drain(self, run: Running) -> None:
+        """Handle the runtime's events that have arrived."""
+        while True:
+            try:
+                t, ev = run.events.get_nowait()
+            except queue.Empty:
+                return
+            kind, sw = ev.get("event"), self.switch
+            if kind == "step":
+                self.result.steps = ev["step"]
+                self.step_times.append(ev["step_time_s"])
+                self.clock.add_step(ev["step_time_s"])
+                if sw is not None and sw.stop_requested is not None and sw.launched is None:
+                    sw.last_step_after_request = t
+                elif sw is not None and sw.launched is not None:
+                    self._switch_done(sw, t)
+                self.last_step_at = t
+                self.failed_launches = 0
+            elif sw is not None and sw.launched is not None and kind in ("started", "loaded"):
+                setattr(sw, kind, t)
+            elif sw is not None and kind == "stopped":
+                sw.stopped = t
+
+    def _switch_done(self, sw: Switch, first_step: float) -> None:
+        phases = sw.phases(first_step)
+        total = first_step - sw.began
+        if sw.reason != "crash":
+            self.costs.record(total)
+        self.result.switch_s.append(total)
+        self.log.emit("switch_finished", reason=sw.reason, total_s=total, phases_s=phases,
+                      world_size=self.current.plan.world_size, step=self.result.steps)
+        self.switch = None
+
+    def _on_change(self, run: Running) -> None:
+        """A new trace snapshot while training: re-plan and maybe switch."""
+        began = time.monotonic()
+        zones = self._report_availability()
+        if self.switch is not None and self.switch.launched is None:
+            return  # a stop is already under way: the relaunch plans for the newest availability
+        if self.switch is not None:  # relaunched, but no step yet: this switch's timing ends here
+            self.log.emit("switch_finished", reason=self.switch.reason, interrupted=True)
+            self.switch = None
+        planned = self._plan(zones)
+        lost = lost_gpus(self.current.plan.gpu_usage(), zones)
+        if planned is None:
+            if lost:  # nothing fits, and the running plan cannot continue: stop and wait
+                self._request_stop(run, Switch("lost GPUs, no plan fits", began))
+            return
+        if planned.plan == self.current.plan:
+            self.log.emit("decision", switch=False, reason="the best plan is the running plan")
+            return
+        # Predictions are scaled by measured / predicted of the running plan (the first step, which
+        # warms up, excluded), so gain and cost are both in this machine's seconds.
+        measured = _median(self.step_times[1:])
+        if measured > 0:
+            self.ratio = measured / self.current.estimate.iteration_time_s
+        old_est = None if lost else self.replanner.score(self.current.plan, zones)
+        old_s = old_est.iteration_time_s * self.ratio if old_est is not None else None
+        new_s = planned.estimate.iteration_time_s * self.ratio
+        d = decide(lost=lost, old_iteration_s=old_s, new_iteration_s=new_s,
+                   remaining_iterations=self.o.steps - self.result.steps, switch_cost_s=self.costs.estimate_s())
+        self.log.emit("decision", switch=d.switch, reason=d.reason, gain_s=_finite(d.gain_s), switch_cost_s=d.cost_s,
+                      current_iteration_s=old_s, new_iteration_s=new_s, remaining_steps=self.o.steps - self.result.steps)
+        if d.switch:
+            self._request_stop(run, Switch("lost GPUs" if lost else "gain", began, replan_s=planned.replan_s))
+
+    def _request_stop(self, run: Running, sw: Switch) -> None:
+        self.switch = sw
+        sw.stop_requested = time.monotonic()
+        self.log.emit("switch_started", reason=sw.reason, step=self.result.steps,
+                      from_world_size=self.current.plan.world_size)
+        run.stop()
+
+    def _ended(self, run: Running, res: TrainResult) -> None | bool:
+        """Act on how a launch ended; returns None to plan and launch again, True when finished."""
+        now = time.monotonic()
+        if res.status is ExitStatus.DONE or (res.last_step or 0) >= self.o.steps:
+            return self._finish(ExitStatus.DONE, f"done: {self.result.steps} steps")
+        if res.status is ExitStatus.STOPPED:
+            if self.signals:
+                return self._finish(ExitStatus.STOPPED, f"stopped on request: {res.message}")
+            if self.switch is None:  # a stop nobody asked for (e.g. a stale stop file)
+                self.switch = Switch("stopped", now)
+            self.switch.exited = now
+            self.result.switches += 1
+            return None
+        if self.signals:
+            return self._finish(ExitStatus.STOPPED, f"stopped on request: {res.message}")
+        # A rank failed: its GPUs are gone; roll back to the last checkpoint on the survivors.
+        if not self.step_times:
+            self.failed_launches += 1
+        if self.failed_launches >= MAX_FAILED_LAUNCHES:
+            return self._finish(ExitStatus.FAILED, f"{MAX_FAILED_LAUNCHES} launches in a row failed before their"
+                                                   f" first step; last: {res.message}")
+        dead = _dead_ranks(res)
+        layout = rank_layout(self.current.plan)
+        for r in dead:
+            if 0 <= r < len(layout):
+                self.avail.lost[(layout[r].zone, layout[r].gpu)] += 1
+        self.result.crashes += 1
+        self.log.emit("crash", ranks=sorted(dead), message=res.message, last_step=self.result.steps,
+                      since_last_step_s=now - self.last_step_at if self.step_times else None)
+        self.switch = Switch("crash", now)
+        self.switch.exited = now
+        return None
+
+    def _finish(self, status: ExitStatus, message: str) -> bool:
+        self.result.status, self.result.message = status, message
+        name = {ExitStatus.DONE: "done", ExitStatus.STOPPED: "stopped"}.get(status, "failed")
+        self.log.emit(name, message=message, steps=self.result.steps, switches=self.result.switches,
+                      crashes=self.result.crashes, steps_rolled_back=self.result.steps_rolled_back)
+        return True
+
+
+def run(options: RunOptions) -> RunResult:
+    """Run a job elastically (module docstring).
+
+    Returns:
+        RunResult: status DONE (0), FAILED (1: the job could not continue) or STOPPED (3).
+    Raises:
+        SailorInputError: a non-local provider, bad options, a checkpoint of another job or seed.
+    """
+    return Controller(options).run()
+
+
+def _dead_ranks(res: TrainResult) -> set[int]:
+    """Ranks that died on their own (not stopped by torchrun, not only victims of a lost peer)."""
+    errors = [e for e in res.events if e.get("event") == "error"]
+    own = {int(e["rank"]) for e in errors if not e.get("peer_lost")}
+    reported = {int(e["rank"]) for e in errors}
+    tail = next((e["text"] for e in res.events if e.get("event") == "stderr_tail"), "")
+    silent = {int(r) for r, code in _failures(tail) if r.isdigit() and int(r) not in reported and code != "-15"}
+    return own | silent
+
+
+def _kill_children() -> None:
+    """SIGKILL the process group of every child of this process (torchrun runs in its own session)."""
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == me:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(pid), signal.SIGKILL)
+
+
+def _lost(lost: Counter) -> dict[str, int]:
+    return {f"{g}@{z}": n for (z, g), n in lost.items() if n}
+
+
+def _median(xs: list[float]) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs[-10:])
+    return s[len(s) // 2]
+
+
+def _finite(x: float) -> float | None:
+    return x if x != float("inf") else None

@@ -1,0 +1,235 @@
+"""What every backend shares: a plan's nodes, its torchrun agents and their command lines.
+
+Built on `sailor.plan.rank_layout` (the one place ranks are derived). The runtime's worker
+(`python -m sailor.runtime.worker`) takes its *plan* rank straight from torchrun's `RANK` and its
+device from `LOCAL_RANK`. A multi-node torchrun with the static rendezvous gives agent (node rank) a
+the global ranks [Σ_{a' < a} nproc(a'), ... + nproc(a)) (torch elastic `_assign_worker_ranks`), so
+an agent can only host a *contiguous* block of plan ranks. rank_layout orders ranks by pipeline,
+stage and TP rank, so one machine may hold several blocks (pipeline 0's stage 0 and pipeline 1's
+stage 0 share a node while pipeline 0's stage 1 sits elsewhere). Hence:
+
+- an *agent* is one torchrun process: one maximal block of consecutive plan ranks on one node;
+- agents are numbered (torchrun `--node-rank`) by their first rank, so torchrun's global ranks equal
+  the plan's ranks exactly and the worker needs no change;
+- a node with several agents runs them side by side, each with `CUDA_VISIBLE_DEVICES` set to its
+  GPUs, so torchrun's `LOCAL_RANK` k is the k-th of them (the worker picks `cuda:LOCAL_RANK`). A TP
+  group is consecutive ranks on one node, so it never spans two agents.
+- the static rendezvous store is hosted by agent 0 (it holds rank 0), so the rendezvous endpoint
+  is the host of rank 0's node.
+Every node also needs the plan file at the same path (`LaunchOptions.plan_path`) and Sailor
+installed.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, field
+
+from sailor import catalog
+from sailor.errors import SailorInputError
+from sailor.plan import Plan, RankInfo, rank_layout
+
+RDZV_HOST_VAR = "SAILOR_RDZV_HOST"  # shell variable holding the rendezvous host where none is known yet
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """How the workers are started on every node.
+
+    Attributes:
+        plan_path: the plan file as seen on the nodes (same path everywhere).
+        steps: optimizer steps to train (the worker's `--steps`).
+        rdzv_port: TCP port of the static rendezvous store on rank 0's host (torchrun's default 29500).
+        python: Python interpreter on the nodes (with Sailor and torch installed).
+        checkpoint_dir: checkpoint folder on shared storage, or None.
+        device: "cuda" on GPU nodes; "cpu" (gloo) for a CPU test run.
+    """
+
+    plan_path: str
+    steps: int = 10
+    rdzv_port: int = 29500
+    python: str = "python3"
+    checkpoint_dir: str | None = None
+    device: str = "cuda"
+
+
+@dataclass(frozen=True)
+class Agent:
+    """One torchrun process: `ranks` (consecutive plan ranks) on GPUs `local_gpus` of node `node`."""
+
+    agent_rank: int  # torchrun --node-rank
+    node: str
+    ranks: tuple[int, ...]
+    local_gpus: tuple[int, ...]  # GPU index on the node of each rank (its rank_layout local_rank)
+
+
+@dataclass(frozen=True)
+class Node:
+    """One machine of the plan: `gpus_per_node` GPUs of type `gpu` in `zone`, running `agents`."""
+
+    name: str  # rank_layout's "<zone>/<gpu>/<index>"
+    zone: str
+    gpu: str
+    index: int  # node index within its (GPU type, zone) group
+    gpus_per_node: int
+    agents: tuple[Agent, ...]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r for a in self.agents for r in a.ranks)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The nodes of one (GPU type, zone): one SkyPilot task or one Kubernetes Job."""
+
+    gpu: str
+    zone: str
+    nodes: tuple[Node, ...]
+
+    @property
+    def name(self) -> str:
+        """A DNS-1123 label, e.g. "a100-40-us-central1-a"."""
+        return f"{self.gpu}-{self.zone}".lower().replace("_", "-")
+
+    @property
+    def gpus_per_node_used(self) -> int:
+        """Most GPUs any node of the group uses."""
+        return max(len(n.ranks) for n in self.nodes)
+
+
+@dataclass(frozen=True)
+class LaunchLayout:
+    """A plan's nodes and agents; `agents` is indexed by torchrun node rank."""
+
+    plan: Plan
+    ranks: tuple[RankInfo, ...]
+    nodes: tuple[Node, ...]
+    agents: tuple[Agent, ...] = field(repr=False)
+
+    @property
+    def rdzv_node(self) -> Node:
+        """The node holding rank 0: it hosts the rendezvous store."""
+        return next(n for n in self.nodes if 0 in n.ranks)
+
+    def groups(self) -> list[Group]:
+        """Nodes grouped by (GPU type, zone), the group of rank 0 first, then in plan order."""
+        out: dict[tuple[str, str], list[Node]] = {}
+        first = self.rdzv_node
+        out[(first.gpu, first.zone)] = []
+        for n in self.nodes:
+            out.setdefault((n.gpu, n.zone), []).append(n)
+        return [Group(gpu=g, zone=z, nodes=tuple(ns)) for (g, z), ns in out.items()]
+
+
+def node_sizes(plan: Plan, overrides: dict[str, int] | None = None) -> dict[str, int]:
+    """GPUs per node of each GPU type: `overrides`, else the plan's cluster, else the catalog."""
+    sizes: dict[str, int] = {}
+    for p in plan.pipelines:
+        for r in p.replicas:
+            if overrides and r.gpu in overrides:
+                sizes[r.gpu] = overrides[r.gpu]
+            elif plan.cluster is not None:
+                sizes[r.gpu] = plan.cluster.node_size(r.gpu)
+            else:
+                sizes[r.gpu] = catalog.gpu(r.gpu).gpus_per_node
+    return sizes
+
+
+def launch_layout(plan: Plan, gpus_per_node: dict[str, int] | None = None) -> LaunchLayout:
+    """Nodes and torchrun agents of `plan` (module docstring).
+
+    Args:
+        plan: the plan.
+        gpus_per_node: GPUs per node per GPU type (default: `node_sizes(plan)`).
+    Returns:
+        LaunchLayout; asserts that every plan rank is in exactly one agent and that agent a starts
+        at rank Σ_{a' < a} nproc(a') (what torchrun assigns).
+    """
+    sizes = gpus_per_node or node_sizes(plan)
+    ranks = rank_layout(plan, sizes)
+    by_node: dict[str, list[RankInfo]] = {}
+    for info in ranks:
+        by_node.setdefault(info.node, []).append(info)
+    blocks: list[tuple[str, list[RankInfo]]] = []  # maximal runs of consecutive ranks on one node
+    for name, infos in by_node.items():
+        run = [infos[0]]
+        for info in infos[1:]:
+            if info.rank == run[-1].rank + 1:
+                run.append(info)
+            else:
+                blocks.append((name, run))
+                run = [info]
+        blocks.append((name, run))
+    blocks.sort(key=lambda b: b[1][0].rank)
+    agents = [Agent(agent_rank=a, node=name, ranks=tuple(i.rank for i in run),
+                    local_gpus=tuple(i.local_rank for i in run)) for a, (name, run) in enumerate(blocks)]
+    nodes = []
+    for name, infos in by_node.items():
+        zone, gpu, index = infos[0].zone, infos[0].gpu, int(name.rsplit("/", 1)[1])
+        nodes.append(Node(name=name, zone=zone, gpu=gpu, index=index, gpus_per_node=max(sizes[gpu], infos[0].tp),
+                          agents=tuple(a for a in agents if a.node == name)))
+    start = 0
+    for a in agents:  # torchrun's rank assignment reproduces the plan's ranks
+        assert a.ranks == tuple(range(start, start + len(a.ranks)))
+        start += len(a.ranks)
+    assert start == plan.world_size
+    return LaunchLayout(plan=plan, ranks=tuple(ranks), nodes=tuple(nodes), agents=tuple(agents))
+
+
+def worker_args(opts: LaunchOptions) -> list[str]:
+    """The worker's own arguments (after torchrun's)."""
+    args = ["-m", "sailor.runtime.worker", "--plan", opts.plan_path, "--steps", str(opts.steps),
+            "--device", opts.device]
+    if opts.checkpoint_dir:
+        args += ["--checkpoint-dir", opts.checkpoint_dir]
+    return args
+
+
+def agent_command(agent: Agent, layout: LaunchLayout, opts: LaunchOptions, rdzv_host: str) -> str:
+    """The shell command that starts `agent`: `env CUDA_VISIBLE_DEVICES=.. python -m torch.distributed.run ...`.
+
+    `rdzv_host` is put in literally, except a string starting with `$` (a shell variable), which
+    is left for the shell to expand.
+    """
+    host = f"${{{rdzv_host[1:]}}}" if rdzv_host.startswith("$") else shlex.quote(rdzv_host)
+    env = {"OMP_NUM_THREADS": "1"}  # torchrun's default too, said explicitly so every rank gets it
+    if opts.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, agent.local_gpus))
+    torchrun = [opts.python, "-m", "torch.distributed.run", "--nnodes", str(len(layout.agents)),
+                "--node-rank", str(agent.agent_rank), "--nproc-per-node", str(len(agent.ranks)),
+                "--rdzv-backend", "static", "--max-restarts", "0"]
+    parts = ["env", *(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, torchrun),
+             "--rdzv-endpoint", f"{host}:{opts.rdzv_port}", *map(shlex.quote, worker_args(opts))]
+    return " ".join(parts)
+
+
+def node_script(node: Node, layout: LaunchLayout, opts: LaunchOptions, rdzv_host: str) -> str:
+    """The shell script one node runs: its agents side by side; exits non-zero if any agent fails."""
+    cmds = [agent_command(a, layout, opts, rdzv_host) for a in node.agents]
+    if len(cmds) == 1:
+        return cmds[0]
+    started = " & ".join(cmds) + " &"
+    return f"fail=0; {started} for p in $(jobs -p); do wait $p || fail=1; done; exit $fail"
+
+
+def ranks_doc(node: Node) -> dict:
+    """The YAML-ready summary of a node's agents (torchrun node rank, plan ranks, GPUs)."""
+    return {"agents": [{"node_rank": a.agent_rank, "ranks": list(a.ranks), "gpus": list(a.local_gpus)}
+                       for a in node.agents]}
+
+
+def check_device(opts: LaunchOptions) -> None:
+    """Raise SailorInputError unless the worker knows `opts.device`."""
+    if opts.device not in ("cuda", "cpu"):
+        raise SailorInputError(f"unknown device {opts.device!r}", source="--device", fix="cuda or cpu")
+    if opts.steps < 1:
+        raise SailorInputError(f"--steps must be >= 1, got {opts.steps}", source="--steps")
+    if not 0 < opts.rdzv_port < 65536:
+        raise SailorInputError(f"--rdzv-port must be a TCP port (1-65535), got {opts.rdzv_port}", source="--rdzv-port")
+
+
+def round_up_pow2(n: int, cap: int) -> int:
+    """Smallest power of two >= n, at most `cap` (cloud VM shapes come with 1, 2, 4, 8 ... GPUs)."""
+    return min(cap, 1 << max(0, math.ceil(math.log2(max(n, 1)))))

@@ -1,0 +1,101 @@
+"""HOSTS.yaml: which machines run a plan's nodes (for `sailor launch --backend torchrun`).
+
+```yaml
+user: ubuntu                  # ssh user for every host (optional; per group or host too)
+groups:                       # machines per (zone, GPU type), used in order for node 0, 1, ...
+  - zone: us-central1-a
+    gpu: A100-40
+    gpus_per_node: 8          # optional: GPUs per machine (default: the plan's cluster, else catalog)
+    hosts: [10.0.0.11, 10.0.0.12]
+  - zone: us-west1-b
+    gpu: V100-16
+    user: admin
+    hosts: [10.1.0.5]
+```
+A group may list more machines than the plan needs (spares stay unused); fewer is an error naming
+the group. Hosts are what `ssh` takes: names from ~/.ssh/config or addresses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sailor import catalog
+from sailor.errors import SailorInputError
+from sailor.fileio import load_mapping, parse_model
+from sailor.launch.common import LaunchLayout, Node
+
+
+class HostGroup(BaseModel):
+    """The machines of one (zone, GPU type)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    zone: str
+    gpu: str
+    hosts: tuple[str, ...] = Field(min_length=1)
+    user: str | None = None
+    gpus_per_node: int | None = Field(default=None, ge=1)
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: str) -> str:
+        return catalog.canonical_gpu(v)
+
+
+class HostsFile(BaseModel):
+    """A HOSTS.yaml file (module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    user: str | None = None
+    groups: tuple[HostGroup, ...] = Field(min_length=1)
+
+    def gpus_per_node(self) -> dict[str, int]:
+        """GPUs per node per GPU type given in the file (types without one are left out)."""
+        return {g.gpu: g.gpus_per_node for g in self.groups if g.gpus_per_node}
+
+
+def load_hosts(path: str | Path) -> HostsFile:
+    """Read HOSTS.yaml; raises SailorInputError naming the file and field."""
+    hosts = parse_model(HostsFile, load_mapping(path), str(path))
+    seen: dict[tuple[str, str], int] = {}
+    for k, g in enumerate(hosts.groups):
+        if (g.zone, g.gpu) in seen:
+            raise SailorInputError(f"{g.gpu} in {g.zone} is listed twice (groups {seen[(g.zone, g.gpu)]} and {k})",
+                                   source=str(path), field=f"groups.{k}", fix="merge their hosts")
+        seen[(g.zone, g.gpu)] = k
+    return hosts
+
+
+def assign_hosts(layout: LaunchLayout, hosts: HostsFile, source: str = "HOSTS.yaml") -> dict[str, str]:
+    """ssh destination ("user@host" or "host") of every node of `layout`, keyed by node name.
+
+    Raises:
+        SailorInputError: a (zone, GPU type) of the plan has no group, or fewer hosts than nodes.
+    """
+    groups = {(g.zone, g.gpu): g for g in hosts.groups}
+    out: dict[str, str] = {}
+    needed: dict[tuple[str, str], list[Node]] = {}
+    for n in layout.nodes:
+        needed.setdefault((n.zone, n.gpu), []).append(n)
+    for (zone, gpu), nodes in needed.items():
+        g = groups.get((zone, gpu))
+        if g is None:
+            have = ", ".join(f"{x.gpu} in {x.zone}" for x in hosts.groups)
+            raise SailorInputError(f"the plan runs {len(nodes)} {gpu} node(s) in {zone} but no group lists them"
+                                   f" (groups: {have})", source=source, field="groups",
+                                   fix=f"add a group with zone: {zone}, gpu: {gpu}")
+        if len(g.hosts) < len(nodes):
+            raise SailorInputError(f"the plan needs {len(nodes)} {gpu} node(s) in {zone} but {len(g.hosts)}"
+                                   f" host(s) are listed", source=source, field=f"groups.{zone}/{gpu}.hosts")
+        user = g.user or hosts.user
+        for n in nodes:
+            host = g.hosts[n.index]
+            out[n.name] = f"{user}@{host}" if user and "@" not in host else host
+    return out
+
+
+def bare_host(destination: str) -> str:
+    """The host part of an ssh destination ("user@host" -> "host")."""
+    return destination.rsplit("@", 1)[-1]

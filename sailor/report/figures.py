@@ -1,0 +1,282 @@
+"""The report's figures, one function per figure; each writes `<base>.png` and `<base>.svg`.
+
+matplotlib is imported inside the functions (Agg backend, no display), so importing this module
+is cheap and `sailor plan` without `--report` never loads matplotlib.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sailor.plan import Plan
+from sailor.simulator import Estimate, ReplicaEstimate
+from sailor.simulator.schedule import FWD, BWD, timeline_1f1b
+
+if TYPE_CHECKING:
+    from sailor.planner import PlanResult
+    from sailor.specs import ClusterSpec
+
+GIB = 2**30
+GB = 1e9
+MAX_TIMELINE_ROWS = 16  # rows of the timeline; identical pipelines share a row block, never split
+MAX_MEMORY_BARS = 24  # distinct replica kinds drawn in the memory figure
+
+# Colours (matplotlib's tab10), one per activity, the same in every figure.
+COLOR = {"forward": "#1f77b4", "backward": "#ff7f0e", "p2p": "#9467bd", "sync": "#d62728",
+         "optimizer": "#8c564b", "idle": "#e8e8e8",
+         "weights": "#1f77b4", "gradients": "#ff7f0e", "optimizer states": "#2ca02c",
+         "activations": "#9467bd", "buffers & reserve": "#bcbd22", "framework": "#7f7f7f"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 9, "svg.fonttype": "none"})  # SVG keeps text as text (searchable)
+    return plt
+
+
+def _save(fig, base: Path) -> list[Path]:
+    base.parent.mkdir(parents=True, exist_ok=True)
+    paths = [base.with_suffix(".png"), base.with_suffix(".svg")]
+    fig.savefig(paths[0], dpi=130, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return paths
+
+
+# ---- 1. Pareto front ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Marked:
+    """A plan to mark on the Pareto figure: label, iteration time (s), $/iteration."""
+
+    label: str
+    time_s: float
+    cost_usd: float
+
+
+def pareto_figure(result: "PlanResult", base: Path, *, paper: "PlanResult | None" = None,
+                  homogeneous: "PlanResult | None" = None) -> list[Path]:
+    """Iterations/s against $/iteration: the candidates' closed-form Pareto front, the alternatives,
+    the chosen plan and the best plans of the `paper` and `homogeneous` searches (skipped when None).
+
+    Returns:
+        [png, svg] paths.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fronts = [("full search: Pareto front (closed form)", result, "#1f77b4", 1.0)]
+    fronts += [(f"{name} search: Pareto front", r, color, 0.5)
+               for name, r, color in (("paper", paper, "#2ca02c"), ("homogeneous", homogeneous, "#ff7f0e"))
+               if r is not None]
+    for label, r, color, alpha in fronts:
+        if r.pareto:
+            t, c = np.array(r.pareto).T
+            ax.plot(c, 1.0 / t, "-o", color=color, alpha=alpha, markersize=3, linewidth=1.2, label=label,
+                    drawstyle="steps-post" if len(t) > 1 else "default")
+    alts = [a.estimate for a in result.alternatives if a.estimate is not None]
+    if alts:
+        ax.scatter([e.cost_per_iteration_usd for e in alts], [e.throughput_iters_per_s for e in alts],
+                   s=28, facecolors="none", edgecolors="#555555", label="alternatives (event-simulated)", zorder=3)
+    marks = [("chosen plan", result, "*", "#d62728", 220)]
+    marks += [(f"best {name} plan", r, m, color, 90) for name, r, m, color in
+              (("paper", paper, "s", "#2ca02c"), ("homogeneous", homogeneous, "^", "#ff7f0e")) if r is not None]
+    for label, r, marker, color, size in marks:
+        e = r.estimate
+        ax.scatter([e.cost_per_iteration_usd], [e.throughput_iters_per_s], marker=marker, s=size, color=color,
+                   edgecolors="black", linewidths=0.6, zorder=5,
+                   label=f"{label}: {e.throughput_iters_per_s:.3f} it/s, ${e.cost_per_iteration_usd:.3f}")
+    ax.set_xlabel("cost per iteration ($)")
+    ax.set_ylabel("throughput (iterations/s)")
+    ax.set_title("Plans: throughput against cost (up and left is better)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return _save(fig, base)
+
+
+# ---- 2. 1F1B timeline ---------------------------------------------------------------------------
+def _pipeline_groups(plan: Plan, est: Estimate) -> list[tuple[list[int], list[ReplicaEstimate]]]:
+    """Pipelines that run identical timelines (same GPUs, zones, TP, micro-batches), slowest first:
+    [(pipeline indices, that pipeline's replicas by stage)]."""
+    by_pipe: dict[int, list[ReplicaEstimate]] = {}
+    for r in est.replicas:
+        by_pipe.setdefault(r.pipeline, []).append(r)
+    groups: dict[tuple, list[int]] = {}
+    for j, p in enumerate(plan.pipelines):
+        key = (p.microbatches, tuple((r.gpu, r.zone, r.tp) for r in p.replicas))
+        groups.setdefault(key, []).append(j)
+    out = [(js, sorted(by_pipe[js[0]], key=lambda r: r.stage)) for js in groups.values()]
+    out.sort(key=lambda g: -est.pipeline_times_s[g[0][0]])
+    return out
+
+
+def _pipes_label(js: list[int]) -> str:
+    if len(js) == 1:
+        return f"pipeline {js[0]}"
+    return f"pipelines {js[0]}..{js[-1]} (x{len(js)})" if js == list(range(js[0], js[-1] + 1)) \
+        else f"pipelines {','.join(map(str, js[:3]))}{',...' if len(js) > 3 else ''} (x{len(js)})"
+
+
+def timeline_figure(plan: Plan, est: Estimate, base: Path) -> list[Path]:
+    """The chosen plan's iteration as a Gantt chart: one row per (pipeline, stage), 1F1B forwards,
+    backwards and p2p transfers (`timeline_1f1b`), then gradient sync and the optimizer step as the
+    simulator orders them; idle time (bubbles, waiting for the slowest pipeline) in grey. Identical
+    pipelines share one row block; at most MAX_TIMELINE_ROWS rows, slowest first (the fastest kind
+    is kept when some are left out).
+
+    Returns:
+        [png, svg] paths.
+    """
+    plt = _pyplot()
+    groups = _pipeline_groups(plan, est)
+    per_group = plan.num_stages
+    shown = groups[:max(1, MAX_TIMELINE_ROWS // per_group)]
+    if len(shown) < len(groups) and len(shown) > 1:  # keep the fastest kind too: the contrast is the point
+        shown[-1] = groups[-1]
+    rows = [(js, reps, r) for js, reps in shown for r in reps]
+    end_pipe = est.pipeline_s
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.42 * len(rows)))
+    labels = []
+    timelines = {js[0]: timeline_1f1b(np.array([x.forward_s for x in reps]), np.array([x.backward_s for x in reps]),
+                                      np.array([x.p2p_s for x in reps[:-1]]), plan.pipelines[js[0]].microbatches)
+                 for js, reps in shown}
+    for y, (js, reps, r) in enumerate(rows):
+        ops = timelines[js[0]][r.stage]
+        ax.broken_barh([(0, est.iteration_time_s)], (y - 0.4, 0.8), color=COLOR["idle"])
+        spans = {"forward": [], "backward": [], "p2p": []}
+        for kind, _k, s, e in ops:
+            spans["forward" if kind == FWD else "backward" if kind == BWD else "p2p"].append((s, e - s))
+        for kind, bars in spans.items():
+            if bars:
+                ax.broken_barh(bars, (y - 0.4, 0.8), color=COLOR[kind], linewidth=0)
+        ax.broken_barh([(end_pipe, r.sync_s)], (y - 0.4, 0.8), color=COLOR["sync"], linewidth=0)
+        ax.broken_barh([(end_pipe + est.gradient_sync_s, r.optimizer_s)], (y - 0.4, 0.8),
+                       color=COLOR["optimizer"], linewidth=0)
+        labels.append(f"{_pipes_label(js)} · stage {r.stage} · {r.gpu} TP{r.tp}")
+    ax.set_yticks(range(len(rows)), labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, est.iteration_time_s * 1.01)
+    ax.set_xlabel("time in the iteration (s)")
+    hidden = len(groups) - len(shown)
+    ax.set_title(f"1F1B timeline of one iteration ({est.iteration_time_s:.3f} s)"
+                 + (f"; {hidden} more pipeline kind(s) not shown" if hidden else ""))
+    from matplotlib.patches import Patch
+
+    legend = [Patch(color=COLOR["forward"], label="forward"), Patch(color=COLOR["backward"], label="backward"),
+              Patch(color=COLOR["p2p"], label="p2p send/recv"),
+              Patch(color=COLOR["sync"], label=f"gradient sync ({est.gradient_sync_s:.3f} s)"),
+              Patch(color=COLOR["optimizer"], label=f"optimizer ({est.optimizer_s:.3f} s)"),
+              Patch(color=COLOR["idle"], label="idle (bubble / wait)")]
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.45 / max(len(rows), 1) - 0.12),
+              ncol=6, fontsize=8, frameon=False)
+    return _save(fig, base)
+
+
+# ---- 3. memory -----------------------------------------------------------------------------------
+def memory_figure(est: Estimate, base: Path) -> list[Path]:
+    """Memory per GPU against its capacity, stacked by weights, gradients, optimizer states,
+    activations, buffers & reserve, and framework; one bar per distinct replica kind (stage, GPU
+    type, TP, same breakdown), at most MAX_MEMORY_BARS, fullest first.
+
+    Returns:
+        [png, svg] paths.
+    """
+    plt = _pyplot()
+    kinds: dict[tuple, list[ReplicaEstimate]] = {}
+    for r in est.replicas:
+        m = r.memory
+        key = (r.stage, r.gpu, r.tp, round(m.total / 2**20))
+        kinds.setdefault(key, []).append(r)
+    bars = sorted(kinds.values(), key=lambda rs: (rs[0].stage, rs[0].gpu, rs[0].tp))
+    bars = sorted(bars, key=lambda rs: -rs[0].peak_memory_bytes / rs[0].memory_capacity_bytes)[:MAX_MEMORY_BARS]
+    bars.sort(key=lambda rs: (rs[0].stage, rs[0].gpu, rs[0].tp))
+    parts = [("weights", lambda m: m.weights), ("gradients", lambda m: m.gradients),
+             ("optimizer states", lambda m: m.optimizer), ("activations", lambda m: m.activations),
+             ("buffers & reserve", lambda m: m.buffers + m.reserve), ("framework", lambda m: m.framework)]
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(bars)))
+    y = np.arange(len(bars))
+    left = np.zeros(len(bars))
+    for name, get in parts:
+        v = np.array([get(rs[0].memory) for rs in bars]) / GIB
+        ax.barh(y, v, left=left, color=COLOR[name], label=name, height=0.6)
+        left += v
+    cap = np.array([rs[0].memory_capacity_bytes for rs in bars]) / GIB
+    ax.scatter(cap, y, marker="|", s=500, color="black", linewidths=2, label="capacity", zorder=4)
+    for k, rs in enumerate(bars):
+        used, total = rs[0].peak_memory_bytes / GIB, cap[k]
+        ax.text(max(used, total) + 0.01 * cap.max(), k, f"{used:.1f} / {total:.0f} GiB" + ("  OOM" if rs[0].oom else ""),
+                va="center", fontsize=8, color="#d62728" if rs[0].oom else "black")
+    ax.set_yticks(y, [f"stage {rs[0].stage} · {rs[0].gpu} TP{rs[0].tp}" + (f" (x{len(rs)})" if len(rs) > 1 else "")
+                      for rs in bars])
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(cap.max(), left.max()) * 1.25)
+    ax.set_xlabel("memory per GPU (GiB)")
+    ax.set_title("Memory per GPU against capacity" + (f" (fullest {len(bars)} of {len(kinds)} kinds)"
+                                                      if len(kinds) > len(bars) else ""))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 / max(len(bars), 1) - 0.15), ncol=7, fontsize=8,
+              frameon=False)
+    return _save(fig, base)
+
+
+# ---- 4. placement --------------------------------------------------------------------------------
+def placement_figure(plan: Plan, est: Estimate, cluster: "ClusterSpec", traffic: dict[tuple[str, str], dict[str, float]],
+                     base: Path) -> list[Path]:
+    """Left: zones x GPU types, GPUs used / available (colour: share used). Right: GB per iteration
+    crossing each zone pair, pipeline p2p and gradient sync (from `traffic.cross_zone_traffic`).
+
+    Returns:
+        [png, svg] paths.
+    """
+    plt = _pyplot()
+    use = plan.gpu_usage()
+    zones = sorted(set(cluster.zones) | {z for z, _ in use})
+    gpus = sorted({g for z in cluster.zones.values() for g, n in z.items() if n} | {g for _, g in use})
+    share = np.full((len(zones), len(gpus)), np.nan)
+    for a, z in enumerate(zones):
+        for b, g in enumerate(gpus):
+            have = cluster.available(z, g)
+            if have:
+                share[a, b] = use.get((z, g), 0) / have
+    pairs = sorted(traffic.items(), key=lambda kv: -(kv[1]["p2p"] + kv[1]["sync"]))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.5 * max(len(zones), len(pairs), 3)),
+                                 gridspec_kw={"width_ratios": [1.0, 1.3], "wspace": 0.7})
+    cmap = plt.get_cmap("Blues").with_extremes(bad="#eeeeee")  # grey: no such GPU in that zone
+    # vmax above 1 keeps the darkest cell light enough for its black label
+    im = ax.imshow(np.ma.masked_invalid(share), cmap=cmap, vmin=0, vmax=1.3, aspect="auto")
+    for a, z in enumerate(zones):
+        for b, g in enumerate(gpus):
+            have = cluster.available(z, g)
+            text = f"{use.get((z, g), 0)} / {have}" if have else "-"
+            ax.text(b, a, text, ha="center", va="center", fontsize=9, color="black")
+    ax.set_xticks(range(len(gpus)), gpus)
+    ax.set_yticks(range(len(zones)), zones)
+    ax.set_title(f"GPUs used / available ({plan.world_size} used)")
+    fig.colorbar(im, ax=ax, fraction=0.05, pad=0.03, label="share used").ax.set_ylim(0, 1)
+    if pairs:
+        labels = [f"{a} - {b}" for (a, b), _ in pairs]
+        p2p = np.array([v["p2p"] for _, v in pairs]) / GB
+        sync = np.array([v["sync"] for _, v in pairs]) / GB
+        y = np.arange(len(pairs))
+        bx.barh(y, p2p, color=COLOR["p2p"], label="pipeline p2p", height=0.6)
+        bx.barh(y, sync, left=p2p, color=COLOR["sync"], label="gradient sync", height=0.6)
+        for k in range(len(pairs)):
+            bx.text(p2p[k] + sync[k], k, f" {p2p[k] + sync[k]:.2f}", va="center", fontsize=8)
+        bx.set_yticks(y, labels)
+        bx.invert_yaxis()
+        bx.set_xlim(0, (p2p + sync).max() * 1.6)  # room on the right for the legend, clear of every bar
+        bx.legend(loc="lower right", fontsize=8)
+    else:
+        bx.text(0.5, 0.5, "no traffic crosses zones", ha="center", va="center", transform=bx.transAxes)
+        bx.set_yticks([])
+    bx.set_xlabel("GB per iteration")
+    bx.set_title(f"Cross-zone traffic: {est.cross_zone_bytes / GB:.2f} GB/iteration,"
+                 f" egress ${est.egress_per_iteration_usd:.4f}/iteration")
+    return _save(fig, base)

@@ -1,0 +1,96 @@
+"""index.html of a report: the plan table, the key numbers and the figures (PNG, linking the SVG)."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from sailor.plan import Plan
+from sailor.simulator import Estimate
+
+GIB = 2**30
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; max-width: 1200px; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em 0; }
+th, td { border: 1px solid #ccc; padding: 4px 10px; text-align: left; }
+th { background: #f3f3f3; }
+td.num { text-align: right; }
+figure { margin: 1.5em 0; }
+figure img { max-width: 100%; border: 1px solid #ddd; }
+figcaption { color: #555; font-size: 0.9em; }
+.warn { color: #a05a00; }
+"""
+
+
+def plan_rows(plan: Plan) -> list[tuple[str, str, str, int, str]]:
+    """The plan table: pipelines grouped by GPU types, zones and TP per stage:
+    (GPU types, zones, TP per stage, pipelines, micro-batches each)."""
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for p in plan.pipelines:
+        gpus = " + ".join(dict.fromkeys(r.gpu for r in p.replicas))
+        zones = " + ".join(dict.fromkeys(r.zone for r in p.replicas))
+        tps = ", ".join(str(r.tp) for r in p.replicas)
+        groups.setdefault((gpus, zones, tps), []).append(p.microbatches)
+    return [(g, z, t, len(m), "/".join(map(str, sorted(set(m))))) for (g, z, t), m in groups.items()]
+
+
+def _table(header: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td{' class=num' if k in numeric else ''}>{html.escape(str(c))}</td>"
+                                    for k, c in enumerate(row)) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def write_index(out_dir: Path, *, title: str, plan: Plan, est: Estimate,
+                figures: list[tuple[str, str, Path]], notes: list[str]) -> Path:
+    """Write `out_dir/index.html`.
+
+    Args:
+        title: page heading.
+        plan, est: the plan and its estimate (tables).
+        figures: (heading, caption, PNG path) per figure; the SVG beside it is linked.
+        notes: lines shown under the tables (e.g. a search that found no plan).
+    Returns:
+        the path of index.html.
+    """
+    stages = [[str(i), f"[{a}, {b})", str(b - a)] for i, (a, b) in enumerate(plan.stages)]
+    pipes = [[g, z, t, str(n), m] for g, z, t, n, m in plan_rows(plan)]
+    summary = [
+        ["iteration time (s)", f"{est.iteration_time_s:.4f}"],
+        ["  pipeline, 1F1B slowest (s)", f"{est.pipeline_s:.4f}"],
+        ["  gradient sync (s)", f"{est.gradient_sync_s:.4f}"],
+        ["  optimizer (s)", f"{est.optimizer_s:.4f}"],
+        ["iterations/s", f"{est.throughput_iters_per_s:.4f}"],
+        ["tokens/s", f"{est.tokens_per_s:,.0f}"],
+        ["GPUs", str(est.gpus)],
+        ["$/iteration", f"{est.cost_per_iteration_usd:.4f}"],
+        ["$/hour", f"{est.cost_per_hour_usd:.2f}"],
+        ["cross-zone GB/iteration", f"{est.cross_zone_bytes / 1e9:.2f}"],
+        ["memory headroom (GiB, fullest GPU)", f"{est.min_headroom_bytes / GIB:.1f}"],
+        ["MFU", f"{est.mfu:.1%}"],
+    ]
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+             f"<style>{_STYLE}</style></head><body>",
+             f"<h1>{html.escape(title)}</h1>",
+             f"<p>{plan.num_stages} stage(s), micro-batch size {plan.micro_batch_size}, {len(plan.pipelines)}"
+             f" pipeline(s) on {plan.world_size} GPUs, global batch {plan.global_batch_size}.</p>",
+             "<h2>Plan</h2>",
+             _table(["GPU", "zone", "TP per stage", "pipelines", "micro-batches each"], pipes, {3}),
+             _table(["stage", "layers", "layer count"], stages, {2}),
+             "<h2>Prediction</h2>",
+             _table(["", "value"], summary, {1})]
+    if est.estimated:
+        parts.append(f"<p class=warn>estimated (no measurement): {html.escape('; '.join(est.estimated))}</p>")
+    parts += [f"<p class=warn>{html.escape(n)}</p>" for n in notes]
+    for heading, caption, png in figures:
+        svg = png.with_suffix(".svg").name
+        parts.append(f"<figure><h2>{html.escape(heading)}</h2><a href='{html.escape(svg)}'>"
+                     f"<img src='{html.escape(png.name)}' alt='{html.escape(heading)}'></a>"
+                     f"<figcaption>{html.escape(caption)} (<a href='{html.escape(svg)}'>SVG</a>)</figcaption></figure>")
+    parts.append("</body></html>\n")
+    path = out_dir / "index.html"
+    from sailor.fileio import write_atomic
+
+    write_atomic(path, "\n".join(parts))
+    return path

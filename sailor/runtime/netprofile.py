@@ -1,0 +1,163 @@
+"""`sailor profile network`: point-to-point and all-reduce sweeps between local processes, fitted
+to α–β links and written as our link file ("sailor.network/1", see `sailor.network`).
+
+N processes (gloo on CPU, NCCL on CUDA) run, for message sizes 1 KiB .. 64 MiB (powers of 4):
+- p2p: ranks 2k and 2k+1 ping-pong (send, then receive the same size back); one-way time = round
+  trip / 2. With N >= 4 the N/2 pairs also run at once, which measures N/2 concurrent flows;
+- all-reduce of the message over all N ranks.
+Each point is the median of `repeats` timed rounds after `warmup` untimed ones. A link
+time(x) = α + x / β is fitted by least squares on relative error (each row divided by its measured
+time, so 1 KiB and 64 MiB count alike), α clipped at 0.
+
+The file holds a `links` entry (zone, GPU type) -> itself per measured flow count, and the same
+α–β as the `same_zone` and `same_node` classes, so `network_for(local_cluster(...), file)` uses it
+for every pair of local processes. The all-reduce sweep and its fit are kept under `allreduce`
+(with the bus bandwidth 2(N-1)/N · x / t), for comparison with the simulator's ring model.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from typing import Any
+
+import numpy as np
+
+from sailor.network import SCHEMA
+
+SIZES_BYTES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
+
+
+def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
+    """Fit time = α + bytes / β to measured points; returns (α seconds, β bytes/s).
+
+    Least squares on relative error; α is clipped at 0 (β refitted alone then). Raises ValueError
+    when the points do not give a positive bandwidth.
+    """
+    x, t = np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float)
+    A = np.stack([1.0 / t, x / t], axis=1)  # rows of [α, 1/β] / t against 1
+    (alpha, inv_beta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    if alpha < 0:
+        alpha = 0.0
+        inv_beta = float(np.sum(x / t) / np.sum((x / t) ** 2))
+    if inv_beta <= 0:
+        raise ValueError("the sweep does not give a positive bandwidth (time does not grow with size)")
+    return float(alpha), float(1.0 / inv_beta)
+
+
+def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
+    """One rank of the sweep (run by `sailor.runtime.profiler.run_ranks`); rank 0 writes
+    {"p2p": {flows: [seconds per size]}, "allreduce": [seconds per size]} to `o["out"]`."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from sailor.runtime.profiler import init_rank, rank_message
+
+    cuda = o["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    init_rank(rank, world, port, "nccl" if cuda else "gloo", o["timeout_s"])
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def timed(fn) -> float:
+        out = []
+        for r in range(o["warmup"] + o["repeats"]):
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t0)
+        return float(np.median(out[o["warmup"]:]))
+
+    result: dict[str, Any] = {"p2p": {}, "allreduce": []}
+    pair_counts = sorted({1, world // 2})
+    for size in o["sizes"]:
+        buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        for flows in pair_counts:
+            peer = rank ^ 1
+            active = rank < 2 * flows
+
+            def ping_pong() -> None:
+                if not active:
+                    return
+                if rank % 2 == 0:
+                    dist.send(buf, peer)
+                    dist.recv(buf, peer)
+                else:
+                    dist.recv(buf, peer)
+                    dist.send(buf, peer)
+
+            t = torch.tensor([timed(ping_pong) / 2 if active else 0.0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest of the concurrent flows
+            result["p2p"].setdefault(str(flows), []).append(t.item())
+        t = torch.tensor([timed(lambda: dist.all_reduce(buf))], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        result["allreduce"].append(t.item())
+        if rank == 0:
+            rank_message({"tick": 1})
+    if rank == 0:
+        Path(o["out"]).write_text(json.dumps(result))
+    dist.barrier()
+
+
+def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", warmup: int = 2, repeats: int = 5,
+                    sizes_bytes: tuple[int, ...] = SIZES_BYTES, timeout_s: float = 300.0,
+                    progress=None) -> dict[str, Any]:
+    """Run the sweep with `nproc` local processes and return our link file as a dict.
+
+    `progress(n)` is called as sizes finish (len(sizes_bytes) in all). Raises SailorInputError for
+    bad arguments (fewer than 2 processes, sizes not multiples of 4 bytes), RuntimeError if a rank
+    fails.
+    """
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from sailor.errors import SailorInputError
+    from sailor.runtime.profiler import device_description, device_gpu_type, run_ranks, versions
+
+    if nproc < 2:
+        raise SailorInputError(f"need at least 2 processes, got {nproc}", field="--nproc")
+    if warmup < 0 or repeats < 1:
+        raise SailorInputError("need warmup >= 0 and repeats >= 1", field="--warmup/--repeats")
+    if not sizes_bytes or any(s < 4 or s % 4 for s in sizes_bytes):
+        raise SailorInputError("message sizes must be multiples of 4 bytes", field="sizes")
+    gpu = device_gpu_type(device)  # type: ignore[arg-type]
+    if device == "cuda":
+        import torch
+        if torch.cuda.device_count() < nproc:
+            raise SailorInputError(f"{nproc} processes need {nproc} CUDA devices, this machine has"
+                                   f" {torch.cuda.device_count()}", field="--nproc")
+    with tempfile.TemporaryDirectory(prefix="sailor-netprofile-") as tmp:
+        out = Path(tmp) / "net.json"
+        run_ranks("sailor.runtime.netprofile:network_rank", nproc,
+                  {"device": device, "warmup": warmup, "repeats": repeats, "sizes": list(sizes_bytes),
+                   "timeout_s": timeout_s, "out": str(out)},
+                  timeout_s=timeout_s * 4, on_message=(lambda m: progress(m["tick"])) if progress else None)
+        res = json.loads(out.read_text())
+    links, fits = [], {}
+    for flows, times in sorted(res["p2p"].items(), key=lambda kv: int(kv[0])):
+        alpha, beta = fit_alpha_beta(sizes_bytes, times)
+        # β is per flow here; the file gives the aggregate bandwidth of `flows` concurrent flows.
+        fits[int(flows)] = (alpha, beta)
+        links.append({"src_zone": zone, "src_gpu": gpu, "dst_zone": zone, "dst_gpu": gpu, "flows": int(flows),
+                      "latency_s": alpha, "bandwidth_bytes_per_s": beta * int(flows)})
+    alpha1, beta1 = fits[1]
+    bus = [2 * (nproc - 1) / nproc * x for x in sizes_bytes]
+    ar_alpha, ar_beta = fit_alpha_beta(bus, res["allreduce"])
+    return {"schema": SCHEMA, "source": f"sailor profile network ({gpu}, {nproc} processes)",
+            "device": device_description(device), "versions": versions(),  # type: ignore[arg-type]
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "classes": {"same_node": {"latency_s": alpha1, "bandwidth_bytes_per_s": beta1},
+                        "same_zone": {"latency_s": alpha1, "bandwidth_bytes_per_s": beta1}},
+            "links": links,
+            "sweep": {"sizes_bytes": list(sizes_bytes), "p2p_one_way_s": res["p2p"], "allreduce_s": res["allreduce"]},
+            "allreduce": {"processes": nproc, "latency_s": ar_alpha, "bus_bandwidth_bytes_per_s": ar_beta}}

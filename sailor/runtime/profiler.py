@@ -1,0 +1,544 @@
+"""`sailor profile`: time the runtime's own layers on this machine and write a profile file.
+
+What is measured, for every TP degree t (with t processes, gloo on CPU / NCCL on CUDA) and every
+micro-batch size b:
+- forward and backward seconds of the runtime's embedding (layer 0), one block (layers 1..N all share
+  its geometry, so one block is timed and its figures stand for every block) and the head (final
+  norm, LM head and the loss, which the runtime's last stage computes inside its forward);
+  TP layers are timed with their all-reduces, every rank starting together after a barrier, and the
+  slowest rank's time kept (the others wait for it in a real run too);
+- `warmup` untimed passes, then `repeats` timed ones: the median is the profile, the interquartile
+  range its spread (`forward_spread_s`, `backward_spread_s`);
+- activation bytes kept for backward per sample and layer (a saved-tensors hook sums the distinct
+  tensors autograd keeps, parameters excluded), and the peak bytes allocated (CUDA) or the peak
+  resident set of the process (CPU);
+- the optimizer step: the runtime's AdamW (`build_optimizer`) plus gradient-norm clipping and
+  zeroing over all layers' parameters at TP t = 1 (or the smallest t profiled), stored as seconds per
+  parameter.
+
+Load: on CPU every profiling process uses `threads` intra-op threads (default 1), as torchrun gives
+each rank of a multi-process `sailor train` run (it sets OMP_NUM_THREADS=1), and `concurrency`
+replicas are timed at once, in lockstep (default: enough TP groups to give every core a process).
+A "cpu GPU" is thus one core while the other cores are busy too, which is what every rank of a
+multi-process run sees: on the 2-vCPU build machines, two processes busy at once each run a layer
+about 2x slower than one process alone (the vCPUs share one physical core's execution units and
+caches), so a profile taken on an idle machine under-predicts runs by that factor. A one-process run
+uses every core and is faster than such a profile predicts.
+
+The GPU type of the file is named after the device: `cpu`, or the catalog name of the CUDA device
+(`device_gpu_type`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import queue as _queue
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from sailor.errors import SailorInputError
+from sailor.specs import JobSpec
+
+Device = Literal["cpu", "cuda"]
+
+# CUDA device names (torch.cuda.get_device_name) -> catalog GPU type. A100s come in 40 and 80 GB;
+# their names differ only in the memory suffix on some drivers, so those are told apart by memory.
+_CUDA_NAMES = (("H200", "H200-141"), ("GH200", "GH200-96"), ("H100", "H100-80"), ("V100", "V100-16"),
+               ("L4", "L4"), ("T4", "T4"), ("RTX 3090", "RTX-3090"), ("RTX 2080", "RTX-2080"),
+               ("TITAN RTX", "Titan-RTX"))
+_A100_80_MIN_BYTES = 60 * 2**30  # between the 40 GB and 80 GB A100 models
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileOptions:
+    """What `profile_job` measures."""
+
+    job: JobSpec
+    """Model, sequence length and precision the layers are timed at."""
+    device: Device = "cpu"
+    """cpu (gloo, fp32) or cuda (NCCL, bf16 autocast, as the runtime trains)."""
+    tps: tuple[int, ...] = (1,)
+    """TP degrees; degree t runs t processes."""
+    mbs: tuple[int, ...] = (1, 2, 4, 8)
+    """Micro-batch sizes (samples)."""
+    warmup: int = 3
+    """Untimed passes before timing (allocator, caches, lazy init)."""
+    repeats: int = 10
+    """Timed passes per layer and micro-batch size; the median is kept."""
+    threads: int = 1
+    """CPU intra-op threads per process (torchrun's default for multi-process runs)."""
+    concurrency: int = 0
+    """Replicas measured at once (each a TP group of t processes, all timed in lockstep); 0 = as many
+    as fill the CPU cores (cpu) or 1 (cuda). See the module docstring."""
+    timeout_s: float = 300.0
+    """Seconds any collective may wait before the profile fails."""
+
+
+def device_gpu_type(device: Device, index: int = 0) -> str:
+    """Catalog GPU type of this machine's `device`: "cpu", or the CUDA device's catalog name.
+
+    Raises SailorInputError when CUDA is asked for and absent, or its device is not in the catalog.
+    """
+    if device == "cpu":
+        return "cpu"
+    import torch
+    if not torch.cuda.is_available():
+        raise SailorInputError("no CUDA device on this machine", field="--device", fix="use --device cpu")
+    name = torch.cuda.get_device_name(index)
+    if "A100" in name:
+        mem = torch.cuda.get_device_properties(index).total_memory
+        return "A100-80" if mem >= _A100_80_MIN_BYTES else "A100-40"
+    for key, gpu in _CUDA_NAMES:
+        if key.lower() in name.lower():
+            return gpu
+    raise SailorInputError(f"CUDA device {name!r} is not in the GPU catalog", field="--device",
+                           fix="add it to sailor/catalog/gpus.yaml")
+
+
+def device_description(device: Device) -> str:
+    """Human-readable name of the device measured (CPU model or CUDA device name)."""
+    if device == "cuda":
+        import torch
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def check_options(opts: ProfileOptions) -> None:
+    """Raise SailorInputError for options the runtime could not run: TP degrees that do not divide
+    the heads, FFN or vocabulary, non-positive sizes, a precision the device does not train in, or
+    more TP processes than CUDA devices."""
+    from sailor.runtime.model import runtime_vocab
+
+    m = opts.job.model
+    if not opts.tps or not opts.mbs:
+        raise SailorInputError("give at least one TP degree and one micro-batch size", field="--tp/--mbs")
+    for t in opts.tps:
+        if t < 1:
+            raise SailorInputError(f"TP degree must be >= 1, got {t}", field="--tp")
+        for what, n in (("heads", m.num_heads), ("kv heads", m.kv_heads), ("ffn size", m.ffn),
+                        ("vocabulary", runtime_vocab(m))):
+            if n % t:
+                raise SailorInputError(f"TP {t} does not divide {m.name}'s {what} ({n})", field="--tp")
+    if any(b < 1 for b in opts.mbs):
+        raise SailorInputError(f"micro-batch sizes must be >= 1, got {list(opts.mbs)}", field="--mbs")
+    if opts.warmup < 0 or opts.repeats < 1 or opts.threads < 1 or opts.concurrency < 0:
+        raise SailorInputError("need warmup >= 0, repeats >= 1, threads >= 1", field="--warmup/--repeats/--threads")
+    want = "fp32" if opts.device == "cpu" else "bf16"
+    if opts.job.precision != want:
+        raise SailorInputError(f"the runtime trains in {want} on {opts.device}, the job says {opts.job.precision}",
+                               field="precision", fix=f"set precision: {want} in the job")
+    if opts.device == "cuda":
+        import torch
+        device_gpu_type("cuda")
+        need = max(t * replicas(opts, t) for t in opts.tps)
+        if need > torch.cuda.device_count():
+            raise SailorInputError(f"the profile needs {need} CUDA devices (TP x replicas at once), this machine"
+                                   f" has {torch.cuda.device_count()}", field="--tp")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+RANK_MESSAGE = "SAILOR_RANK "  # prefix of a message line a rank prints for the driver
+
+
+def run_ranks(target: str, nprocs: int, args: dict[str, Any], *, on_message: Callable[[Any], None] | None = None,
+              timeout_s: float = 600.0) -> None:
+    """Run `target(rank, world, port, args)` ("module:function") in `nprocs` fresh Python processes
+    on this machine and wait for them.
+
+    Each rank is `python -m sailor.runtime.profiler` (no re-import of the caller's main module, so it
+    works from scripts, stdin and tests). A rank reports with `rank_message(obj)`; every message is
+    handed to `on_message` as it arrives. Raises RuntimeError with the failing rank's last stderr lines
+    if any rank fails or `timeout_s` passes; every rank is killed before this returns or raises.
+    """
+    port = _free_port()
+    payload = json.dumps(args)
+    msgs: _queue.Queue = _queue.Queue()
+    procs, errs = [], []
+    try:
+        for rank in range(nprocs):
+            err = tempfile.TemporaryFile(mode="w+")
+            errs.append(err)
+            p = subprocess.Popen([sys.executable, "-m", "sailor.runtime.profiler", target, str(rank), str(nprocs),
+                                  str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+            procs.append(p)
+            p.stdin.write(payload)
+            p.stdin.close()
+            threading.Thread(target=_read_messages, args=(p.stdout, msgs), daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            _drain(msgs, on_message)
+            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"profiling rank {failed[0]} failed: {_tail(errs[failed[0]])}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"profiling ranks did not finish within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        for p in procs:
+            p.wait()
+        _drain(msgs, on_message)
+        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            raise RuntimeError(f"profiling rank {failed[0]} failed: {_tail(errs[failed[0]])}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for e in errs:
+            e.close()
+
+
+def rank_message(obj: Any) -> None:
+    """Send `obj` (JSON-able) from a rank to the driver's `on_message`."""
+    print(RANK_MESSAGE + json.dumps(obj), flush=True)
+
+
+def _read_messages(stream, msgs: _queue.Queue) -> None:
+    for line in stream:
+        if line.startswith(RANK_MESSAGE):
+            msgs.put(json.loads(line[len(RANK_MESSAGE):]))
+
+
+def _tail(err) -> str:
+    err.seek(0)
+    lines = [line for line in err.read().splitlines() if line.strip()]
+    return " | ".join(lines[-3:]) or "no error output"
+
+
+def _drain(q: _queue.Queue, on_message) -> None:
+    while True:
+        try:
+            msg = q.get_nowait()
+        except _queue.Empty:
+            return
+        if on_message is not None:
+            on_message(msg)
+
+
+def init_rank(rank: int, world: int, port: int, backend: str, timeout_s: float) -> None:
+    """Join a `world`-process group on this machine (rank `rank`, TCP rendezvous on `port`)."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=_dt.timedelta(seconds=timeout_s))
+
+
+# ---- one rank ------------------------------------------------------------------------------------
+@dataclass
+class _LayerResult:
+    forward_s: list[float] = field(default_factory=list)
+    backward_s: list[float] = field(default_factory=list)
+
+
+def profile_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
+    """One rank of a TP-`world` profile (run by `run_ranks`): times every layer kind at every
+    micro-batch size; rank 0 writes the results to `o["out"]` as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    job = JobSpec.model_validate(o["job"])
+    cuda = o["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(o["threads"])
+    init_rank(rank, world, port, "nccl" if cuda else "gloo", o["timeout_s"])
+    tp = o["tp"]
+    # TP groups of consecutive ranks; every rank must take part in creating every group.
+    groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(world // tp)]
+    result = _measure(job, o, rank, tp, groups[rank // tp], world,
+                      torch.device("cuda", rank) if cuda else torch.device("cpu"))
+    if rank == 0:
+        Path(o["out"]).write_text(json.dumps(result))
+    dist.barrier()  # every rank is past its last collective before any exits
+
+
+def _build_layer(job: JobSpec, index: int, tp_rank: int, tp: int, group, device):
+    """Layer `index` of the runtime's GPT alone, TP-sharded and initialised as a training run does."""
+    import torch
+
+    from sailor.runtime.model import GPT, init_param
+    from sailor.runtime.pipeline import build_stage
+    from sailor.runtime.tensor_parallel import apply_tp
+    from sailor.runtime.worker import materialize
+
+    spec = job.model
+    with torch.device("meta"):
+        stage = GPT(spec)
+    build_stage(stage, (index, index + 1))
+    apply_tp(stage, tp_rank=tp_rank, tp=tp, group=group)
+    materialize(stage, lambda n, s: init_param(n, s, seed=0, num_blocks=spec.num_blocks),
+                tp_rank=tp_rank, tp=tp, device=device)
+    return stage
+
+
+def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, device) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from sailor.runtime.model import lm_loss_sum
+
+    spec, seq = job.model, job.seq
+    cuda = device.type == "cuda"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else _nullcontext
+    kinds = {"embedding": 0, "block": 1, "head": spec.num_layers - 1}
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+    out: dict[str, Any] = {"times": {}, "activation_bytes_per_sample": {}, "peak_bytes": 0}
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+        if world > 1:
+            dist.barrier()
+
+    for kind, index in kinds.items():
+        layer = _build_layer(job, index, rank % tp, tp, group, device)
+        for mbs in o["mbs"]:
+            tok = torch.randint(0, spec.vocab_size, (mbs, seq), generator=gen).to(device)
+            act = torch.randn(mbs, seq, spec.hidden_size, generator=gen).to(device)
+
+            def forward():
+                if kind == "embedding":
+                    return layer(tok)
+                x = act.detach().requires_grad_()
+                with autocast():
+                    y = layer(x)
+                return lm_loss_sum(y, tok) * (1.0 / (mbs * seq)) if kind == "head" else y
+
+            res = _LayerResult()
+            for r in range(o["warmup"] + o["repeats"]):
+                layer.zero_grad(set_to_none=True)
+                sync()
+                t0 = time.perf_counter()
+                with autocast():
+                    y = forward()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t1 = time.perf_counter()
+                grad = None if y.dim() == 0 else torch.ones_like(y)
+                sync()
+                t2 = time.perf_counter()
+                torch.autograd.backward(y, grad)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t3 = time.perf_counter()
+                if r >= o["warmup"]:
+                    res.forward_s.append(t1 - t0)
+                    res.backward_s.append(t3 - t2)
+            # The slowest rank's pass is the replica's (the others wait for it in its all-reduces).
+            both = torch.tensor([res.forward_s, res.backward_s], dtype=torch.float64)
+            if world > 1:
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            out["times"][f"{kind}/{mbs}"] = both.tolist()
+            if rank == 0:
+                rank_message({"tick": 1})
+        mbs = max(o["mbs"])
+        saved = _saved_bytes(layer, lambda: forward_for(layer, kind, job, mbs, device, autocast))
+        out["activation_bytes_per_sample"][kind] = saved / mbs
+        del layer
+    per_param = torch.tensor([_optimizer_s_per_param(job, rank % tp, tp, group, device, o["repeats"], sync)],
+                             dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(per_param, op=dist.ReduceOp.MAX)
+    out["optimizer_s_per_param"] = per_param.item()
+    if cuda:
+        out["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    else:
+        out["peak_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+    return out
+
+
+def forward_for(layer, kind: str, job: JobSpec, mbs: int, device, autocast):
+    """One forward of a profiled layer on fresh inputs (tokens for the embedding, activations else)."""
+    import torch
+
+    from sailor.runtime.model import lm_loss_sum
+
+    seq, spec = job.seq, job.model
+    tok = torch.randint(0, spec.vocab_size, (mbs, seq)).to(device)
+    with autocast():
+        if kind == "embedding":
+            return layer(tok)
+        x = torch.randn(mbs, seq, spec.hidden_size, device=device, requires_grad=True)
+        y = layer(x)
+        return lm_loss_sum(y, tok) if kind == "head" else y
+
+
+def _saved_bytes(layer, run_forward: Callable[[], Any]) -> float:
+    """Bytes of the distinct tensors autograd saves for backward during `run_forward()`, parameters
+    excluded (they are counted as weights, not activations)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = run_forward()
+    del y
+    return float(sum(seen.values()))
+
+
+def _optimizer_s_per_param(job: JobSpec, tp_rank: int, tp: int, group, device, repeats: int, sync) -> float:
+    """Seconds per parameter of the runtime's update (norm clipping, AdamW, zeroing) over all layers
+    of the model at this TP degree, the whole model's parameters in one optimizer as one stage's."""
+    import torch
+
+    from sailor.runtime.optim import OptimConfig, build_optimizer
+
+    params: dict[str, torch.nn.Parameter] = {}
+    for i in range(job.model.num_layers):
+        params.update(_build_layer(job, i, tp_rank, tp, group, device).named_parameters())
+    cfg = OptimConfig()
+    opt = build_optimizer(params, cfg)
+    times = []
+    for r in range(2 + repeats):
+        for p in params.values():
+            p.grad = torch.randn_like(p) * 1e-3
+        sync()
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm, foreach=False)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if r >= 2:
+            times.append(time.perf_counter() - t0)
+    n = sum(p.numel() for p in params.values())
+    return statistics.median(times) / n
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+def versions() -> dict[str, str]:
+    """Library versions recorded in a profile."""
+    import numpy
+    import torch
+
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        sailor_version = version("sailor")
+    except PackageNotFoundError:
+        sailor_version = "unknown"
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+            "sailor": sailor_version, "cuda": str(torch.version.cuda)}
+
+
+def replicas(opts: ProfileOptions, tp: int) -> int:
+    """TP groups measured at once for TP degree `tp` (`ProfileOptions.concurrency`)."""
+    if opts.concurrency:
+        return opts.concurrency
+    if opts.device == "cuda":
+        return 1
+    return max(1, (os.cpu_count() or 1) // tp)
+
+
+def profile_steps(opts: ProfileOptions) -> int:
+    """Progress ticks `profile_job` reports: one per (TP degree, layer kind, micro-batch size)."""
+    return len(opts.tps) * 3 * len(opts.mbs)
+
+
+def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Measure the runtime's layers for `opts` (module docstring) and return the profile as a dict in
+    our format ("sailor.profiles/1"), ready for `write_json` and `profiles_from_dict`.
+
+    `progress(n)` is called with each batch of n finished measurements (`profile_steps` in all).
+    Raises SailorInputError for bad options (`check_options`), RuntimeError if a rank fails.
+    """
+    check_options(opts)
+    gpu = device_gpu_type(opts.device)
+    spec = opts.job.model
+    n_blocks = spec.num_blocks
+    rows, memory = [], []
+    opt_s_per_param = None
+    raw = {"job": opts.job.to_dict() | {"model": spec.model_dump(mode="json")},
+           **{k: v for k, v in asdict(opts).items() if k != "job"}}
+    with tempfile.TemporaryDirectory(prefix="sailor-profile-") as tmp:
+        for tp in sorted(set(opts.tps)):
+            path = Path(tmp) / f"tp{tp}.json"
+            run_ranks("sailor.runtime.profiler:profile_rank", tp * replicas(opts, tp), {**raw, "tp": tp, "out": str(path)},
+                      timeout_s=opts.timeout_s * 4, on_message=(lambda m: progress(m["tick"])) if progress else None)
+            res = json.loads(path.read_text())
+            for mbs in sorted(set(opts.mbs)):
+                stats = {k: _stats(res["times"][f"{k}/{mbs}"]) for k in ("embedding", "block", "head")}
+                order = ["embedding"] + ["block"] * n_blocks + ["head"]
+                rows.append({"gpu": gpu, "tp": tp, "mbs": mbs,
+                             "forward_s": [stats[k][0] for k in order], "backward_s": [stats[k][1] for k in order],
+                             "forward_spread_s": [stats[k][2] for k in order],
+                             "backward_spread_s": [stats[k][3] for k in order]})
+            act = res["activation_bytes_per_sample"]
+            memory.append({"gpu": gpu, "tp": tp, "peak_bytes": res["peak_bytes"],
+                           "activation_bytes_per_sample": [act["embedding"]] + [act["block"]] * n_blocks + [act["head"]]})
+            if opt_s_per_param is None:
+                opt_s_per_param = res["optimizer_s_per_param"]
+    return {"schema": "sailor.profiles/1", "model": spec.name, "sequence_length": opts.job.seq,
+            "precision": opts.job.precision, "source": f"sailor profile ({gpu})",
+            "device": device_description(opts.device), "versions": versions(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "settings": {"warmup": opts.warmup, "repeats": opts.repeats, "threads": opts.threads,
+                         "replicas_at_once": {str(t): replicas(opts, t) for t in sorted(set(opts.tps))},
+                         "statistic": "median", "spread": "interquartile range"},
+            "layers": rows, "optimizer": {gpu: {"seconds_per_param": opt_s_per_param}}, "memory": memory}
+
+
+def _stats(both: list[list[float]]) -> tuple[float, float, float, float]:
+    """(median forward, median backward, IQR forward, IQR backward) of repeated passes, seconds."""
+    import numpy as np
+    f, b = np.asarray(both[0]), np.asarray(both[1])
+    iqr = lambda a: float(np.percentile(a, 75) - np.percentile(a, 25))  # noqa: E731
+    return float(np.median(f)), float(np.median(b)), iqr(f), iqr(b)
+
+
+def _rank_main(argv: list[str]) -> None:
+    """Entry point of one rank: `python -m sailor.runtime.profiler MODULE:FUNCTION RANK WORLD PORT`,
+    the function's argument dict as JSON on stdin."""
+    import importlib
+
+    from sailor.runtime.worker import _die_with_parent
+
+    _die_with_parent()  # never outlive the driver
+    target, rank, world, port = argv
+    module, name = target.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    fn(int(rank), int(world), int(port), json.loads(sys.stdin.read()))
+    sys.stdout.flush()
+    os._exit(0)  # skip gloo's teardown at exit (see sailor.runtime.worker.main)
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])

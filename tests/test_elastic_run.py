@@ -1,0 +1,229 @@
+"""`sailor run` end to end on CPU (local provider, tiny model, global batch 8, <= 4 gloo ranks).
+
+A trace that shrinks and grows (4 -> 2 -> 3 processes); two SIGKILLed workers; a corrupted
+checkpoint; SIGINT and SIGKILL of the controller. Every run's kept trajectory must hold each step
+once, with the global batch's samples, and its loss must equal a single-process reference within
+1e-5 relative; no process may outlive a test. Traces use the `training` clock so that the machine's
+start-up time does not decide which plan trains (no wall-clock time is asserted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sailor.elastic.availability import load_trace
+from sailor.elastic.controller import ClockKind, RunOptions, run
+from sailor.runtime.data import load_corpus
+from sailor.runtime.launcher import ExitStatus
+from sailor.runtime.reference import train_reference
+from sailor.specs import ClusterSpec, JobSpec
+
+JOB = JobSpec(model="tiny", global_batch_size=8)
+LOCAL = ClusterSpec(provider="local", zones={"local": {"cpu": 4}})
+RTOL = 1e-5
+SAILOR = [sys.executable, "-c", "from sailor.cli import main; main()"]
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this tiny model on 2 busy cores: extra threads only slow it down
+    try:
+        losses, _ = train_reference(JOB, steps=60, seed=0, corpus=load_corpus())
+    finally:
+        torch.set_num_threads(threads)
+    return losses
+
+
+def _trace(tmp: Path, *counts: tuple[float, int]):
+    p = tmp / "trace.json"
+    p.write_text(json.dumps([{"time_s": t, "zone": "local", "gpu": "cpu", "count": n} for t, n in counts]))
+    return p
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _check_trajectory(metrics: Path, steps: int, losses: list[float], rolled_back: int) -> None:
+    """Each step 1..steps kept once with the whole global batch, loss = reference; redone steps are
+    the only extra lines."""
+    rows = _lines(metrics)
+    kept = {r["step"]: r for r in rows}
+    assert sorted(kept) == list(range(1, steps + 1))
+    assert len(rows) == steps + rolled_back
+    assert sum(r["samples"] for r in kept.values()) == steps * JOB.global_batch_size
+    for s, r in kept.items():
+        assert r["samples"] == JOB.global_batch_size and r["tokens"] == JOB.global_batch_size * JOB.seq
+        assert r["loss"] == pytest.approx(losses[s - 1], rel=RTOL), s
+    for r in rows:  # a redone step trains the same samples: the same loss as its first attempt
+        assert r["loss"] == pytest.approx(kept[r["step"]]["loss"], rel=RTOL)
+
+
+def _processes(marker: str) -> list[int]:
+    """Live processes whose command line mentions `marker` (a test's temporary folder)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if marker in cmd and state != "Z":
+                out.append(int(pid))
+    return out
+
+
+def _workers(marker: str) -> list[int]:
+    """Rank processes (torchrun's own command line names the worker module too, after the launcher's)."""
+    out = []
+    for p in _processes(marker):
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes()
+            if b"sailor.runtime.worker" in cmd and b"sailor.runtime.launcher" not in cmd:
+                out.append(p)
+    return out
+
+
+def _wait(cond, timeout_s: float = 120.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "timed out waiting"
+        time.sleep(0.05)
+
+
+def _no_leftovers(marker: str) -> None:
+    _wait(lambda: not _processes(marker), 15.0)
+
+
+def test_shrink_and_grow_4_2_3(tmp_path, reference_losses):
+    steps = 40
+    opts = RunOptions(job=JOB, cluster=LOCAL, trace=load_trace(_trace(tmp_path, (0, 4), (0.6, 2), (1.2, 3)), LOCAL),
+                      steps=steps, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=10,
+                      metrics=str(tmp_path / "m.jsonl"), events=str(tmp_path / "e.jsonl"), clock=ClockKind.TRAINING,
+                      switch_cost_s=0.0)
+    res = run(opts)
+    assert res.status is ExitStatus.DONE, res.message
+    ev = _lines(tmp_path / "e.jsonl")
+    assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 2, 3]
+    assert [e["zones"]["local"]["cpu"] for e in ev if e["event"] == "availability"] == [4, 2, 3]
+    started = [e for e in ev if e["event"] == "switch_started"]
+    finished = [e for e in ev if e["event"] == "switch_finished" and not e.get("interrupted")]
+    assert [e["reason"] for e in started] == ["lost GPUs", "gain"] and res.switches == 2
+    for e in finished:
+        assert set(e["phases_s"]) == {"replan_s", "stop_s", "checkpoint_s", "teardown_s", "restart_s", "load_s",
+                                      "first_step_s"}
+        assert sum(e["phases_s"].values()) == pytest.approx(e["total_s"], abs=1e-6)
+    plans = [e for e in ev if e["event"] == "plan"]
+    assert all(e["predicted_throughput_iters_per_s"] > 0 for e in plans)
+    assert res.steps_rolled_back == 0 and ev[-1]["event"] == "done"
+    _check_trajectory(tmp_path / "m.jsonl", steps, reference_losses, rolled_back=0)
+    _no_leftovers(str(tmp_path))
+
+
+def test_two_sigkills_roll_back_and_continue_on_survivors(tmp_path, reference_losses):
+    steps, rng = 60, random.Random(7)
+    metrics, events = tmp_path / "m.jsonl", tmp_path / "e.jsonl"
+    opts = RunOptions(job=JOB, cluster=LOCAL, trace=load_trace(_trace(tmp_path, (0, 4)), LOCAL), steps=steps,
+                      checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5, metrics=str(metrics),
+                      events=str(events), timeout_s=30.0)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("res", run(opts)), daemon=True)
+    t.start()
+    marker = str(tmp_path)
+    try:
+        for kill, world in enumerate((4, 3)):
+            # Wait until this launch (world ranks) has trained past a checkpoint, then kill a random rank.
+            _wait(lambda: sum(1 for e in _lines(events) if e["event"] == "launch") == kill + 1)
+            before = len(_lines(metrics))
+            _wait(lambda: len(_lines(metrics)) >= before + 7 or "res" in out)
+            assert "res" not in out, out["res"].message
+            victims = _workers(marker)
+            assert len(victims) == world
+            os.kill(rng.choice(victims), signal.SIGKILL)
+            _wait(lambda: sum(1 for e in _lines(events) if e["event"] == "crash") == kill + 1, 60)
+        t.join(timeout=180)
+        assert not t.is_alive()
+    finally:
+        for pid in _processes(marker):
+            os.kill(pid, signal.SIGKILL)
+    res = out["res"]
+    assert res.status is ExitStatus.DONE, res.message
+    ev = _lines(events)
+    assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 3, 2]
+    crashes = [e for e in ev if e["event"] == "crash"]
+    assert len(crashes) == 2 and all(len(e["ranks"]) == 1 for e in crashes)
+    rollbacks = [e for e in ev if e["event"] == "rollback"]
+    assert sum(e["steps"] for e in rollbacks) == res.steps_rolled_back
+    assert all(e["to_step"] % 5 == 0 and 0 <= e["steps"] < 5 + 1 for e in rollbacks)
+    _check_trajectory(metrics, steps, reference_losses, rolled_back=res.steps_rolled_back)
+    _no_leftovers(marker)
+
+
+def test_corrupt_checkpoint_is_never_loaded(tmp_path, reference_losses):
+    trace = _trace(tmp_path, (0, 2))
+    ck, metrics, events = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "e.jsonl"
+    base = dict(job=JOB, cluster=LOCAL, trace=load_trace(trace, LOCAL), checkpoint_dir=str(ck), checkpoint_every=3,
+                metrics=str(metrics), events=str(events))
+    assert run(RunOptions(steps=6, **base)).status is ExitStatus.DONE
+    stage = next((ck / "step-00000006").glob("stage-*.pt"))
+    data = bytearray(stage.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stage.write_bytes(bytes(data))
+    res = run(RunOptions(steps=8, **base))
+    assert res.status is ExitStatus.DONE, res.message
+    ev = _lines(events)
+    skipped = [e for e in ev if e["event"] == "checkpoint_skipped"]
+    assert len(skipped) == 1 and "step-00000006" in skipped[0]["reason"] and "checksum" in skipped[0]["reason"]
+    assert [e["resume_step"] for e in ev if e["event"] == "launch"] == [0, 3]
+    # Steps 4..6 were trained twice (first run, then after falling back to step 3): the same losses.
+    _check_trajectory(metrics, 8, reference_losses, rolled_back=3)
+    _no_leftovers(str(tmp_path))
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+def test_interrupted_controller_leaves_no_process(tmp_path, how):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"model": "tiny", "global_batch_size": 8}))
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"provider": "local", "zones": {"local": {"cpu": 2}}}))
+    metrics = tmp_path / "m.jsonl"
+    cmd = [*SAILOR, "run", "--job", str(job), "--cluster", str(cluster), "--availability",
+           str(_trace(tmp_path, (0, 2))), "--steps", "100000", "--checkpoint-dir", str(tmp_path / "ck"),
+           "--metrics", str(metrics), "--events", str(tmp_path / "e.jsonl")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marker = str(tmp_path)
+    try:
+        _wait(lambda: len(_lines(metrics)) >= 3 or proc.poll() is not None)
+        assert proc.poll() is None, proc.communicate()
+        assert len(_workers(marker)) == 2
+        if how == "sigint":
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 3, err
+            ev = _lines(tmp_path / "e.jsonl")
+            assert ev[-1]["event"] == "stopped"
+            kept = max(r["step"] for r in _lines(metrics))
+            assert (tmp_path / "ck" / f"step-{kept:08d}" / "manifest.json").exists()
+        else:
+            proc.kill()
+            proc.wait(timeout=10)
+        _no_leftovers(marker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _processes(marker):
+            os.kill(pid, signal.SIGKILL)

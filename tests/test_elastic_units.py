@@ -1,0 +1,156 @@
+"""Elastic library without processes: trace parsing and bad input, the switch rule, crash
+deductions, and the re-planning cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from sailor.elastic.availability import load_trace
+from sailor.elastic.controller import Availability
+from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
+from sailor.elastic.replan import Replanner
+from sailor.errors import SailorInputError
+from sailor.specs import ClusterSpec, JobSpec
+
+LOCAL = ClusterSpec(provider="local", zones={"local": {"cpu": 4}})
+GCP = ClusterSpec(provider="gcp", zones={})
+SAILOR = [sys.executable, "-c", "from sailor.cli import main; main()"]  # the console script, in this venv
+
+
+def _write(tmp: Path, name: str, text: str) -> Path:
+    p = tmp / name
+    p.write_text(text)
+    return p
+
+
+def _events(*counts: tuple[float, int]) -> str:
+    return json.dumps([{"time_s": t, "zone": "local", "gpu": "cpu", "count": n} for t, n in counts])
+
+
+def test_json_events_become_snapshots(tmp_path):
+    tr = load_trace(_write(tmp_path, "t.json", _events((0, 4), (3, 2), (5, 2), (6, 3))), LOCAL)
+    assert [(s.time_s, s.zones) for s in tr.snapshots] == [
+        (0.0, {"local": {"cpu": 4}}), (3.0, {"local": {"cpu": 2}}), (6.0, {"local": {"cpu": 3}})]
+    assert tr.at(4.9).total() == 2 and tr.at(-1).total() == 0
+    assert tr.next_change_after(3.0) == 6.0 and tr.next_change_after(6.0) is None
+    assert (tr.last_point_s, tr.spacing_s) == (6.0, 1.0)
+
+
+def test_csv_with_index_column_and_aliases(tmp_path):
+    text = (",Timestamp,A100-40_us-central1-a,V100-16_us-central1-b\n"
+            "0,1712574014.5,32,96\n1,1712574137.5,80,0\n")
+    tr = load_trace(_write(tmp_path, "t.csv", text), GCP)
+    assert [s.time_s for s in tr.snapshots] == [0.0, 123.0]
+    assert tr.snapshots[1].zones == {"us-central1-a": {"A100-40": 80}, "us-central1-b": {"V100-16": 0}}
+
+
+def test_time_gpus_form_maps_onto_the_clusters_one_pair(tmp_path):
+    one = ClusterSpec(provider="gcp", zones={"us-central1-a": {"A100-40": 0}})
+    tr = load_trace(_write(tmp_path, "a.json", '[{"Time": 0, "GPUs": 4}, {"Time": 63, "GPUs": 3}]'), one)
+    assert tr.snapshots[1].zones == {"us-central1-a": {"A100-40": 3}}
+    two = ClusterSpec(provider="gcp", zones={"us-central1-a": {"A100-40": 1, "V100-16": 1}})
+    with pytest.raises(SailorInputError, match="exactly one zone and GPU type"):
+        load_trace(tmp_path / "a.json", two)
+
+
+@pytest.mark.parametrize("name,text,match", [
+    ("t.json", "[{\"time_s\": 0, \"zone\": \"local\"", "invalid JSON at line 1"),
+    ("t.json", "[]", "non-empty list"),
+    ("t.json", _events((3, 4), (1, 2)), "time goes backwards"),
+    ("t.json", _events((0, 4), (0, 2)), "two counts"),
+    ("t.json", _events((0, -1)), "whole number >= 0"),
+    ("t.json", '[{"time_s": 0, "zone": "mars", "gpu": "cpu", "count": 1}]', "unknown local zone 'mars'"),
+    ("t.json", '[{"time_s": 0, "zone": "local", "gpu": "tpu9", "count": 1}]', "unknown GPU type 'tpu9'"),
+    ("t.json", '[{"time_s": 0, "zone": "local", "gpus": "cpu", "count": 1}]', "missing gpu; unknown gpus"),
+    ("t.csv", "a,b\n1,2\n", "no Timestamp column"),
+    ("t.csv", "Timestamp,cpu_local\n0,1,5\n", "3 fields, the header has 2"),
+    ("t.csv", "Timestamp,cpu_local\n0,x\n", "expected a number"),
+])
+def test_bad_traces_raise_one_clear_error(tmp_path, name, text, match):
+    with pytest.raises(SailorInputError, match=match) as e:
+        load_trace(_write(tmp_path, name, text), LOCAL)
+    assert "\n" not in str(e.value) and name in str(e.value)
+
+
+def test_missing_trace_file(tmp_path):
+    with pytest.raises(SailorInputError, match="no such file"):
+        load_trace(tmp_path / "nope.json", LOCAL)
+
+
+def test_cli_bad_trace_exits_2_with_one_line(tmp_path):
+    job = _write(tmp_path, "job.json", '{"model": "tiny", "global_batch_size": 8}')
+    cluster = _write(tmp_path, "c.json", '{"provider": "local", "zones": {"local": {"cpu": 4}}}')
+    trace = _write(tmp_path, "t.csv", "Timestamp,A100-40_local\n0,4\n")
+    for cmd in ("run", "replay"):
+        p = subprocess.run([*SAILOR, cmd, "--job", str(job), "--cluster", str(cluster),
+                            "--availability", str(trace)], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and "t.csv" in lines[0] and "A100-40 in local" in lines[0], p.stderr
+
+
+def test_switch_rule():
+    # Lost GPUs: always, whatever the numbers.
+    assert decide(lost=True, old_iteration_s=1.0, new_iteration_s=2.0, remaining_iterations=0,
+                  switch_cost_s=100).switch
+    # R x (o - n) = 100 x (1.0 - 0.8) = 20 s saved against a 10 s switch: switch; against 30 s: keep.
+    d = decide(lost=False, old_iteration_s=1.0, new_iteration_s=0.8, remaining_iterations=100, switch_cost_s=10)
+    assert d.switch and d.gain_s == pytest.approx(20.0)
+    assert not decide(lost=False, old_iteration_s=1.0, new_iteration_s=0.8, remaining_iterations=100,
+                      switch_cost_s=30).switch
+    # The brief's form: (new thr - old thr) x remaining time > cost x new thr  <=>  R (o - n) > C.
+    o, n, R, C = 1.0, 0.8, 100, 19.9
+    assert ((1 / n - 1 / o) * R * o > C * (1 / n)) == decide(
+        lost=False, old_iteration_s=o, new_iteration_s=n, remaining_iterations=R, switch_cost_s=C).switch
+    assert decide(lost=False, old_iteration_s=None, new_iteration_s=1.0, remaining_iterations=1, switch_cost_s=5).switch
+
+
+def test_switch_costs_are_measured_after_the_first():
+    c = SwitchCosts(default_s=11.0)
+    assert c.estimate_s() == 11.0
+    c.record(6.0)
+    c.record(8.0)
+    assert c.estimate_s() == 7.0
+    assert SwitchCosts(fixed_s=0.0, measured_s=[5.0]).estimate_s() == 0.0
+
+
+def test_lost_gpus():
+    use = Counter({("local", "cpu"): 3})
+    assert lost_gpus(use, {"local": {"cpu": 2}}) and not lost_gpus(use, {"local": {"cpu": 3}})
+
+
+def test_crash_deduction_lasts_until_the_trace_reports_that_pair_again(tmp_path):
+    tr = load_trace(_write(tmp_path, "t.json", json.dumps([
+        {"time_s": 0, "zone": "us-central1-a", "gpu": "A100-40", "count": 4},
+        {"time_s": 0, "zone": "us-central1-b", "gpu": "A100-40", "count": 4},
+        {"time_s": 5, "zone": "us-central1-b", "gpu": "A100-40", "count": 2},
+        {"time_s": 9, "zone": "us-central1-a", "gpu": "A100-40", "count": 3}])), GCP)
+    av = Availability(tr)
+    assert av.advance(0.0) and not av.advance(1.0)
+    av.lost[("us-central1-a", "A100-40")] += 1
+    assert av.zones()["us-central1-a"]["A100-40"] == 3
+    av.advance(5.0)  # another pair changed: the crash still counts
+    assert av.zones() == {"us-central1-a": {"A100-40": 3}, "us-central1-b": {"A100-40": 2}}
+    av.advance(9.0)  # a fresh count for the crashed pair replaces the deduction
+    assert av.zones()["us-central1-a"]["A100-40"] == 3 and not av.lost
+
+
+def test_replanner_cache_is_keyed_on_every_input():
+    job = JobSpec(model="tiny", global_batch_size=8)
+    rp = Replanner(job, LOCAL)
+    a = rp.plan({"local": {"cpu": 4}})
+    b = rp.plan({"local": {"cpu": 4}})
+    c = rp.plan({"local": {"cpu": 2}})
+    assert not a.cached and b.cached and not c.cached
+    assert b.plan == a.plan and c.plan.world_size <= 2
+    # Same availability, other prices or job: planned again (a fresh Replanner has its own cache).
+    other = Replanner(JobSpec(model="tiny", global_batch_size=16), LOCAL)
+    assert not other.plan({"local": {"cpu": 4}}).cached
+    assert rp.score(a.plan, {"local": {"cpu": 2}}) is None  # a plan on 4 does not fit on 2
+    assert rp.score(c.plan, {"local": {"cpu": 4}}) is not None

@@ -1,0 +1,150 @@
+"""Plan format: validation, consistency with job and cluster, rank layout, Sailor importer."""
+
+import json
+
+import pytest
+
+from sailor.errors import SailorInputError
+from sailor.plan import Plan, load_plan, plan_from_dict, rank_layout
+from sailor.specs import ClusterSpec, JobSpec
+
+JOB = JobSpec(model="tiny", global_batch_size=12)
+CLUSTER = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}})
+
+
+def _plan(stages=((0, 3), (3, 6)), tps=(2, 2), micro=(4, 2), mbs=2, gpus=("A100-40", "V100-16"),
+          zones=("us-central1-a", "us-central1-b")) -> dict:
+    reps = [{"stage": i, "gpu": g, "zone": z, "tp": t} for i, (g, z, t) in enumerate(zip(gpus, zones, tps))]
+    return {"micro_batch_size": mbs, "stages": [list(s) for s in stages],
+            "pipelines": [{"microbatches": m, "replicas": reps} for m in micro]}
+
+
+def test_derived_values():
+    plan = Plan.model_validate(_plan())
+    assert plan.num_stages == 2 and plan.num_layers == 6
+    assert plan.global_batch_size == 2 * (4 + 2)  # uneven shares: 8 + 4 samples
+    assert plan.world_size == 8
+    assert plan.gpu_usage() == {("us-central1-a", "A100-40"): 4, ("us-central1-b", "V100-16"): 4}
+    plan.check_against(JOB, CLUSTER)
+
+
+@pytest.mark.parametrize("stages, match", [
+    ([[0, 3], [2, 6]], r"stages\.1: stage 1 starts at layer 2 and overlaps the previous stage"),
+    ([[0, 3], [4, 6]], r"stages\.1: stage 1 starts at layer 4 and leaves a gap"),
+    ([[1, 3], [3, 6]], r"stages\.0: stage 0 starts at layer 1"),
+    ([[0, 3], [3, 3]], r"stages\.1: stage 1 \[3, 3\) holds no layer"),
+])
+def test_layer_partition_errors(stages, match):
+    with pytest.raises(SailorInputError, match=match):
+        plan_from_dict(_plan(stages=stages), "plan.json")
+
+
+def test_replica_count_and_stage_index_errors():
+    d = _plan()
+    d["pipelines"][0]["replicas"] = d["pipelines"][0]["replicas"][:1]
+    with pytest.raises(SailorInputError, match=r"pipelines\.0\.replicas: pipeline 0 has 1 replicas for 2 stages"):
+        plan_from_dict(d, "plan.json")
+    d = _plan()
+    d["pipelines"][1]["replicas"] = list(reversed(d["pipelines"][1]["replicas"]))
+    with pytest.raises(SailorInputError, match=r"pipelines\.1\.replicas\.0\.stage: replica 0 of pipeline 1 names stage 1"):
+        plan_from_dict(d, "plan.json")
+
+
+def test_field_type_errors():
+    with pytest.raises(SailorInputError, match=r"plan\.json: pipelines\.0\.microbatches: Input should be greater than 0"):
+        plan_from_dict(_plan(micro=(-4, 2)), "plan.json")
+    with pytest.raises(SailorInputError, match=r"plan\.json: pipelines\.0\.replicas\.0\.tp: Input should be a valid integer"):
+        plan_from_dict(_plan(tps=("two", 2)), "plan.json")
+    with pytest.raises(SailorInputError, match=r"pipelines\.0\.replicas\.1\.gpu: unknown GPU type 'V100'"):
+        plan_from_dict(_plan(gpus=("A100-40", "V100")), "plan.json")
+
+
+def test_check_against_job():
+    with pytest.raises(SailorInputError, match=r"stages cover layers \[0, 5\) but tiny has 6 layers"):
+        Plan.model_validate(_plan(stages=((0, 3), (3, 5)))).check_against(JOB)
+    with pytest.raises(SailorInputError, match=r"micro_batch_size 2 x microbatches \[4, 1\] = 10 samples.*global batch is 12"):
+        Plan.model_validate(_plan(micro=(4, 1))).check_against(JOB)
+    with pytest.raises(SailorInputError, match=r"pipelines\.0\.replicas\.0\.tp: TP 3 does not divide the 4 attention heads"):
+        Plan.model_validate(_plan(tps=(3, 2))).check_against(JOB)
+
+
+def test_check_against_cluster():
+    small = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}},
+                        gpus_per_node={"V100-16": 2})
+    with pytest.raises(SailorInputError, match=r"pipelines\.0\.replicas\.1\.tp: TP 4 is larger than a V100-16 node \(2 GPUs\)"):
+        Plan.model_validate(_plan(tps=(2, 4))).check_against(JOB, small)
+    few = ClusterSpec(zones={"us-central1-a": {"A100-40": 2}, "us-central1-b": {"V100-16": 8}})
+    with pytest.raises(SailorInputError, match=r"the plan uses 4 A100-40 in us-central1-a but the cluster has 2"):
+        Plan.model_validate(_plan()).check_against(JOB, few)
+    with pytest.raises(SailorInputError, match=r"pipelines\.0\.replicas\.1\.zone: unknown gcp zone 'us-central1-q'"):
+        Plan.model_validate(_plan(zones=("us-central1-a", "us-central1-q"))).check_against(JOB, CLUSTER)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    plan = Plan.model_validate(_plan()).with_specs(JOB, CLUSTER)
+    plan.save(tmp_path / "plan.json")
+    again = load_plan(tmp_path / "plan.json")
+    assert again == plan and again.job == JOB and again.cluster == CLUSTER
+
+
+def test_truncated_plan_file(tmp_path):
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(_plan())[:50])
+    with pytest.raises(SailorInputError, match=r"plan\.json: invalid JSON at line 1"):
+        load_plan(p)
+
+
+def test_rank_layout_packs_tp_groups_on_nodes():
+    plan = Plan.model_validate(_plan(tps=(4, 2), gpus=("A100-40", "A100-40"), zones=("z", "z")))
+    ranks = rank_layout(plan, {"A100-40": 8})
+    assert len(ranks) == 12 and [r.rank for r in ranks] == list(range(12))
+    # pipeline 0: stage 0 takes local 0-3, stage 1 local 4-5; pipeline 1: stage 0 local... node 0 has 2 left
+    assert [(r.node, r.local_rank) for r in ranks[:6]] == [("z/A100-40/0", k) for k in range(6)]
+    assert {r.node for r in ranks[6:10]} == {"z/A100-40/1"}  # a TP group of 4 never splits
+    assert [(r.node, r.local_rank) for r in ranks[10:]] == [("z/A100-40/0", 6), ("z/A100-40/0", 7)]
+
+
+def test_sailor_plan_config_import():
+    d = {"mbs": 2, "gbs": 16, "pipeline_list": [{
+        "num_stages": 2, "layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [2, 2],
+        "tmp_per_stage": [[[[["GH-96", 4, "us-central1-a"]], 4], [[["GH-96", 4, "us-central1-a"]], 2]],
+                          [[[["GH-96", 4, "us-central1-a"]], 4], [[["GH-96", 4, "us-central1-a"]], 2]]]}]}
+    plan = plan_from_dict(d, "cfg.json")
+    assert plan.stages == ((0, 3), (3, 6))
+    assert [p.microbatches for p in plan.pipelines] == [4, 4]  # 16 / (2 x 2 pipelines)
+    assert [[(r.gpu, r.tp) for r in p.replicas] for p in plan.pipelines] == [
+        [("GH200-96", 4), ("GH200-96", 4)], [("GH200-96", 2), ("GH200-96", 2)]]
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"num_stages": 2}, r"pipeline_list\.0: malformed pipeline entry"),
+    ({"layers_per_stage": [[0, 2], [3, 4, 5]], "dp": [1, 1], "tmp_per_stage": []},
+     r"pipeline_list\.0\.layers_per_stage\.0: stage layers are not contiguous"),
+    ({"layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [1, 2], "tmp_per_stage": []},
+     r"pipeline_list\.0\.dp: stages with different data-parallel degrees"),
+    ({"layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [1, 1], "tmp_per_stage": [[[[["GH-96", 4, "z"]], 4]]]},
+     r"pipeline_list\.0: malformed pipeline entry \(IndexError"),
+])
+def test_sailor_plan_config_errors(entry, match):
+    with pytest.raises(SailorInputError, match=r"cfg\.json: " + match):
+        plan_from_dict({"mbs": 1, "gbs": 4, "pipeline_list": [entry]}, "cfg.json")
+
+
+def test_sailor_plan_config_bad_batch():
+    entry = {"layers_per_stage": [[0, 1, 2, 3, 4, 5]], "dp": [3], "tmp_per_stage": [[[[["GH-96", 4, "z"]], 1]] * 3]}
+    with pytest.raises(SailorInputError, match=r"gbs: gbs 16 is not divisible by mbs 2 x 3 pipelines"):
+        plan_from_dict({"mbs": 2, "gbs": 16, "pipeline_list": [entry]}, "cfg.json")
+
+
+def test_reference_plan_configs_import(sailor_ref):
+    folder = sailor_ref / "validation" / "gh200-opt350"
+    job = JobSpec(model="OPT-350", global_batch_size=1)
+    for path in sorted(folder.glob("plan_config_*.json")):
+        raw = json.loads(path.read_text())
+        plan = load_plan(path)
+        assert plan.global_batch_size == raw["gbs"] and plan.micro_batch_size == raw["mbs"]
+        assert plan.num_layers == 26, path.name
+        plan.check_against(job.model_copy(update={"global_batch_size": raw["gbs"]}))
+        # N nodes of 4 GH200 each, TP 4: D pipelines of N / D stages
+        assert plan.world_size == 4 * raw["N"], path.name
+        assert plan.num_stages * len(plan.pipelines) == raw["N"], path.name

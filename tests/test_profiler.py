@@ -1,0 +1,140 @@
+"""`sailor profile` on CPU: the files it writes load, and the simulator uses them (issue 6).
+
+Each profile runs a few gloo processes for a few seconds; no wall-clock times are asserted, only
+that values are present, positive and used. Every test checks that no profiling process is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sailor.network import network_for
+from sailor.profiles import load_profiles
+from sailor.runtime.netprofile import fit_alpha_beta, profile_network
+from sailor.runtime.profiler import ProfileOptions, check_options, device_gpu_type, profile_job
+from sailor.errors import SailorInputError
+from sailor.fileio import write_json
+from sailor.specs import JobSpec, local_cluster
+
+JOB = JobSpec(model="tiny", global_batch_size=8)
+
+
+def _profiler_procs() -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "sailor.runtime.profiler" in cmd:
+                out.append(cmd)
+    return out
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prof") / "profile.json"
+    ticks = []
+    data = profile_job(ProfileOptions(job=JOB, tps=(1, 2), mbs=(1, 2), warmup=1, repeats=3),
+                       progress=ticks.append)
+    write_json(path, data)
+    assert sum(ticks) == 2 * 3 * 2  # (TP, layer kind, micro-batch) measurements
+    assert not _profiler_procs()
+    return path
+
+
+def test_profile_file_loads_with_every_measurement(profile_file):
+    raw = json.loads(profile_file.read_text())
+    assert raw["schema"] == "sailor.profiles/1" and raw["device"] and raw["date"]
+    assert raw["versions"]["torch"].startswith("2.13")
+    prof = load_profiles(profile_file, JOB)
+    n = JOB.model.num_layers
+    for tp in (1, 2):
+        assert prof.measured("cpu", tp)
+        for mbs in (1, 2):
+            t = prof.layer_times(JOB, "cpu", tp, mbs)
+            assert t.shape == (n, 2) and np.all(t > 0)
+        assert prof.activation_bytes[tp].shape == (n,) and np.all(prof.activation_bytes[tp] > 0)
+    # blocks share one geometry, so one measured block stands for all of them
+    t = prof.layer_times(JOB, "cpu", 1, 2)
+    assert np.all(t[1:-1] == t[1])
+    assert prof.optimizer_s_per_param["cpu"] > 0
+    row = raw["layers"][0]
+    assert len(row["forward_spread_s"]) == n and all(s >= 0 for s in row["backward_spread_s"])
+    assert all(m["peak_bytes"] > 0 for m in raw["memory"])
+    assert not prof.estimates_used
+
+
+def test_simulate_cli_uses_the_profile(profile_file, tmp_path):
+    plan = tmp_path / "plan.json"
+    reps = [{"stage": 0, "gpu": "cpu", "zone": "local", "tp": 2}, {"stage": 1, "gpu": "cpu", "zone": "local", "tp": 1}]
+    plan.write_text(json.dumps({"micro_batch_size": 2, "stages": [[0, 3], [3, 6]],
+                                "pipelines": [{"microbatches": 4, "replicas": reps}],
+                                "job": {"model": "tiny", "global_batch_size": 8}}))
+    out = subprocess.run([sys.executable, "-c", "from sailor.cli import main; main()", "simulate", str(plan),
+                          "--profiles", str(profile_file), "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    est = json.loads(out.stdout)
+    assert est["estimated"] == []
+    assert est["iteration_time_s"] > 0
+    # without the profile the same plan is a labelled roofline estimate
+    out = subprocess.run([sys.executable, "-c", "from sailor.cli import main; main()", "simulate", str(plan),
+                          "--json"], capture_output=True, text=True)
+    assert any("roofline" in e for e in json.loads(out.stdout)["estimated"])
+
+
+def test_network_profile_two_processes(tmp_path):
+    data = profile_network(2, warmup=1, repeats=2, sizes_bytes=(1024, 65536, 1 << 20, 4 << 20))
+    path = tmp_path / "net.json"
+    write_json(path, data)
+    net = network_for(local_cluster(2), path)
+    link = data["classes"]["same_zone"]
+    assert link["bandwidth_bytes_per_s"] > 0 and link["latency_s"] >= 0
+    # the simulator's lookup for two local processes uses the measured link
+    nbytes = 1 << 20
+    want = link["latency_s"] + nbytes / link["bandwidth_bytes_per_s"]
+    assert net.transfer_time_s("local", "cpu", "local", "cpu", nbytes) == pytest.approx(want)
+    assert not _profiler_procs()
+
+
+def test_fit_alpha_beta_recovers_a_link():
+    sizes = np.array([1024 * 4**k for k in range(9)], dtype=float)
+    alpha, beta = 40e-6, 3e9
+    a, b = fit_alpha_beta(sizes, alpha + sizes / beta)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"tps": (3,)}, "TP 3 does not divide"),
+    ({"mbs": (0,)}, "micro-batch sizes must be >= 1"),
+    ({"repeats": 0}, "repeats >= 1"),
+])
+def test_bad_options_are_input_errors(kw, match):
+    with pytest.raises(SailorInputError, match=match):
+        check_options(ProfileOptions(job=JOB, **kw))
+
+
+def test_cpu_profile_needs_fp32():
+    with pytest.raises(SailorInputError, match="trains in fp32"):
+        check_options(ProfileOptions(job=JobSpec(model="tiny", global_batch_size=8, precision="bf16")))
+
+
+def test_gpu_type_of_cpu():
+    assert device_gpu_type("cpu") == "cpu"
+
+
+def test_cli_bad_tp_is_one_line_exit_2(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("model: tiny\nglobal_batch_size: 8\n")
+    out = subprocess.run([sys.executable, "-c", "from sailor.cli import main; main()", "profile", "--job", str(job),
+                          "--tp", "3"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "TP 3" in out.stderr

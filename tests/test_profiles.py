@@ -1,0 +1,144 @@
+"""Profiles: interpolation in micro-batch size, roofline and scaled estimates (labelled), our format,
+the Sailor importer, and errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sailor import catalog
+from sailor.errors import SailorInputError
+from sailor.profiles import (ADAM_BYTES_PER_PARAM, ROOFLINE_FLOP_EFFICIENCY, Profiles, load_profiles,
+                             profiles_from_dict, roofline_profiles, roofline_times)
+from sailor.specs import JobSpec
+
+JOB = JobSpec(model="tiny", global_batch_size=8)
+
+
+def _table(value: float) -> np.ndarray:
+    return np.full((6, 2), value)
+
+
+def _prof() -> Profiles:
+    return Profiles(model="tiny", sequence_length=64, precision="fp32",
+                    times={("A100-40", 1): {2: _table(1.0), 4: _table(3.0)}})
+
+
+def test_interpolates_linearly_between_measured_sizes():
+    p = _prof()
+    assert p.layer_times(JOB, "A100-40", 1, 3) == pytest.approx(_table(2.0))
+    assert p.layer_times(JOB, "A100-40", 1, 4) == pytest.approx(_table(3.0))
+    assert p.layer_times(JOB, "A100-40", 1, 1) == pytest.approx(_table(0.5))  # proportional below
+    assert p.layer_times(JOB, "A100-40", 1, 8) == pytest.approx(_table(6.0))  # and above
+    assert p.estimates_used == set()
+
+
+def test_roofline_is_labelled_estimated():
+    p = _prof()
+    got = p.layer_times(JOB, "V100-16", 2, 2)
+    assert got == pytest.approx(roofline_times(JOB, "V100-16", 2, 2))
+    assert ("V100-16", 2, "roofline") in p.estimates_used
+
+
+def test_unmeasured_tp_is_scaled_from_nearest_measured_and_labelled():
+    p = _prof()
+    got = p.layer_times(JOB, "A100-40", 2, 2)
+    ratio = np.divide(_table(1.0), roofline_times(JOB, "A100-40", 1, 2))
+    assert got == pytest.approx(roofline_times(JOB, "A100-40", 2, 2) * ratio)
+    assert ("A100-40", 2, "scaled from TP 1") in p.estimates_used
+
+
+def test_roofline_block_time_by_hand():
+    # block forward of tiny at mbs 1, fp32 on A100-40: FLOPs / (19.5 TFLOP/s x 0.5) vs bytes / HBM
+    m = JOB.model
+    flop = m.forward_flop(1, tp=1, mbs=1, seq=64)
+    nbytes = m.params(1, 1) * 4 + 2 * 64 * 64 * 4
+    expected = max(flop / (19.5e12 * ROOFLINE_FLOP_EFFICIENCY), nbytes / 1555e9)
+    t = roofline_times(JOB, "A100-40", 1, 1)
+    assert t[1, 0] == pytest.approx(expected)
+    assert t[1, 1] == pytest.approx(2 * expected)
+
+
+def test_optimizer_time_measured_or_memory_bound():
+    p = _prof()
+    p.optimizer_s_per_param["A100-40"] = 2e-9
+    assert p.optimizer_time_s(JOB, "A100-40", 1e6) == pytest.approx(2e-3)
+    assert p.optimizer_time_s(JOB, "V100-16", 1e6) == pytest.approx(1e6 * ADAM_BYTES_PER_PARAM / 900e9)
+
+
+def test_activation_bytes_measured_scale_with_mbs_else_formula():
+    p = _prof()
+    p.activation_bytes[1] = np.arange(6, dtype=float)
+    assert p.activation_bytes_per_layer(JOB, 1, 3) == pytest.approx(3 * np.arange(6))
+    formula = [JOB.model.activation_bytes(i, tp=2, mbs=3, seq=64, elem_bytes=4) for i in range(6)]
+    assert p.activation_bytes_per_layer(JOB, 2, 3) == pytest.approx(formula)
+
+
+def test_check_job_mismatches():
+    p = _prof()
+    p.check_job(JOB)
+    roofline_profiles(JobSpec(model="opt-350m", global_batch_size=1)).check_job(JOB)  # no data: fits any job
+    with pytest.raises(SailorInputError, match="profiles are for model 'tiny', the job trains 'opt-350m'"):
+        p.check_job(JobSpec(model="opt-350m", global_batch_size=1))
+    with pytest.raises(SailorInputError, match="sequence length 64, the job uses 32"):
+        p.check_job(JobSpec(model="tiny", global_batch_size=1, sequence_length=32))
+    with pytest.raises(SailorInputError, match="taken in fp32, the job trains in bf16"):
+        p.check_job(JobSpec(model="tiny", global_batch_size=1, precision="bf16"))
+
+
+def test_our_format_round_trip(tmp_path):
+    p = _prof()
+    p.optimizer_s_per_param["A100-40"] = 1e-9
+    p.activation_bytes[1] = np.ones(6)
+    p.save(tmp_path / "prof.json")
+    q = load_profiles(tmp_path / "prof.json", JOB)
+    assert q.times.keys() == p.times.keys()
+    assert q.layer_times(JOB, "A100-40", 1, 3) == pytest.approx(_table(2.0))
+    assert q.optimizer_s_per_param == {"A100-40": 1e-9}
+    assert q.activation_bytes[1] == pytest.approx(np.ones(6))
+
+
+def _row(**kw):
+    return {"gpu": "A100-40", "tp": 1, "mbs": 1, "forward_s": [1.0] * 6, "backward_s": [2.0] * 6} | kw
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"layers": [_row(forward_s=[1, 1, 1, 1, 1, -1])]}, r"layers\.0\.forward_s: times and sizes must be >= 0"),
+    ({"layers": [_row(backward_s=[1.0] * 5)]}, r"layers\.0\.backward_s: expected 6 values"),
+    ({"layers": [_row(tp="x")]}, r"layers\.0\.tp: expected a whole number >= 1, got 'x'"),
+    ({"layers": [_row(mbs=0)]}, r"layers\.0\.mbs: expected a whole number >= 1"),
+    ({"layers": [_row(gpu="K80")]}, r"layers\.0\.gpu: unknown GPU type 'K80'"),
+    ({"layers": [7]}, r"layers\.0: expected a mapping"),
+    ({"layers": "none"}, r"layers: expected a list"),
+    ({"layers": [_row()], "optimizer": {"A100-40": 3}}, r"optimizer\.A100-40\.seconds_per_param: expected a number"),
+    ({"layers": [_row()], "memory": [{"activation_bytes_per_sample": [1] * 6}]}, r"memory\.0: expected a mapping with tp"),
+])
+def test_bad_profile_fields(extra, match):
+    d = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32"} | extra
+    with pytest.raises(SailorInputError, match=r"prof\.json: " + match):
+        profiles_from_dict(d, "prof.json")
+
+
+def test_not_a_profile_file(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"layers": []}))
+    with pytest.raises(SailorInputError, match=r"x\.json: schema: not a profile file"):
+        load_profiles(tmp_path / "x.json", JOB)
+
+
+def test_sailor_importer(sailor_ref):
+    job = JobSpec(model="opt-350m", global_batch_size=8)
+    prof = load_profiles(sailor_ref / "profiles", job)
+    raw = json.loads((sailor_ref / "profiles" / "profiles_tmp.json").read_text())["OPT-350"]["GH-96"]["4"]["4"]
+    got = prof.layer_times(job, "GH200-96", 4, 4)
+    assert got.shape == (26, 2)
+    assert got[5].tolist() == [raw["5"][0], raw["5"][1]]  # forward, backward; update_s dropped
+    assert prof.measured("A100-40", 1) and not prof.measured("A100-40", 16)
+    info = json.loads((sailor_ref / "profiles" / "llm_info.json").read_text())["OPT-350"]["2"]
+    assert prof.activation_bytes[2][3] == info["3"]["act_mem_floats"] * 4
+    assert prof.precision == "fp32" and prof.sequence_length == 2048
+    assert catalog.canonical_gpu("GH-96") in {g for g, _ in prof.times}
+
+
+def test_sailor_importer_without_the_model(sailor_ref):
+    with pytest.raises(SailorInputError, match="holds no profiles for tiny"):
+        load_profiles(sailor_ref / "profiles", JOB)

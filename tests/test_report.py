@@ -1,0 +1,114 @@
+"""`--report`: figures (PNG + SVG) and index.html for a plan, and the 1F1B timeline behind them."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sailor.plan import plan_from_dict
+from sailor.planner import PlanOptions, plan_job
+from sailor.report import plan_report, write_report
+from sailor.report.traffic import cross_zone_traffic
+from sailor.simulator import make_context, simulate
+from sailor.simulator.schedule import simulate_1f1b, timeline_1f1b
+from sailor.specs import ClusterSpec, JobSpec
+
+SAILOR = Path(sys.executable).with_name("sailor")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _rep(stage: int, gpu: str, zone: str, tp: int) -> dict:
+    return {"stage": stage, "gpu": gpu, "zone": zone, "tp": tp}
+
+
+JOB = JobSpec(model="opt-350m", global_batch_size=12)
+CLUSTER = ClusterSpec(zones={"us-central1-a": {"A100-40": 16}, "us-central1-b": {"V100-16": 16},
+                             "us-west1-b": {"V100-16": 8}})
+PLAN = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 10], [10, 26]], "pipelines": [
+    {"microbatches": 5, "replicas": [_rep(0, "A100-40", "us-central1-a", 4), _rep(1, "V100-16", "us-central1-b", 4)]},
+    {"microbatches": 4, "replicas": [_rep(0, "A100-40", "us-central1-a", 4), _rep(1, "V100-16", "us-central1-b", 4)]},
+    {"microbatches": 3, "replicas": [_rep(0, "A100-40", "us-central1-a", 4), _rep(1, "V100-16", "us-west1-b", 2)]},
+]}).with_specs(JOB, CLUSTER)
+
+
+@pytest.mark.parametrize("P, m", [(1, 1), (1, 4), (2, 1), (2, 5), (3, 3), (4, 8)])
+def test_timeline_has_the_event_simulations_makespan(P, m):
+    rng = np.random.default_rng(P * 10 + m)
+    f, b, c = rng.uniform(0.5, 2, P), rng.uniform(1, 3, P), rng.uniform(0, 0.5, max(P - 1, 0))
+    ops = timeline_1f1b(f, b, c, m)
+    makespan, _busy, end = simulate_1f1b(f, b, c, m)
+    assert max(o[3] for stage in ops for o in stage) == makespan
+    for i, stage in enumerate(ops):
+        assert stage[-1][3] == end[i]
+        assert sorted(k for kind, k, *_ in stage if kind == "F") == list(range(m))
+        assert sorted(k for kind, k, *_ in stage if kind == "B") == list(range(m))
+        for (_, _, s0, e0), (_, _, s1, e1) in itertools.pairwise(stage):  # one op at a time, in order
+            assert s0 <= e0 <= s1 <= e1
+
+
+def test_traffic_pairs_add_up_to_the_estimate():
+    ctx = make_context(JOB, CLUSTER)
+    est = simulate(PLAN, ctx)
+    pairs = cross_zone_traffic(PLAN, ctx)
+    assert set(pairs) == {("us-central1-a", "us-central1-b"), ("us-central1-a", "us-west1-b"),
+                          ("us-central1-b", "us-west1-b")}
+    total = sum(v["p2p"] + v["sync"] for v in pairs.values())
+    assert total == pytest.approx(est.cross_zone_bytes, rel=1e-9) and total > 0
+
+
+def _check_figure(path: Path, *labels: str) -> None:
+    png, svg = path.with_suffix(".png"), path.with_suffix(".svg")
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text
+    for label in labels:
+        assert label in text, f"{label!r} not in {svg.name}"
+
+
+def test_simulate_report(tmp_path):
+    ctx = make_context(JOB, CLUSTER)
+    est = simulate(PLAN, ctx)
+    written = write_report(tmp_path / "r", PLAN, est, ctx, title="test report")
+    names = sorted(p.name for p in written)
+    assert names == ["index.html", "memory.png", "memory.svg", "placement.png", "placement.svg",
+                     "timeline.png", "timeline.svg"]
+    r = tmp_path / "r"
+    _check_figure(r / "timeline", "1F1B timeline", "pipeline 2 · stage 1 · V100-16 TP2", "gradient sync")
+    _check_figure(r / "memory", "Memory per GPU", "stage 1 · V100-16 TP4 (x2)", "optimizer states", "activations")
+    _check_figure(r / "placement", "GPUs used / available", "us-west1-b", "8 / 16", "2 / 8", "Cross-zone traffic")
+    page = (r / "index.html").read_text()
+    for name in ("timeline.png", "memory.png", "placement.png", "timeline.svg"):
+        assert f"'{name}'" in page
+    assert "micro-batches each" in page and "A100-40 + V100-16" in page and "us-central1-a + us-west1-b" in page
+    assert "pareto" not in page
+
+
+def test_plan_report_marks_the_other_searches(tmp_path):
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}})
+    opts = PlanOptions(max_stages=2, top_k=2)
+    result = plan_job(make_context(job, cluster), opts)
+    written = plan_report(tmp_path, result, lambda: make_context(job, cluster), opts, title="plan report")
+    assert (tmp_path / "pareto.png") in written and (tmp_path / "index.html") in written
+    _check_figure(tmp_path / "pareto", "chosen plan", "best paper plan", "best homogeneous plan", "Pareto front",
+                  "cost per iteration ($)", "throughput (iterations/s)")
+    assert "'pareto.png'" in (tmp_path / "index.html").read_text()
+
+
+def test_cli_simulate_report(tmp_path):
+    if not SAILOR.exists():
+        pytest.skip(f"console script {SAILOR} is not installed (pip install -e .)")
+    PLAN.save(tmp_path / "plan.json")
+    r = subprocess.run([str(SAILOR), "simulate", str(tmp_path / "plan.json"), "--report", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"index.html", "timeline.png", "memory.svg"}
+    (tmp_path / "file").write_text("x")
+    r = subprocess.run([str(SAILOR), "simulate", str(tmp_path / "plan.json"), "--report", str(tmp_path / "file")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not a folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1

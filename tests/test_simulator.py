@@ -1,0 +1,211 @@
+"""Simulator: hand-computed 1F1B makespan, memory and cost on a tiny two-stage, two-pipeline case;
+hypothesis properties (faster GPU or link never slower, memory grows with micro-batch size, closed
+form = event simulation on uniform pipelines)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sailor.catalog import Link, LinkClass
+from sailor.network import NetworkModel
+from sailor.plan import Plan
+from sailor.profiles import Profiles
+from sailor.simulator import make_context, simulate
+from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b
+from sailor.specs import ClusterSpec, JobSpec
+
+JOB = JobSpec(model="tiny", global_batch_size=4)  # h 64, seq 64, fp32: one activation = 64*64*4 = 16384 B
+ZA, ZB = "us-central1-a", "us-central1-b"
+# same_zone (inside a pipeline): 0.25 s + 16384 B / 65536 B/s = 0.5 s per activation
+CLUSTER = ClusterSpec(zones={ZA: {"A100-40": 2}, ZB: {"A100-40": 2}}, prices={"A100-40": 3.6},
+                      network={"same_zone": {"latency_s": 0.25, "bandwidth_bytes_per_s": 65536}})
+# per layer (forward, backward) at mbs 1: each stage of three layers takes f = 1 s, b = 2 s
+LAYERS = np.array([[0.5, 1.0], [0.25, 0.5], [0.25, 0.5], [0.25, 0.5], [0.25, 0.5], [0.5, 1.0]])
+ACT = np.array([1000.0, 2000, 2000, 2000, 2000, 3000])  # activation bytes kept per sample and layer
+
+
+def _profiles(scale: float = 1.0) -> Profiles:
+    return Profiles(model="tiny", sequence_length=64, precision="fp32",
+                    times={("A100-40", 1): {1: LAYERS * scale}}, optimizer_s_per_param={"A100-40": 1e-6},
+                    activation_bytes={1: ACT})
+
+
+def _network(cluster: ClusterSpec = CLUSTER, region_bw: float = 1e6) -> NetworkModel:
+    # across the two zones (gradient sync between pipelines): 0.5 s + bytes / 1 MB/s
+    return NetworkModel(cluster=cluster, class_links={LinkClass.SAME_REGION: Link(0.5, region_bw)})
+
+
+def _plan(micro=(3, 1), mbs=1, stages=((0, 3), (3, 6)), zones=(ZA, ZB)) -> Plan:
+    pipes = [{"microbatches": m, "replicas": [{"stage": i, "gpu": "A100-40", "zone": z, "tp": 1}
+                                               for i in range(len(stages))]} for m, z in zip(micro, zones)]
+    return Plan.model_validate({"micro_batch_size": mbs, "stages": [list(s) for s in stages], "pipelines": pipes})
+
+
+def _ctx(profiles=None, network=None, job=JOB):
+    return make_context(job, CLUSTER, profiles or _profiles(), network or _network(), calibration={})
+
+
+def test_two_stage_pipeline_by_hand():
+    # f = 1, b = 2, c = 0.5, m = 3, DeepSpeed order with rendezvous transfers:
+    # s0 F0 0-1, act0 1-1.5; s1 F0 1.5-2.5, B0 -4.5; s0 F1 1.5-2.5 then waits: grad0 4.5-5.0,
+    # act1 5.0-5.5; s0 B0 5.5-7.5, F2 -8.5; s1 F1 5.5-6.5, B1 -8.5; grad1 8.5-9.0, act2 9.0-9.5;
+    # s0 B1 9.5-11.5; s1 F2 9.5-10.5, B2 -12.5; grad2 12.5-13.0; s0 B2 13.0-15.0.
+    f, b, c = np.array([1.0, 1.0]), np.array([2.0, 2.0]), np.array([0.5])
+    assert simulate_1f1b(f, b, c, 3)[0] == pytest.approx(15.0)
+    # a slower second stage (f 2, b 4), m = 2: act0 1-1.5; s1 F0 -3.5, B0 -7.5; grad0 7.5-8;
+    # act1 8-8.5; s0 B0 8.5-10.5; s1 F1 8.5-10.5, B1 -14.5; grad1 14.5-15; s0 B1 15-17.
+    assert simulate_1f1b(np.array([1.0, 2.0]), np.array([2.0, 4.0]), c, 2)[0] == pytest.approx(17.0)
+    assert closed_form_1f1b(np.array([1.0, 2.0]), np.array([2.0, 4.0]), c, 2) == pytest.approx(17.0)
+
+
+def test_full_iteration_time_by_hand():
+    est = simulate(_plan(), _ctx())
+    # pipelines: m = 3 -> 15 s (above); m = 1 -> F 1, act 0.5, F 1, B 2, grad 0.5, B 2 = 7 s
+    assert est.pipeline_times_s == pytest.approx([15.0, 7.0])
+    r0 = est.replicas[0]
+    assert (r0.forward_s, r0.backward_s, r0.p2p_s) == pytest.approx((1.0, 2.0, 0.5))
+    # tied embeddings, first <-> last stage of a pipeline (same zone, D = 2): embedding 20480 params
+    # x 4 B = 81920 B; 2 steps of 0.25 + 40960 / 65536 = 0.875 -> 1.75 s
+    # stage sync across zones (same_region 0.5 s, 1 MB/s), D = 2, 2 steps of α + bytes / 2 / β:
+    #   stage 0 params: 20480 + 2 x 49984 = 120448 -> 481792 B -> 2 x (0.5 + 0.240896) = 1.481792
+    #   stage 1 params: 2 x 49984 + 128 (norm) + 20480 (tied embedding copy instead of the head's
+    #   16384 vocab matrix) = 120576 -> 482304 B -> 2 x (0.5 + 0.241152) = 1.482304
+    # optimizer: 1e-6 s/param x 120576 = 0.120576 s (stage 1, the larger)
+    assert [r.optimizer_s for r in est.replicas[:2]] == pytest.approx([0.120448, 0.120576])
+    assert est.gradient_sync_s == pytest.approx(1.75 + 1.482304)
+    assert est.iteration_time_s == pytest.approx(15.0 + 1.75 + 1.482304 + 0.120576)
+    assert est.replicas[0].sync_s == pytest.approx(1.75 + 1.481792)
+
+
+def test_cost_by_hand():
+    est = simulate(_plan(), _ctx())
+    t = 15.0 + 1.75 + 1.482304 + 0.120576
+    # 4 GPUs x $3.6/h = $0.004/s
+    assert est.gpu_cost_per_iteration_usd == pytest.approx(0.004 * t)
+    # only the stage syncs cross zones: each of the 2 ring edges carries 2(D-1)/D x bytes = bytes
+    moved = 2 * 481792 + 2 * 482304
+    assert est.cross_zone_bytes == pytest.approx(moved)
+    assert est.egress_per_iteration_usd == pytest.approx(moved / 1e9 * 0.01)
+    assert est.cost_per_iteration_usd == pytest.approx(0.004 * t + moved / 1e9 * 0.01)
+    assert est.samples_per_s == pytest.approx(4 / t)
+
+
+def test_p2p_across_zones_is_charged_per_micro_batch():
+    plan = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 3], [3, 6]], "pipelines": [
+        {"microbatches": 4, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": ZA, "tp": 1},
+                                         {"stage": 1, "gpu": "A100-40", "zone": ZB, "tp": 1}]}]})
+    est = simulate(plan, _ctx())
+    # boundary in same_region: 0.5 + 16384 / 1e6 s; 4 micro-batches x (activation + gradient) x 16384 B,
+    # plus the tied all-reduce between the two zones: 2 edges x 2(2-1)/2 x 81920 B
+    assert est.replicas[0].p2p_s == pytest.approx(0.5 + 16384 / 1e6)
+    assert est.cross_zone_bytes == pytest.approx(4 * 2 * 16384 + 2 * 81920)
+
+
+def test_memory_by_hand():
+    est = simulate(_plan(), _ctx())
+    framework = 1610612736  # A100-40 catalog default; no calibration
+    m0, m1 = est.replicas[0].memory, est.replicas[1].memory
+    # stage 0 of the m = 3 pipeline holds min(P - 0, m) = 2 micro-batches of (1000 + 2000 + 2000) B,
+    # plus the gradient receive buffer (one 16384 B activation); fp32 Adam 4 + 4 + 8 B per param
+    assert m0.activations == pytest.approx(2 * 5000)
+    assert m0.buffers == pytest.approx(16384)
+    assert (m0.weights, m0.gradients, m0.optimizer) == pytest.approx((4 * 120448, 4 * 120448, 8 * 120448))
+    assert m0.reserve == 0.0 and m0.framework == framework
+    assert est.replicas[0].peak_memory_bytes == pytest.approx(10000 + 16384 + 16 * 120448 + framework)
+    # stage 1 holds 1 micro-batch (7000 B), its received input (16384 B), and the fp32 logits gradient
+    # 1 x 64 x 256 x 4 = 65536 B
+    assert m1.activations == pytest.approx(7000)
+    assert m1.buffers == pytest.approx(16384 + 65536)
+    assert m1.weights == pytest.approx(4 * 120576)
+    # the m = 1 pipeline's stage 0 holds one micro-batch only
+    assert est.replicas[2].memory.activations == pytest.approx(5000)
+    assert est.fits_in_memory
+
+
+def test_closed_form_path_agrees_on_this_uniform_plan():
+    ctx = _ctx()
+    assert simulate(_plan(), ctx, event=False).iteration_time_s == pytest.approx(simulate(_plan(), ctx).iteration_time_s)
+
+
+def test_estimates_are_listed():
+    est = simulate(_plan(), make_context(JOB, CLUSTER, calibration={}))
+    assert est.estimated == ["A100-40 TP 1: roofline"]
+    assert simulate(_plan(), _ctx()).estimated == []
+
+
+def test_calibrated_profile_gap_is_subtracted_from_measured_times():
+    ctx = make_context(JOB, CLUSTER, _profiles(), _network(), calibration={"A100-40": {"profile_overhead_s": 0.05}})
+    # every layer loses 0.05 s: stage forward 1 - 3 x 0.05
+    assert simulate(_plan(), ctx).replicas[0].forward_s == pytest.approx(0.85)
+
+
+# ---- properties ----------------------------------------------------------------------------------
+times = st.floats(min_value=0.01, max_value=10.0)
+
+
+@st.composite
+def pipelines(draw, uniform: bool = False):
+    P = draw(st.integers(1, 6))
+    m = draw(st.integers(1, 12))
+    if uniform:
+        f, b, c = draw(times), draw(times), draw(st.floats(0.0, 5.0))
+        return np.full(P, f), np.full(P, b), np.full(P - 1, c), m
+    f = np.array(draw(st.lists(times, min_size=P, max_size=P)))
+    b = np.array(draw(st.lists(times, min_size=P, max_size=P)))
+    c = np.array(draw(st.lists(st.floats(0.0, 5.0), min_size=P - 1, max_size=P - 1)))
+    return f, b, c, m
+
+
+@settings(max_examples=150, deadline=None)
+@given(pipelines(uniform=True))
+def test_closed_form_equals_event_simulation_on_uniform_pipelines(p):
+    f, b, c, m = p
+    assert closed_form_1f1b(f, b, c, m) == pytest.approx(simulate_1f1b(f, b, c, m)[0], rel=1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pipelines(), st.data())
+def test_faster_stage_or_link_never_slows_the_pipeline(p, data):
+    f, b, c, m = p
+    base = simulate_1f1b(f, b, c, m)[0]
+    k = data.draw(st.integers(0, len(f) - 1))
+    speedup = data.draw(st.floats(0.05, 1.0))
+    f2, b2 = f.copy(), b.copy()
+    f2[k] *= speedup
+    b2[k] *= speedup
+    assert simulate_1f1b(f2, b2, c, m)[0] <= base + 1e-9
+    if len(c):
+        c2 = c * speedup
+        assert simulate_1f1b(f, b, c2, m)[0] <= base + 1e-9
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(0.1, 1.0), st.floats(0.1, 1.0), st.floats(1.0, 100.0), st.sampled_from([(3, 1), (2, 2), (4, 0)]))
+def test_faster_gpu_or_link_never_slows_an_iteration(gpu_speedup, link_latency_cut, bw_gain, micro):
+    micro = tuple(x for x in micro if x)
+    zones = (ZA, ZB)[:len(micro)]
+    plan = _plan(micro=micro, zones=zones)
+    base = simulate(plan, _ctx()).iteration_time_s
+    assert simulate(plan, _ctx(profiles=_profiles(gpu_speedup))).iteration_time_s <= base + 1e-9
+    fast = ClusterSpec(zones=CLUSTER.zones, prices={"A100-40": 3.6},
+                       network={"same_zone": {"latency_s": 0.25 * link_latency_cut, "bandwidth_bytes_per_s": 65536 * bw_gain}})
+    ctx = make_context(JOB, fast, _profiles(), _network(fast, 1e6 * bw_gain), calibration={})
+    assert simulate(plan, ctx).iteration_time_s <= base + 1e-9
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 8), st.sampled_from(["tiny", "opt-350m"]), st.sampled_from([1, 2, 4]))
+def test_memory_grows_with_micro_batch_size(mbs, extra, model, tp):
+    job = JobSpec(model=model, global_batch_size=1)
+    n = job.model.num_layers
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 8}})
+    ctx = make_context(job, cluster, calibration={})
+
+    def peaks(b):
+        plan = Plan.model_validate({"micro_batch_size": b, "stages": [[0, n // 2], [n // 2, n]], "pipelines": [
+            {"microbatches": 4, "replicas": [{"stage": i, "gpu": "A100-40", "zone": ZA, "tp": tp} for i in range(2)]}]})
+        return [r.peak_memory_bytes for r in simulate(plan, ctx).replicas]
+
+    small, large = peaks(mbs), peaks(mbs + extra)
+    assert all(lg > sm for sm, lg in zip(small, large))

@@ -1,0 +1,106 @@
+"""Job and cluster specs: defaults, derived values, aliases, overrides and validation errors."""
+
+import pytest
+
+from sailor import catalog
+from sailor.catalog import LinkClass
+from sailor.errors import SailorInputError
+from sailor.specs import ClusterSpec, JobSpec, Optimizer, load_cluster, load_job, local_cluster
+
+
+def test_job_defaults_and_derived_values():
+    job = JobSpec(model="OPT-350", global_batch_size=32)
+    assert job.model.name == "opt-350m"
+    assert job.seq == 2048 and job.elem_bytes == 4 and job.optimizer is Optimizer.ADAM
+    assert job.state_bytes_per_param == {"weights": 4, "gradients": 4, "optimizer": 8}  # fp32 Adam: 16 B
+    mixed = JobSpec(model="tiny", global_batch_size=4, precision="bf16", optimizer="SGD")
+    assert mixed.elem_bytes == 2 and mixed.optimizer is Optimizer.SGD
+    assert sum(JobSpec(model="tiny", global_batch_size=4, precision="bf16").state_bytes_per_param.values()) == 16
+
+
+def test_job_inline_model_and_round_trip():
+    arch = {"name": "mini", "num_blocks": 2, "hidden_size": 32, "num_heads": 2, "vocab_size": 100,
+            "max_sequence_length": 16}
+    job = JobSpec(model=arch, global_batch_size=8)
+    assert job.model.num_layers == 4
+    assert JobSpec.model_validate(job.to_dict()) == job
+    assert JobSpec(model="tiny", global_batch_size=4).to_dict()["model"] == "tiny"
+
+
+def test_job_rejects_sequence_beyond_learned_positions():
+    with pytest.raises(ValueError, match="sequence_length 128 exceeds tiny's learned position table of 64"):
+        JobSpec(model="tiny", global_batch_size=4, sequence_length=128)
+
+
+def test_job_rejects_misspelt_field(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("model: tiny\nglobal_batch_size: 4\nprecison: bf16\n")
+    with pytest.raises(SailorInputError, match=r"job\.yaml: precison: Extra inputs are not permitted"):
+        load_job(p)
+
+
+def test_load_job_yaml_and_json(tmp_path):
+    (tmp_path / "a.yaml").write_text("model: tiny\nglobal_batch_size: 8\n")
+    (tmp_path / "b.json").write_text('{"model": "tiny", "global_batch_size": 8}')
+    assert load_job(tmp_path / "a.yaml") == load_job(tmp_path / "b.json")
+
+
+def test_cluster_aliases_merge_and_counts():
+    c = ClusterSpec(zones={"us-central1-a": {"GH-96": 4, "GH200-96": 4, "A100-40": 8}})
+    assert c.available("us-central1-a", "GH200-96") == 8
+    assert c.available("us-central1-b", "A100-40") == 0
+    assert c.total_gpus() == 16 and c.gpu_types() == ["A100-40", "GH200-96"]
+
+
+def test_cluster_prices_flat_zone_and_list():
+    c = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}},
+                    prices={"A100-40": 2.0, "us-central1-b": {"A100-40": 1.5}})
+    assert c.price("us-central1-a", "A100-40") == 2.0
+    assert c.price("us-central1-b", "A100-40") == 1.5
+    assert c.price("us-central1-a", "V100-16") == catalog.list_price("gcp", "V100-16")
+
+
+def test_cluster_network_override_and_node_size():
+    c = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}}, gpus_per_node={"A100-40": 4},
+                    network={"same_zone": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 5e9}})
+    assert c.link(LinkClass.SAME_ZONE).bandwidth_bytes_per_s == 5e9
+    assert c.link(LinkClass.SAME_REGION) == catalog.provider("gcp").links[LinkClass.SAME_REGION]
+    assert c.node_size("A100-40") == 4 and c.node_size("V100-16") == 8
+
+
+def test_with_zones_validates_again():
+    c = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}})
+    assert c.with_zones({"us-west1-b": {"V100-16": 2}}).available("us-west1-b", "V100-16") == 2
+    with pytest.raises(ValueError, match="unknown gcp zone 'mars'"):
+        c.with_zones({"mars": {"V100-16": 2}})
+
+
+def test_local_cluster():
+    c = local_cluster(4)
+    assert c.provider == "local" and c.available("local", "cpu") == 4 and c.node_size("cpu") == 4
+    assert c.price("local", "cpu") == 0.0
+
+
+@pytest.mark.parametrize("text, match", [
+    ("zones: {us-central1-a: {A100-41: 8}}", r"zones\.us-central1-a\.A100-41: unknown GPU type 'A100-41'"),
+    ("zones: {us-central1-z: {A100-40: 8}}", r"zones\.us-central1-z: unknown gcp zone"),
+    ("zones: {us-central1-a: {A100-40: -1}}", r"zones\.us-central1-a\.A100-40: GPU count must be a whole number >= 0"),
+    ("zones: {us-central1-a: {A100-40: 1.5}}", r"zones\.us-central1-a\.A100-40: GPU count must be a whole number"),
+    ("zones: {us-central1-a: {A100-40: 8}}\nprices: {A100-40: -2}", r"prices\.A100-40: price must be >= 0"),
+    ("zones: {us-central1-a: {A100-40: 8}}\ngpus_per_node: {A100-40: 0}", r"gpus_per_node\.A100-40: must be >= 1"),
+    ("zones: {us-central1-a: {A100-40: 8}}\nnetwork: {same_zone: {latency_s: 0, bandwidth_bytes_per_s: 0}}",
+     r"network\.same_zone\.bandwidth_bytes_per_s: Input should be greater than 0"),
+    ("zones: [a, b]", r"zones: Input should be a valid dictionary"),
+])
+def test_bad_cluster_names_file_and_field(tmp_path, text, match):
+    p = tmp_path / "cluster.yaml"
+    p.write_text(text + "\n")
+    with pytest.raises(SailorInputError, match=r"cluster\.yaml: " + match):
+        load_cluster(p)
+
+
+def test_bad_yaml_names_line(tmp_path):
+    p = tmp_path / "cluster.yaml"
+    p.write_text("zones:\n  us-central1-a: {A100-40: 8\n")
+    with pytest.raises(SailorInputError, match=r"cluster\.yaml: invalid YAML at line \d+"):
+        load_cluster(p)
