@@ -448,7 +448,7 @@ def _search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M
         return cand
 
     if opts.search is not SearchSpace.FULL:
-        _equal_share_scan(types, M, consider)
+        _equal_share_scan(types, M, consider, exact)
         return
     if exact and _prod(types) <= S.EXHAUSTIVE_COUNTS:
         for counts in S.all_count_vectors(types):
@@ -456,8 +456,7 @@ def _search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M
         return
     D_max = min(sum(t.max_count for t in types), M)
     opt_min = min(t.optimizer_s for t in types)
-    subsets = [types] + [[t if j == k else dataclasses.replace(t, max_count=0) for j, t in enumerate(types)]
-                         for k in range(len(types))]
+    subsets = _subsets(types)
     seen: set[tuple[int, ...]] = set()
     for D in range(1, D_max + 1):
         floor = S.makespan_floor(types, D, M) + s_min * (D - 1) / D + opt_min
@@ -470,33 +469,26 @@ def _search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M
                 consider(counts)
 
 
-def _equal_share_scan(types, M, consider) -> None:
-    """Published space: every pipeline gets M / D micro-batches (D must divide M); within a GPU type
-    all zones are filled in order. Scans D for each type mix."""
-    for counts in S.all_count_vectors(types) if _prod(types) <= S.EXHAUSTIVE_COUNTS else _fill_orders(types, M):
-        D = sum(counts)
-        if M % D == 0:
-            consider(counts)
+def _equal_share_scan(types, M, consider, exact: bool) -> None:
+    """Published space: every pipeline gets M / D micro-batches, so D divides M. Small spaces: every
+    count vector; otherwise, for every divisor D, the D fastest pipelines and D of each type alone."""
+    if exact and _prod(types) <= S.EXHAUSTIVE_COUNTS:
+        for counts in S.all_count_vectors(types):
+            if M % sum(counts) == 0:
+                consider(counts)
+        return
+    D_max = min(sum(t.max_count for t in types), M)
+    for D in (d for d in range(1, D_max + 1) if M % d == 0):
+        for subset in _subsets(types):
+            counts = S.fastest_first(subset, D)
+            if counts is not None:
+                consider(counts)
 
 
-def _fill_orders(types, M):
-    """Count vectors of the form 'first n pipelines of each GPU type, zones filled in order'."""
-    by_gpu: dict[str, list[int]] = {}
-    for k, t in enumerate(types):
-        by_gpu.setdefault(t.gpu, []).append(k)
-    ranges = []
-    for g, ks in by_gpu.items():
-        total = sum(types[k].max_count for k in ks)
-        ranges.append((ks, range(0, min(total, M) + 1)))
-    for pick in itertools.product(*(r for _, r in ranges)):
-        counts = [0] * len(types)
-        for (ks, _), n in zip(ranges, pick):
-            for k in ks:
-                take = min(n, types[k].max_count)
-                counts[k] = take
-                n -= take
-        if any(counts) and sum(counts) <= M:
-            yield tuple(counts)
+def _subsets(types: list[S.PipelineType]) -> list[list[S.PipelineType]]:
+    """All types together, then each type alone (the others' max_count set to 0)."""
+    return [types] + [[t if j == k else dataclasses.replace(t, max_count=0) for j, t in enumerate(types)]
+                      for k in range(len(types))]
 
 
 def _prod(types) -> int:
@@ -504,11 +496,6 @@ def _prod(types) -> int:
     for t in types:
         n *= t.max_count + 1
     return n
-
-
-def _cost_floor(types, D: int) -> float:
-    """$ lower bound for any plan with >= D pipelines: each pipeline is paid for at least its fill."""
-    return D * min(t.usd_per_hour * min(t.fill_s, t.two_s - t.period_s) for t in types) / 3600.0
 
 
 def _lower_bound(types: list[S.PipelineType], M: int, opts: PlanOptions, sync2: float,
@@ -551,18 +538,6 @@ def _lower_bound(types: list[S.PipelineType], M: int, opts: PlanOptions, sync2: 
     cost = min(min(t.usd_per_hour * t.time_s(M) for t in used) / 3600.0 + 0.0,
                max(work, 2 * rate * (lo + sync2 / 2 + opt) / 3600.0))
     return (T, cost) if opts.objective is Objective.THROUGHPUT else (cost, T)
-
-
-def _distinct_d(M: int, D_max: int) -> list[int]:
-    """The smallest D for each distinct ceil(M / D), D <= D_max (about 2·sqrt(M) values)."""
-    out, D = [], 1
-    while D <= D_max:
-        out.append(D)
-        m = -(-M // D)
-        if m == 1:
-            break
-        D = -(-M // (m - 1))  # smallest D with ceil(M / D) <= m - 1
-    return out
 
 
 def _build_plan(ctx: SimContext, cand: S.Candidate, point) -> Plan:
