@@ -30,7 +30,7 @@ import numpy as np
 from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import read_text, write_json
-from sailor.models import LayerKind, ModelSpec, canonical_model_name
+from sailor.models import LayerKind, canonical_model_name
 from sailor.specs import JobSpec
 
 SCHEMA = "sailor.profiles/1"

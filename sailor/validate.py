@@ -28,7 +28,7 @@ from sailor.errors import SailorInputError
 from sailor.models import BUILTIN_MODELS, MODEL_ALIASES, canonical_model_name
 from sailor.network import NetworkModel, network_for
 from sailor.plan import Plan, plan_from_dict
-from sailor.profiles import Profiles, load_profiles
+from sailor.profiles import Profiles
 from sailor.simulator import make_context, simulate
 from sailor.simulator.calibration import default_calibration, fit_memory
 from sailor.specs import ClusterSpec, JobSpec

@@ -34,8 +34,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_sync, tied_sync
 from sailor.simulator.schedule import closed_form_1f1b
 

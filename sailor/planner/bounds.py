@@ -1,0 +1,136 @@
+"""Lower bounds that let the planner skip whole parts of its search (branch and bound).
+
+Each bound is the objective key of no plan better than it in that part of the space; they are
+valid for the closed-form scores `search.Scorer` computes, so pruning with them never loses the best
+plan of the space (the brute-force tests check this in the planner's exact mode).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from sailor.planner import search as S
+from sailor.planner.options import Objective, PlanOptions
+from sailor.simulator import SimContext, Slot, stage_sync
+from sailor.simulator.collectives import allreduce_time_s
+
+
+def coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) -> tuple[float, float]:
+    """Lower bound on any plan with P stages and micro-batch `mbs` in these zones, whatever its
+    partition and TP degrees (memory ignored, so it stays a bound).
+
+    Per GPU type: a pipeline's first micro-batch takes at least fill = Σ_layers min_t (f+b)(layer, t),
+    each further one at least fill / P (its slowest stage holds at least 1/P of that compute), and a
+    pipeline j of any TP degrees spends at least work = Σ_layers min_t t·(f+b)(layer, t) GPU-seconds
+    per micro-batch (G_j x its period). A pipeline finishes cap_j <= 1 + (τ - fill_j)/period_j <=
+    τ·G_j/work micro-batches by τ (fill_j >= period_j), so `a` GPUs of a type in a zone finish at most
+    min((a/P)·(1 + (τ - fill)·P/fill), a·τ/work) by τ.
+    The sync of two or more replicas is at least half the two-replica all-reduce of 1/P of the
+    model's gradient at the most favourable TP degree and zone. Cost: every micro-batch costs at
+    least the cheapest price x work.
+    """
+    job, model = ctx.job, ctx.job.model
+    L = model.num_layers
+    grad = job.state_bytes_per_param["gradients"]
+    kinds = []  # (available, fill, per-mb, work, price)
+    sync2 = float("inf")
+    for z in zones:
+        for g, a in ctx.cluster.zones[z].items():
+            if a < P:
+                continue
+            tps = [t for t in model.tp_degrees(ctx.cluster.node_size(g)) if t <= a]
+            per_tp = np.array([np.diff(ctx.layer_cumsum(g, t, mbs), axis=0).sum(axis=1) for t in tps])  # (tps, L)
+            fill = float(per_tp.min(axis=0).sum())
+            work = float((per_tp * np.array(tps)[:, None]).min(axis=0).sum())
+            kinds.append((a, fill, fill / P, work, ctx.cluster.price(z, g)))
+            for t in tps:
+                nbytes = t * ctx.stage_params(t, 0, L) / P * grad
+                slot = Slot(zone=z, gpu=g, tp=t)
+                s = allreduce_time_s([(slot, 2)], nbytes, ctx.network) / ctx.allreduce_efficiency([slot])
+                sync2 = min(sync2, s)
+    if not kinds:
+        return (float("inf"), float("inf"))
+
+    def capacity(tau: float) -> float:
+        total = 0.0
+        for a, fill, per, work, _ in kinds:
+            if tau >= fill:
+                total += min((a // P) * (1 + math.floor((tau - fill) / per + 1e-9)), a * tau / work)
+        return total
+
+    lo = min(k[1] for k in kinds)
+    hi = max(k[1] for k in kinds) * (1 + job.global_batch_size)
+    M = job.global_batch_size // mbs
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        if capacity(mid) >= M:
+            hi = mid
+        else:
+            lo = mid
+    alone = min(fill + (M - 1) * per for _, fill, per, _, _ in kinds)
+    T = min(alone, lo + sync2 / 2)
+    cost = M * min(price * work for _, _, _, work, price in kinds) / 3600.0
+    return (T, cost) if opts.objective is Objective.THROUGHPUT else (cost, T)
+
+
+def sync_floor(ctx, gpu: str, zones, options, partition) -> float:
+    """Lower bound on the gradient sync of any plan with >= 2 pipelines of `gpu`: per stage, the
+    all-reduce between just two replicas at the most favourable feasible TP degree, in the most
+    favourable zone (more members, mixed TP degrees or other zones only add ring steps, shrink the
+    flow count or slow the links)."""
+    best = float("inf")
+    for z in zones:
+        worst = 0.0
+        for opts_i, (a, e) in zip(options, partition):
+            worst = max(worst, min(stage_sync(ctx, [(Slot(zone=z, gpu=gpu, tp=o.tp), 2)], a, e)[0] for o in opts_i))
+        best = min(best, worst)
+    return best
+
+
+def types_sync_floor(ctx, types: list[S.PipelineType], partition) -> float:
+    """`sync_floor` for pipeline types whose TP template is fixed."""
+    return min(max(stage_sync(ctx, [(t.slot(i), 2)], a, e)[0] for i, (a, e) in enumerate(partition)) for t in types)
+
+
+def lower_bound(types: list[S.PipelineType], M: int, opts: PlanOptions, sync2: float,
+                 shared: bool = False) -> tuple[float, float]:
+    """Lower bound on the objective key of any count vector over `types` (at most max_count each).
+
+    One pipeline alone pays no sync: time >= min_k time_k(M). Two or more: the makespan is at least
+    the smallest τ at which the available pipelines could finish M micro-batches even if some sat
+    idle (Σ_k max_count_k·cap_k(τ) >= M; with `shared`, types of one GPU type and zone are
+    alternative templates competing for the same GPUs, so only the best of them counts at each τ),
+    and the sync at least sync2 / 2 (a ring over D replicas takes 2(D-1) steps of 1/D of the
+    gradient: at least (D-1)/D >= 1/2 of the two-replica time `sync2`, even where bandwidth varies
+    with message size within 2x); plus the smallest optimizer step. Cost: the same times at the
+    cheapest rates, and each micro-batch costs at least the cheapest rate x period.
+    """
+    used = [t for t in types if t.max_count]
+    if not used:
+        return (float("inf"), float("inf"))
+    groups: dict[tuple, list[S.PipelineType]] = {}
+    for t in used:
+        groups.setdefault((t.gpu, t.zone) if shared else (t,), []).append(t)
+
+    def capacity(tau: float) -> int:
+        return sum(max(min(t.max_count, M) * t.cap(tau) for t in g) for g in groups.values())
+
+    lo, hi = min(t.fill_s for t in used), max(t.two_s for t in used) + M * max(t.period_s for t in used)
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        if capacity(mid) >= M:
+            hi = mid
+        else:
+            lo = mid
+    opt = min(t.optimizer_s for t in used)
+    alone = min(t.time_s(M) for t in used) + opt
+    many = lo + sync2 / 2 + opt if sum(t.max_count for t in used) >= 2 else float("inf")
+    T = min(alone, many)
+    rate = min(t.usd_per_hour for t in used)
+    base = min(t.usd_per_hour * min(t.fill_s, t.two_s - t.period_s) for t in used)
+    work = (M * min(t.usd_per_hour * t.period_s for t in used) + min(base, 0.0) * M + max(base, 0.0)) / 3600.0
+    cost = min(min(t.usd_per_hour * t.time_s(M) for t in used) / 3600.0 + 0.0,
+               max(work, 2 * rate * (lo + sync2 / 2 + opt) / 3600.0))
+    return (T, cost) if opts.objective is Objective.THROUGHPUT else (cost, T)

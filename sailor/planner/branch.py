@@ -1,0 +1,209 @@
+"""The planner's search tree: coarse nodes (region, P, micro-batch), families (one per layer
+partition), points (one TP template per GPU type) and, inside a point, count vectors.
+
+`plan_job` walks it best-bound-first; this module enumerates it and searches one point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from sailor.planner import search as S
+from sailor.planner.bounds import coarse_bound, lower_bound, sync_floor, types_sync_floor
+from sailor.planner.options import Objective, PlanOptions, SearchSpace, objective_key
+from sailor.planner.space import candidate_partitions, even_partition, mbs_candidates, stage_options, templates
+from sailor.simulator import SimContext
+
+
+@dataclass(frozen=True)
+class Family:
+    """(region, P, micro-batch, partition) with the TP templates feasible per GPU type."""
+
+    zones: tuple[str, ...]
+    mbs: int
+    M: int
+    partition: tuple
+    templates: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]  # (gpu, its templates)
+
+
+def coarse_nodes(ctx: SimContext, opts: PlanOptions):
+    """Yield (lower-bound key, (zones, P, mbs)) for every region, pipeline depth and micro-batch."""
+    job = ctx.job
+    P_max = min(job.model.num_layers, opts.max_stages)
+    for zones in regions(ctx.cluster).values():
+        for P in range(1, P_max + 1):
+            for mbs in mbs_candidates(job.global_batch_size, opts.max_mbs):
+                yield coarse_bound(ctx, zones, P, mbs, opts), (tuple(zones), P, mbs)
+
+
+def families(ctx: SimContext, opts: PlanOptions, zones: tuple[str, ...], P: int, mbs: int):
+    """Yield (lower-bound key, Family) for every partition of (zones, P, mbs) with a feasible template."""
+    job = ctx.job
+    M = job.global_batch_size // mbs
+    gpus = sorted({g for z in zones for g, n in ctx.cluster.zones[z].items() if n > 0})
+    if opts.search is SearchSpace.FULL:
+        partitions = candidate_partitions(ctx, P, mbs, gpus)
+    else:
+        partitions = [even_partition(job.model.num_layers, P)]
+    for partition in partitions:
+        per_gpu, relaxed, s2 = [], [], float("inf")
+        for g in gpus:
+            options = stage_options(ctx, g, partition, mbs, M)
+            tmpl = templates(options)
+            if opts.search is not SearchSpace.FULL:
+                uniform = [t for t in tmpl if len(set(t)) == 1]
+                # the published rule: the smallest TP degree that fits (H2), one per GPU type
+                tmpl = uniform[:1] if opts.search is SearchSpace.PAPER else uniform
+            if not tmpl:
+                continue
+            per_gpu.append((g, tuple(tmpl)))
+            # relaxation: every template of a GPU type may use all of its GPUs at once
+            relaxed += [x for t in tmpl for x in pipeline_types(ctx, {g: t}, list(zones), partition, mbs)]
+            s2 = min(s2, sync_floor(ctx, g, zones, options, partition))
+        if per_gpu:
+            fam = Family(tuple(zones), mbs, M, partition, tuple(per_gpu))
+            yield lower_bound(relaxed, M, opts, s2, shared=True), fam
+
+
+def regions(cluster) -> dict[str, list[str]]:
+    """Region -> zones with GPUs, in a stable order."""
+    out: dict[str, list[str]] = {}
+    for zone in sorted(cluster.zones):
+        if sum(cluster.zones[zone].values()) > 0:
+            out.setdefault(cluster.prov.region(zone), []).append(zone)
+    return out
+
+
+def points(ctx: SimContext, opts: PlanOptions, fam: Family, exact: bool):
+    """Yield (pipeline types, point) for every template combination of a family, best bound first."""
+    per_gpu = dict(fam.templates)
+    zones = list(fam.zones)
+    if opts.search is SearchSpace.HOMOGENEOUS:
+        combos = [({g: t}, [z]) for g, tmpls in per_gpu.items() for z in zones if ctx.cluster.available(z, g)
+                  for t in tmpls]
+    else:
+        combos = [(c, zones) for c in template_combos(ctx, per_gpu, zones, fam.partition, fam.mbs, opts, exact, fam.M)]
+    pts = []
+    for combo, zs in combos:
+        types = pipeline_types(ctx, combo, zs, fam.partition, fam.mbs)
+        if types:
+            point = (fam.partition, fam.mbs, tuple(sorted(combo.items())), tuple(zs))
+            pts.append((lower_bound(types, fam.M, opts, types_sync_floor(ctx, types, fam.partition)), types, point))
+    pts.sort(key=lambda x: x[0])
+    for _, types, point in pts:
+        yield types, point
+
+
+def pipeline_types(ctx, combo: dict[str, tuple[int, ...]], zones: list[str], partition, mbs: int) -> list[S.PipelineType]:
+    """One pipeline type per (GPU type, zone) with room for at least one pipeline of its template."""
+    out = []
+    for g, tps in sorted(combo.items()):
+        for z in zones:
+            avail = ctx.cluster.available(z, g)
+            if avail >= sum(tps):
+                out.append(S.make_pipeline_type(ctx, g, z, tps, partition, mbs, avail // sum(tps)))
+    return out
+
+
+def template_combos(ctx, per_gpu: dict[str, list[tuple[int, ...]]], zones, partition, mbs, opts: PlanOptions,
+                     exact: bool, M: int):
+    """One template per GPU type (or the type unused). Outside exact mode only the best
+    `templates_per_gpu` templates per type enter, ranked by the objective of that type alone."""
+    lists = []
+    for g, tmpls in sorted(per_gpu.items()):
+        if not exact and len(tmpls) > opts.templates_per_gpu:
+            tmpls = sorted(tmpls, key=lambda t: alone_score(ctx, g, zones, t, partition, mbs, M, opts))
+            tmpls = tmpls[: opts.templates_per_gpu]
+        lists.append([(g, t) for t in tmpls] + [None])
+    for pick in itertools.product(*lists):
+        chosen = {x[0]: x[1] for x in pick if x is not None}
+        if chosen:
+            yield chosen
+
+
+def alone_score(ctx, gpu, zones, tps, partition, mbs, M: int, opts: PlanOptions) -> tuple[float, float]:
+    """Objective key of the best of a few plans using only this template in its largest zone
+    (all, half, a quarter of the pipelines that fit, and one)."""
+    zone = max(zones, key=lambda z: ctx.cluster.available(z, gpu))
+    n_max = min(ctx.cluster.available(zone, gpu) // sum(tps), M)
+    if n_max < 1:
+        return (float("inf"), float("inf"))
+    t = S.make_pipeline_type(ctx, gpu, zone, tps, partition, mbs, n_max)
+    scorer = S.Scorer(ctx, partition, [t], M)
+    key = objective_key(opts.objective)
+    best = (float("inf"), float("inf"))
+    for n in {n_max, max(1, n_max // 2), max(1, n_max // 4), 1}:
+        c = scorer.score((n,))
+        if c is not None:
+            best = min(best, key(c.iteration_time_s, c.cost_per_iteration_usd))
+    return best
+
+
+def search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M: int, offer, state, key,
+                   exact: bool) -> None:
+    """Phase 2 for one point: every count vector on small spaces, else the bounded D scan."""
+    s_min = types_sync_floor(ctx, types, point[0])
+    if state["best"] is not None and lower_bound(types, M, opts, s_min)[0] >= state["best"][0]:
+        return
+    scorer = S.Scorer(ctx, point[0], types, M, equal_shares=opts.search is not SearchSpace.FULL)
+    gpus_in_point = {g for g, _ in point[2]}
+
+    def consider(counts) -> S.Candidate | None:
+        if {t.gpu for t, n in zip(types, counts) if n} != gpus_in_point:
+            return None  # a vector leaving a GPU type unused belongs to another combination
+        cand = scorer.score(counts)
+        if cand is not None:
+            offer(cand, point)
+        return cand
+
+    if opts.search is not SearchSpace.FULL:
+        equal_share_scan(types, M, consider, exact)
+        return
+    if exact and count_vectors_number(types) <= S.EXHAUSTIVE_COUNTS:
+        for counts in S.all_count_vectors(types):
+            consider(counts)
+        return
+    D_max = min(sum(t.max_count for t in types), M)
+    opt_min = min(t.optimizer_s for t in types)
+    kinds = subsets(types)
+    seen: set[tuple[int, ...]] = set()
+    for D in range(1, D_max + 1):
+        floor = S.makespan_floor(types, D, M) + s_min * (D - 1) / D + opt_min
+        if state["best"] is not None and opts.objective is Objective.THROUGHPUT and floor >= state["best"][0]:
+            continue
+        for subset in kinds:
+            counts = S.fastest_first(subset, D)
+            if counts is not None and counts not in seen:
+                seen.add(counts)
+                consider(counts)
+
+
+def equal_share_scan(types, M, consider, exact: bool) -> None:
+    """Published space: every pipeline gets M / D micro-batches, so D divides M. Small spaces: every
+    count vector; otherwise, for every divisor D, the D fastest pipelines and D of each type alone."""
+    if exact and count_vectors_number(types) <= S.EXHAUSTIVE_COUNTS:
+        for counts in S.all_count_vectors(types):
+            if M % sum(counts) == 0:
+                consider(counts)
+        return
+    D_max = min(sum(t.max_count for t in types), M)
+    for D in (d for d in range(1, D_max + 1) if M % d == 0):
+        for subset in subsets(types):
+            counts = S.fastest_first(subset, D)
+            if counts is not None:
+                consider(counts)
+
+
+def subsets(types: list[S.PipelineType]) -> list[list[S.PipelineType]]:
+    """All types together, then each type alone (the others' max_count set to 0)."""
+    return [types] + [[t if j == k else dataclasses.replace(t, max_count=0) for j, t in enumerate(types)]
+                      for k in range(len(types))]
+
+
+def count_vectors_number(types) -> int:
+    n = 1
+    for t in types:
+        n *= t.max_count + 1
+    return n

@@ -1,0 +1,64 @@
+"""Planner settings: objective, search space, constraints and bounds of the search."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+
+class Objective(str, Enum):
+    """What to optimise. With a fixed global batch, these are time-to-train and cost-to-train."""
+
+    THROUGHPUT = "throughput"  # maximise iterations/s
+    COST = "cost"              # minimise $/iteration
+
+
+class SearchSpace(str, Enum):
+    """`full`: our space. `paper`: the published one (even layer split, equal batch per pipeline, one
+    TP per GPU type). `homogeneous`: one GPU type in one zone, uniform TP, even split, equal shares."""
+
+    FULL = "full"
+    PAPER = "paper"
+    HOMOGENEOUS = "homogeneous"
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Limits a plan must respect (None = no limit). Units: $/iteration, $/hour, iterations/s."""
+
+    max_cost_per_iteration: float | None = None
+    max_cost_per_hour: float | None = None
+    min_throughput: float | None = None
+
+    def ok(self, time_s: float, cost_usd: float) -> bool:
+        if self.max_cost_per_iteration is not None and cost_usd > self.max_cost_per_iteration:
+            return False
+        if self.max_cost_per_hour is not None and cost_usd * 3600.0 / time_s > self.max_cost_per_hour:
+            return False
+        if self.min_throughput is not None and 1.0 / time_s < self.min_throughput:
+            return False
+        return True
+
+
+@dataclass
+class PlanOptions:
+    """Search settings. `max_stages` bounds P; `max_mbs` the micro-batch size; `top_k` the
+    alternatives kept; `rescore` how many closed-form finalists get the event simulation;
+    `templates_per_gpu` how many TP templates per GPU type enter the count search on large spaces."""
+
+    objective: Objective = Objective.THROUGHPUT
+    constraints: Constraints = field(default_factory=Constraints)
+    search: SearchSpace = SearchSpace.FULL
+    max_stages: int = 16
+    max_mbs: int = 32
+    top_k: int = 5
+    rescore: int = 8
+    templates_per_gpu: int = 3
+
+
+def objective_key(objective: Objective) -> Callable[[float, float], tuple[float, float]]:
+    """Sort key of a (iteration time s, $/iteration) pair under `objective`: smaller is better."""
+    if objective is Objective.THROUGHPUT:
+        return lambda t, c: (t, c)
+    return lambda t, c: (c, t)
