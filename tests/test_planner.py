@@ -231,3 +231,17 @@ def test_builtin_example_plans_and_fits():
     assert result.estimate.fits_in_memory
     assert _usage_ok(result.plan, EXAMPLE_CLUSTER)
     assert result.plan.global_batch_size == EXAMPLE_JOB.global_batch_size
+
+
+def test_parallel_search_finds_the_same_best_plan(monkeypatch):
+    import sailor.planner as planner
+
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 24, "V100-16": 24}})
+    job = JobSpec(model="opt-350m", global_batch_size=256)
+    monkeypatch.setattr(planner, "PARALLEL_MIN_GPUS", 10**9)
+    seq = plan_job(make_context(job, cluster), PlanOptions(max_stages=4))
+    monkeypatch.setattr(planner, "PARALLEL_MIN_GPUS", 1)
+    assert planner._workers(make_context(job, cluster), 8) >= 1
+    par = plan_job(make_context(job, cluster), PlanOptions(max_stages=4))
+    assert par.best_closed.closed_time_s == pytest.approx(seq.best_closed.closed_time_s, rel=1e-12)
+    assert par.estimate.iteration_time_s == pytest.approx(seq.estimate.iteration_time_s, rel=1e-12)

@@ -49,7 +49,7 @@ from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.replan import Planned, Replanner
 from sailor.errors import InfeasibleError, SailorInputError
 from sailor.plan import rank_layout
-from sailor.runtime.launcher import ExitStatus, TrainOptions, TrainResult, _failures, launch, prepare
+from sailor.runtime.launcher import ExitStatus, TrainOptions, TrainResult, failed_ranks, launch, prepare
 from sailor.specs import ClusterSpec, JobSpec
 
 POLL_S = 0.05  # how often the loop looks at the trace clock and the runtime's events
@@ -538,7 +538,7 @@ def _dead_ranks(res: TrainResult) -> set[int]:
     own = {int(e["rank"]) for e in errors if not e.get("peer_lost")}
     reported = {int(e["rank"]) for e in errors}
     tail = next((e["text"] for e in res.events if e.get("event") == "stderr_tail"), "")
-    silent = {int(r) for r, code in _failures(tail) if r.isdigit() and int(r) not in reported and code != "-15"}
+    silent = {int(r) for r, code in failed_ranks(tail) if r.isdigit() and int(r) not in reported and code != "-15"}
     return own | silent
 
 

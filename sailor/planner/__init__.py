@@ -21,7 +21,10 @@ Every call builds its own SimContext: nothing is cached across calls.
 from __future__ import annotations
 
 import heapq
+import multiprocessing as mp
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -94,58 +97,18 @@ def plan_job(ctx: SimContext, options: PlanOptions | None = None,
     if cluster.total_gpus() == 0:
         raise InfeasibleError("the cluster offers no GPUs")
     key = objective_key(opts.objective)
-    finalists: dict[tuple, tuple[tuple[float, float], S.Candidate, tuple]] = {}
-    state = {"best": None, "points": 0, "candidates": 0}
-    keep = 2 * max(opts.top_k, opts.rescore)
-
-    front: list[tuple[float, float]] = []
-
-    def offer(cand: S.Candidate, point: tuple) -> None:
-        state["candidates"] += 1
-        _pareto_add(front, (cand.iteration_time_s, cand.cost_per_iteration_usd))
-        if not opts.constraints.ok(cand.iteration_time_s, cand.cost_per_iteration_usd):
-            return
-        k = key(cand.iteration_time_s, cand.cost_per_iteration_usd)
-        finalists[(point, cand.counts)] = (k, cand, point)
-        if state["best"] is None or k < state["best"]:
-            state["best"] = k
-        if len(finalists) > 2 * keep:
-            for sig in sorted(finalists, key=lambda s: finalists[s][0])[keep:]:
-                del finalists[sig]
-
-    exact = cluster.total_gpus() <= EXACT_MAX_GPUS
-    # Two-level best-first branch and bound: coarse nodes (region, P, micro-batch) are expanded into
-    # families (one per partition) only when their bound can still beat the best plan; families are
-    # searched in bound order; everything left once the smallest bound cannot win is pruned.
-    heap: list = []
-    coarse = list(coarse_nodes(ctx, opts))
-    for n, (bound, node) in enumerate(coarse):
-        heapq.heappush(heap, (bound, 0, n, node))
-    counter, done, any_family = len(coarse), 0, False
-    while heap:
-        bound, kind, _, item = heapq.heappop(heap)
-        if state["best"] is not None and bound[0] >= state["best"][0]:
-            break  # the heap is ordered by bound: nothing left can win
-        if kind == 0:
-            for fbound, fam in families(ctx, opts, *item):
-                any_family = True
-                counter += 1
-                heapq.heappush(heap, (fbound, 1, counter, fam))
-            done += 1
-            if progress:
-                progress(done, len(coarse))
-            continue
-        for types, point in points(ctx, opts, item, exact):
-            state["points"] += 1
-            search_counts(ctx, opts, types, point, item.M, offer, state, key, exact)
+    coarse = sorted(coarse_nodes(ctx, opts), key=lambda x: x[0])
+    workers = _workers(ctx, len(coarse))
+    if workers > 1:
+        found = _search_parallel(ctx, opts, coarse, workers, progress)
+    else:
+        found = _search(ctx, opts, coarse, None, progress)
     if progress:
         progress(len(coarse), len(coarse))
-
-    if not finalists:
-        raise InfeasibleError(_why_infeasible(ctx, opts, any_family))
-    ranked = sorted(finalists.values(), key=lambda v: v[0])
-    choices = [Choice(_build_plan(ctx, cand, point), cand.iteration_time_s, cand.cost_per_iteration_usd)
-               for _, cand, point in ranked[: max(opts.rescore, opts.top_k + 1)]]
+    if not found.finalists:
+        raise InfeasibleError(_why_infeasible(ctx, opts, found.any_family))
+    ranked = sorted(found.finalists, key=lambda v: v[0])
+    choices = [Choice(plan, t, c) for _, t, c, plan in ranked[: max(opts.rescore, opts.top_k + 1)]]
     best_closed = choices[0]
     for ch in choices[: opts.rescore]:
         ch.estimate = simulate(ch.plan, ctx)
@@ -161,7 +124,119 @@ def plan_job(ctx: SimContext, options: PlanOptions | None = None,
     alternatives.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     return PlanResult(plan=best.plan, estimate=best.estimate, alternatives=alternatives,
                       best_closed=best_closed, search_time_s=time.perf_counter() - t0,
-                      points=state["points"], candidates=state["candidates"], pareto=sorted(front))
+                      points=found.points, candidates=found.candidates, pareto=sorted(found.front))
+
+
+@dataclass
+class _Found:
+    """What one search (this process or a worker) found: finalists as (objective key, closed-form
+    time s, closed-form $/iteration, plan), the Pareto front, and counts."""
+
+    finalists: list[tuple[tuple[float, float], float, float, Plan]] = field(default_factory=list)
+    front: list[tuple[float, float]] = field(default_factory=list)
+    points: int = 0
+    candidates: int = 0
+    any_family: bool = False
+
+
+def _search(ctx: SimContext, opts: PlanOptions, coarse: list, shared_best, progress) -> _Found:
+    """Two-level best-first branch and bound over `coarse` nodes (bound, (zones, P, mbs)): a node is
+    expanded into families (one per partition) only when its bound can still beat the best plan;
+    families are searched in bound order; everything left once the smallest bound cannot win is
+    pruned. `shared_best` (a multiprocessing.Value or None) carries the best first objective component
+    found by any process, so that parallel searches prune with each other's plans."""
+    key = objective_key(opts.objective)
+    exact = ctx.cluster.total_gpus() <= EXACT_MAX_GPUS
+    keep = 2 * max(opts.top_k, opts.rescore)
+    finalists: dict[tuple, tuple[tuple[float, float], S.Candidate, tuple]] = {}
+    found = _Found()
+    state = {"best": None}
+
+    def best0() -> float:
+        local = state["best"][0] if state["best"] is not None else float("inf")
+        return min(local, shared_best.value) if shared_best is not None else local
+
+    def offer(cand: S.Candidate, point: tuple) -> None:
+        found.candidates += 1
+        _pareto_add(found.front, (cand.iteration_time_s, cand.cost_per_iteration_usd))
+        if not opts.constraints.ok(cand.iteration_time_s, cand.cost_per_iteration_usd):
+            return
+        k = key(cand.iteration_time_s, cand.cost_per_iteration_usd)
+        finalists[(point, cand.counts)] = (k, cand, point)
+        if state["best"] is None or k < state["best"]:
+            state["best"] = k
+            if shared_best is not None:
+                with shared_best.get_lock():
+                    shared_best.value = min(shared_best.value, k[0])
+        if len(finalists) > 2 * keep:
+            for sig in sorted(finalists, key=lambda s: finalists[s][0])[keep:]:
+                del finalists[sig]
+
+    heap = [(bound, 0, n, node) for n, (bound, node) in enumerate(coarse)]
+    heapq.heapify(heap)
+    counter, done = len(coarse), 0
+    while heap:
+        bound, kind, _, item = heapq.heappop(heap)
+        if bound[0] >= best0():
+            break  # the heap is ordered by bound: nothing left can win
+        if kind == 0:
+            for fbound, fam in families(ctx, opts, *item):
+                found.any_family = True
+                counter += 1
+                heapq.heappush(heap, (fbound, 1, counter, fam))
+            done += 1
+            if progress:
+                progress(done, len(coarse))
+            continue
+        for types, point in points(ctx, opts, item, exact):
+            found.points += 1
+            search_counts(ctx, opts, types, point, item.M, offer, best0, exact)
+    found.finalists = [(k, cand.iteration_time_s, cand.cost_per_iteration_usd, _build_plan(ctx, cand, point))
+                       for k, cand, point in sorted(finalists.values(), key=lambda v: v[0])[:keep]]
+    return found
+
+
+# Planning splits its coarse nodes over this many processes when the cluster has at least
+# PARALLEL_MIN_GPUS GPUs (below that a search takes about a second and forking does not pay).
+PARALLEL_MIN_GPUS = 256
+_PARALLEL_JOB: tuple | None = None  # (ctx, opts, groups, shared best) for forked workers; set per call
+
+
+def _workers(ctx: SimContext, nodes: int) -> int:
+    if ctx.cluster.total_gpus() < PARALLEL_MIN_GPUS or nodes < 8 or "fork" not in mp.get_all_start_methods():
+        return 1
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
+def _worker(index: int) -> _Found:
+    ctx, opts, groups, shared = _PARALLEL_JOB
+    return _search(ctx, opts, groups[index], shared, None)
+
+
+def _search_parallel(ctx: SimContext, opts: PlanOptions, coarse: list, workers: int, progress) -> _Found:
+    """`_search` over `workers` forked processes, coarse nodes dealt round-robin in bound order, the
+    best objective shared through a multiprocessing.Value; results merged here."""
+    global _PARALLEL_JOB
+    fork = mp.get_context("fork")
+    shared = fork.Value("d", float("inf"))
+    groups = [coarse[i::workers] for i in range(workers)]
+    _PARALLEL_JOB = (ctx, opts, groups, shared)
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=fork) as pool:
+            parts = list(pool.map(_worker, range(workers)))
+    finally:
+        _PARALLEL_JOB = None
+    merged = _Found()
+    for i, part in enumerate(parts):
+        merged.finalists += part.finalists
+        for p in part.front:
+            _pareto_add(merged.front, p)
+        merged.points += part.points
+        merged.candidates += part.candidates
+        merged.any_family |= part.any_family
+        if progress:
+            progress(sum(len(g) for g in groups[: i + 1]), len(coarse))
+    return merged
 
 
 def _pareto_add(front: list[tuple[float, float]], p: tuple[float, float]) -> None:

@@ -60,15 +60,9 @@ def coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) ->
                 total += min((a // P) * (1 + math.floor((tau - fill) / per + 1e-9)), a * tau / work)
         return total
 
-    lo = min(k[1] for k in kinds)
-    hi = max(k[1] for k in kinds) * (1 + job.global_batch_size)
     M = job.global_batch_size // mbs
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        if capacity(mid) >= M:
-            hi = mid
-        else:
-            lo = mid
+    lo = smallest_time(lambda tau: capacity(tau) >= M, min(k[1] for k in kinds),
+                       max(k[1] for k in kinds) * (1 + job.global_batch_size))
     alone = min(fill + (M - 1) * per for _, fill, per, _, _ in kinds)
     T = min(alone, lo + sync2 / 2)
     cost = M * min(price * work for _, _, _, work, price in kinds) / 3600.0
@@ -117,13 +111,8 @@ def lower_bound(types: list[S.PipelineType], M: int, opts: PlanOptions, sync2: f
     def capacity(tau: float) -> int:
         return sum(max(min(t.max_count, M) * t.cap(tau) for t in g) for g in groups.values())
 
-    lo, hi = min(t.fill_s for t in used), max(t.two_s for t in used) + M * max(t.period_s for t in used)
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        if capacity(mid) >= M:
-            hi = mid
-        else:
-            lo = mid
+    lo = smallest_time(lambda tau: capacity(tau) >= M, min(t.fill_s for t in used),
+                       max(t.two_s for t in used) + M * max(t.period_s for t in used))
     opt = min(t.optimizer_s for t in used)
     alone = min(t.time_s(M) for t in used) + opt
     many = lo + sync2 / 2 + opt if sum(t.max_count for t in used) >= 2 else float("inf")
@@ -131,6 +120,18 @@ def lower_bound(types: list[S.PipelineType], M: int, opts: PlanOptions, sync2: f
     rate = min(t.usd_per_hour for t in used)
     base = min(t.usd_per_hour * min(t.fill_s, t.two_s - t.period_s) for t in used)
     work = (M * min(t.usd_per_hour * t.period_s for t in used) + min(base, 0.0) * M + max(base, 0.0)) / 3600.0
-    cost = min(min(t.usd_per_hour * t.time_s(M) for t in used) / 3600.0 + 0.0,
+    cost = min(min(t.usd_per_hour * t.time_s(M) for t in used) / 3600.0,
                max(work, 2 * rate * (lo + sync2 / 2 + opt) / 3600.0))
     return (T, cost) if opts.objective is Objective.THROUGHPUT else (cost, T)
+
+
+def smallest_time(enough, lo: float, hi: float, iterations: int = 50) -> float:
+    """Lower end of the bisection for the smallest τ in [lo, hi] with enough(τ) (non-decreasing in
+    τ): a value <= that τ, within (hi - lo)/2^iterations of it — what a lower bound needs."""
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        if enough(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo

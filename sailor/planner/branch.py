@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 from sailor.planner import search as S
 from sailor.planner.bounds import coarse_bound, lower_bound, sync_floor, types_sync_floor
@@ -141,11 +142,13 @@ def alone_score(ctx, gpu, zones, tps, partition, mbs, M: int, opts: PlanOptions)
     return best
 
 
-def search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M: int, offer, state, key,
-                   exact: bool) -> None:
-    """Phase 2 for one point: every count vector on small spaces, else the bounded D scan."""
+def search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M: int, offer,
+                  best: Callable[[], float], exact: bool) -> None:
+    """Phase 2 for one point: every count vector on small spaces, else the bounded D scan.
+    `offer(candidate, point)` receives every scored candidate; `best()` is the first component of the
+    best objective key found so far (inf before any), used to prune."""
     s_min = types_sync_floor(ctx, types, point[0])
-    if state["best"] is not None and lower_bound(types, M, opts, s_min)[0] >= state["best"][0]:
+    if lower_bound(types, M, opts, s_min)[0] >= best():
         return
     scorer = S.Scorer(ctx, point[0], types, M, equal_shares=opts.search is not SearchSpace.FULL)
     gpus_in_point = {g for g, _ in point[2]}
@@ -171,7 +174,7 @@ def search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M:
     seen: set[tuple[int, ...]] = set()
     for D in range(1, D_max + 1):
         floor = S.makespan_floor(types, D, M) + s_min * (D - 1) / D + opt_min
-        if state["best"] is not None and opts.objective is Objective.THROUGHPUT and floor >= state["best"][0]:
+        if opts.objective is Objective.THROUGHPUT and floor >= best():
             continue
         for subset in kinds:
             counts = S.fastest_first(subset, D)

@@ -245,7 +245,7 @@ def _result(result: TrainResult, returncode: int, signals: int, stderr_tail: str
         result.message = "killed by a second interrupt"
     else:
         result.status = ExitStatus.FAILED
-        why = _first_failure(errors, _failures(stderr_tail)) or f"torchrun exited with status {returncode}"
+        why = _first_failure(errors, failed_ranks(stderr_tail)) or f"torchrun exited with status {returncode}"
         if len(why) > 300:
             why = why[:297] + "..."
         result.message = f"training failed ({why}); all ranks stopped"
@@ -253,7 +253,7 @@ def _result(result: TrainResult, returncode: int, signals: int, stderr_tail: str
     return result
 
 
-def _failures(stderr: str) -> list[tuple[str, str]]:
+def failed_ranks(stderr: str) -> list[tuple[str, str]]:
     """(rank, exit status) of each failed rank in torchrun's failure report, root cause first."""
     if "Root Cause" in stderr:
         i = stderr.index("Root Cause")

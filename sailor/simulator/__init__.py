@@ -103,7 +103,8 @@ class SimContext:
         """(forward_s, backward_s) of one micro-batch on layers [a, b) for one replica."""
         c = self.layer_cumsum(gpu, tp, mbs)
         f, bw = c[b] - c[a]
-        return float(f), float(bw)
+        h = gpu_constant(self.calibration, gpu, "pass_overhead_s", 0.0)
+        return float(f) + h, float(bw) + h
 
     def params_cumsum(self, tp: int) -> np.ndarray:
         """Cumulative parameters per GPU over layers at TP `tp`: array (num_layers + 1,)."""
@@ -294,6 +295,7 @@ def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int) -> tup
             nbytes = ctx.boundary_bytes(e, mbs)
             flows = min(r.tp, nxt.tp)
             c[i] = ctx.network.transfer_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, nbytes, flows=flows)
+            c[i] += max(gpu_constant(ctx.calibration, g, "p2p_overhead_s", 0.0) for g in (r.gpu, nxt.gpu))
             lc = ctx.network.link_class(r.zone, nxt.zone)
             if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
                 both = 2.0 * nbytes * flows  # activation forward, gradient backward
@@ -317,6 +319,8 @@ def stage_sync(ctx: SimContext, groups: list[Group], a: int, e: int) -> tuple[fl
         t = min(r.tp for r, _ in groups)
         nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["gradients"]
         seconds = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency([r for r, _ in groups])
+        if sum(n for _, n in groups) > 1:
+            seconds += max(gpu_constant(ctx.calibration, r.gpu, "allreduce_latency_s", 0.0) for r, _ in groups)
         ctx.memo[key] = (seconds, *ring_egress(groups, nbytes, ctx.network))
     return ctx.memo[key]
 
