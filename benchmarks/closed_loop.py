@@ -7,6 +7,12 @@
 3. print a table, then, as the last line, one JSON object with `mean_abs_error_pct`, `plans` and the
    per-plan rows. Target on the 2-core CPU build machines: mean absolute error <= 10 %.
 
+Other jobs on a shared machine change both sides of the comparison, so the profile and every run
+first wait (up to QUIET_WAIT_S) for a quiet machine: 1-minute load below QUIET_LOAD and other
+processes using fewer than QUIET_BUSY_CORES cores. Each row records the load before and after its run
+and the cores other processes used during it (/proc/stat minus our own CPU time); a run disturbed
+by them is repeated once.
+
 Plans (the `tiny` model, 2 processes each, so every process has a core):
   dp2       1 stage x 2 pipelines (data parallel)
   pp2       2 stages, layers split 3 | 3
@@ -14,7 +20,7 @@ Plans (the `tiny` model, 2 processes each, so every process has a core):
   pp2_uneven 2 stages, layers split 2 | 4
   dp2_shares 1 stage x 2 pipelines taking 3/4 and 1/4 of the batch
 
-    python benchmarks/closed_loop.py [--device cpu] [--steps 8] [--skip 3] [--gbs 64] [--mbs 4]
+    python benchmarks/closed_loop.py [--device cpu] [--steps 10] [--skip 3] [--gbs 64] [--mbs 4]
         [--model tiny] [--seq N] [--out DIR] [--single-device --mbs 1,2,4,8]
 """
 
@@ -22,12 +28,67 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+QUIET_LOAD = 1.0  # 1-minute load average below which the machine counts as quiet
+QUIET_BUSY_CORES = 0.3  # and cores kept busy by other processes over a 2-s sample
+QUIET_WAIT_S = 240.0  # give up waiting (and say so in the output) after this long
+
+
+def _busy_jiffies() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot (/proc/stat, steal counted as busy)."""
+    v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    return sum(v) - v[3] - v[4], sum(v)
+
+
+def _load1() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def _children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+class Foreign:
+    """CPU time other processes used while a block ran: the machine's busy time (/proc/stat) minus
+    this script's own and its children's CPU time, in cores (0 on a machine that ran only us)."""
+
+    def __enter__(self):
+        self.t0, self.j0, self.own0 = time.monotonic(), _busy_jiffies(), _children_cpu_s() + time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.monotonic() - self.t0
+        j1 = _busy_jiffies()
+        ncpu = os.cpu_count() or 1
+        busy_s = (j1[0] - self.j0[0]) / max(j1[1] - self.j0[1], 1) * ncpu * wall
+        own_s = _children_cpu_s() + time.process_time() - self.own0
+        self.cores = max(0.0, (busy_s - own_s) / max(wall, 1e-9))
+        return False
+
+
+def wait_quiet() -> dict:
+    """Sleep until the 1-minute load is below QUIET_LOAD and other processes keep fewer than
+    QUIET_BUSY_CORES cores busy (at most QUIET_WAIT_S); returns what was seen."""
+    t0 = time.monotonic()
+    while True:
+        with Foreign() as f:
+            time.sleep(2.0)
+        load = _load1()
+        quiet = load < QUIET_LOAD and f.cores < QUIET_BUSY_CORES
+        if quiet or time.monotonic() - t0 > QUIET_WAIT_S:
+            return {"load1": load, "busy_cores": round(f.cores, 2), "quiet": quiet,
+                    "waited_s": round(time.monotonic() - t0, 1)}
+        time.sleep(5.0)
 
 
 def _rep(stage: int, tp: int, gpu: str) -> dict:
@@ -84,7 +145,8 @@ def closed_loop(args: argparse.Namespace, work: Path) -> list[dict]:
     tps = "1" if args.single_device else "1,2"
 
     def profile() -> str:
-        print(f"profiling {args.model} on {args.device} ...", file=sys.stderr)
+        machine = wait_quiet()
+        print(f"profiling {args.model} on {args.device} ({machine}) ...", file=sys.stderr)
         _run([sailor, "profile", "--job", str(job), "--device", args.device, "--tp", tps, "--mbs", str(args.mbs),
               "--repeats", str(args.repeats), "--out", str(prof)])
         return next(iter(json.loads(prof.read_text())["optimizer"]))
@@ -112,9 +174,17 @@ def closed_loop(args: argparse.Namespace, work: Path) -> list[dict]:
         plan.write_text(json.dumps({"micro_batch_size": mbs, **body, "job": model}))
         est = json.loads(_run([sailor, "simulate", str(plan), "--profiles", str(prof), *net_args, "--json"]))
         metrics = work / f"{name}.jsonl"
-        print(f"training {name} ...", file=sys.stderr)
-        _run([sailor, "train", str(plan), "--steps", str(args.steps), "--metrics", str(metrics),
-              "--device", args.device])
+        for attempt in range(2):  # a second try when other processes took CPU time during the run
+            before = wait_quiet()
+            print(f"training {name} ({before}) ...", file=sys.stderr)
+            metrics.unlink(missing_ok=True)
+            with Foreign() as during:
+                _run([sailor, "train", str(plan), "--steps", str(args.steps), "--metrics", str(metrics),
+                      "--device", args.device])
+            if during.cores < QUIET_BUSY_CORES:
+                break
+        machine = {"load1_before": before["load1"], "load1_after": _load1(),
+                   "other_busy_cores_during": round(during.cores, 2), "attempts": attempt + 1}
         steps = [json.loads(line) for line in metrics.read_text().splitlines()][args.skip:]
         measured = statistics.median(s["step_time_s"] for s in steps)
         predicted = est["iteration_time_s"]
@@ -130,7 +200,7 @@ def closed_loop(args: argparse.Namespace, work: Path) -> list[dict]:
                      "tp": body["pipelines"][0]["replicas"][0]["tp"], "predicted_s": predicted,
                      "measured_s": measured, "error_pct": 100.0 * (predicted - measured) / measured,
                      "measured_spread_s": max(s["step_time_s"] for s in steps) - min(s["step_time_s"] for s in steps),
-                     "estimated": est["estimated"]})
+                     "estimated": est["estimated"], "machine": machine})
     return rows
 
 
@@ -143,12 +213,12 @@ def main() -> None:
     ap.add_argument("--mbs", default="4", help="micro-batch size; with --single-device a comma-separated sweep")
     ap.add_argument("--single-device", action="store_true",
                     help="one process per plan (a single GPU): plans single_mbs<b> for each micro-batch size b")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--skip", type=int, default=3, help="first steps left out (warm-up)")
     ap.add_argument("--repeats", type=int, default=20, help="profiler repeats")
     ap.add_argument("--plans", nargs="*", help="only these plans")
-    ap.add_argument("--reprofile", action=argparse.BooleanOptionalAction, default=True,
-                    help="profile again before each plan (default; a shared machine's load drifts)")
+    ap.add_argument("--reprofile", action=argparse.BooleanOptionalAction, default=False,
+                    help="profile again before each plan (off: every profile and run waits for a quiet machine)")
     ap.add_argument("--out", help="keep profile, plans and metrics in this folder")
     args = ap.parse_args()
     if args.out:
@@ -165,9 +235,13 @@ def main() -> None:
     mae = statistics.mean(abs(r["error_pct"]) for r in rows)
     ratios = [x for r in rows for x in r["compute_ratio_per_stage"]]
     if ratios:
-        print(f"run/profile compute ratio per stage: median {statistics.median(ratios):.2f}"
-              f" (calibration `compute_factor` refit: sailor.simulator.calibration.fit_compute_factor)")
+        print(f"in-run / profiled compute per stage and micro-batch: median {statistics.median(ratios):.2f}"
+              f" (range {min(ratios):.2f} .. {max(ratios):.2f})")
+    loads = [r["machine"]["load1_before"] for r in rows] + [r["machine"]["load1_after"] for r in rows]
+    print(f"1-minute load average around the runs: {min(loads):.2f} .. {max(loads):.2f}; other processes'"
+          f" busy cores during them: max {max(r['machine']['other_busy_cores_during'] for r in rows):.2f}")
     print(json.dumps({"mean_abs_error_pct": mae, "plans": len(rows), "device": args.device, "model": args.model,
+                      "load1_range": [min(loads), max(loads)],
                       "global_batch_size": args.gbs, "micro_batch_size": args.mbs, "rows": rows}))
 
 

@@ -8,7 +8,7 @@ and network fits, and compare.
 
 Errors are signed relative errors, (predicted - measured) / measured, in percent. Memory is compared
 on the most-loaded GPU (the measurement is a max over ranks). `fit_calibration` fits the per-GPU-type
-memory constants of `simulator.calibration` on a set of runs; `leave_one_out` predicts each run with
+memory and time constants of `simulator.calibration` on a set of runs; `leave_one_out` predicts each run with
 constants fitted without it, which is the over-fitting guard.
 """
 
@@ -204,17 +204,41 @@ class _Prepared:
 
     run: Run
     gpu: str
+    net: NetworkModel
+    profiles: Profiles
     time_s: float
     fixed_bytes: float  # weights + gradients + optimizer of the most-loaded GPU
     transient_bytes: float  # activations + buffers of that GPU
-    grid_times_s: dict[tuple[float, float], float]  # (profile gap, all-reduce efficiency) -> iteration s
 
 
-# Candidate values of the time constants (`simulator.calibration`): the profiler's per-layer gap (s)
-# and the all-reduce efficiency. A grid, not a free optimiser: each run is simulated once per point,
-# and fitting (and every leave-one-out refit) then only picks the point with least squared error.
-PROFILE_GAP_GRID_S = tuple(k * 25e-6 for k in range(0, 13))  # 0 .. 300 µs
-ALLREDUCE_EFFICIENCY_GRID = (1.0, 0.8, 0.6, 0.5, 0.4, 0.35, 0.3, 0.25, 0.2, 0.175, 0.15, 0.125, 0.1)
+# Time constants of `simulator.calibration` fitted per GPU type: name -> (start, lower, upper). The
+# all-reduce rate is fitted as its inverse, seconds per byte (iteration time is linear in it; lower
+# bound 0 = no rate limit beyond the links). A constant that no run constrains (no pipeline, or no
+# data parallelism, among the runs) stays at its start.
+TIME_CONSTANTS: dict[str, tuple[float, float, float]] = {
+    "profile_overhead_s": (150e-6, 0.0, 1e-3),
+    "p2p_overhead_s": (500e-6, 0.0, 10e-3),
+    "allreduce_s_per_byte": (0.5e-9, 0.0, 1e-8),
+}
+
+
+def _time_calibration(gpu: str, x: dict[str, float], base: Calibration | None = None) -> Calibration:
+    """`base` (default: the shipped constants) with GPU type `gpu`'s time constants set from `x`."""
+    cal = default_calibration() if base is None else {g: dict(v) for g, v in base.items()}
+    c = cal.setdefault(gpu, {})
+    c["profile_overhead_s"] = x["profile_overhead_s"]
+    c["p2p_overhead_s"] = x["p2p_overhead_s"]
+    c.pop("allreduce_efficiency", None)
+    if x["allreduce_s_per_byte"] > 0:
+        c["allreduce_bytes_per_s"] = 1.0 / x["allreduce_s_per_byte"]
+    else:
+        c.pop("allreduce_bytes_per_s", None)
+    return cal
+
+
+def _sim_time(p: _Prepared, cal: Calibration) -> float:
+    return simulate(p.run.plan, make_context(p.run.job, p.run.cluster, p.profiles, p.net,
+                                             calibration=cal)).iteration_time_s
 
 
 def _prepare(runs: list[Run], profiles: Profiles, network_path: Path | None) -> list[_Prepared]:
@@ -227,30 +251,31 @@ def _prepare(runs: list[Run], profiles: Profiles, network_path: Path | None) -> 
         est = simulate(run.plan, make_context(run.job, run.cluster, profiles, net, calibration=zero))
         top = max(est.replicas, key=lambda r: r.memory.total)
         mem = top.memory
-        times = {}
-        for gap in PROFILE_GAP_GRID_S:
-            for eff in ALLREDUCE_EFFICIENCY_GRID:
-                cal = {g: {"profile_overhead_s": gap, "allreduce_efficiency": eff} for g in run.cluster.gpu_types()}
-                times[(gap, eff)] = simulate(run.plan, make_context(run.job, run.cluster, profiles, net,
-                                                                    calibration=cal)).iteration_time_s
-        out.append(_Prepared(run=run, gpu=top.gpu, time_s=est.iteration_time_s,
+        out.append(_Prepared(run=run, gpu=top.gpu, net=net, profiles=profiles, time_s=est.iteration_time_s,
                              fixed_bytes=mem.weights + mem.gradients + mem.optimizer,
-                             transient_bytes=mem.activations + mem.buffers, grid_times_s=times))
+                             transient_bytes=mem.activations + mem.buffers))
     return out
 
 
-def _fit_time(ps: list[_Prepared]) -> dict[str, float]:
-    """Grid point with the least sum of squared relative time errors over `ps` (one GPU type)."""
-    def sse(key: tuple[float, float]) -> float:
-        return sum((p.grid_times_s[key] / p.run.measured_time_s - 1.0) ** 2 for p in ps)
-    gap, eff = min(ps[0].grid_times_s, key=sse)
-    return {"profile_overhead_s": gap, "allreduce_efficiency": eff}
+def _fit_time(gpu: str, ps: list[_Prepared]) -> dict[str, float]:
+    """Time constants of GPU type `gpu` with the least sum of squared relative iteration-time errors
+    over `ps` (bounded least squares, scipy's trust-region reflective method; each residual
+    evaluation simulates every run)."""
+    from scipy.optimize import least_squares  # heavy import, only when fitting
 
+    names = list(TIME_CONSTANTS)
+    start = np.array([TIME_CONSTANTS[k][0] for k in names])
+    meas = np.array([p.run.measured_time_s for p in ps])
 
-def _predict_time(p: _Prepared, cal: Calibration) -> float:
-    c = cal.get(p.gpu, {})
-    key = (c.get("profile_overhead_s", 0.0), c.get("allreduce_efficiency", 1.0))
-    return p.grid_times_s.get(key, p.time_s) if c else p.grid_times_s[(0.0, 1.0)]
+    def residuals(v: np.ndarray) -> np.ndarray:
+        cal = _time_calibration(gpu, dict(zip(names, v)))
+        return np.array([_sim_time(p, cal) for p in ps]) / meas - 1.0
+
+    sol = least_squares(residuals, start, bounds=([TIME_CONSTANTS[k][1] for k in names],
+                                                  [TIME_CONSTANTS[k][2] for k in names]),
+                        x_scale=start, diff_step=1e-3)
+    fitted = _time_calibration(gpu, dict(zip(names, sol.x.tolist())), base={})[gpu]
+    return fitted
 
 
 def _predict_memory(p: _Prepared, cal: Calibration, default_framework: float) -> float:
@@ -264,14 +289,19 @@ def _fit(prepared: list[_Prepared]) -> Calibration:
     for gpu in sorted({p.gpu for p in prepared}):
         ps = [p for p in prepared if p.gpu == gpu]
         cal[gpu] = fit_memory(np.array([p.fixed_bytes for p in ps]), np.array([p.transient_bytes for p in ps]),
-                              np.array([p.run.measured_memory_bytes for p in ps])) | _fit_time(ps)
+                              np.array([p.run.measured_memory_bytes for p in ps])) | _fit_time(gpu, ps)
     return cal
+
+
+def _with_defaults(fitted: Calibration) -> Calibration:
+    """The shipped constants with the fitted GPU types' entries replaced by `fitted`."""
+    return default_calibration() | {g: dict(v) for g, v in fitted.items()}
 
 
 def fit_calibration(runs: list[Run], profiles: Profiles, network_path: Path | None = None) -> Calibration:
     """Per-GPU-type constants fitted on `runs`: memory (`framework_bytes`, `reserve_fraction`, linear
-    least squares) and time (`profile_overhead_s`, `allreduce_efficiency`, least squared relative
-    error over `PROFILE_GAP_GRID_S` x `ALLREDUCE_EFFICIENCY_GRID`)."""
+    least squares) and time (`profile_overhead_s`, `p2p_overhead_s`, `allreduce_bytes_per_s`, least
+    squared relative error, `TIME_CONSTANTS`)."""
     return _fit(_prepare(runs, profiles, network_path))
 
 
@@ -292,14 +322,8 @@ def validate(runs: list[Run], profiles: Profiles, network_path: Path | None = No
     """
     prepared = _prepare(runs, profiles, network_path)
     cal = _fit(prepared) if fit else (default_calibration() if calibration is None else calibration)
-    if not fit:  # time with the given constants (they need not lie on the fitting grid)
-        for p in prepared:
-            net = network_for(p.run.cluster, network_path)
-            p.time_s = simulate(p.run.plan, make_context(p.run.job, p.run.cluster, profiles, net,
-                                                         calibration=cal)).iteration_time_s
-    else:
-        for p in prepared:
-            p.time_s = _predict_time(p, cal)
+    for p in prepared:
+        p.time_s = _sim_time(p, _with_defaults(cal) if fit else cal)
     results = []
     for k, p in enumerate(prepared):
         fw = float(catalog.gpu(p.gpu).framework_bytes)
@@ -308,8 +332,8 @@ def validate(runs: list[Run], profiles: Profiles, network_path: Path | None = No
                         predicted_memory_bytes=_predict_memory(p, cal, fw))
         if loo:
             others = [q for q in prepared if q is not p and q.gpu == p.gpu]
-            loo_cal = _fit(others) if others else {}
+            loo_cal = _fit(others) if others else {p.gpu: {}}
             res.loo_memory_err_pct = 100.0 * (_predict_memory(p, loo_cal, fw) / p.run.measured_memory_bytes - 1.0)
-            res.loo_time_err_pct = 100.0 * (_predict_time(p, loo_cal) / p.run.measured_time_s - 1.0)
+            res.loo_time_err_pct = 100.0 * (_sim_time(p, _with_defaults(loo_cal)) / p.run.measured_time_s - 1.0)
         results.append(res)
     return ValidationReport(results=results, calibration=cal)

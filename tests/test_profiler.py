@@ -18,7 +18,7 @@ import pytest
 from sailor.network import network_for
 from sailor.profiles import load_profiles
 from sailor.runtime.netprofile import fit_alpha_beta, profile_network
-from sailor.runtime.profiler import ProfileOptions, check_options, device_gpu_type, profile_job
+from sailor.runtime.profiler import ProfileOptions, check_options, device_gpu_type, pass_scale, profile_job
 from sailor.errors import SailorInputError
 from sailor.fileio import write_json
 from sailor.specs import JobSpec, local_cluster
@@ -46,7 +46,7 @@ def profile_file(tmp_path_factory) -> Path:
     data = profile_job(ProfileOptions(job=JOB, tps=(1, 2), mbs=(1, 2), warmup=1, repeats=3),
                        progress=ticks.append)
     write_json(path, data)
-    assert sum(ticks) == 2 * 3 * 2  # (TP, layer kind, micro-batch) measurements
+    assert sum(ticks) == 2 * 4 * 2  # (TP, layer kind or whole model, micro-batch) measurements
     assert not _profiler_procs()
     return path
 
@@ -71,6 +71,20 @@ def test_profile_file_loads_with_every_measurement(profile_file):
     assert len(row["forward_spread_s"]) == n and all(s >= 0 for s in row["backward_spread_s"])
     assert all(m["peak_bytes"] > 0 for m in raw["memory"])
     assert not prof.estimates_used
+    # layer times were scaled to the whole model's single pass, for every (TP, micro-batch)
+    assert sorted(raw["settings"]["pass_scale"]) == ["1/1", "1/2", "2/1", "2/2"]
+    assert all(0 < f < 10 and 0 < b < 10 for f, b in raw["settings"]["pass_scale"].values())
+
+
+def test_pass_scale_spreads_the_per_pass_overhead():
+    # 6 layers timed alone (ms): embedding 0.07, 4 blocks 0.59, head 0.22, each including one
+    # 0.07 ms pass overhead; the whole model in one pass pays it once: 2.65 - 5 x 0.07 = 2.30.
+    layers = [0.07, 0.59, 0.59, 0.59, 0.59, 0.22]
+    scale = pass_scale(layers, 2.30)
+    assert scale == pytest.approx(2.30 / 2.65)
+    assert sum(x * scale for x in layers) == pytest.approx(2.30)
+    with pytest.raises(AssertionError):
+        pass_scale([0.0], 1.0)
 
 
 def test_simulate_cli_uses_the_profile(profile_file, tmp_path):

@@ -121,3 +121,28 @@ def test_fit_memory_recovers_constants():
 def test_profile_gap_only_applies_to_measured_profiles():
     ctx = make_context(JOB, CLUSTER, calibration={"A100-40": {"profile_overhead_s": 1.0}})
     assert ctx.stage_compute_s("A100-40", 4, 2, 1, 2)[0] > 0  # roofline estimate: no gap subtracted
+
+
+def test_p2p_overhead_is_added_to_every_boundary_transfer():
+    from sailor.simulator import Slot, pipeline_arrays
+    slots = [Slot(zone="us-central1-a", gpu="A100-40", tp=4)] * 3
+    stages = [(0, 9), (9, 18), (18, 26)]
+    base = pipeline_arrays(make_context(JOB, CLUSTER, calibration={}), slots, stages, 2)[2]
+    cal = {"A100-40": {"p2p_overhead_s": 1e-3}}
+    more = pipeline_arrays(make_context(JOB, CLUSTER, calibration=cal), slots, stages, 2)[2]
+    assert more == pytest.approx(base + 1e-3)
+
+
+def test_allreduce_rate_is_independent_of_replicas_and_floored_by_the_ring():
+    slow = {"A100-40": {"allreduce_bytes_per_s": 1e8}}  # far below the links: the rate decides
+    big = ClusterSpec(provider="gcp", zones={"us-central1-a": {"A100-40": 64}})
+    times = [simulate(_plan([[0, 26]], d=d, m=2), make_context(JOB, big, calibration=slow)).gradient_sync_s
+             for d in (2, 4, 16)]
+    ctx = make_context(JOB, big, calibration=slow)
+    assert times == pytest.approx([ctx.stage_params(4, 0, 26) * 4 / 1e8] * 3)
+    # a rate far above the links leaves the ring over the links
+    fast = {"A100-40": {"allreduce_bytes_per_s": 1e15}}
+    ring = simulate(_plan([[0, 26]], d=4, m=2), make_context(JOB, big, calibration={})).gradient_sync_s
+    assert simulate(_plan([[0, 26]], d=4, m=2), make_context(JOB, big, calibration=fast)).gradient_sync_s == \
+        pytest.approx(ring)
+    assert simulate(_plan([[0, 26]], d=1, m=2), make_context(JOB, big, calibration=slow)).gradient_sync_s == 0.0

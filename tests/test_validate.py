@@ -30,8 +30,12 @@ def test_gh200_targets():
     assert s["time_mape_pct"] <= 5.0
     assert s["memory_mape_pct"] <= 5.0
     assert s["memory_max_ape_pct"] <= 10.0
-    # Known miss (see report): N4_D4 (mbs 4) is 11.4 % fast; bound it so it cannot get worse.
-    assert s["time_max_ape_pct"] <= 12.0
+    # Issue 4 asks max <= 10 %; reached 10.5 %. The miss is N4_D4, the only micro-batch-4 run
+    # (measured 1.235 s, predicted 1.106 s): per micro-batch it runs ~14 % slower than its profile
+    # (minus the profiler gap), while the runs at micro-batch 1, 2 and 8 agree with theirs to 0-3 %
+    # (see the report in calibration.py). No constant that is the same for every run moves it
+    # without moving those; the bound is the value reached, so any regression fails.
+    assert s["time_max_ape_pct"] <= 10.6
     assert len(s["rows"]) == 15 and {"run", "time_err_pct", "memory_err_pct", "loo_time_err_pct"} <= set(s["rows"][0])
 
 
@@ -40,8 +44,11 @@ def test_gh200_refit_and_leave_one_out():
     s = _summary("--fit")
     cal = s["calibration"]["GH200-96"]
     assert 3e9 < cal["framework_bytes"] < 6e9 and 0.0 < cal["reserve_fraction"] < 0.3
+    assert 0.0 < cal["profile_overhead_s"] < 1e-3 and 0.0 < cal["p2p_overhead_s"] < 5e-3
+    assert 1e9 < cal["allreduce_bytes_per_s"] < 5e9
+    assert s["time_mape_pct"] <= 5.0 and s["memory_mape_pct"] <= 5.0
     assert s["loo_memory_mape_pct"] <= 5.0
-    assert s["loo_time_mape_pct"] <= 7.0
+    assert s["loo_time_mape_pct"] <= 5.0
 
 
 def test_model_from_folder_name():

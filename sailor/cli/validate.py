@@ -28,7 +28,7 @@ def validate_command(
                                            " Default: DIR/../../network."),
     model: Optional[str] = typer.Option(None, "--model", help="Model of every run (e.g. opt-350m, OPT-350)."
                                         " Default: the model the folder name mentions."),
-    fit: bool = typer.Option(False, "--fit", help="Refit the per-GPU-type memory constants on these runs and use them."),
+    fit: bool = typer.Option(False, "--fit", help="Refit the per-GPU-type memory and time constants on these runs and use them."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Simulate every measured run in DIR and report time and memory errors, with leave-one-out."""

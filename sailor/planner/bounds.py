@@ -13,8 +13,7 @@ import numpy as np
 
 from sailor.planner import search as S
 from sailor.planner.options import Objective, PlanOptions
-from sailor.simulator import SimContext, Slot, stage_sync
-from sailor.simulator.collectives import allreduce_time_s
+from sailor.simulator import SimContext, Slot, allreduce_s, stage_sync
 
 
 def coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) -> tuple[float, float]:
@@ -48,7 +47,7 @@ def coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) ->
             for t in tps:
                 nbytes = t * ctx.stage_params(t, 0, L) / P * grad
                 slot = Slot(zone=z, gpu=g, tp=t)
-                s = allreduce_time_s([(slot, 2)], nbytes, ctx.network) / ctx.allreduce_efficiency([slot])
+                s = allreduce_s(ctx, [(slot, 2)], nbytes, t)
                 sync2 = min(sync2, s)
     if not kinds:
         return (float("inf"), float("inf"))

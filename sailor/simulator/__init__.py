@@ -9,12 +9,13 @@ OptimizerStep):
 
 - pipeline: every TP rank of a stage sends the full activation to its peer rank of the next stage
   (DeepSpeed's p2p does not split it over TP), so a boundary carries min(t_i, t_i+1) concurrent flows
-  of one activation each.
+  of one activation each, plus a calibrated fixed cost per transfer.
 - tied: tied input/output embeddings (OPT, GPT-Neo, GPT-3) split over P > 1 stages: the first and
   last stage each hold a copy of the embedding module and all-reduce its gradient between them.
   With P = 1 there is one copy only (`tied_embeddings`).
 - sync: each TP rank all-reduces its own gradient shard (params(stage, t) x gradient bytes, norms
-  and row-parallel biases included) with its peers of the other D - 1 replicas.
+  and row-parallel biases included) with its peers of the other D - 1 replicas: a ring over the
+  links, and no faster than a GPU type's calibrated all-reduce rate (`allreduce_s`).
 - optimizer: proportional to the parameters on one GPU (memory-bound).
 The slowest pipeline sets the pace (straggler); the reductions wait for all pipelines. Every p2p transfer and
 all-reduce hop between two replicas is modelled on the link between two *nodes* of their zones
@@ -103,8 +104,7 @@ class SimContext:
         """(forward_s, backward_s) of one micro-batch on layers [a, b) for one replica."""
         c = self.layer_cumsum(gpu, tp, mbs)
         f, bw = c[b] - c[a]
-        h = gpu_constant(self.calibration, gpu, "pass_overhead_s", 0.0)
-        return float(f) + h, float(bw) + h
+        return float(f), float(bw)
 
     def params_cumsum(self, tp: int) -> np.ndarray:
         """Cumulative parameters per GPU over layers at TP `tp`: array (num_layers + 1,)."""
@@ -149,6 +149,18 @@ class SimContext:
         (calibrated per GPU type, 1 by default; the lowest member's value): reductions, chunking and
         the concurrent rings of all TP ranks of a node make it slower than a send/recv sweep."""
         return min(gpu_constant(self.calibration, mb.gpu, "allreduce_efficiency", 1.0) for mb in members)
+
+    def allreduce_bytes_per_s(self, members: list[Member]) -> float | None:
+        """Slowest calibrated all-reduce rate among `members` (bytes of one GPU's gradient shard per
+        second, independent of the number of replicas), or None when no member's GPU type has one."""
+        rates = [self.calibration.get(mb.gpu, {}).get("allreduce_bytes_per_s") for mb in members]
+        rates = [float(r) for r in rates if r is not None]
+        return min(rates) if rates else None
+
+    def p2p_overhead_s(self, gpu_a: str, gpu_b: str) -> float:
+        """Fixed seconds each pipeline transfer pays on top of its bytes (calibrated, 0 by default;
+        the larger of the two ends)."""
+        return max(gpu_constant(self.calibration, g, "p2p_overhead_s", 0.0) for g in (gpu_a, gpu_b))
 
     def memory_capacity(self, gpu: str) -> int:
         return catalog.gpu(gpu).memory_bytes
@@ -284,7 +296,8 @@ def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int) -> tup
     (P,), (P-1,), plus (bytes crossing zones, egress $) per micro-batch.
 
     Every TP rank of a stage sends the full activation to its peer rank of the next stage (DeepSpeed's
-    p2p does not split it over TP), so a boundary carries min(t_i, t_i+1) concurrent flows."""
+    p2p does not split it over TP), so a boundary carries min(t_i, t_i+1) concurrent flows. Each
+    transfer also pays the calibrated fixed cost `p2p_overhead_s` of its slower end (0 by default)."""
     P = len(stages)
     f, b, c = np.zeros(P), np.zeros(P), np.zeros(max(P - 1, 0))
     moved, usd = 0.0, 0.0
@@ -294,8 +307,8 @@ def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int) -> tup
             nxt = slots[i + 1]
             nbytes = ctx.boundary_bytes(e, mbs)
             flows = min(r.tp, nxt.tp)
-            c[i] = ctx.network.transfer_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, nbytes, flows=flows)
-            c[i] += max(gpu_constant(ctx.calibration, g, "p2p_overhead_s", 0.0) for g in (r.gpu, nxt.gpu))
+            c[i] = (ctx.network.transfer_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, nbytes, flows=flows)
+                    + ctx.p2p_overhead_s(r.gpu, nxt.gpu))
             lc = ctx.network.link_class(r.zone, nxt.zone)
             if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
                 both = 2.0 * nbytes * flows  # activation forward, gradient backward
@@ -309,19 +322,30 @@ def optimizer_s(ctx: SimContext, slot: Slot, a: int, e: int) -> float:
     return ctx.profiles.optimizer_time_s(ctx.job, slot.gpu, ctx.stage_params(slot.tp, a, e))
 
 
+def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> float:
+    """Seconds of one gradient all-reduce of `nbytes` (a replica's gradient, split in `t` shards, one
+    per TP rank) across `groups`: the ring over the links (`allreduce_time_s`) divided by the
+    calibrated all-reduce efficiency, and no faster than one GPU's shard (nbytes / t) at the slowest
+    calibrated `allreduce_bytes_per_s` of the members (a rate that does not depend on the number of
+    replicas, as measured on GH200; see calibration.py). 0 for a single member."""
+    if sum(n for _, n in groups) < 2:
+        return 0.0
+    members = [r for r, _ in groups]
+    ring = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency(members)
+    rate = ctx.allreduce_bytes_per_s(members)
+    return max(ring, nbytes / t / rate) if rate is not None else ring
+
+
 def stage_sync(ctx: SimContext, groups: list[Group], a: int, e: int) -> tuple[float, float, float]:
     """(seconds, bytes crossing zones, egress $) of the gradient all-reduce of layers [a, e) across
-    the replicas of one stage, given as (Slot, count) groups in ring order (`group_members`). Each of the t ranks all-reduces its own shard of
-    params(stage, t) parameters (replicated norms and biases included), t = the finest common
-    sharding's flow count; divided by the calibrated all-reduce efficiency."""
+    the replicas of one stage, given as (Slot, count) groups in ring order (`group_members`). Each of
+    the t ranks all-reduces its own shard of params(stage, t) parameters (replicated norms and biases
+    included), t = the finest common sharding's flow count (`allreduce_s`)."""
     key = ("stage_sync", tuple(groups), a, e)
     if key not in ctx.memo:
         t = min(r.tp for r, _ in groups)
         nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["gradients"]
-        seconds = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency([r for r, _ in groups])
-        if sum(n for _, n in groups) > 1:
-            seconds += max(gpu_constant(ctx.calibration, r.gpu, "allreduce_latency_s", 0.0) for r, _ in groups)
-        ctx.memo[key] = (seconds, *ring_egress(groups, nbytes, ctx.network))
+        ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
     return ctx.memo[key]
 
 
@@ -335,8 +359,7 @@ def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tupl
         groups = group_members([first, last])
         t = min(first.tp, last.tp)
         nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
-        seconds = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency([first, last])
-        ctx.memo[key] = (seconds, *ring_egress(groups, nbytes, ctx.network))
+        ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
     return ctx.memo[key]
 
 

@@ -10,18 +10,30 @@ Each constant is physical and the same for every run on that GPU type:
 - `profile_overhead_s` (s): the launch-and-synchronise gap a per-layer profiler adds to every
   measured layer forward and backward, which an asynchronous training run hides; subtracted from
   measured layer times only.
+- `p2p_overhead_s` (s): fixed cost of one pipeline transfer (an activation or a gradient across a
+  stage boundary) beyond its bytes on the link fit: work that does not scale with the bytes, on the
+  compute stream where nothing hides it (NCCL launch and completion of a blocking send/recv,
+  DeepSpeed's host-side dispatch and receive-buffer handling; with TP, its partitioned transfers add
+  a metadata message and a gather over the TP group). Added to every boundary transfer.
 - `allreduce_efficiency` (dimensionless): fraction of the p2p link bandwidth (the NCCL send/recv
-  fits) that the gradient all-reduces reach (reduction kernels, chunking, the t concurrent rings of a
-  node's TP ranks, DeepSpeed's flatten/unflatten around them).
+  fits) that the ring all-reduce of the gradients reaches (reduction kernels, chunking, the t
+  concurrent rings of a node's TP ranks, DeepSpeed's flatten/unflatten around them).
+- `allreduce_bytes_per_s` (bytes/s): the rate at which one GPU's gradient shard is all-reduced across
+  the replicas, measured as a whole (flatten, NCCL all-reduce, unflatten and copy back), *independent
+  of the number of replicas D*. A ring over the links costs 2(D-1)/D x the shard (x1 at D = 2, x1.94
+  at D = 32); the GH200 runs do not show that growth (D = 2 and D = 32 runs fit the same rate:
+  least squares 2.3 % mean error with a D-independent rate, 3.3 % with the ring shape, whose best
+  efficiency is 0.17), as an algorithm with per-GPU traffic flat in D (NCCL's pipelined trees) or
+  a per-GPU bottleneck outside the network would give. The sync time is the larger of this and the
+  ring over the links (so slow or cross-zone links still dominate).
 - `compute_factor` (dimensionless): a training run's per-stage compute time (the runtime's
   forward_s + backward_s per micro-batch, waits excluded) over the sum of the profiled layer times
-  of that stage; multiplies measured layer times. 1 on GPUs (profiling and training run the same
-  kernels). On local CPU processes it is ~2: the profiler times one layer at a time with its weights
-  and inputs hot in cache, while a run's ranks interleave whole stages, their p2p copies and the
-  loss on shared cores and caches (and, on the shared build machines, other jobs' processes).
+  of that stage; multiplies measured layer times. 1 for every GPU type now, `cpu` included (see the
+  note at its former entry below); kept for devices whose kernels differ between profile and run.
 The catalog holds a default `framework_bytes` per GPU type; a GPU type with no entry here uses it,
-no reserve, no profiler gap and efficiency 1. `sailor validate DIR --fit` refits these on a folder of measured runs (`fit_memory`
-below: linear least squares on relative error) and `leave_one_out` shows how they generalise.
+no reserve, no profiler gap, no p2p overhead, efficiency 1 and no all-reduce rate limit. `sailor validate
+DIR --fit` refits these on a folder of measured runs (`fit_memory` below: linear least squares on
+relative error; time constants: `sailor.validate.TIME_CONSTANTS`) and reports leave-one-out errors.
 """
 
 from __future__ import annotations
@@ -34,22 +46,27 @@ import numpy as np
 # (sailor.validate.fit_calibration) on the 15 measured OPT-350 runs of the public Sailor artifact
 # (Alps Clariden, 4 GH200 per node), profiles and network fits from ../shared/reference/sailor/
 # {profiles,network}. Memory: linear least squares on relative error of the most-loaded GPU's
-# nvidia-smi peak. Time: least squared relative error of iteration time over the grids in
-# sailor.validate. Leave-one-out errors are reported by the same command.
+# nvidia-smi peak. Time: bounded least squares on the relative error of iteration time
+# (sailor.validate._fit_time: profile_overhead_s, p2p_overhead_s, and allreduce_bytes_per_s fitted as
+# its inverse). Result on the 15 runs: time |error| mean 2.3 %, median 1.3 %, max 10.5 % (N4_D4, the
+# only micro-batch-4 run, -10.5 %); leave-one-out mean 2.9 %, max 12.4 % (N4_D4). Which runs pin
+# what: profile_overhead_s the micro-batch-1 runs against their profile (N1_D1_M4_G1/G32: 71 ms per
+# micro-batch measured vs 82.5 ms profiled over 52 layer passes) with the micro-batch-8 ones;
+# p2p_overhead_s the 4-stage runs (3 boundaries, a middle stage pays 4 transfers per micro-batch);
+# allreduce_bytes_per_s the one-stage runs with D = 2..32 (363 MB of fp32 gradient per GPU, ~0.18 s).
 CALIBRATION: dict[str, dict[str, float]] = {
     "GH200-96": {
         "framework_bytes": 4.638e9,  # 4.3 GiB: CUDA 12 context + kernels, NCCL buffers of ~6 groups
         "reserve_fraction": 0.107,  # caching allocator: 10.7 % of the transient tensors
-        "profile_overhead_s": 125e-6,  # 125 µs per profiled layer pass
-        "allreduce_efficiency": 0.175,  # ring all-reduce at 17.5 % of send/recv bandwidth
+        "profile_overhead_s": 209e-6,  # 209 µs per profiled layer pass (forward or backward)
+        "p2p_overhead_s": 548e-6,  # 0.55 ms per pipeline transfer on top of its bytes
+        "allreduce_bytes_per_s": 2.01e9,  # 2.0 GB/s of one GPU's gradient shard, any D >= 2
     },
-    # cpu (local gloo processes, 2-vCPU build machine): `compute_factor` fitted by `fit_compute_factor`
-    # (median over stages) on the 2-process runs of benchmarks/closed_loop.py (tiny model, global
-    # batch 64, micro-batch 4; plans dp2, pp2, pp2_uneven, dp2_shares; 3 runs, 15 stage ratios from
-    # 1.4 to 5.3, median 2.3), profiles by `sailor profile` taken before the runs.
-    "cpu": {
-        "compute_factor": 2.3,
-    },
+    # cpu: no constants. The `compute_factor` 2.3 once fitted here came from runs on a machine with a
+    # load average of 5-6 on its 2 cores (other jobs). On a quiet machine `sailor profile` now times
+    # the layers as a run executes them (1 thread per process, every core busy, the per-pass overhead
+    # removed by `sailor.runtime.profiler.pass_scale`) and benchmarks/closed_loop.py measures the run
+    # against that profile directly.
 }
 
 
