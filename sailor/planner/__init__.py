@@ -97,7 +97,8 @@ def plan_job(ctx: SimContext, options: PlanOptions | None = None,
     if cluster.total_gpus() == 0:
         raise InfeasibleError("the cluster offers no GPUs")
     key = objective_key(opts.objective)
-    coarse = sorted(coarse_nodes(ctx, opts), key=lambda x: x[0])
+    exact = ctx.cluster.total_gpus() <= EXACT_MAX_GPUS
+    coarse = sorted(coarse_nodes(ctx, opts, exact), key=lambda x: x[0])
     workers = _workers(ctx, len(coarse))
     if workers > 1:
         found = _search_parallel(ctx, opts, coarse, workers, progress)

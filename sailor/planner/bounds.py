@@ -68,6 +68,78 @@ def coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) ->
     return (T, cost) if opts.objective is Objective.THROUGHPUT else (cost, T)
 
 
+def coarse_estimate(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) -> tuple[float, float]:
+    """Optimistic estimate (not a strict bound) of the best plan with P stages and micro-batch `mbs`,
+    for the heuristic mode on large clusters: per GPU type and zone and per uniform TP degree t whose
+    average stage fits in memory ((states + one micro-batch of activations) / P + framework), n =
+    a // (P·t) pipelines of fill = Σ_layers (f+b)(layer, t) + 2(P-1) transfers and per-micro-batch
+    time max(Σ / P, the heaviest layer) + the stage's transfers (2 for P = 2, 4 beyond: blocking
+    sends and receives both ways); the makespan for each possible largest share m with the fewest
+    pipelines D = ceil(M / m), plus the all-reduce floor of D replicas (sync2·(D-1)/D). Mixed-TP templates and memory beyond the
+    average stage are ignored, which is why the exact mode uses `coarse_bound` instead."""
+    job, model = ctx.job, ctx.job.model
+    L, M = model.num_layers, job.global_batch_size // mbs
+    per_param = sum(job.state_bytes_per_param.values())
+    runs = []  # (pipelines, fill, per-mb, usd/hour per pipeline, (gpu, zone))
+    sync2 = float("inf")
+    for z in zones:
+        for g, a in ctx.cluster.zones[z].items():
+            cap_bytes = ctx.memory_capacity(g)
+            for t in model.tp_degrees(ctx.cluster.node_size(g)):
+                n = a // (P * t)
+                act = ctx.act_cumsum(t, mbs)[-1]
+                if n == 0 or (ctx.stage_params(t, 0, L) * per_param + act) / P + ctx.framework_bytes(g) > cap_bytes:
+                    continue
+                layers = np.diff(ctx.layer_cumsum(g, t, mbs), axis=0).sum(axis=1)
+                c = ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t) if P > 1 else 0.0
+                sends = 0 if P == 1 else (2 if P == 2 else 4)  # transfers a stage makes per micro-batch
+                fill = float(layers.sum()) + 2 * (P - 1) * c
+                per = max(float(layers.sum()) / P, float(layers.max())) + sends * c
+                runs.append((n, fill, per, P * t * ctx.cluster.price(z, g), (g, z)))
+                slot = Slot(zone=z, gpu=g, tp=t)
+                grad = t * ctx.stage_params(t, 0, L) / P * job.state_bytes_per_param["gradients"]
+                sync2 = min(sync2, allreduce_s(ctx, [(slot, 2)], grad, t))
+    if not runs:
+        return (float("inf"), float("inf"))
+    best_t, best_c = float("inf"), float("inf")
+    m = 1
+    while m <= M:
+        D = -(-M // m)
+        # the fastest runs first, one TP degree per (GPU type, zone), until D pipelines are covered
+        taken, have, tau, rate = set(), 0, 0.0, float("inf")
+        for n, fill, per, usd, gz in sorted(runs, key=lambda r: r[1] + (m - 1) * r[2]):
+            if have >= D:
+                break
+            if gz not in taken:
+                taken.add(gz)
+                have += n
+                tau = fill + (m - 1) * per
+                rate = min(rate, usd)
+        if have >= D:
+            t = tau + (sync2 * (D - 1) / D if D > 1 else 0.0)
+            best_t = min(best_t, t)
+            best_c = min(best_c, D * rate * t / 3600.0)
+        m = -(-M // (D - 1)) if D > 1 else M + 1  # next share size that lowers D
+
+    # all pipelines at once, each kind with its own share (faster kinds take more micro-batches)
+    def chosen(tau: float) -> list[tuple[int, int]]:  # (pipelines, micro-batches each) per (gpu, zone)
+        best: dict[tuple, tuple[int, int]] = {}
+        for n, fill, per, _, gz in runs:
+            cap = 1 + math.floor((tau - fill) / per + 1e-9) if tau >= fill else 0
+            if n * cap > best.get(gz, (0, 0))[0] * best.get(gz, (0, 0))[1]:
+                best[gz] = (n, cap)
+        return list(best.values())
+
+    tau = smallest_time(lambda x: sum(n * c for n, c in chosen(x)) >= M, min(r[1] for r in runs),
+                        max(r[1] + M * r[2] for r in runs))
+    D = sum(n for n, c in chosen(tau * (1 + 1e-9)) if c)
+    if D:
+        t = tau + (sync2 * (D - 1) / D if D > 1 else 0.0)
+        best_t = min(best_t, t)
+        best_c = min(best_c, D * min(r[3] for r in runs) * t / 3600.0)
+    return (best_t, best_c) if opts.objective is Objective.THROUGHPUT else (best_c, best_t)
+
+
 def sync_floor(ctx, gpu: str, zones, options, partition) -> float:
     """Lower bound on the gradient sync of any plan with >= 2 pipelines of `gpu`: per stage, the
     all-reduce between just two replicas at the most favourable feasible TP degree, in the most

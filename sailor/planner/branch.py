@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from sailor.planner import search as S
-from sailor.planner.bounds import coarse_bound, lower_bound, sync_floor, types_sync_floor
+from sailor.planner.bounds import coarse_bound, coarse_estimate, lower_bound, sync_floor, types_sync_floor
 from sailor.planner.options import Objective, PlanOptions, SearchSpace, objective_key
 from sailor.planner.space import candidate_partitions, even_partition, mbs_candidates, stage_options, templates
 from sailor.simulator import SimContext
@@ -29,14 +29,18 @@ class Family:
     templates: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]  # (gpu, its templates)
 
 
-def coarse_nodes(ctx: SimContext, opts: PlanOptions):
-    """Yield (lower-bound key, (zones, P, mbs)) for every region, pipeline depth and micro-batch."""
+def coarse_nodes(ctx: SimContext, opts: PlanOptions, exact: bool):
+    """Yield (bound key, (zones, P, mbs)) for every region, pipeline depth and micro-batch: the valid
+    `coarse_bound` in exact mode; outside it the larger of that and the tighter `coarse_estimate`."""
     job = ctx.job
     P_max = min(job.model.num_layers, opts.max_stages)
     for zones in regions(ctx.cluster).values():
         for P in range(1, P_max + 1):
             for mbs in mbs_candidates(job.global_batch_size, opts.max_mbs):
-                yield coarse_bound(ctx, zones, P, mbs, opts), (tuple(zones), P, mbs)
+                bound = coarse_bound(ctx, zones, P, mbs, opts)
+                if not exact:
+                    bound = max(bound, coarse_estimate(ctx, zones, P, mbs, opts))
+                yield bound, (tuple(zones), P, mbs)
 
 
 def families(ctx: SimContext, opts: PlanOptions, zones: tuple[str, ...], P: int, mbs: int):
