@@ -74,6 +74,7 @@ class NetworkModel:
     intra_fits: dict[tuple[str, int], CurveFit] = field(default_factory=dict)
     class_links: dict[LinkClass, Link] = field(default_factory=dict)
     source: str = "defaults"
+    _flow_count_index: dict = field(default_factory=dict, repr=False, compare=False)
 
     def link_class(self, zone_a: str, zone_b: str, same_node: bool = False) -> LinkClass:
         return LinkClass.SAME_NODE if same_node else self.cluster.prov.link_class(zone_a, zone_b)
@@ -87,14 +88,26 @@ class NetworkModel:
 
     def _lookup(self, table: dict, key: tuple, flows: int):
         """Exact flows, else the nearest measured flow count (same endpoints, either direction)."""
+        index = self._flow_counts(table)
         for k in (key, (key[2], key[3], key[0], key[1])):
             if k + (flows,) in table:
                 return table[k + (flows,)], flows
-            counts = [c for (*rest, c) in table if tuple(rest) == k]
+            counts = index.get(k)
             if counts:
                 c = min(counts, key=lambda c: (abs(c - flows), c))
                 return table[k + (c,)], c
         return None, None
+
+    def _flow_counts(self, table: dict) -> dict[tuple, list[int]]:
+        """Measured flow counts per endpoint pair of `table`, built once per table (the tables are
+        filled when the model is loaded and not changed afterwards)."""
+        cache = self._flow_count_index
+        if id(table) not in cache or cache[id(table)][0] != len(table):
+            index: dict[tuple, list[int]] = {}
+            for (*rest, c) in table:
+                index.setdefault(tuple(rest), []).append(c)
+            cache[id(table)] = (len(table), index)
+        return cache[id(table)][1]
 
     def transfer_time_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, nbytes: float, *,
                         flows: int = 1, same_node: bool = False) -> float:
