@@ -34,6 +34,20 @@ def read_text(path: str | Path) -> str:
         raise SailorInputError(f"cannot read: {e}", source=str(p)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that rejects a key given twice in one mapping (PyYAML keeps the last one
+    silently, which would drop, say, a zone's first GPU list)."""
+
+    def construct_mapping(self, node, deep=False):  # noqa: D102 - PyYAML hook
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
     """Parse a JSON or YAML file whose top level is a mapping.
 
@@ -42,17 +56,19 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     """
     text = read_text(path)
     src = str(path)
+    if not text.strip():
+        raise SailorInputError("the file is empty", source=src)
     try:
         if str(path).endswith(".json"):
             data = json.loads(text)
         else:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
     except json.JSONDecodeError as e:
         raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=src) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise SailorInputError(f"invalid YAML{where}: {getattr(e, 'problem', e)}", source=src) from None
+        raise SailorInputError(f"invalid YAML{where}: {getattr(e, 'problem', None) or e}", source=src) from None
     if not isinstance(data, dict):
         raise SailorInputError(f"expected a mapping at the top level, got {type(data).__name__}", source=src)
     return data
@@ -81,11 +97,24 @@ def parse_model(cls: type[T], data: Any, source: str | None) -> T:
 
 
 def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` atomically: temporary file in the same folder, fsync, rename."""
+    """Write `text` to `path` atomically: temporary file in the same folder, fsync, rename. The file
+    gets the usual permissions (0666 less the umask), not mkstemp's private 0600.
+
+    Raises:
+        SailorInputError: `path` is a folder, or its folder cannot be created or written.
+    """
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    if p.is_dir():
+        raise SailorInputError("is a folder, expected a file name", source=str(p))
     try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as e:
+        raise SailorInputError(f"cannot write: {e.strerror}", source=str(p)) from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

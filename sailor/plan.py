@@ -32,10 +32,10 @@ class Replica(BaseModel):
     """Stage `stage` of one pipeline on a TP group of `tp` GPUs of type `gpu` in `zone`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    stage: int = Field(ge=0)
+    stage: int = Field(ge=0, strict=True)
     gpu: str
     zone: str
-    tp: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1, strict=True)
 
     @field_validator("gpu")
     @classmethod
@@ -48,7 +48,7 @@ class Pipeline(BaseModel):
     replica per stage in stage order."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    microbatches: int = Field(gt=0)
+    microbatches: int = Field(gt=0, strict=True)
     replicas: tuple[Replica, ...]
 
     @property
@@ -61,7 +61,7 @@ class Plan(BaseModel):
     `check_against` for consistency with a job and a cluster)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    micro_batch_size: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0, strict=True)
     stages: tuple[tuple[int, int], ...]
     pipelines: tuple[Pipeline, ...]
     job: JobSpec | None = None

@@ -45,8 +45,9 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: ModelSpec = Field(description="Built-in name/alias (e.g. 'opt-350m', 'OPT-350') or an inline architecture.")
-    global_batch_size: int = Field(gt=0, description="Samples per iteration (optimizer step).")
-    sequence_length: int | None = Field(default=None, gt=0, description="Tokens per sample; default the model's context length.")
+    global_batch_size: int = Field(gt=0, strict=True, description="Samples per iteration (optimizer step).")
+    sequence_length: int | None = Field(default=None, gt=0, strict=True,
+                                        description="Tokens per sample; default the model's context length.")
     precision: Precision = Field(default="fp32", description="fp32, or bf16/fp16 mixed precision.")
     optimizer: Optimizer = Field(default=Optimizer.ADAM, description="adam (AdamW) or sgd.")
 
@@ -164,6 +165,10 @@ class ClusterSpec(BaseModel):
             for g, p in (v.items() if isinstance(v, dict) else [(k, v)]):
                 if p < 0:
                     raise SailorInputError(f"price must be >= 0, got {p}", field=f"prices.{k}")
+        for zone, gpus in self.zones.items():
+            for g, n in gpus.items():
+                if n > 0:  # every GPU on offer needs a price (never a silent zero)
+                    _located(lambda: self.price(zone, g), f"zones.{zone}.{g}")
         return self
 
     # ---- lookups ---------------------------------------------------------------------------

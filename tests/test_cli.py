@@ -49,6 +49,10 @@ def _replica0(**kw) -> str:
 # (file that is bad, its text, field (or location) the message must name, words of the problem)
 BAD = [
     ("job.yaml", JOB.replace("tiny", "tinyy"), "model", "unknown model 'tinyy'"),
+    ("job.yaml", JOB.replace(": 4", ": true"), "global_batch_size", "valid integer"),
+    ("job.yaml", "", "job.yaml", "the file is empty"),
+    ("cluster.yaml", CLUSTER + "  us-central1-a: {V100-16: 8}\n", "line 4", "key 'us-central1-a' appears twice"),
+    ("cluster.yaml", "provider: local\nzones:\n  local: {A100-40: 8}\n", "zones.local.A100-40", "no list price"),
     ("job.yaml", JOB.replace(": 4", ": -4"), "global_batch_size", "greater than 0"),
     ("job.yaml", JOB.replace(": 4", ": four"), "global_batch_size", "valid integer"),
     ("job.yaml", JOB + "precison: bf16\n", "precison", "Extra inputs"),
@@ -164,3 +168,32 @@ def test_simulate_reference_plan_tables(sailor_ref, tmp_path):
     r = _run("simulate", str(cfg), "--job", "job.yaml", "--profiles", str(sailor_ref / "profiles"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "iteration time (s)" in r.stdout and "GH200-96" in r.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["plan", "--objective", "speed"], "'speed' is not one of"),
+    (["plan", "--top", "-1"], "--top"),
+    (["plan", "--jobb", "x.yaml"], "No such option: --jobb"),
+    (["simulate"], "Missing argument 'PLAN'"),
+])
+def test_usage_errors_are_one_line(tmp_path, monkeypatch, capsys, args, words):
+    code, err = _run_in_process(args, tmp_path, monkeypatch, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and words in err
+
+
+def test_plan_out_to_a_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    (tmp_path / "out").mkdir()
+    code, err = _run_in_process(["plan", "--job", "job.yaml", "--cluster", "cluster.yaml", "--out", "out", "--json"],
+                                tmp_path, monkeypatch, capsys)
+    assert code == 2 and err.strip() == "error: out: is a folder, expected a file name"
+
+
+def test_train_refuses_a_gpu_plan_on_cpu(tmp_path, monkeypatch, capsys):
+    (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    code, err = _run_in_process(["train", "plan.json", "--job", "job.yaml", "--steps", "1"], tmp_path, monkeypatch, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "pipelines.0.replicas.0.gpu: A100-40 in us-central1-a is not this machine's CPU" in err

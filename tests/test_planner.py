@@ -245,3 +245,10 @@ def test_parallel_search_finds_the_same_best_plan(monkeypatch):
     par = plan_job(make_context(job, cluster), PlanOptions(max_stages=4))
     assert par.best_closed.closed_time_s == pytest.approx(seq.best_closed.closed_time_s, rel=1e-12)
     assert par.estimate.iteration_time_s == pytest.approx(seq.estimate.iteration_time_s, rel=1e-12)
+
+
+def test_too_few_gpus_for_one_pipeline_is_infeasible_not_a_hang():
+    job = JobSpec(model="opt-30b", global_batch_size=256)
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}})
+    with pytest.raises(InfeasibleError, match=r"opt-30b needs at least \d+ A100-40 GPUs in one zone .* the most any zone offers is 8"):
+        plan_job(make_context(job, cluster), PlanOptions(max_stages=8))

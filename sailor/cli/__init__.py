@@ -42,14 +42,23 @@ def fail(message: str) -> "typer.Exit":
 def main() -> None:
     """Console-script entry point: runs the app, turning input errors into one line and exit 2.
 
-    Usage errors (unknown option, missing argument) are reported by typer with exit status 2 too.
+    Usage errors (unknown option, bad option value, missing argument) are one line and exit 2 too:
+    typer would otherwise draw a multi-line box.
     """
+    # typer bundles its own copy of click; its exception base class lives there.
+    from typer.core import _click
+
     _register()
     try:
-        app()
+        code = app(standalone_mode=False)
     except SailorInputError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except _click.exceptions.ClickException as e:
+        message = " ".join(e.format_message().replace("Value error, ", "").split())
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
         print("aborted", file=sys.stderr)
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

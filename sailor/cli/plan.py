@@ -55,13 +55,17 @@ def plan_command(
                        constraints=Constraints(max_cost_per_iteration=max_cost_per_iteration,
                                                max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput))
     con = console()
-    if as_json:
-        result = plan_job(ctx, opts)
-    else:
-        with Progress(TextColumn("searching plans"), BarColumn(), TextColumn("{task.completed}/{task.total} families"),
-                      TimeElapsedColumn(), console=con, transient=True) as bar:
-            task = bar.add_task("plan", total=None)
-            result = plan_job(ctx, opts, progress=lambda d, t: bar.update(task, completed=d, total=t))
+    try:
+        if as_json:
+            result = plan_job(ctx, opts)
+        else:
+            with Progress(TextColumn("searching plans"), BarColumn(), TextColumn("{task.completed}/{task.total} families"),
+                          TimeElapsedColumn(), console=con, transient=True) as bar:
+                task = bar.add_task("plan", total=None)
+                result = plan_job(ctx, opts, progress=lambda d, t: bar.update(task, completed=d, total=t))
+    except SailorInputError as e:
+        # an error about the cluster's own fields (e.g. no GPUs in any zone) names the cluster file
+        raise (e.located(source=str(cluster)) if cluster and e.field == "zones" else e) from None
     if out:
         result.plan.save(out)
     if report:

@@ -33,7 +33,7 @@ from sailor.plan import Plan
 from sailor.planner import search as S
 from sailor.planner.branch import coarse_nodes, families, points, search_counts
 from sailor.planner.options import Constraints, Objective, PlanOptions, SearchSpace, objective_key
-from sailor.planner.space import even_partition
+from sailor.planner.space import even_partition, stage_options
 from sailor.simulator import Estimate, SimContext, simulate
 from sailor.simulator.memory import replica_memory
 
@@ -95,7 +95,7 @@ def plan_job(ctx: SimContext, options: PlanOptions | None = None,
     t0 = time.perf_counter()
     cluster = ctx.cluster
     if cluster.total_gpus() == 0:
-        raise InfeasibleError("the cluster offers no GPUs")
+        raise InfeasibleError("the cluster offers no GPUs", field="zones")
     key = objective_key(opts.objective)
     exact = ctx.cluster.total_gpus() <= EXACT_MAX_GPUS
     coarse = sorted(coarse_nodes(ctx, opts, exact), key=lambda x: x[0])
@@ -285,6 +285,8 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
         return (f"{model.name} needs {need / GB:.1f} GB per GPU at best (TP {tp}, {P} stages, micro-batch 1);"
                 f" the largest GPU offered ({largest}) has {ctx.memory_capacity(largest) / GB:.1f} GB")
     c = opts.constraints
+    if c == Constraints():
+        return _too_few_gpus(ctx, opts)
     parts = []
     if c.min_throughput is not None:
         parts.append(f"at least {c.min_throughput:g} iterations/s")
@@ -292,14 +294,33 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
         parts.append(f"at most ${c.max_cost_per_iteration:g}/iteration")
     if c.max_cost_per_hour is not None:
         parts.append(f"at most ${c.max_cost_per_hour:g}/hour")
-    free = plan_job(ctx, PlanOptions(objective=opts.objective, search=opts.search, max_stages=opts.max_stages,
-                                     max_mbs=opts.max_mbs, top_k=1, rescore=1))
-    fastest = plan_job(ctx, PlanOptions(objective=Objective.THROUGHPUT, search=opts.search,
-                                        max_stages=opts.max_stages, max_mbs=opts.max_mbs, top_k=1, rescore=1))
-    cheapest = plan_job(ctx, PlanOptions(objective=Objective.COST, search=opts.search,
-                                         max_stages=opts.max_stages, max_mbs=opts.max_mbs, top_k=1, rescore=1))
-    del free
+    # Without constraints the search either succeeds or fails for a reason that is not a constraint
+    # (InfeasibleError propagates): no recursion back here.
+    free = dict(search=opts.search, max_stages=opts.max_stages, max_mbs=opts.max_mbs, top_k=1, rescore=1)
+    fastest = plan_job(ctx, PlanOptions(objective=Objective.THROUGHPUT, **free)).estimate
+    cheapest = plan_job(ctx, PlanOptions(objective=Objective.COST, **free)).estimate
     return (f"no plan meets {' and '.join(parts)}: the fastest plan reaches"
-            f" {fastest.estimate.throughput_iters_per_s:.3g} iterations/s at ${fastest.estimate.cost_per_iteration_usd:.3g}/iteration"
-            f" (${fastest.estimate.cost_per_hour_usd:.3g}/hour); the cheapest costs"
-            f" ${cheapest.estimate.cost_per_iteration_usd:.3g}/iteration at {cheapest.estimate.throughput_iters_per_s:.3g} iterations/s")
+            f" {fastest.throughput_iters_per_s:.3g} iterations/s at ${fastest.cost_per_iteration_usd:.3g}/iteration"
+            f" (${fastest.cost_per_hour_usd:.3g}/hour); the cheapest costs"
+            f" ${cheapest.cost_per_iteration_usd:.3g}/iteration at {cheapest.throughput_iters_per_s:.3g} iterations/s")
+
+
+def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
+    """Some GPU type can hold the model's stages, but no zone has enough of them for one pipeline:
+    the smallest pipeline (fewest GPUs over P and TP, micro-batch 1) against the most one zone offers."""
+    job, cluster = ctx.job, ctx.cluster
+    L = job.model.num_layers
+    best = None  # (shortfall ratio, GPUs needed, gpu, P, most in one zone)
+    for g in cluster.gpu_types():
+        most = max(cluster.available(z, g) for z in cluster.zones)
+        for P in range(1, min(L, opts.max_stages) + 1):
+            options = stage_options(ctx, g, even_partition(L, P), 1, job.global_batch_size)
+            if all(options):
+                need = sum(min(o.tp for o in stage) for stage in options)
+                if best is None or need / max(most, 1) < best[0]:
+                    best = (need / max(most, 1), need, g, P, most)
+    if best is None:
+        return f"no GPU type in the cluster can hold {job.model.name}'s stages in memory"
+    _, need, g, P, most = best
+    return (f"{job.model.name} needs at least {need} {g} GPUs in one zone for one pipeline ({P} stages,"
+            f" micro-batch 1, to fit in memory); the most any zone offers is {most}")

@@ -119,6 +119,15 @@ def prepare(options: TrainOptions) -> Prepared:
         raise SailorInputError(f"--steps must be >= 1, got {options.steps}", source="--steps")
     if options.device not in ("cpu", "cuda"):
         raise SailorInputError(f"unknown device {options.device!r}", source="--device", fix="cpu or cuda")
+    if options.device == "cpu":
+        # A plan for real GPUs would run every rank of a multi-GPU job on this machine's CPU: refuse.
+        for j, p in enumerate(plan.pipelines):
+            for i, r in enumerate(p.replicas):
+                if r.gpu != "cpu":
+                    raise SailorInputError(f"{r.gpu} in {r.zone} is not this machine's CPU",
+                                           source=options.plan, field=f"pipelines.{j}.replicas.{i}.gpu",
+                                           fix="plan for provider local (GPU type cpu), use --device cuda on"
+                                               " a machine with the plan's GPUs, or `sailor launch` for a cluster")
     if options.device == "cuda":
         import torch
 
