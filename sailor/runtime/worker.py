@@ -195,11 +195,17 @@ def train(args: argparse.Namespace) -> None:
     n_local = role.microbatches * mbs
     saved_at = start if args.resume_from else None
 
+    def stop_requested() -> float:
+        return 1.0 if args.stop_file and os.path.exists(args.stop_file) else 0.0
+
+    # The ranks agree on a stop request at every step boundary. Before the first step that takes its
+    # own all-reduce; afterwards the request rides on the step's one MAX all-reduce of its statistics.
+    flag = torch.tensor([stop_requested()], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    stop = flag.item() > 0
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        flag = torch.tensor([1.0 if args.stop_file and os.path.exists(args.stop_file) else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
+        if stop:
             path = None
             if root is not None:
                 path = save_checkpoint(root, step, meta, params, opt, role, tp_group, device) if saved_at != step \
@@ -221,16 +227,22 @@ def train(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         t2 = time.perf_counter()
-        # Loss: SUM of each pipeline's last-stage loss (TP rank 0 only); timings: MAX per stage.
-        loss = torch.tensor([loss_sum if role.is_last_stage and role.tp_rank == 0 else 0.0],
-                            dtype=torch.float64, device=device)
-        dist.all_reduce(loss)
-        stage_times = torch.zeros(role.num_stages, 4, dtype=torch.float64, device=device)
-        stage_times[role.stage] = torch.tensor([times.forward_s, times.backward_s, times.wait_s, t2 - t1])
-        dist.all_reduce(stage_times, op=dist.ReduceOp.MAX)
+        # One MAX all-reduce per step carries: the stop request, each stage's timings (MAX over its
+        # ranks), and each pipeline's loss sum in its own slot (only its last stage's TP rank 0 writes
+        # it, and losses are >= 0, so MAX picks it out; rank 0 adds the slots).
+        stats = torch.zeros(1 + role.num_stages * 4 + role.num_pipelines, dtype=torch.float64, device=device)
+        stats[0] = stop_requested()
+        stats[1 + role.stage * 4: 5 + role.stage * 4] = torch.tensor(
+            [times.forward_s, times.backward_s, times.wait_s, t2 - t1], dtype=torch.float64)
+        if role.is_last_stage and role.tp_rank == 0:
+            stats[1 + role.num_stages * 4 + role.pipeline] = loss_sum
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        stop = stats[0].item() > 0
+        stage_times = stats[1: 1 + role.num_stages * 4].view(role.num_stages, 4)
+        loss_total = float(stats[1 + role.num_stages * 4:].sum())
         step_time = time.perf_counter() - t0
         if rank == 0:
-            record = {"step": step + 1, "loss": loss.item() / (gbs * seq), "samples": gbs, "tokens": gbs * seq,
+            record = {"step": step + 1, "loss": loss_total / (gbs * seq), "samples": gbs, "tokens": gbs * seq,
                       "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time, "grad_norm": grad_norm,
                       "stages": [dict(zip(("forward_s", "backward_s", "wait_s", "sync_update_s"), row))
                                  for row in stage_times.tolist()]}
