@@ -85,7 +85,7 @@ def plan_report(out_dir: str | Path, result: "PlanResult", ctx_factory, options:
     """
     import dataclasses
 
-    from sailor.planner import SearchSpace, plan_job
+    from sailor.planner import Constraints, Objective, SearchSpace, plan_job
 
     others: dict[str, "PlanResult | None"] = {}
     notes = []
@@ -98,6 +98,18 @@ def plan_report(out_dir: str | Path, result: "PlanResult", ctx_factory, options:
         except InfeasibleError as e:
             others[space.value] = None
             notes.append(f"{space.value} search: no plan ({e.one_line()})")
+    # The main search scores candidates from its own objective's side of the trade-off only (branch and
+    # bound prunes the rest). The front drawn for it also takes the plans scored by the search for the
+    # other objective and by the paper and homogeneous searches: all of them are plans of the full space.
+    flipped = Objective.COST if options.objective is Objective.THROUGHPUT else Objective.THROUGHPUT
+    points = list(result.pareto)
+    try:
+        points += plan_job(ctx_factory(), dataclasses.replace(options, objective=flipped, constraints=Constraints())).pareto
+    except InfeasibleError:
+        pass
+    points += [p for r in others.values() if r is not None for p in r.pareto]
+    front = sorted({p for p in points if not any(q[0] <= p[0] and q[1] <= p[1] and q != p for q in points)})
+    result = dataclasses.replace(result, pareto=front)
     ctx = ctx_factory()
     return write_report(out_dir, result.plan, result.estimate, ctx, title=title, result=result,
                         paper=others["paper"], homogeneous=others["homogeneous"], notes=notes)

@@ -327,7 +327,7 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
             tok = torch.randint(0, spec.vocab_size, (mbs, seq), generator=gen).to(device)
             act = torch.randn(mbs, seq, spec.hidden_size, generator=gen).to(device)
 
-            def forward():
+            def forward(layer=layer, tok=tok, act=act, mbs=mbs, kind=kind):  # bound now, not at call time
                 if kind == "embedding":
                     return layer(tok)
                 x = tok if kind == "model" else act.detach().requires_grad_()
@@ -362,12 +362,10 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
             out["times"][f"{kind}/{mbs}"] = both.tolist()
             if rank == 0:
                 rank_message({"tick": 1})
-        if kind == "model":
-            del layer
-            continue
-        mbs = max(o["mbs"])
-        saved = _saved_bytes(layer, lambda: forward_for(layer, kind, job, mbs, device, autocast))
-        out["activation_bytes_per_sample"][kind] = saved / mbs
+        if kind != "model":  # the whole-model pass only scales times; activations are per layer
+            mbs = max(o["mbs"])
+            saved = _saved_bytes(layer, lambda: forward_for(layer, kind, job, mbs, device, autocast))
+            out["activation_bytes_per_sample"][kind] = saved / mbs
         del layer
     per_param = torch.tensor([_optimizer_s_per_param(job, rank % tp, tp, group, device, o["repeats"], sync)],
                              dtype=torch.float64)
