@@ -145,7 +145,7 @@ class Plan(BaseModel):
                 except SailorInputError as e:
                     raise e.located(field_prefix=f"{where}.zone") from None
                 if r.tp > cluster.node_size(r.gpu):
-                    raise SailorInputError(f"TP {r.tp} is larger than a {r.gpu} node ({cluster.node_size(r.gpu)} GPUs);"
+                    raise SailorInputError(f"TP {r.tp} is larger than one {r.gpu} node ({cluster.node_size(r.gpu)} GPUs);"
                                            " TP never crosses a node", field=f"{where}.tp")
         for (zone, gpu), n in sorted(self.gpu_usage().items()):
             have = cluster.available(zone, gpu)

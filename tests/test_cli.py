@@ -121,7 +121,7 @@ def test_tp_larger_than_a_node_names_the_plan(tmp_path):
     (tmp_path / "plan.json").write_text(json.dumps(PLAN))
     r = _run("simulate", "plan.json", "--job", "job.yaml", "--cluster", "cluster.yaml", cwd=tmp_path)
     assert r.returncode == 2
-    assert r.stderr.strip() == ("error: plan.json: pipelines.0.replicas.0.tp: TP 2 is larger than a A100-40 node"
+    assert r.stderr.strip() == ("error: plan.json: pipelines.0.replicas.0.tp: TP 2 is larger than one A100-40 node"
                                 " (1 GPUs); TP never crosses a node")
 
 

@@ -71,7 +71,7 @@ def test_check_against_job():
 def test_check_against_cluster():
     small = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}},
                         gpus_per_node={"V100-16": 2})
-    with pytest.raises(SailorInputError, match=r"pipelines\.0\.replicas\.1\.tp: TP 4 is larger than a V100-16 node \(2 GPUs\)"):
+    with pytest.raises(SailorInputError, match=r"pipelines\.0\.replicas\.1\.tp: TP 4 is larger than one V100-16 node \(2 GPUs\)"):
         Plan.model_validate(_plan(tps=(2, 4))).check_against(JOB, small)
     few = ClusterSpec(zones={"us-central1-a": {"A100-40": 2}, "us-central1-b": {"V100-16": 8}})
     with pytest.raises(SailorInputError, match=r"the plan uses 4 A100-40 in us-central1-a but the cluster has 2"):

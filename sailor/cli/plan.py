@@ -130,7 +130,7 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
         con.print(f"[yellow]estimated (no measurement): {'; '.join(est.estimated)}[/yellow]")
     if result.alternatives:
         a = Table(title="alternatives")
-        for col in ("#", "P", "mbs", "pipelines", "GPUs", "iterations/s", "$/iteration", "$/hour"):
+        for col in ("#", "stages", "micro-batch", "pipelines", "GPUs", "iterations/s", "$/iteration", "$/hour"):
             a.add_column(col, justify="right")
         for i, c in enumerate(result.alternatives, 1):
             e, p = c.estimate, c.plan
