@@ -9,8 +9,8 @@ event simulation and the best of them under the objective is returned with its a
 Settings live in `options`.
 
 Pruning (DESIGN.md §5): H1 TP within a node; H2 only TP degrees whose memory fits (stage options);
-H3/H4 data-parallel degree scanned from large to small (throughput) or small to large (cost) with a
-sound stopping bound; H5 a plan uses the zones of one region; H6 zones of a region share one search
+H3/H4 pipeline counts: every count vector on small spaces, else a scan over the number of pipelines D
+that skips every D whose bound cannot win; H5 a plan uses the zones of one region; H6 zones of a region share one search
 (their pipelines are counted per zone, so prices and links of each zone still count). Outer loops
 (P, micro-batch, partition, templates) are skipped when a lower bound on their best score cannot beat
 the best plan found so far.
@@ -77,10 +77,11 @@ def plan_job(ctx: SimContext, options: PlanOptions | None = None,
              progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """Find the best plan for ctx.job on ctx.cluster.
 
-    Best-first branch and bound over *families* (region, P, micro-batch, partition): each family gets
-    a lower bound on its best objective from an optimistic virtual pipeline (every stage at its
-    fastest feasible TP, the fewest GPUs per pipeline); families are searched in bound order and the
-    search stops when the next bound cannot beat the best plan found (exact for the space).
+    Best-first branch and bound (`_search`): coarse nodes (region, P, micro-batch) and, once expanded,
+    their families (one per layer partition) are taken in order of their lower bounds (`bounds`);
+    the search stops when the next bound cannot beat the best plan found. Exact for the space on
+    clusters of up to EXACT_MAX_GPUS GPUs; on larger ones heuristic (see `branch` and
+    `bounds.coarse_estimate`), and split over processes from PARALLEL_MIN_GPUS GPUs on.
 
     Args:
         ctx: job, cluster, profiles and network (a fresh SimContext per call).
