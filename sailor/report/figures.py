@@ -6,7 +6,6 @@ is cheap and `sailor plan` without `--report` never loads matplotlib.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,15 +53,6 @@ def _save(fig, base: Path) -> list[Path]:
 
 
 # ---- 1. Pareto front ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Marked:
-    """A plan to mark on the Pareto figure: label, iteration time (s), $/iteration."""
-
-    label: str
-    time_s: float
-    cost_usd: float
-
-
 def pareto_figure(result: "PlanResult", base: Path, *, paper: "PlanResult | None" = None,
                   homogeneous: "PlanResult | None" = None) -> list[Path]:
     """Iterations/s against $/iteration: the candidates' closed-form Pareto front, the alternatives,
