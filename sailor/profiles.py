@@ -15,7 +15,13 @@ Our file format (JSON, schema "sailor.profiles/1"):
    "layers": [{"gpu", "tp", "mbs", "forward_s": [per layer], "backward_s": [per layer],
                "forward_spread_s"?: [...], "backward_spread_s"?: [...]}],
    "optimizer": {gpu: {"seconds_per_param": float}},
-   "memory": [{"gpu"?, "tp", "activation_bytes_per_sample": [per layer], "peak_bytes"?: ...}]}
+   "memory": [{"gpu"?, "tp", "activation_bytes_per_sample": [per layer], "peak_bytes"?: ...}],
+   "runtime"?: {"microbatch_overhead_s": [{"gpu", "tp", "seconds"}]}}
+`runtime.microbatch_overhead_s` (optional): seconds a training stage spends per micro-batch outside
+its layers' forward and backward passes (the runtime's 1F1B bookkeeping, input slicing, saving
+micro-batch state), measured by `sailor profile` on the runtime's own `run_pipeline`; the simulator
+adds it to every stage's micro-batch. Absent: 0. A TP degree without a row uses the nearest
+measured TP degree of its GPU type (the same rule as layer times).
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ class Profiles:
         times: (gpu, tp) -> {mbs: array (num_layers, 2)} of forward and backward seconds.
         optimizer_s_per_param: gpu -> measured optimizer-step seconds per parameter.
         activation_bytes: tp -> array (num_layers,) of measured activation bytes kept per sample.
+        microbatch_overhead_s: (gpu, tp) -> measured runtime seconds per stage and micro-batch
+            beyond the layers' passes (`runtime.microbatch_overhead_s` of the file format).
         source: where the data came from (for outputs).
         estimates_used: (gpu, tp, how) recorded each time an estimate stands in for a measurement.
     """
@@ -65,6 +73,7 @@ class Profiles:
     times: dict[tuple[str, int], dict[int, np.ndarray]] = field(default_factory=dict)
     optimizer_s_per_param: dict[str, float] = field(default_factory=dict)
     activation_bytes: dict[int, np.ndarray] = field(default_factory=dict)
+    microbatch_overhead_s: dict[tuple[str, int], float] = field(default_factory=dict)
     source: str = "roofline"
     meta: dict[str, Any] = field(default_factory=dict)
     estimates_used: set[tuple[str, int, str]] = field(default_factory=set)
@@ -111,6 +120,16 @@ class Profiles:
         self.estimates_used.add((gpu, tp, f"scaled from TP {near}"))
         return roof * ratio
 
+    def microbatch_overhead(self, gpu: str, tp: int) -> float:
+        """Seconds per micro-batch a stage on a replica of `tp` GPUs of type `gpu` spends outside its
+        layers' passes: measured at this TP, else at the nearest measured TP of the GPU type, else 0."""
+        if (gpu, tp) in self.microbatch_overhead_s:
+            return self.microbatch_overhead_s[(gpu, tp)]
+        tps = [t for g, t in self.microbatch_overhead_s if g == gpu]
+        if not tps:
+            return 0.0
+        return self.microbatch_overhead_s[(gpu, min(tps, key=lambda t: (abs(np.log2(t / tp)), t)))]
+
     def optimizer_time_s(self, job: JobSpec, gpu: str, params: float) -> float:
         """Seconds of one optimizer step over `params` parameters held by one GPU of type `gpu`:
         measured seconds/param if profiled, else memory-bound roofline over HBM bandwidth."""
@@ -139,7 +158,10 @@ class Profiles:
                 "precision": self.precision, "source": self.source, **self.meta, "layers": layers,
                 "optimizer": {g: {"seconds_per_param": v} for g, v in self.optimizer_s_per_param.items()},
                 "memory": [{"tp": tp, "activation_bytes_per_sample": arr.tolist()}
-                           for tp, arr in sorted(self.activation_bytes.items())]}
+                           for tp, arr in sorted(self.activation_bytes.items())],
+                **({"runtime": {"microbatch_overhead_s": [{"gpu": g, "tp": t, "seconds": v} for (g, t), v
+                                                          in sorted(self.microbatch_overhead_s.items())]}}
+                   if self.microbatch_overhead_s else {})}
 
     def save(self, path: str | Path) -> None:
         """Write our JSON format atomically."""
@@ -285,7 +307,30 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
                                    field=f"memory.{k}")
         prof.activation_bytes[_whole(row["tp"], source, f"memory.{k}.tp")] = np.array(
             _positive_list(row.get("activation_bytes_per_sample"), n_layers, f"memory.{k}.activation_bytes_per_sample", source))
+    _parse_runtime(d.get("runtime"), prof, source)
     return prof
+
+
+def _parse_runtime(runtime: Any, prof: Profiles, source: str) -> None:
+    """Fill `prof.microbatch_overhead_s` from the optional `runtime` section of our format."""
+    if runtime is None:
+        return
+    rows = runtime.get("microbatch_overhead_s", []) if isinstance(runtime, dict) else None
+    if not isinstance(rows, list):
+        raise SailorInputError("expected a mapping with microbatch_overhead_s: [{gpu, tp, seconds}]", source=source,
+                               field="runtime")
+    for k, row in enumerate(rows):
+        where = f"runtime.microbatch_overhead_s.{k}"
+        if not isinstance(row, dict) or not {"gpu", "tp", "seconds"} <= row.keys():
+            raise SailorInputError("expected a mapping with gpu, tp and seconds", source=source, field=where)
+        try:
+            gpu = catalog.canonical_gpu(str(row["gpu"]))
+        except SailorInputError as e:
+            raise e.located(source=source, field_prefix=f"{where}.gpu") from None
+        sec = row["seconds"]
+        if not isinstance(sec, (int, float)) or isinstance(sec, bool) or sec < 0:
+            raise SailorInputError(f"expected a number of seconds >= 0, got {sec!r}", source=source, field=f"{where}.seconds")
+        prof.microbatch_overhead_s[(gpu, _whole(row["tp"], source, f"{where}.tp"))] = float(sec)
 
 
 def _whole(v: Any, source: str, where: str) -> int:

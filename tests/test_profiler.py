@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from sailor.network import network_for
-from sailor.profiles import load_profiles
+from sailor.profiles import load_profiles, profiles_from_dict
 from sailor.runtime.netprofile import fit_alpha_beta, profile_network
 from sailor.runtime.profiler import ProfileOptions, check_options, device_gpu_type, pass_scale, profile_job
 from sailor.errors import SailorInputError
@@ -74,6 +74,24 @@ def test_profile_file_loads_with_every_measurement(profile_file):
     # layer times were scaled to the whole model's single pass, for every (TP, micro-batch)
     assert sorted(raw["settings"]["pass_scale"]) == ["1/1", "1/2", "2/1", "2/2"]
     assert all(0 < f < 10 and 0 < b < 10 for f, b in raw["settings"]["pass_scale"].values())
+    # the runtime's time outside the passes, one figure per (GPU type, TP), kept by a save and load
+    rows = raw["runtime"]["microbatch_overhead_s"]
+    assert [(r["gpu"], r["tp"]) for r in rows] == [("cpu", 1), ("cpu", 2)]
+    assert all(0 <= r["seconds"] < 0.1 for r in rows)
+    assert prof.microbatch_overhead_s == {("cpu", r["tp"]): r["seconds"] for r in rows}
+    assert profiles_from_dict(prof.to_dict()).microbatch_overhead_s == prof.microbatch_overhead_s
+
+
+@pytest.mark.parametrize("runtime, match", [
+    ({"microbatch_overhead_s": {"cpu": 1e-4}}, "runtime"),
+    ({"microbatch_overhead_s": [{"gpu": "cpu", "tp": 1}]}, "microbatch_overhead_s.0"),
+    ({"microbatch_overhead_s": [{"gpu": "cpu", "tp": 1, "seconds": -1.0}]}, "microbatch_overhead_s.0.seconds"),
+    ({"microbatch_overhead_s": [{"gpu": "cpu", "tp": 0, "seconds": 1e-4}]}, "microbatch_overhead_s.0.tp"),
+])
+def test_bad_runtime_overhead_is_an_input_error(profile_file, runtime, match):
+    raw = json.loads(profile_file.read_text())
+    with pytest.raises(SailorInputError, match=match):
+        profiles_from_dict({**raw, "runtime": runtime}, "p.json")
 
 
 def test_pass_scale_spreads_the_per_pass_overhead():

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sailor.plan import Plan
+from sailor.profiles import Profiles
 from sailor.simulator import head_vocab_params, make_context, simulate, tied_embeddings
 from sailor.simulator.calibration import fit_memory
 from sailor.simulator.memory import in_flight, logits_grad_bytes
@@ -146,3 +147,34 @@ def test_allreduce_rate_is_independent_of_replicas_and_floored_by_the_ring():
     assert simulate(_plan([[0, 26]], d=4, m=2), make_context(JOB, big, calibration=fast)).gradient_sync_s == \
         pytest.approx(ring)
     assert simulate(_plan([[0, 26]], d=1, m=2), make_context(JOB, big, calibration=slow)).gradient_sync_s == 0.0
+
+
+def test_microbatch_overhead_is_added_once_per_stage_and_micro_batch():
+    # tiny (6 layers), every layer f = 1 s, b = 2 s at micro-batch 2, and 0.5 s of runtime overhead
+    # per stage and micro-batch (`runtime.microbatch_overhead_s`), on the forward.
+    job = JobSpec(model="tiny", global_batch_size=8)
+    n = job.model.num_layers
+    prof = Profiles(model="tiny", sequence_length=job.seq, precision=job.precision,
+                    times={("A100-40", 1): {2: np.tile([1.0, 2.0], (n, 1))}},
+                    microbatch_overhead_s={("A100-40", 1): 0.5})
+    ctx = make_context(job, CLUSTER, prof)
+    assert ctx.stage_compute_s("A100-40", 1, 2, 0, 3) == pytest.approx((3.5, 6.0))
+    assert ctx.stage_compute_s("A100-40", 1, 2, 3, 4) == pytest.approx((1.5, 2.0))  # one layer pays it all
+    # nearest measured TP of the GPU type stands in; another GPU type has none
+    assert prof.microbatch_overhead("A100-40", 2) == 0.5 and prof.microbatch_overhead("V100-16", 1) == 0.0
+
+    def plan(stages, m):
+        reps = [{"stage": i, "gpu": "A100-40", "zone": "us-central1-a", "tp": 1} for i in range(len(stages))]
+        return Plan.model_validate({"micro_batch_size": 2, "stages": stages,
+                                    "pipelines": [{"microbatches": m, "replicas": reps}]})
+
+    # one stage, 4 micro-batches: 4 x (6 + 0.5 + 12) = 74 s
+    one = simulate(plan([[0, 6]], 4), ctx)
+    assert one.pipeline_s == pytest.approx(74.0) and one.replicas[0].forward_s == pytest.approx(6.5)
+    # two uniform stages of 3 layers (f = 3.5, b = 6), m micro-batches, transfer c: fill and drain 2 x 9.5 + 2c,
+    # then m - 1 more at an end stage's 9.5 + 2c; event simulation and closed form agree.
+    for m in (2, 4, 8):
+        est = simulate(plan([[0, 3], [3, 6]], m), ctx)
+        c = est.replicas[0].p2p_s
+        assert est.pipeline_s == pytest.approx(19.0 + 2 * c + (m - 1) * (9.5 + 2 * c))
+        assert simulate(plan([[0, 3], [3, 6]], m), ctx, event=False).pipeline_s == pytest.approx(est.pipeline_s)

@@ -5,10 +5,15 @@ micro-batch size b:
 - forward and backward seconds of the runtime's embedding (layer 0), one block (layers 1..N all share
   its geometry, so one block is timed and its figures stand for every block) and the head (final
   norm, LM head and the loss, which the runtime's last stage computes inside its forward);
-- on CPU also the whole model in one pass, and every layer time scaled by the whole pass over the
-  sum of the separate ones (`pass_scale`, recorded under settings.pass_scale): a stage of a run
-  pays the per-pass overhead once per micro-batch, not once per layer;
-  TP layers are timed with their all-reduces, every rank starting together after a barrier, and the
+- on CPU also the whole model as a run trains it: the runtime's own `run_pipeline` over
+  RUNTIME_MICROBATCHES micro-batches of a one-stage replica (`_time_pipeline`), its phase timers
+  giving the whole model's forward and backward per micro-batch. Every layer time is scaled by that
+  whole pass over the sum of the separate ones (`pass_scale`, recorded under settings.pass_scale):
+  a stage of a run pays the per-pass overhead once per micro-batch, not once per layer, and a TP
+  replica's ranks meet only in the model's all-reduces, never in a barrier per pass. The call's wall
+  time outside its phases (the 1F1B loop's bookkeeping) is the runtime's per-micro-batch overhead,
+  `runtime.microbatch_overhead_s`, which the simulator adds to every stage's micro-batch. The
+  separate layers are timed with their all-reduces, every rank starting together after a barrier, and the
   slowest rank's time kept (the others wait for it in a real run too);
 - `warmup` untimed passes, then `repeats` timed ones: the median is the profile, the interquartile
   range its spread (`forward_spread_s`, `backward_spread_s`);
@@ -23,7 +28,9 @@ Load: on CPU every profiling process uses `threads` intra-op threads (default 1)
 each rank of a multi-process `sailor train` run (it sets OMP_NUM_THREADS=1), and `concurrency`
 replicas are timed at once, in lockstep (default: enough TP groups to give every core a process).
 A "cpu GPU" is thus one core while the other cores are busy too, which is what every rank of a
-multi-process run sees. On the 2-core build machines (2 cores, 1 thread per core) the effect is
+multi-process run sees. Every rank runs in its own session, as torchrun starts them (see
+`run_ranks`: the kernel's autogroup scheduler treats a session as one group). On the 2-core build
+machines (2 cores, 1 thread per core) the effect of the concurrent replicas is
 small: the `tiny` model's whole pass at micro-batch 4 took 2.27 / 4.04 ms (forward / backward) in one
 process alone and 2.51 / 4.29 ms in each of two at once. Other jobs on the machine are not modelled:
 profile and train on a quiet machine (benchmarks/closed_loop.py waits for one).
@@ -185,8 +192,16 @@ def run_ranks(target: str, nprocs: int, args: dict[str, Any], *, on_message: Cal
         for rank in range(nprocs):
             err = tempfile.TemporaryFile(mode="w+")
             errs.append(err)
+            # Each rank in its own session, as torchrun starts the ranks of `sailor train`
+            # (start_new_session in torch.distributed.elastic's SubprocessHandler). With the kernel's
+            # autogroup scheduling (/proc/sys/kernel/sched_autogroup_enabled = 1, the default) a
+            # session is one CFS group, and two gloo TP ranks sharing one group ran the `tiny` model's
+            # TP-2 pass at ~45-50 ms per micro-batch of 4 on the 2-core build machines, against
+            # ~30-37 ms in separate sessions (same code, same machine, torchrun's timing): the
+            # profile must see the scheduling a run sees.
             p = subprocess.Popen([sys.executable, "-m", "sailor.runtime.profiler", target, str(rank), str(nprocs),
-                                  str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+                                  str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                 start_new_session=True)
             procs.append(p)
             p.stdin.write(payload)
             p.stdin.close()
@@ -308,12 +323,10 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
     spec, seq = job.model, job.seq
     cuda = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else _nullcontext
-    # kind -> (first layer, end): one layer of each kind, and on CPU the whole model in one pass.
+    # kind -> (first layer, end): one layer of each kind.
     kinds = {"embedding": (0, 1), "block": (1, 2), "head": (spec.num_layers - 1, spec.num_layers)}
-    if o.get("whole_pass"):
-        kinds["model"] = (0, spec.num_layers)
     gen = torch.Generator(device="cpu").manual_seed(1234)
-    out: dict[str, Any] = {"times": {}, "activation_bytes_per_sample": {}, "peak_bytes": 0}
+    out: dict[str, Any] = {"times": {}, "runtime_overhead_s": {}, "activation_bytes_per_sample": {}, "peak_bytes": 0}
 
     def sync() -> None:
         if cuda:
@@ -330,10 +343,10 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
             def forward(layer=layer, tok=tok, act=act, mbs=mbs, kind=kind):  # bound now, not at call time
                 if kind == "embedding":
                     return layer(tok)
-                x = tok if kind == "model" else act.detach().requires_grad_()
+                x = act.detach().requires_grad_()
                 with autocast():
                     y = layer(x)
-                return lm_loss_sum(y, tok) * (1.0 / (mbs * seq)) if kind in ("head", "model") else y
+                return lm_loss_sum(y, tok) * (1.0 / (mbs * seq)) if kind == "head" else y
 
             res = _LayerResult()
             for r in range(o["warmup"] + o["repeats"]):
@@ -362,11 +375,22 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
             out["times"][f"{kind}/{mbs}"] = both.tolist()
             if rank == 0:
                 rank_message({"tick": 1})
-        if kind != "model":  # the whole-model pass only scales times; activations are per layer
-            mbs = max(o["mbs"])
-            saved = _saved_bytes(layer, lambda: forward_for(layer, kind, job, mbs, device, autocast))
-            out["activation_bytes_per_sample"][kind] = saved / mbs
+        mbs = max(o["mbs"])
+        saved = _saved_bytes(layer, lambda: forward_for(layer, kind, job, mbs, device, autocast))
+        out["activation_bytes_per_sample"][kind] = saved / mbs
         del layer
+    if o.get("whole_pass"):
+        model = _build_layer(job, 0, rank % tp, tp, group, device, spec.num_layers)
+        for mbs in o["mbs"]:
+            runs = torch.tensor(_time_pipeline(model, job, o, rank, tp, world, mbs, device, autocast, sync),
+                                dtype=torch.float64)  # (repeats, 3): forward, backward, rest per micro-batch
+            if world > 1:
+                dist.all_reduce(runs, op=dist.ReduceOp.MAX)
+            out["times"][f"model/{mbs}"] = runs[:, :2].T.tolist()
+            out["runtime_overhead_s"][str(mbs)] = runs[:, 2].tolist()
+            if rank == 0:
+                rank_message({"tick": 1})
+        del model
     per_param = torch.tensor([_optimizer_s_per_param(job, rank % tp, tp, group, device, o["repeats"], sync)],
                              dtype=torch.float64)
     if world > 1:
@@ -377,6 +401,57 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
     else:
         out["peak_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
     return out
+
+
+RUNTIME_MICROBATCHES = 8
+"""Micro-batches of one timed `run_pipeline` call in the profile: as many as the smallest pipeline of
+the closed-loop benchmark's plans (64 samples in micro-batches of 4 over 2 pipelines), so a step's
+fixed costs inside `run_pipeline` are spread as in a run."""
+
+
+def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int, mbs: int, device, autocast,
+                   sync) -> list[list[float]]:
+    """Time the runtime's own training pass: `run_pipeline` over RUNTIME_MICROBATCHES micro-batches of
+    `mbs` samples on a one-stage replica holding the whole `model` (this rank's TP shard of it).
+
+    Returns one row per timed repeat: [forward_s, backward_s, rest_s] per micro-batch, where forward
+    and backward are the runtime's own phase timers (`StageTimes`, what `sailor train --metrics`
+    reports per stage) and rest is the call's wall time outside them: the 1F1B loop's Python
+    bookkeeping, input and target slicing, saving and popping micro-batch state, the final wait on
+    sends. The replicas of a TP-1 profile run side by side without any collective between them, and
+    the ranks of a TP group meet only in the model's own all-reduces: one barrier per call, none
+    per pass, as in a training step.
+    """
+    import torch
+
+    from sailor.plan import Pipeline, Plan, Replica
+    from sailor.runtime.model import lm_loss_sum
+    from sailor.runtime.pipeline import P2P, run_pipeline
+    from sailor.runtime.topology import derive_topology
+
+    spec, seq, m = job.model, job.seq, RUNTIME_MICROBATCHES
+    pipe = Pipeline(microbatches=m, replicas=(Replica(stage=0, gpu=o["gpu"], zone="profile", tp=tp),))
+    plan = Plan(micro_batch_size=mbs, stages=((0, spec.num_layers),), pipelines=(pipe,) * (world // tp))
+    role = derive_topology(plan).roles[rank]
+    assert role.tp_rank == rank % tp and role.num_stages == 1, role
+    p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=_dt.timedelta(seconds=o["timeout_s"]))
+    gen = torch.Generator(device="cpu").manual_seed(4321)
+    tok = torch.randint(0, spec.vocab_size, (m * mbs, seq + 1), generator=gen).to(device)  # (m·mbs, seq + 1)
+    rows = []
+    for r in range(o["warmup"] + o["repeats"]):
+        model.zero_grad(set_to_none=True)  # as the optimizer leaves it at the end of a step
+        sync()
+        t0 = time.perf_counter()
+        _, times = run_pipeline(model, role, p2p, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
+                                targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=lm_loss_sum,
+                                loss_scale=1.0 / (m * mbs * seq), autocast=autocast)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+        if r >= o["warmup"]:
+            rest = wall - times.forward_s - times.backward_s  # >= 0: the phases lie inside the call
+            rows.append([times.forward_s / m, times.backward_s / m, rest / m])
+    return rows
 
 
 def forward_for(layer, kind: str, job: JobSpec, mbs: int, device, autocast):
@@ -484,7 +559,8 @@ def whole_pass(opts: ProfileOptions) -> bool:
 
 
 def profile_steps(opts: ProfileOptions) -> int:
-    """Progress ticks `profile_job` reports: one per (TP degree, layer kind, micro-batch size)."""
+    """Progress ticks `profile_job` reports: one per (TP degree, layer kind or the whole-model run,
+    micro-batch size)."""
     return len(opts.tps) * (4 if whole_pass(opts) else 3) * len(opts.mbs)
 
 
@@ -517,8 +593,9 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
     rows, memory = [], []
     opt_s_per_param = None
     raw = {"job": opts.job.to_dict() | {"model": spec.model_dump(mode="json")},
-           **{k: v for k, v in asdict(opts).items() if k != "job"}, "whole_pass": whole_pass(opts)}
+           **{k: v for k, v in asdict(opts).items() if k != "job"}, "whole_pass": whole_pass(opts), "gpu": gpu}
     scales: dict[str, list[float]] = {}
+    overhead_rows, overhead_by_mbs = [], {}
     with tempfile.TemporaryDirectory(prefix="sailor-profile-") as tmp:
         for tp in sorted(set(opts.tps)):
             path = Path(tmp) / f"tp{tp}.json"
@@ -538,6 +615,11 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                              "forward_s": [x * sf for x in fwd], "backward_s": [x * sb for x in bwd],
                              "forward_spread_s": [stats[k][2] * sf for k in order],
                              "backward_spread_s": [stats[k][3] * sb for k in order]})
+            if whole_pass(opts):
+                # One figure per (GPU type, TP): the bookkeeping does not grow with the micro-batch.
+                by_mbs = {mbs: statistics.median(res["runtime_overhead_s"][str(mbs)]) for mbs in sorted(set(opts.mbs))}
+                overhead_by_mbs[str(tp)] = {str(b): v for b, v in by_mbs.items()}
+                overhead_rows.append({"gpu": gpu, "tp": tp, "seconds": statistics.median(by_mbs.values())})
             act = res["activation_bytes_per_sample"]
             memory.append({"gpu": gpu, "tp": tp, "peak_bytes": res["peak_bytes"],
                            "activation_bytes_per_sample": [act["embedding"]] + [act["block"]] * n_blocks + [act["head"]]})
@@ -551,8 +633,12 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                          "replicas_at_once": {str(t): replicas(opts, t) for t in sorted(set(opts.tps))},
                          "statistic": "median", "spread": "interquartile range",
                          # "tp/mbs" -> [forward, backward] factor applied to the layer times (`pass_scale`)
-                         "pass_scale": scales},
-            "layers": rows, "optimizer": {gpu: {"seconds_per_param": opt_s_per_param}}, "memory": memory}
+                         "pass_scale": scales,
+                         "runtime_microbatches": RUNTIME_MICROBATCHES,
+                         # "tp" -> "mbs" -> seconds per micro-batch outside the passes (median per size)
+                         "microbatch_overhead_s_by_mbs": overhead_by_mbs},
+            "layers": rows, "optimizer": {gpu: {"seconds_per_param": opt_s_per_param}}, "memory": memory,
+            **({"runtime": {"microbatch_overhead_s": overhead_rows}} if overhead_rows else {})}
 
 
 def _stats(both: list[list[float]]) -> tuple[float, float, float, float]:

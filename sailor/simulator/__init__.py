@@ -101,10 +101,13 @@ class SimContext:
         return self._cum[key]
 
     def stage_compute_s(self, gpu: str, tp: int, mbs: int, a: int, b: int) -> tuple[float, float]:
-        """(forward_s, backward_s) of one micro-batch on layers [a, b) for one replica."""
+        """(forward_s, backward_s) of one micro-batch on layers [a, b) for one replica: the layers'
+        times plus, on the forward, the runtime's measured per-micro-batch overhead of a stage
+        (`Profiles.microbatch_overhead`: 1F1B bookkeeping outside the passes; 0 when not profiled),
+        which a stage pays once per micro-batch whatever its layers."""
         c = self.layer_cumsum(gpu, tp, mbs)
         f, bw = c[b] - c[a]
-        return float(f), float(bw)
+        return float(f) + self.profiles.microbatch_overhead(gpu, tp), float(bw)
 
     def params_cumsum(self, tp: int) -> np.ndarray:
         """Cumulative parameters per GPU over layers at TP `tp`: array (num_layers + 1,)."""
