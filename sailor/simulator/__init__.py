@@ -94,9 +94,6 @@ class SimContext:
                 # timing carries a launch-and-sync gap that a real, asynchronous run hides.
                 gap = gpu_constant(self.calibration, gpu, "profile_overhead_s", 0.0)
                 t = np.maximum(t - gap, 0.0)
-                # Layer micro-benchmarks run faster than the same layers inside a training run on
-                # some devices (local CPU processes: see calibration.py, `compute_factor`).
-                t = t * gpu_constant(self.calibration, gpu, "compute_factor", 1.0)
             self._cum[key] = np.vstack([np.zeros((1, 2)), np.cumsum(t, axis=0)])
         return self._cum[key]
 

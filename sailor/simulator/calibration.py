@@ -26,10 +26,6 @@ Each constant is physical and the same for every run on that GPU type:
   efficiency is 0.17), as an algorithm with per-GPU traffic flat in D (NCCL's pipelined trees) or
   a per-GPU bottleneck outside the network would give. The sync time is the larger of this and the
   ring over the links (so slow or cross-zone links still dominate).
-- `compute_factor` (dimensionless): a training run's per-stage compute time (the runtime's
-  forward_s + backward_s per micro-batch, waits excluded) over the sum of the profiled layer times
-  of that stage; multiplies measured layer times. 1 for every GPU type now, `cpu` included (see the
-  note at its former entry below); kept for devices whose kernels differ between profile and run.
 The catalog holds a default `framework_bytes` per GPU type; a GPU type with no entry here uses it,
 no reserve, no profiler gap, no p2p overhead, efficiency 1 and no all-reduce rate limit. `sailor validate
 DIR --fit` refits these on a folder of measured runs (`fit_memory` below: linear least squares on
@@ -62,11 +58,10 @@ CALIBRATION: dict[str, dict[str, float]] = {
         "p2p_overhead_s": 548e-6,  # 0.55 ms per pipeline transfer on top of its bytes
         "allreduce_bytes_per_s": 2.01e9,  # 2.0 GB/s of one GPU's gradient shard, any D >= 2
     },
-    # cpu: no constants. The `compute_factor` 2.3 once fitted here came from runs on a machine with a
-    # load average of 5-6 on its 2 cores (other jobs). On a quiet machine `sailor profile` now times
-    # the layers as a run executes them (1 thread per process, every core busy, the per-pass overhead
-    # removed by `sailor.runtime.profiler.pass_scale`) and benchmarks/closed_loop.py measures the run
-    # against that profile directly.
+    # cpu: no constants. `sailor profile` times the layers as a run executes them (1 thread per
+    # process, ranks in their own sessions as torchrun starts them, every core busy, the per-pass
+    # overhead removed by `sailor.runtime.profiler.pass_scale`, the runtime's per-micro-batch overhead
+    # measured), and benchmarks/closed_loop.py compares runs with that profile directly.
 }
 
 
@@ -105,18 +100,3 @@ def fit_memory(fixed_bytes: np.ndarray, transient_bytes: np.ndarray, measured_by
         r = 0.0
         F = float(np.sum(y * meas / meas**2) / np.sum(1.0 / meas**2))
     return {"framework_bytes": float(F), "reserve_fraction": float(r)}
-
-
-def fit_compute_factor(measured_stage_s: np.ndarray, profiled_stage_s: np.ndarray) -> float:
-    """Fit `compute_factor` of one GPU type: the median over stages of measured / profiled compute.
-
-    Args:
-        measured_stage_s: arrays (stages,), a run's forward + backward seconds per micro-batch of each
-            stage (the runtime's metrics, waits excluded).
-        profiled_stage_s: arrays (stages,), the profiled layer times of the same stages, summed.
-    Returns:
-        The factor (dimensionless); the median, so one disturbed stage does not move it.
-    """
-    meas, prof = np.asarray(measured_stage_s, dtype=float), np.asarray(profiled_stage_s, dtype=float)
-    assert meas.shape == prof.shape and meas.size >= 1 and np.all(prof > 0)
-    return float(np.median(meas / prof))
