@@ -1,5 +1,6 @@
 """Shared fixtures: where the public Sailor reference data lives (../shared next to the repo root)."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,3 +14,19 @@ def sailor_ref() -> Path:
     if not SAILOR_REF.is_dir():
         pytest.skip(f"public Sailor reference data not found at {SAILOR_REF} (../shared is absent)")
     return SAILOR_REF
+
+
+def live_processes(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of other live (not zombie) processes whose command line mentions
+    `marker`: used to check that nothing a test started outlives it."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if marker in cmd and state != "Z":
+                out.append((int(pid), cmd))
+    return out

@@ -29,6 +29,7 @@ from sailor.runtime.data import load_corpus
 from sailor.runtime.launcher import ExitStatus
 from sailor.runtime.reference import train_reference
 from sailor.specs import ClusterSpec, JobSpec
+from conftest import live_processes
 
 JOB = JobSpec(model="tiny", global_batch_size=8)
 LOCAL = ClusterSpec(provider="local", zones={"local": {"cpu": 4}})
@@ -74,17 +75,7 @@ def _check_trajectory(metrics: Path, steps: int, losses: list[float], rolled_bac
 
 def _processes(marker: str) -> list[int]:
     """Live processes whose command line mentions `marker` (a test's temporary folder)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if marker in cmd and state != "Z":
-                out.append(int(pid))
-    return out
+    return [pid for pid, _ in live_processes(marker)]
 
 
 def _workers(marker: str) -> list[int]:

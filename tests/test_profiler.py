@@ -7,7 +7,6 @@ that values are present, positive and used. Every test checks that no profiling 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,21 +21,13 @@ from sailor.runtime.profiler import ProfileOptions, check_options, device_gpu_ty
 from sailor.errors import SailorInputError
 from sailor.fileio import write_json
 from sailor.specs import JobSpec, local_cluster
+from conftest import live_processes
 
 JOB = JobSpec(model="tiny", global_batch_size=8)
 
 
 def _profiler_procs() -> list[str]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if "sailor.runtime.profiler" in cmd:
-                out.append(cmd)
-    return out
+    return [cmd for _, cmd in live_processes("sailor.runtime.profiler")]
 
 
 @pytest.fixture(scope="module")

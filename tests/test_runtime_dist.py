@@ -9,7 +9,6 @@ fast with a clear message; a stop request must checkpoint and exit 3; nothing ma
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from sailor.runtime.data import load_corpus
 from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 from sailor.runtime.reference import train_reference
 from sailor.specs import JobSpec
+from conftest import live_processes
 
 JOB = {"model": "tiny", "global_batch_size": 8}
 STEPS = 5
@@ -66,16 +66,7 @@ def _run(tmp: Path, plan: str, **kw) -> tuple:
 
 def _leftovers(marker: str) -> list[str]:
     """Command lines of live processes mentioning `marker` (a test's temporary folder)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if marker in cmd:
-                out.append(cmd)
-    return out
+    return [cmd for _, cmd in live_processes(marker)]
 
 
 @pytest.mark.parametrize("name", list(PLANS))

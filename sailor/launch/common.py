@@ -233,3 +233,12 @@ def check_device(opts: LaunchOptions) -> None:
 def round_up_pow2(n: int, cap: int) -> int:
     """Smallest power of two >= n, at most `cap` (cloud VM shapes come with 1, 2, 4, 8 ... GPUs)."""
     return min(cap, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def backend_name(table: dict[str, str], gpu: str, what: str) -> str:
+    """`gpu`'s name in a backend's `table`; SailorInputError naming `what` (e.g. "GKE accelerator
+    label") and the known types when the backend has none."""
+    try:
+        return table[gpu]
+    except KeyError:
+        raise SailorInputError(f"GPU type {gpu} has no {what}", fix=f"known: {', '.join(sorted(table))}") from None

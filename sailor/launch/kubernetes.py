@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from sailor.errors import SailorInputError
-from sailor.launch.common import Group, LaunchLayout, LaunchOptions, node_script, round_up_pow2
+from sailor.launch.common import Group, LaunchLayout, LaunchOptions, backend_name, node_script, round_up_pow2
 from sailor.plan import Plan
 
 # Our GPU types -> GKE accelerator labels (`cloud.google.com/gke-accelerator` node label values),
@@ -35,11 +35,7 @@ PLAN_FILE = "plan.json"
 
 def gke_accelerator(gpu: str) -> str:
     """GKE accelerator label of `gpu`; SailorInputError for a type GKE does not offer."""
-    try:
-        return GKE_ACCELERATOR[gpu]
-    except KeyError:
-        raise SailorInputError(f"GPU type {gpu} has no GKE accelerator label",
-                               fix=f"known: {', '.join(sorted(GKE_ACCELERATOR))}") from None
+    return backend_name(GKE_ACCELERATOR, gpu, "GKE accelerator label")
 
 
 def manifests(layout: LaunchLayout, opts: LaunchOptions, *, name: str = "sailor", image: str,

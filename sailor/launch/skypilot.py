@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sailor.errors import SailorInputError
-from sailor.launch.common import RDZV_HOST_VAR, Group, LaunchLayout, LaunchOptions, node_script, round_up_pow2
+from sailor.launch.common import (RDZV_HOST_VAR, Group, LaunchLayout, LaunchOptions, backend_name, node_script,
+                                  round_up_pow2)
 
 # Our GPU types -> SkyPilot accelerator names (`sky show-gpus`); only types GCP rents.
 SKYPILOT_ACCELERATOR = {
@@ -36,11 +36,7 @@ SKYPILOT_ACCELERATOR = {
 
 def accelerator(gpu: str) -> str:
     """SkyPilot accelerator name of `gpu`; SailorInputError for a type SkyPilot cannot rent on GCP."""
-    try:
-        return SKYPILOT_ACCELERATOR[gpu]
-    except KeyError:
-        raise SailorInputError(f"GPU type {gpu} has no SkyPilot accelerator on GCP",
-                               fix=f"known: {', '.join(sorted(SKYPILOT_ACCELERATOR))}") from None
+    return backend_name(SKYPILOT_ACCELERATOR, gpu, "SkyPilot accelerator on GCP")
 
 
 def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, region_of, local_plan: str | None = None,
