@@ -48,6 +48,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object hook that rejects a key given twice (json keeps the last one silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise SailorInputError(f"key {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
     """Parse a JSON or YAML file whose top level is a mapping.
 
@@ -60,11 +70,13 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
         raise SailorInputError("the file is empty", source=src)
     try:
         if str(path).endswith(".json"):
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
             data = yaml.load(text, Loader=_UniqueKeyLoader)
     except json.JSONDecodeError as e:
         raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=src) from None
+    except SailorInputError as e:
+        raise e.located(source=src) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -128,3 +140,25 @@ def write_atomic(path: str | Path, text: str) -> None:
 def write_json(path: str | Path, obj: Any) -> None:
     """Write `obj` as indented JSON, atomically."""
     write_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def check_output_path(path: str | Path | None, option: str, *, folder: bool = False,
+                      suffixes: tuple[str, ...] = ()) -> None:
+    """Refuse an output path before any work starts: a file where a folder is wanted or the reverse,
+    a parent that is not a folder, or (for files) a suffix outside `suffixes`.
+
+    Raises:
+        SailorInputError: naming the option and the path.
+    """
+    if path is None:
+        return
+    p = Path(path)
+    if folder and p.exists() and not p.is_dir():
+        raise SailorInputError(f"{p} exists and is not a folder", source=option)
+    if not folder and p.is_dir():
+        raise SailorInputError(f"{p} is a folder, expected a file name", source=option)
+    parent = next((q for q in [p.parent, *p.parent.parents] if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise SailorInputError(f"{parent} is not a folder", source=option)
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise SailorInputError(f"{p.name}: expected a file ending in {' or '.join(suffixes)}", source=option)

@@ -150,6 +150,8 @@ class ClusterSpec(BaseModel):
             canon: dict[str, Any] = {}
             for k, v in prices.items():
                 if isinstance(v, dict):
+                    if prov is not None:
+                        _located(lambda: prov.region(k), f"prices.{k}")  # a per-zone price names a zone
                     canon[k] = {_located(lambda: catalog.canonical_gpu(g), f"prices.{k}.{g}"): p for g, p in v.items()}
                 else:
                     canon[_located(lambda: catalog.canonical_gpu(k), f"prices.{k}")] = v

@@ -53,6 +53,9 @@ BAD = [
     ("job.yaml", "", "job.yaml", "the file is empty"),
     ("cluster.yaml", CLUSTER + "  us-central1-a: {V100-16: 8}\n", "line 4", "key 'us-central1-a' appears twice"),
     ("cluster.yaml", "provider: local\nzones:\n  local: {A100-40: 8}\n", "zones.local.A100-40", "no list price"),
+    ("cluster.yaml", CLUSTER + "prices: {us-centrall-a: {A100-40: 0.5}}\n", "prices.us-centrall-a", "unknown gcp zone"),
+    ("job.json", '{"model": "tiny", "global_batch_size": 4, "global_batch_size": 8}', "job.json",
+     "key 'global_batch_size' appears twice"),
     ("job.yaml", JOB.replace(": 4", ": -4"), "global_batch_size", "greater than 0"),
     ("job.yaml", JOB.replace(": 4", ": four"), "global_batch_size", "valid integer"),
     ("job.yaml", JOB + "precison: bf16\n", "precison", "Extra inputs"),
@@ -197,3 +200,27 @@ def test_train_refuses_a_gpu_plan_on_cpu(tmp_path, monkeypatch, capsys):
     code, err = _run_in_process(["train", "plan.json", "--job", "job.yaml", "--steps", "1"], tmp_path, monkeypatch, capsys)
     assert code == 2
     assert err.count("\n") == 1 and "pipelines.0.replicas.0.gpu: A100-40 in us-central1-a is not this machine's CPU" in err
+
+
+def test_train_refuses_bad_output_paths_before_starting(tmp_path, monkeypatch, capsys):
+    (tmp_path / "job.yaml").write_text(JOB)
+    plan = json.loads(json.dumps(PLAN))
+    for p in plan["pipelines"]:
+        for r in p["replicas"]:
+            r.update(gpu="cpu", zone="local", tp=1)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    for args, words in ((["--checkpoint-dir", "afile"], "--checkpoint-dir: "), (["--metrics", "adir"], "--metrics: ")):
+        code, err = _run_in_process(["train", "plan.json", "--job", "job.yaml", "--steps", "1", *args], tmp_path,
+                                    monkeypatch, capsys)
+        assert code == 2 and err.count("\n") == 1 and words in err
+
+
+def test_replay_refuses_a_plot_it_cannot_write(tmp_path, monkeypatch, capsys):
+    (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    (tmp_path / "trace.json").write_text('[{"time_s": 0, "zone": "us-central1-a", "gpu": "A100-40", "count": 8}]')
+    code, err = _run_in_process(["replay", "--job", "job.yaml", "--cluster", "cluster.yaml", "--availability",
+                                 "trace.json", "--plot", "plot.txt"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and err.strip() == "error: --plot: plot.txt: expected a file ending in .png or .svg or .pdf"

@@ -16,6 +16,7 @@ import typer
 from sailor.cli import app
 from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, console
 from sailor.errors import SailorInputError
+from sailor.fileio import check_output_path
 
 TraceOpt = typer.Option(..., "--availability", help="Availability trace: CSV (Timestamp + <gpu>_<zone> columns),"
                         ' JSON events [{"time_s", "zone", "gpu", "count"}], or [{"Time", "GPUs"}] for the'
@@ -60,6 +61,9 @@ def run(
         clock_kind = ClockKind(clock)
     except ValueError:
         raise SailorInputError(f"unknown clock {clock!r}", source="--clock", fix="wall or training") from None
+    for value, option, folder in ((checkpoint_dir, "--checkpoint-dir", True), (metrics, "--metrics", False),
+                                  (events, "--events", False)):
+        check_output_path(value, option, folder=folder)
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     trace = load_trace(availability, cluster_spec)
     result = run_elastic(RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
@@ -71,7 +75,7 @@ def run(
 
     summary = (f"{result.message} ({result.switches} switches, {result.crashes} crashes,"
                f" {result.steps_rolled_back} steps rolled back)")
-    Console(stderr=True).print(summary)
+    Console(stderr=True, soft_wrap=True).print(summary)
     raise typer.Exit(code=int(result.status))
 
 
@@ -100,6 +104,7 @@ def replay(
     except ValueError:
         raise SailorInputError(f"unknown policy {policy!r}", source="--policy",
                                fix=f"one of {', '.join(p.value for p in Policy)}") from None
+    check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"))
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     trace = load_trace(availability, cluster_spec)
     result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=str(profiles) if profiles else None,

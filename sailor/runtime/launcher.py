@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from sailor.errors import SailorInputError
+from sailor.fileio import check_output_path
 from sailor.plan import Plan, RankInfo, load_plan, rank_layout
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import check_corpus, load_corpus
@@ -116,9 +117,14 @@ def prepare(options: TrainOptions) -> Prepared:
         raise e.located(source=options.plan) from None
     check_runtime_geometry(plan, job, source=options.plan)
     if options.steps < 1:
-        raise SailorInputError(f"--steps must be >= 1, got {options.steps}", source="--steps")
+        raise SailorInputError(f"must be >= 1, got {options.steps}", source="--steps")
+    check_output_path(options.checkpoint_dir, "--checkpoint-dir", folder=True)
+    check_output_path(options.metrics, "--metrics")
     if options.device not in ("cpu", "cuda"):
         raise SailorInputError(f"unknown device {options.device!r}", source="--device", fix="cpu or cuda")
+    if options.device == "cpu" and job.precision != "fp32":
+        raise SailorInputError(f"the runtime trains in fp32 on cpu, the job says {job.precision}",
+                               source=options.job or options.plan, field="precision", fix="set precision: fp32")
     if options.device == "cpu":
         # A plan for real GPUs would run every rank of a multi-GPU job on this machine's CPU: refuse.
         for j, p in enumerate(plan.pipelines):

@@ -79,7 +79,7 @@ class ProfileOptions:
     job: JobSpec
     """Model, sequence length and precision the layers are timed at."""
     device: Device = "cpu"
-    """cpu (gloo, fp32) or cuda (NCCL, bf16 autocast, as the runtime trains)."""
+    """cpu (gloo, fp32) or cuda (NCCL; autocast to the job's bf16/fp16, as the runtime trains)."""
     tps: tuple[int, ...] = (1,)
     """TP degrees; degree t runs t processes."""
     mbs: tuple[int, ...] = (1, 2, 4, 8)
@@ -152,10 +152,9 @@ def check_options(opts: ProfileOptions) -> None:
         raise SailorInputError(f"micro-batch sizes must be >= 1, got {list(opts.mbs)}", field="--mbs")
     if opts.warmup < 0 or opts.repeats < 1 or opts.threads < 1 or opts.concurrency < 0:
         raise SailorInputError("need warmup >= 0, repeats >= 1, threads >= 1", field="--warmup/--repeats/--threads")
-    want = "fp32" if opts.device == "cpu" else "bf16"
-    if opts.job.precision != want:
-        raise SailorInputError(f"the runtime trains in {want} on {opts.device}, the job says {opts.job.precision}",
-                               field="precision", fix=f"set precision: {want} in the job")
+    if opts.device == "cpu" and opts.job.precision != "fp32":
+        raise SailorInputError(f"the runtime trains in fp32 on cpu, the job says {opts.job.precision}",
+                               field="precision", fix="set precision: fp32 in the job")
     if opts.device == "cuda":
         import torch
         device_gpu_type("cuda")
@@ -322,7 +321,8 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
 
     spec, seq = job.model, job.seq
     cuda = device.type == "cuda"
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else _nullcontext
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.precision)  # as the runtime trains
+    autocast = (lambda: torch.autocast("cuda", dtype=half)) if cuda and half else _nullcontext
     # kind -> (first layer, end): one layer of each kind.
     kinds = {"embedding": (0, 1), "block": (1, 2), "head": (spec.num_layers - 1, spec.num_layers)}
     gen = torch.Generator(device="cpu").manual_seed(1234)

@@ -191,7 +191,9 @@ def train(args: argparse.Namespace) -> None:
     meta = {"seed": args.seed, "model": spec.model_dump(mode="json"), "global_batch_size": gbs}
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     fault = os.environ.get(FAULT_ENV, "")
-    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext)
+    # Mixed precision on GPUs only when the job asks for it (the plan was simulated and priced for it).
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.precision)
+    autocast = ((lambda: torch.autocast("cuda", dtype=half)) if cuda and half else contextlib.nullcontext)
     n_local = role.microbatches * mbs
     saved_at = start if args.resume_from else None
 
