@@ -533,13 +533,19 @@ def run(options: RunOptions) -> RunResult:
 
 
 def _dead_ranks(res: TrainResult) -> set[int]:
-    """Ranks that died on their own (not stopped by torchrun, not only victims of a lost peer)."""
+    """Ranks that died on their own (not stopped by torchrun, not only victims of a lost peer).
+
+    A rank that reported its own error is one. Otherwise only torchrun's root cause (its first
+    failure) counts: when a rank is killed, its TP and pipeline peers fail right after it on the
+    broken collective, often without a word, and must not be counted as lost GPUs too."""
     errors = [e for e in res.events if e.get("event") == "error"]
     own = {int(e["rank"]) for e in errors if not e.get("peer_lost")}
+    if own:
+        return own
     reported = {int(e["rank"]) for e in errors}
     tail = next((e["text"] for e in res.events if e.get("event") == "stderr_tail"), "")
-    silent = {int(r) for r, code in failed_ranks(tail) if r.isdigit() and int(r) not in reported and code != "-15"}
-    return own | silent
+    silent = [int(r) for r, code in failed_ranks(tail) if r.isdigit() and int(r) not in reported and code != "-15"]
+    return set(silent[:1])
 
 
 def _kill_children() -> None:
