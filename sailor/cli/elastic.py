@@ -32,10 +32,10 @@ def run(
     cluster: Path = ClusterReq,
     availability: Path = TraceOpt,
     steps: int = typer.Option(100, "--steps", help="Train until this many optimizer steps in total, e.g. 200."),
-    seed: int = typer.Option(0, "--seed", help="Seed of initial weights and data order."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of initial weights and data order."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder (step-<n>/);"
                                                  " resumed from when it holds a checkpoint. Default: a temporary one."),
-    checkpoint_every: int = typer.Option(20, "--checkpoint-every", help="Also checkpoint every N steps, bounding"
+    checkpoint_every: int = typer.Option(20, "--checkpoint-every", min=0, help="Also checkpoint every N steps, bounding"
                                          " what a crash rolls back (0: only at switches and the end)."),
     metrics: Optional[str] = typer.Option(None, "--metrics", help="Append the step lines of `sailor train` here"
                                           " (.jsonl); a step redone after a rollback is written again."),

@@ -24,11 +24,11 @@ def train(
                                                   " run counts the checkpoint's steps), e.g. 100."),
     checkpoint_dir: str = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints (step-<n>/ each);"
                                                                       " one is written at the end and on stop."),
-    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Also checkpoint every N steps (0: never)."),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0, help="Also checkpoint every N steps (0: never)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest verified checkpoint in"
                                                         " --checkpoint-dir (any plan)."),
     metrics: str = typer.Option(None, "--metrics", help="Append one JSON line per step to this file (.jsonl)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of initial weights and data order."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of initial weights and data order."),
     device: str = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (NCCL, bf16 autocast)."),
     data: str = typer.Option(None, "--data", help="Text file or folder of files, as byte tokens; default: Python's"
                                                   " own pydoc topics."),
@@ -41,7 +41,7 @@ def train(
     """Train a plan exactly: tensor, pipeline (1F1B) and data parallelism as the plan says."""
     from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the terminal width
     prep = prepare(TrainOptions(plan=plan, job=job, steps=steps, checkpoint_dir=checkpoint_dir,
                                 checkpoint_every=checkpoint_every, resume=resume, metrics=metrics, seed=seed,
                                 device=device, data=data, stop_file=stop_file, timeout_s=timeout_s))
