@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sys
+from enum import Enum
 from pathlib import Path
+from typing import TypeVar
 from typing import Optional
 
 import typer
@@ -59,3 +61,15 @@ def console():
     """A rich Console; 160 columns wide when output is not a terminal (pipes, CI logs)."""
     from rich.console import Console
     return Console(width=None if sys.stdout.isatty() else 160)
+
+
+E = TypeVar("E", bound=Enum)
+
+
+def choice(kind: type[E], value: str, option: str, what: str) -> E:
+    """`value` as a member of the enum `kind`; SailorInputError naming `option` and the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise SailorInputError(f"unknown {what} {value!r}", source=option,
+                               fix=f"one of {', '.join(str(m.value) for m in kind)}") from None

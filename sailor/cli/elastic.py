@@ -14,8 +14,7 @@ from typing import Optional
 import typer
 
 from sailor.cli import app
-from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, console
-from sailor.errors import SailorInputError
+from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, choice, console
 from sailor.fileio import check_output_path
 
 TraceOpt = typer.Option(..., "--availability", help="Availability trace: CSV (Timestamp + <gpu>_<zone> columns),"
@@ -57,10 +56,7 @@ def run(
     from sailor.elastic.controller import run as run_elastic
     from sailor.specs import load_cluster, load_job
 
-    try:
-        clock_kind = ClockKind(clock)
-    except ValueError:
-        raise SailorInputError(f"unknown clock {clock!r}", source="--clock", fix="wall or training") from None
+    clock_kind = choice(ClockKind, clock, "--clock", "clock")
     for value, option, folder in ((checkpoint_dir, "--checkpoint-dir", True), (metrics, "--metrics", False),
                                   (events, "--events", False)):
         check_output_path(value, option, folder=folder)
@@ -99,11 +95,7 @@ def replay(
     from sailor.elastic.replay import Policy, plot, replay as replay_run
     from sailor.specs import load_cluster, load_job
 
-    try:
-        pol = Policy(policy)
-    except ValueError:
-        raise SailorInputError(f"unknown policy {policy!r}", source="--policy",
-                               fix=f"one of {', '.join(p.value for p in Policy)}") from None
+    pol = choice(Policy, policy, "--policy", "policy")
     check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"))
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     trace = load_trace(availability, cluster_spec)

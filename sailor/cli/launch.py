@@ -16,6 +16,7 @@ from typing import Optional
 import typer
 
 from sailor.cli import app
+from sailor.cli.common import choice
 from sailor.errors import SailorInputError
 
 
@@ -42,11 +43,7 @@ def launch_command(
     from sailor.launch import Backend, LaunchOptions, dump_documents, launch, launch_specs
     from sailor.plan import load_plan
 
-    try:
-        chosen = Backend(backend)
-    except ValueError:
-        raise SailorInputError(f"unknown backend {backend!r}", source="--backend",
-                               fix=f"one of {', '.join(b.value for b in Backend)}") from None
+    chosen = choice(Backend, backend, "--backend", "backend")
     plan = load_plan(plan_path)
     default_remote = "/etc/sailor/plan.json" if chosen is Backend.KUBERNETES else str(plan_path.resolve())
     opts = LaunchOptions(plan_path=remote_plan or default_remote, steps=steps, rdzv_port=rdzv_port, python=python,
