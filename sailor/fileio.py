@@ -58,29 +58,41 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _parse_json(text: str, src: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as e:
+        raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=src) from None
+    except SailorInputError as e:
+        raise e.located(source=src) from None
+
+
+def load_json(path: str | Path) -> Any:
+    """Parse a JSON file of any shape; raises SailorInputError (missing file, syntax error with line
+    and column, a key given twice in one object)."""
+    return _parse_json(read_text(path), str(path))
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
     """Parse a JSON or YAML file whose top level is a mapping.
 
     Raises:
-        SailorInputError: missing file, syntax error (with line), or a top level that is not a mapping.
+        SailorInputError: missing or empty file, syntax error (with line), a key given twice, or a
+            top level that is not a mapping.
     """
     text = read_text(path)
     src = str(path)
     if not text.strip():
         raise SailorInputError("the file is empty", source=src)
-    try:
-        if str(path).endswith(".json"):
-            data = json.loads(text, object_pairs_hook=_unique_keys)
-        else:
+    if src.endswith(".json"):
+        data = _parse_json(text, src)
+    else:
+        try:
             data = yaml.load(text, Loader=_UniqueKeyLoader)
-    except json.JSONDecodeError as e:
-        raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=src) from None
-    except SailorInputError as e:
-        raise e.located(source=src) from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise SailorInputError(f"invalid YAML{where}: {getattr(e, 'problem', None) or e}", source=src) from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise SailorInputError(f"invalid YAML{where}: {getattr(e, 'problem', None) or e}", source=src) from None
     if not isinstance(data, dict):
         raise SailorInputError(f"expected a mapping at the top level, got {type(data).__name__}", source=src)
     return data

@@ -17,7 +17,6 @@ Our link file (JSON, schema "sailor.network/1"):
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 from sailor import catalog
 from sailor.catalog import Link, LinkClass
 from sailor.errors import SailorInputError
-from sailor.fileio import read_text
+from sailor.fileio import load_json
 from sailor.specs import ClusterSpec
 
 SCHEMA = "sailor.network/1"
@@ -164,7 +163,7 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
             _import_sailor_intra(net, p / "intra_node_bandwidths.json")
         net.source = f"sailor:{p}"
         return net
-    data = _load_json(p)
+    data = load_json(p)
     if isinstance(data, dict) and data.get("schema") == SCHEMA:
         _import_ours(net, data, str(p))
     elif isinstance(data, dict) and data:
@@ -175,11 +174,6 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
     return net
 
 
-def _load_json(p: Path) -> Any:
-    try:
-        return json.loads(read_text(p))
-    except json.JSONDecodeError as e:
-        raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=str(p)) from None
 
 
 def _leaf(v: Any, source: str, where: str) -> CurveFit:
@@ -200,7 +194,7 @@ def _gpu_or_none(name: str) -> str | None:
 def _import_sailor_multizone(net: NetworkModel, path: Path, data: Any = None) -> None:
     """[send_zone][send_gpu][send_count][recv_zone][recv_gpu][recv_count] = [[c0,c1,c2], max_bw].
     We keep entries with send_count == recv_count (both nodes run the same number of flows)."""
-    data = data if data is not None else _load_json(path)
+    data = data if data is not None else load_json(path)
     src = str(path)
     try:
         for sz, by_gpu in data.items():
@@ -218,7 +212,7 @@ def _import_sailor_multizone(net: NetworkModel, path: Path, data: Any = None) ->
 
 
 def _import_sailor_intra(net: NetworkModel, path: Path) -> None:
-    data = _load_json(path)
+    data = load_json(path)
     for g, by_cnt in data.items():
         gpu = _gpu_or_none(g)
         if gpu is None or not isinstance(by_cnt, dict):

@@ -26,7 +26,6 @@ measured TP degree of its GPU type (the same rule as layer times).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ import numpy as np
 
 from sailor import catalog
 from sailor.errors import SailorInputError
-from sailor.fileio import read_text, write_json
+from sailor.fileio import load_json, write_json
 from sailor.models import LayerKind, canonical_model_name
 from sailor.specs import JobSpec
 
@@ -221,7 +220,7 @@ def load_profiles(path: str | Path, job: JobSpec) -> Profiles:
         prof = load_sailor_profiles(p / "profiles_tmp.json", p / "llm_info.json", job)
         src = str(p / "profiles_tmp.json")
     else:
-        data = _load_json(p)
+        data = load_json(p)
         if isinstance(data, dict) and data.get("schema") == SCHEMA:
             prof = profiles_from_dict(data, str(p))
         elif isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()) and "layers" not in data:
@@ -234,12 +233,6 @@ def load_profiles(path: str | Path, job: JobSpec) -> Profiles:
     return prof
 
 
-def _load_json(p: Path) -> Any:
-    text = read_text(p)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=str(p)) from None
 
 
 def _positive_list(v: Any, n: int | None, where: str, source: str) -> list[float]:
@@ -346,7 +339,7 @@ def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec)
     micro-batch 1) for activation memory when present. The Sailor data is fp32 at the model's full
     context (sequence 2048; Llama 8192). `update_s` is ignored: it times a small profiling model, not
     the layer (see shared/reference/sailor/README.md)."""
-    data = _load_json(profiles_path)
+    data = load_json(profiles_path)
     src = str(profiles_path)
     names = {canonical_model_name(k): k for k in data if _known_model(k)}
     if job.model.name not in names:
@@ -369,7 +362,7 @@ def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec)
                                            source=src, field=f"{names[job.model.name]}.{gpu_name}.{mbs}.{tp}") from None
                 prof.times.setdefault((gpu, int(tp)), {})[int(mbs)] = arr
     if llm_info_path.exists():
-        info = _load_json(llm_info_path)
+        info = load_json(llm_info_path)
         key = next((k for k in info if _known_model(k) and canonical_model_name(k) == job.model.name), None)
         for tp, layers in (info.get(key) or {}).items() if key else []:
             try:
