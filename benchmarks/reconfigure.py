@@ -11,13 +11,18 @@ checkpoint (written by the ranks), teardown (processes gone), restart (torchrun,
 groups), load (model built, checkpoint loaded), first step. Target: <= 10 s in total; published
 Sailor: about 11 s on 16 V100 (DESIGN.md §7), before rollback. Prints a table, then one JSON line.
 
-    python benchmarks/reconfigure.py [--steps 80] [--processes 4] [--shrink-to 2]
+`--via-ssh` runs the same through `sailor run --hosts`: two 2-process "machines" (127.0.0.1 and
+127.0.0.2) reached by a stand-in `ssh` that runs each node's command here, with a torchrun agent per
+machine and a static rendezvous (the multi-host path, without a network).
+
+    python benchmarks/reconfigure.py [--steps 80] [--processes 4] [--shrink-to 2] [--via-ssh]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--processes", type=int, default=4)
     ap.add_argument("--shrink-to", type=int, default=2)
+    ap.add_argument("--via-ssh", action="store_true", help="through `sailor run --hosts` and a stand-in ssh")
     args = ap.parse_args(argv)
     assert 1 <= args.shrink_to < args.processes <= 4, "at most 4 processes on this machine"
 
@@ -40,14 +46,17 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="sailor-reconfigure-") as tmp:
         t = Path(tmp)
-        cluster = ClusterSpec(provider="local", zones={"local": {"cpu": args.processes}})
+        cluster = ClusterSpec(provider="local", zones={"local": {"cpu": args.processes}},
+                              gpus_per_node={"cpu": 2} if args.via_ssh else {})
+        hosts = _stand_in_hosts(t, cluster) if args.via_ssh else None
         trace = t / "trace.json"
         trace.write_text(json.dumps([{"time_s": s, "zone": "local", "gpu": "cpu", "count": n}
                                      for s, n in ((0, args.processes), (1.0, args.shrink_to), (2.0, args.processes))]))
         events = t / "events.jsonl"
         res = run(RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=cluster,
                              trace=load_trace(trace, cluster), steps=args.steps, checkpoint_dir=str(t / "ck"),
-                             checkpoint_every=0, events=str(events), clock=ClockKind.TRAINING, switch_cost_s=0.0))
+                             checkpoint_every=0, events=str(events), clock=ClockKind.TRAINING, switch_cost_s=0.0,
+                             hosts=hosts))
         ev = [json.loads(x) for x in events.read_text().splitlines()]
     switches = [e for e in ev if e["event"] == "switch_finished" and not e.get("interrupted")]
     if res.status != 0 or not switches:
@@ -62,11 +71,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mean':<22}" + "".join(f"{mean[p]:>12.3f}" for p in PHASES) + f"{total:>10.2f}")
     print(f"target <= {TARGET_S:g} s: {'met' if total <= TARGET_S else 'missed'}; published Sailor about 11 s on"
           " 16 V100 (before rollback)")
-    print(json.dumps({"benchmark": "reconfigure", "switches": [{"reason": e["reason"], "to_processes": e["world_size"],
+    print(json.dumps({"benchmark": "reconfigure", "path": "ssh stand-in" if args.via_ssh else "local", "switches": [{"reason": e["reason"], "to_processes": e["world_size"],
                                                                  "total_s": e["total_s"], **e["phases_s"]}
                                                                 for e in switches],
                       "mean_total_s": total, "mean_phases_s": mean, "target_s": TARGET_S}))
     return 0
+
+
+def _stand_in_hosts(t: Path, cluster):
+    """HOSTS.yaml with two 2-process machines, and an `ssh` first on PATH that runs the command here."""
+    import yaml
+
+    from sailor.elastic.remote import HostPool
+
+    (t / "bin").mkdir()
+    ssh = t / "bin" / "ssh"
+    ssh.write_text(f"#!{sys.executable}\nimport os, sys\nos.execvp('sh', ['sh', '-c', sys.argv[-1]])\n")
+    ssh.chmod(0o755)
+    os.environ["PATH"] = f"{t / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    hosts = t / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump({"groups": [{"zone": "local", "gpu": "cpu", "hosts": ["127.0.0.1", "127.0.0.2"]}]}))
+    return HostPool.load(hosts, cluster, python=sys.executable, rdzv_port=29000 + os.getpid() % 1000)
 
 
 if __name__ == "__main__":

@@ -49,11 +49,19 @@ def run(
     network: Optional[Path] = NetworkOpt,
     data: Optional[str] = typer.Option(None, "--data", help="Text file or folder, as byte tokens; default: Python's"
                                        " pydoc topics."),
+    hosts: Optional[Path] = typer.Option(None, "--hosts", help="HOSTS.yaml: run the ranks on these machines over ssh"
+                                         " (torchrun per node; needs --checkpoint-dir on storage they all mount)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu (gloo) or cuda (NCCL); default: cpu for"
+                                         " provider local, else cuda."),
+    python: str = typer.Option("python3", "--python", help="Python interpreter on the hosts (with Sailor installed)."),
+    rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Port of the rendezvous store on rank 0's host."),
 ) -> None:
-    """Train, keeping the job on the best plan as GPUs come and go (local provider: one process per GPU)."""
+    """Train, keeping the job on the best plan as GPUs come and go (local provider: one process per GPU;
+    --hosts: the machines of HOSTS.yaml)."""
     from sailor.elastic.availability import load_trace
     from sailor.elastic.controller import ClockKind, RunOptions
     from sailor.elastic.controller import run as run_elastic
+    from sailor.elastic.remote import HostPool
     from sailor.specs import load_cluster, load_job
 
     clock_kind = choice(ClockKind, clock, "--clock", "clock")
@@ -62,11 +70,13 @@ def run(
         check_output_path(value, option, folder=folder)
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     trace = load_trace(availability, cluster_spec)
+    pool = HostPool.load(hosts, cluster_spec, python=python, rdzv_port=rdzv_port) if hosts else None
     result = run_elastic(RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
                                     checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
                                     events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
                                     profiles=str(profiles) if profiles else None,
-                                    network=str(network) if network else None, data=data))
+                                    network=str(network) if network else None, data=data, hosts=pool,
+                                    device=device or ("cpu" if cluster_spec.provider == "local" else "cuda")))
     from rich.console import Console
 
     summary = (f"{result.message} ({result.switches} switches, {result.crashes} crashes,"

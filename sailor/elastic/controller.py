@@ -1,7 +1,9 @@
 """`sailor run`: keep a training job running, on the best plan, while GPUs come and go.
 
 The loop (`run`), on the `local` provider (every "GPU" is a process of `sailor train`'s runtime on
-this machine; the runtime is driven through `sailor.runtime.launcher`, which runs torchrun):
+this machine; the runtime is driven through `sailor.runtime.launcher`, which runs torchrun), or with
+`hosts` on the machines of HOSTS.yaml (one ssh session per node running its torchrun agents, see
+`sailor.elastic.remote`; a crash takes the dead rank's machine out too):
 
 1. Plan for the availability now (trace snapshot, minus GPUs lost to crashes) and launch, resuming
    from the newest checkpoint in the checkpoint folder that passes its checksums.
@@ -46,6 +48,7 @@ from typing import Any
 
 from sailor.elastic.availability import Trace, Zones
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
+from sailor.elastic.remote import HostPool, Machine
 from sailor.elastic.replan import Planned, Replanner
 from sailor.errors import InfeasibleError, SailorInputError
 from sailor.plan import rank_layout
@@ -89,6 +92,8 @@ class RunOptions:
     network: str | None = None
     data: str | None = None
     device: str = "cpu"
+    hosts: HostPool | None = None
+    """Run the ranks on these machines over ssh (`sailor.elastic.remote`); None: the local provider."""
     timeout_s: float = 60.0
     """Seconds a collective may wait before the runtime fails (a lost peer is noticed by torchrun first)."""
 
@@ -168,12 +173,15 @@ class Clock:
 
 @dataclass
 class Availability:
-    """The trace's availability now, minus GPUs lost to crashes. A crash deduction for a (zone, GPU)
-    lasts until the trace reports a new count for that pair (a fresh observation)."""
+    """The trace's availability now, minus GPUs lost to crashes, and with `--hosts` at most what the
+    usable machines hold. A crash deduction for a (zone, GPU) (a GPU, a machine) lasts until the trace
+    reports a new count for that pair (a fresh observation)."""
 
     trace: Trace
+    pool: HostPool | None = None
     index: int = -1  # snapshot in force (-1: before the first)
     lost: Counter = field(default_factory=Counter)
+    lost_machines: set[Machine] = field(default_factory=set)
 
     def advance(self, trace_time_s: float) -> bool:
         """Move to the snapshot in force at `trace_time_s`; True when it changed."""
@@ -182,16 +190,22 @@ class Availability:
             return False
         old = self.trace.snapshots[self.index].zones if self.index >= 0 else {}
         new = self.trace.snapshots[k].zones
-        for (z, g) in list(self.lost):
-            if old.get(z, {}).get(g) != new.get(z, {}).get(g):
-                del self.lost[(z, g)]
+        fresh = {(z, g) for z in {*old, *new} for g in {*old.get(z, {}), *new.get(z, {})}
+                 if old.get(z, {}).get(g) != new.get(z, {}).get(g)}
+        for pair in fresh & set(self.lost):
+            del self.lost[pair]
+        self.lost_machines = {m for m in self.lost_machines if m[:2] not in fresh}
         self.index = k
         return True
 
     def zones(self) -> Zones:
         """Effective availability: zone -> GPU type -> GPUs."""
         base = self.trace.snapshots[self.index].zones if self.index >= 0 else {}
-        return {z: {g: max(n - self.lost[(z, g)], 0) for g, n in gpus.items()} for z, gpus in base.items()}
+        zones = {z: {g: max(n - self.lost[(z, g)], 0) for g, n in gpus.items()} for z, gpus in base.items()}
+        if self.pool is not None:
+            zones = {z: {g: min(n, self.pool.capacity(z, g, self.lost_machines)) for g, n in gpus.items()}
+                     for z, gpus in zones.items()}
+        return zones
 
     def next_change_s(self) -> float | None:
         """Trace time (s) of the next snapshot, or None when the trace has no more."""
@@ -201,13 +215,15 @@ class Availability:
 
 class Running:
     """One launch of the runtime in a background thread; its events arrive on `events` stamped with
-    `time.monotonic()`."""
+    `time.monotonic()`. With a host pool the ranks run on its usable machines (`machine`: rank ->
+    machine), else on this one."""
 
-    def __init__(self, options: TrainOptions, stop_file: str) -> None:
-        self.stop_file = stop_file
-        Path(stop_file).unlink(missing_ok=True)
+    def __init__(self, options: TrainOptions, pool: HostPool | None = None, lost: set[Machine] = frozenset()) -> None:
+        self.stop_file = options.stop_file
+        Path(self.stop_file).unlink(missing_ok=True)
         self.launched_at = time.monotonic()
-        self.prepared = prepare(options)  # raises SailorInputError on a bad checkpoint
+        self.prepared = prepare(options, local=pool is None)  # raises SailorInputError on a bad checkpoint
+        self.commands, self.machine = pool.commands(self.prepared, self.stop_file, lost) if pool else (None, {})
         self.events: queue.Queue[tuple[float, dict[str, Any]]] = queue.Queue()
         self.result: TrainResult | None = None
         self.error: BaseException | None = None
@@ -217,7 +233,7 @@ class Running:
     def _run(self) -> None:
         try:
             self.result = launch(self.prepared, on_event=lambda ev: self.events.put((time.monotonic(), ev)),
-                                 handle_signals=False)
+                                 handle_signals=False, commands=self.commands)
         except BaseException as e:  # noqa: BLE001 - handed to the controller thread
             self.error = e
 
@@ -264,10 +280,12 @@ class Controller:
 
     def __init__(self, options: RunOptions) -> None:
         o = options
-        if o.cluster.provider != "local":
-            raise SailorInputError(f"sailor run drives the local provider on this machine; the cluster's provider is"
-                                   f" {o.cluster.provider!r}", source="--cluster",
-                                   fix="use provider: local (zone local, GPU type cpu)")
+        if o.cluster.provider != "local" and o.hosts is None:
+            raise SailorInputError(f"the cluster's provider is {o.cluster.provider!r}: name its machines", source="--cluster",
+                                   fix="pass --hosts HOSTS.yaml, or use provider: local (zone local, GPU type cpu)")
+        if o.hosts is not None and not o.checkpoint_dir:
+            raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
+                                   source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")
         if o.steps < 1:
             raise SailorInputError(f"must be >= 1, got {o.steps}", source="--steps")
         if o.checkpoint_every < 0:
@@ -277,7 +295,7 @@ class Controller:
         self.log = EventLog(o.events, self.clock)
         self.replanner = Replanner(o.job, o.cluster, profiles_path=o.profiles, network_path=o.network)
         self.costs = SwitchCosts(fixed_s=o.switch_cost_s)
-        self.avail = Availability(o.trace)
+        self.avail = Availability(o.trace, o.hosts)
         self.result = RunResult(ExitStatus.FAILED, "", steps=0)
         self.signals = 0
         self.current: Planned | None = None
@@ -304,7 +322,11 @@ class Controller:
         with contextlib.ExitStack() as stack:
             ckpt_dir = self.o.checkpoint_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="sailor-ckpt-"))
             self.ckpt_dir = str(Path(ckpt_dir).resolve())
-            self.work = stack.enter_context(tempfile.TemporaryDirectory(prefix="sailor-run-"))
+            if self.o.hosts is None:
+                self.work = stack.enter_context(tempfile.TemporaryDirectory(prefix="sailor-run-"))
+            else:  # the plan and the stop file must be where every host sees them
+                self.work = os.path.join(self.ckpt_dir, "control")
+                os.makedirs(self.work, exist_ok=True)
             try:
                 self.log.emit("start", steps=self.o.steps, seed=self.o.seed, checkpoint_dir=self.ckpt_dir,
                               model=self.o.job.model.name, global_batch_size=self.o.job.global_batch_size)
@@ -322,7 +344,9 @@ class Controller:
         """The effective availability; logged when it differs from what was logged last."""
         zones = self.avail.zones()
         if zones != self.reported:
-            self.log.emit("availability", zones=zones, lost_to_crashes=_lost(self.avail.lost))
+            self.log.emit("availability", zones=zones, lost_to_crashes=_lost(self.avail.lost),
+                          **({"machines_lost": sorted(self.o.hosts.host(m) for m in self.avail.lost_machines)}
+                             if self.o.hosts else {}))
             self.reported = zones
         return zones
 
@@ -379,7 +403,7 @@ class Controller:
                             stop_file=os.path.join(self.work, "stop"), timeout_s=self.o.timeout_s)
         if self.switch is not None:
             self.switch.launched = time.monotonic()
-        run = self.running = Running(opts, opts.stop_file)
+        run = self.running = Running(opts, self.o.hosts, self.avail.lost_machines)
         prep = run.prepared
         for note in prep.notes:
             if note.startswith("skipped"):
@@ -506,9 +530,13 @@ class Controller:
         for r in dead:
             if 0 <= r < len(layout):
                 self.avail.lost[(layout[r].zone, layout[r].gpu)] += 1
+            if r in run.machine:  # on a host pool the machine goes too
+                self.avail.lost_machines.add(run.machine[r])
         self.result.crashes += 1
+        where = {"hosts": sorted({self.o.hosts.host(run.machine[r]) for r in dead if r in run.machine})} \
+            if self.o.hosts else {}
         self.log.emit("crash", ranks=sorted(dead), message=res.message, last_step=self.result.steps,
-                      since_last_step_s=now - self.last_step_at if self.step_times else None)
+                      since_last_step_s=now - self.last_step_at if self.step_times else None, **where)
         self.switch = Switch("crash", now)
         self.switch.exited = now
         return None
@@ -527,7 +555,8 @@ def run(options: RunOptions) -> RunResult:
     Returns:
         RunResult: status DONE (0), FAILED (1: the job could not continue) or STOPPED (3).
     Raises:
-        SailorInputError: a non-local provider, bad options, a checkpoint of another job or seed.
+        SailorInputError: a non-local provider without hosts, bad options, a checkpoint of another
+            job or seed.
     """
     return Controller(options).run()
 

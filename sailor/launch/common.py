@@ -44,6 +44,8 @@ class LaunchOptions:
         python: Python interpreter on the nodes (with Sailor and torch installed).
         checkpoint_dir: checkpoint folder on shared storage, or None.
         device: "cuda" on GPU nodes; "cpu" (gloo) for a CPU test run.
+        worker: the worker's arguments in full, replacing those built from the fields above
+            (`sailor run` passes `sailor.runtime.launcher.worker_args`: seed, resume, stop file...).
     """
 
     plan_path: str
@@ -52,6 +54,7 @@ class LaunchOptions:
     python: str = "python3"
     checkpoint_dir: str | None = None
     device: str = "cuda"
+    worker: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,8 @@ def launch_layout(plan: Plan, gpus_per_node: dict[str, int] | None = None) -> La
 
 def worker_args(opts: LaunchOptions) -> list[str]:
     """The worker's own arguments (after torchrun's)."""
+    if opts.worker:
+        return list(opts.worker)
     args = ["-m", "sailor.runtime.worker", "--plan", opts.plan_path, "--steps", str(opts.steps),
             "--device", opts.device]
     if opts.checkpoint_dir:

@@ -1,4 +1,5 @@
-"""`sailor train`'s launcher: validate, then run torchrun with one process per rank of the plan.
+"""`sailor train`'s launcher: validate, then run torchrun with one process per rank of the plan
+(on this machine; `sailor run --hosts` gives one ssh command per node instead, see `launch`).
 
 Exit statuses (`ExitStatus`): 0 every step done; 1 a rank failed (the whole job is ended within
 seconds: torchrun stops the other ranks, and the launcher kills the process group); 2 bad input,
@@ -9,9 +10,10 @@ Stop protocol: SIGTERM or SIGINT to the launcher (or creating the `stop_file`) a
 finish its current step; they agree at the next step boundary, write a checkpoint (if a checkpoint
 folder is set) and exit; the launcher then exits 3. A second signal kills the job at once.
 
-torchrun runs in its own session (process group); every rank has the kernel kill it if torchrun dies
-(PR_SET_PDEATHSIG), torchrun gets SIGTERM if the launcher dies, and the launcher kills the whole
-group on every exit path, so no process is left behind.
+torchrun (or ssh) runs in its own session (process group); every rank has the kernel kill it if
+torchrun dies (PR_SET_PDEATHSIG), the local torchrun gets SIGTERM if the launcher dies (a remote one
+is hung up by its ssh terminal), and the launcher kills every group it started on every exit path,
+so no process is left behind. Rank 0's step events are the metrics lines (`--metrics`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from sailor.specs import JobSpec, load_job
 
 EVENT_PREFIX = "SAILOR_EVENT "  # the worker's event lines (sailor.runtime.worker.emit)
 MONITOR_INTERVAL_S = 0.2  # how often torchrun checks its ranks: a crash is noticed within this
+FAIL_GRACE_S = 3.0  # after one process fails, how long the others (other nodes) get to end on their own
 
 
 class ExitStatus(enum.IntEnum):
@@ -93,12 +96,14 @@ class TrainResult:
     message: str
     last_step: int | None = None  # steps completed (as counted by the last step event)
     checkpoint: str | None = None  # the last checkpoint written
-    pgid: int | None = None  # torchrun's process group (gone when this is returned)
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
-def prepare(options: TrainOptions) -> Prepared:
+def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
     """Check plan, job, data and checkpoint against each other without starting any process.
+
+    `local` False: the ranks run on other hosts (`sailor run --hosts`), so this machine's CUDA
+    devices are not counted.
 
     Raises:
         SailorInputError: the plan does not fit the job (layers, global batch, TP not dividing the
@@ -134,7 +139,9 @@ def prepare(options: TrainOptions) -> Prepared:
                                            source=options.plan, field=f"pipelines.{j}.replicas.{i}.gpu",
                                            fix="plan for provider local (GPU type cpu), use --device cuda on"
                                                " a machine with the plan's GPUs, or `sailor launch` for a cluster")
-    if options.device == "cuda":
+    if options.device == "cuda" and any(r.gpu == "cpu" for p in plan.pipelines for r in p.replicas):
+        raise SailorInputError("the plan runs on GPU type cpu", source=options.plan, fix="use --device cpu")
+    if options.device == "cuda" and local:
         import torch
 
         have = torch.cuda.device_count()
@@ -161,83 +168,135 @@ def prepare(options: TrainOptions) -> Prepared:
     return Prepared(options, plan, job, ranks, resume_from, resume_step, tuple(notes))
 
 
-def worker_command(prep: Prepared, job_file: str | None, stop_file: str) -> list[str]:
-    """The torchrun command line (through `_torchrun_main`) for a prepared run."""
+def worker_args(prep: Prepared, stop_file: str) -> list[str]:
+    """The worker's own command line (`-m sailor.runtime.worker ...`, after torchrun's options), with
+    every path made absolute: a multi-node run needs them to name the same files on every host."""
     o = prep.options
-    cmd = [sys.executable, "-m", "sailor.runtime.launcher", "--standalone",
-           "--nproc-per-node", str(prep.plan.world_size), "--monitor-interval", str(MONITOR_INTERVAL_S),
-           "-m", "sailor.runtime.worker", "--plan", str(Path(o.plan).resolve()), "--steps", str(o.steps),
-           "--seed", str(o.seed), "--device", o.device, "--timeout-s", str(o.timeout_s), "--stop-file", stop_file]
-    for flag, value in (("--job", job_file), ("--data", o.data), ("--checkpoint-dir", o.checkpoint_dir),
-                        ("--metrics", o.metrics), ("--resume-from", prep.resume_from)):
+    args = ["-m", "sailor.runtime.worker", "--plan", str(Path(o.plan).resolve()), "--steps", str(o.steps),
+            "--seed", str(o.seed), "--device", o.device, "--timeout-s", str(o.timeout_s), "--stop-file", stop_file]
+    for flag, value in (("--job", o.job), ("--data", o.data), ("--checkpoint-dir", o.checkpoint_dir),
+                        ("--resume-from", prep.resume_from)):
         if value:
-            cmd += [flag, str(Path(value).resolve())]
+            args += [flag, str(Path(value).resolve())]
     if o.checkpoint_every:
-        cmd += ["--checkpoint-every", str(o.checkpoint_every)]
-    return cmd
+        args += ["--checkpoint-every", str(o.checkpoint_every)]
+    return args
+
+
+def worker_command(prep: Prepared, stop_file: str) -> list[str]:
+    """The local torchrun command line (through `_torchrun_main`): every rank on this machine."""
+    return [sys.executable, "-m", "sailor.runtime.launcher", "--standalone",
+            "--nproc-per-node", str(prep.plan.world_size), "--monitor-interval", str(MONITOR_INTERVAL_S),
+            *worker_args(prep, stop_file)]
 
 
 def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None = None,
-           handle_signals: bool = True, echo_stderr: bool = False) -> TrainResult:
-    """Run torchrun for `prep` and wait for it; `on_event` sees every worker event (progress).
+           handle_signals: bool = True, echo_stderr: bool = False,
+           commands: Sequence[Sequence[str]] | None = None) -> TrainResult:
+    """Start the ranks of `prep` and wait for them; `on_event` sees every worker event (progress).
 
-    Installs SIGTERM/SIGINT handlers (stop protocol) when `handle_signals` and on the main thread.
+    Args:
+        prep: the validated run.
+        on_event: called (from a reader thread) with each worker event, e.g. {"event": "step", ...}.
+        handle_signals: install the SIGTERM/SIGINT stop protocol (on the main thread only).
+        echo_stderr: copy the processes' stderr to ours.
+        commands: the processes to start, each in its own session. Default: one local torchrun for
+            every rank (`worker_command`). `sailor run --hosts` passes one ssh per node
+            (`sailor.launch.torchrun.ssh_argv`); they must watch `prep.options.stop_file`.
+    Returns:
+        TrainResult. The step events of rank 0 are appended to `options.metrics` as they arrive.
+
+    When one process fails, the others get FAIL_GRACE_S to end on their own (their ranks notice the
+    lost peer and say so, which tells the root cause from its victims); then every process group is
+    killed. No process outlives this call.
     """
     o = prep.options
+    assert commands is None or o.stop_file, "commands of a run must watch its stop file"
     with tempfile.TemporaryDirectory(prefix="sailor-train-") as tmp:
         stop_file = o.stop_file or os.path.join(tmp, "stop")
+        argvs = commands or [worker_command(prep, stop_file)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(worker_command(prep, o.job, stop_file), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-        result = TrainResult(ExitStatus.FAILED, "", pgid=proc.pid)
-        tail: collections.deque[str] = collections.deque(maxlen=200)
+        result = TrainResult(ExitStatus.FAILED, "")
+        lock = threading.Lock()
         signals = {"count": 0}
+        procs: list[subprocess.Popen] = []
+        tails: list[collections.deque[str]] = []
+        readers: list[threading.Thread] = []
 
-        def read_stdout() -> None:
-            for line in proc.stdout:
-                if line.startswith(EVENT_PREFIX):
-                    with contextlib.suppress(ValueError):
-                        ev = json.loads(line[len(EVENT_PREFIX):])
-                        result.events.append(ev)
-                        if on_event:
-                            on_event(ev)
-                else:
-                    sys.stdout.write(line)
+        def on_line(line: str, tail: collections.deque[str], stream) -> None:
+            line = line.replace("\r", "")  # an ssh terminal ends lines with \r\n
+            if not line.startswith(EVENT_PREFIX):
+                tail.append(line)  # torchrun's failure report; over ssh -tt stderr arrives on stdout
+                if stream is not None:
+                    stream.write(line)
+                return
+            with contextlib.suppress(ValueError):
+                ev = json.loads(line[len(EVENT_PREFIX):])
+                with lock:
+                    result.events.append(ev)
+                    if ev.get("event") == "step" and o.metrics:
+                        with open(o.metrics, "a") as f:
+                            f.write(json.dumps({k: v for k, v in ev.items() if k != "event"}) + "\n")
+                if on_event:
+                    on_event(ev)
 
-        def read_stderr() -> None:
-            for line in proc.stderr:
-                tail.append(line)
-                if echo_stderr:
-                    sys.stderr.write(line)
+        def read(pipe, tail, stream) -> None:
+            for line in pipe:
+                on_line(line, tail, stream)
 
         def on_signal(signum, frame) -> None:
             signals["count"] += 1
             if signals["count"] == 1:
                 Path(stop_file).touch()  # ranks agree on it at the next step boundary
             else:
-                _kill_group(proc.pid)
+                _kill_groups(procs)
 
-        readers = [threading.Thread(target=f, daemon=True) for f in (read_stdout, read_stderr)]
-        for t in readers:
-            t.start()
         old = {}
         if handle_signals and threading.current_thread() is threading.main_thread():
             old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        order: list[int] = []
         try:
-            while proc.poll() is None:
-                time.sleep(0.1)
+            for argv in argvs:
+                proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                procs.append(proc)
+                tails.append(collections.deque(maxlen=200))
+                readers += [threading.Thread(target=read, args=(proc.stdout, tails[-1], sys.stdout), daemon=True),
+                            threading.Thread(target=read, args=(proc.stderr, tails[-1],
+                                                                sys.stderr if echo_stderr else None), daemon=True)]
+                readers[-2].start()
+                readers[-1].start()
+            returncode = _wait_all(procs, order)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-            _kill_group(proc.pid)
+            _kill_groups(procs)
             for t in readers:
                 t.join(timeout=5)
-        return _result(result, proc.returncode, signals["count"], "".join(tail))
+        # The failure report of the process that failed first comes first (its root cause).
+        order += [i for i in range(len(procs)) if i not in order]
+        stderr_tail = "".join(line for i in order for line in tails[i])
+        return _result(result, returncode, signals["count"], stderr_tail)
 
 
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+def _wait_all(procs: list[subprocess.Popen], order: list[int]) -> int:
+    """Wait for every process, appending the index of each to `order` as it exits; once one has
+    failed, the others get FAIL_GRACE_S. Returns 0, or the first failure's exit status."""
+    failed_at = None
+    while len(order) < len(procs):
+        order += [i for i, p in enumerate(procs) if i not in order and p.poll() is not None]
+        if failed_at is None and any(procs[i].returncode for i in order):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > FAIL_GRACE_S:
+            break
+        time.sleep(0.1)
+    return next((procs[i].returncode for i in order if procs[i].returncode), 0)
+
+
+def _kill_groups(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 def _result(result: TrainResult, returncode: int, signals: int, stderr_tail: str) -> TrainResult:

@@ -138,7 +138,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir")
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume-from")
-    ap.add_argument("--metrics")
     ap.add_argument("--stop-file")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     return ap.parse_args(argv)
@@ -248,10 +247,7 @@ def train(args: argparse.Namespace) -> None:
                       "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time, "grad_norm": grad_norm,
                       "stages": [dict(zip(("forward_s", "backward_s", "wait_s", "sync_update_s"), row))
                                  for row in stage_times.tolist()]}
-            if args.metrics:
-                with open(args.metrics, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            emit("step", **record)
+            emit("step", **record)  # the launcher appends it to --metrics
         done = step + 1
         if root is not None and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
             path = save_checkpoint(root, done, meta, params, opt, role, tp_group, device)

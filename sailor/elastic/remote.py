@@ -1,0 +1,109 @@
+"""`sailor run --hosts`: the machines of HOSTS.yaml as the GPUs of an elastic run.
+
+The trace says how many GPUs of each (zone, GPU type) are available; HOSTS.yaml
+(`sailor.launch.hosts`) names the machines that hold them. A (zone, GPU type) offers at most its
+usable machines x GPUs per machine, and a pair without a group offers none. A launch places the
+plan's nodes (`sailor.launch.common.launch_layout`) on the group's usable machines in order, one ssh
+session per node running that node's torchrun agents against the static rendezvous on rank 0's
+machine. A machine whose rank died on its own is unusable until the trace reports a new count for its
+zone and GPU type (a fresh observation), as a lost GPU is on the local provider.
+
+Every host must see the checkpoint folder at the same path (shared storage): the ranks write and
+read checkpoints there, and the controller puts each launch's plan and the stop file in its
+`control/` subfolder. Every host needs Sailor and torch for `python`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sailor.errors import SailorInputError
+from sailor.launch.common import LaunchOptions, launch_layout
+from sailor.launch.hosts import HostGroup, HostsFile, load_hosts
+from sailor.launch.torchrun import node_commands, ssh_argv
+from sailor.runtime.launcher import Prepared, worker_args
+from sailor.specs import ClusterSpec
+
+Machine = tuple[str, str, int]
+"""(zone, GPU type, index of the host in its HOSTS.yaml group)."""
+
+
+@dataclass(frozen=True)
+class HostPool:
+    """The machines of HOSTS.yaml and how to start ranks on them (module docstring).
+
+    Attributes:
+        hosts: the parsed HOSTS.yaml.
+        source: its path (for messages).
+        node_size: GPUs per machine per GPU type (the cluster's, which the planner placed TP groups by).
+        python: the interpreter on the hosts.
+        rdzv_port: TCP port of the rendezvous store on rank 0's machine.
+        ssh: the ssh client to run.
+    """
+
+    hosts: HostsFile
+    source: str
+    node_size: dict[str, int]
+    python: str = "python3"
+    rdzv_port: int = 29500
+    ssh: str = "ssh"
+
+    @classmethod
+    def load(cls, path: str | Path, cluster: ClusterSpec, *, python: str = "python3", rdzv_port: int = 29500,
+             ssh: str = "ssh") -> HostPool:
+        """Read HOSTS.yaml for `cluster`.
+
+        Raises:
+            SailorInputError: a bad file, a group's gpus_per_node different from the cluster's node
+                size (the planner keeps TP groups inside a node of that size), a bad port.
+        """
+        hosts = load_hosts(path)
+        for k, g in enumerate(hosts.groups):
+            want = cluster.node_size(g.gpu)
+            if g.gpus_per_node is not None and g.gpus_per_node != want:
+                raise SailorInputError(f"{g.gpus_per_node} GPUs per node, but the cluster plans {g.gpu} nodes of {want}",
+                                       source=str(path), field=f"groups.{k}.gpus_per_node",
+                                       fix=f"make them agree (cluster gpus_per_node: {{{g.gpu}: ...}})")
+        if not 0 < rdzv_port < 65536:
+            raise SailorInputError(f"must be a TCP port (1-65535), got {rdzv_port}", source="--rdzv-port")
+        sizes = {g.gpu: cluster.node_size(g.gpu) for g in hosts.groups}
+        return cls(hosts=hosts, source=str(path), node_size=sizes, python=python, rdzv_port=rdzv_port, ssh=ssh)
+
+    def _group(self, zone: str, gpu: str) -> HostGroup | None:
+        return next((g for g in self.hosts.groups if (g.zone, g.gpu) == (zone, gpu)), None)
+
+    def usable(self, zone: str, gpu: str, lost: set[Machine]) -> list[int]:
+        """Indices of the group's hosts not lost to crashes, in file order."""
+        g = self._group(zone, gpu)
+        return [i for i in range(len(g.hosts)) if (zone, gpu, i) not in lost] if g else []
+
+    def capacity(self, zone: str, gpu: str, lost: set[Machine]) -> int:
+        """GPUs the usable machines of (zone, GPU type) hold."""
+        return len(self.usable(zone, gpu, lost)) * self.node_size.get(gpu, 0)
+
+    def commands(self, prep: Prepared, stop_file: str, lost: set[Machine]) -> tuple[list[list[str]], dict[int, Machine]]:
+        """The ssh command of every node of `prep.plan` and the machine of every rank.
+
+        Raises:
+            SailorInputError: the usable machines cannot hold the plan (a bug: plans follow `capacity`).
+        """
+        usable = {(g.zone, g.gpu): self.usable(g.zone, g.gpu, lost) for g in self.hosts.groups}
+        hosts = self.hosts.model_copy(update={"groups": tuple(
+            g.model_copy(update={"hosts": tuple(g.hosts[i] for i in usable[(g.zone, g.gpu)])})
+            for g in self.hosts.groups if usable[(g.zone, g.gpu)])})
+        layout = launch_layout(prep.plan, self.node_size)
+        o = prep.options
+        opts = LaunchOptions(plan_path=str(Path(o.plan).resolve()), steps=o.steps, rdzv_port=self.rdzv_port,
+                             python=self.python, checkpoint_dir=o.checkpoint_dir, device=o.device,
+                             worker=tuple(worker_args(prep, stop_file)))
+        cmds = node_commands(layout, opts, hosts, self.source)
+        machine = {}
+        for info in layout.ranks:
+            index = int(info.node.rsplit("/", 1)[1])
+            machine[info.rank] = (info.zone, info.gpu, usable[(info.zone, info.gpu)][index])
+        return [ssh_argv(c.destination, c.script, self.ssh) for c in cmds], machine
+
+    def host(self, m: Machine) -> str:
+        """The host name of machine `m`."""
+        return self._group(m[0], m[1]).hosts[m[2]]

@@ -1,0 +1,154 @@
+"""`sailor run --hosts`: the controller driving torchrun on named machines over ssh.
+
+The `ssh` on PATH is a stand-in that runs the remote command on this machine (as sshd would, under
+`sh -c`) and records its destination, so the whole path runs here: per-node torchrun agents with a
+static rendezvous on rank 0's "machine" (127.0.0.x all reach this host), the stop file and plans on
+the shared checkpoint folder, rank 0's events over the ssh stream. Machines have 2 "GPUs" each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sailor.elastic.availability import load_trace
+from sailor.elastic.controller import ClockKind, RunOptions, run
+from sailor.elastic.remote import HostPool
+from sailor.errors import SailorInputError
+from sailor.plan import plan_from_dict
+from sailor.runtime.launcher import ExitStatus, TrainOptions, prepare
+from sailor.specs import ClusterSpec
+from test_elastic_run import JOB, SAILOR, _check_trajectory, _lines, _no_leftovers, _processes, _trace, _wait, \
+    _workers, reference_losses  # noqa: F401 - the fixture is used by name
+
+CLUSTER = ClusterSpec(provider="local", zones={"local": {"cpu": 4}}, gpus_per_node={"cpu": 2})
+HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+
+
+def _setup(tmp_path: Path, monkeypatch) -> HostPool:
+    """A fake ssh first on PATH, HOSTS.yaml with three 2-GPU machines; returns the pool."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ssh = bin_dir / "ssh"
+    ssh.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                   f"open({str(tmp_path / 'calls.jsonl')!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                   "os.execvp('sh', ['sh', '-c', sys.argv[-1]])\n")
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump({"groups": [{"zone": "local", "gpu": "cpu", "hosts": HOSTS}]}))
+    return HostPool.load(hosts, CLUSTER, python=sys.executable, rdzv_port=29000 + os.getpid() % 1000)
+
+
+def _launches(tmp_path: Path) -> list[list[str]]:
+    """The sorted ssh destinations of each launch, in launch order (each launch has its own plan file,
+    control/plan-<k>.json, k growing)."""
+    by_plan: dict[int, list[str]] = {}
+    for call in map(json.loads, (tmp_path / "calls.jsonl").read_text().splitlines()):
+        k = int(re.search(r"control/plan-(\d+)\.json", call[-1]).group(1))
+        by_plan.setdefault(k, []).append(call[-2])
+    return [sorted(by_plan[k]) for k in sorted(by_plan)]
+
+
+def _rank_pid(marker: str, rank: int) -> int | None:
+    for pid in _workers(marker):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def test_pool_capacity_and_placement_skip_lost_machines(tmp_path, monkeypatch):
+    pool = _setup(tmp_path, monkeypatch)
+    assert pool.capacity("local", "cpu", set()) == 6
+    assert pool.capacity("local", "cpu", {("local", "cpu", 0)}) == 4
+    assert pool.capacity("us-east1-b", "cpu", set()) == 0  # no group: no machines
+    # One pipeline of two TP-2 stages: ranks 0 1 | 2 3, one machine per stage.
+    plan = plan_from_dict({"micro_batch_size": 2, "stages": [[0, 3], [3, 6]], "pipelines": [
+        {"microbatches": 4, "replicas": [{"stage": 0, "gpu": "cpu", "zone": "local", "tp": 2},
+                                         {"stage": 1, "gpu": "cpu", "zone": "local", "tp": 2}]}]})
+    plan.with_specs(JOB, CLUSTER).save(tmp_path / "plan.json")
+    prep = prepare(TrainOptions(plan=str(tmp_path / "plan.json"), stop_file=str(tmp_path / "stop")), local=False)
+    cmds, machine = pool.commands(prep, str(tmp_path / "stop"), lost={("local", "cpu", 0)})
+    # Machines 1 and 2 are used (0 is lost); rank 0's machine hosts the rendezvous of every agent.
+    assert sorted(c[-2] for c in cmds) == HOSTS[1:]
+    assert machine == {0: ("local", "cpu", 1), 1: ("local", "cpu", 1), 2: ("local", "cpu", 2), 3: ("local", "cpu", 2)}
+    assert all(f"--rdzv-endpoint {HOSTS[machine[0][2]]}:{pool.rdzv_port}" in c[-1] for c in cmds)
+    assert all("--stop-file " + str(tmp_path / "stop") in c[-1] for c in cmds)
+
+
+def test_hosts_must_agree_with_the_clusters_node_size(tmp_path):
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump({"groups": [{"zone": "local", "gpu": "cpu", "gpus_per_node": 4,
+                                                 "hosts": HOSTS}]}))
+    with pytest.raises(SailorInputError, match=r"groups\.0\.gpus_per_node.*4 GPUs per node.*nodes of 2"):
+        HostPool.load(hosts, CLUSTER)
+
+
+def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
+    """4 GPUs on machines .1/.2; the trace shrinks to 2 (stop via the shared stop file, relaunch on one
+    machine); back to 4, then rank 3 is SIGKILLed: its machine is taken out and the job goes on with
+    3 GPUs on the two machines left, rolled back to the last checkpoint. Losses equal the reference."""
+    pool = _setup(tmp_path, monkeypatch)
+    steps = 60
+    metrics, events = tmp_path / "m.jsonl", tmp_path / "e.jsonl"
+    trace = load_trace(_trace(tmp_path, (0, 4), (0.6, 2), (1.2, 4)), CLUSTER)
+    opts = RunOptions(job=JOB, cluster=CLUSTER, trace=trace, steps=steps, checkpoint_dir=str(tmp_path / "ck"),
+                      checkpoint_every=5, metrics=str(metrics), events=str(events), clock=ClockKind.TRAINING,
+                      switch_cost_s=0.0, hosts=pool, timeout_s=30.0)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("res", run(opts)), daemon=True)
+    t.start()
+    marker = str(tmp_path)
+    try:
+        _wait(lambda: sum(1 for e in _lines(events) if e["event"] == "launch") == 3 or "res" in out)
+        before = len(_lines(metrics))
+        _wait(lambda: len(_lines(metrics)) >= before + 3 or "res" in out)
+        assert "res" not in out, out["res"].message
+        _wait(lambda: _rank_pid(marker, 3) is not None, 30)
+        os.kill(_rank_pid(marker, 3), signal.SIGKILL)
+        t.join(timeout=240)
+        assert not t.is_alive()
+    finally:
+        for pid in _processes(marker):
+            os.kill(pid, signal.SIGKILL)
+    res = out["res"]
+    assert res.status is ExitStatus.DONE, res.message
+    ev = _lines(events)
+    assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 2, 4, 3]
+    assert _launches(tmp_path) == [HOSTS[:2], HOSTS[:1], HOSTS[:2], [HOSTS[0], HOSTS[2]]]
+    crash = [e for e in ev if e["event"] == "crash"]
+    assert len(crash) == 1 and crash[0]["ranks"] == [3] and crash[0]["hosts"] == [HOSTS[1]]
+    assert next(e for e in reversed(ev) if e["event"] == "availability")["machines_lost"] == [HOSTS[1]]
+    _check_trajectory(metrics, steps, reference_losses, rolled_back=res.steps_rolled_back)
+    _no_leftovers(marker)
+
+
+def test_cli_hosts_errors_are_one_line(tmp_path):
+    import subprocess
+
+    job, cluster = tmp_path / "job.yaml", tmp_path / "cluster.yaml"
+    job.write_text("model: tiny\nglobal_batch_size: 8\n")
+    cluster.write_text(yaml.safe_dump({"provider": "gcp", "zones": {"us-central1-a": {"A100-40": 8}}}))
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps([{"time_s": 0, "zone": "us-central1-a", "gpu": "A100-40", "count": 8}]))
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump({"groups": [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["a0"]}]}))
+    base = [*SAILOR, "run", "--job", str(job), "--cluster", str(cluster), "--availability", str(trace)]
+    for extra, want in (([], "--hosts HOSTS.yaml"), (["--hosts", str(hosts)], "--checkpoint-dir"),
+                        (["--hosts", str(tmp_path / "none.yaml")], "none.yaml"),
+                        (["--hosts", str(hosts), "--checkpoint-dir", str(tmp_path / "ck"), "--rdzv-port", "0"],
+                         "--rdzv-port")):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and want in r.stderr, (extra, r.stderr)
