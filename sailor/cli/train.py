@@ -56,9 +56,7 @@ def train(
     elif result.status is ExitStatus.STOPPED:
         err.print(f"[yellow]{result.message}[/yellow]")
     else:
-        tail = next((e["text"] for e in result.events if e["event"] == "stderr_tail"), "")
-        if tail:
-            sys.stderr.write(tail[-2000:])
+        sys.stderr.write(result.stderr_tail[-2000:])
         print(f"error: {result.message}", file=sys.stderr)
     raise typer.Exit(code=int(result.status))
 

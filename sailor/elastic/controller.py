@@ -24,8 +24,9 @@ run resumes from fixes the step it continues at, and data order depends only on 
 kept trajectory has every step 1..N exactly once with the same samples as an uninterrupted run.
 
 Events (`--events`, one JSON line each, all with `time_s` since the controller started and
-`trace_time_s`): start, availability, plan, decision, switch_started, switch_finished (seconds of
-each phase), crash, rollback, checkpoint_skipped, waiting, done / stopped / failed.
+`trace_time_s`): start, machines (with hosts), availability, plan, launch, decision, switch_started,
+switch_finished (seconds of each phase), crash (with hosts: the machines), rollback,
+checkpoint_skipped, waiting, done / stopped / failed.
 
 This module never imports torch: the runtime runs in other processes.
 """
@@ -52,7 +53,7 @@ from sailor.elastic.remote import HostPool, Machine
 from sailor.elastic.replan import Planned, Replanner
 from sailor.errors import InfeasibleError, SailorInputError
 from sailor.plan import rank_layout
-from sailor.runtime.launcher import ExitStatus, TrainOptions, TrainResult, failed_ranks, launch, prepare
+from sailor.runtime.launcher import ExitStatus, TrainOptions, TrainResult, launch, prepare
 from sailor.specs import ClusterSpec, JobSpec
 
 POLL_S = 0.05  # how often the loop looks at the trace clock and the runtime's events
@@ -330,6 +331,8 @@ class Controller:
             try:
                 self.log.emit("start", steps=self.o.steps, seed=self.o.seed, checkpoint_dir=self.ckpt_dir,
                               model=self.o.job.model.name, global_batch_size=self.o.job.global_batch_size)
+                if self.o.hosts is not None:
+                    self._report_machines()
                 self._loop()
             finally:
                 for s, h in old.items():
@@ -349,6 +352,15 @@ class Controller:
                              if self.o.hosts else {}))
             self.reported = zones
         return zones
+
+    def _report_machines(self) -> None:
+        """Log the machines per (zone, GPU type), and the trace's pairs that have none (never used)."""
+        pool = self.o.hosts
+        machines = {f"{g.gpu}@{g.zone}": len(g.hosts) for g in pool.hosts.groups}
+        offered = {f"{g}@{z}" for snap in self.o.trace.snapshots for z, gpus in snap.zones.items()
+                   for g, n in gpus.items() if n}
+        self.log.emit("machines", machines=machines, gpus_per_machine=pool.node_size,
+                      without_machines=sorted(offered - set(machines)))
 
     def _on_signal(self, signum, frame) -> None:
         self.signals += 1
@@ -572,8 +584,7 @@ def _dead_ranks(res: TrainResult) -> set[int]:
     if own:
         return own
     reported = {int(e["rank"]) for e in errors}
-    tail = next((e["text"] for e in res.events if e.get("event") == "stderr_tail"), "")
-    silent = [int(r) for r, code in failed_ranks(tail) if r.isdigit() and int(r) not in reported and code != "-15"]
+    silent = [int(r) for r, code in res.failed if r.isdigit() and int(r) not in reported and code != "-15"]
     return set(silent[:1])
 
 

@@ -45,6 +45,8 @@ from sailor.specs import JobSpec, load_job
 EVENT_PREFIX = "SAILOR_EVENT "  # the worker's event lines (sailor.runtime.worker.emit)
 MONITOR_INTERVAL_S = 0.2  # how often torchrun checks its ranks: a crash is noticed within this
 FAIL_GRACE_S = 3.0  # after one process fails, how long the others (other nodes) get to end on their own
+# Runs a command that gets SIGTERM when the launcher dies (`_main`): what no launcher may leave behind.
+EXEC = (sys.executable, "-m", "sailor.runtime.launcher", "--exec")
 
 
 class ExitStatus(enum.IntEnum):
@@ -97,6 +99,8 @@ class TrainResult:
     last_step: int | None = None  # steps completed (as counted by the last step event)
     checkpoint: str | None = None  # the last checkpoint written
     events: list[dict[str, Any]] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (rank, exit status) torchrun reported, root cause first
+    stderr_tail: str = ""  # the end of torchrun's output when the run failed (the first failing node's first)
 
 
 def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
@@ -184,7 +188,7 @@ def worker_args(prep: Prepared, stop_file: str) -> list[str]:
 
 
 def worker_command(prep: Prepared, stop_file: str) -> list[str]:
-    """The local torchrun command line (through `_torchrun_main`): every rank on this machine."""
+    """The local torchrun command line (through `_main`): every rank on this machine."""
     return [sys.executable, "-m", "sailor.runtime.launcher", "--standalone",
             "--nproc-per-node", str(prep.plan.world_size), "--monitor-interval", str(MONITOR_INTERVAL_S),
             *worker_args(prep, stop_file)]
@@ -214,7 +218,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
     assert commands is None or o.stop_file, "commands of a run must watch its stop file"
     with tempfile.TemporaryDirectory(prefix="sailor-train-") as tmp:
         stop_file = o.stop_file or os.path.join(tmp, "stop")
-        argvs = commands or [worker_command(prep, stop_file)]
+        argvs = [[*EXEC, *c] for c in commands] if commands else [worker_command(prep, stop_file)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         result = TrainResult(ExitStatus.FAILED, "")
         lock = threading.Lock()
@@ -319,11 +323,12 @@ def _result(result: TrainResult, returncode: int, signals: int, stderr_tail: str
         result.message = "killed by a second interrupt"
     else:
         result.status = ExitStatus.FAILED
-        why = _first_failure(errors, failed_ranks(stderr_tail)) or f"torchrun exited with status {returncode}"
+        result.failed = failed_ranks(stderr_tail)
+        why = _first_failure(errors, result.failed) or f"torchrun exited with status {returncode}"
         if len(why) > 300:
             why = why[:297] + "..."
         result.message = f"training failed ({why}); all ranks stopped"
-        result.events.append({"event": "stderr_tail", "text": stderr_tail[-4000:]})
+        result.stderr_tail = stderr_tail[-4000:]
     return result
 
 
@@ -358,16 +363,19 @@ def _first_failure(errors: list[dict[str, Any]], failures: list[tuple[str, str]]
     return None
 
 
-def _torchrun_main() -> None:
-    # torchrun, made to receive SIGTERM when the launcher dies (Linux), so it stops its ranks.
+def _main(argv: list[str]) -> None:
+    # Made to receive SIGTERM when the launcher dies (Linux; kept across exec), then either torchrun
+    # (it stops its ranks) or, after `--exec`, another program (an ssh session, which hangs up).
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if argv[:1] == ["--exec"]:
+        os.execvp(argv[1], argv[1:])
     from torch.distributed.run import main
 
-    main(sys.argv[1:])
+    main(argv)
 
 
 if __name__ == "__main__":
-    _torchrun_main()
+    _main(sys.argv[1:])
