@@ -316,7 +316,7 @@ def validate(runs: list[Run], profiles: Profiles, network_path: Path | None = No
         calibration: constants to use (default: `simulator.calibration.default_calibration()`).
         fit: refit the per-GPU-type constants on these runs first and use them.
         loo: also predict each run with constants fitted on the other runs of its GPU type (time and
-            memory constants both refitted without it).
+            memory constants both refitted without it); none for a run that is its type's only one.
     Returns:
         ValidationReport (times in s, memory in bytes, errors in percent).
     """
@@ -330,9 +330,9 @@ def validate(runs: list[Run], profiles: Profiles, network_path: Path | None = No
         res = RunResult(name=p.run.name, gpu=p.gpu, measured_time_s=p.run.measured_time_s, predicted_time_s=p.time_s,
                         measured_memory_bytes=p.run.measured_memory_bytes,
                         predicted_memory_bytes=_predict_memory(p, cal, fw))
-        if loo:
-            others = [q for q in prepared if q is not p and q.gpu == p.gpu]
-            loo_cal = _fit(others) if others else {p.gpu: {}}
+        others = [q for q in prepared if q is not p and q.gpu == p.gpu]
+        if loo and others:  # with no other run of its GPU type there is nothing to fit on
+            loo_cal = _fit(others)
             res.loo_memory_err_pct = 100.0 * (_predict_memory(p, loo_cal, fw) / p.run.measured_memory_bytes - 1.0)
             res.loo_time_err_pct = 100.0 * (_sim_time(p, _with_defaults(loo_cal)) / p.run.measured_time_s - 1.0)
         results.append(res)

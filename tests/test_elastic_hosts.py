@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sailor.elastic.availability import load_trace
+from sailor.elastic.availability import Availability, load_trace
 from sailor.elastic.controller import ClockKind, RunOptions, run
 from sailor.elastic.remote import HostPool
 from sailor.errors import SailorInputError
@@ -88,6 +88,21 @@ def test_pool_capacity_and_placement_skip_lost_machines(tmp_path, monkeypatch):
     assert machine == {0: ("local", "cpu", 1), 1: ("local", "cpu", 1), 2: ("local", "cpu", 2), 3: ("local", "cpu", 2)}
     assert all(f"--rdzv-endpoint {HOSTS[machine[0][2]]}:{pool.rdzv_port}" in c[-1] for c in cmds)
     assert all("--stop-file " + str(tmp_path / "stop") in c[-1] for c in cmds)
+
+
+def test_availability_is_capped_by_usable_machines_until_a_fresh_count(tmp_path, monkeypatch):
+    pool = _setup(tmp_path, monkeypatch)
+    trace = load_trace(_trace(tmp_path, (0, 8), (10, 8), (20, 5)), CLUSTER.model_copy(update={"zones": {"local": {"cpu": 8}}}))
+    avail = Availability(trace, pool)
+    avail.advance(0)
+    assert avail.zones() == {"local": {"cpu": 6}}  # 8 offered, 3 machines x 2
+    avail.lost[("local", "cpu")] += 1
+    avail.lost_machines.add(("local", "cpu", 2))
+    assert avail.zones() == {"local": {"cpu": 4}}
+    avail.advance(10)  # the same count again: no fresh observation, the machine stays out
+    assert avail.zones() == {"local": {"cpu": 4}}
+    avail.advance(20)  # a new count: the deductions end
+    assert avail.zones() == {"local": {"cpu": 5}} and not avail.lost_machines
 
 
 def test_hosts_must_agree_with_the_clusters_node_size(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sailor.elastic.availability import load_trace
-from sailor.elastic.controller import Availability
+from sailor.elastic.availability import Availability
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.replan import Replanner
 from sailor.errors import SailorInputError

@@ -71,3 +71,14 @@ def test_bad_folder_is_one_line_exit_2(tmp_path):
     finally:
         sys.argv = argv
     assert e.value.code == 2
+
+
+@pytest.mark.skipif(not GH200.is_dir(), reason=f"Sailor reference data not found at {GH200}")
+def test_a_lone_run_has_no_leave_one_out(tmp_path):
+    folder = tmp_path / "gh200-opt350"
+    folder.mkdir()
+    (folder / "plan_config_N2_D2.json").write_text((GH200 / "plan_config_N2_D2.json").read_text())
+    res = runner.invoke(app, ["validate", str(folder), "--fit", "--json"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.output.strip().splitlines()[-1])
+    assert s["runs"] == 1 and s["rows"][0]["loo_time_err_pct"] is None and "loo_time_mape_pct" not in s

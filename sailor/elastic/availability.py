@@ -15,6 +15,9 @@ time where something changed. A (zone, GPU type) pair has 0 GPUs before the trac
 Zones and GPU types are checked against the cluster's provider, the GPU catalog (aliases are
 mapped to canonical names) and the prices (a GPU type the provider does not offer has none).
 Every problem raises `SailorInputError` naming the file and the row.
+
+`Availability` is what a running `sailor run` may use now: the snapshot in force, minus GPUs (and,
+with `--hosts`, machines) lost to crashes, capped by the machines listed.
 """
 
 from __future__ import annotations
@@ -23,14 +26,18 @@ import csv
 import io
 import json
 import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import read_text
 from sailor.specs import ClusterSpec
+
+if TYPE_CHECKING:
+    from sailor.elastic.remote import HostPool, Machine
 
 Zones = dict[str, dict[str, int]]  # zone -> GPU type -> GPUs available
 
@@ -250,3 +257,45 @@ def _count(value: Any, src: str, field: str) -> int:
             or value != int(value) or value < 0):
         raise SailorInputError(f"GPU count must be a whole number >= 0, got {value!r}", source=src, field=field)
     return int(value)
+
+
+@dataclass
+class Availability:
+    """The trace's availability now, minus GPUs lost to crashes, and with `--hosts` at most what the
+    usable machines hold. A crash deduction for a (zone, GPU) (a GPU, a machine) lasts until the trace
+    reports a new count for that pair (a fresh observation)."""
+
+    trace: Trace
+    pool: HostPool | None = None
+    index: int = -1  # snapshot in force (-1: before the first)
+    lost: Counter = field(default_factory=Counter)
+    lost_machines: set[Machine] = field(default_factory=set)
+
+    def advance(self, trace_time_s: float) -> bool:
+        """Move to the snapshot in force at `trace_time_s`; True when it changed."""
+        k = max((i for i, s in enumerate(self.trace.snapshots) if s.time_s <= trace_time_s), default=-1)
+        if k == self.index:
+            return False
+        old = self.trace.snapshots[self.index].zones if self.index >= 0 else {}
+        new = self.trace.snapshots[k].zones
+        fresh = {(z, g) for z in {*old, *new} for g in {*old.get(z, {}), *new.get(z, {})}
+                 if old.get(z, {}).get(g) != new.get(z, {}).get(g)}
+        for pair in fresh & set(self.lost):
+            del self.lost[pair]
+        self.lost_machines = {m for m in self.lost_machines if m[:2] not in fresh}
+        self.index = k
+        return True
+
+    def zones(self) -> Zones:
+        """Effective availability: zone -> GPU type -> GPUs."""
+        base = self.trace.snapshots[self.index].zones if self.index >= 0 else {}
+        zones = {z: {g: max(n - self.lost[(z, g)], 0) for g, n in gpus.items()} for z, gpus in base.items()}
+        if self.pool is not None:
+            zones = {z: {g: min(n, self.pool.capacity(z, g, self.lost_machines)) for g, n in gpus.items()}
+                     for z, gpus in zones.items()}
+        return zones
+
+    def next_change_s(self) -> float | None:
+        """Trace time (s) of the next snapshot, or None when the trace has no more."""
+        t = self.trace.snapshots[self.index].time_s if self.index >= 0 else -1.0
+        return self.trace.next_change_after(t)

@@ -34,7 +34,6 @@ This module never imports torch: the runtime runs in other processes.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import signal
@@ -43,11 +42,11 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from sailor.elastic.availability import Trace, Zones
+from sailor.elastic.availability import Availability, Trace, Zones
+from sailor.elastic.events import POLL_S, Clock, ClockKind, EventLog
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.remote import HostPool, Machine
 from sailor.elastic.replan import Planned, Replanner
@@ -56,15 +55,7 @@ from sailor.plan import rank_layout
 from sailor.runtime.launcher import ExitStatus, TrainOptions, TrainResult, launch, prepare
 from sailor.specs import ClusterSpec, JobSpec
 
-POLL_S = 0.05  # how often the loop looks at the trace clock and the runtime's events
 MAX_FAILED_LAUNCHES = 3  # launches in a row that fail before completing a step: then give up
-
-
-class ClockKind(str, Enum):
-    """What drives the trace's time axis."""
-
-    WALL = "wall"          # wall seconds since the controller started
-    TRAINING = "training"  # seconds spent in training steps (start-up and switches excluded)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,107 +102,6 @@ class RunResult:
     crashes: int = 0
     steps_rolled_back: int = 0
     switch_s: list[float] = field(default_factory=list)
-
-
-class EventLog:
-    """Appends controller events as JSON lines (`path` None: kept in memory only)."""
-
-    def __init__(self, path: str | None, clock: "Clock") -> None:
-        self.path = Path(path) if path else None
-        self.clock = clock
-        self.records: list[dict[str, Any]] = []
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        """Write one event; returns the record."""
-        rec = {"event": event, "time_s": round(self.clock.wall_s(), 4),
-               "trace_time_s": round(self.clock.trace_s(), 4), **fields}
-        self.records.append(rec)
-        if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        return rec
-
-
-class Clock:
-    """Wall time since the controller started, and trace time: wall (or training) seconds / time_scale.
-
-    The `training` clock replays a trace against the job's own progress, so that start-up and switch
-    times of a slow machine do not eat the trace (tests, demos on CPU); it advances by each step's
-    `step_time_s` (steps redone after a rollback count again: they took time).
-    """
-
-    def __init__(self, time_scale: float, kind: ClockKind = ClockKind.WALL) -> None:
-        if not time_scale > 0:
-            raise SailorInputError(f"must be > 0, got {time_scale}", source="--time-scale")
-        self.time_scale = time_scale
-        self.kind = kind
-        self.t0 = time.monotonic()
-        self.training_s = 0.0
-
-    def wall_s(self) -> float:
-        """Seconds since the controller started."""
-        return time.monotonic() - self.t0
-
-    def trace_s(self) -> float:
-        """Trace seconds now."""
-        return (self.wall_s() if self.kind is ClockKind.WALL else self.training_s) / self.time_scale
-
-    def add_step(self, step_time_s: float) -> None:
-        """Count one training step of `step_time_s` seconds."""
-        self.training_s += step_time_s
-
-    def wait_until(self, trace_s: float, interrupted) -> None:
-        """Let trace time reach `trace_s`: sleep (wall clock) or jump (training clock, where nothing
-        trains while waiting); returns early when `interrupted()` is true."""
-        if self.kind is ClockKind.TRAINING:
-            self.training_s = max(self.training_s, trace_s * self.time_scale)
-            return
-        while self.trace_s() < trace_s and not interrupted():
-            time.sleep(POLL_S)
-
-
-@dataclass
-class Availability:
-    """The trace's availability now, minus GPUs lost to crashes, and with `--hosts` at most what the
-    usable machines hold. A crash deduction for a (zone, GPU) (a GPU, a machine) lasts until the trace
-    reports a new count for that pair (a fresh observation)."""
-
-    trace: Trace
-    pool: HostPool | None = None
-    index: int = -1  # snapshot in force (-1: before the first)
-    lost: Counter = field(default_factory=Counter)
-    lost_machines: set[Machine] = field(default_factory=set)
-
-    def advance(self, trace_time_s: float) -> bool:
-        """Move to the snapshot in force at `trace_time_s`; True when it changed."""
-        k = max((i for i, s in enumerate(self.trace.snapshots) if s.time_s <= trace_time_s), default=-1)
-        if k == self.index:
-            return False
-        old = self.trace.snapshots[self.index].zones if self.index >= 0 else {}
-        new = self.trace.snapshots[k].zones
-        fresh = {(z, g) for z in {*old, *new} for g in {*old.get(z, {}), *new.get(z, {})}
-                 if old.get(z, {}).get(g) != new.get(z, {}).get(g)}
-        for pair in fresh & set(self.lost):
-            del self.lost[pair]
-        self.lost_machines = {m for m in self.lost_machines if m[:2] not in fresh}
-        self.index = k
-        return True
-
-    def zones(self) -> Zones:
-        """Effective availability: zone -> GPU type -> GPUs."""
-        base = self.trace.snapshots[self.index].zones if self.index >= 0 else {}
-        zones = {z: {g: max(n - self.lost[(z, g)], 0) for g, n in gpus.items()} for z, gpus in base.items()}
-        if self.pool is not None:
-            zones = {z: {g: min(n, self.pool.capacity(z, g, self.lost_machines)) for g, n in gpus.items()}
-                     for z, gpus in zones.items()}
-        return zones
-
-    def next_change_s(self) -> float | None:
-        """Trace time (s) of the next snapshot, or None when the trace has no more."""
-        t = self.trace.snapshots[self.index].time_s if self.index >= 0 else -1.0
-        return self.trace.next_change_after(t)
 
 
 class Running:
