@@ -78,7 +78,8 @@ def test_a_lone_run_has_no_leave_one_out(tmp_path):
     folder = tmp_path / "gh200-opt350"
     folder.mkdir()
     (folder / "plan_config_N2_D2.json").write_text((GH200 / "plan_config_N2_D2.json").read_text())
-    res = runner.invoke(app, ["validate", str(folder), "--fit", "--json"])
+    res = runner.invoke(app, ["validate", str(folder), "--fit", "--json", "--profiles", str(SHARED / "profiles"),
+                                 "--network", str(SHARED / "network")])
     assert res.exit_code == 0, res.output
     s = json.loads(res.output.strip().splitlines()[-1])
     assert s["runs"] == 1 and s["rows"][0]["loo_time_err_pct"] is None and "loo_time_mape_pct" not in s
