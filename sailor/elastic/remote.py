@@ -8,9 +8,10 @@ session per node running that node's torchrun agents against the static rendezvo
 machine. A machine whose rank died on its own is unusable until the trace reports a new count for its
 zone and GPU type (a fresh observation), as a lost GPU is on the local provider.
 
-Every host must see the checkpoint folder at the same path (shared storage): the ranks write and
-read checkpoints there, and the controller puts each launch's plan and the stop file in its
-`control/` subfolder. Every host needs Sailor and torch for `python`.
+Every host, and the controller's machine, must see the checkpoint folder at the same path (shared
+storage): the ranks write and read checkpoints there, and the controller puts each launch's plan and
+the stop file in its `control/` subfolder (on NFS, attribute caching can delay a stop by the cache's
+few seconds). Every host needs Sailor and torch for `python`.
 """
 
 from __future__ import annotations
