@@ -30,3 +30,22 @@ def live_processes(marker: str) -> list[tuple[int, str]]:
             if marker in cmd and state != "Z":
                 out.append((int(pid), cmd))
     return out
+
+
+@pytest.fixture(scope="session")
+def reference_losses() -> list[float]:
+    """Per-step losses of 60 steps of the tiny model (global batch 8, seed 0) trained in one process:
+    what every elastic run (any plans, switches, rollbacks) must reproduce."""
+    import torch
+
+    from sailor.runtime.data import load_corpus
+    from sailor.runtime.reference import train_reference
+    from sailor.specs import JobSpec
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this tiny model on 2 busy cores: extra threads only slow it down
+    try:
+        losses, _ = train_reference(JobSpec(model="tiny", global_batch_size=8), steps=60, seed=0, corpus=load_corpus())
+    finally:
+        torch.set_num_threads(threads)
+    return losses

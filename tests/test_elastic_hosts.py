@@ -27,7 +27,7 @@ from sailor.plan import plan_from_dict
 from sailor.runtime.launcher import ExitStatus, TrainOptions, prepare
 from sailor.specs import ClusterSpec
 from test_elastic_run import JOB, SAILOR, _check_trajectory, _lines, _no_leftovers, _processes, _trace, _wait, \
-    _workers, reference_losses  # noqa: F401 - the fixture is used by name
+    interrupt_controller, ranks_alive
 
 CLUSTER = ClusterSpec(provider="local", zones={"local": {"cpu": 4}}, gpus_per_node={"cpu": 2})
 HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
@@ -56,19 +56,6 @@ def _launches(tmp_path: Path) -> list[list[str]]:
         k = int(re.search(r"control/plan-(\d+)\.json", call[-1]).group(1))
         by_plan.setdefault(k, []).append(call[-2])
     return [sorted(by_plan[k]) for k in sorted(by_plan)]
-
-
-def _ranks(marker: str) -> dict[int, int]:
-    """rank -> pid of the live worker processes (torchrun gives each its RANK)."""
-    out = {}
-    for pid in _workers(marker):
-        try:
-            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
-        except OSError:
-            continue
-        if b"RANK" in env and b"LOCAL_RANK" in env:
-            out[int(env[b"RANK"])] = pid
-    return out
 
 
 def test_pool_capacity_and_placement_skip_lost_machines(tmp_path, monkeypatch):
@@ -133,8 +120,8 @@ def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
         before = len(_lines(metrics))
         _wait(lambda: len(_lines(metrics)) >= before + 3 or "res" in out)
         assert "res" not in out, out["res"].message
-        _wait(lambda: 3 in _ranks(marker), 30)
-        os.kill(_ranks(marker)[3], signal.SIGKILL)
+        _wait(lambda: 3 in ranks_alive(marker), 30)
+        os.kill(ranks_alive(marker)[3], signal.SIGKILL)
         t.join(timeout=240)
         assert not t.is_alive()
     finally:
@@ -176,36 +163,11 @@ def test_cli_hosts_errors_are_one_line(tmp_path):
 def test_interrupted_controller_leaves_nothing_on_the_hosts(tmp_path, monkeypatch, how):
     """SIGINT: the ranks on both machines stop at a step boundary with a checkpoint (shared stop
     file); SIGKILL of the controller: its ssh sessions get SIGTERM from the kernel and end the ranks."""
-    import subprocess
-
     pool = _setup(tmp_path, monkeypatch)
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(yaml.safe_dump(CLUSTER.model_dump(mode="json", exclude_defaults=True)))
     job = tmp_path / "job.yaml"
     job.write_text("model: tiny\nglobal_batch_size: 8\n")
-    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
-    proc = subprocess.Popen([*SAILOR, "run", "--job", str(job), "--cluster", str(cluster), "--availability",
-                             str(_trace(tmp_path, (0, 4))), "--steps", "100000", "--checkpoint-dir", str(ck),
-                             "--metrics", str(metrics), "--hosts", pool.source, "--python", sys.executable,
-                             "--rdzv-port", str(pool.rdzv_port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    marker = str(tmp_path)
-    try:
-        _wait(lambda: len(_lines(metrics)) >= 3 or proc.poll() is not None)
-        assert proc.poll() is None, proc.communicate()
-        assert sorted(_ranks(marker)) == [0, 1, 2, 3]
-        if how == "sigint":
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=60)
-            assert proc.returncode == 3, err
-            kept = max(r["step"] for r in _lines(metrics))
-            assert (ck / f"step-{kept:08d}" / "manifest.json").exists()
-        else:
-            proc.kill()
-            proc.wait(timeout=10)
-        _no_leftovers(marker)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in _processes(marker):
-            os.kill(pid, signal.SIGKILL)
+    interrupt_controller(["--job", str(job), "--cluster", str(cluster), "--availability", str(_trace(tmp_path, (0, 4))),
+                          "--hosts", pool.source, "--python", sys.executable, "--rdzv-port", str(pool.rdzv_port)],
+                         tmp_path, how, world_size=4)

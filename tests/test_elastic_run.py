@@ -21,13 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from sailor.elastic.availability import load_trace
 from sailor.elastic.controller import ClockKind, RunOptions, run
-from sailor.runtime.data import load_corpus
 from sailor.runtime.launcher import ExitStatus
-from sailor.runtime.reference import train_reference
 from sailor.specs import ClusterSpec, JobSpec
 from conftest import live_processes
 
@@ -35,17 +32,6 @@ JOB = JobSpec(model="tiny", global_batch_size=8)
 LOCAL = ClusterSpec(provider="local", zones={"local": {"cpu": 4}})
 RTOL = 1e-5
 SAILOR = [sys.executable, "-c", "from sailor.cli import main; main()"]
-
-
-@pytest.fixture(scope="module")
-def reference_losses():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # this tiny model on 2 busy cores: extra threads only slow it down
-    try:
-        losses, _ = train_reference(JOB, steps=60, seed=0, corpus=load_corpus())
-    finally:
-        torch.set_num_threads(threads)
-    return losses
 
 
 def _trace(tmp: Path, *counts: tuple[float, int]):
@@ -186,30 +172,39 @@ def test_corrupt_checkpoint_is_never_loaded(tmp_path, reference_losses):
     _no_leftovers(str(tmp_path))
 
 
-@pytest.mark.parametrize("how", ["sigint", "sigkill"])
-def test_interrupted_controller_leaves_no_process(tmp_path, how):
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"model": "tiny", "global_batch_size": 8}))
-    cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"provider": "local", "zones": {"local": {"cpu": 2}}}))
-    metrics = tmp_path / "m.jsonl"
-    cmd = [*SAILOR, "run", "--job", str(job), "--cluster", str(cluster), "--availability",
-           str(_trace(tmp_path, (0, 2))), "--steps", "100000", "--checkpoint-dir", str(tmp_path / "ck"),
-           "--metrics", str(metrics), "--events", str(tmp_path / "e.jsonl")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    marker = str(tmp_path)
+def ranks_alive(marker: str) -> dict[int, int]:
+    """rank -> pid of the live worker processes of a test (torchrun gives each its RANK)."""
+    out = {}
+    for pid in _workers(marker):
+        try:
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env and b"LOCAL_RANK" in env:
+            out[int(env[b"RANK"])] = pid
+    return out
+
+
+def interrupt_controller(args: list[str], tmp: Path, how: str, world_size: int) -> None:
+    """Run `sailor run ARGS --steps 100000` with metrics, events and checkpoints in `tmp`; once 3 steps
+    are done on `world_size` ranks, SIGINT it (exit 3, the last step checkpointed, a `stopped` event)
+    or SIGKILL it. No process of the run may be left either way."""
+    metrics, ck = tmp / "m.jsonl", tmp / "ck"
+    proc = subprocess.Popen([*SAILOR, "run", *args, "--steps", "100000", "--checkpoint-dir", str(ck),
+                             "--metrics", str(metrics), "--events", str(tmp / "e.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marker = str(tmp)
     try:
         _wait(lambda: len(_lines(metrics)) >= 3 or proc.poll() is not None)
         assert proc.poll() is None, proc.communicate()
-        assert len(_workers(marker)) == 2
+        assert sorted(ranks_alive(marker)) == list(range(world_size))
         if how == "sigint":
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=60)
             assert proc.returncode == 3, err
-            ev = _lines(tmp_path / "e.jsonl")
-            assert ev[-1]["event"] == "stopped"
+            assert _lines(tmp / "e.jsonl")[-1]["event"] == "stopped"
             kept = max(r["step"] for r in _lines(metrics))
-            assert (tmp_path / "ck" / f"step-{kept:08d}" / "manifest.json").exists()
+            assert (ck / f"step-{kept:08d}" / "manifest.json").exists()
         else:
             proc.kill()
             proc.wait(timeout=10)
@@ -219,3 +214,13 @@ def test_interrupted_controller_leaves_no_process(tmp_path, how):
             proc.kill()
         for pid in _processes(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+def test_interrupted_controller_leaves_no_process(tmp_path, how):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"model": "tiny", "global_batch_size": 8}))
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"provider": "local", "zones": {"local": {"cpu": 2}}}))
+    interrupt_controller(["--job", str(job), "--cluster", str(cluster), "--availability",
+                          str(_trace(tmp_path, (0, 2)))], tmp_path, how, world_size=2)
