@@ -26,6 +26,7 @@ from sailor.errors import SailorInputError
 from sailor.plan import plan_from_dict
 from sailor.runtime.launcher import ExitStatus, TrainOptions, prepare
 from sailor.specs import ClusterSpec
+from conftest import live_processes
 from test_elastic_run import JOB, SAILOR, _check_trajectory, _lines, _no_leftovers, _processes, _trace, _wait, \
     interrupt_controller, ranks_alive
 
@@ -33,14 +34,17 @@ CLUSTER = ClusterSpec(provider="local", zones={"local": {"cpu": 4}}, gpus_per_no
 HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 
 
-def _setup(tmp_path: Path, monkeypatch) -> HostPool:
-    """A fake ssh first on PATH, HOSTS.yaml with three 2-GPU machines; returns the pool."""
+RUN_HERE = "os.execvp('sh', ['sh', '-c', sys.argv[-1]])\n"  # what sshd does with the command
+
+
+def _setup(tmp_path: Path, monkeypatch, body: str = RUN_HERE) -> HostPool:
+    """A fake ssh first on PATH (records its arguments, then runs `body`), HOSTS.yaml with three
+    2-GPU machines; returns the pool."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     ssh = bin_dir / "ssh"
-    ssh.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
-                   f"open({str(tmp_path / 'calls.jsonl')!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
-                   "os.execvp('sh', ['sh', '-c', sys.argv[-1]])\n")
+    ssh.write_text(f"#!{sys.executable}\nimport json, os, sys, time\n"
+                   f"open({str(tmp_path / 'calls.jsonl')!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n" + body)
     ssh.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     hosts = tmp_path / "hosts.yaml"
@@ -69,12 +73,14 @@ def test_pool_capacity_and_placement_skip_lost_machines(tmp_path, monkeypatch):
                                          {"stage": 1, "gpu": "cpu", "zone": "local", "tp": 2}]}]})
     plan.with_specs(JOB, CLUSTER).save(tmp_path / "plan.json")
     prep = prepare(TrainOptions(plan=str(tmp_path / "plan.json"), stop_file=str(tmp_path / "stop")), local=False)
-    cmds, machine = pool.commands(prep, str(tmp_path / "stop"), lost={("local", "cpu", 0)})
+    nodes = pool.commands(prep, str(tmp_path / "stop"), lost={("local", "cpu", 0)})
     # Machines 1 and 2 are used (0 is lost); rank 0's machine hosts the rendezvous of every agent.
-    assert sorted(c[-2] for c in cmds) == HOSTS[1:]
-    assert machine == {0: ("local", "cpu", 1), 1: ("local", "cpu", 1), 2: ("local", "cpu", 2), 3: ("local", "cpu", 2)}
-    assert all(f"--rdzv-endpoint {HOSTS[machine[0][2]]}:{pool.rdzv_port}" in c[-1] for c in cmds)
-    assert all("--stop-file " + str(tmp_path / "stop") in c[-1] for c in cmds)
+    assert nodes.hosts == [c[-2] for c in nodes.commands] == HOSTS[1:]
+    assert nodes.node_machine == [("local", "cpu", 1), ("local", "cpu", 2)]
+    assert nodes.rank_machine == {0: ("local", "cpu", 1), 1: ("local", "cpu", 1), 2: ("local", "cpu", 2),
+                                  3: ("local", "cpu", 2)}
+    assert all(f"--rdzv-endpoint {HOSTS[1]}:{pool.rdzv_port}" in c[-1] for c in nodes.commands)
+    assert all("--stop-file " + str(tmp_path / "stop") in c[-1] for c in nodes.commands)
 
 
 def test_availability_is_capped_by_usable_machines_until_a_fresh_count(tmp_path, monkeypatch):
@@ -140,6 +146,74 @@ def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
     _no_leftovers(marker)
 
 
+def _run_opts(tmp_path: Path, pool: HostPool, steps: int, **kw) -> RunOptions:
+    return RunOptions(job=JOB, cluster=CLUSTER, trace=load_trace(_trace(tmp_path, (0, 4)), CLUSTER), steps=steps,
+                      checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5, metrics=str(tmp_path / "m.jsonl"),
+                      events=str(tmp_path / "e.jsonl"), clock=ClockKind.TRAINING, hosts=pool, timeout_s=30.0, **kw)
+
+
+def test_unreachable_host_is_left_out_and_a_spare_used(tmp_path, monkeypatch, reference_losses):
+    """ssh cannot connect to 127.0.0.2 (exit 255, as ssh does): the launch fails, the message names the
+    host and ssh's own words, and the relaunch uses the spare 127.0.0.3."""
+    refuse = (f"if sys.argv[-2] == {HOSTS[1]!r}:\n"
+              "    sys.stderr.write('ssh: connect to host ' + sys.argv[-2] + ' port 22: Connection refused\\n')\n"
+              "    sys.exit(255)\n")
+    pool = _setup(tmp_path, monkeypatch, refuse + RUN_HERE)
+    res = run(_run_opts(tmp_path, pool, steps=8))
+    assert res.status is ExitStatus.DONE, res.message
+    ev = _lines(tmp_path / "e.jsonl")
+    crash = [e for e in ev if e["event"] == "crash"]
+    assert len(crash) == 1 and crash[0]["hosts"] == [HOSTS[1]] and crash[0]["ranks"] == []
+    assert f"{HOSTS[1]} exited with status 255: ssh: connect to host {HOSTS[1]} port 22: Connection refused" \
+        in crash[0]["message"]
+    assert _launches(tmp_path) == [HOSTS[:2], [HOSTS[0], HOSTS[2]]]
+    _check_trajectory(tmp_path / "m.jsonl", 8, reference_losses, rolled_back=0)
+    _no_leftovers(str(tmp_path))
+
+
+def test_a_machine_that_goes_down_whole_is_left_out(tmp_path, monkeypatch, reference_losses):
+    """Node 1's torchrun agent and both its ranks are SIGKILLed at once (the machine went down): no
+    rank is named by torchrun, but ranks 0 and 1 report the lost peer, so the silent machine
+    127.0.0.2 is left out and the job goes on with 4 GPUs on 127.0.0.1 and 127.0.0.3."""
+    pool = _setup(tmp_path, monkeypatch)
+    metrics, events = tmp_path / "m.jsonl", tmp_path / "e.jsonl"
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("res", run(_run_opts(tmp_path, pool, steps=30))), daemon=True)
+    t.start()
+    marker = str(tmp_path)
+    try:
+        _wait(lambda: len(_lines(metrics)) >= 7 or "res" in out)
+        assert "res" not in out, out["res"].message
+        ranks = ranks_alive(marker)
+        node = [pid for pid, cmd in live_processes(marker) if "--node-rank 1 " in cmd and pid not in ranks.values()]
+        for pgid in dict.fromkeys(os.getpgid(pid) for pid in (*node, ranks[2], ranks[3])):  # the node's session first
+            os.killpg(pgid, signal.SIGKILL)
+        t.join(timeout=240)
+        assert not t.is_alive()
+    finally:
+        for pid in _processes(marker):
+            os.kill(pid, signal.SIGKILL)
+    res = out["res"]
+    assert res.status is ExitStatus.DONE, res.message
+    crash = [e for e in _lines(events) if e["event"] == "crash"]
+    assert len(crash) == 1 and crash[0]["ranks"] == [] and crash[0]["hosts"] == [HOSTS[1]]
+    assert _launches(tmp_path) == [HOSTS[:2], [HOSTS[0], HOSTS[2]]]
+    _check_trajectory(metrics, 30, reference_losses, rolled_back=res.steps_rolled_back)
+    _no_leftovers(marker)
+
+
+def test_a_host_that_never_joins_ends_each_launch_after_the_start_timeout(tmp_path, monkeypatch):
+    """ssh to 127.0.0.2 connects but its command never starts: no process group forms; each launch
+    is ended after --start-timeout-s and the run gives up after three (it cannot tell which host)."""
+    pool = _setup(tmp_path, monkeypatch, f"if sys.argv[-2] == {HOSTS[1]!r}:\n    time.sleep(600)\n" + RUN_HERE)
+    res = run(_run_opts(tmp_path, pool, steps=8, start_timeout_s=6.0))
+    assert res.status is ExitStatus.FAILED and "did not form within 6 s on 127.0.0.1, 127.0.0.2" in res.message
+    ev = _lines(tmp_path / "e.jsonl")
+    assert len([e for e in ev if e["event"] == "start_timeout"]) == 3
+    assert len([e for e in ev if e["event"] == "crash"]) == 3 == res.crashes
+    _no_leftovers(str(tmp_path))
+
+
 def test_cli_hosts_errors_are_one_line(tmp_path):
     import subprocess
 
@@ -151,10 +225,24 @@ def test_cli_hosts_errors_are_one_line(tmp_path):
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text(yaml.safe_dump({"groups": [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["a0"]}]}))
     base = [*SAILOR, "run", "--job", str(job), "--cluster", str(cluster), "--availability", str(trace)]
+    bad = {}
+    for name, groups in (("dash", [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["-oProxyCommand=x"]}]),
+                         ("twice", [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["a0", "a0"]}]),
+                         ("zone", [{"zone": "nowhere", "gpu": "A100-40", "hosts": ["a0"]}]),
+                         ("other", [{"zone": "us-central1-b", "gpu": "A100-40", "hosts": ["a0"]}])):
+        bad[name] = tmp_path / f"{name}.yaml"
+        bad[name].write_text(yaml.safe_dump({"groups": groups}))
+    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
     for extra, want in (([], "--hosts HOSTS.yaml"), (["--hosts", str(hosts)], "--checkpoint-dir"),
                         (["--hosts", str(tmp_path / "none.yaml")], "none.yaml"),
-                        (["--hosts", str(hosts), "--checkpoint-dir", str(tmp_path / "ck"), "--rdzv-port", "0"],
-                         "--rdzv-port")):
+                        (["--hosts", str(hosts), *ck, "--rdzv-port", "0"], "--rdzv-port"),
+                        (["--python", "python3"], "--python and --rdzv-port are for the hosts"),
+                        (["--hosts", str(bad["dash"]), *ck], "groups.0.hosts: '-oProxyCommand=x' is not a host"),
+                        (["--hosts", str(bad["twice"]), *ck], "groups.0.hosts.1: host a0 is listed twice"),
+                        (["--hosts", str(bad["zone"]), *ck], "groups.0.zone: unknown gcp zone 'nowhere'"),
+                        (["--hosts", str(bad["other"]), *ck], "other.yaml: groups: no group holds GPUs the trace"),
+                        (["--hosts", str(hosts), *ck, "--device", "cpu"], "--device: the trace offers GPU type"),
+                        (["--hosts", str(hosts), *ck, "--device", "tpu"], "--device: unknown device 'tpu'")):
         r = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and want in r.stderr, (extra, r.stderr)
 

@@ -222,7 +222,8 @@ def test_cli_starts_every_node_over_ssh(tmp_path):
     assert r.returncode == 0, r.stderr
     calls = _calls(tmp_path)
     assert sorted(c[-2] for c in calls) == ["admin@w0", "ubuntu@a0", "ubuntu@a1", "ubuntu@b0"]
-    assert all(c[1:4] == ["-o", "BatchMode=yes", "-tt"] and c[-1].startswith("bash -c ") for c in calls)
+    assert all(c[1:3] == ["-o", "BatchMode=yes"] and c[-4:-2] == ["-tt", "--"] and c[-1].startswith("bash -c ")
+               for c in calls)
     _check_torchrun_ranks([a for c in calls for a in _agents_in(c[-1])], GEO)
     assert all("--steps 7" in c[-1] and f"--plan {plan.resolve()}" in c[-1] for c in calls)
 
@@ -270,7 +271,7 @@ def test_real_cpu_job_through_the_launcher(tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     hosts = _write_hosts(tmp_path, {"groups": [{"zone": "local", "gpu": "cpu", "gpus_per_node": 2,
-                                                "hosts": ["127.0.0.1", "127.0.0.1", "127.0.0.1"]}]})
+                                                "hosts": ["127.0.0.1", "127.0.0.2", "127.0.0.3"]}]})
     layout_agents = [a for d in launch_specs(plan, Backend.TORCHRUN, OPTS, hosts_path=hosts) for a in d["agents"]]
     assert len(layout_agents) == 4  # ranks {0}, {1, 2}, {3}, {4, 5}
     port = 29000 + os.getpid() % 1000

@@ -15,6 +15,7 @@ import typer
 
 from sailor.cli import app
 from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, choice, console
+from sailor.errors import SailorInputError
 from sailor.fileio import check_output_path
 
 TraceOpt = typer.Option(..., "--availability", help="Availability trace: CSV (Timestamp + <gpu>_<zone> columns),"
@@ -53,11 +54,19 @@ def run(
                                          " (torchrun per node; needs --checkpoint-dir on storage they all mount)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu (gloo) or cuda (NCCL); default: cpu for"
                                          " provider local, else cuda."),
-    python: str = typer.Option("python3", "--python", help="Python interpreter on the hosts (with Sailor installed)."),
-    rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Port of the rendezvous store on rank 0's host."),
+    python: Optional[str] = typer.Option(None, "--python", help="With --hosts: Python interpreter on the hosts, with"
+                                         " Sailor installed (default python3)."),
+    rdzv_port: Optional[int] = typer.Option(None, "--rdzv-port", help="With --hosts: port of the rendezvous store on"
+                                            " rank 0's host (default 29500)."),
+    start_timeout_s: float = typer.Option(300.0, "--start-timeout-s", help="A launch whose ranks have not formed their"
+                                          " process groups by then is ended as failed."),
 ) -> None:
     """Train, keeping the job on the best plan as GPUs come and go (local provider: one process per GPU;
-    --hosts: the machines of HOSTS.yaml)."""
+    --hosts: the machines of HOSTS.yaml).
+
+    Exit status: 0 every step done; 1 the job could not continue; 2 bad input; 3 stopped on request
+    (SIGTERM/SIGINT) after a checkpoint.
+    """
     from sailor.elastic.availability import load_trace
     from sailor.elastic.controller import ClockKind, RunOptions
     from sailor.elastic.controller import run as run_elastic
@@ -70,13 +79,18 @@ def run(
         check_output_path(value, option, folder=folder)
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     trace = load_trace(availability, cluster_spec)
-    pool = HostPool.load(hosts, cluster_spec, python=python, rdzv_port=rdzv_port) if hosts else None
+    if not hosts and (python is not None or rdzv_port is not None):
+        raise SailorInputError("--python and --rdzv-port are for the hosts' processes", source="--hosts",
+                               fix="pass --hosts HOSTS.yaml, or leave them out")
+    pool = HostPool.load(hosts, cluster_spec, python=python or "python3",
+                         rdzv_port=29500 if rdzv_port is None else rdzv_port) if hosts else None
     result = run_elastic(RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
                                     checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
                                     events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
                                     profiles=str(profiles) if profiles else None,
                                     network=str(network) if network else None, data=data, hosts=pool,
-                                    device=device or ("cpu" if cluster_spec.provider == "local" else "cuda")))
+                                    device=device or ("cpu" if cluster_spec.provider == "local" else "cuda"),
+                                    start_timeout_s=start_timeout_s))
     from rich.console import Console
 
     summary = (f"{result.message} ({result.switches} switches, {result.crashes} crashes,"

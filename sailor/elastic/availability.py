@@ -263,7 +263,7 @@ def _count(value: Any, src: str, field: str) -> int:
 class Availability:
     """The trace's availability now, minus GPUs lost to crashes, and with `--hosts` at most what the
     usable machines hold. A crash deduction for a (zone, GPU) (a GPU, a machine) lasts until the trace
-    reports a new count for that pair (a fresh observation)."""
+    reports a different count for that pair (a fresh observation)."""
 
     trace: Trace
     pool: HostPool | None = None

@@ -12,10 +12,12 @@ this machine; the runtime is driven through `sailor.runtime.launcher`, which run
    over the remaining steps beats the measured switch cost. To switch: create the stop file; the
    ranks finish the step, write a checkpoint and exit; relaunch with the new plan and resume.
 3. When the job fails (a rank died: SIGKILL, a fault), the launcher returns within about a second
-   (torchrun's monitor); the dead ranks' GPUs are treated as gone until the trace next reports a
-   count for their (zone, GPU type); re-plan on the survivors and resume from the last checkpoint:
-   the steps after it are rolled back and trained again (and written to the metrics again).
-4. SIGTERM/SIGINT: stop at a step boundary with a checkpoint, exit 3; a second signal kills the job.
+   (torchrun's monitor); the dead ranks' GPUs are treated as gone until the trace reports a
+   different count for their (zone, GPU type); re-plan on the survivors and resume from the last
+   checkpoint: the steps after it are rolled back and trained again (and written to the metrics
+   again). A launch whose process groups do not form within `start_timeout_s` is ended as failed.
+4. SIGTERM/SIGINT: stop at a step boundary with a checkpoint, exit 3 (at once while a launch is
+   still starting: it has nothing new to save); a second signal kills the job.
 
 Time: trace second t happens `t x time_scale` wall seconds after the controller starts, or, with the
 `training` clock, after `t x time_scale` seconds spent in training steps (`Clock`).
@@ -48,11 +50,11 @@ from typing import Any
 from sailor.elastic.availability import Availability, Trace, Zones
 from sailor.elastic.events import POLL_S, Clock, ClockKind, EventLog
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
-from sailor.elastic.remote import HostPool, Machine
+from sailor.elastic.remote import HostPool, Machine, NodeLaunch
 from sailor.elastic.replan import Planned, Replanner
 from sailor.errors import InfeasibleError, SailorInputError
 from sailor.plan import rank_layout
-from sailor.runtime.launcher import ExitStatus, TrainOptions, TrainResult, launch, prepare
+from sailor.runtime.launcher import ExitStatus, Prepared, TrainOptions, TrainResult, launch, prepare
 from sailor.specs import ClusterSpec, JobSpec
 
 MAX_FAILED_LAUNCHES = 3  # launches in a row that fail before completing a step: then give up
@@ -88,6 +90,9 @@ class RunOptions:
     """Run the ranks on these machines over ssh (`sailor.elastic.remote`); None: the local provider."""
     timeout_s: float = 60.0
     """Seconds a collective may wait before the runtime fails (a lost peer is noticed by torchrun first)."""
+    start_timeout_s: float = 300.0
+    """Seconds a launch may take to bring up its ranks' process groups before it is ended as failed
+    (a host that accepts ssh but never joins would otherwise hang the run)."""
 
 
 @dataclass
@@ -105,16 +110,18 @@ class RunResult:
 
 
 class Running:
-    """One launch of the runtime in a background thread; its events arrive on `events` stamped with
-    `time.monotonic()`. With a host pool the ranks run on its usable machines (`machine`: rank ->
-    machine), else on this one."""
+    """One launch of a prepared run in a background thread; its events arrive on `events` stamped
+    with `time.monotonic()`. With `nodes` (a host pool's launch) the ranks run on those machines,
+    else on this one."""
 
-    def __init__(self, options: TrainOptions, pool: HostPool | None = None, lost: set[Machine] = frozenset()) -> None:
-        self.stop_file = options.stop_file
+    def __init__(self, prepared: Prepared, nodes: NodeLaunch | None = None) -> None:
+        self.prepared, self.nodes = prepared, nodes
+        self.stop_file = prepared.options.stop_file
         Path(self.stop_file).unlink(missing_ok=True)
         self.launched_at = time.monotonic()
-        self.prepared = prepare(options, local=pool is None)  # raises SailorInputError on a bad checkpoint
-        self.commands, self.machine = pool.commands(self.prepared, self.stop_file, lost) if pool else (None, {})
+        self.started = False  # the ranks' process groups are up
+        self.abort = threading.Event()
+        self.killed = ""  # why the controller ended it
         self.events: queue.Queue[tuple[float, dict[str, Any]]] = queue.Queue()
         self.result: TrainResult | None = None
         self.error: BaseException | None = None
@@ -124,13 +131,19 @@ class Running:
     def _run(self) -> None:
         try:
             self.result = launch(self.prepared, on_event=lambda ev: self.events.put((time.monotonic(), ev)),
-                                 handle_signals=False, commands=self.commands)
+                                 handle_signals=False, commands=self.nodes.commands if self.nodes else None,
+                                 labels=self.nodes.hosts if self.nodes else None, abort=self.abort)
         except BaseException as e:  # noqa: BLE001 - handed to the controller thread
             self.error = e
 
     def stop(self) -> None:
         """Ask the ranks to stop at the next step boundary (checkpoint, then exit)."""
         Path(self.stop_file).touch()
+
+    def kill(self, why: str) -> None:
+        """End every process of the launch now (nothing to save: no step ran since it loaded)."""
+        self.killed = self.killed or why
+        self.abort.set()
 
     def done(self) -> bool:
         """True once the launch has ended (its result or error is set)."""
@@ -177,8 +190,13 @@ class Controller:
         if o.hosts is not None and not o.checkpoint_dir:
             raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
                                    source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")
+        _check_device(o)
+        if o.hosts is not None:
+            o.hosts.check_covers(_offered(o.trace))
         if o.steps < 1:
             raise SailorInputError(f"must be >= 1, got {o.steps}", source="--steps")
+        if not o.start_timeout_s > 0:
+            raise SailorInputError(f"must be > 0, got {o.start_timeout_s}", source="--start-timeout-s")
         if o.checkpoint_every < 0:
             raise SailorInputError(f"must be >= 0, got {o.checkpoint_every}", source="--checkpoint-every")
         self.o = o
@@ -247,10 +265,10 @@ class Controller:
         """Log the machines per (zone, GPU type), and the trace's pairs that have none (never used)."""
         pool = self.o.hosts
         machines = {f"{g.gpu}@{g.zone}": len(g.hosts) for g in pool.hosts.groups}
-        offered = {f"{g}@{z}" for snap in self.o.trace.snapshots for z, gpus in snap.zones.items()
-                   for g, n in gpus.items() if n}
+        offered = {f"{g}@{z}" for z, g in _offered(self.o.trace)}
         self.log.emit("machines", machines=machines, gpus_per_machine=pool.node_size,
-                      without_machines=sorted(offered - set(machines)))
+                      offered_without_machines=sorted(offered - set(machines)),
+                      machines_never_offered=sorted(set(machines) - offered))
 
     def _on_signal(self, signum, frame) -> None:
         self.signals += 1
@@ -305,11 +323,15 @@ class Controller:
                             stop_file=os.path.join(self.work, "stop"), timeout_s=self.o.timeout_s)
         if self.switch is not None:
             self.switch.launched = time.monotonic()
-        run = self.running = Running(opts, self.o.hosts, self.avail.lost_machines)
-        prep = run.prepared
+        prep = prepare(opts, local=self.o.hosts is None)  # raises SailorInputError on a bad checkpoint
         for note in prep.notes:
             if note.startswith("skipped"):
                 self.log.emit("checkpoint_skipped", reason=note)
+        if prep.resume_step >= self.o.steps:  # the checkpoint folder already holds the whole run
+            self.result.steps = prep.resume_step
+            return self._finish(ExitStatus.DONE, f"done: {prep.resume_step} steps (checkpoint {prep.resume_from})")
+        nodes = self.o.hosts.commands(prep, opts.stop_file, self.avail.lost_machines) if self.o.hosts else None
+        run = self.running = Running(prep, nodes)
         if self.result.steps > prep.resume_step:
             self.log.emit("rollback", from_step=self.result.steps, to_step=prep.resume_step,
                           steps=self.result.steps - prep.resume_step)
@@ -324,6 +346,12 @@ class Controller:
             self._drain(run)
             if self.signals:
                 run.stop()
+                if not self.step_times:  # nothing trained since the checkpoint it loaded: end it now
+                    run.kill(f"while starting, before step {self.result.steps + 1}")
+            elif not run.started and not run.killed and time.monotonic() - run.launched_at > self.o.start_timeout_s:
+                on = f" on {', '.join(run.nodes.hosts)}" if run.nodes else ""
+                run.kill(f"the ranks' process groups did not form within {self.o.start_timeout_s:g} s{on}")
+                self.log.emit("start_timeout", message=run.killed)
             elif self.avail.advance(self.clock.trace_s()):
                 self._on_change(run)
             time.sleep(POLL_S)
@@ -351,8 +379,10 @@ class Controller:
                     self._switch_done(sw, t)
                 self.last_step_at = t
                 self.failed_launches = 0
-            elif sw is not None and sw.launched is not None and kind in ("started", "loaded"):
-                setattr(sw, kind, t)
+            elif kind in ("started", "loaded"):
+                run.started = True
+                if sw is not None and sw.launched is not None:
+                    setattr(sw, kind, t)
             elif sw is not None and kind == "stopped":
                 sw.stopped = t
 
@@ -413,32 +443,34 @@ class Controller:
             return self._finish(ExitStatus.DONE, f"done: {self.result.steps} steps")
         if res.status is ExitStatus.STOPPED:
             if self.signals:
-                return self._finish(ExitStatus.STOPPED, f"stopped on request: {res.message}")
+                return self._finish(ExitStatus.STOPPED, res.message)
             if self.switch is None:  # a stop nobody asked for (e.g. a stale stop file)
                 self.switch = Switch("stopped", now)
             self.switch.exited = now
             self.result.switches += 1
             return None
         if self.signals:
-            return self._finish(ExitStatus.STOPPED, f"stopped on request: {res.message}")
+            return self._finish(ExitStatus.STOPPED, f"stopped on request ({run.killed or res.message})")
         # A rank failed: its GPUs are gone; roll back to the last checkpoint on the survivors.
-        if not self.step_times:
-            self.failed_launches += 1
-        if self.failed_launches >= MAX_FAILED_LAUNCHES:
-            return self._finish(ExitStatus.FAILED, f"{MAX_FAILED_LAUNCHES} launches in a row failed before their"
-                                                   f" first step; last: {res.message}")
+        message = run.killed or res.message
         dead = _dead_ranks(res)
         layout = rank_layout(self.current.plan)
         for r in dead:
             if 0 <= r < len(layout):
                 self.avail.lost[(layout[r].zone, layout[r].gpu)] += 1
-            if r in run.machine:  # on a host pool the machine goes too
-                self.avail.lost_machines.add(run.machine[r])
+        machines = _failed_machines(run, dead)  # on a host pool, the machines go too
+        self.avail.lost_machines |= machines
         self.result.crashes += 1
-        where = {"hosts": sorted({self.o.hosts.host(run.machine[r]) for r in dead if r in run.machine})} \
-            if self.o.hosts else {}
-        self.log.emit("crash", ranks=sorted(dead), message=res.message, last_step=self.result.steps,
+        if self.switch is not None:  # a switch under way ends with the crash
+            self.log.emit("switch_finished", reason=self.switch.reason, interrupted=True)
+        where = {"hosts": sorted(self.o.hosts.host(m) for m in machines)} if self.o.hosts else {}
+        self.log.emit("crash", ranks=sorted(dead), message=message, last_step=self.result.steps,
                       since_last_step_s=now - self.last_step_at if self.step_times else None, **where)
+        if not self.step_times:
+            self.failed_launches += 1
+        if self.failed_launches >= MAX_FAILED_LAUNCHES:
+            return self._finish(ExitStatus.FAILED, f"{MAX_FAILED_LAUNCHES} launches in a row failed before their"
+                                                   f" first step; last: {message}")
         self.switch = Switch("crash", now)
         self.switch.exited = now
         return None
@@ -476,6 +508,39 @@ def _dead_ranks(res: TrainResult) -> set[int]:
     reported = {int(e["rank"]) for e in errors}
     silent = [int(r) for r, code in res.failed if r.isdigit() and int(r) not in reported and code != "-15"]
     return set(silent[:1])
+
+
+def _offered(trace: Trace) -> set[tuple[str, str]]:
+    """(zone, GPU type) pairs the trace ever offers GPUs of."""
+    return {(z, g) for snap in trace.snapshots for z, gpus in snap.zones.items() for g, n in gpus.items() if n}
+
+
+def _check_device(o: RunOptions) -> None:
+    """The device must suit every GPU type the trace offers: cpu for `cpu`, cuda for real GPUs."""
+    if o.device not in ("cpu", "cuda"):
+        raise SailorInputError(f"unknown device {o.device!r}", source="--device", fix="cpu or cuda")
+    for _, gpu in sorted(_offered(o.trace)):
+        if (gpu == "cpu") != (o.device == "cpu"):
+            raise SailorInputError(f"the trace offers GPU type {gpu}, which --device {o.device} cannot train on",
+                                   source="--device", fix="cpu for GPU type cpu, cuda for GPUs")
+
+
+def _failed_machines(run: Running, dead: set[int]) -> set[Machine]:
+    """Machines of a host-pool launch to leave out after it failed: those of the dead ranks. When no
+    rank is named, the machines none of whose ranks said a word (ranks that lose a peer report it,
+    so a machine that went down whole is the silent one); when all or none are silent (ssh could
+    not connect, no process group formed), that of the node that failed first."""
+    if run.nodes is None or run.result is None:
+        return set()
+    where = run.nodes.rank_machine
+    if dead:
+        return {where[r] for r in dead if r in where}
+    spoke = {where.get(int(e["rank"])) for e in run.result.events if e.get("event") == "error"}
+    silent = set(where.values()) - spoke
+    if silent and spoke:
+        return silent
+    first = run.result.failed_process
+    return {run.nodes.node_machine[first]} if first is not None else set()
 
 
 def _kill_children() -> None:

@@ -5,8 +5,10 @@ The trace says how many GPUs of each (zone, GPU type) are available; HOSTS.yaml
 usable machines x GPUs per machine, and a pair without a group offers none. A launch places the
 plan's nodes (`sailor.launch.common.launch_layout`) on the group's usable machines in order, one ssh
 session per node running that node's torchrun agents against the static rendezvous on rank 0's
-machine. A machine whose rank died on its own is unusable until the trace reports a new count for its
-zone and GPU type (a fresh observation), as a lost GPU is on the local provider.
+machine. A machine whose rank died on its own is unusable until the trace reports a different count
+for its zone and GPU type (a fresh observation), as a lost GPU is on the local provider; so is the
+machine of the node that failed first when no rank is named (ssh could not connect, the machine went
+down whole). A launch whose process groups do not form in time is ended (`RunOptions.start_timeout_s`).
 
 Every host, and the controller's machine, must see the checkpoint folder at the same path (shared
 storage): the ranks write and read checkpoints there, and the controller puts each launch's plan and
@@ -21,13 +23,23 @@ from pathlib import Path
 
 from sailor.errors import SailorInputError
 from sailor.launch.common import LaunchOptions, launch_layout
-from sailor.launch.hosts import HostGroup, HostsFile, load_hosts
+from sailor.launch.hosts import HostGroup, HostsFile, bare_host, load_hosts
 from sailor.launch.torchrun import node_commands, ssh_argv
 from sailor.runtime.launcher import Prepared, worker_args
 from sailor.specs import ClusterSpec
 
 Machine = tuple[str, str, int]
 """(zone, GPU type, index of the host in its HOSTS.yaml group)."""
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """How one launch runs on the machines: an ssh command per node, and where everything runs."""
+
+    commands: list[list[str]]
+    hosts: list[str]  # the host of each command
+    node_machine: list[Machine]  # the machine of each command
+    rank_machine: dict[int, Machine]  # the machine of each rank
 
 
 @dataclass(frozen=True)
@@ -56,11 +68,16 @@ class HostPool:
         """Read HOSTS.yaml for `cluster`.
 
         Raises:
-            SailorInputError: a bad file, a group's gpus_per_node different from the cluster's node
-                size (the planner keeps TP groups inside a node of that size), a bad port.
+            SailorInputError: a bad file, a zone the cluster's provider does not have, a group's
+                gpus_per_node different from the cluster's node size (the planner keeps TP groups
+                inside a node of that size), a bad port.
         """
         hosts = load_hosts(path)
         for k, g in enumerate(hosts.groups):
+            try:
+                cluster.prov.region(g.zone)
+            except SailorInputError as e:
+                raise e.located(source=str(path), field_prefix=f"groups.{k}.zone") from None
             want = cluster.node_size(g.gpu)
             if g.gpus_per_node is not None and g.gpus_per_node != want:
                 raise SailorInputError(f"{g.gpus_per_node} GPUs per node, but the cluster plans {g.gpu} nodes of {want}",
@@ -70,6 +87,15 @@ class HostPool:
             raise SailorInputError(f"must be a TCP port (1-65535), got {rdzv_port}", source="--rdzv-port")
         sizes = {g.gpu: cluster.node_size(g.gpu) for g in hosts.groups}
         return cls(hosts=hosts, source=str(path), node_size=sizes, python=python, rdzv_port=rdzv_port, ssh=ssh)
+
+    def check_covers(self, offered: set[tuple[str, str]]) -> None:
+        """Raise SailorInputError unless some group has machines for a (zone, GPU type) in `offered`
+        (the pairs a trace ever offers): otherwise no plan could ever run."""
+        if not any(self._group(z, g) for z, g in offered):
+            have = ", ".join(f"{g.gpu} in {g.zone}" for g in self.hosts.groups)
+            want = ", ".join(f"{g} in {z}" for z, g in sorted(offered)) or "nothing"
+            raise SailorInputError(f"no group holds GPUs the trace offers (groups: {have}; trace: {want})",
+                                   source=self.source, field="groups", fix="list machines of the trace's zones and GPU types")
 
     def _group(self, zone: str, gpu: str) -> HostGroup | None:
         return next((g for g in self.hosts.groups if (g.zone, g.gpu) == (zone, gpu)), None)
@@ -83,8 +109,8 @@ class HostPool:
         """GPUs the usable machines of (zone, GPU type) hold."""
         return len(self.usable(zone, gpu, lost)) * self.node_size.get(gpu, 0)
 
-    def commands(self, prep: Prepared, stop_file: str, lost: set[Machine]) -> tuple[list[list[str]], dict[int, Machine]]:
-        """The ssh command of every node of `prep.plan` and the machine of every rank.
+    def commands(self, prep: Prepared, stop_file: str, lost: set[Machine]) -> NodeLaunch:
+        """The ssh command of every node of `prep.plan` on the usable machines, and where each runs.
 
         Raises:
             SailorInputError: the usable machines cannot hold the plan (a bug: plans follow `capacity`).
@@ -99,11 +125,14 @@ class HostPool:
                              python=self.python, checkpoint_dir=o.checkpoint_dir, device=o.device,
                              worker=tuple(worker_args(prep, stop_file)))
         cmds = node_commands(layout, opts, hosts, self.source)
-        machine = {}
-        for info in layout.ranks:
-            index = int(info.node.rsplit("/", 1)[1])
-            machine[info.rank] = (info.zone, info.gpu, usable[(info.zone, info.gpu)][index])
-        return [ssh_argv(c.destination, c.script, self.ssh) for c in cmds], machine
+
+        def machine(node: str) -> Machine:  # "<zone>/<gpu>/<index among the usable machines>"
+            zone, gpu, index = node.rsplit("/", 2)
+            return zone, gpu, usable[(zone, gpu)][int(index)]
+
+        return NodeLaunch(commands=[ssh_argv(c.destination, c.script, self.ssh) for c in cmds],
+                          hosts=[bare_host(c.destination) for c in cmds], node_machine=[machine(c.node) for c in cmds],
+                          rank_machine={info.rank: machine(info.node) for info in layout.ranks})
 
     def host(self, m: Machine) -> str:
         """The host name of machine `m`."""

@@ -5,7 +5,8 @@ user: ubuntu                  # ssh user for every host (optional; per group or 
 groups:                       # machines per (zone, GPU type), used in order for node 0, 1, ...
   - zone: us-central1-a
     gpu: A100-40
-    gpus_per_node: 8          # optional: GPUs per machine (default: the plan's cluster, else catalog)
+    gpus_per_node: 8          # optional: GPUs per machine (`sailor launch`: default the plan's cluster,
+                              # else the catalog; `sailor run` only checks it equals the cluster's)
     hosts: [10.0.0.11, 10.0.0.12]
   - zone: us-west1-b
     gpu: V100-16
@@ -13,11 +14,14 @@ groups:                       # machines per (zone, GPU type), used in order for
     hosts: [10.1.0.5]
 ```
 A group may list more machines than the plan needs (spares stay unused); fewer is an error naming
-the group. Hosts are what `ssh` takes: names from ~/.ssh/config or addresses.
+the group. Hosts are what `ssh` takes: names from ~/.ssh/config or addresses (letters, digits and
+`.-_:%[]`, optionally `user@` first; never starting with `-`, which ssh would read as an option), each
+listed once in the whole file.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -26,6 +30,15 @@ from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import load_mapping, parse_model
 from sailor.launch.common import LaunchLayout, Node
+
+_HOST = re.compile(r"(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._:%\[\]][A-Za-z0-9._:%\[\]-]*")
+_USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
+
+
+def _check_user(v: str | None) -> str | None:
+    if v is not None and not _USER.fullmatch(v):
+        raise ValueError(f"{v!r} is not a user name")
+    return v
 
 
 class HostGroup(BaseModel):
@@ -43,6 +56,16 @@ class HostGroup(BaseModel):
     def _gpu(cls, v: str) -> str:
         return catalog.canonical_gpu(v)
 
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for h in v:
+            if not _HOST.fullmatch(h) or h.startswith("-"):
+                raise ValueError(f"{h!r} is not a host name or address ssh can take")
+        return v
+
+    _user = field_validator("user")(classmethod(lambda cls, v: _check_user(v)))
+
 
 class HostsFile(BaseModel):
     """A HOSTS.yaml file (module docstring)."""
@@ -50,6 +73,8 @@ class HostsFile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     user: str | None = None
     groups: tuple[HostGroup, ...] = Field(min_length=1)
+
+    _user = field_validator("user")(classmethod(lambda cls, v: _check_user(v)))
 
     def gpus_per_node(self) -> dict[str, int]:
         """GPUs per node per GPU type given in the file (types without one are left out)."""
@@ -65,6 +90,13 @@ def load_hosts(path: str | Path) -> HostsFile:
             raise SailorInputError(f"{g.gpu} in {g.zone} is listed twice (groups {seen[(g.zone, g.gpu)]} and {k})",
                                    source=str(path), field=f"groups.{k}", fix="merge their hosts")
         seen[(g.zone, g.gpu)] = k
+    where: dict[str, str] = {}
+    for k, g in enumerate(hosts.groups):
+        for i, h in enumerate(g.hosts):
+            if bare_host(h) in where:  # one machine in two places would run two nodes' ranks on its GPUs
+                raise SailorInputError(f"host {bare_host(h)} is listed twice ({where[bare_host(h)]} and groups.{k}.hosts.{i})",
+                                       source=str(path), field=f"groups.{k}.hosts.{i}", fix="list every machine once")
+            where[bare_host(h)] = f"groups.{k}.hosts.{i}"
     return hosts
 
 

@@ -18,7 +18,10 @@ from typing import Any
 from sailor.launch.common import RDZV_HOST_VAR, LaunchLayout, LaunchOptions, node_script, ranks_doc
 from sailor.launch.hosts import HostsFile, assign_hosts, bare_host
 
-SSH_OPTIONS = ("-o", "BatchMode=yes")  # never stop to ask for a password: fail instead
+# Never stop to ask for a password: fail instead. Give up on a host that does not answer within 15 s,
+# and on a connection that stops answering for a minute, instead of waiting for TCP's own timeouts.
+SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=15", "-o", "ServerAliveInterval=15",
+               "-o", "ServerAliveCountMax=4")
 TERMINATE_GRACE_S = 10.0  # how long ssh sessions get to end after SIGTERM before SIGKILL
 
 
@@ -62,7 +65,7 @@ def node_specs(layout: LaunchLayout, opts: LaunchOptions, hosts: HostsFile | Non
 def ssh_argv(destination: str, script: str, ssh: str = "ssh") -> list[str]:
     """`ssh` argv running `script` under bash on `destination`. `-tt` gives the remote side a
     terminal, so closing the connection (the launcher ending) hangs up the remote torchrun too."""
-    return [ssh, *SSH_OPTIONS, "-tt", destination, "bash -c " + shlex.quote(script)]
+    return [ssh, *SSH_OPTIONS, "-tt", "--", destination, "bash -c " + shlex.quote(script)]
 
 
 def run_over_ssh(commands: Sequence[NodeCommand], ssh: str = "ssh", poll_s: float = 0.2) -> int:

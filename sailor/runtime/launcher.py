@@ -101,6 +101,8 @@ class TrainResult:
     events: list[dict[str, Any]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (rank, exit status) torchrun reported, root cause first
     stderr_tail: str = ""  # the end of torchrun's output when the run failed (the first failing node's first)
+    failed_process: int | None = None  # index of the command (node) that failed first
+    process_failure: str = ""  # "<label> exited with status <n>: <its last line>", or "aborted"
 
 
 def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
@@ -196,7 +198,8 @@ def worker_command(prep: Prepared, stop_file: str) -> list[str]:
 
 def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None = None,
            handle_signals: bool = True, echo_stderr: bool = False,
-           commands: Sequence[Sequence[str]] | None = None) -> TrainResult:
+           commands: Sequence[Sequence[str]] | None = None, labels: Sequence[str] | None = None,
+           abort: threading.Event | None = None) -> TrainResult:
     """Start the ranks of `prep` and wait for them; `on_event` sees every worker event (progress).
 
     Args:
@@ -207,8 +210,11 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
         commands: the processes to start, each in its own session. Default: one local torchrun for
             every rank (`worker_command`). `sailor run --hosts` passes one ssh per node
             (`sailor.launch.torchrun.ssh_argv`); they must watch `prep.options.stop_file`.
+        labels: a name per command for messages (e.g. its host).
+        abort: once set, every process is killed at once (status FAILED, "aborted").
     Returns:
-        TrainResult. The step events of rank 0 are appended to `options.metrics` as they arrive.
+        TrainResult (`failed_process`: index of the command that failed first). The step events of
+        rank 0 are appended to `options.metrics` as they arrive.
 
     When one process fails, the others get FAIL_GRACE_S to end on their own (their ranks notice the
     lost peer and say so, which tells the root cause from its victims); then every process group is
@@ -270,7 +276,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
                                                                 sys.stderr if echo_stderr else None), daemon=True)]
                 readers[-2].start()
                 readers[-1].start()
-            returncode = _wait_all(procs, order)
+            returncode = _wait_all(procs, order, abort)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -278,16 +284,25 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
             for t in readers:
                 t.join(timeout=5)
         # The failure report of the process that failed first comes first (its root cause).
+        first = next((i for i in order if procs[i].returncode), None)
         order += [i for i in range(len(procs)) if i not in order]
         stderr_tail = "".join(line for i in order for line in tails[i])
+        if first is not None:
+            result.failed_process = first
+            last = next((x.strip() for x in reversed(tails[first]) if x.strip()), "no output")
+            name = labels[first] if labels else "torchrun"
+            result.process_failure = f"{name} exited with status {procs[first].returncode}: {last[:200]}"
+        elif abort is not None and abort.is_set():
+            returncode, result.process_failure = -signal.SIGKILL, "aborted"
         return _result(result, returncode, signals["count"], stderr_tail)
 
 
-def _wait_all(procs: list[subprocess.Popen], order: list[int]) -> int:
+def _wait_all(procs: list[subprocess.Popen], order: list[int], abort: threading.Event | None) -> int:
     """Wait for every process, appending the index of each to `order` as it exits; once one has
-    failed, the others get FAIL_GRACE_S. Returns 0, or the first failure's exit status."""
+    failed, the others get FAIL_GRACE_S; `abort` set ends the wait. Returns 0, or the first failure's
+    exit status."""
     failed_at = None
-    while len(order) < len(procs):
+    while len(order) < len(procs) and not (abort is not None and abort.is_set()):
         order += [i for i, p in enumerate(procs) if i not in order and p.poll() is not None]
         if failed_at is None and any(procs[i].returncode for i in order):
             failed_at = time.monotonic()
@@ -324,7 +339,7 @@ def _result(result: TrainResult, returncode: int, signals: int, stderr_tail: str
     else:
         result.status = ExitStatus.FAILED
         result.failed = failed_ranks(stderr_tail)
-        why = _first_failure(errors, result.failed) or f"torchrun exited with status {returncode}"
+        why = _first_failure(errors, result.failed) or result.process_failure or f"exit status {returncode}"
         if len(why) > 300:
             why = why[:297] + "..."
         result.message = f"training failed ({why}); all ranks stopped"
