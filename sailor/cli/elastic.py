@@ -55,7 +55,8 @@ def run(
     device: Optional[str] = typer.Option(None, "--device", help="cpu (gloo) or cuda (NCCL); default: cpu for"
                                          " provider local, else cuda."),
     python: Optional[str] = typer.Option(None, "--python", help="With --hosts: Python interpreter on the hosts, with"
-                                         " Sailor installed (default python3)."),
+                                         " Sailor installed: an absolute path or a command on their PATH"
+                                         " (default python3)."),
     rdzv_port: Optional[int] = typer.Option(None, "--rdzv-port", help="With --hosts: port of the rendezvous store on"
                                             " rank 0's host (default 29500)."),
     start_timeout_s: float = typer.Option(300.0, "--start-timeout-s", help="A launch whose ranks have not formed their"
