@@ -109,7 +109,7 @@ def test_hosts_must_agree_with_the_clusters_node_size(tmp_path):
 def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
     """4 GPUs on machines .1/.2; the trace shrinks to 2 (stop via the shared stop file, relaunch on one
     machine); back to 4, then rank 3 is SIGKILLed: its machine is taken out and the job goes on with
-    3 GPUs on the two machines left, rolled back to the last checkpoint. Losses equal the reference."""
+    4 GPUs on .1 and the spare .3, rolled back to the last checkpoint. Losses equal the reference."""
     pool = _setup(tmp_path, monkeypatch)
     steps = 60
     metrics, events = tmp_path / "m.jsonl", tmp_path / "e.jsonl"
@@ -136,7 +136,7 @@ def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
     res = out["res"]
     assert res.status is ExitStatus.DONE, res.message
     ev = _lines(events)
-    assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 2, 4, 3]
+    assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 2, 4, 4]
     assert _launches(tmp_path) == [HOSTS[:2], HOSTS[:1], HOSTS[:2], [HOSTS[0], HOSTS[2]]]
     assert [e for e in ev if e["event"] == "machines"][0]["machines"] == {"cpu@local": 3}
     crash = [e for e in ev if e["event"] == "crash"]
@@ -202,15 +202,21 @@ def test_a_machine_that_goes_down_whole_is_left_out(tmp_path, monkeypatch, refer
     _no_leftovers(marker)
 
 
-def test_a_host_that_never_joins_ends_each_launch_after_the_start_timeout(tmp_path, monkeypatch):
-    """ssh to 127.0.0.2 connects but its command never starts: no process group forms; each launch
-    is ended after --start-timeout-s and the run gives up after three (it cannot tell which host)."""
+def test_a_host_that_never_runs_the_command_is_left_out_after_the_start_timeout(tmp_path, monkeypatch,
+                                                                               reference_losses):
+    """ssh to 127.0.0.2 connects but its command never starts, so no process group can form: the
+    launch is ended after --start-timeout-s, the host whose node never said it was up is left out,
+    and the job runs on 127.0.0.1 and the spare 127.0.0.3."""
     pool = _setup(tmp_path, monkeypatch, f"if sys.argv[-2] == {HOSTS[1]!r}:\n    time.sleep(600)\n" + RUN_HERE)
     res = run(_run_opts(tmp_path, pool, steps=8, start_timeout_s=6.0))
-    assert res.status is ExitStatus.FAILED and "did not form within 6 s on 127.0.0.1, 127.0.0.2" in res.message
+    assert res.status is ExitStatus.DONE, res.message
     ev = _lines(tmp_path / "e.jsonl")
-    assert len([e for e in ev if e["event"] == "start_timeout"]) == 3
-    assert len([e for e in ev if e["event"] == "crash"]) == 3 == res.crashes
+    timeouts = [e for e in ev if e["event"] == "start_timeout"]
+    assert len(timeouts) == 1 and "did not form within 6 s on 127.0.0.1, 127.0.0.2" in timeouts[0]["message"]
+    crash = [e for e in ev if e["event"] == "crash"]
+    assert len(crash) == 1 == res.crashes and crash[0]["hosts"] == [HOSTS[1]]
+    assert _launches(tmp_path) == [HOSTS[:2], [HOSTS[0], HOSTS[2]]]
+    _check_trajectory(tmp_path / "m.jsonl", 8, reference_losses, rolled_back=0)
     _no_leftovers(str(tmp_path))
 
 
@@ -236,7 +242,10 @@ def test_cli_hosts_errors_are_one_line(tmp_path):
     for extra, want in (([], "--hosts HOSTS.yaml"), (["--hosts", str(hosts)], "--checkpoint-dir"),
                         (["--hosts", str(tmp_path / "none.yaml")], "none.yaml"),
                         (["--hosts", str(hosts), *ck, "--rdzv-port", "0"], "--rdzv-port"),
-                        (["--python", "python3"], "--python and --rdzv-port are for the hosts"),
+                        (["--python", "python3"], "--python: only with --hosts"),
+                        (["--hosts", str(hosts), *ck, "--python", ".venv/bin/python"], "--python: '.venv/bin/python' is"),
+                        (["--hosts", str(hosts), *ck, "--python", "-oX"], "--python: '-oX' is not"),
+                        (["--hosts", str(hosts), *ck, "--switch-cost-s", "nan"], "--switch-cost-s: must be"),
                         (["--hosts", str(bad["dash"]), *ck], "groups.0.hosts: '-oProxyCommand=x' is not a host"),
                         (["--hosts", str(bad["twice"]), *ck], "groups.0.hosts.1: host a0 is listed twice"),
                         (["--hosts", str(bad["zone"]), *ck], "groups.0.zone: unknown gcp zone 'nowhere'"),

@@ -95,6 +95,17 @@ def test_cli_bad_trace_exits_2_with_one_line(tmp_path):
         assert len(lines) == 1 and "t.csv" in lines[0] and "A100-40 in local" in lines[0], p.stderr
 
 
+def test_cli_run_on_a_trace_that_never_offers_a_gpu_exits_2(tmp_path):
+    job = _write(tmp_path, "job.json", '{"model": "tiny", "global_batch_size": 8}')
+    cluster = _write(tmp_path, "c.json", '{"provider": "local", "zones": {"local": {"cpu": 4}}}')
+    trace = _write(tmp_path, "t.json", '[{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 0}]')
+    p = subprocess.run([*SAILOR, "run", "--job", str(job), "--cluster", str(cluster), "--availability", str(trace)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"error: {trace}: the trace never offers a GPU"
+                                                                     " (give some zone and GPU type a count above 0)"], \
+        p.stderr
+
+
 def test_switch_rule():
     # Lost GPUs: always, whatever the numbers.
     assert decide(lost=True, old_iteration_s=1.0, new_iteration_s=2.0, remaining_iterations=0,

@@ -169,9 +169,11 @@ def test_bad_backend_inputs():
     cpu = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 6]],
                           "pipelines": [{"microbatches": 1, "replicas": [_rep(0, "cpu", "local", 1)]}]})
     with pytest.raises(SailorInputError, match="no GKE accelerator"):
-        launch_specs(cpu, Backend.KUBERNETES, LaunchOptions(plan_path="/etc/sailor/plan.json"))
+        launch_specs(cpu, Backend.KUBERNETES, LaunchOptions(plan_path="/etc/sailor/plan.json", device="cpu"))
     with pytest.raises(SailorInputError, match="no SkyPilot accelerator"):
-        launch_specs(cpu, Backend.SKYPILOT, OPTS)
+        launch_specs(cpu, Backend.SKYPILOT, LaunchOptions(plan_path="/data/plan.json", device="cpu"))
+    with pytest.raises(SailorInputError, match="plan runs on GPU type cpu"):
+        launch_specs(cpu, Backend.TORCHRUN, OPTS)
     with pytest.raises(SailorInputError, match="mounted from a ConfigMap"):
         launch_specs(GEO, Backend.KUBERNETES, LaunchOptions(plan_path="/data/my-plan.json"))
     with pytest.raises(SailorInputError, match="unknown device"):
@@ -195,6 +197,14 @@ def test_cli_errors_are_one_line(tmp_path):
     bad = _write_hosts(tmp_path, {"groups": [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["a0", "a1"]}]})
     r = _cli("launch", str(plan), "--backend", "torchrun", "--hosts", str(bad), "--dry-run")
     assert r.returncode == 2 and "us-central1-b" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # A plan on GPU type cpu: --device cuda is refused up front; by default its ranks get --device cpu.
+    cpu = tmp_path / "cpu.json"
+    plan_from_dict({"micro_batch_size": 1, "stages": [[0, 6]],
+                    "pipelines": [{"microbatches": 1, "replicas": [_rep(0, "cpu", "local", 1)]}]}).save(cpu)
+    r = _cli("launch", str(cpu), "--backend", "torchrun", "--device", "cuda", "--dry-run")
+    assert r.returncode == 2 and "--device: the plan runs on GPU type cpu" in r.stderr, r.stderr
+    r = _cli("launch", str(cpu), "--backend", "torchrun", "--dry-run")
+    assert r.returncode == 0 and "--device cpu" in r.stdout and "CUDA_VISIBLE_DEVICES" not in r.stdout, r.stderr
 
 
 def _fake_ssh(tmp_path: Path, body: str) -> dict:
@@ -272,7 +282,8 @@ def test_real_cpu_job_through_the_launcher(tmp_path):
     plan.save(path)
     hosts = _write_hosts(tmp_path, {"groups": [{"zone": "local", "gpu": "cpu", "gpus_per_node": 2,
                                                 "hosts": ["127.0.0.1", "127.0.0.2", "127.0.0.3"]}]})
-    layout_agents = [a for d in launch_specs(plan, Backend.TORCHRUN, OPTS, hosts_path=hosts) for a in d["agents"]]
+    cpu_opts = LaunchOptions(plan_path=str(path), device="cpu")
+    layout_agents = [a for d in launch_specs(plan, Backend.TORCHRUN, cpu_opts, hosts_path=hosts) for a in d["agents"]]
     assert len(layout_agents) == 4  # ranks {0}, {1, 2}, {3}, {4, 5}
     port = 29000 + os.getpid() % 1000
     opts = LaunchOptions(plan_path=str(path), steps=2, device="cpu", python=sys.executable, rdzv_port=port,

@@ -97,6 +97,11 @@ def test_save_under_c_resume_under_a(tmp_path, reference):
     assert [r["step"] for r in rows] == [4, 5]  # no step skipped or repeated
     for r, want in zip(rows, ref_losses[3:]):
         assert r["loss"] == pytest.approx(want, rel=RTOL)
+    # Asked for fewer steps than the checkpoint holds: nothing is started, and the message says why.
+    r = subprocess.run([sys.executable, "-c", "from sailor.cli import main; main()", "train",
+                        write_plan(tmp_path, "a_two_stages"), "--steps", "2", "--resume", "--checkpoint-dir", ck],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and f"done: the checkpoint is at step {STEPS} (--steps 2)" in r.stderr, r.stderr
 
 
 def test_crashing_rank_ends_the_job_fast_and_leaves_nothing(tmp_path, monkeypatch):

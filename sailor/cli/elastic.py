@@ -81,8 +81,9 @@ def run(
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     trace = load_trace(availability, cluster_spec)
     if not hosts and (python is not None or rdzv_port is not None):
-        raise SailorInputError("--python and --rdzv-port are for the hosts' processes", source="--hosts",
-                               fix="pass --hosts HOSTS.yaml, or leave them out")
+        raise SailorInputError("only with --hosts (they start the hosts' processes)",
+                               source="--python" if python is not None else "--rdzv-port",
+                               fix="pass --hosts HOSTS.yaml, or leave it out")
     pool = HostPool.load(hosts, cluster_spec, python=python or "python3",
                          rdzv_port=29500 if rdzv_port is None else rdzv_port) if hosts else None
     result = run_elastic(RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
@@ -94,8 +95,9 @@ def run(
                                     start_timeout_s=start_timeout_s))
     from rich.console import Console
 
-    summary = (f"{result.message} ({result.switches} switches, {result.crashes} crashes,"
-               f" {result.steps_rolled_back} steps rolled back)")
+    summary = (f"{result.message} ({_count(result.switches, 'switch', 'switches')},"
+               f" {_count(result.crashes, 'crash', 'crashes')},"
+               f" {_count(result.steps_rolled_back, 'step', 'steps')} rolled back)")
     Console(stderr=True, soft_wrap=True).print(summary)
     raise typer.Exit(code=int(result.status))
 
@@ -132,6 +134,10 @@ def replay(
         print(json.dumps(result.to_dict()))
         return
     _print_replay(result)
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _print_replay(result) -> None:

@@ -35,7 +35,8 @@ def launch_command(
     rdzv_port: int = typer.Option(29500, "--rdzv-port", help="TCP port of the rendezvous store on rank 0's node."),
     python: str = typer.Option("python3", "--python", help="Python interpreter on the nodes."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder on shared storage."),
-    device: str = typer.Option("cuda", "--device", help="cuda (NCCL), or cpu (gloo) for a test run."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda (NCCL), or cpu (gloo) for a test run;"
+                                         " default cpu for a plan on GPU type cpu, else cuda."),
     image: str = typer.Option("sailor:latest", "--image", help="Container image with Sailor and torch (kubernetes)."),
     name: str = typer.Option("sailor", "--name", help="Name prefix of the Kubernetes objects."),
 ) -> None:
@@ -47,7 +48,9 @@ def launch_command(
     plan = load_plan(plan_path)
     default_remote = "/etc/sailor/plan.json" if chosen is Backend.KUBERNETES else str(plan_path.resolve())
     opts = LaunchOptions(plan_path=remote_plan or default_remote, steps=steps, rdzv_port=rdzv_port, python=python,
-                         checkpoint_dir=checkpoint_dir, device=device)
+                         checkpoint_dir=checkpoint_dir,
+                         device=device or ("cpu" if all(r.gpu == "cpu" for p in plan.pipelines for r in p.replicas)
+                                           else "cuda"))
     if chosen is Backend.TORCHRUN and not dry_run and hosts is None:
         raise SailorInputError("starting nodes needs --hosts HOSTS.yaml", source="--hosts",
                                fix="or pass --dry-run to print the commands")

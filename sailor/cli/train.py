@@ -50,6 +50,9 @@ def train(
     if dry_run:
         Console().print(_layout_table(prep))
         return
+    if prep.resume_step >= steps:  # nothing to train: say so instead of starting every rank
+        err.print(f"[green]done: the checkpoint is at step {prep.resume_step} (--steps {steps})[/green]")
+        return
     result = _run_with_progress(prep, launch, err)
     if result.status is ExitStatus.DONE:
         err.print(f"[green]{result.message}[/green]")

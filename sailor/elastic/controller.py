@@ -58,6 +58,7 @@ from sailor.runtime.launcher import ExitStatus, Prepared, TrainOptions, TrainRes
 from sailor.specs import ClusterSpec, JobSpec
 
 MAX_FAILED_LAUNCHES = 3  # launches in a row that fail before completing a step: then give up
+START_TIMEOUT = "the ranks' process groups did not form"  # how a start timeout's message begins
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +196,11 @@ class Controller:
             o.hosts.check_covers(_offered(o.trace))
         if o.steps < 1:
             raise SailorInputError(f"must be >= 1, got {o.steps}", source="--steps")
+        if not _offered(o.trace):
+            raise SailorInputError("the trace never offers a GPU", source=o.trace.source,
+                                   fix="give some zone and GPU type a count above 0")
+        if o.switch_cost_s is not None and not 0 <= o.switch_cost_s < float("inf"):
+            raise SailorInputError(f"must be a number of seconds >= 0, got {o.switch_cost_s}", source="--switch-cost-s")
         if not o.start_timeout_s > 0:
             raise SailorInputError(f"must be > 0, got {o.start_timeout_s}", source="--start-timeout-s")
         if o.checkpoint_every < 0:
@@ -214,7 +220,7 @@ class Controller:
         self.ratio = 1.0  # measured / predicted iteration time, from the last plan that ran
         self.failed_launches = 0
         self.last_step_at = 0.0  # monotonic time of the last step event
-        self.reported: Zones | None = None  # availability last written to the event log
+        self.reported: tuple[Zones, dict] | None = None  # availability (and lost machines) last logged
 
     # ---- top level -----------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -254,11 +260,11 @@ class Controller:
     def _report_availability(self) -> Zones:
         """The effective availability; logged when it differs from what was logged last."""
         zones = self.avail.zones()
-        if zones != self.reported:
-            self.log.emit("availability", zones=zones, lost_to_crashes=_lost(self.avail.lost),
-                          **({"machines_lost": sorted(self.o.hosts.host(m) for m in self.avail.lost_machines)}
-                             if self.o.hosts else {}))
-            self.reported = zones
+        machines = {"machines_lost": sorted(self.o.hosts.host(m) for m in self.avail.lost_machines)} \
+            if self.o.hosts else {}
+        if (zones, machines) != self.reported:
+            self.log.emit("availability", zones=zones, lost_to_crashes=_lost(self.avail.lost), **machines)
+            self.reported = (zones, machines)
         return zones
 
     def _report_machines(self) -> None:
@@ -329,7 +335,8 @@ class Controller:
                 self.log.emit("checkpoint_skipped", reason=note)
         if prep.resume_step >= self.o.steps:  # the checkpoint folder already holds the whole run
             self.result.steps = prep.resume_step
-            return self._finish(ExitStatus.DONE, f"done: {prep.resume_step} steps (checkpoint {prep.resume_from})")
+            return self._finish(ExitStatus.DONE, f"done: the checkpoint folder already holds step {prep.resume_step}"
+                                                 f" (--steps {self.o.steps}): {prep.resume_from}")
         nodes = self.o.hosts.commands(prep, opts.stop_file, self.avail.lost_machines) if self.o.hosts else None
         run = self.running = Running(prep, nodes)
         if self.result.steps > prep.resume_step:
@@ -338,7 +345,8 @@ class Controller:
             self.result.steps_rolled_back += self.result.steps - prep.resume_step
         self.result.steps = prep.resume_step
         self.log.emit("launch", world_size=prep.plan.world_size, resume_step=prep.resume_step,
-                      checkpoint=str(prep.resume_from) if prep.resume_from else None)
+                      checkpoint=str(prep.resume_from) if prep.resume_from else None,
+                      **({"hosts": nodes.hosts} if nodes else {}))
         self.step_times = []
         if self.signals:
             run.stop()
@@ -350,7 +358,7 @@ class Controller:
                     run.kill(f"while starting, before step {self.result.steps + 1}")
             elif not run.started and not run.killed and time.monotonic() - run.launched_at > self.o.start_timeout_s:
                 on = f" on {', '.join(run.nodes.hosts)}" if run.nodes else ""
-                run.kill(f"the ranks' process groups did not form within {self.o.start_timeout_s:g} s{on}")
+                run.kill(f"{START_TIMEOUT} within {self.o.start_timeout_s:g} s{on}")
                 self.log.emit("start_timeout", message=run.killed)
             elif self.avail.advance(self.clock.trace_s()):
                 self._on_change(run)
@@ -454,12 +462,14 @@ class Controller:
         # A rank failed: its GPUs are gone; roll back to the last checkpoint on the survivors.
         message = run.killed or res.message
         dead = _dead_ranks(res)
-        layout = rank_layout(self.current.plan)
-        for r in dead:
-            if 0 <= r < len(layout):
-                self.avail.lost[(layout[r].zone, layout[r].gpu)] += 1
-        machines = _failed_machines(run, dead)  # on a host pool, the machines go too
-        self.avail.lost_machines |= machines
+        machines = _failed_machines(run, dead)
+        if self.o.hosts is not None:  # on a host pool the machines go (with all their GPUs)
+            self.avail.lost_machines |= machines
+        else:
+            layout = rank_layout(self.current.plan)
+            for r in dead:
+                if 0 <= r < len(layout):
+                    self.avail.lost[(layout[r].zone, layout[r].gpu)] += 1
         self.result.crashes += 1
         if self.switch is not None:  # a switch under way ends with the crash
             self.log.emit("switch_finished", reason=self.switch.reason, interrupted=True)
@@ -526,21 +536,30 @@ def _check_device(o: RunOptions) -> None:
 
 
 def _failed_machines(run: Running, dead: set[int]) -> set[Machine]:
-    """Machines of a host-pool launch to leave out after it failed: those of the dead ranks. When no
-    rank is named, the machines none of whose ranks said a word (ranks that lose a peer report it,
-    so a machine that went down whole is the silent one); when all or none are silent (ssh could
-    not connect, no process group formed), that of the node that failed first."""
+    """Machines of a host-pool launch to leave out after it failed:
+
+    - those of the dead ranks;
+    - else, when the launch timed out starting, the machines whose node never said it was up (a host
+      that accepts ssh but never runs the command), else those none of whose ranks joined;
+    - else the machines none of whose ranks reported an error (ranks that lose a peer report it, so a
+      machine that went down whole is the silent one);
+    - else (all or none silent: ssh could not connect) the machine of the node that failed first.
+    A rule applies only when it singles out some machines but not all.
+    """
     if run.nodes is None or run.result is None:
         return set()
-    where = run.nodes.rank_machine
+    nodes, events = run.nodes, run.result.events
     if dead:
-        return {where[r] for r in dead if r in where}
-    spoke = {where.get(int(e["rank"])) for e in run.result.events if e.get("event") == "error"}
-    silent = set(where.values()) - spoke
-    if silent and spoke:
-        return silent
+        return {nodes.rank_machine[r] for r in dead if r in nodes.rank_machine}
+    every = set(nodes.node_machine)
+    said = {"node_up": {nodes.node_machine[e["node"]] for e in events if e.get("event") == "node_up"}}
+    for kind in ("joined", "error"):
+        said[kind] = {nodes.rank_machine.get(int(e["rank"])) for e in events if e.get("event") == kind}
+    for kind in (("node_up", "joined") if run.killed.startswith(START_TIMEOUT) else ("error",)):
+        if said[kind] & every and every - said[kind]:
+            return every - said[kind]
     first = run.result.failed_process
-    return {run.nodes.node_machine[first]} if first is not None else set()
+    return {nodes.node_machine[first]} if first is not None else set()
 
 
 def _kill_children() -> None:

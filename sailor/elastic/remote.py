@@ -18,6 +18,9 @@ few seconds). Every host needs Sailor and torch for `python`.
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +28,10 @@ from sailor.errors import SailorInputError
 from sailor.launch.common import LaunchOptions, launch_layout
 from sailor.launch.hosts import HostGroup, HostsFile, bare_host, load_hosts
 from sailor.launch.torchrun import node_commands, ssh_argv
-from sailor.runtime.launcher import Prepared, worker_args
+from sailor.runtime.launcher import EVENT_PREFIX, Prepared, worker_args
 from sailor.specs import ClusterSpec
+
+_PYTHON = re.compile(r"/[\w.+/-]+|\w[\w.+-]*")  # an absolute path, or a command looked up on the hosts' PATH
 
 Machine = tuple[str, str, int]
 """(zone, GPU type, index of the host in its HOSTS.yaml group)."""
@@ -36,7 +41,7 @@ Machine = tuple[str, str, int]
 class NodeLaunch:
     """How one launch runs on the machines: an ssh command per node, and where everything runs."""
 
-    commands: list[list[str]]
+    commands: list[list[str]]  # each prints a `node_up` event ({"node": its index}) first
     hosts: list[str]  # the host of each command
     node_machine: list[Machine]  # the machine of each command
     rank_machine: dict[int, Machine]  # the machine of each rank
@@ -70,7 +75,8 @@ class HostPool:
         Raises:
             SailorInputError: a bad file, a zone the cluster's provider does not have, a group's
                 gpus_per_node different from the cluster's node size (the planner keeps TP groups
-                inside a node of that size), a bad port.
+                inside a node of that size), a `python` that is neither an absolute path nor a
+                command name (a relative path would be taken from the remote home folder), a bad port.
         """
         hosts = load_hosts(path)
         for k, g in enumerate(hosts.groups):
@@ -83,6 +89,9 @@ class HostPool:
                 raise SailorInputError(f"{g.gpus_per_node} GPUs per node, but the cluster plans {g.gpu} nodes of {want}",
                                        source=str(path), field=f"groups.{k}.gpus_per_node",
                                        fix=f"make them agree (cluster gpus_per_node: {{{g.gpu}: ...}})")
+        if not _PYTHON.fullmatch(python):
+            raise SailorInputError(f"{python!r} is not an absolute path or a command name", source="--python",
+                                   fix="e.g. /opt/sailor/.venv/bin/python (the same on every host) or python3")
         if not 0 < rdzv_port < 65536:
             raise SailorInputError(f"must be a TCP port (1-65535), got {rdzv_port}", source="--rdzv-port")
         sizes = {g.gpu: cluster.node_size(g.gpu) for g in hosts.groups}
@@ -130,7 +139,10 @@ class HostPool:
             zone, gpu, index = node.rsplit("/", 2)
             return zone, gpu, usable[(zone, gpu)][int(index)]
 
-        return NodeLaunch(commands=[ssh_argv(c.destination, c.script, self.ssh) for c in cmds],
+        # Each node first says it is up (before torchrun's rendezvous, which waits for every node):
+        # after a start timeout, the nodes that never said so are the ones that hung.
+        up = [shlex.quote(EVENT_PREFIX + json.dumps({"event": "node_up", "node": k})) for k in range(len(cmds))]
+        return NodeLaunch(commands=[ssh_argv(c.destination, f"echo {u}; {c.script}", self.ssh) for c, u in zip(cmds, up)],
                           hosts=[bare_host(c.destination) for c in cmds], node_machine=[machine(c.node) for c in cmds],
                           rank_machine={info.rank: machine(info.node) for info in layout.ranks})
 

@@ -225,10 +225,13 @@ def ranks_doc(node: Node) -> dict:
                        for a in node.agents]}
 
 
-def check_device(opts: LaunchOptions) -> None:
-    """Raise SailorInputError unless the worker knows `opts.device`."""
+def check_device(opts: LaunchOptions, plan: Plan) -> None:
+    """Raise SailorInputError unless the worker knows `opts.device` and it suits the plan (cuda
+    cannot run GPU type cpu; cpu may test-run any plan), and the other options are in range."""
     if opts.device not in ("cuda", "cpu"):
         raise SailorInputError(f"unknown device {opts.device!r}", source="--device", fix="cuda or cpu")
+    if opts.device == "cuda" and any(r.gpu == "cpu" for p in plan.pipelines for r in p.replicas):
+        raise SailorInputError("the plan runs on GPU type cpu", source="--device", fix="use --device cpu")
     if opts.steps < 1:
         raise SailorInputError(f"--steps must be >= 1, got {opts.steps}", source="--steps")
     if not 0 < opts.rdzv_port < 65536:

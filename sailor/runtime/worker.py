@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank; exits 1 after reporting any error."""
     _die_with_parent()
     args = _parse(argv)
+    # Every rank says it is up before it waits for its peers: a host whose ranks never say so is the
+    # one that keeps the process groups from forming (the controller leaves it out).
+    emit("joined", rank=int(os.environ.get("RANK", "0")))
     try:
         train(args)
         # Every rank is past its last transfer before any exits. Then leave without running the
