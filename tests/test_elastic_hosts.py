@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,8 @@ from sailor.plan import plan_from_dict
 from sailor.runtime.launcher import ExitStatus, TrainOptions, prepare
 from sailor.specs import ClusterSpec
 from conftest import live_processes
-from test_elastic_run import JOB, SAILOR, _check_trajectory, _lines, _no_leftovers, _processes, _trace, _wait, \
-    interrupt_controller, ranks_alive
+from test_elastic_run import JOB, SAILOR, _check_trajectory, _lines, _no_leftovers, _trace, _wait, \
+    interrupt_controller, ranks_alive, run_disturbed
 
 CLUSTER = ClusterSpec(provider="local", zones={"local": {"cpu": 4}}, gpus_per_node={"cpu": 2})
 HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
@@ -117,24 +116,17 @@ def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
     opts = RunOptions(job=JOB, cluster=CLUSTER, trace=trace, steps=steps, checkpoint_dir=str(tmp_path / "ck"),
                       checkpoint_every=5, metrics=str(metrics), events=str(events), clock=ClockKind.TRAINING,
                       switch_cost_s=0.0, hosts=pool, timeout_s=30.0)
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("res", run(opts)), daemon=True)
-    t.start()
     marker = str(tmp_path)
-    try:
+
+    def kill_rank_3_after_the_regrowth(out: dict) -> None:
         _wait(lambda: sum(1 for e in _lines(events) if e["event"] == "launch") == 3 or "res" in out)
         before = len(_lines(metrics))
         _wait(lambda: len(_lines(metrics)) >= before + 3 or "res" in out)
         assert "res" not in out, out["res"].message
         _wait(lambda: 3 in ranks_alive(marker), 30)
         os.kill(ranks_alive(marker)[3], signal.SIGKILL)
-        t.join(timeout=240)
-        assert not t.is_alive()
-    finally:
-        for pid in _processes(marker):
-            os.kill(pid, signal.SIGKILL)
-    res = out["res"]
-    assert res.status is ExitStatus.DONE, res.message
+
+    res = run_disturbed(opts, marker, kill_rank_3_after_the_regrowth)
     ev = _lines(events)
     assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 2, 4, 4]
     assert _launches(tmp_path) == [HOSTS[:2], HOSTS[:1], HOSTS[:2], [HOSTS[0], HOSTS[2]]]
@@ -177,24 +169,17 @@ def test_a_machine_that_goes_down_whole_is_left_out(tmp_path, monkeypatch, refer
     127.0.0.2 is left out and the job goes on with 4 GPUs on 127.0.0.1 and 127.0.0.3."""
     pool = _setup(tmp_path, monkeypatch)
     metrics, events = tmp_path / "m.jsonl", tmp_path / "e.jsonl"
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("res", run(_run_opts(tmp_path, pool, steps=30))), daemon=True)
-    t.start()
     marker = str(tmp_path)
-    try:
+
+    def kill_machine_1(out: dict) -> None:
         _wait(lambda: len(_lines(metrics)) >= 7 or "res" in out)
         assert "res" not in out, out["res"].message
         ranks = ranks_alive(marker)
         node = [pid for pid, cmd in live_processes(marker) if "--node-rank 1 " in cmd and pid not in ranks.values()]
         for pgid in dict.fromkeys(os.getpgid(pid) for pid in (*node, ranks[2], ranks[3])):  # the node's session first
             os.killpg(pgid, signal.SIGKILL)
-        t.join(timeout=240)
-        assert not t.is_alive()
-    finally:
-        for pid in _processes(marker):
-            os.kill(pid, signal.SIGKILL)
-    res = out["res"]
-    assert res.status is ExitStatus.DONE, res.message
+
+    res = run_disturbed(_run_opts(tmp_path, pool, steps=30), marker, kill_machine_1)
     crash = [e for e in _lines(events) if e["event"] == "crash"]
     assert len(crash) == 1 and crash[0]["ranks"] == [] and crash[0]["hosts"] == [HOSTS[1]]
     assert _launches(tmp_path) == [HOSTS[:2], [HOSTS[0], HOSTS[2]]]

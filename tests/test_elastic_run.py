@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from sailor.elastic.availability import load_trace
-from sailor.elastic.controller import ClockKind, RunOptions, run
+from sailor.elastic.controller import ClockKind, RunOptions, RunResult, run
 from sailor.runtime.launcher import ExitStatus
 from sailor.specs import ClusterSpec, JobSpec
 from conftest import live_processes
@@ -111,17 +111,33 @@ def test_shrink_and_grow_4_2_3(tmp_path, reference_losses):
     _no_leftovers(str(tmp_path))
 
 
+def run_disturbed(opts: RunOptions, marker: str, disturb) -> RunResult:
+    """Run the controller in a thread while `disturb(out)` acts on the job (`"res" in out` once the
+    run has ended); afterwards kill whatever of the test's processes is left. Returns the result,
+    which must be DONE."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("res", run(opts)), daemon=True)
+    t.start()
+    try:
+        disturb(out)
+        t.join(timeout=240)
+        assert not t.is_alive()
+    finally:
+        for pid in _processes(marker):
+            os.kill(pid, signal.SIGKILL)
+    assert out["res"].status is ExitStatus.DONE, out["res"].message
+    return out["res"]
+
+
 def test_two_sigkills_roll_back_and_continue_on_survivors(tmp_path, reference_losses):
     steps, rng = 60, random.Random(7)
     metrics, events = tmp_path / "m.jsonl", tmp_path / "e.jsonl"
     opts = RunOptions(job=JOB, cluster=LOCAL, trace=load_trace(_trace(tmp_path, (0, 4)), LOCAL), steps=steps,
                       checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5, metrics=str(metrics),
                       events=str(events), timeout_s=30.0)
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("res", run(opts)), daemon=True)
-    t.start()
     marker = str(tmp_path)
-    try:
+
+    def kill_twice(out: dict) -> None:
         for kill, world in enumerate((4, 3)):
             # Wait until this launch (world ranks) has trained past a checkpoint, then kill a random rank.
             _wait(lambda: sum(1 for e in _lines(events) if e["event"] == "launch") == kill + 1)
@@ -133,13 +149,8 @@ def test_two_sigkills_roll_back_and_continue_on_survivors(tmp_path, reference_lo
             assert len(victims) == world
             os.kill(rng.choice(victims), signal.SIGKILL)
             _wait(lambda: sum(1 for e in _lines(events) if e["event"] == "crash") == kill + 1, 60)
-        t.join(timeout=180)
-        assert not t.is_alive()
-    finally:
-        for pid in _processes(marker):
-            os.kill(pid, signal.SIGKILL)
-    res = out["res"]
-    assert res.status is ExitStatus.DONE, res.message
+
+    res = run_disturbed(opts, marker, kill_twice)
     ev = _lines(events)
     assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 3, 2]
     crashes = [e for e in ev if e["event"] == "crash"]
