@@ -198,8 +198,8 @@ def ranks_alive(marker: str) -> dict[int, int]:
 
 def interrupt_controller(args: list[str], tmp: Path, how: str, world_size: int) -> None:
     """Run `sailor run ARGS --steps 100000` with metrics, events and checkpoints in `tmp`; once 3 steps
-    are done on `world_size` ranks, SIGINT it (exit 3, the last step checkpointed, a `stopped` event)
-    or SIGKILL it. No process of the run may be left either way."""
+    are done on `world_size` ranks, SIGINT it (exit 3, the last step checkpointed, a `stopped` event),
+    SIGINT it twice (exit 130: killed, or 3 when the ranks had already stopped) or SIGKILL it. No process of the run may be left either way."""
     metrics, ck = tmp / "m.jsonl", tmp / "ck"
     proc = subprocess.Popen([*SAILOR, "run", *args, "--steps", "100000", "--checkpoint-dir", str(ck),
                              "--metrics", str(metrics), "--events", str(tmp / "e.jsonl")],
@@ -213,9 +213,15 @@ def interrupt_controller(args: list[str], tmp: Path, how: str, world_size: int) 
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=60)
             assert proc.returncode == 3, err
+            assert f"launch: {world_size} ranks from step 0" in err  # what the user watches on stderr
             assert _lines(tmp / "e.jsonl")[-1]["event"] == "stopped"
             kept = max(r["step"] for r in _lines(metrics))
             assert (ck / f"step-{kept:08d}" / "manifest.json").exists()
+        elif how == "sigint2":  # the second one kills the job, unless the ranks stopped cleanly first
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+            assert (proc.returncode, "killed by a second interrupt" in err) in ((130, True), (3, False)), err
         else:
             proc.kill()
             proc.wait(timeout=10)
@@ -227,7 +233,7 @@ def interrupt_controller(args: list[str], tmp: Path, how: str, world_size: int) 
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+@pytest.mark.parametrize("how", ["sigint", "sigint2", "sigkill"])
 def test_interrupted_controller_leaves_no_process(tmp_path, how):
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"model": "tiny", "global_batch_size": 8}))

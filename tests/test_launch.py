@@ -45,7 +45,7 @@ HOSTS = {"user": "ubuntu", "groups": [
     {"zone": "us-central1-b", "gpu": "V100-16", "hosts": ["b0", "b1"]},
     {"zone": "us-west1-b", "gpu": "V100-16", "user": "admin", "hosts": ["w0"]},
 ]}
-TORCHRUN = re.compile(r"(?:CUDA_VISIBLE_DEVICES=(\S+) )?\S+ -m torch\.distributed\.run --nnodes (\d+) --node-rank (\d+)"
+TORCHRUN = re.compile(r"(?:CUDA_VISIBLE_DEVICES=(\S+) )?\S+ -m sailor\.runtime\.launcher --nnodes (\d+) --node-rank (\d+)"
                       r" --nproc-per-node (\d+) .*?--rdzv-endpoint (\S+):(\d+) -m sailor\.runtime\.worker")
 
 
@@ -205,6 +205,8 @@ def test_cli_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "--device: the plan runs on GPU type cpu" in r.stderr, r.stderr
     r = _cli("launch", str(cpu), "--backend", "torchrun", "--dry-run")
     assert r.returncode == 0 and "--device cpu" in r.stdout and "CUDA_VISIBLE_DEVICES" not in r.stdout, r.stderr
+    r = _cli("launch", str(cpu), "--backend", "torchrun", "--dry-run", "--python", "venv/bin/python")
+    assert r.returncode == 2 and "--python: 'venv/bin/python' is not an absolute path" in r.stderr, r.stderr
 
 
 def _fake_ssh(tmp_path: Path, body: str) -> dict:

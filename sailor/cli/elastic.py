@@ -2,7 +2,7 @@
 
 `sailor run` exit statuses: 0 every step done; 1 the job could not continue (no GPUs left for good,
 or launches failing before their first step); 2 bad input; 3 stopped on request (SIGTERM/SIGINT)
-after writing a checkpoint.
+after writing a checkpoint; 130 killed by a second interrupt.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+from rich.console import Console
 
 from sailor.cli import app
 from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, choice, console
@@ -66,7 +68,7 @@ def run(
     --hosts: the machines of HOSTS.yaml).
 
     Exit status: 0 every step done; 1 the job could not continue; 2 bad input; 3 stopped on request
-    (SIGTERM/SIGINT) after a checkpoint.
+    (SIGTERM/SIGINT) after a checkpoint; 130 killed by a second interrupt.
     """
     from sailor.elastic.availability import load_trace
     from sailor.elastic.controller import ClockKind, RunOptions
@@ -84,7 +86,8 @@ def run(
         raise SailorInputError("only with --hosts (they start the hosts' processes)",
                                source="--python" if python is not None else "--rdzv-port",
                                fix="pass --hosts HOSTS.yaml, or leave it out")
-    pool = HostPool.load(hosts, cluster_spec, python=python or "python3",
+    err = Console(stderr=True, soft_wrap=True)
+    pool = HostPool.load(hosts, cluster_spec, python="python3" if python is None else python,
                          rdzv_port=29500 if rdzv_port is None else rdzv_port) if hosts else None
     result = run_elastic(RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
                                     checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
@@ -92,13 +95,12 @@ def run(
                                     profiles=str(profiles) if profiles else None,
                                     network=str(network) if network else None, data=data, hosts=pool,
                                     device=device or ("cpu" if cluster_spec.provider == "local" else "cuda"),
-                                    start_timeout_s=start_timeout_s))
-    from rich.console import Console
-
+                                    start_timeout_s=start_timeout_s,
+                                    on_event=lambda ev: _say(err, ev)))
     summary = (f"{result.message} ({_count(result.switches, 'switch', 'switches')},"
                f" {_count(result.crashes, 'crash', 'crashes')},"
                f" {_count(result.steps_rolled_back, 'step', 'steps')} rolled back)")
-    Console(stderr=True, soft_wrap=True).print(summary)
+    err.print(summary, markup=False, highlight=False)
     raise typer.Exit(code=int(result.status))
 
 
@@ -134,6 +136,23 @@ def replay(
         print(json.dumps(result.to_dict()))
         return
     _print_replay(result)
+
+
+def _say(err, ev: dict) -> None:
+    """One line on stderr for the events a user watches (all are in --events)."""
+    kind, on = ev["event"], f" on {', '.join(ev['hosts'])}" if ev.get("hosts") else ""
+    line = {
+        "launch": lambda: f"launch: {ev['world_size']} ranks from step {ev['resume_step']}{on}",
+        "switch_started": lambda: f"switch ({ev['reason']}) after step {ev['step']}",
+        "switch_finished": lambda: None if ev.get("interrupted") else f"switched in {ev['total_s']:.1f} s",
+        "crash": lambda: f"crash: {ev['message']}" + (f"; left out: {', '.join(ev['hosts'])}" if ev.get("hosts") else ""),
+        "rollback": lambda: f"rolled back {ev['steps']} steps to step {ev['to_step']}",
+        "start_timeout": lambda: ev["message"],
+        "checkpoint_skipped": lambda: ev["reason"],
+        "waiting": lambda: f"no plan fits: waiting for trace time {ev['until_trace_time_s']:g} s",
+    }.get(kind, lambda: None)()
+    if line:
+        err.print(line, markup=False, highlight=False)
 
 
 def _count(n: int, one: str, many: str) -> str:

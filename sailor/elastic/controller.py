@@ -17,7 +17,7 @@ this machine; the runtime is driven through `sailor.runtime.launcher`, which run
    checkpoint: the steps after it are rolled back and trained again (and written to the metrics
    again). A launch whose process groups do not form within `start_timeout_s` is ended as failed.
 4. SIGTERM/SIGINT: stop at a step boundary with a checkpoint, exit 3 (at once while a launch is
-   still starting: it has nothing new to save); a second signal kills the job.
+   still starting: it has nothing new to save); a second signal kills the job, exit 130.
 
 Time: trace second t happens `t x time_scale` wall seconds after the controller starts, or, with the
 `training` clock, after `t x time_scale` seconds spent in training steps (`Clock`).
@@ -28,7 +28,7 @@ kept trajectory has every step 1..N exactly once with the same samples as an uni
 Events (`--events`, one JSON line each, all with `time_s` since the controller started and
 `trace_time_s`): start, machines (with hosts), availability, plan, launch, decision, switch_started,
 switch_finished (seconds of each phase), crash (with hosts: the machines), rollback,
-checkpoint_skipped, waiting, done / stopped / failed.
+checkpoint_skipped, waiting, start_timeout, done / stopped / killed / failed.
 
 This module never imports torch: the runtime runs in other processes.
 """
@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,8 @@ class RunOptions:
     """Run the ranks on these machines over ssh (`sailor.elastic.remote`); None: the local provider."""
     timeout_s: float = 60.0
     """Seconds a collective may wait before the runtime fails (a lost peer is noticed by torchrun first)."""
+    on_event: Callable[[dict[str, Any]], None] | None = None
+    """Called with every event record as it is logged (from the controller's thread)."""
     start_timeout_s: float = 300.0
     """Seconds a launch may take to bring up its ranks' process groups before it is ended as failed
     (a host that accepts ssh but never joins would otherwise hang the run)."""
@@ -98,8 +101,8 @@ class RunOptions:
 
 @dataclass
 class RunResult:
-    """How `run` ended: status (0 done, 1 failed, 3 stopped on request), a message, the steps kept,
-    and counts of what happened."""
+    """How `run` ended: status (0 done, 1 failed, 3 stopped on request, 130 killed by a second
+    interrupt), a message, the steps kept, and counts of what happened."""
 
     status: ExitStatus
     message: str
@@ -192,13 +195,13 @@ class Controller:
             raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
                                    source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")
         _check_device(o)
-        if o.hosts is not None:
-            o.hosts.check_covers(_offered(o.trace))
         if o.steps < 1:
             raise SailorInputError(f"must be >= 1, got {o.steps}", source="--steps")
         if not _offered(o.trace):
             raise SailorInputError("the trace never offers a GPU", source=o.trace.source,
                                    fix="give some zone and GPU type a count above 0")
+        if o.hosts is not None:
+            o.hosts.check_covers(_offered(o.trace))
         if o.switch_cost_s is not None and not 0 <= o.switch_cost_s < float("inf"):
             raise SailorInputError(f"must be a number of seconds >= 0, got {o.switch_cost_s}", source="--switch-cost-s")
         if not o.start_timeout_s > 0:
@@ -207,7 +210,7 @@ class Controller:
             raise SailorInputError(f"must be >= 0, got {o.checkpoint_every}", source="--checkpoint-every")
         self.o = o
         self.clock = Clock(o.time_scale, o.clock)
-        self.log = EventLog(o.events, self.clock)
+        self.log = EventLog(o.events, self.clock, o.on_event)
         self.replanner = Replanner(o.job, o.cluster, profiles_path=o.profiles, network_path=o.network)
         self.costs = SwitchCosts(fixed_s=o.switch_cost_s)
         self.avail = Availability(o.trace, o.hosts)
@@ -457,6 +460,8 @@ class Controller:
             self.switch.exited = now
             self.result.switches += 1
             return None
+        if self.signals >= 2:
+            return self._finish(ExitStatus.KILLED, "killed by a second interrupt")
         if self.signals:
             return self._finish(ExitStatus.STOPPED, f"stopped on request ({run.killed or res.message})")
         # A rank failed: its GPUs are gone; roll back to the last checkpoint on the survivors.
@@ -487,7 +492,7 @@ class Controller:
 
     def _finish(self, status: ExitStatus, message: str) -> bool:
         self.result.status, self.result.message = status, message
-        name = {ExitStatus.DONE: "done", ExitStatus.STOPPED: "stopped"}.get(status, "failed")
+        name = {ExitStatus.DONE: "done", ExitStatus.STOPPED: "stopped", ExitStatus.KILLED: "killed"}.get(status, "failed")
         self.log.emit(name, message=message, steps=self.result.steps, switches=self.result.switches,
                       crashes=self.result.crashes, steps_rolled_back=self.result.steps_rolled_back)
         return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,13 @@ class ClockKind(str, Enum):
 
 
 class EventLog:
-    """Appends controller events as JSON lines (`path` None: kept in memory only)."""
+    """Appends controller events as JSON lines (`path` None: kept in memory only) and hands each
+    record to `echo` (the CLI prints the notable ones)."""
 
-    def __init__(self, path: str | None, clock: "Clock") -> None:
+    def __init__(self, path: str | None, clock: "Clock", echo: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.path = Path(path) if path else None
         self.clock = clock
+        self.echo = echo
         self.records: list[dict[str, Any]] = []
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,6 +45,8 @@ class EventLog:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+        if self.echo is not None:
+            self.echo(rec)
         return rec
 
 

@@ -19,19 +19,16 @@ few seconds). Every host needs Sailor and torch for `python`.
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from sailor.errors import SailorInputError
-from sailor.launch.common import LaunchOptions, launch_layout
+from sailor.launch.common import LaunchOptions, check_python, launch_layout
 from sailor.launch.hosts import HostGroup, HostsFile, bare_host, load_hosts
 from sailor.launch.torchrun import node_commands, ssh_argv
 from sailor.runtime.launcher import EVENT_PREFIX, Prepared, worker_args
 from sailor.specs import ClusterSpec
-
-_PYTHON = re.compile(r"/[\w.+/-]+|\w[\w.+-]*")  # an absolute path, or a command looked up on the hosts' PATH
 
 Machine = tuple[str, str, int]
 """(zone, GPU type, index of the host in its HOSTS.yaml group)."""
@@ -89,9 +86,7 @@ class HostPool:
                 raise SailorInputError(f"{g.gpus_per_node} GPUs per node, but the cluster plans {g.gpu} nodes of {want}",
                                        source=str(path), field=f"groups.{k}.gpus_per_node",
                                        fix=f"make them agree (cluster gpus_per_node: {{{g.gpu}: ...}})")
-        if not _PYTHON.fullmatch(python):
-            raise SailorInputError(f"{python!r} is not an absolute path or a command name", source="--python",
-                                   fix="e.g. /opt/sailor/.venv/bin/python (the same on every host) or python3")
+        check_python(python)
         if not 0 < rdzv_port < 65536:
             raise SailorInputError(f"must be a TCP port (1-65535), got {rdzv_port}", source="--rdzv-port")
         sizes = {g.gpu: cluster.node_size(g.gpu) for g in hosts.groups}

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from sailor.errors import SailorInputError
-from sailor.launch.common import LaunchLayout, LaunchOptions, check_device, launch_layout, node_sizes
+from sailor.launch.common import LaunchLayout, LaunchOptions, check_options, launch_layout, node_sizes
 from sailor.launch.hosts import HostsFile, load_hosts
 from sailor.plan import Plan
 
@@ -49,7 +49,7 @@ def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_pat
     Raises:
         SailorInputError: bad options, hosts not matching the plan, GPU types the backend cannot rent.
     """
-    check_device(opts, plan)
+    check_options(opts, plan)
     backend = Backend(backend)
     if hosts_path is not None and backend is not Backend.TORCHRUN:
         raise SailorInputError(f"--hosts is for the torchrun backend, not {backend.value}", source="--hosts")
@@ -75,7 +75,7 @@ def launch(plan: Plan, opts: LaunchOptions, hosts_path: str | Path, *, ssh: str 
     """
     from sailor.launch.torchrun import node_commands, run_over_ssh
 
-    check_device(opts, plan)
+    check_options(opts, plan)
     hosts = load_hosts(hosts_path)
     cmds = node_commands(layout_for(plan, hosts), opts, hosts, str(hosts_path))
     return run_over_ssh(cmds, ssh=ssh)

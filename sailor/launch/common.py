@@ -23,6 +23,7 @@ installed.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import dataclass, field
 
@@ -193,7 +194,8 @@ def worker_args(opts: LaunchOptions) -> list[str]:
 
 
 def agent_command(agent: Agent, layout: LaunchLayout, opts: LaunchOptions, rdzv_host: str) -> str:
-    """The shell command that starts `agent`: `env CUDA_VISIBLE_DEVICES=.. python -m torch.distributed.run ...`.
+    """The shell command that starts `agent`: `env CUDA_VISIBLE_DEVICES=.. python -m sailor.runtime.launcher ...`
+    (torchrun, made to end when the shell that started it ends, so no agent outlives its ssh session).
 
     `rdzv_host` is put in literally, except a string starting with `$` (a shell variable), which
     is left for the shell to expand.
@@ -202,7 +204,7 @@ def agent_command(agent: Agent, layout: LaunchLayout, opts: LaunchOptions, rdzv_
     env = {"OMP_NUM_THREADS": "1"}  # torchrun's default too, said explicitly so every rank gets it
     if opts.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, agent.local_gpus))
-    torchrun = [opts.python, "-m", "torch.distributed.run", "--nnodes", str(len(layout.agents)),
+    torchrun = [opts.python, "-m", "sailor.runtime.launcher", "--nnodes", str(len(layout.agents)),
                 "--node-rank", str(agent.agent_rank), "--nproc-per-node", str(len(agent.ranks)),
                 "--rdzv-backend", "static", "--max-restarts", "0"]
     parts = ["env", *(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, torchrun),
@@ -225,9 +227,21 @@ def ranks_doc(node: Node) -> dict:
                        for a in node.agents]}
 
 
-def check_device(opts: LaunchOptions, plan: Plan) -> None:
+PYTHON = re.compile(r"/[\w.+/-]+|\w[\w.+-]*")  # an absolute path, or a command looked up on the nodes' PATH
+
+
+def check_python(python: str) -> None:
+    """Raise SailorInputError unless `python` is an absolute path or a command name (a relative path
+    would be taken from the remote home folder; anything else would be read by the remote shell)."""
+    if not PYTHON.fullmatch(python):
+        raise SailorInputError(f"{python!r} is not an absolute path or a command name", source="--python",
+                               fix="e.g. /opt/sailor/.venv/bin/python (the same on every node) or python3")
+
+
+def check_options(opts: LaunchOptions, plan: Plan) -> None:
     """Raise SailorInputError unless the worker knows `opts.device` and it suits the plan (cuda
-    cannot run GPU type cpu; cpu may test-run any plan), and the other options are in range."""
+    cannot run GPU type cpu; cpu may test-run any plan), and the other options are valid."""
+    check_python(opts.python)
     if opts.device not in ("cuda", "cpu"):
         raise SailorInputError(f"unknown device {opts.device!r}", source="--device", fix="cuda or cpu")
     if opts.device == "cuda" and any(r.gpu == "cpu" for p in plan.pipelines for r in p.replicas):

@@ -45,6 +45,7 @@ from sailor.specs import JobSpec, load_job
 EVENT_PREFIX = "SAILOR_EVENT "  # the worker's event lines (sailor.runtime.worker.emit)
 MONITOR_INTERVAL_S = 0.2  # how often torchrun checks its ranks: a crash is noticed within this
 FAIL_GRACE_S = 3.0  # after one process fails, how long the others (other nodes) get to end on their own
+EXIT_GRACE_S = 30.0  # after rank 0 reports the end (done, stopped), how long the processes get to exit
 # Runs a command that gets SIGTERM when the launcher dies (`_main`): what no launcher may leave behind.
 EXEC = (sys.executable, "-m", "sailor.runtime.launcher", "--exec")
 
@@ -229,6 +230,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
         result = TrainResult(ExitStatus.FAILED, "")
         lock = threading.Lock()
         signals = {"count": 0}
+        ended: list[float] = []  # when rank 0 reported the run's end
         procs: list[subprocess.Popen] = []
         tails: list[collections.deque[str]] = []
         readers: list[threading.Thread] = []
@@ -247,6 +249,8 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
                     if ev.get("event") == "step" and o.metrics:
                         with open(o.metrics, "a") as f:
                             f.write(json.dumps({k: v for k, v in ev.items() if k != "event"}) + "\n")
+                    if ev.get("event") in ("done", "stopped"):
+                        ended.append(time.monotonic())
                 if on_event:
                     on_event(ev)
 
@@ -276,7 +280,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
                                                                 sys.stderr if echo_stderr else None), daemon=True)]
                 readers[-2].start()
                 readers[-1].start()
-            returncode = _wait_all(procs, order, abort)
+            returncode = _wait_all(procs, order, abort, ended)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -297,12 +301,16 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
         return _result(result, returncode, signals["count"], stderr_tail)
 
 
-def _wait_all(procs: list[subprocess.Popen], order: list[int], abort: threading.Event | None) -> int:
-    """Wait for every process, appending the index of each to `order` as it exits; once one has
-    failed, the others get FAIL_GRACE_S; `abort` set ends the wait. Returns 0, or the first failure's
-    exit status."""
+def _wait_all(procs: list[subprocess.Popen], order: list[int], abort: threading.Event | None,
+              ended: list[float]) -> int:
+    """Wait for every process, appending the index of each to `order` as it exits. Once one has
+    failed, the others get FAIL_GRACE_S; once rank 0 has reported the end (`ended`), they get
+    EXIT_GRACE_S (a process stuck on its way out must not hang the launcher); `abort` set ends the
+    wait. Returns 0, or the first failure's exit status."""
     failed_at = None
     while len(order) < len(procs) and not (abort is not None and abort.is_set()):
+        if ended and time.monotonic() - ended[0] > EXIT_GRACE_S:
+            break
         order += [i for i, p in enumerate(procs) if i not in order and p.poll() is not None]
         if failed_at is None and any(procs[i].returncode for i in order):
             failed_at = time.monotonic()

@@ -50,8 +50,13 @@ FAULT_ENV = "SAILOR_FAULT"  # test hook: "<rank>:<step>" makes that rank die (ex
 
 
 def emit(event: str, **fields: Any) -> None:
-    """One event line for the launcher on stdout."""
-    print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+    """One event line for the launcher on stdout, written with one write(2): the ranks of a node
+    share the pipe, and a line written in pieces (print writes the newline apart, unbuffered) can
+    interleave with another rank's and be lost. Lines stay under PIPE_BUF (4096 bytes), which a
+    pipe writes atomically."""
+    line = (EVENT_PREFIX + json.dumps({"event": event, **fields}) + "\n").encode()
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line)
 
 
 def _die_with_parent() -> None:
@@ -278,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         # launcher can name the rank that failed first.
         peer_lost = isinstance(e, (TimeoutError, dist.DistError)) or any(
             s in text for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out"))
-        emit("error", rank=int(os.environ.get("RANK", "0")), error=text.splitlines()[0], peer_lost=peer_lost)
+        first_line = (text.splitlines() or [""])[0][:1000]  # keeps the event line under PIPE_BUF
+        emit("error", rank=int(os.environ.get("RANK", "0")), error=first_line, peer_lost=peer_lost)
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
