@@ -5,10 +5,10 @@ The trace says how many GPUs of each (zone, GPU type) are available; HOSTS.yaml
 usable machines x GPUs per machine, and a pair without a group offers none. A launch places the
 plan's nodes (`sailor.launch.common.launch_layout`) on the group's usable machines in order, one ssh
 session per node running that node's torchrun agents against the static rendezvous on rank 0's
-machine. A machine whose rank died on its own is unusable until the trace reports a different count
-for its zone and GPU type (a fresh observation), as a lost GPU is on the local provider; so is the
-machine of the node that failed first when no rank is named (ssh could not connect, the machine went
-down whole). A launch whose process groups do not form in time is ended (`RunOptions.start_timeout_s`).
+machine. A machine is unusable, until the trace reports a different count for its zone and GPU
+type (a fresh observation, as for a lost GPU on the local provider), when one of its ranks died, when
+it went down whole, when ssh could not reach it, or when its node never started before the launch's
+start timeout (`controller._failed_machines` says how each is told).
 
 Every host, and the controller's machine, must see the checkpoint folder at the same path (shared
 storage): the ranks write and read checkpoints there, and the controller puts each launch's plan and
