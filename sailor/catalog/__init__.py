@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from enum import Enum
+from collections.abc import Iterable
 from importlib import resources
 from typing import Literal
 
@@ -184,3 +185,19 @@ def list_price(provider_name: str, gpu_name: str) -> float:
         raise SailorInputError(f"no list price for GPU type {g!r} at provider {prov.name!r}",
                                fix="give one in the cluster spec under prices")
     return prov.prices_usd_per_gpu_hour[g]
+
+
+DEVICES = ("cpu", "cuda")  # what the runtime trains on: gloo on this machine's CPU, or NCCL on GPUs
+
+
+def check_device(device: str, gpus: Iterable[str] = (), *, what: str = "", cpu_runs_any: bool = False) -> None:
+    """Raise SailorInputError (naming --device) unless `device` is one of DEVICES and can train GPU
+    types `gpus`: cuda never runs GPU type cpu (this machine's processes), and cpu runs only GPU type
+    cpu unless `cpu_runs_any` (a gloo test run of a GPU plan). `what` says whose GPU types they are
+    in the message, e.g. "the plan runs on" or "the trace offers"."""
+    if device not in DEVICES:
+        raise SailorInputError(f"unknown device {device!r}", source="--device", fix="cpu or cuda")
+    for g in sorted(set(gpus)):
+        if (g == "cpu") != (device == "cpu") and not (device == "cpu" and cpu_runs_any):
+            raise SailorInputError(f"{what} GPU type {g}, which --device {device} cannot train on", source="--device",
+                                   fix="cpu for GPU type cpu, cuda for GPUs")

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from sailor import catalog
 from sailor.cli import app
 from sailor.errors import SailorInputError
 
@@ -38,12 +39,6 @@ def _progress(label: str, total: int):
     return bar, (lambda n: bar.advance(task, n))
 
 
-def _check_device(device: str) -> str:
-    if device not in ("cpu", "cuda"):
-        raise SailorInputError(f"unknown device {device!r}", field="--device", fix="use cpu or cuda")
-    return device
-
-
 @profile_app.callback(invoke_without_command=True)
 def profile_layers(
     ctx: typer.Context,
@@ -68,7 +63,8 @@ def profile_layers(
     from sailor.runtime.profiler import ProfileOptions, check_options, profile_job, profile_steps
     from sailor.specs import load_job
 
-    opts = ProfileOptions(job=load_job(job), device=_check_device(device),  # type: ignore[arg-type]
+    catalog.check_device(device)
+    opts = ProfileOptions(job=load_job(job), device=device,  # type: ignore[arg-type]
                           tps=_int_list(tp, "--tp"), mbs=_int_list(mbs, "--mbs"), warmup=warmup, repeats=repeats,
                           threads=threads, concurrency=concurrency)
     check_options(opts)
@@ -95,9 +91,10 @@ def profile_network_command(
     from sailor.fileio import write_json
     from sailor.runtime.netprofile import SIZES_BYTES, profile_network
 
+    catalog.check_device(device)
     bar, advance = _progress("network", len(SIZES_BYTES))
     with bar:
-        data = profile_network(nproc, device=_check_device(device), zone=zone, warmup=warmup, repeats=repeats,
+        data = profile_network(nproc, device=device, zone=zone, warmup=warmup, repeats=repeats,
                                progress=advance)
     write_json(out, data)
     link = data["classes"]["same_zone"]

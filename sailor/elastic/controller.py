@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sailor import catalog
 from sailor.elastic.availability import Availability, Trace, Zones
 from sailor.elastic.events import POLL_S, Clock, ClockKind, EventLog
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
@@ -194,7 +195,7 @@ class Controller:
         if o.hosts is not None and not o.checkpoint_dir:
             raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
                                    source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")
-        _check_device(o)
+        catalog.check_device(o.device, (g for _, g in _offered(o.trace)), what="the trace offers")
         if o.steps < 1:
             raise SailorInputError(f"must be >= 1, got {o.steps}", source="--steps")
         if not _offered(o.trace):
@@ -528,16 +529,6 @@ def _dead_ranks(res: TrainResult) -> set[int]:
 def _offered(trace: Trace) -> set[tuple[str, str]]:
     """(zone, GPU type) pairs the trace ever offers GPUs of."""
     return {(z, g) for snap in trace.snapshots for z, gpus in snap.zones.items() for g, n in gpus.items() if n}
-
-
-def _check_device(o: RunOptions) -> None:
-    """The device must suit every GPU type the trace offers: cpu for `cpu`, cuda for real GPUs."""
-    if o.device not in ("cpu", "cuda"):
-        raise SailorInputError(f"unknown device {o.device!r}", source="--device", fix="cpu or cuda")
-    for _, gpu in sorted(_offered(o.trace)):
-        if (gpu == "cpu") != (o.device == "cpu"):
-            raise SailorInputError(f"the trace offers GPU type {gpu}, which --device {o.device} cannot train on",
-                                   source="--device", fix="cpu for GPU type cpu, cuda for GPUs")
 
 
 def _failed_machines(run: Running, dead: set[int]) -> set[Machine]:

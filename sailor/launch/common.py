@@ -242,10 +242,7 @@ def check_options(opts: LaunchOptions, plan: Plan) -> None:
     """Raise SailorInputError unless the worker knows `opts.device` and it suits the plan (cuda
     cannot run GPU type cpu; cpu may test-run any plan), and the other options are valid."""
     check_python(opts.python)
-    if opts.device not in ("cuda", "cpu"):
-        raise SailorInputError(f"unknown device {opts.device!r}", source="--device", fix="cuda or cpu")
-    if opts.device == "cuda" and any(r.gpu == "cpu" for p in plan.pipelines for r in p.replicas):
-        raise SailorInputError("the plan runs on GPU type cpu", source="--device", fix="use --device cpu")
+    catalog.check_device(opts.device, (g for _, g in plan.gpu_usage()), what="the plan runs on", cpu_runs_any=True)
     if opts.steps < 1:
         raise SailorInputError(f"--steps must be >= 1, got {opts.steps}", source="--steps")
     if not 0 < opts.rdzv_port < 65536:

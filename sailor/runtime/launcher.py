@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import check_output_path
 from sailor.plan import Plan, RankInfo, load_plan, rank_layout
@@ -132,8 +133,8 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         raise SailorInputError(f"must be >= 1, got {options.steps}", source="--steps")
     check_output_path(options.checkpoint_dir, "--checkpoint-dir", folder=True)
     check_output_path(options.metrics, "--metrics")
-    if options.device not in ("cpu", "cuda"):
-        raise SailorInputError(f"unknown device {options.device!r}", source="--device", fix="cpu or cuda")
+    # cpu may name GPU types here: the loop below says which replica is not this machine's CPU.
+    catalog.check_device(options.device, (g for _, g in plan.gpu_usage()), what="the plan runs on", cpu_runs_any=True)
     if options.device == "cpu" and job.precision != "fp32":
         raise SailorInputError(f"the runtime trains in fp32 on cpu, the job says {job.precision}",
                                source=options.job or options.plan, field="precision", fix="set precision: fp32")
@@ -146,8 +147,6 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
                                            source=options.plan, field=f"pipelines.{j}.replicas.{i}.gpu",
                                            fix="plan for provider local (GPU type cpu), use --device cuda on"
                                                " a machine with the plan's GPUs, or `sailor launch` for a cluster")
-    if options.device == "cuda" and any(r.gpu == "cpu" for p in plan.pipelines for r in p.replicas):
-        raise SailorInputError("the plan runs on GPU type cpu", source=options.plan, fix="use --device cpu")
     if options.device == "cuda" and local:
         import torch
 
