@@ -8,7 +8,13 @@ pipelines: - microbatches: 20            # this pipeline's share of the global b
 micro_batch_size: 4
 ```
 Replica (i, j) is stage i of pipeline j: a TP group of `tp` GPUs of one type on one node. A plan file
-may carry the `job` and `cluster` it was made for. `rank_layout` is the one place where ranks, nodes
+may carry the `job` and `cluster` it was made for.
+
+Optional `memory`: one entry per stage with the stage's memory options (`StageMemory`: activation
+recomputation, ZeRO sharding over the stage's data-parallel replicas, sequence parallelism). Absent,
+every stage uses the defaults (no recomputation, no sharding, no sequence parallelism), so plans
+written before these options existed mean what they meant. `Plan.stage_memory(i)` is the one
+accessor; the simulator and the runtime each read it in one place. `rank_layout` is the one place where ranks, nodes
 and TP groups are derived from a plan (the runtime, launchers and simulator all use it).
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +50,60 @@ class Replica(BaseModel):
         return catalog.canonical_gpu(v)
 
 
+class Recompute(str, Enum):
+    """Activation recomputation of a stage's transformer blocks (Korthikanti et al. 2022, §4-5).
+
+    - `none`: every block keeps its activations for the backward pass.
+    - `selective`: the attention core (QKᵀ, softmax, dropout, attention·V) is recomputed in the
+      backward pass; the rest is kept (§5, "selective activation recomputation").
+    - `full`: each recomputed block keeps only its input and re-runs its forward in the backward
+      pass (Chen et al. 2016 gradient checkpointing at block granularity); `recompute_blocks` says how
+      many of the stage's blocks (the first ones) are recomputed, the others keep everything.
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class StageMemory(BaseModel):
+    """Memory options of one stage, the same on all of its replicas.
+
+    Attributes:
+        recompute: activation recomputation mode (`Recompute`).
+        recompute_blocks: with `full`, how many of the stage's transformer blocks are recomputed
+            (the first ones); None = all of them. Only valid with `full`.
+        zero: ZeRO stage over the stage's data-parallel replicas (Rajbhandari et al. 2020): 0 none,
+            1 optimizer states (and fp32 master weights) sharded, 2 also gradients, 3 also
+            parameters. Each block is sharded among the ranks that hold it (the gradient-sync
+            groups of `runtime.topology`), so replicas of different TP degrees and GPU types shard
+            correctly.
+        sequence_parallel: Megatron sequence parallelism inside each TP group (Korthikanti et al.
+            2022, §4.2.2): norms and dropouts work on 1/t of the sequence, all-reduces become
+            reduce-scatter + all-gather. Needs TP > 1 on every replica of the stage.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    recompute: Recompute = Recompute.NONE
+    recompute_blocks: int | None = Field(default=None, ge=0, strict=True)
+    zero: int = Field(default=0, ge=0, le=3, strict=True)
+    sequence_parallel: bool = Field(default=False, strict=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> "StageMemory":
+        if self.recompute_blocks is not None and self.recompute is not Recompute.FULL:
+            raise SailorInputError(f"recompute_blocks needs recompute 'full', got {self.recompute.value!r}",
+                                   field="recompute_blocks")
+        return self
+
+    @property
+    def is_default(self) -> bool:
+        return self == DEFAULT_STAGE_MEMORY
+
+
+DEFAULT_STAGE_MEMORY = StageMemory()
+
+
 class Pipeline(BaseModel):
     """One data-parallel replica of the model: `microbatches` micro-batches per iteration, one
     replica per stage in stage order."""
@@ -64,6 +125,8 @@ class Plan(BaseModel):
     micro_batch_size: int = Field(gt=0, strict=True)
     stages: tuple[tuple[int, int], ...]
     pipelines: tuple[Pipeline, ...]
+    memory: tuple[StageMemory, ...] = ()
+    """Per-stage memory options; empty = defaults everywhere (see the module docstring)."""
     job: JobSpec | None = None
     cluster: ClusterSpec | None = None
 
@@ -89,9 +152,22 @@ class Plan(BaseModel):
                 if r.stage != i:
                     raise SailorInputError(f"replica {i} of pipeline {j} names stage {r.stage}, expected {i}",
                                            field=f"pipelines.{j}.replicas.{i}.stage")
+        if self.memory and len(self.memory) != len(self.stages):
+            raise SailorInputError(f"{len(self.memory)} entries for {len(self.stages)} stages (one per stage, or none)",
+                                   field="memory")
+        for i, mem in enumerate(self.memory):
+            if mem.sequence_parallel:
+                for j, p in enumerate(self.pipelines):
+                    if p.replicas[i].tp < 2:
+                        raise SailorInputError(f"sequence parallelism needs TP > 1, but replica {i} of pipeline {j}"
+                                               f" has TP {p.replicas[i].tp}", field=f"memory.{i}.sequence_parallel")
         return self
 
     # ---- derived ---------------------------------------------------------------------------
+    def stage_memory(self, stage: int) -> StageMemory:
+        """Memory options of stage `stage` (the defaults when the plan gives none)."""
+        return self.memory[stage] if self.memory else DEFAULT_STAGE_MEMORY
+
     @property
     def num_stages(self) -> int:
         return len(self.stages)
@@ -135,6 +211,12 @@ class Plan(BaseModel):
                     model.check_tp(r.tp)
                 except SailorInputError as e:
                     raise e.located(field_prefix=f"pipelines.{j}.replicas.{i}.tp") from None
+        for i, (a, b) in enumerate(self.stages):
+            mem = self.stage_memory(i)
+            blocks = sum(1 for layer in range(a, b) if model.layer_kind(layer).value == "block")
+            if mem.recompute_blocks is not None and mem.recompute_blocks > blocks:
+                raise SailorInputError(f"recompute_blocks {mem.recompute_blocks} but stage {i} holds {blocks}"
+                                       " transformer blocks", field=f"memory.{i}.recompute_blocks")
         if cluster is None:
             return
         for j, p in enumerate(self.pipelines):
@@ -160,6 +242,8 @@ class Plan(BaseModel):
             "pipelines": [{"microbatches": p.microbatches,
                            "replicas": [r.model_dump(mode="json") for r in p.replicas]} for p in self.pipelines],
         }
+        if any(not m.is_default for m in self.memory):
+            d["memory"] = [m.model_dump(mode="json", exclude_defaults=True) for m in self.memory]
         if with_specs and self.job is not None:
             d["job"] = self.job.to_dict()
         if with_specs and self.cluster is not None:
