@@ -12,12 +12,22 @@ import typer
 
 from sailor.errors import SailorInputError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# add_completion: `sailor --install-completion` / `--show-completion` (bash, zsh, fish, PowerShell).
+app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Sailor: plan, simulate and run LLM training on heterogeneous, geo-distributed GPUs.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from sailor import __version__
+        print(f"sailor {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print the version and exit.")) -> None:
     """Sailor: plan, simulate and run LLM training on heterogeneous, geo-distributed GPUs."""
 
 

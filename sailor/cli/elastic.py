@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from sailor.cli import app
-from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, choice, console
+from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, choice, console, require_torch
 from sailor.errors import SailorInputError
 from sailor.fileio import check_output_path
 
@@ -70,6 +70,7 @@ def run(
     Exit status: 0 every step done; 1 the job could not continue; 2 bad input; 3 stopped on request
     (SIGTERM/SIGINT) after a checkpoint; 130 killed by a second interrupt.
     """
+    require_torch("run")
     from sailor.elastic.availability import load_trace
     from sailor.elastic.controller import ClockKind, RunOptions
     from sailor.elastic.controller import run as run_elastic

@@ -10,6 +10,7 @@ import typer
 
 from sailor import catalog
 from sailor.cli import app
+from sailor.cli.common import require_torch
 from sailor.errors import SailorInputError
 
 profile_app = typer.Typer(no_args_is_help=False, help="Measure this machine: layer times, memory, links.")
@@ -58,6 +59,7 @@ def profile_layers(
         return
     if job is None:
         raise SailorInputError("no job: pass --job JOB.yaml (or use `sailor profile network --nproc N`)")
+    require_torch("profile")
     from sailor.fileio import write_json
     from sailor.profiles import profiles_from_dict
     from sailor.runtime.profiler import ProfileOptions, check_options, profile_job, profile_steps
@@ -88,6 +90,7 @@ def profile_network_command(
     out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.network/1)."),
 ) -> None:
     """p2p and all-reduce over 1 KiB..64 MiB between local processes; fit latency and bandwidth."""
+    require_torch("profile network")
     from sailor.fileio import write_json
     from sailor.runtime.netprofile import SIZES_BYTES, profile_network
 

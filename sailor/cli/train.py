@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor.cli import app
+from sailor.cli.common import require_torch
 
 
 @app.command()
@@ -39,6 +40,7 @@ def train(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the rank layout and exit."),
 ) -> None:
     """Train a plan exactly: tensor, pipeline (1F1B) and data parallelism as the plan says."""
+    require_torch("train")
     from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 
     err = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the terminal width

@@ -1,0 +1,195 @@
+"""The Python API at the top of the package: `sailor.find_plan`, `sailor.simulate`, `sailor.load_*`.
+
+What `sailor plan` and `sailor simulate` do, callable from a notebook, returning the objects those
+commands print (`PlanResult`, `Estimate`). Every input may be a path (YAML/JSON), a dict in the
+file's format, or the object itself. Nothing here imports torch.
+
+    import sailor
+    job = sailor.load_job({"model": "opt-350m", "global_batch_size": 1024})
+    cluster = sailor.load_cluster({"zones": {"us-central1-a": {"A100-40": 16}}})
+    result = sailor.find_plan(job, cluster, objective="cost")
+    sailor.simulate(result.plan).iteration_time_s  # the plan carries its job and cluster
+
+(`sailor.plan` is the module holding the `Plan` type, hence `find_plan` for the search.)
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, TypeVar, Union
+
+from sailor import catalog
+from sailor.errors import InfeasibleError, SailorInputError
+from sailor.fileio import load_mapping, parse_model
+from sailor.network import NetworkModel, network_for
+from sailor.plan import Plan, plan_from_dict
+from sailor.planner import Constraints, Objective, PlanOptions, PlanResult, SearchSpace, plan_job
+from sailor.profiles import Profiles, load_profiles, roofline_profiles
+from sailor.simulator import Estimate, SimContext, make_context
+from sailor.simulator import simulate as simulate_plan
+from sailor.specs import ClusterSpec, JobSpec
+
+__all__ = ["ClusterSpec", "Estimate", "InfeasibleError", "JobSpec", "Plan", "PlanResult", "SailorInputError",
+           "find_plan", "load_cluster", "load_job", "load_plan", "simulate"]
+
+Source = Union[str, Path, dict]
+
+
+def _mapping(source: str | Path | dict, what: str) -> tuple[dict[str, Any], str | None]:
+    if isinstance(source, dict):
+        return source, None
+    if isinstance(source, (str, Path)):
+        return load_mapping(source), str(source)
+    raise SailorInputError(f"expected a path, a dict or a {what}, got {type(source).__name__}")
+
+
+def load_job(source: Source | JobSpec) -> JobSpec:
+    """A validated job: `source` is a YAML/JSON path, a dict of the job file's fields, or a JobSpec.
+
+    Raises:
+        SailorInputError: unreadable file, unknown model, a misspelt or bad field (named).
+    """
+    if isinstance(source, JobSpec):
+        return source
+    return parse_model(JobSpec, *_mapping(source, "JobSpec"))
+
+
+def load_cluster(source: Source | ClusterSpec) -> ClusterSpec:
+    """A validated cluster (GPUs per zone and type, prices): a path, a dict or a ClusterSpec.
+
+    Raises:
+        SailorInputError: unreadable file, unknown GPU type or zone, a bad field (named).
+    """
+    if isinstance(source, ClusterSpec):
+        return source
+    return parse_model(ClusterSpec, *_mapping(source, "ClusterSpec"))
+
+
+def load_plan(source: Source | Plan) -> Plan:
+    """A validated plan: ours or Sailor's `plan_config` format, as a path or a dict, or a Plan.
+
+    Raises:
+        SailorInputError: unreadable file, layers not covered, batch arithmetic wrong... (named).
+    """
+    if isinstance(source, Plan):
+        return source
+    return plan_from_dict(*_mapping(source, "Plan"))
+
+
+def resolve_specs(plan: Plan | None, job: Source | JobSpec | None,
+                  cluster: Source | ClusterSpec | None) -> tuple[JobSpec, ClusterSpec]:
+    """Job and cluster as given, else the plan's own; a cluster is derived from the plan's GPU usage
+    when neither gives one.
+
+    Raises:
+        SailorInputError: no job is known, or a zone of the plan is unknown (naming the plan's field).
+    """
+    job_spec = load_job(job) if job is not None else (plan.job if plan else None)
+    if job_spec is None:
+        raise SailorInputError("no job: the plan file carries none; pass --job JOB.yaml")
+    cluster_spec = load_cluster(cluster) if cluster is not None else (plan.cluster if plan else None)
+    if cluster_spec is None and plan is not None:
+        zones: dict[str, dict[str, int]] = {}
+        for (zone, gpu), n in plan.gpu_usage().items():
+            zones.setdefault(zone, {})[gpu] = n
+        provider = "local" if set(zones) == {"local"} else "gcp"
+        # Name the plan's field for an unknown zone (the derived cluster would only name its own).
+        for j, p in enumerate(plan.pipelines):
+            for i, r in enumerate(p.replicas):
+                try:
+                    catalog.provider(provider).region(r.zone)
+                except SailorInputError as e:
+                    raise e.located(field_prefix=f"pipelines.{j}.replicas.{i}.zone") from None
+        cluster_spec = ClusterSpec(provider=provider, zones=zones)
+    if cluster_spec is None:
+        raise SailorInputError("no cluster: pass --cluster CLUSTER.yaml")
+    return job_spec, cluster_spec
+
+
+def resolve_models(job: JobSpec, cluster: ClusterSpec, profiles: str | Path | Profiles | None,
+                   network: str | Path | NetworkModel | None) -> tuple[Profiles, NetworkModel]:
+    """Profiles (a file or folder, else roofline estimates) and network (a link file or folder,
+    else the catalog's links) for `job` on `cluster`."""
+    if not isinstance(profiles, Profiles):
+        profiles = load_profiles(profiles, job) if profiles else roofline_profiles(job)
+    if not isinstance(network, NetworkModel):
+        network = network_for(cluster, network)
+    return profiles, network
+
+
+def context(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles: str | Path | Profiles | None = None,
+            network: str | Path | NetworkModel | None = None) -> SimContext:
+    """A fresh simulation context (job, cluster, profiles, network): one per planning call."""
+    job_spec, cluster_spec = load_job(job), load_cluster(cluster)
+    prof, net = resolve_models(job_spec, cluster_spec, profiles, network)
+    return make_context(job_spec, cluster_spec, prof, net)
+
+
+E = TypeVar("E", bound=Enum)
+
+
+def choice(kind: type[E], value: E | str, option: str, what: str) -> E:
+    """`value` as a member of the enum `kind`; SailorInputError naming `option` and the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise SailorInputError(f"unknown {what} {value!r}", source=option,
+                               fix=f"one of {', '.join(str(m.value) for m in kind)}") from None
+
+
+def plan_options(*, objective: Objective | str = Objective.THROUGHPUT, search: SearchSpace | str = SearchSpace.FULL,
+                 max_cost_per_iteration: float | None = None, max_cost_per_hour: float | None = None,
+                 min_throughput: float | None = None, max_stages: int = 16, top: int = 3) -> PlanOptions:
+    """PlanOptions from `sailor plan`'s settings (see `find_plan`)."""
+    return PlanOptions(objective=choice(Objective, objective, "objective", "objective"),
+                       search=choice(SearchSpace, search, "search", "search space"),
+                       max_stages=max_stages, top_k=top,
+                       constraints=Constraints(max_cost_per_iteration=max_cost_per_iteration,
+                                               max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput))
+
+
+def find_plan(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles: str | Path | Profiles | None = None,
+              network: str | Path | NetworkModel | None = None, objective: Objective | str = Objective.THROUGHPUT,
+              search: SearchSpace | str = SearchSpace.FULL, max_cost_per_iteration: float | None = None,
+              max_cost_per_hour: float | None = None, min_throughput: float | None = None, max_stages: int = 16,
+              top: int = 3, progress: Callable[[int, int], None] | None = None) -> PlanResult:
+    """The best plan for `job` on the GPUs `cluster` offers: what `sailor plan` prints.
+
+    Args:
+        job, cluster: paths, dicts or specs (`load_job`, `load_cluster`).
+        profiles: a profile file or Sailor profile folder, or Profiles; default roofline estimates.
+        network: a link file or Sailor network folder, or a NetworkModel; default catalog links.
+        objective: "throughput" (max iterations/s) or "cost" (min $/iteration).
+        search: "full" (ours), "paper" (the published space) or "homogeneous".
+        max_cost_per_iteration: $ per iteration; max_cost_per_hour: $/hour; min_throughput: iterations/s.
+        max_stages: the largest pipeline depth P tried; top: alternatives kept.
+        progress: called as progress(done, total) while the search runs.
+    Returns:
+        PlanResult: `.plan` (carrying job and cluster), `.estimate`, `.alternatives`, `.search_time_s`.
+    Raises:
+        SailorInputError: bad input; InfeasibleError (a subclass): no plan fits, with the reason.
+    """
+    opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
+                        max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
+                        top=top)
+    return plan_job(context(job, cluster, profiles=profiles, network=network), opts, progress=progress)
+
+
+def simulate(plan: Source | Plan, *, job: Source | JobSpec | None = None, cluster: Source | ClusterSpec | None = None,
+             profiles: str | Path | Profiles | None = None,
+             network: str | Path | NetworkModel | None = None) -> Estimate:
+    """One iteration of `plan` simulated: what `sailor simulate` prints.
+
+    Args:
+        plan: a plan path, dict or Plan. job / cluster: default the plan's own (a cluster is derived
+            from the plan's GPUs when it has none). profiles, network: as in `find_plan`.
+    Returns:
+        Estimate: iteration time (s), memory per GPU (bytes), $/iteration, per-replica breakdown.
+    Raises:
+        SailorInputError: bad input, or a plan that does not fit the job or cluster.
+    """
+    p = load_plan(plan)
+    job_spec, cluster_spec = resolve_specs(p, job, cluster)
+    p.check_against(job_spec, cluster_spec)
+    return simulate_plan(p, context(job_spec, cluster_spec, profiles=profiles, network=network))
