@@ -93,7 +93,12 @@ def test_plan_report_marks_the_other_searches(tmp_path):
     cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}})
     opts = PlanOptions(max_stages=2, top_k=2)
     result = plan_job(make_context(job, cluster), opts)
-    written = plan_report(tmp_path, result, lambda: make_context(job, cluster), opts, title="plan report")
+    steps = []
+    written = plan_report(tmp_path, result, lambda: make_context(job, cluster), opts, title="plan report",
+                          progress=lambda name, done, total: steps.append((name, done, total)))
+    # the progress bar of `sailor plan --report`: each extra search, the figures, then done
+    assert steps == [("paper search", 0, 4), ("homogeneous search", 1, 4), ("cost search", 2, 4),
+                     ("figures", 3, 4), ("done", 4, 4)]
     assert (tmp_path / "pareto.png") in written and (tmp_path / "index.html") in written
     _check_figure(tmp_path / "pareto", "chosen plan", "best paper plan", "best homogeneous plan", "Pareto front",
                   "cost per iteration ($)", "throughput (iterations/s)")

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sailor.cli import app
@@ -70,8 +71,12 @@ def plan_command(
         result.plan.save(out)
     if report:
         from sailor.report import plan_report
-        plan_report(report, result, lambda: make_context(job_spec, cluster_spec, prof, net), opts,
-                    title=f"sailor plan: {job_spec.model.name}, global batch {job_spec.global_batch_size}")
+        title = f"sailor plan: {job_spec.model.name}, global batch {job_spec.global_batch_size}"
+        with Progress(TextColumn("report: {task.fields[step]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True), transient=True, disable=as_json) as bar:
+            task = bar.add_task("report", total=None, step="starting")
+            plan_report(report, result, lambda: make_context(job_spec, cluster_spec, prof, net), opts, title=title,
+                        progress=lambda name, d, t: bar.update(task, completed=d, total=t, step=name))
     if as_json:
         print(json.dumps({"plan": result.plan.to_dict(), "estimate": result.estimate.to_dict(),
                           "search_time_s": result.search_time_s,

@@ -11,6 +11,7 @@ matplotlib is imported only when a figure is drawn.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,7 +75,7 @@ def write_report(out_dir: str | Path, plan: Plan, est: Estimate, ctx: SimContext
 
 
 def plan_report(out_dir: str | Path, result: "PlanResult", ctx_factory, options: "PlanOptions", *,
-                title: str) -> list[Path]:
+                title: str, progress: Callable[[str, int, int], None] | None = None) -> list[Path]:
     """`sailor plan --report`: run the `paper` and `homogeneous` searches too (same job, cluster and
     constraints), then `write_report`. A search that finds no plan is noted, not marked.
 
@@ -82,6 +83,8 @@ def plan_report(out_dir: str | Path, result: "PlanResult", ctx_factory, options:
         result: the main search's result.
         ctx_factory: returns a fresh SimContext (one per planning call; caches must not be shared).
         options: the main search's options (search space replaced for the two extra searches).
+        progress: called as progress(step, done, total) before each extra search and the figures
+            (step names what runs next; done of total steps are finished).
     """
     import dataclasses
 
@@ -89,10 +92,19 @@ def plan_report(out_dir: str | Path, result: "PlanResult", ctx_factory, options:
 
     others: dict[str, "PlanResult | None"] = {}
     notes = []
+    flipped = Objective.COST if options.objective is Objective.THROUGHPUT else Objective.THROUGHPUT
+    spaces = [s for s in (SearchSpace.PAPER, SearchSpace.HOMOGENEOUS) if s is not options.search]
+    steps = [f"{s.value} search" for s in spaces] + [f"{flipped.value} search", "figures"]
+
+    def step(done: int) -> None:
+        if progress:
+            progress(steps[done] if done < len(steps) else "done", done, len(steps))
+
     for space in (SearchSpace.PAPER, SearchSpace.HOMOGENEOUS):
         if options.search is space:
             others[space.value] = result
             continue
+        step(spaces.index(space))
         try:
             others[space.value] = plan_job(ctx_factory(), dataclasses.replace(options, search=space))
         except InfeasibleError as e:
@@ -101,8 +113,8 @@ def plan_report(out_dir: str | Path, result: "PlanResult", ctx_factory, options:
     # The main search scores candidates from its own objective's side of the trade-off only (branch and
     # bound prunes the rest). The front drawn for it also takes the plans scored by the search for the
     # other objective and by the paper and homogeneous searches: all of them are plans of the full space.
-    flipped = Objective.COST if options.objective is Objective.THROUGHPUT else Objective.THROUGHPUT
     points = list(result.pareto)
+    step(len(spaces))
     try:
         points += plan_job(ctx_factory(), dataclasses.replace(options, objective=flipped, constraints=Constraints())).pareto
     except InfeasibleError:
@@ -111,5 +123,8 @@ def plan_report(out_dir: str | Path, result: "PlanResult", ctx_factory, options:
     front = sorted({p for p in points if not any(q[0] <= p[0] and q[1] <= p[1] and q != p for q in points)})
     result = dataclasses.replace(result, pareto=front)
     ctx = ctx_factory()
-    return write_report(out_dir, result.plan, result.estimate, ctx, title=title, result=result,
-                        paper=others["paper"], homogeneous=others["homogeneous"], notes=notes)
+    step(len(spaces) + 1)
+    written = write_report(out_dir, result.plan, result.estimate, ctx, title=title, result=result,
+                           paper=others["paper"], homogeneous=others["homogeneous"], notes=notes)
+    step(len(steps))
+    return written
