@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from sailor.errors import SailorInputError
-from sailor.launch import Backend, LaunchOptions, dump_documents, launch, launch_specs
+from sailor.launch import (DEFAULT_IMAGE, Backend, KubernetesOptions, LaunchOptions, dump_documents, launch,
+                           launch_files, launch_specs)
 from sailor.launch.common import launch_layout
 from sailor.plan import Plan, plan_from_dict, rank_layout
 
@@ -114,41 +115,127 @@ def test_skypilot_tasks():
     parsed = list(yaml.safe_load_all(dump_documents(docs)))
     assert len(parsed) == 3  # (A100-40, us-central1-a), (V100-16, us-central1-b), (V100-16, us-west1-b)
     for t in parsed:
-        assert {"name", "num_nodes", "resources", "setup", "run", "envs", "file_mounts"} <= set(t)
-        assert {"cloud", "zone", "accelerators"} <= set(t["resources"])
+        assert {"name", "num_nodes", "resources", "setup", "run", "file_mounts"} <= set(t) and "workdir" not in t
+        assert set(t["resources"]) == {"infra", "accelerators"}  # no ports: nothing opened to the outside
         assert "$SKYPILOT_NODE_RANK" in t["run"] and t["file_mounts"] == {"/data/plan.json": "/home/me/plan.json"}
+        assert t["setup"] == "python3 -m pip install --quiet 'sailor-train[train]==0.1.0'"  # the release, not a checkout
     first = parsed[0]
-    assert first["resources"]["accelerators"] == "A100:8" and first["resources"]["zone"] == "us-central1-a"
-    assert first["resources"]["ports"] == [29500] and 'SKYPILOT_NODE_IPS' in first["run"]
-    assert parsed[2]["resources"]["accelerators"] == "V100:2" and parsed[2]["num_nodes"] == 1
-    assert all("SAILOR_RDZV_HOST:?" in t["run"] for t in parsed[1:])
+    assert first["resources"] == {"infra": "gcp/us-central1/us-central1-a", "accelerators": "A100:8"}
+    assert "envs" not in first and 'SKYPILOT_NODE_IPS' in first["run"]  # its head's internal address
+    assert parsed[2]["resources"] == {"infra": "gcp/us-west1/us-west1-b", "accelerators": "V100:2"}
+    assert parsed[2]["num_nodes"] == 1
+    assert all(t["envs"] == {"SAILOR_RDZV_HOST": None} for t in parsed[1:])  # required at `sky launch`
     _check_torchrun_ranks([a for t in parsed for a in _agents_in(t["run"])], GEO)
+    # With an image: SkyPilot runs the tasks in it, nothing to install.
+    imaged = launch_specs(GEO, Backend.SKYPILOT, OPTS, image="example.com/sailor-train:0.1.0")
+    assert all(t["resources"]["image_id"] == "docker:example.com/sailor-train:0.1.0" and "setup" not in t
+               for t in imaged)
 
 
-def test_kubernetes_manifests():
+def test_skypilot_files_and_script(tmp_path):
+    files = launch_files(GEO, Backend.SKYPILOT, OPTS, header="test", name="opt")
+    names = ["0-a100-40-us-central1-a.yaml", "1-v100-16-us-central1-b.yaml", "2-v100-16-us-west1-b.yaml"]
+    assert list(files) == [*names, "launch.sh"]
+    script = files["launch.sh"]
+    launches = [line for line in script.splitlines() if line.startswith("sky launch")]
+    # the rendezvous group first and alone, then the others at once with its head's internal address
+    assert launches[0] == f"sky launch --yes --detach-run --cluster opt-0 {names[0]}"
+    assert all(f"--cluster opt-{k} {names[k]} --env SAILOR_RDZV_HOST=\"$rdzv\" &" in launches[k] for k in (1, 2))
+    assert script.index("hostname -I") < script.index(launches[1])
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # bash parses it
+    one_group = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 26]], "pipelines": [
+        {"microbatches": 4, "replicas": [_rep(0, "A100-40", "us-central1-a", 4)]}] * 3})
+    single = launch_files(one_group, Backend.SKYPILOT, OPTS)
+    assert list(single) == ["0-a100-40-us-central1-a.yaml", "launch.sh"]
+    assert "SAILOR_RDZV_HOST" not in single["launch.sh"]  # one group: nothing to pass on
+
+
+def _jobset_pods(jobset: dict) -> list[tuple[str, dict]]:
+    """(replicated job name, pod template) of every replicated job."""
+    return [(r["name"], r["template"]["spec"]["template"]) for r in jobset["spec"]["replicatedJobs"]]
+
+
+def test_kubernetes_jobset():
     opts = LaunchOptions(plan_path="/etc/sailor/plan.json", steps=3)
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, image="example.com/sailor:1")
+    docs = launch_specs(GEO, Backend.KUBERNETES, opts, image="example.com/sailor:1", name="opt",
+                        k8s=KubernetesOptions(namespace="team-a", max_restarts=2, queue="gpus"))
     parsed = list(yaml.safe_load_all(dump_documents(docs)))
-    kinds = [d["kind"] for d in parsed]
-    assert kinds == ["ConfigMap", "Service", "Job", "Job", "Job"]
+    assert [d["kind"] for d in parsed] == ["ConfigMap", "NetworkPolicy", "JobSet"]
+    assert all(d["metadata"]["namespace"] == "team-a" for d in parsed)
     assert plan_from_dict(json.loads(parsed[0]["data"]["plan.json"])) == GEO.with_specs(None, None)
-    assert parsed[1]["spec"]["clusterIP"] == "None"
+    policy = parsed[1]["spec"]  # only the job's own pods reach its pods
+    assert policy["podSelector"] == {"matchLabels": {"sailor.dev/job": "opt"}}
+    assert policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"sailor.dev/job": "opt"}}}]}]
+    js = parsed[2]
+    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and js["metadata"]["name"] == "opt"
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus"  # Kueue admits it all or nothing
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 2, "restartStrategy": "BlockingRecreate"}
+    assert js["spec"]["network"]["enableDNSHostnames"] is True
+    groups = ["a100-40-us-central1-a", "v100-16-us-central1-b", "v100-16-us-west1-b"]
+    assert [r["name"] for r in js["spec"]["replicatedJobs"]] == groups
     agents = []
-    for job in parsed[2:]:
-        assert job["apiVersion"] == "batch/v1" and {"name", "namespace"} <= set(job["metadata"])
-        spec = job["spec"]
-        assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
-        pod = spec["template"]["spec"]
-        assert set(pod["nodeSelector"]) == {"cloud.google.com/gke-accelerator", "topology.kubernetes.io/zone"}
-        (c,) = pod["containers"]
-        assert c["image"] == "example.com/sailor:1" and c["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    for r in js["spec"]["replicatedJobs"]:
+        job = r["template"]["spec"]
+        assert r["replicas"] == 1 and job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"]
+    for group, pod in _jobset_pods(js):
+        assert pod["metadata"]["labels"] == {"sailor.dev/job": "opt", "sailor.dev/group": group}
+        (c,) = pod["spec"]["containers"]
+        assert c["image"] == "example.com/sailor:1"
+        assert set(c["resources"]) == {"limits"} and c["resources"]["limits"]["nvidia.com/gpu"] in (2, 8)
         env = {e["name"]: e["value"] for e in c["env"]}
-        assert env["SAILOR_RDZV_HOST"] == "sailor-a100-40-us-central1-a-0.sailor-nodes.default.svc.cluster.local"
+        assert env["SAILOR_RDZV_HOST"] == "opt-a100-40-us-central1-a-0-0.opt"  # JobSet's pod 0 of job 0
         assert "$JOB_COMPLETION_INDEX" in c["command"][-1]
         agents += _agents_in(c["command"][-1])
-    assert parsed[2]["spec"]["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-tesla-a100"
-    assert parsed[3]["spec"]["template"]["spec"]["nodeSelector"]["topology.kubernetes.io/zone"] == "us-central1-b"
+    pods = dict(_jobset_pods(js))
+    assert pods[groups[0]]["spec"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-tesla-a100",
+                                                        "topology.kubernetes.io/zone": "us-central1-a"}
     _check_torchrun_ranks(agents, GEO)
+
+
+def test_kubernetes_indexed_jobs_and_default_image():
+    opts = LaunchOptions(plan_path="/etc/sailor/plan.json", steps=3)
+    docs = launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True))
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["ConfigMap", "NetworkPolicy", "Service", "Job", "Job", "Job"]
+    assert docs[2]["spec"]["clusterIP"] == "None" and "type" not in docs[2]["spec"]  # headless, in-cluster only
+    agents = []
+    for job in docs[3:]:
+        pod = job["spec"]["template"]["spec"]
+        assert pod["subdomain"] == "sailor-nodes" and pod["containers"][0]["image"] == DEFAULT_IMAGE == "sailor-train:0.1.0"
+        env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+        assert env["SAILOR_RDZV_HOST"] == "sailor-a100-40-us-central1-a-0.sailor-nodes"
+        agents += _agents_in(pod["containers"][0]["command"][-1])
+    _check_torchrun_ranks(agents, GEO)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"name": "x" * 40}, r"--name: the pod hostname 'x{40}-a100-40-us-central1-a-0-0' has 66 characters, more than 63"
+                         r" \(--name of at most 37 characters\)"),
+    ({"name": "Opt"}, "'Opt' is not a DNS-1123 label"),
+    ({"name": "1opt"}, "must start with a letter"),
+    ({"image": ""}, "--image: the container image is empty"),
+    ({"image": "  "}, "--image: the container image is empty"),
+    ({"k8s": KubernetesOptions(namespace="Team_A")}, "--namespace: 'Team_A' is not a DNS-1123 label"),
+    ({"k8s": KubernetesOptions(namespace="n" * 64)}, "namespace 'n{64}' has 64 characters"),
+    ({"k8s": KubernetesOptions(indexed_jobs=True, max_restarts=1)}, "need a JobSet"),
+    ({"k8s": KubernetesOptions(checkpoint_claim="ck")}, "needs a folder"),
+])
+def test_kubernetes_bad_names_and_options(kwargs, match):
+    with pytest.raises(SailorInputError, match=match):
+        launch_specs(GEO, Backend.KUBERNETES, LaunchOptions(plan_path="/etc/sailor/plan.json"), **kwargs)
+
+
+def test_kubernetes_checkpoints_live_on_a_claim_and_a_restart_resumes():
+    opts = LaunchOptions(plan_path="/etc/sailor/plan.json", checkpoint_dir="/ck")
+    with pytest.raises(SailorInputError, match="--checkpoint-dir: checkpoints in a pod's own file system are lost"):
+        launch_specs(GEO, Backend.KUBERNETES, opts)
+    (js,) = [d for d in launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
+             if d["kind"] == "JobSet"]
+    for _group, pod in _jobset_pods(js):
+        assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ck"}} in pod["spec"]["volumes"]
+        assert {"name": "checkpoints", "mountPath": "/ck"} in pod["spec"]["containers"][0]["volumeMounts"]
+        assert "SAILOR_RESUME=$(ls -d -- /ck/step-[0-9]*" in pod["spec"]["containers"][0]["command"][-1]
 
 
 @pytest.mark.parametrize("hosts, match", [

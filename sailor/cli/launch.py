@@ -1,10 +1,11 @@
 """`sailor launch PLAN --backend torchrun|skypilot|kubernetes`: run a plan on a real cluster.
 
 `--dry-run` prints what would run as YAML documents separated by `---`: per-node torchrun commands,
-SkyPilot tasks (one per GPU type and zone), or Kubernetes manifests (one Job per GPU type and zone).
-Without it the torchrun backend starts every node over ssh from `--hosts` and waits; SkyPilot and
-Kubernetes documents are meant for `sky launch` / `kubectl apply`, so those backends need `--dry-run`
-(or `--out`).
+SkyPilot tasks (one per GPU type and zone), or Kubernetes manifests (a JobSet with one replicated
+job per GPU type and zone, or Indexed Jobs with `--indexed-jobs`). Without it the torchrun backend
+starts every node over ssh from `--hosts` and waits; SkyPilot files (a folder: task files and
+`launch.sh`) and Kubernetes manifests are meant for `sky launch` / `kubectl apply`, so those
+backends need `--dry-run` or `--out`.
 """
 
 from __future__ import annotations
@@ -37,11 +38,23 @@ def launch_command(
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder on shared storage."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda (NCCL), or cpu (gloo) for a test run;"
                                          " default cpu for a plan on GPU type cpu, else cuda."),
-    image: str = typer.Option("sailor:latest", "--image", help="Container image with Sailor and torch (kubernetes)."),
-    name: str = typer.Option("sailor", "--name", help="Name prefix of the Kubernetes objects."),
+    image: Optional[str] = typer.Option(None, "--image", help="Container image with Sailor and torch (the Dockerfile's);"
+                                        " kubernetes default sailor-train:<version>; skypilot default: none, setup"
+                                        " installs the released wheel."),
+    name: str = typer.Option("sailor", "--name", help="JobSet name and object prefix (kubernetes), cluster prefix"
+                             " (skypilot): a DNS-1123 label, e.g. opt350."),
+    namespace: str = typer.Option("default", "--namespace", help="Kubernetes namespace of every object."),
+    indexed_jobs: bool = typer.Option(False, "--indexed-jobs", help="Kubernetes: plain Indexed Jobs instead of a JobSet"
+                                      " (no all-or-nothing admission, no restart as a whole)."),
+    queue: Optional[str] = typer.Option(None, "--queue", help="Kubernetes: Kueue LocalQueue that admits the JobSet all"
+                                        " or nothing."),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="Kubernetes: times the JobSet restarts as a whole after"
+                                     " a failure (resuming from the newest checkpoint), e.g. 3."),
+    checkpoint_claim: Optional[str] = typer.Option(None, "--checkpoint-claim", help="Kubernetes: PersistentVolumeClaim"
+                                                   " (ReadWriteMany) mounted at --checkpoint-dir."),
 ) -> None:
     """Run PLAN with torchrun over ssh, or write its SkyPilot tasks or Kubernetes manifests."""
-    from sailor.launch import Backend, LaunchOptions, dump_documents, launch, launch_specs
+    from sailor.launch import Backend, KubernetesOptions, LaunchOptions, launch, launch_files
     from sailor.plan import load_plan
 
     chosen = choice(Backend, backend, "--backend", "backend")
@@ -57,14 +70,18 @@ def launch_command(
     if chosen is not Backend.TORCHRUN and not dry_run and out is None:
         raise SailorInputError(f"the {chosen.value} backend only writes specs", source="--backend",
                                fix="pass --dry-run to print them or --out FILE to save them")
-    docs = launch_specs(plan, chosen, opts, hosts_path=hosts, local_plan=str(plan_path.resolve()), image=image,
-                        name=name)
-    text = dump_documents(docs, header=_header(chosen, plan_path))
+    k8s = KubernetesOptions(namespace=namespace, indexed_jobs=indexed_jobs, queue=queue, max_restarts=max_restarts,
+                            checkpoint_claim=checkpoint_claim)
+    if chosen is not Backend.KUBERNETES and k8s != KubernetesOptions():
+        raise SailorInputError("--namespace, --indexed-jobs, --queue, --max-restarts and --checkpoint-claim are for"
+                               " the kubernetes backend", source="--backend")
+    files = launch_files(plan, chosen, opts, header=_header(chosen, plan_path, indexed_jobs), hosts_path=hosts,
+                         local_plan=str(plan_path.resolve()), image=image, name=name, k8s=k8s)
     if out is not None:
-        from sailor.fileio import write_atomic
-        write_atomic(out, text)
+        _write(out, files)
     if dry_run:
-        print(text, end="")
+        print("".join(files.values()) if chosen is not Backend.SKYPILOT else
+              "".join(files[f] for f in files if f.endswith(".yaml")), end="")
         return
     if chosen is Backend.TORCHRUN:
         status = launch(plan, opts, hosts)
@@ -73,7 +90,22 @@ def launch_command(
         raise typer.Exit(code=1 if status else 0)
 
 
-def _header(backend, plan_path: Path) -> str:
+def _write(out: Path, files: dict[str, str]) -> None:
+    """`--out`: the one file at `out`, or (SkyPilot) every file into the folder `out`."""
+    from sailor.fileio import check_output_path, write_atomic
+
+    if set(files) == {""}:
+        write_atomic(out, files[""])
+        return
+    check_output_path(out, "--out", folder=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        write_atomic(out / name, text)
+        if name.endswith(".sh"):
+            (out / name).chmod(0o755)
+
+
+def _header(backend, plan_path: Path, indexed_jobs: bool) -> str:
     from sailor.launch import Backend
 
     if backend is Backend.TORCHRUN:
@@ -81,7 +113,10 @@ def _header(backend, plan_path: Path) -> str:
                 "torchrun node ranks are ordered so that its global ranks equal the plan's ranks.")
     if backend is Backend.SKYPILOT:
         return (f"sailor launch {plan_path}: one SkyPilot task per (GPU type, zone).\n"
-                "Launch the first task first (it hosts the rendezvous), then the others with\n"
-                "--env SAILOR_RDZV_HOST=$(sky status --ip <first cluster>).")
-    return (f"sailor launch {plan_path}: ConfigMap, headless Service, one Indexed Job per (GPU type, zone).\n"
-            "kubectl apply -f this file; pod 0 of the first Job hosts the rendezvous.")
+                "Start them with launch.sh (sailor launch --out DIR writes it): the first task hosts the\n"
+                "rendezvous; the others need --env SAILOR_RDZV_HOST=<internal address of its head node>.")
+    if indexed_jobs:
+        return (f"sailor launch {plan_path}: ConfigMap, NetworkPolicy, headless Service, one Indexed Job per\n"
+                "(GPU type, zone). kubectl apply -f this file; pod 0 of the first Job hosts the rendezvous.")
+    return (f"sailor launch {plan_path}: ConfigMap, NetworkPolicy and a JobSet (jobset.x-k8s.io, installed in\n"
+            "the cluster) with one replicated job per (GPU type, zone). kubectl apply -f this file.")

@@ -1,9 +1,17 @@
-"""Launch a plan on real clusters: torchrun over ssh, SkyPilot task YAML, or Kubernetes Jobs.
+"""Launch a plan on real clusters: torchrun over ssh, SkyPilot tasks, or a Kubernetes JobSet.
 
 `launch_specs(plan, backend, ...)` returns the documents a backend needs (plain dicts, printed as YAML
-documents by `sailor launch --dry-run`); `launch(...)` starts the torchrun backend over ssh. The
+documents by `sailor launch --dry-run`); `launch_files(...)` the files `--out` writes (SkyPilot: a
+task file per group and `launch.sh`); `launch(...)` starts the torchrun backend over ssh. The
 common part (`common`) maps the plan's ranks (`sailor.plan.rank_layout`) onto nodes and torchrun
 agents so that torchrun's global ranks are exactly the plan's ranks.
+
+Ports each backend opens (the rendezvous store, a TCPStore without authentication, listens on
+`rdzv_port` of rank 0's node; NCCL then connects the ranks on ports of its own choosing):
+- torchrun: nothing; the machines of HOSTS.yaml must reach each other, on a private network.
+- SkyPilot: no `ports` (SkyPilot's own ssh port only); ranks meet on internal addresses.
+- Kubernetes: container port `rdzv_port` inside the cluster, headless Services (no virtual IP,
+  no NodePort or LoadBalancer), and a NetworkPolicy admitting only the job's own pods.
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ from typing import Any
 
 import yaml
 
+import dataclasses
+
+from sailor import __version__
 from sailor.errors import SailorInputError
 from sailor.launch.common import LaunchLayout, LaunchOptions, check_options, launch_layout, node_sizes
 from sailor.launch.hosts import HostsFile, load_hosts
@@ -28,41 +39,89 @@ class Backend(str, enum.Enum):
     KUBERNETES = "kubernetes"
 
 
+# The image the Dockerfile builds (`docker build -t sailor-train:<version> .`; README "Container image").
+DEFAULT_IMAGE = f"sailor-train:{__version__}"
+# Seconds rank 0's rendezvous waits for every node on the cloud backends: a group's VMs or pods
+# start minutes after another's (provisioning, image pull, setup), beyond torchrun's default 600 s.
+CLOUD_RDZV_TIMEOUT_S = 1800
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KubernetesOptions:
+    """Kubernetes settings (`sailor.launch.kubernetes.manifests` documents each)."""
+
+    namespace: str = "default"
+    indexed_jobs: bool = False
+    queue: str | None = None
+    max_restarts: int = 0
+    checkpoint_claim: str | None = None
+
+
 def layout_for(plan: Plan, hosts: HostsFile | None = None) -> LaunchLayout:
     """The launch layout, with GPUs per node from HOSTS.yaml where it gives them."""
     return launch_layout(plan, node_sizes(plan, hosts.gpus_per_node() if hosts else None))
 
 
 def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_path: str | Path | None = None,
-                 local_plan: str | None = None, image: str = "sailor:latest", name: str = "sailor") -> list[dict[str, Any]]:
+                 local_plan: str | None = None, image: str | None = None, name: str = "sailor",
+                 k8s: KubernetesOptions | None = None) -> list[dict[str, Any]]:
     """The documents `backend` needs to run `plan`.
 
     Args:
         plan: the plan to run.
         backend: torchrun (one document per node), skypilot (one task per (GPU type, zone)) or
-            kubernetes (ConfigMap, Service, one Job per (GPU type, zone)).
-        opts: worker options.
+            kubernetes (ConfigMap, NetworkPolicy, a JobSet with one replicated job per (GPU type,
+            zone); or a Service and Indexed Jobs).
+        opts: worker options (the cloud backends wait CLOUD_RDZV_TIMEOUT_S for the rendezvous
+            unless `opts.rdzv_timeout_s` says otherwise).
         hosts_path: HOSTS.yaml (torchrun only; without it the rendezvous host is $SAILOR_RDZV_HOST).
         local_plan: the plan file on this machine (SkyPilot copies it to the nodes).
-        image: container image (Kubernetes).
-        name: object name prefix (Kubernetes).
+        image: container image: Kubernetes (default DEFAULT_IMAGE), SkyPilot (default: none, the
+            released wheel is installed).
+        name: JobSet / object name prefix (Kubernetes), task and cluster name prefix (SkyPilot).
+        k8s: Kubernetes settings (default KubernetesOptions()).
     Raises:
-        SailorInputError: bad options, hosts not matching the plan, GPU types the backend cannot rent.
+        SailorInputError: bad options, hosts not matching the plan, GPU types the backend cannot rent,
+            names Kubernetes would refuse.
     """
     check_options(opts, plan)
     backend = Backend(backend)
     if hosts_path is not None and backend is not Backend.TORCHRUN:
         raise SailorInputError(f"--hosts is for the torchrun backend, not {backend.value}", source="--hosts")
+    if image is not None and backend is Backend.TORCHRUN:
+        raise SailorInputError("--image is for the skypilot and kubernetes backends", source="--image")
     hosts = load_hosts(hosts_path) if hosts_path is not None else None
     layout = layout_for(plan, hosts)
     if backend is Backend.TORCHRUN:
         from sailor.launch.torchrun import node_specs
         return node_specs(layout, opts, hosts, str(hosts_path))
+    if opts.rdzv_timeout_s is None:
+        opts = dataclasses.replace(opts, rdzv_timeout_s=CLOUD_RDZV_TIMEOUT_S)
     if backend is Backend.SKYPILOT:
         from sailor.launch.skypilot import task_specs
-        return task_specs(layout, opts, region_of=_region_of(plan), local_plan=local_plan)
+        return task_specs(layout, opts, region_of=_region_of(plan), local_plan=local_plan, image=image, name=name)
     from sailor.launch.kubernetes import manifests
-    return manifests(layout, opts, name=name, image=image)
+    k = k8s or KubernetesOptions()
+    # A JobSet restarted as a whole continues from the newest checkpoint instead of step 0.
+    opts = dataclasses.replace(opts, resume_newest=not k.indexed_jobs)
+    return manifests(layout, opts, name=name, image=DEFAULT_IMAGE if image is None else image,
+                     namespace=k.namespace, indexed_jobs=k.indexed_jobs, queue=k.queue, max_restarts=k.max_restarts,
+                     checkpoint_claim=k.checkpoint_claim)
+
+
+def launch_files(plan: Plan, backend: Backend, opts: LaunchOptions, *, header: str = "", **kwargs: Any) -> dict[str, str]:
+    """What `sailor launch --out PATH` writes: {file name: text}. SkyPilot: one task file per group
+    and `launch.sh` (PATH is a folder); the others: one multi-document YAML (the key "" is PATH).
+    Arguments as `launch_specs`."""
+    docs = launch_specs(plan, backend, opts, **kwargs)
+    if Backend(backend) is not Backend.SKYPILOT:
+        return {"": dump_documents(docs, header=header)}
+    from sailor.launch.skypilot import SCRIPT, launch_script, task_file_names
+
+    layout = layout_for(plan)
+    files = {f: dump_documents([d], header=header) for f, d in zip(task_file_names(layout), docs)}
+    files[SCRIPT] = launch_script(layout, name=kwargs.get("name", "sailor"))
+    return files
 
 
 def launch(plan: Plan, opts: LaunchOptions, hosts_path: str | Path, *, ssh: str = "ssh") -> int:
@@ -90,7 +149,11 @@ def dump_documents(docs: list[dict[str, Any]], header: str = "") -> str:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Safe YAML with multi-line strings (scripts) as literal `|` blocks, the rest one line each."""
+    """Safe YAML with multi-line strings (scripts) as literal `|` blocks, the rest one line each,
+    and no anchors or aliases (an object used twice is written twice)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:

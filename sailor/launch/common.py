@@ -47,6 +47,11 @@ class LaunchOptions:
         device: "cuda" on GPU nodes; "cpu" (gloo) for a CPU test run.
         worker: the worker's arguments in full, replacing those built from the fields above
             (`sailor run` passes `sailor.runtime.launcher.worker_args`: seed, resume, stop file...).
+        rdzv_timeout_s: seconds the rendezvous waits for every agent to join (torchrun's static
+            rendezvous `--rdzv-conf timeout`, 600 s by default when None); cloud backends wait
+            longer because their nodes are provisioned one group at a time.
+        resume_newest: resume from the newest `step-*` checkpoint in `checkpoint_dir` when there is
+            one (a Kubernetes JobSet restarted as a whole continues instead of starting again).
     """
 
     plan_path: str
@@ -56,6 +61,8 @@ class LaunchOptions:
     checkpoint_dir: str | None = None
     device: str = "cuda"
     worker: tuple[str, ...] = ()
+    rdzv_timeout_s: int | None = None
+    resume_newest: bool = False
 
 
 @dataclass(frozen=True)
@@ -207,18 +214,32 @@ def agent_command(agent: Agent, layout: LaunchLayout, opts: LaunchOptions, rdzv_
     torchrun = [opts.python, "-m", "sailor.runtime.launcher", "--nnodes", str(len(layout.agents)),
                 "--node-rank", str(agent.agent_rank), "--nproc-per-node", str(len(agent.ranks)),
                 "--rdzv-backend", "static", "--max-restarts", "0"]
+    if opts.rdzv_timeout_s is not None:
+        torchrun += ["--rdzv-conf", f"timeout={opts.rdzv_timeout_s}"]
     parts = ["env", *(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, torchrun),
              "--rdzv-endpoint", f"{host}:{opts.rdzv_port}", *map(shlex.quote, worker_args(opts))]
+    if _resumes(opts):  # set by node_script; no checkpoint yet: no --resume-from
+        parts.append(f'${{{RESUME_VAR}:+--resume-from "${RESUME_VAR}"}}')
     return " ".join(parts)
+
+
+RESUME_VAR = "SAILOR_RESUME"  # shell variable: the newest checkpoint folder, or empty
+
+
+def _resumes(opts: LaunchOptions) -> bool:
+    return opts.resume_newest and bool(opts.checkpoint_dir) and not opts.worker
 
 
 def node_script(node: Node, layout: LaunchLayout, opts: LaunchOptions, rdzv_host: str) -> str:
     """The shell script one node runs: its agents side by side; exits non-zero if any agent fails."""
     cmds = [agent_command(a, layout, opts, rdzv_host) for a in node.agents]
+    # Checkpoint folders are step-<8 digits> (renamed into place when complete): the last in sorted order is the newest.
+    find = (f"{RESUME_VAR}=$(ls -d -- {shlex.quote(opts.checkpoint_dir)}/step-[0-9]* 2>/dev/null | tail -n 1); "
+            if _resumes(opts) else "")
     if len(cmds) == 1:
-        return cmds[0]
+        return find + cmds[0]
     started = " & ".join(cmds) + " &"
-    return f"fail=0; {started} for p in $(jobs -p); do wait $p || fail=1; done; exit $fail"
+    return f"{find}fail=0; {started} for p in $(jobs -p); do wait $p || fail=1; done; exit $fail"
 
 
 def ranks_doc(node: Node) -> dict:

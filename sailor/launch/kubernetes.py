@@ -1,18 +1,35 @@
-"""The Kubernetes backend: one Indexed batch/v1 Job per (GPU type, zone) group, on GKE node labels.
+"""The Kubernetes backend: one JobSet (default) or Indexed Jobs, one job per (GPU type, zone) group.
 
-Manifests, in order: a ConfigMap holding the plan (mounted at `plan_path`), a headless Service that
-gives every pod a DNS name, then one Job per group. Pod k of a group's Job (`JOB_COMPLETION_INDEX`
-k) is node k of that group and runs its torchrun agents. The rendezvous group's pod 0 holds rank 0
-and hosts the rendezvous store at `<job>-0.<service>` (an Indexed Job's pod is named
-`<job>-<index>`, and `subdomain` puts it under the headless Service). Pods are pinned with
-`nodeSelector` to the GPU product (`cloud.google.com/gke-accelerator`) and the zone
-(`topology.kubernetes.io/zone`). One cluster must have node pools in all the plan's zones (a GKE
-regional cluster covers one region's zones).
+**JobSet** (`jobset.x-k8s.io/v1alpha2`, https://jobset.sigs.k8s.io, installed in the cluster as a
+CRD and controller): one replicated job per group, each an Indexed Job whose pod k (its
+`JOB_COMPLETION_INDEX`) is node k of the group and runs that node's torchrun agents. The JobSet
+treats the groups as one workload:
+- all or nothing: its pods are created together; with `queue` (a Kueue LocalQueue) Kueue admits the
+  JobSet only when quota for every pod exists; without it a group that cannot be scheduled keeps the
+  others waiting in the rendezvous until `rdzv_timeout_s`, then the whole JobSet fails;
+- restart as a whole: any failed job makes the controller delete every job and create them all again
+  (`failurePolicy.maxRestarts` times, `BlockingRecreate`: the old pods are gone first); with a
+  checkpoint folder the new pods resume from its newest checkpoint;
+- names: JobSet's headless Service (named after the JobSet) gives pod j of replicated job r the
+  hostname `<jobset>-<r>-0-<j>`, so rank 0 is at `<jobset>-<first group>-0-0.<jobset>`.
+
+**Indexed Jobs** (`indexed_jobs=True`): plain `batch/v1` Jobs with our own headless Service; no
+all-or-nothing admission or joint restart (a failed Job fails alone and the others wait out the
+rendezvous timeout).
+
+Both come with a ConfigMap holding the plan (mounted at `plan_path`) and a NetworkPolicy that lets
+only the job's own pods reach its pods (the TCPStore rendezvous and NCCL take any port); nothing is
+exposed outside the cluster (no NodePort, LoadBalancer or Ingress; the Services are headless). Pods
+are pinned with `nodeSelector` to the GPU product (`cloud.google.com/gke-accelerator`) and zone
+(`topology.kubernetes.io/zone`) and ask for `nvidia.com/gpu` in `limits` only, as the NVIDIA device
+plugin expects (requests default to limits for extended resources). One cluster must have GPU node
+pools in all the plan's zones (a GKE regional cluster covers one region's zones).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from sailor.errors import SailorInputError
@@ -31,6 +48,15 @@ GKE_ACCELERATOR = {
     "T4": "nvidia-tesla-t4",
 }
 PLAN_FILE = "plan.json"
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+JOB_LABEL = "sailor.dev/job"
+GROUP_LABEL = "sailor.dev/group"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # https://kueue.sigs.k8s.io/docs/tasks/run/jobsets/
+# RFC 1123 label (what Kubernetes calls a DNS-1123 label: names of Jobs, namespaces, pod hostnames);
+# Services need an RFC 1035 label (starting with a letter): every generated name starts with `name`,
+# which must start with a letter. https://kubernetes.io/docs/concepts/overview/working-with-objects/names/
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_LABEL_MAX = 63
 
 
 def gke_accelerator(gpu: str) -> str:
@@ -38,56 +64,132 @@ def gke_accelerator(gpu: str) -> str:
     return backend_name(GKE_ACCELERATOR, gpu, "GKE accelerator label")
 
 
+def check_label(value: str, option: str, what: str, given: str | None = None) -> None:
+    """Raise SailorInputError (naming `option`) unless `value` is a DNS-1123 label of at most 63
+    characters; `what` says which generated name `value` is (e.g. "pod hostname"), built from the
+    user's `given` value of `option` (the fix then says how long that may be)."""
+    if len(value) > DNS_LABEL_MAX:
+        room = DNS_LABEL_MAX - (len(value) - len(given or value))
+        raise SailorInputError(f"the {what} {value!r} has {len(value)} characters, more than {DNS_LABEL_MAX}",
+                               source=option, fix=f"{option} of at most {room} characters" if room > 0
+                               else "fewer GPU types or zones per name")
+    if not DNS_LABEL.fullmatch(value):
+        raise SailorInputError(f"{value!r} is not a DNS-1123 label", source=option,
+                               fix="lower-case letters, digits and '-', starting and ending with a letter or digit")
+
+
 def manifests(layout: LaunchLayout, opts: LaunchOptions, *, name: str = "sailor", image: str,
-              namespace: str = "default") -> list[dict[str, Any]]:
-    """ConfigMap, headless Service and one Indexed Job per (GPU type, zone) group.
+              namespace: str = "default", indexed_jobs: bool = False, queue: str | None = None,
+              max_restarts: int = 0, checkpoint_claim: str | None = None) -> list[dict[str, Any]]:
+    """The manifests that run `layout` on Kubernetes, in `kubectl apply` order.
 
     Args:
         layout: the plan's nodes and agents.
         opts: worker options; the plan is mounted at `opts.plan_path` (its folder becomes the mount).
-        name: prefix of every object's name (a DNS-1123 label).
-        image: container image with Sailor, torch and CUDA.
+        name: the JobSet's name and every object's name prefix (a DNS-1123 label starting with a letter).
+        image: container image with Sailor, torch and CUDA (the repository's Dockerfile).
         namespace: where the objects go.
+        indexed_jobs: plain Indexed Jobs instead of one JobSet.
+        queue: Kueue LocalQueue admitting the JobSet all or nothing (JobSet only).
+        max_restarts: times the JobSet is restarted as a whole after a failure (JobSet only).
+        checkpoint_claim: PersistentVolumeClaim (ReadWriteMany) mounted at `opts.checkpoint_dir`.
+    Returns:
+        ConfigMap, NetworkPolicy, then the JobSet, or a headless Service and one Job per group.
     Raises:
-        SailorInputError: a GPU type GKE does not offer, or a bad name.
+        SailorInputError: a GPU type GKE does not offer; a name, namespace or generated hostname that
+            is not a DNS-1123 label of at most 63 characters; an empty image; options that do not go
+            together (checkpoints without a claim, queue or restarts with Indexed Jobs).
     """
-    if not name.replace("-", "").isalnum() or not name[0].isalpha() or name != name.lower():
-        raise SailorInputError(f"name {name!r} is not a DNS-1123 label", source="--name",
-                               fix="lower-case letters, digits and '-', starting with a letter")
+    if not image.strip():
+        raise SailorInputError("the container image is empty", source="--image",
+                               fix="e.g. sailor-train:0.1.0 built from the Dockerfile and pushed to your registry")
+    check_label(name, "--name", "name")
+    if not name[0].isalpha():
+        raise SailorInputError(f"{name!r} must start with a letter (it names Services)", source="--name")
+    check_label(namespace, "--namespace", "namespace")
     if not opts.plan_path.endswith("/" + PLAN_FILE):
         raise SailorInputError(f"the plan is mounted from a ConfigMap as {PLAN_FILE}; got {opts.plan_path!r}",
                                source="--remote-plan", fix=f"e.g. /etc/sailor/{PLAN_FILE}")
+    if opts.checkpoint_dir and not checkpoint_claim:
+        raise SailorInputError("checkpoints in a pod's own file system are lost with the pod", source="--checkpoint-dir",
+                               fix="pass --checkpoint-claim PVC (a ReadWriteMany volume claim mounted there)")
+    if checkpoint_claim and not opts.checkpoint_dir:
+        raise SailorInputError("a checkpoint claim needs a folder to mount it at", source="--checkpoint-claim",
+                               fix="pass --checkpoint-dir, e.g. /ckpt")
+    if indexed_jobs and (queue or max_restarts):
+        raise SailorInputError("--queue and --max-restarts need a JobSet", source="--indexed-jobs",
+                               fix="drop --indexed-jobs (JobSet is the default)")
+    if queue is not None:
+        check_label(queue, "--queue", "queue name")
+    if max_restarts < 0:
+        raise SailorInputError(f"must be >= 0, got {max_restarts}", source="--max-restarts")
     groups = layout.groups()
-    service = f"{name}-nodes"
-    rdzv_host = f"{name}-{groups[0].name}-0.{service}.{namespace}.svc.cluster.local"
-    out: list[dict[str, Any]] = [_config_map(layout.plan, name, namespace), _service(service, name, namespace)]
-    out += [_job(g, layout, opts, name=name, image=image, namespace=namespace, service=service, rdzv_host=rdzv_host)
-            for g in groups]
+    if indexed_jobs:
+        service = f"{name}-nodes"
+        hosts = {g.name: [f"{name}-{g.name}-{n.index}" for n in g.nodes] for g in groups}
+    else:
+        service = name  # JobSet's own headless Service
+        hosts = {g.name: [f"{name}-{g.name}-0-{n.index}" for n in g.nodes] for g in groups}
+    check_label(service, "--name", "Service name", name)
+    for g in groups:
+        for host in hosts[g.name]:
+            check_label(host, "--name", "pod hostname", name)
+    rdzv_host = f"{hosts[groups[0].name][0]}.{service}"  # resolved through the namespace's search domain
+    pods = {g.name: _pod_template(g, layout, opts, name=name, image=image, rdzv_host=rdzv_host,
+                                  subdomain=service if indexed_jobs else None, checkpoint_claim=checkpoint_claim)
+            for g in groups}
+    out = [_config_map(layout.plan, name, namespace), _network_policy(name, namespace)]
+    if indexed_jobs:
+        out.append(_service(service, name, namespace))
+        out += [_job(g, pods[g.name], name=name, namespace=namespace) for g in groups]
+    else:
+        out.append(_jobset(groups, pods, name=name, namespace=namespace, queue=queue, max_restarts=max_restarts))
     return out
+
+
+def _labels(name: str, group: str | None = None) -> dict[str, str]:
+    return {JOB_LABEL: name, **({GROUP_LABEL: group} if group else {})}
 
 
 def _config_map(plan: Plan, name: str, namespace: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": f"{name}-plan", "namespace": namespace},
+            "metadata": {"name": f"{name}-plan", "namespace": namespace, "labels": _labels(name)},
             "data": {PLAN_FILE: json.dumps(plan.to_dict(), separators=(",", ":"))}}
+
+
+def _network_policy(name: str, namespace: str) -> dict[str, Any]:
+    # The rendezvous store has no authentication: only this job's pods may connect to them, on any
+    # port (TCPStore, NCCL). Enforced where the cluster's network plugin implements NetworkPolicy
+    # (GKE Dataplane V2, Calico, Cilium).
+    pods = {"matchLabels": _labels(name)}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": f"{name}-internal", "namespace": namespace, "labels": _labels(name)},
+            "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": pods}]}]}}
 
 
 def _service(service: str, name: str, namespace: str) -> dict[str, Any]:
     # Headless: no virtual IP, one DNS record per pod; publishNotReady so rank 0's name resolves
     # while the pods are still starting (they have no readiness probe anyway).
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": service, "namespace": namespace},
-            "spec": {"clusterIP": "None", "selector": {"sailor.dev/job": name}, "publishNotReadyAddresses": True}}
+            "metadata": {"name": service, "namespace": namespace, "labels": _labels(name)},
+            "spec": {"clusterIP": "None", "selector": _labels(name), "publishNotReadyAddresses": True}}
 
 
-def _job(g: Group, layout: LaunchLayout, opts: LaunchOptions, *, name: str, image: str, namespace: str,
-         service: str, rdzv_host: str) -> dict[str, Any]:
+def _pod_template(g: Group, layout: LaunchLayout, opts: LaunchOptions, *, name: str, image: str, rdzv_host: str,
+                  subdomain: str | None, checkpoint_claim: str | None) -> dict[str, Any]:
     gpus = round_up_pow2(g.gpus_per_node_used, g.nodes[0].gpus_per_node)
     lines = ['case "$JOB_COMPLETION_INDEX" in']
     for n in g.nodes:
         lines.append(f"  {n.index}) exec bash -c {_sq(node_script(n, layout, opts, '$SAILOR_RDZV_HOST'))} ;;")
     lines += ['  *) echo "unexpected JOB_COMPLETION_INDEX=$JOB_COMPLETION_INDEX" >&2; exit 1 ;;', "esac"]
     mount_dir = opts.plan_path.rsplit("/", 1)[0] or "/"
+    mounts = [{"name": "plan", "mountPath": mount_dir, "readOnly": True},
+              {"name": "dshm", "mountPath": "/dev/shm"}]  # NCCL and data loaders need more than 64 MiB
+    volumes: list[dict[str, Any]] = [{"name": "plan", "configMap": {"name": f"{name}-plan"}},
+                                     {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if checkpoint_claim:
+        mounts.append({"name": "checkpoints", "mountPath": opts.checkpoint_dir})
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint_claim}})
     container = {
         "name": "worker", "image": image, "command": ["bash", "-c", "\n".join(lines) + "\n"],
         "env": [{"name": "SAILOR_RDZV_HOST", "value": rdzv_host},
@@ -95,27 +197,43 @@ def _job(g: Group, layout: LaunchLayout, opts: LaunchOptions, *, name: str, imag
                 {"name": "SAILOR_GROUP", "value": g.name}],
         "ports": [{"containerPort": opts.rdzv_port, "name": "rendezvous"}],
         "resources": {"limits": {"nvidia.com/gpu": gpus}},
-        "volumeMounts": [{"name": "plan", "mountPath": mount_dir, "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],  # NCCL and data loaders need more than 64 MiB
+        "volumeMounts": mounts,
     }
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "nodeSelector": {"cloud.google.com/gke-accelerator": gke_accelerator(g.gpu), "topology.kubernetes.io/zone": g.zone},
+        "containers": [container], "volumes": volumes,
+    }
+    if subdomain:
+        spec = {"subdomain": subdomain, **spec}
+    return {"metadata": {"labels": _labels(name, g.name)}, "spec": spec}
+
+
+def _job_spec(g: Group, pod: dict[str, Any]) -> dict[str, Any]:
+    return {"completionMode": "Indexed", "completions": len(g.nodes), "parallelism": len(g.nodes),
+            "backoffLimit": 0,  # a failed rank fails its job at once (the JobSet then restarts them all)
+            "template": pod}
+
+
+def _job(g: Group, pod: dict[str, Any], *, name: str, namespace: str) -> dict[str, Any]:
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{name}-{g.name}", "namespace": namespace, "labels": _labels(name, g.name)},
+            "spec": _job_spec(g, pod)}
+
+
+def _jobset(groups: list[Group], pods: dict[str, dict[str, Any]], *, name: str, namespace: str, queue: str | None,
+            max_restarts: int) -> dict[str, Any]:
+    labels = _labels(name) | ({KUEUE_QUEUE_LABEL: queue} if queue else {})
     return {
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": f"{name}-{g.name}", "namespace": namespace,
-                     "labels": {"sailor.dev/job": name, "sailor.dev/group": g.name}},
+        "apiVersion": JOBSET_API, "kind": "JobSet",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
         "spec": {
-            "completionMode": "Indexed", "completions": len(g.nodes), "parallelism": len(g.nodes),
-            "backoffLimit": 0,  # a failed rank fails the job: restart from a checkpoint, not in place
-            "template": {
-                "metadata": {"labels": {"sailor.dev/job": name, "sailor.dev/group": g.name}},
-                "spec": {
-                    "subdomain": service, "restartPolicy": "Never",
-                    "nodeSelector": {"cloud.google.com/gke-accelerator": gke_accelerator(g.gpu),
-                                     "topology.kubernetes.io/zone": g.zone},
-                    "containers": [container],
-                    "volumes": [{"name": "plan", "configMap": {"name": f"{name}-plan"}},
-                                {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
-                },
-            },
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "successPolicy": {"operator": "All"},
+            "failurePolicy": {"maxRestarts": max_restarts, "restartStrategy": "BlockingRecreate"},
+            "replicatedJobs": [{"name": g.name, "replicas": 1,
+                                "template": {"metadata": {"labels": _labels(name, g.name)},
+                                             "spec": _job_spec(g, pods[g.name])}} for g in groups],
         },
     }
 
