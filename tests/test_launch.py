@@ -278,10 +278,24 @@ def test_cli_errors_are_one_line(tmp_path):
     GEO.save(plan)
     for args, match in [(["--backend", "slurm", "--dry-run"], "unknown backend 'slurm'"),
                         (["--backend", "torchrun"], "needs --hosts"),
-                        (["--backend", "skypilot"], "only writes specs")]:
+                        (["--backend", "skypilot"], "only writes specs"),
+                        (["--backend", "kubernetes", "--dry-run", "--image", ""], "--image: the container image is empty"),
+                        (["--backend", "skypilot", "--dry-run", "--image", ""], "--image: the container image is empty"),
+                        (["--backend", "kubernetes", "--dry-run", "--name", "a" * 50], "has 76 characters, more than 63"),
+                        (["--backend", "kubernetes", "--dry-run", "--namespace", "ML"], "--namespace: 'ML' is not"),
+                        (["--backend", "skypilot", "--dry-run", "--namespace", "ml"], "are for the kubernetes backend"),
+                        (["--backend", "skypilot", "--out", str(plan)], "exists and is not a folder")]:
         r = _cli("launch", str(plan), *args)
         assert r.returncode == 2 and match in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     bad = _write_hosts(tmp_path, {"groups": [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["a0", "a1"]}]})
+    r = _cli("launch", str(plan), "--backend", "skypilot", "--out", str(tmp_path / "sky"))
+    assert r.returncode == 0 and os.access(tmp_path / "sky" / "launch.sh", os.X_OK), r.stderr
+    assert sorted(p.name for p in (tmp_path / "sky").iterdir()) == ["0-a100-40-us-central1-a.yaml",
+                                                                   "1-v100-16-us-central1-b.yaml",
+                                                                   "2-v100-16-us-west1-b.yaml", "launch.sh"]
+    r = _cli("launch", str(plan), "--backend", "kubernetes", "--dry-run", "--namespace", "ml")
+    assert r.returncode == 0 and [d["kind"] for d in yaml.safe_load_all(r.stdout)] == ["ConfigMap", "NetworkPolicy",
+                                                                                       "JobSet"], r.stderr
     r = _cli("launch", str(plan), "--backend", "torchrun", "--hosts", str(bad), "--dry-run")
     assert r.returncode == 2 and "us-central1-b" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     # A plan on GPU type cpu: --device cuda is refused up front; by default its ranks get --device cpu.

@@ -1,0 +1,31 @@
+# Sailor with the CUDA build of torch: the image `sailor launch --backend kubernetes` runs by default
+# (--image sailor-train:<version>) and `--backend skypilot --image` runs every node in.
+# Build from the repository root, then push it where the cluster pulls from (README "Container image"):
+#   docker build -t sailor-train:0.1.0 .
+#   docker tag sailor-train:0.1.0 REGISTRY/sailor-train:0.1.0 && docker push REGISTRY/sailor-train:0.1.0
+# CUDA runtime + cuDNN on Ubuntu 24.04 (Python 3.12); https://hub.docker.com/r/nvidia/cuda
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+FROM ${CUDA_IMAGE}
+
+# The torch of the `train` extra (pyproject.toml); on Linux x86-64 the wheel on PyPI is its CUDA build.
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    VIRTUAL_ENV=/opt/sailor \
+    PATH=/opt/sailor/bin:$PATH
+
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/sailor \
+    && pip install "torch==${TORCH_VERSION}"
+
+# Sailor itself as a wheel (not an editable checkout); `python3` on PATH is this venv's, which is
+# what the generated launch commands call (--python python3).
+COPY pyproject.toml README.md /tmp/sailor-src/
+COPY sailor /tmp/sailor-src/sailor
+RUN pip install "/tmp/sailor-src[train]" && rm -rf /tmp/sailor-src && sailor --version
+
+WORKDIR /workspace
+CMD ["sailor", "--help"]
