@@ -69,7 +69,7 @@ def launch_command(
                                fix="or pass --dry-run to print the commands")
     if chosen is not Backend.TORCHRUN and not dry_run and out is None:
         raise SailorInputError(f"the {chosen.value} backend only writes specs", source="--backend",
-                               fix="pass --dry-run to print them or --out FILE to save them")
+                               fix="pass --dry-run to print them or --out to save them (skypilot: a folder)")
     k8s = KubernetesOptions(namespace=namespace, indexed_jobs=indexed_jobs, queue=queue, max_restarts=max_restarts,
                             checkpoint_claim=checkpoint_claim)
     if chosen is not Backend.KUBERNETES and k8s != KubernetesOptions():

@@ -14,7 +14,8 @@ from rich.table import Table
 from sailor.cli import app
 from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models
 from sailor.errors import SailorInputError
-from sailor.planner import Constraints, Objective, PlanOptions, PlanResult, SearchSpace, plan_job
+from sailor.api import plan_options
+from sailor.planner import Objective, PlanResult, SearchSpace, plan_job
 from sailor.plan import Plan
 from sailor.simulator import make_context
 from sailor.specs import EXAMPLE_CLUSTER, EXAMPLE_JOB, load_cluster, load_job
@@ -52,9 +53,9 @@ def plan_command(
     cluster_spec = load_cluster(cluster) if cluster else EXAMPLE_CLUSTER
     prof, net = resolve_models(job_spec, cluster_spec, profiles, network)
     ctx = make_context(job_spec, cluster_spec, prof, net)
-    opts = PlanOptions(objective=objective, search=search, max_stages=max_stages, top_k=top,
-                       constraints=Constraints(max_cost_per_iteration=max_cost_per_iteration,
-                                               max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput))
+    opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
+                        max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
+                        top=top)
     con = console()
     try:
         if as_json:
