@@ -16,13 +16,12 @@ Ports each backend opens (the rendezvous store, a TCPStore without authenticatio
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from pathlib import Path
 from typing import Any
 
 import yaml
-
-import dataclasses
 
 from sailor import __version__
 from sailor.errors import SailorInputError
