@@ -22,7 +22,9 @@ n = s otherwise):
   linear keeps its sharded input).
 - attention core: RoPE keeps its cos and sin tables per call, 2·s·(hd/2)·e, for q and for k; SDPA keeps
   q, k, v (k, v repeated to nh heads for grouped-query attention), 3·s·b·(h/t)·e, its output
-  s·b·(h/t)·e (which is also the output projection's input) and the log-sum-exp b·(nh/t)·s·4.
+  s·b·(h/t)·e and the log-sum-exp b·(nh/t)·s·4. The output projection keeps its input, the output
+  back in (b, s, h/t): a view of SDPA's output with learned positions (q is a transposed view of its
+  projection and SDPA lays its output out like q), a copy (s·b·(h/t)·e more) after RoPE (contiguous q).
   Selective recomputation keeps instead the core's inputs (the projections' outputs,
   s·b·(nh + 2·nkv)·hd/t·e) and its output.
 - MLP: GELU keeps its input, fc2 its input: 2·s·b·(f/t)·e; SwiGLU keeps gate and up outputs, the SiLU
@@ -73,7 +75,8 @@ def block_bytes(model: ModelSpec, *, mbs: int, seq: int, tp: int, elem_bytes: in
     if recompute is Recompute.SELECTIVE:
         keep += b * s * (model.num_heads + 2 * model.kv_heads) * hd // t * e + local
     else:
-        rope = 2 * (2 * s * (hd // 2) * e) if not model.learned_positions else 0
+        # RoPE tables for q and k; with RoPE the output projection keeps a copy of SDPA's output.
+        rope = 2 * (2 * s * (hd // 2) * e) + local if not model.learned_positions else 0
         keep += rope + 3 * local + local + b * (model.num_heads // t) * s * LSE_BYTES
     keep += (4 if model.gated_mlp else 2) * b * s * (f // t) * e
     return keep
