@@ -115,7 +115,8 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
 
     Raises:
         SailorInputError: the plan does not fit the job (layers, global batch, TP not dividing the
-            heads), a memory option or precision the runtime cannot execute, no job is given, bad steps/device/data, or an incompatible checkpoint.
+            heads), a memory option or precision the runtime cannot execute, no job is given, bad
+            steps/device/data, or an incompatible checkpoint.
     """
     plan = load_plan(options.plan)
     if options.job:

@@ -1,7 +1,7 @@
 """One rank of `sailor train`: the training loop torchrun starts (`python -m sailor.runtime.worker`).
 
-Order of construction (fixed; each step is its own function), with `mem = plan.stage_memory(stage)`
-read here once:
+Order of construction (fixed; each step is its own function; steps 2-5 are `build_rank`, which reads
+this stage's memory options `mem = plan.stage_memory(stage)`, the runtime's one reader of them):
 1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups.
 2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers) -> `apply_tp` (with
    `mem.sequence_parallel`) -> `apply_recompute` (`mem.recompute`, `mem.recompute_blocks`).
@@ -34,9 +34,9 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -28,13 +28,13 @@ for (`pipeline.run_pipeline`).
 
 Mixed precision (CUDA only; on CPU `dtype` is fp32): the model runs in bf16, gradients accumulate in
 fp32 (Megatron's `main_grad`), and the fp32 master weights and fp32 Adam moments are kept per owned
-range. Bytes per parameter as Megatron-LM counts them (docs/source/distrib_optimizer.md of
-NVIDIA/Megatron-LM: "bf16 param, fp32 grads": 18 without and 6 + 12/d with the distributed
-optimizer): ZeRO-0 2 + 4 + 4 + 8 = 18; ZeRO-1 2 + 4 + 12/d; ZeRO-2 2 + 16/d; ZeRO-3 16/d (the bf16
-weights then exist only one layer at a time). In fp32 no separate master is kept: the weights are the
-master (16 bytes/param at ZeRO-0, 4 + 4 + 8/d at ZeRO-1, 4 + 12/d at ZeRO-2, 16/d at ZeRO-3, where d is
-the group size of the bucket: the pipelines for TP shards, every rank of the stage for replicated
-parameters).
+range. Bytes per parameter as Megatron-LM counts them (NVIDIA/Megatron-LM,
+docs/api-guide/dist_optimizer.md: bf16 parameters with fp32 gradients 18 without and 6 + 12/d with the
+distributed optimizer; fp32 16 and 8 + 8/d): here bf16 ZeRO-0 2 + 4 + 4 + 8 = 18; ZeRO-1 2 + 4 + 12/d;
+ZeRO-2 2 + 16/d; ZeRO-3 16/d (the bf16 weights then exist only one layer at a time). In fp32 no
+separate master is kept, the weights are the master: 16 at ZeRO-0, 4 + 4 + 8/d at ZeRO-1, 4 + 12/d
+at ZeRO-2, 16/d at ZeRO-3. d is the group size of the bucket: the pipelines for TP shards, every rank
+of the stage for replicated parameters (and for all of a stage's parameters when no replica shards).
 
 The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`, foreach=False: elementwise per
 tensor) on the owned flat range, so sharding changes no arithmetic of the update. Global-norm
