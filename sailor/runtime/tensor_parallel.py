@@ -148,45 +148,32 @@ def _seq_slice(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(t, dim=1)[r].contiguous()
 
 
-class _ScatterSeq(torch.autograd.Function):
-    """Enter the SP region: full (B, T, h), the same on every TP rank -> own slice. The gradient of
-    the full input is the gathered gradient of the slices (every rank gets all of it)."""
+def _seq_function(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd function x -> forward(x, group) whose backward is grad -> backward(grad, group)."""
+    run_forward, run_backward = forward, backward
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_slice(x, group)
+    class _Seq(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return run_forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_gather(grad, ctx.group), None
+        @staticmethod
+        def backward(ctx, grad):
+            return run_backward(grad, ctx.group), None
 
-
-class _GatherSeq(torch.autograd.Function):
-    """Leave the SP region: own slice -> full (B, T, h). Every TP rank computes the same loss from
-    the full tensor, so the gradient of its slice is its slice of the (identical) full gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_slice(grad, ctx.group), None
+    _Seq.__name__ = _Seq.__qualname__ = name
+    return _Seq
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    """Row-parallel output under SP: partial (B, T, h) -> summed slice (B, T/t, h); backward gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_gather(grad, ctx.group), None
+# Enter the SP region: full (B, T, h), the same on every TP rank -> own slice; the gradient of the
+# full input is the gathered gradient of the slices (every rank gets all of it).
+_ScatterSeq = _seq_function("_ScatterSeq", _seq_slice, _seq_gather)
+# Leave the SP region: own slice -> full (B, T, h). Every TP rank computes the same loss from the
+# full tensor, so the gradient of its slice is its slice of the (identical) full gradient.
+_GatherSeq = _seq_function("_GatherSeq", _seq_gather, _seq_slice)
+# Row-parallel output under SP: partial (B, T, h) -> summed slice (B, T/t, h); backward gathers.
+_ReduceScatterSeq = _seq_function("_ReduceScatterSeq", _seq_reduce_scatter, _seq_gather)
 
 
 class _SPColumnLinear(torch.autograd.Function):
