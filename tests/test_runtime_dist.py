@@ -4,11 +4,15 @@ For the `tiny` model (global batch 8, micro-batch 2, sequence 64) every plan's l
 its final parameters must equal the reference's within 1e-5 relative; a run saved under one plan and
 resumed under another must continue the reference's loss curve; a crashing rank must end the job
 fast with a clear message; a stop request must checkpoint and exit 3; nothing may be left running.
+Plans with memory options (recomputation, ZeRO-1/2/3, sequence parallelism, with replicas of different
+TP and shares 3:1) must do the same, and every rank's held bytes (weights, gradients, optimizer states,
+saved activations) must equal the ZeRO rules and `sailor.runtime_activations`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -18,10 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from sailor.plan import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import load_corpus
 from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 from sailor.runtime.reference import train_reference
+from sailor.runtime_activations import stage_activation_bytes
 from sailor.specs import JobSpec
 from conftest import live_processes
 
@@ -44,9 +50,25 @@ PLANS = {
 }
 
 
+# Several memory options per plan, so few launches cover them: stage by stage, replicas of TP 1 and 2
+# (A), shares 3:1 (rounds without a micro-batch under ZeRO-2/3), sequence parallelism (C).
+MEMORY_PLANS = {
+    "A_zero3_full1_zero1_selective": {
+        "stages": [[0, 3], [3, 6]],
+        "memory": [{"recompute": "full", "recompute_blocks": 1, "zero": 3}, {"recompute": "selective", "zero": 1}],
+        "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 2), _rep(1, 1)]},
+                      {"microbatches": 1, "replicas": [_rep(0, 1), _rep(1, 2)]}]},
+    "C_sp_zero2_selective_zero3_full": {
+        "stages": [[0, 3], [3, 6]],
+        "memory": [{"recompute": "selective", "zero": 2, "sequence_parallel": True}, {"recompute": "full", "zero": 3}],
+        "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 2), _rep(1, 1)]},
+                      {"microbatches": 1, "replicas": [_rep(0, 2), _rep(1, 1)]}]},
+}
+
+
 def write_plan(tmp: Path, name: str) -> str:
     path = tmp / f"{name}.json"
-    path.write_text(json.dumps({"micro_batch_size": 2, **PLANS[name], "job": JOB}))
+    path.write_text(json.dumps({"micro_batch_size": 2, **{**PLANS, **MEMORY_PLANS}[name], "job": JOB}))
     return str(path)
 
 
@@ -104,6 +126,67 @@ def test_save_under_c_resume_under_a(tmp_path, reference):
     assert r.returncode == 0 and f"done: the checkpoint is at step {STEPS} (--steps 2)" in r.stderr, r.stderr
 
 
+def _expected_held_bytes(plan: Plan, stage: int, tp: int) -> dict[str, int]:
+    """fp32 weights, gradients and Adam states one rank of TP degree `tp` holds in `stage`, from the
+    model's parameter counts and the ZeRO rules: ZeRO >= 1 shards the optimizer states, >= 2 the
+    gradients, 3 the weights, each among the holders of a block (one rank per pipeline; every rank of
+    the stage for replicated parameters; the whole stage when no replica shards), padded per layer."""
+    spec, mem = JobSpec(**JOB).model, plan.stage_memory(stage)
+    tps = [p.replicas[stage].tp for p in plan.pipelines]
+    blocks, pipes, holders = math.lcm(*tps), len(tps), sum(tps)
+    held = own = 0
+    for layer in range(*plan.stages[stage]):
+        whole, half = spec.params(layer, 1), spec.params(layer, 2)
+        sharded, replicated = 2 * (whole - half), whole - 2 * (whole - half)  # TP-split / replicated counts
+        held += sharded // tp + replicated
+        if blocks == 1:
+            own += math.ceil(whole / holders)
+        else:
+            own += blocks // tp * math.ceil(sharded // blocks / pipes) + math.ceil(replicated / holders)
+    own = own if mem.zero else held
+    return {"params": 4 * (own if mem.zero == 3 else held), "grads": 4 * (own if mem.zero >= 2 else held),
+            "optimizer": 8 * own}
+
+
+def _check_memory(result, plan_path: str, world: int) -> None:
+    plan = Plan.model_validate_json(Path(plan_path).read_text())
+    events = [e for e in result.events if e["event"] == "memory"]
+    assert sorted(e["rank"] for e in events) == list(range(world))
+    for e in events:
+        i = e["stage"]
+        want = _expected_held_bytes(plan, i, e["tp"])
+        assert {k: e[k] for k in want} == want, e
+        acts = stage_activation_bytes(JobSpec(**JOB).model, plan.stages[i], plan.stage_memory(i), mbs=2, seq=64,
+                                      tp=e["tp"], elem_bytes=4)
+        assert {int(k): v for k, v in e["activations"].items()} == acts, e
+
+
+def test_memory_options_equal_reference_and_checkpoints_cross_zero_stages(tmp_path):
+    """A (ZeRO-3 / ZeRO-1, recomputation) steps 1-3 -> checkpoint -> B unsharded (ZeRO-0) steps 4-5 ->
+    checkpoint -> C (sequence parallelism, ZeRO-2 / ZeRO-3) steps 6-7: the reference's loss at every
+    step, its parameters at the end."""
+    steps = 7
+    ref_losses, model = train_reference(JobSpec(**JOB), steps=steps, seed=0, corpus=load_corpus())
+    ck = str(tmp_path / "ck")
+    legs = [("A_zero3_full1_zero1_selective", 3), ("b_tp1_tp2_shares_3_1", 5), ("C_sp_zero2_selective_zero3_full", 7)]
+    done = 0
+    for name, until in legs:
+        plan = write_plan(tmp_path, name)
+        result, rows = _run(tmp_path, plan, steps=until, checkpoint_dir=ck, resume=done > 0)
+        assert [r["step"] for r in rows] == list(range(done + 1, until + 1))  # no step skipped or repeated
+        for r in rows:
+            assert r["loss"] == pytest.approx(ref_losses[r["step"] - 1], rel=RTOL), (name, r["step"])
+        if name in MEMORY_PLANS:
+            _check_memory(result, plan, world=6)
+        done = until
+    found = ckpt.find_latest(ck)
+    assert found.manifest["step"] == steps
+    got = ckpt.load_tensors(found.path, found.manifest, [n for n, _ in model.named_parameters()])
+    for n, want in model.named_parameters():
+        torch.testing.assert_close(got[n]["param"], want.detach(), rtol=RTOL, atol=RTOL, msg=n)
+    assert not _leftovers(str(tmp_path))
+
+
 def test_crashing_rank_ends_the_job_fast_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("SAILOR_FAULT", "1:2")  # rank 1 dies at step 2 (0-based)
     plan = write_plan(tmp_path, "a_two_stages")
@@ -146,6 +229,10 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
     (lambda d: d.update(stages=[[0, 3], [3, 7]]), "stages cover layers [0, 7) but tiny has 6 layers"),
     (lambda d: d.update(cluster={"provider": "local", "zones": {"local": {"cpu": 4}}}),
      "the plan uses 6 cpu in local but the cluster has 4"),
+    (lambda d: d.update(memory=[{"sequence_parallel": True}, {}]), "memory.0.sequence_parallel: sequence parallelism"
+     " needs TP > 1, but replica 0 of pipeline 1 has TP 1"),
+    (lambda d: d.update(stages=[[0, 1], [1, 6]], memory=[{"recompute": "full"}, {}]),
+     "memory.0.recompute: stage 0 [0, 1) holds no transformer block"),
 ])
 def test_bad_plan_exits_2_with_one_line_before_any_process(change, message, tmp_path, monkeypatch, capsys):
     d = {"micro_batch_size": 2, **json.loads(json.dumps(PLANS["c_mixed_tp_two_stages"])), "job": JOB}

@@ -40,7 +40,7 @@ from sailor.fileio import check_output_path
 from sailor.plan import Plan, RankInfo, load_plan, rank_layout
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import check_corpus, load_corpus
-from sailor.runtime.validate import check_runtime_geometry
+from sailor.runtime.validate import check_runtime_geometry, check_runtime_options
 from sailor.specs import JobSpec, load_job
 
 EVENT_PREFIX = "SAILOR_EVENT "  # the worker's event lines (sailor.runtime.worker.emit)
@@ -115,7 +115,8 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
 
     Raises:
         SailorInputError: the plan does not fit the job (layers, global batch, TP not dividing the
-            heads), no job is given, bad steps/device/data, or an incompatible checkpoint.
+            heads), a memory option or precision the runtime cannot execute, no job is given, bad
+            steps/device/data, or an incompatible checkpoint.
     """
     plan = load_plan(options.plan)
     if options.job:
@@ -129,6 +130,7 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
     except SailorInputError as e:
         raise e.located(source=options.plan) from None
     check_runtime_geometry(plan, job, source=options.plan)
+    check_runtime_options(plan, job, source=options.plan, job_source=options.job)
     if options.steps < 1:
         raise SailorInputError(f"must be >= 1, got {options.steps}", source="--steps")
     check_output_path(options.checkpoint_dir, "--checkpoint-dir", folder=True)

@@ -78,18 +78,25 @@ class Attention(nn.Module):
         self.o = nn.Linear(spec.num_heads * hd, h, bias=spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, h) -> (B, T, h)."""
-        B, T, _ = x.shape
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        """(B, T, h) -> (B, T, h). Sizes are read from the projections' outputs, not from `x`: under
+        sequence parallelism `x` holds a slice of the sequence and the projections return all of it."""
+        q, k, v = self.q(x), self.k(x), self.v(x)  # (B, T, nh·hd), (B, T, nkv·hd) x 2
+        B, T = q.shape[0], q.shape[1]
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = self.core(q, k, v)  # (B, nh, T, hd)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core (what selective recomputation recomputes): rotary embedding, KV-head
+        repetition and causal SDPA. (B, nh, T, hd), (B, nkv, T, hd) x 2 -> (B, nh, T, hd)."""
         if self.rotary:
             q, k = _rope(q), _rope(k)
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
-        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):

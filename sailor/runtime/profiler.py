@@ -426,6 +426,7 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
 
     from sailor.plan import Pipeline, Plan, Replica
     from sailor.runtime.model import lm_loss_sum
+    from sailor.runtime.executor import NoHooks, StageExecutor
     from sailor.runtime.pipeline import P2P, run_pipeline
     from sailor.runtime.topology import derive_topology
 
@@ -435,6 +436,7 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
     role = derive_topology(plan).roles[rank]
     assert role.tp_rank == rank % tp and role.num_stages == 1, role
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=_dt.timedelta(seconds=o["timeout_s"]))
+    executor = StageExecutor(model, NoHooks(), first_stage=True)
     gen = torch.Generator(device="cpu").manual_seed(4321)
     tok = torch.randint(0, spec.vocab_size, (m * mbs, seq + 1), generator=gen).to(device)  # (m·mbs, seq + 1)
     rows = []
@@ -442,9 +444,10 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
         model.zero_grad(set_to_none=True)  # as the optimizer leaves it at the end of a step
         sync()
         t0 = time.perf_counter()
-        _, times = run_pipeline(model, role, p2p, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
-                                targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=lm_loss_sum,
-                                loss_scale=1.0 / (m * mbs * seq), autocast=autocast)
+        with autocast():
+            _, times = run_pipeline(executor, role, p2p, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
+                                    targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=lm_loss_sum,
+                                    loss_scale=1.0 / (m * mbs * seq))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0

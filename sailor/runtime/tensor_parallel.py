@@ -12,6 +12,17 @@ along which dimension; checkpoints and gradient sync use the same table.
 Communication (f and g of Megatron): `copy_to_tp` is identity forward / all-reduce backward,
 `reduce_from_tp` all-reduce forward / identity backward, `gather_from_tp` all-gather of the last
 dimension forward / own slice backward. With TP 1 nothing is swapped.
+
+Sequence parallelism (`sequence_parallel=True`; Korthikanti et al. 2022, §4.2.2): inside the stage's
+transformer blocks the activations between the TP regions are split along the sequence, so norms and
+residual adds work on T/t tokens. A column-parallel linear all-gathers its input along the sequence
+(g) and keeps only its own slice for backward, gathering it again there; a row-parallel linear
+reduce-scatters its output along the sequence (ḡ) instead of all-reducing it. The first block of the
+stage takes this rank's slice of its (full) input, the last block all-gathers its output, so the
+embedding, the head and the stage boundaries see full (B, T, h) activations as without SP. The
+replicated parameters inside the blocks (norms, row-parallel biases) then see only this rank's tokens:
+their gradients are partial sums that gradient sync adds over the TP group (`grad_weight`).
+Shapes are batch-first: the sequence is dim 1.
 """
 
 from __future__ import annotations
@@ -21,10 +32,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from sailor.runtime.model import Embedding, Head
+from sailor.runtime.model import Block, Embedding, Head
 
 _COLUMN = ("attn.q", "attn.k", "attn.v", "mlp.fc1", "mlp.gate", "mlp.up")
 _ROW = ("attn.o", "mlp.fc2", "mlp.down")
+_BLOCK_PARTS = ("norm1", "attn", "norm2", "mlp")  # submodules of a `Block`
 
 
 def shard_dim(name: str) -> int | None:
@@ -38,6 +50,17 @@ def shard_dim(name: str) -> int | None:
     if local in ("tok", "lm"):
         return 0
     return None
+
+
+def grad_weight(name: str, tp: int, sequence_parallel: bool) -> float:
+    """Weight of this rank's gradient of `name` in the sample-weighted gradient SUM over the ranks
+    holding it (`runtime.buckets`): 1 for a TP shard; for a replicated parameter 1/tp when every TP
+    rank holds the same whole gradient, 1 when each holds a partial sum over its sequence slice
+    (replicated parameters inside the blocks of a sequence-parallel stage)."""
+    if shard_dim(name) is not None:
+        return 1.0
+    in_block = name.split(".", 2)[-1].split(".", 1)[0] in _BLOCK_PARTS
+    return 1.0 if sequence_parallel and in_block else 1.0 / tp
 
 
 def shard(full: torch.Tensor, dim: int | None, tp_rank: int, tp: int) -> torch.Tensor:
@@ -100,36 +123,116 @@ def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherFromTP.apply(x, group)
 
 
+# ---- sequence parallelism: the sequence is dim 1 of (B, T, ...) --------------------------------
+def _seq_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along the sequence: (B, T/t, ...) on each rank -> (B, T, ...) (a new tensor)."""
+    t = dist.get_world_size(group)
+    parts = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # (t·B, T/t, ...)
+    dist.all_gather_single(parts, x.contiguous(), group=group)
+    return parts.view(t, *x.shape).transpose(0, 1).reshape(x.shape[0], t * x.shape[1], *x.shape[2:])
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the TP ranks, each keeping its slice of the sequence: (B, T, ...) -> (B, T/t, ...)."""
+    t = dist.get_world_size(group)
+    B, T = x.shape[0], x.shape[1]
+    parts = x.reshape(B, t, T // t, *x.shape[2:]).transpose(0, 1).reshape(t * B, T // t, *x.shape[2:])
+    out = torch.empty((B, T // t, *x.shape[2:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, parts, group=group)  # parts: (t·B, T/t, ...), rank r's slice r-th
+    return out
+
+
+def _seq_slice(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's slice of the sequence (a new, contiguous tensor)."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(t, dim=1)[r].contiguous()
+
+
+def _seq_function(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd function x -> forward(x, group) whose backward is grad -> backward(grad, group)."""
+    run_forward, run_backward = forward, backward
+
+    class _Seq(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return run_forward(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return run_backward(grad, ctx.group), None
+
+    _Seq.__name__ = _Seq.__qualname__ = name
+    return _Seq
+
+
+# Enter the SP region: full (B, T, h), the same on every TP rank -> own slice; the gradient of the
+# full input is the gathered gradient of the slices (every rank gets all of it).
+_ScatterSeq = _seq_function("_ScatterSeq", _seq_slice, _seq_gather)
+# Leave the SP region: own slice -> full (B, T, h). Every TP rank computes the same loss from the
+# full tensor, so the gradient of its slice is its slice of the (identical) full gradient.
+_GatherSeq = _seq_function("_GatherSeq", _seq_gather, _seq_slice)
+# Row-parallel output under SP: partial (B, T, h) -> summed slice (B, T/t, h); backward gathers.
+_ReduceScatterSeq = _seq_function("_ReduceScatterSeq", _seq_reduce_scatter, _seq_gather)
+
+
+class _SPColumnLinear(torch.autograd.Function):
+    """Column-parallel linear under SP: gather the sequence, then x Wᵀ + b. Saves only the sharded
+    input (B, T/t, in) and gathers it again in backward (Korthikanti et al. 2022, §4.2.2); the input
+    gradient (B, T, in) is reduce-scattered back to the slices."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_seq_gather(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = _seq_gather(x, ctx.group)  # (B, T, in)
+        grad_in = _seq_reduce_scatter(grad.matmul(weight), ctx.group)  # (B, T/t, in)
+        g2 = grad.reshape(-1, grad.shape[-1])  # (B·T, out/t)
+        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_in, grad_w, grad_b, None
+
+
 def _empty_param(*shape: int, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device))
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x Wᵀ + b with W's output features split: (B, T, in) -> (B, T, out / tp)."""
+    """y = x Wᵀ + b with W's output features split: (B, T, in) -> (B, T, out / tp); with sequence
+    parallelism (B, T / tp, in) -> (B, T, out / tp)."""
 
-    def __init__(self, base: nn.Linear, tp: int, group) -> None:
+    def __init__(self, base: nn.Linear, tp: int, group, sequence_parallel: bool = False) -> None:
         super().__init__()
         out_f, in_f = base.weight.shape
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _empty_param(out_f // tp, in_f, device=base.weight.device)
         self.bias = _empty_param(out_f // tp, device=base.weight.device) if base.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return _SPColumnLinear.apply(x, self.weight, self.bias, self.group)
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = x Wᵀ + b with W's input features split: (B, T, in / tp) -> (B, T, out), summed over TP."""
+    """y = x Wᵀ + b with W's input features split: (B, T, in / tp) -> (B, T, out), summed over TP;
+    with sequence parallelism -> (B, T / tp, out), reduce-scattered along the sequence."""
 
-    def __init__(self, base: nn.Linear, tp: int, group) -> None:
+    def __init__(self, base: nn.Linear, tp: int, group, sequence_parallel: bool = False) -> None:
         super().__init__()
         out_f, in_f = base.weight.shape
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _empty_param(out_f, in_f // tp, device=base.weight.device)
         self.bias = _empty_param(out_f, device=base.weight.device) if base.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        y = _ReduceScatterSeq.apply(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -163,27 +266,35 @@ class ParallelLMHead(nn.Module):
         return gather_from_tp(F.linear(copy_to_tp(x, self.group), self.weight), self.group)
 
 
-def apply_tp(stage: nn.Module, *, tp_rank: int, tp: int, group) -> nn.Module:
+def apply_tp(stage: nn.Module, *, tp_rank: int, tp: int, group, sequence_parallel: bool = False) -> nn.Module:
     """Swap `stage`'s layers for their TP-sharded versions in place (module docstring); returns it.
 
     Run it before weights are materialised: the new parameters are uninitialised, with the shard's
-    shape, on the device of the ones they replace (typically `meta`).
+    shape, on the device of the ones they replace (typically `meta`). `sequence_parallel` needs
+    tp > 1 and at least one block in the stage (checked by `runtime.validate`).
     """
     if tp == 1:
+        assert not sequence_parallel, "sequence parallelism needs TP > 1"
         return stage
+    sp = sequence_parallel
     for name, module in list(stage.named_modules()):
         local = name.split(".", 2)[-1] if name.startswith("layers.") else name
         parent_name, _, child = name.rpartition(".")
         parent = stage.get_submodule(parent_name) if parent_name else stage
         new: nn.Module | None = None
         if isinstance(module, nn.Linear) and local in _COLUMN:
-            new = ColumnParallelLinear(module, tp, group)
+            new = ColumnParallelLinear(module, tp, group, sp)
         elif isinstance(module, nn.Linear) and local in _ROW:
-            new = RowParallelLinear(module, tp, group)
+            new = RowParallelLinear(module, tp, group, sp)
         elif isinstance(module, nn.Embedding) and isinstance(parent, Embedding) and child == "tok":
             new = VocabParallelEmbedding(module, tp_rank, tp, group)
         elif isinstance(module, nn.Linear) and isinstance(parent, Head) and child == "lm":
             new = ParallelLMHead(module, tp, group)
         if new is not None:
             setattr(parent, child, new)
+    if sp:
+        blocks = [m for m in stage.layers.values() if isinstance(m, Block)]
+        assert blocks, "sequence parallelism needs a block in the stage"
+        blocks[0].register_forward_pre_hook(lambda module, args: (_ScatterSeq.apply(args[0], group),))
+        blocks[-1].register_forward_hook(lambda module, args, out: _GatherSeq.apply(out, group))
     return stage

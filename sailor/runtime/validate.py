@@ -22,3 +22,35 @@ def check_runtime_geometry(plan: Plan, job: JobSpec, *, source: str | None = Non
                     raise SailorInputError(f"TP {r.tp} does not divide the {size} {what} of {model.name}",
                                            source=source, field=f"pipelines.{j}.replicas.{i}.tp",
                                            fix="use a TP degree that divides it")
+
+
+def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None,
+                          job_source: str | None = None) -> None:
+    """Raise SailorInputError for a memory option (`plan.memory`) or precision the runtime cannot
+    execute, naming the plan field:
+    - sequence parallelism needs the sequence length divisible by every replica's TP degree (each TP
+      rank takes an equal slice) and a transformer block in the stage (it is applied to blocks);
+    - recomputation (selective or full) needs a transformer block in the stage;
+    - fp16 needs loss scaling, which the runtime does not implement (bf16 does not: same exponent
+      range as fp32). `job_source` is the job file when the job is not the plan's own."""
+    model = job.model
+    if job.precision == "fp16":
+        raise SailorInputError("the runtime trains in fp32 or bf16; fp16 would need loss scaling, which it does not do",
+                               source=job_source or source, field="precision" if job_source else "job.precision",
+                               fix="use precision bf16")
+    for i, (a, b) in enumerate(plan.stages):
+        mem = plan.stage_memory(i)
+        has_block = any(model.layer_kind(layer).value == "block" for layer in range(a, b))
+        for option, used in (("sequence_parallel", mem.sequence_parallel),
+                             ("recompute", mem.recompute.value != "none")):
+            if used and not has_block:
+                raise SailorInputError(f"stage {i} [{a}, {b}) holds no transformer block, so {option} has nothing"
+                                       " to apply to", source=source, field=f"memory.{i}.{option}",
+                                       fix="leave it at its default for this stage")
+        if mem.sequence_parallel:
+            for j, p in enumerate(plan.pipelines):
+                if job.seq % p.replicas[i].tp:
+                    raise SailorInputError(f"sequence parallelism splits the sequence of {job.seq} tokens over TP"
+                                           f" {p.replicas[i].tp} of pipeline {j}, which does not divide it",
+                                           source=source, field=f"memory.{i}.sequence_parallel",
+                                           fix="use a TP degree that divides the sequence length")

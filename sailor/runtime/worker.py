@@ -1,17 +1,26 @@
 """One rank of `sailor train`: the training loop torchrun starts (`python -m sailor.runtime.worker`).
 
-Order of construction (fixed; each step is its own function):
+Order of construction (fixed; each step is its own function; steps 2-5 are `build_rank`, which reads
+this stage's memory options `mem = plan.stage_memory(stage)`, the runtime's one reader of them):
 1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups.
-2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers) -> `apply_tp`.
-3. `materialize`: every parameter's full value (seeded init, or checkpoint) sharded for this TP rank.
-4. AdamW (`build_optimizer`), restored from the checkpoint when resuming.
-Each step: stop check (all ranks agree) -> 1F1B over this pipeline's micro-batches -> `GradSync`
-(sample-weighted SUM) -> global-norm clipping -> AdamW -> metrics (loss, timings) to rank 0.
+2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers) -> `apply_tp` (with
+   `mem.sequence_parallel`) -> `apply_recompute` (`mem.recompute`, `mem.recompute_blocks`).
+3. `materialize`: every parameter's full fp32 value (seeded init, or checkpoint) sharded for this TP rank.
+4. `ShardedAdamW` (`mem.zero`, the compute dtype): takes the parameters over (fp32 master where
+   needed, weights cast to bf16 under mixed precision, freed under ZeRO-3); Adam moments restored
+   from the checkpoint when resuming.
+5. `StageExecutor` (the optimizer's layer hooks around each layer); `P2P` in the compute dtype.
+Each step: stop check (all ranks agree) -> 1F1B over this pipeline's micro-batches (under ZeRO-2/3 as
+many rounds as the largest share) -> `reduce` (sample-weighted SUM) -> global-norm clipping -> AdamW
+-> metrics (loss, timings) to rank 0.
 
 Rank 0 reports to the launcher with single stdout lines `SAILOR_EVENT <json>`: {"event": "started"}
 once the process groups are up, {"event": "loaded", "step"} once the weights are in place,
 {"event": "step", ...} per step, {"event": "checkpoint", "step", "path"}, {"event": "stopped", "step", "checkpoint"},
 {"event": "done", "step"}; any rank reports {"event": "error", "rank", "error", "peer_lost"} before exiting 1.
+In the first step of a launch every rank reports {"event": "memory", "rank", "stage", "pipeline", "tp",
+"params", "grads", "optimizer" (bytes held after the last backward, `ShardedAdamW.held_bytes`),
+"activations" ({layer: bytes micro-batch 0 keeps for its backward}, `executor.ActivationMeter`)}.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,16 +43,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sailor.plan import load_plan
+from sailor.models import ModelSpec
+from sailor.plan import Plan, load_plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import batch_tokens, load_corpus
-from sailor.runtime.grad_sync import GradSync, clip_grad_norm
+from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.groups import create_groups
 from sailor.runtime.model import GPT, init_param, lm_loss_sum
-from sailor.runtime.optim import OptimConfig, build_optimizer
+from sailor.runtime.optim import OptimConfig
 from sailor.runtime.pipeline import P2P, build_stage, run_pipeline
+from sailor.runtime.recompute import apply_recompute
 from sailor.runtime.tensor_parallel import apply_tp, shard, shard_dim
 from sailor.runtime.topology import RankRole, derive_topology
+from sailor.runtime.zero import ShardedAdamW, compute_dtype
 from sailor.specs import JobSpec, load_job
 
 EVENT_PREFIX = "SAILOR_EVENT "
@@ -85,33 +98,31 @@ def _barrier(device: torch.device) -> None:
     dist.all_reduce(torch.zeros(1, device=device))
 
 
-def _full(t: torch.Tensor, name: str, role: RankRole, group) -> torch.Tensor:
-    """The full tensor of a TP-sharded `t` (all-gathered over the TP group)."""
+def _full(t: torch.Tensor, name: str, role: RankRole, group, device: torch.device) -> torch.Tensor:
+    """The full tensor (on CPU) of TP shard `t` of parameter `name` (all-gathered over the TP group)."""
     dim = shard_dim(name)
     if dim is None or role.tp == 1:
         return t.detach().cpu().clone()
+    t = t.detach().to(device).contiguous()
     parts = [torch.empty_like(t) for _ in range(role.tp)]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    dist.all_gather(parts, t, group=group)
     return torch.cat(parts, dim=dim).cpu()
 
 
-def save_checkpoint(root: Path, step: int, meta: dict[str, Any], params: dict[str, nn.Parameter],
-                    opt: torch.optim.Optimizer, role: RankRole, tp_group, device: torch.device) -> Path:
-    """Collective over all ranks: write checkpoint `step` (layout in `sailor.runtime.checkpoint`)."""
+def save_checkpoint(root: Path, step: int, meta: dict[str, Any], opt: ShardedAdamW, role: RankRole, tp_group,
+                    device: torch.device) -> Path:
+    """Collective over all ranks: write checkpoint `step` (layout in `sailor.runtime.checkpoint`):
+    the optimizer's shards gathered into full tensors by canonical name."""
     if dist.get_rank() == 0:
         ckpt.prepare_tmp(root, step)
     _barrier(device)
+    state = opt.full_state()  # every rank: its stage's TP shards, gathered over the ZeRO groups
     if role.pipeline == 0:
-        tensors = {}
-        for name, p in params.items():
-            state = opt.state.get(p, {})
-            entry = {"param": _full(p, name, role, tp_group)}
-            for key in ckpt.OPTIMIZER_KEYS:
-                if key in state:
-                    entry[key] = _full(state[key], name, role, tp_group)
-            tensors[name] = entry
+        tensors = {name: {key: _full(t, name, role, tp_group, device) for key, t in entry.items()}
+                   for name, entry in state.items()}
         if role.tp_rank == 0:
             ckpt.write_stage_file(ckpt.tmp_dir(root, step), role.stage, tensors)
+    del state
     _barrier(device)
     path = ckpt.step_dir(root, step)
     if dist.get_rank() == 0:
@@ -120,16 +131,58 @@ def save_checkpoint(root: Path, step: int, meta: dict[str, Any], params: dict[st
     return path
 
 
-def restore_optimizer(opt: torch.optim.Optimizer, params: dict[str, nn.Parameter], tensors: dict[str, dict],
-                      step: int, role: RankRole) -> None:
-    """Put the checkpoint's Adam moments (sharded for this rank) and step count into `opt`."""
-    for name, p in params.items():
-        entry = tensors[name]
-        if not all(k in entry for k in ckpt.OPTIMIZER_KEYS):
-            continue  # written before the first step
-        opt.state[p] = {"step": torch.tensor(float(step)),
-                        **{k: shard(entry[k], shard_dim(name), role.tp_rank, role.tp).to(p.device).clone()
-                           for k in ckpt.OPTIMIZER_KEYS}}
+def restore_moments(opt: ShardedAdamW, tensors: dict[str, dict], step: int, role: RankRole) -> None:
+    """Put the checkpoint's Adam moments (full tensors, sharded here for this TP rank) and step count
+    into `opt`; a checkpoint written before the first step has none."""
+    if not all(k in entry for entry in tensors.values() for k in ckpt.OPTIMIZER_KEYS):
+        assert step == 0, step
+        return
+    opt.load_moments({name: {k: shard(entry[k], shard_dim(name), role.tp_rank, role.tp) for k in ckpt.OPTIMIZER_KEYS}
+                      for name, entry in tensors.items()}, step)
+
+
+@dataclass
+class RankModel:
+    """One rank's built stage (`build_rank`)."""
+
+    stage: nn.Module
+    optimizer: ShardedAdamW
+    executor: StageExecutor
+    dtype: torch.dtype  # the weights' and activations' compute dtype
+    rounds: int  # 1F1B rounds per step (the largest share under ZeRO-2/3, else this pipeline's)
+
+
+def stage_names(spec: ModelSpec, role: RankRole) -> list[str]:
+    """Canonical parameter names of this rank's stage."""
+    with torch.device("meta"):
+        stage = build_stage(GPT(spec), role.layers)
+    return [n for n, _ in stage.named_parameters()]
+
+
+def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device: torch.device, seed: int,
+               tensors: dict[str, dict] | None = None, step: int = 0, dtype: torch.dtype | None = None) -> RankModel:
+    """Steps 2-5 of the order of construction (module docstring) for this rank's stage. `tensors`:
+    a checkpoint's full tensors by name (None: the seeded initial weights); `dtype` overrides the
+    compute dtype of `job.precision` on `device` (tests run bf16 on CPU with it)."""
+    spec, mem = job.model, plan.stage_memory(role.stage)
+    with torch.device("meta"):
+        stage = GPT(spec)
+    build_stage(stage, role.layers)
+    apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=groups.get(role.tp_group),
+             sequence_parallel=mem.sequence_parallel)
+    apply_recompute(stage, mem)
+    if tensors is not None:
+        materialize(stage, lambda n, s: tensors[n]["param"], tp_rank=role.tp_rank, tp=role.tp, device=device)
+    else:
+        materialize(stage, lambda n, s: init_param(n, s, seed=seed, num_blocks=spec.num_blocks),
+                    tp_rank=role.tp_rank, tp=role.tp, device=device)
+    dtype = dtype or compute_dtype(job.precision, device)
+    opt = ShardedAdamW(dict(stage.named_parameters()), role, groups, zero=mem.zero,
+                       sequence_parallel=mem.sequence_parallel, cfg=OptimConfig(), dtype=dtype)
+    if tensors is not None:
+        restore_moments(opt, tensors, step, role)
+    rounds = max(p.microbatches for p in plan.pipelines) if mem.zero >= 2 else role.microbatches
+    return RankModel(stage, opt, StageExecutor(stage, opt, first_stage=role.is_first_stage), dtype, rounds)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -168,36 +221,21 @@ def train(args: argparse.Namespace) -> None:
         emit("started", world_size=topo.world_size)  # process groups are up (the controller times phases)
     tp_group = groups.get(role.tp_group)
 
-    with torch.device("meta"):
-        stage = GPT(spec)
-    build_stage(stage, role.layers)
-    apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=tp_group)
     start, tensors = 0, None
     if args.resume_from:
         manifest = ckpt.read_manifest(args.resume_from)
         start = manifest["step"]
-        tensors = ckpt.load_tensors(args.resume_from, manifest, [n for n, _ in stage.named_parameters()])
-        materialize(stage, lambda n, s: tensors[n]["param"], tp_rank=role.tp_rank, tp=role.tp, device=device)
-    else:
-        materialize(stage, lambda n, s: init_param(n, s, seed=args.seed, num_blocks=spec.num_blocks),
-                    tp_rank=role.tp_rank, tp=role.tp, device=device)
-    params = dict(stage.named_parameters())
-    cfg = OptimConfig()
-    opt = build_optimizer(params, cfg)
-    if tensors is not None:
-        restore_optimizer(opt, params, tensors, start, role)
-        del tensors
+        tensors = ckpt.load_tensors(args.resume_from, manifest, stage_names(spec, role))
+    rk = build_rank(plan, job, role, groups, device=device, seed=args.seed, tensors=tensors, step=start)
+    del tensors
     if rank == 0:
         emit("loaded", step=start)  # weights and optimizer state in place; step `start` runs next
-    sync = GradSync(params, role, groups)
-    p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout)
+    opt, cfg = rk.optimizer, rk.optimizer.cfg
+    p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype)
     corpus = load_corpus(args.data)
     meta = {"seed": args.seed, "model": spec.model_dump(mode="json"), "global_batch_size": gbs}
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     fault = os.environ.get(FAULT_ENV, "")
-    # Mixed precision on GPUs only when the job asks for it (the plan was simulated and priced for it).
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.precision)
-    autocast = ((lambda: torch.autocast("cuda", dtype=half)) if cuda and half else contextlib.nullcontext)
     n_local = role.microbatches * mbs
     saved_at = start if args.resume_from else None
 
@@ -214,7 +252,7 @@ def train(args: argparse.Namespace) -> None:
         if stop:
             path = None
             if root is not None:
-                path = save_checkpoint(root, step, meta, params, opt, role, tp_group, device) if saved_at != step \
+                path = save_checkpoint(root, step, meta, opt, role, tp_group, device) if saved_at != step \
                     else ckpt.step_dir(root, step)
             if rank == 0:
                 emit("stopped", step=step, checkpoint=str(path) if path else None)
@@ -223,15 +261,19 @@ def train(args: argparse.Namespace) -> None:
             os._exit(13)
         tok = torch.from_numpy(batch_tokens(corpus, seed=args.seed, step=step, first=role.first_sample,
                                             count=n_local, seq=seq)).to(device)
+        meter = ActivationMeter() if step == start else None
+        # Micro-batch slices are copied so that what a micro-batch keeps is its own (B, T) tokens.
         loss_sum, times = run_pipeline(
-            stage, role, p2p, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
-            targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=lm_loss_sum,
-            loss_scale=1.0 / (gbs * seq), autocast=autocast)
+            rk.executor, role, p2p, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1].contiguous(),
+            targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:].contiguous(), loss_fn=lm_loss_sum,
+            loss_scale=1.0 / (gbs * seq), rounds=rk.rounds, meter=meter)
         t1 = time.perf_counter()
-        sync.sync()
-        grad_norm = clip_grad_norm(params, role, cfg.max_grad_norm)
+        if meter is not None:
+            emit("memory", rank=rank, stage=role.stage, pipeline=role.pipeline, tp=role.tp, **opt.held_bytes(),
+                 activations=meter.per_layer)
+        opt.reduce()
+        grad_norm = opt.clip(cfg.max_grad_norm)
         opt.step()
-        opt.zero_grad(set_to_none=True)
         t2 = time.perf_counter()
         # One MAX all-reduce per step carries: the stop request, each stage's timings (MAX over its
         # ranks), and each pipeline's loss sum in its own slot (only its last stage's TP rank 0 writes
@@ -255,7 +297,7 @@ def train(args: argparse.Namespace) -> None:
             emit("step", **record)  # the launcher appends it to --metrics
         done = step + 1
         if root is not None and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
-            path = save_checkpoint(root, done, meta, params, opt, role, tp_group, device)
+            path = save_checkpoint(root, done, meta, opt, role, tp_group, device)
             saved_at = done
             if rank == 0:
                 emit("checkpoint", step=done, path=str(path))

@@ -1,0 +1,287 @@
+"""The runtime's optimizer: AdamW over one stage, with ZeRO-0/1/2/3 sharding and mixed precision.
+
+Every stage runs through `ShardedAdamW`; `StageMemory.zero` (read once, in the worker) says how much
+of the training state is sharded among the ranks that hold each element (`runtime.buckets`: one
+bucket per layer and group, the same block ownership gradient sync uses, so replicas of different TP
+degrees and GPU types shard correctly):
+
+| ZeRO | weights           | gradients                                   | fp32 master + Adam moments |
+|------|-------------------|---------------------------------------------|----------------------------|
+| 0    | full              | full, one all-reduce per bucket per step     | full (every member updates all) |
+| 1    | full              | full, one reduce-scatter per bucket per step | own shard                  |
+| 2    | full              | own shard, reduce-scattered per micro-batch  | own shard                  |
+| 3    | own shard only    | as ZeRO-2                                    | own shard                  |
+
+ZeRO-1 is Megatron-LM's distributed optimizer (Narayanan et al. SC'21 code base, `--use-distributed-
+optimizer`): gradients accumulate in full over the micro-batches, one reduce-scatter gives each member
+the summed gradient of its shard, it updates that shard, and an all-gather of the updated shards
+rebuilds the full weights (the volume of one all-reduce; Rajbhandari et al. 2020, §7). Under ZeRO-2
+and 3 no full gradient outlives one layer's backward: after each layer's backward of each micro-batch
+its gradients are reduce-scattered and added to the own shard's fp32 accumulator (DeepSpeed's
+ZeRO-2). Under ZeRO-3 a layer's weights are all-gathered before its forward and again before its
+backward, and freed after each (`untyped_storage().resize_(0)`, which also frees the views autograd
+saved; refilling goes through `.data`, so their version counters stay valid). Pipelines of one stage
+may run different numbers of micro-batches (uneven batch shares): under ZeRO-2/3 the members of a
+group meet in a collective for every micro-batch, so every pipeline runs the 1F1B schedule of the
+largest share, doing only the collectives (with zero gradients) in the rounds it has no micro-batch
+for (`pipeline.run_pipeline`).
+
+Mixed precision (CUDA only; on CPU `dtype` is fp32): the model runs in bf16, gradients accumulate in
+fp32 (Megatron's `main_grad`), and the fp32 master weights and fp32 Adam moments are kept per owned
+range. Bytes per parameter as Megatron-LM counts them (NVIDIA/Megatron-LM,
+docs/api-guide/dist_optimizer.md: bf16 parameters with fp32 gradients 18 without and 6 + 12/d with the
+distributed optimizer; fp32 16 and 8 + 8/d): here bf16 ZeRO-0 2 + 4 + 4 + 8 = 18; ZeRO-1 2 + 4 + 12/d;
+ZeRO-2 2 + 16/d; ZeRO-3 16/d (the bf16 weights then exist only one layer at a time). In fp32 no
+separate master is kept, the weights are the master: 16 at ZeRO-0, 4 + 4 + 8/d at ZeRO-1, 4 + 12/d
+at ZeRO-2, 16/d at ZeRO-3. d is the group size of the bucket: the pipelines for TP shards, every rank
+of the stage for replicated parameters (and for all of a stage's parameters when no replica shards).
+
+The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`, foreach=False: elementwise per
+tensor) on the owned flat range, so sharding changes no arithmetic of the update. Global-norm
+clipping adds the squares of the owned gradient elements (each counted once over the world) in fp64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.adamw import adamw
+
+from sailor.runtime.buckets import Bucket, build_buckets, flatten, unflatten
+from sailor.runtime.optim import OptimConfig
+from sailor.runtime.topology import RankRole, Ranks
+
+FP32 = torch.float32
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The weights' and activations' dtype for a job's `precision`: bf16 on CUDA for "bf16", fp32
+    otherwise (the runtime trains in fp32 on CPU; fp16 is refused by `runtime.validate`, as it
+    would need loss scaling)."""
+    assert precision != "fp16", "refused by runtime.validate"
+    return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else FP32
+
+
+class ShardedAdamW:
+    """AdamW over one stage's parameters, sharded as ZeRO-`zero` (module docstring); also the layer
+    hooks `executor.StageExecutor` calls around each layer's forward and backward.
+
+    Args:
+        params: this rank's stage parameters by canonical name (TP shards), fp32 with their initial
+            (or checkpoint) values. They are taken over: cast to `dtype`, freed under ZeRO-3.
+        role: this rank's role (stage groups and blocks).
+        groups: torch process group per rank tuple (`groups.create_groups`).
+        zero: ZeRO stage 0..3 of this rank's stage.
+        sequence_parallel: the stage runs with sequence parallelism (gradient weights).
+        cfg: AdamW settings (the reference's).
+        dtype: the weights' compute dtype (fp32, or bf16 on CUDA).
+    """
+
+    def __init__(self, params: Mapping[str, nn.Parameter], role: RankRole, groups: Mapping[Ranks, object], *,
+                 zero: int, sequence_parallel: bool, cfg: OptimConfig, dtype: torch.dtype = FP32) -> None:
+        assert 0 <= zero <= 3, zero
+        self.params, self.zero, self.cfg, self.dtype = dict(params), zero, cfg, dtype
+        self.groups = groups
+        self.steps = 0  # optimizer steps taken
+        self.device = next(iter(self.params.values())).device
+        self.buckets = build_buckets(self.params, role, zero=zero, sequence_parallel=sequence_parallel)
+        self.layer_buckets: dict[int, list[int]] = {}
+        for i, b in enumerate(self.buckets):
+            self.layer_buckets.setdefault(b.layer, []).append(i)
+        self.layer_params: dict[int, list[str]] = {}
+        for name in self.params:
+            self.layer_params.setdefault(int(name.split(".")[1]), []).append(name)
+        # fp32 master of the owned range: kept where the weights cannot serve as master (ZeRO-3, or
+        # half-precision weights); otherwise built from the weights at each step.
+        self.master = [self._own(b, flatten(b, self.params, dtype=FP32, device=self.device, padded=True)).clone()
+                       if self._keeps_master else None for b in self.buckets]
+        self.exp_avg = [torch.zeros(b.shard_numel, dtype=FP32, device=self.device) for b in self.buckets]
+        self.exp_avg_sq = [torch.zeros(b.shard_numel, dtype=FP32, device=self.device) for b in self.buckets]
+        # Owned gradient: accumulated over the step's micro-batches under ZeRO-2/3, made by `reduce`
+        # otherwise (and dropped after the step).
+        self.grad: list[torch.Tensor | None] = [
+            torch.zeros(b.shard_numel, dtype=FP32, device=self.device) if zero >= 2 else None for b in self.buckets]
+        self.main_grad = ({n: torch.zeros_like(p, dtype=FP32) for n, p in self.params.items()}
+                          if dtype != FP32 and zero < 2 else None)
+        with torch.no_grad():
+            for p in self.params.values():
+                if p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+        if zero == 3:
+            for layer in self.layer_params:
+                self._free(layer)
+
+    @property
+    def _keeps_master(self) -> bool:
+        return self.zero == 3 or self.dtype != FP32
+
+    # ---- layer hooks (called by the executor, in the same order on every member) ----------------
+    def before_forward(self, layer: int) -> None:
+        if self.zero == 3:
+            self._gather(layer)
+
+    def after_forward(self, layer: int) -> None:
+        if self.zero == 3:
+            self._free(layer)
+
+    def before_backward(self, layer: int) -> None:
+        if self.zero == 3:
+            self._gather(layer)
+
+    def after_backward(self, layer: int) -> None:
+        """The layer's backward of one micro-batch is done (or skipped: its gradients are None)."""
+        if self.zero >= 2:
+            self._reduce_scatter(layer)
+        elif self.main_grad is not None:
+            for n in self.layer_params[layer]:
+                p = self.params[n]
+                if p.grad is not None:
+                    self.main_grad[n].add_(p.grad)
+                    p.grad = None
+        if self.zero == 3:
+            self._free(layer)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def reduce(self) -> None:
+        """After the last backward of the step: sum the gradients over each bucket's group (ZeRO-0:
+        all-reduce, ZeRO-1: reduce-scatter; ZeRO-2/3 did it per micro-batch)."""
+        if self.zero >= 2:
+            return
+        grads = self.main_grad if self.main_grad is not None else {n: p.grad for n, p in self.params.items()}
+        for i, b in enumerate(self.buckets):
+            flat = flatten(b, grads, weighted=True, dtype=FP32, device=self.device, padded=True)
+            self.grad[i] = self._reduce(b, flat)
+        for p in self.params.values():
+            p.grad = None
+        if self.main_grad is not None:
+            for g in self.main_grad.values():
+                g.zero_()
+
+    def clip(self, max_norm: float) -> float:
+        """Clip the whole model's gradient (every rank's owned elements together, over the world)
+        to L2 norm `max_norm`, as `torch.nn.utils.clip_grad_norm_` does on one model; returns the
+        norm before clipping. Under ZeRO-0 every member of a group holds the whole reduced bucket,
+        so each counts it with weight 1 / members; owned shards are disjoint (weight 1)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for b, g in zip(self.buckets, self.grad):
+            w = 1.0 / len(b.ranks) if b.shards == 1 else 1.0
+            sq += w * g.double().pow(2).sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sq)
+        norm = math.sqrt(sq.item())
+        coef = min(1.0, max_norm / (norm + 1e-6))  # the same epsilon as torch's clip_grad_norm_
+        for g in self.grad:
+            g.mul_(coef)
+        return norm
+
+    def step(self) -> None:
+        """AdamW on every owned range, then the weights rebuilt from the updated shards."""
+        cfg = self.cfg
+        for i, b in enumerate(self.buckets):
+            master = self.master[i] if self.master[i] is not None else self._own(
+                b, flatten(b, self.params, dtype=FP32, device=self.device, padded=True)).clone()
+            for lo, hi, decay in b.segments():
+                adamw([master[lo:hi]], [self.grad[i][lo:hi]], [self.exp_avg[i][lo:hi]], [self.exp_avg_sq[i][lo:hi]],
+                      [], [torch.tensor(float(self.steps))], foreach=False, amsgrad=False, beta1=cfg.betas[0],
+                      beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps,
+                      maximize=False)
+            if self.zero < 3:
+                unflatten(b, self._all_gather(b, master.to(self.dtype)), self.params)
+            if self.zero >= 2:
+                self.grad[i].zero_()
+            else:
+                self.grad[i] = None
+        self.steps += 1
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Collective over every bucket's group: each parameter's TP shard as fp32 CPU tensors,
+        {name: {"param", "exp_avg", "exp_avg_sq"}} (the moments once a step was taken)."""
+        out: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.params}
+        for i, b in enumerate(self.buckets):
+            master = self.master[i] if self.master[i] is not None else self._own(
+                b, flatten(b, self.params, dtype=FP32, device=self.device, padded=True))
+            parts = [("param", master)] + ([("exp_avg", self.exp_avg[i]), ("exp_avg_sq", self.exp_avg_sq[i])]
+                                           if self.steps else [])
+            for key, own in parts:
+                full = self._all_gather(b, own).cpu()
+                tensors = {pc.name: out[pc.name].setdefault(key, torch.empty(self.params[pc.name].shape, dtype=FP32))
+                           for pc in b.pieces}
+                unflatten(b, full, tensors)
+        return out
+
+    def load_moments(self, tensors: Mapping[str, Mapping[str, torch.Tensor]], step: int) -> None:
+        """Take the Adam moments (TP shards, by name) and step count of a checkpoint; the weights
+        (and master) came with the parameters this optimizer was built from."""
+        for i, b in enumerate(self.buckets):
+            for key, dst in (("exp_avg", self.exp_avg[i]), ("exp_avg_sq", self.exp_avg_sq[i])):
+                flat = flatten(b, {n: t[key] for n, t in tensors.items() if key in t},
+                               dtype=FP32, device=self.device, padded=True)
+                dst.copy_(self._own(b, flat))
+        self.steps = step
+
+    # ---- accounting --------------------------------------------------------------------------
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now: `params` (the weights' storage, plus under fp32 ZeRO-3 the owned
+        shard, which is then the only copy of the weights), `grads` (gradients of the weights,
+        fp32 accumulators and owned shards), `optimizer` (Adam moments and a separate fp32 master)."""
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.untyped_storage().nbytes()
+
+        master = sum(size(m) for m in self.master)
+        weights_master = self.zero == 3 and self.dtype == FP32
+        return {"params": sum(size(p) for p in self.params.values()) + (master if weights_master else 0),
+                "grads": (sum(size(p.grad) for p in self.params.values()) + sum(size(g) for g in self.grad)
+                          + sum(size(g) for g in (self.main_grad or {}).values())),
+                "optimizer": sum(size(m) + size(v) for m, v in zip(self.exp_avg, self.exp_avg_sq))
+                + (0 if weights_master else master)}
+
+    # ---- collectives -------------------------------------------------------------------------
+    def _own(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a padded flat vector of bucket `b` (the whole of it under ZeRO-0)."""
+        return flat[b.index * b.shard_numel:(b.index + 1) * b.shard_numel]
+
+    def _all_gather(self, b: Bucket, own: torch.Tensor) -> torch.Tensor:
+        """The padded flat vector of `b` from every member's shard `own`."""
+        if b.shards == 1:
+            return own
+        full = torch.empty(b.shards * b.shard_numel, dtype=own.dtype, device=own.device)
+        dist.all_gather_single(full, own.contiguous(), group=self.groups[b.ranks])
+        return full
+
+    def _reduce(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """The SUM over `b`'s members of their padded flat vectors `flat`: all of it under ZeRO-0
+        (all-reduce, in place), this rank's shard otherwise (reduce-scatter)."""
+        if len(b.ranks) == 1:
+            return flat
+        if b.shards == 1:
+            dist.all_reduce(flat, group=self.groups[b.ranks])
+            return flat
+        out = torch.empty(b.shard_numel, dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter_single(out, flat, group=self.groups[b.ranks])
+        return out
+
+    def _gather(self, layer: int) -> None:
+        for n in self.layer_params[layer]:
+            p = self.params[n]
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+        for i in self.layer_buckets[layer]:
+            unflatten(self.buckets[i], self._all_gather(self.buckets[i], self.master[i].to(self.dtype)), self.params)
+
+    def _free(self, layer: int) -> None:
+        for n in self.layer_params[layer]:
+            self.params[n].untyped_storage().resize_(0)
+
+    def _reduce_scatter(self, layer: int) -> None:
+        """Add the layer's summed gradients of this micro-batch to the owned accumulators."""
+        for i in self.layer_buckets[layer]:
+            b = self.buckets[i]
+            flat = flatten(b, {pc.name: self.params[pc.name].grad for pc in b.pieces}, weighted=True,
+                           dtype=FP32, device=self.device, padded=True)
+            self.grad[i].add_(self._reduce(b, flat))
+        for n in self.layer_params[layer]:
+            self.params[n].grad = None
