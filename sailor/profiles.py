@@ -35,7 +35,7 @@ import numpy as np
 from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import load_json, write_json
-from sailor.models import LayerKind, canonical_model_name
+from sailor.models import LayerKind, Recompute, canonical_model_name
 from sailor.specs import JobSpec
 
 SCHEMA = "sailor.profiles/1"
@@ -137,13 +137,51 @@ class Profiles:
         per = ADAM_BYTES_PER_PARAM if job.optimizer.value == "adam" else SGD_BYTES_PER_PARAM
         return params * per / catalog.gpu(gpu).hbm_bytes_per_s
 
-    def activation_bytes_per_layer(self, job: JobSpec, tp: int, mbs: int) -> np.ndarray:
-        """Activation bytes kept for backward per layer for one micro-batch: measured (scaled
-        linearly in mbs) when profiled at this TP, else the model's formula. Array (num_layers,)."""
-        if tp in self.activation_bytes:
-            return self.activation_bytes[tp] * mbs
+    def includes_tp_comm(self, gpu: str) -> bool:
+        """True when the layer times of `gpu` come from a measurement with real TP processes (at this
+        TP or, scaled, at another one), so they hold the TP collectives; False for pure roofline
+        estimates, which do not."""
+        return any(g == gpu for g, _ in self.times)
+
+    def attention_core_share(self, job: JobSpec, gpu: str, tp: int, mbs: int) -> float:
+        """Fraction of a block's forward time spent in the attention core (what selective
+        recomputation re-runs), from the analytic model: core FLOPs over the block's FLOPs."""
         m = job.model
-        return np.array([m.activation_bytes(i, tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes)
+        block = next(i for i in range(m.num_layers) if m.layer_kind(i) is LayerKind.BLOCK)
+        core = m.recompute_flop(block, tp=tp, mbs=mbs, seq=job.seq, recompute=Recompute.SELECTIVE)
+        return core / m.forward_flop(block, tp=tp, mbs=mbs, seq=job.seq)
+
+    def activation_bytes_per_layer(self, job: JobSpec, tp: int, mbs: int, *, recompute: Recompute = Recompute.NONE,
+                                   sequence_parallel: bool = False) -> np.ndarray:
+        """Activation bytes kept for backward per layer for one micro-batch under a recompute mode
+        and SP: measured (scaled linearly in mbs, and to the options by the model's ratio of their
+        bytes to the plain layer's) when profiled at this TP, else the model's formula for the job's
+        framework. Array (num_layers,)."""
+        formula = self._formula(job, tp, mbs, recompute, sequence_parallel)
+        if tp not in self.activation_bytes:
+            return formula
+        if recompute is Recompute.NONE and not sequence_parallel:
+            return self.activation_bytes[tp] * mbs
+        plain = self._formula(job, tp, mbs, Recompute.NONE, False)
+        return self.activation_bytes[tp] * mbs * formula / plain
+
+    def recompute_transient_bytes(self, job: JobSpec, layer: int, tp: int, mbs: int, *, recompute: Recompute,
+                                  sequence_parallel: bool = False) -> float:
+        """Bytes one recomputed block `layer` rebuilds during its backward
+        (`ModelSpec.recompute_transient_bytes`), scaled like `activation_bytes_per_layer` when the
+        activations were measured at this TP."""
+        m = job.model
+        kw = dict(tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes, framework=job.framework)
+        transient = m.recompute_transient_bytes(layer, **kw, recompute=recompute, sequence_parallel=sequence_parallel)
+        if tp not in self.activation_bytes:
+            return transient
+        return float(self.activation_bytes[tp][layer] * mbs * transient / m.activation_bytes(layer, **kw))
+
+    @staticmethod
+    def _formula(job: JobSpec, tp: int, mbs: int, recompute: Recompute, sp: bool) -> np.ndarray:
+        m = job.model
+        return np.array([m.activation_bytes(i, tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes,
+                                            framework=job.framework, recompute=recompute, sequence_parallel=sp)
                          for i in range(m.num_layers)])
 
     # ---- save ------------------------------------------------------------------------------
