@@ -31,7 +31,10 @@ Backward passes: every GEMM twice (input and weight gradients), the flash attent
 elementwise kernel reads what it saved and the incoming gradient and writes the outgoing one.
 Embedding: the row gather (and position add), its backward a scatter-add into fp32 gradients. Head:
 norm, LM-head GEMM and the fp32 cross entropy (Megatron-LM: vocab-parallel over V/t; Sailor's
-runtime: over the all-gathered V).
+runtime: over the all-gathered V). Every layer's backward also accumulates its fresh weight
+gradients (e bytes per parameter) into the gradient buffer kept across micro-batches (read and
+written at the job's gradient bytes): Megatron-LM's `param.main_grad.add_(param.grad)` hook of its
+DDP wrapper, PyTorch's AccumulateGrad in Sailor's runtime.
 """
 
 from __future__ import annotations
@@ -179,17 +182,26 @@ def head_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, framework: Fr
     return [norm, lm, loss], [loss_bwd, lm.scaled(2, "lm head backward"), _mem("norm backward", 3 * e * N * h)]
 
 
+def grad_accumulation_op(job: JobSpec, layer: int, tp: int) -> Op:
+    """Adding one micro-batch's weight gradients of `layer` (e bytes per parameter) into the
+    gradient buffer (read and written at the job's gradient bytes per parameter)."""
+    grad = job.state_bytes_per_param["gradients"]
+    return _mem("gradient accumulation", job.model.params(layer, tp) * (job.elem_bytes + 2 * grad))
+
+
 def layer_ops(job: JobSpec, layer: int, tp: int, mbs: int, sp: bool = False) -> tuple[list[Op], list[Op]]:
     """(forward, backward) operations of `layer` for `job` (its model, sequence, precision, framework)."""
     m = job.model
     kw = dict(tp=tp, mbs=mbs, seq=job.seq, e=job.elem_bytes)
     kind = m.layer_kind(layer)
     if kind is LayerKind.EMBEDDING:
-        return embedding_ops(m, **kw, framework=job.framework)
-    if kind is LayerKind.HEAD:
-        return head_ops(m, **kw, framework=job.framework)
-    ops = megatron_block_ops if job.framework is Framework.MEGATRON else sailor_block_ops
-    return ops(m, **kw, sp=sp)
+        fwd, bwd = embedding_ops(m, **kw, framework=job.framework)
+    elif kind is LayerKind.HEAD:
+        fwd, bwd = head_ops(m, **kw, framework=job.framework)
+    else:
+        ops = megatron_block_ops if job.framework is Framework.MEGATRON else sailor_block_ops
+        fwd, bwd = ops(m, **kw, sp=sp)
+    return fwd, bwd + [grad_accumulation_op(job, layer, tp)]
 
 
 def layer_times(job: JobSpec, gpu: str, tp: int, mbs: int) -> np.ndarray:
