@@ -7,8 +7,11 @@ passed on. Formulas:
 - parameters and FLOPs: Megatron accounting (Narayanan et al., SC'21, "Efficient Large-Scale Language
   Model Training on GPU Clusters", §5.1), generalised to grouped-query attention and gated MLPs;
   backward = 2 x forward (no recomputation).
-- activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models", Table 2 (no sequence parallelism, no recomputation), generalised to any element size.
+- activations: `sailor.activations`, per framework (`Framework`: Megatron-LM's accounting of
+  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2,
+  or Sailor's runtime with memory-efficient attention) and per memory option (`Recompute`, sequence
+  parallelism);
+- recomputation FLOPs (`recompute_flop`) and the TP collectives of each layer (`tp_collectives`);
 - the vocabulary is padded to a multiple of 128 x TP, as Megatron-LM does (`--make-vocab-size-
   divisible-by 128`); the public Sailor `llm_info.json` parameter counts match this exactly.
 The head holds its own LM-head weights: untied models have them anyway, and tied ones keep a
@@ -34,6 +37,50 @@ class LayerKind(str, Enum):
     EMBEDDING = "embedding"
     BLOCK = "block"
     HEAD = "head"
+
+
+class Framework(str, Enum):
+    """Whose implementation of the layers a job is modelled after; decides which tensors a layer
+    saves for its backward (`sailor.activations`), how the head's loss is parallelised and how
+    activations cross stage boundaries.
+
+    - `sailor` (default): this project's runtime (`sailor.runtime.model`): attention through
+      `F.scaled_dot_product_attention` (memory-efficient / flash kernels, no s x s score tensor is
+      kept), no dropout, logits all-gathered before a plain cross entropy, every TP rank sending the
+      full activation to its peer of the next stage (as DeepSpeed's pipeline engine, which the public
+      Sailor measurements ran, does too).
+    - `megatron-lm`: Megatron-LM's GPT as published (Narayanan et al. SC'21; Korthikanti et al.
+      2022): materialised attention scores with softmax and dropout masks, fused kernels,
+      vocab-parallel cross entropy, and the scatter/gather of activations across stage boundaries
+      (SC'21 §4.1). Use it for published Megatron-LM setups.
+    """
+
+    SAILOR = "sailor"
+    MEGATRON = "megatron-lm"
+
+
+class Recompute(str, Enum):
+    """Activation recomputation of a stage's transformer blocks (Korthikanti et al. 2022, §4-5).
+
+    - `none`: every block keeps its activations for the backward pass.
+    - `selective`: the attention core (RoPE, QKᵀ, softmax, dropout, attention·V) is recomputed in the
+      backward pass; the rest is kept (§5, "selective activation recomputation").
+    - `full`: each recomputed block keeps only its input and re-runs its forward in the backward
+      pass (Chen et al. 2016 gradient checkpointing at block granularity); `recompute_blocks` says how
+      many of the stage's blocks (the first ones) are recomputed, the others keep everything.
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Collective(str, Enum):
+    """Collectives inside a TP group (ring algorithms; see `simulator.collectives`)."""
+
+    ALL_REDUCE = "all-reduce"
+    ALL_GATHER = "all-gather"
+    REDUCE_SCATTER = "reduce-scatter"
 
 
 class ModelSpec(BaseModel):
@@ -153,25 +200,78 @@ class ModelSpec(BaseModel):
         """Backward FLOPs: twice the forward (gradients w.r.t. inputs and weights)."""
         return 2.0 * self.forward_flop(layer, tp=tp, mbs=mbs, seq=seq)
 
-    def activation_bytes(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int) -> float:
-        """Bytes one GPU keeps from a micro-batch's forward until its backward.
+    def recompute_flop(self, layer: int, *, tp: int, mbs: int, seq: int, recompute: Recompute) -> float:
+        """FLOPs one GPU spends in the backward pass re-running forward work of layer `layer` for one
+        micro-batch: the whole block's forward under full recomputation; under selective
+        recomputation the attention core's two matmuls (QKᵀ and attention·V, 4·b·s²·h / t; its
+        softmax and dropout are elementwise). 0 for the embedding, the head and `none`.
 
-        Block (Korthikanti et al. 2022, Table 2, generalised to element size e): replicated
-        s·b·h·(4e + 2) (norm and matmul inputs, dropout masks); sharded over TP
-        s·b·h·(4 + m·f/h)·e/t + a·s²·b·(2e + 1)/t (Q, K, V, attention out, MLP intermediates, softmax
-        output and its dropout). For e = 2, f = 4h this is s·b·h·(10 + 24/t) + 5·a·s²·b/t.
-        Embedding: its output and dropout mask. Head: its input and the fp32 logits and their gradient.
+        With full recomputation a block costs forward + recompute + backward = 4x its forward, the
+        count Narayanan et al. SC'21 §5.1 use (eq. 3: 96·B·s·l·h²(1 + s/(6h) + V/(16·l·h)), whose
+        logit term is not recomputed)."""
+        if recompute is Recompute.NONE or self.layer_kind(layer) is not LayerKind.BLOCK:
+            return 0.0
+        if recompute is Recompute.FULL:
+            return self.forward_flop(layer, tp=tp, mbs=mbs, seq=seq)
+        return 4.0 * mbs * seq * seq * self.hidden_size / tp
+
+    def activation_bytes(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
+                         framework: Framework = Framework.SAILOR, recompute: Recompute = Recompute.NONE,
+                         sequence_parallel: bool = False) -> float:
+        """Bytes one GPU keeps from a micro-batch's forward of layer `layer` until its backward, for
+        `framework` and the memory options; see `sailor.activations` (the formulas and what they
+        count). Megatron-LM's blocks reproduce Korthikanti et al. 2022, Table 2."""
+        from sailor import activations
+        return activations.layer_bytes(self, layer, tp=tp, mbs=mbs, seq=seq, elem_bytes=elem_bytes,
+                                       framework=framework, recompute=recompute, sequence_parallel=sequence_parallel)
+
+    def recompute_transient_bytes(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
+                                  framework: Framework = Framework.SAILOR, recompute: Recompute = Recompute.NONE,
+                                  sequence_parallel: bool = False) -> float:
+        """Bytes that exist only while one recomputed block runs its backward: the activations the
+        recompute forward rebuilds (`sailor.activations.recompute_transient_bytes`); 0 without
+        recomputation and for layers that are not blocks."""
+        from sailor import activations
+        return activations.recompute_transient_bytes(self, layer, tp=tp, mbs=mbs, seq=seq, elem_bytes=elem_bytes,
+                                                     framework=framework, recompute=recompute,
+                                                     sequence_parallel=sequence_parallel)
+
+    def tp_collectives(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
+                       framework: Framework = Framework.SAILOR, recompute: Recompute = Recompute.NONE,
+                       sequence_parallel: bool = False) -> tuple[list[tuple[Collective, float]], list[tuple[Collective, float]]]:
+        """The TP collectives of one micro-batch through layer `layer` on a TP group of `tp` GPUs:
+        (forward, backward) lists of (collective, bytes of the full, unsharded tensor). Empty at TP 1.
+
+        Block (Megatron TP, Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2 for SP), with
+        n = b·s·h·e: forward 2 all-reduces of n (after the attention and MLP row-parallel linears),
+        backward 2 (before the column-parallel ones, of their input gradient). With sequence
+        parallelism each all-reduce becomes an all-gather (into the column-parallel linear) and a
+        reduce-scatter (out of the row-parallel one) of n, and the backward all-gathers the saved
+        sharded inputs of the two column-parallel linears again for their weight gradients: forward
+        2 all-gathers + 2 reduce-scatters, backward 4 all-gathers + 2 reduce-scatters. Full
+        recomputation repeats the forward's collectives in the backward; selective does not (the
+        attention core is local to each TP rank).
+        Embedding: one all-reduce of n forward (vocab-parallel lookup). Head: backward one all-reduce
+        of n (the gradient into the replicated input); forward, Megatron-LM's vocab-parallel cross
+        entropy all-reduces 3 fp32 values per token (max, target logit, sum of exponentials), Sailor's
+        runtime all-gathers the logits (b·s·V·e).
         """
-        s, b, h, e = seq, mbs, self.hidden_size, elem_bytes
+        if tp == 1:
+            return [], []
+        n = float(mbs * seq * self.hidden_size * elem_bytes)
+        AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
         kind = self.layer_kind(layer)
         if kind is LayerKind.EMBEDDING:
-            return s * b * h * (e + 1)
+            return [(AR, n)], []
         if kind is LayerKind.HEAD:
-            return 2 * s * b * h * e + 2 * s * b * self.padded_vocab(tp) / tp * 4
-        m = 3 if self.gated_mlp else 2
-        replicated = s * b * h * (4 * e + 2)
-        sharded = s * b * h * (4 + m * self.ffn / h) * e + self.num_heads * s * s * b * (2 * e + 1)
-        return replicated + sharded / tp
+            if framework is Framework.MEGATRON:
+                return [(AR, 4.0 * mbs * seq)] * 3, [(AR, n)]
+            return [(AG, float(mbs * seq * self.padded_vocab(1) * elem_bytes))], [(AR, n)]
+        forward = [(AG, n), (RS, n)] * 2 if sequence_parallel else [(AR, n)] * 2
+        backward = [(AG, n), (RS, n), (AG, n)] * 2 if sequence_parallel else [(AR, n)] * 2
+        if recompute is Recompute.FULL:
+            backward = forward + backward
+        return forward, backward
 
     def output_bytes(self, layer: int, *, mbs: int, seq: int, elem_bytes: int) -> float:
         """Size of the tensor layer `layer` passes to the next one (the full, unsharded activation);

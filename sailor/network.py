@@ -31,6 +31,7 @@ from sailor.specs import ClusterSpec
 SCHEMA = "sailor.network/1"
 FIT_MIN_BYTES = 64 * 1024  # range of the Sailor NCCL sweeps
 FIT_MAX_BYTES = 1 << 30
+INTRA_NODE_LATENCY_S = 5e-6  # NVLink / PCIe peer-to-peer latency, a few µs
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,18 @@ class NetworkModel:
         return LinkClass.SAME_NODE if same_node else self.cluster.prov.link_class(zone_a, zone_b)
 
     def default_link(self, lc: LinkClass, gpu: str) -> Link:
+        """The α–β link of a class when nothing measured applies: a measured class link (our link
+        file), else the cluster spec's override, else the default. Inside a node the default is one
+        direction of the GPU's intra-node link (half of the catalog's both-directions figure) at the
+        fraction NCCL reaches of it (`catalog.Efficiency.intra_node`), with ~5 µs NVLink/PCIe
+        latency."""
         if lc in self.class_links:
             return self.class_links[lc]
         if lc is LinkClass.SAME_NODE:
-            return Link(5e-6, catalog.gpu(gpu).intra_node_bytes_per_s)  # NVLink/PCIe p2p latency ~5 µs
+            if lc in self.cluster.network:
+                return self.cluster.link(lc)
+            spec = catalog.gpu(gpu)
+            return Link(INTRA_NODE_LATENCY_S, spec.intra_node_bytes_per_s / 2 * spec.efficiency.intra_node)
         return self.cluster.link(lc)
 
     def _lookup(self, table: dict, key: tuple, flows: int):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import load_mapping, parse_model, write_json
+from sailor.models import Recompute
 from sailor.specs import ClusterSpec, JobSpec
 
 
@@ -48,22 +48,6 @@ class Replica(BaseModel):
     @classmethod
     def _gpu(cls, v: str) -> str:
         return catalog.canonical_gpu(v)
-
-
-class Recompute(str, Enum):
-    """Activation recomputation of a stage's transformer blocks (Korthikanti et al. 2022, §4-5).
-
-    - `none`: every block keeps its activations for the backward pass.
-    - `selective`: the attention core (QKᵀ, softmax, dropout, attention·V) is recomputed in the
-      backward pass; the rest is kept (§5, "selective activation recomputation").
-    - `full`: each recomputed block keeps only its input and re-runs its forward in the backward
-      pass (Chen et al. 2016 gradient checkpointing at block granularity); `recompute_blocks` says how
-      many of the stage's blocks (the first ones) are recomputed, the others keep everything.
-    """
-
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
 
 
 class StageMemory(BaseModel):
@@ -217,6 +201,12 @@ class Plan(BaseModel):
             if mem.recompute_blocks is not None and mem.recompute_blocks > blocks:
                 raise SailorInputError(f"recompute_blocks {mem.recompute_blocks} but stage {i} holds {blocks}"
                                        " transformer blocks", field=f"memory.{i}.recompute_blocks")
+            if mem.sequence_parallel:
+                for j, p in enumerate(self.pipelines):
+                    if job.seq % p.replicas[i].tp:
+                        raise SailorInputError(f"sequence parallelism splits the sequence over TP, but {job.seq} tokens"
+                                               f" do not divide by TP {p.replicas[i].tp} (replica {i} of pipeline {j})",
+                                               field=f"memory.{i}.sequence_parallel")
         if cluster is None:
             return
         for j, p in enumerate(self.pipelines):

@@ -32,21 +32,20 @@ from typing import Any
 
 import numpy as np
 
-from sailor import catalog
+from sailor import catalog, roofline
 from sailor.errors import SailorInputError
 from sailor.fileio import load_json, write_json
-from sailor.models import LayerKind, canonical_model_name
+from sailor.models import Recompute, canonical_model_name
 from sailor.specs import JobSpec
 
 SCHEMA = "sailor.profiles/1"
 
-# Fraction of dense peak FLOP/s that large transformer matmuls reach: Narayanan et al. SC'21 report
-# 163 of 312 TFLOP/s per A100 (52 %) for GPT-3 175B; we use 0.5 for the roofline estimate.
-ROOFLINE_FLOP_EFFICIENCY = 0.5
-# Optimizer step traffic per parameter (bytes), AdamW in fp32: read param, grad, m, v (16 B) and write
-# param, m, v (12 B) = 28 B; memory-bound, so time = params x 28 / HBM bandwidth.
-ADAM_BYTES_PER_PARAM = 28
-SGD_BYTES_PER_PARAM = 12  # read param and grad, write param
+# Optimizer step traffic per parameter (bytes); memory-bound, so time = params x bytes / (HBM
+# bandwidth x its memory efficiency). AdamW in fp32: read param, grad, m, v (16 B), write param, m,
+# v (12 B) = 28 B. Mixed precision (Megatron-LM's optimizer on fp32 master weights): the same on the
+# fp32 master weights and main gradients, plus writing the half-precision weights (2 B) = 30 B.
+# SGD: read param and grad, write param (12 B; mixed: + 2 B for the half-precision copy).
+OPTIMIZER_BYTES_PER_PARAM = {("adam", False): 28, ("adam", True): 30, ("sgd", False): 12, ("sgd", True): 14}
 
 
 @dataclass
@@ -131,19 +130,57 @@ class Profiles:
 
     def optimizer_time_s(self, job: JobSpec, gpu: str, params: float) -> float:
         """Seconds of one optimizer step over `params` parameters held by one GPU of type `gpu`:
-        measured seconds/param if profiled, else memory-bound roofline over HBM bandwidth."""
+        measured seconds/param if profiled, else memory-bound roofline over the achievable HBM
+        bandwidth (`OPTIMIZER_BYTES_PER_PARAM`)."""
         if gpu in self.optimizer_s_per_param:
             return params * self.optimizer_s_per_param[gpu]
-        per = ADAM_BYTES_PER_PARAM if job.optimizer.value == "adam" else SGD_BYTES_PER_PARAM
-        return params * per / catalog.gpu(gpu).hbm_bytes_per_s
+        spec = catalog.gpu(gpu)
+        per = OPTIMIZER_BYTES_PER_PARAM[(job.optimizer.value, job.precision != "fp32")]
+        return params * per / (spec.hbm_bytes_per_s * spec.efficiency.memory)
 
-    def activation_bytes_per_layer(self, job: JobSpec, tp: int, mbs: int) -> np.ndarray:
-        """Activation bytes kept for backward per layer for one micro-batch: measured (scaled
-        linearly in mbs) when profiled at this TP, else the model's formula. Array (num_layers,)."""
-        if tp in self.activation_bytes:
+    def includes_tp_comm(self, gpu: str) -> bool:
+        """True when the layer times of `gpu` come from a measurement with real TP processes (at this
+        TP or, scaled, at another one), so they hold the TP collectives; False for pure roofline
+        estimates, which do not."""
+        return any(g == gpu for g, _ in self.times)
+
+    def attention_core_share(self, job: JobSpec, gpu: str, tp: int, mbs: int) -> float:
+        """Fraction of a block's forward time spent in the attention core (what selective
+        recomputation re-runs), from the analytic model (`roofline.attention_core_share`); applied
+        to measured times too, which do not split a block into its kernels."""
+        return roofline.attention_core_share(job, gpu, tp, mbs)
+
+    def activation_bytes_per_layer(self, job: JobSpec, tp: int, mbs: int, *, recompute: Recompute = Recompute.NONE,
+                                   sequence_parallel: bool = False) -> np.ndarray:
+        """Activation bytes kept for backward per layer for one micro-batch under a recompute mode
+        and SP: measured (scaled linearly in mbs, and to the options by the model's ratio of their
+        bytes to the plain layer's) when profiled at this TP, else the model's formula for the job's
+        framework. Array (num_layers,)."""
+        formula = self._formula(job, tp, mbs, recompute, sequence_parallel)
+        if tp not in self.activation_bytes:
+            return formula
+        if recompute is Recompute.NONE and not sequence_parallel:
             return self.activation_bytes[tp] * mbs
+        plain = self._formula(job, tp, mbs, Recompute.NONE, False)
+        return self.activation_bytes[tp] * mbs * formula / plain
+
+    def recompute_transient_bytes(self, job: JobSpec, layer: int, tp: int, mbs: int, *, recompute: Recompute,
+                                  sequence_parallel: bool = False) -> float:
+        """Bytes one recomputed block `layer` rebuilds during its backward
+        (`ModelSpec.recompute_transient_bytes`), scaled like `activation_bytes_per_layer` when the
+        activations were measured at this TP."""
         m = job.model
-        return np.array([m.activation_bytes(i, tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes)
+        kw = dict(tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes, framework=job.framework)
+        transient = m.recompute_transient_bytes(layer, **kw, recompute=recompute, sequence_parallel=sequence_parallel)
+        if tp not in self.activation_bytes:
+            return transient
+        return float(self.activation_bytes[tp][layer] * mbs * transient / m.activation_bytes(layer, **kw))
+
+    @staticmethod
+    def _formula(job: JobSpec, tp: int, mbs: int, recompute: Recompute, sp: bool) -> np.ndarray:
+        m = job.model
+        return np.array([m.activation_bytes(i, tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes,
+                                            framework=job.framework, recompute=recompute, sequence_parallel=sp)
                          for i in range(m.num_layers)])
 
     # ---- save ------------------------------------------------------------------------------
@@ -183,24 +220,10 @@ def _interpolate(by_mbs: dict[int, np.ndarray], mbs: int) -> np.ndarray:
 
 
 def roofline_times(job: JobSpec, gpu: str, tp: int, mbs: int) -> np.ndarray:
-    """Analytic forward/backward seconds per layer: max(FLOPs / (peak x efficiency), bytes / HBM).
-
-    Bytes: the layer's weights read once (twice in backward) plus its input and output activations.
-    Array (num_layers, 2). An estimate, never a measurement.
-    """
-    spec = catalog.gpu(gpu)
-    peak = spec.peak(job.precision) * ROOFLINE_FLOP_EFFICIENCY
-    m, e = job.model, job.elem_bytes
-    out = np.zeros((m.num_layers, 2))
-    for i in range(m.num_layers):
-        weights = m.params(i, tp) * e
-        act = m.output_bytes(i, mbs=mbs, seq=job.seq, elem_bytes=e) if m.layer_kind(i) is not LayerKind.HEAD \
-            else mbs * job.seq * m.padded_vocab(tp) / tp * 4
-        fwd_bytes = weights + 2 * act
-        f = m.forward_flop(i, tp=tp, mbs=mbs, seq=job.seq)
-        out[i, 0] = max(f / peak, fwd_bytes / spec.hbm_bytes_per_s)
-        out[i, 1] = max(2 * f / peak, 2 * fwd_bytes / spec.hbm_bytes_per_s)
-    return out
+    """Analytic forward/backward seconds per layer (`sailor.roofline.layer_times`: a roofline per
+    operation with the catalog's efficiencies): array (num_layers, 2). An estimate, never a
+    measurement; TP collectives are not in it (the simulator adds them)."""
+    return roofline.layer_times(job, gpu, tp, mbs)
 
 
 def roofline_profiles(job: JobSpec) -> Profiles:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import load_mapping, parse_model
-from sailor.models import ModelSpec, get_model
+from sailor.models import Framework, ModelSpec, get_model
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -27,15 +27,24 @@ class Optimizer(str, Enum):
     SGD = "sgd"
 
 
-# Bytes per parameter held on a GPU (weights, gradients, optimizer states).
-# fp32 Adam: 4 weights + 4 grads + 8 (two fp32 moments). Mixed precision (ZeRO paper, Rajbhandari et
-# al. 2020, §3.1, "16 bytes per parameter"): 2 half weights + 2 half grads + 4 fp32 master weights
-# + 8 moments. SGD without momentum keeps no state (fp32: 4 + 4; mixed: 2 + 2 + 4 master).
+# Bytes per parameter held on a GPU without sharding: model weights, model gradients, optimizer
+# states. Counted as Megatron-LM's distributed optimizer counts them (NVIDIA/Megatron-LM,
+# docs/source/distrib_optimizer.md, "theoretical number of bytes per parameter"; d = data-parallel
+# size): fp32 params and grads 16 (4 + 4 + Adam's two fp32 moments 8), distributed 8 + 8/d;
+# bf16 params with fp32 main grads 18 (2 + 4 + fp32 master weights and moments 12), distributed
+# 6 + 12/d; fp16 params and grads 20 (2 + 2 + an fp32 copy of the grads, master weights and moments
+# 16), distributed 4 + 16/d. "optimizer" is what the distributed optimizer (ZeRO-1) shards;
+# ZeRO-2 also shards "gradients", ZeRO-3 also "weights" (`simulator.memory.state_bytes`). bf16 keeps
+# fp32 gradients because Megatron-LM accumulates bf16 training's gradients in fp32 (and so does
+# Sailor's runtime, per parameter). SGD without momentum keeps no moments: fp32 4 + 4; bf16 2 + 4 +
+# 4 master; fp16 2 + 2 + 8 (fp32 grad copy and master).
 STATE_BYTES_PER_PARAM: dict[tuple[str, Optimizer], dict[str, int]] = {
     ("fp32", Optimizer.ADAM): {"weights": 4, "gradients": 4, "optimizer": 8},
     ("fp32", Optimizer.SGD): {"weights": 4, "gradients": 4, "optimizer": 0},
-    ("mixed", Optimizer.ADAM): {"weights": 2, "gradients": 2, "optimizer": 12},
-    ("mixed", Optimizer.SGD): {"weights": 2, "gradients": 2, "optimizer": 4},
+    ("bf16", Optimizer.ADAM): {"weights": 2, "gradients": 4, "optimizer": 12},
+    ("bf16", Optimizer.SGD): {"weights": 2, "gradients": 4, "optimizer": 4},
+    ("fp16", Optimizer.ADAM): {"weights": 2, "gradients": 2, "optimizer": 16},
+    ("fp16", Optimizer.SGD): {"weights": 2, "gradients": 2, "optimizer": 8},
 }
 
 
@@ -50,6 +59,11 @@ class JobSpec(BaseModel):
                                         description="Tokens per sample; default the model's context length.")
     precision: Precision = Field(default="fp32", description="fp32, or bf16/fp16 mixed precision.")
     optimizer: Optimizer = Field(default=Optimizer.ADAM, description="adam (AdamW) or sgd.")
+    framework: Framework = Field(default=Framework.SAILOR,
+                                 description="Whose layer implementation the job is modelled after (models.Framework):"
+                                             " 'sailor' (this project's runtime: memory-efficient attention, no dropout;"
+                                             " default) or 'megatron-lm' (materialised attention scores and dropout"
+                                             " masks as Korthikanti et al. 2022 count them; published Megatron-LM runs).")
 
     @field_validator("model", mode="before")
     @classmethod
@@ -58,9 +72,9 @@ class JobSpec(BaseModel):
             return get_model(v)
         return v
 
-    @field_validator("optimizer", mode="before")
+    @field_validator("optimizer", "framework", mode="before")
     @classmethod
-    def _optimizer(cls, v: Any) -> Any:
+    def _lower(cls, v: Any) -> Any:
         return v.lower() if isinstance(v, str) else v
 
     @model_validator(mode="after")
@@ -82,15 +96,19 @@ class JobSpec(BaseModel):
 
     @property
     def state_bytes_per_param(self) -> dict[str, int]:
-        """Bytes per parameter for weights, gradients and optimizer state."""
-        return STATE_BYTES_PER_PARAM[("fp32" if self.precision == "fp32" else "mixed", self.optimizer)]
+        """Bytes per parameter for weights, gradients and optimizer state, unsharded
+        (`STATE_BYTES_PER_PARAM`)."""
+        return STATE_BYTES_PER_PARAM[(self.precision, self.optimizer)]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form; built-in models are written by name."""
+        """JSON-ready form; built-in models are written by name, the default framework is left out
+        (so job files written before it existed read back the same)."""
         d = self.model_dump(mode="json")
         from sailor.models import BUILTIN_MODELS
         if BUILTIN_MODELS.get(self.model.name) == self.model:
             d["model"] = self.model.name
+        if self.framework is Framework.SAILOR:
+            del d["framework"]
         return d
 
 
@@ -106,8 +124,10 @@ class ClusterSpec(BaseModel):
     """GPUs that can be had now, per zone and GPU type, with prices and network overrides.
 
     `prices` maps GPU type -> $/GPU-hour, or zone -> {GPU type -> $/GPU-hour}; anything not given is
-    the provider's list price. `network` maps a link class (same_zone, same_region, same_continent,
-    intercontinental) to a `LinkOverride`.
+    the provider's list price. `network` maps a link class (same_node, same_zone, same_region,
+    same_continent, intercontinental) to a `LinkOverride`: latency and the bandwidth one flow gets in
+    one direction (one GPU's share: e.g. a DGX A100 has one 200 Gb/s HDR InfiniBand adapter per GPU
+    between nodes and 300 GB/s of NVLink per direction inside, of which NCCL reaches ~65 %).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

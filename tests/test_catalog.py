@@ -6,8 +6,8 @@ from sailor import catalog
 from sailor.catalog import Link, LinkClass
 from sailor.errors import SailorInputError
 
-EXPECTED_GPUS = {"V100-16", "A100-40", "A100-80", "H100-80", "H200-141", "GH200-96", "L4", "T4", "RTX-3090",
-                 "RTX-2080", "Titan-RTX", "cpu"}
+EXPECTED_GPUS = {"V100-16", "V100-32", "A100-40", "A100-80", "A100-80-PCIe", "H100-80", "H100-PCIe", "H100-NVL",
+                 "H200-141", "GH200-96", "L4", "T4", "RTX-3090", "RTX-2080", "Titan-RTX", "cpu"}
 
 
 def test_catalog_lists_exactly_the_issue_gpus():
@@ -29,6 +29,11 @@ def test_datasheet_figures_are_dense_and_in_si_units():
     assert h100.peak("bf16") == 989.5e12  # half of the 1,979 sparse figure
     assert catalog.gpu("H200-141").memory_bytes == 141e9
     assert catalog.gpu("V100-16").hbm_bytes_per_s == 900e9
+    # variants the published datasets use (issue 12)
+    assert catalog.gpu("V100-32").memory_bytes == 32 * 2**30 and catalog.gpu("V100-32").peak("fp16") == 125e12
+    assert catalog.gpu("H100-PCIE").peak("bf16") == 756.5e12 and catalog.gpu("H100-PCIe").hbm_bytes_per_s == 2.0e12
+    assert catalog.gpu("H100-NVL").memory_bytes == 94e9 and catalog.gpu("H100-NVL").peak("bf16") == 835.5e12
+    assert catalog.gpu("A100-80-PCIe").hbm_bytes_per_s == 1935e9 and catalog.gpu("A100-80-PCIe").efficiency.matmul == 0.811
 
 
 def test_missing_dtype_falls_back_to_fp32():

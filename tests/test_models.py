@@ -6,7 +6,8 @@ import json
 import pytest
 
 from sailor.errors import SailorInputError
-from sailor.models import BUILTIN_MODELS, LayerKind, ModelSpec, canonical_model_name, get_model
+from sailor.models import (BUILTIN_MODELS, Collective, Framework, LayerKind, ModelSpec, Recompute,
+                           canonical_model_name, get_model)
 
 
 def test_layer_counts():
@@ -67,13 +68,105 @@ def test_flops_by_hand():
     assert m.backward_flop(2, tp=1, mbs=1, seq=64) == 2 * m.forward_flop(2, tp=1, mbs=1, seq=64)
 
 
-def test_block_activation_bytes_match_korthikanti_for_half_precision():
-    # Korthikanti et al. Table 2, no recomputation: s*b*h*(10 + 24/t) + 5*a*s^2*b/t for e = 2, f = 4h
-    m = get_model("opt-350m")
-    s, b, h, a = 2048, 2, 1024, 16
-    for t in (1, 2, 4):
-        expected = s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t
-        assert m.activation_bytes(3, tp=t, mbs=b, seq=s, elem_bytes=2) == pytest.approx(expected)
+# Korthikanti et al. 2022, Table 2 ("Activations memory per transformer layer"), e = 2 bytes, f = 4h,
+# with dropout masks; each row is (TP degree, sequence parallel, recompute, bytes / (s*b*h) as a
+# function of t and 5as/h).
+KORTHIKANTI_TABLE_2 = [
+    ("no parallelism", 1, False, Recompute.NONE, lambda t, q: 34 + q),
+    ("tensor parallel (baseline)", None, False, Recompute.NONE, lambda t, q: 10 + 24 / t + q / t),
+    ("tensor + sequence parallel", None, True, Recompute.NONE, lambda t, q: 34 / t + q / t),
+    ("tensor parallel + selective activation recompute", None, False, Recompute.SELECTIVE, lambda t, q: 10 + 24 / t),
+    ("tensor + sequence parallel + selective activation recompute", None, True, Recompute.SELECTIVE,
+     lambda t, q: 34 / t),
+    ("full activation recompute", None, False, Recompute.FULL, lambda t, q: 2),
+]
+
+
+TABLE_2_CASES = [(row, model, b, row[1] or t) for row in KORTHIKANTI_TABLE_2
+                 for model, b, t in [("gpt3-175b", 1, 8), ("gpt3-175b", 4, 4), ("opt-350m", 2, 2), ("opt-350m", 1, 1)]
+                 if not (row[2] and (row[1] or t) == 1)]  # sequence parallelism needs TP > 1
+
+
+@pytest.mark.parametrize("row, model, b, t", TABLE_2_CASES, ids=[f"{c[0][0]}-{c[1]}-b{c[2]}-t{c[3]}" for c in TABLE_2_CASES])
+def test_megatron_block_reproduces_korthikanti_table_2_exactly(row, model, b, t):
+    _, _, sp, recompute, per_sbh = row
+    m = get_model(model)
+    s, h, a = 2048, m.hidden_size, m.num_heads
+    expected = s * b * h * per_sbh(t, 5 * a * s / h)
+    got = m.activation_bytes(5, tp=t, mbs=b, seq=s, elem_bytes=2, framework=Framework.MEGATRON, recompute=recompute,
+                             sequence_parallel=sp)
+    assert got == expected
+
+
+def test_sailor_block_bytes_by_hand():
+    # tiny: h = 64, a = 4, f = 256, LayerNorm, learned positions, no GQA; s = 64, b = 2, e = 4, t = 2
+    m, s, b, e, t = get_model("tiny"), 64, 2, 4, 2
+    sbh = s * b * 64
+    outside = 4 * e * sbh + 2 * 8 * s * b  # x, norm1 out, norm2 in, norm2 out + LayerNorm mean/rstd
+    sdpa = 3 * e * sbh / t + e * sbh / t + 4 * b * 4 * s / t  # q, k, v, output, fp32 log-sum-exp
+    out_proj = e * sbh / t
+    mlp = 2 * e * s * b * 256 / t  # GeLU input and output
+    kw = dict(tp=t, mbs=b, seq=s, elem_bytes=e)
+    assert m.activation_bytes(2, **kw) == outside + sdpa + out_proj + mlp
+    assert m.activation_bytes(2, **kw, sequence_parallel=True) == outside / t + sdpa + out_proj + mlp
+    # selective keeps q, k, v only of the attention core (here they are the projections SDPA saved)
+    assert m.activation_bytes(2, **kw, recompute=Recompute.SELECTIVE) == outside + 3 * e * sbh / t + out_proj + mlp
+    assert m.activation_bytes(2, **kw, recompute=Recompute.FULL) == e * sbh
+    assert m.activation_bytes(2, **kw, recompute=Recompute.FULL, sequence_parallel=True) == e * sbh / t
+    # what recomputing one block rebuilds: everything but its input (full), output and lse (selective)
+    assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.FULL) == outside + sdpa + out_proj + mlp - e * sbh
+    assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.SELECTIVE) == e * sbh / t + 4 * b * 4 * s / t
+    assert m.recompute_transient_bytes(0, **kw, recompute=Recompute.FULL) == 0.0
+    # embedding: int64 ids, the bool mask of the vocab-parallel lookup, int64 position ids
+    assert m.activation_bytes(0, **kw) == 8 * s * b + s * b + 8 * s
+    # head: norm input, stats and output, fp32 log-probs over the whole vocabulary (gathered), targets
+    assert m.activation_bytes(5, **kw) == s * b * (2 * e * 64 + 8) + 4 * s * b * 256 + 8 * s * b
+
+
+def test_sailor_block_bytes_llama_rope_and_gqa():
+    # Llama: RMSNorm (rstd only), rotary (new q and k, cos/sin tables), 8 KV heads repeated to 32
+    # (new k and v), SwiGLU (4 intermediates); at bf16
+    m, s, b, e, t = get_model("llama-3-8b"), 8192, 1, 2, 4
+    h, f, kv, d = 4096, 14336, 8 * 128, 128
+    sbh = s * b * h
+    outside = 4 * e * sbh + 2 * 4 * s * b
+    sdpa = 3 * e * sbh / t + e * sbh / t + 4 * b * 32 * s / t + 2 * 2 * s * (d // 2) * e
+    rest = e * sbh / t + 4 * e * s * b * f / t
+    kw = dict(tp=t, mbs=b, seq=s, elem_bytes=e)
+    assert m.activation_bytes(3, **kw) == outside + sdpa + rest
+    # the checkpointed core keeps the projections q (h), k and v (kv each); its rebuilt q, k, v are new
+    assert m.activation_bytes(3, **kw, recompute=Recompute.SELECTIVE) == outside + e * s * b * (h + 2 * kv) / t + rest
+    assert m.recompute_transient_bytes(3, **kw, recompute=Recompute.SELECTIVE) == sdpa
+
+
+def test_recompute_flops():
+    m = get_model("tiny")
+    kw = dict(tp=2, mbs=3, seq=64)
+    assert m.recompute_flop(2, **kw, recompute=Recompute.FULL) == m.forward_flop(2, **kw)
+    assert m.recompute_flop(2, **kw, recompute=Recompute.SELECTIVE) == 4 * 3 * 64 * 64 * 64 / 2
+    assert m.recompute_flop(2, **kw, recompute=Recompute.NONE) == 0.0
+    assert m.recompute_flop(5, **kw, recompute=Recompute.FULL) == 0.0  # the head is never recomputed
+    # full recomputation: forward + recompute + backward = 4 forwards (Narayanan et al. eq. 3, per block)
+    f = m.forward_flop(2, **kw)
+    assert f + m.recompute_flop(2, **kw, recompute=Recompute.FULL) + m.backward_flop(2, **kw) == 4 * f
+
+
+def test_tp_collectives_per_layer():
+    m = get_model("tiny")
+    kw = dict(tp=2, mbs=2, seq=64, elem_bytes=4)
+    n = 2 * 64 * 64 * 4
+    AR, AG, RS = Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER
+    assert m.tp_collectives(2, **kw) == ([(AR, n)] * 2, [(AR, n)] * 2)
+    fwd, bwd = m.tp_collectives(2, **kw, sequence_parallel=True)
+    assert sorted(fwd) == sorted([(AG, n)] * 2 + [(RS, n)] * 2)
+    assert sorted(bwd) == sorted([(AG, n)] * 4 + [(RS, n)] * 2)  # + the re-gathers of the saved inputs
+    fwd, bwd = m.tp_collectives(2, **kw, recompute=Recompute.FULL)
+    assert fwd == [(AR, n)] * 2 and bwd == [(AR, n)] * 4  # the recompute forward repeats the forward's
+    assert m.tp_collectives(2, **kw, recompute=Recompute.SELECTIVE) == m.tp_collectives(2, **kw)
+    assert m.tp_collectives(0, **kw) == ([(AR, n)], [])
+    assert m.tp_collectives(5, **kw) == ([(AG, 2 * 64 * 256 * 4)], [(AR, n)])  # Sailor gathers the logits
+    assert m.tp_collectives(5, **kw, framework=Framework.MEGATRON) == ([(AR, 4 * 2 * 64)] * 3, [(AR, n)])
+    assert m.tp_collectives(2, tp=1, mbs=2, seq=64, elem_bytes=4) == ([], [])
 
 
 def test_total_params_of_opt350_is_about_350m():

@@ -32,9 +32,13 @@ def test_flows_each_get_the_class_bandwidth_inter_node_and_share_it_inside_a_nod
     net = network_for(CLUSTER)
     # 4 flows of 1 MB between two nodes: α + 4 MB / (4 x 1 MB/s)
     assert net.transfer_time_s("us-central1-a", "A100-40", "us-central1-a", "A100-40", 1e6, flows=4) == pytest.approx(1.5)
-    # inside a node the NVLink bandwidth (600 GB/s) is shared: 5 µs + 4 x 6e8 / 6e11
+    # inside a node one direction of the NVLink (600 GB/s both ways) at NCCL's 65 % is shared:
+    # 5 µs + 4 x 6e8 / (3e11 x 0.65)
     t = net.transfer_time_s("z", "A100-40", "z", "A100-40", 6e8, flows=4, same_node=True)
-    assert t == pytest.approx(5e-6 + 4 * 6e8 / 6e11)
+    assert t == pytest.approx(5e-6 + 4 * 6e8 / (3e11 * 0.65))
+    # a cluster spec may give the intra-node link (e.g. a DGX A100's NVLink) itself
+    dgx = ClusterSpec(zones=CLUSTER.zones, network={"same_node": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 2e11}})
+    assert network_for(dgx).transfer_time_s("z", "A100-40", "z", "A100-40", 2e9, same_node=True) == pytest.approx(1e-5 + 0.01)
 
 
 def test_curve_fit_is_clamped_to_its_range_and_rejects_non_positive():

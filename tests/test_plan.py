@@ -5,7 +5,8 @@ import json
 import pytest
 
 from sailor.errors import SailorInputError
-from sailor.plan import Plan, load_plan, plan_from_dict, rank_layout
+from sailor.models import Recompute
+from sailor.plan import Plan, StageMemory, load_plan, plan_from_dict, rank_layout
 from sailor.specs import ClusterSpec, JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=12)
@@ -148,3 +149,22 @@ def test_reference_plan_configs_import(sailor_ref):
         # N nodes of 4 GH200 each, TP 4: D pipelines of N / D stages
         assert plan.world_size == 4 * raw["N"], path.name
         assert plan.num_stages * len(plan.pipelines) == raw["N"], path.name
+
+
+def test_memory_options_default_round_trip_and_checks():
+    plan = Plan.model_validate(_plan())
+    assert plan.stage_memory(1) == StageMemory() and "memory" not in plan.to_dict()
+    d = _plan() | {"memory": [{"recompute": "full", "recompute_blocks": 1, "zero": 1}, {"sequence_parallel": True}]}
+    plan = Plan.model_validate(d)
+    assert plan.stage_memory(0).recompute is Recompute.FULL and plan.stage_memory(1).sequence_parallel
+    assert plan.to_dict()["memory"] == [{"recompute": "full", "recompute_blocks": 1, "zero": 1}, {"sequence_parallel": True}]
+    assert Plan.model_validate(plan.to_dict()) == plan
+    plan.check_against(JOB, CLUSTER)
+    with pytest.raises(SailorInputError, match=r"memory\.0\.recompute_blocks: recompute_blocks 3 but stage 0 holds 2"):
+        Plan.model_validate(_plan() | {"memory": [{"recompute": "full", "recompute_blocks": 3}, {}]}).check_against(JOB)
+    # sequence parallelism splits the sequence over TP: 64 tokens do not divide by TP 3
+    six = JobSpec(model={"name": "six", "num_blocks": 4, "hidden_size": 48, "num_heads": 6, "vocab_size": 100,
+                         "max_sequence_length": 64}, global_batch_size=12)
+    sp = Plan.model_validate(_plan(tps=(3, 2)) | {"memory": [{"sequence_parallel": True}, {}]})
+    with pytest.raises(SailorInputError, match=r"memory\.0\.sequence_parallel: .*64 tokens do not divide by TP 3"):
+        sp.check_against(six)

@@ -5,6 +5,8 @@ import pytest
 from sailor import catalog
 from sailor.catalog import LinkClass
 from sailor.errors import SailorInputError
+from sailor.models import Framework
+from sailor.simulator.memory import state_bytes
 from sailor.specs import ClusterSpec, JobSpec, Optimizer, load_cluster, load_job, local_cluster
 
 
@@ -15,7 +17,20 @@ def test_job_defaults_and_derived_values():
     assert job.state_bytes_per_param == {"weights": 4, "gradients": 4, "optimizer": 8}  # fp32 Adam: 16 B
     mixed = JobSpec(model="tiny", global_batch_size=4, precision="bf16", optimizer="SGD")
     assert mixed.elem_bytes == 2 and mixed.optimizer is Optimizer.SGD
-    assert sum(JobSpec(model="tiny", global_batch_size=4, precision="bf16").state_bytes_per_param.values()) == 16
+
+    def per_param(precision, zero=0, d=1):
+        job = JobSpec(model="tiny", global_batch_size=4, precision=precision)
+        return sum(state_bytes(job.state_bytes_per_param, 1.0, zero, d).values())
+
+    # Megatron-LM docs/source/distrib_optimizer.md: bytes per parameter without / with the distributed
+    # optimizer (ZeRO-1) over d data-parallel ranks
+    for precision, plain, fixed, sharded in (("fp16", 20, 4, 16), ("bf16", 18, 6, 12), ("fp32", 16, 8, 8)):
+        assert per_param(precision) == plain
+        for d in (2, 8, 64):
+            assert per_param(precision, zero=1, d=d) == pytest.approx(fixed + sharded / d)
+    # ZeRO-2 also shards the gradients, ZeRO-3 also the weights (bf16: 2 + 4 + 12 bytes)
+    assert per_param("bf16", zero=2, d=4) == pytest.approx(2 + (4 + 12) / 4)
+    assert per_param("bf16", zero=3, d=4) == pytest.approx(18 / 4)
 
 
 def test_job_inline_model_and_round_trip():
@@ -104,3 +119,12 @@ def test_bad_yaml_names_line(tmp_path):
     p.write_text("zones:\n  us-central1-a: {A100-40: 8\n")
     with pytest.raises(SailorInputError, match=r"cluster\.yaml: invalid YAML at line \d+"):
         load_cluster(p)
+
+
+def test_job_framework_field():
+    job = JobSpec(model="tiny", global_batch_size=4)
+    assert job.framework is Framework.SAILOR and "framework" not in job.to_dict()  # old job files read the same
+    meg = JobSpec(model="tiny", global_batch_size=4, framework="Megatron-LM")
+    assert meg.framework is Framework.MEGATRON and JobSpec.model_validate(meg.to_dict()) == meg
+    with pytest.raises(ValueError, match="framework"):
+        JobSpec(model="tiny", global_batch_size=4, framework="deepspeed")

@@ -36,6 +36,19 @@ class LinkClass(str, Enum):
 
 
 @dataclass(frozen=True)
+class Efficiency:
+    """Fractions of a GPU's datasheet figures that its kernels reach (sources in gpus.yaml): large
+    GEMMs (`matmul`, of the dense peak), streaming kernels (`memory`, of the HBM bandwidth), SDPA
+    flash attention (`attention`, of the dense peak) and NCCL point-to-point inside a node
+    (`intra_node`, of the per-direction link bandwidth)."""
+
+    matmul: float
+    memory: float
+    attention: float
+    intra_node: float
+
+
+@dataclass(frozen=True)
 class GpuSpec:
     """One GPU type.
 
@@ -45,8 +58,9 @@ class GpuSpec:
         peak_flop_per_s: dense peak FLOP/s per dtype; None where the dtype has no tensor-core path.
         hbm_bytes_per_s: device-memory bandwidth (bytes/s).
         gpus_per_node: GPUs in one node (TP never crosses a node).
-        intra_node_bytes_per_s: GPU-to-GPU bandwidth inside a node (bytes/s).
+        intra_node_bytes_per_s: GPU-to-GPU bandwidth inside a node (bytes/s, both directions added).
         framework_bytes: memory beyond tensors (CUDA context, workspaces) per GPU (bytes).
+        efficiency: what its kernels reach of these figures (`Efficiency`).
     """
 
     name: str
@@ -56,6 +70,7 @@ class GpuSpec:
     gpus_per_node: int
     intra_node_bytes_per_s: float
     framework_bytes: int
+    efficiency: Efficiency
 
     def peak(self, dtype: Dtype) -> float:
         """Dense peak FLOP/s for `dtype`; falls back to fp32 where the dtype has no fast path."""
@@ -115,6 +130,7 @@ def _gpu_table() -> tuple[dict[str, GpuSpec], dict[str, str]]:
     assert raw["schema"] == 1
     gpus: dict[str, GpuSpec] = {}
     aliases: dict[str, str] = {}
+    defaults = raw["efficiency_defaults"]
     for name, d in raw["gpus"].items():
         gpus[name] = GpuSpec(
             name=name,
@@ -124,6 +140,7 @@ def _gpu_table() -> tuple[dict[str, GpuSpec], dict[str, str]]:
             gpus_per_node=int(d["gpus_per_node"]),
             intra_node_bytes_per_s=float(d["intra_node_bytes_per_s"]),
             framework_bytes=int(float(d["framework_bytes"])),
+            efficiency=Efficiency(**{k: float(v) for k, v in (defaults | d.get("efficiency", {})).items()}),
         )
         for alias in d.get("aliases", []):
             aliases[alias] = name

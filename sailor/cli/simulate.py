@@ -12,7 +12,8 @@ from rich.table import Table
 
 from sailor.cli import app
 from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models, resolve_specs
-from sailor.plan import load_plan
+from sailor.models import Recompute
+from sailor.plan import Plan, StageMemory, load_plan
 from sailor.simulator import Estimate, make_context, simulate
 
 GIB = 2**30
@@ -48,18 +49,34 @@ def simulate_command(
     if as_json:
         print(json.dumps(est.to_dict()))
         return
-    render_estimate(est, console(), title=f"{job_spec.model.name} · {plan_path}")
+    render_estimate(est, console(), title=f"{job_spec.model.name} · {plan_path}", plan=plan)
 
 
-def render_estimate(est: Estimate, console: Console, title: str = "") -> None:
-    """Rich tables: one row per replica, then totals."""
+def memory_label(mem: StageMemory) -> str:
+    """Short label of a stage's memory options, e.g. "full(2) ZeRO-1 SP"; "-" for the defaults."""
+    parts = []
+    if mem.recompute is not Recompute.NONE:
+        blocks = f"({mem.recompute_blocks})" if mem.recompute_blocks is not None else ""
+        parts.append(f"{mem.recompute.value}{blocks}")
+    if mem.zero:
+        parts.append(f"ZeRO-{mem.zero}")
+    if mem.sequence_parallel:
+        parts.append("SP")
+    return " ".join(parts) or "-"
+
+
+def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan | None = None) -> None:
+    """Rich tables: one row per replica (with its stage's memory options when `plan` is given), then
+    totals and whether TP collectives were charged or measured."""
     t = Table(title=title or None, show_lines=False)
-    for col in ("stage", "pipe", "GPU", "zone", "TP", "layers", "fwd+bwd/mb (s)", "p2p/mb (s)", "sync (s)",
-                "memory (GiB)", "OOM"):
-        t.add_column(col, justify="right" if col not in ("GPU", "zone") else "left")
+    for col in ("stage", "pipe", "GPU", "zone", "TP", "layers", "options", "fwd+bwd/mb (s)", "recompute/mb (s)",
+                "TP comm/mb (s)", "p2p/mb (s)", "sync (s)", "memory (GiB)", "OOM"):
+        t.add_column(col, justify="right" if col not in ("GPU", "zone", "options") else "left")
     for r in sorted(est.replicas, key=lambda r: (r.stage, r.pipeline)):
         t.add_row(str(r.stage), str(r.pipeline), r.gpu, r.zone, str(r.tp), f"[{r.layers[0]},{r.layers[1]})",
-                  f"{r.forward_s + r.backward_s:.4f}", f"{r.p2p_s:.4f}", f"{r.sync_s:.4f}",
+                  memory_label(plan.stage_memory(r.stage)) if plan else "",
+                  f"{r.forward_s + r.backward_s:.4f}", f"{r.recompute_s:.4f}", f"{r.tp_comm_s:.4f}",
+                  f"{r.p2p_s:.4f}", f"{r.sync_s:.4f}",
                   f"{r.peak_memory_bytes / GIB:.1f} / {r.memory_capacity_bytes / GIB:.1f}",
                   "[red]yes[/red]" if r.oom else "no")
     console.print(t)
@@ -75,6 +92,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "") -> None:
         ("samples/s", f"{est.samples_per_s:.1f}"),
         ("tokens/s", f"{est.tokens_per_s:,.0f}"),
         ("MFU", f"{est.mfu:.1%}"),
+        ("TFLOP/s per GPU (with recompute)", f"{est.flop_per_s_per_gpu / 1e12:.1f}"),
         ("GPUs", str(est.gpus)),
         ("$/iteration", f"{est.cost_per_iteration_usd:.4f}"),
         ("$/hour", f"{est.cost_per_hour_usd:.2f}"),
@@ -84,5 +102,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "") -> None:
     for k, v in rows:
         s.add_row(k, v)
     console.print(s)
+    if est.tp_communication:
+        console.print(f"TP communication: {'; '.join(est.tp_communication)}")
     if est.estimated:
         console.print(f"[yellow]estimated (no measurement): {'; '.join(est.estimated)}[/yellow]")

@@ -7,173 +7,49 @@ OptimizerStep):
 
     iteration_time = max_j pipeline_j + tied + max_i sync_i + max_{replicas} optimizer
 
-- pipeline: every TP rank of a stage sends the full activation to its peer rank of the next stage
-  (DeepSpeed's p2p does not split it over TP), so a boundary carries min(t_i, t_i+1) concurrent flows
-  of one activation each, plus a calibrated fixed cost per transfer.
+- pipeline: per micro-batch, each replica's forward and backward (`terms.stage_time`: layer times,
+  recomputation, TP collectives where the profile lacks them, ZeRO-3 gathers) and the transfers
+  across stage boundaries (every TP rank of a stage sends the full activation to its peer rank of
+  the next stage, as DeepSpeed's p2p and Sailor's runtime do; Megatron-LM scatters it), plus a
+  calibrated fixed cost per transfer.
 - tied: tied input/output embeddings (OPT, GPT-Neo, GPT-3) split over P > 1 stages: the first and
   last stage each hold a copy of the embedding module and all-reduce its gradient between them.
   With P = 1 there is one copy only (`tied_embeddings`).
 - sync: each TP rank all-reduces its own gradient shard (params(stage, t) x gradient bytes, norms
-  and row-parallel biases included) with its peers of the other D - 1 replicas: a ring over the
-  links, and no faster than a GPU type's calibrated all-reduce rate (`allreduce_s`).
-- optimizer: proportional to the parameters on one GPU (memory-bound).
-The slowest pipeline sets the pace (straggler); the reductions wait for all pipelines. Every p2p transfer and
-all-reduce hop between two replicas is modelled on the link between two *nodes* of their zones
-(conservative where a launcher co-locates small TP groups on one node): so all pipelines with the
-same GPU type, zone and TP degrees take the same time, which the planner relies on. `SimContext` holds the
-job, cluster, profiles and network for one simulation or planning call and caches per-(GPU, TP,
-micro-batch) layer tables; its caches are keyed on every input and die with it.
+  and row-parallel biases included) with its peers of the other D - 1 replicas (ZeRO: reduce-scatter
+  plus all-gather, `terms.stage_sync`): a ring over the links, and no faster than a GPU type's
+  calibrated all-reduce rate (`terms.collective_s`).
+- optimizer: proportional to the parameters on one GPU (memory-bound; 1/D of them under ZeRO).
+Memory options (`Plan.memory`) are read in two places only: `terms.time_options` for time and
+`memory.replica_memory` for memory. The slowest pipeline sets the pace (straggler); the reductions
+wait for all pipelines. Every p2p transfer and all-reduce hop between two replicas is modelled on
+the link between two *nodes* of their zones (conservative where a launcher co-locates small TP
+groups on one node): so all pipelines with the same GPU type, zone and TP degrees take the same
+time, which the planner relies on. `SimContext` (`context`) holds the job, cluster, profiles and
+network for one simulation or planning call and caches per-(GPU, TP, micro-batch) layer tables; its
+caches are keyed on every input and die with it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from sailor import catalog
-from sailor.catalog import LinkClass
-from sailor.network import NetworkModel, network_for
 from sailor.plan import Plan
-from sailor.models import ModelSpec
-from sailor.profiles import Profiles, roofline_profiles
-from sailor.simulator.collectives import Group, Member, allreduce_time_s, group_members, ring_egress
+from sailor.simulator.collectives import group_members
+from sailor.simulator.context import (SimContext, embedding_params, head_vocab_params, make_context,
+                                      tied_embeddings)
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
-from sailor.simulator.calibration import gpu_constant
 from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s,
+                                    optimizer_s, pipeline_arrays, stage_sync, stage_time, tied_sync,
+                                    time_options)
 
-
-def tied_embeddings(model: ModelSpec) -> bool:
-    """True when the model's LM head reuses the input embedding's weights (`ModelSpec.tied_embeddings`;
-    also Megatron-DeepSpeed's default, GPTModelPipe's TiedLayerSpec)."""
-    return model.tied_embeddings
-
-
-def embedding_params(model: ModelSpec, tp: int) -> int:
-    """Parameters per GPU of the embedding module (word shard + position table), layer 0."""
-    return model.params(0, tp)
-
-
-def head_vocab_params(model: ModelSpec, tp: int) -> int:
-    """Parameters per GPU of the LM-head matrix alone (the part a tied model shares), vocab / tp x h."""
-    return model.padded_vocab(tp) * model.hidden_size // tp
-
-
-@dataclass
-class SimContext:
-    """Everything a simulation needs besides the plan; caches live and die with this object.
-
-    Attributes:
-        job, cluster: the specs.
-        profiles: layer timings (roofline estimates when None is given to `make_context`).
-        network: links of the cluster.
-        calibration: per-GPU-type constants fitted on measured runs (see simulator.calibration).
-    """
-
-    job: JobSpec
-    cluster: ClusterSpec
-    profiles: Profiles
-    network: NetworkModel
-    calibration: dict[str, dict[str, float]] = field(default_factory=dict)
-    _cum: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
-    _act: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
-    _params: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
-    memo: dict[tuple, Any] = field(default_factory=dict, repr=False)
-    """Results of pure functions of this context (all-reduce times, pipeline constants), keyed on
-    every argument: the planner asks for the same ones many times within one call."""
-
-    def layer_cumsum(self, gpu: str, tp: int, mbs: int) -> np.ndarray:
-        """Cumulative forward/backward seconds over layers: array (num_layers + 1, 2), row 0 = 0."""
-        key = (gpu, tp, mbs)
-        if key not in self._cum:
-            t = self.profiles.layer_times(self.job, gpu, tp, mbs)
-            if self.profiles.measured(gpu, tp):
-                # A profiler times each layer alone between two device synchronisations, so every
-                # timing carries a launch-and-sync gap that a real, asynchronous run hides.
-                gap = gpu_constant(self.calibration, gpu, "profile_overhead_s", 0.0)
-                t = np.maximum(t - gap, 0.0)
-            self._cum[key] = np.vstack([np.zeros((1, 2)), np.cumsum(t, axis=0)])
-        return self._cum[key]
-
-    def stage_compute_s(self, gpu: str, tp: int, mbs: int, a: int, b: int) -> tuple[float, float]:
-        """(forward_s, backward_s) of one micro-batch on layers [a, b) for one replica: the layers'
-        times plus, on the forward, the runtime's measured per-micro-batch overhead of a stage
-        (`Profiles.microbatch_overhead`: 1F1B bookkeeping outside the passes; 0 when not profiled),
-        which a stage pays once per micro-batch whatever its layers."""
-        c = self.layer_cumsum(gpu, tp, mbs)
-        f, bw = c[b] - c[a]
-        return float(f) + self.profiles.microbatch_overhead(gpu, tp), float(bw)
-
-    def params_cumsum(self, tp: int) -> np.ndarray:
-        """Cumulative parameters per GPU over layers at TP `tp`: array (num_layers + 1,)."""
-        if tp not in self._params:
-            m = self.job.model
-            self._params[tp] = np.concatenate([[0], np.cumsum([m.params(i, tp) for i in range(m.num_layers)])])
-        return self._params[tp]
-
-    def stage_params(self, tp: int, a: int, b: int) -> float:
-        """Parameters per GPU of a replica holding layers [a, b) at TP `tp`.
-
-        Tied embeddings (`tied_embeddings`): a stage holding both the embedding and the head keeps one
-        copy (the head's vocab matrix is not counted again); a stage holding the head without the
-        embedding keeps a copy of the whole embedding module (DeepSpeed ties the module: word and
-        position tables) instead of the head's own matrix."""
-        c = self.params_cumsum(tp)
-        n = float(c[b] - c[a])
-        m = self.job.model
-        if tied_embeddings(m) and b == m.num_layers:
-            n -= head_vocab_params(m, tp)
-            if a > 0:
-                n += embedding_params(m, tp)
-        return n
-
-    def act_cumsum(self, tp: int, mbs: int) -> np.ndarray:
-        key = (tp, mbs)
-        if key not in self._act:
-            a = self.profiles.activation_bytes_per_layer(self.job, tp, mbs)
-            self._act[key] = np.concatenate([[0.0], np.cumsum(a)])
-        return self._act[key]
-
-    def boundary_bytes(self, layer_end: int, mbs: int) -> float:
-        """Bytes of the activation leaving layer `layer_end - 1` (one micro-batch, full tensor)."""
-        return self.job.model.output_bytes(layer_end - 1, mbs=mbs, seq=self.job.seq, elem_bytes=self.job.elem_bytes)
-
-    def framework_bytes(self, gpu: str) -> float:
-        """Memory per GPU beyond tensors (bytes): calibrated, else the catalog default."""
-        return gpu_constant(self.calibration, gpu, "framework_bytes", catalog.gpu(gpu).framework_bytes)
-
-    def allreduce_efficiency(self, members: list[Member]) -> float:
-        """Fraction of the p2p link bandwidth an NCCL ring all-reduce reaches among `members`
-        (calibrated per GPU type, 1 by default; the lowest member's value): reductions, chunking and
-        the concurrent rings of all TP ranks of a node make it slower than a send/recv sweep."""
-        return min(gpu_constant(self.calibration, mb.gpu, "allreduce_efficiency", 1.0) for mb in members)
-
-    def allreduce_bytes_per_s(self, members: list[Member]) -> float | None:
-        """Slowest calibrated all-reduce rate among `members` (bytes of one GPU's gradient shard per
-        second, independent of the number of replicas), or None when no member's GPU type has one."""
-        rates = [self.calibration.get(mb.gpu, {}).get("allreduce_bytes_per_s") for mb in members]
-        rates = [float(r) for r in rates if r is not None]
-        return min(rates) if rates else None
-
-    def p2p_overhead_s(self, gpu_a: str, gpu_b: str) -> float:
-        """Fixed seconds each pipeline transfer pays on top of its bytes (calibrated, 0 by default;
-        the larger of the two ends)."""
-        return max(gpu_constant(self.calibration, g, "p2p_overhead_s", 0.0) for g in (gpu_a, gpu_b))
-
-    def memory_capacity(self, gpu: str) -> int:
-        return catalog.gpu(gpu).memory_bytes
-
-
-def make_context(job: JobSpec, cluster: ClusterSpec, profiles: Profiles | None = None,
-                 network: NetworkModel | None = None,
-                 calibration: dict[str, dict[str, float]] | None = None) -> SimContext:
-    """A SimContext with roofline profiles and default links where none are given."""
-    from sailor.simulator.calibration import default_calibration
-    return SimContext(job=job, cluster=cluster, profiles=profiles or roofline_profiles(job),
-                      network=network or network_for(cluster),
-                      calibration=default_calibration() if calibration is None else calibration)
+__all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", "StageTime", "TimeOptions",
+           "allreduce_s", "collective_s", "embedding_params", "head_vocab_params", "make_context",
+           "optimizer_s", "pipeline_arrays", "simulate", "stage_sync", "stage_time", "tied_embeddings",
+           "tied_sync", "time_options"]
 
 
 @dataclass
@@ -194,6 +70,9 @@ class ReplicaEstimate:
     optimizer_s: float
     memory: MemoryBreakdown
     memory_capacity_bytes: int
+    recompute_s: float = 0.0
+    tp_comm_s: float = 0.0
+    gather_s: float = 0.0
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -207,6 +86,7 @@ class ReplicaEstimate:
         return {"stage": self.stage, "pipeline": self.pipeline, "gpu": self.gpu, "zone": self.zone, "tp": self.tp,
                 "layers": list(self.layers), "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "p2p_s": self.p2p_s, "sync_s": self.sync_s, "optimizer_s": self.optimizer_s,
+                "recompute_s": self.recompute_s, "tp_comm_s": self.tp_comm_s, "zero_gather_s": self.gather_s,
                 "peak_memory_bytes": int(self.peak_memory_bytes), "memory_capacity_bytes": self.memory_capacity_bytes,
                 "memory_breakdown_bytes": self.memory.to_dict(), "out_of_memory": self.oom}
 
@@ -230,6 +110,10 @@ class Estimate:
     model_flop_per_iteration: float
     peak_flop_per_s: float
     estimated: list[str]
+    recompute_flop_per_iteration: float = 0.0
+    tp_communication: list[str] | None = None
+    """Per (GPU type, TP > 1) of the plan: whether its TP collectives were charged from the intra-node
+    link or are held by its measured layer times."""
 
     @property
     def throughput_iters_per_s(self) -> float:
@@ -265,6 +149,12 @@ class Estimate:
         """Model FLOPs utilisation: model FLOPs per iteration / (iteration time x Σ peak FLOP/s)."""
         return self.model_flop_per_iteration / (self.iteration_time_s * self.peak_flop_per_s)
 
+    @property
+    def flop_per_s_per_gpu(self) -> float:
+        """FLOP/s per GPU counting the recomputation forward (hardware FLOPs, the way Narayanan et
+        al. SC'21 report their "achieved teraFLOP/s per GPU")."""
+        return (self.model_flop_per_iteration + self.recompute_flop_per_iteration) / (self.iteration_time_s * self.gpus)
+
     def to_dict(self) -> dict[str, Any]:
         """The `sailor simulate --json` object."""
         return {
@@ -279,88 +169,14 @@ class Estimate:
             "fits_in_memory": self.fits_in_memory,
             "gpus": self.gpus,
             "mfu": self.mfu,
+            "flop_per_s_per_gpu_with_recompute": self.flop_per_s_per_gpu,
+            "tp_communication": self.tp_communication or [],
             "breakdown": {"pipeline": self.pipeline_s, "gradient_sync": self.gradient_sync_s,
                           "optimizer": self.optimizer_s},
             "pipeline_times_s": self.pipeline_times_s,
             "estimated": self.estimated,
             "replicas": [r.to_dict() for r in self.replicas],
         }
-
-
-# ---- building blocks shared with the planner ------------------------------------------------------
-Slot = Member  # where one replica runs: zone, GPU type, TP degree
-
-
-def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
-    """Per-micro-batch forward, backward and boundary-transfer seconds of one pipeline, arrays (P,),
-    (P,), (P-1,), plus (bytes crossing zones, egress $) per micro-batch.
-
-    Every TP rank of a stage sends the full activation to its peer rank of the next stage (DeepSpeed's
-    p2p does not split it over TP), so a boundary carries min(t_i, t_i+1) concurrent flows. Each
-    transfer also pays the calibrated fixed cost `p2p_overhead_s` of its slower end (0 by default)."""
-    P = len(stages)
-    f, b, c = np.zeros(P), np.zeros(P), np.zeros(max(P - 1, 0))
-    moved, usd = 0.0, 0.0
-    for i, (r, (a, e)) in enumerate(zip(slots, stages)):
-        f[i], b[i] = ctx.stage_compute_s(r.gpu, r.tp, mbs, a, e)
-        if i < P - 1:
-            nxt = slots[i + 1]
-            nbytes = ctx.boundary_bytes(e, mbs)
-            flows = min(r.tp, nxt.tp)
-            c[i] = (ctx.network.transfer_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, nbytes, flows=flows)
-                    + ctx.p2p_overhead_s(r.gpu, nxt.gpu))
-            lc = ctx.network.link_class(r.zone, nxt.zone)
-            if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
-                both = 2.0 * nbytes * flows  # activation forward, gradient backward
-                moved += both
-                usd += both / 1e9 * ctx.cluster.prov.egress_usd_per_gb[lc]
-    return f, b, c, moved, usd
-
-
-def optimizer_s(ctx: SimContext, slot: Slot, a: int, e: int) -> float:
-    """Optimizer-step seconds of one replica holding layers [a, e)."""
-    return ctx.profiles.optimizer_time_s(ctx.job, slot.gpu, ctx.stage_params(slot.tp, a, e))
-
-
-def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> float:
-    """Seconds of one gradient all-reduce of `nbytes` (a replica's gradient, split in `t` shards, one
-    per TP rank) across `groups`: the ring over the links (`allreduce_time_s`) divided by the
-    calibrated all-reduce efficiency, and no faster than one GPU's shard (nbytes / t) at the slowest
-    calibrated `allreduce_bytes_per_s` of the members (a rate that does not depend on the number of
-    replicas, as measured on GH200; see calibration.py). 0 for a single member."""
-    if sum(n for _, n in groups) < 2:
-        return 0.0
-    members = [r for r, _ in groups]
-    ring = allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency(members)
-    rate = ctx.allreduce_bytes_per_s(members)
-    return max(ring, nbytes / t / rate) if rate is not None else ring
-
-
-def stage_sync(ctx: SimContext, groups: list[Group], a: int, e: int) -> tuple[float, float, float]:
-    """(seconds, bytes crossing zones, egress $) of the gradient all-reduce of layers [a, e) across
-    the replicas of one stage, given as (Slot, count) groups in ring order (`group_members`). Each of
-    the t ranks all-reduces its own shard of params(stage, t) parameters (replicated norms and biases
-    included), t = the finest common sharding's flow count (`allreduce_s`)."""
-    key = ("stage_sync", tuple(groups), a, e)
-    if key not in ctx.memo:
-        t = min(r.tp for r, _ in groups)
-        nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["gradients"]
-        ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
-    return ctx.memo[key]
-
-
-def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tuple[float, float, float]:
-    """(seconds, bytes crossing zones, egress $) of the all-reduce of tied embedding gradients between
-    a pipeline's first and last stage (DeepSpeed ReduceTiedGrads); 0 for one stage or untied models."""
-    if num_stages < 2 or not tied_embeddings(ctx.job.model):
-        return 0.0, 0.0, 0.0
-    key = ("tied_sync", first, last)
-    if key not in ctx.memo:
-        groups = group_members([first, last])
-        t = min(first.tp, last.tp)
-        nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
-        ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
-    return ctx.memo[key]
 
 
 # ---- the simulation -------------------------------------------------------------------------------
@@ -375,7 +191,8 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         Estimate with times (s), memory per GPU (bytes) and cost ($).
     """
     job, mbs = ctx.job, plan.micro_batch_size
-    P = plan.num_stages
+    P, D = plan.num_stages, len(plan.pipelines)
+    options = [time_options(plan.stage_memory(i), D) for i in range(P)]
     replicas: list[ReplicaEstimate] = []
     pipeline_times: list[float] = []
     cache: dict[tuple, float] = {}
@@ -383,7 +200,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     slots = [[Slot(zone=r.zone, gpu=r.gpu, tp=r.tp) for r in p.replicas] for p in plan.pipelines]
     for j, pipe in enumerate(plan.pipelines):
         m = pipe.microbatches
-        f, b, c, moved, usd = pipeline_arrays(ctx, slots[j], plan.stages, mbs)
+        f, b, c, moved, usd = pipeline_arrays(ctx, slots[j], plan.stages, mbs, options)
         cross_bytes += moved * m
         egress_usd += usd * m
         key = (tuple(f), tuple(b), tuple(c), m, event)
@@ -392,12 +209,15 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         pipeline_times.append(cache[key])
         for i, r in enumerate(pipe.replicas):
             a, e = plan.stages[i]
-            mem = replica_memory(ctx, r.gpu, r.tp, mbs, a, e, stage=i, num_stages=P, microbatches=m)
+            st = stage_time(ctx, slots[j][i], mbs, a, e, options[i])
+            mem = replica_memory(ctx, r.gpu, r.tp, mbs, a, e, stage=i, num_stages=P, microbatches=m,
+                                 memory=plan.stage_memory(i), replicas=D)
             replicas.append(ReplicaEstimate(
                 pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(a, e), forward_s=f[i],
                 backward_s=b[i], p2p_s=c[i] if i < P - 1 else 0.0, sync_s=0.0,
-                optimizer_s=optimizer_s(ctx, slots[j][i], a, e),
-                memory=mem, memory_capacity_bytes=ctx.memory_capacity(r.gpu)))
+                optimizer_s=optimizer_s(ctx, slots[j][i], a, e, options[i]),
+                memory=mem, memory_capacity_bytes=ctx.memory_capacity(r.gpu), recompute_s=st.recompute_s,
+                tp_comm_s=st.tp_comm_s, gather_s=st.gather_s))
 
     tied_s = 0.0
     for sl in slots:
@@ -407,7 +227,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         egress_usd += eu
     sync_times = []
     for i, (a, e) in enumerate(plan.stages):
-        t, eb, eu = stage_sync(ctx, group_members([sl[i] for sl in slots]), a, e)
+        t, eb, eu = stage_sync(ctx, group_members([sl[i] for sl in slots]), a, e, options[i])
         sync_times.append(t)
         cross_bytes += eb
         egress_usd += eu
@@ -429,4 +249,28 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         cross_zone_bytes=cross_bytes, model_flop_per_iteration=model_flop, peak_flop_per_s=peak,
         estimated=sorted(f"{g} TP {t}: {how}" for g, t, how in ctx.profiles.estimates_used
                          if any(r.gpu == g and r.tp == t for r in replicas)),
+        recompute_flop_per_iteration=_recompute_flop(plan, ctx), tp_communication=tp_communication(plan, ctx),
     )
+
+
+def _recompute_flop(plan: Plan, ctx: SimContext) -> float:
+    """FLOPs the plan's recomputation adds per iteration (every pipeline, every micro-batch)."""
+    from sailor.simulator.terms import recomputed_blocks
+    job, model = ctx.job, ctx.job.model
+    total = 0.0
+    for i, (a, e) in enumerate(plan.stages):
+        mem = plan.stage_memory(i)
+        first, n = recomputed_blocks(ctx, a, e, mem.recompute, mem.recompute_blocks)
+        per_sample = sum(model.recompute_flop(k, tp=1, mbs=1, seq=job.seq, recompute=mem.recompute)
+                         for k in range(first, first + n))
+        total += per_sample * plan.global_batch_size
+    return total
+
+
+def tp_communication(plan: Plan, ctx: SimContext) -> list[str]:
+    """One line per (GPU type, TP > 1) of the plan: "A100-80 TP 8: charged (intra-node link)" where
+    the simulator adds the TP collectives to roofline layer times, "... included (measured)" where
+    the measured layer times hold them (only sequence parallelism's extra is charged there)."""
+    pairs = sorted({(r.gpu, r.tp) for p in plan.pipelines for r in p.replicas if r.tp > 1})
+    return [f"{g} TP {t}: " + ("included (measured)" if ctx.tp_comm_included(g, t) else "charged (intra-node link)")
+            for g, t in pairs]

@@ -8,7 +8,14 @@ ring step between two replicas is one transfer of S/D bytes carried by min(t_a, 
 - flat ring (Patarasuk & Yuan 2009): 2(D-1) steps, each as slow as the slowest ring edge;
 - hierarchical (multi-zone): ring reduce-scatter inside each zone, ring all-reduce of the 1/D_z
   shards across zones (one ring per shard, in parallel), ring all-gather inside each zone.
-The faster of the two is taken (NCCL picks among algorithms likewise).
+The faster of the two is taken (NCCL picks among algorithms likewise). A ring all-reduce is a
+reduce-scatter followed by an all-gather (Patarasuk & Yuan 2009; Rabenseifner 2004), each taking
+half of its steps, so `reduce_scatter_time_s` and `all_gather_time_s` are half the all-reduce's
+(ZeRO: reduce-scatter of gradients plus all-gather of parameters in place of the all-reduce).
+
+Inside a TP group (one node) the same rings run over the intra-node link (`tp_collective_time_s`):
+an all-reduce of a tensor of n bytes takes 2(t-1) steps of n/t, an all-gather or a reduce-scatter
+t-1 steps.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from sailor.catalog import LinkClass
+from sailor.models import Collective
 from sailor.network import NetworkModel
 
 
@@ -79,6 +87,32 @@ def allreduce_time_s(groups: list[Group], nbytes: float, net: NetworkModel) -> f
     cross = 2 * (len(zones) - 1) * _ring_step(leaders, shard / len(zones), net)
     hier = 2 * (max(sizes) - 1) * intra + cross
     return min(flat, hier)
+
+
+def reduce_scatter_time_s(groups: list[Group], nbytes: float, net: NetworkModel) -> float:
+    """Seconds to reduce-scatter `nbytes` (one replica's full tensor) across `groups`: the first half
+    of the ring all-reduce (`allreduce_time_s`)."""
+    return allreduce_time_s(groups, nbytes, net) / 2
+
+
+def all_gather_time_s(groups: list[Group], nbytes: float, net: NetworkModel) -> float:
+    """Seconds to all-gather `nbytes` (the full tensor, each member holding 1/D of it) across
+    `groups`: the second half of the ring all-reduce (`allreduce_time_s`)."""
+    return allreduce_time_s(groups, nbytes, net) / 2
+
+
+RING_STEPS = {Collective.ALL_REDUCE: 2, Collective.ALL_GATHER: 1, Collective.REDUCE_SCATTER: 1}
+"""Ring steps per member (x (t - 1)) of each collective."""
+
+
+def tp_collective_time_s(net: NetworkModel, zone: str, gpu: str, tp: int, kind: Collective, nbytes: float) -> float:
+    """Seconds of one collective over a TP group of `tp` GPUs inside one node, on the intra-node link
+    (`NetworkModel` same-node link: measured intra-node fit, cluster override or catalog): a ring of
+    RING_STEPS[kind]·(tp - 1) steps, each moving nbytes / tp (nbytes = the full tensor). 0 at TP 1."""
+    if tp < 2 or nbytes <= 0:
+        return 0.0
+    step = net.transfer_time_s(zone, gpu, zone, gpu, nbytes / tp, same_node=True)
+    return RING_STEPS[kind] * (tp - 1) * step
 
 
 def ring_egress(groups: list[Group], nbytes: float, net: NetworkModel) -> tuple[float, float]:

@@ -1,24 +1,34 @@
 """Peak memory per GPU of a replica, as `nvidia-smi` counts it.
 
-    total = weights + gradients + optimizer states          (bytes/param by precision and optimizer)
-          + activations x in-flight micro-batches            (min(P - i, m) under 1F1B)
+    total = weights + gradients + optimizer states          (bytes/param by precision and optimizer,
+                                                              sharded over D replicas by ZeRO)
+          + activations x in-flight micro-batches            (min(P - i, m) under 1F1B; what each
+                                                              layer keeps under the stage's
+                                                              recomputation and SP)
+          + recomputation transient                          (one recomputed block's rebuilt
+                                                              activations, during its backward)
           + received inputs x in-flight                       (stage > 0: the activation received from
                                                                the previous stage, kept for backward)
           + gradient receive buffer                           (stage < P-1: one activation-sized tensor)
           + logits gradient                                   (the head's stage: fp32 d(loss)/d(logits))
+          + ZeRO-3 gather buffer                              (the largest layer's full weights)
           + allocator reserve                                 (reserve_fraction x the transient tensors)
           + framework                                         (CUDA context, kernels, NCCL; per GPU type)
 
-State bytes per parameter: see `specs.STATE_BYTES_PER_PARAM`; parameters per stage follow tied
-embeddings (`SimContext.stage_params`). Activation bytes: measured (profiles, the increase of
-allocated memory over one layer's forward) or Korthikanti et al. 2022 (`models.ModelSpec.
-activation_bytes`). The received input of a stage is not in those per-layer increases (the previous
-layer's output is, but it lives on the previous stage), hence its own term. The head's backward
-materialises the gradient of the vocab-parallel logits, (mbs, seq, V/t) in fp32, while all of the
-micro-batch's activations are still held. Weights, gradients and optimizer states are allocated once
-and do not fragment; the PyTorch caching allocator keeps freed blocks of the transient tensors
-(activations, buffers) reserved, which `reserve_fraction` captures. `reserve_fraction` and
-`framework_bytes` are per-GPU-type constants (catalog default, or fitted in `calibration`).
+`replica_memory` is the ONE place the simulator reads a stage's memory options (`plan.StageMemory`)
+for memory. State bytes per parameter: `specs.STATE_BYTES_PER_PARAM` (Megatron-LM's count), divided
+by the stage's D replicas for what ZeRO shards (`state_bytes`); each block is sharded among the D
+ranks that hold it, so a replica's share is 1/D whatever the TP degrees of the others. Parameters
+per stage follow tied embeddings (`SimContext.stage_params`). Activation bytes: measured (profiles,
+the increase of allocated memory over one layer's forward), scaled to the options by the model's
+own ratio, or the model's formula (`sailor.activations`). The received input of a stage is not in
+those per-layer increases (the previous layer's output is, but it lives on the previous stage),
+hence its own term. The head's backward materialises the gradient of the vocab-parallel logits,
+(mbs, seq, V/t) in fp32, while all of the micro-batch's activations are still held. Weights,
+gradients and optimizer states are allocated once and do not fragment; the PyTorch caching allocator
+keeps freed blocks of the transient tensors (activations, buffers) reserved, which
+`reserve_fraction` captures. `reserve_fraction` and `framework_bytes` are per-GPU-type constants
+(catalog default, or fitted in `calibration`).
 """
 
 from __future__ import annotations
@@ -26,18 +36,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from sailor.models import Recompute
+from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
 from sailor.simulator.calibration import gpu_constant
+from sailor.simulator.context import stage_blocks
 from sailor.simulator.schedule import in_flight as _schedule_in_flight
 
 if TYPE_CHECKING:
-    from sailor.simulator import SimContext
+    from sailor.simulator.context import SimContext
 
 LOGIT_BYTES = 4  # Megatron's vocab-parallel cross entropy works on fp32 logits in every precision
 
 
 @dataclass
 class MemoryBreakdown:
-    """Bytes per GPU by category."""
+    """Bytes per GPU by category (activations include the recomputation transient)."""
 
     weights: float
     gradients: float
@@ -67,14 +80,45 @@ def logits_grad_bytes(ctx: "SimContext", tp: int, mbs: int) -> float:
     return float(mbs * ctx.job.seq * m.padded_vocab(tp) // tp * LOGIT_BYTES)
 
 
+def state_bytes(per_param: dict[str, int], params: float, zero: int, replicas: int) -> dict[str, float]:
+    """Weights, gradients and optimizer-state bytes of `params` parameters on one GPU: ZeRO-1 shards
+    the optimizer states over the `replicas` ranks holding each block, ZeRO-2 also the gradients,
+    ZeRO-3 also the weights (Rajbhandari et al. 2020, §5; with Megatron-LM's bytes per parameter,
+    ZeRO-1 gives its distributed optimizer's 6 + 12/d for bf16)."""
+    shard = {"optimizer": 1, "gradients": 2, "weights": 3}
+    return {k: params * per_param[k] / (replicas if zero >= shard[k] else 1) for k in shard}
+
+
+def stage_activation_bytes(ctx: "SimContext", tp: int, mbs: int, a: int, b: int,
+                           mem: StageMemory) -> tuple[float, float]:
+    """(kept bytes per in-flight micro-batch, recomputation transient bytes) of layers [a, b) on one
+    GPU under the stage's recomputation (the first `recompute_blocks` blocks under `full`) and SP."""
+    sp = mem.sequence_parallel
+    plain = ctx.act_cumsum(tp, mbs, Recompute.NONE, sp)
+    if mem.recompute is Recompute.NONE:
+        return float(plain[b] - plain[a]), 0.0
+    first, n = stage_blocks(ctx.job.model, a, b)
+    if mem.recompute is Recompute.FULL and mem.recompute_blocks is not None:
+        n = min(n, mem.recompute_blocks)
+    if n == 0:
+        return float(plain[b] - plain[a]), 0.0
+    kept = ctx.act_cumsum(tp, mbs, mem.recompute, sp)
+    total = (plain[b] - plain[a]) - (plain[first + n] - plain[first]) + (kept[first + n] - kept[first])
+    transient = ctx.profiles.recompute_transient_bytes(ctx.job, first, tp, mbs, recompute=mem.recompute,
+                                                       sequence_parallel=sp)
+    return float(total), float(transient)
+
+
 def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, a: int, b: int, *, stage: int,
-                   num_stages: int, microbatches: int) -> MemoryBreakdown:
-    """Memory per GPU of a replica holding layers [a, b) at TP `tp` (bytes); see the module docstring."""
-    per_param = ctx.job.state_bytes_per_param
+                   num_stages: int, microbatches: int, memory: StageMemory = DEFAULT_STAGE_MEMORY,
+                   replicas: int = 1) -> MemoryBreakdown:
+    """Memory per GPU of a replica holding layers [a, b) at TP `tp` (bytes), with the stage's memory
+    options `memory` over its `replicas` data-parallel replicas D; see the module docstring."""
     params = ctx.stage_params(tp, a, b)
-    act_cum = ctx.act_cumsum(tp, mbs)
+    state = state_bytes(ctx.job.state_bytes_per_param, params, memory.zero, replicas)
     held = in_flight(stage, num_stages, microbatches)
-    activations = float(act_cum[b] - act_cum[a]) * held
+    kept, transient = stage_activation_bytes(ctx, tp, mbs, a, b, memory)
+    activations = kept * held + transient
     n_layers = ctx.job.model.num_layers
     buffers = 0.0
     if a > 0:
@@ -83,8 +127,10 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, a: int, b: in
         buffers += ctx.boundary_bytes(b, mbs)  # gradient arriving from the next stage
     else:
         buffers += logits_grad_bytes(ctx, tp, mbs)
+    if memory.zero >= 3 and replicas > 1:  # the gathered full weights of the layer being computed
+        m = ctx.job.model
+        buffers += max(m.params(i, tp) for i in range(a, b)) * ctx.job.state_bytes_per_param["weights"]
     reserve = (activations + buffers) * gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0)
     return MemoryBreakdown(
-        weights=params * per_param["weights"], gradients=params * per_param["gradients"],
-        optimizer=params * per_param["optimizer"], activations=activations, buffers=buffers,
-        reserve=reserve, framework=ctx.framework_bytes(gpu))
+        weights=state["weights"], gradients=state["gradients"], optimizer=state["optimizer"],
+        activations=activations, buffers=buffers, reserve=reserve, framework=ctx.framework_bytes(gpu))

@@ -1,0 +1,204 @@
+"""Activation memory of one layer for one micro-batch, per framework and memory option.
+
+Every function here returns the bytes of the tensors a layer's autograd graph saves for its
+backward pass, deduplicated by storage and without parameters, on ONE GPU of a TP group of t GPUs,
+for a micro-batch of b samples of s tokens whose activations take e bytes per element. A layer's
+input counts when the layer itself saves it (a block's first norm saves the block input); its output
+does not (the next layer saves it). One function per (framework, layer kind), so each can be checked
+against a measurement (saved-tensor hooks) and corrected on its own.
+
+Notation: h hidden size, a heads, d = h/a head size, kv = KV heads x d (grouped-query attention),
+f MLP width, V padded vocabulary, t TP degree.
+
+Megatron-LM (`Framework.MEGATRON`), Korthikanti et al. 2022, §4.1 and Table 2, generalised to any
+element size e, grouped-query attention and gated MLPs. Per block:
+  outside the TP regions (replicated; /t with SP): LayerNorm inputs 2·e, QKV and MLP inputs e each,
+      two dropout masks 1 byte each                                   -> s·b·h·(4e + 2)
+  inside (sharded over t): Q e·h, K and V e·kv each, out-projection input e·h, MLP intermediates
+      (GeLU input and output 2·e·f; SwiGLU: the fused fc1 output 2f and its product f, 3·e·f)
+  attention core (sharded): softmax output e, its dropout mask 1, dropout output e per score
+                                                                       -> a·s²·b·(2e + 1)
+For e = 2, f = 4h, kv = h these are Table 2's rows exactly: s·b·h·(34 + 5as/h) without
+parallelism, s·b·h·(10 + 24/t + 5as/(ht)) with TP, s·b·h·(34/t + 5as/(ht)) with TP + SP,
+s·b·h·(10 + 24/t) with TP + selective recomputation, s·b·h·34/t with TP + SP + selective, and
+2·s·b·h with full recomputation (the block input; /t with SP). LayerNorm statistics are ignored, as
+in the paper. Embedding: its dropout mask. Head: the final LayerNorm's input, the LM-head input and
+the fp32 softmax of the vocab-parallel cross entropy (V/t per token).
+
+Sailor's runtime (`Framework.SAILOR`, `sailor.runtime.model`): no dropout, causal attention through
+`F.scaled_dot_product_attention` (flash / memory-efficient kernels keep the output and a log-sum-exp
+per query, never the s x s scores). Per block:
+  norm1 input x and its output (the q/k/v input), norm2 input and its output (the MLP input): 4·e·h
+      per token, plus fp32 statistics per token and norm (mean and rstd: 8 bytes; RMSNorm: rstd, 4)
+  SDPA inputs: q, and k, v repeated to all heads when kv < h (repeat_interleave makes new tensors),
+      so 3·e·h/t per token either way; RoPE (rotary models) makes new q, k and saves its cos and sin
+      tables, 2 calls x 2 tables x s·d/2 x e bytes per block (not sharded)
+  SDPA output e·h/t, log-sum-exp fp32 4·a/t, and the out-projection's input (the head-merging copy of
+      the output) e·h/t per token
+  MLP: GeLU input and output 2·e·f/t; SwiGLU gate output, SiLU output, up output and their product
+      4·e·f/t per token
+Embedding: the token ids (int64; under TP the shifted local ids and a bool mask) and the position
+ids. Head: the final norm's input, statistics and output, the fp32 log-probabilities over the whole
+vocabulary (the runtime all-gathers the logits, so every TP rank holds all V of them) and the
+int64 targets.
+
+Memory options, as Sailor's runtime applies them (Megatron-LM's are the same):
+- sequence parallelism (SP): every tensor outside the TP regions is split along the sequence (/t);
+  column-parallel linears save their sharded input and all-gather it again in the backward.
+- selective recomputation: checkpoint of the attention core (RoPE + SDPA; Megatron: QKᵀ, softmax,
+  dropout, attention·V): keeps its q, k, v inputs, not what it makes.
+- full recomputation: checkpoint of the whole block: keeps the block input only. During the
+  backward of a recomputed block its activations exist once more (`recompute_transient_bytes`).
+The embedding and the head are never recomputed and are not affected by SP (stage boundaries carry
+the full activation).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sailor.models import Framework, LayerKind, Recompute
+
+if TYPE_CHECKING:
+    from sailor.models import ModelSpec
+
+INDEX_BYTES = 8  # int64 token, target and position ids
+STAT_BYTES = 4  # fp32 normalisation statistics and log-sum-exp
+FP32_BYTES = 4  # Megatron's cross entropy and Sailor's loss work on fp32 logits in every precision
+
+
+def layer_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int, framework: Framework,
+                recompute: Recompute, sequence_parallel: bool) -> float:
+    """Bytes layer `layer` keeps for its backward on one GPU (see the module docstring)."""
+    kind = m.layer_kind(layer)
+    args = dict(tp=tp, mbs=mbs, seq=seq, e=elem_bytes)
+    if framework is Framework.MEGATRON:
+        if kind is LayerKind.EMBEDDING:
+            return megatron_embedding_bytes(m, **args)
+        if kind is LayerKind.HEAD:
+            return megatron_head_bytes(m, **args)
+        return megatron_block_bytes(m, **args, recompute=recompute, sp=sequence_parallel)
+    if kind is LayerKind.EMBEDDING:
+        return sailor_embedding_bytes(m, **args)
+    if kind is LayerKind.HEAD:
+        return sailor_head_bytes(m, **args)
+    return sailor_block_bytes(m, **args, recompute=recompute, sp=sequence_parallel)
+
+
+def recompute_transient_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
+                              framework: Framework, recompute: Recompute, sequence_parallel: bool) -> float:
+    """Bytes the recompute forward of one block rebuilds while that block runs its backward (they are
+    freed before the next block's): full recomputation rebuilds everything but the kept input;
+    selective rebuilds the attention core's saved tensors (those not aliasing its kept inputs).
+    0 without recomputation and for the embedding and the head."""
+    if recompute is Recompute.NONE or m.layer_kind(layer) is not LayerKind.BLOCK:
+        return 0.0
+    args = dict(tp=tp, mbs=mbs, seq=seq, e=elem_bytes, sp=sequence_parallel)
+    block = megatron_block_bytes if framework is Framework.MEGATRON else sailor_block_bytes
+    if recompute is Recompute.FULL:
+        return block(m, **args, recompute=Recompute.NONE) - block(m, **args, recompute=Recompute.FULL)
+    if framework is Framework.MEGATRON:
+        return _megatron_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=elem_bytes)
+    return _sailor_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=elem_bytes)
+
+
+# ---- Megatron-LM ---------------------------------------------------------------------------------
+def _mlp_width_megatron(m: "ModelSpec") -> int:
+    """Saved MLP intermediates per token, in elements: GeLU input and output (2f); SwiGLU: the fused
+    fc1 output (2f) and the gated product (f)."""
+    return 3 * m.ffn if m.gated_mlp else 2 * m.ffn
+
+
+def _megatron_core_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
+    """Attention core of one block: softmax output, dropout mask and dropout output per score."""
+    return m.num_heads * seq * seq * mbs * (2 * e + 1) / tp
+
+
+def megatron_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, recompute: Recompute,
+                         sp: bool) -> float:
+    """One transformer block under Megatron-LM (Korthikanti et al. 2022 Table 2, generalised)."""
+    s, b, h = seq, mbs, m.hidden_size
+    outside_tp = tp if sp else 1
+    if recompute is Recompute.FULL:
+        return e * s * b * h / outside_tp
+    kv = m.kv_heads * m.head_dim
+    replicated = s * b * h * (4 * e + 2)
+    sharded = s * b * e * (2 * h + 2 * kv + _mlp_width_megatron(m))
+    core = 0.0 if recompute is Recompute.SELECTIVE else _megatron_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=e)
+    return replicated / outside_tp + sharded / tp + core
+
+
+def megatron_embedding_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
+    """Embedding under Megatron-LM: its dropout mask (1 byte per element; the dropout output is the
+    first block's saved input)."""
+    return float(seq * mbs * m.hidden_size)
+
+
+def megatron_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
+    """Head under Megatron-LM: final LayerNorm input, LM-head input, fp32 softmax over V/t."""
+    s, b = seq, mbs
+    return 2.0 * e * s * b * m.hidden_size + FP32_BYTES * s * b * m.padded_vocab(tp) / tp
+
+
+# ---- Sailor's runtime ----------------------------------------------------------------------------
+def _norm_stat_bytes(m: "ModelSpec") -> int:
+    """fp32 statistics one norm saves per token: LayerNorm mean and rstd, RMSNorm rstd."""
+    return STAT_BYTES if m.rms_norm else 2 * STAT_BYTES
+
+
+def _rope_table_bytes(m: "ModelSpec", *, seq: int, e: int) -> float:
+    """cos and sin tables (seq x d/2 each) saved by the two RoPE calls (q and k) of a rotary block."""
+    return 0.0 if m.learned_positions else 2 * 2 * seq * (m.head_dim // 2) * e
+
+
+def _sdpa_copy_width(m: "ModelSpec") -> int:
+    """Elements per token (before /t) of the q, k, v that SDPA saves and that are new tensors rather
+    than the projections' outputs: RoPE makes new q and k; repeating KV heads makes new k and v."""
+    h, rotary, gqa = m.hidden_size, not m.learned_positions, m.kv_heads < m.num_heads
+    return (h if rotary else 0) + (h if rotary or gqa else 0) + (h if gqa else 0)
+
+
+def _sailor_core_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
+    """What the attention core (RoPE + SDPA) saves beyond the q, k, v projections it reads: its new
+    q, k, v tensors (`_sdpa_copy_width`), the output, the fp32 log-sum-exp and the RoPE tables."""
+    s, b, h = seq, mbs, m.hidden_size
+    copies = e * s * b * _sdpa_copy_width(m) / tp
+    out = e * s * b * h / tp
+    lse = STAT_BYTES * b * m.num_heads * s / tp
+    return copies + out + lse + _rope_table_bytes(m, seq=seq, e=e)
+
+
+def sailor_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, recompute: Recompute,
+                       sp: bool) -> float:
+    """One transformer block in Sailor's runtime (see the module docstring for every term)."""
+    s, b, h = seq, mbs, m.hidden_size
+    outside_tp = tp if sp else 1
+    if recompute is Recompute.FULL:
+        return e * s * b * h / outside_tp
+    kv = m.kv_heads * m.head_dim
+    outside = s * b * (4 * e * h + 2 * _norm_stat_bytes(m))  # x, norm1 out, norm2 in, norm2 out + stats
+    out_proj_input = e * s * b * h / tp  # the head-merging copy of the SDPA output
+    mlp = e * s * b * m.ffn * (4 if m.gated_mlp else 2) / tp
+    if recompute is Recompute.SELECTIVE:
+        core = e * s * b * (h + 2 * kv) / tp  # the checkpoint keeps its inputs: the q, k, v projections
+    else:
+        # SDPA keeps all-head q, k, v (3h whether they are the projections or new tensors), its
+        # output, the log-sum-exp and RoPE's tables
+        copies = e * s * b * _sdpa_copy_width(m) / tp
+        core = 3.0 * e * s * b * h / tp + _sailor_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=e) - copies
+    return outside / outside_tp + core + out_proj_input + mlp
+
+
+def sailor_embedding_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
+    """Embedding in Sailor's runtime: the int64 token ids (under TP the shifted local ids and a bool
+    mask of ids outside this rank's rows) and, for learned positions, the int64 position ids."""
+    ids = INDEX_BYTES * seq * mbs + (seq * mbs if tp > 1 else 0)
+    return float(ids + (INDEX_BYTES * seq if m.learned_positions else 0))
+
+
+def sailor_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
+    """Head in Sailor's runtime: final norm input, statistics and output, fp32 log-probabilities over
+    the full runtime vocabulary (logits are all-gathered over TP) and the int64 targets."""
+    s, b = seq, mbs
+    norm = s * b * (2 * e * m.hidden_size + _norm_stat_bytes(m))
+    return float(norm + FP32_BYTES * s * b * m.padded_vocab(1) + INDEX_BYTES * s * b)

@@ -1,0 +1,230 @@
+"""Analytic layer times: a roofline per operation of each layer, summed.
+
+Each layer's forward and backward pass is a list of operations (`Op`): matmuls, attention kernels
+and memory-bound elementwise kernels, each with its FLOPs and the bytes it reads and writes in
+device memory. One operation takes
+
+    max(FLOPs / (dense peak x efficiency of its kind), bytes / (HBM bandwidth x memory efficiency))
+
+with the peaks from the GPU catalog and the efficiencies of `catalog.Efficiency` (each from an
+independent measurement, cited in gpus.yaml: maximum achievable matmul FLOPS, a streaming-bandwidth
+measurement, FlashAttention's published throughput). A layer's time is the sum over its operations
+(kernels run one after another on one stream). These are estimates, labelled as such wherever they
+are used; TP collectives are not in them (the simulator adds them from the intra-node link), nor are
+recomputation passes (the simulator adds the recomputed forward).
+
+Operations per transformer block, for one micro-batch of N = b·s tokens on one GPU of a TP group of
+t (h, kv, f, a, V as in `sailor.activations`; e bytes per element; o = t under sequence parallelism
+for what lies outside the TP regions, else 1):
+- Megatron-LM (`Framework.MEGATRON`, its fused kernels, Narayanan et al. SC'21 §4.2): LayerNorm;
+  QKV GEMM; attention scores QKᵀ (batched GEMM writing b·(a/t)·s² scores); fused scale-mask-softmax;
+  dropout (writes a 1-byte mask); attention·V; output projection; bias-dropout-add; LayerNorm; fc1;
+  fused bias-GeLU (SwiGLU); fc2; bias-dropout-add.
+- Sailor's runtime (`Framework.SAILOR`, plain PyTorch ops): norm; q, k, v linears (each reads the
+  input); RoPE (rotary models: slices, four multiplies, a subtract, an add and a concatenation, about
+  8 reads and writes per element of q and k); KV repeat (grouped-query attention); causal SDPA
+  (flash kernel at the attention efficiency; with a causal mask it computes half of the 4·b·s²·h/t
+  FLOPs); the head-merging copy; output linear; bias add and residual add; norm; MLP linears; GeLU
+  (or SiLU and the gating multiply); down linear; bias and residual adds.
+Backward passes: every GEMM twice (input and weight gradients), the flash attention backward at
+2.5x its forward FLOPs (it recomputes the scores: five matmuls for the forward's two), and each
+elementwise kernel reads what it saved and the incoming gradient and writes the outgoing one.
+Embedding: the row gather (and position add), its backward a scatter-add into fp32 gradients. Head:
+norm, LM-head GEMM and the fp32 cross entropy (Megatron-LM: vocab-parallel over V/t; Sailor's
+runtime: over the all-gathered V). Every layer's backward also accumulates its fresh weight
+gradients (e bytes per parameter) into the gradient buffer kept across micro-batches (read and
+written at the job's gradient bytes): Megatron-LM's `param.main_grad.add_(param.grad)` hook of its
+DDP wrapper, PyTorch's AccumulateGrad in Sailor's runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from sailor import catalog
+from sailor.models import Framework, LayerKind, ModelSpec
+from sailor.specs import JobSpec
+
+FP32 = 4
+GRAD_ACCUM_BYTES = 4  # fp32 gradient accumulation of the embedding's scatter-add (read + write)
+
+
+class OpKind(str, Enum):
+    """Which efficiency bounds an operation's FLOP rate."""
+
+    MATMUL = "matmul"
+    ATTENTION = "attention"  # a fused (flash) attention kernel
+    MEMORY = "memory"  # elementwise / copies: bandwidth only
+
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel: its FLOPs, the device-memory bytes it moves, and whether it belongs to the
+    attention core (what selective recomputation re-runs)."""
+
+    name: str
+    kind: OpKind
+    flop: float
+    bytes: float
+    core: bool = False
+
+    def scaled(self, factor: float, name: str) -> "Op":
+        """This operation `factor` times over (FLOPs and bytes), renamed."""
+        return Op(name, self.kind, self.flop * factor, self.bytes * factor, self.core)
+
+
+def op_time_s(op: Op, spec: catalog.GpuSpec, precision: str) -> float:
+    """Seconds of one operation on one GPU of type `spec` (module docstring)."""
+    eff = spec.efficiency
+    memory_s = op.bytes / (spec.hbm_bytes_per_s * eff.memory)
+    if op.kind is OpKind.MEMORY:
+        return memory_s
+    rate = spec.peak(precision) * (eff.matmul if op.kind is OpKind.MATMUL else eff.attention)
+    return max(op.flop / rate, memory_s)
+
+
+def _gemm(name: str, tokens: float, k: float, n: float, e: int, reads: int = 1) -> Op:
+    """A (tokens x k) @ (k x n) GEMM: reads its input `reads` times (one per linear sharing it),
+    the weight, writes the output."""
+    return Op(name, OpKind.MATMUL, 2.0 * tokens * k * n, e * (reads * tokens * k + k * n + tokens * n))
+
+
+def _mem(name: str, nbytes: float, core: bool = False) -> Op:
+    return Op(name, OpKind.MEMORY, 0.0, nbytes, core)
+
+
+def megatron_block_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, sp: bool) -> tuple[list[Op], list[Op]]:
+    """(forward, backward) operations of one block under Megatron-LM (module docstring)."""
+    t, o, N, h, s, b = tp, (tp if sp else 1), mbs * seq, m.hidden_size, seq, mbs
+    kv, f = m.kv_heads * m.head_dim, m.ffn
+    f_in = 2 * f if m.gated_mlp else f
+    X = b * m.num_heads / t * s * s  # attention scores per GPU
+    qkv = _gemm("qkv", N, h, (h + 2 * kv) / t, e)
+    qk = Op("scores", OpKind.MATMUL, 2.0 * b * s * s * h / t, e * (N * (h + kv) / t + X), core=True)
+    av = Op("attention-v", OpKind.MATMUL, 2.0 * b * s * s * h / t, e * (X + N * kv / t + N * h / t), core=True)
+    proj, fc1, fc2 = _gemm("proj", N, h / t, h, e), _gemm("fc1", N, h, f_in / t, e), _gemm("fc2", N, f / t, h, e)
+    gemms = [qkv, qk, av, proj, fc1, fc2]
+    norm, bda = _mem("layernorm", 2 * e * N * h / o), _mem("bias-dropout-add", (3 * e + 1) * N * h / o)
+    fwd = [norm, qkv, qk, _mem("softmax", 2 * e * X, True), _mem("dropout", (2 * e + 1) * X, True), av, proj, bda,
+           norm, fc1, _mem("bias-gelu", e * N * (f_in + f) / t), fc2, bda]
+    bwd = [g.scaled(2, g.name + " backward") for g in gemms] + [
+        _mem("softmax backward", 3 * e * X, True), _mem("dropout backward", (2 * e + 1) * X, True),
+        _mem("layernorm backward", 2 * 3 * e * N * h / o), _mem("bias-dropout-add backward", 2 * (5 * e + 1) * N * h / o),
+        _mem("bias-gelu backward", e * N * (2 * f_in + f) / t)]
+    return fwd, bwd
+
+
+def sailor_block_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, sp: bool) -> tuple[list[Op], list[Op]]:
+    """(forward, backward) operations of one block in Sailor's runtime (module docstring)."""
+    t, o, N, h, s, b = tp, (tp if sp else 1), mbs * seq, m.hidden_size, seq, mbs
+    kv, f = m.kv_heads * m.head_dim, m.ffn
+    mlp_in = 2 if m.gated_mlp else 1
+    stats = (FP32 if m.rms_norm else 2 * FP32) * N / o
+    norm = _mem("norm", 2 * e * N * h / o + stats)
+    qkv = _gemm("q,k,v", N, h, (h + 2 * kv) / t, e, reads=3)
+    attn_flop = 4.0 * b * s * s * h / t / 2  # causal: the flash kernel skips the masked half
+    sdpa = Op("sdpa", OpKind.ATTENTION, attn_flop, e * 4 * N * h / t + FP32 * b * m.num_heads / t * s, core=True)
+    out = _gemm("out", N, h / t, h, e)
+    up = _gemm("mlp in", N, h, mlp_in * f / t, e, reads=mlp_in)
+    down = _gemm("down", N, f / t, h, e)
+    adds = _mem("bias and residual adds", ((2 if m.bias else 0) + 3) * e * N * h / o)
+    act = (2 + 3) * e * N * f / t if m.gated_mlp else 2 * e * N * f / t  # SiLU and the gating product, or GeLU
+    core: list[Op] = []
+    if not m.learned_positions:
+        core.append(_mem("rope", 8 * e * N * (h + kv) / t, True))
+    if m.kv_heads < m.num_heads:
+        core.append(_mem("kv repeat", 2 * e * N * (kv + h) / t, True))
+    core.append(sdpa)
+    fwd = [norm, qkv, *core, _mem("head merge", 2 * e * N * h / t), out, adds, norm, up,
+           _mem("activation", act), down, adds]
+    core_bwd = [op.scaled(1.0, op.name + " backward") for op in core if op is not sdpa]  # same traffic
+    core_bwd.append(Op("sdpa backward", OpKind.ATTENTION, 2.5 * attn_flop, e * 8 * N * h / t, core=True))
+    bwd = [g.scaled(2, g.name + " backward") for g in (qkv, out, up, down)] + core_bwd + [
+        _mem("head merge backward", 2 * e * N * h / t), _mem("norm backward", 2 * (3 * e * N * h / o + stats)),
+        adds.scaled(2, "adds backward"),
+        _mem("activation backward", (5 + 3) * e * N * f / t if m.gated_mlp else 3 * e * N * f / t)]
+    return fwd, bwd
+
+
+def embedding_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int,
+                  framework: Framework) -> tuple[list[Op], list[Op]]:
+    """Row gather (+ position add; Megatron-LM: + dropout); backward: scatter-add into fp32 grads."""
+    N, h = mbs * seq, m.hidden_size
+    fwd = [_mem("lookup", 2 * e * N * h)]
+    bwd = [_mem("lookup backward", N * h * (e + 2 * GRAD_ACCUM_BYTES))]
+    if m.learned_positions:
+        fwd.append(_mem("position add", 3 * e * N * h))
+        bwd.append(_mem("position backward", N * h * (e + 2 * GRAD_ACCUM_BYTES)))
+    if framework is Framework.MEGATRON:
+        fwd.append(_mem("dropout", (2 * e + 1) * N * h))
+        bwd.append(_mem("dropout backward", (2 * e + 1) * N * h))
+    return fwd, bwd
+
+
+def head_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, framework: Framework) -> tuple[list[Op], list[Op]]:
+    """Final norm, LM-head GEMM and the fp32 cross entropy (vocab-parallel for Megatron-LM, over the
+    gathered vocabulary in Sailor's runtime)."""
+    N, h = mbs * seq, m.hidden_size
+    lm = _gemm("lm head", N, h, m.padded_vocab(tp) / tp, e)
+    if framework is Framework.MEGATRON:
+        logits = N * m.padded_vocab(tp) / tp
+        loss = _mem("cross entropy", (e + FP32) * logits + 4 * 2 * FP32 * logits)  # cast, then ~4 fp32 passes
+        loss_bwd = _mem("cross entropy backward", (3 * FP32 + e) * logits)
+    else:
+        logits = N * m.padded_vocab(1)
+        loss = _mem("cross entropy", (e + FP32) * logits + 3 * FP32 * logits)  # cast, log-softmax
+        loss_bwd = _mem("cross entropy backward", 3 * FP32 * logits + (FP32 + e) * logits
+                        + 2 * e * logits / tp)  # log-softmax, cast, slice of the gather
+    norm = _mem("norm", 2 * e * N * h)
+    return [norm, lm, loss], [loss_bwd, lm.scaled(2, "lm head backward"), _mem("norm backward", 3 * e * N * h)]
+
+
+def grad_accumulation_op(job: JobSpec, layer: int, tp: int) -> Op:
+    """Adding one micro-batch's weight gradients of `layer` (e bytes per parameter) into the
+    gradient buffer (read and written at the job's gradient bytes per parameter)."""
+    grad = job.state_bytes_per_param["gradients"]
+    return _mem("gradient accumulation", job.model.params(layer, tp) * (job.elem_bytes + 2 * grad))
+
+
+def layer_ops(job: JobSpec, layer: int, tp: int, mbs: int, sp: bool = False) -> tuple[list[Op], list[Op]]:
+    """(forward, backward) operations of `layer` for `job` (its model, sequence, precision, framework)."""
+    m = job.model
+    kw = dict(tp=tp, mbs=mbs, seq=job.seq, e=job.elem_bytes)
+    kind = m.layer_kind(layer)
+    if kind is LayerKind.EMBEDDING:
+        fwd, bwd = embedding_ops(m, **kw, framework=job.framework)
+    elif kind is LayerKind.HEAD:
+        fwd, bwd = head_ops(m, **kw, framework=job.framework)
+    else:
+        ops = megatron_block_ops if job.framework is Framework.MEGATRON else sailor_block_ops
+        fwd, bwd = ops(m, **kw, sp=sp)
+    return fwd, bwd + [grad_accumulation_op(job, layer, tp)]
+
+
+def layer_times(job: JobSpec, gpu: str, tp: int, mbs: int) -> np.ndarray:
+    """Analytic forward and backward seconds of every layer: array (num_layers, 2). An estimate."""
+    spec = catalog.gpu(gpu)
+    out = np.zeros((job.model.num_layers, 2))
+    block: tuple[float, float] | None = None
+    for i in range(job.model.num_layers):
+        if job.model.layer_kind(i) is LayerKind.BLOCK and block is not None:
+            out[i] = block  # every block is the same
+            continue
+        fwd, bwd = layer_ops(job, i, tp, mbs)
+        out[i] = (sum(op_time_s(x, spec, job.precision) for x in fwd), sum(op_time_s(x, spec, job.precision) for x in bwd))
+        if job.model.layer_kind(i) is LayerKind.BLOCK:
+            block = (out[i, 0], out[i, 1])
+    return out
+
+
+def attention_core_share(job: JobSpec, gpu: str, tp: int, mbs: int) -> float:
+    """Fraction of a block's analytic forward time spent in its attention core (the operations
+    selective recomputation re-runs)."""
+    spec = catalog.gpu(gpu)
+    block = 1 if job.model.num_blocks else 0
+    fwd, _ = layer_ops(job, block, tp, mbs)
+    total = sum(op_time_s(x, spec, job.precision) for x in fwd)
+    return sum(op_time_s(x, spec, job.precision) for x in fwd if x.core) / total

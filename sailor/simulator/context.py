@@ -1,0 +1,167 @@
+"""The simulation context: job, cluster, profiles, network and calibration, with per-call caches.
+
+`SimContext` holds everything a simulation or planning call needs besides the plan, and caches
+per-(GPU, TP, micro-batch, option) layer tables; its caches are keyed on every input and die with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sailor import catalog
+from sailor.models import ModelSpec, Recompute
+from sailor.network import NetworkModel, network_for
+from sailor.profiles import Profiles, roofline_profiles
+from sailor.simulator.calibration import gpu_constant
+from sailor.simulator.collectives import Member
+from sailor.specs import ClusterSpec, JobSpec
+
+
+def tied_embeddings(model: ModelSpec) -> bool:
+    """True when the model's LM head reuses the input embedding's weights (`ModelSpec.tied_embeddings`;
+    also Megatron-DeepSpeed's default, GPTModelPipe's TiedLayerSpec)."""
+    return model.tied_embeddings
+
+
+def embedding_params(model: ModelSpec, tp: int) -> int:
+    """Parameters per GPU of the embedding module (word shard + position table), layer 0."""
+    return model.params(0, tp)
+
+
+def head_vocab_params(model: ModelSpec, tp: int) -> int:
+    """Parameters per GPU of the LM-head matrix alone (the part a tied model shares), vocab / tp x h."""
+    return model.padded_vocab(tp) * model.hidden_size // tp
+
+
+def stage_blocks(model: ModelSpec, a: int, e: int) -> tuple[int, int]:
+    """(first block's layer index, number of blocks) of the stage holding layers [a, e)."""
+    first, end = max(a, 1), min(e, model.num_blocks + 1)
+    return first, max(end - first, 0)
+
+
+@dataclass
+class SimContext:
+    """Everything a simulation needs besides the plan; caches live and die with this object.
+
+    Attributes:
+        job, cluster: the specs.
+        profiles: layer timings (roofline estimates when None is given to `make_context`).
+        network: links of the cluster.
+        calibration: per-GPU-type constants fitted on measured runs (see simulator.calibration).
+    """
+
+    job: JobSpec
+    cluster: ClusterSpec
+    profiles: Profiles
+    network: NetworkModel
+    calibration: dict[str, dict[str, float]] = field(default_factory=dict)
+    _cum: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _act: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
+    _params: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    memo: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    """Results of pure functions of this context (all-reduce times, pipeline constants), keyed on
+    every argument: the planner asks for the same ones many times within one call."""
+
+    def layer_cumsum(self, gpu: str, tp: int, mbs: int) -> np.ndarray:
+        """Cumulative forward/backward seconds over layers: array (num_layers + 1, 2), row 0 = 0."""
+        key = (gpu, tp, mbs)
+        if key not in self._cum:
+            t = self.profiles.layer_times(self.job, gpu, tp, mbs)
+            if self.profiles.measured(gpu, tp):
+                # A profiler times each layer alone between two device synchronisations, so every
+                # timing carries a launch-and-sync gap that a real, asynchronous run hides.
+                gap = gpu_constant(self.calibration, gpu, "profile_overhead_s", 0.0)
+                t = np.maximum(t - gap, 0.0)
+            self._cum[key] = np.vstack([np.zeros((1, 2)), np.cumsum(t, axis=0)])
+        return self._cum[key]
+
+    def stage_compute_s(self, gpu: str, tp: int, mbs: int, a: int, b: int) -> tuple[float, float]:
+        """(forward_s, backward_s) of one micro-batch on layers [a, b) for one replica, without memory
+        options: the layers' times plus, on the forward, the runtime's measured per-micro-batch
+        overhead of a stage (`Profiles.microbatch_overhead`: 1F1B bookkeeping outside the passes; 0
+        when not profiled), which a stage pays once per micro-batch whatever its layers."""
+        c = self.layer_cumsum(gpu, tp, mbs)
+        f, bw = c[b] - c[a]
+        return float(f) + self.profiles.microbatch_overhead(gpu, tp), float(bw)
+
+    def tp_comm_included(self, gpu: str, tp: int) -> bool:
+        """True when the layer times of (gpu, tp) already hold the TP collectives (measured with real
+        TP processes, or scaled from such a measurement); False for roofline estimates, to which the
+        simulator adds them (`terms.tp_comm_s`)."""
+        return tp == 1 or self.profiles.includes_tp_comm(gpu)
+
+    def params_cumsum(self, tp: int) -> np.ndarray:
+        """Cumulative parameters per GPU over layers at TP `tp`: array (num_layers + 1,)."""
+        if tp not in self._params:
+            m = self.job.model
+            self._params[tp] = np.concatenate([[0], np.cumsum([m.params(i, tp) for i in range(m.num_layers)])])
+        return self._params[tp]
+
+    def stage_params(self, tp: int, a: int, b: int) -> float:
+        """Parameters per GPU of a replica holding layers [a, b) at TP `tp`.
+
+        Tied embeddings (`tied_embeddings`): a stage holding both the embedding and the head keeps one
+        copy (the head's vocab matrix is not counted again); a stage holding the head without the
+        embedding keeps a copy of the whole embedding module (DeepSpeed ties the module: word and
+        position tables) instead of the head's own matrix."""
+        c = self.params_cumsum(tp)
+        n = float(c[b] - c[a])
+        m = self.job.model
+        if tied_embeddings(m) and b == m.num_layers:
+            n -= head_vocab_params(m, tp)
+            if a > 0:
+                n += embedding_params(m, tp)
+        return n
+
+    def act_cumsum(self, tp: int, mbs: int, recompute: Recompute = Recompute.NONE,
+                   sequence_parallel: bool = False) -> np.ndarray:
+        """Cumulative activation bytes kept per layer for one micro-batch under a recompute mode and
+        SP (`Profiles.activation_bytes_per_layer`): array (num_layers + 1,), row 0 = 0."""
+        key = (tp, mbs, recompute, sequence_parallel)
+        if key not in self._act:
+            a = self.profiles.activation_bytes_per_layer(self.job, tp, mbs, recompute=recompute,
+                                                         sequence_parallel=sequence_parallel)
+            self._act[key] = np.concatenate([[0.0], np.cumsum(a)])
+        return self._act[key]
+
+    def boundary_bytes(self, layer_end: int, mbs: int) -> float:
+        """Bytes of the activation leaving layer `layer_end - 1` (one micro-batch, full tensor)."""
+        return self.job.model.output_bytes(layer_end - 1, mbs=mbs, seq=self.job.seq, elem_bytes=self.job.elem_bytes)
+
+    def framework_bytes(self, gpu: str) -> float:
+        """Memory per GPU beyond tensors (bytes): calibrated, else the catalog default."""
+        return gpu_constant(self.calibration, gpu, "framework_bytes", catalog.gpu(gpu).framework_bytes)
+
+    def allreduce_efficiency(self, members: list[Member]) -> float:
+        """Fraction of the p2p link bandwidth an NCCL ring all-reduce reaches among `members`
+        (calibrated per GPU type, 1 by default; the lowest member's value): reductions, chunking and
+        the concurrent rings of all TP ranks of a node make it slower than a send/recv sweep."""
+        return min(gpu_constant(self.calibration, mb.gpu, "allreduce_efficiency", 1.0) for mb in members)
+
+    def allreduce_bytes_per_s(self, members: list[Member]) -> float | None:
+        """Slowest calibrated all-reduce rate among `members` (bytes of one GPU's gradient shard per
+        second, independent of the number of replicas), or None when no member's GPU type has one."""
+        rates = [self.calibration.get(mb.gpu, {}).get("allreduce_bytes_per_s") for mb in members]
+        rates = [float(r) for r in rates if r is not None]
+        return min(rates) if rates else None
+
+    def p2p_overhead_s(self, gpu_a: str, gpu_b: str) -> float:
+        """Fixed seconds each pipeline transfer pays on top of its bytes (calibrated, 0 by default;
+        the larger of the two ends)."""
+        return max(gpu_constant(self.calibration, g, "p2p_overhead_s", 0.0) for g in (gpu_a, gpu_b))
+
+    def memory_capacity(self, gpu: str) -> int:
+        return catalog.gpu(gpu).memory_bytes
+
+
+def make_context(job: JobSpec, cluster: ClusterSpec, profiles: Profiles | None = None,
+                 network: NetworkModel | None = None,
+                 calibration: dict[str, dict[str, float]] | None = None) -> SimContext:
+    """A SimContext with roofline profiles and default links where none are given."""
+    from sailor.simulator.calibration import default_calibration
+    return SimContext(job=job, cluster=cluster, profiles=profiles or roofline_profiles(job),
+                      network=network or network_for(cluster),
+                      calibration=default_calibration() if calibration is None else calibration)

@@ -1,0 +1,282 @@
+"""The simulator's time terms: per micro-batch compute and transfers of a replica, gradient sync of a
+stage, optimizer step; shared with the planner so that both score plans the same way.
+
+A stage's memory options (`plan.StageMemory`) change its time in these ways, all derived in ONE
+place, `time_options`:
+- recomputation: the backward pass re-runs forward work (`recompute_s`): the whole forward of each
+  recomputed block (full), or its attention core (selective, the core's share of the block's
+  forward time from the analytic model, `Profiles.attention_core_share`);
+- tensor-parallel collectives (`tp_comm_s`, `models.ModelSpec.tp_collectives`) on the intra-node
+  link: charged in full where the layer times are a roofline estimate; where they were measured
+  with real TP processes they already hold the TP collectives, so only what sequence parallelism
+  adds is charged (its backward re-gathers of the column-parallel inputs; an all-reduce and its
+  reduce-scatter + all-gather take the same ring time);
+- ZeRO (Rajbhandari et al. 2020) over the stage's D data-parallel replicas: the optimizer steps over
+  1/D of the parameters (ZeRO >= 1); the gradient all-reduce becomes a reduce-scatter of the
+  gradients plus an all-gather of the updated weights (ZeRO-1/2, Megatron-LM's distributed
+  optimizer) or a reduce-scatter alone (ZeRO-3); under ZeRO-3 every micro-batch all-gathers the
+  stage's weights before its forward and again before its backward (`zero_gather_s`), modelled as
+  NOT overlapping compute (Sailor's runtime gathers synchronously), on a ring of D replicas like
+  this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sailor.catalog import LinkClass
+from sailor.models import Collective, Framework, Recompute
+from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
+from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_egress,
+                                          tp_collective_time_s)
+from sailor.simulator.context import SimContext, embedding_params, stage_blocks, tied_embeddings
+
+Slot = Member  # where one replica runs: zone, GPU type, TP degree
+
+# Share of a ring all-reduce's time (and of its bytes crossing zones) that each collective takes.
+_RING_SHARE = {Collective.ALL_REDUCE: 1.0, Collective.REDUCE_SCATTER: 0.5, Collective.ALL_GATHER: 0.5}
+
+
+@dataclass(frozen=True)
+class TimeOptions:
+    """What a stage's memory options change in its time, for a stage of `replicas` data-parallel
+    replicas (built by `time_options`; `replicas` is 1 when nothing depends on it)."""
+
+    recompute: Recompute = Recompute.NONE
+    recompute_blocks: int | None = None
+    sequence_parallel: bool = False
+    zero: int = 0
+    replicas: int = 1
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Parts the optimizer step is split into (ZeRO >= 1: one per replica)."""
+        return self.replicas if self.zero >= 1 else 1
+
+    @property
+    def gathers_weights(self) -> bool:
+        """ZeRO-3 with more than one replica: weights are all-gathered for every micro-batch."""
+        return self.zero >= 3 and self.replicas > 1
+
+    def sync(self) -> tuple[tuple[Collective, str], ...]:
+        """Collectives of the end-of-iteration gradient sync, as (collective, which state's bytes)."""
+        if self.zero == 0:
+            return ((Collective.ALL_REDUCE, "gradients"),)
+        if self.zero == 3:
+            return ((Collective.REDUCE_SCATTER, "gradients"),)
+        return ((Collective.REDUCE_SCATTER, "gradients"), (Collective.ALL_GATHER, "weights"))
+
+
+DEFAULT_TIME = TimeOptions()
+
+
+def time_options(mem: StageMemory = DEFAULT_STAGE_MEMORY, replicas: int = 1) -> TimeOptions:
+    """The ONE place the simulator reads a stage's memory options for time (see the module
+    docstring); `replicas` = the stage's data-parallel replicas D (the plan's number of pipelines)."""
+    return TimeOptions(recompute=mem.recompute, recompute_blocks=mem.recompute_blocks,
+                       sequence_parallel=mem.sequence_parallel, zero=mem.zero,
+                       replicas=replicas if mem.zero else 1)
+
+
+def recomputed_blocks(ctx: SimContext, a: int, e: int, recompute: Recompute, recompute_blocks: int | None) -> tuple[int, int]:
+    """(first layer, count) of the blocks of stage [a, e) that are recomputed: the first
+    `recompute_blocks` (all when None) under full recomputation, all of them under selective."""
+    first, n = stage_blocks(ctx.job.model, a, e)
+    if recompute is Recompute.NONE:
+        return first, 0
+    if recompute is Recompute.FULL and recompute_blocks is not None:
+        n = min(n, recompute_blocks)
+    return first, n
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One replica's seconds per micro-batch: forward_s and backward_s (totals, every term below
+    included) and the parts the memory options and TP add: recompute_s (in the backward),
+    tp_comm_s (forward + backward TP collectives charged here), gather_s (ZeRO-3 weight all-gathers,
+    forward + backward)."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float = 0.0
+    tp_comm_s: float = 0.0
+    gather_s: float = 0.0
+
+
+def stage_time(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions = DEFAULT_TIME) -> StageTime:
+    """Per-micro-batch forward and backward seconds of one replica holding layers [a, e): the layer
+    times (`SimContext.stage_compute_s`) plus recomputation, TP collectives and ZeRO-3 gathers."""
+    key = ("stage_time", slot, mbs, a, e, opts)
+    if key not in ctx.memo:
+        f, b = ctx.stage_compute_s(slot.gpu, slot.tp, mbs, a, e)
+        rec = recompute_s(ctx, slot, mbs, a, e, opts)
+        cf, cb = tp_comm_s(ctx, slot, mbs, a, e, opts)
+        g = zero_gather_s(ctx, slot, a, e, opts)
+        ctx.memo[key] = StageTime(forward_s=f + cf + g, backward_s=b + rec + cb + g, recompute_s=rec,
+                                  tp_comm_s=cf + cb, gather_s=2 * g)
+    return ctx.memo[key]
+
+
+def recompute_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions) -> float:
+    """Seconds the backward of one micro-batch spends re-running forward work: the forward time of
+    each recomputed block (full) or the attention core's share of it (selective)."""
+    first, n = recomputed_blocks(ctx, a, e, opts.recompute, opts.recompute_blocks)
+    if n == 0:
+        return 0.0
+    c = ctx.layer_cumsum(slot.gpu, slot.tp, mbs)
+    forward = float(c[first + n, 0] - c[first, 0])
+    if opts.recompute is Recompute.FULL:
+        return forward
+    return forward * ctx.profiles.attention_core_share(ctx.job, slot.gpu, slot.tp, mbs)
+
+
+def _tp_comm_cumsum(ctx: SimContext, slot: Slot, mbs: int, recompute: Recompute, sp: bool) -> np.ndarray:
+    """Cumulative (forward, backward) seconds of every layer's TP collectives: (num_layers + 1, 2)."""
+    key = ("tp_comm", slot.zone, slot.gpu, slot.tp, mbs, recompute, sp)
+    if key not in ctx.memo:
+        job, m = ctx.job, ctx.job.model
+        rows = np.zeros((m.num_layers + 1, 2))
+        for i in range(m.num_layers):
+            fwd, bwd = m.tp_collectives(i, tp=slot.tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes,
+                                        framework=job.framework, recompute=recompute, sequence_parallel=sp)
+            for col, ops in enumerate((fwd, bwd)):
+                rows[i + 1, col] = sum(tp_collective_time_s(ctx.network, slot.zone, slot.gpu, slot.tp, kind, n)
+                                       for kind, n in ops)
+        ctx.memo[key] = np.cumsum(rows, axis=0)
+    return ctx.memo[key]
+
+
+def tp_comm_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions) -> tuple[float, float]:
+    """(forward, backward) seconds of TP collectives one micro-batch adds on layers [a, e) beyond
+    what the layer times hold (module docstring): all of them for roofline layer times, only
+    sequence parallelism's extra for measured ones. Full recomputation repeats the forward's
+    collectives in the backward of the recomputed blocks."""
+    if slot.tp == 1:
+        return 0.0, 0.0
+    first, n = recomputed_blocks(ctx, a, e, opts.recompute, opts.recompute_blocks)
+    full = opts.recompute is Recompute.FULL
+
+    def total(sp: bool) -> np.ndarray:
+        plain = _tp_comm_cumsum(ctx, slot, mbs, Recompute.NONE, sp)
+        out = plain[e] - plain[a]
+        if full and n:
+            rec = _tp_comm_cumsum(ctx, slot, mbs, Recompute.FULL, sp)
+            out = out + (rec[first + n] - rec[first]) - (plain[first + n] - plain[first])
+        return out
+
+    charged = total(opts.sequence_parallel)
+    if ctx.tp_comm_included(slot.gpu, slot.tp):
+        charged = charged - total(False)
+    return float(charged[0]), float(charged[1])
+
+
+def zero_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions) -> float:
+    """Seconds of one ZeRO-3 all-gather of the stage's weights (one replica's TP shards) across the
+    stage's D replicas, on a ring of D replicas like `slot`; paid before the forward and again
+    before the backward of every micro-batch. 0 without ZeRO-3 or with one replica."""
+    if not opts.gathers_weights:
+        return 0.0
+    t = slot.tp
+    nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["weights"]
+    return collective_s(ctx, [(slot, opts.replicas)], Collective.ALL_GATHER, nbytes, t)
+
+
+def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int,
+                    options: list[TimeOptions] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """Per-micro-batch forward, backward and boundary-transfer seconds of one pipeline, arrays (P,),
+    (P,), (P-1,), plus (bytes crossing zones, egress $) per micro-batch. `options[i]` are stage i's
+    time options (`time_options`; default: none).
+
+    Sailor's runtime (and DeepSpeed's engine) has every TP rank of a stage send the full activation
+    to its peer rank of the next stage, so a boundary carries min(t_i, t_i+1) concurrent flows of the
+    whole tensor. Megatron-LM (`Framework.MEGATRON`) scatters it instead (SC'21 §4.1): each of those
+    ranks sends 1/min(t_i, t_i+1) of it and the next stage all-gathers it over its intra-node link.
+    Each transfer also pays the calibrated fixed cost `p2p_overhead_s` of its slower end (0 by default)."""
+    P = len(stages)
+    f, b, c = np.zeros(P), np.zeros(P), np.zeros(max(P - 1, 0))
+    moved, usd = 0.0, 0.0
+    scatter = ctx.job.framework is Framework.MEGATRON
+    for i, (r, (a, e)) in enumerate(zip(slots, stages)):
+        st = stage_time(ctx, r, mbs, a, e, options[i] if options else DEFAULT_TIME)
+        f[i], b[i] = st.forward_s, st.backward_s
+        if i < P - 1:
+            nxt = slots[i + 1]
+            nbytes = ctx.boundary_bytes(e, mbs)
+            flows = min(r.tp, nxt.tp)
+            per_flow = nbytes / flows if scatter else nbytes
+            c[i] = (ctx.network.transfer_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, per_flow, flows=flows)
+                    + ctx.p2p_overhead_s(r.gpu, nxt.gpu))
+            if scatter and flows > 1:
+                c[i] += tp_collective_time_s(ctx.network, nxt.zone, nxt.gpu, nxt.tp, Collective.ALL_GATHER, nbytes)
+            lc = ctx.network.link_class(r.zone, nxt.zone)
+            if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
+                both = 2.0 * per_flow * flows  # activation forward, gradient backward
+                moved += both
+                usd += both / 1e9 * ctx.cluster.prov.egress_usd_per_gb[lc]
+    return f, b, c, moved, usd
+
+
+def optimizer_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions = DEFAULT_TIME) -> float:
+    """Optimizer-step seconds of one replica holding layers [a, e): over 1/D of its parameters under
+    ZeRO >= 1."""
+    return ctx.profiles.optimizer_time_s(ctx.job, slot.gpu, ctx.stage_params(slot.tp, a, e) / opts.optimizer_shards)
+
+
+def collective_s(ctx: SimContext, groups: list[Group], kind: Collective, nbytes: float, t: int) -> float:
+    """Seconds of one all-reduce, reduce-scatter or all-gather of `nbytes` (a replica's full tensor,
+    split in `t` shards, one per TP rank) across `groups`: the ring over the links
+    (`collectives.allreduce_time_s`, a reduce-scatter or an all-gather taking half of it) divided by
+    the calibrated all-reduce efficiency, and no faster than the same share of one GPU's shard
+    (nbytes / t) at the slowest calibrated `allreduce_bytes_per_s` of the members (a rate that does
+    not depend on the number of replicas, as measured on GH200; see calibration.py). 0 for a single
+    member."""
+    if sum(n for _, n in groups) < 2:
+        return 0.0
+    share = _RING_SHARE[kind]
+    members = [r for r, _ in groups]
+    ring = share * allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency(members)
+    rate = ctx.allreduce_bytes_per_s(members)
+    return max(ring, share * nbytes / t / rate) if rate is not None else ring
+
+
+def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> float:
+    """`collective_s` of an all-reduce."""
+    return collective_s(ctx, groups, Collective.ALL_REDUCE, nbytes, t)
+
+
+def stage_sync(ctx: SimContext, groups: list[Group], a: int, e: int,
+               opts: TimeOptions = DEFAULT_TIME) -> tuple[float, float, float]:
+    """(seconds, bytes crossing zones, egress $) of the gradient sync of layers [a, e) across the
+    replicas of one stage, given as (Slot, count) groups in ring order (`group_members`): an
+    all-reduce of the gradients, or under ZeRO their reduce-scatter plus (ZeRO-1/2) the all-gather of
+    the updated weights (`TimeOptions.sync`). Each of the t ranks syncs its own shard of
+    params(stage, t) parameters (replicated norms and biases included), t = the finest common
+    sharding's flow count."""
+    key = ("stage_sync", tuple(groups), a, e, opts.sync())
+    if key not in ctx.memo:
+        t = min(r.tp for r, _ in groups)
+        seconds, moved, usd = 0.0, 0.0, 0.0
+        for kind, state in opts.sync():
+            nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param[state]
+            mb, mu = ring_egress(groups, nbytes, ctx.network)
+            seconds += collective_s(ctx, groups, kind, nbytes, t)
+            moved += _RING_SHARE[kind] * mb
+            usd += _RING_SHARE[kind] * mu
+        ctx.memo[key] = (seconds, moved, usd)
+    return ctx.memo[key]
+
+
+def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tuple[float, float, float]:
+    """(seconds, bytes crossing zones, egress $) of the all-reduce of tied embedding gradients between
+    a pipeline's first and last stage (DeepSpeed ReduceTiedGrads); 0 for one stage or untied models."""
+    if num_stages < 2 or not tied_embeddings(ctx.job.model):
+        return 0.0, 0.0, 0.0
+    key = ("tied_sync", first, last)
+    if key not in ctx.memo:
+        groups = group_members([first, last])
+        t = min(first.tp, last.tp)
+        nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
+        ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
+    return ctx.memo[key]
