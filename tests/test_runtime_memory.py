@@ -225,7 +225,7 @@ def test_held_bytes_follow_the_zero_and_mixed_precision_rules(tmp_path):
     ([[0, 1], [1, 6]], [{"sequence_parallel": True}, {}], {}, "memory.0.sequence_parallel", "holds no transformer block"),
     ([[0, 1], [1, 6]], [{"recompute": "selective"}, {}], {}, "memory.0.recompute", "holds no transformer block"),
     ([[0, 3], [3, 6]], [{"sequence_parallel": True}, {}], {"sequence_length": 63}, "memory.0.sequence_parallel",
-     "63 tokens over TP 2"),
+     "63 tokens do not divide by TP 2"),
     ([[0, 3], [3, 6]], [{}, {"sequence_parallel": True}], {}, "memory.1.sequence_parallel", "needs TP > 1"),
     ([[0, 3], [3, 6]], [{}, {}], {"precision": "fp16"}, "job.precision", "loss scaling"),
 ])

@@ -28,8 +28,8 @@ def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None
                           job_source: str | None = None) -> None:
     """Raise SailorInputError for a memory option (`plan.memory`) or precision the runtime cannot
     execute, naming the plan field:
-    - sequence parallelism needs the sequence length divisible by every replica's TP degree (each TP
-      rank takes an equal slice) and a transformer block in the stage (it is applied to blocks);
+    - sequence parallelism needs a transformer block in the stage (it is applied to blocks; the
+      sequence length divisible by every replica's TP degree is `Plan.check_against`'s rule);
     - recomputation (selective or full) needs a transformer block in the stage;
     - fp16 needs loss scaling, which the runtime does not implement (bf16 does not: same exponent
       range as fp32). `job_source` is the job file when the job is not the plan's own."""
@@ -47,10 +47,3 @@ def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None
                 raise SailorInputError(f"stage {i} [{a}, {b}) holds no transformer block, so {option} has nothing"
                                        " to apply to", source=source, field=f"memory.{i}.{option}",
                                        fix="leave it at its default for this stage")
-        if mem.sequence_parallel:
-            for j, p in enumerate(plan.pipelines):
-                if job.seq % p.replicas[i].tp:
-                    raise SailorInputError(f"sequence parallelism splits the sequence of {job.seq} tokens over TP"
-                                           f" {p.replicas[i].tp} of pipeline {j}, which does not divide it",
-                                           source=source, field=f"memory.{i}.sequence_parallel",
-                                           fix="use a TP degree that divides the sequence length")
