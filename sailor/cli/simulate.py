@@ -58,7 +58,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "") -> None:
                 "memory (GiB)", "OOM"):
         t.add_column(col, justify="right" if col not in ("GPU", "zone") else "left")
     for r in sorted(est.replicas, key=lambda r: (r.stage, r.pipeline)):
-        t.add_row(str(r.stage), str(r.pipeline), r.gpu, r.zone, str(r.tp), f"[{r.layers[0]},{r.layers[1]})",
+        t.add_row(str(r.stage), str(r.pipeline), r.gpu, r.zone, str(r.tp), " + ".join(f"[{a},{b})" for a, b in r.chunks),
                   f"{r.forward_s + r.backward_s:.4f}", f"{r.p2p_s:.4f}", f"{r.sync_s:.4f}",
                   f"{r.peak_memory_bytes / GIB:.1f} / {r.memory_capacity_bytes / GIB:.1f}",
                   "[red]yes[/red]" if r.oom else "no")

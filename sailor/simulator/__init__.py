@@ -1,9 +1,9 @@
 """Simulator: iteration time, memory per GPU and cost of a Plan, with a breakdown a user can read.
 
-`simulate(plan, ctx)` runs the event simulation of the 1F1B schedule (DeepSpeed's pipeline-engine
-order, see `schedule`) for every distinct pipeline, then the gradient reductions, then the optimizer
-step, in the order DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads,
-OptimizerStep):
+`simulate(plan, ctx)` runs the event simulation of the plan's pipeline schedule (`schedules`: 1F1B
+in the order of DeepSpeed's pipeline engine, `schedule`; interleaved 1F1B and ZB-H1, `schedule_orders`)
+for every distinct pipeline, then the gradient reductions, then the optimizer step, in the order
+DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, OptimizerStep):
 
     iteration_time = max_j pipeline_j + tied + max_i sync_i + max_{replicas} optimizer
 
@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from sailor import catalog
-from sailor.catalog import LinkClass
 from sailor.network import NetworkModel, network_for
 from sailor.plan import Plan
 from sailor.models import ModelSpec
@@ -41,7 +40,7 @@ from sailor.profiles import Profiles, roofline_profiles
 from sailor.simulator.collectives import Group, Member, allreduce_time_s, group_members, ring_egress
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.calibration import gpu_constant
-from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b
+from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes, pipeline_schedule, pipeline_times
 from sailor.specs import ClusterSpec, JobSpec
 
 
@@ -78,6 +77,7 @@ class SimContext:
     network: NetworkModel
     calibration: dict[str, dict[str, float]] = field(default_factory=dict)
     _cum: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _split: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _act: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _params: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     memo: dict[tuple, Any] = field(default_factory=dict, repr=False)
@@ -105,6 +105,21 @@ class SimContext:
         c = self.layer_cumsum(gpu, tp, mbs)
         f, bw = c[b] - c[a]
         return float(f) + self.profiles.microbatch_overhead(gpu, tp), float(bw)
+
+    def stage_backward_split_s(self, gpu: str, tp: int, mbs: int, a: int, b: int) -> tuple[float, float]:
+        """(input_gradient_s, weight_gradient_s) of one micro-batch's backward on layers [a, b): the
+        profile's measured split less the profiler's per-pass gap (`layer_cumsum`), else the backward
+        of `stage_compute_s` split by the FLOP fraction (`Profiles.backward_split`, labelled estimated)."""
+        key = (gpu, tp, mbs)
+        if key not in self._split:
+            backward = np.diff(self.layer_cumsum(gpu, tp, mbs)[:, 1])
+            split = self.profiles.backward_split(self.job, gpu, tp, mbs, backward)
+            if self.profiles.split_measured(gpu, tp):
+                split = np.maximum(split - gpu_constant(self.calibration, gpu, "profile_overhead_s", 0.0), 0.0)
+            self._split[key] = np.vstack([np.zeros((1, 2)), np.cumsum(split, axis=0)])
+        c = self._split[key]
+        bi, bw = c[b] - c[a]
+        return float(bi), float(bw)
 
     def params_cumsum(self, tp: int) -> np.ndarray:
         """Cumulative parameters per GPU over layers at TP `tp`: array (num_layers + 1,)."""
@@ -178,8 +193,10 @@ def make_context(job: JobSpec, cluster: ClusterSpec, profiles: Profiles | None =
 
 @dataclass
 class ReplicaEstimate:
-    """Replica (stage i of pipeline j): per-micro-batch compute and p2p, per-iteration sync and
-    optimizer seconds, and memory per GPU (bytes)."""
+    """Replica (stage i of pipeline j): per-micro-batch compute (summed over its chunks) and p2p
+    (its outgoing transfers), per-iteration sync and optimizer seconds, and memory per GPU (bytes).
+    `layers` spans the first to the last layer it holds; `chunks` are its ranges (several under
+    interleaving)."""
 
     pipeline: int
     stage: int
@@ -187,6 +204,7 @@ class ReplicaEstimate:
     zone: str
     tp: int
     layers: tuple[int, int]
+    chunks: tuple[tuple[int, int], ...]
     forward_s: float
     backward_s: float
     p2p_s: float
@@ -205,7 +223,8 @@ class ReplicaEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "pipeline": self.pipeline, "gpu": self.gpu, "zone": self.zone, "tp": self.tp,
-                "layers": list(self.layers), "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "layers": list(self.layers), **({"chunks": [list(c) for c in self.chunks]} if len(self.chunks) > 1 else {}),
+                "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "p2p_s": self.p2p_s, "sync_s": self.sync_s, "optimizer_s": self.optimizer_s,
                 "peak_memory_bytes": int(self.peak_memory_bytes), "memory_capacity_bytes": self.memory_capacity_bytes,
                 "memory_breakdown_bytes": self.memory.to_dict(), "out_of_memory": self.oom}
@@ -230,6 +249,10 @@ class Estimate:
     model_flop_per_iteration: float
     peak_flop_per_s: float
     estimated: list[str]
+    schedule: PipelineSchedule = ONE_F_ONE_B
+    """The plan's pipeline schedule (`schedules.pipeline_schedule`)."""
+    pipeline_passes: list[PipelineTimes] = field(default_factory=list)
+    """Per pipeline, the pass times its schedule ran on (`schedule.timeline` redraws it)."""
 
     @property
     def throughput_iters_per_s(self) -> float:
@@ -292,29 +315,11 @@ Slot = Member  # where one replica runs: zone, GPU type, TP degree
 
 
 def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
-    """Per-micro-batch forward, backward and boundary-transfer seconds of one pipeline, arrays (P,),
-    (P,), (P-1,), plus (bytes crossing zones, egress $) per micro-batch.
-
-    Every TP rank of a stage sends the full activation to its peer rank of the next stage (DeepSpeed's
-    p2p does not split it over TP), so a boundary carries min(t_i, t_i+1) concurrent flows. Each
-    transfer also pays the calibrated fixed cost `p2p_overhead_s` of its slower end (0 by default)."""
-    P = len(stages)
-    f, b, c = np.zeros(P), np.zeros(P), np.zeros(max(P - 1, 0))
-    moved, usd = 0.0, 0.0
-    for i, (r, (a, e)) in enumerate(zip(slots, stages)):
-        f[i], b[i] = ctx.stage_compute_s(r.gpu, r.tp, mbs, a, e)
-        if i < P - 1:
-            nxt = slots[i + 1]
-            nbytes = ctx.boundary_bytes(e, mbs)
-            flows = min(r.tp, nxt.tp)
-            c[i] = (ctx.network.transfer_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, nbytes, flows=flows)
-                    + ctx.p2p_overhead_s(r.gpu, nxt.gpu))
-            lc = ctx.network.link_class(r.zone, nxt.zone)
-            if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
-                both = 2.0 * nbytes * flows  # activation forward, gradient backward
-                moved += both
-                usd += both / 1e9 * ctx.cluster.prov.egress_usd_per_gb[lc]
-    return f, b, c, moved, usd
+    """Per-micro-batch forward, backward and boundary-transfer seconds of one 1F1B pipeline, arrays
+    (P,), (P,), (P-1,), plus (bytes crossing zones, egress $) per micro-batch (`schedules.pipeline_times`
+    for one chunk per stage; transfers by `schedules.link_transfer`)."""
+    t = pipeline_times(ctx, slots, stages, mbs)
+    return t.forward_s[:, 0], t.backward_s[:, 0], t.transfer_s, t.cross_zone_bytes, t.egress_usd
 
 
 def optimizer_s(ctx: SimContext, slot: Slot, a: int, e: int) -> float:
@@ -336,15 +341,16 @@ def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> 
     return max(ring, nbytes / t / rate) if rate is not None else ring
 
 
-def stage_sync(ctx: SimContext, groups: list[Group], a: int, e: int) -> tuple[float, float, float]:
-    """(seconds, bytes crossing zones, egress $) of the gradient all-reduce of layers [a, e) across
-    the replicas of one stage, given as (Slot, count) groups in ring order (`group_members`). Each of
-    the t ranks all-reduces its own shard of params(stage, t) parameters (replicated norms and biases
-    included), t = the finest common sharding's flow count (`allreduce_s`)."""
-    key = ("stage_sync", tuple(groups), a, e)
+def stage_sync(ctx: SimContext, groups: list[Group], chunks: tuple[tuple[int, int], ...]) -> tuple[float, float, float]:
+    """(seconds, bytes crossing zones, egress $) of the gradient all-reduce of the layer ranges
+    `chunks` (one stage's, `Plan.stage_chunks`) across the replicas of that stage, given as (Slot,
+    count) groups in ring order (`group_members`). Each of the t ranks all-reduces its own shard of
+    params(stage, t) parameters (replicated norms and biases included), t = the finest common
+    sharding's flow count (`allreduce_s`); a stage's chunks are reduced together."""
+    key = ("stage_sync", tuple(groups), tuple(chunks))
     if key not in ctx.memo:
         t = min(r.tp for r, _ in groups)
-        nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["gradients"]
+        nbytes = t * sum(ctx.stage_params(t, a, e) for a, e in chunks) * ctx.job.state_bytes_per_param["gradients"]
         ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
     return ctx.memo[key]
 
@@ -370,33 +376,40 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     Args:
         plan: the plan (assumed checked against ctx.job; see Plan.check_against).
         ctx: job, cluster, profiles, network.
-        event: True for the 1F1B event simulation, False for the closed form (planner fast path).
+        event: True for the event simulation of the plan's schedule, False for its closed form
+            (planner fast path).
     Returns:
         Estimate with times (s), memory per GPU (bytes) and cost ($).
     """
     job, mbs = ctx.job, plan.micro_batch_size
     P = plan.num_stages
+    sched = pipeline_schedule(plan)
     replicas: list[ReplicaEstimate] = []
-    pipeline_times: list[float] = []
+    pipeline_times_s: list[float] = []
+    passes: list[PipelineTimes] = []
     cache: dict[tuple, float] = {}
     egress_usd, cross_bytes = 0.0, 0.0
     slots = [[Slot(zone=r.zone, gpu=r.gpu, tp=r.tp) for r in p.replicas] for p in plan.pipelines]
     for j, pipe in enumerate(plan.pipelines):
         m = pipe.microbatches
-        f, b, c, moved, usd = pipeline_arrays(ctx, slots[j], plan.stages, mbs)
-        cross_bytes += moved * m
-        egress_usd += usd * m
-        key = (tuple(f), tuple(b), tuple(c), m, event)
+        times = pipeline_times(ctx, slots[j], plan.stages, mbs, sched)
+        passes.append(times)
+        cross_bytes += times.cross_zone_bytes * m
+        egress_usd += times.egress_usd * m
+        key = (times.key, m, event)
         if key not in cache:
-            cache[key] = simulate_1f1b(f, b, c, m)[0] if event else closed_form_1f1b(f, b, c, m)
-        pipeline_times.append(cache[key])
+            cache[key] = sched.time_s(times, m, event=event)
+        pipeline_times_s.append(cache[key])
         for i, r in enumerate(pipe.replicas):
-            a, e = plan.stages[i]
-            mem = replica_memory(ctx, r.gpu, r.tp, mbs, a, e, stage=i, num_stages=P, microbatches=m)
+            chunks = plan.stage_chunks(i)
+            mem = replica_memory(ctx, r.gpu, r.tp, mbs, chunks, stage=i, num_stages=P, microbatches=m, schedule=sched)
             replicas.append(ReplicaEstimate(
-                pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(a, e), forward_s=f[i],
-                backward_s=b[i], p2p_s=c[i] if i < P - 1 else 0.0, sync_s=0.0,
-                optimizer_s=optimizer_s(ctx, slots[j][i], a, e),
+                pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(chunks[0][0], chunks[-1][1]),
+                chunks=chunks,
+                forward_s=float(times.forward_s[i].sum()),
+                backward_s=float(times.backward_s[i].sum() + times.weight_s[i].sum()),
+                p2p_s=float(times.transfer_s[i::P].sum()), sync_s=0.0,
+                optimizer_s=sum(optimizer_s(ctx, slots[j][i], a, e) for a, e in chunks),
                 memory=mem, memory_capacity_bytes=ctx.memory_capacity(r.gpu)))
 
     tied_s = 0.0
@@ -406,8 +419,8 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         cross_bytes += eb
         egress_usd += eu
     sync_times = []
-    for i, (a, e) in enumerate(plan.stages):
-        t, eb, eu = stage_sync(ctx, group_members([sl[i] for sl in slots]), a, e)
+    for i in range(P):
+        t, eb, eu = stage_sync(ctx, group_members([sl[i] for sl in slots]), plan.stage_chunks(i))
         sync_times.append(t)
         cross_bytes += eb
         egress_usd += eu
@@ -415,18 +428,19 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         rep.sync_s = sync_times[rep.stage] + (tied_s if rep.stage in (0, P - 1) else 0.0)
 
     sync_s = tied_s + max(sync_times)
-    iteration = max(pipeline_times) + sync_s + max(r.optimizer_s for r in replicas)
+    iteration = max(pipeline_times_s) + sync_s + max(r.optimizer_s for r in replicas)
     gpu_usd_per_hour = sum(r.tp * ctx.cluster.price(r.zone, r.gpu) for p in plan.pipelines for r in p.replicas)
     model = job.model
     model_flop = 3.0 * job.global_batch_size * sum(model.forward_flop(i, tp=1, mbs=1, seq=job.seq)
                                                    for i in range(model.num_layers))
     peak = sum(r.tp * catalog.gpu(r.gpu).peak(job.precision) for p in plan.pipelines for r in p.replicas)
     return Estimate(
-        iteration_time_s=iteration, pipeline_s=max(pipeline_times), gradient_sync_s=sync_s,
-        optimizer_s=max(r.optimizer_s for r in replicas), pipeline_times_s=pipeline_times, replicas=replicas,
+        iteration_time_s=iteration, pipeline_s=max(pipeline_times_s), gradient_sync_s=sync_s,
+        optimizer_s=max(r.optimizer_s for r in replicas), pipeline_times_s=pipeline_times_s, replicas=replicas,
         global_batch_size=plan.global_batch_size, sequence_length=job.seq, gpus=plan.world_size,
         gpu_cost_per_iteration_usd=gpu_usd_per_hour * iteration / 3600.0, egress_per_iteration_usd=egress_usd,
         cross_zone_bytes=cross_bytes, model_flop_per_iteration=model_flop, peak_flop_per_s=peak,
         estimated=sorted(f"{g} TP {t}: {how}" for g, t, how in ctx.profiles.estimates_used
                          if any(r.gpu == g and r.tp == t for r in replicas)),
+        schedule=sched, pipeline_passes=passes,
     )
