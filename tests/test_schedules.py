@@ -277,3 +277,13 @@ def test_timeline_draws_each_schedule(tmp_path, stages, schedule, label):
     text = svg.read_text()
     assert f"{label} timeline of one iteration" in text
     assert ("weight gradient" in text) == (label == "ZB-H1")
+
+
+def test_runtime_refuses_schedules_it_does_not_run_yet():
+    from sailor.errors import SailorInputError
+    from sailor.runtime.validate import check_runtime_geometry
+
+    check_runtime_geometry(_plan(FOUR), JOB)
+    with pytest.raises(SailorInputError, match=r"plan\.json: schedule\.kind: the runtime executes schedule 1f1b only;"
+                       r" zb-h1 is simulated"):
+        check_runtime_geometry(_plan(FOUR, {"kind": "zb-h1"}), JOB, source="plan.json")
