@@ -287,3 +287,19 @@ def test_runtime_refuses_schedules_it_does_not_run_yet():
     with pytest.raises(SailorInputError, match=r"plan\.json: schedule\.kind: the runtime executes schedule 1f1b only;"
                        r" zb-h1 is simulated"):
         check_runtime_geometry(_plan(FOUR, {"kind": "zb-h1"}), JOB, source="plan.json")
+
+
+def test_measured_split_feeds_zb_h1_less_the_profilers_gap():
+    from sailor.profiles import profiles_from_dict
+
+    n = JOB.model.num_layers
+    row = {"gpu": "A100-40", "tp": 1, "mbs": 2, "forward_s": [0.01] * n, "backward_s": [0.02] * n,
+           "backward_input_s": [0.012] * n, "backward_weight_s": [0.011] * n}
+    prof = profiles_from_dict({"schema": "sailor.profiles/1", "model": "opt-350m", "sequence_length": JOB.seq,
+                               "precision": "fp32", "layers": [row]})
+    ctx = make_context(JOB, CLUSTER, profiles=prof, calibration={"A100-40": {"profile_overhead_s": 0.001}})
+    # layers [7, 13): 6 layers of (0.012 - 0.001) and (0.011 - 0.001): measured, so B + W > backward
+    assert ctx.stage_backward_split_s("A100-40", 1, 2, 7, 13) == pytest.approx((6 * 0.011, 6 * 0.010))
+    assert ctx.stage_compute_s("A100-40", 1, 2, 7, 13)[1] == pytest.approx(6 * 0.019)
+    est = simulate(_plan(FOUR, {"kind": "zb-h1"}), ctx)
+    assert est.pipeline_passes[0].weight_s[1, 0] == pytest.approx(0.06) and est.estimated == []

@@ -68,7 +68,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "") -> None:
     s.add_column(justify="right")
     rows = [
         ("iteration time (s)", f"{est.iteration_time_s:.4f}"),
-        ("  pipeline (1F1B, slowest) (s)", f"{est.pipeline_s:.4f}"),
+        (f"  pipeline ({est.schedule.label}, slowest) (s)", f"{est.pipeline_s:.4f}"),
         ("  gradient sync (s)", f"{est.gradient_sync_s:.4f}"),
         ("  optimizer (s)", f"{est.optimizer_s:.4f}"),
         ("iterations/s", f"{est.throughput_iters_per_s:.4f}"),

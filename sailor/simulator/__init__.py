@@ -27,6 +27,7 @@ micro-batch) layer tables; its caches are keyed on every input and die with it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,6 +301,7 @@ class Estimate:
             "egress_per_iteration_usd": self.egress_per_iteration_usd,
             "cross_zone_bytes_per_iteration": self.cross_zone_bytes,
             "fits_in_memory": self.fits_in_memory,
+            "schedule": {"kind": self.schedule.kind.value, "virtual_stages": self.schedule.virtual_stages},
             "gpus": self.gpus,
             "mfu": self.mfu,
             "breakdown": {"pipeline": self.pipeline_s, "gradient_sync": self.gradient_sync_s,
@@ -400,17 +402,19 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         if key not in cache:
             cache[key] = sched.time_s(times, m, event=event)
         pipeline_times_s.append(cache[key])
+        fwd, bwd = times.forward_s.sum(axis=1).tolist(), (times.backward_s + times.weight_s).sum(axis=1).tolist()
+        sends = [float(times.transfer_s[i::P].sum()) for i in range(P)]  # outgoing, per micro-batch
         for i, r in enumerate(pipe.replicas):
             chunks = plan.stage_chunks(i)
-            mem = replica_memory(ctx, r.gpu, r.tp, mbs, chunks, stage=i, num_stages=P, microbatches=m, schedule=sched)
+            mkey = ("replica_memory", r.gpu, r.tp, mbs, chunks, i, P, m, sched)
+            if mkey not in ctx.memo:  # identical replicas of other pipelines have the same memory
+                ctx.memo[mkey] = replica_memory(ctx, r.gpu, r.tp, mbs, chunks, stage=i, num_stages=P, microbatches=m,
+                                                schedule=sched)
             replicas.append(ReplicaEstimate(
                 pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(chunks[0][0], chunks[-1][1]),
-                chunks=chunks,
-                forward_s=float(times.forward_s[i].sum()),
-                backward_s=float(times.backward_s[i].sum() + times.weight_s[i].sum()),
-                p2p_s=float(times.transfer_s[i::P].sum()), sync_s=0.0,
+                chunks=chunks, forward_s=fwd[i], backward_s=bwd[i], p2p_s=sends[i], sync_s=0.0,
                 optimizer_s=sum(optimizer_s(ctx, slots[j][i], a, e) for a, e in chunks),
-                memory=mem, memory_capacity_bytes=ctx.memory_capacity(r.gpu)))
+                memory=dataclasses.replace(ctx.memo[mkey]), memory_capacity_bytes=ctx.memory_capacity(r.gpu)))
 
     tied_s = 0.0
     for sl in slots:

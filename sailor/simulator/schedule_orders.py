@@ -186,17 +186,21 @@ def held_at_peak(order: Sequence[Op], held_bytes: np.ndarray, pending_bytes: np.
     v = len(held_bytes)
     split = any(op.kind == WGRAD for op in order)
     held, pending = [0] * v, [0] * v
-    best, at = -1.0, ((0,) * v, (0,) * v)
+    total, best, at = 0.0, -1.0, ((0,) * v, (0,) * v)
     for kind, c, _k in order:
         if kind == FWD:
             held[c] += 1
+            total += held_bytes[c]
         elif kind == BWD:
             held[c] -= 1
             if split:
                 pending[c] += 1
+                total += pending_bytes[c]
+            else:
+                total -= held_bytes[c]
         else:
             pending[c] -= 1
-        total = sum(h * held_bytes[x] + q * (held_bytes[x] + pending_bytes[x]) for x, (h, q) in enumerate(zip(held, pending)))
+            total -= held_bytes[c] + pending_bytes[c]
         if total > best:
             best, at = total, (tuple(held), tuple(pending))
     return at
