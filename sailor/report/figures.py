@@ -140,7 +140,7 @@ def timeline_figure(plan: Plan, est: Estimate, base: Path) -> list[Path]:
     sched = est.schedule
     timelines = {js[0]: sched.timeline(est.pipeline_passes[js[0]], plan.pipelines[js[0]].microbatches) for js, _ in shown}
     activity = {FWD: "forward", BWD: "backward", WGRAD: "weight gradient"}
-    v = plan.virtual_stages
+    v = sched.virtual_stages
     for y, (js, reps, r) in enumerate(rows):
         ax.broken_barh([(0, est.iteration_time_s)], (y - 0.4, 0.8), color=COLOR["idle"])
         spans: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -164,8 +164,9 @@ def timeline_figure(plan: Plan, est: Estimate, base: Path) -> list[Path]:
     from matplotlib.patches import Patch
 
     drawn = {activity.get(op.kind, "p2p") for t in timelines.values() for stage in t for op in stage}
-    legend = [Patch(color=COLOR[k], label="p2p send/recv" if k == "p2p" else k)
-              for k in ("forward", "backward", "weight gradient", "p2p") if k in drawn]
+    names = {"p2p": "p2p send/recv", "backward": "backward (input gradient)" if sched.splits_backward else "backward"}
+    legend = [Patch(color=COLOR[k], label=names.get(k, k)) for k in ("forward", "backward", "weight gradient", "p2p")
+              if k in drawn]
     legend += [Patch(color=COLOR["sync"], label=f"gradient sync ({est.gradient_sync_s:.3f} s)"),
                Patch(color=COLOR["optimizer"], label=f"optimizer ({est.optimizer_s:.3f} s)"),
                Patch(color=COLOR["idle"], label="idle (bubble / wait)")]
