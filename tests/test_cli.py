@@ -83,6 +83,10 @@ BAD = [
      "memory.1.spill", "Extra inputs"),
     ("plan.json", json.dumps(json.loads(_replica0(tp=1)) | {"memory": [{"sequence_parallel": True}, {}]}),
      "memory.0.sequence_parallel", "needs TP > 1"),
+    ("plan.json", json.dumps(PLAN | {"schedule": {"kind": "interleaved-1f1b"}}), "schedule", "needs virtual_stages >= 2"),
+    ("plan.json", json.dumps(PLAN | {"stages": [[0, 1], [1, 3], [3, 6]], "schedule": {"kind": "interleaved-1f1b",
+                                                                                     "virtual_stages": 2}}),
+     "stages", "3 layer chunks for 2 virtual stages"),
     ("plan.json", json.dumps({"mbs": 1, "gbs": 4, "pipeline_list": [{"num_stages": 2}]}), "pipeline_list.0",
      "malformed pipeline entry"),
     ("prof.json", json.dumps(PROFILE | {"layers": [PROFILE_ROW | {"forward_s": [0.1] * 5 + [-1]}]}),
@@ -94,6 +98,8 @@ BAD = [
      "optimizer.A100-40.seconds_per_param", "expected a number"),
     ("prof.json", json.dumps(PROFILE | {"model": "opt-350m"}), "model", "profiles are for model 'opt-350m'"),
     ("prof.json", json.dumps(PROFILE)[:60], "line 1", "invalid JSON"),
+    ("prof.json", json.dumps(PROFILE | {"layers": [PROFILE_ROW | {"backward_input_s": [0.1] * 6}]}),
+     "layers.0.backward_input_s", "give both backward_input_s and backward_weight_s"),
     ("net.json", json.dumps({"schema": "sailor.network/1", "classes": {"same_zone": {"latency_s": 0.1,
                                                                                      "bandwidth_bytes_per_s": 0}}}),
      "classes.same_zone", "bandwidth must be > 0"),
@@ -119,6 +125,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, name, t
     assert len(lines) == 1, err
     assert lines[0].startswith(f"error: {name}: ")
     assert field in lines[0] and problem in lines[0]
+
+
+def test_train_refuses_a_schedule_the_runtime_does_not_run(tmp_path, monkeypatch, capsys):
+    (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN | {"schedule": {"kind": "zb-h1"}}))
+    code, err = _run_in_process(["train", "plan.json", "--job", "job.yaml", "--dry-run"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: plan.json: schedule.kind: the runtime executes schedule 1f1b only; zb-h1 is simulated but not run yet"
+        " (train with schedule 1f1b, or use sailor simulate to compare schedules)"]
 
 
 def test_console_script_bad_input_is_one_line_without_traceback(tmp_path):

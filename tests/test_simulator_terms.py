@@ -57,8 +57,8 @@ def test_middle_stage_pays_four_transfers_per_micro_batch():
 
 
 def test_in_flight_capped_by_micro_batches():
-    assert [in_flight(i, 4, 32) for i in range(4)] == [4, 3, 2, 1]
-    assert [in_flight(i, 4, 2) for i in range(4)] == [2, 2, 2, 1]
+    assert [in_flight(i, 4, 32).micro_batches for i in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(i, 4, 2).micro_batches for i in range(4)] == [2, 2, 2, 1]
 
 
 def test_tied_embeddings_counted_once_on_one_stage_and_copied_on_two():

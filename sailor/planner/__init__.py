@@ -275,7 +275,7 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
             for tp in model.tp_degrees(cluster.node_size(g)):
                 for P in range(1, min(model.num_layers, opts.max_stages) + 1):
                     part = even_partition(model.num_layers, P)
-                    need = max(replica_memory(ctx, g, tp, 1, a, b, stage=i, num_stages=P, microbatches=job.global_batch_size).total
+                    need = max(replica_memory(ctx, g, tp, 1, ((a, b),), stage=i, num_stages=P, microbatches=job.global_batch_size).total
                                for i, (a, b) in enumerate(part))
                     if best is None or need < best[0]:
                         best = (need, g, tp, P)

@@ -149,14 +149,14 @@ def sync_floor(ctx, gpu: str, zones, options, partition) -> float:
     for z in zones:
         worst = 0.0
         for opts_i, (a, e) in zip(options, partition):
-            worst = max(worst, min(stage_sync(ctx, [(Slot(zone=z, gpu=gpu, tp=o.tp), 2)], a, e)[0] for o in opts_i))
+            worst = max(worst, min(stage_sync(ctx, [(Slot(zone=z, gpu=gpu, tp=o.tp), 2)], ((a, e),))[0] for o in opts_i))
         best = min(best, worst)
     return best
 
 
 def types_sync_floor(ctx, types: list[S.PipelineType], partition) -> float:
     """`sync_floor` for pipeline types whose TP template is fixed."""
-    return min(max(stage_sync(ctx, [(t.slot(i), 2)], a, e)[0] for i, (a, e) in enumerate(partition)) for t in types)
+    return min(max(stage_sync(ctx, [(t.slot(i), 2)], ((a, e),))[0] for i, (a, e) in enumerate(partition)) for t in types)
 
 
 def lower_bound(types: list[S.PipelineType], M: int, opts: PlanOptions, sync2: float,

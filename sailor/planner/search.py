@@ -174,7 +174,7 @@ class Scorer:
                 for t, n in used:
                     groups[t.slot(i)] = groups.get(t.slot(i), 0) + n
                 ordered = sorted(groups.items(), key=lambda g: (g[0].zone, g[0].gpu, g[0].tp))
-                s, _, u = stage_sync(self.ctx, ordered, a, e)
+                s, _, u = stage_sync(self.ctx, ordered, ((a, e),))
                 worst = max(worst, s)
                 usd += u
             self._sync[counts] = (tied + worst, usd)

@@ -123,7 +123,7 @@ def stage_options(ctx: SimContext, gpu: str, partition: Partition, mbs: int, mic
     for i, (a, b) in enumerate(partition):
         opts = []
         for tp in ctx.job.model.tp_degrees(ctx.cluster.node_size(gpu)):
-            mem = replica_memory(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=microbatches)
+            mem = replica_memory(ctx, gpu, tp, mbs, ((a, b),), stage=i, num_stages=P, microbatches=microbatches)
             if mem.total <= cap:
                 f, bw = ctx.stage_compute_s(gpu, tp, mbs, a, b)
                 opts.append(StageOption(tp, f, bw))

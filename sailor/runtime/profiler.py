@@ -17,6 +17,12 @@ micro-batch size b:
   slowest rank's time kept (the others wait for it in a real run too);
 - `warmup` untimed passes, then `repeats` timed ones: the median is the profile, the interquartile
   range its spread (`forward_spread_s`, `backward_spread_s`);
+- the backward split as zero-bubble schedules run it (`_time_backward_split`): the input-gradient pass
+  (`torch.autograd.grad` w.r.t. the layer's input, keeping the graph and the gradients reaching the
+  weights' matmuls) and then the weight-gradient pass (`torch.autograd.grad` w.r.t. the weights from
+  those gradients), each timed on its own with `torch.distributed.pipelining`'s `stage_backward_input`
+  / `stage_backward_weight` (`backward_input_s`, `backward_weight_s`; scaled like the backward). The
+  embedding has no input gradient (its input is token ids): its whole backward is the weight pass;
 - activation bytes kept for backward per sample and layer (a saved-tensors hook sums the distinct
   tensors autograd keeps, parameters excluded), and the peak bytes allocated (CUDA) or the peak
   resident set of the process (CPU);
@@ -326,11 +332,15 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
     # kind -> (first layer, end): one layer of each kind.
     kinds = {"embedding": (0, 1), "block": (1, 2), "head": (spec.num_layers - 1, spec.num_layers)}
     gen = torch.Generator(device="cpu").manual_seed(1234)
-    out: dict[str, Any] = {"times": {}, "runtime_overhead_s": {}, "activation_bytes_per_sample": {}, "peak_bytes": 0}
+    out: dict[str, Any] = {"times": {}, "split": {}, "runtime_overhead_s": {}, "activation_bytes_per_sample": {},
+                           "peak_bytes": 0}
 
-    def sync() -> None:
+    def finish() -> None:  # wait for this rank's device
         if cuda:
             torch.cuda.synchronize(device)
+
+    def sync() -> None:  # and for every rank
+        finish()
         if world > 1:
             dist.barrier()
 
@@ -340,10 +350,12 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
             tok = torch.randint(0, spec.vocab_size, (mbs, seq), generator=gen).to(device)
             act = torch.randn(mbs, seq, spec.hidden_size, generator=gen).to(device)
 
-            def forward(layer=layer, tok=tok, act=act, mbs=mbs, kind=kind):  # bound now, not at call time
+            def forward(layer=layer, tok=tok, act=act, mbs=mbs, kind=kind, inputs=None):  # bound now, not at call time
                 if kind == "embedding":
                     return layer(tok)
                 x = act.detach().requires_grad_()
+                if inputs is not None:
+                    inputs.append(x)
                 with autocast():
                     y = layer(x)
                 return lm_loss_sum(y, tok) * (1.0 / (mbs * seq)) if kind == "head" else y
@@ -373,6 +385,10 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
             if world > 1:
                 dist.all_reduce(both, op=dist.ReduceOp.MAX)
             out["times"][f"{kind}/{mbs}"] = both.tolist()
+            split = torch.tensor(_time_backward_split(layer, forward, o, sync, finish), dtype=torch.float64).T
+            if world > 1:
+                dist.all_reduce(split, op=dist.ReduceOp.MAX)
+            out["split"][f"{kind}/{mbs}"] = split.tolist()  # [input-gradient passes, weight-gradient passes]
             if rank == 0:
                 rank_message({"tick": 1})
         mbs = max(o["mbs"])
@@ -401,6 +417,44 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
     else:
         out["peak_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
     return out
+
+
+def _time_backward_split(layer, forward: Callable[..., Any], o: dict, sync: Callable[[], None],
+                         finish: Callable[[], None]) -> list[list[float]]:
+    """[input_gradient_s, weight_gradient_s] of `layer`'s backward per timed repeat, each pass timed
+    alone, every rank starting it together (`sync`) and its own time ending when its device is done
+    (`finish`), as the forward and backward are: `stage_backward_input` (gradient w.r.t. the layer's
+    input; the graph and the gradients flowing into the weights' operations are kept) then
+    `stage_backward_weight` (the weights' gradients from those), as a zero-bubble schedule runs them.
+    `forward(inputs=list)` runs the layer's forward (loss included for the head) and appends its
+    input tensor; the embedding's input is token ids, so its input pass takes 0 s and its weight
+    pass is the whole backward."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+    rows = []
+    for r in range(o["warmup"] + o["repeats"]):
+        layer.zero_grad(set_to_none=True)
+        inputs: list = []
+        y = forward(inputs=inputs)
+        grads = None if y.dim() == 0 else [torch.ones_like(y)]
+        sync()
+        t0 = time.perf_counter()
+        if inputs:
+            _, groups = stage_backward_input([y], grads, inputs, iter(params))
+        finish()
+        input_s = time.perf_counter() - t0 if inputs else 0.0
+        sync()
+        t1 = time.perf_counter()
+        if inputs:
+            stage_backward_weight(iter(params), groups)
+        else:
+            torch.autograd.backward(y, None if grads is None else grads[0])
+        finish()
+        if r >= o["warmup"]:
+            rows.append([input_s, time.perf_counter() - t1])
+    return rows
 
 
 RUNTIME_MICROBATCHES = 8
@@ -614,10 +668,13 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                     whole = _stats(res["times"][f"model/{mbs}"])
                     sf, sb = pass_scale(fwd, whole[0]), pass_scale(bwd, whole[1])
                     scales[f"{tp}/{mbs}"] = [sf, sb]
+                split = {k: _stats(res["split"][f"{k}/{mbs}"]) for k in ("embedding", "block", "head")}
                 rows.append({"gpu": gpu, "tp": tp, "mbs": mbs,
                              "forward_s": [x * sf for x in fwd], "backward_s": [x * sb for x in bwd],
                              "forward_spread_s": [stats[k][2] * sf for k in order],
-                             "backward_spread_s": [stats[k][3] * sb for k in order]})
+                             "backward_spread_s": [stats[k][3] * sb for k in order],
+                             "backward_input_s": [split[k][0] * sb for k in order],
+                             "backward_weight_s": [split[k][1] * sb for k in order]})
             if whole_pass(opts):
                 # One figure per (GPU type, TP): the bookkeeping does not grow with the micro-batch.
                 by_mbs = {mbs: statistics.median(res["runtime_overhead_s"][str(mbs)]) for mbs in sorted(set(opts.mbs))}
