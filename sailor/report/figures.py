@@ -13,7 +13,7 @@ import numpy as np
 
 from sailor.plan import Plan
 from sailor.simulator import Estimate, ReplicaEstimate
-from sailor.simulator.schedule_orders import BWD, FWD, WGRAD
+from sailor.pipeline_orders import BWD, FWD, WGRAD
 
 if TYPE_CHECKING:
     from sailor.planner import PlanResult

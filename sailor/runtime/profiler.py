@@ -312,7 +312,7 @@ def _build_layer(job: JobSpec, index: int, tp_rank: int, tp: int, group, device,
     spec = job.model
     with torch.device("meta"):
         stage = GPT(spec)
-    build_stage(stage, (index, index + 1 if end is None else end))
+    build_stage(stage, ((index, index + 1 if end is None else end),))
     apply_tp(stage, tp_rank=tp_rank, tp=tp, group=group)
     materialize(stage, lambda n, s: init_param(n, s, seed=0, num_blocks=spec.num_blocks),
                 tp_rank=tp_rank, tp=tp, device=device)
@@ -482,6 +482,7 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
     from sailor.runtime.model import lm_loss_sum
     from sailor.runtime.executor import NoHooks, StageExecutor
     from sailor.runtime.pipeline import P2P, run_pipeline
+    from sailor.runtime.schedule import ONE_F_ONE_B
     from sailor.runtime.topology import derive_topology
 
     spec, seq, m = job.model, job.seq, RUNTIME_MICROBATCHES
@@ -499,7 +500,8 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
         sync()
         t0 = time.perf_counter()
         with autocast():
-            _, times = run_pipeline(executor, role, p2p, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
+            _, times = run_pipeline([executor], role, p2p, order=ONE_F_ONE_B.order(0, 1, m),
+                                    inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
                                     targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=lm_loss_sum,
                                     loss_scale=1.0 / (m * mbs * seq))
         if device.type == "cuda":

@@ -1,7 +1,8 @@
 """Simulator: iteration time, memory per GPU and cost of a Plan, with a breakdown a user can read.
 
 `simulate(plan, ctx)` runs the event simulation of the plan's pipeline schedule (`schedules`: 1F1B
-in the order of DeepSpeed's pipeline engine, `schedule`; interleaved 1F1B and ZB-H1, `schedule_orders`)
+in the order of DeepSpeed's pipeline engine, `schedule`; interleaved 1F1B and ZB-H1, `schedule_orders`
+over the op orders of `sailor.pipeline_orders`)
 for every distinct pipeline, then the gradient reductions, then the optimizer step, in the order
 DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, OptimizerStep):
 

@@ -5,7 +5,8 @@ micro-batches each stage holds at its memory peak.
 `pipeline_schedule(plan)` is the one place the simulator reads `Plan.schedule`; everything else takes
 the `PipelineSchedule` it returns, whose methods dispatch on the schedule in one table (`_MODELS`):
 - `1f1b`: DeepSpeed's order with blocking transfers (`schedule.simulate_1f1b`, `closed_form_1f1b`);
-- `interleaved-1f1b` and `zb-h1`: the orders of `schedule_orders`, simulated with non-blocking sends
+- `interleaved-1f1b` and `zb-h1`: the orders of `pipeline_orders` (the ones the runtime executes),
+  simulated with non-blocking sends
   (`schedule_orders.run_orders`), and the closed forms `closed_form_interleaved` / `closed_form_zb_h1`.
 
 Planner hooks (no planner code reads a schedule yet): `PipelineSchedule.closed_form_s` (the fast
@@ -26,7 +27,8 @@ import numpy as np
 from sailor.plan import Plan, ScheduleKind
 from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b, timeline_1f1b
 from sailor.simulator.schedule import in_flight as in_flight_1f1b
-from sailor.simulator.schedule_orders import Op, TimedOp, held_at_peak, interleaved_order, run_orders, zb_h1_order
+from sailor.pipeline_orders import Op, interleaved_order, zb_h1_order
+from sailor.simulator.schedule_orders import TimedOp, held_at_peak, run_orders
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,12 @@ class PipelineSchedule:
     def splits_backward(self) -> bool:
         """Whether backwards run as separate input-gradient and weight-gradient passes."""
         return self.kind is ScheduleKind.ZB_H1
+
+    @property
+    def sends_block(self) -> bool:
+        """Whether the event simulation keeps a stage busy while it sends (1F1B: DeepSpeed's
+        blocking transfers); False for the op-order schedules, whose sends never block."""
+        return _MODELS[self.kind].order is None
 
     @property
     def label(self) -> str:

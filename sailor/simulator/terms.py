@@ -217,7 +217,11 @@ def pipeline_times(ctx: SimContext, slots: Sequence[Slot], stages: Sequence[tupl
     `Plan.chunk_memory`; default: none). When the schedule splits the backward (zb-h1), the layers'
     backward in `stage_time` is replaced by its two passes (`SimContext.stage_backward_split_s`):
     the input gradient stays in B with what the options add to the backward (recomputation, TP
-    collectives, ZeRO-3 gather), the weight gradient is W. Transfers: `link_transfer`."""
+    collectives, ZeRO-3 gather), the weight gradient is W. Transfers: `link_transfer`. Megatron-LM
+    (`Framework.MEGATRON`) exchanges after every pass with a blocking `batch_isend_irecv` (its 2021
+    `p2p_communication`, also under interleaving), so where the schedule's simulation has sends that
+    never block (`PipelineSchedule.sends_block` False) each pass's send is charged to the pass that
+    sends it and the message arrives when that pass ends."""
     p, v = len(slots), schedule.virtual_stages
     assert len(stages) == p * v, (len(stages), p, v)
     f, b, w = np.zeros((p, v)), np.zeros((p, v)), np.zeros((p, v))
@@ -235,6 +239,11 @@ def pipeline_times(ctx: SimContext, slots: Sequence[Slot], stages: Sequence[tupl
             c[u], nbytes, dollars = link_transfer(ctx, r, slots[(u + 1) % p], ctx.boundary_bytes(e, mbs))
             moved += nbytes
             usd += dollars
+    if ctx.job.framework is Framework.MEGATRON and not schedule.sends_block:
+        for u in range(p * v - 1):  # the activation leaves virtual stage u, its gradient u + 1
+            f[u % p, u // p] += c[u]
+            b[(u + 1) % p, (u + 1) // p] += c[u]
+        c[:] = 0.0
     return PipelineTimes(f, b, w, c, moved, usd)
 
 
