@@ -219,14 +219,15 @@ class ModelSpec(BaseModel):
         pass (zero-bubble schedules): the gradients dY of the outputs of its weight matmuls, beyond
         the activations (which stay held until the weight pass too). Block: QKV (h + 2·kv_dim)/t,
         attention-out h (replicated), MLP-in m'·f/t (m' = 2 gated, 1 plain), MLP-out h (replicated),
-        each s·b·e. Embedding: its output gradient s·b·h·e. Head: 0 (the logits gradient is already
-        in `activation_bytes`)."""
+        each s·b·e. Embedding: its output gradient s·b·h·e. Head: the gradient of its LM-head
+        matmul's output, the vocab-parallel logits, s·b·(V/t)·e (one micro-batch's is already the
+        simulator's logits-gradient buffer; the pending ones stay until their W passes)."""
         s, b, h, e = seq, mbs, self.hidden_size, elem_bytes
         kind = self.layer_kind(layer)
         if kind is LayerKind.EMBEDDING:
             return s * b * h * e
         if kind is LayerKind.HEAD:
-            return 0.0
+            return s * b * self.padded_vocab(tp) / tp * e
         kvd = self.kv_heads * self.head_dim
         mlp_in = 2 if self.gated_mlp else 1
         return s * b * e * ((h + 2 * kvd + mlp_in * self.ffn) / tp + 2 * h)

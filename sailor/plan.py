@@ -361,6 +361,22 @@ def chunk_blocks(chunk: tuple[int, int], num_layers: int) -> int:
     return max(min(b, num_layers - 1) - max(a, 1), 0)
 
 
+def interleave_partition(stages: Sequence[tuple[int, int]], v: int) -> tuple[tuple[int, int], ...]:
+    """The p·v chunks (in layer order, chunk k on stage k mod p) of an interleaved plan whose stage i
+    holds as many layers as stage i of the p-stage partition `stages` does: its n_i layers in v
+    chunks of n_i // v or n_i // v + 1 layers (the larger ones first). The embedding stays on stage 0
+    and the head on stage p - 1. Needs n_i >= v on every stage (no empty chunk)."""
+    sizes = [b - a for a, b in stages]
+    assert all(n >= v for n in sizes), (sizes, v)
+    parts = [[n // v + (1 if c < n % v else 0) for c in range(v)] for n in sizes]
+    out, start = [], stages[0][0]
+    for c in range(v):
+        for part in parts:
+            out.append((start, start + part[c]))
+            start += part[c]
+    return tuple(out)
+
+
 def split_recompute_blocks(mem: StageMemory, chunks: Sequence[tuple[int, int]], num_layers: int) -> tuple[StageMemory, ...]:
     """One stage's memory options per chunk: the same options, except that full recomputation of
     the stage's first `recompute_blocks` blocks recomputes, in chunk c, the blocks of that count

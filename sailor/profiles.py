@@ -301,9 +301,12 @@ def _positive_list(v: Any, n: int | None, where: str, source: str) -> list[float
 
 
 def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profiles:
-    """Parse our profile format; raises SailorInputError naming the field."""
+    """Parse our profile format; raises SailorInputError naming the field. A built-in model's name
+    (or alias) is made canonical; any other name is an inline architecture's, kept as written
+    (`check_job` compares it with the job's model)."""
     try:
-        model = canonical_model_name(str(d["model"]))
+        name = str(d["model"])
+        model = canonical_model_name(name) if _known_model(name) else name
         seq, precision = int(d["sequence_length"]), str(d["precision"])
         rows = d["layers"]
     except KeyError as e:

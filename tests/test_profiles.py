@@ -111,6 +111,19 @@ def test_bad_profile_fields(extra, match):
         profiles_from_dict(d, "prof.json")
 
 
+def test_profile_of_an_inline_architecture_loads_for_that_model_only():
+    arch = {"name": "gpt-2x64", "num_blocks": 2, "hidden_size": 64, "num_heads": 4, "vocab_size": 128,
+            "max_sequence_length": 64}
+    job = JobSpec(model=arch, global_batch_size=4)
+    row = {"gpu": "cpu", "tp": 1, "mbs": 1, "forward_s": [0.001] * 4, "backward_s": [0.002] * 4}
+    prof = profiles_from_dict({"schema": "sailor.profiles/1", "model": "gpt-2x64", "sequence_length": 64,
+                               "precision": "fp32", "layers": [row]}, "prof.json")
+    prof.check_job(job)
+    assert prof.layer_times(job, "cpu", 1, 1)[0, 1] == 0.002
+    with pytest.raises(SailorInputError, match=r"prof\.json: model: profiles are for model 'gpt-2x64', the job trains 'tiny'"):
+        prof.check_job(JOB, "prof.json")
+
+
 def test_not_a_profile_file(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"layers": []}))
     with pytest.raises(SailorInputError, match=r"x\.json: schema: not a profile file"):

@@ -169,6 +169,29 @@ def test_faster_pass_or_link_never_slows_a_heterogeneous_pipeline(pl, data):
     assert sched.time_s(PipelineTimes(t.forward_s, t.backward_s, t.weight_s, t.transfer_s * cut), m) <= base + 1e-9
 
 
+# ---- planner hooks ------------------------------------------------------------------------------------
+@settings(max_examples=150, deadline=None)
+@given(pipelines(), st.data())
+def test_closed_forms_are_affine_in_m_from_where_they_say(pl, data):
+    p, v, _, t = pl
+    sched = data.draw(st.sampled_from([ZB_H1, ONE_F_ONE_B] if v == 1 else [INTERLEAVED(v)]))
+    a, slope, m0 = sched.closed_form_affine(t)
+    assert m0 == (2 if sched == ONE_F_ONE_B else p) and slope > 0
+    for m in range(m0, m0 + 6):
+        assert sched.closed_form_s(t, m) == pytest.approx(a + slope * m, rel=1e-9, abs=1e-9)
+
+
+def test_interleave_partition_keeps_each_stages_layer_count():
+    from sailor.plan import interleave_partition
+
+    # 26 layers over 4 stages (7, 6, 7, 6) into 2 chunks each: stage 0 gets 4 + 3 layers, ...
+    chunks = interleave_partition([(0, 7), (7, 13), (13, 20), (20, 26)], 2)
+    assert chunks == ((0, 4), (4, 7), (7, 11), (11, 14), (14, 17), (17, 20), (20, 23), (23, 26))
+    plan = _plan([list(c) for c in chunks], {"kind": "interleaved-1f1b", "virtual_stages": 2})
+    assert [sum(b - a for a, b in plan.stage_chunks(i)) for i in range(4)] == [7, 6, 7, 6]
+    assert interleave_partition([(0, 3), (3, 6)], 1) == ((0, 3), (3, 6))
+
+
 # ---- memory in flight -----------------------------------------------------------------------------------
 def test_in_flight_per_schedule():
     assert [ONE_F_ONE_B.in_flight(i, 4, 8).held for i in range(4)] == [(4,), (3,), (2,), (1,)]

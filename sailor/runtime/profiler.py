@@ -21,7 +21,8 @@ micro-batch size b:
   (`torch.autograd.grad` w.r.t. the layer's input, keeping the graph and the gradients reaching the
   weights' matmuls) and then the weight-gradient pass (`torch.autograd.grad` w.r.t. the weights from
   those gradients), each timed on its own with `torch.distributed.pipelining`'s `stage_backward_input`
-  / `stage_backward_weight` (`backward_input_s`, `backward_weight_s`; scaled like the backward). The
+  / `stage_backward_weight` (`backward_input_s`, `backward_weight_s`; scaled like the backward), in
+  the same repeats as the forward and backward, so a drifting load moves all of them alike. The
   embedding has no input gradient (its input is token ids): its whole backward is the weight pass;
 - activation bytes kept for backward per sample and layer (a saved-tensors hook sums the distinct
   tensors autograd keeps, parameters excluded), and the peak bytes allocated (CUDA) or the peak
@@ -361,6 +362,8 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
                 return lm_loss_sum(y, tok) * (1.0 / (mbs * seq)) if kind == "head" else y
 
             res = _LayerResult()
+            params = [p for p in layer.parameters() if p.requires_grad]
+            split_rows = []
             for r in range(o["warmup"] + o["repeats"]):
                 layer.zero_grad(set_to_none=True)
                 sync()
@@ -377,15 +380,18 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
                 if cuda:
                     torch.cuda.synchronize(device)
                 t3 = time.perf_counter()
+                # the split passes in the same repeat, so both see the same machine (its load drifts)
+                split = _time_backward_split(layer, forward, params, sync, finish)
                 if r >= o["warmup"]:
                     res.forward_s.append(t1 - t0)
                     res.backward_s.append(t3 - t2)
+                    split_rows.append(split)
             # The slowest rank's pass is the replica's (the others wait for it in its all-reduces).
             both = torch.tensor([res.forward_s, res.backward_s], dtype=torch.float64)
             if world > 1:
                 dist.all_reduce(both, op=dist.ReduceOp.MAX)
             out["times"][f"{kind}/{mbs}"] = both.tolist()
-            split = torch.tensor(_time_backward_split(layer, forward, o, sync, finish), dtype=torch.float64).T
+            split = torch.tensor(split_rows, dtype=torch.float64).T
             if world > 1:
                 dist.all_reduce(split, op=dist.ReduceOp.MAX)
             out["split"][f"{kind}/{mbs}"] = split.tolist()  # [input-gradient passes, weight-gradient passes]
@@ -419,42 +425,37 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
     return out
 
 
-def _time_backward_split(layer, forward: Callable[..., Any], o: dict, sync: Callable[[], None],
-                         finish: Callable[[], None]) -> list[list[float]]:
-    """[input_gradient_s, weight_gradient_s] of `layer`'s backward per timed repeat, each pass timed
-    alone, every rank starting it together (`sync`) and its own time ending when its device is done
-    (`finish`), as the forward and backward are: `stage_backward_input` (gradient w.r.t. the layer's
-    input; the graph and the gradients flowing into the weights' operations are kept) then
-    `stage_backward_weight` (the weights' gradients from those), as a zero-bubble schedule runs them.
-    `forward(inputs=list)` runs the layer's forward (loss included for the head) and appends its
-    input tensor; the embedding's input is token ids, so its input pass takes 0 s and its weight
-    pass is the whole backward."""
+def _time_backward_split(layer, forward: Callable[..., Any], params: list, sync: Callable[[], None],
+                         finish: Callable[[], None]) -> list[float]:
+    """[input_gradient_s, weight_gradient_s] of one backward of `layer` (weights `params`), each
+    pass timed alone, every rank starting it together (`sync`) and its own time ending when its
+    device is done (`finish`), as the forward and backward are: `stage_backward_input` (gradient
+    w.r.t. the layer's input; the graph and the gradients flowing into the weights' operations are
+    kept) then `stage_backward_weight` (the weights' gradients from those), as a zero-bubble schedule
+    runs them. `forward(inputs=list)` runs the layer's forward (loss included for the head) and
+    appends its input tensor; the embedding's input is token ids, so its input pass takes 0 s and its
+    weight pass is the whole backward."""
     import torch
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    params = [p for p in layer.parameters() if p.requires_grad]
-    rows = []
-    for r in range(o["warmup"] + o["repeats"]):
-        layer.zero_grad(set_to_none=True)
-        inputs: list = []
-        y = forward(inputs=inputs)
-        grads = None if y.dim() == 0 else [torch.ones_like(y)]
-        sync()
-        t0 = time.perf_counter()
-        if inputs:
-            _, groups = stage_backward_input([y], grads, inputs, iter(params))
-        finish()
-        input_s = time.perf_counter() - t0 if inputs else 0.0
-        sync()
-        t1 = time.perf_counter()
-        if inputs:
-            stage_backward_weight(iter(params), groups)
-        else:
-            torch.autograd.backward(y, None if grads is None else grads[0])
-        finish()
-        if r >= o["warmup"]:
-            rows.append([input_s, time.perf_counter() - t1])
-    return rows
+    layer.zero_grad(set_to_none=True)
+    inputs: list = []
+    y = forward(inputs=inputs)
+    grads = None if y.dim() == 0 else [torch.ones_like(y)]
+    sync()
+    t0 = time.perf_counter()
+    if inputs:
+        _, groups = stage_backward_input([y], grads, inputs, iter(params))
+    finish()
+    input_s = time.perf_counter() - t0 if inputs else 0.0
+    sync()
+    t1 = time.perf_counter()
+    if inputs:
+        stage_backward_weight(iter(params), groups)
+    else:
+        torch.autograd.backward(y, None if grads is None else grads[0])
+    finish()
+    return [input_s, time.perf_counter() - t1]
 
 
 RUNTIME_MICROBATCHES = 8

@@ -10,11 +10,12 @@ the `PipelineSchedule` it returns, whose methods dispatch on the schedule in one
   (`schedule_orders.run_orders`), and the closed forms `closed_form_interleaved` / `closed_form_zb_h1`.
 
 Planner hooks (no planner code reads a schedule yet): `PipelineSchedule.closed_form_s` (the fast
-path), `PipelineSchedule.time_s` (the reference), `PipelineSchedule.in_flight` (memory; also through
-`memory.replica_memory(..., schedule=...)`), `bubble_ratio`, and `terms.pipeline_times` to build a
-pipeline's pass times from a SimContext. Note for a search over schedules: the 1F1B closed form is
-affine in m from m = 2 (what `planner.search.PipelineType` relies on); the interleaved and ZB-H1
-closed forms are affine only from m = p on.
+path), `PipelineSchedule.closed_form_affine` (its intercept and slope in m, valid from
+`affine_from(p)`: m = 2 under 1F1B, what `planner.search.PipelineType` relies on, m = p under the
+others), `PipelineSchedule.time_s` (the reference), `PipelineSchedule.in_flight` (memory; also
+through `memory.replica_memory(..., schedule=...)`), `bubble_ratio`, `terms.pipeline_times` to build
+a pipeline's pass times from a SimContext, and `plan.interleave_partition` to turn a p-stage layer
+partition into p·v chunks with the same layers per stage.
 """
 
 from __future__ import annotations
@@ -228,6 +229,20 @@ class PipelineSchedule:
         """The closed form of this schedule (the planner's fast path; see each closed form for where
         it equals the event simulation)."""
         return _MODELS[self.kind].closed(times, m)
+
+    def affine_from(self, num_stages: int) -> int:
+        """The smallest m from which `closed_form_s` is affine in m: 2 under 1F1B (one micro-batch
+        pays the whole fill and drain), p otherwise (below p the warm-up is cut short: interleaving's
+        min(m, p) and ZB-H1's max(p - m, 0) terms)."""
+        return 2 if _MODELS[self.kind].order is None else max(num_stages, 1)
+
+    def closed_form_affine(self, times: PipelineTimes) -> tuple[float, float, int]:
+        """(intercept_s, slope_s, m0) with `closed_form_s(times, m)` = intercept_s + slope_s·m for
+        every m >= m0 = `affine_from(p)`: what a planner needs to share a global batch out over
+        pipelines of different speeds without evaluating the closed form per m (tested)."""
+        m0 = self.affine_from(times.forward_s.shape[0])
+        t0, t1 = self.closed_form_s(times, m0), self.closed_form_s(times, m0 + 1)
+        return t0 - (t1 - t0) * m0, t1 - t0, m0
 
     def timeline(self, times: PipelineTimes, m: int) -> list[list[TimedOp]]:
         """Per-stage ops of the event simulation in execution order (same events and makespan as
