@@ -284,7 +284,9 @@ class ModelSpec(BaseModel):
 # Published configs. OPT: facebook/opt-350m and opt-30b config.json (OPT-350m's 512-wide input/output
 # projections are ignored: the public Sailor profiles model it as a plain 1024-wide GPT). GPT-Neo:
 # EleutherAI/gpt-neo-2.7B config.json. Llama 3: meta-llama/Meta-Llama-3-8B config.json. GPT-3:
-# Brown et al. 2020, Table 2.1. tiny: the CPU test model (byte vocabulary).
+# Brown et al. 2020, Table 2.1. MT-NLG 530B: Smith et al. 2022, "Using DeepSpeed and Megatron to
+# Train Megatron-Turing NLG 530B", §3.1 (105 layers, hidden 20480, 128 heads, sequence 2048, GPT-2's
+# 50257-token BPE vocabulary). tiny: the CPU test model (byte vocabulary).
 BUILTIN_MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in [
@@ -298,6 +300,8 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         ModelSpec(name="opt-30b", num_blocks=48, hidden_size=7168, num_heads=56, vocab_size=50272,
                   max_sequence_length=2048),
         ModelSpec(name="gpt3-175b", num_blocks=96, hidden_size=12288, num_heads=96, vocab_size=50257,
+                  max_sequence_length=2048),
+        ModelSpec(name="mt-nlg-530b", num_blocks=105, hidden_size=20480, num_heads=128, vocab_size=50257,
                   max_sequence_length=2048),
         ModelSpec(name="tiny", num_blocks=4, hidden_size=64, num_heads=4, vocab_size=256,
                   max_sequence_length=64),

@@ -156,11 +156,11 @@ class Profiles:
         and SP: measured (scaled linearly in mbs, and to the options by the model's ratio of their
         bytes to the plain layer's) when profiled at this TP, else the model's formula for the job's
         framework. Array (num_layers,)."""
+        if tp in self.activation_bytes and recompute is Recompute.NONE and not sequence_parallel:
+            return self.activation_bytes[tp] * mbs
         formula = self._formula(job, tp, mbs, recompute, sequence_parallel)
         if tp not in self.activation_bytes:
             return formula
-        if recompute is Recompute.NONE and not sequence_parallel:
-            return self.activation_bytes[tp] * mbs
         plain = self._formula(job, tp, mbs, Recompute.NONE, False)
         return self.activation_bytes[tp] * mbs * formula / plain
 

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from sailor.cli import app
 from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models
+from sailor.cli.simulate import memory_label
 from sailor.errors import SailorInputError
 from sailor.api import plan_options
 from sailor.planner import Objective, PlanResult, SearchSpace, plan_job
@@ -110,6 +111,9 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
     stages = ", ".join(f"{i}: layers [{a}, {b})" for i, (a, b) in enumerate(plan.stages))
     con.print(f"{plan.num_stages} stage(s) ({stages}); micro-batch {plan.micro_batch_size}; "
               f"{len(plan.pipelines)} pipeline(s) on {plan.world_size} GPUs")
+    labels = [memory_label(plan.stage_memory(i)) for i in range(plan.num_stages)]
+    if any(x != "-" for x in labels):
+        con.print("memory options per stage: " + ", ".join(f"{i}: {x}" for i, x in enumerate(labels)))
     t = Table(title="pipelines (data-parallel replicas)")
     for col in ("GPU", "zone", "TP per stage", "pipelines", "micro-batches each", "samples each"):
         t.add_column(col)
@@ -132,6 +136,8 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
                  ("search time (s)", f"{result.search_time_s:.2f}")]:
         s.add_row(k, v)
     con.print(s)
+    if est.tp_communication:
+        con.print(f"TP communication: {'; '.join(est.tp_communication)}")
     if est.estimated:
         con.print(f"[yellow]estimated (no measurement): {'; '.join(est.estimated)}[/yellow]")
     if result.alternatives:
@@ -141,6 +147,8 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
         for i, c in enumerate(result.alternatives, 1):
             e, p = c.estimate, c.plan
             desc = "; ".join(f"{len(m)}x {g} {z} TP {','.join(map(str, tp))}" for g, z, tp, m in pipeline_groups(p))
+            mems = sorted({memory_label(p.stage_memory(i)) for i in range(p.num_stages)} - {"-"})
+            desc += f" [{', '.join(mems)}]" if mems else ""
             a.add_row(str(i), str(p.num_stages), str(p.micro_batch_size), desc, str(p.world_size),
                       f"{e.throughput_iters_per_s:.4f}", f"{e.cost_per_iteration_usd:.4f}", f"{e.cost_per_hour_usd:.2f}")
         con.print(a)
