@@ -125,7 +125,7 @@ def describe(plan: Plan) -> str:
                      for r, k, z, sp in sorted(mems, key=str))
     tps = sorted({r.tp for p in plan.pipelines for r in p.replicas})
     return (f"t{'/'.join(map(str, tps))} p{plan.num_stages} d{len(plan.pipelines)} b{plan.micro_batch_size}"
-            f" [{opts}]")
+            f" ({opts})")
 
 
 # (name, job, GPU type, GPUs) of the practitioner scenarios (issue 12); Sailor's runtime accounting.
@@ -147,8 +147,8 @@ def table_1(args, con: Console) -> list[dict]:
     for col in ("model", "t/p/d", "GPUs", "batch", "mbs (sim-best)", "published TF/s", "predicted TF/s", "error",
                 "fits", "peak mem (GB)", "planner TF/s", "planner / published cfg", "search (s)"):
         table.add_column(col, justify="left" if col == "model" else "right")
-    plans = Table(title="the planner's plans for the same GPUs and batch (t TP, p stages, d pipelines, b micro-batch;"
-                        " memory options of the stages)")
+    plans = Table(title="the planner's plans (t TP, p stages, d pipelines, b micro-batch; (stages' memory options))",
+                  min_width=110)
     plans.add_column("model")
     plans.add_column("planner plan")
     rows = []

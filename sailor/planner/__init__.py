@@ -33,7 +33,7 @@ from sailor.plan import Plan, StageMemory
 from sailor.planner import search as S
 from sailor.planner.branch import coarse_nodes, families, points, search_counts
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace, objective_key
-from sailor.planner.space import even_partition, memory_candidates, stage_options, zero3_needed
+from sailor.planner.space import even_partition, memory_candidates, sp_possible, stage_options, zero3_needed
 from sailor.simulator import Estimate, SimContext, simulate
 from sailor.simulator.memory import replica_memory
 
@@ -308,7 +308,7 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
         best = None  # (bytes, gpu, tp, P, replicas)
         for g in cluster.gpu_types():
             for tp in model.tp_degrees(cluster.node_size(g)):
-                if mem.sequence_parallel and (tp == 1 or job.seq % tp):
+                if mem.sequence_parallel and not sp_possible(ctx, tp):
                     continue
                 for P in range(1, min(model.num_layers, opts.max_stages) + 1):
                     have = sum(cluster.available(z, g) for z in cluster.zones) // (tp * P)

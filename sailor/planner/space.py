@@ -132,6 +132,19 @@ def home_zone(ctx: SimContext, gpu: str) -> str:
     return max(sorted(ctx.cluster.zones), key=lambda z: ctx.cluster.available(z, gpu))
 
 
+def sp_possible(ctx: SimContext, tp: int) -> bool:
+    """Sequence parallelism needs TP > 1 and a sequence the TP degree divides."""
+    return tp > 1 and ctx.job.seq % tp == 0
+
+
+def option_time_s(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, memory: StageMemory,
+                  replicas: int) -> tuple[float, float]:
+    """(forward_s, backward_s) per micro-batch of stage [a, b) on `gpu` at TP `tp` under `memory`
+    with `replicas` replicas, timed in the GPU type's `home_zone`."""
+    st = stage_time(ctx, Slot(zone=home_zone(ctx, gpu), gpu=gpu, tp=tp), mbs, a, b, time_options(memory, replicas))
+    return st.forward_s, st.backward_s
+
+
 def replica_cap(ctx: SimContext, gpu: str, tp: int, microbatches: int) -> int:
     """Most data-parallel replicas a stage on `gpu` at TP `tp` could have: every GPU of the type in
     the cluster holding one replica, and no more replicas than micro-batches."""
@@ -184,12 +197,11 @@ def stage_options(ctx: SimContext, gpu: str, partition: Partition, mbs: int, mic
         opts = []
         for tp in ctx.job.model.tp_degrees(ctx.cluster.node_size(gpu)):
             mem = memory[i]
-            if mem.sequence_parallel and (tp == 1 or ctx.job.seq % tp):
+            if mem.sequence_parallel and not sp_possible(ctx, tp):
                 continue
             d = min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=microbatches, memory=mem)
             if d is not None:
-                st = stage_time(ctx, Slot(zone=home_zone(ctx, gpu), gpu=gpu, tp=tp), mbs, a, b, time_options(mem, d))
-                opts.append(StageOption(tp, st.forward_s, st.backward_s, d))
+                opts.append(StageOption(tp, *option_time_s(ctx, gpu, tp, mbs, a, b, mem, d), d))
         out.append(opts)
     return out
 
@@ -212,7 +224,7 @@ def _fitting_options(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: in
     if key not in ctx.memo:
         out = []
         for rank, (recompute, sp) in enumerate(_RECOMPUTE_SP):
-            if sp and (tp == 1 or ctx.job.seq % tp):
+            if sp and not sp_possible(ctx, tp):
                 continue
             fits = {}
             for zero in (2, 1, 0):  # from the most sharding down: stop where it no longer fits
@@ -228,8 +240,7 @@ def _fitting_options(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: in
             if fits:
                 zero = min(fits)
                 mem = _CONFIGS[zero][rank]
-                st = stage_time(ctx, Slot(zone=home_zone(ctx, gpu), gpu=gpu, tp=tp), mbs, a, b, time_options(mem, fits[zero]))
-                out.append((st.forward_s + st.backward_s, zero, sp, rank, mem))
+                out.append((sum(option_time_s(ctx, gpu, tp, mbs, a, b, mem, fits[zero])), zero, sp, rank, mem))
         ctx.memo[key] = out
     return ctx.memo[key]
 
@@ -250,10 +261,9 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
     """Memory options for the stages of `partition` (one StageMemory per stage) the planner tries:
     the defaults alone when every GPU type holds every stage as it is at some TP degree (options are
     searched where they are needed); else, for every GPU type and uniform TP degree t, and every ZeRO
-    ceiling z <= zero_max,
-    each stage takes its cheapest options that fit (`cheapest_fit`): none where the stage fits as it
-    is (no recomputation when it fits), else the SP, recomputation and ZeRO level that cost it the
-    least time per micro-batch. ZeRO-1/2 cost nothing per micro-batch; ZeRO-3's gathers do, and the
+    ceiling z <= zero_max, each stage takes its cheapest options that fit (`cheapest_fit`): none
+    where the stage fits as it is (no recomputation when it fits), else the SP, recomputation and
+    ZeRO level that cost it the least time per micro-batch. ZeRO-1/2 cost nothing per micro-batch; ZeRO-3's gathers do, and the
     planner allows it (zero_max = 3) only where nothing fits without it. Distinct vectors only,
     lightest first (`memory_weight`; the defaults, when every stage fits as it is, lead)."""
     P = len(partition)
@@ -264,7 +274,7 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
         return [base]  # every GPU type holds every stage as it is at some TP degree: nothing is needed
     seen: list[Memory] = []
     for g in gpus:
-        for t in ctx.job.model.tp_degrees(ctx.cluster.node_size(g)):
+        for t in tps[g]:
             for z in range(zero_max + 1):
                 vec = tuple(cheapest_fit(ctx, g, t, mbs, a, b, i, P, M, z) for i, (a, b) in enumerate(partition))
                 if None not in vec and vec not in seen:
