@@ -153,6 +153,11 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
                  source=options.data or "pydoc_data.topics")
     notes: list[str] = []
     resume_from, resume_step = None, 0
+    held = ckpt.newest_step_dir(options.checkpoint_dir) if options.checkpoint_dir and not options.resume else None
+    if held is not None:  # starting from step 0 would replace that run's checkpoints one by one
+        raise SailorInputError(f"{options.checkpoint_dir} holds the checkpoints of a run ({held.name});"
+                               " this run would replace them", source="--checkpoint-dir",
+                               fix="pass --resume to continue that run, or use another folder")
     if options.resume:
         if not options.checkpoint_dir:
             raise SailorInputError("--resume needs --checkpoint-dir", source="--resume")
@@ -161,8 +166,7 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         if found.path is None:
             notes.append(f"no verified checkpoint in {options.checkpoint_dir}; starting from step 0")
         else:
-            ckpt.check_compatible(found.manifest, model=job.model.model_dump(mode="json"), seed=options.seed,
-                                  global_batch_size=job.global_batch_size, source=str(found.path))
+            ckpt.check_compatible(found.manifest, ckpt.run_meta(job, options.seed), source=str(found.path))
             resume_from, resume_step = found.path, int(found.manifest["step"])
             notes.append(f"resuming from {found.path} (step {resume_step})")
     ranks = rank_layout(plan, {r.gpu: plan.world_size for p in plan.pipelines for r in p.replicas})

@@ -241,7 +241,7 @@ def train(args: argparse.Namespace) -> None:
     opt, cfg = rk.optimizer, rk.optimizer.cfg
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype)
     corpus = load_corpus(args.data)
-    meta = {"seed": args.seed, "model": spec.model_dump(mode="json"), "global_batch_size": gbs}
+    meta = ckpt.run_meta(job, args.seed)
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     fault = os.environ.get(FAULT_ENV, "")
     n_local = role.microbatches * mbs
