@@ -66,6 +66,10 @@ MAX_PIPELINE_TASKS = 2**20
 # 2^16 points is 45 days at one a minute. `sailor replay` plans once per distinct availability.
 MAX_TRACE_POINTS = 2**16
 
+# Seconds of a trace's time stamps and a replay's --duration-s: Unix time is 1.7e9 s now; 1e12 s is
+# 30,000 years.
+MAX_TRACE_TIME_S = 1e12
+
 # Measurement passes of `sailor profile` (--warmup, --repeats): a median of 10 is the default.
 MAX_PROFILE_PASSES = 10_000
 

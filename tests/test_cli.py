@@ -202,7 +202,7 @@ def test_plan_out_to_a_folder_is_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "out").mkdir()
     code, err = _run_in_process(["plan", "--job", "job.yaml", "--cluster", "cluster.yaml", "--out", "out", "--json"],
                                 tmp_path, monkeypatch, capsys)
-    assert code == 2 and err.strip() == "error: out: is a folder, expected a file name"
+    assert code == 2 and err.strip() == "error: --out: out is a folder, expected a file name"
 
 
 def test_train_refuses_a_gpu_plan_on_cpu(tmp_path, monkeypatch, capsys):

@@ -12,10 +12,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sailor.cli import app
-from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models
+from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, check_number, console,
+                               resolve_models)
 from sailor.cli.simulate import memory_label
 from sailor.errors import SailorInputError
 from sailor.api import plan_options
+from sailor.fileio import check_output_path
 from sailor.planner import Objective, PlanResult, SearchSpace, plan_job
 from sailor.plan import Plan
 from sailor.simulator import make_context
@@ -50,6 +52,11 @@ def plan_command(
     """Find the best plan for JOB on the GPUs CLUSTER offers (built-in example when both are omitted)."""
     if (job is None) != (cluster is None):
         raise SailorInputError("pass both --job and --cluster, or neither for the built-in example")
+    for value, option in ((max_cost_per_iteration, "--max-cost-per-iteration"), (max_cost_per_hour, "--max-cost-per-hour"),
+                          (min_throughput, "--min-throughput")):
+        check_number(value, option, lo=0)
+    check_output_path(out, "--out")
+    check_output_path(report, "--report", folder=True)
     job_spec = load_job(job) if job else EXAMPLE_JOB
     cluster_spec = load_cluster(cluster) if cluster else EXAMPLE_CLUSTER
     prof, net = resolve_models(job_spec, cluster_spec, profiles, network)

@@ -33,14 +33,13 @@ from typing import TYPE_CHECKING, Any
 from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import parse_json, read_text, show
-from sailor.limits import MAX_GPUS_PER_ZONE, MAX_TRACE_POINTS
+from sailor.limits import MAX_GPUS_PER_ZONE, MAX_TRACE_POINTS, MAX_TRACE_TIME_S
 from sailor.specs import ClusterSpec
 
 if TYPE_CHECKING:
     from sailor.elastic.remote import HostPool, Machine
 
 Zones = dict[str, dict[str, int]]  # zone -> GPU type -> GPUs available
-MAX_TIME_S = 1e12  # seconds: Unix time is 1.7e9 now; 1e12 s is 30,000 years
 
 
 @dataclass(frozen=True)
@@ -255,10 +254,10 @@ def _number(text: str, src: str, field: str) -> float:
 
 
 def _time(value: Any, src: str, field: str, *, relative: bool = False) -> float:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= MAX_TIME_S
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= MAX_TRACE_TIME_S
           and math.isfinite(value))
     if not ok or (value < 0 and not relative):
-        raise SailorInputError(f"expected a time >= 0 and <= {MAX_TIME_S:g} in seconds, got {show(value)}",
+        raise SailorInputError(f"expected a time >= 0 and <= {MAX_TRACE_TIME_S:g} in seconds, got {show(value)}",
                                source=src, field=field)
     return float(value)
 
