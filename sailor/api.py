@@ -101,7 +101,7 @@ def resolve_specs(plan: Plan | None, job: Source | JobSpec | None,
                     catalog.provider(provider).region(r.zone)
                 except SailorInputError as e:
                     raise e.located(field_prefix=f"pipelines.{j}.replicas.{i}.zone") from None
-        cluster_spec = ClusterSpec(provider=provider, zones=zones)
+        cluster_spec = parse_model(ClusterSpec, {"provider": provider, "zones": zones}, None)  # one line, no traceback
     if cluster_spec is None:
         raise SailorInputError("no cluster: pass --cluster CLUSTER.yaml")
     return job_spec, cluster_spec

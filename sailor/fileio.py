@@ -21,9 +21,10 @@ Parsing (text -> plain data):
   one line, not in minutes of validation).
 
 Checking values (plain data -> typed values), for readers written by hand:
-- `Checks(source)`: `mapping`, `sequence`, `name`, `number` (finite, in range, never a bool),
-  `whole` (an int, never a truncated float or a bool), `whole_key` (a JSON key like "16"); each
-  raises a SailorInputError naming `source` and the dotted field.
+- `Checks(source)`: `mapping`, `known_keys` (no misspelt key ignored), `sequence`, `name`, `number`
+  (finite, in range, never a bool), `whole` (an int, never a truncated float or a bool), `whole_key`
+  (a JSON key like "16"); each raises a SailorInputError naming `source` and the dotted field.
+  Our own formats refuse unknown keys; foreign ones (Sailor's) may carry fields we do not read.
 - `show(value)`: a short, one-line repr for messages (huge numbers and long strings cut).
 
 Checking values for pydantic models (specs, plans, hosts):
@@ -53,7 +54,7 @@ from typing import Annotated, Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sailor.errors import SailorInputError
+from sailor.errors import SailorInputError, did_you_mean
 from sailor.limits import MAX_FILE_BYTES
 
 T = TypeVar("T", bound=BaseModel)
@@ -269,6 +270,15 @@ class Checks:
         for k in value:
             if not isinstance(k, str):
                 raise self.error(f"key {show(k)} is not a name", field)
+        return value
+
+    def known_keys(self, value: dict[str, Any], field: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+        """`value` if it has no key outside `allowed` (a misspelt optional key would otherwise be
+        ignored without a word)."""
+        for k in value:
+            if k not in allowed:
+                fix = did_you_mean(str(k), allowed) or f"known: {', '.join(allowed)}"
+                raise self.error(f"unknown field {show(k)}", f"{field}.{k}" if field else str(k), fix=fix)
         return value
 
     def sequence(self, value: Any, field: str, what: str = "", *, min_len: int = 0,

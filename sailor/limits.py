@@ -55,9 +55,10 @@ MAX_BANDWIDTH_BYTES_PER_S = 1e15
 # Bytes of a measured activation or memory figure: 2^50 (1 PiB); GPUs hold at most 192 GB (B200).
 MAX_BYTES = 2.0**50
 
-# Micro-batch x stage tasks the 1F1B event simulation runs for one pipeline per iteration. It costs
-# about 3 us and 0.5 kB per task on our build machines (`benchmarks/bad_input_counts.py`), so 2^20
-# tasks take seconds; a real plan has far fewer (Megatron 1 T: 64 stages x 512 micro-batches = 2^15).
+# Micro-batch x stage tasks the 1F1B event simulation runs for one pipeline per iteration. 2^20 tasks
+# (16 stages x 65,536 micro-batches) take 3.8 s of CPU and 530 MB on our build machines
+# (`benchmarks/bad_input_counts.py`); a real plan has far fewer (Megatron 1 T: 64 stages x 512
+# micro-batches = 2^15).
 # The planner's plans stay under it (16 stages x MAX_GLOBAL_BATCH micro-batches at most, with its
 # default --max-stages).
 MAX_PIPELINE_TASKS = 2**20

@@ -186,10 +186,14 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
 
 
 
+MAX_FIT_COEFFICIENT = 1e6  # GB/s per log2 unit: |c| above it gives bandwidths past 1 PB/s inside the fit range
+
+
 def _leaf(v: Any, c: Checks, where: str) -> CurveFit:
-    """A Sailor fit `[[c0, c1, c2], max_bytes_per_s]` (coefficients finite, the cap >= 0)."""
+    """A Sailor fit `[[c0, c1, c2], max_bytes_per_s]` (coefficients finite and at most
+    MAX_FIT_COEFFICIENT in size, the cap >= 0)."""
     coeffs, mx = c.sequence(v, where, "[[c0, c1, c2], max_bytes_per_s]", min_len=2, max_len=2)
-    c0, c1, c2 = (c.number(x, f"{where}.0.{k}") for k, x in
+    c0, c1, c2 = (c.number(x, f"{where}.0.{k}", lo=-MAX_FIT_COEFFICIENT, hi=MAX_FIT_COEFFICIENT) for k, x in
                   enumerate(c.sequence(coeffs, f"{where}.0", "[c0, c1, c2]", min_len=3, max_len=3)))
     return CurveFit(c0, c1, c2, c.number(mx, f"{where}.1", lo=0, hi=MAX_BANDWIDTH_BYTES_PER_S, unit="bytes/s"))
 
@@ -241,8 +245,15 @@ def _link(v: Any, c: Checks, where: str) -> Link:
                          hi=MAX_BANDWIDTH_BYTES_PER_S, unit="bytes/s"))
 
 
+# The keys of our link file (module docstring; `sailor profile network` adds the measured sweep);
+# any other is refused rather than ignored.
+TOP_KEYS = ("schema", "source", "device", "versions", "date", "classes", "links", "sweep", "allreduce")
+LINK_KEYS = ("src_zone", "src_gpu", "dst_zone", "dst_gpu", "flows", "latency_s", "bandwidth_bytes_per_s")
+
+
 def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
     c = Checks(source)
+    c.known_keys(data, "", TOP_KEYS)
     classes = c.mapping(data.get("classes") or {}, "classes", "link class -> link")
     links = c.sequence(data.get("links") or [], "links", "links")
     for name, v in classes.items():
@@ -250,9 +261,10 @@ def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
             raise c.error(f"unknown link class {show(name)}", f"classes.{name}",
                           fix=f"one of {', '.join(lc.value for lc in LinkClass)}")
         net.class_links[LinkClass(name)] = _link(v, c, f"classes.{name}")
+        c.known_keys(v, f"classes.{name}", ("latency_s", "bandwidth_bytes_per_s"))
     for k, v in enumerate(links):
         where = f"links.{k}"
-        c.mapping(v, where, "src_zone, src_gpu, dst_zone, dst_gpu, flows, latency_s, bandwidth_bytes_per_s")
+        c.known_keys(c.mapping(v, where, ", ".join(LINK_KEYS)), where, LINK_KEYS)
         for key in ("src_zone", "src_gpu", "dst_zone", "dst_gpu"):
             if key not in v:
                 raise c.error("missing field", f"{where}.{key}")

@@ -40,6 +40,11 @@ from sailor.models import Recompute, canonical_model_name
 from sailor.specs import JobSpec
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# The keys of our format (module docstring); any other is refused rather than ignored.
+TOP_KEYS = ("schema", "model", "sequence_length", "precision", "source", "device", "versions", "date", "settings",
+            "layers", "optimizer", "memory", "runtime")
+LAYER_KEYS = ("gpu", "tp", "mbs", "forward_s", "backward_s", "forward_spread_s", "backward_spread_s")
+MEMORY_KEYS = ("gpu", "tp", "activation_bytes_per_sample", "peak_bytes")
 
 SCHEMA = "sailor.profiles/1"
 
@@ -269,7 +274,7 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
     degree's memory row given twice is an error (one would silently replace the other).
     """
     c = Checks(source)
-    c.mapping(d, "")
+    c.known_keys(c.mapping(d, ""), "", TOP_KEYS)
     for key in ("model", "sequence_length", "precision", "layers"):
         if key not in d:
             raise c.error("missing field", key)
@@ -283,7 +288,7 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
     n_layers = None
     for k, row in enumerate(c.sequence(d["layers"], "layers", "rows {gpu, tp, mbs, forward_s, backward_s}")):
         where = f"layers.{k}"
-        c.mapping(row, where, "gpu, tp, mbs, forward_s, backward_s")
+        c.known_keys(c.mapping(row, where, "gpu, tp, mbs, forward_s, backward_s"), where, LAYER_KEYS)
         for key in ("gpu", "tp", "mbs", "forward_s", "backward_s"):
             if key not in row:
                 raise c.error("missing field", f"{where}.{key}")
@@ -292,6 +297,9 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
         fwd = _values(row["forward_s"], n_layers, f"{where}.forward_s", c, MAX_SECONDS)
         n_layers = len(fwd)
         bwd = _values(row["backward_s"], n_layers, f"{where}.backward_s", c, MAX_SECONDS)
+        for key in ("forward_spread_s", "backward_spread_s"):
+            if key in row:
+                _values(row[key], n_layers, f"{where}.{key}", c, MAX_SECONDS)
         if mbs in prof.times.get((gpu, tp), {}):
             raise c.error(f"a second row for {gpu} TP {tp} micro-batch {mbs}", where)
         prof.times.setdefault((gpu, tp), {})[mbs] = np.array([fwd, bwd]).T
@@ -300,17 +308,25 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
         name = _located(lambda: catalog.canonical_gpu(gpu), c, where)
         if not isinstance(v, dict) or "seconds_per_param" not in v:
             raise c.error(f"expected a number under seconds_per_param, got {show(v)}", f"{where}.seconds_per_param")
+        c.known_keys(v, where, ("seconds_per_param",))
         prof.optimizer_s_per_param[name] = c.number(v["seconds_per_param"], f"{where}.seconds_per_param", lo=0,
                                                     hi=MAX_SECONDS, unit="seconds")
     for k, row in enumerate(c.sequence(d.get("memory", []), "memory", "rows {tp, activation_bytes_per_sample}")):
         where = f"memory.{k}"
         if not isinstance(row, dict) or "tp" not in row or "activation_bytes_per_sample" not in row:
             raise c.error("expected a mapping with tp and activation_bytes_per_sample", where)
+        c.known_keys(row, where, MEMORY_KEYS)
+        if "gpu" in row:
+            _located(lambda: catalog.canonical_gpu(row["gpu"]), c, f"{where}.gpu")
+        if "peak_bytes" in row:
+            c.number(row["peak_bytes"], f"{where}.peak_bytes", lo=0, hi=MAX_BYTES, unit="bytes")
         tp = _tp(row["tp"], c, f"{where}.tp")
-        if tp in prof.activation_bytes:
-            raise c.error(f"a second memory row for TP {tp}", where)
-        prof.activation_bytes[tp] = np.array(_values(row["activation_bytes_per_sample"], n_layers,
-                                                     f"{where}.activation_bytes_per_sample", c, MAX_BYTES))
+        act = np.array(_values(row["activation_bytes_per_sample"], n_layers, f"{where}.activation_bytes_per_sample",
+                               c, MAX_BYTES))
+        if tp in prof.activation_bytes and not np.array_equal(prof.activation_bytes[tp], act):
+            raise c.error(f"a second memory row for TP {tp} with other activation sizes (one per TP degree is used)",
+                          where)
+        prof.activation_bytes[tp] = act
     _parse_runtime(d.get("runtime"), prof, c)
     return prof
 
@@ -342,10 +358,12 @@ def _parse_runtime(runtime: Any, prof: Profiles, c: Checks) -> None:
     rows = runtime.get("microbatch_overhead_s", []) if isinstance(runtime, dict) else None
     if not isinstance(rows, list):
         raise c.error("expected a mapping with microbatch_overhead_s: [{gpu, tp, seconds}]", "runtime")
+    c.known_keys(runtime, "runtime", ("microbatch_overhead_s",))
     for k, row in enumerate(rows):
         where = f"runtime.microbatch_overhead_s.{k}"
         if not isinstance(row, dict) or not {"gpu", "tp", "seconds"} <= row.keys():
             raise c.error("expected a mapping with gpu, tp and seconds", where)
+        c.known_keys(row, where, ("gpu", "tp", "seconds"))
         gpu = _located(lambda: catalog.canonical_gpu(row["gpu"]), c, f"{where}.gpu")
         prof.microbatch_overhead_s[(gpu, _tp(row["tp"], c, f"{where}.tp"))] = c.number(
             row["seconds"], f"{where}.seconds", lo=0, hi=MAX_SECONDS, unit="seconds")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from sailor import catalog
-from sailor.errors import SailorInputError
+from sailor.errors import SailorInputError, note
 from sailor.fileio import Checks, load_json, parse_model
 from sailor.limits import MAX_BYTES, MAX_SECONDS
 from sailor.models import BUILTIN_MODELS, MODEL_ALIASES, canonical_model_name
@@ -149,6 +149,7 @@ def load_runs(folder: str | Path, model: str | None = None) -> list[Run]:
     for path in sorted(d.glob("*.json")):
         raw = load_json(path)
         if not isinstance(raw, dict) or "pipeline_list" not in raw or "real" not in raw or "max_mem" not in raw:
+            note("skipped: not a Sailor plan_config with `real` and `max_mem` (a measured run)", source=str(path))
             continue
         c = Checks(str(path))
         t = c.number(raw["real"], "real", lo=0, lo_open=True, hi=MAX_SECONDS, unit="seconds")

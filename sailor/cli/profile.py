@@ -68,7 +68,7 @@ def profile_layers(
     from sailor.specs import load_job
 
     catalog.check_device(device)
-    check_output_path(out, "--out", suffixes=(".json",))  # before minutes of measuring
+    check_output_path(out, "--out")  # before minutes of measuring
     opts = ProfileOptions(job=load_job(job), device=device,  # type: ignore[arg-type]
                           tps=_int_list(tp, "--tp"), mbs=_int_list(mbs, "--mbs"), warmup=warmup, repeats=repeats,
                           threads=threads, concurrency=concurrency)
@@ -98,7 +98,7 @@ def profile_network_command(
     from sailor.runtime.netprofile import SIZES_BYTES, profile_network
 
     catalog.check_device(device)
-    check_output_path(out, "--out", suffixes=(".json",))
+    check_output_path(out, "--out")
     bar, advance = _progress("network", len(SIZES_BYTES))
     with bar:
         data = profile_network(nproc, device=device, zone=zone, warmup=warmup, repeats=repeats,

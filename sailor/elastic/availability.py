@@ -151,8 +151,8 @@ def _from_csv(text: str, cluster: ClusterSpec, src: str) -> Trace:
     t_col = header.index("Timestamp")
     columns: list[tuple[int, str, str]] = []  # (column index, zone, gpu)
     for k, name in enumerate(header):
-        if k == t_col or name == "":
-            continue  # the unnamed pandas index column
+        if k == t_col or (k == 0 and name == ""):
+            continue  # the unnamed pandas index column (any other column must name its GPU type and zone)
         columns.append((k, *_split_column(name, cluster, src)))
     if not columns:
         raise SailorInputError("no <gpu>_<zone> column", source=src, field="header")

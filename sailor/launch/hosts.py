@@ -46,7 +46,7 @@ class HostGroup(BaseModel):
     """The machines of one (zone, GPU type)."""
 
     model_config = SPEC_CONFIG
-    zone: str = Field(max_length=200)
+    zone: str = Field(min_length=1, max_length=200)
     gpu: str
     hosts: tuple[str, ...] = Field(min_length=1)
     user: str | None = None
