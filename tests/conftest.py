@@ -1,6 +1,8 @@
 """Shared fixtures: where the public Sailor reference data lives (../shared next to the repo root)."""
 
+import contextlib
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,42 @@ def live_processes(marker: str) -> list[tuple[int, str]]:
     return out
 
 
+TOKEN_ENV = "SAILOR_TEST_TOKEN"
+
+
+@contextlib.contextmanager
+def own_processes():
+    """Mark every process started inside the block with a unique token (children inherit it through
+    the environment, whatever their command line, and keep it when reparented); yields a function
+    that lists (pid, command line) of the marked processes still alive. A test that checks it left
+    nothing behind looks only at these, never at other tests' or users' processes."""
+    token = uuid.uuid4().hex
+    old = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = token
+    try:
+        yield lambda: _marked(f"{TOKEN_ENV}={token}".encode())
+    finally:
+        if old is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = old
+
+
+def _marked(entry: bytes) -> list[tuple[int, str]]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if entry in env and state != "Z":
+                out.append((int(pid), cmd))
+    return out
+
+
 @pytest.fixture(scope="session")
 def reference_losses() -> list[float]:
     """Per-step losses of 60 steps of the tiny model (global batch 8, seed 0) trained in one process:
@@ -49,3 +87,12 @@ def reference_losses() -> list[float]:
     finally:
         torch.set_num_threads(threads)
     return losses
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One report line with the mutated inputs tried per reader (tests/test_bad_input.py)."""
+    import sys
+    mutate = sys.modules.get("mutate")
+    if mutate is not None and mutate.TRIED:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(mutate.TRIED.items()))
+        terminalreporter.write_line(f"bad-input cases tried per reader: {counts} (total {sum(mutate.TRIED.values())})")
