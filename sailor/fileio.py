@@ -348,9 +348,9 @@ def Whole(lo: int | None = None, hi: int | None = None):  # noqa: N802 - a type 
     return Annotated[int, Field(strict=True, ge=lo, le=hi)]
 
 
-def Real(lo: float | None = None, hi: float | None = None, *, gt: float | None = None):  # noqa: N802
-    """A strict, finite float field type in [lo, hi] (or (gt, hi]): ints are taken, bools and strings are not."""
-    return Annotated[float, Field(strict=True, ge=lo, gt=gt, le=hi, allow_inf_nan=False)]
+def Real(lo: float | None = None, hi: float | None = None):  # noqa: N802 - a type factory
+    """A strict, finite float field type in [lo, hi]: ints are taken, bools and strings are not."""
+    return Annotated[float, Field(strict=True, ge=lo, le=hi, allow_inf_nan=False)]
 
 
 # Parts of a pydantic error location that name a validator of a union member, not a field.

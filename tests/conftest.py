@@ -18,20 +18,25 @@ def sailor_ref() -> Path:
     return SAILOR_REF
 
 
-def live_processes(marker: str) -> list[tuple[int, str]]:
-    """(pid, command line) of other live (not zombie) processes whose command line mentions
-    `marker`: used to check that nothing a test started outlives it."""
-    out = []
+def _live(*, with_env: bool = False):
+    """(pid, command line, environment entries or []) of every other live (not zombie) process
+    this user may read."""
     for pid in os.listdir("/proc"):
         if pid.isdigit() and int(pid) != os.getpid():
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if with_env else []
             except OSError:
                 continue
-            if marker in cmd and state != "Z":
-                out.append((int(pid), cmd))
-    return out
+            if state != "Z":
+                yield int(pid), cmd, env
+
+
+def live_processes(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of other live (not zombie) processes whose command line mentions
+    `marker`: used to check that nothing a test started outlives it."""
+    return [(pid, cmd) for pid, cmd, _ in _live() if marker in cmd]
 
 
 TOKEN_ENV = "SAILOR_TEST_TOKEN"
@@ -56,18 +61,7 @@ def own_processes():
 
 
 def _marked(entry: bytes) -> list[tuple[int, str]]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if entry in env and state != "Z":
-                out.append((int(pid), cmd))
-    return out
+    return [(pid, cmd) for pid, cmd, env in _live(with_env=True) if entry in env]
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,7 @@ BAD = [
     ("plan.json", json.dumps(PLAN | {"memory": [{"zero": 4}, {}]}), "memory.0.zero", "less than or equal to 3"),
     ("plan.json", json.dumps(PLAN | {"memory": [{"recompute": "some"}, {}]}), "memory.0.recompute", "'none'"),
     ("plan.json", json.dumps(PLAN | {"memory": [{}]}), "memory", "1 entries for 2 stages"),
-    ("plan.json", json.dumps(PLAN | {"memory": [{"recompute_blocks": 1}, {}]}), "memory.0: recompute_blocks",
+    ("plan.json", json.dumps(PLAN | {"memory": [{"recompute_blocks": 1}, {}]}), "memory.0.recompute_blocks",
      "needs recompute 'full'"),
     ("plan.json", json.dumps(PLAN | {"memory": [{"recompute": "full", "recompute_blocks": 3}, {}]}),
      "memory.0.recompute_blocks", "stage 0 holds 2 transformer blocks"),

@@ -284,9 +284,6 @@ BAD = [
     ({"j.yaml": "model: {name: x, num_blocks: true, hidden_size: 64, num_heads: 4, vocab_size: 256,"
                 " max_sequence_length: 64}\nglobal_batch_size: 8\n"},
      ["plan", "--job", "j.yaml", "--cluster", "local.yaml"], "model.num_blocks: Input should be a valid integer"),
-    ({"c.yaml": {"zones": {"us-central1-a": {"A100-40": 8}},
-                 "network": {"same_node": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e11}}}},
-     ["plan", "--job", "job.yaml", "--cluster", "c.yaml"], "network.same_node: no link inside a node is modelled"),
     ({}, ["train", "cpu_plan.json", "--timeout-s", "0", "--dry-run"], "--timeout-s: must be a number of seconds > 0"),
     ({}, ["train", "cpu_plan.json", "--timeout-s", "-1", "--dry-run"], "--timeout-s"),
     # launch trusts no plan

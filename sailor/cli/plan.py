@@ -12,8 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sailor.cli import app
-from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, check_number, console,
-                               resolve_models)
+from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models
 from sailor.cli.simulate import memory_label
 from sailor.errors import SailorInputError
 from sailor.api import plan_options
@@ -52,18 +51,15 @@ def plan_command(
     """Find the best plan for JOB on the GPUs CLUSTER offers (built-in example when both are omitted)."""
     if (job is None) != (cluster is None):
         raise SailorInputError("pass both --job and --cluster, or neither for the built-in example")
-    for value, option in ((max_cost_per_iteration, "--max-cost-per-iteration"), (max_cost_per_hour, "--max-cost-per-hour"),
-                          (min_throughput, "--min-throughput")):
-        check_number(value, option, lo=0)
+    opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
+                        max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
+                        top=top)
     check_output_path(out, "--out")
     check_output_path(report, "--report", folder=True)
     job_spec = load_job(job) if job else EXAMPLE_JOB
     cluster_spec = load_cluster(cluster) if cluster else EXAMPLE_CLUSTER
     prof, net = resolve_models(job_spec, cluster_spec, profiles, network)
     ctx = make_context(job_spec, cluster_spec, prof, net)
-    opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
-                        max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
-                        top=top)
     con = console()
     try:
         if as_json:
