@@ -29,24 +29,29 @@ Sailor's runtime (`Framework.SAILOR`, `sailor.runtime.model`): no dropout, causa
 `F.scaled_dot_product_attention` (flash / memory-efficient kernels keep the output and a log-sum-exp
 per query, never the s x s scores). Per block:
   norm1 input x and its output (the q/k/v input), norm2 input and its output (the MLP input): 4·e·h
-      per token, plus fp32 statistics per token and norm (mean and rstd: 8 bytes; RMSNorm: rstd, 4)
+      per token, plus fp32 statistics per token and norm (mean and rstd: 8 bytes; RMSNorm, PyTorch's
+      composite op: rstd, 4, and the normalised input, e·h)
   SDPA inputs: q, and k, v repeated to all heads when kv < h (repeat_interleave makes new tensors),
       so 3·e·h/t per token either way; RoPE (rotary models) makes new q, k and saves its cos and sin
       tables, 2 calls x 2 tables x s·d/2 x e bytes per block (not sharded)
-  SDPA output e·h/t, log-sum-exp fp32 4·a/t, and the out-projection's input (the head-merging copy of
-      the output) e·h/t per token
+  SDPA output e·h/t and log-sum-exp fp32 4·a/t per token; the out-projection's input is a view of
+      that output with learned positions and a copy (e·h/t more) after RoPE
   MLP: GeLU input and output 2·e·f/t; SwiGLU gate output, SiLU output, up output and their product
       4·e·f/t per token
-Embedding: the token ids (int64; under TP the shifted local ids and a bool mask) and the position
-ids. Head: the final norm's input, statistics and output, the fp32 log-probabilities over the whole
-vocabulary (the runtime all-gathers the logits, so every TP rank holds all V of them) and the
-int64 targets.
+Embedding: the token ids (int64; under TP also the shifted local ids and a bool mask) and the
+position ids. Head: the final norm's input, statistics and output, the fp32 log-probabilities over the whole
+vocabulary (the runtime all-gathers the logits, so every TP rank holds all V of them), the int64
+targets and two fp32 scalars (the loss weight and the scaled loss). These agree with what the
+runtime's saved-tensor hooks measure (`sailor.runtime_activations`, checked in
+tests/test_runtime_memory.py) for blocks, embedding and head; the runtime's executor also keeps
+each stage's output until its backward, which `simulator.memory` counts as a buffer.
 
 Memory options, as Sailor's runtime applies them (Megatron-LM's are the same):
 - sequence parallelism (SP): every tensor outside the TP regions is split along the sequence (/t);
   column-parallel linears save their sharded input and all-gather it again in the backward.
 - selective recomputation: checkpoint of the attention core (RoPE + SDPA; Megatron: QKᵀ, softmax,
-  dropout, attention·V): keeps its q, k, v inputs, not what it makes.
+  dropout, attention·V): keeps its q, k, v inputs and (Sailor) the output the out-projection reads,
+  not the rest of what it makes.
 - full recomputation: checkpoint of the whole block: keeps the block input only. During the
   backward of a recomputed block its activations exist once more (`recompute_transient_bytes`).
 The embedding and the head are never recomputed and are not affected by SP (stage boundaries carry
@@ -89,7 +94,8 @@ def recompute_transient_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, 
                               framework: Framework, recompute: Recompute, sequence_parallel: bool) -> float:
     """Bytes the recompute forward of one block rebuilds while that block runs its backward (they are
     freed before the next block's): full recomputation rebuilds everything but the kept input;
-    selective rebuilds the attention core's saved tensors (those not aliasing its kept inputs).
+    selective rebuilds the attention core's saved tensors (those not aliasing its kept inputs and
+    output).
     0 without recomputation and for the embedding and the head."""
     if recompute is Recompute.NONE or m.layer_kind(layer) is not LayerKind.BLOCK:
         return 0.0
@@ -99,7 +105,8 @@ def recompute_transient_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, 
         return block(m, **args, recompute=Recompute.NONE) - block(m, **args, recompute=Recompute.FULL)
     if framework is Framework.MEGATRON:
         return _megatron_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=elem_bytes)
-    return _sailor_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=elem_bytes)
+    kept_output = elem_bytes * seq * mbs * m.hidden_size / tp  # selective keeps the core's output
+    return _sailor_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=elem_bytes) - kept_output
 
 
 # ---- Megatron-LM ---------------------------------------------------------------------------------
@@ -141,9 +148,12 @@ def megatron_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) 
 
 
 # ---- Sailor's runtime ----------------------------------------------------------------------------
-def _norm_stat_bytes(m: "ModelSpec") -> int:
-    """fp32 statistics one norm saves per token: LayerNorm mean and rstd, RMSNorm rstd."""
-    return STAT_BYTES if m.rms_norm else 2 * STAT_BYTES
+def _norm_bytes_per_token(m: "ModelSpec", e: int) -> float:
+    """What one norm saves per token: its input and fp32 statistics (LayerNorm mean and rstd);
+    RMSNorm (PyTorch's composite op) its input, rstd and the normalised input."""
+    if m.rms_norm:
+        return 2 * e * m.hidden_size + STAT_BYTES
+    return e * m.hidden_size + 2 * STAT_BYTES
 
 
 def _rope_table_bytes(m: "ModelSpec", *, seq: int, e: int) -> float:
@@ -176,23 +186,26 @@ def sailor_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, r
     if recompute is Recompute.FULL:
         return e * s * b * h / outside_tp
     kv = m.kv_heads * m.head_dim
-    outside = s * b * (4 * e * h + 2 * _norm_stat_bytes(m))  # x, norm1 out, norm2 in, norm2 out + stats
-    out_proj_input = e * s * b * h / tp  # the head-merging copy of the SDPA output
+    local = e * s * b * h / tp  # one (b, s, h/t) tensor
+    outside = s * b * 2 * (_norm_bytes_per_token(m, e) + e * h)  # norm1 and norm2 with their outputs
     mlp = e * s * b * m.ffn * (4 if m.gated_mlp else 2) / tp
     if recompute is Recompute.SELECTIVE:
-        core = e * s * b * (h + 2 * kv) / tp  # the checkpoint keeps its inputs: the q, k, v projections
+        # the checkpoint keeps its inputs (the q, k, v projections); the out-projection its output
+        core = e * s * b * (h + 2 * kv) / tp + local
     else:
         # SDPA keeps all-head q, k, v (3h whether they are the projections or new tensors), its
-        # output, the log-sum-exp and RoPE's tables
+        # output, the log-sum-exp and RoPE's tables; the out-projection's input is a view of SDPA's
+        # output with learned positions, a copy after RoPE
         copies = e * s * b * _sdpa_copy_width(m) / tp
-        core = 3.0 * e * s * b * h / tp + _sailor_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=e) - copies
-    return outside / outside_tp + core + out_proj_input + mlp
+        core = 3 * local + _sailor_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=e) - copies
+        core += 0.0 if m.learned_positions else local
+    return outside / outside_tp + core + mlp
 
 
 def sailor_embedding_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
-    """Embedding in Sailor's runtime: the int64 token ids (under TP the shifted local ids and a bool
-    mask of ids outside this rank's rows) and, for learned positions, the int64 position ids."""
-    ids = INDEX_BYTES * seq * mbs + (seq * mbs if tp > 1 else 0)
+    """Embedding in Sailor's runtime: the int64 token ids (under TP also the shifted local ids and a
+    bool mask of ids outside this rank's rows) and, for learned positions, the int64 position ids."""
+    ids = INDEX_BYTES * seq * mbs + ((INDEX_BYTES + 1) * seq * mbs if tp > 1 else 0)
     return float(ids + (INDEX_BYTES * seq if m.learned_positions else 0))
 
 
@@ -200,5 +213,5 @@ def sailor_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) ->
     """Head in Sailor's runtime: final norm input, statistics and output, fp32 log-probabilities over
     the full runtime vocabulary (logits are all-gathered over TP) and the int64 targets."""
     s, b = seq, mbs
-    norm = s * b * (2 * e * m.hidden_size + _norm_stat_bytes(m))
-    return float(norm + FP32_BYTES * s * b * m.padded_vocab(1) + INDEX_BYTES * s * b)
+    norm = s * b * (_norm_bytes_per_token(m, e) + e * m.hidden_size)
+    return float(norm + FP32_BYTES * s * b * m.padded_vocab(1) + INDEX_BYTES * s * b + 2 * FP32_BYTES)

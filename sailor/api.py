@@ -21,7 +21,7 @@ from typing import Any, Callable, TypeVar, Union
 
 from sailor import catalog
 from sailor.errors import InfeasibleError, SailorInputError
-from sailor.fileio import load_mapping, parse_model
+from sailor.fileio import Checks, load_mapping, parse_model
 from sailor.network import NetworkModel, network_for
 from sailor.plan import Plan, plan_from_dict
 from sailor.planner import Constraints, Objective, PlanOptions, PlanResult, SearchSpace, plan_job
@@ -101,7 +101,7 @@ def resolve_specs(plan: Plan | None, job: Source | JobSpec | None,
                     catalog.provider(provider).region(r.zone)
                 except SailorInputError as e:
                     raise e.located(field_prefix=f"pipelines.{j}.replicas.{i}.zone") from None
-        cluster_spec = ClusterSpec(provider=provider, zones=zones)
+        cluster_spec = parse_model(ClusterSpec, {"provider": provider, "zones": zones}, None)  # one line, no traceback
     if cluster_spec is None:
         raise SailorInputError("no cluster: pass --cluster CLUSTER.yaml")
     return job_spec, cluster_spec
@@ -141,7 +141,12 @@ def choice(kind: type[E], value: E | str, option: str, what: str) -> E:
 def plan_options(*, objective: Objective | str = Objective.THROUGHPUT, search: SearchSpace | str = SearchSpace.FULL,
                  max_cost_per_iteration: float | None = None, max_cost_per_hour: float | None = None,
                  min_throughput: float | None = None, max_stages: int = 16, top: int = 3) -> PlanOptions:
-    """PlanOptions from `sailor plan`'s settings (see `find_plan`)."""
+    """PlanOptions from `sailor plan`'s settings (see `find_plan`). Raises SailorInputError for a
+    constraint that is not a finite number >= 0 (named as `sailor plan`'s option)."""
+    for name, value in (("max_cost_per_iteration", max_cost_per_iteration), ("max_cost_per_hour", max_cost_per_hour),
+                        ("min_throughput", min_throughput)):
+        if value is not None:
+            Checks("--" + name.replace("_", "-")).number(value, "", lo=0)
     return PlanOptions(objective=choice(Objective, objective, "objective", "objective"),
                        search=choice(SearchSpace, search, "search", "search space"),
                        max_stages=max_stages, top_k=top,

@@ -1,12 +1,15 @@
-"""The one exception type for bad user input.
+"""The one exception type for bad user input, and the one warning type for input taken with a change.
 
 Two kinds of failure (STYLE.md §2.14): a user's mistake raises `SailorInputError` (a `ValueError`),
-which the CLI prints as one line and exit status 2; a broken invariant is an `assert`.
+which the CLI prints as one line and exit status 2; a broken invariant is an `assert`. Input that is
+accepted but not taken literally (e.g. a Sailor plan whose batch does not split evenly over its
+pipelines) is said with `note(...)`: a `SailorWarning` the CLI prints as one `warning:` line on stderr.
 """
 
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Iterable
 
 
@@ -29,10 +32,11 @@ class SailorInputError(ValueError):
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
-        """The error as one line: `source: field: message (fix)`."""
+        """The error as one line: `source: field: message (fix)`; characters that would break the
+        line (newlines, other control or separator characters) are shown escaped."""
         parts = [p for p in (self.source, self.field) if p]
         text = ": ".join(parts + [self.message])
-        return f"{text} ({self.fix})" if self.fix else text
+        return one_line(f"{text} ({self.fix})" if self.fix else text)
 
     def located(self, *, source: str | None = None, field_prefix: str | None = None) -> "SailorInputError":
         """A copy that also names the file and/or a parent field (keeps what is already known)."""
@@ -40,6 +44,21 @@ class SailorInputError(ValueError):
         if field_prefix:
             field = f"{field_prefix}.{field}" if field else field_prefix
         return SailorInputError(self.message, source=self.source or source, field=field, fix=self.fix)
+
+
+def one_line(text: str) -> str:
+    """`text` with every non-printable character (newline, tab, U+2028, ...) escaped, so that it is
+    exactly one line however a terminal or `str.splitlines` reads it."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+class SailorWarning(UserWarning):
+    """Input taken, but not literally (the CLI prints it as one `warning:` line on stderr)."""
+
+
+def note(message: str, *, source: str | None = None, field: str | None = None) -> None:
+    """Tell the user how their input was taken (a `SailorWarning` naming the file and field)."""
+    warnings.warn(SailorWarning(SailorInputError(message, source=source, field=field).one_line()), stacklevel=2)
 
 
 class InfeasibleError(SailorInputError):
@@ -55,5 +74,8 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str | None:
 def unknown_name(kind: str, name: str, choices: Iterable[str], **where: str | None) -> SailorInputError:
     """An error for an unknown GPU type, zone, model... listing the known ones or the closest."""
     choices = sorted(choices)
+    if not isinstance(name, str):
+        return SailorInputError(f"expected a {kind} name, got {type(name).__name__} {str(name)[:40]!r}",
+                                fix=f"known: {', '.join(choices)}", **where)
     fix = did_you_mean(name, choices) or f"known: {', '.join(choices)}"
-    return SailorInputError(f"unknown {kind} {name!r}", fix=fix, **where)
+    return SailorInputError(f"unknown {kind} {name[:80]!r}", fix=fix, **where)

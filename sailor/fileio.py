@@ -1,51 +1,131 @@
-"""Reading spec files (YAML or JSON) and writing any file atomically.
+"""Reading input files so that every reader is total, and writing any file atomically.
 
-Every reader turns a parse failure into a one-line `SailorInputError` naming the file; every writer
-writes to a temporary name in the same folder, fsyncs and renames, so a crash never leaves a
-half-written file behind.
+The rule for every reader (job, cluster, plans, traces, hosts, profiles, network files, validation
+folders, and any reader added later): it returns a valid object or raises `SailorInputError` naming
+the file, the field and the problem. Nothing else escapes. The helpers here make that the easy path:
+
+Parsing (text -> plain data):
+- `read_text(path)`: a regular file of at most `limits.MAX_FILE_BYTES`, decoded as UTF-8 (a BOM is
+  allowed). Missing, a folder, a device or FIFO (which would block or never end), too large, or not
+  UTF-8 are one-line errors.
+- `load_json(path)` / `parse_json(text, source)`: JSON where a key given twice in one object, `NaN`
+  / `Infinity`, a number that overflows a float, an integer of more than `MAX_INT_DIGITS` digits
+  and nesting deeper than `MAX_DEPTH` are errors (Python's json accepts the first four silently and
+  raises RecursionError on the last).
+- `load_mapping(path)`: JSON or YAML with a mapping at the top. YAML gets the same rules, plus: keys
+  are plain strings (a complex key `? [a, b]`, or an unquoted `1:` / `yes:` that YAML reads as a
+  number or a boolean, is an error saying to quote it), `.nan` / `.inf` are errors, and alias
+  expansion is bounded (`check_tree`).
+- `check_tree(data, source)`: nesting depth <= `MAX_DEPTH` and at most `MAX_NODES` values, counting
+  a YAML alias each time it is used (so "billion laughs" files and self-referencing aliases end in
+  one line, not in minutes of validation).
+
+Checking values (plain data -> typed values), for readers written by hand:
+- `Checks(source)`: `mapping`, `known_keys` (no misspelt key ignored), `sequence`, `name`, `number`
+  (finite, in range, never a bool), `whole` (an int, never a truncated float or a bool), `whole_key`
+  (a JSON key like "16"); each raises a SailorInputError naming `source` and the dotted field.
+  Our own formats refuse unknown keys; foreign ones (Sailor's) may carry fields we do not read.
+- `show(value)`: a short, one-line repr for messages (huge numbers and long strings cut).
+
+Checking values for pydantic models (specs, plans, hosts):
+- `SPEC_CONFIG`: frozen, unknown fields forbidden, NaN and infinities refused.
+- `Whole(lo, hi)` / `Real(lo, hi)`: strict annotated int / finite float fields (`true` is not 1,
+  `4.7` is not 4, `"3"` is not 3).
+- `parse_model(cls, data, source)`: validation errors as one-line SailorInputErrors (the first
+  problem, with its field).
+
+Writing: `write_atomic` / `write_json` write a temporary file in the same folder, fsync and rename,
+so a crash never leaves a half-written file; `check_output_path` refuses an output path before any
+work starts.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import stat
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sailor.errors import SailorInputError
+from sailor.errors import SailorInputError, did_you_mean
+from sailor.limits import MAX_FILE_BYTES
 
 T = TypeVar("T", bound=BaseModel)
 
+MAX_DEPTH = 32  # nesting levels; our deepest format (Sailor's network fits) uses 8
+MAX_NODES = 2**21  # values in one file, aliases counted each time; profiles_tmp.json holds 26 K
+MAX_INT_DIGITS = 100  # digits of an integer literal (Python refuses to convert more than 4300)
 
+
+# ---- messages ----------------------------------------------------------------------------------
+def show(value: Any, limit: int = 60) -> str:
+    """`repr(value)` cut to about `limit` characters, for one-line messages (an int too large to
+    print, or a megabyte-long string, would otherwise fill the screen or raise)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"a number of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---- reading -----------------------------------------------------------------------------------
 def read_text(path: str | Path) -> str:
-    """The file's text; raises SailorInputError if it is missing or unreadable."""
+    """The text of a regular file of at most MAX_FILE_BYTES, as UTF-8 (BOM allowed).
+
+    Raises:
+        SailorInputError: missing, a folder, not a regular file (device, FIFO), unreadable, too
+            large, or not UTF-8.
+    """
     p = Path(path)
     try:
-        return p.read_text(encoding="utf-8")
+        st = p.stat()
     except FileNotFoundError:
         raise SailorInputError("no such file", source=str(p)) from None
-    except IsADirectoryError:
-        raise SailorInputError("is a folder, expected a file", source=str(p)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SailorInputError(f"cannot read: {e}", source=str(p)) from None
+    except OSError as e:
+        raise SailorInputError(f"cannot read: {e.strerror}", source=str(p)) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise SailorInputError("is a folder, expected a file", source=str(p))
+    if not stat.S_ISREG(st.st_mode):
+        raise SailorInputError("is not a regular file (a device, FIFO or socket)", source=str(p))
+    try:
+        with open(p, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise SailorInputError(f"cannot read: {e.strerror}", source=str(p)) from None
+    if len(data) > MAX_FILE_BYTES:
+        raise SailorInputError(f"larger than {MAX_FILE_BYTES >> 20} MiB, more than any input file needs", source=str(p))
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise SailorInputError(f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})", source=str(p),
+                               fix="save it as UTF-8") from None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe YAML loader that rejects a key given twice in one mapping (PyYAML keeps the last one
-    silently, which would drop, say, a zone's first GPU list)."""
-
-    def construct_mapping(self, node, deep=False):  # noqa: D102 - PyYAML hook
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+def check_tree(data: Any, source: str | None) -> None:
+    """Raise SailorInputError if `data` nests deeper than MAX_DEPTH or holds more than MAX_NODES
+    values (a YAML alias counts each time it is used; a self-referencing alias is too deep)."""
+    stack = [(data, 0)]
+    count = 0
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_NODES:
+            raise SailorInputError(f"holds more than {MAX_NODES:,} values (YAML aliases counted each time used)",
+                                   source=source)
+        if isinstance(node, (dict, list, tuple, set, frozenset)):
+            if depth >= MAX_DEPTH:
+                raise SailorInputError(f"nested deeper than {MAX_DEPTH} levels", source=source)
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((c, depth + 1) for c in children)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -53,60 +133,244 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise SailorInputError(f"key {k!r} appears twice in one object")
+            raise SailorInputError(f"key {show(k)} appears twice in one object")
         out[k] = v
     return out
 
 
-def _parse_json(text: str, src: str) -> Any:
+def _json_constant(name: str) -> float:
+    raise SailorInputError(f"{name} is not a number JSON allows (NaN and infinities are refused)")
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise SailorInputError(f"number {show(text, 30)} is too large for a float")
+    return value
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise SailorInputError(f"an integer of {len(text.lstrip('-'))} digits (more than {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def parse_json(text: str, source: str | None) -> Any:
+    """Parse JSON text by the rules of the module docstring; raises SailorInputError naming `source`."""
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
+        data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_json_constant,
+                          parse_float=_json_float, parse_int=_json_int)
     except json.JSONDecodeError as e:
-        raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=src) from None
+        raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=source) from None
     except SailorInputError as e:
-        raise e.located(source=src) from None
+        raise e.located(source=source) from None
+    except RecursionError:
+        raise SailorInputError(f"nested deeper than {MAX_DEPTH} levels", source=source) from None
+    check_tree(data, source)
+    return data
 
 
 def load_json(path: str | Path) -> Any:
-    """Parse a JSON file of any shape; raises SailorInputError (missing file, syntax error with line
-    and column, a key given twice in one object)."""
-    return _parse_json(read_text(path), str(path))
+    """Parse a JSON file of any shape (rules in the module docstring); raises SailorInputError."""
+    return parse_json(read_text(path), str(path))
+
+
+class _Loader(yaml.SafeLoader):
+    """A safe YAML loader for spec files: keys are plain, unique strings; numbers are finite."""
+
+    def construct_mapping(self, node, deep=False):  # noqa: D102 - PyYAML hook
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` merges another mapping (whose keys are checked there)
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise yaml.constructor.ConstructorError(None, None, "a key must be a name, not a list or mapping",
+                                                            key_node.start_mark)
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, str):
+                    kind = {bool: "a boolean", type(None): "null", int: "a number", float: "a number"}.get(
+                        type(key), "a date" if hasattr(key, "isoformat") else f"a {type(key).__name__}")
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {show(key_node.value)} is read as {kind}, not a name (quote it)",
+                        key_node.start_mark)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {show(key)} appears twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_float(self, node):  # noqa: D102 - PyYAML hook
+        value = super().construct_yaml_float(node)
+        if not math.isfinite(value):
+            raise yaml.constructor.ConstructorError(None, None, f"{node.value} is not a finite number", node.start_mark)
+        return value
+
+    def construct_yaml_int(self, node):  # noqa: D102 - PyYAML hook
+        digits = sum(c.isdigit() for c in str(node.value))
+        if digits > MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(None, None, f"an integer of {digits} digits (more than"
+                                                    f" {MAX_INT_DIGITS})", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+
+def _parse_yaml(text: str, src: str) -> Any:
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SailorInputError(f"invalid YAML{where}: {getattr(e, 'problem', None) or e}", source=src) from None
+    except RecursionError:
+        raise SailorInputError(f"nested deeper than {MAX_DEPTH} levels", source=src) from None
+    except (ValueError, OverflowError, TypeError) as e:  # e.g. a timestamp PyYAML cannot build
+        raise SailorInputError(f"invalid YAML: {e}", source=src) from None
+    check_tree(data, src)
+    return data
 
 
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Parse a JSON or YAML file whose top level is a mapping.
+    """Parse a JSON (`.json`) or YAML file whose top level is a mapping (rules in the module docstring).
 
     Raises:
-        SailorInputError: missing or empty file, syntax error (with line), a key given twice, or a
-            top level that is not a mapping.
+        SailorInputError: missing or empty file, syntax error (with line), a key given twice, a
+            key that is not a string, a non-finite number, too deep, or a top level that is not a mapping.
     """
     text = read_text(path)
     src = str(path)
     if not text.strip():
         raise SailorInputError("the file is empty", source=src)
-    if src.endswith(".json"):
-        data = _parse_json(text, src)
-    else:
-        try:
-            data = yaml.load(text, Loader=_UniqueKeyLoader)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise SailorInputError(f"invalid YAML{where}: {getattr(e, 'problem', None) or e}", source=src) from None
+    data = parse_json(text, src) if src.endswith(".json") else _parse_yaml(text, src)
     if not isinstance(data, dict):
         raise SailorInputError(f"expected a mapping at the top level, got {type(data).__name__}", source=src)
     return data
 
 
+# ---- checking plain data -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Checks:
+    """Type and range checks for the values of one file, each naming `source` and the field.
+
+    Fields are dotted paths ("layers.3.forward_s"). Numbers are never bools (JSON `true` is not 1).
+    """
+
+    source: str | None
+
+    def error(self, message: str, field: str | None, fix: str | None = None) -> SailorInputError:
+        return SailorInputError(message, source=self.source, field=field or None, fix=fix)
+
+    def mapping(self, value: Any, field: str, what: str = "") -> dict[str, Any]:
+        """`value` if it is a mapping with string keys; `what` describes the expected content."""
+        if not isinstance(value, dict):
+            raise self.error(f"expected a mapping{' of ' + what if what else ''}, got {_kind(value)}", field)
+        for k in value:
+            if not isinstance(k, str):
+                raise self.error(f"key {show(k)} is not a name", field)
+        return value
+
+    def known_keys(self, value: dict[str, Any], field: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+        """`value` if it has no key outside `allowed` (a misspelt optional key would otherwise be
+        ignored without a word)."""
+        for k in value:
+            if k not in allowed:
+                fix = did_you_mean(str(k), allowed) or f"known: {', '.join(allowed)}"
+                raise self.error(f"unknown field {show(k)}", f"{field}.{k}" if field else str(k), fix=fix)
+        return value
+
+    def sequence(self, value: Any, field: str, what: str = "", *, min_len: int = 0,
+                 max_len: int | None = None) -> list[Any]:
+        """`value` if it is a list (or tuple) of `min_len`..`max_len` items."""
+        if not isinstance(value, (list, tuple)):
+            raise self.error(f"expected a list{' of ' + what if what else ''}, got {_kind(value)}", field)
+        if len(value) < min_len or (max_len is not None and len(value) > max_len):
+            want = f"{min_len}" if max_len == min_len else f"{min_len} to {max_len}" if max_len else f"at least {min_len}"
+            raise self.error(f"expected {want} item(s){' (' + what + ')' if what else ''}, got {len(value)}", field)
+        return list(value)
+
+    def name(self, value: Any, field: str, what: str = "a name") -> str:
+        """`value` if it is a non-empty string."""
+        if not isinstance(value, str) or not value:
+            raise self.error(f"expected {what}, got {show(value)}", field)
+        return value
+
+    def number(self, value: Any, field: str, *, lo: float | None = None, hi: float | None = None,
+               lo_open: bool = False, unit: str = "") -> float:
+        """`value` as a float if it is a finite real number in [lo, hi] ((lo, hi] with `lo_open`)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(f"expected a number{unit and ' of ' + unit}, got {show(value)}", field)
+        if isinstance(value, int) and abs(value) > 1e300:
+            raise self.error(f"expected a number{unit and ' of ' + unit} below 1e300, got {show(value)}", field)
+        x = float(value)
+        if not math.isfinite(x):
+            raise self.error(f"expected a finite number, got {show(value)}", field)
+        if lo is not None and (x <= lo if lo_open else x < lo):
+            raise self.error(f"must be {'>' if lo_open else '>='} {lo:g}, got {show(value)}", field)
+        if hi is not None and x > hi:
+            raise self.error(f"must be <= {hi:g}, got {show(value)}", field)
+        return x
+
+    def whole(self, value: Any, field: str, *, lo: int = 0, hi: int | None = None) -> int:
+        """`value` if it is an int in [lo, hi] (a float such as 4.7 or 4.0, or a bool, is refused:
+        nothing is truncated)."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(f"expected a whole number, got {show(value)}", field)
+        if value < lo or (hi is not None and value > hi):
+            rng = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+            raise self.error(f"must be a whole number {rng}, got {show(value)}", field)
+        return value
+
+    def whole_key(self, key: Any, field: str, *, lo: int = 0, hi: int | None = None) -> int:
+        """A mapping key that holds a whole number ("16" in a JSON object), as an int."""
+        text = key if isinstance(key, str) else ""
+        if not (text.isascii() and text.isdigit()) or len(text) > MAX_INT_DIGITS:
+            raise self.error(f"key {show(key)} is not a whole number", field)
+        return self.whole(int(text), field, lo=lo, hi=hi)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", tuple: "a list", str: f"the string {show(value)}",
+            type(None): "null", bool: show(value)}.get(type(value), f"{type(value).__name__} {show(value)}")
+
+
+# ---- checking for pydantic models ------------------------------------------------------------------
+SPEC_CONFIG = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+"""The model config of every spec: frozen, unknown fields forbidden, NaN and infinities refused."""
+
+
+def Whole(lo: int | None = None, hi: int | None = None):  # noqa: N802 - a type factory
+    """A strict int field type in [lo, hi]: `true`, `4.0`, `4.7` and `"4"` are refused."""
+    if lo is not None and lo > 0:  # "greater than 0" reads better than "greater than or equal to 1"
+        return Annotated[int, Field(strict=True, gt=lo - 1, le=hi)]
+    return Annotated[int, Field(strict=True, ge=lo, le=hi)]
+
+
+def Real(lo: float | None = None, hi: float | None = None):  # noqa: N802 - a type factory
+    """A strict, finite float field type in [lo, hi]: ints are taken, bools and strings are not."""
+    return Annotated[float, Field(strict=True, ge=lo, le=hi, allow_inf_nan=False)]
+
+
+# Parts of a pydantic error location that name a validator of a union member, not a field.
+_PYDANTIC_TAG = re.compile(r"^(constrained-)?(float|int|str|bool|none|dict|list|tuple|set)(\[.*\])?$"
+                           r"|^(function|lax-or-strict|json-or-python|literal|nullable|union|chain|tagged-union)[-\[]")
+
+
 def validation_error(err: ValidationError, source: str | None) -> SailorInputError:
-    """The first problem of a pydantic ValidationError as one SailorInputError line."""
+    """The first problem of a pydantic ValidationError as one SailorInputError line (a SailorInputError
+    raised inside a validator keeps its own message and field, under the field pydantic was at)."""
     first = err.errors()[0]
-    field = ".".join(str(p) for p in first.get("loc", ())) or None
+    field = ".".join(str(p) for p in first.get("loc", ()) if not _PYDANTIC_TAG.match(str(p))) or None
+    inner = (first.get("ctx") or {}).get("error")
+    if isinstance(inner, SailorInputError):
+        return inner.located(source=source, field_prefix=field)
     msg = first.get("msg", "invalid value")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     if first.get("type") != "value_error" and "input" in first and not isinstance(first["input"], (dict, list)):
-        msg = f"{msg} (got {first['input']!r})"
+        msg = f"{msg} (got {show(first['input'])})"
     return SailorInputError(msg, source=source, field=field)
 
 
@@ -120,12 +384,14 @@ def parse_model(cls: type[T], data: Any, source: str | None) -> T:
         raise e.located(source=source) from None
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` atomically: temporary file in the same folder, fsync, rename. The file
-    gets the usual permissions (0666 less the umask), not mkstemp's private 0600.
+# ---- writing -----------------------------------------------------------------------------------
+def write_atomic(path: str | Path, content: str | bytes) -> None:
+    """Write `content` (text as UTF-8, or bytes) to `path` atomically: temporary file in the same
+    folder, fsync, rename. The file gets the usual permissions (0666 less the umask), not mkstemp's
+    private 0600.
 
     Raises:
-        SailorInputError: `path` is a folder, or its folder cannot be created or written.
+        SailorInputError: `path` is a folder, a parent is a file, or the folder cannot be created or written.
     """
     p = Path(path)
     if p.is_dir():
@@ -133,14 +399,16 @@ def write_atomic(path: str | Path, text: str) -> None:
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except (FileExistsError, NotADirectoryError):
+        raise SailorInputError("cannot write: a folder above it is a file", source=str(p)) from None
     except OSError as e:
         raise SailorInputError(f"cannot write: {e.strerror}", source=str(p)) from None
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(content.encode("utf-8") if isinstance(content, str) else content)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
@@ -157,7 +425,7 @@ def write_json(path: str | Path, obj: Any) -> None:
 def check_output_path(path: str | Path | None, option: str, *, folder: bool = False,
                       suffixes: tuple[str, ...] = ()) -> None:
     """Refuse an output path before any work starts: a file where a folder is wanted or the reverse,
-    a parent that is not a folder, or (for files) a suffix outside `suffixes`.
+    a parent that is a file, a folder this user cannot write, or (for files) a suffix outside `suffixes`.
 
     Raises:
         SailorInputError: naming the option and the path.
@@ -169,8 +437,13 @@ def check_output_path(path: str | Path | None, option: str, *, folder: bool = Fa
         raise SailorInputError(f"{p} exists and is not a folder", source=option)
     if not folder and p.is_dir():
         raise SailorInputError(f"{p} is a folder, expected a file name", source=option)
-    parent = next((q for q in [p.parent, *p.parent.parents] if q.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise SailorInputError(f"{parent} is not a folder", source=option)
     if suffixes and p.suffix.lower() not in suffixes:
         raise SailorInputError(f"{p.name}: expected a file ending in {' or '.join(suffixes)}", source=option)
+    start = p if folder else p.parent
+    existing = next((q for q in [start, *start.parents] if q.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise SailorInputError(f"{existing} is a file, so {p} cannot be created under it", source=option)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SailorInputError(f"cannot write in {existing} (permission denied)", source=option)

@@ -24,9 +24,11 @@ import math
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from sailor.errors import SailorInputError, unknown_name
+from sailor.fileio import SPEC_CONFIG, Whole
+from sailor.limits import MAX_BLOCKS, MAX_SEQUENCE_LENGTH, MAX_WIDTH
 
 VOCAB_MULTIPLE = 128  # Megatron-LM default for --make-vocab-size-divisible-by
 
@@ -86,21 +88,23 @@ class Collective(str, Enum):
 class ModelSpec(BaseModel):
     """Geometry of a decoder-only transformer (frozen; unknown fields are an error)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = SPEC_CONFIG
 
-    name: str = Field(description="Short name, e.g. 'opt-350m'.")
-    num_blocks: int = Field(gt=0, description="Transformer blocks N; the layer list has N + 2 layers.")
-    hidden_size: int = Field(gt=0, description="Model width h.")
-    num_heads: int = Field(gt=0, description="Attention heads a; TP degrees must divide it.")
-    num_kv_heads: int | None = Field(default=None, gt=0, description="KV heads for grouped-query attention; default a.")
-    ffn_hidden_size: int | None = Field(default=None, gt=0, description="MLP width f; default 4h.")
-    vocab_size: int = Field(gt=0, description="Vocabulary size before padding.")
-    max_sequence_length: int = Field(gt=0, description="Context length (learned position table size).")
-    gated_mlp: bool = Field(default=False, description="SwiGLU-style MLP with three matrices (Llama).")
-    learned_positions: bool = Field(default=True, description="Learned position table in the embedding (OPT, GPT); False for rotary.")
-    bias: bool = Field(default=True, description="Linear layers carry biases.")
-    rms_norm: bool = Field(default=False, description="RMSNorm (h params) instead of LayerNorm (2h).")
-    tied_embeddings: bool = Field(default=True, description="LM head reuses the input embedding matrix"
+    name: str = Field(min_length=1, max_length=200, description="Short name, e.g. 'opt-350m'.")
+    num_blocks: Whole(1, MAX_BLOCKS) = Field(description="Transformer blocks N; the layer list has N + 2 layers.")
+    hidden_size: Whole(1, MAX_WIDTH) = Field(description="Model width h.")
+    num_heads: Whole(1, MAX_WIDTH) = Field(description="Attention heads a; TP degrees must divide it.")
+    num_kv_heads: Whole(1, MAX_WIDTH) | None = Field(default=None, description="KV heads for grouped-query attention;"
+                                                     " default a.")
+    ffn_hidden_size: Whole(1, MAX_WIDTH) | None = Field(default=None, description="MLP width f; default 4h.")
+    vocab_size: Whole(1, MAX_WIDTH) = Field(description="Vocabulary size before padding.")
+    max_sequence_length: Whole(1, MAX_SEQUENCE_LENGTH) = Field(description="Context length (learned position table"
+                                                               " size).")
+    gated_mlp: bool = Field(strict=True, default=False, description="SwiGLU-style MLP with three matrices (Llama).")
+    learned_positions: bool = Field(strict=True, default=True, description="Learned position table in the embedding (OPT, GPT); False for rotary.")
+    bias: bool = Field(strict=True, default=True, description="Linear layers carry biases.")
+    rms_norm: bool = Field(strict=True, default=False, description="RMSNorm (h params) instead of LayerNorm (2h).")
+    tied_embeddings: bool = Field(strict=True, default=True, description="LM head reuses the input embedding matrix"
                                   " (OPT, GPT-Neo, GPT-3; Hugging Face tie_word_embeddings).")
 
     @model_validator(mode="after")
@@ -316,7 +320,9 @@ class ModelSpec(BaseModel):
 # Published configs. OPT: facebook/opt-350m and opt-30b config.json (OPT-350m's 512-wide input/output
 # projections are ignored: the public Sailor profiles model it as a plain 1024-wide GPT). GPT-Neo:
 # EleutherAI/gpt-neo-2.7B config.json. Llama 3: meta-llama/Meta-Llama-3-8B config.json. GPT-3:
-# Brown et al. 2020, Table 2.1. tiny: the CPU test model (byte vocabulary).
+# Brown et al. 2020, Table 2.1. MT-NLG 530B: Smith et al. 2022, "Using DeepSpeed and Megatron to
+# Train Megatron-Turing NLG 530B", §3.1 (105 layers, hidden 20480, 128 heads, sequence 2048, GPT-2's
+# 50257-token BPE vocabulary). tiny: the CPU test model (byte vocabulary).
 BUILTIN_MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in [
@@ -331,6 +337,8 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
                   max_sequence_length=2048),
         ModelSpec(name="gpt3-175b", num_blocks=96, hidden_size=12288, num_heads=96, vocab_size=50257,
                   max_sequence_length=2048),
+        ModelSpec(name="mt-nlg-530b", num_blocks=105, hidden_size=20480, num_heads=128, vocab_size=50257,
+                  max_sequence_length=2048),
         ModelSpec(name="tiny", num_blocks=4, hidden_size=64, num_heads=4, vocab_size=256,
                   max_sequence_length=64),
     ]
@@ -343,6 +351,8 @@ MODEL_ALIASES = {"OPT-350": "opt-350m", "GPT-Neo-2.7": "gpt-neo-2.7b", "LLAMA-3-
 
 def canonical_model_name(name: str) -> str:
     """Canonical built-in model name for `name` or a Sailor alias; raises SailorInputError if unknown."""
+    if not isinstance(name, str):
+        raise unknown_name("model", name, list(BUILTIN_MODELS) + list(MODEL_ALIASES))
     if name in BUILTIN_MODELS:
         return name
     lowered = {k.lower(): v for k, v in MODEL_ALIASES.items()}
@@ -359,4 +369,6 @@ def get_model(spec: str | dict[str, Any] | ModelSpec) -> ModelSpec:
         return spec
     if isinstance(spec, str):
         return BUILTIN_MODELS[canonical_model_name(spec)]
+    if not isinstance(spec, dict):
+        raise SailorInputError(f"expected a model name or an architecture mapping, got {type(spec).__name__}")
     return ModelSpec.model_validate(spec)

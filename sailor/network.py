@@ -25,7 +25,8 @@ from typing import Any
 from sailor import catalog
 from sailor.catalog import Link, LinkClass
 from sailor.errors import SailorInputError
-from sailor.fileio import load_json
+from sailor.fileio import Checks, load_json, show
+from sailor.limits import MAX_BANDWIDTH_BYTES_PER_S, MAX_GPUS_PER_NODE, MAX_SECONDS, MIN_BANDWIDTH_BYTES_PER_S
 from sailor.specs import ClusterSpec
 
 SCHEMA = "sailor.network/1"
@@ -185,77 +186,100 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
 
 
 
-def _leaf(v: Any, source: str, where: str) -> CurveFit:
-    try:
-        (c0, c1, c2), mx = v
-        return CurveFit(float(c0), float(c1), float(c2), float(mx))
-    except (TypeError, ValueError):
-        raise SailorInputError("expected [[c0, c1, c2], max_bytes_per_s]", source=source, field=where) from None
+MAX_FIT_COEFFICIENT = 1e6  # GB/s per log2 unit: |c| above it gives bandwidths past 1 PB/s inside the fit range
 
 
-def _gpu_or_none(name: str) -> str | None:
-    try:
-        return catalog.canonical_gpu(name)
-    except SailorInputError:
-        return None
+def _leaf(v: Any, c: Checks, where: str) -> CurveFit:
+    """A Sailor fit `[[c0, c1, c2], max_bytes_per_s]` (coefficients finite and at most
+    MAX_FIT_COEFFICIENT in size, the cap >= 0)."""
+    coeffs, mx = c.sequence(v, where, "[[c0, c1, c2], max_bytes_per_s]", min_len=2, max_len=2)
+    c0, c1, c2 = (c.number(x, f"{where}.0.{k}", lo=-MAX_FIT_COEFFICIENT, hi=MAX_FIT_COEFFICIENT) for k, x in
+                  enumerate(c.sequence(coeffs, f"{where}.0", "[c0, c1, c2]", min_len=3, max_len=3)))
+    return CurveFit(c0, c1, c2, c.number(mx, f"{where}.1", lo=0, hi=MAX_BANDWIDTH_BYTES_PER_S, unit="bytes/s"))
 
 
 def _import_sailor_multizone(net: NetworkModel, path: Path, data: Any = None) -> None:
     """[send_zone][send_gpu][send_count][recv_zone][recv_gpu][recv_count] = [[c0,c1,c2], max_bw].
-    We keep entries with send_count == recv_count (both nodes run the same number of flows)."""
+    We keep entries with send_count == recv_count (both nodes run the same number of flows); GPU
+    types we do not catalogue are skipped. Every level is checked (mappings with string keys, counts
+    whole numbers, leaves finite)."""
+    c = Checks(str(path))
     data = data if data is not None else load_json(path)
-    src = str(path)
-    try:
-        for sz, by_gpu in data.items():
-            for sg, by_cnt in by_gpu.items():
-                g1 = _gpu_or_none(sg)
-                for cnt, by_rz in by_cnt.items():
-                    for rz, by_rg in by_rz.items():
-                        for rg, by_rc in by_rg.items():
-                            g2 = _gpu_or_none(rg)
-                            if g1 is None or g2 is None or cnt not in by_rc:
-                                continue
-                            net.fits[(sz, g1, rz, g2, int(cnt))] = _leaf(by_rc[cnt], src, f"{sz}.{sg}.{cnt}.{rz}.{rg}.{cnt}")
-    except AttributeError:
-        raise SailorInputError("unexpected layout (expected zone -> gpu -> count -> zone -> gpu -> count)", source=src) from None
+    form = "zone -> GPU type -> count -> zone -> GPU type -> count -> [[c0, c1, c2], max_bytes_per_s]"
+    for sz, by_gpu in c.mapping(data, "", form).items():
+        for sg, by_cnt in c.mapping(by_gpu, sz, "GPU type -> count -> ...").items():
+            g1 = catalog.known_gpu(sg)
+            for cnt, by_rz in c.mapping(by_cnt, f"{sz}.{sg}", "count -> zone -> ...").items():
+                flows = c.whole_key(cnt, f"{sz}.{sg}.{cnt}", lo=1, hi=MAX_GPUS_PER_NODE)
+                for rz, by_rg in c.mapping(by_rz, f"{sz}.{sg}.{cnt}", "zone -> GPU type -> ...").items():
+                    for rg, by_rc in c.mapping(by_rg, f"{sz}.{sg}.{cnt}.{rz}", "GPU type -> count -> fit").items():
+                        where = f"{sz}.{sg}.{cnt}.{rz}.{rg}"
+                        g2 = catalog.known_gpu(rg)
+                        for rc, leaf in c.mapping(by_rc, where, "count -> fit").items():
+                            c.whole_key(rc, f"{where}.{rc}", lo=1, hi=MAX_GPUS_PER_NODE)
+                            fit = _leaf(leaf, c, f"{where}.{rc}")
+                            if g1 is not None and g2 is not None and rc == cnt:
+                                net.fits[(sz, g1, rz, g2, flows)] = fit
 
 
 def _import_sailor_intra(net: NetworkModel, path: Path) -> None:
-    data = load_json(path)
-    for g, by_cnt in data.items():
-        gpu = _gpu_or_none(g)
-        if gpu is None or not isinstance(by_cnt, dict):
-            continue
-        for cnt, leaf in by_cnt.items():
-            net.intra_fits[(gpu, int(cnt))] = _leaf(leaf, str(path), f"{g}.{cnt}")
+    """[gpu][count] = [[c0, c1, c2], max_bw] inside one node (unknown GPU types skipped)."""
+    c = Checks(str(path))
+    for g, by_cnt in c.mapping(load_json(path), "", "GPU type -> count -> [[c0, c1, c2], max_bytes_per_s]").items():
+        gpu = catalog.known_gpu(g)
+        for cnt, leaf in c.mapping(by_cnt, g, "count -> fit").items():
+            flows = c.whole_key(cnt, f"{g}.{cnt}", lo=1, hi=MAX_GPUS_PER_NODE)
+            fit = _leaf(leaf, c, f"{g}.{cnt}")
+            if gpu is not None:
+                net.intra_fits[(gpu, flows)] = fit
+
+
+def _link(v: Any, c: Checks, where: str) -> Link:
+    """{latency_s, bandwidth_bytes_per_s} (and, in `links`, its endpoints) as a Link, both in range."""
+    c.mapping(v, where, "latency_s and bandwidth_bytes_per_s")
+    for key in ("latency_s", "bandwidth_bytes_per_s"):
+        if key not in v:
+            raise c.error("missing field", f"{where}.{key}")
+    return Link(c.number(v["latency_s"], f"{where}.latency_s", lo=0, hi=MAX_SECONDS, unit="seconds"),
+                c.number(v["bandwidth_bytes_per_s"], f"{where}.bandwidth_bytes_per_s", lo=MIN_BANDWIDTH_BYTES_PER_S,
+                         hi=MAX_BANDWIDTH_BYTES_PER_S, unit="bytes/s"))
+
+
+# The keys of our link file (module docstring; `sailor profile network` adds the measured sweep);
+# any other is refused rather than ignored.
+TOP_KEYS = ("schema", "source", "device", "versions", "date", "classes", "links", "sweep", "allreduce")
+LINK_KEYS = ("src_zone", "src_gpu", "dst_zone", "dst_gpu", "flows", "latency_s", "bandwidth_bytes_per_s")
 
 
 def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
-    classes, links = data.get("classes") or {}, data.get("links") or []
-    if not isinstance(classes, dict):
-        raise SailorInputError("expected a mapping of link class to link", source=source, field="classes")
-    if not isinstance(links, list):
-        raise SailorInputError("expected a list of links", source=source, field="links")
+    c = Checks(source)
+    c.known_keys(data, "", TOP_KEYS)
+    classes = c.mapping(data.get("classes") or {}, "classes", "link class -> link")
+    links = c.sequence(data.get("links") or [], "links", "links")
     for name, v in classes.items():
-        try:
-            lc, link = LinkClass(name), Link(float(v["latency_s"]), float(v["bandwidth_bytes_per_s"]))
-        except (ValueError, KeyError, TypeError):
-            raise SailorInputError("expected a link class with latency_s and bandwidth_bytes_per_s",
-                                   source=source, field=f"classes.{name}") from None
-        if link.bandwidth_bytes_per_s <= 0 or link.latency_s < 0:
-            raise SailorInputError("bandwidth must be > 0 and latency >= 0", source=source, field=f"classes.{name}")
-        net.class_links[lc] = link
+        if name not in {lc.value for lc in LinkClass}:
+            raise c.error(f"unknown link class {show(name)}", f"classes.{name}",
+                          fix=f"one of {', '.join(lc.value for lc in LinkClass)}")
+        net.class_links[LinkClass(name)] = _link(v, c, f"classes.{name}")
+        c.known_keys(v, f"classes.{name}", ("latency_s", "bandwidth_bytes_per_s"))
     for k, v in enumerate(links):
-        try:
-            key = (v["src_zone"], catalog.canonical_gpu(v["src_gpu"]), v["dst_zone"], catalog.canonical_gpu(v["dst_gpu"]),
-                   int(v.get("flows", 1)))
-            link = Link(float(v["latency_s"]), float(v["bandwidth_bytes_per_s"]))
-        except KeyError as e:
-            raise SailorInputError("missing field", source=source, field=f"links.{k}.{e.args[0]}") from None
-        except SailorInputError as e:
-            raise e.located(source=source, field_prefix=f"links.{k}") from None
-        except (TypeError, ValueError, AttributeError) as e:
-            raise SailorInputError(f"invalid value: {e}", source=source, field=f"links.{k}") from None
-        if link.bandwidth_bytes_per_s <= 0 or link.latency_s < 0:
-            raise SailorInputError("bandwidth must be > 0 and latency >= 0", source=source, field=f"links.{k}")
+        where = f"links.{k}"
+        c.known_keys(c.mapping(v, where, ", ".join(LINK_KEYS)), where, LINK_KEYS)
+        for key in ("src_zone", "src_gpu", "dst_zone", "dst_gpu"):
+            if key not in v:
+                raise c.error("missing field", f"{where}.{key}")
+        link = _link(v, c, where)
+        gpus = [_gpu(v[key], c, f"{where}.{key}") for key in ("src_gpu", "dst_gpu")]
+        key = (c.name(v["src_zone"], f"{where}.src_zone", "a zone"), gpus[0],
+               c.name(v["dst_zone"], f"{where}.dst_zone", "a zone"), gpus[1],
+               c.whole(v.get("flows", 1), f"{where}.flows", lo=1, hi=MAX_GPUS_PER_NODE))
+        if key in net.links:
+            raise c.error("a second link for the same endpoints and flows", where)
         net.links[key] = link
+
+
+def _gpu(name: Any, c: Checks, where: str) -> str:
+    try:
+        return catalog.canonical_gpu(name)
+    except SailorInputError as e:
+        raise e.located(source=c.source, field_prefix=where) from None

@@ -53,23 +53,27 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from sailor import catalog
 from sailor.errors import SailorInputError
-from sailor.fileio import load_mapping, parse_model, write_json
+from sailor.fileio import SPEC_CONFIG, Whole, load_mapping, parse_model, write_json
+from sailor.limits import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE
 from sailor.models import Recompute
+from sailor.plan_config import is_sailor_plan, sailor_plan_to_dict
 from sailor.specs import ClusterSpec, JobSpec
+
+Layer = Whole(0, MAX_BLOCKS + 2)  # a layer boundary: 0 .. embedding + blocks + head
 
 
 class Replica(BaseModel):
     """Stage `stage` of one pipeline on a TP group of `tp` GPUs of type `gpu` in `zone`."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    stage: int = Field(ge=0, strict=True)
+    model_config = SPEC_CONFIG
+    stage: Layer
     gpu: str
-    zone: str
-    tp: int = Field(default=1, ge=1, strict=True)
+    zone: str = Field(max_length=200)
+    tp: Whole(1, MAX_GPUS_PER_NODE) = 1
 
     @field_validator("gpu")
     @classmethod
@@ -94,7 +98,7 @@ class StageMemory(BaseModel):
             reduce-scatter + all-gather. Needs TP > 1 on every replica of the stage.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = SPEC_CONFIG
     recompute: Recompute = Recompute.NONE
     recompute_blocks: int | None = Field(default=None, ge=0, strict=True)
     zero: int = Field(default=0, ge=0, le=3, strict=True)
@@ -131,9 +135,9 @@ class Schedule(BaseModel):
         virtual_stages: v, layer chunks per pipeline stage: >= 2 for `interleaved-1f1b`, 1 otherwise.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = SPEC_CONFIG
     kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B
-    virtual_stages: int = Field(default=1, ge=1, strict=True)
+    virtual_stages: Whole(1, MAX_BLOCKS + 2) = 1  # at most one chunk per layer
 
     @model_validator(mode="after")
     def _check(self) -> "Schedule":
@@ -154,8 +158,8 @@ class Pipeline(BaseModel):
     """One data-parallel replica of the model: `microbatches` micro-batches per iteration, one
     replica per stage in stage order."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    microbatches: int = Field(gt=0, strict=True)
+    model_config = SPEC_CONFIG
+    microbatches: Whole(1, MAX_GLOBAL_BATCH)
     replicas: tuple[Replica, ...]
 
     @property
@@ -167,10 +171,10 @@ class Plan(BaseModel):
     """A full parallelization plan (validated on construction for internal consistency; use
     `check_against` for consistency with a job and a cluster)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    micro_batch_size: int = Field(gt=0, strict=True)
-    stages: tuple[tuple[int, int], ...]
-    pipelines: tuple[Pipeline, ...]
+    model_config = SPEC_CONFIG
+    micro_batch_size: Whole(1, MAX_GLOBAL_BATCH)
+    stages: tuple[tuple[Layer, Layer], ...] = Field(max_length=MAX_BLOCKS + 2)
+    pipelines: tuple[Pipeline, ...] = Field(max_length=MAX_GLOBAL_BATCH)
     memory: tuple[StageMemory, ...] = ()
     """Per-stage memory options; empty = defaults everywhere (see the module docstring)."""
     schedule: Schedule = DEFAULT_SCHEDULE
@@ -201,6 +205,10 @@ class Plan(BaseModel):
                                    f" ({len(self.stages)} chunks / {v})", field="schedule.kind", fix="use 1f1b")
         if not self.pipelines:
             raise SailorInputError("a plan needs at least one pipeline", field="pipelines")
+        if self.global_batch_size > MAX_GLOBAL_BATCH:
+            raise SailorInputError(f"micro_batch_size {self.micro_batch_size} x {sum(p.microbatches for p in self.pipelines)}"
+                                   f" micro-batches = {self.global_batch_size} samples, more than any job"
+                                   f" ({MAX_GLOBAL_BATCH}, sailor.limits.MAX_GLOBAL_BATCH)", field="pipelines")
         for j, p in enumerate(self.pipelines):
             if len(p.replicas) != P:
                 raise SailorInputError(f"pipeline {j} has {len(p.replicas)} replicas for {P} stages",
@@ -434,8 +442,8 @@ def rank_layout(plan: Plan, gpus_per_node: dict[str, int] | None = None) -> list
 
 # ---- loading ---------------------------------------------------------------------------------
 def plan_from_dict(data: dict[str, Any], source: str | None = None) -> Plan:
-    """A Plan from our format or the public Sailor `plan_config` format (detected)."""
-    if "pipeline_list" in data:
+    """A Plan from our format or the public Sailor `plan_config` format (detected; `sailor.plan_config`)."""
+    if is_sailor_plan(data):
         data = sailor_plan_to_dict(data, source)
     return parse_model(Plan, data, source)
 
@@ -443,66 +451,6 @@ def plan_from_dict(data: dict[str, Any], source: str | None = None) -> Plan:
 def load_plan(path: str | Path) -> Plan:
     """Read a plan file (ours or Sailor's plan_config); raises SailorInputError naming file and field."""
     return plan_from_dict(load_mapping(path), str(path))
-
-
-def sailor_plan_to_dict(d: dict[str, Any], source: str | None = None) -> dict[str, Any]:
-    """Convert a public Sailor plan_config (see shared/reference/sailor/README.md) to our plan dict.
-
-    Each `pipeline_list` entry with `dp` = D replicas per stage becomes D pipelines taking equal
-    shares of `gbs`; `tmp_per_stage[stage][replica] = [[[gpu, gpus_per_node, zone]], tp]`.
-    """
-    def bad(msg: str, field: str) -> SailorInputError:
-        return SailorInputError(msg, source=source, field=field)
-
-    try:
-        mbs, gbs = int(d["mbs"]), int(d["gbs"])
-        entries = d["pipeline_list"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise bad(f"missing or invalid {e}", "pipeline_list/mbs/gbs") from None
-    stages: list[list[int]] | None = None
-    pipelines: list[dict[str, Any]] = []
-    if not isinstance(entries, list):
-        raise bad("expected a list of pipelines", "pipeline_list")
-    for k, entry in enumerate(entries):
-        try:
-            stages = _sailor_entry(entry, k, stages, pipelines, bad)
-        except SailorInputError:
-            raise
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise bad(f"malformed pipeline entry ({type(e).__name__}: {e}); expected layers_per_stage, dp and"
-                      " tmp_per_stage[stage][replica] = [[[gpu, gpus_per_node, zone]], tp]", f"pipeline_list.{k}") from None
-    if not pipelines:
-        raise bad("no pipeline", "pipeline_list")
-    per = gbs // (mbs * len(pipelines))
-    if per * mbs * len(pipelines) != gbs:
-        raise bad(f"gbs {gbs} is not divisible by mbs {mbs} x {len(pipelines)} pipelines", "gbs")
-    for p in pipelines:
-        p["microbatches"] = per
-    return {"micro_batch_size": mbs, "stages": stages, "pipelines": pipelines}
-
-
-def _sailor_entry(entry: dict[str, Any], k: int, stages: list[list[int]] | None, pipelines: list[dict[str, Any]],
-                  bad) -> list[list[int]]:
-    """Append the pipelines of Sailor `pipeline_list[k]` to `pipelines`; returns the layer partition."""
-    layers = entry["layers_per_stage"]
-    ranges = [[min(ls), max(ls) + 1] for ls in layers]
-    for s, ls in enumerate(layers):
-        if sorted(ls) != list(range(min(ls), max(ls) + 1)):
-            raise bad("stage layers are not contiguous", f"pipeline_list.{k}.layers_per_stage.{s}")
-    if stages is None:
-        stages = ranges
-    elif stages != ranges:
-        raise bad("pipelines with different layer partitions are not supported", f"pipeline_list.{k}")
-    dps = entry["dp"]
-    if len(set(dps)) != 1:
-        raise bad(f"stages with different data-parallel degrees {dps} are not supported", f"pipeline_list.{k}.dp")
-    for rep in range(dps[0]):
-        replicas = []
-        for s in range(len(layers)):
-            (gpu, _per_node, zone), tp = entry["tmp_per_stage"][s][rep][0][0], entry["tmp_per_stage"][s][rep][1]
-            replicas.append({"stage": s, "gpu": gpu, "zone": zone, "tp": tp})
-        pipelines.append({"replicas": replicas})
-    return stages
 
 
 def dumps(plan: Plan) -> str:

@@ -40,9 +40,18 @@ import numpy as np
 
 from sailor import catalog, roofline
 from sailor.errors import SailorInputError
-from sailor.fileio import load_json, write_json
+from sailor.fileio import Checks, load_json, show, write_json
+from sailor.limits import MAX_BYTES, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_SECONDS, MAX_SEQUENCE_LENGTH
 from sailor.models import Recompute, canonical_model_name
 from sailor.specs import JobSpec
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+# The keys of our format (module docstring); any other is refused rather than ignored.
+TOP_KEYS = ("schema", "model", "sequence_length", "precision", "source", "device", "versions", "date", "settings",
+            "layers", "optimizer", "memory", "runtime")
+LAYER_KEYS = ("gpu", "tp", "mbs", "forward_s", "backward_s", "forward_spread_s", "backward_spread_s", "backward_input_s",
+              "backward_weight_s")
+MEMORY_KEYS = ("gpu", "tp", "activation_bytes_per_sample", "peak_bytes")
 
 SCHEMA = "sailor.profiles/1"
 
@@ -185,11 +194,11 @@ class Profiles:
         and SP: measured (scaled linearly in mbs, and to the options by the model's ratio of their
         bytes to the plain layer's) when profiled at this TP, else the model's formula for the job's
         framework. Array (num_layers,)."""
+        if tp in self.activation_bytes and recompute is Recompute.NONE and not sequence_parallel:
+            return self.activation_bytes[tp] * mbs
         formula = self._formula(job, tp, mbs, recompute, sequence_parallel)
         if tp not in self.activation_bytes:
             return formula
-        if recompute is Recompute.NONE and not sequence_parallel:
-            return self.activation_bytes[tp] * mbs
         plain = self._formula(job, tp, mbs, Recompute.NONE, False)
         return self.activation_bytes[tp] * mbs * formula / plain
 
@@ -290,111 +299,115 @@ def load_profiles(path: str | Path, job: JobSpec) -> Profiles:
 
 
 
-def _positive_list(v: Any, n: int | None, where: str, source: str) -> list[float]:
-    if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-        raise SailorInputError("expected a list of numbers", source=source, field=where)
-    if n is not None and len(v) != n:
-        raise SailorInputError(f"expected {n} values (one per layer), got {len(v)}", source=source, field=where)
-    if any(x < 0 for x in v):
-        raise SailorInputError("times and sizes must be >= 0", source=source, field=where)
-    return [float(x) for x in v]
-
-
 def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profiles:
-    """Parse our profile format; raises SailorInputError naming the field. A built-in model's name
-    (or alias) is made canonical; any other name is an inline architecture's, kept as written
-    (`check_job` compares it with the job's model)."""
-    try:
-        name = str(d["model"])
-        model = canonical_model_name(name) if _known_model(name) else name
-        seq, precision = int(d["sequence_length"]), str(d["precision"])
-        rows = d["layers"]
-    except KeyError as e:
-        raise SailorInputError("missing field", source=source, field=str(e.args[0])) from None
-    except (TypeError, ValueError) as e:
-        raise SailorInputError(f"invalid value: {e}", source=source) from None
-    except SailorInputError as e:
-        raise e.located(source=source, field_prefix="model") from None
+    """Parse our profile format (module docstring); raises SailorInputError naming the field.
+    A built-in model's name (or alias) is made canonical; any other name is an inline architecture's,
+    kept as written (`check_job` compares it with the job's model).
+
+    Times are finite seconds in [0, limits.MAX_SECONDS], sizes finite bytes in [0, limits.MAX_BYTES],
+    TP degrees and micro-batch sizes whole numbers; a (GPU type, TP, micro-batch size) row or a TP
+    degree's memory row given twice is an error (one would silently replace the other).
+    """
+    c = Checks(source)
+    c.known_keys(c.mapping(d, ""), "", TOP_KEYS)
+    for key in ("model", "sequence_length", "precision", "layers"):
+        if key not in d:
+            raise c.error("missing field", key)
+    name = c.name(d["model"], "model", "a model name")
+    model = canonical_model_name(name) if _known_model(name) else name
+    seq = c.whole(d["sequence_length"], "sequence_length", lo=1, hi=MAX_SEQUENCE_LENGTH)
+    precision = d["precision"]
+    if precision not in PRECISIONS:
+        raise c.error(f"expected one of {', '.join(PRECISIONS)}, got {show(precision)}", "precision")
     prof = Profiles(model=model, sequence_length=seq, precision=precision, source=str(d.get("source", "measured")),
                     meta={k: d[k] for k in ("device", "versions", "date") if k in d})
     n_layers = None
-    for k, row in enumerate(rows if isinstance(rows, list) else []):
+    for k, row in enumerate(c.sequence(d["layers"], "layers", "rows {gpu, tp, mbs, forward_s, backward_s}")):
         where = f"layers.{k}"
-        if not isinstance(row, dict):
-            raise SailorInputError("expected a mapping with gpu, tp, mbs, forward_s, backward_s", source=source, field=where)
-        try:
-            gpu = catalog.canonical_gpu(str(row["gpu"]))
-            tp, mbs = row["tp"], row["mbs"]
-        except KeyError as e:
-            raise SailorInputError("missing field", source=source, field=f"{where}.{e.args[0]}") from None
-        except SailorInputError as e:
-            raise e.located(source=source, field_prefix=f"{where}.gpu") from None
-        tp, mbs = _whole(tp, source, f"{where}.tp"), _whole(mbs, source, f"{where}.mbs")
-        fwd = _positive_list(row.get("forward_s"), n_layers, f"{where}.forward_s", source)
+        c.known_keys(c.mapping(row, where, "gpu, tp, mbs, forward_s, backward_s"), where, LAYER_KEYS)
+        for key in ("gpu", "tp", "mbs", "forward_s", "backward_s"):
+            if key not in row:
+                raise c.error("missing field", f"{where}.{key}")
+        gpu = _located(lambda: catalog.canonical_gpu(row["gpu"]), c, f"{where}.gpu")
+        tp, mbs = _tp(row["tp"], c, f"{where}.tp"), c.whole(row["mbs"], f"{where}.mbs", lo=1, hi=MAX_GLOBAL_BATCH)
+        fwd = _values(row["forward_s"], n_layers, f"{where}.forward_s", c, MAX_SECONDS)
         n_layers = len(fwd)
-        bwd = _positive_list(row.get("backward_s"), n_layers, f"{where}.backward_s", source)
+        bwd = _values(row["backward_s"], n_layers, f"{where}.backward_s", c, MAX_SECONDS)
+        for key in ("forward_spread_s", "backward_spread_s"):
+            if key in row:
+                _values(row[key], n_layers, f"{where}.{key}", c, MAX_SECONDS)
+        if mbs in prof.times.get((gpu, tp), {}):
+            raise c.error(f"a second row for {gpu} TP {tp} micro-batch {mbs}", where)
         prof.times.setdefault((gpu, tp), {})[mbs] = np.array([fwd, bwd]).T
         if ("backward_input_s" in row) != ("backward_weight_s" in row):
-            raise SailorInputError("give both backward_input_s and backward_weight_s, or neither", source=source,
-                                   field=f"{where}.backward_input_s")
+            raise c.error("give both backward_input_s and backward_weight_s, or neither", f"{where}.backward_input_s")
         if "backward_input_s" in row:
-            split = [_positive_list(row[k], n_layers, f"{where}.{k}", source) for k in ("backward_input_s", "backward_weight_s")]
+            split = [_values(row[k], n_layers, f"{where}.{k}", c, MAX_SECONDS) for k in ("backward_input_s", "backward_weight_s")]
             prof.backward_split_s.setdefault((gpu, tp), {})[mbs] = np.array(split).T
-    if not isinstance(rows, list):
-        raise SailorInputError("expected a list", source=source, field="layers")
-    optimizer = d.get("optimizer") or {}
-    if not isinstance(optimizer, dict):
-        raise SailorInputError("expected a mapping of GPU type to {seconds_per_param}", source=source, field="optimizer")
-    for gpu, v in optimizer.items():
-        where = f"optimizer.{gpu}.seconds_per_param"
-        try:
-            name = catalog.canonical_gpu(gpu)
-        except SailorInputError as e:
-            raise e.located(source=source, field_prefix=f"optimizer.{gpu}") from None
-        per = v.get("seconds_per_param") if isinstance(v, dict) else None
-        if not isinstance(per, (int, float)) or isinstance(per, bool) or per < 0:
-            raise SailorInputError(f"expected a number >= 0 under seconds_per_param, got {per!r}", source=source, field=where)
-        prof.optimizer_s_per_param[name] = float(per)
-    memory = d.get("memory") or []
-    if not isinstance(memory, list):
-        raise SailorInputError("expected a list", source=source, field="memory")
-    for k, row in enumerate(memory):
-        if not isinstance(row, dict) or "tp" not in row:
-            raise SailorInputError("expected a mapping with tp and activation_bytes_per_sample", source=source,
-                                   field=f"memory.{k}")
-        prof.activation_bytes[_whole(row["tp"], source, f"memory.{k}.tp")] = np.array(
-            _positive_list(row.get("activation_bytes_per_sample"), n_layers, f"memory.{k}.activation_bytes_per_sample", source))
-    _parse_runtime(d.get("runtime"), prof, source)
+    for gpu, v in c.mapping(d.get("optimizer", {}), "optimizer", "GPU type -> {seconds_per_param}").items():
+        where = f"optimizer.{gpu}"
+        name = _located(lambda: catalog.canonical_gpu(gpu), c, where)
+        if not isinstance(v, dict) or "seconds_per_param" not in v:
+            raise c.error(f"expected a number under seconds_per_param, got {show(v)}", f"{where}.seconds_per_param")
+        c.known_keys(v, where, ("seconds_per_param",))
+        prof.optimizer_s_per_param[name] = c.number(v["seconds_per_param"], f"{where}.seconds_per_param", lo=0,
+                                                    hi=MAX_SECONDS, unit="seconds")
+    for k, row in enumerate(c.sequence(d.get("memory", []), "memory", "rows {tp, activation_bytes_per_sample}")):
+        where = f"memory.{k}"
+        if not isinstance(row, dict) or "tp" not in row or "activation_bytes_per_sample" not in row:
+            raise c.error("expected a mapping with tp and activation_bytes_per_sample", where)
+        c.known_keys(row, where, MEMORY_KEYS)
+        if "gpu" in row:
+            _located(lambda: catalog.canonical_gpu(row["gpu"]), c, f"{where}.gpu")
+        if "peak_bytes" in row:
+            c.number(row["peak_bytes"], f"{where}.peak_bytes", lo=0, hi=MAX_BYTES, unit="bytes")
+        tp = _tp(row["tp"], c, f"{where}.tp")
+        act = np.array(_values(row["activation_bytes_per_sample"], n_layers, f"{where}.activation_bytes_per_sample",
+                               c, MAX_BYTES))
+        if tp in prof.activation_bytes and not np.array_equal(prof.activation_bytes[tp], act):
+            raise c.error(f"a second memory row for TP {tp} with other activation sizes (one per TP degree is used)",
+                          where)
+        prof.activation_bytes[tp] = act
+    _parse_runtime(d.get("runtime"), prof, c)
     return prof
 
 
-def _parse_runtime(runtime: Any, prof: Profiles, source: str) -> None:
+def _values(v: Any, n: int | None, where: str, c: Checks, hi: float) -> list[float]:
+    """A list of `n` (any number when None) finite values in [0, hi], one per layer."""
+    items = c.sequence(v, where, "numbers, one per layer")
+    if n is not None and len(items) != n:
+        raise c.error(f"expected {n} values (one per layer), got {len(items)}", where)
+    return [c.number(x, f"{where}.{i}", lo=0, hi=hi) for i, x in enumerate(items)]
+
+
+def _tp(v: Any, c: Checks, where: str) -> int:
+    return c.whole(v, where, lo=1, hi=MAX_GPUS_PER_NODE)
+
+
+def _located(fn, c: Checks, field: str):
+    """fn(), with a SailorInputError it raises (an unknown GPU type or model) placed at `field`."""
+    try:
+        return fn()
+    except SailorInputError as e:
+        raise e.located(source=c.source, field_prefix=field) from None
+
+
+def _parse_runtime(runtime: Any, prof: Profiles, c: Checks) -> None:
     """Fill `prof.microbatch_overhead_s` from the optional `runtime` section of our format."""
     if runtime is None:
         return
     rows = runtime.get("microbatch_overhead_s", []) if isinstance(runtime, dict) else None
     if not isinstance(rows, list):
-        raise SailorInputError("expected a mapping with microbatch_overhead_s: [{gpu, tp, seconds}]", source=source,
-                               field="runtime")
+        raise c.error("expected a mapping with microbatch_overhead_s: [{gpu, tp, seconds}]", "runtime")
+    c.known_keys(runtime, "runtime", ("microbatch_overhead_s",))
     for k, row in enumerate(rows):
         where = f"runtime.microbatch_overhead_s.{k}"
         if not isinstance(row, dict) or not {"gpu", "tp", "seconds"} <= row.keys():
-            raise SailorInputError("expected a mapping with gpu, tp and seconds", source=source, field=where)
-        try:
-            gpu = catalog.canonical_gpu(str(row["gpu"]))
-        except SailorInputError as e:
-            raise e.located(source=source, field_prefix=f"{where}.gpu") from None
-        sec = row["seconds"]
-        if not isinstance(sec, (int, float)) or isinstance(sec, bool) or sec < 0:
-            raise SailorInputError(f"expected a number of seconds >= 0, got {sec!r}", source=source, field=f"{where}.seconds")
-        prof.microbatch_overhead_s[(gpu, _whole(row["tp"], source, f"{where}.tp"))] = float(sec)
-
-
-def _whole(v: Any, source: str, where: str) -> int:
-    """`v` as a whole number >= 1, else a SailorInputError naming the field."""
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise SailorInputError(f"expected a whole number >= 1, got {v!r}", source=source, field=where)
-    return v
+            raise c.error("expected a mapping with gpu, tp and seconds", where)
+        c.known_keys(row, where, ("gpu", "tp", "seconds"))
+        gpu = _located(lambda: catalog.canonical_gpu(row["gpu"]), c, f"{where}.gpu")
+        prof.microbatch_overhead_s[(gpu, _tp(row["tp"], c, f"{where}.tp"))] = c.number(
+            row["seconds"], f"{where}.seconds", lo=0, hi=MAX_SECONDS, unit="seconds")
 
 
 def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec) -> Profiles:
@@ -402,40 +415,86 @@ def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec)
     update_s]) for `job`'s model, and `llm_info.json` ([model][tp][layer] -> act_mem_floats, measured at
     micro-batch 1) for activation memory when present. The Sailor data is fp32 at the model's full
     context (sequence 2048; Llama 8192). `update_s` is ignored: it times a small profiling model, not
-    the layer (see shared/reference/sailor/README.md). The files hold no input/weight-gradient
-    split: `Profiles.backward_split` estimates it from the FLOPs, labelled."""
-    data = load_json(profiles_path)
+    the layer (see shared/reference/sailor/README.md). The files hold no input/weight-gradient split:
+    `Profiles.backward_split` estimates it from the FLOPs, labelled. GPU types we do not catalogue are
+    skipped (no plan can use them); everything else is checked: layer keys "0".."N-1" for the model's
+    N layers, times finite and >= 0, keys whole numbers, one model or GPU type under one name only.
+
+    Raises:
+        SailorInputError: naming the file and the dotted field of the first problem.
+    """
     src = str(profiles_path)
-    names = {canonical_model_name(k): k for k in data if _known_model(k)}
-    if job.model.name not in names:
-        raise SailorInputError(f"holds no profiles for {job.model.name} (it has {', '.join(sorted(data))})", source=src)
-    raw = data[names[job.model.name]]
+    c = Checks(src)
+    data = c.mapping(load_json(profiles_path), "", "model -> GPU type -> micro-batch size -> TP -> layer")
+    key = _model_key(data, job, c)
+    if key is None:
+        raise c.error(f"holds no profiles for {job.model.name} (it has {', '.join(sorted(data))[:200]})", None)
     n = job.model.num_layers
     prof = Profiles(model=job.model.name, sequence_length=job.model.max_sequence_length, precision="fp32",
                     source=f"sailor:{profiles_path}")
-    for gpu_name, by_mbs in raw.items():
-        try:
-            gpu = catalog.canonical_gpu(gpu_name)
-        except SailorInputError:
+    seen: dict[str, str] = {}
+    for gpu_name, by_mbs in c.mapping(data[key], key, "GPU type -> micro-batch size -> TP -> layer").items():
+        gpu = catalog.known_gpu(gpu_name)
+        if gpu is None:
             continue  # a GPU type we do not catalogue cannot be planned for anyway
-        for mbs, by_tp in by_mbs.items():
-            for tp, layers in by_tp.items():
-                try:
-                    arr = np.array([[float(layers[str(i)][0]), float(layers[str(i)][1])] for i in range(n)])
-                except (KeyError, IndexError, TypeError, ValueError):
-                    raise SailorInputError(f"{gpu_name} mbs {mbs} tp {tp} does not hold {n} layers [fwd, bwd, update]",
-                                           source=src, field=f"{names[job.model.name]}.{gpu_name}.{mbs}.{tp}") from None
-                prof.times.setdefault((gpu, int(tp)), {})[int(mbs)] = arr
+        if gpu in seen:
+            raise c.error(f"{gpu} is given twice (as {seen[gpu]!r} and {gpu_name!r})", f"{key}.{gpu_name}")
+        seen[gpu] = gpu_name
+        for mbs_key, by_tp in c.mapping(by_mbs, f"{key}.{gpu_name}", "micro-batch size -> TP -> layer").items():
+            mbs = c.whole_key(mbs_key, f"{key}.{gpu_name}.{mbs_key}", lo=1, hi=MAX_GLOBAL_BATCH)
+            for tp_key, layers in c.mapping(by_tp, f"{key}.{gpu_name}.{mbs_key}", "TP -> layer").items():
+                where = f"{key}.{gpu_name}.{mbs_key}.{tp_key}"
+                tp = c.whole_key(tp_key, where, lo=1, hi=MAX_GPUS_PER_NODE)
+                rows = _layer_entries(layers, n, where, c, job)
+                arr = np.array([_sailor_times(v, f"{where}.{i}", c) for i, v in enumerate(rows)])
+                prof.times.setdefault((gpu, tp), {})[mbs] = arr
     if llm_info_path.exists():
-        info = load_json(llm_info_path)
-        key = next((k for k in info if _known_model(k) and canonical_model_name(k) == job.model.name), None)
-        for tp, layers in (info.get(key) or {}).items() if key else []:
-            try:
-                prof.activation_bytes[int(tp)] = np.array([float(layers[str(i)]["act_mem_floats"]) * 4 for i in range(n)])
-            except (KeyError, TypeError, ValueError):
-                raise SailorInputError(f"tp {tp} does not hold {n} layers with act_mem_floats",
-                                       source=str(llm_info_path), field=f"{key}.{tp}") from None
+        _load_sailor_llm_info(llm_info_path, job, prof)
     return prof
+
+
+def _sailor_times(v: Any, where: str, c: Checks) -> list[float]:
+    """[forward_s, backward_s] of one `[forward_s, backward_s, update_s]` entry (all checked)."""
+    values = c.sequence(v, where, "[forward_s, backward_s, update_s]", min_len=2, max_len=3)
+    return [c.number(x, f"{where}.{k}", lo=0, hi=MAX_SECONDS, unit="seconds") for k, x in enumerate(values)][:2]
+
+
+def _model_key(data: dict[str, Any], job: JobSpec, c: Checks) -> str | None:
+    """The key of `job`'s model in a Sailor file keyed by model name (None when absent); a model
+    under two names is an error."""
+    keys = [k for k in data if _known_model(k) and canonical_model_name(k) == job.model.name]
+    if not keys:
+        return None
+    if len(keys) > 1:
+        raise c.error(f"{job.model.name} is given twice (as {' and '.join(map(repr, keys))})", keys[1])
+    return keys[0]
+
+
+def _layer_entries(layers: Any, n: int, where: str, c: Checks, job: JobSpec) -> list[Any]:
+    """The values of a layer mapping {"0": .., .., str(n - 1): ..}, in layer order."""
+    c.mapping(layers, where, f"layer '0'..'{n - 1}' -> values")
+    want = {str(i) for i in range(n)}
+    if set(layers) != want:
+        odd = sorted(set(layers) ^ want, key=lambda k: (len(k), k))[:3]
+        raise c.error(f"expected the {n} layers of {job.model.name} as keys '0'..'{n - 1}', got {len(layers)} keys"
+                      f" (differing: {', '.join(map(repr, odd))})", where)
+    return [layers[str(i)] for i in range(n)]
+
+
+def _load_sailor_llm_info(path: Path, job: JobSpec, prof: Profiles) -> None:
+    """Activation bytes per layer and TP degree from Sailor's `llm_info.json` (act_mem_floats x 4)."""
+    c = Checks(str(path))
+    info = c.mapping(load_json(path), "", "model -> TP -> layer -> sizes")
+    key = _model_key(info, job, c)
+    if key is None:
+        return  # no activation data for this model: the formula stands in (as without the file)
+    n = job.model.num_layers
+    for tp_key, layers in c.mapping(info[key], key, "TP -> layer -> sizes").items():
+        tp = c.whole_key(tp_key, f"{key}.{tp_key}", lo=1, hi=MAX_GPUS_PER_NODE)
+        rows = _layer_entries(layers, n, f"{key}.{tp_key}", c, job)
+        prof.activation_bytes[tp] = np.array([
+            4 * c.number(c.mapping(r, f"{key}.{tp_key}.{i}", "sizes with act_mem_floats").get("act_mem_floats"),
+                         f"{key}.{tp_key}.{i}.act_mem_floats", lo=0, hi=MAX_BYTES / 4) for i, r in enumerate(rows)])
 
 
 def _known_model(name: str) -> bool:

@@ -10,11 +10,13 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from sailor import catalog
 from sailor.errors import SailorInputError
-from sailor.fileio import load_mapping, parse_model
+from sailor.fileio import SPEC_CONFIG, Real, Whole, load_mapping, parse_model, show
+from sailor.limits import (MAX_BANDWIDTH_BYTES_PER_S, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_GPUS_PER_ZONE,
+                           MAX_PRICE_USD_PER_GPU_HOUR, MAX_SECONDS, MAX_SEQUENCE_LENGTH, MIN_BANDWIDTH_BYTES_PER_S)
 from sailor.models import Framework, ModelSpec, get_model
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -51,12 +53,13 @@ STATE_BYTES_PER_PARAM: dict[tuple[str, Optimizer], dict[str, int]] = {
 class JobSpec(BaseModel):
     """What to train. Units: samples (global batch), tokens (sequence length)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = SPEC_CONFIG
 
     model: ModelSpec = Field(description="Built-in name/alias (e.g. 'opt-350m', 'OPT-350') or an inline architecture.")
-    global_batch_size: int = Field(gt=0, strict=True, description="Samples per iteration (optimizer step).")
-    sequence_length: int | None = Field(default=None, gt=0, strict=True,
-                                        description="Tokens per sample; default the model's context length.")
+    global_batch_size: Whole(1, MAX_GLOBAL_BATCH) = Field(description="Samples per iteration (optimizer step);"
+                                                          " at most limits.MAX_GLOBAL_BATCH.")
+    sequence_length: Whole(1, MAX_SEQUENCE_LENGTH) | None = Field(
+        default=None, description="Tokens per sample; default the model's context length.")
     precision: Precision = Field(default="fp32", description="fp32, or bf16/fp16 mixed precision.")
     optimizer: Optimizer = Field(default=Optimizer.ADAM, description="adam (AdamW) or sgd.")
     framework: Framework = Field(default=Framework.SAILOR,
@@ -115,9 +118,9 @@ class JobSpec(BaseModel):
 class LinkOverride(BaseModel):
     """A default link replaced by the user: latency (s) and bandwidth (bytes/s)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    latency_s: float = Field(ge=0)
-    bandwidth_bytes_per_s: float = Field(gt=0)
+    model_config = SPEC_CONFIG
+    latency_s: Real(0, MAX_SECONDS)
+    bandwidth_bytes_per_s: Real(MIN_BANDWIDTH_BYTES_PER_S, MAX_BANDWIDTH_BYTES_PER_S)
 
 
 class ClusterSpec(BaseModel):
@@ -127,15 +130,18 @@ class ClusterSpec(BaseModel):
     the provider's list price. `network` maps a link class (same_node, same_zone, same_region,
     same_continent, intercontinental) to a `LinkOverride`: latency and the bandwidth one flow gets in
     one direction (one GPU's share: e.g. a DGX A100 has one 200 Gb/s HDR InfiniBand adapter per GPU
-    between nodes and 300 GB/s of NVLink per direction inside, of which NCCL reaches ~65 %).
+    between nodes and 300 GB/s of NVLink per direction inside, of which NCCL reaches ~65 %). Counts,
+    node sizes and prices are bounded by `sailor.limits`.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = SPEC_CONFIG
 
     provider: Literal["gcp", "local"] = "gcp"
-    zones: dict[str, dict[str, int]] = Field(description="zone -> GPU type -> GPUs available now.")
-    gpus_per_node: dict[str, int] = Field(default_factory=dict, description="GPU type -> GPUs per node (default: catalog).")
-    prices: dict[str, float | dict[str, float]] = Field(default_factory=dict, description="$/GPU-hour overrides.")
+    zones: dict[str, dict[str, Whole(0, MAX_GPUS_PER_ZONE)]] = Field(description="zone -> GPU type -> GPUs available now.")
+    gpus_per_node: dict[str, Whole(1, MAX_GPUS_PER_NODE)] = Field(default_factory=dict,
+                                                                  description="GPU type -> GPUs per node (default: catalog).")
+    prices: dict[str, Real(0, MAX_PRICE_USD_PER_GPU_HOUR) | dict[str, Real(0, MAX_PRICE_USD_PER_GPU_HOUR)]] = Field(
+        default_factory=dict, description="$/GPU-hour overrides.")
     network: dict[catalog.LinkClass, LinkOverride] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -157,14 +163,15 @@ class ClusterSpec(BaseModel):
                 counts = {}
                 for g, n in gpus.items():
                     name = _located(lambda: catalog.canonical_gpu(g), f"zones.{zone}.{g}")
-                    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                        raise SailorInputError(f"GPU count must be a whole number >= 0, got {n!r}", field=f"zones.{zone}.{g}")
-                    counts[name] = counts.get(name, 0) + n
+                    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_GPUS_PER_ZONE:
+                        raise SailorInputError(f"GPU count must be a whole number >= 0 and <= {MAX_GPUS_PER_ZONE},"
+                                               f" got {show(n)}", field=f"zones.{zone}.{g}")
+                    counts[name] = counts.get(name, 0) + n  # an alias and its name add up
                 out[zone] = counts
             data["zones"] = out
         gpn = data.get("gpus_per_node")
         if isinstance(gpn, dict):
-            data["gpus_per_node"] = {_located(lambda: catalog.canonical_gpu(g), f"gpus_per_node.{g}"): n for g, n in gpn.items()}
+            data["gpus_per_node"] = _canonical_keys(gpn, "gpus_per_node", catalog.canonical_gpu)
         prices = data.get("prices")
         if isinstance(prices, dict):
             canon: dict[str, Any] = {}
@@ -172,21 +179,14 @@ class ClusterSpec(BaseModel):
                 if isinstance(v, dict):
                     if prov is not None:
                         _located(lambda: prov.region(k), f"prices.{k}")  # a per-zone price names a zone
-                    canon[k] = {_located(lambda: catalog.canonical_gpu(g), f"prices.{k}.{g}"): p for g, p in v.items()}
+                    canon[k] = _canonical_keys(v, f"prices.{k}", catalog.canonical_gpu)
                 else:
-                    canon[_located(lambda: catalog.canonical_gpu(k), f"prices.{k}")] = v
+                    canon.update(_canonical_keys({k: v}, "prices", catalog.canonical_gpu, taken=canon))
             data["prices"] = canon
         return data
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":
-        for g, n in self.gpus_per_node.items():
-            if n < 1:
-                raise SailorInputError(f"must be >= 1, got {n}", field=f"gpus_per_node.{g}")
-        for k, v in self.prices.items():
-            for g, p in (v.items() if isinstance(v, dict) else [(k, v)]):
-                if p < 0:
-                    raise SailorInputError(f"price must be >= 0, got {p}", field=f"prices.{k}")
         for zone, gpus in self.zones.items():
             for g, n in gpus.items():
                 if n > 0:  # every GPU on offer needs a price (never a silent zero)
@@ -226,10 +226,13 @@ class ClusterSpec(BaseModel):
         return sum(n for z in self.zones.values() for n in z.values())
 
     def link(self, link_class: catalog.LinkClass) -> catalog.Link:
-        """Default inter-node link of a class, after the spec's overrides."""
-        if link_class in self.network:
-            o = self.network[link_class]
-            return catalog.Link(o.latency_s, o.bandwidth_bytes_per_s)
+        """Default link of a class, after the spec's overrides. On provider local every process
+        shares one machine, so a `same_node` override stands for every class it does not override."""
+        same_node = catalog.LinkClass.SAME_NODE
+        for lc in (link_class, same_node) if self.provider == "local" else (link_class,):
+            if lc in self.network:
+                o = self.network[lc]
+                return catalog.Link(o.latency_s, o.bandwidth_bytes_per_s)
         return self.prov.links[link_class]
 
     def with_zones(self, zones: dict[str, dict[str, int]]) -> "ClusterSpec":
@@ -238,6 +241,18 @@ class ClusterSpec(BaseModel):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_defaults=True) | {"provider": self.provider}
+
+
+def _canonical_keys(d: dict[Any, Any], field: str, canonical, taken: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`d` with its GPU-type keys made canonical; two keys naming one GPU type (an alias and its
+    name) are an error, not a silent choice of one."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        name = _located(lambda: canonical(k), f"{field}.{k}")
+        if name in out or (taken is not None and name in taken):
+            raise SailorInputError(f"{name} is given twice (as {show(k)} and under another name)", field=f"{field}.{k}")
+        out[name] = v
+    return out
 
 
 def _located(fn, field: str):

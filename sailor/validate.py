@@ -14,7 +14,6 @@ constants fitted without it, which is the over-fitting guard.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -24,10 +23,13 @@ from typing import Any
 import numpy as np
 
 from sailor import catalog
-from sailor.errors import SailorInputError
+from sailor.errors import SailorInputError, note
+from sailor.fileio import Checks, load_json, parse_model
+from sailor.limits import MAX_BYTES, MAX_SECONDS
 from sailor.models import BUILTIN_MODELS, MODEL_ALIASES, canonical_model_name
 from sailor.network import NetworkModel, network_for
 from sailor.plan import Plan, plan_from_dict
+from sailor.plan_config import sailor_gpus_per_node
 from sailor.profiles import Profiles
 from sailor.simulator import make_context, simulate
 from sailor.simulator.calibration import default_calibration, fit_memory
@@ -136,20 +138,6 @@ def model_from_folder(folder: Path) -> str:
     return models.pop()
 
 
-def _gpus_per_node(raw: dict[str, Any], plan: Plan) -> dict[str, int]:
-    """GPUs per node per GPU type as the Sailor plan names them (tmp_per_stage[..][0][0][1])."""
-    out: dict[str, int] = {}
-    for entry in raw.get("pipeline_list", []):
-        for stage in entry.get("tmp_per_stage", []):
-            for rep in stage:
-                try:
-                    gpu, per_node, _zone = rep[0][0]
-                except (TypeError, ValueError, IndexError):
-                    continue
-                out[catalog.canonical_gpu(str(gpu))] = int(per_node)
-    return out
-
-
 def load_runs(folder: str | Path, model: str | None = None) -> list[Run]:
     """Every Sailor plan_config in `folder` that carries `real` and `max_mem`, as Runs (sorted by
     name). Raises SailorInputError when the folder is missing or holds no such file."""
@@ -159,24 +147,20 @@ def load_runs(folder: str | Path, model: str | None = None) -> list[Run]:
     model_name = canonical_model_name(model) if model else model_from_folder(d)
     runs: list[Run] = []
     for path in sorted(d.glob("*.json")):
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SailorInputError(f"cannot read: {e}", source=str(path)) from None
+        raw = load_json(path)
         if not isinstance(raw, dict) or "pipeline_list" not in raw or "real" not in raw or "max_mem" not in raw:
+            note("skipped: not a Sailor plan_config with `real` and `max_mem` (a measured run)", source=str(path))
             continue
-        try:
-            t, mem = float(raw["real"]), float(raw["max_mem"])
-        except (TypeError, ValueError):
-            raise SailorInputError("`real` and `max_mem` must be numbers", source=str(path)) from None
-        if t <= 0 or mem <= 0:
-            raise SailorInputError(f"`real` ({t}) and `max_mem` ({mem}) must be > 0", source=str(path))
+        c = Checks(str(path))
+        t = c.number(raw["real"], "real", lo=0, lo_open=True, hi=MAX_SECONDS, unit="seconds")
+        mem = c.number(raw["max_mem"], "max_mem", lo=0, lo_open=True, hi=MAX_BYTES, unit="bytes")
         plan = plan_from_dict(raw, str(path))
         job = JobSpec(model=model_name, global_batch_size=plan.global_batch_size, precision="fp32")
         zones: dict[str, dict[str, int]] = {}
         for (zone, gpu), n in plan.gpu_usage().items():
             zones.setdefault(zone, {})[gpu] = n
-        cluster = ClusterSpec(provider="gcp", zones=zones, gpus_per_node=_gpus_per_node(raw, plan))
+        cluster = parse_model(ClusterSpec, {"provider": "gcp", "zones": zones,
+                                            "gpus_per_node": sailor_gpus_per_node(raw, str(path))}, str(path))
         try:
             plan.check_against(job, cluster)
         except SailorInputError as e:

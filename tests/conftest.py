@@ -1,6 +1,8 @@
 """Shared fixtures: where the public Sailor reference data lives (../shared next to the repo root)."""
 
+import contextlib
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,20 +18,50 @@ def sailor_ref() -> Path:
     return SAILOR_REF
 
 
-def live_processes(marker: str) -> list[tuple[int, str]]:
-    """(pid, command line) of other live (not zombie) processes whose command line mentions
-    `marker`: used to check that nothing a test started outlives it."""
-    out = []
+def _live(*, with_env: bool = False):
+    """(pid, command line, environment entries or []) of every other live (not zombie) process
+    this user may read."""
     for pid in os.listdir("/proc"):
         if pid.isdigit() and int(pid) != os.getpid():
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if with_env else []
             except OSError:
                 continue
-            if marker in cmd and state != "Z":
-                out.append((int(pid), cmd))
-    return out
+            if state != "Z":
+                yield int(pid), cmd, env
+
+
+def live_processes(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of other live (not zombie) processes whose command line mentions
+    `marker`: used to check that nothing a test started outlives it."""
+    return [(pid, cmd) for pid, cmd, _ in _live() if marker in cmd]
+
+
+TOKEN_ENV = "SAILOR_TEST_TOKEN"
+
+
+@contextlib.contextmanager
+def own_processes():
+    """Mark every process started inside the block with a unique token (children inherit it through
+    the environment, whatever their command line, and keep it when reparented); yields a function
+    that lists (pid, command line) of the marked processes still alive. A test that checks it left
+    nothing behind looks only at these, never at other tests' or users' processes."""
+    token = uuid.uuid4().hex
+    old = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = token
+    try:
+        yield lambda: _marked(f"{TOKEN_ENV}={token}".encode())
+    finally:
+        if old is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = old
+
+
+def _marked(entry: bytes) -> list[tuple[int, str]]:
+    return [(pid, cmd) for pid, cmd, env in _live(with_env=True) if entry in env]
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +81,12 @@ def reference_losses() -> list[float]:
     finally:
         torch.set_num_threads(threads)
     return losses
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One report line with the mutated inputs tried per reader (tests/test_bad_input.py)."""
+    import sys
+    mutate = sys.modules.get("mutate")
+    if mutate is not None and mutate.TRIED:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(mutate.TRIED.items()))
+        terminalreporter.write_line(f"bad-input cases tried per reader: {counts} (total {sum(mutate.TRIED.values())})")

@@ -75,7 +75,7 @@ BAD = [
     ("plan.json", json.dumps(PLAN | {"memory": [{"zero": 4}, {}]}), "memory.0.zero", "less than or equal to 3"),
     ("plan.json", json.dumps(PLAN | {"memory": [{"recompute": "some"}, {}]}), "memory.0.recompute", "'none'"),
     ("plan.json", json.dumps(PLAN | {"memory": [{}]}), "memory", "1 entries for 2 stages"),
-    ("plan.json", json.dumps(PLAN | {"memory": [{"recompute_blocks": 1}, {}]}), "memory.0: recompute_blocks",
+    ("plan.json", json.dumps(PLAN | {"memory": [{"recompute_blocks": 1}, {}]}), "memory.0.recompute_blocks",
      "needs recompute 'full'"),
     ("plan.json", json.dumps(PLAN | {"memory": [{"recompute": "full", "recompute_blocks": 3}, {}]}),
      "memory.0.recompute_blocks", "stage 0 holds 2 transformer blocks"),
@@ -87,8 +87,8 @@ BAD = [
     ("plan.json", json.dumps(PLAN | {"stages": [[0, 1], [1, 3], [3, 6]], "schedule": {"kind": "interleaved-1f1b",
                                                                                      "virtual_stages": 2}}),
      "stages", "3 layer chunks for 2 virtual stages"),
-    ("plan.json", json.dumps({"mbs": 1, "gbs": 4, "pipeline_list": [{"num_stages": 2}]}), "pipeline_list.0",
-     "malformed pipeline entry"),
+    ("plan.json", json.dumps({"mbs": 1, "gbs": 4, "pipeline_list": [{"num_stages": 2}]}),
+     "pipeline_list.0.layers_per_stage", "missing field"),
     ("prof.json", json.dumps(PROFILE | {"layers": [PROFILE_ROW | {"forward_s": [0.1] * 5 + [-1]}]}),
      "layers.0.forward_s", ">= 0"),
     ("prof.json", json.dumps(PROFILE | {"layers": [PROFILE_ROW | {"tp": "x"}]}), "layers.0.tp", "whole number"),
@@ -102,7 +102,7 @@ BAD = [
      "layers.0.backward_input_s", "give both backward_input_s and backward_weight_s"),
     ("net.json", json.dumps({"schema": "sailor.network/1", "classes": {"same_zone": {"latency_s": 0.1,
                                                                                      "bandwidth_bytes_per_s": 0}}}),
-     "classes.same_zone", "bandwidth must be > 0"),
+     "classes.same_zone.bandwidth_bytes_per_s", "must be >= 1, got 0"),
     ("net.json", json.dumps({"schema": "sailor.network/1", "classes": [1]}), "classes", "expected a mapping"),
     ("net.json", '{"schema": "sailor.net', "line 1", "invalid JSON"),
 ]
@@ -127,13 +127,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, name, t
     assert field in lines[0] and problem in lines[0]
 
 
-def test_train_refuses_a_schedule_the_runtime_does_not_run(tmp_path, monkeypatch, capsys):
+def test_train_refuses_zb_h1_with_zero3_and_takes_the_other_schedules(tmp_path, monkeypatch, capsys):
     (tmp_path / "job.yaml").write_text(JOB)
-    (tmp_path / "plan.json").write_text(json.dumps(PLAN | {"schedule": {"kind": "zb-h1"}}))
+    cpu = {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}
+    local = {"micro_batch_size": 1, "stages": [[0, 3], [3, 6]],
+             "pipelines": [{"microbatches": 4, "replicas": [cpu, cpu | {"stage": 1}]}]}
+    (tmp_path / "plan.json").write_text(json.dumps(local | {"schedule": {"kind": "zb-h1"}, "memory": [{}, {"zero": 3}]}))
     code, err = _run_in_process(["train", "plan.json", "--job", "job.yaml", "--dry-run"], tmp_path, monkeypatch, capsys)
     assert code == 2 and err.strip().splitlines() == [
-        "error: plan.json: schedule.kind: the runtime executes schedule 1f1b only; zb-h1 is simulated but not run yet"
-        " (train with schedule 1f1b, or use sailor simulate to compare schedules)"]
+        "error: plan.json: memory.1.zero: zb-h1 defers weight-gradient passes, which the runtime cannot run under"
+        " ZeRO-3 (stage 1: its layer weights are freed between the passes) (use ZeRO-2 or less, or schedule 1f1b)"]
+    interleaved = local | {"stages": [[0, 1], [1, 3], [3, 4], [4, 6]],
+                           "schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2}}
+    for plan in (interleaved, local | {"schedule": {"kind": "zb-h1"}, "memory": [{"zero": 2}, {"recompute": "selective"}]}):
+        (tmp_path / "plan.json").write_text(json.dumps(plan))
+        code, err = _run_in_process(["train", "plan.json", "--job", "job.yaml", "--dry-run"], tmp_path, monkeypatch,
+                                    capsys)
+        assert code == 0, err
 
 
 def test_console_script_bad_input_is_one_line_without_traceback(tmp_path):
@@ -217,7 +227,7 @@ def test_plan_out_to_a_folder_is_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "out").mkdir()
     code, err = _run_in_process(["plan", "--job", "job.yaml", "--cluster", "cluster.yaml", "--out", "out", "--json"],
                                 tmp_path, monkeypatch, capsys)
-    assert code == 2 and err.strip() == "error: out: is a folder, expected a file name"
+    assert code == 2 and err.strip() == "error: --out: out is a folder, expected a file name"
 
 
 def test_train_refuses_a_gpu_plan_on_cpu(tmp_path, monkeypatch, capsys):

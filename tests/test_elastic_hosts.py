@@ -232,7 +232,7 @@ def test_cli_hosts_errors_are_one_line(tmp_path):
                         (["--python", "python3"], "--python: only with --hosts"),
                         (["--hosts", str(hosts), *ck, "--python", ".venv/bin/python"], "--python: '.venv/bin/python' is"),
                         (["--hosts", str(hosts), *ck, "--python", "-oX"], "--python: '-oX' is not"),
-                        (["--hosts", str(hosts), *ck, "--switch-cost-s", "nan"], "--switch-cost-s: must be"),
+                        (["--hosts", str(hosts), *ck, "--switch-cost-s", "nan"], "--switch-cost-s: expected a finite number"),
                         (["--hosts", str(hosts), *ck, "--python", ""], "--python: '' is not"),
                         (["--hosts", str(hosts), *ck, "--availability", str(zero)], "zero.json: the trace never offers"),
                         (["--hosts", str(bad["dash"]), *ck], "groups.0.hosts: '-oProxyCommand=x' is not a host"),

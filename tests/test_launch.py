@@ -25,6 +25,7 @@ from sailor.launch import (DEFAULT_IMAGE, Backend, KubernetesOptions, LaunchOpti
                            launch_files, launch_specs)
 from sailor.launch.common import launch_layout
 from sailor.plan import Plan, plan_from_dict, rank_layout
+from sailor.specs import JobSpec
 
 SAILOR = Path(sys.executable).with_name("sailor")
 
@@ -40,6 +41,7 @@ GEO = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 10], [10, 26]], "pip
     {"microbatches": 4, "replicas": [_rep(0, "A100-40", "us-central1-a", 4), _rep(1, "V100-16", "us-central1-b", 4)]},
     {"microbatches": 4, "replicas": [_rep(0, "A100-40", "us-central1-a", 4), _rep(1, "V100-16", "us-west1-b", 2)]},
 ]})
+GEO_JOB = JobSpec(model="opt-350m", global_batch_size=12)
 OPTS = LaunchOptions(plan_path="/data/plan.json", steps=3)
 HOSTS = {"user": "ubuntu", "groups": [
     {"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["a0", "a1", "a-spare"]},
@@ -275,7 +277,7 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 def test_cli_errors_are_one_line(tmp_path):
     plan = tmp_path / "plan.json"
-    GEO.save(plan)
+    GEO.with_specs(GEO_JOB, None).save(plan)
     for args, match in [(["--backend", "slurm", "--dry-run"], "unknown backend 'slurm'"),
                         (["--backend", "torchrun"], "needs --hosts"),
                         (["--backend", "skypilot"], "only writes specs"),
@@ -300,7 +302,7 @@ def test_cli_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "us-central1-b" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     # A plan on GPU type cpu: --device cuda is refused up front; by default its ranks get --device cpu.
     cpu = tmp_path / "cpu.json"
-    plan_from_dict({"micro_batch_size": 1, "stages": [[0, 6]],
+    plan_from_dict({"micro_batch_size": 1, "stages": [[0, 6]], "job": {"model": "tiny", "global_batch_size": 1},
                     "pipelines": [{"microbatches": 1, "replicas": [_rep(0, "cpu", "local", 1)]}]}).save(cpu)
     r = _cli("launch", str(cpu), "--backend", "torchrun", "--device", "cuda", "--dry-run")
     assert r.returncode == 2 and "--device: the plan runs on GPU type cpu" in r.stderr, r.stderr
@@ -328,7 +330,7 @@ def _calls(tmp_path: Path) -> list[list]:
 
 def test_cli_starts_every_node_over_ssh(tmp_path):
     plan = tmp_path / "plan.json"
-    GEO.save(plan)
+    GEO.with_specs(GEO_JOB, None).save(plan)
     env = _fake_ssh(tmp_path, "sys.exit(0)\n")
     r = _cli("launch", str(plan), "--backend", "torchrun", "--hosts", str(_write_hosts(tmp_path)), "--steps", "7",
              env=env)

@@ -1,6 +1,7 @@
 """Model specs: layer lists, per-layer parameters (checked against Sailor's llm_info.json), FLOPs,
 activation bytes, aliases."""
 
+import itertools
 import json
 
 import pytest
@@ -103,40 +104,59 @@ def test_sailor_block_bytes_by_hand():
     m, s, b, e, t = get_model("tiny"), 64, 2, 4, 2
     sbh = s * b * 64
     outside = 4 * e * sbh + 2 * 8 * s * b  # x, norm1 out, norm2 in, norm2 out + LayerNorm mean/rstd
-    sdpa = 3 * e * sbh / t + e * sbh / t + 4 * b * 4 * s / t  # q, k, v, output, fp32 log-sum-exp
-    out_proj = e * sbh / t
+    sdpa = 3 * e * sbh / t + e * sbh / t + 4 * b * 4 * s / t  # q, k, v, output (the out-projection's input), lse
     mlp = 2 * e * s * b * 256 / t  # GeLU input and output
     kw = dict(tp=t, mbs=b, seq=s, elem_bytes=e)
-    assert m.activation_bytes(2, **kw) == outside + sdpa + out_proj + mlp
-    assert m.activation_bytes(2, **kw, sequence_parallel=True) == outside / t + sdpa + out_proj + mlp
-    # selective keeps q, k, v only of the attention core (here they are the projections SDPA saved)
-    assert m.activation_bytes(2, **kw, recompute=Recompute.SELECTIVE) == outside + 3 * e * sbh / t + out_proj + mlp
+    assert m.activation_bytes(2, **kw) == outside + sdpa + mlp
+    assert m.activation_bytes(2, **kw, sequence_parallel=True) == outside / t + sdpa + mlp
+    # selective keeps the core's inputs (the q, k, v projections) and the output the out-projection reads
+    assert m.activation_bytes(2, **kw, recompute=Recompute.SELECTIVE) == outside + 4 * e * sbh / t + mlp
     assert m.activation_bytes(2, **kw, recompute=Recompute.FULL) == e * sbh
     assert m.activation_bytes(2, **kw, recompute=Recompute.FULL, sequence_parallel=True) == e * sbh / t
-    # what recomputing one block rebuilds: everything but its input (full), output and lse (selective)
-    assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.FULL) == outside + sdpa + out_proj + mlp - e * sbh
-    assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.SELECTIVE) == e * sbh / t + 4 * b * 4 * s / t
+    # what recomputing one block rebuilds: everything but its input (full); the core's lse (selective: q, k,
+    # v are the kept projections here, the output is kept too)
+    assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.FULL) == outside + sdpa + mlp - e * sbh
+    assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.SELECTIVE) == 4 * b * 4 * s / t
     assert m.recompute_transient_bytes(0, **kw, recompute=Recompute.FULL) == 0.0
-    # embedding: int64 ids, the bool mask of the vocab-parallel lookup, int64 position ids
-    assert m.activation_bytes(0, **kw) == 8 * s * b + s * b + 8 * s
-    # head: norm input, stats and output, fp32 log-probs over the whole vocabulary (gathered), targets
-    assert m.activation_bytes(5, **kw) == s * b * (2 * e * 64 + 8) + 4 * s * b * 256 + 8 * s * b
+    # embedding: int64 ids, the local ids and bool mask of the vocab-parallel lookup, int64 position ids
+    assert m.activation_bytes(0, **kw) == 8 * s * b + 9 * s * b + 8 * s
+    # head: norm input, stats and output, fp32 log-probs over the whole vocabulary (gathered), targets,
+    # the loss weight and the scaled loss
+    assert m.activation_bytes(5, **kw) == s * b * (2 * e * 64 + 8) + 4 * s * b * 256 + 8 * s * b + 8
 
 
 def test_sailor_block_bytes_llama_rope_and_gqa():
-    # Llama: RMSNorm (rstd only), rotary (new q and k, cos/sin tables), 8 KV heads repeated to 32
-    # (new k and v), SwiGLU (4 intermediates); at bf16
+    # Llama: RMSNorm (input, rstd and the normalised input), rotary (new q and k, cos/sin tables, and a
+    # copy of SDPA's output for the out-projection), 8 KV heads repeated to 32 (new k and v), SwiGLU
+    # (4 intermediates); at bf16
     m, s, b, e, t = get_model("llama-3-8b"), 8192, 1, 2, 4
     h, f, kv, d = 4096, 14336, 8 * 128, 128
     sbh = s * b * h
-    outside = 4 * e * sbh + 2 * 4 * s * b
+    outside = 2 * (2 * e * sbh + 4 * s * b) + 2 * e * sbh
     sdpa = 3 * e * sbh / t + e * sbh / t + 4 * b * 32 * s / t + 2 * 2 * s * (d // 2) * e
     rest = e * sbh / t + 4 * e * s * b * f / t
     kw = dict(tp=t, mbs=b, seq=s, elem_bytes=e)
     assert m.activation_bytes(3, **kw) == outside + sdpa + rest
-    # the checkpointed core keeps the projections q (h), k and v (kv each); its rebuilt q, k, v are new
-    assert m.activation_bytes(3, **kw, recompute=Recompute.SELECTIVE) == outside + e * s * b * (h + 2 * kv) / t + rest
-    assert m.recompute_transient_bytes(3, **kw, recompute=Recompute.SELECTIVE) == sdpa
+    # the checkpointed core keeps the projections q (h), k and v (kv each), and its output
+    assert m.activation_bytes(3, **kw, recompute=Recompute.SELECTIVE) == (outside + e * s * b * (h + 2 * kv) / t
+                                                                          + e * sbh / t + 4 * e * s * b * f / t)
+    assert m.recompute_transient_bytes(3, **kw, recompute=Recompute.SELECTIVE) == sdpa - e * sbh / t
+
+
+def test_sailor_accounting_matches_the_runtimes_measured_formula():
+    # sailor.runtime_activations is checked against saved-tensor hooks on the runtime itself
+    from sailor import runtime_activations as measured
+    for name in ("tiny", "opt-350m", "llama-3-8b"):
+        m = get_model(name)
+        for tp, mbs, recompute, sp in itertools.product((1, 2, 4), (1, 2), list(Recompute), (False, True)):
+            if sp and tp == 1:
+                continue
+            kw = dict(tp=tp, mbs=mbs, seq=64, elem_bytes=4)
+            assert m.activation_bytes(2, **kw, recompute=recompute, sequence_parallel=sp) == measured.block_bytes(
+                m, mbs=mbs, seq=64, tp=tp, elem_bytes=4, recompute=recompute, sequence_parallel=sp, stats_bytes=4)
+            assert m.activation_bytes(0, **kw) == measured.embedding_bytes(m, mbs=mbs, seq=64, tp=tp)
+            assert m.activation_bytes(m.num_layers - 1, **kw) == measured.head_bytes(m, mbs=mbs, seq=64, elem_bytes=4,
+                                                                                    stats_bytes=4)
 
 
 def test_recompute_flops():

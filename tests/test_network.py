@@ -71,16 +71,16 @@ def test_our_link_file(tmp_path):
 
 
 @pytest.mark.parametrize("data, match", [
-    ({"classes": {"same_zone": {"latency_s": 0.1}}}, r"classes\.same_zone: expected a link class"),
-    ({"classes": {"same_zone": {"latency_s": 0.1, "bandwidth_bytes_per_s": 0}}}, r"classes\.same_zone: bandwidth must be > 0"),
-    ({"classes": {"same_zone": {"latency_s": -1, "bandwidth_bytes_per_s": 1}}}, r"classes\.same_zone: bandwidth must be > 0 and latency >= 0"),
-    ({"classes": {"nearby": {"latency_s": 0, "bandwidth_bytes_per_s": 1}}}, r"classes\.nearby: expected a link class"),
+    ({"classes": {"same_zone": {"latency_s": 0.1}}}, r"classes\.same_zone\.bandwidth_bytes_per_s: missing field"),
+    ({"classes": {"same_zone": {"latency_s": 0.1, "bandwidth_bytes_per_s": 0}}}, r"classes\.same_zone\.bandwidth_bytes_per_s: must be >= 1, got 0"),
+    ({"classes": {"same_zone": {"latency_s": -1, "bandwidth_bytes_per_s": 1}}}, r"classes\.same_zone\.latency_s: must be >= 0, got -1"),
+    ({"classes": {"nearby": {"latency_s": 0, "bandwidth_bytes_per_s": 1}}}, r"classes\.nearby: unknown link class 'nearby' \(one of same_node"),
     ({"classes": [1]}, r"classes: expected a mapping"),
     ({"links": [{"src_zone": "a"}]}, r"links\.0\.src_gpu: missing field"),
     ({"links": [{"src_zone": "a", "src_gpu": "K80", "dst_zone": "a", "dst_gpu": "T4", "latency_s": 0,
-                 "bandwidth_bytes_per_s": 1}]}, r"links\.0: unknown GPU type 'K80'"),
+                 "bandwidth_bytes_per_s": 1}]}, r"links\.0\.src_gpu: unknown GPU type 'K80'"),
     ({"links": [{"src_zone": "a", "src_gpu": "T4", "dst_zone": "a", "dst_gpu": "T4", "latency_s": 0,
-                 "bandwidth_bytes_per_s": -1}]}, r"links\.0: bandwidth must be > 0"),
+                 "bandwidth_bytes_per_s": -1}]}, r"links\.0\.bandwidth_bytes_per_s: must be >= 1, got -1"),
 ])
 def test_bad_link_file(tmp_path, data, match):
     p = tmp_path / "net.json"

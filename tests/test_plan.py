@@ -1,10 +1,11 @@
 """Plan format: validation, consistency with job and cluster, rank layout, Sailor importer."""
 
 import json
+import warnings
 
 import pytest
 
-from sailor.errors import SailorInputError
+from sailor.errors import SailorInputError, SailorWarning
 from sailor.models import Recompute
 from sailor.plan import Plan, StageMemory, load_plan, plan_from_dict, rank_layout
 from sailor.specs import ClusterSpec, JobSpec
@@ -52,7 +53,7 @@ def test_replica_count_and_stage_index_errors():
 
 
 def test_field_type_errors():
-    with pytest.raises(SailorInputError, match=r"plan\.json: pipelines\.0\.microbatches: Input should be greater than 0"):
+    with pytest.raises(SailorInputError, match=r"plan\.json: pipelines\.0\.microbatches: Input should be greater than 0 \(got -4\)"):
         plan_from_dict(_plan(micro=(-4, 2)), "plan.json")
     with pytest.raises(SailorInputError, match=r"plan\.json: pipelines\.0\.replicas\.0\.tp: Input should be a valid integer"):
         plan_from_dict(_plan(tps=("two", 2)), "plan.json")
@@ -118,23 +119,60 @@ def test_sailor_plan_config_import():
 
 
 @pytest.mark.parametrize("entry, match", [
-    ({"num_stages": 2}, r"pipeline_list\.0: malformed pipeline entry"),
+    ({"num_stages": 2}, r"pipeline_list\.0\.layers_per_stage: missing field"),
     ({"layers_per_stage": [[0, 2], [3, 4, 5]], "dp": [1, 1], "tmp_per_stage": []},
      r"pipeline_list\.0\.layers_per_stage\.0: stage layers are not contiguous"),
     ({"layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [1, 2], "tmp_per_stage": []},
      r"pipeline_list\.0\.dp: stages with different data-parallel degrees"),
     ({"layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [1, 1], "tmp_per_stage": [[[[["GH-96", 4, "z"]], 4]]]},
-     r"pipeline_list\.0: malformed pipeline entry \(IndexError"),
+     r"pipeline_list\.0\.tmp_per_stage: expected 2 item\(s\) \(one list of replicas per stage\), got 1"),
+    ({"layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [1, 1], "num_stages": 3, "tmp_per_stage": []},
+     r"pipeline_list\.0\.num_stages: num_stages 3 but layers_per_stage lists 2 stages"),
+    ({"layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [1, 1],
+      "tmp_per_stage": [[[[["GH-96", 4, "z"]], 8]], [[[["GH-96", 4, "z"]], 4]]]},
+     r"pipeline_list\.0\.tmp_per_stage\.0\.0\.1: TP 8 is larger than the replica's node of 4 GPUs"),
+    ({"layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [1, 1],
+      "tmp_per_stage": [[[[["GH-96", 4, "z"]], 4]], [[[["GH200-96", 8, "z"]], 4]]]},
+     r"pipeline_list\.0\.tmp_per_stage\.1\.0\.0\.0\.1: GH200-96 nodes of 8 GPUs here but of 4 elsewhere"),
+    ({"layers_per_stage": [[0, 1, 2], [3, 4, True]], "dp": [1, 1], "tmp_per_stage": []},
+     r"pipeline_list\.0\.layers_per_stage\.1\.2: expected a whole number, got True"),
+    ({"layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [1, 1],
+      "tmp_per_stage": [[[[["GH-96", 4.0, "z"]], 4]], [[[["GH-96", 4, "z"]], 4]]]},
+     r"pipeline_list\.0\.tmp_per_stage\.0\.0\.0\.0\.1: expected a whole number, got 4\.0"),
 ])
 def test_sailor_plan_config_errors(entry, match):
     with pytest.raises(SailorInputError, match=r"cfg\.json: " + match):
         plan_from_dict({"mbs": 1, "gbs": 4, "pipeline_list": [entry]}, "cfg.json")
 
 
-def test_sailor_plan_config_bad_batch():
+@pytest.mark.parametrize("top, match", [
+    ({"mbs": 0, "gbs": 16}, r"mbs: must be a whole number from 1 to 65536, got 0"),
+    ({"mbs": 4.7, "gbs": 16}, r"mbs: expected a whole number, got 4\.7"),
+    ({"mbs": 2, "gbs": 1024.9}, r"gbs: expected a whole number, got 1024\.9"),
+    ({"mbs": 3, "gbs": 16}, r"gbs: gbs 16 is not a multiple of mbs 3"),
+    ({"mbs": 8, "gbs": 16}, r"gbs: gbs 16 / mbs 8 = 2 micro-batches cannot feed 3 pipelines"),
+])
+def test_sailor_plan_config_bad_batch(top, match):
     entry = {"layers_per_stage": [[0, 1, 2, 3, 4, 5]], "dp": [3], "tmp_per_stage": [[[[["GH-96", 4, "z"]], 1]] * 3]}
-    with pytest.raises(SailorInputError, match=r"gbs: gbs 16 is not divisible by mbs 2 x 3 pipelines"):
-        plan_from_dict({"mbs": 2, "gbs": 16, "pipeline_list": [entry]}, "cfg.json")
+    with pytest.raises(SailorInputError, match=r"cfg\.json: " + match):
+        plan_from_dict(top | {"pipeline_list": [entry]}, "cfg.json")
+
+
+@pytest.mark.parametrize("gbs, mbs, dp, shares", [(16, 2, 3, [3, 3, 2]), (1024, 1, 3, [342, 341, 341]),
+                                                  (10, 1, 4, [3, 3, 2, 2]), (12, 2, 3, [2, 2, 2])])
+def test_sailor_plan_config_uneven_batch_is_spread_and_said(gbs, mbs, dp, shares):
+    entry = {"layers_per_stage": [[0, 1, 2, 3, 4, 5]], "dp": [dp], "tmp_per_stage": [[[[["GH-96", 4, "z"]], 1]] * dp]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_from_dict({"mbs": mbs, "gbs": gbs, "pipeline_list": [entry]}, "cfg.json")
+    assert [p.microbatches for p in plan.pipelines] == shares
+    assert plan.global_batch_size == gbs
+    said = [str(w.message) for w in caught if issubclass(w.category, SailorWarning)]
+    if len(set(shares)) == 1:
+        assert said == []
+    else:
+        assert len(said) == 1 and said[0].startswith(f"cfg.json: gbs: gbs {gbs} / mbs {mbs}")
+        assert f"{shares.count(max(shares))} x {max(shares)}" in said[0]
 
 
 def test_reference_plan_configs_import(sailor_ref):
@@ -202,8 +240,8 @@ def test_interleaved_chunks_go_round_robin_over_the_stages(tmp_path):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"schedule": {"kind": "interleaved-1f1b"}}, r"schedule: virtual_stages: interleaved-1f1b needs virtual_stages >= 2"),
-    ({"schedule": {"kind": "zb-h1", "virtual_stages": 2}}, r"schedule: virtual_stages: zb-h1 runs one chunk per stage"),
+    ({"schedule": {"kind": "interleaved-1f1b"}}, r"schedule\.virtual_stages: interleaved-1f1b needs virtual_stages >= 2"),
+    ({"schedule": {"kind": "zb-h1", "virtual_stages": 2}}, r"schedule\.virtual_stages: zb-h1 runs one chunk per stage"),
     ({"schedule": {"kind": "2f2b"}}, r"schedule\.kind: Input should be '1f1b', 'interleaved-1f1b' or 'zb-h1'"),
     ({"stages": [[0, 1], [1, 3], [3, 6]]}, r"stages: 3 layer chunks for 2 virtual stages per pipeline stage"),
     ({"stages": [[0, 1], [2, 3], [3, 4], [4, 6]]}, r"stages\.1: chunk 1 starts at layer 2 and leaves a gap"),

@@ -9,9 +9,10 @@ import random
 import pytest
 
 from sailor.errors import InfeasibleError
-from sailor.plan import Plan
+from sailor.plan import Plan, StageMemory
 from sailor.planner import Constraints, Objective, PlanOptions, SearchSpace, plan_job
-from sailor.planner.space import all_partitions, mbs_candidates, stage_options, templates
+from sailor.planner.space import (all_partitions, mbs_candidates, memory_candidates, stage_options, templates,
+                                  zero3_needed)
 from sailor.simulator import make_context, simulate
 from sailor.specs import EXAMPLE_CLUSTER, EXAMPLE_JOB, ClusterSpec, JobSpec
 
@@ -38,57 +39,71 @@ def _multisets(total: int, parts: int):
 
 def brute_force(job: JobSpec, cluster: ClusterSpec, opts: PlanOptions) -> tuple[float, float]:
     """Best objective key over every plan of the planner's space, each scored with
-    simulate(event=False): every P, micro-batch, partition, TP template per GPU type (from the same
-    `templates` function), number of pipelines per (GPU type, zone) and split of the micro-batches."""
+    simulate(event=False): every P, micro-batch, partition, memory candidate of it (the stages'
+    memory options, the same `memory_candidates` the planner searches), TP template per GPU type (from the same
+    `templates` function), number of pipelines per (GPU type, zone) with as many pipelines as the
+    templates' ZeRO options need, and split of the micro-batches."""
     ctx = make_context(job, cluster)
     zones = sorted(cluster.zones)
     regions = {cluster.prov.region(z) for z in zones}
     assert len(regions) == 1
     L = job.model.num_layers
+    zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
     best = None
     for P in range(1, min(L, opts.max_stages) + 1):
         for mbs in mbs_candidates(job.global_batch_size, opts.max_mbs):
             M = job.global_batch_size // mbs
             for part in all_partitions(L, P):
-                per_gpu = {}
-                for g in cluster.gpu_types():
-                    tm = templates(stage_options(ctx, g, part, mbs, M))
-                    if tm:
-                        per_gpu[g] = tm
-                choices = [[None] + [(g, t) for t in tm] for g, tm in per_gpu.items()]
-                for pick in itertools.product(*choices):
-                    chosen = [x for x in pick if x is not None]
-                    if not chosen:
-                        continue
-                    kinds = [(g, z, t) for g, t in chosen for z in zones if cluster.available(z, g) >= sum(t)]
-                    caps = [cluster.available(z, g) // sum(t) for g, z, t in kinds]
-                    for counts in itertools.product(*(range(c + 1) for c in caps)):
-                        used_gpus = {g for (g, _, _), n in zip(kinds, counts) if n}
-                        if used_gpus != {g for g, _ in chosen} or not 0 < sum(counts) <= M:
-                            continue
-                        live = [(k, n) for k, n in zip(kinds, counts) if n]
-                        # every way to hand out M micro-batches (pipelines of one kind are interchangeable)
-                        def splits(i, left):
-                            if i == len(live):
-                                if left == 0:
-                                    yield ()
-                                return
-                            n = live[i][1]
-                            for tot in range(n, left - sum(x[1] for x in live[i + 1:]) + 1):
-                                for ms in _multisets(tot, n):
-                                    for rest in splits(i + 1, left - tot):
-                                        yield (ms,) + rest
-                        for split in splits(0, M):
-                            pipes = [{"microbatches": m, "replicas": [
-                                {"stage": i, "gpu": g, "zone": z, "tp": tp} for i, tp in enumerate(t)]}
-                                for ((g, z, t), _), ms in zip(live, split) for m in ms]
-                            plan = Plan.model_validate({"micro_batch_size": mbs, "stages": [list(s) for s in part],
-                                                        "pipelines": pipes})
-                            est = simulate(plan, ctx, event=False)
-                            if not opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
-                                continue
-                            k = _key(opts.objective, est)
-                            best = k if best is None or k < best else best
+                for memory in memory_candidates(ctx, cluster.gpu_types(), part, mbs, M, zero_max)[: opts.memory_per_partition]:
+                    best = _brute_force_point(ctx, cluster, opts, zones, part, mbs, M, memory, best)
+    return best
+
+
+def _brute_force_point(ctx, cluster, opts, zones, part, mbs, M, memory, best):
+    per_gpu, need = {}, {}
+    for g in cluster.gpu_types():
+        options = stage_options(ctx, g, part, mbs, M, memory)
+        tm = templates(options)
+        if tm:
+            per_gpu[g] = tm
+            need[g] = {t: max(next(o.min_replicas for o in opts_i if o.tp == tp) for opts_i, tp in zip(options, t))
+                       for t in tm}
+    choices = [[None] + [(g, t) for t in tm] for g, tm in per_gpu.items()]
+    for pick in itertools.product(*choices):
+        chosen = [x for x in pick if x is not None]
+        if not chosen:
+            continue
+        kinds = [(g, z, t) for g, t in chosen for z in zones if cluster.available(z, g) >= sum(t)]
+        caps = [cluster.available(z, g) // sum(t) for g, z, t in kinds]
+        for counts in itertools.product(*(range(c + 1) for c in caps)):
+            used_gpus = {g for (g, _, _), n in zip(kinds, counts) if n}
+            if used_gpus != {g for g, _ in chosen} or not 0 < sum(counts) <= M:
+                continue
+            live = [(k, n) for k, n in zip(kinds, counts) if n]
+            if sum(counts) < max(need[g][t] for (g, _, t), _ in live):
+                continue  # a ZeRO option needs more replicas to fit
+            # every way to hand out M micro-batches (pipelines of one kind are interchangeable)
+            def splits(i, left):
+                if i == len(live):
+                    if left == 0:
+                        yield ()
+                    return
+                n = live[i][1]
+                for tot in range(n, left - sum(x[1] for x in live[i + 1:]) + 1):
+                    for ms in _multisets(tot, n):
+                        for rest in splits(i + 1, left - tot):
+                            yield (ms,) + rest
+            for split in splits(0, M):
+                pipes = [{"microbatches": m, "replicas": [
+                    {"stage": i, "gpu": g, "zone": z, "tp": tp} for i, tp in enumerate(t)]}
+                    for ((g, z, t), _), ms in zip(live, split) for m in ms]
+                plan = Plan.model_validate({"micro_batch_size": mbs, "stages": [list(s) for s in part],
+                                            "pipelines": pipes, "memory": [m.model_dump() for m in memory]})
+                est = simulate(plan, ctx, event=False)
+                if not opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
+                    continue
+                k = _key(opts.objective, est)
+                best = k if best is None or k < best else best
     return best
 
 
@@ -113,6 +128,26 @@ def test_planner_matches_brute_force_on_small_clusters(seed):
     assert got[0] == pytest.approx(expected[0], rel=1e-9)
     assert result.best_closed.closed_time_s == pytest.approx(simulate(result.best_closed.plan, make_context(TINY, cluster),
                                                                         event=False).iteration_time_s, rel=1e-9)
+
+
+# Needs memory options: 4 blocks of h = 4096 at sequence 4096, fp32 (about 14 GB of weights and Adam
+# states), on 16 GB T4s one per node (no TP): one stage only fits with ZeRO or recomputation.
+TIGHT = JobSpec(model={"name": "tight", "num_blocks": 4, "hidden_size": 4096, "num_heads": 32, "vocab_size": 8192,
+                       "max_sequence_length": 4096}, global_batch_size=4)
+
+
+@pytest.mark.parametrize("objective", [Objective.THROUGHPUT, Objective.COST])
+def test_planner_matches_brute_force_when_memory_options_are_needed(objective):
+    cluster = ClusterSpec(zones={"us-central1-a": {"T4": 4}}, gpus_per_node={"T4": 1})
+    opts = PlanOptions(objective=objective, max_stages=2, max_mbs=2)
+    ctx = make_context(TIGHT, cluster)
+    part = ((0, 6),)
+    assert StageMemory() not in memory_candidates(ctx, ["T4"], part, 2, 2)[0]  # one stage needs options
+    expected = brute_force(TIGHT, cluster, opts)
+    result = plan_job(make_context(TIGHT, cluster), opts)
+    got = _key(objective, simulate(result.best_closed.plan, make_context(TIGHT, cluster), event=False))
+    assert got[0] == pytest.approx(expected[0], rel=1e-9)
+    assert result.estimate.fits_in_memory
 
 
 def test_planner_matches_brute_force_under_a_budget():
@@ -182,8 +217,16 @@ def test_no_state_leaks_between_calls():
 def test_infeasible_memory_names_the_numbers():
     job = JobSpec(model="opt-30b", global_batch_size=64)
     cluster = ClusterSpec(zones={"us-central1-a": {"T4": 4}}, gpus_per_node={"T4": 4})
-    with pytest.raises(InfeasibleError, match=r"opt-30b needs \d+\.\d GB per GPU .*largest GPU offered \(T4\) has 17\.2 GB"):
+    with pytest.raises(InfeasibleError, match=r"opt-30b needs \d+\.\d GB per GPU at best without memory options and"
+                                              r" \d+\.\d GB with full recomputation, SP and ZeRO-3 over 1 replicas .*"
+                                              r"largest GPU offered \(T4\) has 17\.2 GB; full recomputation, SP and ZeRO-3"
+                                              r" over \d+ replicas \(\d+ T4, TP 4, 2 stages\) would make it fit"):
         plan_job(make_context(job, cluster), PlanOptions(max_stages=2))
+    # a head whose logits alone outgrow the GPU: nothing helps
+    wide = JobSpec(model={"name": "wide", "num_blocks": 2, "hidden_size": 1024, "num_heads": 16, "vocab_size": 256000,
+                          "max_sequence_length": 65536}, global_batch_size=4)
+    with pytest.raises(InfeasibleError, match=r"wide needs .* and no memory option makes it fit"):
+        plan_job(make_context(wide, cluster), PlanOptions(max_stages=2))
 
 
 def test_infeasible_constraint_names_the_binding_limit():
@@ -254,3 +297,27 @@ def test_too_few_gpus_for_one_pipeline_is_infeasible_not_a_hang():
     cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}})
     with pytest.raises(InfeasibleError, match=r"opt-30b needs at least \d+ A100-40 GPUs in one zone .* the most any zone offers is 8"):
         plan_job(make_context(job, cluster), PlanOptions(max_stages=8))
+
+
+def _without_memory_options(plan: Plan) -> Plan:
+    d = plan.to_dict(with_specs=False)
+    d.pop("memory", None)
+    return Plan.model_validate(d)
+
+
+@pytest.mark.parametrize("job, gpu, n", [
+    (JobSpec(model="opt-30b", global_batch_size=256, precision="bf16"), "A100-40", 64),
+    (JobSpec(model="llama-3-8b", global_batch_size=64, sequence_length=8192, precision="bf16"), "L4", 16),
+])
+def test_large_jobs_get_plans_with_the_memory_options_they_need(job, gpu, n):
+    cluster = ClusterSpec(zones={"us-central1-a": {gpu: n}})
+    result = plan_job(make_context(job, cluster))
+    plan = result.plan
+    assert result.estimate.fits_in_memory and _usage_ok(plan, cluster)
+    assert any(not plan.stage_memory(i).is_default for i in range(plan.num_stages))
+    # the options are needed: the same layout without them runs out of memory
+    assert not simulate(_without_memory_options(plan), make_context(job, cluster)).fits_in_memory
+    for i in range(plan.num_stages):
+        mem = plan.stage_memory(i)
+        assert mem.zero == 0 or len(plan.pipelines) > 1  # ZeRO only with replicas to shard over
+        assert not mem.sequence_parallel or all(p.replicas[i].tp > 1 for p in plan.pipelines)

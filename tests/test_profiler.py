@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,24 +22,21 @@ from sailor.runtime.profiler import ProfileOptions, check_options, device_gpu_ty
 from sailor.errors import SailorInputError
 from sailor.fileio import write_json
 from sailor.specs import JobSpec, local_cluster
-from conftest import live_processes
+from conftest import own_processes
 
 JOB = JobSpec(model="tiny", global_batch_size=8)
-
-
-def _profiler_procs() -> list[str]:
-    return [cmd for _, cmd in live_processes("sailor.runtime.profiler")]
 
 
 @pytest.fixture(scope="module")
 def profile_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("prof") / "profile.json"
     ticks = []
-    data = profile_job(ProfileOptions(job=JOB, tps=(1, 2), mbs=(1, 2), warmup=1, repeats=3),
-                       progress=ticks.append)
+    with own_processes() as alive:
+        data = profile_job(ProfileOptions(job=JOB, tps=(1, 2), mbs=(1, 2), warmup=1, repeats=3),
+                           progress=ticks.append)
     write_json(path, data)
     assert sum(ticks) == 2 * 4 * 2  # (TP, layer kind or whole model, micro-batch) measurements
-    assert not _profiler_procs()
+    assert not alive()  # none of the ranks this fixture started is left
     return path
 
 
@@ -123,7 +121,8 @@ def test_simulate_cli_uses_the_profile(profile_file, tmp_path):
 def test_network_profile_two_processes(tmp_path):
     # Medians of 5 and a 16 MiB point: at 2 repeats one scheduling hiccup on a 1 KiB all-reduce
     # (4 ms against 2.5 ms for 4 MiB, seen once in CI) made time fall with size and the fit fail.
-    data = profile_network(2, warmup=2, repeats=5, sizes_bytes=(1024, 65536, 1 << 20, 16 << 20))
+    with own_processes() as alive:
+        data = profile_network(2, warmup=2, repeats=5, sizes_bytes=(1024, 65536, 1 << 20, 16 << 20))
     path = tmp_path / "net.json"
     write_json(path, data)
     net = network_for(local_cluster(2), path)
@@ -133,7 +132,7 @@ def test_network_profile_two_processes(tmp_path):
     nbytes = 1 << 20
     want = link["latency_s"] + nbytes / link["bandwidth_bytes_per_s"]
     assert net.transfer_time_s("local", "cpu", "local", "cpu", nbytes) == pytest.approx(want)
-    assert not _profiler_procs()
+    assert not alive()  # none of the ranks this test started is left
 
 
 def test_fit_alpha_beta_recovers_a_link():
@@ -196,3 +195,24 @@ def test_split_backward_gives_the_full_backwards_gradients():
         assert torch.equal(dx[0], full_x.grad)
         stage_backward_weight(iter(params), groups)
         assert all(torch.equal(a, p.grad) for a, p in zip(full, params))
+
+
+def test_own_processes_lists_this_tests_children_only():
+    # The check above must be able to fail: a child started inside the block is listed (also after
+    # its command line changes, through exec), one started outside is not.
+    outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with own_processes() as alive:
+            inside = subprocess.Popen(["sh", "-c", f"exec {sys.executable} -c 'import time; time.sleep(30)'"])
+        try:
+            deadline = time.monotonic() + 10
+            while "time.sleep" not in " ".join(cmd for _, cmd in alive()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [pid for pid, _ in alive()] == [inside.pid]
+        finally:
+            inside.kill()
+            inside.wait()
+        assert alive() == []
+    finally:
+        outside.kill()
+        outside.wait()

@@ -95,10 +95,10 @@ def _row(**kw):
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"layers": [_row(forward_s=[1, 1, 1, 1, 1, -1])]}, r"layers\.0\.forward_s: times and sizes must be >= 0"),
+    ({"layers": [_row(forward_s=[1, 1, 1, 1, 1, -1])]}, r"layers\.0\.forward_s\.5: must be >= 0, got -1"),
     ({"layers": [_row(backward_s=[1.0] * 5)]}, r"layers\.0\.backward_s: expected 6 values"),
-    ({"layers": [_row(tp="x")]}, r"layers\.0\.tp: expected a whole number >= 1, got 'x'"),
-    ({"layers": [_row(mbs=0)]}, r"layers\.0\.mbs: expected a whole number >= 1"),
+    ({"layers": [_row(tp="x")]}, r"layers\.0\.tp: expected a whole number, got 'x'"),
+    ({"layers": [_row(mbs=0)]}, r"layers\.0\.mbs: must be a whole number from 1 to 65536, got 0"),
     ({"layers": [_row(gpu="K80")]}, r"layers\.0\.gpu: unknown GPU type 'K80'"),
     ({"layers": [7]}, r"layers\.0: expected a mapping"),
     ({"layers": "none"}, r"layers: expected a list"),

@@ -101,10 +101,10 @@ def test_local_cluster():
     ("zones: {us-central1-z: {A100-40: 8}}", r"zones\.us-central1-z: unknown gcp zone"),
     ("zones: {us-central1-a: {A100-40: -1}}", r"zones\.us-central1-a\.A100-40: GPU count must be a whole number >= 0"),
     ("zones: {us-central1-a: {A100-40: 1.5}}", r"zones\.us-central1-a\.A100-40: GPU count must be a whole number"),
-    ("zones: {us-central1-a: {A100-40: 8}}\nprices: {A100-40: -2}", r"prices\.A100-40: price must be >= 0"),
-    ("zones: {us-central1-a: {A100-40: 8}}\ngpus_per_node: {A100-40: 0}", r"gpus_per_node\.A100-40: must be >= 1"),
+    ("zones: {us-central1-a: {A100-40: 8}}\nprices: {A100-40: -2}", r"prices\.A100-40: Input should be greater than or equal to 0 \(got -2\)"),
+    ("zones: {us-central1-a: {A100-40: 8}}\ngpus_per_node: {A100-40: 0}", r"gpus_per_node\.A100-40: Input should be greater than 0 \(got 0\)"),
     ("zones: {us-central1-a: {A100-40: 8}}\nnetwork: {same_zone: {latency_s: 0, bandwidth_bytes_per_s: 0}}",
-     r"network\.same_zone\.bandwidth_bytes_per_s: Input should be greater than 0"),
+     r"network\.same_zone\.bandwidth_bytes_per_s: Input should be greater than or equal to 1"),
     ("zones: [a, b]", r"zones: Input should be a valid dictionary"),
 ])
 def test_bad_cluster_names_file_and_field(tmp_path, text, match):

@@ -103,10 +103,9 @@ class Provider:
 
     def region(self, zone: str) -> str:
         """The region of `zone`; raises SailorInputError for an unknown zone."""
-        try:
+        if isinstance(zone, str) and zone in self.zone_region:
             return self.zone_region[zone]
-        except KeyError:
-            raise unknown_name(f"{self.name} zone", zone, self.zone_region) from None
+        raise unknown_name(f"{self.name} zone", zone, self.zone_region)
 
     def link_class(self, zone_a: str, zone_b: str) -> LinkClass:
         """Link class between two different nodes in `zone_a` and `zone_b`."""
@@ -174,11 +173,22 @@ def gpu_names() -> list[str]:
 def canonical_gpu(name: str) -> str:
     """Canonical GPU name for `name` or an alias; raises SailorInputError if unknown."""
     gpus, aliases = _gpu_table()
+    if not isinstance(name, str):
+        raise unknown_name("GPU type", name, list(gpus) + list(aliases))
     if name in gpus:
         return name
     if name in aliases:
         return aliases[name]
     raise unknown_name("GPU type", name, list(gpus) + list(aliases))
+
+
+def known_gpu(name: str) -> str | None:
+    """Canonical GPU name for `name` or an alias, or None when the catalog does not have it (for
+    foreign files that list GPU types we cannot plan for)."""
+    try:
+        return canonical_gpu(name)
+    except SailorInputError:
+        return None
 
 
 def gpu(name: str) -> GpuSpec:
@@ -188,10 +198,9 @@ def gpu(name: str) -> GpuSpec:
 
 def provider(name: str) -> Provider:
     """The provider named `name` ("gcp" or "local"); raises SailorInputError if unknown."""
-    try:
+    if isinstance(name, str) and name in _providers():
         return _providers()[name]
-    except KeyError:
-        raise unknown_name("provider", name, _providers()) from None
+    raise unknown_name("provider", name, _providers())
 
 
 def list_price(provider_name: str, gpu_name: str) -> float:

@@ -1,16 +1,25 @@
 """The `sailor` command line: a thin typer layer over the library.
 
-Each command lives in its own module below this package and registers itself on `app`. Bad input
-(`SailorInputError`) is printed as one line on stderr with exit status 2, never a traceback.
+Each command lives in its own module below this package and registers itself on `app`. What reaches
+the user on stderr (`main`):
+- bad input (`SailorInputError`, and typer's usage errors): one `error:` line, exit status 2;
+- input taken with a change (`sailor.errors.SailorWarning`): one `warning:` line, the command goes on;
+- anything else (a bug): one `error: internal error ...` line naming a file that holds the
+  traceback, exit status 1. Never a bare traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+import time
+import traceback
+import warnings
 
 import typer
 
-from sailor.errors import SailorInputError
+from sailor.errors import SailorInputError, SailorWarning, one_line
 
 # add_completion: `sailor --install-completion` / `--show-completion` (bash, zsh, fish, PowerShell).
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -50,7 +59,8 @@ def fail(message: str) -> "typer.Exit":
 
 
 def main() -> None:
-    """Console-script entry point: runs the app, turning input errors into one line and exit 2.
+    """Console-script entry point: runs the app, turning input errors into one line and exit 2,
+    warnings into one line each, and any other exception into one line and exit 1 (module docstring).
 
     Usage errors (unknown option, bad option value, missing argument) are one line and exit 2 too:
     typer would otherwise draw a multi-line box.
@@ -58,17 +68,51 @@ def main() -> None:
     # typer bundles its own copy of click; its exception base class lives there.
     from typer.core import _click
 
-    _register()
-    try:
-        code = app(standalone_mode=False)
-    except SailorInputError as e:
-        print(f"error: {e.one_line()}", file=sys.stderr)
-        sys.exit(2)
-    except _click.exceptions.ClickException as e:
-        message = " ".join(e.format_message().replace("Value error, ", "").split())
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
-        print("aborted", file=sys.stderr)
-        sys.exit(130)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", SailorWarning)  # every file's note, not only the first
+        warnings.showwarning = _show_warning
+        try:
+            _register()
+            code = app(standalone_mode=False)
+        except SailorInputError as e:
+            print(f"error: {e.one_line()}", file=sys.stderr)
+            sys.exit(2)
+        except _click.exceptions.ClickException as e:
+            message = " ".join(e.format_message().replace("Value error, ", "").split())
+            print(f"error: {one_line(message)} (see --help)", file=sys.stderr)
+            sys.exit(e.exit_code)
+        except (typer.Abort, KeyboardInterrupt):
+            print("aborted", file=sys.stderr)
+            sys.exit(130)
+        except (SystemExit, typer.Exit):
+            raise
+        except BaseException as e:  # a bug: one line, the traceback in a file
+            print(f"error: internal error ({one_line(type(e).__name__ + ': ' + str(e))[:300]}); {_save_traceback()}",
+                  file=sys.stderr)
+            sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning for the CLI: a SailorWarning as one `warning:` line; others as usual."""
+    if issubclass(category, SailorWarning):
+        print(f"warning: {one_line(str(message))}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+TRACEBACK_DIR_ENV = "SAILOR_TRACEBACK_DIR"  # where internal-error tracebacks go (default: the temp folder)
+
+
+def _save_traceback() -> str:
+    """Write the current exception's traceback to a new file; says where (or why it could not)."""
+    folder = os.environ.get(TRACEBACK_DIR_ENV) or tempfile.gettempdir()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix=time.strftime("sailor-traceback-%Y%m%d-%H%M%S-"), suffix=".txt",
+                                    dir=folder)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"sailor {' '.join(sys.argv[1:])}\n\n{traceback.format_exc()}")
+        return f"traceback saved to {path}; please report it"
+    except OSError as e:
+        return f"the traceback could not be saved ({e.strerror})"

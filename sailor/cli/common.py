@@ -7,6 +7,7 @@ import sys
 import typer
 
 from sailor.api import choice, resolve_models, resolve_specs  # noqa: F401  (shared by the commands)
+from sailor.fileio import Checks
 
 JobOpt = typer.Option(None, "--job", help="Job spec (YAML/JSON): model, global_batch_size, precision, optimizer.")
 ClusterOpt = typer.Option(None, "--cluster", help="Cluster spec (YAML/JSON): GPUs available per zone and type, prices.")
@@ -33,3 +34,10 @@ def require_torch(command: str) -> None:
     if importlib.util.find_spec("torch") is None:
         from sailor.errors import SailorInputError
         raise SailorInputError(f"`sailor {command}` needs torch, which is not installed", fix=TRAIN_EXTRA)
+
+
+def check_number(value: float | None, option: str, *, lo: float | None = None, hi: float | None = None,
+                 lo_open: bool = False) -> float | None:
+    """`value` (None passes) if it is a finite number in [lo, hi] ((lo, hi] with `lo_open`); else a
+    SailorInputError naming `option` (typer's float options take "nan" and "inf")."""
+    return None if value is None else Checks(option).number(value, "", lo=lo, hi=hi, lo_open=lo_open)

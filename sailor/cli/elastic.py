@@ -16,9 +16,10 @@ import typer
 from rich.console import Console
 
 from sailor.cli import app
-from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, choice, console, require_torch
+from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, check_number, choice, console, require_torch
 from sailor.errors import SailorInputError
 from sailor.fileio import check_output_path
+from sailor.limits import MAX_SECONDS, MAX_TRACE_TIME_S
 
 TraceOpt = typer.Option(..., "--availability", help="Availability trace: CSV (Timestamp + <gpu>_<zone> columns),"
                         ' JSON events [{"time_s", "zone", "gpu", "count"}], or [{"Time", "GPUs"}] for the'
@@ -78,6 +79,9 @@ def run(
     from sailor.specs import load_cluster, load_job
 
     clock_kind = choice(ClockKind, clock, "--clock", "clock")
+    check_number(time_scale, "--time-scale", lo=0, lo_open=True, hi=1e9)
+    check_number(switch_cost_s, "--switch-cost-s", lo=0, hi=MAX_SECONDS)
+    check_number(start_timeout_s, "--start-timeout-s", lo=0, lo_open=True, hi=MAX_SECONDS)
     for value, option, folder in ((checkpoint_dir, "--checkpoint-dir", True), (metrics, "--metrics", False),
                                   (events, "--events", False)):
         check_output_path(value, option, folder=folder)
@@ -126,6 +130,7 @@ def replay(
     from sailor.specs import load_cluster, load_job
 
     pol = choice(Policy, policy, "--policy", "policy")
+    check_number(duration_s, "--duration-s", lo=0, lo_open=True, hi=MAX_TRACE_TIME_S)
     check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"))
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     trace = load_trace(availability, cluster_spec)

@@ -54,11 +54,15 @@ def launch_command(
                                                    " (ReadWriteMany) mounted at --checkpoint-dir."),
 ) -> None:
     """Run PLAN with torchrun over ssh, or write its SkyPilot tasks or Kubernetes manifests."""
+    from sailor.fileio import check_output_path
     from sailor.launch import Backend, KubernetesOptions, LaunchOptions, launch, launch_files
     from sailor.plan import load_plan
+    from sailor.runtime.validate import check_plan_for_job
 
     chosen = choice(Backend, backend, "--backend", "backend")
+    check_output_path(out, "--out", folder=chosen is Backend.SKYPILOT)  # before any work
     plan = load_plan(plan_path)
+    check_plan_for_job(plan, plan.job, plan.cluster, source=str(plan_path))  # as `sailor train` does
     default_remote = "/etc/sailor/plan.json" if chosen is Backend.KUBERNETES else str(plan_path.resolve())
     opts = LaunchOptions(plan_path=remote_plan or default_remote, steps=steps, rdzv_port=rdzv_port, python=python,
                          checkpoint_dir=checkpoint_dir,

@@ -13,8 +13,10 @@ from rich.table import Table
 
 from sailor.cli import app
 from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models
+from sailor.cli.simulate import memory_label
 from sailor.errors import SailorInputError
 from sailor.api import plan_options
+from sailor.fileio import check_output_path
 from sailor.planner import Objective, PlanResult, SearchSpace, plan_job
 from sailor.plan import Plan
 from sailor.simulator import make_context
@@ -49,13 +51,15 @@ def plan_command(
     """Find the best plan for JOB on the GPUs CLUSTER offers (built-in example when both are omitted)."""
     if (job is None) != (cluster is None):
         raise SailorInputError("pass both --job and --cluster, or neither for the built-in example")
+    opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
+                        max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
+                        top=top)
+    check_output_path(out, "--out")
+    check_output_path(report, "--report", folder=True)
     job_spec = load_job(job) if job else EXAMPLE_JOB
     cluster_spec = load_cluster(cluster) if cluster else EXAMPLE_CLUSTER
     prof, net = resolve_models(job_spec, cluster_spec, profiles, network)
     ctx = make_context(job_spec, cluster_spec, prof, net)
-    opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
-                        max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
-                        top=top)
     con = console()
     try:
         if as_json:
@@ -110,6 +114,9 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
     stages = ", ".join(f"{i}: layers {plan.stage_layers_text(i)}" for i in range(plan.num_stages))
     con.print(f"{plan.num_stages} stage(s) ({stages}); {est.schedule.label}; micro-batch {plan.micro_batch_size}; "
               f"{len(plan.pipelines)} pipeline(s) on {plan.world_size} GPUs")
+    labels = [memory_label(plan.stage_memory(i)) for i in range(plan.num_stages)]
+    if any(x != "-" for x in labels):
+        con.print("memory options per stage: " + ", ".join(f"{i}: {x}" for i, x in enumerate(labels)))
     t = Table(title="pipelines (data-parallel replicas)")
     for col in ("GPU", "zone", "TP per stage", "pipelines", "micro-batches each", "samples each"):
         t.add_column(col)
@@ -132,6 +139,8 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
                  ("search time (s)", f"{result.search_time_s:.2f}")]:
         s.add_row(k, v)
     con.print(s)
+    if est.tp_communication:
+        con.print(f"TP communication: {'; '.join(est.tp_communication)}")
     if est.estimated:
         con.print(f"[yellow]estimated (no measurement): {'; '.join(est.estimated)}[/yellow]")
     if result.alternatives:
@@ -141,6 +150,8 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
         for i, c in enumerate(result.alternatives, 1):
             e, p = c.estimate, c.plan
             desc = "; ".join(f"{len(m)}x {g} {z} TP {','.join(map(str, tp))}" for g, z, tp, m in pipeline_groups(p))
+            mems = sorted({memory_label(p.stage_memory(i)) for i in range(p.num_stages)} - {"-"})
+            desc += f" [{', '.join(mems)}]" if mems else ""
             a.add_row(str(i), str(p.num_stages), str(p.micro_batch_size), desc, str(p.world_size),
                       f"{e.throughput_iters_per_s:.4f}", f"{e.cost_per_iteration_usd:.4f}", f"{e.cost_per_hour_usd:.2f}")
         con.print(a)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +13,7 @@ from sailor import catalog
 from sailor.cli import app
 from sailor.cli.common import require_torch
 from sailor.errors import SailorInputError
+from sailor.fileio import show
 
 profile_app = typer.Typer(no_args_is_help=False, help="Measure this machine: layer times, memory, links.")
 app.add_typer(profile_app, name="profile")
@@ -20,10 +22,10 @@ DeviceOpt = typer.Option("cpu", "--device", help="cpu (gloo, fp32, one process p
 
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise SailorInputError(f"expected comma-separated whole numbers, got {text!r}", field=option) from None
+    parts = [v.strip() for v in text.split(",") if v.strip()]
+    if not all(re.fullmatch(r"-?\d{1,9}", v) for v in parts):
+        raise SailorInputError(f"expected comma-separated whole numbers, got {show(text)}", field=option)
+    values = tuple(int(v) for v in parts)
     if not values:
         raise SailorInputError("give at least one value", field=option)
     return values
@@ -60,12 +62,13 @@ def profile_layers(
     if job is None:
         raise SailorInputError("no job: pass --job JOB.yaml (or use `sailor profile network --nproc N`)")
     require_torch("profile")
-    from sailor.fileio import write_json
+    from sailor.fileio import check_output_path, write_json
     from sailor.profiles import profiles_from_dict
     from sailor.runtime.profiler import ProfileOptions, check_options, profile_job, profile_steps
     from sailor.specs import load_job
 
     catalog.check_device(device)
+    check_output_path(out, "--out")  # before minutes of measuring
     opts = ProfileOptions(job=load_job(job), device=device,  # type: ignore[arg-type]
                           tps=_int_list(tp, "--tp"), mbs=_int_list(mbs, "--mbs"), warmup=warmup, repeats=repeats,
                           threads=threads, concurrency=concurrency)
@@ -91,10 +94,11 @@ def profile_network_command(
 ) -> None:
     """p2p and all-reduce over 1 KiB..64 MiB between local processes; fit latency and bandwidth."""
     require_torch("profile network")
-    from sailor.fileio import write_json
+    from sailor.fileio import check_output_path, write_json
     from sailor.runtime.netprofile import SIZES_BYTES, profile_network
 
     catalog.check_device(device)
+    check_output_path(out, "--out")
     bar, advance = _progress("network", len(SIZES_BYTES))
     with bar:
         data = profile_network(nproc, device=device, zone=zone, warmup=warmup, repeats=repeats,

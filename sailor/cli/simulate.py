@@ -12,6 +12,7 @@ from rich.table import Table
 
 from sailor.cli import app
 from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models, resolve_specs
+from sailor.fileio import check_output_path
 from sailor.models import Recompute
 from sailor.plan import Plan, StageMemory, load_plan
 from sailor.simulator import Estimate, make_context, simulate
@@ -31,6 +32,7 @@ def simulate_command(
     as_json: bool = JsonOpt,
 ) -> None:
     """Simulate one training iteration of PLAN: time, memory per GPU, cost."""
+    check_output_path(report, "--report", folder=True)
     plan = load_plan(plan_path)
     try:
         job_spec, cluster_spec = resolve_specs(plan, job, cluster)

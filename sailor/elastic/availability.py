@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from sailor import catalog
 from sailor.errors import SailorInputError
-from sailor.fileio import read_text
+from sailor.fileio import parse_json, read_text, show
+from sailor.limits import MAX_GPUS_PER_ZONE, MAX_TRACE_POINTS, MAX_TRACE_TIME_S
 from sailor.specs import ClusterSpec
 
 if TYPE_CHECKING:
@@ -91,19 +91,16 @@ def load_trace(path: str | Path, cluster: ClusterSpec) -> Trace:
     Returns:
         The trace, with canonical GPU names and times in seconds from its start.
     Raises:
-        SailorInputError: unreadable file, a syntax error, missing or unknown columns or fields,
-            an unknown zone or GPU type, a negative or fractional count, times that go backwards,
+        SailorInputError: unreadable file, a syntax error, a key given twice, missing or unknown
+            columns or fields, an unknown zone or GPU type, a negative, fractional or too large
+            count, a time that is not finite or goes backwards, more than MAX_TRACE_POINTS points,
             or an empty trace.
     """
     src = str(path)
     text = read_text(path)
     stripped = text.lstrip()
     if stripped.startswith("[") or stripped.startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=src) from None
-        return _from_json(data, cluster, src)
+        return _from_json(parse_json(text, src), cluster, src)
     return _from_csv(text, cluster, src)
 
 
@@ -111,6 +108,7 @@ def _from_json(data: Any, cluster: ClusterSpec, src: str) -> Trace:
     if not isinstance(data, list) or not data:
         raise SailorInputError("expected a non-empty list of events", source=src,
                                fix='e.g. [{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 4}]')
+    _check_points(len(data), src)
     if all(isinstance(e, dict) and set(e) == {"Time", "GPUs"} for e in data):
         pair = _single_pair(cluster, src)
         events = [(_time(e["Time"], src, f"[{i}].Time"), *pair, _count(e["GPUs"], src, f"[{i}].GPUs"))
@@ -132,8 +130,17 @@ def _from_json(data: Any, cluster: ClusterSpec, src: str) -> Trace:
     return _build(events, src, cluster)
 
 
+def _check_points(n: int, src: str) -> None:
+    if n > MAX_TRACE_POINTS:
+        raise SailorInputError(f"{n} points, more than {MAX_TRACE_POINTS} (sailor.limits.MAX_TRACE_POINTS)", source=src,
+                               fix="keep the points where availability changes, or cut the trace")
+
+
 def _from_csv(text: str, cluster: ClusterSpec, src: str) -> Trace:
-    rows = list(csv.reader(io.StringIO(text)))
+    try:
+        rows = list(csv.reader(io.StringIO(text)))
+    except csv.Error as e:
+        raise SailorInputError(f"invalid CSV: {e}", source=src) from None
     rows = [r for r in rows if any(c.strip() for c in r)]
     if not rows:
         raise SailorInputError("empty trace", source=src)
@@ -144,13 +151,14 @@ def _from_csv(text: str, cluster: ClusterSpec, src: str) -> Trace:
     t_col = header.index("Timestamp")
     columns: list[tuple[int, str, str]] = []  # (column index, zone, gpu)
     for k, name in enumerate(header):
-        if k == t_col or name == "":
-            continue  # the unnamed pandas index column
+        if k == t_col or (k == 0 and name == ""):
+            continue  # the unnamed pandas index column (any other column must name its GPU type and zone)
         columns.append((k, *_split_column(name, cluster, src)))
     if not columns:
         raise SailorInputError("no <gpu>_<zone> column", source=src, field="header")
     if len(rows) < 2:
         raise SailorInputError("no data row", source=src)
+    _check_points(len(rows) - 1, src)
     events, t0 = [], None
     for line, row in enumerate(rows[1:], start=2):
         if len(row) != len(header):
@@ -221,7 +229,7 @@ def _split_column(name: str, cluster: ClusterSpec, src: str) -> tuple[str, str]:
 
 def _zone(zone: Any, cluster: ClusterSpec, src: str, field: str) -> str:
     if not isinstance(zone, str):
-        raise SailorInputError(f"expected a zone name, got {zone!r}", source=src, field=field)
+        raise SailorInputError(f"expected a zone name, got {show(zone)}", source=src, field=field)
     try:
         cluster.prov.region(zone)
     except SailorInputError as e:
@@ -231,7 +239,7 @@ def _zone(zone: Any, cluster: ClusterSpec, src: str, field: str) -> str:
 
 def _gpu(gpu: Any, src: str, field: str) -> str:
     if not isinstance(gpu, str):
-        raise SailorInputError(f"expected a GPU type, got {gpu!r}", source=src, field=field)
+        raise SailorInputError(f"expected a GPU type, got {show(gpu)}", source=src, field=field)
     try:
         return catalog.canonical_gpu(gpu)
     except SailorInputError as e:
@@ -240,22 +248,26 @@ def _gpu(gpu: Any, src: str, field: str) -> str:
 
 def _number(text: str, src: str, field: str) -> float:
     try:
-        return float(text)
+        return float(text)  # "nan", "inf" and overflowing values are refused by _time and _count
     except ValueError:
-        raise SailorInputError(f"expected a number, got {text!r}", source=src, field=field) from None
+        raise SailorInputError(f"expected a number, got {show(text)}", source=src, field=field) from None
 
 
 def _time(value: Any, src: str, field: str, *, relative: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= MAX_TRACE_TIME_S
+          and math.isfinite(value))
     if not ok or (value < 0 and not relative):
-        raise SailorInputError(f"expected a time >= 0 in seconds, got {value!r}", source=src, field=field)
+        raise SailorInputError(f"expected a time >= 0 and <= {MAX_TRACE_TIME_S:g} in seconds, got {show(value)}",
+                               source=src, field=field)
     return float(value)
 
 
 def _count(value: Any, src: str, field: str) -> int:
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value != int(value) or value < 0):
-        raise SailorInputError(f"GPU count must be a whole number >= 0, got {value!r}", source=src, field=field)
+    """A GPU count: a whole number in [0, MAX_GPUS_PER_ZONE] (a CSV's "8.0" counts, "8.5" does not)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_GPUS_PER_ZONE
+            or value != int(value)):
+        raise SailorInputError(f"GPU count must be a whole number >= 0 and <= {MAX_GPUS_PER_ZONE}, got {show(value)}",
+                               source=src, field=field)
     return int(value)
 
 

@@ -55,6 +55,7 @@ from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.remote import HostPool, Machine, NodeLaunch
 from sailor.elastic.replan import Planned, Replanner
 from sailor.errors import InfeasibleError, SailorInputError
+from sailor.limits import max_local_processes
 from sailor.plan import rank_layout
 from sailor.runtime.launcher import ExitStatus, Prepared, TrainOptions, TrainResult, launch, prepare
 from sailor.specs import ClusterSpec, JobSpec
@@ -203,6 +204,11 @@ class Controller:
                                    fix="give some zone and GPU type a count above 0")
         if o.hosts is not None:
             o.hosts.check_covers(_offered(o.trace))
+        most = max(s.total() for s in o.trace.snapshots)
+        if o.hosts is None and o.device == "cpu" and most > max_local_processes():
+            raise SailorInputError(f"the trace offers up to {most} GPUs, each a process on this machine; it runs at most"
+                                   f" {max_local_processes()} (4 per CPU core)", source=o.trace.source,
+                                   fix="lower the trace's counts, or run on real machines with --hosts")
         if o.switch_cost_s is not None and not 0 <= o.switch_cost_s < float("inf"):
             raise SailorInputError(f"must be a number of seconds >= 0, got {o.switch_cost_s}", source="--switch-cost-s")
         if not o.start_timeout_s > 0:

@@ -261,7 +261,8 @@ def plot(result: ReplayResult, path: str) -> None:
     ax1.legend()
     ax1.set_title(f"{result.policy.value}: {result.iterations:,.0f} iterations, ${result.cost_usd:,.2f}")
     fig.tight_layout()
-    fig.savefig(path)
+    from sailor.report.figures import save_figure
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -56,9 +56,27 @@ class KubernetesOptions:
     checkpoint_claim: str | None = None
 
 
-def layout_for(plan: Plan, hosts: HostsFile | None = None) -> LaunchLayout:
-    """The launch layout, with GPUs per node from HOSTS.yaml where it gives them."""
-    return launch_layout(plan, node_sizes(plan, hosts.gpus_per_node() if hosts else None))
+def layout_for(plan: Plan, hosts: HostsFile | None = None, source: str = "HOSTS.yaml") -> LaunchLayout:
+    """The launch layout, with GPUs per node from HOSTS.yaml where it gives them.
+
+    Raises:
+        SailorInputError: a replica's TP is larger than its nodes (a TP group never spans machines,
+            so a larger TP would silently get nodes larger than the machines hold).
+    """
+    given = hosts.gpus_per_node() if hosts else {}
+    sizes = node_sizes(plan, given)
+    for j, p in enumerate(plan.pipelines):
+        for i, r in enumerate(p.replicas):
+            if r.tp > sizes[r.gpu]:
+                k = next((k for k, g in enumerate(hosts.groups) if g.gpu == r.gpu and g.gpus_per_node), None) \
+                    if r.gpu in given else None
+                raise SailorInputError(
+                    f"replica {i} of pipeline {j} has TP {r.tp}, but {r.gpu} machines hold {sizes[r.gpu]} GPUs"
+                    f" ({'this file' if k is not None else 'the plan cluster' if plan.cluster else 'the catalog'});"
+                    " TP never crosses a node", source=source if k is not None else None,
+                    field=f"groups.{k}.gpus_per_node" if k is not None else f"pipelines.{j}.replicas.{i}.tp",
+                    fix="plan for nodes of that size, or list machines that hold the TP group")
+    return launch_layout(plan, sizes)
 
 
 def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_path: str | Path | None = None,
@@ -90,7 +108,7 @@ def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_pat
     if image is not None and backend is Backend.TORCHRUN:
         raise SailorInputError("--image is for the skypilot and kubernetes backends", source="--image")
     hosts = load_hosts(hosts_path) if hosts_path is not None else None
-    layout = layout_for(plan, hosts)
+    layout = layout_for(plan, hosts, str(hosts_path))
     if backend is Backend.TORCHRUN:
         from sailor.launch.torchrun import node_specs
         return node_specs(layout, opts, hosts, str(hosts_path))
@@ -135,7 +153,7 @@ def launch(plan: Plan, opts: LaunchOptions, hosts_path: str | Path, *, ssh: str 
 
     check_options(opts, plan)
     hosts = load_hosts(hosts_path)
-    cmds = node_commands(layout_for(plan, hosts), opts, hosts, str(hosts_path))
+    cmds = node_commands(layout_for(plan, hosts, str(hosts_path)), opts, hosts, str(hosts_path))
     return run_over_ssh(cmds, ssh=ssh)
 
 

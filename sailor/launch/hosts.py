@@ -24,11 +24,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from sailor import catalog
 from sailor.errors import SailorInputError
-from sailor.fileio import load_mapping, parse_model
+from sailor.fileio import SPEC_CONFIG, Whole, load_mapping, parse_model, show
+from sailor.limits import MAX_GPUS_PER_NODE
 from sailor.launch.common import LaunchLayout, Node
 
 _HOST = re.compile(r"(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._:%\[\]][A-Za-z0-9._:%\[\]-]*")
@@ -36,20 +37,20 @@ _USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
 
 
 def _check_user(v: str | None) -> str | None:
-    if v is not None and not _USER.fullmatch(v):
-        raise ValueError(f"{v!r} is not a user name")
+    if v is not None and (len(v) > 64 or not _USER.fullmatch(v)):
+        raise ValueError(f"{show(v)} is not a user name")
     return v
 
 
 class HostGroup(BaseModel):
     """The machines of one (zone, GPU type)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    zone: str
+    model_config = SPEC_CONFIG
+    zone: str = Field(min_length=1, max_length=200)
     gpu: str
     hosts: tuple[str, ...] = Field(min_length=1)
     user: str | None = None
-    gpus_per_node: int | None = Field(default=None, ge=1)
+    gpus_per_node: Whole(1, MAX_GPUS_PER_NODE) | None = None
 
     @field_validator("gpu")
     @classmethod
@@ -60,8 +61,8 @@ class HostGroup(BaseModel):
     @classmethod
     def _hosts(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         for h in v:
-            if not _HOST.fullmatch(h) or h.startswith("-"):
-                raise ValueError(f"{h!r} is not a host name or address ssh can take")
+            if len(h) > 255 or not _HOST.fullmatch(h) or h.startswith("-"):
+                raise ValueError(f"{show(h)} is not a host name or address ssh can take")
         return v
 
     _user = field_validator("user")(classmethod(lambda cls, v: _check_user(v)))
@@ -70,7 +71,7 @@ class HostGroup(BaseModel):
 class HostsFile(BaseModel):
     """A HOSTS.yaml file (module docstring)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = SPEC_CONFIG
     user: str | None = None
     groups: tuple[HostGroup, ...] = Field(min_length=1)
 

@@ -29,21 +29,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sailor.errors import InfeasibleError
-from sailor.plan import Plan
+from sailor.plan import Plan, StageMemory
 from sailor.planner import search as S
 from sailor.planner.branch import coarse_nodes, families, points, search_counts
-from sailor.planner.options import Constraints, Objective, PlanOptions, SearchSpace, objective_key
-from sailor.planner.space import even_partition, stage_options
+from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace, objective_key
+from sailor.planner.space import even_partition, memory_candidates, sp_possible, stage_options, zero3_needed
 from sailor.simulator import Estimate, SimContext, simulate
 from sailor.simulator.memory import replica_memory
 
 __all__ = ["Choice", "Constraints", "Objective", "PlanOptions", "PlanResult", "SearchSpace", "plan_job"]
 
 GB = 1e9
-# Clusters of at most this many GPUs are searched exactly (every template, every count vector where
-# there are at most search.EXHAUSTIVE_COUNTS); larger ones with the heuristics of `_template_combos`
-# and `_search_counts` (the brute-force tests check the exact mode).
-EXACT_MAX_GPUS = 32
 
 
 
@@ -251,14 +247,17 @@ def _pareto_add(front: list[tuple[float, float]], p: tuple[float, float]) -> Non
 
 
 def _build_plan(ctx: SimContext, cand: S.Candidate, point) -> Plan:
-    partition, mbs = point[0], point[1]
+    partition, mbs, memory = point[0], point[1], point[4]
     types = cand.scorer.types
     pipelines = []
     for t, shares in zip(types, cand.shares):
         for m in shares:
             pipelines.append({"microbatches": m, "replicas": [
                 {"stage": i, "gpu": t.gpu, "zone": t.zone, "tp": tp} for i, tp in enumerate(t.tps)]})
+    if len(pipelines) == 1:  # ZeRO over one replica shards nothing: leave it out of the plan
+        memory = tuple(m.model_copy(update={"zero": 0}) for m in memory)
     plan = Plan.model_validate({"micro_batch_size": mbs, "stages": [list(s) for s in partition], "pipelines": pipelines,
+                                "memory": [m.model_dump(mode="json") for m in memory] if any(not m.is_default for m in memory) else [],
                                 "job": ctx.job.to_dict(), "cluster": ctx.cluster.to_dict()})
     plan.check_against(ctx.job, ctx.cluster)
     return plan
@@ -269,22 +268,7 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
     job, cluster = ctx.job, ctx.cluster
     model = job.model
     if not any_fit:
-        # memory: the least memory per GPU over stage counts, TP degrees and a micro-batch of 1
-        best = None
-        for g in cluster.gpu_types():
-            for tp in model.tp_degrees(cluster.node_size(g)):
-                for P in range(1, min(model.num_layers, opts.max_stages) + 1):
-                    part = even_partition(model.num_layers, P)
-                    need = max(replica_memory(ctx, g, tp, 1, ((a, b),), stage=i, num_stages=P, microbatches=job.global_batch_size).total
-                               for i, (a, b) in enumerate(part))
-                    if best is None or need < best[0]:
-                        best = (need, g, tp, P)
-        if best is None:
-            return "no GPU type in the cluster can hold a TP group of this model"
-        need, g, tp, P = best
-        largest = max(cluster.gpu_types(), key=lambda x: ctx.memory_capacity(x))
-        return (f"{model.name} needs {need / GB:.1f} GB per GPU at best (TP {tp}, {P} stages, micro-batch 1);"
-                f" the largest GPU offered ({largest}) has {ctx.memory_capacity(largest) / GB:.1f} GB")
+        return _no_fit(ctx, opts)
     c = opts.constraints
     if c == Constraints():
         return _too_few_gpus(ctx, opts)
@@ -306,6 +290,53 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
             f" ${cheapest.cost_per_iteration_usd:.3g}/iteration at {cheapest.throughput_iters_per_s:.3g} iterations/s")
 
 
+# No memory options, and the ones that save the most (the infeasibility message compares them).
+_SAVINGS = [("no memory options", StageMemory()),
+            ("full recomputation, SP and ZeRO-3", StageMemory(recompute="full", sequence_parallel=True, zero=3))]
+
+
+def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
+    """No partition fits: the least memory per GPU without and with the strongest memory options
+    (TP within a node, P up to max_stages, even partition, micro-batch 1, ZeRO over as many replicas
+    as the GPUs of the type allow), naming the option that would make it fit with more GPUs (ZeRO
+    over more replicas), or saying that none would."""
+    job, cluster, model = ctx.job, ctx.cluster, ctx.job.model
+    largest = max(cluster.gpu_types(), key=lambda x: ctx.memory_capacity(x))
+    cap = ctx.memory_capacity(largest)
+
+    def least(mem: StageMemory, more: int = 1):
+        best = None  # (bytes, gpu, tp, P, replicas)
+        for g in cluster.gpu_types():
+            for tp in model.tp_degrees(cluster.node_size(g)):
+                if mem.sequence_parallel and not sp_possible(ctx, tp):
+                    continue
+                for P in range(1, min(model.num_layers, opts.max_stages) + 1):
+                    have = sum(cluster.available(z, g) for z in cluster.zones) // (tp * P)
+                    d = min(job.global_batch_size, max(1, have) * more) if mem.zero else 1
+                    need = max(replica_memory(ctx, g, tp, 1, ((a, b),), stage=i, num_stages=P, microbatches=job.global_batch_size,
+                                              memory=mem, replicas=d).total - ctx.memory_capacity(g) + cap
+                               for i, (a, b) in enumerate(even_partition(model.num_layers, P)))
+                    if best is None or need < best[0]:
+                        best = (need, g, tp, P, d)
+        return best
+
+    plain, strongest = least(_SAVINGS[0][1]), least(_SAVINGS[-1][1])
+    if plain is None:
+        return "no GPU type in the cluster can hold a TP group of this model"
+    where = f"TP {strongest[2]}, {strongest[3]} stages, micro-batch 1"
+    head = (f"{model.name} needs {plain[0] / GB:.1f} GB per GPU at best without memory options and"
+            f" {strongest[0] / GB:.1f} GB with full recomputation, SP and ZeRO-3 over {strongest[4]} replicas ({where});"
+            f" the largest GPU offered ({largest}) has {cap / GB:.1f} GB")
+    for more in (2, 4, 8, 16, 64, 256, 1024):
+        bigger = least(_SAVINGS[-1][1], more)
+        if bigger[4] <= strongest[4]:
+            break  # as many replicas as micro-batches already
+        if bigger[0] <= cap:
+            return (f"{head}; full recomputation, SP and ZeRO-3 over {bigger[4]} replicas ({bigger[4] * bigger[2] * bigger[3]}"
+                    f" {bigger[1]}, TP {bigger[2]}, {bigger[3]} stages) would make it fit")
+    return f"{head}, and no memory option makes it fit"
+
+
 def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
     """Some GPU type can hold the model's stages, but no zone has enough of them for one pipeline:
     the smallest pipeline (fewest GPUs over P and TP, micro-batch 1) against the most one zone offers."""
@@ -315,11 +346,14 @@ def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
     for g in cluster.gpu_types():
         most = max(cluster.available(z, g) for z in cluster.zones)
         for P in range(1, min(L, opts.max_stages) + 1):
-            options = stage_options(ctx, g, even_partition(L, P), 1, job.global_batch_size)
-            if all(options):
-                need = sum(min(o.tp for o in stage) for stage in options)
-                if best is None or need / max(most, 1) < best[0]:
-                    best = (need / max(most, 1), need, g, P, most)
+            part = even_partition(L, P)
+            for memory in memory_candidates(ctx, [g], part, 1, job.global_batch_size,
+                                            3 if zero3_needed(ctx, opts.max_stages) else 2):
+                options = stage_options(ctx, g, part, 1, job.global_batch_size, memory)
+                if all(options):
+                    need = sum(min(o.tp for o in stage) for stage in options)
+                    if best is None or need / max(most, 1) < best[0]:
+                        best = (need / max(most, 1), need, g, P, most)
     if best is None:
         return f"no GPU type in the cluster can hold {job.model.name}'s stages in memory"
     _, need, g, P, most = best

@@ -13,7 +13,10 @@ import numpy as np
 
 from sailor.planner import search as S
 from sailor.planner.options import Objective, PlanOptions
-from sailor.simulator import SimContext, Slot, allreduce_s, stage_sync
+from sailor.planner.space import zero3_needed
+from sailor.models import Recompute
+from sailor.plan import DEFAULT_STAGE_MEMORY
+from sailor.simulator import SimContext, Slot, allreduce_s, stage_sync, time_options
 
 
 def coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) -> tuple[float, float]:
@@ -27,8 +30,9 @@ def coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) ->
     τ·G_j/work micro-batches by τ (fill_j >= period_j), so `a` GPUs of a type in a zone finish at most
     min((a/P)·(1 + (τ - fill)·P/fill), a·τ/work) by τ.
     The sync of two or more replicas is at least half the two-replica all-reduce of 1/P of the
-    model's gradient at the most favourable TP degree and zone. Cost: every micro-batch costs at
-    least the cheapest price x work.
+    model's gradient at the most favourable TP degree and zone, times the smallest share of it any
+    memory option leaves (`zero_sync_share`). Cost: every micro-batch costs at least the cheapest
+    price x work.
     """
     job, model = ctx.job, ctx.job.model
     L = model.num_layers
@@ -63,9 +67,19 @@ def coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) ->
     lo = smallest_time(lambda tau: capacity(tau) >= M, min(k[1] for k in kinds),
                        max(k[1] for k in kinds) * (1 + job.global_batch_size))
     alone = min(fill + (M - 1) * per for _, fill, per, _, _ in kinds)
-    T = min(alone, lo + sync2 / 2)
+    T = min(alone, lo + zero_sync_share(ctx, opts) * sync2 / 2)
     cost = M * min(price * work for _, _, _, work, price in kinds) / 3600.0
     return (T, cost) if opts.objective is Objective.THROUGHPUT else (cost, T)
+
+
+def zero_sync_share(ctx: SimContext, opts: PlanOptions) -> float:
+    """Smallest fraction of the gradient all-reduce's time a stage's sync can take under the memory
+    options the search may use: ZeRO-1/2 reduce-scatter the gradients (half) and all-gather the
+    weights (half, at weight bytes), ZeRO-3 only reduce-scatters (half; searched only when needed,
+    `space.zero3_needed`)."""
+    per = ctx.job.state_bytes_per_param
+    share = min(1.0, (per["gradients"] + per["weights"]) / (2 * per["gradients"]))
+    return min(share, 0.5) if zero3_needed(ctx, opts.max_stages) else share
 
 
 def coarse_estimate(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) -> tuple[float, float]:
@@ -79,7 +93,8 @@ def coarse_estimate(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions)
     average stage are ignored, which is why the exact mode uses `coarse_bound` instead."""
     job, model = ctx.job, ctx.job.model
     L, M = model.num_layers, job.global_batch_size // mbs
-    per_param = sum(job.state_bytes_per_param.values())
+    state = job.state_bytes_per_param
+    zero3 = zero3_needed(ctx, opts.max_stages)
     runs = []  # (pipelines, fill, per-mb, usd/hour per pipeline, (gpu, zone))
     sync2 = float("inf")
     for z in zones:
@@ -87,8 +102,12 @@ def coarse_estimate(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions)
             cap_bytes = ctx.memory_capacity(g)
             for t in model.tp_degrees(ctx.cluster.node_size(g)):
                 n = a // (P * t)
-                act = ctx.act_cumsum(t, mbs)[-1]
-                if n == 0 or (ctx.stage_params(t, 0, L) * per_param + act) / P + ctx.framework_bytes(g) > cap_bytes:
+                if n == 0:
+                    continue
+                # the least the average stage can hold: full recomputation, ZeRO over the n replicas
+                act = ctx.act_cumsum(t, mbs, Recompute.FULL)[-1]
+                per_param = (state["weights"] / (n if zero3 else 1)) + (state["gradients"] + state["optimizer"]) / n
+                if (ctx.stage_params(t, 0, L) * per_param + act) / P + ctx.framework_bytes(g) > cap_bytes:
                     continue
                 layers = np.diff(ctx.layer_cumsum(g, t, mbs), axis=0).sum(axis=1)
                 c = ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t) if P > 1 else 0.0
@@ -140,23 +159,26 @@ def coarse_estimate(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions)
     return (best_t, best_c) if opts.objective is Objective.THROUGHPUT else (best_c, best_t)
 
 
-def sync_floor(ctx, gpu: str, zones, options, partition) -> float:
+def sync_floor(ctx, gpu: str, zones, options, partition, memory=None) -> float:
     """Lower bound on the gradient sync of any plan with >= 2 pipelines of `gpu`: per stage, the
-    all-reduce between just two replicas at the most favourable feasible TP degree, in the most
-    favourable zone (more members, mixed TP degrees or other zones only add ring steps, shrink the
-    flow count or slow the links)."""
+    sync between just two replicas (under the stage's memory options) at the most favourable
+    feasible TP degree, in the most favourable zone (more members, mixed TP degrees or other zones
+    only add ring steps, shrink the flow count or slow the links)."""
+    memory = memory or (DEFAULT_STAGE_MEMORY,) * len(partition)
     best = float("inf")
     for z in zones:
         worst = 0.0
-        for opts_i, (a, e) in zip(options, partition):
-            worst = max(worst, min(stage_sync(ctx, [(Slot(zone=z, gpu=gpu, tp=o.tp), 2)], ((a, e),))[0] for o in opts_i))
+        for opts_i, (a, e), mem in zip(options, partition, memory):
+            sync = time_options(mem, 2)
+            worst = max(worst, min(stage_sync(ctx, [(Slot(zone=z, gpu=gpu, tp=o.tp), 2)], ((a, e),), sync)[0] for o in opts_i))
         best = min(best, worst)
     return best
 
 
 def types_sync_floor(ctx, types: list[S.PipelineType], partition) -> float:
-    """`sync_floor` for pipeline types whose TP template is fixed."""
-    return min(max(stage_sync(ctx, [(t.slot(i), 2)], ((a, e),))[0] for i, (a, e) in enumerate(partition)) for t in types)
+    """`sync_floor` for pipeline types whose TP template and memory options are fixed."""
+    return min(max(stage_sync(ctx, [(t.slot(i), 2)], ((a, e),), time_options(t.memory[i], 2))[0]
+                   for i, (a, e) in enumerate(partition)) for t in types)
 
 
 def lower_bound(types: list[S.PipelineType], M: int, opts: PlanOptions, sync2: float,

@@ -14,19 +14,29 @@ from typing import Callable
 from sailor.planner import search as S
 from sailor.planner.bounds import coarse_bound, coarse_estimate, lower_bound, sync_floor, types_sync_floor
 from sailor.planner.options import Objective, PlanOptions, SearchSpace, objective_key
-from sailor.planner.space import candidate_partitions, even_partition, mbs_candidates, stage_options, templates
+from sailor.plan import StageMemory
+from sailor.planner.space import (candidate_partitions, even_partition, mbs_candidates, memory_candidates,
+                                  stage_options, templates, zero3_needed)
 from sailor.simulator import SimContext
 
 
 @dataclass(frozen=True)
 class Family:
-    """(region, P, micro-batch, partition) with the TP templates feasible per GPU type."""
+    """(region, P, micro-batch, partition, stage memory options) with the TP templates feasible per
+    GPU type and, per GPU type, stage and TP degree, the fewest replicas that fit (ZeRO)."""
 
     zones: tuple[str, ...]
     mbs: int
     M: int
     partition: tuple
     templates: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]  # (gpu, its templates)
+    memory: tuple[StageMemory, ...] = ()
+    min_replicas: tuple[tuple[str, tuple[tuple[tuple[int, int], ...], ...]], ...] = ()  # (gpu, per stage ((tp, D),))
+
+    def template_min_replicas(self, gpu: str, tps: tuple[int, ...]) -> int:
+        """Fewest replicas with which every stage of template `tps` on `gpu` fits."""
+        per_stage = dict(self.min_replicas).get(gpu)
+        return max(dict(stage)[tp] for stage, tp in zip(per_stage, tps)) if per_stage else 1
 
 
 def coarse_nodes(ctx: SimContext, opts: PlanOptions, exact: bool):
@@ -44,7 +54,8 @@ def coarse_nodes(ctx: SimContext, opts: PlanOptions, exact: bool):
 
 
 def families(ctx: SimContext, opts: PlanOptions, zones: tuple[str, ...], P: int, mbs: int):
-    """Yield (lower-bound key, Family) for every partition of (zones, P, mbs) with a feasible template."""
+    """Yield (lower-bound key, Family) for every partition of (zones, P, mbs) and every memory
+    candidate of it (`space.memory_candidates`) with a feasible template."""
     job = ctx.job
     M = job.global_batch_size // mbs
     gpus = sorted({g for z in zones for g, n in ctx.cluster.zones[z].items() if n > 0})
@@ -52,24 +63,28 @@ def families(ctx: SimContext, opts: PlanOptions, zones: tuple[str, ...], P: int,
         partitions = candidate_partitions(ctx, P, mbs, gpus)
     else:
         partitions = [even_partition(job.model.num_layers, P)]
+    zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
     for partition in partitions:
-        per_gpu, relaxed, s2 = [], [], float("inf")
-        for g in gpus:
-            options = stage_options(ctx, g, partition, mbs, M)
-            tmpl = templates(options)
-            if opts.search is not SearchSpace.FULL:
-                uniform = [t for t in tmpl if len(set(t)) == 1]
-                # the published rule: the smallest TP degree that fits (H2), one per GPU type
-                tmpl = uniform[:1] if opts.search is SearchSpace.PAPER else uniform
-            if not tmpl:
-                continue
-            per_gpu.append((g, tuple(tmpl)))
-            # relaxation: every template of a GPU type may use all of its GPUs at once
-            relaxed += [x for t in tmpl for x in pipeline_types(ctx, {g: t}, list(zones), partition, mbs)]
-            s2 = min(s2, sync_floor(ctx, g, zones, options, partition))
-        if per_gpu:
-            fam = Family(tuple(zones), mbs, M, partition, tuple(per_gpu))
-            yield lower_bound(relaxed, M, opts, s2, shared=True), fam
+        for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max)[: opts.memory_per_partition]:
+            per_gpu, min_d, relaxed, s2 = [], [], [], float("inf")
+            for g in gpus:
+                options = stage_options(ctx, g, partition, mbs, M, memory)
+                tmpl = templates(options)
+                if opts.search is not SearchSpace.FULL:
+                    uniform = [t for t in tmpl if len(set(t)) == 1]
+                    # the published rule: the smallest TP degree that fits (H2), one per GPU type
+                    tmpl = uniform[:1] if opts.search is SearchSpace.PAPER else uniform
+                if not tmpl:
+                    continue
+                per_gpu.append((g, tuple(tmpl)))
+                min_d.append((g, tuple(tuple((o.tp, o.min_replicas) for o in stage) for stage in options)))
+                fam_g = Family(tuple(zones), mbs, M, partition, (), memory, (min_d[-1],))
+                # relaxation: every template of a GPU type may use all of its GPUs at once
+                relaxed += [x for t in tmpl for x in pipeline_types(ctx, {g: t}, list(zones), partition, mbs, fam_g)]
+                s2 = min(s2, sync_floor(ctx, g, zones, options, partition, memory))
+            if per_gpu:
+                fam = Family(tuple(zones), mbs, M, partition, tuple(per_gpu), memory, tuple(min_d))
+                yield lower_bound(relaxed, M, opts, s2, shared=True), fam
 
 
 def regions(cluster) -> dict[str, list[str]]:
@@ -82,44 +97,47 @@ def regions(cluster) -> dict[str, list[str]]:
 
 
 def points(ctx: SimContext, opts: PlanOptions, fam: Family, exact: bool):
-    """Yield (pipeline types, point) for every template combination of a family, best bound first."""
+    """Yield (pipeline types, point) for every template combination of a family, best bound first.
+    A point is (partition, mbs, ((gpu, template), ...), zones, memory)."""
     per_gpu = dict(fam.templates)
     zones = list(fam.zones)
     if opts.search is SearchSpace.HOMOGENEOUS:
         combos = [({g: t}, [z]) for g, tmpls in per_gpu.items() for z in zones if ctx.cluster.available(z, g)
                   for t in tmpls]
     else:
-        combos = [(c, zones) for c in template_combos(ctx, per_gpu, zones, fam.partition, fam.mbs, opts, exact, fam.M)]
+        combos = [(c, zones) for c in template_combos(ctx, fam, zones, opts, exact)]
     pts = []
     for combo, zs in combos:
-        types = pipeline_types(ctx, combo, zs, fam.partition, fam.mbs)
+        types = pipeline_types(ctx, combo, zs, fam.partition, fam.mbs, fam)
         if types:
-            point = (fam.partition, fam.mbs, tuple(sorted(combo.items())), tuple(zs))
+            point = (fam.partition, fam.mbs, tuple(sorted(combo.items())), tuple(zs), fam.memory)
             pts.append((lower_bound(types, fam.M, opts, types_sync_floor(ctx, types, fam.partition)), types, point))
     pts.sort(key=lambda x: x[0])
     for _, types, point in pts:
         yield types, point
 
 
-def pipeline_types(ctx, combo: dict[str, tuple[int, ...]], zones: list[str], partition, mbs: int) -> list[S.PipelineType]:
-    """One pipeline type per (GPU type, zone) with room for at least one pipeline of its template."""
+def pipeline_types(ctx, combo: dict[str, tuple[int, ...]], zones: list[str], partition, mbs: int,
+                   fam: Family) -> list[S.PipelineType]:
+    """One pipeline type per (GPU type, zone) with room for at least one pipeline of its template,
+    with the family's memory options (constants: D-free lower bounds, `make_pipeline_type`)."""
     out = []
     for g, tps in sorted(combo.items()):
         for z in zones:
             avail = ctx.cluster.available(z, g)
             if avail >= sum(tps):
-                out.append(S.make_pipeline_type(ctx, g, z, tps, partition, mbs, avail // sum(tps)))
+                out.append(S.make_pipeline_type(ctx, g, z, tps, partition, mbs, avail // sum(tps), memory=fam.memory,
+                                                min_replicas=fam.template_min_replicas(g, tps)))
     return out
 
 
-def template_combos(ctx, per_gpu: dict[str, list[tuple[int, ...]]], zones, partition, mbs, opts: PlanOptions,
-                     exact: bool, M: int):
+def template_combos(ctx, fam: Family, zones, opts: PlanOptions, exact: bool):
     """One template per GPU type (or the type unused). Outside exact mode only the best
     `templates_per_gpu` templates per type enter, ranked by the objective of that type alone."""
     lists = []
-    for g, tmpls in sorted(per_gpu.items()):
+    for g, tmpls in sorted(dict(fam.templates).items()):
         if not exact and len(tmpls) > opts.templates_per_gpu:
-            tmpls = sorted(tmpls, key=lambda t: alone_score(ctx, g, zones, t, partition, mbs, M, opts))
+            tmpls = sorted(tmpls, key=lambda t: alone_score(ctx, g, zones, t, fam, opts))
             tmpls = tmpls[: opts.templates_per_gpu]
         lists.append([(g, t) for t in tmpls] + [None])
     for pick in itertools.product(*lists):
@@ -128,15 +146,16 @@ def template_combos(ctx, per_gpu: dict[str, list[tuple[int, ...]]], zones, parti
             yield chosen
 
 
-def alone_score(ctx, gpu, zones, tps, partition, mbs, M: int, opts: PlanOptions) -> tuple[float, float]:
+def alone_score(ctx, gpu, zones, tps, fam: Family, opts: PlanOptions) -> tuple[float, float]:
     """Objective key of the best of a few plans using only this template in its largest zone
     (all, half, a quarter of the pipelines that fit, and one)."""
     zone = max(zones, key=lambda z: ctx.cluster.available(z, gpu))
-    n_max = min(ctx.cluster.available(zone, gpu) // sum(tps), M)
+    n_max = min(ctx.cluster.available(zone, gpu) // sum(tps), fam.M)
     if n_max < 1:
         return (float("inf"), float("inf"))
-    t = S.make_pipeline_type(ctx, gpu, zone, tps, partition, mbs, n_max)
-    scorer = S.Scorer(ctx, partition, [t], M)
+    t = S.make_pipeline_type(ctx, gpu, zone, tps, fam.partition, fam.mbs, n_max, memory=fam.memory,
+                             min_replicas=fam.template_min_replicas(gpu, tps))
+    scorer = S.Scorer(ctx, fam.partition, fam.mbs, [t], fam.M)
     key = objective_key(opts.objective)
     best = (float("inf"), float("inf"))
     for n in {n_max, max(1, n_max // 2), max(1, n_max // 4), 1}:
@@ -154,7 +173,7 @@ def search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M:
     s_min = types_sync_floor(ctx, types, point[0])
     if lower_bound(types, M, opts, s_min)[0] >= best():
         return
-    scorer = S.Scorer(ctx, point[0], types, M, equal_shares=opts.search is not SearchSpace.FULL)
+    scorer = S.Scorer(ctx, point[0], point[1], types, M, equal_shares=opts.search is not SearchSpace.FULL)
     gpus_in_point = {g for g, _ in point[2]}
 
     def consider(counts) -> S.Candidate | None:

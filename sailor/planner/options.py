@@ -7,6 +7,12 @@ from enum import Enum
 from typing import Callable
 
 
+# Clusters of at most this many GPUs are searched exactly (every template, every count vector where
+# there are at most search.EXHAUSTIVE_COUNTS); larger ones with the heuristics of
+# `branch.template_combos` and `branch.search_counts` (the brute-force tests check the exact mode).
+EXACT_MAX_GPUS = 32
+
+
 class Objective(str, Enum):
     """What to optimise. With a fixed global batch, these are time-to-train and cost-to-train."""
 
@@ -45,7 +51,9 @@ class Constraints:
 class PlanOptions:
     """Search settings. `max_stages` bounds P; `max_mbs` the micro-batch size; `top_k` the
     alternatives kept; `rescore` how many closed-form finalists get the event simulation;
-    `templates_per_gpu` how many TP templates per GPU type enter the count search on large spaces."""
+    `templates_per_gpu` how many TP templates per GPU type enter the count search on large spaces;
+    `memory_per_partition` how many memory-option candidates per layer partition (the lightest,
+    `space.memory_candidates`) are searched (in every mode: it is part of the space)."""
 
     objective: Objective = Objective.THROUGHPUT
     constraints: Constraints = field(default_factory=Constraints)
@@ -55,6 +63,7 @@ class PlanOptions:
     top_k: int = 5
     rescore: int = 8
     templates_per_gpu: int = 3
+    memory_per_partition: int = 2
 
 
 def objective_key(objective: Objective) -> Callable[[float, float], tuple[float, float]]:

@@ -13,7 +13,12 @@ available). Its iteration time is
     T(n) = W(n) + max_i S_i(n) + O(n)
 
 with W the pipeline makespan under the best integer batch shares, S_i the all-reduce of stage i over
-the D = Σ n_k replicas, and O the slowest optimizer step.
+the D = Σ n_k replicas, and O the slowest optimizer step. The point's memory options are the same
+for every type (one StageMemory per stage); a count vector is feasible only when D reaches every
+used type's `min_replicas` (ZeRO options fit from some D on). Under ZeRO the optimizer step (and
+under ZeRO-3 the per-micro-batch weight gathers) depend on D, so the scorer rebuilds those types at
+the vector's D (`PipelineType.at`), exactly as `simulate` times them; the types handed to the bounds
+hold D-free lower bounds (gathers at min_replicas, optimizer at the largest possible D).
 
 Batch shares (exact): W(n) = min τ such that Σ_k n_k·cap_k(τ) >= M, cap_k(τ) = max{m >= 1 :
 time_k(m) <= τ}, M = global batch / micro-batch; found by bisection on τ, then each pipeline gets
@@ -34,7 +39,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_sync, tied_sync
+from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
+from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_sync, tied_sync, time_options
 from sailor.simulator.schedule import closed_form_1f1b
 
 EXHAUSTIVE_COUNTS = 4096
@@ -54,9 +60,30 @@ class PipelineType:
     usd_per_hour: float  # G_k x $/GPU-hour in this zone
     optimizer_s: float   # slowest optimizer step among its stages (s)
     max_count: int       # pipelines that fit in this zone's GPUs
+    memory: tuple[StageMemory, ...] = ()  # the stages' memory options (the point's, for every type)
+    min_replicas: int = 1  # fewest pipelines of the whole plan with which it fits (ZeRO)
+    replicas: int | None = None  # the D its constants are exact for; None: D-free lower bounds
 
     def slot(self, stage: int) -> Slot:
         return Slot(zone=self.zone, gpu=self.gpu, tp=self.tps[stage])
+
+    @property
+    def depends_on_replicas(self) -> bool:
+        return any(m.zero for m in self.memory)
+
+    def at(self, ctx: SimContext, partition, mbs: int, replicas: int) -> "PipelineType":
+        """This type with constants exact for a plan of `replicas` pipelines: under ZeRO-1/2 only
+        the optimizer step changes (1/D of the parameters), under ZeRO-3 the gathers too."""
+        if not self.depends_on_replicas or self.replicas == replicas:
+            return self
+        if all(m.zero < 3 for m in self.memory):
+            key = ("optimizer_at", self.gpu, self.zone, self.tps, tuple(partition), self.memory, replicas)
+            if key not in ctx.memo:
+                ctx.memo[key] = max(optimizer_s(ctx, self.slot(i), a, e, time_options(m, replicas))
+                                    for i, ((a, e), m) in enumerate(zip(partition, self.memory)))
+            return dataclasses.replace(self, optimizer_s=ctx.memo[key], replicas=replicas)
+        return make_pipeline_type(ctx, self.gpu, self.zone, self.tps, partition, mbs, self.max_count,
+                                  memory=self.memory, min_replicas=self.min_replicas, replicas=replicas)
 
     def time_s(self, m: int) -> float:
         return self.fill_s if m == 1 else self.two_s + (m - 2) * self.period_s
@@ -72,21 +99,29 @@ class PipelineType:
 
 
 def make_pipeline_type(ctx: SimContext, gpu: str, zone: str, tps: tuple[int, ...], partition, mbs: int,
-                       max_count: int) -> PipelineType:
-    """Closed-form constants of a (GPU, zone, TP template) pipeline, from the simulator's own building
-    blocks (`pipeline_arrays`, `closed_form_1f1b`, `optimizer_s`), so planner and simulator agree.
-    Memoised in the context (it lives for one planning call)."""
-    key = ("pipeline_type", gpu, zone, tuple(tps), tuple(partition), mbs)
+                       max_count: int, *, memory: tuple[StageMemory, ...] = (), min_replicas: int = 1,
+                       replicas: int | None = None) -> PipelineType:
+    """Closed-form constants of a (GPU, zone, TP template) pipeline with the stages' memory options,
+    from the simulator's own building blocks (`pipeline_arrays`, `closed_form_1f1b`, `optimizer_s`),
+    so planner and simulator agree: exact for a plan of `replicas` pipelines, or (None) lower bounds
+    over every D it can run with (ZeRO-3 gathers at `min_replicas`, the ZeRO optimizer step at the
+    most replicas there can be, one per micro-batch). Memoised in the context (it lives for one
+    planning call)."""
+    memory = memory or (DEFAULT_STAGE_MEMORY,) * len(partition)
+    key = ("pipeline_type", gpu, zone, tuple(tps), tuple(partition), mbs, memory, min_replicas, replicas)
     if key in ctx.memo:
         return dataclasses.replace(ctx.memo[key], max_count=max_count)
     slots = [Slot(zone=zone, gpu=gpu, tp=t) for t in tps]
-    f, b, c, _, _ = pipeline_arrays(ctx, slots, partition, mbs)
+    most = ctx.job.global_batch_size // mbs
+    timing = [time_options(mem, replicas or min_replicas) for mem in memory]
+    stepping = [time_options(mem, replicas or most) for mem in memory]
+    f, b, c, _, _ = pipeline_arrays(ctx, slots, partition, mbs, timing)
     t1, t2, t3, t4 = (closed_form_1f1b(f, b, c, m) for m in (1, 2, 3, 4))
     assert abs((t4 - t3) - (t3 - t2)) <= 1e-9 * t4, "closed form must be affine in m from m = 2"
-    opt = max(optimizer_s(ctx, sl, a, e) for sl, (a, e) in zip(slots, partition))
+    opt = max(optimizer_s(ctx, sl, a, e, o) for sl, (a, e), o in zip(slots, partition, stepping))
     ctx.memo[key] = PipelineType(gpu=gpu, zone=zone, tps=tuple(tps), fill_s=t1, two_s=t2, period_s=t3 - t2,
                                  gpus=sum(tps), usd_per_hour=sum(tps) * ctx.cluster.price(zone, gpu), optimizer_s=opt,
-                                 max_count=max_count)
+                                 max_count=max_count, memory=memory, min_replicas=min_replicas, replicas=replicas)
     return ctx.memo[key]
 
 
@@ -148,18 +183,35 @@ def waterfill(types: list[PipelineType], counts: tuple[int, ...], M: int) -> tup
 
 @dataclass
 class Scorer:
-    """Scores count vectors for one (P, mbs, partition, templates) point; caches sync per member set."""
+    """Scores count vectors for one (P, mbs, partition, memory, templates) point; caches sync per
+    member set."""
 
     ctx: SimContext
     partition: tuple
+    mbs: int
     types: list[PipelineType]
     M: int
     equal_shares: bool = False  # the published space: every pipeline gets M / D micro-batches
     _sync: dict = field(default_factory=dict)
+    _at: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        memory = self.types[0].memory if self.types else ()
+        # the sync's collectives depend on the stages' ZeRO levels only (not on D)
+        self._sync_options = [time_options(m, 2) for m in memory]
+        self._d_dependent = any(t.depends_on_replicas for t in self.types)
+
+    def types_at(self, D: int) -> list[PipelineType]:
+        """The types with constants exact for D pipelines (`PipelineType.at`), cached per D."""
+        if not self._d_dependent:
+            return self.types
+        if D not in self._at:
+            self._at[D] = [t.at(self.ctx, self.partition, self.mbs, D) for t in self.types]
+        return self._at[D]
 
     def sync(self, counts: tuple[int, ...]) -> tuple[float, float]:
-        """(tied + slowest stage all-reduce seconds, egress $ per iteration) for these counts, as
-        `simulate` computes them (`tied_sync`, `stage_sync`)."""
+        """(tied + slowest stage gradient sync seconds, egress $ per iteration) for these counts, as
+        `simulate` computes them (`tied_sync`, `stage_sync` with the stages' options at D)."""
         if counts not in self._sync:
             P = len(self.partition)
             used = [(t, n) for t, n in zip(self.types, counts) if n]
@@ -174,28 +226,31 @@ class Scorer:
                 for t, n in used:
                     groups[t.slot(i)] = groups.get(t.slot(i), 0) + n
                 ordered = sorted(groups.items(), key=lambda g: (g[0].zone, g[0].gpu, g[0].tp))
-                s, _, u = stage_sync(self.ctx, ordered, ((a, e),))
+                s, _, u = stage_sync(self.ctx, ordered, ((a, e),), self._sync_options[i])
                 worst = max(worst, s)
                 usd += u
             self._sync[counts] = (tied + worst, usd)
         return self._sync[counts]
 
     def score(self, counts: tuple[int, ...]) -> "Candidate | None":
+        D = sum(counts)
+        if D == 0 or D < max((t.min_replicas for t, n in zip(self.types, counts) if n), default=1):
+            return None
+        types = self.types_at(D)
         if self.equal_shares:
-            D = sum(counts)
-            if D == 0 or self.M % D:
+            if self.M % D:
                 return None
             shares = [[self.M // D] * n for n in counts]
-            W = max(t.time_s(self.M // D) for t, n in zip(self.types, counts) if n)
+            W = max(t.time_s(self.M // D) for t, n in zip(types, counts) if n)
         else:
-            wf = waterfill(self.types, counts, self.M)
+            wf = waterfill(types, counts, self.M)
             if wf is None:
                 return None
             W, shares = wf
         sync_s, egress = self.sync(counts)
-        opt = max(t.optimizer_s for t, n in zip(self.types, counts) if n)
+        opt = max(t.optimizer_s for t, n in zip(types, counts) if n)
         T = W + sync_s + opt
-        rate = sum(t.usd_per_hour * n for t, n in zip(self.types, counts))
+        rate = sum(t.usd_per_hour * n for t, n in zip(types, counts))
         return Candidate(iteration_time_s=T, cost_per_iteration_usd=rate * T / 3600.0 + egress,
                          usd_per_hour_gpus=rate, counts=counts, shares=shares, scorer=self)
 

@@ -6,13 +6,17 @@ The space, for a job on the GPUs of one region (H5: data-parallel traffic stays 
 - the layer partition, shared by all pipelines: every contiguous partition when there are at most
   `EXHAUSTIVE_PARTITIONS` of them, else the even split plus, for every GPU type and TP template,
   the partition that minimises its slowest stage (balanced to stage speeds);
+- the stages' memory options (`plan.StageMemory`, one per stage, the same on every replica of a
+  stage): candidates from `memory_candidates`, only where they are needed or can be faster;
 - per GPU type a TP *template*: one TP degree per stage (H1: TP <= GPUs per node and divides the
-  heads; H2: the stage fits in memory at that degree with min(P - i, M) micro-batches in flight);
-  all templates when there are at most `EXHAUSTIVE_TEMPLATES`, else the Pareto set (for every
-  bound on the slowest stage, the fewest GPUs per stage that meet it) plus the uniform ones;
+  heads; H2: the stage fits in memory at that degree with min(P - i, M) micro-batches in flight,
+  with its memory options; a ZeRO option fits from some number of replicas D on, which the option
+  carries as `min_replicas`); all templates when there are at most `EXHAUSTIVE_TEMPLATES`, else the
+  Pareto set (for every bound on the slowest stage, the fewest GPUs per stage that meet it) plus the
+  uniform ones;
 - per (GPU type, zone) a number of pipelines, all single-zone and single-type, and each pipeline's
   number of micro-batches (its share of the global batch).
-Everything here is a pure function of its arguments.
+Everything here is a pure function of its arguments (memoised in the planning call's context).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sailor.simulator import SimContext
+from sailor.models import Recompute
+from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
+from sailor.simulator import SimContext, Slot, stage_time, time_options
+from sailor.simulator.calibration import gpu_constant
 from sailor.simulator.memory import replica_memory
 
 EXHAUSTIVE_PARTITIONS = 16
@@ -102,33 +109,187 @@ def candidate_partitions(ctx: SimContext, num_stages: int, mbs: int, gpus: list[
 
 @dataclass(frozen=True)
 class StageOption:
-    """Stage i on one replica of `tp` GPUs of type `gpu`: seconds per micro-batch."""
+    """Stage i on one replica of `tp` GPUs of type `gpu` with the stage's memory options: seconds per
+    micro-batch, and the fewest data-parallel replicas D with which it fits in memory (1 unless ZeRO
+    shards what does not fit otherwise)."""
 
     tp: int
     forward_s: float
     backward_s: float
+    min_replicas: int = 1
 
     @property
     def time_s(self) -> float:
         return self.forward_s + self.backward_s
 
 
-def stage_options(ctx: SimContext, gpu: str, partition: Partition, mbs: int, microbatches: int) -> list[list[StageOption]]:
-    """Feasible TP options per stage for GPU type `gpu` (H1: TP within a node and dividing the heads;
-    H2: fits in memory with min(P - i, microbatches) micro-batches in flight). A stage with no option
-    makes the GPU type unusable for this partition (empty inner list)."""
+Memory = tuple[StageMemory, ...]  # one StageMemory per stage
+
+
+def home_zone(ctx: SimContext, gpu: str) -> str:
+    """The zone with the most GPUs of type `gpu` (where stage options are timed: TP collectives and
+    ZeRO-3 gathers run on that zone's links; the count search times every zone exactly)."""
+    return max(sorted(ctx.cluster.zones), key=lambda z: ctx.cluster.available(z, gpu))
+
+
+def sp_possible(ctx: SimContext, tp: int) -> bool:
+    """Sequence parallelism needs TP > 1 and a sequence the TP degree divides."""
+    return tp > 1 and ctx.job.seq % tp == 0
+
+
+def option_time_s(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, memory: StageMemory,
+                  replicas: int) -> tuple[float, float]:
+    """(forward_s, backward_s) per micro-batch of stage [a, b) on `gpu` at TP `tp` under `memory`
+    with `replicas` replicas, timed in the GPU type's `home_zone`."""
+    st = stage_time(ctx, Slot(zone=home_zone(ctx, gpu), gpu=gpu, tp=tp), mbs, a, b, time_options(memory, replicas))
+    return st.forward_s, st.backward_s
+
+
+def replica_cap(ctx: SimContext, gpu: str, tp: int, microbatches: int) -> int:
+    """Most data-parallel replicas a stage on `gpu` at TP `tp` could have: every GPU of the type in
+    the cluster holding one replica, and no more replicas than micro-batches."""
+    total = sum(ctx.cluster.available(z, gpu) for z in ctx.cluster.zones)
+    return max(1, min(microbatches, total // tp))
+
+
+def min_replicas(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, *, stage: int, num_stages: int,
+                 microbatches: int, memory: StageMemory) -> int | None:
+    """Fewest data-parallel replicas D (at most `replica_cap`) with which a replica of stage [a, b)
+    fits in memory under `memory`; None when it never does. Memory is A + B/D with B the states the
+    ZeRO level shards (`simulator.memory.state_bytes`) and A the rest (plus, under ZeRO-3, the
+    gathered weights of the largest layer), so D = ceil(B / (capacity - A))."""
+    key = ("min_replicas", gpu, tp, mbs, a, b, stage, num_stages, microbatches, memory.recompute,
+           memory.recompute_blocks, memory.sequence_parallel, memory.zero)
+    if key in ctx.memo:
+        return ctx.memo[key]
+    one_key = key[:-1]
+    if one_key not in ctx.memo:  # at D = 1 nothing is sharded: the same for every ZeRO level
+        ctx.memo[one_key] = replica_memory(ctx, gpu, tp, mbs, ((a, b),), stage=stage, num_stages=num_stages,
+                                           microbatches=microbatches, memory=memory, replicas=1)
+    one = ctx.memo[one_key]
+    cap, top = ctx.memory_capacity(gpu), replica_cap(ctx, gpu, tp, microbatches)
+    if one.total <= cap:
+        d = 1
+    elif memory.zero == 0 or top == 1:
+        d = None
+    else:
+        sharded = one.optimizer + (one.gradients if memory.zero >= 2 else 0.0) + (one.weights if memory.zero >= 3 else 0.0)
+        rest = one.total - sharded
+        if memory.zero >= 3:  # the gathered weights of the layer being computed, and their reserve
+            largest = max(ctx.job.model.params(i, tp) for i in range(a, b)) * ctx.job.state_bytes_per_param["weights"]
+            rest += largest * (1 + gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0))
+        need = math.ceil(sharded / (cap - rest) - 1e-9) if cap > rest else top + 1
+        d = max(2, need) if need <= top else None
+    ctx.memo[key] = d
+    return d
+
+
+def stage_options(ctx: SimContext, gpu: str, partition: Partition, mbs: int, microbatches: int,
+                  memory: Memory | None = None) -> list[list[StageOption]]:
+    """Feasible TP options per stage for GPU type `gpu` under the stages' memory options `memory`
+    (defaults when None) (H1: TP within a node and dividing the heads; H2: fits in memory with
+    min(P - i, microbatches) micro-batches in flight, from `min_replicas` replicas on). A stage with
+    no option makes the GPU type unusable for this partition (empty inner list)."""
     P = len(partition)
-    cap = ctx.memory_capacity(gpu)
+    memory = memory or (DEFAULT_STAGE_MEMORY,) * P
     out = []
     for i, (a, b) in enumerate(partition):
         opts = []
         for tp in ctx.job.model.tp_degrees(ctx.cluster.node_size(gpu)):
-            mem = replica_memory(ctx, gpu, tp, mbs, ((a, b),), stage=i, num_stages=P, microbatches=microbatches)
-            if mem.total <= cap:
-                f, bw = ctx.stage_compute_s(gpu, tp, mbs, a, b)
-                opts.append(StageOption(tp, f, bw))
+            mem = memory[i]
+            if mem.sequence_parallel and not sp_possible(ctx, tp):
+                continue
+            d = min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=microbatches, memory=mem)
+            if d is not None:
+                opts.append(StageOption(tp, *option_time_s(ctx, gpu, tp, mbs, a, b, mem, d), d))
         out.append(opts)
     return out
+
+
+# Memory options tried for one stage (`cheapest_fit`): per ZeRO level, recomputation x SP.
+_RECOMPUTE_SP = [(Recompute.NONE, False), (Recompute.NONE, True), (Recompute.SELECTIVE, False),
+                 (Recompute.SELECTIVE, True), (Recompute.FULL, False), (Recompute.FULL, True)]
+_CONFIGS = {zero: [StageMemory(recompute=r, zero=zero, sequence_parallel=sp) for r, sp in _RECOMPUTE_SP]
+            for zero in range(4)}
+
+
+def _fitting_options(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, i: int, P: int, M: int,
+                     zero_max: int) -> list[tuple]:
+    """The memory options of stage i that fit with up to `replica_cap` replicas, as (seconds per
+    micro-batch, ZeRO level, SP, recomputation rank, StageMemory): for every recomputation x SP, the
+    lowest ZeRO level <= 2 at which it fits (ZeRO-1/2 change nothing per micro-batch, and a higher
+    level only shards more), or ZeRO-3 when zero_max = 3 and nothing lighter fits (its gathers cost
+    time)."""
+    key = ("fitting_options", gpu, tp, mbs, a, b, i, P, M, zero_max)
+    if key not in ctx.memo:
+        out = []
+        for rank, (recompute, sp) in enumerate(_RECOMPUTE_SP):
+            if sp and not sp_possible(ctx, tp):
+                continue
+            fits = {}
+            for zero in (2, 1, 0):  # from the most sharding down: stop where it no longer fits
+                d = min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=M,
+                                 memory=_CONFIGS[zero][rank])
+                if d is None:
+                    break
+                fits[zero] = d
+            if zero_max == 3 and not fits:  # ZeRO-3 only where nothing lighter fits
+                d3 = min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=_CONFIGS[3][rank])
+                if d3 is not None:
+                    fits[3] = d3
+            if fits:
+                zero = min(fits)
+                mem = _CONFIGS[zero][rank]
+                out.append((sum(option_time_s(ctx, gpu, tp, mbs, a, b, mem, fits[zero])), zero, sp, rank, mem))
+        ctx.memo[key] = out
+    return ctx.memo[key]
+
+
+def cheapest_fit(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, i: int, P: int, M: int,
+                 zero_max: int) -> StageMemory | None:
+    """The memory options of stage i (layers [a, b)) on `gpu` at TP `tp` that fit with up to
+    `replica_cap` replicas at the lowest per-micro-batch time, ZeRO level at most `zero_max` (ties:
+    the lower ZeRO level, no SP, the lighter recomputation); None when none fits."""
+    if min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=DEFAULT_STAGE_MEMORY) == 1:
+        return DEFAULT_STAGE_MEMORY  # fits as it is: the fastest there is
+    fits = [x for x in _fitting_options(ctx, gpu, tp, mbs, a, b, i, P, M, max(zero_max, 2)) if x[1] <= zero_max]
+    return min(fits, key=lambda x: x[:4])[4] if fits else None
+
+
+def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mbs: int, M: int,
+                      zero_max: int = 2) -> list[Memory]:
+    """Memory options for the stages of `partition` (one StageMemory per stage) the planner tries:
+    the defaults alone when every GPU type holds every stage as it is at some TP degree (options are
+    searched where they are needed); else, for every GPU type and uniform TP degree t, and every ZeRO
+    ceiling z <= zero_max, each stage takes its cheapest options that fit (`cheapest_fit`): none
+    where the stage fits as it is (no recomputation when it fits), else the SP, recomputation and
+    ZeRO level that cost it the least time per micro-batch. ZeRO-1/2 cost nothing per micro-batch; ZeRO-3's gathers do, and the
+    planner allows it (zero_max = 3) only where nothing fits without it. Distinct vectors only,
+    lightest first (`memory_weight`; the defaults, when every stage fits as it is, lead)."""
+    P = len(partition)
+    base = (DEFAULT_STAGE_MEMORY,) * P
+    tps = {g: ctx.job.model.tp_degrees(ctx.cluster.node_size(g)) for g in gpus}
+    if all(any(min_replicas(ctx, g, t, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=DEFAULT_STAGE_MEMORY) == 1
+               for t in tps[g]) for g in gpus for i, (a, b) in enumerate(partition)):
+        return [base]  # every GPU type holds every stage as it is at some TP degree: nothing is needed
+    seen: list[Memory] = []
+    for g in gpus:
+        for t in tps[g]:
+            for z in range(zero_max + 1):
+                vec = tuple(cheapest_fit(ctx, g, t, mbs, a, b, i, P, M, z) for i, (a, b) in enumerate(partition))
+                if None not in vec and vec not in seen:
+                    seen.append(vec)
+                if all(m == DEFAULT_STAGE_MEMORY for m in vec):
+                    break  # every stage fits as it is: nothing is cheaper
+    return sorted(seen, key=memory_weight)
+
+
+def memory_weight(memory: Memory) -> float:
+    """How much a vector of memory options adds, for ranking candidates (0 for the defaults): per
+    stage, ZeRO-1/2 0.5, SP 1, selective 2, full 4, ZeRO-3 8, added up."""
+    weight = {Recompute.NONE: 0.0, Recompute.SELECTIVE: 2.0, Recompute.FULL: 4.0}
+    return sum(weight[m.recompute] + m.sequence_parallel + (8.0 if m.zero == 3 else 0.5 if m.zero else 0.0)
+               for m in memory)
 
 
 def templates(options: list[list[StageOption]]) -> list[tuple[int, ...]]:
@@ -152,3 +313,20 @@ def templates(options: list[list[StageOption]]) -> list[tuple[int, ...]]:
     common = set.intersection(*({x.tp for x in o} for o in options))
     out.update(tuple([t] * len(options)) for t in common)
     return sorted(out)
+
+
+def zero3_needed(ctx: SimContext, max_stages: int) -> bool:
+    """True when no plan of the space fits without ZeRO-3: no GPU type, TP degree and pipeline depth
+    holds every stage of the even partition at micro-batch 1 with full recomputation, SP where
+    possible and ZeRO-2 over as many replicas as it could have. ZeRO-3 gathers the weights for every
+    micro-batch, so it is searched only then (memoised for the call)."""
+    key = ("zero3_needed", max_stages)
+    if key not in ctx.memo:
+        job = ctx.job
+        M, L = job.global_batch_size, job.model.num_layers
+        ctx.memo[key] = not any(
+            all(cheapest_fit(ctx, g, t, 1, a, b, i, P, M, 2) is not None
+                for i, (a, b) in enumerate(even_partition(L, P)))
+            for g in ctx.cluster.gpu_types() for t in job.model.tp_degrees(ctx.cluster.node_size(g))
+            for P in range(1, min(L, max_stages) + 1))
+    return ctx.memo[key]

@@ -41,11 +41,22 @@ def _pyplot():
     return plt
 
 
+def save_figure(fig, path: str | Path, **savefig_kw) -> None:
+    """Write `fig` to `path` atomically (format from the suffix; folders created): rendered into
+    memory, then `write_atomic`, so a failure never leaves a half-written image."""
+    import io
+
+    from sailor.fileio import write_atomic
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(path).suffix.lstrip(".").lower() or "png", **savefig_kw)
+    write_atomic(path, buf.getvalue())
+
+
 def _save(fig, base: Path) -> list[Path]:
-    base.parent.mkdir(parents=True, exist_ok=True)
     paths = [base.with_suffix(".png"), base.with_suffix(".svg")]
-    fig.savefig(paths[0], dpi=130, bbox_inches="tight")
-    fig.savefig(paths[1], bbox_inches="tight")
+    save_figure(fig, paths[0], dpi=130, bbox_inches="tight")
+    save_figure(fig, paths[1], bbox_inches="tight")
     import matplotlib.pyplot as plt
 
     plt.close(fig)

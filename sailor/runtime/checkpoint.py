@@ -30,12 +30,16 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sailor.errors import SailorInputError
 
+if TYPE_CHECKING:
+    from sailor.specs import JobSpec
+
 FORMAT = "sailor-checkpoint-1"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_STAGE_FILE = re.compile(r"^stage-\d+\.pt$")
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -69,19 +73,27 @@ def _fsync_dir(path: Path) -> None:
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of checkpoint folder `path` after checking every file's size and SHA-256.
+    """The manifest of checkpoint folder `path` after checking its shape and every file's size and SHA-256.
 
     Raises:
-        CheckpointError: no manifest, an unknown format, or a file missing or not matching.
+        CheckpointError: no manifest, an unknown format, a malformed manifest, or a file missing or
+            not matching.
     """
     p = Path(path)
     try:
-        manifest = json.loads((p / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
+        manifest = json.loads((p / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{p}: no readable manifest ({e})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{p}: unknown format {manifest.get('format')!r}")
-    for name, meta in manifest["files"].items():
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{p}: unknown format {manifest.get('format') if isinstance(manifest, dict) else None!r}")
+    files, tensors, step = manifest.get("files"), manifest.get("tensors"), manifest.get("step")
+    if (not isinstance(files, dict) or not isinstance(tensors, dict) or isinstance(step, bool)
+            or not isinstance(step, int) or step < 0
+            or not all(isinstance(m, dict) and isinstance(m.get("sha256"), str) and isinstance(m.get("bytes"), int)
+                       and _STAGE_FILE.match(str(name)) for name, m in files.items())
+            or not all(isinstance(f, str) and f in files for f in tensors.values())):
+        raise CheckpointError(f"{p}: malformed manifest")
+    for name, meta in files.items():
         _read_verified(p / name, meta)
     return manifest
 
@@ -98,11 +110,8 @@ def _read_verified(path: Path, meta: dict[str, Any]) -> bytes:
 
 def find_latest(root: str | Path) -> Found:
     """The newest checkpoint under `root` that passes its checksums (path None if there is none)."""
-    r = Path(root)
-    steps = sorted((int(m.group(1)), d) for d in (r.iterdir() if r.is_dir() else [])
-                   if (m := _STEP_DIR.match(d.name)) and d.is_dir())
     skipped = []
-    for _, d in reversed(steps):
+    for d in reversed(_step_dirs(root)):
         try:
             return Found(d, read_manifest(d), tuple(skipped))
         except CheckpointError as e:
@@ -110,14 +119,49 @@ def find_latest(root: str | Path) -> Found:
     return Found(None, None, tuple(skipped))
 
 
-def check_compatible(manifest: dict[str, Any], *, model: dict[str, Any], seed: int, global_batch_size: int,
-                     source: str) -> None:
-    """Raise SailorInputError unless a checkpoint was made for the same model, seed and global batch
-    (data order and parameter shapes depend on them)."""
-    for key, want in (("model", model), ("seed", seed), ("global_batch_size", global_batch_size)):
-        if manifest.get(key) != want:
-            raise SailorInputError(f"the checkpoint was written with {key} {manifest.get(key)!r}, this run has {want!r}",
-                                   source=source, fix="resume with the same job and seed, or use another --checkpoint-dir")
+def run_meta(job: "JobSpec", seed: int) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it (the data order and parameter shapes
+    depend on all of it): seed, model, global batch, and the job's sequence length, precision and
+    optimizer. The worker writes it into every manifest; `check_compatible` compares it."""
+    return {"seed": seed, "model": job.model.model_dump(mode="json"), "global_batch_size": job.global_batch_size,
+            "job": {"sequence_length": job.seq, "precision": job.precision, "optimizer": job.optimizer.value}}
+
+
+def check_compatible(manifest: dict[str, Any], want: dict[str, Any], *, source: str) -> None:
+    """Raise SailorInputError unless a checkpoint was written by a run with the same `run_meta`
+    (a manifest written before `job` was recorded is compared on seed, model and global batch)."""
+    fix = "resume with the same job and seed, or use another --checkpoint-dir"
+    for key, value in want.items():
+        have = manifest.get(key)
+        if key == "job" and isinstance(have, dict):
+            for k, v in value.items():
+                if have.get(k) != v:
+                    raise SailorInputError(f"the checkpoint was written by a job with {k} {have.get(k)!r}, this"
+                                           f" run's job has {v!r}", source=source, fix=fix)
+        elif key != "job" and have != value:
+            raise SailorInputError(f"the checkpoint was written with {key} {_describe(have)}, this run has"
+                                   f" {_describe(value)}", source=source, fix=fix)
+
+
+def _describe(value: Any) -> str:
+    """A model dict as "name (N blocks, hidden H)", anything else as its repr."""
+    if isinstance(value, dict) and {"name", "num_blocks", "hidden_size"} <= value.keys():
+        return f"{value['name']} ({value['num_blocks']} blocks, hidden {value['hidden_size']})"
+    return repr(value)
+
+
+def _step_dirs(root: str | Path) -> list[Path]:
+    """The `step-<n>` folders under `root`, oldest first (verified or not)."""
+    r = Path(root)
+    steps = sorted((int(m.group(1)), d) for d in (r.iterdir() if r.is_dir() else [])
+                   if (m := _STEP_DIR.match(d.name)) and d.is_dir())
+    return [d for _, d in steps]
+
+
+def newest_step_dir(root: str | Path) -> Path | None:
+    """The newest `step-<n>` folder under `root`, verified or not (None when there is none)."""
+    dirs = _step_dirs(root)
+    return dirs[-1] if dirs else None
 
 
 def load_tensors(path: str | Path, manifest: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:

@@ -22,6 +22,7 @@ import collections
 import contextlib
 import enum
 import json
+import math
 import os
 import signal
 import subprocess
@@ -37,10 +38,11 @@ from typing import Any
 from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import check_output_path
+from sailor.limits import MAX_SECONDS, max_local_processes
 from sailor.plan import Plan, RankInfo, load_plan, rank_layout
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import check_corpus, load_corpus
-from sailor.runtime.validate import check_runtime_geometry, check_runtime_options
+from sailor.runtime.validate import check_plan_for_job
 from sailor.specs import JobSpec, load_job
 
 EVENT_PREFIX = "SAILOR_EVENT "  # the worker's event lines (sailor.runtime.worker.emit)
@@ -118,23 +120,10 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
             heads), a memory option or precision the runtime cannot execute, no job is given, bad
             steps/device/data, or an incompatible checkpoint.
     """
+    check_train_options(options)
     plan = load_plan(options.plan)
-    if options.job:
-        job = load_job(options.job)
-    elif plan.job is not None:
-        job = plan.job
-    else:
-        raise SailorInputError("the plan carries no job", source=options.plan, fix="pass --job JOB")
-    try:
-        plan.check_against(job, plan.cluster)
-    except SailorInputError as e:
-        raise e.located(source=options.plan) from None
-    check_runtime_geometry(plan, job, source=options.plan)
-    check_runtime_options(plan, job, source=options.plan, job_source=options.job)
-    if options.steps < 1:
-        raise SailorInputError(f"must be >= 1, got {options.steps}", source="--steps")
-    check_output_path(options.checkpoint_dir, "--checkpoint-dir", folder=True)
-    check_output_path(options.metrics, "--metrics")
+    job = load_job(options.job) if options.job else plan.job
+    check_plan_for_job(plan, job, plan.cluster, source=options.plan, job_source=options.job)
     # cpu may name GPU types here: the loop below says which replica is not this machine's CPU.
     catalog.check_device(options.device, (g for _, g in plan.gpu_usage()), what="the plan runs on", cpu_runs_any=True)
     if options.device == "cpu" and job.precision != "fp32":
@@ -149,6 +138,10 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
                                            source=options.plan, field=f"pipelines.{j}.replicas.{i}.gpu",
                                            fix="plan for provider local (GPU type cpu), use --device cuda on"
                                                " a machine with the plan's GPUs, or `sailor launch` for a cluster")
+    if options.device == "cpu" and local and plan.world_size > max_local_processes():
+        raise SailorInputError(f"the plan has {plan.world_size} ranks, more processes than this machine can run"
+                               f" ({max_local_processes()}, 4 per CPU core)", source=options.plan,
+                               fix="plan for fewer local GPUs")
     if options.device == "cuda" and local:
         import torch
 
@@ -160,6 +153,11 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
                  source=options.data or "pydoc_data.topics")
     notes: list[str] = []
     resume_from, resume_step = None, 0
+    held = ckpt.newest_step_dir(options.checkpoint_dir) if options.checkpoint_dir and not options.resume else None
+    if held is not None:  # starting from step 0 would replace that run's checkpoints one by one
+        raise SailorInputError(f"{options.checkpoint_dir} holds the checkpoints of a run ({held.name});"
+                               " this run would replace them", source="--checkpoint-dir",
+                               fix="pass --resume to continue that run, or use another folder")
     if options.resume:
         if not options.checkpoint_dir:
             raise SailorInputError("--resume needs --checkpoint-dir", source="--resume")
@@ -168,12 +166,24 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         if found.path is None:
             notes.append(f"no verified checkpoint in {options.checkpoint_dir}; starting from step 0")
         else:
-            ckpt.check_compatible(found.manifest, model=job.model.model_dump(mode="json"), seed=options.seed,
-                                  global_batch_size=job.global_batch_size, source=str(found.path))
+            ckpt.check_compatible(found.manifest, ckpt.run_meta(job, options.seed), source=str(found.path))
             resume_from, resume_step = found.path, int(found.manifest["step"])
             notes.append(f"resuming from {found.path} (step {resume_step})")
     ranks = rank_layout(plan, {r.gpu: plan.world_size for p in plan.pipelines for r in p.replicas})
     return Prepared(options, plan, job, ranks, resume_from, resume_step, tuple(notes))
+
+
+def check_train_options(options: TrainOptions) -> None:
+    """Raise SailorInputError for options no run can use: --steps < 1, a --timeout-s that is not a
+    positive, finite number of seconds (at most limits.MAX_SECONDS), or an output path that cannot
+    be written (checked before any work)."""
+    if options.steps < 1:
+        raise SailorInputError(f"must be >= 1, got {options.steps}", source="--steps")
+    t = options.timeout_s
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and 0 < t <= MAX_SECONDS):
+        raise SailorInputError(f"must be a number of seconds > 0 and <= {MAX_SECONDS:g}, got {t}", source="--timeout-s")
+    check_output_path(options.checkpoint_dir, "--checkpoint-dir", folder=True)
+    check_output_path(options.metrics, "--metrics")
 
 
 def worker_args(prep: Prepared, stop_file: str) -> list[str]:

@@ -122,12 +122,17 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     from pathlib import Path
 
     from sailor.errors import SailorInputError
+    from sailor.limits import MAX_PROFILE_PASSES, max_local_processes
     from sailor.runtime.profiler import device_description, device_gpu_type, run_ranks, versions
 
     if nproc < 2:
         raise SailorInputError(f"need at least 2 processes, got {nproc}", field="--nproc")
-    if warmup < 0 or repeats < 1:
-        raise SailorInputError("need warmup >= 0 and repeats >= 1", field="--warmup/--repeats")
+    if nproc > max_local_processes():
+        raise SailorInputError(f"{nproc} processes, more than this machine can run ({max_local_processes()},"
+                               " 4 per CPU core)", field="--nproc")
+    if warmup < 0 or repeats < 1 or max(warmup, repeats) > MAX_PROFILE_PASSES:
+        raise SailorInputError(f"need 0 <= warmup <= {MAX_PROFILE_PASSES} and 1 <= repeats <= {MAX_PROFILE_PASSES}",
+                               field="--warmup/--repeats")
     if not sizes_bytes or any(s < 4 or s % 4 for s in sizes_bytes):
         raise SailorInputError("message sizes must be multiples of 4 bytes", field="sizes")
     gpu = device_gpu_type(device)  # type: ignore[arg-type]

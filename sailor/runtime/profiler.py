@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sailor.errors import SailorInputError
+from sailor.limits import MAX_PROFILE_MBS, MAX_PROFILE_PASSES, max_local_processes
 from sailor.specs import JobSpec
 
 Device = Literal["cpu", "cuda"]
@@ -157,8 +158,16 @@ def check_options(opts: ProfileOptions) -> None:
                 raise SailorInputError(f"TP {t} does not divide {m.name}'s {what} ({n})", field="--tp")
     if any(b < 1 for b in opts.mbs):
         raise SailorInputError(f"micro-batch sizes must be >= 1, got {list(opts.mbs)}", field="--mbs")
+    if any(b > MAX_PROFILE_MBS for b in opts.mbs):
+        raise SailorInputError(f"micro-batch sizes must be <= {MAX_PROFILE_MBS}, got {list(opts.mbs)}", field="--mbs")
     if opts.warmup < 0 or opts.repeats < 1 or opts.threads < 1 or opts.concurrency < 0:
         raise SailorInputError("need warmup >= 0, repeats >= 1, threads >= 1", field="--warmup/--repeats/--threads")
+    if max(opts.warmup, opts.repeats) > MAX_PROFILE_PASSES or opts.threads > 1024:
+        raise SailorInputError(f"need warmup and repeats <= {MAX_PROFILE_PASSES} and threads <= 1024",
+                               field="--warmup/--repeats/--threads")
+    if opts.device == "cpu" and max(t * replicas(opts, t) for t in opts.tps) > max_local_processes():
+        raise SailorInputError(f"TP x replicas at once would start more processes than this machine can run"
+                               f" ({max_local_processes()}, 4 per CPU core)", field="--tp/--concurrency")
     if opts.device == "cpu" and opts.job.precision != "fp32":
         raise SailorInputError(f"the runtime trains in fp32 on cpu, the job says {opts.job.precision}",
                                field="precision", fix="set precision: fp32 in the job")

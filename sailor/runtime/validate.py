@@ -5,7 +5,7 @@ from __future__ import annotations
 from sailor.errors import SailorInputError
 from sailor.plan import Plan
 from sailor.runtime.schedule import runtime_schedule
-from sailor.specs import JobSpec
+from sailor.specs import ClusterSpec, JobSpec
 
 
 def check_runtime_geometry(plan: Plan, job: JobSpec, *, source: str | None = None) -> None:
@@ -57,3 +57,32 @@ def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None
             raise SailorInputError(f"{plan.schedule.kind.value} defers weight-gradient passes, which the runtime cannot"
                                    f" run under ZeRO-3 (stage {i}: its layer weights are freed between the passes)",
                                    source=source, field=f"memory.{i}.zero", fix="use ZeRO-2 or less, or schedule 1f1b")
+
+
+def check_plan_for_job(plan: Plan, job: JobSpec | None, cluster: ClusterSpec | None, *, source: str | None,
+                       job_source: str | None = None, world_size: int | None = None) -> JobSpec:
+    """The one check `sailor train`, `sailor launch` and every worker run before anything trains:
+    a job is known, the plan fits it and its cluster (`Plan.check_against`: layers covered, batch
+    arithmetic, TP dividing the heads and within a node, GPU counts), the runtime can shard it
+    (`check_runtime_geometry`) and execute its memory options and precision (`check_runtime_options`;
+    `job_source` is the job file when the job is not the plan's own), and, for a worker, torchrun
+    started as many ranks as the plan has.
+
+    Returns:
+        the job (for the caller's convenience).
+    Raises:
+        SailorInputError: naming `source` (the plan file) and the field.
+    """
+    if job is None:
+        raise SailorInputError("the plan carries no job", source=source, fix="pass --job JOB, or write the plan with"
+                               " `sailor plan --out`, which includes its job")
+    try:
+        plan.check_against(job, cluster)
+    except SailorInputError as e:
+        raise e.located(source=source) from None
+    check_runtime_geometry(plan, job, source=source)
+    check_runtime_options(plan, job, source=source, job_source=job_source)
+    if world_size is not None and world_size != plan.world_size:
+        raise SailorInputError(f"torchrun started {world_size} ranks but the plan has {plan.world_size}",
+                               source=source, fix="start one process per GPU of the plan (sailor launch does)")
+    return job

@@ -37,6 +37,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sailor.errors import SailorInputError, SailorWarning
 from sailor.models import ModelSpec
 from sailor.pipeline_orders import Op
 from sailor.plan import Plan, load_plan
@@ -60,6 +62,7 @@ from sailor.runtime.recompute import apply_recompute
 from sailor.runtime.schedule import runtime_schedule
 from sailor.runtime.tensor_parallel import apply_tp, shard, shard_dim
 from sailor.runtime.topology import RankRole, derive_topology
+from sailor.runtime.validate import check_plan_for_job
 from sailor.runtime.zero import ShardedAdamW, compute_dtype
 from sailor.specs import JobSpec, load_job
 
@@ -213,7 +216,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def train(args: argparse.Namespace) -> None:
     """The training loop of this rank (module docstring)."""
     plan = load_plan(args.plan)
-    job: JobSpec = load_job(args.job) if args.job else plan.job
+    # Re-checked here, before any process group forms: a plan that reaches a worker without `sailor
+    # train`'s checks (a hand-run torchrun, a launch on other hosts) must not crash mid-run or train
+    # the wrong number of samples.
+    job: JobSpec = check_plan_for_job(plan, load_job(args.job) if args.job else plan.job, plan.cluster,
+                                      source=args.plan, job_source=args.job,
+                                      world_size=int(os.environ.get("WORLD_SIZE", "1")))
     spec, mbs, seq, gbs = job.model, plan.micro_batch_size, job.seq, job.global_batch_size
     rank = int(os.environ.get("RANK", "0"))
     timeout = timedelta(seconds=args.timeout_s)
@@ -242,7 +250,7 @@ def train(args: argparse.Namespace) -> None:
     opt, cfg = rk.optimizer, rk.optimizer.cfg
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype)
     corpus = load_corpus(args.data)
-    meta = {"seed": args.seed, "model": spec.model_dump(mode="json"), "global_batch_size": gbs}
+    meta = ckpt.run_meta(job, args.seed)
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     fault = os.environ.get(FAULT_ENV, "")
     n_local = role.microbatches * mbs
@@ -317,6 +325,7 @@ def train(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank; exits 1 after reporting any error."""
     _die_with_parent()
+    warnings.simplefilter("ignore", SailorWarning)  # the command that started the ranks said it already
     args = _parse(argv)
     # Every rank says it is up before it waits for its peers: a host whose ranks never say so is the
     # one that keeps the process groups from forming (the controller leaves it out).
@@ -336,7 +345,10 @@ def main(argv: list[str] | None = None) -> None:
             s in text for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out"))
         first_line = (text.splitlines() or [""])[0][:1000]  # keeps the event line under PIPE_BUF
         emit("error", rank=int(os.environ.get("RANK", "0")), error=first_line, peer_lost=peer_lost)
-        traceback.print_exc()
+        if isinstance(e, SailorInputError):  # bad input: its one line says it all
+            print(f"error: {e.one_line()}", file=sys.stderr)
+        else:
+            traceback.print_exc()
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

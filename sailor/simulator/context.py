@@ -145,6 +145,16 @@ class SimContext:
             self._act[key] = np.concatenate([[0.0], np.cumsum(a)])
         return self._act[key]
 
+    def recompute_transient_bytes(self, layer: int, tp: int, mbs: int, recompute: Recompute,
+                                  sequence_parallel: bool) -> float:
+        """Bytes one recomputed block rebuilds during its backward (`Profiles.recompute_transient_bytes`),
+        cached."""
+        key = ("transient", layer, tp, mbs, recompute, sequence_parallel)
+        if key not in self.memo:
+            self.memo[key] = self.profiles.recompute_transient_bytes(self.job, layer, tp, mbs, recompute=recompute,
+                                                                     sequence_parallel=sequence_parallel)
+        return self.memo[key]
+
     def boundary_bytes(self, layer_end: int, mbs: int) -> float:
         """Bytes of the activation leaving layer `layer_end - 1` (one micro-batch, full tensor)."""
         return self.job.model.output_bytes(layer_end - 1, mbs=mbs, seq=self.job.seq, elem_bytes=self.job.elem_bytes)

@@ -120,8 +120,7 @@ def stage_activation_bytes(ctx: "SimContext", tp: int, mbs: int, a: int, b: int,
         return float(plain[b] - plain[a]), 0.0
     kept = ctx.act_cumsum(tp, mbs, mem.recompute, sp)
     total = (plain[b] - plain[a]) - (plain[first + n] - plain[first]) + (kept[first + n] - kept[first])
-    transient = ctx.profiles.recompute_transient_bytes(ctx.job, first, tp, mbs, recompute=mem.recompute,
-                                                       sequence_parallel=sp)
+    transient = ctx.recompute_transient_bytes(first, tp, mbs, mem.recompute, sp)
     return float(total), float(transient)
 
 

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from sailor.errors import SailorInputError
+from sailor.limits import MAX_PIPELINE_TASKS
+
 # Instruction kinds of `pipeline_instructions`.
 FWD, BWD = "F", "B"
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "SA", "RA", "SG", "RG"
@@ -119,8 +122,14 @@ def timeline_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int) -> list[l
 def _run_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int,
               ops: list[list[tuple[str, int, float, float]]] | None) -> np.ndarray:
     """The event loop shared by `simulate_1f1b` and `timeline_1f1b`: (P,) end times per stage; appends
-    every op to `ops[stage]` when `ops` is given (mutates it)."""
+    every op to `ops[stage]` when `ops` is given (mutates it). Raises SailorInputError beyond
+    `limits.MAX_PIPELINE_TASKS` micro-batch x stage tasks (time and memory grow with them)."""
     P = len(f)
+    if P * m > MAX_PIPELINE_TASKS:
+        raise SailorInputError(f"a pipeline of {P} stages running {m} micro-batches is {P * m:,} tasks per iteration,"
+                               f" more than the event simulation runs ({MAX_PIPELINE_TASKS:,},"
+                               " sailor.limits.MAX_PIPELINE_TASKS)", field="pipelines",
+                               fix="use a larger micro-batch size, more pipelines or fewer stages")
     progs = [pipeline_instructions(P, i, m) for i in range(P)]
     pos = [0] * P
     clock = np.zeros(P)

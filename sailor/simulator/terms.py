@@ -110,6 +110,9 @@ class StageTime:
 def stage_time(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions = DEFAULT_TIME) -> StageTime:
     """Per-micro-batch forward and backward seconds of one replica holding layers [a, e): the layer
     times (`SimContext.stage_compute_s`) plus recomputation, TP collectives and ZeRO-3 gathers."""
+    if opts is DEFAULT_TIME and ctx.tp_comm_included(slot.gpu, slot.tp):
+        f, b = ctx.stage_compute_s(slot.gpu, slot.tp, mbs, a, e)  # nothing to add: the common case
+        return StageTime(forward_s=f, backward_s=b)
     key = ("stage_time", slot, mbs, a, e, opts)
     if key not in ctx.memo:
         f, b = ctx.stage_compute_s(slot.gpu, slot.tp, mbs, a, e)
@@ -140,12 +143,15 @@ def _tp_comm_cumsum(ctx: SimContext, slot: Slot, mbs: int, recompute: Recompute,
     if key not in ctx.memo:
         job, m = ctx.job, ctx.job.model
         rows = np.zeros((m.num_layers + 1, 2))
+        per_kind: dict = {}  # every block has the same collectives
         for i in range(m.num_layers):
-            fwd, bwd = m.tp_collectives(i, tp=slot.tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes,
-                                        framework=job.framework, recompute=recompute, sequence_parallel=sp)
-            for col, ops in enumerate((fwd, bwd)):
-                rows[i + 1, col] = sum(tp_collective_time_s(ctx.network, slot.zone, slot.gpu, slot.tp, kind, n)
-                                       for kind, n in ops)
+            kind = m.layer_kind(i)
+            if kind not in per_kind:
+                fwd, bwd = m.tp_collectives(i, tp=slot.tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes,
+                                            framework=job.framework, recompute=recompute, sequence_parallel=sp)
+                per_kind[kind] = [sum(tp_collective_time_s(ctx.network, slot.zone, slot.gpu, slot.tp, c, n)
+                                      for c, n in ops) for ops in (fwd, bwd)]
+            rows[i + 1] = per_kind[kind]
         ctx.memo[key] = np.cumsum(rows, axis=0)
     return ctx.memo[key]
 
@@ -155,7 +161,8 @@ def tp_comm_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeO
     what the layer times hold (module docstring): all of them for roofline layer times, only
     sequence parallelism's extra for measured ones. Full recomputation repeats the forward's
     collectives in the backward of the recomputed blocks."""
-    if slot.tp == 1:
+    included = ctx.tp_comm_included(slot.gpu, slot.tp)
+    if slot.tp == 1 or (included and not opts.sequence_parallel):
         return 0.0, 0.0
     first, n = recomputed_blocks(ctx, a, e, opts.recompute, opts.recompute_blocks)
     full = opts.recompute is Recompute.FULL
@@ -169,7 +176,7 @@ def tp_comm_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeO
         return out
 
     charged = total(opts.sequence_parallel)
-    if ctx.tp_comm_included(slot.gpu, slot.tp):
+    if included:
         charged = charged - total(False)
     return float(charged[0]), float(charged[1])
 
