@@ -15,7 +15,7 @@ buffer, so a homogeneous plan does one all-reduce per stage. A replicated parame
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 import torch.distributed as dist
@@ -70,9 +70,11 @@ def _view(p: nn.Parameter, dim: int | None, start: int, n: int) -> torch.Tensor:
     return p.grad if dim is None else p.grad.narrow(dim, start, n)
 
 
-def clip_grad_norm(params: Mapping[str, nn.Parameter], role: RankRole, max_norm: float) -> float:
+def clip_grad_norm(params: Mapping[str, nn.Parameter], role: RankRole, max_norm: float,
+                   copies: Collection[str] = ()) -> float:
     """Clip all gradients of the model (every rank's shards together) to global L2 norm `max_norm`,
     as `torch.nn.utils.clip_grad_norm_` would on the whole model; returns the norm before clipping.
+    `copies` are parameters that duplicate another (a tied LM head): clipped, not counted.
 
     After sync every pipeline holds the same gradients, so each rank counts its squares with weight
     1 / D (1 / (D x tp) for parameters its TP group replicates) and one SUM over the world gives
@@ -81,7 +83,7 @@ def clip_grad_norm(params: Mapping[str, nn.Parameter], role: RankRole, max_norm:
     device = next(iter(params.values())).device
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for name, p in params.items():
-        if p.grad is None:
+        if p.grad is None or name in copies:
             continue
         w = 1.0 / role.num_pipelines / (role.tp if shard_dim(name) is None else 1)
         sq += w * p.grad.detach().double().pow(2).sum()

@@ -3,10 +3,12 @@
 Order of construction (fixed; each step is its own function):
 1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups.
 2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers) -> `apply_tp`.
-3. `materialize`: every parameter's full value (seeded init, or checkpoint) sharded for this TP rank.
+3. `materialize`: every parameter's full value (seeded init, or checkpoint) sharded for this TP rank;
+   or `hf_weights.materialize_hf` (--init-from): each shard read from Hugging Face safetensors.
 4. AdamW (`build_optimizer`), restored from the checkpoint when resuming.
-Each step: stop check (all ranks agree) -> 1F1B over this pipeline's micro-batches -> `GradSync`
-(sample-weighted SUM) -> global-norm clipping -> AdamW -> metrics (loss, timings) to rank 0.
+Each step: stop check (all ranks agree) -> 1F1B over this pipeline's micro-batches -> `TiedGrads`
+(tied embedding and LM head) -> `GradSync` (sample-weighted SUM) -> global-norm clipping -> AdamW ->
+metrics (loss, timings) to rank 0.
 
 Rank 0 reports to the launcher with single stdout lines `SAILOR_EVENT <json>`: {"event": "started"}
 once the process groups are up, {"event": "loaded", "step"} once the weights are in place,
@@ -38,10 +40,11 @@ from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.grad_sync import GradSync, clip_grad_norm
 from sailor.runtime.groups import create_groups
-from sailor.runtime.model import GPT, init_param, lm_loss_sum
+from sailor.runtime.model import GPT, initial_value, lm_loss_sum, runtime_vocab, tied_head
 from sailor.runtime.optim import OptimConfig, build_optimizer
 from sailor.runtime.pipeline import P2P, build_stage, run_pipeline
 from sailor.runtime.tensor_parallel import apply_tp, shard, shard_dim
+from sailor.runtime.tied import TiedGrads
 from sailor.runtime.topology import RankRole, derive_topology
 from sailor.specs import JobSpec, load_job
 
@@ -140,6 +143,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--data")
+    ap.add_argument("--init-from", help="Hugging Face model folder to start from (safetensors)")
     ap.add_argument("--checkpoint-dir")
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume-from")
@@ -178,10 +182,14 @@ def train(args: argparse.Namespace) -> None:
         start = manifest["step"]
         tensors = ckpt.load_tensors(args.resume_from, manifest, [n for n, _ in stage.named_parameters()])
         materialize(stage, lambda n, s: tensors[n]["param"], tp_rank=role.tp_rank, tp=role.tp, device=device)
+    elif args.init_from:
+        from sailor.runtime.hf_weights import HFWeights, materialize_hf
+        materialize_hf(stage, HFWeights(args.init_from, spec), tp_rank=role.tp_rank, tp=role.tp, device=device)
     else:
-        materialize(stage, lambda n, s: init_param(n, s, seed=args.seed, num_blocks=spec.num_blocks),
+        materialize(stage, lambda n, s: initial_value(spec, n, s, seed=args.seed),
                     tp_rank=role.tp_rank, tp=role.tp, device=device)
     params = dict(stage.named_parameters())
+    tied = TiedGrads(spec, params, topo, rank, runtime_vocab(spec))
     cfg = OptimConfig()
     opt = build_optimizer(params, cfg)
     if tensors is not None:
@@ -228,8 +236,9 @@ def train(args: argparse.Namespace) -> None:
             targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=lm_loss_sum,
             loss_scale=1.0 / (gbs * seq), autocast=autocast)
         t1 = time.perf_counter()
+        tied.sync()
         sync.sync()
-        grad_norm = clip_grad_norm(params, role, cfg.max_grad_norm)
+        grad_norm = clip_grad_norm(params, role, cfg.max_grad_norm, copies={tied_head(spec)})
         opt.step()
         opt.zero_grad(set_to_none=True)
         t2 = time.perf_counter()
