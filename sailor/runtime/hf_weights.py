@@ -36,12 +36,12 @@ from sailor.errors import SailorInputError
 from sailor.fileio import load_json
 from sailor.hf_config import comparable, export_model_type, hf_config_from_spec, load_hf_config
 from sailor.models import ModelSpec
-from sailor.runtime.model import GPT, runtime_vocab, tied_head
+from sailor.runtime.model import GPT, share_tied, tied_head
 from sailor.runtime.tensor_parallel import shard_dim
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size for save_pretrained ("5GB")
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size for save_pretrained ("5GB", decimal)
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Buffers that older checkpoints carry and that are not parameters (causal masks, RoPE tables).
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
@@ -299,6 +299,18 @@ def materialize_hf(stage: torch.nn.Module, weights: HFWeights, *, tp_rank: int, 
                 full[dim] *= tp
             p.copy_(weights.read(name, dim, tp_rank, tp, tuple(full)))
     weights.close()
+
+
+def load_full_model(folder: str | Path, spec: ModelSpec | None = None) -> GPT:
+    """The whole model of a Hugging Face folder as one runtime GPT on CPU (TP 1), a tied head sharing
+    the embedding's Parameter as in `model.init_full_model`: the single-process reference."""
+    spec = spec or load_hf_config(folder)
+    with torch.device("meta"):
+        model = GPT(spec)
+    weights = HFWeights(folder, spec)
+    weights.check()
+    materialize_hf(model, weights, tp_rank=0, tp=1, device=torch.device("cpu"))
+    return share_tied(model)
 
 
 # ---- export ---------------------------------------------------------------------------------------

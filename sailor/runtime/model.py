@@ -245,6 +245,12 @@ def init_full_model(spec: ModelSpec, seed: int) -> GPT:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(initial_value(spec, name, tuple(p.shape), seed=seed))
-    if spec.tied_embeddings:
-        model.layers[str(spec.num_layers - 1)].lm.weight = model.layers["0"].tok.weight  # one Parameter
+    return share_tied(model)
+
+
+def share_tied(model: GPT) -> GPT:
+    """For a whole tied model: make the LM head use the embedding's Parameter (one matrix, as Hugging
+    Face ties it), so autograd sums both gradients; returns the model."""
+    if model.spec.tied_embeddings:
+        model.layers[str(model.spec.num_layers - 1)].lm.weight = model.layers["0"].tok.weight
     return model
