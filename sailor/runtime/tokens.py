@@ -14,8 +14,8 @@ once in chunks.
 
 `TokenFile` maps the file read-only and gives `len()` and slices, which is all the sampler
 (`sailor.runtime.data.batch_tokens`) needs. Pages a slice touched stay in the page cache, but are
-dropped from this process's resident set (`madvise(MADV_DONTNEED)`) after every `RELEASE_BYTES` read,
-so resident memory stays bounded however large the file (`benchmarks/data_stream.py`).
+dropped from this process's resident set (`madvise(MADV_DONTNEED)`) once reads may have mapped
+`RELEASE_BYTES`, so resident memory stays bounded however large the file (`benchmarks/data_stream.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ from sailor.errors import SailorInputError
 
 TOKEN_SUFFIXES = (".npy", ".bin")
 SIDECAR_FORMAT = "sailor-tokens-1"
-RELEASE_BYTES = 32 * 2**20  # drop mapped pages from the resident set after this many bytes read
+RELEASE_BYTES = 64 * 2**20  # drop mapped pages from the resident set once reads may have mapped this much
+# What one read may make resident at most: a page fault maps the whole page-cache folio around it,
+# and Linux 6.x caches files in large folios of up to the PMD size, 2 MiB on x86-64 (measured here:
+# one 2-byte read of a cached file adds 2048 KiB to RssFile).
+MAPPED_PER_READ = 2 * 2**20
 SCAN_TOKENS = 16 * 2**20  # tokens per chunk when scanning a file for its largest id
 # Megatron-LM `megatron/core/datasets/indexed_dataset.py`: the .idx file starts with this magic, a
 # little-endian uint64 version (1) and a uint8 dtype code of its `DType` enum.
@@ -62,6 +66,8 @@ class TokenFile:
         self.path, self.dtype, self.offset, self.count, self.meta = path, np.dtype(dtype), offset, count, meta
         with open(path, "rb") as f:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_RANDOM"):  # samples are random windows: no read-ahead
+            self._mm.madvise(mmap.MADV_RANDOM)
         self._ids = np.frombuffer(self._mm, dtype=self.dtype, count=count, offset=offset)
         self._read = 0
 
@@ -70,7 +76,7 @@ class TokenFile:
 
     def __getitem__(self, key: slice) -> np.ndarray:
         out = np.array(self._ids[key])
-        self._read += out.nbytes + mmap.PAGESIZE
+        self._read += out.nbytes + MAPPED_PER_READ
         if self._read >= RELEASE_BYTES:
             self.release()
         return out
