@@ -199,8 +199,25 @@ def test_export_refuses_a_folder_in_use_and_a_missing_checkpoint(models, tmp_pat
     _checkpoint_from_hf(models["gpt2"][0], tmp_path / "ck")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("keep me")
-    with pytest.raises(SailorInputError, match="exists and is not an empty folder"):
-        export_checkpoint(tmp_path / "ck", tmp_path / "busy")
+    r = subprocess.run([sys.executable, "-c", "from sailor.cli import main; main()", "export", str(tmp_path / "ck"),
+                        "--to", str(tmp_path / "busy")], capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "busy: exists and is not an empty folder" in lines[0], r.stderr
     assert (tmp_path / "busy" / "x").read_text() == "keep me"
     with pytest.raises(SailorInputError, match="no verified checkpoint"):
         export_checkpoint(tmp_path / "busy", tmp_path / "new")
+
+
+def test_a_checkpoint_written_before_the_new_model_fields_still_matches_its_job():
+    from sailor.models import BUILTIN_MODELS
+    from sailor.runtime.launcher import _current_model_fields
+
+    tiny = BUILTIN_MODELS["tiny"]
+    old = {k: v for k, v in tiny.model_dump(mode="json").items()
+           if k in ("name", "num_blocks", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+                    "max_sequence_length", "gated_mlp", "learned_positions", "bias", "rms_norm", "tied_embeddings")}
+    manifest = {"model": old, "seed": 0, "global_batch_size": 8}
+    ckpt.check_compatible(_current_model_fields(manifest), model=tiny.model_dump(mode="json"), seed=0,
+                          global_batch_size=8, source="ck")
+    with pytest.raises(SailorInputError, match="written with model"):
+        ckpt.check_compatible(manifest, model=tiny.model_dump(mode="json"), seed=0, global_batch_size=8, source="ck")

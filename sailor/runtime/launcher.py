@@ -37,6 +37,7 @@ from typing import Any
 from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import check_output_path
+from sailor.models import ModelSpec
 from sailor.plan import Plan, RankInfo, load_plan, rank_layout
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import check_corpus, load_corpus
@@ -171,8 +172,8 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         if found.path is None:
             notes.append(f"no verified checkpoint in {options.checkpoint_dir}; starting from step 0")
         else:
-            ckpt.check_compatible(found.manifest, model=job.model.model_dump(mode="json"), seed=options.seed,
-                                  global_batch_size=job.global_batch_size, source=str(found.path))
+            ckpt.check_compatible(_current_model_fields(found.manifest), model=job.model.model_dump(mode="json"),
+                                  seed=options.seed, global_batch_size=job.global_batch_size, source=str(found.path))
             resume_from, resume_step = found.path, int(found.manifest["step"])
             notes.append(f"resuming from {found.path} (step {resume_step})")
     if options.init_from and resume_from is not None:
@@ -183,6 +184,16 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         check_init_from(options.init_from, job.model)  # names, shapes and dtypes, before any process starts
     ranks = rank_layout(plan, {r.gpu: plan.world_size for p in plan.pipelines for r in p.replicas})
     return Prepared(options, plan, job, ranks, resume_from, resume_step, tuple(notes))
+
+
+def _current_model_fields(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with its model spec re-read, so that ModelSpec fields added since it was written
+    (with defaults that keep the model the same) do not make it look like another model."""
+    try:
+        model = ModelSpec.model_validate(manifest.get("model")).model_dump(mode="json")
+    except ValueError:
+        return manifest  # not a spec we can read: check_compatible reports the difference
+    return {**manifest, "model": model}
 
 
 def worker_args(prep: Prepared, stop_file: str) -> list[str]:

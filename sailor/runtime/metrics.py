@@ -45,7 +45,7 @@ def check_tensorboard(folder: str | None) -> None:
         import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
     except ModuleNotFoundError:
         raise SailorInputError("TensorBoard event files need the tensorboard package", source="--tensorboard",
-                               fix="pip install 'sailor[tensorboard]' (or pip install tensorboard)") from None
+                               fix="pip install 'sailor-train[tensorboard]'") from None
 
 
 class StepMetrics:
