@@ -195,6 +195,24 @@ def test_export_loads_back_into_transformers_with_the_same_logits(arch, models, 
     assert step.exists() and not list(tmp_path.glob(".out.*"))  # no temporary folder left
 
 
+def test_a_builtin_model_exports_as_gpt2(tmp_path):
+    import transformers as T
+
+    from sailor.models import BUILTIN_MODELS
+    from sailor.runtime.model import init_full_model
+
+    spec = BUILTIN_MODELS["tiny"]  # learned positions, exact GELU, tied: GPT-2 with activation "gelu"
+    model = init_full_model(spec, seed=1)
+    tmp = ckpt.prepare_tmp(tmp_path / "ck", 7)
+    ckpt.write_stage_file(tmp, 0, {n: {"param": p.detach().clone()} for n, p in model.named_parameters()})
+    ckpt.commit(tmp_path / "ck", 7, {"seed": 1, "model": spec.model_dump(mode="json"), "global_batch_size": 8})
+    assert export_checkpoint(tmp_path / "ck", tmp_path / "out")["model_type"] == "gpt2"
+    back = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_logits(back, x), model(x), atol=ATOL, rtol=0)
+
+
 def test_export_refuses_a_folder_in_use_and_a_missing_checkpoint(models, tmp_path):
     _checkpoint_from_hf(models["gpt2"][0], tmp_path / "ck")
     (tmp_path / "busy").mkdir()

@@ -44,5 +44,5 @@ def prepare_command(
     if as_json:
         print(json.dumps(summary))
         return
-    console().print(f"{summary['out']}: {summary['tokens']:,} tokens ({summary['dtype']}) from {summary['documents']:,}"
-                    f" documents, vocabulary {summary['vocab_size']:,}, {summary['seconds']:.1f} s")
+    console().print(f"{summary['out']}: {summary['tokens']:,} tokens ({summary['dtype']}), documents"
+                    f" {summary['documents']:,}, vocabulary {summary['vocab_size']:,}, {summary['seconds']:.1f} s")

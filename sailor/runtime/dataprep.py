@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from sailor.errors import SailorInputError
-from sailor.fileio import check_output_path, write_json
+from sailor.fileio import check_output_path, open_atomic, write_json
 from sailor.runtime.tokens import sidecar, sidecar_meta, token_dtype, write_npy_header
 
 PIECE_BYTES = 1 << 20  # text is tokenized in pieces of about 1 MiB
@@ -133,42 +132,34 @@ def prepare_tokens(inputs: list[str | Path], *, tokenizer: str | Path, out: str 
             raise SailorInputError(f"the tokenizer has no token {eos!r}", source="--eos")
     dtype = token_dtype(vocab)
     npy = out.suffix.lower() == ".npy"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     count, documents, top = 0, 0, -1
-    try:
-        with os.fdopen(fd, "wb") as f:
-            header = write_npy_header(f, dtype, 0) if npy else 0
+    with open_atomic(out, "wb") as f:
+        header = write_npy_header(f, dtype, 0) if npy else 0
 
-            def flush(batch: list[tuple[str, bool]]) -> None:
-                nonlocal count, documents, top
-                for (_, ends), enc in zip(batch, tok.encode_batch([t for t, _ in batch], add_special_tokens=False)):
-                    ids = enc.ids + ([eos_id] if ends and eos_id is not None else [])
-                    documents += ends
-                    if ids:
-                        arr = np.asarray(ids, dtype=dtype)
-                        top = max(top, int(arr.max()))
-                        f.write(arr.tobytes())
-                        count += arr.size
+        def flush(batch: list[tuple[str, bool]]) -> None:
+            nonlocal count, documents, top
+            for (_, ends), enc in zip(batch, tok.encode_batch([t for t, _ in batch], add_special_tokens=False)):
+                ids = enc.ids + ([eos_id] if ends and eos_id is not None else [])
+                documents += ends
+                if ids:
+                    arr = np.asarray(ids, dtype=dtype)
+                    top = max(top, int(arr.max()))
+                    f.write(arr.tobytes())
+                    count += arr.size
 
-            batch: list[tuple[str, bool]] = []
-            for p in paths:
-                for piece in _documents(p, text_field, progress):
-                    batch.append(piece)
-                    if len(batch) == BATCH:
-                        flush(batch)
-                        batch = []
-            flush(batch)
-            if count == 0:
-                raise SailorInputError("the inputs hold no text to tokenize", source=str(paths[0]))
-            if npy:
-                assert write_npy_header(f, dtype, count) == header  # same length: numpy pads to 64 bytes
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        batch: list[tuple[str, bool]] = []
+        for p in paths:
+            for piece in _documents(p, text_field, progress):
+                batch.append(piece)
+                if len(batch) == BATCH:
+                    flush(batch)
+                    batch = []
+        flush(batch)
+        if count == 0:
+            raise SailorInputError("the inputs hold no text to tokenize", source=str(paths[0]))
+        if npy:
+            assert write_npy_header(f, dtype, count) == header  # same length: numpy pads to 64 bytes
+            f.seek(0, os.SEEK_END)
     digest = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
     write_json(sidecar(out), sidecar_meta(out, dtype=dtype, count=count, vocab_size=vocab, max_id=top, extra={
         "tokenizer": str(Path(tokenizer).resolve()), "tokenizer_sha256": digest, "documents": documents,

@@ -360,9 +360,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
 
     path, manifest = _find_checkpoint(Path(checkpoint))
     try:
-        spec = ModelSpec.model_validate(manifest["model"])
-    except Exception as e:  # a checkpoint of an older format or a hand-edited manifest
-        raise SailorInputError(f"the manifest's model is not a valid model spec ({e})".splitlines()[0],
+        spec = ModelSpec.model_validate(manifest.get("model"))
+    except ValueError as e:  # pydantic's ValidationError: a hand-edited or foreign manifest
+        raise SailorInputError(f"not a valid model spec ({str(e).splitlines()[0]})",
                                source=str(path / "manifest.json"), field="model") from None
     config = hf_config_from_spec(spec) | {"torch_dtype": "float32"}
     out = Path(out_dir)
