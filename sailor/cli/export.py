@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from sailor.cli import app
-from sailor.cli.common import JsonOpt, console
+from sailor.cli.common import JsonOpt, console, require_torch
 
 
 @app.command("export")
@@ -24,6 +24,7 @@ def export_command(
     as_json: bool = JsonOpt,
 ) -> None:
     """Write CHECKPOINT's weights as a model transformers loads (`from_pretrained(DIR)`)."""
+    require_torch("export")
     from sailor.runtime.hf_weights import export_checkpoint
 
     summary = export_checkpoint(checkpoint, to, max_shard_bytes=int(max_shard_gb * 1e9))

@@ -37,8 +37,8 @@ def load_tokenizer(path: str | Path):
     try:
         from tokenizers import Tokenizer
     except ModuleNotFoundError:
-        raise SailorInputError("the tokenizers package is not installed", source="--tokenizer",
-                               fix="pip install tokenizers") from None
+        raise SailorInputError("`sailor data prepare` needs the tokenizers package, which is not installed",
+                               source="--tokenizer", fix="pip install 'sailor-train[train]'") from None
     p = Path(path)
     if not p.is_file():
         raise SailorInputError("no such file", source=str(p), fix="pass a Hugging Face tokenizer.json")
