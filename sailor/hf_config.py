@@ -436,14 +436,19 @@ def comparable(spec: ModelSpec) -> dict[str, Any]:
     return d
 
 
+def differences(a: ModelSpec, b: ModelSpec) -> list[tuple[str, Any, Any]]:
+    """(field, a's value, b's value) wherever `a` and `b` build different models (`comparable`)."""
+    x, y = comparable(a), comparable(b)
+    return [(k, x[k], y[k]) for k in x if not _same(x[k], y[k])]
+
+
 def check_round_trip(spec: ModelSpec, config: dict[str, Any]) -> None:
     """Raise SailorInputError unless `config` reads back as the same model as `spec`."""
-    back = spec_from_hf(config, source="exported config.json", name=spec.name)
-    want, got = comparable(spec), comparable(back)
-    diff = [k for k in want if not _same(want[k], got[k])]
+    diff = differences(spec, spec_from_hf(config, source="exported config.json", name=spec.name))
     if diff:
-        raise SailorInputError(f"a {config['model_type']} config cannot express {spec.name}'s {diff[0]}"
-                               f" ({want[diff[0]]!r}; it would read back as {got[diff[0]]!r})", field=diff[0])
+        field, want, got = diff[0]
+        raise SailorInputError(f"a {config['model_type']} config cannot express {spec.name}'s {field}"
+                               f" ({want!r}; it would read back as {got!r})", field=field)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -34,7 +34,7 @@ import torch
 
 from sailor.errors import SailorInputError
 from sailor.fileio import load_json
-from sailor.hf_config import comparable, export_model_type, hf_config_from_spec, load_hf_config
+from sailor.hf_config import differences, export_model_type, hf_config_from_spec, load_hf_config
 from sailor.models import ModelSpec
 from sailor.runtime.model import GPT, share_tied, tied_head
 from sailor.runtime.tensor_parallel import shard_dim
@@ -60,19 +60,20 @@ class Source:
     part: int = 0  # q, k, v = 0, 1, 2 for the fused kinds
 
 
+def _full_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> full shape of every parameter the runtime builds for `spec` (no memory)."""
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in GPT(spec).named_parameters()}
+
+
 def layout(spec: ModelSpec) -> dict[str, Source]:
     """Canonical parameter name -> Source, for every parameter of `GPT(spec)`."""
     arch = export_model_type(spec)
-    out = {name: _source(arch, spec, name) for name in _param_names(spec)}
+    out = {name: _source(arch, spec, name) for name in _full_shapes(spec)}
     head = tied_head(spec)
     if head is not None:
         out[head] = out["layers.0.tok.weight"]
     return out
-
-
-def _param_names(spec: ModelSpec) -> list[str]:
-    with torch.device("meta"):
-        return [n for n, _ in GPT(spec).named_parameters(remove_duplicate=False)]
 
 
 def _source(arch: str, spec: ModelSpec, name: str) -> Source:
@@ -137,11 +138,6 @@ def hf_shape(src: Source, canonical: tuple[int, ...], spec: ModelSpec) -> tuple[
     return canonical
 
 
-def _full_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        return {n: tuple(p.shape) for n, p in GPT(spec).named_parameters(remove_duplicate=False)}
-
-
 class HFWeights:
     """A Hugging Face model folder's safetensors weights for `spec` (module docstring).
 
@@ -193,9 +189,10 @@ class HFWeights:
         return self._open[key]
 
     def _slice(self, hf: str, framework: str = "pt"):
+        handle = self._handle(self.files[hf], framework)
         try:
-            return self._handle(self.files[hf], framework).get_slice(hf)
-        except Exception as e:  # safetensors raises its own error types for a missing tensor
+            return handle.get_slice(hf)
+        except Exception as e:  # safetensors raises its own error types for a tensor the index misplaces
             raise SailorInputError(f"cannot be read from {self.files[hf].name} ({e})", source=str(self.folder),
                                    field=hf) from None
 
@@ -275,13 +272,11 @@ def check_init_from(folder: str | Path, spec: ModelSpec, *, source: str = "--ini
     p = Path(folder)
     if not p.is_dir():
         raise SailorInputError(f"{p} is not a folder", source=source, fix="pass a Hugging Face model folder")
-    theirs = load_hf_config(p / "config.json")
-    want, got = comparable(spec), comparable(theirs)
-    diff = [k for k in want if want[k] != got[k]]
+    diff = differences(spec, load_hf_config(p / "config.json"))
     if diff:
-        raise SailorInputError(f"the job's model has {diff[0]} {want[diff[0]]!r}, this config {got[diff[0]]!r}",
-                               source=str(p / "config.json"), field=diff[0],
-                               fix=f"use model: {p / 'config.json'} in the job")
+        field, want, got = diff[0]
+        raise SailorInputError(f"the job's model has {field} {want!r}, this config {got!r}",
+                               source=str(p / "config.json"), field=field, fix=f"use model: {p / 'config.json'} in the job")
     HFWeights(p, spec).check()
 
 
@@ -368,7 +363,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SailorInputError("exists and is not an empty folder", source=str(out), fix="export to a new folder")
-    names = [n for n in _param_names(spec) if n in manifest["tensors"]]
+    names = [n for n in _full_shapes(spec) if n in manifest["tensors"]]
     full = {n: v["param"] for n, v in ckpt.load_tensors(path, manifest, names).items()}
     tensors = hf_tensors(spec, full)
     shards = _shard(tensors, max_shard_bytes)
