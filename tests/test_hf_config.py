@@ -216,3 +216,26 @@ def test_builtin_models_export_as_gpt2_or_llama_and_the_rest_is_refused():
                     rms_norm=True)  # learned positions with RMSNorm: no Hugging Face architecture has both
     with pytest.raises(SailorInputError, match="gpt2 config cannot express odd's rms_norm"):
         hf_config_from_spec(odd)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 70000) | st.floats(-1e6, 1e6, allow_nan=False)
+                     | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(base=st.sampled_from(list(PUBLISHED.values())),
+       changes=st.dictionaries(st.sampled_from(sorted({k for c in PUBLISHED.values() for k in c} | {"rope_parameters",
+                                                                                                 "layer_types"})),
+                               _JSON, min_size=1, max_size=4))
+def test_any_config_gives_a_spec_or_one_input_error(base, changes):
+    # The reader rule: a valid ModelSpec or a SailorInputError naming the file, never another exception.
+    try:
+        spec = spec_from_hf(base | changes, source="c.json", name="x")
+    except SailorInputError as e:
+        assert e.source == "c.json" and e.message
+    else:
+        assert isinstance(spec, ModelSpec)

@@ -6,7 +6,6 @@ match the single-process reference, and a tied head stays equal to the embedding
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sailor.errors import SailorInputError
-from sailor.runtime.data import batch_tokens, check_corpus, load_corpus
+from sailor.runtime.data import batch_tokens, check_corpus
 from sailor.runtime.dataprep import prepare_tokens
 from sailor.runtime.tokens import RELEASE_BYTES, TokenFile, open_tokens, sidecar
 
