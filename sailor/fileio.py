@@ -7,11 +7,13 @@ half-written file behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -121,8 +123,20 @@ def parse_model(cls: type[T], data: Any, source: str | None) -> T:
 
 
 def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` atomically: temporary file in the same folder, fsync, rename. The file
-    gets the usual permissions (0666 less the umask), not mkstemp's private 0600.
+    """Write `text` to `path` atomically (`open_atomic`).
+
+    Raises:
+        SailorInputError: `path` is a folder, or its folder cannot be created or written.
+    """
+    with open_atomic(path, "w") as f:
+        f.write(text)
+
+
+@contextlib.contextmanager
+def open_atomic(path: str | Path, mode: str = "w") -> Iterator[IO]:
+    """A file (`mode` "w" for text in UTF-8, "wb" for bytes) that becomes `path` atomically: it is a
+    temporary file in the same folder, fsynced and renamed onto `path` when the block ends, removed
+    when it raises. The file gets the usual permissions (0666 less the umask), not mkstemp's 0600.
 
     Raises:
         SailorInputError: `path` is a folder, or its folder cannot be created or written.
@@ -139,8 +153,8 @@ def write_atomic(path: str | Path, text: str) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
