@@ -29,18 +29,20 @@ Sailor's runtime (`Framework.SAILOR`, `sailor.runtime.model`): no dropout, causa
 `F.scaled_dot_product_attention` (flash / memory-efficient kernels keep the output and a log-sum-exp
 per query, never the s x s scores). Per block:
   norm1 input x and its output (the q/k/v input), norm2 input and its output (the MLP input): 4·e·h
-      per token, plus fp32 statistics per token and norm (mean and rstd: 8 bytes; RMSNorm: rstd, 4)
+      per token (3·e·h with a parallel residual, GPT-NeoX: both norms read x), plus fp32 statistics
+      per token and norm (mean and rstd: 8 bytes; RMSNorm: rstd, 4)
   SDPA inputs: q, and k, v repeated to all heads when kv < h (repeat_interleave makes new tensors),
       so 3·e·h/t per token either way; RoPE (rotary models) makes new q, k and saves its cos and sin
-      tables, 2 calls x 2 tables x s·d/2 x e bytes per block (not sharded)
+      tables, 2 calls x 2 tables x s·r/2 x e bytes per block (not sharded; r = `ModelSpec.rotary_dim`,
+      the rotating part of d)
   SDPA output e·h/t, log-sum-exp fp32 4·a/t, and the out-projection's input (the head-merging copy of
       the output) e·h/t per token
   MLP: GeLU input and output 2·e·f/t; SwiGLU gate output, SiLU output, up output and their product
-      4·e·f/t per token
+      4·e·f/t per token; ReLU (OPT) keeps its output, not its input: e·f/t less. Biases keep nothing.
 Embedding: the token ids (int64; under TP the shifted local ids and a bool mask) and the position
 ids. Head: the final norm's input, statistics and output, the fp32 log-probabilities over the whole
-vocabulary (the runtime all-gathers the logits, so every TP rank holds all V of them) and the
-int64 targets.
+real vocabulary (the runtime all-gathers the logits, so every TP rank holds all of them, and drops
+the padding rows' logits: `ModelSpec.vocab_size` of them) and the int64 targets.
 
 Memory options, as Sailor's runtime applies them (Megatron-LM's are the same):
 - sequence parallelism (SP): every tensor outside the TP regions is split along the sequence (/t);
@@ -148,7 +150,7 @@ def _norm_stat_bytes(m: "ModelSpec") -> int:
 
 def _rope_table_bytes(m: "ModelSpec", *, seq: int, e: int) -> float:
     """cos and sin tables (seq x d/2 each) saved by the two RoPE calls (q and k) of a rotary block."""
-    return 0.0 if m.learned_positions else 2 * 2 * seq * (m.head_dim // 2) * e
+    return 0.0 if m.learned_positions else 2 * 2 * seq * (m.rotary_dim // 2) * e
 
 
 def _sdpa_copy_width(m: "ModelSpec") -> int:
@@ -176,9 +178,10 @@ def sailor_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, r
     if recompute is Recompute.FULL:
         return e * s * b * h / outside_tp
     kv = m.kv_heads * m.head_dim
-    outside = s * b * (4 * e * h + 2 * _norm_stat_bytes(m))  # x, norm1 out, norm2 in, norm2 out + stats
+    # x, norm1 out, norm2 in (x itself with a parallel residual), norm2 out + stats
+    outside = s * b * ((3 if m.parallel_residual else 4) * e * h + 2 * _norm_stat_bytes(m))
     out_proj_input = e * s * b * h / tp  # the head-merging copy of the SDPA output
-    mlp = e * s * b * m.ffn * (4 if m.gated_mlp else 2) / tp
+    mlp = e * s * b * m.ffn * ((1 if m.act == "relu" else 2) + (2 if m.gated_mlp else 0)) / tp
     if recompute is Recompute.SELECTIVE:
         core = e * s * b * (h + 2 * kv) / tp  # the checkpoint keeps its inputs: the q, k, v projections
     else:
@@ -198,7 +201,7 @@ def sailor_embedding_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: in
 
 def sailor_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
     """Head in Sailor's runtime: final norm input, statistics and output, fp32 log-probabilities over
-    the full runtime vocabulary (logits are all-gathered over TP) and the int64 targets."""
+    the real vocabulary (logits are all-gathered over TP, padding rows dropped) and the int64 targets."""
     s, b = seq, mbs
     norm = s * b * (2 * e * m.hidden_size + _norm_stat_bytes(m))
-    return float(norm + FP32_BYTES * s * b * m.padded_vocab(1) + INDEX_BYTES * s * b)
+    return float(norm + FP32_BYTES * s * b * m.vocab_size + INDEX_BYTES * s * b)

@@ -139,6 +139,28 @@ def test_sailor_block_bytes_llama_rope_and_gqa():
     assert m.recompute_transient_bytes(3, **kw, recompute=Recompute.SELECTIVE) == sdpa
 
 
+def test_sailor_block_bytes_hugging_face_variants():
+    # GPT-NeoX-style: parallel residual (both norms read x: 3 tensors of h outside the TP regions, not
+    # 4), a quarter of each head's 16 dimensions rotates (cos/sin tables of 4 / 2 columns); OPT-style:
+    # ReLU keeps its output, the fc2 input (one f tensor, not two); biases keep nothing. The head's
+    # log-probabilities cover the 300 real tokens, not the 384 of the padded vocabulary.
+    s, b, e, t, h, f = 32, 2, 4, 2, 64, 96
+    base = dict(num_blocks=2, hidden_size=h, num_heads=4, vocab_size=300, max_sequence_length=s, ffn_hidden_size=f)
+    neox = ModelSpec(name="neox", learned_positions=False, rotary_fraction=0.25, parallel_residual=True, **base)
+    opt = ModelSpec(name="opt", activation="relu", position_offset=2, **base)
+    kw = dict(tp=t, mbs=b, seq=s, elem_bytes=e)
+    sbh = s * b * h
+    sdpa = 3 * e * sbh / t + e * sbh / t + 4 * b * 4 * s / t
+    rope = 2 * 2 * s * (4 // 2) * e
+    copies = 2 * e * sbh / t  # RoPE's new q and k
+    outside = 2 * 8 * s * b  # LayerNorm mean and rstd of both norms
+    assert neox.activation_bytes(2, **kw) == 3 * e * sbh + outside + sdpa + rope + e * sbh / t + 2 * e * s * b * f / t
+    assert neox.recompute_transient_bytes(2, **kw, recompute=Recompute.SELECTIVE) == \
+        copies + e * sbh / t + 4 * b * 4 * s / t + rope
+    assert opt.activation_bytes(2, **kw) == 4 * e * sbh + outside + sdpa + e * sbh / t + e * s * b * f / t
+    assert opt.activation_bytes(3, **kw) == s * b * (2 * e * h + 8) + 4 * s * b * 300 + 8 * s * b
+
+
 def test_recompute_flops():
     m = get_model("tiny")
     kw = dict(tp=2, mbs=3, seq=64)
