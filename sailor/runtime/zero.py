@@ -260,22 +260,24 @@ class ShardedAdamW:
         self.twins: list[tuple[bool, int, int, int, int]] = []
         if tied is None:
             return
-        held = {}
-        for name in {t.src_name for t in tied.transfers if t.src == role.rank} | \
-                {t.dst_name for t in tied.transfers if t.dst == role.rank} | {tied.copy}:
+        held = {}  # copy name -> where this rank's owned elements of it lie
+        for name in {tied.copy} | {t.src_name for t in tied.transfers} | {t.dst_name for t in tied.transfers}:
             if name in self.params:
                 p = self.params[name]
                 held[name] = held_elements(self.buckets, name, first_row=role.tp_rank * p.shape[0],
                                            row_numel=p.numel() // p.shape[0])
         for h in held.get(tied.copy, []):
             self.counted[h.bucket] = _minus(self.counted[h.bucket], h.at, h.at + h.hi - h.lo)
+
+        def local(name: str, lo: int, hi: int) -> tuple[int, int, int]:
+            h = next(h for h in held[name] if h.lo <= lo and hi <= h.hi)  # a transfer lies in one range
+            return h.bucket, h.at + lo - h.lo, h.at + hi - h.lo
+
         for t in tied.transfers:
-            for send, name, peer in ((True, t.src_name, t.dst), (False, t.dst_name, t.src)):
-                if (t.src if send else t.dst) != role.rank:
-                    continue
-                h = next(h for h in held[name] if h.lo <= t.lo and t.hi <= h.hi)
-                start = h.at + t.lo - h.lo
-                self.twins.append((send, peer, h.bucket, start, start + t.hi - t.lo))
+            if t.src == role.rank:
+                self.twins.append((True, t.dst, *local(t.src_name, t.lo, t.hi)))
+            if t.dst == role.rank:
+                self.twins.append((False, t.src, *local(t.dst_name, t.lo, t.hi)))
 
     def _add_twins(self) -> None:
         """Add to each held element of a tied copy the other copy's (module docstring). What is sent
