@@ -16,8 +16,8 @@ element of a copy has one owner among all pipelines, under ZeRO-0 one holder per
 is then the one in the receiver's pipeline). The first and last stage may differ in TP degree and
 ZeRO stage; each piece of each transfer is a contiguous run of the full matrix's row-major elements
 (`twin_transfers`, pure, tested without process groups). A one-stage pipeline holds both copies: its
-transfers may be local. So no full gradient is kept beyond what the stage's ZeRO stage keeps, and
-each element crosses once per holder, not once per pipeline and micro-batch.
+transfers may be local. So no gradient is kept beyond what the stage's ZeRO stage keeps, and each
+element of a copy crosses once per step to each of its holders (under ZeRO >= 1: once).
 
 The global gradient norm counts the matrix once: the LM head's copy is left out (`Tied.copy`).
 """
