@@ -17,7 +17,7 @@ from sailor.errors import SailorInputError
 from sailor.fileio import SPEC_CONFIG, Real, Whole, load_mapping, parse_model, show
 from sailor.limits import (MAX_BANDWIDTH_BYTES_PER_S, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_GPUS_PER_ZONE,
                            MAX_PRICE_USD_PER_GPU_HOUR, MAX_SECONDS, MAX_SEQUENCE_LENGTH, MIN_BANDWIDTH_BYTES_PER_S)
-from sailor.models import Framework, ModelSpec, get_model
+from sailor.models import Framework, ModelSpec, get_model, is_config_path
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -85,6 +85,10 @@ class JobSpec(BaseModel):
         if self.sequence_length and self.sequence_length > self.model.max_sequence_length and self.model.learned_positions:
             raise ValueError(f"sequence_length {self.sequence_length} exceeds {self.model.name}'s learned"
                              f" position table of {self.model.max_sequence_length}")
+        if self.model.sliding_window and self.seq > self.model.sliding_window:
+            raise ValueError(f"sequence length {self.seq} exceeds {self.model.name}'s sliding attention window of"
+                             f" {self.model.sliding_window}, which Sailor does not implement (set sequence_length"
+                             f" <= {self.model.sliding_window}: within it the window changes nothing)")
         return self
 
     @property
@@ -263,8 +267,15 @@ def _located(fn, field: str):
 
 
 def load_job(path: str | Path) -> JobSpec:
-    """Read and validate a job spec (YAML or JSON); raises SailorInputError naming file and field."""
-    return parse_model(JobSpec, load_mapping(path), str(path))
+    """Read and validate a job spec (YAML or JSON); raises SailorInputError naming file and field.
+
+    A `model:` naming a Hugging Face config (`models.is_config_path`) is read relative to the job
+    file's folder."""
+    data = load_mapping(path)
+    model = data.get("model")
+    if isinstance(model, str) and is_config_path(model):
+        data["model"] = str(Path(path).parent / Path(model).expanduser())
+    return parse_model(JobSpec, data, str(path))
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
