@@ -177,3 +177,18 @@ def test_microbatch_overhead_is_added_once_per_stage_and_micro_batch():
         c = est.replicas[0].p2p_s
         assert est.pipeline_s == pytest.approx(19.0 + 2 * c + (m - 1) * (9.5 + 2 * c))
         assert simulate(plan([[0, 3], [3, 6]], m), ctx, event=False).pipeline_s == pytest.approx(est.pipeline_s)
+
+
+def test_gradient_sync_buffer_by_framework_and_zero():
+    from sailor.simulator.memory import sync_buffer_bytes
+    ctx = make_context(JOB, CLUSTER)
+    grad = JOB.state_bytes_per_param["gradients"]
+    # DeepSpeed's allreduce_bucket flattens the stage's gradient: a copy of all of it
+    assert sync_buffer_bytes(ctx, 4, 0, 13) == pytest.approx(ctx.stage_params(4, 0, 13) * grad)
+    # ZeRO-2/3 reduce-scatter layer by layer: the largest layer's gradient
+    assert sync_buffer_bytes(ctx, 4, 0, 13, zero=2) == pytest.approx(max(JOB.model.params(i, 4) for i in range(13)) * grad)
+    # Megatron-LM all-reduces its contiguous gradient buffer in place
+    meg = make_context(JobSpec(model="opt-350m", global_batch_size=32, framework="megatron-lm"), CLUSTER)
+    assert sync_buffer_bytes(meg, 4, 0, 13) == 0.0
+    est = simulate(_plan([[0, 13], [13, 26]], m=4, mbs=2), ctx)
+    assert est.replicas[0].memory.sync_buffer == pytest.approx(ctx.stage_params(4, 0, 13) * grad)

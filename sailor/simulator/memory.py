@@ -31,7 +31,7 @@ sync flattens the gradients it reduces into one new buffer (`sync_buffer_bytes`)
 `allreduce_bucket` the whole stage's at once (up to 5e8 elements), Sailor's runtime one layer's
 bucket at a time (`runtime.buckets`), so counting the stage's is exact for the first and
 conservative for the second; under ZeRO-2/3 no full gradient outlives a layer's backward, so one
-layer's. It is allocated after the activations were freed, but the caching allocator keeps their
+layer's; Megatron-LM (`Framework.MEGATRON`) reduces its contiguous gradient buffer in place. It is allocated after the activations were freed, but the caching allocator keeps their
 blocks reserved and cannot carve one gradient-sized block out of them, so `nvidia-smi` sees both
 (`sync_buffer`, outside the reserve). Weights, gradients and optimizer states are allocated once and
 do not fragment; the PyTorch caching allocator keeps freed blocks of the transient tensors
@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from sailor.models import Recompute
+from sailor.models import Framework, Recompute
 from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
 from sailor.simulator.calibration import gpu_constant
 from sailor.simulator.context import stage_blocks
@@ -157,7 +157,10 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, a: int, b: in
 
 def sync_buffer_bytes(ctx: "SimContext", tp: int, a: int, b: int, zero: int = 0) -> float:
     """Bytes of the flat gradient copy the sync of layers [a, b) allocates on one GPU at TP `tp`
-    (module docstring): the stage's gradients, or under ZeRO-2/3 its largest layer's."""
+    (module docstring): the stage's gradients, or under ZeRO-2/3 its largest layer's; none for
+    Megatron-LM, whose gradients live in one contiguous buffer that is all-reduced in place."""
+    if ctx.job.framework is Framework.MEGATRON:
+        return 0.0
     grad = ctx.job.state_bytes_per_param["gradients"]
     if zero >= 2:
         return max(ctx.job.model.params(i, tp) for i in range(a, b)) * grad
