@@ -13,8 +13,9 @@ preference, the bandwidth of `flows` concurrent flows of x bytes each between tw
 2. a measured α–β link of our link file (`sailor profile network`), per flow count, same rule;
 3. the default link of the class: the network file's classes, else the cluster spec's per-zone and
    per-class overrides, else the provider's catalog link (`catalog.Link`: one NIC per node shared by
-   every flow, an optional per-flow cap). Inside a node without any of these: the GPU catalog's
-   intra-node bandwidth, shared by the flows, and 5 µs.
+   every flow, an optional per-flow cap). Inside a node without any of these: one direction of
+   the GPU catalog's intra-node bandwidth at the share NCCL reaches of it, shared by the flows, and
+   5 µs.
 A transfer costs latency + flows·x / aggregate bandwidth (a measured curve already holds the
 latency of the messages it was measured with). Collectives (`simulator.collectives`) use the two
 parts separately: `hop_latency_s` once per ring step, `stream_time_s` for the bytes.
