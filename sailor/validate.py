@@ -8,8 +8,8 @@ price for get price 0, as validation never prices a run), simulate it with the g
 network fits, and compare. Any GPU type of the catalog works, and runs mixing GPU types.
 
 Errors are signed relative errors, (predicted - measured) / measured, in percent. Memory is compared
-on the most-loaded GPU (the measurement is a max over ranks). `fit_calibration` fits the per-GPU-type
-memory and time constants of `simulator.calibration` on a set of runs.
+on the most-loaded GPU (the measurement is a max over ranks). `_fit` fits the per-GPU-type memory
+and time constants of `simulator.calibration` on a set of runs.
 
 Several sets (`validate_sets`): predictions with one calibration (shipped, or refitted on the sets
 that are not *held out*), per set; leave-one-out per run (constants refitted without the run, on the
@@ -417,13 +417,6 @@ def _with_defaults(fitted: Calibration) -> Calibration:
     return default_calibration() | {g: dict(v) for g, v in fitted.items()}
 
 
-def fit_calibration(runs: list[Run], profiles: Profiles, network_path: Path | None = None) -> Calibration:
-    """Per-GPU-type constants fitted on `runs`: memory (`framework_bytes`, `reserve_fraction`, linear
-    least squares) and time (`profile_overhead_s`, `p2p_overhead_s`, `allreduce_efficiency`, least
-    squared relative error, `TIME_CONSTANTS`)."""
-    return _fit(_prepare(runs, profiles, network_path))
-
-
 def _result(p: _Prepared, cal: Calibration) -> RunResult:
     return RunResult(name=p.run.name, gpu=p.gpu, measured_time_s=p.run.measured_time_s,
                      predicted_time_s=_sim_time(p, cal), measured_memory_bytes=p.run.measured_memory_bytes,
@@ -439,33 +432,6 @@ def _leave_one_out(res: RunResult, p: _Prepared, pool: list[_Prepared]) -> None:
     cal = _with_defaults(_fit(others))
     res.loo_memory_err_pct = 100.0 * (_predict_memory(p, cal) / p.run.measured_memory_bytes - 1.0)
     res.loo_time_err_pct = 100.0 * (_sim_time(p, cal) / p.run.measured_time_s - 1.0)
-
-
-def validate(runs: list[Run], profiles: Profiles, network_path: Path | None = None, *,
-             calibration: Calibration | None = None, fit: bool = False, loo: bool = True) -> ValidationReport:
-    """Predict every run of one set and compare with its measurements.
-
-    Args:
-        runs: from `load_runs`.
-        profiles: layer timings for the runs' model.
-        network_path: Sailor network folder or our link file (None: catalog links).
-        calibration: constants to use (default: `simulator.calibration.default_calibration()`).
-        fit: refit the per-GPU-type constants on these runs first and use them.
-        loo: also predict each run with constants fitted on the other runs of its GPU type (time and
-            memory constants both refitted without it); none for a run that is its type's only one.
-    Returns:
-        ValidationReport (times in s, memory in bytes, errors in percent).
-    """
-    prepared = _prepare(runs, profiles, network_path)
-    fitted = _fit(prepared) if fit else None
-    cal = _with_defaults(fitted) if fitted else (default_calibration() if calibration is None else calibration)
-    results = []
-    for p in prepared:
-        res = _result(p, cal)
-        if loo:
-            _leave_one_out(res, p, prepared)
-        results.append(res)
-    return ValidationReport(results=results, calibration=fitted if fitted else cal)
 
 
 def validate_sets(sets: list[RunSet], profiles_for: dict[str, Profiles], network_path: Path | None = None, *,

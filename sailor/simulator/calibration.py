@@ -36,7 +36,7 @@ import numpy as np
 # gpu -> constant -> value. Units: framework_bytes in bytes, reserve_fraction dimensionless.
 #
 # GH200-96: fitted by `sailor validate ../shared/reference/sailor/validation/gh200-opt350 --fit`
-# (sailor.validate.fit_calibration) on the 15 measured OPT-350 runs of the public Sailor artifact
+# (sailor.validate.validate_sets with fit=True) on the 15 measured OPT-350 runs of the public Sailor artifact
 # (Alps Clariden, 4 GH200 per node) and on nothing else: the GPT-Neo-2.7B runs of the same cluster
 # (validation/gh200-gptneo) are predicted with these constants, never fitted. Profiles and network
 # fits from ../shared/reference/sailor/{profiles,network}. Memory: linear least squares on relative
