@@ -235,7 +235,7 @@ def test_a_checkpoint_written_before_the_new_model_fields_still_matches_its_job(
            if k in ("name", "num_blocks", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
                     "max_sequence_length", "gated_mlp", "learned_positions", "bias", "rms_norm", "tied_embeddings")}
     manifest = {"model": old, "seed": 0, "global_batch_size": 8}
-    ckpt.check_compatible(_current_model_fields(manifest), model=tiny.model_dump(mode="json"), seed=0,
-                          global_batch_size=8, source="ck")
+    want = {"seed": 0, "model": tiny.model_dump(mode="json"), "global_batch_size": 8}
+    ckpt.check_compatible(_current_model_fields(manifest), want, source="ck")
     with pytest.raises(SailorInputError, match="written with model"):
-        ckpt.check_compatible(manifest, model=tiny.model_dump(mode="json"), seed=0, global_batch_size=8, source="ck")
+        ckpt.check_compatible(manifest, want, source="ck")

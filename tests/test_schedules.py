@@ -315,9 +315,11 @@ def test_megatron_exchanges_block_the_sender_under_interleaving():
     t = theirs.pipeline_passes[0]
     assert not t.transfer_s.any()
     # virtual stage 1 (stage 1, chunk 0, layers [4, 7)) sends its output across the regions and its
-    # input's gradient back to virtual stage 0: both are charged to its passes
-    from sailor.simulator import Slot, link_transfer, stage_time
-    a, b, west = (Slot(zone=z, gpu="A100-40", tp=1) for z in ("us-central1-a", "us-central1-a", "us-west1-b"))
+    # input's gradient back to virtual stage 0: both are charged to its passes, on the links between
+    # the replicas as placed (stages 0 and 1 share a node)
+    from sailor.simulator import link_transfer, placed_slots, stage_time
+    a, b, west = placed_slots(plan, mega.cluster)[0][:3]
+    assert a.node is not None and a.node == b.node
     st = stage_time(mega, b, 2, 4, 7)
     assert t.forward_s[1, 0] == pytest.approx(st.forward_s + link_transfer(mega, b, west, mega.boundary_bytes(7, 2))[0])
     assert t.backward_s[1, 0] == pytest.approx(st.backward_s + link_transfer(mega, a, b, mega.boundary_bytes(4, 2))[0])

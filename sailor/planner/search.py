@@ -37,10 +37,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
-from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_sync, tied_sync, time_options
+from sailor.simulator import (SimContext, Slot, optimizer_s, pipeline_arrays, place, stage_sync, tied_sync,
+                              time_options)
 from sailor.simulator.schedule import closed_form_1f1b
 
 EXHAUSTIVE_COUNTS = 4096
@@ -211,26 +213,56 @@ class Scorer:
 
     def sync(self, counts: tuple[int, ...]) -> tuple[float, float]:
         """(tied + slowest stage gradient sync seconds, egress $ per iteration) for these counts, as
-        `simulate` computes them (`tied_sync`, `stage_sync` with the stages' options at D)."""
+        `simulate` computes them (`tied_sync`, `stage_sync` with the stages' options at D) on the
+        plan `planner._build_plan` makes: pipelines in type order, placed on nodes as the launcher
+        places them (`place`), so replicas that share a node reduce over the intra-node link."""
         if counts not in self._sync:
             P = len(self.partition)
-            used = [(t, n) for t, n in zip(self.types, counts) if n]
+            placed = self._placed(counts)
             tied, usd = 0.0, 0.0
-            for t, n in used:
-                s, _, u = tied_sync(self.ctx, t.slot(0), t.slot(P - 1), P)
+            for (first, last), n in Counter((pipe[0], pipe[-1]) for pipe in placed).items():
+                s, _, u = tied_sync(self.ctx, first, last, P)
                 tied = max(tied, s)
                 usd += n * u
             worst = 0.0
             for i, (a, e) in enumerate(self.partition):
-                groups: dict = {}
-                for t, n in used:
-                    groups[t.slot(i)] = groups.get(t.slot(i), 0) + n
-                ordered = sorted(groups.items(), key=lambda g: (g[0].zone, g[0].gpu, g[0].tp))
-                s, _, u = stage_sync(self.ctx, ordered, ((a, e),), self._sync_options[i])
+                groups = sorted(self._stage_members(counts, placed, i).items(),
+                                key=lambda g: (g[0].zone, g[0].node or "", g[0].gpu, g[0].tp))
+                s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i])
                 worst = max(worst, s)
                 usd += u
             self._sync[counts] = (tied + worst, usd)
         return self._sync[counts]
+
+    def _stage_members(self, counts: tuple[int, ...], placed: list[list[Slot]], i: int) -> Counter:
+        """Stage i's placed replicas and how many of each: summed per type from memoised counts
+        when types are placed alone (`_placed`), else counted on `placed`."""
+        used = [(t, n) for t, n in zip(self.types, counts) if n]
+        if len({(t.zone, t.gpu) for t, _ in used}) < len(used):
+            return Counter(pipe[i] for pipe in placed)
+        total: Counter = Counter()
+        for t, n in used:
+            key = ("placed-stage", t.zone, t.gpu, t.tps, n, i)
+            if key not in self.ctx.memo:
+                self.ctx.memo[key] = Counter(pipe[i] for pipe in self.ctx.memo[("placed", t.zone, t.gpu, t.tps, n)])
+            total.update(self.ctx.memo[key])
+        return total
+
+    def _placed(self, counts: tuple[int, ...]) -> list[list[Slot]]:
+        """The pipelines of `counts` in type order, placed on nodes. Types that share no (zone, GPU
+        type) with another used type are placed alone (memoised per type and count: the launcher
+        fills each (zone, GPU type)'s nodes separately)."""
+        P = len(self.partition)
+        used = [(t, n) for t, n in zip(self.types, counts) if n]
+        if len({(t.zone, t.gpu) for t, _ in used}) < len(used):
+            return place([[t.slot(i) for i in range(P)] for t, n in used for _ in range(n)], self.ctx.cluster)
+        out: list[list[Slot]] = []
+        for t, n in used:
+            key = ("placed", t.zone, t.gpu, t.tps, n)
+            if key not in self.ctx.memo:
+                self.ctx.memo[key] = place([[t.slot(i) for i in range(P)]] * n, self.ctx.cluster)
+            out += self.ctx.memo[key]
+        return out
 
     def score(self, counts: tuple[int, ...]) -> "Candidate | None":
         D = sum(counts)

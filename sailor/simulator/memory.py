@@ -17,6 +17,8 @@
                                                                activation-sized tensor)
           + logits gradient                                   (the head's stage: fp32 d(loss)/d(logits))
           + ZeRO-3 gather buffer                              (the largest layer's full weights)
+          + gradient sync buffer                              (a flat copy of the gradients the sync
+                                                               reduces at once)
           + allocator reserve                                 (reserve_fraction x the transient tensors)
           + framework                                         (CUDA context, kernels, NCCL; per GPU type)
 
@@ -32,7 +34,14 @@ options by the model's own ratio, or the model's formula (`sailor.activations`).
 of a stage is not in those per-layer increases (the previous layer's output is, but it lives on the
 previous stage), hence its own term. The head's backward materialises the gradient of the
 vocab-parallel logits, (mbs, seq, V/t) in fp32, while all of the micro-batch's activations are still
-held. Weights, gradients and optimizer states are allocated once and do not fragment; the PyTorch
+held. The gradient sync flattens the gradients it reduces into one new buffer (`sync_buffer_bytes`):
+DeepSpeed's `allreduce_bucket` the whole stage's at once (up to 5e8 elements), Sailor's runtime one
+layer's bucket at a time (`runtime.buckets`), so counting the stage's (all of its chunks') is exact
+for the first and conservative for the second; under ZeRO-2/3 no full gradient outlives a layer's
+backward, so one layer's; Megatron-LM (`Framework.MEGATRON`) reduces its contiguous gradient buffer
+in place. It is allocated after the activations were freed, but the caching allocator keeps their
+blocks reserved and cannot carve one gradient-sized block out of them, so `nvidia-smi` sees both
+(`sync_buffer`, outside the reserve). Weights, gradients and optimizer states are allocated once and do not fragment; the PyTorch
 caching allocator keeps freed blocks of the transient tensors (activations, buffers) reserved, which
 `reserve_fraction` captures. `reserve_fraction` and `framework_bytes` are per-GPU-type constants
 (catalog default, or fitted in `calibration`).
@@ -50,7 +59,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from sailor.models import Recompute
+from sailor.models import Framework, Recompute
 from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory, split_recompute_blocks
 from sailor.simulator.calibration import gpu_constant
 from sailor.simulator.context import stage_blocks
@@ -73,11 +82,22 @@ class MemoryBreakdown:
     buffers: float
     reserve: float
     framework: float
+    sync_buffer: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.buffers
-                + self.reserve + self.framework)
+                + self.reserve + self.framework + self.sync_buffer)
+
+    @property
+    def persistent(self) -> float:
+        """Bytes the caching allocator's reserve does not scale: states, sync buffer (framework aside)."""
+        return self.weights + self.gradients + self.optimizer + self.sync_buffer
+
+    @property
+    def transient(self) -> float:
+        """Bytes the reserve scales: activations and p2p / logits buffers."""
+        return self.activations + self.buffers
 
     def to_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
@@ -152,4 +172,18 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Seque
     reserve = (activations + buffers) * gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0)
     return MemoryBreakdown(
         weights=state["weights"], gradients=state["gradients"], optimizer=state["optimizer"],
-        activations=activations, buffers=buffers, reserve=reserve, framework=ctx.framework_bytes(gpu))
+        activations=activations, buffers=buffers, reserve=reserve, framework=ctx.framework_bytes(gpu),
+        sync_buffer=sync_buffer_bytes(ctx, tp, chunks, memory.zero))
+
+
+def sync_buffer_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, int]], zero: int = 0) -> float:
+    """Bytes of the flat gradient copy the sync of a stage holding the layer ranges `chunks`
+    (`Plan.stage_chunks`) allocates on one GPU at TP `tp` (module docstring): the stage's gradients
+    (all of its chunks'), or under ZeRO-2/3 its largest layer's; none for Megatron-LM, whose
+    gradients live in one contiguous buffer that is all-reduced in place."""
+    if ctx.job.framework is Framework.MEGATRON:
+        return 0.0
+    grad = ctx.job.state_bytes_per_param["gradients"]
+    if zero >= 2:
+        return max(ctx.job.model.params(i, tp) for a, b in chunks for i in range(a, b)) * grad
+    return sum(ctx.stage_params(tp, a, b) for a, b in chunks) * grad

@@ -22,6 +22,7 @@ place, `time_options`:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,13 +30,14 @@ import numpy as np
 
 from sailor.catalog import LinkClass
 from sailor.models import Collective, Framework, Recompute
-from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
-from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_egress,
+from sailor.plan import DEFAULT_STAGE_MEMORY, Plan, StageMemory, pack_replicas
+from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_egress, same_node,
                                           tp_collective_time_s)
 from sailor.simulator.context import SimContext, embedding_params, stage_blocks, tied_embeddings
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes
+from sailor.specs import ClusterSpec
 
-Slot = Member  # where one replica runs: zone, GPU type, TP degree
+Slot = Member  # where one replica runs: zone, GPU type, TP degree, and (once placed) its node
 
 # Share of a ring all-reduce's time (and of its bytes crossing zones) that each collective takes.
 _RING_SHARE = {Collective.ALL_REDUCE: 1.0, Collective.REDUCE_SCATTER: 0.5, Collective.ALL_GATHER: 0.5}
@@ -183,13 +185,15 @@ def tp_comm_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeO
 
 def zero_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions) -> float:
     """Seconds of one ZeRO-3 all-gather of the stage's weights (one replica's TP shards) across the
-    stage's D replicas, on a ring of D replicas like `slot`; paid before the forward and again
-    before the backward of every micro-batch. 0 without ZeRO-3 or with one replica."""
+    stage's D replicas, on a ring of D replicas like `slot`, each on a node of its own (the
+    conservative placement); paid before the forward and again before the backward of every
+    micro-batch. 0 without ZeRO-3 or with one replica."""
     if not opts.gathers_weights:
         return 0.0
     t = slot.tp
     nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["weights"]
-    return collective_s(ctx, [(slot, opts.replicas)], Collective.ALL_GATHER, nbytes, t)
+    apart = dataclasses.replace(slot, node=None)  # D replicas like this one, each on a node of its own
+    return collective_s(ctx, [(apart, opts.replicas)], Collective.ALL_GATHER, nbytes, t)
 
 
 def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float) -> tuple[float, float, float]:
@@ -200,15 +204,19 @@ def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float) -> tuple
     activation to its peer rank, so the link carries min(t_src, t_dst) concurrent flows of the whole
     tensor. Megatron-LM (`Framework.MEGATRON`) scatters it instead (SC'21 §4.1): each of those ranks
     sends 1/min(t_src, t_dst) of it and the receiver all-gathers it over its intra-node link. Each
-    transfer also pays the calibrated fixed cost `p2p_overhead_s` of its slower end (0 by default)."""
+    transfer takes the intra-node link when both replicas sit on one node (`Slot.node`, from
+    `placed_slots`), and pays the calibrated fixed cost `p2p_overhead_s` of its slower end (0 by
+    default)."""
     scatter = ctx.job.framework is Framework.MEGATRON
     flows = min(src.tp, dst.tp)
     per_flow = nbytes / flows if scatter else nbytes
-    seconds = (ctx.network.transfer_time_s(src.zone, src.gpu, dst.zone, dst.gpu, per_flow, flows=flows)
+    on_node = same_node(src, dst)
+    seconds = (ctx.network.transfer_time_s(src.zone, src.gpu, dst.zone, dst.gpu, per_flow, flows=flows,
+                                           same_node=on_node)
                + ctx.p2p_overhead_s(src.gpu, dst.gpu))
     if scatter and flows > 1:
         seconds += tp_collective_time_s(ctx.network, dst.zone, dst.gpu, dst.tp, Collective.ALL_GATHER, nbytes)
-    lc = ctx.network.link_class(src.zone, dst.zone)
+    lc = ctx.network.link_class(src.zone, dst.zone, on_node)
     if lc in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
         return seconds, 0.0, 0.0
     both = 2.0 * per_flow * flows  # activation forward, gradient backward
@@ -271,19 +279,14 @@ def optimizer_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions =
 
 def collective_s(ctx: SimContext, groups: list[Group], kind: Collective, nbytes: float, t: int) -> float:
     """Seconds of one all-reduce, reduce-scatter or all-gather of `nbytes` (a replica's full tensor,
-    split in `t` shards, one per TP rank) across `groups`: the ring over the links
-    (`collectives.allreduce_time_s`, a reduce-scatter or an all-gather taking half of it) divided by
-    the calibrated all-reduce efficiency, and no faster than the same share of one GPU's shard
-    (nbytes / t) at the slowest calibrated `allreduce_bytes_per_s` of the members (a rate that does
-    not depend on the number of replicas, as measured on GH200; see calibration.py). 0 for a single
-    member."""
+    split in `t` shards, one per TP rank: the flows of each ring edge) across `groups`: ring or
+    hierarchical over the links (`collectives.allreduce_time_s`, the cluster spec's algorithm) at
+    the lowest calibrated all-reduce efficiency of the members, a reduce-scatter or an all-gather
+    taking half of it. 0 for a single member."""
     if sum(n for _, n in groups) < 2:
         return 0.0
-    share = _RING_SHARE[kind]
-    members = [r for r, _ in groups]
-    ring = share * allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency(members)
-    rate = ctx.allreduce_bytes_per_s(members)
-    return max(ring, share * nbytes / t / rate) if rate is not None else ring
+    efficiency = ctx.allreduce_efficiency([r for r, _ in groups])
+    return _RING_SHARE[kind] * allreduce_time_s(groups, nbytes, ctx.network, efficiency=efficiency)
 
 
 def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> float:
@@ -326,3 +329,18 @@ def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tupl
         nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
         ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
     return ctx.memo[key]
+
+
+def place(pipelines: list[list[Slot]], cluster: ClusterSpec) -> list[list[Slot]]:
+    """The same slots, [pipeline][stage], with the node the launcher puts each on (`pack_replicas`,
+    the packing of `rank_layout`, with the cluster's GPUs per node): replicas that share a node talk
+    over the intra-node link."""
+    sizes = {sl.gpu: cluster.node_size(sl.gpu) for pipe in pipelines for sl in pipe}
+    nodes = pack_replicas([[(sl.zone, sl.gpu, sl.tp) for sl in pipe] for pipe in pipelines], sizes)
+    return [[dataclasses.replace(sl, node=node) for sl, (node, _) in zip(pipe, row)]
+            for pipe, row in zip(pipelines, nodes)]
+
+
+def placed_slots(plan: Plan, cluster: ClusterSpec) -> list[list[Slot]]:
+    """Slots of every replica of `plan`, [pipeline][stage], placed on nodes (`place`)."""
+    return place([[Slot(zone=r.zone, gpu=r.gpu, tp=r.tp) for r in p.replicas] for p in plan.pipelines], cluster)
