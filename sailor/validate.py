@@ -23,7 +23,6 @@ none left is an input error.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ import numpy as np
 
 from sailor import catalog
 from sailor.errors import SailorInputError
-from sailor.fileio import Checks, parse_model
+from sailor.fileio import Checks, load_json, parse_model
 from sailor.limits import MAX_BYTES, MAX_SECONDS
 from sailor.models import BUILTIN_MODELS, MODEL_ALIASES, canonical_model_name
 from sailor.network import NetworkModel, network_for
@@ -222,17 +221,9 @@ def model_from_runs(folder: Path, layer_counts: list[int]) -> str:
 
 
 def _read_raw(path: Path) -> dict[str, Any]:
-    """A file's plan_config object; raises SailorInputError naming the problem."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SailorInputError(f"not UTF-8 text (byte {e.start})", source=str(path)) from None
-    except OSError as e:
-        raise SailorInputError(f"cannot read: {e.strerror}", source=str(path)) from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SailorInputError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}", source=str(path)) from None
+    """A file's plan_config object (read by `fileio.load_json`'s rules); raises SailorInputError
+    naming the problem."""
+    raw = load_json(path)
     if not isinstance(raw, dict) or "pipeline_list" not in raw:
         raise SailorInputError("not a Sailor plan_config (no pipeline_list)", source=str(path))
     if "real" not in raw or "max_mem" not in raw:
