@@ -230,6 +230,21 @@ def _plan(stages, schedule=None, zones=("us-central1-a",) * 4, micro=(16,), memo
     return plan_from_dict(d).with_specs(JOB, CLUSTER)
 
 
+def test_interleaved_sync_buffer_counts_every_chunk_of_the_stage():
+    # stage 0 of EIGHT under v = 2 holds [0, 4) and [13, 16): the flat gradient copy of its sync
+    # covers both chunks (DeepSpeed-style, ZeRO-0), or the largest layer of either under ZeRO-2
+    ctx = make_context(JOB, CLUSTER)
+    grad = JOB.state_bytes_per_param["gradients"]
+    inter = {"kind": "interleaved-1f1b", "virtual_stages": 2}
+    est = simulate(_plan(EIGHT, inter), ctx)
+    both = ctx.stage_params(1, 0, 4) + ctx.stage_params(1, 13, 16)
+    assert est.replicas[0].chunks == ((0, 4), (13, 16))
+    assert est.replicas[0].memory.sync_buffer == pytest.approx(both * grad)
+    zero2 = simulate(_plan(EIGHT, inter, micro=(8, 8), memory=[{"zero": 2}] * 4), ctx)
+    largest = max(JOB.model.params(x, 1) for x in (*range(0, 4), *range(13, 16)))
+    assert zero2.replicas[0].memory.sync_buffer == pytest.approx(largest * grad)
+
+
 def test_zb_h1_memory_holds_pending_weight_gradient_inputs():
     ctx = make_context(JOB, CLUSTER)
     m = JOB.model

@@ -17,6 +17,7 @@ from sailor.fileio import check_output_path
 from sailor.models import Recompute
 from sailor.plan import Plan, StageMemory, load_plan
 from sailor.simulator import Estimate, make_context, simulate
+from sailor.simulator.schedule import check_pipeline_tasks
 
 GIB = 2**30
 
@@ -38,6 +39,8 @@ def simulate_command(
     try:
         job_spec, cluster_spec = resolve_specs(plan, job, cluster)
         plan.check_against(job_spec, cluster_spec)
+        for pipe in plan.pipelines:  # before the work (profiling this machine, the simulation)
+            check_pipeline_tasks(plan.num_stages, pipe.microbatches, plan.virtual_stages)
     except Exception as e:
         from sailor.errors import SailorInputError
         if isinstance(e, SailorInputError):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sailor.plan import Plan, ScheduleKind
-from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b, timeline_1f1b
+from sailor.simulator.schedule import check_pipeline_tasks, closed_form_1f1b, simulate_1f1b, timeline_1f1b
 from sailor.simulator.schedule import in_flight as in_flight_1f1b
 from sailor.pipeline_orders import Op, interleaved_order, zb_h1_order
 from sailor.simulator.schedule_orders import TimedOp, held_at_peak, run_orders
@@ -170,6 +170,7 @@ def _ordered_model(order: Callable[[int, int, int, int], list[Op]],
     """A schedule given by its op orders (`schedule_orders.run_orders`) and its closed form."""
     def orders(t: PipelineTimes, m: int) -> list[list[Op]]:
         p, v = t.forward_s.shape
+        check_pipeline_tasks(p, m, v)
         return [order(p, v, i, m) for i in range(p)]
 
     def event(t: PipelineTimes, m: int) -> float:
