@@ -411,7 +411,9 @@ READERS: list[Reader] = [
     Reader("sailor_network", [{"multizone_bandwidths_het.json": (SAILOR_NETWORK, "json"),
                                "intra_node_bandwidths.json": (INTRA, "json")}], _load_network, _valid_network),
     Reader("validation_folder", [{"runs-tiny/plan_config_a.json": (SAILOR_PLAN, "json"),
-                                  "runs-tiny/plan_config_b.json": (SAILOR_PLAN | {"gbs": 16, "mbs": 2}, "json")}],
+                                  "runs-tiny/plan_config_b.json": (SAILOR_PLAN | {"gbs": 16, "mbs": 2}, "json")},
+                                 # a set's only run: refused when unusable (beside a usable one it is a warning)
+                                 {"runs-tiny/plan_config_a.json": (SAILOR_PLAN, "json")}],
            _load_runs, _valid_runs),
 ]
 BY_NAME = {r.name: r for r in READERS}

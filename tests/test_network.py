@@ -290,4 +290,4 @@ def test_planner_scores_the_sync_of_the_placement_it_builds():
     apart = make_context(ctx.job, cluster.model_copy(update={"gpus_per_node": {"A100-40": 1}}), calibration={})
     assert simulate(dp8, ctx).gradient_sync_s < 0.5 * simulate(dp8, apart).gradient_sync_s
     t = S.make_pipeline_type(ctx, "A100-40", ZA, (1,), ((0, 26),), 2, max_count=8)
-    assert S.Scorer(ctx, ((0, 26),), [t], 8).sync((8,))[0] == pytest.approx(simulate(dp8, ctx).gradient_sync_s)
+    assert S.Scorer(ctx, ((0, 26),), 2, [t], 8).sync((8,))[0] == pytest.approx(simulate(dp8, ctx).gradient_sync_s)

@@ -319,7 +319,7 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
                 for P in range(1, min(model.num_layers, opts.max_stages) + 1):
                     have = sum(cluster.available(z, g) for z in cluster.zones) // (tp * P)
                     d = min(job.global_batch_size, max(1, have) * more) if mem.zero else 1
-                    need = max(replica_memory(ctx, g, tp, 1, a, b, stage=i, num_stages=P, microbatches=job.global_batch_size,
+                    need = max(replica_memory(ctx, g, tp, 1, ((a, b),), stage=i, num_stages=P, microbatches=job.global_batch_size,
                                               memory=mem, replicas=d).total - ctx.memory_limit(g) + cap
                                for i, (a, b) in enumerate(even_partition(model.num_layers, P)))
                     if best is None or need < best[0]:
