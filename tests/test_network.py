@@ -215,6 +215,27 @@ def test_hierarchical_allreduce_and_egress_across_zones():
     assert usd == pytest.approx(3e6 / 1e9 * 0.01)
 
 
+def test_hierarchical_allreduce_across_nodes_moves_every_shard_through_the_nic():
+    # two nodes of four TP-1 replicas: each member ends the intra-node reduce-scatter with its own
+    # quarter shard, and all four quarters cross to the other node at once, four rings sharing the
+    # node's NIC: the NIC carries 4 x 2·1/2 x S/4 = S, not S/4
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 8}}, gpus_per_node={"A100-40": 4},
+                          network={"same_node": {"latency_s": 0.0, "bandwidth_bytes_per_s": 4e6},
+                                   "same_zone": {"latency_s": 0.0, "bandwidth_bytes_per_s": 4e5,
+                                                 "flow_bandwidth_bytes_per_s": 1e5}})
+    net = network_for(cluster)
+    n0, n1 = Member(ZA, "A100-40", 1, node="n0"), Member(ZA, "A100-40", 1, node="n1")
+    groups = group_members([n0] * 4 + [n1] * 4)
+    # reduce-scatter 3/4 x 1 MB / 4e6 = 0.1875 s, all-gather the same; across the nodes 1 MB / 4e5 = 2.5 s
+    assert allreduce_time_s(groups, 1e6, net, algorithm=AllreduceAlgorithm.HIERARCHICAL) == \
+        pytest.approx(2 * 0.1875 + 2.5)
+    # two TP-2 replicas per node: each of a node's four GPUs holds S/4 after the reduce-scatter
+    # (2 flows of 1/2 x S/2 on NVLink: 0.125 s), and the NIC again carries 4 x 2·1/2 x S/4 = S
+    m0, m1 = Member(ZA, "A100-40", 2, node="n0"), Member(ZA, "A100-40", 2, node="n1")
+    assert allreduce_time_s(group_members([m0] * 2 + [m1] * 2), 1e6, net, algorithm=AllreduceAlgorithm.HIERARCHICAL) == \
+        pytest.approx(2 * 0.125 + 2.5)
+
+
 def test_ring_is_chosen_when_cheaper_than_hierarchical():
     # one zone, every replica on its own node: a single island, so the ring (no hierarchy)
     net = network_for(CLUSTER)
@@ -282,12 +303,13 @@ def test_planner_scores_the_sync_of_the_placement_it_builds():
         plan = choice.plan
         closed = simulate(plan, ctx, event=False)
         assert closed.iteration_time_s == pytest.approx(choice.closed_time_s, rel=1e-9)
-    # 8 TP-1 replicas on two nodes: reduce-scatter in each node, all-reduce of the quarter shards
-    # across the two, all-gather: far below the flat ring over 8 nodes
+    # 8 TP-1 replicas on two nodes: reduce-scatter in each node (NVLink, negligible here), all-reduce
+    # of the four quarter shards across the two nodes, all-gather: the shared NIC carries
+    # 4 x 2·1/2 x S/4 = S, where the flat ring over 8 nodes streams 2·7/8 x S over every NIC
     from sailor.planner import search as S
     dp8 = Plan.model_validate({"micro_batch_size": 2, "stages": [[0, 26]], "pipelines": [
         {"microbatches": 1, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": ZA, "tp": 1}]}] * 8})
     apart = make_context(ctx.job, cluster.model_copy(update={"gpus_per_node": {"A100-40": 1}}), calibration={})
-    assert simulate(dp8, ctx).gradient_sync_s < 0.5 * simulate(dp8, apart).gradient_sync_s
+    assert simulate(dp8, ctx).gradient_sync_s == pytest.approx(simulate(dp8, apart).gradient_sync_s / 1.75, rel=0.01)
     t = S.make_pipeline_type(ctx, "A100-40", ZA, (1,), ((0, 26),), 2, max_count=8)
     assert S.Scorer(ctx, ((0, 26),), 2, [t], 8).sync((8,))[0] == pytest.approx(simulate(dp8, ctx).gradient_sync_s)

@@ -91,15 +91,18 @@ def _edge_kinds(groups: list[Group]) -> set[tuple[str, str, int, str, str, int, 
 def _ring_phase(groups: list[Group], nbytes: float, net: NetworkModel, *, steps: int, fraction: float,
                 efficiency: float, share: int = 1) -> float:
     """Seconds of `steps` ring steps over `groups` in which each member streams `fraction` x `nbytes`
-    (split over its edge's flows, one per TP rank of the finer replica times the rings `share`-ing
-    the sender's node): steps x slowest hop latency + slowest edge's streaming / η."""
+    split over its edge's t flows (one per TP rank of the finer replica), while `share` such rings,
+    each with its own `nbytes`, leave the sender's node at once: share x t flows of
+    fraction x nbytes / t each on the edge's link. Steps x slowest hop latency + slowest edge's
+    streaming / η."""
     if nbytes <= 0:
         return 0.0
     latency, stream = 0.0, 0.0
     for za, ga, ta, zb, gb, tb, on_node in _edge_kinds(groups):
-        f = max(1, min(ta, tb)) * share
-        latency = max(latency, net.hop_latency_s(za, ga, zb, gb, flows=f, same_node=on_node))
-        stream = max(stream, net.stream_time_s(za, ga, zb, gb, fraction * nbytes / f, flows=f, same_node=on_node))
+        t = max(1, min(ta, tb))
+        latency = max(latency, net.hop_latency_s(za, ga, zb, gb, flows=t * share, same_node=on_node))
+        stream = max(stream, net.stream_time_s(za, ga, zb, gb, fraction * nbytes / t, flows=t * share,
+                                               same_node=on_node))
     return steps * latency + stream / efficiency
 
 
