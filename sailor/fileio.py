@@ -438,7 +438,9 @@ def write_json(path: str | Path, obj: Any) -> None:
 def check_output_path(path: str | Path | None, option: str, *, folder: bool = False,
                       suffixes: tuple[str, ...] = ()) -> None:
     """Refuse an output path before any work starts: a file where a folder is wanted or the reverse,
-    a parent that is a file, a folder this user cannot write, or (for files) a suffix outside `suffixes`.
+    a parent that is a file, a folder this user cannot write (tried: a file is created and removed in
+    the nearest existing folder; missing folders below it are created when the output is written),
+    or (for files) a suffix outside `suffixes`.
 
     Raises:
         SailorInputError: naming the option and the path.
@@ -460,3 +462,9 @@ def check_output_path(path: str | Path | None, option: str, *, folder: bool = Fa
         raise SailorInputError(f"{existing} is a file, so {p} cannot be created under it", source=option)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise SailorInputError(f"cannot write in {existing} (permission denied)", source=option)
+    try:  # the permission bits do not tell everything (root, /proc, read-only or immutable folders)
+        fd, probe = tempfile.mkstemp(prefix=".sailor-write-test.", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise SailorInputError(f"cannot write in {existing} ({e.strerror})", source=option) from None

@@ -88,3 +88,8 @@ def max_local_processes() -> int:
     provider, `sailor profile`): 4 per CPU core, at least 16. Each is a Python process with torch
     (hundreds of MB), so more than a few per core only thrashes the machine."""
     return max(16, 4 * (os.cpu_count() or 1))
+
+# Optimizer steps one `sailor train` or `sailor run` asks for: 10^9 steps of a global batch of even 1
+# sample is far beyond any training run (Llama 3 405B: about 1.2M steps), and the step counter stays
+# an exact integer everywhere (checkpoint names, metrics).
+MAX_STEPS = 10**9

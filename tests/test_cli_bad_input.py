@@ -310,7 +310,37 @@ BAD = [
      "h.yaml: groups.0.gpus_per_node: replica 0 of pipeline 0 has TP 4, but cpu machines hold 2 GPUs"),
     # unbounded local processes
     ({}, ["profile", "network", "--nproc", "1000000"], "--nproc: 1000000 processes, more than this machine can run"),
+    # a container image that is no image reference (it would be written into the manifests as it is)
+    ({}, ["launch", "cpu_plan.json", "--backend", "kubernetes", "--image", "foo bar;rm -rf /", "--dry-run"],
+     "--image: 'foo bar;rm -rf /' is not a container image reference"),
+    ({}, ["launch", "cpu_plan.json", "--backend", "skypilot", "--image", "UPPER/Case", "--out", "sky", "--dry-run"],
+     "is not a container image reference"),
+    # unbounded steps
+    ({}, ["train", "cpu_plan.json", "--steps", str(10**20), "--dry-run"], "--steps: must be between 1 and"),
 ]
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """Permission bits do not tell (root, /proc, read-only mounts): the check creates a file."""
+    import errno
+    import tempfile
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    _base(tmp_path)
+    line = _refused(["simulate", "cpu_plan.json", "--report", "rep"], tmp_path, monkeypatch, capsys)
+    assert line.endswith("--report: cannot write in . (Read-only file system)"), line
+
+
+def test_export_without_safetensors_says_which_package(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name, *a))
+    _base(tmp_path)
+    line = _refused(["export", "ck", "--to", "hf"], tmp_path, monkeypatch, capsys)
+    assert "`sailor export` needs safetensors, which is not installed" in line, line
 
 
 @pytest.mark.parametrize("files, args, words", BAD, ids=[f"{b[1][0]}-{i}" for i, b in enumerate(BAD)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -85,7 +86,10 @@ def test_version_help_and_completion():
     for argv in (["-h"], ["plan", "-h"], ["launch", "-h"]):
         r = _run([str(SAILOR), *argv])
         assert r.returncode == 0 and "Usage: sailor" in r.stdout, r.stderr
-    r = _run([str(SAILOR), "--show-completion", "bash"])
+    # --show-completion guesses the shell from the parent processes (none under nohup or CI runners);
+    # the variable it documents names the shell outright
+    r = subprocess.run([str(SAILOR)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "_SAILOR_COMPLETE": "source_bash"})
     assert r.returncode == 0 and "_SAILOR_COMPLETE=complete_bash" in r.stdout, r.stdout + r.stderr
 
 

@@ -26,14 +26,16 @@ def console():
 TRAIN_EXTRA = "pip install 'sailor-train[train]'"  # what puts torch next to a plain install
 
 
-def require_torch(command: str) -> None:
-    """Raise SailorInputError (one line, exit 2) when torch is not installed: `command` trains or
-    measures with it, while a plain install (no `train` extra) only plans, simulates and launches."""
+def require_torch(command: str, *modules: str) -> None:
+    """Raise SailorInputError (one line, exit 2) when torch (or another of `modules`, e.g.
+    "safetensors") is not installed: `command` trains or measures with them, while a plain install
+    (no `train` extra) only plans, simulates and launches."""
     import importlib.util
 
-    if importlib.util.find_spec("torch") is None:
-        from sailor.errors import SailorInputError
-        raise SailorInputError(f"`sailor {command}` needs torch, which is not installed", fix=TRAIN_EXTRA)
+    for name in ("torch", *modules):
+        if importlib.util.find_spec(name) is None:
+            from sailor.errors import SailorInputError
+            raise SailorInputError(f"`sailor {command}` needs {name}, which is not installed", fix=TRAIN_EXTRA)
 
 
 def check_number(value: float | None, option: str, *, lo: float | None = None, hi: float | None = None,

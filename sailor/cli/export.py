@@ -9,6 +9,7 @@ import typer
 
 from sailor.cli import app
 from sailor.cli.common import JsonOpt, console, require_torch
+from sailor.fileio import check_output_path
 
 
 @app.command("export")
@@ -24,7 +25,8 @@ def export_command(
     as_json: bool = JsonOpt,
 ) -> None:
     """Write CHECKPOINT's weights as a model transformers loads (`from_pretrained(DIR)`)."""
-    require_torch("export")
+    require_torch("export", "safetensors")
+    check_output_path(to, "--to", folder=True)
     from sailor.runtime.hf_weights import export_checkpoint
 
     summary = export_checkpoint(checkpoint, to, max_shard_bytes=int(max_shard_gb * 1e9))

@@ -55,7 +55,7 @@ from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.remote import HostPool, Machine, NodeLaunch
 from sailor.elastic.replan import Planned, Replanner
 from sailor.errors import InfeasibleError, SailorInputError
-from sailor.limits import max_local_processes
+from sailor.limits import MAX_STEPS, max_local_processes
 from sailor.plan import rank_layout
 from sailor.runtime.launcher import ExitStatus, Prepared, TrainOptions, TrainResult, launch, prepare
 from sailor.specs import ClusterSpec, JobSpec
@@ -197,8 +197,8 @@ class Controller:
             raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
                                    source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")
         catalog.check_device(o.device, (g for _, g in _offered(o.trace)), what="the trace offers")
-        if o.steps < 1:
-            raise SailorInputError(f"must be >= 1, got {o.steps}", source="--steps")
+        if not 1 <= o.steps <= MAX_STEPS:
+            raise SailorInputError(f"must be between 1 and {MAX_STEPS:,} (limits.MAX_STEPS), got {o.steps}", source="--steps")
         if not _offered(o.trace):
             raise SailorInputError("the trace never offers a GPU", source=o.trace.source,
                                    fix="give some zone and GPU type a count above 0")

@@ -25,7 +25,7 @@ import yaml
 
 from sailor import __version__
 from sailor.errors import SailorInputError
-from sailor.launch.common import LaunchLayout, LaunchOptions, check_options, launch_layout, node_sizes
+from sailor.launch.common import LaunchLayout, LaunchOptions, check_image, check_options, launch_layout, node_sizes
 from sailor.launch.hosts import HostsFile, load_hosts
 from sailor.plan import Plan
 
@@ -107,6 +107,8 @@ def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_pat
         raise SailorInputError(f"--hosts is for the torchrun backend, not {backend.value}", source="--hosts")
     if image is not None and backend is Backend.TORCHRUN:
         raise SailorInputError("--image is for the skypilot and kubernetes backends", source="--image")
+    if image is not None:
+        check_image(image)
     hosts = load_hosts(hosts_path) if hosts_path is not None else None
     layout = layout_for(plan, hosts, str(hosts_path))
     if backend is Backend.TORCHRUN:

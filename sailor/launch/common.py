@@ -282,3 +282,21 @@ def backend_name(table: dict[str, str], gpu: str, what: str) -> str:
         return table[gpu]
     except KeyError:
         raise SailorInputError(f"GPU type {gpu} has no {what}", fix=f"known: {', '.join(sorted(table))}") from None
+
+
+# An image reference as the OCI distribution spec writes it: [host[:port]/]path[:tag][@algorithm:hex]
+# (https://github.com/distribution/reference, "Grammar"); path components lower case.
+_IMAGE = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]+)?/)?"
+                    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+                    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,})?")
+
+
+def check_image(image: str) -> None:
+    """Raise SailorInputError unless `image` is a container image reference (`_IMAGE`), e.g.
+    `sailor-train:0.1.0` or `registry.example.com:5000/team/sailor-train:0.1.0`."""
+    if not image.strip():
+        raise SailorInputError("the container image is empty", source="--image",
+                               fix="e.g. sailor-train:0.1.0 built from the Dockerfile and pushed to your registry")
+    if len(image) > 255 or not _IMAGE.fullmatch(image):
+        raise SailorInputError(f"{image[:80]!r} is not a container image reference", source="--image",
+                               fix="e.g. sailor-train:0.1.0 or registry.example.com/team/sailor-train:0.1.0")

@@ -33,7 +33,7 @@ import re
 from typing import Any
 
 from sailor.errors import SailorInputError
-from sailor.launch.common import Group, LaunchLayout, LaunchOptions, backend_name, node_script, round_up_pow2
+from sailor.launch.common import Group, LaunchLayout, LaunchOptions, backend_name, check_image, node_script, round_up_pow2
 from sailor.plan import Plan
 
 # Our GPU types -> GKE accelerator labels (`cloud.google.com/gke-accelerator` node label values),
@@ -100,9 +100,7 @@ def manifests(layout: LaunchLayout, opts: LaunchOptions, *, name: str = "sailor"
             is not a DNS-1123 label of at most 63 characters; an empty image; options that do not go
             together (checkpoints without a claim, queue or restarts with Indexed Jobs).
     """
-    if not image.strip():
-        raise SailorInputError("the container image is empty", source="--image",
-                               fix="e.g. sailor-train:0.1.0 built from the Dockerfile and pushed to your registry")
+    check_image(image)
     check_label(name, "--name", "name")
     if not name[0].isalpha():
         raise SailorInputError(f"{name!r} must start with a letter (it names Services)", source="--name")

@@ -29,8 +29,8 @@ from typing import Any
 
 from sailor import __version__
 from sailor.errors import SailorInputError
-from sailor.launch.common import (RDZV_HOST_VAR, Group, LaunchLayout, LaunchOptions, backend_name, node_script,
-                                  round_up_pow2)
+from sailor.launch.common import (RDZV_HOST_VAR, Group, LaunchLayout, LaunchOptions, backend_name, check_image,
+                                  node_script, round_up_pow2)
 
 # Our GPU types -> SkyPilot accelerator names (`sky show-gpus`); only types GCP rents.
 SKYPILOT_ACCELERATOR = {
@@ -74,9 +74,8 @@ def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, region_of, local_pl
     Raises:
         SailorInputError: a GPU type SkyPilot cannot rent; an empty image.
     """
-    if image is not None and not image.strip():
-        raise SailorInputError("the container image is empty", source="--image",
-                               fix="omit --image to install the released wheel, or name an image")
+    if image is not None:
+        check_image(image)
     cluster_names(layout, name)  # checks the prefix
     out = []
     for k, g in enumerate(layout.groups()):

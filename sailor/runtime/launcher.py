@@ -38,7 +38,7 @@ from typing import Any
 from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import check_output_path
-from sailor.limits import MAX_SECONDS, max_local_processes
+from sailor.limits import MAX_SECONDS, MAX_STEPS, max_local_processes
 from sailor.models import ModelSpec
 from sailor.plan import Plan, RankInfo, load_plan, rank_layout
 from sailor.runtime import checkpoint as ckpt
@@ -188,8 +188,8 @@ def check_train_options(options: TrainOptions) -> None:
     """Raise SailorInputError for options no run can use: --steps < 1, a --timeout-s that is not a
     positive, finite number of seconds (at most limits.MAX_SECONDS), or an output path that cannot
     be written (checked before any work), or --tensorboard without the tensorboard package."""
-    if options.steps < 1:
-        raise SailorInputError(f"must be >= 1, got {options.steps}", source="--steps")
+    if not 1 <= options.steps <= MAX_STEPS:
+        raise SailorInputError(f"must be between 1 and {MAX_STEPS:,} (limits.MAX_STEPS), got {options.steps}", source="--steps")
     t = options.timeout_s
     if not (isinstance(t, (int, float)) and math.isfinite(t) and 0 < t <= MAX_SECONDS):
         raise SailorInputError(f"must be a number of seconds > 0 and <= {MAX_SECONDS:g}, got {t}", source="--timeout-s")
