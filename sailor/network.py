@@ -76,6 +76,7 @@ class NetworkModel:
     class_links: dict[LinkClass, Link] = field(default_factory=dict)
     source: str = "defaults"
     _flow_count_index: dict = field(default_factory=dict, repr=False, compare=False)
+    _times: dict = field(default_factory=dict, repr=False, compare=False)
 
     def link_class(self, zone_a: str, zone_b: str, same_node: bool = False) -> LinkClass:
         return LinkClass.SAME_NODE if same_node else self.cluster.prov.link_class(zone_a, zone_b)
@@ -129,6 +130,19 @@ class NetworkModel:
         """
         if nbytes <= 0:
             return 0.0
+        # Memoised: planning asks for the same few links millions of times. The tables are filled
+        # when the model is loaded; a change in their sizes (a test adding a link) drops the memo.
+        sizes = (len(self.fits), len(self.links), len(self.intra_fits), len(self.class_links))
+        if self._times.get("sizes") != sizes:
+            self._times.clear()
+            self._times["sizes"] = sizes
+        key = (src_zone, src_gpu, dst_zone, dst_gpu, nbytes, flows, same_node)
+        if key not in self._times:
+            self._times[key] = self._transfer_time_s(src_zone, src_gpu, dst_zone, dst_gpu, nbytes, flows, same_node)
+        return self._times[key]
+
+    def _transfer_time_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, nbytes: float,
+                         flows: int, same_node: bool) -> float:
         lc = self.link_class(src_zone, dst_zone, same_node)
         slow = min((src_gpu, dst_gpu), key=lambda g: catalog.gpu(g).intra_node_bytes_per_s)
         base = self.default_link(lc, slow)

@@ -7,9 +7,8 @@ from enum import Enum
 from typing import Callable
 
 
-# Clusters of at most this many GPUs are searched exactly (every template, every count vector where
-# there are at most search.EXHAUSTIVE_COUNTS); larger ones with the heuristics of
-# `branch.template_combos` and `branch.search_counts` (the brute-force tests check the exact mode).
+# Clusters of at most this many GPUs are searched in exact mode (engine.py: every pipeline kind and
+# count vector when few enough, valid bounds; the brute-force tests check it).
 EXACT_MAX_GPUS = 32
 
 
@@ -22,11 +21,14 @@ class Objective(str, Enum):
 
 class SearchSpace(str, Enum):
     """`full`: our space. `paper`: the published one (even layer split, equal batch per pipeline, one
-    TP per GPU type). `homogeneous`: one GPU type in one zone, uniform TP, even split, equal shares."""
+    TP per GPU type by its fixed rule, each stage's replicas on any GPU types of one region).
+    `homogeneous`: one GPU type in one zone, uniform TP, even split, equal shares. `legacy`: our
+    older search of the full space (single-type, single-zone pipelines), kept for comparisons."""
 
     FULL = "full"
     PAPER = "paper"
     HOMOGENEOUS = "homogeneous"
+    LEGACY = "legacy"
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,11 @@ class Constraints:
 class PlanOptions:
     """Search settings. `max_stages` bounds P; `max_mbs` the micro-batch size; `top_k` the
     alternatives kept; `rescore` how many closed-form finalists get the event simulation;
-    `templates_per_gpu` how many TP templates per GPU type enter the count search on large spaces;
+    `templates_per_gpu` how many TP templates per GPU type the legacy search tries on large spaces;
     `memory_per_partition` how many memory-option candidates per layer partition (the lightest,
-    `space.memory_candidates`) are searched (in every mode: it is part of the space)."""
+    `space.memory_candidates`) are searched (in every mode: it is part of the space);
+    `time_limit_s` stops the search after that many seconds with the best plan found (an error when
+    none was; None: no limit)."""
 
     objective: Objective = Objective.THROUGHPUT
     constraints: Constraints = field(default_factory=Constraints)
@@ -64,6 +68,7 @@ class PlanOptions:
     rescore: int = 8
     templates_per_gpu: int = 3
     memory_per_partition: int = 2
+    time_limit_s: float | None = None
 
 
 def objective_key(objective: Objective) -> Callable[[float, float], tuple[float, float]]:

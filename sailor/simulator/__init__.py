@@ -41,7 +41,8 @@ from sailor.simulator.collectives import group_members
 from sailor.simulator.context import (SimContext, embedding_params, head_vocab_params, make_context,
                                       tied_embeddings)
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
-from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b
+from sailor.simulator.long_run import makespan_s
+from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b, stage_times
 from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s,
                                     optimizer_s, pipeline_arrays, stage_sync, stage_time, tied_sync,
                                     time_options)
@@ -186,7 +187,9 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     Args:
         plan: the plan (assumed checked against ctx.job; see Plan.check_against).
         ctx: job, cluster, profiles, network.
-        event: True for the 1F1B event simulation, False for the closed form (planner fast path).
+        event: True for the 1F1B event simulation (beyond `long_run.DIRECT_MAX_MICROBATCHES`
+            micro-batches per pipeline, simulated until its time is affine in m and extrapolated),
+            False for the closed form (planner fast path).
     Returns:
         Estimate with times (s), memory per GPU (bytes) and cost ($).
     """
@@ -198,20 +201,29 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     cache: dict[tuple, float] = {}
     egress_usd, cross_bytes = 0.0, 0.0
     slots = [[Slot(zone=r.zone, gpu=r.gpu, tp=r.tp) for r in p.replicas] for p in plan.pipelines]
+    arrays: dict[tuple, tuple] = {}  # identical pipelines (same slots) share their arrays and memory
+    memory: dict[tuple, MemoryBreakdown] = {}
     for j, pipe in enumerate(plan.pipelines):
         m = pipe.microbatches
-        f, b, c, moved, usd = pipeline_arrays(ctx, slots[j], plan.stages, mbs, options)
+        if tuple(slots[j]) not in arrays:
+            arrays[tuple(slots[j])] = pipeline_arrays(ctx, slots[j], plan.stages, mbs, options)
+        f, b, c, moved, usd = arrays[tuple(slots[j])]
         cross_bytes += moved * m
         egress_usd += usd * m
         key = (tuple(f), tuple(b), tuple(c), m, event)
         if key not in cache:
-            cache[key] = simulate_1f1b(f, b, c, m)[0] if event else closed_form_1f1b(f, b, c, m)
+            if event:  # many micro-batches: simulated until affine, then extrapolated (`long_run`)
+                cache[key] = makespan_s(lambda k: simulate_1f1b(f, b, c, k)[0], float(stage_times(f, b, c).max()), m, P)
+            else:
+                cache[key] = closed_form_1f1b(f, b, c, m)
         pipeline_times.append(cache[key])
         for i, r in enumerate(pipe.replicas):
             a, e = plan.stages[i]
             st = stage_time(ctx, slots[j][i], mbs, a, e, options[i])
-            mem = replica_memory(ctx, r.gpu, r.tp, mbs, a, e, stage=i, num_stages=P, microbatches=m,
-                                 memory=plan.stage_memory(i), replicas=D)
+            if (r.gpu, r.tp, i, m) not in memory:
+                memory[(r.gpu, r.tp, i, m)] = replica_memory(ctx, r.gpu, r.tp, mbs, a, e, stage=i, num_stages=P,
+                                                             microbatches=m, memory=plan.stage_memory(i), replicas=D)
+            mem = memory[(r.gpu, r.tp, i, m)]
             replicas.append(ReplicaEstimate(
                 pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(a, e), forward_s=f[i],
                 backward_s=b[i], p2p_s=c[i] if i < P - 1 else 0.0, sync_s=0.0,

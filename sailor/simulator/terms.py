@@ -261,12 +261,13 @@ def stage_sync(ctx: SimContext, groups: list[Group], a: int, e: int,
     the updated weights (`TimeOptions.sync`). Each of the t ranks syncs its own shard of
     params(stage, t) parameters (replicated norms and biases included), t = the finest common
     sharding's flow count."""
-    key = ("stage_sync", tuple(groups), a, e, opts.sync())
+    t = min(r.tp for r, _ in groups)
+    params = t * ctx.stage_params(t, a, e)
+    key = ("stage_sync", tuple(groups), params, opts.sync())  # stages of equal size share the result
     if key not in ctx.memo:
-        t = min(r.tp for r, _ in groups)
         seconds, moved, usd = 0.0, 0.0, 0.0
         for kind, state in opts.sync():
-            nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param[state]
+            nbytes = params * ctx.job.state_bytes_per_param[state]
             mb, mu = ring_egress(groups, nbytes, ctx.network)
             seconds += collective_s(ctx, groups, kind, nbytes, t)
             moved += _RING_SHARE[kind] * mb
