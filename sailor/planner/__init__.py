@@ -210,23 +210,29 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
 
 
 def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
-    """Some GPU type can hold the model's stages, but the cluster has too few GPUs for one pipeline:
-    the smallest pipeline (fewest GPUs over P and the memory candidates, each stage on whatever GPU
-    type holds it with the fewest GPUs, micro-batch 1) against the GPUs offered."""
+    """Some GPU type can hold the model's stages, but the cluster has too few GPUs for the smallest
+    plan: over P and the memory candidates, the fewest GPUs of D pipelines, D the replicas ZeRO needs
+    for the options taken (each stage on whatever GPU type and TP holds it with the fewest GPUs at
+    that D, micro-batch 1), against the GPUs offered."""
     job, cluster = ctx.job, ctx.cluster
     L = job.model.num_layers
     gpus = cluster.gpu_types()
     zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
-    best = None  # (GPUs needed, P)
+    best = None  # (GPUs needed, P, D)
     for P in range(1, min(L, opts.max_stages) + 1):
         part = even_partition(L, P)
         for memory in memory_candidates(ctx, gpus, part, 1, job.global_batch_size, zero_max):
-            per_gpu = [stage_options(ctx, g, part, 1, job.global_batch_size, memory) for g in gpus]
-            fewest = [min((o.tp for opts_g in per_gpu for o in opts_g[i]), default=None) for i in range(P)]
-            if all(f is not None for f in fewest) and (best is None or sum(fewest) < best[0]):
-                best = (sum(fewest), P)
+            stages = [[o for g in gpus for o in stage_options(ctx, g, part, 1, job.global_batch_size, memory)[i]]
+                      for i in range(P)]
+            if not all(stages):
+                continue
+            for D in sorted({o.min_replicas for stage in stages for o in stage}):
+                fewest = [min((o.tp for o in stage if o.min_replicas <= D), default=None) for stage in stages]
+                if None not in fewest and (best is None or D * sum(fewest) < best[0]):
+                    best = (D * sum(fewest), P, D)
     if best is None:
         return f"no GPU type in the cluster can hold {job.model.name}'s stages in memory"
-    need, P = best
-    return (f"{job.model.name} needs at least {need} GPUs for one pipeline ({P} stages, micro-batch 1, to fit in"
-            f" memory; its stages may sit on any GPU type, zone and region); the cluster offers {cluster.total_gpus()}")
+    need, P, D = best
+    replicas = "" if D == 1 else f", {D} pipelines for ZeRO to shard over"
+    return (f"{job.model.name} needs at least {need} GPUs ({P} stages{replicas}, micro-batch 1, to fit in memory;"
+            f" its stages may sit on any GPU type, zone and region); the cluster offers {cluster.total_gpus()}")

@@ -114,8 +114,8 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
             found.exact = False
             break
         key, level, _, item = heapq.heappop(heap)
-        if key[0] >= keep.best0():
-            break  # ordered by key: nothing left can win
+        if key[0] >= keep.best0() or key[0] == math.inf:
+            break  # ordered by key: nothing left can win (or fit)
         counter += 1
         if level == 0:  # a node: its families, keyed by their option tables' bounds
             for fam in _families(ctx, opts, *item, free, all_scopes, sync[item[0]], exact_mode):

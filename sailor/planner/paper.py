@@ -27,6 +27,7 @@ equal shares.
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -71,14 +72,14 @@ def search(ctx: SimContext, opts: PlanOptions, progress=None, deadline: float | 
         if deadline is not None and time.perf_counter() > deadline:
             keep.found.timed_out = True
             break
-        if key[0] >= keep.best0():
+        if key[0] >= keep.best0() or key[0] == math.inf:
             break
         partition = even_partition(L, P)
         M = job.global_batch_size // mbs
         for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max)[: opts.memory_per_partition]:
             table = option_table(ctx, gpus, partition, mbs, M, memory)
             for tps in _tp_rules(table, every=homogeneous):
-                for pools in groups:
+                for pools in (g for g in groups if any(gpu in tps for _, gpu in g)):
                     keep.found.any_family = True
                     keep.found.points += 1
                     _scan(ctx, opts, keep, partition, mbs, M, memory, table, tps, pools)

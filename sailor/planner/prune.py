@@ -31,7 +31,9 @@ def node_keys(ctx: SimContext, opts: PlanOptions, exact_mode: bool) -> tuple[lis
     use, `bounds.zero_sync_share`). The key is
     `node_bound`; outside exact mode the larger of that and `node_estimate` discounted by
     ESTIMATE_MARGIN (the estimate assumes the even split and one TP degree; the best plan of a node
-    has been seen up to 5 % below it), so that estimates prune only clear losers."""
+    has been seen up to 5 % below it), so that estimates prune only clear losers; where no zone holds
+    a uniform pipeline (pipelines must span zones or regions) the estimate says nothing and the bound
+    stands."""
     job = ctx.job
     nodes, sync = [], {}
     share = zero_sync_share(ctx, opts)  # the least share of an all-reduce a stage's sync can take
@@ -39,8 +41,8 @@ def node_keys(ctx: SimContext, opts: PlanOptions, exact_mode: bool) -> tuple[lis
         sync[P] = share * sync_floor(ctx, P, pairs=exact_mode)
         for mbs in mbs_candidates(job.global_batch_size, opts.max_mbs):
             key = node_bound(ctx, P, mbs, opts, sync[P])
-            if not exact_mode:
-                est = node_estimate(ctx, P, mbs, opts)
+            est = None if exact_mode else node_estimate(ctx, P, mbs, opts)
+            if est is not None and est[0] < math.inf:  # none when no zone holds a uniform pipeline
                 key = max(key, (est[0] / (1 + ESTIMATE_MARGIN), est[1]))
             nodes.append((key, P, mbs))
     return nodes, sync
