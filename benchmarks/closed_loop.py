@@ -4,8 +4,12 @@
    `sailor profile network --nproc 2` the links between local processes;
 2. for each plan below, `sailor simulate --profiles --network --json` (predicted iteration time) and
    `sailor train --steps N --metrics` (measured: median step_time_s after the first `--skip` steps);
-3. print a table, then, as the last line, one JSON object with `mean_abs_error_pct`, `plans` and the
-   per-plan rows. Target on the 2-core CPU build machines: mean absolute error <= 10 %.
+3. `sailor plan` for a 2-process local cluster *without* profiles (so it measures this machine
+   briefly itself, `sailor.runtime.machine`, into a fresh cache) and `sailor train` of the plan it
+   picks: the `local_plan` row, whose prediction must be within 2x of the measured step time;
+4. print a table, then, as the last line, one JSON object with `mean_abs_error_pct` (over the plans
+   of step 2), `local_plan` and the per-plan rows. Target on the 2-core CPU build machines: mean
+   absolute error <= 10 %.
 
 Other jobs on a shared machine change both sides of the comparison, so the profile and every run
 first wait (up to QUIET_WAIT_S) for a quiet machine: 1-minute load below QUIET_LOAD and other
@@ -165,6 +169,8 @@ def closed_loop(args: argparse.Namespace, work: Path) -> list[dict]:
     else:
         todo = {n: (mbs_list[0], body) for n, body in plans(args.gbs, mbs_list[0], gpu).items()}
     rows = []
+    if not args.single_device and not args.plans:
+        rows.append(local_plan(args, work, sailor, job))
     for k, (name, (mbs, body)) in enumerate(todo.items()):
         if args.plans and name not in args.plans:
             continue
@@ -175,19 +181,7 @@ def closed_loop(args: argparse.Namespace, work: Path) -> list[dict]:
         plan = work / f"{name}.json"
         plan.write_text(json.dumps({"micro_batch_size": mbs, **body, "job": model}))
         est = json.loads(_run([sailor, "simulate", str(plan), "--profiles", str(prof), *net_args, "--json"]))
-        metrics = work / f"{name}.jsonl"
-        for attempt in range(2):  # a second try when other processes took CPU time during the run
-            before = wait_quiet(args.quiet_wait_s)
-            print(f"training {name} ({before}) ...", file=sys.stderr)
-            metrics.unlink(missing_ok=True)
-            with Foreign() as during:
-                _run([sailor, "train", str(plan), "--steps", str(args.steps), "--metrics", str(metrics),
-                      "--device", args.device])
-            if during.cores < QUIET_BUSY_CORES:
-                break
-        machine = {"load1_before": before["load1"], "load1_after": _load1(),
-                   "other_busy_cores_during": round(during.cores, 2), "attempts": attempt + 1}
-        steps = [json.loads(line) for line in metrics.read_text().splitlines()][args.skip:]
+        steps, machine = _train(args, plan, work / f"{name}.jsonl", name)
         measured = statistics.median(s["step_time_s"] for s in steps)
         predicted = est["iteration_time_s"]
         ratios = []
@@ -204,6 +198,48 @@ def closed_loop(args: argparse.Namespace, work: Path) -> list[dict]:
                      "measured_spread_s": max(s["step_time_s"] for s in steps) - min(s["step_time_s"] for s in steps),
                      "estimated": est["estimated"], "machine": machine})
     return rows
+
+
+def _train(args: argparse.Namespace, plan: Path, metrics: Path, name: str) -> tuple[list[dict], dict]:
+    """`sailor train` of `plan` on a quiet machine (a second try when other processes took CPU time
+    during the run); (steps after the first `--skip`, machine record)."""
+    for attempt in range(2):
+        before = wait_quiet(args.quiet_wait_s)
+        print(f"training {name} ({before}) ...", file=sys.stderr)
+        metrics.unlink(missing_ok=True)
+        with Foreign() as during:
+            _run([_sailor(), "train", str(plan), "--steps", str(args.steps), "--metrics", str(metrics),
+                  "--device", args.device])
+        if during.cores < QUIET_BUSY_CORES:
+            break
+    machine = {"load1_before": before["load1"], "load1_after": _load1(),
+               "other_busy_cores_during": round(during.cores, 2), "attempts": attempt + 1}
+    return [json.loads(line) for line in metrics.read_text().splitlines()][args.skip:], machine
+
+
+def local_plan(args: argparse.Namespace, work: Path, sailor: str, job: Path) -> dict:
+    """`sailor plan` on a 2-process local cluster without profiles (it measures the machine itself,
+    into a cache of its own here), then train the plan it picks: predicted vs measured step time."""
+    cluster = work / "local2.json"
+    cluster.write_text(json.dumps({"provider": "local", "zones": {"local": {"cpu": 2}}}))
+    plan = work / "local_plan.json"
+    wait_quiet(args.quiet_wait_s)
+    env = {**os.environ, "SAILOR_CACHE_DIR": str(work / "cache")}
+    proc = subprocess.run([sailor, "plan", "--job", str(job), "--cluster", str(cluster), "--out", str(plan), "--json"],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"sailor plan failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    print(proc.stderr.strip(), file=sys.stderr)
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    steps, machine = _train(args, plan, work / "local_plan.jsonl", "local_plan")
+    measured = statistics.median(s["step_time_s"] for s in steps)
+    predicted = got["estimate"]["iteration_time_s"]
+    p = got["plan"]
+    return {"plan": "local_plan", "stages": p["stages"], "pipelines": [q["microbatches"] for q in p["pipelines"]],
+            "tp": p["pipelines"][0]["replicas"][0]["tp"], "micro_batch_size": p["micro_batch_size"],
+            "predicted_s": predicted, "measured_s": measured, "error_pct": 100.0 * (predicted - measured) / measured,
+            "ratio": predicted / measured, "estimated": got["estimate"]["estimated"], "planner_note": proc.stderr.strip(),
+            "compute_ratio_per_stage": [], "machine": machine}
 
 
 def main() -> None:
@@ -236,6 +272,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['plan']:<12} {str(r['stages']):<18} {str(r['pipelines']):<14} {r['tp']:>3} {r['predicted_s']:>14.4f}"
               f" {r['measured_s']:>13.4f} {r['error_pct']:>+10.1f}")
+    local = next((r for r in rows if r["plan"] == "local_plan"), None)
+    rows = [r for r in rows if r is not local]
     mae = statistics.mean(abs(r["error_pct"]) for r in rows)
     ratios = [x for r in rows for x in r["compute_ratio_per_stage"]]
     if ratios:
@@ -244,7 +282,12 @@ def main() -> None:
     loads = [r["machine"]["load1_before"] for r in rows] + [r["machine"]["load1_after"] for r in rows]
     print(f"1-minute load average around the runs: {min(loads):.2f} .. {max(loads):.2f}; other processes'"
           f" busy cores during them: max {max(r['machine']['other_busy_cores_during'] for r in rows):.2f}")
-    print(json.dumps({"mean_abs_error_pct": mae, "plans": len(rows), "device": args.device, "model": args.model,
+    if local:
+        print(f"local plan (sailor plan without profiles, machine measured by the planner): predicted"
+              f" {local['predicted_s']:.4f} s, measured {local['measured_s']:.4f} s, ratio {local['ratio']:.2f}"
+              f" (target 0.5 .. 2)")
+    print(json.dumps({"mean_abs_error_pct": mae, "plans": len(rows), "local_plan": local,
+                      "device": args.device, "model": args.model,
                       "load1_range": [min(loads), max(loads)],
                       "global_batch_size": args.gbs, "micro_batch_size": args.mbs, "rows": rows}))
 

@@ -85,7 +85,9 @@ def dgx_a100_cluster(gpus: int) -> ClusterSpec:
     nvlink = spec.intra_node_bytes_per_s / 2 * spec.efficiency.intra_node  # one direction at NCCL's share
     return ClusterSpec(zones={ZONE: {GPU: gpus}}, gpus_per_node={GPU: 8},
                        network={"same_node": {"latency_s": LINK_LATENCY_S, "bandwidth_bytes_per_s": nvlink},
-                                "same_zone": {"latency_s": LINK_LATENCY_S, "bandwidth_bytes_per_s": IB_BYTES_PER_S}})
+                                # one adapter per GPU: the node's eight carry eight flows, each at most one's
+                                "same_zone": {"latency_s": LINK_LATENCY_S, "bandwidth_bytes_per_s": 8 * IB_BYTES_PER_S,
+                                              "flow_bandwidth_bytes_per_s": IB_BYTES_PER_S}})
 
 
 def gpt_job(billions: float, heads: int, hidden: int, layers: int, batch: int) -> JobSpec:

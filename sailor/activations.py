@@ -29,22 +29,24 @@ Sailor's runtime (`Framework.SAILOR`, `sailor.runtime.model`): no dropout, causa
 `F.scaled_dot_product_attention` (flash / memory-efficient kernels keep the output and a log-sum-exp
 per query, never the s x s scores). Per block:
   norm1 input x and its output (the q/k/v input), norm2 input and its output (the MLP input): 4·e·h
-      per token, plus fp32 statistics per token and norm (mean and rstd: 8 bytes; RMSNorm, PyTorch's
-      composite op: rstd, 4, and the normalised input, e·h)
+      per token (3·e·h with a parallel residual, GPT-NeoX: both norms read x), plus fp32 statistics
+      per token and norm (mean and rstd: 8 bytes; RMSNorm, PyTorch's composite op: rstd, 4, and the
+      normalised input, e·h)
   SDPA inputs: q, and k, v repeated to all heads when kv < h (repeat_interleave makes new tensors),
       so 3·e·h/t per token either way; RoPE (rotary models) makes new q, k and saves its cos and sin
-      tables, 2 calls x 2 tables x s·d/2 x e bytes per block (not sharded)
+      tables, 2 calls x 2 tables x s·r/2 x e bytes per block (not sharded; r = `ModelSpec.rotary_dim`,
+      the rotating part of d)
   SDPA output e·h/t and log-sum-exp fp32 4·a/t per token; the out-projection's input is a view of
       that output with learned positions and a copy (e·h/t more) after RoPE
   MLP: GeLU input and output 2·e·f/t; SwiGLU gate output, SiLU output, up output and their product
-      4·e·f/t per token
+      4·e·f/t per token; ReLU (OPT) keeps its output, not its input: e·f/t less. Biases keep nothing.
 Embedding: the token ids (int64; under TP also the shifted local ids and a bool mask) and the
-position ids. Head: the final norm's input, statistics and output, the fp32 log-probabilities over the whole
-vocabulary (the runtime all-gathers the logits, so every TP rank holds all V of them), the int64
-targets and two fp32 scalars (the loss weight and the scaled loss). These agree with what the
-runtime's saved-tensor hooks measure (`sailor.runtime_activations`, checked in
-tests/test_runtime_memory.py) for blocks, embedding and head; the runtime's executor also keeps
-each stage's output until its backward, which `simulator.memory` counts as a buffer.
+position ids. Head: the final norm's input, statistics and output, the fp32 log-probabilities over the
+real vocabulary (the runtime all-gathers the logits, so every TP rank holds all of them, and drops
+the padding columns), the int64 targets and two fp32 scalars (the loss weight and the scaled loss).
+These agree with what the runtime's saved-tensor hooks measure (`sailor.runtime_activations`,
+checked in tests/test_runtime_memory.py) for blocks, embedding and head; the runtime's executor also
+keeps each stage's output until its backward, which `simulator.memory` counts as a buffer.
 
 Memory options, as Sailor's runtime applies them (Megatron-LM's are the same):
 - sequence parallelism (SP): every tensor outside the TP regions is split along the sequence (/t);
@@ -94,8 +96,7 @@ def recompute_transient_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, 
                               framework: Framework, recompute: Recompute, sequence_parallel: bool) -> float:
     """Bytes the recompute forward of one block rebuilds while that block runs its backward (they are
     freed before the next block's): full recomputation rebuilds everything but the kept input;
-    selective rebuilds the attention core's saved tensors (those not aliasing its kept inputs and
-    output).
+    selective rebuilds the attention core's saved tensors (those not aliasing its kept inputs).
     0 without recomputation and for the embedding and the head."""
     if recompute is Recompute.NONE or m.layer_kind(layer) is not LayerKind.BLOCK:
         return 0.0
@@ -105,8 +106,10 @@ def recompute_transient_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, 
         return block(m, **args, recompute=Recompute.NONE) - block(m, **args, recompute=Recompute.FULL)
     if framework is Framework.MEGATRON:
         return _megatron_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=elem_bytes)
-    kept_output = elem_bytes * seq * mbs * m.hidden_size / tp  # selective keeps the core's output
-    return _sailor_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=elem_bytes) - kept_output
+    # the recompute re-runs RoPE and SDPA, whose saved tensors (new q, k, v, the output, the
+    # log-sum-exp, RoPE's tables) exist again until the core's backward: a new output too, even
+    # where the out-projection keeps (a view of) the first one
+    return _sailor_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=elem_bytes)
 
 
 # ---- Megatron-LM ---------------------------------------------------------------------------------
@@ -148,17 +151,16 @@ def megatron_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) 
 
 
 # ---- Sailor's runtime ----------------------------------------------------------------------------
-def _norm_bytes_per_token(m: "ModelSpec", e: int) -> float:
-    """What one norm saves per token: its input and fp32 statistics (LayerNorm mean and rstd);
-    RMSNorm (PyTorch's composite op) its input, rstd and the normalised input."""
-    if m.rms_norm:
-        return 2 * e * m.hidden_size + STAT_BYTES
-    return e * m.hidden_size + 2 * STAT_BYTES
+def _norm_bytes_per_token(m: "ModelSpec", e: int, *, with_input: bool = True) -> float:
+    """What one norm saves per token: its input (unless another op keeps it) and fp32 statistics
+    (LayerNorm mean and rstd); RMSNorm (PyTorch's composite op) rstd and the normalised input."""
+    own = e * m.hidden_size + STAT_BYTES if m.rms_norm else 2 * STAT_BYTES
+    return (e * m.hidden_size if with_input else 0) + own
 
 
 def _rope_table_bytes(m: "ModelSpec", *, seq: int, e: int) -> float:
     """cos and sin tables (seq x d/2 each) saved by the two RoPE calls (q and k) of a rotary block."""
-    return 0.0 if m.learned_positions else 2 * 2 * seq * (m.head_dim // 2) * e
+    return 0.0 if m.learned_positions else 2 * 2 * seq * (m.rotary_dim // 2) * e
 
 
 def _sdpa_copy_width(m: "ModelSpec") -> int:
@@ -187,8 +189,9 @@ def sailor_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, r
         return e * s * b * h / outside_tp
     kv = m.kv_heads * m.head_dim
     local = e * s * b * h / tp  # one (b, s, h/t) tensor
-    outside = s * b * 2 * (_norm_bytes_per_token(m, e) + e * h)  # norm1 and norm2 with their outputs
-    mlp = e * s * b * m.ffn * (4 if m.gated_mlp else 2) / tp
+    # norm1 and norm2 with their outputs; with a parallel residual (GPT-NeoX) both norms read x, kept once
+    outside = s * b * (2 * e * h + _norm_bytes_per_token(m, e) + _norm_bytes_per_token(m, e, with_input=not m.parallel_residual))
+    mlp = e * s * b * m.ffn * ((1 if m.act == "relu" else 2) + (2 if m.gated_mlp else 0)) / tp
     if recompute is Recompute.SELECTIVE:
         # the checkpoint keeps its inputs (the q, k, v projections); the out-projection its output
         core = e * s * b * (h + 2 * kv) / tp + local
@@ -211,7 +214,7 @@ def sailor_embedding_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: in
 
 def sailor_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
     """Head in Sailor's runtime: final norm input, statistics and output, fp32 log-probabilities over
-    the full runtime vocabulary (logits are all-gathered over TP) and the int64 targets."""
+    the real vocabulary (logits are all-gathered over TP, padding rows dropped) and the int64 targets."""
     s, b = seq, mbs
     norm = s * b * (_norm_bytes_per_token(m, e) + e * m.hidden_size)
-    return float(norm + FP32_BYTES * s * b * m.padded_vocab(1) + INDEX_BYTES * s * b + 2 * FP32_BYTES)
+    return float(norm + FP32_BYTES * s * b * m.vocab_size + INDEX_BYTES * s * b + 2 * FP32_BYTES)

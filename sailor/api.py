@@ -25,6 +25,7 @@ from sailor.fileio import Checks, load_mapping, parse_model
 from sailor.network import NetworkModel, network_for
 from sailor.plan import Plan, plan_from_dict
 from sailor.planner import Constraints, Objective, PlanOptions, PlanResult, SearchSpace, plan_job
+from sailor.planner.options import DEFAULT_MEMORY_MARGIN
 from sailor.profiles import Profiles, load_profiles, roofline_profiles
 from sailor.simulator import Estimate, SimContext, make_context
 from sailor.simulator import simulate as simulate_plan
@@ -141,16 +142,17 @@ def choice(kind: type[E], value: E | str, option: str, what: str) -> E:
 def plan_options(*, objective: Objective | str = Objective.THROUGHPUT, search: SearchSpace | str = SearchSpace.FULL,
                  max_cost_per_iteration: float | None = None, max_cost_per_hour: float | None = None,
                  min_throughput: float | None = None, max_stages: int = 16, top: int = 3,
-                 time_limit: float | None = None) -> PlanOptions:
+                 time_limit: float | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> PlanOptions:
     """PlanOptions from `sailor plan`'s settings (see `find_plan`). Raises SailorInputError for a
-    constraint or time limit that is not a finite number >= 0 (named as `sailor plan`'s option)."""
+    constraint or time limit that is not a finite number >= 0 (named as `sailor plan`'s option), or a
+    memory margin outside [0, 1)."""
     for name, value in (("max_cost_per_iteration", max_cost_per_iteration), ("max_cost_per_hour", max_cost_per_hour),
                         ("min_throughput", min_throughput), ("time_limit", time_limit)):
         if value is not None:
             Checks("--" + name.replace("_", "-")).number(value, "", lo=0)
     return PlanOptions(objective=choice(Objective, objective, "objective", "objective"),
                        search=choice(SearchSpace, search, "search", "search space"),
-                       max_stages=max_stages, top_k=top, time_limit_s=time_limit,
+                       max_stages=max_stages, top_k=top, time_limit_s=time_limit, memory_margin=memory_margin,
                        constraints=Constraints(max_cost_per_iteration=max_cost_per_iteration,
                                                max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput))
 
@@ -159,7 +161,8 @@ def find_plan(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles:
               network: str | Path | NetworkModel | None = None, objective: Objective | str = Objective.THROUGHPUT,
               search: SearchSpace | str = SearchSpace.FULL, max_cost_per_iteration: float | None = None,
               max_cost_per_hour: float | None = None, min_throughput: float | None = None, max_stages: int = 16,
-              top: int = 3, time_limit: float | None = None, progress: Callable[[int, int], None] | None = None) -> PlanResult:
+              top: int = 3, time_limit: float | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN,
+              progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """The best plan for `job` on the GPUs `cluster` offers: what `sailor plan` prints.
 
     Args:
@@ -171,6 +174,7 @@ def find_plan(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles:
         max_cost_per_iteration: $ per iteration; max_cost_per_hour: $/hour; min_throughput: iterations/s.
         max_stages: the largest pipeline depth P tried; top: alternatives kept.
         time_limit: seconds after which the search takes the best plan found (None: no limit).
+        memory_margin: fraction of each GPU's memory a plan leaves free (`PlanOptions.memory_margin`).
         progress: called as progress(done, total) while the search runs.
     Returns:
         PlanResult: `.plan` (carrying job and cluster), `.estimate`, `.alternatives`, `.search_time_s`.
@@ -179,7 +183,7 @@ def find_plan(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles:
     """
     opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
                         max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
-                        top=top, time_limit=time_limit)
+                        top=top, time_limit=time_limit, memory_margin=memory_margin)
     return plan_job(context(job, cluster, profiles=profiles, network=network), opts, progress=progress)
 
 

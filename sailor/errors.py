@@ -24,26 +24,35 @@ class SailorInputError(ValueError):
     """
 
     def __init__(self, message: str, *, source: str | None = None, field: str | None = None,
-                 fix: str | None = None) -> None:
+                 fix: str | None = None, via: str | None = None) -> None:
         self.message = message
         self.source = source
         self.field = field
         self.fix = fix
+        self.via = via
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
-        """The error as one line: `source: field: message (fix)`; characters that would break the
-        line (newlines, other control or separator characters) are shown escaped."""
+        """The error as one line: `source: field: message (fix) [named by: via]`; characters that
+        would break the line (newlines, other control or separator characters) are shown escaped."""
         parts = [p for p in (self.source, self.field) if p]
         text = ": ".join(parts + [self.message])
-        return one_line(f"{text} ({self.fix})" if self.fix else text)
+        text = f"{text} ({self.fix})" if self.fix else text
+        return one_line(f"{text} [named by {self.via}]" if self.via else text)
 
     def located(self, *, source: str | None = None, field_prefix: str | None = None) -> "SailorInputError":
-        """A copy that also names the file and/or a parent field (keeps what is already known)."""
+        """A copy that also names the file and/or a parent field (keeps what is already known). An
+        error that already names another file (say a config.json a job's `model:` points to) keeps
+        its file and field, and records which field of which file named it (`via`: "job.yaml field
+        model")."""
+        if self.source and source and field_prefix and source != self.source:
+            where = f"{source} field {field_prefix}"
+            return SailorInputError(self.message, source=self.source, field=self.field, fix=self.fix,
+                                    via=f"{where}, {self.via}" if self.via else where)
         field = self.field
         if field_prefix:
             field = f"{field_prefix}.{field}" if field else field_prefix
-        return SailorInputError(self.message, source=self.source or source, field=field, fix=self.fix)
+        return SailorInputError(self.message, source=self.source or source, field=field, fix=self.fix, via=self.via)
 
 
 def one_line(text: str) -> str:

@@ -34,22 +34,24 @@ Checking values for pydantic models (specs, plans, hosts):
 - `parse_model(cls, data, source)`: validation errors as one-line SailorInputErrors (the first
   problem, with its field).
 
-Writing: `write_atomic` / `write_json` write a temporary file in the same folder, fsync and rename,
-so a crash never leaves a half-written file; `check_output_path` refuses an output path before any
+Writing: `open_atomic` (a context manager), `write_atomic` and `write_json` write a temporary file in
+the same folder, fsync and rename, so a crash never leaves a half-written file; `check_output_path` refuses an output path before any
 work starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import stat
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import IO, Annotated, Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -386,9 +388,20 @@ def parse_model(cls: type[T], data: Any, source: str | None) -> T:
 
 # ---- writing -----------------------------------------------------------------------------------
 def write_atomic(path: str | Path, content: str | bytes) -> None:
-    """Write `content` (text as UTF-8, or bytes) to `path` atomically: temporary file in the same
-    folder, fsync, rename. The file gets the usual permissions (0666 less the umask), not mkstemp's
-    private 0600.
+    """Write `content` (text as UTF-8, or bytes) to `path` atomically (`open_atomic`).
+
+    Raises:
+        SailorInputError: `path` is a folder, a parent is a file, or the folder cannot be created or written.
+    """
+    with open_atomic(path, "wb") as f:
+        f.write(content.encode("utf-8") if isinstance(content, str) else content)
+
+
+@contextlib.contextmanager
+def open_atomic(path: str | Path, mode: str = "w") -> Iterator[IO]:
+    """A file (`mode` "w" for text in UTF-8, "wb" for bytes) that becomes `path` atomically: it is a
+    temporary file in the same folder, fsynced and renamed onto `path` when the block ends, removed
+    when it raises. The file gets the usual permissions (0666 less the umask), not mkstemp's 0600.
 
     Raises:
         SailorInputError: `path` is a folder, a parent is a file, or the folder cannot be created or written.
@@ -407,8 +420,8 @@ def write_atomic(path: str | Path, content: str | bytes) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            f.write(content.encode("utf-8") if isinstance(content, str) else content)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)

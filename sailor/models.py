@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -85,8 +85,50 @@ class Collective(str, Enum):
     REDUCE_SCATTER = "reduce-scatter"
 
 
+Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
+"""MLP non-linearity: exact (erf) GELU, its tanh approximation (GPT-2's `gelu_new`), ReLU (OPT),
+SiLU (the gate of SwiGLU in Llama, Mistral, Qwen2)."""
+
+
+class RopeScaling(BaseModel):
+    """Rotary-frequency rescaling for long contexts (Hugging Face `rope_scaling`).
+
+    `linear`: every frequency divided by `factor` (position interpolation, Chen et al. 2023).
+    `llama3`: wavelengths shorter than `original_max_position_embeddings / high_freq_factor` kept,
+    longer than `.../ low_freq_factor` divided by `factor`, a linear blend in between (Llama 3.1,
+    Meta's reference `apply_scaling`).
+    """
+
+    model_config = SPEC_CONFIG
+
+    kind: Literal["linear", "llama3"] = Field(description="Rescaling rule (module docstring).")
+    factor: float = Field(gt=0, description="How much longer the context is than the one trained on.")
+    low_freq_factor: float | None = Field(default=None, gt=0, description="llama3 only (Llama 3.1: 1).")
+    high_freq_factor: float | None = Field(default=None, gt=0, description="llama3 only (Llama 3.1: 4).")
+    original_max_position_embeddings: Whole(1, MAX_SEQUENCE_LENGTH) | None = Field(default=None,
+                                                         description="llama3 only: context before scaling (8192).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RopeScaling":
+        llama3 = (self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings)
+        if self.kind == "llama3" and None in llama3:
+            raise ValueError("llama3 rope scaling needs low_freq_factor, high_freq_factor and"
+                             " original_max_position_embeddings")
+        if self.kind == "llama3" and self.low_freq_factor >= self.high_freq_factor:
+            raise ValueError("llama3 rope scaling needs low_freq_factor < high_freq_factor")
+        if self.kind == "linear" and any(v is not None for v in llama3):
+            raise ValueError("linear rope scaling takes only a factor")
+        return self
+
+
 class ModelSpec(BaseModel):
-    """Geometry of a decoder-only transformer (frozen; unknown fields are an error)."""
+    """Geometry of a decoder-only transformer (frozen; unknown fields are an error).
+
+    The fields after `tied_embeddings` describe where Hugging Face architectures differ (RoPE base
+    and scaling, partial rotary, norm epsilon, activation, parallel residual, per-projection biases,
+    position offset); their defaults are the built-in models' (GPT-style pre-norm blocks), so a spec
+    that does not set them means what it meant before they existed.
+    """
 
     model_config = SPEC_CONFIG
 
@@ -106,6 +148,27 @@ class ModelSpec(BaseModel):
     rms_norm: bool = Field(strict=True, default=False, description="RMSNorm (h params) instead of LayerNorm (2h).")
     tied_embeddings: bool = Field(strict=True, default=True, description="LM head reuses the input embedding matrix"
                                   " (OPT, GPT-Neo, GPT-3; Hugging Face tie_word_embeddings).")
+    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base (RoFormer, Su et al. 2021: 10000;"
+                              " Llama 3: 500000). Rotary models only.")
+    rope_scaling: RopeScaling | None = Field(default=None, description="Long-context frequency rescaling; None: none.")
+    rotary_fraction: float = Field(default=1.0, gt=0, le=1, description="Fraction of each head's dimensions"
+                                   " that rotate (GPT-NeoX rotary_pct 0.25; 1 for Llama).")
+    norm_eps: float | None = Field(default=None, gt=0, description="Norm epsilon; None: torch's default"
+                                   " (1e-5 for LayerNorm, the dtype's machine epsilon for RMSNorm).")
+    activation: Activation | None = Field(default=None, description="MLP activation; None: silu when gated, else"
+                                          " exact gelu.")
+    parallel_residual: bool = Field(strict=True, default=False, description="x + attn(norm1(x)) + mlp(norm2(x)) in one step"
+                                    " (GPT-NeoX, GPT-J) instead of two residual steps.")
+    qkv_bias: bool | None = Field(strict=True, default=None, description="Biases on q, k, v; None: `bias` (Qwen2: True).")
+    out_bias: bool | None = Field(strict=True, default=None, description="Bias on the attention output; None: `bias`.")
+    mlp_bias: bool | None = Field(strict=True, default=None, description="Biases on the MLP matrices; None: `bias`.")
+    position_offset: Whole(0, MAX_SEQUENCE_LENGTH) = Field(default=0, description="Rows of the learned position table before"
+                                 " position 0 (OPT: 2); the table has max_sequence_length + offset rows.")
+    sliding_window: Whole(1, MAX_SEQUENCE_LENGTH) | None = Field(default=None, description="Attention window (Mistral); the runtime"
+                                       " attends to the whole causal prefix, so sequences beyond it are refused.")
+    hf_model_type: Literal["llama", "mistral", "qwen2", "gpt_neox", "opt", "gpt2"] | None = Field(
+        default=None, description="The Hugging Face architecture this spec came from (`sailor.hf_config`); export"
+                                  " writes that format. None: a built-in or inline spec.")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -113,6 +176,13 @@ class ModelSpec(BaseModel):
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.kv_heads}")
+        if not self.learned_positions and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ValueError(f"rotary_fraction {self.rotary_fraction} of head_dim {self.head_dim} rotates"
+                             f" {self.rotary_dim} dimensions; RoPE needs an even number")
+        if self.learned_positions and (self.rope_scaling is not None or self.rotary_fraction != 1.0):
+            raise ValueError("rope_scaling and rotary_fraction need rotary positions (learned_positions: false)")
+        if self.position_offset and not self.learned_positions:
+            raise ValueError("position_offset needs a learned position table (learned_positions: true)")
         return self
 
     # ---- derived geometry -------------------------------------------------------------------
@@ -127,6 +197,33 @@ class ModelSpec(BaseModel):
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (GPT-NeoX: int(head_dim x rotary_pct))."""
+        return int(self.head_dim * self.rotary_fraction)
+
+    @property
+    def act(self) -> Activation:
+        """The MLP activation, defaults resolved."""
+        return self.activation or ("silu" if self.gated_mlp else "gelu")
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def has_out_bias(self) -> bool:
+        return self.bias if self.out_bias is None else self.out_bias
+
+    @property
+    def has_mlp_bias(self) -> bool:
+        return self.bias if self.mlp_bias is None else self.mlp_bias
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of the learned position table (0 for rotary models)."""
+        return self.max_sequence_length + self.position_offset if self.learned_positions else 0
 
     @property
     def num_layers(self) -> int:
@@ -169,19 +266,28 @@ class ModelSpec(BaseModel):
         h, f, kvd = self.hidden_size, self.ffn, self.kv_heads * self.head_dim
         kind = self.layer_kind(layer)
         if kind is LayerKind.EMBEDDING:
-            pos = self.max_sequence_length * h if self.learned_positions else 0
-            return self.padded_vocab(tp) * h // tp + pos
+            return self.padded_vocab(tp) * h // tp + self.position_rows * h
         if kind is LayerKind.HEAD:
             return self._norm_params() + self.padded_vocab(tp) * h // tp
         mlp_in = 2 if self.gated_mlp else 1  # gate and up projections for SwiGLU
         sharded = h * (h + 2 * kvd) + h * h + mlp_in * h * f + f * h
-        sharded_bias = (h + 2 * kvd) + mlp_in * f if self.bias else 0
-        replicated = 2 * self._norm_params() + (2 * h if self.bias else 0)
+        sharded_bias = (h + 2 * kvd) * self.has_qkv_bias + mlp_in * f * self.has_mlp_bias
+        replicated = 2 * self._norm_params() + h * self.has_out_bias + h * self.has_mlp_bias
         return (sharded + sharded_bias) // tp + replicated
 
     def total_params(self) -> int:
         """Parameters of the whole model at TP 1 (LM head counted separately from the embedding)."""
         return sum(self.params(i) for i in range(self.num_layers))
+
+    def model_params(self) -> int:
+        """Parameters of one copy of the model as Hugging Face counts them (`num_parameters()`): the
+        vocabulary unpadded, a tied LM head counted once with the embedding."""
+        padding_rows = self.padded_vocab(1) - self.vocab_size
+        head = self.params(self.num_layers - 1) - padding_rows * self.hidden_size
+        if self.tied_embeddings:
+            head = self._norm_params()
+        blocks = sum(self.params(i) for i in range(1, self.num_layers - 1))
+        return self.params(0) - padding_rows * self.hidden_size + blocks + head
 
     def forward_flop(self, layer: int, *, tp: int, mbs: int, seq: int) -> float:
         """Forward FLOPs of one micro-batch on one GPU of the TP group (SC'21 §5.1: 2 FLOPs per MAC).
@@ -331,11 +437,25 @@ def canonical_model_name(name: str) -> str:
     raise unknown_name("model", name, list(BUILTIN_MODELS) + list(MODEL_ALIASES))
 
 
+def is_config_path(name: str) -> bool:
+    """True when a `model:` value names a Hugging Face config file or model folder, not a built-in:
+    it ends in .json or contains a path separator."""
+    return name.endswith(".json") or "/" in name or "\\" in name
+
+
 def get_model(spec: str | dict[str, Any] | ModelSpec) -> ModelSpec:
-    """A ModelSpec from a built-in name/alias, an inline architecture mapping, or a ModelSpec."""
+    """A ModelSpec from a built-in name/alias, the path of a Hugging Face `config.json` (or of its
+    folder; `sailor.hf_config`), an inline architecture mapping, or a ModelSpec.
+
+    Raises:
+        SailorInputError: unknown name, or a config file that is missing or not supported.
+    """
     if isinstance(spec, ModelSpec):
         return spec
     if isinstance(spec, str):
+        if is_config_path(spec):
+            from sailor.hf_config import load_hf_config  # imports this module
+            return load_hf_config(spec)
         return BUILTIN_MODELS[canonical_model_name(spec)]
     if not isinstance(spec, dict):
         raise SailorInputError(f"expected a model name or an architecture mapping, got {type(spec).__name__}")

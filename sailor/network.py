@@ -1,18 +1,31 @@
-"""Network model: how long moving bytes between two GPUs takes, and collectives built from links.
+"""Network model: how long moving bytes between two GPUs takes, and the links collectives run on.
 
 A link between two replicas is chosen by where they sit: same node (intra-node link), same zone,
-same region, same continent, intercontinental. Each link is α (latency, s) + bytes / β (bytes/s),
-or a measured curve. Measured curves come from the public Sailor fits (bandwidth in GB/s of a message
-of x bytes = c0·L² + c1·L + c2, L = log2(x / 1e6), fitted on NCCL sweeps from 64 KiB to 1 GiB):
-they are never evaluated outside that range (the message size is clamped into it), and where the fit
-is not positive there the class default α–β link is used instead.
-
-`count`/`flows` = concurrent flows between the two nodes (one per TP rank); a fit for `flows` gives
-the *aggregate* bandwidth of those flows, so concurrent flows share the NIC as measured.
+same region, same continent, intercontinental (`catalog.LinkClass`). Where the launcher puts two
+replicas on one node (`sailor.plan.rank_layout`) their link is the intra-node one. In order of
+preference, the bandwidth of `flows` concurrent flows of x bytes each between two nodes comes from:
+1. a measured curve (the public Sailor fits: bandwidth in GB/s of a message of x bytes =
+   c0·L² + c1·L + c2, L = log2(x / 1e6), fitted on NCCL sweeps from 64 KiB to 1 GiB, the *aggregate*
+   of `count` concurrent flows). It is never evaluated outside that range (x is clamped into it);
+   where it is not positive there, the next source is used. A flow count that was not measured
+   uses the nearest one: fewer flows get the measured per-flow rate, more flows share the aggregate
+   of the largest measured count (the NIC is full);
+2. a measured α–β link of our link file (`sailor profile network`), per flow count, same rule;
+3. the default link of the class: the network file's classes, else the cluster spec's per-zone and
+   per-class overrides, else the provider's catalog link (`catalog.Link`: one NIC per node shared by
+   every flow, an optional per-flow cap). Inside a node without any of these: one direction of
+   the GPU catalog's intra-node bandwidth at the share NCCL reaches of it, shared by the flows, and
+   5 µs.
+A transfer costs latency + flows·x / aggregate bandwidth (a measured curve already holds the
+latency of the messages it was measured with). Collectives (`simulator.collectives`) use the two
+parts separately: `hop_latency_s` once per ring step, `stream_time_s` for the bytes.
 
 Our link file (JSON, schema "sailor.network/1"):
-  {"schema", "classes": {link_class: {"latency_s", "bandwidth_bytes_per_s"}},
-   "links": [{"src_zone", "src_gpu", "dst_zone", "dst_gpu", "flows", "latency_s", "bandwidth_bytes_per_s"}]}
+  {"schema", "classes": {link_class: {"latency_s", "bandwidth_bytes_per_s", "flow_bandwidth_bytes_per_s"?}},
+   "links": [{"src_zone", "src_gpu", "dst_zone", "dst_gpu", "flows", "latency_s", "bandwidth_bytes_per_s",
+              "same_node"?}]}
+`bandwidth_bytes_per_s` of a link entry is the aggregate of its `flows`; `same_node: true` marks a
+link measured between processes of one machine (what `sailor profile network` measures).
 """
 
 from __future__ import annotations
@@ -32,7 +45,11 @@ from sailor.specs import ClusterSpec
 SCHEMA = "sailor.network/1"
 FIT_MIN_BYTES = 64 * 1024  # range of the Sailor NCCL sweeps
 FIT_MAX_BYTES = 1 << 30
-INTRA_NODE_LATENCY_S = 5e-6  # NVLink / PCIe peer-to-peer latency, a few µs
+# Inside a node without a measurement: NVLink/PCIe peer-to-peer latency, ~5 µs (NCCL's own tuning
+# table puts intra-node LL/Simple latencies at 0.6-6 µs per hop; nccl src/graph/tuning.cc).
+INTRA_NODE_LATENCY_S = 5e-6
+
+Key = tuple[str, str, str, str]  # src_zone, src_gpu, dst_zone, dst_gpu
 
 
 @dataclass(frozen=True)
@@ -56,14 +73,46 @@ class CurveFit:
         return min(bw, self.max_bytes_per_s) if self.max_bytes_per_s > 0 else bw
 
 
+def _scaled(aggregate: float, measured_flows: int, flows: int) -> float:
+    """Aggregate bytes/s of `flows` flows from one measured at `measured_flows`: fewer flows get the
+    measured per-flow rate, more flows share the measured aggregate (the NIC is full)."""
+    return aggregate * min(flows, measured_flows) / measured_flows
+
+
+@dataclass(frozen=True)
+class _Route:
+    """A measured curve (aggregate of `fit_flows` flows) if any, and the α–β link behind it:
+    measured with `link_flows` flows, or a class default (`link_flows` None, its NIC shared)."""
+
+    fit: CurveFit | None
+    fit_flows: int
+    link: Link
+    link_flows: int | None
+
+    def bytes_time(self, nbytes: float, flows: int) -> tuple[float, bool]:
+        """(seconds for `flows` flows of `nbytes` bytes each without the link's latency, whether a
+        curve gave it)."""
+        if self.fit is not None:
+            bw = self.fit.bandwidth(nbytes)
+            if bw is not None:
+                return flows * max(nbytes, FIT_MIN_BYTES) / _scaled(bw, self.fit_flows, flows), True
+        if self.link_flows is None:
+            agg = self.link.aggregate_bytes_per_s(flows)
+        else:
+            agg = _scaled(self.link.bandwidth_bytes_per_s, self.link_flows, flows)
+        return flows * nbytes / agg, False
+
+
 @dataclass
 class NetworkModel:
     """Links of one cluster: measured (fits or α–β per GPU/zone pair) over class defaults.
 
     Attributes:
-        cluster: gives zones -> regions and default links per class (after its overrides).
-        fits: (src_zone, src_gpu, dst_zone, dst_gpu, flows) -> CurveFit, inter-node.
-        links: same key -> Link (α–β measured by `sailor profile network`).
+        cluster: zones -> regions, default links per class and zone (after its overrides), the
+            all-reduce algorithm pin.
+        fits: (src_zone, src_gpu, dst_zone, dst_gpu, flows) -> CurveFit between two nodes.
+        links: same key -> Link (α–β measured by `sailor profile network`) between two nodes.
+        node_links: same key -> Link measured between processes of one machine.
         intra_fits: (gpu, flows) -> CurveFit inside a node.
         class_links: link class -> Link overriding the cluster defaults.
         source: where measurements came from ("defaults" when none).
@@ -72,31 +121,32 @@ class NetworkModel:
     cluster: ClusterSpec
     fits: dict[tuple[str, str, str, str, int], CurveFit] = field(default_factory=dict)
     links: dict[tuple[str, str, str, str, int], Link] = field(default_factory=dict)
+    node_links: dict[tuple[str, str, str, str, int], Link] = field(default_factory=dict)
     intra_fits: dict[tuple[str, int], CurveFit] = field(default_factory=dict)
     class_links: dict[LinkClass, Link] = field(default_factory=dict)
     source: str = "defaults"
     _flow_count_index: dict = field(default_factory=dict, repr=False, compare=False)
-    _times: dict = field(default_factory=dict, repr=False, compare=False)
+    _routes: dict = field(default_factory=dict, repr=False, compare=False)
 
     def link_class(self, zone_a: str, zone_b: str, same_node: bool = False) -> LinkClass:
         return LinkClass.SAME_NODE if same_node else self.cluster.prov.link_class(zone_a, zone_b)
 
-    def default_link(self, lc: LinkClass, gpu: str) -> Link:
+    def default_link(self, lc: LinkClass, gpu: str, zone: str | None = None) -> Link:
         """The α–β link of a class when nothing measured applies: a measured class link (our link
-        file), else the cluster spec's override, else the default. Inside a node the default is one
-        direction of the GPU's intra-node link (half of the catalog's both-directions figure) at the
-        fraction NCCL reaches of it (`catalog.Efficiency.intra_node`), with ~5 µs NVLink/PCIe
-        latency."""
+        file), else the cluster spec's override (per zone for the links inside `zone`, then per
+        class), else the provider's catalog link. Inside a node the last default is one direction
+        of the GPU's intra-node link (half of the catalog's both-directions figure) at the fraction
+        NCCL reaches of it (`catalog.Efficiency.intra_node`), with ~5 µs NVLink/PCIe latency."""
         if lc in self.class_links:
             return self.class_links[lc]
-        if lc is LinkClass.SAME_NODE:
-            if lc in self.cluster.network:
-                return self.cluster.link(lc)
-            spec = catalog.gpu(gpu)
-            return Link(INTRA_NODE_LATENCY_S, spec.intra_node_bytes_per_s / 2 * spec.efficiency.intra_node)
-        return self.cluster.link(lc)
+        link = self.cluster.link(lc, zone if lc in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE) else None)
+        if link is not None:
+            return link
+        assert lc is LinkClass.SAME_NODE, lc
+        spec = catalog.gpu(gpu)
+        return Link(INTRA_NODE_LATENCY_S, spec.intra_node_bytes_per_s / 2 * spec.efficiency.intra_node)
 
-    def _lookup(self, table: dict, key: tuple, flows: int):
+    def _lookup(self, table: dict, key: Key, flows: int):
         """Exact flows, else the nearest measured flow count (same endpoints, either direction)."""
         index = self._flow_counts(table)
         for k in (key, (key[2], key[3], key[0], key[1])):
@@ -119,49 +169,62 @@ class NetworkModel:
             cache[id(table)] = (len(table), index)
         return cache[id(table)][1]
 
+    def _route(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, flows: int, same_node: bool) -> "_Route":
+        """What moves bytes between the two GPUs' nodes: a measured curve if any, and the α–β link
+        behind it (measured for this pair, else the class default). Memoised: the tables are filled
+        when the model is loaded and not changed afterwards (a table that grows drops the memo)."""
+        sizes = (len(self.fits), len(self.links), len(self.node_links), len(self.intra_fits), len(self.class_links))
+        memo_key = (src_zone, src_gpu, dst_zone, dst_gpu, flows, same_node)
+        if self._routes.get("sizes") != sizes:
+            self._routes.clear()
+            self._routes["sizes"] = sizes
+        if memo_key not in self._routes:
+            self._routes[memo_key] = self._find_route(src_zone, src_gpu, dst_zone, dst_gpu, flows, same_node)
+        return self._routes[memo_key]
+
+    def _find_route(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, flows: int,
+                    same_node: bool) -> "_Route":
+        key = (src_zone, src_gpu, dst_zone, dst_gpu)
+        if same_node:
+            fit, got = (self.intra_fits.get((src_gpu, flows)), flows) if src_gpu == dst_gpu else (None, None)
+            link, link_flows = self._lookup(self.node_links, key, flows)
+        else:
+            fit, got = self._lookup(self.fits, key, flows)
+            link, link_flows = self._lookup(self.links, key, flows)
+        if link is None:
+            slow = min((src_gpu, dst_gpu), key=lambda g: catalog.gpu(g).intra_node_bytes_per_s)
+            link = self.default_link(self.link_class(src_zone, dst_zone, same_node), slow, src_zone)
+        return _Route(fit=fit, fit_flows=got or flows, link=link, link_flows=link_flows)
+
+    def hop_latency_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, *, flows: int = 1,
+                      same_node: bool = False) -> float:
+        """One-way latency (s) of one message between the two GPUs' nodes, paid once per ring step:
+        the α of the α–β link behind the route (for a measured curve: its class's default link)."""
+        return self._route(src_zone, src_gpu, dst_zone, dst_gpu, flows, same_node).link.latency_s
+
+    def stream_time_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, nbytes: float, *,
+                      flows: int = 1, same_node: bool = False) -> float:
+        """Seconds `flows` concurrent flows take to move `nbytes` bytes each, without the per-message
+        latency of an α–β link (a measured curve evaluated at `nbytes` keeps the start-up it was
+        measured with). A ring adds `hop_latency_s` per step to this."""
+        if nbytes <= 0:
+            return 0.0
+        return self._route(src_zone, src_gpu, dst_zone, dst_gpu, flows, same_node).bytes_time(nbytes, flows)[0]
+
     def transfer_time_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, nbytes: float, *,
                         flows: int = 1, same_node: bool = False) -> float:
         """Seconds for `flows` concurrent messages of `nbytes` bytes each between two nodes (or inside
         one node when `same_node`); 0 for 0 bytes.
 
-        A measured curve already includes latency: time = max(x, 64 KiB) / bw(x), the fit evaluated
-        only inside its range. Otherwise α + flows·x / (aggregate β), with β the measured α–β link
-        or the class default times the number of flows.
+        A measured curve already includes latency: time = max(x, 64 KiB) · flows / aggregate bw(x),
+        the fit evaluated only inside its range. Otherwise α + flows·x / aggregate β of the measured
+        α–β link or the class default (its NIC shared by the flows, see `catalog.Link`).
         """
         if nbytes <= 0:
             return 0.0
-        # Memoised: planning asks for the same few links millions of times. The tables are filled
-        # when the model is loaded; a change in their sizes (a test adding a link) drops the memo.
-        sizes = (len(self.fits), len(self.links), len(self.intra_fits), len(self.class_links))
-        if self._times.get("sizes") != sizes:
-            self._times.clear()
-            self._times["sizes"] = sizes
-        key = (src_zone, src_gpu, dst_zone, dst_gpu, nbytes, flows, same_node)
-        if key not in self._times:
-            self._times[key] = self._transfer_time_s(src_zone, src_gpu, dst_zone, dst_gpu, nbytes, flows, same_node)
-        return self._times[key]
-
-    def _transfer_time_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, nbytes: float,
-                         flows: int, same_node: bool) -> float:
-        lc = self.link_class(src_zone, dst_zone, same_node)
-        slow = min((src_gpu, dst_gpu), key=lambda g: catalog.gpu(g).intra_node_bytes_per_s)
-        base = self.default_link(lc, slow)
-        fit, got = None, None
-        if same_node:
-            fit, got = (self.intra_fits.get((src_gpu, flows)), flows) if src_gpu == dst_gpu else (None, None)
-        else:
-            fit, got = self._lookup(self.fits, (src_zone, src_gpu, dst_zone, dst_gpu), flows)
-        if fit is not None:
-            bw = fit.bandwidth(nbytes)
-            if bw is not None:
-                # aggregate of `got` measured flows, scaled to `flows` when the count was not measured
-                return flows * max(nbytes, FIT_MIN_BYTES) / (bw * flows / got)
-        if not same_node:
-            link, got = self._lookup(self.links, (src_zone, src_gpu, dst_zone, dst_gpu), flows)
-            if link is not None:
-                return link.latency_s + flows * nbytes / (link.bandwidth_bytes_per_s * flows / got)
-        per_flow = base.bandwidth_bytes_per_s if not same_node else base.bandwidth_bytes_per_s / flows
-        return base.latency_s + flows * nbytes / (per_flow * flows)
+        route = self._route(src_zone, src_gpu, dst_zone, dst_gpu, flows, same_node)
+        t, from_curve = route.bytes_time(nbytes, flows)
+        return t if from_curve else route.link.latency_s + t
 
     def p2p_time_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, nbytes: float, *,
                    same_node: bool = False) -> float:
@@ -249,20 +312,25 @@ def _import_sailor_intra(net: NetworkModel, path: Path) -> None:
 
 
 def _link(v: Any, c: Checks, where: str) -> Link:
-    """{latency_s, bandwidth_bytes_per_s} (and, in `links`, its endpoints) as a Link, both in range."""
+    """{latency_s, bandwidth_bytes_per_s, flow_bandwidth_bytes_per_s?} (and, in `links`, its
+    endpoints) as a Link, each in range."""
     c.mapping(v, where, "latency_s and bandwidth_bytes_per_s")
     for key in ("latency_s", "bandwidth_bytes_per_s"):
         if key not in v:
             raise c.error("missing field", f"{where}.{key}")
+    flow = v.get("flow_bandwidth_bytes_per_s")
     return Link(c.number(v["latency_s"], f"{where}.latency_s", lo=0, hi=MAX_SECONDS, unit="seconds"),
                 c.number(v["bandwidth_bytes_per_s"], f"{where}.bandwidth_bytes_per_s", lo=MIN_BANDWIDTH_BYTES_PER_S,
-                         hi=MAX_BANDWIDTH_BYTES_PER_S, unit="bytes/s"))
+                         hi=MAX_BANDWIDTH_BYTES_PER_S, unit="bytes/s"),
+                None if flow is None else c.number(flow, f"{where}.flow_bandwidth_bytes_per_s",
+                                                   lo=MIN_BANDWIDTH_BYTES_PER_S, hi=MAX_BANDWIDTH_BYTES_PER_S,
+                                                   unit="bytes/s"))
 
 
 # The keys of our link file (module docstring; `sailor profile network` adds the measured sweep);
 # any other is refused rather than ignored.
 TOP_KEYS = ("schema", "source", "device", "versions", "date", "classes", "links", "sweep", "allreduce")
-LINK_KEYS = ("src_zone", "src_gpu", "dst_zone", "dst_gpu", "flows", "latency_s", "bandwidth_bytes_per_s")
+LINK_KEYS = ("src_zone", "src_gpu", "dst_zone", "dst_gpu", "flows", "latency_s", "bandwidth_bytes_per_s", "same_node")
 
 
 def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
@@ -275,7 +343,7 @@ def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
             raise c.error(f"unknown link class {show(name)}", f"classes.{name}",
                           fix=f"one of {', '.join(lc.value for lc in LinkClass)}")
         net.class_links[LinkClass(name)] = _link(v, c, f"classes.{name}")
-        c.known_keys(v, f"classes.{name}", ("latency_s", "bandwidth_bytes_per_s"))
+        c.known_keys(v, f"classes.{name}", ("latency_s", "bandwidth_bytes_per_s", "flow_bandwidth_bytes_per_s"))
     for k, v in enumerate(links):
         where = f"links.{k}"
         c.known_keys(c.mapping(v, where, ", ".join(LINK_KEYS)), where, LINK_KEYS)
@@ -287,9 +355,13 @@ def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
         key = (c.name(v["src_zone"], f"{where}.src_zone", "a zone"), gpus[0],
                c.name(v["dst_zone"], f"{where}.dst_zone", "a zone"), gpus[1],
                c.whole(v.get("flows", 1), f"{where}.flows", lo=1, hi=MAX_GPUS_PER_NODE))
-        if key in net.links:
+        on_node = v.get("same_node", False)
+        if not isinstance(on_node, bool):
+            raise c.error("must be true or false", f"{where}.same_node")
+        table = net.node_links if on_node else net.links
+        if key in table:
             raise c.error("a second link for the same endpoints and flows", where)
-        net.links[key] = link
+        table[key] = link
 
 
 def _gpu(name: Any, c: Checks, where: str) -> str:

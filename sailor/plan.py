@@ -276,28 +276,46 @@ class RankInfo:
     local_rank: int  # GPU index within the node
 
 
-def rank_layout(plan: Plan, gpus_per_node: dict[str, int] | None = None) -> list[RankInfo]:
-    """Global ranks of a plan, in order pipeline, stage, TP rank; TP groups packed onto nodes.
+def pack_replicas(pipelines: list[list[tuple[str, str, int]]],
+                  gpus_per_node: dict[str, int] | None = None) -> list[list[tuple[str, int]]]:
+    """Where the launcher puts every replica: [pipeline][stage] -> (node, first local GPU index).
 
-    Nodes are filled first-fit per (zone, GPU type) with `gpus_per_node[gpu]` GPUs each (catalog
-    default), never splitting a TP group. Asserts that every rank appears once.
+    `pipelines[j][i]` is (zone, GPU type, TP) of stage i of pipeline j. Replicas are placed in order
+    pipeline, stage, first-fit on the nodes of their (zone, GPU type), `gpus_per_node[gpu]` GPUs
+    each (catalog default), never splitting a TP group; a node is named "<zone>/<gpu>/<index>".
+    The planner calls this on pipelines it has not built as a Plan yet.
     """
     sizes = gpus_per_node or {}
     free: dict[tuple[str, str], list[int]] = {}  # (zone, gpu) -> free GPUs per opened node
+    out: list[list[tuple[str, int]]] = []
+    for pipe in pipelines:
+        row = []
+        for zone, gpu, tp in pipe:
+            cap = max(sizes.get(gpu) or catalog.gpu(gpu).gpus_per_node, tp)
+            nodes = free.setdefault((zone, gpu), [])
+            idx = next((k for k, f in enumerate(nodes) if f >= tp), None)
+            if idx is None:
+                nodes.append(cap)
+                idx = len(nodes) - 1
+            row.append((f"{zone}/{gpu}/{idx}", cap - nodes[idx]))
+            nodes[idx] -= tp
+        out.append(row)
+    return out
+
+
+def rank_layout(plan: Plan, gpus_per_node: dict[str, int] | None = None) -> list[RankInfo]:
+    """Global ranks of a plan, in order pipeline, stage, TP rank; TP groups packed onto nodes
+    (`pack_replicas`: first-fit per (zone, GPU type) with `gpus_per_node[gpu]` GPUs each, catalog
+    default, never splitting a TP group). Asserts that every rank appears once.
+    """
+    placed = pack_replicas([[(r.zone, r.gpu, r.tp) for r in p.replicas] for p in plan.pipelines], gpus_per_node)
     out: list[RankInfo] = []
     for j, p in enumerate(plan.pipelines):
         for i, r in enumerate(p.replicas):
-            cap = sizes.get(r.gpu) or catalog.gpu(r.gpu).gpus_per_node
-            nodes = free.setdefault((r.zone, r.gpu), [])
-            idx = next((k for k, f in enumerate(nodes) if f >= r.tp), None)
-            if idx is None:
-                nodes.append(max(cap, r.tp))
-                idx = len(nodes) - 1
-            first_local = (max(cap, r.tp)) - nodes[idx]
-            nodes[idx] -= r.tp
+            node, first_local = placed[j][i]
             for t in range(r.tp):
                 out.append(RankInfo(rank=len(out), pipeline=j, stage=i, tp_rank=t, tp=r.tp, gpu=r.gpu,
-                                    zone=r.zone, node=f"{r.zone}/{r.gpu}/{idx}", local_rank=first_local + t))
+                                    zone=r.zone, node=node, local_rank=first_local + t))
     assert [x.rank for x in out] == list(range(plan.world_size))
     return out
 

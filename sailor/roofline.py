@@ -130,7 +130,7 @@ def sailor_block_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, sp: b
     out = _gemm("out", N, h / t, h, e)
     up = _gemm("mlp in", N, h, mlp_in * f / t, e, reads=mlp_in)
     down = _gemm("down", N, f / t, h, e)
-    adds = _mem("bias and residual adds", ((2 if m.bias else 0) + 3) * e * N * h / o)
+    adds = _mem("bias and residual adds", (m.has_out_bias + m.has_mlp_bias + 3) * e * N * h / o)
     act = (2 + 3) * e * N * f / t if m.gated_mlp else 2 * e * N * f / t  # SiLU and the gating product, or GeLU
     core: list[Op] = []
     if not m.learned_positions:
@@ -174,10 +174,10 @@ def head_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, framework: Fr
         loss = _mem("cross entropy", (e + FP32) * logits + 4 * 2 * FP32 * logits)  # cast, then ~4 fp32 passes
         loss_bwd = _mem("cross entropy backward", (3 * FP32 + e) * logits)
     else:
-        logits = N * m.padded_vocab(1)
+        logits = N * m.vocab_size  # the runtime drops the padding rows' logits before the loss
         loss = _mem("cross entropy", (e + FP32) * logits + 3 * FP32 * logits)  # cast, log-softmax
         loss_bwd = _mem("cross entropy backward", 3 * FP32 * logits + (FP32 + e) * logits
-                        + 2 * e * logits / tp)  # log-softmax, cast, slice of the gather
+                        + 2 * e * N * m.padded_vocab(1) / tp)  # log-softmax, cast, slice of the gather
     norm = _mem("norm", 2 * e * N * h)
     return [norm, lm, loss], [loss_bwd, lm.scaled(2, "lm head backward"), _mem("norm backward", 3 * e * N * h)]
 

@@ -17,7 +17,7 @@ from sailor.errors import SailorInputError
 from sailor.fileio import SPEC_CONFIG, Real, Whole, load_mapping, parse_model, show
 from sailor.limits import (MAX_BANDWIDTH_BYTES_PER_S, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_GPUS_PER_ZONE,
                            MAX_PRICE_USD_PER_GPU_HOUR, MAX_SECONDS, MAX_SEQUENCE_LENGTH, MIN_BANDWIDTH_BYTES_PER_S)
-from sailor.models import Framework, ModelSpec, get_model
+from sailor.models import Framework, ModelSpec, get_model, is_config_path
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -85,6 +85,10 @@ class JobSpec(BaseModel):
         if self.sequence_length and self.sequence_length > self.model.max_sequence_length and self.model.learned_positions:
             raise ValueError(f"sequence_length {self.sequence_length} exceeds {self.model.name}'s learned"
                              f" position table of {self.model.max_sequence_length}")
+        if self.model.sliding_window and self.seq > self.model.sliding_window:
+            raise ValueError(f"sequence length {self.seq} exceeds {self.model.name}'s sliding attention window of"
+                             f" {self.model.sliding_window}, which Sailor does not implement (set sequence_length"
+                             f" <= {self.model.sliding_window}: within it the window changes nothing)")
         return self
 
     @property
@@ -116,11 +120,30 @@ class JobSpec(BaseModel):
 
 
 class LinkOverride(BaseModel):
-    """A default link replaced by the user: latency (s) and bandwidth (bytes/s)."""
+    """A default link replaced by the user (see `catalog.Link`): latency (s), the NIC's bandwidth
+    that all concurrent flows share (bytes/s) and optionally what one flow reaches (bytes/s)."""
 
     model_config = SPEC_CONFIG
     latency_s: Real(0, MAX_SECONDS)
     bandwidth_bytes_per_s: Real(MIN_BANDWIDTH_BYTES_PER_S, MAX_BANDWIDTH_BYTES_PER_S)
+    flow_bandwidth_bytes_per_s: Real(MIN_BANDWIDTH_BYTES_PER_S, MAX_BANDWIDTH_BYTES_PER_S) | None = None
+
+    def link(self) -> catalog.Link:
+        return catalog.Link(self.latency_s, self.bandwidth_bytes_per_s, self.flow_bandwidth_bytes_per_s)
+
+
+class AllreduceAlgorithm(str, Enum):
+    """How gradient all-reduces are modelled (`simulator.collectives`): `auto` takes the cheaper of
+    a flat ring and a hierarchical one (inside each zone, or each node, first), as NCCL picks its
+    algorithm by its own cost model; `ring` and `hierarchical` pin one."""
+
+    AUTO = "auto"
+    RING = "ring"
+    HIERARCHICAL = "hierarchical"
+
+
+# Link classes a cluster spec may set per zone: inside one node, and between two nodes of the zone.
+ZONE_LINK_CLASSES = (catalog.LinkClass.SAME_NODE, catalog.LinkClass.SAME_ZONE)
 
 
 class ClusterSpec(BaseModel):
@@ -128,10 +151,14 @@ class ClusterSpec(BaseModel):
 
     `prices` maps GPU type -> $/GPU-hour, or zone -> {GPU type -> $/GPU-hour}; anything not given is
     the provider's list price. `network` maps a link class (same_node, same_zone, same_region,
-    same_continent, intercontinental) to a `LinkOverride`: latency and the bandwidth one flow gets in
-    one direction (one GPU's share: e.g. a DGX A100 has one 200 Gb/s HDR InfiniBand adapter per GPU
-    between nodes and 300 GB/s of NVLink per direction inside, of which NCCL reaches ~65 %). Counts,
-    node sizes and prices are bounded by `sailor.limits`.
+    same_continent, intercontinental) to a `LinkOverride`: latency, the bandwidth of one node's NIC
+    in one direction that all its concurrent flows share, and what one flow reaches (e.g. a DGX A100
+    between nodes: eight 200 Gb/s HDR InfiniBand adapters, one per GPU, ~21 GB/s each with GPUDirect
+    RDMA: bandwidth 168e9, flow_bandwidth 21e9; inside it 300 GB/s of NVLink per GPU and direction,
+    of which NCCL reaches ~65 %). `zone_network` does the same per zone for the links inside it
+    (same_node: a fast link inside a node, same_zone: a slower one between its nodes), which wins
+    over `network`. `allreduce` pins the all-reduce algorithm. Counts, node sizes and prices are
+    bounded by `sailor.limits`.
     """
 
     model_config = SPEC_CONFIG
@@ -143,6 +170,10 @@ class ClusterSpec(BaseModel):
     prices: dict[str, Real(0, MAX_PRICE_USD_PER_GPU_HOUR) | dict[str, Real(0, MAX_PRICE_USD_PER_GPU_HOUR)]] = Field(
         default_factory=dict, description="$/GPU-hour overrides.")
     network: dict[catalog.LinkClass, LinkOverride] = Field(default_factory=dict)
+    zone_network: dict[str, dict[catalog.LinkClass, LinkOverride]] = Field(
+        default_factory=dict, description="zone -> {same_node | same_zone -> link}: links inside one zone.")
+    allreduce: AllreduceAlgorithm = Field(default=AllreduceAlgorithm.AUTO,
+                                          description="auto (cheaper of ring and hierarchical), ring or hierarchical.")
 
     @model_validator(mode="before")
     @classmethod
@@ -191,6 +222,13 @@ class ClusterSpec(BaseModel):
             for g, n in gpus.items():
                 if n > 0:  # every GPU on offer needs a price (never a silent zero)
                     _located(lambda: self.price(zone, g), f"zones.{zone}.{g}")
+        for zone, links in self.zone_network.items():
+            _located(lambda: self.prov.region(zone), f"zone_network.{zone}")
+            for lc in links:
+                if lc not in ZONE_LINK_CLASSES:
+                    raise SailorInputError(f"a zone sets only the links inside it, not {lc.value!r}",
+                                           field=f"zone_network.{zone}.{lc.value}",
+                                           fix="same_node or same_zone; set links between zones under network")
         return self
 
     # ---- lookups ---------------------------------------------------------------------------
@@ -225,15 +263,19 @@ class ClusterSpec(BaseModel):
     def total_gpus(self) -> int:
         return sum(n for z in self.zones.values() for n in z.values())
 
-    def link(self, link_class: catalog.LinkClass) -> catalog.Link:
-        """Default link of a class, after the spec's overrides. On provider local every process
-        shares one machine, so a `same_node` override stands for every class it does not override."""
+    def link(self, link_class: catalog.LinkClass, zone: str | None = None) -> catalog.Link | None:
+        """Default link of a class after the spec's overrides: `zone_network[zone]` (links inside
+        `zone`), then `network`, then the provider's catalog link. On provider local every process
+        shares one machine, so a `same_node` override stands for every class it does not override.
+        None for same_node when neither the spec nor the provider gives one (the GPU catalog's
+        intra-node bandwidth applies)."""
+        if zone is not None and link_class in self.zone_network.get(zone, {}):
+            return self.zone_network[zone][link_class].link()
         same_node = catalog.LinkClass.SAME_NODE
         for lc in (link_class, same_node) if self.provider == "local" else (link_class,):
             if lc in self.network:
-                o = self.network[lc]
-                return catalog.Link(o.latency_s, o.bandwidth_bytes_per_s)
-        return self.prov.links[link_class]
+                return self.network[lc].link()
+        return self.prov.links.get(link_class)
 
     def with_zones(self, zones: dict[str, dict[str, int]]) -> "ClusterSpec":
         """A copy with other availability, validated again."""
@@ -263,8 +305,15 @@ def _located(fn, field: str):
 
 
 def load_job(path: str | Path) -> JobSpec:
-    """Read and validate a job spec (YAML or JSON); raises SailorInputError naming file and field."""
-    return parse_model(JobSpec, load_mapping(path), str(path))
+    """Read and validate a job spec (YAML or JSON); raises SailorInputError naming file and field.
+
+    A `model:` naming a Hugging Face config (`models.is_config_path`) is read relative to the job
+    file's folder."""
+    data = load_mapping(path)
+    model = data.get("model")
+    if isinstance(model, str) and is_config_path(model):
+        data["model"] = str(Path(path).parent / Path(model).expanduser())
+    return parse_model(JobSpec, data, str(path))
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:

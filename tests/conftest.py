@@ -1,4 +1,5 @@
-"""Shared fixtures: where the public Sailor reference data lives (../shared next to the repo root)."""
+"""Shared fixtures: where the public Sailor reference data lives (../shared next to the repo root, or
+the folder the SAILOR_REFERENCE environment variable names)."""
 
 import contextlib
 import os
@@ -7,14 +8,29 @@ from pathlib import Path
 
 import pytest
 
-SAILOR_REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "sailor"
+SAILOR_REF = Path(os.environ.get("SAILOR_REFERENCE")
+                  or Path(__file__).resolve().parents[2] / "shared" / "reference" / "sailor")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Tests (and the processes they start) keep machine profiles in a folder of their own, never
+    in the user's cache (`sailor.runtime.machine.cache_dir`)."""
+    old = os.environ.get("SAILOR_CACHE_DIR")
+    os.environ["SAILOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("sailor-cache"))
+    yield
+    if old is None:
+        os.environ.pop("SAILOR_CACHE_DIR", None)
+    else:
+        os.environ["SAILOR_CACHE_DIR"] = old
 
 
 @pytest.fixture
 def sailor_ref() -> Path:
     """The Sailor reference folder; skips the test with the reason when ../shared is absent."""
     if not SAILOR_REF.is_dir():
-        pytest.skip(f"public Sailor reference data not found at {SAILOR_REF} (../shared is absent)")
+        pytest.skip(f"public Sailor reference data not found at {SAILOR_REF} (../shared is absent;"
+                    " set SAILOR_REFERENCE to its folder)")
     return SAILOR_REF
 
 

@@ -92,10 +92,19 @@ def test_link_time_is_alpha_plus_bytes_over_beta():
     link = Link(latency_s=0.5, bandwidth_bytes_per_s=1e6)
     assert link.time_s(2e6) == pytest.approx(2.5)
     assert link.time_s(0) == 0.0
+    # flows share the NIC; with a per-flow cap, few flows cannot fill it
+    assert link.time_s(2e6, flows=4) == pytest.approx(0.5 + 8.0)
+    capped = Link(latency_s=0.0, bandwidth_bytes_per_s=4e6, flow_bandwidth_bytes_per_s=1e6)
+    assert capped.time_s(1e6) == pytest.approx(1.0)
+    assert capped.time_s(1e6, flows=2) == pytest.approx(1.0)
+    assert capped.time_s(1e6, flows=8) == pytest.approx(2.0)
 
 
 def test_slower_link_classes_are_never_faster():
+    # inside a region the measured links between zones equal those inside a zone; beyond, slower
     links = catalog.provider("gcp").links
     order = [LinkClass.SAME_ZONE, LinkClass.SAME_REGION, LinkClass.SAME_CONTINENT, LinkClass.INTERCONTINENTAL]
     for near, far in zip(order, order[1:]):
-        assert links[far].time_s(1e8) > links[near].time_s(1e8)
+        for flows in (1, 4):
+            assert links[far].time_s(1e8, flows) >= links[near].time_s(1e8, flows)
+    assert links[LinkClass.SAME_CONTINENT].time_s(1e8) > links[LinkClass.SAME_REGION].time_s(1e8)

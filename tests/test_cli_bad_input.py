@@ -249,8 +249,7 @@ BAD = [
      "key '1' is read as a number"),
     ({"t.json": '[{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 4, "count": 2}]'},
      ["replay", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "t.json"], "key 'count' appears twice"),
-    ({"runs-tiny/plan_config_b.json": b'{"mbs": 1, "gbs": 8, "real": 1.0, "max_mem": 1e9, "note": "\xff"}'},
-     ["validate", "runs-tiny", "--profiles", "profile.json"], "plan_config_b.json: not UTF-8 text"),
+    # (a run file that is not UTF-8 is skipped with one warning line: test_validate_skips_a_bad_run_in_one_line)
     # Sailor plan_config import
     ({"s.json": mutate.SAILOR_PLAN | {"mbs": 0}}, ["simulate", "s.json", "--job", "job.yaml"], "mbs: must be a whole"),
     ({"s.json": mutate.SAILOR_PLAN | {"mbs": 4.7}}, ["simulate", "s.json", "--job", "job.yaml"], "got 4.7"),
@@ -378,6 +377,16 @@ def test_uneven_sailor_plan_is_spread_and_said_in_one_line(tmp_path, monkeypatch
     assert json.loads(out)["gpus"] == 8
 
 
+def test_validate_skips_a_bad_run_in_one_line(tmp_path, monkeypatch, capsys):
+    _base(tmp_path)
+    _write(tmp_path, {"runs-tiny/plan_config_b.json": b'{"mbs": 1, "gbs": 8, "real": 1.0, "max_mem": 1e9, "note": "\xff"}'})
+    code, _, err = _main(["validate", "runs-tiny", "--profiles", "profile.json", "--network", "network.json"], tmp_path,
+                         monkeypatch, capsys)
+    assert code == 0, err
+    assert err.splitlines() == ["warning: skipped: runs-tiny/plan_config_b.json: not UTF-8 text (byte 0xff at offset 59)"
+                                " (save it as UTF-8)"]
+
+
 def test_an_internal_error_is_one_line_with_the_traceback_in_a_file(tmp_path, monkeypatch, capsys):
     import sailor.cli.plan
 
@@ -386,8 +395,8 @@ def test_an_internal_error_is_one_line_with_the_traceback_in_a_file(tmp_path, mo
     monkeypatch.setattr(sailor.cli.plan, "plan_job", broken)
     monkeypatch.setenv("SAILOR_TRACEBACK_DIR", str(tmp_path / "tb"))
     _base(tmp_path)
-    code, _, err = _main(["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--json"], tmp_path, monkeypatch,
-                         capsys)
+    code, _, err = _main(["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--profiles", "profile.json", "--json"],
+                         tmp_path, monkeypatch, capsys)  # with profiles: a local plan measures nothing first
     lines = err.splitlines()
     assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("error: internal error (RuntimeError: boom\\nsecond line); traceback saved to ")
@@ -421,7 +430,8 @@ def test_console_internal_error_is_one_line(tmp_path):
     # A bug anywhere (here: the planner raising ZeroDivisionError) ends in one line and exit 1.
     _base(tmp_path)
     code = ("import sys, sailor.cli.plan as p; p.plan_job = lambda *a, **k: 1 / 0; from sailor.cli import main;"
-            " sys.argv = ['sailor', 'plan', '--job', 'job.yaml', '--cluster', 'local.yaml']; main()")
+            " sys.argv = ['sailor', 'plan', '--job', 'job.yaml', '--cluster', 'local.yaml', '--profiles', 'profile.json'];"
+            " main()")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "SAILOR_TRACEBACK_DIR": str(tmp_path / "tb")})
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr

@@ -113,10 +113,10 @@ def test_sailor_block_bytes_by_hand():
     assert m.activation_bytes(2, **kw, recompute=Recompute.SELECTIVE) == outside + 4 * e * sbh / t + mlp
     assert m.activation_bytes(2, **kw, recompute=Recompute.FULL) == e * sbh
     assert m.activation_bytes(2, **kw, recompute=Recompute.FULL, sequence_parallel=True) == e * sbh / t
-    # what recomputing one block rebuilds: everything but its input (full); the core's lse (selective: q, k,
-    # v are the kept projections here, the output is kept too)
+    # what recomputing one block rebuilds: everything but its input (full); the core's new output and lse
+    # (selective: q, k, v are the kept projections here; the recomputed SDPA saves a new output)
     assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.FULL) == outside + sdpa + mlp - e * sbh
-    assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.SELECTIVE) == 4 * b * 4 * s / t
+    assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.SELECTIVE) == e * sbh / t + 4 * b * 4 * s / t
     assert m.recompute_transient_bytes(0, **kw, recompute=Recompute.FULL) == 0.0
     # embedding: int64 ids, the local ids and bool mask of the vocab-parallel lookup, int64 position ids
     assert m.activation_bytes(0, **kw) == 8 * s * b + 9 * s * b + 8 * s
@@ -140,7 +140,8 @@ def test_sailor_block_bytes_llama_rope_and_gqa():
     # the checkpointed core keeps the projections q (h), k and v (kv each), and its output
     assert m.activation_bytes(3, **kw, recompute=Recompute.SELECTIVE) == (outside + e * s * b * (h + 2 * kv) / t
                                                                           + e * sbh / t + 4 * e * s * b * f / t)
-    assert m.recompute_transient_bytes(3, **kw, recompute=Recompute.SELECTIVE) == sdpa - e * sbh / t
+    # the recompute rebuilds everything the core saved: new q, k, v, the output, the lse, RoPE's tables
+    assert m.recompute_transient_bytes(3, **kw, recompute=Recompute.SELECTIVE) == sdpa
 
 
 def test_sailor_accounting_matches_the_runtimes_measured_formula():
@@ -157,6 +158,29 @@ def test_sailor_accounting_matches_the_runtimes_measured_formula():
             assert m.activation_bytes(0, **kw) == measured.embedding_bytes(m, mbs=mbs, seq=64, tp=tp)
             assert m.activation_bytes(m.num_layers - 1, **kw) == measured.head_bytes(m, mbs=mbs, seq=64, elem_bytes=4,
                                                                                     stats_bytes=4)
+
+
+def test_sailor_block_bytes_hugging_face_variants():
+    # GPT-NeoX-style: parallel residual (both norms read x: 3 tensors of h outside the TP regions, not
+    # 4), a quarter of each head's 16 dimensions rotates (cos/sin tables of 4 / 2 columns); OPT-style:
+    # ReLU keeps its output, the fc2 input (one f tensor, not two); biases keep nothing. The head's
+    # log-probabilities cover the 300 real tokens, not the 384 of the padded vocabulary.
+    s, b, e, t, h, f = 32, 2, 4, 2, 64, 96
+    base = dict(num_blocks=2, hidden_size=h, num_heads=4, vocab_size=300, max_sequence_length=s, ffn_hidden_size=f)
+    neox = ModelSpec(name="neox", learned_positions=False, rotary_fraction=0.25, parallel_residual=True, **base)
+    opt = ModelSpec(name="opt", activation="relu", position_offset=2, **base)
+    kw = dict(tp=t, mbs=b, seq=s, elem_bytes=e)
+    sbh = s * b * h
+    sdpa = 3 * e * sbh / t + e * sbh / t + 4 * b * 4 * s / t
+    rope = 2 * 2 * s * (4 // 2) * e
+    copies = 2 * e * sbh / t  # RoPE's new q and k
+    outside = 2 * 8 * s * b  # LayerNorm mean and rstd of both norms
+    assert neox.activation_bytes(2, **kw) == 3 * e * sbh + outside + sdpa + rope + e * sbh / t + 2 * e * s * b * f / t
+    assert neox.recompute_transient_bytes(2, **kw, recompute=Recompute.SELECTIVE) == \
+        copies + e * sbh / t + 4 * b * 4 * s / t + rope
+    # learned positions: the out-projection's input is a view of SDPA's output (no copy, unlike NeoX's RoPE)
+    assert opt.activation_bytes(2, **kw) == 4 * e * sbh + outside + sdpa + e * s * b * f / t
+    assert opt.activation_bytes(3, **kw) == s * b * (2 * e * h + 8) + 4 * s * b * 300 + 8 * s * b + 8  # + 2 fp32 scalars
 
 
 def test_recompute_flops():

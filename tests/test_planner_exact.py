@@ -6,6 +6,7 @@ search's building blocks (count vectors, maximum flow, water-filling)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass
@@ -58,8 +59,9 @@ def brute_force(job: JobSpec, cluster: ClusterSpec, opts: PlanOptions):
     same `memory_candidates` the planner searches); every pipeline (per stage any GPU type, TP degree
     that fits in memory, and zone that has the GPU type); every multiset of pipelines the GPUs allow
     with as many pipelines as their ZeRO options need; every split of the micro-batches, of which
-    those of least makespan (then least egress) count."""
-    ctx = make_context(job, cluster)
+    those of least makespan (then least egress) count. Memory fits within the planner's margin
+    (`PlanOptions.memory_margin`)."""
+    ctx = dataclasses.replace(make_context(job, cluster), memory_margin=opts.memory_margin)
     L = job.model.num_layers
     zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
     best = None

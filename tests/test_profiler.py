@@ -7,6 +7,7 @@ that values are present, positive and used. Every test checks that no profiling 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -106,10 +107,19 @@ def test_simulate_cli_uses_the_profile(profile_file, tmp_path):
     est = json.loads(out.stdout)
     assert est["estimated"] == []
     assert est["iteration_time_s"] > 0
-    # without the profile the same plan is a labelled roofline estimate
+    # without a profile, on the local provider: the cached quick profile of this machine (seeded
+    # here with the same file, so nothing is measured), never the roofline
+    from sailor.runtime.machine import cache_path
+    from sailor.specs import JobSpec
+    cache = tmp_path / "cache"
+    seeded = cache_path(JobSpec(model="tiny", global_batch_size=8), folder=cache / "profiles")
+    seeded.parent.mkdir(parents=True)
+    seeded.write_text(profile_file.read_text())
     out = subprocess.run([sys.executable, "-c", "from sailor.cli import main; main()", "simulate", str(plan),
-                          "--json"], capture_output=True, text=True)
-    assert any("roofline" in e for e in json.loads(out.stdout)["estimated"])
+                          "--json"], capture_output=True, text=True, env={**os.environ, "SAILOR_CACHE_DIR": str(cache)})
+    assert out.returncode == 0, out.stderr
+    assert "profile of this machine from the cache" in out.stderr
+    assert not any("roofline" in e for e in json.loads(out.stdout)["estimated"])
 
 
 def test_network_profile_two_processes(tmp_path):
@@ -126,6 +136,10 @@ def test_network_profile_two_processes(tmp_path):
     nbytes = 1 << 20
     want = link["latency_s"] + nbytes / link["bandwidth_bytes_per_s"]
     assert net.transfer_time_s("local", "cpu", "local", "cpu", nbytes) == pytest.approx(want)
+    # the processes share this machine: the links were measured inside one node, where placement
+    # puts every local rank
+    assert net.transfer_time_s("local", "cpu", "local", "cpu", nbytes, same_node=True) == pytest.approx(want)
+    assert all(entry["same_node"] for entry in data["links"])
     assert not alive()  # none of the ranks this test started is left
 
 

@@ -14,7 +14,8 @@ from sailor.elastic.availability import load_trace
 from sailor.elastic.replay import Policy, RestartModel, replay
 from sailor.specs import ClusterSpec, JobSpec
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "reference" / "sailor" / "traces"
+from conftest import SAILOR_REF  # noqa: E402
+TRACES = SAILOR_REF / "traces"
 OPT = JobSpec(model="opt-350m", global_batch_size=1024)
 # The paper's prices (shared/reference/sailor/README.md), the same in every zone.
 GCP = ClusterSpec(provider="gcp", zones={}, prices={"A100-40": 3.673385, "V100-16": 2.859998})

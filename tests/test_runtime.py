@@ -7,6 +7,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sailor.errors import SailorInputError
 from sailor.plan import Plan
@@ -15,6 +17,7 @@ from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.model import GPT, init_full_model, init_param
 from sailor.runtime.pipeline import build_stage, schedule_1f1b
 from sailor.runtime.tensor_parallel import shard, shard_dim
+from sailor.runtime.tied import Transfer, holdings, twin_transfers
 from sailor.runtime.topology import derive_topology
 from sailor.runtime.validate import check_runtime_geometry
 from sailor.specs import JobSpec
@@ -47,6 +50,65 @@ def test_topology_of_mixed_tp_plan_by_hand():
     assert r[2].stage_group == (2, 4, 5) and r[0].stage_group == (0, 1, 3)
     assert (r[0].first_sample, r[3].first_sample) == (0, 6)
     assert topo.groups() == [(0, 1), (0, 3), (1, 3), (2, 4), (2, 5), (4, 5), (0, 1, 3), (2, 4, 5)]
+
+
+EMB, HEAD = "layers.0.tok.weight", "layers.5.lm.weight"  # tiny: 256 x 64 = 16384 elements
+
+
+def test_tied_gradient_transfers_by_hand():
+    spec = JobSpec(model="tiny", global_batch_size=8).model
+    # ZeRO-0 on both ends: each pipeline swaps with itself; pipeline 0's TP-2 embedding (ranks 0, 1,
+    # 8192 elements each) with its TP-1 head (rank 2), pipeline 1's TP-1 embedding (3) with its TP-2
+    # head (4, 5).
+    plan = PLAN_C.model_copy(update={"memory": None})
+    got = twin_transfers(spec, plan, derive_topology(plan))
+    assert got == [Transfer(0, EMB, 2, HEAD, 0, 8192), Transfer(1, EMB, 2, HEAD, 8192, 16384),
+                   Transfer(2, HEAD, 0, EMB, 0, 8192), Transfer(2, HEAD, 1, EMB, 8192, 16384),
+                   Transfer(3, EMB, 4, HEAD, 0, 8192), Transfer(3, EMB, 5, HEAD, 8192, 16384),
+                   Transfer(4, HEAD, 3, EMB, 0, 8192), Transfer(5, HEAD, 3, EMB, 8192, 16384)]
+    # ZeRO-1 on the embedding's stage: the group (0, 3) of rows 0-127 is split in halves, rank 0 owns
+    # elements 0-4095, rank 3 4096-8191; both pipelines' heads (unsharded) receive them from there.
+    plan = Plan.model_validate({**PLAN_C.model_dump(), "memory": [{"zero": 1}, {}]})
+    got = twin_transfers(spec, plan, derive_topology(plan))
+    assert [t for t in got if t.src == 3] == [Transfer(3, EMB, 2, HEAD, 4096, 8192), Transfer(3, EMB, 2, HEAD, 12288, 16384),
+                                              Transfer(3, EMB, 4, HEAD, 4096, 8192), Transfer(3, EMB, 5, HEAD, 12288, 16384)]
+    assert [t for t in got if t.dst == 3] == [Transfer(4, HEAD, 3, EMB, 4096, 8192), Transfer(5, HEAD, 3, EMB, 12288, 16384)]
+    assert twin_transfers(JobSpec(model="llama-3-8b", global_batch_size=8).model, PLAN_C, derive_topology(PLAN_C)) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_tied_gradient_transfers_deliver_each_held_element_once(data):
+    # Any plan: every element of a copy that a rank holds after the reduction arrives exactly once,
+    # from a rank holding that element of the other copy (in the receiver's pipeline when the other
+    # copy's stage is unsharded), and the holders cover the matrix once (ZeRO >= 1) or once per
+    # pipeline (ZeRO-0).
+    spec = JobSpec(model="tiny", global_batch_size=8).model
+    stages = data.draw(st.sampled_from([[[0, 6]], [[0, 3], [3, 6]], [[0, 1], [1, 5], [5, 6]]]))
+    pipes = data.draw(st.integers(1, 3))
+    tps = [[data.draw(st.sampled_from([1, 2, 4])) for _ in stages] for _ in range(pipes)]
+    memory = [{"zero": data.draw(st.integers(0, 3))} for _ in stages]
+    plan = Plan.model_validate({"micro_batch_size": 1, "stages": stages, "memory": memory, "pipelines": [
+        {"microbatches": 1, "replicas": [_rep(i, t) for i, t in enumerate(row)]} for row in tps]})
+    topo = derive_topology(plan)
+    held = holdings(spec, plan, topo)
+    for name, stage in ((EMB, 0), (HEAD, len(stages) - 1)):
+        count = np.zeros(256 * 64, dtype=int)
+        for h in held:
+            if h.name == name:
+                count[h.lo:h.hi] += 1
+        assert (count == (pipes if plan.stage_memory(stage).zero == 0 else 1)).all()
+    transfers = twin_transfers(spec, plan, topo)
+    for h in held:
+        got = np.zeros(h.hi - h.lo, dtype=int)
+        for t in transfers:
+            if t.dst == h.rank and t.dst_name == h.name and h.lo <= t.lo < h.hi:
+                got[t.lo - h.lo:t.hi - h.lo] += 1
+                src = [x for x in held if x.rank == t.src and x.name == t.src_name and x.lo <= t.lo and t.hi <= x.hi]
+                assert src and t.src_name != t.dst_name
+                if plan.stage_memory(len(stages) - 1 if h.name == EMB else 0).zero == 0:
+                    assert topo.roles[t.src].pipeline == topo.roles[h.rank].pipeline
+        assert (got == 1).all()
 
 
 def test_schedule_1f1b_by_hand():

@@ -34,6 +34,21 @@ LLAMAISH = JobSpec(model={"name": "llamaish", "num_blocks": 3, "hidden_size": 64
                           "ffn_hidden_size": 96, "vocab_size": 256, "max_sequence_length": 32, "gated_mlp": True,
                           "learned_positions": False, "bias": False, "rms_norm": True, "tied_embeddings": False},
                    global_batch_size=4)
+# Hugging Face variants (`sailor.hf_config`), with a vocabulary of 300 that the runtime pads to 384 and
+# whose padding logits it drops. GPT-NeoX: half the head dimensions rotate, parallel residual, biases;
+# GPT-2: learned positions, tanh GELU, tied; OPT: ReLU, position offset 2; Qwen2: q, k, v biases only.
+_HF = {"num_blocks": 2, "hidden_size": 64, "num_heads": 4, "vocab_size": 300, "max_sequence_length": 32}
+NEOXISH = JobSpec(model={**_HF, "name": "neoxish", "learned_positions": False, "rotary_fraction": 0.5,
+                         "parallel_residual": True, "ffn_hidden_size": 96, "tied_embeddings": False},
+                  global_batch_size=4)
+GPT2ISH = JobSpec(model={**_HF, "name": "gpt2ish", "activation": "gelu_tanh"}, global_batch_size=4)
+OPTISH = JobSpec(model={**_HF, "name": "optish", "activation": "relu", "position_offset": 2, "ffn_hidden_size": 96,
+                        "tied_embeddings": False}, global_batch_size=4)
+QWENISH = JobSpec(model={**_HF, "name": "qwenish", "num_kv_heads": 2, "gated_mlp": True, "learned_positions": False,
+                         "bias": False, "qkv_bias": True, "rms_norm": True, "ffn_hidden_size": 96, "rope_theta": 1e6},
+                  global_batch_size=4)
+JOBS = {"tiny": TINY, "llamaish": LLAMAISH, "neoxish": NEOXISH, "gpt2ish": GPT2ISH, "optish": OPTISH,
+        "qwenish": QWENISH}
 MEMORY = {"none": StageMemory(), "selective": StageMemory(recompute="selective"), "full": StageMemory(recompute="full"),
           "full_first": StageMemory(recompute="full", recompute_blocks=1)}
 
@@ -66,9 +81,10 @@ def _measure_stage(job: JobSpec, layers: tuple[int, int], memory: StageMemory, d
     return meter.per_layer
 
 
-@pytest.mark.parametrize("job", [TINY, LLAMAISH], ids=["tiny", "llamaish"])
+@pytest.mark.parametrize("name", list(JOBS))
 @pytest.mark.parametrize("option", list(MEMORY))
-def test_saved_activations_equal_the_runtime_formula(job, option):
+def test_saved_activations_equal_the_runtime_formula(name, option):
+    job = JOBS[name]
     n = job.model.num_layers
     for layers in [(0, n), (0, 2), (2, n)]:  # whole model; a stage ending and one starting with a block
         got = _measure_stage(job, layers, MEMORY[option], torch.float32)

@@ -18,7 +18,9 @@ from sailor.specs import ClusterSpec, JobSpec
 JOB = JobSpec(model="tiny", global_batch_size=4)  # h 64, seq 64, fp32: one activation = 64*64*4 = 16384 B
 ZA, ZB = "us-central1-a", "us-central1-b"
 # same_zone (inside a pipeline): 0.25 s + 16384 B / 65536 B/s = 0.5 s per activation
+# one GPU per node: every transfer is between two nodes (placement is tested in test_network.py)
 CLUSTER = ClusterSpec(zones={ZA: {"A100-40": 2}, ZB: {"A100-40": 2}}, prices={"A100-40": 3.6},
+                      gpus_per_node={"A100-40": 1},
                       network={"same_zone": {"latency_s": 0.25, "bandwidth_bytes_per_s": 65536}})
 # per layer (forward, backward) at mbs 1: each stage of three layers takes f = 1 s, b = 2 s
 LAYERS = np.array([[0.5, 1.0], [0.25, 0.5], [0.25, 0.5], [0.25, 0.5], [0.25, 0.5], [0.5, 1.0]])
@@ -112,7 +114,9 @@ def test_memory_by_hand():
     assert m0.buffers == pytest.approx(16384)
     assert (m0.weights, m0.gradients, m0.optimizer) == pytest.approx((4 * 120448, 4 * 120448, 8 * 120448))
     assert m0.reserve == 0.0 and m0.framework == framework
-    assert est.replicas[0].peak_memory_bytes == pytest.approx(10000 + 16384 + 16 * 120448 + framework)
+    # the gradient all-reduce's flat copy of the stage's gradient: 4 B per parameter
+    assert m0.sync_buffer == pytest.approx(4 * 120448)
+    assert est.replicas[0].peak_memory_bytes == pytest.approx(10000 + 16384 + 20 * 120448 + framework)
     # stage 1 holds 1 micro-batch (7000 B), its received input (16384 B), and the fp32 logits gradient
     # 1 x 64 x 256 x 4 = 65536 B
     assert m1.activations == pytest.approx(7000)

@@ -19,7 +19,9 @@ from sailor.specs import ClusterSpec, JobSpec
 
 ZONE = "us-central1-a"
 JOB = JobSpec(model="tiny", global_batch_size=16)  # 6 layers: embedding, 4 blocks, head; seq 64, fp32
-CLUSTER = ClusterSpec(zones={ZONE: {"A100-40": 16}}, prices={"A100-40": 1.0})
+# 1 GPU per node: every replica on a node of its own (a TP-2 group still gets one node), so every
+# transfer and sync between replicas takes the same_zone link below (placement: tests/test_network.py)
+CLUSTER = ClusterSpec(zones={ZONE: {"A100-40": 16}}, prices={"A100-40": 1.0}, gpus_per_node={"A100-40": 1})
 ALPHA, BETA = 1e-3, 1e8  # same_zone link between replicas: 1 ms + bytes / 100 MB/s
 
 

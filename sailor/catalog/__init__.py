@@ -80,14 +80,34 @@ class GpuSpec:
 
 @dataclass(frozen=True)
 class Link:
-    """A point-to-point link: time(bytes) = latency_s + bytes / bandwidth_bytes_per_s."""
+    """A link between two nodes (or two GPUs of one node): one NIC per node whose bandwidth all
+    concurrent flows share, and an optional cap on what one flow reaches.
+
+    time(k flows of x bytes each) = latency_s + k·x / min(k · flow_bandwidth_bytes_per_s,
+    bandwidth_bytes_per_s): k flows over one NIC take k times one flow once the NIC is the
+    bottleneck (8 flows of x take 8x the time of one flow of x when one flow fills the NIC).
+
+    Attributes:
+        latency_s: one-way latency per message (s), paid once per transfer and per ring hop.
+        bandwidth_bytes_per_s: the NIC (or NVLink/PCIe inside a node), shared by all flows.
+        flow_bandwidth_bytes_per_s: most one flow reaches (a single TCP/NCCL connection seldom
+            fills a cloud NIC); None = one flow can fill the NIC.
+    """
 
     latency_s: float
     bandwidth_bytes_per_s: float
+    flow_bandwidth_bytes_per_s: float | None = None
 
-    def time_s(self, nbytes: float) -> float:
-        """Seconds to move `nbytes` bytes over this link (0 bytes cost nothing)."""
-        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bytes_per_s
+    def aggregate_bytes_per_s(self, flows: int = 1) -> float:
+        """Bytes/s that `flows` concurrent flows reach together: min(flows x per-flow cap, NIC)."""
+        cap = self.flow_bandwidth_bytes_per_s
+        return self.bandwidth_bytes_per_s if cap is None else min(flows * cap, self.bandwidth_bytes_per_s)
+
+    def time_s(self, nbytes: float, flows: int = 1) -> float:
+        """Seconds for `flows` concurrent transfers of `nbytes` bytes each (0 bytes cost nothing)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.latency_s + flows * nbytes / self.aggregate_bytes_per_s(flows)
 
 
 @dataclass(frozen=True)
@@ -146,6 +166,11 @@ def _gpu_table() -> tuple[dict[str, GpuSpec], dict[str, str]]:
     return gpus, aliases
 
 
+def _link(v: dict) -> Link:
+    flow = v.get("flow_bandwidth_bytes_per_s")
+    return Link(float(v["latency_s"]), float(v["bandwidth_bytes_per_s"]), float(flow) if flow is not None else None)
+
+
 @functools.cache
 def _providers() -> dict[str, Provider]:
     raw = _load_yaml("gcp.yaml")
@@ -159,8 +184,7 @@ def _providers() -> dict[str, Provider]:
             region_continent={r: rd["continent"] for r, rd in d["regions"].items()},
             prices_usd_per_gpu_hour={k: float(v) for k, v in d["prices_usd_per_gpu_hour"].items()},
             egress_usd_per_gb={LinkClass(k): float(v) for k, v in d["egress_usd_per_gb"].items()},
-            links={LinkClass(k): Link(float(v["latency_s"]), float(v["bandwidth_bytes_per_s"]))
-                   for k, v in d["links"].items()},
+            links={LinkClass(k): _link(v) for k, v in d["links"].items()},
         )
     return out
 

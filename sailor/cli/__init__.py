@@ -44,7 +44,7 @@ def _register() -> None:
     # Importing a command module registers its commands on `app`. Heavy imports (torch) stay inside
     # the command functions so `sailor plan` starts fast.
     from sailor.cli import simulate  # noqa: F401
-    for name in ("plan", "train", "validate", "profile", "elastic", "report", "launch"):
+    for name in ("plan", "train", "validate", "profile", "elastic", "report", "launch", "data", "export"):
         try:
             __import__(f"sailor.cli.{name}")
         except ModuleNotFoundError as e:

@@ -12,12 +12,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sailor.cli import app
-from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models
+from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, machine_profiles,
+                               resolve_models)
 from sailor.cli.simulate import memory_label
 from sailor.errors import SailorInputError
 from sailor.api import plan_options
 from sailor.fileio import check_output_path
 from sailor.planner import Objective, PlanResult, SearchSpace, plan_job
+from sailor.planner.options import DEFAULT_MEMORY_MARGIN
 from sailor.plan import Plan
 from sailor.simulator import make_context
 from sailor.specs import EXAMPLE_CLUSTER, EXAMPLE_JOB, load_cluster, load_job
@@ -46,6 +48,10 @@ def plan_command(
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=0,
                                                help="Stop searching after this many seconds and take the best plan"
                                                     " found so far, e.g. 10 (an error if none was found)."),
+    memory_margin: float = typer.Option(DEFAULT_MEMORY_MARGIN, "--memory-margin",
+                                        help="Fraction of each GPU's memory a plan leaves free, 0 <= x < 1"
+                                             f" (default {DEFAULT_MEMORY_MARGIN}: the simulator's memory error"
+                                             " on measured runs plus unmeasured framework memory)."),
     top: int = typer.Option(3, "--top", min=0, help="Alternatives to show."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the plan (with its job and cluster) to this JSON file."),
     report: Optional[Path] = typer.Option(None, "--report", help="Write figures (PNG, SVG) and index.html to this"
@@ -57,12 +63,12 @@ def plan_command(
         raise SailorInputError("pass both --job and --cluster, or neither for the built-in example")
     opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
                         max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
-                        top=top, time_limit=time_limit)
+                        top=top, time_limit=time_limit, memory_margin=memory_margin)
     check_output_path(out, "--out")
     check_output_path(report, "--report", folder=True)
     job_spec = load_job(job) if job else EXAMPLE_JOB
     cluster_spec = load_cluster(cluster) if cluster else EXAMPLE_CLUSTER
-    prof, net = resolve_models(job_spec, cluster_spec, profiles, network)
+    prof, net = resolve_models(job_spec, cluster_spec, machine_profiles(job_spec, cluster_spec, profiles), network)
     ctx = make_context(job_spec, cluster_spec, prof, net)
     con = console()
     try:

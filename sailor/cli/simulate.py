@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor.cli import app
-from sailor.cli.common import ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, resolve_models, resolve_specs
+from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, machine_profiles,
+                               resolve_models, resolve_specs)
 from sailor.fileio import check_output_path
 from sailor.models import Recompute
 from sailor.plan import Plan, StageMemory, load_plan
@@ -42,7 +43,7 @@ def simulate_command(
         if isinstance(e, SailorInputError):
             raise e.located(source=str(plan_path)) from None
         raise
-    prof, net = resolve_models(job_spec, cluster_spec, profiles, network)
+    prof, net = resolve_models(job_spec, cluster_spec, machine_profiles(job_spec, cluster_spec, profiles), network)
     ctx = make_context(job_spec, cluster_spec, prof, net)
     est = simulate(plan, ctx)
     if report:

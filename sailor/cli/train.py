@@ -31,8 +31,14 @@ def train(
     metrics: str = typer.Option(None, "--metrics", help="Append one JSON line per step to this file (.jsonl)."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of initial weights and data order."),
     device: str = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (NCCL, bf16 autocast)."),
-    data: str = typer.Option(None, "--data", help="Text file or folder of files, as byte tokens; default: Python's"
-                                                  " own pydoc topics."),
+    data: str = typer.Option(None, "--data", help="Token file (.bin as nanoGPT/Megatron write them, .npy; see"
+                                                  " `sailor data prepare`), or a text file or folder of files as"
+                                                  " byte tokens; default: Python's own pydoc topics as bytes."),
+    init_from: str = typer.Option(None, "--init-from", help="Hugging Face model folder (config.json + safetensors)"
+                                                            " to start from; each rank reads only its own shard."),
+    tensorboard: str = typer.Option(None, "--tensorboard", help="Also write TensorBoard event files into this folder"
+                                                                " (needs the tensorboard package)."),
+    log_every: int = typer.Option(10, "--log-every", min=0, help="Print loss, tokens/s and MFU every N steps (0: never)."),
     stop_file: str = typer.Option(None, "--stop-file", help="Creating this file stops the run gracefully at the"
                                                             " next step boundary (checkpoint, exit 3)."),
     timeout_s: float = typer.Option(300.0, "--timeout-s", help="Seconds any collective or transfer may wait"
@@ -46,7 +52,8 @@ def train(
     err = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the terminal width
     prep = prepare(TrainOptions(plan=plan, job=job, steps=steps, checkpoint_dir=checkpoint_dir,
                                 checkpoint_every=checkpoint_every, resume=resume, metrics=metrics, seed=seed,
-                                device=device, data=data, stop_file=stop_file, timeout_s=timeout_s))
+                                device=device, data=data, stop_file=stop_file, timeout_s=timeout_s,
+                                init_from=init_from, tensorboard=tensorboard))
     for note in prep.notes:
         err.print(f"[yellow]{note}[/yellow]" if note.startswith("skipped") else note)
     if dry_run:
@@ -55,7 +62,7 @@ def train(
     if prep.resume_step >= steps:  # nothing to train: say so instead of starting every rank
         err.print(f"[green]done: the checkpoint is at step {prep.resume_step} (--steps {steps})[/green]")
         return
-    result = _run_with_progress(prep, launch, err)
+    result = _run_with_progress(prep, launch, err, log_every)
     if result.status is ExitStatus.DONE:
         err.print(f"[green]{result.message}[/green]")
     elif result.status is ExitStatus.STOPPED:
@@ -77,18 +84,23 @@ def _layout_table(prep) -> Table:
     return t
 
 
-def _run_with_progress(prep, launch, console: Console):
+def _run_with_progress(prep, launch, console: Console, log_every: int):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from sailor.runtime.metrics import IntervalLog
 
     columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=prep.options.steps, completed=prep.resume_step, info="starting")
+        interval = IntervalLog(prep.plan, prep.job, every=log_every, total_steps=prep.options.steps,
+                               write=progress.console.print)
 
         def on_event(ev) -> None:
             if ev["event"] == "step":
                 progress.update(task, completed=ev["step"],
-                                info=f"loss {ev['loss']:.4f}  {ev['tokens_per_s']:,.0f} tokens/s")
+                                info=f"loss {ev['loss']:.4f}  {ev['tokens_per_s']:,.0f} tokens/s  MFU {100 * ev['mfu']:.2f} %")
+                interval.on_step(ev)
             elif ev["event"] == "checkpoint":
                 progress.console.print(f"checkpoint {ev['path']}")
 

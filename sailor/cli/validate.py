@@ -1,8 +1,9 @@
-"""`sailor validate DIR`: predicted vs measured iteration time and peak memory of measured runs."""
+"""`sailor validate DIR...`: predicted vs measured iteration time and peak memory of measured runs."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -11,42 +12,62 @@ from rich.table import Table
 
 from sailor.cli import app
 from sailor.cli.common import JsonOpt, console
-from sailor.errors import SailorInputError
+from sailor.errors import SailorInputError, note
 from sailor.profiles import load_profiles
-from sailor.validate import ValidationReport, default_data_paths, load_runs, validate
+from sailor.validate import MultiReport, RunSet, ValidationReport, default_data_paths, load_run_set, validate_sets
 
 GIB = 2**30
 
 
 @app.command("validate")
 def validate_command(
-    folder: Path = typer.Argument(..., metavar="DIR", help="Folder of Sailor plan_config JSON files with `real` (s) and"
-                                  " `max_mem` (bytes), e.g. ../shared/reference/sailor/validation/gh200-opt350."),
+    folders: list[Path] = typer.Argument(..., metavar="DIR...", help="Folders of Sailor plan_config JSON files with"
+                                         " `real` (s) and `max_mem` (bytes), e.g."
+                                         " ../shared/reference/sailor/validation/gh200-opt350."),
+    held_out: list[Path] = typer.Option([], "--held-out", metavar="DIR", help="A folder predicted but never fitted"
+                                        " on (repeatable), e.g. .../validation/gh200-gptneo."),
     profiles: Optional[Path] = typer.Option(None, "--profiles", help="Sailor profiles folder (profiles_tmp.json,"
                                             " llm_info.json) or our profile file. Default: DIR/../../profiles."),
     network: Optional[Path] = typer.Option(None, "--network", help="Sailor network folder or our link file."
                                            " Default: DIR/../../network."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model of every run (e.g. opt-350m, OPT-350)."
-                                        " Default: the model the folder name mentions."),
-    fit: bool = typer.Option(False, "--fit", help="Refit the per-GPU-type memory and time constants on these runs and use them."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model of every run (e.g. opt-350m, OPT-350). Default:"
+                                        " the model the folder name mentions, else the one with the runs' layer count."),
+    fit: bool = typer.Option(False, "--fit", help="Refit the per-GPU-type memory and time constants on the folders"
+                             " that are not held out, and use them (default: the shipped constants)."),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Simulate every measured run in DIR and report time and memory errors, with leave-one-out."""
-    runs = load_runs(folder, model)
-    prof_default, net_default = default_data_paths(folder)
+    """Simulate every measured run in each DIR and report time and memory errors, with leave-one-out
+    (per run, on the fitted folders) and leave-one-model-out figures."""
+    sets: list[RunSet] = []
+    for folder in list(folders) + list(held_out):
+        rs = load_run_set(folder, model)
+        if not rs.runs:  # one `error:` line per file, the last one ends the command (exit 2)
+            if not rs.skipped:
+                raise SailorInputError("holds no plan_config JSON file", source=str(folder))
+            for line in rs.skipped[:-1]:
+                print(f"error: {line}", file=sys.stderr)
+            raise SailorInputError(rs.skipped[-1])
+        for line in rs.skipped:
+            note(f"skipped: {line}")
+        if any(s.name == rs.name for s in sets):
+            raise SailorInputError(f"two folders are named {rs.name!r}", source=str(folder), fix="give each set once")
+        sets.append(rs)
+    first = folders[0] if folders else held_out[0]
+    prof_default, net_default = default_data_paths(first)
     prof_path = profiles or prof_default
     if prof_path is None:
-        raise SailorInputError("no profiles next to the folder (DIR/../../profiles)", source=str(folder),
+        raise SailorInputError("no profiles next to the folder (DIR/../../profiles)", source=str(first),
                                fix="pass --profiles PATH")
     net_path = network or net_default
     if net_path is None:
-        raise SailorInputError("no network fits next to the folder (DIR/../../network)", source=str(folder),
+        raise SailorInputError("no network fits next to the folder (DIR/../../network)", source=str(first),
                                fix="pass --network PATH")
-    report = validate(runs, load_profiles(prof_path, runs[0].job), net_path, fit=fit)
+    profs = {s.model: load_profiles(prof_path, s.runs[0].job) for s in sets}
+    report = validate_sets(sets, profs, net_path, held_out={Path(h).name for h in held_out}, fit=fit)
     if as_json:
         print(json.dumps(report.to_dict()))
         return
-    render_report(report, title=f"{runs[0].job.model.name} · {folder}")
+    render_multi(report)
 
 
 def render_report(report: ValidationReport, title: str = "") -> None:
@@ -71,5 +92,21 @@ def render_report(report: ValidationReport, title: str = "") -> None:
     if "loo_memory_mape_pct" in s:
         out.print(f"leave-one-out: time mean {s['loo_time_mape_pct']:.1f} % (max {s['loo_time_max_ape_pct']:.1f} %),"
                   f" memory mean {s['loo_memory_mape_pct']:.1f} % (max {s['loo_memory_max_ape_pct']:.1f} %)")
+
+
+def render_multi(report: MultiReport) -> None:
+    """Each set's table and summary, the leave-one-model-out figures and the constants used."""
+    out = console()
+    for s in report.sets:
+        how = "held out: never fitted" if s.held_out else ("fitted on" if s.name in report.fitted_on else
+                                                           "shipped constants")
+        render_report(s.report, title=f"{s.name} · {s.model} · {how}")
+    for model, rep in report.leave_one_model_out.items():
+        m = rep.summary()
+        out.print(f"leave-one-model-out {model} (constants fitted on the other models' runs): time mean"
+                  f" {m['time_mape_pct']:.1f} % (max {m['time_max_ape_pct']:.1f} %), memory mean"
+                  f" {m['memory_mape_pct']:.1f} % (max {m['memory_max_ape_pct']:.1f} %) over {m['runs']} runs")
+    if not report.leave_one_model_out:
+        out.print("leave-one-model-out: none (needs runs of another model that may be fitted on)")
     for gpu, c in sorted(report.calibration.items()):
         out.print(f"{gpu}: " + ", ".join(f"{k} = {v:.4g}" for k, v in sorted(c.items())))

@@ -23,6 +23,7 @@ calls.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -88,6 +89,10 @@ def plan_job(ctx: SimContext, options: PlanOptions | None = None,
     """
     opts = options or PlanOptions()
     t0 = time.perf_counter()
+    if ctx.memory_margin != opts.memory_margin:
+        # the margin is read through ctx.memory_limit; memoised feasibility depends on it, so the
+        # copy starts a memo of its own (the layer tables it shares do not)
+        ctx = dataclasses.replace(ctx, memory_margin=opts.memory_margin, memo={})
     if ctx.cluster.total_gpus() == 0:
         raise InfeasibleError("the cluster offers no GPUs", field="zones")
     deadline = t0 + opts.time_limit_s if opts.time_limit_s is not None else None
@@ -153,7 +158,8 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
         parts.append(f"at most ${c.max_cost_per_hour:g}/hour")
     # Without constraints the search either succeeds or fails for a reason that is not a constraint
     # (InfeasibleError propagates): no recursion back here.
-    free = dict(search=opts.search, max_stages=opts.max_stages, max_mbs=opts.max_mbs, top_k=1, rescore=1)
+    free = dict(search=opts.search, max_stages=opts.max_stages, max_mbs=opts.max_mbs, top_k=1, rescore=1,
+                memory_margin=opts.memory_margin)
     fastest = plan_job(ctx, PlanOptions(objective=Objective.THROUGHPUT, **free)).estimate
     cheapest = plan_job(ctx, PlanOptions(objective=Objective.COST, **free)).estimate
     return (f"no plan meets {' and '.join(parts)}: the fastest plan reaches"
@@ -173,8 +179,8 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
     as the GPUs of the type allow), naming the option that would make it fit with more GPUs (ZeRO
     over more replicas), or saying that none would."""
     job, cluster, model = ctx.job, ctx.cluster, ctx.job.model
-    largest = max(cluster.gpu_types(), key=lambda x: ctx.memory_capacity(x))
-    cap = ctx.memory_capacity(largest)
+    largest = max(cluster.gpu_types(), key=lambda x: ctx.memory_limit(x))
+    cap = ctx.memory_limit(largest)  # what a plan may fill: capacity less the memory margin
 
     def least(mem: StageMemory, more: int = 1):
         best = None  # (bytes, gpu, tp, P, replicas)
@@ -186,7 +192,7 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
                     have = sum(cluster.available(z, g) for z in cluster.zones) // (tp * P)
                     d = min(job.global_batch_size, max(1, have) * more) if mem.zero else 1
                     need = max(replica_memory(ctx, g, tp, 1, a, b, stage=i, num_stages=P, microbatches=job.global_batch_size,
-                                              memory=mem, replicas=d).total - ctx.memory_capacity(g) + cap
+                                              memory=mem, replicas=d).total - ctx.memory_limit(g) + cap
                                for i, (a, b) in enumerate(even_partition(model.num_layers, P)))
                     if best is None or need < best[0]:
                         best = (need, g, tp, P, d)
@@ -198,7 +204,8 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
     where = f"TP {strongest[2]}, {strongest[3]} stages, micro-batch 1"
     head = (f"{model.name} needs {plain[0] / GB:.1f} GB per GPU at best without memory options and"
             f" {strongest[0] / GB:.1f} GB with full recomputation, SP and ZeRO-3 over {strongest[4]} replicas ({where});"
-            f" the largest GPU offered ({largest}) has {cap / GB:.1f} GB")
+            f" the largest GPU offered ({largest}) has {ctx.memory_capacity(largest) / GB:.1f} GB"
+            + (f" ({cap / GB:.1f} GB usable with the {ctx.memory_margin:.0%} memory margin)" if ctx.memory_margin else ""))
     for more in (2, 4, 8, 16, 64, 256, 1024):
         bigger = least(_SAVINGS[-1][1], more)
         if bigger[4] <= strongest[4]:
@@ -211,7 +218,8 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
 
 def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
     """Some GPU type can hold the model's stages, but the cluster has too few GPUs for the smallest
-    plan: over P and the memory candidates, the fewest GPUs of D pipelines, D the replicas ZeRO needs
+    plan: over P and the memory candidates the search takes (the lightest `opts.memory_per_partition`
+    of the even split's), the fewest GPUs of D pipelines, D the replicas ZeRO needs
     for the options taken (each stage on whatever GPU type and TP holds it with the fewest GPUs at
     that D, micro-batch 1), against the GPUs offered."""
     job, cluster = ctx.job, ctx.cluster
@@ -221,7 +229,7 @@ def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
     best = None  # (GPUs needed, P, D)
     for P in range(1, min(L, opts.max_stages) + 1):
         part = even_partition(L, P)
-        for memory in memory_candidates(ctx, gpus, part, 1, job.global_batch_size, zero_max):
+        for memory in memory_candidates(ctx, gpus, part, 1, job.global_batch_size, zero_max)[: opts.memory_per_partition]:
             stages = [[o for g in gpus for o in stage_options(ctx, g, part, 1, job.global_batch_size, memory)[i]]
                       for i in range(P)]
             if not all(stages):

@@ -7,6 +7,7 @@ plan of the space (the brute-force tests check this in the planner's exact mode)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -16,7 +17,29 @@ from sailor.planner.options import Objective, PlanOptions
 from sailor.planner.space import zero3_needed
 from sailor.models import Recompute
 from sailor.plan import DEFAULT_STAGE_MEMORY
-from sailor.simulator import SimContext, Slot, allreduce_s, stage_sync, time_options
+from sailor.simulator import DEFAULT_TIME, SimContext, Slot, TimeOptions, allreduce_s, stage_sync, time_options
+
+
+def pair_groups(ctx: SimContext, slot: Slot) -> list[list[tuple[Slot, int]]]:
+    """The two-replica member sets a stage's sync is bounded by: on two nodes, and on one node when
+    two replicas fit there (the launcher co-locates them, and the intra-node link is usually the
+    faster; a ring or hierarchical all-reduce over D >= 2 members takes at least half the cheaper
+    of the two, see `lower_bound`)."""
+    out = [[(slot, 2)]]
+    if 2 * slot.tp <= ctx.cluster.node_size(slot.gpu):
+        out.append([(dataclasses.replace(slot, node=f"{slot.zone}/{slot.gpu}/bound"), 2)])
+    return out
+
+
+def pair_sync(ctx: SimContext, slot: Slot, a: int, e: int, sync: TimeOptions = DEFAULT_TIME) -> float:
+    """The cheaper two-replica gradient sync of layers [a, e) under the stage's options `sync`
+    (`pair_groups`), seconds."""
+    return min(stage_sync(ctx, g, a, e, sync)[0] for g in pair_groups(ctx, slot))
+
+
+def pair_allreduce(ctx: SimContext, slot: Slot, nbytes: float, t: int) -> float:
+    """The cheaper two-replica all-reduce of `nbytes` (`pair_groups`), seconds."""
+    return min(allreduce_s(ctx, g, nbytes, t) for g in pair_groups(ctx, slot))
 
 
 def coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) -> tuple[float, float]:
@@ -50,9 +73,7 @@ def coarse_bound(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions) ->
             kinds.append((a, fill, fill / P, work, ctx.cluster.price(z, g)))
             for t in tps:
                 nbytes = t * ctx.stage_params(t, 0, L) / P * grad
-                slot = Slot(zone=z, gpu=g, tp=t)
-                s = allreduce_s(ctx, [(slot, 2)], nbytes, t)
-                sync2 = min(sync2, s)
+                sync2 = min(sync2, pair_allreduce(ctx, Slot(zone=z, gpu=g, tp=t), nbytes, t))
     if not kinds:
         return (float("inf"), float("inf"))
 
@@ -99,7 +120,7 @@ def coarse_estimate(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions)
     sync2 = float("inf")
     for z in zones:
         for g, a in ctx.cluster.zones[z].items():
-            cap_bytes = ctx.memory_capacity(g)
+            cap_bytes = ctx.memory_limit(g)
             for t in model.tp_degrees(ctx.cluster.node_size(g)):
                 n = a // (P * t)
                 if n == 0:
@@ -115,9 +136,8 @@ def coarse_estimate(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions)
                 fill = float(layers.sum()) + 2 * (P - 1) * c
                 per = max(float(layers.sum()) / P, float(layers.max())) + sends * c
                 runs.append((n, fill, per, P * t * ctx.cluster.price(z, g), (g, z)))
-                slot = Slot(zone=z, gpu=g, tp=t)
                 grad = t * ctx.stage_params(t, 0, L) / P * job.state_bytes_per_param["gradients"]
-                sync2 = min(sync2, allreduce_s(ctx, [(slot, 2)], grad, t))
+                sync2 = min(sync2, pair_allreduce(ctx, Slot(zone=z, gpu=g, tp=t), grad, t))
     if not runs:
         return (float("inf"), float("inf"))
     best_t, best_c = float("inf"), float("inf")
@@ -162,22 +182,22 @@ def coarse_estimate(ctx: SimContext, zones, P: int, mbs: int, opts: PlanOptions)
 def sync_floor(ctx, gpu: str, zones, options, partition, memory=None) -> float:
     """Lower bound on the gradient sync of any plan with >= 2 pipelines of `gpu`: per stage, the
     sync between just two replicas (under the stage's memory options) at the most favourable
-    feasible TP degree, in the most favourable zone (more members, mixed TP degrees or other zones
-    only add ring steps, shrink the flow count or slow the links)."""
+    feasible TP degree, in the most favourable zone and placement (`pair_sync`; more members, mixed
+    TP degrees or other zones only add ring steps, shrink the flow count or slow the links)."""
     memory = memory or (DEFAULT_STAGE_MEMORY,) * len(partition)
     best = float("inf")
     for z in zones:
         worst = 0.0
         for opts_i, (a, e), mem in zip(options, partition, memory):
             sync = time_options(mem, 2)
-            worst = max(worst, min(stage_sync(ctx, [(Slot(zone=z, gpu=gpu, tp=o.tp), 2)], a, e, sync)[0] for o in opts_i))
+            worst = max(worst, min(pair_sync(ctx, Slot(zone=z, gpu=gpu, tp=o.tp), a, e, sync) for o in opts_i))
         best = min(best, worst)
     return best
 
 
 def types_sync_floor(ctx, types: list[S.PipelineType], partition) -> float:
     """`sync_floor` for pipeline types whose TP template and memory options are fixed."""
-    return min(max(stage_sync(ctx, [(t.slot(i), 2)], a, e, time_options(t.memory[i], 2))[0]
+    return min(max(pair_sync(ctx, t.slot(i), a, e, time_options(t.memory[i], 2))
                    for i, (a, e) in enumerate(partition)) for t in types)
 
 

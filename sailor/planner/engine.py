@@ -48,7 +48,8 @@ from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanO
 from sailor.planner.pack import Packer, count_vectors
 from sailor.planner.prune import boundary_floors, family_bound, node_bound, node_keys, table_bound
 from sailor.planner.space import Memory, candidate_partitions, mbs_candidates, memory_candidates, zero3_needed
-from sailor.simulator import SimContext, stage_sync, time_options
+from sailor.simulator import SimContext, place, stage_sync, time_options
+from sailor.simulator.collectives import group_members
 
 EXHAUSTIVE_KINDS = 512
 EXHAUSTIVE_COUNTS = 4096
@@ -233,9 +234,13 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
     offered = False
     trade_off = opts.objective is Objective.COST or opts.constraints != Constraints()
 
-    def sync(k: int, D: int) -> float:
-        return max(stage_sync(ctx, [(kinds[k].slot(i), D)], a, e, time_options(fam.memory[i], 2))[0]
-                   for i, (a, e) in enumerate(fam.partition))
+    def sync(k: int, D: int) -> float:  # D pipelines of kind k, placed as the launcher places them
+        key = ("kind-sync", kinds[k].slots, D, fam.partition, fam.memory)
+        if key not in ctx.memo:
+            placed = place([list(kinds[k].slots)] * D, ctx.cluster)
+            ctx.memo[key] = max(stage_sync(ctx, group_members([p[i] for p in placed]), a, e,
+                                           time_options(fam.memory[i], 2))[0] for i, (a, e) in enumerate(fam.partition))
+        return ctx.memo[key]
 
     packer = Packer(kinds, free, fam.M, sync if trade_off else None)
     scorer = S.Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)

@@ -9,17 +9,20 @@ reach; the heuristic mode on large clusters orders and prunes nodes by the large
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 import numpy as np
 
 from sailor.models import Recompute
-from sailor.planner.bounds import smallest_time, zero_sync_share
+from sailor.planner.bounds import pair_groups, pair_sync, smallest_time, zero_sync_share
 from sailor.planner.kinds import Kind, Pool, boundary
 from sailor.planner.options import Objective, PlanOptions
 from sailor.planner.space import even_partition, mbs_candidates, zero3_needed
-from sailor.simulator import DEFAULT_TIME, SimContext, Slot, allreduce_s, optimizer_s, stage_sync, time_options
+from sailor.simulator import (DEFAULT_TIME, SimContext, Slot, allreduce_s, optimizer_s, place, stage_sync,
+                              time_options)
+from sailor.simulator.collectives import group_members
 
 Key = tuple[float, float]
 ESTIMATE_MARGIN = 0.1  # heuristic mode: a node is pruned when its estimate is 10 % above the best plan
@@ -92,20 +95,35 @@ def sync_floor(ctx: SimContext, P: int, pairs: bool) -> float:
     replicas: the heaviest stage holds at least 1/P of the model's parameters, and a ring of D
     replicas takes 2(D-1) steps of 1/D of them — at least half the time two replicas take (also where
     bandwidth varies with message size within 2x). Two replicas of one slot (zone, GPU type, TP) at
-    the most favourable slot; with `pairs` also two replicas of any two different slots."""
+    the most favourable slot; with `pairs` also two replicas of any two different slots; each on two
+    nodes and on one where both fit (`two_replica_groups`)."""
     model, grad = ctx.job.model, ctx.job.state_bytes_per_param["gradients"]
     slots = [Slot(zone=z, gpu=g, tp=t) for z in sorted(ctx.cluster.zones) for g, n in ctx.cluster.zones[z].items()
              if n > 0 for t in model.tp_degrees(ctx.cluster.node_size(g)) if t <= n]
-    groups = [[(s, 2)] for s in slots]
-    if pairs:
-        groups += [sorted([(a, 1), (b, 1)], key=lambda x: (x[0].zone, x[0].gpu, x[0].tp))
-                   for a, b in itertools.combinations(slots, 2)]
+    groups = two_replica_groups(ctx, slots, pairs)
     best = math.inf
     for grp in groups:
         t = min(s.tp for s, _ in grp)
         nbytes = t * ctx.stage_params(t, 0, model.num_layers) / P * grad
         best = min(best, allreduce_s(ctx, grp, nbytes, t))
     return 0.0 if best == math.inf else best / 2
+
+
+def two_replica_groups(ctx: SimContext, slots: list[Slot], pairs: bool) -> list[list[tuple[Slot, int]]]:
+    """The two-replica member sets a stage's gradient sync is bounded by (`sync_floor`,
+    `family_bound`): two replicas of each slot, on two nodes and on one node where two fit
+    (`bounds.pair_groups`: the launcher co-locates replicas, `simulator.place`); with `pairs` also
+    one replica each of two different slots, on two nodes and, when they share a zone and GPU type
+    and fit one node together, on one."""
+    groups = [g for s in slots for g in pair_groups(ctx, s)]
+    if pairs:
+        for a, b in itertools.combinations(slots, 2):
+            x, y = sorted((a, b), key=lambda s: (s.zone, s.gpu, s.tp))
+            groups.append([(x, 1), (y, 1)])
+            if (x.zone, x.gpu) == (y.zone, y.gpu) and x.tp + y.tp <= ctx.cluster.node_size(x.gpu):
+                node = f"{x.zone}/{x.gpu}/bound"
+                groups.append([(dataclasses.replace(x, node=node), 1), (dataclasses.replace(y, node=node), 1)])
+    return groups
 
 
 def node_bound(ctx: SimContext, P: int, mbs: int, opts: PlanOptions, sync_s: float) -> Key:
@@ -168,7 +186,7 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
             # the least the average stage can hold: full recomputation, ZeRO over the n replicas
             act = ctx.act_cumsum(t, mbs, Recompute.FULL)[-1]
             per_param = state["weights"] / (n if zero3 else 1) + (state["gradients"] + state["optimizer"]) / n
-            if (ctx.stage_params(t, 0, L) * per_param + act) / P + ctx.framework_bytes(g) > ctx.memory_capacity(g):
+            if (ctx.stage_params(t, 0, L) * per_param + act) / P + ctx.framework_bytes(g) > ctx.memory_limit(g):
                 continue
             layers = np.diff(ctx.layer_cumsum(g, t, mbs), axis=0).sum(axis=1)
             c = ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t) if P > 1 else 0.0
@@ -203,7 +221,7 @@ def _cheapest_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools
     best = (math.inf, math.inf)
     for r in range(len(n)):
         z, g, _ = pools[int(pool[r])]
-        s2 = stage_sync(ctx, [(Slot(zone=z, gpu=g, tp=int(tp[r])), 2)], *heaviest)[0]
+        s2 = pair_sync(ctx, Slot(zone=z, gpu=g, tp=int(tp[r])), *heaviest)
 
         def time_of(D: int) -> float:
             return fill[r] + (-(-M // D) - 1) * per[r] + (s2 * 2 * (D - 1) / D if D > 1 else 0.0) + opt
@@ -250,11 +268,22 @@ def _uniform_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools,
         need -= take * each
         if need <= 0:
             break
-    groups.sort(key=lambda x: (x[0].zone, x[0].gpu, x[0].tp))
     L = ctx.job.model.num_layers
-    sync = max(stage_sync(ctx, groups, a, e)[0] for a, e in even_partition(L, P)) if D > 1 else 0.0
+    sync = _placed_sync(ctx, groups, even_partition(L, P)) if D > 1 else 0.0
     T = tau + sync + opt
     return _key(opts, T, D * float(usd.min()) * T / 3600.0)
+
+
+def _placed_sync(ctx: SimContext, groups: list[tuple[Slot, int]], partition) -> float:
+    """The slowest stage's gradient sync of uniform pipelines (`count` of each slot on every stage),
+    placed on nodes as the launcher places them (`simulator.place`), as the scorer computes it."""
+    P = len(partition)
+    key = ("placed-sync", tuple(groups), tuple(partition))
+    if key not in ctx.memo:
+        placed = place([[slot] * P for slot, count in groups for _ in range(count)], ctx.cluster)
+        ctx.memo[key] = max(stage_sync(ctx, group_members([pipe[i] for pipe in placed]), a, e)[0]
+                            for i, (a, e) in enumerate(partition))
+    return ctx.memo[key]
 
 
 def family_bound(ctx: SimContext, kinds: list[Kind], free: dict[Pool, int], partition, M: int,
@@ -293,9 +322,7 @@ def family_bound(ctx: SimContext, kinds: list[Kind], free: dict[Pool, int], part
     s2 = 0.0
     for i, (a, e) in enumerate(partition):
         slots = sorted({k.slot(i) for k in kinds}, key=lambda s: (s.zone, s.gpu, s.tp))
-        groups = [[(s, 2)] for s in slots]
-        if pairs:
-            groups += [[(x, 1), (y, 1)] for x, y in itertools.combinations(slots, 2)]
+        groups = two_replica_groups(ctx, slots, pairs)
         sync = time_options(kinds[0].memory[i], 2) if kinds[0].memory else DEFAULT_TIME
         s2 = max(s2, min(stage_sync(ctx, g, a, e, sync)[0] for g in groups))
     many = lo + s2 / 2 + opt

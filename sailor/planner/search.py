@@ -40,10 +40,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
-from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_sync, tied_sync, time_options
+from sailor.simulator import (SimContext, Slot, optimizer_s, pipeline_arrays, place, stage_sync, tied_sync,
+                              time_options)
 from sailor.simulator.schedule import closed_form_1f1b
 
 EXHAUSTIVE_COUNTS = 4096
@@ -239,26 +241,64 @@ class Scorer:
 
     def sync(self, counts: tuple[int, ...]) -> tuple[float, float]:
         """(tied + slowest stage gradient sync seconds, egress $ per iteration) for these counts, as
-        `simulate` computes them (`tied_sync`, `stage_sync` with the stages' options at D)."""
+        `simulate` computes them (`tied_sync`, `stage_sync` with the stages' options at D) on the
+        plan `finalists.plan_from_kinds` makes: pipelines in kind order, placed on nodes as the launcher
+        places them (`place`), so replicas that share a node reduce over the intra-node link."""
         if counts not in self._sync:
             P = len(self.partition)
-            used = [(t, n) for t, n in zip(self.types, counts) if n]
+            placed = self._placed(counts)
             tied, usd = 0.0, 0.0
-            for t, n in used:
-                s, _, u = tied_sync(self.ctx, t.slot(0), t.slot(P - 1), P)
+            for (first, last), n in Counter((pipe[0], pipe[-1]) for pipe in placed).items():
+                s, _, u = tied_sync(self.ctx, first, last, P)
                 tied = max(tied, s)
                 usd += n * u
             worst = 0.0
             for i, (a, e) in enumerate(self.partition):
-                groups: dict = {}
-                for t, n in used:
-                    groups[t.slot(i)] = groups.get(t.slot(i), 0) + n
-                ordered = sorted(groups.items(), key=lambda g: (g[0].zone, g[0].gpu, g[0].tp))
-                s, _, u = stage_sync(self.ctx, ordered, a, e, self._sync_options[i])
+                groups = sorted(self._stage_members(counts, placed, i).items(),
+                                key=lambda g: (g[0].zone, g[0].node or "", g[0].gpu, g[0].tp))
+                s, _, u = stage_sync(self.ctx, groups, a, e, self._sync_options[i])
                 worst = max(worst, s)
                 usd += u
             self._sync[counts] = (tied + worst, usd)
         return self._sync[counts]
+
+    def _slots(self, t) -> tuple[Slot, ...]:
+        """The slots of one pipeline of kind `t`, stage by stage."""
+        return tuple(t.slot(i) for i in range(len(self.partition)))
+
+    def _alone(self, used) -> bool:
+        """True when no two used kinds share a (zone, GPU type) pool: the launcher fills each pool's
+        nodes separately, so each kind's pipelines are then placed as if alone."""
+        pools = [{(s.zone, s.gpu) for s in self._slots(t)} for t, _ in used]
+        return sum(map(len, pools)) == len(set().union(*pools))
+
+    def _stage_members(self, counts: tuple[int, ...], placed: list[list[Slot]], i: int) -> Counter:
+        """Stage i's placed replicas and how many of each: summed per kind from memoised counts
+        when kinds are placed alone (`_placed`), else counted on `placed`."""
+        used = [(t, n) for t, n in zip(self.types, counts) if n]
+        if not self._alone(used):
+            return Counter(pipe[i] for pipe in placed)
+        total: Counter = Counter()
+        for t, n in used:
+            key = ("placed-stage", self._slots(t), n, i)
+            if key not in self.ctx.memo:
+                self.ctx.memo[key] = Counter(pipe[i] for pipe in self.ctx.memo[("placed", self._slots(t), n)])
+            total.update(self.ctx.memo[key])
+        return total
+
+    def _placed(self, counts: tuple[int, ...]) -> list[list[Slot]]:
+        """The pipelines of `counts` in kind order, placed on nodes (`simulator.place`). Kinds that
+        share no pool with another used kind are placed alone (memoised per kind and count)."""
+        used = [(t, n) for t, n in zip(self.types, counts) if n]
+        if not self._alone(used):
+            return place([list(self._slots(t)) for t, n in used for _ in range(n)], self.ctx.cluster)
+        out: list[list[Slot]] = []
+        for t, n in used:
+            key = ("placed", self._slots(t), n)
+            if key not in self.ctx.memo:
+                self.ctx.memo[key] = place([list(self._slots(t))] * n, self.ctx.cluster)
+            out += self.ctx.memo[key]
+        return out
 
     def score(self, counts: tuple[int, ...]) -> "Candidate | None":
         """The candidate of these counts (None when its pipelines outnumber the micro-batches, when

@@ -164,7 +164,8 @@ def min_replicas(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, *
     """Fewest data-parallel replicas D (at most `replica_cap`) with which a replica of stage [a, b)
     fits in memory under `memory`; None when it never does. Memory is A + B/D with B the states the
     ZeRO level shards (`simulator.memory.state_bytes`) and A the rest (plus, under ZeRO-3, the
-    gathered weights of the largest layer), so D = ceil(B / (capacity - A))."""
+    gathered weights of the largest layer), so D = ceil(B / (limit - A)), limit = the memory a plan
+    may fill (`SimContext.memory_limit`: capacity less the memory margin)."""
     key = ("min_replicas", gpu, tp, mbs, a, b, stage, num_stages, microbatches, memory.recompute,
            memory.recompute_blocks, memory.sequence_parallel, memory.zero)
     if key in ctx.memo:
@@ -174,7 +175,7 @@ def min_replicas(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, *
         ctx.memo[one_key] = replica_memory(ctx, gpu, tp, mbs, a, b, stage=stage, num_stages=num_stages,
                                            microbatches=microbatches, memory=memory, replicas=1)
     one = ctx.memo[one_key]
-    cap, top = ctx.memory_capacity(gpu), replica_cap(ctx, gpu, tp, microbatches)
+    cap, top = ctx.memory_limit(gpu), replica_cap(ctx, gpu, tp, microbatches)  # within the memory margin
     if one.total <= cap:
         d = 1
     elif memory.zero == 0 or top == 1:

@@ -202,7 +202,7 @@ def memory_figure(est: Estimate, base: Path) -> list[Path]:
     bars.sort(key=lambda rs: (rs[0].stage, rs[0].gpu, rs[0].tp))
     parts = [("weights", lambda m: m.weights), ("gradients", lambda m: m.gradients),
              ("optimizer states", lambda m: m.optimizer), ("activations", lambda m: m.activations),
-             ("buffers & reserve", lambda m: m.buffers + m.reserve), ("framework", lambda m: m.framework)]
+             ("buffers & reserve", lambda m: m.buffers + m.reserve + m.sync_buffer), ("framework", lambda m: m.framework)]
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(bars)))
     y = np.arange(len(bars))
     left = np.zeros(len(bars))

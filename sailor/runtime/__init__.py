@@ -6,13 +6,15 @@ Modules, one concept each, applied in this order by `worker`:
 - `model`: a plain single-device GPT as the layer list (embedding, blocks, head), canonical names.
 - `pipeline.build_stage`: keep one stage's layers; `tensor_parallel.apply_tp`: shard them (and
   sequence parallelism); `recompute.apply_recompute`: activation recomputation.
-- `worker.materialize`: seeded full weights (or a checkpoint's), sharded for the TP rank.
+- `worker.materialize`: seeded full weights (or a checkpoint's), sharded for the TP rank;
+  `hf_weights`: Hugging Face safetensors in (per stage and TP shard) and out (`sailor export`).
 - `zero.ShardedAdamW`: AdamW with ZeRO-0..3 over `buckets` (which ranks sum, shard and update which
-  elements: the sample-weighted gradient sum), global-norm clipping, mixed precision; `optim`: its
-  settings.
+  elements: the sample-weighted gradient sum), global-norm clipping, mixed precision; `tied`: which
+  ranks add which elements of a tied embedding's two copies; `optim`: its settings.
 - `pipeline.run_pipeline`: the 1F1B schedule; `executor`: one stage's layers for one micro-batch,
   with the optimizer's layer hooks (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters) and activation metering.
-- `data`: deterministic byte-token samples; `checkpoint`: plan-independent, atomic, checksummed.
+- `data`: deterministic samples of byte tokens or memory-mapped token files (`tokens`, made by
+  `dataprep`); `checkpoint`: plan-independent, atomic, checksummed; `metrics`: MFU, TensorBoard.
 - `launcher`: validation and torchrun; `reference`: the single-process loop every plan must match.
 Importing this package does not import torch.
 """

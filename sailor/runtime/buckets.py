@@ -28,7 +28,7 @@ every rank, so the collectives of any two ranks in a group come in the same orde
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +115,35 @@ def build_buckets(params: Mapping[str, nn.Parameter], role: RankRole, *, zero: i
         out.append(Bucket(layer=layer, ranks=ranks, pieces=tuple(ps), numel=sum(x.numel for x in ps),
                           decay_numel=sum(x.numel for x in ps if x.decay), shards=shards,
                           index=ranks.index(me) if shards > 1 else 0))
+    return out
+
+
+@dataclass(frozen=True)
+class Held:
+    """Elements [lo, hi) of a parameter, in its full (unsharded) tensor's row-major order, that a rank
+    holds after the gradient reduction: at shard-local offset `at` of its bucket number `bucket`."""
+
+    lo: int
+    hi: int
+    bucket: int
+    at: int
+
+
+def held_elements(buckets: Sequence[Bucket], name: str, *, first_row: int, row_numel: int) -> list[Held]:
+    """Where the owned elements of parameter `name` lie in `buckets` (one rank's), for a parameter
+    TP-sharded along dim 0 or not at all: `first_row` is the full tensor's row of this rank's shard row
+    0 (TP rank x local rows; 0 unsharded), `row_numel` the elements of one row. Under ZeRO-0 a rank
+    owns all it holds."""
+    out = []
+    for i, b in enumerate(buckets):
+        offset = 0
+        for piece in b.pieces:
+            lo, hi = max(offset, b.lo), min(offset + piece.numel, b.hi)
+            if piece.name == name and lo < hi:
+                assert piece.dim in (None, 0), piece
+                base = (first_row + piece.start) * row_numel - offset  # full index of flat offset 0
+                out.append(Held(lo + base, hi + base, i, lo - b.lo))
+            offset += piece.numel
     return out
 
 

@@ -39,9 +39,11 @@ from sailor import catalog
 from sailor.errors import SailorInputError
 from sailor.fileio import check_output_path
 from sailor.limits import MAX_SECONDS, max_local_processes
+from sailor.models import ModelSpec
 from sailor.plan import Plan, RankInfo, load_plan, rank_layout
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import check_corpus, load_corpus
+from sailor.runtime.metrics import StepMetrics, check_tensorboard
 from sailor.runtime.validate import check_plan_for_job
 from sailor.specs import JobSpec, load_job
 
@@ -79,6 +81,8 @@ class TrainOptions:
     data: str | None = None
     stop_file: str | None = None
     timeout_s: float = 300.0
+    init_from: str | None = None  # Hugging Face model folder whose weights start the run
+    tensorboard: str | None = None  # folder for TensorBoard event files
 
 
 @dataclass(frozen=True)
@@ -166,9 +170,16 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         if found.path is None:
             notes.append(f"no verified checkpoint in {options.checkpoint_dir}; starting from step 0")
         else:
-            ckpt.check_compatible(found.manifest, ckpt.run_meta(job, options.seed), source=str(found.path))
+            ckpt.check_compatible(_current_model_fields(found.manifest), ckpt.run_meta(job, options.seed),
+                                  source=str(found.path))
             resume_from, resume_step = found.path, int(found.manifest["step"])
             notes.append(f"resuming from {found.path} (step {resume_step})")
+    if options.init_from and resume_from is not None:
+        notes.append(f"--init-from {options.init_from} not read: the checkpoint holds the weights")
+    elif options.init_from:
+        from sailor.runtime.hf_weights import check_init_from
+
+        check_init_from(options.init_from, job.model)  # names, shapes and dtypes, before any process starts
     ranks = rank_layout(plan, {r.gpu: plan.world_size for p in plan.pipelines for r in p.replicas})
     return Prepared(options, plan, job, ranks, resume_from, resume_step, tuple(notes))
 
@@ -176,7 +187,7 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
 def check_train_options(options: TrainOptions) -> None:
     """Raise SailorInputError for options no run can use: --steps < 1, a --timeout-s that is not a
     positive, finite number of seconds (at most limits.MAX_SECONDS), or an output path that cannot
-    be written (checked before any work)."""
+    be written (checked before any work), or --tensorboard without the tensorboard package."""
     if options.steps < 1:
         raise SailorInputError(f"must be >= 1, got {options.steps}", source="--steps")
     t = options.timeout_s
@@ -184,6 +195,18 @@ def check_train_options(options: TrainOptions) -> None:
         raise SailorInputError(f"must be a number of seconds > 0 and <= {MAX_SECONDS:g}, got {t}", source="--timeout-s")
     check_output_path(options.checkpoint_dir, "--checkpoint-dir", folder=True)
     check_output_path(options.metrics, "--metrics")
+    check_output_path(options.tensorboard, "--tensorboard", folder=True)
+    check_tensorboard(options.tensorboard)
+
+
+def _current_model_fields(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with its model spec re-read, so that ModelSpec fields added since it was written
+    (with defaults that keep the model the same) do not make it look like another model."""
+    try:
+        model = ModelSpec.model_validate(manifest.get("model")).model_dump(mode="json")
+    except ValueError:
+        return manifest  # not a spec we can read: check_compatible reports the difference
+    return {**manifest, "model": model}
 
 
 def worker_args(prep: Prepared, stop_file: str) -> list[str]:
@@ -193,7 +216,7 @@ def worker_args(prep: Prepared, stop_file: str) -> list[str]:
     args = ["-m", "sailor.runtime.worker", "--plan", str(Path(o.plan).resolve()), "--steps", str(o.steps),
             "--seed", str(o.seed), "--device", o.device, "--timeout-s", str(o.timeout_s), "--stop-file", stop_file]
     for flag, value in (("--job", o.job), ("--data", o.data), ("--checkpoint-dir", o.checkpoint_dir),
-                        ("--resume-from", prep.resume_from)):
+                        ("--resume-from", prep.resume_from), ("--init-from", o.init_from)):
         if value:
             args += [flag, str(Path(value).resolve())]
     if o.checkpoint_every:
@@ -226,7 +249,8 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
         abort: once set, every process is killed at once (status FAILED, "aborted").
     Returns:
         TrainResult (`failed_process`: index of the command that failed first). The step events of
-        rank 0 are appended to `options.metrics` as they arrive.
+        rank 0 get their MFU (`metrics.StepMetrics`), are appended to `options.metrics` as they
+        arrive and, with `options.tensorboard`, written as TensorBoard scalars.
 
     When one process fails, the others get FAIL_GRACE_S to end on their own (their ranks notice the
     lost peer and say so, which tells the root cause from its victims); then every process group is
@@ -239,6 +263,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
         argvs = [[*EXEC, *c] for c in commands] if commands else [worker_command(prep, stop_file)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         result = TrainResult(ExitStatus.FAILED, "")
+        step_metrics = StepMetrics(prep.plan, prep.job, o.tensorboard)
         lock = threading.Lock()
         signals = {"count": 0}
         ended: list[float] = []  # when rank 0 reported the run's end
@@ -256,6 +281,8 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
             with contextlib.suppress(ValueError):
                 ev = json.loads(line[len(EVENT_PREFIX):])
                 with lock:
+                    if ev.get("event") == "step":
+                        step_metrics.on_step(ev)
                     result.events.append(ev)
                     if ev.get("event") == "step" and o.metrics:
                         with open(o.metrics, "a") as f:
@@ -298,6 +325,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
             _kill_groups(procs)
             for t in readers:
                 t.join(timeout=5)
+            step_metrics.close()
         # The failure report of the process that failed first comes first (its root cause).
         first = next((i for i in order if procs[i].returncode), None)
         order += [i for i in range(len(procs)) if i not in order]

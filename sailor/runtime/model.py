@@ -25,43 +25,67 @@ from torch import nn
 from sailor.models import ModelSpec
 
 INIT_STD = 0.02  # GPT-2 initialisation (Radford et al. 2019); residual projections scaled by 1/sqrt(2N)
-ROPE_THETA = 10000.0  # RoFormer (Su et al. 2021) base; ModelSpec does not carry a per-model theta
 
 
 def runtime_vocab(spec: ModelSpec) -> int:
     """The one padded vocabulary of the runtime: a multiple of 128, so every power-of-two TP degree
-    up to 128 divides it and the model is the same under every plan."""
+    up to 128 divides it and the model is the same under every plan. Rows past `spec.vocab_size`
+    are padding: the head drops their logits, so no token id ever reaches them."""
     return spec.padded_vocab(1)
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
-    return nn.RMSNorm(spec.hidden_size) if spec.rms_norm else nn.LayerNorm(spec.hidden_size)
+    cls = nn.RMSNorm if spec.rms_norm else nn.LayerNorm
+    return cls(spec.hidden_size) if spec.norm_eps is None else cls(spec.hidden_size, eps=spec.norm_eps)
+
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
 
 
 class Embedding(nn.Module):
-    """Layer 0: token embedding plus, for learned positions, a position table."""
+    """Layer 0: token embedding plus, for learned positions, a position table (position t reads row
+    t + `position_offset`, as OPT's table does)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.tok = nn.Embedding(runtime_vocab(spec), spec.hidden_size)
-        self.pos = nn.Embedding(spec.max_sequence_length, spec.hidden_size) if spec.learned_positions else None
+        self.pos = nn.Embedding(spec.position_rows, spec.hidden_size) if spec.learned_positions else None
+        self.offset = spec.position_offset
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) int64 token ids -> (B, T, h)."""
         x = self.tok(tokens)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device) + self.offset)
         return x
 
 
-def _rope(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of (B, heads, T, hd), rotating halves of the head dimension."""
-    T, hd = x.shape[-2], x.shape[-1]
-    inv = 1.0 / ROPE_THETA ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
-    ang = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv)  # (T, hd/2)
+def rope_inv_freq(spec: ModelSpec, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies θ^(-2i/d) for i < d/2, d = `spec.rotary_dim` (RoFormer, Su et al.
+    2021), rescaled by `spec.rope_scaling` (see `sailor.models.RopeScaling`): (d/2,) fp32."""
+    d = spec.rotary_dim
+    inv = 1.0 / spec.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    sc = spec.rope_scaling
+    if sc is None:
+        return inv
+    if sc.kind == "linear":
+        return inv / sc.factor
+    # llama3 (Meta's Llama 3.1 `apply_scaling`): keep short wavelengths, divide long ones by the
+    # factor, and blend linearly in wavelength's inverse between the two thresholds.
+    wavelen = 2 * math.pi / inv
+    old = sc.original_max_position_embeddings
+    smooth = ((old / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv / sc.factor + smooth * inv
+
+
+def _rope(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of (B, heads, T, hd): the first 2·len(inv) dimensions rotate as
+    two halves (GPT-NeoX / Llama layout), the rest pass through."""
+    T, d = x.shape[-2], 2 * inv.shape[0]
+    ang = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv)  # (T, d/2)
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    x1, x2, rest = x[..., : d // 2], x[..., d // 2: d], x[..., d:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
 
 
 class Attention(nn.Module):
@@ -71,11 +95,12 @@ class Attention(nn.Module):
         super().__init__()
         h, hd = spec.hidden_size, spec.head_dim
         self.head_dim = hd
-        self.rotary = not spec.learned_positions
-        self.q = nn.Linear(h, spec.num_heads * hd, bias=spec.bias)
-        self.k = nn.Linear(h, spec.kv_heads * hd, bias=spec.bias)
-        self.v = nn.Linear(h, spec.kv_heads * hd, bias=spec.bias)
-        self.o = nn.Linear(spec.num_heads * hd, h, bias=spec.bias)
+        self.spec = spec if not spec.learned_positions else None  # rotary settings
+        self._inv: dict[torch.device, torch.Tensor] = {}
+        self.q = nn.Linear(h, spec.num_heads * hd, bias=spec.has_qkv_bias)
+        self.k = nn.Linear(h, spec.kv_heads * hd, bias=spec.has_qkv_bias)
+        self.v = nn.Linear(h, spec.kv_heads * hd, bias=spec.has_qkv_bias)
+        self.o = nn.Linear(spec.num_heads * hd, h, bias=spec.has_out_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, h) -> (B, T, h). Sizes are read from the projections' outputs, not from `x`: under
@@ -89,10 +114,13 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention core (what selective recomputation recomputes): rotary embedding, KV-head
-        repetition and causal SDPA. (B, nh, T, hd), (B, nkv, T, hd) x 2 -> (B, nh, T, hd)."""
-        if self.rotary:
-            q, k = _rope(q), _rope(k)
+        """The attention core (what selective recomputation recomputes): rotary embedding (the
+        spec's base, scaling and rotary fraction), KV-head repetition and causal SDPA.
+        (B, nh, T, hd), (B, nkv, T, hd) x 2 -> (B, nh, T, hd)."""
+        if self.spec is not None:
+            if q.device not in self._inv:  # computed on first use: the module is built on `meta`
+                self._inv[q.device] = rope_inv_freq(self.spec, q.device)
+            q, k = _rope(q, self._inv[q.device]), _rope(k, self._inv[q.device])
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -100,52 +128,60 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU MLP (fc1, fc2), or SwiGLU (gate, up, down) for gated models."""
+    """Two-matrix MLP (fc1, act, fc2), or gated (down(act(gate(x)) * up(x)), SwiGLU with silu)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        h, f = spec.hidden_size, spec.ffn
+        h, f, bias = spec.hidden_size, spec.ffn, spec.has_mlp_bias
         self.gated = spec.gated_mlp
+        self.act = _ACTIVATIONS[spec.act]
         if self.gated:
-            self.gate = nn.Linear(h, f, bias=spec.bias)
-            self.up = nn.Linear(h, f, bias=spec.bias)
-            self.down = nn.Linear(f, h, bias=spec.bias)
+            self.gate = nn.Linear(h, f, bias=bias)
+            self.up = nn.Linear(h, f, bias=bias)
+            self.down = nn.Linear(f, h, bias=bias)
         else:
-            self.fc1 = nn.Linear(h, f, bias=spec.bias)
-            self.fc2 = nn.Linear(f, h, bias=spec.bias)
+            self.fc1 = nn.Linear(h, f, bias=bias)
+            self.fc2 = nn.Linear(f, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, h) -> (B, T, h)."""
         if self.gated:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.fc2(F.gelu(self.fc1(x)))
+            return self.down(self.act(self.gate(x)) * self.up(x))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+    """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)); with a parallel
+    residual (GPT-NeoX) both branches read x: x + attn(norm1(x)) + mlp(norm2(x))."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.norm1, self.attn = _norm(spec), Attention(spec)
         self.norm2, self.mlp = _norm(spec), MLP(spec)
+        self.parallel = spec.parallel_residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, h) -> (B, T, h)."""
+        if self.parallel:
+            return x + self.attn(self.norm1(x)) + self.mlp(self.norm2(x))
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
 class Head(nn.Module):
-    """Last layer: final norm and LM head (untied). Returns logits; `lm_loss` turns them into the loss."""
+    """Last layer: final norm and LM head. Returns the logits of the real vocabulary (padding rows
+    dropped); `lm_loss_sum` turns them into the loss. A tied head is a copy of the embedding whose
+    gradient is summed with the embedding's (`sailor.runtime.tied`)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.norm = _norm(spec)
         self.lm = nn.Linear(spec.hidden_size, runtime_vocab(spec), bias=False)
+        self.vocab = spec.vocab_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, h) -> (B, T, V) logits."""
-        return self.lm(self.norm(x))
+        """(B, T, h) -> (B, T, vocab_size) logits."""
+        return self.lm(self.norm(x))[..., : self.vocab]
 
 
 class GPT(nn.Module):
@@ -195,10 +231,34 @@ def init_param(name: str, shape: tuple[int, ...], *, seed: int, num_blocks: int)
     return torch.randn(shape, generator=g) * std
 
 
+EMBEDDING_WEIGHT = "layers.0.tok.weight"
+
+
+def tied_head(spec: ModelSpec) -> str | None:
+    """Canonical name of the LM head when it is tied to the embedding (`ModelSpec.tied_embeddings`)."""
+    return f"layers.{spec.num_layers - 1}.lm.weight" if spec.tied_embeddings else None
+
+
+def initial_value(spec: ModelSpec, name: str, shape: tuple[int, ...], *, seed: int) -> torch.Tensor:
+    """`init_param` for `spec`'s parameter `name`; a tied LM head starts as the embedding's value."""
+    if name == tied_head(spec):
+        name = EMBEDDING_WEIGHT
+    return init_param(name, shape, seed=seed, num_blocks=spec.num_blocks)
+
+
 def init_full_model(spec: ModelSpec, seed: int) -> GPT:
-    """A whole GPT on CPU with its canonical initial weights (the single-process reference)."""
+    """A whole GPT on CPU with its canonical initial weights (the single-process reference). A tied
+    model shares one Parameter between embedding and LM head, as Hugging Face does."""
     model = GPT(spec)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(init_param(name, tuple(p.shape), seed=seed, num_blocks=spec.num_blocks))
+            p.copy_(initial_value(spec, name, tuple(p.shape), seed=seed))
+    return share_tied(model)
+
+
+def share_tied(model: GPT) -> GPT:
+    """For a whole tied model: make the LM head use the embedding's Parameter (one matrix, as Hugging
+    Face ties it), so autograd sums both gradients; returns the model."""
+    if model.spec.tied_embeddings:
+        model.layers[str(model.spec.num_layers - 1)].lm.weight = model.layers["0"].tok.weight
     return model

@@ -9,9 +9,10 @@ Each point is the median of `repeats` timed rounds after `warmup` untimed ones. 
 time(x) = α + x / β is fitted by least squares on relative error (each row divided by its measured
 time, so 1 KiB and 64 MiB count alike), α clipped at 0.
 
-The file holds a `links` entry (zone, GPU type) -> itself per measured flow count, and the same
-α–β as the `same_zone` and `same_node` classes, so `network_for(local_cluster(...), file)` uses it
-for every pair of local processes. The all-reduce sweep and its fit are kept under `allreduce`
+The file holds a `links` entry (zone, GPU type) -> itself per measured flow count, marked
+`same_node` (the processes share this machine), and the one-flow α–β as the `same_zone` and
+`same_node` classes, so `network_for(local_cluster(...), file)` uses it for every pair of local
+processes. The all-reduce sweep and its fit are kept under `allreduce`
 (with the bus bandwidth 2(N-1)/N · x / t), for comparison with the simulator's ring model.
 """
 
@@ -154,7 +155,7 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
         # β is per flow here; the file gives the aggregate bandwidth of `flows` concurrent flows.
         fits[int(flows)] = (alpha, beta)
         links.append({"src_zone": zone, "src_gpu": gpu, "dst_zone": zone, "dst_gpu": gpu, "flows": int(flows),
-                      "latency_s": alpha, "bandwidth_bytes_per_s": beta * int(flows)})
+                      "latency_s": alpha, "bandwidth_bytes_per_s": beta * int(flows), "same_node": True})
     alpha1, beta1 = fits[1]
     bus = [2 * (nproc - 1) / nproc * x for x in sizes_bytes]
     ar_alpha, ar_beta = fit_alpha_beta(bus, res["allreduce"])

@@ -11,19 +11,21 @@ import numpy as np
 import torch
 
 from sailor.runtime.data import batch_tokens
+from sailor.runtime.tokens import TokenFile
 from sailor.runtime.model import GPT, init_full_model, lm_loss_sum
 from sailor.runtime.optim import OptimConfig, build_optimizer
 from sailor.specs import JobSpec
 
 
-def train_reference(job: JobSpec, *, steps: int, seed: int, corpus: np.ndarray,
-                    cfg: OptimConfig = OptimConfig()) -> tuple[list[float], GPT]:
-    """Train `job.model` for `steps` steps from its seeded initial weights on CPU in fp32.
+def train_reference(job: JobSpec, *, steps: int, seed: int, corpus: np.ndarray | TokenFile,
+                    cfg: OptimConfig = OptimConfig(), model: GPT | None = None) -> tuple[list[float], GPT]:
+    """Train `job.model` for `steps` steps from its seeded initial weights (or from `model`, e.g.
+    `hf_weights.load_full_model`, trained in place) on CPU in fp32.
 
     Returns the loss of each step (mean next-token cross-entropy over the global batch, nats) and the
     trained model (canonical parameter names).
     """
-    model = init_full_model(job.model, seed)
+    model = init_full_model(job.model, seed) if model is None else model
     params = dict(model.named_parameters())
     opt = build_optimizer(params, cfg)
     losses = []

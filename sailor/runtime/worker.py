@@ -5,14 +5,16 @@ this stage's memory options `mem = plan.stage_memory(stage)`, the runtime's one 
 1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups.
 2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers) -> `apply_tp` (with
    `mem.sequence_parallel`) -> `apply_recompute` (`mem.recompute`, `mem.recompute_blocks`).
-3. `materialize`: every parameter's full fp32 value (seeded init, or checkpoint) sharded for this TP rank.
-4. `ShardedAdamW` (`mem.zero`, the compute dtype): takes the parameters over (fp32 master where
-   needed, weights cast to bf16 under mixed precision, freed under ZeRO-3); Adam moments restored
-   from the checkpoint when resuming.
+3. `materialize`: every parameter's full fp32 value (seeded init, or checkpoint) sharded for this TP
+   rank; or `hf_weights.materialize_hf` (--init-from): each shard read from Hugging Face safetensors.
+4. `ShardedAdamW` (`mem.zero`, the compute dtype, the tied embedding's transfers `tied.tied_for_rank`):
+   takes the parameters over (fp32 master where needed, weights cast to bf16 under mixed precision,
+   freed under ZeRO-3); Adam moments restored from the checkpoint when resuming.
 5. `StageExecutor` (the optimizer's layer hooks around each layer); `P2P` in the compute dtype.
 Each step: stop check (all ranks agree) -> 1F1B over this pipeline's micro-batches (under ZeRO-2/3 as
-many rounds as the largest share) -> `reduce` (sample-weighted SUM) -> global-norm clipping -> AdamW
--> metrics (loss, timings) to rank 0.
+many rounds as the largest share) -> `reduce` (sample-weighted SUM, then the tied embedding's and LM
+head's gradients added to each other) -> global-norm clipping -> AdamW -> metrics (loss, timings) to
+rank 0.
 
 Rank 0 reports to the launcher with single stdout lines `SAILOR_EVENT <json>`: {"event": "started"}
 once the process groups are up, {"event": "loaded", "step"} once the weights are in place,
@@ -51,11 +53,12 @@ from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.groups import create_groups
-from sailor.runtime.model import GPT, init_param, lm_loss_sum
+from sailor.runtime.model import GPT, initial_value, lm_loss_sum
 from sailor.runtime.optim import OptimConfig
 from sailor.runtime.pipeline import P2P, build_stage, run_pipeline
 from sailor.runtime.recompute import apply_recompute
-from sailor.runtime.tensor_parallel import apply_tp, shard, shard_dim
+from sailor.runtime.tensor_parallel import apply_tp, materialize_shards, shard, shard_dim
+from sailor.runtime.tied import tied_for_rank
 from sailor.runtime.topology import RankRole, derive_topology
 from sailor.runtime.validate import check_plan_for_job
 from sailor.runtime.zero import ShardedAdamW, compute_dtype
@@ -84,17 +87,8 @@ def _die_with_parent() -> None:
 def materialize(stage: nn.Module, full_value, *, tp_rank: int, tp: int, device: torch.device) -> None:
     """Allocate `stage`'s (meta) parameters on `device` and fill each with TP rank `tp_rank`'s shard
     of `full_value(name, full_shape)`, the parameter's full tensor."""
-    shapes = {}
-    for name, p in stage.named_parameters():
-        dim = shard_dim(name)
-        full = list(p.shape)
-        if dim is not None:
-            full[dim] *= tp
-        shapes[name] = tuple(full)
-    stage.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in stage.named_parameters():
-            p.copy_(shard(full_value(name, shapes[name]), shard_dim(name), tp_rank, tp))
+    materialize_shards(stage, lambda name, dim, full: shard(full_value(name, full), dim, tp_rank, tp), tp=tp,
+                       device=device)
 
 
 def _barrier(device: torch.device) -> None:
@@ -163,10 +157,12 @@ def stage_names(spec: ModelSpec, role: RankRole) -> list[str]:
 
 
 def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device: torch.device, seed: int,
-               tensors: dict[str, dict] | None = None, step: int = 0, dtype: torch.dtype | None = None) -> RankModel:
+               tensors: dict[str, dict] | None = None, init_from: str | None = None, step: int = 0,
+               dtype: torch.dtype | None = None) -> RankModel:
     """Steps 2-5 of the order of construction (module docstring) for this rank's stage. `tensors`:
-    a checkpoint's full tensors by name (None: the seeded initial weights); `dtype` overrides the
-    compute dtype of `job.precision` on `device` (tests run bf16 on CPU with it)."""
+    a checkpoint's full tensors by name; else `init_from`, a Hugging Face model folder; else the
+    seeded initial weights. `dtype` overrides the compute dtype of `job.precision` on `device`
+    (tests run bf16 on CPU with it)."""
     spec, mem = job.model, plan.stage_memory(role.stage)
     with torch.device("meta"):
         stage = GPT(spec)
@@ -176,12 +172,16 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     apply_recompute(stage, mem)
     if tensors is not None:
         materialize(stage, lambda n, s: tensors[n]["param"], tp_rank=role.tp_rank, tp=role.tp, device=device)
+    elif init_from is not None:
+        from sailor.runtime.hf_weights import HFWeights, materialize_hf  # safetensors: only when asked for
+        materialize_hf(stage, HFWeights(init_from, spec), tp_rank=role.tp_rank, tp=role.tp, device=device)
     else:
-        materialize(stage, lambda n, s: init_param(n, s, seed=seed, num_blocks=spec.num_blocks),
-                    tp_rank=role.tp_rank, tp=role.tp, device=device)
+        materialize(stage, lambda n, s: initial_value(spec, n, s, seed=seed), tp_rank=role.tp_rank, tp=role.tp,
+                    device=device)
     dtype = dtype or compute_dtype(job.precision, device)
+    tied = tied_for_rank(spec, plan, derive_topology(plan), role.rank)
     opt = ShardedAdamW(dict(stage.named_parameters()), role, groups, zero=mem.zero,
-                       sequence_parallel=mem.sequence_parallel, cfg=OptimConfig(), dtype=dtype)
+                       sequence_parallel=mem.sequence_parallel, cfg=OptimConfig(), dtype=dtype, tied=tied)
     if tensors is not None:
         restore_moments(opt, tensors, step, role)
     rounds = max(p.microbatches for p in plan.pipelines) if mem.zero >= 2 else role.microbatches
@@ -196,6 +196,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--data")
+    ap.add_argument("--init-from", help="Hugging Face model folder to start from (safetensors)")
     ap.add_argument("--checkpoint-dir")
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--resume-from")
@@ -234,7 +235,8 @@ def train(args: argparse.Namespace) -> None:
         manifest = ckpt.read_manifest(args.resume_from)
         start = manifest["step"]
         tensors = ckpt.load_tensors(args.resume_from, manifest, stage_names(spec, role))
-    rk = build_rank(plan, job, role, groups, device=device, seed=args.seed, tensors=tensors, step=start)
+    rk = build_rank(plan, job, role, groups, device=device, seed=args.seed, tensors=tensors,
+                    init_from=args.init_from, step=start)
     del tensors
     if rank == 0:
         emit("loaded", step=start)  # weights and optimizer state in place; step `start` runs next

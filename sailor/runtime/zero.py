@@ -39,6 +39,11 @@ of the stage for replicated parameters (and for all of a stage's parameters when
 The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`, foreach=False: elementwise per
 tensor) on the owned flat range, so sharding changes no arithmetic of the update. Global-norm
 clipping adds the squares of the owned gradient elements (each counted once over the world) in fp64.
+
+Tied embeddings (`runtime.tied`): the reduction ends by adding to each held element of the embedding
+and of the LM head its twin of the other copy, received from the rank that holds it
+(`Tied.transfers`), so both copies take the step of the one shared matrix; the head's elements are
+left out of the norm.
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw
 
-from sailor.runtime.buckets import Bucket, build_buckets, flatten, unflatten
+from sailor.runtime.buckets import Bucket, build_buckets, flatten, held_elements, unflatten
 from sailor.runtime.optim import OptimConfig
+from sailor.runtime.tied import TAG, Tied
 from sailor.runtime.topology import RankRole, Ranks
 
 FP32 = torch.float32
@@ -79,16 +85,19 @@ class ShardedAdamW:
         sequence_parallel: the stage runs with sequence parallelism (gradient weights).
         cfg: AdamW settings (the reference's).
         dtype: the weights' compute dtype (fp32, or bf16 on CUDA).
+        tied: this rank's part in a tied embedding's gradient (`tied.tied_for_rank`); None: untied.
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], role: RankRole, groups: Mapping[Ranks, object], *,
-                 zero: int, sequence_parallel: bool, cfg: OptimConfig, dtype: torch.dtype = FP32) -> None:
+                 zero: int, sequence_parallel: bool, cfg: OptimConfig, dtype: torch.dtype = FP32,
+                 tied: Tied | None = None) -> None:
         assert 0 <= zero <= 3, zero
         self.params, self.zero, self.cfg, self.dtype = dict(params), zero, cfg, dtype
         self.groups = groups
         self.steps = 0  # optimizer steps taken
         self.device = next(iter(self.params.values())).device
         self.buckets = build_buckets(self.params, role, zero=zero, sequence_parallel=sequence_parallel)
+        self._tied_setup(role, tied)
         self.layer_buckets: dict[int, list[int]] = {}
         for i, b in enumerate(self.buckets):
             self.layer_buckets.setdefault(b.layer, []).append(i)
@@ -148,18 +157,19 @@ class ShardedAdamW:
     # ---- the step ------------------------------------------------------------------------------
     def reduce(self) -> None:
         """After the last backward of the step: sum the gradients over each bucket's group (ZeRO-0:
-        all-reduce, ZeRO-1: reduce-scatter; ZeRO-2/3 did it per micro-batch)."""
-        if self.zero >= 2:
-            return
-        grads = self.main_grad if self.main_grad is not None else {n: p.grad for n, p in self.params.items()}
-        for i, b in enumerate(self.buckets):
-            flat = flatten(b, grads, weighted=True, dtype=FP32, device=self.device, padded=True)
-            self.grad[i] = self._reduce(b, flat)
-        for p in self.params.values():
-            p.grad = None
-        if self.main_grad is not None:
-            for g in self.main_grad.values():
-                g.zero_()
+        all-reduce, ZeRO-1: reduce-scatter; ZeRO-2/3 did it per micro-batch), then add the tied
+        copies' twins (collective with the other copy's holders)."""
+        if self.zero < 2:
+            grads = self.main_grad if self.main_grad is not None else {n: p.grad for n, p in self.params.items()}
+            for i, b in enumerate(self.buckets):
+                flat = flatten(b, grads, weighted=True, dtype=FP32, device=self.device, padded=True)
+                self.grad[i] = self._reduce(b, flat)
+            for p in self.params.values():
+                p.grad = None
+            if self.main_grad is not None:
+                for g in self.main_grad.values():
+                    g.zero_()
+        self._add_twins()
 
     def clip(self, max_norm: float) -> float:
         """Clip the whole model's gradient (every rank's owned elements together, over the world)
@@ -167,9 +177,10 @@ class ShardedAdamW:
         norm before clipping. Under ZeRO-0 every member of a group holds the whole reduced bucket,
         so each counts it with weight 1 / members; owned shards are disjoint (weight 1)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for b, g in zip(self.buckets, self.grad):
+        for b, g, counted in zip(self.buckets, self.grad, self.counted):
             w = 1.0 / len(b.ranks) if b.shards == 1 else 1.0
-            sq += w * g.double().pow(2).sum()
+            for lo, hi in counted:
+                sq += w * g[lo:hi].double().pow(2).sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq)
         norm = math.sqrt(sq.item())
@@ -240,6 +251,53 @@ class ShardedAdamW:
                 "optimizer": sum(size(m) + size(v) for m, v in zip(self.exp_avg, self.exp_avg_sq))
                 + (0 if weights_master else master)}
 
+    # ---- tied embeddings ---------------------------------------------------------------------
+    def _tied_setup(self, role: RankRole, tied: Tied | None) -> None:
+        """`counted`: per bucket, the owned ranges the norm counts (all but the tied head's);
+        `twins`: each transfer as (send, peer, bucket, start, end) in owned-shard offsets."""
+        self.rank = role.rank
+        self.counted = [[(0, b.shard_numel)] for b in self.buckets]
+        self.twins: list[tuple[bool, int, int, int, int]] = []
+        if tied is None:
+            return
+        held = {}  # copy name -> where this rank's owned elements of it lie
+        for name in {tied.copy} | {t.src_name for t in tied.transfers} | {t.dst_name for t in tied.transfers}:
+            if name in self.params:
+                p = self.params[name]
+                held[name] = held_elements(self.buckets, name, first_row=role.tp_rank * p.shape[0],
+                                           row_numel=p.numel() // p.shape[0])
+        for h in held.get(tied.copy, []):
+            self.counted[h.bucket] = _minus(self.counted[h.bucket], h.at, h.at + h.hi - h.lo)
+
+        def local(name: str, lo: int, hi: int) -> tuple[int, int, int]:
+            h = next(h for h in held[name] if h.lo <= lo and hi <= h.hi)  # a transfer lies in one range
+            return h.bucket, h.at + lo - h.lo, h.at + hi - h.lo
+
+        for t in tied.transfers:
+            if t.src == role.rank:
+                self.twins.append((True, t.dst, *local(t.src_name, t.lo, t.hi)))
+            if t.dst == role.rank:
+                self.twins.append((False, t.src, *local(t.dst_name, t.lo, t.hi)))
+
+    def _add_twins(self) -> None:
+        """Add to each held element of a tied copy the other copy's (module docstring). What is sent
+        is taken before anything is added; a transfer to this rank itself is a local add."""
+        if not self.twins:
+            return
+        sent = [(peer, self.grad[i][a:c].clone()) for send, peer, i, a, c in self.twins if send]
+        local = [buf for peer, buf in sent if peer == self.rank]
+        recvs = [(peer, i, a, c) for send, peer, i, a, c in self.twins if not send]
+        bufs = [local.pop(0) if peer == self.rank else torch.empty(c - a, dtype=FP32, device=self.device)
+                for peer, i, a, c in recvs]
+        ops = [dist.P2POp(dist.isend, buf, peer, tag=TAG) for peer, buf in sent if peer != self.rank]
+        ops += [dist.P2POp(dist.irecv, buf, peer, tag=TAG) for (peer, *_), buf in zip(recvs, bufs)
+                if peer != self.rank]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for (_, i, a, c), buf in zip(recvs, bufs):
+            self.grad[i][a:c].add_(buf)
+
     # ---- collectives -------------------------------------------------------------------------
     def _own(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a padded flat vector of bucket `b` (the whole of it under ZeRO-0)."""
@@ -285,3 +343,11 @@ class ShardedAdamW:
             self.grad[i].add_(self._reduce(b, flat))
         for n in self.layer_params[layer]:
             self.params[n].grad = None
+
+
+def _minus(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """`ranges` (disjoint [start, end) pairs) without [lo, hi)."""
+    out = []
+    for a, b in ranges:
+        out += [(x, y) for x, y in ((a, min(b, lo)), (max(a, hi), b)) if x < y]
+    return out

@@ -17,15 +17,18 @@ OptimizerStep):
   With P = 1 there is one copy only (`tied_embeddings`).
 - sync: each TP rank all-reduces its own gradient shard (params(stage, t) x gradient bytes, norms
   and row-parallel biases included) with its peers of the other D - 1 replicas (ZeRO: reduce-scatter
-  plus all-gather, `terms.stage_sync`): a ring over the links, and no faster than a GPU type's
-  calibrated all-reduce rate (`terms.collective_s`).
+  plus all-gather, `terms.stage_sync`): a ring or a hierarchical all-reduce over the links at the
+  GPU type's calibrated all-reduce efficiency (`terms.collective_s`, `collectives`).
 - optimizer: proportional to the parameters on one GPU (memory-bound; 1/D of them under ZeRO).
 Memory options (`Plan.memory`) are read in two places only: `terms.time_options` for time and
 `memory.replica_memory` for memory. The slowest pipeline sets the pace (straggler); the reductions
-wait for all pipelines. Every p2p transfer and all-reduce hop between two replicas is modelled on
-the link between two *nodes* of their zones (conservative where a launcher co-locates small TP
-groups on one node): so all pipelines with the same GPU type, zone and TP degrees take the same
-time, which the planner relies on. `SimContext` (`context`) holds the job, cluster, profiles and
+wait for all pipelines. Links follow the launcher's placement (`terms.placed_slots`, from
+`sailor.plan.pack_replicas`, the packing of `rank_layout`): a p2p transfer or ring hop between two
+replicas on one node uses the intra-node link, any other the link between two nodes of their zones.
+The planner's fast path scores each pipeline type before placement (`Slot` without a node: every
+transfer between nodes), so all its pipelines with the same GPU type, zone and TP degrees take the
+same time; its gradient syncs and the event simulation of its finalists follow the placement.
+`SimContext` (`context`) holds the job, cluster, profiles and
 network for one simulation or planning call and caches per-(GPU, TP, micro-batch) layer tables; its
 caches are keyed on every input and die with it.
 """
@@ -44,13 +47,13 @@ from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.long_run import makespan_s
 from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b, stage_times
 from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s,
-                                    optimizer_s, pipeline_arrays, stage_sync, stage_time, tied_sync,
-                                    time_options)
+                                    optimizer_s, pipeline_arrays, place, placed_slots, stage_sync, stage_time,
+                                    tied_sync, time_options)
 
 __all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", "StageTime", "TimeOptions",
            "allreduce_s", "collective_s", "embedding_params", "head_vocab_params", "make_context",
-           "optimizer_s", "pipeline_arrays", "simulate", "stage_sync", "stage_time", "tied_embeddings",
-           "tied_sync", "time_options"]
+           "optimizer_s", "pipeline_arrays", "place", "placed_slots", "simulate", "stage_sync", "stage_time",
+           "tied_embeddings", "tied_sync", "time_options"]
 
 
 @dataclass
@@ -200,8 +203,8 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     pipeline_times: list[float] = []
     cache: dict[tuple, float] = {}
     egress_usd, cross_bytes = 0.0, 0.0
-    slots = [[Slot(zone=r.zone, gpu=r.gpu, tp=r.tp) for r in p.replicas] for p in plan.pipelines]
-    arrays: dict[tuple, tuple] = {}  # identical pipelines (same slots) share their arrays and memory
+    slots = placed_slots(plan, ctx.cluster)
+    arrays: dict[tuple, tuple] = {}  # identical pipelines (same placed slots) share their arrays
     memory: dict[tuple, MemoryBreakdown] = {}
     for j, pipe in enumerate(plan.pipelines):
         m = pipe.microbatches

@@ -15,21 +15,18 @@ Each constant is physical and the same for every run on that GPU type:
   compute stream where nothing hides it (NCCL launch and completion of a blocking send/recv,
   DeepSpeed's host-side dispatch and receive-buffer handling; with TP, its partitioned transfers add
   a metadata message and a gather over the TP group). Added to every boundary transfer.
-- `allreduce_efficiency` (dimensionless): fraction of the p2p link bandwidth (the NCCL send/recv
-  fits) that the ring all-reduce of the gradients reaches (reduction kernels, chunking, the t
-  concurrent rings of a node's TP ranks, DeepSpeed's flatten/unflatten around them).
-- `allreduce_bytes_per_s` (bytes/s): the rate at which one GPU's gradient shard is all-reduced across
-  the replicas, measured as a whole (flatten, NCCL all-reduce, unflatten and copy back), *independent
-  of the number of replicas D*. A ring over the links costs 2(D-1)/D x the shard (x1 at D = 2, x1.94
-  at D = 32); the GH200 runs do not show that growth (D = 2 and D = 32 runs fit the same rate:
-  least squares 2.3 % mean error with a D-independent rate, 3.3 % with the ring shape, whose best
-  efficiency is 0.17), as an algorithm with per-GPU traffic flat in D (NCCL's pipelined trees) or
-  a per-GPU bottleneck outside the network would give. The sync time is the larger of this and the
-  ring over the links (so slow or cross-zone links still dominate).
-The catalog holds a default `framework_bytes` per GPU type; a GPU type with no entry here uses it,
-no reserve, no profiler gap, no p2p overhead, efficiency 1 and no all-reduce rate limit. `sailor validate
-DIR --fit` refits these on a folder of measured runs (`fit_memory` below: linear least squares on
-relative error; time constants: `sailor.validate.TIME_CONSTANTS`) and reports leave-one-out errors.
+- `allreduce_efficiency` (dimensionless): fraction of the point-to-point link bandwidth (the NCCL
+  send/recv fits, or an α–β link) that a gradient all-reduce reaches. It scales the bandwidth term
+  of the ring and hierarchical models of `simulator.collectives` (whose shape, 2(D-1)/D of the data
+  per flow plus 2(D-1) hop latencies, comes from the algorithm, not from a fit): reduction kernels,
+  the NCCL channels an all-reduce uses against the many a p2p sweep fills, the framework's
+  flatten / divide / unflatten copies around the call (DeepSpeed's `allreduce_bucket`). A property
+  of the GPU type's software stack and links, the same for every model and every D.
+The catalog holds a default `framework_bytes` per GPU type (gpus.yaml, with its source); a GPU type
+with no entry here uses it, no reserve, no profiler gap, no p2p overhead and efficiency 1. `sailor
+validate DIR --fit` refits these on a folder of measured runs (`fit_memory` below: linear least
+squares on relative error; time constants: `sailor.validate.TIME_CONSTANTS`) and reports
+leave-one-out errors.
 """
 
 from __future__ import annotations
@@ -39,24 +36,24 @@ import numpy as np
 # gpu -> constant -> value. Units: framework_bytes in bytes, reserve_fraction dimensionless.
 #
 # GH200-96: fitted by `sailor validate ../shared/reference/sailor/validation/gh200-opt350 --fit`
-# (sailor.validate.fit_calibration) on the 15 measured OPT-350 runs of the public Sailor artifact
-# (Alps Clariden, 4 GH200 per node), profiles and network fits from ../shared/reference/sailor/
-# {profiles,network}. Memory: linear least squares on relative error of the most-loaded GPU's
-# nvidia-smi peak. Time: bounded least squares on the relative error of iteration time
-# (sailor.validate._fit_time: profile_overhead_s, p2p_overhead_s, and allreduce_bytes_per_s fitted as
-# its inverse). Result on the 15 runs: time |error| mean 2.3 %, median 1.3 %, max 10.5 % (N4_D4, the
-# only micro-batch-4 run, -10.5 %); leave-one-out mean 2.9 %, max 12.4 % (N4_D4). Which runs pin
-# what: profile_overhead_s the micro-batch-1 runs against their profile (N1_D1_M4_G1/G32: 71 ms per
-# micro-batch measured vs 82.5 ms profiled over 52 layer passes) with the micro-batch-8 ones;
-# p2p_overhead_s the 4-stage runs (3 boundaries, a middle stage pays 4 transfers per micro-batch);
-# allreduce_bytes_per_s the one-stage runs with D = 2..32 (363 MB of fp32 gradient per GPU, ~0.18 s).
+# (sailor.validate.validate_sets with fit=True) on the 15 measured OPT-350 runs of the public Sailor artifact
+# (Alps Clariden, 4 GH200 per node) and on nothing else: the GPT-Neo-2.7B runs of the same cluster
+# (validation/gh200-gptneo) are predicted with these constants, never fitted. Profiles and network
+# fits from ../shared/reference/sailor/{profiles,network}. Memory: linear least squares on relative
+# error of the most-loaded GPU's nvidia-smi peak. Time: bounded least squares on the relative error of
+# iteration time (sailor.validate._fit_time). Which runs pin what: profile_overhead_s the
+# micro-batch-1 runs against their profile (N1_D1_M4_G1/G32: 71 ms per micro-batch measured vs 82.5 ms
+# profiled over 52 layer passes) with the micro-batch-8 ones; p2p_overhead_s the 4-stage runs (3
+# boundaries, a middle stage pays 4 transfers per micro-batch); allreduce_efficiency the runs with
+# D = 2..32 replicas (90 M fp32 parameters per GPU at one stage, 363 MB, all-reduced in ~0.15 s where
+# the NCCL send/recv fits at 23 GB/s per GPU would take ~0.03 s). See README "Measured results".
 CALIBRATION: dict[str, dict[str, float]] = {
     "GH200-96": {
-        "framework_bytes": 4.638e9,  # 4.3 GiB: CUDA 12 context + kernels, NCCL buffers of ~6 groups
-        "reserve_fraction": 0.107,  # caching allocator: 10.7 % of the transient tensors
-        "profile_overhead_s": 209e-6,  # 209 µs per profiled layer pass (forward or backward)
-        "p2p_overhead_s": 548e-6,  # 0.55 ms per pipeline transfer on top of its bytes
-        "allreduce_bytes_per_s": 2.01e9,  # 2.0 GB/s of one GPU's gradient shard, any D >= 2
+        "framework_bytes": 4.400e9,  # 4.1 GiB: CUDA 12 context + kernels, NCCL buffers of ~6 groups
+        "reserve_fraction": 0.1075,  # caching allocator: 10.75 % of the transient tensors
+        "profile_overhead_s": 172e-6,  # 172 µs per profiled layer pass (forward or backward)
+        "p2p_overhead_s": 513e-6,  # 0.51 ms per pipeline transfer on top of its bytes
+        "allreduce_efficiency": 0.150,  # gradient all-reduces reach 15 % of the p2p link bandwidth
     },
     # cpu: no constants. `sailor profile` times the layers as a run executes them (1 thread per
     # process, ranks in their own sessions as torchrun starts them, every core busy, the per-pass
@@ -79,7 +76,8 @@ def fit_memory(fixed_bytes: np.ndarray, transient_bytes: np.ndarray, measured_by
     """Fit `framework_bytes` F and `reserve_fraction` r of one GPU type from measured peak memory.
 
     Model per run k (its most-loaded GPU): measured_k = fixed_k + (1 + r)·transient_k + F, with fixed =
-    weights + gradients + optimizer states and transient = activations + buffers. Solved as linear
+    weights + gradients + optimizer states + the gradient sync buffer and transient = activations +
+    buffers (`MemoryBreakdown.persistent`, `.transient`). Solved as linear
     least squares on relative error (each row divided by measured_k), so small and large runs count
     alike. r is clipped at 0 (a reserve is never negative) and F refitted alone in that case.
 

@@ -2,16 +2,32 @@
 
 Each replica is a TP group of t GPUs on one node. With TP, a stage's gradient of S bytes is split in
 t shards held by the t ranks; replicas with different TP degrees synchronise block by block at the
-finest sharding. Either way each node moves its S bytes over its NIC with t concurrent flows, so a
-ring step between two replicas is one transfer of S/D bytes carried by min(t_a, t_b) flows.
+finest sharding. Each TP rank runs its own ring with its peers, all at once, so a ring edge between
+two replicas carries f = min(t_a, t_b) concurrent flows, each moving its 1/f of the data; on a
+default link those flows share the node's NIC (`catalog.Link`), on a measured curve they get what
+was measured for f flows.
 
-- flat ring (Patarasuk & Yuan 2009): 2(D-1) steps, each as slow as the slowest ring edge;
-- hierarchical (multi-zone): ring reduce-scatter inside each zone, ring all-reduce of the 1/D_z
-  shards across zones (one ring per shard, in parallel), ring all-gather inside each zone.
-The faster of the two is taken (NCCL picks among algorithms likewise). A ring all-reduce is a
-reduce-scatter followed by an all-gather (Patarasuk & Yuan 2009; Rabenseifner 2004), each taking
-half of its steps, so `reduce_scatter_time_s` and `all_gather_time_s` are half the all-reduce's
-(ZeRO: reduce-scatter of gradients plus all-gather of parameters in place of the all-reduce).
+- ring (Patarasuk & Yuan 2009), members ordered by zone and node: 2(D-1) steps. Each step pays the
+  slowest edge's one-way latency (`NetworkModel.hop_latency_s`); the bytes stream through the ring,
+  each flow moving 2(D-1)/D of its data over the slowest edge (`NetworkModel.stream_time_s`: the
+  link's bandwidth, or a measured curve at that size):
+      T_ring = 2(D-1)·α + stream(2(D-1)/D · S/f) / η.
+- hierarchical over islands (zones when the members span several, else nodes that hold several
+  replicas, as `sailor.plan.rank_layout` places them): ring reduce-scatter inside each island
+  ((k-1) steps, each member ends with S/k), ring all-reduce of those shards across islands (one
+  ring per shard, all at once; the shards of one node share its NIC), ring all-gather inside each
+  island: T = 2·T_rs + T_cross.
+`allreduce_time_s` takes the cheaper (`AllreduceAlgorithm.AUTO`, as NCCL picks its algorithm by a
+cost model) unless the cluster spec pins one. η is the calibrated all-reduce efficiency of the GPU
+type (`simulator.calibration`, 1 by default): the fraction of the point-to-point bandwidth the
+collective reaches (reduction kernels, channels, the framework's copies around it); it scales the
+bandwidth term only.
+
+Latency matters as it does on real rings: a 32-member ring pays 62 hop latencies, so at 500 µs per
+hop a message whose streaming takes ~31 ms loses half its bandwidth, where at 20 µs it loses 4 %.
+A ring all-reduce is a reduce-scatter followed by an all-gather (Patarasuk & Yuan 2009;
+Rabenseifner 2004), each taking half of its steps and bytes (`simulator.terms.collective_s`; ZeRO:
+reduce-scatter of gradients plus all-gather of parameters in place of the all-reduce).
 
 Inside a TP group (one node) the same rings run over the intra-node link (`tp_collective_time_s`):
 an all-reduce of a tensor of n bytes takes 2(t-1) steps of n/t, an all-gather or a reduce-scatter
@@ -26,79 +42,132 @@ from itertools import groupby
 from sailor.catalog import LinkClass
 from sailor.models import Collective
 from sailor.network import NetworkModel
+from sailor.specs import AllreduceAlgorithm
 
 
 @dataclass(frozen=True)
 class Member:
-    """Where one replica runs (and so how it takes part in a stage's all-reduce)."""
+    """Where one replica runs (and so how it takes part in a stage's all-reduce).
+
+    `node` names the machine (`sailor.plan.RankInfo.node`); None = a node of its own, shared with no
+    other member (what the planner assumes before placement)."""
 
     zone: str
     gpu: str
     tp: int
+    node: str | None = None
 
 
 Group = tuple[Member, int]  # a member kind and how many replicas of that kind take part
 
 
 def group_members(members: list[Member]) -> list[Group]:
-    """Members as (kind, count) in ring order: sorted by zone, GPU type, TP, so zones are contiguous."""
+    """Members as (kind, count) in ring order: sorted by zone, node, GPU type, TP, so zones and the
+    replicas of one node are contiguous."""
     counts: dict[Member, int] = {}
     for m in members:
         counts[m] = counts.get(m, 0) + 1
-    return sorted(counts.items(), key=lambda g: (g[0].zone, g[0].gpu, g[0].tp))
+    return sorted(counts.items(), key=lambda g: (g[0].zone, g[0].node or "", g[0].gpu, g[0].tp))
 
 
-def _step_time(a: Member, b: Member, chunk_bytes: float, net: NetworkModel) -> float:
-    flows = max(1, min(a.tp, b.tp))
-    return net.transfer_time_s(a.zone, a.gpu, b.zone, b.gpu, chunk_bytes / flows, flows=flows)
+def same_node(a: Member, b: Member) -> bool:
+    """True when both members sit on one named node."""
+    return a.node is not None and a.node == b.node
 
 
-def _ring_edges(groups: list[Group]) -> set[tuple[Member, Member]]:
-    """Distinct (sender, receiver) kinds of a ring laid out in group order, wrap-around included."""
+def _edge_kinds(groups: list[Group]) -> set[tuple[str, str, int, str, str, int, bool]]:
+    """Distinct (sender zone, GPU, TP, receiver zone, GPU, TP, same node) of the edges of a ring
+    laid out in group order, wrap-around included: edges that differ only in which nodes they join
+    cost the same, so each kind is looked up once."""
     if sum(n for _, n in groups) < 2:
         return set()
-    edges = {(m, m) for m, n in groups if n >= 2}
+    out = {(m.zone, m.gpu, m.tp, m.zone, m.gpu, m.tp, m.node is not None) for m, n in groups if n >= 2}
     if len(groups) >= 2:
-        kinds = [m for m, _ in groups]
-        edges.update(zip(kinds, kinds[1:] + kinds[:1]))
-    return edges
+        for (a, _), (b, _) in zip(groups, groups[1:] + groups[:1]):
+            out.add((a.zone, a.gpu, a.tp, b.zone, b.gpu, b.tp, same_node(a, b)))
+    return out
 
 
-def _ring_step(groups: list[Group], chunk_bytes: float, net: NetworkModel) -> float:
-    """Seconds of one ring step (every member sends `chunk_bytes` to the next): the slowest edge."""
-    edges = _ring_edges(groups)
-    return max((_step_time(a, b, chunk_bytes, net) for a, b in edges), default=0.0)
+def _ring_phase(groups: list[Group], nbytes: float, net: NetworkModel, *, steps: int, fraction: float,
+                efficiency: float, share: int = 1) -> float:
+    """Seconds of `steps` ring steps over `groups` in which each member streams `fraction` x `nbytes`
+    (split over its edge's flows, one per TP rank of the finer replica times the rings `share`-ing
+    the sender's node): steps x slowest hop latency + slowest edge's streaming / η."""
+    if nbytes <= 0:
+        return 0.0
+    latency, stream = 0.0, 0.0
+    for za, ga, ta, zb, gb, tb, on_node in _edge_kinds(groups):
+        f = max(1, min(ta, tb)) * share
+        latency = max(latency, net.hop_latency_s(za, ga, zb, gb, flows=f, same_node=on_node))
+        stream = max(stream, net.stream_time_s(za, ga, zb, gb, fraction * nbytes / f, flows=f, same_node=on_node))
+    return steps * latency + stream / efficiency
 
 
-def allreduce_time_s(groups: list[Group], nbytes: float, net: NetworkModel) -> float:
+def ring_allreduce_s(groups: list[Group], nbytes: float, net: NetworkModel, *, efficiency: float = 1.0,
+                     share: int = 1) -> float:
+    """Seconds of a flat ring all-reduce of `nbytes` (one replica's gradient) over `groups`."""
+    d = sum(n for _, n in groups)
+    if d < 2:
+        return 0.0
+    return _ring_phase(groups, nbytes, net, steps=2 * (d - 1), fraction=2 * (d - 1) / d, efficiency=efficiency,
+                       share=share)
+
+
+def _islands(groups: list[Group]) -> list[list[Group]] | None:
+    """Members split for a hierarchical all-reduce: by zone when they span several, else by node
+    when some node holds several replicas (a member without a node is an island of its own); None
+    when neither splits them."""
+    zones = [list(g) for _, g in groupby(groups, key=lambda g: g[0].zone)]
+    if len(zones) > 1:
+        return zones
+    named = [list(g) for node, g in groupby((g for g in groups if g[0].node is not None), key=lambda g: g[0].node)]
+    alone = [[(m, 1)] for m, n in groups if m.node is None for _ in range(n)]
+    if any(sum(n for _, n in isl) > 1 for isl in named) and len(named) + len(alone) > 1:
+        return named + alone
+    return None
+
+
+def hierarchical_allreduce_s(groups: list[Group], nbytes: float, net: NetworkModel, *,
+                             efficiency: float = 1.0) -> float | None:
+    """Seconds of reduce-scatter inside islands, all-reduce across them, all-gather inside them
+    (module docstring); None when the members form a single island."""
+    islands = _islands(groups)
+    if islands is None:
+        return None
+    sizes = [sum(n for _, n in isl) for isl in islands]
+    # islands of the same members on other nodes reduce alike: each kind of island once
+    alike = {tuple((m.zone, m.gpu, m.tp, n, m.node is not None) for m, n in isl): (isl, k)
+             for isl, k in zip(islands, sizes) if k > 1}
+    rs = max((_ring_phase(isl, nbytes, net, steps=k - 1, fraction=(k - 1) / k, efficiency=efficiency)
+              for isl, k in alike.values()), default=0.0)
+    shard = nbytes / min(sizes)
+    # one ring per shard across islands; a node island's shards all leave through its NIC
+    leaders = [isl[0][0] for isl in islands]
+    share = min(sizes) if all(m.node is not None for m in leaders) and len({m.zone for m in leaders}) == 1 else 1
+    cross = ring_allreduce_s([(m, 1) for m in leaders], shard, net, efficiency=efficiency, share=share)
+    return 2 * rs + cross
+
+
+def allreduce_time_s(groups: list[Group], nbytes: float, net: NetworkModel, *, efficiency: float = 1.0,
+                     algorithm: AllreduceAlgorithm | None = None) -> float:
     """Seconds to all-reduce `nbytes` (one replica's full gradient) across the members `groups`
-    (from `group_members`): min(flat ring, hierarchical by zone). 0 for a single member."""
+    (from `group_members`): the ring or the hierarchical algorithm, the cheaper unless `algorithm`
+    (default: the cluster spec's `allreduce`) pins one. 0 for a single member.
+
+    Args:
+        efficiency: η in (0, 1], the fraction of the links' bandwidth reached (module docstring).
+    """
     d = sum(n for _, n in groups)
     if d < 2 or nbytes <= 0:
         return 0.0
-    flat = 2 * (d - 1) * _ring_step(groups, nbytes / d, net)
-    zones = [list(g) for _, g in groupby(groups, key=lambda g: g[0].zone)]
-    if len(zones) == 1:
-        return flat
-    sizes = [sum(n for _, n in z) for z in zones]
-    intra = max(_ring_step(z, nbytes / s, net) for z, s in zip(zones, sizes))
-    leaders = [(z[0][0], 1) for z in zones]
-    shard = nbytes / min(sizes)
-    cross = 2 * (len(zones) - 1) * _ring_step(leaders, shard / len(zones), net)
-    hier = 2 * (max(sizes) - 1) * intra + cross
-    return min(flat, hier)
-
-
-def reduce_scatter_time_s(groups: list[Group], nbytes: float, net: NetworkModel) -> float:
-    """Seconds to reduce-scatter `nbytes` (one replica's full tensor) across `groups`: the first half
-    of the ring all-reduce (`allreduce_time_s`)."""
-    return allreduce_time_s(groups, nbytes, net) / 2
-
-
-def all_gather_time_s(groups: list[Group], nbytes: float, net: NetworkModel) -> float:
-    """Seconds to all-gather `nbytes` (the full tensor, each member holding 1/D of it) across
-    `groups`: the second half of the ring all-reduce (`allreduce_time_s`)."""
-    return allreduce_time_s(groups, nbytes, net) / 2
+    algorithm = net.cluster.allreduce if algorithm is None else algorithm
+    ring = ring_allreduce_s(groups, nbytes, net, efficiency=efficiency)
+    if algorithm is AllreduceAlgorithm.RING:
+        return ring
+    hier = hierarchical_allreduce_s(groups, nbytes, net, efficiency=efficiency)
+    if hier is None:
+        return ring
+    return hier if algorithm is AllreduceAlgorithm.HIERARCHICAL else min(ring, hier)
 
 
 RING_STEPS = {Collective.ALL_REDUCE: 2, Collective.ALL_GATHER: 1, Collective.REDUCE_SCATTER: 1}
@@ -119,7 +188,7 @@ def ring_egress(groups: list[Group], nbytes: float, net: NetworkModel) -> tuple[
     """(bytes crossing zones, egress $) per all-reduce: each ring edge between zones carries
     2(D-1)/D x nbytes (flat ring order, zones contiguous)."""
     d = sum(n for _, n in groups)
-    if d < 2 or nbytes <= 0:
+    if d < 2 or nbytes <= 0 or len({m.zone for m, _ in groups}) == 1:
         return 0.0, 0.0
     per_edge = 2 * (d - 1) / d * nbytes
     moved, usd = 0.0, 0.0

@@ -58,6 +58,9 @@ class SimContext:
     profiles: Profiles
     network: NetworkModel
     calibration: dict[str, dict[str, float]] = field(default_factory=dict)
+    memory_margin: float = 0.0
+    """Fraction of each GPU's memory kept free by `memory_limit` (the planner sets it from
+    `PlanOptions.memory_margin`); simulating a plan reports out-of-memory at the full capacity."""
     _cum: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _act: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
     _params: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
@@ -146,17 +149,9 @@ class SimContext:
         return gpu_constant(self.calibration, gpu, "framework_bytes", catalog.gpu(gpu).framework_bytes)
 
     def allreduce_efficiency(self, members: list[Member]) -> float:
-        """Fraction of the p2p link bandwidth an NCCL ring all-reduce reaches among `members`
-        (calibrated per GPU type, 1 by default; the lowest member's value): reductions, chunking and
-        the concurrent rings of all TP ranks of a node make it slower than a send/recv sweep."""
+        """Fraction of the p2p link bandwidth a gradient all-reduce reaches among `members`
+        (calibrated per GPU type, 1 by default; the lowest member's value; see calibration.py)."""
         return min(gpu_constant(self.calibration, mb.gpu, "allreduce_efficiency", 1.0) for mb in members)
-
-    def allreduce_bytes_per_s(self, members: list[Member]) -> float | None:
-        """Slowest calibrated all-reduce rate among `members` (bytes of one GPU's gradient shard per
-        second, independent of the number of replicas), or None when no member's GPU type has one."""
-        rates = [self.calibration.get(mb.gpu, {}).get("allreduce_bytes_per_s") for mb in members]
-        rates = [float(r) for r in rates if r is not None]
-        return min(rates) if rates else None
 
     def p2p_overhead_s(self, gpu_a: str, gpu_b: str) -> float:
         """Fixed seconds each pipeline transfer pays on top of its bytes (calibrated, 0 by default;
@@ -165,6 +160,10 @@ class SimContext:
 
     def memory_capacity(self, gpu: str) -> int:
         return catalog.gpu(gpu).memory_bytes
+
+    def memory_limit(self, gpu: str) -> float:
+        """Bytes a plan may fill on one GPU of type `gpu`: capacity x (1 - memory_margin)."""
+        return self.memory_capacity(gpu) * (1.0 - self.memory_margin)
 
 
 def make_context(job: JobSpec, cluster: ClusterSpec, profiles: Profiles | None = None,

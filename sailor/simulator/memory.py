@@ -12,6 +12,8 @@
           + gradient receive buffer                           (stage < P-1: one activation-sized tensor)
           + logits gradient                                   (the head's stage: fp32 d(loss)/d(logits))
           + ZeRO-3 gather buffer                              (the largest layer's full weights)
+          + gradient sync buffer                              (a flat copy of the gradients the sync
+                                                               reduces at once)
           + allocator reserve                                 (reserve_fraction x the transient tensors)
           + framework                                         (CUDA context, kernels, NCCL; per GPU type)
 
@@ -24,11 +26,17 @@ the increase of allocated memory over one layer's forward), scaled to the option
 own ratio, or the model's formula (`sailor.activations`). The received input of a stage is not in
 those per-layer increases (the previous layer's output is, but it lives on the previous stage),
 hence its own term. The head's backward materialises the gradient of the vocab-parallel logits,
-(mbs, seq, V/t) in fp32, while all of the micro-batch's activations are still held. Weights,
-gradients and optimizer states are allocated once and do not fragment; the PyTorch caching allocator
-keeps freed blocks of the transient tensors (activations, buffers) reserved, which
-`reserve_fraction` captures. `reserve_fraction` and `framework_bytes` are per-GPU-type constants
-(catalog default, or fitted in `calibration`).
+(mbs, seq, V/t) in fp32, while all of the micro-batch's activations are still held. The gradient
+sync flattens the gradients it reduces into one new buffer (`sync_buffer_bytes`): DeepSpeed's
+`allreduce_bucket` the whole stage's at once (up to 5e8 elements), Sailor's runtime one layer's
+bucket at a time (`runtime.buckets`), so counting the stage's is exact for the first and
+conservative for the second; under ZeRO-2/3 no full gradient outlives a layer's backward, so one
+layer's; Megatron-LM (`Framework.MEGATRON`) reduces its contiguous gradient buffer in place. It is allocated after the activations were freed, but the caching allocator keeps their
+blocks reserved and cannot carve one gradient-sized block out of them, so `nvidia-smi` sees both
+(`sync_buffer`, outside the reserve). Weights, gradients and optimizer states are allocated once and
+do not fragment; the PyTorch caching allocator keeps freed blocks of the transient tensors
+(activations, buffers) reserved, which `reserve_fraction` captures. `reserve_fraction` and
+`framework_bytes` are per-GPU-type constants (catalog default, or fitted in `calibration`).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from sailor.models import Recompute
+from sailor.models import Framework, Recompute
 from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
 from sailor.simulator.calibration import gpu_constant
 from sailor.simulator.context import stage_blocks
@@ -59,11 +67,22 @@ class MemoryBreakdown:
     buffers: float
     reserve: float
     framework: float
+    sync_buffer: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.buffers
-                + self.reserve + self.framework)
+                + self.reserve + self.framework + self.sync_buffer)
+
+    @property
+    def persistent(self) -> float:
+        """Bytes the caching allocator's reserve does not scale: states, sync buffer (framework aside)."""
+        return self.weights + self.gradients + self.optimizer + self.sync_buffer
+
+    @property
+    def transient(self) -> float:
+        """Bytes the reserve scales: activations and p2p / logits buffers."""
+        return self.activations + self.buffers
 
     def to_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
@@ -132,4 +151,17 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, a: int, b: in
     reserve = (activations + buffers) * gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0)
     return MemoryBreakdown(
         weights=state["weights"], gradients=state["gradients"], optimizer=state["optimizer"],
-        activations=activations, buffers=buffers, reserve=reserve, framework=ctx.framework_bytes(gpu))
+        activations=activations, buffers=buffers, reserve=reserve, framework=ctx.framework_bytes(gpu),
+        sync_buffer=sync_buffer_bytes(ctx, tp, a, b, memory.zero))
+
+
+def sync_buffer_bytes(ctx: "SimContext", tp: int, a: int, b: int, zero: int = 0) -> float:
+    """Bytes of the flat gradient copy the sync of layers [a, b) allocates on one GPU at TP `tp`
+    (module docstring): the stage's gradients, or under ZeRO-2/3 its largest layer's; none for
+    Megatron-LM, whose gradients live in one contiguous buffer that is all-reduced in place."""
+    if ctx.job.framework is Framework.MEGATRON:
+        return 0.0
+    grad = ctx.job.state_bytes_per_param["gradients"]
+    if zero >= 2:
+        return max(ctx.job.model.params(i, tp) for i in range(a, b)) * grad
+    return ctx.stage_params(tp, a, b) * grad

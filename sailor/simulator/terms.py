@@ -22,18 +22,20 @@ place, `time_options`:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from sailor.catalog import LinkClass
 from sailor.models import Collective, Framework, Recompute
-from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
-from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_egress,
+from sailor.plan import DEFAULT_STAGE_MEMORY, Plan, StageMemory, pack_replicas
+from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_egress, same_node,
                                           tp_collective_time_s)
 from sailor.simulator.context import SimContext, embedding_params, stage_blocks, tied_embeddings
+from sailor.specs import ClusterSpec
 
-Slot = Member  # where one replica runs: zone, GPU type, TP degree
+Slot = Member  # where one replica runs: zone, GPU type, TP degree, and (once placed) its node
 
 # Share of a ring all-reduce's time (and of its bytes crossing zones) that each collective takes.
 _RING_SHARE = {Collective.ALL_REDUCE: 1.0, Collective.REDUCE_SCATTER: 0.5, Collective.ALL_GATHER: 0.5}
@@ -181,13 +183,15 @@ def tp_comm_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeO
 
 def zero_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions) -> float:
     """Seconds of one ZeRO-3 all-gather of the stage's weights (one replica's TP shards) across the
-    stage's D replicas, on a ring of D replicas like `slot`; paid before the forward and again
-    before the backward of every micro-batch. 0 without ZeRO-3 or with one replica."""
+    stage's D replicas, on a ring of D replicas like `slot`, each on a node of its own (the
+    conservative placement); paid before the forward and again before the backward of every
+    micro-batch. 0 without ZeRO-3 or with one replica."""
     if not opts.gathers_weights:
         return 0.0
     t = slot.tp
     nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["weights"]
-    return collective_s(ctx, [(slot, opts.replicas)], Collective.ALL_GATHER, nbytes, t)
+    apart = dataclasses.replace(slot, node=None)  # D replicas like this one, each on a node of its own
+    return collective_s(ctx, [(apart, opts.replicas)], Collective.ALL_GATHER, nbytes, t)
 
 
 def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int,
@@ -200,7 +204,9 @@ def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int,
     to its peer rank of the next stage, so a boundary carries min(t_i, t_i+1) concurrent flows of the
     whole tensor. Megatron-LM (`Framework.MEGATRON`) scatters it instead (SC'21 §4.1): each of those
     ranks sends 1/min(t_i, t_i+1) of it and the next stage all-gathers it over its intra-node link.
-    Each transfer also pays the calibrated fixed cost `p2p_overhead_s` of its slower end (0 by default)."""
+    The transfer takes the intra-node link when both replicas sit on one node (`Slot.node`, from
+    `placed_slots`). Each transfer also pays the calibrated fixed cost `p2p_overhead_s` of its slower
+    end (0 by default)."""
     P = len(stages)
     f, b, c = np.zeros(P), np.zeros(P), np.zeros(max(P - 1, 0))
     moved, usd = 0.0, 0.0
@@ -213,11 +219,13 @@ def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int,
             nbytes = ctx.boundary_bytes(e, mbs)
             flows = min(r.tp, nxt.tp)
             per_flow = nbytes / flows if scatter else nbytes
-            c[i] = (ctx.network.transfer_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, per_flow, flows=flows)
+            on_node = same_node(r, nxt)
+            c[i] = (ctx.network.transfer_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, per_flow, flows=flows,
+                                                same_node=on_node)
                     + ctx.p2p_overhead_s(r.gpu, nxt.gpu))
             if scatter and flows > 1:
                 c[i] += tp_collective_time_s(ctx.network, nxt.zone, nxt.gpu, nxt.tp, Collective.ALL_GATHER, nbytes)
-            lc = ctx.network.link_class(r.zone, nxt.zone)
+            lc = ctx.network.link_class(r.zone, nxt.zone, on_node)
             if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
                 both = 2.0 * per_flow * flows  # activation forward, gradient backward
                 moved += both
@@ -233,19 +241,14 @@ def optimizer_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions =
 
 def collective_s(ctx: SimContext, groups: list[Group], kind: Collective, nbytes: float, t: int) -> float:
     """Seconds of one all-reduce, reduce-scatter or all-gather of `nbytes` (a replica's full tensor,
-    split in `t` shards, one per TP rank) across `groups`: the ring over the links
-    (`collectives.allreduce_time_s`, a reduce-scatter or an all-gather taking half of it) divided by
-    the calibrated all-reduce efficiency, and no faster than the same share of one GPU's shard
-    (nbytes / t) at the slowest calibrated `allreduce_bytes_per_s` of the members (a rate that does
-    not depend on the number of replicas, as measured on GH200; see calibration.py). 0 for a single
-    member."""
+    split in `t` shards, one per TP rank: the flows of each ring edge) across `groups`: ring or
+    hierarchical over the links (`collectives.allreduce_time_s`, the cluster spec's algorithm) at
+    the lowest calibrated all-reduce efficiency of the members, a reduce-scatter or an all-gather
+    taking half of it. 0 for a single member."""
     if sum(n for _, n in groups) < 2:
         return 0.0
-    share = _RING_SHARE[kind]
-    members = [r for r, _ in groups]
-    ring = share * allreduce_time_s(groups, nbytes, ctx.network) / ctx.allreduce_efficiency(members)
-    rate = ctx.allreduce_bytes_per_s(members)
-    return max(ring, share * nbytes / t / rate) if rate is not None else ring
+    efficiency = ctx.allreduce_efficiency([r for r, _ in groups])
+    return _RING_SHARE[kind] * allreduce_time_s(groups, nbytes, ctx.network, efficiency=efficiency)
 
 
 def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> float:
@@ -288,3 +291,18 @@ def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tupl
         nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
         ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
     return ctx.memo[key]
+
+
+def place(pipelines: list[list[Slot]], cluster: ClusterSpec) -> list[list[Slot]]:
+    """The same slots, [pipeline][stage], with the node the launcher puts each on (`pack_replicas`,
+    the packing of `rank_layout`, with the cluster's GPUs per node): replicas that share a node talk
+    over the intra-node link."""
+    sizes = {sl.gpu: cluster.node_size(sl.gpu) for pipe in pipelines for sl in pipe}
+    nodes = pack_replicas([[(sl.zone, sl.gpu, sl.tp) for sl in pipe] for pipe in pipelines], sizes)
+    return [[dataclasses.replace(sl, node=node) for sl, (node, _) in zip(pipe, row)]
+            for pipe, row in zip(pipelines, nodes)]
+
+
+def placed_slots(plan: Plan, cluster: ClusterSpec) -> list[list[Slot]]:
+    """Slots of every replica of `plan`, [pipeline][stage], placed on nodes (`place`)."""
+    return place([[Slot(zone=r.zone, gpu=r.gpu, tp=r.tp) for r in p.replicas] for p in plan.pipelines], cluster)

@@ -1,0 +1,457 @@
+"""Hugging Face `config.json` <-> ModelSpec, for Llama, Mistral, Qwen2, GPT-NeoX, OPT and GPT-2 (torch-free).
+
+`load_hf_config(path)` reads a config file (or the `config.json` in a model folder) and returns the
+ModelSpec that the simulator, planner and runtime use. Every key of the file must be accounted for:
+- keys the architecture's reader uses become ModelSpec fields (with transformers' class default
+  where a file may leave them out, e.g. `num_key_value_heads`);
+- keys that cannot change the forward pass or the gradient (token ids, generation settings, labels,
+  `dtype`, `initializer_range`...) are listed in `_METADATA`;
+- keys that change the math are read and either supported or refused (`rope_scaling` of an unknown
+  type, a sliding window, MoE routers, quantization, post-norm OPT...);
+- dropout is the one setting accepted without being applied (Sailor trains without dropout): each
+  non-zero rate is reported once on the `sailor` logger.
+Anything else is an unknown field and refused, naming it. Both config layouts are read: the one
+transformers 4 writes (`rope_theta`, `rope_scaling`, `rotary_pct`) and the one transformers 5 writes
+(`rope_parameters`).
+
+`hf_config_from_spec(spec)` is the inverse, used by `sailor export`; `load`-ing what it writes gives
+the spec back (checked by `check_round_trip`).
+
+Raises `SailorInputError(source=file, field=key)` for every problem; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from sailor.errors import SailorInputError, unknown_name
+from sailor.fileio import load_json, validation_error
+from sailor.models import ModelSpec, RopeScaling
+
+LOG = logging.getLogger("sailor")
+
+# Keys that do not change what is computed in training: ids, generation settings, classification
+# heads that a causal LM does not build, bookkeeping. (Base `PretrainedConfig` attributes of
+# transformers 4 and 5.)
+_METADATA = frozenset("""
+    _name_or_path architectures model_type transformers_version torch_dtype dtype use_cache
+    bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id
+    forced_bos_token_id forced_eos_token_id initializer_range init_std id2label label2id num_labels
+    return_dict output_attentions output_hidden_states output_scores return_dict_in_generate torchscript
+    problem_type tokenizer_class prefix task_specific_params finetuning_task is_decoder
+    chunk_size_feed_forward tf_legacy_loss use_bfloat16 remove_invalid_values max_length min_length
+    do_sample early_stopping num_beams num_beam_groups diversity_penalty temperature top_k top_p
+    typical_p repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size
+    bad_words_ids num_return_sequences exponential_decay_length_penalty suppress_tokens
+    begin_suppress_tokens _attn_implementation_autoset classifier_dropout
+    summary_type summary_use_proj summary_activation summary_proj_to_labels summary_first_dropout
+""".split())
+# Keys that must keep the value a causal decoder has (any other value changes the model).
+_FIXED = {"is_encoder_decoder": False, "add_cross_attention": False, "tie_encoder_decoder": False,
+          "pruned_heads": {}, "cross_attention_hidden_size": None}
+# Keys transformers only writes for architectures Sailor does not build: named in the error.
+_REFUSED = {
+    "quantization_config": "quantized weights are not supported (load the unquantized model)",
+    "num_experts": "mixture-of-experts layers are not supported", "num_local_experts":
+    "mixture-of-experts layers are not supported", "num_experts_per_tok": "mixture-of-experts layers are not supported",
+}
+SUPPORTED = ("llama", "mistral", "qwen2", "gpt_neox", "opt", "gpt2")
+
+_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                "relu": "relu", "silu": "silu", "swish": "silu"}
+
+
+class _Fields:
+    """A config mapping that remembers which keys were read, so leftovers can be refused."""
+
+    def __init__(self, data: dict[str, Any], source: str) -> None:
+        self.data, self.source, self.used = data, source, set()
+
+    def error(self, key: str, message: str, fix: str | None = None) -> SailorInputError:
+        return SailorInputError(message, source=self.source, field=key, fix=fix)
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def get(self, key: str, kind: type, default: Any = ..., *, nullable: bool = False, positive: bool = True) -> Any:
+        """The value of `key` checked to be a `kind` (int, float, bool, str, dict, list), and > 0 for
+        numbers unless `positive` is False; `default` when absent (or null, unless `nullable`);
+        required when no default is given."""
+        self.used.add(key)
+        value = self.data.get(key)
+        if value is None:
+            if nullable and key in self.data:
+                return None
+            if default is ...:
+                raise self.error(key, "missing", fix=f"the {self.data.get('model_type')} config needs it")
+            return default
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else \
+            (isinstance(value, int) and not isinstance(value, bool)) if kind is int else isinstance(value, kind)
+        if not ok:
+            raise self.error(key, f"expected {kind.__name__}, got {value!r}")
+        if kind in (int, float) and positive and value <= 0:
+            raise self.error(key, f"must be > 0, got {value!r}")
+        return float(value) if kind is float else value
+
+    def require(self, key: str, allowed: Callable[[Any], bool], default: Any, why: str, fix: str) -> Any:
+        """Read `key` and refuse any value `allowed` rejects (values that change the math Sailor
+        does not implement)."""
+        self.used.add(key)
+        value = self.data.get(key, default)
+        if not allowed(value):
+            raise self.error(key, f"{value!r} is not supported: {why}", fix=fix)
+        return value
+
+    def dropout(self, *keys: str) -> None:
+        """Accept dropout rates, reporting each non-zero one (the runtime trains without dropout)."""
+        for key in keys:
+            rate = self.get(key, float, 0.0, positive=False)
+            if not 0 <= rate < 1:
+                raise self.error(key, f"a dropout rate is in [0, 1), got {rate}")
+            if rate:
+                LOG.warning(f"{self.source}: {key}: dropout {rate} is not applied (Sailor trains without dropout)")
+
+    def leftovers(self) -> list[str]:
+        return [k for k in self.data if k not in self.used and k not in _METADATA]
+
+
+def load_hf_config(path: str | Path) -> ModelSpec:
+    """The ModelSpec of a Hugging Face `config.json` (or of the one in model folder `path`).
+
+    The spec's name is the folder's name for a `config.json`, else the file's stem.
+
+    Raises:
+        SailorInputError: missing or invalid file, unsupported architecture, a missing or unknown
+            field, or a field whose value Sailor does not implement (file and field named).
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    data = load_json(p)
+    if not isinstance(data, dict):
+        raise SailorInputError(f"expected a JSON object, got {type(data).__name__}", source=str(p))
+    name = p.resolve().parent.name if p.name == "config.json" else p.stem
+    return spec_from_hf(data, source=str(p), name=name or "hf-model")
+
+
+def spec_from_hf(data: dict[str, Any], *, source: str, name: str) -> ModelSpec:
+    """The ModelSpec of a parsed Hugging Face config (`load_hf_config`; `source` names the file)."""
+    f = _Fields(data, source)
+    model_type = f.get("model_type", str)
+    if model_type not in _READERS:
+        raise unknown_name("model_type", model_type, SUPPORTED, source=source, field="model_type")
+    for key, want in _FIXED.items():
+        f.require(key, lambda v, w=want: v == w or (v is None and w in ({}, None, False)), want,
+                  "Sailor builds decoder-only causal language models", fix=f"it must be {want!r}")
+    for key, why in _REFUSED.items():
+        if key in data:
+            raise f.error(key, why)
+    fields = _READERS[model_type](f)
+    left = f.leftovers()
+    if left:
+        raise f.error(left[0], f"not a field of {model_type} configs that Sailor knows",
+                      fix="remove it if it does not change the model; Sailor refuses what it cannot check")
+    try:
+        return ModelSpec(name=name, hf_model_type=model_type, **fields)
+    except ValidationError as e:
+        raise validation_error(e, source) from None
+
+
+# ---- per-architecture readers: config keys -> ModelSpec fields ---------------------------------------
+
+def _activation(f: _Fields, key: str, default: str) -> str:
+    act = f.get(key, str, default)
+    if act not in _ACTIVATIONS:
+        raise f.error(key, f"activation {act!r} is not supported", fix=f"one of {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[act]
+
+
+def _heads(f: _Fields, hidden_key: str, heads_key: str, kv_key: str | None = None) -> tuple[int, int, int]:
+    """(hidden size, heads, KV heads), checked to split evenly, naming the config's own keys."""
+    hidden, heads = f.get(hidden_key, int), f.get(heads_key, int)
+    kv = f.get(kv_key, int, heads) if kv_key else heads
+    if hidden % heads:
+        raise f.error(heads_key, f"{heads} heads do not divide {hidden_key} {hidden}")
+    if heads % kv:
+        raise f.error(kv_key, f"{kv} KV heads do not divide the {heads} attention heads")
+    hd = f.get("head_dim", int, hidden // heads) if kv_key else hidden // heads
+    if hd * heads != hidden:
+        raise f.error("head_dim", f"head_dim {hd} x {heads} heads != {hidden_key} {hidden}",
+                      fix="Sailor needs head_dim = hidden_size / num_attention_heads")
+    return hidden, heads, kv
+
+
+def _rope(f: _Fields, *, theta_key: str = "rope_theta", fraction_key: str | None = None) -> dict[str, Any]:
+    """RoPE base, scaling and rotary fraction from either layout: transformers 4 (`rope_theta`,
+    `rope_scaling`, NeoX `rotary_pct`/`rotary_emb_base`) or 5 (`rope_parameters`)."""
+    out: dict[str, Any] = {}
+    params = f.get("rope_parameters", dict, None, nullable=True)
+    where = "rope_parameters"
+    if params is None:
+        params = dict(f.get("rope_scaling", dict, None, nullable=True) or {})
+        where = "rope_scaling"
+        if f.has(theta_key):
+            params["rope_theta"] = f.get(theta_key, float)
+        if fraction_key and f.has(fraction_key):
+            params["partial_rotary_factor"] = f.get(fraction_key, float)
+    else:
+        for key in ("rope_scaling", theta_key, *((fraction_key,) if fraction_key else ())):
+            if f.has(key):
+                raise f.error(key, "given next to rope_parameters", fix="keep one of the two")
+            f.used.add(key)
+    params = dict(params)
+    sub = _Fields(params, f.source)
+    if "rope_theta" in params:
+        out["rope_theta"] = sub.get("rope_theta", float)
+    if "partial_rotary_factor" in params:
+        out["rotary_fraction"] = sub.get("partial_rotary_factor", float)
+    kind = params.get("rope_type", params.get("type", "default"))
+    sub.used |= {"rope_type", "type"}
+    if kind not in ("default", "linear", "llama3"):
+        raise SailorInputError(f"rope scaling type {kind!r} is not supported", source=f.source,
+                               field=f"{where}.rope_type", fix="supported: default, linear, llama3")
+    if kind != "default":
+        scaling = {"kind": kind, "factor": sub.get("factor", float)}
+        if kind == "llama3":
+            scaling |= {k: sub.get(k, int if k.startswith("original") else float)
+                        for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        try:
+            out["rope_scaling"] = RopeScaling(**scaling)
+        except ValidationError as e:
+            raise validation_error(e, f.source).located(field_prefix=where) from None
+    left = sub.leftovers()
+    if left:
+        raise SailorInputError(f"unknown {kind} rope parameter", source=f.source, field=f"{where}.{left[0]}",
+                               fix="Sailor refuses what it cannot check")
+    return out
+
+
+def _llama(f: _Fields) -> dict[str, Any]:
+    """Llama (1-3), and the common part of Mistral and Qwen2 (transformers' LlamaConfig defaults)."""
+    hidden, heads, kv = _heads(f, "hidden_size", "num_attention_heads", "num_key_value_heads")
+    f.require("pretraining_tp", lambda v: isinstance(v, int) and v >= 1, 1,
+              "a number of matmul slices >= 1", fix="use 1")  # slices a matmul; the sum is the same
+    f.dropout("attention_dropout")
+    if f.get("mlp_bias", bool, False) and f.data.get("model_type") != "llama":
+        raise f.error("mlp_bias", f"not a field of {f.data.get('model_type')} configs")
+    attention_bias = f.get("attention_bias", bool, False)
+    return dict(
+        num_blocks=f.get("num_hidden_layers", int), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=kv, ffn_hidden_size=f.get("intermediate_size", int),
+        vocab_size=f.get("vocab_size", int), max_sequence_length=f.get("max_position_embeddings", int),
+        gated_mlp=True, learned_positions=False, rms_norm=True, bias=False,
+        qkv_bias=attention_bias, out_bias=attention_bias, mlp_bias=f.get("mlp_bias", bool, False),
+        norm_eps=f.get("rms_norm_eps", float, 1e-6), activation=_activation(f, "hidden_act", "silu"),
+        tied_embeddings=f.get("tie_word_embeddings", bool, False), **_rope(f))
+
+
+def _mistral(f: _Fields) -> dict[str, Any]:
+    """Mistral: Llama with an optional sliding attention window (no biases)."""
+    f.used.add("attention_bias")
+    if f.data.get("attention_bias"):
+        raise f.error("attention_bias", "not a field of mistral configs")
+    out = _llama(f)
+    window = f.get("sliding_window", int, None, nullable=True)
+    return out | ({"sliding_window": window} if window else {})
+
+
+def _qwen2(f: _Fields) -> dict[str, Any]:
+    """Qwen2: Llama with biases on q, k, v (not on the output projection); a sliding window only
+    where `use_sliding_window` / `layer_types` turn it on."""
+    f.used.add("attention_bias")
+    if "attention_bias" in f.data:
+        raise f.error("attention_bias", "not a field of qwen2 configs (its q, k, v always carry biases)")
+    out = _llama(f) | {"qkv_bias": True, "out_bias": False}
+    blocks = out["num_blocks"]
+    window = f.get("sliding_window", int, None, nullable=True)
+    # transformers 4: layers from max_window_layers on slide when use_sliding_window; 5: layer_types.
+    first_sliding = f.get("max_window_layers", int, blocks, positive=False)
+    layer_types = f.get("layer_types", list, [])
+    bad = [t for t in layer_types if t not in ("full_attention", "sliding_attention")]
+    if bad:
+        raise f.error("layer_types", f"unknown attention type {bad[0]!r}", fix="full_attention or sliding_attention")
+    if layer_types and len(layer_types) != blocks:
+        raise f.error("layer_types", f"{len(layer_types)} entries for {blocks} layers")
+    if layer_types:
+        sliding = "sliding_attention" in layer_types
+    else:
+        sliding = f.get("use_sliding_window", bool, False) and first_sliding < blocks
+    f.used.add("use_sliding_window")
+    return out | ({"sliding_window": window} if sliding and window else {})
+
+
+def _gpt_neox(f: _Fields) -> dict[str, Any]:
+    """GPT-NeoX / Pythia: LayerNorm, partial rotary, parallel residual, biases everywhere, untied."""
+    f.dropout("attention_dropout", "hidden_dropout")
+    hidden, heads, _ = _heads(f, "hidden_size", "num_attention_heads")
+    return dict(
+        num_blocks=f.get("num_hidden_layers", int), hidden_size=hidden,
+        num_heads=heads, ffn_hidden_size=f.get("intermediate_size", int),
+        vocab_size=f.get("vocab_size", int), max_sequence_length=f.get("max_position_embeddings", int),
+        learned_positions=False, bias=True, qkv_bias=f.get("attention_bias", bool, True),
+        out_bias=f.get("attention_bias", bool, True), mlp_bias=True, norm_eps=f.get("layer_norm_eps", float, 1e-5),
+        activation=_activation(f, "hidden_act", "gelu"), parallel_residual=f.get("use_parallel_residual", bool, True),
+        tied_embeddings=f.get("tie_word_embeddings", bool, False),
+        **({"rotary_fraction": 0.25} | _rope(f, theta_key="rotary_emb_base", fraction_key="rotary_pct")))
+
+
+def _opt(f: _Fields) -> dict[str, Any]:
+    """OPT (pre-norm sizes: 125m, 1.3b and up): learned positions offset by 2, ReLU, biases, tied."""
+    hidden, heads, _ = _heads(f, "hidden_size", "num_attention_heads")
+    f.require("do_layer_norm_before", lambda v: v is True, True, "post-norm OPT (opt-350m) is not built by Sailor",
+              fix="a pre-norm OPT size (125m, 1.3b, ...)")
+    f.require("word_embed_proj_dim", lambda v: v in (None, hidden), hidden,
+              "an embedding narrower than hidden_size needs project_in/project_out (opt-350m)",
+              fix="a pre-norm OPT size (125m, 1.3b, ...)")
+    f.require("_remove_final_layer_norm", lambda v: v is False, False, "OPT without its final norm",
+              fix="set it to false")
+    f.require("layer_norm_elementwise_affine", lambda v: v is True, True, "LayerNorm without weights",
+              fix="set it to true")
+    f.require("layerdrop", lambda v: v in (0, 0.0), 0.0, "LayerDrop skips whole layers in training",
+              fix="set it to 0")
+    f.dropout("dropout", "attention_dropout", "activation_dropout")
+    return dict(
+        num_blocks=f.get("num_hidden_layers", int), hidden_size=hidden, num_heads=heads,
+        ffn_hidden_size=f.get("ffn_dim", int), vocab_size=f.get("vocab_size", int),
+        max_sequence_length=f.get("max_position_embeddings", int), bias=f.get("enable_bias", bool, True),
+        activation=_activation(f, "activation_function", "relu"), position_offset=2,
+        tied_embeddings=f.get("tie_word_embeddings", bool, True))
+
+
+def _gpt2(f: _Fields) -> dict[str, Any]:
+    """GPT-2: learned positions, LayerNorm, tanh-GELU, biases everywhere (Conv1D), tied."""
+    f.require("scale_attn_weights", lambda v: v is True, True, "attention without 1/sqrt(head_dim)", fix="set it to true")
+    f.require("scale_attn_by_inverse_layer_idx", lambda v: v is False, False, "per-layer attention scaling",
+              fix="set it to false")
+    f.get("reorder_and_upcast_attn", bool, False)  # fp32 attention scores: the same math in fp32
+    f.dropout("resid_pdrop", "embd_pdrop", "attn_pdrop")
+    hidden, heads, _ = _heads(f, "n_embd", "n_head")
+    positions = f.get("n_positions", int)
+    f.require("n_ctx", lambda v: v in (None, positions), positions, "n_ctx differs from n_positions",
+              fix="make them equal")
+    return dict(
+        num_blocks=f.get("n_layer", int), hidden_size=hidden, num_heads=heads,
+        ffn_hidden_size=f.get("n_inner", int, None, nullable=True), vocab_size=f.get("vocab_size", int),
+        max_sequence_length=positions, activation=_activation(f, "activation_function", "gelu_new"),
+        norm_eps=f.get("layer_norm_epsilon", float, 1e-5), tied_embeddings=f.get("tie_word_embeddings", bool, True))
+
+
+_READERS: dict[str, Callable[[_Fields], dict[str, Any]]] = {
+    "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gpt_neox": _gpt_neox, "opt": _opt, "gpt2": _gpt2}
+
+
+# ---- the inverse: ModelSpec -> config.json (for `sailor export`) ---------------------------------------
+
+_ACT_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+FP32_EPS = 2.0 ** -23  # torch.finfo(torch.float32).eps: RMSNorm's epsilon when none is given
+
+
+def export_model_type(spec: ModelSpec) -> str:
+    """The Hugging Face architecture `spec` is written as: its own, else GPT-2 for learned-position
+    GPT-style specs (built-ins such as `tiny`), else Llama."""
+    if spec.hf_model_type:
+        return spec.hf_model_type
+    return "gpt2" if spec.learned_positions else "llama"
+
+
+def hf_config_from_spec(spec: ModelSpec) -> dict[str, Any]:
+    """A config.json mapping for `spec` in transformers 4's layout (which transformers 5 reads too).
+
+    Raises:
+        SailorInputError: the spec has a feature the chosen architecture cannot express (found by
+            reading the result back and comparing, `check_round_trip`).
+    """
+    kind = export_model_type(spec)
+    eps = spec.norm_eps or (FP32_EPS if spec.rms_norm else 1e-5)
+    common = {"model_type": kind, "vocab_size": spec.vocab_size, "tie_word_embeddings": spec.tied_embeddings}
+    if kind in ("llama", "mistral", "qwen2"):
+        out = common | {
+            "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen2": "Qwen2ForCausalLM"}[kind]],
+            "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn, "num_hidden_layers": spec.num_blocks,
+            "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.kv_heads,
+            "max_position_embeddings": spec.max_sequence_length, "rms_norm_eps": eps,
+            "hidden_act": _ACT_NAMES[spec.act], "rope_theta": spec.rope_theta,
+            "rope_scaling": _rope_scaling_dict(spec.rope_scaling)}
+        if kind == "llama":
+            out |= {"attention_bias": spec.has_qkv_bias, "mlp_bias": spec.has_mlp_bias}
+        if kind == "mistral":
+            out["sliding_window"] = spec.sliding_window
+        if kind == "qwen2":
+            out |= {"use_sliding_window": spec.sliding_window is not None, "sliding_window": spec.sliding_window,
+                    "max_window_layers": 0 if spec.sliding_window else spec.num_blocks}
+    elif kind == "gpt_neox":
+        out = common | {
+            "architectures": ["GPTNeoXForCausalLM"], "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.ffn, "num_hidden_layers": spec.num_blocks, "num_attention_heads": spec.num_heads,
+            "max_position_embeddings": spec.max_sequence_length, "layer_norm_eps": eps,
+            "hidden_act": _ACT_NAMES[spec.act], "rotary_pct": spec.rotary_fraction, "rotary_emb_base": spec.rope_theta,
+            "rope_scaling": _rope_scaling_dict(spec.rope_scaling), "use_parallel_residual": spec.parallel_residual,
+            "attention_bias": spec.has_qkv_bias}
+    elif kind == "opt":
+        out = common | {
+            "architectures": ["OPTForCausalLM"], "hidden_size": spec.hidden_size, "ffn_dim": spec.ffn,
+            "num_hidden_layers": spec.num_blocks, "num_attention_heads": spec.num_heads,
+            "max_position_embeddings": spec.max_sequence_length, "word_embed_proj_dim": spec.hidden_size,
+            "do_layer_norm_before": True, "enable_bias": spec.bias, "activation_function": _ACT_NAMES[spec.act],
+            "dropout": 0.0, "attention_dropout": 0.0}
+    else:
+        out = common | {
+            "architectures": ["GPT2LMHeadModel"], "n_embd": spec.hidden_size, "n_inner": spec.ffn,
+            "n_layer": spec.num_blocks, "n_head": spec.num_heads, "n_positions": spec.max_sequence_length,
+            "layer_norm_epsilon": eps, "activation_function": _ACT_NAMES[spec.act],
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    check_round_trip(spec, out)
+    return out
+
+
+def _rope_scaling_dict(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    if scaling is None:
+        return None
+    d = {"rope_type": scaling.kind, "factor": scaling.factor}
+    if scaling.kind == "llama3":
+        d |= {"low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
+              "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    return d
+
+
+def comparable(spec: ModelSpec) -> dict[str, Any]:
+    """The fields of `spec` that decide the math, with defaults resolved (name and origin dropped):
+    two specs with equal `comparable` build the same model."""
+    d = spec.model_dump(exclude={"name", "hf_model_type", "num_kv_heads", "ffn_hidden_size", "activation",
+                                 "qkv_bias", "out_bias", "mlp_bias", "norm_eps", "bias"})
+    d |= {"kv_heads": spec.kv_heads, "ffn": spec.ffn, "act": spec.act, "qkv_bias": spec.has_qkv_bias,
+          "out_bias": spec.has_out_bias, "mlp_bias": spec.has_mlp_bias,
+          "norm_eps": spec.norm_eps or (FP32_EPS if spec.rms_norm else 1e-5)}
+    if not d["learned_positions"]:
+        d["max_sequence_length"] = None  # only sizes a learned table
+    else:
+        d["rope_theta"] = None  # unused without rotary
+    return d
+
+
+def differences(a: ModelSpec, b: ModelSpec) -> list[tuple[str, Any, Any]]:
+    """(field, a's value, b's value) wherever `a` and `b` build different models (`comparable`)."""
+    x, y = comparable(a), comparable(b)
+    return [(k, x[k], y[k]) for k in x if not _same(x[k], y[k])]
+
+
+def check_round_trip(spec: ModelSpec, config: dict[str, Any]) -> None:
+    """Raise SailorInputError unless `config` reads back as the same model as `spec`."""
+    diff = differences(spec, spec_from_hf(config, source="exported config.json", name=spec.name))
+    if diff:
+        field, want, got = diff[0]
+        raise SailorInputError(f"a {config['model_type']} config cannot express {spec.name}'s {field}"
+                               f" ({want!r}; it would read back as {got!r})", field=field)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12)
+    return a == b

@@ -1,0 +1,96 @@
+"""Training metrics beyond the JSONL lines: model FLOP utilisation (MFU), TensorBoard event files,
+and a progress line per logging interval.
+
+MFU = model FLOPs per step / step time / peak FLOP/s of the plan's GPUs (PaLM, Chowdhery et al.
+2022, App. B: "model FLOPs" count the forward and backward passes of the model, 3 x forward, never
+recomputation). Forward FLOPs per layer come from `ModelSpec.forward_flop` at TP 1 (Megatron
+accounting, SC'21 §5.1) for the whole global batch; the peak is the sum over the plan's ranks of the
+catalog's dense peak for the job's precision (`catalog.GpuSpec.peak`). Torch-free except for
+TensorBoard, whose writer (`torch.utils.tensorboard`, which needs the `tensorboard` package) is
+imported only when asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sailor import catalog
+from sailor.errors import SailorInputError
+from sailor.plan import Plan
+from sailor.specs import JobSpec
+
+SCALARS = ("loss", "tokens_per_s", "mfu", "grad_norm", "step_time_s")  # what TensorBoard gets per step
+
+
+def model_flop_per_step(job: JobSpec) -> float:
+    """FLOPs of one optimizer step of the whole model on the global batch: 3 x forward (module docstring)."""
+    m = job.model
+    forward = sum(m.forward_flop(i, tp=1, mbs=job.global_batch_size, seq=job.seq) for i in range(m.num_layers))
+    return 3.0 * forward
+
+
+def peak_flop_per_s(plan: Plan, job: JobSpec) -> float:
+    """Dense peak FLOP/s of all of the plan's GPUs for the job's precision (catalog figures)."""
+    dtype = job.precision
+    return sum(r.tp * catalog.gpu(r.gpu).peak(dtype) for p in plan.pipelines for r in p.replicas)
+
+
+def check_tensorboard(folder: str | None) -> None:
+    """Raise SailorInputError when `--tensorboard` is given but TensorBoard's writer cannot be imported."""
+    if folder is None:
+        return
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
+    except ModuleNotFoundError:
+        raise SailorInputError("TensorBoard event files need the tensorboard package", source="--tensorboard",
+                               fix="pip install 'sailor-train[tensorboard]'") from None
+
+
+class StepMetrics:
+    """Adds `mfu` to each step event and writes TensorBoard scalars when `tensorboard` is a folder.
+
+    Call `on_step(event)` with each step event (it is updated in place), `close()` at the end.
+    """
+
+    def __init__(self, plan: Plan, job: JobSpec, tensorboard: str | Path | None = None) -> None:
+        self.flop_per_step = model_flop_per_step(job)
+        self.peak = peak_flop_per_s(plan, job)
+        self.writer = None
+        if tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(tensorboard))
+
+    def on_step(self, ev: dict[str, Any]) -> None:
+        ev["mfu"] = self.flop_per_step / ev["step_time_s"] / self.peak
+        if self.writer is not None:
+            for key in SCALARS:
+                if key in ev:
+                    self.writer.add_scalar(f"train/{key}", ev[key], ev["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class IntervalLog:
+    """One line per `every` steps: loss, tokens/s and MFU over the interval (total tokens and FLOPs
+    over total step time), e.g. `step 20/100  loss 3.2100  tokens/s 1,234  MFU 2.31 %`."""
+
+    def __init__(self, plan: Plan, job: JobSpec, *, every: int, total_steps: int, write: Callable[[str], None]) -> None:
+        self.every, self.total, self.write = every, total_steps, write
+        self.flop_per_step, self.peak = model_flop_per_step(job), peak_flop_per_s(plan, job)
+        self._tokens = self._time = self._flop = 0.0
+
+    def on_step(self, ev: dict[str, Any]) -> None:
+        self._tokens += ev["tokens"]
+        self._time += ev["step_time_s"]
+        self._flop += self.flop_per_step
+        if self.every and (ev["step"] % self.every == 0 or ev["step"] == self.total):
+            mfu = self._flop / self._time / self.peak
+            self.write(f"step {ev['step']}/{self.total}  loss {ev['loss']:.4f}  tokens/s {self._tokens / self._time:,.0f}"
+                       f"  MFU {100 * mfu:.2f} %")
+            self._tokens = self._time = self._flop = 0.0
