@@ -221,8 +221,8 @@ def model_from_runs(folder: Path, layer_counts: list[int]) -> str:
 
 
 def _read_raw(path: Path) -> dict[str, Any]:
-    """A file's plan_config object (read by `fileio.load_json`: UTF-8, depth and size limits, finite
-    numbers, unique keys); raises SailorInputError naming the problem."""
+    """A file's plan_config object (read by `fileio.load_json`'s rules); raises SailorInputError
+    naming the problem."""
     raw = load_json(path)
     if not isinstance(raw, dict) or "pipeline_list" not in raw:
         raise SailorInputError("not a Sailor plan_config (no pipeline_list)", source=str(path))
