@@ -310,6 +310,38 @@ class ModelSpec(BaseModel):
         """Backward FLOPs: twice the forward (gradients w.r.t. inputs and weights)."""
         return 2.0 * self.forward_flop(layer, tp=tp, mbs=mbs, seq=seq)
 
+    def weight_grad_flop(self, layer: int, *, tp: int, mbs: int, seq: int) -> float:
+        """FLOPs of the backward's weight-gradient part (dW = Xᵀ·dY of every matmul with weights),
+        the rest being the input gradient (Qi et al., ICLR 2024, §2, Table 1: a linear layer's
+        backward is half each; attention's QKᵀ and attention·V have no weights, so their backward is
+        all input gradient). Block: the forward's matmul FLOPs; head: its LM-head matmul (half its
+        backward); embedding: 0 FLOPs (a scatter-add, and it has no input gradient at all)."""
+        kind = self.layer_kind(layer)
+        if kind is LayerKind.EMBEDDING:
+            return 0.0
+        if kind is LayerKind.HEAD:
+            return self.forward_flop(layer, tp=tp, mbs=mbs, seq=seq)
+        attention = 4.0 * mbs * seq * seq * self.hidden_size / tp
+        return self.forward_flop(layer, tp=tp, mbs=mbs, seq=seq) - attention
+
+    def weight_grad_pending_bytes(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int) -> float:
+        """Bytes one GPU keeps from a layer's input-gradient pass until its deferred weight-gradient
+        pass (zero-bubble schedules): the gradients dY of the outputs of its weight matmuls, beyond
+        the activations (which stay held until the weight pass too). Block: QKV (h + 2·kv_dim)/t,
+        attention-out h (replicated), MLP-in m'·f/t (m' = 2 gated, 1 plain), MLP-out h (replicated),
+        each s·b·e. Embedding: its output gradient s·b·h·e. Head: the gradient of its LM-head
+        matmul's output, the vocab-parallel logits, s·b·(V/t)·e (one micro-batch's is already the
+        simulator's logits-gradient buffer; the pending ones stay until their W passes)."""
+        s, b, h, e = seq, mbs, self.hidden_size, elem_bytes
+        kind = self.layer_kind(layer)
+        if kind is LayerKind.EMBEDDING:
+            return s * b * h * e
+        if kind is LayerKind.HEAD:
+            return s * b * self.padded_vocab(tp) / tp * e
+        kvd = self.kv_heads * self.head_dim
+        mlp_in = 2 if self.gated_mlp else 1
+        return s * b * e * ((h + 2 * kvd + mlp_in * self.ffn) / tp + 2 * h)
+
     def recompute_flop(self, layer: int, *, tp: int, mbs: int, seq: int, recompute: Recompute) -> float:
         """FLOPs one GPU spends in the backward pass re-running forward work of layer `layer` for one
         micro-batch: the whole block's forward under full recomputation; under selective

@@ -10,19 +10,46 @@ micro_batch_size: 4
 Replica (i, j) is stage i of pipeline j: a TP group of `tp` GPUs of one type on one node. A plan file
 may carry the `job` and `cluster` it was made for.
 
-Optional `memory`: one entry per stage with the stage's memory options (`StageMemory`: activation
-recomputation, ZeRO sharding over the stage's data-parallel replicas, sequence parallelism). Absent,
-every stage uses the defaults (no recomputation, no sharding, no sequence parallelism), so plans
-written before these options existed mean what they meant. `Plan.stage_memory(i)` is the one
-accessor; the simulator and the runtime each read it in one place. `rank_layout` is the one place where ranks, nodes
-and TP groups are derived from a plan (the runtime, launchers and simulator all use it).
+Optional `schedule` (`Schedule`): how every pipeline orders its passes. Absent, `{"kind": "1f1b"}`, so
+plans written before schedules existed mean what they meant.
+- `1f1b`: one forward and one backward per micro-batch and stage (PipeDream-Flush, Narayanan et al.
+  SC'21 §2.2.1); `stages` has one layer range per pipeline stage.
+- `interleaved-1f1b` with `virtual_stages` v >= 2 (Narayanan et al. SC'21 §2.2.2, Megatron-LM's
+  virtual pipeline stages): `stages` is the model cut into p·v contiguous *chunks* (virtual stages),
+  in layer order, each of any size (chunks may be uneven); chunk k runs on pipeline stage k mod p, so
+  stage i holds the v non-contiguous chunks i, i + p, ..., i + (v-1)·p (`Plan.stage_chunks`). Each
+  pipeline still has one replica per pipeline stage (p of them, `Replica.stage` in [0, p)): the
+  chunks of a stage share its replica's GPUs, TP degree and zone, and a micro-batch goes around the
+  pipeline v times (chunk p·v-1 ... reaches the head; chunk p-1 hands over to chunk p on stage 0).
+  Example, 2 stages x 2 chunks of a 26-layer model:
+  `"stages": [[0, 5], [5, 13], [13, 20], [20, 26]], "schedule": {"kind": "interleaved-1f1b",
+  "virtual_stages": 2}`: stage 0 holds [0, 5) and [13, 20), stage 1 holds [5, 13) and [20, 26).
+- `zb-h1`: each backward split into an input-gradient pass (B) and a weight-gradient pass (W), the
+  W passes deferred to fill the bubble at 1F1B's activation memory (Qi et al., ICLR 2024, "Zero Bubble
+  Pipeline Parallelism", ZB-H1); `stages` as for 1f1b.
+`Plan.num_stages` is always p, the number of pipeline stages (replicas per pipeline).
+
+Optional `memory`: one entry per pipeline stage with the stage's memory options (`StageMemory`:
+activation recomputation, ZeRO sharding over the stage's data-parallel replicas, sequence
+parallelism). Absent, every stage uses the defaults (no recomputation, no sharding, no sequence
+parallelism), so plans written before these options existed mean what they meant. Under
+interleaving an entry applies to every chunk of its stage (the chunks share the replica's memory
+and optimizer); `recompute_blocks` counts the stage's blocks in layer order over its chunks.
+`Plan.stage_memory(i)` is the one accessor; the simulator and the runtime each read it in one place.
+Validation refuses what cannot run, naming the field: an interleaved plan whose chunk count is not a
+multiple of v or that has a single stage, and zb-h1 with full recomputation (the deferred W passes
+need the activations full recomputation drops). `rank_layout` is the one place where ranks, nodes
+and TP groups are derived from a plan (the runtime, launchers and simulator all use it); chunks do
+not change it.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +119,41 @@ class StageMemory(BaseModel):
 DEFAULT_STAGE_MEMORY = StageMemory()
 
 
+class ScheduleKind(str, Enum):
+    """Pipeline schedule of a plan's pipelines (see the module docstring)."""
+
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved-1f1b"
+    ZB_H1 = "zb-h1"
+
+
+class Schedule(BaseModel):
+    """How every pipeline of a plan orders its forward and backward passes.
+
+    Attributes:
+        kind: the schedule (`ScheduleKind`).
+        virtual_stages: v, layer chunks per pipeline stage: >= 2 for `interleaved-1f1b`, 1 otherwise.
+    """
+
+    model_config = SPEC_CONFIG
+    kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    virtual_stages: Whole(1, MAX_BLOCKS + 2) = 1  # at most one chunk per layer
+
+    @model_validator(mode="after")
+    def _check(self) -> "Schedule":
+        v = self.virtual_stages
+        if self.kind is ScheduleKind.INTERLEAVED and v < 2:
+            raise SailorInputError(f"interleaved-1f1b needs virtual_stages >= 2 (chunks per stage), got {v}",
+                                   field="virtual_stages")
+        if self.kind is not ScheduleKind.INTERLEAVED and v != 1:
+            raise SailorInputError(f"{self.kind.value} runs one chunk per stage, got virtual_stages {v}",
+                                   field="virtual_stages", fix="use kind interleaved-1f1b for virtual stages")
+        return self
+
+
+DEFAULT_SCHEDULE = Schedule()
+
+
 class Pipeline(BaseModel):
     """One data-parallel replica of the model: `microbatches` micro-batches per iteration, one
     replica per stage in stage order."""
@@ -115,6 +177,8 @@ class Plan(BaseModel):
     pipelines: tuple[Pipeline, ...] = Field(max_length=MAX_GLOBAL_BATCH)
     memory: tuple[StageMemory, ...] = ()
     """Per-stage memory options; empty = defaults everywhere (see the module docstring)."""
+    schedule: Schedule = DEFAULT_SCHEDULE
+    """Pipeline schedule; 1F1B by default (see the module docstring)."""
     job: JobSpec | None = None
     cluster: ClusterSpec | None = None
 
@@ -122,14 +186,23 @@ class Plan(BaseModel):
     def _check(self) -> "Plan":
         if not self.stages:
             raise SailorInputError("a plan needs at least one stage", field="stages")
+        v = self.schedule.virtual_stages
+        what = "stage" if v == 1 else "chunk"
         start = 0
         for i, (a, b) in enumerate(self.stages):
             if a != start:
-                what = "overlaps the previous stage" if a < start else "leaves a gap after the previous stage"
-                raise SailorInputError(f"stage {i} starts at layer {a} and {what} (expected {start})", field=f"stages.{i}")
+                how = f"overlaps the previous {what}" if a < start else f"leaves a gap after the previous {what}"
+                raise SailorInputError(f"{what} {i} starts at layer {a} and {how} (expected {start})", field=f"stages.{i}")
             if b <= a:
-                raise SailorInputError(f"stage {i} [{a}, {b}) holds no layer", field=f"stages.{i}")
+                raise SailorInputError(f"{what} {i} [{a}, {b}) holds no layer", field=f"stages.{i}")
             start = b
+        if len(self.stages) % v:
+            raise SailorInputError(f"{len(self.stages)} layer chunks for {v} virtual stages per pipeline stage: need a"
+                                   f" multiple of {v} (chunk k runs on stage k mod p)", field="stages")
+        P = self.num_stages
+        if self.schedule.kind is ScheduleKind.INTERLEAVED and P < 2:
+            raise SailorInputError(f"interleaved-1f1b needs at least 2 pipeline stages, the plan has {P}"
+                                   f" ({len(self.stages)} chunks / {v})", field="schedule.kind", fix="use 1f1b")
         if not self.pipelines:
             raise SailorInputError("a plan needs at least one pipeline", field="pipelines")
         if self.global_batch_size > MAX_GLOBAL_BATCH:
@@ -137,15 +210,15 @@ class Plan(BaseModel):
                                    f" micro-batches = {self.global_batch_size} samples, more than any job"
                                    f" ({MAX_GLOBAL_BATCH}, sailor.limits.MAX_GLOBAL_BATCH)", field="pipelines")
         for j, p in enumerate(self.pipelines):
-            if len(p.replicas) != len(self.stages):
-                raise SailorInputError(f"pipeline {j} has {len(p.replicas)} replicas for {len(self.stages)} stages",
+            if len(p.replicas) != P:
+                raise SailorInputError(f"pipeline {j} has {len(p.replicas)} replicas for {P} stages",
                                        field=f"pipelines.{j}.replicas")
             for i, r in enumerate(p.replicas):
                 if r.stage != i:
                     raise SailorInputError(f"replica {i} of pipeline {j} names stage {r.stage}, expected {i}",
                                            field=f"pipelines.{j}.replicas.{i}.stage")
-        if self.memory and len(self.memory) != len(self.stages):
-            raise SailorInputError(f"{len(self.memory)} entries for {len(self.stages)} stages (one per stage, or none)",
+        if self.memory and len(self.memory) != P:
+            raise SailorInputError(f"{len(self.memory)} entries for {P} stages (one per stage, or none)",
                                    field="memory")
         for i, mem in enumerate(self.memory):
             if mem.sequence_parallel:
@@ -153,6 +226,10 @@ class Plan(BaseModel):
                     if p.replicas[i].tp < 2:
                         raise SailorInputError(f"sequence parallelism needs TP > 1, but replica {i} of pipeline {j}"
                                                f" has TP {p.replicas[i].tp}", field=f"memory.{i}.sequence_parallel")
+            if self.schedule.kind is ScheduleKind.ZB_H1 and mem.recompute is Recompute.FULL:
+                raise SailorInputError(f"zb-h1 defers weight-gradient passes, which need the activations full"
+                                       f" recomputation drops (stage {i})", field=f"memory.{i}.recompute",
+                                       fix="use recompute none or selective, or schedule 1f1b")
         return self
 
     # ---- derived ---------------------------------------------------------------------------
@@ -160,9 +237,30 @@ class Plan(BaseModel):
         """Memory options of stage `stage` (the defaults when the plan gives none)."""
         return self.memory[stage] if self.memory else DEFAULT_STAGE_MEMORY
 
+    def chunk_memory(self, stage: int) -> tuple[StageMemory, ...]:
+        """`stage_memory(stage)` for each of the stage's chunks (`stage_chunks`; one unless
+        interleaved), with `recompute_blocks` counted over the chunks in layer order
+        (`split_recompute_blocks`)."""
+        return split_recompute_blocks(self.stage_memory(stage), self.stage_chunks(stage), self.num_layers)
+
     @property
     def num_stages(self) -> int:
-        return len(self.stages)
+        """p: pipeline stages, i.e. replicas per pipeline (under interleaving, chunks / v)."""
+        return len(self.stages) // self.schedule.virtual_stages
+
+    @property
+    def virtual_stages(self) -> int:
+        """v: layer chunks per pipeline stage (1 unless interleaved)."""
+        return self.schedule.virtual_stages
+
+    def stage_chunks(self, stage: int) -> tuple[tuple[int, int], ...]:
+        """Half-open layer ranges pipeline stage `stage` holds, in layer order: chunks stage,
+        stage + p, ..., stage + (v-1)·p of `stages` (one range unless interleaved)."""
+        return tuple(self.stages[stage::self.num_stages])
+
+    def stage_layers_text(self, stage: int) -> str:
+        """The layers of stage `stage` for people, e.g. "[0, 5) + [13, 20)"."""
+        return " + ".join(f"[{a}, {b})" for a, b in self.stage_chunks(stage))
 
     @property
     def num_layers(self) -> int:
@@ -203,9 +301,10 @@ class Plan(BaseModel):
                     model.check_tp(r.tp)
                 except SailorInputError as e:
                     raise e.located(field_prefix=f"pipelines.{j}.replicas.{i}.tp") from None
-        for i, (a, b) in enumerate(self.stages):
+        for i in range(self.num_stages):
             mem = self.stage_memory(i)
-            blocks = sum(1 for layer in range(a, b) if model.layer_kind(layer).value == "block")
+            blocks = sum(1 for a, b in self.stage_chunks(i) for layer in range(a, b)
+                         if model.layer_kind(layer).value == "block")
             if mem.recompute_blocks is not None and mem.recompute_blocks > blocks:
                 raise SailorInputError(f"recompute_blocks {mem.recompute_blocks} but stage {i} holds {blocks}"
                                        " transformer blocks", field=f"memory.{i}.recompute_blocks")
@@ -242,6 +341,8 @@ class Plan(BaseModel):
         }
         if any(not m.is_default for m in self.memory):
             d["memory"] = [m.model_dump(mode="json", exclude_defaults=True) for m in self.memory]
+        if self.schedule != DEFAULT_SCHEDULE:
+            d["schedule"] = self.schedule.model_dump(mode="json", exclude_defaults=True)
         if with_specs and self.job is not None:
             d["job"] = self.job.to_dict()
         if with_specs and self.cluster is not None:
@@ -261,6 +362,43 @@ class Plan(BaseModel):
 
 
 # ---- rank layout: the one Plan -> ranks/nodes function ------------------------------------------
+def chunk_blocks(chunk: tuple[int, int], num_layers: int) -> int:
+    """Transformer blocks in the layer range `chunk` of a model of `num_layers` layers (layer 0 is
+    the embedding, the last the head)."""
+    a, b = chunk
+    return max(min(b, num_layers - 1) - max(a, 1), 0)
+
+
+def interleave_partition(stages: Sequence[tuple[int, int]], v: int) -> tuple[tuple[int, int], ...]:
+    """The p·v chunks (in layer order, chunk k on stage k mod p) of an interleaved plan whose stage i
+    holds as many layers as stage i of the p-stage partition `stages` does: its n_i layers in v
+    chunks of n_i // v or n_i // v + 1 layers (the larger ones first). The embedding stays on stage 0
+    and the head on stage p - 1. Needs n_i >= v on every stage (no empty chunk)."""
+    sizes = [b - a for a, b in stages]
+    assert all(n >= v for n in sizes), (sizes, v)
+    parts = [[n // v + (1 if c < n % v else 0) for c in range(v)] for n in sizes]
+    out, start = [], stages[0][0]
+    for c in range(v):
+        for part in parts:
+            out.append((start, start + part[c]))
+            start += part[c]
+    return tuple(out)
+
+
+def split_recompute_blocks(mem: StageMemory, chunks: Sequence[tuple[int, int]], num_layers: int) -> tuple[StageMemory, ...]:
+    """One stage's memory options per chunk: the same options, except that full recomputation of
+    the stage's first `recompute_blocks` blocks recomputes, in chunk c, the blocks of that count
+    that fall in chunk c (the stage's blocks taken in layer order over its chunks)."""
+    if mem.recompute_blocks is None or len(chunks) == 1:
+        return (mem,) * len(chunks)
+    out, left = [], mem.recompute_blocks
+    for chunk in chunks:
+        n = min(left, chunk_blocks(chunk, num_layers))
+        out.append(mem.model_copy(update={"recompute_blocks": n}))
+        left -= n
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """Where a global rank sits: pipeline j, stage i, TP rank, and its node."""

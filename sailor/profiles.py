@@ -13,7 +13,8 @@ outside them. A profile whose model, sequence length or precision differs from t
 Our file format (JSON, schema "sailor.profiles/1"):
   {"schema", "model", "sequence_length", "precision", "source", "device", "versions", "date",
    "layers": [{"gpu", "tp", "mbs", "forward_s": [per layer], "backward_s": [per layer],
-               "forward_spread_s"?: [...], "backward_spread_s"?: [...]}],
+               "forward_spread_s"?: [...], "backward_spread_s"?: [...],
+               "backward_input_s"?: [per layer], "backward_weight_s"?: [per layer]}],
    "optimizer": {gpu: {"seconds_per_param": float}},
    "memory": [{"gpu"?, "tp", "activation_bytes_per_sample": [per layer], "peak_bytes"?: ...}],
    "runtime"?: {"microbatch_overhead_s": [{"gpu", "tp", "seconds"}]}}
@@ -22,6 +23,11 @@ its layers' forward and backward passes (the runtime's 1F1B bookkeeping, input s
 micro-batch state), measured by `sailor profile` on the runtime's own `run_pipeline`; the simulator
 adds it to every stage's micro-batch. Absent: 0. A TP degree without a row uses the nearest
 measured TP degree of its GPU type (the same rule as layer times).
+`backward_input_s` / `backward_weight_s` (optional, both or neither): the backward split into the
+input-gradient pass and the weight-gradient pass that zero-bubble schedules run apart, measured by
+`sailor profile` (each pass timed on its own). Absent (older files, the Sailor importer, the
+roofline), `backward_split` estimates the split from the FLOPs (`ModelSpec.weight_grad_flop`) and
+labels it estimated.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # The keys of our format (module docstring); any other is refused rather than ignored.
 TOP_KEYS = ("schema", "model", "sequence_length", "precision", "source", "device", "versions", "date", "settings",
             "layers", "optimizer", "memory", "runtime")
-LAYER_KEYS = ("gpu", "tp", "mbs", "forward_s", "backward_s", "forward_spread_s", "backward_spread_s")
+LAYER_KEYS = ("gpu", "tp", "mbs", "forward_s", "backward_s", "forward_spread_s", "backward_spread_s", "backward_input_s",
+              "backward_weight_s")
 MEMORY_KEYS = ("gpu", "tp", "activation_bytes_per_sample", "peak_bytes")
 
 SCHEMA = "sailor.profiles/1"
@@ -69,6 +76,8 @@ class Profiles:
         activation_bytes: tp -> array (num_layers,) of measured activation bytes kept per sample.
         microbatch_overhead_s: (gpu, tp) -> measured runtime seconds per stage and micro-batch
             beyond the layers' passes (`runtime.microbatch_overhead_s` of the file format).
+        backward_split_s: (gpu, tp) -> {mbs: array (num_layers, 2)} of measured input-gradient and
+            weight-gradient seconds (`backward_input_s`, `backward_weight_s` of the file format).
         source: where the data came from (for outputs).
         estimates_used: (gpu, tp, how) recorded each time an estimate stands in for a measurement.
     """
@@ -80,6 +89,7 @@ class Profiles:
     optimizer_s_per_param: dict[str, float] = field(default_factory=dict)
     activation_bytes: dict[int, np.ndarray] = field(default_factory=dict)
     microbatch_overhead_s: dict[tuple[str, int], float] = field(default_factory=dict)
+    backward_split_s: dict[tuple[str, int], dict[int, np.ndarray]] = field(default_factory=dict)
     source: str = "roofline"
     meta: dict[str, Any] = field(default_factory=dict)
     estimates_used: set[tuple[str, int, str]] = field(default_factory=set)
@@ -125,6 +135,26 @@ class Profiles:
         ratio = np.divide(meas, roof_near, out=np.ones_like(meas), where=roof_near > 0)
         self.estimates_used.add((gpu, tp, f"scaled from TP {near}"))
         return roof * ratio
+
+    def split_measured(self, gpu: str, tp: int) -> bool:
+        """Whether the backward's input/weight-gradient split was measured at (gpu, tp)."""
+        return (gpu, tp) in self.backward_split_s
+
+    def backward_split(self, job: JobSpec, gpu: str, tp: int, mbs: int, backward_s: np.ndarray) -> np.ndarray:
+        """Input-gradient and weight-gradient seconds of every layer for one micro-batch: array
+        (num_layers, 2). Measured at (gpu, tp) (interpolated in mbs like layer times; `backward_s` is
+        not used), else `backward_s` (array (num_layers,), the backward seconds to split) cut by the
+        FLOP fraction `ModelSpec.weight_grad_flop / backward_flop` per layer, recorded as an
+        estimate; the embedding's backward is all weight gradient (its input is token ids)."""
+        if self.split_measured(gpu, tp):
+            return _interpolate(self.backward_split_s[(gpu, tp)], mbs)
+        m = job.model
+        frac = np.ones(m.num_layers)
+        for i in range(1, m.num_layers):
+            frac[i] = m.weight_grad_flop(i, tp=tp, mbs=mbs, seq=job.seq) / m.backward_flop(i, tp=tp, mbs=mbs, seq=job.seq)
+        self.estimates_used.add((gpu, tp, "backward split from FLOPs"))
+        weight = backward_s * frac
+        return np.stack([backward_s - weight, weight], axis=1)
 
     def microbatch_overhead(self, gpu: str, tp: int) -> float:
         """Seconds per micro-batch a stage on a replica of `tp` GPUs of type `gpu` spends outside its
@@ -196,8 +226,11 @@ class Profiles:
         layers = []
         for (gpu, tp), by_mbs in sorted(self.times.items()):
             for mbs, arr in sorted(by_mbs.items()):
-                layers.append({"gpu": gpu, "tp": tp, "mbs": mbs, "forward_s": arr[:, 0].tolist(),
-                               "backward_s": arr[:, 1].tolist()})
+                row = {"gpu": gpu, "tp": tp, "mbs": mbs, "forward_s": arr[:, 0].tolist(), "backward_s": arr[:, 1].tolist()}
+                split = self.backward_split_s.get((gpu, tp), {}).get(mbs)
+                if split is not None:
+                    row |= {"backward_input_s": split[:, 0].tolist(), "backward_weight_s": split[:, 1].tolist()}
+                layers.append(row)
         return {"schema": SCHEMA, "model": self.model, "sequence_length": self.sequence_length,
                 "precision": self.precision, "source": self.source, **self.meta, "layers": layers,
                 "optimizer": {g: {"seconds_per_param": v} for g, v in self.optimizer_s_per_param.items()},
@@ -268,6 +301,8 @@ def load_profiles(path: str | Path, job: JobSpec) -> Profiles:
 
 def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profiles:
     """Parse our profile format (module docstring); raises SailorInputError naming the field.
+    A built-in model's name (or alias) is made canonical; any other name is an inline architecture's,
+    kept as written (`check_job` compares it with the job's model).
 
     Times are finite seconds in [0, limits.MAX_SECONDS], sizes finite bytes in [0, limits.MAX_BYTES],
     TP degrees and micro-batch sizes whole numbers; a (GPU type, TP, micro-batch size) row or a TP
@@ -278,7 +313,8 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
     for key in ("model", "sequence_length", "precision", "layers"):
         if key not in d:
             raise c.error("missing field", key)
-    model = _located(lambda: canonical_model_name(c.name(d["model"], "model", "a model name")), c, "model")
+    name = c.name(d["model"], "model", "a model name")
+    model = canonical_model_name(name) if _known_model(name) else name
     seq = c.whole(d["sequence_length"], "sequence_length", lo=1, hi=MAX_SEQUENCE_LENGTH)
     precision = d["precision"]
     if precision not in PRECISIONS:
@@ -303,6 +339,11 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
         if mbs in prof.times.get((gpu, tp), {}):
             raise c.error(f"a second row for {gpu} TP {tp} micro-batch {mbs}", where)
         prof.times.setdefault((gpu, tp), {})[mbs] = np.array([fwd, bwd]).T
+        if ("backward_input_s" in row) != ("backward_weight_s" in row):
+            raise c.error("give both backward_input_s and backward_weight_s, or neither", f"{where}.backward_input_s")
+        if "backward_input_s" in row:
+            split = [_values(row[k], n_layers, f"{where}.{k}", c, MAX_SECONDS) for k in ("backward_input_s", "backward_weight_s")]
+            prof.backward_split_s.setdefault((gpu, tp), {})[mbs] = np.array(split).T
     for gpu, v in c.mapping(d.get("optimizer", {}), "optimizer", "GPU type -> {seconds_per_param}").items():
         where = f"optimizer.{gpu}"
         name = _located(lambda: catalog.canonical_gpu(gpu), c, where)
@@ -374,9 +415,10 @@ def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec)
     update_s]) for `job`'s model, and `llm_info.json` ([model][tp][layer] -> act_mem_floats, measured at
     micro-batch 1) for activation memory when present. The Sailor data is fp32 at the model's full
     context (sequence 2048; Llama 8192). `update_s` is ignored: it times a small profiling model, not
-    the layer (see shared/reference/sailor/README.md). GPU types we do not catalogue are skipped (no
-    plan can use them); everything else is checked: layer keys "0".."N-1" for the model's N layers,
-    times finite and >= 0, keys whole numbers, one model or GPU type under one name only.
+    the layer (see shared/reference/sailor/README.md). The files hold no input/weight-gradient split:
+    `Profiles.backward_split` estimates it from the FLOPs, labelled. GPU types we do not catalogue are
+    skipped (no plan can use them); everything else is checked: layer keys "0".."N-1" for the model's
+    N layers, times finite and >= 0, keys whole numbers, one model or GPU type under one name only.
 
     Raises:
         SailorInputError: naming the file and the dotted field of the first problem.

@@ -39,18 +39,18 @@ def _rank(rank: int, world: int, init_file: str, cases: list[tuple[str, str, str
         tokens = torch.load(tokens_file)
         with torch.device("meta"):
             stage = GPT(spec)
-        build_stage(stage, role.layers)
+        build_stage(stage, role.chunks)
         apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=groups.get(role.tp_group))
         materialize_hf(stage, HFWeights(folder, spec), tp_rank=role.tp_rank, tp=role.tp, device=torch.device("cpu"))
         p2p = P2P(role, shape=(tokens.shape[0], tokens.shape[1], spec.hidden_size), device=torch.device("cpu"),
                   timeout=timeout)
         with torch.no_grad():
-            x = stage(tokens if role.is_first_stage else p2p.recv_forward())
+            x = stage(tokens if role.is_first_stage else p2p.recv_forward(role.stage - 1))  # 1F1B: boundary i-1 -> i
             if role.is_last_stage:
                 if role.tp_rank == 0:
                     torch.save(x, Path(out) / f"{name}-p{role.pipeline}.pt")
             else:
-                p2p.send_forward(x)
+                p2p.send_forward(x, role.stage)
             p2p.finish()
         dist.barrier()
     dist.destroy_process_group()

@@ -83,6 +83,10 @@ BAD = [
      "memory.1.spill", "Extra inputs"),
     ("plan.json", json.dumps(json.loads(_replica0(tp=1)) | {"memory": [{"sequence_parallel": True}, {}]}),
      "memory.0.sequence_parallel", "needs TP > 1"),
+    ("plan.json", json.dumps(PLAN | {"schedule": {"kind": "interleaved-1f1b"}}), "schedule", "needs virtual_stages >= 2"),
+    ("plan.json", json.dumps(PLAN | {"stages": [[0, 1], [1, 3], [3, 6]], "schedule": {"kind": "interleaved-1f1b",
+                                                                                     "virtual_stages": 2}}),
+     "stages", "3 layer chunks for 2 virtual stages"),
     ("plan.json", json.dumps({"mbs": 1, "gbs": 4, "pipeline_list": [{"num_stages": 2}]}),
      "pipeline_list.0.layers_per_stage", "missing field"),
     ("prof.json", json.dumps(PROFILE | {"layers": [PROFILE_ROW | {"forward_s": [0.1] * 5 + [-1]}]}),
@@ -94,6 +98,8 @@ BAD = [
      "optimizer.A100-40.seconds_per_param", "expected a number"),
     ("prof.json", json.dumps(PROFILE | {"model": "opt-350m"}), "model", "profiles are for model 'opt-350m'"),
     ("prof.json", json.dumps(PROFILE)[:60], "line 1", "invalid JSON"),
+    ("prof.json", json.dumps(PROFILE | {"layers": [PROFILE_ROW | {"backward_input_s": [0.1] * 6}]}),
+     "layers.0.backward_input_s", "give both backward_input_s and backward_weight_s"),
     ("net.json", json.dumps({"schema": "sailor.network/1", "classes": {"same_zone": {"latency_s": 0.1,
                                                                                      "bandwidth_bytes_per_s": 0}}}),
      "classes.same_zone.bandwidth_bytes_per_s", "must be >= 1, got 0"),
@@ -119,6 +125,25 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, name, t
     assert len(lines) == 1, err
     assert lines[0].startswith(f"error: {name}: ")
     assert field in lines[0] and problem in lines[0]
+
+
+def test_train_refuses_zb_h1_with_zero3_and_takes_the_other_schedules(tmp_path, monkeypatch, capsys):
+    (tmp_path / "job.yaml").write_text(JOB)
+    cpu = {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}
+    local = {"micro_batch_size": 1, "stages": [[0, 3], [3, 6]],
+             "pipelines": [{"microbatches": 4, "replicas": [cpu, cpu | {"stage": 1}]}]}
+    (tmp_path / "plan.json").write_text(json.dumps(local | {"schedule": {"kind": "zb-h1"}, "memory": [{}, {"zero": 3}]}))
+    code, err = _run_in_process(["train", "plan.json", "--job", "job.yaml", "--dry-run"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: plan.json: memory.1.zero: zb-h1 defers weight-gradient passes, which the runtime cannot run under"
+        " ZeRO-3 (stage 1: its layer weights are freed between the passes) (use ZeRO-2 or less, or schedule 1f1b)"]
+    interleaved = local | {"stages": [[0, 1], [1, 3], [3, 4], [4, 6]],
+                           "schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2}}
+    for plan in (interleaved, local | {"schedule": {"kind": "zb-h1"}, "memory": [{"zero": 2}, {"recompute": "selective"}]}):
+        (tmp_path / "plan.json").write_text(json.dumps(plan))
+        code, err = _run_in_process(["train", "plan.json", "--job", "job.yaml", "--dry-run"], tmp_path, monkeypatch,
+                                    capsys)
+        assert code == 0, err
 
 
 def test_console_script_bad_input_is_one_line_without_traceback(tmp_path):

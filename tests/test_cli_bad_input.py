@@ -229,8 +229,24 @@ BAD = [
      f"global_batch_size: Input should be less than or equal to {MAX_GLOBAL_BATCH}"),
     ({"job.yaml": {"model": "tiny", "global_batch_size": 10**30}}, ["plan", "--job", "job.yaml", "--cluster", "local.yaml"],
      "less than or equal to"),
-    # (a pipeline of 22 stages x MAX_GLOBAL_BATCH micro-batches is no longer refused: the event
-    # simulation runs until its time is affine in m and extrapolates, `simulator.long_run`)
+    ({"big.json": {"micro_batch_size": 1, "stages": [[i, i + 1] for i in range(22)],
+                   "pipelines": [{"microbatches": MAX_GLOBAL_BATCH, "replicas": [CPU_REP | {"stage": i} for i in range(22)]}],
+                   "job": {"model": {"name": "deep", "num_blocks": 20, "hidden_size": 64, "num_heads": 4,
+                                     "vocab_size": 256, "max_sequence_length": 64},
+                           "global_batch_size": MAX_GLOBAL_BATCH}},
+      "l32.yaml": {"provider": "local", "zones": {"local": {"cpu": 32}}}},
+     ["simulate", "big.json", "--cluster", "l32.yaml"],
+     f"a pipeline of 22 stages running {MAX_GLOBAL_BATCH} micro-batches is {22 * MAX_GLOBAL_BATCH:,} tasks per iteration"),
+    # interleaving: every chunk's passes count (11 stages x 2 chunks), before the machine is profiled
+    ({"big.json": {"micro_batch_size": 1, "stages": [[i, i + 1] for i in range(22)],
+                   "schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2},
+                   "pipelines": [{"microbatches": MAX_GLOBAL_BATCH, "replicas": [CPU_REP | {"stage": i} for i in range(11)]}],
+                   "job": {"model": {"name": "deep", "num_blocks": 20, "hidden_size": 64, "num_heads": 4,
+                                     "vocab_size": 256, "max_sequence_length": 64},
+                           "global_batch_size": MAX_GLOBAL_BATCH}},
+      "l32.yaml": {"provider": "local", "zones": {"local": {"cpu": 32}}}},
+     ["simulate", "big.json", "--cluster", "l32.yaml"],
+     f"a pipeline of 11 stages x 2 chunks running {MAX_GLOBAL_BATCH} micro-batches is {22 * MAX_GLOBAL_BATCH:,} tasks"),
     # NaN and infinities
     ({"c.yaml": "provider: local\nzones: {local: {cpu: 4}}\nprices: {cpu: .nan}\n"},
      ["plan", "--job", "job.yaml", "--cluster", "c.yaml"], ".nan is not a finite number"),
@@ -249,7 +265,9 @@ BAD = [
      "key '1' is read as a number"),
     ({"t.json": '[{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 4, "count": 2}]'},
      ["replay", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "t.json"], "key 'count' appears twice"),
-    # (a run file that is not UTF-8 is skipped with one warning line: test_validate_skips_a_bad_run_in_one_line)
+    # the set's only run (a second, usable one would leave this one a warning and go on)
+    ({"runs-tiny/plan_config_a.json": b'{"mbs": 1, "gbs": 8, "real": 1.0, "max_mem": 1e9, "note": "\xff"}'},
+     ["validate", "runs-tiny", "--profiles", "profile.json"], "plan_config_a.json: not UTF-8 text"),
     # Sailor plan_config import
     ({"s.json": mutate.SAILOR_PLAN | {"mbs": 0}}, ["simulate", "s.json", "--job", "job.yaml"], "mbs: must be a whole"),
     ({"s.json": mutate.SAILOR_PLAN | {"mbs": 4.7}}, ["simulate", "s.json", "--job", "job.yaml"], "got 4.7"),
@@ -396,7 +414,7 @@ def test_an_internal_error_is_one_line_with_the_traceback_in_a_file(tmp_path, mo
     monkeypatch.setenv("SAILOR_TRACEBACK_DIR", str(tmp_path / "tb"))
     _base(tmp_path)
     code, _, err = _main(["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--profiles", "profile.json", "--json"],
-                         tmp_path, monkeypatch, capsys)  # with profiles: a local plan measures nothing first
+                         tmp_path, monkeypatch, capsys)  # --profiles: no note of profiling this machine first
     lines = err.splitlines()
     assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("error: internal error (RuntimeError: boom\\nsecond line); traceback saved to ")

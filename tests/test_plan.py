@@ -206,3 +206,71 @@ def test_memory_options_default_round_trip_and_checks():
     sp = Plan.model_validate(_plan(tps=(3, 2)) | {"memory": [{"sequence_parallel": True}, {}]})
     with pytest.raises(SailorInputError, match=r"memory\.0\.sequence_parallel: .*64 tokens do not divide by TP 3"):
         sp.check_against(six)
+
+
+# ---- schedule (issue 16) -----------------------------------------------------------------------------
+INTERLEAVED = {"kind": "interleaved-1f1b", "virtual_stages": 2}
+
+
+def _interleaved(stages=((0, 1), (1, 3), (3, 4), (4, 6)), schedule=INTERLEAVED, **kw) -> dict:
+    return _plan(**kw) | {"stages": [list(s) for s in stages], "schedule": schedule}
+
+
+def test_plans_without_a_schedule_are_1f1b_and_stay_as_they_were():
+    d = _plan()
+    plan = Plan.model_validate(d)
+    assert plan.schedule.kind.value == "1f1b" and plan.virtual_stages == 1
+    assert "schedule" not in plan.to_dict() and plan.to_dict(with_specs=False) == d
+    assert plan.stage_chunks(1) == ((3, 6),)
+
+
+def test_interleaved_chunks_go_round_robin_over_the_stages(tmp_path):
+    # 2 stages x 2 uneven chunks of the 6-layer tiny model: stage 0 holds [0, 1) and [3, 4)
+    plan = Plan.model_validate(_interleaved()).with_specs(JOB, CLUSTER)
+    assert plan.num_stages == 2 and plan.virtual_stages == 2 and plan.num_layers == 6
+    assert plan.stage_chunks(0) == ((0, 1), (3, 4)) and plan.stage_chunks(1) == ((1, 3), (4, 6))
+    assert plan.stage_layers_text(1) == "[1, 3) + [4, 6)"
+    plan.check_against(JOB, CLUSTER)
+    assert len(rank_layout(plan)) == plan.world_size == 8  # chunks do not change the ranks
+    plan.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json") == plan
+    assert json.loads((tmp_path / "plan.json").read_text())["schedule"] == INTERLEAVED
+    zb = Plan.model_validate(_plan() | {"schedule": {"kind": "zb-h1"}})
+    assert zb.to_dict()["schedule"] == {"kind": "zb-h1"} and zb.num_stages == 2
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"schedule": {"kind": "interleaved-1f1b"}}, r"schedule\.virtual_stages: interleaved-1f1b needs virtual_stages >= 2"),
+    ({"schedule": {"kind": "zb-h1", "virtual_stages": 2}}, r"schedule\.virtual_stages: zb-h1 runs one chunk per stage"),
+    ({"schedule": {"kind": "2f2b"}}, r"schedule\.kind: Input should be '1f1b', 'interleaved-1f1b' or 'zb-h1'"),
+    ({"stages": [[0, 1], [1, 3], [3, 6]]}, r"stages: 3 layer chunks for 2 virtual stages per pipeline stage"),
+    ({"stages": [[0, 1], [2, 3], [3, 4], [4, 6]]}, r"stages\.1: chunk 1 starts at layer 2 and leaves a gap"),
+    ({"stages": [[0, 3], [3, 6]]}, r"schedule\.kind: interleaved-1f1b needs at least 2 pipeline stages"),
+    ({"memory": [{}, {}, {}, {}]}, r"memory: 4 entries for 2 stages"),
+])
+def test_schedule_errors_name_the_field(change, match):
+    d = _interleaved() | change
+    if "stages" in change and len(change["stages"]) == 2:
+        d["pipelines"] = [{"microbatches": 4, "replicas": d["pipelines"][0]["replicas"][:1]}]
+    with pytest.raises(SailorInputError, match=match):
+        plan_from_dict(d, "plan.json")
+
+
+def test_replicas_count_pipeline_stages_not_chunks():
+    d = _interleaved()
+    d["pipelines"][0]["replicas"] = d["pipelines"][0]["replicas"] * 2
+    with pytest.raises(SailorInputError, match=r"pipelines\.0\.replicas: pipeline 0 has 4 replicas for 2 stages"):
+        plan_from_dict(d, "plan.json")
+
+
+def test_zb_h1_refuses_full_recomputation_and_interleaved_counts_blocks_over_chunks():
+    d = _plan() | {"schedule": {"kind": "zb-h1"}, "memory": [{}, {"recompute": "full"}]}
+    with pytest.raises(SailorInputError, match=r"memory\.1\.recompute: zb-h1 defers weight-gradient passes.*stage 1"):
+        plan_from_dict(d, "plan.json")
+    plan_from_dict(d | {"memory": [{}, {"recompute": "selective"}]}, "plan.json")  # selective keeps them: fine
+    # stage 1 holds [1, 3) and [4, 6): blocks 1, 2 and 4 (layer 5 is the head) -> 3 blocks
+    ok = Plan.model_validate(_interleaved() | {"memory": [{}, {"recompute": "full", "recompute_blocks": 3}]})
+    ok.check_against(JOB)
+    too_many = Plan.model_validate(_interleaved() | {"memory": [{}, {"recompute": "full", "recompute_blocks": 4}]})
+    with pytest.raises(SailorInputError, match=r"memory\.1\.recompute_blocks: recompute_blocks 4 but stage 1 holds 3"):
+        too_many.check_against(JOB)

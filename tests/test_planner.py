@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from sailor.errors import InfeasibleError
+from sailor.errors import InfeasibleError, SailorInputError
 from sailor.plan import Plan, StageMemory
 from sailor.planner import Constraints, Objective, PlanOptions, SearchSpace, plan_job
 from sailor.simulator import make_context, simulate
@@ -203,6 +203,29 @@ def test_search_work_does_not_grow_with_the_global_batch():
         assert r.plan.global_batch_size == batch and r.estimate.iteration_time_s > 0
         counts[batch] = (r.points, r.candidates)
     assert counts[MAX_GLOBAL_BATCH][0] <= 2 * counts[2**10][0] and counts[MAX_GLOBAL_BATCH][1] <= 4 * counts[2**10][1]
+
+
+def test_a_finalist_beyond_the_event_simulation_task_limit_keeps_its_closed_form_score(monkeypatch):
+    """Where a finalist's pipeline runs more stage x micro-batch passes than the event simulation
+    takes (limits.MAX_PIPELINE_TASKS), the planner scores it with the closed form instead of failing."""
+    import sailor.planner as planner_mod
+    import sailor.simulator.schedule as schedule_mod
+
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 4}})
+    ctx = make_context(TINY, cluster)
+    first = plan_job(ctx, PlanOptions(max_stages=2, rescore=1, top_k=0))
+    assert first.estimate.iteration_time_s == simulate(first.plan, make_context(TINY, cluster)).iteration_time_s
+    plan = first.plan
+    tasks = max(plan.num_stages * p.microbatches for p in plan.pipelines)
+    limit = tasks - 1  # the event simulation now refuses this plan
+    monkeypatch.setattr(schedule_mod, "MAX_PIPELINE_TASKS", limit)
+    monkeypatch.setattr(planner_mod, "MAX_PIPELINE_TASKS", limit)
+    with pytest.raises(SailorInputError, match="more than the event simulation runs"):
+        simulate(plan, make_context(TINY, cluster))
+    again = plan_job(make_context(TINY, cluster), PlanOptions(max_stages=2, rescore=1, top_k=0))
+    assert again.plan.to_dict(with_specs=False) == plan.to_dict(with_specs=False)
+    closed = simulate(plan, make_context(TINY, cluster), event=False)
+    assert again.estimate.iteration_time_s == pytest.approx(closed.iteration_time_s, rel=1e-12)
 
 
 def test_time_limit_is_a_clear_error_when_nothing_was_found():

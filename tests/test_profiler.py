@@ -70,6 +70,12 @@ def test_profile_file_loads_with_every_measurement(profile_file):
     assert all(0 <= r["seconds"] < 0.1 for r in rows)
     assert prof.microbatch_overhead_s == {("cpu", r["tp"]): r["seconds"] for r in rows}
     assert profiles_from_dict(prof.to_dict()).microbatch_overhead_s == prof.microbatch_overhead_s
+    # the backward's input- and weight-gradient passes, timed apart: the embedding has no input gradient
+    for tp in (1, 2):
+        assert prof.split_measured("cpu", tp)
+        split = prof.backward_split(JOB, "cpu", tp, 2, np.zeros(n))
+        assert split[0, 0] == 0.0 and np.all(split[1:, 0] > 0) and np.all(split[:, 1] > 0)
+    assert not prof.estimates_used
 
 
 @pytest.mark.parametrize("runtime, match", [
@@ -176,6 +182,33 @@ def test_cli_bad_tp_is_one_line_exit_2(tmp_path):
                           "--tp", "3"], capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "TP 3" in out.stderr
+
+
+def test_split_backward_gives_the_full_backwards_gradients():
+    # the passes `sailor profile` times for zero-bubble schedules compute exactly the gradients of one
+    # backward: B the input's (no weight gradient yet), W the weights' (a block and a 4-layer slice)
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from sailor.runtime.profiler import _build_layer
+
+    for first, end in ((1, None), (1, 5)):
+        layer = _build_layer(JOB, first, 0, 1, None, torch.device("cpu"), end)
+        params = list(layer.parameters())
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 64, 64, generator=gen)
+        full_x = x.clone().requires_grad_()
+        y = layer(full_x)
+        dy = torch.randn(y.shape, generator=gen)
+        y.backward(dy)
+        full = [p.grad.clone() for p in params]
+        layer.zero_grad(set_to_none=True)
+        split_x = x.clone().requires_grad_()
+        dx, groups = stage_backward_input([layer(split_x)], [dy], [split_x], iter(params))
+        assert all(p.grad is None for p in params)
+        assert torch.equal(dx[0], full_x.grad)
+        stage_backward_weight(iter(params), groups)
+        assert all(torch.equal(a, p.grad) for a, p in zip(full, params))
 
 
 def test_own_processes_lists_this_tests_children_only():

@@ -111,6 +111,19 @@ def test_bad_profile_fields(extra, match):
         profiles_from_dict(d, "prof.json")
 
 
+def test_profile_of_an_inline_architecture_loads_for_that_model_only():
+    arch = {"name": "gpt-2x64", "num_blocks": 2, "hidden_size": 64, "num_heads": 4, "vocab_size": 128,
+            "max_sequence_length": 64}
+    job = JobSpec(model=arch, global_batch_size=4)
+    row = {"gpu": "cpu", "tp": 1, "mbs": 1, "forward_s": [0.001] * 4, "backward_s": [0.002] * 4}
+    prof = profiles_from_dict({"schema": "sailor.profiles/1", "model": "gpt-2x64", "sequence_length": 64,
+                               "precision": "fp32", "layers": [row]}, "prof.json")
+    prof.check_job(job)
+    assert prof.layer_times(job, "cpu", 1, 1)[0, 1] == 0.002
+    with pytest.raises(SailorInputError, match=r"prof\.json: model: profiles are for model 'gpt-2x64', the job trains 'tiny'"):
+        prof.check_job(JOB, "prof.json")
+
+
 def test_not_a_profile_file(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"layers": []}))
     with pytest.raises(SailorInputError, match=r"x\.json: schema: not a profile file"):
@@ -134,3 +147,33 @@ def test_sailor_importer(sailor_ref):
 def test_sailor_importer_without_the_model(sailor_ref):
     with pytest.raises(SailorInputError, match="holds no profiles for tiny"):
         load_profiles(sailor_ref / "profiles", JOB)
+
+
+# ---- backward split into input- and weight-gradient passes (issue 16) -------------------------------------
+def test_backward_split_estimated_from_flops_and_labelled():
+    # tiny block (h = 64, f = 4h, seq 64): matmuls M = 2·s·(3h² + h² + 2hf) = 6·A with the attention
+    # core A = 4·s²·h, so W = M out of a backward of 2(M + A): 3/7. Head: half. Embedding: all W.
+    p = _prof()
+    backward = np.arange(1.0, 7.0)
+    split = p.backward_split(JOB, "A100-40", 1, 2, backward)
+    assert split[:, 0] + split[:, 1] == pytest.approx(backward)
+    assert split[1, 1] / backward[1] == pytest.approx(3 / 7)
+    assert split[5, 1] / backward[5] == pytest.approx(0.5)
+    assert split[0].tolist() == [0.0, 1.0]
+    assert ("A100-40", 1, "backward split from FLOPs") in p.estimates_used and not p.split_measured("A100-40", 1)
+
+
+def test_measured_backward_split_round_trips_and_is_not_an_estimate(tmp_path):
+    row = {"gpu": "A100-40", "tp": 1, "mbs": 2, "forward_s": [1.0] * 6, "backward_s": [2.0] * 6,
+           "backward_input_s": [0.5] * 6, "backward_weight_s": [1.6] * 6}
+    d = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32", "layers": [row]}
+    p = profiles_from_dict(d)
+    assert p.split_measured("A100-40", 1)
+    got = p.backward_split(JOB, "A100-40", 1, 4, np.zeros(6))  # proportional above the measured size
+    assert got[:, 0] == pytest.approx([1.0] * 6) and got[:, 1] == pytest.approx([3.2] * 6)
+    assert p.estimates_used == set()
+    p.save(tmp_path / "p.json")
+    again = json.loads((tmp_path / "p.json").read_text())["layers"][0]
+    assert again["backward_input_s"] == [0.5] * 6 and again["backward_weight_s"] == [1.6] * 6
+    with pytest.raises(SailorInputError, match=r"layers\.0\.backward_weight_s: expected 6 values"):
+        profiles_from_dict(d | {"layers": [row | {"backward_weight_s": [1.0] * 5}]})

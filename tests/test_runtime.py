@@ -15,7 +15,8 @@ from sailor.plan import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.model import GPT, init_full_model, init_param
-from sailor.runtime.pipeline import build_stage, schedule_1f1b
+from sailor.runtime.pipeline import build_stage
+from sailor.runtime.schedule import schedule_1f1b
 from sailor.runtime.tensor_parallel import shard, shard_dim
 from sailor.runtime.tied import Transfer, holdings, twin_transfers
 from sailor.runtime.topology import derive_topology
@@ -155,7 +156,7 @@ def test_init_is_per_name_and_stage_keeps_global_names():
     assert torch.equal(a, init_param("layers.3.attn.q.weight", (64, 64), seed=0, num_blocks=4))
     assert not torch.equal(a, init_param("layers.3.attn.q.weight", (64, 64), seed=1, num_blocks=4))
     assert abs(a.std().item() - 0.02) < 0.003
-    stage = build_stage(GPT(job.model), (3, 6))
+    stage = build_stage(GPT(job.model), ((3, 6),))
     names = [n for n, _ in stage.named_parameters()]
     assert names[0].startswith("layers.3.") and names[-1] == "layers.5.lm.weight"
     assert all(n.split(".")[1] in ("3", "4", "5") for n in names)

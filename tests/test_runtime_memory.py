@@ -75,9 +75,9 @@ def _measure_stage(job: JobSpec, layers: tuple[int, int], memory: StageMemory, d
     x = tok[:, :-1].contiguous() if role.is_first_stage else torch.randn(2, job.seq, spec.hidden_size, dtype=dtype)
     meter = ActivationMeter()
     targets = tok[:, 1:].contiguous()
-    out = rk.executor.forward(0, x, loss=(lambda y: lm_loss_sum(y, targets) * 0.5) if role.is_last_stage else None,
+    out = rk.executors[0].forward(0, x, loss=(lambda y: lm_loss_sum(y, targets) * 0.5) if role.is_last_stage else None,
                               meter=meter)
-    rk.executor.backward(0, None if role.is_last_stage else torch.ones_like(out))  # recomputation runs
+    rk.executors[0].backward(0, None if role.is_last_stage else torch.ones_like(out))  # recomputation runs
     return meter.per_layer
 
 
@@ -122,7 +122,7 @@ def test_buckets_of_a_mixed_tp_rank_by_hand():
     plan = Plan.model_validate(PLAN_C)
     role = derive_topology(plan).roles[3]
     with torch.device("meta"):
-        stage = build_stage(GPT(TINY.model), role.layers)
+        stage = build_stage(GPT(TINY.model), role.chunks)
     buckets = build_buckets(dict(stage.named_parameters()), role, zero=1, sequence_parallel=False)
     layer1 = [b for b in buckets if b.layer == 1]
     assert [b.ranks for b in layer1] == [(0, 3), (1, 3), (0, 1, 3)]
@@ -139,7 +139,7 @@ def test_buckets_of_a_mixed_tp_rank_by_hand():
     # Under sequence parallelism a norm's gradient is a partial sum: weight 1, not 1 / tp.
     role0 = derive_topology(plan).roles[0]
     with torch.device("meta"):
-        stage0 = apply_tp(build_stage(GPT(TINY.model), role0.layers), tp_rank=0, tp=2, group=None)
+        stage0 = apply_tp(build_stage(GPT(TINY.model), role0.chunks), tp_rank=0, tp=2, group=None)
     for sp, w in ((False, 0.5), (True, 1.0)):
         b = [b for b in build_buckets(dict(stage0.named_parameters()), role0, zero=0, sequence_parallel=sp)
              if b.layer == 1 and len(b.ranks) == 3][0]
@@ -174,9 +174,10 @@ def _held_bytes_rank(rank: int, store: str, out: str) -> None:
             tok = torch.from_numpy(batch_tokens(load_corpus(), seed=0, step=0, first=role.first_sample, count=4,
                                                 seq=TINY.seq))
             p2p = P2P(role, shape=(2, TINY.seq, 64), device=torch.device("cpu"), timeout=datetime.timedelta(seconds=60))
-            loss_sum, _ = run_pipeline(rk.executor, role, p2p, inputs=lambda k: tok[2 * k:2 * k + 2, :-1].contiguous(),
+            loss_sum, _ = run_pipeline(rk.executors, role, p2p, order=rk.order,
+                                       inputs=lambda k: tok[2 * k:2 * k + 2, :-1].contiguous(),
                                        targets=lambda k: tok[2 * k:2 * k + 2, 1:].contiguous(), loss_fn=lm_loss_sum,
-                                       loss_scale=1.0 / (8 * TINY.seq), rounds=rk.rounds)
+                                       loss_scale=1.0 / (8 * TINY.seq))
             held = rk.optimizer.held_bytes()
             rk.optimizer.reduce()
             rk.optimizer.clip(1.0)

@@ -12,7 +12,7 @@ from sailor.network import NetworkModel
 from sailor.plan import Plan
 from sailor.profiles import Profiles
 from sailor.simulator import make_context, simulate
-from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b, stage_times
+from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b
 from sailor.specs import ClusterSpec, JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=4)  # h 64, seq 64, fp32: one activation = 64*64*4 = 16384 B
@@ -213,43 +213,3 @@ def test_memory_grows_with_micro_batch_size(mbs, extra, model, tp):
 
     small, large = peaks(mbs), peaks(mbs + extra)
     assert all(lg > sm for sm, lg in zip(small, large))
-
-
-@settings(max_examples=60, deadline=None)
-@given(pipelines(), st.integers(20, 140))
-def test_pipeline_time_increments_reach_the_straggler_period_and_stay(p, m):
-    """The property `long_run` relies on: from m = P on, T(m+1) - T(m) never decreases and never
-    exceeds λ = max stage_times; at large m it equals λ."""
-    f, b, c, _ = p
-    lam = float(stage_times(f, b, c).max())
-    T = np.array([simulate_1f1b(f, b, c, k)[0] for k in range(len(f), m + 2)])
-    d = np.diff(T)
-    assert np.all(np.diff(d) >= -1e-9 * T[-1])
-    assert np.all(d <= lam * (1 + 1e-9))
-
-
-@settings(max_examples=40, deadline=None)
-@given(pipelines(), st.integers(30, 400))
-def test_long_run_extrapolation_equals_the_full_event_simulation(p, m):
-    from sailor.simulator import long_run
-
-    f, b, c, _ = p
-    lam = float(stage_times(f, b, c).max())
-    run = lambda k: simulate_1f1b(f, b, c, k)[0]  # noqa: E731
-    old = long_run.DIRECT_MAX_MICROBATCHES
-    long_run.DIRECT_MAX_MICROBATCHES = 8  # force the extrapolation on small, fully simulable cases
-    try:
-        got = long_run.makespan_s(run, lam, m, len(f))
-    finally:
-        long_run.DIRECT_MAX_MICROBATCHES = old
-    assert got == pytest.approx(run(m), rel=1e-9)
-
-
-def test_event_simulation_of_a_billion_sample_batch_is_affine_in_m():
-    f, b, c = np.array([1.0, 1.5, 0.8]), np.array([2.0, 3.1, 1.7]), np.array([0.2, 0.3])
-    from sailor.simulator.long_run import makespan_s
-
-    lam = float(stage_times(f, b, c).max())
-    run = lambda k: simulate_1f1b(f, b, c, k)[0]  # noqa: E731
-    t = makespan_s(run, lam, 10**9, 3)
-    assert t == pytest.approx(run(2000) + (10**9 - 2000) * lam, rel=1e-12)

@@ -93,7 +93,7 @@ def test_zero_sync_is_reduce_scatter_plus_all_gather_and_the_optimizer_steps_on_
 def test_state_bytes_and_gather_buffer_under_zero():
     ctx = _ctx(JobSpec(model="tiny", global_batch_size=16, precision="bf16"))
     n, d = ctx.stage_params(1, 0, 6), 4
-    mem = {z: replica_memory(ctx, "A100-40", 1, 2, 0, 6, stage=0, num_stages=1, microbatches=2,
+    mem = {z: replica_memory(ctx, "A100-40", 1, 2, ((0, 6),), stage=0, num_stages=1, microbatches=2,
                              memory=StageMemory(zero=z), replicas=d) for z in (0, 1, 2, 3)}
     assert (mem[0].weights, mem[0].gradients, mem[0].optimizer) == pytest.approx((2 * n, 4 * n, 12 * n))
     assert (mem[1].weights, mem[1].gradients, mem[1].optimizer) == pytest.approx((2 * n, 4 * n, 12 * n / d))
@@ -110,7 +110,7 @@ def test_recomputation_memory_keeps_inputs_and_one_transient_block():
     held = 3  # stage 0 of 3 with 8 micro-batches holds 3 in flight under 1F1B
 
     def acts(mem):
-        return replica_memory(ctx, "A100-40", 2, 2, 0, 3, stage=0, num_stages=3, microbatches=8,
+        return replica_memory(ctx, "A100-40", 2, 2, ((0, 3),), stage=0, num_stages=3, microbatches=8,
                               memory=StageMemory(**mem)).activations
 
     embed = m.activation_bytes(0, **kw)

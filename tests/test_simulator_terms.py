@@ -58,8 +58,8 @@ def test_middle_stage_pays_four_transfers_per_micro_batch():
 
 
 def test_in_flight_capped_by_micro_batches():
-    assert [in_flight(i, 4, 32) for i in range(4)] == [4, 3, 2, 1]
-    assert [in_flight(i, 4, 2) for i in range(4)] == [2, 2, 2, 1]
+    assert [in_flight(i, 4, 32).micro_batches for i in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(i, 4, 2).micro_batches for i in range(4)] == [2, 2, 2, 1]
 
 
 def test_tied_embeddings_counted_once_on_one_stage_and_copied_on_two():
@@ -184,11 +184,11 @@ def test_gradient_sync_buffer_by_framework_and_zero():
     ctx = make_context(JOB, CLUSTER)
     grad = JOB.state_bytes_per_param["gradients"]
     # DeepSpeed's allreduce_bucket flattens the stage's gradient: a copy of all of it
-    assert sync_buffer_bytes(ctx, 4, 0, 13) == pytest.approx(ctx.stage_params(4, 0, 13) * grad)
+    assert sync_buffer_bytes(ctx, 4, ((0, 13),)) == pytest.approx(ctx.stage_params(4, 0, 13) * grad)
     # ZeRO-2/3 reduce-scatter layer by layer: the largest layer's gradient
-    assert sync_buffer_bytes(ctx, 4, 0, 13, zero=2) == pytest.approx(max(JOB.model.params(i, 4) for i in range(13)) * grad)
+    assert sync_buffer_bytes(ctx, 4, ((0, 13),), zero=2) == pytest.approx(max(JOB.model.params(i, 4) for i in range(13)) * grad)
     # Megatron-LM all-reduces its contiguous gradient buffer in place
     meg = make_context(JobSpec(model="opt-350m", global_batch_size=32, framework="megatron-lm"), CLUSTER)
-    assert sync_buffer_bytes(meg, 4, 0, 13) == 0.0
+    assert sync_buffer_bytes(meg, 4, ((0, 13),)) == 0.0
     est = simulate(_plan([[0, 13], [13, 26]], m=4, mbs=2), ctx)
     assert est.replicas[0].memory.sync_buffer == pytest.approx(ctx.stage_params(4, 0, 13) * grad)

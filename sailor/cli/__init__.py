@@ -4,6 +4,8 @@ Each command lives in its own module below this package and registers itself on 
 the user on stderr (`main`):
 - bad input (`SailorInputError`, and typer's usage errors): one `error:` line, exit status 2;
 - input taken with a change (`sailor.errors.SailorWarning`): one `warning:` line, the command goes on;
+- where the profile of this machine came from (`cli.common.NOTES_AT_END`): a line once the command
+  has succeeded, so that an error after it is still the only line;
 - anything else (a bug): one `error: internal error ...` line naming a file that holds the
   traceback, exit status 1. Never a bare traceback.
 """
@@ -73,7 +75,11 @@ def main() -> None:
         warnings.showwarning = _show_warning
         try:
             _register()
+            from sailor.cli.common import NOTES_AT_END
+            NOTES_AT_END.clear()
             code = app(standalone_mode=False)
+            for line in NOTES_AT_END:
+                print(line, file=sys.stderr)
         except SailorInputError as e:
             print(f"error: {e.one_line()}", file=sys.stderr)
             sys.exit(2)

@@ -43,21 +43,23 @@ def check_number(value: float | None, option: str, *, lo: float | None = None, h
     return None if value is None else Checks(option).number(value, "", lo=lo, hi=hi, lo_open=lo_open)
 
 
+NOTES_AT_END: list[str] = []  # lines `sailor.cli.main` prints on stderr once a command has succeeded
+
+
 def machine_profiles(job, cluster, profiles):
     """What `resolve_models` should load: `profiles` when given; on the local provider without
     them, a quick profile of this machine (`runtime.machine.local_profiles`: cached, or measured now,
-    saying which on stderr); else None (the catalog's roofline). Without torch (a plain install) the
-    roofline stays, and stderr says why."""
+    saying which on stderr when the command succeeds, so that an error stays one line); else None
+    (the catalog's roofline). Without torch (a plain install) the roofline stays, and stderr says why."""
     if profiles is not None or cluster.provider != "local":
         return profiles
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
-        print(f"no profile of this machine: measuring it needs torch ({TRAIN_EXTRA}); roofline estimates",
-              file=sys.stderr)
+        NOTES_AT_END.append(f"no profile of this machine: measuring it needs torch ({TRAIN_EXTRA}); roofline estimates")
         return None
     from sailor.runtime.machine import local_profiles  # imports torch: only on this path
 
     prof, note = local_profiles(job)
-    print(note, file=sys.stderr)
+    NOTES_AT_END.append(note)
     return prof

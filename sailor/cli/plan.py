@@ -122,8 +122,8 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
     """The chosen plan, its predictions and the alternatives, as rich tables."""
     plan, est = result.plan, result.estimate
     con.print(f"[bold]{title}[/bold]")
-    stages = ", ".join(f"{i}: layers [{a}, {b})" for i, (a, b) in enumerate(plan.stages))
-    con.print(f"{plan.num_stages} stage(s) ({stages}); micro-batch {plan.micro_batch_size}; "
+    stages = ", ".join(f"{i}: layers {plan.stage_layers_text(i)}" for i in range(plan.num_stages))
+    con.print(f"{plan.num_stages} stage(s) ({stages}); {est.schedule.label}; micro-batch {plan.micro_batch_size}; "
               f"{len(plan.pipelines)} pipeline(s) on {plan.world_size} GPUs")
     labels = [memory_label(plan.stage_memory(i)) for i in range(plan.num_stages)]
     if any(x != "-" for x in labels):

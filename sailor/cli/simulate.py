@@ -17,6 +17,7 @@ from sailor.fileio import check_output_path
 from sailor.models import Recompute
 from sailor.plan import Plan, StageMemory, load_plan
 from sailor.simulator import Estimate, make_context, simulate
+from sailor.simulator.schedule import check_pipeline_tasks
 
 GIB = 2**30
 
@@ -38,6 +39,8 @@ def simulate_command(
     try:
         job_spec, cluster_spec = resolve_specs(plan, job, cluster)
         plan.check_against(job_spec, cluster_spec)
+        for pipe in plan.pipelines:  # before the work (profiling this machine, the simulation)
+            check_pipeline_tasks(plan.num_stages, pipe.microbatches, plan.virtual_stages)
     except Exception as e:
         from sailor.errors import SailorInputError
         if isinstance(e, SailorInputError):
@@ -76,7 +79,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan
                 "TP comm/mb (s)", "p2p/mb (s)", "sync (s)", "memory (GiB)", "OOM"):
         t.add_column(col, justify="right" if col not in ("GPU", "zone", "options") else "left")
     for r in sorted(est.replicas, key=lambda r: (r.stage, r.pipeline)):
-        t.add_row(str(r.stage), str(r.pipeline), r.gpu, r.zone, str(r.tp), f"[{r.layers[0]},{r.layers[1]})",
+        t.add_row(str(r.stage), str(r.pipeline), r.gpu, r.zone, str(r.tp), " + ".join(f"[{a},{b})" for a, b in r.chunks),
                   memory_label(plan.stage_memory(r.stage)) if plan else "",
                   f"{r.forward_s + r.backward_s:.4f}", f"{r.recompute_s:.4f}", f"{r.tp_comm_s:.4f}",
                   f"{r.p2p_s:.4f}", f"{r.sync_s:.4f}",
@@ -88,7 +91,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan
     s.add_column(justify="right")
     rows = [
         ("iteration time (s)", f"{est.iteration_time_s:.4f}"),
-        ("  pipeline (1F1B, slowest) (s)", f"{est.pipeline_s:.4f}"),
+        (f"  pipeline ({est.schedule.label}, slowest) (s)", f"{est.pipeline_s:.4f}"),
         ("  gradient sync (s)", f"{est.gradient_sync_s:.4f}"),
         ("  optimizer (s)", f"{est.optimizer_s:.4f}"),
         ("iterations/s", f"{est.throughput_iters_per_s:.4f}"),

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sailor.errors import InfeasibleError
+from sailor.limits import MAX_PIPELINE_TASKS
 from sailor.plan import Plan, StageMemory
 from sailor.planner import engine, legacy, paper
 from sailor.planner.finalists import Found
@@ -124,7 +125,7 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
             choices.append(pin)
             scored.append(pin)
     for ch in scored:
-        ch.estimate = simulate(ch.plan, ctx)
+        ch.estimate = _event_or_closed(ch.plan, ctx)
     ok = [c for c in scored if opts.constraints.ok(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd)]
     ok = ok or choices[:1]
     ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
@@ -132,12 +133,20 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     alternatives = [c for c in choices if c is not best][: opts.top_k]
     for c in alternatives:
         if c.estimate is None:
-            c.estimate = simulate(c.plan, ctx)
+            c.estimate = _event_or_closed(c.plan, ctx)
     alternatives.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     return PlanResult(plan=best.plan, estimate=best.estimate, alternatives=alternatives,
                       best_closed=best_closed, search_time_s=time.perf_counter() - t0,
                       points=found.points, candidates=found.candidates, pareto=sorted(found.front),
                       exact=found.exact, timed_out=found.timed_out)
+
+
+def _event_or_closed(plan: Plan, ctx: SimContext) -> Estimate:
+    """A finalist's estimate: the event simulation, or the closed form where one of its pipelines runs
+    more stage x chunk x micro-batch passes than the event simulation takes (`limits.MAX_PIPELINE_TASKS`,
+    `simulator.schedule.check_pipeline_tasks`)."""
+    tasks = max(plan.num_stages * plan.virtual_stages * p.microbatches for p in plan.pipelines)
+    return simulate(plan, ctx, event=tasks <= MAX_PIPELINE_TASKS)
 
 
 def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
@@ -191,7 +200,7 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
                 for P in range(1, min(model.num_layers, opts.max_stages) + 1):
                     have = sum(cluster.available(z, g) for z in cluster.zones) // (tp * P)
                     d = min(job.global_batch_size, max(1, have) * more) if mem.zero else 1
-                    need = max(replica_memory(ctx, g, tp, 1, a, b, stage=i, num_stages=P, microbatches=job.global_batch_size,
+                    need = max(replica_memory(ctx, g, tp, 1, ((a, b),), stage=i, num_stages=P, microbatches=job.global_batch_size,
                                               memory=mem, replicas=d).total - ctx.memory_limit(g) + cap
                                for i, (a, b) in enumerate(even_partition(model.num_layers, P)))
                     if best is None or need < best[0]:

@@ -34,7 +34,7 @@ def pair_groups(ctx: SimContext, slot: Slot) -> list[list[tuple[Slot, int]]]:
 def pair_sync(ctx: SimContext, slot: Slot, a: int, e: int, sync: TimeOptions = DEFAULT_TIME) -> float:
     """The cheaper two-replica gradient sync of layers [a, e) under the stage's options `sync`
     (`pair_groups`), seconds."""
-    return min(stage_sync(ctx, g, a, e, sync)[0] for g in pair_groups(ctx, slot))
+    return min(stage_sync(ctx, g, ((a, e),), sync)[0] for g in pair_groups(ctx, slot))
 
 
 def pair_allreduce(ctx: SimContext, slot: Slot, nbytes: float, t: int) -> float:

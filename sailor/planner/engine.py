@@ -238,7 +238,7 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
         key = ("kind-sync", kinds[k].slots, D, fam.partition, fam.memory)
         if key not in ctx.memo:
             placed = place([list(kinds[k].slots)] * D, ctx.cluster)
-            ctx.memo[key] = max(stage_sync(ctx, group_members([p[i] for p in placed]), a, e,
+            ctx.memo[key] = max(stage_sync(ctx, group_members([p[i] for p in placed]), ((a, e),),
                                            time_options(fam.memory[i], 2))[0] for i, (a, e) in enumerate(fam.partition))
         return ctx.memo[key]
 

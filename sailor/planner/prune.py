@@ -281,7 +281,7 @@ def _placed_sync(ctx: SimContext, groups: list[tuple[Slot, int]], partition) -> 
     key = ("placed-sync", tuple(groups), tuple(partition))
     if key not in ctx.memo:
         placed = place([[slot] * P for slot, count in groups for _ in range(count)], ctx.cluster)
-        ctx.memo[key] = max(stage_sync(ctx, group_members([pipe[i] for pipe in placed]), a, e)[0]
+        ctx.memo[key] = max(stage_sync(ctx, group_members([pipe[i] for pipe in placed]), ((a, e),))[0]
                             for i, (a, e) in enumerate(partition))
     return ctx.memo[key]
 
@@ -324,7 +324,7 @@ def family_bound(ctx: SimContext, kinds: list[Kind], free: dict[Pool, int], part
         slots = sorted({k.slot(i) for k in kinds}, key=lambda s: (s.zone, s.gpu, s.tp))
         groups = two_replica_groups(ctx, slots, pairs)
         sync = time_options(kinds[0].memory[i], 2) if kinds[0].memory else DEFAULT_TIME
-        s2 = max(s2, min(stage_sync(ctx, g, a, e, sync)[0] for g in groups))
+        s2 = max(s2, min(stage_sync(ctx, g, ((a, e),), sync)[0] for g in groups))
     many = lo + s2 / 2 + opt
     T = min(alone, many)
     rate = min(k.usd_per_hour for k in kinds)

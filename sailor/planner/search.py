@@ -256,7 +256,7 @@ class Scorer:
             for i, (a, e) in enumerate(self.partition):
                 groups = sorted(self._stage_members(counts, placed, i).items(),
                                 key=lambda g: (g[0].zone, g[0].node or "", g[0].gpu, g[0].tp))
-                s, _, u = stage_sync(self.ctx, groups, a, e, self._sync_options[i])
+                s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i])
                 worst = max(worst, s)
                 usd += u
             self._sync[counts] = (tied + worst, usd)

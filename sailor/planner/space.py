@@ -172,7 +172,7 @@ def min_replicas(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, *
         return ctx.memo[key]
     one_key = key[:-1]
     if one_key not in ctx.memo:  # at D = 1 nothing is sharded: the same for every ZeRO level
-        ctx.memo[one_key] = replica_memory(ctx, gpu, tp, mbs, a, b, stage=stage, num_stages=num_stages,
+        ctx.memo[one_key] = replica_memory(ctx, gpu, tp, mbs, ((a, b),), stage=stage, num_stages=num_stages,
                                            microbatches=microbatches, memory=memory, replicas=1)
     one = ctx.memo[one_key]
     cap, top = ctx.memory_limit(gpu), replica_cap(ctx, gpu, tp, microbatches)  # within the memory margin

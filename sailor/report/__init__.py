@@ -3,7 +3,7 @@
 `write_report` draws, into one folder:
 - `pareto`: iterations/s against $/iteration of the candidates, the chosen plan and the `paper` and
   `homogeneous` searches' best plans (only when a PlanResult is given, i.e. from `sailor plan`);
-- `timeline`: the chosen plan's 1F1B iteration per pipeline and stage;
+- `timeline`: the chosen plan's iteration under its pipeline schedule, per pipeline and stage;
 - `memory`: memory per GPU against capacity, by category;
 - `placement`: GPUs used / available per zone and GPU type, and cross-zone traffic per zone pair.
 matplotlib is imported only when a figure is drawn.
@@ -57,9 +57,10 @@ def write_report(out_dir: str | Path, plan: Plan, est: Estimate, ctx: SimContext
                       " scored; the chosen plan, the alternatives and the best plans of the paper's and the"
                       " homogeneous search spaces are event-simulated.", paths[0]))
     steps = [
-        ("1F1B timeline", "One iteration of the chosen plan: one row per pipeline and stage (identical pipelines"
-         " share a row); forwards, backwards and p2p transfers by the event simulation, then gradient sync and"
-         " the optimizer step; grey is idle.", lambda: figures.timeline_figure(plan, est, out / "timeline")),
+        (f"{est.schedule.label} timeline", "One iteration of the chosen plan: one row per pipeline and stage"
+         " (identical pipelines share a row); forwards, backwards (and weight-gradient passes, blocking p2p"
+         " transfers where the schedule has them) by the event simulation, then gradient sync and the optimizer"
+         " step; grey is idle.", lambda: figures.timeline_figure(plan, est, out / "timeline")),
         ("Memory per GPU", "Peak memory per GPU by category against the GPU's capacity (black tick); one bar"
          " per kind of replica.", lambda: figures.memory_figure(est, out / "memory")),
         ("Placement and cross-zone traffic", "GPUs used out of those available per zone and GPU type; bytes"

@@ -14,7 +14,7 @@ import numpy as np
 from sailor.catalog import LinkClass
 from sailor.plan import Plan
 from sailor.simulator import Estimate, ReplicaEstimate
-from sailor.simulator.schedule import FWD, BWD, timeline_1f1b
+from sailor.pipeline_orders import BWD, FWD, WGRAD
 
 if TYPE_CHECKING:
     from sailor.planner import PlanResult
@@ -26,7 +26,7 @@ MAX_TIMELINE_ROWS = 16  # rows of the timeline; identical pipelines share a row 
 MAX_MEMORY_BARS = 24  # distinct replica kinds drawn in the memory figure
 
 # Colours (matplotlib's tab10), one per activity, the same in every figure.
-COLOR = {"forward": "#1f77b4", "backward": "#ff7f0e", "p2p": "#9467bd", "sync": "#d62728",
+COLOR = {"forward": "#1f77b4", "backward": "#ff7f0e", "weight gradient": "#17becf", "p2p": "#9467bd", "sync": "#d62728",
          "optimizer": "#8c564b", "idle": "#e8e8e8",
          "weights": "#1f77b4", "gradients": "#ff7f0e", "optimizer states": "#2ca02c",
          "activations": "#9467bd", "buffers & reserve": "#bcbd22", "framework": "#7f7f7f"}
@@ -104,7 +104,7 @@ def pareto_figure(result: "PlanResult", base: Path, *, paper: "PlanResult | None
     return _save(fig, base)
 
 
-# ---- 2. 1F1B timeline ---------------------------------------------------------------------------
+# ---- 2. pipeline timeline ------------------------------------------------------------------------
 def _pipeline_groups(plan: Plan, est: Estimate) -> list[tuple[list[int], list[ReplicaEstimate]]]:
     """Pipelines that run identical timelines (same GPUs, zones, TP, micro-batches), slowest first:
     [(pipeline indices, that pipeline's replicas by stage)]."""
@@ -128,11 +128,13 @@ def _pipes_label(js: list[int]) -> str:
 
 
 def timeline_figure(plan: Plan, est: Estimate, base: Path) -> list[Path]:
-    """The chosen plan's iteration as a Gantt chart: one row per (pipeline, stage), 1F1B forwards,
-    backwards and p2p transfers (`timeline_1f1b`), then gradient sync and the optimizer step as the
-    simulator orders them; idle time (bubbles, waiting for the slowest pipeline) in grey. Identical
-    pipelines share one row block; at most MAX_TIMELINE_ROWS rows, slowest first (the fastest kind
-    is kept when some are left out).
+    """The chosen plan's iteration as a Gantt chart: one row per (pipeline, stage), the passes of its
+    schedule as the event simulation ran them (`PipelineSchedule.timeline`: forwards, backwards, ZB-H1's
+    weight-gradient passes, 1F1B's blocking p2p transfers; under interleaving later chunks are drawn
+    lighter), then gradient sync and the optimizer step as the simulator orders them; idle time
+    (bubbles, waits for a peer or for the slowest pipeline) in grey. Identical pipelines share one row
+    block; at most MAX_TIMELINE_ROWS rows, slowest first (the fastest kind is kept when some are left
+    out).
 
     Returns:
         [png, svg] paths.
@@ -147,18 +149,19 @@ def timeline_figure(plan: Plan, est: Estimate, base: Path) -> list[Path]:
     end_pipe = est.pipeline_s
     fig, ax = plt.subplots(figsize=(10, 0.9 + 0.42 * len(rows)))
     labels = []
-    timelines = {js[0]: timeline_1f1b(np.array([x.forward_s for x in reps]), np.array([x.backward_s for x in reps]),
-                                      np.array([x.p2p_s for x in reps[:-1]]), plan.pipelines[js[0]].microbatches)
-                 for js, reps in shown}
+    sched = est.schedule
+    timelines = {js[0]: sched.timeline(est.pipeline_passes[js[0]], plan.pipelines[js[0]].microbatches) for js, _ in shown}
+    activity = {FWD: "forward", BWD: "backward", WGRAD: "weight gradient"}
+    v = sched.virtual_stages
     for y, (js, reps, r) in enumerate(rows):
-        ops = timelines[js[0]][r.stage]
         ax.broken_barh([(0, est.iteration_time_s)], (y - 0.4, 0.8), color=COLOR["idle"])
-        spans = {"forward": [], "backward": [], "p2p": []}
-        for kind, _k, s, e in ops:
-            spans["forward" if kind == FWD else "backward" if kind == BWD else "p2p"].append((s, e - s))
-        for kind, bars in spans.items():
-            if bars:
-                ax.broken_barh(bars, (y - 0.4, 0.8), color=COLOR[kind], linewidth=0)
+        spans: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for op in timelines[js[0]][r.stage]:
+            kind = activity.get(op.kind, "p2p")
+            spans.setdefault((kind, op.chunk), []).append((op.start_s, op.end_s - op.start_s))
+        for (kind, chunk), bars in spans.items():
+            ax.broken_barh(bars, (y - 0.4, 0.8), color=COLOR[kind], alpha=1.0 - 0.45 * chunk / max(v - 1, 1),
+                           linewidth=0.2 if v > 1 else 0, edgecolor="white")
         ax.broken_barh([(end_pipe, r.sync_s)], (y - 0.4, 0.8), color=COLOR["sync"], linewidth=0)
         ax.broken_barh([(end_pipe + est.gradient_sync_s, r.optimizer_s)], (y - 0.4, 0.8),
                        color=COLOR["optimizer"], linewidth=0)
@@ -168,17 +171,19 @@ def timeline_figure(plan: Plan, est: Estimate, base: Path) -> list[Path]:
     ax.set_xlim(0, est.iteration_time_s * 1.01)
     ax.set_xlabel("time in the iteration (s)")
     hidden = len(groups) - len(shown)
-    ax.set_title(f"1F1B timeline of one iteration ({est.iteration_time_s:.3f} s)"
+    ax.set_title(f"{sched.label} timeline of one iteration ({est.iteration_time_s:.3f} s)"
                  + (f"; {hidden} more pipeline kind(s) not shown" if hidden else ""))
     from matplotlib.patches import Patch
 
-    legend = [Patch(color=COLOR["forward"], label="forward"), Patch(color=COLOR["backward"], label="backward"),
-              Patch(color=COLOR["p2p"], label="p2p send/recv"),
-              Patch(color=COLOR["sync"], label=f"gradient sync ({est.gradient_sync_s:.3f} s)"),
-              Patch(color=COLOR["optimizer"], label=f"optimizer ({est.optimizer_s:.3f} s)"),
-              Patch(color=COLOR["idle"], label="idle (bubble / wait)")]
+    drawn = {activity.get(op.kind, "p2p") for t in timelines.values() for stage in t for op in stage}
+    names = {"p2p": "p2p send/recv", "backward": "backward (input gradient)" if sched.splits_backward else "backward"}
+    legend = [Patch(color=COLOR[k], label=names.get(k, k)) for k in ("forward", "backward", "weight gradient", "p2p")
+              if k in drawn]
+    legend += [Patch(color=COLOR["sync"], label=f"gradient sync ({est.gradient_sync_s:.3f} s)"),
+               Patch(color=COLOR["optimizer"], label=f"optimizer ({est.optimizer_s:.3f} s)"),
+               Patch(color=COLOR["idle"], label="idle (bubble / wait)")]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.45 / max(len(rows), 1) - 0.12),
-              ncol=6, fontsize=8, frameon=False)
+              ncol=len(legend), fontsize=8, frameon=False)
     return _save(fig, base)
 
 

@@ -54,11 +54,12 @@ def write_index(out_dir: Path, *, title: str, plan: Plan, est: Estimate,
     Returns:
         the path of index.html.
     """
-    stages = [[str(i), f"[{a}, {b})", str(b - a)] for i, (a, b) in enumerate(plan.stages)]
+    stages = [[str(i), plan.stage_layers_text(i), str(sum(b - a for a, b in plan.stage_chunks(i)))]
+              for i in range(plan.num_stages)]
     pipes = [[g, z, t, str(n), m] for g, z, t, n, m in plan_rows(plan)]
     summary = [
         ["iteration time (s)", f"{est.iteration_time_s:.4f}"],
-        ["  pipeline, 1F1B slowest (s)", f"{est.pipeline_s:.4f}"],
+        [f"  pipeline, {est.schedule.label} slowest (s)", f"{est.pipeline_s:.4f}"],
         ["  gradient sync (s)", f"{est.gradient_sync_s:.4f}"],
         ["  optimizer (s)", f"{est.optimizer_s:.4f}"],
         ["iterations/s", f"{est.throughput_iters_per_s:.4f}"],

@@ -10,8 +10,20 @@ of out_{l-1}) and fixes the order of every collective the hooks issue (ZeRO-3 ga
 reduce-scatters, `runtime.zero`) to the layer order on every rank: inside one autograd graph the
 order of such hooks could differ between replicas of different TP degrees, whose graphs differ.
 
-`skip_forward` / `skip_backward` run only the hooks: a round of the 1F1B schedule for which this
-pipeline has no micro-batch (uneven shares) still joins its stage's ZeRO collectives.
+Split backward (zero-bubble schedules, `backward_input` then `backward_weight`): per layer in
+reverse, `hooks.before_backward(l)` and the input-gradient pass (`torch.distributed.pipelining`'s
+`stage_backward_input`: the gradient of the layer's input only, keeping the graph and the gradients
+that reach the weights' operations), and later, per layer in the same order, the weight-gradient
+pass from those (`stage_backward_weight`) and `hooks.after_backward(l)`: the hooks see a layer's
+gradients when they exist, after its W pass. The embedding's input is token ids, so its input pass
+is empty and its whole backward runs as its weight pass. The profiler times the two passes the same
+way (`runtime.profiler`).
+
+`skip_forward` / `skip_backward` / `skip_weight` run only the hooks: a round of the schedule for
+which this pipeline has no micro-batch (uneven shares) still joins its stage's ZeRO collectives.
+
+Under interleaved 1F1B a rank holds several chunks of non-contiguous layers: one executor per chunk
+(`layers`), all sharing the rank's stage module and optimizer hooks.
 
 `ActivationMeter` measures the bytes a micro-batch keeps until its backward, per layer: the distinct
 storages autograd saves during the layer's forward (`torch.autograd.graph.saved_tensors_hooks`;
@@ -23,6 +35,7 @@ region are not kept and not seen (the checkpoint's own hooks take them); its inp
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
@@ -80,18 +93,23 @@ class ActivationMeter:
 
 
 class StageExecutor:
-    """Forward and backward of one stage, a micro-batch at a time (module docstring).
+    """Forward and backward of one stage, or one chunk of it, a micro-batch at a time (module
+    docstring).
 
     Args:
         stage: the stage (a GPT with the other layers deleted, TP and recomputation applied).
         hooks: the optimizer's layer hooks.
-        first_stage: the stage input is token ids (no gradient to send back).
+        first_stage: the input is token ids (no gradient to send back).
+        layers: the half-open layer range this executor runs (one chunk of the stage); None: all of
+            the stage's layers.
     """
 
-    def __init__(self, stage: nn.Module, hooks: LayerHooks, *, first_stage: bool) -> None:
-        self.layers = [(int(i), m) for i, m in stage.layers.items()]
+    def __init__(self, stage: nn.Module, hooks: LayerHooks, *, first_stage: bool,
+                 layers: tuple[int, int] | None = None) -> None:
+        self.layers = [(int(i), m) for i, m in stage.layers.items() if layers is None or layers[0] <= int(i) < layers[1]]
         self.hooks, self.first_stage = hooks, first_stage
         self.saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # k -> [(in_l, out_l)]
+        self.weight_passes: dict[int, list[Callable[[], None]]] = {}  # k -> its W pass, layer by layer
 
     def forward(self, k: int, x: torch.Tensor, *, loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 meter: ActivationMeter | None = None) -> torch.Tensor:
@@ -128,12 +146,44 @@ class StageExecutor:
             self.hooks.after_backward(index)
         return grad
 
+    def backward_input(self, k: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Micro-batch `k`'s input-gradient pass (as `backward`, without the weights' gradients,
+        which `backward_weight(k)` computes later); returns the gradient of the stage input."""
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+        kept = self.saved.pop(k)
+        passes = []
+        for (index, layer), (inp, out) in zip(reversed(self.layers), reversed(kept)):
+            self.hooks.before_backward(index)
+            weights = [p for p in layer.parameters() if p.requires_grad]
+            if inp.requires_grad:
+                (grad,), groups = stage_backward_input([out], None if grad is None else [grad], [inp], iter(weights))
+                passes.append(functools.partial(stage_backward_weight, iter(weights), groups))
+            else:  # token ids in: the whole backward is the weight pass
+                passes.append(functools.partial(torch.autograd.backward, out, grad))
+                grad = None
+            passes.append(functools.partial(self.hooks.after_backward, index))
+        self.weight_passes[k] = passes
+        return grad
+
+    def backward_weight(self, k: int) -> None:
+        """Micro-batch `k`'s weight-gradient pass (after its `backward_input`)."""
+        for run in self.weight_passes.pop(k):
+            run()
+
     def skip_forward(self) -> None:
         for index, _ in self.layers:
             self.hooks.before_forward(index)
             self.hooks.after_forward(index)
 
-    def skip_backward(self) -> None:
+    def skip_backward(self, *, split: bool = False) -> None:
+        """The hooks of a backward (`split`: of an input-gradient pass only)."""
         for index, _ in reversed(self.layers):
             self.hooks.before_backward(index)
+            if not split:
+                self.hooks.after_backward(index)
+
+    def skip_weight(self) -> None:
+        """The hooks of a weight-gradient pass."""
+        for index, _ in reversed(self.layers):
             self.hooks.after_backward(index)

@@ -17,6 +17,13 @@ micro-batch size b:
   slowest rank's time kept (the others wait for it in a real run too);
 - `warmup` untimed passes, then `repeats` timed ones: the median is the profile, the interquartile
   range its spread (`forward_spread_s`, `backward_spread_s`);
+- the backward split as zero-bubble schedules run it (`_time_backward_split`): the input-gradient pass
+  (`torch.autograd.grad` w.r.t. the layer's input, keeping the graph and the gradients reaching the
+  weights' matmuls) and then the weight-gradient pass (`torch.autograd.grad` w.r.t. the weights from
+  those gradients), each timed on its own with `torch.distributed.pipelining`'s `stage_backward_input`
+  / `stage_backward_weight` (`backward_input_s`, `backward_weight_s`; scaled like the backward), in
+  the same repeats as the forward and backward, so a drifting load moves all of them alike. The
+  embedding has no input gradient (its input is token ids): its whole backward is the weight pass;
 - activation bytes kept for backward per sample and layer (a saved-tensors hook sums the distinct
   tensors autograd keeps, parameters excluded), and the peak bytes allocated (CUDA) or the peak
   resident set of the process (CPU);
@@ -315,7 +322,7 @@ def _build_layer(job: JobSpec, index: int, tp_rank: int, tp: int, group, device,
     spec = job.model
     with torch.device("meta"):
         stage = GPT(spec)
-    build_stage(stage, (index, index + 1 if end is None else end))
+    build_stage(stage, ((index, index + 1 if end is None else end),))
     apply_tp(stage, tp_rank=tp_rank, tp=tp, group=group)
     materialize(stage, lambda n, s: init_param(n, s, seed=0, num_blocks=spec.num_blocks),
                 tp_rank=tp_rank, tp=tp, device=device)
@@ -335,11 +342,15 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
     # kind -> (first layer, end): one layer of each kind.
     kinds = {"embedding": (0, 1), "block": (1, 2), "head": (spec.num_layers - 1, spec.num_layers)}
     gen = torch.Generator(device="cpu").manual_seed(1234)
-    out: dict[str, Any] = {"times": {}, "runtime_overhead_s": {}, "activation_bytes_per_sample": {}, "peak_bytes": 0}
+    out: dict[str, Any] = {"times": {}, "split": {}, "runtime_overhead_s": {}, "activation_bytes_per_sample": {},
+                           "peak_bytes": 0}
 
-    def sync() -> None:
+    def finish() -> None:  # wait for this rank's device
         if cuda:
             torch.cuda.synchronize(device)
+
+    def sync() -> None:  # and for every rank
+        finish()
         if world > 1:
             dist.barrier()
 
@@ -349,15 +360,19 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
             tok = torch.randint(0, spec.vocab_size, (mbs, seq), generator=gen).to(device)
             act = torch.randn(mbs, seq, spec.hidden_size, generator=gen).to(device)
 
-            def forward(layer=layer, tok=tok, act=act, mbs=mbs, kind=kind):  # bound now, not at call time
+            def forward(layer=layer, tok=tok, act=act, mbs=mbs, kind=kind, inputs=None):  # bound now, not at call time
                 if kind == "embedding":
                     return layer(tok)
                 x = act.detach().requires_grad_()
+                if inputs is not None:
+                    inputs.append(x)
                 with autocast():
                     y = layer(x)
                 return lm_loss_sum(y, tok) * (1.0 / (mbs * seq)) if kind == "head" else y
 
             res = _LayerResult()
+            params = [p for p in layer.parameters() if p.requires_grad]
+            split_rows = []
             for r in range(o["warmup"] + o["repeats"]):
                 layer.zero_grad(set_to_none=True)
                 sync()
@@ -374,14 +389,21 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
                 if cuda:
                     torch.cuda.synchronize(device)
                 t3 = time.perf_counter()
+                # the split passes in the same repeat, so both see the same machine (its load drifts)
+                split = _time_backward_split(layer, forward, params, sync, finish)
                 if r >= o["warmup"]:
                     res.forward_s.append(t1 - t0)
                     res.backward_s.append(t3 - t2)
+                    split_rows.append(split)
             # The slowest rank's pass is the replica's (the others wait for it in its all-reduces).
             both = torch.tensor([res.forward_s, res.backward_s], dtype=torch.float64)
             if world > 1:
                 dist.all_reduce(both, op=dist.ReduceOp.MAX)
             out["times"][f"{kind}/{mbs}"] = both.tolist()
+            split = torch.tensor(split_rows, dtype=torch.float64).T
+            if world > 1:
+                dist.all_reduce(split, op=dist.ReduceOp.MAX)
+            out["split"][f"{kind}/{mbs}"] = split.tolist()  # [input-gradient passes, weight-gradient passes]
             if rank == 0:
                 rank_message({"tick": 1})
         mbs = max(o["mbs"])
@@ -412,6 +434,39 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
     return out
 
 
+def _time_backward_split(layer, forward: Callable[..., Any], params: list, sync: Callable[[], None],
+                         finish: Callable[[], None]) -> list[float]:
+    """[input_gradient_s, weight_gradient_s] of one backward of `layer` (weights `params`), each
+    pass timed alone, every rank starting it together (`sync`) and its own time ending when its
+    device is done (`finish`), as the forward and backward are: `stage_backward_input` (gradient
+    w.r.t. the layer's input; the graph and the gradients flowing into the weights' operations are
+    kept) then `stage_backward_weight` (the weights' gradients from those), as a zero-bubble schedule
+    runs them. `forward(inputs=list)` runs the layer's forward (loss included for the head) and
+    appends its input tensor; the embedding's input is token ids, so its input pass takes 0 s and its
+    weight pass is the whole backward."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    layer.zero_grad(set_to_none=True)
+    inputs: list = []
+    y = forward(inputs=inputs)
+    grads = None if y.dim() == 0 else [torch.ones_like(y)]
+    sync()
+    t0 = time.perf_counter()
+    if inputs:
+        _, groups = stage_backward_input([y], grads, inputs, iter(params))
+    finish()
+    input_s = time.perf_counter() - t0 if inputs else 0.0
+    sync()
+    t1 = time.perf_counter()
+    if inputs:
+        stage_backward_weight(iter(params), groups)
+    else:
+        torch.autograd.backward(y, None if grads is None else grads[0])
+    finish()
+    return [input_s, time.perf_counter() - t1]
+
+
 RUNTIME_MICROBATCHES = 8
 """Micro-batches of one timed `run_pipeline` call in the profile: as many as the smallest pipeline of
 the closed-loop benchmark's plans (64 samples in micro-batches of 4 over 2 pipelines), so a step's
@@ -437,6 +492,7 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
     from sailor.runtime.model import lm_loss_sum
     from sailor.runtime.executor import NoHooks, StageExecutor
     from sailor.runtime.pipeline import P2P, run_pipeline
+    from sailor.runtime.schedule import ONE_F_ONE_B
     from sailor.runtime.topology import derive_topology
 
     spec, seq, m = job.model, job.seq, RUNTIME_MICROBATCHES
@@ -454,7 +510,8 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
         sync()
         t0 = time.perf_counter()
         with autocast():
-            _, times = run_pipeline(executor, role, p2p, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
+            _, times = run_pipeline([executor], role, p2p, order=ONE_F_ONE_B.order(0, 1, m),
+                                    inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
                                     targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=lm_loss_sum,
                                     loss_scale=1.0 / (m * mbs * seq))
         if device.type == "cuda":
@@ -623,10 +680,13 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                     whole = _stats(res["times"][f"model/{mbs}"])
                     sf, sb = pass_scale(fwd, whole[0]), pass_scale(bwd, whole[1])
                     scales[f"{tp}/{mbs}"] = [sf, sb]
+                split = {k: _stats(res["split"][f"{k}/{mbs}"]) for k in ("embedding", "block", "head")}
                 rows.append({"gpu": gpu, "tp": tp, "mbs": mbs,
                              "forward_s": [x * sf for x in fwd], "backward_s": [x * sb for x in bwd],
                              "forward_spread_s": [stats[k][2] * sf for k in order],
-                             "backward_spread_s": [stats[k][3] * sb for k in order]})
+                             "backward_spread_s": [stats[k][3] * sb for k in order],
+                             "backward_input_s": [split[k][0] * sb for k in order],
+                             "backward_weight_s": [split[k][1] * sb for k in order]})
             if whole_pass(opts):
                 # One figure per (GPU type, TP): the bookkeeping does not grow with the micro-batch.
                 by_mbs = {mbs: statistics.median(res["runtime_overhead_s"][str(mbs)]) for mbs in sorted(set(opts.mbs))}

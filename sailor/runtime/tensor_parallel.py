@@ -18,7 +18,8 @@ transformer blocks the activations between the TP regions are split along the se
 residual adds work on T/t tokens. A column-parallel linear all-gathers its input along the sequence
 (g) and keeps only its own slice for backward, gathering it again there; a row-parallel linear
 reduce-scatters its output along the sequence (ḡ) instead of all-reducing it. The first block of the
-stage takes this rank's slice of its (full) input, the last block all-gathers its output, so the
+stage (of each chunk, under interleaving) takes this rank's slice of its (full) input, the last block
+all-gathers its output, so the
 embedding, the head and the stage boundaries see full (B, T, h) activations as without SP. The
 replicated parameters inside the blocks (norms, row-parallel biases) then see only this rank's tokens:
 their gradients are partial sums that gradient sync adds over the TP group (`grad_weight`).
@@ -309,8 +310,11 @@ def apply_tp(stage: nn.Module, *, tp_rank: int, tp: int, group, sequence_paralle
         if new is not None:
             setattr(parent, child, new)
     if sp:
-        blocks = [m for m in stage.layers.values() if isinstance(m, Block)]
+        blocks = [(int(i), m) for i, m in stage.layers.items() if isinstance(m, Block)]
         assert blocks, "sequence parallelism needs a block in the stage"
-        blocks[0].register_forward_pre_hook(lambda module, args: (_ScatterSeq.apply(args[0], group),))
-        blocks[-1].register_forward_hook(lambda module, args, out: _GatherSeq.apply(out, group))
+        # one run of consecutive blocks per chunk (interleaved stages hold several, never adjacent)
+        starts = [n for n in range(len(blocks)) if n == 0 or blocks[n][0] != blocks[n - 1][0] + 1]
+        for a, b in zip(starts, starts[1:] + [len(blocks)]):
+            blocks[a][1].register_forward_pre_hook(lambda module, args: (_ScatterSeq.apply(args[0], group),))
+            blocks[b - 1][1].register_forward_hook(lambda module, args, out: _GatherSeq.apply(out, group))
     return stage

@@ -35,7 +35,7 @@ from sailor.runtime.model import EMBEDDING_WEIGHT, Embedding, Head, tied_head
 from sailor.runtime.tensor_parallel import shard_dim
 from sailor.runtime.topology import RankRole, Topology
 
-TAG = 7100  # p2p tag of tied-gradient transfers (pipeline transfers use the default tag)
+TAG = 7100  # p2p tag of tied-gradient transfers (pipeline transfers use 0 .. 2·p·v - 1, `pipeline.transfer_tag`)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _copy_params(spec: ModelSpec, role: RankRole) -> dict[str, torch.Tensor]:
     last = spec.num_layers - 1
     out = {}
     for index, layer in ((0, Embedding), (last, Head)):
-        if not role.layers[0] <= index < role.layers[1]:
+        if not any(a <= index < b for a, b in role.chunks):
             continue
         with torch.device("meta"):
             module = layer(spec)

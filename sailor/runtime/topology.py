@@ -4,11 +4,15 @@ Torch-free and pure, so it is tested without any process group. Ranks come from
 `sailor.plan.rank_layout` (order: pipeline, stage, TP rank). For every rank this module gives:
 
 - its TP group (the ranks of its replica, in TP-rank order);
-- its pipeline neighbours. Between replica A (stage i, `a` ranks) and replica B (stage i+1, `b` ranks)
-  of one pipeline the full activation moves once per receiving rank: B's TP rank t receives it from
-  A's TP rank `t % a`; the gradient flows back the same way (A's rank s receives from B's rank `s % b`).
+- its layer chunks (`Plan.stage_chunks`: one range, several under interleaved 1F1B) and its pipeline
+  neighbours. Between replica A (stage i, `a` ranks) and replica B (stage i+1, `b` ranks) of one
+  pipeline the full activation moves once per receiving rank: B's TP rank t receives it from A's TP
+  rank `t % a`; the gradient flows back the same way (A's rank s receives from B's rank `s % b`).
   Every rank of a replica holds the full (replicated) activation at a stage boundary, so any sender
   will do; spreading receivers over senders keeps the boundary load even when TP degrees differ.
+  Under interleaving the last stage also hands its chunks' outputs to the first stage (chunk c of
+  stage p-1 feeds chunk c+1 of stage 0), by the same rule: the neighbours are stages i-1 and i+1
+  modulo p, and `runtime.pipeline` knows from the chunk which transfers an op makes.
 - its gradient-sync groups. A stage's replicas may have different TP degrees, so a sharded parameter
   is split into `L = lcm(TP degrees of the stage's replicas)` equal *blocks* (the finest sharding).
   Block k is held, in a replica of TP degree t, by TP rank `k // (L / t)`; its group is those D
@@ -35,16 +39,16 @@ class RankRole:
     stage: int
     tp_rank: int
     tp: int
-    layers: tuple[int, int]  # half-open range over the model's layer list
+    chunks: tuple[tuple[int, int], ...]  # half-open layer ranges in layer order (one unless interleaved)
     num_stages: int
     num_pipelines: int
     microbatches: int  # this pipeline's micro-batches per step
     first_sample: int  # index in the global batch of this pipeline's first sample
     tp_group: Ranks  # the ranks of this replica, by TP rank
-    fwd_recv_from: int | None  # rank that sends this rank its input activation (None: first stage)
-    fwd_send_to: Ranks  # ranks this rank sends its output activation to
-    bwd_recv_from: int | None  # rank that sends this rank the gradient of its output (None: last stage)
-    bwd_send_to: Ranks  # ranks this rank sends the gradient of its input to
+    fwd_recv_from: int | None  # rank that sends this rank its input activations (None: none does)
+    fwd_send_to: Ranks  # ranks this rank sends its output activations to
+    bwd_recv_from: int | None  # rank that sends this rank the gradients of its outputs (None: none does)
+    bwd_send_to: Ranks  # ranks this rank sends the gradients of its inputs to
     sync_blocks: int  # L: blocks per sharded parameter in this stage (lcm of its TP degrees)
     block_groups: tuple[Ranks, ...]  # sync group of each block this rank holds (L / tp of them, in order)
     stage_group: Ranks  # every rank holding this stage (sync group of replicated parameters)
@@ -95,13 +99,14 @@ def derive_topology(plan: Plan) -> Topology:
         first.append(first[-1] + p.microbatches * plan.micro_batch_size)
 
     roles = []
+    wrap = plan.virtual_stages > 1  # interleaved: stage p-1 feeds stage 0 between chunks
     for info in layout:
         i, j, t = info.stage, info.pipeline, info.tp_rank
-        prev = replica.get((j, i - 1))
-        nxt = replica.get((j, i + 1))
+        prev = replica.get((j, (i - 1) % num_stages)) if i > 0 or wrap else None
+        nxt = replica.get((j, (i + 1) % num_stages)) if i < num_stages - 1 or wrap else None
         blocks_per_rank = finest[i] // info.tp
         roles.append(RankRole(
-            rank=info.rank, pipeline=j, stage=i, tp_rank=t, tp=info.tp, layers=tuple(plan.stages[i]),
+            rank=info.rank, pipeline=j, stage=i, tp_rank=t, tp=info.tp, chunks=plan.stage_chunks(i),
             num_stages=num_stages, num_pipelines=num_pipes, microbatches=plan.pipelines[j].microbatches,
             first_sample=first[j], tp_group=tuple(replica[(j, i)]),
             fwd_recv_from=prev[t % len(prev)] if prev else None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sailor.errors import SailorInputError
 from sailor.plan import Plan
+from sailor.runtime.schedule import runtime_schedule
 from sailor.specs import ClusterSpec, JobSpec
 
 
@@ -30,7 +31,11 @@ def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None
     execute, naming the plan field:
     - sequence parallelism needs a transformer block in the stage (it is applied to blocks; the
       sequence length divisible by every replica's TP degree is `Plan.check_against`'s rule);
-    - recomputation (selective or full) needs a transformer block in the stage;
+    - recomputation (selective or full) needs a transformer block in the stage (in any of its
+      chunks under interleaving);
+    - ZeRO-3 under a schedule that splits the backward (zb-h1): the deferred weight-gradient pass of
+      a layer would run after later micro-batches' forwards freed the layer's gathered weights
+      (full recomputation, which drops what that pass needs, is refused by the plan itself);
     - fp16 needs loss scaling, which the runtime does not implement (bf16 does not: same exponent
       range as fp32). `job_source` is the job file when the job is not the plan's own."""
     model = job.model
@@ -38,15 +43,20 @@ def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None
         raise SailorInputError("the runtime trains in fp32 or bf16; fp16 would need loss scaling, which it does not do",
                                source=job_source or source, field="precision" if job_source else "job.precision",
                                fix="use precision bf16")
-    for i, (a, b) in enumerate(plan.stages):
+    split = runtime_schedule(plan).splits_backward
+    for i in range(plan.num_stages):
         mem = plan.stage_memory(i)
-        has_block = any(model.layer_kind(layer).value == "block" for layer in range(a, b))
+        has_block = any(model.layer_kind(layer).value == "block" for a, b in plan.stage_chunks(i) for layer in range(a, b))
         for option, used in (("sequence_parallel", mem.sequence_parallel),
                              ("recompute", mem.recompute.value != "none")):
             if used and not has_block:
-                raise SailorInputError(f"stage {i} [{a}, {b}) holds no transformer block, so {option} has nothing"
-                                       " to apply to", source=source, field=f"memory.{i}.{option}",
+                raise SailorInputError(f"stage {i} {plan.stage_layers_text(i)} holds no transformer block, so {option}"
+                                       " has nothing to apply to", source=source, field=f"memory.{i}.{option}",
                                        fix="leave it at its default for this stage")
+        if split and mem.zero >= 3:
+            raise SailorInputError(f"{plan.schedule.kind.value} defers weight-gradient passes, which the runtime cannot"
+                                   f" run under ZeRO-3 (stage {i}: its layer weights are freed between the passes)",
+                                   source=source, field=f"memory.{i}.zero", fix="use ZeRO-2 or less, or schedule 1f1b")
 
 
 def check_plan_for_job(plan: Plan, job: JobSpec | None, cluster: ClusterSpec | None, *, source: str | None,

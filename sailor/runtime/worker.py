@@ -1,20 +1,23 @@
 """One rank of `sailor train`: the training loop torchrun starts (`python -m sailor.runtime.worker`).
 
 Order of construction (fixed; each step is its own function; steps 2-5 are `build_rank`, which reads
-this stage's memory options `mem = plan.stage_memory(stage)`, the runtime's one reader of them):
+this stage's memory options `mem = plan.stage_memory(stage)`, the runtime's one reader of them, and
+the schedule, `schedule.runtime_schedule(plan)`, the runtime's one reader of it):
 1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups.
-2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers) -> `apply_tp` (with
-   `mem.sequence_parallel`) -> `apply_recompute` (`mem.recompute`, `mem.recompute_blocks`).
+2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers: its chunks under
+   interleaving) -> `apply_tp` (with `mem.sequence_parallel`) -> `apply_recompute` (`mem.recompute`,
+   `mem.recompute_blocks`, counted over the stage's blocks in layer order).
 3. `materialize`: every parameter's full fp32 value (seeded init, or checkpoint) sharded for this TP
    rank; or `hf_weights.materialize_hf` (--init-from): each shard read from Hugging Face safetensors.
 4. `ShardedAdamW` (`mem.zero`, the compute dtype, the tied embedding's transfers `tied.tied_for_rank`):
    takes the parameters over (fp32 master where needed, weights cast to bf16 under mixed precision,
    freed under ZeRO-3); Adam moments restored from the checkpoint when resuming.
-5. `StageExecutor` (the optimizer's layer hooks around each layer); `P2P` in the compute dtype.
-Each step: stop check (all ranks agree) -> 1F1B over this pipeline's micro-batches (under ZeRO-2/3 as
-many rounds as the largest share) -> `reduce` (sample-weighted SUM, then the tied embedding's and LM
-head's gradients added to each other) -> global-norm clipping -> AdamW -> metrics (loss, timings) to
-rank 0.
+5. One `StageExecutor` per chunk (the optimizer's layer hooks around each layer) and the stage's
+   op order under the schedule (`RuntimeSchedule.order`); `P2P` in the compute dtype.
+Each step: stop check (all ranks agree) -> the schedule's order over this pipeline's micro-batches
+(under ZeRO-2/3 as many rounds as the largest share) -> `reduce` (sample-weighted SUM, then the tied
+embedding's and LM head's gradients added to each other) -> global-norm clipping -> AdamW -> metrics
+(loss, timings) to rank 0.
 
 Rank 0 reports to the launcher with single stdout lines `SAILOR_EVENT <json>`: {"event": "started"}
 once the process groups are up, {"event": "loaded", "step"} once the weights are in place,
@@ -48,6 +51,7 @@ from torch import nn
 
 from sailor.errors import SailorInputError, SailorWarning
 from sailor.models import ModelSpec
+from sailor.pipeline_orders import Op
 from sailor.plan import Plan, load_plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import batch_tokens, load_corpus
@@ -57,6 +61,7 @@ from sailor.runtime.model import GPT, initial_value, lm_loss_sum
 from sailor.runtime.optim import OptimConfig
 from sailor.runtime.pipeline import P2P, build_stage, run_pipeline
 from sailor.runtime.recompute import apply_recompute
+from sailor.runtime.schedule import runtime_schedule
 from sailor.runtime.tensor_parallel import apply_tp, materialize_shards, shard, shard_dim
 from sailor.runtime.tied import tied_for_rank
 from sailor.runtime.topology import RankRole, derive_topology
@@ -144,15 +149,16 @@ class RankModel:
 
     stage: nn.Module
     optimizer: ShardedAdamW
-    executor: StageExecutor
+    executors: list[StageExecutor]  # one per chunk of the stage
+    order: list[Op]  # this stage's ops per step: the schedule's order over `rounds` micro-batches
     dtype: torch.dtype  # the weights' and activations' compute dtype
-    rounds: int  # 1F1B rounds per step (the largest share under ZeRO-2/3, else this pipeline's)
+    rounds: int  # micro-batch rounds per step (the largest share under ZeRO-2/3, else this pipeline's)
 
 
 def stage_names(spec: ModelSpec, role: RankRole) -> list[str]:
     """Canonical parameter names of this rank's stage."""
     with torch.device("meta"):
-        stage = build_stage(GPT(spec), role.layers)
+        stage = build_stage(GPT(spec), role.chunks)
     return [n for n, _ in stage.named_parameters()]
 
 
@@ -166,7 +172,7 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     spec, mem = job.model, plan.stage_memory(role.stage)
     with torch.device("meta"):
         stage = GPT(spec)
-    build_stage(stage, role.layers)
+    build_stage(stage, role.chunks)
     apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=groups.get(role.tp_group),
              sequence_parallel=mem.sequence_parallel)
     apply_recompute(stage, mem)
@@ -185,7 +191,10 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     if tensors is not None:
         restore_moments(opt, tensors, step, role)
     rounds = max(p.microbatches for p in plan.pipelines) if mem.zero >= 2 else role.microbatches
-    return RankModel(stage, opt, StageExecutor(stage, opt, first_stage=role.is_first_stage), dtype, rounds)
+    executors = [StageExecutor(stage, opt, first_stage=role.is_first_stage and c == 0, layers=chunk)
+                 for c, chunk in enumerate(role.chunks)]
+    order = runtime_schedule(plan).order(role.stage, role.num_stages, rounds)
+    return RankModel(stage, opt, executors, order, dtype, rounds)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -274,9 +283,9 @@ def train(args: argparse.Namespace) -> None:
         meter = ActivationMeter() if step == start else None
         # Micro-batch slices are copied so that what a micro-batch keeps is its own (B, T) tokens.
         loss_sum, times = run_pipeline(
-            rk.executor, role, p2p, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1].contiguous(),
+            rk.executors, role, p2p, order=rk.order, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1].contiguous(),
             targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:].contiguous(), loss_fn=lm_loss_sum,
-            loss_scale=1.0 / (gbs * seq), rounds=rk.rounds, meter=meter)
+            loss_scale=1.0 / (gbs * seq), meter=meter)
         t1 = time.perf_counter()
         if meter is not None:
             emit("memory", rank=rank, stage=role.stage, pipeline=role.pipeline, tp=role.tp, **opt.held_bytes(),

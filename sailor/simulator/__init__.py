@@ -1,9 +1,10 @@
 """Simulator: iteration time, memory per GPU and cost of a Plan, with a breakdown a user can read.
 
-`simulate(plan, ctx)` runs the event simulation of the 1F1B schedule (DeepSpeed's pipeline-engine
-order, see `schedule`) for every distinct pipeline, then the gradient reductions, then the optimizer
-step, in the order DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads,
-OptimizerStep):
+`simulate(plan, ctx)` runs the event simulation of the plan's pipeline schedule (`schedules`: 1F1B
+in the order of DeepSpeed's pipeline engine, `schedule`; interleaved 1F1B and ZB-H1, `schedule_orders`
+over the op orders of `sailor.pipeline_orders`)
+for every distinct pipeline, then the gradient reductions, then the optimizer step, in the order
+DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, OptimizerStep):
 
     iteration_time = max_j pipeline_j + tied + max_i sync_i + max_{replicas} optimizer
 
@@ -21,13 +22,15 @@ OptimizerStep):
   GPU type's calibrated all-reduce efficiency (`terms.collective_s`, `collectives`).
 - optimizer: proportional to the parameters on one GPU (memory-bound; 1/D of them under ZeRO).
 Memory options (`Plan.memory`) are read in two places only: `terms.time_options` for time and
-`memory.replica_memory` for memory. The slowest pipeline sets the pace (straggler); the reductions
-wait for all pipelines. Links follow the launcher's placement (`terms.placed_slots`, from
-`sailor.plan.pack_replicas`, the packing of `rank_layout`): a p2p transfer or ring hop between two
-replicas on one node uses the intra-node link, any other the link between two nodes of their zones.
-The planner's fast path scores each pipeline type before placement (`Slot` without a node: every
-transfer between nodes), so all its pipelines with the same GPU type, zone and TP degrees take the
-same time; its gradient syncs and the event simulation of its finalists follow the placement.
+`memory.replica_memory` for memory (per chunk under interleaving, `Plan.chunk_memory`); the schedule
+(`Plan.schedule`) in one, `schedules.pipeline_schedule`, whose micro-batches in flight multiply the
+options' bytes per micro-batch in `replica_memory`. The slowest pipeline sets the pace (straggler);
+the reductions wait for all pipelines. Links follow the launcher's placement (`terms.placed_slots`,
+from `sailor.plan.pack_replicas`, the packing of `rank_layout`): a p2p transfer or ring hop between
+two replicas on one node uses the intra-node link, any other the link between two nodes of their
+zones. The planner's fast path scores each pipeline type before placement (`Slot` without a node:
+every transfer between nodes), so all its pipelines with the same GPU type, zone and TP degrees take
+the same time; its gradient syncs and the event simulation of its finalists follow the placement.
 `SimContext` (`context`) holds the job, cluster, profiles and
 network for one simulation or planning call and caches per-(GPU, TP, micro-batch) layer tables; its
 caches are keyed on every input and die with it.
@@ -35,7 +38,8 @@ caches are keyed on every input and die with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 from sailor import catalog
@@ -44,22 +48,23 @@ from sailor.simulator.collectives import group_members
 from sailor.simulator.context import (SimContext, embedding_params, head_vocab_params, make_context,
                                       tied_embeddings)
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
-from sailor.simulator.long_run import makespan_s
-from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b, stage_times
+from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes, pipeline_schedule
 from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s,
-                                    optimizer_s, pipeline_arrays, place, placed_slots, stage_sync, stage_time,
-                                    tied_sync, time_options)
+                                    link_transfer, optimizer_s, pipeline_arrays, pipeline_times, place,
+                                    placed_slots, recomputed_blocks, stage_sync, stage_time, tied_sync, time_options)
 
 __all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", "StageTime", "TimeOptions",
-           "allreduce_s", "collective_s", "embedding_params", "head_vocab_params", "make_context",
-           "optimizer_s", "pipeline_arrays", "place", "placed_slots", "simulate", "stage_sync", "stage_time",
-           "tied_embeddings", "tied_sync", "time_options"]
+           "allreduce_s", "collective_s", "embedding_params", "head_vocab_params", "link_transfer", "make_context",
+           "optimizer_s", "pipeline_arrays", "pipeline_times", "place", "placed_slots", "simulate", "stage_sync",
+           "stage_time", "tied_embeddings", "tied_sync", "time_options"]
 
 
 @dataclass
 class ReplicaEstimate:
-    """Replica (stage i of pipeline j): per-micro-batch compute and p2p, per-iteration sync and
-    optimizer seconds, and memory per GPU (bytes)."""
+    """Replica (stage i of pipeline j): per-micro-batch compute (summed over its chunks) and p2p
+    (its outgoing transfers), per-iteration sync and optimizer seconds, and memory per GPU (bytes).
+    `layers` spans the first to the last layer it holds; `chunks` are its ranges (several under
+    interleaving)."""
 
     pipeline: int
     stage: int
@@ -67,6 +72,7 @@ class ReplicaEstimate:
     zone: str
     tp: int
     layers: tuple[int, int]
+    chunks: tuple[tuple[int, int], ...]
     forward_s: float
     backward_s: float
     p2p_s: float
@@ -88,7 +94,8 @@ class ReplicaEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "pipeline": self.pipeline, "gpu": self.gpu, "zone": self.zone, "tp": self.tp,
-                "layers": list(self.layers), "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "layers": list(self.layers), **({"chunks": [list(c) for c in self.chunks]} if len(self.chunks) > 1 else {}),
+                "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "p2p_s": self.p2p_s, "sync_s": self.sync_s, "optimizer_s": self.optimizer_s,
                 "recompute_s": self.recompute_s, "tp_comm_s": self.tp_comm_s, "zero_gather_s": self.gather_s,
                 "peak_memory_bytes": int(self.peak_memory_bytes), "memory_capacity_bytes": self.memory_capacity_bytes,
@@ -118,6 +125,10 @@ class Estimate:
     tp_communication: list[str] | None = None
     """Per (GPU type, TP > 1) of the plan: whether its TP collectives were charged from the intra-node
     link or are held by its measured layer times."""
+    schedule: PipelineSchedule = ONE_F_ONE_B
+    """The plan's pipeline schedule (`schedules.pipeline_schedule`)."""
+    pipeline_passes: list[PipelineTimes] = field(default_factory=list)
+    """Per pipeline, the pass times its schedule ran on (`schedule.timeline` redraws it)."""
 
     @property
     def throughput_iters_per_s(self) -> float:
@@ -171,6 +182,9 @@ class Estimate:
             "egress_per_iteration_usd": self.egress_per_iteration_usd,
             "cross_zone_bytes_per_iteration": self.cross_zone_bytes,
             "fits_in_memory": self.fits_in_memory,
+            # only when not the default, so 1F1B output is what it was before schedules existed
+            **({"schedule": {"kind": self.schedule.kind.value, "virtual_stages": self.schedule.virtual_stages}}
+               if self.schedule != ONE_F_ONE_B else {}),
             "gpus": self.gpus,
             "mfu": self.mfu,
             "flop_per_s_per_gpu_with_recompute": self.flop_per_s_per_gpu,
@@ -190,49 +204,50 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     Args:
         plan: the plan (assumed checked against ctx.job; see Plan.check_against).
         ctx: job, cluster, profiles, network.
-        event: True for the 1F1B event simulation (beyond `long_run.DIRECT_MAX_MICROBATCHES`
-            micro-batches per pipeline, simulated until its time is affine in m and extrapolated),
-            False for the closed form (planner fast path).
+        event: True for the event simulation of the plan's schedule, False for its closed form
+            (planner fast path).
     Returns:
         Estimate with times (s), memory per GPU (bytes) and cost ($).
     """
     job, mbs = ctx.job, plan.micro_batch_size
     P, D = plan.num_stages, len(plan.pipelines)
-    options = [time_options(plan.stage_memory(i), D) for i in range(P)]
+    sched = pipeline_schedule(plan)
+    options = [tuple(time_options(mem, D) for mem in plan.chunk_memory(i)) for i in range(P)]
     replicas: list[ReplicaEstimate] = []
-    pipeline_times: list[float] = []
+    pipeline_times_s: list[float] = []
+    passes: list[PipelineTimes] = []
     cache: dict[tuple, float] = {}
     egress_usd, cross_bytes = 0.0, 0.0
     slots = placed_slots(plan, ctx.cluster)
-    arrays: dict[tuple, tuple] = {}  # identical pipelines (same placed slots) share their arrays
-    memory: dict[tuple, MemoryBreakdown] = {}
+    arrays: dict[tuple, PipelineTimes] = {}  # identical pipelines (same placed slots) share their pass times
     for j, pipe in enumerate(plan.pipelines):
         m = pipe.microbatches
         if tuple(slots[j]) not in arrays:
-            arrays[tuple(slots[j])] = pipeline_arrays(ctx, slots[j], plan.stages, mbs, options)
-        f, b, c, moved, usd = arrays[tuple(slots[j])]
-        cross_bytes += moved * m
-        egress_usd += usd * m
-        key = (tuple(f), tuple(b), tuple(c), m, event)
+            arrays[tuple(slots[j])] = pipeline_times(ctx, slots[j], plan.stages, mbs, options, sched)
+        times = arrays[tuple(slots[j])]
+        passes.append(times)
+        cross_bytes += times.cross_zone_bytes * m
+        egress_usd += times.egress_usd * m
+        key = (times.key, m, event)
         if key not in cache:
-            if event:  # many micro-batches: simulated until affine, then extrapolated (`long_run`)
-                cache[key] = makespan_s(lambda k: simulate_1f1b(f, b, c, k)[0], float(stage_times(f, b, c).max()), m, P)
-            else:
-                cache[key] = closed_form_1f1b(f, b, c, m)
-        pipeline_times.append(cache[key])
+            cache[key] = sched.time_s(times, m, event=event)
+        pipeline_times_s.append(cache[key])
+        fwd, bwd = times.forward_s.sum(axis=1).tolist(), (times.backward_s + times.weight_s).sum(axis=1).tolist()
+        sends = [float(times.transfer_s[i::P].sum()) for i in range(P)]  # outgoing, per micro-batch
         for i, r in enumerate(pipe.replicas):
-            a, e = plan.stages[i]
-            st = stage_time(ctx, slots[j][i], mbs, a, e, options[i])
-            if (r.gpu, r.tp, i, m) not in memory:
-                memory[(r.gpu, r.tp, i, m)] = replica_memory(ctx, r.gpu, r.tp, mbs, a, e, stage=i, num_stages=P,
-                                                             microbatches=m, memory=plan.stage_memory(i), replicas=D)
-            mem = memory[(r.gpu, r.tp, i, m)]
+            chunks = plan.stage_chunks(i)
+            parts = [stage_time(ctx, slots[j][i], mbs, a, e, o) for (a, e), o in zip(chunks, options[i])]
+            mkey = ("replica_memory", r.gpu, r.tp, mbs, chunks, i, P, m, plan.stage_memory(i), D, sched)
+            if mkey not in ctx.memo:  # identical replicas of other pipelines have the same memory
+                ctx.memo[mkey] = replica_memory(ctx, r.gpu, r.tp, mbs, chunks, stage=i, num_stages=P, microbatches=m,
+                                                memory=plan.stage_memory(i), replicas=D, schedule=sched)
             replicas.append(ReplicaEstimate(
-                pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(a, e), forward_s=f[i],
-                backward_s=b[i], p2p_s=c[i] if i < P - 1 else 0.0, sync_s=0.0,
-                optimizer_s=optimizer_s(ctx, slots[j][i], a, e, options[i]),
-                memory=mem, memory_capacity_bytes=ctx.memory_capacity(r.gpu), recompute_s=st.recompute_s,
-                tp_comm_s=st.tp_comm_s, gather_s=st.gather_s))
+                pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(chunks[0][0], chunks[-1][1]),
+                chunks=chunks, forward_s=fwd[i], backward_s=bwd[i], p2p_s=sends[i], sync_s=0.0,
+                optimizer_s=sum(optimizer_s(ctx, slots[j][i], a, e, o) for (a, e), o in zip(chunks, options[i])),
+                memory=dataclasses.replace(ctx.memo[mkey]), memory_capacity_bytes=ctx.memory_capacity(r.gpu),
+                recompute_s=sum(st.recompute_s for st in parts), tp_comm_s=sum(st.tp_comm_s for st in parts),
+                gather_s=sum(st.gather_s for st in parts)))
 
     tied_s = 0.0
     for sl in slots:
@@ -241,8 +256,8 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         cross_bytes += eb
         egress_usd += eu
     sync_times = []
-    for i, (a, e) in enumerate(plan.stages):
-        t, eb, eu = stage_sync(ctx, group_members([sl[i] for sl in slots]), a, e, options[i])
+    for i in range(P):
+        t, eb, eu = stage_sync(ctx, group_members([sl[i] for sl in slots]), plan.stage_chunks(i), options[i][0])
         sync_times.append(t)
         cross_bytes += eb
         egress_usd += eu
@@ -250,35 +265,35 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         rep.sync_s = sync_times[rep.stage] + (tied_s if rep.stage in (0, P - 1) else 0.0)
 
     sync_s = tied_s + max(sync_times)
-    iteration = max(pipeline_times) + sync_s + max(r.optimizer_s for r in replicas)
+    iteration = max(pipeline_times_s) + sync_s + max(r.optimizer_s for r in replicas)
     gpu_usd_per_hour = sum(r.tp * ctx.cluster.price(r.zone, r.gpu) for p in plan.pipelines for r in p.replicas)
     model = job.model
     model_flop = 3.0 * job.global_batch_size * sum(model.forward_flop(i, tp=1, mbs=1, seq=job.seq)
                                                    for i in range(model.num_layers))
     peak = sum(r.tp * catalog.gpu(r.gpu).peak(job.precision) for p in plan.pipelines for r in p.replicas)
     return Estimate(
-        iteration_time_s=iteration, pipeline_s=max(pipeline_times), gradient_sync_s=sync_s,
-        optimizer_s=max(r.optimizer_s for r in replicas), pipeline_times_s=pipeline_times, replicas=replicas,
+        iteration_time_s=iteration, pipeline_s=max(pipeline_times_s), gradient_sync_s=sync_s,
+        optimizer_s=max(r.optimizer_s for r in replicas), pipeline_times_s=pipeline_times_s, replicas=replicas,
         global_batch_size=plan.global_batch_size, sequence_length=job.seq, gpus=plan.world_size,
         gpu_cost_per_iteration_usd=gpu_usd_per_hour * iteration / 3600.0, egress_per_iteration_usd=egress_usd,
         cross_zone_bytes=cross_bytes, model_flop_per_iteration=model_flop, peak_flop_per_s=peak,
         estimated=sorted(f"{g} TP {t}: {how}" for g, t, how in ctx.profiles.estimates_used
                          if any(r.gpu == g and r.tp == t for r in replicas)),
         recompute_flop_per_iteration=_recompute_flop(plan, ctx), tp_communication=tp_communication(plan, ctx),
+        schedule=sched, pipeline_passes=passes,
     )
 
 
 def _recompute_flop(plan: Plan, ctx: SimContext) -> float:
     """FLOPs the plan's recomputation adds per iteration (every pipeline, every micro-batch)."""
-    from sailor.simulator.terms import recomputed_blocks
     job, model = ctx.job, ctx.job.model
     total = 0.0
-    for i, (a, e) in enumerate(plan.stages):
-        mem = plan.stage_memory(i)
-        first, n = recomputed_blocks(ctx, a, e, mem.recompute, mem.recompute_blocks)
-        per_sample = sum(model.recompute_flop(k, tp=1, mbs=1, seq=job.seq, recompute=mem.recompute)
-                         for k in range(first, first + n))
-        total += per_sample * plan.global_batch_size
+    for i in range(plan.num_stages):
+        for (a, e), mem in zip(plan.stage_chunks(i), plan.chunk_memory(i)):
+            first, n = recomputed_blocks(ctx, a, e, mem.recompute, mem.recompute_blocks)
+            per_sample = sum(model.recompute_flop(k, tp=1, mbs=1, seq=job.seq, recompute=mem.recompute)
+                             for k in range(first, first + n))
+            total += per_sample * plan.global_batch_size
     return total
 
 

@@ -62,6 +62,7 @@ class SimContext:
     """Fraction of each GPU's memory kept free by `memory_limit` (the planner sets it from
     `PlanOptions.memory_margin`); simulating a plan reports out-of-memory at the full capacity."""
     _cum: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _split: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _act: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
     _params: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     memo: dict[tuple, Any] = field(default_factory=dict, repr=False)
@@ -89,6 +90,23 @@ class SimContext:
         c = self.layer_cumsum(gpu, tp, mbs)
         f, bw = c[b] - c[a]
         return float(f) + self.profiles.microbatch_overhead(gpu, tp), float(bw)
+
+    def stage_backward_split_s(self, gpu: str, tp: int, mbs: int, a: int, b: int) -> tuple[float, float]:
+        """(input_gradient_s, weight_gradient_s) of the layers' backward of one micro-batch on layers
+        [a, b), the two passes a zero-bubble schedule runs apart: the profile's measured split less
+        the profiler's per-pass gap (as `layer_cumsum`), else the layers' backward
+        (`stage_compute_s`) split by the FLOP fraction (`Profiles.backward_split`, labelled
+        estimated)."""
+        key = (gpu, tp, mbs)
+        if key not in self._split:
+            backward = np.diff(self.layer_cumsum(gpu, tp, mbs)[:, 1])
+            split = self.profiles.backward_split(self.job, gpu, tp, mbs, backward)
+            if self.profiles.split_measured(gpu, tp):
+                split = np.maximum(split - gpu_constant(self.calibration, gpu, "profile_overhead_s", 0.0), 0.0)
+            self._split[key] = np.vstack([np.zeros((1, 2)), np.cumsum(split, axis=0)])
+        c = self._split[key]
+        bi, bw = c[b] - c[a]
+        return float(bi), float(bw)
 
     def tp_comm_included(self, gpu: str, tp: int) -> bool:
         """True when the layer times of (gpu, tp) already hold the TP collectives (measured with real

@@ -2,14 +2,19 @@
 
     total = weights + gradients + optimizer states          (bytes/param by precision and optimizer,
                                                               sharded over D replicas by ZeRO)
-          + activations x in-flight micro-batches            (min(P - i, m) under 1F1B; what each
-                                                              layer keeps under the stage's
-                                                              recomputation and SP)
+          + activations x in-flight micro-batches            (per chunk, at the schedule's peak:
+                                                              min(P - i, m) under 1F1B, `in_flight`;
+                                                              what each layer keeps under the
+                                                              stage's recomputation and SP)
           + recomputation transient                          (one recomputed block's rebuilt
                                                               activations, during its backward)
-          + received inputs x in-flight                       (stage > 0: the activation received from
-                                                               the previous stage, kept for backward)
-          + gradient receive buffer                           (stage < P-1: one activation-sized tensor)
+          + received inputs x in-flight                       (a chunk not starting at layer 0: the
+                                                               activation received from the previous
+                                                               chunk's stage, kept for backward)
+          + pending weight-gradient inputs x pending          (zb-h1: output gradients the deferred
+                                                               W passes need, `weight_grad_pending_bytes`)
+          + gradient receive buffer                           (a chunk before the head: one
+                                                               activation-sized tensor)
           + logits gradient                                   (the head's stage: fp32 d(loss)/d(logits))
           + ZeRO-3 gather buffer                              (the largest layer's full weights)
           + gradient sync buffer                              (a flat copy of the gradients the sync
@@ -18,37 +23,47 @@
           + framework                                         (CUDA context, kernels, NCCL; per GPU type)
 
 `replica_memory` is the ONE place the simulator reads a stage's memory options (`plan.StageMemory`)
-for memory. State bytes per parameter: `specs.STATE_BYTES_PER_PARAM` (Megatron-LM's count), divided
-by the stage's D replicas for what ZeRO shards (`state_bytes`); each block is sharded among the D
-ranks that hold it, so a replica's share is 1/D whatever the TP degrees of the others. Parameters
-per stage follow tied embeddings (`SimContext.stage_params`). Activation bytes: measured (profiles,
-the increase of allocated memory over one layer's forward), scaled to the options by the model's
-own ratio, or the model's formula (`sailor.activations`). The received input of a stage is not in
-those per-layer increases (the previous layer's output is, but it lives on the previous stage),
-hence its own term. The head's backward materialises the gradient of the vocab-parallel logits,
-(mbs, seq, V/t) in fp32, while all of the micro-batch's activations are still held. The gradient
-sync flattens the gradients it reduces into one new buffer (`sync_buffer_bytes`): DeepSpeed's
-`allreduce_bucket` the whole stage's at once (up to 5e8 elements), Sailor's runtime one layer's
-bucket at a time (`runtime.buckets`), so counting the stage's is exact for the first and
-conservative for the second; under ZeRO-2/3 no full gradient outlives a layer's backward, so one
-layer's; Megatron-LM (`Framework.MEGATRON`) reduces its contiguous gradient buffer in place. It is allocated after the activations were freed, but the caching allocator keeps their
+for memory; the schedule comes in as a `PipelineSchedule` (`schedules.pipeline_schedule`), and the
+two combine: what one micro-batch keeps per chunk under the stage's options, times the micro-batches
+the schedule holds per chunk at its peak. State bytes per parameter: `specs.STATE_BYTES_PER_PARAM`
+(Megatron-LM's count), divided by the stage's D replicas for what ZeRO shards (`state_bytes`); each
+block is sharded among the D ranks that hold it, so a replica's share is 1/D whatever the TP degrees
+of the others. Parameters per stage follow tied embeddings (`SimContext.stage_params`). Activation
+bytes: measured (profiles, the increase of allocated memory over one layer's forward), scaled to the
+options by the model's own ratio, or the model's formula (`sailor.activations`). The received input
+of a stage is not in those per-layer increases (the previous layer's output is, but it lives on the
+previous stage), hence its own term. The head's backward materialises the gradient of the
+vocab-parallel logits, (mbs, seq, V/t) in fp32, while all of the micro-batch's activations are still
+held. The gradient sync flattens the gradients it reduces into one new buffer (`sync_buffer_bytes`):
+DeepSpeed's `allreduce_bucket` the whole stage's at once (up to 5e8 elements), Sailor's runtime one
+layer's bucket at a time (`runtime.buckets`), so counting the stage's (all of its chunks') is exact
+for the first and conservative for the second; under ZeRO-2/3 no full gradient outlives a layer's
+backward, so one layer's; Megatron-LM (`Framework.MEGATRON`) reduces its contiguous gradient buffer
+in place. It is allocated after the activations were freed, but the caching allocator keeps their
 blocks reserved and cannot carve one gradient-sized block out of them, so `nvidia-smi` sees both
-(`sync_buffer`, outside the reserve). Weights, gradients and optimizer states are allocated once and
-do not fragment; the PyTorch caching allocator keeps freed blocks of the transient tensors
-(activations, buffers) reserved, which `reserve_fraction` captures. `reserve_fraction` and
-`framework_bytes` are per-GPU-type constants (catalog default, or fitted in `calibration`).
+(`sync_buffer`, outside the reserve). Weights, gradients and optimizer states are allocated once and do not fragment; the PyTorch
+caching allocator keeps freed blocks of the transient tensors (activations, buffers) reserved, which
+`reserve_fraction` captures. `reserve_fraction` and `framework_bytes` are per-GPU-type constants
+(catalog default, or fitted in `calibration`).
+Under zb-h1 a micro-batch's activations stay held from its forward until its deferred weight-gradient
+pass, not only until its input-gradient pass: splitting a backward with autograd keeps the graph, and
+every tensor it saved, alive between the two passes (as `torch.distributed.pipelining`'s
+`stage_backward_input` / `stage_backward_weight` do); the output gradients the weight pass needs come
+on top. Under interleaving every chunk of the stage counts with its own in-flight micro-batches; a
+stage recomputes one block at a time, so its transient is the largest of its chunks'.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from sailor.models import Framework, Recompute
-from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
+from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory, split_recompute_blocks
 from sailor.simulator.calibration import gpu_constant
 from sailor.simulator.context import stage_blocks
-from sailor.simulator.schedule import in_flight as _schedule_in_flight
+from sailor.simulator.schedules import ONE_F_ONE_B, InFlight, PipelineSchedule
 
 if TYPE_CHECKING:
     from sailor.simulator.context import SimContext
@@ -88,9 +103,11 @@ class MemoryBreakdown:
         return {k: float(v) for k, v in asdict(self).items()}
 
 
-def in_flight(stage: int, num_stages: int, microbatches: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at its peak under 1F1B: min(P - i, m)."""
-    return _schedule_in_flight(num_stages, stage, microbatches)
+def in_flight(stage: int, num_stages: int, microbatches: int, schedule: PipelineSchedule = ONE_F_ONE_B,
+              held_bytes: Sequence[float] | None = None, pending_bytes: Sequence[float] | None = None) -> InFlight:
+    """Micro-batches stage `stage` holds at its peak under `schedule`, per chunk
+    (`PipelineSchedule.in_flight`): min(P - i, m) under 1F1B."""
+    return schedule.in_flight(stage, num_stages, microbatches, held_bytes, pending_bytes)
 
 
 def logits_grad_bytes(ctx: "SimContext", tp: int, mbs: int) -> float:
@@ -127,41 +144,46 @@ def stage_activation_bytes(ctx: "SimContext", tp: int, mbs: int, a: int, b: int,
     return float(total), float(transient)
 
 
-def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, a: int, b: int, *, stage: int,
-                   num_stages: int, microbatches: int, memory: StageMemory = DEFAULT_STAGE_MEMORY,
-                   replicas: int = 1) -> MemoryBreakdown:
-    """Memory per GPU of a replica holding layers [a, b) at TP `tp` (bytes), with the stage's memory
-    options `memory` over its `replicas` data-parallel replicas D; see the module docstring."""
-    params = ctx.stage_params(tp, a, b)
-    state = state_bytes(ctx.job.state_bytes_per_param, params, memory.zero, replicas)
-    held = in_flight(stage, num_stages, microbatches)
-    kept, transient = stage_activation_bytes(ctx, tp, mbs, a, b, memory)
-    activations = kept * held + transient
-    n_layers = ctx.job.model.num_layers
-    buffers = 0.0
-    if a > 0:
-        buffers += ctx.boundary_bytes(a, mbs) * held  # received inputs, kept for backward
-    if b < n_layers:
-        buffers += ctx.boundary_bytes(b, mbs)  # gradient arriving from the next stage
-    else:
-        buffers += logits_grad_bytes(ctx, tp, mbs)
+def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Sequence[tuple[int, int]], *,
+                   stage: int, num_stages: int, microbatches: int, memory: StageMemory = DEFAULT_STAGE_MEMORY,
+                   replicas: int = 1, schedule: PipelineSchedule = ONE_F_ONE_B) -> MemoryBreakdown:
+    """Memory per GPU of a replica holding the layer ranges `chunks` (one unless interleaved,
+    `Plan.stage_chunks`) at TP `tp` (bytes), with the stage's memory options `memory` over its
+    `replicas` data-parallel replicas D, under `schedule`; see the module docstring."""
+    job = ctx.job
+    n_layers = job.model.num_layers
+    params = sum(ctx.stage_params(tp, a, b) for a, b in chunks)
+    state = state_bytes(job.state_bytes_per_param, params, memory.zero, replicas)
+    per_chunk = [stage_activation_bytes(ctx, tp, mbs, a, b, mem)
+                 for (a, b), mem in zip(chunks, split_recompute_blocks(memory, chunks, n_layers))]
+    acts = [kept for kept, _ in per_chunk]
+    inputs = [ctx.boundary_bytes(a, mbs) if a > 0 else 0.0 for a, _ in chunks]  # received, kept for backward
+    pending = [sum(job.model.weight_grad_pending_bytes(x, tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes)
+                   for x in range(a, b)) if schedule.splits_backward else 0.0 for a, b in chunks]
+    held = in_flight(stage, num_stages, microbatches, schedule, [x + y for x, y in zip(acts, inputs)], pending)
+    activations = sum((h + q) * x + q * y for h, q, x, y in zip(held.held, held.pending, acts, pending))
+    activations += max(transient for _, transient in per_chunk)  # one block recomputes at a time
+    buffers = sum((h + q) * x for h, q, x in zip(held.held, held.pending, inputs))
+    # one gradient arriving from the next stage at a time, or the head's logits gradient
+    buffers += max(ctx.boundary_bytes(b, mbs) if b < n_layers else logits_grad_bytes(ctx, tp, mbs) for _, b in chunks)
     if memory.zero >= 3 and replicas > 1:  # the gathered full weights of the layer being computed
-        m = ctx.job.model
-        buffers += max(m.params(i, tp) for i in range(a, b)) * ctx.job.state_bytes_per_param["weights"]
+        m = job.model
+        buffers += max(m.params(i, tp) for a, b in chunks for i in range(a, b)) * job.state_bytes_per_param["weights"]
     reserve = (activations + buffers) * gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0)
     return MemoryBreakdown(
         weights=state["weights"], gradients=state["gradients"], optimizer=state["optimizer"],
         activations=activations, buffers=buffers, reserve=reserve, framework=ctx.framework_bytes(gpu),
-        sync_buffer=sync_buffer_bytes(ctx, tp, a, b, memory.zero))
+        sync_buffer=sync_buffer_bytes(ctx, tp, chunks, memory.zero))
 
 
-def sync_buffer_bytes(ctx: "SimContext", tp: int, a: int, b: int, zero: int = 0) -> float:
-    """Bytes of the flat gradient copy the sync of layers [a, b) allocates on one GPU at TP `tp`
-    (module docstring): the stage's gradients, or under ZeRO-2/3 its largest layer's; none for
-    Megatron-LM, whose gradients live in one contiguous buffer that is all-reduced in place."""
+def sync_buffer_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, int]], zero: int = 0) -> float:
+    """Bytes of the flat gradient copy the sync of a stage holding the layer ranges `chunks`
+    (`Plan.stage_chunks`) allocates on one GPU at TP `tp` (module docstring): the stage's gradients
+    (all of its chunks'), or under ZeRO-2/3 its largest layer's; none for Megatron-LM, whose
+    gradients live in one contiguous buffer that is all-reduced in place."""
     if ctx.job.framework is Framework.MEGATRON:
         return 0.0
     grad = ctx.job.state_bytes_per_param["gradients"]
     if zero >= 2:
-        return max(ctx.job.model.params(i, tp) for i in range(a, b)) * grad
-    return ctx.stage_params(tp, a, b) * grad
+        return max(ctx.job.model.params(i, tp) for a, b in chunks for i in range(a, b)) * grad
+    return sum(ctx.stage_params(tp, a, b) for a, b in chunks) * grad

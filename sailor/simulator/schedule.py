@@ -119,17 +119,26 @@ def timeline_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int) -> list[l
     return ops
 
 
+def check_pipeline_tasks(stages: int, m: int, chunks: int = 1) -> None:
+    """Refuse an event simulation of `stages` stages of `chunks` chunks each (virtual stages under
+    interleaving) running `m` micro-batches when its stages x chunks x micro-batches tasks exceed
+    `limits.MAX_PIPELINE_TASKS` (time and memory grow with them). Raises SailorInputError."""
+    tasks = stages * chunks * m
+    if tasks > MAX_PIPELINE_TASKS:
+        what = f"{stages} stages" + (f" x {chunks} chunks" if chunks > 1 else "")
+        raise SailorInputError(f"a pipeline of {what} running {m} micro-batches is {tasks:,} tasks per iteration,"
+                               f" more than the event simulation runs ({MAX_PIPELINE_TASKS:,},"
+                               " sailor.limits.MAX_PIPELINE_TASKS)", field="pipelines",
+                               fix="use a larger micro-batch size, more pipelines or fewer stages")
+
+
 def _run_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int,
               ops: list[list[tuple[str, int, float, float]]] | None) -> np.ndarray:
     """The event loop shared by `simulate_1f1b` and `timeline_1f1b`: (P,) end times per stage; appends
     every op to `ops[stage]` when `ops` is given (mutates it). Raises SailorInputError beyond
     `limits.MAX_PIPELINE_TASKS` micro-batch x stage tasks (time and memory grow with them)."""
     P = len(f)
-    if P * m > MAX_PIPELINE_TASKS:
-        raise SailorInputError(f"a pipeline of {P} stages running {m} micro-batches is {P * m:,} tasks per iteration,"
-                               f" more than the event simulation runs ({MAX_PIPELINE_TASKS:,},"
-                               " sailor.limits.MAX_PIPELINE_TASKS)", field="pipelines",
-                               fix="use a larger micro-batch size, more pipelines or fewer stages")
+    check_pipeline_tasks(P, m)
     progs = [pipeline_instructions(P, i, m) for i in range(P)]
     pos = [0] * P
     clock = np.zeros(P)

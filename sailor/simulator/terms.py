@@ -23,6 +23,7 @@ place, `time_options`:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ from sailor.plan import DEFAULT_STAGE_MEMORY, Plan, StageMemory, pack_replicas
 from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_egress, same_node,
                                           tp_collective_time_s)
 from sailor.simulator.context import SimContext, embedding_params, stage_blocks, tied_embeddings
+from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes
 from sailor.specs import ClusterSpec
 
 Slot = Member  # where one replica runs: zone, GPU type, TP degree, and (once placed) its node
@@ -194,48 +196,84 @@ def zero_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions
     return collective_s(ctx, [(apart, opts.replicas)], Collective.ALL_GATHER, nbytes, t)
 
 
+def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float) -> tuple[float, float, float]:
+    """(seconds, bytes crossing zones, egress $) of one activation of `nbytes` from replica `src` to
+    replica `dst`, and its gradient back (the bytes and $ count both directions).
+
+    Sailor's runtime (and DeepSpeed's engine) has every TP rank of the sender send the full
+    activation to its peer rank, so the link carries min(t_src, t_dst) concurrent flows of the whole
+    tensor. Megatron-LM (`Framework.MEGATRON`) scatters it instead (SC'21 §4.1): each of those ranks
+    sends 1/min(t_src, t_dst) of it and the receiver all-gathers it over its intra-node link. Each
+    transfer takes the intra-node link when both replicas sit on one node (`Slot.node`, from
+    `placed_slots`), and pays the calibrated fixed cost `p2p_overhead_s` of its slower end (0 by
+    default)."""
+    scatter = ctx.job.framework is Framework.MEGATRON
+    flows = min(src.tp, dst.tp)
+    per_flow = nbytes / flows if scatter else nbytes
+    on_node = same_node(src, dst)
+    seconds = (ctx.network.transfer_time_s(src.zone, src.gpu, dst.zone, dst.gpu, per_flow, flows=flows,
+                                           same_node=on_node)
+               + ctx.p2p_overhead_s(src.gpu, dst.gpu))
+    if scatter and flows > 1:
+        seconds += tp_collective_time_s(ctx.network, dst.zone, dst.gpu, dst.tp, Collective.ALL_GATHER, nbytes)
+    lc = ctx.network.link_class(src.zone, dst.zone, on_node)
+    if lc in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
+        return seconds, 0.0, 0.0
+    both = 2.0 * per_flow * flows  # activation forward, gradient backward
+    return seconds, both, both / 1e9 * ctx.cluster.prov.egress_usd_per_gb[lc]
+
+
+def pipeline_times(ctx: SimContext, slots: Sequence[Slot], stages: Sequence[tuple[int, int]], mbs: int,
+                   options: Sequence[Sequence[TimeOptions]] | None = None,
+                   schedule: PipelineSchedule = ONE_F_ONE_B) -> PipelineTimes:
+    """Pass times of one pipeline under `schedule`: stage i runs on `slots[i]`, chunk u of `stages`
+    (the plan's layer ranges in layer order: p·v of them) on stage u mod p, as chunk u // p of that
+    stage. `options[i][c]` are the time options of chunk c of stage i (`time_options` of
+    `Plan.chunk_memory`; default: none). When the schedule splits the backward (zb-h1), the layers'
+    backward in `stage_time` is replaced by its two passes (`SimContext.stage_backward_split_s`):
+    the input gradient stays in B with what the options add to the backward (recomputation, TP
+    collectives, ZeRO-3 gather), the weight gradient is W. Transfers: `link_transfer`. Megatron-LM
+    (`Framework.MEGATRON`) exchanges after every pass with a blocking `batch_isend_irecv` (its 2021
+    `p2p_communication`, also under interleaving), so where the schedule's simulation has sends that
+    never block (`PipelineSchedule.sends_block` False) each pass's send is charged to the pass that
+    sends it and the message arrives when that pass ends."""
+    p, v = len(slots), schedule.virtual_stages
+    assert len(stages) == p * v, (len(stages), p, v)
+    f, b, w = np.zeros((p, v)), np.zeros((p, v)), np.zeros((p, v))
+    c = np.zeros(p * v - 1)
+    moved = usd = 0.0
+    for u, (a, e) in enumerate(stages):
+        i, k = u % p, u // p
+        r = slots[i]
+        st = stage_time(ctx, r, mbs, a, e, options[i][k] if options else DEFAULT_TIME)
+        f[i, k], b[i, k] = st.forward_s, st.backward_s
+        if schedule.splits_backward:  # B: the input-gradient pass in place of the layers' backward
+            bi, w[i, k] = ctx.stage_backward_split_s(r.gpu, r.tp, mbs, a, e)
+            b[i, k] += bi - ctx.stage_compute_s(r.gpu, r.tp, mbs, a, e)[1]
+        if u < p * v - 1:
+            c[u], nbytes, dollars = link_transfer(ctx, r, slots[(u + 1) % p], ctx.boundary_bytes(e, mbs))
+            moved += nbytes
+            usd += dollars
+    if ctx.job.framework is Framework.MEGATRON and not schedule.sends_block:
+        for u in range(p * v - 1):  # the activation leaves virtual stage u, its gradient u + 1
+            f[u % p, u // p] += c[u]
+            b[(u + 1) % p, (u + 1) // p] += c[u]
+        c[:] = 0.0
+    return PipelineTimes(f, b, w, c, moved, usd)
+
+
 def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int,
                     options: list[TimeOptions] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
-    """Per-micro-batch forward, backward and boundary-transfer seconds of one pipeline, arrays (P,),
-    (P,), (P-1,), plus (bytes crossing zones, egress $) per micro-batch. `options[i]` are stage i's
-    time options (`time_options`; default: none).
-
-    Sailor's runtime (and DeepSpeed's engine) has every TP rank of a stage send the full activation
-    to its peer rank of the next stage, so a boundary carries min(t_i, t_i+1) concurrent flows of the
-    whole tensor. Megatron-LM (`Framework.MEGATRON`) scatters it instead (SC'21 §4.1): each of those
-    ranks sends 1/min(t_i, t_i+1) of it and the next stage all-gathers it over its intra-node link.
-    The transfer takes the intra-node link when both replicas sit on one node (`Slot.node`, from
-    `placed_slots`). Each transfer also pays the calibrated fixed cost `p2p_overhead_s` of its slower
-    end (0 by default)."""
-    P = len(stages)
-    f, b, c = np.zeros(P), np.zeros(P), np.zeros(max(P - 1, 0))
-    moved, usd = 0.0, 0.0
-    scatter = ctx.job.framework is Framework.MEGATRON
-    for i, (r, (a, e)) in enumerate(zip(slots, stages)):
-        st = stage_time(ctx, r, mbs, a, e, options[i] if options else DEFAULT_TIME)
-        f[i], b[i] = st.forward_s, st.backward_s
-        if i < P - 1:
-            nxt = slots[i + 1]
-            nbytes = ctx.boundary_bytes(e, mbs)
-            flows = min(r.tp, nxt.tp)
-            per_flow = nbytes / flows if scatter else nbytes
-            on_node = same_node(r, nxt)
-            c[i] = (ctx.network.transfer_time_s(r.zone, r.gpu, nxt.zone, nxt.gpu, per_flow, flows=flows,
-                                                same_node=on_node)
-                    + ctx.p2p_overhead_s(r.gpu, nxt.gpu))
-            if scatter and flows > 1:
-                c[i] += tp_collective_time_s(ctx.network, nxt.zone, nxt.gpu, nxt.tp, Collective.ALL_GATHER, nbytes)
-            lc = ctx.network.link_class(r.zone, nxt.zone, on_node)
-            if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
-                both = 2.0 * per_flow * flows  # activation forward, gradient backward
-                moved += both
-                usd += both / 1e9 * ctx.cluster.prov.egress_usd_per_gb[lc]
-    return f, b, c, moved, usd
+    """Per-micro-batch forward, backward and boundary-transfer seconds of one 1F1B pipeline, arrays
+    (P,), (P,), (P-1,), plus (bytes crossing zones, egress $) per micro-batch (`pipeline_times` for
+    one chunk per stage). `options[i]` are stage i's time options (`time_options`; default: none)."""
+    t = pipeline_times(ctx, slots, stages, mbs, [(o,) for o in options] if options else None)
+    return t.forward_s[:, 0], t.backward_s[:, 0], t.transfer_s, t.cross_zone_bytes, t.egress_usd
 
 
 def optimizer_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions = DEFAULT_TIME) -> float:
     """Optimizer-step seconds of one replica holding layers [a, e): over 1/D of its parameters under
-    ZeRO >= 1."""
+    ZeRO >= 1 (linear in the parameters, so a stage's chunks add up)."""
     return ctx.profiles.optimizer_time_s(ctx.job, slot.gpu, ctx.stage_params(slot.tp, a, e) / opts.optimizer_shards)
 
 
@@ -256,16 +294,16 @@ def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> 
     return collective_s(ctx, groups, Collective.ALL_REDUCE, nbytes, t)
 
 
-def stage_sync(ctx: SimContext, groups: list[Group], a: int, e: int,
+def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
                opts: TimeOptions = DEFAULT_TIME) -> tuple[float, float, float]:
-    """(seconds, bytes crossing zones, egress $) of the gradient sync of layers [a, e) across the
-    replicas of one stage, given as (Slot, count) groups in ring order (`group_members`): an
-    all-reduce of the gradients, or under ZeRO their reduce-scatter plus (ZeRO-1/2) the all-gather of
-    the updated weights (`TimeOptions.sync`). Each of the t ranks syncs its own shard of
-    params(stage, t) parameters (replicated norms and biases included), t = the finest common
-    sharding's flow count."""
+    """(seconds, bytes crossing zones, egress $) of the gradient sync of the layer ranges `chunks`
+    (one stage's, `Plan.stage_chunks`; reduced together) across the replicas of that stage, given as
+    (Slot, count) groups in ring order (`group_members`): an all-reduce of the gradients, or under
+    ZeRO their reduce-scatter plus (ZeRO-1/2) the all-gather of the updated weights
+    (`TimeOptions.sync`). Each of the t ranks syncs its own shard of params(stage, t) parameters
+    (replicated norms and biases included), t = the finest common sharding's flow count."""
     t = min(r.tp for r, _ in groups)
-    params = t * ctx.stage_params(t, a, e)
+    params = t * sum(ctx.stage_params(t, a, e) for a, e in chunks)
     key = ("stage_sync", tuple(groups), params, opts.sync())  # stages of equal size share the result
     if key not in ctx.memo:
         seconds, moved, usd = 0.0, 0.0, 0.0

@@ -1,0 +1,287 @@
+"""Pipeline schedules as the simulator and the planner see them: the per-pass times of a pipeline,
+its time under its schedule (event simulation or closed form), its timeline, and how many
+micro-batches each stage holds at its memory peak.
+
+`pipeline_schedule(plan)` is the one place the simulator reads `Plan.schedule`; everything else takes
+the `PipelineSchedule` it returns, whose methods dispatch on the schedule in one table (`_MODELS`):
+- `1f1b`: DeepSpeed's order with blocking transfers (`schedule.simulate_1f1b`, `closed_form_1f1b`);
+- `interleaved-1f1b` and `zb-h1`: the orders of `pipeline_orders` (the ones the runtime executes),
+  simulated with non-blocking sends
+  (`schedule_orders.run_orders`), and the closed forms `closed_form_interleaved` / `closed_form_zb_h1`.
+
+Planner hooks (no planner code reads a schedule yet): `PipelineSchedule.closed_form_s` (the fast
+path), `PipelineSchedule.closed_form_affine` (its intercept and slope in m, valid from
+`affine_from(p)`: m = 2 under 1F1B, what `planner.search.PipelineType` relies on, m = p under the
+others), `PipelineSchedule.time_s` (the reference), `PipelineSchedule.in_flight` (memory; also
+through `memory.replica_memory(..., schedule=...)`), `bubble_ratio`, `terms.pipeline_times` to build
+a pipeline's pass times from a SimContext, and `plan.interleave_partition` to turn a p-stage layer
+partition into p·v chunks with the same layers per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sailor.plan import Plan, ScheduleKind
+from sailor.simulator.schedule import check_pipeline_tasks, closed_form_1f1b, simulate_1f1b, timeline_1f1b
+from sailor.simulator.schedule import in_flight as in_flight_1f1b
+from sailor.pipeline_orders import Op, interleaved_order, zb_h1_order
+from sailor.simulator.schedule_orders import TimedOp, held_at_peak, run_orders
+
+
+@dataclass(frozen=True)
+class PipelineTimes:
+    """Seconds of one micro-batch's passes through one pipeline, per stage i and chunk c.
+
+    Attributes:
+        forward_s: array (p, v), forward of chunk c on stage i (the runtime's per-micro-batch
+            overhead included once per chunk pass).
+        backward_s: array (p, v), backward of chunk c on stage i; only its input-gradient part
+            when the schedule splits the backward (zb-h1).
+        weight_s: array (p, v), the weight-gradient part (zb-h1), else zeros.
+        transfer_s: array (p·v - 1,), one message across virtual boundary u -> u + 1 (chunk u of the
+            layer order to chunk u + 1: stage u mod p to stage (u + 1) mod p); the gradient comes
+            back in the same time.
+        cross_zone_bytes: bytes crossing zones per micro-batch (activations and gradients).
+        egress_usd: egress $ per micro-batch.
+    """
+
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    weight_s: np.ndarray
+    transfer_s: np.ndarray
+    cross_zone_bytes: float = 0.0
+    egress_usd: float = 0.0
+
+    @property
+    def key(self) -> tuple:
+        """Hashable summary of the times (for caching identical pipelines)."""
+        return tuple(np.concatenate([self.forward_s.ravel(), self.backward_s.ravel(), self.weight_s.ravel(),
+                                     self.transfer_s]).tolist())
+
+    @property
+    def busy_s(self) -> np.ndarray:
+        """Array (p,): compute seconds of each stage per micro-batch, transfers excluded."""
+        return (self.forward_s + self.backward_s + self.weight_s).sum(axis=1)
+
+    @classmethod
+    def uniform(cls, p: int, v: int, *, forward_s: float, backward_s: float, weight_s: float = 0.0,
+                transfer_s: float = 0.0) -> "PipelineTimes":
+        """Every stage and chunk alike: the case the closed forms are exact for (chunk passes of
+        forward_s / v, ...; a stage's totals are forward_s, backward_s, weight_s)."""
+        full = lambda x: np.full((p, v), x / v)  # noqa: E731
+        return cls(full(forward_s), full(backward_s), full(weight_s), np.full(p * v - 1, float(transfer_s)))
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Micro-batches one stage holds at its memory peak, per chunk (tuples of v counts).
+
+    Attributes:
+        held: forwarded, backward not yet run: activations and the received input are held.
+        pending: input-gradient pass run, weight-gradient pass not yet (zb-h1): activations still
+            held, plus the output gradients the W pass needs (`ModelSpec.weight_grad_pending_bytes`).
+    """
+
+    held: tuple[int, ...]
+    pending: tuple[int, ...]
+
+    @property
+    def micro_batches(self) -> int:
+        """Chunk activations held in all (held + pending), in chunk passes."""
+        return sum(self.held) + sum(self.pending)
+
+
+# ---- closed forms ---------------------------------------------------------------------------------
+def closed_form_interleaved(t: PipelineTimes, m: int) -> float:
+    """Closed-form time of interleaved 1F1B, with t_i the busy seconds of stage i per micro-batch
+    (all its chunks, `busy_s`), s = argmax t_i, p stages, v chunks each:
+
+        T = Σ_i t_i + (m - 1)·t_s - (1 - 1/v)·(min(m, p) - 1)·t_s + 2·Σ_u c_u
+
+    On uniform pipelines without transfer time this is t·(m + (p - 1)/v) for m >= p: the bubble is
+    (p - 1)/(v·m) of the ideal time m·t (Narayanan et al. SC'21 §2.2.2), and t·(p + (m - 1)/v) for
+    m < p (one micro-batch's round trip, the others following a chunk apart). Equal to the event
+    simulation (`run_orders` on `interleaved_order`) for every p, v, m and pass times on uniform
+    stages with c = 0, and with transfers c <= the shortest chunk pass when m <= p or p divides m
+    (the steady state hides them, the first micro-batch's round trip pays 2·(p·v - 1)·c); tested.
+    Otherwise an estimate (the event simulation is the reference). v = 1 gives 1F1B without
+    DeepSpeed's blocking transfers.
+    """
+    busy = t.busy_s
+    p, v = t.forward_s.shape
+    ts = float(busy.max())
+    return float(busy.sum() + (m - 1) * ts - (1.0 - 1.0 / v) * (min(m, p) - 1) * ts + 2.0 * t.transfer_s.sum())
+
+
+def closed_form_zb_h1(t: PipelineTimes, m: int) -> float:
+    """Closed-form time of ZB-H1, with f_i, b_i, w_i the forward, input-gradient and weight-gradient
+    seconds of stage i, s = argmax(f_i + b_i + w_i), F = Σ_{i≠s} f_i, B = Σ_{i≠s} b_i, C = Σ_i c_i
+    and q = max(p - m, 0):
+
+        T = m·(f_s + b_s + w_s) + max(B + q·f_s + 2C,  F + q·b_s + C,  F + B - (min(m, p) - 1)·w_s + 2C)
+
+    On uniform pipelines with m >= p and no transfers the bubble is (p - 1)·max(b, f, f + b - w): the
+    W passes fill the gaps of the backward chain, not those of the forward chain at the start, so it
+    is Qi et al.'s (p - 1)(T_F + T_B - T_W) when T_W <= min(T_F, T_B) (a third of 1F1B's for equal
+    passes). Equal to the event simulation (`run_orders` on `zb_h1_order`) for every p, m and pass
+    times on uniform stages without transfer time; with transfers a lower bound on uniform stages (the
+    terms are paths of the event simulation: the first micro-batch's trip down and back, 2C, behind the
+    backward chain, one way behind the forward chain; 1F1B's warm-up leaves no slack to hide more of
+    them in the steady state). Both tested.
+    """
+    f, b, w = (x[:, 0] for x in (t.forward_s, t.backward_s, t.weight_s))
+    p = len(f)
+    s = int(np.argmax(f + b + w))
+    F, B, C = float(f.sum() - f[s]), float(b.sum() - b[s]), float(t.transfer_s.sum())
+    q = max(p - m, 0)
+    tail = max(B + q * f[s] + 2 * C, F + q * b[s] + C, F + B - (min(m, p) - 1) * w[s] + 2 * C)
+    return float(m * (f[s] + b[s] + w[s]) + tail)
+
+
+def _closed_1f1b(t: PipelineTimes, m: int) -> float:
+    return closed_form_1f1b(t.forward_s[:, 0], t.backward_s[:, 0] + t.weight_s[:, 0], t.transfer_s, m)
+
+
+def _event_1f1b(t: PipelineTimes, m: int) -> float:
+    return simulate_1f1b(t.forward_s[:, 0], t.backward_s[:, 0] + t.weight_s[:, 0], t.transfer_s, m)[0]
+
+
+def _timeline_1f1b(t: PipelineTimes, m: int) -> list[list[TimedOp]]:
+    ops = timeline_1f1b(t.forward_s[:, 0], t.backward_s[:, 0] + t.weight_s[:, 0], t.transfer_s, m)
+    return [[TimedOp(kind, 0, k, s, e) for kind, k, s, e in stage] for stage in ops]
+
+
+@dataclass(frozen=True)
+class _Model:
+    """What the simulator needs of one schedule."""
+
+    event: Callable[[PipelineTimes, int], float]
+    closed: Callable[[PipelineTimes, int], float]
+    timeline: Callable[[PipelineTimes, int], list[list[TimedOp]]]
+    order: Callable[[int, int, int, int], list[Op]] | None  # (p, v, stage, m); None: DeepSpeed's 1F1B
+
+
+def _ordered_model(order: Callable[[int, int, int, int], list[Op]],
+                   closed: Callable[[PipelineTimes, int], float]) -> _Model:
+    """A schedule given by its op orders (`schedule_orders.run_orders`) and its closed form."""
+    def orders(t: PipelineTimes, m: int) -> list[list[Op]]:
+        p, v = t.forward_s.shape
+        check_pipeline_tasks(p, m, v)
+        return [order(p, v, i, m) for i in range(p)]
+
+    def event(t: PipelineTimes, m: int) -> float:
+        return float(run_orders(orders(t, m), t.forward_s, t.backward_s, t.weight_s, t.transfer_s, m).max())
+
+    def timeline(t: PipelineTimes, m: int) -> list[list[TimedOp]]:
+        ops: list[list[TimedOp]] = [[] for _ in range(t.forward_s.shape[0])]
+        run_orders(orders(t, m), t.forward_s, t.backward_s, t.weight_s, t.transfer_s, m, ops)
+        return ops
+
+    return _Model(event, closed, timeline, order)
+
+
+_MODELS: dict[ScheduleKind, _Model] = {
+    ScheduleKind.ONE_F_ONE_B: _Model(_event_1f1b, _closed_1f1b, _timeline_1f1b, None),
+    ScheduleKind.INTERLEAVED: _ordered_model(interleaved_order, closed_form_interleaved),
+    ScheduleKind.ZB_H1: _ordered_model(lambda p, v, i, m: zb_h1_order(p, i, m), closed_form_zb_h1),
+}
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """The schedule every pipeline of a plan runs, with what the simulator computes under it.
+
+    Attributes:
+        kind: `ScheduleKind`.
+        virtual_stages: v, layer chunks per stage (1 unless interleaved).
+    """
+
+    kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    virtual_stages: int = 1
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards run as separate input-gradient and weight-gradient passes."""
+        return self.kind is ScheduleKind.ZB_H1
+
+    @property
+    def sends_block(self) -> bool:
+        """Whether the event simulation keeps a stage busy while it sends (1F1B: DeepSpeed's
+        blocking transfers); False for the op-order schedules, whose sends never block."""
+        return _MODELS[self.kind].order is None
+
+    @property
+    def label(self) -> str:
+        """For people: "1F1B", "interleaved 1F1B (v = 2)", "ZB-H1"."""
+        return {ScheduleKind.ONE_F_ONE_B: "1F1B", ScheduleKind.ZB_H1: "ZB-H1"}.get(
+            self.kind, f"interleaved 1F1B (v = {self.virtual_stages})")
+
+    def time_s(self, times: PipelineTimes, m: int, *, event: bool = True) -> float:
+        """Seconds of one pipeline's m micro-batches (compute and p2p; no sync or optimizer): the
+        event simulation, or the closed form (`closed_form_s`) when `event` is False."""
+        model = _MODELS[self.kind]
+        return model.event(times, m) if event else model.closed(times, m)
+
+    def closed_form_s(self, times: PipelineTimes, m: int) -> float:
+        """The closed form of this schedule (the planner's fast path; see each closed form for where
+        it equals the event simulation)."""
+        return _MODELS[self.kind].closed(times, m)
+
+    def affine_from(self, num_stages: int) -> int:
+        """The smallest m from which `closed_form_s` is affine in m: 2 under 1F1B (one micro-batch
+        pays the whole fill and drain), p otherwise (below p the warm-up is cut short: interleaving's
+        min(m, p) and ZB-H1's max(p - m, 0) terms)."""
+        return 2 if _MODELS[self.kind].order is None else max(num_stages, 1)
+
+    def closed_form_affine(self, times: PipelineTimes) -> tuple[float, float, int]:
+        """(intercept_s, slope_s, m0) with `closed_form_s(times, m)` = intercept_s + slope_s·m for
+        every m >= m0 = `affine_from(p)`: what a planner needs to share a global batch out over
+        pipelines of different speeds without evaluating the closed form per m (tested)."""
+        m0 = self.affine_from(times.forward_s.shape[0])
+        t0, t1 = self.closed_form_s(times, m0), self.closed_form_s(times, m0 + 1)
+        return t0 - (t1 - t0) * m0, t1 - t0, m0
+
+    def timeline(self, times: PipelineTimes, m: int) -> list[list[TimedOp]]:
+        """Per-stage ops of the event simulation in execution order (same events and makespan as
+        `time_s`); kinds F, B, W, and for 1F1B also the blocking transfers SA, RA, SG, RG."""
+        return _MODELS[self.kind].timeline(times, m)
+
+    def in_flight(self, stage: int, num_stages: int, m: int, held_bytes: Sequence[float] | None = None,
+                  pending_bytes: Sequence[float] | None = None) -> InFlight:
+        """Micro-batches `stage` holds per chunk at its memory peak (`InFlight`).
+
+        Args:
+            held_bytes, pending_bytes: bytes per micro-batch of each chunk while held / the extra while
+                pending (v values each; `schedule_orders.held_at_peak`); they decide which point of
+                the order is the peak when chunks differ. Default: equal chunks, no pending bytes.
+        1F1B: min(p - i, m) (DeepSpeed's warm-up). Interleaved: at most 2(p - i - 1) + (v - 1)·p + 1
+        chunk passes, so stage 0 holds about (1 + 1/v)·p stage-activations, more than 1F1B's p
+        (Narayanan et al. SC'21 §2.2.2). ZB-H1: min(p, m) on every stage (held + pending).
+        """
+        order = _MODELS[self.kind].order
+        if order is None:
+            return InFlight((in_flight_1f1b(num_stages, stage, m),), (0,))
+        v = self.virtual_stages
+        held = np.ones(v) if held_bytes is None else np.asarray(held_bytes, dtype=float)
+        pending = np.zeros(v) if pending_bytes is None else np.asarray(pending_bytes, dtype=float)
+        return InFlight(*held_at_peak(order(num_stages, v, stage, m), held, pending))
+
+
+ONE_F_ONE_B = PipelineSchedule()
+
+
+def pipeline_schedule(plan: Plan) -> PipelineSchedule:
+    """The schedule of `plan`: the one place the simulator reads `Plan.schedule`."""
+    return PipelineSchedule(plan.schedule.kind, plan.schedule.virtual_stages)
+
+
+def bubble_ratio(schedule: PipelineSchedule, times: PipelineTimes, m: int, *, event: bool = True) -> float:
+    """Idle time of the busiest stage over its ideal time: (T - m·max_i t_i) / (m·max_i t_i), with T
+    the pipeline's time (`time_s`) and t_i the stage's busy seconds per micro-batch (`busy_s`).
+    Uniform, no transfers: (p - 1)/m under 1F1B, (p - 1)/(v·m) interleaved (m >= p)."""
+    ideal = m * float(times.busy_s.max())
+    return (schedule.time_s(times, m, event=event) - ideal) / ideal
