@@ -142,17 +142,17 @@ def choice(kind: type[E], value: E | str, option: str, what: str) -> E:
 def plan_options(*, objective: Objective | str = Objective.THROUGHPUT, search: SearchSpace | str = SearchSpace.FULL,
                  max_cost_per_iteration: float | None = None, max_cost_per_hour: float | None = None,
                  min_throughput: float | None = None, max_stages: int = 16, top: int = 3,
-                 memory_margin: float = DEFAULT_MEMORY_MARGIN) -> PlanOptions:
+                 time_limit: float | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> PlanOptions:
     """PlanOptions from `sailor plan`'s settings (see `find_plan`). Raises SailorInputError for a
-    constraint that is not a finite number >= 0 (named as `sailor plan`'s option), or a memory
-    margin outside [0, 1)."""
+    constraint or time limit that is not a finite number >= 0 (named as `sailor plan`'s option), or a
+    memory margin outside [0, 1)."""
     for name, value in (("max_cost_per_iteration", max_cost_per_iteration), ("max_cost_per_hour", max_cost_per_hour),
-                        ("min_throughput", min_throughput)):
+                        ("min_throughput", min_throughput), ("time_limit", time_limit)):
         if value is not None:
             Checks("--" + name.replace("_", "-")).number(value, "", lo=0)
     return PlanOptions(objective=choice(Objective, objective, "objective", "objective"),
                        search=choice(SearchSpace, search, "search", "search space"),
-                       max_stages=max_stages, top_k=top, memory_margin=memory_margin,
+                       max_stages=max_stages, top_k=top, time_limit_s=time_limit, memory_margin=memory_margin,
                        constraints=Constraints(max_cost_per_iteration=max_cost_per_iteration,
                                                max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput))
 
@@ -161,7 +161,7 @@ def find_plan(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles:
               network: str | Path | NetworkModel | None = None, objective: Objective | str = Objective.THROUGHPUT,
               search: SearchSpace | str = SearchSpace.FULL, max_cost_per_iteration: float | None = None,
               max_cost_per_hour: float | None = None, min_throughput: float | None = None, max_stages: int = 16,
-              top: int = 3, memory_margin: float = DEFAULT_MEMORY_MARGIN,
+              top: int = 3, time_limit: float | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN,
               progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """The best plan for `job` on the GPUs `cluster` offers: what `sailor plan` prints.
 
@@ -170,9 +170,10 @@ def find_plan(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles:
         profiles: a profile file or Sailor profile folder, or Profiles; default roofline estimates.
         network: a link file or Sailor network folder, or a NetworkModel; default catalog links.
         objective: "throughput" (max iterations/s) or "cost" (min $/iteration).
-        search: "full" (ours), "paper" (the published space) or "homogeneous".
+        search: "full" (ours), "paper" (the published space), "homogeneous" or "legacy" (the older search).
         max_cost_per_iteration: $ per iteration; max_cost_per_hour: $/hour; min_throughput: iterations/s.
         max_stages: the largest pipeline depth P tried; top: alternatives kept.
+        time_limit: seconds after which the search takes the best plan found (None: no limit).
         memory_margin: fraction of each GPU's memory a plan leaves free (`PlanOptions.memory_margin`).
         progress: called as progress(done, total) while the search runs.
     Returns:
@@ -182,7 +183,7 @@ def find_plan(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles:
     """
     opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
                         max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
-                        top=top, memory_margin=memory_margin)
+                        top=top, time_limit=time_limit, memory_margin=memory_margin)
     return plan_job(context(job, cluster, profiles=profiles, network=network), opts, progress=progress)
 
 

@@ -410,9 +410,10 @@ READERS: list[Reader] = [
     Reader("network", [{"network.json": (OUR_NETWORK, "json")}], _load_network, _valid_network),
     Reader("sailor_network", [{"multizone_bandwidths_het.json": (SAILOR_NETWORK, "json"),
                                "intra_node_bandwidths.json": (INTRA, "json")}], _load_network, _valid_network),
+    # one run alone too: beside a valid run a bad one is skipped with a warning (validate's rule), alone
+    # it is refused
     Reader("validation_folder", [{"runs-tiny/plan_config_a.json": (SAILOR_PLAN, "json"),
                                   "runs-tiny/plan_config_b.json": (SAILOR_PLAN | {"gbs": 16, "mbs": 2}, "json")},
-                                 # a set's only run: refused when unusable (beside a usable one it is a warning)
                                  {"runs-tiny/plan_config_a.json": (SAILOR_PLAN, "json")}],
            _load_runs, _valid_runs),
 ]

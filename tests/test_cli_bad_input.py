@@ -425,6 +425,16 @@ def test_uneven_sailor_plan_is_spread_and_said_in_one_line(tmp_path, monkeypatch
     assert json.loads(out)["gpus"] == 8
 
 
+def test_validate_skips_a_bad_run_in_one_line(tmp_path, monkeypatch, capsys):
+    _base(tmp_path)
+    _write(tmp_path, {"runs-tiny/plan_config_b.json": b'{"mbs": 1, "gbs": 8, "real": 1.0, "max_mem": 1e9, "note": "\xff"}'})
+    code, _, err = _main(["validate", "runs-tiny", "--profiles", "profile.json", "--network", "network.json"], tmp_path,
+                         monkeypatch, capsys)
+    assert code == 0, err
+    assert err.splitlines() == ["warning: skipped: runs-tiny/plan_config_b.json: not UTF-8 text (byte 0xff at offset 59)"
+                                " (save it as UTF-8)"]
+
+
 def test_an_internal_error_is_one_line_with_the_traceback_in_a_file(tmp_path, monkeypatch, capsys):
     import sailor.cli.plan
 

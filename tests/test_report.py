@@ -59,6 +59,8 @@ def test_traffic_pairs_add_up_to_the_estimate():
                           ("us-central1-b", "us-west1-b")}
     total = sum(v["p2p"] + v["sync"] for v in pairs.values())
     assert total == pytest.approx(est.cross_zone_bytes, rel=1e-9) and total > 0
+    usd = sum(v["usd"] for v in pairs.values())
+    assert usd == pytest.approx(est.egress_per_iteration_usd, rel=1e-9) and usd > 0
 
 
 def _check_figure(path: Path, *labels: str) -> None:
@@ -80,7 +82,8 @@ def test_simulate_report(tmp_path):
     r = tmp_path / "r"
     _check_figure(r / "timeline", "1F1B timeline", "pipeline 2 · stage 1 · V100-16 TP2", "gradient sync")
     _check_figure(r / "memory", "Memory per GPU", "stage 1 · V100-16 TP4 (x2)", "optimizer states", "activations")
-    _check_figure(r / "placement", "GPUs used / available", "us-west1-b", "8 / 16", "2 / 8", "Cross-zone traffic")
+    _check_figure(r / "placement", "GPUs used / available", "us-west1-b", "8 / 16", "2 / 8", "Cross-zone traffic",
+                  "us-central1-a - us-west1-b (regions)", "us-central1-a - us-central1-b (zones)")
     page = (r / "index.html").read_text()
     for name in ("timeline.png", "memory.png", "placement.png", "timeline.svg"):
         assert f"'{name}'" in page

@@ -42,8 +42,12 @@ def plan_command(
     min_throughput: Optional[float] = typer.Option(None, "--min-throughput", min=0,
                                                    help="Floor in iterations/s, e.g. 0.2."),
     search: SearchSpace = typer.Option(SearchSpace.FULL, "--search",
-                                       help="full (ours), paper (published space) or homogeneous (one GPU type, one zone)."),
+                                       help="full (ours), paper (published space), homogeneous (one GPU type, one zone)"
+                                            " or legacy (our older search, for comparisons)."),
     max_stages: int = typer.Option(16, "--max-stages", min=1, help="Largest pipeline depth P tried."),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", min=0,
+                                               help="Stop searching after this many seconds and take the best plan"
+                                                    " found so far, e.g. 10 (an error if none was found)."),
     memory_margin: float = typer.Option(DEFAULT_MEMORY_MARGIN, "--memory-margin",
                                         help="Fraction of each GPU's memory a plan leaves free, 0 <= x < 1"
                                              f" (default {DEFAULT_MEMORY_MARGIN}: the simulator's memory error"
@@ -59,7 +63,7 @@ def plan_command(
         raise SailorInputError("pass both --job and --cluster, or neither for the built-in example")
     opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
                         max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
-                        top=top, memory_margin=memory_margin)
+                        top=top, time_limit=time_limit, memory_margin=memory_margin)
     check_output_path(out, "--out")
     check_output_path(report, "--report", folder=True)
     job_spec = load_job(job) if job else EXAMPLE_JOB
@@ -71,7 +75,8 @@ def plan_command(
         if as_json:
             result = plan_job(ctx, opts)
         else:
-            with Progress(TextColumn("searching plans"), BarColumn(), TextColumn("{task.completed}/{task.total} families"),
+            with Progress(TextColumn("searching plans"), BarColumn(),
+                          TextColumn("{task.completed}/{task.total} (P, micro-batch) nodes"),
                           TimeElapsedColumn(), console=con, transient=True) as bar:
                 task = bar.add_task("plan", total=None)
                 result = plan_job(ctx, opts, progress=lambda d, t: bar.update(task, completed=d, total=t))
@@ -142,7 +147,8 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
                  ("$/hour", f"{est.cost_per_hour_usd:.2f}"),
                  ("memory headroom (GiB)", f"{est.min_headroom_bytes / GIB:.1f} on the fullest GPU"),
                  ("MFU", f"{est.mfu:.1%}"),
-                 ("search time (s)", f"{result.search_time_s:.2f}")]:
+                 ("search time (s)", f"{result.search_time_s:.2f}" + (" (stopped at the time limit)" if result.timed_out
+                                                                   else " (optimal in its space)" if result.exact else ""))]:
         s.add_row(k, v)
     con.print(s)
     if est.tp_communication:

@@ -1,39 +1,39 @@
 """Planner: which GPUs, where, and how to parallelize — the best plan under the simulator.
 
-Three phases (STYLE.md §2.8): (1) tables — `space`: stage options, TP templates, partitions;
-(2) search — `branch` walks the tree (region, P, micro-batch) -> partition -> TP templates -> pipeline
-counts per (GPU type, zone), pruned with the lower bounds of `bounds`; `search` scores a count vector
-with the simulator's closed form and the best integer batch shares; exact on small spaces, bounded
-scans on large ones; (3) scoring — the best `rescore` candidates are simulated again with the 1F1B
-event simulation and the best of them under the objective is returned with its alternatives.
-Settings live in `options`.
+Three phases (STYLE.md §2.8): (1) tables — `space` (partitions, micro-batch sizes, memory-feasible
+stage options) and `kinds` (the option table of a family, pipeline kinds); (2) search — `engine`,
+a best-first branch and bound over (P, micro-batch) -> partition -> scope (region, or all regions)
+-> count vector of pipeline kinds (`pack`, `geo`), pruned by the bounds of `prune`; every candidate
+is scored with the simulator's closed form and the best integer batch shares (`search.Scorer`);
+(3) scoring — the best `rescore` candidates are simulated again with the 1F1B event simulation and
+the best of them under the objective is returned with its alternatives.
 
-Pruning (DESIGN.md §5): H1 TP within a node; H2 only TP degrees whose memory fits (stage options);
-H3/H4 pipeline counts: every count vector on small spaces, else a scan over the number of pipelines D
-that skips every D whose bound cannot win; H5 a plan uses the zones of one region; H6 zones of a region share one search
-(their pipelines are counted per zone, so prices and links of each zone still count). Outer loops
-(P, micro-batch, partition, templates) are skipped when a lower bound on their best score cannot beat
-the best plan found so far.
+Search spaces (`SearchSpace`): `full` (ours: uneven layer partitions, a TP degree per stage and
+replica, GPU types and zones mixed inside a pipeline, pipelines across zones and regions, data
+parallelism across regions when it wins, uneven batch shares); `paper` (the published planner's
+space, `paper`); `homogeneous` (one GPU type in one zone); `legacy` (the older search of `legacy`,
+kept for comparisons). The full search also runs the published planner's space and keeps its best
+plan among the finalists, so the published planner's best plan never beats it in the simulator.
 
-Every call builds its own SimContext: nothing is cached across calls.
+Pruning (DESIGN.md §5): H1 TP within a node and H2 memory (stage options); H3/H4 become the
+makespan-target packing of `pack`; H5 each region is searched alone and all regions together; H6
+zones of a region share one search. Every call builds its own SimContext: nothing is cached across
+calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import multiprocessing as mp
-import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 from sailor.errors import InfeasibleError
+from sailor.limits import MAX_PIPELINE_TASKS
 from sailor.plan import Plan, StageMemory
-from sailor.planner import search as S
-from sailor.planner.branch import coarse_nodes, families, points, search_counts
-from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace, objective_key
+from sailor.planner import engine, legacy, paper
+from sailor.planner.finalists import Found
+from sailor.planner.options import Constraints, Objective, PlanOptions, SearchSpace, objective_key
 from sailor.planner.space import even_partition, memory_candidates, sp_possible, stage_options, zero3_needed
 from sailor.simulator import Estimate, SimContext, simulate
 from sailor.simulator.memory import replica_memory
@@ -41,7 +41,6 @@ from sailor.simulator.memory import replica_memory
 __all__ = ["Choice", "Constraints", "Objective", "PlanOptions", "PlanResult", "SearchSpace", "plan_job"]
 
 GB = 1e9
-
 
 
 @dataclass
@@ -63,31 +62,31 @@ class PlanResult:
     alternatives: list[Choice]
     best_closed: Choice
     search_time_s: float
-    points: int           # (P, mbs, partition, templates) points searched
+    points: int           # families (P, mbs, partition) searched
     candidates: int       # count vectors scored
     pareto: list[tuple[float, float]] = field(default_factory=list)
     """Closed-form (iteration time s, $/iteration) of the scored candidates that no other scored
     candidate beats on both, sorted by time (constraints not applied): the trade-off curve."""
+    exact: bool = False
+    """True when the search proved its best plan optimal in its space under the closed form (small
+    clusters, every part searched exhaustively or pruned by valid bounds)."""
+    timed_out: bool = False
+    """True when `PlanOptions.time_limit_s` stopped the search before it finished."""
 
 
 def plan_job(ctx: SimContext, options: PlanOptions | None = None,
              progress: Callable[[int, int], None] | None = None) -> PlanResult:
-    """Find the best plan for ctx.job on ctx.cluster.
-
-    Best-first branch and bound (`_search`): coarse nodes (region, P, micro-batch) and, once expanded,
-    their families (one per layer partition) are taken in order of their lower bounds (`bounds`);
-    the search stops when the next bound cannot beat the best plan found. Exact for the space on
-    clusters of up to EXACT_MAX_GPUS GPUs; on larger ones heuristic (see `branch` and
-    `bounds.coarse_estimate`), and split over processes from PARALLEL_MIN_GPUS GPUs on.
+    """Find the best plan for ctx.job on ctx.cluster in the search space of `options.search`.
 
     Args:
         ctx: job, cluster, profiles and network (a fresh SimContext per call).
-        options: objective, constraints, search space and bounds.
-        progress: called as progress(done, total) as families are searched or pruned.
+        options: objective, constraints, search space, time limit.
+        progress: called as progress(done, total) as parts of the search are searched or pruned.
     Returns:
         PlanResult with the best plan (carrying job and cluster) and its event-simulated estimate.
     Raises:
-        InfeasibleError: no plan fits memory, GPUs or constraints; the message names the binding reason.
+        InfeasibleError: no plan fits memory, GPUs or constraints, or none was found within the time
+            limit; the message names the binding reason.
     """
     opts = options or PlanOptions()
     t0 = time.perf_counter()
@@ -95,177 +94,59 @@ def plan_job(ctx: SimContext, options: PlanOptions | None = None,
         # the margin is read through ctx.memory_limit; memoised feasibility depends on it, so the
         # copy starts a memo of its own (the layer tables it shares do not)
         ctx = dataclasses.replace(ctx, memory_margin=opts.memory_margin, memo={})
-    cluster = ctx.cluster
-    if cluster.total_gpus() == 0:
+    if ctx.cluster.total_gpus() == 0:
         raise InfeasibleError("the cluster offers no GPUs", field="zones")
-    key = objective_key(opts.objective)
-    exact = ctx.cluster.total_gpus() <= EXACT_MAX_GPUS
-    coarse = sorted(coarse_nodes(ctx, opts, exact), key=lambda x: x[0])
-    workers = _workers(ctx, len(coarse))
-    if workers > 1:
-        found = _search_parallel(ctx, opts, coarse, workers, progress)
-    else:
-        found = _search(ctx, opts, coarse, None, progress)
-    if progress:
-        progress(len(coarse), len(coarse))
+    deadline = t0 + opts.time_limit_s if opts.time_limit_s is not None else None
+    found = _SEARCHES[opts.search](ctx, opts, progress, deadline)
     if not found.finalists:
+        if found.timed_out:
+            raise InfeasibleError(f"no plan found within the time limit of {opts.time_limit_s:g} s",
+                                  field="time_limit_s", fix="allow more time (--time-limit)")
         raise InfeasibleError(_why_infeasible(ctx, opts, found.any_family))
+    return _rescore(ctx, opts, found, t0)
+
+
+_SEARCHES = {SearchSpace.FULL: engine.search, SearchSpace.LEGACY: legacy.search,
+             SearchSpace.PAPER: paper.search, SearchSpace.HOMOGENEOUS: paper.search}
+
+
+def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> PlanResult:
+    """Phase 3: event-simulate the best `rescore` finalists (and every pinned plan) and return the
+    best of them under the objective and constraints, with the alternatives."""
+    key = objective_key(opts.objective)
     ranked = sorted(found.finalists, key=lambda v: v[0])
     choices = [Choice(plan, t, c) for _, t, c, plan in ranked[: max(opts.rescore, opts.top_k + 1)]]
     best_closed = choices[0]
-    for ch in choices[: opts.rescore]:
-        ch.estimate = simulate(ch.plan, ctx)
-    scored = [c for c in choices[: opts.rescore]
-              if opts.constraints.ok(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd)]
-    scored = scored or choices[:1]
-    scored.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
-    best = scored[0]
+    scored = choices[: opts.rescore]
+    for plan in found.pinned:
+        if all(plan.to_dict(with_specs=False) != c.plan.to_dict(with_specs=False) for c in choices):
+            closed = simulate(plan, ctx, event=False)
+            pin = Choice(plan, closed.iteration_time_s, closed.cost_per_iteration_usd)
+            choices.append(pin)
+            scored.append(pin)
+    for ch in scored:
+        ch.estimate = _event_or_closed(ch.plan, ctx)
+    ok = [c for c in scored if opts.constraints.ok(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd)]
+    ok = ok or choices[:1]
+    ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
+    best = ok[0]
     alternatives = [c for c in choices if c is not best][: opts.top_k]
     for c in alternatives:
         if c.estimate is None:
-            c.estimate = simulate(c.plan, ctx)
+            c.estimate = _event_or_closed(c.plan, ctx)
     alternatives.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     return PlanResult(plan=best.plan, estimate=best.estimate, alternatives=alternatives,
                       best_closed=best_closed, search_time_s=time.perf_counter() - t0,
-                      points=found.points, candidates=found.candidates, pareto=sorted(found.front))
+                      points=found.points, candidates=found.candidates, pareto=sorted(found.front),
+                      exact=found.exact, timed_out=found.timed_out)
 
 
-@dataclass
-class _Found:
-    """What one search (this process or a worker) found: finalists as (objective key, closed-form
-    time s, closed-form $/iteration, plan), the Pareto front, and counts."""
-
-    finalists: list[tuple[tuple[float, float], float, float, Plan]] = field(default_factory=list)
-    front: list[tuple[float, float]] = field(default_factory=list)
-    points: int = 0
-    candidates: int = 0
-    any_family: bool = False
-
-
-def _search(ctx: SimContext, opts: PlanOptions, coarse: list, shared_best, progress) -> _Found:
-    """Two-level best-first branch and bound over `coarse` nodes (bound, (zones, P, mbs)): a node is
-    expanded into families (one per partition) only when its bound can still beat the best plan;
-    families are searched in bound order; everything left once the smallest bound cannot win is
-    pruned. `shared_best` (a multiprocessing.Value or None) carries the best first objective component
-    found by any process, so that parallel searches prune with each other's plans."""
-    key = objective_key(opts.objective)
-    exact = ctx.cluster.total_gpus() <= EXACT_MAX_GPUS
-    keep = 2 * max(opts.top_k, opts.rescore)
-    finalists: dict[tuple, tuple[tuple[float, float], S.Candidate, tuple]] = {}
-    found = _Found()
-    state = {"best": None}
-
-    def best0() -> float:
-        local = state["best"][0] if state["best"] is not None else float("inf")
-        return min(local, shared_best.value) if shared_best is not None else local
-
-    def offer(cand: S.Candidate, point: tuple) -> None:
-        found.candidates += 1
-        _pareto_add(found.front, (cand.iteration_time_s, cand.cost_per_iteration_usd))
-        if not opts.constraints.ok(cand.iteration_time_s, cand.cost_per_iteration_usd):
-            return
-        k = key(cand.iteration_time_s, cand.cost_per_iteration_usd)
-        finalists[(point, cand.counts)] = (k, cand, point)
-        if state["best"] is None or k < state["best"]:
-            state["best"] = k
-            if shared_best is not None:
-                with shared_best.get_lock():
-                    shared_best.value = min(shared_best.value, k[0])
-        if len(finalists) > 2 * keep:
-            for sig in sorted(finalists, key=lambda s: finalists[s][0])[keep:]:
-                del finalists[sig]
-
-    heap = [(bound, 0, n, node) for n, (bound, node) in enumerate(coarse)]
-    heapq.heapify(heap)
-    counter, done = len(coarse), 0
-    while heap:
-        bound, kind, _, item = heapq.heappop(heap)
-        if bound[0] >= best0():
-            break  # the heap is ordered by bound: nothing left can win
-        if kind == 0:
-            for fbound, fam in families(ctx, opts, *item):
-                found.any_family = True
-                counter += 1
-                heapq.heappush(heap, (fbound, 1, counter, fam))
-            done += 1
-            if progress:
-                progress(done, len(coarse))
-            continue
-        for types, point in points(ctx, opts, item, exact):
-            found.points += 1
-            search_counts(ctx, opts, types, point, item.M, offer, best0, exact)
-    found.finalists = [(k, cand.iteration_time_s, cand.cost_per_iteration_usd, _build_plan(ctx, cand, point))
-                       for k, cand, point in sorted(finalists.values(), key=lambda v: v[0])[:keep]]
-    return found
-
-
-# Planning splits its coarse nodes over this many processes when the cluster has at least
-# PARALLEL_MIN_GPUS GPUs (below that a search takes about a second and forking does not pay).
-PARALLEL_MIN_GPUS = 256
-_PARALLEL_JOB: tuple | None = None  # (ctx, opts, groups, shared best) for forked workers; set per call
-
-
-def _workers(ctx: SimContext, nodes: int) -> int:
-    if ctx.cluster.total_gpus() < PARALLEL_MIN_GPUS or nodes < 8 or "fork" not in mp.get_all_start_methods():
-        return 1
-    return max(1, min(os.cpu_count() or 1, 4))
-
-
-def _worker(index: int) -> _Found:
-    ctx, opts, groups, shared = _PARALLEL_JOB
-    return _search(ctx, opts, groups[index], shared, None)
-
-
-def _search_parallel(ctx: SimContext, opts: PlanOptions, coarse: list, workers: int, progress) -> _Found:
-    """`_search` over `workers` forked processes, coarse nodes dealt round-robin in bound order, the
-    best objective shared through a multiprocessing.Value; results merged here."""
-    global _PARALLEL_JOB
-    fork = mp.get_context("fork")
-    shared = fork.Value("d", float("inf"))
-    groups = [coarse[i::workers] for i in range(workers)]
-    _PARALLEL_JOB = (ctx, opts, groups, shared)
-    try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=fork) as pool:
-            parts = list(pool.map(_worker, range(workers)))
-    finally:
-        _PARALLEL_JOB = None
-    merged = _Found()
-    for i, part in enumerate(parts):
-        merged.finalists += part.finalists
-        for p in part.front:
-            _pareto_add(merged.front, p)
-        merged.points += part.points
-        merged.candidates += part.candidates
-        merged.any_family |= part.any_family
-        if progress:
-            progress(sum(len(g) for g in groups[: i + 1]), len(coarse))
-    return merged
-
-
-def _pareto_add(front: list[tuple[float, float]], p: tuple[float, float]) -> None:
-    """Add (time, cost) to a Pareto front (minimise both) kept in place; amortised cheap because most
-    points are dominated by one of the few front points."""
-    if any(q[0] <= p[0] and q[1] <= p[1] for q in front):
-        return
-    front[:] = [q for q in front if not (p[0] <= q[0] and p[1] <= q[1])]
-    front.append(p)
-
-
-def _build_plan(ctx: SimContext, cand: S.Candidate, point) -> Plan:
-    partition, mbs, memory = point[0], point[1], point[4]
-    types = cand.scorer.types
-    pipelines = []
-    for t, shares in zip(types, cand.shares):
-        for m in shares:
-            pipelines.append({"microbatches": m, "replicas": [
-                {"stage": i, "gpu": t.gpu, "zone": t.zone, "tp": tp} for i, tp in enumerate(t.tps)]})
-    if len(pipelines) == 1:  # ZeRO over one replica shards nothing: leave it out of the plan
-        memory = tuple(m.model_copy(update={"zero": 0}) for m in memory)
-    plan = Plan.model_validate({"micro_batch_size": mbs, "stages": [list(s) for s in partition], "pipelines": pipelines,
-                                "memory": [m.model_dump(mode="json") for m in memory] if any(not m.is_default for m in memory) else [],
-                                "job": ctx.job.to_dict(), "cluster": ctx.cluster.to_dict()})
-    plan.check_against(ctx.job, ctx.cluster)
-    return plan
+def _event_or_closed(plan: Plan, ctx: SimContext) -> Estimate:
+    """A finalist's estimate: the event simulation, or the closed form where one of its pipelines runs
+    more stage x chunk x micro-batch passes than the event simulation takes (`limits.MAX_PIPELINE_TASKS`,
+    `simulator.schedule.check_pipeline_tasks`)."""
+    tasks = max(plan.num_stages * plan.virtual_stages * p.microbatches for p in plan.pipelines)
+    return simulate(plan, ctx, event=tasks <= MAX_PIPELINE_TASKS)
 
 
 def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
@@ -345,24 +226,30 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
 
 
 def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
-    """Some GPU type can hold the model's stages, but no zone has enough of them for one pipeline:
-    the smallest pipeline (fewest GPUs over P and TP, micro-batch 1) against the most one zone offers."""
+    """Some GPU type can hold the model's stages, but the cluster has too few GPUs for the smallest
+    plan: over P and the memory candidates the search takes (the lightest `opts.memory_per_partition`
+    of the even split's), the fewest GPUs of D pipelines, D the replicas ZeRO needs
+    for the options taken (each stage on whatever GPU type and TP holds it with the fewest GPUs at
+    that D, micro-batch 1), against the GPUs offered."""
     job, cluster = ctx.job, ctx.cluster
     L = job.model.num_layers
-    best = None  # (shortfall ratio, GPUs needed, gpu, P, most in one zone)
-    for g in cluster.gpu_types():
-        most = max(cluster.available(z, g) for z in cluster.zones)
-        for P in range(1, min(L, opts.max_stages) + 1):
-            part = even_partition(L, P)
-            for memory in memory_candidates(ctx, [g], part, 1, job.global_batch_size,
-                                            3 if zero3_needed(ctx, opts.max_stages) else 2):
-                options = stage_options(ctx, g, part, 1, job.global_batch_size, memory)
-                if all(options):
-                    need = sum(min(o.tp for o in stage) for stage in options)
-                    if best is None or need / max(most, 1) < best[0]:
-                        best = (need / max(most, 1), need, g, P, most)
+    gpus = cluster.gpu_types()
+    zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
+    best = None  # (GPUs needed, P, D)
+    for P in range(1, min(L, opts.max_stages) + 1):
+        part = even_partition(L, P)
+        for memory in memory_candidates(ctx, gpus, part, 1, job.global_batch_size, zero_max)[: opts.memory_per_partition]:
+            stages = [[o for g in gpus for o in stage_options(ctx, g, part, 1, job.global_batch_size, memory)[i]]
+                      for i in range(P)]
+            if not all(stages):
+                continue
+            for D in sorted({o.min_replicas for stage in stages for o in stage}):
+                fewest = [min((o.tp for o in stage if o.min_replicas <= D), default=None) for stage in stages]
+                if None not in fewest and (best is None or D * sum(fewest) < best[0]):
+                    best = (D * sum(fewest), P, D)
     if best is None:
         return f"no GPU type in the cluster can hold {job.model.name}'s stages in memory"
-    _, need, g, P, most = best
-    return (f"{job.model.name} needs at least {need} {g} GPUs in one zone for one pipeline ({P} stages,"
-            f" micro-batch 1, to fit in memory); the most any zone offers is {most}")
+    need, P, D = best
+    replicas = "" if D == 1 else f", {D} pipelines for ZeRO to shard over"
+    return (f"{job.model.name} needs at least {need} GPUs ({P} stages{replicas}, micro-batch 1, to fit in memory;"
+            f" its stages may sit on any GPU type, zone and region); the cluster offers {cluster.total_gpus()}")

@@ -1,7 +1,7 @@
-"""The planner's search tree: coarse nodes (region, P, micro-batch), families (one per layer
+"""The older search's tree (`legacy`): coarse nodes (region, P, micro-batch), families (one per layer
 partition), points (one TP template per GPU type) and, inside a point, count vectors.
 
-`plan_job` walks it best-bound-first; this module enumerates it and searches one point.
+`legacy.search` walks it best-bound-first; this module enumerates it and searches one point.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Callable
 
 from sailor.planner import search as S
 from sailor.planner.bounds import coarse_bound, coarse_estimate, lower_bound, sync_floor, types_sync_floor
-from sailor.planner.options import Objective, PlanOptions, SearchSpace, objective_key
+from sailor.planner.options import Objective, PlanOptions, objective_key
 from sailor.plan import StageMemory
-from sailor.planner.space import (candidate_partitions, even_partition, mbs_candidates, memory_candidates,
+from sailor.planner.space import (candidate_partitions, mbs_candidates, memory_candidates,
                                   stage_options, templates, zero3_needed)
 from sailor.simulator import SimContext
 
@@ -59,21 +59,13 @@ def families(ctx: SimContext, opts: PlanOptions, zones: tuple[str, ...], P: int,
     job = ctx.job
     M = job.global_batch_size // mbs
     gpus = sorted({g for z in zones for g, n in ctx.cluster.zones[z].items() if n > 0})
-    if opts.search is SearchSpace.FULL:
-        partitions = candidate_partitions(ctx, P, mbs, gpus)
-    else:
-        partitions = [even_partition(job.model.num_layers, P)]
     zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
-    for partition in partitions:
+    for partition in candidate_partitions(ctx, P, mbs, gpus):
         for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max)[: opts.memory_per_partition]:
             per_gpu, min_d, relaxed, s2 = [], [], [], float("inf")
             for g in gpus:
                 options = stage_options(ctx, g, partition, mbs, M, memory)
                 tmpl = templates(options)
-                if opts.search is not SearchSpace.FULL:
-                    uniform = [t for t in tmpl if len(set(t)) == 1]
-                    # the published rule: the smallest TP degree that fits (H2), one per GPU type
-                    tmpl = uniform[:1] if opts.search is SearchSpace.PAPER else uniform
                 if not tmpl:
                     continue
                 per_gpu.append((g, tuple(tmpl)))
@@ -99,13 +91,8 @@ def regions(cluster) -> dict[str, list[str]]:
 def points(ctx: SimContext, opts: PlanOptions, fam: Family, exact: bool):
     """Yield (pipeline types, point) for every template combination of a family, best bound first.
     A point is (partition, mbs, ((gpu, template), ...), zones, memory)."""
-    per_gpu = dict(fam.templates)
     zones = list(fam.zones)
-    if opts.search is SearchSpace.HOMOGENEOUS:
-        combos = [({g: t}, [z]) for g, tmpls in per_gpu.items() for z in zones if ctx.cluster.available(z, g)
-                  for t in tmpls]
-    else:
-        combos = [(c, zones) for c in template_combos(ctx, fam, zones, opts, exact)]
+    combos = [(c, zones) for c in template_combos(ctx, fam, zones, opts, exact)]
     pts = []
     for combo, zs in combos:
         types = pipeline_types(ctx, combo, zs, fam.partition, fam.mbs, fam)
@@ -173,7 +160,7 @@ def search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M:
     s_min = types_sync_floor(ctx, types, point[0])
     if lower_bound(types, M, opts, s_min)[0] >= best():
         return
-    scorer = S.Scorer(ctx, point[0], point[1], types, M, equal_shares=opts.search is not SearchSpace.FULL)
+    scorer = S.Scorer(ctx, point[0], point[1], types, M)
     gpus_in_point = {g for g, _ in point[2]}
 
     def consider(counts) -> S.Candidate | None:
@@ -184,9 +171,6 @@ def search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M:
             offer(cand, point)
         return cand
 
-    if opts.search is not SearchSpace.FULL:
-        equal_share_scan(types, M, consider, exact)
-        return
     if exact and count_vectors_number(types) <= S.EXHAUSTIVE_COUNTS:
         for counts in S.all_count_vectors(types):
             consider(counts)
@@ -203,22 +187,6 @@ def search_counts(ctx, opts: PlanOptions, types: list[S.PipelineType], point, M:
             counts = S.fastest_first(subset, D)
             if counts is not None and counts not in seen:
                 seen.add(counts)
-                consider(counts)
-
-
-def equal_share_scan(types, M, consider, exact: bool) -> None:
-    """Published space: every pipeline gets M / D micro-batches, so D divides M. Small spaces: every
-    count vector; otherwise, for every divisor D, the D fastest pipelines and D of each type alone."""
-    if exact and count_vectors_number(types) <= S.EXHAUSTIVE_COUNTS:
-        for counts in S.all_count_vectors(types):
-            if M % sum(counts) == 0:
-                consider(counts)
-        return
-    D_max = min(sum(t.max_count for t in types), M)
-    for D in (d for d in range(1, D_max + 1) if M % d == 0):
-        for subset in subsets(types):
-            counts = S.fastest_first(subset, D)
-            if counts is not None:
                 consider(counts)
 
 

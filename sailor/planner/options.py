@@ -9,9 +9,8 @@ from typing import Callable
 from sailor.errors import SailorInputError
 
 
-# Clusters of at most this many GPUs are searched exactly (every template, every count vector where
-# there are at most search.EXHAUSTIVE_COUNTS); larger ones with the heuristics of
-# `branch.template_combos` and `branch.search_counts` (the brute-force tests check the exact mode).
+# Clusters of at most this many GPUs are searched in exact mode (engine.py: every pipeline kind and
+# count vector when few enough, valid bounds; the brute-force tests check it).
 EXACT_MAX_GPUS = 32
 
 
@@ -24,11 +23,14 @@ class Objective(str, Enum):
 
 class SearchSpace(str, Enum):
     """`full`: our space. `paper`: the published one (even layer split, equal batch per pipeline, one
-    TP per GPU type). `homogeneous`: one GPU type in one zone, uniform TP, even split, equal shares."""
+    TP per GPU type by its fixed rule, each stage's replicas on any GPU types of one region).
+    `homogeneous`: one GPU type in one zone, uniform TP, even split, equal shares. `legacy`: our
+    older search of the full space (single-type, single-zone pipelines), kept for comparisons."""
 
     FULL = "full"
     PAPER = "paper"
     HOMOGENEOUS = "homogeneous"
+    LEGACY = "legacy"
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,11 @@ DEFAULT_MEMORY_MARGIN = 0.10
 class PlanOptions:
     """Search settings. `max_stages` bounds P; `max_mbs` the micro-batch size; `top_k` the
     alternatives kept; `rescore` how many closed-form finalists get the event simulation;
-    `templates_per_gpu` how many TP templates per GPU type enter the count search on large spaces;
+    `templates_per_gpu` how many TP templates per GPU type the legacy search tries on large spaces;
     `memory_per_partition` how many memory-option candidates per layer partition (the lightest,
     `space.memory_candidates`) are searched (in every mode: it is part of the space);
+    `time_limit_s` stops the search after that many seconds with the best plan found (an error when
+    none was; None: no limit);
     `memory_margin` the fraction of each GPU's memory a plan must leave free (0 <= margin < 1,
     default DEFAULT_MEMORY_MARGIN): a stage fits when its predicted peak is at most
     (1 - margin) x the GPU's memory. Raises SailorInputError for a margin outside [0, 1)."""
@@ -77,6 +81,7 @@ class PlanOptions:
     rescore: int = 8
     templates_per_gpu: int = 3
     memory_per_partition: int = 2
+    time_limit_s: float | None = None
     memory_margin: float = DEFAULT_MEMORY_MARGIN
 
     def __post_init__(self) -> None:

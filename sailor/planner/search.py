@@ -1,35 +1,38 @@
-"""Phase 2 of the planner: given the tables of one (P, micro-batch, partition, TP templates) point,
-choose how many pipelines of each (GPU type, zone) to run and each pipeline's share of the batch.
+"""Scoring a count vector of pipeline kinds: the closed-form iteration time and cost the planner
+ranks plans by (shared by the search of `engine` and the older search of `legacy`).
 
-Notation. A pipeline type k = (GPU type, zone, TP template) has, under the closed form of
-`simulator.schedule.closed_form_1f1b` (affine in m from m = 2 on: the straggler pays each extra
+Notation. A pipeline kind k (a `Curve`: one replica per stage, each with its GPU type, zone and TP
+degree; `PipelineType` for the older search, `kinds.Kind` for the new one) has, under the closed form
+of `simulator.schedule.closed_form_1f1b` (affine in m from m = 2 on: the straggler pays each extra
 micro-batch), a time for m micro-batches
 
     time_k(1) = A_k,   time_k(m) = B_k + (m - 2)·t_k  for m >= 2
 
-and uses G_k GPUs. A candidate is a count vector n (n_k pipelines of type k, n_k·G_k <= GPUs
-available). Its iteration time is
+and uses G_k GPUs. A candidate is a count vector n (n_k pipelines of kind k). Its iteration time is
 
     T(n) = W(n) + max_i S_i(n) + O(n)
 
 with W the pipeline makespan under the best integer batch shares, S_i the all-reduce of stage i over
-the D = Σ n_k replicas, and O the slowest optimizer step. The point's memory options are the same
-for every type (one StageMemory per stage); a count vector is feasible only when D reaches every
-used type's `min_replicas` (ZeRO options fit from some D on). Under ZeRO the optimizer step (and
-under ZeRO-3 the per-micro-batch weight gathers) depend on D, so the scorer rebuilds those types at
-the vector's D (`PipelineType.at`), exactly as `simulate` times them; the types handed to the bounds
-hold D-free lower bounds (gathers at min_replicas, optimizer at the largest possible D).
+the D = Σ n_k replicas, and O the slowest optimizer step. The stages' memory options are the same
+for every kind of a point (one StageMemory per stage); a count vector is feasible only when D reaches
+every used kind's `min_replicas` (ZeRO options fit from some D on). Under ZeRO the optimizer step
+(and under ZeRO-3 the per-micro-batch weight gathers) depend on D, so the scorer rebuilds those
+kinds at the vector's D (`at`), exactly as `simulate` times them; the kinds handed to the bounds hold
+D-free lower bounds (gathers at min_replicas, optimizer at the largest possible D).
 
 Batch shares (exact): W(n) = min τ such that Σ_k n_k·cap_k(τ) >= M, cap_k(τ) = max{m >= 1 :
-time_k(m) <= τ}, M = global batch / micro-batch; found by bisection on τ, then each pipeline gets
-cap_k(τ) micro-batches and the excess is taken back from the slowest pipelines. (Min-max of
-non-decreasing separable functions: a τ is reachable iff the capacities add up to M.)
+time_k(m) <= τ}, M = global batch / micro-batch (`min_makespan`); each pipeline gets cap_k(τ)
+micro-batches and the excess is taken back from the pipelines whose micro-batches pay the most
+egress (cross-zone activations), then from the slowest. Every split with makespan <= τ keeps each
+pipeline between 1 and cap_k(τ) micro-batches, so this split has the least p2p egress among the
+splits of least makespan: under the throughput objective (time first, then cost) it is the best
+split; under the cost objective it is the best split that keeps the makespan minimal (the space's
+rule: batch shares never trade makespan for egress).
 
-Count vectors: all of them when there are at most `EXHAUSTIVE_COUNTS` (small clusters: the result
-is then the optimum of the space). Otherwise, for every pipeline count D, the D fastest pipelines
-(`fastest_first`) and, for each GPU type alone, D pipelines of it — skipping every D whose lower
-bound (`makespan_floor` plus a sync floor) cannot beat the best plan found (see
-planner._search_counts). This scan is a heuristic: mixes other than fastest-first are not tried.
+The older search's count vectors (`legacy`): all of them when there are at most `EXHAUSTIVE_COUNTS`,
+else for every pipeline count D the D fastest pipelines (`fastest_first`) and, for each GPU type
+alone, D pipelines of it, skipping every D whose lower bound (`makespan_floor` plus a sync floor)
+cannot beat the best plan found.
 """
 
 from __future__ import annotations
@@ -49,22 +52,50 @@ EXHAUSTIVE_COUNTS = 4096
 
 
 @dataclass(frozen=True)
-class PipelineType:
-    """Pipelines of one GPU type in one zone with one TP template (all identical under the model)."""
+class Curve:
+    """Closed-form time of one pipeline for m micro-batches: A = fill_s (m = 1), B = two_s (m = 2),
+    t = period_s per further micro-batch (seconds)."""
 
-    gpu: str
-    zone: str
-    tps: tuple[int, ...]
-    fill_s: float        # A_k: time of one micro-batch through the pipeline (s)
-    two_s: float         # B_k: time of two micro-batches (s)
-    period_s: float      # t_k: time each further micro-batch adds (the straggler's period) (s)
-    gpus: int            # G_k
-    usd_per_hour: float  # G_k x $/GPU-hour in this zone
-    optimizer_s: float   # slowest optimizer step among its stages (s)
-    max_count: int       # pipelines that fit in this zone's GPUs
+    fill_s: float
+    two_s: float
+    period_s: float
+
+    def time_s(self, m: int) -> float:
+        return self.fill_s if m == 1 else self.two_s + (m - 2) * self.period_s
+
+    def cap(self, tau: float) -> int:
+        """Most micro-batches one pipeline finishes within tau seconds (0 if not even one)."""
+        eps = 1e-12 * max(1.0, abs(tau))
+        if tau < self.fill_s - eps:
+            return 0
+        if tau < self.two_s - eps:
+            return 1
+        return 2 + math.floor((tau - self.two_s) / self.period_s + 1e-9)
+
+
+def pipeline_curve(f, b, c) -> tuple[float, float, float]:
+    """(A, B, t) of `Curve` for per-stage forward/backward seconds f, b (P,) and transfers c (P-1,),
+    from the simulator's closed form (`closed_form_1f1b`), which is affine in m from m = 2 on
+    (tests/test_planner.py checks it)."""
+    t1, t2, t3 = (closed_form_1f1b(f, b, c, m) for m in (1, 2, 3))
+    return t1, t2, t3 - t2
+
+
+@dataclass(frozen=True)
+class PipelineType(Curve):
+    """The older search's kind: pipelines of one GPU type in one zone with one TP template."""
+
+    gpu: str = ""
+    zone: str = ""
+    tps: tuple[int, ...] = ()
+    gpus: int = 0            # G_k
+    usd_per_hour: float = 0.0  # G_k x $/GPU-hour in this zone
+    optimizer_s: float = 0.0   # slowest optimizer step among its stages (s)
+    max_count: int = 0       # pipelines that fit in this zone's GPUs
     memory: tuple[StageMemory, ...] = ()  # the stages' memory options (the point's, for every type)
     min_replicas: int = 1  # fewest pipelines of the whole plan with which it fits (ZeRO)
     replicas: int | None = None  # the D its constants are exact for; None: D-free lower bounds
+    egress_usd_per_mb: float = 0.0  # single-zone: no p2p egress
 
     def slot(self, stage: int) -> Slot:
         return Slot(zone=self.zone, gpu=self.gpu, tp=self.tps[stage])
@@ -87,18 +118,6 @@ class PipelineType:
         return make_pipeline_type(ctx, self.gpu, self.zone, self.tps, partition, mbs, self.max_count,
                                   memory=self.memory, min_replicas=self.min_replicas, replicas=replicas)
 
-    def time_s(self, m: int) -> float:
-        return self.fill_s if m == 1 else self.two_s + (m - 2) * self.period_s
-
-    def cap(self, tau: float) -> int:
-        """Most micro-batches one pipeline finishes within tau seconds (0 if not even one)."""
-        eps = 1e-12 * max(1.0, abs(tau))
-        if tau < self.fill_s - eps:
-            return 0
-        if tau < self.two_s - eps:
-            return 1
-        return 2 + math.floor((tau - self.two_s) / self.period_s + 1e-9)
-
 
 def make_pipeline_type(ctx: SimContext, gpu: str, zone: str, tps: tuple[int, ...], partition, mbs: int,
                        max_count: int, *, memory: tuple[StageMemory, ...] = (), min_replicas: int = 1,
@@ -118,10 +137,9 @@ def make_pipeline_type(ctx: SimContext, gpu: str, zone: str, tps: tuple[int, ...
     timing = [time_options(mem, replicas or min_replicas) for mem in memory]
     stepping = [time_options(mem, replicas or most) for mem in memory]
     f, b, c, _, _ = pipeline_arrays(ctx, slots, partition, mbs, timing)
-    t1, t2, t3, t4 = (closed_form_1f1b(f, b, c, m) for m in (1, 2, 3, 4))
-    assert abs((t4 - t3) - (t3 - t2)) <= 1e-9 * t4, "closed form must be affine in m from m = 2"
+    t1, t2, period = pipeline_curve(f, b, c)
     opt = max(optimizer_s(ctx, sl, a, e, o) for sl, (a, e), o in zip(slots, partition, stepping))
-    ctx.memo[key] = PipelineType(gpu=gpu, zone=zone, tps=tuple(tps), fill_s=t1, two_s=t2, period_s=t3 - t2,
+    ctx.memo[key] = PipelineType(gpu=gpu, zone=zone, tps=tuple(tps), fill_s=t1, two_s=t2, period_s=period,
                                  gpus=sum(tps), usd_per_hour=sum(tps) * ctx.cluster.price(zone, gpu), optimizer_s=opt,
                                  max_count=max_count, memory=memory, min_replicas=min_replicas, replicas=replicas)
     return ctx.memo[key]
@@ -168,25 +186,35 @@ def waterfill(types: list[PipelineType], counts: tuple[int, ...], M: int) -> tup
         return None
     shares = [[types[k].cap(tau)] * n if n else [] for k, n in enumerate(counts)]
     excess = sum(map(sum, shares)) - M
-    # Take the excess back, one micro-batch per pipeline per pass, slowest types first: the makespan
-    # stays τ (τ is optimal, so it cannot drop below it) and every pipeline keeps at least one.
-    order = sorted(range(len(types)), key=lambda k: -types[k].time_s(shares[k][0]) if shares[k] else 0.0)
-    while excess > 0:
-        for k in order:
-            for j, m in enumerate(shares[k]):
-                if excess == 0:
-                    break
-                if m > 1:
-                    shares[k][j] = m - 1
-                    excess -= 1
+    # Take the excess back from the kinds whose micro-batches pay the most egress first; among kinds
+    # of equal egress one micro-batch per pipeline per pass, slowest kinds first. The makespan stays τ
+    # (τ is optimal, so it cannot drop below it) and every pipeline keeps at least one.
+    by_egress: dict[float, list[int]] = {}
+    for k in range(len(types)):
+        if shares[k]:
+            by_egress.setdefault(types[k].egress_usd_per_mb, []).append(k)
+    for e in sorted(by_egress, reverse=True):
+        order = sorted(by_egress[e], key=lambda k: -types[k].time_s(shares[k][0]))
+        room = sum(m - 1 for k in order for m in shares[k])
+        take = min(excess, room)
+        excess -= take
+        while take > 0:
+            for k in order:
+                for j, m in enumerate(shares[k]):
+                    if take == 0:
+                        break
+                    if m > 1:
+                        shares[k][j] = m - 1
+                        take -= 1
+    assert excess == 0
     W = max(types[k].time_s(max(s)) for k, s in enumerate(shares) if s)
     return W, shares
 
 
 @dataclass
 class Scorer:
-    """Scores count vectors for one (P, mbs, partition, memory, templates) point; caches sync per
-    member set."""
+    """Scores count vectors over `types` (pipeline kinds: `PipelineType` or `kinds.Kind`, all with the
+    point's memory options) for one (P, mbs, partition, memory) point; caches sync per count vector."""
 
     ctx: SimContext
     partition: tuple
@@ -214,7 +242,7 @@ class Scorer:
     def sync(self, counts: tuple[int, ...]) -> tuple[float, float]:
         """(tied + slowest stage gradient sync seconds, egress $ per iteration) for these counts, as
         `simulate` computes them (`tied_sync`, `stage_sync` with the stages' options at D) on the
-        plan `planner._build_plan` makes: pipelines in type order, placed on nodes as the launcher
+        plan `finalists.plan_from_kinds` makes: pipelines in kind order, placed on nodes as the launcher
         places them (`place`), so replicas that share a node reduce over the intra-node link."""
         if counts not in self._sync:
             P = len(self.partition)
@@ -234,37 +262,47 @@ class Scorer:
             self._sync[counts] = (tied + worst, usd)
         return self._sync[counts]
 
+    def _slots(self, t) -> tuple[Slot, ...]:
+        """The slots of one pipeline of kind `t`, stage by stage."""
+        return tuple(t.slot(i) for i in range(len(self.partition)))
+
+    def _alone(self, used) -> bool:
+        """True when no two used kinds share a (zone, GPU type) pool: the launcher fills each pool's
+        nodes separately, so each kind's pipelines are then placed as if alone."""
+        pools = [{(s.zone, s.gpu) for s in self._slots(t)} for t, _ in used]
+        return sum(map(len, pools)) == len(set().union(*pools))
+
     def _stage_members(self, counts: tuple[int, ...], placed: list[list[Slot]], i: int) -> Counter:
-        """Stage i's placed replicas and how many of each: summed per type from memoised counts
-        when types are placed alone (`_placed`), else counted on `placed`."""
+        """Stage i's placed replicas and how many of each: summed per kind from memoised counts
+        when kinds are placed alone (`_placed`), else counted on `placed`."""
         used = [(t, n) for t, n in zip(self.types, counts) if n]
-        if len({(t.zone, t.gpu) for t, _ in used}) < len(used):
+        if not self._alone(used):
             return Counter(pipe[i] for pipe in placed)
         total: Counter = Counter()
         for t, n in used:
-            key = ("placed-stage", t.zone, t.gpu, t.tps, n, i)
+            key = ("placed-stage", self._slots(t), n, i)
             if key not in self.ctx.memo:
-                self.ctx.memo[key] = Counter(pipe[i] for pipe in self.ctx.memo[("placed", t.zone, t.gpu, t.tps, n)])
+                self.ctx.memo[key] = Counter(pipe[i] for pipe in self.ctx.memo[("placed", self._slots(t), n)])
             total.update(self.ctx.memo[key])
         return total
 
     def _placed(self, counts: tuple[int, ...]) -> list[list[Slot]]:
-        """The pipelines of `counts` in type order, placed on nodes. Types that share no (zone, GPU
-        type) with another used type are placed alone (memoised per type and count: the launcher
-        fills each (zone, GPU type)'s nodes separately)."""
-        P = len(self.partition)
+        """The pipelines of `counts` in kind order, placed on nodes (`simulator.place`). Kinds that
+        share no pool with another used kind are placed alone (memoised per kind and count)."""
         used = [(t, n) for t, n in zip(self.types, counts) if n]
-        if len({(t.zone, t.gpu) for t, _ in used}) < len(used):
-            return place([[t.slot(i) for i in range(P)] for t, n in used for _ in range(n)], self.ctx.cluster)
+        if not self._alone(used):
+            return place([list(self._slots(t)) for t, n in used for _ in range(n)], self.ctx.cluster)
         out: list[list[Slot]] = []
         for t, n in used:
-            key = ("placed", t.zone, t.gpu, t.tps, n)
+            key = ("placed", self._slots(t), n)
             if key not in self.ctx.memo:
-                self.ctx.memo[key] = place([[t.slot(i) for i in range(P)]] * n, self.ctx.cluster)
+                self.ctx.memo[key] = place([list(self._slots(t))] * n, self.ctx.cluster)
             out += self.ctx.memo[key]
         return out
 
     def score(self, counts: tuple[int, ...]) -> "Candidate | None":
+        """The candidate of these counts (None when its pipelines outnumber the micro-batches, when
+        equal shares do not divide M, or when some option needs more data-parallel replicas)."""
         D = sum(counts)
         if D == 0 or D < max((t.min_replicas for t, n in zip(self.types, counts) if n), default=1):
             return None
@@ -280,6 +318,7 @@ class Scorer:
                 return None
             W, shares = wf
         sync_s, egress = self.sync(counts)
+        egress += sum(t.egress_usd_per_mb * sum(sh) for t, sh in zip(types, shares) if sh)
         opt = max(t.optimizer_s for t, n in zip(types, counts) if n)
         T = W + sync_s + opt
         rate = sum(t.usd_per_hour * n for t, n in zip(types, counts))

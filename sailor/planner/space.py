@@ -1,22 +1,25 @@
-"""The planner's search space and its cost tables (phase 1 of 3: tables, search, scoring).
+"""The planner's search space and its tables (phase 1 of 3: tables, search, scoring).
 
-The space, for a job on the GPUs of one region (H5: data-parallel traffic stays in one region):
+The space:
 - P, the number of pipeline stages, 1..min(layers, max_stages);
 - the micro-batch size, powers of two dividing the global batch (up to `max_mbs`);
 - the layer partition, shared by all pipelines: every contiguous partition when there are at most
-  `EXHAUSTIVE_PARTITIONS` of them, else the even split plus, for every GPU type and TP template,
+  `EXHAUSTIVE_PARTITIONS` of them, else the even split plus, for every GPU type and TP degree,
   the partition that minimises its slowest stage (balanced to stage speeds);
 - the stages' memory options (`plan.StageMemory`, one per stage, the same on every replica of a
   stage): candidates from `memory_candidates`, only where they are needed or can be faster;
-- per GPU type a TP *template*: one TP degree per stage (H1: TP <= GPUs per node and divides the
-  heads; H2: the stage fits in memory at that degree with min(P - i, M) micro-batches in flight,
-  with its memory options; a ZeRO option fits from some number of replicas D on, which the option
-  carries as `min_replicas`); all templates when there are at most `EXHAUSTIVE_TEMPLATES`, else the
-  Pareto set (for every bound on the slowest stage, the fewest GPUs per stage that meet it) plus the
-  uniform ones;
-- per (GPU type, zone) a number of pipelines, all single-zone and single-type, and each pipeline's
-  number of micro-batches (its share of the global batch).
-Everything here is a pure function of its arguments (memoised in the planning call's context).
+- per stage the feasible options (`stage_options`; H1: TP <= GPUs per node and divides the heads;
+  H2: the stage fits in memory at that degree with min(P - i, M) micro-batches in flight, with its
+  memory options; a ZeRO option fits from some number of replicas D on, which the option carries as
+  `min_replicas`);
+- pipelines: one option and one zone per stage (`kinds`: GPU types, TP degrees and zones may differ
+  from stage to stage), any number of each the GPUs allow, in any zones and regions, and each
+  pipeline's number of micro-batches (its share of the global batch).
+TP *templates* (one option per stage for one GPU type) are the heuristic's single-type pipelines:
+all of them when there are at most `EXHAUSTIVE_TEMPLATES`, else the Pareto set (for every bound on
+the slowest stage, the fewest GPUs per stage that meet it) plus the uniform ones
+(`pareto_templates`). Everything here is a pure function of its arguments (memoised in the
+planning call's context).
 """
 
 from __future__ import annotations
@@ -121,6 +124,10 @@ class StageOption:
     @property
     def time_s(self) -> float:
         return self.forward_s + self.backward_s
+
+    @property
+    def gpus(self) -> int:
+        return self.tp
 
 
 Memory = tuple[StageMemory, ...]  # one StageMemory per stage
@@ -293,27 +300,38 @@ def memory_weight(memory: Memory) -> float:
                for m in memory)
 
 
-def templates(options: list[list[StageOption]]) -> list[tuple[int, ...]]:
-    """TP templates (one degree per stage) for one GPU type: all when few, else the Pareto set
-    (for each bound θ on the slowest stage, the smallest TP per stage meeting it) plus the uniform
-    ones. Empty when some stage has no feasible option."""
-    if any(not o for o in options):
+def pareto_templates(stages: list[list], exhaustive: int = EXHAUSTIVE_TEMPLATES) -> list[tuple]:
+    """Option templates (one option per stage; options with `tp`, `gpus` and `time_s`, e.g.
+    `StageOption` or `kinds.Option`) for one GPU type: all of them when at most `exhaustive`, in
+    product order, else the Pareto set — for each bound θ on the slowest stage, the option with the
+    fewest GPUs (then fastest) meeting it on every stage — plus, per TP degree every stage offers,
+    the fastest option of that degree on each stage. Empty when some stage has no option."""
+    if any(not o for o in stages):
         return []
-    if math.prod(len(o) for o in options) <= EXHAUSTIVE_TEMPLATES:
-        return [tuple(x.tp for x in combo) for combo in itertools.product(*options)]
-    out: set[tuple[int, ...]] = set()
-    for theta in sorted({x.time_s for o in options for x in o}):
+    if math.prod(len(o) for o in stages) <= exhaustive:
+        return list(itertools.product(*stages))
+    out: set[tuple] = set()
+    for theta in sorted({x.time_s for o in stages for x in o}):
         pick = []
-        for o in options:
+        for o in stages:
             ok = [x for x in o if x.time_s <= theta]
             if not ok:
                 break
-            pick.append(min(ok, key=lambda x: (x.tp, x.time_s)).tp)
+            pick.append(min(ok, key=lambda x: (x.gpus, x.time_s)))
         else:
             out.add(tuple(pick))
-    common = set.intersection(*({x.tp for x in o} for o in options))
-    out.update(tuple([t] * len(options)) for t in common)
-    return sorted(out)
+    for tp in set.intersection(*({x.tp for x in o} for o in stages)):
+        out.add(tuple(min((x for x in o if x.tp == tp), key=lambda x: x.time_s) for o in stages))
+    return sorted(out, key=lambda t: tuple((x.gpus, x.time_s) for x in t))
+
+
+def templates(options: list[list[StageOption]]) -> list[tuple[int, ...]]:
+    """TP templates (one degree per stage) for one GPU type (`pareto_templates` of its options, as TP
+    degrees; the older search's form). Empty when some stage has no feasible option."""
+    tmpls = [tuple(x.tp for x in t) for t in pareto_templates(options)]
+    if math.prod(len(o) for o in options) <= EXHAUSTIVE_TEMPLATES:
+        return tmpls
+    return sorted(set(tmpls))
 
 
 def zero3_needed(ctx: SimContext, max_stages: int) -> bool:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sailor.catalog import LinkClass
 from sailor.plan import Plan
 from sailor.simulator import Estimate, ReplicaEstimate
 from sailor.pipeline_orders import BWD, FWD, WGRAD
@@ -236,7 +237,8 @@ def memory_figure(est: Estimate, base: Path) -> list[Path]:
 def placement_figure(plan: Plan, est: Estimate, cluster: "ClusterSpec", traffic: dict[tuple[str, str], dict[str, float]],
                      base: Path) -> list[Path]:
     """Left: zones x GPU types, GPUs used / available (colour: share used). Right: GB per iteration
-    crossing each zone pair, pipeline p2p and gradient sync (from `traffic.cross_zone_traffic`).
+    crossing each zone pair, pipeline p2p and gradient sync, with the pair's egress $ and whether it
+    crosses zones, regions or continents (from `traffic.cross_zone_traffic`).
 
     Returns:
         [png, svg] paths.
@@ -267,17 +269,18 @@ def placement_figure(plan: Plan, est: Estimate, cluster: "ClusterSpec", traffic:
     ax.set_title(f"GPUs used / available ({plan.world_size} used)")
     fig.colorbar(im, ax=ax, fraction=0.05, pad=0.03, label="share used").ax.set_ylim(0, 1)
     if pairs:
-        labels = [f"{a} - {b}" for (a, b), _ in pairs]
+        kind = {LinkClass.SAME_REGION: "zones", LinkClass.SAME_CONTINENT: "regions", LinkClass.INTERCONTINENTAL: "continents"}
+        labels = [f"{a} - {b} ({kind.get(cluster.prov.link_class(a, b), '')})" for (a, b), _ in pairs]
         p2p = np.array([v["p2p"] for _, v in pairs]) / GB
         sync = np.array([v["sync"] for _, v in pairs]) / GB
         y = np.arange(len(pairs))
         bx.barh(y, p2p, color=COLOR["p2p"], label="pipeline p2p", height=0.6)
         bx.barh(y, sync, left=p2p, color=COLOR["sync"], label="gradient sync", height=0.6)
-        for k in range(len(pairs)):
-            bx.text(p2p[k] + sync[k], k, f" {p2p[k] + sync[k]:.2f}", va="center", fontsize=8)
+        for k, (_, v) in enumerate(pairs):
+            bx.text(p2p[k] + sync[k], k, f" {p2p[k] + sync[k]:.2f} GB, ${v['usd']:.4f}", va="center", fontsize=8)
         bx.set_yticks(y, labels)
         bx.invert_yaxis()
-        bx.set_xlim(0, (p2p + sync).max() * 1.6)  # room on the right for the legend, clear of every bar
+        bx.set_xlim(0, (p2p + sync).max() * 2.0)  # room on the right for the legend, clear of every bar
         bx.legend(loc="lower right", fontsize=8)
     else:
         bx.text(0.5, 0.5, "no traffic crosses zones", ha="center", va="center", transform=bx.transAxes)

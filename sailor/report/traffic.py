@@ -18,13 +18,16 @@ Pair = tuple[str, str]  # two zones, sorted
 
 
 def cross_zone_traffic(plan: Plan, ctx: SimContext) -> dict[Pair, dict[str, float]]:
-    """Bytes per iteration crossing zones, per zone pair: {(zone_a, zone_b): {"p2p": bytes, "sync": bytes}}.
+    """Bytes per iteration crossing zones, per zone pair: {(zone_a, zone_b): {"p2p": bytes, "sync":
+    bytes, "usd": egress $}}.
 
     p2p: activations and gradients between consecutive stages of a pipeline (under interleaving
     between consecutive chunks, the last stage handing over to the first); sync: the gradient
-    all-reduce of each stage across pipelines and the tied-embedding all-reduce.
+    all-reduce of each stage across pipelines and the tied-embedding all-reduce; usd: those bytes at
+    the egress price of the pair's link class (same region, same continent, intercontinental), so the
+    pairs' $ add up to `Estimate.egress_per_iteration_usd`.
     """
-    out: dict[Pair, dict[str, float]] = defaultdict(lambda: {"p2p": 0.0, "sync": 0.0})
+    out: dict[Pair, dict[str, float]] = defaultdict(lambda: {"p2p": 0.0, "sync": 0.0, "usd": 0.0})
     mbs = plan.micro_batch_size
     slots = [[Slot(zone=r.zone, gpu=r.gpu, tp=r.tp) for r in p.replicas] for p in plan.pipelines]
     P = plan.num_stages
@@ -50,6 +53,9 @@ def cross_zone_traffic(plan: Plan, ctx: SimContext) -> dict[Pair, dict[str, floa
                  if ctx.network.link_class(x.zone, y.zone) not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE)]
         for x, y in edges:
             out[_pair(x.zone, y.zone)]["sync"] += moved / len(edges)
+    prices = ctx.cluster.prov.egress_usd_per_gb
+    for (a, b), v in out.items():
+        v["usd"] = (v["p2p"] + v["sync"]) / 1e9 * prices[ctx.network.link_class(a, b)]
     return dict(out)
 
 

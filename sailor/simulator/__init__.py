@@ -219,9 +219,12 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     cache: dict[tuple, float] = {}
     egress_usd, cross_bytes = 0.0, 0.0
     slots = placed_slots(plan, ctx.cluster)
+    arrays: dict[tuple, PipelineTimes] = {}  # identical pipelines (same placed slots) share their pass times
     for j, pipe in enumerate(plan.pipelines):
         m = pipe.microbatches
-        times = pipeline_times(ctx, slots[j], plan.stages, mbs, options, sched)
+        if tuple(slots[j]) not in arrays:
+            arrays[tuple(slots[j])] = pipeline_times(ctx, slots[j], plan.stages, mbs, options, sched)
+        times = arrays[tuple(slots[j])]
         passes.append(times)
         cross_bytes += times.cross_zone_bytes * m
         egress_usd += times.egress_usd * m

@@ -175,14 +175,14 @@ def _run_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int,
 def stage_times(f: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """Seconds each stage is busy per micro-batch in steady state, transfers included: f_i + b_i +
     2·c_i (activation out, gradient in; i < P-1) + 2·c_{i-1} (activation in, gradient out; i > 0).
-    Array (P,)."""
+    Array (P,); with leading batch dimensions, f and b (..., P) and c (..., P-1) give (..., P)."""
     t = f + b
-    t[:-1] += 2.0 * c
-    t[1:] += 2.0 * c
+    t[..., :-1] += 2.0 * c
+    t[..., 1:] += 2.0 * c
     return t
 
 
-def closed_form_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int) -> float:
+def closed_form_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int) -> float | np.ndarray:
     """Closed-form pipeline time with the straggler stage s = argmax_i t_i (`stage_times`):
 
         T = Σ_i(f_i + b_i) + 2·Σ_i c_i + (m - 1)·t_s - [m > 1, 0 < s < P-1]·(min(c', f_s) + min(c', b_s))
@@ -194,11 +194,19 @@ def closed_form_1f1b(f: np.ndarray, b: np.ndarray, c: np.ndarray, m: int) -> flo
     overlaps). Equal to `simulate_1f1b` on uniform stages and links for every P, m, f, b, c (derived
     from the DeepSpeed order; tested on a grid); an estimate otherwise, which is why the planner
     re-scores its finalists with the event simulation.
+
+    f, b: (P,) and c: (P-1,) give a float; with leading batch dimensions ((..., P), (..., P-1)) the
+    times of many pipelines at once, an array (...) (the planner scores its pipeline kinds so).
     """
     t = stage_times(f, b, c)
-    s = int(np.argmax(t))
-    overlap = 0.0
-    if 0 < s < len(t) - 1 and m > 1:
-        cc = min(c[s - 1], c[s])
-        overlap = min(cc, f[s]) + min(cc, b[s])
-    return float((f + b).sum() + 2.0 * c.sum() + (m - 1) * t[s] - overlap)
+    s = np.argmax(t, axis=-1)[..., None]  # the straggler (first of equals), kept as an index axis
+    total = (f + b).sum(axis=-1) + 2.0 * c.sum(axis=-1) + (m - 1) * np.take_along_axis(t, s, -1)[..., 0]
+    P = t.shape[-1]
+    if m > 1 and P > 2:
+        cc = np.minimum(np.take_along_axis(c, np.clip(s - 1, 0, P - 2), -1),
+                        np.take_along_axis(c, np.clip(s, 0, P - 2), -1))[..., 0]
+        overlap = (np.minimum(cc, np.take_along_axis(f, s, -1)[..., 0])
+                   + np.minimum(cc, np.take_along_axis(b, s, -1)[..., 0]))
+        middle = (s[..., 0] > 0) & (s[..., 0] < P - 1)
+        total = total - np.where(middle, overlap, 0.0)
+    return float(total) if np.ndim(total) == 0 else total

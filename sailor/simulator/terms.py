@@ -302,13 +302,13 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
     ZeRO their reduce-scatter plus (ZeRO-1/2) the all-gather of the updated weights
     (`TimeOptions.sync`). Each of the t ranks syncs its own shard of params(stage, t) parameters
     (replicated norms and biases included), t = the finest common sharding's flow count."""
-    key = ("stage_sync", tuple(groups), tuple(chunks), opts.sync())
+    t = min(r.tp for r, _ in groups)
+    params = t * sum(ctx.stage_params(t, a, e) for a, e in chunks)
+    key = ("stage_sync", tuple(groups), params, opts.sync())  # stages of equal size share the result
     if key not in ctx.memo:
-        t = min(r.tp for r, _ in groups)
-        params = sum(ctx.stage_params(t, a, e) for a, e in chunks)
         seconds, moved, usd = 0.0, 0.0, 0.0
         for kind, state in opts.sync():
-            nbytes = t * params * ctx.job.state_bytes_per_param[state]
+            nbytes = params * ctx.job.state_bytes_per_param[state]
             mb, mu = ring_egress(groups, nbytes, ctx.network)
             seconds += collective_s(ctx, groups, kind, nbytes, t)
             moved += _RING_SHARE[kind] * mb

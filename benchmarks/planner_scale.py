@@ -1,0 +1,228 @@
+"""Planner at cloud scale: many GPU types and zones, huge global batches, a geo-distributed job.
+
+Scenarios (targets on the project's 2-core build machines, search time as `PlanResult.search_time_s`):
+  4x1024   4 GPU types x 1024 GPUs in one zone                      <= 10 s
+  8x128    8 GPU types x 128 GPUs in one zone                       <= 10 s
+  10zones  2 GPU types x 256 GPUs in each of 10 zones of 4 regions  <= 10 s
+  paper-f  the Sailor paper's (f): A100-40 + V100-16 + A100-80, 256 each, one zone  <= 2 s
+  batch1e9 (f)'s GPUs with a global batch of 10^9 samples: a plan or a clear error  <= 10 s (the clear
+           error: the job readers refuse more than limits.MAX_GLOBAL_BATCH samples)
+  batchmax (f)'s GPUs with the largest global batch accepted, limits.MAX_GLOBAL_BATCH     <= 10 s
+each for OPT-350M (global batch 1024) and GPT-Neo-2.7B (2048), fp32, and
+  geo      OPT-66B (its published geometry, Zhang et al. 2022 Table 1; global batch 256) on three
+           regions of 24 A100-40 each: no region holds it, even with memory options (geo-1region: the
+           same job on one region alone, a clear error), so the plan spans regions; its egress and the
+           report's placement picture (--report);
+  geo-fast OPT-30B on the same three regions: one region holds it, three run it much faster.
+Profiles: the public Sailor measurements where they exist (../shared/reference/sailor/profiles and
+network), analytic roofline estimates for the other GPU types, listed per row as "estimated".
+Every scenario runs in its own process (peak memory per run, target <= 1 GB), first with the search
+of `sailor plan`, then with the older search (`--search legacy`) given the same time: what it found
+by then. Prints a table and ends with one JSON line; the machine's load is printed with it, and
+each row's CPU time of the planning process next to its wall-clock time (on a loaded machine the
+wall clock counts other processes' turns).
+
+    python benchmarks/planner_scale.py [--only 4x1024,geo] [--models opt-350m] [--shared PATH] [--report DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ZONES10 = ["us-central1-a", "us-central1-b", "us-central1-c", "us-west1-a", "us-west1-b",
+           "us-east1-b", "us-east1-c", "us-east4-a", "us-east4-b", "us-east4-c"]
+PAPER_PRICES = {"A100-40": 3.673385, "V100-16": 2.859998}  # the paper's $/GPU-hour
+NODE4 = {"A100-40": 4, "V100-16": 4, "A100-80": 4, "GH200-96": 4}
+EIGHT = ["V100-16", "A100-40", "A100-80", "H100-80", "H200-141", "GH200-96", "L4", "T4"]
+OPT66 = {"name": "opt-66b", "num_blocks": 64, "hidden_size": 9216, "num_heads": 72, "vocab_size": 50272,
+         "max_sequence_length": 2048}  # Zhang et al. 2022 (OPT), Table 1: 64 layers, 72 heads, d 9216
+BATCH = {"opt-350m": 1024, "gpt-neo-2.7b": 2048, "opt-30b": 256, "opt-66b": 256}
+TARGET_S = {"4x1024": 10.0, "8x128": 10.0, "10zones": 10.0, "paper-f": 2.0, "batch1e9": 10.0, "batchmax": 10.0,
+            "geo": None,
+            "geo-1region": None, "geo-fast": None}
+GEO_MODEL = {"geo": "opt-66b", "geo-1region": "opt-66b", "geo-fast": "opt-30b"}
+PEAK_TARGET_MB = 1000.0
+
+
+def scenario(sid: str, model: str) -> tuple[dict, dict]:
+    """(job, cluster) specs of a scenario, as dicts."""
+    job = {"model": OPT66 if model == "opt-66b" else model, "global_batch_size": BATCH[model], "precision": "fp32"}
+    f_cluster = {"zones": {"us-central1-a": {"A100-40": 256, "V100-16": 256, "A100-80": 256}},
+                 "gpus_per_node": NODE4, "prices": PAPER_PRICES}
+    if sid == "4x1024":
+        cluster = {"zones": {"us-central1-a": {g: 1024 for g in ["A100-40", "A100-80", "V100-16", "GH200-96"]}},
+                   "gpus_per_node": NODE4}
+    elif sid == "8x128":
+        cluster = {"zones": {"us-central1-a": {g: 128 for g in EIGHT}}}
+    elif sid == "10zones":
+        cluster = {"zones": {z: {"A100-40": 256, "V100-16": 256} for z in ZONES10}, "gpus_per_node": NODE4}
+    elif sid == "paper-f":
+        cluster = f_cluster
+    elif sid == "batch1e9":
+        cluster, job = f_cluster, dict(job, global_batch_size=10**9)
+    elif sid == "batchmax":
+        from sailor.limits import MAX_GLOBAL_BATCH
+        cluster, job = f_cluster, dict(job, global_batch_size=MAX_GLOBAL_BATCH)
+    elif sid in ("geo", "geo-fast"):
+        cluster = {"zones": {"us-central1-a": {"A100-40": 24}, "us-west1-b": {"A100-40": 24},
+                             "us-east1-b": {"A100-40": 24}}}
+    elif sid == "geo-1region":
+        cluster = {"zones": {"us-central1-a": {"A100-40": 24}}}
+    else:
+        raise SystemExit(f"unknown scenario {sid!r}")
+    return job, cluster
+
+
+def describe(plan) -> str:
+    """P, micro-batch, and per group of identical pipelines (`cli.plan.pipeline_groups`): count x GPU
+    types @ zones, TP per stage, micro-batches each."""
+    from sailor.cli.plan import pipeline_groups
+
+    parts = [f"{len(m)}x{g}@{z} tp{','.join(map(str, t))} m{min(m)}" + (f"-{max(m)}" if max(m) != min(m) else "")
+             for g, z, t, m in sorted(pipeline_groups(plan), key=lambda x: -len(x[3]))]
+    more = f" (+{len(parts) - 4} more groups)" if len(parts) > 4 else ""
+    return f"P{plan.num_stages} mbs{plan.micro_batch_size}: " + "; ".join(parts[:4]) + more
+
+
+def run_one(sid: str, model: str, search: str, time_limit: float | None, ref: Path, report: str | None) -> dict:
+    """Plan one scenario in this process; a dict for the parent (JSON on stdout)."""
+    from sailor.errors import InfeasibleError
+    from sailor.network import network_for
+    from sailor.planner import PlanOptions, SearchSpace, plan_job
+    from sailor.profiles import load_profiles
+    from sailor.simulator import make_context
+    from sailor.api import load_cluster, load_job
+
+    job_d, cluster_d = scenario(sid, model)
+    from sailor.errors import SailorInputError
+    from sailor.profiles import roofline_profiles
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    row: dict = {"scenario": sid, "model": model, "search": search}
+    try:
+        job, cluster = load_job(job_d), load_cluster(cluster_d)
+    except SailorInputError as e:  # e.g. a global batch beyond any real job (limits.py): the clear error
+        row.update(error=e.one_line(), search_time_s=time.perf_counter() - t0,
+                   peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+        return row
+    try:
+        prof = load_profiles(ref / "profiles", job)
+    except SailorInputError:  # no reference measurements of this model: analytic estimates, labelled
+        prof = roofline_profiles(job)
+    net = network_for(cluster, ref / "network")
+    opts = PlanOptions(search=SearchSpace(search), time_limit_s=time_limit)
+    row.update(gpus_offered=cluster.total_gpus(), gpu_types=len(cluster.gpu_types()), zones=len(cluster.zones),
+               global_batch=job.global_batch_size)
+    try:
+        r = plan_job(make_context(job, cluster, prof, net), opts)
+    except InfeasibleError as e:
+        row.update(error=e.one_line(), search_time_s=time.perf_counter() - t0)
+    else:
+        e = r.estimate
+        regions = {cluster.prov.region(z) for z, _ in r.plan.gpu_usage()}
+        row.update(search_time_s=r.search_time_s, search_cpu_s=time.process_time() - c0, iters_per_s=e.throughput_iters_per_s,
+                   cost_per_iteration_usd=e.cost_per_iteration_usd, egress_per_iteration_usd=e.egress_per_iteration_usd,
+                   cross_zone_gb=e.cross_zone_bytes / 1e9, gpus=r.plan.world_size, regions=len(regions),
+                   exact=r.exact, timed_out=r.timed_out, plan=describe(r.plan),
+                   estimated=sorted({x.split(" TP")[0] for x in e.estimated}))
+        if report:
+            from sailor.report import write_report
+            write_report(report, r.plan, e, make_context(job, cluster, prof, net), title=f"{sid}: {model}")
+            row["report"] = str(Path(report) / "index.html")
+    row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return row
+
+
+def spawn(sid: str, model: str, search: str, time_limit: float | None, shared: str, report: str | None,
+          kill_after_s: float) -> dict:
+    """`run_one` in a fresh process (its own peak memory), ended after `kill_after_s`."""
+    cmd = [sys.executable, __file__, "--one", sid, "--models", model, "--search", search, "--shared", shared]
+    if time_limit is not None:
+        cmd += ["--time-limit", f"{time_limit:.3f}"]
+    if report:
+        cmd += ["--report", report]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=kill_after_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"scenario": sid, "model": model, "search": search, "error": f"still running after {kill_after_s:.1f} s (ended)"}
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"scenario": sid, "model": model, "search": search, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(lines[-1])
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated scenario ids, e.g. 4x1024,geo")
+    ap.add_argument("--models", default="opt-350m,gpt-neo-2.7b", help="models of the non-geo scenarios")
+    ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"),
+                    help="folder holding reference/sailor (default: ../shared next to the repository)")
+    ap.add_argument("--report", default=None, help="write the geo scenario's plan report into this folder")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--search", default="full", help=argparse.SUPPRESS)
+    ap.add_argument("--time-limit", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    ref = Path(args.shared) / "reference" / "sailor"
+    if args.one:
+        print(json.dumps(run_one(args.one, args.models, args.search, args.time_limit, ref, args.report)))
+        return 0
+    if not ref.is_dir():
+        print(f"skipped: the reference data folder {ref} is absent")
+        print(json.dumps({"skipped": f"{ref} absent"}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    only = [s for s in args.only.split(",") if s] or list(TARGET_S)
+    load_before = load()
+    rows = []
+    for sid in only:
+        models = [GEO_MODEL[sid]] if sid in GEO_MODEL else args.models.split(",")
+        for model in models:
+            report = args.report if sid == "geo" else None
+            new = spawn(sid, model, "full", None, args.shared, report, kill_after_s=600)
+            budget = new.get("search_time_s", 10.0)
+            old = spawn(sid, model, "legacy", budget, args.shared, None, kill_after_s=budget + 60)
+            new["legacy_same_time"] = old
+            rows.append(new)
+            print(json.dumps(new), file=sys.stderr, flush=True)
+    table = Table(title=f"sailor plan at scale (load average before: {load_before})")
+    for col in ("scenario", "model", "GPUs offered", "search (s)", "cpu (s)", "target (s)", "it/s", "$/it", "egress $/it",
+                "peak MB", "plan", "older search, same time", "estimated GPU types"):
+        table.add_column(col, justify="left" if col in ("scenario", "model", "plan", "older search, same time",
+                                                        "estimated GPU types") else "right")
+    for r in rows:
+        old = r["legacy_same_time"]
+        old_text = (f"{old['iters_per_s']:.4f} it/s" + (" (stopped at the limit)" if old.get("timed_out") else "")
+                    if "iters_per_s" in old else f"no plan: {old.get('error', '?')}")
+        target = TARGET_S[r["scenario"]]
+        table.add_row(r["scenario"], r["model"], str(r.get("gpus_offered", "-")), f"{r.get('search_time_s', float('nan')):.2f}",
+                      f"{r.get('search_cpu_s', float('nan')):.2f}",
+                      "-" if target is None else f"{target:g}",
+                      f"{r['iters_per_s']:.4f}" if "iters_per_s" in r else "-",
+                      f"{r['cost_per_iteration_usd']:.3f}" if "iters_per_s" in r else "-",
+                      f"{r['egress_per_iteration_usd']:.3f}" if "iters_per_s" in r else "-",
+                      f"{r.get('peak_rss_mb', float('nan')):.0f}", r.get("plan", r.get("error", "?")), old_text,
+                      ", ".join(r.get("estimated", [])) or "none")
+    con = Console(width=250)
+    con.print(table)
+    met = {f"{r['scenario']}/{r['model']}": (TARGET_S[r["scenario"]] is None or r.get("search_time_s", 1e9) <= TARGET_S[r["scenario"]])
+           and r.get("peak_rss_mb", 1e9) <= PEAK_TARGET_MB for r in rows}
+    con.print(f"load average after: {load()}; targets met: {sum(met.values())}/{len(met)}")
+    print(json.dumps({"rows": rows, "targets_met": met, "load_before": load_before, "load_after": load()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,368 @@
+"""The planner's search (phase 2 of 3): best-first branch and bound whose work grows polynomially in
+the number of GPU types, zones and regions.
+
+Tree. Nodes (P, micro-batch) -> families (one per layer partition, `space.candidate_partitions`,
+and memory candidate of it, `space.memory_candidates`: the stages' recomputation, ZeRO and SP) -> per
+scope (each region, and all regions together: `geo.scopes`) a count vector over the family's
+pipeline kinds (`kinds`). Nodes and families are taken in order of their keys; the search stops when
+the next key cannot beat the best plan found.
+
+Per family:
+- exact mode (clusters of at most EXACT_MAX_GPUS GPUs): every kind (an option and a zone per stage:
+  GPU types, TP degrees and zones mixed freely inside a pipeline) and every count vector the GPUs
+  allow, when there are at most EXHAUSTIVE_KINDS option-zone sequences and EXHAUSTIVE_COUNTS count
+  vectors; keys are valid bounds (`prune.node_bound`, `prune.family_bound`), so the result is the
+  optimum of the space under the closed form (`Found.exact`; the brute-force tests check it);
+- otherwise (or past those limits): single-zone kinds (`kinds.homogeneous_kinds`, Pareto templates
+  per GPU type), memory-mixed kinds where a GPU type cannot hold every stage
+  (`kinds.memory_mixed_kinds`), the packing of `pack` per scope (the smallest makespan by
+  bisection; for the cost objective or under constraints also a grid of makespans, each with its
+  most-capacity and its cheapest count vector), pipelines spanning zones and regions on the GPUs
+  left over by the best candidates (`geo.build_spanning`, at the end), and spanning pipelines alone
+  where no single zone can hold one.
+  Node keys take the larger of the bound and `prune.node_estimate` discounted by a margin
+  (`prune.node_keys`).
+
+The work per family is polynomial: kinds are O(zones x GPU types x templates), a packing step is
+linear in the kinds of each pool (squared), and the number of bisection steps is fixed
+(`pack.BISECTION_STEPS`); nothing loops over the global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from sailor.planner import paper
+from sailor.planner import search as S
+from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds
+from sailor.planner.geo import Scope, build_spanning, scopes, spanning_thetas
+from sailor.planner.kinds import Kind, Pool, Table, all_kinds, homogeneous_kinds, memory_mixed_kinds, option_table
+from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
+from sailor.planner.pack import Packer, count_vectors
+from sailor.planner.prune import boundary_floors, family_bound, node_bound, node_keys, table_bound
+from sailor.planner.space import Memory, candidate_partitions, mbs_candidates, memory_candidates, zero3_needed
+from sailor.simulator import SimContext, place, stage_sync, time_options
+from sailor.simulator.collectives import group_members
+
+EXHAUSTIVE_KINDS = 512
+EXHAUSTIVE_COUNTS = 4096
+SPANNING_MAX = 64       # spanning pipelines built per target θ
+REFINE_TOP = 4          # best candidates that get spanning pipelines on the GPUs they leave
+TAU_GRID = 12           # makespan targets of the cost trade-off per packing
+BOUNDARY_STEPS = 12     # bisection steps towards a constraint between two of them
+
+
+@dataclass
+class Family:
+    """(P, micro-batch, partition, stage memory options) with its option table and kinds;
+    `exhaustive` when the kinds are all of them."""
+
+    P: int
+    mbs: int
+    M: int
+    partition: tuple
+    memory: Memory
+    table: Table
+    kinds: list[Kind]
+    exhaustive: bool
+    key: tuple[float, float] = (0.0, 0.0)
+    scopes: list[Scope] = field(default_factory=list)
+
+
+def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], None] | None = None,
+           deadline: float | None = None) -> Found:
+    """The best plans of the space (module docstring) for ctx.job on ctx.cluster.
+
+    Args:
+        progress: called as progress(done, total) with nodes done (searched or pruned) of all nodes.
+        deadline: time.perf_counter() value after which the search stops with what it found.
+    """
+    exact_mode = ctx.cluster.total_gpus() <= EXACT_MAX_GPUS
+    keep = Finalists(opts)
+    found = keep.found
+    job = ctx.job
+    P_max = min(job.model.num_layers, opts.max_stages)
+    total = P_max * len(mbs_candidates(job.global_batch_size, opts.max_mbs))
+    if progress:
+        progress(0, total)
+    nodes, sync = node_keys(ctx, opts, exact_mode)
+    # The published planner's space first (it is small): its best plan is the first incumbent and a
+    # finalist of phase 3 whatever its rank, so it can never beat the result in the simulator.
+    seed = paper.search(ctx, dataclasses.replace(opts, search=SearchSpace.PAPER), None, deadline, nodes)
+    if seed.finalists:
+        keep.seed(seed.finalists[0][0])
+    found.exact = exact_mode
+    free = {(z, g): n for z, gpus in ctx.cluster.zones.items() for g, n in gpus.items() if n > 0}
+    all_scopes = scopes(ctx)
+    if exact_mode:
+        all_scopes = all_scopes[-1:]  # the widest scope: its count vectors include every region's
+    nodes = [(key, 0, n, (P, mbs)) for n, (key, P, mbs) in enumerate(nodes)]
+    done = 0
+    assert len(nodes) == total
+    heap = list(nodes)
+    heapq.heapify(heap)
+    counter = len(nodes)
+    while heap:
+        if deadline is not None and time.perf_counter() > deadline:
+            found.timed_out = True
+            found.exact = False
+            break
+        key, level, _, item = heapq.heappop(heap)
+        if key[0] >= keep.best0() or key[0] == math.inf:
+            break  # ordered by key: nothing left can win (or fit)
+        counter += 1
+        if level == 0:  # a node: its families, keyed by their option tables' bounds
+            for fam in _families(ctx, opts, *item, free, all_scopes, sync[item[0]], exact_mode):
+                heapq.heappush(heap, (max(key, fam.key), 1, counter, fam))
+                counter += 1
+            done += 1
+            if progress:
+                progress(done, total)
+        elif level == 1:  # a family: build its kinds, key it by their bound
+            _build_kinds(ctx, opts, item, free, exact_mode)
+            found.any_family |= bool(item.kinds) or not exact_mode
+            if not item.exhaustive:
+                found.exact = False
+            heapq.heappush(heap, (max(key, item.key), 2, counter, item))
+        else:
+            found.points += 1
+            if not _search_family(ctx, opts, item, free, keep, exact_mode):
+                found.exact = False
+    _refine_with_spanning(ctx, keep, free)
+    if progress:
+        progress(total, total)
+    out = keep.finish(lambda cand, point: plan_from_kinds(ctx, cand, *point))
+    if seed.finalists:
+        out.finalists = sorted(out.finalists + seed.finalists[:1], key=lambda v: v[0])[: keep.keep]
+        out.pinned = [seed.finalists[0][3]]
+        for p in seed.front:
+            pareto_add(out.front, p)
+        out.candidates += seed.candidates
+    out.any_family |= seed.any_family
+    return out
+
+
+def _families(ctx: SimContext, opts: PlanOptions, P: int, mbs: int, free: dict[Pool, int], all_scopes: list[Scope],
+              sync_s: float, exact_mode: bool):
+    """Families of node (P, mbs): one per candidate partition and memory candidate (the lightest
+    `opts.memory_per_partition`) whose every stage has an option, keyed by `prune.table_bound`
+    (kinds are built when the family comes up)."""
+    M = ctx.job.global_batch_size // mbs
+    gpus = ctx.cluster.gpu_types()
+    zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
+    for partition in candidate_partitions(ctx, P, mbs, gpus):
+        for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max)[: opts.memory_per_partition]:
+            table = option_table(ctx, gpus, partition, mbs, M, memory)
+            if any(not stage for stage in table):
+                continue
+            fam = Family(P, mbs, M, partition, memory, table, [], False, scopes=all_scopes)
+            links = boundary_floors(ctx, table, partition, mbs, free, pairs=exact_mode)
+            fam.key = table_bound(ctx, table, partition, memory, M, opts, sync_s, links)
+            yield fam
+
+
+def _build_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, free: dict[Pool, int], exact_mode: bool) -> None:
+    """Fill in the family's kinds (every one in exact mode when few, else the heuristic ones) and
+    its key (`prune.family_bound`; the table's when only spanning pipelines can be built)."""
+    args = (ctx, fam.table, free, fam.partition, fam.mbs, fam.memory)
+    kinds = all_kinds(*args, EXHAUSTIVE_KINDS) if exact_mode else None
+    fam.exhaustive = kinds is not None
+    if kinds is None:
+        kinds = homogeneous_kinds(*args) + memory_mixed_kinds(*args)
+    fam.kinds = kinds
+    if kinds:
+        fam.key = max(fam.key, family_bound(ctx, kinds, free, fam.partition, fam.M, opts, pairs=exact_mode))
+
+
+def _search_family(ctx: SimContext, opts: PlanOptions, fam: Family, free: dict[Pool, int], keep: Finalists,
+                   exact_mode: bool) -> bool:
+    """Offer the family's candidates to `keep`; True when the family was searched exhaustively."""
+    point = (fam.partition, fam.mbs, fam.memory)
+    exhaustive = fam.exhaustive
+    for scope in fam.scopes:
+        sfree = scope.free(free)
+        kinds = [k for k in fam.kinds if all(p in scope.pools for p, _ in k.use)]
+        scorer = S.Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
+        if exhaustive:
+            vectors = count_vectors(kinds, sfree, EXHAUSTIVE_COUNTS)
+            if vectors is not None:
+                _offer_all(opts, scorer, vectors, keep, point)
+                continue
+            exhaustive = False
+        _pack(ctx, opts, fam, kinds, sfree, keep, point)
+    return exhaustive
+
+
+def _pack(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kind], free: dict[Pool, int],
+          keep: Finalists, point: tuple) -> None:
+    """The packing candidates of one scope (engine docstring), each scored and offered. The packing
+    maximises micro-batches per makespan and does not see the gradient sync, which is slower the
+    finer the TP sharding (each rank all-reduces params/t): so it also runs on the kinds whose every
+    stage has at least TP t, for each t (`_tp_floors`)."""
+    offered = False
+    for subset in _tp_floors(kinds):
+        offered |= _pack_kinds(ctx, opts, fam, subset, free, keep, point)
+    if not offered:  # no single-zone pipeline: pipelines spanning zones and regions only
+        for theta in spanning_thetas(fam.table):
+            pipes = build_spanning(ctx, fam.table, free, fam.partition, fam.mbs, fam.memory, theta,
+                                   min(SPANNING_MAX, fam.M))
+            for D in sorted({1, len(pipes)} | {2**j for j in range(7) if 2**j < len(pipes)}):
+                if D <= len(pipes):
+                    _offer_pipelines(ctx, fam, pipes[:D], keep, point)
+
+
+def _tp_floors(kinds: list[Kind]) -> list[list[Kind]]:
+    """The kinds, and for each TP degree t above the smallest, those whose stages all have TP >= t."""
+    floors = sorted({min(o.tp for o in k.options) for k in kinds})
+    return [[k for k in kinds if min(o.tp for o in k.options) >= t] for t in floors]
+
+
+def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kind], free: dict[Pool, int],
+                keep: Finalists, point: tuple) -> bool:
+    """Packings of `kinds`: the fastest for each base of multi-pool kinds, with spanning pipelines on
+    the GPUs left; for the cost objective or under constraints also the grid of makespans. True when
+    some count vector was offered."""
+    if not kinds:
+        return False
+    offered = False
+    trade_off = opts.objective is Objective.COST or opts.constraints != Constraints()
+
+    def sync(k: int, D: int) -> float:  # D pipelines of kind k, placed as the launcher places them
+        key = ("kind-sync", kinds[k].slots, D, fam.partition, fam.memory)
+        if key not in ctx.memo:
+            placed = place([list(kinds[k].slots)] * D, ctx.cluster)
+            ctx.memo[key] = max(stage_sync(ctx, group_members([p[i] for p in placed]), ((a, e),),
+                                           time_options(fam.memory[i], 2))[0] for i, (a, e) in enumerate(fam.partition))
+        return ctx.memo[key]
+
+    packer = Packer(kinds, free, fam.M, sync if trade_off else None)
+    scorer = S.Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
+    for base in packer.variants():
+        got = packer.fastest(base)
+        if got is None:
+            continue
+        tau, counts = got
+        offered |= _offer(keep, scorer, counts, point)
+        if trade_off:
+            _trade_off(opts, packer, scorer, base, tau, keep, point)
+    return offered
+
+
+def _trade_off(opts: PlanOptions, packer: Packer, scorer: S.Scorer, base: np.ndarray, tau: float,
+               keep: Finalists, point: tuple) -> None:
+    """Candidates between the fastest packing (makespan τ) and one pipeline doing the whole batch:
+    on a geometric grid of makespans the most-capacity and the cheapest count vectors; then, for
+    each constraint, the makespan where the cheapest count vector crosses it, by bisection between
+    grid points (the time of the cheapest vector rises with the makespan allowed, its $/iteration and
+    $/hour fall)."""
+    grid = packer.tau_grid(tau, TAU_GRID)
+    cheap: dict[float, S.Candidate | None] = {}
+
+    def cheapest(t: float) -> S.Candidate | None:
+        if t not in cheap:
+            counts = packer.cheapest(t)
+            cheap[t] = scorer.score(tuple(int(x) for x in counts)) if counts is not None and counts.any() else None
+            keep.offer(cheap[t], point)
+        return cheap[t]
+
+    for t in grid:
+        _offer(keep, scorer, packer.max_capacity(base, t), point)
+        cheapest(t)
+    c = opts.constraints
+    tests = []  # (holds at small makespans?, test)
+    if c.min_throughput is not None:
+        tests.append((True, lambda x: x.iteration_time_s <= 1.0 / c.min_throughput))
+    if c.max_cost_per_iteration is not None:
+        tests.append((False, lambda x: x.cost_per_iteration_usd <= c.max_cost_per_iteration))
+    if c.max_cost_per_hour is not None:
+        tests.append((False, lambda x: x.cost_per_hour_usd <= c.max_cost_per_hour))
+    for small, test in tests:
+        ok = [t for t in grid if cheapest(t) is not None and test(cheapest(t))]
+        if not ok or len(ok) == len(grid):
+            continue
+        edge = max(ok) if small else min(ok)  # the last grid point that holds, and the next that does not
+        j = grid.index(edge) + (1 if small else -1)
+        if not 0 <= j < len(grid):
+            continue
+        lo, hi = sorted((edge, grid[j]))
+        for _ in range(BOUNDARY_STEPS):
+            mid = math.sqrt(lo * hi)
+            x = cheapest(mid)
+            if (x is not None and test(x)) == small:
+                lo = mid
+            else:
+                hi = mid
+
+
+def _offer_all(opts: PlanOptions, scorer: S.Scorer, vectors: list[tuple[int, ...]], keep: Finalists,
+               point: tuple) -> None:
+    """Score every count vector, in order of a lower bound on its objective, until the bound cannot
+    beat the best plan found: the makespan is at least every used kind's fill and at least τ0, where
+    the pipelines' continuous capacity Σ_k n_k·(2 + (τ0 - B_k)/t_k) (at least their true capacity
+    from the largest fill on) reaches M; sync is at least 0; the optimizer step is the used kinds'
+    slowest. Cost: the GPUs' rate over that time."""
+    kinds = scorer.types
+    if not vectors:
+        return
+    V = np.array(vectors, dtype=float)                        # (vectors, kinds)
+    two = np.array([k.two_s for k in kinds])
+    period = np.array([k.period_s for k in kinds])
+    used = V > 0
+    fill = np.where(used, np.array([k.fill_s for k in kinds]), 0.0).max(axis=1)
+    tau0 = (scorer.M - V @ (2.0 - two / period)) / (V @ (1.0 / period))
+    opt = np.where(used, np.array([k.optimizer_s for k in kinds]), 0.0).max(axis=1)
+    time_lb = np.maximum(fill, tau0) + opt
+    cost_lb = (V @ np.array([k.usd_per_hour for k in kinds])) * time_lb / 3600.0
+    lb = time_lb if opts.objective is Objective.THROUGHPUT else cost_lb
+    for j in np.argsort(lb, kind="stable"):
+        if lb[j] >= keep.best0():
+            break
+        keep.offer(scorer.score(vectors[j]), point)
+
+
+def _offer(keep: Finalists, scorer: S.Scorer, counts: np.ndarray, point: tuple) -> bool:
+    vec = tuple(int(x) for x in counts)
+    if not any(vec):
+        return False
+    keep.offer(scorer.score(vec), point)
+    return True
+
+
+def _offer_pipelines(ctx: SimContext, fam: Family, pipes: list[Kind], keep: Finalists, point: tuple) -> None:
+    """Score a list of pipelines (kinds repeated as often as they run)."""
+    distinct = sorted(set(pipes), key=pipes.index)
+    counts = tuple(pipes.count(k) for k in distinct)
+    keep.offer(S.Scorer(ctx, fam.partition, fam.mbs, distinct, fam.M).score(counts), point)
+
+
+def _refine_with_spanning(ctx: SimContext, keep: Finalists, free: dict[Pool, int]) -> None:
+    """The best REFINE_TOP candidates plus pipelines spanning zones on the GPUs they leave in the
+    regions they use (`geo.build_spanning`, stages no slower than the candidate's slowest option),
+    when any fit: packing takes whole single-zone pipelines, and the rest of each pool is left over."""
+    for cand, (partition, mbs, memory) in keep.top(REFINE_TOP):
+        kinds = [k for k, n in zip(cand.scorer.types, cand.counts) if n]
+        counts = [n for n in cand.counts if n]
+        regions = {ctx.cluster.prov.region(z) for k in kinds for z in k.zones}
+        left = {p: n for p, n in free.items() if ctx.cluster.prov.region(p[0]) in regions}
+        for k, n in zip(kinds, counts):
+            for p, g in k.use:
+                left[p] -= g * n
+        M = ctx.job.global_batch_size // mbs
+        room = M - sum(counts)
+        if room < 1 or not any(left.values()):
+            continue
+        table = option_table(ctx, ctx.cluster.gpu_types(), partition, mbs, M, memory)
+        theta = max(o.time_s for k in kinds for o in k.options)
+        extra = build_spanning(ctx, table, left, partition, mbs, memory, theta, min(SPANNING_MAX, room))
+        if extra:
+            pipes = [k for k, n in zip(kinds, counts) for _ in range(n)] + extra
+            distinct = list(dict.fromkeys(pipes))
+            keep.offer(S.Scorer(ctx, partition, mbs, distinct, M).score(tuple(pipes.count(k) for k in distinct)),
+                       (partition, mbs, memory))

@@ -1,0 +1,111 @@
+"""What a search keeps of the candidates it scores: the best few under the objective (finalists for the
+event simulation), the time-cost Pareto front, and counters. Shared by `engine` and `legacy`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from sailor.plan import Plan, StageMemory
+from sailor.planner import search as S
+from sailor.planner.options import PlanOptions, objective_key
+from sailor.simulator import SimContext
+
+
+@dataclass
+class Found:
+    """A search's result: finalists as (objective key, closed-form time s, closed-form $/iteration,
+    plan), the Pareto front of scored candidates (time s, $/iteration), counters, and flags.
+
+    `exact`: every part of the space was searched exhaustively or pruned by valid bounds (the result
+    is the optimum of the space under the closed form). `timed_out`: the time limit stopped it."""
+
+    finalists: list[tuple[tuple[float, float], float, float, Plan]] = field(default_factory=list)
+    front: list[tuple[float, float]] = field(default_factory=list)
+    points: int = 0
+    candidates: int = 0
+    any_family: bool = False
+    exact: bool = True
+    timed_out: bool = False
+    pinned: list[Plan] = field(default_factory=list)
+    """Plans that phase 3 must event-simulate whatever their closed-form rank (the published
+    planner's best, so that the full search is never beaten by it in the simulator)."""
+
+
+class Finalists:
+    """Keeps the best `2·max(top_k, rescore)` candidates under the objective and the constraints."""
+
+    def __init__(self, opts: PlanOptions) -> None:
+        self.opts = opts
+        self.key = objective_key(opts.objective)
+        self.keep = 2 * max(opts.top_k, opts.rescore)
+        self.best: tuple[float, float] | None = None
+        self._kept: dict[tuple, tuple[tuple[float, float], S.Candidate, tuple]] = {}
+        self.found = Found()
+
+    def best0(self) -> float:
+        """First component of the best objective key so far (inf before any)."""
+        return self.best[0] if self.best is not None else math.inf
+
+    def seed(self, key: tuple[float, float]) -> None:
+        """Prune with a plan found elsewhere (its objective key) as if it had been offered here."""
+        if self.best is None or key < self.best:
+            self.best = key
+
+    def offer(self, cand: S.Candidate | None, point: tuple) -> tuple[float, float] | None:
+        """Record a scored candidate of `point` (hashable: what, with the candidate, rebuilds its plan);
+        returns its objective key when it meets the constraints."""
+        if cand is None:
+            return None
+        self.found.candidates += 1
+        pareto_add(self.found.front, (cand.iteration_time_s, cand.cost_per_iteration_usd))
+        if not self.opts.constraints.ok(cand.iteration_time_s, cand.cost_per_iteration_usd):
+            return None
+        k = self.key(cand.iteration_time_s, cand.cost_per_iteration_usd)
+        sig = (point, tuple(cand.scorer.types[i] for i, n in enumerate(cand.counts) if n),
+               tuple(n for n in cand.counts if n))
+        self._kept[sig] = (k, cand, point)
+        if self.best is None or k < self.best:
+            self.best = k
+        if len(self._kept) > 2 * self.keep:
+            for s in sorted(self._kept, key=lambda s: self._kept[s][0])[self.keep:]:
+                del self._kept[s]
+        return k
+
+    def top(self, n: int) -> list[tuple[S.Candidate, tuple]]:
+        """The best n kept candidates (candidate, point), best first."""
+        return [(c, p) for _, c, p in sorted(self._kept.values(), key=lambda v: v[0])[:n]]
+
+    def finish(self, build: Callable[[S.Candidate, tuple], Plan]) -> Found:
+        """The Found with the kept candidates' plans built, best first."""
+        ranked = sorted(self._kept.values(), key=lambda v: v[0])[: self.keep]
+        self.found.finalists = [(k, c.iteration_time_s, c.cost_per_iteration_usd, build(c, p)) for k, c, p in ranked]
+        return self.found
+
+
+def pareto_add(front: list[tuple[float, float]], p: tuple[float, float]) -> None:
+    """Add (time, cost) to a Pareto front (minimise both) kept in place; amortised cheap because most
+    points are dominated by one of the few front points."""
+    if any(q[0] <= p[0] and q[1] <= p[1] for q in front):
+        return
+    front[:] = [q for q in front if not (p[0] <= q[0] and p[1] <= q[1])]
+    front.append(p)
+
+
+def plan_from_kinds(ctx: SimContext, cand: S.Candidate, partition, mbs: int, memory: tuple[StageMemory, ...] = ()) -> Plan:
+    """The plan of a candidate whose kinds name an option and a zone per stage (`kinds.Kind`) or a
+    GPU type, zone and TP template (`search.PipelineType`): one pipeline per share, with the stages'
+    memory options (ZeRO over a single pipeline shards nothing and is left out)."""
+    pipelines = []
+    for t, shares in zip(cand.scorer.types, cand.shares):
+        reps = [{"stage": i, "gpu": s.gpu, "zone": s.zone, "tp": s.tp} for i, s in enumerate(t.slot(i) for i in range(len(partition)))]
+        for m in shares:
+            pipelines.append({"microbatches": m, "replicas": reps})
+    if len(pipelines) == 1:
+        memory = tuple(m.model_copy(update={"zero": 0}) for m in memory)
+    plan = Plan.model_validate({"micro_batch_size": mbs, "stages": [list(s) for s in partition], "pipelines": pipelines,
+                                "memory": [m.model_dump(mode="json") for m in memory] if any(not m.is_default for m in memory) else [],
+                                "job": ctx.job.to_dict(), "cluster": ctx.cluster.to_dict()})
+    plan.check_against(ctx.job, ctx.cluster)
+    return plan

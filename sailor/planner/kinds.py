@@ -1,0 +1,250 @@
+"""Phase 1 of the planner's search: the option table of a (P, micro-batch, partition, memory) family
+and the pipeline kinds built from it.
+
+A stage *option* is an entry of the table, opaque to the search: the GPU type and TP degree of one
+replica, the GPUs it takes, its forward and backward seconds per micro-batch, and the fewest
+data-parallel replicas with which its memory fits (1 unless ZeRO shards what does not fit
+otherwise). The stages' memory options (recomputation, ZeRO, SP: `plan.StageMemory`, one per stage,
+the same on every replica of a stage as the plan format has them) belong to the family.
+
+A pipeline *kind* is one option and one zone per stage: its pipelines are identical under the
+simulator's model (every transfer is modelled between two nodes of the replicas' zones), so a plan is
+a count vector over kinds plus each pipeline's share of the batch. A kind's closed-form `Curve`
+comes from the simulator's own building blocks (`stage_time` per replica under the stage's memory
+options, `pipeline_arrays` for the transfers, `simulator.schedule.closed_form_1f1b` called on all
+kinds of a family at once), so planner and simulator agree. Under ZeRO a kind's optimizer step (and
+under ZeRO-3 its weight gathers) depend on the plan's number of pipelines D: a kind built without D
+holds lower bounds over every D it can run with (gathers at its `min_replicas`, the optimizer step at
+one replica per micro-batch), and `Kind.at(D)` is exact for D, as `simulate` times it.
+
+Kinds of a family, by what they mix:
+- `homogeneous_kinds`: one (GPU type, zone), a TP template over the stages (`space.pareto_templates`);
+- `memory_mixed_kinds`: one zone, a base GPU type, and a helper type on the stages the base cannot
+  hold (and, as variants, on the first and/or the last stage: a big-memory GPU where memory forces
+  it);
+- spanning kinds (stages in several zones or regions) are built by `geo.build_spanning`;
+- `all_kinds`: every option and zone per stage (the exact mode on small clusters).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sailor.plan import StageMemory
+from sailor.planner.search import Curve
+from sailor.planner.space import Memory, Partition, pareto_templates, stage_options
+from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_time, time_options
+from sailor.simulator.schedule import closed_form_1f1b
+
+Pool = tuple[str, str]  # (zone, GPU type)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One replica of one stage: `gpus` GPUs of type `gpu` at TP `tp`; seconds per micro-batch (in the
+    GPU type's home zone, at min_replicas); feasible in memory once the stage has at least
+    `min_replicas` data-parallel replicas."""
+
+    gpu: str
+    tp: int
+    gpus: int
+    forward_s: float
+    backward_s: float
+    min_replicas: int = 1
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+Table = list[list[Option]]  # per stage, the feasible options
+
+
+def option_table(ctx: SimContext, gpus: list[str], partition: Partition, mbs: int, microbatches: int,
+                 memory: Memory) -> Table:
+    """Per stage, every option of the GPU types `gpus` that fits in memory under the stages' memory
+    options (`space.stage_options`: H1 TP within a node, H2 memory with min(P - i, microbatches)
+    micro-batches in flight, from `min_replicas` replicas on)."""
+    table: Table = [[] for _ in partition]
+    for g in gpus:
+        for i, opts in enumerate(stage_options(ctx, g, partition, mbs, microbatches, memory)):
+            table[i] += [Option(gpu=g, tp=o.tp, gpus=o.tp, forward_s=o.forward_s, backward_s=o.backward_s,
+                                min_replicas=o.min_replicas) for o in opts]
+    return table
+
+
+@dataclass(frozen=True)
+class Kind(Curve):
+    """Identical pipelines: per stage an option and a zone, under the family's memory options.
+    Seconds, $/hour, $ per micro-batch."""
+
+    zones: tuple[str, ...] = ()
+    options: tuple[Option, ...] = ()
+    memory: tuple[StageMemory, ...] = ()
+    gpus: int = 0                  # G_k, GPUs of one pipeline
+    use: tuple[tuple[Pool, int], ...] = ()  # GPUs of one pipeline per (zone, GPU type)
+    usd_per_hour: float = 0.0
+    optimizer_s: float = 0.0       # slowest optimizer step among its stages
+    egress_usd_per_mb: float = 0.0  # p2p egress of one micro-batch (activations and gradients across zones)
+    min_replicas: int = 1          # fewest pipelines of the whole plan with which every stage fits (ZeRO)
+    replicas: int | None = None    # the D its constants are exact for; None: lower bounds over D
+    slots: tuple[Slot, ...] = field(default=(), compare=False, repr=False)
+
+    def slot(self, stage: int) -> Slot:
+        return self.slots[stage]
+
+    def fits(self, free: dict[Pool, int]) -> int:
+        """How many pipelines of this kind the free GPUs hold."""
+        return min(free.get(p, 0) // n for p, n in self.use)
+
+    @property
+    def depends_on_replicas(self) -> bool:
+        return any(m.zero for m in self.memory)
+
+    def at(self, ctx: SimContext, partition: Partition, mbs: int, replicas: int) -> "Kind":
+        """This kind with constants exact for a plan of `replicas` pipelines."""
+        if not self.depends_on_replicas or self.replicas == replicas:
+            return self
+        return make_kinds(ctx, [(self.zones, self.options)], partition, mbs, self.memory, replicas)[0]
+
+
+def make_kind(ctx: SimContext, zones: tuple[str, ...], options: tuple[Option, ...], partition: Partition, mbs: int,
+              memory: Memory) -> Kind:
+    """The kind with stage i on options[i] in zones[i] (memoised in the context, one planning call)."""
+    return make_kinds(ctx, [(zones, options)], partition, mbs, memory)[0]
+
+
+def make_kinds(ctx: SimContext, specs: list[tuple[tuple[str, ...], tuple[Option, ...]]], partition: Partition,
+               mbs: int, memory: Memory, replicas: int | None = None) -> list[Kind]:
+    """Kinds for many (zones, options) at once under the stages' memory options, exact for a plan of
+    `replicas` pipelines or (None) lower bounds over D (module docstring); their curves from one
+    batched call of the closed form (arrays (kinds, P)). Memoised in the context."""
+    keys = [("kind", z, o, partition, mbs, memory, replicas) for z, o in specs]
+    out: list[Kind | None] = [ctx.memo.get(k) for k in keys]
+    todo = [j for j, k in enumerate(out) if k is None]
+    if todo:
+        P = len(partition)
+        most = ctx.job.global_batch_size // mbs
+        slots = [tuple(Slot(zone=z, gpu=o.gpu, tp=o.tp) for z, o in zip(*specs[j])) for j in todo]
+        need = [max(o.min_replicas for o in specs[j][1]) for j in todo]
+        times = [[stage_time(ctx, sl[i], mbs, *partition[i], time_options(memory[i], replicas or d)) for i in range(P)]
+                 for sl, d in zip(slots, need)]
+        f = np.array([[t.forward_s for t in row] for row in times])   # (kinds, P)
+        b = np.array([[t.backward_s for t in row] for row in times])
+        links = [[boundary(ctx, sl[i], sl[i + 1], partition[i], partition[i + 1], mbs) for i in range(P - 1)] for sl in slots]
+        c = np.array([[x for x, _ in row] for row in links]).reshape(len(todo), P - 1)
+        t1, t2, t3 = (np.atleast_1d(closed_form_1f1b(f, b, c, m)) for m in (1, 2, 3))
+        steps = [time_options(mem, replicas or most) for mem in memory]
+        for r, j in enumerate(todo):
+            zones, options = specs[j]
+            use: dict[Pool, int] = {}
+            for z, o in zip(zones, options):
+                use[(z, o.gpu)] = use.get((z, o.gpu), 0) + o.gpus
+            kind = Kind(fill_s=float(t1[r]), two_s=float(t2[r]), period_s=float(t3[r] - t2[r]), zones=zones,
+                        options=options, memory=memory, gpus=sum(o.gpus for o in options), use=tuple(sorted(use.items())),
+                        usd_per_hour=sum(n * _price(ctx, p) for p, n in use.items()),
+                        optimizer_s=max(_optimizer(ctx, sl, stage, st) for sl, stage, st in zip(slots[r], partition, steps)),
+                        egress_usd_per_mb=sum(u for _, u in links[r]), min_replicas=need[r], replicas=replicas,
+                        slots=slots[r])
+            ctx.memo[keys[j]] = kind
+            out[j] = kind
+    return out  # type: ignore[return-value]
+
+
+def _price(ctx: SimContext, pool: Pool) -> float:
+    key = ("price", pool)
+    if key not in ctx.memo:
+        ctx.memo[key] = ctx.cluster.price(*pool)
+    return ctx.memo[key]
+
+
+def boundary(ctx: SimContext, a: Slot, b: Slot, stage_a: tuple[int, int], stage_b: tuple[int, int], mbs: int) -> tuple[float, float]:
+    """(transfer seconds, egress $) per micro-batch between two consecutive stages, from the
+    simulator's `pipeline_arrays` on that pair (memoised: kinds share their boundaries; a transfer
+    does not depend on the stages' memory options)."""
+    key = ("boundary", a, b, stage_a, stage_b, mbs)
+    if key not in ctx.memo:
+        _, _, c, _, usd = pipeline_arrays(ctx, [a, b], [stage_a, stage_b], mbs)
+        ctx.memo[key] = (float(c[0]), usd)
+    return ctx.memo[key]
+
+
+def _optimizer(ctx: SimContext, slot: Slot, stage: tuple[int, int], opts) -> float:
+    key = ("optimizer", slot.gpu, slot.tp, stage, opts)
+    if key not in ctx.memo:
+        ctx.memo[key] = optimizer_s(ctx, slot, *stage, opts)
+    return ctx.memo[key]
+
+
+def by_gpu(table: Table, gpu: str) -> list[list[Option]]:
+    """The table restricted to one GPU type."""
+    return [[o for o in stage if o.gpu == gpu] for stage in table]
+
+
+def homogeneous_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], partition: Partition, mbs: int,
+                      memory: Memory) -> list[Kind]:
+    """Single-zone, single-GPU-type kinds: every pool and every template of its GPU type that fits."""
+    specs = []
+    for g in sorted({o.gpu for stage in table for o in stage}):
+        tmpls = pareto_templates(by_gpu(table, g))
+        for (z, gg), n in sorted(free.items()):
+            if gg == g:
+                specs += [((z,) * len(t), t) for t in tmpls if sum(o.gpus for o in t) <= n]
+    return make_kinds(ctx, specs, partition, mbs, memory)
+
+
+def memory_mixed_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], partition: Partition, mbs: int,
+                       memory: Memory) -> list[Kind]:
+    """Single-zone kinds of two GPU types where memory forces it: a base type on every stage it can
+    hold, a helper type on the stages it cannot (variants also move the first stage, the last, or
+    both to the helper). The base's options follow its Pareto templates over the stages it keeps; a
+    helper stage takes the helper's option with the fewest GPUs that is no slower than the template's
+    slowest stage (else its fastest)."""
+    P = len(partition)
+    out: dict[tuple, Kind] = {}
+    for z in sorted({z for z, _ in free}):
+        here = sorted(g for (zz, g), n in free.items() if zz == z and n > 0)
+        for base, helper in itertools.permutations(here, 2):
+            mine, theirs = by_gpu(table, base), by_gpu(table, helper)
+            missing = {i for i in range(P) if not mine[i]}
+            if not missing or len(missing) == P:
+                continue
+            for extra in ((), (0,), (P - 1,), (0, P - 1)):
+                on_helper = missing | set(extra)
+                kept = [i for i in range(P) if i not in on_helper]
+                if not kept or any(not theirs[i] for i in on_helper):
+                    continue
+                for tmpl in pareto_templates([mine[i] for i in kept]):
+                    picks: list[Option | None] = [None] * P
+                    for i, o in zip(kept, tmpl):
+                        picks[i] = o
+                    theta = max(o.time_s for o in tmpl)
+                    for i in on_helper:
+                        ok = [o for o in theirs[i] if o.time_s <= theta]
+                        picks[i] = min(ok, key=lambda o: (o.gpus, o.time_s)) if ok else min(theirs[i], key=lambda o: o.time_s)
+                    kind = make_kind(ctx, (z,) * P, tuple(picks), partition, mbs, memory)
+                    if kind.fits(free) >= 1:
+                        out[(kind.zones, kind.options)] = kind
+    return list(out.values())
+
+
+def all_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], partition: Partition, mbs: int,
+              memory: Memory, limit: int) -> list[Kind] | None:
+    """Every kind (an option and a zone per stage) whose pipeline fits the free GPUs; None when there
+    would be more than `limit` option-zone sequences to look at."""
+    per_stage = [[(z, o) for o in stage for (z, g), n in sorted(free.items()) if g == o.gpu and n >= o.gpus]
+                 for stage in table]
+    if math.prod(len(s) for s in per_stage) > limit:
+        return None
+    specs = []
+    for combo in itertools.product(*per_stage):
+        need: dict[Pool, int] = {}
+        for z, o in combo:
+            need[(z, o.gpu)] = need.get((z, o.gpu), 0) + o.gpus
+        if all(free.get(p, 0) >= n for p, n in need.items()):
+            specs.append((tuple(z for z, _ in combo), tuple(o for _, o in combo)))
+    return make_kinds(ctx, specs, partition, mbs, memory)

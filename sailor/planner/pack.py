@@ -1,0 +1,245 @@
+"""Phase 2 of the planner's search: how many pipelines of each kind (a count vector), within the GPUs.
+
+Exact (small spaces): `count_vectors` lists every count vector the free GPUs allow.
+
+Large spaces: a makespan target τ turns the choice into packing. A pipeline of kind k finishes
+cap_k(τ) micro-batches by τ (`search.Curve.cap`), so the plans of makespan <= τ are the count vectors
+with Σ_k n_k·cap_k(τ) >= M that fit the GPUs. Kinds that sit in one (zone, GPU type) pool do not
+compete with each other across pools, so the most micro-batches the GPUs finish by τ is a sum over
+pools of a small knapsack each (`PoolPacking`: per pool, every kind as the main one, as many as fit,
+then the best kind for the rest). Kinds over several pools (memory-mixed, spanning) enter as fixed
+bases: a greedy count of them first, the pools' packing on what they leave (`Packer.variants`).
+
+- throughput: the smallest τ whose packing reaches M, found by bisection on τ (a number of steps
+  that depends on the precision wanted, log2 of the range of τ: not on the global batch beyond
+  that logarithm), then pipelines the batch does not need are dropped (`trim`);
+- cost: at each τ of a geometric grid, the cheapest cover of M (pipelines taken in order of $ per
+  micro-batch finished by τ), trimmed likewise: the trade-off curve between time and $/iteration.
+Each count vector found is scored exactly (`search.Scorer`) by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from sailor.planner.kinds import Kind, Pool
+
+BISECTION_STEPS = 60  # at most; the bisection stops at a relative precision of 1e-9 in τ
+
+
+def count_vectors(kinds: list[Kind], free: dict[Pool, int], limit: int) -> list[tuple[int, ...]] | None:
+    """Every non-zero count vector over `kinds` that fits the free GPUs, or None as soon as there are
+    more than `limit` of them (kind by kind, each partial vector extended by every count that fits;
+    a step keeps, per partial vector, its parent and the count it added)."""
+    pools = sorted(free)
+    index = {p: j for j, p in enumerate(pools)}
+    left = np.array([[free[p] for p in pools]], dtype=np.int64)  # (states, pools)
+    steps: list[tuple[np.ndarray, np.ndarray]] = []               # per kind: (parent state, count)
+    for kind in kinds:
+        use = np.zeros(len(pools), dtype=np.int64)
+        for p, g in kind.use:
+            use[index[p]] = g
+        need = use > 0
+        reps = (left[:, need] // use[need]).min(axis=1) + 1         # counts 0..most per state
+        if int(reps.sum()) > limit + 1:
+            return None
+        parent = np.repeat(np.arange(len(left)), reps)
+        n = np.arange(len(parent)) - np.repeat(np.cumsum(reps) - reps, reps)
+        left = left[parent] - n[:, None] * use[None, :]
+        steps.append((parent, n))
+    vecs = np.zeros((len(left), len(kinds)), dtype=np.int64)
+    state = np.arange(len(left))
+    for k in range(len(kinds) - 1, -1, -1):  # walk back from the last kind to the first
+        parent, n = steps[k]
+        vecs[:, k] = n[state]
+        state = parent[state]
+    return [tuple(int(x) for x in v) for v in vecs if v.any()]
+
+
+def caps_at(fill: np.ndarray, two: np.ndarray, period: np.ndarray, tau: float) -> np.ndarray:
+    """`Curve.cap` of every kind at τ, vectorised (the same rounding)."""
+    eps = 1e-12 * max(1.0, abs(tau))
+    steady = 2 + np.floor((tau - two) / period + 1e-9)
+    return np.where(tau < fill - eps, 0, np.where(tau < two - eps, 1, steady)).astype(np.int64)
+
+
+@dataclass
+class PoolPacking:
+    """Per pool, the packings tried at any τ: (main kind k, n_k = free // G_k, second kind j,
+    n_j = (free - n_k·G_k) // G_j); `best` takes the best of them in every pool.
+
+    Attributes: arrays over all (pool, k, j) triples, grouped by pool; `starts` the first triple of
+    each pool (for np.maximum.reduceat)."""
+
+    main: np.ndarray
+    n_main: np.ndarray
+    second: np.ndarray
+    n_second: np.ndarray
+    starts: np.ndarray
+
+    @classmethod
+    def build(cls, single: list[tuple[int, Pool, int]], free: dict[Pool, int]) -> "PoolPacking | None":
+        """`single`: (kind index, its pool, GPUs per pipeline) of kinds that use one pool."""
+        by_pool: dict[Pool, list[tuple[int, int]]] = {}
+        for k, p, g in single:
+            if free.get(p, 0) >= g:
+                by_pool.setdefault(p, []).append((k, g))
+        rows: list[tuple[int, int, int, int]] = []
+        starts = []
+        for p in sorted(by_pool):
+            starts.append(len(rows))
+            a = free[p]
+            for k, g in by_pool[p]:
+                n = a // g
+                rest = a - n * g
+                for j, g2 in by_pool[p]:
+                    rows.append((k, n, j, rest // g2))
+        if not rows:
+            return None
+        arr = np.array(rows, dtype=np.int64)
+        return cls(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], np.array(starts, dtype=np.int64))
+
+    def capacity(self, caps: np.ndarray) -> int:
+        vals = self.n_main * caps[self.main] + self.n_second * caps[self.second]
+        return int(np.maximum.reduceat(vals, self.starts).sum())
+
+    def counts(self, caps: np.ndarray, n_kinds: int) -> np.ndarray:
+        vals = self.n_main * caps[self.main] + self.n_second * caps[self.second]
+        out = np.zeros(n_kinds, dtype=np.int64)
+        ends = list(self.starts[1:]) + [len(vals)]
+        for s, e in zip(self.starts, ends):
+            r = s + int(np.argmax(vals[s:e]))
+            if vals[r] > 0:
+                out[self.main[r]] += self.n_main[r]
+                out[self.second[r]] += self.n_second[r]
+        return out
+
+
+class Packer:
+    """Packings of `kinds` into the free GPUs for M micro-batches (see the module docstring).
+    `sync`: (kind index, D) -> all-reduce seconds of D pipelines of that kind; breaks ties between
+    kinds of equal $ per micro-batch in `cheapest` (the same GPUs in zones with different links)."""
+
+    def __init__(self, kinds: list[Kind], free: dict[Pool, int], M: int,
+                 sync: Callable[[int, int], float] | None = None) -> None:
+        self.kinds, self.free, self.M = kinds, free, M
+        self.sync = sync or (lambda i, D: 0.0)
+        self.fill = np.array([k.fill_s for k in kinds])
+        self.two = np.array([k.two_s for k in kinds])
+        self.period = np.array([k.period_s for k in kinds])
+        self.single = [(i, k.use[0][0], k.use[0][1]) for i, k in enumerate(kinds) if len(k.use) == 1]
+        self.multi = [i for i, k in enumerate(kinds) if len(k.use) > 1]
+
+    def caps(self, tau: float) -> np.ndarray:
+        return caps_at(self.fill, self.two, self.period, tau)
+
+    def variants(self) -> Iterator[np.ndarray]:
+        """Fixed bases of multi-pool kinds: none, and as many as fit greedily (kinds in order of
+        micro-batches per GPU at their own single-pipeline time for M)."""
+        yield np.zeros(len(self.kinds), dtype=np.int64)
+        if not self.multi:
+            return
+        base = np.zeros(len(self.kinds), dtype=np.int64)
+        left = dict(self.free)
+        order = sorted(self.multi, key=lambda i: self.kinds[i].period_s * self.kinds[i].gpus)
+        for i in order:
+            n = self.kinds[i].fits(left)
+            if n:
+                base[i] = n
+                for p, g in self.kinds[i].use:
+                    left[p] -= g * n
+        yield base
+
+    def _rest(self, base: np.ndarray) -> tuple[dict[Pool, int], PoolPacking | None]:
+        left = dict(self.free)
+        for i in np.nonzero(base)[0]:
+            for p, g in self.kinds[i].use:
+                left[p] -= g * int(base[i])
+        return left, PoolPacking.build(self.single, left)
+
+    def fastest(self, base: np.ndarray) -> tuple[float, np.ndarray] | None:
+        """(τ, counts): the smallest τ (by bisection) at which `base` plus the pools' best packing
+        finish M micro-batches, and those counts; None when no τ does."""
+        _, pack = self._rest(base)
+
+        def capacity(tau: float) -> int:
+            caps = self.caps(tau)
+            return int((base * caps).sum()) + (pack.capacity(caps) if pack else 0)
+
+        usable = sorted({int(i) for i in np.nonzero(base)[0]} | ({int(k) for k in pack.main} if pack else set()))
+        if not usable:
+            return None
+        lo = float(self.fill[usable].min())
+        hi = float(max(self.kinds[i].time_s(self.M) for i in usable))  # every usable kind alone finishes M
+        if capacity(hi) < self.M:
+            return None
+        if capacity(lo) >= self.M:
+            hi = lo
+        for _ in range(BISECTION_STEPS):
+            if hi - lo <= 1e-9 * hi:
+                break
+            mid = 0.5 * (lo + hi)
+            if capacity(mid) >= self.M:
+                hi = mid
+            else:
+                lo = mid
+        caps = self.caps(hi)
+        counts = base + (pack.counts(caps, len(self.kinds)) if pack else 0)
+        return hi, trim(counts, caps, self.M, key=lambda i: caps[i])
+
+    def max_capacity(self, base: np.ndarray, tau: float) -> np.ndarray:
+        """Counts of the pools' best packing at τ on top of `base`, trimmed to what M needs."""
+        _, pack = self._rest(base)
+        caps = self.caps(tau)
+        counts = base + (pack.counts(caps, len(self.kinds)) if pack else 0)
+        return trim(counts, caps, self.M, key=lambda i: caps[i])
+
+    def cheapest(self, tau: float) -> np.ndarray | None:
+        """Fewest $/hour of pipelines that finish M micro-batches by τ: kinds in order of $/hour per
+        micro-batch finished by τ, each as many as needed and fit; None if the GPUs cannot."""
+        caps = self.caps(tau)
+        left = dict(self.free)
+        counts = np.zeros(len(self.kinds), dtype=np.int64)
+        need = self.M
+        tie = {i: self.sync(i, -(-self.M // int(caps[i]))) for i in range(len(self.kinds)) if caps[i] > 0}
+        order = sorted(tie, key=lambda i: (self.kinds[i].usd_per_hour / caps[i], tie[i]))
+        for i in order:
+            if need <= 0:
+                break
+            n = min(self.kinds[i].fits(left), -(-need // int(caps[i])))
+            if n:
+                counts[i] = n
+                need -= n * int(caps[i])
+                for p, g in self.kinds[i].use:
+                    left[p] -= g * n
+        if need > 0:
+            return None
+        return trim(counts, caps, self.M, key=lambda i: (-self.kinds[i].usd_per_hour / caps[i], -tie[i]))
+
+    def tau_grid(self, lo: float, points: int) -> list[float]:
+        """`points` makespan targets from `lo` up to one pipeline running the whole batch, geometric."""
+        hi = float(min(k.time_s(self.M) for k in self.kinds))
+        if hi <= lo:
+            return [lo]
+        r = (hi / lo) ** (1.0 / max(points - 1, 1))
+        return [lo * r**j for j in range(points)]
+
+
+def trim(counts: np.ndarray, caps: np.ndarray, M: int, key) -> np.ndarray:
+    """Drop pipelines the batch does not need (the capacity stays >= M), least useful first by
+    `key(kind index)` (smallest first). The result has at most M pipelines."""
+    counts = counts.copy()
+    total = int((counts * caps).sum())
+    for i in sorted((i for i in np.nonzero(counts)[0] if caps[i] > 0), key=key):
+        if total <= M:
+            break
+        drop = min(int(counts[i]), (total - M) // int(caps[i]))
+        counts[i] -= drop
+        total -= drop * int(caps[i])
+    for i in np.nonzero(counts)[0]:  # a pipeline that finishes nothing by τ has no place in the plan
+        if caps[i] == 0:
+            counts[i] = 0
+    return counts
