@@ -130,6 +130,13 @@ def test_readme_api_example_returns_what_the_cli_prints(tmp_path, monkeypatch):
     assert printed["plan"] == result.plan.to_dict() and printed["estimate"] == result.estimate.to_dict()
     with pytest.raises(SailorInputError, match="unknown objective 'fastest'"):
         sailor.find_plan(scope["job"], scope["cluster"], objective="fastest")
+    # every expression line followed by a `# (...)` comment returns what the comment says
+    lines = _readme_api_example().splitlines()
+    shown = [(expr, re.match(r"# (\(.*?\))", comment).group(1)) for expr, comment in zip(lines, lines[1:])
+             if comment.startswith("# (")]
+    assert len(shown) == 2
+    for expr, value in shown:
+        assert eval(expr, scope) == eval(value), expr
 
 
 def test_dockerfile_matches_the_package_and_the_default_image():

@@ -56,7 +56,7 @@ def _regions(plan, cluster) -> set[str]:
 def test_job_one_region_cannot_hold_spans_regions_with_egress():
     ctx = _ctx(4, {ZA: {"V100-16": 1}, ZW: {"V100-16": 1}})
     assert ctx.job.model.num_layers == 4
-    r = plan_job(ctx, PlanOptions(max_mbs=1))
+    r = plan_job(ctx, PlanOptions(max_mbs=1, schedules=False))
     plan, est = r.plan, r.estimate
     assert plan.stages == ((0, 2), (2, 4)) and len(plan.pipelines) == 1
     assert {x.zone for x in plan.pipelines[0].replicas} == {ZA, ZW}  # one stage in each region
@@ -72,7 +72,7 @@ def test_job_one_region_cannot_hold_spans_regions_with_egress():
 
 def test_job_one_region_holds_stays_in_it():
     ctx = _ctx(4, {ZA: {"V100-16": 2}, ZW: {"V100-16": 2}})
-    r = plan_job(ctx, PlanOptions(max_mbs=1))
+    r = plan_job(ctx, PlanOptions(max_mbs=1, schedules=False))
     stays = pipeline_time(4, C_ZONE)  # one pipeline in one zone: 16.58 s
     # the alternatives by hand: one pipeline across the regions 33.3 s; two pipelines whose stage 0
     # sits in one region and stage 1 in the other (data parallelism inside each region) 18.3 s of
@@ -93,7 +93,7 @@ def test_pipelines_across_regions_with_data_parallelism_inside_each():
     planner's shape: pipelines across regions, data parallelism within one)."""
     net = dict(NET, same_continent={"latency_s": 0.1, "bandwidth_bytes_per_s": BETA_CROSS})
     ctx = _ctx(4, {ZA: {"V100-16": 2}, ZW: {"V100-16": 2}}, net)
-    r = plan_job(ctx, PlanOptions(max_mbs=1))
+    r = plan_job(ctx, PlanOptions(max_mbs=1, schedules=False))
     plan = r.plan
     grad = max(ctx.stage_params(1, a, e) * 4 for a, e in plan.stages)
     expected = pipeline_time(2, 0.2) + 2 * (ALPHA_ZONE + grad / 2 / BETA_ZONE)
@@ -107,7 +107,7 @@ def test_pipelines_across_regions_with_data_parallelism_inside_each():
 
 def test_data_parallelism_across_regions_when_it_wins():
     ctx = _ctx(64, {ZA: {"V100-16": 2}, ZW: {"V100-16": 2}})
-    r = plan_job(ctx, PlanOptions(max_mbs=1))
+    r = plan_job(ctx, PlanOptions(max_mbs=1, schedules=False))
     plan, est = r.plan, r.estimate
     # one pipeline per region, 32 micro-batches each, stages all-reduced across the regions: a ring of
     # two replicas takes 2 steps of half the gradient, each alpha + bytes / beta
@@ -146,7 +146,7 @@ def _mixed_ctx(zones: dict, batch: int):
                                                      ({ZA: {"A100-80": 8, "V100-16": 40}}, 32, 8)])  # heuristic
 def test_big_memory_gpu_takes_the_first_stage_when_memory_forces_it(zones, batch, pipelines):
     ctx = _mixed_ctx(zones, batch)
-    r = plan_job(ctx, PlanOptions(max_stages=2, max_mbs=1))
+    r = plan_job(ctx, PlanOptions(max_stages=2, max_mbs=1, schedules=False))
     plan = r.plan
     assert plan.stages == ((0, 2), (2, 4)) and len(plan.pipelines) == pipelines
     for p in plan.pipelines:
@@ -171,3 +171,29 @@ def test_paper_search_mixes_gpu_types_per_stage_as_the_published_dp():
     plan = plan_job(_mixed_ctx({ZA: {"A100-80": 1, "V100-16": 3}}, 4),
                     PlanOptions(max_stages=2, max_mbs=1, search=SearchSpace.PAPER)).plan
     assert [[r.gpu for r in p.replicas] for p in plan.pipelines] == [["A100-80", "V100-16"]]
+
+
+def test_the_planner_takes_the_schedule_that_pays_on_the_same_gpus():
+    """The two-region pipeline of the first test: 1F1B idles through (P-1) micro-batch slots and
+    blocks on the slow cross-region link; the schedule search keeps the stages and GPUs and takes a
+    schedule the simulator finds faster, scored exactly as `simulate` scores the plan it returns."""
+    from sailor.plan import ScheduleKind
+    from sailor.planner.schedules import schedule_variants
+    from sailor.simulator import simulate
+
+    ctx = _ctx(4, {ZA: {"V100-16": 1}, ZW: {"V100-16": 1}})
+    plain = plan_job(ctx, PlanOptions(max_mbs=1, schedules=False))
+    assert plain.plan.schedule.kind is ScheduleKind.ONE_F_ONE_B
+    variants = schedule_variants(plain.plan)
+    # ZB-H1, and interleaving only up to each stage's 2 layers (v = 2: four 1-layer chunks)
+    assert [(p.schedule.kind, p.virtual_stages) for p in variants] == [(ScheduleKind.ZB_H1, 1),
+                                                                      (ScheduleKind.INTERLEAVED, 2)]
+    assert variants[1].stages == ((0, 1), (1, 2), (2, 3), (3, 4))  # chunk k on stage k mod 2
+    assert variants[1].stage_chunks(0) == ((0, 1), (2, 3))  # stage 0 runs chunks 0 and 2
+    best = plan_job(ctx, PlanOptions(max_mbs=1))
+    assert best.plan.schedule.kind is not ScheduleKind.ONE_F_ONE_B
+    assert best.plan.gpu_usage() == plain.plan.gpu_usage()
+    assert best.estimate.iteration_time_s < plain.estimate.iteration_time_s
+    assert best.estimate.iteration_time_s == pytest.approx(simulate(best.plan, ctx).iteration_time_s, rel=1e-12)
+    assert best.estimate.iteration_time_s == min(simulate(p, ctx).iteration_time_s for p in [plain.plan, *variants])
+    assert schedule_variants(best.plan) == []  # a plan that names its schedule is kept as it is

@@ -32,6 +32,7 @@ from sailor.errors import InfeasibleError
 from sailor.limits import MAX_PIPELINE_TASKS
 from sailor.plan import Plan, StageMemory
 from sailor.planner import engine, legacy, paper
+from sailor.planner.schedules import fits, schedule_variants
 from sailor.planner.finalists import Found
 from sailor.planner.options import Constraints, Objective, PlanOptions, SearchSpace, objective_key
 from sailor.planner.space import even_partition, memory_candidates, sp_possible, stage_options, zero3_needed
@@ -129,6 +130,13 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     ok = [c for c in scored if opts.constraints.ok(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd)]
     ok = ok or choices[:1]
     ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
+    if opts.schedules and opts.search is SearchSpace.FULL:
+        for plan in schedule_variants(ok[0].plan):  # the schedule dimension: where it pays
+            est = _event_or_closed(plan, ctx)
+            if fits(est, ctx) and opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
+                choices.append(Choice(plan, est.iteration_time_s, est.cost_per_iteration_usd, est))
+                ok.append(choices[-1])
+        ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     best = ok[0]
     alternatives = [c for c in choices if c is not best][: opts.top_k]
     for c in alternatives:

@@ -70,7 +70,10 @@ class PlanOptions:
     none was; None: no limit);
     `memory_margin` the fraction of each GPU's memory a plan must leave free (0 <= margin < 1,
     default DEFAULT_MEMORY_MARGIN): a stage fits when its predicted peak is at most
-    (1 - margin) x the GPU's memory. Raises SailorInputError for a margin outside [0, 1)."""
+    (1 - margin) x the GPU's memory;
+    `schedules` whether the full search also tries ZB-H1 and interleaved 1F1B on its best plan
+    (`planner.schedules`; the published planner's space and the legacy search are 1F1B only).
+    Raises SailorInputError for a margin outside [0, 1)."""
 
     objective: Objective = Objective.THROUGHPUT
     constraints: Constraints = field(default_factory=Constraints)
@@ -83,6 +86,7 @@ class PlanOptions:
     memory_per_partition: int = 2
     time_limit_s: float | None = None
     memory_margin: float = DEFAULT_MEMORY_MARGIN
+    schedules: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_margin < 1.0:

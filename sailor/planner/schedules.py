@@ -1,0 +1,54 @@
+"""Pipeline schedules for the planner's best plans (the schedule dimension of the search).
+
+The search (engine, paper, legacy) builds 1F1B plans: partitions, TP, placement and batch shares do
+not depend on the schedule. On its best finalists `schedule_variants` then tries what the plan
+module offers on the same GPUs (`sailor.plan`, module docstring):
+
+- `zb-h1` (Qi et al., ICLR 2024): the same stages, weight-gradient passes filling the bubble at
+  1F1B's activation memory;
+- `interleaved-1f1b` with v in `VIRTUAL_STAGES` (Narayanan et al., SC'21 §2.2.2): each stage's layers
+  cut into v chunks (`plan.interleave_partition`, so a stage keeps the layers it had), which divides
+  the bubble by v and costs v times the point-to-point transfers and more activations in flight.
+
+A variant counts only where the plan validation and `Plan.check_against` take it (e.g. no ZB-H1
+with full recomputation, no chunk without a layer) and the event simulation finds it inside the
+memory limit (the planner's margin included); `planner._rescore` keeps it when it is better under
+the objective ("where it pays").
+"""
+
+from __future__ import annotations
+
+from sailor.plan import DEFAULT_SCHEDULE, Plan, ScheduleKind, interleave_partition
+from sailor.simulator import Estimate
+from sailor.simulator.context import SimContext
+
+# Chunks per stage tried for interleaving: Megatron-LM's Table 1 runs use 2 to 6.
+VIRTUAL_STAGES = (2, 3, 4, 6)
+
+
+def schedule_variants(plan: Plan) -> list[Plan]:
+    """The plans that run `plan` (a 1F1B plan carrying its job and cluster) under another schedule:
+    ZB-H1, and interleaved 1F1B for each v in VIRTUAL_STAGES at most every stage's layer count; each
+    valid for its job and cluster. Empty for a single stage or a plan that already names a schedule."""
+    if plan.num_stages < 2 or plan.schedule != DEFAULT_SCHEDULE:
+        return []
+    base = plan.to_dict()
+    smallest = min(b - a for a, b in plan.stages)
+    tries = [({"kind": ScheduleKind.ZB_H1.value}, plan.stages)]
+    tries += [({"kind": ScheduleKind.INTERLEAVED.value, "virtual_stages": v}, interleave_partition(plan.stages, v))
+              for v in VIRTUAL_STAGES if v <= smallest]
+    out = []
+    for schedule, stages in tries:
+        try:
+            p = Plan.model_validate(base | {"schedule": schedule, "stages": [list(s) for s in stages]})
+            if p.job is not None and p.cluster is not None:
+                p.check_against(p.job, p.cluster)
+        except ValueError:  # SailorInputError or pydantic's ValidationError: this schedule cannot run it
+            continue
+        out.append(p)
+    return out
+
+
+def fits(estimate: Estimate, ctx: SimContext) -> bool:
+    """Whether every GPU of `estimate` stays inside `ctx.memory_limit` (capacity less the margin)."""
+    return all(r.peak_memory_bytes <= ctx.memory_limit(r.gpu) for r in estimate.replicas)
