@@ -130,13 +130,16 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     ok = [c for c in scored if opts.constraints.ok(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd)]
     ok = ok or choices[:1]
     ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
-    if opts.schedules and opts.search is SearchSpace.FULL:
-        for plan in schedule_variants(ok[0].plan):  # the schedule dimension: where it pays
+    if opts.schedules and opts.search is SearchSpace.FULL:  # the schedule dimension, where it pays
+        closed = [(simulate(p, ctx, event=False), p) for p in schedule_variants(ok[0].plan)]
+        closed = [(e, p) for e, p in closed if fits(e, ctx)]
+        if closed:  # the best variant by its closed form, then event-simulated like every finalist
+            e, plan = min(closed, key=lambda v: key(v[0].iteration_time_s, v[0].cost_per_iteration_usd))
             est = _event_or_closed(plan, ctx)
-            if fits(est, ctx) and opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
-                choices.append(Choice(plan, est.iteration_time_s, est.cost_per_iteration_usd, est))
+            if opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
+                choices.append(Choice(plan, e.iteration_time_s, e.cost_per_iteration_usd, est))
                 ok.append(choices[-1])
-        ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
+                ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     best = ok[0]
     alternatives = [c for c in choices if c is not best][: opts.top_k]
     for c in alternatives:

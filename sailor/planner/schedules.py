@@ -11,9 +11,10 @@ module offers on the same GPUs (`sailor.plan`, module docstring):
   the bubble by v and costs v times the point-to-point transfers and more activations in flight.
 
 A variant counts only where the plan validation and `Plan.check_against` take it (e.g. no ZB-H1
-with full recomputation, no chunk without a layer) and the event simulation finds it inside the
-memory limit (the planner's margin included); `planner._rescore` keeps it when it is better under
-the objective ("where it pays").
+with full recomputation, no chunk without a layer) and it stays inside the memory limit (the
+planner's margin included). `planner._rescore` ranks the variants by their closed forms
+(`simulator.schedules`), event-simulates the best one like every finalist, and keeps it when it is
+better under the objective ("where it pays").
 """
 
 from __future__ import annotations
