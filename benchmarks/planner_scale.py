@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -148,10 +149,15 @@ def spawn(sid: str, model: str, search: str, time_limit: float | None, shared: s
         cmd += ["--time-limit", f"{time_limit:.3f}"]
     if report:
         cmd += ["--report", report]
+    # its own process group, so that ending it also ends the workers a legacy search forks
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=kill_after_s, check=False)
+        stdout, stderr = proc.communicate(timeout=kill_after_s)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return {"scenario": sid, "model": model, "search": search, "error": f"still running after {kill_after_s:.1f} s (ended)"}
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
         return {"scenario": sid, "model": model, "search": search, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}

@@ -162,8 +162,6 @@ def _event_or_closed(plan: Plan, ctx: SimContext) -> Estimate:
 
 def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
     """The binding reason no plan was found, with numbers."""
-    job, cluster = ctx.job, ctx.cluster
-    model = job.model
     if not any_fit:
         return _no_fit(ctx, opts)
     c = opts.constraints

@@ -11,10 +11,13 @@ benchmark can ask what it finds within the time the new search took.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import heapq
 import multiprocessing as mp
 import os
+import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -94,6 +97,13 @@ def _workers(ctx: SimContext, nodes: int) -> int:
     return max(1, min(os.cpu_count() or 1, 4))
 
 
+def _die_with_parent() -> None:
+    """Worker initializer (Linux): the kernel kills a forked worker when the search's process dies
+    (PR_SET_PDEATHSIG), so a killed `sailor plan` leaves no worker running on."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 def _worker(index: int) -> Found:
     ctx, opts, groups, shared, deadline = _PARALLEL_JOB
     return _search(ctx, opts, groups[index], shared, None, deadline)
@@ -108,7 +118,7 @@ def _search_parallel(ctx: SimContext, opts: PlanOptions, coarse: list, workers: 
     groups = [coarse[i::workers] for i in range(workers)]
     _PARALLEL_JOB = (ctx, opts, groups, shared, deadline)
     try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=fork) as pool:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=fork, initializer=_die_with_parent) as pool:
             parts = list(pool.map(_worker, range(workers)))
     finally:
         _PARALLEL_JOB = None
