@@ -51,7 +51,6 @@ class Option:
 
     gpu: str
     tp: int
-    gpus: int
     forward_s: float
     backward_s: float
     min_replicas: int = 1
@@ -59,6 +58,10 @@ class Option:
     @property
     def time_s(self) -> float:
         return self.forward_s + self.backward_s
+
+    @property
+    def gpus(self) -> int:
+        return self.tp
 
 
 Table = list[list[Option]]  # per stage, the feasible options
@@ -72,7 +75,7 @@ def option_table(ctx: SimContext, gpus: list[str], partition: Partition, mbs: in
     table: Table = [[] for _ in partition]
     for g in gpus:
         for i, opts in enumerate(stage_options(ctx, g, partition, mbs, microbatches, memory)):
-            table[i] += [Option(gpu=g, tp=o.tp, gpus=o.tp, forward_s=o.forward_s, backward_s=o.backward_s,
+            table[i] += [Option(gpu=g, tp=o.tp, forward_s=o.forward_s, backward_s=o.backward_s,
                                 min_replicas=o.min_replicas) for o in opts]
     return table
 
