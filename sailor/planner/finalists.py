@@ -96,14 +96,16 @@ def pareto_add(front: list[tuple[float, float]], p: tuple[float, float]) -> None
 def plan_from_kinds(ctx: SimContext, cand: S.Candidate, partition, mbs: int, memory: tuple[StageMemory, ...] = ()) -> Plan:
     """The plan of a candidate whose kinds name an option and a zone per stage (`kinds.Kind`) or a
     GPU type, zone and TP template (`search.PipelineType`): one pipeline per share, with the stages'
-    memory options (ZeRO over a single pipeline shards nothing and is left out)."""
+    memory options. Over a single pipeline ZeRO shards nothing: ZeRO-1 is left out, ZeRO-2/3 become
+    ZeRO-2, which still syncs one layer's gradients at a time instead of flattening the stage's
+    (`simulator.memory.sync_buffer_bytes`, what `space.min_replicas` counted)."""
     pipelines = []
     for t, shares in zip(cand.scorer.types, cand.shares):
         reps = [{"stage": i, "gpu": s.gpu, "zone": s.zone, "tp": s.tp} for i, s in enumerate(t.slot(i) for i in range(len(partition)))]
         for m in shares:
             pipelines.append({"microbatches": m, "replicas": reps})
     if len(pipelines) == 1:
-        memory = tuple(m.model_copy(update={"zero": 0}) for m in memory)
+        memory = tuple(m.model_copy(update={"zero": 2 if m.zero >= 2 else 0}) for m in memory)
     plan = Plan.model_validate({"micro_batch_size": mbs, "stages": [list(s) for s in partition], "pipelines": pipelines,
                                 "memory": [m.model_dump(mode="json") for m in memory] if any(not m.is_default for m in memory) else [],
                                 "job": ctx.job.to_dict(), "cluster": ctx.cluster.to_dict()})

@@ -160,22 +160,25 @@ def replica_cap(ctx: SimContext, gpu: str, tp: int, microbatches: int) -> int:
 
 
 def min_replicas(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, *, stage: int, num_stages: int,
-                 microbatches: int, memory: StageMemory) -> int | None:
-    """Fewest data-parallel replicas D (at most `replica_cap`) with which a replica of stage [a, b)
-    fits in memory under `memory`; None when it never does. Memory is A + B/D with B the states the
+                 microbatches: int, memory: StageMemory, most: int | None = None) -> int | None:
+    """Fewest data-parallel replicas D (at most `replica_cap`, and at most `most` where given) with
+    which a replica of stage [a, b) fits in memory under `memory`; None when it never does. Memory is A + B/D with B the states the
     ZeRO level shards (`simulator.memory.state_bytes`) and A the rest (plus, under ZeRO-3, the
     gathered weights of the largest layer), so D = ceil(B / (limit - A)), limit = the memory a plan
     may fill (`SimContext.memory_limit`: capacity less the memory margin)."""
-    key = ("min_replicas", gpu, tp, mbs, a, b, stage, num_stages, microbatches, memory.recompute,
+    key = ("min_replicas", gpu, tp, mbs, a, b, stage, num_stages, microbatches, most, memory.recompute,
            memory.recompute_blocks, memory.sequence_parallel, memory.zero)
     if key in ctx.memo:
         return ctx.memo[key]
-    one_key = key[:-1]
-    if one_key not in ctx.memo:  # at D = 1 nothing is sharded: the same for every ZeRO level
+    # at D = 1 nothing is sharded: the same for every ZeRO level but for the gradient sync's flat
+    # buffer (`simulator.memory.sync_buffer_bytes`: the stage's gradients, one layer's under ZeRO-2/3)
+    one_key = key[:9] + key[10:-1] + (memory.zero >= 2,)
+    if one_key not in ctx.memo:
         ctx.memo[one_key] = replica_memory(ctx, gpu, tp, mbs, ((a, b),), stage=stage, num_stages=num_stages,
                                            microbatches=microbatches, memory=memory, replicas=1)
     one = ctx.memo[one_key]
     cap, top = ctx.memory_limit(gpu), replica_cap(ctx, gpu, tp, microbatches)  # within the memory margin
+    top = top if most is None else min(top, most)
     if one.total <= cap:
         d = 1
     elif memory.zero == 0 or top == 1:
@@ -222,13 +225,13 @@ _CONFIGS = {zero: [StageMemory(recompute=r, zero=zero, sequence_parallel=sp) for
 
 
 def _fitting_options(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, i: int, P: int, M: int,
-                     zero_max: int) -> list[tuple]:
-    """The memory options of stage i that fit with up to `replica_cap` replicas, as (seconds per
+                     zero_max: int, most: int | None = None) -> list[tuple]:
+    """The memory options of stage i that fit with up to `replica_cap` replicas (and `most`), as (seconds per
     micro-batch, ZeRO level, SP, recomputation rank, StageMemory): for every recomputation x SP, the
     lowest ZeRO level <= 2 at which it fits (ZeRO-1/2 change nothing per micro-batch, and a higher
     level only shards more), or ZeRO-3 when zero_max = 3 and nothing lighter fits (its gathers cost
     time)."""
-    key = ("fitting_options", gpu, tp, mbs, a, b, i, P, M, zero_max)
+    key = ("fitting_options", gpu, tp, mbs, a, b, i, P, M, zero_max, most)
     if key not in ctx.memo:
         out = []
         for rank, (recompute, sp) in enumerate(_RECOMPUTE_SP):
@@ -237,12 +240,13 @@ def _fitting_options(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: in
             fits = {}
             for zero in (2, 1, 0):  # from the most sharding down: stop where it no longer fits
                 d = min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=M,
-                                 memory=_CONFIGS[zero][rank])
+                                 memory=_CONFIGS[zero][rank], most=most)
                 if d is None:
                     break
                 fits[zero] = d
             if zero_max == 3 and not fits:  # ZeRO-3 only where nothing lighter fits
-                d3 = min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=_CONFIGS[3][rank])
+                d3 = min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=_CONFIGS[3][rank],
+                                  most=most)
                 if d3 is not None:
                     fits[3] = d3
             if fits:
@@ -254,13 +258,13 @@ def _fitting_options(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: in
 
 
 def cheapest_fit(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, i: int, P: int, M: int,
-                 zero_max: int) -> StageMemory | None:
+                 zero_max: int, most: int | None = None) -> StageMemory | None:
     """The memory options of stage i (layers [a, b)) on `gpu` at TP `tp` that fit with up to
-    `replica_cap` replicas at the lowest per-micro-batch time, ZeRO level at most `zero_max` (ties:
+    `replica_cap` replicas (and at most `most`) at the lowest per-micro-batch time, ZeRO level at most `zero_max` (ties:
     the lower ZeRO level, no SP, the lighter recomputation); None when none fits."""
     if min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=DEFAULT_STAGE_MEMORY) == 1:
         return DEFAULT_STAGE_MEMORY  # fits as it is: the fastest there is
-    fits = [x for x in _fitting_options(ctx, gpu, tp, mbs, a, b, i, P, M, max(zero_max, 2)) if x[1] <= zero_max]
+    fits = [x for x in _fitting_options(ctx, gpu, tp, mbs, a, b, i, P, M, max(zero_max, 2), most) if x[1] <= zero_max]
     return min(fits, key=lambda x: x[:4])[4] if fits else None
 
 
@@ -272,8 +276,10 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
     ceiling z <= zero_max, each stage takes its cheapest options that fit (`cheapest_fit`): none
     where the stage fits as it is (no recomputation when it fits), else the SP, recomputation and
     ZeRO level that cost it the least time per micro-batch. ZeRO-1/2 cost nothing per micro-batch; ZeRO-3's gathers do, and the
-    planner allows it (zero_max = 3) only where nothing fits without it. Distinct vectors only,
-    lightest first (`memory_weight`; the defaults, when every stage fits as it is, lead)."""
+    planner allows it (zero_max = 3) only where nothing fits without it. At TP t the P stages have
+    at most N // (t·P) replicas each (N the cluster's GPUs), so no option is taken that needs more
+    than that: a candidate the cluster cannot hold would take the place of one it can. Distinct vectors only, lightest first
+    (`memory_weight`; the defaults, when every stage fits as it is, lead)."""
     P = len(partition)
     base = (DEFAULT_STAGE_MEMORY,) * P
     tps = {g: ctx.job.model.tp_degrees(ctx.cluster.node_size(g)) for g in gpus}
@@ -281,10 +287,14 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
                for t in tps[g]) for g in gpus for i, (a, b) in enumerate(partition)):
         return [base]  # every GPU type holds every stage as it is at some TP degree: nothing is needed
     seen: list[Memory] = []
+    n = ctx.cluster.total_gpus()
     for g in gpus:
         for t in tps[g]:
+            most = n // (t * P)
+            if most < 1:
+                continue  # the cluster cannot hold one pipeline of P stages at TP t
             for z in range(zero_max + 1):
-                vec = tuple(cheapest_fit(ctx, g, t, mbs, a, b, i, P, M, z) for i, (a, b) in enumerate(partition))
+                vec = tuple(cheapest_fit(ctx, g, t, mbs, a, b, i, P, M, z, most) for i, (a, b) in enumerate(partition))
                 if None not in vec and vec not in seen:
                     seen.append(vec)
                 if all(m == DEFAULT_STAGE_MEMORY for m in vec):
@@ -335,17 +345,24 @@ def templates(options: list[list[StageOption]]) -> list[tuple[int, ...]]:
 
 
 def zero3_needed(ctx: SimContext, max_stages: int) -> bool:
-    """True when no plan of the space fits without ZeRO-3: no GPU type, TP degree and pipeline depth
-    holds every stage of the even partition at micro-batch 1 with full recomputation, SP where
-    possible and ZeRO-2 over as many replicas as it could have. ZeRO-3 gathers the weights for every
+    """True when no plan the cluster has the GPUs for fits without ZeRO-3: no GPU type, TP degree t
+    and pipeline depth P holds every stage of the even partition at micro-batch 1 under some
+    recomputation and SP with ZeRO-2 over at most N // (t·P) replicas (N the cluster's GPUs; a
+    deeper pipeline than the GPUs allow does not count). ZeRO-3 gathers the weights for every
     micro-batch, so it is searched only then (memoised for the call)."""
     key = ("zero3_needed", max_stages)
     if key not in ctx.memo:
-        job = ctx.job
+        job, n = ctx.job, ctx.cluster.total_gpus()
         M, L = job.global_batch_size, job.model.num_layers
-        ctx.memo[key] = not any(
-            all(cheapest_fit(ctx, g, t, 1, a, b, i, P, M, 2) is not None
+
+        def holds(g: str, t: int, P: int) -> bool:
+            most = n // (t * P)  # replicas the cluster has the GPUs for
+            return most >= 1 and all(
+                any((d := min_replicas(ctx, g, t, 1, a, b, stage=i, num_stages=P, microbatches=M, memory=mem)) is not None
+                    and d <= most for mem in _CONFIGS[2] if not mem.sequence_parallel or sp_possible(ctx, t))
                 for i, (a, b) in enumerate(even_partition(L, P)))
-            for g in ctx.cluster.gpu_types() for t in job.model.tp_degrees(ctx.cluster.node_size(g))
-            for P in range(1, min(L, max_stages) + 1))
+
+        ctx.memo[key] = not any(holds(g, t, P) for g in ctx.cluster.gpu_types()
+                                for t in job.model.tp_degrees(ctx.cluster.node_size(g))
+                                for P in range(1, min(L, max_stages) + 1))
     return ctx.memo[key]
