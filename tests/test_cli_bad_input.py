@@ -534,3 +534,13 @@ def test_hosts_file_node_size_is_used_not_the_plans_tp(tmp_path, monkeypatch, ca
     assert code == 0, err
     docs = [d for d in yaml.safe_load_all(out) if d]
     assert sorted(d["host"] for d in docs) == ["a", "b"]  # TP 1 on nodes of 1 GPU: one machine per stage
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_output_on_a_full_disk_is_one_line_not_an_internal_error():
+    """`--json > /dev/full`: writing stdout fails with ENOSPC; one error line, exit 1, no traceback file."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([str(SAILOR), "plan", "--json"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.splitlines() == ["error: the output could not be written: No space left on device"]
+

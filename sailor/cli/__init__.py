@@ -6,12 +6,16 @@ the user on stderr (`main`):
 - input taken with a change (`sailor.errors.SailorWarning`): one `warning:` line, the command goes on;
 - where the profile of this machine came from (`cli.common.NOTES_AT_END`): a line once the command
   has succeeded, so that an error after it is still the only line;
+- output that cannot be written (a full disk, `> /dev/full`): one `error:` line, exit status 1; a
+  reader that leaves (`sailor plan | head -1`): nothing more, exit status 1 (rich's console, and
+  Python's note on SIGPIPE, do the same);
 - anything else (a bug): one `error: internal error ...` line naming a file that holds the
   traceback, exit status 1. Never a bare traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import tempfile
@@ -78,6 +82,7 @@ def main() -> None:
             from sailor.cli.common import NOTES_AT_END
             NOTES_AT_END.clear()
             code = app(standalone_mode=False)
+            sys.stdout.flush()  # a full disk or a closed pipe shows here, not at interpreter exit
             for line in NOTES_AT_END:
                 print(line, file=sys.stderr)
         except SailorInputError as e:
@@ -92,11 +97,28 @@ def main() -> None:
             sys.exit(130)
         except (SystemExit, typer.Exit):
             raise
-        except BaseException as e:  # a bug: one line, the traceback in a file
-            print(f"error: internal error ({one_line(type(e).__name__ + ': ' + str(e))[:300]}); {_save_traceback()}",
-                  file=sys.stderr)
+        except BrokenPipeError:  # the reader left (`sailor plan --json | head -c 10`): as rich's console does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
+        except OSError as e:
+            if e.errno not in _WRITE_ERRNOS:
+                _internal_error(e)
+            print(f"error: the output could not be written: {e.strerror or e}", file=sys.stderr)
+            sys.exit(1)
+        except BaseException as e:  # a bug: one line, the traceback in a file
+            _internal_error(e)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+# A write that failed for want of room or a device (the output on a full disk, `> /dev/full`): no bug.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
+
+
+def _internal_error(e: BaseException) -> None:
+    """A bug: one line naming the file that holds the traceback, exit status 1."""
+    print(f"error: internal error ({one_line(type(e).__name__ + ': ' + str(e))[:300]}); {_save_traceback()}",
+          file=sys.stderr)
+    sys.exit(1)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
