@@ -317,6 +317,8 @@ BAD = [
      "is not a container image reference"),
     # unbounded steps
     ({}, ["train", "cpu_plan.json", "--steps", str(10**20), "--dry-run"], "--steps: must be between 1 and"),
+    # a file where a checkpoint folder belongs
+    ({"ck.txt": "not a checkpoint"}, ["export", "ck.txt", "--to", "hf"], "ck.txt: is a file, expected a checkpoint folder"),
 ]
 
 

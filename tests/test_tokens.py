@@ -215,3 +215,15 @@ def test_cli_refuses_a_vocabulary_or_ids_the_model_cannot_take(tmp_path, tokeniz
     ids.tofile(tmp_path / "ids.bin")  # no sidecar: scanned
     _one_line(_cli("train", str(plan), "--data", str(tmp_path / "ids.bin"), "--steps", "1"),
               "token id 999 is beyond the model's vocabulary of 256")
+
+
+def test_cli_names_a_folder_or_a_bad_tokenizer_in_one_line(tmp_path, tokenizer):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "not-a-tokenizer.json").write_text("{}")
+    out = str(tmp_path / "t.npy")
+    _one_line(_cli("data", "prepare", str(tmp_path / "docs"), "--tokenizer", str(tokenizer), "--out", out),
+              f"{tmp_path / 'docs'}: is a folder, expected a text or .jsonl file")
+    _one_line(_cli("data", "prepare", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "not-a-tokenizer.json"),
+                   "--out", out), "not a tokenizer.json")
+    assert not (tmp_path / "t.npy").exists()

@@ -31,13 +31,14 @@ def prepare_command(
     """Tokenize INPUT... with a tokenizer.json into one token file, written atomically."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from sailor.runtime.dataprep import prepare_tokens
+    from sailor.runtime.dataprep import check_inputs, prepare_tokens
     from sailor.specs import load_job
 
     model_vocab = load_job(job).model.vocab_size if job else None
-    total = sum(p.stat().st_size for p in inputs if p.is_file())
+    total = sum(p.stat().st_size for p in check_inputs(inputs))
     columns = [TextColumn("tokenize"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console(), transient=as_json) as bar:
+    # transient: the bar goes when it ends, so that an error found while tokenizing is the only line
+    with Progress(*columns, console=console(), transient=True) as bar:
         task = bar.add_task("tokenize", total=total)
         summary = prepare_tokens(inputs, tokenizer=tokenizer, out=out, text_field=text_field, eos=eos,
                                  model_vocab=model_vocab, progress=lambda n: bar.advance(task, n))

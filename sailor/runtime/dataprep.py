@@ -102,6 +102,25 @@ def _cut(data: bytes) -> int:
     return cut - 1 if cut and data[cut - 1] >= 0xC0 else cut
 
 
+def check_inputs(inputs: list[str | Path]) -> list[Path]:
+    """The input paths of `prepare_tokens`, each an existing regular file.
+
+    Raises:
+        SailorInputError: a path that is missing, a folder (its files are to be named), or not a
+            regular file (a device, FIFO or socket).
+    """
+    paths = [Path(p) for p in inputs]
+    for p in paths:
+        if p.is_dir():
+            raise SailorInputError("is a folder, expected a text or .jsonl file", source=str(p),
+                                   fix=f"name the files in it, e.g. {p}/*.txt")
+        if not p.exists():
+            raise SailorInputError("no such file", source=str(p))
+        if not p.is_file():
+            raise SailorInputError("is not a regular file (a device, FIFO or socket)", source=str(p))
+    return paths
+
+
 def prepare_tokens(inputs: list[str | Path], *, tokenizer: str | Path, out: str | Path, text_field: str = "text",
                    eos: str | None = None, model_vocab: int | None = None,
                    progress: Callable[[int], None] = lambda n: None) -> dict[str, Any]:
@@ -116,10 +135,7 @@ def prepare_tokens(inputs: list[str | Path], *, tokenizer: str | Path, out: str 
     t0 = time.perf_counter()
     out = Path(out)
     check_output_path(out, "--out", suffixes=(".npy", ".bin"))
-    paths = [Path(p) for p in inputs]
-    for p in paths:
-        if not p.is_file():
-            raise SailorInputError("no such file", source=str(p))
+    paths = check_inputs(inputs)
     tok = load_tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if model_vocab is not None and vocab > model_vocab:

@@ -394,7 +394,8 @@ def _find_checkpoint(p: Path) -> tuple[Path, dict[str, Any]]:
         except ckpt.CheckpointError as e:
             raise SailorInputError(str(e), source=str(p)) from None
     if not p.is_dir():
-        raise SailorInputError("no such checkpoint folder", source=str(p))
+        raise SailorInputError("is a file, expected a checkpoint folder" if p.exists() else "no such checkpoint folder",
+                               source=str(p), fix="pass the --checkpoint-dir of sailor train, or a step-<n> folder in it")
     found = ckpt.find_latest(p)
     if found.path is None:
         why = f" ({'; '.join(found.skipped)})" if found.skipped else ""
