@@ -416,6 +416,24 @@ def test_resume_of_the_same_run_goes_on(tmp_path, monkeypatch, capsys):
     assert code == 0 and "resuming from" in err and "(step 3)" in err, err
 
 
+def test_resume_with_only_damaged_checkpoints_is_refused_and_keeps_them(tmp_path, monkeypatch, capsys):
+    """Starting over would replace the damaged checkpoint once the run reached its step."""
+    _base(tmp_path)
+    _checkpoint(tmp_path / "ck", 3, JOB, seed=0)
+    f = tmp_path / "ck" / "step-00000003" / "stage-0.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    line = _refused(["train", "cpu_plan.json", "--checkpoint-dir", "ck", "--resume", "--steps", "5", "--dry-run"],
+                    tmp_path, monkeypatch, capsys)
+    assert "--resume: no verified checkpoint in ck (" in line and "checksum mismatch" in line, line
+    assert f.read_bytes() == bytes(data)  # kept as it was
+    # an empty folder is a first run: it starts from step 0
+    code, _, err = _main(["train", "cpu_plan.json", "--checkpoint-dir", "empty", "--resume", "--steps", "5", "--dry-run"],
+                         tmp_path, monkeypatch, capsys)
+    assert code == 0 and "starting from step 0" in err, err
+
+
 # ---- warnings and internal errors are one line -----------------------------------------------------
 def test_uneven_sailor_plan_is_spread_and_said_in_one_line(tmp_path, monkeypatch, capsys):
     _base(tmp_path)

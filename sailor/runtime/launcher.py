@@ -167,8 +167,11 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
             raise SailorInputError("--resume needs --checkpoint-dir", source="--resume")
         found = ckpt.find_latest(options.checkpoint_dir)
         notes += [f"skipped checkpoint: {why}" for why in found.skipped]
+        if found.path is None and found.skipped:  # starting over would replace them as it reached their steps
+            raise SailorInputError(f"no verified checkpoint in {options.checkpoint_dir} ({'; '.join(found.skipped)})",
+                                   source="--resume", fix="move the damaged checkpoints away to start over, or restore them")
         if found.path is None:
-            notes.append(f"no verified checkpoint in {options.checkpoint_dir}; starting from step 0")
+            notes.append(f"no checkpoint in {options.checkpoint_dir} yet; starting from step 0")
         else:
             ckpt.check_compatible(_current_model_fields(found.manifest), ckpt.run_meta(job, options.seed),
                                   source=str(found.path))
