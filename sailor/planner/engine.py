@@ -45,7 +45,7 @@ from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kin
 from sailor.planner.geo import Scope, build_spanning, scopes, spanning_thetas
 from sailor.planner.kinds import Kind, Pool, Table, all_kinds, homogeneous_kinds, memory_mixed_kinds, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
-from sailor.planner.pack import Packer, count_vectors
+from sailor.planner.pack import Packer, count_vectors, node_unit, round_to_nodes
 from sailor.planner.prune import boundary_floors, family_bound, node_bound, node_keys, table_bound
 from sailor.planner.space import Memory, candidate_partitions, mbs_candidates, memory_candidates, zero3_needed
 from sailor.simulator import SimContext, place, stage_sync, time_options
@@ -243,6 +243,7 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
         return ctx.memo[key]
 
     packer = Packer(kinds, free, fam.M, sync if trade_off else None)
+    units = [node_unit(k, ctx.cluster.node_size) for k in kinds]
     scorer = S.Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
     for base in packer.variants():
         got = packer.fastest(base)
@@ -250,6 +251,9 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
             continue
         tau, counts = got
         offered |= _offer(keep, scorer, counts, point)
+        whole = round_to_nodes(counts, units, kinds, free)
+        if (whole != counts).any():  # the same packing on whole nodes (`pack.round_to_nodes`)
+            _offer(keep, scorer, whole, point)
         if trade_off:
             _trade_off(opts, packer, scorer, base, tau, keep, point)
     return offered
