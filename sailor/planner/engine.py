@@ -226,9 +226,10 @@ def _tp_floors(kinds: list[Kind]) -> list[list[Kind]]:
 
 def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kind], free: dict[Pool, int],
                 keep: Finalists, point: tuple) -> bool:
-    """Packings of `kinds`: the fastest for each base of multi-pool kinds, with spanning pipelines on
-    the GPUs left; for the cost objective or under constraints also the grid of makespans. True when
-    some count vector was offered."""
+    """Packings of `kinds`: the fastest for each base of multi-pool kinds (and the same rounded up to
+    whole nodes, `pack.round_to_nodes`), with spanning pipelines on the GPUs left; for the cost
+    objective or under constraints also the grid of makespans. True when some count vector was
+    offered."""
     if not kinds:
         return False
     offered = False
