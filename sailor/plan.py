@@ -424,17 +424,25 @@ def pack_replicas(pipelines: list[list[tuple[str, str, int]]],
     The planner calls this on pipelines it has not built as a Plan yet.
     """
     sizes = gpus_per_node or {}
+    per_node: dict[str, int] = {}
     free: dict[tuple[str, str], list[int]] = {}  # (zone, gpu) -> free GPUs per opened node
+    # First-fit in linear time: a node's free GPUs only shrink, so once a node has fewer than tp free
+    # it never takes a TP-tp group again, and the scan for tp can start where the last one stopped.
+    start: dict[tuple[str, str, int], int] = {}
     out: list[list[tuple[str, int]]] = []
     for pipe in pipelines:
         row = []
         for zone, gpu, tp in pipe:
-            cap = max(sizes.get(gpu) or catalog.gpu(gpu).gpus_per_node, tp)
+            if gpu not in per_node:
+                per_node[gpu] = sizes.get(gpu) or catalog.gpu(gpu).gpus_per_node
+            cap = max(per_node[gpu], tp)
             nodes = free.setdefault((zone, gpu), [])
-            idx = next((k for k, f in enumerate(nodes) if f >= tp), None)
-            if idx is None:
+            idx = start.get((zone, gpu, tp), 0)
+            while idx < len(nodes) and nodes[idx] < tp:
+                idx += 1
+            if idx == len(nodes):
                 nodes.append(cap)
-                idx = len(nodes) - 1
+            start[(zone, gpu, tp)] = idx
             row.append((f"{zone}/{gpu}/{idx}", cap - nodes[idx]))
             nodes[idx] -= tp
         out.append(row)

@@ -7,7 +7,7 @@ import pytest
 
 from sailor.errors import SailorInputError, SailorWarning
 from sailor.models import Recompute
-from sailor.plan import Plan, StageMemory, load_plan, plan_from_dict, rank_layout
+from sailor.plan import Plan, StageMemory, load_plan, pack_replicas, plan_from_dict, rank_layout
 from sailor.specs import ClusterSpec, JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=12)
@@ -274,3 +274,37 @@ def test_zb_h1_refuses_full_recomputation_and_interleaved_counts_blocks_over_chu
     too_many = Plan.model_validate(_interleaved() | {"memory": [{}, {"recompute": "full", "recompute_blocks": 4}]})
     with pytest.raises(SailorInputError, match=r"memory\.1\.recompute_blocks: recompute_blocks 4 but stage 1 holds 3"):
         too_many.check_against(JOB)
+
+
+def _first_fit(pipelines, sizes):
+    """Reference placement: for every replica in order, scan the pool's nodes from the first and take
+    the first with room for its TP group, else open a node."""
+    free, out = {}, []
+    for pipe in pipelines:
+        row = []
+        for zone, gpu, tp in pipe:
+            cap = max(sizes[gpu], tp)
+            nodes = free.setdefault((zone, gpu), [])
+            idx = next((k for k, f in enumerate(nodes) if f >= tp), None)
+            if idx is None:
+                nodes.append(cap)
+                idx = len(nodes) - 1
+            row.append((f"{zone}/{gpu}/{idx}", cap - nodes[idx]))
+            nodes[idx] -= tp
+        out.append(row)
+    return out
+
+
+def test_pack_replicas_is_first_fit():
+    # mixed TP degrees in shared pools (8 GPUs per node, one type at 4, TP 8 groups opening wider
+    # nodes): the linear-time packing places every replica where the plain first-fit scan does
+    import random
+    rng = random.Random(7)
+    sizes = {"A100-40": 8, "V100-16": 4}
+    for _ in range(200):
+        pipes = [[(rng.choice(["z1", "z2"]), rng.choice(list(sizes)), rng.choice([1, 2, 4, 8]))
+                  for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 40))]
+        assert pack_replicas(pipes, sizes) == _first_fit(pipes, sizes)
+    # hand case: TP 2, 4, 2 on 4-GPU nodes -> node 0 takes 2 + 2 (first fit), TP 4 opens node 1
+    assert pack_replicas([[("z", "V100-16", 2), ("z", "V100-16", 4), ("z", "V100-16", 2)]], sizes) == \
+        [[("z/V100-16/0", 0), ("z/V100-16/1", 0), ("z/V100-16/0", 2)]]

@@ -45,7 +45,7 @@ from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kin
 from sailor.planner.geo import Scope, build_spanning, scopes, spanning_thetas
 from sailor.planner.kinds import Kind, Pool, Table, all_kinds, homogeneous_kinds, memory_mixed_kinds, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
-from sailor.planner.pack import Packer, count_vectors
+from sailor.planner.pack import Packer, count_vectors, node_unit, round_to_nodes
 from sailor.planner.prune import boundary_floors, family_bound, node_bound, node_keys, table_bound
 from sailor.planner.space import Memory, candidate_partitions, mbs_candidates, memory_candidates, zero3_needed
 from sailor.simulator import SimContext, place, stage_sync, time_options
@@ -226,9 +226,10 @@ def _tp_floors(kinds: list[Kind]) -> list[list[Kind]]:
 
 def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kind], free: dict[Pool, int],
                 keep: Finalists, point: tuple) -> bool:
-    """Packings of `kinds`: the fastest for each base of multi-pool kinds, with spanning pipelines on
-    the GPUs left; for the cost objective or under constraints also the grid of makespans. True when
-    some count vector was offered."""
+    """Packings of `kinds`: the fastest for each base of multi-pool kinds (and the same rounded up to
+    whole nodes, `pack.round_to_nodes`), with spanning pipelines on the GPUs left; for the cost
+    objective or under constraints also the grid of makespans. True when some count vector was
+    offered."""
     if not kinds:
         return False
     offered = False
@@ -243,6 +244,7 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
         return ctx.memo[key]
 
     packer = Packer(kinds, free, fam.M, sync if trade_off else None)
+    units = [node_unit(k, ctx.cluster.node_size) for k in kinds]
     scorer = S.Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
     for base in packer.variants():
         got = packer.fastest(base)
@@ -250,6 +252,9 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
             continue
         tau, counts = got
         offered |= _offer(keep, scorer, counts, point)
+        whole = round_to_nodes(counts, units, kinds, free)
+        if (whole != counts).any():  # the same packing on whole nodes (`pack.round_to_nodes`)
+            _offer(keep, scorer, whole, point)
         if trade_off:
             _trade_off(opts, packer, scorer, base, tau, keep, point)
     return offered

@@ -208,7 +208,7 @@ def memory_mixed_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], par
     helper stage takes the helper's option with the fewest GPUs that is no slower than the template's
     slowest stage (else its fastest)."""
     P = len(partition)
-    out: dict[tuple, Kind] = {}
+    specs: list[tuple[tuple[str, ...], tuple[Option, ...]]] = []
     for z in sorted({z for z, _ in free}):
         here = sorted(g for (zz, g), n in free.items() if zz == z and n > 0)
         for base, helper in itertools.permutations(here, 2):
@@ -229,10 +229,9 @@ def memory_mixed_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], par
                     for i in on_helper:
                         ok = [o for o in theirs[i] if o.time_s <= theta]
                         picks[i] = min(ok, key=lambda o: (o.gpus, o.time_s)) if ok else min(theirs[i], key=lambda o: o.time_s)
-                    kind = make_kind(ctx, (z,) * P, tuple(picks), partition, mbs, memory)
-                    if kind.fits(free) >= 1:
-                        out[(kind.zones, kind.options)] = kind
-    return list(out.values())
+                    specs.append(((z,) * P, tuple(picks)))
+    specs = list(dict.fromkeys(specs))  # the first of equal picks, in order
+    return [k for k in make_kinds(ctx, specs, partition, mbs, memory) if k.fits(free) >= 1]
 
 
 def all_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], partition: Partition, mbs: int,

@@ -20,6 +20,7 @@ Each count vector found is scored exactly (`search.Scorer`) by the caller.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -243,3 +244,32 @@ def trim(counts: np.ndarray, caps: np.ndarray, M: int, key) -> np.ndarray:
         if caps[i] == 0:
             counts[i] = 0
     return counts
+
+
+def node_unit(kind: Kind, node_size: Callable[[str], int]) -> int:
+    """Fewest pipelines of `kind` whose GPUs fill whole nodes in every pool they use
+    (`node_size(gpu)` GPUs per node): e.g. 2 for one-stage TP-2 pipelines on 4-GPU nodes."""
+    unit = 1
+    for (_, gpu), g in kind.use:
+        s = node_size(gpu)
+        unit = math.lcm(unit, s // math.gcd(s, g))
+    return unit
+
+
+def round_to_nodes(counts: np.ndarray, units: list[int], kinds: list[Kind], free: dict[Pool, int]) -> np.ndarray:
+    """`counts` with each used kind's count rounded up to a multiple of its `node_unit`, where the
+    free GPUs hold it (kinds in order): a trimmed packing can leave one node part-filled, and a
+    hierarchical all-reduce over unequal node islands shards by the smallest island, so the plan
+    with a few more pipelines on whole nodes can sync much faster."""
+    out = counts.copy()
+    left = dict(free)
+    for k, kind in enumerate(kinds):
+        for p, g in kind.use:
+            left[p] = left.get(p, 0) - g * int(out[k])
+    for k, kind in enumerate(kinds):
+        extra = -int(out[k]) % units[k] if out[k] else 0
+        if extra and all(left.get(p, 0) >= g * extra for p, g in kind.use):
+            out[k] += extra
+            for p, g in kind.use:
+                left[p] -= g * extra
+    return out

@@ -236,6 +236,11 @@ class Scorer:
         if not self._d_dependent:
             return self.types
         if D not in self._at:
+            from sailor.planner.kinds import Kind, make_kinds  # kinds builds on this module
+            todo = [t for t in self.types if isinstance(t, Kind) and t.depends_on_replicas and t.replicas != D]
+            for memory in dict.fromkeys(t.memory for t in todo):  # batched calls (`Kind.at` builds one by one)
+                make_kinds(self.ctx, [(t.zones, t.options) for t in todo if t.memory == memory], self.partition,
+                           self.mbs, memory, D)
             self._at[D] = [t.at(self.ctx, self.partition, self.mbs, D) for t in self.types]
         return self._at[D]
 
@@ -243,62 +248,83 @@ class Scorer:
         """(tied + slowest stage gradient sync seconds, egress $ per iteration) for these counts, as
         `simulate` computes them (`tied_sync`, `stage_sync` with the stages' options at D) on the
         plan `finalists.plan_from_kinds` makes: pipelines in kind order, placed on nodes as the launcher
-        places them (`place`), so replicas that share a node reduce over the intra-node link."""
+        places them (`place`), so replicas that share a node reduce over the intra-node link.
+        Memoised in the context by what it depends on (each used kind's slots and count, in order;
+        the partition; the stages' sync options), so scorers over other kind lists share it."""
         if counts not in self._sync:
-            P = len(self.partition)
-            placed = self._placed(counts)
-            tied, usd = 0.0, 0.0
-            for (first, last), n in Counter((pipe[0], pipe[-1]) for pipe in placed).items():
-                s, _, u = tied_sync(self.ctx, first, last, P)
-                tied = max(tied, s)
-                usd += n * u
-            worst = 0.0
-            for i, (a, e) in enumerate(self.partition):
-                groups = sorted(self._stage_members(counts, placed, i).items(),
-                                key=lambda g: (g[0].zone, g[0].node or "", g[0].gpu, g[0].tp))
-                s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i])
-                worst = max(worst, s)
-                usd += u
-            self._sync[counts] = (tied + worst, usd)
+            used = tuple((self._slots(t), n) for t, n in zip(self.types, counts) if n)
+            key = ("counts-sync", used, tuple(self.partition), tuple(self._sync_options))
+            if key not in self.ctx.memo:
+                self.ctx.memo[key] = self._sync_of(used)
+            self._sync[counts] = self.ctx.memo[key]
         return self._sync[counts]
+
+    def _sync_of(self, used: tuple[tuple[tuple[Slot, ...], int], ...]) -> tuple[float, float]:
+        """`sync` of the used kinds' (slots, count), in kind order."""
+        P = len(self.partition)
+        alone = self._alone(used)
+        if alone:  # each kind's pipelines placed as if alone: its pairs and stage members memoised
+            pairs = [term for slots, n in used for term in self._tied_terms(slots, n)]
+        else:
+            placed = place([list(slots) for slots, n in used for _ in range(n)], self.ctx.cluster)
+            pairs = [(tied_sync(self.ctx, first, last, P), n)
+                     for (first, last), n in Counter((pipe[0], pipe[-1]) for pipe in placed).items()]
+        tied, usd = 0.0, 0.0
+        for (s, _, u), n in pairs:
+            tied = max(tied, s)
+            usd += n * u
+        worst = 0.0
+        for i, (a, e) in enumerate(self.partition):
+            if alone:
+                members: Counter = Counter()
+                for slots, n in used:
+                    members.update(self._stage_counts(slots, n, i))
+            else:
+                members = Counter(pipe[i] for pipe in placed)
+            groups = sorted(members.items(), key=lambda g: (g[0].zone, g[0].node or "", g[0].gpu, g[0].tp))
+            s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i])
+            worst = max(worst, s)
+            usd += u
+        return tied + worst, usd
 
     def _slots(self, t) -> tuple[Slot, ...]:
         """The slots of one pipeline of kind `t`, stage by stage."""
         return tuple(t.slot(i) for i in range(len(self.partition)))
 
-    def _alone(self, used) -> bool:
-        """True when no two used kinds share a (zone, GPU type) pool: the launcher fills each pool's
-        nodes separately, so each kind's pipelines are then placed as if alone."""
-        pools = [{(s.zone, s.gpu) for s in self._slots(t)} for t, _ in used]
+    @staticmethod
+    def _alone(used) -> bool:
+        """True when no two used kinds (slots, count) share a (zone, GPU type) pool: the launcher
+        fills each pool's nodes separately, so each kind's pipelines are then placed as if alone."""
+        pools = [{(s.zone, s.gpu) for s in slots} for slots, _ in used]
         return sum(map(len, pools)) == len(set().union(*pools))
 
-    def _stage_members(self, counts: tuple[int, ...], placed: list[list[Slot]], i: int) -> Counter:
-        """Stage i's placed replicas and how many of each: summed per kind from memoised counts
-        when kinds are placed alone (`_placed`), else counted on `placed`."""
-        used = [(t, n) for t, n in zip(self.types, counts) if n]
-        if not self._alone(used):
-            return Counter(pipe[i] for pipe in placed)
-        total: Counter = Counter()
-        for t, n in used:
-            key = ("placed-stage", self._slots(t), n, i)
-            if key not in self.ctx.memo:
-                self.ctx.memo[key] = Counter(pipe[i] for pipe in self.ctx.memo[("placed", self._slots(t), n)])
-            total.update(self.ctx.memo[key])
-        return total
+    def _placed_alone(self, slots: tuple[Slot, ...], n: int) -> list[list[Slot]]:
+        """n pipelines of these slots placed on nodes alone (`simulator.place`). The launcher places
+        pipelines in order, so n of them sit where the first n of more do: one placement per kind,
+        the longest asked for (grown by doubling), serves every count."""
+        key = ("placed", slots)
+        have = self.ctx.memo.get(key)
+        if have is None or len(have) < n:
+            have = place([list(slots)] * max(n, 2 * len(have or ())), self.ctx.cluster)
+            self.ctx.memo[key] = have
+        return have[:n]
 
-    def _placed(self, counts: tuple[int, ...]) -> list[list[Slot]]:
-        """The pipelines of `counts` in kind order, placed on nodes (`simulator.place`). Kinds that
-        share no pool with another used kind are placed alone (memoised per kind and count)."""
-        used = [(t, n) for t, n in zip(self.types, counts) if n]
-        if not self._alone(used):
-            return place([list(self._slots(t)) for t, n in used for _ in range(n)], self.ctx.cluster)
-        out: list[list[Slot]] = []
-        for t, n in used:
-            key = ("placed", self._slots(t), n)
-            if key not in self.ctx.memo:
-                self.ctx.memo[key] = place([list(self._slots(t))] * n, self.ctx.cluster)
-            out += self.ctx.memo[key]
-        return out
+    def _tied_terms(self, slots: tuple[Slot, ...], n: int) -> list[tuple[tuple[float, float, float], int]]:
+        """(`tied_sync` of a (first, last) pair, how many pipelines have it) for n pipelines of these
+        slots placed alone, pairs in order of first appearance (memoised per kind and count)."""
+        key = ("placed-tied", slots, n)
+        if key not in self.ctx.memo:
+            pairs = Counter((pipe[0], pipe[-1]) for pipe in self._placed_alone(slots, n))
+            self.ctx.memo[key] = [(tied_sync(self.ctx, first, last, len(slots)), k) for (first, last), k in pairs.items()]
+        return self.ctx.memo[key]
+
+    def _stage_counts(self, slots: tuple[Slot, ...], n: int, i: int) -> Counter:
+        """Stage i's placed replicas and how many of each, for n pipelines of these slots placed
+        alone (memoised per kind and count)."""
+        key = ("placed-stage", slots, n, i)
+        if key not in self.ctx.memo:
+            self.ctx.memo[key] = Counter(pipe[i] for pipe in self._placed_alone(slots, n))
+        return self.ctx.memo[key]
 
     def score(self, counts: tuple[int, ...]) -> "Candidate | None":
         """The candidate of these counts (None when its pipelines outnumber the micro-batches, when

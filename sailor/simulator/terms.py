@@ -294,6 +294,15 @@ def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> 
     return collective_s(ctx, groups, Collective.ALL_REDUCE, nbytes, t)
 
 
+def group_shape(groups: list[Group]) -> tuple:
+    """`groups` with each node name replaced by its rank of first appearance: the collectives read a
+    member's node only to tell whether two members share one (`collectives.same_node`, the islands of
+    a hierarchical all-reduce), so groups of one shape take the same time and egress (a memo key)."""
+    ids: dict[str, int] = {}
+    return tuple((m.zone, m.gpu, m.tp, None if m.node is None else ids.setdefault(m.node, len(ids)), n)
+                 for m, n in groups)
+
+
 def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
                opts: TimeOptions = DEFAULT_TIME) -> tuple[float, float, float]:
     """(seconds, bytes crossing zones, egress $) of the gradient sync of the layer ranges `chunks`
@@ -304,7 +313,7 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
     (replicated norms and biases included), t = the finest common sharding's flow count."""
     t = min(r.tp for r, _ in groups)
     params = t * sum(ctx.stage_params(t, a, e) for a, e in chunks)
-    key = ("stage_sync", tuple(groups), params, opts.sync())  # stages of equal size share the result
+    key = ("stage_sync", group_shape(groups), params, opts.sync())  # stages of equal size share the result
     if key not in ctx.memo:
         seconds, moved, usd = 0.0, 0.0, 0.0
         for kind, state in opts.sync():
@@ -322,7 +331,10 @@ def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tupl
     a pipeline's first and last stage (DeepSpeed ReduceTiedGrads); 0 for one stage or untied models."""
     if num_stages < 2 or not tied_embeddings(ctx.job.model):
         return 0.0, 0.0, 0.0
-    key = ("tied_sync", first, last)
+    # two members: the ring has the edge each way, so only whether they share a node matters, not
+    # which node (nor which of the two sorts first)
+    key = ("tied_sync", first.zone, first.gpu, first.tp, last.zone, last.gpu, last.tp, first.node is None,
+           last.node is None, first.node == last.node)
     if key not in ctx.memo:
         groups = group_members([first, last])
         t = min(first.tp, last.tp)
@@ -337,7 +349,7 @@ def place(pipelines: list[list[Slot]], cluster: ClusterSpec) -> list[list[Slot]]
     over the intra-node link."""
     sizes = {sl.gpu: cluster.node_size(sl.gpu) for pipe in pipelines for sl in pipe}
     nodes = pack_replicas([[(sl.zone, sl.gpu, sl.tp) for sl in pipe] for pipe in pipelines], sizes)
-    return [[dataclasses.replace(sl, node=node) for sl, (node, _) in zip(pipe, row)]
+    return [[Slot(zone=sl.zone, gpu=sl.gpu, tp=sl.tp, node=node) for sl, (node, _) in zip(pipe, row)]
             for pipe, row in zip(pipelines, nodes)]
 
 
