@@ -163,8 +163,10 @@ def describe(plan: Plan) -> str:
     opts = "; ".join(f"{r}{f'({k})' if k is not None else ''}{f' Z{z}' if z else ''}{' SP' if sp else ''}"
                      for r, k, z, sp in sorted(mems, key=str))
     tps = sorted({r.tp for p in plan.pipelines for r in p.replicas})
+    kind = plan.schedule.kind.value
+    schedule = "" if kind == "1f1b" else f" {kind}" + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
     return (f"t{'/'.join(map(str, tps))} p{plan.num_stages} d{len(plan.pipelines)} b{plan.micro_batch_size}"
-            f" ({opts})")
+            f" ({opts}){schedule}")
 
 
 # (name, job, GPU type, GPUs) of the practitioner scenarios (issue 12); Sailor's runtime accounting.

@@ -2,9 +2,15 @@
 
 A 4-stage plan of a small model (an 8-block GPT of hidden size 384, one pipeline, TP 1, 2
 micro-batches of 2 sequences of 128 tokens) under
-`1f1b`, `interleaved-1f1b` (v = 2: 8 chunks, stage i holds chunks i and i + 4) and `zb-h1`:
-1. `sailor profile` the model on this CPU (micro-batch size of the plans, `--concurrency 4`: the
-   plans run 4 processes, so every layer is timed with 4 replicas running at once, as in a run),
+`1f1b`, `interleaved-1f1b` (v = 2: 8 chunks, stage i holds chunks i and i + 4) and `zb-h1`.
+`--stages 2` runs the same model as a 2-stage plan (4 chunks under interleaving). The simulator
+gives every stage a device of its own; on a machine with fewer cores than stages (the project's
+build machines have 2) the stage processes share the cores, so a stage that waits in the bubble
+lends its core to another one and the schedules' step times move together: the 4-stage plan on 2
+cores compares the machine's time slicing more than the schedules. With 2 stages each stage has a
+core, as on GPUs.
+1. `sailor profile` the model on this CPU (micro-batch size of the plans, `--concurrency` = the
+   stages: the plans run that many processes, so every layer is timed with as many running at once),
    which also measures each layer's backward split into its input- and weight-gradient passes;
    `sailor profile network --nproc 2` the links between local processes;
 2. `sailor simulate --profiles --network --json` each plan (predicted step time, and the bubble of
@@ -34,13 +40,14 @@ micro-batches (m < p) is where the three schedules' predicted times lie furthest
 from one to the next with this machine's profile; chosen on predictions alone), so that what is
 compared is the schedules, not the noise.
 
-    python benchmarks/schedules.py [--steps 7] [--skip 2] [--rounds 6] [--microbatches 2] [--out DIR]
+    python benchmarks/schedules.py [--stages 4|2] [--steps 7] [--skip 2] [--rounds 6] [--microbatches 2] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -51,18 +58,22 @@ from closed_loop import _load1, _run, _sailor  # noqa: E402  (benchmarks/ is not
 
 MODEL = {"name": "gpt-8x384", "num_blocks": 8, "hidden_size": 384, "num_heads": 6, "vocab_size": 512,
          "max_sequence_length": 128, "tied_embeddings": False}
-STAGES = [[0, 3], [3, 5], [5, 7], [7, 10]]  # embedding + 2 blocks, 2, 2, 2 blocks + head
-CHUNKS = [[0, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 8], [8, 10]]  # v = 2: stage i holds i, i + 4
-SCHEDULES = {"1f1b": (STAGES, {"kind": "1f1b"}),
-             "interleaved-1f1b": (CHUNKS, {"kind": "interleaved-1f1b", "virtual_stages": 2}),
-             "zb-h1": (STAGES, {"kind": "zb-h1"})}
+LAYOUTS = {  # stages -> (1F1B/ZB-H1 stages, interleaved v = 2 chunks: stage i holds chunks i and i + p)
+    4: ([[0, 3], [3, 5], [5, 7], [7, 10]],  # embedding + 2 blocks, 2, 2, 2 blocks + head
+        [[0, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 8], [8, 10]]),
+    2: ([[0, 5], [5, 10]],  # embedding + 4 blocks, 4 blocks + head
+        [[0, 3], [3, 5], [5, 7], [7, 10]]),
+}
+SCHEDULES = {"1f1b": {"kind": "1f1b"}, "interleaved-1f1b": {"kind": "interleaved-1f1b", "virtual_stages": 2},
+             "zb-h1": {"kind": "zb-h1"}}
 
 
-def plan_body(name: str, m: int, mbs: int, job: dict) -> dict:
-    stages, schedule = SCHEDULES[name]
-    reps = [{"stage": i, "gpu": "cpu", "zone": "local", "tp": 1} for i in range(4)]
-    return {"micro_batch_size": mbs, "stages": stages, "schedule": schedule,
-            "pipelines": [{"microbatches": m, "replicas": reps}], "job": job}
+def plan_body(name: str, p: int, m: int, mbs: int, job: dict) -> dict:
+    stages, chunks = LAYOUTS[p]
+    schedule = SCHEDULES[name]
+    reps = [{"stage": i, "gpu": "cpu", "zone": "local", "tp": 1} for i in range(p)]
+    return {"micro_batch_size": mbs, "stages": chunks if schedule["kind"] == "interleaved-1f1b" else stages,
+            "schedule": schedule, "pipelines": [{"microbatches": m, "replicas": reps}], "job": job}
 
 
 def predicted(est: dict, m: int) -> dict:
@@ -96,13 +107,13 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     load = {"profile_before": _load1()}
     print(f"profiling {MODEL['name']} (load {load['profile_before']:.2f}) ...", file=sys.stderr)
     _run([sailor, "profile", "--job", str(work / "job.json"), "--device", "cpu", "--tp", "1", "--mbs", str(mbs),
-          "--concurrency", "4", "--repeats", str(args.repeats), "--out", str(prof)])
+          "--concurrency", str(args.stages), "--repeats", str(args.repeats), "--out", str(prof)])
     _run([sailor, "profile", "network", "--nproc", "2", "--device", "cpu", "--out", str(net)])
     load["profile_after"] = _load1()
     rows = {}
     for name in SCHEDULES:
         plan = work / f"{name}.json"
-        plan.write_text(json.dumps(plan_body(name, m, mbs, job)))
+        plan.write_text(json.dumps(plan_body(name, args.stages, m, mbs, job)))
         est = json.loads(_run([sailor, "simulate", str(plan), "--profiles", str(prof), "--network", str(net), "--json"]))
         rows[name] = {"predicted": predicted(est, m), "estimated": est["estimated"], "load1": []}
     runs: dict[str, list[list[dict]]] = {name: [] for name in SCHEDULES}
@@ -129,6 +140,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", type=int, choices=sorted(LAYOUTS), default=4,
+                    help="pipeline stages (processes): 4 as issue #16 asks; 2 gives each stage a core of this 2-core machine")
     ap.add_argument("--microbatches", type=int, default=2, help="micro-batches per step (m)")
     ap.add_argument("--mbs", type=int, default=2, help="micro-batch size (samples)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length (tokens)")
@@ -160,7 +173,7 @@ def main() -> None:
           f"{res['load1']['profile_after']:.2f}; runs as above")
     print(json.dumps({"predicted_order_matches_measured": pred_order == meas_order, "predicted_order": pred_order,
                       "measured_order": meas_order, "round_orders": res["round_orders"],
-                      "rounds_matching_prediction": sum(o == pred_order for o in res["round_orders"]), "model": MODEL, "stages": 4, "microbatches": args.microbatches,
+                      "rounds_matching_prediction": sum(o == pred_order for o in res["round_orders"]), "model": MODEL, "stages": args.stages, "cpu_cores": os.cpu_count(), "microbatches": args.microbatches,
                       "micro_batch_size": args.mbs, "sequence_length": args.seq, "load1": res["load1"],
                       "rows": rows}))
 
