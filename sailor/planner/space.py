@@ -299,7 +299,7 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
                     seen.append(vec)
                 if all(m == DEFAULT_STAGE_MEMORY for m in vec):
                     break  # every stage fits as it is: nothing is cheaper
-    return sorted(seen, key=memory_weight)
+    return sorted(seen, key=lambda v: (memory_weight(v), sum(m.zero for m in v)))  # ties: less sharding first
 
 
 def memory_weight(memory: Memory) -> float:
