@@ -166,19 +166,25 @@ def min_replicas(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, *
     ZeRO level shards (`simulator.memory.state_bytes`) and A the rest (plus, under ZeRO-3, the
     gathered weights of the largest layer), so D = ceil(B / (limit - A)), limit = the memory a plan
     may fill (`SimContext.memory_limit`: capacity less the memory margin)."""
-    key = ("min_replicas", gpu, tp, mbs, a, b, stage, num_stages, microbatches, most, memory.recompute,
+    key = ("min_replicas", gpu, tp, mbs, a, b, stage, num_stages, microbatches, memory.recompute,
            memory.recompute_blocks, memory.sequence_parallel, memory.zero)
-    if key in ctx.memo:
-        return ctx.memo[key]
+    if key not in ctx.memo:
+        ctx.memo[key] = _min_replicas(ctx, key, gpu, tp, mbs, a, b, stage, num_stages, microbatches, memory)
+    d = ctx.memo[key]
+    return d if most is None or (d is not None and d <= most) else None  # the fewest, if within `most`
+
+
+def _min_replicas(ctx: SimContext, key: tuple, gpu: str, tp: int, mbs: int, a: int, b: int, stage: int,
+                  num_stages: int, microbatches: int, memory: StageMemory) -> int | None:
+    """`min_replicas` without `most` (memoised there under `key`)."""
     # at D = 1 nothing is sharded: the same for every ZeRO level but for the gradient sync's flat
     # buffer (`simulator.memory.sync_buffer_bytes`: the stage's gradients, one layer's under ZeRO-2/3)
-    one_key = key[:9] + key[10:-1] + (memory.zero >= 2,)
+    one_key = ("memory at D = 1", *key[1:-1], memory.zero >= 2)
     if one_key not in ctx.memo:
         ctx.memo[one_key] = replica_memory(ctx, gpu, tp, mbs, ((a, b),), stage=stage, num_stages=num_stages,
                                            microbatches=microbatches, memory=memory, replicas=1)
     one = ctx.memo[one_key]
     cap, top = ctx.memory_limit(gpu), replica_cap(ctx, gpu, tp, microbatches)  # within the memory margin
-    top = top if most is None else min(top, most)
     if one.total <= cap:
         d = 1
     elif memory.zero == 0 or top == 1:
@@ -191,7 +197,6 @@ def min_replicas(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, *
             rest += largest * (1 + gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0))
         need = math.ceil(sharded / (cap - rest) - 1e-9) if cap > rest else top + 1
         d = max(2, need) if need <= top else None
-    ctx.memo[key] = d
     return d
 
 
