@@ -247,7 +247,7 @@ def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
     best = None  # (GPUs needed, P, D)
     for P in range(1, min(L, opts.max_stages) + 1):
         part = even_partition(L, P)
-        for memory in memory_candidates(ctx, gpus, part, 1, job.global_batch_size, zero_max)[: opts.memory_per_partition]:
+        for memory in memory_candidates(ctx, gpus, part, 1, job.global_batch_size, zero_max, opts.memory_per_partition):
             stages = [[o for g in gpus for o in stage_options(ctx, g, part, 1, job.global_batch_size, memory)[i]]
                       for i in range(P)]
             if not all(stages):

@@ -61,7 +61,7 @@ def families(ctx: SimContext, opts: PlanOptions, zones: tuple[str, ...], P: int,
     gpus = sorted({g for z in zones for g, n in ctx.cluster.zones[z].items() if n > 0})
     zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
     for partition in candidate_partitions(ctx, P, mbs, gpus):
-        for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max)[: opts.memory_per_partition]:
+        for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max, opts.memory_per_partition):
             per_gpu, min_d, relaxed, s2 = [], [], [], float("inf")
             for g in gpus:
                 options = stage_options(ctx, g, partition, mbs, M, memory)

@@ -158,7 +158,7 @@ def _families(ctx: SimContext, opts: PlanOptions, P: int, mbs: int, free: dict[P
     gpus = ctx.cluster.gpu_types()
     zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
     for partition in candidate_partitions(ctx, P, mbs, gpus):
-        for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max)[: opts.memory_per_partition]:
+        for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max, opts.memory_per_partition):
             table = option_table(ctx, gpus, partition, mbs, M, memory)
             if any(not stage for stage in table):
                 continue

@@ -76,7 +76,7 @@ def search(ctx: SimContext, opts: PlanOptions, progress=None, deadline: float | 
             break
         partition = even_partition(L, P)
         M = job.global_batch_size // mbs
-        for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max)[: opts.memory_per_partition]:
+        for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max, opts.memory_per_partition):
             table = option_table(ctx, gpus, partition, mbs, M, memory)
             for tps in _tp_rules(table, every=homogeneous):
                 for pools in (g for g in groups if any(gpu in tps for _, gpu in g)):

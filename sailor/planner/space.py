@@ -274,7 +274,7 @@ def cheapest_fit(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, i
 
 
 def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mbs: int, M: int,
-                      zero_max: int = 2) -> list[Memory]:
+                      zero_max: int = 2, lightest: int | None = None) -> list[Memory]:
     """Memory options for the stages of `partition` (one StageMemory per stage) the planner tries:
     the defaults alone when every GPU type holds every stage as it is at some TP degree (options are
     searched where they are needed); else, for every GPU type and uniform TP degree t, and every ZeRO
@@ -284,7 +284,9 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
     planner allows it (zero_max = 3) only where nothing fits without it. At TP t the P stages have
     at most N // (t·P) replicas each (N the cluster's GPUs), so no option is taken that needs more
     than that: a candidate the cluster cannot hold would take the place of one it can. Distinct vectors only, lightest first
-    (`memory_weight`; the defaults, when every stage fits as it is, lead)."""
+    (`memory_weight`; the defaults, when every stage fits as it is, lead). `lightest` k: the k
+    lightest and every other one as light as the k-th (which of equal weights come first depends on
+    the order they were found in, and the search must not)."""
     P = len(partition)
     base = (DEFAULT_STAGE_MEMORY,) * P
     tps = {g: ctx.job.model.tp_degrees(ctx.cluster.node_size(g)) for g in gpus}
@@ -304,7 +306,11 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
                     seen.append(vec)
                 if all(m == DEFAULT_STAGE_MEMORY for m in vec):
                     break  # every stage fits as it is: nothing is cheaper
-    return sorted(seen, key=lambda v: (memory_weight(v), sum(m.zero for m in v)))  # ties: less sharding first
+    seen.sort(key=lambda v: (memory_weight(v), sum(m.zero for m in v)))  # ties: less sharding first
+    if lightest is None or len(seen) <= lightest:
+        return seen
+    cut = memory_weight(seen[lightest - 1])
+    return [v for v in seen if memory_weight(v) <= cut]
 
 
 def memory_weight(memory: Memory) -> float:
