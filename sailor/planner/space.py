@@ -283,8 +283,8 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
     ZeRO level that cost it the least time per micro-batch. ZeRO-1/2 cost nothing per micro-batch; ZeRO-3's gathers do, and the
     planner allows it (zero_max = 3) only where nothing fits without it. At TP t the P stages have
     at most N // (t·P) replicas each (N the cluster's GPUs), so no option is taken that needs more
-    than that: a candidate the cluster cannot hold would take the place of one it can. Distinct vectors only, lightest first
-    (`memory_weight`; the defaults, when every stage fits as it is, lead). `lightest` k: the k
+    than that: a candidate the cluster cannot hold would take the place of one it can. Distinct
+    vectors only, lightest first (`memory_weight`; the defaults, when every stage fits as it is, lead). `lightest` k: the k
     lightest and every other one as light as the k-th (which of equal weights come first depends on
     the order they were found in, and the search must not)."""
     P = len(partition)
@@ -369,8 +369,8 @@ def zero3_needed(ctx: SimContext, max_stages: int) -> bool:
         def holds(g: str, t: int, P: int) -> bool:
             most = n // (t * P)  # replicas the cluster has the GPUs for
             return most >= 1 and all(
-                any((d := min_replicas(ctx, g, t, 1, a, b, stage=i, num_stages=P, microbatches=M, memory=mem)) is not None
-                    and d <= most for mem in _CONFIGS[2] if not mem.sequence_parallel or sp_possible(ctx, t))
+                any(min_replicas(ctx, g, t, 1, a, b, stage=i, num_stages=P, microbatches=M, memory=mem, most=most)
+                    is not None for mem in _CONFIGS[2] if not mem.sequence_parallel or sp_possible(ctx, t))
                 for i, (a, b) in enumerate(even_partition(L, P)))
 
         ctx.memo[key] = not any(holds(g, t, P) for g in ctx.cluster.gpu_types()
