@@ -406,9 +406,7 @@ def open_atomic(path: str | Path, mode: str = "w") -> Iterator[IO]:
     Raises:
         SailorInputError: `path` is a folder, a parent is a file, or the folder cannot be created or written.
     """
-    p = Path(path)
-    if p.is_dir():
-        raise SailorInputError("is a folder, expected a file name", source=str(p))
+    p = _output_file(Path(path), str(path))
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
@@ -428,6 +426,19 @@ def open_atomic(path: str | Path, mode: str = "w") -> Iterator[IO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _output_file(p: Path, source: str) -> Path:
+    """The file an atomic write of `p` replaces: `p`, or the file a symbolic link `p` points to (the
+    link stays). Raises SailorInputError for a folder, or a device, FIFO or socket, which a rename
+    would replace (as root, `--out /dev/full` would swap the device for a file)."""
+    if p.is_symlink():
+        p = Path(os.path.realpath(p))
+    if p.is_dir():
+        raise SailorInputError("is a folder, expected a file name", source=source)
+    if p.exists() and not p.is_file():
+        raise SailorInputError("is not a regular file (a device, FIFO or socket); name a file to write", source=source)
+    return p
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -452,6 +463,8 @@ def check_output_path(path: str | Path | None, option: str, *, folder: bool = Fa
         raise SailorInputError(f"{p} exists and is not a folder", source=option)
     if not folder and p.is_dir():
         raise SailorInputError(f"{p} is a folder, expected a file name", source=option)
+    if not folder and p.exists() and not p.is_file():
+        raise SailorInputError(f"{p} is not a regular file (a device, FIFO or socket); name a file to write", source=option)
     if suffixes and p.suffix.lower() not in suffixes:
         raise SailorInputError(f"{p.name}: expected a file ending in {' or '.join(suffixes)}", source=option)
     start = p if folder else p.parent

@@ -564,3 +564,39 @@ def test_output_on_a_full_disk_is_one_line_not_an_internal_error():
     assert r.returncode == 1
     assert r.stderr.splitlines() == ["error: the output could not be written: No space left on device"]
 
+
+
+def test_an_output_that_is_a_fifo_is_refused_not_replaced(tmp_path, monkeypatch, capsys):
+    """An atomic write renames onto its target: onto a FIFO (or, as root, a device such as /dev/full)
+    that would replace it with a file."""
+    _base(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    line = _refused(["plan", "--out", "fifo"], tmp_path, monkeypatch, capsys)
+    assert "fifo is not a regular file (a device, FIFO or socket)" in line, line
+    assert (tmp_path / "fifo").is_fifo()
+
+
+def test_a_symlinked_output_writes_its_target_and_keeps_the_link(tmp_path, monkeypatch, capsys):
+    _base(tmp_path)
+    (tmp_path / "link.json").symlink_to(tmp_path / "real.json")
+    code, _, err = _main(["plan", "--out", "link.json"], tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "real.json").read_text())["stages"]
+
+
+def test_closed_stdout_is_one_line():
+    r = subprocess.run([str(SAILOR), "plan", "--json"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                       timeout=120, preexec_fn=lambda: os.close(1))
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == ["error: stdout: standard output is closed; redirect it (>/dev/null to discard it)"]
+
+
+def test_resume_refuses_a_manifest_whose_step_is_not_its_folders(tmp_path, monkeypatch, capsys):
+    """The manifest is not hashed: a step edited in it must not move the run's step counter."""
+    _base(tmp_path)
+    _checkpoint(tmp_path / "ck", 2, JOB, seed=0)
+    m = tmp_path / "ck" / "step-00000002" / "manifest.json"
+    m.write_text(m.read_text().replace('"step": 2', '"step": 9'))
+    line = _refused(["train", "cpu_plan.json", "--checkpoint-dir", "ck", "--resume", "--steps", "5", "--dry-run"],
+                    tmp_path, monkeypatch, capsys)
+    assert "its manifest says step 9" in line, line

@@ -293,3 +293,11 @@ def test_packing_rounds_a_part_filled_node_up_to_whole_nodes():
     assert odd.iteration_time_s > even.iteration_time_s
     assert r.estimate.iteration_time_s <= simulate(tp2_plan(20), make_context(job, cluster)).iteration_time_s + 1e-12
     assert [p.replicas[0].tp for p in r.plan.pipelines] == [2] * 20
+
+
+def test_too_few_gpus_names_the_smallest_plan_with_memory_options():
+    """OPT-30B (bf16) fits on 16 A100-40 (2 stages at TP 8, ZeRO-2, full recomputation / SP; see
+    test_large_jobs_...): on 8 the refusal names 16, not the 23 of the candidates an 8-GPU cluster takes."""
+    job = JobSpec(model="opt-30b", global_batch_size=64, precision="bf16")
+    with pytest.raises(InfeasibleError, match=r"opt-30b needs at least 16 GPUs \(2 stages.* the cluster offers 8"):
+        plan_job(make_context(job, ClusterSpec(zones={"us-central1-a": {"A100-40": 8}})))

@@ -226,4 +226,6 @@ def test_cli_names_a_folder_or_a_bad_tokenizer_in_one_line(tmp_path, tokenizer):
               f"{tmp_path / 'docs'}: is a folder, expected a text or .jsonl file")
     _one_line(_cli("data", "prepare", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "not-a-tokenizer.json"),
                    "--out", out), "not a tokenizer.json")
+    _one_line(_cli("data", "prepare", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "docs"), "--out", out),
+              f"{tmp_path / 'docs'}: is a folder (pass a Hugging Face tokenizer.json)")
     assert not (tmp_path / "t.npy").exists()

@@ -78,6 +78,9 @@ def main() -> None:
         warnings.simplefilter("always", SailorWarning)  # every file's note, not only the first
         warnings.showwarning = _show_warning
         try:
+            if sys.stdout is None:  # started with stdout closed (`>&-`): what it prints would vanish
+                raise SailorInputError("standard output is closed; redirect it (>/dev/null to discard it)",
+                                       source="stdout")
             _register()
             from sailor.cli.common import NOTES_AT_END
             NOTES_AT_END.clear()

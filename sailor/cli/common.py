@@ -20,7 +20,7 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of t
 def console():
     """A rich Console; 160 columns wide when output is not a terminal (pipes, CI logs)."""
     from rich.console import Console
-    return Console(width=None if sys.stdout.isatty() else 160)
+    return Console(width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
 
 
 TRAIN_EXTRA = "pip install 'sailor-train[train]'"  # what puts torch next to a plain install

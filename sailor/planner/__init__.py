@@ -247,7 +247,13 @@ def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
     best = None  # (GPUs needed, P, D)
     for P in range(1, min(L, opts.max_stages) + 1):
         part = even_partition(L, P)
-        for memory in memory_candidates(ctx, gpus, part, 1, job.global_batch_size, zero_max, opts.memory_per_partition):
+        # what the search takes on this cluster and on the smallest that hold 1 or 2 pipelines of P
+        # stages at one TP degree (a cluster's candidates take only the options its GPUs can hold)
+        sizes = {cluster.total_gpus()} | {d * P * t for g in gpus for t in job.model.tp_degrees(cluster.node_size(g))
+                                          for d in (1, 2)}
+        tried = {tuple(m) for n in sizes for m in memory_candidates(
+            ctx, gpus, part, 1, job.global_batch_size, zero_max, opts.memory_per_partition, gpus_offered=n)}
+        for memory in sorted(tried, key=str):
             stages = [[o for g in gpus for o in stage_options(ctx, g, part, 1, job.global_batch_size, memory)[i]]
                       for i in range(P)]
             if not all(stages):

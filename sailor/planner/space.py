@@ -274,7 +274,8 @@ def cheapest_fit(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, i
 
 
 def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mbs: int, M: int,
-                      zero_max: int = 2, lightest: int | None = None) -> list[Memory]:
+                      zero_max: int = 2, lightest: int | None = None,
+                      gpus_offered: int | None = None) -> list[Memory]:
     """Memory options for the stages of `partition` (one StageMemory per stage) the planner tries:
     the defaults alone when every GPU type holds every stage as it is at some TP degree (options are
     searched where they are needed); else, for every GPU type and uniform TP degree t, and every ZeRO
@@ -284,7 +285,7 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
     planner allows it (zero_max = 3) only where nothing fits without it. At TP t the P stages have
     at most N // (t·P) replicas each (N the cluster's GPUs), so no option is taken that needs more
     than that: a candidate the cluster cannot hold would take the place of one it can. Distinct
-    vectors only, lightest first (`memory_weight`; the defaults, when every stage fits as it is, lead). `lightest` k: the k
+    vectors only, lightest first (`memory_weight`; the defaults, when every stage fits as it is, lead). `gpus_offered`: N in place of the cluster's (what a larger cluster would take). `lightest` k: the k
     lightest and every other one as light as the k-th (which of equal weights come first depends on
     the order they were found in, and the search must not)."""
     P = len(partition)
@@ -294,7 +295,7 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
                for t in tps[g]) for g in gpus for i, (a, b) in enumerate(partition)):
         return [base]  # every GPU type holds every stage as it is at some TP degree: nothing is needed
     seen: list[Memory] = []
-    n = ctx.cluster.total_gpus()
+    n = ctx.cluster.total_gpus() if gpus_offered is None else gpus_offered
     for g in gpus:
         for t in tps[g]:
             most = n // (t * P)

@@ -109,11 +109,15 @@ def _read_verified(path: Path, meta: dict[str, Any]) -> bytes:
 
 
 def find_latest(root: str | Path) -> Found:
-    """The newest checkpoint under `root` that passes its checksums (path None if there is none)."""
+    """The newest checkpoint under `root` that passes its checksums and whose manifest names the step
+    of its folder (path None if there is none)."""
     skipped = []
     for d in reversed(_step_dirs(root)):
         try:
-            return Found(d, read_manifest(d), tuple(skipped))
+            manifest = read_manifest(d)
+            if d.name != step_dir(root, manifest["step"]).name:  # the manifest itself is not hashed
+                raise CheckpointError(f"{d}: its manifest says step {manifest['step']}")
+            return Found(d, manifest, tuple(skipped))
         except CheckpointError as e:
             skipped.append(str(e))
     return Found(None, None, tuple(skipped))

@@ -41,7 +41,9 @@ def load_tokenizer(path: str | Path):
                                source="--tokenizer", fix="pip install 'sailor-train[train]'") from None
     p = Path(path)
     if not p.is_file():
-        raise SailorInputError("no such file", source=str(p), fix="pass a Hugging Face tokenizer.json")
+        what = ("is a folder" if p.is_dir() else "is not a regular file (a device, FIFO or socket)" if p.exists()
+                else "no such file")
+        raise SailorInputError(what, source=str(p), fix="pass a Hugging Face tokenizer.json")
     try:
         return Tokenizer.from_file(str(p))
     except Exception as e:  # the Rust side raises plain Exceptions for any parse error
