@@ -10,7 +10,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from sailor import catalog
 from sailor.errors import SailorInputError
@@ -162,7 +162,6 @@ class ClusterSpec(BaseModel):
     """
 
     model_config = SPEC_CONFIG
-    _node_sizes: dict[str, int] = PrivateAttr(default_factory=dict)
 
     provider: Literal["gcp", "local"] = "gcp"
     zones: dict[str, dict[str, Whole(0, MAX_GPUS_PER_ZONE)]] = Field(description="zone -> GPU type -> GPUs available now.")
@@ -238,13 +237,9 @@ class ClusterSpec(BaseModel):
         return catalog.provider(self.provider)
 
     def node_size(self, gpu: str) -> int:
-        """GPUs per node of type `gpu` here (spec override, else catalog); memoised (the planner
-        asks hundreds of thousands of times)."""
-        size = self._node_sizes.get(gpu)
-        if size is None:
-            g = catalog.canonical_gpu(gpu)
-            size = self._node_sizes[gpu] = self.gpus_per_node.get(g) or catalog.gpu(g).gpus_per_node
-        return size
+        """GPUs per node of type `gpu` here (spec override, else catalog)."""
+        g = catalog.canonical_gpu(gpu)
+        return self.gpus_per_node.get(g) or catalog.gpu(g).gpus_per_node
 
     def price(self, zone: str, gpu: str) -> float:
         """$/GPU-hour of `gpu` in `zone`; raises SailorInputError when no price is known."""
