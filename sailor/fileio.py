@@ -80,6 +80,28 @@ def show(value: Any, limit: int = 60) -> str:
 
 
 # ---- reading -----------------------------------------------------------------------------------
+def check_input_file(path: str | Path, *, folder: str = "is a folder, expected a file",
+                     fix: str | None = None) -> os.stat_result:
+    """The stat of `path`, an existing regular file an input is read from.
+
+    Raises:
+        SailorInputError: missing, unreadable, a folder (`folder` says what was expected), or not a
+            regular file (device, FIFO, socket); each with `fix`.
+    """
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise SailorInputError("no such file", source=str(p), fix=fix) from None
+    except OSError as e:
+        raise SailorInputError(f"cannot read: {e.strerror}", source=str(p), fix=fix) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise SailorInputError(folder, source=str(p), fix=fix)
+    if not stat.S_ISREG(st.st_mode):
+        raise SailorInputError("is not a regular file (a device, FIFO or socket)", source=str(p), fix=fix)
+    return st
+
+
 def read_text(path: str | Path) -> str:
     """The text of a regular file of at most MAX_FILE_BYTES, as UTF-8 (BOM allowed).
 
@@ -88,16 +110,7 @@ def read_text(path: str | Path) -> str:
             large, or not UTF-8.
     """
     p = Path(path)
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise SailorInputError("no such file", source=str(p)) from None
-    except OSError as e:
-        raise SailorInputError(f"cannot read: {e.strerror}", source=str(p)) from None
-    if stat.S_ISDIR(st.st_mode):
-        raise SailorInputError("is a folder, expected a file", source=str(p))
-    if not stat.S_ISREG(st.st_mode):
-        raise SailorInputError("is not a regular file (a device, FIFO or socket)", source=str(p))
+    check_input_file(p)
     try:
         with open(p, "rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)

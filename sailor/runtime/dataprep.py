@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from sailor.errors import SailorInputError
-from sailor.fileio import check_output_path, open_atomic, write_json
+from sailor.fileio import check_input_file, check_output_path, open_atomic, write_json
 from sailor.runtime.tokens import sidecar, sidecar_meta, token_dtype, write_npy_header
 
 PIECE_BYTES = 1 << 20  # text is tokenized in pieces of about 1 MiB
@@ -40,10 +40,7 @@ def load_tokenizer(path: str | Path):
         raise SailorInputError("`sailor data prepare` needs the tokenizers package, which is not installed",
                                source="--tokenizer", fix="pip install 'sailor-train[train]'") from None
     p = Path(path)
-    if not p.is_file():
-        what = ("is a folder" if p.is_dir() else "is not a regular file (a device, FIFO or socket)" if p.exists()
-                else "no such file")
-        raise SailorInputError(what, source=str(p), fix="pass a Hugging Face tokenizer.json")
+    check_input_file(p, folder="is a folder", fix="pass a Hugging Face tokenizer.json")
     try:
         return Tokenizer.from_file(str(p))
     except Exception as e:  # the Rust side raises plain Exceptions for any parse error
@@ -108,18 +105,12 @@ def check_inputs(inputs: list[str | Path]) -> list[Path]:
     """The input paths of `prepare_tokens`, each an existing regular file.
 
     Raises:
-        SailorInputError: a path that is missing, a folder (its files are to be named), or not a
-            regular file (a device, FIFO or socket).
+        SailorInputError: a path that is missing, unreadable, a folder (its files are to be named),
+            or not a regular file (a device, FIFO or socket): `fileio.check_input_file`.
     """
     paths = [Path(p) for p in inputs]
     for p in paths:
-        if p.is_dir():
-            raise SailorInputError("is a folder, expected a text or .jsonl file", source=str(p),
-                                   fix=f"name the files in it, e.g. {p}/*.txt")
-        if not p.exists():
-            raise SailorInputError("no such file", source=str(p))
-        if not p.is_file():
-            raise SailorInputError("is not a regular file (a device, FIFO or socket)", source=str(p))
+        check_input_file(p, folder=f"is a folder, expected a text or .jsonl file (name the files in it, e.g. {p}/*.txt)")
     return paths
 
 
