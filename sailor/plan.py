@@ -414,39 +414,50 @@ class RankInfo:
     local_rank: int  # GPU index within the node
 
 
+class FirstFit:
+    """The launcher's placement, one replica at a time: first-fit on the nodes of the replica's
+    (zone, GPU type), `gpus_per_node[gpu]` GPUs each (catalog default), never splitting a TP group;
+    a node is named "<zone>/<gpu>/<index>" (`pack_replicas`).
+
+    Linear in the replicas placed: a node's free GPUs only shrink, so once a node has fewer than tp
+    free it never takes a TP-tp group again, and the scan for tp starts where the last one stopped."""
+
+    def __init__(self, gpus_per_node: dict[str, int] | None = None) -> None:
+        self._sizes = {} if gpus_per_node is None else gpus_per_node
+        self._pools: dict[tuple[str, str], tuple[list[int], list[str]]] = {}  # free GPUs, name per node
+        self._state: dict[tuple[str, str, int], list] = {}  # (zone, gpu, tp) -> [scan start, free, names, cap, tp, name prefix]
+
+    def put(self, replica: tuple[str, str, int]) -> tuple[str, int]:
+        """(node name, first local GPU index) of the next replica (zone, GPU type, TP)."""
+        st = self._state.get(replica)
+        if st is None:
+            zone, gpu, tp = replica
+            size = self._sizes.get(gpu) or catalog.gpu(gpu).gpus_per_node
+            free, names = self._pools.setdefault((zone, gpu), ([], []))
+            st = self._state[replica] = [0, free, names, max(size, tp), tp, f"{zone}/{gpu}/"]
+        idx, free, names, cap, tp, prefix = st
+        while idx < len(free) and free[idx] < tp:
+            idx += 1
+        if idx == len(free):
+            free.append(cap)
+            names.append(prefix + str(idx))
+        st[0] = idx
+        first = cap - free[idx]
+        free[idx] -= tp
+        return names[idx], first
+
+
 def pack_replicas(pipelines: list[list[tuple[str, str, int]]],
                   gpus_per_node: dict[str, int] | None = None) -> list[list[tuple[str, int]]]:
     """Where the launcher puts every replica: [pipeline][stage] -> (node, first local GPU index).
 
     `pipelines[j][i]` is (zone, GPU type, TP) of stage i of pipeline j. Replicas are placed in order
     pipeline, stage, first-fit on the nodes of their (zone, GPU type), `gpus_per_node[gpu]` GPUs
-    each (catalog default), never splitting a TP group; a node is named "<zone>/<gpu>/<index>".
-    The planner calls this on pipelines it has not built as a Plan yet.
+    each (catalog default), never splitting a TP group (`FirstFit`); a node is named
+    "<zone>/<gpu>/<index>". The planner calls this on pipelines it has not built as a Plan yet.
     """
-    sizes = gpus_per_node or {}
-    per_node: dict[str, int] = {}
-    free: dict[tuple[str, str], list[int]] = {}  # (zone, gpu) -> free GPUs per opened node
-    # First-fit in linear time: a node's free GPUs only shrink, so once a node has fewer than tp free
-    # it never takes a TP-tp group again, and the scan for tp can start where the last one stopped.
-    start: dict[tuple[str, str, int], int] = {}
-    out: list[list[tuple[str, int]]] = []
-    for pipe in pipelines:
-        row = []
-        for zone, gpu, tp in pipe:
-            if gpu not in per_node:
-                per_node[gpu] = sizes.get(gpu) or catalog.gpu(gpu).gpus_per_node
-            cap = max(per_node[gpu], tp)
-            nodes = free.setdefault((zone, gpu), [])
-            idx = start.get((zone, gpu, tp), 0)
-            while idx < len(nodes) and nodes[idx] < tp:
-                idx += 1
-            if idx == len(nodes):
-                nodes.append(cap)
-            start[(zone, gpu, tp)] = idx
-            row.append((f"{zone}/{gpu}/{idx}", cap - nodes[idx]))
-            nodes[idx] -= tp
-        out.append(row)
-    return out
+    fit = FirstFit(gpus_per_node)
+    return [[fit.put(r) for r in pipe] for pipe in pipelines]
 
 
 def rank_layout(plan: Plan, gpus_per_node: dict[str, int] | None = None) -> list[RankInfo]:

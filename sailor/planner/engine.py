@@ -46,7 +46,7 @@ from sailor.planner.geo import Scope, build_spanning, scopes, spanning_thetas
 from sailor.planner.kinds import Kind, Pool, Table, all_kinds, homogeneous_kinds, memory_mixed_kinds, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.pack import Packer, count_vectors, node_unit, round_to_nodes
-from sailor.planner.prune import boundary_floors, family_bound, node_bound, node_keys, table_bound
+from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
 from sailor.planner.space import Memory, candidate_partitions, mbs_candidates, memory_candidates, zero3_needed
 from sailor.simulator import SimContext, place, stage_sync, time_options
 from sailor.simulator.collectives import group_members
@@ -95,7 +95,9 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
     nodes, sync = node_keys(ctx, opts, exact_mode)
     # The published planner's space first (it is small): its best plan is the first incumbent and a
     # finalist of phase 3 whatever its rank, so it can never beat the result in the simulator.
-    seed = paper.search(ctx, dataclasses.replace(opts, search=SearchSpace.PAPER), None, deadline, nodes)
+    # (its best plan only: top_k 0, rescore 1)
+    seed = paper.search(ctx, dataclasses.replace(opts, search=SearchSpace.PAPER, top_k=0, rescore=1), None, deadline,
+                        nodes)
     if seed.finalists:
         keep.seed(seed.finalists[0][0])
     found.exact = exact_mode
@@ -329,14 +331,14 @@ def _offer_all(opts: PlanOptions, scorer: S.Scorer, vectors: list[tuple[int, ...
     for j in np.argsort(lb, kind="stable"):
         if lb[j] >= keep.best0():
             break
-        keep.offer(scorer.score(vectors[j]), point)
+        keep.offer(scorer.score(vectors[j], keep.hopeless), point)
 
 
 def _offer(keep: Finalists, scorer: S.Scorer, counts: np.ndarray, point: tuple) -> bool:
     vec = tuple(int(x) for x in counts)
     if not any(vec):
         return False
-    keep.offer(scorer.score(vec), point)
+    keep.offer(scorer.score(vec, keep.hopeless), point)
     return True
 
 

@@ -42,6 +42,7 @@ class Finalists:
         self.keep = 2 * max(opts.top_k, opts.rescore)
         self.best: tuple[float, float] | None = None
         self._kept: dict[tuple, tuple[tuple[float, float], S.Candidate, tuple]] = {}
+        self._cut: tuple[float, float] | None = None  # the keep-th best key at the last trim
         self.found = Found()
 
     def best0(self) -> float:
@@ -69,17 +70,29 @@ class Finalists:
         if self.best is None or k < self.best:
             self.best = k
         if len(self._kept) > 2 * self.keep:
-            for s in sorted(self._kept, key=lambda s: self._kept[s][0])[self.keep:]:
+            ranked = sorted(self._kept, key=lambda s: self._kept[s][0])
+            for s in ranked[self.keep:]:
                 del self._kept[s]
+            self._cut = self._kept[ranked[self.keep - 1]][0]
         return k
+
+    def hopeless(self, seconds: float, usd: float) -> bool:
+        """True when a candidate at least `seconds` per iteration and `usd` per iteration can change
+        nothing kept: a point of the Pareto front is no worse on both, and its objective key would
+        be worse than the keep-th best key at the last trim (keys only improve, so it could never
+        be a finalist). Lets the scorer skip its gradient sync (`search.Scorer.score`)."""
+        if self._cut is None or self.key(seconds, usd) <= self._cut:
+            return False
+        return any(q[0] <= seconds and q[1] <= usd for q in self.found.front)
 
     def top(self, n: int) -> list[tuple[S.Candidate, tuple]]:
         """The best n kept candidates (candidate, point), best first."""
         return [(c, p) for _, c, p in sorted(self._kept.values(), key=lambda v: v[0])[:n]]
 
     def finish(self, build: Callable[[S.Candidate, tuple], Plan]) -> Found:
-        """The Found with the kept candidates' plans built, best first."""
-        ranked = sorted(self._kept.values(), key=lambda v: v[0])[: self.keep]
+        """The Found with the plans of the best kept candidates built, best first: as many as phase 3
+        looks at (`planner._rescore`: max(rescore, top_k + 1)); building a large plan is not cheap."""
+        ranked = sorted(self._kept.values(), key=lambda v: v[0])[: max(self.opts.rescore, self.opts.top_k + 1)]
         self.found.finalists = [(k, c.iteration_time_s, c.cost_per_iteration_usd, build(c, p)) for k, c, p in ranked]
         return self.found
 

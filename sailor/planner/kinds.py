@@ -132,10 +132,12 @@ def make_kinds(ctx: SimContext, specs: list[tuple[tuple[str, ...], tuple[Option,
     if todo:
         P = len(partition)
         most = ctx.job.global_batch_size // mbs
-        slots = [tuple(Slot(zone=z, gpu=o.gpu, tp=o.tp) for z, o in zip(*specs[j])) for j in todo]
+        made: dict[tuple[str, str, int], Slot] = ctx.memo.setdefault("kind slots", {})  # one object per slot
+        slots = [tuple(made.get((z, o.gpu, o.tp)) or made.setdefault((z, o.gpu, o.tp), Slot(zone=z, gpu=o.gpu, tp=o.tp))
+                       for z, o in zip(*specs[j])) for j in todo]
         need = [max(o.min_replicas for o in specs[j][1]) for j in todo]
-        times = [[stage_time(ctx, sl[i], mbs, *partition[i], time_options(memory[i], replicas or d)) for i in range(P)]
-                 for sl, d in zip(slots, need)]
+        at_d = {d: [time_options(m, replicas or d) for m in memory] for d in set(need)}
+        times = [[stage_time(ctx, sl[i], mbs, *partition[i], at_d[d][i]) for i in range(P)] for sl, d in zip(slots, need)]
         f = np.array([[t.forward_s for t in row] for row in times])   # (kinds, P)
         b = np.array([[t.backward_s for t in row] for row in times])
         links = [[boundary(ctx, sl[i], sl[i + 1], partition[i], partition[i + 1], mbs) for i in range(P - 1)] for sl in slots]

@@ -19,10 +19,9 @@ from sailor.models import Recompute
 from sailor.planner.bounds import pair_groups, pair_sync, smallest_time, zero_sync_share
 from sailor.planner.kinds import Kind, Pool, boundary
 from sailor.planner.options import Objective, PlanOptions
+from sailor.planner.search import apart_stage_groups
 from sailor.planner.space import even_partition, mbs_candidates, zero3_needed
-from sailor.simulator import (DEFAULT_TIME, SimContext, Slot, allreduce_s, optimizer_s, place, stage_sync,
-                              time_options)
-from sailor.simulator.collectives import group_members
+from sailor.simulator import DEFAULT_TIME, SimContext, Slot, allreduce_s, optimizer_s, stage_sync, time_options
 
 Key = tuple[float, float]
 ESTIMATE_MARGIN = 0.1  # heuristic mode: a node is pruned when its estimate is 10 % above the best plan
@@ -275,13 +274,14 @@ def _uniform_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools,
 
 
 def _placed_sync(ctx: SimContext, groups: list[tuple[Slot, int]], partition) -> float:
-    """The slowest stage's gradient sync of uniform pipelines (`count` of each slot on every stage),
-    placed on nodes as the launcher places them (`simulator.place`), as the scorer computes it."""
+    """The slowest stage's gradient sync of uniform pipelines (`count` of each slot on every stage;
+    the slots in different pools), placed on nodes as the launcher places them, as the scorer
+    computes it (`search.apart_stage_groups`, placements shared with it)."""
     P = len(partition)
     key = ("placed-sync", tuple(groups), tuple(partition))
     if key not in ctx.memo:
-        placed = place([[slot] * P for slot, count in groups for _ in range(count)], ctx.cluster)
-        ctx.memo[key] = max(stage_sync(ctx, group_members([pipe[i] for pipe in placed]), ((a, e),))[0]
+        used = tuple(((slot,) * P, count) for slot, count in groups)
+        ctx.memo[key] = max(stage_sync(ctx, apart_stage_groups(ctx, used, i), ((a, e),))[0]
                             for i, (a, e) in enumerate(partition))
     return ctx.memo[key]
 
@@ -389,7 +389,6 @@ def table_bound(ctx: SimContext, table, partition, memory, M: int, opts: PlanOpt
     d_max = N // sum(g)
     if d_max < 1:
         return (math.inf, math.inf)
-    job = ctx.job
     opt = max(min(optimizer_s(ctx, Slot(zone="", gpu=o.gpu, tp=o.tp), a, e, time_options(mem, M)) for o in stage)
               for stage, (a, e), mem in zip(table, partition, memory))
     fill = sum(compute) + 2 * sum(links)

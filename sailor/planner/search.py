@@ -42,10 +42,12 @@ import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
 from sailor.simulator import (SimContext, Slot, optimizer_s, pipeline_arrays, place, stage_sync, tied_sync,
                               time_options)
+from sailor.simulator.collectives import Group, group_members, ring_key
 from sailor.simulator.schedule import closed_form_1f1b
 
 EXHAUSTIVE_COUNTS = 4096
@@ -262,11 +264,11 @@ class Scorer:
     def _sync_of(self, used: tuple[tuple[tuple[Slot, ...], int], ...]) -> tuple[float, float]:
         """`sync` of the used kinds' (slots, count), in kind order."""
         P = len(self.partition)
-        alone = self._alone(used)
+        alone = placed_apart(used)
         if alone:  # each kind's pipelines placed as if alone: its pairs and stage members memoised
-            pairs = [term for slots, n in used for term in self._tied_terms(slots, n)]
+            pairs = [term for slots, n in used for term in _tied_terms(self.ctx, slots, n)]
         else:
-            placed = place([list(slots) for slots, n in used for _ in range(n)], self.ctx.cluster)
+            placed = place([pipe for slots, n in used for pipe in [list(slots)] * n], self.ctx.cluster)
             pairs = [(tied_sync(self.ctx, first, last, P), n)
                      for (first, last), n in Counter((pipe[0], pipe[-1]) for pipe in placed).items()]
         tied, usd = 0.0, 0.0
@@ -276,12 +278,9 @@ class Scorer:
         worst = 0.0
         for i, (a, e) in enumerate(self.partition):
             if alone:
-                members: Counter = Counter()
-                for slots, n in used:
-                    members.update(self._stage_counts(slots, n, i))
+                groups = apart_stage_groups(self.ctx, used, i)
             else:
-                members = Counter(pipe[i] for pipe in placed)
-            groups = sorted(members.items(), key=lambda g: (g[0].zone, g[0].node or "", g[0].gpu, g[0].tp))
+                groups = group_members([pipe[i] for pipe in placed])
             s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i])
             worst = max(worst, s)
             usd += u
@@ -291,44 +290,12 @@ class Scorer:
         """The slots of one pipeline of kind `t`, stage by stage."""
         return tuple(t.slot(i) for i in range(len(self.partition)))
 
-    @staticmethod
-    def _alone(used) -> bool:
-        """True when no two used kinds (slots, count) share a (zone, GPU type) pool: the launcher
-        fills each pool's nodes separately, so each kind's pipelines are then placed as if alone."""
-        pools = [{(s.zone, s.gpu) for s in slots} for slots, _ in used]
-        return sum(map(len, pools)) == len(set().union(*pools))
-
-    def _placed_alone(self, slots: tuple[Slot, ...], n: int) -> list[list[Slot]]:
-        """n pipelines of these slots placed on nodes alone (`simulator.place`). The launcher places
-        pipelines in order, so n of them sit where the first n of more do: one placement per kind,
-        the longest asked for (grown by doubling), serves every count."""
-        key = ("placed", slots)
-        have = self.ctx.memo.get(key)
-        if have is None or len(have) < n:
-            have = place([list(slots)] * max(n, 2 * len(have or ())), self.ctx.cluster)
-            self.ctx.memo[key] = have
-        return have[:n]
-
-    def _tied_terms(self, slots: tuple[Slot, ...], n: int) -> list[tuple[tuple[float, float, float], int]]:
-        """(`tied_sync` of a (first, last) pair, how many pipelines have it) for n pipelines of these
-        slots placed alone, pairs in order of first appearance (memoised per kind and count)."""
-        key = ("placed-tied", slots, n)
-        if key not in self.ctx.memo:
-            pairs = Counter((pipe[0], pipe[-1]) for pipe in self._placed_alone(slots, n))
-            self.ctx.memo[key] = [(tied_sync(self.ctx, first, last, len(slots)), k) for (first, last), k in pairs.items()]
-        return self.ctx.memo[key]
-
-    def _stage_counts(self, slots: tuple[Slot, ...], n: int, i: int) -> Counter:
-        """Stage i's placed replicas and how many of each, for n pipelines of these slots placed
-        alone (memoised per kind and count)."""
-        key = ("placed-stage", slots, n, i)
-        if key not in self.ctx.memo:
-            self.ctx.memo[key] = Counter(pipe[i] for pipe in self._placed_alone(slots, n))
-        return self.ctx.memo[key]
-
-    def score(self, counts: tuple[int, ...]) -> "Candidate | None":
+    def score(self, counts: tuple[int, ...],
+              hopeless: Callable[[float, float], bool] | None = None) -> "Candidate | None":
         """The candidate of these counts (None when its pipelines outnumber the micro-batches, when
-        equal shares do not divide M, or when some option needs more data-parallel replicas)."""
+        equal shares do not divide M, or when some option needs more data-parallel replicas). With
+        `hopeless` (`Finalists.hopeless`), also None when it is true of (seconds, $/iteration)
+        without the gradient sync, a lower bound on both, and the sync is not computed."""
         D = sum(counts)
         if D == 0 or D < max((t.min_replicas for t, n in zip(self.types, counts) if n), default=1):
             return None
@@ -343,13 +310,61 @@ class Scorer:
             if wf is None:
                 return None
             W, shares = wf
-        sync_s, egress = self.sync(counts)
-        egress += sum(t.egress_usd_per_mb * sum(sh) for t, sh in zip(types, shares) if sh)
+        egress = sum(t.egress_usd_per_mb * sum(sh) for t, sh in zip(types, shares) if sh)
         opt = max(t.optimizer_s for t, n in zip(types, counts) if n)
-        T = W + sync_s + opt
         rate = sum(t.usd_per_hour * n for t, n in zip(types, counts))
+        if hopeless is not None and hopeless(W + opt, rate * (W + opt) / 3600.0 + egress):
+            return None
+        sync_s, sync_usd = self.sync(counts)
+        egress += sync_usd
+        T = W + sync_s + opt
         return Candidate(iteration_time_s=T, cost_per_iteration_usd=rate * T / 3600.0 + egress,
                          usd_per_hour_gpus=rate, counts=counts, shares=shares, scorer=self)
+
+
+def placed_apart(used: tuple[tuple[tuple[Slot, ...], int], ...]) -> bool:
+    """True when no two kinds of `used` ((slots, count) each) share a (zone, GPU type) pool: the
+    launcher fills each pool's nodes separately, so each kind's pipelines are then placed as if
+    alone (`placed_alone`)."""
+    pools = [{(s.zone, s.gpu) for s in slots} for slots, _ in used]
+    return sum(map(len, pools)) == len(set().union(*pools))
+
+
+def placed_alone(ctx: SimContext, slots: tuple[Slot, ...], n: int) -> list[list[Slot]]:
+    """n pipelines of these slots placed on nodes alone (`simulator.place`). The launcher places
+    pipelines in order, so n of them sit where the first n of more do: one placement per kind,
+    the longest asked for (grown by doubling), serves every count (memoised in the context)."""
+    key = ("placed", slots)
+    have = ctx.memo.get(key)
+    if have is None or len(have) < n:
+        have = place([list(slots)] * max(n, 2 * len(have or ())), ctx.cluster)
+        ctx.memo[key] = have
+    return have[:n]
+
+
+def _tied_terms(ctx: SimContext, slots: tuple[Slot, ...], n: int) -> list[tuple[tuple[float, float, float], int]]:
+    """(`tied_sync` of a (first, last) pair, how many pipelines have it) for n pipelines of these
+    slots placed alone, pairs in order of first appearance (memoised per kind and count)."""
+    key = ("placed-tied", slots, n)
+    if key not in ctx.memo:
+        pairs = Counter((pipe[0], pipe[-1]) for pipe in placed_alone(ctx, slots, n))
+        ctx.memo[key] = [(tied_sync(ctx, first, last, len(slots)), k) for (first, last), k in pairs.items()]
+    return ctx.memo[key]
+
+
+def apart_stage_groups(ctx: SimContext, used: tuple[tuple[tuple[Slot, ...], int], ...], i: int) -> list[Group]:
+    """Stage i's replicas as `group_members` orders them, for kinds ((slots, count) each) placed
+    apart (`placed_apart`): each kind's groups are found and sorted once (memoised per kind and
+    count), then merged in ring order (their members differ, so the ring keys do)."""
+    parts = []
+    for slots, n in used:
+        key = ("placed-stage", slots, n, i)
+        if key not in ctx.memo:
+            ctx.memo[key] = [(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed_alone(ctx, slots, n)])]
+        parts.append(ctx.memo[key])
+    if len(parts) == 1:
+        return [g for _, g in parts[0]]
+    return [g for _, g in sorted(itertools.chain.from_iterable(parts))]
 
 
 @dataclass

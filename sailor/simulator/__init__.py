@@ -49,7 +49,7 @@ from sailor.simulator.context import (SimContext, embedding_params, head_vocab_p
                                       tied_embeddings)
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes, pipeline_schedule
-from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s,
+from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s, group_shape,
                                     link_transfer, optimizer_s, pipeline_arrays, pipeline_times, place,
                                     placed_slots, recomputed_blocks, stage_sync, stage_time, tied_sync, time_options)
 
@@ -219,12 +219,15 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     cache: dict[tuple, float] = {}
     egress_usd, cross_bytes = 0.0, 0.0
     slots = placed_slots(plan, ctx.cluster)
-    arrays: dict[tuple, PipelineTimes] = {}  # identical pipelines (same placed slots) share their pass times
+    # pipelines of one shape (slots alike but for which nodes they sit on, `group_shape`) share their
+    # pass times: `pipeline_times` reads a node only to tell whether two stages share one
+    arrays: dict[tuple, PipelineTimes] = {}
     for j, pipe in enumerate(plan.pipelines):
         m = pipe.microbatches
-        if tuple(slots[j]) not in arrays:
-            arrays[tuple(slots[j])] = pipeline_times(ctx, slots[j], plan.stages, mbs, options, sched)
-        times = arrays[tuple(slots[j])]
+        shape = group_shape([(sl, 1) for sl in slots[j]])
+        if shape not in arrays:
+            arrays[shape] = pipeline_times(ctx, slots[j], plan.stages, mbs, options, sched)
+        times = arrays[shape]
         passes.append(times)
         cross_bytes += times.cross_zone_bytes * m
         egress_usd += times.egress_usd * m
@@ -266,11 +269,15 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
 
     sync_s = tied_s + max(sync_times)
     iteration = max(pipeline_times_s) + sync_s + max(r.optimizer_s for r in replicas)
-    gpu_usd_per_hour = sum(r.tp * ctx.cluster.price(r.zone, r.gpu) for p in plan.pipelines for r in p.replicas)
+    gpus: dict[tuple[str, str], int] = {}  # GPUs per (zone, GPU type)
+    for p in plan.pipelines:
+        for r in p.replicas:
+            gpus[(r.zone, r.gpu)] = gpus.get((r.zone, r.gpu), 0) + r.tp
+    gpu_usd_per_hour = sum(n * ctx.cluster.price(z, g) for (z, g), n in gpus.items())
     model = job.model
     model_flop = 3.0 * job.global_batch_size * sum(model.forward_flop(i, tp=1, mbs=1, seq=job.seq)
                                                    for i in range(model.num_layers))
-    peak = sum(r.tp * catalog.gpu(r.gpu).peak(job.precision) for p in plan.pipelines for r in p.replicas)
+    peak = sum(n * catalog.gpu(g).peak(job.precision) for (_, g), n in gpus.items())
     return Estimate(
         iteration_time_s=iteration, pipeline_s=max(pipeline_times_s), gradient_sync_s=sync_s,
         optimizer_s=max(r.optimizer_s for r in replicas), pipeline_times_s=pipeline_times_s, replicas=replicas,

@@ -36,6 +36,7 @@ t-1 steps.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -61,13 +62,16 @@ class Member:
 Group = tuple[Member, int]  # a member kind and how many replicas of that kind take part
 
 
+def ring_key(group: Group) -> tuple[str, str, str, int]:
+    """Where a group sits in ring order: (zone, node, GPU type, TP), so zones and the replicas of one
+    node are contiguous (a member without a node first in its zone)."""
+    m = group[0]
+    return m.zone, m.node or "", m.gpu, m.tp
+
+
 def group_members(members: list[Member]) -> list[Group]:
-    """Members as (kind, count) in ring order: sorted by zone, node, GPU type, TP, so zones and the
-    replicas of one node are contiguous."""
-    counts: dict[Member, int] = {}
-    for m in members:
-        counts[m] = counts.get(m, 0) + 1
-    return sorted(counts.items(), key=lambda g: (g[0].zone, g[0].node or "", g[0].gpu, g[0].tp))
+    """Members as (kind, count) in ring order (`ring_key`)."""
+    return sorted(Counter(members).items(), key=ring_key)
 
 
 def same_node(a: Member, b: Member) -> bool:
@@ -83,8 +87,10 @@ def _edge_kinds(groups: list[Group]) -> set[tuple[str, str, int, str, str, int, 
         return set()
     out = {(m.zone, m.gpu, m.tp, m.zone, m.gpu, m.tp, m.node is not None) for m, n in groups if n >= 2}
     if len(groups) >= 2:
-        for (a, _), (b, _) in zip(groups, groups[1:] + groups[:1]):
-            out.add((a.zone, a.gpu, a.tp, b.zone, b.gpu, b.tp, same_node(a, b)))
+        ends = [(m.zone, m.gpu, m.tp) for m, _ in groups]
+        nodes = [m.node for m, _ in groups]
+        out.update((*a, *b, na is not None and na == nb)
+                   for a, b, na, nb in zip(ends, ends[1:] + ends[:1], nodes, nodes[1:] + nodes[:1]))
     return out
 
 
@@ -196,11 +202,9 @@ def ring_egress(groups: list[Group], nbytes: float, net: NetworkModel) -> tuple[
     per_edge = 2 * (d - 1) / d * nbytes
     moved, usd = 0.0, 0.0
     prices = net.cluster.prov.egress_usd_per_gb
-    kinds = [m for m, _ in groups]
-    for a, b in zip(kinds, kinds[1:] + kinds[:1]):
-        if len(kinds) < 2:
-            break
-        lc = net.link_class(a.zone, b.zone)
+    zones = [z for z, _ in groupby(m.zone for m, _ in groups)]  # an edge inside a zone pays nothing
+    for a, b in zip(zones, zones[1:] + zones[:1]):
+        lc = net.link_class(a, b)
         if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
             moved += per_edge
             usd += per_edge / 1e9 * prices[lc]

@@ -30,7 +30,7 @@ import numpy as np
 
 from sailor.catalog import LinkClass
 from sailor.models import Collective, Framework, Recompute
-from sailor.plan import DEFAULT_STAGE_MEMORY, Plan, StageMemory, pack_replicas
+from sailor.plan import DEFAULT_STAGE_MEMORY, FirstFit, Plan, StageMemory
 from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_egress, same_node,
                                           tp_collective_time_s)
 from sailor.simulator.context import SimContext, embedding_params, stage_blocks, tied_embeddings
@@ -115,7 +115,7 @@ def stage_time(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: Time
     if opts is DEFAULT_TIME and ctx.tp_comm_included(slot.gpu, slot.tp):
         f, b = ctx.stage_compute_s(slot.gpu, slot.tp, mbs, a, e)  # nothing to add: the common case
         return StageTime(forward_s=f, backward_s=b)
-    key = ("stage_time", slot, mbs, a, e, opts)
+    key = ("stage_time", slot.zone, slot.gpu, slot.tp, mbs, a, e, opts)  # not the node: nothing here reads it
     if key not in ctx.memo:
         f, b = ctx.stage_compute_s(slot.gpu, slot.tp, mbs, a, e)
         rec = recompute_s(ctx, slot, mbs, a, e, opts)
@@ -344,13 +344,30 @@ def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tupl
 
 
 def place(pipelines: list[list[Slot]], cluster: ClusterSpec) -> list[list[Slot]]:
-    """The same slots, [pipeline][stage], with the node the launcher puts each on (`pack_replicas`,
-    the packing of `rank_layout`, with the cluster's GPUs per node): replicas that share a node talk
-    over the intra-node link."""
-    sizes = {sl.gpu: cluster.node_size(sl.gpu) for pipe in pipelines for sl in pipe}
-    nodes = pack_replicas([[(sl.zone, sl.gpu, sl.tp) for sl in pipe] for pipe in pipelines], sizes)
-    return [[Slot(zone=sl.zone, gpu=sl.gpu, tp=sl.tp, node=node) for sl, (node, _) in zip(pipe, row)]
-            for pipe, row in zip(pipelines, nodes)]
+    """The same slots, [pipeline][stage], with the node the launcher puts each on (`FirstFit`, the
+    packing of `rank_layout`, with the cluster's GPUs per node): replicas that share a node talk
+    over the intra-node link. Equal placed slots are one object (cheap to count and compare)."""
+    sizes: dict[str, int] = {}  # GPUs per node, filled in before FirstFit first reads a GPU type's
+    fit = FirstFit(sizes)
+    made: dict[tuple[str, int], Slot] = {}  # (node, TP) -> its placed slot
+    keys: dict[int, list] = {}  # id of a pipeline list (the planner repeats one) -> its replicas
+    out = []
+    for pipe in pipelines:
+        reps = keys.get(id(pipe))
+        if reps is None:
+            reps = keys[id(pipe)] = [(sl, (sl.zone, sl.gpu, sl.tp)) for sl in pipe]
+            for sl in pipe:
+                if sl.gpu not in sizes:
+                    sizes[sl.gpu] = cluster.node_size(sl.gpu)
+        row = []
+        for sl, r in reps:
+            node = fit.put(r)[0]
+            got = made.get((node, sl.tp))
+            if got is None:
+                got = made[(node, sl.tp)] = Slot(zone=sl.zone, gpu=sl.gpu, tp=sl.tp, node=node)
+            row.append(got)
+        out.append(row)
+    return out
 
 
 def placed_slots(plan: Plan, cluster: ClusterSpec) -> list[list[Slot]]:
