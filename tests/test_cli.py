@@ -260,3 +260,33 @@ def test_replay_refuses_a_plot_it_cannot_write(tmp_path, monkeypatch, capsys):
     code, err = _run_in_process(["replay", "--job", "job.yaml", "--cluster", "cluster.yaml", "--availability",
                                  "trace.json", "--plot", "plot.txt"], tmp_path, monkeypatch, capsys)
     assert code == 2 and err.strip() == "error: --plot: plot.txt: expected a file ending in .png or .svg or .pdf"
+
+
+def test_search_progress_frames_show_real_counts_never_none():
+    """Every frame of `sailor plan`'s progress bar, from the first: "starting" until the search has
+    counted its (P, micro-batch) nodes, then done/total, on a 512-GPU cluster."""
+    import io
+
+    from rich.console import Console
+
+    from sailor.cli.plan import search_progress
+    from sailor.planner import PlanOptions, plan_job
+    from sailor.simulator import make_context
+    from sailor.specs import ClusterSpec, JobSpec
+
+    con = Console(file=io.StringIO(), force_terminal=True, width=120)
+    bar, progress = search_progress(con)
+    frames = []
+
+    def frame() -> str:
+        with con.capture() as cap:
+            con.print(bar.get_renderable())
+        return cap.get()
+
+    frames.append(frame())
+    ctx = make_context(JobSpec(model="opt-350m", global_batch_size=1024),
+                       ClusterSpec(zones={"us-central1-a": {"A100-40": 256, "V100-16": 256}}))
+    plan_job(ctx, PlanOptions(max_stages=8), progress=lambda d, t: (progress(d, t), frames.append(frame())))
+    assert "starting" in frames[0] and "None" not in frames[0]
+    assert all("None" not in f for f in frames)
+    assert "0/48 (P, micro-batch) nodes" in frames[1] and "48/48 (P, micro-batch) nodes" in frames[-1]

@@ -155,3 +155,18 @@ def test_dockerfile_matches_the_package_and_the_default_image():
     assert DEFAULT_IMAGE == f"sailor-train:{sailor.__version__}"
     assert build in docker and build in (REPO / "README.md").read_text()
     assert 'pip install "/tmp/sailor-src[train]"' in docker  # a wheel of this package, not an editable checkout
+
+
+def test_readme_cluster_example_loads_with_its_exponents(tmp_path):
+    """The README's cluster block, as written (`5.0e9`, which YAML 1.1 reads as a string), is a valid
+    cluster whose overrides are the numbers it shows."""
+    from sailor.catalog import LinkClass
+    from sailor.specs import load_cluster
+
+    section = (REPO / "README.md").read_text().split("A **cluster**", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, flags=re.S).group(1)
+    (tmp_path / "cluster.yaml").write_text(block)
+    c = load_cluster(tmp_path / "cluster.yaml")
+    link = c.link(LinkClass.SAME_REGION)
+    assert (link.bandwidth_bytes_per_s, link.flow_bandwidth_bytes_per_s) == (5.0e9, 1.3e9)
+    assert c.available("us-central1-a", "V100-16") == 96

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sailor.errors import InfeasibleError, SailorInputError
-from sailor.plan import Plan, StageMemory
+from sailor.plan import Plan
 from sailor.planner import Constraints, Objective, PlanOptions, SearchSpace, plan_job
 from sailor.planner.schedules import fits
 from sailor.simulator import make_context, simulate
@@ -72,10 +72,15 @@ def test_infeasible_memory_names_the_numbers():
     job = JobSpec(model="opt-30b", global_batch_size=64)
     cluster = ClusterSpec(zones={"us-central1-a": {"T4": 4}}, gpus_per_node={"T4": 4})
     with pytest.raises(InfeasibleError, match=r"opt-30b needs \d+\.\d GB per GPU at best without memory options and"
-                                              r" \d+\.\d GB with full recomputation, SP and ZeRO-3 over 1 replicas .*"
+                                              r" \d+\.\d GB with full recomputation, SP and ZeRO-3 over 1 replica .*"
                                               r"largest GPU offered \(T4\) has 17\.2 GB \(15\.5 GB usable with the 10% memory margin\); full recomputation, SP and ZeRO-3"
                                               r" over \d+ replicas \(\d+ T4, TP 4, 2 stages\) would make it fit"):
         plan_job(make_context(job, cluster), PlanOptions(max_stages=2))
+    # one A100-40: OPT-30B fits on 16 of them, so the count is what it lacks, not a memory option
+    one = ClusterSpec(zones={"us-central1-a": {"A100-40": 1}})
+    with pytest.raises(InfeasibleError, match=r"^opt-30b needs at least 16 GPUs \(2 stages, micro-batch 1, .*"
+                                              r"the cluster offers 1$"):
+        plan_job(make_context(JobSpec(model="opt-30b", global_batch_size=256, precision="fp32"), one))
     # a head whose logits alone outgrow the GPU: nothing helps
     wide = JobSpec(model={"name": "wide", "num_blocks": 2, "hidden_size": 1024, "num_heads": 16, "vocab_size": 256000,
                           "max_sequence_length": 65536}, global_batch_size=4)
@@ -301,3 +306,32 @@ def test_too_few_gpus_names_the_smallest_plan_with_memory_options():
     job = JobSpec(model="opt-30b", global_batch_size=64, precision="bf16")
     with pytest.raises(InfeasibleError, match=r"opt-30b needs at least 16 GPUs \(2 stages.* the cluster offers 8"):
         plan_job(make_context(job, ClusterSpec(zones={"us-central1-a": {"A100-40": 8}})))
+
+
+def test_homogeneous_search_takes_memory_options_one_zone_can_hold():
+    """Two zones of 16 A100-40 and OPT-30B: at TP 8 and 2 stages a zone holds one pipeline, so its
+    memory options must be those of 16 GPUs (ZeRO needing a second replica would not fit in it). They
+    used to be those of the 32 GPUs offered, and the homogeneous search found nothing."""
+    job = JobSpec(model="opt-30b", global_batch_size=256, precision="fp32")
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 16}, "us-central1-b": {"A100-40": 16}})
+    r = plan_job(make_context(job, cluster), PlanOptions(search=SearchSpace.HOMOGENEOUS))
+    assert len({(z, g) for z, g in r.plan.gpu_usage()}) == 1 and r.plan.world_size == 16
+    # the same as one zone of 16 alone
+    alone = ClusterSpec(zones={"us-central1-a": {"A100-40": 16}})
+    r1 = plan_job(make_context(job, alone), PlanOptions(search=SearchSpace.HOMOGENEOUS))
+    assert r.estimate.iteration_time_s == pytest.approx(r1.estimate.iteration_time_s)
+
+
+def test_too_few_gpus_names_what_the_narrower_spaces_can_use_together():
+    """OPT-30B needs 16 A100-40; two regions of 12 hold it only as a pipeline across them. The full
+    search finds that plan; the published and homogeneous spaces keep a plan in one region (or one
+    zone's GPU type) and say so, with the 12 they can use together, not the 24 the cluster offers."""
+    job = JobSpec(model="opt-30b", global_batch_size=256, precision="fp32")
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 12}, "us-west1-b": {"A100-40": 12}})
+    ctx = make_context(job, cluster)
+    assert plan_job(ctx, PlanOptions()).plan.world_size > 12
+    for space, where in ((SearchSpace.PAPER, "one region"), (SearchSpace.HOMOGENEOUS, "one zone and GPU type")):
+        with pytest.raises(InfeasibleError, match=rf"^opt-30b needs at least 16 GPUs \(2 stages, micro-batch 1, to fit"
+                                                  rf" in memory\); the {space.value} search keeps a plan in {where}, and"
+                                                  r" the most it can use together are 12$"):
+            plan_job(make_context(job, cluster), PlanOptions(search=space))

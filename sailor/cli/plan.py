@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Optional
 
 import typer
@@ -75,11 +76,9 @@ def plan_command(
         if as_json:
             result = plan_job(ctx, opts)
         else:
-            with Progress(TextColumn("searching plans"), BarColumn(),
-                          TextColumn("{task.completed}/{task.total} (P, micro-batch) nodes"),
-                          TimeElapsedColumn(), console=con, transient=True) as bar:
-                task = bar.add_task("plan", total=None)
-                result = plan_job(ctx, opts, progress=lambda d, t: bar.update(task, completed=d, total=t))
+            bar, progress = search_progress(con)
+            with bar:
+                result = plan_job(ctx, opts, progress=progress)
     except SailorInputError as e:
         # an error about the cluster's own fields (e.g. no GPUs in any zone) names the cluster file
         raise (e.located(source=str(cluster)) if cluster and e.field == "zones" else e) from None
@@ -105,6 +104,16 @@ def plan_command(
         con.print(f"plan written to {out}")
     if report:
         con.print(f"report written to {report / 'index.html'}")
+
+
+def search_progress(con: Console) -> tuple[Progress, Callable[[int, int], None]]:
+    """The search's progress bar on `con` (transient) and the `plan_job` callback that moves it:
+    (P, micro-batch) nodes done of the nodes enumerated, "starting" until the search has counted them."""
+    bar = Progress(TextColumn("searching plans"), BarColumn(), TextColumn("{task.fields[nodes]}"),
+                   TimeElapsedColumn(), console=con, transient=True)
+    task = bar.add_task("plan", total=None, nodes="starting")
+    return bar, lambda done, total: bar.update(task, completed=done, total=total,
+                                               nodes=f"{done}/{total} (P, micro-batch) nodes")
 
 
 def pipeline_groups(plan: Plan) -> list[tuple[str, str, tuple[int, ...], list[int]]]:
@@ -143,7 +152,9 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
                  ("iteration time (s)", f"{est.iteration_time_s:.3f} (pipeline {est.pipeline_s:.3f},"
                                         f" sync {est.gradient_sync_s:.3f}, optimizer {est.optimizer_s:.3f})"),
                  ("tokens/s", f"{est.tokens_per_s:,.0f}"),
-                 ("$/iteration", f"{est.cost_per_iteration_usd:.4f}"),
+                 ("$/iteration", f"{est.cost_per_iteration_usd:.4f}" + (
+                     f" (egress {est.egress_per_iteration_usd:.4f}, {est.cross_zone_bytes / 1e9:,.1f} GB across zones)"
+                     if est.cross_zone_bytes else "")),
                  ("$/hour", f"{est.cost_per_hour_usd:.2f}"),
                  ("memory headroom (GiB)", f"{est.min_headroom_bytes / GIB:.1f} on the fullest GPU"),
                  ("MFU", f"{est.mfu:.1%}"),
@@ -164,6 +175,7 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
             desc = "; ".join(f"{len(m)}x {g} {z} TP {','.join(map(str, tp))}" for g, z, tp, m in pipeline_groups(p))
             mems = sorted({memory_label(p.stage_memory(i)) for i in range(p.num_stages)} - {"-"})
             desc += f" [{', '.join(mems)}]" if mems else ""
+            desc += f" {e.schedule.label}" if e.schedule.label != est.schedule.label else ""
             a.add_row(str(i), str(p.num_stages), str(p.micro_batch_size), desc, str(p.world_size),
                       f"{e.throughput_iters_per_s:.4f}", f"{e.cost_per_iteration_usd:.4f}", f"{e.cost_per_hour_usd:.2f}")
         con.print(a)

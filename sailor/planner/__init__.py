@@ -35,7 +35,8 @@ from sailor.limits import MAX_PIPELINE_TASKS
 from sailor.plan import Plan, StageMemory
 from sailor.planner import engine, legacy, paper
 from sailor.planner.schedules import fits, schedule_variants
-from sailor.planner.finalists import Found
+from sailor.planner.finalists import Found, plan_signature
+from sailor.planner.geo import scopes
 from sailor.planner.options import Constraints, Objective, PlanOptions, SearchSpace, objective_key
 from sailor.planner.space import even_partition, memory_candidates, sp_possible, stage_options, zero3_needed
 from sailor.simulator import Estimate, SimContext, simulate
@@ -144,7 +145,7 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     best_closed = choices[0]
     scored = choices[: opts.rescore]
     for plan in found.pinned:
-        if all(plan.to_dict(with_specs=False) != c.plan.to_dict(with_specs=False) for c in choices):
+        if plan_signature(plan) not in {plan_signature(c.plan) for c in choices}:
             closed = simulate(plan, ctx, event=False)
             pin = Choice(plan, closed.iteration_time_s, closed.cost_per_iteration_usd)
             choices.append(pin)
@@ -243,9 +244,11 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
     plain, strongest = least(_SAVINGS[0][1]), least(_SAVINGS[-1][1])
     if plain is None:
         return "no GPU type in the cluster can hold a TP group of this model"
+    if min(plain[0], strongest[0]) <= cap:  # it fits with more stages or TP than the cluster's GPUs make
+        return _too_few_gpus(ctx, opts)
     where = f"TP {strongest[2]}, {strongest[3]} stages, micro-batch 1"
     head = (f"{model.name} needs {plain[0] / GB:.1f} GB per GPU at best without memory options and"
-            f" {strongest[0] / GB:.1f} GB with full recomputation, SP and ZeRO-3 over {strongest[4]} replicas ({where});"
+            f" {strongest[0] / GB:.1f} GB with full recomputation, SP and ZeRO-3 over {strongest[4]} replica{'s' * (strongest[4] != 1)} ({where});"
             f" the largest GPU offered ({largest}) has {ctx.memory_capacity(largest) / GB:.1f} GB"
             + (f" ({cap / GB:.1f} GB usable with the {ctx.memory_margin:.0%} memory margin)" if ctx.memory_margin else ""))
     for more in (2, 4, 8, 16, 64, 256, 1024):
@@ -290,5 +293,15 @@ def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
         return f"no GPU type in the cluster can hold {job.model.name}'s stages in memory"
     need, P, D = best
     replicas = "" if D == 1 else f", {D} pipelines for ZeRO to shard over"
-    return (f"{job.model.name} needs at least {need} GPUs ({P} stages{replicas}, micro-batch 1, to fit in memory;"
-            f" its stages may sit on any GPU type, zone and region); the cluster offers {cluster.total_gpus()}")
+    head = f"{job.model.name} needs at least {need} GPUs ({P} stages{replicas}, micro-batch 1, to fit in memory"
+    if opts.search is SearchSpace.FULL:
+        return f"{head}; its stages may sit on any GPU type, zone and region); the cluster offers {cluster.total_gpus()}"
+    # the other spaces use fewer GPUs together: one region (legacy, paper) or one zone's GPU type
+    pools = {(z, g): n for z, gs in cluster.zones.items() for g, n in gs.items()}
+    if opts.search is SearchSpace.HOMOGENEOUS:
+        together, where = max(pools.values()), "one zone and GPU type"
+    else:
+        together, where = max(sum(s.free(pools).values()) for s in scopes(ctx) if s.name != "all regions"), "one region"
+    verdict = (f"the most it can use together are {together}" if need > together
+               else f"it found no plan on the {together} it can use together")
+    return f"{head}); the {opts.search.value} search keeps a plan in {where}, and {verdict}"

@@ -41,7 +41,7 @@ import numpy as np
 
 from sailor.planner import paper
 from sailor.planner import search as S
-from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds
+from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds, plan_signature
 from sailor.planner.geo import Scope, build_spanning, scopes, spanning_thetas
 from sailor.planner.kinds import Kind, Pool, Table, all_kinds, homogeneous_kinds, memory_mixed_kinds, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
@@ -142,7 +142,8 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
         progress(total, total)
     out = keep.finish(lambda cand, point: plan_from_kinds(ctx, cand, *point))
     if seed.finalists:
-        out.finalists = sorted(out.finalists + seed.finalists[:1], key=lambda v: v[0])[: keep.keep]
+        if plan_signature(seed.finalists[0][3]) not in {plan_signature(v[3]) for v in out.finalists}:
+            out.finalists = sorted(out.finalists + seed.finalists[:1], key=lambda v: v[0])[: keep.keep]
         out.pinned = [seed.finalists[0][3]]
         for p in seed.front:
             pareto_add(out.front, p)

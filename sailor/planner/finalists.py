@@ -90,11 +90,26 @@ class Finalists:
         return [(c, p) for _, c, p in sorted(self._kept.values(), key=lambda v: v[0])[:n]]
 
     def finish(self, build: Callable[[S.Candidate, tuple], Plan]) -> Found:
-        """The Found with the plans of the best kept candidates built, best first: as many as phase 3
-        looks at (`planner._rescore`: max(rescore, top_k + 1)); building a large plan is not cheap."""
-        ranked = sorted(self._kept.values(), key=lambda v: v[0])[: max(self.opts.rescore, self.opts.top_k + 1)]
-        self.found.finalists = [(k, c.iteration_time_s, c.cost_per_iteration_usd, build(c, p)) for k, c, p in ranked]
+        """The Found with the plans of the best kept candidates built, best first, each plan once: as
+        many as phase 3 looks at (`planner._rescore`: max(rescore, top_k + 1)); building a large plan
+        is not cheap."""
+        n = max(self.opts.rescore, self.opts.top_k + 1)
+        seen, out = set(), []
+        for k, c, p in sorted(self._kept.values(), key=lambda v: v[0]):
+            plan = build(c, p)
+            same = plan_signature(plan)  # another kind list can build the same plan
+            if same not in seen:
+                seen.add(same)
+                out.append((k, c.iteration_time_s, c.cost_per_iteration_usd, plan))
+                if len(out) == n:
+                    break
+        self.found.finalists = out
         return self.found
+
+
+def plan_signature(plan: Plan) -> str:
+    """What tells two plans apart (their JSON without the job and cluster they carry)."""
+    return plan.model_dump_json(exclude={"job", "cluster"})
 
 
 def pareto_add(front: list[tuple[float, float]], p: tuple[float, float]) -> None:

@@ -2,15 +2,14 @@
 (`--search homogeneous`).
 
 The published space (DESIGN.md §5), with the stages' memory options of every search space (the
-lightest candidates of `space.memory_candidates`): P stages over the even layer split; one TP degree per GPU type,
-by its fixed rule (the smallest degree at which the type holds every stage it can hold in memory,
-H1/H2); D
-data-parallel replicas of every stage, each stage's replicas on any GPU types and zones of one
-region (H5: data parallelism within a region; H6: zones pooled; for the cost objective or under
-constraints each zone is also searched on its own, since the pooled search fills the zones in a
-fixed order and the cheapest plans often sit in one zone), as its dynamic program over stages
-assigns them; pipeline j is replica j of every stage; every pipeline takes M / D
-micro-batches (equal batch shares).
+lightest candidates of `space.memory_candidates`, for each group of pools below on its own count of
+GPUs): P stages over the even layer split; one TP degree per GPU type, by its fixed rule (the
+smallest degree at which the type holds every stage it can hold in memory, H1/H2); D data-parallel
+replicas of every stage, each stage's replicas on any GPU types and zones of one region (H5: data
+parallelism within a region; H6: zones pooled; for the cost objective or under constraints each zone
+is also searched on its own, since the pooled search fills the zones in a fixed order and the
+cheapest plans often sit in one zone), as its dynamic program over stages assigns them; pipeline j
+is replica j of every stage; every pipeline takes M / D micro-batches (equal batch shares).
 
 With equal shares the slowest replica of any stage sets the pace, so for a straggler bound θ the
 question is whether every stage can get D replicas whose stage time is at most θ from the GPUs of
@@ -38,7 +37,7 @@ from sailor.planner.geo import scopes
 from sailor.planner.kinds import Option, Pool, make_kind, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.prune import node_keys
-from sailor.planner.space import Memory, even_partition, memory_candidates, zero3_needed
+from sailor.planner.space import Memory, even_partition, memory_candidates, memory_rank, zero3_needed
 from sailor.simulator import SimContext
 
 
@@ -68,6 +67,7 @@ def search(ctx: SimContext, opts: PlanOptions, progress=None, deadline: float | 
             for (z, g), n in free.items():
                 by_zone.setdefault(z, {})[(z, g)] = n
             groups += [by_zone[z] for z in sorted(by_zone) if by_zone[z] not in groups]
+    held_by = [sum(pools.values()) for pools in groups]  # GPUs of each group
     for done, (key, P, mbs) in enumerate(order, 1):
         if deadline is not None and time.perf_counter() > deadline:
             keep.found.timed_out = True
@@ -76,10 +76,19 @@ def search(ctx: SimContext, opts: PlanOptions, progress=None, deadline: float | 
             break
         partition = even_partition(L, P)
         M = job.global_batch_size // mbs
-        for memory in memory_candidates(ctx, gpus, partition, mbs, M, zero_max, opts.memory_per_partition):
+        # each group's own candidates: a group smaller than the cluster holds fewer replicas, and an
+        # option that needs more of them for ZeRO to shard over would take the place of one it can use
+        by_group: dict[int, list[Memory]] = {}
+        for held in held_by:
+            if held not in by_group:
+                by_group[held] = memory_candidates(ctx, gpus, partition, mbs, M, zero_max, opts.memory_per_partition,
+                                                   gpus_offered=held)
+        for memory in sorted({m for ms in by_group.values() for m in ms}, key=lambda v: (memory_rank(v), str(v))):
             table = option_table(ctx, gpus, partition, mbs, M, memory)
             for tps in _tp_rules(table, every=homogeneous):
-                for pools in (g for g in groups if any(gpu in tps for _, gpu in g)):
+                for pools, held in zip(groups, held_by):
+                    if memory not in by_group[held] or not any(gpu in tps for _, gpu in pools):
+                        continue
                     keep.found.any_family = True
                     keep.found.points += 1
                     _scan(ctx, opts, keep, partition, mbs, M, memory, table, tps, pools)

@@ -307,11 +307,16 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
                     seen.append(vec)
                 if all(m == DEFAULT_STAGE_MEMORY for m in vec):
                     break  # every stage fits as it is: nothing is cheaper
-    seen.sort(key=lambda v: (memory_weight(v), sum(m.zero for m in v)))  # ties: less sharding first
+    seen.sort(key=memory_rank)
     if lightest is None or len(seen) <= lightest:
         return seen
     cut = memory_weight(seen[lightest - 1])
     return [v for v in seen if memory_weight(v) <= cut]
+
+
+def memory_rank(memory: Memory) -> tuple[float, int]:
+    """The order candidates are tried in: lightest first (`memory_weight`), ties with less sharding first."""
+    return memory_weight(memory), sum(m.zero for m in memory)
 
 
 def memory_weight(memory: Memory) -> float:
