@@ -215,8 +215,18 @@ class _Loader(yaml.SafeLoader):
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def _yaml11_only(self, node, value) -> None:
+        """Refuse the number forms only YAML 1.1 has, which read as something else than they look:
+        base 60 (`1:30` is 90) and a leading zero (`010` is octal 8)."""
+        raw = str(node.value).replace("_", "").lstrip("+-")
+        kind = "base-60" if ":" in raw else "octal" if len(raw) > 1 and raw[0] == "0" and raw.isdigit() else None
+        if kind:
+            raise yaml.constructor.ConstructorError(None, None, f"{node.value} reads as {value:g} (a YAML 1.1 {kind}"
+                                                    f" number); write the number you mean, or quote it", node.start_mark)
+
     def construct_yaml_float(self, node):  # noqa: D102 - PyYAML hook
         value = super().construct_yaml_float(node)
+        self._yaml11_only(node, value)
         if not math.isfinite(value):
             raise yaml.constructor.ConstructorError(None, None, f"{node.value} is not a finite number", node.start_mark)
         return value
@@ -226,7 +236,9 @@ class _Loader(yaml.SafeLoader):
         if digits > MAX_INT_DIGITS:
             raise yaml.constructor.ConstructorError(None, None, f"an integer of {digits} digits (more than"
                                                     f" {MAX_INT_DIGITS})", node.start_mark)
-        return super().construct_yaml_int(node)
+        value = super().construct_yaml_int(node)
+        self._yaml11_only(node, value)
+        return value
 
 
 _Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)

@@ -7,6 +7,7 @@ YAML or JSON with `load_job` / `load_cluster`; both raise `SailorInputError` nam
 from __future__ import annotations
 
 from enum import Enum
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -312,7 +313,8 @@ def load_job(path: str | Path) -> JobSpec:
     data = load_mapping(path)
     model = data.get("model")
     if isinstance(model, str) and is_config_path(model):
-        data["model"] = str(Path(path).parent / Path(model).expanduser())
+        # os.path.join keeps the "./" a Path would drop for a job in the current folder ("hf", a name)
+        data["model"] = os.path.join(str(Path(path).parent), str(Path(model).expanduser()))
     return parse_model(JobSpec, data, str(path))
 
 

@@ -177,12 +177,16 @@ def test_other_architectures_refuse_what_they_cannot_build():
         spec_from_hf(QWEN2_05B | {"attention_bias": False}, source="c", name="x")
 
 
-def test_job_reads_a_config_relative_to_itself_and_the_cli_says_what_is_wrong(tmp_path):
+def test_job_reads_a_config_relative_to_itself_and_the_cli_says_what_is_wrong(tmp_path, monkeypatch):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(configs()["llama3"].to_dict()))
     (tmp_path / "job.yaml").write_text("model: m/config.json\nglobal_batch_size: 4\n")
     job = load_job(tmp_path / "job.yaml")
     assert job.model.hf_model_type == "llama" and job.model.num_kv_heads == 2
+    # the model folder next to a job file in the current folder ("./m" must not become the name "m")
+    (tmp_path / "job2.yaml").write_text("model: ./m\nglobal_batch_size: 4\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_job("job2.yaml").model == job.model
     # The plan file carries the spec inline, so it no longer needs the config file.
     assert JobSpec.model_validate(job.to_dict()) == job
     bad = json.loads((tmp_path / "m" / "config.json").read_text()) | {"rope_parameters": {"rope_type": "dynamic",

@@ -81,6 +81,12 @@ def test_infeasible_memory_names_the_numbers():
     with pytest.raises(InfeasibleError, match=r"^opt-30b needs at least 16 GPUs \(2 stages, micro-batch 1, .*"
                                               r"the cluster offers 1$"):
         plan_job(make_context(JobSpec(model="opt-30b", global_batch_size=256, precision="fp32"), one))
+    # one A100-40 per node: TP 1 only, so no SP; the strongest options are then without it
+    apart = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}}, gpus_per_node={"A100-40": 1})
+    with pytest.raises(InfeasibleError, match=r"GB with full recomputation and ZeRO-3 over 1 replica \(TP 1, 16 stages,"
+                                              r" micro-batch 1\); .* full recomputation and ZeRO-3 over 2 replicas"
+                                              r" \(32 A100-40, TP 1, 16 stages\) would make it fit$"):
+        plan_job(make_context(JobSpec(model="opt-30b", global_batch_size=256, precision="fp32"), apart))
     # a head whose logits alone outgrow the GPU: nothing helps
     wide = JobSpec(model={"name": "wide", "num_blocks": 2, "hidden_size": 1024, "num_heads": 16, "vocab_size": 256000,
                           "max_sequence_length": 65536}, global_batch_size=4)
@@ -335,3 +341,15 @@ def test_too_few_gpus_names_what_the_narrower_spaces_can_use_together():
                                                   rf" in memory\); the {space.value} search keeps a plan in {where}, and"
                                                   r" the most it can use together are 12$"):
             plan_job(make_context(job, cluster), PlanOptions(search=space))
+
+
+def test_a_gpu_type_too_few_for_the_clusters_zero_still_gets_its_own_memory_options():
+    """16 A100-40 hold one OPT-30B pipeline (TP 8, 2 stages) with ZeRO-2 and SP; 16 V100-16 in nodes of
+    4 hold none. The lightest options the 32 GPUs allow need two pipelines, which only the A100s could
+    make, so the search had found nothing; with the A100s' own options it finds their plan."""
+    job = JobSpec(model="opt-30b", global_batch_size=256, precision="fp32")
+    alone = plan_job(make_context(job, ClusterSpec(zones={"us-central1-a": {"A100-40": 16}})))
+    mixed = ClusterSpec(zones={"us-central1-a": {"V100-16": 16, "A100-40": 16}}, gpus_per_node={"V100-16": 4})
+    r = plan_job(make_context(job, mixed))
+    assert r.estimate.iteration_time_s <= alone.estimate.iteration_time_s * (1 + 1e-9)
+    assert {g for _, g in r.plan.gpu_usage()} == {"A100-40"}

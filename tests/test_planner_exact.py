@@ -69,7 +69,7 @@ def brute_force(job: JobSpec, cluster: ClusterSpec, opts: PlanOptions):
         for mbs in mbs_candidates(job.global_batch_size, opts.max_mbs):
             M = job.global_batch_size // mbs
             for part in candidate_partitions(ctx, P, mbs, cluster.gpu_types()):
-                for memory in memory_candidates(ctx, cluster.gpu_types(), part, mbs, M, zero_max)[: opts.memory_per_partition]:
+                for memory in memory_candidates(ctx, cluster.gpu_types(), part, mbs, M, zero_max, opts.memory_per_partition):
                     best = _brute_force_family(ctx, cluster, opts, part, mbs, M, memory, best)
     return best
 

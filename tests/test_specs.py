@@ -1,5 +1,7 @@
 """Job and cluster specs: defaults, derived values, aliases, overrides and validation errors."""
 
+import re
+
 import pytest
 
 from sailor import catalog
@@ -128,3 +130,15 @@ def test_job_framework_field():
     assert meg.framework is Framework.MEGATRON and JobSpec.model_validate(meg.to_dict()) == meg
     with pytest.raises(ValueError, match="framework"):
         JobSpec(model="tiny", global_batch_size=4, framework="deepspeed")
+
+
+@pytest.mark.parametrize("count, shown", [("010", "010 reads as 8 (a YAML 1.1 octal number)"),
+                                          ("1:30", "1:30 reads as 90 (a YAML 1.1 base-60 number)")])
+def test_yaml11_only_numbers_are_refused_not_reread(tmp_path, count, shown):
+    """A GPU count of `010` or `1:30` is not silently 8 or 90 GPUs; quoted, it is a string."""
+    p = tmp_path / "cluster.yaml"
+    p.write_text(f"zones:\n  us-central1-a: {{A100-40: {count}}}\n")
+    with pytest.raises(SailorInputError, match=r"cluster\.yaml: invalid YAML at line 2: " + re.escape(shown)):
+        load_cluster(p)
+    p.write_text("zones: {us-central1-a: {A100-40: 10}}\nprices: {A100-40: 1.5e0}\n")
+    assert load_cluster(p).price("us-central1-a", "A100-40") == 1.5

@@ -87,8 +87,9 @@ def plan_command(
     if report:
         from sailor.report import plan_report
         title = f"sailor plan: {job_spec.model.name}, global batch {job_spec.global_batch_size}"
+        err = Console(stderr=True)
         with Progress(TextColumn("report: {task.fields[step]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=Console(stderr=True), transient=True, disable=as_json) as bar:
+                      console=err, transient=True, disable=as_json or not err.is_terminal) as bar:
             task = bar.add_task("report", total=None, step="starting")
             plan_report(report, result, lambda: make_context(job_spec, cluster_spec, prof, net), opts, title=title,
                         progress=lambda name, d, t: bar.update(task, completed=d, total=t, step=name))
@@ -110,7 +111,7 @@ def search_progress(con: Console) -> tuple[Progress, Callable[[int, int], None]]
     """The search's progress bar on `con` (transient) and the `plan_job` callback that moves it:
     (P, micro-batch) nodes done of the nodes enumerated, "starting" until the search has counted them."""
     bar = Progress(TextColumn("searching plans"), BarColumn(), TextColumn("{task.fields[nodes]}"),
-                   TimeElapsedColumn(), console=con, transient=True)
+                   TimeElapsedColumn(), console=con, transient=True, disable=not con.is_terminal)
     task = bar.add_task("plan", total=None, nodes="starting")
     return bar, lambda done, total: bar.update(task, completed=done, total=total,
                                                nodes=f"{done}/{total} (P, micro-batch) nodes")

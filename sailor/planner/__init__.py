@@ -213,7 +213,8 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
 
 # No memory options, and the ones that save the most (the infeasibility message compares them).
 _SAVINGS = [("no memory options", StageMemory()),
-            ("full recomputation, SP and ZeRO-3", StageMemory(recompute="full", sequence_parallel=True, zero=3))]
+            ("full recomputation, SP and ZeRO-3", StageMemory(recompute="full", sequence_parallel=True, zero=3)),
+            ("full recomputation and ZeRO-3", StageMemory(recompute="full", zero=3))]  # where no TP degree allows SP
 
 
 def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
@@ -241,22 +242,26 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
                         best = (need, g, tp, P, d)
         return best
 
-    plain, strongest = least(_SAVINGS[0][1]), least(_SAVINGS[-1][1])
+    plain = least(_SAVINGS[0][1])
     if plain is None:
         return "no GPU type in the cluster can hold a TP group of this model"
+    for label, strong in _SAVINGS[1:]:  # with SP where a TP degree allows it, else without
+        strongest = least(strong)
+        if strongest is not None:
+            break
     if min(plain[0], strongest[0]) <= cap:  # it fits with more stages or TP than the cluster's GPUs make
         return _too_few_gpus(ctx, opts)
-    where = f"TP {strongest[2]}, {strongest[3]} stages, micro-batch 1"
+    where = f"TP {strongest[2]}, {strongest[3]} stage{'s' * (strongest[3] != 1)}, micro-batch 1"
     head = (f"{model.name} needs {plain[0] / GB:.1f} GB per GPU at best without memory options and"
-            f" {strongest[0] / GB:.1f} GB with full recomputation, SP and ZeRO-3 over {strongest[4]} replica{'s' * (strongest[4] != 1)} ({where});"
+            f" {strongest[0] / GB:.1f} GB with {label} over {strongest[4]} replica{'s' * (strongest[4] != 1)} ({where});"
             f" the largest GPU offered ({largest}) has {ctx.memory_capacity(largest) / GB:.1f} GB"
             + (f" ({cap / GB:.1f} GB usable with the {ctx.memory_margin:.0%} memory margin)" if ctx.memory_margin else ""))
     for more in (2, 4, 8, 16, 64, 256, 1024):
-        bigger = least(_SAVINGS[-1][1], more)
+        bigger = least(strong, more)
         if bigger[4] <= strongest[4]:
             break  # as many replicas as micro-batches already
         if bigger[0] <= cap:
-            return (f"{head}; full recomputation, SP and ZeRO-3 over {bigger[4]} replicas ({bigger[4] * bigger[2] * bigger[3]}"
+            return (f"{head}; {label} over {bigger[4]} replicas ({bigger[4] * bigger[2] * bigger[3]}"
                     f" {bigger[1]}, TP {bigger[2]}, {bigger[3]} stages) would make it fit")
     return f"{head}, and no memory option makes it fit"
 
@@ -293,15 +298,19 @@ def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
         return f"no GPU type in the cluster can hold {job.model.name}'s stages in memory"
     need, P, D = best
     replicas = "" if D == 1 else f", {D} pipelines for ZeRO to shard over"
-    head = f"{job.model.name} needs at least {need} GPUs ({P} stages{replicas}, micro-batch 1, to fit in memory"
+    head = f"{job.model.name} needs at least {need} GPUs ({P} stage{'s' * (P != 1)}{replicas}, micro-batch 1, to fit in memory"
     if opts.search is SearchSpace.FULL:
-        return f"{head}; its stages may sit on any GPU type, zone and region); the cluster offers {cluster.total_gpus()}"
+        offered = cluster.total_gpus()
+        tail = (f"the cluster offers {offered}" if need > offered else
+                f"the cluster offers {offered}, yet no plan was found with the memory options searched (the lightest"
+                f" that {offered} GPUs allow, which can need more pipelines than the GPU types that hold them make)")
+        return f"{head}; its stages may sit on any GPU type, zone and region); {tail}"
     # the other spaces use fewer GPUs together: one region (legacy, paper) or one zone's GPU type
     pools = {(z, g): n for z, gs in cluster.zones.items() for g, n in gs.items()}
     if opts.search is SearchSpace.HOMOGENEOUS:
         together, where = max(pools.values()), "one zone and GPU type"
     else:
         together, where = max(sum(s.free(pools).values()) for s in scopes(ctx) if s.name != "all regions"), "one region"
-    verdict = (f"the most it can use together are {together}" if need > together
+    verdict = (f"the most it can use together {'is' if together == 1 else 'are'} {together}" if need > together
                else f"it found no plan on the {together} it can use together")
     return f"{head}); the {opts.search.value} search keeps a plan in {where}, and {verdict}"

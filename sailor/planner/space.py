@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -294,24 +295,53 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
     if all(any(min_replicas(ctx, g, t, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=DEFAULT_STAGE_MEMORY) == 1
                for t in tps[g]) for g in gpus for i, (a, b) in enumerate(partition)):
         return [base]  # every GPU type holds every stage as it is at some TP degree: nothing is needed
-    seen: list[Memory] = []
     n = ctx.cluster.total_gpus() if gpus_offered is None else gpus_offered
+    seen = sorted(_vectors(ctx, gpus, tps, partition, mbs, M, zero_max, lambda g, t: n // (t * P)), key=memory_rank)
+    out = seen if lightest is None or len(seen) <= lightest else [
+        v for v in seen if memory_weight(v) <= memory_weight(seen[lightest - 1])]
+    # A GPU type whose own GPUs hold no candidate (too few pipelines of it for the ZeRO the cluster's
+    # count allows) also gets the lightest it can hold alone: 16 A100-40 hold one OPT-30B pipeline
+    # (TP 8, 2 stages), whose ZeRO-2 shards nothing, next to V100-16s that cannot hold it at all.
+    for g in gpus:
+        alone = min(n, sum(ctx.cluster.available(z, g) for z in ctx.cluster.zones))
+        if not any(_holds(ctx, g, tps[g], partition, mbs, M, v, alone) for v in out):
+            own = sorted(_vectors(ctx, [g], tps, partition, mbs, M, zero_max, lambda g, t: alone // (t * P)),
+                         key=memory_rank)
+            if own and own[0] not in out:
+                out.append(own[0])
+    return out
+
+
+def _vectors(ctx: SimContext, gpus: list[str], tps: dict[str, list[int]], partition: Partition, mbs: int, M: int,
+             zero_max: int, most: Callable[[str, int], int]) -> list[Memory]:
+    """`memory_candidates`' vectors before ranking: per GPU type g, TP t and ZeRO ceiling, each
+    stage's `cheapest_fit` with at most most(g, t) replicas; distinct, in the order found."""
+    seen: list[Memory] = []
     for g in gpus:
         for t in tps[g]:
-            most = n // (t * P)
-            if most < 1:
-                continue  # the cluster cannot hold one pipeline of P stages at TP t
+            k = most(g, t)
+            if k < 1:
+                continue  # the GPUs cannot hold one pipeline of P stages at TP t
             for z in range(zero_max + 1):
-                vec = tuple(cheapest_fit(ctx, g, t, mbs, a, b, i, P, M, z, most) for i, (a, b) in enumerate(partition))
+                vec = tuple(cheapest_fit(ctx, g, t, mbs, a, b, i, len(partition), M, z, k)
+                            for i, (a, b) in enumerate(partition))
                 if None not in vec and vec not in seen:
                     seen.append(vec)
                 if all(m == DEFAULT_STAGE_MEMORY for m in vec):
                     break  # every stage fits as it is: nothing is cheaper
-    seen.sort(key=memory_rank)
-    if lightest is None or len(seen) <= lightest:
-        return seen
-    cut = memory_weight(seen[lightest - 1])
-    return [v for v in seen if memory_weight(v) <= cut]
+    return seen
+
+
+def _holds(ctx: SimContext, gpu: str, tps: list[int], partition: Partition, mbs: int, M: int, memory: Memory,
+           gpus: int) -> bool:
+    """True when `gpus` GPUs of type `gpu` hold a plan of their own under `memory`: at some TP degree,
+    every stage fits with as many replicas as they make pipelines of P stages."""
+    P = len(partition)
+    return any(gpus // (t * P) >= 1 and all(
+        not (m.sequence_parallel and not sp_possible(ctx, t))
+        and min_replicas(ctx, gpu, t, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=m,
+                         most=gpus // (t * P)) is not None
+        for i, ((a, b), m) in enumerate(zip(partition, memory))) for t in tps)
 
 
 def memory_rank(memory: Memory) -> tuple[float, int]:
