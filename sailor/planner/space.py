@@ -288,7 +288,8 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
     than that: a candidate the cluster cannot hold would take the place of one it can. Distinct
     vectors only, lightest first (`memory_weight`; the defaults, when every stage fits as it is, lead). `gpus_offered`: N in place of the cluster's (what a larger cluster would take). `lightest` k: the k
     lightest and every other one as light as the k-th (which of equal weights come first depends on
-    the order they were found in, and the search must not)."""
+    the order they were found in, and the search must not); and, for each GPU type whose own GPUs
+    (at most N) hold none of those, the lightest vector it holds alone."""
     P = len(partition)
     base = (DEFAULT_STAGE_MEMORY,) * P
     tps = {g: ctx.job.model.tp_degrees(ctx.cluster.node_size(g)) for g in gpus}
