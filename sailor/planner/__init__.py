@@ -36,7 +36,7 @@ from sailor.plan import Plan, StageMemory
 from sailor.planner import engine, legacy, paper
 from sailor.planner.schedules import fits, schedule_variants
 from sailor.planner.finalists import Found, plan_signature
-from sailor.planner.geo import scopes
+from sailor.planner.geo import free_pools, scopes
 from sailor.planner.options import Constraints, Objective, PlanOptions, SearchSpace, objective_key
 from sailor.planner.space import even_partition, memory_candidates, sp_possible, stage_options, zero3_needed
 from sailor.simulator import Estimate, SimContext, simulate
@@ -306,7 +306,7 @@ def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
                 f" that {offered} GPUs allow, which can need more pipelines than the GPU types that hold them make)")
         return f"{head}; its stages may sit on any GPU type, zone and region); {tail}"
     # the other spaces use fewer GPUs together: one region (legacy, paper) or one zone's GPU type
-    pools = {(z, g): n for z, gs in cluster.zones.items() for g, n in gs.items()}
+    pools = free_pools(ctx)
     if opts.search is SearchSpace.HOMOGENEOUS:
         together, where = max(pools.values()), "one zone and GPU type"
     else:

@@ -42,7 +42,7 @@ import numpy as np
 from sailor.planner import paper
 from sailor.planner import search as S
 from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds, plan_signature
-from sailor.planner.geo import Scope, build_spanning, scopes, spanning_thetas
+from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanning_thetas
 from sailor.planner.kinds import Kind, Pool, Table, all_kinds, homogeneous_kinds, memory_mixed_kinds, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.pack import Packer, count_vectors, node_unit, round_to_nodes
@@ -101,7 +101,7 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
     if seed.finalists:
         keep.seed(seed.finalists[0][0])
     found.exact = exact_mode
-    free = {(z, g): n for z, gpus in ctx.cluster.zones.items() for g, n in gpus.items() if n > 0}
+    free = free_pools(ctx)
     all_scopes = scopes(ctx)
     if exact_mode:
         all_scopes = all_scopes[-1:]  # the widest scope: its count vectors include every region's

@@ -40,6 +40,11 @@ class Scope:
         return {p: n for p, n in free.items() if p in self.pools}
 
 
+def free_pools(ctx: SimContext) -> dict[Pool, int]:
+    """GPUs offered per (zone, GPU type) pool, the pools with none left out."""
+    return {(z, g): n for z, gpus in ctx.cluster.zones.items() for g, n in gpus.items() if n > 0}
+
+
 def scopes(ctx: SimContext) -> list[Scope]:
     """Each region with GPUs, then all of them together when there are several."""
     by_region: dict[str, set[Pool]] = {}

@@ -33,7 +33,7 @@ import numpy as np
 
 from sailor.planner import search as S
 from sailor.planner.finalists import Finalists, Found, plan_from_kinds
-from sailor.planner.geo import scopes
+from sailor.planner.geo import free_pools, scopes
 from sailor.planner.kinds import Option, Pool, make_kind, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.prune import node_keys
@@ -57,7 +57,7 @@ def search(ctx: SimContext, opts: PlanOptions, progress=None, deadline: float | 
     homogeneous = opts.search is SearchSpace.HOMOGENEOUS
     gpus = ctx.cluster.gpu_types()
     zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
-    free = {(z, g): n for z, gpus in ctx.cluster.zones.items() for g, n in gpus.items() if n > 0}
+    free = free_pools(ctx)
     if homogeneous:
         groups = [{p: n} for p, n in sorted(free.items())]
     else:  # each region (zones pooled); for the cost trade-off each zone of a region on its own too

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -297,7 +296,7 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
                for t in tps[g]) for g in gpus for i, (a, b) in enumerate(partition)):
         return [base]  # every GPU type holds every stage as it is at some TP degree: nothing is needed
     n = ctx.cluster.total_gpus() if gpus_offered is None else gpus_offered
-    seen = sorted(_vectors(ctx, gpus, tps, partition, mbs, M, zero_max, lambda g, t: n // (t * P)), key=memory_rank)
+    seen = sorted(_vectors(ctx, gpus, tps, partition, mbs, M, zero_max, n), key=memory_rank)
     out = seen if lightest is None or len(seen) <= lightest else [
         v for v in seen if memory_weight(v) <= memory_weight(seen[lightest - 1])]
     # A GPU type whose own GPUs hold no candidate (too few pipelines of it for the ZeRO the cluster's
@@ -306,21 +305,20 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
     for g in gpus:
         alone = min(n, sum(ctx.cluster.available(z, g) for z in ctx.cluster.zones))
         if not any(_holds(ctx, g, tps[g], partition, mbs, M, v, alone) for v in out):
-            own = sorted(_vectors(ctx, [g], tps, partition, mbs, M, zero_max, lambda g, t: alone // (t * P)),
-                         key=memory_rank)
+            own = sorted(_vectors(ctx, [g], tps, partition, mbs, M, zero_max, alone), key=memory_rank)
             if own and own[0] not in out:
                 out.append(own[0])
     return out
 
 
 def _vectors(ctx: SimContext, gpus: list[str], tps: dict[str, list[int]], partition: Partition, mbs: int, M: int,
-             zero_max: int, most: Callable[[str, int], int]) -> list[Memory]:
-    """`memory_candidates`' vectors before ranking: per GPU type g, TP t and ZeRO ceiling, each
-    stage's `cheapest_fit` with at most most(g, t) replicas; distinct, in the order found."""
+             zero_max: int, gpus_offered: int) -> list[Memory]:
+    """`memory_candidates`' vectors before ranking: per GPU type, TP t and ZeRO ceiling, each stage's
+    `cheapest_fit` with at most gpus_offered // (t·P) replicas; distinct, in the order found."""
     seen: list[Memory] = []
     for g in gpus:
         for t in tps[g]:
-            k = most(g, t)
+            k = gpus_offered // (t * len(partition))
             if k < 1:
                 continue  # the GPUs cannot hold one pipeline of P stages at TP t
             for z in range(zero_max + 1):
