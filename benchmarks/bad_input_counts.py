@@ -46,10 +46,10 @@ SAILOR = {"mbs": 1, "gbs": 8, "real": 1.0, "max_mem": 8e9,
           "pipeline_list": [{"num_stages": 2, "layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [2, 2],
                              "tmp_per_stage": [[SREP, SREP], [SREP, SREP]]}]}
 TRACE = [{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 4}]
-PROFILE = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
+PROFILE = {"schema": "sailor.perf.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
            "layers": [{"gpu": "A100-40", "tp": 2, "mbs": 1, "forward_s": [1e-3] * 6, "backward_s": [2e-3] * 6}]}
 SAILOR_PROFILE = {"tiny": {"A100-40": {"1": {"2": {str(i): [1e-3, 2e-3, 1e-4] for i in range(6)}}}}}
-NET = {"schema": "sailor.network/1", "links": [{"src_zone": "us-central1-a", "src_gpu": "A100-40",
+NET = {"schema": "sailor.perf.network/1", "links": [{"src_zone": "us-central1-a", "src_gpu": "A100-40",
                                                 "dst_zone": "us-central1-a", "dst_gpu": "A100-40", "flows": 2,
                                                 "latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}]}
 SAILOR_NET = {"us-central1-a": {"A100-40": {"2": {"us-central1-a": {"A100-40": {"2": [[0.8, 16.4, 33.0], 2.5e11]}}}}}}
@@ -221,7 +221,8 @@ def run_commands(tree: Path, timeout_s: float) -> dict[str, Counter]:
 def run_readers(per_reader: int) -> dict[str, Counter]:
     """`per_reader` seeded mutants of every reader, checked against the rule."""
     from mutate import READERS, TRIED, RandomChooser, check_reader, mutant, write_files
-    from sailor.errors import SailorWarning
+
+    from sailor.core.errors import SailorWarning
 
     warnings.simplefilter("ignore", SailorWarning)
     out: dict[str, Counter] = {}
@@ -256,7 +257,7 @@ def _timed(args: list[str], cwd: Path) -> tuple[float, float, int, float]:
 
 def run_work() -> dict[str, float]:
     """Wall seconds of the largest accepted values, and of refusing values beyond them."""
-    from sailor.limits import MAX_GLOBAL_BATCH, MAX_PIPELINE_TASKS, MAX_TRACE_POINTS
+    from sailor.core.limits import MAX_GLOBAL_BATCH, MAX_PIPELINE_TASKS, MAX_TRACE_POINTS
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -288,7 +289,7 @@ def run_work() -> dict[str, float]:
             print(f"  {key:48s} {wall:7.2f} s wall, {cpu:6.2f} s CPU (exit {code}, peak RSS of children so far"
                   f" {rss:.0f} MiB)", flush=True)
         from sailor.elastic.availability import load_trace
-        from sailor.specs import ClusterSpec
+        from sailor.specs.cluster import ClusterSpec
 
         t0 = time.perf_counter()
         load_trace(d / "trace.csv", ClusterSpec(provider="local", zones={"local": {"cpu": 4}}))

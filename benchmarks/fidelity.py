@@ -1,7 +1,7 @@
 """Simulator fidelity on the public GH200 runs: fitted on OPT-350 only, GPT-Neo-2.7B held out.
 
 Reads ../shared/reference/sailor/validation/{gh200-opt350,gh200-gptneo} with the Sailor profiles
-and network fits next to them and runs `sailor.validate.validate_sets` twice:
+and network fits next to them and runs `sailor.simulator.fidelity.validate_sets` twice:
 1. with the shipped constants (`simulator.calibration`, fitted on gh200-opt350 only), gh200-gptneo
    held out: never fitted on, not even in a leave-one-out;
 2. refitting the constants on gh200-opt350 now (`--fit`), to show they are the shipped ones and that
@@ -28,8 +28,8 @@ def main() -> None:
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[2] / "shared"))
     ap.add_argument("--no-refit", action="store_true", help="skip the refit on OPT-350 (about a minute)")
     args = ap.parse_args()
-    from sailor.profiles import load_profiles
-    from sailor.validate import load_run_set, validate_sets
+    from sailor.perf.profiles import load_profiles
+    from sailor.simulator.fidelity import load_run_set, validate_sets
 
     ref = Path(args.shared) / "reference" / "sailor"
     if not ref.is_dir():

@@ -57,11 +57,12 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor import catalog
-from sailor.errors import InfeasibleError
-from sailor.plan import Plan
+from sailor.core.errors import InfeasibleError
+from sailor.plan.spec import Plan
 from sailor.planner import PlanOptions, plan_job
 from sailor.simulator import Estimate, make_context, simulate
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 ZONE = "us-central1-a"
 GPU = "A100-80"

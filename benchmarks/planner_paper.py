@@ -22,12 +22,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from sailor.errors import InfeasibleError
-from sailor.network import network_for
+from sailor.core.errors import InfeasibleError
+from sailor.perf.network import network_for
+from sailor.perf.profiles import load_profiles
 from sailor.planner import Constraints, Objective, PlanOptions, SearchSpace, plan_job
-from sailor.profiles import load_profiles
 from sailor.simulator import make_context
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_scale import describe  # noqa: E402  (one plan description for both planner benchmarks)

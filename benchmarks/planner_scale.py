@@ -69,7 +69,7 @@ def scenario(sid: str, model: str) -> tuple[dict, dict]:
     elif sid == "batch1e9":
         cluster, job = f_cluster, dict(job, global_batch_size=10**9)
     elif sid == "batchmax":
-        from sailor.limits import MAX_GLOBAL_BATCH
+        from sailor.core.limits import MAX_GLOBAL_BATCH
         cluster, job = f_cluster, dict(job, global_batch_size=MAX_GLOBAL_BATCH)
     elif sid in ("geo", "geo-fast"):
         cluster = {"zones": {"us-central1-a": {"A100-40": 24}, "us-west1-b": {"A100-40": 24},
@@ -94,16 +94,16 @@ def describe(plan) -> str:
 
 def run_one(sid: str, model: str, search: str, time_limit: float | None, ref: Path, report: str | None) -> dict:
     """Plan one scenario in this process; a dict for the parent (JSON on stdout)."""
-    from sailor.errors import InfeasibleError
-    from sailor.network import network_for
-    from sailor.planner import PlanOptions, SearchSpace, plan_job
-    from sailor.profiles import load_profiles
-    from sailor.simulator import make_context
     from sailor.api import load_cluster, load_job
+    from sailor.core.errors import InfeasibleError
+    from sailor.perf.network import network_for
+    from sailor.perf.profiles import load_profiles
+    from sailor.planner import PlanOptions, SearchSpace, plan_job
+    from sailor.simulator import make_context
 
     job_d, cluster_d = scenario(sid, model)
-    from sailor.errors import SailorInputError
-    from sailor.profiles import roofline_profiles
+    from sailor.core.errors import SailorInputError
+    from sailor.perf.profiles import roofline_profiles
 
     t0, c0 = time.perf_counter(), time.process_time()
     row: dict = {"scenario": sid, "model": model, "search": search}

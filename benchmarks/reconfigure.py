@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from sailor.elastic.availability import load_trace
     from sailor.elastic.controller import ClockKind, RunOptions, run
-    from sailor.specs import ClusterSpec, JobSpec
+    from sailor.specs.cluster import ClusterSpec
+    from sailor.specs.job import JobSpec
 
     with tempfile.TemporaryDirectory(prefix="sailor-reconfigure-") as tmp:
         t = Path(tmp)

@@ -35,7 +35,7 @@ def ddp_worker(args) -> None:
     from sailor.runtime.data import batch_tokens, load_corpus
     from sailor.runtime.model import init_full_model, lm_loss_sum
     from sailor.runtime.optim import OptimConfig, build_optimizer
-    from sailor.specs import JobSpec
+    from sailor.specs.job import JobSpec
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -19,9 +19,10 @@ import json
 import statistics
 import time
 
-from sailor.plan import Plan
+from sailor.plan.spec import Plan
 from sailor.simulator import make_context, simulate
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 TARGET_S = 0.020
 STAGES = [[0, 4], [4, 7], [7, 10], [10, 13], [13, 16], [16, 19], [19, 22], [22, 26]]

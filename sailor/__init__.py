@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from sailor.core import __version__
 
 # Names served from sailor.api; `sailor.plan` stays the module of the Plan type.
 _API = ("ClusterSpec", "Estimate", "InfeasibleError", "JobSpec", "Plan", "PlanResult", "SailorInputError",

@@ -20,16 +20,19 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar, Union
 
 from sailor import catalog
-from sailor.errors import InfeasibleError, SailorInputError
-from sailor.fileio import Checks, load_mapping, parse_model
-from sailor.network import NetworkModel, network_for
-from sailor.plan import Plan, plan_from_dict
+from sailor.core.errors import InfeasibleError, SailorInputError
+from sailor.core.fileio import load_mapping
+from sailor.core.schema import Checks, parse_model
+from sailor.perf.network import NetworkModel, network_for
+from sailor.perf.profiles import Profiles, load_profiles, roofline_profiles
+from sailor.plan import plan_from_dict
+from sailor.plan.spec import Plan
 from sailor.planner import Constraints, Objective, PlanOptions, PlanResult, SearchSpace, plan_job
 from sailor.planner.options import DEFAULT_MEMORY_MARGIN
-from sailor.profiles import Profiles, load_profiles, roofline_profiles
 from sailor.simulator import Estimate, SimContext, make_context
 from sailor.simulator import simulate as simulate_plan
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 __all__ = ["ClusterSpec", "Estimate", "InfeasibleError", "JobSpec", "Plan", "PlanResult", "SailorInputError",
            "find_plan", "load_cluster", "load_job", "load_plan", "simulate"]

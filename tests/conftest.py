@@ -88,7 +88,7 @@ def reference_losses() -> list[float]:
 
     from sailor.runtime.data import load_corpus
     from sailor.runtime.reference import train_reference
-    from sailor.specs import JobSpec
+    from sailor.specs.job import JobSpec
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # this tiny model on 2 busy cores: extra threads only slow it down

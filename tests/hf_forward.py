@@ -18,8 +18,8 @@ def _rank(rank: int, world: int, init_file: str, cases: list[tuple[str, str, str
     import torch
     import torch.distributed as dist
 
-    from sailor.hf_config import load_hf_config
-    from sailor.plan import Plan
+    from sailor.model.hf_config import load_hf_config
+    from sailor.plan.spec import Plan
     from sailor.runtime.groups import create_groups
     from sailor.runtime.hf_weights import HFWeights, materialize_hf
     from sailor.runtime.model import GPT

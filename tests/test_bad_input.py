@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from mutate import READERS, HypothesisChooser, check_reader, dump, mutant, write_files
-from sailor.errors import SailorWarning
+
+from sailor.core.errors import SailorWarning
 
 EXAMPLES = 120  # per reader: the whole set stays well under a minute on the build machines
 

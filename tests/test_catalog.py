@@ -4,7 +4,7 @@ import pytest
 
 from sailor import catalog
 from sailor.catalog import Link, LinkClass
-from sailor.errors import SailorInputError
+from sailor.core.errors import SailorInputError
 
 EXPECTED_GPUS = {"V100-16", "V100-32", "A100-40", "A100-80", "A100-80-PCIe", "H100-80", "H100-PCIe", "H100-NVL",
                  "H200-141", "GH200-96", "L4", "T4", "RTX-3090", "RTX-2080", "Titan-RTX", "cpu"}

@@ -16,7 +16,7 @@ REPLICA = {"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 2}
 PLAN = {"micro_batch_size": 1, "stages": [[0, 3], [3, 6]],
         "pipelines": [{"microbatches": 4, "replicas": [REPLICA, REPLICA | {"stage": 1}]}]}
 PROFILE_ROW = {"gpu": "A100-40", "tp": 2, "mbs": 1, "forward_s": [0.1] * 6, "backward_s": [0.2] * 6}
-PROFILE = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
+PROFILE = {"schema": "sailor.perf.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
            "layers": [PROFILE_ROW]}
 
 
@@ -100,10 +100,10 @@ BAD = [
     ("prof.json", json.dumps(PROFILE)[:60], "line 1", "invalid JSON"),
     ("prof.json", json.dumps(PROFILE | {"layers": [PROFILE_ROW | {"backward_input_s": [0.1] * 6}]}),
      "layers.0.backward_input_s", "give both backward_input_s and backward_weight_s"),
-    ("net.json", json.dumps({"schema": "sailor.network/1", "classes": {"same_zone": {"latency_s": 0.1,
+    ("net.json", json.dumps({"schema": "sailor.perf.network/1", "classes": {"same_zone": {"latency_s": 0.1,
                                                                                      "bandwidth_bytes_per_s": 0}}}),
      "classes.same_zone.bandwidth_bytes_per_s", "must be >= 1, got 0"),
-    ("net.json", json.dumps({"schema": "sailor.network/1", "classes": [1]}), "classes", "expected a mapping"),
+    ("net.json", json.dumps({"schema": "sailor.perf.network/1", "classes": [1]}), "classes", "expected a mapping"),
     ("net.json", '{"schema": "sailor.net', "line 1", "invalid JSON"),
 ]
 
@@ -111,7 +111,7 @@ BAD = [
 @pytest.mark.parametrize("name, text, field, problem", BAD, ids=[f"{b[0]}:{b[2]}:{b[3][:20]}" for b in BAD])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, name, text, field, problem):
     files = {"job.yaml": JOB, "cluster.yaml": CLUSTER, "plan.json": json.dumps(PLAN), "prof.json": json.dumps(PROFILE),
-             "net.json": json.dumps({"schema": "sailor.network/1"})}
+             "net.json": json.dumps({"schema": "sailor.perf.network/1"})}
     if name == "job.json":
         files.pop("job.yaml")
     files[name] = text
@@ -272,7 +272,8 @@ def test_search_progress_frames_show_real_counts_never_none():
     from sailor.cli.plan import search_progress
     from sailor.planner import PlanOptions, plan_job
     from sailor.simulator import make_context
-    from sailor.specs import ClusterSpec, JobSpec
+    from sailor.specs.cluster import ClusterSpec
+    from sailor.specs.job import JobSpec
 
     con = Console(file=io.StringIO(), force_terminal=True, width=120)
     bar, progress = search_progress(con)

@@ -10,13 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mutate
 import pytest
 import yaml
-
-import mutate
 from mutate import RandomChooser, dump, mutate_text, mutate_tree
-from sailor.errors import SailorInputError
-from sailor.limits import MAX_GLOBAL_BATCH, MAX_PIPELINE_TASKS
+
+from sailor.core.errors import SailorInputError
+from sailor.core.limits import MAX_GLOBAL_BATCH, MAX_PIPELINE_TASKS
 
 assert 22 * MAX_GLOBAL_BATCH > MAX_PIPELINE_TASKS  # the unbounded-simulation case below goes past the limit
 
@@ -126,7 +126,7 @@ def _read_plan_to_simulate(p):
     # what `sailor simulate PLAN [--job job.yaml]` checks: the plan, its job (or job.yaml's) and cluster
     from sailor.cli.common import resolve_specs
     from sailor.plan import load_plan
-    from sailor.specs import JobSpec
+    from sailor.specs.job import JobSpec
     plan = load_plan(p)
     if plan.job is None:
         plan = plan.with_specs(JobSpec.model_validate(JOB), plan.cluster)
@@ -136,7 +136,7 @@ def _read_plan_to_simulate(p):
 
 def _read_trace(p):
     from sailor.elastic.availability import load_trace
-    from sailor.specs import ClusterSpec
+    from sailor.specs.cluster import ClusterSpec
     load_trace(p, ClusterSpec.model_validate(LOCAL))
 
 
@@ -146,19 +146,19 @@ def _read_hosts(p):
 
 
 def _read_profile(p):
-    from sailor.profiles import load_profiles
-    from sailor.specs import JobSpec
+    from sailor.perf.profiles import load_profiles
+    from sailor.specs.job import JobSpec
     load_profiles(p, JobSpec(model="tiny", global_batch_size=8))
 
 
 def _read_network(p):
-    from sailor.network import network_for
-    from sailor.specs import ClusterSpec
+    from sailor.perf.network import network_for
+    from sailor.specs.cluster import ClusterSpec
     network_for(ClusterSpec.model_validate(mutate.GCP), p)
 
 
 def _read_run(p):
-    from sailor.validate import load_runs
+    from sailor.simulator.fidelity import load_runs
     d = p.parent / "runs-tiny"
     d.mkdir()
     p.rename(d / "plan_config_a.json")
@@ -379,7 +379,7 @@ def _checkpoint(root: Path, step: int, job: dict, seed: int) -> None:
     import torch
 
     from sailor.runtime import checkpoint as ckpt
-    from sailor.specs import JobSpec
+    from sailor.specs.job import JobSpec
 
     tmp = ckpt.prepare_tmp(root, step)
     ckpt.write_stage_file(tmp, 0, {"layers.0.weight": {"param": torch.zeros(2)}})

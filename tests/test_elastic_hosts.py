@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import live_processes
+from test_elastic_run import (JOB, SAILOR, _check_trajectory, _lines, _no_leftovers, _trace, _wait, interrupt_controller,
+                              ranks_alive, run_disturbed)
 
+from sailor.core.errors import SailorInputError
 from sailor.elastic.availability import Availability, load_trace
 from sailor.elastic.controller import ClockKind, RunOptions, run
 from sailor.elastic.remote import HostPool
-from sailor.errors import SailorInputError
 from sailor.plan import plan_from_dict
 from sailor.runtime.launcher import ExitStatus, TrainOptions, prepare
-from sailor.specs import ClusterSpec
-from conftest import live_processes
-from test_elastic_run import JOB, SAILOR, _check_trajectory, _lines, _no_leftovers, _trace, _wait, \
-    interrupt_controller, ranks_alive, run_disturbed
+from sailor.specs.cluster import ClusterSpec
 
 CLUSTER = ClusterSpec(provider="local", zones={"local": {"cpu": 4}}, gpus_per_node={"cpu": 2})
 HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]

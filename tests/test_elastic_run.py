@@ -21,12 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import live_processes
 
 from sailor.elastic.availability import load_trace
 from sailor.elastic.controller import ClockKind, RunOptions, RunResult, run
 from sailor.runtime.launcher import ExitStatus
-from sailor.specs import ClusterSpec, JobSpec
-from conftest import live_processes
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=8)
 LOCAL = ClusterSpec(provider="local", zones={"local": {"cpu": 4}})

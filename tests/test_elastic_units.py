@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from sailor.elastic.availability import load_trace
-from sailor.elastic.availability import Availability
+from sailor.core.errors import SailorInputError
+from sailor.elastic.availability import Availability, load_trace
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.replan import Replanner
-from sailor.errors import SailorInputError
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 LOCAL = ClusterSpec(provider="local", zones={"local": {"cpu": 4}})
 GCP = ClusterSpec(provider="gcp", zones={})

@@ -1,4 +1,4 @@
-"""Hugging Face config.json -> ModelSpec (sailor.hf_config): every supported architecture, published
+"""Hugging Face config.json -> ModelSpec (sailor.model.hf_config): every supported architecture, published
 configs in transformers 4's layout, parameter counts equal to transformers' own, and bad input."""
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from hf_models import ARCHS, configs
-from sailor.errors import SailorInputError
-from sailor.hf_config import comparable, hf_config_from_spec, load_hf_config, spec_from_hf
-from sailor.models import BUILTIN_MODELS, ModelSpec
-from sailor.specs import JobSpec, load_job
+
+from sailor.core.errors import SailorInputError
+from sailor.model.hf_config import comparable, hf_config_from_spec, load_hf_config, spec_from_hf
+from sailor.model.registry import BUILTIN_MODELS
+from sailor.model.spec import ModelSpec
+from sailor.specs import load_job
+from sailor.specs.job import JobSpec
 
 torch = pytest.importorskip("torch")
 T = pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")

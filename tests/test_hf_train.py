@@ -3,7 +3,7 @@ shares 3 : 1) trains exactly like one process started from the same Hugging Face
 nanoGPT-style token file: the first loss is transformers' own, every later loss and the final weights
 match the single-process reference, and a tied head stays equal to the embedding. The same holds
 for every architecture under memory options (recomputation, sequence parallelism, ZeRO-1/2/3), whose
-saved activations equal `sailor.runtime_activations` and whose ZeRO-3 checkpoint exports back to
+saved activations equal `sailor.model.activations.stage_activation_bytes` and whose ZeRO-3 checkpoint exports back to
 transformers."""
 
 from __future__ import annotations
@@ -12,21 +12,20 @@ import json
 
 import numpy as np
 import pytest
-
 from hf_models import ARCHS, VOCAB, make_model
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
 
-from sailor.plan import Plan  # noqa: E402
+from sailor.model.activations import stage_activation_bytes  # noqa: E402
+from sailor.plan.spec import Plan  # noqa: E402
 from sailor.runtime import checkpoint as ckpt  # noqa: E402
 from sailor.runtime.data import batch_tokens, load_corpus  # noqa: E402
 from sailor.runtime.hf_weights import export_checkpoint, load_full_model  # noqa: E402
-from sailor.runtime.model import GPT  # noqa: E402
 from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare  # noqa: E402
+from sailor.runtime.model import GPT  # noqa: E402
 from sailor.runtime.reference import train_reference  # noqa: E402
-from sailor.runtime_activations import stage_activation_bytes  # noqa: E402
-from sailor.specs import JobSpec  # noqa: E402
+from sailor.specs.job import JobSpec  # noqa: E402
 
 STEPS, RTOL = 3, 1e-5
 # Adam's first steps move an element by up to lr = 1e-3 whatever its gradient's size, so an element

@@ -10,15 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from hf_models import ARCHS, VOCAB, hf_logits, make_model
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
 pytest.importorskip("safetensors")
 
-from sailor.errors import SailorInputError  # noqa: E402
-from sailor.hf_config import load_hf_config  # noqa: E402
+from sailor.core.errors import SailorInputError  # noqa: E402
+from sailor.model.hf_config import load_hf_config  # noqa: E402
 from sailor.runtime import checkpoint as ckpt  # noqa: E402
 from sailor.runtime.hf_weights import HFWeights, check_init_from, export_checkpoint  # noqa: E402
 from sailor.runtime.hf_weights import load_full_model as _sailor_model  # noqa: E402
@@ -198,7 +197,7 @@ def test_export_loads_back_into_transformers_with_the_same_logits(arch, models, 
 def test_a_builtin_model_exports_as_gpt2(tmp_path):
     import transformers as T
 
-    from sailor.models import BUILTIN_MODELS
+    from sailor.model.registry import BUILTIN_MODELS
     from sailor.runtime.model import init_full_model
 
     spec = BUILTIN_MODELS["tiny"]  # learned positions, exact GELU, tied: GPT-2 with activation "gelu"
@@ -227,7 +226,7 @@ def test_export_refuses_a_folder_in_use_and_a_missing_checkpoint(models, tmp_pat
 
 
 def test_a_checkpoint_written_before_the_new_model_fields_still_matches_its_job():
-    from sailor.models import BUILTIN_MODELS
+    from sailor.model.registry import BUILTIN_MODELS
     from sailor.runtime.launcher import _current_model_fields
 
     tiny = BUILTIN_MODELS["tiny"]

@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sailor.errors import SailorInputError
+from sailor.core.errors import SailorInputError
 from sailor.launch import (DEFAULT_IMAGE, Backend, KubernetesOptions, LaunchOptions, dump_documents, launch,
                            launch_files, launch_specs)
 from sailor.launch.common import launch_layout
-from sailor.plan import Plan, plan_from_dict, rank_layout
-from sailor.specs import JobSpec
+from sailor.plan import plan_from_dict
+from sailor.plan.placement import rank_layout
+from sailor.plan.spec import Plan
+from sailor.specs.job import JobSpec
 
 SAILOR = Path(sys.executable).with_name("sailor")
 
@@ -376,7 +378,7 @@ def test_real_cpu_job_through_the_launcher(tmp_path):
     started by `launch` through an ssh that runs the command locally: the worker trains to the end."""
     if shutil.which("bash") is None:
         pytest.skip("needs bash")
-    from sailor.specs import JobSpec
+    from sailor.specs.job import JobSpec
 
     job = JobSpec(model="tiny", global_batch_size=8)
     plan = plan_from_dict({"micro_batch_size": 2, "stages": [[0, 3], [3, 6]], "pipelines": [

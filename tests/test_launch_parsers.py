@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_launch import GEO, HOSTS, _check_torchrun_ranks, _write_hosts
 
 from sailor.launch import Backend, KubernetesOptions, LaunchOptions, launch_files, launch_specs
-from test_launch import GEO, HOSTS, _check_torchrun_ranks, _write_hosts
 
 INSTALL = "pip install 'sailor-train[launch-check]'"
 

@@ -8,7 +8,7 @@ import pytest
 
 from sailor.runtime import machine
 from sailor.runtime.machine import cache_dir, cache_key, cache_path, local_profiles
-from sailor.specs import JobSpec
+from sailor.specs.job import JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=8)
 
@@ -16,7 +16,7 @@ JOB = JobSpec(model="tiny", global_batch_size=8)
 def _fake_profile(block_s: float) -> dict:
     rows = [{"gpu": "cpu", "tp": 1, "mbs": b, "forward_s": [block_s * b] * 6, "backward_s": [2 * block_s * b] * 6}
             for b in machine.QUICK_MBS]
-    return {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
+    return {"schema": "sailor.perf.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
             "date": "2025-01-01T00:00:00+00:00", "layers": rows, "optimizer": {"cpu": {"seconds_per_param": 1e-9}}}
 
 

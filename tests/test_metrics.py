@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from sailor.plan import Plan
+from sailor.plan.spec import Plan
 from sailor.runtime.metrics import IntervalLog, StepMetrics, model_flop_per_step, peak_flop_per_s
-from sailor.specs import JobSpec
+from sailor.specs.job import JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=8)  # h 64, f 256, V 256, 4 blocks, sequence 64
 PLAN = Plan.model_validate({"micro_batch_size": 2, "stages": [[0, 6]], "pipelines": [

@@ -1,14 +1,14 @@
 """Model specs: layer lists, per-layer parameters (checked against Sailor's llm_info.json), FLOPs,
 activation bytes, aliases."""
 
-import itertools
 import json
 
 import pytest
 
-from sailor.errors import SailorInputError
-from sailor.models import (BUILTIN_MODELS, Collective, Framework, LayerKind, ModelSpec, Recompute,
-                           canonical_model_name, get_model)
+from sailor.core.errors import SailorInputError
+from sailor.model.activations import layer_bytes, recompute_transient_bytes
+from sailor.model.registry import BUILTIN_MODELS, canonical_model_name, get_model
+from sailor.model.spec import Collective, Framework, LayerKind, ModelSpec, Recompute
 
 
 def test_layer_counts():
@@ -94,7 +94,7 @@ def test_megatron_block_reproduces_korthikanti_table_2_exactly(row, model, b, t)
     m = get_model(model)
     s, h, a = 2048, m.hidden_size, m.num_heads
     expected = s * b * h * per_sbh(t, 5 * a * s / h)
-    got = m.activation_bytes(5, tp=t, mbs=b, seq=s, elem_bytes=2, framework=Framework.MEGATRON, recompute=recompute,
+    got = layer_bytes(m, 5, tp=t, mbs=b, seq=s, elem_bytes=2, framework=Framework.MEGATRON, recompute=recompute,
                              sequence_parallel=sp)
     assert got == expected
 
@@ -107,22 +107,22 @@ def test_sailor_block_bytes_by_hand():
     sdpa = 3 * e * sbh / t + e * sbh / t + 4 * b * 4 * s / t  # q, k, v, output (the out-projection's input), lse
     mlp = 2 * e * s * b * 256 / t  # GeLU input and output
     kw = dict(tp=t, mbs=b, seq=s, elem_bytes=e)
-    assert m.activation_bytes(2, **kw) == outside + sdpa + mlp
-    assert m.activation_bytes(2, **kw, sequence_parallel=True) == outside / t + sdpa + mlp
+    assert layer_bytes(m, 2, **kw) == outside + sdpa + mlp
+    assert layer_bytes(m, 2, **kw, sequence_parallel=True) == outside / t + sdpa + mlp
     # selective keeps the core's inputs (the q, k, v projections) and the output the out-projection reads
-    assert m.activation_bytes(2, **kw, recompute=Recompute.SELECTIVE) == outside + 4 * e * sbh / t + mlp
-    assert m.activation_bytes(2, **kw, recompute=Recompute.FULL) == e * sbh
-    assert m.activation_bytes(2, **kw, recompute=Recompute.FULL, sequence_parallel=True) == e * sbh / t
+    assert layer_bytes(m, 2, **kw, recompute=Recompute.SELECTIVE) == outside + 4 * e * sbh / t + mlp
+    assert layer_bytes(m, 2, **kw, recompute=Recompute.FULL) == e * sbh
+    assert layer_bytes(m, 2, **kw, recompute=Recompute.FULL, sequence_parallel=True) == e * sbh / t
     # what recomputing one block rebuilds: everything but its input (full); the core's new output and lse
     # (selective: q, k, v are the kept projections here; the recomputed SDPA saves a new output)
-    assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.FULL) == outside + sdpa + mlp - e * sbh
-    assert m.recompute_transient_bytes(2, **kw, recompute=Recompute.SELECTIVE) == e * sbh / t + 4 * b * 4 * s / t
-    assert m.recompute_transient_bytes(0, **kw, recompute=Recompute.FULL) == 0.0
+    assert recompute_transient_bytes(m, 2, **kw, recompute=Recompute.FULL) == outside + sdpa + mlp - e * sbh
+    assert recompute_transient_bytes(m, 2, **kw, recompute=Recompute.SELECTIVE) == e * sbh / t + 4 * b * 4 * s / t
+    assert recompute_transient_bytes(m, 0, **kw, recompute=Recompute.FULL) == 0.0
     # embedding: int64 ids, the local ids and bool mask of the vocab-parallel lookup, int64 position ids
-    assert m.activation_bytes(0, **kw) == 8 * s * b + 9 * s * b + 8 * s
+    assert layer_bytes(m, 0, **kw) == 8 * s * b + 9 * s * b + 8 * s
     # head: norm input, stats and output, fp32 log-probs over the whole vocabulary (gathered), targets,
     # the loss weight and the scaled loss
-    assert m.activation_bytes(5, **kw) == s * b * (2 * e * 64 + 8) + 4 * s * b * 256 + 8 * s * b + 8
+    assert layer_bytes(m, 5, **kw) == s * b * (2 * e * 64 + 8) + 4 * s * b * 256 + 8 * s * b + 8
 
 
 def test_sailor_block_bytes_llama_rope_and_gqa():
@@ -136,28 +136,13 @@ def test_sailor_block_bytes_llama_rope_and_gqa():
     sdpa = 3 * e * sbh / t + e * sbh / t + 4 * b * 32 * s / t + 2 * 2 * s * (d // 2) * e
     rest = e * sbh / t + 4 * e * s * b * f / t
     kw = dict(tp=t, mbs=b, seq=s, elem_bytes=e)
-    assert m.activation_bytes(3, **kw) == outside + sdpa + rest
+    assert layer_bytes(m, 3, **kw) == outside + sdpa + rest
     # the checkpointed core keeps the projections q (h), k and v (kv each), and its output
-    assert m.activation_bytes(3, **kw, recompute=Recompute.SELECTIVE) == (outside + e * s * b * (h + 2 * kv) / t
+    assert layer_bytes(m, 3, **kw, recompute=Recompute.SELECTIVE) == (outside + e * s * b * (h + 2 * kv) / t
                                                                           + e * sbh / t + 4 * e * s * b * f / t)
     # the recompute rebuilds everything the core saved: new q, k, v, the output, the lse, RoPE's tables
-    assert m.recompute_transient_bytes(3, **kw, recompute=Recompute.SELECTIVE) == sdpa
+    assert recompute_transient_bytes(m, 3, **kw, recompute=Recompute.SELECTIVE) == sdpa
 
-
-def test_sailor_accounting_matches_the_runtimes_measured_formula():
-    # sailor.runtime_activations is checked against saved-tensor hooks on the runtime itself
-    from sailor import runtime_activations as measured
-    for name in ("tiny", "opt-350m", "llama-3-8b"):
-        m = get_model(name)
-        for tp, mbs, recompute, sp in itertools.product((1, 2, 4), (1, 2), list(Recompute), (False, True)):
-            if sp and tp == 1:
-                continue
-            kw = dict(tp=tp, mbs=mbs, seq=64, elem_bytes=4)
-            assert m.activation_bytes(2, **kw, recompute=recompute, sequence_parallel=sp) == measured.block_bytes(
-                m, mbs=mbs, seq=64, tp=tp, elem_bytes=4, recompute=recompute, sequence_parallel=sp, stats_bytes=4)
-            assert m.activation_bytes(0, **kw) == measured.embedding_bytes(m, mbs=mbs, seq=64, tp=tp)
-            assert m.activation_bytes(m.num_layers - 1, **kw) == measured.head_bytes(m, mbs=mbs, seq=64, elem_bytes=4,
-                                                                                    stats_bytes=4)
 
 
 def test_sailor_block_bytes_hugging_face_variants():
@@ -175,12 +160,12 @@ def test_sailor_block_bytes_hugging_face_variants():
     rope = 2 * 2 * s * (4 // 2) * e
     copies = 2 * e * sbh / t  # RoPE's new q and k
     outside = 2 * 8 * s * b  # LayerNorm mean and rstd of both norms
-    assert neox.activation_bytes(2, **kw) == 3 * e * sbh + outside + sdpa + rope + e * sbh / t + 2 * e * s * b * f / t
-    assert neox.recompute_transient_bytes(2, **kw, recompute=Recompute.SELECTIVE) == \
+    assert layer_bytes(neox, 2, **kw) == 3 * e * sbh + outside + sdpa + rope + e * sbh / t + 2 * e * s * b * f / t
+    assert recompute_transient_bytes(neox, 2, **kw, recompute=Recompute.SELECTIVE) == \
         copies + e * sbh / t + 4 * b * 4 * s / t + rope
     # learned positions: the out-projection's input is a view of SDPA's output (no copy, unlike NeoX's RoPE)
-    assert opt.activation_bytes(2, **kw) == 4 * e * sbh + outside + sdpa + e * s * b * f / t
-    assert opt.activation_bytes(3, **kw) == s * b * (2 * e * h + 8) + 4 * s * b * 300 + 8 * s * b + 8  # + 2 fp32 scalars
+    assert layer_bytes(opt, 2, **kw) == 4 * e * sbh + outside + sdpa + e * s * b * f / t
+    assert layer_bytes(opt, 3, **kw) == s * b * (2 * e * h + 8) + 4 * s * b * 300 + 8 * s * b + 8  # + 2 fp32 scalars
 
 
 def test_recompute_flops():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import sailor
-from sailor.errors import SailorInputError
+from sailor.core.errors import SailorInputError
 
 REPO = Path(__file__).resolve().parents[1]
 SAILOR = Path(sys.executable).with_name("sailor")

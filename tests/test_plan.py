@@ -5,10 +5,13 @@ import warnings
 
 import pytest
 
-from sailor.errors import SailorInputError, SailorWarning
-from sailor.models import Recompute
-from sailor.plan import Plan, StageMemory, load_plan, pack_replicas, plan_from_dict, rank_layout
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.core.errors import SailorInputError, SailorWarning
+from sailor.model.spec import Recompute
+from sailor.plan import load_plan, plan_from_dict
+from sailor.plan.placement import pack_replicas, rank_layout
+from sailor.plan.spec import Plan, StageMemory
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=12)
 CLUSTER = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}})

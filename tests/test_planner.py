@@ -9,12 +9,14 @@ import random
 import numpy as np
 import pytest
 
-from sailor.errors import InfeasibleError, SailorInputError
-from sailor.plan import Plan
+from sailor.core.errors import InfeasibleError, SailorInputError
+from sailor.plan.spec import Plan
 from sailor.planner import Constraints, Objective, PlanOptions, SearchSpace, plan_job
 from sailor.planner.schedules import fits
 from sailor.simulator import make_context, simulate
-from sailor.specs import EXAMPLE_CLUSTER, EXAMPLE_JOB, ClusterSpec, JobSpec
+from sailor.specs import EXAMPLE_CLUSTER, EXAMPLE_JOB
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 TINY = JobSpec(model="tiny", global_batch_size=8)
 
@@ -216,7 +218,7 @@ def test_search_work_does_not_grow_with_the_global_batch():
     micro-batches. (The growth, about 7 candidates per doubling here, is the published space's seed
     search, whose equal-share families prune less well as M grows; its families are bounded by
     P x micro-batch sizes x partitions.)"""
-    from sailor.limits import MAX_GLOBAL_BATCH
+    from sailor.core.limits import MAX_GLOBAL_BATCH
 
     cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 64, "V100-16": 64}})
     counts = {}

@@ -16,14 +16,15 @@ import pytest
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
 
-from sailor.plan import Plan, StageMemory
+from sailor.plan.spec import Plan, StageMemory
 from sailor.planner import Constraints, Objective, PlanOptions, plan_job
 from sailor.planner.pack import Packer, count_vectors
 from sailor.planner.paper import max_flow
 from sailor.planner.search import Curve, waterfill
 from sailor.planner.space import candidate_partitions, mbs_candidates, memory_candidates, stage_options, zero3_needed
 from sailor.simulator import make_context, simulate
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 # 4 blocks of width 4096 (about 1e9 parameters, 16 GB of fp32 Adam states): one V100-16 or T4 holds
 # half of it, not all; compute (seconds) dwarfs link latency, so pipelines across zones can pay.

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 from sailor.catalog import LinkClass
+from sailor.perf.profiles import Profiles
 from sailor.planner import PlanOptions, SearchSpace, plan_job
-from sailor.profiles import Profiles
 from sailor.simulator import make_context
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 MODEL = {"name": "geo4", "num_blocks": 2, "hidden_size": 6144, "num_heads": 48, "vocab_size": 32000,
          "max_sequence_length": 512, "tied_embeddings": False}
@@ -177,7 +178,7 @@ def test_the_planner_takes_the_schedule_that_pays_on_the_same_gpus():
     """The two-region pipeline of the first test: 1F1B idles through (P-1) micro-batch slots and
     blocks on the slow cross-region link; the schedule search keeps the stages and GPUs and takes a
     schedule the simulator finds faster, scored exactly as `simulate` scores the plan it returns."""
-    from sailor.plan import ScheduleKind
+    from sailor.plan.spec import ScheduleKind
     from sailor.planner.schedules import schedule_variants
     from sailor.simulator import simulate
 

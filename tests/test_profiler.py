@@ -15,15 +15,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import own_processes
 
-from sailor.network import network_for
-from sailor.profiles import load_profiles, profiles_from_dict
+from sailor.core.errors import SailorInputError
+from sailor.core.fileio import write_json
+from sailor.perf.network import network_for
+from sailor.perf.profiles import load_profiles, profiles_from_dict
 from sailor.runtime.netprofile import fit_alpha_beta, profile_network
 from sailor.runtime.profiler import ProfileOptions, check_options, device_gpu_type, pass_scale, profile_job
-from sailor.errors import SailorInputError
-from sailor.fileio import write_json
-from sailor.specs import JobSpec, local_cluster
-from conftest import own_processes
+from sailor.specs.cluster import local_cluster
+from sailor.specs.job import JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=8)
 
@@ -43,7 +44,7 @@ def profile_file(tmp_path_factory) -> Path:
 
 def test_profile_file_loads_with_every_measurement(profile_file):
     raw = json.loads(profile_file.read_text())
-    assert raw["schema"] == "sailor.profiles/1" and raw["device"] and raw["date"]
+    assert raw["schema"] == "sailor.perf.profiles/1" and raw["device"] and raw["date"]
     assert raw["versions"]["torch"].startswith("2.13")
     prof = load_profiles(profile_file, JOB)
     n = JOB.model.num_layers
@@ -116,7 +117,7 @@ def test_simulate_cli_uses_the_profile(profile_file, tmp_path):
     # without a profile, on the local provider: the cached quick profile of this machine (seeded
     # here with the same file, so nothing is measured), never the roofline
     from sailor.runtime.machine import cache_path
-    from sailor.specs import JobSpec
+    from sailor.specs.job import JobSpec
     cache = tmp_path / "cache"
     seeded = cache_path(JobSpec(model="tiny", global_batch_size=8), folder=cache / "profiles")
     seeded.parent.mkdir(parents=True)

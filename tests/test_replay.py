@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SAILOR_REF  # noqa: E402
 
 from sailor.elastic.availability import load_trace
 from sailor.elastic.replay import Policy, RestartModel, replay
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
-from conftest import SAILOR_REF  # noqa: E402
 TRACES = SAILOR_REF / "traces"
 OPT = JobSpec(model="opt-350m", global_batch_size=1024)
 # The paper's prices (shared/reference/sailor/README.md), the same in every zone.

@@ -16,7 +16,8 @@ from sailor.report import plan_report, write_report
 from sailor.report.traffic import cross_zone_traffic
 from sailor.simulator import make_context, simulate
 from sailor.simulator.schedule import simulate_1f1b, timeline_1f1b
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 SAILOR = Path(sys.executable).with_name("sailor")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -4,9 +4,9 @@ operations, the efficiency constants of the catalog, and the attention-core shar
 import pytest
 
 from sailor import catalog
-from sailor.models import Framework
-from sailor.roofline import Op, OpKind, attention_core_share, layer_ops, layer_times, op_time_s
-from sailor.specs import JobSpec
+from sailor.model.spec import Framework
+from sailor.perf.roofline import Op, OpKind, attention_core_share, layer_ops, layer_times, op_time_s
+from sailor.specs.job import JobSpec
 
 A100 = catalog.gpu("A100-80")
 

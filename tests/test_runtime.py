@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sailor.errors import SailorInputError
-from sailor.plan import Plan
+from sailor.core.errors import SailorInputError
+from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.model import GPT, init_full_model, init_param
@@ -21,7 +21,7 @@ from sailor.runtime.tensor_parallel import shard, shard_dim
 from sailor.runtime.tied import Transfer, holdings, twin_transfers
 from sailor.runtime.topology import derive_topology
 from sailor.runtime.validate import check_runtime_geometry
-from sailor.specs import JobSpec
+from sailor.specs.job import JobSpec
 
 
 def _rep(stage: int, tp: int) -> dict:
@@ -206,6 +206,6 @@ def test_checkpoint_roundtrip_and_checksum_fallback(tmp_path):
 def test_plan_level_modules_stay_torch_free():
     import subprocess
     code = ("import sys; import sailor.runtime.topology, sailor.runtime.validate, sailor.runtime.data,"
-            " sailor.runtime.checkpoint, sailor.runtime.launcher, sailor.runtime_activations;"
+            " sailor.runtime.checkpoint, sailor.runtime.launcher, sailor.model.activations;"
             " assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,7 +6,7 @@ resumed under another must continue the reference's loss curve; a crashing rank 
 fast with a clear message; a stop request must checkpoint and exit 3; nothing may be left running.
 Plans with memory options (recomputation, ZeRO-1/2/3, sequence parallelism, with replicas of different
 TP and shares 3:1) must do the same, and every rank's held bytes (weights, gradients, optimizer states,
-saved activations) must equal the ZeRO rules and `sailor.runtime_activations`.
+saved activations) must equal the ZeRO rules and `sailor.model.activations.stage_activation_bytes`.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import live_processes
 
-from sailor.plan import Plan
+from sailor.model.activations import stage_activation_bytes
+from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import load_corpus
 from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 from sailor.runtime.reference import train_reference
-from sailor.runtime_activations import stage_activation_bytes
-from sailor.specs import JobSpec
-from conftest import live_processes
+from sailor.specs.job import JobSpec
 
 JOB = {"model": "tiny", "global_batch_size": 8}
 STEPS = 5

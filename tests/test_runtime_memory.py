@@ -1,4 +1,4 @@
-"""The runtime's memory options without torchrun: saved activations against `sailor.runtime_activations`
+"""The runtime's memory options without torchrun: saved activations against `sailor.model.activations.stage_activation_bytes`
 (one process), bytes held by the sharded optimizer in fp32 and bf16 against the ZeRO / Megatron rules
 (two gloo processes on CPU), the bucket layout of a mixed-TP plan by hand, and the refusals of
 `runtime.validate`."""
@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sailor.errors import SailorInputError
-from sailor.plan import Plan, StageMemory
+from sailor.core.errors import SailorInputError
+from sailor.model.activations import stage_activation_bytes
+from sailor.plan.spec import Plan, StageMemory
 from sailor.runtime.buckets import build_buckets
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.executor import ActivationMeter
@@ -25,8 +26,7 @@ from sailor.runtime.reference import train_reference
 from sailor.runtime.tensor_parallel import apply_tp
 from sailor.runtime.topology import derive_topology
 from sailor.runtime.worker import build_rank
-from sailor.runtime_activations import stage_activation_bytes
-from sailor.specs import JobSpec
+from sailor.specs.job import JobSpec
 
 TINY = JobSpec(model="tiny", global_batch_size=8)
 # Rotary positions, RMSNorm, grouped-query attention, SwiGLU, no biases: the Llama-style branches.
@@ -34,7 +34,7 @@ LLAMAISH = JobSpec(model={"name": "llamaish", "num_blocks": 3, "hidden_size": 64
                           "ffn_hidden_size": 96, "vocab_size": 256, "max_sequence_length": 32, "gated_mlp": True,
                           "learned_positions": False, "bias": False, "rms_norm": True, "tied_embeddings": False},
                    global_batch_size=4)
-# Hugging Face variants (`sailor.hf_config`), with a vocabulary of 300 that the runtime pads to 384 and
+# Hugging Face variants (`sailor.model.hf_config`), with a vocabulary of 300 that the runtime pads to 384 and
 # whose padding logits it drops. GPT-NeoX: half the head dimensions rotate, parallel residual, biases;
 # GPT-2: learned positions, tanh GELU, tied; OPT: ReLU, position offset 2; Qwen2: q, k, v biases only.
 _HF = {"num_blocks": 2, "hidden_size": 64, "num_heads": 4, "vocab_size": 300, "max_sequence_length": 32}
@@ -155,11 +155,12 @@ TWO_PIPELINES = {"micro_batch_size": 2, "stages": [[0, 6]],
 def _held_bytes_rank(rank: int, store: str, out: str) -> None:
     """One rank: for each ZeRO stage and dtype, one training step of the tiny model on a 2-pipeline
     plan; records the bytes held after the backward and the step's loss."""
+    import datetime
+
     import torch.distributed as dist
 
     from sailor.runtime.groups import create_groups
     from sailor.runtime.pipeline import P2P, run_pipeline
-    import datetime
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import live_processes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sailor.errors import SailorInputError
-from sailor.pipeline_orders import BWD, FWD, WGRAD, interleaved_order, zb_h1_order
-from sailor.plan import Plan, ScheduleKind, plan_from_dict
+from sailor.core.errors import SailorInputError
+from sailor.plan import plan_from_dict
+from sailor.plan.orders import BWD, FWD, WGRAD, interleaved_order, zb_h1_order
+from sailor.plan.spec import Plan, ScheduleKind
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import load_corpus
 from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
@@ -29,8 +30,7 @@ from sailor.runtime.schedule import RuntimeSchedule, runtime_schedule, schedule_
 from sailor.runtime.topology import derive_topology
 from sailor.runtime.validate import check_runtime_options
 from sailor.simulator.schedule_orders import run_orders
-from sailor.specs import JobSpec
-from conftest import live_processes
+from sailor.specs.job import JobSpec
 
 JOB = {"model": "tiny", "global_batch_size": 8}
 STEPS = 5

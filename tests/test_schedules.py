@@ -10,16 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sailor.plan import ScheduleKind, plan_from_dict
+from sailor.plan import plan_from_dict
+from sailor.plan.orders import BWD, FWD, WGRAD, interleaved_order, microbatch_groups, zb_h1_order
+from sailor.plan.spec import ScheduleKind
 from sailor.report.figures import timeline_figure
 from sailor.report.traffic import cross_zone_traffic
 from sailor.simulator import make_context, simulate
 from sailor.simulator.memory import replica_memory
-from sailor.pipeline_orders import BWD, FWD, WGRAD, interleaved_order, microbatch_groups, zb_h1_order
 from sailor.simulator.schedule_orders import run_orders
 from sailor.simulator.schedules import (ONE_F_ONE_B, PipelineSchedule, PipelineTimes, bubble_ratio,
                                         closed_form_interleaved, closed_form_zb_h1, pipeline_schedule)
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 INTERLEAVED = lambda v: PipelineSchedule(ScheduleKind.INTERLEAVED, v)  # noqa: E731
 ZB_H1 = PipelineSchedule(ScheduleKind.ZB_H1)
@@ -182,7 +184,7 @@ def test_closed_forms_are_affine_in_m_from_where_they_say(pl, data):
 
 
 def test_interleave_partition_keeps_each_stages_layer_count():
-    from sailor.plan import interleave_partition
+    from sailor.plan.spec import interleave_partition
 
     # 26 layers over 4 stages (7, 6, 7, 6) into 2 chunks each: stage 0 gets 4 + 3 layers, ...
     chunks = interleave_partition([(0, 7), (7, 13), (13, 20), (20, 26)], 2)
@@ -280,7 +282,7 @@ def test_simulate_reads_the_plans_schedule():
 
 
 def test_recompute_blocks_count_over_the_chunks_and_memory_combines_with_the_schedule():
-    from sailor.plan import StageMemory
+    from sailor.plan.spec import StageMemory
     from sailor.simulator.memory import stage_activation_bytes
 
     # stage 1 holds [4, 7) and [16, 19): recomputing its first 4 blocks is 4, 5, 6 and 16
@@ -384,12 +386,12 @@ def test_timeline_draws_each_schedule(tmp_path, stages, schedule, label):
 
 
 def test_measured_split_feeds_zb_h1_less_the_profilers_gap():
-    from sailor.profiles import profiles_from_dict
+    from sailor.perf.profiles import profiles_from_dict
 
     n = JOB.model.num_layers
     row = {"gpu": "A100-40", "tp": 1, "mbs": 2, "forward_s": [0.01] * n, "backward_s": [0.02] * n,
            "backward_input_s": [0.012] * n, "backward_weight_s": [0.011] * n}
-    prof = profiles_from_dict({"schema": "sailor.profiles/1", "model": "opt-350m", "sequence_length": JOB.seq,
+    prof = profiles_from_dict({"schema": "sailor.perf.profiles/1", "model": "opt-350m", "sequence_length": JOB.seq,
                                "precision": "fp32", "layers": [row]})
     ctx = make_context(JOB, CLUSTER, profiles=prof, calibration={"A100-40": {"profile_overhead_s": 0.001}})
     # layers [7, 13): 6 layers of (0.012 - 0.001) and (0.011 - 0.001): measured, so B + W > backward

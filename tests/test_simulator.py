@@ -8,12 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sailor.catalog import Link, LinkClass
-from sailor.network import NetworkModel
-from sailor.plan import Plan
-from sailor.profiles import Profiles
+from sailor.perf.network import NetworkModel
+from sailor.perf.profiles import Profiles
+from sailor.plan.spec import Plan
 from sailor.simulator import make_context, simulate
 from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=4)  # h 64, seq 64, fp32: one activation = 64*64*4 = 16384 B
 ZA, ZB = "us-central1-a", "us-central1-b"

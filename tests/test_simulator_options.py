@@ -8,14 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sailor.catalog import Link, LinkClass
-from sailor.models import Collective, Recompute
-from sailor.network import NetworkModel
-from sailor.plan import Plan, StageMemory
-from sailor.profiles import Profiles
+from sailor.model.activations import layer_bytes, recompute_transient_bytes
+from sailor.model.spec import Collective, Recompute
+from sailor.perf.network import NetworkModel
+from sailor.perf.profiles import Profiles
+from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator import Slot, make_context, simulate, stage_time, time_options
 from sailor.simulator.collectives import tp_collective_time_s
 from sailor.simulator.memory import replica_memory
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 ZONE = "us-central1-a"
 JOB = JobSpec(model="tiny", global_batch_size=16)  # 6 layers: embedding, 4 blocks, head; seq 64, fp32
@@ -113,18 +115,18 @@ def test_recomputation_memory_keeps_inputs_and_one_transient_block():
         return replica_memory(ctx, "A100-40", 2, 2, ((0, 3),), stage=0, num_stages=3, microbatches=8,
                               memory=StageMemory(**mem)).activations
 
-    embed = m.activation_bytes(0, **kw)
-    block = m.activation_bytes(1, **kw)
+    embed = layer_bytes(m, 0, **kw)
+    block = layer_bytes(m, 1, **kw)
     assert acts({}) == pytest.approx(held * (embed + 2 * block))
-    full_in = m.activation_bytes(1, **kw, recompute=Recompute.FULL)
-    transient = m.recompute_transient_bytes(1, **kw, recompute=Recompute.FULL)
+    full_in = layer_bytes(m, 1, **kw, recompute=Recompute.FULL)
+    transient = recompute_transient_bytes(m, 1, **kw, recompute=Recompute.FULL)
     assert transient == pytest.approx(block - full_in)
     assert acts({"recompute": "full"}) == pytest.approx(held * (embed + 2 * full_in) + transient)
     assert acts({"recompute": "full", "recompute_blocks": 1}) == pytest.approx(held * (embed + full_in + block) + transient)
-    sel = m.activation_bytes(1, **kw, recompute=Recompute.SELECTIVE)
-    sel_t = m.recompute_transient_bytes(1, **kw, recompute=Recompute.SELECTIVE)
+    sel = layer_bytes(m, 1, **kw, recompute=Recompute.SELECTIVE)
+    sel_t = recompute_transient_bytes(m, 1, **kw, recompute=Recompute.SELECTIVE)
     assert acts({"recompute": "selective"}) == pytest.approx(held * (embed + 2 * sel) + sel_t)
-    sp = m.activation_bytes(1, **kw, sequence_parallel=True)
+    sp = layer_bytes(m, 1, **kw, sequence_parallel=True)
     assert sp < block and acts({"sequence_parallel": True}) == pytest.approx(held * (embed + 2 * sp))
 
 
@@ -132,7 +134,7 @@ def test_measured_activations_are_scaled_to_the_options_by_the_models_ratio():
     prof = Profiles(model="tiny", sequence_length=64, precision="fp32", activation_bytes={2: np.full(6, 1000.0)})
     m, kw = JOB.model, dict(tp=2, mbs=2, seq=64, elem_bytes=4)
     got = prof.activation_bytes_per_layer(JOB, 2, 2, recompute=Recompute.FULL)
-    ratio = m.activation_bytes(3, **kw, recompute=Recompute.FULL) / m.activation_bytes(3, **kw)
+    ratio = layer_bytes(m, 3, **kw, recompute=Recompute.FULL) / layer_bytes(m, 3, **kw)
     assert got[3] == pytest.approx(2000.0 * ratio)
     assert got[0] == pytest.approx(2000.0)  # the embedding is never recomputed
 

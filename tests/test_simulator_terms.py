@@ -5,14 +5,15 @@ import itertools
 import numpy as np
 import pytest
 
-from sailor.plan import Plan
-from sailor.profiles import Profiles
+from sailor.perf.calibration import fit_memory
+from sailor.perf.profiles import Profiles
+from sailor.plan.spec import Plan
 from sailor.simulator import head_vocab_params, make_context, simulate, tied_embeddings
-from sailor.simulator.calibration import fit_memory
 from sailor.simulator.memory import in_flight, logits_grad_bytes
 from sailor.simulator.schedule import (closed_form_1f1b, pipeline_instructions, schedule_order, simulate_1f1b,
                                        stage_times)
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 JOB = JobSpec(model="opt-350m", global_batch_size=32)
 # 4 GPUs per node: every TP-4 replica has a node of its own, so every link is between two nodes

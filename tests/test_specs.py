@@ -6,10 +6,12 @@ import pytest
 
 from sailor import catalog
 from sailor.catalog import LinkClass
-from sailor.errors import SailorInputError
-from sailor.models import Framework
+from sailor.core.errors import SailorInputError
+from sailor.model.spec import Framework
 from sailor.simulator.memory import state_bytes
-from sailor.specs import ClusterSpec, JobSpec, Optimizer, load_cluster, load_job, local_cluster
+from sailor.specs import load_cluster, load_job
+from sailor.specs.cluster import ClusterSpec, local_cluster
+from sailor.specs.job import JobSpec, Optimizer
 
 
 def test_job_defaults_and_derived_values():

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sailor.errors import SailorInputError
+from sailor.core.errors import SailorInputError
 from sailor.runtime.data import batch_tokens, check_corpus
 from sailor.runtime.dataprep import prepare_tokens
 from sailor.runtime.tokens import RELEASE_BYTES, TokenFile, open_tokens, sidecar

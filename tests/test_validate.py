@@ -5,12 +5,12 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import SAILOR_REF as SHARED  # noqa: E402
 from typer.testing import CliRunner
 
-from conftest import SAILOR_REF as SHARED  # noqa: E402
 from sailor.cli import _register, app
-from sailor.errors import SailorInputError
-from sailor.validate import load_run_set, load_runs, model_from_folder, model_from_runs
+from sailor.core.errors import SailorInputError
+from sailor.simulator.fidelity import load_run_set, load_runs, model_from_folder, model_from_runs
 
 OPT = SHARED / "validation" / "gh200-opt350"
 NEO = SHARED / "validation" / "gh200-gptneo"
@@ -61,7 +61,7 @@ def test_refit_on_opt350_reproduces_the_shipped_constants_and_never_touches_the_
     r = _json(str(OPT), "--held-out", str(NEO), "--fit")
     assert r["fitted_on"] == ["gh200-opt350"]
     cal = r["calibration"]["GH200-96"]
-    from sailor.simulator.calibration import CALIBRATION
+    from sailor.perf.calibration import CALIBRATION
     for k, v in CALIBRATION["GH200-96"].items():
         assert cal[k] == pytest.approx(v, rel=0.01), k
     assert 3e9 < cal["framework_bytes"] < 6e9 and 0.0 < cal["reserve_fraction"] < 0.3

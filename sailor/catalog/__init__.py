@@ -12,15 +12,15 @@ this module only reads it. Lookup semantics:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
-from collections.abc import Iterable
 from importlib import resources
 from typing import Literal
 
 import yaml
 
-from sailor.errors import SailorInputError, unknown_name
+from sailor.core.errors import SailorInputError, unknown_name
 
 Dtype = Literal["fp32", "fp16", "bf16"]
 

@@ -3,7 +3,7 @@
 Each command lives in its own module below this package and registers itself on `app`. What reaches
 the user on stderr (`main`):
 - bad input (`SailorInputError`, and typer's usage errors): one `error:` line, exit status 2;
-- input taken with a change (`sailor.errors.SailorWarning`): one `warning:` line, the command goes on;
+- input taken with a change (`sailor.core.errors.SailorWarning`): one `warning:` line, the command goes on;
 - where the profile of this machine came from (`cli.common.NOTES_AT_END`): a line once the command
   has succeeded, so that an error after it is still the only line;
 - output that cannot be written (a full disk, `> /dev/full`): one `error:` line, exit status 1; a
@@ -25,43 +25,15 @@ import warnings
 
 import typer
 
-from sailor.errors import SailorInputError, SailorWarning, one_line
-
-# add_completion: `sailor --install-completion` / `--show-completion` (bash, zsh, fish, PowerShell).
-app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Sailor: plan, simulate and run LLM training on heterogeneous, geo-distributed GPUs.")
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        from sailor import __version__
-        print(f"sailor {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
-                                       help="Print the version and exit.")) -> None:
-    """Sailor: plan, simulate and run LLM training on heterogeneous, geo-distributed GPUs."""
+from sailor.cli.app import app
+from sailor.core.errors import SailorInputError, SailorWarning, one_line
 
 
 def _register() -> None:
     # Importing a command module registers its commands on `app`. Heavy imports (torch) stay inside
     # the command functions so `sailor plan` starts fast.
-    from sailor.cli import simulate  # noqa: F401
-    for name in ("plan", "train", "validate", "profile", "elastic", "report", "launch", "data", "export"):
-        try:
-            __import__(f"sailor.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"sailor.cli.{name}":
-                raise
+    from sailor.cli import data, elastic, export, launch, plan, profile, simulate, train, validate  # noqa: F401
 
-
-def fail(message: str) -> "typer.Exit":
-    """Print one error line on stderr and return the exit-2 exception to raise."""
-    print(f"error: {message}", file=sys.stderr)
-    return typer.Exit(code=2)
 
 
 def main() -> None:

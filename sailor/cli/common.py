@@ -7,7 +7,7 @@ import sys
 import typer
 
 from sailor.api import choice, resolve_models, resolve_specs  # noqa: F401  (shared by the commands)
-from sailor.fileio import Checks
+from sailor.core.schema import Checks
 
 JobOpt = typer.Option(None, "--job", help="Job spec (YAML/JSON): model, global_batch_size, precision, optimizer.")
 ClusterOpt = typer.Option(None, "--cluster", help="Cluster spec (YAML/JSON): GPUs available per zone and type, prices.")
@@ -34,7 +34,7 @@ def require_torch(command: str, *modules: str) -> None:
 
     for name in ("torch", *modules):
         if importlib.util.find_spec(name) is None:
-            from sailor.errors import SailorInputError
+            from sailor.core.errors import SailorInputError
             raise SailorInputError(f"`sailor {command}` needs {name}, which is not installed", fix=TRAIN_EXTRA)
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from sailor.cli import app
+from sailor.cli.app import app
 from sailor.cli.common import JsonOpt, console
 
 data_app = typer.Typer(no_args_is_help=True, help="Training data: tokenize text into token files.")

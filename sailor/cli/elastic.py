@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-
 from rich.console import Console
 
-from sailor.cli import app
+from sailor.cli.app import app
 from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, check_number, choice, console, require_torch
-from sailor.errors import SailorInputError
-from sailor.fileio import check_output_path
-from sailor.limits import MAX_SECONDS, MAX_TRACE_TIME_S
+from sailor.core.errors import SailorInputError
+from sailor.core.fileio import check_output_path
+from sailor.core.limits import MAX_SECONDS, MAX_TRACE_TIME_S
 
 TraceOpt = typer.Option(..., "--availability", help="Availability trace: CSV (Timestamp + <gpu>_<zone> columns),"
                         ' JSON events [{"time_s", "zone", "gpu", "count"}], or [{"Time", "GPUs"}] for the'
@@ -126,7 +125,8 @@ def replay(
 ) -> None:
     """Simulate a whole elastic run over an availability trace, without training."""
     from sailor.elastic.availability import load_trace
-    from sailor.elastic.replay import Policy, plot, replay as replay_run
+    from sailor.elastic.replay import Policy, plot
+    from sailor.elastic.replay import replay as replay_run
     from sailor.specs import load_cluster, load_job
 
     pol = choice(Policy, policy, "--policy", "policy")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import typer
 
-from sailor.cli import app
+from sailor.cli.app import app
 from sailor.cli.common import JsonOpt, console, require_torch
-from sailor.fileio import check_output_path
+from sailor.core.fileio import check_output_path
 
 
 @app.command("export")

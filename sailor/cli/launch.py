@@ -16,9 +16,9 @@ from typing import Optional
 
 import typer
 
-from sailor.cli import app
+from sailor.cli.app import app
 from sailor.cli.common import choice
-from sailor.errors import SailorInputError
+from sailor.core.errors import SailorInputError
 
 
 @app.command("launch")
@@ -54,7 +54,7 @@ def launch_command(
                                                    " (ReadWriteMany) mounted at --checkpoint-dir."),
 ) -> None:
     """Run PLAN with torchrun over ssh, or write its SkyPilot tasks or Kubernetes manifests."""
-    from sailor.fileio import check_output_path
+    from sailor.core.fileio import check_output_path
     from sailor.launch import Backend, KubernetesOptions, LaunchOptions, launch, launch_files
     from sailor.plan import load_plan
     from sailor.runtime.validate import check_plan_for_job
@@ -96,7 +96,7 @@ def launch_command(
 
 def _write(out: Path, files: dict[str, str]) -> None:
     """`--out`: the one file at `out`, or (SkyPilot) every file into the folder `out`."""
-    from sailor.fileio import check_output_path, write_atomic
+    from sailor.core.fileio import check_output_path, write_atomic
 
     if set(files) == {""}:
         write_atomic(out, files[""])

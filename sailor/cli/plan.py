@@ -12,16 +12,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sailor.cli import app
+from sailor.api import plan_options
+from sailor.cli.app import app
 from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, machine_profiles,
                                resolve_models)
 from sailor.cli.simulate import memory_label
-from sailor.errors import SailorInputError
-from sailor.api import plan_options
-from sailor.fileio import check_output_path
+from sailor.core.errors import SailorInputError
+from sailor.core.fileio import check_output_path
+from sailor.plan.spec import Plan
 from sailor.planner import Objective, PlanResult, SearchSpace, plan_job
 from sailor.planner.options import DEFAULT_MEMORY_MARGIN
-from sailor.plan import Plan
 from sailor.simulator import make_context
 from sailor.specs import EXAMPLE_CLUSTER, EXAMPLE_JOB, load_cluster, load_job
 

@@ -10,10 +10,9 @@ from typing import Optional
 import typer
 
 from sailor import catalog
-from sailor.cli import app
+from sailor.cli.app import app
 from sailor.cli.common import require_torch
-from sailor.errors import SailorInputError
-from sailor.fileio import show
+from sailor.core.errors import SailorInputError, show
 
 profile_app = typer.Typer(no_args_is_help=False, help="Measure this machine: layer times, memory, links.")
 app.add_typer(profile_app, name="profile")
@@ -54,7 +53,7 @@ def profile_layers(
     threads: int = typer.Option(1, "--threads", help="CPU threads per process (torchrun gives each rank 1)."),
     concurrency: int = typer.Option(0, "--concurrency", help="Replicas timed at once, e.g. 2; 0: enough to keep"
                                                              " every CPU core busy, as in a multi-process run (1 on cuda)."),
-    out: Path = typer.Option(Path("profile.json"), "--out", help="Profile file to write (JSON, sailor.profiles/1)."),
+    out: Path = typer.Option(Path("profile.json"), "--out", help="Profile file to write (JSON, sailor.perf.profiles/1)."),
 ) -> None:
     """Time the runtime's embedding, block and head layers and the optimizer step on this machine."""
     if ctx.invoked_subcommand is not None:
@@ -62,8 +61,8 @@ def profile_layers(
     if job is None:
         raise SailorInputError("no job: pass --job JOB.yaml (or use `sailor profile network --nproc N`)")
     require_torch("profile")
-    from sailor.fileio import check_output_path, write_json
-    from sailor.profiles import profiles_from_dict
+    from sailor.core.fileio import check_output_path, write_json
+    from sailor.perf.profiles import profiles_from_dict
     from sailor.runtime.profiler import ProfileOptions, check_options, profile_job, profile_steps
     from sailor.specs import load_job
 
@@ -90,11 +89,11 @@ def profile_network_command(
     zone: str = typer.Option("local", "--zone", help="Zone name the links are written for."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed rounds per size."),
     repeats: int = typer.Option(5, "--repeats", help="Timed rounds per size; the median is kept."),
-    out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.network/1)."),
+    out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.perf.network/1)."),
 ) -> None:
     """p2p and all-reduce over 1 KiB..64 MiB between local processes; fit latency and bandwidth."""
     require_torch("profile network")
-    from sailor.fileio import check_output_path, write_json
+    from sailor.core.fileio import check_output_path, write_json
     from sailor.runtime.netprofile import SIZES_BYTES, profile_network
 
     catalog.check_device(device)

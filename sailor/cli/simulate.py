@@ -10,12 +10,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sailor.cli import app
+from sailor.cli.app import app
 from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, machine_profiles,
                                resolve_models, resolve_specs)
-from sailor.fileio import check_output_path
-from sailor.models import Recompute
-from sailor.plan import Plan, StageMemory, load_plan
+from sailor.core.fileio import check_output_path
+from sailor.model.spec import Recompute
+from sailor.plan import load_plan
+from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator import Estimate, make_context, simulate
 from sailor.simulator.schedule import check_pipeline_tasks
 
@@ -42,7 +43,7 @@ def simulate_command(
         for pipe in plan.pipelines:  # before the work (profiling this machine, the simulation)
             check_pipeline_tasks(plan.num_stages, pipe.microbatches, plan.virtual_stages)
     except Exception as e:
-        from sailor.errors import SailorInputError
+        from sailor.core.errors import SailorInputError
         if isinstance(e, SailorInputError):
             raise e.located(source=str(plan_path)) from None
         raise

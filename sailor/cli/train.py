@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sailor.cli import app
+from sailor.cli.app import app
 from sailor.cli.common import require_torch
 
 

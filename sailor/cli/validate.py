@@ -10,11 +10,12 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from sailor.cli import app
+from sailor.cli.app import app
 from sailor.cli.common import JsonOpt, console
-from sailor.errors import SailorInputError, note
-from sailor.profiles import load_profiles
-from sailor.validate import MultiReport, RunSet, ValidationReport, default_data_paths, load_run_set, validate_sets
+from sailor.core.errors import SailorInputError, note
+from sailor.perf.profiles import load_profiles
+from sailor.simulator.fidelity import (MultiReport, RunSet, ValidationReport, default_data_paths, load_run_set,
+                                       validate_sets)
 
 GIB = 2**30
 

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sailor import catalog
-from sailor.errors import SailorInputError
-from sailor.fileio import parse_json, read_text, show
-from sailor.limits import MAX_GPUS_PER_ZONE, MAX_TRACE_POINTS, MAX_TRACE_TIME_S
-from sailor.specs import ClusterSpec
+from sailor.core.errors import SailorInputError, show
+from sailor.core.fileio import parse_json, read_text
+from sailor.core.limits import MAX_GPUS_PER_ZONE, MAX_TRACE_POINTS, MAX_TRACE_TIME_S
+from sailor.specs.cluster import ClusterSpec
 
 if TYPE_CHECKING:
     from sailor.elastic.remote import HostPool, Machine
@@ -132,7 +132,7 @@ def _from_json(data: Any, cluster: ClusterSpec, src: str) -> Trace:
 
 def _check_points(n: int, src: str) -> None:
     if n > MAX_TRACE_POINTS:
-        raise SailorInputError(f"{n} points, more than {MAX_TRACE_POINTS} (sailor.limits.MAX_TRACE_POINTS)", source=src,
+        raise SailorInputError(f"{n} points, more than {MAX_TRACE_POINTS} (sailor.core.limits.MAX_TRACE_POINTS)", source=src,
                                fix="keep the points where availability changes, or cut the trace")
 
 

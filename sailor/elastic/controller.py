@@ -49,16 +49,17 @@ from pathlib import Path
 from typing import Any
 
 from sailor import catalog
+from sailor.core.errors import InfeasibleError, SailorInputError
+from sailor.core.limits import MAX_STEPS, max_local_processes
 from sailor.elastic.availability import Availability, Trace, Zones
 from sailor.elastic.events import POLL_S, Clock, ClockKind, EventLog
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.remote import HostPool, Machine, NodeLaunch
 from sailor.elastic.replan import Planned, Replanner
-from sailor.errors import InfeasibleError, SailorInputError
-from sailor.limits import MAX_STEPS, max_local_processes
-from sailor.plan import rank_layout
+from sailor.plan.placement import rank_layout
 from sailor.runtime.launcher import ExitStatus, Prepared, TrainOptions, TrainResult, launch, prepare
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 MAX_FAILED_LAUNCHES = 3  # launches in a row that fail before completing a step: then give up
 START_TIMEOUT = "the ranks' process groups did not form"  # how a start timeout's message begins

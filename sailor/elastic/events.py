@@ -13,7 +13,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from sailor.errors import SailorInputError
+from sailor.core.errors import SailorInputError
 
 POLL_S = 0.05  # how often `sailor run` looks at the trace clock and the runtime's events
 

@@ -23,12 +23,12 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from sailor.errors import SailorInputError
+from sailor.core.errors import SailorInputError
 from sailor.launch.common import LaunchOptions, check_python, launch_layout
 from sailor.launch.hosts import HostGroup, HostsFile, bare_host, load_hosts
 from sailor.launch.torchrun import node_commands, ssh_argv
 from sailor.runtime.launcher import EVENT_PREFIX, Prepared, worker_args
-from sailor.specs import ClusterSpec
+from sailor.specs.cluster import ClusterSpec
 
 Machine = tuple[str, str, int]
 """(zone, GPU type, index of the host in its HOSTS.yaml group)."""

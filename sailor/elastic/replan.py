@@ -16,14 +16,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sailor.core.errors import InfeasibleError, SailorInputError
 from sailor.elastic.availability import Zones
-from sailor.errors import InfeasibleError, SailorInputError
-from sailor.network import network_for
-from sailor.plan import Plan
+from sailor.perf.network import network_for
+from sailor.perf.profiles import Profiles, load_profiles, roofline_profiles
+from sailor.plan.spec import Plan
 from sailor.planner import PlanOptions, plan_job
-from sailor.profiles import Profiles, load_profiles, roofline_profiles
 from sailor.simulator import Estimate, SimContext, make_context, simulate
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 
 @dataclass(frozen=True)

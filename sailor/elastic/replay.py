@@ -28,13 +28,14 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from sailor.core.errors import InfeasibleError, SailorInputError
 from sailor.elastic.availability import Trace, Zones
 from sailor.elastic.policy import decide, lost_gpus
 from sailor.elastic.replan import Planned, Replanner
-from sailor.errors import InfeasibleError, SailorInputError
 from sailor.planner import PlanOptions, SearchSpace
 from sailor.simulator import Estimate
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 DEFAULT_LAST_INTERVAL_S = 3600.0  # a one-row trace says nothing about its length: assume an hour
 

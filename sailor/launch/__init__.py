@@ -23,11 +23,11 @@ from typing import Any
 
 import yaml
 
-from sailor import __version__
-from sailor.errors import SailorInputError
+from sailor.core import __version__
+from sailor.core.errors import SailorInputError
 from sailor.launch.common import LaunchLayout, LaunchOptions, check_image, check_options, launch_layout, node_sizes
 from sailor.launch.hosts import HostsFile, load_hosts
-from sailor.plan import Plan
+from sailor.plan.spec import Plan
 
 
 class Backend(str, enum.Enum):

@@ -28,8 +28,9 @@ import shlex
 from dataclasses import dataclass, field
 
 from sailor import catalog
-from sailor.errors import SailorInputError
-from sailor.plan import Plan, RankInfo, rank_layout
+from sailor.core.errors import SailorInputError
+from sailor.plan.placement import RankInfo, rank_layout
+from sailor.plan.spec import Plan
 
 RDZV_HOST_VAR = "SAILOR_RDZV_HOST"  # shell variable holding the rendezvous host where none is known yet
 

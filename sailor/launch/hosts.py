@@ -27,9 +27,10 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 
 from sailor import catalog
-from sailor.errors import SailorInputError
-from sailor.fileio import SPEC_CONFIG, Whole, load_mapping, parse_model, show
-from sailor.limits import MAX_GPUS_PER_NODE
+from sailor.core.errors import SailorInputError, show
+from sailor.core.fileio import load_mapping
+from sailor.core.limits import MAX_GPUS_PER_NODE
+from sailor.core.schema import SPEC_CONFIG, Whole, parse_model
 from sailor.launch.common import LaunchLayout, Node
 
 _HOST = re.compile(r"(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._:%\[\]][A-Za-z0-9._:%\[\]-]*")

@@ -32,9 +32,10 @@ import json
 import re
 from typing import Any
 
-from sailor.errors import SailorInputError
-from sailor.launch.common import Group, LaunchLayout, LaunchOptions, backend_name, check_image, node_script, round_up_pow2
-from sailor.plan import Plan
+from sailor.core.errors import SailorInputError
+from sailor.launch.common import (Group, LaunchLayout, LaunchOptions, backend_name, check_image, node_script,
+                                  round_up_pow2)
+from sailor.plan.spec import Plan
 
 # Our GPU types -> GKE accelerator labels (`cloud.google.com/gke-accelerator` node label values),
 # from https://cloud.google.com/kubernetes-engine/docs/how-to/gpus (GPU quota / availability table).

@@ -27,8 +27,8 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from sailor import __version__
-from sailor.errors import SailorInputError
+from sailor.core import __version__
+from sailor.core.errors import SailorInputError
 from sailor.launch.common import (RDZV_HOST_VAR, Group, LaunchLayout, LaunchOptions, backend_name, check_image,
                                   node_script, round_up_pow2)
 

@@ -30,14 +30,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sailor.errors import InfeasibleError
-from sailor.limits import MAX_PIPELINE_TASKS
-from sailor.plan import Plan, StageMemory
+from sailor.core.errors import InfeasibleError
+from sailor.core.limits import MAX_PIPELINE_TASKS
+from sailor.plan.spec import Plan, StageMemory
 from sailor.planner import engine, legacy, paper
-from sailor.planner.schedules import fits, schedule_variants
 from sailor.planner.finalists import Found, plan_signature
 from sailor.planner.geo import free_pools, scopes
 from sailor.planner.options import Constraints, Objective, PlanOptions, SearchSpace, objective_key
+from sailor.planner.schedules import fits, schedule_variants
 from sailor.planner.space import even_partition, memory_candidates, sp_possible, stage_options, zero3_needed
 from sailor.simulator import Estimate, SimContext, simulate
 from sailor.simulator.memory import replica_memory

@@ -12,11 +12,11 @@ import math
 
 import numpy as np
 
+from sailor.model.spec import Recompute
+from sailor.plan.spec import DEFAULT_STAGE_MEMORY
 from sailor.planner import search as S
 from sailor.planner.options import Objective, PlanOptions
 from sailor.planner.space import zero3_needed
-from sailor.models import Recompute
-from sailor.plan import DEFAULT_STAGE_MEMORY
 from sailor.simulator import DEFAULT_TIME, SimContext, Slot, TimeOptions, allreduce_s, stage_sync, time_options
 
 

@@ -11,12 +11,12 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
+from sailor.plan.spec import StageMemory
 from sailor.planner import search as S
 from sailor.planner.bounds import coarse_bound, coarse_estimate, lower_bound, sync_floor, types_sync_floor
 from sailor.planner.options import Objective, PlanOptions, objective_key
-from sailor.plan import StageMemory
-from sailor.planner.space import (candidate_partitions, mbs_candidates, memory_candidates,
-                                  stage_options, templates, zero3_needed)
+from sailor.planner.space import (candidate_partitions, mbs_candidates, memory_candidates, stage_options, templates,
+                                  zero3_needed)
 from sailor.simulator import SimContext
 
 

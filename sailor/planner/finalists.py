@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sailor.plan import Plan, StageMemory
+from sailor.plan.spec import Plan, StageMemory
 from sailor.planner import search as S
 from sailor.planner.options import PlanOptions, objective_key
 from sailor.simulator import SimContext

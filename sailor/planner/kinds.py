@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sailor.plan import StageMemory
+from sailor.plan.spec import StageMemory
 from sailor.planner.search import Curve
 from sailor.planner.space import Memory, Partition, pareto_templates, stage_options
 from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_time, time_options

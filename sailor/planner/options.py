@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from sailor.errors import SailorInputError
-
+from sailor.core.errors import SailorInputError
 
 # Clusters of at most this many GPUs are searched in exact mode (engine.py: every pipeline kind and
 # count vector when few enough, valid bounds; the brute-force tests check it).

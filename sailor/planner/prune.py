@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from sailor.models import Recompute
+from sailor.model.spec import Recompute
 from sailor.planner.bounds import pair_groups, pair_sync, smallest_time, zero_sync_share
 from sailor.planner.kinds import Kind, Pool, boundary
 from sailor.planner.options import Objective, PlanOptions

@@ -19,7 +19,7 @@ better under the objective ("where it pays").
 
 from __future__ import annotations
 
-from sailor.plan import DEFAULT_SCHEDULE, Plan, ScheduleKind, interleave_partition
+from sailor.plan.spec import DEFAULT_SCHEDULE, Plan, ScheduleKind, interleave_partition
 from sailor.simulator import Estimate
 from sailor.simulator.context import SimContext
 

@@ -44,9 +44,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
-from sailor.simulator import (SimContext, Slot, optimizer_s, pipeline_arrays, place, stage_sync, tied_sync,
-                              time_options)
+from sailor.plan.spec import DEFAULT_STAGE_MEMORY, StageMemory
+from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, place, stage_sync, tied_sync, time_options
 from sailor.simulator.collectives import Group, group_members, ring_key
 from sailor.simulator.schedule import closed_form_1f1b
 

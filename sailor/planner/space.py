@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sailor.models import Recompute
-from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory
+from sailor.model.spec import Recompute
+from sailor.perf.calibration import gpu_constant
+from sailor.plan.spec import DEFAULT_STAGE_MEMORY, StageMemory
 from sailor.simulator import SimContext, Slot, stage_time, time_options
-from sailor.simulator.calibration import gpu_constant
 from sailor.simulator.memory import replica_memory
 
 EXHAUSTIVE_PARTITIONS = 16

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sailor.errors import InfeasibleError, SailorInputError
-from sailor.plan import Plan
+from sailor.core.errors import InfeasibleError, SailorInputError
+from sailor.plan.spec import Plan
 from sailor.simulator import Estimate, SimContext
 
 if TYPE_CHECKING:

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sailor.catalog import LinkClass
-from sailor.plan import Plan
+from sailor.plan.orders import BWD, FWD, WGRAD
+from sailor.plan.spec import Plan
 from sailor.simulator import Estimate, ReplicaEstimate
-from sailor.pipeline_orders import BWD, FWD, WGRAD
 
 if TYPE_CHECKING:
     from sailor.planner import PlanResult
-    from sailor.specs import ClusterSpec
+    from sailor.specs.cluster import ClusterSpec
 
 GIB = 2**30
 GB = 1e9
@@ -47,7 +47,7 @@ def save_figure(fig, path: str | Path, **savefig_kw) -> None:
     memory, then `write_atomic`, so a failure never leaves a half-written image."""
     import io
 
-    from sailor.fileio import write_atomic
+    from sailor.core.fileio import write_atomic
 
     buf = io.BytesIO()
     fig.savefig(buf, format=Path(path).suffix.lstrip(".").lower() or "png", **savefig_kw)

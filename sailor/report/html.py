@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from sailor.plan import Plan
+from sailor.plan.spec import Plan
 from sailor.simulator import Estimate
 
 GIB = 2**30
@@ -91,7 +91,7 @@ def write_index(out_dir: Path, *, title: str, plan: Plan, est: Estimate,
                      f"<figcaption>{html.escape(caption)} (<a href='{html.escape(svg)}'>SVG</a>)</figcaption></figure>")
     parts.append("</body></html>\n")
     path = out_dir / "index.html"
-    from sailor.fileio import write_atomic
+    from sailor.core.fileio import write_atomic
 
     write_atomic(path, "\n".join(parts))
     return path

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from sailor.catalog import LinkClass
-from sailor.plan import Plan
+from sailor.plan.spec import Plan
 from sailor.simulator import SimContext, Slot, link_transfer, stage_sync, tied_sync, time_options
 from sailor.simulator.collectives import group_members
 

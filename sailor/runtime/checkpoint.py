@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sailor.errors import SailorInputError
+from sailor.core.errors import SailorInputError
 
 if TYPE_CHECKING:
-    from sailor.specs import JobSpec
+    from sailor.specs.job import JobSpec
 
 FORMAT = "sailor-checkpoint-1"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")

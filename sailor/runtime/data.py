@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sailor.errors import SailorInputError
+from sailor.core.errors import SailorInputError
 from sailor.runtime.tokens import TokenFile, check_tokens, is_token_file, open_tokens
 
 BYTE_VOCAB = 256  # token ids are byte values

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from sailor.errors import SailorInputError
-from sailor.fileio import check_input_file, check_output_path, open_atomic, write_json
+from sailor.core.errors import SailorInputError
+from sailor.core.fileio import check_input_file, check_output_path, open_atomic, write_json
 from sailor.runtime.tokens import sidecar, sidecar_meta, token_dtype, write_npy_header
 
 PIECE_BYTES = 1 << 20  # text is tokenized in pieces of about 1 MiB

@@ -32,10 +32,10 @@ from typing import Any, Literal
 
 import torch
 
-from sailor.errors import SailorInputError
-from sailor.fileio import load_json
-from sailor.hf_config import differences, export_model_type, hf_config_from_spec, load_hf_config
-from sailor.models import ModelSpec
+from sailor.core.errors import SailorInputError
+from sailor.core.fileio import load_json
+from sailor.model.hf_config import differences, export_model_type, hf_config_from_spec, load_hf_config
+from sailor.model.spec import ModelSpec
 from sailor.runtime.model import GPT, share_tied, tied_head
 from sailor.runtime.tensor_parallel import materialize_shards
 

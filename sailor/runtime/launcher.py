@@ -36,16 +36,19 @@ from pathlib import Path
 from typing import Any
 
 from sailor import catalog
-from sailor.errors import SailorInputError
-from sailor.fileio import check_output_path
-from sailor.limits import MAX_SECONDS, MAX_STEPS, max_local_processes
-from sailor.models import ModelSpec
-from sailor.plan import Plan, RankInfo, load_plan, rank_layout
+from sailor.core.errors import SailorInputError
+from sailor.core.fileio import check_output_path
+from sailor.core.limits import MAX_SECONDS, MAX_STEPS, max_local_processes
+from sailor.model.spec import ModelSpec
+from sailor.plan import load_plan
+from sailor.plan.placement import RankInfo, rank_layout
+from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import check_corpus, load_corpus
 from sailor.runtime.metrics import StepMetrics, check_tensorboard
 from sailor.runtime.validate import check_plan_for_job
-from sailor.specs import JobSpec, load_job
+from sailor.specs import load_job
+from sailor.specs.job import JobSpec
 
 EVENT_PREFIX = "SAILOR_EVENT "  # the worker's event lines (sailor.runtime.worker.emit)
 MONITOR_INTERVAL_S = 0.2  # how often torchrun checks its ranks: a crash is noticed within this

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from sailor import catalog
-from sailor.errors import SailorInputError
-from sailor.plan import Plan
-from sailor.specs import JobSpec
+from sailor.core.errors import SailorInputError
+from sailor.plan.spec import Plan
+from sailor.specs.job import JobSpec
 
 SCALARS = ("loss", "tokens_per_s", "mfu", "grad_norm", "step_time_s")  # what TensorBoard gets per step
 

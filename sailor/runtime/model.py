@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sailor.models import ModelSpec
+from sailor.model.spec import ModelSpec
 
 INIT_STD = 0.02  # GPT-2 initialisation (Radford et al. 2019); residual projections scaled by 1/sqrt(2N)
 
@@ -62,7 +62,7 @@ class Embedding(nn.Module):
 
 def rope_inv_freq(spec: ModelSpec, device=None) -> torch.Tensor:
     """RoPE's inverse frequencies θ^(-2i/d) for i < d/2, d = `spec.rotary_dim` (RoFormer, Su et al.
-    2021), rescaled by `spec.rope_scaling` (see `sailor.models.RopeScaling`): (d/2,) fp32."""
+    2021), rescaled by `spec.rope_scaling` (see `sailor.model.spec.RopeScaling`): (d/2,) fp32."""
     d = spec.rotary_dim
     inv = 1.0 / spec.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
     sc = spec.rope_scaling

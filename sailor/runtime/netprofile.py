@@ -1,5 +1,5 @@
 """`sailor profile network`: point-to-point and all-reduce sweeps between local processes, fitted
-to α–β links and written as our link file ("sailor.network/1", see `sailor.network`).
+to α–β links and written as our link file ("sailor.perf.network/1", see `sailor.perf.network`).
 
 N processes (gloo on CPU, NCCL on CUDA) run, for message sizes 1 KiB .. 64 MiB (powers of 4):
 - p2p: ranks 2k and 2k+1 ping-pong (send, then receive the same size back); one-way time = round
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from sailor.network import SCHEMA
+from sailor.perf.network import SCHEMA
 
 SIZES_BYTES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
 
@@ -122,8 +122,8 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     import tempfile
     from pathlib import Path
 
-    from sailor.errors import SailorInputError
-    from sailor.limits import MAX_PROFILE_PASSES, max_local_processes
+    from sailor.core.errors import SailorInputError
+    from sailor.core.limits import MAX_PROFILE_PASSES, max_local_processes
     from sailor.runtime.profiler import device_description, device_gpu_type, run_ranks, versions
 
     if nproc < 2:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sailor.pipeline_orders import BWD, FWD, Op
+from sailor.plan.orders import BWD, FWD, Op
 from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.topology import RankRole
 

@@ -66,9 +66,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from sailor.errors import SailorInputError
-from sailor.limits import MAX_PROFILE_MBS, MAX_PROFILE_PASSES, max_local_processes
-from sailor.specs import JobSpec
+from sailor.core.errors import SailorInputError
+from sailor.core.limits import MAX_PROFILE_MBS, MAX_PROFILE_PASSES, max_local_processes
+from sailor.specs.job import JobSpec
 
 Device = Literal["cpu", "cuda"]
 
@@ -488,9 +488,9 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
     """
     import torch
 
-    from sailor.plan import Pipeline, Plan, Replica
-    from sailor.runtime.model import lm_loss_sum
+    from sailor.plan.spec import Pipeline, Plan, Replica
     from sailor.runtime.executor import NoHooks, StageExecutor
+    from sailor.runtime.model import lm_loss_sum
     from sailor.runtime.pipeline import P2P, run_pipeline
     from sailor.runtime.schedule import ONE_F_ONE_B
     from sailor.runtime.topology import derive_topology
@@ -599,10 +599,10 @@ class _nullcontext:
 # ---- the driver ----------------------------------------------------------------------------------
 def versions() -> dict[str, str]:
     """Library versions recorded in a profile."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import numpy
     import torch
-
-    from importlib.metadata import PackageNotFoundError, version
     try:
         sailor_version = version("sailor")
     except PackageNotFoundError:
@@ -650,7 +650,7 @@ def pass_scale(layer_s: list[float], whole_s: float) -> float:
 
 def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Measure the runtime's layers for `opts` (module docstring) and return the profile as a dict in
-    our format ("sailor.profiles/1"), ready for `write_json` and `profiles_from_dict`.
+    our format ("sailor.perf.profiles/1"), ready for `write_json` and `profiles_from_dict`.
 
     `progress(n)` is called with each batch of n finished measurements (`profile_steps` in all).
     Raises SailorInputError for bad options (`check_options`), RuntimeError if a rank fails.
@@ -697,7 +697,7 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                            "activation_bytes_per_sample": [act["embedding"]] + [act["block"]] * n_blocks + [act["head"]]})
             if opt_s_per_param is None:
                 opt_s_per_param = res["optimizer_s_per_param"]
-    return {"schema": "sailor.profiles/1", "model": spec.name, "sequence_length": opts.job.seq,
+    return {"schema": "sailor.perf.profiles/1", "model": spec.name, "sequence_length": opts.job.seq,
             "precision": opts.job.precision, "source": f"sailor profile ({gpu})",
             "device": device_description(opts.device), "versions": versions(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -25,7 +25,8 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sailor.plan import Recompute, StageMemory
+from sailor.model.spec import Recompute
+from sailor.plan.spec import StageMemory
 from sailor.runtime.model import Block
 
 

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from sailor.runtime.data import batch_tokens
-from sailor.runtime.tokens import TokenFile
 from sailor.runtime.model import GPT, init_full_model, lm_loss_sum
 from sailor.runtime.optim import OptimConfig, build_optimizer
-from sailor.specs import JobSpec
+from sailor.runtime.tokens import TokenFile
+from sailor.specs.job import JobSpec
 
 
 def train_reference(job: JobSpec, *, steps: int, seed: int, corpus: np.ndarray | TokenFile,

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sailor.pipeline_orders import BWD, FWD, Op, interleaved_order, zb_h1_order
-from sailor.plan import Plan, ScheduleKind
+from sailor.plan.orders import BWD, FWD, Op, interleaved_order, zb_h1_order
+from sailor.plan.spec import Plan, ScheduleKind
 
 
 def schedule_1f1b(stage: int, num_stages: int, microbatches: int) -> list[tuple[str, int]]:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sailor.models import ModelSpec
-from sailor.plan import Plan
+from sailor.model.spec import ModelSpec
+from sailor.plan.spec import Plan
 from sailor.runtime.buckets import build_buckets, held_elements
 from sailor.runtime.model import EMBEDDING_WEIGHT, Embedding, Head, tied_head
 from sailor.runtime.tensor_parallel import shard_dim

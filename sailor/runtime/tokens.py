@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from sailor.errors import SailorInputError
+from sailor.core.errors import SailorInputError
 
 TOKEN_SUFFIXES = (".npy", ".bin")
 SIDECAR_FORMAT = "sailor-tokens-1"
@@ -140,7 +140,7 @@ def _read_sidecar(p: Path) -> dict[str, Any]:
     s = sidecar(p)
     if not s.exists():
         return {}
-    from sailor.fileio import load_json
+    from sailor.core.fileio import load_json
 
     meta = load_json(s)
     if not isinstance(meta, dict):

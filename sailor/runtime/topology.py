@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sailor.plan import Plan, rank_layout
+from sailor.plan.placement import rank_layout
+from sailor.plan.spec import Plan
 
 Ranks = tuple[int, ...]  # global ranks, in a fixed order
 

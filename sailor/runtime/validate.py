@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from sailor.errors import SailorInputError
-from sailor.plan import Plan
+from sailor.core.errors import SailorInputError
+from sailor.plan.spec import Plan
 from sailor.runtime.schedule import runtime_schedule
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 
 def check_runtime_geometry(plan: Plan, job: JobSpec, *, source: str | None = None) -> None:

@@ -49,10 +49,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sailor.errors import SailorInputError, SailorWarning
-from sailor.models import ModelSpec
-from sailor.pipeline_orders import Op
-from sailor.plan import Plan, load_plan
+from sailor.core.errors import SailorInputError, SailorWarning
+from sailor.model.spec import ModelSpec
+from sailor.plan import load_plan
+from sailor.plan.orders import Op
+from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.executor import ActivationMeter, StageExecutor
@@ -67,7 +68,8 @@ from sailor.runtime.tied import tied_for_rank
 from sailor.runtime.topology import RankRole, derive_topology
 from sailor.runtime.validate import check_plan_for_job
 from sailor.runtime.zero import ShardedAdamW, compute_dtype
-from sailor.specs import JobSpec, load_job
+from sailor.specs import load_job
+from sailor.specs.job import JobSpec
 
 EVENT_PREFIX = "SAILOR_EVENT "
 FAULT_ENV = "SAILOR_FAULT"  # test hook: "<rank>:<step>" makes that rank die (exit 13) at that step

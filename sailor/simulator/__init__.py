@@ -2,7 +2,7 @@
 
 `simulate(plan, ctx)` runs the event simulation of the plan's pipeline schedule (`schedules`: 1F1B
 in the order of DeepSpeed's pipeline engine, `schedule`; interleaved 1F1B and ZB-H1, `schedule_orders`
-over the op orders of `sailor.pipeline_orders`)
+over the op orders of `sailor.plan.orders`)
 for every distinct pipeline, then the gradient reductions, then the optimizer step, in the order
 DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, OptimizerStep):
 
@@ -43,15 +43,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sailor import catalog
-from sailor.plan import Plan
+from sailor.plan.spec import Plan
 from sailor.simulator.collectives import group_members
-from sailor.simulator.context import (SimContext, embedding_params, head_vocab_params, make_context,
-                                      tied_embeddings)
+from sailor.simulator.context import SimContext, embedding_params, head_vocab_params, make_context, tied_embeddings
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes, pipeline_schedule
 from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s, group_shape,
-                                    link_transfer, optimizer_s, pipeline_arrays, pipeline_times, place,
-                                    placed_slots, recomputed_blocks, stage_sync, stage_time, tied_sync, time_options)
+                                    link_transfer, optimizer_s, pipeline_arrays, pipeline_times, place, placed_slots,
+                                    recomputed_blocks, stage_sync, stage_time, tied_sync, time_options)
 
 __all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", "StageTime", "TimeOptions",
            "allreduce_s", "collective_s", "embedding_params", "head_vocab_params", "link_transfer", "make_context",

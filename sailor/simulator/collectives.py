@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from sailor.catalog import LinkClass
-from sailor.models import Collective
-from sailor.network import NetworkModel
-from sailor.specs import AllreduceAlgorithm
+from sailor.model.spec import Collective
+from sailor.perf.network import NetworkModel
+from sailor.specs.cluster import AllreduceAlgorithm
 
 
 @dataclass(frozen=True)

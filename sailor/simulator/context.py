@@ -12,12 +12,14 @@ from typing import Any
 import numpy as np
 
 from sailor import catalog
-from sailor.models import ModelSpec, Recompute
-from sailor.network import NetworkModel, network_for
-from sailor.profiles import Profiles, roofline_profiles
-from sailor.simulator.calibration import gpu_constant
+from sailor.model import activations
+from sailor.model.spec import ModelSpec, Recompute
+from sailor.perf.calibration import gpu_constant
+from sailor.perf.network import NetworkModel, network_for
+from sailor.perf.profiles import Profiles, roofline_profiles
 from sailor.simulator.collectives import Member
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 
 def tied_embeddings(model: ModelSpec) -> bool:
@@ -150,12 +152,19 @@ class SimContext:
 
     def recompute_transient_bytes(self, layer: int, tp: int, mbs: int, recompute: Recompute,
                                   sequence_parallel: bool) -> float:
-        """Bytes one recomputed block rebuilds during its backward (`Profiles.recompute_transient_bytes`),
-        cached."""
+        """Bytes one recomputed block `layer` rebuilds during its backward, for one micro-batch at TP
+        `tp` (`model.activations.recompute_transient_bytes`), scaled like the kept activations
+        (`Profiles.activation_bytes_per_layer`) when they were measured at this TP; cached."""
         key = ("transient", layer, tp, mbs, recompute, sequence_parallel)
         if key not in self.memo:
-            self.memo[key] = self.profiles.recompute_transient_bytes(self.job, layer, tp, mbs, recompute=recompute,
-                                                                     sequence_parallel=sequence_parallel)
+            job = self.job
+            kw = dict(tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes, framework=job.framework)
+            transient = activations.recompute_transient_bytes(job.model, layer, **kw, recompute=recompute,
+                                                              sequence_parallel=sequence_parallel)
+            measured = self.profiles.activation_bytes.get(tp)
+            if measured is not None:
+                transient = float(measured[layer] * mbs * transient / activations.layer_bytes(job.model, layer, **kw))
+            self.memo[key] = transient
         return self.memo[key]
 
     def boundary_bytes(self, layer_end: int, mbs: int) -> float:
@@ -188,7 +197,7 @@ def make_context(job: JobSpec, cluster: ClusterSpec, profiles: Profiles | None =
                  network: NetworkModel | None = None,
                  calibration: dict[str, dict[str, float]] | None = None) -> SimContext:
     """A SimContext with roofline profiles and default links where none are given."""
-    from sailor.simulator.calibration import default_calibration
+    from sailor.perf.calibration import default_calibration
     return SimContext(job=job, cluster=cluster, profiles=profiles or roofline_profiles(job),
                       network=network or network_for(cluster),
                       calibration=default_calibration() if calibration is None else calibration)

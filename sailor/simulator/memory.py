@@ -30,7 +30,7 @@ the schedule holds per chunk at its peak. State bytes per parameter: `specs.STAT
 block is sharded among the D ranks that hold it, so a replica's share is 1/D whatever the TP degrees
 of the others. Parameters per stage follow tied embeddings (`SimContext.stage_params`). Activation
 bytes: measured (profiles, the increase of allocated memory over one layer's forward), scaled to the
-options by the model's own ratio, or the model's formula (`sailor.activations`). The received input
+options by the model's own ratio, or the model's formula (`sailor.model.activations`). The received input
 of a stage is not in those per-layer increases (the previous layer's output is, but it lives on the
 previous stage), hence its own term. The head's backward materialises the gradient of the
 vocab-parallel logits, (mbs, seq, V/t) in fp32, while all of the micro-batch's activations are still
@@ -59,9 +59,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from sailor.models import Framework, Recompute
-from sailor.plan import DEFAULT_STAGE_MEMORY, StageMemory, split_recompute_blocks
-from sailor.simulator.calibration import gpu_constant
+from sailor.model.spec import Framework, Recompute
+from sailor.perf.calibration import gpu_constant
+from sailor.plan.spec import DEFAULT_STAGE_MEMORY, StageMemory, split_recompute_blocks
 from sailor.simulator.context import stage_blocks
 from sailor.simulator.schedules import ONE_F_ONE_B, InFlight, PipelineSchedule
 

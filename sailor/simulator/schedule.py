@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sailor.errors import SailorInputError
-from sailor.limits import MAX_PIPELINE_TASKS
+from sailor.core.errors import SailorInputError
+from sailor.core.limits import MAX_PIPELINE_TASKS
 
 # Instruction kinds of `pipeline_instructions`.
 FWD, BWD = "F", "B"
@@ -128,7 +128,7 @@ def check_pipeline_tasks(stages: int, m: int, chunks: int = 1) -> None:
         what = f"{stages} stages" + (f" x {chunks} chunks" if chunks > 1 else "")
         raise SailorInputError(f"a pipeline of {what} running {m} micro-batches is {tasks:,} tasks per iteration,"
                                f" more than the event simulation runs ({MAX_PIPELINE_TASKS:,},"
-                               " sailor.limits.MAX_PIPELINE_TASKS)", field="pipelines",
+                               " sailor.core.limits.MAX_PIPELINE_TASKS)", field="pipelines",
                                fix="use a larger micro-batch size, more pipelines or fewer stages")
 
 

@@ -1,4 +1,4 @@
-"""Event simulation of interleaved 1F1B and ZB-H1 over their op orders (`sailor.pipeline_orders`), and
+"""Event simulation of interleaved 1F1B and ZB-H1 over their op orders (`sailor.plan.orders`), and
 the micro-batches a stage holds at its memory peak.
 
 Transfers follow Sailor's runtime rather than DeepSpeed's engine (`schedule` keeps DeepSpeed's
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sailor.pipeline_orders import BWD, FWD, WGRAD, Op
+from sailor.plan.orders import BWD, FWD, WGRAD, Op
 
 
 class TimedOp(NamedTuple):

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sailor.plan import Plan, ScheduleKind
+from sailor.plan.orders import Op, interleaved_order, zb_h1_order
+from sailor.plan.spec import Plan, ScheduleKind
 from sailor.simulator.schedule import check_pipeline_tasks, closed_form_1f1b, simulate_1f1b, timeline_1f1b
 from sailor.simulator.schedule import in_flight as in_flight_1f1b
-from sailor.pipeline_orders import Op, interleaved_order, zb_h1_order
 from sailor.simulator.schedule_orders import TimedOp, held_at_peak, run_orders
 
 

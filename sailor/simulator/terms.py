@@ -29,13 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from sailor.catalog import LinkClass
-from sailor.models import Collective, Framework, Recompute
-from sailor.plan import DEFAULT_STAGE_MEMORY, FirstFit, Plan, StageMemory
+from sailor.model.spec import Collective, Framework, Recompute
+from sailor.plan.placement import FirstFit
+from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan, StageMemory
 from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_egress, same_node,
                                           tp_collective_time_s)
 from sailor.simulator.context import SimContext, embedding_params, stage_blocks, tied_embeddings
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes
-from sailor.specs import ClusterSpec
+from sailor.specs.cluster import ClusterSpec
 
 Slot = Member  # where one replica runs: zone, GPU type, TP degree, and (once placed) its node
 

@@ -32,17 +32,20 @@ from typing import Any
 import numpy as np
 
 from sailor import catalog
-from sailor.errors import SailorInputError
-from sailor.fileio import Checks, load_json, parse_model
-from sailor.limits import MAX_BYTES, MAX_SECONDS
-from sailor.models import BUILTIN_MODELS, MODEL_ALIASES, canonical_model_name
-from sailor.network import NetworkModel, network_for
-from sailor.plan import Plan, plan_from_dict
-from sailor.plan_config import sailor_gpus_per_node
-from sailor.profiles import Profiles
+from sailor.core.errors import SailorInputError
+from sailor.core.fileio import load_json
+from sailor.core.limits import MAX_BYTES, MAX_SECONDS
+from sailor.core.schema import Checks, parse_model
+from sailor.model.registry import BUILTIN_MODELS, MODEL_ALIASES, canonical_model_name
+from sailor.perf.calibration import default_calibration, fit_memory
+from sailor.perf.network import NetworkModel, network_for
+from sailor.perf.profiles import Profiles
+from sailor.plan import plan_from_dict
+from sailor.plan.sailor_config import sailor_gpus_per_node
+from sailor.plan.spec import Plan
 from sailor.simulator import make_context, simulate
-from sailor.simulator.calibration import default_calibration, fit_memory
-from sailor.specs import ClusterSpec, JobSpec
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 Calibration = dict[str, dict[str, float]]
 

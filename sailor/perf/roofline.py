@@ -14,7 +14,7 @@ are used; TP collectives are not in them (the simulator adds them from the intra
 recomputation passes (the simulator adds the recomputed forward).
 
 Operations per transformer block, for one micro-batch of N = b·s tokens on one GPU of a TP group of
-t (h, kv, f, a, V as in `sailor.activations`; e bytes per element; o = t under sequence parallelism
+t (h, kv, f, a, V as in `sailor.model.activations`; e bytes per element; o = t under sequence parallelism
 for what lies outside the TP regions, else 1):
 - Megatron-LM (`Framework.MEGATRON`, its fused kernels, Narayanan et al. SC'21 §4.2): LayerNorm;
   QKV GEMM; attention scores QKᵀ (batched GEMM writing b·(a/t)·s² scores); fused scale-mask-softmax;
@@ -45,8 +45,8 @@ from enum import Enum
 import numpy as np
 
 from sailor import catalog
-from sailor.models import Framework, LayerKind, ModelSpec
-from sailor.specs import JobSpec
+from sailor.model.spec import Framework, LayerKind, ModelSpec
+from sailor.specs.job import JobSpec
 
 FP32 = 4
 GRAD_ACCUM_BYTES = 4  # fp32 gradient accumulation of the embedding's scatter-add (read + write)

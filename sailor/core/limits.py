@@ -6,7 +6,7 @@ with is cited next to it), and each keeps the work a command does bounded: the p
 simulator's loops run over layers, micro-batches, GPUs and stages, so a global batch of 10^9, a
 block count of 10^6 or a node of 10^6 GPUs would otherwise run for minutes or forever. The readers
 (`sailor.specs`, `sailor.plan`, `sailor.launch.hosts`, `sailor.elastic.availability`, the profile
-and network importers) apply them through the helpers of `sailor.fileio`.
+and network importers) apply them through the helpers of `sailor.core.fileio`.
 """
 
 from __future__ import annotations
@@ -93,3 +93,8 @@ def max_local_processes() -> int:
 # sample is far beyond any training run (Llama 3 405B: about 1.2M steps), and the step counter stays
 # an exact integer everywhere (checkpoint names, metrics).
 MAX_STEPS = 10**9
+
+# Input files (`sailor.core.fileio`)
+MAX_DEPTH = 32  # nesting levels; our deepest format (Sailor's network fits) uses 8
+MAX_NODES = 2**21  # values in one file, aliases counted each time; profiles_tmp.json holds 26 K
+MAX_INT_DIGITS = 100  # digits of an integer literal (Python refuses to convert more than 4300)

@@ -7,7 +7,7 @@ passed on. Formulas:
 - parameters and FLOPs: Megatron accounting (Narayanan et al., SC'21, "Efficient Large-Scale Language
   Model Training on GPU Clusters", §5.1), generalised to grouped-query attention and gated MLPs;
   backward = 2 x forward (no recomputation).
-- activations: `sailor.activations`, per framework (`Framework`: Megatron-LM's accounting of
+- activations: `sailor.model.activations`, per framework (`Framework`: Megatron-LM's accounting of
   Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2,
   or Sailor's runtime with memory-efficient attention) and per memory option (`Recompute`, sequence
   parallelism);
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from sailor.errors import SailorInputError, unknown_name
-from sailor.fileio import SPEC_CONFIG, Whole
-from sailor.limits import MAX_BLOCKS, MAX_SEQUENCE_LENGTH, MAX_WIDTH
+from sailor.core.errors import SailorInputError
+from sailor.core.limits import MAX_BLOCKS, MAX_SEQUENCE_LENGTH, MAX_WIDTH
+from sailor.core.schema import SPEC_CONFIG, Whole
 
 VOCAB_MULTIPLE = 128  # Megatron-LM default for --make-vocab-size-divisible-by
 
@@ -43,7 +43,7 @@ class LayerKind(str, Enum):
 
 class Framework(str, Enum):
     """Whose implementation of the layers a job is modelled after; decides which tensors a layer
-    saves for its backward (`sailor.activations`), how the head's loss is parallelised and how
+    saves for its backward (`sailor.model.activations`), how the head's loss is parallelised and how
     activations cross stage boundaries.
 
     - `sailor` (default): this project's runtime (`sailor.runtime.model`): attention through
@@ -167,7 +167,7 @@ class ModelSpec(BaseModel):
     sliding_window: Whole(1, MAX_SEQUENCE_LENGTH) | None = Field(default=None, description="Attention window (Mistral); the runtime"
                                        " attends to the whole causal prefix, so sequences beyond it are refused.")
     hf_model_type: Literal["llama", "mistral", "qwen2", "gpt_neox", "opt", "gpt2"] | None = Field(
-        default=None, description="The Hugging Face architecture this spec came from (`sailor.hf_config`); export"
+        default=None, description="The Hugging Face architecture this spec came from (`sailor.model.hf_config`); export"
                                   " writes that format. None: a built-in or inline spec.")
 
     @model_validator(mode="after")
@@ -357,26 +357,7 @@ class ModelSpec(BaseModel):
             return self.forward_flop(layer, tp=tp, mbs=mbs, seq=seq)
         return 4.0 * mbs * seq * seq * self.hidden_size / tp
 
-    def activation_bytes(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
-                         framework: Framework = Framework.SAILOR, recompute: Recompute = Recompute.NONE,
-                         sequence_parallel: bool = False) -> float:
-        """Bytes one GPU keeps from a micro-batch's forward of layer `layer` until its backward, for
-        `framework` and the memory options; see `sailor.activations` (the formulas and what they
-        count). Megatron-LM's blocks reproduce Korthikanti et al. 2022, Table 2."""
-        from sailor import activations
-        return activations.layer_bytes(self, layer, tp=tp, mbs=mbs, seq=seq, elem_bytes=elem_bytes,
-                                       framework=framework, recompute=recompute, sequence_parallel=sequence_parallel)
 
-    def recompute_transient_bytes(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
-                                  framework: Framework = Framework.SAILOR, recompute: Recompute = Recompute.NONE,
-                                  sequence_parallel: bool = False) -> float:
-        """Bytes that exist only while one recomputed block runs its backward: the activations the
-        recompute forward rebuilds (`sailor.activations.recompute_transient_bytes`); 0 without
-        recomputation and for layers that are not blocks."""
-        from sailor import activations
-        return activations.recompute_transient_bytes(self, layer, tp=tp, mbs=mbs, seq=seq, elem_bytes=elem_bytes,
-                                                     framework=framework, recompute=recompute,
-                                                     sequence_parallel=sequence_parallel)
 
     def tp_collectives(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
                        framework: Framework = Framework.SAILOR, recompute: Recompute = Recompute.NONE,
@@ -423,72 +404,3 @@ class ModelSpec(BaseModel):
         return float(mbs * seq * self.hidden_size * elem_bytes)
 
 
-# Published configs. OPT: facebook/opt-350m and opt-30b config.json (OPT-350m's 512-wide input/output
-# projections are ignored: the public Sailor profiles model it as a plain 1024-wide GPT). GPT-Neo:
-# EleutherAI/gpt-neo-2.7B config.json. Llama 3: meta-llama/Meta-Llama-3-8B config.json. GPT-3:
-# Brown et al. 2020, Table 2.1. MT-NLG 530B: Smith et al. 2022, "Using DeepSpeed and Megatron to
-# Train Megatron-Turing NLG 530B", §3.1 (105 layers, hidden 20480, 128 heads, sequence 2048, GPT-2's
-# 50257-token BPE vocabulary). tiny: the CPU test model (byte vocabulary).
-BUILTIN_MODELS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in [
-        ModelSpec(name="opt-350m", num_blocks=24, hidden_size=1024, num_heads=16, vocab_size=50272,
-                  max_sequence_length=2048),
-        ModelSpec(name="gpt-neo-2.7b", num_blocks=32, hidden_size=2560, num_heads=20, vocab_size=50257,
-                  max_sequence_length=2048),
-        ModelSpec(name="llama-3-8b", num_blocks=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
-                  ffn_hidden_size=14336, vocab_size=128256, max_sequence_length=8192, gated_mlp=True,
-                  learned_positions=False, bias=False, rms_norm=True, tied_embeddings=False),
-        ModelSpec(name="opt-30b", num_blocks=48, hidden_size=7168, num_heads=56, vocab_size=50272,
-                  max_sequence_length=2048),
-        ModelSpec(name="gpt3-175b", num_blocks=96, hidden_size=12288, num_heads=96, vocab_size=50257,
-                  max_sequence_length=2048),
-        ModelSpec(name="mt-nlg-530b", num_blocks=105, hidden_size=20480, num_heads=128, vocab_size=50257,
-                  max_sequence_length=2048),
-        ModelSpec(name="tiny", num_blocks=4, hidden_size=64, num_heads=4, vocab_size=256,
-                  max_sequence_length=64),
-    ]
-}
-
-# Names used by the public Sailor data.
-MODEL_ALIASES = {"OPT-350": "opt-350m", "GPT-Neo-2.7": "gpt-neo-2.7b", "LLAMA-3-8": "llama-3-8b",
-                 "OPT-30": "opt-30b"}
-
-
-def canonical_model_name(name: str) -> str:
-    """Canonical built-in model name for `name` or a Sailor alias; raises SailorInputError if unknown."""
-    if not isinstance(name, str):
-        raise unknown_name("model", name, list(BUILTIN_MODELS) + list(MODEL_ALIASES))
-    if name in BUILTIN_MODELS:
-        return name
-    lowered = {k.lower(): v for k, v in MODEL_ALIASES.items()}
-    if name in MODEL_ALIASES or name.lower() in lowered:
-        return MODEL_ALIASES.get(name) or lowered[name.lower()]
-    if name.lower() in BUILTIN_MODELS:
-        return name.lower()
-    raise unknown_name("model", name, list(BUILTIN_MODELS) + list(MODEL_ALIASES))
-
-
-def is_config_path(name: str) -> bool:
-    """True when a `model:` value names a Hugging Face config file or model folder, not a built-in:
-    it ends in .json or contains a path separator."""
-    return name.endswith(".json") or "/" in name or "\\" in name
-
-
-def get_model(spec: str | dict[str, Any] | ModelSpec) -> ModelSpec:
-    """A ModelSpec from a built-in name/alias, the path of a Hugging Face `config.json` (or of its
-    folder; `sailor.hf_config`), an inline architecture mapping, or a ModelSpec.
-
-    Raises:
-        SailorInputError: unknown name, or a config file that is missing or not supported.
-    """
-    if isinstance(spec, ModelSpec):
-        return spec
-    if isinstance(spec, str):
-        if is_config_path(spec):
-            from sailor.hf_config import load_hf_config  # imports this module
-            return load_hf_config(spec)
-        return BUILTIN_MODELS[canonical_model_name(spec)]
-    if not isinstance(spec, dict):
-        raise SailorInputError(f"expected a model name or an architecture mapping, got {type(spec).__name__}")
-    return ModelSpec.model_validate(spec)

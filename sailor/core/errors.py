@@ -9,8 +9,10 @@ pipelines) is said with `note(...)`: a `SailorWarning` the CLI prints as one `wa
 from __future__ import annotations
 
 import difflib
+import math
 import warnings
 from collections.abc import Iterable
+from typing import Any
 
 
 class SailorInputError(ValueError):
@@ -88,3 +90,16 @@ def unknown_name(kind: str, name: str, choices: Iterable[str], **where: str | No
                                 fix=f"known: {', '.join(choices)}", **where)
     fix = did_you_mean(name, choices) or f"known: {', '.join(choices)}"
     return SailorInputError(f"unknown {kind} {name[:80]!r}", fix=fix, **where)
+
+
+# ---- messages ----------------------------------------------------------------------------------
+def show(value: Any, limit: int = 60) -> str:
+    """`repr(value)` cut to about `limit` characters, for one-line messages (an int too large to
+    print, or a megabyte-long string, would otherwise fill the screen or raise)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"a number of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -30,9 +30,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sailor.errors import SailorInputError, unknown_name
-from sailor.fileio import load_json, validation_error
-from sailor.models import ModelSpec, RopeScaling
+from sailor.core.errors import SailorInputError, unknown_name
+from sailor.core.fileio import load_json
+from sailor.core.schema import validation_error
+from sailor.model.spec import ModelSpec, RopeScaling
 
 LOG = logging.getLogger("sailor")
 

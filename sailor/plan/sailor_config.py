@@ -13,7 +13,7 @@ Other keys (measurements, `N`, `zone`) are not part of the plan and are left to 
 The batch: `gbs / mbs` micro-batches are spread over all pipelines as evenly as possible. The
 published planner often picks a data-parallel degree that does not divide them (48 of its 85 top
 plans on the paper's scenarios); the first pipelines then take one micro-batch more, and the import
-says so with `sailor.errors.note` (one `warning:` line from the CLI).
+says so with `sailor.core.errors.note` (one `warning:` line from the CLI).
 
 Every value is checked: whole numbers are ints (`4.7` is not truncated, `true` is not 1), the layer
 lists are contiguous, `num_stages` and `dp` agree with the lists, a replica's TP fits its node, and
@@ -25,9 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 from sailor import catalog
-from sailor.errors import SailorInputError, note
-from sailor.fileio import Checks
-from sailor.limits import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE
+from sailor.core.errors import SailorInputError, note
+from sailor.core.limits import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE
+from sailor.core.schema import Checks
 
 MAX_LAYER = MAX_BLOCKS + 1  # the largest layer index (embedding 0, blocks, head)
 REPLICA_FORM = "[[[gpu, gpus_per_node, zone]], tp]"

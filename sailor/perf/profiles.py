@@ -10,7 +10,7 @@ Every estimate is recorded in `Profiles.estimates_used`, and every simulator out
 Lookups interpolate linearly in micro-batch size between measured sizes and scale proportionally
 outside them. A profile whose model, sequence length or precision differs from the job's is an error.
 
-Our file format (JSON, schema "sailor.profiles/1"):
+Our file format (JSON, schema "sailor.perf.profiles/1"):
   {"schema", "model", "sequence_length", "precision", "source", "device", "versions", "date",
    "layers": [{"gpu", "tp", "mbs", "forward_s": [per layer], "backward_s": [per layer],
                "forward_spread_s"?: [...], "backward_spread_s"?: [...],
@@ -38,12 +38,16 @@ from typing import Any
 
 import numpy as np
 
-from sailor import catalog, roofline
-from sailor.errors import SailorInputError
-from sailor.fileio import Checks, load_json, show, write_json
-from sailor.limits import MAX_BYTES, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_SECONDS, MAX_SEQUENCE_LENGTH
-from sailor.models import Recompute, canonical_model_name
-from sailor.specs import JobSpec
+from sailor import catalog
+from sailor.core.errors import SailorInputError, show
+from sailor.core.fileio import load_json, write_json
+from sailor.core.limits import MAX_BYTES, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_SECONDS, MAX_SEQUENCE_LENGTH
+from sailor.core.schema import Checks
+from sailor.model.activations import layer_bytes
+from sailor.model.registry import canonical_model_name
+from sailor.model.spec import Recompute
+from sailor.perf import roofline
+from sailor.specs.job import JobSpec
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # The keys of our format (module docstring); any other is refused rather than ignored.
@@ -53,7 +57,7 @@ LAYER_KEYS = ("gpu", "tp", "mbs", "forward_s", "backward_s", "forward_spread_s",
               "backward_weight_s")
 MEMORY_KEYS = ("gpu", "tp", "activation_bytes_per_sample", "peak_bytes")
 
-SCHEMA = "sailor.profiles/1"
+SCHEMA = "sailor.perf.profiles/1"
 
 # Optimizer step traffic per parameter (bytes); memory-bound, so time = params x bytes / (HBM
 # bandwidth x its memory efficiency). AdamW in fp32: read param, grad, m, v (16 B), write param, m,
@@ -202,23 +206,12 @@ class Profiles:
         plain = self._formula(job, tp, mbs, Recompute.NONE, False)
         return self.activation_bytes[tp] * mbs * formula / plain
 
-    def recompute_transient_bytes(self, job: JobSpec, layer: int, tp: int, mbs: int, *, recompute: Recompute,
-                                  sequence_parallel: bool = False) -> float:
-        """Bytes one recomputed block `layer` rebuilds during its backward
-        (`ModelSpec.recompute_transient_bytes`), scaled like `activation_bytes_per_layer` when the
-        activations were measured at this TP."""
-        m = job.model
-        kw = dict(tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes, framework=job.framework)
-        transient = m.recompute_transient_bytes(layer, **kw, recompute=recompute, sequence_parallel=sequence_parallel)
-        if tp not in self.activation_bytes:
-            return transient
-        return float(self.activation_bytes[tp][layer] * mbs * transient / m.activation_bytes(layer, **kw))
 
     @staticmethod
     def _formula(job: JobSpec, tp: int, mbs: int, recompute: Recompute, sp: bool) -> np.ndarray:
         m = job.model
-        return np.array([m.activation_bytes(i, tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes,
-                                            framework=job.framework, recompute=recompute, sequence_parallel=sp)
+        return np.array([layer_bytes(m, i, tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes,
+                                     framework=job.framework, recompute=recompute, sequence_parallel=sp)
                          for i in range(m.num_layers)])
 
     # ---- save ------------------------------------------------------------------------------
@@ -261,7 +254,7 @@ def _interpolate(by_mbs: dict[int, np.ndarray], mbs: int) -> np.ndarray:
 
 
 def roofline_times(job: JobSpec, gpu: str, tp: int, mbs: int) -> np.ndarray:
-    """Analytic forward/backward seconds per layer (`sailor.roofline.layer_times`: a roofline per
+    """Analytic forward/backward seconds per layer (`sailor.perf.roofline.layer_times`: a roofline per
     operation with the catalog's efficiencies): array (num_layers, 2). An estimate, never a
     measurement; TP collectives are not in it (the simulator adds them)."""
     return roofline.layer_times(job, gpu, tp, mbs)

@@ -25,7 +25,7 @@ Each constant is physical and the same for every run on that GPU type:
 The catalog holds a default `framework_bytes` per GPU type (gpus.yaml, with its source); a GPU type
 with no entry here uses it, no reserve, no profiler gap, no p2p overhead and efficiency 1. `sailor
 validate DIR --fit` refits these on a folder of measured runs (`fit_memory` below: linear least
-squares on relative error; time constants: `sailor.validate.TIME_CONSTANTS`) and reports
+squares on relative error; time constants: `sailor.simulator.fidelity.TIME_CONSTANTS`) and reports
 leave-one-out errors.
 """
 
@@ -36,12 +36,12 @@ import numpy as np
 # gpu -> constant -> value. Units: framework_bytes in bytes, reserve_fraction dimensionless.
 #
 # GH200-96: fitted by `sailor validate ../shared/reference/sailor/validation/gh200-opt350 --fit`
-# (sailor.validate.validate_sets with fit=True) on the 15 measured OPT-350 runs of the public Sailor artifact
+# (sailor.simulator.fidelity.validate_sets with fit=True) on the 15 measured OPT-350 runs of the public Sailor artifact
 # (Alps Clariden, 4 GH200 per node) and on nothing else: the GPT-Neo-2.7B runs of the same cluster
 # (validation/gh200-gptneo) are predicted with these constants, never fitted. Profiles and network
 # fits from ../shared/reference/sailor/{profiles,network}. Memory: linear least squares on relative
 # error of the most-loaded GPU's nvidia-smi peak. Time: bounded least squares on the relative error of
-# iteration time (sailor.validate._fit_time). Which runs pin what: profile_overhead_s the
+# iteration time (sailor.simulator.fidelity._fit_time). Which runs pin what: profile_overhead_s the
 # micro-batch-1 runs against their profile (N1_D1_M4_G1/G32: 71 ms per micro-batch measured vs 82.5 ms
 # profiled over 52 layer passes) with the micro-batch-8 ones; p2p_overhead_s the 4-stage runs (3
 # boundaries, a middle stage pays 4 transfers per micro-batch); allreduce_efficiency the runs with

@@ -44,9 +44,10 @@ Embedding: the token ids (int64; under TP also the shifted local ids and a bool 
 position ids. Head: the final norm's input, statistics and output, the fp32 log-probabilities over the
 real vocabulary (the runtime all-gathers the logits, so every TP rank holds all of them, and drops
 the padding columns), the int64 targets and two fp32 scalars (the loss weight and the scaled loss).
-These agree with what the runtime's saved-tensor hooks measure (`sailor.runtime_activations`,
-checked in tests/test_runtime_memory.py) for blocks, embedding and head; the runtime's executor also
-keeps each stage's output until its backward, which `simulator.memory` counts as a buffer.
+These are what the runtime's saved-tensor hooks measure (tests/test_runtime_memory.py, through
+`stage_activation_bytes`, the runtime's accounting of one stage) for blocks, embedding and head; the
+runtime's executor also keeps each stage's output until its backward, which `stage_activation_bytes`
+adds and `simulator.memory` counts as a buffer.
 
 Memory options, as Sailor's runtime applies them (Megatron-LM's are the same):
 - sequence parallelism (SP): every tensor outside the TP regions is split along the sequence (/t);
@@ -62,23 +63,33 @@ the full activation).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from sailor.models import Framework, LayerKind, Recompute
-
-if TYPE_CHECKING:
-    from sailor.models import ModelSpec
+from sailor.model.spec import Framework, LayerKind, ModelSpec, Recompute
 
 INDEX_BYTES = 8  # int64 token, target and position ids
 STAT_BYTES = 4  # fp32 normalisation statistics and log-sum-exp
 FP32_BYTES = 4  # Megatron's cross entropy and Sailor's loss work on fp32 logits in every precision
 
 
-def layer_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int, framework: Framework,
-                recompute: Recompute, sequence_parallel: bool) -> float:
-    """Bytes layer `layer` keeps for its backward on one GPU (see the module docstring)."""
+class MemoryOptions(Protocol):
+    """A stage's memory options as the activation count reads them (`sailor.plan.spec.StageMemory`)."""
+
+    recompute: Recompute
+    recompute_blocks: int | None
+    sequence_parallel: bool
+
+
+def layer_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
+                framework: Framework = Framework.SAILOR, recompute: Recompute = Recompute.NONE,
+                sequence_parallel: bool = False, stats_bytes: int = STAT_BYTES) -> float:
+    """Bytes layer `layer` keeps for its backward on one GPU of a TP-`tp` group, for one micro-batch of
+    `mbs` samples of `seq` tokens at `elem_bytes` per element (see the module docstring). `stats_bytes`
+    is the size of one normalisation statistic in Sailor's runtime: fp32 (4) on CUDA, the input's
+    element size on CPU, where torch keeps them in the input dtype."""
     kind = m.layer_kind(layer)
     args = dict(tp=tp, mbs=mbs, seq=seq, e=elem_bytes)
+    sailor = dict(args, sigma=stats_bytes)
     if framework is Framework.MEGATRON:
         if kind is LayerKind.EMBEDDING:
             return megatron_embedding_bytes(m, **args)
@@ -88,12 +99,13 @@ def layer_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, seq: int, elem
     if kind is LayerKind.EMBEDDING:
         return sailor_embedding_bytes(m, **args)
     if kind is LayerKind.HEAD:
-        return sailor_head_bytes(m, **args)
-    return sailor_block_bytes(m, **args, recompute=recompute, sp=sequence_parallel)
+        return sailor_head_bytes(m, **sailor)
+    return sailor_block_bytes(m, **sailor, recompute=recompute, sp=sequence_parallel)
 
 
 def recompute_transient_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
-                              framework: Framework, recompute: Recompute, sequence_parallel: bool) -> float:
+                              framework: Framework = Framework.SAILOR, recompute: Recompute = Recompute.NONE,
+                              sequence_parallel: bool = False, stats_bytes: int = STAT_BYTES) -> float:
     """Bytes the recompute forward of one block rebuilds while that block runs its backward (they are
     freed before the next block's): full recomputation rebuilds everything but the kept input;
     selective rebuilds the attention core's saved tensors (those not aliasing its kept inputs).
@@ -101,7 +113,11 @@ def recompute_transient_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, 
     if recompute is Recompute.NONE or m.layer_kind(layer) is not LayerKind.BLOCK:
         return 0.0
     args = dict(tp=tp, mbs=mbs, seq=seq, e=elem_bytes, sp=sequence_parallel)
-    block = megatron_block_bytes if framework is Framework.MEGATRON else sailor_block_bytes
+    if framework is Framework.MEGATRON:
+        block = megatron_block_bytes
+    else:
+        def block(m, **kw):
+            return sailor_block_bytes(m, **kw, sigma=stats_bytes)
     if recompute is Recompute.FULL:
         return block(m, **args, recompute=Recompute.NONE) - block(m, **args, recompute=Recompute.FULL)
     if framework is Framework.MEGATRON:
@@ -151,10 +167,11 @@ def megatron_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) 
 
 
 # ---- Sailor's runtime ----------------------------------------------------------------------------
-def _norm_bytes_per_token(m: "ModelSpec", e: int, *, with_input: bool = True) -> float:
-    """What one norm saves per token: its input (unless another op keeps it) and fp32 statistics
-    (LayerNorm mean and rstd); RMSNorm (PyTorch's composite op) rstd and the normalised input."""
-    own = e * m.hidden_size + STAT_BYTES if m.rms_norm else 2 * STAT_BYTES
+def _norm_bytes_per_token(m: "ModelSpec", e: int, sigma: int, *, with_input: bool = True) -> float:
+    """What one norm saves per token: its input (unless another op keeps it) and its statistics of
+    `sigma` bytes each (LayerNorm mean and rstd); RMSNorm (PyTorch's composite op) rstd and the
+    normalised input."""
+    own = e * m.hidden_size + sigma if m.rms_norm else 2 * sigma
     return (e * m.hidden_size if with_input else 0) + own
 
 
@@ -181,7 +198,7 @@ def _sailor_core_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -
 
 
 def sailor_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, recompute: Recompute,
-                       sp: bool) -> float:
+                       sp: bool, sigma: int = STAT_BYTES) -> float:
     """One transformer block in Sailor's runtime (see the module docstring for every term)."""
     s, b, h = seq, mbs, m.hidden_size
     outside_tp = tp if sp else 1
@@ -190,7 +207,8 @@ def sailor_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, r
     kv = m.kv_heads * m.head_dim
     local = e * s * b * h / tp  # one (b, s, h/t) tensor
     # norm1 and norm2 with their outputs; with a parallel residual (GPT-NeoX) both norms read x, kept once
-    outside = s * b * (2 * e * h + _norm_bytes_per_token(m, e) + _norm_bytes_per_token(m, e, with_input=not m.parallel_residual))
+    outside = s * b * (2 * e * h + _norm_bytes_per_token(m, e, sigma)
+                       + _norm_bytes_per_token(m, e, sigma, with_input=not m.parallel_residual))
     mlp = e * s * b * m.ffn * ((1 if m.act == "relu" else 2) + (2 if m.gated_mlp else 0)) / tp
     if recompute is Recompute.SELECTIVE:
         # the checkpoint keeps its inputs (the q, k, v projections); the out-projection its output
@@ -212,9 +230,44 @@ def sailor_embedding_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: in
     return float(ids + (INDEX_BYTES * seq if m.learned_positions else 0))
 
 
-def sailor_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
+def sailor_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, sigma: int = STAT_BYTES) -> float:
     """Head in Sailor's runtime: final norm input, statistics and output, fp32 log-probabilities over
     the real vocabulary (logits are all-gathered over TP, padding rows dropped) and the int64 targets."""
     s, b = seq, mbs
-    norm = s * b * (_norm_bytes_per_token(m, e) + e * m.hidden_size)
+    norm = s * b * (_norm_bytes_per_token(m, e, sigma) + e * m.hidden_size)
     return float(norm + FP32_BYTES * s * b * m.vocab_size + INDEX_BYTES * s * b + 2 * FP32_BYTES)
+
+
+# ---- one stage, as Sailor's runtime holds it -------------------------------------------------------
+def stage_activation_bytes(m: ModelSpec, layers: tuple[int, int], memory: MemoryOptions, *, mbs: int, seq: int,
+                           tp: int, elem_bytes: int, stats_bytes: int | None = None) -> dict[int, float]:
+    """Bytes one micro-batch keeps per layer of the stage holding `layers` (half-open) in Sailor's
+    runtime, under the stage's memory options, on one rank of a TP-`tp` replica: {layer: bytes},
+    summing to what the stage keeps per in-flight micro-batch. What `sailor train` holds, checked
+    exactly against saved-tensor hooks on the runtime (tests/test_runtime_memory.py).
+
+    Beyond `layer_bytes` (Framework.SAILOR) per layer it counts what the runtime's executor keeps: the
+    stage's last output (b·s·h·e) until its backward, unless it is the loss; under SP the full
+    input of the first block (b·s·h·e), for the layer that made it (the embedding) or, when the block
+    is the stage's first layer, for that block. `memory.recompute_blocks` counts the stage's first
+    blocks in layer order under full recomputation. `stats_bytes` None: `elem_bytes` (CPU's norms
+    keep their statistics in the input dtype; CUDA's keep fp32, pass 4).
+    """
+    first, end = layers
+    sigma = elem_bytes if stats_bytes is None else stats_bytes
+    blocks = [i for i in range(first, end) if m.layer_kind(i) is LayerKind.BLOCK]
+    full = set(blocks if memory.recompute_blocks is None else blocks[:memory.recompute_blocks]) \
+        if memory.recompute is Recompute.FULL else set()
+    sp = memory.sequence_parallel
+    full_act = mbs * seq * m.hidden_size * elem_bytes  # one full (b, s, h) activation
+    out: dict[int, float] = {}
+    for i in range(first, end):
+        mode = Recompute.FULL if i in full else (Recompute.NONE if memory.recompute is Recompute.FULL
+                                                 else memory.recompute)
+        out[i] = layer_bytes(m, i, tp=tp, mbs=mbs, seq=seq, elem_bytes=elem_bytes, recompute=mode,
+                             sequence_parallel=sp, stats_bytes=sigma)
+    if m.layer_kind(end - 1) is not LayerKind.HEAD:
+        out[end - 1] += full_act  # the stage output, kept until its backward
+    if sp and blocks:
+        out[max(first, blocks[0] - 1)] += full_act  # the first block's full input
+    return out

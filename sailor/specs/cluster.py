@@ -1,123 +1,21 @@
-"""Job and cluster specs: what to train, and which GPUs can be had where, at what price.
+"""The cluster spec: which GPUs can be had where, at what price, over which links.
 
-Both are frozen pydantic models with `extra="forbid"` (a misspelt field is an error). Load them from
-YAML or JSON with `load_job` / `load_cluster`; both raise `SailorInputError` naming file and field.
+A frozen pydantic model with `extra="forbid"` (a misspelt field is an error); read it with
+`sailor.specs.load_cluster`, which raises `SailorInputError` naming file and field.
 """
 
 from __future__ import annotations
 
 from enum import Enum
-import os
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from sailor import catalog
-from sailor.errors import SailorInputError
-from sailor.fileio import SPEC_CONFIG, Real, Whole, load_mapping, parse_model, show
-from sailor.limits import (MAX_BANDWIDTH_BYTES_PER_S, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_GPUS_PER_ZONE,
-                           MAX_PRICE_USD_PER_GPU_HOUR, MAX_SECONDS, MAX_SEQUENCE_LENGTH, MIN_BANDWIDTH_BYTES_PER_S)
-from sailor.models import Framework, ModelSpec, get_model, is_config_path
-
-Precision = Literal["fp32", "bf16", "fp16"]
-
-
-class Optimizer(str, Enum):
-    """Optimizers whose state size the simulator knows."""
-
-    ADAM = "adam"
-    SGD = "sgd"
-
-
-# Bytes per parameter held on a GPU without sharding: model weights, model gradients, optimizer
-# states. Counted as Megatron-LM's distributed optimizer counts them (NVIDIA/Megatron-LM,
-# docs/source/distrib_optimizer.md, "theoretical number of bytes per parameter"; d = data-parallel
-# size): fp32 params and grads 16 (4 + 4 + Adam's two fp32 moments 8), distributed 8 + 8/d;
-# bf16 params with fp32 main grads 18 (2 + 4 + fp32 master weights and moments 12), distributed
-# 6 + 12/d; fp16 params and grads 20 (2 + 2 + an fp32 copy of the grads, master weights and moments
-# 16), distributed 4 + 16/d. "optimizer" is what the distributed optimizer (ZeRO-1) shards;
-# ZeRO-2 also shards "gradients", ZeRO-3 also "weights" (`simulator.memory.state_bytes`). bf16 keeps
-# fp32 gradients because Megatron-LM accumulates bf16 training's gradients in fp32 (and so does
-# Sailor's runtime, per parameter). SGD without momentum keeps no moments: fp32 4 + 4; bf16 2 + 4 +
-# 4 master; fp16 2 + 2 + 8 (fp32 grad copy and master).
-STATE_BYTES_PER_PARAM: dict[tuple[str, Optimizer], dict[str, int]] = {
-    ("fp32", Optimizer.ADAM): {"weights": 4, "gradients": 4, "optimizer": 8},
-    ("fp32", Optimizer.SGD): {"weights": 4, "gradients": 4, "optimizer": 0},
-    ("bf16", Optimizer.ADAM): {"weights": 2, "gradients": 4, "optimizer": 12},
-    ("bf16", Optimizer.SGD): {"weights": 2, "gradients": 4, "optimizer": 4},
-    ("fp16", Optimizer.ADAM): {"weights": 2, "gradients": 2, "optimizer": 16},
-    ("fp16", Optimizer.SGD): {"weights": 2, "gradients": 2, "optimizer": 8},
-}
-
-
-class JobSpec(BaseModel):
-    """What to train. Units: samples (global batch), tokens (sequence length)."""
-
-    model_config = SPEC_CONFIG
-
-    model: ModelSpec = Field(description="Built-in name/alias (e.g. 'opt-350m', 'OPT-350') or an inline architecture.")
-    global_batch_size: Whole(1, MAX_GLOBAL_BATCH) = Field(description="Samples per iteration (optimizer step);"
-                                                          " at most limits.MAX_GLOBAL_BATCH.")
-    sequence_length: Whole(1, MAX_SEQUENCE_LENGTH) | None = Field(
-        default=None, description="Tokens per sample; default the model's context length.")
-    precision: Precision = Field(default="fp32", description="fp32, or bf16/fp16 mixed precision.")
-    optimizer: Optimizer = Field(default=Optimizer.ADAM, description="adam (AdamW) or sgd.")
-    framework: Framework = Field(default=Framework.SAILOR,
-                                 description="Whose layer implementation the job is modelled after (models.Framework):"
-                                             " 'sailor' (this project's runtime: memory-efficient attention, no dropout;"
-                                             " default) or 'megatron-lm' (materialised attention scores and dropout"
-                                             " masks as Korthikanti et al. 2022 count them; published Megatron-LM runs).")
-
-    @field_validator("model", mode="before")
-    @classmethod
-    def _model(cls, v: Any) -> Any:
-        if isinstance(v, (str, dict)):
-            return get_model(v)
-        return v
-
-    @field_validator("optimizer", "framework", mode="before")
-    @classmethod
-    def _lower(cls, v: Any) -> Any:
-        return v.lower() if isinstance(v, str) else v
-
-    @model_validator(mode="after")
-    def _check(self) -> "JobSpec":
-        if self.sequence_length and self.sequence_length > self.model.max_sequence_length and self.model.learned_positions:
-            raise ValueError(f"sequence_length {self.sequence_length} exceeds {self.model.name}'s learned"
-                             f" position table of {self.model.max_sequence_length}")
-        if self.model.sliding_window and self.seq > self.model.sliding_window:
-            raise ValueError(f"sequence length {self.seq} exceeds {self.model.name}'s sliding attention window of"
-                             f" {self.model.sliding_window}, which Sailor does not implement (set sequence_length"
-                             f" <= {self.model.sliding_window}: within it the window changes nothing)")
-        return self
-
-    @property
-    def seq(self) -> int:
-        """Tokens per sample."""
-        return self.sequence_length or self.model.max_sequence_length
-
-    @property
-    def elem_bytes(self) -> int:
-        """Bytes per activation element: 4 for fp32, 2 for bf16/fp16."""
-        return 4 if self.precision == "fp32" else 2
-
-    @property
-    def state_bytes_per_param(self) -> dict[str, int]:
-        """Bytes per parameter for weights, gradients and optimizer state, unsharded
-        (`STATE_BYTES_PER_PARAM`)."""
-        return STATE_BYTES_PER_PARAM[(self.precision, self.optimizer)]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form; built-in models are written by name, the default framework is left out
-        (so job files written before it existed read back the same)."""
-        d = self.model_dump(mode="json")
-        from sailor.models import BUILTIN_MODELS
-        if BUILTIN_MODELS.get(self.model.name) == self.model:
-            d["model"] = self.model.name
-        if self.framework is Framework.SAILOR:
-            del d["framework"]
-        return d
+from sailor.core.errors import SailorInputError, show
+from sailor.core.limits import (MAX_BANDWIDTH_BYTES_PER_S, MAX_GPUS_PER_NODE, MAX_GPUS_PER_ZONE,
+                                MAX_PRICE_USD_PER_GPU_HOUR, MAX_SECONDS, MIN_BANDWIDTH_BYTES_PER_S)
+from sailor.core.schema import SPEC_CONFIG, Real, Whole
 
 
 class LinkOverride(BaseModel):
@@ -133,6 +31,7 @@ class LinkOverride(BaseModel):
         return catalog.Link(self.latency_s, self.bandwidth_bytes_per_s, self.flow_bandwidth_bytes_per_s)
 
 
+
 class AllreduceAlgorithm(str, Enum):
     """How gradient all-reduces are modelled (`simulator.collectives`): `auto` takes the cheaper of
     a flat ring and a hierarchical one (inside each zone, or each node, first), as NCCL picks its
@@ -143,8 +42,10 @@ class AllreduceAlgorithm(str, Enum):
     HIERARCHICAL = "hierarchical"
 
 
+
 # Link classes a cluster spec may set per zone: inside one node, and between two nodes of the zone.
 ZONE_LINK_CLASSES = (catalog.LinkClass.SAME_NODE, catalog.LinkClass.SAME_ZONE)
+
 
 
 class ClusterSpec(BaseModel):
@@ -159,7 +60,7 @@ class ClusterSpec(BaseModel):
     of which NCCL reaches ~65 %). `zone_network` does the same per zone for the links inside it
     (same_node: a fast link inside a node, same_zone: a slower one between its nodes), which wins
     over `network`. `allreduce` pins the all-reduce algorithm. Counts, node sizes and prices are
-    bounded by `sailor.limits`.
+    bounded by `sailor.core.limits`.
     """
 
     model_config = SPEC_CONFIG
@@ -286,6 +187,7 @@ class ClusterSpec(BaseModel):
         return self.model_dump(mode="json", exclude_defaults=True) | {"provider": self.provider}
 
 
+
 def _canonical_keys(d: dict[Any, Any], field: str, canonical, taken: dict[str, Any] | None = None) -> dict[str, Any]:
     """`d` with its GPU-type keys made canonical; two keys naming one GPU type (an alias and its
     name) are an error, not a silent choice of one."""
@@ -298,6 +200,7 @@ def _canonical_keys(d: dict[Any, Any], field: str, canonical, taken: dict[str, A
     return out
 
 
+
 def _located(fn, field: str):
     try:
         return fn()
@@ -305,40 +208,7 @@ def _located(fn, field: str):
         raise e.located(field_prefix=field) from None
 
 
-def load_job(path: str | Path) -> JobSpec:
-    """Read and validate a job spec (YAML or JSON); raises SailorInputError naming file and field.
-
-    A `model:` naming a Hugging Face config (`models.is_config_path`) is read relative to the job
-    file's folder."""
-    data = load_mapping(path)
-    model = data.get("model")
-    if isinstance(model, str) and is_config_path(model):
-        # os.path.join keeps the "./" a Path would drop for a job in the current folder ("hf", a name)
-        data["model"] = os.path.join(str(Path(path).parent), str(Path(model).expanduser()))
-    return parse_model(JobSpec, data, str(path))
-
-
-def load_cluster(path: str | Path) -> ClusterSpec:
-    """Read and validate a cluster spec (YAML or JSON); raises SailorInputError naming file and field."""
-    return parse_model(ClusterSpec, load_mapping(path), str(path))
-
 
 def local_cluster(processes: int) -> ClusterSpec:
     """The `local` provider with `processes` CPU 'GPUs' in zone `local`, all on one node."""
     return ClusterSpec(provider="local", zones={"local": {"cpu": processes}}, gpus_per_node={"cpu": max(processes, 1)})
-
-
-# Built-in example for `sailor plan` without --job/--cluster: OPT-350M with the paper's global batch
-# on a realistic mix of what GCP us-central1 and us-west1 zones had free (A100-40 nodes of 8 and
-# V100-16 nodes of 8, as on a2-highgpu-8g and n1 8-GPU machines), at the paper's prices.
-EXAMPLE_JOB = JobSpec(model="opt-350m", global_batch_size=1024, precision="fp32", optimizer=Optimizer.ADAM)
-EXAMPLE_CLUSTER = ClusterSpec(
-    provider="gcp",
-    zones={
-        "us-central1-a": {"A100-40": 16, "V100-16": 32},
-        "us-central1-b": {"A100-40": 8, "V100-16": 16},
-        "us-central1-c": {"V100-16": 24},
-        "us-central1-f": {"A100-40": 8},
-        "us-west1-b": {"A100-40": 16, "V100-16": 16},
-    },
-)

@@ -1,0 +1,52 @@
+"""Job and cluster specs: what to train (`job`), and which GPUs can be had where (`cluster`).
+`load_job` / `load_cluster` here are the one loader of each, used by the CLI and the API alike."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sailor.core.fileio import load_mapping
+from sailor.core.schema import parse_model
+from sailor.model.registry import is_config_path
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec, Optimizer
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read and validate a job spec (YAML or JSON); raises SailorInputError naming file and field.
+
+    A `model:` naming a Hugging Face config (`models.is_config_path`) is read relative to the job
+    file's folder."""
+    data = load_mapping(path)
+    model = data.get("model")
+    if isinstance(model, str) and is_config_path(model):
+        # os.path.join keeps the "./" a Path would drop for a job in the current folder ("hf", a name)
+        data["model"] = os.path.join(str(Path(path).parent), str(Path(model).expanduser()))
+    return parse_model(JobSpec, data, str(path))
+
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Read and validate a cluster spec (YAML or JSON); raises SailorInputError naming file and field."""
+    return parse_model(ClusterSpec, load_mapping(path), str(path))
+
+
+
+# Built-in example for `sailor plan` without --job/--cluster: OPT-350M with the paper's global batch
+# on a realistic mix of what GCP us-central1 and us-west1 zones had free (A100-40 nodes of 8 and
+# V100-16 nodes of 8, as on a2-highgpu-8g and n1 8-GPU machines), at the paper's prices.
+EXAMPLE_JOB = JobSpec(model="opt-350m", global_batch_size=1024, precision="fp32", optimizer=Optimizer.ADAM)
+
+
+
+EXAMPLE_CLUSTER = ClusterSpec(
+    provider="gcp",
+    zones={
+        "us-central1-a": {"A100-40": 16, "V100-16": 32},
+        "us-central1-b": {"A100-40": 8, "V100-16": 16},
+        "us-central1-c": {"V100-16": 24},
+        "us-central1-f": {"A100-40": 8},
+        "us-west1-b": {"A100-40": 16, "V100-16": 16},
+    },
+)
