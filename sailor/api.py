@@ -17,20 +17,20 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, TypeVar, Union
+from typing import Callable, TypeVar, Union
 
 from sailor import catalog
 from sailor.core.errors import InfeasibleError, SailorInputError
-from sailor.core.fileio import load_mapping
 from sailor.core.schema import Checks, parse_model
 from sailor.perf.network import NetworkModel, network_for
 from sailor.perf.profiles import Profiles, load_profiles, roofline_profiles
-from sailor.plan import plan_from_dict
+from sailor.plan import load_plan
 from sailor.plan.spec import Plan
 from sailor.planner import Constraints, Objective, PlanOptions, PlanResult, SearchSpace, plan_job
 from sailor.planner.options import DEFAULT_MEMORY_MARGIN
 from sailor.simulator import Estimate, SimContext, make_context
 from sailor.simulator import simulate as simulate_plan
+from sailor.specs import load_cluster, load_job
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -38,47 +38,6 @@ __all__ = ["ClusterSpec", "Estimate", "InfeasibleError", "JobSpec", "Plan", "Pla
            "find_plan", "load_cluster", "load_job", "load_plan", "simulate"]
 
 Source = Union[str, Path, dict]
-
-
-def _mapping(source: str | Path | dict, what: str) -> tuple[dict[str, Any], str | None]:
-    if isinstance(source, dict):
-        return source, None
-    if isinstance(source, (str, Path)):
-        return load_mapping(source), str(source)
-    raise SailorInputError(f"expected a path, a dict or a {what}, got {type(source).__name__}")
-
-
-def load_job(source: Source | JobSpec) -> JobSpec:
-    """A validated job: `source` is a YAML/JSON path, a dict of the job file's fields, or a JobSpec.
-
-    Raises:
-        SailorInputError: unreadable file, unknown model, a misspelt or bad field (named).
-    """
-    if isinstance(source, JobSpec):
-        return source
-    return parse_model(JobSpec, *_mapping(source, "JobSpec"))
-
-
-def load_cluster(source: Source | ClusterSpec) -> ClusterSpec:
-    """A validated cluster (GPUs per zone and type, prices): a path, a dict or a ClusterSpec.
-
-    Raises:
-        SailorInputError: unreadable file, unknown GPU type or zone, a bad field (named).
-    """
-    if isinstance(source, ClusterSpec):
-        return source
-    return parse_model(ClusterSpec, *_mapping(source, "ClusterSpec"))
-
-
-def load_plan(source: Source | Plan) -> Plan:
-    """A validated plan: ours or Sailor's `plan_config` format, as a path or a dict, or a Plan.
-
-    Raises:
-        SailorInputError: unreadable file, layers not covered, batch arithmetic wrong... (named).
-    """
-    if isinstance(source, Plan):
-        return source
-    return plan_from_dict(*_mapping(source, "Plan"))
 
 
 def resolve_specs(plan: Plan | None, job: Source | JobSpec | None,

@@ -1,8 +1,14 @@
 """Shared fixtures: where the public Sailor reference data lives (../shared next to the repo root, or
-the folder the SAILOR_REFERENCE environment variable names)."""
+the folder the SAILOR_REFERENCE environment variable names), and the two test tiers.
+
+Tiers: a unit test starts no process; a test that starts one (torchrun ranks, the CLI in a
+subprocess, ssh stand-ins, namespaces) carries `@pytest.mark.integration`. The rule is enforced: in
+a test without the marker, starting a process raises (`_unit_tests_start_no_process`). The unit
+tier alone is `pytest -m "not integration"`."""
 
 import contextlib
 import os
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -23,6 +29,32 @@ def _private_cache(tmp_path_factory):
         os.environ.pop("SAILOR_CACHE_DIR", None)
     else:
         os.environ["SAILOR_CACHE_DIR"] = old
+
+
+class ProcessInUnitTest(RuntimeError):
+    """A test without the `integration` marker tried to start a process."""
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """Unit tests (no `integration` marker) may not start processes: Popen (subprocess.run and
+    check_output use it), fork and posix_spawn raise ProcessInUnitTest instead."""
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise ProcessInUnitTest(f"{request.node.nodeid} starts a process: mark it @pytest.mark.integration")
+
+    class NoPopen(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            refuse()
+
+    monkeypatch.setattr(subprocess, "Popen", NoPopen)
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, refuse)
+    yield
 
 
 @pytest.fixture

@@ -121,3 +121,12 @@ def test_layers_below_the_runtime_never_import_torch(layer_name):
     _, outside = import_graph()
     heavy = sorted(m for m, ext in outside.items() if layer(m) == layer_name and "torch" in ext)
     assert heavy == []
+
+
+def test_a_unit_test_cannot_start_a_process():
+    # the tiers are a rule: without the integration marker, starting a process fails the test
+    import subprocess
+
+    from conftest import ProcessInUnitTest
+    with pytest.raises(ProcessInUnitTest, match="mark it @pytest.mark.integration"):
+        subprocess.run(["true"], check=False)

@@ -179,6 +179,20 @@ def test_other_architectures_refuse_what_they_cannot_build():
         spec_from_hf(QWEN2_05B | {"attention_bias": False}, source="c", name="x")
 
 
+def test_the_api_reads_a_job_with_a_relative_model_path_from_any_folder(tmp_path, monkeypatch):
+    # sailor.load_job is the CLI's loader: the config.json next to the job is found from another folder,
+    # with the job given by a relative or an absolute path
+    import sailor
+    (tmp_path / "run" / "m").mkdir(parents=True)
+    (tmp_path / "run" / "m" / "config.json").write_text(json.dumps(configs()["llama3"].to_dict()))
+    (tmp_path / "run" / "job.yaml").write_text("model: m/config.json\nglobal_batch_size: 4\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for path in ("../run/job.yaml", tmp_path / "run" / "job.yaml"):
+        assert sailor.load_job(path).model.num_kv_heads == 2
+    assert sailor.load_job is load_job
+
+
 def test_job_reads_a_config_relative_to_itself_and_the_cli_says_what_is_wrong(tmp_path, monkeypatch):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(configs()["llama3"].to_dict()))

@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sailor.core.errors import SailorInputError
+from sailor.plan.orders import one_f_one_b_order
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.model import GPT, init_full_model, init_param
 from sailor.runtime.pipeline import build_stage
-from sailor.runtime.schedule import schedule_1f1b
 from sailor.runtime.tensor_parallel import shard, shard_dim
 from sailor.runtime.tied import Transfer, holdings, twin_transfers
 from sailor.runtime.topology import derive_topology
@@ -92,7 +92,7 @@ def test_tied_gradient_transfers_deliver_each_held_element_once(data):
     plan = Plan.model_validate({"micro_batch_size": 1, "stages": stages, "memory": memory, "pipelines": [
         {"microbatches": 1, "replicas": [_rep(i, t) for i, t in enumerate(row)]} for row in tps]})
     topo = derive_topology(plan)
-    held = holdings(spec, plan, topo)
+    held = holdings(spec, topo)
     for name, stage in ((EMB, 0), (HEAD, len(stages) - 1)):
         count = np.zeros(256 * 64, dtype=int)
         for h in held:
@@ -110,6 +110,10 @@ def test_tied_gradient_transfers_deliver_each_held_element_once(data):
                 if plan.stage_memory(len(stages) - 1 if h.name == EMB else 0).zero == 0:
                     assert topo.roles[t.src].pipeline == topo.roles[h.rank].pipeline
         assert (got == 1).all()
+
+
+def schedule_1f1b(stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:
+    return [(op.kind, op.micro_batch) for op in one_f_one_b_order(num_stages, stage, m)]
 
 
 def test_schedule_1f1b_by_hand():

@@ -7,11 +7,12 @@ import pytest
 
 from sailor.perf.calibration import fit_memory
 from sailor.perf.profiles import Profiles
+from sailor.plan.orders import one_f_one_b_order
 from sailor.plan.spec import Plan
+from sailor.runtime.schedule import RuntimeSchedule
 from sailor.simulator import head_vocab_params, make_context, simulate, tied_embeddings
 from sailor.simulator.memory import in_flight, logits_grad_bytes
-from sailor.simulator.schedule import (closed_form_1f1b, pipeline_instructions, schedule_order, simulate_1f1b,
-                                       stage_times)
+from sailor.simulator.schedule import closed_form_1f1b, pipeline_instructions, simulate_1f1b, stage_times
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -26,11 +27,14 @@ def _plan(stages, tp=4, d=1, m=4, mbs=2):
                                 "pipelines": [{"microbatches": m, "replicas": reps}] * d})
 
 
-def test_deepspeed_order_compute_follows_1f1b():
-    for P, m in itertools.product((1, 2, 3, 4), (1, 2, 5)):
+def test_the_simulated_1f1b_runs_the_runtimes_op_order():
+    # the DeepSpeed instruction stream the simulator times computes in exactly the order the runtime runs
+    for P, m in itertools.product((1, 2, 3, 4, 5), (1, 2, 3, 5, 8)):
         for i in range(P):
             comp = [x for x in pipeline_instructions(P, i, m) if x[0] in ("F", "B")]
-            assert comp == schedule_order(P, i, m)
+            assert comp == [(op.kind, op.micro_batch) for op in RuntimeSchedule().order(i, P, m)]
+            assert comp == [(op.kind, op.micro_batch) for op in one_f_one_b_order(P, i, m)]
+
 
 
 def test_deepspeed_order_two_stages_by_hand():

@@ -8,6 +8,8 @@ import typer
 
 from sailor.api import choice, resolve_models, resolve_specs  # noqa: F401  (shared by the commands)
 from sailor.core.schema import Checks
+from sailor.model.spec import Recompute
+from sailor.plan.spec import Plan
 
 JobOpt = typer.Option(None, "--job", help="Job spec (YAML/JSON): model, global_batch_size, precision, optimizer.")
 ClusterOpt = typer.Option(None, "--cluster", help="Cluster spec (YAML/JSON): GPUs available per zone and type, prices.")
@@ -65,3 +67,18 @@ def machine_profiles(job, cluster, profiles):
     prof, note = local_profiles(job)
     NOTES_AT_END.append(note)
     return prof
+
+
+def memory_label(plan: Plan, stage: int) -> str:
+    """Short label of stage `stage`'s memory options, e.g. "full(2) ZeRO-1 SP"; "-" for the defaults
+    (the command line's one reader of `Plan.memory`)."""
+    mem = plan.stage_memory(stage)
+    parts = []
+    if mem.recompute is not Recompute.NONE:
+        blocks = f"({mem.recompute_blocks})" if mem.recompute_blocks is not None else ""
+        parts.append(f"{mem.recompute.value}{blocks}")
+    if mem.zero:
+        parts.append(f"ZeRO-{mem.zero}")
+    if mem.sequence_parallel:
+        parts.append("SP")
+    return " ".join(parts) or "-"

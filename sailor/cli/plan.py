@@ -15,8 +15,7 @@ from rich.table import Table
 from sailor.api import plan_options
 from sailor.cli.app import app
 from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, machine_profiles,
-                               resolve_models)
-from sailor.cli.simulate import memory_label
+                               memory_label, resolve_models)
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
 from sailor.plan.spec import Plan
@@ -135,7 +134,7 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
     stages = ", ".join(f"{i}: layers {plan.stage_layers_text(i)}" for i in range(plan.num_stages))
     con.print(f"{plan.num_stages} stage(s) ({stages}); {est.schedule.label}; micro-batch {plan.micro_batch_size}; "
               f"{len(plan.pipelines)} pipeline(s) on {plan.world_size} GPUs")
-    labels = [memory_label(plan.stage_memory(i)) for i in range(plan.num_stages)]
+    labels = [memory_label(plan, i) for i in range(plan.num_stages)]
     if any(x != "-" for x in labels):
         con.print("memory options per stage: " + ", ".join(f"{i}: {x}" for i, x in enumerate(labels)))
     t = Table(title="pipelines (data-parallel replicas)")
@@ -174,7 +173,7 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
         for i, c in enumerate(result.alternatives, 1):
             e, p = c.estimate, c.plan
             desc = "; ".join(f"{len(m)}x {g} {z} TP {','.join(map(str, tp))}" for g, z, tp, m in pipeline_groups(p))
-            mems = sorted({memory_label(p.stage_memory(i)) for i in range(p.num_stages)} - {"-"})
+            mems = sorted({memory_label(p, i) for i in range(p.num_stages)} - {"-"})
             desc += f" [{', '.join(mems)}]" if mems else ""
             desc += f" {e.schedule.label}" if e.schedule.label != est.schedule.label else ""
             a.add_row(str(i), str(p.num_stages), str(p.micro_batch_size), desc, str(p.world_size),

@@ -12,11 +12,10 @@ from rich.table import Table
 
 from sailor.cli.app import app
 from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, machine_profiles,
-                               resolve_models, resolve_specs)
+                               memory_label, resolve_models, resolve_specs)
 from sailor.core.fileio import check_output_path
-from sailor.model.spec import Recompute
 from sailor.plan import load_plan
-from sailor.plan.spec import Plan, StageMemory
+from sailor.plan.spec import Plan
 from sailor.simulator import Estimate, make_context, simulate
 from sailor.simulator.schedule import check_pipeline_tasks
 
@@ -59,19 +58,6 @@ def simulate_command(
     render_estimate(est, console(), title=f"{job_spec.model.name} · {plan_path}", plan=plan)
 
 
-def memory_label(mem: StageMemory) -> str:
-    """Short label of a stage's memory options, e.g. "full(2) ZeRO-1 SP"; "-" for the defaults."""
-    parts = []
-    if mem.recompute is not Recompute.NONE:
-        blocks = f"({mem.recompute_blocks})" if mem.recompute_blocks is not None else ""
-        parts.append(f"{mem.recompute.value}{blocks}")
-    if mem.zero:
-        parts.append(f"ZeRO-{mem.zero}")
-    if mem.sequence_parallel:
-        parts.append("SP")
-    return " ".join(parts) or "-"
-
-
 def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan | None = None) -> None:
     """Rich tables: one row per replica (with its stage's memory options when `plan` is given), then
     totals and whether TP collectives were charged or measured."""
@@ -81,7 +67,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan
         t.add_column(col, justify="right" if col not in ("GPU", "zone", "options") else "left")
     for r in sorted(est.replicas, key=lambda r: (r.stage, r.pipeline)):
         t.add_row(str(r.stage), str(r.pipeline), r.gpu, r.zone, str(r.tp), " + ".join(f"[{a},{b})" for a, b in r.chunks),
-                  memory_label(plan.stage_memory(r.stage)) if plan else "",
+                  memory_label(plan, r.stage) if plan else "",
                   f"{r.forward_s + r.backward_s:.4f}", f"{r.recompute_s:.4f}", f"{r.tp_comm_s:.4f}",
                   f"{r.p2p_s:.4f}", f"{r.sync_s:.4f}",
                   f"{r.peak_memory_bytes / GIB:.1f} / {r.memory_capacity_bytes / GIB:.1f}",
@@ -111,5 +97,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan
     console.print(s)
     if est.tp_communication:
         console.print(f"TP communication: {'; '.join(est.tp_communication)}")
+    if est.schedule.runtime_difference:
+        console.print(f"schedule: {est.schedule.runtime_difference}")
     if est.estimated:
         console.print(f"[yellow]estimated (no measurement): {'; '.join(est.estimated)}[/yellow]")

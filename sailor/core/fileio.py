@@ -261,6 +261,17 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def mapping_from(source: str | Path | dict[str, Any], what: str) -> tuple[dict[str, Any], str | None]:
+    """(mapping, file name or None) of a loader's `source`: a YAML/JSON path read with `load_mapping`,
+    or a dict taken as it is. Raises SailorInputError for anything else (`what` names the object
+    the loader also takes, e.g. "JobSpec")."""
+    if isinstance(source, dict):
+        return source, None
+    if isinstance(source, (str, Path)):
+        return load_mapping(source), str(source)
+    raise SailorInputError(f"expected a path, a dict or a {what}, got {type(source).__name__}")
+
+
 # ---- writing -----------------------------------------------------------------------------------
 def write_atomic(path: str | Path, content: str | bytes) -> None:
     """Write `content` (text as UTF-8, or bytes) to `path` atomically (`open_atomic`).

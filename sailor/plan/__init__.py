@@ -10,26 +10,33 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sailor.core.fileio import load_mapping
+from sailor.core.fileio import mapping_from
 from sailor.core.schema import parse_model
 from sailor.plan.sailor_config import is_sailor_plan, sailor_plan_to_dict
 from sailor.plan.spec import Plan
 
 
-# ---- loading ---------------------------------------------------------------------------------
 def plan_from_dict(data: dict[str, Any], source: str | None = None) -> Plan:
-    """A Plan from our format or the public Sailor `plan_config` format (detected; `sailor.plan.sailor_config`)."""
+    """A Plan from a mapping in our format or the public Sailor `plan_config` format (detected;
+    `sailor.plan.sailor_config`); `source` names the file in messages."""
     if is_sailor_plan(data):
         data = sailor_plan_to_dict(data, source)
     return parse_model(Plan, data, source)
 
 
+def load_plan(source: str | Path | dict[str, Any] | Plan) -> Plan:
+    """A validated plan from a YAML/JSON path (ours or Sailor's plan_config), a dict of either
+    format, or a Plan (returned as is): the one plan loader, used by the CLI, the API and the runtime.
 
-def load_plan(path: str | Path) -> Plan:
-    """Read a plan file (ours or Sailor's plan_config); raises SailorInputError naming file and field."""
-    return plan_from_dict(load_mapping(path), str(path))
-
+    Raises:
+        SailorInputError: unreadable file, layers not covered, batch arithmetic wrong... (named with
+            the file and field).
+    """
+    if isinstance(source, Plan):
+        return source
+    return plan_from_dict(*mapping_from(source, "Plan"))
 
 
 def dumps(plan: Plan) -> str:
+    """The plan as indented JSON (our format)."""
     return json.dumps(plan.to_dict(), indent=2)

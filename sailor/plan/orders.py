@@ -1,6 +1,6 @@
-"""Per-stage op orders of the interleaved 1F1B and ZB-H1 pipeline schedules (torch-free, pure): the
-one definition the simulator simulates (`simulator.schedule_orders.run_orders`) and the runtime
-executes (`runtime.pipeline.stage_order`).
+"""Per-stage op orders of every pipeline schedule (1F1B, interleaved 1F1B, ZB-H1), torch-free and pure:
+the one definition the simulator times (`simulator.schedules`) and the runtime executes
+(`runtime.schedule.RuntimeSchedule.order`); `stage_order` dispatches on the plan's schedule.
 
 Notation, for one pipeline of p stages, v layer chunks per stage and m micro-batches. Virtual stage
 u = c·p + i is chunk c of stage i (`Plan.stage_chunks`); a micro-batch runs F through u = 0, 1, ...,
@@ -10,6 +10,11 @@ p·v - 1 and its backward back down. An op is (kind, chunk, micro-batch):
   W  weight-gradient part of one chunk's backward (ZB-H1 only; nothing waits for it).
 
 Orders (one list per stage, executed in sequence):
+- `one_f_one_b_order`, 1F1B (PipeDream-Flush, Narayanan et al. SC'21 §2.2): stage i runs
+  w = min(p - i, m) forwards, then alternates one backward and one forward until its forwards are
+  done, then drains its backwards; at most w micro-batches are in flight. Megatron-LM counts
+  p - i - 1 warm-up forwards and starts its steady state with a forward, DeepSpeed's `TrainSchedule`
+  counts p - i: both run this same order of passes.
 - `interleaved_order`, Narayanan et al. SC'21 §2.2.2 as Megatron-LM runs it: micro-batches in groups
   of p, each group forwarded through chunk 0, then chunk 1, ... (backwards: last chunk first); stage i
   warms up with 2(p - i - 1) + (v - 1)·g forwards (g the first group's size), then alternates one
@@ -25,13 +30,18 @@ Orders (one list per stage, executed in sequence):
   stage i's deferred W passes fill the bubble at the end while the B passes, no longer waiting for W,
   reach the first stage sooner.
 
-Sends never block (the runtime posts them with `isend`), so a stage waits only for the inputs of
-its own next op; under that rule these orders never deadlock (tested on their event simulation).
+The orders say nothing about transfers. The runtime posts its sends without blocking (`isend`), so a
+stage waits only for the inputs of its own next op; under that rule these orders never deadlock
+(tested on their event simulation). The simulator times interleaved 1F1B and ZB-H1 under the same
+rule, and 1F1B under DeepSpeed's blocking send/receive pairs (`simulator.schedule`), which it says
+in its output (`PipelineSchedule.runtime_difference`).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from sailor.plan.spec import ScheduleKind
 
 FWD, BWD, WGRAD = "F", "B", "W"
 
@@ -42,6 +52,28 @@ class Op(NamedTuple):
     kind: str
     chunk: int
     micro_batch: int
+
+
+def one_f_one_b_order(num_stages: int, stage: int, m: int) -> list[Op]:
+    """Op order of `stage` under 1F1B (module docstring): min(p - i, m) forwards, then one backward
+    and one forward in turn, then the remaining backwards."""
+    warm = min(num_stages - stage, m)
+    order = [Op(FWD, 0, k) for k in range(warm)]
+    for k in range(m):
+        order.append(Op(BWD, 0, k))
+        if warm + k < m:
+            order.append(Op(FWD, 0, warm + k))
+    return order
+
+
+def stage_order(kind: ScheduleKind, virtual_stages: int, num_stages: int, stage: int, m: int) -> list[Op]:
+    """The ops of `stage` of a pipeline of `num_stages` stages running `m` micro-batches (or rounds)
+    under schedule `kind` with `virtual_stages` chunks per stage, in execution order."""
+    if kind is ScheduleKind.INTERLEAVED:
+        return interleaved_order(num_stages, virtual_stages, stage, m)
+    if kind is ScheduleKind.ZB_H1:
+        return zb_h1_order(num_stages, stage, m)
+    return one_f_one_b_order(num_stages, stage, m)
 
 
 def microbatch_groups(num_stages: int, m: int) -> list[int]:

@@ -90,7 +90,7 @@ def _copy_params(spec: ModelSpec, role: RankRole) -> dict[str, torch.Tensor]:
     return out
 
 
-def holdings(spec: ModelSpec, plan: Plan, topo: Topology) -> list[Holding]:
+def holdings(spec: ModelSpec, topo: Topology) -> list[Holding]:
     """What every rank holding a copy holds of it after the reduction, from its buckets
     (`buckets.build_buckets` with its stage's ZeRO stage, as its optimizer builds them)."""
     names = (EMBEDDING_WEIGHT, tied_head(spec))
@@ -99,8 +99,7 @@ def holdings(spec: ModelSpec, plan: Plan, topo: Topology) -> list[Holding]:
         params = _copy_params(spec, role)
         if not any(n in params for n in names):
             continue
-        mem = plan.stage_memory(role.stage)
-        buckets = build_buckets(params, role, zero=mem.zero, sequence_parallel=mem.sequence_parallel)
+        buckets = build_buckets(params, role, zero=role.memory.zero, sequence_parallel=role.memory.sequence_parallel)
         for name in names:
             if name in params:
                 rows = params[name].shape[0]
@@ -115,11 +114,11 @@ def twin_transfers(spec: ModelSpec, plan: Plan, topo: Topology) -> list[Transfer
     head = tied_head(spec)
     if head is None:
         return []
-    held = holdings(spec, plan, topo)
+    held = holdings(spec, topo)
     stage_of = {EMBEDDING_WEIGHT: 0, head: plan.num_stages - 1}
     out = []
     for mine, twin in ((EMBEDDING_WEIGHT, head), (head, EMBEDDING_WEIGHT)):
-        per_pipeline = plan.stage_memory(stage_of[twin]).zero == 0  # every pipeline holds all of the twin
+        per_pipeline = topo.stage_memory(stage_of[twin]).zero == 0  # every pipeline holds all of the twin
         senders = [h for h in held if h.name == twin]
         for r in (h for h in held if h.name == mine):
             for s in senders:

@@ -13,6 +13,8 @@ Torch-free and pure, so it is tested without any process group. Ranks come from
   Under interleaving the last stage also hands its chunks' outputs to the first stage (chunk c of
   stage p-1 feeds chunk c+1 of stage 0), by the same rule: the neighbours are stages i-1 and i+1
   modulo p, and `runtime.pipeline` knows from the chunk which transfers an op makes.
+- its stage's memory options (`stage_memory`, the runtime's one reader of `Plan.memory`; the schedule's is
+  `schedule.runtime_schedule`);
 - its gradient-sync groups. A stage's replicas may have different TP degrees, so a sharded parameter
   is split into `L = lcm(TP degrees of the stage's replicas)` equal *blocks* (the finest sharding).
   Block k is held, in a replica of TP degree t, by TP rank `k // (L / t)`; its group is those D
@@ -26,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from sailor.plan.placement import rank_layout
-from sailor.plan.spec import Plan
+from sailor.plan.spec import Plan, StageMemory
 
 Ranks = tuple[int, ...]  # global ranks, in a fixed order
 
@@ -53,6 +55,7 @@ class RankRole:
     sync_blocks: int  # L: blocks per sharded parameter in this stage (lcm of its TP degrees)
     block_groups: tuple[Ranks, ...]  # sync group of each block this rank holds (L / tp of them, in order)
     stage_group: Ranks  # every rank holding this stage (sync group of replicated parameters)
+    memory: StageMemory  # this stage's memory options (`stage_memory`)
 
     @property
     def is_first_stage(self) -> bool:
@@ -70,6 +73,10 @@ class Topology:
     world_size: int
     roles: tuple[RankRole, ...]  # indexed by global rank
 
+    def stage_memory(self, stage: int) -> StageMemory:
+        """The memory options of stage `stage` (every rank of a stage has the same)."""
+        return next(r.memory for r in self.roles if r.stage == stage)
+
     def groups(self) -> list[Ranks]:
         """Every distinct group of two or more ranks, in one deterministic order (all ranks must
         create torch groups in the same order)."""
@@ -79,6 +86,13 @@ class Topology:
                 if len(g) > 1:
                     seen.setdefault(g, None)
         return sorted(seen, key=lambda g: (len(g), g))
+
+
+def stage_memory(plan: Plan, stage: int) -> StageMemory:
+    """The memory options of stage `stage` as the runtime applies them: the runtime's one reader of
+    `Plan.memory` (the worker, the tied-embedding transfers and the checks take them from here or
+    from `RankRole.memory`)."""
+    return plan.stage_memory(stage)
 
 
 def derive_topology(plan: Plan) -> Topology:
@@ -116,7 +130,7 @@ def derive_topology(plan: Plan) -> Topology:
             bwd_send_to=tuple(r for s, r in enumerate(prev) if s % info.tp == t) if prev else (),
             sync_blocks=finest[i],
             block_groups=tuple(block_group[(i, k)] for k in range(t * blocks_per_rank, (t + 1) * blocks_per_rank)),
-            stage_group=stage_group[i]))
+            stage_group=stage_group[i], memory=stage_memory(plan, i)))
 
     assert [r.rank for r in roles] == list(range(plan.world_size))
     assert sorted(x for g in replica.values() for x in g) == list(range(plan.world_size))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sailor.core.errors import SailorInputError
 from sailor.plan.spec import Plan
 from sailor.runtime.schedule import runtime_schedule
+from sailor.runtime.topology import stage_memory
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -44,9 +45,9 @@ def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None
         raise SailorInputError("the runtime trains in fp32 or bf16; fp16 would need loss scaling, which it does not do",
                                source=job_source or source, field="precision" if job_source else "job.precision",
                                fix="use precision bf16")
-    split = runtime_schedule(plan).splits_backward
+    schedule = runtime_schedule(plan)
     for i in range(plan.num_stages):
-        mem = plan.stage_memory(i)
+        mem = stage_memory(plan, i)
         has_block = any(model.layer_kind(layer).value == "block" for a, b in plan.stage_chunks(i) for layer in range(a, b))
         for option, used in (("sequence_parallel", mem.sequence_parallel),
                              ("recompute", mem.recompute.value != "none")):
@@ -54,8 +55,8 @@ def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None
                 raise SailorInputError(f"stage {i} {plan.stage_layers_text(i)} holds no transformer block, so {option}"
                                        " has nothing to apply to", source=source, field=f"memory.{i}.{option}",
                                        fix="leave it at its default for this stage")
-        if split and mem.zero >= 3:
-            raise SailorInputError(f"{plan.schedule.kind.value} defers weight-gradient passes, which the runtime cannot"
+        if schedule.splits_backward and mem.zero >= 3:
+            raise SailorInputError(f"{schedule.kind.value} defers weight-gradient passes, which the runtime cannot"
                                    f" run under ZeRO-3 (stage {i}: its layer weights are freed between the passes)",
                                    source=source, field=f"memory.{i}.zero", fix="use ZeRO-2 or less, or schedule 1f1b")
 

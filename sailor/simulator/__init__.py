@@ -21,10 +21,10 @@ DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, Opt
   plus all-gather, `terms.stage_sync`): a ring or a hierarchical all-reduce over the links at the
   GPU type's calibrated all-reduce efficiency (`terms.collective_s`, `collectives`).
 - optimizer: proportional to the parameters on one GPU (memory-bound; 1/D of them under ZeRO).
-Memory options (`Plan.memory`) are read in two places only: `terms.time_options` for time and
-`memory.replica_memory` for memory (per chunk under interleaving, `Plan.chunk_memory`); the schedule
-(`Plan.schedule`) in one, `schedules.pipeline_schedule`, whose micro-batches in flight multiply the
-options' bytes per micro-batch in `replica_memory`. The slowest pipeline sets the pace (straggler);
+Memory options (`Plan.memory`) are read in one place, `terms.stage_memory`, which `simulate` calls
+once per stage and hands to `terms.time_options` (time) and `memory.replica_memory` (memory, per chunk
+under interleaving); the schedule (`Plan.schedule`) in one, `schedules.pipeline_schedule`, whose
+micro-batches in flight multiply the options' bytes per micro-batch in `replica_memory`. The slowest pipeline sets the pace (straggler);
 the reductions wait for all pipelines. Links follow the launcher's placement (`terms.placed_slots`,
 from `sailor.plan.pack_replicas`, the packing of `rank_layout`): a p2p transfer or ring hop between
 two replicas on one node uses the intra-node link, any other the link between two nodes of their
@@ -43,14 +43,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sailor import catalog
-from sailor.plan.spec import Plan
+from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator.collectives import group_members
 from sailor.simulator.context import SimContext, embedding_params, head_vocab_params, make_context, tied_embeddings
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes, pipeline_schedule
 from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s, group_shape,
                                     link_transfer, optimizer_s, pipeline_arrays, pipeline_times, place, placed_slots,
-                                    recomputed_blocks, stage_sync, stage_time, tied_sync, time_options)
+                                    recomputed_blocks, stage_memory, stage_sync, stage_time, tied_sync, time_options)
 
 __all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", "StageTime", "TimeOptions",
            "allreduce_s", "collective_s", "embedding_params", "head_vocab_params", "link_transfer", "make_context",
@@ -191,6 +191,7 @@ class Estimate:
             "breakdown": {"pipeline": self.pipeline_s, "gradient_sync": self.gradient_sync_s,
                           "optimizer": self.optimizer_s},
             "pipeline_times_s": self.pipeline_times_s,
+            **({"schedule_timing": self.schedule.runtime_difference} if self.schedule.runtime_difference else {}),
             "estimated": self.estimated,
             "replicas": [r.to_dict() for r in self.replicas],
         }
@@ -211,7 +212,8 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     job, mbs = ctx.job, plan.micro_batch_size
     P, D = plan.num_stages, len(plan.pipelines)
     sched = pipeline_schedule(plan)
-    options = [tuple(time_options(mem, D) for mem in plan.chunk_memory(i)) for i in range(P)]
+    memory = [stage_memory(plan, i) for i in range(P)]
+    options = [tuple(time_options(mem, D) for mem in chunk_memory) for _, chunk_memory in memory]
     replicas: list[ReplicaEstimate] = []
     pipeline_times_s: list[float] = []
     passes: list[PipelineTimes] = []
@@ -239,10 +241,10 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         for i, r in enumerate(pipe.replicas):
             chunks = plan.stage_chunks(i)
             parts = [stage_time(ctx, slots[j][i], mbs, a, e, o) for (a, e), o in zip(chunks, options[i])]
-            mkey = ("replica_memory", r.gpu, r.tp, mbs, chunks, i, P, m, plan.stage_memory(i), D, sched)
+            mkey = ("replica_memory", r.gpu, r.tp, mbs, chunks, i, P, m, memory[i][0], D, sched)
             if mkey not in ctx.memo:  # identical replicas of other pipelines have the same memory
                 ctx.memo[mkey] = replica_memory(ctx, r.gpu, r.tp, mbs, chunks, stage=i, num_stages=P, microbatches=m,
-                                                memory=plan.stage_memory(i), replicas=D, schedule=sched)
+                                                memory=memory[i][0], replicas=D, schedule=sched)
             replicas.append(ReplicaEstimate(
                 pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(chunks[0][0], chunks[-1][1]),
                 chunks=chunks, forward_s=fwd[i], backward_s=bwd[i], p2p_s=sends[i], sync_s=0.0,
@@ -285,17 +287,18 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         cross_zone_bytes=cross_bytes, model_flop_per_iteration=model_flop, peak_flop_per_s=peak,
         estimated=sorted(f"{g} TP {t}: {how}" for g, t, how in ctx.profiles.estimates_used
                          if any(r.gpu == g and r.tp == t for r in replicas)),
-        recompute_flop_per_iteration=_recompute_flop(plan, ctx), tp_communication=tp_communication(plan, ctx),
+        recompute_flop_per_iteration=_recompute_flop(plan, ctx, memory), tp_communication=tp_communication(plan, ctx),
         schedule=sched, pipeline_passes=passes,
     )
 
 
-def _recompute_flop(plan: Plan, ctx: SimContext) -> float:
-    """FLOPs the plan's recomputation adds per iteration (every pipeline, every micro-batch)."""
+def _recompute_flop(plan: Plan, ctx: SimContext, memory: list[tuple[StageMemory, tuple[StageMemory, ...]]]) -> float:
+    """FLOPs the plan's recomputation adds per iteration (every pipeline, every micro-batch), under
+    each stage's memory options (`terms.stage_memory`)."""
     job, model = ctx.job, ctx.job.model
     total = 0.0
     for i in range(plan.num_stages):
-        for (a, e), mem in zip(plan.stage_chunks(i), plan.chunk_memory(i)):
+        for (a, e), mem in zip(plan.stage_chunks(i), memory[i][1]):
             first, n = recomputed_blocks(ctx, a, e, mem.recompute, mem.recompute_blocks)
             per_sample = sum(model.recompute_flop(k, tp=1, mbs=1, seq=job.seq, recompute=mem.recompute)
                              for k in range(first, first + n))

@@ -4,8 +4,8 @@ Notation, for one pipeline of P stages running m micro-batches:
   f[i], b[i]   forward / backward seconds of one micro-batch on stage i
   c[i]         seconds to move one micro-batch's activation from stage i to i+1 (its gradient comes
                back in the same time), i = 0..P-2
-Stage i runs w_i = min(P - i, m) forwards, then alternates one backward and one forward until its
-forwards are done, then drains its backwards (PipeDream-Flush / 1F1B, Narayanan et al. SC'21 §2.2).
+Stage i runs the runtime's 1F1B order (`sailor.plan.orders.one_f_one_b_order`): w_i = min(P - i, m)
+forwards, then one backward and one forward in turn, then the remaining backwards.
 
 Communication follows DeepSpeed's pipeline engine (`deepspeed/runtime/pipe/schedule.py`,
 `TrainSchedule`), which Megatron-DeepSpeed runs: the schedule is a list of 2(m + P - 1) steps; a
@@ -24,27 +24,12 @@ import numpy as np
 
 from sailor.core.errors import SailorInputError
 from sailor.core.limits import MAX_PIPELINE_TASKS
+from sailor.plan.orders import BWD, FWD
 
-# Instruction kinds of `pipeline_instructions`.
-FWD, BWD = "F", "B"
+# Transfer instruction kinds of `pipeline_instructions` (compute: `plan.orders` FWD, BWD).
 SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD = "SA", "RA", "SG", "RG"
 _PEER = {SEND_ACT: (1, RECV_ACT), RECV_ACT: (-1, SEND_ACT), SEND_GRAD: (-1, RECV_GRAD), RECV_GRAD: (1, SEND_GRAD)}
 
-
-def schedule_order(num_stages: int, stage: int, m: int) -> list[tuple[str, int]]:
-    """Op order of `stage` under 1F1B: [("F", 0), ("F", 1), ..., ("B", 0), ("F", k), ("B", 1), ...].
-
-    The compute instructions of `pipeline_instructions` follow exactly this order (tested)."""
-    warm = min(num_stages - stage, m)
-    order = [("F", k) for k in range(warm)]
-    nf, nb = warm, 0
-    while nb < m:
-        order.append(("B", nb))
-        nb += 1
-        if nf < m:
-            order.append(("F", nf))
-            nf += 1
-    return order
 
 
 def _step_micro_batch(step: int, num_stages: int, stage: int) -> tuple[int, bool]:

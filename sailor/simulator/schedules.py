@@ -4,8 +4,10 @@ micro-batches each stage holds at its memory peak.
 
 `pipeline_schedule(plan)` is the one place the simulator reads `Plan.schedule`; everything else takes
 the `PipelineSchedule` it returns, whose methods dispatch on the schedule in one table (`_MODELS`):
-- `1f1b`: DeepSpeed's order with blocking transfers (`schedule.simulate_1f1b`, `closed_form_1f1b`);
-- `interleaved-1f1b` and `zb-h1`: the orders of `pipeline_orders` (the ones the runtime executes),
+- `1f1b`: the runtime's order (`plan.orders.one_f_one_b_order`) with DeepSpeed's blocking transfers
+  (`schedule.simulate_1f1b`, `closed_form_1f1b`), where the runtime's sends do not block
+  (`PipelineSchedule.runtime_difference` says so in the output);
+- `interleaved-1f1b` and `zb-h1`: the orders of `plan.orders` (the ones the runtime executes),
   simulated with non-blocking sends
   (`schedule_orders.run_orders`), and the closed forms `closed_form_interleaved` / `closed_form_zb_h1`.
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sailor.plan.orders import Op, interleaved_order, zb_h1_order
+from sailor.plan.orders import Op, stage_order
 from sailor.plan.spec import Plan, ScheduleKind
 from sailor.simulator.schedule import check_pipeline_tasks, closed_form_1f1b, simulate_1f1b, timeline_1f1b
 from sailor.simulator.schedule import in_flight as in_flight_1f1b
@@ -162,16 +164,16 @@ class _Model:
     event: Callable[[PipelineTimes, int], float]
     closed: Callable[[PipelineTimes, int], float]
     timeline: Callable[[PipelineTimes, int], list[list[TimedOp]]]
-    order: Callable[[int, int, int, int], list[Op]] | None  # (p, v, stage, m); None: DeepSpeed's 1F1B
+    sends_block: bool  # DeepSpeed's 1F1B transfers: blocking send/receive pairs (`schedule`)
 
 
-def _ordered_model(order: Callable[[int, int, int, int], list[Op]],
-                   closed: Callable[[PipelineTimes, int], float]) -> _Model:
-    """A schedule given by its op orders (`schedule_orders.run_orders`) and its closed form."""
+def _ordered_model(kind: ScheduleKind, closed: Callable[[PipelineTimes, int], float]) -> _Model:
+    """A schedule given by its op orders (`plan.orders.stage_order`, timed by
+    `schedule_orders.run_orders` with non-blocking sends) and its closed form."""
     def orders(t: PipelineTimes, m: int) -> list[list[Op]]:
         p, v = t.forward_s.shape
         check_pipeline_tasks(p, m, v)
-        return [order(p, v, i, m) for i in range(p)]
+        return [stage_order(kind, v, p, i, m) for i in range(p)]
 
     def event(t: PipelineTimes, m: int) -> float:
         return float(run_orders(orders(t, m), t.forward_s, t.backward_s, t.weight_s, t.transfer_s, m).max())
@@ -181,13 +183,13 @@ def _ordered_model(order: Callable[[int, int, int, int], list[Op]],
         run_orders(orders(t, m), t.forward_s, t.backward_s, t.weight_s, t.transfer_s, m, ops)
         return ops
 
-    return _Model(event, closed, timeline, order)
+    return _Model(event, closed, timeline, sends_block=False)
 
 
 _MODELS: dict[ScheduleKind, _Model] = {
-    ScheduleKind.ONE_F_ONE_B: _Model(_event_1f1b, _closed_1f1b, _timeline_1f1b, None),
-    ScheduleKind.INTERLEAVED: _ordered_model(interleaved_order, closed_form_interleaved),
-    ScheduleKind.ZB_H1: _ordered_model(lambda p, v, i, m: zb_h1_order(p, i, m), closed_form_zb_h1),
+    ScheduleKind.ONE_F_ONE_B: _Model(_event_1f1b, _closed_1f1b, _timeline_1f1b, sends_block=True),
+    ScheduleKind.INTERLEAVED: _ordered_model(ScheduleKind.INTERLEAVED, closed_form_interleaved),
+    ScheduleKind.ZB_H1: _ordered_model(ScheduleKind.ZB_H1, closed_form_zb_h1),
 }
 
 
@@ -212,7 +214,16 @@ class PipelineSchedule:
     def sends_block(self) -> bool:
         """Whether the event simulation keeps a stage busy while it sends (1F1B: DeepSpeed's
         blocking transfers); False for the op-order schedules, whose sends never block."""
-        return _MODELS[self.kind].order is None
+        return _MODELS[self.kind].sends_block
+
+    @property
+    def runtime_difference(self) -> str | None:
+        """How the simulator's timing of this schedule differs from what the runtime runs, for the
+        output; None where it times the runtime's own op order and transfer rule."""
+        if not self.sends_block:
+            return None
+        return (f"{self.label} timed with DeepSpeed's blocking send/receive pairs; the runtime runs the same op order"
+                " with non-blocking sends (sailor.plan.orders)")
 
     @property
     def label(self) -> str:
@@ -235,7 +246,7 @@ class PipelineSchedule:
         """The smallest m from which `closed_form_s` is affine in m: 2 under 1F1B (one micro-batch
         pays the whole fill and drain), p otherwise (below p the warm-up is cut short: interleaving's
         min(m, p) and ZB-H1's max(p - m, 0) terms)."""
-        return 2 if _MODELS[self.kind].order is None else max(num_stages, 1)
+        return 2 if self.sends_block else max(num_stages, 1)
 
     def closed_form_affine(self, times: PipelineTimes) -> tuple[float, float, int]:
         """(intercept_s, slope_s, m0) with `closed_form_s(times, m)` = intercept_s + slope_s·m for
@@ -262,13 +273,12 @@ class PipelineSchedule:
         chunk passes, so stage 0 holds about (1 + 1/v)·p stage-activations, more than 1F1B's p
         (Narayanan et al. SC'21 §2.2.2). ZB-H1: min(p, m) on every stage (held + pending).
         """
-        order = _MODELS[self.kind].order
-        if order is None:
+        if self.sends_block:
             return InFlight((in_flight_1f1b(num_stages, stage, m),), (0,))
         v = self.virtual_stages
         held = np.ones(v) if held_bytes is None else np.asarray(held_bytes, dtype=float)
         pending = np.zeros(v) if pending_bytes is None else np.asarray(pending_bytes, dtype=float)
-        return InFlight(*held_at_peak(order(num_stages, v, stage, m), held, pending))
+        return InFlight(*held_at_peak(stage_order(self.kind, v, num_stages, stage, m), held, pending))
 
 
 ONE_F_ONE_B = PipelineSchedule()

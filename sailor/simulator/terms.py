@@ -77,6 +77,14 @@ class TimeOptions:
 DEFAULT_TIME = TimeOptions()
 
 
+def stage_memory(plan: Plan, stage: int) -> tuple[StageMemory, tuple[StageMemory, ...]]:
+    """The simulator's one reader of `Plan.memory`: stage `stage`'s memory options, and the same
+    split over its chunks (`Plan.chunk_memory`: `recompute_blocks` counted over the stage's blocks in
+    layer order; one chunk unless interleaved). Time (`time_options`), memory (`memory.replica_memory`)
+    and traffic take them from here."""
+    return plan.stage_memory(stage), plan.chunk_memory(stage)
+
+
 def time_options(mem: StageMemory = DEFAULT_STAGE_MEMORY, replicas: int = 1) -> TimeOptions:
     """The ONE place the simulator reads a stage's memory options for time (see the module
     docstring); `replicas` = the stage's data-parallel replicas D (the plan's number of pipelines)."""

@@ -5,41 +5,51 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-from sailor.core.fileio import load_mapping
+from sailor.core.fileio import mapping_from
 from sailor.core.schema import parse_model
 from sailor.model.registry import is_config_path
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec, Optimizer
 
 
-def load_job(path: str | Path) -> JobSpec:
-    """Read and validate a job spec (YAML or JSON); raises SailorInputError naming file and field.
+def load_job(source: str | Path | dict[str, Any] | JobSpec) -> JobSpec:
+    """A validated job from a YAML/JSON path, a dict of the job file's fields, or a JobSpec (returned
+    as is): the one job loader, used by the CLI, the API and the runtime.
 
-    A `model:` naming a Hugging Face config (`models.is_config_path`) is read relative to the job
-    file's folder."""
-    data = load_mapping(path)
+    A `model:` naming a Hugging Face config (`model.registry.is_config_path`) is read relative to the
+    job file's folder (a dict's relative path, relative to the current folder).
+
+    Raises:
+        SailorInputError: unreadable file, unknown model, a misspelt or bad field (named with the file).
+    """
+    if isinstance(source, JobSpec):
+        return source
+    data, name = mapping_from(source, "JobSpec")
     model = data.get("model")
-    if isinstance(model, str) and is_config_path(model):
+    if name is not None and isinstance(model, str) and is_config_path(model):
         # os.path.join keeps the "./" a Path would drop for a job in the current folder ("hf", a name)
-        data["model"] = os.path.join(str(Path(path).parent), str(Path(model).expanduser()))
-    return parse_model(JobSpec, data, str(path))
+        data = {**data, "model": os.path.join(str(Path(name).parent), str(Path(model).expanduser()))}
+    return parse_model(JobSpec, data, name)
 
 
+def load_cluster(source: str | Path | dict[str, Any] | ClusterSpec) -> ClusterSpec:
+    """A validated cluster from a YAML/JSON path, a dict of the cluster file's fields, or a
+    ClusterSpec (returned as is): the one cluster loader, used by the CLI and the API.
 
-def load_cluster(path: str | Path) -> ClusterSpec:
-    """Read and validate a cluster spec (YAML or JSON); raises SailorInputError naming file and field."""
-    return parse_model(ClusterSpec, load_mapping(path), str(path))
-
+    Raises:
+        SailorInputError: unreadable file, unknown GPU type or zone, a bad field (named with the file).
+    """
+    if isinstance(source, ClusterSpec):
+        return source
+    return parse_model(ClusterSpec, *mapping_from(source, "ClusterSpec"))
 
 
 # Built-in example for `sailor plan` without --job/--cluster: OPT-350M with the paper's global batch
 # on a realistic mix of what GCP us-central1 and us-west1 zones had free (A100-40 nodes of 8 and
 # V100-16 nodes of 8, as on a2-highgpu-8g and n1 8-GPU machines), at the paper's prices.
 EXAMPLE_JOB = JobSpec(model="opt-350m", global_batch_size=1024, precision="fp32", optimizer=Optimizer.ADAM)
-
-
-
 EXAMPLE_CLUSTER = ClusterSpec(
     provider="gcp",
     zones={
