@@ -16,11 +16,11 @@ each for OPT-350M (global batch 1024) and GPT-Neo-2.7B (2048), fp32, and
   geo-fast OPT-30B on the same three regions: one region holds it, three run it much faster.
 Profiles: the public Sailor measurements where they exist (../shared/reference/sailor/profiles and
 network), analytic roofline estimates for the other GPU types, listed per row as "estimated".
-Every scenario runs in its own process (peak memory per run, target <= 1 GB), first with the search
-of `sailor plan`, then with the older search (`--search legacy`) given the same time: what it found
-by then. Prints a table and ends with one JSON line; the machine's load is printed with it, and
-each row's CPU time of the planning process next to its wall-clock time (on a loaded machine the
-wall clock counts other processes' turns).
+Every scenario runs in its own process (peak memory per run, target <= 1 GB) with the search of
+`sailor plan`. The older search that `planner.engine` replaced is not part of sailor, so no column
+compares against it. Prints a table and ends with one JSON line; the machine's load is printed with
+it, and each row's CPU time of the planning process next to its wall-clock time (on a loaded machine
+the wall clock counts other processes' turns).
 
     python benchmarks/planner_scale.py [--only 4x1024,geo] [--models opt-350m] [--shared PATH] [--report DIR]
 """
@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import resource
-import signal
 import subprocess
 import sys
 import time
@@ -92,13 +91,13 @@ def describe(plan) -> str:
     return f"P{plan.num_stages} mbs{plan.micro_batch_size}: " + "; ".join(parts[:4]) + more
 
 
-def run_one(sid: str, model: str, search: str, time_limit: float | None, ref: Path, report: str | None) -> dict:
+def run_one(sid: str, model: str, ref: Path, report: str | None) -> dict:
     """Plan one scenario in this process; a dict for the parent (JSON on stdout)."""
     from sailor.api import load_cluster, load_job
     from sailor.core.errors import InfeasibleError
     from sailor.perf.network import network_for
     from sailor.perf.profiles import load_profiles
-    from sailor.planner import PlanOptions, SearchSpace, plan_job
+    from sailor.planner import plan_job
     from sailor.simulator import make_context
 
     job_d, cluster_d = scenario(sid, model)
@@ -106,7 +105,7 @@ def run_one(sid: str, model: str, search: str, time_limit: float | None, ref: Pa
     from sailor.perf.profiles import roofline_profiles
 
     t0, c0 = time.perf_counter(), time.process_time()
-    row: dict = {"scenario": sid, "model": model, "search": search}
+    row: dict = {"scenario": sid, "model": model}
     try:
         job, cluster = load_job(job_d), load_cluster(cluster_d)
     except SailorInputError as e:  # e.g. a global batch beyond any real job (limits.py): the clear error
@@ -118,11 +117,10 @@ def run_one(sid: str, model: str, search: str, time_limit: float | None, ref: Pa
     except SailorInputError:  # no reference measurements of this model: analytic estimates, labelled
         prof = roofline_profiles(job)
     net = network_for(cluster, ref / "network")
-    opts = PlanOptions(search=SearchSpace(search), time_limit_s=time_limit)
     row.update(gpus_offered=cluster.total_gpus(), gpu_types=len(cluster.gpu_types()), zones=len(cluster.zones),
                global_batch=job.global_batch_size)
     try:
-        r = plan_job(make_context(job, cluster, prof, net), opts)
+        r = plan_job(make_context(job, cluster, prof, net))
     except InfeasibleError as e:
         row.update(error=e.one_line(), search_time_s=time.perf_counter() - t0)
     else:
@@ -131,7 +129,7 @@ def run_one(sid: str, model: str, search: str, time_limit: float | None, ref: Pa
         row.update(search_time_s=r.search_time_s, search_cpu_s=time.process_time() - c0, iters_per_s=e.throughput_iters_per_s,
                    cost_per_iteration_usd=e.cost_per_iteration_usd, egress_per_iteration_usd=e.egress_per_iteration_usd,
                    cross_zone_gb=e.cross_zone_bytes / 1e9, gpus=r.plan.world_size, regions=len(regions),
-                   exact=r.exact, timed_out=r.timed_out, plan=describe(r.plan),
+                   exact=r.exact, plan=describe(r.plan),
                    estimated=sorted({x.split(" TP")[0] for x in e.estimated}))
         if report:
             from sailor.report import write_report
@@ -141,26 +139,18 @@ def run_one(sid: str, model: str, search: str, time_limit: float | None, ref: Pa
     return row
 
 
-def spawn(sid: str, model: str, search: str, time_limit: float | None, shared: str, report: str | None,
-          kill_after_s: float) -> dict:
+def spawn(sid: str, model: str, shared: str, report: str | None, kill_after_s: float) -> dict:
     """`run_one` in a fresh process (its own peak memory), ended after `kill_after_s`."""
-    cmd = [sys.executable, __file__, "--one", sid, "--models", model, "--search", search, "--shared", shared]
-    if time_limit is not None:
-        cmd += ["--time-limit", f"{time_limit:.3f}"]
+    cmd = [sys.executable, __file__, "--one", sid, "--models", model, "--shared", shared]
     if report:
         cmd += ["--report", report]
-    # its own process group, so that ending it also ends the workers a legacy search forks
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=kill_after_s)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=kill_after_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {"scenario": sid, "model": model, "search": search, "error": f"still running after {kill_after_s:.1f} s (ended)"}
-    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+        return {"scenario": sid, "model": model, "error": f"still running after {kill_after_s:.1f} s (ended)"}
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
-        return {"scenario": sid, "model": model, "search": search, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+        return {"scenario": sid, "model": model, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
     return json.loads(lines[-1])
 
 
@@ -176,12 +166,10 @@ def main() -> int:
                     help="folder holding reference/sailor (default: ../shared next to the repository)")
     ap.add_argument("--report", default=None, help="write the geo scenario's plan report into this folder")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--search", default="full", help=argparse.SUPPRESS)
-    ap.add_argument("--time-limit", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     ref = Path(args.shared) / "reference" / "sailor"
     if args.one:
-        print(json.dumps(run_one(args.one, args.models, args.search, args.time_limit, ref, args.report)))
+        print(json.dumps(run_one(args.one, args.models, ref, args.report)))
         return 0
     if not ref.is_dir():
         print(f"skipped: the reference data folder {ref} is absent")
@@ -197,23 +185,14 @@ def main() -> int:
         models = [GEO_MODEL[sid]] if sid in GEO_MODEL else args.models.split(",")
         for model in models:
             report = args.report if sid == "geo" else None
-            new = spawn(sid, model, "full", None, args.shared, report, kill_after_s=600)
-            budget = new.get("search_time_s", 10.0)
-            old = spawn(sid, model, "legacy", budget, args.shared, None, kill_after_s=budget + 60)
-            new["legacy_same_time"] = old
-            rows.append(new)
-            print(json.dumps(new), file=sys.stderr, flush=True)
+            row = spawn(sid, model, args.shared, report, kill_after_s=600)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
     table = Table(title=f"sailor plan at scale (load average before: {load_before})")
     for col in ("scenario", "model", "GPUs offered", "search (s)", "cpu (s)", "target (s)", "it/s", "$/it", "egress $/it",
-                "peak MB", "plan", "older search, same time", "estimated GPU types"):
-        table.add_column(col, justify="left" if col in ("scenario", "model", "plan", "older search, same time",
-                                                        "estimated GPU types") else "right")
+                "peak MB", "plan", "estimated GPU types"):
+        table.add_column(col, justify="left" if col in ("scenario", "model", "plan", "estimated GPU types") else "right")
     for r in rows:
-        old = r["legacy_same_time"]
-        # its worker processes see the limit only between parts, so it may stop well after it
-        old_text = (f"{old['iters_per_s']:.4f} it/s" + (f" (stopped at the limit, after {old['search_time_s']:.1f} s)"
-                                                        if old.get("timed_out") else "")
-                    if "iters_per_s" in old else f"no plan: {old.get('error', '?')}")
         target = TARGET_S[r["scenario"]]
         table.add_row(r["scenario"], r["model"], str(r.get("gpus_offered", "-")), f"{r.get('search_time_s', float('nan')):.2f}",
                       f"{r.get('search_cpu_s', float('nan')):.2f}",
@@ -221,7 +200,7 @@ def main() -> int:
                       f"{r['iters_per_s']:.4f}" if "iters_per_s" in r else "-",
                       f"{r['cost_per_iteration_usd']:.3f}" if "iters_per_s" in r else "-",
                       f"{r['egress_per_iteration_usd']:.3f}" if "iters_per_s" in r else "-",
-                      f"{r.get('peak_rss_mb', float('nan')):.0f}", r.get("plan", r.get("error", "?")), old_text,
+                      f"{r.get('peak_rss_mb', float('nan')):.0f}", r.get("plan", r.get("error", "?")),
                       ", ".join(r.get("estimated", [])) or "none")
     con = Console(width=250)
     con.print(table)

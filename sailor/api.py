@@ -132,7 +132,7 @@ def find_plan(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles:
         profiles: a profile file or Sailor profile folder, or Profiles; default roofline estimates.
         network: a link file or Sailor network folder, or a NetworkModel; default catalog links.
         objective: "throughput" (max iterations/s) or "cost" (min $/iteration).
-        search: "full" (ours), "paper" (the published space), "homogeneous" or "legacy" (the older search).
+        search: "full" (ours), "paper" (the published space) or "homogeneous" (one GPU type in one zone).
         max_cost_per_iteration: $ per iteration; max_cost_per_hour: $/hour; min_throughput: iterations/s.
         max_stages: the largest pipeline depth P tried; top: alternatives kept.
         time_limit: seconds after which the search takes the best plan found (None: no limit).

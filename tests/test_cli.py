@@ -211,6 +211,7 @@ def test_simulate_reference_plan_tables(sailor_ref, tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["plan", "--objective", "speed"], "'speed' is not one of"),
+    (["plan", "--search", "legacy"], "'legacy' is not one of 'full', 'paper', 'homogeneous'"),
     (["plan", "--top", "-1"], "--top"),
     (["plan", "--jobb", "x.yaml"], "No such option: --jobb"),
     (["simulate"], "Missing argument 'PLAN'"),

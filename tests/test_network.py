@@ -307,10 +307,13 @@ def test_planner_scores_the_sync_of_the_placement_it_builds():
     # 8 TP-1 replicas on two nodes: reduce-scatter in each node (NVLink, negligible here), all-reduce
     # of the four quarter shards across the two nodes, all-gather: the shared NIC carries
     # 4 x 2·1/2 x S/4 = S, where the flat ring over 8 nodes streams 2·7/8 x S over every NIC
-    from sailor.planner import search as S
+    from sailor.plan.spec import DEFAULT_STAGE_MEMORY
+    from sailor.planner.kinds import Option, make_kind
+    from sailor.planner.score import Scorer
     dp8 = Plan.model_validate({"micro_batch_size": 2, "stages": [[0, 26]], "pipelines": [
         {"microbatches": 1, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": ZA, "tp": 1}]}] * 8})
     apart = make_context(ctx.job, cluster.model_copy(update={"gpus_per_node": {"A100-40": 1}}), calibration={})
     assert simulate(dp8, ctx).gradient_sync_s == pytest.approx(simulate(dp8, apart).gradient_sync_s / 1.75, rel=0.01)
-    t = S.make_pipeline_type(ctx, "A100-40", ZA, (1,), ((0, 26),), 2, max_count=8)
-    assert S.Scorer(ctx, ((0, 26),), 2, [t], 8).sync((8,))[0] == pytest.approx(simulate(dp8, ctx).gradient_sync_s)
+    kind = make_kind(ctx, (ZA,), (Option(gpu="A100-40", tp=1, forward_s=0.0, backward_s=0.0),), ((0, 26),), 2,
+                     (DEFAULT_STAGE_MEMORY,))
+    assert Scorer(ctx, ((0, 26),), 2, [kind], 8).sync((8,))[0] == pytest.approx(simulate(dp8, ctx).gradient_sync_s)

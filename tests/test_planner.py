@@ -145,21 +145,6 @@ def test_builtin_example_plans_and_fits():
     assert result.plan.global_batch_size == EXAMPLE_JOB.global_batch_size
 
 
-def test_legacy_parallel_search_finds_the_same_best_plan(monkeypatch):
-    from sailor.planner import legacy
-
-    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 24, "V100-16": 24}})
-    job = JobSpec(model="opt-350m", global_batch_size=256)
-    opts = PlanOptions(max_stages=4, search=SearchSpace.LEGACY)
-    monkeypatch.setattr(legacy, "PARALLEL_MIN_GPUS", 10**9)
-    seq = plan_job(make_context(job, cluster), opts)
-    monkeypatch.setattr(legacy, "PARALLEL_MIN_GPUS", 1)
-    assert legacy._workers(make_context(job, cluster), 8) >= 1
-    par = plan_job(make_context(job, cluster), opts)
-    assert par.best_closed.closed_time_s == pytest.approx(seq.best_closed.closed_time_s, rel=1e-12)
-    assert par.estimate.iteration_time_s == pytest.approx(seq.estimate.iteration_time_s, rel=1e-12)
-
-
 def test_too_few_gpus_for_one_pipeline_is_infeasible_not_a_hang():
     job = JobSpec(model="opt-30b", global_batch_size=256)
     cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}})
@@ -256,7 +241,7 @@ def test_a_finalist_beyond_the_event_simulation_task_limit_keeps_its_closed_form
 def test_time_limit_is_a_clear_error_when_nothing_was_found():
     cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 64}})
     job = JobSpec(model="opt-350m", global_batch_size=256)
-    for space in (SearchSpace.FULL, SearchSpace.LEGACY):
+    for space in (SearchSpace.FULL, SearchSpace.PAPER):
         with pytest.raises(InfeasibleError, match=r"no plan found within the time limit of 0 s"):
             plan_job(make_context(job, cluster), PlanOptions(search=space, time_limit_s=0.0))
 

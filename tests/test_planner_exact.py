@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -19,8 +18,9 @@ from scipy.sparse.csgraph import maximum_flow
 from sailor.plan.spec import Plan, StageMemory
 from sailor.planner import Constraints, Objective, PlanOptions, plan_job
 from sailor.planner.pack import Packer, count_vectors
+from sailor.planner.kinds import Kind
 from sailor.planner.paper import max_flow
-from sailor.planner.search import Curve, waterfill
+from sailor.planner.score import waterfill
 from sailor.planner.space import candidate_partitions, mbs_candidates, memory_candidates, stage_options, zero3_needed
 from sailor.simulator import make_context, simulate
 from sailor.specs.cluster import ClusterSpec
@@ -255,14 +255,9 @@ def test_max_flow_equals_scipy(seed):
         assert flow[:, v].sum() == flow[v].sum()
 
 
-@dataclass(frozen=True)
-class _Kind(Curve):
-    egress_usd_per_mb: float = 0.0
-
-
 def test_waterfill_takes_the_excess_from_pipelines_that_pay_egress():
-    near = _Kind(fill_s=1.0, two_s=2.0, period_s=1.0)
-    far = _Kind(fill_s=1.0, two_s=2.0, period_s=1.0, egress_usd_per_mb=0.5)
+    near = Kind(fill_s=1.0, two_s=2.0, period_s=1.0)
+    far = Kind(fill_s=1.0, two_s=2.0, period_s=1.0, egress_usd_per_mb=0.5)
     W, shares = waterfill([near, far], (1, 1), 5)  # 3 micro-batches by τ = 3 each; one too many
     assert W == 3.0 and shares == [[3], [2]]
     W, shares = waterfill([far, near], (1, 1), 5)

@@ -161,7 +161,7 @@ def test_big_memory_gpu_takes_the_first_stage_when_memory_forces_it(zones, batch
     assert r.best_closed.closed_time_s == pytest.approx(expected, rel=1e-9)
     assert r.estimate.iteration_time_s <= expected
     # pipelines of one GPU type: the A100-80s alone (the V100s cannot hold stage 0), 12.6 s a micro-batch
-    single = plan_job(_mixed_ctx(zones, batch), PlanOptions(max_stages=2, max_mbs=1, search=SearchSpace.LEGACY)).estimate
+    single = plan_job(_mixed_ctx(zones, batch), PlanOptions(max_stages=2, max_mbs=1, search=SearchSpace.HOMOGENEOUS)).estimate
     assert all(x.gpu == "A100-80" for x in single.replicas)
     assert r.estimate.iteration_time_s < 0.7 * single.iteration_time_s
 

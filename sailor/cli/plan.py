@@ -42,8 +42,8 @@ def plan_command(
     min_throughput: Optional[float] = typer.Option(None, "--min-throughput", min=0,
                                                    help="Floor in iterations/s, e.g. 0.2."),
     search: SearchSpace = typer.Option(SearchSpace.FULL, "--search",
-                                       help="full (ours), paper (published space), homogeneous (one GPU type, one zone)"
-                                            " or legacy (our older search, for comparisons)."),
+                                       help="full (ours), paper (published space) or homogeneous (one GPU type,"
+                                            " one zone)."),
     max_stages: int = typer.Option(16, "--max-stages", min=1, help="Largest pipeline depth P tried."),
     time_limit: Optional[float] = typer.Option(None, "--time-limit", min=0,
                                                help="Stop searching after this many seconds and take the best plan"

@@ -4,16 +4,16 @@ Three phases (STYLE.md §2.8): (1) tables — `space` (partitions, micro-batch s
 stage options) and `kinds` (the option table of a family, pipeline kinds); (2) search — `engine`,
 a best-first branch and bound over (P, micro-batch) -> partition -> scope (region, or all regions)
 -> count vector of pipeline kinds (`pack`, `geo`), pruned by the bounds of `prune`; every candidate
-is scored with the simulator's closed form and the best integer batch shares (`search.Scorer`);
+is scored with the simulator's closed form and the best integer batch shares (`score.Scorer`);
 (3) scoring — the best `rescore` candidates are simulated again with the 1F1B event simulation and
 the best of them under the objective is returned with its alternatives.
 
 Search spaces (`SearchSpace`): `full` (ours: uneven layer partitions, a TP degree per stage and
 replica, GPU types and zones mixed inside a pipeline, pipelines across zones and regions, data
 parallelism across regions when it wins, uneven batch shares); `paper` (the published planner's
-space, `paper`); `homogeneous` (one GPU type in one zone); `legacy` (the older search of `legacy`,
-kept for comparisons). The full search also runs the published planner's space and keeps its best
-plan among the finalists, so the published planner's best plan never beats it in the simulator.
+space, `paper`); `homogeneous` (one GPU type in one zone). The full search also runs the published
+planner's space and keeps its best plan among the finalists, so the published planner's best plan
+never beats it in the simulator.
 
 Pruning (DESIGN.md §5): H1 TP within a node and H2 memory (stage options); H3/H4 become the
 makespan-target packing of `pack`; H5 each region is searched alone and all regions together; H6
@@ -33,7 +33,7 @@ from typing import Callable
 from sailor.core.errors import InfeasibleError
 from sailor.core.limits import MAX_PIPELINE_TASKS
 from sailor.plan.spec import Plan, StageMemory
-from sailor.planner import engine, legacy, paper
+from sailor.planner import engine, paper
 from sailor.planner.finalists import Found, plan_signature
 from sailor.planner.geo import free_pools, scopes
 from sailor.planner.options import Constraints, Objective, PlanOptions, SearchSpace, objective_key
@@ -132,8 +132,7 @@ def _plan_job(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int],
     return _rescore(ctx, opts, found, t0)
 
 
-_SEARCHES = {SearchSpace.FULL: engine.search, SearchSpace.LEGACY: legacy.search,
-             SearchSpace.PAPER: paper.search, SearchSpace.HOMOGENEOUS: paper.search}
+_SEARCHES = {SearchSpace.FULL: engine.search, SearchSpace.PAPER: paper.search, SearchSpace.HOMOGENEOUS: paper.search}
 
 
 def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> PlanResult:
@@ -305,7 +304,7 @@ def _too_few_gpus(ctx: SimContext, opts: PlanOptions) -> str:
                 f"the cluster offers {offered}, yet no plan was found with the memory options searched (the lightest"
                 f" that {offered} GPUs allow, which can need more pipelines than the GPU types that hold them make)")
         return f"{head}; its stages may sit on any GPU type, zone and region); {tail}"
-    # the other spaces use fewer GPUs together: one region (legacy, paper) or one zone's GPU type
+    # the other spaces use fewer GPUs together: one region (paper) or one zone's GPU type
     pools = free_pools(ctx)
     if opts.search is SearchSpace.HOMOGENEOUS:
         together, where = max(pools.values()), "one zone and GPU type"

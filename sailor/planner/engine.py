@@ -40,13 +40,13 @@ from typing import Callable
 import numpy as np
 
 from sailor.planner import paper
-from sailor.planner import search as S
 from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds, plan_signature
 from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanning_thetas
 from sailor.planner.kinds import Kind, Pool, Table, all_kinds, homogeneous_kinds, memory_mixed_kinds, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.pack import Packer, count_vectors, node_unit, round_to_nodes
 from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
+from sailor.planner.score import Candidate, Scorer
 from sailor.planner.space import Memory, candidate_partitions, mbs_candidates, memory_candidates, zero3_needed
 from sailor.simulator import SimContext, place, stage_sync, time_options
 from sailor.simulator.collectives import group_members
@@ -192,7 +192,7 @@ def _search_family(ctx: SimContext, opts: PlanOptions, fam: Family, free: dict[P
     for scope in fam.scopes:
         sfree = scope.free(free)
         kinds = [k for k in fam.kinds if all(p in scope.pools for p, _ in k.use)]
-        scorer = S.Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
+        scorer = Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
         if exhaustive:
             vectors = count_vectors(kinds, sfree, EXHAUSTIVE_COUNTS)
             if vectors is not None:
@@ -248,7 +248,7 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
 
     packer = Packer(kinds, free, fam.M, sync if trade_off else None)
     units = [node_unit(k, ctx.cluster.node_size) for k in kinds]
-    scorer = S.Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
+    scorer = Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
     for base in packer.variants():
         got = packer.fastest(base)
         if got is None:
@@ -263,7 +263,7 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
     return offered
 
 
-def _trade_off(opts: PlanOptions, packer: Packer, scorer: S.Scorer, base: np.ndarray, tau: float,
+def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarray, tau: float,
                keep: Finalists, point: tuple) -> None:
     """Candidates between the fastest packing (makespan τ) and one pipeline doing the whole batch:
     on a geometric grid of makespans the most-capacity and the cheapest count vectors; then, for
@@ -271,9 +271,9 @@ def _trade_off(opts: PlanOptions, packer: Packer, scorer: S.Scorer, base: np.nda
     grid points (the time of the cheapest vector rises with the makespan allowed, its $/iteration and
     $/hour fall)."""
     grid = packer.tau_grid(tau, TAU_GRID)
-    cheap: dict[float, S.Candidate | None] = {}
+    cheap: dict[float, Candidate | None] = {}
 
-    def cheapest(t: float) -> S.Candidate | None:
+    def cheapest(t: float) -> Candidate | None:
         if t not in cheap:
             counts = packer.cheapest(t)
             cheap[t] = scorer.score(tuple(int(x) for x in counts)) if counts is not None and counts.any() else None
@@ -309,14 +309,14 @@ def _trade_off(opts: PlanOptions, packer: Packer, scorer: S.Scorer, base: np.nda
                 hi = mid
 
 
-def _offer_all(opts: PlanOptions, scorer: S.Scorer, vectors: list[tuple[int, ...]], keep: Finalists,
+def _offer_all(opts: PlanOptions, scorer: Scorer, vectors: list[tuple[int, ...]], keep: Finalists,
                point: tuple) -> None:
     """Score every count vector, in order of a lower bound on its objective, until the bound cannot
     beat the best plan found: the makespan is at least every used kind's fill and at least τ0, where
     the pipelines' continuous capacity Σ_k n_k·(2 + (τ0 - B_k)/t_k) (at least their true capacity
     from the largest fill on) reaches M; sync is at least 0; the optimizer step is the used kinds'
     slowest. Cost: the GPUs' rate over that time."""
-    kinds = scorer.types
+    kinds = scorer.kinds
     if not vectors:
         return
     V = np.array(vectors, dtype=float)                        # (vectors, kinds)
@@ -335,7 +335,7 @@ def _offer_all(opts: PlanOptions, scorer: S.Scorer, vectors: list[tuple[int, ...
         keep.offer(scorer.score(vectors[j], keep.hopeless), point)
 
 
-def _offer(keep: Finalists, scorer: S.Scorer, counts: np.ndarray, point: tuple) -> bool:
+def _offer(keep: Finalists, scorer: Scorer, counts: np.ndarray, point: tuple) -> bool:
     vec = tuple(int(x) for x in counts)
     if not any(vec):
         return False
@@ -347,7 +347,7 @@ def _offer_pipelines(ctx: SimContext, fam: Family, pipes: list[Kind], keep: Fina
     """Score a list of pipelines (kinds repeated as often as they run)."""
     distinct = sorted(set(pipes), key=pipes.index)
     counts = tuple(pipes.count(k) for k in distinct)
-    keep.offer(S.Scorer(ctx, fam.partition, fam.mbs, distinct, fam.M).score(counts), point)
+    keep.offer(Scorer(ctx, fam.partition, fam.mbs, distinct, fam.M).score(counts), point)
 
 
 def _refine_with_spanning(ctx: SimContext, keep: Finalists, free: dict[Pool, int]) -> None:
@@ -355,7 +355,7 @@ def _refine_with_spanning(ctx: SimContext, keep: Finalists, free: dict[Pool, int
     regions they use (`geo.build_spanning`, stages no slower than the candidate's slowest option),
     when any fit: packing takes whole single-zone pipelines, and the rest of each pool is left over."""
     for cand, (partition, mbs, memory) in keep.top(REFINE_TOP):
-        kinds = [k for k, n in zip(cand.scorer.types, cand.counts) if n]
+        kinds = [k for k, n in zip(cand.scorer.kinds, cand.counts) if n]
         counts = [n for n in cand.counts if n]
         regions = {ctx.cluster.prov.region(z) for k in kinds for z in k.zones}
         left = {p: n for p, n in free.items() if ctx.cluster.prov.region(p[0]) in regions}
@@ -372,5 +372,5 @@ def _refine_with_spanning(ctx: SimContext, keep: Finalists, free: dict[Pool, int
         if extra:
             pipes = [k for k, n in zip(kinds, counts) for _ in range(n)] + extra
             distinct = list(dict.fromkeys(pipes))
-            keep.offer(S.Scorer(ctx, partition, mbs, distinct, M).score(tuple(pipes.count(k) for k in distinct)),
+            keep.offer(Scorer(ctx, partition, mbs, distinct, M).score(tuple(pipes.count(k) for k in distinct)),
                        (partition, mbs, memory))

@@ -1,5 +1,5 @@
 """What a search keeps of the candidates it scores: the best few under the objective (finalists for the
-event simulation), the time-cost Pareto front, and counters. Shared by `engine` and `legacy`."""
+event simulation), the time-cost Pareto front, and counters. Shared by `engine` and `paper`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sailor.plan.spec import Plan, StageMemory
-from sailor.planner import search as S
 from sailor.planner.options import PlanOptions, objective_key
+from sailor.planner.score import Candidate
 from sailor.simulator import SimContext
 
 
@@ -41,7 +41,7 @@ class Finalists:
         self.key = objective_key(opts.objective)
         self.keep = 2 * max(opts.top_k, opts.rescore)
         self.best: tuple[float, float] | None = None
-        self._kept: dict[tuple, tuple[tuple[float, float], S.Candidate, tuple]] = {}
+        self._kept: dict[tuple, tuple[tuple[float, float], Candidate, tuple]] = {}
         self._cut: tuple[float, float] | None = None  # the keep-th best key at the last trim
         self.found = Found()
 
@@ -54,7 +54,7 @@ class Finalists:
         if self.best is None or key < self.best:
             self.best = key
 
-    def offer(self, cand: S.Candidate | None, point: tuple) -> tuple[float, float] | None:
+    def offer(self, cand: Candidate | None, point: tuple) -> tuple[float, float] | None:
         """Record a scored candidate of `point` (hashable: what, with the candidate, rebuilds its plan);
         returns its objective key when it meets the constraints."""
         if cand is None:
@@ -64,7 +64,7 @@ class Finalists:
         if not self.opts.constraints.ok(cand.iteration_time_s, cand.cost_per_iteration_usd):
             return None
         k = self.key(cand.iteration_time_s, cand.cost_per_iteration_usd)
-        sig = (point, tuple(cand.scorer.types[i] for i, n in enumerate(cand.counts) if n),
+        sig = (point, tuple(cand.scorer.kinds[i] for i, n in enumerate(cand.counts) if n),
                tuple(n for n in cand.counts if n))
         self._kept[sig] = (k, cand, point)
         if self.best is None or k < self.best:
@@ -80,16 +80,16 @@ class Finalists:
         """True when a candidate at least `seconds` per iteration and `usd` per iteration can change
         nothing kept: a point of the Pareto front is no worse on both, and its objective key would
         be worse than the keep-th best key at the last trim (keys only improve, so it could never
-        be a finalist). Lets the scorer skip its gradient sync (`search.Scorer.score`)."""
+        be a finalist). Lets the scorer skip its gradient sync (`score.Scorer.score`)."""
         if self._cut is None or self.key(seconds, usd) <= self._cut:
             return False
         return any(q[0] <= seconds and q[1] <= usd for q in self.found.front)
 
-    def top(self, n: int) -> list[tuple[S.Candidate, tuple]]:
+    def top(self, n: int) -> list[tuple[Candidate, tuple]]:
         """The best n kept candidates (candidate, point), best first."""
         return [(c, p) for _, c, p in sorted(self._kept.values(), key=lambda v: v[0])[:n]]
 
-    def finish(self, build: Callable[[S.Candidate, tuple], Plan]) -> Found:
+    def finish(self, build: Callable[[Candidate, tuple], Plan]) -> Found:
         """The Found with the plans of the best kept candidates built, best first, each plan once: as
         many as phase 3 looks at (`planner._rescore`: max(rescore, top_k + 1)); building a large plan
         is not cheap."""
@@ -121,15 +121,15 @@ def pareto_add(front: list[tuple[float, float]], p: tuple[float, float]) -> None
     front.append(p)
 
 
-def plan_from_kinds(ctx: SimContext, cand: S.Candidate, partition, mbs: int, memory: tuple[StageMemory, ...] = ()) -> Plan:
-    """The plan of a candidate whose kinds name an option and a zone per stage (`kinds.Kind`) or a
-    GPU type, zone and TP template (`search.PipelineType`): one pipeline per share, with the stages'
-    memory options. Over a single pipeline ZeRO shards nothing: ZeRO-1 is left out, ZeRO-2/3 become
-    ZeRO-2, which still syncs one layer's gradients at a time instead of flattening the stage's
-    (`simulator.memory.sync_buffer_bytes`, what `space.min_replicas` counted)."""
+def plan_from_kinds(ctx: SimContext, cand: Candidate, partition, mbs: int, memory: tuple[StageMemory, ...] = ()) -> Plan:
+    """The plan of a candidate (its kinds name an option and a zone per stage, `kinds.Kind`): one
+    pipeline per share, with the stages' memory options. Over a single pipeline ZeRO shards nothing:
+    ZeRO-1 is left out, ZeRO-2/3 become ZeRO-2, which still syncs one layer's gradients at a time
+    instead of flattening the stage's (`simulator.memory.sync_buffer_bytes`, what `space.min_replicas`
+    counted)."""
     pipelines = []
-    for t, shares in zip(cand.scorer.types, cand.shares):
-        reps = [{"stage": i, "gpu": s.gpu, "zone": s.zone, "tp": s.tp} for i, s in enumerate(t.slot(i) for i in range(len(partition)))]
+    for k, shares in zip(cand.scorer.kinds, cand.shares):
+        reps = [{"stage": i, "gpu": s.gpu, "zone": s.zone, "tp": s.tp} for i, s in enumerate(k.slots)]
         for m in shares:
             pipelines.append({"microbatches": m, "replicas": reps})
     if len(pipelines) == 1:

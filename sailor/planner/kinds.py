@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sailor.plan.spec import StageMemory
-from sailor.planner.search import Curve
 from sailor.planner.space import Memory, Partition, pareto_templates, stage_options
 from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_time, time_options
 from sailor.simulator.schedule import closed_form_1f1b
@@ -78,6 +77,28 @@ def option_table(ctx: SimContext, gpus: list[str], partition: Partition, mbs: in
             table[i] += [Option(gpu=g, tp=o.tp, forward_s=o.forward_s, backward_s=o.backward_s,
                                 min_replicas=o.min_replicas) for o in opts]
     return table
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Closed-form time of one pipeline for m micro-batches: A = fill_s (m = 1), B = two_s (m = 2),
+    t = period_s per further micro-batch (seconds; affine from m = 2 on under 1F1B)."""
+
+    fill_s: float
+    two_s: float
+    period_s: float
+
+    def time_s(self, m: int) -> float:
+        return self.fill_s if m == 1 else self.two_s + (m - 2) * self.period_s
+
+    def cap(self, tau: float) -> int:
+        """Most micro-batches one pipeline finishes within tau seconds (0 if not even one)."""
+        eps = 1e-12 * max(1.0, abs(tau))
+        if tau < self.fill_s - eps:
+            return 0
+        if tau < self.two_s - eps:
+            return 1
+        return 2 + math.floor((tau - self.two_s) / self.period_s + 1e-9)
 
 
 @dataclass(frozen=True)

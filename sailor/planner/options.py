@@ -23,13 +23,11 @@ class Objective(str, Enum):
 class SearchSpace(str, Enum):
     """`full`: our space. `paper`: the published one (even layer split, equal batch per pipeline, one
     TP per GPU type by its fixed rule, each stage's replicas on any GPU types of one region).
-    `homogeneous`: one GPU type in one zone, uniform TP, even split, equal shares. `legacy`: our
-    older search of the full space (single-type, single-zone pipelines), kept for comparisons."""
+    `homogeneous`: one GPU type in one zone, uniform TP, even split, equal shares."""
 
     FULL = "full"
     PAPER = "paper"
     HOMOGENEOUS = "homogeneous"
-    LEGACY = "legacy"
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,6 @@ DEFAULT_MEMORY_MARGIN = 0.10
 class PlanOptions:
     """Search settings. `max_stages` bounds P; `max_mbs` the micro-batch size; `top_k` the
     alternatives kept; `rescore` how many closed-form finalists get the event simulation;
-    `templates_per_gpu` how many TP templates per GPU type the legacy search tries on large spaces;
     `memory_per_partition` how many memory-option candidates per layer partition (the lightest,
     `space.memory_candidates`) are searched (in every mode: it is part of the space);
     `time_limit_s` stops the search after that many seconds with the best plan found (an error when
@@ -71,7 +68,7 @@ class PlanOptions:
     default DEFAULT_MEMORY_MARGIN): a stage fits when its predicted peak is at most
     (1 - margin) x the GPU's memory;
     `schedules` whether the full search also tries ZB-H1 and interleaved 1F1B on its best plan
-    (`planner.schedules`; the published planner's space and the legacy search are 1F1B only).
+    (`planner.schedules`; the published planner's space is 1F1B only).
     Raises SailorInputError for a margin outside [0, 1)."""
 
     objective: Objective = Objective.THROUGHPUT
@@ -81,7 +78,6 @@ class PlanOptions:
     max_mbs: int = 32
     top_k: int = 5
     rescore: int = 8
-    templates_per_gpu: int = 3
     memory_per_partition: int = 2
     time_limit_s: float | None = None
     memory_margin: float = DEFAULT_MEMORY_MARGIN

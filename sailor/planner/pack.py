@@ -3,7 +3,7 @@
 Exact (small spaces): `count_vectors` lists every count vector the free GPUs allow.
 
 Large spaces: a makespan target τ turns the choice into packing. A pipeline of kind k finishes
-cap_k(τ) micro-batches by τ (`search.Curve.cap`), so the plans of makespan <= τ are the count vectors
+cap_k(τ) micro-batches by τ (`kinds.Curve.cap`), so the plans of makespan <= τ are the count vectors
 with Σ_k n_k·cap_k(τ) >= M that fit the GPUs. Kinds that sit in one (zone, GPU type) pool do not
 compete with each other across pools, so the most micro-batches the GPUs finish by τ is a sum over
 pools of a small knapsack each (`PoolPacking`: per pool, every kind as the main one, as many as fit,
@@ -15,7 +15,7 @@ bases: a greedy count of them first, the pools' packing on what they leave (`Pac
   that logarithm), then pipelines the batch does not need are dropped (`trim`);
 - cost: at each τ of a geometric grid, the cheapest cover of M (pipelines taken in order of $ per
   micro-batch finished by τ), trimmed likewise: the trade-off curve between time and $/iteration.
-Each count vector found is scored exactly (`search.Scorer`) by the caller.
+Each count vector found is scored exactly (`score.Scorer`) by the caller.
 """
 
 from __future__ import annotations

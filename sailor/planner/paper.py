@@ -31,12 +31,12 @@ import time
 
 import numpy as np
 
-from sailor.planner import search as S
 from sailor.planner.finalists import Finalists, Found, plan_from_kinds
 from sailor.planner.geo import free_pools, scopes
 from sailor.planner.kinds import Option, Pool, make_kind, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.prune import node_keys
+from sailor.planner.score import Candidate, Scorer
 from sailor.planner.space import Memory, even_partition, memory_candidates, memory_rank, zero3_needed
 from sailor.simulator import SimContext
 
@@ -231,7 +231,7 @@ def max_flow(cap: np.ndarray, source: int, sink: int) -> np.ndarray:
 
 
 def _score(ctx: SimContext, partition, mbs: int, M: int, memory: Memory, assignment: list[list[Pool]],
-           opt_of: dict[tuple[int, str], Option]) -> S.Candidate | None:
+           opt_of: dict[tuple[int, str], Option]) -> Candidate | None:
     """Pipeline j = replica j of every stage; identical pipelines are one kind; equal shares."""
     D = len(assignment[0])
     pipes: dict[tuple[Pool, ...], int] = {}
@@ -240,4 +240,4 @@ def _score(ctx: SimContext, partition, mbs: int, M: int, memory: Memory, assignm
         pipes[key] = pipes.get(key, 0) + 1
     kinds = [make_kind(ctx, tuple(p[0] for p in key), tuple(opt_of[(i, p[1])] for i, p in enumerate(key)), partition, mbs,
                        memory) for key in pipes]
-    return S.Scorer(ctx, partition, mbs, kinds, M, equal_shares=True).score(tuple(pipes.values()))
+    return Scorer(ctx, partition, mbs, kinds, M, equal_shares=True).score(tuple(pipes.values()))

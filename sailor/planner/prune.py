@@ -16,12 +16,11 @@ import math
 import numpy as np
 
 from sailor.model.spec import Recompute
-from sailor.planner.bounds import pair_groups, pair_sync, smallest_time, zero_sync_share
 from sailor.planner.kinds import Kind, Pool, boundary
 from sailor.planner.options import Objective, PlanOptions
-from sailor.planner.search import apart_stage_groups
+from sailor.planner.score import apart_stage_groups
 from sailor.planner.space import even_partition, mbs_candidates, zero3_needed
-from sailor.simulator import DEFAULT_TIME, SimContext, Slot, allreduce_s, optimizer_s, stage_sync, time_options
+from sailor.simulator import DEFAULT_TIME, SimContext, Slot, TimeOptions, allreduce_s, optimizer_s, stage_sync, time_options
 
 Key = tuple[float, float]
 ESTIMATE_MARGIN = 0.1  # heuristic mode: a node is pruned when its estimate is 10 % above the best plan
@@ -30,7 +29,7 @@ ESTIMATE_MARGIN = 0.1  # heuristic mode: a node is pruned when its estimate is 1
 def node_keys(ctx: SimContext, opts: PlanOptions, exact_mode: bool) -> tuple[list[tuple[Key, int, int]], dict[int, float]]:
     """(key, P, micro-batch) for every node of the search, and the sync floor per P (`sync_floor` times
     the least share of an all-reduce a stage's sync takes under the memory options the search may
-    use, `bounds.zero_sync_share`). The key is
+    use, `zero_sync_share`). The key is
     `node_bound`; outside exact mode the larger of that and `node_estimate` discounted by
     ESTIMATE_MARGIN (the estimate assumes the even split and one TP degree; the best plan of a node
     has been seen up to 5 % below it), so that estimates prune only clear losers; where no zone holds
@@ -48,6 +47,28 @@ def node_keys(ctx: SimContext, opts: PlanOptions, exact_mode: bool) -> tuple[lis
                 key = max(key, (est[0] / (1 + ESTIMATE_MARGIN), est[1]))
             nodes.append((key, P, mbs))
     return nodes, sync
+
+
+def zero_sync_share(ctx: SimContext, opts: PlanOptions) -> float:
+    """Smallest fraction of the gradient all-reduce's time a stage's sync can take under the memory
+    options the search may use: ZeRO-1/2 reduce-scatter the gradients (half) and all-gather the
+    weights (half, at weight bytes), ZeRO-3 only reduce-scatters (half; searched only when needed,
+    `space.zero3_needed`)."""
+    per = ctx.job.state_bytes_per_param
+    share = min(1.0, (per["gradients"] + per["weights"]) / (2 * per["gradients"]))
+    return min(share, 0.5) if zero3_needed(ctx, opts.max_stages) else share
+
+
+def smallest_time(enough, lo: float, hi: float, iterations: int = 50) -> float:
+    """Lower end of the bisection for the smallest τ in [lo, hi] with enough(τ) (non-decreasing in
+    τ): a value <= that τ, within (hi - lo)/2^iterations of it — what a lower bound needs."""
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        if enough(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
 
 
 def _key(opts: PlanOptions, time_s: float, cost_usd: float) -> Key:
@@ -110,11 +131,15 @@ def sync_floor(ctx: SimContext, P: int, pairs: bool) -> float:
 
 def two_replica_groups(ctx: SimContext, slots: list[Slot], pairs: bool) -> list[list[tuple[Slot, int]]]:
     """The two-replica member sets a stage's gradient sync is bounded by (`sync_floor`,
-    `family_bound`): two replicas of each slot, on two nodes and on one node where two fit
-    (`bounds.pair_groups`: the launcher co-locates replicas, `simulator.place`); with `pairs` also
-    one replica each of two different slots, on two nodes and, when they share a zone and GPU type
-    and fit one node together, on one."""
-    groups = [g for s in slots for g in pair_groups(ctx, s)]
+    `two_replica_sync`): two replicas of each slot, on two nodes and on one node where two fit (the
+    launcher co-locates replicas, `simulator.place`, and the intra-node link is usually the faster);
+    with `pairs` also one replica each of two different slots, on two nodes and, when they share a
+    zone and GPU type and fit one node together, on one."""
+    groups = []
+    for s in slots:
+        groups.append([(s, 2)])
+        if 2 * s.tp <= ctx.cluster.node_size(s.gpu):
+            groups.append([(dataclasses.replace(s, node=f"{s.zone}/{s.gpu}/bound"), 2)])
     if pairs:
         for a, b in itertools.combinations(slots, 2):
             x, y = sorted((a, b), key=lambda s: (s.zone, s.gpu, s.tp))
@@ -123,6 +148,14 @@ def two_replica_groups(ctx: SimContext, slots: list[Slot], pairs: bool) -> list[
                 node = f"{x.zone}/{x.gpu}/bound"
                 groups.append([(dataclasses.replace(x, node=node), 1), (dataclasses.replace(y, node=node), 1)])
     return groups
+
+
+def two_replica_sync(ctx: SimContext, slots: list[Slot], stage: tuple[int, int], pairs: bool,
+                     sync: TimeOptions = DEFAULT_TIME) -> float:
+    """The cheapest gradient sync of the layers `stage` over the member sets of `two_replica_groups`
+    under the stage's options `sync`, seconds: a ring or hierarchical all-reduce over D >= 2 replicas
+    takes at least half of it (`sync_floor`)."""
+    return min(stage_sync(ctx, g, (stage,), sync)[0] for g in two_replica_groups(ctx, slots, pairs))
 
 
 def node_bound(ctx: SimContext, P: int, mbs: int, opts: PlanOptions, sync_s: float) -> Key:
@@ -220,7 +253,7 @@ def _cheapest_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools
     best = (math.inf, math.inf)
     for r in range(len(n)):
         z, g, _ = pools[int(pool[r])]
-        s2 = pair_sync(ctx, Slot(zone=z, gpu=g, tp=int(tp[r])), *heaviest)
+        s2 = two_replica_sync(ctx, [Slot(zone=z, gpu=g, tp=int(tp[r]))], heaviest, pairs=False)
 
         def time_of(D: int) -> float:
             return fill[r] + (-(-M // D) - 1) * per[r] + (s2 * 2 * (D - 1) / D if D > 1 else 0.0) + opt
@@ -276,7 +309,7 @@ def _uniform_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools,
 def _placed_sync(ctx: SimContext, groups: list[tuple[Slot, int]], partition) -> float:
     """The slowest stage's gradient sync of uniform pipelines (`count` of each slot on every stage;
     the slots in different pools), placed on nodes as the launcher places them, as the scorer
-    computes it (`search.apart_stage_groups`, placements shared with it)."""
+    computes it (`score.apart_stage_groups`, placements shared with it)."""
     P = len(partition)
     key = ("placed-sync", tuple(groups), tuple(partition))
     if key not in ctx.memo:
@@ -322,9 +355,8 @@ def family_bound(ctx: SimContext, kinds: list[Kind], free: dict[Pool, int], part
     s2 = 0.0
     for i, (a, e) in enumerate(partition):
         slots = sorted({k.slot(i) for k in kinds}, key=lambda s: (s.zone, s.gpu, s.tp))
-        groups = two_replica_groups(ctx, slots, pairs)
         sync = time_options(kinds[0].memory[i], 2) if kinds[0].memory else DEFAULT_TIME
-        s2 = max(s2, min(stage_sync(ctx, g, ((a, e),), sync)[0] for g in groups))
+        s2 = max(s2, two_replica_sync(ctx, slots, (a, e), pairs, sync))
     many = lo + s2 / 2 + opt
     T = min(alone, many)
     rate = min(k.usd_per_hour for k in kinds)

@@ -1,6 +1,6 @@
 """Pipeline schedules for the planner's best plans (the schedule dimension of the search).
 
-The search (engine, paper, legacy) builds 1F1B plans: partitions, TP, placement and batch shares do
+The search (engine, paper) builds 1F1B plans: partitions, TP, placement and batch shares do
 not depend on the schedule. On its best finalists `schedule_variants` then tries what the plan
 module offers on the same GPUs (`sailor.plan`, module docstring):
 

@@ -381,15 +381,6 @@ def pareto_templates(stages: list[list], exhaustive: int = EXHAUSTIVE_TEMPLATES)
     return sorted(out, key=lambda t: tuple((x.gpus, x.time_s) for x in t))
 
 
-def templates(options: list[list[StageOption]]) -> list[tuple[int, ...]]:
-    """TP templates (one degree per stage) for one GPU type (`pareto_templates` of its options, as TP
-    degrees; the older search's form). Empty when some stage has no feasible option."""
-    tmpls = [tuple(x.tp for x in t) for t in pareto_templates(options)]
-    if math.prod(len(o) for o in options) <= EXHAUSTIVE_TEMPLATES:
-        return tmpls
-    return sorted(set(tmpls))
-
-
 def zero3_needed(ctx: SimContext, max_stages: int) -> bool:
     """True when no plan the cluster has the GPUs for fits without ZeRO-3: no GPU type, TP degree t
     and pipeline depth P holds every stage of the even partition at micro-batch 1 under some

@@ -13,7 +13,7 @@ the `PipelineSchedule` it returns, whose methods dispatch on the schedule in one
 
 Planner hooks (no planner code reads a schedule yet): `PipelineSchedule.closed_form_s` (the fast
 path), `PipelineSchedule.closed_form_affine` (its intercept and slope in m, valid from
-`affine_from(p)`: m = 2 under 1F1B, what `planner.search.PipelineType` relies on, m = p under the
+`affine_from(p)`: m = 2 under 1F1B, what `planner.kinds.Curve` relies on, m = p under the
 others), `PipelineSchedule.time_s` (the reference), `PipelineSchedule.in_flight` (memory; also
 through `memory.replica_memory(..., schedule=...)`), `bubble_ratio`, `terms.pipeline_times` to build
 a pipeline's pass times from a SimContext, and `plan.interleave_partition` to turn a p-stage layer

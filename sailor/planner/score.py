@@ -1,0 +1,282 @@
+"""The closed-form score of a count vector of pipeline kinds: the iteration time and cost the
+planner's searches (`engine`, `paper`) rank candidates by.
+
+Notation. A pipeline kind k (`kinds.Kind`: an option and a zone per stage) has, under the closed
+form of `simulator.schedule.closed_form_1f1b` (affine in m from m = 2 on: the straggler pays each
+extra micro-batch), a time for m micro-batches (`kinds.Curve`)
+
+    time_k(1) = A_k,   time_k(m) = B_k + (m - 2)·t_k  for m >= 2
+
+and uses G_k GPUs. A candidate is a count vector n (n_k pipelines of kind k). Its iteration time is
+
+    T(n) = W(n) + max_i S_i(n) + O(n)
+
+with W the pipeline makespan under the best integer batch shares, S_i the all-reduce of stage i over
+the D = Σ n_k replicas, and O the slowest optimizer step. The stages' memory options are the same
+for every kind of a family (one StageMemory per stage); a count vector is feasible only when D
+reaches every used kind's `min_replicas` (ZeRO options fit from some D on). Under ZeRO the optimizer
+step (and under ZeRO-3 the per-micro-batch weight gathers) depend on D, so the scorer rebuilds those
+kinds at the vector's D (`Kind.at`), exactly as `simulate` times them; the kinds handed to the bounds
+hold D-free lower bounds (gathers at min_replicas, optimizer at the largest possible D).
+
+Batch shares (exact): W(n) = min τ such that Σ_k n_k·cap_k(τ) >= M, cap_k(τ) = max{m >= 1 :
+time_k(m) <= τ}, M = global batch / micro-batch (`min_makespan`); each pipeline gets cap_k(τ)
+micro-batches and the excess is taken back from the pipelines whose micro-batches pay the most
+egress (cross-zone activations), then from the slowest. Every split with makespan <= τ keeps each
+pipeline between 1 and cap_k(τ) micro-batches, so this split has the least p2p egress among the
+splits of least makespan: under the throughput objective (time first, then cost) it is the best
+split; under the cost objective it is the best split that keeps the makespan minimal (the space's
+rule: batch shares never trade makespan for egress). The published space (`paper`) gives every
+pipeline M / D micro-batches instead (`Scorer.equal_shares`).
+
+Gradient sync: as `simulate` computes it on the plan `finalists.plan_from_kinds` builds, pipelines
+placed on nodes as the launcher places them (`simulator.place`); kinds in different (zone, GPU type)
+pools are placed as if alone, which lets their placements be memoised per kind (`placed_apart`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from sailor.planner.kinds import Kind, make_kinds
+from sailor.simulator import SimContext, Slot, place, stage_sync, tied_sync, time_options
+from sailor.simulator.collectives import Group, group_members, ring_key
+
+
+def min_makespan(kinds: list[Kind], counts: tuple[int, ...], M: int) -> float | None:
+    """Smallest τ at which the pipelines (counts[k] of kind k) can finish M micro-batches, each
+    pipeline at least one; None when there are more pipelines than micro-batches.
+
+    The answer is a breakpoint time_k(m). Ignoring the floors, Σ_k n_k·(2 + (τ - B_k)/t_k) = M gives
+    τ0; the floors lose less than one micro-batch per pipeline, so τ* lies in [τ0, τ0 + max t_k] and
+    only the few breakpoints in that window are tried, in order.
+    """
+    D = sum(counts)
+    if D == 0 or D > M:
+        return None
+    used = [(kinds[k], n) for k, n in enumerate(counts) if n]
+    lo = max(t.fill_s for t, _ in used)
+
+    def total(tau: float) -> int:
+        return sum(n * t.cap(tau) for t, n in used)
+
+    if total(lo) >= M:
+        return lo
+    rate = sum(n / t.period_s for t, n in used)
+    tau0 = max(lo, (M - sum(n * (2.0 - t.two_s / t.period_s) for t, n in used)) / rate)
+    t_max = max(t.period_s for t, _ in used)
+    points = {t.two_s for t, _ in used if t.two_s >= lo}
+    for t, _ in used:
+        j0 = max(0, math.floor((tau0 - t.two_s) / t.period_s) - 1)
+        j1 = math.ceil((tau0 + t_max - t.two_s) / t.period_s) + 1
+        points.update(t.two_s + j * t.period_s for j in range(j0, j1 + 1))
+    for tau in sorted(p for p in points if p >= lo):
+        if total(tau) >= M:
+            return tau
+    raise AssertionError("makespan window missed")  # the window argument above rules this out
+
+
+def waterfill(kinds: list[Kind], counts: tuple[int, ...], M: int) -> tuple[float, list[list[int]]] | None:
+    """Best integer batch shares: (makespan W in s, micro-batches per pipeline for each kind), or None
+    when the pipelines outnumber the M micro-batches (each needs at least one)."""
+    tau = min_makespan(kinds, counts, M)
+    if tau is None:
+        return None
+    shares = [[kinds[k].cap(tau)] * n if n else [] for k, n in enumerate(counts)]
+    excess = sum(map(sum, shares)) - M
+    # Take the excess back from the kinds whose micro-batches pay the most egress first; among kinds
+    # of equal egress one micro-batch per pipeline per pass, slowest kinds first. The makespan stays τ
+    # (τ is optimal, so it cannot drop below it) and every pipeline keeps at least one.
+    by_egress: dict[float, list[int]] = {}
+    for k in range(len(kinds)):
+        if shares[k]:
+            by_egress.setdefault(kinds[k].egress_usd_per_mb, []).append(k)
+    for e in sorted(by_egress, reverse=True):
+        order = sorted(by_egress[e], key=lambda k: -kinds[k].time_s(shares[k][0]))
+        room = sum(m - 1 for k in order for m in shares[k])
+        take = min(excess, room)
+        excess -= take
+        while take > 0:
+            for k in order:
+                for j, m in enumerate(shares[k]):
+                    if take == 0:
+                        break
+                    if m > 1:
+                        shares[k][j] = m - 1
+                        take -= 1
+    assert excess == 0
+    W = max(kinds[k].time_s(max(s)) for k, s in enumerate(shares) if s)
+    return W, shares
+
+
+@dataclass
+class Scorer:
+    """Scores count vectors over `kinds` (all with the family's memory options) for one
+    (P, mbs, partition, memory) family; caches sync per count vector."""
+
+    ctx: SimContext
+    partition: tuple
+    mbs: int
+    kinds: list[Kind]
+    M: int
+    equal_shares: bool = False  # the published space: every pipeline gets M / D micro-batches
+    _sync: dict = field(default_factory=dict)
+    _at: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        memory = self.kinds[0].memory if self.kinds else ()
+        # the sync's collectives depend on the stages' ZeRO levels only (not on D)
+        self._sync_options = [time_options(m, 2) for m in memory]
+        self._d_dependent = any(k.depends_on_replicas for k in self.kinds)
+
+    def kinds_at(self, D: int) -> list[Kind]:
+        """The kinds with constants exact for D pipelines (`Kind.at`), cached per D."""
+        if not self._d_dependent:
+            return self.kinds
+        if D not in self._at:
+            todo = [k for k in self.kinds if k.depends_on_replicas and k.replicas != D]
+            for memory in dict.fromkeys(k.memory for k in todo):  # batched calls (`Kind.at` builds one by one)
+                make_kinds(self.ctx, [(k.zones, k.options) for k in todo if k.memory == memory], self.partition,
+                           self.mbs, memory, D)
+            self._at[D] = [k.at(self.ctx, self.partition, self.mbs, D) for k in self.kinds]
+        return self._at[D]
+
+    def sync(self, counts: tuple[int, ...]) -> tuple[float, float]:
+        """(tied + slowest stage gradient sync seconds, egress $ per iteration) for these counts, as
+        `simulate` computes them (`tied_sync`, `stage_sync` with the stages' options at D) on the
+        plan `finalists.plan_from_kinds` makes: pipelines in kind order, placed on nodes as the launcher
+        places them (`place`), so replicas that share a node reduce over the intra-node link.
+        Memoised in the context by what it depends on (each used kind's slots and count, in order;
+        the partition; the stages' sync options), so scorers over other kind lists share it."""
+        if counts not in self._sync:
+            used = tuple((k.slots, n) for k, n in zip(self.kinds, counts) if n)
+            key = ("counts-sync", used, tuple(self.partition), tuple(self._sync_options))
+            if key not in self.ctx.memo:
+                self.ctx.memo[key] = self._sync_of(used)
+            self._sync[counts] = self.ctx.memo[key]
+        return self._sync[counts]
+
+    def _sync_of(self, used: tuple[tuple[tuple[Slot, ...], int], ...]) -> tuple[float, float]:
+        """`sync` of the used kinds' (slots, count), in kind order."""
+        P = len(self.partition)
+        alone = placed_apart(used)
+        if alone:  # each kind's pipelines placed as if alone: its pairs and stage members memoised
+            pairs = [term for slots, n in used for term in _tied_terms(self.ctx, slots, n)]
+        else:
+            placed = place([pipe for slots, n in used for pipe in [list(slots)] * n], self.ctx.cluster)
+            pairs = [(tied_sync(self.ctx, first, last, P), n)
+                     for (first, last), n in Counter((pipe[0], pipe[-1]) for pipe in placed).items()]
+        tied, usd = 0.0, 0.0
+        for (s, _, u), n in pairs:
+            tied = max(tied, s)
+            usd += n * u
+        worst = 0.0
+        for i, (a, e) in enumerate(self.partition):
+            if alone:
+                groups = apart_stage_groups(self.ctx, used, i)
+            else:
+                groups = group_members([pipe[i] for pipe in placed])
+            s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i])
+            worst = max(worst, s)
+            usd += u
+        return tied + worst, usd
+
+    def score(self, counts: tuple[int, ...],
+              hopeless: Callable[[float, float], bool] | None = None) -> "Candidate | None":
+        """The candidate of these counts (None when its pipelines outnumber the micro-batches, when
+        equal shares do not divide M, or when some option needs more data-parallel replicas). With
+        `hopeless` (`Finalists.hopeless`), also None when it is true of (seconds, $/iteration)
+        without the gradient sync, a lower bound on both, and the sync is not computed."""
+        D = sum(counts)
+        if D == 0 or D < max((k.min_replicas for k, n in zip(self.kinds, counts) if n), default=1):
+            return None
+        kinds = self.kinds_at(D)
+        if self.equal_shares:
+            if self.M % D:
+                return None
+            shares = [[self.M // D] * n for n in counts]
+            W = max(k.time_s(self.M // D) for k, n in zip(kinds, counts) if n)
+        else:
+            wf = waterfill(kinds, counts, self.M)
+            if wf is None:
+                return None
+            W, shares = wf
+        egress = sum(k.egress_usd_per_mb * sum(sh) for k, sh in zip(kinds, shares) if sh)
+        opt = max(k.optimizer_s for k, n in zip(kinds, counts) if n)
+        rate = sum(k.usd_per_hour * n for k, n in zip(kinds, counts))
+        if hopeless is not None and hopeless(W + opt, rate * (W + opt) / 3600.0 + egress):
+            return None
+        sync_s, sync_usd = self.sync(counts)
+        egress += sync_usd
+        T = W + sync_s + opt
+        return Candidate(iteration_time_s=T, cost_per_iteration_usd=rate * T / 3600.0 + egress,
+                         usd_per_hour_gpus=rate, counts=counts, shares=shares, scorer=self)
+
+
+def placed_apart(used: tuple[tuple[tuple[Slot, ...], int], ...]) -> bool:
+    """True when no two kinds of `used` ((slots, count) each) share a (zone, GPU type) pool: the
+    launcher fills each pool's nodes separately, so each kind's pipelines are then placed as if
+    alone (`placed_alone`)."""
+    pools = [{(s.zone, s.gpu) for s in slots} for slots, _ in used]
+    return sum(map(len, pools)) == len(set().union(*pools))
+
+
+def placed_alone(ctx: SimContext, slots: tuple[Slot, ...], n: int) -> list[list[Slot]]:
+    """n pipelines of these slots placed on nodes alone (`simulator.place`). The launcher places
+    pipelines in order, so n of them sit where the first n of more do: one placement per kind,
+    the longest asked for (grown by doubling), serves every count (memoised in the context)."""
+    key = ("placed", slots)
+    have = ctx.memo.get(key)
+    if have is None or len(have) < n:
+        have = place([list(slots)] * max(n, 2 * len(have or ())), ctx.cluster)
+        ctx.memo[key] = have
+    return have[:n]
+
+
+def _tied_terms(ctx: SimContext, slots: tuple[Slot, ...], n: int) -> list[tuple[tuple[float, float, float], int]]:
+    """(`tied_sync` of a (first, last) pair, how many pipelines have it) for n pipelines of these
+    slots placed alone, pairs in order of first appearance (memoised per kind and count)."""
+    key = ("placed-tied", slots, n)
+    if key not in ctx.memo:
+        pairs = Counter((pipe[0], pipe[-1]) for pipe in placed_alone(ctx, slots, n))
+        ctx.memo[key] = [(tied_sync(ctx, first, last, len(slots)), k) for (first, last), k in pairs.items()]
+    return ctx.memo[key]
+
+
+def apart_stage_groups(ctx: SimContext, used: tuple[tuple[tuple[Slot, ...], int], ...], i: int) -> list[Group]:
+    """Stage i's replicas as `group_members` orders them, for kinds ((slots, count) each) placed
+    apart (`placed_apart`): each kind's groups are found and sorted once (memoised per kind and
+    count), then merged in ring order (their members differ, so the ring keys do)."""
+    parts = []
+    for slots, n in used:
+        key = ("placed-stage", slots, n, i)
+        if key not in ctx.memo:
+            ctx.memo[key] = [(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed_alone(ctx, slots, n)])]
+        parts.append(ctx.memo[key])
+    if len(parts) == 1:
+        return [g for _, g in parts[0]]
+    return [g for _, g in sorted(itertools.chain.from_iterable(parts))]
+
+
+@dataclass
+class Candidate:
+    """A scored point of the space (closed form)."""
+
+    iteration_time_s: float
+    cost_per_iteration_usd: float
+    usd_per_hour_gpus: float
+    counts: tuple[int, ...]
+    shares: list[list[int]]
+    scorer: Scorer
+
+    @property
+    def throughput(self) -> float:
+        return 1.0 / self.iteration_time_s
+
+    @property
+    def cost_per_hour_usd(self) -> float:
+        return self.cost_per_iteration_usd * 3600.0 / self.iteration_time_s
