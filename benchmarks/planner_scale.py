@@ -133,7 +133,7 @@ def run_one(sid: str, model: str, ref: Path, report: str | None) -> dict:
                    estimated=sorted({x.split(" TP")[0] for x in e.estimated}))
         if report:
             from sailor.report import write_report
-            write_report(report, r.plan, e, make_context(job, cluster, prof, net), title=f"{sid}: {model}")
+            write_report(report, r.plan, e, cluster, title=f"{sid}: {model}")
             row["report"] = str(Path(report) / "index.html")
     row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     return row

@@ -123,6 +123,50 @@ def test_layers_below_the_runtime_never_import_torch(layer_name):
     assert heavy == []
 
 
+def module_level_functions(*layers: str) -> set[str]:
+    """Names of the functions and classes the modules of `layers` define at their top level."""
+    return {node.name for name in layers for path in (ROOT / name).rglob("*.py")
+            for node in ast.parse(path.read_text(), str(path)).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
+def computing_code(source: str, computes: set[str]) -> list[str]:
+    """What in `source` computes rather than draws: an import from the planner outside an
+    `if TYPE_CHECKING:` block (types for annotations only), or a call of a name in `computes`."""
+    tree = ast.parse(source)
+    typing_only = {id(n) for top in tree.body if isinstance(top, ast.If) and ast.unparse(top.test) == "TYPE_CHECKING"
+                   for n in ast.walk(top)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sailor.planner") \
+                and id(node) not in typing_only:
+            found.append(f"line {node.lineno}: imports {node.module}")
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name in computes:
+                found.append(f"line {node.lineno}: calls {name}")
+    return found
+
+
+def test_the_report_only_draws():
+    """STYLE.md §4.3: figures take what the simulator and the planner computed; `report` runs no search
+    and re-derives no cost (no planner or simulator function is called there)."""
+    computes = module_level_functions("planner", "simulator")
+    assert {"plan_job", "compare_searches", "simulate", "stage_sync", "link_transfer"} <= computes
+    found = {str(path.relative_to(ROOT)): computing_code(path.read_text(), computes)
+             for path in (ROOT / "report").rglob("*.py")}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_the_drawing_check_finds_searches_and_costs():
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sailor.planner import PlanResult\n"
+              "def draw(ctx, options):\n    from sailor.planner import plan_job\n"
+              "    return plan_job(ctx, options), sim.stage_sync(ctx, [], ())\n")
+    assert computing_code(source, {"plan_job", "stage_sync"}) == [
+        "line 5: imports sailor.planner", "line 6: calls plan_job", "line 6: calls stage_sync"]
+
+
 def test_a_unit_test_cannot_start_a_process():
     # the tiers are a rule: without the integration marker, starting a process fails the test
     import subprocess

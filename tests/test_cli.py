@@ -292,3 +292,26 @@ def test_search_progress_frames_show_real_counts_never_none():
     assert "starting" in frames[0] and "None" not in frames[0]
     assert all("None" not in f for f in frames)
     assert "0/48 (P, micro-batch) nodes" in frames[1] and "48/48 (P, micro-batch) nodes" in frames[-1]
+
+
+def test_plan_report_runs_the_comparisons_then_draws(tmp_path):
+    """`sailor plan --report`'s steps, as its progress bar shows them: each comparison search, the
+    figures, then done; the page draws the planner's comparison (paper and homogeneous plans marked)."""
+    from sailor.cli.plan import write_plan_report
+    from sailor.planner import PlanOptions, plan_job
+    from sailor.simulator import make_context
+    from sailor.specs.cluster import ClusterSpec
+    from sailor.specs.job import JobSpec
+
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}})
+    opts = PlanOptions(max_stages=2, top_k=2)
+    result = plan_job(make_context(job, cluster), opts)
+    steps = []
+    written = write_plan_report(tmp_path, result, lambda: make_context(job, cluster), opts, cluster,
+                                title="plan report", progress=lambda *step: steps.append(step))
+    assert steps == [("paper search", 0, 4), ("homogeneous search", 1, 4), ("cost search", 2, 4),
+                     ("figures", 3, 4), ("done", 4, 4)]
+    assert written[-1] == tmp_path / "index.html" and (tmp_path / "pareto.png") in written
+    svg = (tmp_path / "pareto.svg").read_text()
+    assert "best paper plan" in svg and "best homogeneous plan" in svg

@@ -11,7 +11,7 @@ from sailor.core.errors import SailorInputError
 from sailor.perf.network import FIT_MAX_BYTES, FIT_MIN_BYTES, CurveFit, NetworkModel, network_for
 from sailor.plan.spec import Plan
 from sailor.simulator import make_context, simulate
-from sailor.simulator.collectives import Member, allreduce_time_s, group_members, ring_egress
+from sailor.simulator.collectives import Member, allreduce_time_s, group_members, ring_crossings, ring_egress
 from sailor.specs.cluster import AllreduceAlgorithm, ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -214,6 +214,8 @@ def test_hierarchical_allreduce_and_egress_across_zones():
     # two ring edges cross zones, each carrying 2(D-1)/D x 1 MB = 1.5 MB; $0.01 per GB
     assert moved == pytest.approx(3e6)
     assert usd == pytest.approx(3e6 / 1e9 * 0.01)
+    # one crossing per edge, named by its zones in either direction
+    assert [(c.zones, c.moved_bytes) for c in ring_crossings(groups, 1e6, net)] == [((ZA, ZB), 1.5e6)] * 2
 
 
 def test_hierarchical_allreduce_across_nodes_moves_every_shard_through_the_nic():

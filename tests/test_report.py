@@ -1,4 +1,5 @@
-"""`--report`: figures (PNG + SVG) and index.html for a plan, and the 1F1B timeline behind them."""
+"""`--report`: figures (PNG + SVG) and index.html for a plan, drawn from its estimate and the
+planner's comparison searches, and the 1F1B timeline behind them."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 
 from sailor.plan import plan_from_dict
-from sailor.planner import PlanOptions, plan_job
-from sailor.report import plan_report, write_report
-from sailor.report.traffic import cross_zone_traffic
+from sailor.planner import PlanOptions, SearchSpace, plan_job
+from sailor.planner.compare import Comparison, OtherSearch, compare_searches
+from sailor.report import write_report
 from sailor.simulator import make_context, simulate
 from sailor.simulator.schedule import simulate_1f1b, timeline_1f1b
 from sailor.specs.cluster import ClusterSpec
@@ -52,18 +53,6 @@ def test_timeline_has_the_event_simulations_makespan(P, m):
             assert s0 <= e0 <= s1 <= e1
 
 
-def test_traffic_pairs_add_up_to_the_estimate():
-    ctx = make_context(JOB, CLUSTER)
-    est = simulate(PLAN, ctx)
-    pairs = cross_zone_traffic(PLAN, ctx)
-    assert set(pairs) == {("us-central1-a", "us-central1-b"), ("us-central1-a", "us-west1-b"),
-                          ("us-central1-b", "us-west1-b")}
-    total = sum(v["p2p"] + v["sync"] for v in pairs.values())
-    assert total == pytest.approx(est.cross_zone_bytes, rel=1e-9) and total > 0
-    usd = sum(v["usd"] for v in pairs.values())
-    assert usd == pytest.approx(est.egress_per_iteration_usd, rel=1e-9) and usd > 0
-
-
 def _check_figure(path: Path, *labels: str) -> None:
     png, svg = path.with_suffix(".png"), path.with_suffix(".svg")
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
@@ -76,7 +65,7 @@ def _check_figure(path: Path, *labels: str) -> None:
 def test_simulate_report(tmp_path):
     ctx = make_context(JOB, CLUSTER)
     est = simulate(PLAN, ctx)
-    written = write_report(tmp_path / "r", PLAN, est, ctx, title="test report")
+    written = write_report(tmp_path / "r", PLAN, est, CLUSTER, title="test report")
     names = sorted(p.name for p in written)
     assert names == ["index.html", "memory.png", "memory.svg", "placement.png", "placement.svg",
                      "timeline.png", "timeline.svg"]
@@ -92,21 +81,38 @@ def test_simulate_report(tmp_path):
     assert "pareto" not in page
 
 
+SMALL_JOB = JobSpec(model="opt-350m", global_batch_size=64)
+SMALL_CLUSTER = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}})
+
+
 def test_plan_report_marks_the_other_searches(tmp_path):
-    job = JobSpec(model="opt-350m", global_batch_size=64)
-    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}})
     opts = PlanOptions(max_stages=2, top_k=2)
-    result = plan_job(make_context(job, cluster), opts)
-    steps = []
-    written = plan_report(tmp_path, result, lambda: make_context(job, cluster), opts, title="plan report",
-                          progress=lambda name, done, total: steps.append((name, done, total)))
-    # the progress bar of `sailor plan --report`: each extra search, the figures, then done
-    assert steps == [("paper search", 0, 4), ("homogeneous search", 1, 4), ("cost search", 2, 4),
-                     ("figures", 3, 4), ("done", 4, 4)]
+    result = plan_job(make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    comparison = compare_searches(result, lambda: make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    written = write_report(tmp_path, result.plan, result.estimate, SMALL_CLUSTER, title="plan report",
+                           comparison=comparison)
     assert (tmp_path / "pareto.png") in written and (tmp_path / "index.html") in written
-    _check_figure(tmp_path / "pareto", "chosen plan", "best paper plan", "best homogeneous plan", "Pareto front",
+    paper, homogeneous = (comparison.best_by_space()[s] for s in ("paper", "homogeneous"))
+    # each plan is marked with the numbers of its own estimate
+    _check_figure(tmp_path / "pareto", "every search: Pareto front", "paper search: Pareto front",
+                  f"chosen plan: {result.estimate.throughput_iters_per_s:.3f} it/s",
+                  f"best paper plan: {paper.estimate.throughput_iters_per_s:.3f} it/s",
+                  f"best homogeneous plan: {homogeneous.estimate.throughput_iters_per_s:.3f} it/s",
                   "cost per iteration ($)", "throughput (iterations/s)")
-    assert "'pareto.png'" in (tmp_path / "index.html").read_text()
+    page = (tmp_path / "index.html").read_text()
+    assert "'pareto.png'" in page and "no plan" not in page
+
+
+def test_a_comparison_search_without_a_plan_is_noted_not_marked(tmp_path):
+    opts = PlanOptions(max_stages=2, top_k=1)
+    result = plan_job(make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    failed = OtherSearch("homogeneous search", PlanOptions(max_stages=2, search=SearchSpace.HOMOGENEOUS), None,
+                         "no plan fits one zone")
+    comparison = Comparison(result, opts, (failed,), result.pareto)
+    write_report(tmp_path, result.plan, result.estimate, SMALL_CLUSTER, title="plan report", comparison=comparison)
+    assert "homogeneous search: no plan (no plan fits one zone)" in (tmp_path / "index.html").read_text()
+    svg = (tmp_path / "pareto.svg").read_text()
+    assert "chosen plan" in svg and "homogeneous" not in svg and "paper" not in svg
 
 
 def test_cli_simulate_report(tmp_path):

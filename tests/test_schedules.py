@@ -14,8 +14,7 @@ from sailor.plan import plan_from_dict
 from sailor.plan.orders import BWD, FWD, WGRAD, interleaved_order, microbatch_groups, zb_h1_order
 from sailor.plan.spec import ScheduleKind
 from sailor.report.figures import timeline_figure
-from sailor.report.traffic import cross_zone_traffic
-from sailor.simulator import make_context, simulate
+from sailor.simulator import TrafficKind, make_context, simulate
 from sailor.simulator.memory import replica_memory
 from sailor.simulator.schedule_orders import run_orders
 from sailor.simulator.schedules import (ONE_F_ONE_B, PipelineSchedule, PipelineTimes, bubble_ratio,
@@ -351,12 +350,12 @@ def test_interleaving_pays_the_wrap_link_and_its_traffic_adds_up():
     plain_plan = _plan(FOUR, zones=zones)
     plan = _plan(EIGHT, {"kind": "interleaved-1f1b", "virtual_stages": 2}, zones=zones)
     inter = simulate(plan, ctx)
-    p2p = lambda pl: sum(v["p2p"] for v in cross_zone_traffic(pl, ctx).values())  # noqa: E731
+    p2p = lambda est: sum(t.moved_bytes for t in est.traffic if t.kind is TrafficKind.P2P)  # noqa: E731
     # 1F1B crosses regions once per micro-batch (stage 1 -> 2); interleaved three times (1 -> 2 twice
     # and the last stage back to the first between chunks); the tied-embedding all-reduce once each
-    assert p2p(plan) == pytest.approx(3 * p2p(plain_plan)) and p2p(plain_plan) > 0
-    pairs = cross_zone_traffic(plan, ctx)
-    assert sum(v["p2p"] + v["sync"] for v in pairs.values()) == pytest.approx(inter.cross_zone_bytes)
+    plain = simulate(plain_plan, ctx)
+    assert p2p(inter) == pytest.approx(3 * p2p(plain)) and p2p(plain) > 0
+    assert sum(t.moved_bytes for t in inter.traffic) == pytest.approx(inter.cross_zone_bytes)
     assert inter.replicas[3].p2p_s > inter.replicas[2].p2p_s  # stage 3 sends over the wrap link too
 
 

@@ -2,6 +2,8 @@
 hypothesis properties (faster GPU or link never slower, memory grows with micro-batch size, closed
 form = event simulation on uniform pipelines)."""
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,7 +13,7 @@ from sailor.catalog import Link, LinkClass
 from sailor.perf.network import NetworkModel
 from sailor.perf.profiles import Profiles
 from sailor.plan.spec import Plan
-from sailor.simulator import make_context, simulate
+from sailor.simulator import TrafficKind, make_context, simulate
 from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
@@ -103,6 +105,32 @@ def test_p2p_across_zones_is_charged_per_micro_batch():
     # plus the tied all-reduce between the two zones: 2 edges x 2(2-1)/2 x 81920 B
     assert est.replicas[0].p2p_s == pytest.approx(0.5 + 16384 / 1e6)
     assert est.cross_zone_bytes == pytest.approx(4 * 2 * 16384 + 2 * 81920)
+    # the same bytes per zone pair and kind
+    assert [(t.zones, t.kind, t.moved_bytes) for t in est.traffic] == [
+        ((ZA, ZB), TrafficKind.P2P, pytest.approx(4 * 2 * 16384)),
+        ((ZA, ZB), TrafficKind.SYNC, pytest.approx(2 * 81920))]
+    assert [t.egress_usd for t in est.traffic] == pytest.approx([4 * 2 * 16384 / 1e9 * 0.01, 2 * 81920 / 1e9 * 0.01])
+
+
+def test_traffic_pairs_add_up_to_the_estimate():
+    # three zones, two regions: p2p from us-central1-a to either other zone, stage 1's sync across all
+    # three, the tied embeddings' all-reduce from us-central1-a to each pipeline's last stage
+    zw = "us-west1-b"
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 4}, ZB: {"A100-40": 4}, zw: {"A100-40": 4}})
+    pipes = [{"microbatches": m, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": ZA, "tp": 1},
+                                              {"stage": 1, "gpu": "A100-40", "zone": z, "tp": 1}]}
+             for m, z in ((2, ZB), (1, ZB), (1, zw))]
+    plan = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 3], [3, 6]], "pipelines": pipes})
+    est = simulate(plan, make_context(JOB, cluster))
+    assert [(t.zones, t.kind.value) for t in est.traffic] == [
+        ((ZA, ZB), "p2p"), ((ZA, ZB), "sync"), ((ZA, zw), "p2p"), ((ZA, zw), "sync"), ((ZB, zw), "sync")]
+    total = sum(t.moved_bytes for t in est.traffic)
+    assert total == pytest.approx(est.cross_zone_bytes, rel=1e-9) and total > 0
+    usd = sum(t.egress_usd for t in est.traffic)
+    assert usd == pytest.approx(est.egress_per_iteration_usd, rel=1e-9) and usd > 0
+    assert json.loads(json.dumps(est.to_dict()))["cross_zone_traffic"][0] == {
+        "zones": [ZA, ZB], "kind": "p2p", "bytes_per_iteration": est.traffic[0].moved_bytes,
+        "egress_usd_per_iteration": est.traffic[0].egress_usd}
 
 
 def test_memory_by_hand():

@@ -19,10 +19,12 @@ from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, Profiles
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
 from sailor.plan.spec import Plan
-from sailor.planner import Objective, PlanResult, SearchSpace, plan_job
+from sailor.planner import Objective, PlanOptions, PlanResult, SearchSpace, plan_job
+from sailor.planner.compare import compare_searches
 from sailor.planner.options import DEFAULT_MEMORY_MARGIN
-from sailor.simulator import make_context
+from sailor.simulator import SimContext, make_context
 from sailor.specs import EXAMPLE_CLUSTER, EXAMPLE_JOB, load_cluster, load_job
+from sailor.specs.cluster import ClusterSpec
 
 GIB = 2**30
 
@@ -55,7 +57,8 @@ def plan_command(
     top: int = typer.Option(3, "--top", min=0, help="Alternatives to show."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the plan (with its job and cluster) to this JSON file."),
     report: Optional[Path] = typer.Option(None, "--report", help="Write figures (PNG, SVG) and index.html to this"
-                                          " folder, e.g. report/ (also runs the paper and homogeneous searches)."),
+                                          " folder, e.g. report/ (also runs the paper and homogeneous searches and"
+                                          " the search for the other objective)."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the best plan for JOB on the GPUs CLUSTER offers (built-in example when both are omitted)."""
@@ -84,14 +87,14 @@ def plan_command(
     if out:
         result.plan.save(out)
     if report:
-        from sailor.report import plan_report
         title = f"sailor plan: {job_spec.model.name}, global batch {job_spec.global_batch_size}"
         err = Console(stderr=True)
         with Progress(TextColumn("report: {task.fields[step]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as bar:
             task = bar.add_task("report", total=None, step="starting")
-            plan_report(report, result, lambda: make_context(job_spec, cluster_spec, prof, net), opts, title=title,
-                        progress=lambda name, d, t: bar.update(task, completed=d, total=t, step=name))
+            write_plan_report(report, result, lambda: make_context(job_spec, cluster_spec, prof, net), opts,
+                              cluster_spec, title=title,
+                              progress=lambda name, d, t: bar.update(task, completed=d, total=t, step=name))
     if as_json:
         print(json.dumps({"plan": result.plan.to_dict(), "estimate": result.estimate.to_dict(),
                           "search_time_s": result.search_time_s,
@@ -104,6 +107,30 @@ def plan_command(
         con.print(f"plan written to {out}")
     if report:
         con.print(f"report written to {report / 'index.html'}")
+
+
+def write_plan_report(folder: Path, result: PlanResult, ctx_factory: Callable[[], SimContext], options: PlanOptions,
+                      cluster: ClusterSpec, *, title: str,
+                      progress: Callable[[str, int, int], None] | None = None) -> list[Path]:
+    """`sailor plan --report`: the planner's comparison searches around `result`
+    (`planner.compare.compare_searches`: the other search spaces and the other objective), then the
+    report drawn from them (`report.write_report`). Returns every file written.
+
+    progress(step, done, total) comes before each search and before the figures (step names what
+    runs next; done of total steps are finished), and as ("done", total, total) at the end.
+    """
+    from sailor.report import write_report
+
+    def step(name: str, done: int, total: int) -> None:
+        if progress:
+            progress(name, done, total)
+
+    comparison = compare_searches(result, ctx_factory, options, progress=lambda name, d, n: step(name, d, n + 1))
+    n = len(comparison.others)
+    step("figures", n, n + 1)
+    written = write_report(folder, result.plan, result.estimate, cluster, title=title, comparison=comparison)
+    step("done", n + 1, n + 1)
+    return written
 
 
 def search_progress(con: Console) -> tuple[Progress, Callable[[int, int], None]]:

@@ -4,6 +4,7 @@ event simulation), the time-cost Pareto front, and counters. Shared by `engine` 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -119,6 +120,15 @@ def pareto_add(front: list[tuple[float, float]], p: tuple[float, float]) -> None
         return
     front[:] = [q for q in front if not (p[0] <= q[0] and p[1] <= q[1])]
     front.append(p)
+
+
+def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (time, cost) points that no different point matches or beats on both, each once, sorted by
+    time: `pareto_add` over `points` (e.g. several searches' fronts merged)."""
+    front: list[tuple[float, float]] = []
+    for p in points:
+        pareto_add(front, p)
+    return sorted(front)
 
 
 def plan_from_kinds(ctx: SimContext, cand: Candidate, partition, mbs: int, memory: tuple[StageMemory, ...] = ()) -> Plan:

@@ -17,13 +17,16 @@ from sailor.plan.spec import Plan
 from sailor.simulator import Estimate, ReplicaEstimate
 
 if TYPE_CHECKING:
-    from sailor.planner import PlanResult
+    from sailor.planner.compare import Comparison
     from sailor.specs.cluster import ClusterSpec
 
 GIB = 2**30
 GB = 1e9
 MAX_TIMELINE_ROWS = 16  # rows of the timeline; identical pipelines share a row block, never split
 MAX_MEMORY_BARS = 24  # distinct replica kinds drawn in the memory figure
+
+SPACE_STYLE = {"paper": ("#2ca02c", "s"), "homogeneous": ("#ff7f0e", "^")}
+"""(colour, marker) of each compared search space in the Pareto figure."""
 
 # Colours (matplotlib's tab10), one per activity, the same in every figure.
 COLOR = {"forward": "#1f77b4", "backward": "#ff7f0e", "weight gradient": "#17becf", "p2p": "#9467bd", "sync": "#d62728",
@@ -65,32 +68,31 @@ def _save(fig, base: Path) -> list[Path]:
 
 
 # ---- 1. Pareto front ------------------------------------------------------------------------------
-def pareto_figure(result: "PlanResult", base: Path, *, paper: "PlanResult | None" = None,
-                  homogeneous: "PlanResult | None" = None) -> list[Path]:
-    """Iterations/s against $/iteration: the candidates' closed-form Pareto front, the alternatives,
-    the chosen plan and the best plans of the `paper` and `homogeneous` searches (skipped when None).
+def pareto_figure(comparison: "Comparison", base: Path) -> list[Path]:
+    """Iterations/s against $/iteration: the Pareto front of every candidate the comparison's searches
+    scored, the fronts of the `paper` and `homogeneous` searches, the main search's alternatives, its
+    chosen plan and the other spaces' best plans (`Comparison.best_by_space`; a space without a plan
+    is not drawn).
 
     Returns:
         [png, svg] paths.
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    fronts = [("full search: Pareto front (closed form)", result, "#1f77b4", 1.0)]
-    fronts += [(f"{name} search: Pareto front", r, color, 0.5)
-               for name, r, color in (("paper", paper, "#2ca02c"), ("homogeneous", homogeneous, "#ff7f0e"))
-               if r is not None]
-    for label, r, color, alpha in fronts:
-        if r.pareto:
-            t, c = np.array(r.pareto).T
+    main, bests = comparison.main, comparison.best_by_space()
+    fronts = [("every search: Pareto front (closed form)", comparison.pareto, "#1f77b4", 1.0)]
+    fronts += [(f"{name} search: Pareto front", r.pareto, SPACE_STYLE[name][0], 0.5) for name, r in bests.items()]
+    for label, front, color, alpha in fronts:
+        if front:
+            t, c = np.array(front).T
             ax.plot(c, 1.0 / t, "-o", color=color, alpha=alpha, markersize=3, linewidth=1.2, label=label,
                     drawstyle="steps-post" if len(t) > 1 else "default")
-    alts = [a.estimate for a in result.alternatives if a.estimate is not None]
+    alts = [a.estimate for a in main.alternatives if a.estimate is not None]
     if alts:
         ax.scatter([e.cost_per_iteration_usd for e in alts], [e.throughput_iters_per_s for e in alts],
                    s=28, facecolors="none", edgecolors="#555555", label="alternatives (event-simulated)", zorder=3)
-    marks = [("chosen plan", result, "*", "#d62728", 220)]
-    marks += [(f"best {name} plan", r, m, color, 90) for name, r, m, color in
-              (("paper", paper, "s", "#2ca02c"), ("homogeneous", homogeneous, "^", "#ff7f0e")) if r is not None]
+    marks = [("chosen plan", main, "*", "#d62728", 220)]
+    marks += [(f"best {name} plan", r, SPACE_STYLE[name][1], SPACE_STYLE[name][0], 90) for name, r in bests.items()]
     for label, r, marker, color, size in marks:
         e = r.estimate
         ax.scatter([e.cost_per_iteration_usd], [e.throughput_iters_per_s], marker=marker, s=size, color=color,
@@ -234,11 +236,20 @@ def memory_figure(est: Estimate, base: Path) -> list[Path]:
 
 
 # ---- 4. placement --------------------------------------------------------------------------------
-def placement_figure(plan: Plan, est: Estimate, cluster: "ClusterSpec", traffic: dict[tuple[str, str], dict[str, float]],
-                     base: Path) -> list[Path]:
+def _traffic_by_pair(est: Estimate) -> dict[tuple[str, str], dict[str, float]]:
+    """`Estimate.traffic` as one bar per zone pair: {pair: {"p2p": bytes, "sync": bytes, "usd": egress $}}."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for t in est.traffic:
+        bar = out.setdefault(t.zones, {"p2p": 0.0, "sync": 0.0, "usd": 0.0})
+        bar[t.kind.value] += t.moved_bytes
+        bar["usd"] += t.egress_usd
+    return out
+
+
+def placement_figure(plan: Plan, est: Estimate, cluster: "ClusterSpec", base: Path) -> list[Path]:
     """Left: zones x GPU types, GPUs used / available (colour: share used). Right: GB per iteration
-    crossing each zone pair, pipeline p2p and gradient sync, with the pair's egress $ and whether it
-    crosses zones, regions or continents (from `traffic.cross_zone_traffic`).
+    crossing each zone pair, pipeline p2p and gradient sync (`Estimate.traffic`), with the pair's
+    egress $ and whether it crosses zones, regions or continents.
 
     Returns:
         [png, svg] paths.
@@ -253,7 +264,7 @@ def placement_figure(plan: Plan, est: Estimate, cluster: "ClusterSpec", traffic:
             have = cluster.available(z, g)
             if have:
                 share[a, b] = use.get((z, g), 0) / have
-    pairs = sorted(traffic.items(), key=lambda kv: -(kv[1]["p2p"] + kv[1]["sync"]))
+    pairs = sorted(_traffic_by_pair(est).items(), key=lambda kv: -(kv[1]["p2p"] + kv[1]["sync"]))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.5 * max(len(zones), len(pairs), 3)),
                                  gridspec_kw={"width_ratios": [1.0, 1.3], "wspace": 0.7})
     cmap = plt.get_cmap("Blues").with_extremes(bad="#eeeeee")  # grey: no such GPU in that zone

@@ -50,12 +50,14 @@ from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes, pipeline_schedule
 from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s, group_shape,
                                     link_transfer, optimizer_s, pipeline_arrays, pipeline_times, place, placed_slots,
-                                    recomputed_blocks, stage_memory, stage_sync, stage_time, tied_sync, time_options)
+                                    recomputed_blocks, stage_memory, stage_sync, stage_sync_crossings, stage_time,
+                                    tied_sync, tied_sync_crossings, time_options)
+from sailor.simulator.traffic import Crossing, TrafficKind, ZoneTraffic, tally
 
 __all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", "StageTime", "TimeOptions",
-           "allreduce_s", "collective_s", "embedding_params", "head_vocab_params", "link_transfer", "make_context",
-           "optimizer_s", "pipeline_arrays", "pipeline_times", "place", "placed_slots", "simulate", "stage_sync",
-           "stage_time", "tied_embeddings", "tied_sync", "time_options"]
+           "TrafficKind", "ZoneTraffic", "allreduce_s", "collective_s", "embedding_params", "head_vocab_params",
+           "link_transfer", "make_context", "optimizer_s", "pipeline_arrays", "pipeline_times", "place", "placed_slots",
+           "simulate", "stage_sync", "stage_time", "tied_embeddings", "tied_sync", "time_options"]
 
 
 @dataclass
@@ -128,6 +130,9 @@ class Estimate:
     """The plan's pipeline schedule (`schedules.pipeline_schedule`)."""
     pipeline_passes: list[PipelineTimes] = field(default_factory=list)
     """Per pipeline, the pass times its schedule ran on (`schedule.timeline` redraws it)."""
+    traffic: list[ZoneTraffic] = field(default_factory=list)
+    """`cross_zone_bytes` and `egress_per_iteration_usd` per zone pair and kind (pipeline p2p, gradient
+    sync), sorted by pair then kind; one entry per pair and kind that carries bytes (`traffic`)."""
 
     @property
     def throughput_iters_per_s(self) -> float:
@@ -193,6 +198,7 @@ class Estimate:
             "pipeline_times_s": self.pipeline_times_s,
             **({"schedule_timing": self.schedule.runtime_difference} if self.schedule.runtime_difference else {}),
             "estimated": self.estimated,
+            "cross_zone_traffic": [t.to_dict() for t in self.traffic],
             "replicas": [r.to_dict() for r in self.replicas],
         }
 
@@ -219,6 +225,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     passes: list[PipelineTimes] = []
     cache: dict[tuple, float] = {}
     egress_usd, cross_bytes = 0.0, 0.0
+    crossings: list[tuple[TrafficKind, Crossing, int]] = []  # what the two totals add up, itemised
     slots = placed_slots(plan, ctx.cluster)
     # pipelines of one shape (slots alike but for which nodes they sit on, `group_shape`) share their
     # pass times: `pipeline_times` reads a node only to tell whether two stages share one
@@ -232,6 +239,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         passes.append(times)
         cross_bytes += times.cross_zone_bytes * m
         egress_usd += times.egress_usd * m
+        crossings += [(TrafficKind.P2P, c, m) for c in times.crossings]
         key = (times.key, m, event)
         if key not in cache:
             cache[key] = sched.time_s(times, m, event=event)
@@ -259,12 +267,15 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         tied_s = max(tied_s, t)
         cross_bytes += eb
         egress_usd += eu
+        crossings += [(TrafficKind.SYNC, c, 1) for c in tied_sync_crossings(ctx, sl[0], sl[-1], P)]
     sync_times = []
     for i in range(P):
-        t, eb, eu = stage_sync(ctx, group_members([sl[i] for sl in slots]), plan.stage_chunks(i), options[i][0])
+        groups, chunks = group_members([sl[i] for sl in slots]), plan.stage_chunks(i)
+        t, eb, eu = stage_sync(ctx, groups, chunks, options[i][0])
         sync_times.append(t)
         cross_bytes += eb
         egress_usd += eu
+        crossings += [(TrafficKind.SYNC, c, 1) for c in stage_sync_crossings(ctx, groups, chunks, options[i][0])]
     for rep in replicas:
         rep.sync_s = sync_times[rep.stage] + (tied_s if rep.stage in (0, P - 1) else 0.0)
 
@@ -288,7 +299,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         estimated=sorted(f"{g} TP {t}: {how}" for g, t, how in ctx.profiles.estimates_used
                          if any(r.gpu == g and r.tp == t for r in replicas)),
         recompute_flop_per_iteration=_recompute_flop(plan, ctx, memory), tp_communication=tp_communication(plan, ctx),
-        schedule=sched, pipeline_passes=passes,
+        schedule=sched, pipeline_passes=passes, traffic=tally(crossings),
     )
 
 

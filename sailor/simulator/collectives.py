@@ -43,6 +43,7 @@ from itertools import groupby
 from sailor.catalog import LinkClass
 from sailor.model.spec import Collective
 from sailor.perf.network import NetworkModel
+from sailor.simulator.traffic import Crossing, totals
 from sailor.specs.cluster import AllreduceAlgorithm
 
 
@@ -193,19 +194,24 @@ def tp_collective_time_s(net: NetworkModel, zone: str, gpu: str, tp: int, kind: 
     return RING_STEPS[kind] * (tp - 1) * step
 
 
-def ring_egress(groups: list[Group], nbytes: float, net: NetworkModel) -> tuple[float, float]:
-    """(bytes crossing zones, egress $) per all-reduce: each ring edge between zones carries
-    2(D-1)/D x nbytes (flat ring order, zones contiguous)."""
+def ring_crossings(groups: list[Group], nbytes: float, net: NetworkModel) -> list[Crossing]:
+    """The edges between zones of a flat ring over `groups` (ring order, zones contiguous) in one
+    all-reduce of `nbytes`: each carries 2(D-1)/D x nbytes, at the egress price of its link class.
+    Empty for fewer than two members, no bytes or a single zone."""
     d = sum(n for _, n in groups)
     if d < 2 or nbytes <= 0 or len({m.zone for m, _ in groups}) == 1:
-        return 0.0, 0.0
+        return []
     per_edge = 2 * (d - 1) / d * nbytes
-    moved, usd = 0.0, 0.0
     prices = net.cluster.prov.egress_usd_per_gb
     zones = [z for z, _ in groupby(m.zone for m, _ in groups)]  # an edge inside a zone pays nothing
+    out = []
     for a, b in zip(zones, zones[1:] + zones[:1]):
         lc = net.link_class(a, b)
         if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
-            moved += per_edge
-            usd += per_edge / 1e9 * prices[lc]
-    return moved, usd
+            out.append(Crossing.between(a, b, per_edge, per_edge / 1e9 * prices[lc]))
+    return out
+
+
+def ring_egress(groups: list[Group], nbytes: float, net: NetworkModel) -> tuple[float, float]:
+    """(bytes crossing zones, egress $) per all-reduce: the totals of `ring_crossings`."""
+    return totals(ring_crossings(groups, nbytes, net))

@@ -32,6 +32,7 @@ from sailor.plan.spec import Plan, ScheduleKind
 from sailor.simulator.schedule import check_pipeline_tasks, closed_form_1f1b, simulate_1f1b, timeline_1f1b
 from sailor.simulator.schedule import in_flight as in_flight_1f1b
 from sailor.simulator.schedule_orders import TimedOp, held_at_peak, run_orders
+from sailor.simulator.traffic import Crossing, totals
 
 
 @dataclass(frozen=True)
@@ -47,16 +48,25 @@ class PipelineTimes:
         transfer_s: array (p·v - 1,), one message across virtual boundary u -> u + 1 (chunk u of the
             layer order to chunk u + 1: stage u mod p to stage (u + 1) mod p); the gradient comes
             back in the same time.
-        cross_zone_bytes: bytes crossing zones per micro-batch (activations and gradients).
-        egress_usd: egress $ per micro-batch.
+        crossings: the transfers of one micro-batch that cross zones (activation and gradient),
+            in boundary order (`traffic.Crossing`).
     """
 
     forward_s: np.ndarray
     backward_s: np.ndarray
     weight_s: np.ndarray
     transfer_s: np.ndarray
-    cross_zone_bytes: float = 0.0
-    egress_usd: float = 0.0
+    crossings: tuple[Crossing, ...] = ()
+
+    @property
+    def cross_zone_bytes(self) -> float:
+        """Bytes crossing zones per micro-batch (activations and gradients)."""
+        return totals(self.crossings)[0]
+
+    @property
+    def egress_usd(self) -> float:
+        """Egress $ per micro-batch."""
+        return totals(self.crossings)[1]
 
     @property
     def key(self) -> tuple:

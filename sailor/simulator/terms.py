@@ -32,10 +32,11 @@ from sailor.catalog import LinkClass
 from sailor.model.spec import Collective, Framework, Recompute
 from sailor.plan.placement import FirstFit
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan, StageMemory
-from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_egress, same_node,
-                                          tp_collective_time_s)
+from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_crossings, ring_egress,
+                                          same_node, tp_collective_time_s)
 from sailor.simulator.context import SimContext, embedding_params, stage_blocks, tied_embeddings
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes
+from sailor.simulator.traffic import Crossing
 from sailor.specs.cluster import ClusterSpec
 
 Slot = Member  # where one replica runs: zone, GPU type, TP degree, and (once placed) its node
@@ -245,12 +246,13 @@ def pipeline_times(ctx: SimContext, slots: Sequence[Slot], stages: Sequence[tupl
     (`Framework.MEGATRON`) exchanges after every pass with a blocking `batch_isend_irecv` (its 2021
     `p2p_communication`, also under interleaving), so where the schedule's simulation has sends that
     never block (`PipelineSchedule.sends_block` False) each pass's send is charged to the pass that
-    sends it and the message arrives when that pass ends."""
+    sends it and the message arrives when that pass ends. Each transfer between zones is one of
+    the result's `crossings` (per micro-batch)."""
     p, v = len(slots), schedule.virtual_stages
     assert len(stages) == p * v, (len(stages), p, v)
     f, b, w = np.zeros((p, v)), np.zeros((p, v)), np.zeros((p, v))
     c = np.zeros(p * v - 1)
-    moved = usd = 0.0
+    crossings = []
     for u, (a, e) in enumerate(stages):
         i, k = u % p, u // p
         r = slots[i]
@@ -260,15 +262,16 @@ def pipeline_times(ctx: SimContext, slots: Sequence[Slot], stages: Sequence[tupl
             bi, w[i, k] = ctx.stage_backward_split_s(r.gpu, r.tp, mbs, a, e)
             b[i, k] += bi - ctx.stage_compute_s(r.gpu, r.tp, mbs, a, e)[1]
         if u < p * v - 1:
-            c[u], nbytes, dollars = link_transfer(ctx, r, slots[(u + 1) % p], ctx.boundary_bytes(e, mbs))
-            moved += nbytes
-            usd += dollars
+            dst = slots[(u + 1) % p]
+            c[u], nbytes, dollars = link_transfer(ctx, r, dst, ctx.boundary_bytes(e, mbs))
+            if nbytes:
+                crossings.append(Crossing.between(r.zone, dst.zone, nbytes, dollars))
     if ctx.job.framework is Framework.MEGATRON and not schedule.sends_block:
         for u in range(p * v - 1):  # the activation leaves virtual stage u, its gradient u + 1
             f[u % p, u // p] += c[u]
             b[(u + 1) % p, (u + 1) // p] += c[u]
         c[:] = 0.0
-    return PipelineTimes(f, b, w, c, moved, usd)
+    return PipelineTimes(f, b, w, c, tuple(crossings))
 
 
 def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int,
@@ -312,6 +315,18 @@ def group_shape(groups: list[Group]) -> tuple:
                  for m, n in groups)
 
 
+def _sync_shards(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]]) -> tuple[int, float]:
+    """(t, parameters one replica syncs) of a stage's gradient sync (`stage_sync`): t = the finest
+    common sharding's flow count, parameters = t x params(stage, t)."""
+    t = min(r.tp for r, _ in groups)
+    return t, t * sum(ctx.stage_params(t, a, e) for a, e in chunks)
+
+
+def _sync_collectives(ctx: SimContext, params: float, opts: TimeOptions) -> list[tuple[Collective, float]]:
+    """[(collective, bytes of one replica's tensor)] of a stage's gradient sync over `params` parameters."""
+    return [(kind, params * ctx.job.state_bytes_per_param[state]) for kind, state in opts.sync()]
+
+
 def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
                opts: TimeOptions = DEFAULT_TIME) -> tuple[float, float, float]:
     """(seconds, bytes crossing zones, egress $) of the gradient sync of the layer ranges `chunks`
@@ -319,14 +334,13 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
     (Slot, count) groups in ring order (`group_members`): an all-reduce of the gradients, or under
     ZeRO their reduce-scatter plus (ZeRO-1/2) the all-gather of the updated weights
     (`TimeOptions.sync`). Each of the t ranks syncs its own shard of params(stage, t) parameters
-    (replicated norms and biases included), t = the finest common sharding's flow count."""
-    t = min(r.tp for r, _ in groups)
-    params = t * sum(ctx.stage_params(t, a, e) for a, e in chunks)
+    (replicated norms and biases included), t = the finest common sharding's flow count. The bytes
+    and $ are the totals of `stage_sync_crossings`, collective by collective."""
+    t, params = _sync_shards(ctx, groups, chunks)
     key = ("stage_sync", group_shape(groups), params, opts.sync())  # stages of equal size share the result
     if key not in ctx.memo:
         seconds, moved, usd = 0.0, 0.0, 0.0
-        for kind, state in opts.sync():
-            nbytes = params * ctx.job.state_bytes_per_param[state]
+        for kind, nbytes in _sync_collectives(ctx, params, opts):
             mb, mu = ring_egress(groups, nbytes, ctx.network)
             seconds += collective_s(ctx, groups, kind, nbytes, t)
             moved += _RING_SHARE[kind] * mb
@@ -335,21 +349,51 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
     return ctx.memo[key]
 
 
+def stage_sync_crossings(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
+                         opts: TimeOptions = DEFAULT_TIME) -> list[Crossing]:
+    """The zone crossings of `stage_sync` (same arguments): per collective, each ring edge between
+    zones (`collectives.ring_crossings`) at that collective's share of a ring all-reduce's bytes."""
+    _, params = _sync_shards(ctx, groups, chunks)
+    return [c.scaled(_RING_SHARE[kind]) for kind, nbytes in _sync_collectives(ctx, params, opts)
+            for c in ring_crossings(groups, nbytes, ctx.network)]
+
+
+def _ties(ctx: SimContext, num_stages: int) -> bool:
+    """True when a pipeline of `num_stages` stages all-reduces tied embedding gradients (P > 1, a
+    tied model)."""
+    return num_stages > 1 and tied_embeddings(ctx.job.model)
+
+
+def _tied_allreduce(ctx: SimContext, first: Slot, last: Slot) -> tuple[list[Group], float, int]:
+    """(ring groups, bytes of one replica's embedding gradient, t) of the tied-embedding all-reduce
+    between a pipeline's first and last stage."""
+    t = min(first.tp, last.tp)
+    nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
+    return group_members([first, last]), nbytes, t
+
+
 def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tuple[float, float, float]:
     """(seconds, bytes crossing zones, egress $) of the all-reduce of tied embedding gradients between
-    a pipeline's first and last stage (DeepSpeed ReduceTiedGrads); 0 for one stage or untied models."""
-    if num_stages < 2 or not tied_embeddings(ctx.job.model):
+    a pipeline's first and last stage (DeepSpeed ReduceTiedGrads); 0 for one stage or untied models.
+    The bytes and $ are the totals of `tied_sync_crossings`."""
+    if not _ties(ctx, num_stages):
         return 0.0, 0.0, 0.0
     # two members: the ring has the edge each way, so only whether they share a node matters, not
     # which node (nor which of the two sorts first)
     key = ("tied_sync", first.zone, first.gpu, first.tp, last.zone, last.gpu, last.tp, first.node is None,
            last.node is None, first.node == last.node)
     if key not in ctx.memo:
-        groups = group_members([first, last])
-        t = min(first.tp, last.tp)
-        nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
+        groups, nbytes, t = _tied_allreduce(ctx, first, last)
         ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
     return ctx.memo[key]
+
+
+def tied_sync_crossings(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> list[Crossing]:
+    """The zone crossings of `tied_sync` (same arguments): the ring edges between the two zones."""
+    if not _ties(ctx, num_stages):
+        return []
+    groups, nbytes, _ = _tied_allreduce(ctx, first, last)
+    return ring_crossings(groups, nbytes, ctx.network)
 
 
 def place(pipelines: list[list[Slot]], cluster: ClusterSpec) -> list[list[Slot]]:
