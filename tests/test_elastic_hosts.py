@@ -79,7 +79,7 @@ def test_pool_capacity_and_placement_skip_lost_machines(tmp_path, monkeypatch):
     assert nodes.rank_machine == {0: ("local", "cpu", 1), 1: ("local", "cpu", 1), 2: ("local", "cpu", 2),
                                   3: ("local", "cpu", 2)}
     assert all(f"--rdzv-endpoint {HOSTS[1]}:{pool.rdzv_port}" in c[-1] for c in nodes.commands)
-    assert all("--stop-file " + str(tmp_path / "stop") in c[-1] for c in nodes.commands)
+    assert all("--stop-file=" + str(tmp_path / "stop") in c[-1] for c in nodes.commands)
 
 
 def test_availability_is_capped_by_usable_machines_until_a_fresh_count(tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ from sailor.launch.common import launch_layout
 from sailor.plan import plan_from_dict
 from sailor.plan.placement import rank_layout
 from sailor.plan.spec import Plan
+from sailor.runtime.command import WorkerSettings
 from sailor.specs.job import JobSpec
 
 SAILOR = Path(sys.executable).with_name("sailor")
@@ -44,7 +45,15 @@ GEO = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 10], [10, 26]], "pip
     {"microbatches": 4, "replicas": [_rep(0, "A100-40", "us-central1-a", 4), _rep(1, "V100-16", "us-west1-b", 2)]},
 ]})
 GEO_JOB = JobSpec(model="opt-350m", global_batch_size=12)
-OPTS = LaunchOptions(plan_path="/data/plan.json", steps=3)
+
+
+def _opts(plan_path: str, *, python: str = "python3", rdzv_port: int = 29500, **worker) -> LaunchOptions:
+    """Launch options for the worker settings `worker` (default: 10 steps on cuda) of plan `plan_path`."""
+    return LaunchOptions(worker=WorkerSettings(plan=plan_path, **{"steps": 10, "device": "cuda", **worker}),
+                         python=python, rdzv_port=rdzv_port)
+
+
+OPTS = _opts("/data/plan.json", steps=3)
 HOSTS = {"user": "ubuntu", "groups": [
     {"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["a0", "a1", "a-spare"]},
     {"zone": "us-central1-b", "gpu": "V100-16", "hosts": ["b0", "b1"]},
@@ -161,7 +170,7 @@ def _jobset_pods(jobset: dict) -> list[tuple[str, dict]]:
 
 
 def test_kubernetes_jobset():
-    opts = LaunchOptions(plan_path="/etc/sailor/plan.json", steps=3)
+    opts = _opts("/etc/sailor/plan.json", steps=3)
     docs = launch_specs(GEO, Backend.KUBERNETES, opts, image="example.com/sailor:1", name="opt",
                         k8s=KubernetesOptions(namespace="team-a", max_restarts=2, queue="gpus"))
     parsed = list(yaml.safe_load_all(dump_documents(docs)))
@@ -198,7 +207,7 @@ def test_kubernetes_jobset():
 
 
 def test_kubernetes_indexed_jobs_and_default_image():
-    opts = LaunchOptions(plan_path="/etc/sailor/plan.json", steps=3)
+    opts = _opts("/etc/sailor/plan.json", steps=3)
     docs = launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True))
     kinds = [d["kind"] for d in docs]
     assert kinds == ["ConfigMap", "NetworkPolicy", "Service", "Job", "Job", "Job"]
@@ -227,11 +236,11 @@ def test_kubernetes_indexed_jobs_and_default_image():
 ])
 def test_kubernetes_bad_names_and_options(kwargs, match):
     with pytest.raises(SailorInputError, match=match):
-        launch_specs(GEO, Backend.KUBERNETES, LaunchOptions(plan_path="/etc/sailor/plan.json"), **kwargs)
+        launch_specs(GEO, Backend.KUBERNETES, _opts("/etc/sailor/plan.json"), **kwargs)
 
 
 def test_kubernetes_checkpoints_live_on_a_claim_and_a_restart_resumes():
-    opts = LaunchOptions(plan_path="/etc/sailor/plan.json", checkpoint_dir="/ck")
+    opts = _opts("/etc/sailor/plan.json", checkpoint_dir="/ck")
     with pytest.raises(SailorInputError, match="--checkpoint-dir: checkpoints in a pod's own file system are lost"):
         launch_specs(GEO, Backend.KUBERNETES, opts)
     (js,) = [d for d in launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
@@ -260,15 +269,15 @@ def test_bad_backend_inputs():
     cpu = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 6]],
                           "pipelines": [{"microbatches": 1, "replicas": [_rep(0, "cpu", "local", 1)]}]})
     with pytest.raises(SailorInputError, match="no GKE accelerator"):
-        launch_specs(cpu, Backend.KUBERNETES, LaunchOptions(plan_path="/etc/sailor/plan.json", device="cpu"))
+        launch_specs(cpu, Backend.KUBERNETES, _opts("/etc/sailor/plan.json", device="cpu"))
     with pytest.raises(SailorInputError, match="no SkyPilot accelerator"):
-        launch_specs(cpu, Backend.SKYPILOT, LaunchOptions(plan_path="/data/plan.json", device="cpu"))
+        launch_specs(cpu, Backend.SKYPILOT, _opts("/data/plan.json", device="cpu"))
     with pytest.raises(SailorInputError, match="plan runs on GPU type cpu"):
         launch_specs(cpu, Backend.TORCHRUN, OPTS)
     with pytest.raises(SailorInputError, match="mounted from a ConfigMap"):
-        launch_specs(GEO, Backend.KUBERNETES, LaunchOptions(plan_path="/data/my-plan.json"))
+        launch_specs(GEO, Backend.KUBERNETES, _opts("/data/my-plan.json"))
     with pytest.raises(SailorInputError, match="unknown device"):
-        launch_specs(GEO, Backend.TORCHRUN, LaunchOptions(plan_path="p", device="tpu"))
+        launch_specs(GEO, Backend.TORCHRUN, _opts("p", device="tpu"))
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -309,7 +318,7 @@ def test_cli_errors_are_one_line(tmp_path):
     r = _cli("launch", str(cpu), "--backend", "torchrun", "--device", "cuda", "--dry-run")
     assert r.returncode == 2 and "--device: the plan runs on GPU type cpu" in r.stderr, r.stderr
     r = _cli("launch", str(cpu), "--backend", "torchrun", "--dry-run")
-    assert r.returncode == 0 and "--device cpu" in r.stdout and "CUDA_VISIBLE_DEVICES" not in r.stdout, r.stderr
+    assert r.returncode == 0 and "--device=cpu" in r.stdout and "CUDA_VISIBLE_DEVICES" not in r.stdout, r.stderr
     r = _cli("launch", str(cpu), "--backend", "torchrun", "--dry-run", "--python", "venv/bin/python")
     assert r.returncode == 2 and "--python: 'venv/bin/python' is not an absolute path" in r.stderr, r.stderr
 
@@ -342,7 +351,7 @@ def test_cli_starts_every_node_over_ssh(tmp_path):
     assert all(c[1:3] == ["-o", "BatchMode=yes"] and c[-4:-2] == ["-tt", "--"] and c[-1].startswith("bash -c ")
                for c in calls)
     _check_torchrun_ranks([a for c in calls for a in _agents_in(c[-1])], GEO)
-    assert all("--steps 7" in c[-1] and f"--plan {plan.resolve()}" in c[-1] for c in calls)
+    assert all("--steps=7" in c[-1] and f"--plan={plan.resolve()}" in c[-1] for c in calls)
 
 
 def test_a_failing_node_stops_the_others(tmp_path):
@@ -389,11 +398,11 @@ def test_real_cpu_job_through_the_launcher(tmp_path):
     plan.save(path)
     hosts = _write_hosts(tmp_path, {"groups": [{"zone": "local", "gpu": "cpu", "gpus_per_node": 2,
                                                 "hosts": ["127.0.0.1", "127.0.0.2", "127.0.0.3"]}]})
-    cpu_opts = LaunchOptions(plan_path=str(path), device="cpu")
+    cpu_opts = _opts(str(path), device="cpu")
     layout_agents = [a for d in launch_specs(plan, Backend.TORCHRUN, cpu_opts, hosts_path=hosts) for a in d["agents"]]
     assert len(layout_agents) == 4  # ranks {0}, {1, 2}, {3}, {4, 5}
     port = 29000 + os.getpid() % 1000
-    opts = LaunchOptions(plan_path=str(path), steps=2, device="cpu", python=sys.executable, rdzv_port=port,
+    opts = _opts(str(path), steps=2, device="cpu", python=sys.executable, rdzv_port=port,
                          checkpoint_dir=str(tmp_path / "ckpt"))
     # Like sshd: the remote command string is run by the user's shell.
     env = _fake_ssh(tmp_path, "os.execvp('sh', ['sh', '-c', sys.argv[-1]])\n")

@@ -16,6 +16,7 @@ Each test skips, saying which package to install, when its tool is absent.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -25,9 +26,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_launch import GEO, HOSTS, _check_torchrun_ranks, _write_hosts
+from test_launch import GEO, HOSTS, _check_torchrun_ranks, _opts, _write_hosts
 
-from sailor.launch import Backend, KubernetesOptions, LaunchOptions, launch_files, launch_specs
+from sailor.launch import Backend, KubernetesOptions, launch_files, launch_specs
+from sailor.runtime.command import WorkerSettings, parse
 
 INSTALL = "pip install 'sailor-train[launch-check]'"
 
@@ -52,16 +54,28 @@ def _bash(script: str, env: dict[str, str]) -> None:
     assert r.returncode == 0, r.stderr
 
 
-def _torchrun_agents(calls: Path, endpoint: str) -> list[tuple[int, int, int, str | None, str]]:
-    """Every recorded launcher command parsed by torchrun's own parser, as `_check_torchrun_ranks` wants."""
+def _torchrun_args(calls: Path) -> list[tuple[argparse.Namespace, str | None]]:
+    """Every recorded launcher command parsed by torchrun's own parser, with its CUDA_VISIBLE_DEVICES."""
     run = pytest.importorskip("torch.distributed.run", reason="torch is not installed (pip install 'sailor-train[train]')")
     out = []
     for argv, cvd in (json.loads(line) for line in calls.read_text().splitlines()):
         assert argv[:2] == ["-m", "sailor.runtime.launcher"]  # which runs torch.distributed.run.main(argv[2:])
-        args = run.get_args_parser().parse_args(argv[2:])
+        out.append((run.get_args_parser().parse_args(argv[2:]), cvd))
+    return out
+
+
+def _worker_settings(calls: Path) -> list[WorkerSettings]:
+    """The worker's settings in every recorded command: torchrun's parser, then the worker's own."""
+    return [parse(args.training_script_args) for args, _cvd in _torchrun_args(calls)]
+
+
+def _torchrun_agents(calls: Path, endpoint: str) -> list[tuple[int, int, int, str | None, str]]:
+    """Every recorded launcher command parsed by torchrun's own parser, as `_check_torchrun_ranks` wants."""
+    out = []
+    for args, cvd in _torchrun_args(calls):
         assert args.rdzv_backend == "static" and args.rdzv_endpoint == endpoint and args.max_restarts == 0
         assert args.module and args.training_script == "sailor.runtime.worker"
-        assert args.training_script_args[:2] == ["--plan", "/etc/sailor/plan.json"]
+        assert parse(args.training_script_args).plan == "/etc/sailor/plan.json"
         out.append((int(args.nnodes), args.node_rank, int(args.nproc_per_node), cvd, args.rdzv_conf))
     return out
 
@@ -79,7 +93,7 @@ def sky():
 def _sky_files(tmp_path: Path, **kwargs) -> Path:
     out = tmp_path / "sky"
     out.mkdir()
-    opts = LaunchOptions(plan_path="/etc/sailor/plan.json", steps=3, **kwargs)
+    opts = _opts("/etc/sailor/plan.json", steps=3, **kwargs)
     for name, text in launch_files(GEO, Backend.SKYPILOT, opts, local_plan=str(tmp_path / "plan.json")).items():
         (out / name).write_text(text)
     return out
@@ -216,7 +230,7 @@ def _run_pods(jobs: list[dict], pod_spec_of) -> None:
 
 def test_kubernetes_jobset_passes_kubernetes_validate(tmp_path, kubernetes_validate):
     python, calls = _stand_in_python(tmp_path)
-    opts = LaunchOptions(plan_path="/etc/sailor/plan.json", steps=3, python=python, checkpoint_dir="/ck")
+    opts = _opts("/etc/sailor/plan.json", steps=3, python=python, checkpoint_dir="/ck")
     docs = launch_specs(GEO, Backend.KUBERNETES, opts, name="opt350", image="registry.example.com/sailor-train:0.1.0",
                         k8s=KubernetesOptions(namespace="team-a", max_restarts=3, queue="gpus", checkpoint_claim="ck"))
     builtin = [d for d in docs if d["kind"] != "JobSet"]
@@ -229,13 +243,12 @@ def test_kubernetes_jobset_passes_kubernetes_validate(tmp_path, kubernetes_valid
     _run_pods(jobs, lambda j: j["spec"]["template"]["spec"])
     agents = _torchrun_agents(calls, "opt350-a100-40-us-central1-a-0-0.opt350:29500")
     _ranks_once(agents)
-    lines = [json.loads(line)[0] for line in calls.read_text().splitlines()]
-    assert all("--resume-from" not in argv for argv in lines)  # no checkpoint in /ck here: a fresh start
+    assert all(s.resume_from is None for s in _worker_settings(calls))  # no checkpoint in /ck here: a fresh start
 
 
 def test_kubernetes_indexed_jobs_pass_kubernetes_validate(tmp_path, kubernetes_validate):
     python, calls = _stand_in_python(tmp_path)
-    opts = LaunchOptions(plan_path="/etc/sailor/plan.json", steps=3, python=python)
+    opts = _opts("/etc/sailor/plan.json", steps=3, python=python)
     docs = launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True, namespace="ml"))
     _passes(kubernetes_validate, docs, tmp_path, "jobs.yaml")
     _run_pods([d for d in docs if d["kind"] == "Job"], lambda j: j["spec"]["template"]["spec"])
@@ -248,18 +261,18 @@ def test_restarted_jobset_resumes_from_the_newest_checkpoint(tmp_path):
     ck = tmp_path / "ck"
     for d in ("step-00000004", "step-00000012", ".tmp-step-00000016"):
         (ck / d).mkdir(parents=True)
-    opts = LaunchOptions(plan_path="/etc/sailor/plan.json", python=python, checkpoint_dir=str(ck))
+    opts = _opts("/etc/sailor/plan.json", python=python, checkpoint_dir=str(ck))
     (js,) = [d for d in launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
              if d["kind"] == "JobSet"]
     _run_pods(_child_jobs(js), lambda j: j["spec"]["template"]["spec"])
-    argvs = [json.loads(line)[0] for line in calls.read_text().splitlines()]
-    assert len(argvs) == 6 and all(a[-2:] == ["--resume-from", str(ck / "step-00000012")] for a in argvs)
+    settings = _worker_settings(calls)
+    assert len(settings) == 6 and all(s.resume_from == str(ck / "step-00000012") for s in settings)
 
 
 # ---- torchrun over ssh -------------------------------------------------------------------------
 def test_torchrun_node_commands_parse_with_torchrun(tmp_path):
     python, calls = _stand_in_python(tmp_path)
-    opts = LaunchOptions(plan_path="/etc/sailor/plan.json", steps=3, python=python)
+    opts = _opts("/etc/sailor/plan.json", steps=3, python=python)
     for doc in launch_specs(GEO, Backend.TORCHRUN, opts, hosts_path=_write_hosts(tmp_path, HOSTS)):
         _bash(doc["command"], {})
     agents = _torchrun_agents(calls, "a0:29500")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from sailor.plan.spec import Plan
-from sailor.runtime.metrics import IntervalLog, StepMetrics, model_flop_per_step, peak_flop_per_s
+from sailor.runtime.metrics import IntervalLog, StepLog, StepMetrics, model_flop_per_step, peak_flop_per_s
 from sailor.specs.job import JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=8)  # h 64, f 256, V 256, 4 blocks, sequence 64
@@ -60,6 +60,21 @@ def test_interval_line_averages_over_the_interval():
     flop, peak = model_flop_per_step(JOB), 3 * 192e9
     assert lines == [f"step 2/3  loss 4.8000  tokens/s {1024 / 1.3:,.0f}  MFU {100 * 2 * flop / 1.3 / peak:.2f} %",
                      f"step 3/3  loss 4.7000  tokens/s {512 / 0.8:,.0f}  MFU {100 * flop / 0.8 / peak:.2f} %"]
+
+
+def test_rank_zeros_step_log_writes_the_metrics_lines_and_the_interval_lines(tmp_path):
+    lines, path = [], tmp_path / "runs" / "m.jsonl"  # the folder is made
+    log = StepLog(PLAN, JOB, metrics=path, every=2, total_steps=3, write=lines.append)
+    events = _events()[:3]
+    for ev in events:
+        log.on_step(ev)
+    log.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    flop, peak = model_flop_per_step(JOB), 3 * 192e9
+    assert [r["step"] for r in rows] == [1, 2, 3] and all("event" not in r for r in rows)
+    assert [r["mfu"] for r in rows] == pytest.approx([flop / ev["step_time_s"] / peak for ev in events])
+    assert all(ev["mfu"] == r["mfu"] for ev, r in zip(events, rows))  # the step event carries it too
+    assert [line.split("  ")[0] for line in lines] == ["step 2/3", "step 3/3"]
 
 
 def test_missing_tensorboard_is_one_line(tmp_path):

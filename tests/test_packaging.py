@@ -71,7 +71,9 @@ def test_planning_imports_no_torch():
             "sailor.simulate(r.plan)\n"
             "from sailor.cli import _register; _register()\n"
             "from sailor.launch import launch_specs, Backend, LaunchOptions\n"
-            "launch_specs(r.plan, Backend.KUBERNETES, LaunchOptions(plan_path='/etc/sailor/plan.json'))\n"
+            "from sailor.runtime.command import WorkerSettings\n"
+            "worker = WorkerSettings(plan='/etc/sailor/plan.json', steps=10, device='cuda')\n"
+            "launch_specs(r.plan, Backend.KUBERNETES, LaunchOptions(worker=worker))\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n")
     r = _run([sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr

@@ -15,7 +15,8 @@ import typer
 from rich.console import Console
 
 from sailor.cli.app import app
-from sailor.cli.common import JsonOpt, NetworkOpt, ProfilesOpt, check_number, choice, console, require_torch
+from sailor.cli.common import (METRICS_HELP, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt, ProfilesOpt,
+                               SeedOpt, check_number, choice, console, require_torch)
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
 from sailor.core.limits import MAX_SECONDS, MAX_TRACE_TIME_S
@@ -34,13 +35,14 @@ def run(
     cluster: Path = ClusterReq,
     availability: Path = TraceOpt,
     steps: int = typer.Option(100, "--steps", help="Train until this many optimizer steps in total, e.g. 200."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seed of initial weights and data order."),
+    seed: int = SeedOpt,
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder (step-<n>/);"
                                                  " resumed from when it holds a checkpoint. Default: a temporary one."),
     checkpoint_every: int = typer.Option(20, "--checkpoint-every", min=0, help="Also checkpoint every N steps, bounding"
                                          " what a crash rolls back (0: only at switches and the end)."),
-    metrics: Optional[str] = typer.Option(None, "--metrics", help="Append the step lines of `sailor train` here"
-                                          " (.jsonl); a step redone after a rollback is written again."),
+    metrics: Optional[str] = typer.Option(None, "--metrics", help=f"{METRICS_HELP} A step redone after a rollback is"
+                                          " written again; with --hosts, name a file on the storage every host sees."),
+    log_every: int = LogEveryOpt,
     events: Optional[str] = typer.Option(None, "--events", help="Append one JSON line per controller event here."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Clock seconds per trace second (0.01: an hour of"
                                      " trace in 36 s)."),
@@ -50,8 +52,8 @@ def run(
                                                   " seconds (default: measured, 11.35 s before the first)."),
     profiles: Optional[Path] = ProfilesOpt,
     network: Optional[Path] = NetworkOpt,
-    data: Optional[str] = typer.Option(None, "--data", help="Text file or folder, as byte tokens; default: Python's"
-                                       " pydoc topics."),
+    data: Optional[str] = DataOpt,
+    init_from: Optional[str] = InitFromOpt,
     hosts: Optional[Path] = typer.Option(None, "--hosts", help="HOSTS.yaml: run the ranks on these machines over ssh"
                                          " (torchrun per node; needs --checkpoint-dir on storage they all mount)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu (gloo) or cuda (NCCL); default: cpu for"
@@ -97,7 +99,8 @@ def run(
                                     checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
                                     events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
                                     profiles=str(profiles) if profiles else None,
-                                    network=str(network) if network else None, data=data, hosts=pool,
+                                    network=str(network) if network else None, data=data, init_from=init_from,
+                                    log_every=log_every, hosts=pool,
                                     device=device or ("cpu" if cluster_spec.provider == "local" else "cuda"),
                                     start_timeout_s=start_timeout_s,
                                     on_event=lambda ev: _say(err, ev)))

@@ -6,6 +6,12 @@ job per GPU type and zone, or Indexed Jobs with `--indexed-jobs`). Without it th
 starts every node over ssh from `--hosts` and waits; SkyPilot files (a folder: task files and
 `launch.sh`) and Kubernetes manifests are meant for `sky launch` / `kubectl apply`, so those
 backends need `--dry-run` or `--out`.
+
+Every rank gets the training settings `sailor train` takes (steps, seed, data, initial weights,
+checkpoint folder and interval, metrics, log interval, TensorBoard, timeout, device), through the
+worker's one command builder (`sailor.runtime.command.WorkerSettings`). Their paths name files on
+the nodes and are passed as given. Rank 0 writes the metrics file and TensorBoard folder on its node
+and prints the --log-every lines in its output (ssh session, `sky logs`, pod log).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from typing import Optional
 import typer
 
 from sailor.cli.app import app
-from sailor.cli.common import choice
+from sailor.cli.common import (CheckpointEveryOpt, DataOpt, InitFromOpt, LogEveryOpt, MetricsOpt, SeedOpt, StepsOpt,
+                               TensorboardOpt, TimeoutOpt, choice)
 from sailor.core.errors import SailorInputError
 
 
@@ -30,7 +37,15 @@ def launch_command(
                                                                " (torchrun backend)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the commands / YAML instead of starting anything."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the YAML documents to this file."),
-    steps: int = typer.Option(10, "--steps", help="Optimizer steps to train, e.g. 1000."),
+    steps: int = StepsOpt,
+    seed: int = SeedOpt,
+    data: Optional[str] = DataOpt,
+    init_from: Optional[str] = InitFromOpt,
+    checkpoint_every: int = CheckpointEveryOpt,
+    metrics: Optional[str] = MetricsOpt,
+    log_every: int = LogEveryOpt,
+    tensorboard: Optional[str] = TensorboardOpt,
+    timeout_s: float = TimeoutOpt,
     remote_plan: Optional[str] = typer.Option(None, "--remote-plan", help="Path of the plan file on the nodes"
                                               " (default: PLAN's absolute path; /etc/sailor/plan.json on Kubernetes)."),
     rdzv_port: int = typer.Option(29500, "--rdzv-port", help="TCP port of the rendezvous store on rank 0's node."),
@@ -53,10 +68,12 @@ def launch_command(
     checkpoint_claim: Optional[str] = typer.Option(None, "--checkpoint-claim", help="Kubernetes: PersistentVolumeClaim"
                                                    " (ReadWriteMany) mounted at --checkpoint-dir."),
 ) -> None:
-    """Run PLAN with torchrun over ssh, or write its SkyPilot tasks or Kubernetes manifests."""
+    """Run PLAN with torchrun over ssh, or write its SkyPilot tasks or Kubernetes manifests. Paths of
+    --data, --init-from, --checkpoint-dir, --metrics and --tensorboard name files on the nodes."""
     from sailor.core.fileio import check_output_path
     from sailor.launch import Backend, KubernetesOptions, LaunchOptions, launch, launch_files
     from sailor.plan import load_plan
+    from sailor.runtime.command import WorkerSettings
     from sailor.runtime.validate import check_plan_for_job
 
     chosen = choice(Backend, backend, "--backend", "backend")
@@ -64,10 +81,12 @@ def launch_command(
     plan = load_plan(plan_path)
     check_plan_for_job(plan, plan.job, plan.cluster, source=str(plan_path))  # as `sailor train` does
     default_remote = "/etc/sailor/plan.json" if chosen is Backend.KUBERNETES else str(plan_path.resolve())
-    opts = LaunchOptions(plan_path=remote_plan or default_remote, steps=steps, rdzv_port=rdzv_port, python=python,
-                         checkpoint_dir=checkpoint_dir,
-                         device=device or ("cpu" if all(r.gpu == "cpu" for p in plan.pipelines for r in p.replicas)
-                                           else "cuda"))
+    worker = WorkerSettings(plan=remote_plan or default_remote, steps=steps, seed=seed, data=data, init_from=init_from,
+                            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
+                            log_every=log_every, tensorboard=tensorboard, timeout_s=timeout_s,
+                            device=device or ("cpu" if all(r.gpu == "cpu" for p in plan.pipelines for r in p.replicas)
+                                              else "cuda"))
+    opts = LaunchOptions(worker=worker, rdzv_port=rdzv_port, python=python)
     if chosen is Backend.TORCHRUN and not dry_run and hosts is None:
         raise SailorInputError("starting nodes needs --hosts HOSTS.yaml", source="--hosts",
                                fix="or pass --dry-run to print the commands")

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor.cli.app import app
-from sailor.cli.common import require_torch
+from sailor.cli.common import (CheckpointEveryOpt, DataOpt, InitFromOpt, LogEveryOpt, MetricsOpt, SeedOpt, StepsOpt,
+                               TensorboardOpt, TimeoutOpt, require_torch)
 
 
 @app.command()
@@ -21,28 +22,22 @@ def train(
     plan: str = typer.Argument(..., help="Plan file (JSON/YAML; ours or Sailor's plan_config). GPU type 'cpu' and"
                                          " zone 'local' run on this machine's CPU."),
     job: str = typer.Option(None, "--job", help="Job spec file; default: the job carried by the plan."),
-    steps: int = typer.Option(10, "--steps", help="Train until this many optimizer steps in total (a resumed"
-                                                  " run counts the checkpoint's steps), e.g. 100."),
+    steps: int = StepsOpt,
     checkpoint_dir: str = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints (step-<n>/ each);"
                                                                       " one is written at the end and on stop."),
-    checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0, help="Also checkpoint every N steps (0: never)."),
+    checkpoint_every: int = CheckpointEveryOpt,
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest verified checkpoint in"
                                                         " --checkpoint-dir (any plan)."),
-    metrics: str = typer.Option(None, "--metrics", help="Append one JSON line per step to this file (.jsonl)."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seed of initial weights and data order."),
+    metrics: str = MetricsOpt,
+    seed: int = SeedOpt,
     device: str = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (NCCL, bf16 autocast)."),
-    data: str = typer.Option(None, "--data", help="Token file (.bin as nanoGPT/Megatron write them, .npy; see"
-                                                  " `sailor data prepare`), or a text file or folder of files as"
-                                                  " byte tokens; default: Python's own pydoc topics as bytes."),
-    init_from: str = typer.Option(None, "--init-from", help="Hugging Face model folder (config.json + safetensors)"
-                                                            " to start from; each rank reads only its own shard."),
-    tensorboard: str = typer.Option(None, "--tensorboard", help="Also write TensorBoard event files into this folder"
-                                                                " (needs the tensorboard package)."),
-    log_every: int = typer.Option(10, "--log-every", min=0, help="Print loss, tokens/s and MFU every N steps (0: never)."),
+    data: str = DataOpt,
+    init_from: str = InitFromOpt,
+    tensorboard: str = TensorboardOpt,
+    log_every: int = LogEveryOpt,
     stop_file: str = typer.Option(None, "--stop-file", help="Creating this file stops the run gracefully at the"
                                                             " next step boundary (checkpoint, exit 3)."),
-    timeout_s: float = typer.Option(300.0, "--timeout-s", help="Seconds any collective or transfer may wait"
-                                                               " before the job fails."),
+    timeout_s: float = TimeoutOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the rank layout and exit."),
 ) -> None:
     """Train a plan exactly: tensor, pipeline (1F1B) and data parallelism as the plan says."""
@@ -85,6 +80,8 @@ def _layout_table(prep) -> Table:
 
 
 def _run_with_progress(prep, launch, console: Console, log_every: int):
+    # The progress bar owns the terminal, so the interval lines are printed here, above it, from
+    # rank 0's step events (the worker's own --log-every stays 0 under `sailor train`).
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from sailor.runtime.metrics import IntervalLog

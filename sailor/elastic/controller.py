@@ -80,6 +80,9 @@ class RunOptions:
     checkpoint_every: int = 20
     """Also checkpoint every N steps, so a crash rolls back at most N - 1 steps (0: only at switches)."""
     metrics: str | None = None
+    """Rank 0 appends one JSON line per step here (with `hosts`: on storage every host sees)."""
+    log_every: int = 0
+    """Rank 0 prints loss, tokens/s and MFU every N steps on stdout (0: never)."""
     events: str | None = None
     time_scale: float = 1.0
     """Clock seconds per trace second (0.01 replays an hour of trace in 36 s)."""
@@ -90,6 +93,8 @@ class RunOptions:
     profiles: str | None = None
     network: str | None = None
     data: str | None = None
+    init_from: str | None = None
+    """Hugging Face model folder whose weights start the run (read while no checkpoint exists)."""
     device: str = "cpu"
     hosts: HostPool | None = None
     """Run the ranks on these machines over ssh (`sailor.elastic.remote`); None: the local provider."""
@@ -336,8 +341,9 @@ class Controller:
         self.current.plan.save(plan_file)
         opts = TrainOptions(plan=plan_file, steps=self.o.steps, checkpoint_dir=self.ckpt_dir,
                             checkpoint_every=self.o.checkpoint_every, resume=True, metrics=self.o.metrics,
-                            seed=self.o.seed, device=self.o.device, data=self.o.data,
-                            stop_file=os.path.join(self.work, "stop"), timeout_s=self.o.timeout_s)
+                            seed=self.o.seed, device=self.o.device, data=self.o.data, init_from=self.o.init_from,
+                            log_every=self.o.log_every, stop_file=os.path.join(self.work, "stop"),
+                            timeout_s=self.o.timeout_s)
         if self.switch is not None:
             self.switch.launched = time.monotonic()
         prep = prepare(opts, local=self.o.hosts is None)  # raises SailorInputError on a bad checkpoint

@@ -13,7 +13,9 @@ start timeout (`controller._failed_machines` says how each is told).
 Every host, and the controller's machine, must see the checkpoint folder at the same path (shared
 storage): the ranks write and read checkpoints there, and the controller puts each launch's plan and
 the stop file in its `control/` subfolder (on NFS, attribute caching can delay a stop by the cache's
-few seconds). Every host needs Sailor and torch for `python`.
+few seconds). Rank 0 writes the metrics file on its machine, which changes from launch to launch: give
+a path on that shared storage too. Every host needs Sailor and torch for `python`. The ranks run with
+the settings `sailor run` would give them on this machine (`Prepared.settings`), paths absolute.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sailor.core.errors import SailorInputError
 from sailor.launch.common import LaunchOptions, check_python, launch_layout
 from sailor.launch.hosts import HostGroup, HostsFile, bare_host, load_hosts
 from sailor.launch.torchrun import node_commands, ssh_argv
-from sailor.runtime.launcher import EVENT_PREFIX, Prepared, worker_args
+from sailor.runtime.launcher import EVENT_PREFIX, Prepared
 from sailor.specs.cluster import ClusterSpec
 
 Machine = tuple[str, str, int]
@@ -124,10 +126,7 @@ class HostPool:
             g.model_copy(update={"hosts": tuple(g.hosts[i] for i in usable[(g.zone, g.gpu)])})
             for g in self.hosts.groups if usable[(g.zone, g.gpu)])})
         layout = launch_layout(prep.plan, self.node_size)
-        o = prep.options
-        opts = LaunchOptions(plan_path=str(Path(o.plan).resolve()), steps=o.steps, rdzv_port=self.rdzv_port,
-                             python=self.python, checkpoint_dir=o.checkpoint_dir, device=o.device,
-                             worker=tuple(worker_args(prep, stop_file)))
+        opts = LaunchOptions(worker=prep.settings(stop_file), rdzv_port=self.rdzv_port, python=self.python)
         cmds = node_commands(layout, opts, hosts, self.source)
 
         def machine(node: str) -> Machine:  # "<zone>/<gpu>/<index among the usable machines>"

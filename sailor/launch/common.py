@@ -16,8 +16,9 @@ stage 0 share a node while pipeline 0's stage 1 sits elsewhere). Hence:
   group is consecutive ranks on one node, so it never spans two agents.
 - the static rendezvous store is hosted by agent 0 (it holds rank 0), so the rendezvous endpoint
   is the host of rank 0's node.
-Every node also needs the plan file at the same path (`LaunchOptions.plan_path`) and Sailor
-installed.
+Every node also needs the plan file at the same path (`LaunchOptions.worker.plan`) and Sailor
+installed. Each agent runs the worker with `LaunchOptions.worker.argv()` (`sailor.runtime.command`,
+the one builder of the worker's command line), so every rank gets the same settings.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sailor import catalog
 from sailor.core.errors import SailorInputError
 from sailor.plan.placement import RankInfo, rank_layout
 from sailor.plan.spec import Plan
+from sailor.runtime.command import WorkerSettings, option
 
 RDZV_HOST_VAR = "SAILOR_RDZV_HOST"  # shell variable holding the rendezvous host where none is known yet
 
@@ -40,28 +42,22 @@ class LaunchOptions:
     """How the workers are started on every node.
 
     Attributes:
-        plan_path: the plan file as seen on the nodes (same path everywhere).
-        steps: optimizer steps to train (the worker's `--steps`).
+        worker: every rank's settings (the plan, data, initial weights, checkpoint folder, metrics
+            file...), paths as seen on the nodes, the same everywhere; device cuda on GPU nodes,
+            cpu (gloo) for a CPU test run.
         rdzv_port: TCP port of the static rendezvous store on rank 0's host (torchrun's default 29500).
         python: Python interpreter on the nodes (with Sailor and torch installed).
-        checkpoint_dir: checkpoint folder on shared storage, or None.
-        device: "cuda" on GPU nodes; "cpu" (gloo) for a CPU test run.
-        worker: the worker's arguments in full, replacing those built from the fields above
-            (`sailor run` passes `sailor.runtime.launcher.worker_args`: seed, resume, stop file...).
         rdzv_timeout_s: seconds the rendezvous waits for every agent to join (torchrun's static
             rendezvous `--rdzv-conf timeout`, 600 s by default when None); cloud backends wait
             longer because their nodes are provisioned one group at a time.
-        resume_newest: resume from the newest `step-*` checkpoint in `checkpoint_dir` when there is
-            one (a Kubernetes JobSet restarted as a whole continues instead of starting again).
+        resume_newest: resume from the newest `step-*` checkpoint in `worker.checkpoint_dir` when
+            there is one and `worker.resume_from` is None (a Kubernetes JobSet restarted as a whole
+            continues instead of starting again).
     """
 
-    plan_path: str
-    steps: int = 10
+    worker: WorkerSettings
     rdzv_port: int = 29500
     python: str = "python3"
-    checkpoint_dir: str | None = None
-    device: str = "cuda"
-    worker: tuple[str, ...] = ()
     rdzv_timeout_s: int | None = None
     resume_newest: bool = False
 
@@ -190,17 +186,6 @@ def launch_layout(plan: Plan, gpus_per_node: dict[str, int] | None = None) -> La
     return LaunchLayout(plan=plan, ranks=tuple(ranks), nodes=tuple(nodes), agents=tuple(agents))
 
 
-def worker_args(opts: LaunchOptions) -> list[str]:
-    """The worker's own arguments (after torchrun's)."""
-    if opts.worker:
-        return list(opts.worker)
-    args = ["-m", "sailor.runtime.worker", "--plan", opts.plan_path, "--steps", str(opts.steps),
-            "--device", opts.device]
-    if opts.checkpoint_dir:
-        args += ["--checkpoint-dir", opts.checkpoint_dir]
-    return args
-
-
 def agent_command(agent: Agent, layout: LaunchLayout, opts: LaunchOptions, rdzv_host: str) -> str:
     """The shell command that starts `agent`: `env CUDA_VISIBLE_DEVICES=.. python -m sailor.runtime.launcher ...`
     (torchrun, made to end when the shell that started it ends, so no agent outlives its ssh session).
@@ -210,7 +195,7 @@ def agent_command(agent: Agent, layout: LaunchLayout, opts: LaunchOptions, rdzv_
     """
     host = f"${{{rdzv_host[1:]}}}" if rdzv_host.startswith("$") else shlex.quote(rdzv_host)
     env = {"OMP_NUM_THREADS": "1"}  # torchrun's default too, said explicitly so every rank gets it
-    if opts.device == "cuda":
+    if opts.worker.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, agent.local_gpus))
     torchrun = [opts.python, "-m", "sailor.runtime.launcher", "--nnodes", str(len(layout.agents)),
                 "--node-rank", str(agent.agent_rank), "--nproc-per-node", str(len(agent.ranks)),
@@ -218,9 +203,9 @@ def agent_command(agent: Agent, layout: LaunchLayout, opts: LaunchOptions, rdzv_
     if opts.rdzv_timeout_s is not None:
         torchrun += ["--rdzv-conf", f"timeout={opts.rdzv_timeout_s}"]
     parts = ["env", *(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, torchrun),
-             "--rdzv-endpoint", f"{host}:{opts.rdzv_port}", *map(shlex.quote, worker_args(opts))]
+             "--rdzv-endpoint", f"{host}:{opts.rdzv_port}", *map(shlex.quote, opts.worker.argv())]
     if _resumes(opts):  # set by node_script; no checkpoint yet: no --resume-from
-        parts.append(f'${{{RESUME_VAR}:+--resume-from "${RESUME_VAR}"}}')
+        parts.append(f'${{{RESUME_VAR}:+"{option("resume_from")}=${RESUME_VAR}"}}')
     return " ".join(parts)
 
 
@@ -228,14 +213,14 @@ RESUME_VAR = "SAILOR_RESUME"  # shell variable: the newest checkpoint folder, or
 
 
 def _resumes(opts: LaunchOptions) -> bool:
-    return opts.resume_newest and bool(opts.checkpoint_dir) and not opts.worker
+    return opts.resume_newest and bool(opts.worker.checkpoint_dir) and opts.worker.resume_from is None
 
 
 def node_script(node: Node, layout: LaunchLayout, opts: LaunchOptions, rdzv_host: str) -> str:
     """The shell script one node runs: its agents side by side; exits non-zero if any agent fails."""
     cmds = [agent_command(a, layout, opts, rdzv_host) for a in node.agents]
     # Checkpoint folders are step-<8 digits> (renamed into place when complete): the last in sorted order is the newest.
-    find = (f"{RESUME_VAR}=$(ls -d -- {shlex.quote(opts.checkpoint_dir)}/step-[0-9]* 2>/dev/null | tail -n 1); "
+    find = (f"{RESUME_VAR}=$(ls -d -- {shlex.quote(opts.worker.checkpoint_dir)}/step-[0-9]* 2>/dev/null | tail -n 1); "
             if _resumes(opts) else "")
     if len(cmds) == 1:
         return find + cmds[0]
@@ -261,12 +246,12 @@ def check_python(python: str) -> None:
 
 
 def check_options(opts: LaunchOptions, plan: Plan) -> None:
-    """Raise SailorInputError unless the worker knows `opts.device` and it suits the plan (cuda
-    cannot run GPU type cpu; cpu may test-run any plan), and the other options are valid."""
+    """Raise SailorInputError unless the worker's device suits the plan (cuda cannot run GPU type
+    cpu; cpu may test-run any plan), and the interpreter and port are valid (`WorkerSettings`
+    checked the rest when it was built)."""
     check_python(opts.python)
-    catalog.check_device(opts.device, (g for _, g in plan.gpu_usage()), what="the plan runs on", cpu_runs_any=True)
-    if opts.steps < 1:
-        raise SailorInputError(f"--steps must be >= 1, got {opts.steps}", source="--steps")
+    catalog.check_device(opts.worker.device, (g for _, g in plan.gpu_usage()), what="the plan runs on",
+                         cpu_runs_any=True)
     if not 0 < opts.rdzv_port < 65536:
         raise SailorInputError(f"--rdzv-port must be a TCP port (1-65535), got {opts.rdzv_port}", source="--rdzv-port")
 

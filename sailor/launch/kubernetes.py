@@ -17,7 +17,7 @@ treats the groups as one workload:
 all-or-nothing admission or joint restart (a failed Job fails alone and the others wait out the
 rendezvous timeout).
 
-Both come with a ConfigMap holding the plan (mounted at `plan_path`) and a NetworkPolicy that lets
+Both come with a ConfigMap holding the plan (mounted at `worker.plan`) and a NetworkPolicy that lets
 only the job's own pods reach its pods (the TCPStore rendezvous and NCCL take any port); nothing is
 exposed outside the cluster (no NodePort, LoadBalancer or Ingress; the Services are headless). Pods
 are pinned with `nodeSelector` to the GPU product (`cloud.google.com/gke-accelerator`) and zone
@@ -29,13 +29,16 @@ pools in all the plan's zones (a GKE regional cluster covers one region's zones)
 from __future__ import annotations
 
 import json
+import posixpath
 import re
+from pathlib import PurePosixPath
 from typing import Any
 
 from sailor.core.errors import SailorInputError
 from sailor.launch.common import (Group, LaunchLayout, LaunchOptions, backend_name, check_image, node_script,
                                   round_up_pow2)
 from sailor.plan.spec import Plan
+from sailor.runtime.command import WorkerSettings, option
 
 # Our GPU types -> GKE accelerator labels (`cloud.google.com/gke-accelerator` node label values),
 # from https://cloud.google.com/kubernetes-engine/docs/how-to/gpus (GPU quota / availability table).
@@ -86,35 +89,31 @@ def manifests(layout: LaunchLayout, opts: LaunchOptions, *, name: str = "sailor"
 
     Args:
         layout: the plan's nodes and agents.
-        opts: worker options; the plan is mounted at `opts.plan_path` (its folder becomes the mount).
+        opts: worker options; the plan is mounted at `opts.worker.plan` (its folder becomes the mount).
         name: the JobSet's name and every object's name prefix (a DNS-1123 label starting with a letter).
         image: container image with Sailor, torch and CUDA (the repository's Dockerfile).
         namespace: where the objects go.
         indexed_jobs: plain Indexed Jobs instead of one JobSet.
         queue: Kueue LocalQueue admitting the JobSet all or nothing (JobSet only).
         max_restarts: times the JobSet is restarted as a whole after a failure (JobSet only).
-        checkpoint_claim: PersistentVolumeClaim (ReadWriteMany) mounted at `opts.checkpoint_dir`.
+        checkpoint_claim: PersistentVolumeClaim (ReadWriteMany) mounted at `opts.worker.checkpoint_dir`.
     Returns:
         ConfigMap, NetworkPolicy, then the JobSet, or a headless Service and one Job per group.
     Raises:
         SailorInputError: a GPU type GKE does not offer; a name, namespace or generated hostname that
             is not a DNS-1123 label of at most 63 characters; an empty image; options that do not go
-            together (checkpoints without a claim, queue or restarts with Indexed Jobs).
+            together (checkpoints, a metrics file or TensorBoard folder outside a claim; queue or
+            restarts with Indexed Jobs).
     """
     check_image(image)
     check_label(name, "--name", "name")
     if not name[0].isalpha():
         raise SailorInputError(f"{name!r} must start with a letter (it names Services)", source="--name")
     check_label(namespace, "--namespace", "namespace")
-    if not opts.plan_path.endswith("/" + PLAN_FILE):
-        raise SailorInputError(f"the plan is mounted from a ConfigMap as {PLAN_FILE}; got {opts.plan_path!r}",
+    if not opts.worker.plan.endswith("/" + PLAN_FILE):
+        raise SailorInputError(f"the plan is mounted from a ConfigMap as {PLAN_FILE}; got {opts.worker.plan!r}",
                                source="--remote-plan", fix=f"e.g. /etc/sailor/{PLAN_FILE}")
-    if opts.checkpoint_dir and not checkpoint_claim:
-        raise SailorInputError("checkpoints in a pod's own file system are lost with the pod", source="--checkpoint-dir",
-                               fix="pass --checkpoint-claim PVC (a ReadWriteMany volume claim mounted there)")
-    if checkpoint_claim and not opts.checkpoint_dir:
-        raise SailorInputError("a checkpoint claim needs a folder to mount it at", source="--checkpoint-claim",
-                               fix="pass --checkpoint-dir, e.g. /ckpt")
+    check_outputs_kept(opts.worker, checkpoint_claim)
     if indexed_jobs and (queue or max_restarts):
         raise SailorInputError("--queue and --max-restarts need a JobSet", source="--indexed-jobs",
                                fix="drop --indexed-jobs (JobSet is the default)")
@@ -144,6 +143,23 @@ def manifests(layout: LaunchLayout, opts: LaunchOptions, *, name: str = "sailor"
     else:
         out.append(_jobset(groups, pods, name=name, namespace=namespace, queue=queue, max_restarts=max_restarts))
     return out
+
+
+def check_outputs_kept(worker: WorkerSettings, checkpoint_claim: str | None) -> None:
+    """Raise SailorInputError unless what the ranks write outlives their pods: checkpoints need
+    `checkpoint_claim` (mounted at the checkpoint folder, which a claim needs), and a metrics file or
+    TensorBoard folder must lie in that folder."""
+    if worker.checkpoint_dir and not checkpoint_claim:
+        raise SailorInputError("checkpoints in a pod's own file system are lost with the pod", source="--checkpoint-dir",
+                               fix="pass --checkpoint-claim PVC (a ReadWriteMany volume claim mounted there)")
+    if checkpoint_claim and not worker.checkpoint_dir:
+        raise SailorInputError("a checkpoint claim needs a folder to mount it at", source="--checkpoint-claim",
+                               fix="pass --checkpoint-dir, e.g. /ckpt")
+    for name in ("metrics", "tensorboard"):
+        path = getattr(worker, name)
+        if path and not (checkpoint_claim and PurePosixPath(posixpath.normpath(path)).is_relative_to(worker.checkpoint_dir)):
+            raise SailorInputError(f"{path} would be in a pod's own file system, lost with the pod", source=option(name),
+                                   fix="name a path under --checkpoint-dir with --checkpoint-claim, e.g. /ckpt/metrics.jsonl")
 
 
 def _labels(name: str, group: str | None = None) -> dict[str, str]:
@@ -181,13 +197,13 @@ def _pod_template(g: Group, layout: LaunchLayout, opts: LaunchOptions, *, name: 
     for n in g.nodes:
         lines.append(f"  {n.index}) exec bash -c {_sq(node_script(n, layout, opts, '$SAILOR_RDZV_HOST'))} ;;")
     lines += ['  *) echo "unexpected JOB_COMPLETION_INDEX=$JOB_COMPLETION_INDEX" >&2; exit 1 ;;', "esac"]
-    mount_dir = opts.plan_path.rsplit("/", 1)[0] or "/"
+    mount_dir = opts.worker.plan.rsplit("/", 1)[0] or "/"
     mounts = [{"name": "plan", "mountPath": mount_dir, "readOnly": True},
               {"name": "dshm", "mountPath": "/dev/shm"}]  # NCCL and data loaders need more than 64 MiB
     volumes: list[dict[str, Any]] = [{"name": "plan", "configMap": {"name": f"{name}-plan"}},
                                      {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     if checkpoint_claim:
-        mounts.append({"name": "checkpoints", "mountPath": opts.checkpoint_dir})
+        mounts.append({"name": "checkpoints", "mountPath": opts.worker.checkpoint_dir})
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint_claim}})
     container = {
         "name": "worker", "image": image, "command": ["bash", "-c", "\n".join(lines) + "\n"],

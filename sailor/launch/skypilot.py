@@ -17,7 +17,7 @@ Security: no task asks for `ports`, so SkyPilot opens nothing beyond its ssh por
 (TCPStore, no authentication) and NCCL go over internal addresses, which SkyPilot's GCP firewall
 rule admits from the VPC's own range only (10.128.0.0/9, `sky/provision/gcp/constants.py`). All
 groups must be in one VPC (SkyPilot's default for a GCP project). Every node gets the plan at
-`plan_path` (`file_mounts`) and Sailor from the released wheel (`setup`: pip install
+`worker.plan` (`file_mounts`) and Sailor from the released wheel (`setup`: pip install
 `sailor-train[train]==<version>`), or runs in `image` (`image_id: docker:<image>`, no setup).
 Task YAML reference: https://docs.skypilot.co/en/latest/reference/yaml-spec.html
 """
@@ -65,9 +65,9 @@ def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, region_of, local_pl
 
     Args:
         layout: the plan's nodes and agents.
-        opts: worker options (`plan_path` is where the plan is mounted on the nodes).
+        opts: worker options (`worker.plan` is where the plan is mounted on the nodes).
         region_of: zone -> region (the cluster's provider).
-        local_plan: the plan file on this machine, copied to `plan_path` with `file_mounts`.
+        local_plan: the plan file on this machine, copied to `worker.plan` with `file_mounts`.
         image: a container image with Sailor and torch (`image_id: docker:<image>`); None installs
             the released wheel in `setup` instead.
         name: prefix of the task (and, in `launch.sh`, cluster) names.
@@ -87,7 +87,7 @@ def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, region_of, local_pl
         if k > 0:  # null: required, so `sky launch` refuses before provisioning when it is not given
             task["envs"] = {RDZV_HOST_VAR: None}
         if local_plan:
-            task["file_mounts"] = {opts.plan_path: local_plan}
+            task["file_mounts"] = {opts.worker.plan: local_plan}
         if not image:
             task["setup"] = f"{opts.python} -m pip install --quiet {shlex.quote(RELEASE)}"
         task["run"] = _run_script(g, layout, opts, host_group=k == 0)

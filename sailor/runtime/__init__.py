@@ -15,6 +15,8 @@ Modules, one concept each, applied in this order by `worker`:
   with the optimizer's layer hooks (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters) and activation metering.
 - `data`: deterministic samples of byte tokens or memory-mapped token files (`tokens`, made by
   `dataprep`); `checkpoint`: plan-independent, atomic, checksummed; `metrics`: MFU, TensorBoard.
-- `launcher`: validation and torchrun; `reference`: the single-process loop every plan must match.
+- `command` (torch-free): the worker's settings and its command line, the one builder every launch
+  path uses; `launcher`: validation and torchrun; `reference`: the single-process loop every plan
+  must match.
 Importing this package does not import torch.
 """

@@ -13,7 +13,8 @@ folder is set) and exit; the launcher then exits 3. A second signal kills the jo
 torchrun (or ssh) runs in its own session (process group); every rank has the kernel kill it if
 torchrun dies (PR_SET_PDEATHSIG), the local torchrun gets SIGTERM if the launcher dies (a remote one
 is hung up by its ssh terminal), and the launcher kills every group it started on every exit path,
-so no process is left behind. Rank 0's step events are the metrics lines (`--metrics`).
+so no process is left behind. Every rank gets its settings from `command.WorkerSettings` (`worker_settings`);
+rank 0 of the worker writes the metrics lines (`--metrics`) and TensorBoard files itself.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import collections
 import contextlib
 import enum
 import json
-import math
 import os
 import signal
 import subprocess
@@ -38,14 +38,15 @@ from typing import Any
 from sailor import catalog
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
-from sailor.core.limits import MAX_SECONDS, MAX_STEPS, max_local_processes
+from sailor.core.limits import max_local_processes
 from sailor.model.spec import ModelSpec
 from sailor.plan import load_plan
 from sailor.plan.placement import RankInfo, rank_layout
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.command import WorkerSettings
 from sailor.runtime.data import check_corpus, load_corpus
-from sailor.runtime.metrics import StepMetrics, check_tensorboard
+from sailor.runtime.metrics import check_tensorboard
 from sailor.runtime.validate import check_plan_for_job
 from sailor.specs import load_job
 from sailor.specs.job import JobSpec
@@ -86,6 +87,7 @@ class TrainOptions:
     timeout_s: float = 300.0
     init_from: str | None = None  # Hugging Face model folder whose weights start the run
     tensorboard: str | None = None  # folder for TensorBoard event files
+    log_every: int = 0  # rank 0 prints a progress line every N steps on stdout (0: never)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,10 @@ class Prepared:
     resume_from: Path | None
     resume_step: int
     notes: tuple[str, ...]  # things to tell the user (e.g. a checkpoint skipped for its checksum)
+
+    def settings(self, stop_file: str) -> WorkerSettings:
+        """What every rank of this run is started with (`worker_settings`), watching `stop_file`."""
+        return worker_settings(self.options, resume_from=self.resume_from, stop_file=stop_file)
 
 
 @dataclass
@@ -191,14 +197,10 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
 
 
 def check_train_options(options: TrainOptions) -> None:
-    """Raise SailorInputError for options no run can use: --steps < 1, a --timeout-s that is not a
-    positive, finite number of seconds (at most limits.MAX_SECONDS), or an output path that cannot
-    be written (checked before any work), or --tensorboard without the tensorboard package."""
-    if not 1 <= options.steps <= MAX_STEPS:
-        raise SailorInputError(f"must be between 1 and {MAX_STEPS:,} (limits.MAX_STEPS), got {options.steps}", source="--steps")
-    t = options.timeout_s
-    if not (isinstance(t, (int, float)) and math.isfinite(t) and 0 < t <= MAX_SECONDS):
-        raise SailorInputError(f"must be a number of seconds > 0 and <= {MAX_SECONDS:g}, got {t}", source="--timeout-s")
+    """Raise SailorInputError for options no run can use: a setting the worker refuses
+    (`WorkerSettings`: steps, timeout, seed, intervals, device), an output path that cannot be
+    written (checked before any work), or --tensorboard without the tensorboard package."""
+    worker_settings(options)
     check_output_path(options.checkpoint_dir, "--checkpoint-dir", folder=True)
     check_output_path(options.metrics, "--metrics")
     check_output_path(options.tensorboard, "--tensorboard", folder=True)
@@ -215,26 +217,27 @@ def _current_model_fields(manifest: dict[str, Any]) -> dict[str, Any]:
     return {**manifest, "model": model}
 
 
-def worker_args(prep: Prepared, stop_file: str) -> list[str]:
-    """The worker's own command line (`-m sailor.runtime.worker ...`, after torchrun's options), with
-    every path made absolute: a multi-node run needs them to name the same files on every host."""
-    o = prep.options
-    args = ["-m", "sailor.runtime.worker", "--plan", str(Path(o.plan).resolve()), "--steps", str(o.steps),
-            "--seed", str(o.seed), "--device", o.device, "--timeout-s", str(o.timeout_s), "--stop-file", stop_file]
-    for flag, value in (("--job", o.job), ("--data", o.data), ("--checkpoint-dir", o.checkpoint_dir),
-                        ("--resume-from", prep.resume_from), ("--init-from", o.init_from)):
-        if value:
-            args += [flag, str(Path(value).resolve())]
-    if o.checkpoint_every:
-        args += ["--checkpoint-every", str(o.checkpoint_every)]
-    return args
+def worker_settings(options: TrainOptions, *, resume_from: str | Path | None = None,
+                    stop_file: str | None = None) -> WorkerSettings:
+    """The settings every rank of `options` runs with, resuming from `resume_from`, every path made
+    absolute: a run on several hosts needs them to name the same files on every one.
+
+    Raises:
+        SailorInputError: a setting WorkerSettings refuses (its docstring).
+    """
+    o = options
+    return WorkerSettings(plan=o.plan, steps=o.steps, job=o.job, seed=o.seed, device=o.device, data=o.data,
+                          init_from=o.init_from, checkpoint_dir=o.checkpoint_dir, checkpoint_every=o.checkpoint_every,
+                          resume_from=None if resume_from is None else str(resume_from), metrics=o.metrics,
+                          log_every=o.log_every, tensorboard=o.tensorboard, stop_file=stop_file,
+                          timeout_s=o.timeout_s).absolute()
 
 
 def worker_command(prep: Prepared, stop_file: str) -> list[str]:
     """The local torchrun command line (through `_main`): every rank on this machine."""
     return [sys.executable, "-m", "sailor.runtime.launcher", "--standalone",
             "--nproc-per-node", str(prep.plan.world_size), "--monitor-interval", str(MONITOR_INTERVAL_S),
-            *worker_args(prep, stop_file)]
+            *prep.settings(stop_file).argv()]
 
 
 def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None = None,
@@ -254,9 +257,9 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
         labels: a name per command for messages (e.g. its host).
         abort: once set, every process is killed at once (status FAILED, "aborted").
     Returns:
-        TrainResult (`failed_process`: index of the command that failed first). The step events of
-        rank 0 get their MFU (`metrics.StepMetrics`), are appended to `options.metrics` as they
-        arrive and, with `options.tensorboard`, written as TensorBoard scalars.
+        TrainResult (`failed_process`: index of the command that failed first). Rank 0 of the
+        worker writes `options.metrics` and `options.tensorboard` and adds `mfu` to its step events
+        (`metrics.StepLog`); this call only reads the events.
 
     When one process fails, the others get FAIL_GRACE_S to end on their own (their ranks notice the
     lost peer and say so, which tells the root cause from its victims); then every process group is
@@ -269,7 +272,6 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
         argvs = [[*EXEC, *c] for c in commands] if commands else [worker_command(prep, stop_file)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         result = TrainResult(ExitStatus.FAILED, "")
-        step_metrics = StepMetrics(prep.plan, prep.job, o.tensorboard)
         lock = threading.Lock()
         signals = {"count": 0}
         ended: list[float] = []  # when rank 0 reported the run's end
@@ -287,12 +289,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
             with contextlib.suppress(ValueError):
                 ev = json.loads(line[len(EVENT_PREFIX):])
                 with lock:
-                    if ev.get("event") == "step":
-                        step_metrics.on_step(ev)
                     result.events.append(ev)
-                    if ev.get("event") == "step" and o.metrics:
-                        with open(o.metrics, "a") as f:
-                            f.write(json.dumps({k: v for k, v in ev.items() if k != "event"}) + "\n")
                     if ev.get("event") in ("done", "stopped"):
                         ended.append(time.monotonic())
                 if on_event:
@@ -331,7 +328,6 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
             _kill_groups(procs)
             for t in readers:
                 t.join(timeout=5)
-            step_metrics.close()
         # The failure report of the process that failed first comes first (its root cause).
         first = next((i for i in order if procs[i].returncode), None)
         order += [i for i in range(len(procs)) if i not in order]

@@ -1,5 +1,6 @@
-"""Training metrics beyond the JSONL lines: model FLOP utilisation (MFU), TensorBoard event files,
-and a progress line per logging interval.
+"""Training metrics: model FLOP utilisation (MFU), the JSONL lines of `--metrics`, TensorBoard event
+files, and a progress line per logging interval. `StepLog` is what rank 0 of the worker does with
+each step's record (on every path: `sailor train`, `sailor run`, `sailor launch`).
 
 MFU = model FLOPs per step / step time / peak FLOP/s of the plan's GPUs (PaLM, Chowdhery et al.
 2022, App. B: "model FLOPs" count the forward and backward passes of the model, 3 x forward, never
@@ -12,6 +13,7 @@ imported only when asked for.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,3 +96,31 @@ class IntervalLog:
             self.write(f"step {ev['step']}/{self.total}  loss {ev['loss']:.4f}  tokens/s {self._tokens / self._time:,.0f}"
                        f"  MFU {100 * mfu:.2f} %")
             self._tokens = self._time = self._flop = 0.0
+
+
+class StepLog:
+    """Rank 0's record of each step: `mfu` added to it (`StepMetrics`, with TensorBoard scalars when
+    `tensorboard` is a folder), one JSON line appended to `metrics` (the record without its "event"
+    key; its folder is created here), and every `every` steps an `IntervalLog` line passed to `write`.
+
+    Call `on_step(record)` once per step (it adds "mfu" in place), `close()` at the end.
+    """
+
+    def __init__(self, plan: Plan, job: JobSpec, *, metrics: str | Path | None = None,
+                 tensorboard: str | Path | None = None, every: int = 0, total_steps: int,
+                 write: Callable[[str], None] = print) -> None:
+        self.metrics = metrics
+        if metrics is not None:
+            Path(metrics).parent.mkdir(parents=True, exist_ok=True)
+        self.step_metrics = StepMetrics(plan, job, tensorboard)
+        self.interval = IntervalLog(plan, job, every=every, total_steps=total_steps, write=write)
+
+    def on_step(self, record: dict[str, Any]) -> None:
+        self.step_metrics.on_step(record)
+        if self.metrics is not None:
+            with open(self.metrics, "a") as f:
+                f.write(json.dumps({k: v for k, v in record.items() if k != "event"}) + "\n")
+        self.interval.on_step(record)
+
+    def close(self) -> None:
+        self.step_metrics.close()

@@ -19,6 +19,12 @@ Each step: stop check (all ranks agree) -> the schedule's order over this pipeli
 embedding's and LM head's gradients added to each other) -> global-norm clipping -> AdamW -> metrics
 (loss, timings) to rank 0.
 
+Its settings come from its command line, read by `command.parse` (`command.WorkerSettings`, the one
+definition every launch path builds commands from). Rank 0 appends each step's record to `--metrics`,
+writes TensorBoard scalars (`--tensorboard`) and prints a progress line every `--log-every` steps on
+stdout (`metrics.StepLog`), so a run without a launcher reading its events (`sailor launch`) keeps
+them too.
+
 Rank 0 reports to the launcher with single stdout lines `SAILOR_EVENT <json>`: {"event": "started"}
 once the process groups are up, {"event": "loaded", "step"} once the weights are in place,
 {"event": "step", ...} per step, {"event": "checkpoint", "step", "path"}, {"event": "stopped", "step", "checkpoint"},
@@ -30,7 +36,6 @@ In the first step of a launch every rank reports {"event": "memory", "rank", "st
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import json
@@ -43,21 +48,24 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from sailor.core.errors import SailorInputError, SailorWarning
+from sailor.core.fileio import check_output_path
 from sailor.model.spec import ModelSpec
 from sailor.plan import load_plan
 from sailor.plan.orders import Op
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.command import WorkerSettings, parse
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.groups import create_groups
+from sailor.runtime.metrics import StepLog, check_tensorboard
 from sailor.runtime.model import GPT, initial_value, lm_loss_sum
 from sailor.runtime.optim import OptimConfig
 from sailor.runtime.pipeline import P2P, build_stage, run_pipeline
@@ -76,13 +84,16 @@ FAULT_ENV = "SAILOR_FAULT"  # test hook: "<rank>:<step>" makes that rank die (ex
 
 
 def emit(event: str, **fields: Any) -> None:
-    """One event line for the launcher on stdout, written with one write(2): the ranks of a node
-    share the pipe, and a line written in pieces (print writes the newline apart, unbuffered) can
-    interleave with another rank's and be lost. Lines stay under PIPE_BUF (4096 bytes), which a
-    pipe writes atomically."""
-    line = (EVENT_PREFIX + json.dumps({"event": event, **fields}) + "\n").encode()
+    """One event line for the launcher on stdout (`say`)."""
+    say(EVENT_PREFIX + json.dumps({"event": event, **fields}))
+
+
+def say(text: str) -> None:
+    """One line on stdout, written with one write(2): the ranks of a node share the pipe, and a line
+    written in pieces (print writes the newline apart, unbuffered) can interleave with another
+    rank's and be lost. Lines stay under PIPE_BUF (4096 bytes), which a pipe writes atomically."""
     sys.stdout.flush()
-    os.write(sys.stdout.fileno(), line)
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
 
 
 def _die_with_parent() -> None:
@@ -199,24 +210,19 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     return RankModel(stage, opt, executors, order, dtype, rounds)
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="sailor.runtime.worker", description="One rank of `sailor train`.")
-    ap.add_argument("--plan", required=True)
-    ap.add_argument("--job")
-    ap.add_argument("--steps", type=int, required=True, help="train until this many steps in total")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--data")
-    ap.add_argument("--init-from", help="Hugging Face model folder to start from (safetensors)")
-    ap.add_argument("--checkpoint-dir")
-    ap.add_argument("--checkpoint-every", type=int, default=0)
-    ap.add_argument("--resume-from")
-    ap.add_argument("--stop-file")
-    ap.add_argument("--timeout-s", type=float, default=300.0)
-    return ap.parse_args(argv)
+def step_log(s: WorkerSettings, plan: Plan, job: JobSpec) -> StepLog | None:
+    """Rank 0's StepLog (metrics file, TensorBoard, progress lines), after checking that its outputs
+    can be written here (SailorInputError naming the option); None on the other ranks."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    check_output_path(s.metrics, "--metrics")
+    check_output_path(s.tensorboard, "--tensorboard", folder=True)
+    check_tensorboard(s.tensorboard)
+    return StepLog(plan, job, metrics=s.metrics, tensorboard=s.tensorboard, every=s.log_every, total_steps=s.steps,
+                   write=say)
 
 
-def train(args: argparse.Namespace) -> None:
+def train(args: WorkerSettings) -> None:
     """The training loop of this rank (module docstring)."""
     plan = load_plan(args.plan)
     # Re-checked here, before any process group forms: a plan that reaches a worker without `sailor
@@ -225,6 +231,16 @@ def train(args: argparse.Namespace) -> None:
     job: JobSpec = check_plan_for_job(plan, load_job(args.job) if args.job else plan.job, plan.cluster,
                                       source=args.plan, job_source=args.job,
                                       world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    log = step_log(args, plan, job)  # before the process groups: a bad output path fails at once
+    try:
+        _train(args, plan, job, log)
+    finally:
+        if log is not None:
+            log.close()
+
+
+def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) -> None:
+    """The training loop proper: `train` once the plan, job and rank 0's StepLog are in place."""
     spec, mbs, seq, gbs = job.model, plan.micro_batch_size, job.seq, job.global_batch_size
     rank = int(os.environ.get("RANK", "0"))
     timeout = timedelta(seconds=args.timeout_s)
@@ -315,7 +331,8 @@ def train(args: argparse.Namespace) -> None:
                       "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time, "grad_norm": grad_norm,
                       "stages": [dict(zip(("forward_s", "backward_s", "wait_s", "sync_update_s"), row))
                                  for row in stage_times.tolist()]}
-            emit("step", **record)  # the launcher appends it to --metrics
+            log.on_step(record)  # adds its MFU
+            emit("step", **record)
         done = step + 1
         if root is not None and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
             path = save_checkpoint(root, done, meta, opt, role, tp_group, device)
@@ -327,13 +344,18 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of one rank; exits 1 after reporting any error."""
+    """Entry point of one rank: exits 2 after reporting bad arguments, 1 after reporting any other error."""
     _die_with_parent()
     warnings.simplefilter("ignore", SailorWarning)  # the command that started the ranks said it already
-    args = _parse(argv)
+    rank = int(os.environ.get("RANK", "0"))
     # Every rank says it is up before it waits for its peers: a host whose ranks never say so is the
     # one that keeps the process groups from forming (the controller leaves it out).
-    emit("joined", rank=int(os.environ.get("RANK", "0")))
+    emit("joined", rank=rank)
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+    except SailorInputError as e:
+        _report(e, rank)
+        _exit(2)
     try:
         train(args)
         # Every rank is past its last transfer before any exits. Then leave without running the
@@ -342,18 +364,28 @@ def main(argv: list[str] | None = None) -> None:
         _barrier(torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu"))
         code = 0
     except BaseException as e:  # report which rank failed and why, then fail fast
-        text = f"{type(e).__name__}: {e}"
-        # A rank that lost contact with a peer is usually a victim, not the cause: say so, so the
-        # launcher can name the rank that failed first.
-        peer_lost = isinstance(e, (TimeoutError, dist.DistError)) or any(
-            s in text for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out"))
-        first_line = (text.splitlines() or [""])[0][:1000]  # keeps the event line under PIPE_BUF
-        emit("error", rank=int(os.environ.get("RANK", "0")), error=first_line, peer_lost=peer_lost)
-        if isinstance(e, SailorInputError):  # bad input: its one line says it all
-            print(f"error: {e.one_line()}", file=sys.stderr)
-        else:
-            traceback.print_exc()
+        _report(e, rank)
         code = 1
+    _exit(code)
+
+
+def _report(e: BaseException, rank: int) -> None:
+    """Say why this rank failed: an error event for the launcher, and on stderr one line for bad
+    input or the traceback."""
+    text = f"{type(e).__name__}: {e}"
+    # A rank that lost contact with a peer is usually a victim, not the cause: say so, so the
+    # launcher can name the rank that failed first.
+    peer_lost = isinstance(e, (TimeoutError, dist.DistError)) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out"))
+    first_line = (text.splitlines() or [""])[0][:1000]  # keeps the event line under PIPE_BUF
+    emit("error", rank=rank, error=first_line, peer_lost=peer_lost)
+    if isinstance(e, SailorInputError):  # bad input: its one line says it all
+        print(f"error: {e.one_line()}", file=sys.stderr)
+    else:
+        traceback.print_exc()
+
+
+def _exit(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
