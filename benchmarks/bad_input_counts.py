@@ -46,10 +46,10 @@ SAILOR = {"mbs": 1, "gbs": 8, "real": 1.0, "max_mem": 8e9,
           "pipeline_list": [{"num_stages": 2, "layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [2, 2],
                              "tmp_per_stage": [[SREP, SREP], [SREP, SREP]]}]}
 TRACE = [{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 4}]
-PROFILE = {"schema": "sailor.perf.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
+PROFILE = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
            "layers": [{"gpu": "A100-40", "tp": 2, "mbs": 1, "forward_s": [1e-3] * 6, "backward_s": [2e-3] * 6}]}
 SAILOR_PROFILE = {"tiny": {"A100-40": {"1": {"2": {str(i): [1e-3, 2e-3, 1e-4] for i in range(6)}}}}}
-NET = {"schema": "sailor.perf.network/1", "links": [{"src_zone": "us-central1-a", "src_gpu": "A100-40",
+NET = {"schema": "sailor.network/1", "links": [{"src_zone": "us-central1-a", "src_gpu": "A100-40",
                                                 "dst_zone": "us-central1-a", "dst_gpu": "A100-40", "flows": 2,
                                                 "latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}]}
 SAILOR_NET = {"us-central1-a": {"A100-40": {"2": {"us-central1-a": {"A100-40": {"2": [[0.8, 16.4, 33.0], 2.5e11]}}}}}}

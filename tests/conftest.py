@@ -35,26 +35,35 @@ class ProcessInUnitTest(RuntimeError):
     """A test without the `integration` marker tried to start a process."""
 
 
-@pytest.fixture(autouse=True)
-def _unit_tests_start_no_process(request, monkeypatch):
-    """Unit tests (no `integration` marker) may not start processes: Popen (subprocess.run and
-    check_output use it), fork and posix_spawn raise ProcessInUnitTest instead."""
-    if request.node.get_closest_marker("integration") is not None:
-        yield
-        return
-
+def _refuse_processes(item) -> list[tuple[object, str, object]]:
+    """Make Popen (subprocess.run and check_output use it), fork and posix_spawn raise
+    ProcessInUnitTest; returns what to put back."""
     def refuse(*args, **kwargs):
-        raise ProcessInUnitTest(f"{request.node.nodeid} starts a process: mark it @pytest.mark.integration")
+        raise ProcessInUnitTest(f"{item.nodeid} starts a process: mark it @pytest.mark.integration")
 
     class NoPopen(subprocess.Popen):
         def __init__(self, *args, **kwargs):
             refuse()
 
-    monkeypatch.setattr(subprocess, "Popen", NoPopen)
+    saved = [(subprocess, "Popen", subprocess.Popen)]
+    subprocess.Popen = NoPopen
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
         if hasattr(os, name):
-            monkeypatch.setattr(os, name, refuse)
-    yield
+            saved.append((os, name, getattr(os, name)))
+            setattr(os, name, refuse)
+    return saved
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Unit tests (no `integration` marker) start no process, in the test or in any fixture it sets
+    up (a module-scoped fixture starting ranks is caught too)."""
+    saved = [] if item.get_closest_marker("integration") else _refuse_processes(item)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 @pytest.fixture

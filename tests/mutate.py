@@ -271,7 +271,7 @@ HOSTS = {"user": "ubuntu", "groups": [
     {"zone": "us-central1-a", "gpu": "A100-40", "gpus_per_node": 4, "hosts": ["10.0.0.1", "node-2"]},
     {"zone": "us-west1-b", "gpu": "V100-16", "user": "admin", "hosts": ["w0"]}]}
 _ROW = {"gpu": "A100-40", "tp": 1, "mbs": 1, "forward_s": [1e-3] * 6, "backward_s": [2e-3] * 6}
-PROFILE = {"schema": "sailor.perf.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
+PROFILE = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
            "source": "test", "layers": [_ROW, _ROW | {"mbs": 4, "tp": 2}],
            "optimizer": {"A100-40": {"seconds_per_param": 1e-9}},
            "memory": [{"tp": 1, "activation_bytes_per_sample": [1000.0] * 6}],
@@ -281,7 +281,7 @@ SAILOR_PROFILES = {"tiny": {"A100-40": {"1": {"1": {str(i): [1e-3, 2e-3, 1e-4] f
                                          "4": {"1": {str(i): [3e-3, 6e-3, 1e-4] for i in range(6)}}},
                             "K80": {"1": {"1": {"0": [1, 2, 3]}}}}}
 LLM_INFO = {"tiny": {"1": {str(i): {"act_mem_floats": 2500.0, "params_floats": 10.0} for i in range(6)}}}
-OUR_NETWORK = {"schema": "sailor.perf.network/1",
+OUR_NETWORK = {"schema": "sailor.network/1",
                "classes": {"same_zone": {"latency_s": 3e-5, "bandwidth_bytes_per_s": 2e9}},
                "links": [{"src_zone": "us-central1-a", "src_gpu": "A100-40", "dst_zone": "us-central1-b",
                           "dst_gpu": "V100-16", "flows": 2, "latency_s": 5e-4, "bandwidth_bytes_per_s": 1e9}]}

@@ -16,7 +16,7 @@ REPLICA = {"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 2}
 PLAN = {"micro_batch_size": 1, "stages": [[0, 3], [3, 6]],
         "pipelines": [{"microbatches": 4, "replicas": [REPLICA, REPLICA | {"stage": 1}]}]}
 PROFILE_ROW = {"gpu": "A100-40", "tp": 2, "mbs": 1, "forward_s": [0.1] * 6, "backward_s": [0.2] * 6}
-PROFILE = {"schema": "sailor.perf.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
+PROFILE = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
            "layers": [PROFILE_ROW]}
 
 
@@ -100,10 +100,10 @@ BAD = [
     ("prof.json", json.dumps(PROFILE)[:60], "line 1", "invalid JSON"),
     ("prof.json", json.dumps(PROFILE | {"layers": [PROFILE_ROW | {"backward_input_s": [0.1] * 6}]}),
      "layers.0.backward_input_s", "give both backward_input_s and backward_weight_s"),
-    ("net.json", json.dumps({"schema": "sailor.perf.network/1", "classes": {"same_zone": {"latency_s": 0.1,
+    ("net.json", json.dumps({"schema": "sailor.network/1", "classes": {"same_zone": {"latency_s": 0.1,
                                                                                      "bandwidth_bytes_per_s": 0}}}),
      "classes.same_zone.bandwidth_bytes_per_s", "must be >= 1, got 0"),
-    ("net.json", json.dumps({"schema": "sailor.perf.network/1", "classes": [1]}), "classes", "expected a mapping"),
+    ("net.json", json.dumps({"schema": "sailor.network/1", "classes": [1]}), "classes", "expected a mapping"),
     ("net.json", '{"schema": "sailor.net', "line 1", "invalid JSON"),
 ]
 
@@ -111,7 +111,7 @@ BAD = [
 @pytest.mark.parametrize("name, text, field, problem", BAD, ids=[f"{b[0]}:{b[2]}:{b[3][:20]}" for b in BAD])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, name, text, field, problem):
     files = {"job.yaml": JOB, "cluster.yaml": CLUSTER, "plan.json": json.dumps(PLAN), "prof.json": json.dumps(PROFILE),
-             "net.json": json.dumps({"schema": "sailor.perf.network/1"})}
+             "net.json": json.dumps({"schema": "sailor.network/1"})}
     if name == "job.json":
         files.pop("job.yaml")
     files[name] = text
@@ -146,6 +146,7 @@ def test_train_refuses_zb_h1_with_zero3_and_takes_the_other_schedules(tmp_path, 
         assert code == 0, err
 
 
+@pytest.mark.integration
 def test_console_script_bad_input_is_one_line_without_traceback(tmp_path):
     (tmp_path / "job.yaml").write_text(JOB)
     (tmp_path / "plan.json").write_text(json.dumps(PLAN)[:70])
@@ -154,6 +155,7 @@ def test_console_script_bad_input_is_one_line_without_traceback(tmp_path):
     assert r.stderr.startswith("error: plan.json: invalid JSON at line 1") and r.stderr.count("\n") == 1
 
 
+@pytest.mark.integration
 def test_tp_larger_than_a_node_names_the_plan(tmp_path):
     (tmp_path / "job.yaml").write_text(JOB)
     (tmp_path / "cluster.yaml").write_text(CLUSTER + "gpus_per_node: {A100-40: 1}\n")
@@ -164,6 +166,7 @@ def test_tp_larger_than_a_node_names_the_plan(tmp_path):
                                 " (1 GPUs); TP never crosses a node")
 
 
+@pytest.mark.integration
 def test_missing_file_and_missing_job(tmp_path):
     (tmp_path / "plan.json").write_text(json.dumps(PLAN))
     r = _run("simulate", "plan.json", "--job", "nope.yaml", cwd=tmp_path)
@@ -172,6 +175,7 @@ def test_missing_file_and_missing_job(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().startswith("error: plan.json: no job")
 
 
+@pytest.mark.integration
 def test_good_input_simulates(tmp_path):
     for n, t in {"job.yaml": JOB, "cluster.yaml": CLUSTER, "plan.json": json.dumps(PLAN),
                  "prof.json": json.dumps(PROFILE)}.items():
@@ -186,6 +190,7 @@ def test_good_input_simulates(tmp_path):
     assert est["gpus"] == 4 and est["estimated"] == []
 
 
+@pytest.mark.integration
 def test_simulate_reference_plan(sailor_ref, tmp_path):
     cfg = sailor_ref / "validation" / "gh200-opt350" / "plan_config_N2_D1.json"
     raw = json.loads(cfg.read_text())
@@ -201,6 +206,7 @@ def test_simulate_reference_plan(sailor_ref, tmp_path):
     assert peak == pytest.approx(raw["max_mem"], rel=0.10)
 
 
+@pytest.mark.integration
 def test_simulate_reference_plan_tables(sailor_ref, tmp_path):
     cfg = sailor_ref / "validation" / "gh200-opt350" / "plan_config_N4_D2.json"
     (tmp_path / "job.yaml").write_text(f"model: OPT-350\nglobal_batch_size: {json.loads(cfg.read_text())['gbs']}\n")

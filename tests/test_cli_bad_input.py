@@ -487,6 +487,7 @@ def _console(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.
     ({"runs-tiny/plan_config_a.json": b"\xff\xfe{}"}, ["validate", "runs-tiny", "--profiles", "profile.json"],
      "not UTF-8 text"),
 ])
+@pytest.mark.integration
 def test_console_script_refuses_in_one_line(tmp_path, files, args, words):
     _base(tmp_path)
     _write(tmp_path, files)
@@ -494,6 +495,7 @@ def test_console_script_refuses_in_one_line(tmp_path, files, args, words):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.integration
 def test_console_internal_error_is_one_line(tmp_path):
     # A bug anywhere (here: the planner raising ZeroDivisionError) ends in one line and exit 1.
     _base(tmp_path)
@@ -522,6 +524,7 @@ def _worker(tmp_path: Path, plan: dict, env: dict) -> subprocess.CompletedProces
     (CPU_PLAN | {"micro_batch_size": 1}, {"WORLD_SIZE": "2"}, "the job's global batch is 8"),
     ({k: v for k, v in CPU_PLAN.items() if k != "job"}, {"WORLD_SIZE": "2"}, "the plan carries no job"),
 ])
+@pytest.mark.integration
 def test_a_worker_checks_plan_job_and_world_size_before_its_first_step(tmp_path, plan, env, words):
     r = _worker(tmp_path, plan, env)
     assert r.returncode == 1, r.stderr
@@ -531,6 +534,7 @@ def test_a_worker_checks_plan_job_and_world_size_before_its_first_step(tmp_path,
 
 
 # ---- settings take effect ---------------------------------------------------------------------------
+@pytest.mark.integration
 def test_same_node_link_of_a_local_cluster_takes_effect(tmp_path, monkeypatch, capsys):
     _base(tmp_path)
     slow = LOCAL | {"network": {"same_node": {"latency_s": 0.5, "bandwidth_bytes_per_s": 1000.0}}}
@@ -556,6 +560,7 @@ def test_hosts_file_node_size_is_used_not_the_plans_tp(tmp_path, monkeypatch, ca
     assert sorted(d["host"] for d in docs) == ["a", "b"]  # TP 1 on nodes of 1 GPU: one machine per stage
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_output_on_a_full_disk_is_one_line_not_an_internal_error():
     """`--json > /dev/full`: writing stdout fails with ENOSPC; one error line, exit 1, no traceback file."""
@@ -584,6 +589,7 @@ def test_a_symlinked_output_writes_its_target_and_keeps_the_link(tmp_path, monke
     assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "real.json").read_text())["stages"]
 
 
+@pytest.mark.integration
 def test_closed_stdout_is_one_line():
     r = subprocess.run([str(SAILOR), "plan", "--json"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                        timeout=120, preexec_fn=lambda: os.close(1))

@@ -105,6 +105,7 @@ def test_hosts_must_agree_with_the_clusters_node_size(tmp_path):
         HostPool.load(hosts, CLUSTER)
 
 
+@pytest.mark.integration
 def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
     """4 GPUs on machines .1/.2; the trace shrinks to 2 (stop via the shared stop file, relaunch on one
     machine); back to 4, then rank 3 is SIGKILLed: its machine is taken out and the job goes on with
@@ -144,6 +145,7 @@ def _run_opts(tmp_path: Path, pool: HostPool, steps: int, **kw) -> RunOptions:
                       events=str(tmp_path / "e.jsonl"), clock=ClockKind.TRAINING, hosts=pool, timeout_s=30.0, **kw)
 
 
+@pytest.mark.integration
 def test_unreachable_host_is_left_out_and_a_spare_used(tmp_path, monkeypatch, reference_losses):
     """ssh cannot connect to 127.0.0.2 (exit 255, as ssh does): the launch fails, the message names the
     host and ssh's own words, and the relaunch uses the spare 127.0.0.3."""
@@ -163,6 +165,7 @@ def test_unreachable_host_is_left_out_and_a_spare_used(tmp_path, monkeypatch, re
     _no_leftovers(str(tmp_path))
 
 
+@pytest.mark.integration
 def test_a_machine_that_goes_down_whole_is_left_out(tmp_path, monkeypatch, reference_losses):
     """Node 1's torchrun agent and both its ranks are SIGKILLed at once (the machine went down): no
     rank is named by torchrun, but ranks 0 and 1 report the lost peer, so the silent machine
@@ -187,6 +190,7 @@ def test_a_machine_that_goes_down_whole_is_left_out(tmp_path, monkeypatch, refer
     _no_leftovers(marker)
 
 
+@pytest.mark.integration
 def test_a_host_that_never_runs_the_command_is_left_out_after_the_start_timeout(tmp_path, monkeypatch,
                                                                                reference_losses):
     """ssh to 127.0.0.2 connects but its command never starts, so no process group can form: the
@@ -205,6 +209,7 @@ def test_a_host_that_never_runs_the_command_is_left_out_after_the_start_timeout(
     _no_leftovers(str(tmp_path))
 
 
+@pytest.mark.integration
 def test_cli_hosts_errors_are_one_line(tmp_path):
     import subprocess
 
@@ -245,6 +250,7 @@ def test_cli_hosts_errors_are_one_line(tmp_path):
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and want in r.stderr, (extra, r.stderr)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("how", ["sigint", "sigkill"])
 def test_interrupted_controller_leaves_nothing_on_the_hosts(tmp_path, monkeypatch, how):
     """SIGINT: the ranks on both machines stop at a step boundary with a checkpoint (shared stop

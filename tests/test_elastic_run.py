@@ -87,6 +87,7 @@ def _no_leftovers(marker: str) -> None:
     _wait(lambda: not _processes(marker), 15.0)
 
 
+@pytest.mark.integration
 def test_shrink_and_grow_4_2_3(tmp_path, reference_losses):
     steps = 40
     opts = RunOptions(job=JOB, cluster=LOCAL, trace=load_trace(_trace(tmp_path, (0, 4), (0.6, 2), (1.2, 3)), LOCAL),
@@ -130,6 +131,7 @@ def run_disturbed(opts: RunOptions, marker: str, disturb) -> RunResult:
     return out["res"]
 
 
+@pytest.mark.integration
 def test_two_sigkills_roll_back_and_continue_on_survivors(tmp_path, reference_losses):
     steps, rng = 60, random.Random(7)
     metrics, events = tmp_path / "m.jsonl", tmp_path / "e.jsonl"
@@ -163,6 +165,7 @@ def test_two_sigkills_roll_back_and_continue_on_survivors(tmp_path, reference_lo
     _no_leftovers(marker)
 
 
+@pytest.mark.integration
 def test_corrupt_checkpoint_is_never_loaded(tmp_path, reference_losses):
     trace = _trace(tmp_path, (0, 2))
     ck, metrics, events = tmp_path / "ck", tmp_path / "m.jsonl", tmp_path / "e.jsonl"
@@ -234,6 +237,7 @@ def interrupt_controller(args: list[str], tmp: Path, how: str, world_size: int) 
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("how", ["sigint", "sigint2", "sigkill"])
 def test_interrupted_controller_leaves_no_process(tmp_path, how):
     job = tmp_path / "job.json"

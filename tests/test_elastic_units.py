@@ -83,6 +83,7 @@ def test_missing_trace_file(tmp_path):
         load_trace(tmp_path / "nope.json", LOCAL)
 
 
+@pytest.mark.integration
 def test_cli_bad_trace_exits_2_with_one_line(tmp_path):
     job = _write(tmp_path, "job.json", '{"model": "tiny", "global_batch_size": 8}')
     cluster = _write(tmp_path, "c.json", '{"provider": "local", "zones": {"local": {"cpu": 4}}}')
@@ -95,6 +96,7 @@ def test_cli_bad_trace_exits_2_with_one_line(tmp_path):
         assert len(lines) == 1 and "t.csv" in lines[0] and "A100-40 in local" in lines[0], p.stderr
 
 
+@pytest.mark.integration
 def test_cli_run_on_a_trace_that_never_offers_a_gpu_exits_2(tmp_path):
     job = _write(tmp_path, "job.json", '{"model": "tiny", "global_batch_size": 8}')
     cluster = _write(tmp_path, "c.json", '{"provider": "local", "zones": {"local": {"cpu": 4}}}')

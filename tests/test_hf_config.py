@@ -193,6 +193,7 @@ def test_the_api_reads_a_job_with_a_relative_model_path_from_any_folder(tmp_path
     assert sailor.load_job is load_job
 
 
+@pytest.mark.integration
 def test_job_reads_a_config_relative_to_itself_and_the_cli_says_what_is_wrong(tmp_path, monkeypatch):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(configs()["llama3"].to_dict()))

@@ -82,6 +82,7 @@ def _train(arch: str, plan_body: dict, tmp_path) -> tuple:
     return result, rows, got, folder
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("arch", ["gpt2", "llama3"])  # tied + Conv1D + learned positions; GQA + llama3 RoPE
 def test_init_from_on_a_mixed_plan_equals_the_single_process_run(arch, tmp_path):
     _, rows, _, _ = _train(arch, {"pipelines": [
@@ -103,6 +104,7 @@ MEMORY_PLANS = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("arch", ARCHS)
 def test_memory_options_with_every_architecture_equal_the_single_process_run(arch, tmp_path):
     import transformers as T

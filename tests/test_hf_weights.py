@@ -157,6 +157,7 @@ def _plan_file(tmp_path: Path, folder: Path) -> Path:
     return plan
 
 
+@pytest.mark.integration
 def test_sailor_train_refuses_bad_weights_before_starting(models, tmp_path):
     folder, _ = models["llama3"]
     plan = _plan_file(tmp_path, folder)
@@ -212,6 +213,7 @@ def test_a_builtin_model_exports_as_gpt2(tmp_path):
         torch.testing.assert_close(hf_logits(back, x), model(x), atol=ATOL, rtol=0)
 
 
+@pytest.mark.integration
 def test_export_refuses_a_folder_in_use_and_a_missing_checkpoint(models, tmp_path):
     _checkpoint_from_hf(models["gpt2"][0], tmp_path / "ck")
     (tmp_path / "busy").mkdir()

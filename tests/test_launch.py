@@ -145,6 +145,7 @@ def test_skypilot_tasks():
                for t in imaged)
 
 
+@pytest.mark.integration
 def test_skypilot_files_and_script(tmp_path):
     files = launch_files(GEO, Backend.SKYPILOT, OPTS, header="test", name="opt")
     names = ["0-a100-40-us-central1-a.yaml", "1-v100-16-us-central1-b.yaml", "2-v100-16-us-west1-b.yaml"]
@@ -286,6 +287,7 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(SAILOR), *args], capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.integration
 def test_cli_errors_are_one_line(tmp_path):
     plan = tmp_path / "plan.json"
     GEO.with_specs(GEO_JOB, None).save(plan)
@@ -339,6 +341,7 @@ def _calls(tmp_path: Path) -> list[list]:
     return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.integration
 def test_cli_starts_every_node_over_ssh(tmp_path):
     plan = tmp_path / "plan.json"
     GEO.with_specs(GEO_JOB, None).save(plan)
@@ -354,6 +357,7 @@ def test_cli_starts_every_node_over_ssh(tmp_path):
     assert all("--steps=7" in c[-1] and f"--plan={plan.resolve()}" in c[-1] for c in calls)
 
 
+@pytest.mark.integration
 def test_a_failing_node_stops_the_others(tmp_path):
     # Host a0 fails at once; the others hang until they are ended: none may be left running.
     env = _fake_ssh(tmp_path, "import time\nif sys.argv[-2].endswith('@a0'):\n    sys.exit(5)\ntime.sleep(600)\n")
@@ -382,6 +386,7 @@ def _running(needle: str) -> list[int]:
     return out
 
 
+@pytest.mark.integration
 def test_real_cpu_job_through_the_launcher(tmp_path):
     """6 gloo ranks on this machine as 4 torchrun agents (node size 2 splits node 0 in two blocks),
     started by `launch` through an ssh that runs the command locally: the worker trains to the end."""

@@ -99,6 +99,7 @@ def _sky_files(tmp_path: Path, **kwargs) -> Path:
     return out
 
 
+@pytest.mark.integration
 def test_skypilot_loads_each_task_as_sky_launch_does(tmp_path, sky):
     from sky.client.cli import command
     from sky.utils import dag_utils
@@ -124,6 +125,7 @@ def test_skypilot_loads_each_task_as_sky_launch_does(tmp_path, sky):
                 sky.Task.from_yaml(str(path))
 
 
+@pytest.mark.integration
 def test_skypilot_refuses_one_file_for_all_groups(tmp_path, sky):
     """Why the groups are separate files: `sky launch` refuses a file holding them all, as a chain
     or as a job group (`execution: parallel`, which only `sky jobs launch` runs)."""
@@ -143,6 +145,7 @@ def test_skypilot_refuses_one_file_for_all_groups(tmp_path, sky):
         assert isinstance(dag, sky.Dag) and len(dag.tasks) == 3  # `sky launch` raises its DAG UsageError
 
 
+@pytest.mark.integration
 def test_skypilot_run_scripts_start_torchrun_on_internal_addresses(tmp_path, sky):
     python, calls = _stand_in_python(tmp_path)
     files = sorted(_sky_files(tmp_path, python=python).glob("*.yaml"))
@@ -228,6 +231,7 @@ def _run_pods(jobs: list[dict], pod_spec_of) -> None:
             _bash(c["command"][2], {"JOB_COMPLETION_INDEX": str(index), **{e["name"]: e["value"] for e in c["env"]}})
 
 
+@pytest.mark.integration
 def test_kubernetes_jobset_passes_kubernetes_validate(tmp_path, kubernetes_validate):
     python, calls = _stand_in_python(tmp_path)
     opts = _opts("/etc/sailor/plan.json", steps=3, python=python, checkpoint_dir="/ck")
@@ -246,6 +250,7 @@ def test_kubernetes_jobset_passes_kubernetes_validate(tmp_path, kubernetes_valid
     assert all(s.resume_from is None for s in _worker_settings(calls))  # no checkpoint in /ck here: a fresh start
 
 
+@pytest.mark.integration
 def test_kubernetes_indexed_jobs_pass_kubernetes_validate(tmp_path, kubernetes_validate):
     python, calls = _stand_in_python(tmp_path)
     opts = _opts("/etc/sailor/plan.json", steps=3, python=python)
@@ -255,6 +260,7 @@ def test_kubernetes_indexed_jobs_pass_kubernetes_validate(tmp_path, kubernetes_v
     _ranks_once(_torchrun_agents(calls, "sailor-a100-40-us-central1-a-0.sailor-nodes:29500"))
 
 
+@pytest.mark.integration
 def test_restarted_jobset_resumes_from_the_newest_checkpoint(tmp_path):
     """The shell each JobSet pod runs picks the newest complete `step-*` folder (not a `.tmp-` one)."""
     python, calls = _stand_in_python(tmp_path)
@@ -270,6 +276,7 @@ def test_restarted_jobset_resumes_from_the_newest_checkpoint(tmp_path):
 
 
 # ---- torchrun over ssh -------------------------------------------------------------------------
+@pytest.mark.integration
 def test_torchrun_node_commands_parse_with_torchrun(tmp_path):
     python, calls = _stand_in_python(tmp_path)
     opts = _opts("/etc/sailor/plan.json", steps=3, python=python)

@@ -16,7 +16,7 @@ JOB = JobSpec(model="tiny", global_batch_size=8)
 def _fake_profile(block_s: float) -> dict:
     rows = [{"gpu": "cpu", "tp": 1, "mbs": b, "forward_s": [block_s * b] * 6, "backward_s": [2 * block_s * b] * 6}
             for b in machine.QUICK_MBS]
-    return {"schema": "sailor.perf.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
+    return {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
             "date": "2025-01-01T00:00:00+00:00", "layers": rows, "optimizer": {"cpu": {"seconds_per_param": 1e-9}}}
 
 
@@ -102,6 +102,7 @@ def test_plan_on_the_local_provider_measures_and_profiles_win(monkeypatch, tmp_p
     assert got["estimate"]["iteration_time_s"] < 8 * 6 * 15e-3 / 2 * 0.5
 
 
+@pytest.mark.integration
 def test_a_real_quick_profile_loads_and_is_cached(tmp_path):
     prof, note = local_profiles(JOB, folder=tmp_path)
     assert "measured this machine" in note

@@ -77,6 +77,7 @@ def test_rank_zeros_step_log_writes_the_metrics_lines_and_the_interval_lines(tmp
     assert [line.split("  ")[0] for line in lines] == ["step 2/3", "step 3/3"]
 
 
+@pytest.mark.integration
 def test_missing_tensorboard_is_one_line(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(PLAN.to_dict(with_specs=False) | {"job": JOB.to_dict()}))

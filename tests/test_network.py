@@ -108,7 +108,7 @@ def test_unmeasured_flow_counts_scale_down_per_flow_and_share_the_nic_up():
 
 def test_our_link_file(tmp_path):
     p = tmp_path / "net.json"
-    p.write_text(json.dumps({"schema": "sailor.perf.network/1",
+    p.write_text(json.dumps({"schema": "sailor.network/1",
                              "classes": {"same_region": {"latency_s": 0.1, "bandwidth_bytes_per_s": 1e6}},
                              "links": [{"src_zone": ZA, "src_gpu": "A100-40", "dst_zone": ZA,
                                         "dst_gpu": "A100-40", "flows": 1, "latency_s": 0.0,
@@ -138,7 +138,7 @@ def test_our_link_file(tmp_path):
 ])
 def test_bad_link_file(tmp_path, data, match):
     p = tmp_path / "net.json"
-    p.write_text(json.dumps({"schema": "sailor.perf.network/1"} | data))
+    p.write_text(json.dumps({"schema": "sailor.network/1"} | data))
     with pytest.raises(SailorInputError, match=r"net\.json: " + match):
         network_for(CLUSTER, p)
 

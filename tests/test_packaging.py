@@ -26,6 +26,7 @@ def _run(argv: list[str], cwd: Path | None = None, timeout: float = 300) -> subp
     return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=timeout)
 
 
+@pytest.mark.integration
 def test_wheel_without_torch_plans_and_simulates(tmp_path):
     """Build the wheel, install it into a fresh venv without torch (offline when the dependencies are
     at hand, else from the index), and plan and simulate from a folder outside the checkout."""
@@ -65,6 +66,7 @@ def test_wheel_without_torch_plans_and_simulates(tmp_path):
             f"error: `sailor {argv[0]}` needs torch, which is not installed (pip install 'sailor-train[train]')"], r.stderr
 
 
+@pytest.mark.integration
 def test_planning_imports_no_torch():
     code = ("import sys, sailor\n"
             "r = sailor.find_plan({'model': 'tiny', 'global_batch_size': 8}, {'zones': {'us-central1-a': {'A100-40': 4}}})\n"
@@ -79,6 +81,7 @@ def test_planning_imports_no_torch():
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.integration
 def test_version_help_and_completion():
     if not SAILOR.exists():
         pytest.skip(f"console script {SAILOR} is not installed (pip install -e .)")
@@ -114,6 +117,7 @@ def _readme_api_example() -> str:
     return code
 
 
+@pytest.mark.integration
 def test_readme_api_example_returns_what_the_cli_prints(tmp_path, monkeypatch):
     if not SAILOR.exists():
         pytest.skip(f"console script {SAILOR} is not installed (pip install -e .)")

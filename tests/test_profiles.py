@@ -107,7 +107,7 @@ def _row(**kw):
     ({"layers": [_row()], "memory": [{"activation_bytes_per_sample": [1] * 6}]}, r"memory\.0: expected a mapping with tp"),
 ])
 def test_bad_profile_fields(extra, match):
-    d = {"schema": "sailor.perf.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32"} | extra
+    d = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32"} | extra
     with pytest.raises(SailorInputError, match=r"prof\.json: " + match):
         profiles_from_dict(d, "prof.json")
 
@@ -117,7 +117,7 @@ def test_profile_of_an_inline_architecture_loads_for_that_model_only():
             "max_sequence_length": 64}
     job = JobSpec(model=arch, global_batch_size=4)
     row = {"gpu": "cpu", "tp": 1, "mbs": 1, "forward_s": [0.001] * 4, "backward_s": [0.002] * 4}
-    prof = profiles_from_dict({"schema": "sailor.perf.profiles/1", "model": "gpt-2x64", "sequence_length": 64,
+    prof = profiles_from_dict({"schema": "sailor.profiles/1", "model": "gpt-2x64", "sequence_length": 64,
                                "precision": "fp32", "layers": [row]}, "prof.json")
     prof.check_job(job)
     assert prof.layer_times(job, "cpu", 1, 1)[0, 1] == 0.002
@@ -167,7 +167,7 @@ def test_backward_split_estimated_from_flops_and_labelled():
 def test_measured_backward_split_round_trips_and_is_not_an_estimate(tmp_path):
     row = {"gpu": "A100-40", "tp": 1, "mbs": 2, "forward_s": [1.0] * 6, "backward_s": [2.0] * 6,
            "backward_input_s": [0.5] * 6, "backward_weight_s": [1.6] * 6}
-    d = {"schema": "sailor.perf.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32", "layers": [row]}
+    d = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32", "layers": [row]}
     p = profiles_from_dict(d)
     assert p.split_measured("A100-40", 1)
     got = p.backward_split(JOB, "A100-40", 1, 4, np.zeros(6))  # proportional above the measured size

@@ -85,6 +85,7 @@ def test_every_reference_trace(path, policy):
                 assert cur.gpus_available < prev.gpus_used
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/reference/sailor/traces is absent")
 def test_cli_json_and_plot(tmp_path):
     job = tmp_path / "job.json"

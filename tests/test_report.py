@@ -115,6 +115,7 @@ def test_a_comparison_search_without_a_plan_is_noted_not_marked(tmp_path):
     assert "chosen plan" in svg and "homogeneous" not in svg and "paper" not in svg
 
 
+@pytest.mark.integration
 def test_cli_simulate_report(tmp_path):
     if not SAILOR.exists():
         pytest.skip(f"console script {SAILOR} is not installed (pip install -e .)")

@@ -207,6 +207,7 @@ def test_checkpoint_roundtrip_and_checksum_fallback(tmp_path):
     assert ckpt.find_latest(tmp_path).path == tmp_path / "step-00000002"
 
 
+@pytest.mark.integration
 def test_plan_level_modules_stay_torch_free():
     import subprocess
     code = ("import sys; import sailor.runtime.topology, sailor.runtime.validate, sailor.runtime.data,"

@@ -91,6 +91,7 @@ def _leftovers(marker: str) -> list[str]:
     return [cmd for _, cmd in live_processes(marker)]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(PLANS))
 def test_plan_equals_single_process_run(name, tmp_path, reference):
     ref_losses, ref_params = reference
@@ -108,6 +109,7 @@ def test_plan_equals_single_process_run(name, tmp_path, reference):
     assert not _leftovers(str(tmp_path))
 
 
+@pytest.mark.integration
 def test_save_under_c_resume_under_a(tmp_path, reference):
     ref_losses, _ = reference
     ck = str(tmp_path / "ck")
@@ -161,6 +163,7 @@ def _check_memory(result, plan_path: str, world: int) -> None:
         assert {int(k): v for k, v in e["activations"].items()} == acts, e
 
 
+@pytest.mark.integration
 def test_memory_options_equal_reference_and_checkpoints_cross_zero_stages(tmp_path):
     """A (ZeRO-3 / ZeRO-1, recomputation) steps 1-3 -> checkpoint -> B unsharded (ZeRO-0) steps 4-5 ->
     checkpoint -> C (sequence parallelism, ZeRO-2 / ZeRO-3) steps 6-7: the reference's loss at every
@@ -187,6 +190,7 @@ def test_memory_options_equal_reference_and_checkpoints_cross_zero_stages(tmp_pa
     assert not _leftovers(str(tmp_path))
 
 
+@pytest.mark.integration
 def test_crashing_rank_ends_the_job_fast_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("SAILOR_FAULT", "1:2")  # rank 1 dies at step 2 (0-based)
     plan = write_plan(tmp_path, "a_two_stages")
@@ -200,6 +204,7 @@ def test_crashing_rank_ends_the_job_fast_and_leaves_nothing(tmp_path, monkeypatc
     assert not _leftovers(str(tmp_path))
 
 
+@pytest.mark.integration
 def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
     plan = write_plan(tmp_path, "a_two_stages")
     metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
@@ -253,6 +258,7 @@ def test_bad_plan_exits_2_with_one_line_before_any_process(change, message, tmp_
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
+@pytest.mark.integration
 def test_killing_the_launcher_leaves_no_process(tmp_path):
     plan = write_plan(tmp_path, "b_tp1_tp2_shares_3_1")
     metrics = tmp_path / "m.jsonl"

@@ -143,6 +143,7 @@ def reference():
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(PLANS))
 def test_schedule_equals_single_process_run(name, tmp_path, reference):
     ref_losses, ref_params = reference

@@ -390,7 +390,7 @@ def test_measured_split_feeds_zb_h1_less_the_profilers_gap():
     n = JOB.model.num_layers
     row = {"gpu": "A100-40", "tp": 1, "mbs": 2, "forward_s": [0.01] * n, "backward_s": [0.02] * n,
            "backward_input_s": [0.012] * n, "backward_weight_s": [0.011] * n}
-    prof = profiles_from_dict({"schema": "sailor.perf.profiles/1", "model": "opt-350m", "sequence_length": JOB.seq,
+    prof = profiles_from_dict({"schema": "sailor.profiles/1", "model": "opt-350m", "sequence_length": JOB.seq,
                                "precision": "fp32", "layers": [row]})
     ctx = make_context(JOB, CLUSTER, profiles=prof, calibration={"A100-40": {"profile_overhead_s": 0.001}})
     # layers [7, 13): 6 layers of (0.012 - 0.001) and (0.011 - 0.001): measured, so B + W > backward

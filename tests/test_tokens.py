@@ -191,6 +191,7 @@ def _one_line(r: subprocess.CompletedProcess, message: str) -> None:
     assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
 
 
+@pytest.mark.integration
 def test_cli_refuses_a_vocabulary_or_ids_the_model_cannot_take(tmp_path, tokenizer):
     (tmp_path / "a.txt").write_text(TEXT)
     (tmp_path / "job.yaml").write_text("model: tiny\nglobal_batch_size: 4\nsequence_length: 32\n")
@@ -217,6 +218,7 @@ def test_cli_refuses_a_vocabulary_or_ids_the_model_cannot_take(tmp_path, tokeniz
               "token id 999 is beyond the model's vocabulary of 256")
 
 
+@pytest.mark.integration
 def test_cli_names_a_folder_or_a_bad_tokenizer_in_one_line(tmp_path, tokenizer):
     (tmp_path / "docs").mkdir()
     (tmp_path / "a.txt").write_text(TEXT)

@@ -24,6 +24,7 @@ def _walkthrough() -> str:
     return block.group(1)
 
 
+@pytest.mark.integration
 def test_readme_walkthrough(tmp_path):
     torch = pytest.importorskip("torch")
     T = pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")

@@ -18,6 +18,7 @@ from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, Profiles
                                memory_label, resolve_models)
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
+from sailor.core.units import GIB
 from sailor.plan.spec import Plan
 from sailor.planner import Objective, PlanOptions, PlanResult, SearchSpace, plan_job
 from sailor.planner.compare import compare_searches
@@ -25,8 +26,6 @@ from sailor.planner.options import DEFAULT_MEMORY_MARGIN
 from sailor.simulator import SimContext, make_context
 from sailor.specs import EXAMPLE_CLUSTER, EXAMPLE_JOB, load_cluster, load_job
 from sailor.specs.cluster import ClusterSpec
-
-GIB = 2**30
 
 
 @app.command("plan")

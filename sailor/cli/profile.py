@@ -53,7 +53,7 @@ def profile_layers(
     threads: int = typer.Option(1, "--threads", help="CPU threads per process (torchrun gives each rank 1)."),
     concurrency: int = typer.Option(0, "--concurrency", help="Replicas timed at once, e.g. 2; 0: enough to keep"
                                                              " every CPU core busy, as in a multi-process run (1 on cuda)."),
-    out: Path = typer.Option(Path("profile.json"), "--out", help="Profile file to write (JSON, sailor.perf.profiles/1)."),
+    out: Path = typer.Option(Path("profile.json"), "--out", help="Profile file to write (JSON, sailor.profiles/1)."),
 ) -> None:
     """Time the runtime's embedding, block and head layers and the optimizer step on this machine."""
     if ctx.invoked_subcommand is not None:
@@ -89,7 +89,7 @@ def profile_network_command(
     zone: str = typer.Option("local", "--zone", help="Zone name the links are written for."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed rounds per size."),
     repeats: int = typer.Option(5, "--repeats", help="Timed rounds per size; the median is kept."),
-    out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.perf.network/1)."),
+    out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.network/1)."),
 ) -> None:
     """p2p and all-reduce over 1 KiB..64 MiB between local processes; fit latency and bandwidth."""
     require_torch("profile network")

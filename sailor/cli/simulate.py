@@ -14,12 +14,11 @@ from sailor.cli.app import app
 from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, machine_profiles,
                                memory_label, resolve_models, resolve_specs)
 from sailor.core.fileio import check_output_path
+from sailor.core.units import GIB
 from sailor.plan import load_plan
 from sailor.plan.spec import Plan
 from sailor.simulator import Estimate, make_context, simulate
 from sailor.simulator.schedule import check_pipeline_tasks
-
-GIB = 2**30
 
 
 @app.command("simulate")

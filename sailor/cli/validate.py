@@ -13,11 +13,10 @@ from rich.table import Table
 from sailor.cli.app import app
 from sailor.cli.common import JsonOpt, console
 from sailor.core.errors import SailorInputError, note
+from sailor.core.units import GIB
 from sailor.perf.profiles import load_profiles
 from sailor.simulator.fidelity import (MultiReport, RunSet, ValidationReport, default_data_paths, load_run_set,
                                        validate_sets)
-
-GIB = 2**30
 
 
 @app.command("validate")

@@ -17,6 +17,8 @@ import os
 # "Large Batch Optimization for Deep Learning", ICLR 2020); LLM runs use 1-16 K samples (GPT-3 175B:
 # 1,536; Llama 3 405B: 16 M tokens = 2,048 samples of 8,192). The planner's and simulator's work grow
 # with the micro-batches per pipeline (`benchmarks/bad_input_counts.py` times the largest accepted).
+from sailor.core.units import HOUR_S
+
 MAX_GLOBAL_BATCH = 65_536
 
 # Tokens per sample. Longest published training contexts are 1-10 M tokens (Gemini 1.5, Llama 4
@@ -45,7 +47,7 @@ MAX_PRICE_USD_PER_GPU_HOUR = 1e4
 
 # Seconds of one layer's forward or backward pass, an optimizer step or a link's latency: a week.
 # No measured layer takes more than seconds; larger values only make every prediction meaningless.
-MAX_SECONDS = 7 * 24 * 3600.0
+MAX_SECONDS = 7 * 24 * HOUR_S
 
 # Bytes/s of a link: 1 byte/s to 10^15 (1 PB/s; NVLink 5 is 1.8 TB/s per GPU). Outside it a transfer
 # time is 0 or overflows.

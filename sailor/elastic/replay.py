@@ -29,6 +29,7 @@ from enum import Enum
 from typing import Any
 
 from sailor.core.errors import InfeasibleError, SailorInputError
+from sailor.core.units import HOUR_S
 from sailor.elastic.availability import Trace, Zones
 from sailor.elastic.policy import decide, lost_gpus
 from sailor.elastic.replan import Planned, Replanner
@@ -37,7 +38,7 @@ from sailor.simulator import Estimate
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
-DEFAULT_LAST_INTERVAL_S = 3600.0  # a one-row trace says nothing about its length: assume an hour
+DEFAULT_LAST_INTERVAL_S = HOUR_S  # a one-row trace says nothing about its length: assume an hour
 
 
 class Policy(str, Enum):
@@ -234,8 +235,8 @@ def _interval(planner: Replanner, planned: Planned | None, zones: Zones, t0: flo
     est: Estimate = planner.score(planned.plan, zones) or planned.estimate
     lost_s = min(switch_s, d)
     iters = (d - lost_s) / est.iteration_time_s
-    gpu_usd_per_hour = est.gpu_cost_per_iteration_usd * 3600.0 / est.iteration_time_s
-    cost = gpu_usd_per_hour * d / 3600.0 + est.egress_per_iteration_usd * iters
+    gpu_usd_per_hour = est.gpu_cost_per_iteration_usd * HOUR_S / est.iteration_time_s
+    cost = gpu_usd_per_hour * d / HOUR_S + est.egress_per_iteration_usd * iters
     return Interval(t0, t1, avail, planned.plan.world_size, planned.plan.to_dict(with_specs=False),
                     est.iteration_time_s, est.throughput_iters_per_s, est.cost_per_hour_usd,
                     est.cost_per_iteration_usd, switched, lost_s, replan_s, iters, cost, note)

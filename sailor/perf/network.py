@@ -20,7 +20,7 @@ A transfer costs latency + flows·x / aggregate bandwidth (a measured curve alre
 latency of the messages it was measured with). Collectives (`simulator.collectives`) use the two
 parts separately: `hop_latency_s` once per ring step, `stream_time_s` for the bytes.
 
-Our link file (JSON, schema "sailor.perf.network/1"):
+Our link file (JSON, schema "sailor.network/1"):
   {"schema", "classes": {link_class: {"latency_s", "bandwidth_bytes_per_s", "flow_bandwidth_bytes_per_s"?}},
    "links": [{"src_zone", "src_gpu", "dst_zone", "dst_gpu", "flows", "latency_s", "bandwidth_bytes_per_s",
               "same_node"?}]}
@@ -43,7 +43,7 @@ from sailor.core.limits import MAX_BANDWIDTH_BYTES_PER_S, MAX_GPUS_PER_NODE, MAX
 from sailor.core.schema import Checks
 from sailor.specs.cluster import ClusterSpec
 
-SCHEMA = "sailor.perf.network/1"
+SCHEMA = "sailor.network/1"
 FIT_MIN_BYTES = 64 * 1024  # range of the Sailor NCCL sweeps
 FIT_MAX_BYTES = 1 << 30
 # Inside a node without a measurement: NVLink/PCIe peer-to-peer latency, ~5 µs (NCCL's own tuning

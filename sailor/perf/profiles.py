@@ -10,7 +10,7 @@ Every estimate is recorded in `Profiles.estimates_used`, and every simulator out
 Lookups interpolate linearly in micro-batch size between measured sizes and scale proportionally
 outside them. A profile whose model, sequence length or precision differs from the job's is an error.
 
-Our file format (JSON, schema "sailor.perf.profiles/1"):
+Our file format (JSON, schema "sailor.profiles/1"):
   {"schema", "model", "sequence_length", "precision", "source", "device", "versions", "date",
    "layers": [{"gpu", "tp", "mbs", "forward_s": [per layer], "backward_s": [per layer],
                "forward_spread_s"?: [...], "backward_spread_s"?: [...],
@@ -57,7 +57,7 @@ LAYER_KEYS = ("gpu", "tp", "mbs", "forward_s", "backward_s", "forward_spread_s",
               "backward_weight_s")
 MEMORY_KEYS = ("gpu", "tp", "activation_bytes_per_sample", "peak_bytes")
 
-SCHEMA = "sailor.perf.profiles/1"
+SCHEMA = "sailor.profiles/1"
 
 # Optimizer step traffic per parameter (bytes); memory-bound, so time = params x bytes / (HBM
 # bandwidth x its memory efficiency). AdamW in fp32: read param, grad, m, v (16 B), write param, m,

@@ -39,6 +39,7 @@ from typing import Callable
 
 import numpy as np
 
+from sailor.core.units import HOUR_S
 from sailor.planner import paper
 from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds, plan_signature
 from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanning_thetas
@@ -327,7 +328,7 @@ def _offer_all(opts: PlanOptions, scorer: Scorer, vectors: list[tuple[int, ...]]
     tau0 = (scorer.M - V @ (2.0 - two / period)) / (V @ (1.0 / period))
     opt = np.where(used, np.array([k.optimizer_s for k in kinds]), 0.0).max(axis=1)
     time_lb = np.maximum(fill, tau0) + opt
-    cost_lb = (V @ np.array([k.usd_per_hour for k in kinds])) * time_lb / 3600.0
+    cost_lb = (V @ np.array([k.usd_per_hour for k in kinds])) * time_lb / HOUR_S
     lb = time_lb if opts.objective is Objective.THROUGHPUT else cost_lb
     for j in np.argsort(lb, kind="stable"):
         if lb[j] >= keep.best0():

@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Callable
 
 from sailor.core.errors import SailorInputError
+from sailor.core.units import HOUR_S
 
 # Clusters of at most this many GPUs are searched in exact mode (engine.py: every pipeline kind and
 # count vector when few enough, valid bounds; the brute-force tests check it).
@@ -41,7 +42,7 @@ class Constraints:
     def ok(self, time_s: float, cost_usd: float) -> bool:
         if self.max_cost_per_iteration is not None and cost_usd > self.max_cost_per_iteration:
             return False
-        if self.max_cost_per_hour is not None and cost_usd * 3600.0 / time_s > self.max_cost_per_hour:
+        if self.max_cost_per_hour is not None and cost_usd * HOUR_S / time_s > self.max_cost_per_hour:
             return False
         if self.min_throughput is not None and 1.0 / time_s < self.min_throughput:
             return False

@@ -15,12 +15,14 @@ import math
 
 import numpy as np
 
+from sailor.core.units import HOUR_S
 from sailor.model.spec import Recompute
 from sailor.planner.kinds import Kind, Pool, boundary
 from sailor.planner.options import Objective, PlanOptions
 from sailor.planner.score import apart_stage_groups
 from sailor.planner.space import even_partition, mbs_candidates, zero3_needed
-from sailor.simulator import DEFAULT_TIME, SimContext, Slot, TimeOptions, allreduce_s, optimizer_s, stage_sync, time_options
+from sailor.simulator import (DEFAULT_TIME, SimContext, Slot, TimeOptions, allreduce_s, optimizer_s, stage_sync,
+                              time_options)
 
 Key = tuple[float, float]
 ESTIMATE_MARGIN = 0.1  # heuristic mode: a node is pruned when its estimate is 10 % above the best plan
@@ -187,7 +189,7 @@ def node_bound(ctx: SimContext, P: int, mbs: int, opts: PlanOptions, sync_s: flo
     # ZeRO may split the optimizer step over up to one replica per micro-batch
     opt = min(ctx.profiles.optimizer_time_s(job, g, ctx.stage_params(t, 0, L) / P / M) for g, t, _ in rows)
     T = _pipelines_floor(M, N, N // P, fill, fill / P, work, (P - 1) * fill, sync_s) + opt
-    cost = M * float(usd_layer.sum()) / 3600.0
+    cost = M * float(usd_layer.sum()) / HOUR_S
     return _key(opts, T, cost)
 
 
@@ -268,7 +270,7 @@ def _cheapest_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools
             else:
                 lo = mid + 1
         T = time_of(lo)
-        best = min(best, _key(opts, T, lo * float(usd[r]) * T / 3600.0))
+        best = min(best, _key(opts, T, lo * float(usd[r]) * T / HOUR_S))
     return best
 
 
@@ -303,7 +305,7 @@ def _uniform_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools,
     L = ctx.job.model.num_layers
     sync = _placed_sync(ctx, groups, even_partition(L, P)) if D > 1 else 0.0
     T = tau + sync + opt
-    return _key(opts, T, D * float(usd.min()) * T / 3600.0)
+    return _key(opts, T, D * float(usd.min()) * T / HOUR_S)
 
 
 def _placed_sync(ctx: SimContext, groups: list[tuple[Slot, int]], partition) -> float:
@@ -361,7 +363,7 @@ def family_bound(ctx: SimContext, kinds: list[Kind], free: dict[Pool, int], part
     T = min(alone, many)
     rate = min(k.usd_per_hour for k in kinds)
     cost = min(min(k.usd_per_hour * (k.time_s(M) + k.optimizer_s) for k in kinds),
-               max(M * min(k.usd_per_hour * k.period_s for k in kinds), 2 * rate * many)) / 3600.0
+               max(M * min(k.usd_per_hour * k.period_s for k in kinds), 2 * rate * many)) / HOUR_S
     return _key(opts, T, cost)
 
 
@@ -440,4 +442,4 @@ def table_bound(ctx: SimContext, table, partition, memory, M: int, opts: PlanOpt
 
     lo = smallest_time(lambda tau: capacity(tau) >= M, fill, fill + M * max(t))
     T = max(T, min(fill + (M - 1) * max(t), lo + sync_s if d_max >= 2 else math.inf))
-    return _key(opts, T + opt, M * u / 3600.0)
+    return _key(opts, T + opt, M * u / HOUR_S)

@@ -42,6 +42,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from sailor.core.units import HOUR_S
 from sailor.planner.kinds import Kind, make_kinds
 from sailor.simulator import SimContext, Slot, place, stage_sync, tied_sync, time_options
 from sailor.simulator.collectives import Group, group_members, ring_key
@@ -208,12 +209,12 @@ class Scorer:
         egress = sum(k.egress_usd_per_mb * sum(sh) for k, sh in zip(kinds, shares) if sh)
         opt = max(k.optimizer_s for k, n in zip(kinds, counts) if n)
         rate = sum(k.usd_per_hour * n for k, n in zip(kinds, counts))
-        if hopeless is not None and hopeless(W + opt, rate * (W + opt) / 3600.0 + egress):
+        if hopeless is not None and hopeless(W + opt, rate * (W + opt) / HOUR_S + egress):
             return None
         sync_s, sync_usd = self.sync(counts)
         egress += sync_usd
         T = W + sync_s + opt
-        return Candidate(iteration_time_s=T, cost_per_iteration_usd=rate * T / 3600.0 + egress,
+        return Candidate(iteration_time_s=T, cost_per_iteration_usd=rate * T / HOUR_S + egress,
                          usd_per_hour_gpus=rate, counts=counts, shares=shares, scorer=self)
 
 
@@ -279,4 +280,4 @@ class Candidate:
 
     @property
     def cost_per_hour_usd(self) -> float:
-        return self.cost_per_iteration_usd * 3600.0 / self.iteration_time_s
+        return self.cost_per_iteration_usd * HOUR_S / self.iteration_time_s

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sailor.catalog import LinkClass
+from sailor.core.units import GIB
 from sailor.plan.orders import BWD, FWD, WGRAD
 from sailor.plan.spec import Plan
 from sailor.simulator import Estimate, ReplicaEstimate
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
     from sailor.planner.compare import Comparison
     from sailor.specs.cluster import ClusterSpec
 
-GIB = 2**30
 GB = 1e9
 MAX_TIMELINE_ROWS = 16  # rows of the timeline; identical pipelines share a row block, never split
 MAX_MEMORY_BARS = 24  # distinct replica kinds drawn in the memory figure

@@ -5,10 +5,9 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from sailor.core.units import GIB
 from sailor.plan.spec import Plan
 from sailor.simulator import Estimate
-
-GIB = 2**30
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 1200px; color: #222; }

@@ -39,6 +39,7 @@ from sailor import catalog
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
 from sailor.core.limits import max_local_processes
+from sailor.core.process import die_with_parent
 from sailor.model.spec import ModelSpec
 from sailor.plan import load_plan
 from sailor.plan.placement import RankInfo, rank_layout
@@ -430,10 +431,7 @@ def _first_failure(errors: list[dict[str, Any]], failures: list[tuple[str, str]]
 def _main(argv: list[str]) -> None:
     # Made to receive SIGTERM when the launcher dies (Linux; kept across exec), then either torchrun
     # (it stops its ranks) or, after `--exec`, another program (an ssh session, which hangs up).
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    die_with_parent(signal.SIGTERM)
     if argv[:1] == ["--exec"]:
         os.execvp(argv[1], argv[1:])
     from torch.distributed.run import main

@@ -8,7 +8,7 @@ estimated), micro-batch sizes QUICK_MBS (others interpolated), QUICK_WARMUP unti
 QUICK_REPEATS timed passes; a few seconds on the 2-core build machines, most of it starting the
 processes.
 
-The result is cached as a profile file ("sailor.perf.profiles/1") in `cache_dir()`:
+The result is cached as a profile file ("sailor.profiles/1") in `cache_dir()`:
 $SAILOR_CACHE_DIR, else $XDG_CACHE_HOME/sailor, else ~/.cache/sailor, under `profiles/`. The file
 name holds a hash of everything the timings depend on (`cache_key`): the model's architecture, the
 sequence length, precision and optimizer, the torch version, the CPU model and core count, the

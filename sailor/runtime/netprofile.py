@@ -1,5 +1,5 @@
 """`sailor profile network`: point-to-point and all-reduce sweeps between local processes, fitted
-to α–β links and written as our link file ("sailor.perf.network/1", see `sailor.perf.network`).
+to α–β links and written as our link file ("sailor.network/1", see `sailor.perf.network`).
 
 N processes (gloo on CPU, NCCL on CUDA) run, for message sizes 1 KiB .. 64 MiB (powers of 4):
 - p2p: ranks 2k and 2k+1 ping-pong (send, then receive the same size back); one-way time = round

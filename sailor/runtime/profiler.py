@@ -650,7 +650,7 @@ def pass_scale(layer_s: list[float], whole_s: float) -> float:
 
 def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Measure the runtime's layers for `opts` (module docstring) and return the profile as a dict in
-    our format ("sailor.perf.profiles/1"), ready for `write_json` and `profiles_from_dict`.
+    our format ("sailor.profiles/1"), ready for `write_json` and `profiles_from_dict`.
 
     `progress(n)` is called with each batch of n finished measurements (`profile_steps` in all).
     Raises SailorInputError for bad options (`check_options`), RuntimeError if a rank fails.
@@ -697,7 +697,7 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                            "activation_bytes_per_sample": [act["embedding"]] + [act["block"]] * n_blocks + [act["head"]]})
             if opt_s_per_param is None:
                 opt_s_per_param = res["optimizer_s_per_param"]
-    return {"schema": "sailor.perf.profiles/1", "model": spec.name, "sequence_length": opts.job.seq,
+    return {"schema": "sailor.profiles/1", "model": spec.name, "sequence_length": opts.job.seq,
             "precision": opts.job.precision, "source": f"sailor profile ({gpu})",
             "device": device_description(opts.device), "versions": versions(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -726,9 +726,9 @@ def _rank_main(argv: list[str]) -> None:
     the function's argument dict as JSON on stdin."""
     import importlib
 
-    from sailor.runtime.worker import _die_with_parent
+    from sailor.core.process import die_with_parent
 
-    _die_with_parent()  # never outlive the driver
+    die_with_parent()  # never outlive the driver
     target, rank, world, port = argv
     module, name = target.split(":")
     fn = getattr(importlib.import_module(module), name)

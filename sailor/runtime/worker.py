@@ -1,7 +1,7 @@
 """One rank of `sailor train`: the training loop torchrun starts (`python -m sailor.runtime.worker`).
 
 Order of construction (fixed; each step is its own function; steps 2-5 are `build_rank`, which reads
-this stage's memory options `mem = plan.stage_memory(stage)`, the runtime's one reader of them, and
+this stage's memory options `mem = role.memory` (`topology.stage_memory`, the runtime's one reader of them), and
 the schedule, `schedule.runtime_schedule(plan)`, the runtime's one reader of it):
 1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups.
 2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers: its chunks under
@@ -36,11 +36,8 @@ In the first step of a launch every rank reports {"event": "memory", "rank", "st
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
-import signal
 import sys
 import time
 import traceback
@@ -56,6 +53,7 @@ from torch import nn
 
 from sailor.core.errors import SailorInputError, SailorWarning
 from sailor.core.fileio import check_output_path
+from sailor.core.process import die_with_parent
 from sailor.model.spec import ModelSpec
 from sailor.plan import load_plan
 from sailor.plan.orders import Op
@@ -95,11 +93,6 @@ def say(text: str) -> None:
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), (text + "\n").encode())
 
-
-def _die_with_parent() -> None:
-    # Linux: have the kernel kill this rank if torchrun dies, so no rank is ever orphaned.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def materialize(stage: nn.Module, full_value, *, tp_rank: int, tp: int, device: torch.device) -> None:
@@ -182,7 +175,7 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     a checkpoint's full tensors by name; else `init_from`, a Hugging Face model folder; else the
     seeded initial weights. `dtype` overrides the compute dtype of `job.precision` on `device`
     (tests run bf16 on CPU with it)."""
-    spec, mem = job.model, plan.stage_memory(role.stage)
+    spec, mem = job.model, role.memory
     with torch.device("meta"):
         stage = GPT(spec)
     build_stage(stage, role.chunks)
@@ -345,7 +338,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank: exits 2 after reporting bad arguments, 1 after reporting any other error."""
-    _die_with_parent()
+    die_with_parent()  # torchrun dies: so does this rank
     warnings.simplefilter("ignore", SailorWarning)  # the command that started the ranks said it already
     rank = int(os.environ.get("RANK", "0"))
     # Every rank says it is up before it waits for its peers: a host whose ranks never say so is the

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sailor import catalog
+from sailor.core.units import HOUR_S
 from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator.collectives import group_members
 from sailor.simulator.context import SimContext, embedding_params, head_vocab_params, make_context, tied_embeddings
@@ -152,7 +153,7 @@ class Estimate:
 
     @property
     def cost_per_hour_usd(self) -> float:
-        return self.cost_per_iteration_usd * 3600.0 / self.iteration_time_s
+        return self.cost_per_iteration_usd * HOUR_S / self.iteration_time_s
 
     @property
     def fits_in_memory(self) -> bool:
@@ -294,7 +295,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         iteration_time_s=iteration, pipeline_s=max(pipeline_times_s), gradient_sync_s=sync_s,
         optimizer_s=max(r.optimizer_s for r in replicas), pipeline_times_s=pipeline_times_s, replicas=replicas,
         global_batch_size=plan.global_batch_size, sequence_length=job.seq, gpus=plan.world_size,
-        gpu_cost_per_iteration_usd=gpu_usd_per_hour * iteration / 3600.0, egress_per_iteration_usd=egress_usd,
+        gpu_cost_per_iteration_usd=gpu_usd_per_hour * iteration / HOUR_S, egress_per_iteration_usd=egress_usd,
         cross_zone_bytes=cross_bytes, model_flop_per_iteration=model_flop, peak_flop_per_s=peak,
         estimated=sorted(f"{g} TP {t}: {how}" for g, t, how in ctx.profiles.estimates_used
                          if any(r.gpu == g and r.tp == t for r in replicas)),

@@ -1,0 +1,18 @@
+"""Process lifetime: a process that must never outlive its parent asks the kernel to signal it when
+the parent dies (Linux `prctl(PR_SET_PDEATHSIG)`), so no rank, torchrun agent or ssh session is left
+behind by a launcher, a driver or a torchrun that was killed."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+
+PR_SET_PDEATHSIG = 1  # prctl option number, linux/prctl.h
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when its parent dies (kept across exec). A no-op
+    where prctl does not exist (not Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
