@@ -1,7 +1,8 @@
 """Sailor: plan, simulate and run LLM training on heterogeneous, geo-distributed, changing GPU clusters.
 
-Data flows one way: specs (`specs`, `models`, `catalog`, `profiles`, `network`) -> `planner` <->
-`simulator` -> `plan` -> `runtime` <- `elastic`. The modules below `runtime` never import torch.
+One folder per layer, from the bottom up: core, catalog, model, specs, perf, plan, simulator, planner,
+runtime, launch, report, elastic, then `api` and `cli` (README "Layout"). Imports run down only; torch
+is imported by `runtime` alone.
 
 The Python API (`sailor.api`, loaded on first use so that `import sailor` stays cheap):
 

@@ -310,8 +310,9 @@ def test_planner_scores_the_sync_of_the_placement_it_builds():
     # of the four quarter shards across the two nodes, all-gather: the shared NIC carries
     # 4 x 2·1/2 x S/4 = S, where the flat ring over 8 nodes streams 2·7/8 x S over every NIC
     from sailor.plan.spec import DEFAULT_STAGE_MEMORY
-    from sailor.planner.kinds import Option, make_kind
+    from sailor.planner.kinds import make_kind
     from sailor.planner.score import Scorer
+    from sailor.planner.space import Option
     dp8 = Plan.model_validate({"micro_batch_size": 2, "stages": [[0, 26]], "pipelines": [
         {"microbatches": 1, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": ZA, "tp": 1}]}] * 8})
     apart = make_context(ctx.job, cluster.model_copy(update={"gpus_per_node": {"A100-40": 1}}), calibration={})

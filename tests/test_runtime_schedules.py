@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from sailor.core.errors import SailorInputError
 from sailor.plan import plan_from_dict
 from sailor.plan.orders import BWD, FWD, WGRAD, interleaved_order, one_f_one_b_order, zb_h1_order
-from sailor.plan.spec import Plan, ScheduleKind
+from sailor.plan.spec import Plan, Schedule, ScheduleKind
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import load_corpus
 from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 from sailor.runtime.reference import train_reference
-from sailor.runtime.schedule import RuntimeSchedule, runtime_schedule
+from sailor.runtime.schedule import runtime_schedule
 from sailor.runtime.topology import derive_topology
 from sailor.runtime.validate import check_runtime_options
 from sailor.simulator.schedule_orders import run_orders
@@ -75,12 +75,12 @@ def _plan(d: dict) -> Plan:
 
 # ---- orders ---------------------------------------------------------------------------------------
 def test_runtime_reads_the_schedule_once_and_runs_the_simulated_orders():
-    assert runtime_schedule(_plan(PLANS["zb_h1_three_stages_sp"])) == RuntimeSchedule(ScheduleKind.ZB_H1)
+    assert runtime_schedule(_plan(PLANS["zb_h1_three_stages_sp"])) == Schedule(kind=ScheduleKind.ZB_H1)
     inter = runtime_schedule(_plan(PLANS["interleaved_v3_zero3_sp_zero2_full"]))
-    assert inter == RuntimeSchedule(ScheduleKind.INTERLEAVED, 3) and not inter.splits_backward
+    assert inter == Schedule(kind=ScheduleKind.INTERLEAVED, virtual_stages=3) and not inter.splits_backward
     assert inter.order(1, 2, 5) == interleaved_order(2, 3, 1, 5)
-    assert RuntimeSchedule(ScheduleKind.ZB_H1).order(0, 3, 4) == zb_h1_order(3, 0, 4)
-    assert RuntimeSchedule().order(0, 2, 4) == one_f_one_b_order(2, 0, 4)
+    assert Schedule(kind=ScheduleKind.ZB_H1).order(0, 3, 4) == zb_h1_order(3, 0, 4)
+    assert Schedule().order(0, 2, 4) == one_f_one_b_order(2, 0, 4)
     # ZB-H1 by hand, 2 stages, 3 micro-batches: stage 1 runs each W right after its B
     assert [f"{o.kind}{o.micro_batch}" for o in zb_h1_order(2, 1, 3)] == ["F0", "B0", "F1", "B1", "W0", "F2", "B2",
                                                                           "W1", "W2"]
@@ -93,7 +93,7 @@ def test_orders_of_more_rounds_than_micro_batches_keep_every_pass_once_and_never
     # each run once, forward before backward before weight pass, and the event simulation (sends
     # never block, as in the runtime) finishes.
     m = data.draw(st.integers(1, rounds))
-    sched = RuntimeSchedule(ScheduleKind.INTERLEAVED, v) if v > 1 else RuntimeSchedule(ScheduleKind.ZB_H1)
+    sched = Schedule(kind=ScheduleKind.INTERLEAVED, virtual_stages=v) if v > 1 else Schedule(kind=ScheduleKind.ZB_H1)
     orders = [[op for op in sched.order(i, p, rounds) if op.micro_batch < m] for i in range(p)]
     vv = max(v, 1)
     for order in orders:

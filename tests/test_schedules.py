@@ -22,8 +22,8 @@ from sailor.simulator.schedules import (ONE_F_ONE_B, PipelineSchedule, PipelineT
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
-INTERLEAVED = lambda v: PipelineSchedule(ScheduleKind.INTERLEAVED, v)  # noqa: E731
-ZB_H1 = PipelineSchedule(ScheduleKind.ZB_H1)
+INTERLEAVED = lambda v: PipelineSchedule(kind=ScheduleKind.INTERLEAVED, virtual_stages=v)  # noqa: E731
+ZB_H1 = PipelineSchedule(kind=ScheduleKind.ZB_H1)
 
 
 def _orders(sched: PipelineSchedule, p: int, m: int):

@@ -8,8 +8,7 @@ import pytest
 from sailor.perf.calibration import fit_memory
 from sailor.perf.profiles import Profiles
 from sailor.plan.orders import one_f_one_b_order
-from sailor.plan.spec import Plan
-from sailor.runtime.schedule import RuntimeSchedule
+from sailor.plan.spec import Plan, Schedule
 from sailor.simulator import head_vocab_params, make_context, simulate, tied_embeddings
 from sailor.simulator.memory import in_flight, logits_grad_bytes
 from sailor.simulator.schedule import closed_form_1f1b, pipeline_instructions, simulate_1f1b, stage_times
@@ -32,7 +31,7 @@ def test_the_simulated_1f1b_runs_the_runtimes_op_order():
     for P, m in itertools.product((1, 2, 3, 4, 5), (1, 2, 3, 5, 8)):
         for i in range(P):
             comp = [x for x in pipeline_instructions(P, i, m) if x[0] in ("F", "B")]
-            assert comp == [(op.kind, op.micro_batch) for op in RuntimeSchedule().order(i, P, m)]
+            assert comp == [(op.kind, op.micro_batch) for op in Schedule().order(i, P, m)]
             assert comp == [(op.kind, op.micro_batch) for op in one_f_one_b_order(P, i, m)]
 
 

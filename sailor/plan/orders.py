@@ -1,6 +1,6 @@
 """Per-stage op orders of every pipeline schedule (1F1B, interleaved 1F1B, ZB-H1), torch-free and pure:
 the one definition the simulator times (`simulator.schedules`) and the runtime executes
-(`runtime.schedule.RuntimeSchedule.order`); `stage_order` dispatches on the plan's schedule.
+(`plan.spec.Schedule.order`, through `runtime.schedule.runtime_schedule`); `stage_order` dispatches on the plan's schedule.
 
 Notation, for one pipeline of p stages, v layer chunks per stage and m micro-batches. Virtual stage
 u = c·p + i is chunk c of stage i (`Plan.stage_chunks`); a micro-batch runs F through u = 0, 1, ...,
@@ -39,11 +39,18 @@ in its output (`PipelineSchedule.runtime_difference`).
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import NamedTuple
 
-from sailor.plan.spec import ScheduleKind
-
 FWD, BWD, WGRAD = "F", "B", "W"
+
+
+class ScheduleKind(str, Enum):
+    """Pipeline schedule of a plan's pipelines (`plan.spec.Schedule`; the orders are this module's)."""
+
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved-1f1b"
+    ZB_H1 = "zb-h1"
 
 
 class Op(NamedTuple):

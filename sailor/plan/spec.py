@@ -47,7 +47,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,7 @@ from sailor.core.fileio import write_json
 from sailor.core.limits import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE
 from sailor.core.schema import SPEC_CONFIG, Whole
 from sailor.model.spec import Recompute
+from sailor.plan.orders import Op, ScheduleKind, stage_order
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -118,14 +118,6 @@ class StageMemory(BaseModel):
 DEFAULT_STAGE_MEMORY = StageMemory()
 
 
-class ScheduleKind(str, Enum):
-    """Pipeline schedule of a plan's pipelines (see the module docstring)."""
-
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved-1f1b"
-    ZB_H1 = "zb-h1"
-
-
 class Schedule(BaseModel):
     """How every pipeline of a plan orders its forward and backward passes.
 
@@ -137,6 +129,16 @@ class Schedule(BaseModel):
     model_config = SPEC_CONFIG
     kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     virtual_stages: Whole(1, MAX_BLOCKS + 2) = 1  # at most one chunk per layer
+
+    @property
+    def splits_backward(self) -> bool:
+        """Backwards run as an input-gradient pass (B) and a later weight-gradient pass (W)."""
+        return self.kind is ScheduleKind.ZB_H1
+
+    def order(self, stage: int, num_stages: int, microbatches: int) -> list[Op]:
+        """The ops of `stage` of a pipeline of `num_stages` stages running `microbatches`
+        micro-batches (or rounds), in execution order (`orders.stage_order`)."""
+        return stage_order(self.kind, self.virtual_stages, num_stages, stage, microbatches)
 
     @model_validator(mode="after")
     def _check(self) -> "Schedule":

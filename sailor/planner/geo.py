@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sailor.catalog import LinkClass
-from sailor.planner.kinds import Kind, Option, Pool, Table, make_kind
-from sailor.planner.space import Memory, Partition
+from sailor.planner.kinds import Kind, Pool, Table, make_kind
+from sailor.planner.space import Memory, Option, Partition
 from sailor.simulator import SimContext
 
 _DISTANCE = {LinkClass.SAME_NODE: 0, LinkClass.SAME_ZONE: 0, LinkClass.SAME_REGION: 1,

@@ -35,32 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sailor.plan.spec import StageMemory
-from sailor.planner.space import Memory, Partition, pareto_templates, stage_options
+from sailor.planner.space import Memory, Option, Partition, pareto_templates, stage_options
 from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_time, time_options
 from sailor.simulator.schedule import closed_form_1f1b
 
 Pool = tuple[str, str]  # (zone, GPU type)
-
-
-@dataclass(frozen=True)
-class Option:
-    """One replica of one stage: `gpus` GPUs of type `gpu` at TP `tp`; seconds per micro-batch (in the
-    GPU type's home zone, at min_replicas); feasible in memory once the stage has at least
-    `min_replicas` data-parallel replicas."""
-
-    gpu: str
-    tp: int
-    forward_s: float
-    backward_s: float
-    min_replicas: int = 1
-
-    @property
-    def time_s(self) -> float:
-        return self.forward_s + self.backward_s
-
-    @property
-    def gpus(self) -> int:
-        return self.tp
 
 
 Table = list[list[Option]]  # per stage, the feasible options
@@ -74,8 +53,7 @@ def option_table(ctx: SimContext, gpus: list[str], partition: Partition, mbs: in
     table: Table = [[] for _ in partition]
     for g in gpus:
         for i, opts in enumerate(stage_options(ctx, g, partition, mbs, microbatches, memory)):
-            table[i] += [Option(gpu=g, tp=o.tp, forward_s=o.forward_s, backward_s=o.backward_s,
-                                min_replicas=o.min_replicas) for o in opts]
+            table[i] += opts
     return table
 
 

@@ -33,11 +33,11 @@ import numpy as np
 
 from sailor.planner.finalists import Finalists, Found, plan_from_kinds
 from sailor.planner.geo import free_pools, scopes
-from sailor.planner.kinds import Option, Pool, make_kind, option_table
+from sailor.planner.kinds import Pool, make_kind, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.prune import node_keys
 from sailor.planner.score import Candidate, Scorer
-from sailor.planner.space import Memory, even_partition, memory_candidates, memory_rank, zero3_needed
+from sailor.planner.space import Memory, Option, even_partition, memory_candidates, memory_rank, zero3_needed
 from sailor.simulator import SimContext
 
 

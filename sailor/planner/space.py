@@ -111,11 +111,12 @@ def candidate_partitions(ctx: SimContext, num_stages: int, mbs: int, gpus: list[
 
 
 @dataclass(frozen=True)
-class StageOption:
+class Option:
     """Stage i on one replica of `tp` GPUs of type `gpu` with the stage's memory options: seconds per
-    micro-batch, and the fewest data-parallel replicas D with which it fits in memory (1 unless ZeRO
-    shards what does not fit otherwise)."""
+    micro-batch (in the GPU type's home zone, at min_replicas), and the fewest data-parallel replicas
+    D with which it fits in memory (1 unless ZeRO shards what does not fit otherwise)."""
 
+    gpu: str
     tp: int
     forward_s: float
     backward_s: float
@@ -201,7 +202,7 @@ def _min_replicas(ctx: SimContext, key: tuple, gpu: str, tp: int, mbs: int, a: i
 
 
 def stage_options(ctx: SimContext, gpu: str, partition: Partition, mbs: int, microbatches: int,
-                  memory: Memory | None = None) -> list[list[StageOption]]:
+                  memory: Memory | None = None) -> list[list[Option]]:
     """Feasible TP options per stage for GPU type `gpu` under the stages' memory options `memory`
     (defaults when None) (H1: TP within a node and dividing the heads; H2: fits in memory with
     min(P - i, microbatches) micro-batches in flight, from `min_replicas` replicas on). A stage with
@@ -217,7 +218,7 @@ def stage_options(ctx: SimContext, gpu: str, partition: Partition, mbs: int, mic
                 continue
             d = min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=microbatches, memory=mem)
             if d is not None:
-                opts.append(StageOption(tp, *option_time_s(ctx, gpu, tp, mbs, a, b, mem, d), d))
+                opts.append(Option(gpu, tp, *option_time_s(ctx, gpu, tp, mbs, a, b, mem, d), d))
         out.append(opts)
     return out
 
@@ -358,7 +359,7 @@ def memory_weight(memory: Memory) -> float:
 
 def pareto_templates(stages: list[list], exhaustive: int = EXHAUSTIVE_TEMPLATES) -> list[tuple]:
     """Option templates (one option per stage; options with `tp`, `gpus` and `time_s`, e.g.
-    `StageOption` or `kinds.Option`) for one GPU type: all of them when at most `exhaustive`, in
+    `Option`s) for one GPU type: all of them when at most `exhaustive`, in
     product order, else the Pareto set — for each bound θ on the slowest stage, the option with the
     fewest GPUs (then fastest) meeting it on every stage — plus, per TP degree every stage offers,
     the fastest option of that degree on each stage. Empty when some stage has no option."""

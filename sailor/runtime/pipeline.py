@@ -2,7 +2,7 @@
 
 `torch.distributed.pipelining` assumes one rank per stage and the same shapes on both sides of a
 stage boundary; it cannot connect a TP-2 replica to a TP-1 replica, nor fan one activation out to
-several TP ranks. So the runtime keeps its own small schedules: `schedule.RuntimeSchedule.order`
+several TP ranks. So the runtime keeps its own small schedules: `plan.spec.Schedule.order`
 (pure) orders the passes of one stage (1F1B, interleaved 1F1B, ZB-H1), and `run_pipeline` executes
 that order with non-blocking sends and receives that wait with a timeout, each pass through the
 `executor.StageExecutor` of its chunk. Every activation crossing a boundary is the full (B, T, h)
@@ -112,7 +112,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
                  inputs: Callable[[int], torch.Tensor], targets: Callable[[int], torch.Tensor],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], loss_scale: float,
                  meter: ActivationMeter | None = None) -> tuple[float, StageTimes]:
-    """Run this rank's `order` (`schedule.RuntimeSchedule.order`): F, B and W ops of its chunks.
+    """Run this rank's `order` (`plan.spec.Schedule.order`): F, B and W ops of its chunks.
 
     `executors[c]` runs chunk c (`role.chunks[c]`, virtual stage u = c·p + i); a forward of virtual
     stage 0 reads `inputs(k)` (micro-batch k's (B, T) token ids), the last virtual stage applies the

@@ -488,11 +488,10 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
     """
     import torch
 
-    from sailor.plan.spec import Pipeline, Plan, Replica
+    from sailor.plan.spec import DEFAULT_SCHEDULE, Pipeline, Plan, Replica
     from sailor.runtime.executor import NoHooks, StageExecutor
     from sailor.runtime.model import lm_loss_sum
     from sailor.runtime.pipeline import P2P, run_pipeline
-    from sailor.runtime.schedule import ONE_F_ONE_B
     from sailor.runtime.topology import derive_topology
 
     spec, seq, m = job.model, job.seq, RUNTIME_MICROBATCHES
@@ -510,7 +509,7 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
         sync()
         t0 = time.perf_counter()
         with autocast():
-            _, times = run_pipeline([executor], role, p2p, order=ONE_F_ONE_B.order(0, 1, m),
+            _, times = run_pipeline([executor], role, p2p, order=DEFAULT_SCHEDULE.order(0, 1, m),
                                     inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
                                     targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=lm_loss_sum,
                                     loss_scale=1.0 / (m * mbs * seq))

@@ -1,6 +1,6 @@
 """The pipeline schedule as the runtime runs it (torch-free): `runtime_schedule(plan)` is the one place
 the runtime reads `Plan.schedule`; the worker, `pipeline.run_pipeline` and `validate` take the
-`RuntimeSchedule` it returns.
+`plan.spec.Schedule` it returns.
 
 Each stage executes the list of ops `sailor.plan.orders.stage_order` gives (kind F, B or W; chunk;
 micro-batch), the same order the simulator times: 1F1B, interleaved 1F1B (the stage's v chunks as
@@ -15,38 +15,10 @@ of a pipeline removes dependencies and adds none), so the order stays deadlock-f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from sailor.plan.orders import Op, stage_order
-from sailor.plan.spec import Plan, ScheduleKind
+from sailor.plan.spec import Plan, Schedule
 
 
-@dataclass(frozen=True)
-class RuntimeSchedule:
-    """The schedule every pipeline of a plan runs (module docstring).
-
-    Attributes:
-        kind: `ScheduleKind`.
-        virtual_stages: v, layer chunks per stage (1 unless interleaved).
-    """
-
-    kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B
-    virtual_stages: int = 1
-
-    @property
-    def splits_backward(self) -> bool:
-        """Backwards run as an input-gradient pass (B) and a later weight-gradient pass (W)."""
-        return self.kind is ScheduleKind.ZB_H1
-
-    def order(self, stage: int, num_stages: int, microbatches: int) -> list[Op]:
-        """The ops of `stage` of a pipeline of `num_stages` stages running `microbatches`
-        micro-batches (or rounds), in execution order."""
-        return stage_order(self.kind, self.virtual_stages, num_stages, stage, microbatches)
-
-
-ONE_F_ONE_B = RuntimeSchedule()
-
-
-def runtime_schedule(plan: Plan) -> RuntimeSchedule:
-    """The schedule of `plan`: the one place the runtime reads `Plan.schedule`."""
-    return RuntimeSchedule(plan.schedule.kind, plan.schedule.virtual_stages)
+def runtime_schedule(plan: Plan) -> Schedule:
+    """The schedule of `plan` (`plan.spec.Schedule`: its kind, chunks per stage, whether backwards
+    are split, and each stage's op order): the one place the runtime reads `Plan.schedule`."""
+    return plan.schedule

@@ -13,7 +13,7 @@ the schedule, `schedule.runtime_schedule(plan)`, the runtime's one reader of it)
    takes the parameters over (fp32 master where needed, weights cast to bf16 under mixed precision,
    freed under ZeRO-3); Adam moments restored from the checkpoint when resuming.
 5. One `StageExecutor` per chunk (the optimizer's layer hooks around each layer) and the stage's
-   op order under the schedule (`RuntimeSchedule.order`); `P2P` in the compute dtype.
+   op order under the schedule (`Schedule.order`); `P2P` in the compute dtype.
 Each step: stop check (all ranks agree) -> the schedule's order over this pipeline's micro-batches
 (under ZeRO-2/3 as many rounds as the largest share) -> `reduce` (sample-weighted SUM, then the tied
 embedding's and LM head's gradients added to each other) -> global-norm clipping -> AdamW -> metrics

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sailor.plan.orders import Op, stage_order
-from sailor.plan.spec import Plan, ScheduleKind
+from sailor.plan.orders import Op, ScheduleKind, stage_order
+from sailor.plan.spec import Plan, Schedule
 from sailor.simulator.schedule import check_pipeline_tasks, closed_form_1f1b, simulate_1f1b, timeline_1f1b
 from sailor.simulator.schedule import in_flight as in_flight_1f1b
 from sailor.simulator.schedule_orders import TimedOp, held_at_peak, run_orders
@@ -203,22 +203,9 @@ _MODELS: dict[ScheduleKind, _Model] = {
 }
 
 
-@dataclass(frozen=True)
-class PipelineSchedule:
-    """The schedule every pipeline of a plan runs, with what the simulator computes under it.
-
-    Attributes:
-        kind: `ScheduleKind`.
-        virtual_stages: v, layer chunks per stage (1 unless interleaved).
-    """
-
-    kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B
-    virtual_stages: int = 1
-
-    @property
-    def splits_backward(self) -> bool:
-        """Whether backwards run as separate input-gradient and weight-gradient passes."""
-        return self.kind is ScheduleKind.ZB_H1
+class PipelineSchedule(Schedule):
+    """The plan's schedule (`plan.spec.Schedule`: kind, virtual stages, op orders) with what the
+    simulator computes under it."""
 
     @property
     def sends_block(self) -> bool:
@@ -288,7 +275,7 @@ class PipelineSchedule:
         v = self.virtual_stages
         held = np.ones(v) if held_bytes is None else np.asarray(held_bytes, dtype=float)
         pending = np.zeros(v) if pending_bytes is None else np.asarray(pending_bytes, dtype=float)
-        return InFlight(*held_at_peak(stage_order(self.kind, v, num_stages, stage, m), held, pending))
+        return InFlight(*held_at_peak(self.order(stage, num_stages, m), held, pending))
 
 
 ONE_F_ONE_B = PipelineSchedule()
@@ -296,7 +283,7 @@ ONE_F_ONE_B = PipelineSchedule()
 
 def pipeline_schedule(plan: Plan) -> PipelineSchedule:
     """The schedule of `plan`: the one place the simulator reads `Plan.schedule`."""
-    return PipelineSchedule(plan.schedule.kind, plan.schedule.virtual_stages)
+    return PipelineSchedule(kind=plan.schedule.kind, virtual_stages=plan.schedule.virtual_stages)
 
 
 def bubble_ratio(schedule: PipelineSchedule, times: PipelineTimes, m: int, *, event: bool = True) -> float:
