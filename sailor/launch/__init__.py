@@ -3,7 +3,7 @@
 `launch_specs(plan, backend, ...)` returns the documents a backend needs (plain dicts, printed as YAML
 documents by `sailor launch --dry-run`); `launch_files(...)` the files `--out` writes (SkyPilot: a
 task file per group and `launch.sh`); `launch(...)` starts the torchrun backend over ssh. The
-common part (`common`) maps the plan's ranks (`sailor.plan.rank_layout`) onto nodes and torchrun
+common part (`common`) maps the plan's ranks (`sailor.plan.placement.rank_layout`) onto nodes and torchrun
 agents so that torchrun's global ranks are exactly the plan's ranks.
 
 Ports each backend opens (the rendezvous store, a TCPStore without authentication, listens on

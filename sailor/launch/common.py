@@ -1,6 +1,6 @@
 """What every backend shares: a plan's nodes, its torchrun agents and their command lines.
 
-Built on `sailor.plan.rank_layout` (the one place ranks are derived). The runtime's worker
+Built on `sailor.plan.placement.rank_layout` (the one place ranks are derived). The runtime's worker
 (`python -m sailor.runtime.worker`) takes its *plan* rank straight from torchrun's `RANK` and its
 device from `LOCAL_RANK`. A multi-node torchrun with the static rendezvous gives agent (node rank) a
 the global ranks [Σ_{a' < a} nproc(a'), ... + nproc(a)) (torch elastic `_assign_worker_ranks`), so

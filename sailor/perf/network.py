@@ -2,7 +2,7 @@
 
 A link between two replicas is chosen by where they sit: same node (intra-node link), same zone,
 same region, same continent, intercontinental (`catalog.LinkClass`). Where the launcher puts two
-replicas on one node (`sailor.plan.rank_layout`) their link is the intra-node one. In order of
+replicas on one node (`sailor.plan.placement.rank_layout`) their link is the intra-node one. In order of
 preference, the bandwidth of `flows` concurrent flows of x bytes each between two nodes comes from:
 1. a measured curve (the public Sailor fits: bandwidth in GB/s of a message of x bytes =
    c0·L² + c1·L + c2, L = log2(x / 1e6), fitted on NCCL sweeps from 64 KiB to 1 GiB, the *aggregate*

@@ -4,7 +4,7 @@ and the pipeline kinds built from it.
 A stage *option* is an entry of the table, opaque to the search: the GPU type and TP degree of one
 replica, the GPUs it takes, its forward and backward seconds per micro-batch, and the fewest
 data-parallel replicas with which its memory fits (1 unless ZeRO shards what does not fit
-otherwise). The stages' memory options (recomputation, ZeRO, SP: `plan.StageMemory`, one per stage,
+otherwise). The stages' memory options (recomputation, ZeRO, SP: `plan.spec.StageMemory`, one per stage,
 the same on every replica of a stage as the plan format has them) belong to the family.
 
 A pipeline *kind* is one option and one zone per stage: its pipelines are identical under the

@@ -7,7 +7,7 @@ module offers on the same GPUs (`sailor.plan`, module docstring):
 - `zb-h1` (Qi et al., ICLR 2024): the same stages, weight-gradient passes filling the bubble at
   1F1B's activation memory;
 - `interleaved-1f1b` with v in `VIRTUAL_STAGES` (Narayanan et al., SC'21 §2.2.2): each stage's layers
-  cut into v chunks (`plan.interleave_partition`, so a stage keeps the layers it had), which divides
+  cut into v chunks (`plan.spec.interleave_partition`, so a stage keeps the layers it had), which divides
   the bubble by v and costs v times the point-to-point transfers and more activations in flight.
 
 A variant counts only where the plan validation and `Plan.check_against` take it (e.g. no ZB-H1

@@ -6,7 +6,7 @@ The space:
 - the layer partition, shared by all pipelines: every contiguous partition when there are at most
   `EXHAUSTIVE_PARTITIONS` of them, else the even split plus, for every GPU type and TP degree,
   the partition that minimises its slowest stage (balanced to stage speeds);
-- the stages' memory options (`plan.StageMemory`, one per stage, the same on every replica of a
+- the stages' memory options (`plan.spec.StageMemory`, one per stage, the same on every replica of a
   stage): candidates from `memory_candidates`, only where they are needed or can be faster;
 - per stage the feasible options (`stage_options`; H1: TP <= GPUs per node and divides the heads;
   H2: the stage fits in memory at that degree with min(P - i, M) micro-batches in flight, with its

@@ -1,7 +1,7 @@
 """Plan -> rank roles and process groups: the one place the runtime derives communication from a Plan.
 
 Torch-free and pure, so it is tested without any process group. Ranks come from
-`sailor.plan.rank_layout` (order: pipeline, stage, TP rank). For every rank this module gives:
+`sailor.plan.placement.rank_layout` (order: pipeline, stage, TP rank). For every rank this module gives:
 
 - its TP group (the ranks of its replica, in TP-rank order);
 - its layer chunks (`Plan.stage_chunks`: one range, several under interleaved 1F1B) and its pipeline

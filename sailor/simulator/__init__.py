@@ -26,7 +26,7 @@ once per stage and hands to `terms.time_options` (time) and `memory.replica_memo
 under interleaving); the schedule (`Plan.schedule`) in one, `schedules.pipeline_schedule`, whose
 micro-batches in flight multiply the options' bytes per micro-batch in `replica_memory`. The slowest pipeline sets the pace (straggler);
 the reductions wait for all pipelines. Links follow the launcher's placement (`terms.placed_slots`,
-from `sailor.plan.pack_replicas`, the packing of `rank_layout`): a p2p transfer or ring hop between
+from `sailor.plan.placement.pack_replicas`, the packing of `rank_layout`): a p2p transfer or ring hop between
 two replicas on one node uses the intra-node link, any other the link between two nodes of their
 zones. The planner's fast path scores each pipeline type before placement (`Slot` without a node:
 every transfer between nodes), so all its pipelines with the same GPU type, zone and TP degrees take

@@ -13,7 +13,7 @@ was measured for f flows.
   link's bandwidth, or a measured curve at that size):
       T_ring = 2(D-1)·α + stream(2(D-1)/D · S/f) / η.
 - hierarchical over islands (zones when the members span several, else nodes that hold several
-  replicas, as `sailor.plan.rank_layout` places them): ring reduce-scatter inside each island
+  replicas, as `sailor.plan.placement.rank_layout` places them): ring reduce-scatter inside each island
   ((k-1) steps, each member ends with S/k), ring all-reduce of those shards across islands (one
   ring per shard, all at once; the shards of one node share its NIC), ring all-gather inside each
   island: T = 2·T_rs + T_cross.
@@ -51,7 +51,7 @@ from sailor.specs.cluster import AllreduceAlgorithm
 class Member:
     """Where one replica runs (and so how it takes part in a stage's all-reduce).
 
-    `node` names the machine (`sailor.plan.RankInfo.node`); None = a node of its own, shared with no
+    `node` names the machine (`sailor.plan.placement.RankInfo.node`); None = a node of its own, shared with no
     other member (what the planner assumes before placement)."""
 
     zone: str

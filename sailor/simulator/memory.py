@@ -22,10 +22,10 @@
           + allocator reserve                                 (reserve_fraction x the transient tensors)
           + framework                                         (CUDA context, kernels, NCCL; per GPU type)
 
-`replica_memory` is the ONE place the simulator reads a stage's memory options (`plan.StageMemory`)
-for memory; the schedule comes in as a `PipelineSchedule` (`schedules.pipeline_schedule`), and the
+`replica_memory` is the one place the simulator turns a stage's memory options (`plan.spec.StageMemory`,
+read from the plan by `terms.stage_memory`) into memory; the schedule comes in as a `PipelineSchedule` (`schedules.pipeline_schedule`), and the
 two combine: what one micro-batch keeps per chunk under the stage's options, times the micro-batches
-the schedule holds per chunk at its peak. State bytes per parameter: `specs.STATE_BYTES_PER_PARAM`
+the schedule holds per chunk at its peak. State bytes per parameter: `specs.job.STATE_BYTES_PER_PARAM`
 (Megatron-LM's count), divided by the stage's D replicas for what ZeRO shards (`state_bytes`); each
 block is sharded among the D ranks that hold it, so a replica's share is 1/D whatever the TP degrees
 of the others. Parameters per stage follow tied embeddings (`SimContext.stage_params`). Activation

@@ -16,7 +16,7 @@ path), `PipelineSchedule.closed_form_affine` (its intercept and slope in m, vali
 `affine_from(p)`: m = 2 under 1F1B, what `planner.kinds.Curve` relies on, m = p under the
 others), `PipelineSchedule.time_s` (the reference), `PipelineSchedule.in_flight` (memory; also
 through `memory.replica_memory(..., schedule=...)`), `bubble_ratio`, `terms.pipeline_times` to build
-a pipeline's pass times from a SimContext, and `plan.interleave_partition` to turn a p-stage layer
+a pipeline's pass times from a SimContext, and `plan.spec.interleave_partition` to turn a p-stage layer
 partition into p·v chunks with the same layers per stage.
 """
 

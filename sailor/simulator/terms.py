@@ -1,12 +1,12 @@
 """The simulator's time terms: per micro-batch compute and transfers of a replica, gradient sync of a
 stage, optimizer step; shared with the planner so that both score plans the same way.
 
-A stage's memory options (`plan.StageMemory`) change its time in these ways, all derived in ONE
+A stage's memory options (`plan.spec.StageMemory`) change its time in these ways, all derived in ONE
 place, `time_options`:
 - recomputation: the backward pass re-runs forward work (`recompute_s`): the whole forward of each
   recomputed block (full), or its attention core (selective, the core's share of the block's
   forward time from the analytic model, `Profiles.attention_core_share`);
-- tensor-parallel collectives (`tp_comm_s`, `models.ModelSpec.tp_collectives`) on the intra-node
+- tensor-parallel collectives (`tp_comm_s`, `model.spec.ModelSpec.tp_collectives`) on the intra-node
   link: charged in full where the layer times are a roofline estimate; where they were measured
   with real TP processes they already hold the TP collectives, so only what sequence parallelism
   adds is charged (its backward re-gathers of the column-parallel inputs; an all-reduce and its
@@ -87,8 +87,8 @@ def stage_memory(plan: Plan, stage: int) -> tuple[StageMemory, tuple[StageMemory
 
 
 def time_options(mem: StageMemory = DEFAULT_STAGE_MEMORY, replicas: int = 1) -> TimeOptions:
-    """The ONE place the simulator reads a stage's memory options for time (see the module
-    docstring); `replicas` = the stage's data-parallel replicas D (the plan's number of pipelines)."""
+    """The one place the simulator turns a stage's memory options (from `stage_memory`) into what
+    changes its time (see the module docstring); `replicas` = the stage's data-parallel replicas D (the plan's number of pipelines)."""
     return TimeOptions(recompute=mem.recompute, recompute_blocks=mem.recompute_blocks,
                        sequence_parallel=mem.sequence_parallel, zero=mem.zero,
                        replicas=replicas if mem.zero else 1)
