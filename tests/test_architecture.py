@@ -4,6 +4,7 @@ imports torch. Read from the source with `ast` (every import, at the top of a mo
 function, counts), so nothing is imported or run."""
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -22,8 +23,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """(sailor module -> sailor modules it imports, sailor module -> outside top-level packages it imports)."""
+    """(sailor module -> sailor modules it imports, sailor module -> outside top-level packages it imports),
+    read once per session (the tests only read it)."""
     modules = {module_name(p): p for p in ROOT.rglob("*.py")}
     inside: dict[str, set[str]] = {}
     outside: dict[str, set[str]] = {}
