@@ -21,6 +21,7 @@ from typing import Callable, TypeVar, Union
 
 from sailor import catalog
 from sailor.core.errors import InfeasibleError, SailorInputError
+from sailor.core.limits import MAX_BLOCKS
 from sailor.core.schema import Checks, parse_model
 from sailor.perf.network import NetworkModel, network_for
 from sailor.perf.profiles import Profiles, load_profiles, roofline_profiles
@@ -105,13 +106,16 @@ def plan_options(*, objective: Objective | str = Objective.THROUGHPUT, search: S
                  max_cost_per_iteration: float | None = None, max_cost_per_hour: float | None = None,
                  min_throughput: float | None = None, max_stages: int = 16, top: int = 3,
                  time_limit: float | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> PlanOptions:
-    """PlanOptions from `sailor plan`'s settings (see `find_plan`). Raises SailorInputError for a
-    constraint or time limit that is not a finite number >= 0 (named as `sailor plan`'s option), or a
-    memory margin outside [0, 1)."""
+    """PlanOptions from `sailor plan`'s settings (see `find_plan`), checked the same for the API and
+    the CLI. Raises SailorInputError (named as `sailor plan`'s option) for a constraint or time limit
+    that is not a finite number >= 0, a `max_stages` that is not a whole number from 1 to
+    MAX_BLOCKS + 2, a `top` that is not a whole number >= 0, or a memory margin outside [0, 1)."""
     for name, value in (("max_cost_per_iteration", max_cost_per_iteration), ("max_cost_per_hour", max_cost_per_hour),
                         ("min_throughput", min_throughput), ("time_limit", time_limit)):
         if value is not None:
             Checks("--" + name.replace("_", "-")).number(value, "", lo=0)
+    Checks("--max-stages").whole(max_stages, "", lo=1, hi=MAX_BLOCKS + 2)
+    Checks("--top").whole(top, "", lo=0)
     return PlanOptions(objective=choice(Objective, objective, "objective", "objective"),
                        search=choice(SearchSpace, search, "search", "search space"),
                        max_stages=max_stages, top_k=top, time_limit_s=time_limit, memory_margin=memory_margin,
@@ -146,6 +150,9 @@ def find_plan(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles:
     opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
                         max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
                         top=top, time_limit=time_limit, memory_margin=memory_margin)
+    if progress is not None and not callable(progress):
+        raise SailorInputError(f"progress must be a function of (done, total), got {type(progress).__name__}",
+                               source="progress")
     return plan_job(context(job, cluster, profiles=profiles, network=network), opts, progress=progress)
 
 

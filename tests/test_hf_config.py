@@ -191,6 +191,11 @@ def test_the_api_reads_a_job_with_a_relative_model_path_from_any_folder(tmp_path
     for path in ("../run/job.yaml", tmp_path / "run" / "job.yaml"):
         assert sailor.load_job(path).model.num_kv_heads == 2
     assert sailor.load_job is load_job
+    # a plan carrying that job reads its relative model path from the plan file's folder too
+    plan = {"micro_batch_size": 1, "stages": [[0, 6]], "job": {"model": "m/config.json", "global_batch_size": 4},
+            "pipelines": [{"microbatches": 4, "replicas": [{"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}]}]}
+    (tmp_path / "run" / "plan.json").write_text(json.dumps(plan))
+    assert sailor.load_plan("../run/plan.json").job.model.num_kv_heads == 2
 
 
 @pytest.mark.integration

@@ -124,7 +124,7 @@ def test_torchrun_without_hosts_uses_a_rendezvous_variable():
 
 
 def test_skypilot_tasks():
-    docs = launch_specs(GEO, Backend.SKYPILOT, OPTS, local_plan="/home/me/plan.json")
+    docs = launch_specs(GEO, Backend.SKYPILOT, OPTS, mounts={OPTS.worker.plan: "/home/me/plan.json"})
     parsed = list(yaml.safe_load_all(dump_documents(docs)))
     assert len(parsed) == 3  # (A100-40, us-central1-a), (V100-16, us-central1-b), (V100-16, us-west1-b)
     for t in parsed:

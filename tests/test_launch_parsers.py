@@ -94,7 +94,7 @@ def _sky_files(tmp_path: Path, **kwargs) -> Path:
     out = tmp_path / "sky"
     out.mkdir()
     opts = _opts("/etc/sailor/plan.json", steps=3, **kwargs)
-    for name, text in launch_files(GEO, Backend.SKYPILOT, opts, local_plan=str(tmp_path / "plan.json")).items():
+    for name, text in launch_files(GEO, Backend.SKYPILOT, opts, mounts={opts.worker.plan: str(tmp_path / "plan.json")}).items():
         (out / name).write_text(text)
     return out
 

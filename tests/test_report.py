@@ -128,3 +128,12 @@ def test_cli_simulate_report(tmp_path):
     r = subprocess.run([str(SAILOR), "simulate", str(tmp_path / "plan.json"), "--report", str(tmp_path / "file")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not a folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_front_is_drawn_as_what_a_budget_buys():
+    # planner fronts come sorted by time (fastest, dearest first); drawn by cost, the step at each cost
+    # is the throughput that cost buys: $0.365 buys 1/22.4 it/s, only $0.505 buys 1/15.6
+    from sailor.report.figures import front_steps
+    costs, thr = front_steps([(15.6, 0.505), (22.4, 0.365), (30.0, 0.30)])
+    assert costs.tolist() == [0.30, 0.365, 0.505]
+    assert thr.tolist() == [1 / 30.0, 1 / 22.4, 1 / 15.6]

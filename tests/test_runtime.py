@@ -214,3 +214,30 @@ def test_plan_level_modules_stay_torch_free():
             " sailor.runtime.checkpoint, sailor.runtime.launcher, sailor.model.activations;"
             " assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("data", "", "--data: is an empty path"),
+    ("init_from", " ", "--init-from: is an empty path"),
+    ("checkpoint_dir", "", "--checkpoint-dir: is an empty path"),
+])
+def test_train_refuses_an_empty_path_before_any_process(tmp_path, option, value, match):
+    # "" would pass every "was it given?" check, then become the current folder on every rank
+    from sailor.runtime.launcher import TrainOptions, prepare
+    plan = tmp_path / "plan.json"
+    Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 6]], "pipelines": [{"microbatches": 8, "replicas": [
+        {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}]}]}).with_specs(JobSpec(model="tiny", global_batch_size=8),
+                                                                            None).save(plan)
+    with pytest.raises(SailorInputError, match=match):
+        prepare(TrainOptions(plan=str(plan), steps=1, **{option: value}))
+
+
+def test_train_refuses_a_stop_file_that_exists_or_is_a_folder(tmp_path):
+    from sailor.runtime.launcher import TrainOptions, check_train_options
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "stop").touch()
+    with pytest.raises(SailorInputError, match="exists already, so the run would stop before its first step"):
+        check_train_options(TrainOptions(plan="p.json", steps=1, stop_file=str(tmp_path / "stop")))
+    with pytest.raises(SailorInputError, match="exists already"):
+        check_train_options(TrainOptions(plan="p.json", steps=1, stop_file=str(tmp_path / "dir")))
+    check_train_options(TrainOptions(plan="p.json", steps=1, stop_file=str(tmp_path / "new")))  # not there yet: fine

@@ -6,6 +6,7 @@ in-process through typer's CliRunner, and the generated shell is read with shlex
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 
 import pytest
@@ -127,9 +128,9 @@ def test_kubernetes_refuses_outputs_lost_with_the_pod(option, path):
 
 # Text a command line can carry (no NUL, no lone surrogates), including values that start with "-".
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40)
-PATH = st.none() | TEXT
+PATH = st.none() | TEXT.filter(str.strip)  # an empty path is refused (test below)
 FIELDS = {
-    "plan": TEXT, "steps": st.integers(1, MAX_STEPS), "job": PATH, "seed": st.integers(0, 2**70),
+    "plan": TEXT.filter(str.strip), "steps": st.integers(1, MAX_STEPS), "job": PATH, "seed": st.integers(0, 2**70),
     "device": st.sampled_from(["cpu", "cuda"]), "data": PATH, "init_from": PATH, "checkpoint_dir": PATH,
     "checkpoint_every": st.integers(0, MAX_STEPS), "resume_from": PATH, "metrics": PATH,
     "log_every": st.integers(0, MAX_STEPS), "tensorboard": PATH, "stop_file": PATH,
@@ -158,8 +159,35 @@ def test_settings_argv_parse_round_trip(values):
     (["--plan=p", "--steps=3", "--device=tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--plan=p", "--steps=3", "--sed=1"], "unrecognized arguments: --sed=1"),
     (["--plan=p"], "the following arguments are required: --steps"),
+    (["--plan=p", "--steps=3", "--data="], "--data: is an empty path"),
+    (["--plan=p", "--steps=3", "--init-from= "], "--init-from: is an empty path"),
 ])
 def test_the_worker_refuses_bad_arguments_in_one_line(args, match):
     with pytest.raises(SailorInputError, match=match) as e:
         parse(args)
     assert "\n" not in e.value.one_line()
+
+
+@pytest.mark.parametrize("backend", list(Backend))
+def test_launch_takes_the_job_of_a_plan_that_carries_none(tmp_path, backend):
+    # a plan without its job (Sailor's plan_config has none) launches with --job; every rank gets it:
+    # by path (torchrun; skypilot copies it to the nodes) or inside the plan's ConfigMap (kubernetes)
+    plan, job = tmp_path / "plan.json", tmp_path / "job.yaml"
+    GEO.save(plan)
+    job.write_text(yaml.safe_dump(GEO_JOB.to_dict()))
+    _register()
+    base = ["launch", str(plan), "--backend", backend.value, "--dry-run", "--remote-plan", "/etc/sailor/plan.json"]
+    r = CliRunner().invoke(app, base)  # in-process: `sailor.cli.main` turns this error into one line, exit 2
+    assert isinstance(r.exception, SailorInputError) and "the plan carries no job" in str(r.exception)
+    r = CliRunner().invoke(app, [*base, "--job", str(job)])
+    assert r.exit_code == 0, r.output
+    docs = list(yaml.safe_load_all(r.stdout))
+    ranks = _rank_settings(backend, docs)
+    if backend is Backend.KUBERNETES:
+        (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+        assert json.loads(config["data"]["plan.json"])["job"] == GEO_JOB.to_dict()
+        assert {s.job for s in ranks} == {None}
+    else:
+        assert {s.job for s in ranks} == {str(job.resolve())}
+    if backend is Backend.SKYPILOT:
+        assert all(d["file_mounts"][str(job.resolve())] == str(job.resolve()) for d in docs)

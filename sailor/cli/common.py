@@ -28,7 +28,7 @@ DataOpt = typer.Option(None, "--data", help="Token file (.bin as nanoGPT/Megatro
                        " topics as bytes.")
 InitFromOpt = typer.Option(None, "--init-from", help="Hugging Face model folder (config.json + safetensors) to start"
                            " from; each rank reads only its own shard.")
-CheckpointEveryOpt = typer.Option(0, "--checkpoint-every", min=0, help="Also checkpoint every N steps (0: never).")
+CheckpointEveryOpt = typer.Option(0, "--checkpoint-every", min=0, help="Also checkpoint every N steps (0: only at the end and on a stop).")
 METRICS_HELP = "Append one JSON line per step to this file (.jsonl), written by rank 0."
 MetricsOpt = typer.Option(None, "--metrics", help=METRICS_HELP)
 LogEveryOpt = typer.Option(10, "--log-every", min=0, help="Print loss, tokens/s and MFU every N steps (0: never).")

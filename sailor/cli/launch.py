@@ -31,12 +31,16 @@ from sailor.core.errors import SailorInputError
 @app.command("launch")
 def launch_command(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="Plan file (ours, or a Sailor plan_config JSON)."),
+    job: Optional[Path] = typer.Option(None, "--job", help="Job spec file, for a plan that carries none (e.g. Sailor's"
+                                       " plan_config); read here, and by the ranks at its absolute path (kubernetes:"
+                                       " inside the plan's ConfigMap; skypilot: copied to the nodes)."),
     backend: str = typer.Option(..., "--backend", help="torchrun (ssh per node), skypilot (task YAML) or"
                                                        " kubernetes (Job manifests)."),
     hosts: Optional[Path] = typer.Option(None, "--hosts", help="HOSTS.yaml: ssh hosts per zone and GPU type"
                                                                " (torchrun backend)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the commands / YAML instead of starting anything."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the YAML documents to this file."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the YAML documents to this file"
+                                        " (skypilot: a folder of task files and launch.sh)."),
     steps: int = StepsOpt,
     seed: int = SeedOpt,
     data: Optional[str] = DataOpt,
@@ -75,13 +79,19 @@ def launch_command(
     from sailor.plan import load_plan
     from sailor.runtime.command import WorkerSettings
     from sailor.runtime.validate import check_plan_for_job
+    from sailor.specs import load_job
 
     chosen = choice(Backend, backend, "--backend", "backend")
     check_output_path(out, "--out", folder=chosen is Backend.SKYPILOT)  # before any work
     plan = load_plan(plan_path)
-    check_plan_for_job(plan, plan.job, plan.cluster, source=str(plan_path))  # as `sailor train` does
+    job_spec = load_job(job) if job is not None else plan.job
+    check_plan_for_job(plan, job_spec, plan.cluster, source=str(plan_path),  # as `sailor train` does
+                       job_source=str(job) if job is not None else None)
+    if chosen is Backend.KUBERNETES and job is not None:  # the ConfigMap carries the plan, now with its job
+        plan, job = plan.with_specs(job_spec, plan.cluster), None
     default_remote = "/etc/sailor/plan.json" if chosen is Backend.KUBERNETES else str(plan_path.resolve())
     worker = WorkerSettings(plan=remote_plan or default_remote, steps=steps, seed=seed, data=data, init_from=init_from,
+                            job=None if job is None else str(job.resolve()),
                             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
                             log_every=log_every, tensorboard=tensorboard, timeout_s=timeout_s,
                             device=device or ("cpu" if all(r.gpu == "cpu" for p in plan.pipelines for r in p.replicas)
@@ -99,7 +109,7 @@ def launch_command(
         raise SailorInputError("--namespace, --indexed-jobs, --queue, --max-restarts and --checkpoint-claim are for"
                                " the kubernetes backend", source="--backend")
     files = launch_files(plan, chosen, opts, header=_header(chosen, plan_path, indexed_jobs), hosts_path=hosts,
-                         local_plan=str(plan_path.resolve()), image=image, name=name, k8s=k8s)
+                         mounts={worker.plan: str(plan_path.resolve())} | ({worker.job: worker.job} if worker.job else {}), image=image, name=name, k8s=k8s)
     if out is not None:
         _write(out, files)
     if dry_run:

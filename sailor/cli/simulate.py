@@ -97,7 +97,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan
     console.print(s)
     if est.tp_communication:
         console.print(f"TP communication: {'; '.join(est.tp_communication)}")
-    if est.schedule.runtime_difference:
-        console.print(f"schedule: {est.schedule.runtime_difference}")
+    if est.schedule_timing:
+        console.print(f"schedule: {est.schedule_timing}")
     if est.estimated:
         console.print(f"[yellow]estimated (no measurement): {'; '.join(est.estimated)}[/yellow]")

@@ -40,7 +40,7 @@ def train(
     timeout_s: float = TimeoutOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the rank layout and exit."),
 ) -> None:
-    """Train a plan exactly: tensor, pipeline (1F1B) and data parallelism as the plan says."""
+    """Train a plan exactly: tensor, pipeline (its schedule) and data parallelism as the plan says."""
     require_torch("train")
     from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 

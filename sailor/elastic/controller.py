@@ -129,7 +129,6 @@ class Running:
     def __init__(self, prepared: Prepared, nodes: NodeLaunch | None = None) -> None:
         self.prepared, self.nodes = prepared, nodes
         self.stop_file = prepared.options.stop_file
-        Path(self.stop_file).unlink(missing_ok=True)
         self.launched_at = time.monotonic()
         self.started = False  # the ranks' process groups are up
         self.abort = threading.Event()
@@ -346,6 +345,7 @@ class Controller:
                             timeout_s=self.o.timeout_s)
         if self.switch is not None:
             self.switch.launched = time.monotonic()
+        Path(opts.stop_file).unlink(missing_ok=True)  # the last launch's stop request
         prep = prepare(opts, local=self.o.hosts is None)  # raises SailorInputError on a bad checkpoint
         for note in prep.notes:
             if note.startswith("skipped"):

@@ -80,7 +80,7 @@ def layout_for(plan: Plan, hosts: HostsFile | None = None, source: str = "HOSTS.
 
 
 def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_path: str | Path | None = None,
-                 local_plan: str | None = None, image: str | None = None, name: str = "sailor",
+                 mounts: dict[str, str] | None = None, image: str | None = None, name: str = "sailor",
                  k8s: KubernetesOptions | None = None) -> list[dict[str, Any]]:
     """The documents `backend` needs to run `plan`.
 
@@ -92,7 +92,7 @@ def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_pat
         opts: worker options (the cloud backends wait CLOUD_RDZV_TIMEOUT_S for the rendezvous
             unless `opts.rdzv_timeout_s` says otherwise).
         hosts_path: HOSTS.yaml (torchrun only; without it the rendezvous host is $SAILOR_RDZV_HOST).
-        local_plan: the plan file on this machine (SkyPilot copies it to the nodes).
+        mounts: node path -> file on this machine that SkyPilot copies to the nodes (the plan, the job).
         image: container image: Kubernetes (default DEFAULT_IMAGE), SkyPilot (default: none, the
             released wheel is installed).
         name: JobSet / object name prefix (Kubernetes), task and cluster name prefix (SkyPilot).
@@ -118,7 +118,7 @@ def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_pat
         opts = dataclasses.replace(opts, rdzv_timeout_s=CLOUD_RDZV_TIMEOUT_S)
     if backend is Backend.SKYPILOT:
         from sailor.launch.skypilot import task_specs
-        return task_specs(layout, opts, region_of=_region_of(plan), local_plan=local_plan, image=image, name=name)
+        return task_specs(layout, opts, region_of=_region_of(plan), mounts=mounts, image=image, name=name)
     from sailor.launch.kubernetes import manifests
     k = k8s or KubernetesOptions()
     # A JobSet restarted as a whole continues from the newest checkpoint instead of step 0.

@@ -59,7 +59,7 @@ def cluster_names(layout: LaunchLayout, name: str) -> list[str]:
     return [f"{name}-{k}" for k in range(len(layout.groups()))]
 
 
-def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, region_of, local_plan: str | None = None,
+def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, region_of, mounts: dict[str, str] | None = None,
                image: str | None = None, name: str = "sailor") -> list[dict[str, Any]]:
     """One SkyPilot task dict per (GPU type, zone) group, the rendezvous group first.
 
@@ -67,7 +67,8 @@ def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, region_of, local_pl
         layout: the plan's nodes and agents.
         opts: worker options (`worker.plan` is where the plan is mounted on the nodes).
         region_of: zone -> region (the cluster's provider).
-        local_plan: the plan file on this machine, copied to `worker.plan` with `file_mounts`.
+        mounts: node path -> file on this machine, copied to the nodes with `file_mounts` (the plan at
+            `worker.plan`, and the job at `worker.job` when one is given).
         image: a container image with Sailor and torch (`image_id: docker:<image>`); None installs
             the released wheel in `setup` instead.
         name: prefix of the task (and, in `launch.sh`, cluster) names.
@@ -86,8 +87,8 @@ def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, region_of, local_pl
         task: dict[str, Any] = {"name": f"{name}-{g.name}", "num_nodes": len(g.nodes), "resources": resources}
         if k > 0:  # null: required, so `sky launch` refuses before provisioning when it is not given
             task["envs"] = {RDZV_HOST_VAR: None}
-        if local_plan:
-            task["file_mounts"] = {opts.worker.plan: local_plan}
+        if mounts:
+            task["file_mounts"] = dict(mounts)
         if not image:
             task["setup"] = f"{opts.python} -m pip install --quiet {shlex.quote(RELEASE)}"
         task["run"] = _run_script(g, layout, opts, host_group=k == 0)

@@ -14,6 +14,7 @@ from sailor.core.fileio import mapping_from
 from sailor.core.schema import parse_model
 from sailor.plan.sailor_config import is_sailor_plan, sailor_plan_to_dict
 from sailor.plan.spec import Plan
+from sailor.specs import model_relative_to
 
 
 def plan_from_dict(data: dict[str, Any], source: str | None = None) -> Plan:
@@ -21,6 +22,8 @@ def plan_from_dict(data: dict[str, Any], source: str | None = None) -> Plan:
     `sailor.plan.sailor_config`); `source` names the file in messages."""
     if is_sailor_plan(data):
         data = sailor_plan_to_dict(data, source)
+    elif isinstance(data.get("job"), dict):  # a carried job's relative model path is the plan file's
+        data = {**data, "job": model_relative_to(data["job"], source)}
     return parse_model(Plan, data, source)
 
 

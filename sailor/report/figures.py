@@ -68,6 +68,14 @@ def _save(fig, base: Path) -> list[Path]:
 
 
 # ---- 1. Pareto front ------------------------------------------------------------------------------
+def front_steps(front: list[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """($/iteration, iterations/s) of a Pareto front of (seconds, $) points, by cost: drawn with
+    `steps-post`, each plan's throughput holds up to the next dearer plan's cost, the best throughput
+    a budget buys (by time, the line would promise the fastest plan at the cheapest plan's cost)."""
+    t, c = np.array(sorted(front, key=lambda p: (p[1], p[0]))).T
+    return c, 1.0 / t
+
+
 def pareto_figure(comparison: "Comparison", base: Path) -> list[Path]:
     """Iterations/s against $/iteration: the Pareto front of every candidate the comparison's searches
     scored, the fronts of the `paper` and `homogeneous` searches, the main search's alternatives, its
@@ -84,9 +92,9 @@ def pareto_figure(comparison: "Comparison", base: Path) -> list[Path]:
     fronts += [(f"{name} search: Pareto front", r.pareto, SPACE_STYLE[name][0], 0.5) for name, r in bests.items()]
     for label, front, color, alpha in fronts:
         if front:
-            t, c = np.array(front).T
-            ax.plot(c, 1.0 / t, "-o", color=color, alpha=alpha, markersize=3, linewidth=1.2, label=label,
-                    drawstyle="steps-post" if len(t) > 1 else "default")
+            c, thr = front_steps(front)
+            ax.plot(c, thr, "-o", color=color, alpha=alpha, markersize=3, linewidth=1.2, label=label,
+                    drawstyle="steps-post" if len(c) > 1 else "default")
     alts = [a.estimate for a in main.alternatives if a.estimate is not None]
     if alts:
         ax.scatter([e.cost_per_iteration_usd for e in alts], [e.throughput_iters_per_s for e in alts],

@@ -47,7 +47,7 @@ class WorkerSettings:
     Raises (when built):
         SailorInputError: naming the option: steps outside 1..MAX_STEPS, a timeout that is not a
             finite number of seconds in (0, MAX_SECONDS], a negative seed, checkpoint or log
-            interval (or one above MAX_STEPS), an unknown device.
+            interval (or one above MAX_STEPS), an empty path, an unknown device.
     """
 
     plan: str = _setting(help="plan file (JSON/YAML; ours or Sailor's plan_config)", path=True)
@@ -82,6 +82,11 @@ class WorkerSettings:
             if not 0 <= getattr(self, name) <= MAX_STEPS:
                 raise SailorInputError(f"must be between 0 and {MAX_STEPS:,} (limits.MAX_STEPS), got"
                                        f" {getattr(self, name)}", source=option(name))
+        for f in dataclasses.fields(self):  # "" would become the current folder once made absolute
+            value = getattr(self, f.name)
+            if f.metadata["path"] and value is not None and not str(value).strip():
+                raise SailorInputError("is an empty path", source=option(f.name), fix="name a file or folder, or leave"
+                                       " the option out")
         catalog.check_device(self.device)
 
     def argv(self) -> list[str]:

@@ -199,9 +199,14 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
 
 def check_train_options(options: TrainOptions) -> None:
     """Raise SailorInputError for options no run can use: a setting the worker refuses
-    (`WorkerSettings`: steps, timeout, seed, intervals, device), an output path that cannot be
-    written (checked before any work), or --tensorboard without the tensorboard package."""
+    (`WorkerSettings`: steps, timeout, seed, intervals, empty paths, device), an output path that
+    cannot be written (checked before any work), a stop file that already exists (the run would stop
+    before its first step) or is a folder, or --tensorboard without the tensorboard package."""
     worker_settings(options)
+    if options.stop_file is not None and Path(options.stop_file).exists():
+        raise SailorInputError(f"{options.stop_file} exists already, so the run would stop before its first step",
+                               source="--stop-file", fix="remove it, or name a file that does not exist yet")
+    check_output_path(options.stop_file, "--stop-file")
     check_output_path(options.checkpoint_dir, "--checkpoint-dir", folder=True)
     check_output_path(options.metrics, "--metrics")
     check_output_path(options.tensorboard, "--tensorboard", folder=True)

@@ -156,6 +156,12 @@ class Estimate:
         return self.cost_per_iteration_usd * HOUR_S / self.iteration_time_s
 
     @property
+    def schedule_timing(self) -> str | None:
+        """How the simulator's timing of the plan's pipelines differs from what the runtime runs
+        (`PipelineSchedule.runtime_difference`); None without a stage boundary (nothing is sent)."""
+        return self.schedule.runtime_difference if any(r.stage > 0 for r in self.replicas) else None
+
+    @property
     def fits_in_memory(self) -> bool:
         return not any(r.oom for r in self.replicas)
 
@@ -197,7 +203,7 @@ class Estimate:
             "breakdown": {"pipeline": self.pipeline_s, "gradient_sync": self.gradient_sync_s,
                           "optimizer": self.optimizer_s},
             "pipeline_times_s": self.pipeline_times_s,
-            **({"schedule_timing": self.schedule.runtime_difference} if self.schedule.runtime_difference else {}),
+            **({"schedule_timing": self.schedule_timing} if self.schedule_timing else {}),
             "estimated": self.estimated,
             "cross_zone_traffic": [t.to_dict() for t in self.traffic],
             "replicas": [r.to_dict() for r in self.replicas],

@@ -27,11 +27,18 @@ def load_job(source: str | Path | dict[str, Any] | JobSpec) -> JobSpec:
     if isinstance(source, JobSpec):
         return source
     data, name = mapping_from(source, "JobSpec")
-    model = data.get("model")
-    if name is not None and isinstance(model, str) and is_config_path(model):
-        # os.path.join keeps the "./" a Path would drop for a job in the current folder ("hf", a name)
-        data = {**data, "model": os.path.join(str(Path(name).parent), str(Path(model).expanduser()))}
-    return parse_model(JobSpec, data, name)
+    return parse_model(JobSpec, model_relative_to(data, name), name)
+
+
+def model_relative_to(job: Any, file: str | None) -> Any:
+    """`job` (a job file's mapping) with a `model:` that names a Hugging Face config by a relative
+    path read relative to the folder of `file`, the file the job was written in (a job file, or a
+    plan file carrying its job); unchanged when `file` is None or the model is no such path."""
+    model = job.get("model") if isinstance(job, dict) else None
+    if file is None or not isinstance(model, str) or not is_config_path(model):
+        return job
+    # os.path.join keeps the "./" a Path would drop for a file in the current folder ("hf", a name)
+    return {**job, "model": os.path.join(str(Path(file).parent), str(Path(model).expanduser()))}
 
 
 def load_cluster(source: str | Path | dict[str, Any] | ClusterSpec) -> ClusterSpec:
