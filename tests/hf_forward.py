@@ -20,8 +20,8 @@ def _rank(rank: int, world: int, init_file: str, cases: list[tuple[str, str, str
     import torch.distributed as dist
 
     from sailor.model.hf_config import load_hf_config
-    from sailor.plan.spec import Plan
     from sailor.plan.orders import FWD, Op
+    from sailor.plan.spec import Plan
     from sailor.runtime.groups import create_channel_groups, create_groups
     from sailor.runtime.hf_weights import HFWeights, materialize_hf
     from sailor.runtime.messages import op_receive, op_sends
