@@ -6,6 +6,11 @@ transfer stream that must progress on its own has its own communicator and CUDA 
 `ProcessGroupNCCL` runs each communicator's work on a stream of its own). Every rank creates every
 group, in one global order (`dist.new_group` is collective over the world); with a device bound at
 `init_process_group(device_id=...)` torch creates NCCL communicators eagerly there, at start-up.
+torch's NCCL backend gives single sends and receives a communicator of their own per pair of ranks,
+made at the first one (`ProcessGroupNCCL::pointToPoint`, key `getKeySendRecv`), and making it blocks
+both hosts until both arrive; so `create_channel_groups` also sends one element over every channel,
+each rank through its own channels in the one sorted order. That order cannot deadlock: the smallest
+channel not yet connected has both its ranks waiting at it, each being done with all smaller ones.
 
 `ignore_tags` (`SAILOR_IGNORE_TAGS=1`): every point-to-point tag becomes 0, so gloo, which matches a
 pair's messages by tag, matches them in posting order as NCCL does (NCCL ignores tags: torch's
@@ -19,6 +24,7 @@ import os
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -41,9 +47,11 @@ def create_groups(topology: Topology, timeout: timedelta) -> dict[Ranks, dist.Pr
     return mine
 
 
-def create_channel_groups(topology: Topology, timeout: timedelta) -> dict[Channel, dist.ProcessGroup]:
+def create_channel_groups(topology: Topology, timeout: timedelta,
+                          device: torch.device | None = None) -> dict[Channel, dist.ProcessGroup]:
     """One 2-rank group per channel of the plan (`messages.plan_channels`, sorted), created by all
-    ranks in that order; returns this rank's channels (it sends or receives on them). A transfer
+    ranks in that order, then connected (one float32 element from src to dst on `device`, default
+    CPU; module docstring); returns this rank's channels (it sends or receives on them). A transfer
     that hangs fails after `timeout` (the group's timeout: gloo's wait, NCCL's watchdog)."""
     me = dist.get_rank()
     mine = {}
@@ -51,6 +59,12 @@ def create_channel_groups(topology: Topology, timeout: timedelta) -> dict[Channe
         group = dist.new_group([ch.src, ch.dst], timeout=timeout)
         if me in (ch.src, ch.dst):
             mine[ch] = group
+    probe = torch.zeros(1, device=device or torch.device("cpu"))
+    for ch, group in mine.items():  # in sorted order
+        if ch.src == me:
+            dist.send(probe, ch.dst, group=group)
+        else:
+            dist.recv(probe, ch.src, group=group)
     return mine
 
 

@@ -28,6 +28,11 @@ Transfers follow NCCL's rules (checked on CPU by `comm_check`, over the tests' p
   CPU (gloo) the host waits, at most `timeout`.
 - The world group carries no pipeline transfer (only the tied embedding's and ZeRO's batched
   transfers after the schedule, and collectives).
+- Not yet run on a GPU. NCCL's user guide ("Using multiple NCCL communicators concurrently") does not
+  guarantee progress when kernels of several communicators of one device wait on each other at once;
+  the runtime relies, as overlapped data-parallel and pipeline communication in torch and Megatron-LM
+  do, on the GPU running them concurrently. A first GPU run should check it with activations of real
+  sizes (>= 4 MiB, beyond NCCL's buffers).
 """
 
 from __future__ import annotations

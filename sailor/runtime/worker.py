@@ -249,7 +249,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     assert topo.world_size == dist.get_world_size(), (topo.world_size, dist.get_world_size())
     role = topo.roles[rank]
     groups = create_groups(topo, timeout)
-    channels = create_channel_groups(topo, timeout)  # one group per pipeline channel (`pipeline`)
+    channels = create_channel_groups(topo, timeout, device)  # one group per pipeline channel (`pipeline`)
     if rank == 0:
         emit("started", world_size=topo.world_size)  # process groups are up (the controller times phases)
     tp_group = groups.get(role.tp_group)
