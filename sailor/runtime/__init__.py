@@ -14,7 +14,8 @@ Modules, one concept each, applied in this order by `worker`:
   elements: the sample-weighted gradient sum), global-norm clipping, mixed precision; `tied`: which
   ranks add which elements of a tied embedding's two copies; `optim`: its settings.
 - `pipeline.run_pipeline`: the schedule's op order (1F1B, interleaved 1F1B, ZB-H1) with its
-  transfers; `executor`: one stage's layers for one micro-batch, with the optimizer's layer hooks (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters) and activation metering.
+  transfers; `executor`: one stage's layers for one micro-batch, with the optimizer's layer hooks
+  (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters) and activation metering.
 - `data`: deterministic samples of byte tokens or memory-mapped token files (`tokens`, made by
   `dataprep`); `checkpoint`: plan-independent, atomic, checksummed; `metrics`: MFU, TensorBoard.
 - `command` (torch-free): the worker's settings and its command line, the one builder every launch
