@@ -1,10 +1,11 @@
 """A forward pass of Hugging Face weights through the runtime's own pieces on a plan (gloo processes):
 what `sailor train --init-from` builds, minus the training loop. Used by test_hf_weights.py.
 
-Each process: `derive_topology` -> `create_groups` -> `GPT` on meta -> `build_stage` -> `apply_tp`
--> `materialize_hf` (its stage's layers, its TP shard) -> forward of one micro-batch, activations
-crossing stage boundaries through the runtime's `P2P`. TP rank 0 of each pipeline's last stage
-saves the logits.
+Each process: `derive_topology` -> `create_groups`, `create_channel_groups` -> `GPT` on meta ->
+`build_stage` -> `apply_tp` -> `materialize_hf` (its stage's layers, its TP shard) -> forward of one
+micro-batch, activations crossing stage boundaries through the runtime's `P2P` (the transfers of
+micro-batch 0's forward, `messages.op_receive` / `op_sends`). TP rank 0 of each pipeline's last
+stage saves the logits.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ def _rank(rank: int, world: int, init_file: str, cases: list[tuple[str, str, str
     import torch.distributed as dist
 
     from sailor.model.hf_config import load_hf_config
+    from sailor.plan.orders import FWD, Op
     from sailor.plan.spec import Plan
-    from sailor.runtime.groups import create_groups
+    from sailor.runtime.groups import create_channel_groups, create_groups
     from sailor.runtime.hf_weights import HFWeights, materialize_hf
+    from sailor.runtime.messages import op_receive, op_sends
     from sailor.runtime.model import GPT
     from sailor.runtime.pipeline import P2P, build_stage
     from sailor.runtime.tensor_parallel import apply_tp
@@ -34,6 +37,8 @@ def _rank(rank: int, world: int, init_file: str, cases: list[tuple[str, str, str
     topo = derive_topology(plan)
     role = topo.roles[rank]
     groups = create_groups(topo, timeout)
+    channels = create_channel_groups(topo, timeout)
+    fwd = Op(FWD, 0, 0)
     for name, folder, tokens_file in cases:
         spec = load_hf_config(folder)
         tokens = torch.load(tokens_file)
@@ -43,14 +48,14 @@ def _rank(rank: int, world: int, init_file: str, cases: list[tuple[str, str, str
         apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=groups.get(role.tp_group))
         materialize_hf(stage, HFWeights(folder, spec), tp_rank=role.tp_rank, tp=role.tp, device=torch.device("cpu"))
         p2p = P2P(role, shape=(tokens.shape[0], tokens.shape[1], spec.hidden_size), device=torch.device("cpu"),
-                  timeout=timeout)
+                  timeout=timeout, channels=channels)
         with torch.no_grad():
-            x = stage(tokens if role.is_first_stage else p2p.recv_forward(role.stage - 1))  # 1F1B: boundary i-1 -> i
+            x = stage(tokens if role.is_first_stage else p2p.receive(op_receive(role, fwd)))
             if role.is_last_stage:
                 if role.tp_rank == 0:
                     torch.save(x, Path(out) / f"{name}-p{role.pipeline}.pt")
             else:
-                p2p.send_forward(x, role.stage)
+                p2p.send(x, op_sends(role, fwd))
             p2p.finish()
         dist.barrier()
     dist.destroy_process_group()

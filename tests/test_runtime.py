@@ -211,6 +211,7 @@ def test_checkpoint_roundtrip_and_checksum_fallback(tmp_path):
 def test_plan_level_modules_stay_torch_free():
     import subprocess
     code = ("import sys; import sailor.runtime.topology, sailor.runtime.validate, sailor.runtime.data,"
+            " sailor.runtime.messages, sailor.runtime.comm_check,"
             " sailor.runtime.checkpoint, sailor.runtime.launcher, sailor.model.activations;"
             " assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -2,7 +2,8 @@
 training runs against the single-process reference (CPU, gloo, <= 6 processes each).
 
 Each run's loss at every step and its final parameters must equal the reference's within 1e-5
-relative. The plans mix what can differ: replicas of TP 1 and 2 in one stage, shares 3:1 (rounds
+relative, with every point-to-point tag forced to 0 (`SAILOR_IGNORE_TAGS=1`: gloo then matches a
+pair's messages in posting order, as NCCL does). The plans mix what can differ: replicas of TP 1 and 2 in one stage, shares 3:1 (rounds
 without a micro-batch under ZeRO-2/3), uneven chunks, v = 2 and 3, recomputation (full, counted over
 a stage's chunks, and selective), ZeRO-1/2/3 and sequence parallelism.
 """
@@ -24,6 +25,7 @@ from sailor.plan.orders import BWD, FWD, WGRAD, interleaved_order, one_f_one_b_o
 from sailor.plan.spec import Plan, Schedule, ScheduleKind
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.data import load_corpus
+from sailor.runtime.groups import IGNORE_TAGS_ENV
 from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 from sailor.runtime.reference import train_reference
 from sailor.runtime.schedule import runtime_schedule
@@ -145,7 +147,8 @@ def reference():
 
 @pytest.mark.integration
 @pytest.mark.parametrize("name", list(PLANS))
-def test_schedule_equals_single_process_run(name, tmp_path, reference):
+def test_schedule_equals_single_process_run(name, tmp_path, reference, monkeypatch):
+    monkeypatch.setenv(IGNORE_TAGS_ENV, "1")
     ref_losses, ref_params = reference
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps({"micro_batch_size": 2, **PLANS[name], "job": JOB}))
@@ -161,4 +164,30 @@ def test_schedule_equals_single_process_run(name, tmp_path, reference):
     got = ckpt.load_tensors(found.path, found.manifest, list(ref_params))
     for n, want in ref_params.items():
         torch.testing.assert_close(got[n]["param"], want, rtol=RTOL, atol=RTOL, msg=n)
+    assert not [cmd for _, cmd in live_processes(str(tmp_path))]
+
+
+# Interleaved, 2 stages, an odd micro-batch count: one pair of ranks carries activations and gradients
+# of several chunks in both directions, the case where messages matched by posting order alone (tags
+# ignored) once landed in the wrong buffers and trained to other losses.
+ODD_JOB = {"model": "tiny", "global_batch_size": 5}
+ODD_PLAN = {"micro_batch_size": 1, "stages": [[0, 2], [2, 3], [3, 5], [5, 6]], "schedule": INTERLEAVED(2),
+            "pipelines": _pipes(((1, 1), 5))}
+
+
+@pytest.mark.integration
+def test_interleaved_two_stages_odd_m_with_tags_ignored_equals_single_process_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(IGNORE_TAGS_ENV, "1")
+    steps = 3
+    ref_losses, _ = train_reference(JobSpec(**ODD_JOB), steps=steps, seed=0, corpus=load_corpus())
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({**ODD_PLAN, "job": ODD_JOB}))
+    metrics = tmp_path / "metrics.jsonl"
+    result = launch(prepare(TrainOptions(plan=str(path), metrics=str(metrics), timeout_s=60, steps=steps)),
+                    handle_signals=False)
+    assert result.status is ExitStatus.DONE, result.message + str(result.events)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(rows) == steps
+    for r, want in zip(rows, ref_losses):
+        assert r["loss"] == pytest.approx(want, rel=RTOL)
     assert not [cmd for _, cmd in live_processes(str(tmp_path))]

@@ -2,7 +2,9 @@
 
 Modules, one concept each, applied in this order by `worker`:
 - `topology` (torch-free): Plan -> each rank's role, pipeline neighbours and sync groups;
-  `groups` creates the torch process groups from it.
+  `messages` (torch-free): the pipeline's point-to-point channels and each rank's transfers in order;
+  `groups` creates the torch process groups from them (one 2-rank group per channel);
+  `comm_check` (torch-free): a model of one step's communication under NCCL's rules (CPU tests).
 - `model`: a plain single-device GPT as the layer list (embedding, blocks, head), canonical names.
 - `pipeline.build_stage`: keep one stage's layers; `tensor_parallel.apply_tp`: shard them (and
   sequence parallelism); `recompute.apply_recompute`: activation recomputation.
@@ -11,8 +13,9 @@ Modules, one concept each, applied in this order by `worker`:
 - `zero.ShardedAdamW`: AdamW with ZeRO-0..3 over `buckets` (which ranks sum, shard and update which
   elements: the sample-weighted gradient sum), global-norm clipping, mixed precision; `tied`: which
   ranks add which elements of a tied embedding's two copies; `optim`: its settings.
-- `pipeline.run_pipeline`: the 1F1B schedule; `executor`: one stage's layers for one micro-batch,
-  with the optimizer's layer hooks (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters) and activation metering.
+- `pipeline.run_pipeline`: the schedule's op order (1F1B, interleaved 1F1B, ZB-H1) with its
+  transfers; `executor`: one stage's layers for one micro-batch, with the optimizer's layer hooks
+  (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters) and activation metering.
 - `data`: deterministic samples of byte tokens or memory-mapped token files (`tokens`, made by
   `dataprep`); `checkpoint`: plan-independent, atomic, checksummed; `metrics`: MFU, TensorBoard.
 - `command` (torch-free): the worker's settings and its command line, the one builder every launch

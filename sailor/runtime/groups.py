@@ -1,12 +1,37 @@
-"""Create the torch process groups a topology needs (the one place groups are made)."""
+"""Create the torch process groups a topology needs (the one place groups are made).
+
+`create_groups`: the collective groups (TP, gradient sync); `create_channel_groups`: one 2-rank group
+per pipeline channel (`messages.Channel`: ordered pair of ranks and kind), so that under NCCL every
+transfer stream that must progress on its own has its own communicator and CUDA stream (torch 2.13
+`ProcessGroupNCCL` runs each communicator's work on a stream of its own). Every rank creates every
+group, in one global order (`dist.new_group` is collective over the world); with a device bound at
+`init_process_group(device_id=...)` torch creates NCCL communicators eagerly there, at start-up.
+torch's NCCL backend gives single sends and receives a communicator of their own per pair of ranks,
+made at the first one (`ProcessGroupNCCL::pointToPoint`, key `getKeySendRecv`), and making it blocks
+both hosts until both arrive; so `create_channel_groups` also sends one element over every channel,
+each rank through its own channels in the one sorted order. That order cannot deadlock: the smallest
+channel not yet connected has both its ranks waiting at it, each being done with all smaller ones.
+
+`ignore_tags` (`SAILOR_IGNORE_TAGS=1`): every point-to-point tag becomes 0, so gloo, which matches a
+pair's messages by tag, matches them in posting order as NCCL does (NCCL ignores tags: torch's
+`isend` docstring, "tag is not supported with the NCCL backend"). The CPU tests run the runtime so.
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
+from sailor.runtime.messages import Channel, plan_channels
 from sailor.runtime.topology import Ranks, Topology
+
+IGNORE_TAGS_ENV = "SAILOR_IGNORE_TAGS"
 
 
 def create_groups(topology: Topology, timeout: timedelta) -> dict[Ranks, dist.ProcessGroup]:
@@ -20,3 +45,52 @@ def create_groups(topology: Topology, timeout: timedelta) -> dict[Ranks, dist.Pr
         if me in ranks:
             mine[ranks] = group
     return mine
+
+
+def create_channel_groups(topology: Topology, timeout: timedelta,
+                          device: torch.device | None = None) -> dict[Channel, dist.ProcessGroup]:
+    """One 2-rank group per channel of the plan (`messages.plan_channels`, sorted), created by all
+    ranks in that order, then connected (one float32 element from src to dst on `device`, default
+    CPU; module docstring); returns this rank's channels (it sends or receives on them). A transfer
+    that hangs fails after `timeout` (the group's timeout: gloo's wait, NCCL's watchdog)."""
+    me = dist.get_rank()
+    mine = {}
+    for ch in plan_channels(topology):
+        group = dist.new_group([ch.src, ch.dst], timeout=timeout)
+        if me in (ch.src, ch.dst):
+            mine[ch] = group
+    probe = torch.zeros(1, device=device or torch.device("cpu"))
+    for ch, group in mine.items():  # in sorted order
+        if ch.src == me:
+            dist.send(probe, ch.dst, group=group)
+        else:
+            dist.recv(probe, ch.src, group=group)
+    return mine
+
+
+def _untagged(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def call(tensor, *args, **kwargs):  # (tensor, peer, group, tag, ...) as in torch 2.13
+        if len(args) >= 3:
+            args = (*args[:2], 0, *args[3:])
+        if "tag" in kwargs:
+            kwargs["tag"] = 0
+        return fn(tensor, *args, **kwargs)
+    call.untagged = True
+    return call
+
+
+def ignore_tags() -> bool:
+    """When `SAILOR_IGNORE_TAGS=1`, make every point-to-point call of this process (`isend`, `irecv`,
+    `send`, `recv`, and `batch_isend_irecv` through them) use tag 0 (module docstring); returns
+    whether it did. Patches `torch.distributed` and `torch.distributed.distributed_c10d` in place,
+    once."""
+    if os.environ.get(IGNORE_TAGS_ENV) != "1":
+        return False
+    for name in ("isend", "irecv", "send", "recv"):
+        fn = getattr(c10d, name)
+        if not getattr(fn, "untagged", False):
+            wrapped = _untagged(fn)
+            setattr(c10d, name, wrapped)
+            setattr(dist, name, wrapped)
+    return True

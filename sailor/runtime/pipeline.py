@@ -4,24 +4,41 @@
 stage boundary; it cannot connect a TP-2 replica to a TP-1 replica, nor fan one activation out to
 several TP ranks. So the runtime keeps its own small schedules: `plan.spec.Schedule.order`
 (pure) orders the passes of one stage (1F1B, interleaved 1F1B, ZB-H1), and `run_pipeline` executes
-that order with non-blocking sends and receives that wait with a timeout, each pass through the
-`executor.StageExecutor` of its chunk. Every activation crossing a boundary is the full (B, T, h)
-tensor in the compute dtype, which every TP rank of a replica holds (a sequence-parallel chunk
-gathers its last block's output first).
+that order, each pass through the `executor.StageExecutor` of its chunk. Every activation crossing a
+boundary is the full (B, T, h) tensor in the compute dtype, which every TP rank of a replica holds (a
+sequence-parallel chunk gathers its last block's output first).
 
-Sends are posted with `isend` (a send's tensor is released once it completed, at the latest at the
-end of the step): the orders are deadlock-free once no send blocks (Narayanan et al., SC'21, §2.2;
-the interleaved and ZB-H1 orders are checked by their event simulation, `simulator.schedule_orders`).
-Under interleaving one pair of ranks carries several chunks' activations and gradients (stage p-1
-to stage 0 between chunks; for p = 2 both directions between the same two replicas), so every
-transfer is tagged with its virtual boundary u -> u + 1 and direction (`transfer_tag`): messages of
-one tag arrive in the order they were sent, which is the micro-batch order of both ends.
+Transfers follow NCCL's rules (checked on CPU by `comm_check`, over the tests' plans and a sweep):
+- Each channel, one direction of one kind (activations or gradients) between two ranks, has its
+  own 2-rank process group (`groups.create_channel_groups`, created at start-up in one order on all
+  ranks): under NCCL its own communicator and stream, so a send blocked until its receiver is ready
+  holds up only later messages of its own channel, never the other direction or kind.
+- No transfer has a tag. On each channel both ends post in the same order (`messages` module
+  docstring: the schedules run their forwards, and their backwards, in one (chunk, micro-batch)
+  sequence on every stage), so messages are matched in posting order, as NCCL does; the CPU tests run
+  with every tag forced to 0 (`groups.ignore_tags`) and still equal the single-process run.
+- The op order and its transfers come from `messages.rank_program`: a rank posts op j + 1's receive
+  at the start of op j, so the next input can arrive during op j's compute. Sends are `isend`s whose
+  tensors are kept until they complete (at the latest at the end of the step). With non-blocking
+  sends the orders are deadlock-free (Narayanan et al., SC'21, §2.2; the interleaved and ZB-H1 orders
+  are checked by their event simulation, `simulator.schedule_orders`), and on separate channels an
+  NCCL send blocks only its own channel's stream, not the compute (`comm_check` models both).
+- On CUDA a receive is waited on by the stream (`Work.wait()` makes the current stream wait for it;
+  the host goes on); a transfer that hangs fails after the group's timeout (NCCL's watchdog). On
+  CPU (gloo) the host waits, at most `timeout`.
+- The world group carries no pipeline transfer (only the tied embedding's and ZeRO's batched
+  transfers after the schedule, and collectives).
+- Not yet run on a GPU. NCCL's user guide ("Using multiple NCCL communicators concurrently") does not
+  guarantee progress when kernels of several communicators of one device wait on each other at once;
+  the runtime relies, as overlapped data-parallel and pipeline communication in torch and Megatron-LM
+  do, on the GPU running them concurrently. A first GPU run should check it with activations of real
+  sizes (>= 4 MiB, beyond NCCL's buffers).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -31,6 +48,7 @@ from torch import nn
 
 from sailor.plan.orders import BWD, FWD, Op
 from sailor.runtime.executor import ActivationMeter, StageExecutor
+from sailor.runtime.messages import Channel, Transfer, rank_program
 from sailor.runtime.topology import RankRole
 
 
@@ -45,12 +63,6 @@ def build_stage(model: nn.Module, chunks: Sequence[tuple[int, int]]) -> nn.Modul
     return model
 
 
-def transfer_tag(boundary: int, gradient: bool) -> int:
-    """p2p tag of the activation (or, `gradient`, of its gradient) crossing virtual boundary
-    `boundary` -> `boundary` + 1 (module docstring)."""
-    return 2 * boundary + int(gradient)
-
-
 @dataclass
 class StageTimes:
     """Seconds this rank spent in one step, by phase."""
@@ -62,47 +74,50 @@ class StageTimes:
 
 @dataclass
 class P2P:
-    """Point-to-point transfers of one rank across its stage boundaries (global ranks, world group).
-    Activations and their gradients cross in `dtype`, the weights' compute dtype (the same on both
-    sides of every boundary: it is the job's)."""
+    """Point-to-point transfers of one rank across its stage boundaries, each on its channel's group
+    (`channels`, from `groups.create_channel_groups`; global ranks). Activations and their gradients
+    cross in `dtype`, the weights' compute dtype (the same on both sides of every boundary: it is the
+    job's). Raises KeyError for a transfer on a channel it has no group for."""
 
     role: RankRole
     shape: tuple[int, ...]  # (B, T, h) of one micro-batch's activation
     device: torch.device
     timeout: timedelta
     dtype: torch.dtype = torch.float32
+    channels: Mapping[Channel, dist.ProcessGroup] = field(default_factory=dict)
     pending: list = field(default_factory=list)  # (work, tensor): kept alive until the send completes
+    posted: dict = field(default_factory=dict)  # Transfer -> (work, buffer) of receives posted, not yet taken
 
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
+    def post(self, t: Transfer) -> None:
+        """Post the receive of `t` into a new (B, T, h) buffer."""
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        work = dist.irecv(buf, src, tag=tag)
-        if not work.wait(self.timeout):
-            raise TimeoutError(f"rank {self.role.rank}: no data from rank {src} within {self.timeout}")
+        self.posted[t] = (dist.irecv(buf, t.channel.src, group=self.channels[t.channel]), buf)
+
+    def receive(self, t: Transfer) -> torch.Tensor:
+        """The tensor of transfer `t` (posted now if it was not). On CUDA the current stream waits for
+        it; on CPU the host, at most `timeout` (raises TimeoutError)."""
+        if t not in self.posted:
+            self.post(t)
+        work, buf = self.posted.pop(t)
+        if self.device.type == "cuda":
+            work.wait()
+        elif not work.wait(self.timeout):
+            raise TimeoutError(f"rank {self.role.rank}: no data from rank {t.channel.src} within {self.timeout}")
         return buf
 
-    def _send(self, t: torch.Tensor, dsts: tuple[int, ...], tag: int) -> None:
+    def send(self, x: torch.Tensor, transfers: Sequence[Transfer]) -> None:
+        """Send `x` (in `dtype`) once per transfer, each on its channel."""
         # Sends that completed free their tensors now, not at the end of the step.
-        self.pending = [(w, x) for w, x in self.pending if not w.is_completed()]
-        t = t.detach().to(self.dtype).contiguous()
-        for d in dsts:
-            self.pending.append((dist.isend(t, d, tag=tag), t))
-
-    def recv_forward(self, boundary: int) -> torch.Tensor:
-        """The activation crossing virtual boundary `boundary` (into this rank's chunk)."""
-        return self._recv(self.role.fwd_recv_from, transfer_tag(boundary, False))
-
-    def send_forward(self, t: torch.Tensor, boundary: int) -> None:
-        self._send(t, self.role.fwd_send_to, transfer_tag(boundary, False))
-
-    def recv_backward(self, boundary: int) -> torch.Tensor:
-        """The gradient crossing virtual boundary `boundary` back (into this rank's chunk)."""
-        return self._recv(self.role.bwd_recv_from, transfer_tag(boundary, True))
-
-    def send_backward(self, t: torch.Tensor, boundary: int) -> None:
-        self._send(t, self.role.bwd_send_to, transfer_tag(boundary, True))
+        self.pending = [(w, y) for w, y in self.pending if not w.is_completed()]
+        if not transfers:
+            return
+        x = x.detach().to(self.dtype).contiguous()
+        for t in transfers:
+            self.pending.append((dist.isend(x, t.channel.dst, group=self.channels[t.channel]), x))
 
     def finish(self) -> None:
-        """Wait for every send posted this step."""
+        """Wait for every send posted this step; every posted receive must have been taken."""
+        assert not self.posted, f"rank {self.role.rank}: receives posted but not taken: {list(self.posted)}"
         for work, _ in self.pending:
             work.wait(self.timeout)
         self.pending.clear()
@@ -117,8 +132,9 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
     `executors[c]` runs chunk c (`role.chunks[c]`, virtual stage u = c·p + i); a forward of virtual
     stage 0 reads `inputs(k)` (micro-batch k's (B, T) token ids), the last virtual stage applies the
     loss to `targets(k)`, every other forward receives its input from virtual stage u - 1 and sends
-    its output to u + 1, and backwards the reverse. A B op runs the whole backward, or only its
-    input-gradient pass when the order has W ops (their weight-gradient passes). Each micro-batch's
+    its output to u + 1, and backwards the reverse (transfers from `messages.rank_program`). A B op
+    runs the whole backward, or only its input-gradient pass when the order has W ops (their
+    weight-gradient passes). Each micro-batch's
     loss is multiplied by `loss_scale` before backward, so gradients accumulate as a weighted sum.
     Ops of micro-batches k >= `role.microbatches` (rounds of a longer order, `schedule` module
     docstring) skip the compute but not the layer hooks. `meter` measures micro-batch 0's kept
@@ -139,9 +155,12 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
             return value * loss_scale
         return apply
 
-    for kind, c, k in order:
+    for step in rank_program(role, order):
+        kind, c, k = step.op
         ex, u = executors[c], c * p + role.stage
         t0 = time.perf_counter()
+        for t in step.post:
+            p2p.post(t)
         if k >= role.microbatches:
             if kind == FWD:
                 ex.skip_forward()
@@ -151,17 +170,15 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
                 ex.skip_weight()
             t1 = t0
         elif kind == FWD:
-            x = inputs(k) if u == 0 else p2p.recv_forward(u - 1)
+            x = inputs(k) if step.recv is None else p2p.receive(step.recv)
             t1 = time.perf_counter()
             out = ex.forward(k, x, loss=loss(k) if u == last else None, meter=meter if k == 0 else None)
-            if u < last:
-                p2p.send_forward(out, u)
+            p2p.send(out, step.sends)
         elif kind == BWD:
-            grad = None if u == last else p2p.recv_backward(u)
+            grad = None if step.recv is None else p2p.receive(step.recv)
             t1 = time.perf_counter()
             grad_in = ex.backward_input(k, grad) if split else ex.backward(k, grad)
-            if u > 0:
-                p2p.send_backward(grad_in, u - 1)
+            p2p.send(grad_in, step.sends)
         else:
             t1 = t0
             ex.backward_weight(k)

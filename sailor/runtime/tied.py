@@ -35,7 +35,7 @@ from sailor.runtime.model import EMBEDDING_WEIGHT, Embedding, Head, tied_head
 from sailor.runtime.tensor_parallel import shard_dim
 from sailor.runtime.topology import RankRole, Topology
 
-TAG = 7100  # p2p tag of tied-gradient transfers (pipeline transfers use 0 .. 2·p·v - 1, `pipeline.transfer_tag`)
+TAG = 7100  # p2p tag of tied-gradient transfers (pipeline transfers go on their own groups, untagged)
 
 
 @dataclass(frozen=True)

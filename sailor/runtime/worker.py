@@ -3,7 +3,8 @@
 Order of construction (fixed; each step is its own function; steps 2-5 are `build_rank`, which reads
 this stage's memory options `mem = role.memory` (`topology.stage_memory`, the runtime's one reader of them), and
 the schedule, `schedule.runtime_schedule(plan)`, the runtime's one reader of it):
-1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups.
+1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups; `create_channel_groups`: one
+   2-rank group per pipeline channel (`messages`).
 2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers: its chunks under
    interleaving) -> `apply_tp` (with `mem.sequence_parallel`) -> `apply_recompute` (`mem.recompute`,
    `mem.recompute_blocks`, counted over the stage's blocks in layer order).
@@ -62,13 +63,13 @@ from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.command import WorkerSettings, parse
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.executor import ActivationMeter, StageExecutor
-from sailor.runtime.groups import create_groups
+from sailor.runtime.groups import create_channel_groups, create_groups, ignore_tags
 from sailor.runtime.metrics import StepLog, check_tensorboard
 from sailor.runtime.model import GPT, initial_value, lm_loss_sum
 from sailor.runtime.optim import OptimConfig
 from sailor.runtime.pipeline import P2P, build_stage, run_pipeline
 from sailor.runtime.recompute import apply_recompute
-from sailor.runtime.schedule import runtime_schedule
+from sailor.runtime.schedule import runtime_schedule, step_rounds
 from sailor.runtime.tensor_parallel import apply_tp, materialize_shards, shard, shard_dim
 from sailor.runtime.tied import tied_for_rank
 from sailor.runtime.topology import RankRole, derive_topology
@@ -158,7 +159,7 @@ class RankModel:
     executors: list[StageExecutor]  # one per chunk of the stage
     order: list[Op]  # this stage's ops per step: the schedule's order over `rounds` micro-batches
     dtype: torch.dtype  # the weights' and activations' compute dtype
-    rounds: int  # micro-batch rounds per step (the largest share under ZeRO-2/3, else this pipeline's)
+    rounds: int  # micro-batch rounds per step (`schedule.step_rounds`)
 
 
 def stage_names(spec: ModelSpec, role: RankRole) -> list[str]:
@@ -196,7 +197,7 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
                        sequence_parallel=mem.sequence_parallel, cfg=OptimConfig(), dtype=dtype, tied=tied)
     if tensors is not None:
         restore_moments(opt, tensors, step, role)
-    rounds = max(p.microbatches for p in plan.pipelines) if mem.zero >= 2 else role.microbatches
+    rounds = step_rounds(plan, role)
     executors = [StageExecutor(stage, opt, first_stage=role.is_first_stage and c == 0, layers=chunk)
                  for c, chunk in enumerate(role.chunks)]
     order = runtime_schedule(plan).order(role.stage, role.num_stages, rounds)
@@ -241,11 +242,14 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    # A bound device makes torch create NCCL communicators eagerly, at new_group (`groups`).
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None)
+    ignore_tags()  # SAILOR_IGNORE_TAGS=1: tag 0 everywhere, as under NCCL
     topo = derive_topology(plan)
     assert topo.world_size == dist.get_world_size(), (topo.world_size, dist.get_world_size())
     role = topo.roles[rank]
     groups = create_groups(topo, timeout)
+    channels = create_channel_groups(topo, timeout, device)  # one group per pipeline channel (`pipeline`)
     if rank == 0:
         emit("started", world_size=topo.world_size)  # process groups are up (the controller times phases)
     tp_group = groups.get(role.tp_group)
@@ -261,7 +265,8 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     if rank == 0:
         emit("loaded", step=start)  # weights and optimizer state in place; step `start` runs next
     opt, cfg = rk.optimizer, rk.optimizer.cfg
-    p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype)
+    p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype,
+              channels=channels)
     corpus = load_corpus(args.data)
     meta = ckpt.run_meta(job, args.seed)
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
