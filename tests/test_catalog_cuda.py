@@ -3,8 +3,15 @@
 import pytest
 
 from sailor.catalog import gpu_names
-from sailor.catalog.cuda import (BUILD_FOR_VOLTA, CAPABILITY, CUDA_NAMES, arch_supported, check_arch,
-                                 gpu_type, unknown_message)
+from sailor.catalog.cuda import (
+    BUILD_FOR_VOLTA,
+    CAPABILITY,
+    CUDA_NAMES,
+    arch_supported,
+    check_arch,
+    gpu_type,
+    unknown_message,
+)
 
 GIB = 2**30
 MIB = 2**20

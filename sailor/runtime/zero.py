@@ -62,7 +62,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw
 
-from sailor.runtime.buckets import Bucket, build_buckets, flatten, held_elements, piece_view, unflatten
+from sailor.runtime.buckets import (
+    Bucket,
+    build_buckets,
+    flatten,
+    held_elements,
+    piece_view,
+    unflatten,
+)
 from sailor.runtime.optim import OptimConfig
 from sailor.runtime.tied import TAG, Tied
 from sailor.runtime.topology import RankRole, Ranks
