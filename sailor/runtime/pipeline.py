@@ -20,7 +20,6 @@ one tag arrive in the order they were sent, which is the micro-batch order of bo
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,6 +30,7 @@ from torch import nn
 
 from sailor.plan.orders import BWD, FWD, Op
 from sailor.runtime.executor import ActivationMeter, StageExecutor
+from sailor.runtime.timing import PhaseClock
 from sailor.runtime.topology import RankRole
 
 
@@ -53,7 +53,8 @@ def transfer_tag(boundary: int, gradient: bool) -> int:
 
 @dataclass
 class StageTimes:
-    """Seconds this rank spent in one step, by phase."""
+    """Seconds this rank spent in one step, by phase: on a GPU the device's time between the phase's
+    points of the compute stream (CUDA events, `runtime.timing.PhaseClock`), on the CPU the host's."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -125,7 +126,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
     activations. Returns the unscaled loss sum over this pipeline's tokens (0 except on the stage
     holding the head) and the time spent per phase (W passes count as backward).
     """
-    times = StageTimes()
+    clock = PhaseClock(p2p.device)  # CUDA events on a GPU (`runtime.timing`), read once at the end
     loss_sum = 0.0
     p = role.num_stages
     last = p * len(executors) - 1
@@ -141,7 +142,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
 
     for kind, c, k in order:
         ex, u = executors[c], c * p + role.stage
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         if k >= role.microbatches:
             if kind == FWD:
                 ex.skip_forward()
@@ -152,23 +153,20 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
             t1 = t0
         elif kind == FWD:
             x = inputs(k) if u == 0 else p2p.recv_forward(u - 1)
-            t1 = time.perf_counter()
+            t1 = clock.mark()
             out = ex.forward(k, x, loss=loss(k) if u == last else None, meter=meter if k == 0 else None)
             if u < last:
                 p2p.send_forward(out, u)
         elif kind == BWD:
             grad = None if u == last else p2p.recv_backward(u)
-            t1 = time.perf_counter()
+            t1 = clock.mark()
             grad_in = ex.backward_input(k, grad) if split else ex.backward(k, grad)
             if u > 0:
                 p2p.send_backward(grad_in, u - 1)
         else:
             t1 = t0
             ex.backward_weight(k)
-        times.wait_s += t1 - t0
-        if kind == FWD:
-            times.forward_s += time.perf_counter() - t1
-        else:
-            times.backward_s += time.perf_counter() - t1
+        clock.add("wait_s", t0, t1)
+        clock.add("forward_s" if kind == FWD else "backward_s", t1, clock.mark())
     p2p.finish()
-    return loss_sum, times
+    return loss_sum, StageTimes(**clock.totals())
