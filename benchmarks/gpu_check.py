@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ class MemorySampler:
                 self.samples.append((self._steps(), int(float(r.stdout.split()[0])) * 2**20))
             self._stop.wait(self.period_s)
 
-    def __enter__(self) -> MemorySampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -177,9 +177,11 @@ def profile(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         res["error"] = (r.stderr.strip().splitlines() or [""])[-1]
         return res
     data = json.loads(out_file.read_text())
-    res["optimizer_s_per_param"] = data.get("optimizer_s_per_param")
-    res["layers"] = [{k: row[k] for k in ("layer", "mbs", "forward_s", "backward_s") if k in row}
-                     for row in data.get("layers", [])][:6]
+    res["optimizer"] = data.get("optimizer")
+    # per micro-batch size: seconds of the embedding, one block and the head (first, second, last layer)
+    res["layers"] = [{"mbs": row["mbs"], "forward_s": [row["forward_s"][i] for i in (0, 1, -1)],
+                      "backward_s": [row["backward_s"][i] for i in (0, 1, -1)]} for row in data.get("layers", [])]
+    res["peak_bytes"] = [m.get("peak_bytes") for m in data.get("memory", [])]
     return res
 
 
