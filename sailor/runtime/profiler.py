@@ -27,9 +27,14 @@ micro-batch size b:
 - activation bytes kept for backward per sample and layer (a saved-tensors hook sums the distinct
   tensors autograd keeps, parameters excluded), and the peak bytes allocated (CUDA) or the peak
   resident set of the process (CPU);
-- the optimizer step: the runtime's AdamW (`build_optimizer`) plus gradient-norm clipping and
-  zeroing over all layers' parameters at TP t = 1 (or the smallest t profiled), stored as seconds per
-  parameter.
+- the optimizer step as a training step runs it: `ShardedAdamW`'s norm clipping and AdamW update
+  over the rank's TP shard of one block (`_optimizer_s_per_param`), at the first TP degree profiled,
+  stored as seconds per parameter.
+
+On CUDA the program is the runtime's: weights and activations in the compute dtype (bf16 for a bf16
+job; no autocast), every span timed with CUDA events (`runtime.timing.Stopwatch`) after the ranks
+met in a barrier, statistics all-reduced as tensors on the group's device (NCCL reduces CUDA tensors
+only), and each rank's device chosen and checked by `runtime.device.rank_device`.
 
 Load: on CPU every profiling process uses `threads` intra-op threads (default 1), as torchrun gives
 each rank of a multi-process `sailor train` run (it sets OMP_NUM_THREADS=1), and `concurrency`
