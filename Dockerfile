@@ -7,8 +7,13 @@
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
-# The torch of the `train` extra (pyproject.toml); on Linux x86-64 the wheel on PyPI is its CUDA build.
+# The torch of the `train` extra (pyproject.toml), from PyTorch's CUDA 12.6 index by default: that
+# build still carries Volta (sm_70) kernels, so one image runs every GPU type of the catalog (V100 to
+# H200; README "GPU"). PyPI's default wheel is built with CUDA 13, which dropped Volta and needs
+# driver >= 580; for Turing and newer only, `--build-arg TORCH_INDEX=https://pypi.org/simple` gives it.
+# The wheel brings its own CUDA libraries; the host needs an NVIDIA driver that runs CUDA 12.6.
 ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu126
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
@@ -19,7 +24,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/sailor \
-    && pip install "torch==${TORCH_VERSION}"
+    && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 # Sailor itself as a wheel (not an editable checkout); `python3` on PATH is this venv's, which is
 # what the generated launch commands call (--python python3).

@@ -139,18 +139,21 @@ def _expected_held_bytes(plan: Plan, stage: int, tp: int) -> dict[str, int]:
     spec, mem = JobSpec(**JOB).model, plan.stage_memory(stage)
     tps = [p.replicas[stage].tp for p in plan.pipelines]
     blocks, pipes, holders = math.lcm(*tps), len(tps), sum(tps)
-    held = own = 0
+    held = own = padded = 0  # padded: the ZeRO-1 gradient buffers, each bucket padded to its holders
     for layer in range(*plan.stages[stage]):
         whole, half = spec.params(layer, 1), spec.params(layer, 2)
         sharded, replicated = 2 * (whole - half), whole - 2 * (whole - half)  # TP-split / replicated counts
         held += sharded // tp + replicated
         if blocks == 1:
             own += math.ceil(whole / holders)
+            padded += math.ceil(whole / holders) * holders
         else:
             own += blocks // tp * math.ceil(sharded // blocks / pipes) + math.ceil(replicated / holders)
+            padded += (blocks // tp * math.ceil(sharded // blocks / pipes) * pipes
+                       + math.ceil(replicated / holders) * holders)
     own = own if mem.zero else held
-    return {"params": 4 * (own if mem.zero == 3 else held), "grads": 4 * (own if mem.zero >= 2 else held),
-            "optimizer": 8 * own}
+    grads = {0: held, 1: padded}.get(mem.zero, own)
+    return {"params": 4 * (own if mem.zero == 3 else held), "grads": 4 * grads, "optimizer": 8 * own}
 
 
 def _check_memory(result, plan_path: str, world: int) -> None:

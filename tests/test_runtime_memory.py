@@ -181,6 +181,8 @@ def _held_bytes_rank(rank: int, store: str, out: str) -> None:
                                        loss_scale=1.0 / (8 * TINY.seq))
             held = rk.optimizer.held_bytes()
             rk.optimizer.reduce()
+            after = rk.optimizer.held_bytes()  # the reduction made no second copy of the gradients
+            assert after == held, (zero, dtype, held, after)
             rk.optimizer.clip(1.0)
             rk.optimizer.step()
             total = torch.tensor([loss_sum], dtype=torch.float64)
@@ -217,10 +219,11 @@ def test_held_bytes_follow_the_zero_and_mixed_precision_rules(tmp_path):
     P = sum(per_layer)
     own = sum(math.ceil(n / 2) for n in per_layer)  # elements of each rank's shards (ZeRO >= 1)
     # (params, grads, optimizer) bytes: fp32 weights are the master; bf16 keeps an fp32 master and
-    # fp32 gradients (main_grad): 18 bytes/param, or 6 + 12/d (Megatron-LM distributed optimizer).
-    want = {("torch.float32", 0): (4 * P, 4 * P, 8 * P), ("torch.float32", 1): (4 * P, 4 * P, 8 * own),
+    # fp32 gradients (the buffers): 18 bytes/param, or 6 + 12/d (Megatron-LM distributed optimizer).
+    # ZeRO-1's gradient buffers are padded to 2 shards (2 * own elements).
+    want = {("torch.float32", 0): (4 * P, 4 * P, 8 * P), ("torch.float32", 1): (4 * P, 8 * own, 8 * own),
             ("torch.float32", 2): (4 * P, 4 * own, 8 * own), ("torch.float32", 3): (4 * own, 4 * own, 8 * own),
-            ("torch.bfloat16", 0): (2 * P, 4 * P, 12 * P), ("torch.bfloat16", 1): (2 * P, 4 * P, 12 * own),
+            ("torch.bfloat16", 0): (2 * P, 4 * P, 12 * P), ("torch.bfloat16", 1): (2 * P, 8 * own, 12 * own),
             ("torch.bfloat16", 2): (2 * P, 4 * own, 12 * own), ("torch.bfloat16", 3): (0, 4 * own, 12 * own)}
     for rank_rows in rows:
         for r in rank_rows:

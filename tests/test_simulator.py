@@ -135,7 +135,7 @@ def test_traffic_pairs_add_up_to_the_estimate():
 
 def test_memory_by_hand():
     est = simulate(_plan(), _ctx())
-    framework = 1610612736  # A100-40 catalog default; no calibration
+    framework = 1073741824  # A100-40 catalog default; no calibration
     m0, m1 = est.replicas[0].memory, est.replicas[1].memory
     # stage 0 of the m = 3 pipeline holds min(P - 0, m) = 2 micro-batches of (1000 + 2000 + 2000) B,
     # plus the gradient receive buffer (one 16384 B activation); fp32 Adam 4 + 4 + 8 B per param
@@ -145,7 +145,10 @@ def test_memory_by_hand():
     assert m0.reserve == 0.0 and m0.framework == framework
     # the gradient all-reduce's flat copy of the stage's gradient: 4 B per parameter
     assert m0.sync_buffer == pytest.approx(4 * 120448)
-    assert est.replicas[0].peak_memory_bytes == pytest.approx(10000 + 16384 + 20 * 120448 + framework)
+    # NCCL buffers (plan.comms: 4 MiB x 2 x 2 channels x peers): the world of 4 ranks (2 peers, 32 MiB),
+    # the stage's sync group of 2 (16 MiB), the activation out and gradient in to stage 1 (16 MiB each)
+    assert m0.nccl == 80 * 2**20
+    assert est.replicas[0].peak_memory_bytes == pytest.approx(10000 + 16384 + 20 * 120448 + framework + m0.nccl)
     # stage 1 holds 1 micro-batch (7000 B), its received input (16384 B), and the fp32 logits gradient
     # 1 x 64 x 256 x 4 = 65536 B
     assert m1.activations == pytest.approx(7000)

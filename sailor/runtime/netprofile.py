@@ -19,7 +19,6 @@ processes. The all-reduce sweep and its fit are kept under `allreduce`
 from __future__ import annotations
 
 import datetime as _dt
-import time
 from typing import Any
 
 import numpy as np
@@ -55,27 +54,23 @@ def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
+    from sailor.runtime.device import rank_device, synchronize
     from sailor.runtime.profiler import init_rank, rank_message
+    from sailor.runtime.timing import Stopwatch
 
     cuda = o["device"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = rank_device("cuda", rank) if cuda else torch.device("cpu")  # arch check, current device
     init_rank(rank, world, port, "nccl" if cuda else "gloo", o["timeout_s"])
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
+    watch = Stopwatch(device)  # CUDA events on the compute stream, which waits for NCCL's
 
     def timed(fn) -> float:
         out = []
         for r in range(o["warmup"] + o["repeats"]):
             dist.barrier()
-            sync()
-            t0 = time.perf_counter()
+            synchronize(device)
+            watch.start()
             fn()
-            sync()
-            out.append(time.perf_counter() - t0)
+            out.append(watch.stop())
         return float(np.median(out[o["warmup"]:]))
 
     result: dict[str, Any] = {"p2p": {}, "allreduce": []}
@@ -96,10 +91,11 @@ def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
                     dist.recv(buf, peer)
                     dist.send(buf, peer)
 
-            t = torch.tensor([timed(ping_pong) / 2 if active else 0.0], dtype=torch.float64)
+            # statistics on the group's device: NCCL reduces CUDA tensors only
+            t = torch.tensor([timed(ping_pong) / 2 if active else 0.0], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest of the concurrent flows
             result["p2p"].setdefault(str(flows), []).append(t.item())
-        t = torch.tensor([timed(lambda: dist.all_reduce(buf))], dtype=torch.float64)
+        t = torch.tensor([timed(lambda: dist.all_reduce(buf))], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         result["allreduce"].append(t.item())
         if rank == 0:

@@ -37,7 +37,6 @@ Transfers follow NCCL's rules (checked on CPU by `comm_check`, over the tests' p
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -49,6 +48,7 @@ from torch import nn
 from sailor.plan.orders import BWD, FWD, Op
 from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.messages import Channel, Transfer, rank_program
+from sailor.runtime.timing import PhaseClock
 from sailor.runtime.topology import RankRole
 
 
@@ -65,7 +65,8 @@ def build_stage(model: nn.Module, chunks: Sequence[tuple[int, int]]) -> nn.Modul
 
 @dataclass
 class StageTimes:
-    """Seconds this rank spent in one step, by phase."""
+    """Seconds this rank spent in one step, by phase: on a GPU the device's time between the phase's
+    points of the compute stream (CUDA events, `runtime.timing.PhaseClock`), on the CPU the host's."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -141,7 +142,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
     activations. Returns the unscaled loss sum over this pipeline's tokens (0 except on the stage
     holding the head) and the time spent per phase (W passes count as backward).
     """
-    times = StageTimes()
+    clock = PhaseClock(p2p.device)  # CUDA events on a GPU (`runtime.timing`), read once at the end
     loss_sum = 0.0
     p = role.num_stages
     last = p * len(executors) - 1
@@ -158,7 +159,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
     for step in rank_program(role, order):
         kind, c, k = step.op
         ex, u = executors[c], c * p + role.stage
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         for t in step.post:
             p2p.post(t)
         if k >= role.microbatches:
@@ -171,21 +172,18 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
             t1 = t0
         elif kind == FWD:
             x = inputs(k) if step.recv is None else p2p.receive(step.recv)
-            t1 = time.perf_counter()
+            t1 = clock.mark()
             out = ex.forward(k, x, loss=loss(k) if u == last else None, meter=meter if k == 0 else None)
             p2p.send(out, step.sends)
         elif kind == BWD:
             grad = None if step.recv is None else p2p.receive(step.recv)
-            t1 = time.perf_counter()
+            t1 = clock.mark()
             grad_in = ex.backward_input(k, grad) if split else ex.backward(k, grad)
             p2p.send(grad_in, step.sends)
         else:
             t1 = t0
             ex.backward_weight(k)
-        times.wait_s += t1 - t0
-        if kind == FWD:
-            times.forward_s += time.perf_counter() - t1
-        else:
-            times.backward_s += time.perf_counter() - t1
+        clock.add("wait_s", t0, t1)
+        clock.add("forward_s" if kind == FWD else "backward_s", t1, clock.mark())
     p2p.finish()
-    return loss_sum, times
+    return loss_sum, StageTimes(**clock.totals())

@@ -27,9 +27,14 @@ micro-batch size b:
 - activation bytes kept for backward per sample and layer (a saved-tensors hook sums the distinct
   tensors autograd keeps, parameters excluded), and the peak bytes allocated (CUDA) or the peak
   resident set of the process (CPU);
-- the optimizer step: the runtime's AdamW (`build_optimizer`) plus gradient-norm clipping and
-  zeroing over all layers' parameters at TP t = 1 (or the smallest t profiled), stored as seconds per
-  parameter.
+- the optimizer step as a training step runs it: `ShardedAdamW`'s norm clipping and AdamW update
+  over the rank's TP shard of one block (`_optimizer_s_per_param`), at the first TP degree profiled,
+  stored as seconds per parameter.
+
+On CUDA the program is the runtime's: weights and activations in the compute dtype (bf16 for a bf16
+job; no autocast), every span timed with CUDA events (`runtime.timing.Stopwatch`) after the ranks
+met in a barrier, statistics all-reduced as tensors on the group's device (NCCL reduces CUDA tensors
+only), and each rank's device chosen and checked by `runtime.device.rank_device`.
 
 Load: on CPU every profiling process uses `threads` intra-op threads (default 1), as torchrun gives
 each rank of a multi-process `sailor train` run (it sets OMP_NUM_THREADS=1), and `concurrency`
@@ -72,14 +77,6 @@ from sailor.specs.job import JobSpec
 
 Device = Literal["cpu", "cuda"]
 
-# CUDA device names (torch.cuda.get_device_name) -> catalog GPU type. A100s come in 40 and 80 GB;
-# their names differ only in the memory suffix on some drivers, so those are told apart by memory.
-_CUDA_NAMES = (("H200", "H200-141"), ("GH200", "GH200-96"), ("H100", "H100-80"), ("V100", "V100-16"),
-               ("L4", "L4"), ("T4", "T4"), ("RTX 3090", "RTX-3090"), ("RTX 2080", "RTX-2080"),
-               ("TITAN RTX", "Titan-RTX"))
-_A100_80_MIN_BYTES = 60 * 2**30  # between the 40 GB and 80 GB A100 models
-
-
 @dataclass(frozen=True, kw_only=True)
 class ProfileOptions:
     """What `profile_job` measures."""
@@ -87,7 +84,7 @@ class ProfileOptions:
     job: JobSpec
     """Model, sequence length and precision the layers are timed at."""
     device: Device = "cpu"
-    """cpu (gloo, fp32) or cuda (NCCL; autocast to the job's bf16/fp16, as the runtime trains)."""
+    """cpu (gloo, fp32) or cuda (NCCL; weights in the job's compute dtype, as the runtime trains)."""
     tps: tuple[int, ...] = (1,)
     """TP degrees; degree t runs t processes."""
     mbs: tuple[int, ...] = (1, 2, 4, 8)
@@ -106,24 +103,11 @@ class ProfileOptions:
 
 
 def device_gpu_type(device: Device, index: int = 0) -> str:
-    """Catalog GPU type of this machine's `device`: "cpu", or the CUDA device's catalog name.
+    """Catalog GPU type of this machine's `device` (`runtime.device.device_gpu_type`: the exact
+    driver name and memory band of `sailor.catalog.cuda`)."""
+    from sailor.runtime.device import device_gpu_type as exact
 
-    Raises SailorInputError when CUDA is asked for and absent, or its device is not in the catalog.
-    """
-    if device == "cpu":
-        return "cpu"
-    import torch
-    if not torch.cuda.is_available():
-        raise SailorInputError("no CUDA device on this machine", field="--device", fix="use --device cpu")
-    name = torch.cuda.get_device_name(index)
-    if "A100" in name:
-        mem = torch.cuda.get_device_properties(index).total_memory
-        return "A100-80" if mem >= _A100_80_MIN_BYTES else "A100-40"
-    for key, gpu in _CUDA_NAMES:
-        if key.lower() in name.lower():
-            return gpu
-    raise SailorInputError(f"CUDA device {name!r} is not in the GPU catalog", field="--device",
-                           fix="add it to sailor/catalog/gpus.yaml")
+    return exact(device, index)
 
 
 def device_description(device: Device) -> str:
@@ -293,17 +277,17 @@ def profile_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     job = JobSpec.model_validate(o["job"])
+    from sailor.runtime.device import rank_device
+
     cuda = o["device"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:
+    device = rank_device("cuda", rank) if cuda else torch.device("cpu")  # arch check, current device
+    if not cuda:
         torch.set_num_threads(o["threads"])
     init_rank(rank, world, port, "nccl" if cuda else "gloo", o["timeout_s"])
     tp = o["tp"]
     # TP groups of consecutive ranks; every rank must take part in creating every group.
     groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(world // tp)]
-    result = _measure(job, o, rank, tp, groups[rank // tp], world,
-                      torch.device("cuda", rank) if cuda else torch.device("cpu"))
+    result = _measure(job, o, rank, tp, groups[rank // tp], world, device)
     if rank == 0:
         Path(o["out"]).write_text(json.dumps(result))
     dist.barrier()  # every rank is past its last collective before any exits
@@ -326,7 +310,22 @@ def _build_layer(job: JobSpec, index: int, tp_rank: int, tp: int, group, device,
     apply_tp(stage, tp_rank=tp_rank, tp=tp, group=group)
     materialize(stage, lambda n, s: init_param(n, s, seed=0, num_blocks=spec.num_blocks),
                 tp_rank=tp_rank, tp=tp, device=device)
+    dtype = profile_dtype(job.precision, device)
+    with torch.no_grad():
+        for p in stage.parameters():  # the runtime's weights are in the compute dtype (`ShardedAdamW`)
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
     return stage
+
+
+def profile_dtype(precision: str, device) -> Any:
+    """The weights' and activations' dtype a profile runs in: the runtime's compute dtype, fp32 on
+    the CPU and the job's half precision on CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
 def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, device) -> dict[str, Any]:
@@ -336,9 +335,12 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
     from sailor.runtime.model import lm_loss_sum
 
     spec, seq = job.model, job.seq
+    from sailor.runtime.timing import Stopwatch
+
     cuda = device.type == "cuda"
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.precision)  # as the runtime trains
-    autocast = (lambda: torch.autocast("cuda", dtype=half)) if cuda and half else _nullcontext
+    dtype = profile_dtype(job.precision, device)  # weights and activations, as the runtime trains
+    autocast = _nullcontext  # no autocast: the runtime casts its weights instead
+    watch = Stopwatch(device)  # CUDA events on a GPU (`runtime.timing`)
     # kind -> (first layer, end): one layer of each kind.
     kinds = {"embedding": (0, 1), "block": (1, 2), "head": (spec.num_layers - 1, spec.num_layers)}
     gen = torch.Generator(device="cpu").manual_seed(1234)
@@ -358,7 +360,7 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
         layer = _build_layer(job, index, rank % tp, tp, group, device, end)
         for mbs in o["mbs"]:
             tok = torch.randint(0, spec.vocab_size, (mbs, seq), generator=gen).to(device)
-            act = torch.randn(mbs, seq, spec.hidden_size, generator=gen).to(device)
+            act = torch.randn(mbs, seq, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
 
             def forward(layer=layer, tok=tok, act=act, mbs=mbs, kind=kind, inputs=None):  # bound now, not at call time
                 if kind == "embedding":
@@ -376,31 +378,28 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
             for r in range(o["warmup"] + o["repeats"]):
                 layer.zero_grad(set_to_none=True)
                 sync()
-                t0 = time.perf_counter()
+                watch.start()
                 with autocast():
                     y = forward()
-                if cuda:
-                    torch.cuda.synchronize(device)
-                t1 = time.perf_counter()
+                forward_s = watch.stop()
                 grad = None if y.dim() == 0 else torch.ones_like(y)
                 sync()
-                t2 = time.perf_counter()
+                watch.start()
                 torch.autograd.backward(y, grad)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                t3 = time.perf_counter()
+                backward_s = watch.stop()
                 # the split passes in the same repeat, so both see the same machine (its load drifts)
-                split = _time_backward_split(layer, forward, params, sync, finish)
+                split = _time_backward_split(layer, forward, params, sync, watch)
                 if r >= o["warmup"]:
-                    res.forward_s.append(t1 - t0)
-                    res.backward_s.append(t3 - t2)
+                    res.forward_s.append(forward_s)
+                    res.backward_s.append(backward_s)
                     split_rows.append(split)
-            # The slowest rank's pass is the replica's (the others wait for it in its all-reduces).
-            both = torch.tensor([res.forward_s, res.backward_s], dtype=torch.float64)
+            # The slowest rank's pass is the replica's (the others wait for it in its all-reduces);
+            # collectives on the group's device (NCCL takes CUDA tensors only).
+            both = torch.tensor([res.forward_s, res.backward_s], dtype=torch.float64, device=device)
             if world > 1:
                 dist.all_reduce(both, op=dist.ReduceOp.MAX)
             out["times"][f"{kind}/{mbs}"] = both.tolist()
-            split = torch.tensor(split_rows, dtype=torch.float64).T
+            split = torch.tensor(split_rows, dtype=torch.float64, device=device).T.contiguous()
             if world > 1:
                 dist.all_reduce(split, op=dist.ReduceOp.MAX)
             out["split"][f"{kind}/{mbs}"] = split.tolist()  # [input-gradient passes, weight-gradient passes]
@@ -414,7 +413,7 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
         model = _build_layer(job, 0, rank % tp, tp, group, device, spec.num_layers)
         for mbs in o["mbs"]:
             runs = torch.tensor(_time_pipeline(model, job, o, rank, tp, world, mbs, device, autocast, sync),
-                                dtype=torch.float64)  # (repeats, 3): forward, backward, rest per micro-batch
+                                dtype=torch.float64, device=device)  # (repeats, 3): forward, backward, rest per micro-batch
             if world > 1:
                 dist.all_reduce(runs, op=dist.ReduceOp.MAX)
             out["times"][f"model/{mbs}"] = runs[:, :2].T.tolist()
@@ -422,8 +421,8 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
             if rank == 0:
                 rank_message({"tick": 1})
         del model
-    per_param = torch.tensor([_optimizer_s_per_param(job, rank % tp, tp, group, device, o["repeats"], sync)],
-                             dtype=torch.float64)
+    per_param = torch.tensor([_optimizer_s_per_param(job, o, rank, tp, world, group, device, sync)],
+                             dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(per_param, op=dist.ReduceOp.MAX)
     out["optimizer_s_per_param"] = per_param.item()
@@ -435,10 +434,10 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
 
 
 def _time_backward_split(layer, forward: Callable[..., Any], params: list, sync: Callable[[], None],
-                         finish: Callable[[], None]) -> list[float]:
+                         watch) -> list[float]:
     """[input_gradient_s, weight_gradient_s] of one backward of `layer` (weights `params`), each
-    pass timed alone, every rank starting it together (`sync`) and its own time ending when its
-    device is done (`finish`), as the forward and backward are: `stage_backward_input` (gradient
+    pass timed alone, every rank starting it together (`sync`) and timed on its device by `watch`
+    (`runtime.timing.Stopwatch`), as the forward and backward are: `stage_backward_input` (gradient
     w.r.t. the layer's input; the graph and the gradients flowing into the weights' operations are
     kept) then `stage_backward_weight` (the weights' gradients from those), as a zero-bubble schedule
     runs them. `forward(inputs=list)` runs the layer's forward (loss included for the head) and
@@ -452,19 +451,17 @@ def _time_backward_split(layer, forward: Callable[..., Any], params: list, sync:
     y = forward(inputs=inputs)
     grads = None if y.dim() == 0 else [torch.ones_like(y)]
     sync()
-    t0 = time.perf_counter()
+    watch.start()
     if inputs:
         _, groups = stage_backward_input([y], grads, inputs, iter(params))
-    finish()
-    input_s = time.perf_counter() - t0 if inputs else 0.0
+    input_s = watch.stop() if inputs else 0.0
     sync()
-    t1 = time.perf_counter()
+    watch.start()
     if inputs:
         stage_backward_weight(iter(params), groups)
     else:
         torch.autograd.backward(y, None if grads is None else grads[0])
-    finish()
-    return [input_s, time.perf_counter() - t1]
+    return [input_s, watch.stop()]
 
 
 RUNTIME_MICROBATCHES = 8
@@ -558,31 +555,48 @@ def _saved_bytes(layer, run_forward: Callable[[], Any]) -> float:
     return float(sum(seen.values()))
 
 
-def _optimizer_s_per_param(job: JobSpec, tp_rank: int, tp: int, group, device, repeats: int, sync) -> float:
-    """Seconds per parameter of the runtime's update (norm clipping, AdamW, zeroing) over all layers
-    of the model at this TP degree, the whole model's parameters in one optimizer as one stage's."""
+def _optimizer_s_per_param(job: JobSpec, o: dict, rank: int, tp: int, world: int, group, device, sync) -> float:
+    """Seconds per parameter of the runtime's update as a training step runs it: `ShardedAdamW`'s
+    global-norm clipping and AdamW step (ZeRO-0, the compute dtype's master and gradient buffers) over
+    this rank's TP shard of one block, the layer kind that holds nearly all parameters; the update is
+    elementwise, so its time scales with the parameters a rank owns. Only one block is built: timing
+    the whole model on one device would not fit a large model's states (issue #32)."""
     import torch
 
-    from sailor.runtime.optim import OptimConfig, build_optimizer
+    from sailor.plan.spec import Pipeline, Plan, Replica
+    from sailor.runtime.optim import OptimConfig
+    from sailor.runtime.timing import Stopwatch
+    from sailor.runtime.topology import derive_topology
+    from sailor.runtime.zero import ShardedAdamW
 
-    params: dict[str, torch.nn.Parameter] = {}
-    for i in range(job.model.num_layers):
-        params.update(_build_layer(job, i, tp_rank, tp, group, device).named_parameters())
+    spec = job.model
+    layer = _build_layer(job, 1, rank % tp, tp, group, device)
+    dtype = profile_dtype(job.precision, device)
+    with torch.no_grad():  # ShardedAdamW takes fp32 weights and casts them itself
+        for p in layer.parameters():
+            p.data = p.data.float()
+    params = dict(layer.named_parameters())
+    pipe = Pipeline(microbatches=1, replicas=(Replica(stage=0, gpu=o["gpu"], zone="profile", tp=tp),))
+    plan = Plan(micro_batch_size=1, stages=((0, spec.num_layers),), pipelines=(pipe,) * (world // tp))
+    role = derive_topology(plan).roles[rank]
     cfg = OptimConfig()
-    opt = build_optimizer(params, cfg)
+    # ZeRO-0 on its own: no collective in the step but the norm's all-reduce over the world (a
+    # scalar), as in a training step; `groups` is not used by clip and step.
+    opt = ShardedAdamW(params, role, {}, zero=0, sequence_parallel=False, cfg=cfg, dtype=dtype)
+    gen = torch.Generator(device="cpu").manual_seed(99)
+    watch = Stopwatch(device)
     times = []
-    for r in range(2 + repeats):
-        for p in params.values():
-            p.grad = torch.randn_like(p) * 1e-3
+    for r in range(2 + o["repeats"]):
+        for i, b in enumerate(opt.buckets):
+            opt.grad[i] = (torch.randn(b.shard_numel, generator=gen) * 1e-3).to(device)
         sync()
-        t0 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm, foreach=False)
+        watch.start()
+        opt.clip(cfg.max_grad_norm)
         opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         if r >= 2:
-            times.append(time.perf_counter() - t0)
+            times.append(watch.stop())
+        else:
+            watch.stop()
     n = sum(p.numel() for p in params.values())
     return statistics.median(times) / n
 

@@ -62,6 +62,7 @@ from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.command import WorkerSettings, parse
 from sailor.runtime.data import batch_tokens, load_corpus
+from sailor.runtime.device import rank_device
 from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.groups import create_channel_groups, create_groups, ignore_tags
 from sailor.runtime.metrics import StepLog, check_tensorboard
@@ -239,9 +240,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     rank = int(os.environ.get("RANK", "0"))
     timeout = timedelta(seconds=args.timeout_s)
     cuda = args.device == "cuda"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = rank_device(args.device)  # LOCAL_RANK's GPU, refused when this torch has no kernels for it
     # A bound device makes torch create NCCL communicators eagerly, at new_group (`groups`).
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None)
     ignore_tags()  # SAILOR_IGNORE_TAGS=1: tag 0 everywhere, as under NCCL

@@ -26,8 +26,14 @@ group meet in a collective for every micro-batch, so every pipeline runs the 1F1
 largest share, doing only the collectives (with zero gradients) in the rounds it has no micro-batch
 for (`pipeline.run_pipeline`).
 
+Gradient buffers (ZeRO-0/1): each bucket has one fp32 buffer, padded to its shards, that every
+layer's backward adds its gradients into and frees them (`_accumulate`; at most one layer's gradients
+exist outside the buffers); `reduce` weights and all-reduces (ZeRO-0) or reduce-scatters (ZeRO-1)
+the buffer in place, as Megatron-LM's contiguous gradient buffer (`main_grad`) is, so no second full
+copy of the gradients is ever made (one made per bucket would add 4 bytes/param at the reduction).
+
 Mixed precision (CUDA only; on CPU `dtype` is fp32): the model runs in bf16, gradients accumulate in
-fp32 (Megatron's `main_grad`), and the fp32 master weights and fp32 Adam moments are kept per owned
+the fp32 buffers, and the fp32 master weights and fp32 Adam moments are kept per owned
 range. Bytes per parameter as Megatron-LM counts them (NVIDIA/Megatron-LM,
 docs/api-guide/dist_optimizer.md: bf16 parameters with fp32 gradients 18 without and 6 + 12/d with the
 distributed optimizer; fp32 16 and 8 + 8/d): here bf16 ZeRO-0 2 + 4 + 4 + 8 = 18; ZeRO-1 2 + 4 + 12/d;
@@ -56,7 +62,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw
 
-from sailor.runtime.buckets import Bucket, build_buckets, flatten, held_elements, unflatten
+from sailor.runtime.buckets import (
+    Bucket,
+    build_buckets,
+    flatten,
+    held_elements,
+    piece_view,
+    unflatten,
+)
 from sailor.runtime.optim import OptimConfig
 from sailor.runtime.tied import TAG, Tied
 from sailor.runtime.topology import RankRole, Ranks
@@ -110,12 +123,15 @@ class ShardedAdamW:
                        if self._keeps_master else None for b in self.buckets]
         self.exp_avg = [torch.zeros(b.shard_numel, dtype=FP32, device=self.device) for b in self.buckets]
         self.exp_avg_sq = [torch.zeros(b.shard_numel, dtype=FP32, device=self.device) for b in self.buckets]
-        # Owned gradient: accumulated over the step's micro-batches under ZeRO-2/3, made by `reduce`
-        # otherwise (and dropped after the step).
+        # Owned gradient: accumulated over the step's micro-batches under ZeRO-2/3; under ZeRO-0/1 a
+        # view of the bucket's gradient buffer that `reduce` reduced in place (None between steps).
         self.grad: list[torch.Tensor | None] = [
             torch.zeros(b.shard_numel, dtype=FP32, device=self.device) if zero >= 2 else None for b in self.buckets]
-        self.main_grad = ({n: torch.zeros_like(p, dtype=FP32) for n, p in self.params.items()}
-                          if dtype != FP32 and zero < 2 else None)
+        # ZeRO-0/1: the fp32 gradient buffer of each bucket (padded to its shards), which every layer's
+        # backward adds its gradients into (Megatron-LM's contiguous grad buffer); the only full copy.
+        self.grad_buffer: list[torch.Tensor] | None = (
+            [torch.zeros(b.shards * b.shard_numel, dtype=FP32, device=self.device) for b in self.buckets]
+            if zero < 2 else None)
         with torch.no_grad():
             for p in self.params.values():
                 if p.dtype != dtype:
@@ -145,12 +161,8 @@ class ShardedAdamW:
         """The layer's backward of one micro-batch is done (or skipped: its gradients are None)."""
         if self.zero >= 2:
             self._reduce_scatter(layer)
-        elif self.main_grad is not None:
-            for n in self.layer_params[layer]:
-                p = self.params[n]
-                if p.grad is not None:
-                    self.main_grad[n].add_(p.grad)
-                    p.grad = None
+        else:
+            self._accumulate(layer)
         if self.zero == 3:
             self._free(layer)
 
@@ -159,16 +171,9 @@ class ShardedAdamW:
         """After the last backward of the step: sum the gradients over each bucket's group (ZeRO-0:
         all-reduce, ZeRO-1: reduce-scatter; ZeRO-2/3 did it per micro-batch), then add the tied
         copies' twins (collective with the other copy's holders)."""
-        if self.zero < 2:
-            grads = self.main_grad if self.main_grad is not None else {n: p.grad for n, p in self.params.items()}
+        if self.grad_buffer is not None:
             for i, b in enumerate(self.buckets):
-                flat = flatten(b, grads, weighted=True, dtype=FP32, device=self.device, padded=True)
-                self.grad[i] = self._reduce(b, flat)
-            for p in self.params.values():
-                p.grad = None
-            if self.main_grad is not None:
-                for g in self.main_grad.values():
-                    g.zero_()
+                self.grad[i] = self._reduce_in_place(b, self.grad_buffer[i])
         self._add_twins()
 
     def clip(self, max_norm: float) -> float:
@@ -202,10 +207,11 @@ class ShardedAdamW:
                       maximize=False)
             if self.zero < 3:
                 unflatten(b, self._all_gather(b, master.to(self.dtype)), self.params)
-            if self.zero >= 2:
-                self.grad[i].zero_()
-            else:
+            if self.grad_buffer is not None:
+                self.grad_buffer[i].zero_()
                 self.grad[i] = None
+            else:
+                self.grad[i].zero_()
         self.steps += 1
 
     # ---- checkpoints -----------------------------------------------------------------------------
@@ -246,8 +252,8 @@ class ShardedAdamW:
         master = sum(size(m) for m in self.master)
         weights_master = self.zero == 3 and self.dtype == FP32
         return {"params": sum(size(p) for p in self.params.values()) + (master if weights_master else 0),
-                "grads": (sum(size(p.grad) for p in self.params.values()) + sum(size(g) for g in self.grad)
-                          + sum(size(g) for g in (self.main_grad or {}).values())),
+                "grads": (sum(size(p.grad) for p in self.params.values()) + sum(size(g) for g in self.grad_buffer or ())
+                          + (0 if self.grad_buffer is not None else sum(size(g) for g in self.grad))),
                 "optimizer": sum(size(m) + size(v) for m, v in zip(self.exp_avg, self.exp_avg_sq))
                 + (0 if weights_master else master)}
 
@@ -333,6 +339,37 @@ class ShardedAdamW:
     def _free(self, layer: int) -> None:
         for n in self.layer_params[layer]:
             self.params[n].untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def _accumulate(self, layer: int) -> None:
+        """ZeRO-0/1: add the layer's gradients of this micro-batch (unweighted) into its buckets'
+        gradient buffers and free them; at most one layer's gradients exist outside the buffers."""
+        for i in self.layer_buckets[layer]:
+            b, flat, offset = self.buckets[i], self.grad_buffer[i], 0
+            for piece in b.pieces:
+                g = self.params[piece.name].grad
+                if g is not None:
+                    flat[offset:offset + piece.numel].view(piece_view(g, piece).shape).add_(piece_view(g, piece))
+                offset += piece.numel
+        for n in self.layer_params[layer]:
+            self.params[n].grad = None
+
+    @torch.no_grad()
+    def _reduce_in_place(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """Weight bucket `b`'s gradient buffer `flat` per piece (module docstring: gradient sum),
+        then SUM it over the members: ZeRO-0 all-reduces the buffer in place and returns it; ZeRO-1
+        reduce-scatters it and writes the own shard back into its place in the buffer (a transient of
+        one shard), returning that view. No copy of the buffer is made."""
+        offset = 0
+        for piece in b.pieces:
+            if piece.weight != 1.0:
+                flat[offset:offset + piece.numel].mul_(piece.weight)
+            offset += piece.numel
+        if b.shards == 1:
+            return self._reduce(b, flat)
+        own = self._own(b, flat)
+        own.copy_(self._reduce(b, flat))
+        return own
 
     def _reduce_scatter(self, layer: int) -> None:
         """Add the layer's summed gradients of this micro-batch to the owned accumulators."""

@@ -44,6 +44,7 @@ from typing import Any
 
 from sailor import catalog
 from sailor.core.units import HOUR_S
+from sailor.plan.comms import replica_nccl_bytes
 from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator.collectives import group_members
 from sailor.simulator.context import SimContext, embedding_params, head_vocab_params, make_context, tied_embeddings
@@ -211,6 +212,14 @@ class Estimate:
 
 
 # ---- the simulation -------------------------------------------------------------------------------
+def _with_nccl(ctx: SimContext, mem: MemoryBreakdown, plan: Plan, pipeline: int, stage: int,
+               gpu: str) -> MemoryBreakdown:
+    """A copy of a replica's memory with the NCCL buffers of the communicators its ranks open in
+    this plan (`plan.comms`: exact where `replica_memory` assumed equal TP degrees everywhere)."""
+    nccl = 0.0 if ctx.framework_calibrated(gpu) else replica_nccl_bytes(plan, pipeline, stage)
+    return dataclasses.replace(mem, nccl=nccl)
+
+
 def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     """Simulate one iteration of `plan`.
 
@@ -264,7 +273,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
                 pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(chunks[0][0], chunks[-1][1]),
                 chunks=chunks, forward_s=fwd[i], backward_s=bwd[i], p2p_s=sends[i], sync_s=0.0,
                 optimizer_s=sum(optimizer_s(ctx, slots[j][i], a, e, o) for (a, e), o in zip(chunks, options[i])),
-                memory=dataclasses.replace(ctx.memo[mkey]), memory_capacity_bytes=ctx.memory_capacity(r.gpu),
+                memory=_with_nccl(ctx, ctx.memo[mkey], plan, j, i, r.gpu), memory_capacity_bytes=ctx.memory_capacity(r.gpu),
                 recompute_s=sum(st.recompute_s for st in parts), tp_comm_s=sum(st.tp_comm_s for st in parts),
                 gather_s=sum(st.gather_s for st in parts)))
 

@@ -175,6 +175,10 @@ class SimContext:
         """Memory per GPU beyond tensors (bytes): calibrated, else the catalog default."""
         return gpu_constant(self.calibration, gpu, "framework_bytes", catalog.gpu(gpu).framework_bytes)
 
+    def framework_calibrated(self, gpu: str) -> bool:
+        """Whether `framework_bytes(gpu)` was measured (it then holds the NCCL buffers too)."""
+        return "framework_bytes" in self.calibration.get(gpu, {})
+
     def allreduce_efficiency(self, members: list[Member]) -> float:
         """Fraction of the p2p link bandwidth a gradient all-reduce reaches among `members`
         (calibrated per GPU type, 1 by default; the lowest member's value; see calibration.py)."""

@@ -20,7 +20,11 @@
           + gradient sync buffer                              (a flat copy of the gradients the sync
                                                                reduces at once)
           + allocator reserve                                 (reserve_fraction x the transient tensors)
-          + framework                                         (CUDA context, kernels, NCCL; per GPU type)
+          + framework                                         (CUDA context and kernels; per GPU type)
+          + NCCL buffers                                      (per communicator the rank opens,
+                                                               `plan.comms`; not for a calibrated
+                                                               GPU type, whose measured framework
+                                                               figure holds them)
 
 `replica_memory` is the one place the simulator turns a stage's memory options (`plan.spec.StageMemory`,
 read from the plan by `terms.stage_memory`) into memory; the schedule comes in as a `PipelineSchedule` (`schedules.pipeline_schedule`), and the
@@ -35,9 +39,10 @@ of a stage is not in those per-layer increases (the previous layer's output is, 
 previous stage), hence its own term. The head's backward materialises the gradient of the
 vocab-parallel logits, (mbs, seq, V/t) in fp32, while all of the micro-batch's activations are still
 held. The gradient sync flattens the gradients it reduces into one new buffer (`sync_buffer_bytes`):
-DeepSpeed's `allreduce_bucket` the whole stage's at once (up to 5e8 elements), Sailor's runtime one
-layer's bucket at a time (`runtime.buckets`), so counting the stage's (all of its chunks') is exact
-for the first and conservative for the second; under ZeRO-2/3 no full gradient outlives a layer's
+DeepSpeed's `allreduce_bucket` the whole stage's at once (up to 5e8 elements), which the `sailor`
+framework's published runs used, so the stage's (all of its chunks') is counted; Sailor's own runtime
+reduces its per-bucket gradient buffers in place under ZeRO-0/1 (`runtime.zero`), with only one
+layer's freshly computed gradients outside them, so the count is conservative for it; under ZeRO-2/3 no full gradient outlives a layer's
 backward, so one layer's; Megatron-LM (`Framework.MEGATRON`) reduces its contiguous gradient buffer
 in place. It is allocated after the activations were freed, but the caching allocator keeps their
 blocks reserved and cannot carve one gradient-sized block out of them, so `nvidia-smi` sees both
@@ -61,6 +66,7 @@ from typing import TYPE_CHECKING
 
 from sailor.model.spec import Framework, Recompute
 from sailor.perf.calibration import gpu_constant
+from sailor.plan.comms import uniform_nccl_bytes
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, StageMemory, split_recompute_blocks
 from sailor.simulator.context import stage_blocks
 from sailor.simulator.schedules import ONE_F_ONE_B, InFlight, PipelineSchedule
@@ -83,16 +89,18 @@ class MemoryBreakdown:
     reserve: float
     framework: float
     sync_buffer: float = 0.0
+    nccl: float = 0.0  # NCCL communicators' buffers, outside the caching allocator (`plan.comms`)
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.buffers
-                + self.reserve + self.framework + self.sync_buffer)
+                + self.reserve + self.framework + self.sync_buffer + self.nccl)
 
     @property
     def persistent(self) -> float:
-        """Bytes the caching allocator's reserve does not scale: states, sync buffer (framework aside)."""
-        return self.weights + self.gradients + self.optimizer + self.sync_buffer
+        """Bytes the caching allocator's reserve does not scale: states, sync buffer, NCCL buffers
+        (framework aside)."""
+        return self.weights + self.gradients + self.optimizer + self.sync_buffer + self.nccl
 
     @property
     def transient(self) -> float:
@@ -173,7 +181,9 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Seque
     return MemoryBreakdown(
         weights=state["weights"], gradients=state["gradients"], optimizer=state["optimizer"],
         activations=activations, buffers=buffers, reserve=reserve, framework=ctx.framework_bytes(gpu),
-        sync_buffer=sync_buffer_bytes(ctx, tp, chunks, memory.zero))
+        sync_buffer=sync_buffer_bytes(ctx, tp, chunks, memory.zero),
+        nccl=0.0 if ctx.framework_calibrated(gpu) else uniform_nccl_bytes(
+            tp, stage, num_stages, replicas, interleaved=schedule.virtual_stages > 1))
 
 
 def sync_buffer_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, int]], zero: int = 0) -> float:

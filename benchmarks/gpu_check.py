@@ -1,0 +1,241 @@
+"""First contact with a GPU (issue #32, item 11): one short check on one CUDA device, <= 10 minutes.
+
+    python benchmarks/gpu_check.py [--model opt-350m] [--seq 512] [--mbs 2] [--microbatches 4]
+                                   [--steps 8] [--out DIR]
+
+What it does, in order, each part on its own (a failing part is recorded and the next one runs):
+1. identity: the device's name, memory and compute capability, its catalog type
+   (`sailor.catalog.cuda`) and whether the installed torch has kernels for it;
+2. attention: which scaled-dot-product-attention kernel torch picks for the model's attention shape
+   in the compute dtype (flash, memory-efficient, cuDNN or math), read from the CUDA kernels a
+   profiled forward and backward launch;
+3. profile: `sailor profile --device cuda --tp 1` at two micro-batch sizes (layer times, optimizer
+   seconds per parameter);
+4. training: `sailor train --device cuda` of a one-GPU plan for `--steps` steps, in bf16 (when the
+   device has bf16, capability >= 8.0) and in fp16; the memory `nvidia-smi` reports is sampled every
+   0.1 s, split into start-up (before the first step is logged) and steady state (after), and set
+   against `sailor simulate`'s prediction of the same plan; the per-stage forward/backward/wait
+   seconds (CUDA events) and step times are kept. A precision the runtime refuses (fp16 before loss
+   scaling exists) is recorded with the runtime's one line, as what is missing.
+
+It ends with one JSON line holding everything. Without a CUDA device it prints "needs a CUDA device"
+and exits 2. Nothing here has run on a GPU yet (README "GPU").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Self
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def identity() -> dict[str, Any]:
+    import torch
+
+    from sailor.catalog.cuda import check_arch
+    from sailor.runtime.device import cuda_identity
+
+    ident = cuda_identity(0)
+    return {"name": ident.name, "total_memory_bytes": ident.total_memory, "capability": list(ident.capability),
+            "catalog_type": ident.gpu, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "arch_list": torch.cuda.get_arch_list(),
+            "arch_problem": check_arch(ident.capability, list(torch.cuda.get_arch_list()), ident.name)}
+
+
+def attention_kernel(model: str, seq: int, mbs: int, dtype_name: str) -> dict[str, Any]:
+    """The SDPA kernels a causal attention forward + backward of the model's shape launches."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from sailor.model.registry import get_model
+
+    spec = get_model(model)
+    dtype = getattr(torch, dtype_name)
+    h, d = spec.num_heads, spec.hidden_size // spec.num_heads
+    q, k, v = (torch.randn(mbs, h, seq, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        torch.cuda.synchronize()
+    names = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+    kinds = [kind for kind, keys in (("flash", ("flash",)), ("memory-efficient", ("fmha", "efficient", "cutlass")),
+                                     ("cudnn", ("cudnn",))) if any(x in n.lower() for n in names for x in keys)]
+    return {"dtype": dtype_name, "shape": [mbs, h, seq, d], "kernel": kinds[0] if kinds else "math",
+            "cuda_kernels": [n for n in names if any(x in n.lower() for x in ("attention", "fmha", "flash", "cudnn"))][:8]}
+
+
+class MemorySampler:
+    """nvidia-smi's memory.used of GPU 0 every `period_s`, tagged with the steps logged so far."""
+
+    def __init__(self, metrics: Path, period_s: float = 0.1) -> None:
+        self.metrics, self.period_s = metrics, period_s
+        self.samples: list[tuple[int, int]] = []  # (steps logged, bytes)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _steps(self) -> int:
+        try:
+            return sum(1 for line in self.metrics.read_text().splitlines() if '"step"' in line)
+        except OSError:
+            return 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                               capture_output=True, text=True, check=False)
+            if r.returncode == 0 and r.stdout.strip():
+                self.samples.append((self._steps(), int(float(r.stdout.split()[0])) * 2**20))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peaks(self) -> dict[str, int | None]:
+        start = [b for s, b in self.samples if s == 0]
+        steady = [b for s, b in self.samples if s >= 1]
+        return {"startup_peak_bytes": max(start, default=None), "steady_peak_bytes": max(steady, default=None),
+                "samples": len(self.samples)}
+
+
+def sailor(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sailor", *args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=ROOT, check=False)
+
+
+def one_gpu_plan(gpu: str, job: dict[str, Any], mbs: int, microbatches: int) -> dict[str, Any]:
+    from sailor.model.registry import get_model
+
+    layers = get_model(job["model"]).num_layers
+    return {"micro_batch_size": mbs, "stages": [[0, layers]], "job": job,
+            "pipelines": [{"microbatches": microbatches,
+                           "replicas": [{"stage": 0, "gpu": gpu, "zone": "us-central1-a", "tp": 1}]}]}
+
+
+def train(gpu: str, precision: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """One `sailor train` run of the one-GPU plan; memory sampled; prediction from `sailor simulate`."""
+    import sailor as api
+
+    job = {"model": args.model, "global_batch_size": args.mbs * args.microbatches, "sequence_length": args.seq,
+           "precision": precision}
+    plan_path, metrics = folder / f"plan-{precision}.json", folder / f"metrics-{precision}.jsonl"
+    plan_path.write_text(json.dumps(one_gpu_plan(gpu, job, args.mbs, args.microbatches)))
+    out: dict[str, Any] = {"precision": precision}
+    try:
+        est = api.simulate(str(plan_path))
+        mem = est.replicas[0].memory
+        out["predicted_bytes"] = mem.total
+        out["predicted"] = mem.to_dict()
+        # The model's sync buffer is DeepSpeed's flat gradient copy (simulator.memory); this runtime
+        # reduces its ZeRO-0/1 gradient buffers in place, so the figure without it is shown too.
+        out["predicted_without_sync_buffer_bytes"] = mem.total - mem.sync_buffer
+    except Exception as e:  # noqa: BLE001 - recorded, the run still goes ahead
+        out["predict_error"] = f"{type(e).__name__}: {e}"
+    with MemorySampler(metrics) as sampler:
+        t0 = time.perf_counter()
+        r = sailor("train", str(plan_path), "--device", "cuda", "--steps", str(args.steps), "--metrics", str(metrics),
+                   timeout_s=240)
+        out["wall_s"] = time.perf_counter() - t0
+    out["exit"] = r.returncode
+    if r.returncode != 0:
+        out["missing" if r.returncode == 2 else "error"] = (r.stderr.strip().splitlines() or [""])[-1]
+        return out
+    out.update(sampler.peaks())
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [x for x in rows if "step" in x and "stages" in x]
+    if steps:
+        last = steps[-1]
+        out.update(loss_first=steps[0]["loss"], loss_last=last["loss"], step_time_s=last["step_time_s"],
+                   tokens_per_s=last["tokens_per_s"], stage_times_s=last["stages"])
+    if out.get("steady_peak_bytes") and out.get("predicted_bytes"):
+        out["steady_over_predicted"] = out["steady_peak_bytes"] / out["predicted_bytes"]
+        out["steady_over_predicted_without_sync_buffer"] = (out["steady_peak_bytes"]
+                                                            / out["predicted_without_sync_buffer_bytes"])
+    return out
+
+
+def profile(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    from sailor.runtime.profiler import device_description
+
+    job = folder / "job.json"
+    job.write_text(json.dumps({"model": args.model, "global_batch_size": 8, "sequence_length": args.seq,
+                               "precision": "bf16" if args.bf16 else "fp32"}))
+    out_file = folder / "profile.json"
+    t0 = time.perf_counter()
+    r = sailor("profile", "--job", str(job), "--device", "cuda", "--tp", "1", "--mbs", f"1,{args.mbs}", "--warmup", "2",
+               "--repeats", "5", "--out", str(out_file), timeout_s=240)
+    res: dict[str, Any] = {"exit": r.returncode, "wall_s": time.perf_counter() - t0, "device": device_description("cuda")}
+    if r.returncode != 0:
+        res["error"] = (r.stderr.strip().splitlines() or [""])[-1]
+        return res
+    data = json.loads(out_file.read_text())
+    res["optimizer"] = data.get("optimizer")
+    # per micro-batch size: seconds of the embedding, one block and the head (first, second, last layer)
+    res["layers"] = [{"mbs": row["mbs"], "forward_s": [row["forward_s"][i] for i in (0, 1, -1)],
+                      "backward_s": [row["backward_s"][i] for i in (0, 1, -1)]} for row in data.get("layers", [])]
+    res["peak_bytes"] = [m.get("peak_bytes") for m in data.get("memory", [])]
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="opt-350m")
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: needs a CUDA device", file=sys.stderr)
+        return 2
+    folder = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="sailor-gpu-check-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"check": "gpu_check", "model": args.model, "seq": args.seq, "mbs": args.mbs,
+                              "microbatches": args.microbatches, "steps": args.steps}
+    t0 = time.perf_counter()
+
+    def part(name: str, fn, *a) -> Any:
+        try:
+            result[name] = fn(*a)
+        except Exception as e:  # noqa: BLE001 - one part failing must not hide the others
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"gpu_check: {name} done at {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        return result[name]
+
+    ident = part("identity", identity)
+    cc = tuple(ident.get("capability", (0, 0)))
+    args.bf16 = cc >= (8, 0)
+    gpu = ident.get("catalog_type")
+    part("attention", attention_kernel, args.model, args.seq, args.mbs, "bfloat16" if args.bf16 else "float16")
+    if gpu is None or ident.get("arch_problem"):
+        result["skipped"] = "profile and training: the device is not a catalog type or torch cannot run it"
+    else:
+        part("profile", profile, args, folder)
+        runs = []
+        for precision in (["bf16"] if args.bf16 else []) + ["fp16"]:
+            runs.append(part(f"train_{precision}", train, gpu, precision, args, folder))
+        result["train"] = [r.get("precision") for r in runs]
+    result["wall_s"] = time.perf_counter() - t0
+    (folder / "gpu_check.json").write_text(json.dumps(result))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""NCCL communicators each rank of a plan opens, and the device memory their buffers take.
+
+Communicators of the rank at TP rank r of stage i in pipeline j (TP degree t; `runtime.topology` and
+`runtime.groups` make them; a group of one rank opens none, equal member sets are one group):
+- the world: 1 (the step's statistics all-reduce and the global gradient norm);
+- its TP group: 1 when t > 1;
+- gradient sync: the stage group (every rank holding stage i, for replicated parameters) when it has
+  two or more members, plus its block groups (one rank per pipeline holding the same block of the
+  stage's finest sharding L = lcm of the stage's TP degrees; the rank holds L / t blocks) when the
+  plan has two or more pipelines and they differ from the stage group;
+- pipeline point-to-point: one 2-rank communicator per channel (source, destination, kind), kind
+  being the activation or its gradient, so that every transfer stream progresses on its own
+  (NCCL matches by order per communicator and ignores tags). Towards each neighbour stage (TP degree
+  u) a rank receives from one rank (TP rank r mod u) and sends to the ranks whose TP rank k has
+  k mod t = r: activations forward, gradients backward (`runtime.topology`); interleaved schedules
+  wrap round from the last stage to the first.
+
+Memory per communicator (NCCL user guide, "Environment Variables": NCCL_BUFFSIZE, default 4 MiB,
+"the size of the buffer used by NCCL when communicating data between pairs of GPUs"; one buffer per
+connection and direction, and a connection per channel and peer, NCCL_MIN_NCHANNELS /
+NCCL_MAX_NCHANNELS):
+
+    bytes = NCCL_BUFFSIZE x 2 (send and receive) x channels x peers,   peers = min(2, n - 1)
+
+with n the communicator's ranks (a ring's two neighbours, one for two ranks) and channels =
+`CHANNELS` = 2, the fewest NCCL runs a ring with; NVLink machines open more (up to 32 on H100), so the
+figure is a floor: 32 MiB for a collective communicator, 16 MiB for a 2-rank one. The catalog's
+`framework_bytes` (CUDA context and kernels) leaves these buffers out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sailor.plan.spec import Plan
+
+NCCL_BUFFSIZE = 4 * 2**20  # bytes; NCCL's default (module docstring)
+CHANNELS = 2
+
+
+@dataclass(frozen=True)
+class Communicators:
+    """Communicator member counts of one rank, by purpose (each entry: one communicator's ranks)."""
+
+    world: tuple[int, ...]
+    tp: tuple[int, ...]
+    sync: tuple[int, ...]
+    p2p: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.world) + len(self.tp) + len(self.sync) + len(self.p2p)
+
+    @property
+    def bytes(self) -> float:
+        """NCCL buffer bytes of all of them (module docstring)."""
+        return float(sum(communicator_bytes(n) for n in (*self.world, *self.tp, *self.sync, *self.p2p)))
+
+
+def communicator_bytes(n: int) -> int:
+    """NCCL buffer bytes of one communicator of `n` ranks (module docstring); 0 for one rank."""
+    return NCCL_BUFFSIZE * 2 * CHANNELS * min(2, n - 1) if n > 1 else 0
+
+
+def rank_communicators(plan: Plan, pipeline: int, stage: int, tp_rank: int) -> Communicators:
+    """The communicators of the rank at (`pipeline`, `stage`, `tp_rank`) of `plan` (module docstring)."""
+    pipes = plan.pipelines
+    tps = [p.replicas[stage].tp for p in pipes]
+    t, world = tps[pipeline], plan.world_size
+    finest = math.lcm(*tps)
+    stage_members = sum(tps)
+    sync: list[int] = [stage_members] if stage_members > 1 else []
+    if len(pipes) > 1 and not (finest == 1 and len(pipes) == stage_members):
+        sync += [len(pipes)] * (finest // t)  # one block group per block held, one rank per pipeline
+    p2p = 0
+    P, wrap = plan.num_stages, plan.virtual_stages > 1
+    for side, exists in ((-1, stage > 0), (1, stage < P - 1)):
+        if exists or (wrap and P > 1):
+            u = pipes[pipeline].replicas[(stage + side) % P].tp
+            # in: one rank (activation from the previous stage, gradient from the next); out: the
+            # ranks of TP rank k with k mod t == r (`runtime.topology`)
+            p2p += 1 + sum(1 for k in range(u) if k % t == tp_rank)
+    return Communicators(world=(world,) if world > 1 else (), tp=(t,) if t > 1 else (), sync=tuple(sync),
+                         p2p=(2,) * p2p)
+
+
+def replica_nccl_bytes(plan: Plan, pipeline: int, stage: int) -> float:
+    """The most NCCL buffer bytes any rank of replica (`pipeline`, `stage`) holds."""
+    tp = plan.pipelines[pipeline].replicas[stage].tp
+    return max(rank_communicators(plan, pipeline, stage, r).bytes for r in range(tp))
+
+
+def uniform_nccl_bytes(tp: int, stage: int, num_stages: int, replicas: int, interleaved: bool = False) -> float:
+    """NCCL buffer bytes of a rank of a plan whose `replicas` pipelines all run stage `stage` (of
+    `num_stages`) at TP `tp` (what the planner knows before it has a plan; equal to
+    `replica_nccl_bytes` for such a plan)."""
+    world = tp * num_stages * replicas
+    n = [world] if world > 1 else []
+    n += [tp] if tp > 1 else []
+    n += [tp * replicas] if tp * replicas > 1 else []
+    n += [replicas] if replicas > 1 and tp > 1 else []
+    wrap = interleaved and num_stages > 1
+    n += [2] * (2 * (stage > 0 or wrap) + 2 * (stage < num_stages - 1 or wrap))
+    return float(sum(communicator_bytes(k) for k in n))

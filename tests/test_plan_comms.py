@@ -1,0 +1,75 @@
+"""NCCL communicators per rank and their buffer memory (`sailor.plan.comms`), by hand."""
+
+import pytest
+
+from sailor.plan.comms import (
+    CHANNELS,
+    NCCL_BUFFSIZE,
+    communicator_bytes,
+    rank_communicators,
+    replica_nccl_bytes,
+    uniform_nccl_bytes,
+)
+from sailor.plan.spec import Plan
+
+MIB = 2**20
+
+
+def _rep(stage, tp, gpu="A100-40"):
+    return {"stage": stage, "gpu": gpu, "zone": "us-central1-a", "tp": tp}
+
+
+# The README's plan: an A100 pipeline at TP 4 / 4 and a V100 pipeline at TP 4 / 2, 14 ranks.
+MIXED = Plan.model_validate({"micro_batch_size": 4, "stages": [[0, 7], [7, 26]], "pipelines": [
+    {"microbatches": 160, "replicas": [_rep(0, 4), _rep(1, 4)]},
+    {"microbatches": 96, "replicas": [_rep(0, 4, "V100-16"), _rep(1, 2, "V100-16")]}]})
+
+
+def test_buffer_bytes_per_communicator():
+    assert (NCCL_BUFFSIZE, CHANNELS) == (4 * MIB, 2)
+    assert communicator_bytes(1) == 0
+    assert communicator_bytes(2) == 16 * MIB  # 4 MiB x send/recv x 2 channels x 1 peer
+    assert communicator_bytes(8) == 32 * MIB  # a ring: 2 peers
+
+
+def test_mixed_tp_plan_by_hand():
+    # V100 stage 1, TP rank 0 (TP 2): world 14, TP 2, stage group 4 + 2 = 6, L = lcm(4, 2) = 4 so
+    # 4 / 2 = 2 block groups of one rank per pipeline; from stage 0 (TP 4) it receives activations
+    # from rank 0 and sends gradients to TP ranks 0 and 2 (k mod 2 = 0): 3 channels.
+    c = rank_communicators(MIXED, 1, 1, 0)
+    assert (c.world, c.tp, c.sync, c.p2p) == ((14,), (2,), (6, 2, 2), (2, 2, 2))
+    assert c.count == 8 and c.bytes == (32 + 16 + 32 + 16 + 16 + 3 * 16) * MIB
+    # V100 stage 0, TP rank 2 (TP 4): stage 1 has TP 2, so it sends no activation (2 mod 4 is no
+    # TP rank there) and receives gradients from TP rank 2 mod 2 = 0: 1 channel.
+    c = rank_communicators(MIXED, 1, 0, 2)
+    assert (c.world, c.tp, c.sync, c.p2p) == ((14,), (4,), (8, 2), (2,))
+    assert replica_nccl_bytes(MIXED, 1, 0) == (32 + 32 + 32 + 16 + 2 * 16) * MIB  # TP ranks 0, 1: 2 channels
+
+
+def test_uniform_plan_equals_the_planners_bound():
+    for v, tp, pipes in ((1, 1, 1), (1, 2, 3), (2, 4, 2), (1, 1, 4)):
+        stages = [[0, 2], [2, 4], [4, 6], [6, 8]] if v == 2 else [[0, 3], [3, 6]]
+        plan = Plan.model_validate({
+            "micro_batch_size": 1, "stages": stages,
+            **({"schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2}} if v == 2 else {}),
+            "pipelines": [{"microbatches": 4, "replicas": [_rep(0, tp), _rep(1, tp)]}] * pipes})
+        for i in range(2):
+            assert replica_nccl_bytes(plan, 0, i) == uniform_nccl_bytes(tp, i, 2, pipes, interleaved=v > 1), (v, tp, pipes)
+
+
+def test_interleaving_wraps_round():
+    plan = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 2], [2, 4], [4, 6], [6, 8]],
+                                "schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2},
+                                "pipelines": [{"microbatches": 4, "replicas": [_rep(0, 1), _rep(1, 1)]}]})
+    # stage 0 both receives from and sends to stage 1, each way activation and gradient: 4 channels
+    assert rank_communicators(plan, 0, 0, 0).p2p == (2, 2, 2, 2)
+    single = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 8]],
+                                  "pipelines": [{"microbatches": 4, "replicas": [_rep(0, 1)]}]})
+    assert rank_communicators(single, 0, 0, 0).count == 0 and replica_nccl_bytes(single, 0, 0) == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_count_is_within_the_issue_range_for_a_dp_tp_pp_rank(tp):
+    plan = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 2], [2, 4], [4, 6]], "pipelines": [
+        {"microbatches": 4, "replicas": [_rep(0, tp), _rep(1, tp), _rep(2, tp)]}] * 2})
+    assert 4 <= rank_communicators(plan, 0, 1, 0).count <= 9
