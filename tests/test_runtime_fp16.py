@@ -182,8 +182,9 @@ def test_head_under_tp_keeps_only_its_vocabulary_shard(tp):
 
 
 # ---- fp16 training against the fp32 reference ------------------------------------------------------
-def _one_stage_plan(job: JobSpec, mbs: int = 2) -> Plan:
+def _one_stage_plan(job: JobSpec, mbs: int = 2, zero: int = 0) -> Plan:
     return Plan.model_validate({"micro_batch_size": mbs, "stages": [[0, job.model.num_layers]],
+                                "memory": [{"zero": zero}],
                                 "pipelines": [{"microbatches": job.global_batch_size // mbs,
                                                "replicas": [{"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}]}]})
 
@@ -216,6 +217,30 @@ def test_fp16_with_loss_scaling_equals_the_fp32_reference(job):
     print(f"{job.model.name}: fp16 losses {got} / fp32 {ref}: max relative gap {gap:.2e}")
     assert gap < FP16_RTOL
     assert ref[-1] < ref[0] and got[-1] < got[0]  # both learn
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_a_skipped_step_leaves_no_trace(zero):
+    # A: an overflowing step (scale 2^40) then a clean one; B: only the clean one, on the same
+    # batch, from the same start. Skipping must leave nothing behind (no gradient accumulator
+    # residue under ZeRO-2/3, no moment, no Adam step), so the weights end bit-identical.
+    plan = _one_stage_plan(TINY, zero=zero)
+    role = derive_topology(plan).roles[0]
+    cpu = torch.device("cpu")
+    corpus = load_corpus()
+    batch = [torch.from_numpy(batch_tokens(corpus, seed=0, step=i, first=0, count=8, seq=TINY.seq)) for i in (0, 1)]
+    ends = []
+    for scales in ([2.0 ** 40, 2.0 ** 12], [2.0 ** 12]):
+        rk = build_rank(plan, TINY, role, {}, device=cpu, seed=0, dtype=torch.float16)
+        p2p = P2P(role, shape=(2, TINY.seq, 64), device=cpu, timeout=timedelta(seconds=10), dtype=torch.float16)
+        skipped = []
+        for i, scale in enumerate(scales):
+            scaler = LossScaler(scale=scale)
+            tok = batch[i + 2 - len(scales)]
+            skipped.append(train_step(rk, role, p2p, tok, mbs=2, loss_scale=1.0 / (8 * TINY.seq), scaler=scaler).skipped)
+        assert skipped == [True, False][2 - len(scales):] and rk.optimizer.steps == 1
+        ends.append(torch.cat([m.clone() for m in rk.optimizer.master]))
+    assert torch.equal(ends[0], ends[1])
 
 
 def test_without_loss_scaling_fp16_flushes_small_gradients_to_zero():

@@ -490,8 +490,8 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
 
     from sailor.plan.spec import DEFAULT_SCHEDULE, Pipeline, Plan, Replica
     from sailor.runtime.executor import NoHooks, StageExecutor
-    from sailor.runtime.tensor_parallel import head_loss
     from sailor.runtime.pipeline import P2P, run_pipeline
+    from sailor.runtime.tensor_parallel import head_loss
     from sailor.runtime.topology import derive_topology
 
     spec, seq, m = job.model, job.seq, RUNTIME_MICROBATCHES
