@@ -82,6 +82,15 @@ def test_overflow_halves_the_scale_and_clean_steps_grow_it():
     assert low.scale == 1.0  # never below min_scale
 
 
+def test_scaler_state_round_trips_as_json():
+    s = LossScaler(scale=2.0 ** 17, growth_interval=3)
+    s.update(True)
+    s.update(False)
+    state = json.loads(json.dumps(s.state_dict()))  # as the manifest keeps it
+    back = LossScaler(**state)
+    assert (back.scale, back.clean_steps, back.skipped) == (2.0 ** 16, 1, 1)
+
+
 @pytest.mark.parametrize("kw", [{"scale": 0.0}, {"growth": 1.0}, {"backoff": 1.0}, {"growth_interval": 0},
                                 {"scale": 0.5, "min_scale": 1.0}])
 def test_bad_scaler_settings_are_refused(kw):

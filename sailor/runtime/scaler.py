@@ -59,6 +59,13 @@ class LossScaler:
             self.clean_steps = 0
 
 
+    def state_dict(self) -> dict[str, float | int]:
+        """What a checkpoint keeps (the worker writes it into the manifest as "loss_scaler"), so a
+        resumed run goes on at the scale it reached: `LossScaler(**state)` rebuilds it with the
+        default settings."""
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped}
+
+
 def overflowed(grad_norm: float) -> bool:
     """True when the world's gradient norm (of scaled gradients, `ShardedAdamW.clip`) is inf or NaN:
     some rank holds a non-finite gradient element."""

@@ -306,7 +306,9 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     if rank == 0:
         emit("loaded", step=start)  # weights and optimizer state in place; step `start` runs next
     opt = rk.optimizer
-    scaler = LossScaler() if rk.dtype == torch.float16 else None
+    # fp16: the loss scale goes on from the checkpoint's (its manifest's "loss_scaler"), if it has one.
+    resumed = manifest.get("loss_scaler") if args.resume_from else None
+    scaler = LossScaler(**(resumed or {})) if rk.dtype == torch.float16 else None
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype)
     corpus = load_corpus(args.data)
     meta = ckpt.run_meta(job, args.seed)
@@ -351,6 +353,8 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         res = train_step(rk, role, p2p, tok, mbs=mbs, loss_scale=1.0 / (gbs * seq), scaler=scaler, meter=meter,
                          after_backward=backward_done)
         times = res.times
+        if scaler is not None:
+            meta["loss_scaler"] = scaler.state_dict()  # into the manifests of later checkpoints
         t2 = time.perf_counter()
         # One MAX all-reduce per step carries: the stop request, each stage's timings (MAX over its
         # ranks), and each pipeline's loss sum in its own slot (only its last stage's TP rank 0 writes
