@@ -309,7 +309,8 @@ def _shard_sums(logits: torch.Tensor, local: torch.Tensor, m: torch.Tensor) -> t
     (0 elsewhere)."""
     both = torch.zeros(2, logits.shape[0], dtype=torch.float32, device=logits.device)
     if logits.shape[1]:
-        both[0] = torch.exp(logits.float() - m.unsqueeze(1)).sum(dim=-1)
+        # one fp32 temporary of the shard's size (a copy even when the logits are fp32: they are saved)
+        both[0] = logits.to(torch.float32, copy=True).sub_(m.unsqueeze(1)).exp_().sum(dim=-1)
         picked = logits.gather(1, local.clamp(min=0).unsqueeze(1)).squeeze(1).float()
         both[1] = torch.where(local >= 0, picked, 0.0)
     return both
@@ -317,7 +318,7 @@ def _shard_sums(logits: torch.Tensor, local: torch.Tensor, m: torch.Tensor) -> t
 
 def _shard_grad(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """d (Σ loss) / d logits of the shard, (N, w) fp32: softmax − onehot(target)."""
-    p = torch.exp(logits.float() - lse.unsqueeze(1))
+    p = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(1)).exp_()
     rows = torch.nonzero(local >= 0).squeeze(1)
     p[rows, local[rows]] -= 1.0
     return p
@@ -353,7 +354,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, lse, local = ctx.saved_tensors
-        return (_shard_grad(logits, lse, local) * grad).to(logits.dtype), None, None, None
+        return _shard_grad(logits, lse, local).mul_(grad).to(logits.dtype), None, None, None
 
 
 def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, *, start: int, group) -> torch.Tensor:
