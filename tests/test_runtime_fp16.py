@@ -276,21 +276,25 @@ def test_without_loss_scaling_fp16_flushes_small_gradients_to_zero():
 
 
 # ---- an actual 2-rank run: skipped steps agree on every rank -----------------------------------------
-TWO_STAGES = {"micro_batch_size": 2, "stages": [[0, 3], [3, 6]],
-              "pipelines": [{"microbatches": 4, "replicas": [{"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1},
-                                                              {"stage": 1, "gpu": "cpu", "zone": "local", "tp": 1}]}]}
-INJECT_AT = 6  # the step at which rank 0 (the first stage, which holds no loss) finds an inf gradient
+_CPU = {"gpu": "cpu", "zone": "local"}
+TWO_RANK_PLANS = {  # pipeline parallel (rank 1 holds the loss), tensor parallel (vocab-parallel loss in fp16)
+    "pp2": {"micro_batch_size": 2, "stages": [[0, 3], [3, 6]],
+            "pipelines": [{"microbatches": 4, "replicas": [{"stage": 0, "tp": 1, **_CPU}, {"stage": 1, "tp": 1, **_CPU}]}]},
+    "tp2": {"micro_batch_size": 2, "stages": [[0, 6]],
+            "pipelines": [{"microbatches": 4, "replicas": [{"stage": 0, "tp": 2, **_CPU}]}]},
+}
+INJECT_AT = 6  # the step at which rank 0 (alone) finds an inf gradient
 START_SCALE = 2.0 ** 20  # overflows the tiny model's fp16 gradients (Megatron-LM's 2^32 does for 15 steps)
 
 
-def _fp16_rank(rank: int, store: str, out: str, steps: int) -> None:
+def _fp16_rank(rank: int, store: str, out: str, steps: int, plan_name: str) -> None:
     import torch.distributed as dist
 
     from sailor.runtime.groups import create_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    plan = Plan.model_validate(TWO_STAGES)
+    plan = Plan.model_validate(TWO_RANK_PLANS[plan_name])
     topo = derive_topology(plan)
     role = topo.roles[rank]
     groups = create_groups(topo, timedelta(seconds=60))
@@ -337,9 +341,10 @@ def _spawn(fn, nprocs: int, *args, timeout_s: float = 240.0) -> None:
 
 
 @pytest.mark.integration
-def test_overflowing_steps_are_skipped_on_every_rank_and_lower_the_scale(tmp_path):
+@pytest.mark.parametrize("plan_name", list(TWO_RANK_PLANS))
+def test_overflowing_steps_are_skipped_on_every_rank_and_lower_the_scale(plan_name, tmp_path):
     steps = INJECT_AT + 2
-    _spawn(_fp16_rank, 2, str(tmp_path / "store"), str(tmp_path), steps)
+    _spawn(_fp16_rank, 2, str(tmp_path / "store"), str(tmp_path), steps, plan_name)
     runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     ranks = [run["rows"] for run in runs]
     assert [r["skipped"] for r in ranks[0]] == [r["skipped"] for r in ranks[1]]  # every rank agrees
