@@ -22,8 +22,8 @@ def test_job_defaults_and_derived_values():
     mixed = JobSpec(model="tiny", global_batch_size=4, precision="bf16", optimizer="SGD")
     assert mixed.elem_bytes == 2 and mixed.optimizer is Optimizer.SGD
 
-    def per_param(precision, zero=0, d=1):
-        job = JobSpec(model="tiny", global_batch_size=4, precision=precision)
+    def per_param(precision, zero=0, d=1, framework="megatron-lm"):
+        job = JobSpec(model="tiny", global_batch_size=4, precision=precision, framework=framework)
         return sum(state_bytes(job.state_bytes_per_param, 1.0, zero, d).values())
 
     # Megatron-LM docs/source/distrib_optimizer.md: bytes per parameter without / with the distributed
@@ -32,6 +32,9 @@ def test_job_defaults_and_derived_values():
         assert per_param(precision) == plain
         for d in (2, 8, 64):
             assert per_param(precision, zero=1, d=d) == pytest.approx(fixed + sharded / d)
+    # Sailor's runtime keeps fp16 gradients in fp32 (as bf16's): 2 + 4 + 12, and 6 + 12/d
+    assert per_param("fp16", framework="sailor") == 18
+    assert per_param("fp16", zero=1, d=8, framework="sailor") == pytest.approx(6 + 12 / 8)
     # ZeRO-2 also shards the gradients, ZeRO-3 also the weights (bf16: 2 + 4 + 12 bytes)
     assert per_param("bf16", zero=2, d=4) == pytest.approx(2 + (4 + 12) / 4)
     assert per_param("bf16", zero=3, d=4) == pytest.approx(18 / 4)

@@ -41,9 +41,12 @@ per query, never the s x s scores). Per block:
   MLP: GeLU input and output 2·e·f/t; SwiGLU gate output, SiLU output, up output and their product
       4·e·f/t per token; ReLU (OPT) keeps its output, not its input: e·f/t less. Biases keep nothing.
 Embedding: the token ids (int64; under TP also the shifted local ids and a bool mask) and the
-position ids. Head: the final norm's input, statistics and output, the fp32 log-probabilities over the
-real vocabulary (the runtime all-gathers the logits, so every TP rank holds all of them, and drops
-the padding columns), the int64 targets and two fp32 scalars (the loss weight and the scaled loss).
+position ids. Head: the final norm's input, statistics and output; at TP 1 the fp32 log-probabilities
+over the real vocabulary (padding columns dropped), the int64 targets and two fp32 scalars (the loss
+weight and the scaled loss); under TP the vocab-parallel cross entropy's saved tensors: this rank's
+shard of the logits in the compute dtype (e·min(V/t, real vocabulary) per token on the first rank,
+the widest: padding rows give no logits), the fp32 log-sum-exp and the int64 shard-local target
+per token, and the fp32 scaled loss.
 These are what the runtime's saved-tensor hooks measure (tests/test_runtime_memory.py, through
 `stage_activation_bytes`, the runtime's accounting of one stage) for blocks, embedding and head; the
 runtime's executor also keeps each stage's output until its backward, which `stage_activation_bytes`
@@ -231,11 +234,16 @@ def sailor_embedding_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: in
 
 
 def sailor_head_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, sigma: int = STAT_BYTES) -> float:
-    """Head in Sailor's runtime: final norm input, statistics and output, fp32 log-probabilities over
-    the real vocabulary (logits are all-gathered over TP, padding rows dropped) and the int64 targets."""
+    """Head in Sailor's runtime: final norm input, statistics and output; at TP 1 the fp32
+    log-probabilities over the real vocabulary (padding rows dropped) and the int64 targets; under TP
+    the vocab-parallel loss's logit shard (compute dtype, the first rank's width), fp32 log-sum-exp
+    and int64 local targets (`runtime.tensor_parallel._VocabParallelCE`). Module docstring."""
     s, b = seq, mbs
     norm = s * b * (_norm_bytes_per_token(m, e, sigma) + e * m.hidden_size)
-    return float(norm + FP32_BYTES * s * b * m.vocab_size + INDEX_BYTES * s * b + 2 * FP32_BYTES)
+    if tp == 1:
+        return float(norm + FP32_BYTES * s * b * m.vocab_size + INDEX_BYTES * s * b + 2 * FP32_BYTES)
+    width = min(m.padded_vocab(1) // tp, m.vocab_size)
+    return float(norm + s * b * (e * width + FP32_BYTES + INDEX_BYTES) + FP32_BYTES)
 
 
 # ---- one stage, as Sailor's runtime holds it -------------------------------------------------------

@@ -12,7 +12,8 @@ Modules, one concept each, applied in this order by `worker`:
   `hf_weights`: Hugging Face safetensors in (per stage and TP shard) and out (`sailor export`).
 - `zero.ShardedAdamW`: AdamW with ZeRO-0..3 over `buckets` (which ranks sum, shard and update which
   elements: the sample-weighted gradient sum), global-norm clipping, mixed precision; `tied`: which
-  ranks add which elements of a tied embedding's two copies; `optim`: its settings.
+  ranks add which elements of a tied embedding's two copies; `optim`: its settings; `scaler`: fp16's
+  dynamic loss scale (skipped steps on overflow).
 - `pipeline.run_pipeline`: the schedule's op order (1F1B, interleaved 1F1B, ZB-H1) with its
   transfers; `executor`: one stage's layers for one micro-batch, with the optimizer's layer hooks
   (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters) and activation metering.

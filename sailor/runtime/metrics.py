@@ -23,7 +23,9 @@ from sailor.core.errors import SailorInputError
 from sailor.plan.spec import Plan
 from sailor.specs.job import JobSpec
 
-SCALARS = ("loss", "tokens_per_s", "mfu", "grad_norm", "step_time_s")  # what TensorBoard gets per step
+# What TensorBoard gets per step (a key absent or None is left out: an fp16 step skipped for an
+# overflow has no gradient norm; only fp16 runs have a loss scale).
+SCALARS = ("loss", "tokens_per_s", "mfu", "grad_norm", "step_time_s", "loss_scale")
 
 
 def model_flop_per_step(job: JobSpec) -> float:
@@ -69,7 +71,7 @@ class StepMetrics:
         ev["mfu"] = self.flop_per_step / ev["step_time_s"] / self.peak
         if self.writer is not None:
             for key in SCALARS:
-                if key in ev:
+                if ev.get(key) is not None:
                     self.writer.add_scalar(f"train/{key}", ev[key], ev["step"])
             self.writer.flush()
 

@@ -127,7 +127,7 @@ class P2P:
 def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *, order: Sequence[Op],
                  inputs: Callable[[int], torch.Tensor], targets: Callable[[int], torch.Tensor],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], loss_scale: float,
-                 meter: ActivationMeter | None = None) -> tuple[float, StageTimes]:
+                 meter: ActivationMeter | None = None) -> tuple[torch.Tensor, StageTimes]:
     """Run this rank's `order` (`plan.spec.Schedule.order`): F, B and W ops of its chunks.
 
     `executors[c]` runs chunk c (`role.chunks[c]`, virtual stage u = c·p + i); a forward of virtual
@@ -139,20 +139,21 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
     loss is multiplied by `loss_scale` before backward, so gradients accumulate as a weighted sum.
     Ops of micro-batches k >= `role.microbatches` (rounds of a longer order, `schedule` module
     docstring) skip the compute but not the layer hooks. `meter` measures micro-batch 0's kept
-    activations. Returns the unscaled loss sum over this pipeline's tokens (0 except on the stage
-    holding the head) and the time spent per phase (W passes count as backward).
+    activations. Returns the unscaled loss sum over this pipeline's tokens, a () fp64 tensor on
+    `p2p.device` (0 except on the stage holding the head; summed on the device, so no micro-batch
+    waits for the host: the caller reads it once per step), and the time spent per phase (W passes
+    count as backward).
     """
     clock = PhaseClock(p2p.device)  # CUDA events on a GPU (`runtime.timing`), read once at the end
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=p2p.device)
     p = role.num_stages
     last = p * len(executors) - 1
     split = any(op.kind not in (FWD, BWD) for op in order)
 
     def loss(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def apply(logits: torch.Tensor) -> torch.Tensor:
-            nonlocal loss_sum
             value = loss_fn(logits, targets(k))
-            loss_sum += value.item()
+            loss_sum.add_(value.detach())
             return value * loss_scale
         return apply
 

@@ -332,7 +332,7 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
     import torch
     import torch.distributed as dist
 
-    from sailor.runtime.model import lm_loss_sum
+    from sailor.runtime.tensor_parallel import head_loss
 
     spec, seq = job.model, job.seq
     from sailor.runtime.timing import Stopwatch
@@ -370,7 +370,7 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
                     inputs.append(x)
                 with autocast():
                     y = layer(x)
-                return lm_loss_sum(y, tok) * (1.0 / (mbs * seq)) if kind == "head" else y
+                return head_loss(layer)(y, tok) * (1.0 / (mbs * seq)) if kind == "head" else y
 
             res = _LayerResult()
             params = [p for p in layer.parameters() if p.requires_grad]
@@ -487,8 +487,8 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
 
     from sailor.plan.spec import DEFAULT_SCHEDULE, Pipeline, Plan, Replica
     from sailor.runtime.executor import NoHooks, StageExecutor
-    from sailor.runtime.model import lm_loss_sum
     from sailor.runtime.pipeline import P2P, run_pipeline
+    from sailor.runtime.tensor_parallel import head_loss
     from sailor.runtime.topology import derive_topology
 
     spec, seq, m = job.model, job.seq, RUNTIME_MICROBATCHES
@@ -508,7 +508,7 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
         with autocast():
             _, times = run_pipeline([executor], role, p2p, order=DEFAULT_SCHEDULE.order(0, 1, m),
                                     inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
-                                    targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=lm_loss_sum,
+                                    targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=head_loss(model),
                                     loss_scale=1.0 / (m * mbs * seq))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -523,7 +523,7 @@ def forward_for(layer, kind: str, job: JobSpec, mbs: int, device, autocast):
     """One forward of a profiled layer on fresh inputs (tokens for the embedding, activations else)."""
     import torch
 
-    from sailor.runtime.model import lm_loss_sum
+    from sailor.runtime.tensor_parallel import head_loss
 
     seq, spec = job.seq, job.model
     tok = torch.randint(0, spec.vocab_size, (mbs, seq)).to(device)
@@ -532,7 +532,7 @@ def forward_for(layer, kind: str, job: JobSpec, mbs: int, device, autocast):
             return layer(tok)
         x = torch.randn(mbs, seq, spec.hidden_size, device=device, requires_grad=True)
         y = layer(x)
-        return lm_loss_sum(y, tok) if kind == "head" else y
+        return head_loss(layer)(y, tok) if kind == "head" else y
 
 
 def _saved_bytes(layer, run_forward: Callable[[], Any]) -> float:

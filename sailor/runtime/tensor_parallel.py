@@ -4,14 +4,16 @@
 - q, k, v, fc1 / gate, up -> `ColumnParallelLinear` (output features split, whole heads per rank);
 - o, fc2 / down           -> `RowParallelLinear` (input features split, one all-reduce, bias replicated);
 - the token embedding     -> `VocabParallelEmbedding` (vocabulary rows split, one all-reduce);
-- the LM head             -> `ParallelLMHead` (vocabulary split; logits all-gathered so the loss is
-  the plain cross-entropy: the simple equivalent of Megatron's vocab-parallel loss).
+- the head                -> `VocabParallelHead`: the LM head's vocabulary rows split
+  (`ParallelLMHead`), and its loss (`head_loss`) the vocab-parallel cross-entropy
+  (`vocab_parallel_loss_sum`, Megatron-LM's `vocab_parallel_cross_entropy`): each rank keeps the
+  logits of its vocabulary shard only; no rank ever holds all V logits, or an fp32 copy of them.
 Norms and the position table stay replicated. `shard_dim` is the table of which parameter is split
 along which dimension; checkpoints and gradient sync use the same table.
 
 Communication (f and g of Megatron): `copy_to_tp` is identity forward / all-reduce backward,
-`reduce_from_tp` all-reduce forward / identity backward, `gather_from_tp` all-gather of the last
-dimension forward / own slice backward. With TP 1 nothing is swapped.
+`reduce_from_tp` all-reduce forward / identity backward; the loss's own all-reduces are in
+`_VocabParallelCE`. With TP 1 nothing is swapped.
 
 Sequence parallelism (`sequence_parallel=True`; Korthikanti et al. 2022, §4.2.2): inside the stage's
 transformer blocks the activations between the TP regions are split along the sequence, so norms and
@@ -28,12 +30,14 @@ Shapes are batch-first: the sequence is dim 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from sailor.runtime.model import Block, Embedding, Head
+from sailor.runtime.model import Block, Embedding, Head, lm_loss_sum
 
 _COLUMN = ("attn.q", "attn.k", "attn.v", "mlp.fc1", "mlp.gate", "mlp.up")
 _ROW = ("attn.o", "mlp.fc2", "mlp.down")
@@ -113,31 +117,12 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.rank, ctx.width = group, dist.get_rank(group), x.shape[-1]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Every TP rank computes the same loss from the gathered logits, so its gradient w.r.t. its
-        # own shard is just its slice of the full gradient (no reduction).
-        return grad[..., ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width].contiguous(), None
-
-
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
-
-
-def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
-    return _GatherFromTP.apply(x, group)
 
 
 # ---- sequence parallelism: the sequence is dim 1 of (B, T, ...) --------------------------------
@@ -271,16 +256,123 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """LM head with the vocabulary split: (B, T, h) -> (B, T, V) full logits (all-gathered)."""
+    """LM head with the vocabulary split: (B, T, h) -> (B, T, w) logits of this rank's rows
+    [start, start + w) of the real vocabulary (w = `width`; rows past the real vocabulary, the
+    padding, give no logit and so no gradient, as in `model.Head`)."""
 
-    def __init__(self, base: nn.Linear, tp: int, group) -> None:
+    def __init__(self, base: nn.Linear, tp_rank: int, tp: int, group, vocab: int) -> None:
         super().__init__()
-        vocab, h = base.weight.shape
-        self.group = group
-        self.weight = _empty_param(vocab // tp, h, device=base.weight.device)
+        padded, h = base.weight.shape
+        rows = padded // tp
+        self.group, self.start = group, tp_rank * rows
+        self.width = max(0, min(rows, vocab - self.start))
+        self.weight = _empty_param(rows, h, device=base.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_from_tp(F.linear(copy_to_tp(x, self.group), self.weight), self.group)
+        w = self.weight if self.width == self.weight.shape[0] else self.weight[: self.width]
+        return F.linear(copy_to_tp(x, self.group), w)
+
+
+class VocabParallelHead(nn.Module):
+    """`model.Head` under TP (same parameter names): final norm, then this rank's vocabulary shard of
+    the logits, (B, T, h) -> (B, T, w); `loss_sum` is its loss."""
+
+    def __init__(self, base: Head, tp_rank: int, tp: int, group) -> None:
+        super().__init__()
+        self.norm = base.norm
+        self.lm = ParallelLMHead(base.lm, tp_rank, tp, group, base.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(self.norm(x))
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`vocab_parallel_loss_sum` of this rank's shard `logits`: (B, T, w), (B, T) -> () fp32."""
+        return vocab_parallel_loss_sum(logits, targets, start=self.lm.start, group=self.lm.group)
+
+
+def _shard_targets(targets: torch.Tensor, start: int, width: int) -> torch.Tensor:
+    """(N,) target ids -> their index in the shard [start, start + width), -1 where the target is
+    another shard's."""
+    local = targets - start
+    return local.masked_fill((local < 0) | (local >= width), -1)
+
+
+def _shard_max(logits: torch.Tensor) -> torch.Tensor:
+    """(N, w) -> (N,) fp32 row maxima (-inf for a shard of padding only, w = 0)."""
+    if logits.shape[1] == 0:
+        return torch.full((logits.shape[0],), float("-inf"), device=logits.device)
+    return logits.max(dim=-1).values.float()
+
+
+def _shard_sums(logits: torch.Tensor, local: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """(2, N) fp32: Σ exp(logit − m) over the shard, and the target's logit where the shard holds it
+    (0 elsewhere)."""
+    both = torch.zeros(2, logits.shape[0], dtype=torch.float32, device=logits.device)
+    if logits.shape[1]:
+        # one fp32 temporary of the shard's size (a copy even when the logits are fp32: they are saved)
+        both[0] = logits.to(torch.float32, copy=True).sub_(m.unsqueeze(1)).exp_().sum(dim=-1)
+        picked = logits.gather(1, local.clamp(min=0).unsqueeze(1)).squeeze(1).float()
+        both[1] = torch.where(local >= 0, picked, 0.0)
+    return both
+
+
+def _shard_grad(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """d (Σ loss) / d logits of the shard, (N, w) fp32: softmax − onehot(target)."""
+    p = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(1)).exp_()
+    rows = torch.nonzero(local >= 0).squeeze(1)
+    p[rows, local[rows]] -= 1.0
+    return p
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None:  # None: one rank holds the whole vocabulary
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Sum over tokens of the cross-entropy, from each TP rank's vocabulary shard of the logits.
+
+    Forward (per token, over the TP group; Megatron-LM `tensor_parallel/cross_entropy.py`, Shoeybi
+    et al. 2019 §3): m = max of the logits (all-reduce MAX); S = Σ exp(logit − m) and the target's
+    logit z_y (held by one rank, 0 elsewhere) in one all-reduce SUM; loss = log S + m − z_y.
+    Backward: this shard's d loss / d logits = softmax − onehot(y), from the saved logits and
+    lse = m + log S (no communication: each rank's shard gradient is local). Saved: the shard's
+    logits (compute dtype), lse (fp32) and the shard-local target index (int64, −1 when the target
+    is another rank's). The fp32 temporaries are the shard's size, freed when the call returns.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, group):
+        local = _shard_targets(targets, start, logits.shape[1])  # (N,) int64
+        m = _all_reduce(_shard_max(logits), dist.ReduceOp.MAX, group)
+        both = _all_reduce(_shard_sums(logits, local, m), dist.ReduceOp.SUM, group)
+        lse = m + both[0].log()
+        ctx.save_for_backward(logits, lse, local)
+        return (lse - both[1]).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, local = ctx.saved_tensors
+        return _shard_grad(logits, lse, local).mul_(grad).to(logits.dtype), None, None, None
+
+
+def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, *, start: int, group) -> torch.Tensor:
+    """Sum over tokens of the next-token cross-entropy (nats, fp32), computed from this TP rank's
+    shard of the logits, vocabulary ids [start, start + w): (B, T, w), (B, T) int64 -> () (the same
+    value on every rank of `group`; `_VocabParallelCE`). Equals `model.lm_loss_sum` of the full
+    logits up to rounding."""
+    return _VocabParallelCE.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), start, group)
+
+
+def head_loss(stage: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss the output of `stage`'s head takes: its vocab-parallel loss under TP
+    (`VocabParallelHead.loss_sum`), `model.lm_loss_sum` otherwise (the stage's head, if any, then
+    returns all logits)."""
+    for m in stage.modules():
+        if isinstance(m, VocabParallelHead):
+            return m.loss_sum
+    return lm_loss_sum
 
 
 def apply_tp(stage: nn.Module, *, tp_rank: int, tp: int, group, sequence_parallel: bool = False) -> nn.Module:
@@ -305,8 +397,8 @@ def apply_tp(stage: nn.Module, *, tp_rank: int, tp: int, group, sequence_paralle
             new = RowParallelLinear(module, tp, group, sp)
         elif isinstance(module, nn.Embedding) and isinstance(parent, Embedding) and child == "tok":
             new = VocabParallelEmbedding(module, tp_rank, tp, group)
-        elif isinstance(module, nn.Linear) and isinstance(parent, Head) and child == "lm":
-            new = ParallelLMHead(module, tp, group)
+        elif isinstance(module, Head):
+            new = VocabParallelHead(module, tp_rank, tp, group)
         if new is not None:
             setattr(parent, child, new)
     if sp:

@@ -37,14 +37,11 @@ def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None
       chunks under interleaving);
     - ZeRO-3 under a schedule that splits the backward (zb-h1): the deferred weight-gradient pass of
       a layer would run after later micro-batches' forwards freed the layer's gathered weights
-      (full recomputation, which drops what that pass needs, is refused by the plan itself);
-    - fp16 needs loss scaling, which the runtime does not implement (bf16 does not: same exponent
-      range as fp32). `job_source` is the job file when the job is not the plan's own."""
+      (full recomputation, which drops what that pass needs, is refused by the plan itself).
+    Every precision is accepted here (fp16 trains with dynamic loss scaling, `runtime.scaler`); the
+    device's support for it is checked where the worker picks its GPU (`check_device_precision`).
+    `job_source` is the job file when the job is not the plan's own."""
     model = job.model
-    if job.precision == "fp16":
-        raise SailorInputError("the runtime trains in fp32 or bf16; fp16 would need loss scaling, which it does not do",
-                               source=job_source or source, field="precision" if job_source else "job.precision",
-                               fix="use precision bf16")
     schedule = runtime_schedule(plan)
     for i in range(plan.num_stages):
         mem = stage_memory(plan, i)
@@ -88,3 +85,17 @@ def check_plan_for_job(plan: Plan, job: JobSpec | None, cluster: ClusterSpec | N
         raise SailorInputError(f"torchrun started {world_size} ranks but the plan has {plan.world_size}",
                                source=source, fix="start one process per GPU of the plan (sailor launch does)")
     return job
+
+
+AMPERE = (8, 0)  # first compute capability with bf16 tensor cores (NVIDIA A100 whitepaper, "BF16")
+
+
+def check_device_precision(precision: str, capability: tuple[int, int], *, device_name: str = "the GPU") -> None:
+    """Raise SailorInputError when the job's `precision` cannot train well on a CUDA device of compute
+    `capability` (`torch.cuda.get_device_capability`): bf16 before Ampere (8.0: V100 7.0, T4 7.5)
+    has no bf16 tensor cores, so its GEMMs are emulated and SDPA falls back to the math kernel
+    (materialised T x T scores). fp16 (with loss scaling) and fp32 run everywhere."""
+    if precision == "bf16" and tuple(capability) < AMPERE:
+        raise SailorInputError(f"{device_name} (compute capability {capability[0]}.{capability[1]}) has no bf16"
+                               " tensor cores (they start at 8.0, Ampere)", field="precision",
+                               fix="use precision fp16 (trained with dynamic loss scaling) on this GPU")

@@ -15,10 +15,12 @@ the schedule, `schedule.runtime_schedule(plan)`, the runtime's one reader of it)
    freed under ZeRO-3); Adam moments restored from the checkpoint when resuming.
 5. One `StageExecutor` per chunk (the optimizer's layer hooks around each layer) and the stage's
    op order under the schedule (`Schedule.order`); `P2P` in the compute dtype.
-Each step: stop check (all ranks agree) -> the schedule's order over this pipeline's micro-batches
-(under ZeRO-2/3 as many rounds as the largest share) -> `reduce` (sample-weighted SUM, then the tied
-embedding's and LM head's gradients added to each other) -> global-norm clipping -> AdamW -> metrics
-(loss, timings) to rank 0.
+Each step: stop check (all ranks agree) -> `train_step`: the schedule's order over this pipeline's
+micro-batches (under ZeRO-2/3 as many rounds as the largest share; losses summed on the device) ->
+`reduce` (sample-weighted SUM, then the tied embedding's and LM head's gradients added to each other)
+-> global-norm clipping -> AdamW, or under fp16 a skipped step when some gradient overflowed
+(`runtime.scaler`) -> metrics (loss, read once per step; timings; fp16: "loss_scale" and "skipped")
+to rank 0.
 
 Its settings come from its command line, read by `command.parse` (`command.WorkerSettings`, the one
 definition every launch path builds commands from). Rank 0 appends each step's record to `--metrics`,
@@ -43,6 +45,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -66,15 +69,16 @@ from sailor.runtime.device import rank_device
 from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.groups import create_channel_groups, create_groups, ignore_tags
 from sailor.runtime.metrics import StepLog, check_tensorboard
-from sailor.runtime.model import GPT, initial_value, lm_loss_sum
+from sailor.runtime.model import GPT, initial_value
 from sailor.runtime.optim import OptimConfig
-from sailor.runtime.pipeline import P2P, build_stage, run_pipeline
+from sailor.runtime.pipeline import P2P, StageTimes, build_stage, run_pipeline
 from sailor.runtime.recompute import apply_recompute
+from sailor.runtime.scaler import LossScaler, overflowed
 from sailor.runtime.schedule import runtime_schedule, step_rounds
-from sailor.runtime.tensor_parallel import apply_tp, materialize_shards, shard, shard_dim
+from sailor.runtime.tensor_parallel import apply_tp, head_loss, materialize_shards, shard, shard_dim
 from sailor.runtime.tied import tied_for_rank
 from sailor.runtime.topology import RankRole, derive_topology
-from sailor.runtime.validate import check_plan_for_job
+from sailor.runtime.validate import check_device_precision, check_plan_for_job
 from sailor.runtime.zero import ShardedAdamW, compute_dtype
 from sailor.specs import load_job
 from sailor.specs.job import JobSpec
@@ -205,6 +209,45 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     return RankModel(stage, opt, executors, order, dtype, rounds)
 
 
+@dataclass
+class StepResult:
+    """What one `train_step` did on this rank."""
+
+    loss_sum: torch.Tensor  # () fp64 on the device: this pipeline's loss sum (nats; 0 off the head's stage)
+    times: StageTimes
+    grad_norm: float  # the world's unscaled gradient norm before clipping (inf or NaN on an overflow)
+    skipped: bool  # fp16 overflow: no update was made
+
+
+def train_step(rk: RankModel, role: RankRole, p2p: P2P, tok: torch.Tensor, *, mbs: int, loss_scale: float,
+               scaler: LossScaler | None, meter: ActivationMeter | None = None,
+               after_backward: Callable[[], None] | None = None) -> StepResult:
+    """One optimizer step of this rank on its (n_local, T + 1) tokens `tok`: the schedule's passes
+    (each micro-batch's loss times `loss_scale` and the loss scale S of `scaler`, 1 without one),
+    `after_backward()` (the memory event), `reduce`, clipping (gradients divided by S), then the
+    AdamW step, or `skip` when `scaler` is given and the world's gradient norm is not finite (every
+    rank sees the same norm, so all skip together), and `scaler.update`. Micro-batch slices are
+    copied so that what a micro-batch keeps is its own (B, T) tokens."""
+    opt = rk.optimizer
+    scale = scaler.scale if scaler is not None else 1.0
+    loss_sum, times = run_pipeline(
+        rk.executors, role, p2p, order=rk.order, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1].contiguous(),
+        targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:].contiguous(), loss_fn=head_loss(rk.stage),
+        loss_scale=loss_scale * scale, meter=meter)
+    if after_backward is not None:
+        after_backward()
+    opt.reduce()
+    grad_norm = opt.clip(opt.cfg.max_grad_norm, scale=scale)
+    skipped = scaler is not None and overflowed(grad_norm)
+    if skipped:
+        opt.skip()
+    else:
+        opt.step()
+    if scaler is not None:
+        scaler.update(skipped)
+    return StepResult(loss_sum, times, grad_norm, skipped)
+
+
 def step_log(s: WorkerSettings, plan: Plan, job: JobSpec) -> StepLog | None:
     """Rank 0's StepLog (metrics file, TensorBoard, progress lines), after checking that its outputs
     can be written here (SailorInputError naming the option); None on the other ranks."""
@@ -241,6 +284,9 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     timeout = timedelta(seconds=args.timeout_s)
     cuda = args.device == "cuda"
     device = rank_device(args.device)  # LOCAL_RANK's GPU, refused when this torch has no kernels for it
+    if cuda:
+        check_device_precision(job.precision, torch.cuda.get_device_capability(device),
+                               device_name=torch.cuda.get_device_name(device))
     # A bound device makes torch create NCCL communicators eagerly, at new_group (`groups`).
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None)
     ignore_tags()  # SAILOR_IGNORE_TAGS=1: tag 0 everywhere, as under NCCL
@@ -263,7 +309,10 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     del tensors
     if rank == 0:
         emit("loaded", step=start)  # weights and optimizer state in place; step `start` runs next
-    opt, cfg = rk.optimizer, rk.optimizer.cfg
+    opt = rk.optimizer
+    # fp16: the loss scale goes on from the checkpoint's (its manifest's "loss_scaler"), if it has one.
+    resumed = manifest.get("loss_scaler") if args.resume_from else None
+    scaler = LossScaler(**(resumed or {})) if rk.dtype == torch.float16 else None
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype,
               channels=channels)
     corpus = load_corpus(args.data)
@@ -296,18 +345,21 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         tok = torch.from_numpy(batch_tokens(corpus, seed=args.seed, step=step, first=role.first_sample,
                                             count=n_local, seq=seq)).to(device)
         meter = ActivationMeter() if step == start else None
-        # Micro-batch slices are copied so that what a micro-batch keeps is its own (B, T) tokens.
-        loss_sum, times = run_pipeline(
-            rk.executors, role, p2p, order=rk.order, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1].contiguous(),
-            targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:].contiguous(), loss_fn=lm_loss_sum,
-            loss_scale=1.0 / (gbs * seq), meter=meter)
-        t1 = time.perf_counter()
-        if meter is not None:
-            emit("memory", rank=rank, stage=role.stage, pipeline=role.pipeline, tp=role.tp, **opt.held_bytes(),
-                 activations=meter.per_layer)
-        opt.reduce()
-        grad_norm = opt.clip(cfg.max_grad_norm)
-        opt.step()
+        t1 = 0.0
+
+        def backward_done(meter=meter) -> None:
+            nonlocal t1
+            t1 = time.perf_counter()
+            if meter is not None:
+                emit("memory", rank=rank, stage=role.stage, pipeline=role.pipeline, tp=role.tp, **opt.held_bytes(),
+                     activations=meter.per_layer)
+
+        scale = scaler.scale if scaler is not None else None  # this step's loss scale
+        res = train_step(rk, role, p2p, tok, mbs=mbs, loss_scale=1.0 / (gbs * seq), scaler=scaler, meter=meter,
+                         after_backward=backward_done)
+        times = res.times
+        if scaler is not None:
+            meta["loss_scaler"] = scaler.state_dict()  # into the manifests of later checkpoints
         t2 = time.perf_counter()
         # One MAX all-reduce per step carries: the stop request, each stage's timings (MAX over its
         # ranks), and each pipeline's loss sum in its own slot (only its last stage's TP rank 0 writes
@@ -317,7 +369,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         stats[1 + role.stage * 4: 5 + role.stage * 4] = torch.tensor(
             [times.forward_s, times.backward_s, times.wait_s, t2 - t1], dtype=torch.float64)
         if role.is_last_stage and role.tp_rank == 0:
-            stats[1 + role.num_stages * 4 + role.pipeline] = loss_sum
+            stats[1 + role.num_stages * 4 + role.pipeline] = res.loss_sum  # on the device: no sync here
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         stop = stats[0].item() > 0
         stage_times = stats[1: 1 + role.num_stages * 4].view(role.num_stages, 4)
@@ -325,9 +377,12 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         step_time = time.perf_counter() - t0
         if rank == 0:
             record = {"step": step + 1, "loss": loss_total / (gbs * seq), "samples": gbs, "tokens": gbs * seq,
-                      "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time, "grad_norm": grad_norm,
+                      "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time,
+                      "grad_norm": None if res.skipped else res.grad_norm,
                       "stages": [dict(zip(("forward_s", "backward_s", "wait_s", "sync_update_s"), row))
                                  for row in stage_times.tolist()]}
+            if scaler is not None:  # the scale this step's loss was multiplied by, and whether it was skipped
+                record.update(loss_scale=scale, skipped=res.skipped, skipped_steps=scaler.skipped)
             log.on_step(record)  # adds its MFU
             emit("step", **record)
         done = step + 1

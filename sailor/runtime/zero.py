@@ -32,9 +32,13 @@ exist outside the buffers); `reduce` weights and all-reduces (ZeRO-0) or reduce-
 the buffer in place, as Megatron-LM's contiguous gradient buffer (`main_grad`) is, so no second full
 copy of the gradients is ever made (one made per bucket would add 4 bytes/param at the reduction).
 
-Mixed precision (CUDA only; on CPU `dtype` is fp32): the model runs in bf16, gradients accumulate in
-the fp32 buffers, and the fp32 master weights and fp32 Adam moments are kept per owned
-range. Bytes per parameter as Megatron-LM counts them (NVIDIA/Megatron-LM,
+Mixed precision (CUDA only; on CPU `dtype` is fp32 unless a test asks for a half dtype): the model
+runs in bf16 or fp16, gradients accumulate in the fp32 buffers, and the fp32 master weights and fp32
+Adam moments are kept per owned range. fp16 adds dynamic loss scaling (`runtime.scaler`): the
+gradients arrive multiplied by the loss scale, `clip(scale=S)` divides them by it, and a step whose
+gradient norm is not finite is skipped (`skip`). fp16 holds the same bytes as bf16 (18 per parameter
+at ZeRO-0: its gradients are fp32 too, unlike Megatron-LM's fp16 with fp16 gradients, 20). Bytes per
+parameter as Megatron-LM counts them (NVIDIA/Megatron-LM,
 docs/api-guide/dist_optimizer.md: bf16 parameters with fp32 gradients 18 without and 6 + 12/d with the
 distributed optimizer; fp32 16 and 8 + 8/d): here bf16 ZeRO-0 2 + 4 + 4 + 8 = 18; ZeRO-1 2 + 4 + 12/d;
 ZeRO-2 2 + 16/d; ZeRO-3 16/d (the bf16 weights then exist only one layer at a time). In fp32 no
@@ -78,11 +82,11 @@ FP32 = torch.float32
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The weights' and activations' dtype for a job's `precision`: bf16 on CUDA for "bf16", fp32
-    otherwise (the runtime trains in fp32 on CPU; fp16 is refused by `runtime.validate`, as it
-    would need loss scaling)."""
-    assert precision != "fp16", "refused by runtime.validate"
-    return torch.bfloat16 if precision == "bf16" and device.type == "cuda" else FP32
+    """The weights' and activations' dtype for a job's `precision`: bf16 or fp16 on CUDA for "bf16" or
+    "fp16", fp32 otherwise (the runtime trains in fp32 on CPU; tests pass a half dtype explicitly)."""
+    if device.type != "cuda":
+        return FP32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, FP32)
 
 
 class ShardedAdamW:
@@ -176,11 +180,16 @@ class ShardedAdamW:
                 self.grad[i] = self._reduce_in_place(b, self.grad_buffer[i])
         self._add_twins()
 
-    def clip(self, max_norm: float) -> float:
+    def clip(self, max_norm: float, scale: float = 1.0) -> float:
         """Clip the whole model's gradient (every rank's owned elements together, over the world)
         to L2 norm `max_norm`, as `torch.nn.utils.clip_grad_norm_` does on one model; returns the
         norm before clipping. Under ZeRO-0 every member of a group holds the whole reduced bucket,
-        so each counts it with weight 1 / members; owned shards are disjoint (weight 1)."""
+        so each counts it with weight 1 / members; owned shards are disjoint (weight 1).
+
+        `scale`: the loss scale the gradients carry (fp16, `runtime.scaler`); they are divided by it
+        in the same pass (the returned norm is the unscaled one). A non-finite norm (an overflow on
+        some rank: the all-reduce gives every rank the same value) leaves the gradients as they are;
+        the caller then skips the step (`skip`)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for b, g, counted in zip(self.buckets, self.grad, self.counted):
             w = 1.0 / len(b.ranks) if b.shards == 1 else 1.0
@@ -188,10 +197,12 @@ class ShardedAdamW:
                 sq += w * g[lo:hi].double().pow(2).sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq)
-        norm = math.sqrt(sq.item())
+        norm = math.sqrt(sq.item()) / scale
+        if not math.isfinite(norm):
+            return norm
         coef = min(1.0, max_norm / (norm + 1e-6))  # the same epsilon as torch's clip_grad_norm_
         for g in self.grad:
-            g.mul_(coef)
+            g.mul_(coef / scale if scale != 1.0 else coef)
         return norm
 
     def step(self) -> None:
@@ -213,6 +224,16 @@ class ShardedAdamW:
             else:
                 self.grad[i].zero_()
         self.steps += 1
+
+    def skip(self) -> None:
+        """Drop this step's gradients without an update (an fp16 overflow, `runtime.scaler`): weights,
+        master, Adam moments and the step count stay as they are."""
+        for i in range(len(self.buckets)):
+            if self.grad_buffer is not None:
+                self.grad_buffer[i].zero_()
+                self.grad[i] = None
+            else:
+                self.grad[i].zero_()
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -36,7 +36,9 @@ class Optimizer(str, Enum):
 # ZeRO-2 also shards "gradients", ZeRO-3 also "weights" (`simulator.memory.state_bytes`). bf16 keeps
 # fp32 gradients because Megatron-LM accumulates bf16 training's gradients in fp32 (and so does
 # Sailor's runtime, per parameter). SGD without momentum keeps no moments: fp32 4 + 4; bf16 2 + 4 +
-# 4 master; fp16 2 + 2 + 8 (fp32 grad copy and master).
+# 4 master; fp16 2 + 2 + 8 (fp32 grad copy and master). These fp16 rows are Megatron-LM's; Sailor's
+# runtime accumulates fp16 gradients in fp32 as it does bf16's (`runtime.zero`), so a job of
+# framework "sailor" in fp16 holds the bf16 rows' bytes (`JobSpec.state_bytes_per_param`).
 STATE_BYTES_PER_PARAM: dict[tuple[str, Optimizer], dict[str, int]] = {
     ("fp32", Optimizer.ADAM): {"weights": 4, "gradients": 4, "optimizer": 8},
     ("fp32", Optimizer.SGD): {"weights": 4, "gradients": 4, "optimizer": 0},
@@ -101,8 +103,9 @@ class JobSpec(BaseModel):
     @property
     def state_bytes_per_param(self) -> dict[str, int]:
         """Bytes per parameter for weights, gradients and optimizer state, unsharded
-        (`STATE_BYTES_PER_PARAM`)."""
-        return STATE_BYTES_PER_PARAM[(self.precision, self.optimizer)]
+        (`STATE_BYTES_PER_PARAM`; fp16 in Sailor's runtime keeps fp32 gradients, as bf16 does)."""
+        precision = "bf16" if self.precision == "fp16" and self.framework is Framework.SAILOR else self.precision
+        return STATE_BYTES_PER_PARAM[(precision, self.optimizer)]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; built-in models are written by name, the default framework is left out
