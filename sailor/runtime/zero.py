@@ -56,7 +56,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw
 
-from sailor.runtime.buckets import Bucket, build_buckets, flatten, held_elements, unflatten
+from sailor.runtime.buckets import (
+    Bucket,
+    build_buckets,
+    flatten,
+    held_elements,
+    piece_view,
+    unflatten,
+)
 from sailor.runtime.optim import OptimConfig
 from sailor.runtime.tied import TAG, Tied
 from sailor.runtime.topology import RankRole, Ranks
@@ -90,12 +97,13 @@ class ShardedAdamW:
 
     def __init__(self, params: Mapping[str, nn.Parameter], role: RankRole, groups: Mapping[Ranks, object], *,
                  zero: int, sequence_parallel: bool, cfg: OptimConfig, dtype: torch.dtype = FP32,
-                 tied: Tied | None = None) -> None:
+                 tied: Tied | None = None, device: torch.device | None = None) -> None:
         assert 0 <= zero <= 3, zero
         self.params, self.zero, self.cfg, self.dtype = dict(params), zero, cfg, dtype
         self.groups = groups
         self.steps = 0  # optimizer steps taken
-        self.device = next(iter(self.params.values())).device
+        self.tp_rank = role.tp_rank
+        self.device = device or next(iter(self.params.values())).device
         self.buckets = build_buckets(self.params, role, zero=zero, sequence_parallel=sequence_parallel)
         self._tied_setup(role, tied)
         self.layer_buckets: dict[int, list[int]] = {}
@@ -106,23 +114,47 @@ class ShardedAdamW:
             self.layer_params.setdefault(int(name.split(".")[1]), []).append(name)
         # fp32 master of the owned range: kept where the weights cannot serve as master (ZeRO-3, or
         # half-precision weights); otherwise built from the weights at each step.
-        self.master = [self._own(b, flatten(b, self.params, dtype=FP32, device=self.device, padded=True)).clone()
-                       if self._keeps_master else None for b in self.buckets]
-        self.exp_avg = [torch.zeros(b.shard_numel, dtype=FP32, device=self.device) for b in self.buckets]
-        self.exp_avg_sq = [torch.zeros(b.shard_numel, dtype=FP32, device=self.device) for b in self.buckets]
+        n = len(self.buckets)
+        self.master: list[torch.Tensor | None] = [None] * n
+        self.exp_avg: list[torch.Tensor] = [None] * n  # type: ignore[list-item]  # filled by `adopt`
+        self.exp_avg_sq: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
         # Owned gradient: accumulated over the step's micro-batches under ZeRO-2/3, made by `reduce`
         # otherwise (and dropped after the step).
-        self.grad: list[torch.Tensor | None] = [
-            torch.zeros(b.shard_numel, dtype=FP32, device=self.device) if zero >= 2 else None for b in self.buckets]
-        self.main_grad = ({n: torch.zeros_like(p, dtype=FP32) for n, p in self.params.items()}
-                          if dtype != FP32 and zero < 2 else None)
-        with torch.no_grad():
-            for p in self.params.values():
-                if p.dtype != dtype:
-                    p.data = p.data.to(dtype)
-        if zero == 3:
+        self.grad: list[torch.Tensor | None] = [None] * n
+        self.main_grad: dict[str, torch.Tensor] | None = {} if dtype != FP32 and zero < 2 else None
+        if not any(p.is_meta for p in self.params.values()):
             for layer in self.layer_params:
-                self._free(layer)
+                self.adopt(layer)
+
+    def adopt(self, layer: int, params: Mapping[str, nn.Parameter] | None = None,
+              moments: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
+        """Take over layer `layer`'s parameters: `params` (this rank's TP shards by canonical name, fp32
+        with their initial or checkpoint values, replacing the meta ones the optimizer was built from;
+        None: those it holds), with the Adam moments `moments` ({name: {"exp_avg", "exp_avg_sq"}}, TP
+        shards; None: zeros). Builds the layer's fp32 master and moments of the owned ranges, casts its
+        weights to `dtype` and frees them under ZeRO-3, so that start-up holds one layer beyond the
+        steady state (`worker.build_rank` materialises the stage layer by layer)."""
+        if params is not None:
+            self.params.update(params)
+        for i in self.layer_buckets.get(layer, []):
+            b = self.buckets[i]
+            if self._keeps_master:
+                self.master[i] = self._own(b, flatten(b, self.params, dtype=FP32, device=self.device,
+                                                      padded=True)).clone()
+            for key, store in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                store[i] = (self._own(b, flatten(b, {n: t[key] for n, t in moments.items()}, dtype=FP32,
+                                                 device=self.device, padded=True)).clone()
+                            if moments is not None else torch.zeros(b.shard_numel, dtype=FP32, device=self.device))
+            self.grad[i] = torch.zeros(b.shard_numel, dtype=FP32, device=self.device) if self.zero >= 2 else None
+        with torch.no_grad():
+            for n in self.layer_params[layer]:
+                p = self.params[n]
+                if self.main_grad is not None:
+                    self.main_grad[n] = torch.zeros_like(p, dtype=FP32)
+                if p.dtype != self.dtype:
+                    p.data = p.data.to(self.dtype)
+        if self.zero == 3:
+            self._free(layer)
 
     @property
     def _keeps_master(self) -> bool:
@@ -225,15 +257,32 @@ class ShardedAdamW:
                 unflatten(b, full, tensors)
         return out
 
-    def load_moments(self, tensors: Mapping[str, Mapping[str, torch.Tensor]], step: int) -> None:
-        """Take the Adam moments (TP shards, by name) and step count of a checkpoint; the weights
-        (and master) came with the parameters this optimizer was built from."""
+    def checkpoint_entries(self):
+        """The elements this rank writes into a checkpoint (`checkpoint` docstring): for each bucket it
+        owns a shard of (an unsharded bucket: only its lowest rank), per parameter piece, yields
+        (name, key, dim, start, width, lo, flat): elements [lo, lo + len(flat)) of the flattened slice
+        [start, start + width) along `dim` of the full tensor (`dim` None: the whole tensor), for the
+        fp32 weights and, once a step was taken, both Adam moments. No collective; `flat` is a view
+        of the owned state where it can be (a copy of one piece at most otherwise)."""
         for i, b in enumerate(self.buckets):
-            for key, dst in (("exp_avg", self.exp_avg[i]), ("exp_avg_sq", self.exp_avg_sq[i])):
-                flat = flatten(b, {n: t[key] for n, t in tensors.items() if key in t},
-                               dtype=FP32, device=self.device, padded=True)
-                dst.copy_(self._own(b, flat))
-        self.steps = step
+            if b.shards == 1 and b.ranks[0] != self.rank:
+                continue
+            offset = 0
+            for piece in b.pieces:
+                lo, hi = max(offset, b.lo), min(offset + piece.numel, b.hi)
+                if lo < hi:
+                    p = self.params[piece.name]
+                    dim = piece.dim
+                    start = 0 if dim is None else self.tp_rank * p.shape[dim] + piece.start
+                    width = 0 if dim is None else piece.width
+                    a, c = lo - b.lo, hi - b.lo  # in the owned shard
+                    param = (self.master[i][a:c] if self.master[i] is not None
+                             else piece_view(p.data, piece).reshape(-1)[lo - offset:hi - offset])
+                    yield piece.name, "param", dim, start, width, lo - offset, param
+                    if self.steps:
+                        yield piece.name, "exp_avg", dim, start, width, lo - offset, self.exp_avg[i][a:c]
+                        yield piece.name, "exp_avg_sq", dim, start, width, lo - offset, self.exp_avg_sq[i][a:c]
+                offset += piece.numel
 
     # ---- accounting --------------------------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:
