@@ -195,8 +195,8 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
         prefix = f"layers.{key}."
         materialize_shards(layer, value, tp=tp, device=device, prefix=prefix)
         params = dict(layer.named_parameters(prefix=prefix.rstrip(".")))
-        opt.adopt(int(key), params, {n: {k: reader.shard(n, k, tp_rank, tp) for k in ckpt.OPTIMIZER_KEYS}
-                                     for n in params} if moments else None)
+        opt.adopt(int(key), params, (lambda k, names=tuple(params): {n: reader.shard(n, k, tp_rank, tp) for n in names})
+                  if moments else None)
     if weights is not None:
         weights.close()
     opt.steps = step

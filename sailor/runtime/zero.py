@@ -49,7 +49,7 @@ left out of the norm.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -127,25 +127,29 @@ class ShardedAdamW:
                 self.adopt(layer)
 
     def adopt(self, layer: int, params: Mapping[str, nn.Parameter] | None = None,
-              moments: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
+              moments: Callable[[str], Mapping[str, torch.Tensor]] | None = None) -> None:
         """Take over layer `layer`'s parameters: `params` (this rank's TP shards by canonical name, fp32
         with their initial or checkpoint values, replacing the meta ones the optimizer was built from;
-        None: those it holds), with the Adam moments `moments` ({name: {"exp_avg", "exp_avg_sq"}}, TP
-        shards; None: zeros). Builds the layer's fp32 master and moments of the owned ranges, casts its
-        weights to `dtype` and frees them under ZeRO-3, so that start-up holds one layer beyond the
-        steady state (`worker.build_rank` materialises the stage layer by layer)."""
+        None: those it holds), with the Adam moments `moments(key)` ({name: TP shard} of the layer for
+        "exp_avg", then "exp_avg_sq", asked for one key at a time; None: zeros). Builds the layer's fp32
+        master and moments of the owned ranges, casts its weights to `dtype` and frees them under
+        ZeRO-3, so that start-up holds one layer beyond the steady state (`worker.build_rank`
+        materialises the stage layer by layer)."""
         if params is not None:
             self.params.update(params)
-        for i in self.layer_buckets.get(layer, []):
+        buckets = self.layer_buckets.get(layer, [])
+        for i in buckets:
             b = self.buckets[i]
             if self._keeps_master:
-                self.master[i] = self._own(b, flatten(b, self.params, dtype=FP32, device=self.device,
-                                                      padded=True)).clone()
-            for key, store in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-                store[i] = (self._own(b, flatten(b, {n: t[key] for n, t in moments.items()}, dtype=FP32,
-                                                 device=self.device, padded=True)).clone()
-                            if moments is not None else torch.zeros(b.shard_numel, dtype=FP32, device=self.device))
+                self.master[i] = self._owned(b, flatten(b, self.params, dtype=FP32, device=self.device, padded=True))
             self.grad[i] = torch.zeros(b.shard_numel, dtype=FP32, device=self.device) if self.zero >= 2 else None
+        for key, store in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            values = moments(key) if moments is not None else None
+            for i in buckets:
+                b = self.buckets[i]
+                store[i] = (self._owned(b, flatten(b, values, dtype=FP32, device=self.device, padded=True))
+                            if values is not None else torch.zeros(b.shard_numel, dtype=FP32, device=self.device))
+            del values
         with torch.no_grad():
             for n in self.layer_params[layer]:
                 p = self.params[n]
@@ -348,6 +352,11 @@ class ShardedAdamW:
             self.grad[i][a:c].add_(buf)
 
     # ---- collectives -------------------------------------------------------------------------
+    def _owned(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a padded flat vector of `b` that is its own storage (`flat` itself
+        when the rank owns all of it, no copy)."""
+        return flat if b.shards == 1 else self._own(b, flat).clone()
+
     def _own(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a padded flat vector of bucket `b` (the whole of it under ZeRO-0)."""
         return flat[b.index * b.shard_numel:(b.index + 1) * b.shard_numel]
