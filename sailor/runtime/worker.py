@@ -7,11 +7,14 @@ the schedule, `schedule.runtime_schedule(plan)`, the runtime's one reader of it)
 2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers: its chunks under
    interleaving) -> `apply_tp` (with `mem.sequence_parallel`) -> `apply_recompute` (`mem.recompute`,
    `mem.recompute_blocks`, counted over the stage's blocks in layer order).
-3. `materialize`: every parameter's full fp32 value (seeded init, or checkpoint) sharded for this TP
-   rank; or `hf_weights.materialize_hf` (--init-from): each shard read from Hugging Face safetensors.
-4. `ShardedAdamW` (`mem.zero`, the compute dtype, the tied embedding's transfers `tied.tied_for_rank`):
-   takes the parameters over (fp32 master where needed, weights cast to bf16 under mixed precision,
-   freed under ZeRO-3); Adam moments restored from the checkpoint when resuming.
+3. `ShardedAdamW` built over the meta parameters (`mem.zero`, the compute dtype, the tied embedding's
+   transfers `tied.tied_for_rank`): the buckets, no state yet.
+4. Layer by layer: `materialize_shards` gives the layer's parameters on the device in fp32, this TP
+   rank's shards (seeded init; a checkpoint's entries, `checkpoint_io.Reader`; or --init-from, read
+   from Hugging Face safetensors), then `ShardedAdamW.adopt` takes them over (fp32 master where
+   needed, Adam moments from the checkpoint or zeros, weights cast to bf16 under mixed precision,
+   freed under ZeRO-3) before the next layer is materialised: start-up peaks at the steady state
+   plus one layer.
 5. One `StageExecutor` per chunk (the optimizer's layer hooks around each layer) and the stage's
    op order under the schedule (`Schedule.order`); `P2P` in the compute dtype.
 Each step: stop check (all ranks agree) -> the schedule's order over this pipeline's micro-batches

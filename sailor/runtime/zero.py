@@ -85,7 +85,8 @@ class ShardedAdamW:
 
     Args:
         params: this rank's stage parameters by canonical name (TP shards), fp32 with their initial
-            (or checkpoint) values. They are taken over: cast to `dtype`, freed under ZeRO-3.
+            (or checkpoint) values, taken over at once (cast to `dtype`, freed under ZeRO-3); or on
+            the meta device (shapes only), each layer then handed over by `adopt`.
         role: this rank's role (stage groups and blocks).
         groups: torch process group per rank tuple (`groups.create_groups`).
         zero: ZeRO stage 0..3 of this rank's stage.
@@ -93,6 +94,7 @@ class ShardedAdamW:
         cfg: AdamW settings (the reference's).
         dtype: the weights' compute dtype (fp32, or bf16 on CUDA).
         tied: this rank's part in a tied embedding's gradient (`tied.tied_for_rank`); None: untied.
+        device: where the state lives (default: the parameters' device; needed for meta parameters).
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], role: RankRole, groups: Mapping[Ranks, object], *,
