@@ -239,3 +239,27 @@ def test_the_commit_waits_for_a_slow_stage_writer(tmp_path, monkeypatch):
     got = load_tensors(path, found.manifest, list(layout))
     for n, shape in layout.items():
         assert torch.equal(got[n]["param"], initial_value(spec, n, tuple(shape), seed=0)), n
+
+
+def test_start_up_materialises_one_layer_at_a_time(monkeypatch):
+    """ZeRO-3 on one rank: whenever the optimizer takes a layer over, the only weights allocated are
+    that layer's (the layers before it were freed, the ones after it are still on the meta device)."""
+    from sailor.runtime.zero import ShardedAdamW
+
+    job = JobSpec(model="tiny", global_batch_size=8)
+    plan = Plan.model_validate({"micro_batch_size": 2, "stages": [[0, 6]], "memory": [{"zero": 3}],
+                                "pipelines": [{"microbatches": 4, "replicas": [
+                                    {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}]}]})
+    seen = []
+    adopt = ShardedAdamW.adopt
+
+    def spy(self, layer, params=None, moments=None):
+        allocated = {n for n, p in {**self.params, **(params or {})}.items()
+                     if not p.is_meta and p.untyped_storage().nbytes() > 0}
+        seen.append((layer, allocated == set(params or {}), len(allocated)))
+        adopt(self, layer, params, moments)
+
+    monkeypatch.setattr(ShardedAdamW, "adopt", spy)
+    build_rank(plan, job, derive_topology(plan).roles[0], {}, device=torch.device("cpu"), seed=0)
+    assert [layer for layer, _, _ in seen] == list(range(job.model.num_layers))
+    assert all(only and n > 0 for _, only, n in seen), seen
