@@ -379,11 +379,11 @@ def _checkpoint(root: Path, step: int, job: dict, seed: int) -> None:
     import torch
 
     from sailor.runtime import checkpoint as ckpt
+    from sailor.runtime.checkpoint_io import write_checkpoint
     from sailor.specs.job import JobSpec
 
-    tmp = ckpt.prepare_tmp(root, step)
-    ckpt.write_stage_file(tmp, 0, {"layers.0.weight": {"param": torch.zeros(2)}})
-    ckpt.commit(root, step, ckpt.run_meta(JobSpec.model_validate(job), seed))
+    write_checkpoint(root, step, ckpt.run_meta(JobSpec.model_validate(job), seed),
+                     {"layers.0.weight": {"param": torch.zeros(2)}})
 
 
 def test_train_refuses_a_folder_holding_another_run(tmp_path, monkeypatch, capsys):
@@ -420,7 +420,7 @@ def test_resume_with_only_damaged_checkpoints_is_refused_and_keeps_them(tmp_path
     """Starting over would replace the damaged checkpoint once the run reached its step."""
     _base(tmp_path)
     _checkpoint(tmp_path / "ck", 3, JOB, seed=0)
-    f = tmp_path / "ck" / "step-00000003" / "stage-0.pt"
+    f = tmp_path / "ck" / "step-00000003" / "rank-00000.bin"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))

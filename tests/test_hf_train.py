@@ -19,7 +19,8 @@ pytest.importorskip("transformers", reason="transformers (the test extra) is not
 
 from sailor.model.activations import stage_activation_bytes  # noqa: E402
 from sailor.plan.spec import Plan  # noqa: E402
-from sailor.runtime import checkpoint as ckpt  # noqa: E402
+from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.checkpoint_io import load_tensors  # noqa: E402
 from sailor.runtime.data import batch_tokens, load_corpus  # noqa: E402
 from sailor.runtime.hf_weights import export_checkpoint, load_full_model  # noqa: E402
 from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare  # noqa: E402
@@ -68,7 +69,7 @@ def _train(arch: str, plan_body: dict, tmp_path) -> tuple:
     losses, model = train_reference(spec, steps=STEPS, seed=0, corpus=corpus, model=load_full_model(folder))
     assert [r["loss"] for r in rows] == pytest.approx(losses, rel=RTOL)
     found = ckpt.find_latest(tmp_path / "ck")
-    got = ckpt.load_tensors(found.path, found.manifest, list(found.manifest["tensors"]))
+    got = load_tensors(found.path, found.manifest, list(found.manifest["tensors"]))
     for name, p in model.state_dict().items():  # a tied model's state dict names the head too
         if name.endswith("attn.k.bias"):
             # Its exact gradient is 0 (a key bias adds q.b to every score of a row; softmax ignores

@@ -19,6 +19,7 @@ pytest.importorskip("safetensors")
 from sailor.core.errors import SailorInputError  # noqa: E402
 from sailor.model.hf_config import load_hf_config  # noqa: E402
 from sailor.runtime import checkpoint as ckpt  # noqa: E402
+from sailor.runtime.checkpoint_io import write_checkpoint
 from sailor.runtime.hf_weights import HFWeights, check_init_from, export_checkpoint  # noqa: E402
 from sailor.runtime.hf_weights import load_full_model as _sailor_model  # noqa: E402
 
@@ -174,9 +175,8 @@ def test_sailor_train_refuses_bad_weights_before_starting(models, tmp_path):
 def _checkpoint_from_hf(folder: Path, root: Path) -> Path:
     """A Sailor checkpoint (step 0, one stage file) holding the weights of an HF model folder."""
     model = _sailor_model(folder)
-    tmp = ckpt.prepare_tmp(root, 0)
-    ckpt.write_stage_file(tmp, 0, {n: {"param": p.detach().clone()} for n, p in model.named_parameters()})
-    return ckpt.commit(root, 0, {"seed": 0, "model": model.spec.model_dump(mode="json"), "global_batch_size": 4})
+    return write_checkpoint(root, 0, {"seed": 0, "model": model.spec.model_dump(mode="json"), "global_batch_size": 4},
+                            {n: {"param": p.detach().clone()} for n, p in model.named_parameters()})
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -203,9 +203,8 @@ def test_a_builtin_model_exports_as_gpt2(tmp_path):
 
     spec = BUILTIN_MODELS["tiny"]  # learned positions, exact GELU, tied: GPT-2 with activation "gelu"
     model = init_full_model(spec, seed=1)
-    tmp = ckpt.prepare_tmp(tmp_path / "ck", 7)
-    ckpt.write_stage_file(tmp, 0, {n: {"param": p.detach().clone()} for n, p in model.named_parameters()})
-    ckpt.commit(tmp_path / "ck", 7, {"seed": 1, "model": spec.model_dump(mode="json"), "global_batch_size": 8})
+    write_checkpoint(tmp_path / "ck", 7, {"seed": 1, "model": spec.model_dump(mode="json"), "global_batch_size": 8},
+                     {n: {"param": p.detach().clone()} for n, p in model.named_parameters()})
     assert export_checkpoint(tmp_path / "ck", tmp_path / "out")["model_type"] == "gpt2"
     back = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))

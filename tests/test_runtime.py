@@ -14,6 +14,7 @@ from sailor.core.errors import SailorInputError
 from sailor.plan.orders import one_f_one_b_order
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.checkpoint_io import load_tensors, write_checkpoint
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.model import GPT, init_full_model, init_param
 from sailor.runtime.pipeline import build_stage
@@ -179,9 +180,8 @@ def test_runtime_geometry_rejects_tp_not_dividing_the_vocabulary():
 
 
 def _write_checkpoint(root, step: int, value: float) -> None:
-    tmp = ckpt.prepare_tmp(root, step)
-    ckpt.write_stage_file(tmp, 0, {"layers.0.tok.weight": {"param": torch.full((2, 2), value)}})
-    ckpt.commit(root, step, {"seed": 0, "model": {}, "global_batch_size": 8})
+    write_checkpoint(root, step, {"seed": 0, "model": {}, "global_batch_size": 8},
+                     {"layers.0.tok.weight": {"param": torch.full((2, 2), value)}})
 
 
 def test_checkpoint_roundtrip_and_checksum_fallback(tmp_path):
@@ -189,10 +189,10 @@ def test_checkpoint_roundtrip_and_checksum_fallback(tmp_path):
     _write_checkpoint(tmp_path, 3, 3.0)
     found = ckpt.find_latest(tmp_path)
     assert found.path == tmp_path / "step-00000003" and found.manifest["step"] == 3 and not found.skipped
-    got = ckpt.load_tensors(found.path, found.manifest, ["layers.0.tok.weight"])
+    got = load_tensors(found.path, found.manifest, ["layers.0.tok.weight"])
     assert torch.equal(got["layers.0.tok.weight"]["param"], torch.full((2, 2), 3.0))
     # flip one byte of the newest checkpoint: it is never loaded, the previous one is used instead
-    f = tmp_path / "step-00000003" / "stage-0.pt"
+    f = tmp_path / "step-00000003" / "rank-00000.bin"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
@@ -200,7 +200,7 @@ def test_checkpoint_roundtrip_and_checksum_fallback(tmp_path):
     assert found.path == tmp_path / "step-00000002"
     assert len(found.skipped) == 1 and "checksum mismatch" in found.skipped[0]
     with pytest.raises(ckpt.CheckpointError, match="checksum"):
-        ckpt.load_tensors(tmp_path / "step-00000003", ckpt.read_manifest(tmp_path / "step-00000002"),
+        load_tensors(tmp_path / "step-00000003", ckpt.read_manifest(tmp_path / "step-00000002"),
                           ["layers.0.tok.weight"])
     # a half-written attempt (no rename yet) is invisible
     ckpt.prepare_tmp(tmp_path, 4)

@@ -27,6 +27,7 @@ from conftest import live_processes
 from sailor.model.activations import stage_activation_bytes
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.checkpoint_io import load_tensors
 from sailor.runtime.data import load_corpus
 from sailor.runtime.groups import IGNORE_TAGS_ENV
 from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
@@ -106,7 +107,7 @@ def test_plan_equals_single_process_run(name, tmp_path, reference, monkeypatch):
         assert len(r["stages"]) == len(PLANS[name]["stages"])
     found = ckpt.find_latest(tmp_path / "ck")
     assert found.manifest["step"] == STEPS
-    got = ckpt.load_tensors(found.path, found.manifest, list(ref_params))
+    got = load_tensors(found.path, found.manifest, list(ref_params))
     for n, want in ref_params.items():
         torch.testing.assert_close(got[n]["param"], want, rtol=RTOL, atol=RTOL, msg=n)
     assert not _leftovers(str(tmp_path))
@@ -191,7 +192,7 @@ def test_memory_options_equal_reference_and_checkpoints_cross_zero_stages(tmp_pa
         done = until
     found = ckpt.find_latest(ck)
     assert found.manifest["step"] == steps
-    got = ckpt.load_tensors(found.path, found.manifest, [n for n, _ in model.named_parameters()])
+    got = load_tensors(found.path, found.manifest, [n for n, _ in model.named_parameters()])
     for n, want in model.named_parameters():
         torch.testing.assert_close(got[n]["param"], want.detach(), rtol=RTOL, atol=RTOL, msg=n)
     assert not _leftovers(str(tmp_path))

@@ -24,6 +24,7 @@ from sailor.plan import plan_from_dict
 from sailor.plan.orders import BWD, FWD, WGRAD, interleaved_order, one_f_one_b_order, zb_h1_order
 from sailor.plan.spec import Plan, Schedule, ScheduleKind
 from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.checkpoint_io import load_tensors
 from sailor.runtime.data import load_corpus
 from sailor.runtime.groups import IGNORE_TAGS_ENV
 from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
@@ -161,7 +162,7 @@ def test_schedule_equals_single_process_run(name, tmp_path, reference, monkeypat
     for r, want in zip(rows, ref_losses):
         assert r["loss"] == pytest.approx(want, rel=RTOL)
     found = ckpt.find_latest(tmp_path / "ck")
-    got = ckpt.load_tensors(found.path, found.manifest, list(ref_params))
+    got = load_tensors(found.path, found.manifest, list(ref_params))
     for n, want in ref_params.items():
         torch.testing.assert_close(got[n]["param"], want, rtol=RTOL, atol=RTOL, msg=n)
     assert not [cmd for _, cmd in live_processes(str(tmp_path))]

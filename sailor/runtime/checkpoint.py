@@ -1,33 +1,50 @@
-"""Plan-independent checkpoints: full tensors by canonical name, written atomically, checksummed.
+"""Plan-independent checkpoints: each rank writes and hashes its own shard; rank 0 commits.
 
-Layout under the checkpoint folder D:
+Layout under the checkpoint folder D (format 2):
 ```
-D/step-00000005/manifest.json   {"format", "step", "seed", "model", "global_batch_size",
-                                 "files": {"stage-0.pt": {"sha256", "bytes"}}, "tensors": {name: file}}
-D/step-00000005/stage-<i>.pt    {canonical name: {"param", "exp_avg", "exp_avg_sq"}} (full tensors)
+D/step-00000005/manifest.json       {"format", "step", "seed", "model", "global_batch_size", "job",
+                                     "keys": ["param", ...], "tensors": {name: full shape},
+                                     "ranks": {"<r>": {"stage", "pipeline", "tp_rank", "index", "data"}},
+                                     "files": {file name: {"sha256", "bytes"}}}
+D/step-00000005/rank-00003.bin      rank 3's elements, fp32 little-endian, entry after entry
+D/step-00000005/rank-00003.json     its index: {"rank", "stage", "pipeline", "tp_rank", "file", "bytes",
+                                     "sha256", "entries": [{"name", "key", "dim", "start", "width",
+                                     "lo", "hi", "offset", "sha256"}]}
 ```
+The layout is independent of the plan: an entry holds elements [lo, hi) of the row-major flattening
+of the slice [start, start + width) along `dim` of the full (unsharded) tensor `key` ("param",
+"exp_avg", "exp_avg_sq") of canonical parameter `name` (`dim` None: the whole tensor). Each rank
+writes the elements it owns under ZeRO (`ShardedAdamW.checkpoint_entries`; an unsharded bucket by its
+lowest rank only), so every element is written exactly once and all ranks write in parallel: a
+rank streams its entries to its own file, hashing them (SHA-256, per entry and per file) as it
+writes, fsyncs, and writes its index. A blocking barrier (`sync.barrier`) then waits for every rank;
+rank 0 reads the small index files only (never the data), checks that the entries cover every
+element of every tensor of the layout exactly once (`check_coverage`), writes the manifest (fsync),
+renames `D/.tmp-step-<n>` to `D/step-<n>` and fsyncs `D`. A rank resuming under any plan reads only
+the byte ranges of the entries that overlap its own TP shards, verifying each entry's SHA-256
+(`checkpoint_io.Reader`).
+
 `step` is the number of optimizer steps taken, so resuming runs step `step` next and no sample is
-skipped or repeated. Pipeline 0 writes: each of its replicas gathers full tensors over its TP group
-and its TP rank 0 writes one file per stage into `D/.tmp-step-<n>/`; rank 0 then hashes the files,
-writes the manifest (fsync), renames the folder to `D/step-<n>` and fsyncs `D`. A folder without a
-manifest, or whose files do not match their checksums, is never loaded: `find_latest` falls back to
-the previous one and says why. Files are read with `torch.load(weights_only=True)` from verified
-bytes, so nothing is unpickled beyond tensors and plain containers.
+skipped or repeated. A folder without a manifest, or whose files do not match it, is never loaded:
+`find_latest` (the launcher, before any rank starts) hashes every file, in parallel and streaming,
+falls back to the previous checkpoint and says why. Format 1 (`sailor-checkpoint-1`: one
+`torch.save` file of full tensors per stage, written by pipeline 0) is still read.
 
 We do not use `torch.distributed.checkpoint`: its resharding works on DTensor meshes, and the replicas
-of one stage here have different TP degrees (a meshes-per-replica layout it does not describe); full
-tensors per stage are small enough and load under any plan. The import of torch is lazy so that the
-launcher can pick a checkpoint without it.
+of one stage here have different TP degrees and ZeRO shards (a layout it does not describe). This
+module does not import torch, so that the launcher can pick a checkpoint without it; the tensor
+side is `checkpoint_io`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,14 +54,17 @@ from sailor.core.errors import SailorInputError
 if TYPE_CHECKING:
     from sailor.specs.job import JobSpec
 
-FORMAT = "sailor-checkpoint-1"
+FORMAT = "sailor-checkpoint-2"
+FORMAT_1 = "sailor-checkpoint-1"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _STAGE_FILE = re.compile(r"^stage-\d+\.pt$")
+_RANK_FILE = re.compile(r"^rank-\d{5}\.(bin|json)$")
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
+_CHUNK = 1 << 24  # bytes read per hash update (16 MiB)
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint folder that is incomplete or fails its checksums."""
+    """A checkpoint folder that is incomplete, does not cover its tensors, or fails its checksums."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +80,21 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def tmp_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f".tmp-step-{step:08d}"
+
+
+def rank_files(rank: int) -> tuple[str, str]:
+    """(data file, index file) names of rank `rank`."""
+    return f"rank-{rank:05d}.bin", f"rank-{rank:05d}.json"
+
+
+def prepare_tmp(root: str | Path, step: int) -> Path:
+    """An empty temporary folder for step `step` (left-overs of a crashed attempt removed)."""
+    tmp = tmp_dir(root, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 def _fsync_dir(path: Path) -> None:
@@ -72,8 +105,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of checkpoint folder `path` after checking its shape and every file's size and SHA-256.
+def file_sha256(path: Path) -> tuple[str, int]:
+    """(SHA-256 hex digest, size in bytes) of file `path`, read in 16 MiB chunks (raises OSError)."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write `data` to `path` and fsync it."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(path: str | Path, *, verify: bool = True) -> dict[str, Any]:
+    """The manifest of checkpoint folder `path` after checking its shape and that every file it lists
+    is there with its size; `verify`: also each file's SHA-256 (every file read once, in parallel).
+    A rank resuming passes verify=False and checks what it reads, entry by entry.
 
     Raises:
         CheckpointError: no manifest, an unknown format, a malformed manifest, or a file missing or
@@ -84,26 +137,55 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         manifest = json.loads((p / "manifest.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{p}: no readable manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{p}: unknown format {manifest.get('format') if isinstance(manifest, dict) else None!r}")
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    if fmt not in (FORMAT, FORMAT_1):
+        raise CheckpointError(f"{p}: unknown format {fmt!r}")
     files, tensors, step = manifest.get("files"), manifest.get("tensors"), manifest.get("step")
+    pattern = _RANK_FILE if fmt == FORMAT else _STAGE_FILE
     if (not isinstance(files, dict) or not isinstance(tensors, dict) or isinstance(step, bool)
             or not isinstance(step, int) or step < 0
             or not all(isinstance(m, dict) and isinstance(m.get("sha256"), str) and isinstance(m.get("bytes"), int)
-                       and _STAGE_FILE.match(str(name)) for name, m in files.items())
-            or not all(isinstance(f, str) and f in files for f in tensors.values())):
+                       and pattern.match(str(name)) for name, m in files.items())
+            or not (_v2_shape_ok(manifest) if fmt == FORMAT else all(f in files for f in tensors.values()))):
         raise CheckpointError(f"{p}: malformed manifest")
-    for name, meta in files.items():
-        _read_verified(p / name, meta)
+    names = sorted(files)
+    if verify:
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
+            list(pool.map(lambda n: _check_file(p / n, files[n], hash_it=True), names))
+    else:
+        for n in names:
+            _check_file(p / n, files[n], hash_it=False)
     return manifest
 
 
-def _read_verified(path: Path, meta: dict[str, Any]) -> bytes:
+def _v2_shape_ok(manifest: dict[str, Any]) -> bool:
+    files, ranks, keys = manifest["files"], manifest.get("ranks"), manifest.get("keys")
+    return (all(isinstance(s, list) and all(isinstance(d, int) and d > 0 for d in s) for s in manifest["tensors"].values())
+            and isinstance(keys, list) and "param" in keys
+            and isinstance(ranks, dict) and len(ranks) > 0
+            and all(isinstance(r, dict) and r.get("index") in files and r.get("data") in files for r in ranks.values()))
+
+
+def _check_file(path: Path, meta: Mapping[str, Any], *, hash_it: bool) -> None:
+    """Raise CheckpointError unless `path` has the size (and, `hash_it`, the SHA-256) `meta` gives."""
+    try:
+        if hash_it:
+            digest, size = file_sha256(path)
+        else:
+            digest, size = meta["sha256"], path.stat().st_size
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    if size != meta["bytes"] or digest != meta["sha256"]:
+        raise CheckpointError(f"{path}: checksum mismatch")
+
+
+def read_verified(path: Path, meta: Mapping[str, Any]) -> bytes:
+    """The bytes of a small file after checking them against `meta` ({"sha256", "bytes"})."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from None
-    if len(data) != meta["bytes"] or _sha256(data) != meta["sha256"]:
+    if len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
         raise CheckpointError(f"{path}: checksum mismatch")
     return data
 
@@ -123,7 +205,109 @@ def find_latest(root: str | Path) -> Found:
     return Found(None, None, tuple(skipped))
 
 
-def run_meta(job: "JobSpec", seed: int) -> dict[str, Any]:
+def check_coverage(layout: Mapping[str, Iterable[int]], keys: Iterable[str], entries: Iterable[Mapping[str, Any]],
+                   *, source: str) -> None:
+    """Raise CheckpointError unless `entries` (the rank indexes' entries) cover every element of
+    tensor `key` of every parameter of `layout` ({name: full shape}) exactly once, for each of `keys`.
+
+    Every entry of one tensor must slice it along the same dimension (or be the whole tensor); the
+    slices must partition that dimension, and the entries' flat ranges [lo, hi) each slice's elements.
+    """
+    by: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for e in entries:
+        by.setdefault((e["name"], e["key"]), []).append(e)
+    want = {(n, k) for n in layout for k in keys}
+    extra = sorted(set(by) - want)
+    if extra:
+        raise CheckpointError(f"{source}: entries for {extra[0][1]} of {extra[0][0]}, which the layout does not have")
+    for name, shape in layout.items():
+        shape = list(shape)
+        numel = _prod(shape)
+        for key in keys:
+            got = by.get((name, key))
+            if not got:
+                raise CheckpointError(f"{source}: no rank wrote {key} of {name}")
+            slices: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+            for e in got:
+                dim, start, width = (0, 0, shape[0]) if e["dim"] is None else (e["dim"], e["start"], e["width"])
+                slices.setdefault((dim, start, width), []).append((e["lo"], e["hi"]))
+            dims = {d for d, _, _ in slices}
+            if len(dims) != 1 or not 0 <= next(iter(dims)) < len(shape):
+                raise CheckpointError(f"{source}: {key} of {name} is sliced along dimensions {sorted(dims)}")
+            dim = dims.pop()
+            bounds = sorted((s, s + w) for _, s, w in slices)
+            if not _partitions(bounds, shape[dim]):
+                raise CheckpointError(f"{source}: the slices of {key} of {name} do not cover dimension {dim}"
+                                      f" ({shape[dim]}) exactly once: {bounds[:4]}")
+            for (_, start, width), ranges in slices.items():
+                if not _partitions(sorted(ranges), numel // shape[dim] * width):
+                    raise CheckpointError(f"{source}: the entries of {key} of {name} (slice {start}+{width}) do not"
+                                          f" cover it exactly once: {sorted(ranges)[:4]}")
+
+
+def _partitions(ranges: list[tuple[int, int]], n: int) -> bool:
+    """Whether sorted half-open `ranges` are non-empty and tile [0, n) exactly."""
+    end = 0
+    for lo, hi in ranges:
+        if lo != end or hi <= lo:
+            return False
+        end = hi
+    return end == n
+
+
+def _prod(shape: Iterable[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def commit(root: str | Path, step: int, meta: dict[str, Any], *, layout: Mapping[str, Iterable[int]],
+           keys: Iterable[str], world_size: int) -> Path:
+    """Rank 0, after every rank wrote its files into `tmp_dir(root, step)` and passed a blocking
+    barrier: check each rank's index (present, its data file's size) and the coverage of `layout` for
+    `keys`, write the manifest listing every rank's files with the hashes their indexes give (the data
+    is not read again), and rename the folder into place atomically. `meta`: `run_meta`. Returns the
+    final folder.
+
+    Raises:
+        CheckpointError: a rank's index or data file is missing or of the wrong size, or the entries
+            do not cover the layout exactly once (nothing is renamed).
+    """
+    tmp, final = tmp_dir(root, step), step_dir(root, step)
+    keys = list(keys)
+    files: dict[str, dict[str, Any]] = {}
+    ranks: dict[str, dict[str, Any]] = {}
+    entries: list[dict[str, Any]] = []
+    for r in range(world_size):
+        data_name, index_name = rank_files(r)
+        try:
+            raw = (tmp / index_name).read_bytes()
+            index = json.loads(raw)
+            size = (tmp / data_name).stat().st_size
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{tmp}: rank {r} wrote no complete shard ({e})") from None
+        if index.get("rank") != r or index.get("file") != data_name or size != index.get("bytes"):
+            raise CheckpointError(f"{tmp / index_name}: does not describe {data_name} ({size} bytes)")
+        files[data_name] = {"sha256": index["sha256"], "bytes": size}
+        files[index_name] = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
+        ranks[str(r)] = {k: index.get(k) for k in ("stage", "pipeline", "tp_rank")} | {"index": index_name,
+                                                                                        "data": data_name}
+        entries += index["entries"]
+    layout = {n: list(s) for n, s in layout.items()}
+    check_coverage(layout, keys, entries, source=str(tmp))
+    manifest = {"format": FORMAT, "step": step, **meta, "keys": keys, "tensors": layout, "ranks": ranks,
+                "files": files}
+    write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+    _fsync_dir(tmp)
+    if final.exists():  # the same step written again (e.g. a rerun): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(Path(root))
+    return final
+
+
+def run_meta(job: JobSpec, seed: int) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it (the data order and parameter shapes
     depend on all of it): seed, model, global batch, and the job's sequence length, precision and
     optimizer. The worker writes it into every manifest; `check_compatible` compares it."""
@@ -166,75 +350,3 @@ def newest_step_dir(root: str | Path) -> Path | None:
     """The newest `step-<n>` folder under `root`, verified or not (None when there is none)."""
     dirs = _step_dirs(root)
     return dirs[-1] if dirs else None
-
-
-def load_tensors(path: str | Path, manifest: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:
-    """Full tensors (param and optimizer moments) of canonical parameters `names` from a checkpoint,
-    reading only the files that hold them, each verified against its checksum.
-
-    Raises:
-        CheckpointError: a file fails its checksum or a name is missing.
-    """
-    import torch
-
-    p = Path(path)
-    missing = [n for n in names if n not in manifest["tensors"]]
-    if missing:
-        raise CheckpointError(f"{p}: no tensors for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    out: dict[str, dict[str, Any]] = {}
-    for fname in sorted({manifest["tensors"][n] for n in names}):
-        data = _read_verified(p / fname, manifest["files"][fname])
-        content = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        out.update({n: v for n, v in content.items() if n in names})
-    return out
-
-
-def write_stage_file(tmp: Path, stage: int, tensors: dict[str, dict[str, Any]]) -> None:
-    """Write one stage's full tensors into the temporary folder (fsynced)."""
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(tensors, buf)
-    for name, data in ((f"stage-{stage}.pt", buf.getvalue()),
-                       (f"stage-{stage}.names.json", json.dumps(sorted(tensors)).encode())):
-        with open(tmp / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def tmp_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f".tmp-step-{step:08d}"
-
-
-def prepare_tmp(root: str | Path, step: int) -> Path:
-    """An empty temporary folder for step `step` (left-overs of a crashed attempt removed)."""
-    tmp = tmp_dir(root, step)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def commit(root: str | Path, step: int, meta: dict[str, Any]) -> Path:
-    """Hash the stage files in the temporary folder, write the manifest and rename the folder into
-    place atomically. `meta` holds seed, model and global batch size. Returns the final folder."""
-    tmp, final = tmp_dir(root, step), step_dir(root, step)
-    files, tensors = {}, {}
-    for f in sorted(tmp.glob("stage-*.pt")):
-        data = f.read_bytes()
-        files[f.name] = {"sha256": _sha256(data), "bytes": len(data)}
-        names_file = f.with_suffix(".names.json")
-        for name in json.loads(names_file.read_text()):
-            tensors[name] = f.name
-        names_file.unlink()
-    manifest = {"format": FORMAT, "step": step, **meta, "files": files, "tensors": tensors}
-    with open(tmp / "manifest.json", "w") as f:
-        f.write(json.dumps(manifest, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if final.exists():  # the same step written again (e.g. a rerun): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(Path(root))
-    return final

@@ -344,7 +344,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     """
     from safetensors.torch import save_file
 
-    from sailor.runtime import checkpoint as ckpt
+    from sailor.runtime.checkpoint_io import load_tensors
 
     path, manifest = _find_checkpoint(Path(checkpoint))
     try:
@@ -357,7 +357,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SailorInputError("exists and is not an empty folder", source=str(out), fix="export to a new folder")
     names = [n for n in _full_shapes(spec) if n in manifest["tensors"]]
-    full = {n: v["param"] for n, v in ckpt.load_tensors(path, manifest, names).items()}
+    full = {n: v["param"] for n, v in load_tensors(path, manifest, names, keys=["param"]).items()}
     tensors = hf_tensors(spec, full)
     shards = _shard(tensors, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)

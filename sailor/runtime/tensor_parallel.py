@@ -76,19 +76,20 @@ def shard(full: torch.Tensor, dim: int | None, tp_rank: int, tp: int) -> torch.T
     return full.chunk(tp, dim=dim)[tp_rank].contiguous()
 
 
-def materialize_shards(stage: nn.Module, shard_value, *, tp: int, device: torch.device) -> None:
+def materialize_shards(stage: nn.Module, shard_value, *, tp: int, device: torch.device, prefix: str = "") -> None:
     """Allocate `stage`'s (meta, TP-sharded) parameters on `device` and fill each with
     `shard_value(name, dim, full_shape)`: this rank's shard along `dim` (`shard_dim(name)`; None:
-    replicated) of the parameter whose full, unsharded shape is `full_shape`."""
+    replicated) of the parameter whose full, unsharded shape is `full_shape`. `stage` may be one
+    layer of a stage: `prefix` ("layers.<i>.") then makes its parameter names canonical."""
     full = {}
-    for name, p in stage.named_parameters():
+    for name, p in stage.named_parameters(prefix=prefix.rstrip(".")):
         shape, dim = list(p.shape), shard_dim(name)
         if dim is not None:
             shape[dim] *= tp
         full[name] = tuple(shape)
     stage.to_empty(device=device)
     with torch.no_grad():
-        for name, p in stage.named_parameters():
+        for name, p in stage.named_parameters(prefix=prefix.rstrip(".")):
             p.copy_(shard_value(name, shard_dim(name), full[name]))
 
 

@@ -8,11 +8,14 @@ the schedule, `schedule.runtime_schedule(plan)`, the runtime's one reader of it)
 2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers: its chunks under
    interleaving) -> `apply_tp` (with `mem.sequence_parallel`) -> `apply_recompute` (`mem.recompute`,
    `mem.recompute_blocks`, counted over the stage's blocks in layer order).
-3. `materialize`: every parameter's full fp32 value (seeded init, or checkpoint) sharded for this TP
-   rank; or `hf_weights.materialize_hf` (--init-from): each shard read from Hugging Face safetensors.
-4. `ShardedAdamW` (`mem.zero`, the compute dtype, the tied embedding's transfers `tied.tied_for_rank`):
-   takes the parameters over (fp32 master where needed, weights cast to bf16 under mixed precision,
-   freed under ZeRO-3); Adam moments restored from the checkpoint when resuming.
+3. `ShardedAdamW` built over the meta parameters (`mem.zero`, the compute dtype, the tied embedding's
+   transfers `tied.tied_for_rank`): the buckets, no state yet.
+4. Layer by layer: `materialize_shards` gives the layer's parameters on the device in fp32, this TP
+   rank's shards (seeded init; a checkpoint's entries, `checkpoint_io.Reader`; or --init-from, read
+   from Hugging Face safetensors), then `ShardedAdamW.adopt` takes them over (fp32 master where
+   needed, Adam moments from the checkpoint or zeros, weights cast to bf16 under mixed precision,
+   freed under ZeRO-3) before the next layer is materialised: start-up peaks at the steady state
+   plus one layer.
 5. One `StageExecutor` per chunk (the optimizer's layer hooks around each layer) and the stage's
    op order under the schedule (`Schedule.order`); `P2P` in the compute dtype.
 Each step: stop check (all ranks agree) -> `train_step`: the schedule's order over this pipeline's
@@ -63,6 +66,7 @@ from sailor.plan import load_plan
 from sailor.plan.orders import Op
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.checkpoint_io import RankWriter, Reader
 from sailor.runtime.command import WorkerSettings, parse
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.device import rank_device
@@ -75,7 +79,8 @@ from sailor.runtime.pipeline import P2P, StageTimes, build_stage, run_pipeline
 from sailor.runtime.recompute import apply_recompute
 from sailor.runtime.scaler import LossScaler, overflowed
 from sailor.runtime.schedule import runtime_schedule, step_rounds
-from sailor.runtime.tensor_parallel import apply_tp, head_loss, materialize_shards, shard, shard_dim
+from sailor.runtime.sync import barrier
+from sailor.runtime.tensor_parallel import apply_tp, head_loss, materialize_shards, shard
 from sailor.runtime.tied import tied_for_rank
 from sailor.runtime.topology import RankRole, derive_topology
 from sailor.runtime.validate import check_device_precision, check_plan_for_job
@@ -85,6 +90,7 @@ from sailor.specs.job import JobSpec
 
 EVENT_PREFIX = "SAILOR_EVENT "
 FAULT_ENV = "SAILOR_FAULT"  # test hook: "<rank>:<step>" makes that rank die (exit 13) at that step
+SLOW_WRITER_ENV = "SAILOR_SLOW_WRITER"  # test hook: "<rank>:<seconds>" delays that rank's checkpoint writer
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -108,51 +114,38 @@ def materialize(stage: nn.Module, full_value, *, tp_rank: int, tp: int, device: 
                        device=device)
 
 
-def _barrier(device: torch.device) -> None:
-    dist.all_reduce(torch.zeros(1, device=device))
+def model_layout(spec: ModelSpec) -> dict[str, list[int]]:
+    """Every canonical parameter of the model with its full (unsharded) shape: what a checkpoint
+    must cover, whatever the plan."""
+    with torch.device("meta"):
+        return {n: list(p.shape) for n, p in GPT(spec).named_parameters()}
 
 
-def _full(t: torch.Tensor, name: str, role: RankRole, group, device: torch.device) -> torch.Tensor:
-    """The full tensor (on CPU) of TP shard `t` of parameter `name` (all-gathered over the TP group)."""
-    dim = shard_dim(name)
-    if dim is None or role.tp == 1:
-        return t.detach().cpu().clone()
-    t = t.detach().to(device).contiguous()
-    parts = [torch.empty_like(t) for _ in range(role.tp)]
-    dist.all_gather(parts, t, group=group)
-    return torch.cat(parts, dim=dim).cpu()
-
-
-def save_checkpoint(root: Path, step: int, meta: dict[str, Any], opt: ShardedAdamW, role: RankRole, tp_group,
-                    device: torch.device) -> Path:
-    """Collective over all ranks: write checkpoint `step` (layout in `sailor.runtime.checkpoint`):
-    the optimizer's shards gathered into full tensors by canonical name."""
-    if dist.get_rank() == 0:
+def save_checkpoint(root: Path, step: int, meta: dict[str, Any], opt: ShardedAdamW, role: RankRole,
+                    device: torch.device, layout: dict[str, list[int]]) -> Path:
+    """Collective over all ranks: write checkpoint `step` (layout in `sailor.runtime.checkpoint`).
+    Every rank streams the elements it owns (`ShardedAdamW.checkpoint_entries`) to its own file, in
+    parallel and without any collective; a blocking barrier waits for all of them before rank 0
+    commits (coverage of `layout` checked, manifest, rename), and another before any rank goes on."""
+    rank = dist.get_rank()
+    if rank == 0:
         ckpt.prepare_tmp(root, step)
-    _barrier(device)
-    state = opt.full_state()  # every rank: its stage's TP shards, gathered over the ZeRO groups
-    if role.pipeline == 0:
-        tensors = {name: {key: _full(t, name, role, tp_group, device) for key, t in entry.items()}
-                   for name, entry in state.items()}
-        if role.tp_rank == 0:
-            ckpt.write_stage_file(ckpt.tmp_dir(root, step), role.stage, tensors)
-    del state
-    _barrier(device)
+    barrier(device)  # the temporary folder exists before anyone writes into it
+    writer = RankWriter(ckpt.tmp_dir(root, step), rank,
+                        {"stage": role.stage, "pipeline": role.pipeline, "tp_rank": role.tp_rank})
+    slow = os.environ.get(SLOW_WRITER_ENV, "")
+    if slow.startswith(f"{rank}:"):
+        time.sleep(float(slow.split(":", 1)[1]))
+    for entry in opt.checkpoint_entries():
+        writer.add(*entry)
+    writer.close()
+    barrier(device)  # every rank's files are on disk
     path = ckpt.step_dir(root, step)
-    if dist.get_rank() == 0:
-        ckpt.commit(root, step, meta)
-    _barrier(device)
+    if rank == 0:
+        ckpt.commit(root, step, meta, layout=layout, keys=["param", *ckpt.OPTIMIZER_KEYS] if opt.steps else ["param"],
+                    world_size=dist.get_world_size())
+    barrier(device)  # the checkpoint is in place before any rank goes on (or exits)
     return path
-
-
-def restore_moments(opt: ShardedAdamW, tensors: dict[str, dict], step: int, role: RankRole) -> None:
-    """Put the checkpoint's Adam moments (full tensors, sharded here for this TP rank) and step count
-    into `opt`; a checkpoint written before the first step has none."""
-    if not all(k in entry for entry in tensors.values() for k in ckpt.OPTIMIZER_KEYS):
-        assert step == 0, step
-        return
-    opt.load_moments({name: {k: shard(entry[k], shard_dim(name), role.tp_rank, role.tp) for k in ckpt.OPTIMIZER_KEYS}
-                      for name, entry in tensors.items()}, step)
 
 
 @dataclass
@@ -167,20 +160,16 @@ class RankModel:
     rounds: int  # micro-batch rounds per step (`schedule.step_rounds`)
 
 
-def stage_names(spec: ModelSpec, role: RankRole) -> list[str]:
-    """Canonical parameter names of this rank's stage."""
-    with torch.device("meta"):
-        stage = build_stage(GPT(spec), role.chunks)
-    return [n for n, _ in stage.named_parameters()]
-
-
 def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device: torch.device, seed: int,
-               tensors: dict[str, dict] | None = None, init_from: str | None = None, step: int = 0,
+               reader: Reader | None = None, init_from: str | None = None, step: int = 0,
                dtype: torch.dtype | None = None) -> RankModel:
-    """Steps 2-5 of the order of construction (module docstring) for this rank's stage. `tensors`:
-    a checkpoint's full tensors by name; else `init_from`, a Hugging Face model folder; else the
-    seeded initial weights. `dtype` overrides the compute dtype of `job.precision` on `device`
-    (tests run bf16 on CPU with it)."""
+    """Steps 2-5 of the order of construction (module docstring) for this rank's stage, layer by
+    layer: each layer's parameters are materialised on `device` in fp32 (this TP rank's shards),
+    handed to the optimizer (`ShardedAdamW.adopt`: fp32 master and moments of the owned ranges, the
+    weights cast to the compute dtype, freed under ZeRO-3) before the next layer's, so the peak is
+    the steady state plus one layer. Values from `reader` (a checkpoint, with its Adam moments);
+    else `init_from`, a Hugging Face model folder; else the seeded initial weights. `dtype`
+    overrides the compute dtype of `job.precision` on `device` (tests run bf16 on CPU with it)."""
     spec, mem = job.model, role.memory
     with torch.device("meta"):
         stage = GPT(spec)
@@ -188,20 +177,38 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=groups.get(role.tp_group),
              sequence_parallel=mem.sequence_parallel)
     apply_recompute(stage, mem)
-    if tensors is not None:
-        materialize(stage, lambda n, s: tensors[n]["param"], tp_rank=role.tp_rank, tp=role.tp, device=device)
-    elif init_from is not None:
-        from sailor.runtime.hf_weights import HFWeights, materialize_hf  # safetensors: only when asked for
-        materialize_hf(stage, HFWeights(init_from, spec), tp_rank=role.tp_rank, tp=role.tp, device=device)
-    else:
-        materialize(stage, lambda n, s: initial_value(spec, n, s, seed=seed), tp_rank=role.tp_rank, tp=role.tp,
-                    device=device)
     dtype = dtype or compute_dtype(job.precision, device)
     tied = tied_for_rank(spec, plan, derive_topology(plan), role.rank)
     opt = ShardedAdamW(dict(stage.named_parameters()), role, groups, zero=mem.zero,
-                       sequence_parallel=mem.sequence_parallel, cfg=OptimConfig(), dtype=dtype, tied=tied)
-    if tensors is not None:
-        restore_moments(opt, tensors, step, role)
+                       sequence_parallel=mem.sequence_parallel, cfg=OptimConfig(), dtype=dtype, tied=tied,
+                       device=device)
+    tp_rank, tp = role.tp_rank, role.tp
+    weights = None
+    if reader is not None:
+        def value(name, dim, full):
+            return reader.shard(name, "param", tp_rank, tp)
+    elif init_from is not None:
+        from sailor.runtime.hf_weights import (
+            HFWeights,  # safetensors: only when asked for
+        )
+        weights = HFWeights(init_from, spec)
+
+        def value(name, dim, full):
+            return weights.read(name, dim, tp_rank, tp, full)
+    else:
+        def value(name, dim, full):
+            return shard(initial_value(spec, name, full, seed=seed), dim, tp_rank, tp)
+    moments = reader is not None and ckpt.OPTIMIZER_KEYS[0] in reader.held_keys()
+    assert moments or step == 0, step  # a checkpoint written before the first step has no moments
+    for key, layer in stage.layers.items():
+        prefix = f"layers.{key}."
+        materialize_shards(layer, value, tp=tp, device=device, prefix=prefix)
+        params = dict(layer.named_parameters(prefix=prefix.rstrip(".")))
+        opt.adopt(int(key), params, (lambda k, names=tuple(params): {n: reader.shard(n, k, tp_rank, tp) for n in names})
+                  if moments else None)
+    if weights is not None:
+        weights.close()
+    opt.steps = step
     rounds = step_rounds(plan, role)
     executors = [StageExecutor(stage, opt, first_stage=role.is_first_stage and c == 0, layers=chunk)
                  for c, chunk in enumerate(role.chunks)]
@@ -297,16 +304,18 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     channels = create_channel_groups(topo, timeout, device)  # one group per pipeline channel (`pipeline`)
     if rank == 0:
         emit("started", world_size=topo.world_size)  # process groups are up (the controller times phases)
-    tp_group = groups.get(role.tp_group)
 
-    start, tensors = 0, None
+    start, reader = 0, None
     if args.resume_from:
-        manifest = ckpt.read_manifest(args.resume_from)
+        # The launcher verified every file's checksum; each rank checks the entries it reads.
+        manifest = ckpt.read_manifest(args.resume_from, verify=False)
         start = manifest["step"]
-        tensors = ckpt.load_tensors(args.resume_from, manifest, stage_names(spec, role))
-    rk = build_rank(plan, job, role, groups, device=device, seed=args.seed, tensors=tensors,
+        reader = Reader(args.resume_from, manifest)
+    rk = build_rank(plan, job, role, groups, device=device, seed=args.seed, reader=reader,
                     init_from=args.init_from, step=start)
-    del tensors
+    if reader is not None:
+        reader.close()
+    barrier(device)  # every rank's stage is built before the first step
     if rank == 0:
         emit("loaded", step=start)  # weights and optimizer state in place; step `start` runs next
     opt = rk.optimizer
@@ -317,6 +326,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
               channels=channels)
     corpus = load_corpus(args.data)
     meta = ckpt.run_meta(job, args.seed)
+    layout = model_layout(spec)
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     fault = os.environ.get(FAULT_ENV, "")
     n_local = role.microbatches * mbs
@@ -335,7 +345,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         if stop:
             path = None
             if root is not None:
-                path = save_checkpoint(root, step, meta, opt, role, tp_group, device) if saved_at != step \
+                path = save_checkpoint(root, step, meta, opt, role, device, layout) if saved_at != step \
                     else ckpt.step_dir(root, step)
             if rank == 0:
                 emit("stopped", step=step, checkpoint=str(path) if path else None)
@@ -387,7 +397,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
             emit("step", **record)
         done = step + 1
         if root is not None and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
-            path = save_checkpoint(root, done, meta, opt, role, tp_group, device)
+            path = save_checkpoint(root, done, meta, opt, role, device, layout)
             saved_at = done
             if rank == 0:
                 emit("checkpoint", step=done, path=str(path))
@@ -413,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
         # Every rank is past its last transfer before any exits. Then leave without running the
         # process groups' C++ destructors: tearing down gloo's threads at exit intermittently aborts
         # ("terminate called without an active exception", SIGABRT), which torchrun reports as a failure.
-        _barrier(torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu"))
+        barrier(torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu"))
         code = 0
     except BaseException as e:  # report which rank failed and why, then fail fast
         _report(e, rank)

@@ -59,7 +59,7 @@ left out of the norm.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,8 @@ class ShardedAdamW:
 
     Args:
         params: this rank's stage parameters by canonical name (TP shards), fp32 with their initial
-            (or checkpoint) values. They are taken over: cast to `dtype`, freed under ZeRO-3.
+            (or checkpoint) values, taken over at once (cast to `dtype`, freed under ZeRO-3); or on
+            the meta device (shapes only), each layer then handed over by `adopt`.
         role: this rank's role (stage groups and blocks).
         groups: torch process group per rank tuple (`groups.create_groups`).
         zero: ZeRO stage 0..3 of this rank's stage.
@@ -103,16 +104,18 @@ class ShardedAdamW:
         cfg: AdamW settings (the reference's).
         dtype: the weights' compute dtype (fp32, or bf16 on CUDA).
         tied: this rank's part in a tied embedding's gradient (`tied.tied_for_rank`); None: untied.
+        device: where the state lives (default: the parameters' device; needed for meta parameters).
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], role: RankRole, groups: Mapping[Ranks, object], *,
                  zero: int, sequence_parallel: bool, cfg: OptimConfig, dtype: torch.dtype = FP32,
-                 tied: Tied | None = None) -> None:
+                 tied: Tied | None = None, device: torch.device | None = None) -> None:
         assert 0 <= zero <= 3, zero
         self.params, self.zero, self.cfg, self.dtype = dict(params), zero, cfg, dtype
         self.groups = groups
         self.steps = 0  # optimizer steps taken
-        self.device = next(iter(self.params.values())).device
+        self.tp_rank = role.tp_rank
+        self.device = device or next(iter(self.params.values())).device
         self.buckets = build_buckets(self.params, role, zero=zero, sequence_parallel=sequence_parallel)
         self._tied_setup(role, tied)
         self.layer_buckets: dict[int, list[int]] = {}
@@ -123,26 +126,54 @@ class ShardedAdamW:
             self.layer_params.setdefault(int(name.split(".")[1]), []).append(name)
         # fp32 master of the owned range: kept where the weights cannot serve as master (ZeRO-3, or
         # half-precision weights); otherwise built from the weights at each step.
-        self.master = [self._own(b, flatten(b, self.params, dtype=FP32, device=self.device, padded=True)).clone()
-                       if self._keeps_master else None for b in self.buckets]
-        self.exp_avg = [torch.zeros(b.shard_numel, dtype=FP32, device=self.device) for b in self.buckets]
-        self.exp_avg_sq = [torch.zeros(b.shard_numel, dtype=FP32, device=self.device) for b in self.buckets]
+        n = len(self.buckets)
+        self.master: list[torch.Tensor | None] = [None] * n
+        self.exp_avg: list[torch.Tensor] = [None] * n  # type: ignore[list-item]  # filled by `adopt`
+        self.exp_avg_sq: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
         # Owned gradient: accumulated over the step's micro-batches under ZeRO-2/3; under ZeRO-0/1 a
         # view of the bucket's gradient buffer that `reduce` reduced in place (None between steps).
-        self.grad: list[torch.Tensor | None] = [
-            torch.zeros(b.shard_numel, dtype=FP32, device=self.device) if zero >= 2 else None for b in self.buckets]
+        self.grad: list[torch.Tensor | None] = [None] * n
         # ZeRO-0/1: the fp32 gradient buffer of each bucket (padded to its shards), which every layer's
         # backward adds its gradients into (Megatron-LM's contiguous grad buffer); the only full copy.
-        self.grad_buffer: list[torch.Tensor] | None = (
-            [torch.zeros(b.shards * b.shard_numel, dtype=FP32, device=self.device) for b in self.buckets]
-            if zero < 2 else None)
-        with torch.no_grad():
-            for p in self.params.values():
-                if p.dtype != dtype:
-                    p.data = p.data.to(dtype)
-        if zero == 3:
+        # Made per layer by `adopt`.
+        self.grad_buffer: list[torch.Tensor] | None = [None] * n if zero < 2 else None  # type: ignore[list-item]
+        if not any(p.is_meta for p in self.params.values()):
             for layer in self.layer_params:
-                self._free(layer)
+                self.adopt(layer)
+
+    def adopt(self, layer: int, params: Mapping[str, nn.Parameter] | None = None,
+              moments: Callable[[str], Mapping[str, torch.Tensor]] | None = None) -> None:
+        """Take over layer `layer`'s parameters: `params` (this rank's TP shards by canonical name, fp32
+        with their initial or checkpoint values, replacing the meta ones the optimizer was built from;
+        None: those it holds), with the Adam moments `moments(key)` ({name: TP shard} of the layer for
+        "exp_avg", then "exp_avg_sq", asked for one key at a time; None: zeros). Builds the layer's fp32
+        master and moments of the owned ranges, casts its weights to `dtype` and frees them under
+        ZeRO-3, so that start-up holds one layer beyond the steady state (`worker.build_rank`
+        materialises the stage layer by layer)."""
+        if params is not None:
+            self.params.update(params)
+        buckets = self.layer_buckets.get(layer, [])
+        for i in buckets:
+            b = self.buckets[i]
+            if self._keeps_master:
+                self.master[i] = self._owned(b, flatten(b, self.params, dtype=FP32, device=self.device, padded=True))
+            self.grad[i] = torch.zeros(b.shard_numel, dtype=FP32, device=self.device) if self.zero >= 2 else None
+            if self.grad_buffer is not None:
+                self.grad_buffer[i] = torch.zeros(b.shards * b.shard_numel, dtype=FP32, device=self.device)
+        for key, store in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            values = moments(key) if moments is not None else None
+            for i in buckets:
+                b = self.buckets[i]
+                store[i] = (self._owned(b, flatten(b, values, dtype=FP32, device=self.device, padded=True))
+                            if values is not None else torch.zeros(b.shard_numel, dtype=FP32, device=self.device))
+            del values
+        with torch.no_grad():
+            for n in self.layer_params[layer]:
+                p = self.params[n]
+                if p.dtype != self.dtype:
+                    p.data = p.data.to(self.dtype)
+        if self.zero == 3:
+            self._free(layer)
 
     @property
     def _keeps_master(self) -> bool:
@@ -218,22 +249,23 @@ class ShardedAdamW:
                       maximize=False)
             if self.zero < 3:
                 unflatten(b, self._all_gather(b, master.to(self.dtype)), self.params)
-            if self.grad_buffer is not None:
-                self.grad_buffer[i].zero_()
-                self.grad[i] = None
-            else:
-                self.grad[i].zero_()
+            self._clear_grad(i)
         self.steps += 1
 
     def skip(self) -> None:
         """Drop this step's gradients without an update (an fp16 overflow, `runtime.scaler`): weights,
         master, Adam moments and the step count stay as they are."""
         for i in range(len(self.buckets)):
-            if self.grad_buffer is not None:
-                self.grad_buffer[i].zero_()
-                self.grad[i] = None
-            else:
-                self.grad[i].zero_()
+            self._clear_grad(i)
+
+    def _clear_grad(self, i: int) -> None:
+        """Bucket `i`'s gradient back to zero for the next step (ZeRO-0/1: its buffer; the owned view
+        is dropped)."""
+        if self.grad_buffer is not None:
+            self.grad_buffer[i].zero_()
+            self.grad[i] = None
+        else:
+            self.grad[i].zero_()
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -252,15 +284,32 @@ class ShardedAdamW:
                 unflatten(b, full, tensors)
         return out
 
-    def load_moments(self, tensors: Mapping[str, Mapping[str, torch.Tensor]], step: int) -> None:
-        """Take the Adam moments (TP shards, by name) and step count of a checkpoint; the weights
-        (and master) came with the parameters this optimizer was built from."""
+    def checkpoint_entries(self):
+        """The elements this rank writes into a checkpoint (`checkpoint` docstring): for each bucket it
+        owns a shard of (an unsharded bucket: only its lowest rank), per parameter piece, yields
+        (name, key, dim, start, width, lo, flat): elements [lo, lo + len(flat)) of the flattened slice
+        [start, start + width) along `dim` of the full tensor (`dim` None: the whole tensor), for the
+        fp32 weights and, once a step was taken, both Adam moments. No collective; `flat` is a view
+        of the owned state where it can be (a copy of one piece at most otherwise)."""
         for i, b in enumerate(self.buckets):
-            for key, dst in (("exp_avg", self.exp_avg[i]), ("exp_avg_sq", self.exp_avg_sq[i])):
-                flat = flatten(b, {n: t[key] for n, t in tensors.items() if key in t},
-                               dtype=FP32, device=self.device, padded=True)
-                dst.copy_(self._own(b, flat))
-        self.steps = step
+            if b.shards == 1 and b.ranks[0] != self.rank:
+                continue
+            offset = 0
+            for piece in b.pieces:
+                lo, hi = max(offset, b.lo), min(offset + piece.numel, b.hi)
+                if lo < hi:
+                    p = self.params[piece.name]
+                    dim = piece.dim
+                    start = 0 if dim is None else self.tp_rank * p.shape[dim] + piece.start
+                    width = 0 if dim is None else piece.width
+                    a, c = lo - b.lo, hi - b.lo  # in the owned shard
+                    param = (self.master[i][a:c] if self.master[i] is not None
+                             else piece_view(p.data, piece).reshape(-1)[lo - offset:hi - offset])
+                    yield piece.name, "param", dim, start, width, lo - offset, param
+                    if self.steps:
+                        yield piece.name, "exp_avg", dim, start, width, lo - offset, self.exp_avg[i][a:c]
+                        yield piece.name, "exp_avg_sq", dim, start, width, lo - offset, self.exp_avg_sq[i][a:c]
+                offset += piece.numel
 
     # ---- accounting --------------------------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:
@@ -326,6 +375,11 @@ class ShardedAdamW:
             self.grad[i][a:c].add_(buf)
 
     # ---- collectives -------------------------------------------------------------------------
+    def _owned(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a padded flat vector of `b` that is its own storage (`flat` itself
+        when the rank owns all of it, no copy)."""
+        return flat if b.shards == 1 else self._own(b, flat).clone()
+
     def _own(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a padded flat vector of bucket `b` (the whole of it under ZeRO-0)."""
         return flat[b.index * b.shard_numel:(b.index + 1) * b.shard_numel]
