@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -252,7 +253,21 @@ def _create(spec: TestbedSpec, state: TestbedState) -> None:
         peers = {p.name: p.address for p in state.nodes if p.name != n.name}
         for argv in net.egress_commands(spec, names, n.name, peers) + net.ingress_commands(spec, names, n.name):
             run(argv)
+    for n in state.nodes:
+        _write_hosts(n)
     _create_cgroups(spec, state)
+
+
+NETNS_ETC = "/etc/netns"  # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc (ip-netns(8))
+
+
+def _write_hosts(node: NodeState) -> None:
+    """/etc/hosts as the node sees it: this machine's hostname is the node's address, as on a real
+    machine (gloo and torchrun find their own address from the hostname; else they would take
+    127.0.0.1, which the other nodes cannot reach)."""
+    folder = Path(NETNS_ETC, node.netns)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / "hosts", f"127.0.0.1 localhost\n{node.address} {socket.gethostname()}\n")
 
 
 # ---- down ----------------------------------------------------------------------------------------
@@ -316,9 +331,17 @@ def remove(prefix: str) -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
     for link in _root_links(prefix):  # a veth still in this namespace (up stopped between two commands)
         subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
+    for ns in _etc_names(prefix):
+        shutil.rmtree(Path(NETNS_ETC, ns), ignore_errors=True)
     for d in _cgroup_dirs(f"{net.CGROUP_CPU}/{prefix}"):
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(d)
+
+
+def _etc_names(prefix: str | None) -> list[str]:
+    """Folders of /etc/netns of one testbed (`prefix`), or of every testbed (None)."""
+    names = os.listdir(NETNS_ETC) if os.path.isdir(NETNS_ETC) else []
+    return sorted(n for n in names if (n.startswith(prefix + "-") if prefix else net.PREFIX_PATTERN.match(n)))
 
 
 def _root_links(prefix: str | None) -> list[str]:
@@ -332,6 +355,7 @@ def leftovers(prefix: str | None = None) -> list[str]:
     cgroups and processes, each as a short description. Empty after a clean `down`."""
     found = [f"netns {n}" for n in _netns_names(prefix)]
     found += [f"link {n}" for n in _root_links(prefix)]
+    found += [f"file {NETNS_ETC}/{n}" for n in _etc_names(prefix)]
     cgroups = [d for d in (os.listdir(net.CGROUP_CPU) if os.path.isdir(net.CGROUP_CPU) else [])
                if (d == prefix if prefix else net.PREFIX_PATTERN.fullmatch(d))]
     found += [f"cgroup {net.CGROUP_CPU}/{d}" for d in cgroups]
@@ -360,7 +384,7 @@ def down_all(state_dir: str | Path | None = None) -> list[str]:
     for s in live_states(state_dir):
         down(s)
         removed.append(s.prefix)
-    stray = {n.split("-")[0] for n in _netns_names(None)} | {n[:7] for n in _root_links(None)}
+    stray = {n.split("-")[0] for n in _netns_names(None) + _etc_names(None)} | {n[:7] for n in _root_links(None)}
     stray |= {d for d in (os.listdir(net.CGROUP_CPU) if os.path.isdir(net.CGROUP_CPU) else [])
               if net.PREFIX_PATTERN.fullmatch(d)}
     for prefix in sorted(stray):

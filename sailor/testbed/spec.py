@@ -183,7 +183,7 @@ def load_testbed(path: str | Path) -> TestbedSpec:
     return parse_model(TestbedSpec, load_mapping(path), str(path))
 
 
-def testbed_from(data: dict[str, Any], source: str | None = None) -> TestbedSpec:
+def parse_testbed(data: dict[str, Any], source: str | None = None) -> TestbedSpec:
     """A testbed spec from a dict in the file's format; raises SailorInputError naming the field."""
     return parse_model(TestbedSpec, data, source)
 

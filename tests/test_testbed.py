@@ -1,0 +1,230 @@
+"""The testbed's pure parts: its file, what it becomes for the planner and the launcher, names and
+addresses, the tc commands, the state bookkeeping and the stand-in ssh's argument parsing. No
+process is started here (tests/test_testbed_link.py brings a testbed up)."""
+
+import copy
+from pathlib import Path
+
+import pytest
+
+import sailor
+from sailor.catalog import LinkClass
+from sailor.core.errors import SailorInputError
+from sailor.core.schema import parse_model
+from sailor.launch.hosts import HostsFile
+from sailor.testbed import cluster_spec, hosts_spec, load_testbed
+from sailor.testbed import host, net
+from sailor.testbed.spec import FRAME_BYTES, MSS_BYTES, TestbedLink, payload_bytes_per_s, parse_testbed
+from sailor.testbed.ssh import parse
+
+ROOT = Path(__file__).resolve().parents[1]
+BOX = ROOT / "examples" / "testbed.yaml"
+
+
+@pytest.fixture
+def box():
+    return load_testbed(BOX)
+
+
+def raw():
+    import yaml
+    return yaml.safe_load(BOX.read_text())
+
+
+# ---- the file ------------------------------------------------------------------------------------
+def test_the_example_reads(box):
+    assert [n.name for n in box.nodes] == ["a0", "a1", "b0", "w0"]
+    assert box.cfs_period_us == 10_000
+    assert box.total_cpu_cores() == pytest.approx(2 * 2 * 0.3 + 2 * 0.15)
+    a0, a1, b0, w0 = box.nodes
+    assert box.link_between(a0, a1) is TestbedLink.SAME_ZONE
+    assert box.link_between(a0, b0) is TestbedLink.CROSS_ZONE
+    assert box.link_between(b0, w0) is TestbedLink.CROSS_REGION
+
+
+@pytest.mark.parametrize("edit, field, words", [
+    (lambda d: d["nodes"][2].update(device="medium"), "nodes.2.device", "unknown device class 'medium'"),
+    (lambda d: d["nodes"][3].update(region="us-central1"), "nodes.3.region", "us-west1-b is in region us-west1"),
+    (lambda d: d["nodes"][0].update(zone="mars-1a"), "nodes.0.zone", "mars-1a"),
+    (lambda d: d["nodes"][1].update(name="a0"), "nodes.1.name", "listed twice"),
+    (lambda d: d["nodes"][0].update(name="toolong7"), "nodes.0.name", "1-6 of a-z 0-9"),
+    (lambda d: d["nodes"][1].update(ranks=1), "nodes.1.ranks", "node 0 of device class 'fast' has 2"),
+    (lambda d: d["devices"]["slow"].update(gpu="A100-40"), "devices.slow.gpu", "both stand for A100-40"),
+    (lambda d: d["devices"]["slow"].update(cpu_quota=0.05), "devices.slow.cpu_quota", "below the kernel's 1000 µs"),
+    (lambda d: d["links"].update(cross_zone_mbit_per_s=0), "links.cross_zone_mbit_per_s", "greater than or equal"),
+    (lambda d: d.update(extra=1), "extra", "Extra inputs"),
+    (lambda d: d.update(name="Box!"), "name", "1-12 of a-z"),
+])
+def test_bad_files_name_the_field(edit, field, words):
+    data = copy.deepcopy(raw())
+    edit(data)
+    with pytest.raises(SailorInputError) as e:
+        parse_testbed(data, "tb.yaml")
+    assert e.value.source == "tb.yaml" and e.value.field == field
+    assert words in e.value.one_line()
+
+
+def test_the_quota_fix_names_the_period_that_works():
+    data = copy.deepcopy(raw())
+    data["devices"]["slow"]["cpu_quota"] = 0.05
+    with pytest.raises(SailorInputError, match=r"cfs_period_us >= 20000"):
+        parse_testbed(data)
+
+
+# ---- what the planner and the launcher see ---------------------------------------------------------
+def test_payload_rate_of_a_wire_rate():
+    # 100 Mbit/s of frames = 12.5e6 B/s; 1448 of every 1514 bytes are payload
+    assert payload_bytes_per_s(100) == pytest.approx(12.5e6 * 1448 / 1514)
+    assert (MSS_BYTES, FRAME_BYTES) == (1448, 1514)
+
+
+def test_the_cluster_spec_offers_the_testbed(box):
+    spec = sailor.load_cluster(cluster_spec(box))
+    assert spec.zones == {"us-central1-a": {"A100-40": 4}, "us-central1-b": {"V100-16": 1},
+                          "us-west1-b": {"V100-16": 1}}
+    assert spec.node_size("A100-40") == 2 and spec.node_size("V100-16") == 1
+    # cross zone: min(200 Mbit link, 300 Mbit NIC); cross region: 50; same zone: min(400, NIC 300)
+    assert spec.link(LinkClass.SAME_REGION).bandwidth_bytes_per_s == pytest.approx(payload_bytes_per_s(200))
+    assert spec.link(LinkClass.SAME_CONTINENT).bandwidth_bytes_per_s == pytest.approx(payload_bytes_per_s(50))
+    assert spec.link(LinkClass.SAME_ZONE, "us-central1-a").bandwidth_bytes_per_s == pytest.approx(
+        payload_bytes_per_s(300))
+    assert spec.link(LinkClass.SAME_REGION).flow_bandwidth_bytes_per_s == spec.link(
+        LinkClass.SAME_REGION).bandwidth_bytes_per_s  # one flow can fill the shaped class
+
+
+def test_a_slow_nic_caps_the_classes(box):
+    data = copy.deepcopy(raw())
+    data["nodes"][3]["nic_mbit_per_s"] = 20
+    spec = sailor.load_cluster(cluster_spec(parse_testbed(data)))
+    assert spec.link(LinkClass.SAME_CONTINENT).bandwidth_bytes_per_s == pytest.approx(payload_bytes_per_s(20))
+    # the zone of the slow node only
+    assert spec.link(LinkClass.SAME_ZONE, "us-west1-b").bandwidth_bytes_per_s == pytest.approx(payload_bytes_per_s(20))
+    assert spec.link(LinkClass.SAME_ZONE, "us-central1-a").bandwidth_bytes_per_s == pytest.approx(
+        payload_bytes_per_s(300))
+
+
+def test_the_hosts_file_lists_the_nodes_addresses(box):
+    addresses = {"a0": "10.200.1.2", "a1": "10.200.2.2", "b0": "10.200.3.2", "w0": "10.200.4.2"}
+    hosts = parse_model(HostsFile, hosts_spec(box, addresses), "hosts.yaml")
+    assert [(g.zone, g.gpu, g.gpus_per_node, g.hosts) for g in hosts.groups] == [
+        ("us-central1-a", "A100-40", 2, ("10.200.1.2", "10.200.2.2")),
+        ("us-central1-b", "V100-16", 1, ("10.200.3.2",)),
+        ("us-west1-b", "V100-16", 1, ("10.200.4.2",))]
+
+
+# ---- names, addresses, tc --------------------------------------------------------------------------
+def test_names_carry_the_prefix_and_fit_an_interface_name():
+    names = net.Names("sbx0a1f")
+    for name in (names.node_veth("abcdef"), names.router_veth("abcdef")):
+        assert name.startswith("sbx0a1f") and len(name) <= 15  # IFNAMSIZ - 1
+    assert names.netns("a0") == "sbx0a1f-a0" and names.router == "sbx0a1f-rt"
+    assert names.node_cgroup("a0") == "/sys/fs/cgroup/cpu/sbx0a1f/a0"
+    with pytest.raises(AssertionError):
+        net.Names("box")
+
+
+def test_the_block_avoids_used_networks_and_other_testbeds():
+    assert net.pick_block([]) == 200
+    assert net.pick_block(["10.200.7.0/24", "192.0.2.2/24", "broadcast"]) == 201
+    assert net.pick_block(["10.200.0.0/15"], taken=[202]) == 203  # 10.200-201 used, 202 another testbed's
+    with pytest.raises(RuntimeError, match="no free"):
+        net.pick_block(["10.0.0.0/8"])
+
+
+def test_node_addresses():
+    assert net.node_addresses(201, 2) == [("10.201.1.1", "10.201.1.2"), ("10.201.2.1", "10.201.2.2")]
+
+
+def _rates(cmd):
+    def bits(s):
+        return int(s.removesuffix("bit"))
+    return bits(cmd[cmd.index("rate") + 1]), bits(cmd[cmd.index("ceil") + 1])
+
+
+def test_egress_shapes_the_nic_and_each_link_class(box):
+    names = net.Names("sbx0001")
+    peers = {"a1": "10.200.2.2", "b0": "10.200.3.2", "w0": "10.200.4.2"}
+    cmds = net.egress_commands(box, names, "a0", peers)
+    assert cmds[0][:4] == ["ip", "netns", "exec", "sbx0001-a0"]
+    assert all(c[c.index("dev") + 1] == "sbx0001na0" for c in cmds)
+    classes = {c[c.index("classid") + 1]: _rates(c) for c in cmds if "class" in c}
+    nic = 300_000_000
+    assert classes["1:1"] == (nic, nic)
+    assert classes["1:10"][1] == nic  # same zone: min(400, NIC 300)
+    assert classes["1:20"][1] == 200_000_000
+    assert classes["1:30"][1] == 50_000_000
+    children = [v for k, v in classes.items() if k != "1:1"]
+    assert sum(rate for rate, _ in children) <= nic  # htb would overrun the NIC otherwise
+    assert all(rate <= ceil for rate, ceil in children)
+    filters = {c[c.index("dst") + 1]: c[c.index("flowid") + 1] for c in cmds if "filter" in c}
+    assert filters == {"10.200.2.2/32": "1:10", "10.200.3.2/32": "1:20", "10.200.4.2/32": "1:30"}
+
+
+def test_ingress_shapes_the_nic_on_the_router_side(box):
+    cmds = net.ingress_commands(box, net.Names("sbx0001"), "w0")
+    assert cmds[0][:4] == ["ip", "netns", "exec", "sbx0001-rt"]
+    assert all(c[c.index("dev") + 1] == "sbx0001rw0" for c in cmds)
+    assert _rates(cmds[1]) == (300_000_000, 300_000_000)
+
+
+def test_links_turn_segmentation_offload_off():
+    (add,) = [c for c in net.node_link_commands(net.Names("sbx0001"), "a0", "10.200.1.1", "10.200.1.2")
+              if c[:3] == ["ip", "link", "add"]]
+    assert add.count("gso_max_segs") == 2  # both ends
+
+
+def test_cpu_quota():
+    assert net.cpu_quota_us(0.45, 10_000) == 4500
+    assert net.cpu_quota_us(2 * 0.3, 5000) == 3000
+
+
+# ---- state bookkeeping ----------------------------------------------------------------------------
+def _state(tmp_path, name="box", prefix="sbx00aa", block=200):
+    nodes = tuple(host.NodeState(name=n, netns=f"{prefix}-{n}", veth=f"{prefix}n{n}", address=f"10.{block}.{i + 1}.2",
+                                 router_address=f"10.{block}.{i + 1}.1", cgroup=f"/sys/fs/cgroup/cpu/{prefix}/{n}")
+                  for i, n in enumerate(["a", "b"]))
+    return host.TestbedState(name=name, prefix=prefix, block=block, folder=str(tmp_path / name), nodes=nodes)
+
+
+def _save(state):
+    Path(state.folder).mkdir(parents=True)
+    (Path(state.folder) / "state.json").write_text(state.to_json())
+
+
+def test_the_state_round_trips_and_is_found(tmp_path):
+    one, two = _state(tmp_path), _state(tmp_path, "pair", "sbx00bb", 201)
+    _save(one)
+    _save(two)
+    assert host.live_states(tmp_path) == [one, two]
+    assert host.find_state("pair", tmp_path) == two
+    assert host.locate("root@10.201.2.2", tmp_path) == (two, two.nodes[1])
+    with pytest.raises(SailorInputError, match="more than one testbed node has the address or name 'a'"):
+        host.locate("a", tmp_path)
+    with pytest.raises(SailorInputError, match="no testbed node"):
+        host.locate("10.9.9.9", tmp_path)
+    with pytest.raises(SailorInputError, match="no testbed 'gone' is up"):
+        host.find_state("gone", tmp_path)
+    assert host.live_states(tmp_path / "none") == []
+
+
+def test_the_state_folder_comes_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(host.STATE_DIR_ENV, str(tmp_path))
+    assert host.state_root() == tmp_path
+    assert host.state_root("/x") == Path("/x")
+    monkeypatch.delenv(host.STATE_DIR_ENV)
+    assert host.state_root() == Path("/run/sailor-testbed")
+
+
+def test_the_prefix_pattern_takes_only_testbed_names():
+    assert net.PREFIX_PATTERN.match("sbx1f2e-a0") and net.PREFIX_PATTERN.match("sbx1f2ena0")
+    assert not net.PREFIX_PATTERN.match("sbxzz00-a") and not net.PREFIX_PATTERN.match("eth0")
+
+
+# ---- the stand-in ssh ----------------------------------------------------------------------------
+def test_ssh_arguments_as_the_launcher_passes_them():
+    from sailor.launch.torchrun import ssh_argv
+    argv = ssh_argv("root@10.200.1.2", "echo hi; torchrun x")
+    assert parse(argv[1:]) == (None, "root@10.200.1.2", "bash -c 'echo hi; torchrun x'")
+    assert parse(["--state-dir", "/s", "-tt", "a", "true"]) == ("/s", "a", "true")
+    with pytest.raises(SailorInputError, match="a destination and a command"):
+        parse(["-o", "BatchMode=yes", "--", "a"])
