@@ -12,9 +12,14 @@ from sailor.catalog import LinkClass
 from sailor.core.errors import SailorInputError
 from sailor.core.schema import parse_model
 from sailor.launch.hosts import HostsFile
-from sailor.testbed import cluster_spec, hosts_spec, load_testbed
-from sailor.testbed import host, net
-from sailor.testbed.spec import FRAME_BYTES, MSS_BYTES, TestbedLink, payload_bytes_per_s, parse_testbed
+from sailor.testbed import cluster_spec, host, hosts_spec, load_testbed, net
+from sailor.testbed.spec import (
+    FRAME_BYTES,
+    MSS_BYTES,
+    TestbedLink,
+    parse_testbed,
+    payload_bytes_per_s,
+)
 from sailor.testbed.ssh import parse
 
 ROOT = Path(__file__).resolve().parents[1]

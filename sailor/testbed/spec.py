@@ -194,6 +194,10 @@ def parse_testbed(data: dict[str, Any], source: str | None = None) -> TestbedSpe
 # the timestamp option; RFC 791, RFC 793, RFC 7323 §3; preamble and FCS never reach a veth).
 MSS_BYTES = 1448
 FRAME_BYTES = 1514
+HEADER_BYTES = FRAME_BYTES - MSS_BYTES  # 66 bytes of headers per frame, data or ACK
+# A receiver acknowledges at least every second full-sized segment (delayed ACKs: RFC 1122 §4.2.3.2,
+# RFC 5681 §4.2); Linux does so in bulk transfers (it may stretch ACKs further: then fewer).
+SEGMENTS_PER_ACK = 2
 # No delay is added to a link (netem is not in this kernel): a veth hop and the router namespace's
 # forwarding cost tens of µs. A placeholder of that order, until `sailor profile network` measures it.
 LINK_LATENCY_S = 1e-4
@@ -202,6 +206,17 @@ LINK_LATENCY_S = 1e-4
 def payload_bytes_per_s(mbit_per_s: float) -> float:
     """TCP payload bytes/s of a wire rate in Mbit/s (full-sized segments, MSS_BYTES per FRAME_BYTES)."""
     return mbit_per_s * 1e6 / 8 * MSS_BYTES / FRAME_BYTES
+
+
+def wire_bytes(payload_bytes: float) -> float:
+    """Bytes of Ethernet frames, as a veth's tx_bytes + rx_bytes count them (no preamble or FCS), that
+    carry `payload_bytes` of TCP payload over one link, both directions together: every MSS_BYTES
+    of payload travel in one FRAME_BYTES frame, and one ACK of HEADER_BYTES goes back per
+    SEGMENTS_PER_ACK segments. So 1 MB of payload is 1.0456 MB of data frames and 0.0228 MB of ACKs.
+    Full-sized segments are assumed: a message's last, partial segment adds one header (66 bytes)
+    per message, which the bulk transfers of gradients and activations make negligible."""
+    segments = payload_bytes / MSS_BYTES
+    return segments * FRAME_BYTES + segments / SEGMENTS_PER_ACK * HEADER_BYTES
 
 
 def class_rates_mbit_per_s(spec: TestbedSpec) -> dict[LinkClass, float]:
