@@ -233,3 +233,14 @@ def test_ssh_arguments_as_the_launcher_passes_them():
     assert parse(["--state-dir", "/s", "-tt", "a", "true"]) == ("/s", "a", "true")
     with pytest.raises(SailorInputError, match="a destination and a command"):
         parse(["-o", "BatchMode=yes", "--", "a"])
+
+
+def test_the_rank_slot_of_a_process():
+    run = {"TORCHELASTIC_RUN_ID": "x"}
+    assert host.rank_slot({**run, "LOCAL_RANK": "1"}) == 1
+    # a node with two agents: the second agent's local rank 0 is the node's device 2
+    assert host.rank_slot({**run, "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "2,3"}) == 2
+    assert host.rank_slot({**run, "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "2,3"}) == 3
+    assert host.rank_slot({"LOCAL_RANK": "0"}) is None  # not started by torchrun
+    assert host.rank_slot({**run}) is None  # the agent itself
+    assert host.rank_slot({**run, "LOCAL_RANK": "4", "CUDA_VISIBLE_DEVICES": "0"}) is None

@@ -77,6 +77,9 @@ def test_bytes_on_a_shaped_link_match_the_simulator(tmp_path):
             before = link_bytes(state)
             launch(state, plan, job, steps, tmp_path / f"launch{steps}.log")
             moved.append(link_bytes(state) - before)
+            for node in state.nodes:  # the rank ran in its own cgroup, under its quota
+                stat = dict(line.split() for line in Path(node.cgroup, "r0", "cpu.stat").read_text().splitlines())
+                assert int(stat["nr_periods"]) > 0, node
         measured = (moved[1] - moved[0]) / 3
         predicted = wire_bytes(crossing.moved_bytes)
         print(f"link bytes per iteration: measured {measured:.0f}, predicted {predicted:.0f}"

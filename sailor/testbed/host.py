@@ -164,13 +164,50 @@ def _write_cgroup(path: str, key: str, value: str | int) -> None:
 
 
 def _create_cgroups(spec: TestbedSpec, state: TestbedState) -> None:
-    """The testbed's cgroup with one child per node, whose quota is ranks × the class's per-rank quota."""
+    """The testbed's cgroup with one child per node, whose quota is ranks × the class's per-rank
+    quota, and below it one child per rank (`r0`, `r1`, ...) with the per-rank quota: a rank waiting
+    for a transfer does not lend its share to the other ranks of its node (the stand-in ssh moves
+    each rank into its own, `place_ranks`); the node's own share covers its torchrun agents too."""
     os.mkdir(state.names.cgroup)
     for n, ns in zip(spec.nodes, state.nodes):
-        os.mkdir(ns.cgroup)
-        _write_cgroup(ns.cgroup, "cpu.cfs_period_us", spec.cfs_period_us)
-        quota = net.cpu_quota_us(n.ranks * spec.devices[n.device].cpu_quota, spec.cfs_period_us)
-        _write_cgroup(ns.cgroup, "cpu.cfs_quota_us", quota)
+        quota = spec.devices[n.device].cpu_quota
+        for path, cores in [(ns.cgroup, n.ranks * quota)] + [(rank_cgroup(ns, k), quota) for k in range(n.ranks)]:
+            os.mkdir(path)
+            _write_cgroup(path, "cpu.cfs_period_us", spec.cfs_period_us)
+            _write_cgroup(path, "cpu.cfs_quota_us", net.cpu_quota_us(cores, spec.cfs_period_us))
+
+
+def rank_cgroup(node: NodeState, slot: int) -> str:
+    """The cgroup of the rank on device `slot` of `node`."""
+    return f"{node.cgroup}/r{slot}"
+
+
+def rank_slot(environ: dict[str, str]) -> int | None:
+    """The device index on its node of the rank with environment `environ` (torchrun sets
+    LOCAL_RANK; where the node runs several agents, each sees its own devices through
+    CUDA_VISIBLE_DEVICES, `sailor.launch.common`); None for a process that is not a rank."""
+    local = environ.get("LOCAL_RANK", "")
+    if not local.isdigit() or "TORCHELASTIC_RUN_ID" not in environ:
+        return None
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return int(local)
+    return int(visible[int(local)]) if int(local) < len(visible) and visible[int(local)].strip().isdigit() else None
+
+
+def place_ranks(node: NodeState) -> int:
+    """Move every rank found directly in `node`'s cgroup into its rank cgroup (`rank_slot`); how many
+    were moved. Processes that end meanwhile are skipped."""
+    moved = 0
+    for pid in Path(node.cgroup, "cgroup.procs").read_text().split():
+        with contextlib.suppress(OSError, ValueError):
+            raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            env = dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e)
+            slot = rank_slot(env)
+            if slot is not None and os.path.isdir(rank_cgroup(node, slot)):
+                _write_cgroup(rank_cgroup(node, slot), "cgroup.procs", pid)
+                moved += 1
+    return moved
 
 
 def _write_files(spec: TestbedSpec, state: TestbedState) -> None:

@@ -5,8 +5,9 @@ Takes what `sailor.launch.torchrun.ssh_argv` passes (`-o OPTION`, `-t`/`-tt`/`-T
 destination "user@address", then the command). The destination is a node's address (HOSTS.yaml
 lists them) or its name. The command runs in a new session; SIGTERM, SIGINT or SIGHUP to this
 process reach its whole process group (closing a real ssh connection hangs up the remote side), and
-what is still running after a grace period is killed. Its exit status is this process's, 255 when
-the node is unknown (as ssh says when it cannot connect).
+what is still running after a grace period is killed. While it runs, every rank torchrun starts is
+moved into its own cgroup with its device class's per-rank quota (`host.place_ranks`, every 0.1 s).
+Its exit status is the command's, 255 when the node is unknown (as ssh's when it cannot connect).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import sys
 
 from sailor.core.errors import SailorInputError
 from sailor.core.process import die_with_parent
-from sailor.testbed.host import enter_argv, locate
+from sailor.testbed.host import enter_argv, locate, place_ranks
 
 GRACE_S = 10.0  # how long the remote command has to end after SIGTERM before SIGKILL
+PLACE_EVERY_S = 0.1  # how often ranks started since are moved into their own cgroups
 SSH_UNREACHABLE = 255  # ssh's exit status when it cannot connect
 
 
@@ -69,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, hang_up)
-    return child.wait()
+    while True:  # each rank into its own cgroup as soon as torchrun starts it
+        try:
+            return child.wait(timeout=PLACE_EVERY_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                place_ranks(node)
 
 
 if __name__ == "__main__":
