@@ -244,3 +244,43 @@ def test_the_rank_slot_of_a_process():
     assert host.rank_slot({"LOCAL_RANK": "0"}) is None  # not started by torchrun
     assert host.rank_slot({**run}) is None  # the agent itself
     assert host.rank_slot({**run, "LOCAL_RANK": "4", "CUDA_VISIBLE_DEVICES": "0"}) is None
+
+
+# ---- profiles of the device classes ---------------------------------------------------------------
+def _profile(scale: float) -> dict:
+    return {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
+            "device": "cpu", "layers": [{"gpu": "cpu", "tp": 1, "mbs": m, "forward_s": [scale * m * 1e-3] * 6,
+                                         "backward_s": [2 * scale * m * 1e-3] * 6} for m in (1, 2)],
+            "optimizer": {"cpu": {"seconds_per_param": scale * 1e-9}},
+            "memory": [{"gpu": "cpu", "tp": 1, "activation_bytes_per_sample": [1000.0] * 6}],
+            "runtime": {"microbatch_overhead_s": [{"gpu": "cpu", "tp": 1, "seconds": scale * 1e-4}]}}
+
+
+def test_class_profiles_become_one_profile_of_their_gpu_types():
+    from sailor.perf.profiles import profiles_from_dict
+    from sailor.specs import load_job
+    from sailor.testbed.profile import merge, retag
+
+    fast, slow = _profile(1.0), _profile(3.0)
+    merged = merge([retag(fast, "A100-40"), retag(slow, "V100-16")])
+    assert fast["optimizer"] == {"cpu": {"seconds_per_param": 1e-9}}  # the inputs stay as they were
+    prof = profiles_from_dict(merged, "merged.json")
+    job = load_job(ROOT / "examples" / "tiny_job.yaml")
+    assert prof.optimizer_s_per_param == pytest.approx({"A100-40": 1e-9, "V100-16": 3e-9})
+    assert {r["gpu"] for r in merged["layers"]} == {"A100-40", "V100-16"} and len(merged["layers"]) == 4
+    prof.check_job(job, "merged.json")
+    with pytest.raises(SailorInputError, match=r"GPU type\(s\) \['A100-40'\] measured twice"):
+        merge([retag(fast, "A100-40"), retag(slow, "A100-40")])
+    with pytest.raises(SailorInputError, match="expected a profile of GPU type 'cpu'"):
+        retag(retag(fast, "A100-40"), "V100-16")
+    other = {**_profile(1.0), "sequence_length": 32}
+    with pytest.raises(SailorInputError, match="sequence_length 32 differs"):
+        merge([retag(fast, "A100-40"), retag(other, "V100-16")])
+
+
+def test_a_class_is_profiled_as_one_rank():
+    from sailor.testbed.profile import profile_command
+    argv = profile_command("job.yaml", "/tmp/p.json", "1,2", python="/py")
+    assert argv[:4] == ["/py", "-m", "sailor", "profile"]
+    assert argv[argv.index("--tp") + 1] == "1" and argv[argv.index("--threads") + 1] == "1"
+    assert argv[argv.index("--concurrency") + 1] == "1" and argv[argv.index("--mbs") + 1] == "1,2"

@@ -75,3 +75,31 @@ def exec_command(
     _, n = locate(node, state_dir)
     argv = enter_argv(n, command[1:] if command[:1] == ["--"] else command)
     os.execvp(argv[0], argv)
+
+
+@testbed_app.command("profile")
+def profile_command(
+    file: Path = typer.Argument(..., metavar="FILE", help="Testbed file of a testbed that is up."),  # noqa: B008
+    job: Path = typer.Option(..., "--job", help="Job spec (YAML/JSON): model, sequence length, precision."),  # noqa: B008
+    mbs: str = typer.Option("1,2,4", "--mbs", help="Micro-batch sizes (samples), comma-separated, e.g. 1,2,4."),
+    out: Path = typer.Option(Path("profile.json"), "--out",  # noqa: B008
+                             help="Profile file to write (JSON, sailor.profiles/1)."),
+    state_dir: Path | None = StateDirOpt,
+) -> None:
+    """Measure each device class with `sailor profile` inside one rank's quota; one profile file, its
+    rows named after the classes' GPU types (for `sailor plan --profiles`)."""
+    from sailor.core.fileio import check_output_path, write_json
+    from sailor.perf.profiles import profiles_from_dict
+    from sailor.specs import load_job
+    from sailor.testbed import find_state, load_testbed
+    from sailor.testbed.host import check_support
+    from sailor.testbed.profile import profile_classes
+
+    check_support()
+    spec = load_testbed(file)
+    load_job(job)
+    check_output_path(out, "--out")
+    data = profile_classes(spec, find_state(spec.name, state_dir), job.resolve(), mbs=mbs)
+    profiles_from_dict(data, str(out))
+    write_json(out, data)
+    print(f"profile of {', '.join(f'{n} as {d.gpu}' for n, d in spec.devices.items())} written to {out}")
