@@ -118,3 +118,39 @@ def test_without_the_tools_it_says_so_in_one_line(tmp_path):
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.splitlines() == ["error: sailor testbed: the testbed needs `ip` (iproute2) on PATH"]
     assert load_testbed(ROOT / "examples" / "testbed_pair.yaml").name == "pair"
+
+
+def test_a_failing_up_removes_what_it_made(tmp_path, monkeypatch):
+    from sailor.testbed import host, net
+
+    def broken(*args, **kwargs):  # the last node's shaping fails, after every namespace and veth exists
+        return [["ip", "netns", "exec", "sbx0000-none", "tc", "qdisc", "show"]]
+
+    monkeypatch.setattr(net, "ingress_commands", broken)
+    made = []
+    real_plan = host._plan_state
+    monkeypatch.setattr(host, "_plan_state", lambda *a: made.append(real_plan(*a)) or made[-1])
+    with pytest.raises(RuntimeError, match="sbx0000-none"):
+        up(pair_spec(f"ck{os.getpid() % 10000}"), tmp_path / "state")
+    (state,) = made
+    assert leftovers(state.prefix) == [] and live_states(tmp_path / "state") == []
+
+
+def test_ctrl_c_during_up_removes_what_it_made(tmp_path, monkeypatch):
+    from sailor.testbed import host
+
+    calls = []
+    real_run, real_plan = host.run, host._plan_state
+
+    def interrupted(argv):  # Ctrl-C arrives at the 12th ip/tc command (namespaces and veths exist)
+        calls.append(argv)
+        if len(calls) == 12:
+            raise KeyboardInterrupt
+        return real_run(argv)
+
+    made = []
+    monkeypatch.setattr(host, "run", interrupted)
+    monkeypatch.setattr(host, "_plan_state", lambda *a: made.append(real_plan(*a)) or made[-1])
+    with pytest.raises(KeyboardInterrupt):
+        up(pair_spec(f"cl{os.getpid() % 10000}"), tmp_path / "state")
+    assert len(calls) == 12 and leftovers(made[0].prefix) == [] and live_states(tmp_path / "state") == []
