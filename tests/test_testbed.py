@@ -284,3 +284,25 @@ def test_a_class_is_profiled_as_one_rank():
     assert argv[:4] == ["/py", "-m", "sailor", "profile"]
     assert argv[argv.index("--tp") + 1] == "1" and argv[argv.index("--threads") + 1] == "1"
     assert argv[argv.index("--concurrency") + 1] == "1" and argv[argv.index("--mbs") + 1] == "1,2"
+
+
+# ---- the command line on bad input (in-process: nothing is created, no process starts) ------------
+def _cli(args, monkeypatch, capsys):
+    import sys
+
+    from sailor.cli import main
+    monkeypatch.setattr(sys, "argv", ["sailor", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    return e.value.code, capsys.readouterr().err.splitlines()
+
+
+def test_the_command_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "tb.yaml"
+    bad.write_text(BOX.read_text().replace("device: slow, ranks: 1, nic_mbit_per_s: 300}\n  - {name: w0",
+                                           "device: medium, ranks: 1, nic_mbit_per_s: 300}\n  - {name: w0"))
+    assert _cli(["testbed", "up", str(bad), "--state-dir", str(tmp_path / "s")], monkeypatch, capsys) == (
+        2, [f"error: {bad}: nodes.2.device: unknown device class 'medium' (known: fast, slow)"])
+    assert _cli(["testbed", "down", "--state-dir", str(tmp_path / "s")], monkeypatch, capsys) == (
+        2, ["error: sailor testbed down: give FILE|NAME or --all (one of them)"])
+    assert not (tmp_path / "s").exists()
