@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from sailor.testbed import (
     support_problem,
     up,
 )
-from sailor.testbed.host import live_states
+from sailor.testbed.host import live_states, processes
 from sailor.testbed.spec import parse_testbed, wire_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +99,13 @@ def test_up_again_and_down_all_remove_what_a_killed_run_left(tmp_path):
     second = up(spec, tmp_path / "state")
     try:
         assert leftovers(first.prefix) == [] and leftovers(second.prefix) != []
+        # a process inside a node (what a killed launcher leaves running)
+        sleeper = subprocess.Popen([sys.executable, "-m", "sailor", "testbed", "exec", "b", "--state-dir",
+                                    str(tmp_path / "state"), "--", "sleep", "300"], env={**os.environ, "PYTHONPATH": str(ROOT)})
+        deadline = time.monotonic() + 30
+        while sleeper.pid not in processes(second.prefix) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sleeper.pid in processes(second.prefix)  # exec'd into the node: same pid, in its cgroup
         # a stray namespace with a testbed prefix and no state (a run killed before it wrote one)
         subprocess.run(["ip", "netns", "add", "sbxfff0-x"], check=True)
         (Path(second.folder) / "state.json").unlink()  # and a testbed whose state was lost
@@ -109,6 +117,7 @@ def test_up_again_and_down_all_remove_what_a_killed_run_left(tmp_path):
         if leftovers(second.prefix):
             down(second)
     assert leftovers("sbxfff0") == [] and leftovers(second.prefix) == []
+    assert sleeper.wait(timeout=10) == -9  # killed by the sweep
 
 
 def test_without_the_tools_it_says_so_in_one_line(tmp_path):
