@@ -100,8 +100,8 @@ def test_up_again_and_down_all_remove_what_a_killed_run_left(tmp_path):
     try:
         assert leftovers(first.prefix) == [] and leftovers(second.prefix) != []
         # a process inside a node (what a killed launcher leaves running)
-        sleeper = subprocess.Popen([sys.executable, "-m", "sailor", "testbed", "exec", "b", "--state-dir",
-                                    str(tmp_path / "state"), "--", "sleep", "300"], env={**os.environ, "PYTHONPATH": str(ROOT)})
+        sleeper = subprocess.Popen([sys.executable, "-m", "sailor", "testbed", "exec", "--state-dir",
+                                    str(tmp_path / "state"), "b", "--", "sleep", "300"], env={**os.environ, "PYTHONPATH": str(ROOT)})
         deadline = time.monotonic() + 30
         while sleeper.pid not in processes(second.prefix) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -68,7 +68,8 @@ def exec_command(
     command: list[str] = typer.Argument(..., metavar="-- CMD...", help="Command to run inside the node."),  # noqa: B008
     state_dir: Path | None = StateDirOpt,
 ) -> None:
-    """Run CMD inside NODE's network namespace and cgroup (replaces this process)."""
+    """Run CMD inside NODE's network namespace and cgroup (replaces this process). Options go before
+    NODE: everything after it is the command."""
     from sailor.testbed.host import check_support, enter_argv, locate
 
     check_support()
