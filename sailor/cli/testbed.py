@@ -73,7 +73,7 @@ def exec_command(
     from sailor.testbed.host import check_support, enter_argv, locate
 
     check_support()
-    _, n = locate(node, state_dir)
+    _, n = locate(node, state_dir, source="sailor testbed exec")
     argv = enter_argv(n, command[1:] if command[:1] == ["--"] else command)
     os.execvp(argv[0], argv)
 

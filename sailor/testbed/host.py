@@ -447,13 +447,15 @@ def find_state(name_or_file: str, state_dir: str | Path | None = None) -> Testbe
 
 
 # ---- entering a node -----------------------------------------------------------------------------
-def locate(destination: str, state_dir: str | Path | None = None) -> tuple[TestbedState, NodeState]:
-    """The testbed node an ssh destination ("user@address", an address or a node name) names."""
+def locate(destination: str, state_dir: str | Path | None = None,
+           source: str = "ssh") -> tuple[TestbedState, NodeState]:
+    """The testbed node an ssh destination ("user@address", an address or a node name) names;
+    raises SailorInputError (naming `source`) when none or several do."""
     host = destination.rsplit("@", 1)[-1]
     matches = [(s, n) for s in live_states(state_dir) for n in s.nodes if host in (n.address, n.name)]
     if len(matches) != 1:
         what = "no" if not matches else "more than one"
-        raise SailorInputError(f"{what} testbed node has the address or name {host!r}", source="ssh")
+        raise SailorInputError(f"{what} testbed node has the address or name {host!r}", source=source)
     return matches[0]
 
 
