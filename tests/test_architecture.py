@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "sailor"
 
 # Layers from the bottom up (README "Layout"); a module may import its own layer and those below it.
 LAYERS = ("core", "catalog", "model", "specs", "perf", "plan", "simulator", "planner", "runtime", "launch",
-          "report", "elastic", "api", "cli", "sailor")
+          "testbed", "report", "elastic", "api", "cli", "sailor")
 TORCH_FREE = tuple(name for name in LAYERS if name != "runtime")  # torch comes in through the runtime alone
 
 

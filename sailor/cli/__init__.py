@@ -32,7 +32,7 @@ from sailor.core.errors import SailorInputError, SailorWarning, one_line
 def _register() -> None:
     # Importing a command module registers its commands on `app`. Heavy imports (torch) stay inside
     # the command functions so `sailor plan` starts fast.
-    from sailor.cli import data, elastic, export, launch, plan, profile, simulate, train, validate  # noqa: F401
+    from sailor.cli import data, elastic, export, launch, plan, profile, simulate, testbed, train, validate  # noqa: F401
 
 
 

@@ -1,0 +1,165 @@
+"""Closed loop on the testbed (`sailor testbed`, needs root): predicted against measured step time,
+and the bytes on the links against the simulator's traffic, for a few plans on unequal devices and
+shaped links.
+
+1. bring the testbed up (default `examples/testbed.yaml`: 4 nodes, 3 zones, 2 regions, 2 speeds);
+2. profile each device class inside one rank's quota (`sailor.testbed.profile`);
+3. for each plan: `sailor.simulate` with that profile and the testbed's cluster spec (predicted
+   iteration time and bytes per zone pair), then `sailor launch --backend torchrun` through the
+   stand-in ssh twice, with SHORT_STEPS and --steps steps: the measured step time is the median
+   `step_time_s` after --skip steps of the long run; the bytes per iteration on the link of the
+   plan's lone-node zone (all its traffic crosses to the other zone) are the difference of the two
+   runs' veth counters over the difference of their steps, against `spec.wire_bytes` of the
+   simulator's traffic;
+4. take the testbed down and check that nothing is left;
+5. print a table, then one JSON line: `closed_loop_mean_abs_error_pct`, `closed_loop_max_abs_error_pct`,
+   `link_bytes_max_error_pct`, `plans`, the rows (each with the 1-minute load before and after it)
+   and `left_behind`.
+
+Plans (the `tiny` model, global batch 8):
+  planner          what `sailor.find_plan` picks with the testbed's profile
+  dp_fast          4 data-parallel replicas on the two fast nodes of one zone
+  shares           two speeds, uneven shares: 2 fast replicas x 3 micro-batches, 1 slow x 2 (cross zone)
+  pp_mixed         a pipeline mixing device classes: fast stage 0, slow stage 1 (cross zone)
+  pp_cross_region  a pipeline cut across the cross-region link (slow, slow)
+
+    python benchmarks/testbed.py [--testbed examples/testbed.yaml] [--job examples/tiny_job.yaml]
+        [--steps 8] [--skip 3] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import sailor
+from sailor.core.fileio import write_json
+from sailor.testbed import counters, down, leftovers, load_testbed, support_problem, up
+from sailor.testbed.profile import profile_classes
+from sailor.testbed.spec import wire_bytes
+
+SHORT_STEPS = 2
+FAST, SLOW = ("A100-40", "us-central1-a"), ("V100-16", "us-central1-b")
+WEST = ("V100-16", "us-west1-b")
+
+
+def _replica(stage: int, where: tuple[str, str]) -> dict:
+    return {"stage": stage, "gpu": where[0], "zone": where[1], "tp": 1}
+
+
+PLANS = {
+    "dp_fast": {"micro_batch_size": 2, "stages": [[0, 6]],
+                "pipelines": [{"microbatches": 1, "replicas": [_replica(0, FAST)]} for _ in range(4)]},
+    "shares": {"micro_batch_size": 1, "stages": [[0, 6]],
+               "pipelines": [{"microbatches": 3, "replicas": [_replica(0, FAST)]},
+                             {"microbatches": 3, "replicas": [_replica(0, FAST)]},
+                             {"microbatches": 2, "replicas": [_replica(0, SLOW)]}]},
+    "pp_mixed": {"micro_batch_size": 2, "stages": [[0, 4], [4, 6]],
+                 "pipelines": [{"microbatches": 4, "replicas": [_replica(0, FAST), _replica(1, SLOW)]}]},
+    "pp_cross_region": {"micro_batch_size": 2, "stages": [[0, 3], [3, 6]],
+                        "pipelines": [{"microbatches": 4, "replicas": [_replica(0, SLOW), _replica(1, WEST)]}]},
+}
+LONE_NODE = {"shares": "b0", "pp_mixed": "b0", "pp_cross_region": "w0"}  # its veth carries all crossing bytes
+
+
+def _launch(state, plan: Path, job: Path, steps: int, metrics: Path, log: Path) -> None:
+    env = {**os.environ, "PATH": f"{state.bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    with open(log, "w") as out:
+        p = subprocess.run([sys.executable, "-m", "sailor", "launch", str(plan), "--backend", "torchrun", "--job", str(job),
+                            "--hosts", str(state.hosts_file), "--python", sys.executable, "--steps", str(steps),
+                            "--device", "cpu", "--log-every", "0", "--metrics", str(metrics), "--timeout-s", "120"],
+                           env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"launch of {plan.name} failed (exit {p.returncode}); see {log}")
+
+
+def _link_bytes(state, node: str) -> int:
+    c = counters(state.node(node))
+    return c["tx_bytes"] + c["rx_bytes"]
+
+
+def run_plan(name: str, plan: dict, state, job: Path, profile: Path, out: Path, steps: int, skip: int) -> dict:
+    """One row: predicted and measured step time, and the lone node's link bytes per iteration."""
+    plan_file = out / f"{name}.json"
+    write_json(plan_file, plan)
+    load_before = os.getloadavg()[0]
+    est = sailor.simulate(plan_file, job=job, cluster=state.cluster_file, profiles=profile)
+    node = LONE_NODE.get(name)
+    moved = []
+    for n in (SHORT_STEPS, steps):
+        metrics = out / f"{name}-{n}.jsonl"
+        metrics.unlink(missing_ok=True)
+        before = _link_bytes(state, node) if node else 0
+        _launch(state, plan_file, job, n, metrics, out / f"{name}-{n}.log")
+        moved.append((_link_bytes(state, node) if node else 0) - before)
+    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()
+             if '"step_time_s"' in line][skip:]
+    measured = statistics.median(times)
+    row = {"plan": name, "predicted_s": est.iteration_time_s, "measured_s": measured,
+           "error_pct": 100 * (est.iteration_time_s - measured) / measured,
+           "load_before": load_before, "load_after": os.getloadavg()[0]}
+    if node:
+        payload = sum(t.moved_bytes for t in est.traffic)
+        per_iter = (moved[1] - moved[0]) / (steps - SHORT_STEPS)
+        row |= {"link_node": node, "link_payload_bytes": payload, "link_predicted_bytes": wire_bytes(payload),
+                "link_measured_bytes": per_iter,
+                "link_error_pct": 100 * (per_iter - wire_bytes(payload)) / wire_bytes(payload)}
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--testbed", type=Path, default=ROOT / "examples" / "testbed.yaml")
+    ap.add_argument("--job", type=Path, default=ROOT / "examples" / "tiny_job.yaml")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    problem = support_problem()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    out = args.out or Path(tempfile.mkdtemp(prefix="sailor-testbed-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    spec = load_testbed(args.testbed)
+    started = time.monotonic()
+    state = up(spec, out / "state")
+    rows = []
+    try:
+        profile = out / "profile.json"
+        write_json(profile, profile_classes(spec, state, args.job.resolve(), mbs="1,2"))
+        found = sailor.find_plan(args.job, state.cluster_file, profiles=profile)
+        plans = {"planner": found.plan.to_dict(with_specs=False), **PLANS}
+        for name, plan in plans.items():
+            rows.append(run_plan(name, plan, state, args.job.resolve(), profile, out, args.steps, args.skip))
+            r = rows[-1]
+            print(f"{name:16s} predicted {r['predicted_s']:.4f} s  measured {r['measured_s']:.4f} s"
+                  f"  error {r['error_pct']:+.1f} %" + (f"  link bytes/iter {r['link_measured_bytes']:.0f}"
+                                                        f" vs {r['link_predicted_bytes']:.0f}"
+                                                        f" ({r['link_error_pct']:+.1f} %)" if "link_node" in r else "")
+                  + f"  load {r['load_before']:.1f}->{r['load_after']:.1f}", flush=True)
+    finally:
+        down(state)
+    left = leftovers(state.prefix)
+    errors = [abs(r["error_pct"]) for r in rows]
+    links = [abs(r["link_error_pct"]) for r in rows if "link_error_pct" in r]
+    print(json.dumps({"closed_loop_mean_abs_error_pct": statistics.mean(errors),
+                      "closed_loop_max_abs_error_pct": max(errors),
+                      "link_bytes_max_error_pct": max(links) if links else None,
+                      "plans": [r["plan"] for r in rows], "rows": rows, "left_behind": left,
+                      "seconds": time.monotonic() - started}))
+    return 0 if not left else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

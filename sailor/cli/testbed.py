@@ -1,0 +1,106 @@
+"""`sailor testbed up|down|exec`: an emulated cluster on this machine (`sailor.testbed`; needs root)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import typer
+
+from sailor.cli.app import app
+from sailor.core.errors import SailorInputError
+
+testbed_app = typer.Typer(no_args_is_help=True, help="A cluster in a box: nodes as network namespaces, shaped"
+                                                     " links, CPU quotas as device speeds (needs root).")
+app.add_typer(testbed_app, name="testbed")
+
+StateDirOpt = typer.Option(None, "--state-dir", help="Folder of the testbeds' state, cluster spec, hosts file and"
+                           " stand-in ssh (default $SAILOR_TESTBED_STATE, else /run/sailor-testbed).")
+
+
+@testbed_app.command("up")
+def up_command(
+    file: Path = typer.Argument(..., metavar="FILE", help="Testbed file (YAML): devices, links, nodes."),  # noqa: B008
+    state_dir: Path | None = StateDirOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of lines."),
+) -> None:
+    """Create the testbed FILE describes (removing a previous one of its name first)."""
+    from sailor.testbed import load_testbed, up
+    from sailor.testbed.host import as_dict
+    spec = load_testbed(file)
+    state = up(spec, state_dir)
+    info = as_dict(state)
+    if as_json:
+        print(json.dumps(info))
+        return
+    for n in info["nodes"]:
+        print(f"{n['name']}: {n['address']} (netns {n['netns']})")
+    print(f"cluster spec: {info['cluster']}\nhosts file: {info['hosts']}\n"
+          f"stand-in ssh: export PATH={Path(info['ssh']).parent}:$PATH")
+
+
+@testbed_app.command("down")
+def down_command(
+    file: str | None = typer.Argument(None, metavar="FILE|NAME", help="Testbed file, or the testbed's name."),
+    all_: bool = typer.Option(False, "--all", help="Remove every testbed, and anything a killed run left."),
+    state_dir: Path | None = StateDirOpt,
+) -> None:
+    """Remove a testbed: its processes, namespaces, links, qdiscs, cgroups and state."""
+    from sailor.testbed import down, down_all, find_state
+    from sailor.testbed.host import check_support
+
+    if (file is None) == (not all_):
+        raise SailorInputError("give FILE|NAME or --all (one of them)", source="sailor testbed down")
+    check_support()
+    if all_:
+        removed = down_all(state_dir)
+        print(f"removed {len(removed)} testbed(s){': ' + ', '.join(removed) if removed else ''}")
+        return
+    state = find_state(file, state_dir)
+    down(state)
+    print(f"removed testbed {state.name} ({state.prefix})")
+
+
+@testbed_app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_command(
+    node: str = typer.Argument(..., metavar="NODE", help="Node name or address (in any live testbed)."),
+    command: list[str] = typer.Argument(..., metavar="-- CMD...", help="Command to run inside the node."),  # noqa: B008
+    state_dir: Path | None = StateDirOpt,
+) -> None:
+    """Run CMD inside NODE's network namespace and cgroup (replaces this process). Options go before
+    NODE: everything after it is the command."""
+    from sailor.testbed.host import check_support, enter_argv, locate
+
+    check_support()
+    _, n = locate(node, state_dir, source="sailor testbed exec")
+    argv = enter_argv(n, command[1:] if command[:1] == ["--"] else command)
+    os.execvp(argv[0], argv)
+
+
+@testbed_app.command("profile")
+def profile_command(
+    file: Path = typer.Argument(..., metavar="FILE", help="Testbed file of a testbed that is up."),  # noqa: B008
+    job: Path = typer.Option(..., "--job", help="Job spec (YAML/JSON): model, sequence length, precision."),  # noqa: B008
+    mbs: str = typer.Option("1,2,4", "--mbs", help="Micro-batch sizes (samples), comma-separated, e.g. 1,2,4."),
+    out: Path = typer.Option(Path("profile.json"), "--out",  # noqa: B008
+                             help="Profile file to write (JSON, sailor.profiles/1)."),
+    state_dir: Path | None = StateDirOpt,
+) -> None:
+    """Measure each device class with `sailor profile` inside one rank's quota; one profile file, its
+    rows named after the classes' GPU types (for `sailor plan --profiles`)."""
+    from sailor.core.fileio import check_output_path, write_json
+    from sailor.perf.profiles import profiles_from_dict
+    from sailor.specs import load_job
+    from sailor.testbed import find_state, load_testbed
+    from sailor.testbed.host import check_support
+    from sailor.testbed.profile import profile_classes
+
+    check_support()
+    spec = load_testbed(file)
+    load_job(job)
+    check_output_path(out, "--out")
+    data = profile_classes(spec, find_state(spec.name, state_dir), job.resolve(), mbs=mbs)
+    profiles_from_dict(data, str(out))
+    write_json(out, data)
+    print(f"profile of {', '.join(f'{n} as {d.gpu}' for n, d in spec.devices.items())} written to {out}")

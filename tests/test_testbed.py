@@ -1,0 +1,308 @@
+"""The testbed's pure parts: its file, what it becomes for the planner and the launcher, names and
+addresses, the tc commands, the state bookkeeping and the stand-in ssh's argument parsing. No
+process is started here (tests/test_testbed_link.py brings a testbed up)."""
+
+import copy
+from pathlib import Path
+
+import pytest
+
+import sailor
+from sailor.catalog import LinkClass
+from sailor.core.errors import SailorInputError
+from sailor.core.schema import parse_model
+from sailor.launch.hosts import HostsFile
+from sailor.testbed import cluster_spec, host, hosts_spec, load_testbed, net
+from sailor.testbed.spec import (
+    FRAME_BYTES,
+    MSS_BYTES,
+    TestbedLink,
+    parse_testbed,
+    payload_bytes_per_s,
+)
+from sailor.testbed.ssh import parse
+
+ROOT = Path(__file__).resolve().parents[1]
+BOX = ROOT / "examples" / "testbed.yaml"
+
+
+@pytest.fixture
+def box():
+    return load_testbed(BOX)
+
+
+def raw():
+    import yaml
+    return yaml.safe_load(BOX.read_text())
+
+
+# ---- the file ------------------------------------------------------------------------------------
+def test_the_example_reads(box):
+    assert [n.name for n in box.nodes] == ["a0", "a1", "b0", "w0"]
+    assert box.cfs_period_us == 10_000
+    assert box.total_cpu_cores() == pytest.approx(2 * 2 * 0.3 + 2 * 0.15)
+    a0, a1, b0, w0 = box.nodes
+    assert box.link_between(a0, a1) is TestbedLink.SAME_ZONE
+    assert box.link_between(a0, b0) is TestbedLink.CROSS_ZONE
+    assert box.link_between(b0, w0) is TestbedLink.CROSS_REGION
+
+
+@pytest.mark.parametrize("edit, field, words", [
+    (lambda d: d["nodes"][2].update(device="medium"), "nodes.2.device", "unknown device class 'medium'"),
+    (lambda d: d["nodes"][3].update(region="us-central1"), "nodes.3.region", "us-west1-b is in region us-west1"),
+    (lambda d: d["nodes"][0].update(zone="mars-1a"), "nodes.0.zone", "mars-1a"),
+    (lambda d: d["nodes"][1].update(name="a0"), "nodes.1.name", "listed twice"),
+    (lambda d: d["nodes"][0].update(name="toolong7"), "nodes.0.name", "1-6 of a-z 0-9"),
+    (lambda d: d["nodes"][1].update(ranks=1), "nodes.1.ranks", "node 0 of device class 'fast' has 2"),
+    (lambda d: d["devices"]["slow"].update(gpu="A100-40"), "devices.slow.gpu", "both stand for A100-40"),
+    (lambda d: d["devices"]["slow"].update(cpu_quota=0.05), "devices.slow.cpu_quota", "below the kernel's 1000 µs"),
+    (lambda d: d["links"].update(cross_zone_mbit_per_s=0), "links.cross_zone_mbit_per_s", "greater than or equal"),
+    (lambda d: d.update(extra=1), "extra", "Extra inputs"),
+    (lambda d: d.update(name="Box!"), "name", "1-12 of a-z"),
+])
+def test_bad_files_name_the_field(edit, field, words):
+    data = copy.deepcopy(raw())
+    edit(data)
+    with pytest.raises(SailorInputError) as e:
+        parse_testbed(data, "tb.yaml")
+    assert e.value.source == "tb.yaml" and e.value.field == field
+    assert words in e.value.one_line()
+
+
+def test_the_quota_fix_names_the_period_that_works():
+    data = copy.deepcopy(raw())
+    data["devices"]["slow"]["cpu_quota"] = 0.05
+    with pytest.raises(SailorInputError, match=r"cfs_period_us >= 20000"):
+        parse_testbed(data)
+
+
+# ---- what the planner and the launcher see ---------------------------------------------------------
+def test_payload_rate_of_a_wire_rate():
+    # 100 Mbit/s of frames = 12.5e6 B/s; 1448 of every 1514 bytes are payload
+    assert payload_bytes_per_s(100) == pytest.approx(12.5e6 * 1448 / 1514)
+    assert (MSS_BYTES, FRAME_BYTES) == (1448, 1514)
+
+
+def test_the_cluster_spec_offers_the_testbed(box):
+    spec = sailor.load_cluster(cluster_spec(box))
+    assert spec.zones == {"us-central1-a": {"A100-40": 4}, "us-central1-b": {"V100-16": 1},
+                          "us-west1-b": {"V100-16": 1}}
+    assert spec.node_size("A100-40") == 2 and spec.node_size("V100-16") == 1
+    # cross zone: min(200 Mbit link, 300 Mbit NIC); cross region: 50; same zone: min(400, NIC 300)
+    assert spec.link(LinkClass.SAME_REGION).bandwidth_bytes_per_s == pytest.approx(payload_bytes_per_s(200))
+    assert spec.link(LinkClass.SAME_CONTINENT).bandwidth_bytes_per_s == pytest.approx(payload_bytes_per_s(50))
+    assert spec.link(LinkClass.SAME_ZONE, "us-central1-a").bandwidth_bytes_per_s == pytest.approx(
+        payload_bytes_per_s(300))
+    assert spec.link(LinkClass.SAME_REGION).flow_bandwidth_bytes_per_s == spec.link(
+        LinkClass.SAME_REGION).bandwidth_bytes_per_s  # one flow can fill the shaped class
+
+
+def test_a_slow_nic_caps_the_classes(box):
+    data = copy.deepcopy(raw())
+    data["nodes"][3]["nic_mbit_per_s"] = 20
+    spec = sailor.load_cluster(cluster_spec(parse_testbed(data)))
+    assert spec.link(LinkClass.SAME_CONTINENT).bandwidth_bytes_per_s == pytest.approx(payload_bytes_per_s(20))
+    # the zone of the slow node only
+    assert spec.link(LinkClass.SAME_ZONE, "us-west1-b").bandwidth_bytes_per_s == pytest.approx(payload_bytes_per_s(20))
+    assert spec.link(LinkClass.SAME_ZONE, "us-central1-a").bandwidth_bytes_per_s == pytest.approx(
+        payload_bytes_per_s(300))
+
+
+def test_the_hosts_file_lists_the_nodes_addresses(box):
+    addresses = {"a0": "10.200.1.2", "a1": "10.200.2.2", "b0": "10.200.3.2", "w0": "10.200.4.2"}
+    hosts = parse_model(HostsFile, hosts_spec(box, addresses), "hosts.yaml")
+    assert [(g.zone, g.gpu, g.gpus_per_node, g.hosts) for g in hosts.groups] == [
+        ("us-central1-a", "A100-40", 2, ("10.200.1.2", "10.200.2.2")),
+        ("us-central1-b", "V100-16", 1, ("10.200.3.2",)),
+        ("us-west1-b", "V100-16", 1, ("10.200.4.2",))]
+
+
+# ---- names, addresses, tc --------------------------------------------------------------------------
+def test_names_carry_the_prefix_and_fit_an_interface_name():
+    names = net.Names("sbx0a1f")
+    for name in (names.node_veth("abcdef"), names.router_veth("abcdef")):
+        assert name.startswith("sbx0a1f") and len(name) <= 15  # IFNAMSIZ - 1
+    assert names.netns("a0") == "sbx0a1f-a0" and names.router == "sbx0a1f-rt"
+    assert names.node_cgroup("a0") == "/sys/fs/cgroup/cpu/sbx0a1f/a0"
+    with pytest.raises(AssertionError):
+        net.Names("box")
+
+
+def test_the_block_avoids_used_networks_and_other_testbeds():
+    assert net.pick_block([]) == 200
+    assert net.pick_block(["10.200.7.0/24", "192.0.2.2/24", "broadcast"]) == 201
+    assert net.pick_block(["10.200.0.0/15"], taken=[202]) == 203  # 10.200-201 used, 202 another testbed's
+    with pytest.raises(RuntimeError, match="no free"):
+        net.pick_block(["10.0.0.0/8"])
+
+
+def test_node_addresses():
+    assert net.node_addresses(201, 2) == [("10.201.1.1", "10.201.1.2"), ("10.201.2.1", "10.201.2.2")]
+
+
+def _rates(cmd):
+    def bits(s):
+        return int(s.removesuffix("bit"))
+    return bits(cmd[cmd.index("rate") + 1]), bits(cmd[cmd.index("ceil") + 1])
+
+
+def test_egress_shapes_the_nic_and_each_link_class(box):
+    names = net.Names("sbx0001")
+    peers = {"a1": "10.200.2.2", "b0": "10.200.3.2", "w0": "10.200.4.2"}
+    cmds = net.egress_commands(box, names, "a0", peers)
+    assert cmds[0][:4] == ["ip", "netns", "exec", "sbx0001-a0"]
+    assert all(c[c.index("dev") + 1] == "sbx0001na0" for c in cmds)
+    classes = {c[c.index("classid") + 1]: _rates(c) for c in cmds if "class" in c}
+    nic = 300_000_000
+    assert classes["1:1"] == (nic, nic)
+    assert classes["1:10"][1] == nic  # same zone: min(400, NIC 300)
+    assert classes["1:20"][1] == 200_000_000
+    assert classes["1:30"][1] == 50_000_000
+    children = [v for k, v in classes.items() if k != "1:1"]
+    assert sum(rate for rate, _ in children) <= nic  # htb would overrun the NIC otherwise
+    assert all(rate <= ceil for rate, ceil in children)
+    filters = {c[c.index("dst") + 1]: c[c.index("flowid") + 1] for c in cmds if "filter" in c}
+    assert filters == {"10.200.2.2/32": "1:10", "10.200.3.2/32": "1:20", "10.200.4.2/32": "1:30"}
+
+
+def test_ingress_shapes_the_nic_on_the_router_side(box):
+    cmds = net.ingress_commands(box, net.Names("sbx0001"), "w0")
+    assert cmds[0][:4] == ["ip", "netns", "exec", "sbx0001-rt"]
+    assert all(c[c.index("dev") + 1] == "sbx0001rw0" for c in cmds)
+    assert _rates(cmds[1]) == (300_000_000, 300_000_000)
+
+
+def test_links_turn_segmentation_offload_off():
+    (add,) = [c for c in net.node_link_commands(net.Names("sbx0001"), "a0", "10.200.1.1", "10.200.1.2")
+              if c[:3] == ["ip", "link", "add"]]
+    assert add.count("gso_max_segs") == 2  # both ends
+
+
+def test_cpu_quota():
+    assert net.cpu_quota_us(0.45, 10_000) == 4500
+    assert net.cpu_quota_us(2 * 0.3, 5000) == 3000
+
+
+# ---- state bookkeeping ----------------------------------------------------------------------------
+def _state(tmp_path, name="box", prefix="sbx00aa", block=200):
+    nodes = tuple(host.NodeState(name=n, netns=f"{prefix}-{n}", veth=f"{prefix}n{n}", address=f"10.{block}.{i + 1}.2",
+                                 router_address=f"10.{block}.{i + 1}.1", cgroup=f"/sys/fs/cgroup/cpu/{prefix}/{n}")
+                  for i, n in enumerate(["a", "b"]))
+    return host.TestbedState(name=name, prefix=prefix, block=block, folder=str(tmp_path / name), nodes=nodes)
+
+
+def _save(state):
+    Path(state.folder).mkdir(parents=True)
+    (Path(state.folder) / "state.json").write_text(state.to_json())
+
+
+def test_the_state_round_trips_and_is_found(tmp_path):
+    one, two = _state(tmp_path), _state(tmp_path, "pair", "sbx00bb", 201)
+    _save(one)
+    _save(two)
+    assert host.live_states(tmp_path) == [one, two]
+    assert host.find_state("pair", tmp_path) == two
+    assert host.locate("root@10.201.2.2", tmp_path) == (two, two.nodes[1])
+    with pytest.raises(SailorInputError, match="more than one testbed node has the address or name 'a'"):
+        host.locate("a", tmp_path)
+    with pytest.raises(SailorInputError, match="no testbed node"):
+        host.locate("10.9.9.9", tmp_path)
+    with pytest.raises(SailorInputError, match="no testbed 'gone' is up"):
+        host.find_state("gone", tmp_path)
+    assert host.live_states(tmp_path / "none") == []
+
+
+def test_the_state_folder_comes_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(host.STATE_DIR_ENV, str(tmp_path))
+    assert host.state_root() == tmp_path
+    assert host.state_root("/x") == Path("/x")
+    monkeypatch.delenv(host.STATE_DIR_ENV)
+    assert host.state_root() == Path("/run/sailor-testbed")
+
+
+def test_the_prefix_pattern_takes_only_testbed_names():
+    assert net.PREFIX_PATTERN.match("sbx1f2e-a0") and net.PREFIX_PATTERN.match("sbx1f2ena0")
+    assert not net.PREFIX_PATTERN.match("sbxzz00-a") and not net.PREFIX_PATTERN.match("eth0")
+
+
+# ---- the stand-in ssh ----------------------------------------------------------------------------
+def test_ssh_arguments_as_the_launcher_passes_them():
+    from sailor.launch.torchrun import ssh_argv
+    argv = ssh_argv("root@10.200.1.2", "echo hi; torchrun x")
+    assert parse(argv[1:]) == (None, "root@10.200.1.2", "bash -c 'echo hi; torchrun x'")
+    assert parse(["--state-dir", "/s", "-tt", "a", "true"]) == ("/s", "a", "true")
+    with pytest.raises(SailorInputError, match="a destination and a command"):
+        parse(["-o", "BatchMode=yes", "--", "a"])
+
+
+def test_the_rank_slot_of_a_process():
+    run = {"TORCHELASTIC_RUN_ID": "x"}
+    assert host.rank_slot({**run, "LOCAL_RANK": "1"}) == 1
+    # a node with two agents: the second agent's local rank 0 is the node's device 2
+    assert host.rank_slot({**run, "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "2,3"}) == 2
+    assert host.rank_slot({**run, "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "2,3"}) == 3
+    assert host.rank_slot({"LOCAL_RANK": "0"}) is None  # not started by torchrun
+    assert host.rank_slot({**run}) is None  # the agent itself
+    assert host.rank_slot({**run, "LOCAL_RANK": "4", "CUDA_VISIBLE_DEVICES": "0"}) is None
+
+
+# ---- profiles of the device classes ---------------------------------------------------------------
+def _profile(scale: float) -> dict:
+    return {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
+            "device": "cpu", "layers": [{"gpu": "cpu", "tp": 1, "mbs": m, "forward_s": [scale * m * 1e-3] * 6,
+                                         "backward_s": [2 * scale * m * 1e-3] * 6} for m in (1, 2)],
+            "optimizer": {"cpu": {"seconds_per_param": scale * 1e-9}},
+            "memory": [{"gpu": "cpu", "tp": 1, "activation_bytes_per_sample": [1000.0] * 6}],
+            "runtime": {"microbatch_overhead_s": [{"gpu": "cpu", "tp": 1, "seconds": scale * 1e-4}]}}
+
+
+def test_class_profiles_become_one_profile_of_their_gpu_types():
+    from sailor.perf.profiles import profiles_from_dict
+    from sailor.specs import load_job
+    from sailor.testbed.profile import merge, retag
+
+    fast, slow = _profile(1.0), _profile(3.0)
+    merged = merge([retag(fast, "A100-40"), retag(slow, "V100-16")])
+    assert fast["optimizer"] == {"cpu": {"seconds_per_param": 1e-9}}  # the inputs stay as they were
+    prof = profiles_from_dict(merged, "merged.json")
+    job = load_job(ROOT / "examples" / "tiny_job.yaml")
+    assert prof.optimizer_s_per_param == pytest.approx({"A100-40": 1e-9, "V100-16": 3e-9})
+    assert {r["gpu"] for r in merged["layers"]} == {"A100-40", "V100-16"} and len(merged["layers"]) == 4
+    prof.check_job(job, "merged.json")
+    with pytest.raises(SailorInputError, match=r"GPU type\(s\) \['A100-40'\] measured twice"):
+        merge([retag(fast, "A100-40"), retag(slow, "A100-40")])
+    with pytest.raises(SailorInputError, match="expected a profile of GPU type 'cpu'"):
+        retag(retag(fast, "A100-40"), "V100-16")
+    other = {**_profile(1.0), "sequence_length": 32}
+    with pytest.raises(SailorInputError, match="sequence_length 32 differs"):
+        merge([retag(fast, "A100-40"), retag(other, "V100-16")])
+
+
+def test_a_class_is_profiled_as_one_rank():
+    from sailor.testbed.profile import profile_command
+    argv = profile_command("job.yaml", "/tmp/p.json", "1,2", python="/py")
+    assert argv[:4] == ["/py", "-m", "sailor", "profile"]
+    assert argv[argv.index("--tp") + 1] == "1" and argv[argv.index("--threads") + 1] == "1"
+    assert argv[argv.index("--concurrency") + 1] == "1" and argv[argv.index("--mbs") + 1] == "1,2"
+
+
+# ---- the command line on bad input (in-process: nothing is created, no process starts) ------------
+def _cli(args, monkeypatch, capsys):
+    import sys
+
+    from sailor.cli import main
+    monkeypatch.setattr(sys, "argv", ["sailor", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    return e.value.code, capsys.readouterr().err.splitlines()
+
+
+def test_the_command_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "tb.yaml"
+    bad.write_text(BOX.read_text().replace("device: slow, ranks: 1, nic_mbit_per_s: 300}\n  - {name: w0",
+                                           "device: medium, ranks: 1, nic_mbit_per_s: 300}\n  - {name: w0"))
+    assert _cli(["testbed", "up", str(bad), "--state-dir", str(tmp_path / "s")], monkeypatch, capsys) == (
+        2, [f"error: {bad}: nodes.2.device: unknown device class 'medium' (known: fast, slow)"])
+    assert _cli(["testbed", "down", "--state-dir", str(tmp_path / "s")], monkeypatch, capsys) == (
+        2, ["error: sailor testbed down: give FILE|NAME or --all (one of them)"])
+    assert not (tmp_path / "s").exists()
