@@ -290,7 +290,7 @@ START_SCALE = 2.0 ** 20  # overflows the tiny model's fp16 gradients (Megatron-L
 def _fp16_rank(rank: int, store: str, out: str, steps: int, plan_name: str) -> None:
     import torch.distributed as dist
 
-    from sailor.runtime.groups import create_groups
+    from sailor.runtime.groups import create_channel_groups, create_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -300,7 +300,8 @@ def _fp16_rank(rank: int, store: str, out: str, steps: int, plan_name: str) -> N
     groups = create_groups(topo, timedelta(seconds=60))
     cpu = torch.device("cpu")
     rk = build_rank(plan, TINY, role, groups, device=cpu, seed=0, dtype=torch.float16)
-    p2p = P2P(role, shape=(2, TINY.seq, 64), device=cpu, timeout=timedelta(seconds=60), dtype=torch.float16)
+    p2p = P2P(role, shape=(2, TINY.seq, 64), device=cpu, timeout=timedelta(seconds=60), dtype=torch.float16,
+              channels=create_channel_groups(topo, timedelta(seconds=60)))
     scaler = LossScaler(scale=START_SCALE)
     corpus = load_corpus()
     opt = rk.optimizer
@@ -308,8 +309,7 @@ def _fp16_rank(rank: int, store: str, out: str, steps: int, plan_name: str) -> N
     initial = sum(float(p.detach().double().sum()) for p in rk.stage.parameters())
 
     def inject() -> None:
-        g = next(iter(opt.main_grad.values()))
-        g.view(-1)[0] = float("inf")
+        opt.grad_buffer[0][0] = float("inf")  # ZeRO-0: the first bucket's fp32 gradient buffer
 
     for step in range(steps):
         tok = torch.from_numpy(batch_tokens(corpus, seed=0, step=step, first=0, count=8, seq=TINY.seq))
