@@ -207,24 +207,12 @@ def _save_rank(rank: int, store: str, root: str, out: str) -> None:
 def test_the_commit_waits_for_a_slow_stage_writer(tmp_path, monkeypatch):
     """Stage 1's writer starts 2 s late: rank 0 (stage 0, which commits) must wait for it, and the
     manifest lists both stages' files, whose tensors are the seeded initial weights."""
-    import time
-
-    import torch.multiprocessing as mp
+    from spawn import spawn
 
     from sailor.runtime.model import initial_value
 
     monkeypatch.setenv("SAILOR_SLOW_WRITER", "1:2")
-    ctx = mp.start_processes(_save_rank, args=(str(tmp_path / "store"), str(tmp_path / "ck"), str(tmp_path)),
-                             nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "ranks timed out"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    spawn(_save_rank, 2, str(tmp_path / "store"), str(tmp_path / "ck"), str(tmp_path), timeout_s=120)
     assert json.loads((tmp_path / "rank0.json").read_text())["save_s"] >= 2.0
     path = ckpt.step_dir(tmp_path / "ck", 0)
     assert (path / "manifest.json").stat().st_mtime_ns >= (path / "rank-00001.json").stat().st_mtime_ns

@@ -13,13 +13,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from spawn import spawn
 
 from sailor.core.errors import SailorInputError
 from sailor.model.activations import stage_activation_bytes
@@ -325,26 +325,11 @@ def _fp16_rank(rank: int, store: str, out: str, steps: int, plan_name: str) -> N
     dist.destroy_process_group()
 
 
-def _spawn(fn, nprocs: int, *args, timeout_s: float = 240.0) -> None:
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "ranks timed out"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("plan_name", list(TWO_RANK_PLANS))
 def test_overflowing_steps_are_skipped_on_every_rank_and_lower_the_scale(plan_name, tmp_path):
     steps = INJECT_AT + 2
-    _spawn(_fp16_rank, 2, str(tmp_path / "store"), str(tmp_path), steps, plan_name)
+    spawn(_fp16_rank, 2, str(tmp_path / "store"), str(tmp_path), steps, plan_name)
     runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     ranks = [run["rows"] for run in runs]
     assert [r["skipped"] for r in ranks[0]] == [r["skipped"] for r in ranks[1]]  # every rank agrees

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from spawn import spawn
 
 from sailor.core.errors import SailorInputError
 from sailor.model.activations import stage_activation_bytes
@@ -195,24 +195,8 @@ def _held_bytes_rank(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _spawn(fn, nprocs: int, *args, timeout_s: float = 240.0) -> None:
-    """Run fn(rank, *args) in `nprocs` fresh processes; kill them all if they outlive `timeout_s`."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "ranks timed out"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
 def test_held_bytes_follow_the_zero_and_mixed_precision_rules(tmp_path):
-    _spawn(_held_bytes_rank, 2, str(tmp_path / "store"), str(tmp_path))
+    spawn(_held_bytes_rank, 2, str(tmp_path / "store"), str(tmp_path))
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     spec = TINY.model
     per_layer = [spec.params(i, 1) for i in range(spec.num_layers)]  # one bucket per layer, group of 2
