@@ -27,7 +27,7 @@ def _rank(rank: int, world: int, init_file: str, cases: list[tuple[str, str, str
     from sailor.runtime.messages import op_receive, op_sends
     from sailor.runtime.model import GPT
     from sailor.runtime.pipeline import P2P, build_stage
-    from sailor.runtime.tensor_parallel import apply_tp
+    from sailor.runtime.tensor_parallel import VocabParallelHead, apply_tp
     from sailor.runtime.topology import derive_topology
 
     torch.set_num_threads(1)
@@ -52,6 +52,9 @@ def _rank(rank: int, world: int, init_file: str, cases: list[tuple[str, str, str
         with torch.no_grad():
             x = stage(tokens if role.is_first_stage else p2p.receive(op_receive(role, fwd)))
             if role.is_last_stage:
+                heads = [m for m in stage.modules() if isinstance(m, VocabParallelHead)]
+                if heads:  # under TP each rank holds its vocabulary shard of the logits
+                    x = heads[0].all_logits(x)
                 if role.tp_rank == 0:
                     torch.save(x, Path(out) / f"{name}-p{role.pipeline}.pt")
             else:

@@ -281,10 +281,20 @@ class VocabParallelHead(nn.Module):
     def __init__(self, base: Head, tp_rank: int, tp: int, group) -> None:
         super().__init__()
         self.norm = base.norm
+        self.vocab = base.vocab
         self.lm = ParallelLMHead(base.lm, tp_rank, tp, group, base.vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm(self.norm(x))
+
+    def all_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard put together, for a caller that needs whole logits (inference, tests;
+        training never does): collective over the TP group, (B, T, w) -> (B, T, vocab)."""
+        rows = self.lm.weight.shape[0]
+        padded = F.pad(logits, (0, rows - logits.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(dist.get_world_size(self.lm.group))]
+        dist.all_gather(parts, padded, group=self.lm.group)
+        return torch.cat(parts, dim=-1)[..., : self.vocab]
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """`vocab_parallel_loss_sum` of this rank's shard `logits`: (B, T, w), (B, T) -> () fp32."""
