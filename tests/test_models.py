@@ -120,9 +120,12 @@ def test_sailor_block_bytes_by_hand():
     assert recompute_transient_bytes(m, 0, **kw, recompute=Recompute.FULL) == 0.0
     # embedding: int64 ids, the local ids and bool mask of the vocab-parallel lookup, int64 position ids
     assert layer_bytes(m, 0, **kw) == 8 * s * b + 9 * s * b + 8 * s
-    # head: norm input, stats and output, fp32 log-probs over the whole vocabulary (gathered), targets,
-    # the loss weight and the scaled loss
-    assert layer_bytes(m, 5, **kw) == s * b * (2 * e * 64 + 8) + 4 * s * b * 256 + 8 * s * b + 8
+    # head at TP 2 (vocab-parallel loss): norm input, stats and output, this rank's logit shard
+    # (256 / 2 columns in the compute dtype), fp32 log-sum-exp and int64 local target per token, and
+    # the fp32 scaled loss
+    assert layer_bytes(m, 5, **kw) == s * b * (2 * e * 64 + 8) + s * b * (e * 128 + 4 + 8) + 4
+    # at TP 1: fp32 log-probs over the whole vocabulary, targets, the loss weight and the scaled loss
+    assert layer_bytes(m, 5, **{**kw, "tp": 1}) == s * b * (2 * e * 64 + 8) + 4 * s * b * 256 + 8 * s * b + 8
 
 
 def test_sailor_block_bytes_llama_rope_and_gqa():
@@ -148,8 +151,9 @@ def test_sailor_block_bytes_llama_rope_and_gqa():
 def test_sailor_block_bytes_hugging_face_variants():
     # GPT-NeoX-style: parallel residual (both norms read x: 3 tensors of h outside the TP regions, not
     # 4), a quarter of each head's 16 dimensions rotates (cos/sin tables of 4 / 2 columns); OPT-style:
-    # ReLU keeps its output, the fc2 input (one f tensor, not two); biases keep nothing. The head's
-    # log-probabilities cover the 300 real tokens, not the 384 of the padded vocabulary.
+    # ReLU keeps its output, the fc2 input (one f tensor, not two); biases keep nothing. At TP 1 the
+    # head's log-probabilities cover the 300 real tokens, not the 384 of the padded vocabulary; at TP 2
+    # each rank keeps its logit shard, 384 / 2 = 192 columns on the first (the widest).
     s, b, e, t, h, f = 32, 2, 4, 2, 64, 96
     base = dict(num_blocks=2, hidden_size=h, num_heads=4, vocab_size=300, max_sequence_length=s, ffn_hidden_size=f)
     neox = ModelSpec(name="neox", learned_positions=False, rotary_fraction=0.25, parallel_residual=True, **base)
@@ -165,7 +169,8 @@ def test_sailor_block_bytes_hugging_face_variants():
         copies + e * sbh / t + 4 * b * 4 * s / t + rope
     # learned positions: the out-projection's input is a view of SDPA's output (no copy, unlike NeoX's RoPE)
     assert layer_bytes(opt, 2, **kw) == 4 * e * sbh + outside + sdpa + e * s * b * f / t
-    assert layer_bytes(opt, 3, **kw) == s * b * (2 * e * h + 8) + 4 * s * b * 300 + 8 * s * b + 8  # + 2 fp32 scalars
+    assert layer_bytes(opt, 3, **{**kw, "tp": 1}) == s * b * (2 * e * h + 8) + 4 * s * b * 300 + 8 * s * b + 8
+    assert layer_bytes(opt, 3, **kw) == s * b * (2 * e * h + 8) + s * b * (e * 192 + 4 + 8) + 4
 
 
 def test_recompute_flops():
