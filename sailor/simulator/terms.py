@@ -34,7 +34,7 @@ from sailor.plan.placement import FirstFit
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan, StageMemory
 from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_crossings, ring_egress,
                                           same_node, tp_collective_time_s)
-from sailor.simulator.context import SimContext, embedding_params, stage_blocks, tied_embeddings
+from sailor.simulator.context import SimContext, stage_blocks, tied_embeddings
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes
 from sailor.simulator.traffic import Crossing
 from sailor.specs.cluster import ClusterSpec
@@ -368,7 +368,7 @@ def _tied_allreduce(ctx: SimContext, first: Slot, last: Slot) -> tuple[list[Grou
     """(ring groups, bytes of one replica's embedding gradient, t) of the tied-embedding all-reduce
     between a pipeline's first and last stage."""
     t = min(first.tp, last.tp)
-    nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
+    nbytes = t * ctx.tied_copy_params(t) * ctx.job.state_bytes_per_param["gradients"]
     return group_members([first, last]), nbytes, t
 
 
