@@ -172,3 +172,23 @@ def test_one_stage_tied_exchange_stays_on_the_rank():
     ctx = make_context(job, CLUSTER)
     (slot,) = placed_slots(plan, CLUSTER)[0]
     assert tied_sync(ctx, slot, slot, 1) == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("zero", [(0, 0), (1, 1), (2, 0), (0, 3)])
+@pytest.mark.parametrize("pipelines,tp", [(1, 1), (2, 1), (3, 1), (2, 2)])
+def test_tied_bytes_across_zones_equal_the_runtimes_under_zero(zero, pipelines, tp):
+    # every first stage in one zone, every last stage in the other: the tied exchange is the only
+    # sync that crosses. Under ZeRO >= 1 a copy's element has one owner among the pipelines, so the
+    # pipelines together receive that copy once (ZeRO-0: once per pipeline)
+    plan = Plan.model_validate({
+        "micro_batch_size": 4, "stages": [[0, 3], [3, 6]], "memory": [{"zero": z} for z in zero],
+        "pipelines": [{"microbatches": 2, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": ZA, "tp": tp},
+                                                       {"stage": 1, "gpu": "A100-40", "zone": ZB, "tp": tp}]}] * pipelines})
+    job = _job("tiny", plan)
+    topo = derive_topology(plan)
+    stage_of = {r.rank: r.stage for r in topo.roles}
+    runtime = 4 * sum(x.hi - x.lo for x in twin_transfers(job.model, plan, topo) if stage_of[x.src] != stage_of[x.dst])
+    held = [1 / pipelines if z else 1 for z in zero]  # share of a copy each pipeline's stage holds
+    assert runtime == pytest.approx(pipelines * 256 * 64 * 4 * sum(held))
+    est = simulate(plan, make_context(job, CLUSTER))
+    assert [t.moved_bytes for t in est.traffic if t.kind is TrafficKind.SYNC] == [pytest.approx(runtime)]

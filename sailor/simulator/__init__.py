@@ -281,12 +281,13 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
                 gather_s=sum(st.gather_s for st in parts)))
 
     tied_s = 0.0
+    ends = (memory[0][0].zero, memory[-1][0].zero)  # ZeRO levels of the stages holding the tied copies
     for sl in slots:
-        t, eb, eu = tied_sync(ctx, sl[0], sl[-1], P)
+        t, eb, eu = tied_sync(ctx, sl[0], sl[-1], P, ends, D)
         tied_s = max(tied_s, t)
         cross_bytes += eb
         egress_usd += eu
-        crossings += [(TrafficKind.SYNC, c, 1) for c in tied_sync_crossings(ctx, sl[0], sl[-1], P)]
+        crossings += [(TrafficKind.SYNC, c, 1) for c in tied_sync_crossings(ctx, sl[0], sl[-1], P, ends, D)]
     sync_times = []
     for i in range(P):
         groups, chunks = group_members([sl[i] for sl in slots]), plan.stage_chunks(i)
