@@ -287,8 +287,8 @@ def test_placement_intra_node_against_inter_node():
     grad = ctx.stage_params(1, 0, 3) * 4
     sync_shared = [r.sync_s for r in shared.replicas if r.stage == 0 and r.pipeline == 0][0]
     sync_apart = [r.sync_s for r in apart.replicas if r.stage == 0 and r.pipeline == 0][0]
-    tied = PLACE_JOB.model.tied_embeddings  # the first and last stage also reduce the tied embedding
-    emb = ctx.stage_params(1, 0, 1) * 4 if tied else 0.0
+    tied = PLACE_JOB.model.tied_embeddings  # the first and last stage also sum the tied token matrix's
+    emb = PLACE_JOB.model.vocab_size * PLACE_JOB.model.hidden_size * 4 if tied else 0.0  # copies (no position table)
     # pipeline j's two stages sit on one node with 4 GPUs per node; so do both pipelines
     assert sync_shared == pytest.approx(2 * 1e-3 + grad / 1e9 + (2 * 1e-3 + emb / 1e9 if tied else 0.0))
     assert sync_apart == pytest.approx(2 * 0.1 + grad / 1e6 + (2 * 0.1 + emb / 1e6 if tied else 0.0))

@@ -70,26 +70,28 @@ def test_full_iteration_time_by_hand():
     assert est.pipeline_times_s == pytest.approx([15.0, 7.0])
     r0 = est.replicas[0]
     assert (r0.forward_s, r0.backward_s, r0.p2p_s) == pytest.approx((1.0, 2.0, 0.5))
-    # tied embeddings, first <-> last stage of a pipeline (same zone, D = 2): embedding 20480 params
-    # x 4 B = 81920 B; 2 steps of 0.25 + 40960 / 65536 = 0.875 -> 1.75 s
+    # tied embeddings, first <-> last stage of a pipeline (same zone): the runtime sums the token
+    # matrix's two copies, 256 x 64 = 16384 params x 4 B = 65536 B each way (the position table stays
+    # on stage 0); a 2-member ring: 2 steps of 0.25 + 32768 / 65536 = 0.75 -> 1.5 s
     # stage sync across zones (same_region 0.5 s, 1 MB/s), D = 2, 2 steps of α + bytes / 2 / β:
     #   stage 0 params: 20480 + 2 x 49984 = 120448 -> 481792 B -> 2 x (0.5 + 0.240896) = 1.481792
-    #   stage 1 params: 2 x 49984 + 128 (norm) + 20480 (tied embedding copy instead of the head's
-    #   16384 vocab matrix) = 120576 -> 482304 B -> 2 x (0.5 + 0.241152) = 1.482304
-    # optimizer: 1e-6 s/param x 120576 = 0.120576 s (stage 1, the larger)
-    assert [r.optimizer_s for r in est.replicas[:2]] == pytest.approx([0.120448, 0.120576])
-    assert est.gradient_sync_s == pytest.approx(1.75 + 1.482304)
-    assert est.iteration_time_s == pytest.approx(15.0 + 1.75 + 1.482304 + 0.120576)
-    assert est.replicas[0].sync_s == pytest.approx(1.75 + 1.481792)
+    #   stage 1 params: 2 x 49984 + 128 (norm) + 16384 (the head's copy of the token matrix)
+    #   = 116480 -> 465920 B -> 2 x (0.5 + 0.23296) = 1.46592
+    # optimizer: 1e-6 s/param x 120448 = 0.120448 s (stage 0, the larger)
+    assert [r.optimizer_s for r in est.replicas[:2]] == pytest.approx([0.120448, 0.11648])
+    assert est.gradient_sync_s == pytest.approx(1.5 + 1.481792)
+    assert est.iteration_time_s == pytest.approx(15.0 + 1.5 + 1.481792 + 0.120448)
+    assert est.replicas[0].sync_s == pytest.approx(1.5 + 1.481792)
+    assert est.replicas[1].sync_s == pytest.approx(1.5 + 1.46592)
 
 
 def test_cost_by_hand():
     est = simulate(_plan(), _ctx())
-    t = 15.0 + 1.75 + 1.482304 + 0.120576
+    t = 15.0 + 1.5 + 1.481792 + 0.120448
     # 4 GPUs x $3.6/h = $0.004/s
     assert est.gpu_cost_per_iteration_usd == pytest.approx(0.004 * t)
     # only the stage syncs cross zones: each of the 2 ring edges carries 2(D-1)/D x bytes = bytes
-    moved = 2 * 481792 + 2 * 482304
+    moved = 2 * 481792 + 2 * 465920
     assert est.cross_zone_bytes == pytest.approx(moved)
     assert est.egress_per_iteration_usd == pytest.approx(moved / 1e9 * 0.01)
     assert est.cost_per_iteration_usd == pytest.approx(0.004 * t + moved / 1e9 * 0.01)
@@ -102,14 +104,15 @@ def test_p2p_across_zones_is_charged_per_micro_batch():
                                          {"stage": 1, "gpu": "A100-40", "zone": ZB, "tp": 1}]}]})
     est = simulate(plan, _ctx())
     # boundary in same_region: 0.5 + 16384 / 1e6 s; 4 micro-batches x (activation + gradient) x 16384 B,
-    # plus the tied all-reduce between the two zones: 2 edges x 2(2-1)/2 x 81920 B
+    # plus the tied token matrix's gradient between the two zones, 256 x 64 x 4 B each way:
+    # 2 edges x 2(2-1)/2 x 65536 B
     assert est.replicas[0].p2p_s == pytest.approx(0.5 + 16384 / 1e6)
-    assert est.cross_zone_bytes == pytest.approx(4 * 2 * 16384 + 2 * 81920)
+    assert est.cross_zone_bytes == pytest.approx(4 * 2 * 16384 + 2 * 65536)
     # the same bytes per zone pair and kind
     assert [(t.zones, t.kind, t.moved_bytes) for t in est.traffic] == [
         ((ZA, ZB), TrafficKind.P2P, pytest.approx(4 * 2 * 16384)),
-        ((ZA, ZB), TrafficKind.SYNC, pytest.approx(2 * 81920))]
-    assert [t.egress_usd for t in est.traffic] == pytest.approx([4 * 2 * 16384 / 1e9 * 0.01, 2 * 81920 / 1e9 * 0.01])
+        ((ZA, ZB), TrafficKind.SYNC, pytest.approx(2 * 65536))]
+    assert [t.egress_usd for t in est.traffic] == pytest.approx([4 * 2 * 16384 / 1e9 * 0.01, 2 * 65536 / 1e9 * 0.01])
 
 
 def test_traffic_pairs_add_up_to_the_estimate():
@@ -153,7 +156,7 @@ def test_memory_by_hand():
     # 1 x 64 x 256 x 4 = 65536 B
     assert m1.activations == pytest.approx(7000)
     assert m1.buffers == pytest.approx(16384 + 65536)
-    assert m1.weights == pytest.approx(4 * 120576)
+    assert m1.weights == pytest.approx(4 * 116480)  # 2 x 49984 + 128 + 16384 (the head's copy)
     # the m = 1 pipeline's stage 0 holds one micro-batch only
     assert est.replicas[2].memory.activations == pytest.approx(5000)
     assert est.fits_in_memory

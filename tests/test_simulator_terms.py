@@ -9,7 +9,7 @@ from sailor.perf.calibration import fit_memory
 from sailor.perf.profiles import Profiles
 from sailor.plan.orders import one_f_one_b_order
 from sailor.plan.spec import Plan, Schedule
-from sailor.simulator import head_vocab_params, make_context, simulate, tied_embeddings
+from sailor.simulator import TiedCopies, head_vocab_params, make_context, simulate, tied_embeddings
 from sailor.simulator.memory import in_flight, logits_grad_bytes
 from sailor.simulator.schedule import closed_form_1f1b, pipeline_instructions, simulate_1f1b, stage_times
 from sailor.specs.cluster import ClusterSpec
@@ -66,14 +66,25 @@ def test_in_flight_capped_by_micro_batches():
     assert [in_flight(i, 4, 2).micro_batches for i in range(4)] == [2, 2, 2, 1]
 
 
-def test_tied_embeddings_counted_once_on_one_stage_and_copied_on_two():
-    ctx = make_context(JOB, CLUSTER)
+def test_tied_embeddings_held_as_the_runtime_and_as_deepspeed_hold_them():
     m = JOB.model
     assert tied_embeddings(m)
     whole = sum(m.params(i, 4) for i in range(m.num_layers))
-    assert ctx.stage_params(4, 0, m.num_layers) == whole - head_vocab_params(m, 4)
     last = sum(m.params(i, 4) for i in range(13, m.num_layers))
-    assert ctx.stage_params(4, 13, m.num_layers) == last - head_vocab_params(m, 4) + m.params(0, 4)
+    # Sailor's runtime (the default framework): the LM head keeps its own copy of the token matrix
+    # even on a one-stage plan, and the last stage holds no position table
+    runtime = make_context(JOB, CLUSTER)
+    assert runtime.tied is TiedCopies.RUNTIME
+    assert runtime.stage_params(4, 0, m.num_layers) == whole
+    assert runtime.stage_params(4, 13, m.num_layers) == last
+    assert runtime.tied_copy_params(4) == head_vocab_params(m, 4) == 50688 * 1024 // 4
+    # DeepSpeed's TiedLayerSpec: one copy on one stage, the whole embedding module on the last
+    for ctx in (make_context(JOB, CLUSTER, tied_copies=TiedCopies.MODULE),
+                make_context(JobSpec(model="opt-350m", global_batch_size=32, framework="megatron-lm"), CLUSTER)):
+        assert ctx.tied is TiedCopies.MODULE
+        assert ctx.stage_params(4, 0, m.num_layers) == whole - head_vocab_params(m, 4)
+        assert ctx.stage_params(4, 13, m.num_layers) == last - head_vocab_params(m, 4) + m.params(0, 4)
+        assert ctx.tied_copy_params(4) == m.params(0, 4) == 50688 * 1024 // 4 + 2048 * 1024
 
 
 def test_gradient_sync_uses_tp_shard_bytes_and_optimizer_scales_with_stage_params():

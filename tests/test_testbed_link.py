@@ -31,14 +31,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBLEM = support_problem()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")]
 
-# The tiny model with an untied LM head: with a tied one the runtime reduces the head's copy of the
-# embedding too, which the simulator does not count (see the note in test_tied_dp_sync_bytes).
-UNTIED_JOB = {"model": {"name": "tiny-untied", "num_blocks": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 256,
-                        "max_sequence_length": 64, "tied_embeddings": False},
-              "global_batch_size": 8, "precision": "fp32", "optimizer": "adam"}
+# The tiny model (tied embedding): one stage on each node, DP 2 (the stage's all-reduce holds both
+# copies of the token matrix: the LM head keeps its own), or two stages cut across the link (the
+# activations, and the tied token matrix's gradient exchanged between the first and last stage).
+TIED_JOB = {"model": "tiny", "global_batch_size": 8, "precision": "fp32", "optimizer": "adam"}
 DP2 = {"micro_batch_size": 4, "stages": [[0, 6]],
        "pipelines": [{"microbatches": 1, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 1}]},
                      {"microbatches": 1, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": "us-west1-b", "tp": 1}]}]}
+PP2 = {"micro_batch_size": 4, "stages": [[0, 3], [3, 6]],
+       "pipelines": [{"microbatches": 2, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 1},
+                                                      {"stage": 1, "gpu": "A100-40", "zone": "us-west1-b", "tp": 1}]}]}
 
 
 def pair_spec(name: str):
@@ -61,16 +63,17 @@ def launch(state, plan: Path, job: Path, steps: int, log: Path) -> None:
     assert p.returncode == 0, log.read_text()[-3000:]
 
 
-def test_bytes_on_a_shaped_link_match_the_simulator(tmp_path):
+@pytest.mark.parametrize("layout,kinds", [(DP2, ["sync"]), (PP2, ["p2p", "sync"])], ids=["dp2", "pp2"])
+def test_bytes_on_a_shaped_link_match_the_simulator(tmp_path, layout, kinds):
     state = up(pair_spec(f"ci{os.getpid() % 10000}"), tmp_path / "state")
     try:
         assert leftovers(state.prefix)  # it is there
         plan, job = tmp_path / "plan.json", tmp_path / "job.json"
-        plan.write_text(json.dumps(DP2))
-        job.write_text(json.dumps(UNTIED_JOB))
+        plan.write_text(json.dumps(layout))
+        job.write_text(json.dumps(TIED_JOB))
         estimate = sailor.simulate(plan, job=job, cluster=state.cluster_file)
-        (crossing,) = estimate.traffic
-        assert crossing.zones == ("us-central1-a", "us-west1-b") and crossing.kind.value == "sync"
+        assert [(c.zones, c.kind.value) for c in estimate.traffic] == [(("us-central1-a", "us-west1-b"), k) for k in kinds]
+        payload = sum(c.moved_bytes for c in estimate.traffic)
         # Two launches, 1 and 4 steps: what they share (start, rendezvous, gloo's connections, the
         # end) cancels, 3 iterations remain.
         moved = []
@@ -82,9 +85,9 @@ def test_bytes_on_a_shaped_link_match_the_simulator(tmp_path):
                 stat = dict(line.split() for line in Path(node.cgroup, "r0", "cpu.stat").read_text().splitlines())
                 assert int(stat["nr_periods"]) > 0, node
         measured = (moved[1] - moved[0]) / 3
-        predicted = wire_bytes(crossing.moved_bytes)
+        predicted = wire_bytes(payload)
         print(f"link bytes per iteration: measured {measured:.0f}, predicted {predicted:.0f}"
-              f" ({crossing.moved_bytes:.0f} of payload)")
+              f" ({payload:.0f} of payload: {[(c.kind.value, c.moved_bytes) for c in estimate.traffic]})")
         assert measured == pytest.approx(predicted, rel=0.05)
     finally:
         down(state)

@@ -163,13 +163,14 @@ class Scorer:
 
     def _sync_of(self, used: tuple[tuple[tuple[Slot, ...], int], ...]) -> tuple[float, float]:
         """`sync` of the used kinds' (slots, count), in kind order."""
-        P = len(self.partition)
+        P, D = len(self.partition), sum(n for _, n in used)
+        ends = (self._sync_options[0].zero, self._sync_options[-1].zero) if self._sync_options else (0, 0)
         alone = placed_apart(used)
         if alone:  # each kind's pipelines placed as if alone: its pairs and stage members memoised
-            pairs = [term for slots, n in used for term in _tied_terms(self.ctx, slots, n)]
+            pairs = [term for slots, n in used for term in _tied_terms(self.ctx, slots, n, ends, D)]
         else:
             placed = place([pipe for slots, n in used for pipe in [list(slots)] * n], self.ctx.cluster)
-            pairs = [(tied_sync(self.ctx, first, last, P), n)
+            pairs = [(tied_sync(self.ctx, first, last, P, ends, D), n)
                      for (first, last), n in Counter((pipe[0], pipe[-1]) for pipe in placed).items()]
         tied, usd = 0.0, 0.0
         for (s, _, u), n in pairs:
@@ -238,13 +239,16 @@ def placed_alone(ctx: SimContext, slots: tuple[Slot, ...], n: int) -> list[list[
     return have[:n]
 
 
-def _tied_terms(ctx: SimContext, slots: tuple[Slot, ...], n: int) -> list[tuple[tuple[float, float, float], int]]:
+def _tied_terms(ctx: SimContext, slots: tuple[Slot, ...], n: int, zero: tuple[int, int],
+                replicas: int) -> list[tuple[tuple[float, float, float], int]]:
     """(`tied_sync` of a (first, last) pair, how many pipelines have it) for n pipelines of these
-    slots placed alone, pairs in order of first appearance (memoised per kind and count)."""
-    key = ("placed-tied", slots, n)
+    slots placed alone, of `replicas` pipelines in all, the end stages at ZeRO levels `zero`; pairs
+    in order of first appearance (memoised per kind, count, ZeRO levels and pipelines)."""
+    key = ("placed-tied", slots, n, zero, replicas)
     if key not in ctx.memo:
         pairs = Counter((pipe[0], pipe[-1]) for pipe in placed_alone(ctx, slots, n))
-        ctx.memo[key] = [(tied_sync(ctx, first, last, len(slots)), k) for (first, last), k in pairs.items()]
+        ctx.memo[key] = [(tied_sync(ctx, first, last, len(slots), zero, replicas), k)
+                         for (first, last), k in pairs.items()]
     return ctx.memo[key]
 
 

@@ -14,8 +14,10 @@ DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, Opt
   the next stage, as DeepSpeed's p2p and Sailor's runtime do; Megatron-LM scatters it), plus a
   calibrated fixed cost per transfer.
 - tied: tied input/output embeddings (OPT, GPT-Neo, GPT-3) split over P > 1 stages: the first and
-  last stage each hold a copy of the embedding module and all-reduce its gradient between them.
-  With P = 1 there is one copy only (`tied_embeddings`).
+  last stage each hold a copy and exchange its gradient, as the modelled runs hold it
+  (`context.TiedCopies`): Sailor's runtime the token matrix alone, kept twice even with P = 1 (the
+  one stage's gradient sync then reduces both copies); DeepSpeed the whole embedding module, once
+  with P = 1.
 - sync: each TP rank all-reduces its own gradient shard (params(stage, t) x gradient bytes, norms
   and row-parallel biases included) with its peers of the other D - 1 replicas (ZeRO: reduce-scatter
   plus all-gather, `terms.stage_sync`): a ring or a hierarchical all-reduce over the links at the
@@ -47,7 +49,8 @@ from sailor.core.units import HOUR_S
 from sailor.plan.comms import replica_nccl_bytes
 from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator.collectives import group_members
-from sailor.simulator.context import SimContext, embedding_params, head_vocab_params, make_context, tied_embeddings
+from sailor.simulator.context import (SimContext, TiedCopies, embedding_params, head_vocab_params, make_context,
+                                      tied_embeddings)
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes, pipeline_schedule
 from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s, group_shape,
@@ -56,7 +59,7 @@ from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, 
                                     tied_sync, tied_sync_crossings, time_options)
 from sailor.simulator.traffic import Crossing, TrafficKind, ZoneTraffic, tally
 
-__all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", "StageTime", "TimeOptions",
+__all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", "StageTime", "TiedCopies", "TimeOptions",
            "TrafficKind", "ZoneTraffic", "allreduce_s", "collective_s", "embedding_params", "head_vocab_params",
            "link_transfer", "make_context", "optimizer_s", "pipeline_arrays", "pipeline_times", "place", "placed_slots",
            "simulate", "stage_sync", "stage_time", "tied_embeddings", "tied_sync", "time_options"]
@@ -278,12 +281,13 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
                 gather_s=sum(st.gather_s for st in parts)))
 
     tied_s = 0.0
+    ends = (memory[0][0].zero, memory[-1][0].zero)  # ZeRO levels of the stages holding the tied copies
     for sl in slots:
-        t, eb, eu = tied_sync(ctx, sl[0], sl[-1], P)
+        t, eb, eu = tied_sync(ctx, sl[0], sl[-1], P, ends, D)
         tied_s = max(tied_s, t)
         cross_bytes += eb
         egress_usd += eu
-        crossings += [(TrafficKind.SYNC, c, 1) for c in tied_sync_crossings(ctx, sl[0], sl[-1], P)]
+        crossings += [(TrafficKind.SYNC, c, 1) for c in tied_sync_crossings(ctx, sl[0], sl[-1], P, ends, D)]
     sync_times = []
     for i in range(P):
         groups, chunks = group_members([sl[i] for sl in slots]), plan.stage_chunks(i)

@@ -7,13 +7,14 @@ per-(GPU, TP, micro-batch, option) layer tables; its caches are keyed on every i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
 from sailor import catalog
 from sailor.model import activations
-from sailor.model.spec import ModelSpec, Recompute
+from sailor.model.spec import Framework, ModelSpec, Recompute
 from sailor.perf.calibration import gpu_constant
 from sailor.perf.network import NetworkModel, network_for
 from sailor.perf.profiles import Profiles, roofline_profiles
@@ -36,6 +37,21 @@ def embedding_params(model: ModelSpec, tp: int) -> int:
 def head_vocab_params(model: ModelSpec, tp: int) -> int:
     """Parameters per GPU of the LM-head matrix alone (the part a tied model shares), vocab / tp x h."""
     return model.padded_vocab(tp) * model.hidden_size // tp
+
+
+class TiedCopies(str, Enum):
+    """How the runs being modelled hold a tied embedding (`SimContext.tied_copies`).
+
+    - `runtime`: Sailor's runtime (`sailor.runtime.tied`): the LM head keeps its own copy of the token
+      embedding on every plan, a one-stage plan included, and each step the two copies' gradients
+      are summed (`runtime.tied.twin_transfers`): only the token matrix crosses between stages.
+    - `module`: DeepSpeed's pipeline engine (`TiedLayerSpec`, as Megatron-DeepSpeed's GPTModelPipe
+      ties the embedding module; the public Sailor measurements ran it): a stage holding both ends
+      keeps one copy; the last stage of a longer pipeline holds the whole embedding module (word and
+      position tables), and `ReduceTiedGrads` all-reduces every parameter of it."""
+
+    RUNTIME = "runtime"
+    MODULE = "module"
 
 
 def stage_blocks(model: ModelSpec, a: int, e: int) -> tuple[int, int]:
@@ -63,6 +79,8 @@ class SimContext:
     memory_margin: float = 0.0
     """Fraction of each GPU's memory kept free by `memory_limit` (the planner sets it from
     `PlanOptions.memory_margin`); simulating a plan reports out-of-memory at the full capacity."""
+    tied_copies: TiedCopies | None = None
+    """How the modelled runs hold a tied embedding; None: as the job's framework does (`tied`)."""
     _cum: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _split: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _act: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
@@ -123,21 +141,37 @@ class SimContext:
             self._params[tp] = np.concatenate([[0], np.cumsum([m.params(i, tp) for i in range(m.num_layers)])])
         return self._params[tp]
 
-    def stage_params(self, tp: int, a: int, b: int) -> float:
-        """Parameters per GPU of a replica holding layers [a, b) at TP `tp`.
+    @property
+    def tied(self) -> TiedCopies:
+        """`tied_copies`, or the job's framework's: `megatron-lm` -> `module`, `sailor` -> `runtime`."""
+        if self.tied_copies is not None:
+            return self.tied_copies
+        return TiedCopies.MODULE if self.job.framework is Framework.MEGATRON else TiedCopies.RUNTIME
 
-        Tied embeddings (`tied_embeddings`): a stage holding both the embedding and the head keeps one
-        copy (the head's vocab matrix is not counted again); a stage holding the head without the
-        embedding keeps a copy of the whole embedding module (DeepSpeed ties the module: word and
-        position tables) instead of the head's own matrix."""
+    def stage_params(self, tp: int, a: int, b: int) -> float:
+        """Parameters per GPU of a replica holding layers [a, b) at TP `tp`: `ModelSpec.params` of
+        each layer (the head with its LM-head matrix), with a tied embedding held as `tied` says
+        (`TiedCopies`): `runtime` holds exactly the layers' parameters (the head's copy even on a
+        stage that also holds the embedding: that stage's gradient buckets hold both,
+        `runtime.buckets.build_buckets`); `module` counts the head's vocab matrix once on a stage
+        holding both ends, and on a last stage without the embedding the whole embedding module
+        (word and position tables) in place of the head's matrix."""
         c = self.params_cumsum(tp)
         n = float(c[b] - c[a])
         m = self.job.model
-        if tied_embeddings(m) and b == m.num_layers:
+        if tied_embeddings(m) and b == m.num_layers and self.tied is TiedCopies.MODULE:
             n -= head_vocab_params(m, tp)
             if a > 0:
                 n += embedding_params(m, tp)
         return n
+
+    def tied_copy_params(self, tp: int) -> int:
+        """Parameters per GPU at TP `tp` of the tied copy whose gradient a pipeline's first and last
+        stage exchange (`terms.tied_sync`), as `stage_params` holds it: the token embedding alone
+        under `runtime` (`head_vocab_params`), the whole embedding module under `module`
+        (`embedding_params`, the position table included)."""
+        m = self.job.model
+        return embedding_params(m, tp) if self.tied is TiedCopies.MODULE else head_vocab_params(m, tp)
 
     def act_cumsum(self, tp: int, mbs: int, recompute: Recompute = Recompute.NONE,
                    sequence_parallel: bool = False) -> np.ndarray:
@@ -199,9 +233,11 @@ class SimContext:
 
 def make_context(job: JobSpec, cluster: ClusterSpec, profiles: Profiles | None = None,
                  network: NetworkModel | None = None,
-                 calibration: dict[str, dict[str, float]] | None = None) -> SimContext:
+                 calibration: dict[str, dict[str, float]] | None = None,
+                 tied_copies: TiedCopies | None = None) -> SimContext:
     """A SimContext with roofline profiles and default links where none are given."""
     from sailor.perf.calibration import default_calibration
     return SimContext(job=job, cluster=cluster, profiles=profiles or roofline_profiles(job),
                       network=network or network_for(cluster),
-                      calibration=default_calibration() if calibration is None else calibration)
+                      calibration=default_calibration() if calibration is None else calibration,
+                      tied_copies=tied_copies)

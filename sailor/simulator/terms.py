@@ -34,7 +34,7 @@ from sailor.plan.placement import FirstFit
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan, StageMemory
 from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_crossings, ring_egress,
                                           same_node, tp_collective_time_s)
-from sailor.simulator.context import SimContext, embedding_params, stage_blocks, tied_embeddings
+from sailor.simulator.context import SimContext, TiedCopies, stage_blocks, tied_embeddings
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes
 from sailor.simulator.traffic import Crossing
 from sailor.specs.cluster import ClusterSpec
@@ -364,35 +364,54 @@ def _ties(ctx: SimContext, num_stages: int) -> bool:
     return num_stages > 1 and tied_embeddings(ctx.job.model)
 
 
-def _tied_allreduce(ctx: SimContext, first: Slot, last: Slot) -> tuple[list[Group], float, int]:
-    """(ring groups, bytes of one replica's embedding gradient, t) of the tied-embedding all-reduce
-    between a pipeline's first and last stage."""
+def tied_share(ctx: SimContext, zero: tuple[int, int], replicas: int) -> float:
+    """Fraction of the tied copy's gradient one pipeline's first and last stage exchange, averaged
+    over the two directions, given the two stages' ZeRO levels `zero` = (first, last) and the plan's
+    `replicas` pipelines. Sailor's runtime (`TiedCopies.RUNTIME`) sends each element of a copy once
+    to each of its holders after the reduction (`runtime.tied.twin_transfers`): under ZeRO-0 every
+    pipeline holds the whole copy (share 1), under ZeRO >= 1 each element has one owner among the
+    pipelines (share 1 / replicas, the pipelines together exchanging the copy once). DeepSpeed's
+    ReduceTiedGrads all-reduces the whole module in every pipeline before ZeRO (share 1)."""
+    if ctx.tied is not TiedCopies.RUNTIME:
+        return 1.0
+    return sum(1.0 / replicas if z >= 1 else 1.0 for z in zero) / 2
+
+
+def _tied_allreduce(ctx: SimContext, first: Slot, last: Slot, share: float) -> tuple[list[Group], float, int]:
+    """(ring groups, bytes each way, t) of the tied-embedding exchange between a pipeline's first
+    and last stage: `share` (`tied_share`) of the copy's gradient (`SimContext.tied_copy_params`),
+    as a 2-member ring all-reduce, whose edge carries its bytes once each way."""
     t = min(first.tp, last.tp)
-    nbytes = t * embedding_params(ctx.job.model, t) * ctx.job.state_bytes_per_param["gradients"]
+    nbytes = share * t * ctx.tied_copy_params(t) * ctx.job.state_bytes_per_param["gradients"]
     return group_members([first, last]), nbytes, t
 
 
-def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> tuple[float, float, float]:
-    """(seconds, bytes crossing zones, egress $) of the all-reduce of tied embedding gradients between
-    a pipeline's first and last stage (DeepSpeed ReduceTiedGrads); 0 for one stage or untied models.
-    The bytes and $ are the totals of `tied_sync_crossings`."""
+def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int, zero: tuple[int, int] = (0, 0),
+              replicas: int = 1) -> tuple[float, float, float]:
+    """(seconds, bytes crossing zones, egress $) of the exchange of tied embedding gradients between
+    a pipeline's first and last stage (DeepSpeed ReduceTiedGrads; Sailor's runtime sums the copies,
+    `runtime.tied`), the stages at ZeRO levels `zero` = (first, last) in a plan of `replicas`
+    pipelines (`tied_share`); 0 for one stage or untied models. The bytes and $ are the totals of
+    `tied_sync_crossings`."""
     if not _ties(ctx, num_stages):
         return 0.0, 0.0, 0.0
+    share = tied_share(ctx, zero, replicas)
     # two members: the ring has the edge each way, so only whether they share a node matters, not
     # which node (nor which of the two sorts first)
     key = ("tied_sync", first.zone, first.gpu, first.tp, last.zone, last.gpu, last.tp, first.node is None,
-           last.node is None, first.node == last.node)
+           last.node is None, first.node == last.node, share)
     if key not in ctx.memo:
-        groups, nbytes, t = _tied_allreduce(ctx, first, last)
+        groups, nbytes, t = _tied_allreduce(ctx, first, last, share)
         ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
     return ctx.memo[key]
 
 
-def tied_sync_crossings(ctx: SimContext, first: Slot, last: Slot, num_stages: int) -> list[Crossing]:
+def tied_sync_crossings(ctx: SimContext, first: Slot, last: Slot, num_stages: int, zero: tuple[int, int] = (0, 0),
+                        replicas: int = 1) -> list[Crossing]:
     """The zone crossings of `tied_sync` (same arguments): the ring edges between the two zones."""
     if not _ties(ctx, num_stages):
         return []
-    groups, nbytes, _ = _tied_allreduce(ctx, first, last)
+    groups, nbytes, _ = _tied_allreduce(ctx, first, last, tied_share(ctx, zero, replicas))
     return ring_crossings(groups, nbytes, ctx.network)
 
 
