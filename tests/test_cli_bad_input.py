@@ -374,16 +374,18 @@ def test_a_trace_offering_more_processes_than_the_machine_runs(tmp_path, monkeyp
 
 
 # ---- no silent data loss --------------------------------------------------------------------------
-def _checkpoint(root: Path, step: int, job: dict, seed: int) -> None:
-    """A real, verified checkpoint folder (what a worker writes) of `job` trained with `seed`."""
+def _checkpoint(root: Path, step: int, job: dict, seed: int, moments: bool = True) -> None:
+    """A real, verified checkpoint folder (what a worker writes) of `job` trained with `seed`; after
+    step 0 with the Adam moments unless `moments` is False (weights alone, as a conversion writes)."""
     import torch
 
     from sailor.runtime import checkpoint as ckpt
     from sailor.runtime.checkpoint_io import write_checkpoint
     from sailor.specs.job import JobSpec
 
+    keys = ["param", *ckpt.OPTIMIZER_KEYS] if step > 0 and moments else ["param"]
     write_checkpoint(root, step, ckpt.run_meta(JobSpec.model_validate(job), seed),
-                     {"layers.0.weight": {"param": torch.zeros(2)}})
+                     {"layers.0.weight": {k: torch.zeros(2) for k in keys}})
 
 
 def test_train_refuses_a_folder_holding_another_run(tmp_path, monkeypatch, capsys):
@@ -432,6 +434,35 @@ def test_resume_with_only_damaged_checkpoints_is_refused_and_keeps_them(tmp_path
     code, _, err = _main(["train", "cpu_plan.json", "--checkpoint-dir", "empty", "--resume", "--steps", "5", "--dry-run"],
                          tmp_path, monkeypatch, capsys)
     assert code == 0 and "starting from step 0" in err, err
+
+
+def test_resume_from_weights_alone_after_step_0_is_refused(tmp_path, monkeypatch, capsys):
+    """A step-3 checkpoint without Adam moments used to pass every check and stop rank 0 on an
+    AssertionError (exit 1; `sailor run` counted it as a crash of the GPUs)."""
+    _base(tmp_path)
+    _checkpoint(tmp_path / "ck", 3, JOB, seed=0, moments=False)
+    line = _refused(["train", "cpu_plan.json", "--checkpoint-dir", "ck", "--resume", "--steps", "5", "--dry-run"],
+                    tmp_path, monkeypatch, capsys)
+    assert "ck/step-00000003/manifest.json: keys: the checkpoint of step 3 holds the weights alone" in line, line
+    assert "--init-from" in line
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("step", -1, "manifest.json: step: -1 is not a whole number >= 0"),
+    ("keys", ["param", "exp_avg"], "manifest.json: keys: ['param', 'exp_avg'] is neither"),
+    ("tensors", {"layers.0.weight": [2, 0]}, "manifest.json: tensors.layers.0.weight: [2, 0] is not a shape"),
+    ("format", "sailor-checkpoint-9", "manifest.json: format: unknown format 'sailor-checkpoint-9'"),
+    ("ranks", {}, "manifest.json: ranks: not a non-empty mapping"),
+])
+def test_resume_names_the_malformed_manifest_field(tmp_path, monkeypatch, capsys, field, value, words):
+    """The manifest is not hashed: a hand-edited field is refused naming the file and the field."""
+    _base(tmp_path)
+    _checkpoint(tmp_path / "ck", 3, JOB, seed=0)
+    m = tmp_path / "ck" / "step-00000003" / "manifest.json"
+    m.write_text(json.dumps(json.loads(m.read_text()) | {field: value}))
+    line = _refused(["train", "cpu_plan.json", "--checkpoint-dir", "ck", "--resume", "--steps", "5", "--dry-run"],
+                    tmp_path, monkeypatch, capsys)
+    assert "--resume: no verified checkpoint in ck (" in line and words in line, line
 
 
 # ---- warnings and internal errors are one line -----------------------------------------------------

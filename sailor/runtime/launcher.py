@@ -185,6 +185,7 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         else:
             ckpt.check_compatible(_current_model_fields(found.manifest), ckpt.run_meta(job, options.seed),
                                   source=str(found.path))
+            check_resumable(found.path, found.manifest)
             resume_from, resume_step = found.path, int(found.manifest["step"])
             notes.append(f"resuming from {found.path} (step {resume_step})")
     if options.init_from and resume_from is not None:
@@ -195,6 +196,17 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         check_init_from(options.init_from, job.model)  # names, shapes and dtypes, before any process starts
     ranks = rank_layout(plan, {r.gpu: plan.world_size for p in plan.pipelines for r in p.replicas})
     return Prepared(options, plan, job, ranks, resume_from, resume_step, tuple(notes))
+
+
+def check_resumable(path: Path, manifest: dict[str, Any]) -> None:
+    """Raise SailorInputError when a verified checkpoint cannot continue a training run: one taken
+    after step 0 that holds the weights alone (`keys` ["param"], as a conversion writes), without
+    the Adam moments every step after the first needs."""
+    if manifest.get("format") == ckpt.FORMAT and manifest["step"] > 0 and manifest["keys"] == ["param"]:
+        raise SailorInputError(f"the checkpoint of step {manifest['step']} holds the weights alone, without the"
+                               f" Adam moments ({', '.join(ckpt.OPTIMIZER_KEYS)}) that resuming training needs",
+                               source=str(Path(path) / "manifest.json"), field="keys",
+                               fix="export it (sailor export) and start a new run from it with --init-from")
 
 
 def check_train_options(options: TrainOptions) -> None:
