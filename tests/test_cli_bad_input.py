@@ -447,6 +447,20 @@ def test_resume_from_weights_alone_after_step_0_is_refused(tmp_path, monkeypatch
     assert "--init-from" in line
 
 
+def test_run_with_only_damaged_checkpoints_names_its_own_option(tmp_path, monkeypatch, capsys):
+    """`sailor run` resumes from --checkpoint-dir on its own; its line used to name `--resume`, an
+    option it does not have."""
+    _base(tmp_path)
+    _checkpoint(tmp_path / "ck", 3, JOB, seed=0)
+    f = tmp_path / "ck" / "step-00000003" / "rank-00000.bin"
+    f.write_bytes(b"\xff" + f.read_bytes()[1:])
+    code, _, err = _main(["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json",
+                          "--checkpoint-dir", "ck", "--steps", "5"], tmp_path, monkeypatch, capsys)
+    line = err.splitlines()[-1]
+    assert code == 2 and line.startswith("error: --checkpoint-dir: no verified checkpoint in"), err
+    assert "--resume" not in line and "rank-00000.bin: checksum mismatch" in line, line
+
+
 @pytest.mark.parametrize("field, value, words", [
     ("step", -1, "manifest.json: step: -1 is not a whole number >= 0"),
     ("keys", ["param", "exp_avg"], "manifest.json: keys: ['param', 'exp_avg'] is neither"),

@@ -346,7 +346,13 @@ class Controller:
         if self.switch is not None:
             self.switch.launched = time.monotonic()
         Path(opts.stop_file).unlink(missing_ok=True)  # the last launch's stop request
-        prep = prepare(opts, local=self.o.hosts is None)  # raises SailorInputError on a bad checkpoint
+        try:
+            prep = prepare(opts, local=self.o.hosts is None)  # raises SailorInputError on a bad checkpoint
+        except SailorInputError as e:
+            if e.source != "--resume":
+                raise
+            # `sailor run` always resumes from its --checkpoint-dir; it has no --resume option to name
+            raise SailorInputError(e.message, source="--checkpoint-dir", field=e.field, fix=e.fix) from None
         for note in prep.notes:
             if note.startswith("skipped"):
                 self.log.emit("checkpoint_skipped", reason=note)
