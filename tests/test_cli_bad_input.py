@@ -447,6 +447,23 @@ def test_resume_from_weights_alone_after_step_0_is_refused(tmp_path, monkeypatch
     assert "--init-from" in line
 
 
+@pytest.mark.parametrize("count, words", [(0, "this machine has no CUDA device (or this torch is a CPU build)"),
+                                           (1, "this machine has 1 CUDA device (")])
+def test_train_cuda_on_too_few_gpus_names_no_cpu_way_out(tmp_path, monkeypatch, capsys, count, words):
+    """A plan of A100s under --device cuda on a machine with fewer GPUs: the line used to say "run it
+    with --device cpu", which refuses any plan of GPU types other than cpu."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    _base(tmp_path)
+    rep = {"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 1}
+    _write(tmp_path, {"a100.json": CPU_PLAN | {"pipelines": [{"microbatches": 4,
+                                                              "replicas": [rep, rep | {"stage": 1}]}]}})
+    line = _refused(["train", "a100.json", "--device", "cuda", "--steps", "1", "--dry-run"], tmp_path, monkeypatch, capsys)
+    assert line.startswith(f"error: a100.json: the plan has 2 ranks but {words}"), line
+    assert "--device cpu" not in line and "sailor launch" in line, line
+
+
 def test_run_with_only_damaged_checkpoints_names_its_own_option(tmp_path, monkeypatch, capsys):
     """`sailor run` resumes from --checkpoint-dir on its own; its line used to name `--resume`, an
     option it does not have."""

@@ -161,8 +161,12 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
 
         have = torch.cuda.device_count()
         if plan.world_size > have:
-            raise SailorInputError(f"the plan has {plan.world_size} ranks but this machine has {have} CUDA devices",
-                                   source=options.plan, fix="run it with --device cpu, or on a larger machine")
+            # (a plan of GPU type cpu was refused above, so --device cpu is no way out here)
+            where = ("no CUDA device (or this torch is a CPU build)" if have == 0
+                     else f"{have} CUDA device{'s' if have > 1 else ''}")
+            raise SailorInputError(f"the plan has {plan.world_size} ranks but this machine has {where}",
+                                   source=options.plan, fix="run it on a machine with a GPU per rank (a CUDA build of"
+                                   " torch, README \"GPU\"), or start it on a cluster with `sailor launch`")
     check_corpus(load_corpus(options.data), seq=job.seq, vocab_size=job.model.vocab_size,
                  source=options.data or "pydoc_data.topics")
     notes: list[str] = []
