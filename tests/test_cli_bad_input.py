@@ -353,6 +353,16 @@ def test_issue_cases_are_one_line(tmp_path, monkeypatch, capsys, files, args, wo
     assert words in line, line
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_profile_on_cpu_names_the_job_file_of_a_half_precision(tmp_path, monkeypatch, capsys, precision):
+    """`sailor train` names the job file for a precision the CPU does not train in; `sailor profile`
+    used to give the field alone."""
+    _base(tmp_path)
+    _write(tmp_path, {"half.yaml": JOB | {"precision": precision}})
+    line = _refused(["profile", "--job", "half.yaml", "--mbs", "1", "--out", "out/p.json"], tmp_path, monkeypatch, capsys)
+    assert line.startswith(f"error: half.yaml: precision: the runtime trains in fp32 on cpu, the job says {precision}")
+
+
 def test_profile_refuses_a_bad_out_before_measuring(tmp_path, monkeypatch, capsys):
     import sailor.runtime.profiler as profiler
 
