@@ -168,8 +168,8 @@ def test_docker_base_image_asks_no_newer_cuda_than_the_torch_build():
     the container toolkit) must not exceed the CUDA of the torch index the Dockerfile installs from,
     or the image refuses hosts whose driver runs that torch build."""
     docker = (REPO / "Dockerfile").read_text()
-    base = re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:(\d+)\.(\d+)\.\d+-\S+$", docker, flags=re.M)
-    index = re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cu(\d+)(\d)$", docker, flags=re.M)
+    base = re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:(\d+)\.(\d+)\.\d+-\S+$", docker, flags=re.MULTILINE)
+    index = re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cu(\d+)(\d)$", docker, flags=re.MULTILINE)
     assert base and index, "CUDA_IMAGE or TORCH_INDEX not in the expected form"
     assert (int(base.group(1)), int(base.group(2))) <= (int(index.group(1)), int(index.group(2)))
 
