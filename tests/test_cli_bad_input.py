@@ -494,6 +494,9 @@ def test_run_with_only_damaged_checkpoints_names_its_own_option(tmp_path, monkey
     ("tensors", {"layers.0.weight": [2, 0]}, "manifest.json: tensors.layers.0.weight: [2, 0] is not a shape"),
     ("format", "sailor-checkpoint-9", "manifest.json: format: unknown format 'sailor-checkpoint-9'"),
     ("ranks", {}, "manifest.json: ranks: not a non-empty mapping"),
+    ("loss_scaler", {"scale": 0.0, "clean_steps": 0, "skipped": 0}, "manifest.json: loss_scaler.scale: 0.0 is not"),
+    ("loss_scaler", {"scale": 2.0, "clean_steps": -1}, "manifest.json: loss_scaler.clean_steps: -1 is not"),
+    ("loss_scaler", {"scale": 2.0, "growth": 3}, "manifest.json: loss_scaler: {'scale': 2.0, 'growth': 3} is not"),
 ])
 def test_resume_names_the_malformed_manifest_field(tmp_path, monkeypatch, capsys, field, value, words):
     """The manifest is not hashed: a hand-edited field is refused naming the file and the field."""

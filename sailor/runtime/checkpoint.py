@@ -187,7 +187,23 @@ def _manifest_problem(manifest: dict[str, Any], fmt: str) -> str | None:
     for r, info in ranks.items():
         if not (isinstance(info, dict) and info.get("index") in files and info.get("data") in files):
             return f"ranks.{r}: its index and data files are not both listed under files"
-    return None
+    return _loss_scaler_problem(manifest.get("loss_scaler", {}))
+
+
+def _loss_scaler_problem(state: Any) -> str | None:
+    """What is wrong with a manifest's "loss_scaler" (`LossScaler.state_dict()` of an fp16 run:
+    scale, a finite number >= the default min_scale 1; clean_steps and skipped, whole numbers >= 0),
+    which the worker passes to `LossScaler(**state)`; None when it is usable or absent."""
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(state, dict) or not set(state) <= {"scale", "clean_steps", "skipped"}:
+        return f"loss_scaler: {state!r} is not a mapping of scale, clean_steps and skipped"
+    scale = state.get("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 1.0 <= scale < float("inf"):
+        return f"loss_scaler.scale: {scale!r} is not a finite number >= 1"
+    bad = [k for k in ("clean_steps", "skipped") if k in state and not whole(state[k])]
+    return f"loss_scaler.{bad[0]}: {state[bad[0]]!r} is not a whole number >= 0" if bad else None
 
 
 def _check_file(path: Path, meta: Mapping[str, Any], *, hash_it: bool) -> None:
