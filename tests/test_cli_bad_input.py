@@ -474,6 +474,52 @@ def test_train_cuda_on_too_few_gpus_names_no_cpu_way_out(tmp_path, monkeypatch, 
     assert "--device cpu" not in line and "sailor launch" in line, line
 
 
+NO_KERNELS = ("--device: the installed torch has no kernels for Tesla V100-SXM2-16GB (sm_70; it has sm_75 sm_80"
+              " sm_90); install a build that does: pip install torch==2.13.0 --index-url"
+              " https://download.pytorch.org/whl/cu126")
+
+
+def _refusing_rank(prep, on_event=None, **kw):
+    """A stand-in for `launch`: rank 0 refused its GPU (the error event `worker._report` emits for a
+    SailorInputError), rank 1 then lost its peer; torchrun printed its failure report."""
+    from sailor.runtime.launcher import TrainResult, _result
+
+    events = [{"event": "error", "rank": 1, "error": "DistError: Connection closed by peer", "peer_lost": True},
+              {"event": "error", "rank": 0, "error": f"SailorInputError: {NO_KERNELS}", "peer_lost": False}]
+    for ev in events:
+        if on_event:
+            on_event(ev)
+    tail = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\nRoot Cause (first observed failure):\n"
+    return _result(TrainResult(status=None, message="", events=events), 1, 0, tail)
+
+
+def test_a_rank_refusing_its_gpu_is_bad_input_in_one_line(tmp_path, monkeypatch, capsys):
+    """README "GPU": a rank whose torch has no kernels for its GPU stops with one line naming the build
+    (exit 2); it used to be 'training failed (...)' after torchrun's report, exit 1."""
+    import sailor.runtime.launcher as launcher
+
+    monkeypatch.setattr(launcher, "launch", _refusing_rank)
+    _base(tmp_path)
+    code, _, err = _main(["train", "cpu_plan.json", "--steps", "1"], tmp_path, monkeypatch, capsys)
+    assert code == 2, err
+    assert err.splitlines()[-1] == f"error: rank 0: {NO_KERNELS}", err  # after the progress bar's line
+    assert err.count("error:") == 1 and "ChildFailedError" not in err, err
+
+
+def test_sailor_run_stops_when_a_rank_refuses_its_gpu(tmp_path, monkeypatch, capsys):
+    """Every relaunch would be refused the same way: `sailor run` ends with the rank's line, exit 2,
+    instead of counting a crash and taking the GPUs away."""
+    from sailor.elastic import controller
+
+    monkeypatch.setattr(controller, "launch", _refusing_rank)
+    _base(tmp_path)
+    code, _, err = _main(["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json",
+                          "--steps", "2", "--events", "out/ev.jsonl"], tmp_path, monkeypatch, capsys)
+    assert code == 2, err
+    assert err.splitlines()[-1] == f"error: rank 0: {NO_KERNELS}", err
+    assert "crash" not in err, err
+
+
 def test_run_with_only_damaged_checkpoints_names_its_own_option(tmp_path, monkeypatch, capsys):
     """`sailor run` resumes from --checkpoint-dir on its own; its line used to name `--resume`, an
     option it does not have."""

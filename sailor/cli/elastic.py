@@ -8,6 +8,7 @@ after writing a checkpoint; 130 killed by a second interrupt.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -104,6 +105,9 @@ def run(
                                     device=device or ("cpu" if cluster_spec.provider == "local" else "cuda"),
                                     start_timeout_s=start_timeout_s,
                                     on_event=lambda ev: _say(err, ev)))
+    if result.status == 2:  # a rank refused its input (ExitStatus.BAD_INPUT): its one line
+        print(f"error: {result.message}", file=sys.stderr)
+        raise typer.Exit(code=2)
     summary = (f"{result.message} ({_count(result.switches, 'switch', 'switches')},"
                f" {_count(result.crashes, 'crash', 'crashes')},"
                f" {_count(result.steps_rolled_back, 'step', 'steps')} rolled back)")

@@ -484,6 +484,8 @@ class Controller:
             return self._finish(ExitStatus.KILLED, "killed by a second interrupt")
         if self.signals:
             return self._finish(ExitStatus.STOPPED, f"stopped on request ({run.killed or res.message})")
+        if res.status is ExitStatus.BAD_INPUT:  # a rank refused its input: every relaunch would too
+            return self._finish(ExitStatus.BAD_INPUT, res.message)
         # A rank failed: its GPUs are gone; roll back to the last checkpoint on the survivors.
         message = run.killed or res.message
         dead = _dead_ranks(res)

@@ -3,7 +3,8 @@
 
 Exit statuses (`ExitStatus`): 0 every step done; 1 a rank failed (the whole job is ended within
 seconds: torchrun stops the other ranks, and the launcher kills the process group); 2 bad input,
-reported before any process starts; 3 stopped on request after writing a checkpoint; 130 killed by a
+reported before any process starts, or by a rank that refused its device before any process group
+formed (no kernels for it in this torch, bf16 before sm_80: the rank's one line); 3 stopped on request after writing a checkpoint; 130 killed by a
 second interrupt.
 
 Stop protocol: SIGTERM or SIGINT to the launcher (or creating the `stop_file`) asks every rank to
@@ -407,6 +408,12 @@ def _result(result: TrainResult, returncode: int, signals: int, stderr_tail: str
     elif signals >= 2:
         result.status = ExitStatus.KILLED
         result.message = "killed by a second interrupt"
+    elif refused := _refused_input(errors):
+        # A rank refused what it was given (its GPU: no kernels in this torch, no bf16; too few GPUs):
+        # bad input, exit 2 with the rank's one line, as every check before the start.
+        result.status = ExitStatus.BAD_INPUT
+        result.failed = failed_ranks(stderr_tail)
+        result.message = refused
     else:
         result.status = ExitStatus.FAILED
         result.failed = failed_ranks(stderr_tail)
@@ -432,6 +439,14 @@ def failed_ranks(stderr: str) -> list[tuple[str, str]]:
             out.append((rank, s.split(":", 1)[1].split("(")[0].strip()))
             rank = None
     return out
+
+
+def _refused_input(errors: list[dict[str, Any]]) -> str | None:
+    """"rank <r>: <line>" of the first rank that stopped on bad input (a SailorInputError: its error
+    event reads "SailorInputError: <one line>", `worker._report`), or None."""
+    prefix = "SailorInputError: "
+    own = [e for e in errors if str(e.get("error", "")).startswith(prefix)]
+    return f"rank {own[0]['rank']}: {own[0]['error'][len(prefix):]}" if own else None
 
 
 def _first_failure(errors: list[dict[str, Any]], failures: list[tuple[str, str]]) -> str | None:
