@@ -520,6 +520,15 @@ def test_sailor_run_stops_when_a_rank_refuses_its_gpu(tmp_path, monkeypatch, cap
     assert "crash" not in err, err
 
 
+@pytest.mark.parametrize("command", [["train", "cpu_plan.json", "--dry-run"],
+                                     ["launch", "cpu_plan.json", "--backend", "torchrun", "--dry-run"]])
+def test_checkpoint_every_without_a_folder_is_refused(tmp_path, monkeypatch, capsys, command):
+    """--checkpoint-every without --checkpoint-dir saved nothing and said nothing."""
+    _base(tmp_path)
+    line = _refused([*command, "--steps", "4", "--checkpoint-every", "2"], tmp_path, monkeypatch, capsys)
+    assert line.startswith("error: --checkpoint-every: every 2 steps, but there is no --checkpoint-dir"), line
+
+
 def test_run_with_only_damaged_checkpoints_names_its_own_option(tmp_path, monkeypatch, capsys):
     """`sailor run` resumes from --checkpoint-dir on its own; its line used to name `--resume`, an
     option it does not have."""

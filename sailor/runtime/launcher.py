@@ -46,7 +46,7 @@ from sailor.plan import load_plan
 from sailor.plan.placement import RankInfo, rank_layout
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
-from sailor.runtime.command import WorkerSettings
+from sailor.runtime.command import WorkerSettings, check_takes_effect
 from sailor.runtime.data import check_corpus, load_corpus
 from sailor.runtime.metrics import check_tensorboard
 from sailor.runtime.validate import check_plan_for_job
@@ -219,7 +219,7 @@ def check_train_options(options: TrainOptions) -> None:
     (`WorkerSettings`: steps, timeout, seed, intervals, empty paths, device), an output path that
     cannot be written (checked before any work), a stop file that already exists (the run would stop
     before its first step) or is a folder, or --tensorboard without the tensorboard package."""
-    worker_settings(options)
+    check_takes_effect(worker_settings(options))
     if options.stop_file is not None and Path(options.stop_file).exists():
         raise SailorInputError(f"{options.stop_file} exists already, so the run would stop before its first step",
                                source="--stop-file", fix="remove it, or name a file that does not exist yet")
