@@ -158,6 +158,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--model: {e.one_line()}"
     if args.seq > spec.max_sequence_length:
         return f"--seq: {args.seq} is longer than {spec.name}'s context ({spec.max_sequence_length})"
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        return f"--out: {args.out} is a file; name a folder for the check's files"
     return None
 
 

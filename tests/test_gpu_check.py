@@ -62,9 +62,12 @@ def test_the_prediction_is_made_for_every_catalog_gpu_type(tmp_path):
     (["--model", "opt-350"], None),
     (["--model", "no-such-model"], "gpu_check: --model: "),
     (["--model", "tiny", "--seq", "65"], "gpu_check: --seq: 65 is longer than tiny's context (64)"),
+    (["--out", "a-file"], "gpu_check: --out: "),
 ])
 def test_bad_arguments_exit_2_before_cuda_is_asked(monkeypatch, capsys, tmp_path, argv, words):
     """A typo must not spend a GPU session: arguments are checked before anything else."""
+    (tmp_path / "a-file").write_text("")
+    argv = [str(tmp_path / a) if a == "a-file" else a for a in argv]
     def no_cuda():
         raise AssertionError("CUDA was asked before the arguments were checked")
 
