@@ -529,6 +529,30 @@ def test_checkpoint_every_without_a_folder_is_refused(tmp_path, monkeypatch, cap
     assert line.startswith("error: --checkpoint-every: every 2 steps, but there is no --checkpoint-dir"), line
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_run_on_cpu_names_the_job_file_of_a_half_precision(tmp_path, monkeypatch, capsys, precision):
+    """`sailor run` used to plan first and then name its own temporary plan file (plan-3.json)."""
+    _base(tmp_path)
+    _write(tmp_path, {"half.yaml": JOB | {"precision": precision}})
+    line = _refused(["run", "--job", "half.yaml", "--cluster", "local.yaml", "--availability", "trace.json",
+                     "--steps", "2"], tmp_path, monkeypatch, capsys)
+    assert line.startswith(f"error: half.yaml: precision: the runtime trains in fp32 on cpu, the job says {precision}")
+
+
+@pytest.mark.parametrize("command, source", [
+    (["plan", "--job", "half.yaml", "--cluster", "local.yaml"], "half.yaml"),
+    (["simulate", "cpu_plan.json", "--job", "half.yaml"], "half.yaml"),
+    (["simulate", "half_plan.json"], "half_plan.json"),
+])
+def test_plan_and_simulate_on_local_name_the_file_of_a_half_precision(tmp_path, monkeypatch, capsys, command, source):
+    """Measuring this machine for a bf16 job is refused; the line used to give the field alone."""
+    _base(tmp_path)
+    _write(tmp_path, {"half.yaml": JOB | {"precision": "bf16"},
+                      "half_plan.json": CPU_PLAN | {"job": JOB | {"precision": "bf16"}}})
+    line = _refused(command, tmp_path, monkeypatch, capsys)
+    assert line.startswith(f"error: {source}: precision: the runtime trains in fp32 on cpu, the job says bf16"), line
+
+
 def test_run_with_only_damaged_checkpoints_names_its_own_option(tmp_path, monkeypatch, capsys):
     """`sailor run` resumes from --checkpoint-dir on its own; its line used to name `--resume`, an
     option it does not have."""
