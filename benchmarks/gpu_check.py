@@ -81,6 +81,7 @@ class MemorySampler:
     def __init__(self, metrics: Path, period_s: float = 0.1) -> None:
         self.metrics, self.period_s = metrics, period_s
         self.samples: list[tuple[int, int]] = []  # (steps logged, bytes)
+        self.error: str | None = None  # why sampling stopped early (e.g. no nvidia-smi on PATH)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -92,8 +93,12 @@ class MemorySampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                               capture_output=True, text=True, check=False)
+            try:
+                r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
+                                    "0"], capture_output=True, text=True, check=False, timeout=10)
+            except (OSError, subprocess.SubprocessError) as e:  # recorded; the run goes on unsampled
+                self.error = f"{type(e).__name__}: {e}"
+                return
             if r.returncode == 0 and r.stdout.strip():
                 self.samples.append((self._steps(), int(float(r.stdout.split()[0])) * 2**20))
             self._stop.wait(self.period_s)
@@ -110,7 +115,7 @@ class MemorySampler:
         start = [b for s, b in self.samples if s == 0]
         steady = [b for s, b in self.samples if s >= 1]
         return {"startup_peak_bytes": max(start, default=None), "steady_peak_bytes": max(steady, default=None),
-                "samples": len(self.samples)}
+                "samples": len(self.samples), **({"sampler_error": self.error} if self.error else {})}
 
 
 def sailor(*args: str, timeout_s: float) -> subprocess.CompletedProcess:

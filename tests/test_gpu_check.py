@@ -96,3 +96,19 @@ def test_the_profile_runs_in_the_precision_training_runs_in(monkeypatch, tmp_pat
     assert mod.profile(args, tmp_path)["error"] == "error: stand-in"
     assert json.loads((tmp_path / "job.json").read_text())["precision"] == precision
     assert calls[0][:2] == ("profile", "--job")
+
+
+def test_memory_sampler_without_nvidia_smi_records_why(monkeypatch, tmp_path):
+    """No nvidia-smi on PATH (some containers): the sampler thread used to die with a traceback on
+    stderr; now the peaks say why there are no samples."""
+    mod = _module()
+
+    def missing(*a, **k):
+        raise FileNotFoundError(2, "No such file or directory", "nvidia-smi")
+
+    monkeypatch.setattr(mod.subprocess, "run", missing)
+    with mod.MemorySampler(tmp_path / "m.jsonl", period_s=0.01) as sampler:
+        sampler._thread.join(timeout=5)
+    peaks = sampler.peaks()
+    assert peaks["samples"] == 0 and peaks["startup_peak_bytes"] is None
+    assert peaks["sampler_error"].startswith("FileNotFoundError"), peaks
