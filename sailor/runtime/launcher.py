@@ -3,9 +3,9 @@
 
 Exit statuses (`ExitStatus`): 0 every step done; 1 a rank failed (the whole job is ended within
 seconds: torchrun stops the other ranks, and the launcher kills the process group); 2 bad input,
-reported before any process starts, or by a rank that refused its device before any process group
-formed (no kernels for it in this torch, bf16 before sm_80: the rank's one line); 3 stopped on request after writing a checkpoint; 130 killed by a
-second interrupt.
+reported before any process starts, or by a rank that refused its input (a SailorInputError, e.g.
+its GPU: no kernels for it in this torch, bf16 before sm_80; the rank's one line); 3 stopped on
+request after writing a checkpoint; 130 killed by a second interrupt.
 
 Stop protocol: SIGTERM or SIGINT to the launcher (or creating the `stop_file`) asks every rank to
 finish its current step; they agree at the next step boundary, write a checkpoint (if a checkpoint
@@ -218,7 +218,8 @@ def check_train_options(options: TrainOptions) -> None:
     """Raise SailorInputError for options no run can use: a setting the worker refuses
     (`WorkerSettings`: steps, timeout, seed, intervals, empty paths, device), an output path that
     cannot be written (checked before any work), a stop file that already exists (the run would stop
-    before its first step) or is a folder, or --tensorboard without the tensorboard package."""
+    before its first step) or is a folder, --checkpoint-every without --checkpoint-dir
+    (`command.check_takes_effect`), or --tensorboard without the tensorboard package."""
     check_takes_effect(worker_settings(options))
     if options.stop_file is not None and Path(options.stop_file).exists():
         raise SailorInputError(f"{options.stop_file} exists already, so the run would stop before its first step",
