@@ -187,7 +187,7 @@ def _manifest_problem(manifest: dict[str, Any], fmt: str) -> str | None:
     for r, info in ranks.items():
         if not (isinstance(info, dict) and info.get("index") in files and info.get("data") in files):
             return f"ranks.{r}: its index and data files are not both listed under files"
-    return _loss_scaler_problem(manifest.get("loss_scaler", {}))
+    return _loss_scaler_problem(manifest.get("loss_scaler", {})) or _scaler_vs_step(manifest)
 
 
 def _loss_scaler_problem(state: Any) -> str | None:
@@ -204,6 +204,13 @@ def _loss_scaler_problem(state: Any) -> str | None:
         return f"loss_scaler.scale: {scale!r} is not a finite number >= 1"
     bad = [k for k in ("clean_steps", "skipped") if k in state and not whole(state[k])]
     return f"loss_scaler.{bad[0]}: {state[bad[0]]!r} is not a whole number >= 0" if bad else None
+
+
+def _scaler_vs_step(manifest: dict[str, Any]) -> str | None:
+    """A loss scaler that skipped more steps than the checkpoint's run took (`optimizer_steps` < 0)."""
+    if optimizer_steps(manifest) < 0:
+        return f"loss_scaler.skipped: {manifest['loss_scaler']['skipped']} steps skipped, more than step {manifest['step']}"
+    return None
 
 
 def _check_file(path: Path, meta: Mapping[str, Any], *, hash_it: bool) -> None:
@@ -345,6 +352,13 @@ def commit(root: str | Path, step: int, meta: dict[str, Any], *, layout: Mapping
     os.replace(tmp, final)
     _fsync_dir(Path(root))
     return final
+
+
+def optimizer_steps(manifest: Mapping[str, Any]) -> int:
+    """Optimizer steps a checkpoint's run had taken: its `step` less the steps fp16 skipped on an
+    overflow (its "loss_scaler"'s `skipped`, `runtime.scaler`), which advanced the step but not the
+    optimizer (Adam's bias correction counts optimizer steps; the moments exist once one was taken)."""
+    return manifest["step"] - int((manifest.get("loss_scaler") or {}).get("skipped", 0))
 
 
 def run_meta(job: JobSpec, seed: int) -> dict[str, Any]:

@@ -205,9 +205,9 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
 
 def check_resumable(path: Path, manifest: dict[str, Any]) -> None:
     """Raise SailorInputError when a verified checkpoint cannot continue a training run: one taken
-    after step 0 that holds the weights alone (`keys` ["param"], as a conversion writes), without
-    the Adam moments every step after the first needs."""
-    if manifest.get("format") == ckpt.FORMAT and manifest["step"] > 0 and manifest["keys"] == ["param"]:
+    after an optimizer step (`ckpt.optimizer_steps`: fp16's skipped steps took none) that holds the
+    weights alone (`keys` ["param"], as a conversion writes), without the Adam moments it needs."""
+    if manifest.get("format") == ckpt.FORMAT and ckpt.optimizer_steps(manifest) > 0 and manifest["keys"] == ["param"]:
         raise SailorInputError(f"the checkpoint of step {manifest['step']} holds the weights alone, without the"
                                f" Adam moments ({', '.join(ckpt.OPTIMIZER_KEYS)}) that resuming training needs",
                                source=str(Path(path) / "manifest.json"), field="keys",
