@@ -174,6 +174,9 @@ def train(gpu: str, precision: str, args: argparse.Namespace, folder: Path) -> d
            "precision": precision}
     plan_path, metrics = folder / f"plan-{precision}.json", folder / f"metrics-{precision}.jsonl"
     plan_path.write_text(json.dumps(one_gpu_plan(gpu, job, args.mbs, args.microbatches)))
+    # `sailor train --metrics` appends: a rerun into the same --out would count the last run's steps
+    # (the sampler's start-up/steady split, the first loss)
+    metrics.unlink(missing_ok=True)
     out: dict[str, Any] = {"precision": precision}
     try:
         out.update(predict(gpu, plan_path))

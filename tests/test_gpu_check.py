@@ -112,3 +112,24 @@ def test_memory_sampler_without_nvidia_smi_records_why(monkeypatch, tmp_path):
     peaks = sampler.peaks()
     assert peaks["samples"] == 0 and peaks["startup_peak_bytes"] is None
     assert peaks["sampler_error"].startswith("FileNotFoundError"), peaks
+
+
+def test_a_rerun_into_the_same_folder_starts_a_fresh_metrics_file(monkeypatch, tmp_path):
+    """`sailor train --metrics` appends; the last run's lines made the sampler count every sample of
+    the new run as steady state and report the old run's first loss."""
+    mod = _module()
+    old = tmp_path / "metrics-fp16.jsonl"
+    old.write_text('{"step": 1, "loss": 9.9, "stages": []}\n')
+    seen = []
+
+    def sailor(*args, timeout_s):
+        seen.append(old.exists())
+        old.write_text('{"step": 1, "loss": 5.0, "step_time_s": 1.0, "tokens_per_s": 1.0, "stages": []}\n')
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(mod, "sailor", sailor)
+    monkeypatch.setattr(mod, "predict", lambda gpu, plan: {})
+    monkeypatch.setattr(mod.MemorySampler, "_run", lambda self: None)
+    args = argparse.Namespace(model="tiny", seq=64, mbs=2, microbatches=4, steps=1)
+    out = mod.train("H100-80", "fp16", args, tmp_path)
+    assert seen == [False] and out["loss_first"] == 5.0, out
