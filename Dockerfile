@@ -3,8 +3,11 @@
 # Build from the repository root, then push it where the cluster pulls from (README "Container image"):
 #   docker build -t sailor-train:0.1.0 .
 #   docker tag sailor-train:0.1.0 REGISTRY/sailor-train:0.1.0 && docker push REGISTRY/sailor-train:0.1.0
-# CUDA runtime + cuDNN on Ubuntu 24.04 (Python 3.12); https://hub.docker.com/r/nvidia/cuda
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# CUDA runtime + cuDNN on Ubuntu 24.04 (Python 3.12); https://hub.docker.com/r/nvidia/cuda. Its CUDA
+# version is the torch build's (12.6 below): the image's NVIDIA_REQUIRE_CUDA (cuda>=<its version>), which
+# NVIDIA's container toolkit checks against the host's driver at start, then asks no newer driver than
+# the wheel does (a 12.8 base refused, e.g., a GeForce host on driver 560 that the cu126 wheel runs on).
+ARG CUDA_IMAGE=nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
 # The torch of the `train` extra (pyproject.toml), from PyTorch's CUDA 12.6 index by default: that

@@ -10,16 +10,18 @@ What it does, in order, each part on its own (a failing part is recorded and the
    in the compute dtype (flash, memory-efficient, cuDNN or math), read from the CUDA kernels a
    profiled forward and backward launch;
 3. profile: `sailor profile --device cuda --tp 1` at two micro-batch sizes (layer times, optimizer
-   seconds per parameter);
+   seconds per parameter), in the precision training runs in (bf16; fp16 before capability 8.0);
 4. training: `sailor train --device cuda` of a one-GPU plan for `--steps` steps, in bf16 (when the
    device has bf16, capability >= 8.0) and in fp16; the memory `nvidia-smi` reports is sampled every
    0.1 s, split into start-up (before the first step is logged) and steady state (after), and set
    against `sailor simulate`'s prediction of the same plan; the per-stage forward/backward/wait
-   seconds (CUDA events) and step times are kept. A precision the runtime refuses (fp16 before loss
-   scaling exists) is recorded with the runtime's one line, as what is missing.
+   seconds (CUDA events) and step times are kept. A run the runtime refuses (exit 2) is recorded
+   with its one line, as what is missing. The prediction is made on a one-zone cluster that gives
+   the GPU a price of 0 (only memory is read; several catalog types have no GCP list price).
 
-It ends with one JSON line holding everything. Without a CUDA device it prints "needs a CUDA device"
-and exits 2. Nothing here has run on a GPU yet (README "GPU").
+Bad arguments (sizes < 1, an unknown model) exit 2 with one line before anything else, so that a
+typo does not spend a GPU session. It ends with one JSON line holding everything. Without a CUDA
+device it prints "needs a CUDA device" and exits 2. Nothing here has run on a GPU yet (README "GPU").
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class MemorySampler:
     def __init__(self, metrics: Path, period_s: float = 0.1) -> None:
         self.metrics, self.period_s = metrics, period_s
         self.samples: list[tuple[int, int]] = []  # (steps logged, bytes)
+        self.error: str | None = None  # why sampling stopped early (e.g. no nvidia-smi on PATH)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -90,8 +93,12 @@ class MemorySampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                               capture_output=True, text=True, check=False)
+            try:
+                r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
+                                    "0"], capture_output=True, text=True, check=False, timeout=10)
+            except (OSError, subprocess.SubprocessError) as e:  # recorded; the run goes on unsampled
+                self.error = f"{type(e).__name__}: {e}"
+                return
             if r.returncode == 0 and r.stdout.strip():
                 self.samples.append((self._steps(), int(float(r.stdout.split()[0])) * 2**20))
             self._stop.wait(self.period_s)
@@ -108,12 +115,15 @@ class MemorySampler:
         start = [b for s, b in self.samples if s == 0]
         steady = [b for s, b in self.samples if s >= 1]
         return {"startup_peak_bytes": max(start, default=None), "steady_peak_bytes": max(steady, default=None),
-                "samples": len(self.samples)}
+                "samples": len(self.samples), **({"sampler_error": self.error} if self.error else {})}
 
 
 def sailor(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sailor", *args], capture_output=True, text=True,
                           timeout=timeout_s, cwd=ROOT, check=False)
+
+
+ZONE = "us-central1-a"
 
 
 def one_gpu_plan(gpu: str, job: dict[str, Any], mbs: int, microbatches: int) -> dict[str, Any]:
@@ -122,26 +132,54 @@ def one_gpu_plan(gpu: str, job: dict[str, Any], mbs: int, microbatches: int) -> 
     layers = get_model(job["model"]).num_layers
     return {"micro_batch_size": mbs, "stages": [[0, layers]], "job": job,
             "pipelines": [{"microbatches": microbatches,
-                           "replicas": [{"stage": 0, "gpu": gpu, "zone": "us-central1-a", "tp": 1}]}]}
+                           "replicas": [{"stage": 0, "gpu": gpu, "zone": ZONE, "tp": 1}]}]}
+
+
+def predict(gpu: str, plan_path: Path) -> dict[str, Any]:
+    """`sailor simulate`'s memory of the one-GPU plan (bytes per GPU), on a cluster of one `gpu` in
+    ZONE priced at 0 $/hour: the check reads memory only, and V100-32, A100-80-PCIe, H100-PCIe,
+    H100-NVL and the RTX/Titan cards have no GCP list price, without which simulate refuses the plan.
+    The figure without the sync buffer is given too: the model's sync buffer is DeepSpeed's flat
+    gradient copy (simulator.memory); this runtime reduces its ZeRO-0/1 gradient buffers in place."""
+    import sailor as api
+
+    cluster = {"provider": "gcp", "zones": {ZONE: {gpu: 1}}, "prices": {gpu: 0.0}}
+    mem = api.simulate(str(plan_path), cluster=cluster).replicas[0].memory
+    return {"predicted_bytes": mem.total, "predicted": mem.to_dict(),
+            "predicted_without_sync_buffer_bytes": mem.total - mem.sync_buffer}
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """One line naming the first bad argument (None: all usable); checked before CUDA is touched."""
+    from sailor.core.errors import SailorInputError
+    from sailor.model.registry import get_model
+
+    for name in ("seq", "mbs", "microbatches", "steps"):
+        if getattr(args, name) < 1:
+            return f"--{name}: must be >= 1, got {getattr(args, name)}"
+    try:
+        spec = get_model(args.model)
+    except SailorInputError as e:
+        return f"--model: {e.one_line()}"
+    if args.seq > spec.max_sequence_length:
+        return f"--seq: {args.seq} is longer than {spec.name}'s context ({spec.max_sequence_length})"
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        return f"--out: {args.out} is a file; name a folder for the check's files"
+    return None
 
 
 def train(gpu: str, precision: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """One `sailor train` run of the one-GPU plan; memory sampled; prediction from `sailor simulate`."""
-    import sailor as api
-
     job = {"model": args.model, "global_batch_size": args.mbs * args.microbatches, "sequence_length": args.seq,
            "precision": precision}
     plan_path, metrics = folder / f"plan-{precision}.json", folder / f"metrics-{precision}.jsonl"
     plan_path.write_text(json.dumps(one_gpu_plan(gpu, job, args.mbs, args.microbatches)))
+    # `sailor train --metrics` appends: a rerun into the same --out would count the last run's steps
+    # (the sampler's start-up/steady split, the first loss)
+    metrics.unlink(missing_ok=True)
     out: dict[str, Any] = {"precision": precision}
     try:
-        est = api.simulate(str(plan_path))
-        mem = est.replicas[0].memory
-        out["predicted_bytes"] = mem.total
-        out["predicted"] = mem.to_dict()
-        # The model's sync buffer is DeepSpeed's flat gradient copy (simulator.memory); this runtime
-        # reduces its ZeRO-0/1 gradient buffers in place, so the figure without it is shown too.
-        out["predicted_without_sync_buffer_bytes"] = mem.total - mem.sync_buffer
+        out.update(predict(gpu, plan_path))
     except Exception as e:  # noqa: BLE001 - recorded, the run still goes ahead
         out["predict_error"] = f"{type(e).__name__}: {e}"
     with MemorySampler(metrics) as sampler:
@@ -172,7 +210,7 @@ def profile(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
     job = folder / "job.json"
     job.write_text(json.dumps({"model": args.model, "global_batch_size": 8, "sequence_length": args.seq,
-                               "precision": "bf16" if args.bf16 else "fp32"}))
+                               "precision": "bf16" if args.bf16 else "fp16"}))  # what training runs in
     out_file = folder / "profile.json"
     t0 = time.perf_counter()
     r = sailor("profile", "--job", str(job), "--device", "cuda", "--tp", "1", "--mbs", f"1,{args.mbs}", "--warmup", "2",
@@ -199,6 +237,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
+    bad = check_args(args)
+    if bad:
+        print(f"gpu_check: {bad}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():

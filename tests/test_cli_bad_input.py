@@ -353,6 +353,16 @@ def test_issue_cases_are_one_line(tmp_path, monkeypatch, capsys, files, args, wo
     assert words in line, line
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_profile_on_cpu_names_the_job_file_of_a_half_precision(tmp_path, monkeypatch, capsys, precision):
+    """`sailor train` names the job file for a precision the CPU does not train in; `sailor profile`
+    used to give the field alone."""
+    _base(tmp_path)
+    _write(tmp_path, {"half.yaml": JOB | {"precision": precision}})
+    line = _refused(["profile", "--job", "half.yaml", "--mbs", "1", "--out", "out/p.json"], tmp_path, monkeypatch, capsys)
+    assert line.startswith(f"error: half.yaml: precision: the runtime trains in fp32 on cpu, the job says {precision}")
+
+
 def test_profile_refuses_a_bad_out_before_measuring(tmp_path, monkeypatch, capsys):
     import sailor.runtime.profiler as profiler
 
@@ -374,16 +384,18 @@ def test_a_trace_offering_more_processes_than_the_machine_runs(tmp_path, monkeyp
 
 
 # ---- no silent data loss --------------------------------------------------------------------------
-def _checkpoint(root: Path, step: int, job: dict, seed: int) -> None:
-    """A real, verified checkpoint folder (what a worker writes) of `job` trained with `seed`."""
+def _checkpoint(root: Path, step: int, job: dict, seed: int, moments: bool = True) -> None:
+    """A real, verified checkpoint folder (what a worker writes) of `job` trained with `seed`; after
+    step 0 with the Adam moments unless `moments` is False (weights alone, as a conversion writes)."""
     import torch
 
     from sailor.runtime import checkpoint as ckpt
     from sailor.runtime.checkpoint_io import write_checkpoint
     from sailor.specs.job import JobSpec
 
+    keys = ["param", *ckpt.OPTIMIZER_KEYS] if step > 0 and moments else ["param"]
     write_checkpoint(root, step, ckpt.run_meta(JobSpec.model_validate(job), seed),
-                     {"layers.0.weight": {"param": torch.zeros(2)}})
+                     {"layers.0.weight": {k: torch.zeros(2) for k in keys}})
 
 
 def test_train_refuses_a_folder_holding_another_run(tmp_path, monkeypatch, capsys):
@@ -432,6 +444,148 @@ def test_resume_with_only_damaged_checkpoints_is_refused_and_keeps_them(tmp_path
     code, _, err = _main(["train", "cpu_plan.json", "--checkpoint-dir", "empty", "--resume", "--steps", "5", "--dry-run"],
                          tmp_path, monkeypatch, capsys)
     assert code == 0 and "starting from step 0" in err, err
+
+
+def test_resume_from_weights_alone_after_step_0_is_refused(tmp_path, monkeypatch, capsys):
+    """A step-3 checkpoint without Adam moments used to pass every check and stop rank 0 on an
+    AssertionError (exit 1; `sailor run` counted it as a crash of the GPUs)."""
+    _base(tmp_path)
+    _checkpoint(tmp_path / "ck", 3, JOB, seed=0, moments=False)
+    line = _refused(["train", "cpu_plan.json", "--checkpoint-dir", "ck", "--resume", "--steps", "5", "--dry-run"],
+                    tmp_path, monkeypatch, capsys)
+    assert "ck/step-00000003/manifest.json: keys: the checkpoint of step 3 holds the weights alone" in line, line
+    assert "--init-from" in line
+
+
+@pytest.mark.parametrize("count, words", [(0, "this machine has no CUDA device (or this torch is a CPU build)"),
+                                           (1, "this machine has 1 CUDA device (")])
+def test_train_cuda_on_too_few_gpus_names_no_cpu_way_out(tmp_path, monkeypatch, capsys, count, words):
+    """A plan of A100s under --device cuda on a machine with fewer GPUs: the line used to say "run it
+    with --device cpu", which refuses any plan of GPU types other than cpu."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    _base(tmp_path)
+    rep = {"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 1}
+    _write(tmp_path, {"a100.json": CPU_PLAN | {"pipelines": [{"microbatches": 4,
+                                                              "replicas": [rep, rep | {"stage": 1}]}]}})
+    line = _refused(["train", "a100.json", "--device", "cuda", "--steps", "1", "--dry-run"], tmp_path, monkeypatch, capsys)
+    assert line.startswith(f"error: a100.json: the plan has 2 ranks but {words}"), line
+    assert "--device cpu" not in line and "sailor launch" in line, line
+
+
+NO_KERNELS = ("--device: the installed torch has no kernels for Tesla V100-SXM2-16GB (sm_70; it has sm_75 sm_80"
+              " sm_90); install a build that does: pip install torch==2.13.0 --index-url"
+              " https://download.pytorch.org/whl/cu126")
+
+
+def _refusing_rank(prep, on_event=None, **kw):
+    """A stand-in for `launch`: rank 0 refused its GPU (the error event `worker._report` emits for a
+    SailorInputError), rank 1 then lost its peer; torchrun printed its failure report."""
+    from sailor.runtime.launcher import TrainResult, _result
+
+    events = [{"event": "error", "rank": 1, "error": "DistError: Connection closed by peer", "peer_lost": True},
+              {"event": "error", "rank": 0, "error": f"SailorInputError: {NO_KERNELS}", "peer_lost": False}]
+    for ev in events:
+        if on_event:
+            on_event(ev)
+    tail = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\nRoot Cause (first observed failure):\n"
+    return _result(TrainResult(status=None, message="", events=events), 1, 0, tail)
+
+
+def test_a_rank_refusing_its_gpu_is_bad_input_in_one_line(tmp_path, monkeypatch, capsys):
+    """README "GPU": a rank whose torch has no kernels for its GPU stops with one line naming the build
+    (exit 2); it used to be 'training failed (...)' after torchrun's report, exit 1."""
+    import sailor.runtime.launcher as launcher
+
+    monkeypatch.setattr(launcher, "launch", _refusing_rank)
+    _base(tmp_path)
+    code, _, err = _main(["train", "cpu_plan.json", "--steps", "1"], tmp_path, monkeypatch, capsys)
+    assert code == 2, err
+    assert err.splitlines()[-1] == f"error: rank 0: {NO_KERNELS}", err  # after the progress bar's line
+    assert err.count("error:") == 1 and "ChildFailedError" not in err, err
+
+
+def test_sailor_run_stops_when_a_rank_refuses_its_gpu(tmp_path, monkeypatch, capsys):
+    """Every relaunch would be refused the same way: `sailor run` ends with the rank's line, exit 2,
+    instead of counting a crash and taking the GPUs away."""
+    from sailor.elastic import controller
+
+    monkeypatch.setattr(controller, "launch", _refusing_rank)
+    _base(tmp_path)
+    code, _, err = _main(["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json",
+                          "--steps", "2", "--events", "out/ev.jsonl"], tmp_path, monkeypatch, capsys)
+    assert code == 2, err
+    assert err.splitlines()[-1] == f"error: rank 0: {NO_KERNELS}", err
+    assert "crash" not in err, err
+
+
+@pytest.mark.parametrize("command", [["train", "cpu_plan.json", "--dry-run"],
+                                     ["launch", "cpu_plan.json", "--backend", "torchrun", "--dry-run"]])
+def test_checkpoint_every_without_a_folder_is_refused(tmp_path, monkeypatch, capsys, command):
+    """--checkpoint-every without --checkpoint-dir saved nothing and said nothing."""
+    _base(tmp_path)
+    line = _refused([*command, "--steps", "4", "--checkpoint-every", "2"], tmp_path, monkeypatch, capsys)
+    assert line.startswith("error: --checkpoint-every: every 2 steps, but there is no --checkpoint-dir"), line
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_run_on_cpu_names_the_job_file_of_a_half_precision(tmp_path, monkeypatch, capsys, precision):
+    """`sailor run` used to plan first and then name its own temporary plan file (plan-3.json)."""
+    _base(tmp_path)
+    _write(tmp_path, {"half.yaml": JOB | {"precision": precision}})
+    line = _refused(["run", "--job", "half.yaml", "--cluster", "local.yaml", "--availability", "trace.json",
+                     "--steps", "2"], tmp_path, monkeypatch, capsys)
+    assert line.startswith(f"error: half.yaml: precision: the runtime trains in fp32 on cpu, the job says {precision}")
+
+
+@pytest.mark.parametrize("command, source", [
+    (["plan", "--job", "half.yaml", "--cluster", "local.yaml"], "half.yaml"),
+    (["simulate", "cpu_plan.json", "--job", "half.yaml"], "half.yaml"),
+    (["simulate", "half_plan.json"], "half_plan.json"),
+])
+def test_plan_and_simulate_on_local_name_the_file_of_a_half_precision(tmp_path, monkeypatch, capsys, command, source):
+    """Measuring this machine for a bf16 job is refused; the line used to give the field alone."""
+    _base(tmp_path)
+    _write(tmp_path, {"half.yaml": JOB | {"precision": "bf16"},
+                      "half_plan.json": CPU_PLAN | {"job": JOB | {"precision": "bf16"}}})
+    line = _refused(command, tmp_path, monkeypatch, capsys)
+    assert line.startswith(f"error: {source}: precision: the runtime trains in fp32 on cpu, the job says bf16"), line
+
+
+def test_run_with_only_damaged_checkpoints_names_its_own_option(tmp_path, monkeypatch, capsys):
+    """`sailor run` resumes from --checkpoint-dir on its own; its line used to name `--resume`, an
+    option it does not have."""
+    _base(tmp_path)
+    _checkpoint(tmp_path / "ck", 3, JOB, seed=0)
+    f = tmp_path / "ck" / "step-00000003" / "rank-00000.bin"
+    f.write_bytes(b"\xff" + f.read_bytes()[1:])
+    code, _, err = _main(["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json",
+                          "--checkpoint-dir", "ck", "--steps", "5"], tmp_path, monkeypatch, capsys)
+    line = err.splitlines()[-1]
+    assert code == 2 and line.startswith("error: --checkpoint-dir: no verified checkpoint in"), err
+    assert "--resume" not in line and "rank-00000.bin: checksum mismatch" in line, line
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("step", -1, "manifest.json: step: -1 is not a whole number >= 0"),
+    ("keys", ["param", "exp_avg"], "manifest.json: keys: ['param', 'exp_avg'] is neither"),
+    ("tensors", {"layers.0.weight": [2, 0]}, "manifest.json: tensors.layers.0.weight: [2, 0] is not a shape"),
+    ("format", "sailor-checkpoint-9", "manifest.json: format: unknown format 'sailor-checkpoint-9'"),
+    ("ranks", {}, "manifest.json: ranks: not a non-empty mapping"),
+    ("loss_scaler", {"scale": 0.0, "clean_steps": 0, "skipped": 0}, "manifest.json: loss_scaler.scale: 0.0 is not"),
+    ("loss_scaler", {"scale": 2.0, "clean_steps": -1}, "manifest.json: loss_scaler.clean_steps: -1 is not"),
+    ("loss_scaler", {"scale": 2.0, "growth": 3}, "manifest.json: loss_scaler: {'scale': 2.0, 'growth': 3} is not"),
+])
+def test_resume_names_the_malformed_manifest_field(tmp_path, monkeypatch, capsys, field, value, words):
+    """The manifest is not hashed: a hand-edited field is refused naming the file and the field."""
+    _base(tmp_path)
+    _checkpoint(tmp_path / "ck", 3, JOB, seed=0)
+    m = tmp_path / "ck" / "step-00000003" / "manifest.json"
+    m.write_text(json.dumps(json.loads(m.read_text()) | {field: value}))
+    line = _refused(["train", "cpu_plan.json", "--checkpoint-dir", "ck", "--resume", "--steps", "5", "--dry-run"],
+                    tmp_path, monkeypatch, capsys)
+    assert "--resume: no verified checkpoint in ck (" in line and words in line, line
 
 
 # ---- warnings and internal errors are one line -----------------------------------------------------

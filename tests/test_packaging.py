@@ -163,6 +163,27 @@ def test_dockerfile_matches_the_package_and_the_default_image():
     assert 'pip install "/tmp/sailor-src[train]"' in docker  # a wheel of this package, not an editable checkout
 
 
+def test_docker_base_image_asks_no_newer_cuda_than_the_torch_build():
+    """The base image's CUDA version (its NVIDIA_REQUIRE_CUDA, checked against the host's driver by
+    the container toolkit) must not exceed the CUDA of the torch index the Dockerfile installs from,
+    or the image refuses hosts whose driver runs that torch build."""
+    docker = (REPO / "Dockerfile").read_text()
+    base = re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:(\d+)\.(\d+)\.\d+-\S+$", docker, flags=re.MULTILINE)
+    index = re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cu(\d+)(\d)$", docker, flags=re.MULTILINE)
+    assert base and index, "CUDA_IMAGE or TORCH_INDEX not in the expected form"
+    assert (int(base.group(1)), int(base.group(2))) <= (int(index.group(1)), int(index.group(2)))
+
+
+def test_readme_claims_no_autocast_and_no_1f1b_only_large_models():
+    """Two README claims the code had outgrown: the runtime casts its weights (bf16/fp16) and never
+    calls torch.autocast, and `benchmarks/large_models.py` simulates interleaved 1F1B rows."""
+    readme = (REPO / "README.md").read_text()
+    runtime = "".join(f.read_text() for f in (REPO / "sailor" / "runtime").glob("*.py"))
+    assert "torch.autocast(" not in runtime and "bf16 autocast" not in readme
+    assert "interleaved-1f1b" in (REPO / "benchmarks" / "large_models.py").read_text()
+    assert "every schedule is 1F1B" not in readme
+
+
 def test_readme_cluster_example_loads_with_its_exponents(tmp_path):
     """The README's cluster block, as written (`5.0e9`, which YAML 1.1 reads as a string), is a valid
     cluster whose overrides are the numbers it shows."""

@@ -68,11 +68,12 @@ def check_number(value: float | None, option: str, *, lo: float | None = None, h
 NOTES_AT_END: list[str] = []  # lines `sailor.cli.main` prints on stderr once a command has succeeded
 
 
-def machine_profiles(job, cluster, profiles):
+def machine_profiles(job, cluster, profiles, *, job_source: str | None = None):
     """What `resolve_models` should load: `profiles` when given; on the local provider without
     them, a quick profile of this machine (`runtime.machine.local_profiles`: cached, or measured now,
     saying which on stderr when the command succeeds, so that an error stays one line); else None
-    (the catalog's roofline). Without torch (a plain install) the roofline stays, and stderr says why."""
+    (the catalog's roofline). Without torch (a plain install) the roofline stays, and stderr says why.
+    A job this machine cannot measure (a precision other than fp32) is refused naming `job_source`."""
     if profiles is not None or cluster.provider != "local":
         return profiles
     import importlib.util
@@ -82,7 +83,12 @@ def machine_profiles(job, cluster, profiles):
         return None
     from sailor.runtime.machine import local_profiles  # imports torch: only on this path
 
-    prof, note = local_profiles(job)
+    from sailor.core.errors import SailorInputError
+
+    try:
+        prof, note = local_profiles(job)
+    except SailorInputError as e:
+        raise (e.located(source=job_source) if e.field == "precision" else e) from None
     NOTES_AT_END.append(note)
     return prof
 

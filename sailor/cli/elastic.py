@@ -8,6 +8,7 @@ after writing a checkpoint; 130 killed by a second interrupt.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -92,6 +93,10 @@ def run(
         raise SailorInputError("only with --hosts (they start the hosts' processes)",
                                source="--python" if python is not None else "--rdzv-port",
                                fix="pass --hosts HOSTS.yaml, or leave it out")
+    device = device or ("cpu" if cluster_spec.provider == "local" else "cuda")
+    if device == "cpu" and job_spec.precision != "fp32":  # before planning, naming the job (not a launch's plan)
+        raise SailorInputError(f"the runtime trains in fp32 on cpu, the job says {job_spec.precision}",
+                               source=str(job), field="precision", fix="set precision: fp32")
     err = Console(stderr=True, soft_wrap=True)
     pool = HostPool.load(hosts, cluster_spec, python="python3" if python is None else python,
                          rdzv_port=29500 if rdzv_port is None else rdzv_port) if hosts else None
@@ -101,9 +106,12 @@ def run(
                                     profiles=str(profiles) if profiles else None,
                                     network=str(network) if network else None, data=data, init_from=init_from,
                                     log_every=log_every, hosts=pool,
-                                    device=device or ("cpu" if cluster_spec.provider == "local" else "cuda"),
+                                    device=device,
                                     start_timeout_s=start_timeout_s,
                                     on_event=lambda ev: _say(err, ev)))
+    if result.status == 2:  # a rank refused its input (ExitStatus.BAD_INPUT): its one line
+        print(f"error: {result.message}", file=sys.stderr)
+        raise typer.Exit(code=2)
     summary = (f"{result.message} ({_count(result.switches, 'switch', 'switches')},"
                f" {_count(result.crashes, 'crash', 'crashes')},"
                f" {_count(result.steps_rolled_back, 'step', 'steps')} rolled back)")

@@ -77,7 +77,7 @@ def launch_command(
     from sailor.core.fileio import check_output_path
     from sailor.launch import Backend, KubernetesOptions, LaunchOptions, launch, launch_files
     from sailor.plan import load_plan
-    from sailor.runtime.command import WorkerSettings
+    from sailor.runtime.command import WorkerSettings, check_takes_effect
     from sailor.runtime.validate import check_plan_for_job
     from sailor.specs import load_job
 
@@ -96,6 +96,7 @@ def launch_command(
                             log_every=log_every, tensorboard=tensorboard, timeout_s=timeout_s,
                             device=device or ("cpu" if all(r.gpu == "cpu" for p in plan.pipelines for r in p.replicas)
                                               else "cuda"))
+    check_takes_effect(worker)
     opts = LaunchOptions(worker=worker, rdzv_port=rdzv_port, python=python)
     if chosen is Backend.TORCHRUN and not dry_run and hosts is None:
         raise SailorInputError("starting nodes needs --hosts HOSTS.yaml", source="--hosts",

@@ -70,7 +70,8 @@ def plan_command(
     check_output_path(report, "--report", folder=True)
     job_spec = load_job(job) if job else EXAMPLE_JOB
     cluster_spec = load_cluster(cluster) if cluster else EXAMPLE_CLUSTER
-    prof, net = resolve_models(job_spec, cluster_spec, machine_profiles(job_spec, cluster_spec, profiles), network)
+    prof, net = resolve_models(job_spec, cluster_spec, machine_profiles(job_spec, cluster_spec, profiles,
+                                                           job_source=str(job) if job else None), network)
     ctx = make_context(job_spec, cluster_spec, prof, net)
     con = console()
     try:

@@ -71,7 +71,10 @@ def profile_layers(
     opts = ProfileOptions(job=load_job(job), device=device,  # type: ignore[arg-type]
                           tps=_int_list(tp, "--tp"), mbs=_int_list(mbs, "--mbs"), warmup=warmup, repeats=repeats,
                           threads=threads, concurrency=concurrency)
-    check_options(opts)
+    try:
+        check_options(opts)
+    except SailorInputError as e:  # the job's precision: name the job file, as `sailor train` does
+        raise (e.located(source=str(job)) if e.field == "precision" else e) from None
     bar, advance = _progress("profile", profile_steps(opts))
     with bar:
         data = profile_job(opts, progress=advance)

@@ -45,7 +45,8 @@ def simulate_command(
         if isinstance(e, SailorInputError):
             raise e.located(source=str(plan_path)) from None
         raise
-    prof, net = resolve_models(job_spec, cluster_spec, machine_profiles(job_spec, cluster_spec, profiles), network)
+    prof, net = resolve_models(job_spec, cluster_spec, machine_profiles(job_spec, cluster_spec, profiles,
+                                                           job_source=str(job or plan_path)), network)
     ctx = make_context(job_spec, cluster_spec, prof, net)
     est = simulate(plan, ctx)
     if report:

@@ -1,6 +1,6 @@
 """`sailor train PLAN`: run a plan with torch.distributed on this machine (torchrun, one process per rank).
 
-Exit statuses: 0 done, 1 a rank failed, 2 bad input (before any process starts), 3 stopped on
+Exit statuses: 0 done, 1 a rank failed, 2 bad input (before any process starts, or a rank refusing its GPU), 3 stopped on
 request (SIGTERM/SIGINT or --stop-file) after writing a checkpoint, 130 killed by a second interrupt.
 """
 
@@ -63,7 +63,8 @@ def train(
     elif result.status is ExitStatus.STOPPED:
         err.print(f"[yellow]{result.message}[/yellow]")
     else:
-        sys.stderr.write(result.stderr_tail[-2000:])
+        if result.status is not ExitStatus.BAD_INPUT:  # bad input is the rank's one line alone
+            sys.stderr.write(result.stderr_tail[-2000:])
         print(f"error: {result.message}", file=sys.stderr)
     raise typer.Exit(code=int(result.status))
 

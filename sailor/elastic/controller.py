@@ -346,7 +346,13 @@ class Controller:
         if self.switch is not None:
             self.switch.launched = time.monotonic()
         Path(opts.stop_file).unlink(missing_ok=True)  # the last launch's stop request
-        prep = prepare(opts, local=self.o.hosts is None)  # raises SailorInputError on a bad checkpoint
+        try:
+            prep = prepare(opts, local=self.o.hosts is None)  # raises SailorInputError on a bad checkpoint
+        except SailorInputError as e:
+            if e.source != "--resume":
+                raise
+            # `sailor run` always resumes from its --checkpoint-dir; it has no --resume option to name
+            raise SailorInputError(e.message, source="--checkpoint-dir", field=e.field, fix=e.fix) from None
         for note in prep.notes:
             if note.startswith("skipped"):
                 self.log.emit("checkpoint_skipped", reason=note)
@@ -478,6 +484,8 @@ class Controller:
             return self._finish(ExitStatus.KILLED, "killed by a second interrupt")
         if self.signals:
             return self._finish(ExitStatus.STOPPED, f"stopped on request ({run.killed or res.message})")
+        if res.status is ExitStatus.BAD_INPUT:  # a rank refused its input: every relaunch would too
+            return self._finish(ExitStatus.BAD_INPUT, res.message)
         # A rank failed: its GPUs are gone; roll back to the last checkpoint on the survivors.
         message = run.killed or res.message
         dead = _dead_ranks(res)

@@ -139,15 +139,11 @@ def read_manifest(path: str | Path, *, verify: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{p}: no readable manifest ({e})") from None
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
     if fmt not in (FORMAT, FORMAT_1):
-        raise CheckpointError(f"{p}: unknown format {fmt!r}")
-    files, tensors, step = manifest.get("files"), manifest.get("tensors"), manifest.get("step")
-    pattern = _RANK_FILE if fmt == FORMAT else _STAGE_FILE
-    if (not isinstance(files, dict) or not isinstance(tensors, dict) or isinstance(step, bool)
-            or not isinstance(step, int) or step < 0
-            or not all(isinstance(m, dict) and isinstance(m.get("sha256"), str) and isinstance(m.get("bytes"), int)
-                       and pattern.match(str(name)) for name, m in files.items())
-            or not (_v2_shape_ok(manifest) if fmt == FORMAT else all(f in files for f in tensors.values()))):
-        raise CheckpointError(f"{p}: malformed manifest")
+        raise CheckpointError(f"{p / 'manifest.json'}: format: unknown format {fmt!r}")
+    problem = _manifest_problem(manifest, fmt)
+    if problem:
+        raise CheckpointError(f"{p / 'manifest.json'}: {problem}")
+    files = manifest["files"]
     names = sorted(files)
     if verify:
         with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
@@ -158,12 +154,63 @@ def read_manifest(path: str | Path, *, verify: bool = True) -> dict[str, Any]:
     return manifest
 
 
-def _v2_shape_ok(manifest: dict[str, Any]) -> bool:
-    files, ranks, keys = manifest["files"], manifest.get("ranks"), manifest.get("keys")
-    return (all(isinstance(s, list) and all(isinstance(d, int) and d > 0 for d in s) for s in manifest["tensors"].values())
-            and isinstance(keys, list) and "param" in keys
-            and isinstance(ranks, dict) and len(ranks) > 0
-            and all(isinstance(r, dict) and r.get("index") in files and r.get("data") in files for r in ranks.values()))
+def _manifest_problem(manifest: dict[str, Any], fmt: str) -> str | None:
+    """What is wrong with a manifest of format `fmt`, as "<field>: <problem>" (None: nothing).
+    `keys` must be ["param"] or ["param", *OPTIMIZER_KEYS], the two lists `commit` writes."""
+    files, tensors, step = manifest.get("files"), manifest.get("tensors"), manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"step: {step!r} is not a whole number >= 0"
+    if not isinstance(files, dict):
+        return "files: not a mapping of file names"
+    pattern = _RANK_FILE if fmt == FORMAT else _STAGE_FILE
+    for name, m in files.items():
+        if not pattern.match(str(name)):
+            return f"files.{name}: not a file name of format {fmt}"
+        if not (isinstance(m, dict) and isinstance(m.get("sha256"), str) and isinstance(m.get("bytes"), int)
+                and not isinstance(m.get("bytes"), bool)):
+            return f"files.{name}: needs sha256 (text) and bytes (a whole number)"
+    if not isinstance(tensors, dict):
+        return "tensors: not a mapping of parameter names"
+    if fmt != FORMAT:
+        missing = [n for n, f in tensors.items() if f not in files]
+        return f"tensors.{missing[0]}: its file is not listed under files" if missing else None
+    for name, shape in tensors.items():
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d > 0
+                                                for d in shape)):
+            return f"tensors.{name}: {shape!r} is not a shape (a list of whole numbers > 0)"
+    keys = manifest.get("keys")
+    if keys not in (["param"], ["param", *OPTIMIZER_KEYS]):
+        return f"keys: {keys!r} is neither ['param'] nor {['param', *OPTIMIZER_KEYS]!r}"
+    ranks = manifest.get("ranks")
+    if not isinstance(ranks, dict) or not ranks:
+        return "ranks: not a non-empty mapping of ranks"
+    for r, info in ranks.items():
+        if not (isinstance(info, dict) and info.get("index") in files and info.get("data") in files):
+            return f"ranks.{r}: its index and data files are not both listed under files"
+    return _loss_scaler_problem(manifest.get("loss_scaler", {})) or _scaler_vs_step(manifest)
+
+
+def _loss_scaler_problem(state: Any) -> str | None:
+    """What is wrong with a manifest's "loss_scaler" (`LossScaler.state_dict()` of an fp16 run:
+    scale, a finite number >= the default min_scale 1; clean_steps and skipped, whole numbers >= 0),
+    which the worker passes to `LossScaler(**state)`; None when it is usable or absent."""
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(state, dict) or not set(state) <= {"scale", "clean_steps", "skipped"}:
+        return f"loss_scaler: {state!r} is not a mapping of scale, clean_steps and skipped"
+    scale = state.get("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 1.0 <= scale < float("inf"):
+        return f"loss_scaler.scale: {scale!r} is not a finite number >= 1"
+    bad = [k for k in ("clean_steps", "skipped") if k in state and not whole(state[k])]
+    return f"loss_scaler.{bad[0]}: {state[bad[0]]!r} is not a whole number >= 0" if bad else None
+
+
+def _scaler_vs_step(manifest: dict[str, Any]) -> str | None:
+    """A loss scaler that skipped more steps than the checkpoint's run took (`optimizer_steps` < 0)."""
+    if optimizer_steps(manifest) < 0:
+        return f"loss_scaler.skipped: {manifest['loss_scaler']['skipped']} steps skipped, more than step {manifest['step']}"
+    return None
 
 
 def _check_file(path: Path, meta: Mapping[str, Any], *, hash_it: bool) -> None:
@@ -305,6 +352,13 @@ def commit(root: str | Path, step: int, meta: dict[str, Any], *, layout: Mapping
     os.replace(tmp, final)
     _fsync_dir(Path(root))
     return final
+
+
+def optimizer_steps(manifest: Mapping[str, Any]) -> int:
+    """Optimizer steps a checkpoint's run had taken: its `step` less the steps fp16 skipped on an
+    overflow (its "loss_scaler"'s `skipped`, `runtime.scaler`), which advanced the step but not the
+    optimizer (Adam's bias correction counts optimizer steps; the moments exist once one was taken)."""
+    return manifest["step"] - int((manifest.get("loss_scaler") or {}).get("skipped", 0))
 
 
 def run_meta(job: JobSpec, seed: int) -> dict[str, Any]:

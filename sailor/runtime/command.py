@@ -103,6 +103,16 @@ class WorkerSettings:
                                             if f.metadata["path"] and getattr(self, f.name) is not None})
 
 
+def check_takes_effect(settings: WorkerSettings) -> None:
+    """Raise SailorInputError for a setting that a run with `settings` would ignore: --checkpoint-every
+    without --checkpoint-dir (nothing is saved). Kept out of `WorkerSettings` itself, which a rank
+    parses as given."""
+    if settings.checkpoint_every and settings.checkpoint_dir is None:
+        raise SailorInputError(f"every {settings.checkpoint_every} steps, but there is no --checkpoint-dir to save"
+                               " them in", source="--checkpoint-every",
+                               fix="add --checkpoint-dir DIR, or leave --checkpoint-every out")
+
+
 def option(name: str) -> str:
     """The worker's flag for field `name` of WorkerSettings, e.g. "--checkpoint-dir"."""
     return "--" + name.replace("_", "-")

@@ -3,8 +3,9 @@
 
 Exit statuses (`ExitStatus`): 0 every step done; 1 a rank failed (the whole job is ended within
 seconds: torchrun stops the other ranks, and the launcher kills the process group); 2 bad input,
-reported before any process starts; 3 stopped on request after writing a checkpoint; 130 killed by a
-second interrupt.
+reported before any process starts, or by a rank that refused its input (a SailorInputError, e.g.
+its GPU: no kernels for it in this torch, bf16 before sm_80; the rank's one line); 3 stopped on
+request after writing a checkpoint; 130 killed by a second interrupt.
 
 Stop protocol: SIGTERM or SIGINT to the launcher (or creating the `stop_file`) asks every rank to
 finish its current step; they agree at the next step boundary, write a checkpoint (if a checkpoint
@@ -45,7 +46,7 @@ from sailor.plan import load_plan
 from sailor.plan.placement import RankInfo, rank_layout
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
-from sailor.runtime.command import WorkerSettings
+from sailor.runtime.command import WorkerSettings, check_takes_effect
 from sailor.runtime.data import check_corpus, load_corpus
 from sailor.runtime.metrics import check_tensorboard
 from sailor.runtime.validate import check_plan_for_job
@@ -161,8 +162,12 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
 
         have = torch.cuda.device_count()
         if plan.world_size > have:
-            raise SailorInputError(f"the plan has {plan.world_size} ranks but this machine has {have} CUDA devices",
-                                   source=options.plan, fix="run it with --device cpu, or on a larger machine")
+            # (a plan of GPU type cpu was refused above, so --device cpu is no way out here)
+            where = ("no CUDA device (or this torch is a CPU build)" if have == 0
+                     else f"{have} CUDA device{'s' if have > 1 else ''}")
+            raise SailorInputError(f"the plan has {plan.world_size} ranks but this machine has {where}",
+                                   source=options.plan, fix="run it on a machine with a GPU per rank (a CUDA build of"
+                                   " torch, README \"GPU\"), or start it on a cluster with `sailor launch`")
     check_corpus(load_corpus(options.data), seq=job.seq, vocab_size=job.model.vocab_size,
                  source=options.data or "pydoc_data.topics")
     notes: list[str] = []
@@ -185,6 +190,7 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         else:
             ckpt.check_compatible(_current_model_fields(found.manifest), ckpt.run_meta(job, options.seed),
                                   source=str(found.path))
+            check_resumable(found.path, found.manifest)
             resume_from, resume_step = found.path, int(found.manifest["step"])
             notes.append(f"resuming from {found.path} (step {resume_step})")
     if options.init_from and resume_from is not None:
@@ -197,12 +203,24 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
     return Prepared(options, plan, job, ranks, resume_from, resume_step, tuple(notes))
 
 
+def check_resumable(path: Path, manifest: dict[str, Any]) -> None:
+    """Raise SailorInputError when a verified checkpoint cannot continue a training run: one taken
+    after an optimizer step (`ckpt.optimizer_steps`: fp16's skipped steps took none) that holds the
+    weights alone (`keys` ["param"], as a conversion writes), without the Adam moments it needs."""
+    if manifest.get("format") == ckpt.FORMAT and ckpt.optimizer_steps(manifest) > 0 and manifest["keys"] == ["param"]:
+        raise SailorInputError(f"the checkpoint of step {manifest['step']} holds the weights alone, without the"
+                               f" Adam moments ({', '.join(ckpt.OPTIMIZER_KEYS)}) that resuming training needs",
+                               source=str(Path(path) / "manifest.json"), field="keys",
+                               fix="export it (sailor export) and start a new run from it with --init-from")
+
+
 def check_train_options(options: TrainOptions) -> None:
     """Raise SailorInputError for options no run can use: a setting the worker refuses
     (`WorkerSettings`: steps, timeout, seed, intervals, empty paths, device), an output path that
     cannot be written (checked before any work), a stop file that already exists (the run would stop
-    before its first step) or is a folder, or --tensorboard without the tensorboard package."""
-    worker_settings(options)
+    before its first step) or is a folder, --checkpoint-every without --checkpoint-dir
+    (`command.check_takes_effect`), or --tensorboard without the tensorboard package."""
+    check_takes_effect(worker_settings(options))
     if options.stop_file is not None and Path(options.stop_file).exists():
         raise SailorInputError(f"{options.stop_file} exists already, so the run would stop before its first step",
                                source="--stop-file", fix="remove it, or name a file that does not exist yet")
@@ -391,6 +409,12 @@ def _result(result: TrainResult, returncode: int, signals: int, stderr_tail: str
     elif signals >= 2:
         result.status = ExitStatus.KILLED
         result.message = "killed by a second interrupt"
+    elif refused := _refused_input(errors):
+        # A rank refused what it was given (its GPU: no kernels in this torch, no bf16; too few GPUs):
+        # bad input, exit 2 with the rank's one line, as every check before the start.
+        result.status = ExitStatus.BAD_INPUT
+        result.failed = failed_ranks(stderr_tail)
+        result.message = refused
     else:
         result.status = ExitStatus.FAILED
         result.failed = failed_ranks(stderr_tail)
@@ -416,6 +440,14 @@ def failed_ranks(stderr: str) -> list[tuple[str, str]]:
             out.append((rank, s.split(":", 1)[1].split("(")[0].strip()))
             rank = None
     return out
+
+
+def _refused_input(errors: list[dict[str, Any]]) -> str | None:
+    """"rank <r>: <line>" of the first rank that stopped on bad input (a SailorInputError: its error
+    event reads "SailorInputError: <one line>", `worker._report`), or None."""
+    prefix = "SailorInputError: "
+    own = [e for e in errors if str(e.get("error", "")).startswith(prefix)]
+    return f"rank {own[0]['rank']}: {own[0]['error'][len(prefix):]}" if own else None
 
 
 def _first_failure(errors: list[dict[str, Any]], failures: list[tuple[str, str]]) -> str | None:

@@ -168,8 +168,10 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     handed to the optimizer (`ShardedAdamW.adopt`: fp32 master and moments of the owned ranges, the
     weights cast to the compute dtype, freed under ZeRO-3) before the next layer's, so the peak is
     the steady state plus one layer. Values from `reader` (a checkpoint, with its Adam moments);
-    else `init_from`, a Hugging Face model folder; else the seeded initial weights. `dtype`
-    overrides the compute dtype of `job.precision` on `device` (tests run bf16 on CPU with it)."""
+    else `init_from`, a Hugging Face model folder; else the seeded initial weights. `step`: the
+    optimizer steps the checkpoint's run took (`checkpoint.optimizer_steps`: fp16's skipped steps
+    do not count), which Adam's bias correction goes on from. `dtype` overrides the compute dtype of
+    `job.precision` on `device` (tests run bf16 on CPU with it)."""
     spec, mem = job.model, role.memory
     with torch.device("meta"):
         stage = GPT(spec)
@@ -199,7 +201,7 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
         def value(name, dim, full):
             return shard(initial_value(spec, name, full, seed=seed), dim, tp_rank, tp)
     moments = reader is not None and ckpt.OPTIMIZER_KEYS[0] in reader.held_keys()
-    assert moments or step == 0, step  # a checkpoint written before the first step has no moments
+    assert moments or step == 0, step  # a checkpoint written before the first optimizer step has no moments
     for key, layer in stage.layers.items():
         prefix = f"layers.{key}."
         materialize_shards(layer, value, tp=tp, device=device, prefix=prefix)
@@ -312,7 +314,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         start = manifest["step"]
         reader = Reader(args.resume_from, manifest)
     rk = build_rank(plan, job, role, groups, device=device, seed=args.seed, reader=reader,
-                    init_from=args.init_from, step=start)
+                    init_from=args.init_from, step=ckpt.optimizer_steps(manifest) if reader is not None else 0)
     if reader is not None:
         reader.close()
     barrier(device)  # every rank's stage is built before the first step
