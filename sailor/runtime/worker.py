@@ -323,7 +323,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     resumed = manifest.get("loss_scaler") if args.resume_from else None
     scaler = LossScaler(**(resumed or {})) if rk.dtype == torch.float16 else None
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype,
-              channels=channels)
+              channels=channels, tp_group=groups.get(role.tp_group))
     corpus = load_corpus(args.data)
     meta = ckpt.run_meta(job, args.seed)
     layout = model_layout(spec)
