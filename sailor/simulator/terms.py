@@ -23,6 +23,7 @@ place, `time_options`:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -210,22 +211,33 @@ def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float) -> tuple
     """(seconds, bytes crossing zones, egress $) of one activation of `nbytes` from replica `src` to
     replica `dst`, and its gradient back (the bytes and $ count both directions).
 
-    Sailor's runtime (and DeepSpeed's engine) has every TP rank of the sender send the full
-    activation to its peer rank, so the link carries min(t_src, t_dst) concurrent flows of the whole
-    tensor. Megatron-LM (`Framework.MEGATRON`) scatters it instead (SC'21 §4.1): each of those ranks
-    sends 1/min(t_src, t_dst) of it and the receiver all-gathers it over its intra-node link. Each
-    transfer takes the intra-node link when both replicas sit on one node (`Slot.node`, from
-    `placed_slots`), and pays the calibrated fixed cost `p2p_overhead_s` of its slower end (0 by
-    default)."""
-    scatter = ctx.job.framework is Framework.MEGATRON
-    flows = min(src.tp, dst.tp)
-    per_flow = nbytes / flows if scatter else nbytes
+    Both Sailor's runtime and Megatron-LM scatter it (SC'21 §4.1; Sailor's generalised to replicas
+    of different TP degrees, `plan.comms.boundary_pieces`): TP rank s of the sender (TP a) sends only
+    its 1/a of the tensor, in one piece per receiving rank (TP b) whose 1/b slice overlaps it, so the
+    link carries a + b - gcd(a, b) concurrent flows that add up to the tensor once (taken as equal
+    pieces: exact when a == b or one divides the other, which is every Megatron-LM plan), and the
+    receiver all-gathers its slices over its intra-node TP link. The gradient comes back over the
+    same flows and is gathered by the sender's TP group; the schedule has one time per boundary for
+    both directions, so it takes the larger of the two gathers. Each transfer takes the intra-node
+    link when both replicas sit on one node (`Slot.node`, from `placed_slots`), and pays the
+    calibrated fixed cost `p2p_overhead_s` of its slower end (0 by default). Egress: the tensor once
+    each way.
+
+    DeepSpeed's pipeline engine (`Framework.DEEPSPEED`, the public Sailor runs) instead has every TP
+    rank of the sender send the full activation to its peer rank: min(a, b) concurrent flows of the
+    whole tensor, no gather."""
     on_node = same_node(src, dst)
+    if ctx.job.framework is Framework.DEEPSPEED:
+        flows = min(src.tp, dst.tp)
+        per_flow, gather = nbytes, 0.0
+    else:
+        flows = src.tp + dst.tp - math.gcd(src.tp, dst.tp)
+        per_flow = nbytes / flows
+        gather = max(tp_collective_time_s(ctx.network, end.zone, end.gpu, end.tp, Collective.ALL_GATHER, nbytes)
+                     for end in (src, dst))
     seconds = (ctx.network.transfer_time_s(src.zone, src.gpu, dst.zone, dst.gpu, per_flow, flows=flows,
                                            same_node=on_node)
-               + ctx.p2p_overhead_s(src.gpu, dst.gpu))
-    if scatter and flows > 1:
-        seconds += tp_collective_time_s(ctx.network, dst.zone, dst.gpu, dst.tp, Collective.ALL_GATHER, nbytes)
+               + ctx.p2p_overhead_s(src.gpu, dst.gpu) + gather)
     lc = ctx.network.link_class(src.zone, dst.zone, on_node)
     if lc in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
         return seconds, 0.0, 0.0
