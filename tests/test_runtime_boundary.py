@@ -68,3 +68,24 @@ def test_each_tp_rank_sends_its_share_and_the_receiver_gathers_it_whole(tmp_path
     assert sent[0] == sent[1] == {"activation": MICRO * activation // 2}
     assert sent[2] == {"gradient": MICRO * activation}
     assert sum(s.get("activation", 0) for s in sent) == MICRO * activation  # every byte crosses once
+
+
+def test_sequence_parallel_edges_at_stage_boundaries_stay_sliced():
+    from sailor.runtime.model import GPT
+    from sailor.runtime.pipeline import build_stage
+    from sailor.runtime.tensor_parallel import sliced_edges
+    from sailor.specs.job import JobSpec
+
+    spec = JobSpec(model="tiny", global_batch_size=8).model  # layers: embedding 0, blocks 1-4, head 5
+
+    def edges(chunks, sp=True):
+        with torch.device("meta"):
+            stage = build_stage(GPT(spec), chunks)
+        return sliced_edges(stage, chunks, sequence_parallel=sp)
+
+    assert edges(((0, 3),)) == ((False, True),)  # fed by the embedding, sends a block's slice
+    assert edges(((3, 6),)) == ((True, False),)  # receives a block's slice, gathers for the head
+    assert edges(((2, 4),)) == ((True, True),)
+    assert edges(((0, 2), (3, 5))) == ((False, True), (True, True))  # interleaved chunks
+    assert edges(((0, 1), (5, 6))) == ((False, False), (False, False))  # embedding / head alone
+    assert edges(((2, 4),), sp=False) == ((False, False),)

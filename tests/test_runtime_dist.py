@@ -50,6 +50,10 @@ PLANS = {
     "c_mixed_tp_two_stages": {"stages": [[0, 3], [3, 6]],
                               "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 2), _rep(1, 1)]},
                                             {"microbatches": 1, "replicas": [_rep(0, 1), _rep(1, 2)]}]},
+    # sequence parallelism on both sides of a boundary: each rank sends and receives its slice of the
+    # sequence, and neither replica gathers there
+    "d_sp_tp2_to_sp_tp2": {"stages": [[0, 3], [3, 6]], "memory": [{"sequence_parallel": True}] * 2,
+                           "pipelines": [{"microbatches": 4, "replicas": [_rep(0, 2), _rep(1, 2)]}]},
 }
 
 

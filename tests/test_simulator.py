@@ -269,5 +269,11 @@ def test_boundary_scatters_one_activation_across_tp_degrees_deepspeed_sends_one_
         s, moved, _ = link_transfer(ds, src, dst, A)
         assert moved == 2 * A * min(ta, tb)
         assert s == pytest.approx(ds.network.transfer_time_s(ZA, "A100-40", ZB, "A100-40", A, flows=min(ta, tb)))
+    # sequence-parallel ends hold their slices: no gather at either
+    src, dst = Slot(zone=ZA, gpu="A100-40", tp=2), Slot(zone=ZB, gpu="A100-40", tp=3)
+    assert link_transfer(ours, src, dst, A, sliced=(True, True))[0] == pytest.approx(
+        ours.network.transfer_time_s(ZA, "A100-40", ZB, "A100-40", A / 4, flows=4))
+    assert link_transfer(ours, src, dst, A, sliced=(False, True))[0] == pytest.approx(
+        ours.network.transfer_time_s(ZA, "A100-40", ZB, "A100-40", A / 4, flows=4) + gather[2])
     # on the NIC the scattered flows add up to one activation: 0.5 s + A / 1 MB/s whatever the degrees
     assert ours.network.transfer_time_s(ZA, "A100-40", ZB, "A100-40", A / 4, flows=4) == pytest.approx(0.5 + A / 1e6)

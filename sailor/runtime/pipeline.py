@@ -15,7 +15,10 @@ of the receiving replica (TP degree b) whose 1/b slice overlaps it; TP rank r of
 collects its 1/b slice from one or more senders and all-gathers the full tensor over its TP group,
 on the fast intra-node link (`P2P.receive`). The input gradient goes back the same way. So each
 activation and each gradient crosses the boundary once, not once per receiving rank; `P2P.sent`
-counts the bytes.
+counts the bytes. Under sequence parallelism a chunk's edge at a boundary is already this rank's
+slice of the sequence, which is exactly its slice above (the sequence-major 1/t share; T is a
+multiple of t): there the sender gathers nothing before sending and the receiver nothing after
+receiving (`tensor_parallel.sliced_edges`, `P2P.sliced`).
 
 Transfers follow NCCL's rules (checked on CPU by `comm_check`, over the tests' plans and a sweep):
 - Each channel, one direction of one kind (activations or gradients) between two ranks, has its
@@ -99,6 +102,8 @@ class P2P:
     dtype: torch.dtype = torch.float32
     channels: Mapping[Channel, dist.ProcessGroup] = field(default_factory=dict)
     tp_group: dist.ProcessGroup | None = None
+    # per chunk, (input, output) cross as this rank's sequence slice (`tensor_parallel.sliced_edges`)
+    sliced: tuple[tuple[bool, bool], ...] = ()
     pending: list = field(default_factory=list)  # (work, tensor): kept alive until the send completes
     posted: dict = field(default_factory=dict)  # Transfer -> work of a receive posted, not yet taken
     slices: dict = field(default_factory=dict)  # Message -> this rank's slice buffer, filled by `posted`
@@ -120,6 +125,15 @@ class P2P:
         else:
             links, peer = (self.role.fwd_send_to if ch.kind == ACTIVATION else self.role.bwd_send_to), ch.dst
         return next(link for link in links if link.rank == peer)
+
+    def _sliced(self, t: Transfer, receiving: bool) -> bool:
+        """Whether `t`'s end on this rank is a sequence-parallel slice (no gather, no full tensor)."""
+        if not self.sliced:
+            return False
+        u = t.message.boundary  # the boundary u -> u + 1: this rank is u + 1 for an activation it
+        mine_is_input = (t.channel.kind == ACTIVATION) == receiving  # receives or a gradient it sends
+        chunk = (u + 1 if mine_is_input else u) // self.role.num_stages
+        return self.sliced[chunk][0 if mine_is_input else 1]
 
     def post(self, t: Transfer) -> None:
         """Post the receive of `t` into its part of this rank's slice buffer of `t.message` (1/tp of
@@ -147,24 +161,30 @@ class P2P:
             elif not work.wait(self.timeout):
                 raise TimeoutError(f"rank {self.role.rank}: no data from rank {t.channel.src} within {self.timeout}")
         mine = self.slices.pop(transfers[0].message)
+        B, T, h = self.shape
+        if self._sliced(transfers[0], receiving=True):  # this rank's tokens: (T/t, B, h) -> (B, T/t, h)
+            return mine.view(T // self.role.tp, B, h).transpose(0, 1).contiguous()
         if self.role.tp > 1:
             full = torch.empty(math.prod(self.shape), dtype=self.dtype, device=self.device)
             dist.all_gather_into_tensor(full, mine, group=self.tp_group)  # TP rank order = slice order
         else:
             full = mine
-        B, T, h = self.shape
         return full.view(T, B, h).transpose(0, 1).contiguous()  # (T, B, h) -> (B, T, h)
 
     def send(self, x: torch.Tensor, transfers: Sequence[Transfer]) -> None:
-        """Send each transfer's slice of `x` ((B, T, h), in `dtype`) on its channel."""
+        """Send each transfer's slice of `x` ((B, T, h), or this rank's (B, T/t, h) where the edge is
+        sliced, in `dtype`) on its channel."""
         # Sends that completed free their tensors now, not at the end of the step.
         self.pending = [(w, y) for w, y in self.pending if not w.is_completed()]
         if not transfers:
             return
         flat = x.detach().to(self.dtype).transpose(0, 1).contiguous().view(-1)  # sequence-major (T, B, h)
+        n, sliced = math.prod(self.shape), self._sliced(transfers[0], receiving=False)
+        base = self.role.tp_rank * (n // self.role.tp) if sliced else 0  # where a sliced x starts in the full one
+        assert flat.numel() == (n // self.role.tp if sliced else n), (x.shape, self.shape, sliced)
         for t in transfers:
             a, b = self._span(self._link(t, receiving=False))
-            piece = flat[a:b]
+            piece = flat[a - base:b - base]
             self.pending.append((dist.isend(piece, t.channel.dst, group=self.channels[t.channel]), piece))
             self.sent[t.channel.kind] = self.sent.get(t.channel.kind, 0) + piece.numel() * piece.element_size()
 

@@ -81,7 +81,7 @@ from sailor.runtime.recompute import apply_recompute
 from sailor.runtime.scaler import LossScaler, overflowed
 from sailor.runtime.schedule import runtime_schedule, step_rounds
 from sailor.runtime.sync import barrier
-from sailor.runtime.tensor_parallel import apply_tp, head_loss, materialize_shards, shard
+from sailor.runtime.tensor_parallel import apply_tp, head_loss, materialize_shards, shard, sliced_edges
 from sailor.runtime.tied import tied_for_rank
 from sailor.runtime.topology import RankRole, derive_topology
 from sailor.runtime.validate import check_device_precision, check_plan_for_job
@@ -324,7 +324,8 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     resumed = manifest.get("loss_scaler") if args.resume_from else None
     scaler = LossScaler(**(resumed or {})) if rk.dtype == torch.float16 else None
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype,
-              channels=channels, tp_group=groups.get(role.tp_group))
+              channels=channels, tp_group=groups.get(role.tp_group),
+              sliced=sliced_edges(rk.stage, role.chunks, sequence_parallel=role.memory.sequence_parallel))
     corpus = load_corpus(args.data)
     meta = ckpt.run_meta(job, args.seed)
     layout = model_layout(spec)
