@@ -60,8 +60,8 @@ Memory options, as Sailor's runtime applies them (Megatron-LM's are the same):
   not the rest of what it makes.
 - full recomputation: checkpoint of the whole block: keeps the block input only. During the
   backward of a recomputed block its activations exist once more (`recompute_transient_bytes`).
-The embedding and the head are never recomputed and are not affected by SP (stage boundaries carry
-the full activation).
+The embedding and the head are never recomputed and are not affected by SP (they see the full
+activation; a block at a stage boundary receives and sends only its sequence slice).
 """
 
 from __future__ import annotations
