@@ -6,7 +6,14 @@ batch in micro-batches (DDP skips the all-reduce on all but the last micro-batch
 Throughput = tokens of the timed steps / the sum of their step times, the first `--warmup` steps
 excluded. Target: sailor >= 90 % of DDP. Prints a table, then one JSON line with the figures.
 
-    python benchmarks/runtime_overhead.py [--steps 30] [--hidden 128] [--blocks 4] [--seq 64]
+`boundary_bytes_over_activation`: a second, short `sailor train` run (3 gloo ranks, the same model
+cut into stage 0 at TP 2 and stage 1 at TP 1, `--boundary-steps` steps) reads the bytes stage 0's
+ranks sent across the boundary per step, as the runtime counts them (`pipeline.P2P.sent`, in each
+metrics row's `stages`), over micro-batches x one activation (mbs x seq x hidden x element bytes);
+its gradient twin is the stage-1 gradient bytes over the same. Scatter-gather sends each once (1.0);
+the runtime before it sent one whole activation per receiving rank. `--boundary-steps 0` skips it.
+
+    python benchmarks/runtime_overhead.py [--steps 30] [--hidden 128] [--blocks 4] [--seq 64] [--boundary-steps 2]
 """
 
 from __future__ import annotations
@@ -86,6 +93,32 @@ def _throughput(times: list[float], warmup: int, tokens_per_step: int) -> float:
     return tokens_per_step * len(timed) / sum(timed)
 
 
+def boundary_ratios(args, tmp: Path) -> tuple[float, float]:
+    """(activation, gradient) bytes crossing the TP-2 -> TP-1 boundary per micro-batch over one
+    activation, worst step, from a short 3-rank `sailor train` run (module docstring)."""
+    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+    from sailor.specs.job import JobSpec
+
+    job = {"model": _model(args), "global_batch_size": args.gbs, "sequence_length": args.seq}
+    cut = 1 + args.blocks // 2
+    plan = tmp / "boundary.json"
+    plan.write_text(json.dumps({
+        "micro_batch_size": args.mbs, "stages": [[0, cut], [cut, args.blocks + 2]],
+        "pipelines": [{"microbatches": args.gbs // args.mbs, "replicas": [
+            {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 2}, {"stage": 1, "gpu": "cpu", "zone": "local", "tp": 1}]}],
+        "job": job}))
+    metrics = tmp / "boundary.jsonl"
+    result = launch(prepare(TrainOptions(plan=str(plan), steps=args.boundary_steps, metrics=str(metrics))),
+                    handle_signals=False)
+    assert result.status is ExitStatus.DONE, result.message
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    spec = JobSpec(**job)
+    activation = args.mbs * spec.seq * args.hidden * spec.elem_bytes
+    per_step = (args.gbs // args.mbs) * activation
+    return (max(r["stages"][0]["sent_activation_bytes"] for r in rows) / per_step,
+            max(r["stages"][1]["sent_gradient_bytes"] for r in rows) / per_step)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
@@ -96,6 +129,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--gbs", type=int, default=16)
     ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--boundary-steps", type=int, default=2, help="steps of the boundary run (0: skip it)")
     ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ddp_worker:
@@ -126,6 +160,7 @@ def main() -> None:
                                              ("mbs", args.mbs))]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         ddp_times = json.loads(next(x for x in out.splitlines() if x.startswith("DDP_TIMES "))[len("DDP_TIMES "):])
+        bound = boundary_ratios(args, Path(tmp)) if args.boundary_steps > 0 else (None, None)
 
     sailor_tps = _throughput(sailor_times, args.warmup, tokens)
     ddp_tps = _throughput(ddp_times, args.warmup, tokens)
@@ -136,7 +171,11 @@ def main() -> None:
     print(f"{'sailor':<10}{sailor_tps:>12,.0f}")
     print(f"{'DDP':<10}{ddp_tps:>12,.0f}")
     print(f"ratio sailor / DDP: {ratio:.3f} (target >= 0.90)")
+    if bound[0] is not None:
+        print(f"TP 2 -> TP 1 boundary, bytes per micro-batch / activation: {bound[0]:.3f} forward, "
+              f"{bound[1]:.3f} backward (target <= 1.05)")
     print(json.dumps({"sailor_tokens_per_s": sailor_tps, "ddp_tokens_per_s": ddp_tps, "ratio": ratio,
+                      "boundary_bytes_over_activation": bound[0], "boundary_gradient_bytes_over_activation": bound[1],
                       "steps_timed": args.steps - args.warmup, "global_batch": args.gbs, "micro_batch": args.mbs,
                       "seq": args.seq, "hidden": args.hidden, "blocks": args.blocks}))
 

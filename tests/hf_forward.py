@@ -4,7 +4,7 @@ what `sailor train --init-from` builds, minus the training loop. Used by test_hf
 Each process: `derive_topology` -> `create_groups`, `create_channel_groups` -> `GPT` on meta ->
 `build_stage` -> `apply_tp` -> `materialize_hf` (its stage's layers, its TP shard) -> forward of one
 micro-batch, activations crossing stage boundaries through the runtime's `P2P` (the transfers of
-micro-batch 0's forward, `messages.op_receive` / `op_sends`). TP rank 0 of each pipeline's last
+micro-batch 0's forward, `messages.op_receives` / `op_sends`). TP rank 0 of each pipeline's last
 stage saves the logits.
 """
 
@@ -24,7 +24,7 @@ def _rank(rank: int, world: int, init_file: str, cases: list[tuple[str, str, str
     from sailor.plan.spec import Plan
     from sailor.runtime.groups import create_channel_groups, create_groups
     from sailor.runtime.hf_weights import HFWeights, materialize_hf
-    from sailor.runtime.messages import op_receive, op_sends
+    from sailor.runtime.messages import op_receives, op_sends
     from sailor.runtime.model import GPT
     from sailor.runtime.pipeline import P2P, build_stage
     from sailor.runtime.tensor_parallel import VocabParallelHead, apply_tp
@@ -48,9 +48,9 @@ def _rank(rank: int, world: int, init_file: str, cases: list[tuple[str, str, str
         apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=groups.get(role.tp_group))
         materialize_hf(stage, HFWeights(folder, spec), tp_rank=role.tp_rank, tp=role.tp, device=torch.device("cpu"))
         p2p = P2P(role, shape=(tokens.shape[0], tokens.shape[1], spec.hidden_size), device=torch.device("cpu"),
-                  timeout=timeout, channels=channels)
+                  timeout=timeout, channels=channels, tp_group=groups.get(role.tp_group))
         with torch.no_grad():
-            x = stage(tokens if role.is_first_stage else p2p.receive(op_receive(role, fwd)))
+            x = stage(tokens if role.is_first_stage else p2p.receive(op_receives(role, fwd)))
             if role.is_last_stage:
                 heads = [m for m in stage.modules() if isinstance(m, VocabParallelHead)]
                 if heads:  # under TP each rank holds its vocabulary shard of the logits

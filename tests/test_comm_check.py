@@ -56,8 +56,8 @@ def test_channels_and_program_of_two_stages_by_hand():
     assert [[t.message for t in s.sends] for s in first] == [[Message(ACTIVATION, 0, 0)], [Message(ACTIVATION, 0, 1)],
                                                              [], []]
     # stage 1 runs F0 B0 F1 B1: it receives activations, sends gradients
-    assert [s.recv.message if s.recv else None for s in last] == [Message(ACTIVATION, 0, 0), None,
-                                                                  Message(ACTIVATION, 0, 1), None]
+    assert [[t.message for t in s.recv] for s in last] == [[Message(ACTIVATION, 0, 0)], [],
+                                                           [Message(ACTIVATION, 0, 1)], []]
     assert [t.message for s in last for t in s.sends] == [Message(GRADIENT, 0, 0), Message(GRADIENT, 0, 1)]
     # without lookahead each op posts only its own receive
     role = topo.roles[0]
@@ -65,13 +65,33 @@ def test_channels_and_program_of_two_stages_by_hand():
         [], [], [Message(GRADIENT, 0, 0)], [Message(GRADIENT, 0, 1)]]
 
 
-def test_mixed_tp_fans_out_one_channel_per_receiving_rank():
-    # stage 0 at TP 2 (ranks 0, 1) feeds stage 1 at TP 1 (rank 2): rank 2 receives from rank 0 only,
-    # and sends its gradient back to both
+def test_mixed_tp_scatters_one_channel_per_slice():
+    # stage 0 at TP 2 (ranks 0, 1) feeds stage 1 at TP 1 (rank 2): rank 2 receives one half from
+    # each, and sends each its half of the gradient back
     plan = Plan.model_validate({"micro_batch_size": 2, **PLANS["c_mixed_tp_two_stages"]})
-    chans = plan_channels(derive_topology(plan))
+    topo = derive_topology(plan)
+    chans = plan_channels(topo)
     assert [c for c in chans if c.dst == 2 or c.src == 2] == [
-        Channel(0, 2, ACTIVATION), Channel(2, 0, GRADIENT), Channel(2, 1, GRADIENT)]
+        Channel(0, 2, ACTIVATION), Channel(1, 2, ACTIVATION), Channel(2, 0, GRADIENT), Channel(2, 1, GRADIENT)]
+    # rank 2's first forward waits for both halves of one message, posted in slice order
+    first = plan_programs(plan, topo)[2][0]
+    assert [(t.channel.src, t.message) for t in first.recv] == [(0, Message(ACTIVATION, 0, 0)),
+                                                                 (1, Message(ACTIVATION, 0, 0))]
+    assert first.post[:2] == first.recv
+
+
+def test_tp_2_to_3_boundary_by_hand():
+    # L = 6 pieces: rank 0 (TP 2) sends [0, 2/6) to TP-3 rank 0 and [2/6, 3/6) to rank 1; rank 1
+    # sends [3/6, 4/6) to rank 1 and [4/6, 1) to rank 2. Four channels each way, every one used.
+    plan = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 1], [1, 2]],
+                                "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 2), _rep(1, 3)]}]})
+    topo = derive_topology(plan)
+    assert [(c.src, c.dst) for c in plan_channels(topo) if c.kind == ACTIVATION] == [(0, 2), (0, 3), (1, 3), (1, 4)]
+    assert [(c.src, c.dst) for c in plan_channels(topo) if c.kind == GRADIENT] == [(2, 0), (3, 0), (3, 1), (4, 1)]
+    assert [x.rank for x in topo.roles[3].fwd_recv_from] == [0, 1]
+    for blocking in (True, False):
+        rep = check_plan(plan, blocking_sends=blocking)
+        assert rep.ok and rep.messages == 2 * 4 * 3  # 4 slices per message, both kinds, 3 micro-batches
 
 
 # ---- the model itself -----------------------------------------------------------------------------
@@ -103,9 +123,9 @@ def test_model_reports_posting_orders_that_differ_and_collectives_out_of_order()
     topo = derive_topology(plan)
     programs = plan_programs(plan, topo)
     # the receiver posts micro-batch 1's receive first and 0's second: each buffer gets the other's data
-    k0, k1 = programs[1][0].recv, programs[1][2].recv
+    (k0,), (k1,) = programs[1][0].recv, programs[1][2].recv
     swap = {k0: k1, k1: k0}
-    swapped = [s._replace(post=tuple(swap.get(t, t) for t in s.post), recv=swap.get(s.recv, s.recv))
+    swapped = [s._replace(post=tuple(swap.get(t, t) for t in s.post), recv=tuple(swap.get(t, t) for t in s.recv))
                for s in programs[1]]
     bad = simulate(topo, [programs[0], swapped])
     assert not bad.deadlock and [(w.micro_batch, g.micro_batch) for _, w, g in bad.wrong_buffer] == [(1, 0), (0, 1)]

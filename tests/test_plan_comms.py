@@ -1,10 +1,15 @@
 """NCCL communicators per rank and their buffer memory (`sailor.plan.comms`), by hand."""
 
+import itertools
+import math
+from fractions import Fraction
+
 import pytest
 
 from sailor.plan.comms import (
     CHANNELS,
     NCCL_BUFFSIZE,
+    boundary_pieces,
     communicator_bytes,
     rank_communicators,
     replica_nccl_bytes,
@@ -34,16 +39,42 @@ def test_buffer_bytes_per_communicator():
 
 def test_mixed_tp_plan_by_hand():
     # V100 stage 1, TP rank 0 (TP 2): world 14, TP 2, stage group 4 + 2 = 6, L = lcm(4, 2) = 4 so
-    # 4 / 2 = 2 block groups of one rank per pipeline; from stage 0 (TP 4) it receives activations
-    # from rank 0 and sends gradients to TP ranks 0 and 2 (k mod 2 = 0): 3 channels.
+    # 4 / 2 = 2 block groups of one rank per pipeline; from stage 0 (TP 4) its half of the activation
+    # comes in two quarters, from TP ranks 0 and 1, and its gradient's quarters go back to them:
+    # 4 channels.
     c = rank_communicators(MIXED, 1, 1, 0)
-    assert (c.world, c.tp, c.sync, c.p2p) == ((14,), (2,), (6, 2, 2), (2, 2, 2))
-    assert c.count == 8 and c.bytes == (32 + 16 + 32 + 16 + 16 + 3 * 16) * MIB
-    # V100 stage 0, TP rank 2 (TP 4): stage 1 has TP 2, so it sends no activation (2 mod 4 is no
-    # TP rank there) and receives gradients from TP rank 2 mod 2 = 0: 1 channel.
+    assert (c.world, c.tp, c.sync, c.p2p) == ((14,), (2,), (6, 2, 2), (2, 2, 2, 2))
+    assert c.count == 9 and c.bytes == (32 + 16 + 32 + 16 + 16 + 4 * 16) * MIB
+    # V100 stage 0, TP rank 2 (TP 4): its quarter goes to stage 1's TP rank 1 (TP 2), the
+    # gradient's quarter comes back from it: 2 channels.
     c = rank_communicators(MIXED, 1, 0, 2)
-    assert (c.world, c.tp, c.sync, c.p2p) == ((14,), (4,), (8, 2), (2,))
-    assert replica_nccl_bytes(MIXED, 1, 0) == (32 + 32 + 32 + 16 + 2 * 16) * MIB  # TP ranks 0, 1: 2 channels
+    assert (c.world, c.tp, c.sync, c.p2p) == ((14,), (4,), (8, 2), (2, 2))
+    assert replica_nccl_bytes(MIXED, 1, 0) == (32 + 32 + 32 + 16 + 2 * 16) * MIB  # every TP rank: 2 channels
+
+
+@pytest.mark.parametrize("a", range(1, 9))
+@pytest.mark.parametrize("b", range(1, 9))
+def test_boundary_pieces_cover_the_tensor_once_with_equal_shares(a, b):
+    pieces = boundary_pieces(a, b)
+    assert len(pieces) == a + b - math.gcd(a, b)
+    assert pieces[0][2] == 0 and pieces[-1][3] == 1
+    assert all(x[3] == y[2] for x, y in itertools.pairwise(pieces))  # contiguous, no overlap
+    for s in range(a):  # each sender sends exactly its own 1/a, in order
+        mine = [(lo, hi) for x, _, lo, hi in pieces if x == s]
+        assert mine[0][0] == Fraction(s, a) and mine[-1][1] == Fraction(s + 1, a)
+    for r in range(b):  # each receiver gets exactly its own 1/b
+        mine = [(lo, hi) for _, x, lo, hi in pieces if x == r]
+        assert mine[0][0] == Fraction(r, b) and mine[-1][1] == Fraction(r + 1, b)
+
+
+def test_boundary_pieces_by_hand():
+    f = Fraction
+    assert boundary_pieces(2, 2) == [(0, 0, 0, f(1, 2)), (1, 1, f(1, 2), 1)]
+    assert boundary_pieces(2, 3) == [(0, 0, 0, f(1, 3)), (0, 1, f(1, 3), f(1, 2)), (1, 1, f(1, 2), f(2, 3)),
+                                     (1, 2, f(2, 3), 1)]
+    assert boundary_pieces(1, 1) == [(0, 0, 0, 1)]
+    with pytest.raises(ValueError):
+        boundary_pieces(0, 2)
 
 
 def test_uniform_plan_equals_the_planners_bound():

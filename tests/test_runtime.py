@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from sailor.runtime.model import GPT, init_full_model, init_param
 from sailor.runtime.pipeline import build_stage
 from sailor.runtime.tensor_parallel import shard, shard_dim
 from sailor.runtime.tied import Transfer, holdings, twin_transfers
-from sailor.runtime.topology import derive_topology
+from sailor.runtime.topology import Link, derive_topology
 from sailor.runtime.validate import check_runtime_geometry
 from sailor.specs.job import JobSpec
 
@@ -40,11 +41,14 @@ def test_topology_of_mixed_tp_plan_by_hand():
     r = topo.roles
     # ranks: p0 s0 tp2 -> 0, 1; p0 s1 tp1 -> 2; p1 s0 tp1 -> 3; p1 s1 tp2 -> 4, 5
     assert [(x.pipeline, x.stage, x.tp_rank) for x in r] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (1, 1, 0), (1, 1, 1)]
-    assert r[0].fwd_send_to == (2,) and r[1].fwd_send_to == ()
-    assert r[2].fwd_recv_from == 0 and r[2].bwd_send_to == (0, 1)
-    assert r[0].bwd_recv_from == 2 and r[1].bwd_recv_from == 2
-    assert r[3].fwd_send_to == (4, 5) and r[4].fwd_recv_from == 3 and r[5].fwd_recv_from == 3
-    assert r[4].bwd_send_to == (3,) and r[5].bwd_send_to == () and r[3].bwd_recv_from == 4
+    # scatter-gather: TP 2 -> TP 1, each sender sends its half; TP 1 -> TP 2, each receiver gets its half
+    half, one = Fraction(1, 2), Fraction(1)
+    assert r[0].fwd_send_to == (Link(2, 0, half),) and r[1].fwd_send_to == (Link(2, half, one),)
+    assert r[2].fwd_recv_from == (Link(0, 0, half), Link(1, half, one)) == r[2].bwd_send_to
+    assert r[0].bwd_recv_from == (Link(2, 0, half),) and r[1].bwd_recv_from == (Link(2, half, one),)
+    assert r[3].fwd_send_to == (Link(4, 0, half), Link(5, half, one)) == r[3].bwd_recv_from
+    assert r[4].fwd_recv_from == (Link(3, 0, half),) and r[5].fwd_recv_from == (Link(3, half, one),)
+    assert r[4].bwd_send_to == (Link(3, 0, half),) and r[5].bwd_send_to == (Link(3, half, one),)
     # finest sharding of both stages is 2 blocks; each block group has one rank per pipeline
     assert r[0].block_groups == ((0, 3),) and r[1].block_groups == ((1, 3),)
     assert r[3].block_groups == ((0, 3), (1, 3))

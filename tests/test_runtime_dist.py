@@ -50,6 +50,10 @@ PLANS = {
     "c_mixed_tp_two_stages": {"stages": [[0, 3], [3, 6]],
                               "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 2), _rep(1, 1)]},
                                             {"microbatches": 1, "replicas": [_rep(0, 1), _rep(1, 2)]}]},
+    # sequence parallelism on both sides of a boundary: each rank sends and receives its slice of the
+    # sequence, and neither replica gathers there
+    "d_sp_tp2_to_sp_tp2": {"stages": [[0, 3], [3, 6]], "memory": [{"sequence_parallel": True}] * 2,
+                           "pipelines": [{"microbatches": 4, "replicas": [_rep(0, 2), _rep(1, 2)]}]},
 }
 
 
@@ -105,6 +109,10 @@ def test_plan_equals_single_process_run(name, tmp_path, reference, monkeypatch):
         assert r["loss"] == pytest.approx(want, rel=RTOL)
         assert r["samples"] == 8 and r["tokens"] == 8 * 64 and r["step_time_s"] > 0
         assert len(r["stages"]) == len(PLANS[name]["stages"])
+        # scatter-gather boundaries: each of the 4 micro-batches' activations (2 x 64 x 64 fp32) crosses
+        # once forward and once back, whatever the TP degrees on either side (plan c: 2 -> 1, 1 -> 2)
+        sent = [(s["sent_activation_bytes"], s["sent_gradient_bytes"]) for s in r["stages"]]
+        assert sent == ([(4 * 32768, 0), (0, 4 * 32768)] if len(sent) == 2 else [(0, 0)])
     found = ckpt.find_latest(tmp_path / "ck")
     assert found.manifest["step"] == STEPS
     got = load_tensors(found.path, found.manifest, list(ref_params))

@@ -248,3 +248,35 @@ def test_memory_grows_with_micro_batch_size(mbs, extra, model, tp):
 
     small, large = peaks(mbs), peaks(mbs + extra)
     assert all(lg > sm for sm, lg in zip(small, large))
+
+
+def test_boundary_scatters_one_activation_across_tp_degrees_deepspeed_sends_one_per_rank():
+    # Sailor's runtime: a + b - gcd(a, b) flows that add up to one activation A each way, then the
+    # all-gather on the larger of the two TP groups; DeepSpeed (the public Sailor runs): min(a, b)
+    # flows of the whole A, no gather. Across the two zones: 0.5 s + bytes on the NIC / 1 MB/s.
+    from sailor.model.spec import Collective
+    from sailor.simulator import Slot, link_transfer
+    from sailor.simulator.collectives import tp_collective_time_s
+
+    A = 16384.0
+    ds = _ctx(job=JobSpec(model="tiny", global_batch_size=4, framework="deepspeed"))
+    ours = _ctx()
+    gather = {t: tp_collective_time_s(ours.network, ZB, "A100-40", t, Collective.ALL_GATHER, A) for t in (1, 2, 3)}
+    assert gather[1] == 0 and 0 < gather[2] < gather[3]
+    for ta, tb, flows in ((2, 2, 2), (2, 1, 2), (1, 2, 2), (2, 3, 4)):
+        src, dst = Slot(zone=ZA, gpu="A100-40", tp=ta), Slot(zone=ZB, gpu="A100-40", tp=tb)
+        s, moved, usd = link_transfer(ours, src, dst, A)
+        want = ours.network.transfer_time_s(ZA, "A100-40", ZB, "A100-40", A / flows, flows=flows)
+        assert s == pytest.approx(want + gather[max(ta, tb)])
+        assert moved == 2 * A and usd == pytest.approx(2 * A / 1e9 * 0.01)  # every byte crosses once
+        s, moved, _ = link_transfer(ds, src, dst, A)
+        assert moved == 2 * A * min(ta, tb)
+        assert s == pytest.approx(ds.network.transfer_time_s(ZA, "A100-40", ZB, "A100-40", A, flows=min(ta, tb)))
+    # sequence-parallel ends hold their slices: no gather at either
+    src, dst = Slot(zone=ZA, gpu="A100-40", tp=2), Slot(zone=ZB, gpu="A100-40", tp=3)
+    assert link_transfer(ours, src, dst, A, sliced=(True, True))[0] == pytest.approx(
+        ours.network.transfer_time_s(ZA, "A100-40", ZB, "A100-40", A / 4, flows=4))
+    assert link_transfer(ours, src, dst, A, sliced=(False, True))[0] == pytest.approx(
+        ours.network.transfer_time_s(ZA, "A100-40", ZB, "A100-40", A / 4, flows=4) + gather[2])
+    # on the NIC the scattered flows add up to one activation: 0.5 s + A / 1 MB/s whatever the degrees
+    assert ours.network.transfer_time_s(ZA, "A100-40", ZB, "A100-40", A / 4, flows=4) == pytest.approx(0.5 + A / 1e6)

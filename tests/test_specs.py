@@ -133,8 +133,10 @@ def test_job_framework_field():
     assert job.framework is Framework.SAILOR and "framework" not in job.to_dict()  # old job files read the same
     meg = JobSpec(model="tiny", global_batch_size=4, framework="Megatron-LM")
     assert meg.framework is Framework.MEGATRON and JobSpec.model_validate(meg.to_dict()) == meg
+    ds = JobSpec(model="tiny", global_batch_size=4, framework="deepspeed")  # the public Sailor runs' engine
+    assert ds.framework is Framework.DEEPSPEED and JobSpec.model_validate(ds.to_dict()) == ds
     with pytest.raises(ValueError, match="framework"):
-        JobSpec(model="tiny", global_batch_size=4, framework="deepspeed")
+        JobSpec(model="tiny", global_batch_size=4, framework="colossal-ai")
 
 
 @pytest.mark.parametrize("count, shown", [("010", "010 reads as 8 (a YAML 1.1 octal number)"),

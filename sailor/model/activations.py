@@ -60,8 +60,8 @@ Memory options, as Sailor's runtime applies them (Megatron-LM's are the same):
   not the rest of what it makes.
 - full recomputation: checkpoint of the whole block: keeps the block input only. During the
   backward of a recomputed block its activations exist once more (`recompute_transient_bytes`).
-The embedding and the head are never recomputed and are not affected by SP (stage boundaries carry
-the full activation).
+The embedding and the head are never recomputed and are not affected by SP (they see the full
+activation; a block at a stage boundary receives and sends only its sequence slice).
 """
 
 from __future__ import annotations
@@ -255,9 +255,11 @@ def stage_activation_bytes(m: ModelSpec, layers: tuple[int, int], memory: Memory
     exactly against saved-tensor hooks on the runtime (tests/test_runtime_memory.py).
 
     Beyond `layer_bytes` (Framework.SAILOR) per layer it counts what the runtime's executor keeps: the
-    stage's last output (b·s·h·e) until its backward, unless it is the loss; under SP the full
-    input of the first block (b·s·h·e), for the layer that made it (the embedding) or, when the block
-    is the stage's first layer, for that block. `memory.recompute_blocks` counts the stage's first
+    stage's last output (b·s·h·e) until its backward, unless it is the loss (under SP, when that
+    layer is a block, only this rank's sequence slice, b·s·h·e/t: it leaves the stage sliced,
+    `runtime.tensor_parallel.sliced_edges`); under SP the full input of the first block (b·s·h·e)
+    when the embedding made it, counted for the embedding (a block that is the stage's first layer
+    receives its slice, which its first norm saves anyway). `memory.recompute_blocks` counts the stage's first
     blocks in layer order under full recomputation. `stats_bytes` None: `elem_bytes` (CPU's norms
     keep their statistics in the input dtype; CUDA's keep fp32, pass 4).
     """
@@ -274,8 +276,10 @@ def stage_activation_bytes(m: ModelSpec, layers: tuple[int, int], memory: Memory
                                                  else memory.recompute)
         out[i] = layer_bytes(m, i, tp=tp, mbs=mbs, seq=seq, elem_bytes=elem_bytes, recompute=mode,
                              sequence_parallel=sp, stats_bytes=sigma)
-    if m.layer_kind(end - 1) is not LayerKind.HEAD:
-        out[end - 1] += full_act  # the stage output, kept until its backward
-    if sp and blocks:
-        out[max(first, blocks[0] - 1)] += full_act  # the first block's full input
+    if m.layer_kind(end - 1) is LayerKind.BLOCK:
+        out[end - 1] += full_act / tp if sp else full_act  # the stage output, kept until its backward
+    elif m.layer_kind(end - 1) is not LayerKind.HEAD:
+        out[end - 1] += full_act
+    if sp and blocks and blocks[0] > first:
+        out[first] += full_act  # the first block's full input, from the embedding
     return out

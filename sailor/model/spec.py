@@ -48,17 +48,20 @@ class Framework(str, Enum):
 
     - `sailor` (default): this project's runtime (`sailor.runtime.model`): attention through
       `F.scaled_dot_product_attention` (memory-efficient / flash kernels, no s x s score tensor is
-      kept), no dropout, logits all-gathered before a plain cross entropy, every TP rank sending the
-      full activation to its peer of the next stage (as DeepSpeed's pipeline engine, which the public
-      Sailor measurements ran, does too).
+      kept), no dropout, logits all-gathered before a plain cross entropy, activations crossing
+      stage boundaries scattered and all-gathered like Megatron-LM's (`runtime.pipeline`).
     - `megatron-lm`: Megatron-LM's GPT as published (Narayanan et al. SC'21; Korthikanti et al.
       2022): materialised attention scores with softmax and dropout masks, fused kernels,
       vocab-parallel cross entropy, and the scatter/gather of activations across stage boundaries
       (SC'21 §4.1). Use it for published Megatron-LM setups.
+    - `deepspeed`: as `sailor`, except that every TP rank of a stage sends the full activation to its
+      peer rank of the next stage, as DeepSpeed's pipeline engine does: the runtime of the public
+      Sailor artifact, whose measured runs `sailor validate` reads (`simulator.fidelity`).
     """
 
     SAILOR = "sailor"
     MEGATRON = "megatron-lm"
+    DEEPSPEED = "deepspeed"
 
 
 class Recompute(str, Enum):

@@ -10,10 +10,11 @@ Communicators of the rank at TP rank r of stage i in pipeline j (TP degree t; `r
   plan has two or more pipelines and they differ from the stage group;
 - pipeline point-to-point: one 2-rank communicator per channel (source, destination, kind), kind
   being the activation or its gradient, so that every transfer stream progresses on its own
-  (NCCL matches by order per communicator and ignores tags). Towards each neighbour stage (TP degree
-  u) a rank receives from one rank (TP rank r mod u) and sends to the ranks whose TP rank k has
-  k mod t = r: activations forward, gradients backward (`runtime.topology`); interleaved schedules
-  wrap round from the last stage to the first.
+  (NCCL matches by order per communicator and ignores tags). Activations cross a stage boundary
+  scattered (`boundary_pieces`): towards a neighbour stage of TP degree u, TP rank r of a replica
+  of TP degree t exchanges with the u-ranks whose slice of the activation overlaps its own, one
+  channel each way (activation one way, its gradient the other); interleaved schedules wrap round
+  from the last stage to the first.
 
 Memory per communicator (NCCL user guide, "Environment Variables": NCCL_BUFFSIZE, default 4 MiB,
 "the size of the buffer used by NCCL when communicating data between pairs of GPUs"; one buffer per
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from sailor.plan.spec import Plan
 
@@ -58,6 +60,30 @@ class Communicators:
         return float(sum(communicator_bytes(n) for n in (*self.world, *self.tp, *self.sync, *self.p2p)))
 
 
+def boundary_pieces(a: int, b: int) -> list[tuple[int, int, Fraction, Fraction]]:
+    """Who sends which slice of an activation across a stage boundary from a replica of TP degree `a`
+    to one of TP degree `b` (scatter-gather, Narayanan et al., SC'21 §4.1, generalised to a != b).
+
+    The activation, flattened in sequence-major order ((T, B, h), Megatron-LM's layout), is cut into
+    L = lcm(a, b) equal pieces. Piece k is sent by sending TP rank k // (L / a), which thereby sends
+    its own 1/a of the tensor, to receiving TP rank k // (L / b), which thereby receives its own 1/b
+    slice and all-gathers the rest over its TP group; every byte crosses once. The gradient travels
+    back over the same pairs with the same slices. Returns (s, r, lo, hi) for every pair (s, r) that
+    shares a slice, [lo, hi) as fractions of the tensor, ordered by lo: a + b - gcd(a, b) pairs.
+    Raises ValueError unless a, b >= 1."""
+    if a < 1 or b < 1:
+        raise ValueError(f"TP degrees must be >= 1, got {a} and {b}")
+    L = math.lcm(a, b)
+    out: list[tuple[int, int, Fraction, Fraction]] = []
+    for k in range(L):
+        s, r = k // (L // a), k // (L // b)
+        if out and out[-1][:2] == (s, r):
+            out[-1] = (s, r, out[-1][2], Fraction(k + 1, L))
+        else:
+            out.append((s, r, Fraction(k, L), Fraction(k + 1, L)))
+    return out
+
+
 def communicator_bytes(n: int) -> int:
     """NCCL buffer bytes of one communicator of `n` ranks (module docstring); 0 for one rank."""
     return NCCL_BUFFSIZE * 2 * CHANNELS * min(2, n - 1) if n > 1 else 0
@@ -78,9 +104,11 @@ def rank_communicators(plan: Plan, pipeline: int, stage: int, tp_rank: int) -> C
     for side, exists in ((-1, stage > 0), (1, stage < P - 1)):
         if exists or (wrap and P > 1):
             u = pipes[pipeline].replicas[(stage + side) % P].tp
-            # in: one rank (activation from the previous stage, gradient from the next); out: the
-            # ranks of TP rank k with k mod t == r (`runtime.topology`)
-            p2p += 1 + sum(1 for k in range(u) if k % t == tp_rank)
+            # the u-ranks whose slice overlaps this rank's (`boundary_pieces`), one channel each way
+            if side == 1:  # this rank sends activations to them
+                p2p += 2 * sum(1 for s, _, _, _ in boundary_pieces(t, u) if s == tp_rank)
+            else:  # this rank receives activations from them
+                p2p += 2 * sum(1 for _, r, _, _ in boundary_pieces(u, t) if r == tp_rank)
     return Communicators(world=(world,) if world > 1 else (), tp=(t,) if t > 1 else (), sync=tuple(sync),
                          p2p=(2,) * p2p)
 

@@ -378,14 +378,11 @@ def boundary_floors(ctx: SimContext, table, partition, mbs: int, free: dict[Pool
         zones_of.setdefault(g, []).append(z)
     out = []
     for i in range(len(table) - 1):
-        # a transfer depends on the two ends' GPU types and zones and on min(TP) flows only
-        ends: dict[tuple, tuple[int, int]] = {}
-        for oa in table[i]:
-            for ob in table[i + 1]:
-                if pairs or (oa.gpu, oa.tp) == (ob.gpu, ob.tp):
-                    ends.setdefault((oa.gpu, ob.gpu, min(oa.tp, ob.tp)), (oa.tp, ob.tp))
+        # a transfer depends on the two ends' GPU types, zones and TP degrees (`terms.link_transfer`)
+        ends = sorted({(oa.gpu, ob.gpu, oa.tp, ob.tp) for oa in table[i] for ob in table[i + 1]
+                       if pairs or (oa.gpu, oa.tp) == (ob.gpu, ob.tp)})
         best = math.inf
-        for (ga, gb, _), (ta, tb) in ends.items():
+        for ga, gb, ta, tb in ends:
             for za in (zones_of.get(ga, []) if pairs else zones_of.get(ga, [])[:1]):
                 for zb in (zones_of.get(gb, []) if pairs else [za]):
                     a, b = Slot(zone=za, gpu=ga, tp=ta), Slot(zone=zb, gpu=gb, tp=tb)

@@ -25,7 +25,8 @@ Communicators (`scheme`): "channels" is the runtime's (one 2-rank group per `mes
 so one communicator and stream per unordered pair, both directions and both kinds).
 
 Collectives modelled per op (labelled by the op, so any disagreement shows): the TP group's
-all-reduces in a real F or B of a replica of TP > 1, and under ZeRO-2/3 the gathers and
+all-reduces in a real F or B of a replica of TP > 1 (and the all-gather of the op's input slices
+after its receives, `pipeline.P2P.receive`, which comes first among them), and under ZeRO-2/3 the gathers and
 reduce-scatters of each of the rank's sharding groups (`role.block_groups`, `role.stage_group`) in
 every F, B and W, rounds without a micro-batch included. All collectives of one op are modelled as
 one per group, in a fixed group order, which every member of a stage shares.
@@ -88,8 +89,7 @@ def _items(role: RankRole, program: Sequence[Step]) -> list[tuple]:
     items: list[tuple] = []
     for s in program:
         items += [("recv", t) for t in s.post]
-        if s.recv is not None:
-            items.append(("wait", s.recv))
+        items += [("wait", t) for t in s.recv]
         items += [("coll", g, lab) for g, lab in op_collectives(role, *s.op)]
         items += [("send", t) for t in s.sends]
     return items

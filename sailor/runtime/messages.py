@@ -23,6 +23,11 @@ group micro-batches differently.
 
 Ops of rounds k >= the pipeline's micro-batch count transfer nothing, on both ends alike.
 
+An activation crosses a boundary scattered (`topology`, `plan.comms.boundary_pieces`): a rank
+receives its slice from one or more ranks of the neighbour replica, one transfer per channel, all
+with the same message, and sends slices to one or more. Each channel still carries one kind between
+two fixed ranks, so the argument above holds on each of them.
+
 Receives are posted one op ahead (`rank_program`): at the start of op j the rank posts op j's
 receive (if not yet posted) and op j + 1's, so the next input can arrive during op j's compute; on
 each channel that is still the op order, so the property above is unchanged.
@@ -65,12 +70,12 @@ class Transfer(NamedTuple):
 
 class Step(NamedTuple):
     """One op of a rank's program, with its transfers in posting order: `post` the receives posted
-    at its start (before `recv` is waited on), `recv` the receive it waits for (its input; None: none),
-    `sends` the sends posted after its compute."""
+    at its start (before `recv` is waited on), `recv` the receives it waits for (the slices of its
+    input, ordered by slice; empty: none), `sends` the sends posted after its compute."""
 
     op: Op
     post: tuple[Transfer, ...]
-    recv: Transfer | None
+    recv: tuple[Transfer, ...]
     sends: tuple[Transfer, ...]
 
 
@@ -78,39 +83,43 @@ def plan_channels(topology: Topology) -> list[Channel]:
     """Every channel of the plan, sorted: the one order in which every rank creates their groups."""
     out = set()
     for r in topology.roles:
-        out.update(Channel(r.rank, d, ACTIVATION) for d in r.fwd_send_to)
-        out.update(Channel(r.rank, s, GRADIENT) for s in r.bwd_send_to)
+        out.update(Channel(r.rank, d.rank, ACTIVATION) for d in r.fwd_send_to)
+        out.update(Channel(r.rank, s.rank, GRADIENT) for s in r.bwd_send_to)
     return sorted(out)
 
 
-def op_receive(role: RankRole, op: Op) -> Transfer | None:
-    """The receive `op` needs before its compute (None: its input is local or it has none)."""
+def op_receives(role: RankRole, op: Op) -> tuple[Transfer, ...]:
+    """The receives `op` needs before its compute, one per slice of its input (empty: its input is
+    local or it has none)."""
     last = role.num_stages * len(role.chunks) - 1
     u = op.chunk * role.num_stages + role.stage
     if op.micro_batch >= role.microbatches:
-        return None
+        return ()
     if op.kind == FWD and u > 0:
-        assert role.fwd_recv_from is not None, (role.rank, op)
-        return Transfer(Channel(role.fwd_recv_from, role.rank, ACTIVATION), Message(ACTIVATION, u - 1, op.micro_batch))
+        assert role.fwd_recv_from, (role.rank, op)
+        msg = Message(ACTIVATION, u - 1, op.micro_batch)
+        return tuple(Transfer(Channel(s.rank, role.rank, ACTIVATION), msg) for s in role.fwd_recv_from)
     if op.kind == BWD and u < last:
-        assert role.bwd_recv_from is not None, (role.rank, op)
-        return Transfer(Channel(role.bwd_recv_from, role.rank, GRADIENT), Message(GRADIENT, u, op.micro_batch))
-    return None
+        assert role.bwd_recv_from, (role.rank, op)
+        msg = Message(GRADIENT, u, op.micro_batch)
+        return tuple(Transfer(Channel(s.rank, role.rank, GRADIENT), msg) for s in role.bwd_recv_from)
+    return ()
 
 
 def op_sends(role: RankRole, op: Op) -> tuple[Transfer, ...]:
-    """The sends `op` posts after its compute (its output to every receiving rank of the next
-    virtual stage, or its input gradient to every receiving rank of the previous one)."""
+    """The sends `op` posts after its compute, ordered by slice: its output's slices to the ranks of
+    the next virtual stage that need them, or its input gradient's slices to those of the previous
+    one (`topology`)."""
     last = role.num_stages * len(role.chunks) - 1
     u = op.chunk * role.num_stages + role.stage
     if op.micro_batch >= role.microbatches:
         return ()
     if op.kind == FWD and u < last:
         msg = Message(ACTIVATION, u, op.micro_batch)
-        return tuple(Transfer(Channel(role.rank, d, ACTIVATION), msg) for d in role.fwd_send_to)
+        return tuple(Transfer(Channel(role.rank, d.rank, ACTIVATION), msg) for d in role.fwd_send_to)
     if op.kind == BWD and u > 0:
         msg = Message(GRADIENT, u - 1, op.micro_batch)
-        return tuple(Transfer(Channel(role.rank, s, GRADIENT), msg) for s in role.bwd_send_to)
+        return tuple(Transfer(Channel(role.rank, s.rank, GRADIENT), msg) for s in role.bwd_send_to)
     return ()
 
 
@@ -118,13 +127,12 @@ def rank_program(role: RankRole, order: Sequence[Op], *, lookahead: bool = True)
     """`order` (this rank's ops) with its transfers. With `lookahead`, op j's start posts its own
     receive (unless op j - 1 did) and op j + 1's; without, each op posts only its own (the runtime
     before receives were posted ahead)."""
-    recvs = [op_receive(role, op) for op in order]
-    steps, posted = [], -1  # index of the last op whose receive is posted
+    recvs = [op_receives(role, op) for op in order]
+    steps, posted = [], -1  # index of the last op whose receives are posted
     for j, op in enumerate(order):
-        post = []
+        post: list[Transfer] = []
         for i in range(max(j, posted + 1), min(j + (2 if lookahead else 1), len(order))):
-            if recvs[i] is not None:
-                post.append(recvs[i])
+            post += recvs[i]
             posted = i
         steps.append(Step(op, tuple(post), recvs[j], op_sends(role, op)))
     return steps

@@ -4,9 +4,21 @@
 stage boundary; it cannot connect a TP-2 replica to a TP-1 replica, nor fan one activation out to
 several TP ranks. So the runtime keeps its own small schedules: `plan.spec.Schedule.order`
 (pure) orders the passes of one stage (1F1B, interleaved 1F1B, ZB-H1), and `run_pipeline` executes
-that order, each pass through the `executor.StageExecutor` of its chunk. Every activation crossing a
-boundary is the full (B, T, h) tensor in the compute dtype, which every TP rank of a replica holds (a
-sequence-parallel chunk gathers its last block's output first).
+that order, each pass through the `executor.StageExecutor` of its chunk.
+
+Stage boundaries are scatter-gather (Narayanan et al., SC'21 §4.1, generalised to replicas of
+different TP degrees): every TP rank of a replica holds the full (B, T, h) output (a
+sequence-parallel chunk gathers its last block's output first); flattened in sequence-major order
+((T, B, h), Megatron-LM's layout) it is cut into the slices of `plan.comms.boundary_pieces`. TP rank
+s of a sending replica of TP degree a sends only its 1/a of it, in the compute dtype, to the ranks
+of the receiving replica (TP degree b) whose 1/b slice overlaps it; TP rank r of the receiver
+collects its 1/b slice from one or more senders and all-gathers the full tensor over its TP group,
+on the fast intra-node link (`P2P.receive`). The input gradient goes back the same way. So each
+activation and each gradient crosses the boundary once, not once per receiving rank; `P2P.sent`
+counts the bytes. Under sequence parallelism a chunk's edge at a boundary is already this rank's
+slice of the sequence, which is exactly its slice above (the sequence-major 1/t share; T is a
+multiple of t): there the sender gathers nothing before sending and the receiver nothing after
+receiving (`tensor_parallel.sliced_edges`, `P2P.sliced`).
 
 Transfers follow NCCL's rules (checked on CPU by `comm_check`, over the tests' plans and a sweep):
 - Each channel, one direction of one kind (activations or gradients) between two ranks, has its
@@ -37,6 +49,7 @@ Transfers follow NCCL's rules (checked on CPU by `comm_check`, over the tests' p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -47,9 +60,9 @@ from torch import nn
 
 from sailor.plan.orders import BWD, FWD, Op
 from sailor.runtime.executor import ActivationMeter, StageExecutor
-from sailor.runtime.messages import Channel, Transfer, rank_program
+from sailor.runtime.messages import ACTIVATION, Channel, Transfer, rank_program
 from sailor.runtime.timing import PhaseClock
-from sailor.runtime.topology import RankRole
+from sailor.runtime.topology import Link, RankRole
 
 
 def build_stage(model: nn.Module, chunks: Sequence[tuple[int, int]]) -> nn.Module:
@@ -76,9 +89,11 @@ class StageTimes:
 @dataclass
 class P2P:
     """Point-to-point transfers of one rank across its stage boundaries, each on its channel's group
-    (`channels`, from `groups.create_channel_groups`; global ranks). Activations and their gradients
-    cross in `dtype`, the weights' compute dtype (the same on both sides of every boundary: it is the
-    job's). Raises KeyError for a transfer on a channel it has no group for."""
+    (`channels`, from `groups.create_channel_groups`; global ranks), scattered and gathered as the
+    module docstring says. Activations and their gradients cross in `dtype`, the weights' compute
+    dtype (the same on both sides of every boundary: it is the job's). `tp_group` is this rank's TP
+    group (needed to gather when `role.tp` > 1). Raises KeyError for a transfer on a channel it has
+    no group for, ValueError when a slice does not fall on whole elements."""
 
     role: RankRole
     shape: tuple[int, ...]  # (B, T, h) of one micro-batch's activation
@@ -86,39 +101,97 @@ class P2P:
     timeout: timedelta
     dtype: torch.dtype = torch.float32
     channels: Mapping[Channel, dist.ProcessGroup] = field(default_factory=dict)
+    tp_group: dist.ProcessGroup | None = None
+    # per chunk, (input, output) cross as this rank's sequence slice (`tensor_parallel.sliced_edges`)
+    sliced: tuple[tuple[bool, bool], ...] = ()
     pending: list = field(default_factory=list)  # (work, tensor): kept alive until the send completes
-    posted: dict = field(default_factory=dict)  # Transfer -> (work, buffer) of receives posted, not yet taken
+    posted: dict = field(default_factory=dict)  # Transfer -> work of a receive posted, not yet taken
+    slices: dict = field(default_factory=dict)  # Message -> this rank's slice buffer, filled by `posted`
+    sent: dict = field(default_factory=dict)  # kind -> bytes this rank has sent (ACTIVATION, GRADIENT)
+
+    def _span(self, link: Link) -> tuple[int, int]:
+        """[start, end) in elements of the flattened (T, B, h) tensor of `link`'s slice."""
+        n = math.prod(self.shape)
+        lo, hi = link.lo * n, link.hi * n
+        if lo.denominator != 1 or hi.denominator != 1:
+            raise ValueError(f"rank {self.role.rank}: slice [{link.lo}, {link.hi}) of a {self.shape} activation "
+                             "is not whole elements (h must be divisible by both TP degrees)")
+        return int(lo), int(hi)
+
+    def _link(self, t: Transfer, receiving: bool) -> Link:
+        ch = t.channel
+        if receiving:
+            links, peer = (self.role.fwd_recv_from if ch.kind == ACTIVATION else self.role.bwd_recv_from), ch.src
+        else:
+            links, peer = (self.role.fwd_send_to if ch.kind == ACTIVATION else self.role.bwd_send_to), ch.dst
+        return next(link for link in links if link.rank == peer)
+
+    def _sliced(self, t: Transfer, receiving: bool) -> bool:
+        """Whether `t`'s end on this rank is a sequence-parallel slice (no gather, no full tensor)."""
+        if not self.sliced:
+            return False
+        u = t.message.boundary  # the boundary u -> u + 1: this rank is u + 1 for an activation it
+        mine_is_input = (t.channel.kind == ACTIVATION) == receiving  # receives or a gradient it sends
+        chunk = (u + 1 if mine_is_input else u) // self.role.num_stages
+        return self.sliced[chunk][0 if mine_is_input else 1]
 
     def post(self, t: Transfer) -> None:
-        """Post the receive of `t` into a new (B, T, h) buffer."""
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.posted[t] = (dist.irecv(buf, t.channel.src, group=self.channels[t.channel]), buf)
+        """Post the receive of `t` into its part of this rank's slice buffer of `t.message` (1/tp of
+        the flattened tensor, made at the message's first post)."""
+        n, tp, r = math.prod(self.shape), self.role.tp, self.role.tp_rank
+        buf = self.slices.get(t.message)
+        if buf is None:
+            buf = self.slices[t.message] = torch.empty(n // tp, dtype=self.dtype, device=self.device)
+        a, b = self._span(self._link(t, receiving=True))
+        base = r * (n // tp)  # this rank's slice starts there
+        self.posted[t] = dist.irecv(buf[a - base:b - base], t.channel.src, group=self.channels[t.channel])
 
-    def receive(self, t: Transfer) -> torch.Tensor:
-        """The tensor of transfer `t` (posted now if it was not). On CUDA the current stream waits for
-        it; on CPU the host, at most `timeout` (raises TimeoutError)."""
-        if t not in self.posted:
-            self.post(t)
-        work, buf = self.posted.pop(t)
-        if self.device.type == "cuda":
-            work.wait()
-        elif not work.wait(self.timeout):
-            raise TimeoutError(f"rank {self.role.rank}: no data from rank {t.channel.src} within {self.timeout}")
-        return buf
+    def receive(self, transfers: Sequence[Transfer]) -> torch.Tensor:
+        """The (B, T, h) tensor whose slices `transfers` (one message) bring (posted now if they were
+        not); gathered over the TP group when tp > 1. On CUDA the current stream waits for the
+        receives; on CPU the host, at most `timeout` each (raises TimeoutError)."""
+        assert transfers and len({t.message for t in transfers}) == 1, transfers
+        for t in transfers:
+            if t not in self.posted:
+                self.post(t)
+        for t in transfers:
+            work = self.posted.pop(t)
+            if self.device.type == "cuda":
+                work.wait()
+            elif not work.wait(self.timeout):
+                raise TimeoutError(f"rank {self.role.rank}: no data from rank {t.channel.src} within {self.timeout}")
+        mine = self.slices.pop(transfers[0].message)
+        B, T, h = self.shape
+        if self._sliced(transfers[0], receiving=True):  # this rank's tokens: (T/t, B, h) -> (B, T/t, h)
+            return mine.view(T // self.role.tp, B, h).transpose(0, 1).contiguous()
+        if self.role.tp > 1:
+            full = torch.empty(math.prod(self.shape), dtype=self.dtype, device=self.device)
+            dist.all_gather_into_tensor(full, mine, group=self.tp_group)  # TP rank order = slice order
+        else:
+            full = mine
+        return full.view(T, B, h).transpose(0, 1).contiguous()  # (T, B, h) -> (B, T, h)
 
     def send(self, x: torch.Tensor, transfers: Sequence[Transfer]) -> None:
-        """Send `x` (in `dtype`) once per transfer, each on its channel."""
+        """Send each transfer's slice of `x` ((B, T, h), or this rank's (B, T/t, h) where the edge is
+        sliced, in `dtype`) on its channel."""
         # Sends that completed free their tensors now, not at the end of the step.
         self.pending = [(w, y) for w, y in self.pending if not w.is_completed()]
         if not transfers:
             return
-        x = x.detach().to(self.dtype).contiguous()
+        flat = x.detach().to(self.dtype).transpose(0, 1).contiguous().view(-1)  # sequence-major (T, B, h)
+        n, sliced = math.prod(self.shape), self._sliced(transfers[0], receiving=False)
+        base = self.role.tp_rank * (n // self.role.tp) if sliced else 0  # where a sliced x starts in the full one
+        assert flat.numel() == (n // self.role.tp if sliced else n), (x.shape, self.shape, sliced)
         for t in transfers:
-            self.pending.append((dist.isend(x, t.channel.dst, group=self.channels[t.channel]), x))
+            a, b = self._span(self._link(t, receiving=False))
+            piece = flat[a - base:b - base]
+            self.pending.append((dist.isend(piece, t.channel.dst, group=self.channels[t.channel]), piece))
+            self.sent[t.channel.kind] = self.sent.get(t.channel.kind, 0) + piece.numel() * piece.element_size()
 
     def finish(self) -> None:
         """Wait for every send posted this step; every posted receive must have been taken."""
         assert not self.posted, f"rank {self.role.rank}: receives posted but not taken: {list(self.posted)}"
+        assert not self.slices, f"rank {self.role.rank}: slices never gathered: {list(self.slices)}"
         for work, _ in self.pending:
             work.wait(self.timeout)
         self.pending.clear()
@@ -172,12 +245,12 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
                 ex.skip_weight()
             t1 = t0
         elif kind == FWD:
-            x = inputs(k) if step.recv is None else p2p.receive(step.recv)
+            x = p2p.receive(step.recv) if step.recv else inputs(k)
             t1 = clock.mark()
             out = ex.forward(k, x, loss=loss(k) if u == last else None, meter=meter if k == 0 else None)
             p2p.send(out, step.sends)
         elif kind == BWD:
-            grad = None if step.recv is None else p2p.receive(step.recv)
+            grad = p2p.receive(step.recv) if step.recv else None
             t1 = clock.mark()
             grad_in = ex.backward_input(k, grad) if split else ex.backward(k, grad)
             p2p.send(grad_in, step.sends)

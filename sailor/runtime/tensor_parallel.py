@@ -19,10 +19,12 @@ Sequence parallelism (`sequence_parallel=True`; Korthikanti et al. 2022, §4.2.2
 transformer blocks the activations between the TP regions are split along the sequence, so norms and
 residual adds work on T/t tokens. A column-parallel linear all-gathers its input along the sequence
 (g) and keeps only its own slice for backward, gathering it again there; a row-parallel linear
-reduce-scatters its output along the sequence (ḡ) instead of all-reducing it. The first block of the
-stage (of each chunk, under interleaving) takes this rank's slice of its (full) input, the last block
-all-gathers its output, so the
-embedding, the head and the stage boundaries see full (B, T, h) activations as without SP. The
+reduce-scatters its output along the sequence (ḡ) instead of all-reducing it. Where a run of
+blocks (one chunk's) follows the embedding, its first block takes this rank's slice of the (full)
+input; where it precedes the head, its last block all-gathers its output, so the embedding and the
+head see full (B, T, h) activations as without SP. At a stage boundary nothing is gathered or
+sliced (`sliced_edges`): the chunk receives and sends this rank's sequence slice, which is exactly
+the slice the scatter-gather boundary moves (`runtime.pipeline`). The
 replicated parameters inside the blocks (norms, row-parallel biases) then see only this rank's tokens:
 their gradients are partial sums that gradient sync adds over the TP group (`grad_weight`).
 Shapes are batch-first: the sequence is dim 1.
@@ -30,7 +32,7 @@ Shapes are batch-first: the sequence is dim 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -415,9 +417,30 @@ def apply_tp(stage: nn.Module, *, tp_rank: int, tp: int, group, sequence_paralle
     if sp:
         blocks = [(int(i), m) for i, m in stage.layers.items() if isinstance(m, Block)]
         assert blocks, "sequence parallelism needs a block in the stage"
-        # one run of consecutive blocks per chunk (interleaved stages hold several, never adjacent)
+        held = {int(i) for i in stage.layers}
+        # one run of consecutive blocks per chunk (interleaved stages hold several, never adjacent);
+        # its ends next to a stage boundary stay sliced (`sliced_edges`)
         starts = [n for n in range(len(blocks)) if n == 0 or blocks[n][0] != blocks[n - 1][0] + 1]
         for a, b in zip(starts, starts[1:] + [len(blocks)]):
-            blocks[a][1].register_forward_pre_hook(lambda module, args: (_ScatterSeq.apply(args[0], group),))
-            blocks[b - 1][1].register_forward_hook(lambda module, args, out: _GatherSeq.apply(out, group))
+            if blocks[a][0] - 1 in held:
+                blocks[a][1].register_forward_pre_hook(lambda module, args: (_ScatterSeq.apply(args[0], group),))
+            if blocks[b - 1][0] + 1 in held:
+                blocks[b - 1][1].register_forward_hook(lambda module, args, out: _GatherSeq.apply(out, group))
     return stage
+
+
+def sliced_edges(stage: nn.Module, chunks: Sequence[tuple[int, int]], *,
+                 sequence_parallel: bool) -> tuple[tuple[bool, bool], ...]:
+    """For each chunk (half-open layer range) of `stage` (layers outside the stage deleted,
+    `pipeline.build_stage`): whether its input and its output cross a stage boundary as this rank's
+    sequence slice (B, T/t, h) rather than the full (B, T, h) tensor. Under sequence parallelism an
+    edge is sliced when the chunk's first (last) layer is a block whose previous (next) layer the
+    stage does not hold: `apply_tp` then neither slices the input nor gathers the output there
+    (module docstring). All False without sequence parallelism."""
+    held = {int(i) for i in stage.layers}
+    out = []
+    for a, e in chunks:
+        first, last = stage.layers[str(a)], stage.layers[str(e - 1)]
+        out.append((sequence_parallel and isinstance(first, Block) and a - 1 not in held,
+                    sequence_parallel and isinstance(last, Block) and e not in held))
+    return tuple(out)

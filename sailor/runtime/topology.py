@@ -5,14 +5,16 @@ Torch-free and pure, so it is tested without any process group. Ranks come from
 
 - its TP group (the ranks of its replica, in TP-rank order);
 - its layer chunks (`Plan.stage_chunks`: one range, several under interleaved 1F1B) and its pipeline
-  neighbours. Between replica A (stage i, `a` ranks) and replica B (stage i+1, `b` ranks) of one
-  pipeline the full activation moves once per receiving rank: B's TP rank t receives it from A's TP
-  rank `t % a`; the gradient flows back the same way (A's rank s receives from B's rank `s % b`).
-  Every rank of a replica holds the full (replicated) activation at a stage boundary, so any sender
-  will do; spreading receivers over senders keeps the boundary load even when TP degrees differ.
-  Under interleaving the last stage also hands its chunks' outputs to the first stage (chunk c of
-  stage p-1 feeds chunk c+1 of stage 0), by the same rule: the neighbours are stages i-1 and i+1
-  modulo p, and `runtime.pipeline` knows from the chunk which transfers an op makes.
+  links. An activation crosses the boundary between replica A (stage i, TP a) and replica B (stage
+  i+1, TP b) of one pipeline scattered (`plan.comms.boundary_pieces`, Megatron-LM's scatter-gather
+  generalised to a != b): A's TP rank s sends only its 1/a slice of it, cut into the pieces that B's
+  ranks need, and B's TP rank r receives its 1/b slice from the one or more A ranks that hold parts
+  of it, then all-gathers the rest over its TP group (`runtime.pipeline`); every byte crosses once.
+  The gradient flows back over the same pairs with the same slices, so `bwd_send_to` is
+  `fwd_recv_from` and `bwd_recv_from` is `fwd_send_to`. Under interleaving the last stage also hands
+  its chunks' outputs to the first stage (chunk c of stage p-1 feeds chunk c+1 of stage 0), by the
+  same rule: the neighbours are stages i-1 and i+1 modulo p, and `runtime.pipeline` knows from the
+  chunk which transfers an op makes.
 - its stage's memory options (`stage_memory`, the runtime's one reader of `Plan.memory`; the schedule's is
   `schedule.runtime_schedule`);
 - its gradient-sync groups. A stage's replicas may have different TP degrees, so a sharded parameter
@@ -26,11 +28,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
+from typing import NamedTuple
 
+from sailor.plan.comms import boundary_pieces
 from sailor.plan.placement import rank_layout
 from sailor.plan.spec import Plan, StageMemory
 
 Ranks = tuple[int, ...]  # global ranks, in a fixed order
+
+
+class Link(NamedTuple):
+    """One peer across a stage boundary and the slice [lo, hi) of the activation (or its gradient)
+    exchanged with it, as fractions of the tensor flattened in sequence-major (T, B, h) order."""
+
+    rank: int
+    lo: Fraction
+    hi: Fraction
 
 
 @dataclass(frozen=True)
@@ -48,10 +62,11 @@ class RankRole:
     microbatches: int  # this pipeline's micro-batches per step
     first_sample: int  # index in the global batch of this pipeline's first sample
     tp_group: Ranks  # the ranks of this replica, by TP rank
-    fwd_recv_from: int | None  # rank that sends this rank its input activations (None: none does)
-    fwd_send_to: Ranks  # ranks this rank sends its output activations to
-    bwd_recv_from: int | None  # rank that sends this rank the gradients of its outputs (None: none does)
-    bwd_send_to: Ranks  # ranks this rank sends the gradients of its inputs to
+    # Pipeline links (module docstring), ordered by slice; empty where there is no neighbour stage.
+    fwd_recv_from: tuple[Link, ...]  # ranks sending this rank its slice of the input activation
+    fwd_send_to: tuple[Link, ...]  # ranks this rank sends slices of its output activation to
+    bwd_recv_from: tuple[Link, ...]  # ranks sending this rank its slice of its output's gradient
+    bwd_send_to: tuple[Link, ...]  # ranks this rank sends slices of its input's gradient to
     sync_blocks: int  # L: blocks per sharded parameter in this stage (lcm of its TP degrees)
     block_groups: tuple[Ranks, ...]  # sync group of each block this rank holds (L / tp of them, in order)
     stage_group: Ranks  # every rank holding this stage (sync group of replicated parameters)
@@ -120,14 +135,15 @@ def derive_topology(plan: Plan) -> Topology:
         prev = replica.get((j, (i - 1) % num_stages)) if i > 0 or wrap else None
         nxt = replica.get((j, (i + 1) % num_stages)) if i < num_stages - 1 or wrap else None
         blocks_per_rank = finest[i] // info.tp
+        links_in = tuple(Link(prev[s], lo, hi) for s, r, lo, hi in boundary_pieces(len(prev), info.tp)
+                         if r == t) if prev else ()
+        links_out = tuple(Link(nxt[r], lo, hi) for s, r, lo, hi in boundary_pieces(info.tp, len(nxt))
+                          if s == t) if nxt else ()
         roles.append(RankRole(
             rank=info.rank, pipeline=j, stage=i, tp_rank=t, tp=info.tp, chunks=plan.stage_chunks(i),
             num_stages=num_stages, num_pipelines=num_pipes, microbatches=plan.pipelines[j].microbatches,
             first_sample=first[j], tp_group=tuple(replica[(j, i)]),
-            fwd_recv_from=prev[t % len(prev)] if prev else None,
-            fwd_send_to=tuple(r for u, r in enumerate(nxt) if u % info.tp == t) if nxt else (),
-            bwd_recv_from=nxt[t % len(nxt)] if nxt else None,
-            bwd_send_to=tuple(r for s, r in enumerate(prev) if s % info.tp == t) if prev else (),
+            fwd_recv_from=links_in, fwd_send_to=links_out, bwd_recv_from=links_out, bwd_send_to=links_in,
             sync_blocks=finest[i],
             block_groups=tuple(block_group[(i, k)] for k in range(t * blocks_per_rank, (t + 1) * blocks_per_rank)),
             stage_group=stage_group[i], memory=stage_memory(plan, i)))
@@ -135,9 +151,9 @@ def derive_topology(plan: Plan) -> Topology:
     assert [r.rank for r in roles] == list(range(plan.world_size))
     assert sorted(x for g in replica.values() for x in g) == list(range(plan.world_size))
     assert all(len(g) == num_pipes for g in block_group.values())
-    for r in roles:  # every forward edge has its backward twin
+    for r in roles:  # every link has its twin at the other end, with the same slice
         for d in r.fwd_send_to:
-            assert roles[d].fwd_recv_from == r.rank
+            assert Link(r.rank, d.lo, d.hi) in roles[d.rank].fwd_recv_from, (r.rank, d)
         for s in r.bwd_send_to:
-            assert roles[s].bwd_recv_from == r.rank
+            assert Link(r.rank, s.lo, s.hi) in roles[s.rank].bwd_recv_from, (r.rank, s)
     return Topology(world_size=plan.world_size, roles=tuple(roles))

@@ -72,6 +72,7 @@ from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.device import rank_device
 from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.groups import create_channel_groups, create_groups, ignore_tags
+from sailor.runtime.messages import ACTIVATION, GRADIENT
 from sailor.runtime.metrics import StepLog, check_tensorboard
 from sailor.runtime.model import GPT, initial_value
 from sailor.runtime.optim import OptimConfig
@@ -80,7 +81,7 @@ from sailor.runtime.recompute import apply_recompute
 from sailor.runtime.scaler import LossScaler, overflowed
 from sailor.runtime.schedule import runtime_schedule, step_rounds
 from sailor.runtime.sync import barrier
-from sailor.runtime.tensor_parallel import apply_tp, head_loss, materialize_shards, shard
+from sailor.runtime.tensor_parallel import apply_tp, head_loss, materialize_shards, shard, sliced_edges
 from sailor.runtime.tied import tied_for_rank
 from sailor.runtime.topology import RankRole, derive_topology
 from sailor.runtime.validate import check_device_precision, check_plan_for_job
@@ -325,7 +326,8 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     resumed = manifest.get("loss_scaler") if args.resume_from else None
     scaler = LossScaler(**(resumed or {})) if rk.dtype == torch.float16 else None
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype,
-              channels=channels)
+              channels=channels, tp_group=groups.get(role.tp_group),
+              sliced=sliced_edges(rk.stage, role.chunks, sequence_parallel=role.memory.sequence_parallel))
     corpus = load_corpus(args.data)
     meta = ckpt.run_meta(job, args.seed)
     layout = model_layout(spec)
@@ -367,6 +369,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
                      activations=meter.per_layer)
 
         scale = scaler.scale if scaler is not None else None  # this step's loss scale
+        sent_before = dict(p2p.sent)
         res = train_step(rk, role, p2p, tok, mbs=mbs, loss_scale=1.0 / (gbs * seq), scaler=scaler, meter=meter,
                          after_backward=backward_done)
         times = res.times
@@ -374,18 +377,23 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
             meta["loss_scaler"] = scaler.state_dict()  # into the manifests of later checkpoints
         t2 = time.perf_counter()
         # One MAX all-reduce per step carries: the stop request, each stage's timings (MAX over its
-        # ranks), and each pipeline's loss sum in its own slot (only its last stage's TP rank 0 writes
-        # it, and losses are >= 0, so MAX picks it out; rank 0 adds the slots).
-        stats = torch.zeros(1 + role.num_stages * 4 + role.num_pipelines, dtype=torch.float64, device=device)
+        # ranks), each pipeline's loss sum in its own slot (only its last stage's TP rank 0 writes
+        # it, and losses are >= 0, so MAX picks it out; rank 0 adds the slots), and each rank's bytes
+        # sent across stage boundaries this step, activations and gradients, in its own two slots.
+        P, D, W = role.num_stages, role.num_pipelines, topo.world_size
+        stats = torch.zeros(1 + P * 4 + D + 2 * W, dtype=torch.float64, device=device)
         stats[0] = stop_requested()
         stats[1 + role.stage * 4: 5 + role.stage * 4] = torch.tensor(
             [times.forward_s, times.backward_s, times.wait_s, t2 - t1], dtype=torch.float64)
         if role.is_last_stage and role.tp_rank == 0:
-            stats[1 + role.num_stages * 4 + role.pipeline] = res.loss_sum  # on the device: no sync here
+            stats[1 + P * 4 + role.pipeline] = res.loss_sum  # on the device: no sync here
+        stats[1 + P * 4 + D + 2 * rank: 3 + P * 4 + D + 2 * rank] = torch.tensor(
+            [p2p.sent.get(kind, 0) - sent_before.get(kind, 0) for kind in (ACTIVATION, GRADIENT)], dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         stop = stats[0].item() > 0
-        stage_times = stats[1: 1 + role.num_stages * 4].view(role.num_stages, 4)
-        loss_total = float(stats[1 + role.num_stages * 4:].sum())
+        stage_times = stats[1: 1 + P * 4].view(P, 4)
+        loss_total = float(stats[1 + P * 4: 1 + P * 4 + D].sum())
+        sent = stats[1 + P * 4 + D:].view(W, 2).tolist()
         step_time = time.perf_counter() - t0
         if rank == 0:
             record = {"step": step + 1, "loss": loss_total / (gbs * seq), "samples": gbs, "tokens": gbs * seq,
@@ -393,6 +401,10 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
                       "grad_norm": None if res.skipped else res.grad_norm,
                       "stages": [dict(zip(("forward_s", "backward_s", "wait_s", "sync_update_s"), row))
                                  for row in stage_times.tolist()]}
+            for r in topo.roles:  # bytes the stage's ranks sent across its boundaries (`pipeline.P2P.sent`)
+                row = record["stages"][r.stage]
+                row["sent_activation_bytes"] = row.get("sent_activation_bytes", 0) + int(sent[r.rank][0])
+                row["sent_gradient_bytes"] = row.get("sent_gradient_bytes", 0) + int(sent[r.rank][1])
             if scaler is not None:  # the scale this step's loss was multiplied by, and whether it was skipped
                 record.update(loss_scale=scale, skipped=res.skipped, skipped_steps=scaler.skipped)
             log.on_step(record)  # adds its MFU

@@ -10,9 +10,9 @@ DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, Opt
 
 - pipeline: per micro-batch, each replica's forward and backward (`terms.stage_time`: layer times,
   recomputation, TP collectives where the profile lacks them, ZeRO-3 gathers) and the transfers
-  across stage boundaries (every TP rank of a stage sends the full activation to its peer rank of
-  the next stage, as DeepSpeed's p2p and Sailor's runtime do; Megatron-LM scatters it), plus a
-  calibrated fixed cost per transfer.
+  across stage boundaries (scatter-gather, as Sailor's runtime and Megatron-LM do: each TP rank
+  sends 1/t of the activation and the receiving replica all-gathers it, `terms.link_transfer`), plus
+  a calibrated fixed cost per transfer.
 - tied: tied input/output embeddings (OPT, GPT-Neo, GPT-3) split over P > 1 stages: the first and
   last stage each hold a copy and exchange its gradient, as the modelled runs hold it
   (`context.TiedCopies`): Sailor's runtime the token matrix alone, kept twice even with P = 1 (the

@@ -37,6 +37,7 @@ from sailor.core.fileio import load_json
 from sailor.core.limits import MAX_BYTES, MAX_SECONDS
 from sailor.core.schema import Checks, parse_model
 from sailor.model.registry import BUILTIN_MODELS, MODEL_ALIASES, canonical_model_name
+from sailor.model.spec import Framework
 from sailor.perf.calibration import default_calibration, fit_memory
 from sailor.perf.network import NetworkModel, network_for
 from sailor.perf.profiles import Profiles
@@ -244,7 +245,9 @@ def _run_from_raw(path: Path, raw: dict[str, Any], model_name: str) -> Run:
     t = c.number(raw["real"], "real", lo=0, lo_open=True, hi=MAX_SECONDS, unit="seconds")
     mem = c.number(raw["max_mem"], "max_mem", lo=0, lo_open=True, hi=MAX_BYTES, unit="bytes")
     plan = plan_from_dict(raw, src)
-    job = JobSpec(model=model_name, global_batch_size=plan.global_batch_size, precision="fp32")
+    # the public runs' runtime: DeepSpeed's pipeline engine (full activation per TP rank)
+    job = JobSpec(model=model_name, global_batch_size=plan.global_batch_size, precision="fp32",
+                  framework=Framework.DEEPSPEED)
     zones: dict[str, dict[str, int]] = {}
     for (zone, gpu), n in plan.gpu_usage().items():
         zones.setdefault(zone, {})[gpu] = n

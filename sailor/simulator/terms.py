@@ -23,13 +23,14 @@ place, `time_options`:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from sailor.catalog import LinkClass
-from sailor.model.spec import Collective, Framework, Recompute
+from sailor.model.spec import Collective, Framework, LayerKind, Recompute
 from sailor.plan.placement import FirstFit
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan, StageMemory
 from sailor.simulator.collectives import (Group, Member, allreduce_time_s, group_members, ring_crossings, ring_egress,
@@ -206,26 +207,41 @@ def zero_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions
     return collective_s(ctx, [(apart, opts.replicas)], Collective.ALL_GATHER, nbytes, t)
 
 
-def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float) -> tuple[float, float, float]:
+def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float, *,
+                  sliced: tuple[bool, bool] = (False, False)) -> tuple[float, float, float]:
     """(seconds, bytes crossing zones, egress $) of one activation of `nbytes` from replica `src` to
     replica `dst`, and its gradient back (the bytes and $ count both directions).
 
-    Sailor's runtime (and DeepSpeed's engine) has every TP rank of the sender send the full
-    activation to its peer rank, so the link carries min(t_src, t_dst) concurrent flows of the whole
-    tensor. Megatron-LM (`Framework.MEGATRON`) scatters it instead (SC'21 §4.1): each of those ranks
-    sends 1/min(t_src, t_dst) of it and the receiver all-gathers it over its intra-node link. Each
-    transfer takes the intra-node link when both replicas sit on one node (`Slot.node`, from
-    `placed_slots`), and pays the calibrated fixed cost `p2p_overhead_s` of its slower end (0 by
-    default)."""
-    scatter = ctx.job.framework is Framework.MEGATRON
-    flows = min(src.tp, dst.tp)
-    per_flow = nbytes / flows if scatter else nbytes
+    Both Sailor's runtime and Megatron-LM scatter it (SC'21 §4.1; Sailor's generalised to replicas
+    of different TP degrees, `plan.comms.boundary_pieces`): TP rank s of the sender (TP a) sends only
+    its 1/a of the tensor, in one piece per receiving rank (TP b) whose 1/b slice overlaps it, so the
+    link carries a + b - gcd(a, b) concurrent flows that add up to the tensor once (taken as equal
+    pieces: exact when a == b or one divides the other, which is every Megatron-LM plan), and the
+    receiver all-gathers its slices over its intra-node TP link. The gradient comes back over the
+    same flows and is gathered by the sender's TP group; the schedule has one time per boundary for
+    both directions, so it takes the larger of the two gathers. An end whose chunk runs sequence
+    parallelism with a block at that edge (`sliced`: sender's output, receiver's input) holds only
+    its slice there and gathers nothing (`runtime.tensor_parallel.sliced_edges`). Each transfer takes the intra-node
+    link when both replicas sit on one node (`Slot.node`, from `placed_slots`), and pays the
+    calibrated fixed cost `p2p_overhead_s` of its slower end (0 by default). Egress: the tensor once
+    each way.
+
+    DeepSpeed's pipeline engine (`Framework.DEEPSPEED`, the public Sailor runs) instead has every TP
+    rank of the sender send the full activation to its peer rank: min(a, b) concurrent flows of the
+    whole tensor, no gather."""
     on_node = same_node(src, dst)
+    if ctx.job.framework is Framework.DEEPSPEED:
+        flows = min(src.tp, dst.tp)
+        per_flow, gather = nbytes, 0.0
+    else:
+        flows = src.tp + dst.tp - math.gcd(src.tp, dst.tp)
+        per_flow = nbytes / flows
+        gather = max(0.0 if cut else tp_collective_time_s(ctx.network, end.zone, end.gpu, end.tp,
+                                                          Collective.ALL_GATHER, nbytes)
+                     for end, cut in zip((src, dst), sliced))
     seconds = (ctx.network.transfer_time_s(src.zone, src.gpu, dst.zone, dst.gpu, per_flow, flows=flows,
                                            same_node=on_node)
-               + ctx.p2p_overhead_s(src.gpu, dst.gpu))
-    if scatter and flows > 1:
-        seconds += tp_collective_time_s(ctx.network, dst.zone, dst.gpu, dst.tp, Collective.ALL_GATHER, nbytes)
+               + ctx.p2p_overhead_s(src.gpu, dst.gpu) + gather)
     lc = ctx.network.link_class(src.zone, dst.zone, on_node)
     if lc in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
         return seconds, 0.0, 0.0
@@ -263,7 +279,8 @@ def pipeline_times(ctx: SimContext, slots: Sequence[Slot], stages: Sequence[tupl
             b[i, k] += bi - ctx.stage_compute_s(r.gpu, r.tp, mbs, a, e)[1]
         if u < p * v - 1:
             dst = slots[(u + 1) % p]
-            c[u], nbytes, dollars = link_transfer(ctx, r, dst, ctx.boundary_bytes(e, mbs))
+            sliced = (_sp_edge(ctx, options, i, k, e - 1), _sp_edge(ctx, options, (u + 1) % p, (u + 1) // p, e))
+            c[u], nbytes, dollars = link_transfer(ctx, r, dst, ctx.boundary_bytes(e, mbs), sliced=sliced)
             if nbytes:
                 crossings.append(Crossing.between(r.zone, dst.zone, nbytes, dollars))
     if ctx.job.framework is Framework.MEGATRON and not schedule.sends_block:
@@ -272,6 +289,12 @@ def pipeline_times(ctx: SimContext, slots: Sequence[Slot], stages: Sequence[tupl
             b[(u + 1) % p, (u + 1) // p] += c[u]
         c[:] = 0.0
     return PipelineTimes(f, b, w, c, tuple(crossings))
+
+
+def _sp_edge(ctx: SimContext, options: Sequence[Sequence[TimeOptions]] | None, i: int, k: int, layer: int) -> bool:
+    """Whether chunk k of stage i runs sequence parallelism and `layer`, at its edge, is a block:
+    that edge crosses the boundary as the rank's slice (`link_transfer`)."""
+    return bool(options) and options[i][k].sequence_parallel and ctx.job.model.layer_kind(layer) is LayerKind.BLOCK
 
 
 def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int,

@@ -104,7 +104,7 @@ class JobSpec(BaseModel):
     def state_bytes_per_param(self) -> dict[str, int]:
         """Bytes per parameter for weights, gradients and optimizer state, unsharded
         (`STATE_BYTES_PER_PARAM`; fp16 in Sailor's runtime keeps fp32 gradients, as bf16 does)."""
-        precision = "bf16" if self.precision == "fp16" and self.framework is Framework.SAILOR else self.precision
+        precision = "bf16" if self.precision == "fp16" and self.framework is not Framework.MEGATRON else self.precision
         return STATE_BYTES_PER_PARAM[(precision, self.optimizer)]
 
     def to_dict(self) -> dict[str, Any]:
