@@ -19,8 +19,9 @@ the schedule, `schedule.runtime_schedule(plan)`, the runtime's one reader of it)
 5. One `StageExecutor` per chunk (the optimizer's layer hooks around each layer) and the stage's
    op order under the schedule (`Schedule.order`); `P2P` in the compute dtype.
 Each step: stop check (all ranks agree) -> `train_step`: the schedule's order over this pipeline's
-micro-batches (under ZeRO-2/3 as many rounds as the largest share; losses summed on the device) ->
-`reduce` (sample-weighted SUM, then the tied embedding's and LM head's gradients added to each other)
+micro-batches (under ZeRO-2/3 as many rounds as the largest share; losses summed on the device;
+each gradient bucket's sample-weighted SUM issued asynchronously once final, `runtime.grad_sync`) ->
+`reduce` (waits for every SUM, then the tied embedding's and LM head's gradients added to each other)
 -> global-norm clipping -> AdamW, or under fp16 a skipped step when some gradient overflowed
 (`runtime.scaler`) -> metrics (loss, read once per step; timings; fp16: "loss_scale" and "skipped")
 to rank 0.
@@ -71,6 +72,7 @@ from sailor.runtime.command import WorkerSettings, parse
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.device import rank_device
 from sailor.runtime.executor import ActivationMeter, StageExecutor
+from sailor.runtime.grad_sync import backwards_per_layer
 from sailor.runtime.groups import create_channel_groups, create_groups, ignore_tags
 from sailor.runtime.metrics import StepLog, check_tensorboard
 from sailor.runtime.model import GPT, initial_value
@@ -213,6 +215,7 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     executors = [StageExecutor(stage, opt, first_stage=role.is_first_stage and c == 0, layers=chunk)
                  for c, chunk in enumerate(role.chunks)]
     order = runtime_schedule(plan).order(role.stage, role.num_stages, rounds)
+    opt.expect_backwards(backwards_per_layer(order, role.chunks))  # overlapped gradient reduction
     return RankModel(stage, opt, executors, order, dtype, rounds)
 
 

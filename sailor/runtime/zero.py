@@ -28,9 +28,17 @@ for (`pipeline.run_pipeline`).
 
 Gradient buffers (ZeRO-0/1): each bucket has one fp32 buffer, padded to its shards, that every
 layer's backward adds its gradients into and frees them (`_accumulate`; at most one layer's gradients
-exist outside the buffers); `reduce` weights and all-reduces (ZeRO-0) or reduce-scatters (ZeRO-1)
-the buffer in place, as Megatron-LM's contiguous gradient buffer (`main_grad`) is, so no second full
+exist outside the buffers); the buffer is weighted and all-reduced (ZeRO-0) or reduce-scattered
+(ZeRO-1) in place, as Megatron-LM's contiguous gradient buffer (`main_grad`) is, so no second full
 copy of the gradients is ever made (one made per bucket would add 4 bytes/param at the reduction).
+
+Overlap (`runtime.grad_sync`): the collectives are asynchronous. Under ZeRO-0/1 a bucket's is issued
+as soon as its layer's last backward of the step is done (`expect_backwards` tells how many backwards
+that is; without it, e.g. when a caller drives the hooks by hand, everything is issued in `reduce`),
+in one fixed bucket order on every rank; under ZeRO-2/3 each layer's reduce-scatter of a micro-batch
+is issued after its backward and waited on after the next layer's (one layer's flat fp32 gradient
+and its shard more in flight than the sequential rule held). `reduce` waits for everything; the
+step's `timeline` records when each was issued and when the backward ended.
 
 Mixed precision (CUDA only; on CPU `dtype` is fp32 unless a test asks for a half dtype): the model
 runs in bf16 or fp16, gradients accumulate in the fp32 buffers, and the fp32 master weights and fp32
@@ -74,6 +82,7 @@ from sailor.runtime.buckets import (
     piece_view,
     unflatten,
 )
+from sailor.runtime.grad_sync import InFlight, ReadyOrder, SyncTimeline
 from sailor.runtime.optim import OptimConfig
 from sailor.runtime.tied import TAG, Tied
 from sailor.runtime.topology import RankRole, Ranks
@@ -137,6 +146,11 @@ class ShardedAdamW:
         # backward adds its gradients into (Megatron-LM's contiguous grad buffer); the only full copy.
         # Made per layer by `adopt`.
         self.grad_buffer: list[torch.Tensor] | None = [None] * n if zero < 2 else None  # type: ignore[list-item]
+        # Overlapped reduction (`runtime.grad_sync`): buckets issued in reverse bucket order.
+        self._ready = ReadyOrder(list(reversed(range(n))), [b.layer for b in self.buckets])
+        self._inflight = InFlight()
+        self.timeline = SyncTimeline(self.device)  # the step in progress
+        self.last_timeline: SyncTimeline | None = None  # the last step `reduce` finished
         if not any(p.is_meta for p in self.params.values()):
             for layer in self.layer_params:
                 self.adopt(layer)
@@ -175,12 +189,20 @@ class ShardedAdamW:
         if self.zero == 3:
             self._free(layer)
 
+    def expect_backwards(self, per_layer: Mapping[int, int]) -> None:
+        """The number of `after_backward` calls each layer gets per step (`grad_sync.backwards_per_layer`
+        of the stage's order), so that ZeRO-0/1 issue a bucket's reduction once its layer's last one is
+        done. The same on every rank of the job (every rank calls it, or none)."""
+        self._ready.expected = dict(per_layer)
+
     @property
     def _keeps_master(self) -> bool:
         return self.zero == 3 or self.dtype != FP32
 
     # ---- layer hooks (called by the executor, in the same order on every member) ----------------
     def before_forward(self, layer: int) -> None:
+        if self.timeline.start is None:
+            self.timeline.start = self.timeline.mark()
         if self.zero == 3:
             self._gather(layer)
 
@@ -193,22 +215,35 @@ class ShardedAdamW:
             self._gather(layer)
 
     def after_backward(self, layer: int) -> None:
-        """The layer's backward of one micro-batch is done (or skipped: its gradients are None)."""
+        """The layer's backward of one micro-batch is done (or skipped: its gradients are None): its
+        gradients go into the buffers (ZeRO-0/1; buckets now final are issued) or are reduce-scattered
+        (ZeRO-2/3)."""
         if self.zero >= 2:
             self._reduce_scatter(layer)
         else:
             self._accumulate(layer)
+        ready = self._ready.backward_done(layer)
+        if self._ready.all_final and self.timeline.backward_end is None:
+            self.timeline.backward_end = self.timeline.mark()
+        if self.grad_buffer is not None:
+            for i in ready:
+                self._issue(i)
         if self.zero == 3:
             self._free(layer)
 
     # ---- the step ------------------------------------------------------------------------------
     def reduce(self) -> None:
-        """After the last backward of the step: sum the gradients over each bucket's group (ZeRO-0:
-        all-reduce, ZeRO-1: reduce-scatter; ZeRO-2/3 did it per micro-batch), then add the tied
-        copies' twins (collective with the other copy's holders)."""
+        """After the last backward of the step: issue the buckets' reductions not issued yet (ZeRO-0:
+        all-reduce, ZeRO-1: reduce-scatter; ZeRO-2/3 issued theirs per micro-batch), wait for every
+        one, then add the tied copies' twins (collective with the other copy's holders). Ends the
+        step's `timeline` (kept as `last_timeline`)."""
+        rest = self._ready.rest()
         if self.grad_buffer is not None:
-            for i, b in enumerate(self.buckets):
-                self.grad[i] = self._reduce_in_place(b, self.grad_buffer[i])
+            for i in rest:
+                self._issue(i)
+        self._inflight.wait()
+        self.timeline.waited = self.timeline.mark()
+        self.last_timeline, self.timeline = self.timeline, SyncTimeline(self.device)
         self._add_twins()
 
     def clip(self, max_norm: float, scale: float = 1.0) -> float:
@@ -392,17 +427,17 @@ class ShardedAdamW:
         dist.all_gather_single(full, own.contiguous(), group=self.groups[b.ranks])
         return full
 
-    def _reduce(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-        """The SUM over `b`'s members of their padded flat vectors `flat`: all of it under ZeRO-0
-        (all-reduce, in place), this rank's shard otherwise (reduce-scatter)."""
+    def _reduce_async(self, b: Bucket, flat: torch.Tensor) -> tuple[object | None, torch.Tensor]:
+        """Start the SUM over `b`'s members of their padded flat vectors `flat`: (work handle, result)
+        with the result all of `flat` under ZeRO-0 (all-reduce, in place) and a new tensor for this
+        rank's shard otherwise (reduce-scatter); valid once the work is waited on. A group of one
+        rank: (None, flat)."""
         if len(b.ranks) == 1:
-            return flat
+            return None, flat
         if b.shards == 1:
-            dist.all_reduce(flat, group=self.groups[b.ranks])
-            return flat
+            return dist.all_reduce(flat, group=self.groups[b.ranks], async_op=True), flat
         out = torch.empty(b.shard_numel, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_single(out, flat, group=self.groups[b.ranks])
-        return out
+        return dist.reduce_scatter_single(out, flat, group=self.groups[b.ranks], async_op=True), out
 
     def _gather(self, layer: int) -> None:
         for n in self.layer_params[layer]:
@@ -430,31 +465,48 @@ class ShardedAdamW:
             self.params[n].grad = None
 
     @torch.no_grad()
-    def _reduce_in_place(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-        """Weight bucket `b`'s gradient buffer `flat` per piece (module docstring: gradient sum),
-        then SUM it over the members: ZeRO-0 all-reduces the buffer in place and returns it; ZeRO-1
-        reduce-scatters it and writes the own shard back into its place in the buffer (a transient of
-        one shard), returning that view. No copy of the buffer is made."""
+    def _issue(self, i: int) -> None:
+        """ZeRO-0/1, bucket `i` final: weight its gradient buffer per piece (module docstring: gradient
+        sum) and start its SUM over the members, in place; once waited on, `grad[i]` is the buffer
+        (ZeRO-0) or the own shard written back into its place in the buffer (ZeRO-1: a transient of one
+        shard). No copy of the buffer is made; nothing writes to it until `step` clears it."""
+        b, flat = self.buckets[i], self.grad_buffer[i]
         offset = 0
         for piece in b.pieces:
             if piece.weight != 1.0:
                 flat[offset:offset + piece.numel].mul_(piece.weight)
             offset += piece.numel
-        if b.shards == 1:
-            return self._reduce(b, flat)
-        own = self._own(b, flat)
-        own.copy_(self._reduce(b, flat))
-        return own
+        work, out = self._reduce_async(b, flat)
+        if work is not None:
+            self.timeline.issued.append((i, self.timeline.mark()))
 
+        def finish() -> None:
+            if b.shards == 1:
+                self.grad[i] = out
+            else:
+                own = self._own(b, flat)
+                own.copy_(out)
+                self.grad[i] = own
+        self._inflight.add(work, finish)
+
+    @torch.no_grad()
     def _reduce_scatter(self, layer: int) -> None:
-        """Add the layer's summed gradients of this micro-batch to the owned accumulators."""
+        """ZeRO-2/3: start the reduce-scatter of the layer's weighted gradients of this micro-batch
+        (added to the owned accumulators once done), then wait for the previous layer's."""
+        issued = 0
         for i in self.layer_buckets[layer]:
             b = self.buckets[i]
             flat = flatten(b, {pc.name: self.params[pc.name].grad for pc in b.pieces}, weighted=True,
                            dtype=FP32, device=self.device, padded=True)
-            self.grad[i].add_(self._reduce(b, flat))
+            work, out = self._reduce_async(b, flat)
+            if work is not None:
+                self.timeline.issued.append((i, self.timeline.mark()))
+            # `flat` stays referenced until the collective is waited on (it reads it until then)
+            self._inflight.add(work, lambda i=i, out=out, flat=flat: self.grad[i].add_(out))
+            issued += 1
         for n in self.layer_params[layer]:
             self.params[n].grad = None
+        self._inflight.wait(keep=issued)
 
 
 def _minus(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
