@@ -78,13 +78,12 @@ from sailor.runtime.buckets import (
     Bucket,
     build_buckets,
     flatten,
-    held_elements,
     piece_view,
     unflatten,
 )
 from sailor.runtime.grad_sync import InFlight, ReadyOrder, SyncTimeline
 from sailor.runtime.optim import OptimConfig
-from sailor.runtime.tied import TAG, Tied
+from sailor.runtime.tied import Tied, add_twins, twin_ranges
 from sailor.runtime.topology import RankRole, Ranks
 
 FP32 = torch.float32
@@ -367,47 +366,11 @@ class ShardedAdamW:
         """`counted`: per bucket, the owned ranges the norm counts (all but the tied head's);
         `twins`: each transfer as (send, peer, bucket, start, end) in owned-shard offsets."""
         self.rank = role.rank
-        self.counted = [[(0, b.shard_numel)] for b in self.buckets]
-        self.twins: list[tuple[bool, int, int, int, int]] = []
-        if tied is None:
-            return
-        held = {}  # copy name -> where this rank's owned elements of it lie
-        for name in {tied.copy} | {t.src_name for t in tied.transfers} | {t.dst_name for t in tied.transfers}:
-            if name in self.params:
-                p = self.params[name]
-                held[name] = held_elements(self.buckets, name, first_row=role.tp_rank * p.shape[0],
-                                           row_numel=p.numel() // p.shape[0])
-        for h in held.get(tied.copy, []):
-            self.counted[h.bucket] = _minus(self.counted[h.bucket], h.at, h.at + h.hi - h.lo)
-
-        def local(name: str, lo: int, hi: int) -> tuple[int, int, int]:
-            h = next(h for h in held[name] if h.lo <= lo and hi <= h.hi)  # a transfer lies in one range
-            return h.bucket, h.at + lo - h.lo, h.at + hi - h.lo
-
-        for t in tied.transfers:
-            if t.src == role.rank:
-                self.twins.append((True, t.dst, *local(t.src_name, t.lo, t.hi)))
-            if t.dst == role.rank:
-                self.twins.append((False, t.src, *local(t.dst_name, t.lo, t.hi)))
+        self.counted, self.twins = twin_ranges(self.buckets, self.params, role, tied)
 
     def _add_twins(self) -> None:
-        """Add to each held element of a tied copy the other copy's (module docstring). What is sent
-        is taken before anything is added; a transfer to this rank itself is a local add."""
-        if not self.twins:
-            return
-        sent = [(peer, self.grad[i][a:c].clone()) for send, peer, i, a, c in self.twins if send]
-        local = [buf for peer, buf in sent if peer == self.rank]
-        recvs = [(peer, i, a, c) for send, peer, i, a, c in self.twins if not send]
-        bufs = [local.pop(0) if peer == self.rank else torch.empty(c - a, dtype=FP32, device=self.device)
-                for peer, i, a, c in recvs]
-        ops = [dist.P2POp(dist.isend, buf, peer, tag=TAG) for peer, buf in sent if peer != self.rank]
-        ops += [dist.P2POp(dist.irecv, buf, peer, tag=TAG) for (peer, *_), buf in zip(recvs, bufs)
-                if peer != self.rank]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for (_, i, a, c), buf in zip(recvs, bufs):
-            self.grad[i][a:c].add_(buf)
+        """Add to each held element of a tied copy the other copy's (`tied.add_twins`)."""
+        add_twins(self.twins, self.grad, self.rank, self.device)
 
     # ---- collectives -------------------------------------------------------------------------
     def _owned(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
@@ -508,10 +471,3 @@ class ShardedAdamW:
             self.params[n].grad = None
         self._inflight.wait(keep=issued)
 
-
-def _minus(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """`ranges` (disjoint [start, end) pairs) without [lo, hi)."""
-    out = []
-    for a, b in ranges:
-        out += [(x, y) for x, y in ((a, min(b, lo)), (max(a, hi), b)) if x < y]
-    return out
