@@ -127,3 +127,39 @@ def test_gradient_sync_runs_during_the_backward(tmp_path):
             assert issued[0] < end <= row["waited_s"], row  # a sync started before the backward ended
             assert sum(s < end for s in issued) >= (n - 1 if zero == "0" else 2 * n - 1), row
         assert rows["0"]["loss"] == pytest.approx(rows["2"]["loss"], rel=1e-6)
+
+
+# ---- the multi-tensor AdamW step -------------------------------------------------------------------
+@pytest.mark.parametrize("zero", [0, 3])  # 0: masters copied from the weights per layer; 3: kept masters
+def test_multi_tensor_step_gives_the_bits_of_torchs_per_parameter_adamw(zero):
+    from sailor.runtime.optim import OptimConfig, build_optimizer
+    from sailor.runtime.topology import derive_topology
+    from sailor.runtime.worker import build_rank
+
+    job = JobSpec(model={"name": "untied", "num_blocks": 2, "hidden_size": 64, "num_heads": 4, "vocab_size": 256,
+                         "max_sequence_length": 32, "tied_embeddings": False}, global_batch_size=4)
+    plan = Plan.model_validate({**DP2, "stages": [[0, 4]], "pipelines": DP2["pipelines"][:1],
+                                "memory": [{"zero": zero}]})
+    rk = build_rank(plan, job, derive_topology(plan).roles[0], {}, device=torch.device("cpu"), seed=0)
+    opt = rk.optimizer
+    for layer in opt.layer_params:
+        opt.before_backward(layer)  # ZeRO-3: the weights gathered
+    ref = {n: torch.nn.Parameter(p.detach().clone()) for n, p in opt.params.items()}
+    ref_opt = build_optimizer(ref, OptimConfig())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in ref.items()}
+        for layer in sorted(opt.layer_params, reverse=True):
+            opt.before_backward(layer)
+            for n in opt.layer_params[layer]:
+                opt.params[n].grad = grads[n].clone()
+            opt.after_backward(layer)
+        opt.reduce()
+        opt.step()
+        for n, p in ref.items():
+            p.grad = grads[n]
+        ref_opt.step()
+    state = opt.full_state()
+    for n, p in ref.items():
+        assert torch.equal(state[n]["param"], p.detach()), n
+        assert torch.equal(state[n]["exp_avg"], ref_opt.state[p]["exp_avg"]), n

@@ -54,8 +54,10 @@ separate master is kept, the weights are the master: 16 at ZeRO-0, 4 + 4 + 8/d a
 at ZeRO-2, 16/d at ZeRO-3. d is the group size of the bucket: the pipelines for TP shards, every rank
 of the stage for replicated parameters (and for all of a stage's parameters when no replica shards).
 
-The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`, foreach=False: elementwise per
-tensor) on the owned flat range, so sharding changes no arithmetic of the update. Global-norm
+The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`) on the owned flat ranges,
+multi-tensor (foreach=True: one call per weight-decay setting over many ranges, the default of torch's
+AdamW on GPUs), so sharding changes no arithmetic of the update; on CPU it gives the same bits as the
+per-tensor loop (foreach=False; checked by `tests/test_grad_sync.py`). Global-norm
 clipping adds the squares of the owned gradient elements (each counted once over the world) in fp64.
 
 Tied embeddings (`runtime.tied`): the reduction ends by adding to each held element of the embedding
@@ -271,20 +273,38 @@ class ShardedAdamW:
         return norm
 
     def step(self) -> None:
-        """AdamW on every owned range, then the weights rebuilt from the updated shards."""
+        """AdamW on every owned range, then the weights rebuilt from the updated shards (module
+        docstring, "The update"): one multi-tensor call per weight-decay setting over a batch of
+        buckets (`_step_batches`), then each bucket's all-gather in bucket order."""
         cfg = self.cfg
-        for i, b in enumerate(self.buckets):
-            master = self.master[i] if self.master[i] is not None else self._own(
-                b, flatten(b, self.params, dtype=FP32, device=self.device, padded=True)).clone()
-            for lo, hi, decay in b.segments():
-                adamw([master[lo:hi]], [self.grad[i][lo:hi]], [self.exp_avg[i][lo:hi]], [self.exp_avg_sq[i][lo:hi]],
-                      [], [torch.tensor(float(self.steps))], foreach=False, amsgrad=False, beta1=cfg.betas[0],
-                      beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps,
-                      maximize=False)
-            if self.zero < 3:
-                unflatten(b, self._all_gather(b, master.to(self.dtype)), self.params)
-            self._clear_grad(i)
+        for batch in self._step_batches():
+            masters = {i: self.master[i] if self.master[i] is not None else self._own(
+                self.buckets[i], flatten(self.buckets[i], self.params, dtype=FP32, device=self.device,
+                                         padded=True)).clone() for i in batch}
+            tensors: dict[bool, tuple[list, list, list, list]] = {True: ([], [], [], []), False: ([], [], [], [])}
+            for i in batch:
+                for lo, hi, decay in self.buckets[i].segments():
+                    for into, t in zip(tensors[decay], (masters[i], self.grad[i], self.exp_avg[i], self.exp_avg_sq[i])):
+                        into.append(t[lo:hi])
+            for decay, (p, g, m, v) in tensors.items():
+                if p:  # one step tensor per range: the multi-tensor update increments each
+                    adamw(p, g, m, v, [], [torch.tensor(float(self.steps)) for _ in p], foreach=True, amsgrad=False,
+                          beta1=cfg.betas[0], beta2=cfg.betas[1], lr=cfg.lr,
+                          weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps, maximize=False)
+            for i in batch:
+                if self.zero < 3:
+                    b = self.buckets[i]
+                    unflatten(b, self._all_gather(b, masters[i].to(self.dtype)), self.params)
+                self._clear_grad(i)
         self.steps += 1
+
+    def _step_batches(self) -> list[list[int]]:
+        """The buckets `step` updates together: all of them where a separate fp32 master is kept
+        (mixed precision, ZeRO-3); otherwise the master is a copy of the weights made at the step, so
+        layer by layer (at most one layer's copy at a time instead of the whole stage's)."""
+        if self._keeps_master:
+            return [list(range(len(self.buckets)))]
+        return [self.layer_buckets[layer] for layer in sorted(self.layer_buckets)]
 
     def skip(self) -> None:
         """Drop this step's gradients without an update (an fp16 overflow, `runtime.scaler`): weights,
