@@ -36,9 +36,10 @@ Overlap (`runtime.grad_sync`): the collectives are asynchronous. Under ZeRO-0/1 
 as soon as its layer's last backward of the step is done (`expect_backwards` tells how many backwards
 that is; without it, e.g. when a caller drives the hooks by hand, everything is issued in `reduce`),
 in one fixed bucket order on every rank; under ZeRO-2/3 each layer's reduce-scatter of a micro-batch
-is issued after its backward and waited on after the next layer's (one layer's flat fp32 gradient
-and its shard more in flight than the sequential rule held). `reduce` waits for everything; the
-step's `timeline` records when each was issued and when the backward ended.
+is issued after its backward and waited on after the next layer's. Transients this adds over the
+sequential rule: ZeRO-1, each in-flight reduce-scatter's output shard until `reduce` (at most 4/d
+bytes per parameter); ZeRO-2/3, one more layer's flat fp32 gradient and shard. `reduce` waits for
+everything; the step's `timeline` records when each was issued and when the backward ended.
 
 Mixed precision (CUDA only; on CPU `dtype` is fp32 unless a test asks for a half dtype): the model
 runs in bf16 or fp16, gradients accumulate in the fp32 buffers, and the fp32 master weights and fp32
