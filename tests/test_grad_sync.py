@@ -83,7 +83,7 @@ def _timeline_rank(rank: int, store: str, out: str) -> None:
     from sailor.runtime.groups import create_groups
     from sailor.runtime.pipeline import P2P
     from sailor.runtime.topology import derive_topology
-    from sailor.runtime.worker import build_rank, train_step
+    from sailor.runtime.worker import build_rank, sync_exposed_s, train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -102,7 +102,7 @@ def _timeline_rank(rank: int, store: str, out: str) -> None:
         total = res.loss_sum.reshape(1).clone()
         dist.all_reduce(total)
         rows[zero] = {**rk.optimizer.last_timeline.seconds(), "buckets": len(rk.optimizer.buckets),
-                      "loss": total.item() / (8 * TINY.seq)}
+                      "loss": total.item() / (8 * TINY.seq), "exposed": sync_exposed_s(rk.optimizer)}
     Path(out).joinpath(f"rank{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
@@ -126,6 +126,7 @@ def test_gradient_sync_runs_during_the_backward(tmp_path):
             end = row["backward_end_s"]
             assert issued[0] < end <= row["waited_s"], row  # a sync started before the backward ended
             assert sum(s < end for s in issued) >= (n - 1 if zero == "0" else 2 * n - 1), row
+            assert row["exposed"] == pytest.approx(row["waited_s"] - end)  # the metrics' sync_exposed_s
         assert rows["0"]["loss"] == pytest.approx(rows["2"]["loss"], rel=1e-6)
 
 

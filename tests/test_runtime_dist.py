@@ -105,6 +105,7 @@ def test_plan_equals_single_process_run(name, tmp_path, reference, monkeypatch):
         assert r["loss"] == pytest.approx(want, rel=RTOL)
         assert r["samples"] == 8 and r["tokens"] == 8 * 64 and r["step_time_s"] > 0
         assert len(r["stages"]) == len(PLANS[name]["stages"])
+        assert all(0.0 <= st["sync_exposed_s"] < r["step_time_s"] for st in r["stages"])
     found = ckpt.find_latest(tmp_path / "ck")
     assert found.manifest["step"] == STEPS
     got = load_tensors(found.path, found.manifest, list(ref_params))

@@ -34,7 +34,9 @@ them too.
 
 Rank 0 reports to the launcher with single stdout lines `SAILOR_EVENT <json>`: {"event": "started"}
 once the process groups are up, {"event": "loaded", "step"} once the weights are in place,
-{"event": "step", ...} per step, {"event": "checkpoint", "step", "path"}, {"event": "stopped", "step", "checkpoint"},
+{"event": "step", ...} per step (per stage, MAX over its ranks: `forward_s`, `backward_s`, `wait_s`,
+`sync_update_s` from the backward's end to the update's, `sync_exposed_s` the part of it spent waiting
+for the gradient collectives), {"event": "checkpoint", "step", "path"}, {"event": "stopped", "step", "checkpoint"},
 {"event": "done", "step"}; any rank reports {"event": "error", "rank", "error", "peer_lost"} before exiting 1.
 In the first step of a launch every rank reports {"event": "memory", "rank", "stage", "pipeline", "tp",
 "params", "grads", "optimizer" (bytes held after the last backward, `ShardedAdamW.held_bytes`),
@@ -229,6 +231,19 @@ class StepResult:
     skipped: bool  # fp16 overflow: no update was made
 
 
+STAGE_FIELDS = ("forward_s", "backward_s", "wait_s", "sync_update_s", "sync_exposed_s")  # per stage, per step
+
+
+def sync_exposed_s(opt: ShardedAdamW) -> float:
+    """Seconds of the last step's gradient sync that did not hide under the backward: from the end of
+    the stage's last backward to every collective waited on (`grad_sync.SyncTimeline`); 0 when the
+    step recorded no backward end (the optimizer was not told its backward counts)."""
+    tl = opt.last_timeline.seconds() if opt.last_timeline is not None else None
+    if tl is None or tl["backward_end_s"] is None:
+        return 0.0
+    return max(0.0, tl["waited_s"] - tl["backward_end_s"])
+
+
 def train_step(rk: RankModel, role: RankRole, p2p: P2P, tok: torch.Tensor, *, mbs: int, loss_scale: float,
                scaler: LossScaler | None, meter: ActivationMeter | None = None,
                after_backward: Callable[[], None] | None = None) -> StepResult:
@@ -377,22 +392,23 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         # One MAX all-reduce per step carries: the stop request, each stage's timings (MAX over its
         # ranks), and each pipeline's loss sum in its own slot (only its last stage's TP rank 0 writes
         # it, and losses are >= 0, so MAX picks it out; rank 0 adds the slots).
-        stats = torch.zeros(1 + role.num_stages * 4 + role.num_pipelines, dtype=torch.float64, device=device)
+        k = len(STAGE_FIELDS)
+        stats = torch.zeros(1 + role.num_stages * k + role.num_pipelines, dtype=torch.float64, device=device)
         stats[0] = stop_requested()
-        stats[1 + role.stage * 4: 5 + role.stage * 4] = torch.tensor(
-            [times.forward_s, times.backward_s, times.wait_s, t2 - t1], dtype=torch.float64)
+        stats[1 + role.stage * k: 1 + (role.stage + 1) * k] = torch.tensor(
+            [times.forward_s, times.backward_s, times.wait_s, t2 - t1, sync_exposed_s(opt)], dtype=torch.float64)
         if role.is_last_stage and role.tp_rank == 0:
-            stats[1 + role.num_stages * 4 + role.pipeline] = res.loss_sum  # on the device: no sync here
+            stats[1 + role.num_stages * k + role.pipeline] = res.loss_sum  # on the device: no sync here
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         stop = stats[0].item() > 0
-        stage_times = stats[1: 1 + role.num_stages * 4].view(role.num_stages, 4)
-        loss_total = float(stats[1 + role.num_stages * 4:].sum())
+        stage_times = stats[1: 1 + role.num_stages * k].view(role.num_stages, k)
+        loss_total = float(stats[1 + role.num_stages * k:].sum())
         step_time = time.perf_counter() - t0
         if rank == 0:
             record = {"step": step + 1, "loss": loss_total / (gbs * seq), "samples": gbs, "tokens": gbs * seq,
                       "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time,
                       "grad_norm": None if res.skipped else res.grad_norm,
-                      "stages": [dict(zip(("forward_s", "backward_s", "wait_s", "sync_update_s"), row))
+                      "stages": [dict(zip(STAGE_FIELDS, row))
                                  for row in stage_times.tolist()]}
             if scaler is not None:  # the scale this step's loss was multiplied by, and whether it was skipped
                 record.update(loss_scale=scale, skipped=res.skipped, skipped_steps=scaler.skipped)
