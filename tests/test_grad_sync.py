@@ -1,6 +1,7 @@
 """Overlapped gradient reduction (`sailor.runtime.grad_sync`): which backward makes a layer's
 gradients final under each schedule, the fixed issue order, and a 2-rank data-parallel step whose
-timeline shows bucket collectives issued while the backward still runs (gloo, CPU)."""
+timeline shows bucket collectives issued while the backward still runs (gloo, CPU); and the
+optimizer's multi-tensor AdamW step against torch's per-parameter AdamW, bit for bit."""
 
 from __future__ import annotations
 
