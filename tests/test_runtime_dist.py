@@ -113,6 +113,7 @@ def test_plan_equals_single_process_run(name, tmp_path, reference, monkeypatch):
         # once forward and once back, whatever the TP degrees on either side (plan c: 2 -> 1, 1 -> 2)
         sent = [(s["sent_activation_bytes"], s["sent_gradient_bytes"]) for s in r["stages"]]
         assert sent == ([(4 * 32768, 0), (0, 4 * 32768)] if len(sent) == 2 else [(0, 0)])
+        assert all(0.0 <= st["sync_exposed_s"] < r["step_time_s"] for st in r["stages"])
     found = ckpt.find_latest(tmp_path / "ck")
     assert found.manifest["step"] == STEPS
     got = load_tensors(found.path, found.manifest, list(ref_params))

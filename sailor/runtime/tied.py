@@ -24,13 +24,15 @@ The global gradient norm counts the matrix once: the LM head's copy is left out 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from sailor.model.spec import ModelSpec
 from sailor.plan.spec import Plan
-from sailor.runtime.buckets import build_buckets, held_elements
+from sailor.runtime.buckets import Bucket, build_buckets, held_elements
 from sailor.runtime.model import EMBEDDING_WEIGHT, Embedding, Head, tied_head
 from sailor.runtime.tensor_parallel import shard_dim
 from sailor.runtime.topology import RankRole, Topology
@@ -135,3 +137,64 @@ def tied_for_rank(spec: ModelSpec, plan: Plan, topo: Topology, rank: int) -> Tie
         return None
     mine = tuple(t for t in twin_transfers(spec, plan, topo) if rank in (t.src, t.dst))
     return Tied(copy=head, transfers=mine)
+
+
+Twin = tuple[bool, int, int, int, int]  # (send, peer, bucket, start, end): owned-shard offsets
+
+
+def twin_ranges(buckets: Sequence[Bucket], params: Mapping[str, torch.Tensor], role: RankRole,
+                tied: Tied | None) -> tuple[list[list[tuple[int, int]]], list[Twin]]:
+    """For one rank's optimizer (`zero.ShardedAdamW`): per bucket, the owned [start, end) ranges the
+    gradient norm counts (all but the tied head's), and each of `tied`'s transfers this rank takes
+    part in as (send, peer, bucket, start, end) in owned-shard offsets (None: untied, no transfers)."""
+    counted = [[(0, b.shard_numel)] for b in buckets]
+    twins: list[Twin] = []
+    if tied is None:
+        return counted, twins
+    held = {}  # copy name -> where this rank's owned elements of it lie
+    for name in {tied.copy} | {t.src_name for t in tied.transfers} | {t.dst_name for t in tied.transfers}:
+        if name in params:
+            p = params[name]
+            held[name] = held_elements(buckets, name, first_row=role.tp_rank * p.shape[0],
+                                       row_numel=p.numel() // p.shape[0])
+    for h in held.get(tied.copy, []):
+        counted[h.bucket] = _minus(counted[h.bucket], h.at, h.at + h.hi - h.lo)
+
+    def local(name: str, lo: int, hi: int) -> tuple[int, int, int]:
+        h = next(h for h in held[name] if h.lo <= lo and hi <= h.hi)  # a transfer lies in one range
+        return h.bucket, h.at + lo - h.lo, h.at + hi - h.lo
+
+    for t in tied.transfers:
+        if t.src == role.rank:
+            twins.append((True, t.dst, *local(t.src_name, t.lo, t.hi)))
+        if t.dst == role.rank:
+            twins.append((False, t.src, *local(t.dst_name, t.lo, t.hi)))
+    return counted, twins
+
+
+def add_twins(twins: Sequence[Twin], grad: Sequence[torch.Tensor], rank: int, device: torch.device) -> None:
+    """Add to each held element of a tied copy the other copy's (module docstring): `grad[i]` is
+    bucket i's owned reduced gradient (fp32). What is sent is taken before anything is added; a
+    transfer to this rank itself is a local add. Point-to-point on the world group, tag `TAG`."""
+    if not twins:
+        return
+    sent = [(peer, grad[i][a:c].clone()) for send, peer, i, a, c in twins if send]
+    local = [buf for peer, buf in sent if peer == rank]
+    recvs = [(peer, i, a, c) for send, peer, i, a, c in twins if not send]
+    bufs = [local.pop(0) if peer == rank else torch.empty(c - a, dtype=torch.float32, device=device)
+            for peer, i, a, c in recvs]
+    ops = [dist.P2POp(dist.isend, buf, peer, tag=TAG) for peer, buf in sent if peer != rank]
+    ops += [dist.P2POp(dist.irecv, buf, peer, tag=TAG) for (peer, *_), buf in zip(recvs, bufs) if peer != rank]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for (_, i, a, c), buf in zip(recvs, bufs):
+        grad[i][a:c].add_(buf)
+
+
+def _minus(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """`ranges` (disjoint [start, end) pairs) without [lo, hi)."""
+    out = []
+    for a, b in ranges:
+        out += [(x, y) for x, y in ((a, min(b, lo)), (max(a, hi), b)) if x < y]
+    return out

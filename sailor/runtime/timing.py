@@ -50,6 +50,14 @@ class PhaseClock:
         return dict(out)
 
 
+def seconds_between(start: object, end: object) -> float:
+    """Seconds from mark `start` to mark `end` of a `PhaseClock` (CUDA events: waits for `end`)."""
+    if isinstance(start, float):
+        return end - start  # type: ignore[operator]
+    end.synchronize()  # type: ignore[attr-defined]
+    return start.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]
+
+
 class Stopwatch:
     """One span at a time on the device (CUDA events) or the host: `start()`, work, `stop()` ->
     seconds, waiting for the device only in `stop()`."""

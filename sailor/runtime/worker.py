@@ -19,8 +19,9 @@ the schedule, `schedule.runtime_schedule(plan)`, the runtime's one reader of it)
 5. One `StageExecutor` per chunk (the optimizer's layer hooks around each layer) and the stage's
    op order under the schedule (`Schedule.order`); `P2P` in the compute dtype.
 Each step: stop check (all ranks agree) -> `train_step`: the schedule's order over this pipeline's
-micro-batches (under ZeRO-2/3 as many rounds as the largest share; losses summed on the device) ->
-`reduce` (sample-weighted SUM, then the tied embedding's and LM head's gradients added to each other)
+micro-batches (under ZeRO-2/3 as many rounds as the largest share; losses summed on the device;
+each gradient bucket's sample-weighted SUM issued asynchronously once final, `runtime.grad_sync`) ->
+`reduce` (waits for every SUM, then the tied embedding's and LM head's gradients added to each other)
 -> global-norm clipping -> AdamW, or under fp16 a skipped step when some gradient overflowed
 (`runtime.scaler`) -> metrics (loss, read once per step; timings; fp16: "loss_scale" and "skipped")
 to rank 0.
@@ -33,7 +34,9 @@ them too.
 
 Rank 0 reports to the launcher with single stdout lines `SAILOR_EVENT <json>`: {"event": "started"}
 once the process groups are up, {"event": "loaded", "step"} once the weights are in place,
-{"event": "step", ...} per step, {"event": "checkpoint", "step", "path"}, {"event": "stopped", "step", "checkpoint"},
+{"event": "step", ...} per step (per stage, MAX over its ranks: `forward_s`, `backward_s`, `wait_s`,
+`sync_update_s` from the backward's end to the update's, `sync_exposed_s` the part of it spent waiting
+for the gradient collectives), {"event": "checkpoint", "step", "path"}, {"event": "stopped", "step", "checkpoint"},
 {"event": "done", "step"}; any rank reports {"event": "error", "rank", "error", "peer_lost"} before exiting 1.
 In the first step of a launch every rank reports {"event": "memory", "rank", "stage", "pipeline", "tp",
 "params", "grads", "optimizer" (bytes held after the last backward, `ShardedAdamW.held_bytes`),
@@ -71,6 +74,7 @@ from sailor.runtime.command import WorkerSettings, parse
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.device import rank_device
 from sailor.runtime.executor import ActivationMeter, StageExecutor
+from sailor.runtime.grad_sync import backwards_per_layer
 from sailor.runtime.groups import create_channel_groups, create_groups, ignore_tags
 from sailor.runtime.messages import ACTIVATION, GRADIENT
 from sailor.runtime.metrics import StepLog, check_tensorboard
@@ -216,6 +220,7 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     executors = [StageExecutor(stage, opt, first_stage=role.is_first_stage and c == 0, layers=chunk)
                  for c, chunk in enumerate(role.chunks)]
     order = runtime_schedule(plan).order(role.stage, role.num_stages, rounds)
+    opt.expect_backwards(backwards_per_layer(order, role.chunks))  # overlapped gradient reduction
     return RankModel(stage, opt, executors, order, dtype, rounds)
 
 
@@ -227,6 +232,19 @@ class StepResult:
     times: StageTimes
     grad_norm: float  # the world's unscaled gradient norm before clipping (inf or NaN on an overflow)
     skipped: bool  # fp16 overflow: no update was made
+
+
+STAGE_FIELDS = ("forward_s", "backward_s", "wait_s", "sync_update_s", "sync_exposed_s")  # per stage, per step
+
+
+def sync_exposed_s(opt: ShardedAdamW) -> float:
+    """Seconds of the last step's gradient sync that did not hide under the backward: from the end of
+    the stage's last backward to every collective waited on (`grad_sync.SyncTimeline`); 0 when the
+    step recorded no backward end (the optimizer was not told its backward counts)."""
+    tl = opt.last_timeline.seconds() if opt.last_timeline is not None else None
+    if tl is None or tl["backward_end_s"] is None:
+        return 0.0
+    return max(0.0, tl["waited_s"] - tl["backward_end_s"])
 
 
 def train_step(rk: RankModel, role: RankRole, p2p: P2P, tok: torch.Tensor, *, mbs: int, loss_scale: float,
@@ -380,26 +398,26 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         # ranks), each pipeline's loss sum in its own slot (only its last stage's TP rank 0 writes
         # it, and losses are >= 0, so MAX picks it out; rank 0 adds the slots), and each rank's bytes
         # sent across stage boundaries this step, activations and gradients, in its own two slots.
-        P, D, W = role.num_stages, role.num_pipelines, topo.world_size
-        stats = torch.zeros(1 + P * 4 + D + 2 * W, dtype=torch.float64, device=device)
+        P, D, W, k = role.num_stages, role.num_pipelines, topo.world_size, len(STAGE_FIELDS)
+        stats = torch.zeros(1 + P * k + D + 2 * W, dtype=torch.float64, device=device)
         stats[0] = stop_requested()
-        stats[1 + role.stage * 4: 5 + role.stage * 4] = torch.tensor(
-            [times.forward_s, times.backward_s, times.wait_s, t2 - t1], dtype=torch.float64)
+        stats[1 + role.stage * k: 1 + (role.stage + 1) * k] = torch.tensor(
+            [times.forward_s, times.backward_s, times.wait_s, t2 - t1, sync_exposed_s(opt)], dtype=torch.float64)
         if role.is_last_stage and role.tp_rank == 0:
-            stats[1 + P * 4 + role.pipeline] = res.loss_sum  # on the device: no sync here
-        stats[1 + P * 4 + D + 2 * rank: 3 + P * 4 + D + 2 * rank] = torch.tensor(
+            stats[1 + P * k + role.pipeline] = res.loss_sum  # on the device: no sync here
+        stats[1 + P * k + D + 2 * rank: 3 + P * k + D + 2 * rank] = torch.tensor(
             [p2p.sent.get(kind, 0) - sent_before.get(kind, 0) for kind in (ACTIVATION, GRADIENT)], dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         stop = stats[0].item() > 0
-        stage_times = stats[1: 1 + P * 4].view(P, 4)
-        loss_total = float(stats[1 + P * 4: 1 + P * 4 + D].sum())
-        sent = stats[1 + P * 4 + D:].view(W, 2).tolist()
+        stage_times = stats[1: 1 + P * k].view(P, k)
+        loss_total = float(stats[1 + P * k: 1 + P * k + D].sum())
+        sent = stats[1 + P * k + D:].view(W, 2).tolist()
         step_time = time.perf_counter() - t0
         if rank == 0:
             record = {"step": step + 1, "loss": loss_total / (gbs * seq), "samples": gbs, "tokens": gbs * seq,
                       "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time,
                       "grad_norm": None if res.skipped else res.grad_norm,
-                      "stages": [dict(zip(("forward_s", "backward_s", "wait_s", "sync_update_s"), row))
+                      "stages": [dict(zip(STAGE_FIELDS, row))
                                  for row in stage_times.tolist()]}
             for r in topo.roles:  # bytes the stage's ranks sent across its boundaries (`pipeline.P2P.sent`)
                 row = record["stages"][r.stage]

@@ -28,9 +28,18 @@ for (`pipeline.run_pipeline`).
 
 Gradient buffers (ZeRO-0/1): each bucket has one fp32 buffer, padded to its shards, that every
 layer's backward adds its gradients into and frees them (`_accumulate`; at most one layer's gradients
-exist outside the buffers); `reduce` weights and all-reduces (ZeRO-0) or reduce-scatters (ZeRO-1)
-the buffer in place, as Megatron-LM's contiguous gradient buffer (`main_grad`) is, so no second full
+exist outside the buffers); the buffer is weighted and all-reduced (ZeRO-0) or reduce-scattered
+(ZeRO-1) in place, as Megatron-LM's contiguous gradient buffer (`main_grad`) is, so no second full
 copy of the gradients is ever made (one made per bucket would add 4 bytes/param at the reduction).
+
+Overlap (`runtime.grad_sync`): the collectives are asynchronous. Under ZeRO-0/1 a bucket's is issued
+as soon as its layer's last backward of the step is done (`expect_backwards` tells how many backwards
+that is; without it, e.g. when a caller drives the hooks by hand, everything is issued in `reduce`),
+in one fixed bucket order on every rank; under ZeRO-2/3 each layer's reduce-scatter of a micro-batch
+is issued after its backward and waited on after the next layer's. Transients this adds over the
+sequential rule: ZeRO-1, each in-flight reduce-scatter's output shard until `reduce` (at most 4/d
+bytes per parameter); ZeRO-2/3, one more layer's flat fp32 gradient and shard. `reduce` waits for
+everything; the step's `timeline` records when each was issued and when the backward ended.
 
 Mixed precision (CUDA only; on CPU `dtype` is fp32 unless a test asks for a half dtype): the model
 runs in bf16 or fp16, gradients accumulate in the fp32 buffers, and the fp32 master weights and fp32
@@ -46,8 +55,10 @@ separate master is kept, the weights are the master: 16 at ZeRO-0, 4 + 4 + 8/d a
 at ZeRO-2, 16/d at ZeRO-3. d is the group size of the bucket: the pipelines for TP shards, every rank
 of the stage for replicated parameters (and for all of a stage's parameters when no replica shards).
 
-The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`, foreach=False: elementwise per
-tensor) on the owned flat range, so sharding changes no arithmetic of the update. Global-norm
+The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`) on the owned flat ranges,
+multi-tensor (foreach=True: one call per weight-decay setting over many ranges, the default of torch's
+AdamW on GPUs), so sharding changes no arithmetic of the update; on CPU it gives the same bits as the
+per-tensor loop (foreach=False; checked by `tests/test_grad_sync.py`). Global-norm
 clipping adds the squares of the owned gradient elements (each counted once over the world) in fp64.
 
 Tied embeddings (`runtime.tied`): the reduction ends by adding to each held element of the embedding
@@ -70,12 +81,12 @@ from sailor.runtime.buckets import (
     Bucket,
     build_buckets,
     flatten,
-    held_elements,
     piece_view,
     unflatten,
 )
+from sailor.runtime.grad_sync import InFlight, ReadyOrder, SyncTimeline
 from sailor.runtime.optim import OptimConfig
-from sailor.runtime.tied import TAG, Tied
+from sailor.runtime.tied import Tied, add_twins, twin_ranges
 from sailor.runtime.topology import RankRole, Ranks
 
 FP32 = torch.float32
@@ -137,6 +148,11 @@ class ShardedAdamW:
         # backward adds its gradients into (Megatron-LM's contiguous grad buffer); the only full copy.
         # Made per layer by `adopt`.
         self.grad_buffer: list[torch.Tensor] | None = [None] * n if zero < 2 else None  # type: ignore[list-item]
+        # Overlapped reduction (`runtime.grad_sync`): buckets issued in reverse bucket order.
+        self._ready = ReadyOrder(list(reversed(range(n))), [b.layer for b in self.buckets])
+        self._inflight = InFlight()
+        self.timeline = SyncTimeline(self.device)  # the step in progress
+        self.last_timeline: SyncTimeline | None = None  # the last step `reduce` finished
         if not any(p.is_meta for p in self.params.values()):
             for layer in self.layer_params:
                 self.adopt(layer)
@@ -175,12 +191,20 @@ class ShardedAdamW:
         if self.zero == 3:
             self._free(layer)
 
+    def expect_backwards(self, per_layer: Mapping[int, int]) -> None:
+        """The number of `after_backward` calls each layer gets per step (`grad_sync.backwards_per_layer`
+        of the stage's order), so that ZeRO-0/1 issue a bucket's reduction once its layer's last one is
+        done. The same on every rank of the job (every rank calls it, or none)."""
+        self._ready.expected = dict(per_layer)
+
     @property
     def _keeps_master(self) -> bool:
         return self.zero == 3 or self.dtype != FP32
 
     # ---- layer hooks (called by the executor, in the same order on every member) ----------------
     def before_forward(self, layer: int) -> None:
+        if self.timeline.start is None:
+            self.timeline.start = self.timeline.mark()
         if self.zero == 3:
             self._gather(layer)
 
@@ -193,22 +217,35 @@ class ShardedAdamW:
             self._gather(layer)
 
     def after_backward(self, layer: int) -> None:
-        """The layer's backward of one micro-batch is done (or skipped: its gradients are None)."""
+        """The layer's backward of one micro-batch is done (or skipped: its gradients are None): its
+        gradients go into the buffers (ZeRO-0/1; buckets now final are issued) or are reduce-scattered
+        (ZeRO-2/3)."""
         if self.zero >= 2:
             self._reduce_scatter(layer)
         else:
             self._accumulate(layer)
+        ready = self._ready.backward_done(layer)
+        if self._ready.all_final and self.timeline.backward_end is None:
+            self.timeline.backward_end = self.timeline.mark()
+        if self.grad_buffer is not None:
+            for i in ready:
+                self._issue(i)
         if self.zero == 3:
             self._free(layer)
 
     # ---- the step ------------------------------------------------------------------------------
     def reduce(self) -> None:
-        """After the last backward of the step: sum the gradients over each bucket's group (ZeRO-0:
-        all-reduce, ZeRO-1: reduce-scatter; ZeRO-2/3 did it per micro-batch), then add the tied
-        copies' twins (collective with the other copy's holders)."""
+        """After the last backward of the step: issue the buckets' reductions not issued yet (ZeRO-0:
+        all-reduce, ZeRO-1: reduce-scatter; ZeRO-2/3 issued theirs per micro-batch), wait for every
+        one, then add the tied copies' twins (collective with the other copy's holders). Ends the
+        step's `timeline` (kept as `last_timeline`)."""
+        rest = self._ready.rest()
         if self.grad_buffer is not None:
-            for i, b in enumerate(self.buckets):
-                self.grad[i] = self._reduce_in_place(b, self.grad_buffer[i])
+            for i in rest:
+                self._issue(i)
+        self._inflight.wait()
+        self.timeline.waited = self.timeline.mark()
+        self.last_timeline, self.timeline = self.timeline, SyncTimeline(self.device)
         self._add_twins()
 
     def clip(self, max_norm: float, scale: float = 1.0) -> float:
@@ -237,20 +274,38 @@ class ShardedAdamW:
         return norm
 
     def step(self) -> None:
-        """AdamW on every owned range, then the weights rebuilt from the updated shards."""
+        """AdamW on every owned range, then the weights rebuilt from the updated shards (module
+        docstring, "The update"): one multi-tensor call per weight-decay setting over a batch of
+        buckets (`_step_batches`), then each bucket's all-gather in bucket order."""
         cfg = self.cfg
-        for i, b in enumerate(self.buckets):
-            master = self.master[i] if self.master[i] is not None else self._own(
-                b, flatten(b, self.params, dtype=FP32, device=self.device, padded=True)).clone()
-            for lo, hi, decay in b.segments():
-                adamw([master[lo:hi]], [self.grad[i][lo:hi]], [self.exp_avg[i][lo:hi]], [self.exp_avg_sq[i][lo:hi]],
-                      [], [torch.tensor(float(self.steps))], foreach=False, amsgrad=False, beta1=cfg.betas[0],
-                      beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps,
-                      maximize=False)
-            if self.zero < 3:
-                unflatten(b, self._all_gather(b, master.to(self.dtype)), self.params)
-            self._clear_grad(i)
+        for batch in self._step_batches():
+            masters = {i: self.master[i] if self.master[i] is not None else self._own(
+                self.buckets[i], flatten(self.buckets[i], self.params, dtype=FP32, device=self.device,
+                                         padded=True)).clone() for i in batch}
+            tensors: dict[bool, tuple[list, list, list, list]] = {True: ([], [], [], []), False: ([], [], [], [])}
+            for i in batch:
+                for lo, hi, decay in self.buckets[i].segments():
+                    for into, t in zip(tensors[decay], (masters[i], self.grad[i], self.exp_avg[i], self.exp_avg_sq[i])):
+                        into.append(t[lo:hi])
+            for decay, (p, g, m, v) in tensors.items():
+                if p:  # one step tensor per range: the multi-tensor update increments each
+                    adamw(p, g, m, v, [], [torch.tensor(float(self.steps)) for _ in p], foreach=True, amsgrad=False,
+                          beta1=cfg.betas[0], beta2=cfg.betas[1], lr=cfg.lr,
+                          weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps, maximize=False)
+            for i in batch:
+                if self.zero < 3:
+                    b = self.buckets[i]
+                    unflatten(b, self._all_gather(b, masters[i].to(self.dtype)), self.params)
+                self._clear_grad(i)
         self.steps += 1
+
+    def _step_batches(self) -> list[list[int]]:
+        """The buckets `step` updates together: all of them where a separate fp32 master is kept
+        (mixed precision, ZeRO-3); otherwise the master is a copy of the weights made at the step, so
+        layer by layer (at most one layer's copy at a time instead of the whole stage's)."""
+        if self._keeps_master:
+            return [list(range(len(self.buckets)))]
+        return [self.layer_buckets[layer] for layer in sorted(self.layer_buckets)]
 
     def skip(self) -> None:
         """Drop this step's gradients without an update (an fp16 overflow, `runtime.scaler`): weights,
@@ -332,47 +387,11 @@ class ShardedAdamW:
         """`counted`: per bucket, the owned ranges the norm counts (all but the tied head's);
         `twins`: each transfer as (send, peer, bucket, start, end) in owned-shard offsets."""
         self.rank = role.rank
-        self.counted = [[(0, b.shard_numel)] for b in self.buckets]
-        self.twins: list[tuple[bool, int, int, int, int]] = []
-        if tied is None:
-            return
-        held = {}  # copy name -> where this rank's owned elements of it lie
-        for name in {tied.copy} | {t.src_name for t in tied.transfers} | {t.dst_name for t in tied.transfers}:
-            if name in self.params:
-                p = self.params[name]
-                held[name] = held_elements(self.buckets, name, first_row=role.tp_rank * p.shape[0],
-                                           row_numel=p.numel() // p.shape[0])
-        for h in held.get(tied.copy, []):
-            self.counted[h.bucket] = _minus(self.counted[h.bucket], h.at, h.at + h.hi - h.lo)
-
-        def local(name: str, lo: int, hi: int) -> tuple[int, int, int]:
-            h = next(h for h in held[name] if h.lo <= lo and hi <= h.hi)  # a transfer lies in one range
-            return h.bucket, h.at + lo - h.lo, h.at + hi - h.lo
-
-        for t in tied.transfers:
-            if t.src == role.rank:
-                self.twins.append((True, t.dst, *local(t.src_name, t.lo, t.hi)))
-            if t.dst == role.rank:
-                self.twins.append((False, t.src, *local(t.dst_name, t.lo, t.hi)))
+        self.counted, self.twins = twin_ranges(self.buckets, self.params, role, tied)
 
     def _add_twins(self) -> None:
-        """Add to each held element of a tied copy the other copy's (module docstring). What is sent
-        is taken before anything is added; a transfer to this rank itself is a local add."""
-        if not self.twins:
-            return
-        sent = [(peer, self.grad[i][a:c].clone()) for send, peer, i, a, c in self.twins if send]
-        local = [buf for peer, buf in sent if peer == self.rank]
-        recvs = [(peer, i, a, c) for send, peer, i, a, c in self.twins if not send]
-        bufs = [local.pop(0) if peer == self.rank else torch.empty(c - a, dtype=FP32, device=self.device)
-                for peer, i, a, c in recvs]
-        ops = [dist.P2POp(dist.isend, buf, peer, tag=TAG) for peer, buf in sent if peer != self.rank]
-        ops += [dist.P2POp(dist.irecv, buf, peer, tag=TAG) for (peer, *_), buf in zip(recvs, bufs)
-                if peer != self.rank]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for (_, i, a, c), buf in zip(recvs, bufs):
-            self.grad[i][a:c].add_(buf)
+        """Add to each held element of a tied copy the other copy's (`tied.add_twins`)."""
+        add_twins(self.twins, self.grad, self.rank, self.device)
 
     # ---- collectives -------------------------------------------------------------------------
     def _owned(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
@@ -392,17 +411,17 @@ class ShardedAdamW:
         dist.all_gather_single(full, own.contiguous(), group=self.groups[b.ranks])
         return full
 
-    def _reduce(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-        """The SUM over `b`'s members of their padded flat vectors `flat`: all of it under ZeRO-0
-        (all-reduce, in place), this rank's shard otherwise (reduce-scatter)."""
+    def _reduce_async(self, b: Bucket, flat: torch.Tensor) -> tuple[object | None, torch.Tensor]:
+        """Start the SUM over `b`'s members of their padded flat vectors `flat`: (work handle, result)
+        with the result all of `flat` under ZeRO-0 (all-reduce, in place) and a new tensor for this
+        rank's shard otherwise (reduce-scatter); valid once the work is waited on. A group of one
+        rank: (None, flat)."""
         if len(b.ranks) == 1:
-            return flat
+            return None, flat
         if b.shards == 1:
-            dist.all_reduce(flat, group=self.groups[b.ranks])
-            return flat
+            return dist.all_reduce(flat, group=self.groups[b.ranks], async_op=True), flat
         out = torch.empty(b.shard_numel, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_single(out, flat, group=self.groups[b.ranks])
-        return out
+        return dist.reduce_scatter_single(out, flat, group=self.groups[b.ranks], async_op=True), out
 
     def _gather(self, layer: int) -> None:
         for n in self.layer_params[layer]:
@@ -430,36 +449,46 @@ class ShardedAdamW:
             self.params[n].grad = None
 
     @torch.no_grad()
-    def _reduce_in_place(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-        """Weight bucket `b`'s gradient buffer `flat` per piece (module docstring: gradient sum),
-        then SUM it over the members: ZeRO-0 all-reduces the buffer in place and returns it; ZeRO-1
-        reduce-scatters it and writes the own shard back into its place in the buffer (a transient of
-        one shard), returning that view. No copy of the buffer is made."""
+    def _issue(self, i: int) -> None:
+        """ZeRO-0/1, bucket `i` final: weight its gradient buffer per piece (module docstring: gradient
+        sum) and start its SUM over the members, in place; once waited on, `grad[i]` is the buffer
+        (ZeRO-0) or the own shard written back into its place in the buffer (ZeRO-1: a transient of one
+        shard). No copy of the buffer is made; nothing writes to it until `step` clears it."""
+        b, flat = self.buckets[i], self.grad_buffer[i]
         offset = 0
         for piece in b.pieces:
             if piece.weight != 1.0:
                 flat[offset:offset + piece.numel].mul_(piece.weight)
             offset += piece.numel
-        if b.shards == 1:
-            return self._reduce(b, flat)
-        own = self._own(b, flat)
-        own.copy_(self._reduce(b, flat))
-        return own
+        work, out = self._reduce_async(b, flat)
+        if work is not None:
+            self.timeline.issued.append((i, self.timeline.mark()))
 
+        def finish() -> None:
+            if b.shards == 1:
+                self.grad[i] = out
+            else:
+                own = self._own(b, flat)
+                own.copy_(out)
+                self.grad[i] = own
+        self._inflight.add(work, finish)
+
+    @torch.no_grad()
     def _reduce_scatter(self, layer: int) -> None:
-        """Add the layer's summed gradients of this micro-batch to the owned accumulators."""
+        """ZeRO-2/3: start the reduce-scatter of the layer's weighted gradients of this micro-batch
+        (added to the owned accumulators once done), then wait for the previous layer's."""
+        issued = 0
         for i in self.layer_buckets[layer]:
             b = self.buckets[i]
             flat = flatten(b, {pc.name: self.params[pc.name].grad for pc in b.pieces}, weighted=True,
                            dtype=FP32, device=self.device, padded=True)
-            self.grad[i].add_(self._reduce(b, flat))
+            work, out = self._reduce_async(b, flat)
+            if work is not None:
+                self.timeline.issued.append((i, self.timeline.mark()))
+            # `flat` stays referenced until the collective is waited on (it reads it until then)
+            self._inflight.add(work, lambda i=i, out=out, flat=flat: self.grad[i].add_(out))
+            issued += 1
         for n in self.layer_params[layer]:
             self.params[n].grad = None
+        self._inflight.wait(keep=issued)
 
-
-def _minus(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """`ranges` (disjoint [start, end) pairs) without [lo, hi)."""
-    out = []
-    for a, b in ranges:
-        out += [(x, y) for x, y in ((a, min(b, lo)), (max(a, hi), b)) if x < y]
-    return out
