@@ -40,13 +40,9 @@ class PhaseClock:
         """Seconds per phase (phases never added are absent); on CUDA waits for the last mark once."""
         out: dict[str, float] = defaultdict(float)
         if self.cuda and self._spans:
-            self._spans[-1][2].synchronize()  # type: ignore[attr-defined]
+            self._spans[-1][2].synchronize()  # type: ignore[attr-defined]  # then every earlier mark is done
         for phase, start, end in self._spans:
-            if self.cuda:
-                end.synchronize()  # type: ignore[attr-defined]  # done already unless marks were reordered
-                out[phase] += start.elapsed_time(end) / 1000.0  # type: ignore[attr-defined]
-            else:
-                out[phase] += end - start  # type: ignore[operator]
+            out[phase] += seconds_between(start, end)
         return dict(out)
 
 
@@ -67,9 +63,7 @@ class Stopwatch:
         self._start: object = None
 
     def start(self) -> None:
-        self.clock._spans.clear()
         self._start = self.clock.mark()
 
     def stop(self) -> float:
-        self.clock.add("span", self._start, self.clock.mark())
-        return self.clock.totals().get("span", 0.0)
+        return seconds_between(self._start, self.clock.mark())
