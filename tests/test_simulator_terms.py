@@ -79,7 +79,7 @@ def test_tied_embeddings_held_as_the_runtime_and_as_deepspeed_hold_them():
     assert runtime.stage_params(4, 13, m.num_layers) == last
     assert runtime.tied_copy_params(4) == head_vocab_params(m, 4) == 50688 * 1024 // 4
     # DeepSpeed's TiedLayerSpec: one copy on one stage, the whole embedding module on the last
-    for ctx in (make_context(JOB, CLUSTER, tied_copies=TiedCopies.MODULE),
+    for ctx in (make_context(JobSpec(model="opt-350m", global_batch_size=32, framework="deepspeed"), CLUSTER),
                 make_context(JobSpec(model="opt-350m", global_batch_size=32, framework="megatron-lm"), CLUSTER)):
         assert ctx.tied is TiedCopies.MODULE
         assert ctx.stage_params(4, 0, m.num_layers) == whole - head_vocab_params(m, 4)

@@ -94,7 +94,8 @@ def test_deepspeed_layout_is_kept_for_the_runs_that_ran_it():
     # `TiedCopies.MODULE` (DeepSpeed's TiedLayerSpec: what the public Sailor runs measured): one copy
     # on one stage, the whole embedding module (token and position tables) between two
     job = JobSpec(model="tiny", global_batch_size=8)
-    ctx = make_context(job, CLUSTER, tied_copies=TiedCopies.MODULE)
+    ctx = make_context(JobSpec(model="tiny", global_batch_size=8, framework="deepspeed"), CLUSTER)
+    assert ctx.tied is TiedCopies.MODULE
     assert ctx.stage_params(1, 0, 6) == 236928 - 256 * 64
     assert ctx.tied_copy_params(1) == 256 * 64 + 64 * 64
     assert make_context(job, CLUSTER).tied_copy_params(1) == 256 * 64

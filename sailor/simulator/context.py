@@ -40,7 +40,7 @@ def head_vocab_params(model: ModelSpec, tp: int) -> int:
 
 
 class TiedCopies(str, Enum):
-    """How the runs being modelled hold a tied embedding (`SimContext.tied_copies`).
+    """How the runs being modelled hold a tied embedding (`SimContext.tied`, from the job's framework).
 
     - `runtime`: Sailor's runtime (`sailor.runtime.tied`): the LM head keeps its own copy of the token
       embedding on every plan, a one-stage plan included, and each step the two copies' gradients
@@ -79,8 +79,6 @@ class SimContext:
     memory_margin: float = 0.0
     """Fraction of each GPU's memory kept free by `memory_limit` (the planner sets it from
     `PlanOptions.memory_margin`); simulating a plan reports out-of-memory at the full capacity."""
-    tied_copies: TiedCopies | None = None
-    """How the modelled runs hold a tied embedding; None: as the job's framework does (`tied`)."""
     _cum: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _split: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _act: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
@@ -143,10 +141,9 @@ class SimContext:
 
     @property
     def tied(self) -> TiedCopies:
-        """`tied_copies`, or the job's framework's: `megatron-lm` -> `module`, `sailor` -> `runtime`."""
-        if self.tied_copies is not None:
-            return self.tied_copies
-        return TiedCopies.MODULE if self.job.framework is Framework.MEGATRON else TiedCopies.RUNTIME
+        """How the job's framework holds a tied embedding: `sailor` -> `runtime`; `megatron-lm` and
+        `deepspeed` (the public Sailor runs, `simulator.fidelity`) -> `module`."""
+        return TiedCopies.RUNTIME if self.job.framework is Framework.SAILOR else TiedCopies.MODULE
 
     def stage_params(self, tp: int, a: int, b: int) -> float:
         """Parameters per GPU of a replica holding layers [a, b) at TP `tp`: `ModelSpec.params` of
@@ -233,11 +230,9 @@ class SimContext:
 
 def make_context(job: JobSpec, cluster: ClusterSpec, profiles: Profiles | None = None,
                  network: NetworkModel | None = None,
-                 calibration: dict[str, dict[str, float]] | None = None,
-                 tied_copies: TiedCopies | None = None) -> SimContext:
+                 calibration: dict[str, dict[str, float]] | None = None) -> SimContext:
     """A SimContext with roofline profiles and default links where none are given."""
     from sailor.perf.calibration import default_calibration
     return SimContext(job=job, cluster=cluster, profiles=profiles or roofline_profiles(job),
                       network=network or network_for(cluster),
-                      calibration=default_calibration() if calibration is None else calibration,
-                      tied_copies=tied_copies)
+                      calibration=default_calibration() if calibration is None else calibration)

@@ -44,14 +44,11 @@ from sailor.perf.profiles import Profiles
 from sailor.plan import plan_from_dict
 from sailor.plan.sailor_config import sailor_gpus_per_node
 from sailor.plan.spec import Plan
-from sailor.simulator import TiedCopies, make_context, simulate
+from sailor.simulator import make_context, simulate
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
 Calibration = dict[str, dict[str, float]]
-# The runs are Sailor-format measurements of Megatron-DeepSpeed (the public Sailor data), which ties
-# the embedding module through DeepSpeed's TiedLayerSpec: one copy on a one-stage plan.
-MEASURED_TIES = TiedCopies.MODULE
 
 
 @dataclass(frozen=True)
@@ -245,7 +242,8 @@ def _run_from_raw(path: Path, raw: dict[str, Any], model_name: str) -> Run:
     t = c.number(raw["real"], "real", lo=0, lo_open=True, hi=MAX_SECONDS, unit="seconds")
     mem = c.number(raw["max_mem"], "max_mem", lo=0, lo_open=True, hi=MAX_BYTES, unit="bytes")
     plan = plan_from_dict(raw, src)
-    # the public runs' runtime: DeepSpeed's pipeline engine (full activation per TP rank)
+    # the public runs' runtime: DeepSpeed's pipeline engine (full activation per TP rank; the embedding
+    # module tied through TiedLayerSpec, `simulator.context.TiedCopies`)
     job = JobSpec(model=model_name, global_batch_size=plan.global_batch_size, precision="fp32",
                   framework=Framework.DEEPSPEED)
     zones: dict[str, dict[str, int]] = {}
@@ -357,8 +355,7 @@ def _time_calibration(gpu: str, x: dict[str, float], base: Calibration | None = 
 
 
 def _sim_time(p: _Prepared, cal: Calibration) -> float:
-    return simulate(p.run.plan, make_context(p.run.job, p.run.cluster, p.profiles, p.net, calibration=cal,
-                                             tied_copies=MEASURED_TIES)).iteration_time_s
+    return simulate(p.run.plan, make_context(p.run.job, p.run.cluster, p.profiles, p.net, calibration=cal)).iteration_time_s
 
 
 def _prepare(runs: list[Run], profiles: Profiles, network_path: Path | None) -> list[_Prepared]:
@@ -368,8 +365,7 @@ def _prepare(runs: list[Run], profiles: Profiles, network_path: Path | None) -> 
         # memory constants at zero: the most-loaded GPU is the one with most fixed + transient bytes
         # (both constants add the same framework and scale transients alike for one GPU type)
         zero = {g: {"framework_bytes": 0.0, "reserve_fraction": 0.0} for g in run.cluster.gpu_types()}
-        est = simulate(run.plan, make_context(run.job, run.cluster, profiles, net, calibration=zero,
-                                              tied_copies=MEASURED_TIES))
+        est = simulate(run.plan, make_context(run.job, run.cluster, profiles, net, calibration=zero))
         top = max(est.replicas, key=lambda r: r.memory.total)
         mem = top.memory
         out.append(_Prepared(run=run, gpu=top.gpu, net=net, profiles=profiles, time_s=est.iteration_time_s,
