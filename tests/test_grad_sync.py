@@ -76,7 +76,8 @@ DP2 = {"micro_batch_size": 2, "stages": [[0, 6]],
 
 
 def _timeline_rank(rank: int, store: str, out: str) -> None:
-    """One rank of a 2-pipeline data-parallel plan: two steps under ZeRO-0 and ZeRO-2; records the
+    """One rank of a 2-pipeline data-parallel plan: two steps under ZeRO-0, ZeRO-2 and ZeRO-3 (re-sharded
+    after every pass, and kept for the step); records the
     second step's sync timeline and loss."""
     import torch.distributed as dist
 
@@ -89,8 +90,8 @@ def _timeline_rank(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     rows = {}
-    for zero in (0, 2):
-        plan = Plan.model_validate({**DP2, "memory": [{"zero": zero}]})
+    for zero, reshard in ((0, True), (2, True), (3, True), (3, False)):
+        plan = Plan.model_validate({**DP2, "memory": [{"zero": zero, "reshard_after_forward": reshard}]})
         topo = derive_topology(plan)
         role = topo.roles[rank]
         rk = build_rank(plan, TINY, role, create_groups(topo, timedelta(seconds=60)), device=torch.device("cpu"),
@@ -102,8 +103,10 @@ def _timeline_rank(rank: int, store: str, out: str) -> None:
             res = train_step(rk, role, p2p, tok, mbs=2, loss_scale=1.0 / (8 * TINY.seq), scaler=None)
         total = res.loss_sum.reshape(1).clone()
         dist.all_reduce(total)
-        rows[zero] = {**rk.optimizer.last_timeline.seconds(), "buckets": len(rk.optimizer.buckets),
-                      "loss": total.item() / (8 * TINY.seq), "exposed": sync_exposed_s(rk.optimizer)}
+        rows[f"{zero}{'' if reshard else ' kept'}"] = {
+            **rk.optimizer.last_timeline.seconds(), "buckets": len(rk.optimizer.buckets),
+            "layers": len(rk.optimizer.layer_params), "gathers": rk.optimizer.last_timeline.gathers,
+            "loss": total.item() / (8 * TINY.seq), "exposed": sync_exposed_s(rk.optimizer)}
     Path(out).joinpath(f"rank{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
@@ -118,7 +121,7 @@ def test_gradient_sync_runs_during_the_backward(tmp_path):
             issued = [s for _, s in row["issued_s"]]
             n = row["buckets"]
             assert n >= 2, row
-            # ZeRO-0: one all-reduce per bucket per step, in reverse bucket order; ZeRO-2: one
+            # ZeRO-0: one all-reduce per bucket per step, in reverse bucket order; ZeRO-2/3: one
             # reduce-scatter per bucket per micro-batch (2), in the layers' backward order
             assert len(issued) == (n if zero == "0" else 2 * n), row
             if zero == "0":
@@ -128,7 +131,16 @@ def test_gradient_sync_runs_during_the_backward(tmp_path):
             assert issued[0] < end <= row["waited_s"], row  # a sync started before the backward ended
             assert sum(s < end for s in issued) >= (n - 1 if zero == "0" else 2 * n - 1), row
             assert row["exposed"] == pytest.approx(row["waited_s"] - end)  # the metrics' sync_exposed_s
-        assert rows["0"]["loss"] == pytest.approx(rows["2"]["loss"], rel=1e-6)
+        # ZeRO-3 gathers, L layers, 2 micro-batches: re-sharded after every pass, 2 x 2 passes of L
+        # gathers, each issued one layer ahead but the first of its pass; kept, one gather per layer,
+        # the forward's first layer on demand
+        L = rows["3"]["layers"]
+        passes = [list(range(L)), list(reversed(range(L)))] * 2
+        assert rows["3"]["gathers"] == [[layer, i > 0] for p in passes for i, layer in enumerate(p)]
+        assert rows["3 kept"]["gathers"] == [[layer, layer > 0] for layer in range(L)]
+        assert rows["0"]["gathers"] == rows["2"]["gathers"] == []
+        for zero in ("2", "3", "3 kept"):
+            assert rows["0"]["loss"] == pytest.approx(rows[zero]["loss"], rel=1e-6)
 
 
 # ---- the multi-tensor AdamW step -------------------------------------------------------------------

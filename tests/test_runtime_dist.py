@@ -67,7 +67,8 @@ MEMORY_PLANS = {
                       {"microbatches": 1, "replicas": [_rep(0, 1), _rep(1, 2)]}]},
     "C_sp_zero2_selective_zero3_full": {
         "stages": [[0, 3], [3, 6]],
-        "memory": [{"recompute": "selective", "zero": 2, "sequence_parallel": True}, {"recompute": "full", "zero": 3}],
+        "memory": [{"recompute": "selective", "zero": 2, "sequence_parallel": True},
+                   {"recompute": "full", "zero": 3, "reshard_after_forward": False}],
         "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 2), _rep(1, 1)]},
                       {"microbatches": 1, "replicas": [_rep(0, 2), _rep(1, 1)]}]},
 }

@@ -16,6 +16,7 @@ from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator import Slot, make_context, simulate, stage_time, time_options
 from sailor.simulator.collectives import tp_collective_time_s
 from sailor.simulator.memory import replica_memory
+from sailor.simulator.terms import exposed_gathers
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -81,12 +82,21 @@ def test_zero_sync_is_reduce_scatter_plus_all_gather_and_the_optimizer_steps_on_
     assert est[0].optimizer_s == pytest.approx(n * 1e-6)
     for z in (1, 2, 3):
         assert est[z].optimizer_s == pytest.approx(n * 1e-6 / d)
-    # ZeRO-3 all-gathers the weights before every micro-batch's forward and again before its backward
-    gather = (d - 1) * step(weights)
+    # ZeRO-3 all-gathers each layer's weights before every micro-batch's forward and again before its
+    # backward, one layer ahead: each layer's gather (about 3.5 ms) hides under the previous layer's
+    # compute (1 s forward, 2 s backward), all but the first of each pass (layer 0 forward, 5 backward)
+    gather = [(d - 1) * step(2 * ctx.stage_params(1, x, x + 1)) for x in range(6)]
+    assert max(gather) < 1.0
     r0, r3 = est[0].replicas[0], est[3].replicas[0]
-    assert r3.forward_s == pytest.approx(r0.forward_s + gather)
-    assert r3.backward_s == pytest.approx(r0.backward_s + gather)
-    assert r3.gather_s == pytest.approx(2 * gather) and r0.gather_s == 0.0
+    assert r3.forward_s == pytest.approx(r0.forward_s + gather[0])
+    assert r3.backward_s == pytest.approx(r0.backward_s + gather[5])
+    assert r3.gather_s == pytest.approx(gather[0] + gather[5]) and r0.gather_s == 0.0
+    # kept for the iteration: nothing per micro-batch; the first forward's gathers delay the fill once
+    kept = simulate(_plan([{"zero": 3, "reshard_after_forward": False}], d=d), ctx)
+    rk = kept.replicas[0]
+    assert (rk.forward_s, rk.backward_s, rk.gather_s) == pytest.approx((r0.forward_s, r0.backward_s, 0.0))
+    assert kept.pipeline_s == pytest.approx(est[0].pipeline_s + gather[0])
+    assert kept.gradient_sync_s == pytest.approx(est[3].gradient_sync_s)
     # with one replica nothing is sharded or gathered
     alone = simulate(_plan([{"zero": 3}], d=1), ctx)
     assert alone.replicas[0].forward_s == pytest.approx(r0.forward_s) and alone.gradient_sync_s == 0.0
@@ -101,9 +111,19 @@ def test_state_bytes_and_gather_buffer_under_zero():
     assert (mem[1].weights, mem[1].gradients, mem[1].optimizer) == pytest.approx((2 * n, 4 * n, 12 * n / d))
     assert (mem[2].weights, mem[2].gradients, mem[2].optimizer) == pytest.approx((2 * n, 4 * n / d, 12 * n / d))
     assert (mem[3].weights, mem[3].gradients, mem[3].optimizer) == pytest.approx((2 * n / d, 4 * n / d, 12 * n / d))
-    # ZeRO-3 holds the full weights of the layer being computed (the largest: the embedding here)
-    largest = max(JOB.model.params(i, 1) for i in range(6))
-    assert mem[3].buffers - mem[2].buffers == pytest.approx(2 * largest)
+    # ZeRO-3 holds the full weights of the layer being computed and of the next one, being prefetched
+    layers = [JOB.model.params(i, 1) for i in range(6)]
+    assert mem[3].buffers - mem[2].buffers == pytest.approx(2 * max(x + y for x, y in zip(layers, layers[1:])))
+    # kept for the iteration: every layer, and one layer's gather buffer as it is filled in
+    kept = replica_memory(ctx, "A100-40", 1, 2, ((0, 6),), stage=0, num_stages=1, microbatches=2,
+                          memory=StageMemory(zero=3, reshard_after_forward=False), replicas=d)
+    assert kept.buffers - mem[2].buffers == pytest.approx(2 * (sum(layers) + max(layers)))
+
+
+def test_exposed_gathers_hide_each_layer_under_the_previous_layers_compute():
+    # first layer on demand (2); then 3 - 1 = 2 shows, 0.5 hides under 1, 4 - 0.5 = 3.5 shows
+    assert exposed_gathers([2.0, 3.0, 0.5, 4.0], [1.0, 1.0, 0.5, 9.0]) == pytest.approx(2.0 + 2.0 + 3.5)
+    assert exposed_gathers([0.25], [5.0]) == 0.25 and exposed_gathers([], []) == 0.0
 
 
 def test_recomputation_memory_keeps_inputs_and_one_transient_block():
@@ -181,3 +201,20 @@ def test_closed_form_equals_event_simulation_on_uniform_pipelines_with_options(P
     event, closed = simulate(plan, ctx), simulate(plan, ctx, event=False)
     assert closed.pipeline_s == pytest.approx(event.pipeline_s, rel=1e-12)
     assert closed.iteration_time_s == pytest.approx(event.iteration_time_s, rel=1e-12)
+
+
+def test_kept_zero3_weights_beat_zero2_where_its_post_step_all_gather_shows():
+    # ZeRO-2 all-gathers the updated weights after the step; kept ZeRO-3 gathers them once under the
+    # first forward, of which only the first layer's gather shows (as above)
+    from sailor.planner.schedules import kept_weight_variants
+
+    ctx = _ctx(JobSpec(model="tiny", global_batch_size=16, precision="bf16"))
+    d = 4
+    zero2 = _plan([{"zero": 2}], d=d)
+    variants = kept_weight_variants(zero2)
+    assert [v.stage_memory(0) for v in variants] == [StageMemory(zero=3, reshard_after_forward=False)]
+    assert kept_weight_variants(_plan([{"zero": 2}], d=1)) == []  # one pipeline: nothing sharded
+    two, kept = simulate(zero2, ctx), simulate(variants[0], ctx)
+    n = ctx.stage_params(1, 0, 6)
+    first = (d - 1) * (ALPHA + 2 * ctx.stage_params(1, 0, 1) / d / BETA)
+    assert two.iteration_time_s - kept.iteration_time_s == pytest.approx((d - 1) * (ALPHA + 2 * n / d / BETA) - first)

@@ -94,7 +94,8 @@ def machine_profiles(job, cluster, profiles, *, job_source: str | None = None):
 
 
 def memory_label(plan: Plan, stage: int) -> str:
-    """Short label of stage `stage`'s memory options, e.g. "full(2) ZeRO-1 SP"; "-" for the defaults
+    """Short label of stage `stage`'s memory options, e.g. "full(2) ZeRO-1 SP" ("ZeRO-3 kept": gathered
+    weights kept for the iteration, `reshard_after_forward` false); "-" for the defaults
     (the command line's one reader of `Plan.memory`)."""
     mem = plan.stage_memory(stage)
     parts = []
@@ -102,7 +103,7 @@ def memory_label(plan: Plan, stage: int) -> str:
         blocks = f"({mem.recompute_blocks})" if mem.recompute_blocks is not None else ""
         parts.append(f"{mem.recompute.value}{blocks}")
     if mem.zero:
-        parts.append(f"ZeRO-{mem.zero}")
+        parts.append(f"ZeRO-{mem.zero}" + ("" if mem.reshard_after_forward else " kept"))
     if mem.sequence_parallel:
         parts.append("SP")
     return " ".join(parts) or "-"

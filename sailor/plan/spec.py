@@ -95,6 +95,11 @@ class StageMemory(BaseModel):
         sequence_parallel: Megatron sequence parallelism inside each TP group (Korthikanti et al.
             2022, §4.2.2): norms and dropouts work on 1/t of the sequence, all-reduces become
             reduce-scatter + all-gather. Needs TP > 1 on every replica of the stage.
+        reshard_after_forward: ZeRO-3 only (FSDP's term, torch `fully_shard`): True frees each
+            layer's gathered weights after every forward and backward pass (two all-gathers per
+            layer per micro-batch); False keeps them from their first gather of the iteration until
+            the layer's last backward (one all-gather per layer per iteration, and up to the stage's
+            full weights held at once). `runtime.zero` does it; the simulator and planner model both.
     """
 
     model_config = SPEC_CONFIG
@@ -102,9 +107,13 @@ class StageMemory(BaseModel):
     recompute_blocks: int | None = Field(default=None, ge=0, strict=True)
     zero: int = Field(default=0, ge=0, le=3, strict=True)
     sequence_parallel: bool = Field(default=False, strict=True)
+    reshard_after_forward: bool = Field(default=True, strict=True)
 
     @model_validator(mode="after")
     def _check(self) -> "StageMemory":
+        if not self.reshard_after_forward and self.zero != 3:
+            raise SailorInputError(f"reshard_after_forward false needs zero 3 (only ZeRO-3 gathers weights), got"
+                                   f" zero {self.zero}", field="reshard_after_forward")
         if self.recompute_blocks is not None and self.recompute is not Recompute.FULL:
             raise SailorInputError(f"recompute_blocks needs recompute 'full', got {self.recompute.value!r}",
                                    field="recompute_blocks")

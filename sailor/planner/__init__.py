@@ -37,7 +37,7 @@ from sailor.planner import engine, paper
 from sailor.planner.finalists import Found, plan_signature
 from sailor.planner.geo import free_pools, scopes
 from sailor.planner.options import Constraints, Objective, PlanOptions, SearchSpace, objective_key
-from sailor.planner.schedules import fits, schedule_variants
+from sailor.planner.schedules import fits, kept_weight_variants, schedule_variants
 from sailor.planner.space import even_partition, memory_candidates, sp_possible, stage_options, zero3_needed
 from sailor.simulator import Estimate, SimContext, simulate
 from sailor.simulator.memory import replica_memory
@@ -154,8 +154,9 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     ok = [c for c in scored if opts.constraints.ok(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd)]
     ok = ok or choices[:1]
     ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
-    if opts.schedules and opts.search is SearchSpace.FULL:  # the schedule dimension, where it pays
-        closed = [(simulate(p, ctx, event=False), p) for p in schedule_variants(ok[0].plan)]
+    if opts.search is SearchSpace.FULL:  # the schedule dimension and kept ZeRO-3 weights, where they pay
+        variants = (schedule_variants(ok[0].plan) if opts.schedules else []) + kept_weight_variants(ok[0].plan)
+        closed = [(simulate(p, ctx, event=False), p) for p in variants]
         closed = [(e, p) for e, p in closed if fits(e, ctx)]
         if closed:  # the best variant by its closed form, then event-simulated like every finalist
             e, plan = min(closed, key=lambda v: key(v[0].iteration_time_s, v[0].cost_per_iteration_usd))

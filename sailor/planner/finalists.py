@@ -143,7 +143,8 @@ def plan_from_kinds(ctx: SimContext, cand: Candidate, partition, mbs: int, memor
         for m in shares:
             pipelines.append({"microbatches": m, "replicas": reps})
     if len(pipelines) == 1:
-        memory = tuple(m.model_copy(update={"zero": 2 if m.zero >= 2 else 0}) for m in memory)
+        memory = tuple(m.model_copy(update={"zero": 2 if m.zero >= 2 else 0, "reshard_after_forward": True})
+                       for m in memory)
     plan = Plan.model_validate({"micro_batch_size": mbs, "stages": [list(s) for s in partition], "pipelines": pipelines,
                                 "memory": [m.model_dump(mode="json") for m in memory] if any(not m.is_default for m in memory) else [],
                                 "job": ctx.job.to_dict(), "cluster": ctx.cluster.to_dict()})

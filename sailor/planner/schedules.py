@@ -10,6 +10,12 @@ module offers on the same GPUs (`sailor.plan`, module docstring):
   cut into v chunks (`plan.spec.interleave_partition`, so a stage keeps the layers it had), which divides
   the bubble by v and costs v times the point-to-point transfers and more activations in flight.
 
+`kept_weight_variants` does the same for one memory option the search does not weigh, ZeRO-3 with
+its gathered weights kept for the iteration (`StageMemory.reshard_after_forward` false): it holds
+ZeRO-2's weights during the iteration, but gathers once, prefetched under the first forward, where
+ZeRO-2 all-gathers the updated weights after the step on the critical path, and ZeRO-3 re-sharded
+gathers twice per micro-batch. So it can be the fastest wherever it fits.
+
 A variant counts only where the plan validation and `Plan.check_against` take it (e.g. no ZB-H1
 with full recomputation, no chunk without a layer) and it stays inside the memory limit (the
 planner's margin included). `planner._rescore` ranks the variants by their closed forms
@@ -47,6 +53,30 @@ def schedule_variants(plan: Plan) -> list[Plan]:
         except ValueError:  # SailorInputError or pydantic's ValidationError: this schedule cannot run it
             continue
         out.append(p)
+    return out
+
+
+def kept_weight_variants(plan: Plan) -> list[Plan]:
+    """`plan` with every ZeRO-3 stage keeping its gathered weights for the iteration, and `plan` with
+    every ZeRO-2 or ZeRO-3 stage turned into ZeRO-3 keeping them; each where it differs from `plan`
+    and is valid for its job and cluster (module docstring). Empty for a plan of one pipeline (ZeRO
+    shards nothing there)."""
+    if len(plan.pipelines) < 2:
+        return []
+    out, seen = [], {plan.model_dump_json()}
+    for lowest in (3, 2):
+        memory = [plan.stage_memory(i) for i in range(plan.num_stages)]
+        memory = [m.model_copy(update={"zero": 3, "reshard_after_forward": False}) if m.zero >= lowest else m
+                  for m in memory]
+        try:
+            p = Plan.model_validate(plan.to_dict() | {"memory": [m.model_dump(mode="json") for m in memory]})
+            if p.job is not None and p.cluster is not None:
+                p.check_against(p.job, p.cluster)
+        except ValueError:
+            continue
+        if p.model_dump_json() not in seen:
+            seen.add(p.model_dump_json())
+            out.append(p)
     return out
 
 

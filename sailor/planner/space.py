@@ -34,7 +34,7 @@ from sailor.model.spec import Recompute
 from sailor.perf.calibration import gpu_constant
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, StageMemory
 from sailor.simulator import SimContext, Slot, stage_time, time_options
-from sailor.simulator.memory import replica_memory
+from sailor.simulator.memory import gathered_weights_bytes, replica_memory
 
 EXHAUSTIVE_PARTITIONS = 16
 EXHAUSTIVE_TEMPLATES = 8
@@ -165,10 +165,10 @@ def min_replicas(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, *
     """Fewest data-parallel replicas D (at most `replica_cap`, and at most `most` where given) with
     which a replica of stage [a, b) fits in memory under `memory`; None when it never does. Memory is A + B/D with B the states the
     ZeRO level shards (`simulator.memory.state_bytes`) and A the rest (plus, under ZeRO-3, the
-    gathered weights of the largest layer), so D = ceil(B / (limit - A)), limit = the memory a plan
+    gathered weights), so D = ceil(B / (limit - A)), limit = the memory a plan
     may fill (`SimContext.memory_limit`: capacity less the memory margin)."""
     key = ("min_replicas", gpu, tp, mbs, a, b, stage, num_stages, microbatches, memory.recompute,
-           memory.recompute_blocks, memory.sequence_parallel, memory.zero)
+           memory.recompute_blocks, memory.sequence_parallel, memory.zero, memory.reshard_after_forward)
     if key not in ctx.memo:
         ctx.memo[key] = _min_replicas(ctx, key, gpu, tp, mbs, a, b, stage, num_stages, microbatches, memory)
     d = ctx.memo[key]
@@ -180,7 +180,7 @@ def _min_replicas(ctx: SimContext, key: tuple, gpu: str, tp: int, mbs: int, a: i
     """`min_replicas` without `most` (memoised there under `key`)."""
     # at D = 1 nothing is sharded: the same for every ZeRO level but for the gradient sync's flat
     # buffer (`simulator.memory.sync_buffer_bytes`: the stage's gradients, one layer's under ZeRO-2/3)
-    one_key = ("memory at D = 1", *key[1:-1], memory.zero >= 2)
+    one_key = ("memory at D = 1", *key[1:-2], memory.zero >= 2)
     if one_key not in ctx.memo:
         ctx.memo[one_key] = replica_memory(ctx, gpu, tp, mbs, ((a, b),), stage=stage, num_stages=num_stages,
                                            microbatches=microbatches, memory=memory, replicas=1)
@@ -193,9 +193,9 @@ def _min_replicas(ctx: SimContext, key: tuple, gpu: str, tp: int, mbs: int, a: i
     else:
         sharded = one.optimizer + (one.gradients if memory.zero >= 2 else 0.0) + (one.weights if memory.zero >= 3 else 0.0)
         rest = one.total - sharded
-        if memory.zero >= 3:  # the gathered weights of the layer being computed, and their reserve
-            largest = max(ctx.job.model.params(i, tp) for i in range(a, b)) * ctx.job.state_bytes_per_param["weights"]
-            rest += largest * (1 + gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0))
+        if memory.zero >= 3:  # the gathered weights (`simulator.memory.gathered_weights_bytes`), and their reserve
+            gathered = gathered_weights_bytes(ctx, tp, ((a, b),), memory.reshard_after_forward)
+            rest += gathered * (1 + gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0))
         need = math.ceil(sharded / (cap - rest) - 1e-9) if cap > rest else top + 1
         d = max(2, need) if need <= top else None
     return d

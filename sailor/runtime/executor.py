@@ -1,11 +1,12 @@
 """One stage's forward and backward of a micro-batch, layer by layer, with the optimizer's layer hooks.
 
-Forward of micro-batch k, for each layer l of the stage in order: `hooks.before_forward(l)`, then
+Forward of micro-batch k, for each layer l of the stage in order: `hooks.before_forward(l, next)`, then
 out_l = layer(in_l), then `hooks.after_forward(l)`. in_l is the stage input for the first layer
 (token ids or the received activation) and out_{l-1} detached, requiring grad, for the others; the
 last stage applies the loss inside its last layer's step. Backward of k, for each layer in reverse:
-`hooks.before_backward(l)`, autograd backward from out_l with the gradient of the next layer's input,
-`hooks.after_backward(l)`. Cutting the graph between layers costs no memory (in_l shares the storage
+`hooks.before_backward(l, next)`, autograd backward from out_l with the gradient of the next layer's
+input, `hooks.after_backward(l)`. `next` is the layer the same pass runs after l (None after its last),
+so that the hooks may start fetching it (the ZeRO-3 prefetch, `runtime.zero`). Cutting the graph between layers costs no memory (in_l shares the storage
 of out_{l-1}) and fixes the order of every collective the hooks issue (ZeRO-3 gathers, ZeRO-2/3
 reduce-scatters, `runtime.zero`) to the layer order on every rank: inside one autograd graph the
 order of such hooks could differ between replicas of different TP degrees, whose graphs differ.
@@ -46,16 +47,16 @@ from torch import nn
 class LayerHooks(Protocol):
     """What the executor calls around each layer (implemented by `zero.ShardedAdamW`)."""
 
-    def before_forward(self, layer: int) -> None: ...
+    def before_forward(self, layer: int, upcoming: int | None = None) -> None: ...
     def after_forward(self, layer: int) -> None: ...
-    def before_backward(self, layer: int) -> None: ...
+    def before_backward(self, layer: int, upcoming: int | None = None) -> None: ...
     def after_backward(self, layer: int) -> None: ...
 
 
 class NoHooks:
     """Layer hooks that do nothing (a stage whose parameters need no gathering, e.g. the profiler's)."""
 
-    def before_forward(self, layer: int) -> None:
+    def before_forward(self, layer: int, upcoming: int | None = None) -> None:
         pass
 
     after_forward = before_backward = after_backward = before_forward
@@ -120,7 +121,7 @@ class StageExecutor:
             x.requires_grad_()
         for n, (index, layer) in enumerate(self.layers):
             inp = x if n == 0 else x.detach().requires_grad_()
-            self.hooks.before_forward(index)
+            self.hooks.before_forward(index, self._next(n))
             with meter.saving(index, layer.parameters()) if meter else contextlib.nullcontext():
                 out = layer(inp)
                 if loss is not None and n == len(self.layers) - 1:
@@ -139,8 +140,8 @@ class StageExecutor:
         """Micro-batch `k`'s backward from the gradient of the stage output (None: the output is the
         loss); returns the gradient of the stage input (None on the first stage)."""
         kept = self.saved.pop(k)
-        for (index, _), (inp, out) in zip(reversed(self.layers), reversed(kept)):
-            self.hooks.before_backward(index)
+        for n, ((index, _), (inp, out)) in enumerate(zip(reversed(self.layers), reversed(kept))):
+            self.hooks.before_backward(index, self._next(n, backward=True))
             torch.autograd.backward(out, grad)
             grad = inp.grad if inp.requires_grad else None
             self.hooks.after_backward(index)
@@ -153,8 +154,8 @@ class StageExecutor:
 
         kept = self.saved.pop(k)
         passes = []
-        for (index, layer), (inp, out) in zip(reversed(self.layers), reversed(kept)):
-            self.hooks.before_backward(index)
+        for n, ((index, layer), (inp, out)) in enumerate(zip(reversed(self.layers), reversed(kept))):
+            self.hooks.before_backward(index, self._next(n, backward=True))
             weights = [p for p in layer.parameters() if p.requires_grad]
             if inp.requires_grad:
                 (grad,), groups = stage_backward_input([out], None if grad is None else [grad], [inp], iter(weights))
@@ -171,15 +172,21 @@ class StageExecutor:
         for run in self.weight_passes.pop(k):
             run()
 
+    def _next(self, n: int, *, backward: bool = False) -> int | None:
+        """The layer a pass runs after its n-th (counted in the pass's direction); None after its last."""
+        if n + 1 >= len(self.layers):
+            return None
+        return self.layers[len(self.layers) - n - 2][0] if backward else self.layers[n + 1][0]
+
     def skip_forward(self) -> None:
-        for index, _ in self.layers:
-            self.hooks.before_forward(index)
+        for n, (index, _) in enumerate(self.layers):
+            self.hooks.before_forward(index, self._next(n))
             self.hooks.after_forward(index)
 
     def skip_backward(self, *, split: bool = False) -> None:
         """The hooks of a backward (`split`: of an input-gradient pass only)."""
-        for index, _ in reversed(self.layers):
-            self.hooks.before_backward(index)
+        for n, (index, _) in enumerate(reversed(self.layers)):
+            self.hooks.before_backward(index, self._next(n, backward=True))
             if not split:
                 self.hooks.after_backward(index)
 

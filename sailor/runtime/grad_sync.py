@@ -82,6 +82,10 @@ class ReadyOrder:
         """Every layer had its expected backwards this step (False without `expected`)."""
         return self.expected is not None and all(self._count.get(layer, 0) >= n for layer, n in self.expected.items())
 
+    def layer_final(self, layer: int) -> bool:
+        """`layer` had its expected backwards this step (False without `expected`)."""
+        return self.expected is not None and self._count.get(layer, 0) >= self.expected.get(layer, 0)
+
     def backward_done(self, layer: int) -> list[int]:
         """Count one backward of `layer`; returns the buckets that may now be issued, in order.
         Raises AssertionError if the layer ran more backwards than expected."""
@@ -134,6 +138,7 @@ class SyncTimeline:
         self.issued: list[tuple[int, object]] = []  # (bucket, mark) per collective issued
         self.backward_end: object = None  # the last layer's last backward hook of the step
         self.waited: object = None  # every collective waited on (`reduce`)
+        self.gathers: list[tuple[int, bool]] = []  # ZeRO-3: (layer, issued ahead by the prefetch) per gather
 
     def mark(self) -> object:
         return self.clock.mark()

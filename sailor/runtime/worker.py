@@ -188,7 +188,7 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     tied = tied_for_rank(spec, plan, derive_topology(plan), role.rank)
     opt = ShardedAdamW(dict(stage.named_parameters()), role, groups, zero=mem.zero,
                        sequence_parallel=mem.sequence_parallel, cfg=OptimConfig(), dtype=dtype, tied=tied,
-                       device=device)
+                       device=device, reshard_after_forward=mem.reshard_after_forward)
     tp_rank, tp = role.tp_rank, role.tp
     weights = None
     if reader is not None:

@@ -26,6 +26,19 @@ group meet in a collective for every micro-batch, so every pipeline runs the 1F1
 largest share, doing only the collectives (with zero gradients) in the rounds it has no micro-batch
 for (`pipeline.run_pipeline`).
 
+ZeRO-3 gathers, prefetched: before a layer's forward (backward) the hooks also issue, asynchronously,
+the all-gather of the layer the same pass runs next (`executor`: `before_forward(l, next)`), so it
+runs while layer l computes, as FSDP's forward and backward prefetch do (Zhao et al., "PyTorch FSDP",
+VLDB 2023, §3.3.3: one layer ahead, bounding the extra memory to one more gathered layer); the
+first layer of each pass is gathered on demand. Whether the next layer is issued depends only on the
+hook sequence, which is the same on every member of a group (below), so every member issues the
+gathers in one order. `reshard_after_forward` (the plan's `StageMemory`, FSDP's name for it): True
+frees a layer's gathered weights after each forward and each backward (2·m gathers per layer per
+step of m micro-batches); False keeps them from their first gather of the step until the layer's last
+backward of the step (one gather per layer per step; the whole stage's weights may then be held at
+once, as under ZeRO-2). Without `expect_backwards`, kept weights are freed in `reduce`; `step` never
+leaves a gathered (then stale) layer in place.
+
 Gradient buffers (ZeRO-0/1): each bucket has one fp32 buffer, padded to its shards, that every
 layer's backward adds its gradients into and frees them (`_accumulate`; at most one layer's gradients
 exist outside the buffers); the buffer is weighted and all-reduced (ZeRO-0) or reduce-scattered
@@ -116,13 +129,19 @@ class ShardedAdamW:
         dtype: the weights' compute dtype (fp32, or bf16 on CUDA).
         tied: this rank's part in a tied embedding's gradient (`tied.tied_for_rank`); None: untied.
         device: where the state lives (default: the parameters' device; needed for meta parameters).
+        reshard_after_forward: ZeRO-3 only: free gathered weights after every pass (True) or keep
+            them for the step (False; module docstring).
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], role: RankRole, groups: Mapping[Ranks, object], *,
                  zero: int, sequence_parallel: bool, cfg: OptimConfig, dtype: torch.dtype = FP32,
-                 tied: Tied | None = None, device: torch.device | None = None) -> None:
+                 tied: Tied | None = None, device: torch.device | None = None,
+                 reshard_after_forward: bool = True) -> None:
         assert 0 <= zero <= 3, zero
         self.params, self.zero, self.cfg, self.dtype = dict(params), zero, cfg, dtype
+        self.reshard = reshard_after_forward
+        self._gathered: set[int] = set()  # ZeRO-3: layers whose full weights are in place
+        self._prefetched: dict[int, list[tuple]] = {}  # ZeRO-3: layer -> its all-gathers in flight
         self.groups = groups
         self.steps = 0  # optimizer steps taken
         self.tp_rank = role.tp_rank
@@ -202,19 +221,19 @@ class ShardedAdamW:
         return self.zero == 3 or self.dtype != FP32
 
     # ---- layer hooks (called by the executor, in the same order on every member) ----------------
-    def before_forward(self, layer: int) -> None:
+    def before_forward(self, layer: int, upcoming: int | None = None) -> None:
         if self.timeline.start is None:
             self.timeline.start = self.timeline.mark()
         if self.zero == 3:
-            self._gather(layer)
+            self._gather(layer, upcoming)
 
     def after_forward(self, layer: int) -> None:
-        if self.zero == 3:
+        if self.zero == 3 and self.reshard:
             self._free(layer)
 
-    def before_backward(self, layer: int) -> None:
+    def before_backward(self, layer: int, upcoming: int | None = None) -> None:
         if self.zero == 3:
-            self._gather(layer)
+            self._gather(layer, upcoming)
 
     def after_backward(self, layer: int) -> None:
         """The layer's backward of one micro-batch is done (or skipped: its gradients are None): its
@@ -230,7 +249,7 @@ class ShardedAdamW:
         if self.grad_buffer is not None:
             for i in ready:
                 self._issue(i)
-        if self.zero == 3:
+        if self.zero == 3 and (self.reshard or self._ready.layer_final(layer)):
             self._free(layer)
 
     # ---- the step ------------------------------------------------------------------------------
@@ -239,6 +258,9 @@ class ShardedAdamW:
         all-reduce, ZeRO-1: reduce-scatter; ZeRO-2/3 issued theirs per micro-batch), wait for every
         one, then add the tied copies' twins (collective with the other copy's holders). Ends the
         step's `timeline` (kept as `last_timeline`)."""
+        assert not self._prefetched, f"gathers still in flight at the step's end: {sorted(self._prefetched)}"
+        for layer in sorted(self._gathered):  # kept weights (no `expect_backwards`)
+            self._free(layer)
         rest = self._ready.rest()
         if self.grad_buffer is not None:
             for i in rest:
@@ -278,6 +300,7 @@ class ShardedAdamW:
         docstring, "The update"): one multi-tensor call per weight-decay setting over a batch of
         buckets (`_step_batches`), then each bucket's all-gather in bucket order."""
         cfg = self.cfg
+        assert not self._gathered, f"gathered weights would go stale at the step: layers {sorted(self._gathered)}"
         for batch in self._step_batches():
             masters = {i: self.master[i] if self.master[i] is not None else self._own(
                 self.buckets[i], flatten(self.buckets[i], self.params, dtype=FP32, device=self.device,
@@ -423,16 +446,41 @@ class ShardedAdamW:
         out = torch.empty(b.shard_numel, dtype=flat.dtype, device=flat.device)
         return dist.reduce_scatter_single(out, flat, group=self.groups[b.ranks], async_op=True), out
 
-    def _gather(self, layer: int) -> None:
-        for n in self.layer_params[layer]:
-            p = self.params[n]
-            p.untyped_storage().resize_(p.numel() * p.element_size())
+    def _gather(self, layer: int, upcoming: int | None) -> None:
+        """ZeRO-3: put `layer`'s full weights in place (waiting for its prefetch, or gathering now),
+        then issue the prefetch of `upcoming` (module docstring)."""
+        if layer not in self._gathered:
+            self.timeline.gathers.append((layer, layer in self._prefetched))
+            pending = self._prefetched.pop(layer, None) or self._start_gather(layer)
+            for n in self.layer_params[layer]:
+                p = self.params[n]
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+            for work, full, _own, i in pending:
+                if work is not None:
+                    work.wait()
+                unflatten(self.buckets[i], full, self.params)
+            self._gathered.add(layer)
+        if upcoming is not None and upcoming not in self._gathered and upcoming not in self._prefetched:
+            self._prefetched[upcoming] = self._start_gather(upcoming)
+
+    def _start_gather(self, layer: int) -> list[tuple]:
+        """Issue the all-gathers of `layer`'s buckets: [(work or None, padded full flat, own shard,
+        bucket)], the full vectors valid once their work is waited on."""
+        out = []
         for i in self.layer_buckets[layer]:
-            unflatten(self.buckets[i], self._all_gather(self.buckets[i], self.master[i].to(self.dtype)), self.params)
+            b, own = self.buckets[i], self.master[i].to(self.dtype)
+            if b.shards == 1:
+                out.append((None, own, own, i))
+                continue
+            full = torch.empty(b.shards * b.shard_numel, dtype=own.dtype, device=own.device)
+            out.append((dist.all_gather_single(full, own.contiguous(), group=self.groups[b.ranks], async_op=True),
+                        full, own, i))
+        return out
 
     def _free(self, layer: int) -> None:
         for n in self.layer_params[layer]:
             self.params[n].untyped_storage().resize_(0)
+        self._gathered.discard(layer)
 
     @torch.no_grad()
     def _accumulate(self, layer: int) -> None:

@@ -12,7 +12,9 @@ DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, Opt
   recomputation, TP collectives where the profile lacks them, ZeRO-3 gathers) and the transfers
   across stage boundaries (scatter-gather, as Sailor's runtime and Megatron-LM do: each TP rank
   sends 1/t of the activation and the receiving replica all-gathers it, `terms.link_transfer`), plus
-  a calibrated fixed cost per transfer.
+  a calibrated fixed cost per transfer; with ZeRO-3 weights kept for the iteration
+  (`reshard_after_forward` false), each stage's once-per-iteration gathers on its first forward
+  (`terms.kept_gather_s`), which the pipeline's fill waits for.
 - tied: tied input/output embeddings (OPT, GPT-Neo, GPT-3) split over P > 1 stages: the first and
   last stage each hold a copy and exchange its gradient, as the modelled runs hold it
   (`context.TiedCopies`): Sailor's runtime the token matrix alone, kept twice even with P = 1 (the
@@ -54,8 +56,8 @@ from sailor.simulator.context import (SimContext, TiedCopies, embedding_params, 
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes, pipeline_schedule
 from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s, group_shape,
-                                    link_transfer, optimizer_s, pipeline_arrays, pipeline_times, place, placed_slots,
-                                    recomputed_blocks, stage_memory, stage_sync, stage_sync_crossings, stage_time,
+                                    kept_gather_s, link_transfer, optimizer_s, pipeline_arrays, pipeline_times, place,
+                                    placed_slots, recomputed_blocks, stage_memory, stage_sync, stage_sync_crossings, stage_time,
                                     tied_sync, tied_sync_crossings, time_options)
 from sailor.simulator.traffic import Crossing, TrafficKind, ZoneTraffic, tally
 
@@ -262,7 +264,10 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         key = (times.key, m, event)
         if key not in cache:
             cache[key] = sched.time_s(times, m, event=event)
-        pipeline_times_s.append(cache[key])
+        # kept ZeRO-3 weights are gathered once, on each stage's first forward: the fill waits for each
+        fill = sum(kept_gather_s(ctx, slots[j][i], mbs, a, e, o) for i in range(P)
+                   for (a, e), o in zip(plan.stage_chunks(i), options[i]))
+        pipeline_times_s.append(cache[key] + fill)
         fwd, bwd = times.forward_s.sum(axis=1).tolist(), (times.backward_s + times.weight_s).sum(axis=1).tolist()
         sends = [float(times.transfer_s[i::P].sum()) for i in range(P)]  # outgoing, per micro-batch
         for i, r in enumerate(pipe.replicas):

@@ -174,9 +174,8 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Seque
     buffers = sum((h + q) * x for h, q, x in zip(held.held, held.pending, inputs))
     # one gradient arriving from the next stage at a time, or the head's logits gradient
     buffers += max(ctx.boundary_bytes(b, mbs) if b < n_layers else logits_grad_bytes(ctx, tp, mbs) for _, b in chunks)
-    if memory.zero >= 3 and replicas > 1:  # the gathered full weights of the layer being computed
-        m = job.model
-        buffers += max(m.params(i, tp) for a, b in chunks for i in range(a, b)) * job.state_bytes_per_param["weights"]
+    if memory.zero >= 3 and replicas > 1:
+        buffers += gathered_weights_bytes(ctx, tp, chunks, memory.reshard_after_forward)
     reserve = (activations + buffers) * gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0)
     return MemoryBreakdown(
         weights=state["weights"], gradients=state["gradients"], optimizer=state["optimizer"],
@@ -184,6 +183,19 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Seque
         sync_buffer=sync_buffer_bytes(ctx, tp, chunks, memory.zero),
         nccl=0.0 if ctx.framework_calibrated(gpu) else uniform_nccl_bytes(
             tp, stage, num_stages, replicas, interleaved=schedule.virtual_stages > 1))
+
+
+def gathered_weights_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, int]], reshard: bool) -> float:
+    """Peak bytes of full (gathered) weights a ZeRO-3 replica holding the layer ranges `chunks` at TP
+    `tp` has on one GPU (`runtime.zero`): re-sharded after every pass (`reshard`), the layer being
+    computed and the next one of its pass being prefetched, so the largest two adjacent layers of a
+    chunk (or its one layer); kept for the iteration, every layer of the stage plus one layer's
+    gather buffer as it is filled in."""
+    m, wb = ctx.job.model, ctx.job.state_bytes_per_param["weights"]
+    sizes = [[m.params(i, tp) for i in range(a, b)] for a, b in chunks]
+    if not reshard:
+        return (sum(map(sum, sizes)) + max(map(max, sizes))) * wb
+    return max(max(x + y for x, y in zip(c, c[1:])) if len(c) > 1 else c[0] for c in sizes) * wb
 
 
 def sync_buffer_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, int]], zero: int = 0) -> float:

@@ -14,10 +14,12 @@ place, `time_options`:
 - ZeRO (Rajbhandari et al. 2020) over the stage's D data-parallel replicas: the optimizer steps over
   1/D of the parameters (ZeRO >= 1); the gradient all-reduce becomes a reduce-scatter of the
   gradients plus an all-gather of the updated weights (ZeRO-1/2, Megatron-LM's distributed
-  optimizer) or a reduce-scatter alone (ZeRO-3); under ZeRO-3 every micro-batch all-gathers the
-  stage's weights before its forward and again before its backward (`zero_gather_s`), modelled as
-  NOT overlapping compute (Sailor's runtime gathers synchronously), on a ring of D replicas like
-  this one.
+  optimizer) or a reduce-scatter alone (ZeRO-3); under ZeRO-3 each layer's weights are
+  all-gathered on a ring of D replicas like this one, one layer ahead of the compute (the runtime's
+  prefetch, `runtime.zero`), so only what a layer's gather takes beyond the previous layer's
+  compute shows (`exposed_gathers`): before every forward and backward pass of every micro-batch
+  (`zero_gather_s`, `reshard_after_forward` true), or once per iteration, on the first forward
+  (`kept_gather_s`, false), which delays the pipeline's fill.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class TimeOptions:
     sequence_parallel: bool = False
     zero: int = 0
     replicas: int = 1
+    reshard: bool = True  # ZeRO-3: gathered weights freed after every pass (`StageMemory.reshard_after_forward`)
 
     @property
     def optimizer_shards(self) -> int:
@@ -92,7 +95,7 @@ def time_options(mem: StageMemory = DEFAULT_STAGE_MEMORY, replicas: int = 1) -> 
     changes its time (see the module docstring); `replicas` = the stage's data-parallel replicas D (the plan's number of pipelines)."""
     return TimeOptions(recompute=mem.recompute, recompute_blocks=mem.recompute_blocks,
                        sequence_parallel=mem.sequence_parallel, zero=mem.zero,
-                       replicas=replicas if mem.zero else 1)
+                       replicas=replicas if mem.zero else 1, reshard=mem.reshard_after_forward)
 
 
 def recomputed_blocks(ctx: SimContext, a: int, e: int, recompute: Recompute, recompute_blocks: int | None) -> tuple[int, int]:
@@ -131,9 +134,9 @@ def stage_time(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: Time
         f, b = ctx.stage_compute_s(slot.gpu, slot.tp, mbs, a, e)
         rec = recompute_s(ctx, slot, mbs, a, e, opts)
         cf, cb = tp_comm_s(ctx, slot, mbs, a, e, opts)
-        g = zero_gather_s(ctx, slot, a, e, opts)
-        ctx.memo[key] = StageTime(forward_s=f + cf + g, backward_s=b + rec + cb + g, recompute_s=rec,
-                                  tp_comm_s=cf + cb, gather_s=2 * g)
+        gf, gb = zero_gather_s(ctx, slot, mbs, a, e, opts)
+        ctx.memo[key] = StageTime(forward_s=f + cf + gf, backward_s=b + rec + cb + gb, recompute_s=rec,
+                                  tp_comm_s=cf + cb, gather_s=gf + gb)
     return ctx.memo[key]
 
 
@@ -194,17 +197,45 @@ def tp_comm_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeO
     return float(charged[0]), float(charged[1])
 
 
-def zero_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions) -> float:
-    """Seconds of one ZeRO-3 all-gather of the stage's weights (one replica's TP shards) across the
-    stage's D replicas, on a ring of D replicas like `slot`, each on a node of its own (the
-    conservative placement); paid before the forward and again before the backward of every
-    micro-batch. 0 without ZeRO-3 or with one replica."""
-    if not opts.gathers_weights:
-        return 0.0
-    t = slot.tp
-    nbytes = t * ctx.stage_params(t, a, e) * ctx.job.state_bytes_per_param["weights"]
+def layer_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions) -> np.ndarray:
+    """Seconds of the ZeRO-3 all-gather of each layer of [a, e) (one replica's TP shards), array
+    (e - a,), across the stage's D replicas on a ring of D replicas like `slot`, each on a node of its
+    own (the conservative placement)."""
+    t, wb = slot.tp, ctx.job.state_bytes_per_param["weights"]
     apart = dataclasses.replace(slot, node=None)  # D replicas like this one, each on a node of its own
-    return collective_s(ctx, [(apart, opts.replicas)], Collective.ALL_GATHER, nbytes, t)
+    return np.array([collective_s(ctx, [(apart, opts.replicas)], Collective.ALL_GATHER,
+                                  t * ctx.stage_params(t, x, x + 1) * wb, t) for x in range(a, e)])
+
+
+def exposed_gathers(gather_s: Sequence[float], compute_s: Sequence[float]) -> float:
+    """Seconds a pass over n layers takes beyond its compute when each layer's gather (`gather_s`, in
+    the pass's order) is issued as the previous layer starts computing (`compute_s`, same order) and
+    the first is gathered on demand: g_0 + sum over i >= 1 of max(0, g_i - c_(i-1)). (Layer i starts
+    at T_i = T_(i-1) + max(c_(i-1), g_i): its gather starts with layer i-1, after the gathers before
+    it, which ended by T_(i-1).)"""
+    g, c = np.asarray(gather_s, dtype=float), np.asarray(compute_s, dtype=float)
+    return float(g[0] + np.maximum(g[1:] - c[:-1], 0.0).sum()) if len(g) else 0.0
+
+
+def zero_gather_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions) -> tuple[float, float]:
+    """(forward, backward) seconds one micro-batch's passes over layers [a, e) wait for ZeRO-3
+    gathers re-done every pass (`reshard` true; module docstring); (0, 0) without ZeRO-3, with one
+    replica or with kept weights (`kept_gather_s`)."""
+    if not opts.gathers_weights or not opts.reshard:
+        return 0.0, 0.0
+    g = layer_gather_s(ctx, slot, a, e, opts)
+    c = np.diff(ctx.layer_cumsum(slot.gpu, slot.tp, mbs)[a:e + 1], axis=0)  # (e - a, 2): forward, backward
+    return exposed_gathers(g, c[:, 0]), exposed_gathers(g[::-1], c[::-1, 1])
+
+
+def kept_gather_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions) -> float:
+    """Seconds the first forward of an iteration over layers [a, e) waits for ZeRO-3 gathers done
+    once per iteration (`reshard` false: the weights are then kept until each layer's last
+    backward); 0 otherwise."""
+    if not opts.gathers_weights or opts.reshard:
+        return 0.0
+    c = np.diff(ctx.layer_cumsum(slot.gpu, slot.tp, mbs)[a:e + 1, 0])
+    return exposed_gathers(layer_gather_s(ctx, slot, a, e, opts), c)
 
 
 def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float, *,
