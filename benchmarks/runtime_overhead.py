@@ -1,10 +1,13 @@
 """Runtime overhead on CPU: tokens/s of `sailor train` on a 2-pipeline homogeneous plan against
-`torch.nn.parallel.DistributedDataParallel` on the same model, batch, data and optimizer.
+`torch.nn.parallel.DistributedDataParallel` on the same model, batch, data and optimizer; and the
+same plan under ZeRO-3 against torch's FSDP2 (`torch.distributed.fsdp.fully_shard`, each transformer
+block its own unit, the root holding the tied embedding and the head; re-sharded after forward,
+gradients reduce-scattered every micro-batch, as Sailor's ZeRO-3 does; `zero3_ratio`).
 
 Both run as 2 gloo ranks under torchrun on this machine; each rank processes its half of the global
 batch in micro-batches (DDP skips the all-reduce on all but the last micro-batch with `no_sync`).
 Throughput = tokens of the timed steps / the sum of their step times, the first `--warmup` steps
-excluded. Target: sailor >= 90 % of DDP. Prints a table, then one JSON line with the figures.
+excluded. Targets (issue #26): sailor >= DDP, sailor ZeRO-3 >= 95 % of FSDP2. Prints a table, then one JSON line with the figures.
 
 `boundary_bytes_over_activation`: a second, short `sailor train` run (3 gloo ranks, the same model
 cut into stage 0 at TP 2 and stage 1 at TP 1, `--boundary-steps` steps) reads the bytes stage 0's
@@ -33,8 +36,9 @@ def _model(args) -> dict:
             "vocab_size": 256, "max_sequence_length": args.seq}
 
 
-def ddp_worker(args) -> None:
-    """One DDP rank (run under torchrun): prints the step times of rank 0 as one JSON line."""
+def torch_worker(args) -> None:
+    """One rank of torch's DDP (`--torch-worker ddp`) or FSDP2 (`fsdp2`), run under torchrun: prints
+    the step times of rank 0 as one JSON line."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -48,7 +52,17 @@ def ddp_worker(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     job = JobSpec(model=_model(args), global_batch_size=args.gbs)
     model = init_full_model(job.model, 0)
-    ddp = DistributedDataParallel(model)
+    if args.torch_worker == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for i, layer in model.layers.items():
+            if 0 < int(i) < len(model.layers) - 1:  # the blocks; the root keeps the tied embedding and head
+                fully_shard(layer, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = DistributedDataParallel(model)
     cfg = OptimConfig()
     opt = build_optimizer(dict(model.named_parameters()), cfg)
     corpus = load_corpus()
@@ -61,7 +75,7 @@ def ddp_worker(args) -> None:
         for k in range(share // mbs):
             mb = tok[k * mbs:(k + 1) * mbs]
             last = k == share // mbs - 1
-            ctx = ddp.no_sync() if not last else _null()
+            ctx = ddp.no_sync() if not last and args.torch_worker == "ddp" else _null()
             with ctx:
                 # DDP averages over ranks, so scale by world / global tokens to get the global mean.
                 loss = lm_loss_sum(ddp(mb[:, :-1]), mb[:, 1:])
@@ -74,7 +88,7 @@ def ddp_worker(args) -> None:
         dist.all_reduce(total)  # the loss report sailor's runtime also makes
         times.append(time.perf_counter() - t0)
     if rank == 0:
-        print("DDP_TIMES " + json.dumps(times), flush=True)
+        print("TORCH_TIMES " + json.dumps(times), flush=True)
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # see sailor.runtime.worker.main: skip gloo's teardown at exit
@@ -119,6 +133,35 @@ def boundary_ratios(args, tmp: Path) -> tuple[float, float]:
             max(r["stages"][1]["sent_gradient_bytes"] for r in rows) / per_step)
 
 
+def _sailor_times(args, tmp: Path, name: str, memory: list[dict]) -> list[float]:
+    """Step times of `sailor train` on 2 data-parallel pipelines of the whole model, stage memory
+    options `memory`."""
+    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+
+    plan = tmp / f"{name}.json"
+    rep = {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}
+    per = args.gbs // args.mbs // 2
+    plan.write_text(json.dumps({
+        "micro_batch_size": args.mbs, "stages": [[0, args.blocks + 2]], "memory": memory,
+        "pipelines": [{"microbatches": per, "replicas": [rep]}, {"microbatches": per, "replicas": [rep]}],
+        "job": {"model": _model(args), "global_batch_size": args.gbs, "sequence_length": args.seq}}))
+    metrics = tmp / f"{name}.jsonl"
+    result = launch(prepare(TrainOptions(plan=str(plan), steps=args.steps, metrics=str(metrics))), handle_signals=False)
+    assert result.status is ExitStatus.DONE, result.message
+    return [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
+
+
+def _torch_times(args, mode: str) -> list[float]:
+    """Step times of rank 0 of torch's `mode` (ddp or fsdp2) on 2 ranks under torchrun."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           __file__, f"--torch-worker={mode}"] + [f"--{k}={v}" for k, v in
+                                                  (("steps", args.steps), ("hidden", args.hidden), ("heads", args.heads),
+                                                   ("blocks", args.blocks), ("seq", args.seq), ("gbs", args.gbs),
+                                                   ("mbs", args.mbs))]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(next(x for x in out.splitlines() if x.startswith("TORCH_TIMES "))[len("TORCH_TIMES "):])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
@@ -130,54 +173,45 @@ def main() -> None:
     ap.add_argument("--gbs", type=int, default=16)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--boundary-steps", type=int, default=2, help="steps of the boundary run (0: skip it)")
-    ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-zero3", action="store_true", help="skip the ZeRO-3 / FSDP2 pair")
+    ap.add_argument("--torch-worker", choices=("ddp", "fsdp2"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.ddp_worker:
-        ddp_worker(args)
+    if args.torch_worker:
+        torch_worker(args)
         return
 
-    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
-
     tokens = args.gbs * args.seq
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
-        plan = Path(tmp) / "plan.json"
-        rep = {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}
-        per = args.gbs // args.mbs // 2
-        plan.write_text(json.dumps({
-            "micro_batch_size": args.mbs, "stages": [[0, args.blocks + 2]],
-            "pipelines": [{"microbatches": per, "replicas": [rep]}, {"microbatches": per, "replicas": [rep]}],
-            "job": {"model": _model(args), "global_batch_size": args.gbs, "sequence_length": args.seq}}))
-        metrics = Path(tmp) / "m.jsonl"
-        result = launch(prepare(TrainOptions(plan=str(plan), steps=args.steps, metrics=str(metrics))),
-                        handle_signals=False)
-        assert result.status is ExitStatus.DONE, result.message
-        sailor_times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
-
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, "--ddp-worker"] + [f"--{k}={v}" for k, v in
-                                            (("steps", args.steps), ("hidden", args.hidden), ("heads", args.heads),
-                                             ("blocks", args.blocks), ("seq", args.seq), ("gbs", args.gbs),
-                                             ("mbs", args.mbs))]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        ddp_times = json.loads(next(x for x in out.splitlines() if x.startswith("DDP_TIMES "))[len("DDP_TIMES "):])
+        tps = {"sailor": _throughput(_sailor_times(args, Path(tmp), "dp", []), args.warmup, tokens),
+               "DDP": _throughput(_torch_times(args, "ddp"), args.warmup, tokens)}
+        if not args.no_zero3:
+            tps["sailor ZeRO-3"] = _throughput(_sailor_times(args, Path(tmp), "zero3", [{"zero": 3}]), args.warmup,
+                                               tokens)
+            tps["FSDP2"] = _throughput(_torch_times(args, "fsdp2"), args.warmup, tokens)
         bound = boundary_ratios(args, Path(tmp)) if args.boundary_steps > 0 else (None, None)
+    load.append(os.getloadavg()[0])
 
-    sailor_tps = _throughput(sailor_times, args.warmup, tokens)
-    ddp_tps = _throughput(ddp_times, args.warmup, tokens)
-    ratio = sailor_tps / ddp_tps
+    ratio = tps["sailor"] / tps["DDP"]
+    zero3_ratio = tps["sailor ZeRO-3"] / tps["FSDP2"] if "FSDP2" in tps else None
     print(f"model: {args.blocks} blocks, hidden {args.hidden}; global batch {args.gbs}, micro-batch {args.mbs},"
-          f" sequence {args.seq}; 2 pipelines x TP 1 (gloo, CPU); {args.steps - args.warmup} timed steps")
-    print(f"{'runtime':<10}{'tokens/s':>12}")
-    print(f"{'sailor':<10}{sailor_tps:>12,.0f}")
-    print(f"{'DDP':<10}{ddp_tps:>12,.0f}")
-    print(f"ratio sailor / DDP: {ratio:.3f} (target >= 0.90)")
+          f" sequence {args.seq}; 2 pipelines x TP 1 (gloo, CPU); {args.steps - args.warmup} timed steps;"
+          f" load {load[0]:.1f} -> {load[1]:.1f}")
+    print(f"{'runtime':<16}{'tokens/s':>12}")
+    for name, value in tps.items():
+        print(f"{name:<16}{value:>12,.0f}")
+    print(f"ratio sailor / DDP: {ratio:.3f} (target >= 1.0)")
+    if zero3_ratio is not None:
+        print(f"ratio sailor ZeRO-3 / FSDP2: {zero3_ratio:.3f} (target >= 0.95)")
     if bound[0] is not None:
         print(f"TP 2 -> TP 1 boundary, bytes per micro-batch / activation: {bound[0]:.3f} forward, "
               f"{bound[1]:.3f} backward (target <= 1.05)")
-    print(json.dumps({"sailor_tokens_per_s": sailor_tps, "ddp_tokens_per_s": ddp_tps, "ratio": ratio,
+    print(json.dumps({"sailor_tokens_per_s": tps["sailor"], "ddp_tokens_per_s": tps["DDP"], "ratio": ratio,
+                      "zero3_tokens_per_s": tps.get("sailor ZeRO-3"), "fsdp2_tokens_per_s": tps.get("FSDP2"),
+                      "zero3_ratio": zero3_ratio,
                       "boundary_bytes_over_activation": bound[0], "boundary_gradient_bytes_over_activation": bound[1],
                       "steps_timed": args.steps - args.warmup, "global_batch": args.gbs, "micro_batch": args.mbs,
-                      "seq": args.seq, "hidden": args.hidden, "blocks": args.blocks}))
+                      "seq": args.seq, "hidden": args.hidden, "blocks": args.blocks, "load": load}))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ ALPHA_ZONE, BETA_ZONE = 0.0, ACT_BYTES / 0.01
 
 
 def _ctx(global_batch: int, zones: dict, net: dict = NET):
-    job = JobSpec(model=MODEL, global_batch_size=global_batch, sequence_length=512)
+    # DeepSpeed's whole sync after the pipeline (`terms.stage_sync`), so the hand figures below are
+    # one ring all-reduce per stage; Sailor's overlapped buckets are checked in test_simulator*.py
+    job = JobSpec(model=MODEL, global_batch_size=global_batch, sequence_length=512, framework="deepspeed")
     cluster = ClusterSpec(zones=zones, gpus_per_node={"V100-16": 1}, network=net)
     layers = np.array([[0.1, 0.2], [1.0, 2.0], [1.0, 2.0], [0.1, 0.2]])
     prof = Profiles(model="geo4", sequence_length=512, precision="fp32", times={("V100-16", 1): {1: layers}},
@@ -132,7 +134,7 @@ def _mixed_ctx(zones: dict, batch: int):
     has, while a V100 holds the block and the head of stage [2, 4). The big GPU (A100-80 here) is
     given the slow layer times: emb 0.1 + 0.2 s, block 2.0 + 4.0 s, head 0.1 + 0.2 s; the V100
     block 1.0 + 2.0 s, head 0.1 + 0.2 s."""
-    job = JobSpec(model=MODEL, global_batch_size=batch, sequence_length=512)
+    job = JobSpec(model=MODEL, global_batch_size=batch, sequence_length=512, framework="deepspeed")  # as `_ctx`
     cluster = ClusterSpec(zones=zones, gpus_per_node={"V100-16": 1, "A100-80": 1}, network=NET)
     slow = np.array([[0.1, 0.2], [2.0, 4.0], [2.0, 4.0], [0.1, 0.2]])
     fast = np.array([[0.1, 0.2], [1.0, 2.0], [1.0, 2.0], [0.1, 0.2]])

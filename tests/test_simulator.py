@@ -73,21 +73,25 @@ def test_full_iteration_time_by_hand():
     # tied embeddings, first <-> last stage of a pipeline (same zone): the runtime sums the token
     # matrix's two copies, 256 x 64 = 16384 params x 4 B = 65536 B each way (the position table stays
     # on stage 0); a 2-member ring: 2 steps of 0.25 + 32768 / 65536 = 0.75 -> 1.5 s
-    # stage sync across zones (same_region 0.5 s, 1 MB/s), D = 2, 2 steps of α + bytes / 2 / β:
-    #   stage 0 params: 20480 + 2 x 49984 = 120448 -> 481792 B -> 2 x (0.5 + 0.240896) = 1.481792
-    #   stage 1 params: 2 x 49984 + 128 (norm) + 16384 (the head's copy of the token matrix)
-    #   = 116480 -> 465920 B -> 2 x (0.5 + 0.23296) = 1.46592
+    # stage sync across zones (same_region 0.5 s, 1 MB/s), D = 2: one all-reduce per layer bucket,
+    # 2 steps of α + bytes / 2 / β = 1 + 4 x params / 1e6 s, issued as the last backward finishes
+    # the layer (backward order, b = 2 layers' 0.5 s, 1 s for the embedding and the head):
+    #   stage 0, layers 2, 1, 0 (params 49984, 49984, 20480): collectives 1.199936, 1.199936, 1.08192;
+    #     ready at 0.5, 1.0, 2.0 -> end 1.699936, 2.899872, 3.981792: 1.981792 past the backward
+    #   stage 1, layers 5, 4, 3 (the head 128 (norm) + 16384 (its copy of the token matrix), 49984,
+    #     49984): 1.066048, 1.199936, 1.199936; ready at 1.0, 1.5, 2.0 -> end 2.066048, 3.265984,
+    #     4.46592: 2.46592 past the backward
     # optimizer: 1e-6 s/param x 120448 = 0.120448 s (stage 0, the larger)
     assert [r.optimizer_s for r in est.replicas[:2]] == pytest.approx([0.120448, 0.11648])
-    assert est.gradient_sync_s == pytest.approx(1.5 + 1.481792)
-    assert est.iteration_time_s == pytest.approx(15.0 + 1.5 + 1.481792 + 0.120448)
-    assert est.replicas[0].sync_s == pytest.approx(1.5 + 1.481792)
-    assert est.replicas[1].sync_s == pytest.approx(1.5 + 1.46592)
+    assert est.gradient_sync_s == pytest.approx(1.5 + 2.46592)
+    assert est.iteration_time_s == pytest.approx(15.0 + 1.5 + 2.46592 + 0.120448)
+    assert est.replicas[0].sync_s == pytest.approx(1.5 + 1.981792)
+    assert est.replicas[1].sync_s == pytest.approx(1.5 + 2.46592)
 
 
 def test_cost_by_hand():
     est = simulate(_plan(), _ctx())
-    t = 15.0 + 1.5 + 1.481792 + 0.120448
+    t = 15.0 + 1.5 + 2.46592 + 0.120448
     # 4 GPUs x $3.6/h = $0.004/s
     assert est.gpu_cost_per_iteration_usd == pytest.approx(0.004 * t)
     # only the stage syncs cross zones: each of the 2 ring edges carries 2(D-1)/D x bytes = bytes

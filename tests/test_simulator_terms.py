@@ -87,18 +87,22 @@ def test_tied_embeddings_held_as_the_runtime_and_as_deepspeed_hold_them():
         assert ctx.tied_copy_params(4) == m.params(0, 4) == 50688 * 1024 // 4 + 2048 * 1024
 
 
+# DeepSpeed's sync runs after the pipeline, whole (`terms.stage_sync`): the collectives' formulas in full
+JOB_DS = JOB.model_copy(update={"framework": "deepspeed"})
+
+
 def test_gradient_sync_uses_tp_shard_bytes_and_optimizer_scales_with_stage_params():
     cal = {"A100-40": {"allreduce_efficiency": 1.0}}
-    one = simulate(_plan([[0, 26]], d=2, m=2), make_context(JOB, CLUSTER, calibration=cal))
-    two = simulate(_plan([[0, 13], [13, 26]], d=2, m=2), make_context(JOB, CLUSTER, calibration=cal))
+    one = simulate(_plan([[0, 26]], d=2, m=2), make_context(JOB_DS, CLUSTER, calibration=cal))
+    two = simulate(_plan([[0, 13], [13, 26]], d=2, m=2), make_context(JOB_DS, CLUSTER, calibration=cal))
     assert one.gradient_sync_s > 0 and two.gradient_sync_s < one.gradient_sync_s
     r0, r1 = two.replicas[0], two.replicas[1]
-    ctx = make_context(JOB, CLUSTER)
+    ctx = make_context(JOB_DS, CLUSTER)
     ratio = ctx.stage_params(4, 0, 13) / ctx.stage_params(4, 13, 26)
     assert r0.optimizer_s / r1.optimizer_s == pytest.approx(ratio)
     # halving the all-reduce efficiency doubles the streaming part of the sync, not its hop latency
     half = simulate(_plan([[0, 26]], d=2, m=2),
-                    make_context(JOB, CLUSTER, calibration={"A100-40": {"allreduce_efficiency": 0.5}}))
+                    make_context(JOB_DS, CLUSTER, calibration={"A100-40": {"allreduce_efficiency": 0.5}}))
     hops = 2 * 0.15e-3  # D = 2: two hops of the catalog's same-zone latency
     assert half.gradient_sync_s - hops == pytest.approx(2 * (one.gradient_sync_s - hops))
 
@@ -155,7 +159,7 @@ def test_allreduce_is_a_ring_over_the_links_at_the_calibrated_efficiency():
     # one stage, D replicas of TP 4, each on its own node: 4 flows share the catalog's same-zone NIC
     # (5 GB/s; one flow 1.3 GB/s, 4 reach the NIC) and each hop costs 0.15 ms
     big = ClusterSpec(provider="gcp", zones={"us-central1-a": {"A100-40": 64}}, gpus_per_node={"A100-40": 4})
-    ctx = make_context(JOB, big, calibration={"A100-40": {"allreduce_efficiency": 0.25}})
+    ctx = make_context(JOB_DS, big, calibration={"A100-40": {"allreduce_efficiency": 0.25}})
     grad = 4 * ctx.stage_params(4, 0, 26) * 4  # a replica's gradient: 4 shards of fp32
     for d in (2, 4, 16):
         want = 2 * (d - 1) * 0.15e-3 + 2 * (d - 1) / d * grad / 5.0e9 / 0.25

@@ -152,10 +152,10 @@ class Scorer:
         plan `finalists.plan_from_kinds` makes: pipelines in kind order, placed on nodes as the launcher
         places them (`place`), so replicas that share a node reduce over the intra-node link.
         Memoised in the context by what it depends on (each used kind's slots and count, in order;
-        the partition; the stages' sync options), so scorers over other kind lists share it."""
+        the partition; the stages' sync options; the micro-batch size, whose backward hides it), so scorers over other kind lists share it."""
         if counts not in self._sync:
             used = tuple((k.slots, n) for k, n in zip(self.kinds, counts) if n)
-            key = ("counts-sync", used, tuple(self.partition), tuple(self._sync_options))
+            key = ("counts-sync", used, tuple(self.partition), tuple(self._sync_options), self.mbs)
             if key not in self.ctx.memo:
                 self.ctx.memo[key] = self._sync_of(used)
             self._sync[counts] = self.ctx.memo[key]
@@ -182,7 +182,7 @@ class Scorer:
                 groups = apart_stage_groups(self.ctx, used, i)
             else:
                 groups = group_members([pipe[i] for pipe in placed])
-            s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i])
+            s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i], self.mbs)
             worst = max(worst, s)
             usd += u
         return tied + worst, usd

@@ -296,7 +296,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     sync_times = []
     for i in range(P):
         groups, chunks = group_members([sl[i] for sl in slots]), plan.stage_chunks(i)
-        t, eb, eu = stage_sync(ctx, groups, chunks, options[i][0])
+        t, eb, eu = stage_sync(ctx, groups, chunks, options[i][0], mbs)
         sync_times.append(t)
         cross_bytes += eb
         egress_usd += eu
