@@ -72,7 +72,7 @@ def test_zero_sync_is_reduce_scatter_plus_all_gather_and_the_optimizer_steps_on_
     ctx = _ctx(JobSpec(model="tiny", global_batch_size=16, precision="bf16"))
     d = 4
     n = ctx.stage_params(1, 0, 6)
-    grads, weights = 4 * n, 2 * n  # bf16: fp32 main grads, bf16 weights
+    weights = 2 * n  # bf16 weights (the gradients are fp32: 4 bytes a parameter)
     step = lambda nbytes: ALPHA + nbytes / d / BETA  # one ring step of a D = 4 ring of TP-1 replicas
     est = {z: simulate(_plan([{"zero": z}], d=d), ctx) for z in (0, 1, 2, 3)}
     # the gradients' collectives run per layer bucket under the backward (2 s a layer), so only the
