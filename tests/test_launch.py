@@ -45,6 +45,10 @@ GEO = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 10], [10, 26]], "pip
     {"microbatches": 4, "replicas": [_rep(0, "A100-40", "us-central1-a", 4), _rep(1, "V100-16", "us-west1-b", 2)]},
 ]})
 GEO_JOB = JobSpec(model="opt-350m", global_batch_size=12)
+# GEO within one region (us-west1-b -> us-central1-f): what one Kubernetes cluster can hold.
+GEO_K8S = plan_from_dict({**GEO.to_dict(), "pipelines": [
+    {**p, "replicas": [{**r, "zone": r["zone"].replace("us-west1-b", "us-central1-f")} for r in p["replicas"]]}
+    for p in GEO.to_dict()["pipelines"]]})
 
 
 def _opts(plan_path: str, *, python: str = "python3", rdzv_port: int = 29500, **worker) -> LaunchOptions:
@@ -172,12 +176,12 @@ def _jobset_pods(jobset: dict) -> list[tuple[str, dict]]:
 
 def test_kubernetes_jobset():
     opts = _opts("/etc/sailor/plan.json", steps=3)
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, image="example.com/sailor:1", name="opt",
+    docs = launch_specs(GEO_K8S, Backend.KUBERNETES, opts, image="example.com/sailor:1", name="opt",
                         k8s=KubernetesOptions(namespace="team-a", max_restarts=2, queue="gpus"))
     parsed = list(yaml.safe_load_all(dump_documents(docs)))
     assert [d["kind"] for d in parsed] == ["ConfigMap", "NetworkPolicy", "JobSet"]
     assert all(d["metadata"]["namespace"] == "team-a" for d in parsed)
-    assert plan_from_dict(json.loads(parsed[0]["data"]["plan.json"])) == GEO.with_specs(None, None)
+    assert plan_from_dict(json.loads(parsed[0]["data"]["plan.json"])) == GEO_K8S.with_specs(None, None)
     policy = parsed[1]["spec"]  # only the job's own pods reach its pods
     assert policy["podSelector"] == {"matchLabels": {"sailor.dev/job": "opt"}}
     assert policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"sailor.dev/job": "opt"}}}]}]
@@ -186,7 +190,7 @@ def test_kubernetes_jobset():
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus"  # Kueue admits it all or nothing
     assert js["spec"]["failurePolicy"] == {"maxRestarts": 2, "restartStrategy": "BlockingRecreate"}
     assert js["spec"]["network"]["enableDNSHostnames"] is True
-    groups = ["a100-40-us-central1-a", "v100-16-us-central1-b", "v100-16-us-west1-b"]
+    groups = ["a100-40-us-central1-a", "v100-16-us-central1-b", "v100-16-us-central1-f"]
     assert [r["name"] for r in js["spec"]["replicatedJobs"]] == groups
     agents = []
     for r in js["spec"]["replicatedJobs"]:
@@ -204,12 +208,27 @@ def test_kubernetes_jobset():
     pods = dict(_jobset_pods(js))
     assert pods[groups[0]]["spec"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-tesla-a100",
                                                         "topology.kubernetes.io/zone": "us-central1-a"}
-    _check_torchrun_ranks(agents, GEO)
+    _check_torchrun_ranks(agents, GEO_K8S)
+
+
+@pytest.mark.parametrize("k8s", [KubernetesOptions(), KubernetesOptions(indexed_jobs=True)])
+def test_kubernetes_refuses_a_plan_across_regions_naming_them(k8s):
+    # GEO's third pipeline ends in us-west1-b: no GKE cluster has node pools in both regions, so
+    # one line naming the regions instead of a JobSet whose pods never schedule.
+    with pytest.raises(SailorInputError) as e:
+        launch_specs(GEO, Backend.KUBERNETES, _opts("/etc/sailor/plan.json"), k8s=k8s)
+    assert e.value.one_line().startswith("--backend: the plan spans regions us-central1, us-west1,")
+    assert "\n" not in e.value.one_line() and "--backend skypilot" in e.value.one_line()
+    # a zone the catalog does not list is not counted (a custom cluster's own zone names)
+    odd = plan_from_dict({**GEO_K8S.to_dict(), "pipelines": [
+        {**p, "replicas": [{**r, "zone": r["zone"].replace("us-central1-f", "rack-7")} for r in p["replicas"]]}
+        for p in GEO_K8S.to_dict()["pipelines"]]})
+    assert launch_specs(odd, Backend.KUBERNETES, _opts("/etc/sailor/plan.json"), k8s=k8s)
 
 
 def test_kubernetes_indexed_jobs_and_default_image():
     opts = _opts("/etc/sailor/plan.json", steps=3)
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True))
+    docs = launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True))
     kinds = [d["kind"] for d in docs]
     assert kinds == ["ConfigMap", "NetworkPolicy", "Service", "Job", "Job", "Job"]
     assert docs[2]["spec"]["clusterIP"] == "None" and "type" not in docs[2]["spec"]  # headless, in-cluster only
@@ -220,7 +239,7 @@ def test_kubernetes_indexed_jobs_and_default_image():
         env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
         assert env["SAILOR_RDZV_HOST"] == "sailor-a100-40-us-central1-a-0.sailor-nodes"
         agents += _agents_in(pod["containers"][0]["command"][-1])
-    _check_torchrun_ranks(agents, GEO)
+    _check_torchrun_ranks(agents, GEO_K8S)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -237,14 +256,14 @@ def test_kubernetes_indexed_jobs_and_default_image():
 ])
 def test_kubernetes_bad_names_and_options(kwargs, match):
     with pytest.raises(SailorInputError, match=match):
-        launch_specs(GEO, Backend.KUBERNETES, _opts("/etc/sailor/plan.json"), **kwargs)
+        launch_specs(GEO_K8S, Backend.KUBERNETES, _opts("/etc/sailor/plan.json"), **kwargs)
 
 
 def test_kubernetes_checkpoints_live_on_a_claim_and_a_restart_resumes():
     opts = _opts("/etc/sailor/plan.json", checkpoint_dir="/ck")
     with pytest.raises(SailorInputError, match="--checkpoint-dir: checkpoints in a pod's own file system are lost"):
-        launch_specs(GEO, Backend.KUBERNETES, opts)
-    (js,) = [d for d in launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
+        launch_specs(GEO_K8S, Backend.KUBERNETES, opts)
+    (js,) = [d for d in launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
              if d["kind"] == "JobSet"]
     for _group, pod in _jobset_pods(js):
         assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ck"}} in pod["spec"]["volumes"]
@@ -276,7 +295,7 @@ def test_bad_backend_inputs():
     with pytest.raises(SailorInputError, match="plan runs on GPU type cpu"):
         launch_specs(cpu, Backend.TORCHRUN, OPTS)
     with pytest.raises(SailorInputError, match="mounted from a ConfigMap"):
-        launch_specs(GEO, Backend.KUBERNETES, _opts("/data/my-plan.json"))
+        launch_specs(GEO_K8S, Backend.KUBERNETES, _opts("/data/my-plan.json"))
     with pytest.raises(SailorInputError, match="unknown device"):
         launch_specs(GEO, Backend.TORCHRUN, _opts("p", device="tpu"))
 
@@ -289,8 +308,9 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.integration
 def test_cli_errors_are_one_line(tmp_path):
-    plan = tmp_path / "plan.json"
+    plan, one_region = tmp_path / "plan.json", tmp_path / "one-region.json"
     GEO.with_specs(GEO_JOB, None).save(plan)
+    GEO_K8S.with_specs(GEO_JOB, None).save(one_region)
     for args, match in [(["--backend", "slurm", "--dry-run"], "unknown backend 'slurm'"),
                         (["--backend", "torchrun"], "needs --hosts"),
                         (["--backend", "skypilot"], "only writes specs"),
@@ -299,8 +319,12 @@ def test_cli_errors_are_one_line(tmp_path):
                         (["--backend", "kubernetes", "--dry-run", "--name", "a" * 50], "has 76 characters, more than 63"),
                         (["--backend", "kubernetes", "--dry-run", "--namespace", "ML"], "--namespace: 'ML' is not"),
                         (["--backend", "skypilot", "--dry-run", "--namespace", "ml"], "are for the kubernetes backend"),
-                        (["--backend", "skypilot", "--out", str(plan)], "exists and is not a folder")]:
-        r = _cli("launch", str(plan), *args)
+                        (["--backend", "skypilot", "--out", str(plan)], "exists and is not a folder"),
+                        (["--backend", "kubernetes", "--dry-run"], "--backend: the plan spans regions us-central1,"
+                                                                   " us-west1, but a Kubernetes cluster's GPU node pools"
+                                                                   " lie in one region")]:
+        kube = "kubernetes" in args and "spans regions" not in match
+        r = _cli("launch", str(one_region if kube else plan), *args)
         assert r.returncode == 2 and match in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     bad = _write_hosts(tmp_path, {"groups": [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["a0", "a1"]}]})
     r = _cli("launch", str(plan), "--backend", "skypilot", "--out", str(tmp_path / "sky"))
@@ -308,7 +332,7 @@ def test_cli_errors_are_one_line(tmp_path):
     assert sorted(p.name for p in (tmp_path / "sky").iterdir()) == ["0-a100-40-us-central1-a.yaml",
                                                                    "1-v100-16-us-central1-b.yaml",
                                                                    "2-v100-16-us-west1-b.yaml", "launch.sh"]
-    r = _cli("launch", str(plan), "--backend", "kubernetes", "--dry-run", "--namespace", "ml")
+    r = _cli("launch", str(one_region), "--backend", "kubernetes", "--dry-run", "--namespace", "ml")
     assert r.returncode == 0 and [d["kind"] for d in yaml.safe_load_all(r.stdout)] == ["ConfigMap", "NetworkPolicy",
                                                                                        "JobSet"], r.stderr
     r = _cli("launch", str(plan), "--backend", "torchrun", "--hosts", str(bad), "--dry-run")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_launch import GEO, HOSTS, _check_torchrun_ranks, _opts, _write_hosts
+from test_launch import GEO, GEO_K8S, HOSTS, _check_torchrun_ranks, _opts, _write_hosts
 
 from sailor.launch import Backend, KubernetesOptions, launch_files, launch_specs
 from sailor.runtime.command import WorkerSettings, parse
@@ -235,7 +235,7 @@ def _run_pods(jobs: list[dict], pod_spec_of) -> None:
 def test_kubernetes_jobset_passes_kubernetes_validate(tmp_path, kubernetes_validate):
     python, calls = _stand_in_python(tmp_path)
     opts = _opts("/etc/sailor/plan.json", steps=3, python=python, checkpoint_dir="/ck")
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, name="opt350", image="registry.example.com/sailor-train:0.1.0",
+    docs = launch_specs(GEO_K8S, Backend.KUBERNETES, opts, name="opt350", image="registry.example.com/sailor-train:0.1.0",
                         k8s=KubernetesOptions(namespace="team-a", max_restarts=3, queue="gpus", checkpoint_claim="ck"))
     builtin = [d for d in docs if d["kind"] != "JobSet"]
     (js,) = [d for d in docs if d["kind"] == "JobSet"]
@@ -243,10 +243,10 @@ def test_kubernetes_jobset_passes_kubernetes_validate(tmp_path, kubernetes_valid
     jobs = _child_jobs(js)
     _passes(kubernetes_validate, builtin + jobs, tmp_path, "manifests.yaml")
     assert [j["metadata"]["name"] for j in jobs] == ["opt350-a100-40-us-central1-a-0", "opt350-v100-16-us-central1-b-0",
-                                                     "opt350-v100-16-us-west1-b-0"]
+                                                     "opt350-v100-16-us-central1-f-0"]
     _run_pods(jobs, lambda j: j["spec"]["template"]["spec"])
     agents = _torchrun_agents(calls, "opt350-a100-40-us-central1-a-0-0.opt350:29500")
-    _ranks_once(agents)
+    _ranks_once(agents, GEO_K8S)
     assert all(s.resume_from is None for s in _worker_settings(calls))  # no checkpoint in /ck here: a fresh start
 
 
@@ -254,10 +254,10 @@ def test_kubernetes_jobset_passes_kubernetes_validate(tmp_path, kubernetes_valid
 def test_kubernetes_indexed_jobs_pass_kubernetes_validate(tmp_path, kubernetes_validate):
     python, calls = _stand_in_python(tmp_path)
     opts = _opts("/etc/sailor/plan.json", steps=3, python=python)
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True, namespace="ml"))
+    docs = launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True, namespace="ml"))
     _passes(kubernetes_validate, docs, tmp_path, "jobs.yaml")
     _run_pods([d for d in docs if d["kind"] == "Job"], lambda j: j["spec"]["template"]["spec"])
-    _ranks_once(_torchrun_agents(calls, "sailor-a100-40-us-central1-a-0.sailor-nodes:29500"))
+    _ranks_once(_torchrun_agents(calls, "sailor-a100-40-us-central1-a-0.sailor-nodes:29500"), GEO_K8S)
 
 
 @pytest.mark.integration
@@ -268,7 +268,7 @@ def test_restarted_jobset_resumes_from_the_newest_checkpoint(tmp_path):
     for d in ("step-00000004", "step-00000012", ".tmp-step-00000016"):
         (ck / d).mkdir(parents=True)
     opts = _opts("/etc/sailor/plan.json", python=python, checkpoint_dir=str(ck))
-    (js,) = [d for d in launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
+    (js,) = [d for d in launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
              if d["kind"] == "JobSet"]
     _run_pods(_child_jobs(js), lambda j: j["spec"]["template"]["spec"])
     settings = _worker_settings(calls)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_launch import GEO, GEO_JOB, _opts
+from test_launch import GEO, GEO_JOB, GEO_K8S, _opts
 from typer.testing import CliRunner
 
 from sailor.cli import _register, app
@@ -82,7 +82,7 @@ WANT = WorkerSettings(plan="/etc/sailor/plan.json", steps=7, seed=1234, device="
 @pytest.mark.parametrize("backend", list(Backend))
 def test_launch_dry_run_gives_every_rank_the_training_settings(tmp_path, backend):
     plan = tmp_path / "plan.json"
-    GEO.with_specs(GEO_JOB, None).save(plan)
+    (GEO_K8S if backend is Backend.KUBERNETES else GEO).with_specs(GEO_JOB, None).save(plan)  # one region on Kubernetes
     extra = ["--checkpoint-claim", "ck"] if backend is Backend.KUBERNETES else []
     _register()
     r = CliRunner().invoke(app, ["launch", str(plan), "--backend", backend.value, "--dry-run", "--remote-plan",
@@ -112,7 +112,7 @@ def test_launch_passes_what_train_passes():
 
 def test_a_restarted_jobset_resumes_through_the_same_option():
     opts = _opts("/etc/sailor/plan.json", checkpoint_dir="/ck")
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
+    docs = launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
     scripts = _scripts(Backend.KUBERNETES, docs)
     assert all(f'"--resume-from=${RESUME_VAR}"' in s for s in scripts)
     assert all(s.resume_from is None and s.checkpoint_dir == "/ck" for s in _rank_settings(Backend.KUBERNETES, docs))
@@ -123,7 +123,7 @@ def test_kubernetes_refuses_outputs_lost_with_the_pod(option, path):
     name = option[2:]
     opts = _opts("/etc/sailor/plan.json", checkpoint_dir="/ck", **{name: path})
     with pytest.raises(SailorInputError, match=f"{option}: {path} would be in a pod's own file system"):
-        launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
+        launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
 
 
 # Text a command line can carry (no NUL, no lone surrogates), including values that start with "-".
@@ -173,7 +173,7 @@ def test_launch_takes_the_job_of_a_plan_that_carries_none(tmp_path, backend):
     # a plan without its job (Sailor's plan_config has none) launches with --job; every rank gets it:
     # by path (torchrun; skypilot copies it to the nodes) or inside the plan's ConfigMap (kubernetes)
     plan, job = tmp_path / "plan.json", tmp_path / "job.yaml"
-    GEO.save(plan)
+    (GEO_K8S if backend is Backend.KUBERNETES else GEO).save(plan)
     job.write_text(yaml.safe_dump(GEO_JOB.to_dict()))
     _register()
     base = ["launch", str(plan), "--backend", backend.value, "--dry-run", "--remote-plan", "/etc/sailor/plan.json"]

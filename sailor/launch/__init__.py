@@ -119,7 +119,8 @@ def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_pat
     if backend is Backend.SKYPILOT:
         from sailor.launch.skypilot import task_specs
         return task_specs(layout, opts, region_of=_region_of(plan), mounts=mounts, image=image, name=name)
-    from sailor.launch.kubernetes import manifests
+    from sailor.launch.kubernetes import check_one_region, manifests
+    check_one_region(layout, _known_region_of(plan))
     k = k8s or KubernetesOptions()
     # A JobSet restarted as a whole continues from the newest checkpoint instead of step 0.
     opts = dataclasses.replace(opts, resume_newest=not k.indexed_jobs)
@@ -187,3 +188,10 @@ def _region_of(plan: Plan):
     from sailor import catalog
     prov = catalog.provider(plan.cluster.provider if plan.cluster else "gcp")
     return prov.region
+
+
+def _known_region_of(plan: Plan):
+    """zone -> its region in the provider's catalog, or None for a zone the catalog does not list."""
+    from sailor import catalog
+    prov = catalog.provider(plan.cluster.provider if plan.cluster else "gcp")
+    return prov.zone_region.get
