@@ -143,3 +143,31 @@ def test_a_token_id_that_is_no_integer_is_refused_naming_it(source, tmp_path):
     (bad / "config.json").write_text(json.dumps(_config(folder) | {"eos_token_id": [2, "</s>"]}))
     with pytest.raises(SailorInputError, match="config.json: eos_token_id: a token id is an integer >= 0, got '</s>'"):
         source_record(bad, load_hf_config(folder))
+
+
+def _export_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    import sys
+
+    from sailor.cli import main
+    monkeypatch.setattr(sys, "argv", ["sailor", "export", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_the_cli_says_when_nothing_is_kept_and_takes_source(source, tmp_path, monkeypatch, capsys):
+    folder, _hf = source
+    _checkpoint(folder, tmp_path / "ck", None)
+    code, _, err = _export_cli([str(tmp_path / "ck"), "--to", str(tmp_path / "a")], monkeypatch, capsys)
+    assert code in (0, None) and err.strip().splitlines() == [
+        "note: no Hugging Face folder known for this checkpoint: token ids, dropout, generation config and tokenizer"
+        " not written (pass --source FOLDER)"], err
+    code, out, err = _export_cli([str(tmp_path / "ck"), "--to", str(tmp_path / "b"), "--source", str(folder), "--json"],
+                                 monkeypatch, capsys)
+    assert code in (0, None) and err == "", err
+    summary = json.loads(out)
+    assert summary["kept_from"] == str(folder) and "tokenizer.json" in summary["files"]
+    code, _, err = _export_cli([str(tmp_path / "ck"), "--to", str(tmp_path / "c"), "--source", str(tmp_path / "nope")],
+                               monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "nope" in err, err

@@ -240,6 +240,8 @@ def test_skypilot_files_and_script(tmp_path):
     assert script.index("hostname -I") < script.index(launches[1])
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # bash parses it
+    with pytest.raises(SailorInputError, match="--install-from and --image exclude each other"):
+        launch_files(ONE_GROUP, Backend.SKYPILOT, SKY_OPTS, image="example.com/sailor:1", install_from=tmp_path)
     single = launch_files(ONE_GROUP, Backend.SKYPILOT, SKY_OPTS, image="example.com/sailor:1")
     assert list(single) == ["0-a100-40-us-central1-a.yaml", "launch.sh", ".skyignore", "plan.json"]  # no source
     assert "SAILOR_RDZV_HOST" not in single["launch.sh"]  # one group: nothing to pass on

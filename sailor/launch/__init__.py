@@ -149,6 +149,9 @@ def launch_files(plan: Plan, backend: Backend, opts: LaunchOptions, *, header: s
     from sailor.launch.skypilot import SCRIPT, SKYIGNORE, SkyPilotOptions, launch_script, source_files, task_file_names
 
     sky = kwargs.pop("sky", None) or SkyPilotOptions()
+    if install_from is not None and kwargs.get("image"):
+        raise SailorInputError("--install-from and --image exclude each other (the image holds Sailor)",
+                               source="--install-from")
     install, sources = ("", {}) if kwargs.get("image") else source_files(install_from)
     if install:
         sky = dataclasses.replace(sky, install=install)
