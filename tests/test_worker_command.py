@@ -175,7 +175,7 @@ def test_the_worker_refuses_bad_arguments_in_one_line(args, match):
 @pytest.mark.parametrize("backend", list(Backend))
 def test_launch_takes_the_job_of_a_plan_that_carries_none(tmp_path, backend):
     # a plan without its job (Sailor's plan_config has none) launches with --job; every rank gets it:
-    # by path (torchrun; skypilot copies it to the nodes) or inside the plan's ConfigMap (kubernetes)
+    # by path (torchrun) or inside the plan: its ConfigMap (kubernetes), the working directory (skypilot)
     plan, job = tmp_path / "plan.json", tmp_path / "job.yaml"
     (GEO_K8S if backend is Backend.KUBERNETES else GEO).save(plan)
     job.write_text(yaml.safe_dump(GEO_JOB.to_dict()))
