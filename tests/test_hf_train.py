@@ -69,6 +69,9 @@ def _train(arch: str, plan_body: dict, tmp_path) -> tuple:
     losses, model = train_reference(spec, steps=STEPS, seed=0, corpus=corpus, model=load_full_model(folder))
     assert [r["loss"] for r in rows] == pytest.approx(losses, rel=RTOL)
     found = ckpt.find_latest(tmp_path / "ck")
+    # what `sailor export` keeps: the folder the run started from and its token ids, recorded by rank 0
+    record = found.manifest["hf_source"]
+    assert record["folder"] == str(folder.resolve()) and record["config"]["eos_token_id"] == hf.config.eos_token_id
     got = load_tensors(found.path, found.manifest, list(found.manifest["tensors"]))
     for name, p in model.state_dict().items():  # a tied model's state dict names the head too
         if name.endswith("attn.k.bias"):

@@ -23,7 +23,9 @@ import yaml
 from sailor.core.errors import SailorInputError
 from sailor.launch import (DEFAULT_IMAGE, Backend, KubernetesOptions, LaunchOptions, dump_documents, launch,
                            launch_files, launch_specs)
+from sailor.launch import skypilot
 from sailor.launch.common import launch_layout
+from sailor.launch.skypilot import SkyPilotOptions, source_files
 from sailor.plan import plan_from_dict
 from sailor.plan.placement import rank_layout
 from sailor.plan.spec import Plan
@@ -45,6 +47,10 @@ GEO = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 10], [10, 26]], "pip
     {"microbatches": 4, "replicas": [_rep(0, "A100-40", "us-central1-a", 4), _rep(1, "V100-16", "us-west1-b", 2)]},
 ]})
 GEO_JOB = JobSpec(model="opt-350m", global_batch_size=12)
+# GEO within one region (us-west1-b -> us-central1-f): what one Kubernetes cluster can hold.
+GEO_K8S = plan_from_dict({**GEO.to_dict(), "pipelines": [
+    {**p, "replicas": [{**r, "zone": r["zone"].replace("us-west1-b", "us-central1-f")} for r in p["replicas"]]}
+    for p in GEO.to_dict()["pipelines"]]})
 
 
 def _opts(plan_path: str, *, python: str = "python3", rdzv_port: int = 29500, **worker) -> LaunchOptions:
@@ -123,33 +129,109 @@ def test_torchrun_without_hosts_uses_a_rendezvous_variable():
     assert all(d["host"] is None and "${SAILOR_RDZV_HOST}:29500" in d["command"] for d in docs)
 
 
+SKY_OPTS = _opts("plan.json", steps=3)  # SkyPilot: the plan lies in the tasks' working directory
+
+
 def test_skypilot_tasks():
-    docs = launch_specs(GEO, Backend.SKYPILOT, OPTS, mounts={OPTS.worker.plan: "/home/me/plan.json"})
+    docs = launch_specs(GEO, Backend.SKYPILOT, SKY_OPTS, sky=SkyPilotOptions(workdir="/home/me/sky"))
     parsed = list(yaml.safe_load_all(dump_documents(docs)))
     assert len(parsed) == 3  # (A100-40, us-central1-a), (V100-16, us-central1-b), (V100-16, us-west1-b)
     for t in parsed:
-        assert {"name", "num_nodes", "resources", "setup", "run", "file_mounts"} <= set(t) and "workdir" not in t
+        assert {"name", "workdir", "num_nodes", "resources", "setup", "run"} == set(t) - {"envs"}
         assert set(t["resources"]) == {"infra", "accelerators"}  # no ports: nothing opened to the outside
-        assert "$SKYPILOT_NODE_RANK" in t["run"] and t["file_mounts"] == {"/data/plan.json": "/home/me/plan.json"}
-        assert t["setup"] == "python3 -m pip install --quiet 'sailor-train[train]==0.1.0'"  # the release, not a checkout
+        # synced to ~/sky_workdir on every node, where setup and run start: the plan and Sailor come with it
+        assert t["workdir"] == "/home/me/sky" and "--plan=plan.json" in t["run"] and "$SKYPILOT_NODE_RANK" in t["run"]
+        assert t["setup"] == "python3 -m pip install --quiet './sailor-train[train]'"  # a path, no name on an index
     first = parsed[0]
     assert first["resources"] == {"infra": "gcp/us-central1/us-central1-a", "accelerators": "A100:8"}
     assert "envs" not in first and 'SKYPILOT_NODE_IPS' in first["run"]  # its head's internal address
     assert parsed[2]["resources"] == {"infra": "gcp/us-west1/us-west1-b", "accelerators": "V100:2"}
     assert parsed[2]["num_nodes"] == 1
     assert all(t["envs"] == {"SAILOR_RDZV_HOST": None} for t in parsed[1:])  # required at `sky launch`
+    assert "SAILOR_RESUME" not in first["run"]  # no checkpoint folder: nothing to resume from
     _check_torchrun_ranks([a for t in parsed for a in _agents_in(t["run"])], GEO)
     # With an image: SkyPilot runs the tasks in it, nothing to install.
-    imaged = launch_specs(GEO, Backend.SKYPILOT, OPTS, image="example.com/sailor-train:0.1.0")
+    imaged = launch_specs(GEO, Backend.SKYPILOT, SKY_OPTS, image="example.com/sailor-train:0.1.0")
     assert all(t["resources"]["image_id"] == "docker:example.com/sailor-train:0.1.0" and "setup" not in t
                for t in imaged)
 
 
+def test_skypilot_checkpoints_go_to_one_bucket_mounted_on_every_node():
+    opts = _opts("plan.json", checkpoint_dir="/ckpt")
+    with pytest.raises(SailorInputError, match="--checkpoint-dir: each SkyPilot VM has its own disk"):
+        launch_specs(GEO, Backend.SKYPILOT, opts)
+    docs = launch_specs(GEO, Backend.SKYPILOT, opts, sky=SkyPilotOptions(checkpoint_bucket="gs://team-ck/opt350"))
+    for t in docs:
+        assert t["file_mounts"] == {"/ckpt": {"source": "gs://team-ck/opt350", "mode": "MOUNT"}}
+        # launch.sh run again, or a recovered job, continues from the bucket's newest checkpoint
+        assert "SAILOR_RESUME=$(ls -d -- /ckpt/step-[0-9]*" in t["run"] and '--resume-from=$SAILOR_RESUME' in t["run"]
+
+
+@pytest.mark.parametrize("worker, sky, match", [
+    ({"plan": "/home/me/plan.json"}, {}, "--remote-plan: '/home/me/plan.json': on SkyPilot the plan lies in the task's"),
+    ({"plan": "../plan.json"}, {}, "on SkyPilot the plan lies in the task's working directory"),
+    ({}, {"checkpoint_bucket": "gs://b1/x"}, "--checkpoint-bucket: a checkpoint bucket needs a folder"),
+    ({"checkpoint_dir": "/ck"}, {"checkpoint_bucket": "https://b1/x"}, "'https://b1/x' is not a gs:// or s3:// bucket"),
+    ({"checkpoint_dir": "/ck"}, {"checkpoint_bucket": "gs://B1"}, "'gs://B1' is not a gs:// or s3:// bucket"),
+    ({"checkpoint_dir": "ck"}, {"checkpoint_bucket": "s3://b12"}, "--checkpoint-dir: 'ck': a bucket is mounted at an"),
+    ({"checkpoint_dir": "/ck"}, {"checkpoint_bucket": "gs://b12", "managed": True},
+     "--managed: a managed job needs a plan of one .GPU type, zone. group; this plan has 3"),
+])
+def test_skypilot_bad_options(worker, sky, match):
+    opts = _opts(worker.pop("plan", "plan.json"), **worker)
+    with pytest.raises(SailorInputError, match=match) as e:
+        launch_specs(GEO, Backend.SKYPILOT, opts, sky=SkyPilotOptions(**sky))
+    assert "\n" not in e.value.one_line()
+
+
+ONE_GROUP = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 26]], "pipelines": [
+    {"microbatches": 4, "replicas": [_rep(0, "A100-40", "us-central1-a", 4)]}] * 3})
+
+
+def test_skypilot_managed_job_recovers_spot_vms_and_resumes():
+    with pytest.raises(SailorInputError, match="--managed: a recovered managed job without checkpoints starts again"):
+        launch_specs(ONE_GROUP, Backend.SKYPILOT, SKY_OPTS, sky=SkyPilotOptions(managed=True))
+    opts = _opts("plan.json", checkpoint_dir="/ckpt")
+    sky = SkyPilotOptions(managed=True, checkpoint_bucket="gs://team-ck/run1")
+    (task,) = launch_specs(ONE_GROUP, Backend.SKYPILOT, opts, sky=sky)
+    assert task["resources"]["use_spot"] is True
+    assert task["resources"]["job_recovery"] == {"strategy": "FAILOVER", "max_restarts_on_errors": 0}
+    assert "SAILOR_RESUME=$(ls -d -- /ckpt/step-[0-9]*" in task["run"]
+    files = launch_files(ONE_GROUP, Backend.SKYPILOT, opts, sky=sky, name="run1")
+    (launch_line,) = [x for x in files["launch.sh"].splitlines() if x.startswith("sky ")]
+    assert launch_line == "sky jobs launch --yes --name run1 0-a100-40-us-central1-a.yaml"
+
+
+def test_skypilot_source_files_are_a_checkout_or_a_wheel(tmp_path):
+    install, files = source_files()  # the checkout these tests run from
+    assert install == "sailor-train"
+    assert {"sailor-train/pyproject.toml", "sailor-train/README.md", "sailor-train/sailor/__init__.py",
+            "sailor-train/sailor/catalog/gcp.yaml", "sailor-train/sailor/launch/skypilot.py"} <= set(files)
+    assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")]
+    assert files["sailor-train/sailor/launch/skypilot.py"] == (Path(skypilot.__file__)).read_bytes()
+    wheel = tmp_path / "sailor_train-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"PK\x03\x04 a zip")
+    assert source_files(wheel) == (wheel.name, {wheel.name: b"PK\x03\x04 a zip"})
+    for bad in (tmp_path, tmp_path / "other-0.1.0-py3-none-any.whl", tmp_path / "missing"):
+        if bad.suffix:
+            bad.write_bytes(b"x")
+        with pytest.raises(SailorInputError, match="--install-from: .* is not a Sailor source checkout"):
+            source_files(bad)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "sailor"\n')  # the unrelated index package's name
+    (tmp_path / "README.md").write_text("")
+    (tmp_path / "sailor").mkdir()
+    (tmp_path / "sailor" / "__init__.py").write_text("")
+    with pytest.raises(SailorInputError, match="is not a Sailor source checkout"):
+        source_files(tmp_path)
+
+
 @pytest.mark.integration
 def test_skypilot_files_and_script(tmp_path):
-    files = launch_files(GEO, Backend.SKYPILOT, OPTS, header="test", name="opt")
+    files = launch_files(GEO, Backend.SKYPILOT, SKY_OPTS, header="test", name="opt")
     names = ["0-a100-40-us-central1-a.yaml", "1-v100-16-us-central1-b.yaml", "2-v100-16-us-west1-b.yaml"]
-    assert list(files) == [*names, "launch.sh"]
+    assert list(files)[:6] == [*names, "launch.sh", ".skyignore", "plan.json"]
+    assert plan_from_dict(json.loads(files["plan.json"])) == GEO  # the plan, in the working directory
+    assert "sailor-train/pyproject.toml" in files
     script = files["launch.sh"]
     launches = [line for line in script.splitlines() if line.startswith("sky launch")]
     # the rendezvous group first and alone, then the others at once with its head's internal address
@@ -158,10 +240,10 @@ def test_skypilot_files_and_script(tmp_path):
     assert script.index("hostname -I") < script.index(launches[1])
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # bash parses it
-    one_group = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 26]], "pipelines": [
-        {"microbatches": 4, "replicas": [_rep(0, "A100-40", "us-central1-a", 4)]}] * 3})
-    single = launch_files(one_group, Backend.SKYPILOT, OPTS)
-    assert list(single) == ["0-a100-40-us-central1-a.yaml", "launch.sh"]
+    with pytest.raises(SailorInputError, match="--install-from and --image exclude each other"):
+        launch_files(ONE_GROUP, Backend.SKYPILOT, SKY_OPTS, image="example.com/sailor:1", install_from=tmp_path)
+    single = launch_files(ONE_GROUP, Backend.SKYPILOT, SKY_OPTS, image="example.com/sailor:1")
+    assert list(single) == ["0-a100-40-us-central1-a.yaml", "launch.sh", ".skyignore", "plan.json"]  # no source
     assert "SAILOR_RDZV_HOST" not in single["launch.sh"]  # one group: nothing to pass on
 
 
@@ -172,12 +254,12 @@ def _jobset_pods(jobset: dict) -> list[tuple[str, dict]]:
 
 def test_kubernetes_jobset():
     opts = _opts("/etc/sailor/plan.json", steps=3)
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, image="example.com/sailor:1", name="opt",
+    docs = launch_specs(GEO_K8S, Backend.KUBERNETES, opts, image="example.com/sailor:1", name="opt",
                         k8s=KubernetesOptions(namespace="team-a", max_restarts=2, queue="gpus"))
     parsed = list(yaml.safe_load_all(dump_documents(docs)))
     assert [d["kind"] for d in parsed] == ["ConfigMap", "NetworkPolicy", "JobSet"]
     assert all(d["metadata"]["namespace"] == "team-a" for d in parsed)
-    assert plan_from_dict(json.loads(parsed[0]["data"]["plan.json"])) == GEO.with_specs(None, None)
+    assert plan_from_dict(json.loads(parsed[0]["data"]["plan.json"])) == GEO_K8S.with_specs(None, None)
     policy = parsed[1]["spec"]  # only the job's own pods reach its pods
     assert policy["podSelector"] == {"matchLabels": {"sailor.dev/job": "opt"}}
     assert policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"sailor.dev/job": "opt"}}}]}]
@@ -186,7 +268,7 @@ def test_kubernetes_jobset():
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus"  # Kueue admits it all or nothing
     assert js["spec"]["failurePolicy"] == {"maxRestarts": 2, "restartStrategy": "BlockingRecreate"}
     assert js["spec"]["network"]["enableDNSHostnames"] is True
-    groups = ["a100-40-us-central1-a", "v100-16-us-central1-b", "v100-16-us-west1-b"]
+    groups = ["a100-40-us-central1-a", "v100-16-us-central1-b", "v100-16-us-central1-f"]
     assert [r["name"] for r in js["spec"]["replicatedJobs"]] == groups
     agents = []
     for r in js["spec"]["replicatedJobs"]:
@@ -204,12 +286,27 @@ def test_kubernetes_jobset():
     pods = dict(_jobset_pods(js))
     assert pods[groups[0]]["spec"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-tesla-a100",
                                                         "topology.kubernetes.io/zone": "us-central1-a"}
-    _check_torchrun_ranks(agents, GEO)
+    _check_torchrun_ranks(agents, GEO_K8S)
+
+
+@pytest.mark.parametrize("k8s", [KubernetesOptions(), KubernetesOptions(indexed_jobs=True)])
+def test_kubernetes_refuses_a_plan_across_regions_naming_them(k8s):
+    # GEO's third pipeline ends in us-west1-b: no GKE cluster has node pools in both regions, so
+    # one line naming the regions instead of a JobSet whose pods never schedule.
+    with pytest.raises(SailorInputError) as e:
+        launch_specs(GEO, Backend.KUBERNETES, _opts("/etc/sailor/plan.json"), k8s=k8s)
+    assert e.value.one_line().startswith("--backend: the plan spans regions us-central1, us-west1,")
+    assert "\n" not in e.value.one_line() and "--backend skypilot" in e.value.one_line()
+    # a zone the catalog does not list is not counted (a custom cluster's own zone names)
+    odd = plan_from_dict({**GEO_K8S.to_dict(), "pipelines": [
+        {**p, "replicas": [{**r, "zone": r["zone"].replace("us-central1-f", "rack-7")} for r in p["replicas"]]}
+        for p in GEO_K8S.to_dict()["pipelines"]]})
+    assert launch_specs(odd, Backend.KUBERNETES, _opts("/etc/sailor/plan.json"), k8s=k8s)
 
 
 def test_kubernetes_indexed_jobs_and_default_image():
     opts = _opts("/etc/sailor/plan.json", steps=3)
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True))
+    docs = launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True))
     kinds = [d["kind"] for d in docs]
     assert kinds == ["ConfigMap", "NetworkPolicy", "Service", "Job", "Job", "Job"]
     assert docs[2]["spec"]["clusterIP"] == "None" and "type" not in docs[2]["spec"]  # headless, in-cluster only
@@ -220,7 +317,7 @@ def test_kubernetes_indexed_jobs_and_default_image():
         env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
         assert env["SAILOR_RDZV_HOST"] == "sailor-a100-40-us-central1-a-0.sailor-nodes"
         agents += _agents_in(pod["containers"][0]["command"][-1])
-    _check_torchrun_ranks(agents, GEO)
+    _check_torchrun_ranks(agents, GEO_K8S)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -237,14 +334,14 @@ def test_kubernetes_indexed_jobs_and_default_image():
 ])
 def test_kubernetes_bad_names_and_options(kwargs, match):
     with pytest.raises(SailorInputError, match=match):
-        launch_specs(GEO, Backend.KUBERNETES, _opts("/etc/sailor/plan.json"), **kwargs)
+        launch_specs(GEO_K8S, Backend.KUBERNETES, _opts("/etc/sailor/plan.json"), **kwargs)
 
 
 def test_kubernetes_checkpoints_live_on_a_claim_and_a_restart_resumes():
     opts = _opts("/etc/sailor/plan.json", checkpoint_dir="/ck")
     with pytest.raises(SailorInputError, match="--checkpoint-dir: checkpoints in a pod's own file system are lost"):
-        launch_specs(GEO, Backend.KUBERNETES, opts)
-    (js,) = [d for d in launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
+        launch_specs(GEO_K8S, Backend.KUBERNETES, opts)
+    (js,) = [d for d in launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
              if d["kind"] == "JobSet"]
     for _group, pod in _jobset_pods(js):
         assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ck"}} in pod["spec"]["volumes"]
@@ -272,11 +369,11 @@ def test_bad_backend_inputs():
     with pytest.raises(SailorInputError, match="no GKE accelerator"):
         launch_specs(cpu, Backend.KUBERNETES, _opts("/etc/sailor/plan.json", device="cpu"))
     with pytest.raises(SailorInputError, match="no SkyPilot accelerator"):
-        launch_specs(cpu, Backend.SKYPILOT, _opts("/data/plan.json", device="cpu"))
+        launch_specs(cpu, Backend.SKYPILOT, _opts("plan.json", device="cpu"))
     with pytest.raises(SailorInputError, match="plan runs on GPU type cpu"):
         launch_specs(cpu, Backend.TORCHRUN, OPTS)
     with pytest.raises(SailorInputError, match="mounted from a ConfigMap"):
-        launch_specs(GEO, Backend.KUBERNETES, _opts("/data/my-plan.json"))
+        launch_specs(GEO_K8S, Backend.KUBERNETES, _opts("/data/my-plan.json"))
     with pytest.raises(SailorInputError, match="unknown device"):
         launch_specs(GEO, Backend.TORCHRUN, _opts("p", device="tpu"))
 
@@ -289,26 +386,41 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.integration
 def test_cli_errors_are_one_line(tmp_path):
-    plan = tmp_path / "plan.json"
+    plan, one_region = tmp_path / "plan.json", tmp_path / "one-region.json"
     GEO.with_specs(GEO_JOB, None).save(plan)
+    GEO_K8S.with_specs(GEO_JOB, None).save(one_region)
     for args, match in [(["--backend", "slurm", "--dry-run"], "unknown backend 'slurm'"),
                         (["--backend", "torchrun"], "needs --hosts"),
-                        (["--backend", "skypilot"], "only writes specs"),
+                        (["--backend", "skypilot", "--dry-run"], "--backend: the skypilot backend writes a folder"),
+                        (["--backend", "skypilot", "--out", str(tmp_path / "s1"), "--checkpoint-dir", "/ck"],
+                         "--checkpoint-dir: each SkyPilot VM has its own disk"),
+                        (["--backend", "torchrun", "--dry-run", "--checkpoint-bucket", "gs://abc"],
+                         "are for the skypilot backend"),
                         (["--backend", "kubernetes", "--dry-run", "--image", ""], "--image: the container image is empty"),
-                        (["--backend", "skypilot", "--dry-run", "--image", ""], "--image: the container image is empty"),
+                        (["--backend", "skypilot", "--dry-run", "--image", "", "--out", str(tmp_path / "s2")],
+                         "--image: the container image is empty"),
                         (["--backend", "kubernetes", "--dry-run", "--name", "a" * 50], "has 76 characters, more than 63"),
                         (["--backend", "kubernetes", "--dry-run", "--namespace", "ML"], "--namespace: 'ML' is not"),
-                        (["--backend", "skypilot", "--dry-run", "--namespace", "ml"], "are for the kubernetes backend"),
-                        (["--backend", "skypilot", "--out", str(plan)], "exists and is not a folder")]:
-        r = _cli("launch", str(plan), *args)
+                        (["--backend", "skypilot", "--dry-run", "--namespace", "ml", "--out", str(tmp_path / "s3")],
+                         "are for the kubernetes backend"),
+                        (["--backend", "skypilot", "--out", str(plan)], "exists and is not a folder"),
+                        (["--backend", "kubernetes", "--dry-run"], "--backend: the plan spans regions us-central1,"
+                                                                   " us-west1, but a Kubernetes cluster's GPU node pools"
+                                                                   " lie in one region")]:
+        kube = "kubernetes" in args and "spans regions" not in match
+        r = _cli("launch", str(one_region if kube else plan), *args)
         assert r.returncode == 2 and match in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     bad = _write_hosts(tmp_path, {"groups": [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["a0", "a1"]}]})
     r = _cli("launch", str(plan), "--backend", "skypilot", "--out", str(tmp_path / "sky"))
     assert r.returncode == 0 and os.access(tmp_path / "sky" / "launch.sh", os.X_OK), r.stderr
-    assert sorted(p.name for p in (tmp_path / "sky").iterdir()) == ["0-a100-40-us-central1-a.yaml",
+    assert sorted(p.name for p in (tmp_path / "sky").iterdir()) == [".skyignore", "0-a100-40-us-central1-a.yaml",
                                                                    "1-v100-16-us-central1-b.yaml",
-                                                                   "2-v100-16-us-west1-b.yaml", "launch.sh"]
-    r = _cli("launch", str(plan), "--backend", "kubernetes", "--dry-run", "--namespace", "ml")
+                                                                   "2-v100-16-us-west1-b.yaml", "launch.sh", "plan.json",
+                                                                   "sailor-train"]
+    assert not [p for p in (tmp_path / "s1").rglob("*") if p.is_file()]  # refused before anything was written
+    r = _cli("launch", str(plan), "--backend", "skypilot", "--out", str(tmp_path / "sky"))  # stale files would sync
+    assert r.returncode == 2 and "--out: " in r.stderr and "is not empty" in r.stderr, r.stderr
+    r = _cli("launch", str(one_region), "--backend", "kubernetes", "--dry-run", "--namespace", "ml")
     assert r.returncode == 0 and [d["kind"] for d in yaml.safe_load_all(r.stdout)] == ["ConfigMap", "NetworkPolicy",
                                                                                        "JobSet"], r.stderr
     r = _cli("launch", str(plan), "--backend", "torchrun", "--hosts", str(bad), "--dry-run")

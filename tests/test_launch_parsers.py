@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,9 +27,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_launch import GEO, HOSTS, _check_torchrun_ranks, _opts, _write_hosts
+from test_launch import GEO, GEO_K8S, HOSTS, _check_torchrun_ranks, _opts, _write_hosts
 
 from sailor.launch import Backend, KubernetesOptions, launch_files, launch_specs
+from sailor.launch.skypilot import SkyPilotOptions
+from sailor.plan import load_plan, plan_from_dict
 from sailor.runtime.command import WorkerSettings, parse
 
 INSTALL = "pip install 'sailor-train[launch-check]'"
@@ -46,11 +49,11 @@ def _stand_in_python(tmp_path: Path) -> tuple[str, Path]:
     return str(exe), calls
 
 
-def _bash(script: str, env: dict[str, str]) -> None:
+def _bash(script: str, env: dict[str, str], cwd: Path | None = None) -> None:
     if shutil.which("bash") is None:
         pytest.skip("needs bash to run the generated scripts")
     r = subprocess.run(["bash", "-c", script], env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True,
-                       timeout=60)
+                       timeout=60, cwd=cwd)
     assert r.returncode == 0, r.stderr
 
 
@@ -69,13 +72,14 @@ def _worker_settings(calls: Path) -> list[WorkerSettings]:
     return [parse(args.training_script_args) for args, _cvd in _torchrun_args(calls)]
 
 
-def _torchrun_agents(calls: Path, endpoint: str) -> list[tuple[int, int, int, str | None, str]]:
+def _torchrun_agents(calls: Path, endpoint: str, plan: str = "/etc/sailor/plan.json"
+                     ) -> list[tuple[int, int, int, str | None, str]]:
     """Every recorded launcher command parsed by torchrun's own parser, as `_check_torchrun_ranks` wants."""
     out = []
     for args, cvd in _torchrun_args(calls):
         assert args.rdzv_backend == "static" and args.rdzv_endpoint == endpoint and args.max_restarts == 0
         assert args.module and args.training_script == "sailor.runtime.worker"
-        assert parse(args.training_script_args).plan == "/etc/sailor/plan.json"
+        assert parse(args.training_script_args).plan == plan
         out.append((int(args.nnodes), args.node_rank, int(args.nproc_per_node), cvd, args.rdzv_conf))
     return out
 
@@ -91,20 +95,24 @@ def sky():
 
 
 def _sky_files(tmp_path: Path, **kwargs) -> Path:
+    """`sailor launch --out` of GEO with checkpoints in a bucket: the tasks' working directory."""
     out = tmp_path / "sky"
-    out.mkdir()
-    opts = _opts("/etc/sailor/plan.json", steps=3, **kwargs)
-    for name, text in launch_files(GEO, Backend.SKYPILOT, opts, mounts={opts.worker.plan: str(tmp_path / "plan.json")}).items():
-        (out / name).write_text(text)
+    opts = _opts("plan.json", steps=3, checkpoint_dir="/ckpt", **kwargs)
+    sky = SkyPilotOptions(workdir=str(out), checkpoint_bucket="gs://team-ck/opt350")
+    for name, data in launch_files(GEO, Backend.SKYPILOT, opts, sky=sky).items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data.encode() if isinstance(data, str) else data)
     return out
 
 
 @pytest.mark.integration
 def test_skypilot_loads_each_task_as_sky_launch_does(tmp_path, sky):
     from sky.client.cli import command
+    from sky.data import storage
     from sky.utils import dag_utils
 
-    files = sorted(_sky_files(tmp_path).glob("*.yaml"))
+    out = _sky_files(tmp_path)
+    files = sorted(out.glob("*.yaml"))
     zones = ["us-central1-a", "us-central1-b", "us-west1-b"]
     for k, path in enumerate(files):
         env = [("SAILOR_RDZV_HOST", "10.128.0.7")] if k else []
@@ -112,9 +120,14 @@ def test_skypilot_loads_each_task_as_sky_launch_does(tmp_path, sky):
         assert isinstance(task, sky.Task), f"`sky launch` would refuse {path.name}: {task}"  # a Dag is refused
         (res,) = task.resources
         assert (str(res.cloud), res.region, res.zone) == ("GCP", zones[k].rsplit("-", 1)[0], zones[k])
-        assert res.ports is None and task.workdir is None  # nothing opened; nothing synced from a checkout
-        assert task.setup == "python3 -m pip install --quiet 'sailor-train[train]==0.1.0'"
-        assert task.file_mounts == {"/etc/sailor/plan.json": str(tmp_path / "plan.json")}
+        assert res.ports is None  # nothing opened
+        assert task.workdir == str(out)  # synced to every node: the plan and Sailor's source in it
+        # installs the synced source tree, named by path: nothing is looked up on a package index
+        assert task.setup == "python3 -m pip install --quiet './sailor-train[train]'"
+        # the checkpoint folder: one bucket, mounted on every node of every group
+        assert not task.file_mounts and set(task.storage_mounts) == {"/ckpt"}
+        mount = task.storage_mounts["/ckpt"]
+        assert (mount.source, mount.mode) == ("gs://team-ck/opt350", storage.StorageMode.MOUNT)
         assert res.accelerators == ({"A100": 8} if k == 0 else {"V100": 8 if k == 1 else 2})
         assert not dag_utils.is_job_group_yaml(str(path))
         assert len(dag_utils.load_chain_dag_from_yaml(str(path), env_overrides=env).tasks) == 1
@@ -123,6 +136,46 @@ def test_skypilot_loads_each_task_as_sky_launch_does(tmp_path, sky):
         else:  # the rendezvous host is required: refused before anything is provisioned
             with pytest.raises(ValueError, match="Environment variable 'SAILOR_RDZV_HOST' is None"):
                 sky.Task.from_yaml(str(path))
+
+
+@pytest.mark.integration
+def test_skypilot_managed_job_loads_as_sky_jobs_launch_does(tmp_path, sky):
+    from sky.utils import dag_utils
+
+    one = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 26]], "pipelines": [
+        {"microbatches": 4, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 4}]}] * 3})
+    opts = _opts("plan.json", steps=3, checkpoint_dir="/ckpt")
+    sky_opts = SkyPilotOptions(workdir=str(tmp_path), checkpoint_bucket="s3://team-ck/run1", managed=True)
+    files = launch_files(one, Backend.SKYPILOT, opts, sky=sky_opts, image="example.com/sailor:1")
+    path = tmp_path / "0-a100-40-us-central1-a.yaml"
+    path.write_text(files[path.name])
+    (task,) = dag_utils.load_chain_dag_from_yaml(str(path)).tasks  # what `sky jobs launch FILE` reads
+    (res,) = task.resources
+    assert res.use_spot and res.job_recovery == {"strategy": "FAILOVER", "max_restarts_on_errors": 0}
+    assert task.storage_mounts["/ckpt"].source == "s3://team-ck/run1" and task.setup is None  # the image holds Sailor
+    assert "sky jobs launch --yes --name sailor 0-a100-40-us-central1-a.yaml" in files["launch.sh"]
+
+
+@pytest.mark.integration
+def test_skypilot_setup_installs_the_synced_source_as_sailor_train(tmp_path, sky):
+    """pip resolves `setup`'s argument, run in the working directory as SkyPilot runs it, to the
+    distribution sailor-train of this version built from the synced source (offline: no index)."""
+    import sailor
+
+    out = _sky_files(tmp_path)
+    task = sky.Task.from_yaml(str(out / "0-a100-40-us-central1-a.yaml"))
+    argv = shlex.split(task.setup)
+    assert argv[:5] == ["python3", "-m", "pip", "install", "--quiet"] and argv[5:] == ["./sailor-train[train]"]
+    report = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index",
+                        "--no-build-isolation", "--report", str(report), *argv[5:]], cwd=out, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (item,) = json.loads(report.read_text())["install"]
+    meta = item["metadata"]
+    assert (meta["name"], meta["version"]) == ("sailor-train", sailor.__version__)
+    assert item["requested_extras"] == ["train"] and item["download_info"]["url"].startswith("file://")
+    assert any(d.startswith("torch") and "extra == \"train\"" in d for d in meta["requires_dist"])
 
 
 @pytest.mark.integration
@@ -148,7 +201,8 @@ def test_skypilot_refuses_one_file_for_all_groups(tmp_path, sky):
 @pytest.mark.integration
 def test_skypilot_run_scripts_start_torchrun_on_internal_addresses(tmp_path, sky):
     python, calls = _stand_in_python(tmp_path)
-    files = sorted(_sky_files(tmp_path, python=python).glob("*.yaml"))
+    out = _sky_files(tmp_path, python=python)
+    files = sorted(out.glob("*.yaml"))
     head_ips = "10.128.0.7\n10.128.0.8"  # SKYPILOT_NODE_IPS of the rendezvous cluster (internal addresses)
     for k, path in enumerate(files):
         task = sky.Task.from_yaml_config(next(yaml.safe_load_all(path.read_text())),
@@ -156,8 +210,9 @@ def test_skypilot_run_scripts_start_torchrun_on_internal_addresses(tmp_path, sky
         for rank in range(task.num_nodes):
             env = {"SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NODE_IPS": head_ips if k == 0 else "10.132.0.2",
                    **(task.envs or {})}
-            _bash(task.run, env)
-    agents = _torchrun_agents(calls, "10.128.0.7:29500")
+            _bash(task.run, env, cwd=out)  # SkyPilot runs `run` in the synced working directory
+    agents = _torchrun_agents(calls, "10.128.0.7:29500", plan="plan.json")
+    assert load_plan(out / "plan.json") == GEO  # the relative path every rank reads names the plan
     assert {conf for *_, conf in agents} == {"timeout=1800"}  # waits for groups provisioned later
     _ranks_once(agents)
 
@@ -235,7 +290,7 @@ def _run_pods(jobs: list[dict], pod_spec_of) -> None:
 def test_kubernetes_jobset_passes_kubernetes_validate(tmp_path, kubernetes_validate):
     python, calls = _stand_in_python(tmp_path)
     opts = _opts("/etc/sailor/plan.json", steps=3, python=python, checkpoint_dir="/ck")
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, name="opt350", image="registry.example.com/sailor-train:0.1.0",
+    docs = launch_specs(GEO_K8S, Backend.KUBERNETES, opts, name="opt350", image="registry.example.com/sailor-train:0.1.0",
                         k8s=KubernetesOptions(namespace="team-a", max_restarts=3, queue="gpus", checkpoint_claim="ck"))
     builtin = [d for d in docs if d["kind"] != "JobSet"]
     (js,) = [d for d in docs if d["kind"] == "JobSet"]
@@ -243,10 +298,10 @@ def test_kubernetes_jobset_passes_kubernetes_validate(tmp_path, kubernetes_valid
     jobs = _child_jobs(js)
     _passes(kubernetes_validate, builtin + jobs, tmp_path, "manifests.yaml")
     assert [j["metadata"]["name"] for j in jobs] == ["opt350-a100-40-us-central1-a-0", "opt350-v100-16-us-central1-b-0",
-                                                     "opt350-v100-16-us-west1-b-0"]
+                                                     "opt350-v100-16-us-central1-f-0"]
     _run_pods(jobs, lambda j: j["spec"]["template"]["spec"])
     agents = _torchrun_agents(calls, "opt350-a100-40-us-central1-a-0-0.opt350:29500")
-    _ranks_once(agents)
+    _ranks_once(agents, GEO_K8S)
     assert all(s.resume_from is None for s in _worker_settings(calls))  # no checkpoint in /ck here: a fresh start
 
 
@@ -254,10 +309,10 @@ def test_kubernetes_jobset_passes_kubernetes_validate(tmp_path, kubernetes_valid
 def test_kubernetes_indexed_jobs_pass_kubernetes_validate(tmp_path, kubernetes_validate):
     python, calls = _stand_in_python(tmp_path)
     opts = _opts("/etc/sailor/plan.json", steps=3, python=python)
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True, namespace="ml"))
+    docs = launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(indexed_jobs=True, namespace="ml"))
     _passes(kubernetes_validate, docs, tmp_path, "jobs.yaml")
     _run_pods([d for d in docs if d["kind"] == "Job"], lambda j: j["spec"]["template"]["spec"])
-    _ranks_once(_torchrun_agents(calls, "sailor-a100-40-us-central1-a-0.sailor-nodes:29500"))
+    _ranks_once(_torchrun_agents(calls, "sailor-a100-40-us-central1-a-0.sailor-nodes:29500"), GEO_K8S)
 
 
 @pytest.mark.integration
@@ -268,7 +323,7 @@ def test_restarted_jobset_resumes_from_the_newest_checkpoint(tmp_path):
     for d in ("step-00000004", "step-00000012", ".tmp-step-00000016"):
         (ck / d).mkdir(parents=True)
     opts = _opts("/etc/sailor/plan.json", python=python, checkpoint_dir=str(ck))
-    (js,) = [d for d in launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
+    (js,) = [d for d in launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
              if d["kind"] == "JobSet"]
     _run_pods(_child_jobs(js), lambda j: j["spec"]["template"]["spec"])
     settings = _worker_settings(calls)

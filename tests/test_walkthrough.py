@@ -56,6 +56,9 @@ def test_readme_walkthrough(tmp_path):
     tensors = load_tensors(found.path, found.manifest, [n for n, _ in model.named_parameters()])
     model.load_state_dict({n: v["param"] for n, v in tensors.items()})
     hf = T.AutoModelForCausalLM.from_pretrained(work / "tiny-llama-hf").eval()
+    # --source .: the export keeps the config's token ids and the tokenizer trained above
+    assert (work / "tiny-llama-hf" / "tokenizer.json").read_bytes() == (work / "tokenizer.json").read_bytes()
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (0, 0)
     import numpy as np
 
     ids = torch.from_numpy(np.load(work / "tokens.npy")[1000:1128].astype(np.int64))[None]

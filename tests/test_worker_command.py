@@ -13,7 +13,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_launch import GEO, GEO_JOB, _opts
+from test_launch import GEO, GEO_JOB, GEO_K8S, _opts
 from typer.testing import CliRunner
 
 from sailor.cli import _register, app
@@ -21,6 +21,7 @@ from sailor.core.errors import SailorInputError
 from sailor.core.limits import MAX_SECONDS, MAX_STEPS
 from sailor.launch import Backend, KubernetesOptions, launch_specs
 from sailor.launch.common import RESUME_VAR, launch_layout
+from sailor.launch.skypilot import SkyPilotOptions
 from sailor.runtime.command import WorkerSettings, parse
 from sailor.runtime.launcher import TrainOptions, worker_settings
 
@@ -82,15 +83,17 @@ WANT = WorkerSettings(plan="/etc/sailor/plan.json", steps=7, seed=1234, device="
 @pytest.mark.parametrize("backend", list(Backend))
 def test_launch_dry_run_gives_every_rank_the_training_settings(tmp_path, backend):
     plan = tmp_path / "plan.json"
-    GEO.with_specs(GEO_JOB, None).save(plan)
-    extra = ["--checkpoint-claim", "ck"] if backend is Backend.KUBERNETES else []
+    (GEO_K8S if backend is Backend.KUBERNETES else GEO).with_specs(GEO_JOB, None).save(plan)  # one region on Kubernetes
+    remote = "plan.json" if backend is Backend.SKYPILOT else "/etc/sailor/plan.json"
+    extra = {Backend.KUBERNETES: ["--checkpoint-claim", "ck"],
+             Backend.SKYPILOT: ["--checkpoint-bucket", "gs://ck-bucket", "--out", str(tmp_path / "sky")]}.get(backend, [])
     _register()
     r = CliRunner().invoke(app, ["launch", str(plan), "--backend", backend.value, "--dry-run", "--remote-plan",
-                                 "/etc/sailor/plan.json", *[x for kv in TRAINING.items() for x in kv], *extra])
+                                 remote, *[x for kv in TRAINING.items() for x in kv], *extra])
     assert r.exit_code == 0, r.output
     ranks = _rank_settings(backend, list(yaml.safe_load_all(r.stdout)))
     assert len(ranks) == len(launch_layout(GEO).agents)  # one command per torchrun agent, none missed
-    assert all(s == WANT for s in ranks), {str(s) for s in ranks}
+    assert all(s == dataclasses.replace(WANT, plan=remote) for s in ranks), {str(s) for s in ranks}
 
 
 def test_launch_passes_what_train_passes():
@@ -105,14 +108,15 @@ def test_launch_passes_what_train_passes():
     opts = _opts("/etc/sailor/plan.json", steps=7)
     plain = _rank_settings(Backend.TORCHRUN, launch_specs(GEO, Backend.TORCHRUN, opts))
     assert {s.data for s in plain} == {None}  # none given: the worker's default corpus, said by its absence
-    launched = _rank_settings(Backend.SKYPILOT, launch_specs(GEO, Backend.SKYPILOT,
-                                                             dataclasses.replace(opts, worker=train)))
-    assert launched and all(s == train for s in launched)
+    sky = dataclasses.replace(train, plan="plan.json")  # in the tasks' working directory
+    launched = _rank_settings(Backend.SKYPILOT, launch_specs(GEO, Backend.SKYPILOT, dataclasses.replace(opts, worker=sky),
+                                                             sky=SkyPilotOptions(checkpoint_bucket="gs://ck-bucket")))
+    assert launched and all(s == sky for s in launched)
 
 
 def test_a_restarted_jobset_resumes_through_the_same_option():
     opts = _opts("/etc/sailor/plan.json", checkpoint_dir="/ck")
-    docs = launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
+    docs = launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
     scripts = _scripts(Backend.KUBERNETES, docs)
     assert all(f'"--resume-from=${RESUME_VAR}"' in s for s in scripts)
     assert all(s.resume_from is None and s.checkpoint_dir == "/ck" for s in _rank_settings(Backend.KUBERNETES, docs))
@@ -123,7 +127,7 @@ def test_kubernetes_refuses_outputs_lost_with_the_pod(option, path):
     name = option[2:]
     opts = _opts("/etc/sailor/plan.json", checkpoint_dir="/ck", **{name: path})
     with pytest.raises(SailorInputError, match=f"{option}: {path} would be in a pod's own file system"):
-        launch_specs(GEO, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
+        launch_specs(GEO_K8S, Backend.KUBERNETES, opts, k8s=KubernetesOptions(checkpoint_claim="ck"))
 
 
 # Text a command line can carry (no NUL, no lone surrogates), including values that start with "-".
@@ -171,12 +175,15 @@ def test_the_worker_refuses_bad_arguments_in_one_line(args, match):
 @pytest.mark.parametrize("backend", list(Backend))
 def test_launch_takes_the_job_of_a_plan_that_carries_none(tmp_path, backend):
     # a plan without its job (Sailor's plan_config has none) launches with --job; every rank gets it:
-    # by path (torchrun; skypilot copies it to the nodes) or inside the plan's ConfigMap (kubernetes)
+    # by path (torchrun) or inside the plan: its ConfigMap (kubernetes), the working directory (skypilot)
     plan, job = tmp_path / "plan.json", tmp_path / "job.yaml"
-    GEO.save(plan)
+    (GEO_K8S if backend is Backend.KUBERNETES else GEO).save(plan)
     job.write_text(yaml.safe_dump(GEO_JOB.to_dict()))
     _register()
-    base = ["launch", str(plan), "--backend", backend.value, "--dry-run", "--remote-plan", "/etc/sailor/plan.json"]
+    base = ["launch", str(plan), "--backend", backend.value, "--dry-run", "--remote-plan",
+            "plan.json" if backend is Backend.SKYPILOT else "/etc/sailor/plan.json"]
+    if backend is Backend.SKYPILOT:
+        base += ["--out", str(tmp_path / "sky")]
     r = CliRunner().invoke(app, base)  # in-process: `sailor.cli.main` turns this error into one line, exit 2
     assert isinstance(r.exception, SailorInputError) and "the plan carries no job" in str(r.exception)
     r = CliRunner().invoke(app, [*base, "--job", str(job)])
@@ -187,7 +194,8 @@ def test_launch_takes_the_job_of_a_plan_that_carries_none(tmp_path, backend):
         (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
         assert json.loads(config["data"]["plan.json"])["job"] == GEO_JOB.to_dict()
         assert {s.job for s in ranks} == {None}
+    elif backend is Backend.SKYPILOT:  # the plan in the working directory carries it
+        assert json.loads((tmp_path / "sky" / "plan.json").read_text())["job"] == GEO_JOB.to_dict()
+        assert {s.job for s in ranks} == {None}
     else:
         assert {s.job for s in ranks} == {str(job.resolve())}
-    if backend is Backend.SKYPILOT:
-        assert all(d["file_mounts"][str(job.resolve())] == str(job.resolve()) for d in docs)

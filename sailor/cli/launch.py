@@ -3,9 +3,10 @@
 `--dry-run` prints what would run as YAML documents separated by `---`: per-node torchrun commands,
 SkyPilot tasks (one per GPU type and zone), or Kubernetes manifests (a JobSet with one replicated
 job per GPU type and zone, or Indexed Jobs with `--indexed-jobs`). Without it the torchrun backend
-starts every node over ssh from `--hosts` and waits; SkyPilot files (a folder: task files and
-`launch.sh`) and Kubernetes manifests are meant for `sky launch` / `kubectl apply`, so those
-backends need `--dry-run` or `--out`.
+starts every node over ssh from `--hosts` and waits; SkyPilot files and Kubernetes manifests are
+meant for `sky launch` / `kubectl apply`, so those backends need `--dry-run` or `--out`. SkyPilot
+always needs `--out`: a new folder that becomes the tasks' working directory (task files,
+`launch.sh`, the plan, Sailor's source or wheel), synced to every node.
 
 Every rank gets the training settings `sailor train` takes (steps, seed, data, initial weights,
 checkpoint folder and interval, metrics, log interval, TensorBoard, timeout, device), through the
@@ -33,7 +34,7 @@ def launch_command(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="Plan file (ours, or a Sailor plan_config JSON)."),
     job: Optional[Path] = typer.Option(None, "--job", help="Job spec file, for a plan that carries none (e.g. Sailor's"
                                        " plan_config); read here, and by the ranks at its absolute path (kubernetes:"
-                                       " inside the plan's ConfigMap; skypilot: copied to the nodes)."),
+                                       " inside the plan's ConfigMap; skypilot: inside the plan in --out)."),
     backend: str = typer.Option(..., "--backend", help="torchrun (ssh per node), skypilot (task YAML) or"
                                                        " kubernetes (Job manifests)."),
     hosts: Optional[Path] = typer.Option(None, "--hosts", help="HOSTS.yaml: ssh hosts per zone and GPU type"
@@ -51,15 +52,17 @@ def launch_command(
     tensorboard: Optional[str] = TensorboardOpt,
     timeout_s: float = TimeoutOpt,
     remote_plan: Optional[str] = typer.Option(None, "--remote-plan", help="Path of the plan file on the nodes"
-                                              " (default: PLAN's absolute path; /etc/sailor/plan.json on Kubernetes)."),
+                                              " (default: PLAN's absolute path; /etc/sailor/plan.json on Kubernetes; plan.json,"
+                                              " relative to the working directory --out, on SkyPilot)."),
     rdzv_port: int = typer.Option(29500, "--rdzv-port", help="TCP port of the rendezvous store on rank 0's node."),
     python: str = typer.Option("python3", "--python", help="Python interpreter on the nodes."),
-    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder on shared storage."),
+    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder on shared storage"
+                                                  " (kubernetes: --checkpoint-claim; skypilot: --checkpoint-bucket)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda (NCCL), or cpu (gloo) for a test run;"
                                          " default cpu for a plan on GPU type cpu, else cuda."),
     image: Optional[str] = typer.Option(None, "--image", help="Container image with Sailor and torch (the Dockerfile's);"
                                         " kubernetes default sailor-train:<version>; skypilot default: none, setup"
-                                        " installs the released wheel."),
+                                        " installs Sailor from --out (see --install-from)."),
     name: str = typer.Option("sailor", "--name", help="JobSet name and object prefix (kubernetes), cluster prefix"
                              " (skypilot): a DNS-1123 label, e.g. opt350."),
     namespace: str = typer.Option("default", "--namespace", help="Kubernetes namespace of every object."),
@@ -71,11 +74,19 @@ def launch_command(
                                      " a failure (resuming from the newest checkpoint), e.g. 3."),
     checkpoint_claim: Optional[str] = typer.Option(None, "--checkpoint-claim", help="Kubernetes: PersistentVolumeClaim"
                                                    " (ReadWriteMany) mounted at --checkpoint-dir."),
+    checkpoint_bucket: Optional[str] = typer.Option(None, "--checkpoint-bucket", help="SkyPilot: bucket mounted at"
+                                                    " --checkpoint-dir on every node, e.g. gs://my-bucket/opt350."),
+    managed: bool = typer.Option(False, "--managed", help="SkyPilot: a managed job (sky jobs launch) on spot VMs,"
+                                 " recovered on preemption; a plan of one (GPU type, zone) group, with checkpoints."),
+    install_from: Optional[Path] = typer.Option(None, "--install-from", help="SkyPilot without --image: Sailor source"
+                                                " checkout or sailor_train-*.whl copied into --out and installed by"
+                                                " setup (default: the checkout this Sailor runs from)."),
 ) -> None:
     """Run PLAN with torchrun over ssh, or write its SkyPilot tasks or Kubernetes manifests. Paths of
     --data, --init-from, --checkpoint-dir, --metrics and --tensorboard name files on the nodes."""
     from sailor.core.fileio import check_output_path
     from sailor.launch import Backend, KubernetesOptions, LaunchOptions, launch, launch_files
+    from sailor.launch.skypilot import PLAN_FILE, SkyPilotOptions
     from sailor.plan import load_plan
     from sailor.runtime.command import WorkerSettings, check_takes_effect
     from sailor.runtime.validate import check_plan_for_job
@@ -87,9 +98,10 @@ def launch_command(
     job_spec = load_job(job) if job is not None else plan.job
     check_plan_for_job(plan, job_spec, plan.cluster, source=str(plan_path),  # as `sailor train` does
                        job_source=str(job) if job is not None else None)
-    if chosen is Backend.KUBERNETES and job is not None:  # the ConfigMap carries the plan, now with its job
-        plan, job = plan.with_specs(job_spec, plan.cluster), None
-    default_remote = "/etc/sailor/plan.json" if chosen is Backend.KUBERNETES else str(plan_path.resolve())
+    if chosen is not Backend.TORCHRUN and job is not None:  # the ConfigMap / working directory carries the plan
+        plan, job = plan.with_specs(job_spec, plan.cluster), None  # now with its job
+    default_remote = {Backend.KUBERNETES: "/etc/sailor/plan.json", Backend.SKYPILOT: PLAN_FILE}.get(
+        chosen, str(plan_path.resolve()))
     worker = WorkerSettings(plan=remote_plan or default_remote, steps=steps, seed=seed, data=data, init_from=init_from,
                             job=None if job is None else str(job.resolve()),
                             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
@@ -101,21 +113,34 @@ def launch_command(
     if chosen is Backend.TORCHRUN and not dry_run and hosts is None:
         raise SailorInputError("starting nodes needs --hosts HOSTS.yaml", source="--hosts",
                                fix="or pass --dry-run to print the commands")
+    if chosen is Backend.SKYPILOT and out is None:
+        raise SailorInputError("the skypilot backend writes a folder (the tasks' working directory: task files, launch.sh,"
+                               " the plan and Sailor, synced to every node)", source="--backend",
+                               fix="pass --out DIR (with --dry-run it also prints the task files)")
+    if chosen is Backend.SKYPILOT and out.exists() and any(out.iterdir()):
+        raise SailorInputError(f"{out} is not empty; every file in it would be synced to the nodes", source="--out",
+                               fix="name a new folder")
     if chosen is not Backend.TORCHRUN and not dry_run and out is None:
         raise SailorInputError(f"the {chosen.value} backend only writes specs", source="--backend",
-                               fix="pass --dry-run to print them or --out to save them (skypilot: a folder)")
+                               fix="pass --dry-run to print them or --out to save them")
     k8s = KubernetesOptions(namespace=namespace, indexed_jobs=indexed_jobs, queue=queue, max_restarts=max_restarts,
                             checkpoint_claim=checkpoint_claim)
     if chosen is not Backend.KUBERNETES and k8s != KubernetesOptions():
         raise SailorInputError("--namespace, --indexed-jobs, --queue, --max-restarts and --checkpoint-claim are for"
                                " the kubernetes backend", source="--backend")
+    sky = SkyPilotOptions(workdir=str(out.resolve()) if out is not None else ".", checkpoint_bucket=checkpoint_bucket,
+                          managed=managed)
+    if chosen is not Backend.SKYPILOT and (sky != SkyPilotOptions(workdir=sky.workdir) or install_from is not None):
+        raise SailorInputError("--checkpoint-bucket, --managed and --install-from are for the skypilot backend",
+                               source="--backend")
+    extra = {"sky": sky, "install_from": install_from} if chosen is Backend.SKYPILOT else {}
     files = launch_files(plan, chosen, opts, header=_header(chosen, plan_path, indexed_jobs), hosts_path=hosts,
-                         mounts={worker.plan: str(plan_path.resolve())} | ({worker.job: worker.job} if worker.job else {}), image=image, name=name, k8s=k8s)
+                         image=image, name=name, k8s=k8s, **extra)
     if out is not None:
         _write(out, files)
     if dry_run:
         print("".join(files.values()) if chosen is not Backend.SKYPILOT else
-              "".join(files[f] for f in files if f.endswith(".yaml")), end="")
+              "".join(files[f] for f in files if f.endswith(".yaml") and "/" not in f), end="")
         return
     if chosen is Backend.TORCHRUN:
         status = launch(plan, opts, hosts)
@@ -124,8 +149,9 @@ def launch_command(
         raise typer.Exit(code=1 if status else 0)
 
 
-def _write(out: Path, files: dict[str, str]) -> None:
-    """`--out`: the one file at `out`, or (SkyPilot) every file into the folder `out`."""
+def _write(out: Path, files: dict[str, str | bytes]) -> None:
+    """`--out`: the one file at `out`, or (SkyPilot) every file into the folder `out` (names may
+    hold folders: the plan's relative path, Sailor's source tree)."""
     from sailor.core.fileio import check_output_path, write_atomic
 
     if set(files) == {""}:
@@ -134,6 +160,7 @@ def _write(out: Path, files: dict[str, str]) -> None:
     check_output_path(out, "--out", folder=True)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(out / name, text)
         if name.endswith(".sh"):
             (out / name).chmod(0o755)

@@ -9,7 +9,8 @@ agents so that torchrun's global ranks are exactly the plan's ranks.
 Ports each backend opens (the rendezvous store, a TCPStore without authentication, listens on
 `rdzv_port` of rank 0's node; NCCL then connects the ranks on ports of its own choosing):
 - torchrun: nothing; the machines of HOSTS.yaml must reach each other, on a private network.
-- SkyPilot: no `ports` (SkyPilot's own ssh port only); ranks meet on internal addresses.
+- SkyPilot: no `ports` (SkyPilot's own ssh port only); ranks meet on internal addresses; Sailor and
+  the plan come with the task's working directory, checkpoints go to a mounted bucket.
 - Kubernetes: container port `rdzv_port` inside the cluster, headless Services (no virtual IP,
   no NodePort or LoadBalancer), and a NetworkPolicy admitting only the job's own pods.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from sailor.core import __version__
 from sailor.core.errors import SailorInputError
 from sailor.launch.common import LaunchLayout, LaunchOptions, check_image, check_options, launch_layout, node_sizes
 from sailor.launch.hosts import HostsFile, load_hosts
+from sailor.launch.skypilot import SkyPilotOptions
 from sailor.plan.spec import Plan
 
 
@@ -80,8 +83,8 @@ def layout_for(plan: Plan, hosts: HostsFile | None = None, source: str = "HOSTS.
 
 
 def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_path: str | Path | None = None,
-                 mounts: dict[str, str] | None = None, image: str | None = None, name: str = "sailor",
-                 k8s: KubernetesOptions | None = None) -> list[dict[str, Any]]:
+                 image: str | None = None, name: str = "sailor", k8s: KubernetesOptions | None = None,
+                 sky: SkyPilotOptions | None = None) -> list[dict[str, Any]]:
     """The documents `backend` needs to run `plan`.
 
     Args:
@@ -92,11 +95,12 @@ def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_pat
         opts: worker options (the cloud backends wait CLOUD_RDZV_TIMEOUT_S for the rendezvous
             unless `opts.rdzv_timeout_s` says otherwise).
         hosts_path: HOSTS.yaml (torchrun only; without it the rendezvous host is $SAILOR_RDZV_HOST).
-        mounts: node path -> file on this machine that SkyPilot copies to the nodes (the plan, the job).
-        image: container image: Kubernetes (default DEFAULT_IMAGE), SkyPilot (default: none, the
-            released wheel is installed).
+        image: container image: Kubernetes (default DEFAULT_IMAGE), SkyPilot (default: none, Sailor
+            is installed from the task's working directory).
         name: JobSet / object name prefix (Kubernetes), task and cluster name prefix (SkyPilot).
         k8s: Kubernetes settings (default KubernetesOptions()).
+        sky: SkyPilot settings (default SkyPilotOptions(): working directory ".", the source tree
+            `sailor-train/` in it, no bucket).
     Raises:
         SailorInputError: bad options, hosts not matching the plan, GPU types the backend cannot rent,
             names Kubernetes would refuse.
@@ -118,8 +122,12 @@ def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_pat
         opts = dataclasses.replace(opts, rdzv_timeout_s=CLOUD_RDZV_TIMEOUT_S)
     if backend is Backend.SKYPILOT:
         from sailor.launch.skypilot import task_specs
-        return task_specs(layout, opts, region_of=_region_of(plan), mounts=mounts, image=image, name=name)
-    from sailor.launch.kubernetes import manifests
+        return task_specs(layout, opts, region_of=_region_of(plan), sky=sky, image=image, name=name)
+    if sky is not None:
+        raise SailorInputError("--checkpoint-bucket, --managed and --install-from are for the skypilot backend",
+                               source="--backend")
+    from sailor.launch.kubernetes import check_one_region, manifests
+    check_one_region(layout, _known_region_of(plan))
     k = k8s or KubernetesOptions()
     # A JobSet restarted as a whole continues from the newest checkpoint instead of step 0.
     opts = dataclasses.replace(opts, resume_newest=not k.indexed_jobs)
@@ -128,19 +136,32 @@ def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_pat
                      checkpoint_claim=k.checkpoint_claim)
 
 
-def launch_files(plan: Plan, backend: Backend, opts: LaunchOptions, *, header: str = "", **kwargs: Any) -> dict[str, str]:
-    """What `sailor launch --out PATH` writes: {file name: text}. SkyPilot: one task file per group
-    and `launch.sh` (PATH is a folder); the others: one multi-document YAML (the key "" is PATH).
-    Arguments as `launch_specs`."""
-    docs = launch_specs(plan, backend, opts, **kwargs)
+def launch_files(plan: Plan, backend: Backend, opts: LaunchOptions, *, header: str = "",
+                 install_from: Path | None = None, **kwargs: Any) -> dict[str, str | bytes]:
+    """What `sailor launch --out PATH` writes: {file name: contents}. SkyPilot (PATH is a folder, the
+    tasks' working directory): one task file per group, `launch.sh`, `.skyignore`, the plan at
+    `opts.worker.plan` and, without an image, Sailor (`skypilot.source_files(install_from)`); the
+    others: one multi-document YAML (the key "" is PATH). Other arguments as `launch_specs`."""
     if Backend(backend) is not Backend.SKYPILOT:
-        return {"": dump_documents(docs, header=header)}
-    from sailor.launch.skypilot import SCRIPT, launch_script, task_file_names
+        if install_from is not None:
+            raise SailorInputError("--install-from is for the skypilot backend", source="--backend")
+        return {"": dump_documents(launch_specs(plan, backend, opts, **kwargs), header=header)}
+    from sailor.launch.skypilot import SCRIPT, SKYIGNORE, SkyPilotOptions, launch_script, source_files, task_file_names
 
+    sky = kwargs.pop("sky", None) or SkyPilotOptions()
+    if install_from is not None and kwargs.get("image"):
+        raise SailorInputError("--install-from and --image exclude each other (the image holds Sailor)",
+                               source="--install-from")
+    install, sources = ("", {}) if kwargs.get("image") else source_files(install_from)
+    if install:
+        sky = dataclasses.replace(sky, install=install)
+    docs = launch_specs(plan, backend, opts, sky=sky, **kwargs)
     layout = layout_for(plan)
-    files = {f: dump_documents([d], header=header) for f, d in zip(task_file_names(layout), docs)}
-    files[SCRIPT] = launch_script(layout, name=kwargs.get("name", "sailor"))
-    return files
+    files: dict[str, str | bytes] = {f: dump_documents([d], header=header) for f, d in zip(task_file_names(layout), docs)}
+    files[SCRIPT] = launch_script(layout, name=kwargs.get("name", "sailor"), managed=sky.managed)
+    files[".skyignore"] = SKYIGNORE
+    files[opts.worker.plan] = json.dumps(plan.to_dict(), indent=2) + "\n"
+    return files | sources
 
 
 def launch(plan: Plan, opts: LaunchOptions, hosts_path: str | Path, *, ssh: str = "ssh") -> int:
@@ -187,3 +208,10 @@ def _region_of(plan: Plan):
     from sailor import catalog
     prov = catalog.provider(plan.cluster.provider if plan.cluster else "gcp")
     return prov.region
+
+
+def _known_region_of(plan: Plan):
+    """zone -> its region in the provider's catalog, or None for a zone the catalog does not list."""
+    from sailor import catalog
+    prov = catalog.provider(plan.cluster.provider if plan.cluster else "gcp")
+    return prov.zone_region.get

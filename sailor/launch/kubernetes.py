@@ -23,7 +23,8 @@ exposed outside the cluster (no NodePort, LoadBalancer or Ingress; the Services 
 are pinned with `nodeSelector` to the GPU product (`cloud.google.com/gke-accelerator`) and zone
 (`topology.kubernetes.io/zone`) and ask for `nvidia.com/gpu` in `limits` only, as the NVIDIA device
 plugin expects (requests default to limits for extended resources). One cluster must have GPU node
-pools in all the plan's zones (a GKE regional cluster covers one region's zones).
+pools in all the plan's zones (a GKE regional cluster covers one region's zones); a plan whose zones
+span several regions is refused with one line naming them (`check_one_region`).
 """
 
 from __future__ import annotations
@@ -143,6 +144,23 @@ def manifests(layout: LaunchLayout, opts: LaunchOptions, *, name: str = "sailor"
     else:
         out.append(_jobset(groups, pods, name=name, namespace=namespace, queue=queue, max_restarts=max_restarts))
     return out
+
+
+def check_one_region(layout: LaunchLayout, region_of) -> None:
+    """Raise SailorInputError, naming the regions, when the plan's zones lie in more than one region.
+
+    Why refused rather than split: a GKE cluster's node pools live in one region, so a JobSet whose
+    groups select zones of two regions never schedules; one JobSet per region's cluster would need
+    rank 0's TCPStore (no authentication) exposed across clusters and pod-to-pod routes for NCCL,
+    which nothing here can set up or check. `region_of(zone)` is the catalog's region, or None for a
+    zone it does not list (not counted).
+    """
+    regions = sorted({r for g in layout.groups() if (r := region_of(g.zone)) is not None})
+    if len(regions) > 1:
+        raise SailorInputError(f"the plan spans regions {', '.join(regions)}, but a Kubernetes cluster's GPU node pools"
+                               " lie in one region", source="--backend",
+                               fix="launch it with --backend skypilot (groups meet on VPC-internal addresses), or"
+                               " plan with the zones of one region")
 
 
 def check_outputs_kept(worker: WorkerSettings, checkpoint_claim: str | None) -> None:

@@ -278,6 +278,8 @@ def check_init_from(folder: str | Path, spec: ModelSpec, *, source: str = "--ini
         raise SailorInputError(f"the job's model has {field} {want!r}, this config {got!r}",
                                source=str(p / "config.json"), field=field, fix=f"use model: {p / 'config.json'} in the job")
     HFWeights(p, spec).check()
+    from sailor.model.hf_files import source_record
+    source_record(p, spec)  # what the checkpoints will record for `sailor export`: token ids, generation config
 
 
 def materialize_hf(stage: torch.nn.Module, weights: HFWeights, *, tp_rank: int, tp: int,
@@ -332,16 +334,23 @@ def hf_tensors(spec: ModelSpec, params: dict[str, torch.Tensor]) -> dict[str, to
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
-                      max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, Any]:
+                      max_shard_bytes: int = MAX_SHARD_BYTES, source: str | Path | None = None) -> dict[str, Any]:
     """Write the Sailor checkpoint `checkpoint` (a step folder, or a checkpoint folder: its newest
     verified step) as a Hugging Face model folder `out_dir` (which must not exist or be empty).
 
-    Returns a summary: {"step", "model_type", "files", "parameters"}.
+    Token ids, dropout rates, generation_config.json and the tokenizer files come from `source` (a
+    Hugging Face folder of the same model), else from the folder the run started from as the
+    manifest records it (`sailor.model.hf_files`).
+
+    Returns a summary: {"step", "model_type", "files", "parameters", "kept_from"} ("kept_from": where
+    those came from, None when nothing was known).
 
     Raises:
-        SailorInputError: no verified checkpoint, an `out_dir` that is not empty, or a model the
-            Hugging Face architectures cannot express.
+        SailorInputError: no verified checkpoint, an `out_dir` that is not empty, a model the
+            Hugging Face architectures cannot express, or a `source` holding another model.
     """
+    from sailor.model.hf_files import RECORD_KEY, export_extras
+
     from safetensors.torch import save_file
 
     from sailor.runtime.checkpoint_io import load_tensors
@@ -352,7 +361,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     except ValueError as e:  # pydantic's ValidationError: a hand-edited or foreign manifest
         raise SailorInputError(f"not a valid model spec ({str(e).splitlines()[0]})",
                                source=str(path / "manifest.json"), field="model") from None
-    config = hf_config_from_spec(spec) | {"torch_dtype": "float32"}
+    extras = export_extras(spec, manifest.get(RECORD_KEY), source)
+    config = hf_config_from_spec(spec) | extras.config | {"torch_dtype": "float32"}
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SailorInputError("exists and is not an empty folder", source=str(out), fix="export to a new folder")
@@ -372,6 +382,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
             index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                      "weight_map": {k: f for f, part in zip(files, shards) for k in part}}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for fname, data in extras.files.items():  # generation config and tokenizer, as the source has them
+            (tmp / fname).write_bytes(data)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -381,8 +393,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"step": manifest["step"], "model_type": config["model_type"], "files": files + ["config.json"],
-            "parameters": spec.model_params()}
+    return {"step": manifest["step"], "model_type": config["model_type"],
+            "files": files + ["config.json", *extras.files], "parameters": spec.model_params(),
+            "kept_from": extras.source}
 
 
 def _find_checkpoint(p: Path) -> tuple[Path, dict[str, Any]]:

@@ -64,6 +64,7 @@ from torch import nn
 from sailor.core.errors import SailorInputError, SailorWarning
 from sailor.core.fileio import check_output_path
 from sailor.core.process import die_with_parent
+from sailor.model.hf_files import RECORD_KEY, source_record
 from sailor.model.spec import ModelSpec
 from sailor.plan import load_plan
 from sailor.plan.orders import Op
@@ -348,6 +349,10 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
               sliced=sliced_edges(rk.stage, role.chunks, sequence_parallel=role.memory.sequence_parallel))
     corpus = load_corpus(args.data)
     meta = ckpt.run_meta(job, args.seed)
+    if rank == 0:  # what `sailor export` keeps of the Hugging Face folder the run started from
+        record = manifest.get(RECORD_KEY) if args.resume_from else None
+        record = record or (source_record(args.init_from, spec) if args.init_from else None)
+        meta |= {RECORD_KEY: record} if record else {}
     layout = model_layout(spec)
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     fault = os.environ.get(FAULT_ENV, "")
