@@ -5,7 +5,7 @@ shaped links.
 1. bring the testbed up (default `examples/testbed.yaml`: 4 nodes, 3 zones, 2 regions, 2 speeds);
 2. profile each device class inside one rank's quota (`sailor.testbed.profile`);
 3. for each plan: `sailor.simulate` with that profile and the testbed's cluster spec (predicted
-   iteration time and bytes per zone pair), then `sailor launch --backend torchrun` through the
+   iteration time, bytes per zone pair, each stage's exposed sync), then `sailor launch --backend torchrun` through the
    stand-in ssh twice, with SHORT_STEPS and --steps steps: the measured step time is the median
    `step_time_s` after --skip steps of the long run; the bytes per iteration on the link of the
    plan's lone-node zone (all its traffic crosses to the other zone) are the difference of the two
@@ -16,15 +16,26 @@ shaped links.
    `link_bytes_max_error_pct`, `plans`, the rows (each with the 1-minute load before and after it)
    and `left_behind`.
 
-Plans (the `tiny` model, global batch 8):
+Plans (the `tiny` model, global batch 12 so that 6, 4, 3 and 2 replicas take equal shares):
   planner          what `sailor.find_plan` picks with the testbed's profile
-  dp_fast          4 data-parallel replicas on the two fast nodes of one zone
-  shares           two speeds, uneven shares: 2 fast replicas x 3 micro-batches, 1 slow x 2 (cross zone)
+  dp_fast          4 data-parallel replicas of one device class on two nodes of one zone; each node's
+                   NIC is shared by its two ranks' flows
+  shares           two speeds, uneven shares: 2 fast replicas x 5 micro-batches, 1 slow x 2 (cross zone)
   pp_mixed         a pipeline mixing device classes: fast stage 0, slow stage 1 (cross zone)
   pp_cross_region  a pipeline cut across the cross-region link (slow, slow)
+  dp_cross_region  2 slow replicas syncing over the cross-region link
+  tp2_node         2 replicas of TP 2, each inside one fast node, syncing across the zone's NICs
+The planner against the alternatives a user has (each simulated, then trained and measured the same
+way): `one_class` the fastest device class alone (the planner on a cluster of that class only),
+`ddp_all` every rank a replica with an equal share (what DDP does), `paper` the published search
+space (`search="paper"`), `one_zone` the best plan of a single zone. `planner_vs_baselines_min_ratio`
+is the least, over them, of the planner's measured throughput over theirs.
+The gradient sync each stage waits for after its last backward, predicted (`Estimate.stage_sync_s`)
+and measured (the metrics' `sync_exposed_s`, median over the timed steps of the largest stage's), is
+printed per row.
 
     python benchmarks/testbed.py [--testbed examples/testbed.yaml] [--job examples/tiny_job.yaml]
-        [--steps 8] [--skip 3] [--out DIR]
+        [--steps 8] [--skip 3] [--out DIR] [--no-baselines]
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,19 +70,53 @@ def _replica(stage: int, where: tuple[str, str]) -> dict:
     return {"stage": stage, "gpu": where[0], "zone": where[1], "tp": 1}
 
 
+def _pipes(n: int, m: int, replicas: list[dict]) -> list[dict]:
+    return [{"microbatches": m, "replicas": replicas} for _ in range(n)]
+
+
 PLANS = {
-    "dp_fast": {"micro_batch_size": 2, "stages": [[0, 6]],
-                "pipelines": [{"microbatches": 1, "replicas": [_replica(0, FAST)]} for _ in range(4)]},
+    "dp_fast": {"micro_batch_size": 1, "stages": [[0, 6]], "pipelines": _pipes(4, 3, [_replica(0, FAST)])},
     "shares": {"micro_batch_size": 1, "stages": [[0, 6]],
-               "pipelines": [{"microbatches": 3, "replicas": [_replica(0, FAST)]},
-                             {"microbatches": 3, "replicas": [_replica(0, FAST)]},
-                             {"microbatches": 2, "replicas": [_replica(0, SLOW)]}]},
+               "pipelines": _pipes(2, 5, [_replica(0, FAST)]) + _pipes(1, 2, [_replica(0, SLOW)])},
     "pp_mixed": {"micro_batch_size": 2, "stages": [[0, 4], [4, 6]],
-                 "pipelines": [{"microbatches": 4, "replicas": [_replica(0, FAST), _replica(1, SLOW)]}]},
+                 "pipelines": _pipes(1, 6, [_replica(0, FAST), _replica(1, SLOW)])},
     "pp_cross_region": {"micro_batch_size": 2, "stages": [[0, 3], [3, 6]],
-                        "pipelines": [{"microbatches": 4, "replicas": [_replica(0, SLOW), _replica(1, WEST)]}]},
+                        "pipelines": _pipes(1, 6, [_replica(0, SLOW), _replica(1, WEST)])},
+    "dp_cross_region": {"micro_batch_size": 2, "stages": [[0, 6]],
+                        "pipelines": _pipes(1, 3, [_replica(0, SLOW)]) + _pipes(1, 3, [_replica(0, WEST)])},
+    "tp2_node": {"micro_batch_size": 2, "stages": [[0, 6]], "pipelines": _pipes(2, 3, [{**_replica(0, FAST), "tp": 2}])},
 }
-LONE_NODE = {"shares": "b0", "pp_mixed": "b0", "pp_cross_region": "w0"}  # its veth carries all crossing bytes
+LONE_NODE = {"shares": "b0", "pp_mixed": "b0", "pp_cross_region": "w0",
+             "dp_cross_region": "w0"}  # its veth carries all crossing bytes
+GLOBAL_BATCH = 12
+
+
+def _cluster_only(cluster: dict, keep) -> dict:
+    """`cluster` (the testbed's cluster spec) with only the (zone, GPU type) entries `keep(zone, gpu)`."""
+    zones = {z: {g: n for g, n in gpus.items() if keep(z, g)} for z, gpus in cluster["zones"].items()}
+    return {**cluster, "zones": {z: g for z, g in zones.items() if g},
+            "zone_network": {z: v for z, v in cluster.get("zone_network", {}).items() if zones.get(z)}}
+
+
+def baselines(cluster: dict, job: Path, profile: Path, ranks: list[tuple[str, str]]) -> dict[str, dict]:
+    """The alternatives a user has (module docstring), as plans, by name; `ranks` = (GPU type, zone)
+    of every rank of the testbed."""
+    def best(clusters: list[dict]):
+        found = []
+        for c in clusters:
+            try:
+                found.append(sailor.find_plan(job, c, profiles=profile))
+            except sailor.InfeasibleError:
+                continue
+        return min(found, key=lambda r: r.estimate.iteration_time_s).plan.to_dict(with_specs=False)
+
+    gpus = sorted({g for zone in cluster["zones"].values() for g in zone})
+    each = GLOBAL_BATCH // len(ranks)
+    return {"one_class": best([_cluster_only(cluster, lambda z, g, x=x: g == x) for x in gpus]),
+            "ddp_all": {"micro_batch_size": 1, "stages": [[0, 6]],
+                        "pipelines": [{"microbatches": each, "replicas": [_replica(0, r)]} for r in ranks]},
+            "paper": sailor.find_plan(job, cluster, profiles=profile, search="paper").plan.to_dict(with_specs=False),
+            "one_zone": best([_cluster_only(cluster, lambda z, g, x=x: z == x) for x in cluster["zones"]])}
 
 
 def _launch(state, plan: Path, job: Path, steps: int, metrics: Path, log: Path) -> None:
@@ -102,11 +149,12 @@ def run_plan(name: str, plan: dict, state, job: Path, profile: Path, out: Path, 
         before = _link_bytes(state, node) if node else 0
         _launch(state, plan_file, job, n, metrics, out / f"{name}-{n}.log")
         moved.append((_link_bytes(state, node) if node else 0) - before)
-    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()
-             if '"step_time_s"' in line][skip:]
-    measured = statistics.median(times)
+    steps_rows = [json.loads(line) for line in metrics.read_text().splitlines() if '"step_time_s"' in line][skip:]
+    measured = statistics.median(r["step_time_s"] for r in steps_rows)
     row = {"plan": name, "predicted_s": est.iteration_time_s, "measured_s": measured,
            "error_pct": 100 * (est.iteration_time_s - measured) / measured,
+           "sync_predicted_s": max(est.stage_sync_s),
+           "sync_measured_s": statistics.median(max(st["sync_exposed_s"] for st in r["stages"]) for r in steps_rows),
            "load_before": load_before, "load_after": os.getloadavg()[0]}
     if node:
         payload = sum(t.moved_bytes for t in est.traffic)
@@ -124,6 +172,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--no-baselines", action="store_true", help="skip the planner-against-alternatives rows")
     args = ap.parse_args()
     problem = support_problem()
     if problem:
@@ -132,30 +181,45 @@ def main() -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="sailor-testbed-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     spec = load_testbed(args.testbed)
+    job = out / "job.yaml"  # the given job at GLOBAL_BATCH
+    job.write_text(yaml.safe_dump({**yaml.safe_load(args.job.read_text()), "global_batch_size": GLOBAL_BATCH}))
     started = time.monotonic()
     state = up(spec, out / "state")
-    rows = []
+    rows, others = [], []
     try:
         profile = out / "profile.json"
-        write_json(profile, profile_classes(spec, state, args.job.resolve(), mbs="1,2"))
-        found = sailor.find_plan(args.job, state.cluster_file, profiles=profile)
+        write_json(profile, profile_classes(spec, state, job, mbs="1,2"))
+        found = sailor.find_plan(job, state.cluster_file, profiles=profile)
         plans = {"planner": found.plan.to_dict(with_specs=False), **PLANS}
+        if not args.no_baselines:
+            ranks = [(spec.devices[n.device].gpu, n.zone) for n in spec.nodes for _ in range(n.ranks)]
+            cluster = yaml.safe_load(state.cluster_file.read_text())
+            extra = {f"baseline:{k}": v for k, v in baselines(cluster, job, profile, ranks).items()}
+            others = list(extra)
+            plans |= extra
         for name, plan in plans.items():
-            rows.append(run_plan(name, plan, state, args.job.resolve(), profile, out, args.steps, args.skip))
+            rows.append(run_plan(name, plan, state, job, profile, out, args.steps, args.skip))
             r = rows[-1]
-            print(f"{name:16s} predicted {r['predicted_s']:.4f} s  measured {r['measured_s']:.4f} s"
-                  f"  error {r['error_pct']:+.1f} %" + (f"  link bytes/iter {r['link_measured_bytes']:.0f}"
-                                                        f" vs {r['link_predicted_bytes']:.0f}"
-                                                        f" ({r['link_error_pct']:+.1f} %)" if "link_node" in r else "")
+            print(f"{name:19s} predicted {r['predicted_s']:.4f} s  measured {r['measured_s']:.4f} s"
+                  f"  error {r['error_pct']:+.1f} %  sync {r['sync_predicted_s']:.4f} vs {r['sync_measured_s']:.4f} s"
+                  + (f"  link bytes/iter {r['link_measured_bytes']:.0f} vs {r['link_predicted_bytes']:.0f}"
+                     f" ({r['link_error_pct']:+.1f} %)" if "link_node" in r else "")
                   + f"  load {r['load_before']:.1f}->{r['load_after']:.1f}", flush=True)
     finally:
         down(state)
     left = leftovers(state.prefix)
-    errors = [abs(r["error_pct"]) for r in rows]
-    links = [abs(r["link_error_pct"]) for r in rows if "link_error_pct" in r]
+    loop = [r for r in rows if r["plan"] not in others]
+    errors = [abs(r["error_pct"]) for r in loop]
+    links = [abs(r["link_error_pct"]) for r in loop if "link_error_pct" in r]
+    measured = {r["plan"]: r["measured_s"] for r in rows}
+    ratios = {k: measured[k] / measured["planner"] for k in others}  # planner throughput over the baseline's
+    for k, v in ratios.items():
+        print(f"planner / {k}: {v:.3f} (measured throughput)")
     print(json.dumps({"closed_loop_mean_abs_error_pct": statistics.mean(errors),
                       "closed_loop_max_abs_error_pct": max(errors),
                       "link_bytes_max_error_pct": max(links) if links else None,
+                      "planner_vs_baselines_min_ratio": min(ratios.values()) if ratios else None,
+                      "planner_vs_baselines": ratios,
                       "plans": [r["plan"] for r in rows], "rows": rows, "left_behind": left,
                       "seconds": time.monotonic() - started}))
     return 0 if not left else 1

@@ -140,6 +140,9 @@ class Estimate:
     traffic: list[ZoneTraffic] = field(default_factory=list)
     """`cross_zone_bytes` and `egress_per_iteration_usd` per zone pair and kind (pipeline p2p, gradient
     sync), sorted by pair then kind; one entry per pair and kind that carries bytes (`traffic`)."""
+    stage_sync_s: list[float] = field(default_factory=list)
+    """Per stage, the seconds of its gradient sync charged after its last backward (`terms.stage_sync`;
+    the tied embedding's exchange not included): what the runtime's `sync_exposed_s` measures."""
 
     @property
     def throughput_iters_per_s(self) -> float:
@@ -324,7 +327,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         estimated=sorted(f"{g} TP {t}: {how}" for g, t, how in ctx.profiles.estimates_used
                          if any(r.gpu == g and r.tp == t for r in replicas)),
         recompute_flop_per_iteration=_recompute_flop(plan, ctx, memory), tp_communication=tp_communication(plan, ctx),
-        schedule=sched, pipeline_passes=passes, traffic=tally(crossings),
+        schedule=sched, pipeline_passes=passes, traffic=tally(crossings), stage_sync_s=sync_times,
     )
 
 
