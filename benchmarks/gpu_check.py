@@ -17,7 +17,11 @@ What it does, in order, each part on its own (a failing part is recorded and the
    against `sailor simulate`'s prediction of the same plan; the per-stage forward/backward/wait
    seconds (CUDA events) and step times are kept. A run the runtime refuses (exit 2) is recorded
    with its one line, as what is missing. The prediction is made on a one-zone cluster that gives
-   the GPU a price of 0 (only memory is read; several catalog types have no GCP list price).
+   the GPU a price of 0 (only memory is read; several catalog types have no GCP list price);
+5. against torch: on 1 GPU, and on all of the machine's GPUs when it has more, `sailor train` of
+   data-parallel plans (ZeRO-0 and ZeRO-3) with their predicted step time and MFU, and with 2+ GPUs
+   torch's DDP and FSDP2 on the same model and batch (`against_torch`, `torch_reference.py`):
+   tokens/s, MFU and memory side by side (issue #26 item 6).
 
 Bad arguments (sizes < 1, an unknown model) exit 2 with one line before anything else, so that a
 typo does not spend a GPU session. It ends with one JSON line holding everything. Without a CUDA
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any, Self
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # torch_reference
 
 
 def identity() -> dict[str, Any]:
@@ -205,6 +210,56 @@ def train(gpu: str, precision: str, args: argparse.Namespace, folder: Path) -> d
     return out
 
 
+def against_torch(gpu: str, n: int, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """Data parallelism over `n` GPUs of this machine, in bf16 (fp16 before capability 8.0 for Sailor;
+    torch's reference then runs fp32): `sailor train` of n one-GPU pipelines under ZeRO-0 and ZeRO-3
+    against torch's DDP and FSDP2 (`torch_reference.py`) on the same model, batch and data. Per run:
+    tokens/s (the median step after the first two), peak memory, and Sailor's prediction of the step
+    time and MFU (`sailor simulate`, analytic profiles, a one-node cluster of n `gpu`s priced at 0)."""
+    import statistics
+
+    import sailor as api
+    import torch_reference
+
+    precision = "bf16" if args.bf16 else "fp16"
+    gbs, tokens = n * args.mbs * args.microbatches, n * args.mbs * args.microbatches * args.seq
+    job = {"model": args.model, "global_batch_size": gbs, "sequence_length": args.seq, "precision": precision}
+    cluster = {"provider": "gcp", "zones": {ZONE: {gpu: n}}, "prices": {gpu: 0.0}, "gpus_per_node": {gpu: n}}
+    out: dict[str, Any] = {"gpus": n, "precision": precision}
+    for zero in (0, 3):
+        plan = {**one_gpu_plan(gpu, job, args.mbs, args.microbatches), "memory": [{"zero": zero}] if n > 1 else []}
+        plan["pipelines"] = plan["pipelines"] * n
+        path, metrics = folder / f"dp{n}-zero{zero}.json", folder / f"dp{n}-zero{zero}.jsonl"
+        path.write_text(json.dumps(plan))
+        metrics.unlink(missing_ok=True)
+        row: dict[str, Any] = {}
+        est = api.simulate(str(path), cluster=cluster)
+        row.update(predicted_step_s=est.iteration_time_s, predicted_mfu=est.mfu)
+        r = sailor("train", str(path), "--device", "cuda", "--steps", str(args.steps), "--metrics", str(metrics),
+                   timeout_s=300)
+        row["exit"] = r.returncode
+        steps = [json.loads(x) for x in metrics.read_text().splitlines() if '"step_time_s"' in x] if metrics.exists() else []
+        if r.returncode != 0 or len(steps) < 3:
+            row["error"] = (r.stderr.strip().splitlines() or [""])[-1]
+        else:
+            t = statistics.median(x["step_time_s"] for x in steps[2:])
+            row.update(step_s=t, tokens_per_s=tokens / t, mfu=est.model_flop_per_iteration / (t * est.peak_flop_per_s))
+        out[f"sailor_zero{zero}"] = row
+    if n > 1:
+        for mode in ("ddp", "fsdp2"):
+            try:
+                ref = torch_reference.run(mode, args.model, gbs=gbs, mbs=args.mbs, seq=args.seq, steps=args.steps,
+                                          nproc=n, device="cuda", bf16=args.bf16, timeout_s=300)
+                t = statistics.median(ref["times"][2:])
+                out[mode] = {"step_s": t, "tokens_per_s": tokens / t, "peak_bytes": ref["peak_bytes"]}
+            except Exception as e:  # noqa: BLE001 - recorded; the other runs still count
+                out[mode] = {"error": f"{type(e).__name__}: {e}"}
+        for mine, theirs in (("sailor_zero0", "ddp"), ("sailor_zero3", "fsdp2")):
+            a, b = out[mine].get("tokens_per_s"), out[theirs].get("tokens_per_s")
+            out[f"{mine}_over_{theirs}"] = a / b if a and b else None
+    return out
+
+
 def profile(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     from sailor.runtime.profiler import device_description
 
@@ -273,6 +328,9 @@ def main() -> int:
         for precision in (["bf16"] if args.bf16 else []) + ["fp16"]:
             runs.append(part(f"train_{precision}", train, gpu, precision, args, folder))
         result["train"] = [r.get("precision") for r in runs]
+        gpus = torch.cuda.device_count()
+        for n in sorted({1, gpus}):
+            part(f"against_torch_{n}", against_torch, gpu, n, args, folder)
     result["wall_s"] = time.perf_counter() - t0
     (folder / "gpu_check.json").write_text(json.dumps(result))
     print(json.dumps(result))

@@ -1,8 +1,6 @@
 """Runtime overhead on CPU: tokens/s of `sailor train` on a 2-pipeline homogeneous plan against
 `torch.nn.parallel.DistributedDataParallel` on the same model, batch, data and optimizer; and the
-same plan under ZeRO-3 against torch's FSDP2 (`torch.distributed.fsdp.fully_shard`, each transformer
-block its own unit, the root holding the tied embedding and the head; re-sharded after forward,
-gradients reduce-scattered every micro-batch, as Sailor's ZeRO-3 does; `zero3_ratio`).
+same plan under ZeRO-3 against torch's FSDP2 (`zero3_ratio`); torch's runs are `torch_reference.py`.
 
 Both run as 2 gloo ranks under torchrun on this machine; each rank processes its half of the global
 batch in micro-batches (DDP skips the all-reduce on all but the last micro-batch with `no_sync`).
@@ -24,82 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch_reference  # noqa: E402  (benchmarks/torch_reference.py)
 
 
 def _model(args) -> dict:
     return {"name": "bench", "num_blocks": args.blocks, "hidden_size": args.hidden, "num_heads": args.heads,
             "vocab_size": 256, "max_sequence_length": args.seq}
-
-
-def torch_worker(args) -> None:
-    """One rank of torch's DDP (`--torch-worker ddp`) or FSDP2 (`fsdp2`), run under torchrun: prints
-    the step times of rank 0 as one JSON line."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from sailor.runtime.data import batch_tokens, load_corpus
-    from sailor.runtime.model import init_full_model, lm_loss_sum
-    from sailor.runtime.optim import OptimConfig, build_optimizer
-    from sailor.specs.job import JobSpec
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    job = JobSpec(model=_model(args), global_batch_size=args.gbs)
-    model = init_full_model(job.model, 0)
-    if args.torch_worker == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for i, layer in model.layers.items():
-            if 0 < int(i) < len(model.layers) - 1:  # the blocks; the root keeps the tied embedding and head
-                fully_shard(layer, mesh=mesh)
-        ddp = fully_shard(model, mesh=mesh)
-    else:
-        ddp = DistributedDataParallel(model)
-    cfg = OptimConfig()
-    opt = build_optimizer(dict(model.named_parameters()), cfg)
-    corpus = load_corpus()
-    share, mbs, seq = args.gbs // world, args.mbs, job.seq
-    times = []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        tok = torch.from_numpy(batch_tokens(corpus, seed=0, step=step, first=rank * share, count=share, seq=seq))
-        loss_sum = 0.0
-        for k in range(share // mbs):
-            mb = tok[k * mbs:(k + 1) * mbs]
-            last = k == share // mbs - 1
-            ctx = ddp.no_sync() if not last and args.torch_worker == "ddp" else _null()
-            with ctx:
-                # DDP averages over ranks, so scale by world / global tokens to get the global mean.
-                loss = lm_loss_sum(ddp(mb[:, :-1]), mb[:, 1:])
-                (loss * world / (args.gbs * seq)).backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = torch.tensor([loss_sum], dtype=torch.float64)
-        dist.all_reduce(total)  # the loss report sailor's runtime also makes
-        times.append(time.perf_counter() - t0)
-    if rank == 0:
-        print("TORCH_TIMES " + json.dumps(times), flush=True)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # see sailor.runtime.worker.main: skip gloo's teardown at exit
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _throughput(times: list[float], warmup: int, tokens_per_step: int) -> float:
@@ -152,14 +85,8 @@ def _sailor_times(args, tmp: Path, name: str, memory: list[dict]) -> list[float]
 
 
 def _torch_times(args, mode: str) -> list[float]:
-    """Step times of rank 0 of torch's `mode` (ddp or fsdp2) on 2 ranks under torchrun."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           __file__, f"--torch-worker={mode}"] + [f"--{k}={v}" for k, v in
-                                                  (("steps", args.steps), ("hidden", args.hidden), ("heads", args.heads),
-                                                   ("blocks", args.blocks), ("seq", args.seq), ("gbs", args.gbs),
-                                                   ("mbs", args.mbs))]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(next(x for x in out.splitlines() if x.startswith("TORCH_TIMES "))[len("TORCH_TIMES "):])
+    """Step times of rank 0 of torch's `mode` (ddp or fsdp2, `torch_reference`) on 2 CPU ranks."""
+    return torch_reference.run(mode, _model(args), gbs=args.gbs, mbs=args.mbs, seq=args.seq, steps=args.steps)["times"]
 
 
 def main() -> None:
@@ -174,11 +101,7 @@ def main() -> None:
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--boundary-steps", type=int, default=2, help="steps of the boundary run (0: skip it)")
     ap.add_argument("--no-zero3", action="store_true", help="skip the ZeRO-3 / FSDP2 pair")
-    ap.add_argument("--torch-worker", choices=("ddp", "fsdp2"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.torch_worker:
-        torch_worker(args)
-        return
 
     tokens = args.gbs * args.seq
     load = [os.getloadavg()[0]]
