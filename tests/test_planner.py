@@ -293,7 +293,7 @@ def test_packing_rounds_a_part_filled_node_up_to_whole_nodes():
     assert odd.iteration_time_s > even.iteration_time_s
     assert r.estimate.iteration_time_s <= simulate(tp2_plan(20), make_context(job, cluster)).iteration_time_s + 1e-12
     # the planner's plan: TP-2 pipelines on whole nodes (the count it takes depends on how much of
-    # the sync the backward hides, `terms.stage_sync`)
+    # the sync the backward hides, `sync.stage_sync`)
     n = len(r.plan.pipelines)
     assert [p.replicas[0].tp for p in r.plan.pipelines] == [2] * n and 2 * n % 4 == 0
 

@@ -38,7 +38,7 @@ ALPHA_ZONE, BETA_ZONE = 0.0, ACT_BYTES / 0.01
 
 
 def _ctx(global_batch: int, zones: dict, net: dict = NET):
-    # DeepSpeed's whole sync after the pipeline (`terms.stage_sync`), so the hand figures below are
+    # DeepSpeed's whole sync after the pipeline (`sync.stage_sync`), so the hand figures below are
     # one ring all-reduce per stage; Sailor's overlapped buckets are checked in test_simulator*.py
     job = JobSpec(model=MODEL, global_batch_size=global_batch, sequence_length=512, framework="deepspeed")
     cluster = ClusterSpec(zones=zones, gpus_per_node={"V100-16": 1}, network=net)

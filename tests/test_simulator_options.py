@@ -224,7 +224,7 @@ def test_kept_zero3_weights_beat_zero2_where_its_post_step_all_gather_shows():
 
 
 def test_bucket_syncs_overlap_the_backward_as_a_queue_on_one_link():
-    from sailor.simulator.terms import exposed_sync_s
+    from sailor.simulator.sync import exposed_sync_s
 
     # layers finish at 1, 2, 3; collectives of 0.5 s hide but the last; of 2 s they queue: ends 3, 5, 7
     assert exposed_sync_s([0.5, 0.5, 0.5], [1.0, 1.0, 1.0]) == pytest.approx(0.5)
@@ -234,7 +234,7 @@ def test_bucket_syncs_overlap_the_backward_as_a_queue_on_one_link():
 
 def test_sailor_sync_is_what_the_backward_cannot_hide_deepspeed_syncs_after_it():
     from sailor.simulator.collectives import group_members
-    from sailor.simulator.terms import stage_sync
+    from sailor.simulator.sync import stage_sync
 
     job = JobSpec(model="tiny", global_batch_size=16)
     groups = group_members([Slot(zone=ZONE, gpu="A100-40", tp=1)] * 4)

@@ -87,7 +87,7 @@ def test_tied_embeddings_held_as_the_runtime_and_as_deepspeed_hold_them():
         assert ctx.tied_copy_params(4) == m.params(0, 4) == 50688 * 1024 // 4 + 2048 * 1024
 
 
-# DeepSpeed's sync runs after the pipeline, whole (`terms.stage_sync`): the collectives' formulas in full
+# DeepSpeed's sync runs after the pipeline, whole (`sync.stage_sync`): the collectives' formulas in full
 JOB_DS = JOB.model_copy(update={"framework": "deepspeed"})
 
 

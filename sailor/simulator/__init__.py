@@ -22,7 +22,7 @@ DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, Opt
   with P = 1.
 - sync: each TP rank all-reduces its own gradient shard (params(stage, t) x gradient bytes, norms
   and row-parallel biases included) with its peers of the other D - 1 replicas (ZeRO: reduce-scatter
-  plus all-gather, `terms.stage_sync`): a ring or a hierarchical all-reduce over the links at the
+  plus all-gather, `sync.stage_sync`): a ring or a hierarchical all-reduce over the links at the
   GPU type's calibrated all-reduce efficiency (`terms.collective_s`, `collectives`).
 - optimizer: proportional to the parameters on one GPU (memory-bound; 1/D of them under ZeRO).
 Memory options (`Plan.memory`) are read in one place, `terms.stage_memory`, which `simulate` calls
@@ -55,10 +55,10 @@ from sailor.simulator.context import (SimContext, TiedCopies, embedding_params, 
                                       tied_embeddings)
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes, pipeline_schedule
+from sailor.simulator.sync import stage_sync, stage_sync_crossings, tied_sync, tied_sync_crossings
 from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s, group_shape,
                                     kept_gather_s, link_transfer, optimizer_s, pipeline_arrays, pipeline_times, place,
-                                    placed_slots, recomputed_blocks, stage_memory, stage_sync, stage_sync_crossings, stage_time,
-                                    tied_sync, tied_sync_crossings, time_options)
+                                    placed_slots, recomputed_blocks, stage_memory, stage_time, time_options)
 from sailor.simulator.traffic import Crossing, TrafficKind, ZoneTraffic, tally
 
 __all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", "StageTime", "TiedCopies", "TimeOptions",
@@ -141,7 +141,7 @@ class Estimate:
     """`cross_zone_bytes` and `egress_per_iteration_usd` per zone pair and kind (pipeline p2p, gradient
     sync), sorted by pair then kind; one entry per pair and kind that carries bytes (`traffic`)."""
     stage_sync_s: list[float] = field(default_factory=list)
-    """Per stage, the seconds of its gradient sync charged after its last backward (`terms.stage_sync`;
+    """Per stage, the seconds of its gradient sync charged after its last backward (`sync.stage_sync`;
     the tied embedding's exchange not included): what the runtime's `sync_exposed_s` measures."""
 
     @property

@@ -164,7 +164,7 @@ class SimContext:
 
     def tied_copy_params(self, tp: int) -> int:
         """Parameters per GPU at TP `tp` of the tied copy whose gradient a pipeline's first and last
-        stage exchange (`terms.tied_sync`), as `stage_params` holds it: the token embedding alone
+        stage exchange (`sync.tied_sync`), as `stage_params` holds it: the token embedding alone
         under `runtime` (`head_vocab_params`), the whole embedding module under `module`
         (`embedding_params`, the position table included)."""
         m = self.job.model

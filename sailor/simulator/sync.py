@@ -1,0 +1,159 @@
+"""The simulator's gradient-sync terms: each stage's gradient sync across its data-parallel replicas
+(`stage_sync`: the collectives its ZeRO level runs, and under Sailor's runtime only the part its
+backward cannot hide, `exposed_sync_s`) and the tied embedding's exchange between a pipeline's first
+and last stage (`tied_sync`), with the bytes each puts across zones; shared with the planner so that
+both score plans the same way. Per-micro-batch terms are in `terms`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from sailor.model.spec import Collective, Framework
+from sailor.simulator.collectives import Group, group_members, ring_crossings, ring_egress
+from sailor.simulator.context import SimContext, TiedCopies, tied_embeddings
+from sailor.simulator.terms import DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_s, group_shape
+from sailor.simulator.traffic import Crossing
+
+
+def _sync_shards(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]]) -> tuple[int, float]:
+    """(t, parameters one replica syncs) of a stage's gradient sync (`stage_sync`): t = the finest
+    common sharding's flow count, parameters = t x params(stage, t)."""
+    t = min(r.tp for r, _ in groups)
+    return t, t * sum(ctx.stage_params(t, a, e) for a, e in chunks)
+
+
+def _sync_collectives(ctx: SimContext, params: float, opts: TimeOptions) -> list[tuple[Collective, float]]:
+    """[(collective, bytes of one replica's tensor)] of a stage's gradient sync over `params` parameters."""
+    return [(kind, params * ctx.job.state_bytes_per_param[state]) for kind, state in opts.sync()]
+
+
+def exposed_sync_s(collective_s: Sequence[float], compute_s: Sequence[float]) -> float:
+    """Seconds a chain of bucket collectives runs past the end of the backward that issues them, both
+    in the order the backward finishes its layers: bucket k is issued once its layer's backward is
+    done (after compute_s[0..k]) and starts when the collective before it has ended (one link, one
+    communicator): E_k = max(R_k, E_(k-1)) + collective_s[k], exposed = E_last - R_last. At least the
+    last bucket's collective, at most all of them."""
+    ready = end = 0.0
+    for c, t in zip(compute_s, collective_s):
+        ready += c
+        end = max(end, ready) + t
+    return end - ready
+
+
+def _slowest_backward(ctx: SimContext, groups: list[Group], mbs: int, layers: Sequence[int]) -> np.ndarray:
+    """Per layer of `layers`, the longest backward seconds of one micro-batch among the members'
+    GPU types and TP degrees (the layer times; recomputation and TP collectives left out, which only
+    shortens the compute a sync can hide under)."""
+    rows = [np.diff(ctx.layer_cumsum(g, t, mbs)[:, 1]) for g, t in {(r.gpu, r.tp) for r, _ in groups}]
+    return np.max(np.vstack(rows), axis=0)[list(layers)]
+
+
+def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
+               opts: TimeOptions = DEFAULT_TIME, mbs: int | None = None) -> tuple[float, float, float]:
+    """(seconds, bytes crossing zones, egress $) of the gradient sync of the layer ranges `chunks`
+    (one stage's, `Plan.stage_chunks`; reduced together) across the replicas of that stage, given as
+    (Slot, count) groups in ring order (`group_members`): an all-reduce of the gradients, or under
+    ZeRO their reduce-scatter plus (ZeRO-1/2) the all-gather of the updated weights
+    (`TimeOptions.sync`). Each of the t ranks syncs its own shard of params(stage, t) parameters
+    (replicated norms and biases included), t = the finest common sharding's flow count. The bytes
+    and $ are the totals of `stage_sync_crossings`, collective by collective.
+
+    Seconds: DeepSpeed and Megatron-LM (`Framework`, the modelled public runs) reduce after the
+    pipeline's last backward, so every collective counts in full. Sailor's runtime reduces one bucket
+    per layer, issued as soon as the layer's last backward of the iteration is done and overlapping
+    the backward of the layers below (`runtime.grad_sync`); the all-gather of the updated weights
+    follows the optimizer step. So only the part of the gradient collectives the backward cannot
+    hide counts (`exposed_sync_s`), over the stage's layers in backward order, with each layer's
+    collective taking its share of the stage's bytes plus one collective's latency (the time of a
+    1-byte collective) and the compute the slowest member's layer backward of micro-batch size
+    `mbs`. It is measured as each stage's `sync_exposed_s` in the runtime's metrics. It is charged
+    from the stage's own last backward on, although the later stages' last backward ends before the
+    pipeline's (conservative). Without `mbs`: a lower bound of that (the last layer's collective
+    alone), which the planner's bounds use."""
+    t, params = _sync_shards(ctx, groups, chunks)
+    overlap = ctx.job.framework is Framework.SAILOR and sum(n for _, n in groups) > 1
+    key = ("stage_sync", group_shape(groups), params, opts.sync()) + ((tuple(chunks), mbs) if overlap else ())
+    if key not in ctx.memo:
+        seconds, moved, usd = 0.0, 0.0, 0.0
+        layers = [x for a, e in sorted(chunks, reverse=True) for x in reversed(range(a, e))]
+        for kind, nbytes in _sync_collectives(ctx, params, opts):
+            mb, mu = ring_egress(groups, nbytes, ctx.network)
+            full = collective_s(ctx, groups, kind, nbytes, t)
+            if overlap and kind is not Collective.ALL_GATHER:  # the gradients' collective, per layer bucket
+                latency = collective_s(ctx, groups, kind, 1.0, t)
+                per = [latency + (full - latency) * t * ctx.stage_params(t, x, x + 1) / params for x in layers]
+                full = per[-1] if mbs is None else exposed_sync_s(per, _slowest_backward(ctx, groups, mbs, layers))
+            seconds += full
+            moved += RING_SHARE[kind] * mb
+            usd += RING_SHARE[kind] * mu
+        ctx.memo[key] = (seconds, moved, usd)
+    return ctx.memo[key]
+
+
+def stage_sync_crossings(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
+                         opts: TimeOptions = DEFAULT_TIME) -> list[Crossing]:
+    """The zone crossings of `stage_sync` (same arguments): per collective, each ring edge between
+    zones (`collectives.ring_crossings`) at that collective's share of a ring all-reduce's bytes."""
+    _, params = _sync_shards(ctx, groups, chunks)
+    return [c.scaled(RING_SHARE[kind]) for kind, nbytes in _sync_collectives(ctx, params, opts)
+            for c in ring_crossings(groups, nbytes, ctx.network)]
+
+
+def _ties(ctx: SimContext, num_stages: int) -> bool:
+    """True when a pipeline of `num_stages` stages all-reduces tied embedding gradients (P > 1, a
+    tied model)."""
+    return num_stages > 1 and tied_embeddings(ctx.job.model)
+
+
+def tied_share(ctx: SimContext, zero: tuple[int, int], replicas: int) -> float:
+    """Fraction of the tied copy's gradient one pipeline's first and last stage exchange, averaged
+    over the two directions, given the two stages' ZeRO levels `zero` = (first, last) and the plan's
+    `replicas` pipelines. Sailor's runtime (`TiedCopies.RUNTIME`) sends each element of a copy once
+    to each of its holders after the reduction (`runtime.tied.twin_transfers`): under ZeRO-0 every
+    pipeline holds the whole copy (share 1), under ZeRO >= 1 each element has one owner among the
+    pipelines (share 1 / replicas, the pipelines together exchanging the copy once). DeepSpeed's
+    ReduceTiedGrads all-reduces the whole module in every pipeline before ZeRO (share 1)."""
+    if ctx.tied is not TiedCopies.RUNTIME:
+        return 1.0
+    return sum(1.0 / replicas if z >= 1 else 1.0 for z in zero) / 2
+
+
+def _tied_allreduce(ctx: SimContext, first: Slot, last: Slot, share: float) -> tuple[list[Group], float, int]:
+    """(ring groups, bytes each way, t) of the tied-embedding exchange between a pipeline's first
+    and last stage: `share` (`tied_share`) of the copy's gradient (`SimContext.tied_copy_params`),
+    as a 2-member ring all-reduce, whose edge carries its bytes once each way."""
+    t = min(first.tp, last.tp)
+    nbytes = share * t * ctx.tied_copy_params(t) * ctx.job.state_bytes_per_param["gradients"]
+    return group_members([first, last]), nbytes, t
+
+
+def tied_sync(ctx: SimContext, first: Slot, last: Slot, num_stages: int, zero: tuple[int, int] = (0, 0),
+              replicas: int = 1) -> tuple[float, float, float]:
+    """(seconds, bytes crossing zones, egress $) of the exchange of tied embedding gradients between
+    a pipeline's first and last stage (DeepSpeed ReduceTiedGrads; Sailor's runtime sums the copies,
+    `runtime.tied`), the stages at ZeRO levels `zero` = (first, last) in a plan of `replicas`
+    pipelines (`tied_share`); 0 for one stage or untied models. The bytes and $ are the totals of
+    `tied_sync_crossings`."""
+    if not _ties(ctx, num_stages):
+        return 0.0, 0.0, 0.0
+    share = tied_share(ctx, zero, replicas)
+    # two members: the ring has the edge each way, so only whether they share a node matters, not
+    # which node (nor which of the two sorts first)
+    key = ("tied_sync", first.zone, first.gpu, first.tp, last.zone, last.gpu, last.tp, first.node is None,
+           last.node is None, first.node == last.node, share)
+    if key not in ctx.memo:
+        groups, nbytes, t = _tied_allreduce(ctx, first, last, share)
+        ctx.memo[key] = (allreduce_s(ctx, groups, nbytes, t), *ring_egress(groups, nbytes, ctx.network))
+    return ctx.memo[key]
+
+
+def tied_sync_crossings(ctx: SimContext, first: Slot, last: Slot, num_stages: int, zero: tuple[int, int] = (0, 0),
+                        replicas: int = 1) -> list[Crossing]:
+    """The zone crossings of `tied_sync` (same arguments): the ring edges between the two zones."""
+    if not _ties(ctx, num_stages):
+        return []
+    groups, nbytes, _ = _tied_allreduce(ctx, first, last, tied_share(ctx, zero, replicas))
+    return ring_crossings(groups, nbytes, ctx.network)
