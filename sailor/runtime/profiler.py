@@ -611,17 +611,16 @@ class _nullcontext:
 
 # ---- the driver ----------------------------------------------------------------------------------
 def versions() -> dict[str, str]:
-    """Library versions recorded in a profile."""
-    from importlib.metadata import PackageNotFoundError, version
-
+    """Library versions recorded in a profile (and in the machine-profile cache key). Sailor's is
+    `sailor.core.__version__`, the one place the distribution (`sailor-train`, not `sailor`, which is
+    another project's name on the index) takes its version from, so a source checkout run without
+    installing records it too."""
     import numpy
     import torch
-    try:
-        sailor_version = version("sailor")
-    except PackageNotFoundError:
-        sailor_version = "unknown"
+
+    from sailor.core import __version__
     return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
-            "sailor": sailor_version, "cuda": str(torch.version.cuda)}
+            "sailor": __version__, "cuda": str(torch.version.cuda)}
 
 
 def replicas(opts: ProfileOptions, tp: int) -> int:
