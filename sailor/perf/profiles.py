@@ -41,10 +41,16 @@ import numpy as np
 from sailor import catalog
 from sailor.core.errors import SailorInputError, show
 from sailor.core.fileio import load_json, write_json
-from sailor.core.limits import MAX_BYTES, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_SECONDS, MAX_SEQUENCE_LENGTH
+from sailor.core.limits import (
+    MAX_BYTES,
+    MAX_GLOBAL_BATCH,
+    MAX_GPUS_PER_NODE,
+    MAX_SECONDS,
+    MAX_SEQUENCE_LENGTH,
+)
 from sailor.core.schema import Checks
 from sailor.model.activations import layer_bytes
-from sailor.model.registry import canonical_model_name
+from sailor.model.registry import canonical_model_name, get_model
 from sailor.model.spec import Recompute
 from sailor.perf import roofline
 from sailor.specs.job import JobSpec
@@ -280,6 +286,10 @@ def load_profiles(path: str | Path, job: JobSpec) -> Profiles:
         data = load_json(p)
         if isinstance(data, dict) and data.get("schema") == SCHEMA:
             prof = profiles_from_dict(data, str(p))
+        elif isinstance(data, dict) and "schema" in data:  # our format, a version this Sailor does not read
+            raise SailorInputError(f"unknown schema {show(data['schema'])} (this Sailor reads {SCHEMA!r})",
+                                   source=str(p), field="schema",
+                                   fix="measure again with `sailor profile`, or set the schema this file follows")
         elif isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()) and "layers" not in data:
             prof = load_sailor_profiles(p, p.parent / "llm_info.json", job)
         else:
@@ -314,7 +324,8 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
         raise c.error(f"expected one of {', '.join(PRECISIONS)}, got {show(precision)}", "precision")
     prof = Profiles(model=model, sequence_length=seq, precision=precision, source=str(d.get("source", "measured")),
                     meta={k: d[k] for k in ("device", "versions", "date") if k in d})
-    n_layers = None
+    # A built-in model says how many layers each row holds; an inline one's rows must agree with each other.
+    n_layers = get_model(model).num_layers if _known_model(name) else None
     for k, row in enumerate(c.sequence(d["layers"], "layers", "rows {gpu, tp, mbs, forward_s, backward_s}")):
         where = f"layers.{k}"
         c.known_keys(c.mapping(row, where, "gpu, tp, mbs, forward_s, backward_s"), where, LAYER_KEYS)
@@ -323,9 +334,13 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
                 raise c.error("missing field", f"{where}.{key}")
         gpu = _located(lambda: catalog.canonical_gpu(row["gpu"]), c, f"{where}.gpu")
         tp, mbs = _tp(row["tp"], c, f"{where}.tp"), c.whole(row["mbs"], f"{where}.mbs", lo=1, hi=MAX_GLOBAL_BATCH)
-        fwd = _values(row["forward_s"], n_layers, f"{where}.forward_s", c, MAX_SECONDS)
+        fwd = _values(row["forward_s"], n_layers, f"{where}.forward_s", c, MAX_SECONDS, model)
+        bwd = _values(row["backward_s"], n_layers, f"{where}.backward_s", c, MAX_SECONDS, model)
+        if len(fwd) != len(bwd):  # the first row of an inline model: neither list is known to be right
+            raise c.error(f"forward_s has {len(fwd)} values and backward_s {len(bwd)}; both give one per layer",
+                          where)
         n_layers = len(fwd)
-        bwd = _values(row["backward_s"], n_layers, f"{where}.backward_s", c, MAX_SECONDS)
+        _check_timed(fwd, bwd, where, c)
         for key in ("forward_spread_s", "backward_spread_s"):
             if key in row:
                 _values(row[key], n_layers, f"{where}.{key}", c, MAX_SECONDS)
@@ -365,12 +380,21 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
     return prof
 
 
-def _values(v: Any, n: int | None, where: str, c: Checks, hi: float) -> list[float]:
-    """A list of `n` (any number when None) finite values in [0, hi], one per layer."""
+def _values(v: Any, n: int | None, where: str, c: Checks, hi: float, model: str | None = None) -> list[float]:
+    """A list of `n` (any number when None) finite values in [0, hi], one per layer of `model`."""
     items = c.sequence(v, where, "numbers, one per layer")
     if n is not None and len(items) != n:
-        raise c.error(f"expected {n} values (one per layer), got {len(items)}", where)
+        of = f"one per layer; {model} has {n}" if model else "one per layer"
+        raise c.error(f"expected {n} values ({of}), got {len(items)}", where)
     return [c.number(x, f"{where}.{i}", lo=0, hi=hi) for i, x in enumerate(items)]
+
+
+def _check_timed(forward_s: Any, backward_s: Any, where: str, c: Checks) -> None:
+    """Refuse a row of layer times that are all 0 (forward and backward, every layer): no pass over a
+    model takes no time, and a plan timed from it would run infinitely many iterations per second.
+    Single zeros stay allowed (a layer can be below the clock's resolution)."""
+    if not (np.any(np.asarray(forward_s) > 0) or np.any(np.asarray(backward_s) > 0)):
+        raise c.error("every forward and backward time is 0 s; a measured pass takes time (measure again)", where)
 
 
 def _tp(v: Any, c: Checks, where: str) -> int:
@@ -440,6 +464,7 @@ def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec)
                 tp = c.whole_key(tp_key, where, lo=1, hi=MAX_GPUS_PER_NODE)
                 rows = _layer_entries(layers, n, where, c, job)
                 arr = np.array([_sailor_times(v, f"{where}.{i}", c) for i, v in enumerate(rows)])
+                _check_timed(arr[:, 0], arr[:, 1], where, c)
                 prof.times.setdefault((gpu, tp), {})[mbs] = arr
     if llm_info_path.exists():
         _load_sailor_llm_info(llm_info_path, job, prof)
