@@ -71,3 +71,60 @@ def test_a_sailor_profile_whose_times_are_all_zero_is_refused(tmp_path):
     (tmp_path / "profiles_tmp.json").write_text(json.dumps(doc))
     with pytest.raises(SailorInputError, match=r"profiles_tmp.json: tiny.A100-40.4.1: every forward and backward"):
         load_profiles(tmp_path, JobSpec(model="tiny", global_batch_size=8))
+
+
+# ---- YAML: libyaml's parser with the same rules; a 4 MB job refused before it is read ------------
+YAML_CASES = [
+    "a: 1\nb: [1, 2.5, x]\n", "a: 1\na: 2\n", "? [a, b]\n: 1\n", "1: x\n", "yes: 1\n", "null: 1\n",
+    "2024-01-01: 1\n", "a: 1:30\n", "a: 010\n", "a: 1e9\n", "a: -5.0e-3\n", "a: .nan\n", "a: .inf\n",
+    "a: " + "9" * 5000 + "\n", "base: &b {x: 1}\nc:\n  <<: *b\n  y: 2\n", "a: &a [*a]\n", "a: [\n", "a: b: c\n",
+    "a: 0x1F\n", "a: yes\n", "a: '1:30'\n", "a: 2001-12-14\n",
+]
+
+
+@pytest.mark.parametrize("text", YAML_CASES)
+def test_c_and_python_yaml_loaders_apply_the_same_rules(text):
+    import yaml
+
+    from sailor.core import fileio
+
+    def outcome(loader):
+        try:
+            return ("ok", fileio._parse_yaml(text, "f.yaml", loader))
+        except SailorInputError as e:
+            return ("refused", e.one_line())
+    assert fileio._Loader.__mro__[2] is (yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader)
+    c, py = outcome(fileio._Loader), outcome(fileio._PyLoader)
+    assert c[0] == py[0], (c, py)
+    if c[0] == "ok":
+        assert c == py
+    else:
+        # the two parsers word a syntax error differently; the rules' own words are the same
+        assert c[1].split(": ", 1)[0] == "f.yaml" and (c[1] == py[1] or "invalid YAML" in c[1]), (c, py)
+
+
+def test_a_4_mb_yaml_job_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    # benchmarks/yaml_refusal.py times this (a test asserts no wall-clock)
+    _base(tmp_path)
+    text = "model: tiny\nglobal_batch_size: 8\nnotes:\n" + "".join(f"  - {{name: item{i}, value: {i}}}\n"
+                                                                   for i in range(110_000))
+    text += "#" + "x" * (4 * 2**20 - len(text) - 2) + "\n"  # exactly 4 MiB
+    (tmp_path / "big.yaml").write_text(text)
+    assert (tmp_path / "big.yaml").stat().st_size == 4 * 2**20
+    line = _refused(["plan", "--job", "big.yaml", "--cluster", "local.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == ("error: big.yaml: a YAML file of 4.0 MiB, more than the 1 MiB any YAML input (job, cluster,"
+                    " hosts, testbed) needs (check that it is the file you meant)"), line
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "job.yaml: the file is empty"),
+    ("# a comment\n\n# another\n", "job.yaml: the file holds no data, only comments or blank lines"),
+    ("---\n", "job.yaml: the file holds no data, only comments or blank lines"),
+    ("- tiny\n", "job.yaml: expected a mapping (`key: value` lines) at the top level, got a list"),
+    ("tiny\n", "job.yaml: expected a mapping (`key: value` lines) at the top level, got a string"),
+])
+def test_an_empty_or_comments_only_job_says_so(tmp_path, monkeypatch, capsys, text, words):
+    _base(tmp_path)
+    (tmp_path / "job.yaml").write_text(text)
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "local.yaml"], tmp_path, monkeypatch, capsys)
+    assert words in line and "NoneType" not in line, line
