@@ -128,3 +128,66 @@ def test_an_empty_or_comments_only_job_says_so(tmp_path, monkeypatch, capsys, te
     (tmp_path / "job.yaml").write_text(text)
     line = _refused(["plan", "--job", "job.yaml", "--cluster", "local.yaml"], tmp_path, monkeypatch, capsys)
     assert words in line and "NoneType" not in line, line
+
+
+# ---- output off a terminal ---------------------------------------------------------------------
+def test_profile_network_off_a_terminal_prints_its_error_alone(tmp_path, monkeypatch, capsys):
+    """No progress-bar frame before the error when the output is a pipe."""
+    import sailor.runtime.netprofile as netprofile
+
+    def failing(nproc, progress, **kw):
+        progress(1)  # some sizes measured, then a rank fails
+        progress(1)
+        raise SailorInputError("rank 1 could not reach rank 0", source="--nproc")
+    monkeypatch.setattr(netprofile, "profile_network", failing)
+    code, out, err = _main(["profile", "network", "--nproc", "2", "--out", "n.json"], tmp_path, monkeypatch, capsys)
+    assert (code, out, err) == (2, "", "error: --nproc: rank 1 could not reach rank 0\n")
+
+
+def test_data_prepare_json_is_the_json_line_alone(tmp_path, monkeypatch, capsys):
+    import sailor.runtime.dataprep as dataprep
+
+    summary = {"out": "t.npy", "tokens": 10, "documents": 1, "vocab_size": 300, "dtype": "uint16", "seconds": 0.1}
+
+    def prepare(inputs, progress, **kw):
+        progress(3)
+        return summary
+    monkeypatch.setattr(dataprep, "prepare_tokens", prepare)
+    (tmp_path / "a.txt").write_text("hello")
+    code, out, err = _main(["data", "prepare", "a.txt", "--tokenizer", "tok.json", "--out", "t.npy", "--json"],
+                           tmp_path, monkeypatch, capsys)
+    assert (code, err) == (0, "") and out == json.dumps(summary) + "\n", (out, err)
+
+
+def test_progress_bars_are_drawn_only_on_terminals(monkeypatch):
+    import io
+    import sys
+
+    from sailor.cli.common import progress_bar
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr(sys, "stdout", Tty())
+    monkeypatch.setattr(sys, "stderr", Tty())
+    assert not progress_bar().disable
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # `| cat`
+    assert progress_bar().disable
+    monkeypatch.setattr(sys, "stdout", Tty())
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # `2> log`
+    assert progress_bar().disable
+
+
+@pytest.mark.integration
+def test_a_reader_that_leaves_early_ends_the_command_quietly_with_status_0(tmp_path):
+    """`sailor plan | head -1`: the pipe's reader is gone before the first write."""
+    import subprocess
+    import sys
+
+    _base(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", "from sailor.cli import main; main()", "plan", "--job", "job.yaml",
+                             "--cluster", "local.yaml"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader leaves
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "error" not in err, err
