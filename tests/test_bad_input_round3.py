@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from test_cli_bad_input import _base, _main, _refused  # noqa: F401 - shared command helpers
+from test_cli_bad_input import _base, _main, _refused
 
 from sailor.core.errors import SailorInputError
 
@@ -133,7 +133,7 @@ def test_an_empty_or_comments_only_job_says_so(tmp_path, monkeypatch, capsys, te
 # ---- output off a terminal ---------------------------------------------------------------------
 def test_profile_network_off_a_terminal_prints_its_error_alone(tmp_path, monkeypatch, capsys):
     """No progress-bar frame before the error when the output is a pipe."""
-    import sailor.runtime.netprofile as netprofile
+    from sailor.runtime import netprofile
 
     def failing(nproc, progress, **kw):
         progress(1)  # some sizes measured, then a rank fails
@@ -145,7 +145,7 @@ def test_profile_network_off_a_terminal_prints_its_error_alone(tmp_path, monkeyp
 
 
 def test_data_prepare_json_is_the_json_line_alone(tmp_path, monkeypatch, capsys):
-    import sailor.runtime.dataprep as dataprep
+    from sailor.runtime import dataprep
 
     summary = {"out": "t.npy", "tokens": 10, "documents": 1, "vocab_size": 300, "dtype": "uint16", "seconds": 0.1}
 
@@ -191,3 +191,65 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly_with_status_0(tmp_p
     proc.stdout.close()  # the reader leaves
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "error" not in err, err
+
+
+# ---- one check that a checkpoint's manifest describes its tensors: resume, export; --init-from ---
+def _edited_checkpoint(tmp_path: Path, **model_fields) -> Path:
+    from test_cli_bad_input import JOB, _checkpoint
+    _checkpoint(tmp_path / "ck", 2, JOB, seed=0)
+    m = tmp_path / "ck" / "step-00000002" / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["model"].update(model_fields)
+    m.write_text(json.dumps(doc))
+    return m
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"hidden_size": 128}, ("ck/step-00000002/manifest.json: model.hidden_size: hidden_size 128, the checkpoint's"
+                            " embedding layers.0.tok.weight is 64 wide")),
+    ({"num_blocks": 5}, ("ck/step-00000002/manifest.json: model.num_blocks: num_blocks 5 means 7 layers, the"
+                         " checkpoint's tensors have 6 (4 blocks)")),
+    ({"ffn_hidden_size": 96}, ("ck/step-00000002/manifest.json: model: does not describe the checkpoint's tensors:"
+                               " layers.1.mlp.fc1.weight: the model implies shape [96, 64], the checkpoint holds"
+                               " [256, 64]")),
+])
+@pytest.mark.parametrize("command", [["export", "ck", "--to", "out"],
+                                     ["train", "cpu_plan.json", "--checkpoint-dir", "ck", "--resume", "--steps", "5",
+                                      "--dry-run"]])
+def test_a_manifest_whose_model_does_not_fit_its_tensors_is_refused(tmp_path, monkeypatch, capsys, command, fields,
+                                                                     words):
+    _base(tmp_path)
+    _edited_checkpoint(tmp_path, **fields)
+    line = _refused(command, tmp_path, monkeypatch, capsys)
+    assert words in line, line
+
+
+def test_init_from_a_folder_whose_config_does_not_fit_its_weights_is_refused(tmp_path, monkeypatch, capsys):
+    """--init-from reads a Hugging Face folder: its config.json is the sidecar (HFWeights.check)."""
+    from test_cli_bad_input import CPU_PLAN
+    _base(tmp_path)
+    _edited_checkpoint(tmp_path)
+    code, _, err = _main(["export", "ck", "--to", "hf"], tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"n_embd": 128}))
+    (tmp_path / "p.json").write_text(json.dumps(CPU_PLAN | {"job": {"model": "hf/config.json", "global_batch_size": 8}}))
+    line = _refused(["train", "p.json", "--init-from", "hf", "--dry-run"], tmp_path, monkeypatch, capsys)
+    assert "hf: transformer.wte.weight: shape [256, 64] in model.safetensors, the config implies [256, 128]" in line
+
+
+def test_export_writes_the_usual_permissions(tmp_path, monkeypatch, capsys):
+    import os
+    import stat
+    _base(tmp_path)
+    _edited_checkpoint(tmp_path)
+    old = os.umask(0o022)
+    try:
+        code, _, err = _main(["export", "ck", "--to", "shared/hf"], tmp_path, monkeypatch, capsys)
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    out = tmp_path / "shared" / "hf"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644}

@@ -344,9 +344,7 @@ def open_atomic(path: str | Path, mode: str = "w") -> Iterator[IO]:
     except OSError as e:
         raise SailorInputError(f"cannot write: {e.strerror}", source=str(p)) from None
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
@@ -355,6 +353,14 @@ def open_atomic(path: str | Path, mode: str = "w") -> Iterator[IO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    """This process's umask (read by setting it and putting it back: the only portable way), for
+    giving a file or folder made by mkstemp/mkdtemp (0600/0700) the usual permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def _output_file(p: Path, source: str) -> Path:
