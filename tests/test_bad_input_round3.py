@@ -253,3 +253,58 @@ def test_export_writes_the_usual_permissions(tmp_path, monkeypatch, capsys):
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
         "config.json": 0o644, "model.safetensors": 0o644}
+
+
+# ---- accepted silently before: now refused in one line ------------------------------------------
+@pytest.mark.parametrize("files, args, words", [
+    ({}, ["launch", "cpu_plan.json", "--backend", "kubernetes", "--dry-run", "--checkpoint-dir", "/ckpt",
+          "--checkpoint-claim", "my claim"],
+     "--checkpoint-claim: 'my claim' is not a PersistentVolumeClaim name (a DNS-1123 subdomain"),
+    ({}, ["launch", "cpu_plan.json", "--backend", "kubernetes", "--dry-run", "--checkpoint-dir", "/ckpt",
+          "--checkpoint-claim", "Claim-"], "'Claim-' is not a PersistentVolumeClaim name"),
+    ({"h.yaml": {"groups": [{"zone": "local", "gpu": "cpu", "gpus_per_node": 4, "hosts": ["127.0.0.1"]},
+                            {"zone": "locall", "gpu": "cpu", "hosts": ["spare"]}]}},
+     ["launch", "cpu_plan.json", "--backend", "torchrun", "--hosts", "h.yaml", "--dry-run"],
+     "h.yaml: groups.1.zone: unknown zone 'locall': neither the plan nor the catalog has it (did you mean 'local'?)"),
+    ({"n.json": {"schema": "sailor.network/1", "links": [
+        {"src_zone": "us-central1-a", "src_gpu": "A100-40", "dst_zone": "us-central1-bb", "dst_gpu": "V100-16",
+         "latency_s": 5e-4, "bandwidth_bytes_per_s": 1e9}]}},
+     ["plan", "--job", "job.yaml", "--cluster", "gcp.yaml", "--network", "n.json"],
+     ("n.json: links.0.dst_zone: unknown zone 'us-central1-bb': neither the cluster nor its provider (gcp) has it"
+      " (did you mean 'us-central1-b'?)")),
+    ({"afile": "x"}, ["train", "cpu_plan.json", "--stop-file", "afile/stop", "--dry-run"],
+     "--stop-file: afile is a file, so afile/stop cannot be created under it"),
+    ({}, ["profile", "--job", "job.yaml", "--concurrency", "-1"], "--concurrency: must be >= 0, got -1"),
+    ({}, ["profile", "--job", "job.yaml", "--repeats", "0"], "--repeats: must be >= 1, got 0"),
+    ({}, ["launch", "sailor_plan.json", "--backend", "torchrun", "--dry-run"],
+     "sailor_plan.json: the plan carries no job (pass --job JOB"),
+])
+def test_round3_cases_are_one_line(tmp_path, monkeypatch, capsys, files, args, words):
+    from test_cli_bad_input import _write
+    _base(tmp_path)
+    _write(tmp_path, files)
+    line = _refused(args, tmp_path, monkeypatch, capsys)
+    assert words in line, line
+
+
+@pytest.mark.parametrize("files, args", [
+    # the --job that the refusal above names is one `sailor launch` takes
+    ({}, ["launch", "sailor_plan.json", "--job", "job.yaml", "--backend", "torchrun", "--dry-run"]),
+    # a spare group in a zone the catalog knows, and a claim that is a DNS-1123 subdomain
+    ({"h.yaml": {"groups": [{"zone": "local", "gpu": "cpu", "gpus_per_node": 4, "hosts": ["127.0.0.1"]},
+                            {"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["spare"]}]}},
+     ["launch", "cpu_plan.json", "--backend", "torchrun", "--hosts", "h.yaml", "--dry-run"]),
+    ({}, ["launch", "gcp_plan.json", "--backend", "kubernetes", "--dry-run", "--checkpoint-dir", "/ckpt",
+          "--checkpoint-claim", "ckpt.team-a"]),
+    # a link measured in a zone of the provider that this cluster does not use
+    ({"n.json": {"schema": "sailor.network/1", "links": [
+        {"src_zone": "us-central1-a", "src_gpu": "A100-40", "dst_zone": "europe-west4-a", "dst_gpu": "A100-40",
+         "latency_s": 5e-3, "bandwidth_bytes_per_s": 1e9}]}},
+     ["plan", "--job", "job.yaml", "--cluster", "gcp.yaml", "--network", "n.json"]),
+])
+def test_legitimate_neighbours_of_the_round3_cases_succeed(tmp_path, monkeypatch, capsys, files, args):
+    from test_cli_bad_input import _write
+    _base(tmp_path)
+    _write(tmp_path, files)
+    code, _, err = _main(args, tmp_path, monkeypatch, capsys)
+    assert code == 0, err
