@@ -308,3 +308,45 @@ def test_legitimate_neighbours_of_the_round3_cases_succeed(tmp_path, monkeypatch
     _write(tmp_path, files)
     code, _, err = _main(args, tmp_path, monkeypatch, capsys)
     assert code == 0, err
+
+
+# ---- clearer words: traces, long lists of counts ------------------------------------------------
+@pytest.mark.parametrize("name, text, words", [
+    ("t.csv", "Timestamp,cpu_local\n0,4\n\n60,2\n30,4\n",
+     "t.csv: line 5.Timestamp: time goes backwards: 30 s after 60 s (line 4.Timestamp)"),
+    ("t.json", json.dumps([{"time_s": t, "zone": "local", "gpu": "cpu", "count": 2} for t in (0, 10, 5)]),
+     "t.json: [2].time_s: time goes backwards: 5 s after 10 s ([1].time_s)"),
+    ("t.json", "Timestamp,cpu_local\n0,4\n", "t.json: invalid JSON at line 1 column 1"),
+])
+def test_trace_errors_name_the_line_and_the_format(tmp_path, monkeypatch, capsys, name, text, words):
+    _base(tmp_path)
+    (tmp_path / name).write_text(text)
+    line = _refused(["replay", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", name], tmp_path,
+                    monkeypatch, capsys)
+    assert words in line, line
+
+
+def test_a_long_list_of_microbatch_counts_is_summarised(tmp_path, monkeypatch, capsys):
+    from test_cli_bad_input import CPU_PLAN
+    _base(tmp_path)
+    pipelines = [CPU_PLAN["pipelines"][0] | {"microbatches": 4 + (j >= 150)} for j in range(200)]
+    (tmp_path / "p.json").write_text(json.dumps(CPU_PLAN | {"pipelines": pipelines}))
+    line = _refused(["launch", "p.json", "--backend", "torchrun", "--dry-run"], tmp_path, monkeypatch, capsys)
+    assert line.endswith("p.json: pipelines: micro_batch_size 2 x microbatches [150 x 4, 50 x 5] = 1700 samples,"
+                         " but the job's global batch is 8"), line
+
+
+def test_summarize_counts():
+    from sailor.plan.spec import summarize_counts
+    assert summarize_counts([4, 4, 5]) == "[4, 4, 5]"
+    assert summarize_counts([3] * 7 + [1]) == "[7 x 3, 1 x 1]"
+    assert summarize_counts(list(range(1, 11))) == "[10 values, 1..10, sum 55]"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_profile_on_cpu_names_the_job_file_of_a_half_precision(tmp_path, monkeypatch, capsys, precision):
+    from test_cli_bad_input import _write
+    _base(tmp_path)
+    _write(tmp_path, {"half.yaml": {"model": "tiny", "global_batch_size": 8, "precision": precision}})
+    line = _refused(["profile", "--job", "half.yaml"], tmp_path, monkeypatch, capsys)
+    assert f"half.yaml: precision: the runtime trains in fp32 on cpu, the job says {precision}" in line, line
