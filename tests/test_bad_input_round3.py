@@ -350,3 +350,66 @@ def test_profile_on_cpu_names_the_job_file_of_a_half_precision(tmp_path, monkeyp
     _write(tmp_path, {"half.yaml": {"model": "tiny", "global_batch_size": 8, "precision": precision}})
     line = _refused(["profile", "--job", "half.yaml"], tmp_path, monkeypatch, capsys)
     assert f"half.yaml: precision: the runtime trains in fp32 on cpu, the job says {precision}" in line, line
+
+
+# ---- Hugging Face configs: the key the user wrote, mixture-of-experts first, a folder beside the job
+def _hf_folder(tmp_path: Path, monkeypatch, capsys, name: str) -> dict:
+    """An exported tiny model (a gpt2 config.json and its weights) in tmp_path/name; its config."""
+    _edited_checkpoint(tmp_path)
+    code, _, err = _main(["export", "ck", "--to", name], tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    return json.loads((tmp_path / name / "config.json").read_text())
+
+
+def test_a_folder_beside_the_job_is_read_as_a_path(tmp_path, monkeypatch, capsys):
+    from test_cli_bad_input import _write
+    _base(tmp_path)
+    (tmp_path / "jobs").mkdir()
+    _hf_folder(tmp_path / "jobs", monkeypatch, capsys, "tiny-hf")
+    _write(tmp_path, {"jobs/job.yaml": {"model": "tiny-hf", "global_batch_size": 8}})
+    code, out, err = _main(["plan", "--job", "jobs/job.yaml", "--cluster", "gcp.yaml"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and out.startswith("tiny-hf, global batch 8"), (out, err)
+    # beside the current folder but not beside the job: no "did you mean 'tiny'?", which would train another model
+    _write(tmp_path, {"jobs/sub/job.yaml": {"model": "tiny-hf", "global_batch_size": 8}})
+    monkeypatch.chdir(tmp_path / "jobs")
+    line = _refused(["plan", "--job", "sub/job.yaml", "--cluster", "../local.yaml"], tmp_path / "jobs", monkeypatch,
+                    capsys)
+    assert "sub/job.yaml: model: unknown model 'tiny-hf': no built-in model has that name" in line, line
+    assert "did you mean" not in line and "model: ./tiny-hf" in line, line
+
+
+def test_a_builtin_name_that_is_also_a_folder_beside_the_job_is_ambiguous(tmp_path, monkeypatch, capsys):
+    from test_cli_bad_input import _write
+    _base(tmp_path)
+    _hf_folder(tmp_path, monkeypatch, capsys, "tiny")
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "local.yaml"], tmp_path, monkeypatch, capsys)
+    assert "job.yaml: model: 'tiny' is both a built-in model and ./tiny beside the job file" in line, line
+    _write(tmp_path, {"dot.yaml": {"model": "./tiny", "global_batch_size": 8}})
+    code, _, err = _main(["plan", "--job", "dot.yaml", "--cluster", "gcp.yaml"], tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda c: c | {"n_layer": 10**6}, "config.json: n_layer: Input should be less than or equal to"),
+    (lambda c: c | {"model_type": "mixtral"}, "config.json: model_type: 'mixtral' is a mixture-of-experts model"),
+    (lambda c: c | {"model_type": "qwen2_moe"}, "config.json: model_type: 'qwen2_moe' is a mixture-of-experts model"),
+    (lambda c: c | {"num_local_experts": 8}, "config.json: num_local_experts: 'gpt2' is a mixture-of-experts model"),
+    (lambda c: c | {"model_type": "mistral", "num_experts": 8}, "config.json: num_experts: 'mistral' is a mixture-of"),
+])
+def test_hf_config_errors_name_the_key_and_the_real_reason(tmp_path, monkeypatch, capsys, edit, words):
+    from test_cli_bad_input import _write
+    _base(tmp_path)
+    config = _hf_folder(tmp_path, monkeypatch, capsys, "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(edit(config)))
+    _write(tmp_path, {"j.yaml": {"model": "hf/config.json", "global_batch_size": 8}})
+    line = _refused(["plan", "--job", "j.yaml", "--cluster", "local.yaml"], tmp_path, monkeypatch, capsys)
+    assert words in line and "did you mean" not in line, line
+
+
+def test_a_llama_layer_count_names_num_hidden_layers():
+    from sailor.model.hf_config import spec_from_hf
+    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 10**6,
+              "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}
+    with pytest.raises(SailorInputError, match=r"^c/config.json: num_hidden_layers: Input should be less") as e:
+        spec_from_hf(config, source="c/config.json", name="x")
+    assert "num_blocks" not in str(e.value)
