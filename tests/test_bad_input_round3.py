@@ -413,3 +413,21 @@ def test_a_llama_layer_count_names_num_hidden_layers():
     with pytest.raises(SailorInputError, match=r"^c/config.json: num_hidden_layers: Input should be less") as e:
         spec_from_hf(config, source="c/config.json", name="x")
     assert "num_blocks" not in str(e.value)
+
+
+def test_the_moe_mutation_reaches_the_mixture_of_experts_refusal(tmp_path):
+    import random
+
+    import mutate
+
+    from sailor.model.hf_config import load_hf_config
+    refused = 0
+    for k in range(40):
+        doc = mutate.moe_mutation(mutate.HF_LLAMA, mutate.RandomChooser(random.Random(k)))
+        (tmp_path / f"{k}.json").write_text(json.dumps(doc))
+        moe = doc["model_type"] in ("mixtral", "qwen2_moe", "qwen3_moe") or set(doc) & set(mutate.MOE_EXTRA)
+        if moe:
+            with pytest.raises(SailorInputError, match=rf"^{tmp_path}/{k}.json: \S+: .* is a mixture-of-experts model"):
+                load_hf_config(tmp_path / f"{k}.json")
+            refused += 1
+    assert refused >= 10
