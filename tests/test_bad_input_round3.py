@@ -45,7 +45,11 @@ def _all_zero(doc) -> None:
 @pytest.mark.parametrize("edit, words", [
     (_all_zero, "p.json: layers.0: every forward and backward time is 0 s"),
     (lambda d: d["layers"][0].update(forward_s=[1e-3] * 25),
-     "p.json: layers.0.forward_s: expected 6 values (one per layer; tiny has 6), got 25"),
+     "p.json: layers.0.forward_s: expected 6 values (one per layer), got 25"),
+    (lambda d: d["layers"][0].update(forward_s=[1e-3] * 25, backward_s=[1e-3] * 7),
+     "p.json: layers.0: forward_s has 25 values and backward_s 7; both give one per layer (the model has 6)"),
+    (lambda d: d["layers"][1].update(forward_s=[1e-3] * 25),
+     "p.json: layers.1.forward_s: expected 6 values (one per layer), got 25"),
     (lambda d: d.update(model="mine") or d["layers"][0].update(forward_s=[1e-3] * 25),
      "p.json: layers.0: forward_s has 25 values and backward_s 6; both give one per layer"),
     (lambda d: d.update(schema="sailor.profiles/9"),

@@ -324,8 +324,7 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
         raise c.error(f"expected one of {', '.join(PRECISIONS)}, got {show(precision)}", "precision")
     prof = Profiles(model=model, sequence_length=seq, precision=precision, source=str(d.get("source", "measured")),
                     meta={k: d[k] for k in ("device", "versions", "date") if k in d})
-    # A built-in model says how many layers each row holds; an inline one's rows must agree with each other.
-    n_layers = get_model(model).num_layers if _known_model(name) else None
+    n_layers = None  # rows must agree with each other (`check_job` compares them with the job's model)
     for k, row in enumerate(c.sequence(d["layers"], "layers", "rows {gpu, tp, mbs, forward_s, backward_s}")):
         where = f"layers.{k}"
         c.known_keys(c.mapping(row, where, "gpu, tp, mbs, forward_s, backward_s"), where, LAYER_KEYS)
@@ -334,11 +333,10 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
                 raise c.error("missing field", f"{where}.{key}")
         gpu = _located(lambda: catalog.canonical_gpu(row["gpu"]), c, f"{where}.gpu")
         tp, mbs = _tp(row["tp"], c, f"{where}.tp"), c.whole(row["mbs"], f"{where}.mbs", lo=1, hi=MAX_GLOBAL_BATCH)
-        fwd = _values(row["forward_s"], n_layers, f"{where}.forward_s", c, MAX_SECONDS, model)
-        bwd = _values(row["backward_s"], n_layers, f"{where}.backward_s", c, MAX_SECONDS, model)
-        if len(fwd) != len(bwd):  # the first row of an inline model: neither list is known to be right
-            raise c.error(f"forward_s has {len(fwd)} values and backward_s {len(bwd)}; both give one per layer",
-                          where)
+        fwd = _values(row["forward_s"], n_layers, f"{where}.forward_s", c, MAX_SECONDS)
+        bwd = _values(row["backward_s"], n_layers, f"{where}.backward_s", c, MAX_SECONDS)
+        if len(fwd) != len(bwd):  # the first row: a built-in model tells which list is wrong, else name both
+            _blame_count(fwd, bwd, get_model(model).num_layers if _known_model(name) else None, where, c)
         n_layers = len(fwd)
         _check_timed(fwd, bwd, where, c)
         for key in ("forward_spread_s", "backward_spread_s"):
@@ -380,13 +378,23 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
     return prof
 
 
-def _values(v: Any, n: int | None, where: str, c: Checks, hi: float, model: str | None = None) -> list[float]:
-    """A list of `n` (any number when None) finite values in [0, hi], one per layer of `model`."""
+def _values(v: Any, n: int | None, where: str, c: Checks, hi: float) -> list[float]:
+    """A list of `n` (any number when None) finite values in [0, hi], one per layer."""
     items = c.sequence(v, where, "numbers, one per layer")
     if n is not None and len(items) != n:
-        of = f"one per layer; {model} has {n}" if model else "one per layer"
-        raise c.error(f"expected {n} values ({of}), got {len(items)}", where)
+        raise c.error(f"expected {n} values (one per layer), got {len(items)}", where)
     return [c.number(x, f"{where}.{i}", lo=0, hi=hi) for i, x in enumerate(items)]
+
+
+def _blame_count(forward_s: list[float], backward_s: list[float], n: int | None, where: str, c: Checks) -> None:
+    """Raise for a row whose forward_s and backward_s differ in length: the list that is not the
+    model's `n` layers long (None: an inline model, whose count the profile alone does not give)."""
+    for key, values, other in (("forward_s", forward_s, backward_s), ("backward_s", backward_s, forward_s)):
+        if n is not None and len(values) != n and len(other) == n:
+            raise c.error(f"expected {n} values (one per layer), got {len(values)}", f"{where}.{key}")
+    of = f" (the model has {n})" if n is not None else ""
+    raise c.error(f"forward_s has {len(forward_s)} values and backward_s {len(backward_s)}; both give one per"
+                  f" layer{of}", where)
 
 
 def _check_timed(forward_s: Any, backward_s: Any, where: str, c: Checks) -> None:
