@@ -408,7 +408,7 @@ HF_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidde
             "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
             "tie_word_embeddings": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2}
 HF_GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
-           "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1, "layer_norm_epsilon": 1e-5}
+           "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.0, "layer_norm_epsilon": 1e-5}
 # what the mixture-of-experts configs (Mixtral, Qwen-MoE) add to a dense one: each seed is the dense
 # config, and a mutation may add these keys or model types (`mutate_tree`'s "extra" and "replace")
 MOE_EXTRA = {"num_local_experts": 8, "num_experts_per_tok": 2, "num_experts": 60, "moe_intermediate_size": 32}
