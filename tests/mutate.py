@@ -464,10 +464,10 @@ def _valid_hf_config(spec) -> None:
     assert spec.num_blocks >= 1 and spec.hidden_size % spec.num_heads == 0 and spec.num_heads % spec.kv_heads == 0
 
 
-_LOCAL_REP = {"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 2}
-PLAN_FOR_HOSTS = PLAN | {"pipelines": [{"microbatches": 4, "replicas": [_LOCAL_REP, _LOCAL_REP | {"stage": 1}]},
-                                       {"microbatches": 4, "replicas": [_LOCAL_REP | {"gpu": "V100-16", "zone": "us-west1-b"},
-                                                                        _LOCAL_REP | {"stage": 1}]}],
+_A = {"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 2}
+_V = _A | {"gpu": "V100-16", "zone": "us-west1-b"}
+PLAN_FOR_HOSTS = PLAN | {"pipelines": [{"microbatches": 4, "replicas": [_A, _A | {"stage": 1}]},
+                                       {"microbatches": 4, "replicas": [_V, _A | {"stage": 1}]}],
                          "cluster": GCP | {"zones": {"us-central1-a": {"A100-40": 16}, "us-west1-b": {"V100-16": 4}}}}
 HOSTS_FOR_PLAN = {"user": "ubuntu", "groups": [
     {"zone": "us-central1-a", "gpu": "A100-40", "gpus_per_node": 4, "hosts": ["10.0.0.1", "node-2", "node-3"]},

@@ -435,3 +435,11 @@ def test_the_moe_mutation_reaches_the_mixture_of_experts_refusal(tmp_path):
                 load_hf_config(tmp_path / f"{k}.json")
             refused += 1
     assert refused >= 10
+
+
+def test_a_builtin_name_beside_a_folder_that_holds_no_config_is_the_builtin(tmp_path, monkeypatch, capsys):
+    """`sailor train plan.json --checkpoint-dir tiny` leaves a folder named like the model."""
+    _base(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    code, out, err = _main(["plan", "--job", "job.yaml", "--cluster", "gcp.yaml"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and out.startswith("tiny, global batch 8"), err

@@ -115,7 +115,8 @@ def check_group_zones(hosts: HostsFile, plan_zones: set[str], source: str = "HOS
             continue
         hint = did_you_mean(g.zone, plan_zones | catalog.known_zones())
         raise SailorInputError(f"unknown zone {show(g.zone)}: neither the plan nor the catalog has it", source=source,
-                               field=f"groups.{k}.zone", fix=hint or f"the plan's zones: {', '.join(sorted(plan_zones))}")
+                               field=f"groups.{k}.zone",
+                               fix=hint or f"the plan's zones: {', '.join(sorted(plan_zones))}")
 
 
 def assign_hosts(layout: LaunchLayout, hosts: HostsFile, source: str = "HOSTS.yaml") -> dict[str, str]:

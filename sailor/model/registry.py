@@ -55,7 +55,7 @@ def canonical_model_name(name: str) -> str:
         return MODEL_ALIASES.get(name) or lowered[name.lower()]
     if name.lower() in BUILTIN_MODELS:
         return name.lower()
-    if name and os.path.lexists(name):  # a file or folder of that name: "did you mean 'tiny'?" would train another model
+    if name and os.path.lexists(name):  # a file or folder of that name: "did you mean 'tiny'?" trains another model
         raise SailorInputError(f"unknown model {name[:80]!r}: no built-in model has that name, and a bare name is"
                                " a path only when it is beside the job file",
                                fix=f"name the config as a path (e.g. model: ./{name[:80]}, relative to the job file)")

@@ -21,7 +21,8 @@ def load_job(source: str | Path | dict[str, Any] | JobSpec) -> JobSpec:
 
     A `model:` naming a Hugging Face config (`model.registry.is_config_path`) is read relative to the
     job file's folder (a dict's relative path, relative to the current folder); so is a bare name
-    (`model: tiny-hf`) that is no built-in model when a file or folder of that name is beside the job.
+    (`model: tiny-hf`) that is no built-in model when a file or folder of that name is beside the job
+    (a built-in name with a config of that name beside the job is refused as ambiguous).
 
     Raises:
         SailorInputError: unreadable file, unknown model, a misspelt or bad field (named with the file).
@@ -44,6 +45,9 @@ def model_relative_to(job: Any, file: str | None) -> Any:
     if is_config_path(model):
         return {**job, "model": beside}
     if model and os.path.lexists(beside):  # `model: tiny-hf` with a folder tiny-hf beside the job: a path
+        holds_config = os.path.isfile(beside) or os.path.isfile(os.path.join(beside, "config.json"))
+        if is_builtin_model(model) and not holds_config:
+            return job  # `model: tiny` beside a checkpoint folder named tiny: the built-in
         if is_builtin_model(model):
             raise SailorInputError(f"{model!r} is both a built-in model and {beside} beside the job file",
                                    source=file, field="model",
