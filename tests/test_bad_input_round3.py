@@ -443,3 +443,24 @@ def test_a_builtin_name_beside_a_folder_that_holds_no_config_is_the_builtin(tmp_
     (tmp_path / "tiny").mkdir()
     code, out, err = _main(["plan", "--job", "job.yaml", "--cluster", "gcp.yaml"], tmp_path, monkeypatch, capsys)
     assert code == 0 and out.startswith("tiny, global batch 8"), err
+
+
+def test_train_draws_no_progress_bar_off_a_terminal(capsys):
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from sailor.cli.train import _run_with_progress
+    from sailor.plan import plan_from_dict
+    from sailor.specs.job import JobSpec
+    from test_cli_bad_input import CPU_PLAN
+    plan, job = plan_from_dict(CPU_PLAN), JobSpec(model="tiny", global_batch_size=8)
+    prep = SimpleNamespace(plan=plan, job=job, resume_step=0, options=SimpleNamespace(steps=2))
+
+    def launch(prep, on_event):
+        on_event({"event": "step", "step": 1, "loss": 5.0, "tokens_per_s": 10.0, "mfu": 0.01, "tokens": 128,
+                  "step_time_s": 0.5})
+        return "result"
+    assert _run_with_progress(prep, launch, Console(stderr=True), log_every=0) == "result"
+    out = capsys.readouterr()
+    assert (out.out, out.err) == ("", ""), out
