@@ -449,11 +449,11 @@ def test_train_draws_no_progress_bar_off_a_terminal(capsys):
     from types import SimpleNamespace
 
     from rich.console import Console
+    from test_cli_bad_input import CPU_PLAN
 
     from sailor.cli.train import _run_with_progress
     from sailor.plan import plan_from_dict
     from sailor.specs.job import JobSpec
-    from test_cli_bad_input import CPU_PLAN
     plan, job = plan_from_dict(CPU_PLAN), JobSpec(model="tiny", global_batch_size=8)
     prep = SimpleNamespace(plan=plan, job=job, resume_step=0, options=SimpleNamespace(steps=2))
 
