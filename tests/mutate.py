@@ -229,12 +229,14 @@ class Reader:
         seeds: valid documents (each a mapping of file name -> (document, format)).
         read: reads the files in a folder and returns the object (or raises).
         valid: asserts the invariants of an accepted object.
+        own: a mutation only this format has (e.g. a dense config made mixture-of-experts), or None.
     """
 
     name: str
     seeds: list[dict[str, tuple[Any, str]]]
     read: Callable[[Path], Any]
     valid: Callable[[Any], None]
+    own: Callable[[Any, Chooser], Any] | None = None  # a mutation of this format only (half the tree mutations)
 
 
 def _finite_tree(values) -> bool:
@@ -394,6 +396,84 @@ def _valid_runs(runs) -> None:
     assert runs and all(r.measured_time_s > 0 and r.measured_memory_bytes > 0 for r in runs)
 
 
+TESTBED = {"name": "box", "cfs_period_us": 10000,
+           "devices": {"fast": {"gpu": "A100-40", "cpu_quota": 0.45}, "slow": {"gpu": "V100-16", "cpu_quota": 0.15}},
+           "links": {"same_zone_mbit_per_s": 400, "cross_zone_mbit_per_s": 200, "cross_region_mbit_per_s": 50},
+           "nodes": [{"name": "a0", "zone": "us-central1-a", "region": "us-central1", "device": "fast", "ranks": 1,
+                      "nic_mbit_per_s": 300},
+                     {"name": "b0", "zone": "us-west1-b", "region": "us-west1", "device": "slow", "ranks": 2,
+                      "nic_mbit_per_s": 300}]}
+HF_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+            "tie_word_embeddings": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2}
+HF_GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+           "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.0, "layer_norm_epsilon": 1e-5}
+# what the mixture-of-experts configs (Mixtral, Qwen-MoE) add to a dense one: each seed is the dense
+# config, and a mutation may add these keys or model types (`mutate_tree`'s "extra" and "replace")
+MOE_EXTRA = {"num_local_experts": 8, "num_experts_per_tok": 2, "num_experts": 60, "moe_intermediate_size": 32}
+
+
+def moe_mutation(doc: Any, c: Chooser) -> Any:
+    """A dense config turned (partly) into a mixture-of-experts one, or into a near-miss model type."""
+    doc = copy.deepcopy(doc)
+    if not isinstance(doc, dict):
+        return doc
+    if c.pick([0, 1]):
+        doc["model_type"] = c.pick(["mixtral", "qwen2_moe", "qwen3_moe", "mistral", "qwen2", "gpt_neox", "Llama"])
+    else:
+        key = c.pick(sorted(MOE_EXTRA))
+        doc[key] = MOE_EXTRA[key]
+    return doc
+
+
+def _load_testbed(d: Path):
+    from sailor.specs import load_cluster
+    from sailor.testbed.spec import cluster_spec, load_testbed
+    spec = load_testbed(d / "testbed.yaml")
+    return spec, load_cluster(cluster_spec(spec))  # what `sailor testbed up` plans with
+
+
+def _valid_testbed(pair) -> None:
+    spec, cluster = pair
+    assert 0 < spec.total_cpu_cores() < math.inf and len({n.name for n in spec.nodes}) == len(spec.nodes)
+    assert sum(n for gpus in cluster.zones.values() for n in gpus.values()) == sum(n.ranks for n in spec.nodes)
+
+
+def _load_hosts_for_plan(d: Path):
+    from sailor.launch import layout_for
+    from sailor.launch.hosts import assign_hosts, load_hosts
+    from sailor.plan import plan_from_dict
+    src = str(d / "hosts.yaml")
+    hosts = load_hosts(src)
+    layout = layout_for(plan_from_dict(copy.deepcopy(PLAN_FOR_HOSTS)), hosts, src)
+    return layout, assign_hosts(layout, hosts, src)  # what `sailor launch --backend torchrun --hosts` does
+
+
+def _valid_hosts_for_plan(pair) -> None:
+    layout, dest = pair
+    assert set(dest) == {n.name for n in layout.nodes} and len(set(dest.values())) == len(dest)
+
+
+def _load_hf_config(d: Path):
+    from sailor.model.hf_config import load_hf_config
+    return load_hf_config(d / "hf" / "config.json")
+
+
+def _valid_hf_config(spec) -> None:
+    assert spec.num_blocks >= 1 and spec.hidden_size % spec.num_heads == 0 and spec.num_heads % spec.kv_heads == 0
+
+
+_A = {"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 2}
+_V = _A | {"gpu": "V100-16", "zone": "us-west1-b"}
+PLAN_FOR_HOSTS = PLAN | {"pipelines": [{"microbatches": 4, "replicas": [_A, _A | {"stage": 1}]},
+                                       {"microbatches": 4, "replicas": [_V, _A | {"stage": 1}]}],
+                         "cluster": GCP | {"zones": {"us-central1-a": {"A100-40": 16}, "us-west1-b": {"V100-16": 4}}}}
+HOSTS_FOR_PLAN = {"user": "ubuntu", "groups": [
+    {"zone": "us-central1-a", "gpu": "A100-40", "gpus_per_node": 4, "hosts": ["10.0.0.1", "node-2", "node-3"]},
+    {"zone": "us-west1-b", "gpu": "V100-16", "user": "admin", "hosts": ["w0", "w1"]},
+    {"zone": "europe-west4-a", "gpu": "A100-40", "hosts": ["spare"]}]}
+
 READERS: list[Reader] = [
     Reader("job", [{"job.yaml": (TINY_JOB, "yaml")}, {"job.json": (INLINE_JOB, "json")}], _load_job, _valid_job),
     Reader("cluster", [{"cluster.yaml": (GCP, "yaml")}, {"cluster.json": (LOCAL, "json")}], _load_cluster,
@@ -404,6 +484,12 @@ READERS: list[Reader] = [
     Reader("trace", [{"trace.csv": (TRACE_CSV, "csv")}, {"trace.json": (TRACE_EVENTS, "json")},
                      {"trace_a100.json": (TRACE_A100, "json")}], _load_trace, _valid_trace),
     Reader("hosts", [{"hosts.yaml": (HOSTS, "yaml")}], _load_hosts, _valid_hosts),
+    # readers added since round 2 (issue 31): a testbed file and the cluster it plans with, a hosts
+    # file matched against a plan (zones, node sizes, host counts), Hugging Face configs
+    Reader("testbed", [{"testbed.yaml": (TESTBED, "yaml")}], _load_testbed, _valid_testbed),
+    Reader("hosts_for_plan", [{"hosts.yaml": (HOSTS_FOR_PLAN, "yaml")}], _load_hosts_for_plan, _valid_hosts_for_plan),
+    Reader("hf_config", [{"hf/config.json": (HF_LLAMA, "json")}, {"hf/config.json": (HF_GPT2, "json")}],
+           _load_hf_config, _valid_hf_config, moe_mutation),
     Reader("profiles", [{"profile.json": (PROFILE, "json")}], _load_profiles, _valid_profiles),
     Reader("sailor_profiles", [{"profiles_tmp.json": (SAILOR_PROFILES, "json"), "llm_info.json": (LLM_INFO, "json")}],
            _load_profiles, _valid_profiles),
@@ -428,7 +514,7 @@ def mutant(reader: Reader, c: Chooser) -> dict[str, bytes]:
     doc, fmt = seed[name]
     for _ in range(c.integer(1, 3)):
         if c.pick(["tree", "tree", "tree", "text"]) == "tree" or fmt == "csv" and c.pick([0, 1]):
-            doc = mutate_tree(doc, c)
+            doc = reader.own(doc, c) if reader.own is not None and c.pick([0, 1]) else mutate_tree(doc, c)
             files[name] = dump(doc, fmt)
         else:
             files[name] = mutate_text(files[name], fmt, c)

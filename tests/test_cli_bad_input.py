@@ -391,11 +391,13 @@ def _checkpoint(root: Path, step: int, job: dict, seed: int, moments: bool = Tru
 
     from sailor.runtime import checkpoint as ckpt
     from sailor.runtime.checkpoint_io import write_checkpoint
+    from sailor.runtime.model import param_shapes
     from sailor.specs.job import JobSpec
 
     keys = ["param", *ckpt.OPTIMIZER_KEYS] if step > 0 and moments else ["param"]
-    write_checkpoint(root, step, ckpt.run_meta(JobSpec.model_validate(job), seed),
-                     {"layers.0.weight": {k: torch.zeros(2) for k in keys}})
+    spec = JobSpec.model_validate(job)
+    write_checkpoint(root, step, ckpt.run_meta(spec, seed),
+                     {n: {k: torch.zeros(shape) for k in keys} for n, shape in param_shapes(spec.model).items()})
 
 
 def test_train_refuses_a_folder_holding_another_run(tmp_path, monkeypatch, capsys):

@@ -143,7 +143,7 @@ def test_sliding_window_limits_the_sequence(tmp_path):
 
 BAD = [
     (lambda c: c | {"num_experts_per_tok": 2}, "num_experts_per_tok", "mixture-of-experts"),
-    (lambda c: c | {"model_type": "mixtral"}, "model_type", "unknown model_type 'mixtral'"),
+    (lambda c: c | {"model_type": "mixtral"}, "model_type", "'mixtral' is a mixture-of-experts model"),
     (lambda c: c | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type",
      "rope scaling type 'yarn' is not supported"),
     (lambda c: c | {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta_fast": 32}}, "rope_scaling.beta_fast",

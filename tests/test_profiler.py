@@ -164,7 +164,7 @@ def test_fit_alpha_beta_recovers_a_link():
 @pytest.mark.parametrize("kw, match", [
     ({"tps": (3,)}, "TP 3 does not divide"),
     ({"mbs": (0,)}, "micro-batch sizes must be >= 1"),
-    ({"repeats": 0}, "repeats >= 1"),
+    ({"repeats": 0}, "--repeats: must be >= 1, got 0"),
 ])
 def test_bad_options_are_input_errors(kw, match):
     with pytest.raises(SailorInputError, match=match):

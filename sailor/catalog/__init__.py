@@ -227,6 +227,11 @@ def provider(name: str) -> Provider:
     raise unknown_name("provider", name, _providers())
 
 
+def known_zones() -> set[str]:
+    """Every zone of every provider of the catalog (`local` included)."""
+    return {z for p in _providers().values() for z in p.zone_region}
+
+
 def list_price(provider_name: str, gpu_name: str) -> float:
     """List $/GPU-hour of `gpu_name` at `provider_name`; raises SailorInputError when not listed."""
     prov = provider(provider_name)

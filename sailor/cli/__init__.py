@@ -6,9 +6,10 @@ the user on stderr (`main`):
 - input taken with a change (`sailor.core.errors.SailorWarning`): one `warning:` line, the command goes on;
 - where the profile of this machine came from (`cli.common.NOTES_AT_END`): a line once the command
   has succeeded, so that an error after it is still the only line;
-- output that cannot be written (a full disk, `> /dev/full`): one `error:` line, exit status 1; a
-  reader that leaves (`sailor plan | head -1`): nothing more, exit status 1 (rich's console, and
-  Python's note on SIGPIPE, do the same);
+- output that cannot be written (a full disk, `> /dev/full`): one `error:` line, exit status 1;
+- a reader that leaves early (`sailor plan | head -1`): nothing more, exit status 0. The reader took
+  what it wanted; 0 keeps `set -o pipefail` scripts going (the shell's own 141, a death by SIGPIPE,
+  would fail them, and Python ignores SIGPIPE, so the write raises BrokenPipeError instead);
 - anything else (a bug): one `error: internal error ...` line naming a file that holds the
   traceback, exit status 1. Never a bare traceback.
 """
@@ -72,9 +73,9 @@ def main() -> None:
             sys.exit(130)
         except (SystemExit, typer.Exit):
             raise
-        except BrokenPipeError:  # the reader left (`sailor plan --json | head -c 10`): as rich's console does
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(1)
+        except BrokenPipeError:  # the reader left (`sailor plan | head -1`): quietly, status 0 (docstring)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit goes nowhere
+            sys.exit(0)
         except OSError as e:
             if e.errno not in _WRITE_ERRNOS:
                 _internal_error(e)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import typer
@@ -38,9 +39,33 @@ TimeoutOpt = typer.Option(300.0, "--timeout-s", help="Seconds any collective or 
 
 
 def console():
-    """A rich Console; 160 columns wide when output is not a terminal (pipes, CI logs)."""
+    """A rich Console on stdout; 160 columns wide when output is not a terminal (pipes, CI logs). A
+    reader that leaves (`sailor plan | head -1`) raises BrokenPipeError, which `sailor.cli.main` ends
+    quietly with status 0 (rich's own Console would exit with status 1)."""
+    return _pipe_console()(width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
+
+
+@functools.cache
+def _pipe_console() -> type:
+    """rich's Console, but a write into a closed pipe raises BrokenPipeError instead of exiting 1."""
     from rich.console import Console
-    return Console(width=None if sys.stdout is not None and sys.stdout.isatty() else 160)
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:  # rich's documented hook
+            self.quiet = True
+            raise BrokenPipeError("the reader of standard output has gone")
+    return PipeConsole
+
+
+def progress_bar(*columns, transient: bool = True):
+    """A rich Progress with `columns`, drawn on stderr, and only when both stdout and stderr are
+    terminals: a bar written into a pipe, a file or a CI log is frames of escape codes before the
+    output (`sailor profile network | cat`, `sailor data prepare --json > out`)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    shown = all(s is not None and s.isatty() for s in (sys.stdout, sys.stderr))
+    return Progress(*columns, console=Console(stderr=True), transient=transient, disable=not shown)
 
 
 TRAIN_EXTRA = "pip install 'sailor-train[train]'"  # what puts torch next to a plain install

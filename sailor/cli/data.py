@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from sailor.cli.app import app
-from sailor.cli.common import JsonOpt, console
+from sailor.cli.common import JsonOpt, console, progress_bar
 
 data_app = typer.Typer(no_args_is_help=True, help="Training data: tokenize text into token files.")
 app.add_typer(data_app, name="data")
@@ -29,7 +29,7 @@ def prepare_command(
     as_json: bool = JsonOpt,
 ) -> None:
     """Tokenize INPUT... with a tokenizer.json into one token file, written atomically."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     from sailor.runtime.dataprep import check_inputs, prepare_tokens
     from sailor.specs import load_job
@@ -38,7 +38,7 @@ def prepare_command(
     total = sum(p.stat().st_size for p in check_inputs(inputs))
     columns = [TextColumn("tokenize"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()]
     # transient: the bar goes when it ends, so that an error found while tokenizing is the only line
-    with Progress(*columns, console=console(), transient=True) as bar:
+    with progress_bar(*columns) as bar:
         task = bar.add_task("tokenize", total=total)
         summary = prepare_tokens(inputs, tokenizer=tokenizer, out=out, text_field=text_field, eos=eos,
                                  model_vocab=model_vocab, progress=lambda n: bar.advance(task, n))

@@ -31,12 +31,11 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 
 
 def _progress(label: str, total: int):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    from sailor.cli.common import console
+    from sailor.cli.common import progress_bar
 
-    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console(), transient=False)
+    bar = progress_bar(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False)
     task = bar.add_task(label, total=total)
     return bar, (lambda n: bar.advance(task, n))
 

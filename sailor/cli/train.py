@@ -89,7 +89,9 @@ def _run_with_progress(prep, launch, console: Console, log_every: int):
 
     columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
-    with Progress(*columns, console=console) as progress:
+    # drawn on terminals only (`cli.common.progress_bar`): in a pipe or log its frame would come before an error line
+    shown = console.is_terminal and sys.stdout is not None and sys.stdout.isatty()
+    with Progress(*columns, console=console, disable=not shown) as progress:
         task = progress.add_task("train", total=prep.options.steps, completed=prep.resume_step, info="starting")
         interval = IntervalLog(prep.plan, prep.job, every=log_every, total_steps=prep.options.steps,
                                write=progress.console.print)

@@ -83,6 +83,10 @@ MAX_PROFILE_MBS = 1024
 # Bytes of one input file (spec, plan, trace, profile, network file). The largest public Sailor
 # file is 617 kB (profiles_tmp.json).
 MAX_FILE_BYTES = 64 * 2**20
+# Bytes of one YAML input (job, cluster, hosts, testbed): a large cluster's hosts file is tens of kB.
+# YAML is slow to read (libyaml's parser still calls Python for every value: about 1 s per MiB of
+# small values here), so a larger file is refused before it is read; big data is JSON.
+MAX_YAML_BYTES = 2**20
 
 
 def max_local_processes() -> int:

@@ -99,8 +99,8 @@ def load_trace(path: str | Path, cluster: ClusterSpec) -> Trace:
     src = str(path)
     text = read_text(path)
     stripped = text.lstrip()
-    if stripped.startswith("[") or stripped.startswith("{"):
-        return _from_json(parse_json(text, src), cluster, src)
+    if src.lower().endswith(".json") or stripped.startswith(("[", "{")):
+        return _from_json(parse_json(text, src), cluster, src)  # a .json file is JSON, never read as CSV
     return _from_csv(text, cluster, src)
 
 
@@ -113,7 +113,7 @@ def _from_json(data: Any, cluster: ClusterSpec, src: str) -> Trace:
         pair = _single_pair(cluster, src)
         events = [(_time(e["Time"], src, f"[{i}].Time"), *pair, _count(e["GPUs"], src, f"[{i}].GPUs"))
                   for i, e in enumerate(data)]
-        return _build(events, src, cluster)
+        return _build(events, src, cluster, [f"[{i}].Time" for i in range(len(data))])
     events = []
     for i, e in enumerate(data):
         if not isinstance(e, dict):
@@ -127,7 +127,7 @@ def _from_json(data: Any, cluster: ClusterSpec, src: str) -> Trace:
         zone = _zone(e["zone"], cluster, src, f"[{i}].zone")
         gpu = _gpu(e["gpu"], src, f"[{i}].gpu")
         events.append((_time(e["time_s"], src, f"[{i}].time_s"), zone, gpu, _count(e["count"], src, f"[{i}].count")))
-    return _build(events, src, cluster)
+    return _build(events, src, cluster, [f"[{i}].time_s" for i in range(len(data))])
 
 
 def _check_points(n: int, src: str) -> None:
@@ -137,11 +137,15 @@ def _check_points(n: int, src: str) -> None:
 
 
 def _from_csv(text: str, cluster: ClusterSpec, src: str) -> Trace:
+    reader = csv.reader(io.StringIO(text))
+    rows, lines = [], []  # non-blank rows, and the file line each starts on
     try:
-        rows = list(csv.reader(io.StringIO(text)))
+        for row in reader:
+            if any(c.strip() for c in row):
+                rows.append(row)
+                lines.append(reader.line_num)
     except csv.Error as e:
-        raise SailorInputError(f"invalid CSV: {e}", source=src) from None
-    rows = [r for r in rows if any(c.strip() for c in r)]
+        raise SailorInputError(f"invalid CSV: {e}", source=src, field=f"line {reader.line_num}") from None
     if not rows:
         raise SailorInputError("empty trace", source=src)
     header = [h.strip() for h in rows[0]]
@@ -159,8 +163,8 @@ def _from_csv(text: str, cluster: ClusterSpec, src: str) -> Trace:
     if len(rows) < 2:
         raise SailorInputError("no data row", source=src)
     _check_points(len(rows) - 1, src)
-    events, t0 = [], None
-    for line, row in enumerate(rows[1:], start=2):
+    events, wheres, t0 = [], [], None
+    for line, row in zip(lines[1:], rows[1:]):
         if len(row) != len(header):
             raise SailorInputError(f"{len(row)} fields, the header has {len(header)}", source=src, field=f"line {line}")
         t = _time(_number(row[t_col], src, f"line {line}.Timestamp"), src, f"line {line}.Timestamp", relative=True)
@@ -168,11 +172,13 @@ def _from_csv(text: str, cluster: ClusterSpec, src: str) -> Trace:
         for k, zone, gpu in columns:
             events.append((t - t0, zone, gpu, _count(_number(row[k], src, f"line {line}.{header[k]}"), src,
                                                       f"line {line}.{header[k]}")))
-    return _build(events, src, cluster)
+            wheres.append(f"line {line}.Timestamp")
+    return _build(events, src, cluster, wheres)
 
 
-def _build(events: list[tuple[float, str, str, int]], src: str, cluster: ClusterSpec) -> Trace:
-    """Snapshots from (time_s, zone, gpu, count) events given in file order."""
+def _build(events: list[tuple[float, str, str, int]], src: str, cluster: ClusterSpec, wheres: list[str]) -> Trace:
+    """Snapshots from (time_s, zone, gpu, count) events given in file order; `wheres[k]` names the
+    field event k's time came from (a CSV line, a JSON item), for messages."""
     for z, g in sorted({(e[1], e[2]) for e in events}):
         try:
             cluster.price(z, g)  # a GPU type the provider does not offer has no price
@@ -180,8 +186,8 @@ def _build(events: list[tuple[float, str, str, int]], src: str, cluster: Cluster
             raise SailorInputError(f"{g} in {z}: {e.message}", source=src, fix=e.fix) from None
     for k in range(1, len(events)):
         if events[k][0] < events[k - 1][0]:
-            raise SailorInputError(f"time goes backwards: {events[k][0]:g} s after {events[k - 1][0]:g} s",
-                                   source=src, field=f"event {k}", fix="list events in time order")
+            raise SailorInputError(f"time goes backwards: {events[k][0]:g} s after {events[k - 1][0]:g} s"
+                                   f" ({wheres[k - 1]})", source=src, field=wheres[k], fix="list events in time order")
     seen: dict[tuple[float, str, str], int] = {}
     for t, z, g, n in events:
         if seen.get((t, z, g), n) != n:

@@ -28,7 +28,7 @@ import yaml
 from sailor.core import __version__
 from sailor.core.errors import SailorInputError
 from sailor.launch.common import LaunchLayout, LaunchOptions, check_image, check_options, launch_layout, node_sizes
-from sailor.launch.hosts import HostsFile, load_hosts
+from sailor.launch.hosts import HostsFile, check_group_zones, load_hosts
 from sailor.launch.skypilot import SkyPilotOptions
 from sailor.plan.spec import Plan
 
@@ -64,8 +64,12 @@ def layout_for(plan: Plan, hosts: HostsFile | None = None, source: str = "HOSTS.
 
     Raises:
         SailorInputError: a replica's TP is larger than its nodes (a TP group never spans machines,
-            so a larger TP would silently get nodes larger than the machines hold).
+            so a larger TP would silently get nodes larger than the machines hold); a group in a zone
+            neither the plan nor the catalog knows (`check_group_zones`).
     """
+    if hosts is not None:
+        zones = {r.zone for p in plan.pipelines for r in p.replicas} | set(plan.cluster.zones if plan.cluster else ())
+        check_group_zones(hosts, zones, source)
     given = hosts.gpus_per_node() if hosts else {}
     sizes = node_sizes(plan, given)
     for j, p in enumerate(plan.pipelines):

@@ -27,7 +27,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, field_validator
 
 from sailor import catalog
-from sailor.core.errors import SailorInputError, show
+from sailor.core.errors import SailorInputError, did_you_mean, show
 from sailor.core.fileio import load_mapping
 from sailor.core.limits import MAX_GPUS_PER_NODE
 from sailor.core.schema import SPEC_CONFIG, Whole, parse_model
@@ -100,6 +100,23 @@ def load_hosts(path: str | Path) -> HostsFile:
                                        source=str(path), field=f"groups.{k}.hosts.{i}", fix="list every machine once")
             where[bare_host(h)] = f"groups.{k}.hosts.{i}"
     return hosts
+
+
+def check_group_zones(hosts: HostsFile, plan_zones: set[str], source: str = "HOSTS.yaml") -> None:
+    """Raise SailorInputError for a group in a zone neither the plan (its cluster's and its replicas'
+    zones, `plan_zones`) nor the catalog knows: a misspelt zone would leave the group's machines
+    silently unused (a spare group in a known zone is fine).
+
+    Raises:
+        SailorInputError: naming `source` and groups.<k>.zone, with the closest known zone.
+    """
+    for k, g in enumerate(hosts.groups):
+        if g.zone in plan_zones or g.zone in catalog.known_zones():
+            continue
+        hint = did_you_mean(g.zone, plan_zones | catalog.known_zones())
+        raise SailorInputError(f"unknown zone {show(g.zone)}: neither the plan nor the catalog has it", source=source,
+                               field=f"groups.{k}.zone",
+                               fix=hint or f"the plan's zones: {', '.join(sorted(plan_zones))}")
 
 
 def assign_hosts(layout: LaunchLayout, hosts: HostsFile, source: str = "HOSTS.yaml") -> dict[str, str]:

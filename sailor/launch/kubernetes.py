@@ -35,7 +35,7 @@ import re
 from pathlib import PurePosixPath
 from typing import Any
 
-from sailor.core.errors import SailorInputError
+from sailor.core.errors import SailorInputError, show
 from sailor.launch.common import (Group, LaunchLayout, LaunchOptions, backend_name, check_image, node_script,
                                   round_up_pow2)
 from sailor.plan.spec import Plan
@@ -62,6 +62,10 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # https://kueue.sigs.k8s.io/doc
 # which must start with a letter. https://kubernetes.io/docs/concepts/overview/working-with-objects/names/
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_LABEL_MAX = 63
+# A DNS-1123 subdomain (the name of a PersistentVolumeClaim, ConfigMap...): labels joined by dots, at
+# most 253 characters (same page).
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+DNS_SUBDOMAIN_MAX = 253
 
 
 def gke_accelerator(gpu: str) -> str:
@@ -81,6 +85,16 @@ def check_label(value: str, option: str, what: str, given: str | None = None) ->
     if not DNS_LABEL.fullmatch(value):
         raise SailorInputError(f"{value!r} is not a DNS-1123 label", source=option,
                                fix="lower-case letters, digits and '-', starting and ending with a letter or digit")
+
+
+def check_object_name(value: str, option: str, what: str) -> None:
+    """Raise SailorInputError (naming `option`) unless `value`, the name of an existing Kubernetes
+    object (`what`, e.g. "PersistentVolumeClaim"), is a DNS-1123 subdomain of at most 253 characters:
+    the API server would refuse the manifests only when they are applied."""
+    if len(value) > DNS_SUBDOMAIN_MAX or not DNS_SUBDOMAIN.fullmatch(value):
+        raise SailorInputError(f"{show(value)} is not a {what} name (a DNS-1123 subdomain of at most"
+                               f" {DNS_SUBDOMAIN_MAX} characters)", source=option,
+                               fix="lower-case letters, digits, '-' and '.', starting and ending with a letter or digit")
 
 
 def manifests(layout: LaunchLayout, opts: LaunchOptions, *, name: str = "sailor", image: str,
@@ -114,6 +128,8 @@ def manifests(layout: LaunchLayout, opts: LaunchOptions, *, name: str = "sailor"
     if not opts.worker.plan.endswith("/" + PLAN_FILE):
         raise SailorInputError(f"the plan is mounted from a ConfigMap as {PLAN_FILE}; got {opts.worker.plan!r}",
                                source="--remote-plan", fix=f"e.g. /etc/sailor/{PLAN_FILE}")
+    if checkpoint_claim is not None:
+        check_object_name(checkpoint_claim, "--checkpoint-claim", "PersistentVolumeClaim")
     check_outputs_kept(opts.worker, checkpoint_claim)
     if indexed_jobs and (queue or max_restarts):
         raise SailorInputError("--queue and --max-restarts need a JobSet", source="--indexed-jobs",

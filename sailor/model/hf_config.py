@@ -59,9 +59,7 @@ _FIXED = {"is_encoder_decoder": False, "add_cross_attention": False, "tie_encode
 # Keys transformers only writes for architectures Sailor does not build: named in the error.
 _REFUSED = {
     "quantization_config": "quantized weights are not supported (load the unquantized model)",
-    "num_experts": "mixture-of-experts layers are not supported", "num_local_experts":
-    "mixture-of-experts layers are not supported", "num_experts_per_tok": "mixture-of-experts layers are not supported",
-}
+}  # mixture-of-experts keys: `_refuse_experts`, before the model_type is looked up
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt_neox", "opt", "gpt2")
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -145,6 +143,7 @@ def spec_from_hf(data: dict[str, Any], *, source: str, name: str) -> ModelSpec:
     """The ModelSpec of a parsed Hugging Face config (`load_hf_config`; `source` names the file)."""
     f = _Fields(data, source)
     model_type = f.get("model_type", str)
+    _refuse_experts(data, model_type, source)
     if model_type not in _READERS:
         raise unknown_name("model_type", model_type, SUPPORTED, source=source, field="model_type")
     for key, want in _FIXED.items():
@@ -161,7 +160,45 @@ def spec_from_hf(data: dict[str, Any], *, source: str, name: str) -> ModelSpec:
     try:
         return ModelSpec(name=name, hf_model_type=model_type, **fields)
     except ValidationError as e:
-        raise validation_error(e, source) from None
+        err = validation_error(e, source)
+        # name the key the user wrote (num_hidden_layers, n_embd...), not the ModelSpec field it fills
+        head, _, rest = (err.field or "").partition(".")
+        key = _CONFIG_KEYS.get(model_type, _CONFIG_KEYS["llama"]).get(head)
+        if key is None or key not in data:
+            raise err from None
+        raise SailorInputError(err.message, source=source, field=key + (f".{rest}" if rest else ""), fix=err.fix) from None
+
+
+# ModelSpec field -> the config key it is read from, per architecture (for messages).
+_LLAMA_KEYS = {"num_blocks": "num_hidden_layers", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads", "ffn_hidden_size": "intermediate_size",
+               "vocab_size": "vocab_size", "max_sequence_length": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
+_CONFIG_KEYS = {
+    "llama": _LLAMA_KEYS, "mistral": _LLAMA_KEYS, "qwen2": _LLAMA_KEYS,
+    "gpt_neox": _LLAMA_KEYS | {"norm_eps": "layer_norm_eps"},
+    "opt": _LLAMA_KEYS | {"ffn_hidden_size": "ffn_dim"},
+    "gpt2": {"num_blocks": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "ffn_hidden_size": "n_inner",
+             "vocab_size": "vocab_size", "max_sequence_length": "n_positions", "norm_eps": "layer_norm_epsilon"},
+}
+
+
+# Architectures whose MLPs are mixtures of experts (transformers' model_type); any config with an
+# expert-count key is one too, whatever its model_type.
+MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe",
+                             "phimoe", "granitemoe", "jamba", "jetmoe", "switch_transformers", "nllb_moe"})
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def _refuse_experts(data: dict[str, Any], model_type: str, source: str) -> None:
+    """Refuse a mixture-of-experts config first, for that reason: its model_type is often one edit
+    away from a dense one (mixtral/mistral, qwen2_moe/qwen2), and "did you mean 'mistral'?" would
+    train another model."""
+    key = next((k for k in MOE_KEYS if k in data), None)
+    if model_type in MOE_MODEL_TYPES or key is not None:
+        field = "model_type" if model_type in MOE_MODEL_TYPES else key
+        raise SailorInputError(f"{model_type!r} is a mixture-of-experts model; Sailor builds dense decoders only, not"
+                               " (yet) mixture-of-experts layers", source=source, field=field,
+                               fix=f"dense architectures: {', '.join(SUPPORTED)}")
 
 
 # ---- per-architecture readers: config keys -> ModelSpec fields ---------------------------------------

@@ -3,6 +3,7 @@ ModelSpec from a name, a Hugging Face config path, an inline mapping or a ModelS
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from sailor.core.errors import SailorInputError, unknown_name
@@ -54,8 +55,21 @@ def canonical_model_name(name: str) -> str:
         return MODEL_ALIASES.get(name) or lowered[name.lower()]
     if name.lower() in BUILTIN_MODELS:
         return name.lower()
+    if name and os.path.lexists(name):  # a file or folder of that name: "did you mean 'tiny'?" trains another model
+        raise SailorInputError(f"unknown model {name[:80]!r}: no built-in model has that name, and a bare name is"
+                               " a path only when it is beside the job file",
+                               fix=f"name the config as a path (e.g. model: ./{name[:80]}, relative to the job file)")
     raise unknown_name("model", name, list(BUILTIN_MODELS) + list(MODEL_ALIASES))
 
+
+
+def is_builtin_model(name: str) -> bool:
+    """True when `name` is a built-in model's name or a Sailor alias (`canonical_model_name` takes it)."""
+    try:
+        canonical_model_name(name)
+    except SailorInputError:
+        return False
+    return True
 
 
 def is_config_path(name: str) -> bool:

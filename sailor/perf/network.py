@@ -37,7 +37,7 @@ from typing import Any
 
 from sailor import catalog
 from sailor.catalog import Link, LinkClass
-from sailor.core.errors import SailorInputError, show
+from sailor.core.errors import SailorInputError, did_you_mean, show
 from sailor.core.fileio import load_json
 from sailor.core.limits import MAX_BANDWIDTH_BYTES_PER_S, MAX_GPUS_PER_NODE, MAX_SECONDS, MIN_BANDWIDTH_BYTES_PER_S
 from sailor.core.schema import Checks
@@ -353,16 +353,27 @@ def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
                 raise c.error("missing field", f"{where}.{key}")
         link = _link(v, c, where)
         gpus = [_gpu(v[key], c, f"{where}.{key}") for key in ("src_gpu", "dst_gpu")]
-        key = (c.name(v["src_zone"], f"{where}.src_zone", "a zone"), gpus[0],
-               c.name(v["dst_zone"], f"{where}.dst_zone", "a zone"), gpus[1],
-               c.whole(v.get("flows", 1), f"{where}.flows", lo=1, hi=MAX_GPUS_PER_NODE))
         on_node = v.get("same_node", False)
         if not isinstance(on_node, bool):
             raise c.error("must be true or false", f"{where}.same_node")
+        key = (_zone(v["src_zone"], c, f"{where}.src_zone", net.cluster), gpus[0],
+               _zone(v["dst_zone"], c, f"{where}.dst_zone", net.cluster), gpus[1],
+               c.whole(v.get("flows", 1), f"{where}.flows", lo=1, hi=MAX_GPUS_PER_NODE))
         table = net.node_links if on_node else net.links
         if key in table:
             raise c.error("a second link for the same endpoints and flows", where)
         table[key] = link
+
+
+def _zone(name: Any, c: Checks, where: str, cluster: ClusterSpec) -> str:
+    """A link's zone: one of the cluster's, or of its provider's (a file measured over more zones than
+    this cluster uses is fine). Any other would never be looked up: the link would be silently unused."""
+    zone = c.name(name, where, "a zone")
+    known = set(cluster.zones) | set(cluster.prov.zone_region)
+    if zone not in known:
+        raise c.error(f"unknown zone {show(zone)}: neither the cluster nor its provider ({cluster.prov.name}) has it",
+                      where, fix=did_you_mean(zone, known) or f"the cluster's zones: {', '.join(sorted(cluster.zones))}")
+    return zone
 
 
 def _gpu(name: Any, c: Checks, where: str) -> str:

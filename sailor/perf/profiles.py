@@ -41,10 +41,16 @@ import numpy as np
 from sailor import catalog
 from sailor.core.errors import SailorInputError, show
 from sailor.core.fileio import load_json, write_json
-from sailor.core.limits import MAX_BYTES, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE, MAX_SECONDS, MAX_SEQUENCE_LENGTH
+from sailor.core.limits import (
+    MAX_BYTES,
+    MAX_GLOBAL_BATCH,
+    MAX_GPUS_PER_NODE,
+    MAX_SECONDS,
+    MAX_SEQUENCE_LENGTH,
+)
 from sailor.core.schema import Checks
 from sailor.model.activations import layer_bytes
-from sailor.model.registry import canonical_model_name
+from sailor.model.registry import canonical_model_name, get_model
 from sailor.model.spec import Recompute
 from sailor.perf import roofline
 from sailor.specs.job import JobSpec
@@ -280,6 +286,10 @@ def load_profiles(path: str | Path, job: JobSpec) -> Profiles:
         data = load_json(p)
         if isinstance(data, dict) and data.get("schema") == SCHEMA:
             prof = profiles_from_dict(data, str(p))
+        elif isinstance(data, dict) and "schema" in data:  # our format, a version this Sailor does not read
+            raise SailorInputError(f"unknown schema {show(data['schema'])} (this Sailor reads {SCHEMA!r})",
+                                   source=str(p), field="schema",
+                                   fix="measure again with `sailor profile`, or set the schema this file follows")
         elif isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()) and "layers" not in data:
             prof = load_sailor_profiles(p, p.parent / "llm_info.json", job)
         else:
@@ -314,7 +324,7 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
         raise c.error(f"expected one of {', '.join(PRECISIONS)}, got {show(precision)}", "precision")
     prof = Profiles(model=model, sequence_length=seq, precision=precision, source=str(d.get("source", "measured")),
                     meta={k: d[k] for k in ("device", "versions", "date") if k in d})
-    n_layers = None
+    n_layers = None  # rows must agree with each other (`check_job` compares them with the job's model)
     for k, row in enumerate(c.sequence(d["layers"], "layers", "rows {gpu, tp, mbs, forward_s, backward_s}")):
         where = f"layers.{k}"
         c.known_keys(c.mapping(row, where, "gpu, tp, mbs, forward_s, backward_s"), where, LAYER_KEYS)
@@ -324,8 +334,11 @@ def profiles_from_dict(d: dict[str, Any], source: str = "<profiles>") -> Profile
         gpu = _located(lambda: catalog.canonical_gpu(row["gpu"]), c, f"{where}.gpu")
         tp, mbs = _tp(row["tp"], c, f"{where}.tp"), c.whole(row["mbs"], f"{where}.mbs", lo=1, hi=MAX_GLOBAL_BATCH)
         fwd = _values(row["forward_s"], n_layers, f"{where}.forward_s", c, MAX_SECONDS)
-        n_layers = len(fwd)
         bwd = _values(row["backward_s"], n_layers, f"{where}.backward_s", c, MAX_SECONDS)
+        if len(fwd) != len(bwd):  # the first row: a built-in model tells which list is wrong, else name both
+            _blame_count(fwd, bwd, get_model(model).num_layers if _known_model(name) else None, where, c)
+        n_layers = len(fwd)
+        _check_timed(fwd, bwd, where, c)
         for key in ("forward_spread_s", "backward_spread_s"):
             if key in row:
                 _values(row[key], n_layers, f"{where}.{key}", c, MAX_SECONDS)
@@ -371,6 +384,25 @@ def _values(v: Any, n: int | None, where: str, c: Checks, hi: float) -> list[flo
     if n is not None and len(items) != n:
         raise c.error(f"expected {n} values (one per layer), got {len(items)}", where)
     return [c.number(x, f"{where}.{i}", lo=0, hi=hi) for i, x in enumerate(items)]
+
+
+def _blame_count(forward_s: list[float], backward_s: list[float], n: int | None, where: str, c: Checks) -> None:
+    """Raise for a row whose forward_s and backward_s differ in length: the list that is not the
+    model's `n` layers long (None: an inline model, whose count the profile alone does not give)."""
+    for key, values, other in (("forward_s", forward_s, backward_s), ("backward_s", backward_s, forward_s)):
+        if n is not None and len(values) != n and len(other) == n:
+            raise c.error(f"expected {n} values (one per layer), got {len(values)}", f"{where}.{key}")
+    of = f" (the model has {n})" if n is not None else ""
+    raise c.error(f"forward_s has {len(forward_s)} values and backward_s {len(backward_s)}; both give one per"
+                  f" layer{of}", where)
+
+
+def _check_timed(forward_s: Any, backward_s: Any, where: str, c: Checks) -> None:
+    """Refuse a row of layer times that are all 0 (forward and backward, every layer): no pass over a
+    model takes no time, and a plan timed from it would run infinitely many iterations per second.
+    Single zeros stay allowed (a layer can be below the clock's resolution)."""
+    if not (np.any(np.asarray(forward_s) > 0) or np.any(np.asarray(backward_s) > 0)):
+        raise c.error("every forward and backward time is 0 s; a measured pass takes time (measure again)", where)
 
 
 def _tp(v: Any, c: Checks, where: str) -> int:
@@ -440,6 +472,7 @@ def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec)
                 tp = c.whole_key(tp_key, where, lo=1, hi=MAX_GPUS_PER_NODE)
                 rows = _layer_entries(layers, n, where, c, job)
                 arr = np.array([_sailor_times(v, f"{where}.{i}", c) for i, v in enumerate(rows)])
+                _check_timed(arr[:, 0], arr[:, 1], where, c)
                 prof.times.setdefault((gpu, tp), {})[mbs] = arr
     if llm_info_path.exists():
         _load_sailor_llm_info(llm_info_path, job, prof)

@@ -301,7 +301,7 @@ class Plan(BaseModel):
                                    f" {model.num_layers} layers (embedding, {model.num_blocks} blocks, head)",
                                    field="stages")
         if self.global_batch_size != job.global_batch_size:
-            mbs = [p.microbatches for p in self.pipelines]
+            mbs = summarize_counts([p.microbatches for p in self.pipelines])
             raise SailorInputError(f"micro_batch_size {self.micro_batch_size} x microbatches {mbs} ="
                                    f" {self.global_batch_size} samples, but the job's global batch is"
                                    f" {job.global_batch_size}", field="pipelines")
@@ -409,3 +409,15 @@ def split_recompute_blocks(mem: StageMemory, chunks: Sequence[tuple[int, int]], 
     return tuple(out)
 
 
+def summarize_counts(values: list[int], limit: int = 6) -> str:
+    """Per-pipeline counts for a one-line message: the list itself when short ("[4, 4, 5]"), else
+    how many of each value ("[150 x 4, 50 x 5]", in file order of first use) or, with many distinct
+    values, their count and range ("[200 values, 1..9, sum 1000]")."""
+    if len(values) <= limit:
+        return str(values)
+    counts: dict[int, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    if len(counts) <= 4:
+        return "[" + ", ".join(f"{n} x {v}" for v, n in counts.items()) + "]"
+    return f"[{len(values)} values, {min(values)}..{max(values)}, sum {sum(values)}]"

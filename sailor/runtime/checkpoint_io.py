@@ -21,7 +21,10 @@ from typing import Any, BinaryIO
 
 import torch
 
+from sailor.core.errors import SailorInputError
+from sailor.model.spec import ModelSpec
 from sailor.runtime import checkpoint as ckpt
+from sailor.runtime.model import EMBEDDING_WEIGHT, param_shapes, tied_head
 from sailor.runtime.tensor_parallel import shard, shard_dim
 
 _CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 per host copy
@@ -85,6 +88,50 @@ def write_checkpoint(root: str | Path, step: int, meta: dict[str, Any],
     keys = sorted({k for e in tensors.values() for k in e}, key=lambda k: (k != "param", k))
     return ckpt.commit(root, step, meta, layout={n: list(next(iter(e.values())).shape) for n, e in tensors.items()},
                        keys=keys, world_size=1)
+
+
+def check_model_matches_tensors(path: str | Path, manifest: Mapping[str, Any]) -> ModelSpec:
+    """The model spec of checkpoint `path`'s manifest, after checking that it describes the tensors
+    the manifest lists: the manifest is not hashed, so a hand-edited `model` (say hidden_size 128 over
+    64-wide weights) would otherwise build, resume or export a model its own tensors do not fit. Every
+    user of a checkpoint's model goes through here: resume (`launcher.prepare`) and `sailor export`.
+
+    Checked: the canonical parameter names of `GPT(spec)` (`model.param_shapes`) are those listed (a
+    tied head may be absent), and, in format 2 (which records full shapes), each shape. The field
+    named is the model's figure the tensors contradict where one can be read off them (num_blocks from
+    the layer count, hidden_size from the embedding's width), else `model` with the first tensor.
+
+    Raises:
+        SailorInputError: naming `path`/manifest.json and the field.
+    """
+    source = str(Path(path) / "manifest.json")
+    try:
+        spec = ModelSpec.model_validate(manifest.get("model"))
+    except ValueError as e:  # pydantic's ValidationError: a hand-edited or foreign manifest
+        raise SailorInputError(f"not a valid model spec ({str(e).splitlines()[0]})", source=source,
+                               field="model") from None
+    want, have = param_shapes(spec), manifest["tensors"]
+    layers = {int(n.split(".")[1]) for n in have if n.split(".")[:1] == ["layers"] and n.split(".")[1].isdigit()}
+    if layers and max(layers) + 1 != spec.num_layers:
+        raise SailorInputError(f"num_blocks {spec.num_blocks} means {spec.num_layers} layers, the checkpoint's"
+                               f" tensors have {max(layers) + 1} ({max(layers) - 1} blocks)", source=source,
+                               field="model.num_blocks", fix="the manifest's model must be the one that was trained")
+    embedding = have.get(EMBEDDING_WEIGHT)
+    if manifest.get("format") == ckpt.FORMAT and isinstance(embedding, list) and embedding[-1:] != [spec.hidden_size]:
+        raise SailorInputError(f"hidden_size {spec.hidden_size}, the checkpoint's embedding {EMBEDDING_WEIGHT} is"
+                               f" {embedding[-1]} wide", source=source, field="model.hidden_size",
+                               fix="the manifest's model must be the one that was trained")
+    head = tied_head(spec)
+    missing = [n for n in want if n not in have and n != head]
+    extra = [n for n in have if n not in want]
+    wrong = [n for n in want if n in have and manifest.get("format") == ckpt.FORMAT and tuple(have[n]) != want[n]]
+    if missing or extra or wrong:
+        name = (missing or extra or wrong)[0]
+        what = ("the model has it, the checkpoint does not" if missing else "the checkpoint has it, the model does not"
+                if extra else f"the model implies shape {list(want[name])}, the checkpoint holds {have[name]}")
+        raise SailorInputError(f"does not describe the checkpoint's tensors: {name}: {what}", source=source,
+                               field="model", fix="the manifest's model must be the one that was trained")
+    return spec
 
 
 def _as_2d(shape: list[int], dim: int) -> tuple[int, int, int]:

@@ -33,10 +33,10 @@ from typing import Any, Literal
 import torch
 
 from sailor.core.errors import SailorInputError
-from sailor.core.fileio import load_json
+from sailor.core.fileio import current_umask, load_json
 from sailor.model.hf_config import differences, export_model_type, hf_config_from_spec, load_hf_config
 from sailor.model.spec import ModelSpec
-from sailor.runtime.model import GPT, share_tied, tied_head
+from sailor.runtime.model import GPT, param_shapes, share_tied, tied_head
 from sailor.runtime.tensor_parallel import materialize_shards
 
 INDEX = "model.safetensors.index.json"
@@ -62,8 +62,7 @@ class Source:
 
 def _full_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Canonical name -> full shape of every parameter the runtime builds for `spec` (no memory)."""
-    with torch.device("meta"):
-        return {n: tuple(p.shape) for n, p in GPT(spec).named_parameters()}
+    return param_shapes(spec)
 
 
 def layout(spec: ModelSpec) -> dict[str, Source]:
@@ -336,7 +335,9 @@ def hf_tensors(spec: ModelSpec, params: dict[str, torch.Tensor]) -> dict[str, to
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
                       max_shard_bytes: int = MAX_SHARD_BYTES, source: str | Path | None = None) -> dict[str, Any]:
     """Write the Sailor checkpoint `checkpoint` (a step folder, or a checkpoint folder: its newest
-    verified step) as a Hugging Face model folder `out_dir` (which must not exist or be empty).
+    verified step) as a Hugging Face model folder `out_dir` (which must not exist or be empty),
+    atomically (a temporary folder renamed), with the usual permissions (folder 0777, files 0666, less
+    the umask). The manifest's model must describe its tensors (`check_model_matches_tensors`).
 
     Token ids, dropout rates, generation_config.json and the tokenizer files come from `source` (a
     Hugging Face folder of the same model), else from the folder the run started from as the
@@ -346,21 +347,18 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     those came from, None when nothing was known).
 
     Raises:
-        SailorInputError: no verified checkpoint, an `out_dir` that is not empty, a model the
-            Hugging Face architectures cannot express, or a `source` holding another model.
+        SailorInputError: no verified checkpoint, a manifest whose model does not fit its tensors,
+            an `out_dir` that is not empty, a model the Hugging Face architectures cannot express, or
+            a `source` holding another model.
     """
     from sailor.model.hf_files import RECORD_KEY, export_extras
 
     from safetensors.torch import save_file
 
-    from sailor.runtime.checkpoint_io import load_tensors
+    from sailor.runtime.checkpoint_io import check_model_matches_tensors, load_tensors
 
     path, manifest = _find_checkpoint(Path(checkpoint))
-    try:
-        spec = ModelSpec.model_validate(manifest.get("model"))
-    except ValueError as e:  # pydantic's ValidationError: a hand-edited or foreign manifest
-        raise SailorInputError(f"not a valid model spec ({str(e).splitlines()[0]})",
-                               source=str(path / "manifest.json"), field="model") from None
+    spec = check_model_matches_tensors(path, manifest)
     extras = export_extras(spec, manifest.get(RECORD_KEY), source)
     config = hf_config_from_spec(spec) | extras.config | {"torch_dtype": "float32"}
     out = Path(out_dir)
@@ -373,6 +371,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        umask = current_umask()
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the export unreadable to others
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         files = [SINGLE] if len(shards) == 1 else \
             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
@@ -386,6 +386,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
             (tmp / fname).write_bytes(data)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
+                os.fchmod(fh.fileno(), 0o666 & ~umask)  # safetensors writes 0600
                 os.fsync(fh.fileno())
         if out.exists():
             out.rmdir()

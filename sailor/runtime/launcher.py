@@ -188,6 +188,9 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         if found.path is None:
             notes.append(f"no checkpoint in {options.checkpoint_dir} yet; starting from step 0")
         else:
+            from sailor.runtime.checkpoint_io import check_model_matches_tensors
+
+            check_model_matches_tensors(found.path, found.manifest)  # before comparing that model with the job's
             ckpt.check_compatible(_current_model_fields(found.manifest), ckpt.run_meta(job, options.seed),
                                   source=str(found.path))
             check_resumable(found.path, found.manifest)

@@ -234,6 +234,13 @@ def init_param(name: str, shape: tuple[int, ...], *, seed: int, num_blocks: int)
 EMBEDDING_WEIGHT = "layers.0.tok.weight"
 
 
+def param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> full (unsharded) shape of every parameter `GPT(spec)` holds, built on the
+    `meta` device (no memory). A tied LM head is listed under its own name too."""
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in GPT(spec).named_parameters(remove_duplicate=False)}
+
+
 def tied_head(spec: ModelSpec) -> str | None:
     """Canonical name of the LM head when it is tied to the embedding (`ModelSpec.tied_embeddings`)."""
     return f"layers.{spec.num_layers - 1}.lm.weight" if spec.tied_embeddings else None

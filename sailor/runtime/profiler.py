@@ -144,11 +144,14 @@ def check_options(opts: ProfileOptions) -> None:
         raise SailorInputError(f"micro-batch sizes must be >= 1, got {list(opts.mbs)}", field="--mbs")
     if any(b > MAX_PROFILE_MBS for b in opts.mbs):
         raise SailorInputError(f"micro-batch sizes must be <= {MAX_PROFILE_MBS}, got {list(opts.mbs)}", field="--mbs")
-    if opts.warmup < 0 or opts.repeats < 1 or opts.threads < 1 or opts.concurrency < 0:
-        raise SailorInputError("need warmup >= 0, repeats >= 1, threads >= 1", field="--warmup/--repeats/--threads")
-    if max(opts.warmup, opts.repeats) > MAX_PROFILE_PASSES or opts.threads > 1024:
-        raise SailorInputError(f"need warmup and repeats <= {MAX_PROFILE_PASSES} and threads <= 1024",
-                               field="--warmup/--repeats/--threads")
+    lowest = {"--warmup": (opts.warmup, 0), "--repeats": (opts.repeats, 1), "--threads": (opts.threads, 1),
+              "--concurrency": (opts.concurrency, 0)}
+    highest = {"--warmup": MAX_PROFILE_PASSES, "--repeats": MAX_PROFILE_PASSES, "--threads": 1024}
+    for option, (value, lo) in lowest.items():  # the option at fault, alone
+        if value < lo:
+            raise SailorInputError(f"must be >= {lo}, got {value}", field=option)
+        if option in highest and value > highest[option]:
+            raise SailorInputError(f"must be <= {highest[option]}, got {value}", field=option)
     if opts.device == "cpu" and max(t * replicas(opts, t) for t in opts.tps) > max_local_processes():
         raise SailorInputError(f"TP x replicas at once would start more processes than this machine can run"
                                f" ({max_local_processes()}, 4 per CPU core)", field="--tp/--concurrency")
@@ -611,17 +614,16 @@ class _nullcontext:
 
 # ---- the driver ----------------------------------------------------------------------------------
 def versions() -> dict[str, str]:
-    """Library versions recorded in a profile."""
-    from importlib.metadata import PackageNotFoundError, version
-
+    """Library versions recorded in a profile (and in the machine-profile cache key). Sailor's is
+    `sailor.core.__version__`, the one place the distribution (`sailor-train`, not `sailor`, which is
+    another project's name on the index) takes its version from, so a source checkout run without
+    installing records it too."""
     import numpy
     import torch
-    try:
-        sailor_version = version("sailor")
-    except PackageNotFoundError:
-        sailor_version = "unknown"
+
+    from sailor.core import __version__
     return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
-            "sailor": sailor_version, "cuda": str(torch.version.cuda)}
+            "sailor": __version__, "cuda": str(torch.version.cuda)}
 
 
 def replicas(opts: ProfileOptions, tp: int) -> int:

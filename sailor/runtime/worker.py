@@ -79,7 +79,7 @@ from sailor.runtime.grad_sync import backwards_per_layer
 from sailor.runtime.groups import create_channel_groups, create_groups, ignore_tags
 from sailor.runtime.messages import ACTIVATION, GRADIENT
 from sailor.runtime.metrics import StepLog, check_tensorboard
-from sailor.runtime.model import GPT, initial_value
+from sailor.runtime.model import GPT, initial_value, param_shapes
 from sailor.runtime.optim import OptimConfig
 from sailor.runtime.pipeline import P2P, StageTimes, build_stage, run_pipeline
 from sailor.runtime.recompute import apply_recompute
@@ -122,9 +122,8 @@ def materialize(stage: nn.Module, full_value, *, tp_rank: int, tp: int, device: 
 
 def model_layout(spec: ModelSpec) -> dict[str, list[int]]:
     """Every canonical parameter of the model with its full (unsharded) shape: what a checkpoint
-    must cover, whatever the plan."""
-    with torch.device("meta"):
-        return {n: list(p.shape) for n, p in GPT(spec).named_parameters()}
+    must cover, whatever the plan (`model.param_shapes`, as lists)."""
+    return {n: list(shape) for n, shape in param_shapes(spec).items()}
 
 
 def save_checkpoint(root: Path, step: int, meta: dict[str, Any], opt: ShardedAdamW, role: RankRole,

@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sailor.core.errors import SailorInputError
 from sailor.core.fileio import mapping_from
 from sailor.core.schema import parse_model
-from sailor.model.registry import is_config_path
+from sailor.model.registry import is_builtin_model, is_config_path
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec, Optimizer
 
@@ -19,7 +20,9 @@ def load_job(source: str | Path | dict[str, Any] | JobSpec) -> JobSpec:
     as is): the one job loader, used by the CLI, the API and the runtime.
 
     A `model:` naming a Hugging Face config (`model.registry.is_config_path`) is read relative to the
-    job file's folder (a dict's relative path, relative to the current folder).
+    job file's folder (a dict's relative path, relative to the current folder); so is a bare name
+    (`model: tiny-hf`) that is no built-in model when a file or folder of that name is beside the job
+    (a built-in name with a config of that name beside the job is refused as ambiguous).
 
     Raises:
         SailorInputError: unreadable file, unknown model, a misspelt or bad field (named with the file).
@@ -35,10 +38,22 @@ def model_relative_to(job: Any, file: str | None) -> Any:
     path read relative to the folder of `file`, the file the job was written in (a job file, or a
     plan file carrying its job); unchanged when `file` is None or the model is no such path."""
     model = job.get("model") if isinstance(job, dict) else None
-    if file is None or not isinstance(model, str) or not is_config_path(model):
+    if file is None or not isinstance(model, str):
         return job
     # os.path.join keeps the "./" a Path would drop for a file in the current folder ("hf", a name)
-    return {**job, "model": os.path.join(str(Path(file).parent), str(Path(model).expanduser()))}
+    beside = os.path.join(str(Path(file).parent), str(Path(model).expanduser()))
+    if is_config_path(model):
+        return {**job, "model": beside}
+    if model and os.path.lexists(beside):  # `model: tiny-hf` with a folder tiny-hf beside the job: a path
+        holds_config = os.path.isfile(beside) or os.path.isfile(os.path.join(beside, "config.json"))
+        if is_builtin_model(model) and not holds_config:
+            return job  # `model: tiny` beside a checkpoint folder named tiny: the built-in
+        if is_builtin_model(model):
+            raise SailorInputError(f"{model!r} is both a built-in model and {beside} beside the job file",
+                                   source=file, field="model",
+                                   fix=f"write model: ./{model} for the folder, or rename it to use the built-in")
+        return {**job, "model": beside}
+    return job
 
 
 def load_cluster(source: str | Path | dict[str, Any] | ClusterSpec) -> ClusterSpec:
