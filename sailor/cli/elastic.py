@@ -17,7 +17,7 @@ from rich.console import Console
 
 from sailor.cli.app import app
 from sailor.cli.common import (METRICS_HELP, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt, ProfilesOpt,
-                               SeedOpt, check_number, choice, console, require_torch)
+                               SeedOpt, check_number, choice, console, machine_profiles, require_torch)
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
 from sailor.core.limits import MAX_SECONDS, MAX_TRACE_TIME_S
@@ -97,13 +97,14 @@ def run(
     if device == "cpu" and job_spec.precision != "fp32":  # before planning, naming the job (not a launch's plan)
         raise SailorInputError(f"the runtime trains in fp32 on cpu, the job says {job_spec.precision}",
                                source=str(job), field="precision", fix="set precision: fp32")
+    prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
     err = Console(stderr=True, soft_wrap=True)
     pool = HostPool.load(hosts, cluster_spec, python="python3" if python is None else python,
                          rdzv_port=29500 if rdzv_port is None else rdzv_port) if hosts else None
     result = run_elastic(RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
                                     checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
                                     events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
-                                    profiles=str(profiles) if profiles else None,
+                                    profiles=prof,
                                     network=str(network) if network else None, data=data, init_from=init_from,
                                     log_every=log_every, hosts=pool,
                                     device=device,
@@ -145,7 +146,8 @@ def replay(
     check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"))
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     trace = load_trace(availability, cluster_spec)
-    result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=str(profiles) if profiles else None,
+    prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
+    result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=prof,
                         network_path=str(network) if network else None, duration_s=duration_s)
     if plot_file:
         plot(result, plot_file)
@@ -153,6 +155,18 @@ def replay(
         print(json.dumps(result.to_dict()))
         return
     _print_replay(result)
+
+
+def trace_profiles(job_spec, cluster_spec, trace, profiles: Optional[Path], *, job_source: str):
+    """The profiles `sailor run` and `sailor replay` plan with: `--profiles` when given, else what
+    `sailor plan` uses on the cluster at the trace's peak availability (`common.machine_profiles`:
+    on the local provider the same measured, cached machine profile, so that the same plan gets the
+    same predicted step time from all three), else None (roofline). Returns a path as str, loaded
+    Profiles, or None."""
+    peak = trace.peak_zones()
+    offered = cluster_spec.with_zones(peak) if any(n > 0 for z in peak.values() for n in z.values()) else cluster_spec
+    prof = machine_profiles(job_spec, offered, profiles, job_source=job_source)
+    return str(prof) if isinstance(prof, Path) else prof
 
 
 def _say(err, ev: dict) -> None:

@@ -56,6 +56,7 @@ from sailor.elastic.events import POLL_S, Clock, ClockKind, EventLog
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.remote import HostPool, Machine, NodeLaunch
 from sailor.elastic.replan import Planned, Replanner
+from sailor.perf.profiles import Profiles
 from sailor.plan.placement import rank_layout
 from sailor.runtime.launcher import ExitStatus, Prepared, TrainOptions, TrainResult, launch, prepare
 from sailor.specs.cluster import ClusterSpec
@@ -90,7 +91,9 @@ class RunOptions:
     """What drives trace time: wall seconds, or seconds spent training (`Clock`)."""
     switch_cost_s: float | None = None
     """Assume every switch costs this many seconds instead of measuring (None: measure)."""
-    profiles: str | None = None
+    profiles: str | Profiles | None = None
+    """Profiles file/folder, loaded Profiles (the local machine's: `cli.common.machine_profiles`), or
+    None for roofline estimates (`Replanner`)."""
     network: str | None = None
     data: str | None = None
     init_from: str | None = None
