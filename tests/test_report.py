@@ -137,3 +137,34 @@ def test_the_front_is_drawn_as_what_a_budget_buys():
     costs, thr = front_steps([(15.6, 0.505), (22.4, 0.365), (30.0, 0.30)])
     assert costs.tolist() == [0.30, 0.365, 0.505]
     assert thr.tolist() == [1 / 30.0, 1 / 22.4, 1 / 15.6]
+
+
+def test_the_page_holds_everything_needed_to_rebuild_the_plan(tmp_path):
+    """Memory options per stage, schedule, sequence length and precision are on the page, and the
+    plan's JSON there loads back as the same plan."""
+    import html
+    import json
+    import re
+
+    from sailor.plan.spec import Plan
+    job = JobSpec(model="opt-350m", global_batch_size=12, sequence_length=1024, precision="bf16")
+    d = PLAN.to_dict(with_specs=False) | {
+        "schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2},
+        "stages": [[0, 5], [5, 10], [10, 18], [18, 26]],
+        "memory": [{"recompute": "full", "recompute_blocks": 3, "zero": 1},
+                   {"recompute": "selective", "zero": 2, "sequence_parallel": True}]}
+    plan = plan_from_dict(d).with_specs(job, CLUSTER)
+    est = simulate(plan, make_context(job, CLUSTER))
+    write_report(tmp_path, plan, est, CLUSTER, title="rebuild")
+    page = (tmp_path / "index.html").read_text()
+    text = re.sub(r"<[^>]+>", "|", page)
+    for row in ("sequence length (tokens)||1024", "precision||bf16", "optimizer||adam", "global batch (samples)||12",
+                "0||[0, 5) + [10, 18)||13||full (first 3 blocks)||1||off",
+                "1||[5, 10) + [18, 26)||13||selective||2||on"):
+        assert row in text, row
+    assert "interleaved 1F1B (v = 2) (kind interleaved-1f1b, virtual stages 2), micro-batch size 1" in text
+    assert f"opt-350m ({job.model.model_params() / 1e6:,.1f} M parameters, 24 blocks)" in text
+    shown = json.loads(html.unescape(re.search(r"<pre>(.*?)</pre>", page, re.S).group(1)))
+    back = Plan.model_validate({k: v for k, v in shown.items() if k not in ("job", "cluster")})
+    assert back.to_dict(with_specs=False) == plan.to_dict(with_specs=False)
+    assert shown["job"]["sequence_length"] == 1024 and shown["job"]["precision"] == "bf16"

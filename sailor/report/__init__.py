@@ -20,13 +20,15 @@ from sailor.core.errors import SailorInputError
 from sailor.plan.spec import Plan
 from sailor.simulator import Estimate
 from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 if TYPE_CHECKING:
     from sailor.planner.compare import Comparison
 
 
 def write_report(out_dir: str | Path, plan: Plan, est: Estimate, cluster: ClusterSpec, *, title: str,
-                 comparison: "Comparison | None" = None, notes: list[str] | None = None) -> list[Path]:
+                 comparison: "Comparison | None" = None, notes: list[str] | None = None,
+                 job: JobSpec | None = None) -> list[Path]:
     """Write the figures and index.html for `plan` into `out_dir` (created if missing).
 
     Args:
@@ -37,6 +39,7 @@ def write_report(out_dir: str | Path, plan: Plan, est: Estimate, cluster: Cluste
             for the Pareto figure; no Pareto figure without it. A search that found no plan is
             named in the notes.
         notes: extra lines for the page.
+        job: what the plan was made for (default `plan.job`), shown on the page.
     Returns:
         every file written (index.html last).
     Raises:
@@ -74,5 +77,5 @@ def write_report(out_dir: str | Path, plan: Plan, est: Estimate, cluster: Cluste
         paths = draw()
         written += paths
         shown.append((heading, caption, paths[0]))
-    written.append(write_index(out, title=title, plan=plan, est=est, figures=shown, notes=notes))
+    written.append(write_index(out, title=title, plan=plan, est=est, figures=shown, notes=notes, job=job))
     return written
