@@ -168,3 +168,45 @@ def test_the_page_holds_everything_needed_to_rebuild_the_plan(tmp_path):
     back = Plan.model_validate({k: v for k, v in shown.items() if k not in ("job", "cluster")})
     assert back.to_dict(with_specs=False) == plan.to_dict(with_specs=False)
     assert shown["job"]["sequence_length"] == 1024 and shown["job"]["precision"] == "bf16"
+
+
+def overlapping_labels(fig) -> list[tuple[str, str]]:
+    """Pairs of visible, non-empty texts of `fig` (tick labels, cell labels, titles, legends...) whose
+    boxes, as matplotlib's renderer lays them out, overlap."""
+    from matplotlib.text import Text
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip()]
+    return [(a, b) for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2) if box_a.overlaps(box_b)]
+
+
+def _many_group_plan():
+    """16 one-replica pipelines over 8 zones in 4 regions on 3 continents and 4 GPU types."""
+    zones = ["us-central1-a", "us-central1-b", "us-west1-a", "us-east1-b", "us-east4-a", "europe-west4-a",
+             "europe-west4-b", "asia-east1-a"]
+    gpus = ["A100-40", "V100-16", "A100-80", "H100-80"]
+    cluster = ClusterSpec(zones={z: {g: 8 + 4 * k for k, g in enumerate(gpus)} for z in zones})
+    job = JobSpec(model="tiny", global_batch_size=16)
+    pipes = [{"microbatches": 1, "replicas": [_rep(0, gpus[k % 4], zones[k % 8], 1 + k % 2)]} for k in range(16)]
+    plan = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 6]], "pipelines": pipes}).with_specs(job, cluster)
+    return plan, simulate(plan, make_context(job, cluster)), cluster
+
+
+def test_no_two_labels_of_the_placement_figure_overlap():
+    import re
+
+    import matplotlib.pyplot as plt
+
+    from sailor.report.figures import draw_placement
+    plan, est, cluster = _many_group_plan()
+    assert len({t.zones for t in est.traffic}) >= 6  # many zone pairs: many bar labels
+    for p, e, c in ((plan, est, cluster), (PLAN, simulate(PLAN, make_context(JOB, CLUSTER)), CLUSTER)):
+        fig = draw_placement(p, e, c)
+        try:
+            labels = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text"))]
+            cells = sum(n > 0 for z in c.zones.values() for n in z.values())  # the others show "-"
+            assert sum(bool(re.fullmatch(r"\d+ / \d+", t)) for t in labels) == cells
+            assert overlapping_labels(fig) == []
+        finally:
+            plt.close(fig)
