@@ -210,3 +210,50 @@ def test_no_two_labels_of_the_placement_figure_overlap():
             assert overlapping_labels(fig) == []
         finally:
             plt.close(fig)
+
+
+def _star_and_front(fig):
+    """(star (cost, it/s), vertices of the 'every search' front line) as drawn in the Pareto figure."""
+    ax = fig.axes[0]
+    line = next(ln for ln in ax.get_lines() if ln.get_label() == "every search: Pareto front")
+    star = next(c for c in ax.collections if c.get_label().startswith("chosen plan"))
+    return tuple(star.get_offsets()[0]), np.column_stack([line.get_xdata(), line.get_ydata()])
+
+
+def test_the_chosen_plan_is_a_point_of_the_front_as_drawn(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from sailor.report.figures import draw_pareto, star_note
+    opts = PlanOptions(max_stages=2, top_k=2)
+    result = plan_job(make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    comparison = compare_searches(result, lambda: make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    fig = draw_pareto(comparison)
+    try:
+        star, vertices = _star_and_front(fig)
+    finally:
+        plt.close(fig)
+    assert np.isclose(vertices, star, rtol=1e-9, atol=0).all(axis=1).any()  # the star is a vertex of the line
+    assert star == pytest.approx((result.estimate.cost_per_iteration_usd, result.estimate.throughput_iters_per_s))
+    assert star_note(comparison) is None
+    write_report(tmp_path, result.plan, result.estimate, SMALL_CLUSTER, title="t", comparison=comparison)
+    assert "the chosen plan (the star) is a point of the front" in (tmp_path / "index.html").read_text()
+
+
+def test_a_star_off_the_front_is_explained_on_the_page(tmp_path):
+    from sailor.planner.options import Constraints
+    from sailor.report.figures import star_note
+    opts = PlanOptions(max_stages=2, top_k=1)
+    result = plan_job(make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    t, c = result.estimate.iteration_time_s, result.estimate.cost_per_iteration_usd
+    # a closed-form candidate faster and cheaper than the star's event-simulated point
+    faster = Comparison(result, opts, (), sorted(result.pareto + [(0.8 * t, 0.99 * c)]))
+    note = star_note(faster)
+    assert note.startswith(f"The chosen plan ({1 / t:.3f} it/s at ${c:.4f}) is not on the drawn Pareto front: 1 point")
+    assert "closed-form scores of candidates the planner did not choose" in note and "constraints" not in note
+    write_report(tmp_path, result.plan, result.estimate, SMALL_CLUSTER, title="t", comparison=faster)
+    assert "is not on the drawn Pareto front" in (tmp_path / "index.html").read_text()
+    # the same point at a $/hour above the limit the plan was made under: the constraint is the reason
+    rate = c / t * 3600
+    capped = PlanOptions(max_stages=2, top_k=1, constraints=Constraints(max_cost_per_hour=rate * 1.1))
+    note = star_note(Comparison(result, capped, (), sorted(result.pareto + [(0.8 * t, 0.99 * c)])))
+    assert "1 of them break the constraints" in note and "closed-form scores" not in note
