@@ -164,7 +164,7 @@ def test_the_page_holds_everything_needed_to_rebuild_the_plan(tmp_path):
         assert row in text, row
     assert "interleaved 1F1B (v = 2) (kind interleaved-1f1b, virtual stages 2), micro-batch size 1" in text
     assert f"opt-350m ({job.model.model_params() / 1e6:,.1f} M parameters, 24 blocks)" in text
-    shown = json.loads(html.unescape(re.search(r"<pre>(.*?)</pre>", page, re.S).group(1)))
+    shown = json.loads(html.unescape(re.search(r"<pre>(.*?)</pre>", page, re.DOTALL).group(1)))
     back = Plan.model_validate({k: v for k, v in shown.items() if k not in ("job", "cluster")})
     assert back.to_dict(with_specs=False) == plan.to_dict(with_specs=False)
     assert shown["job"]["sequence_length"] == 1024 and shown["job"]["precision"] == "bf16"
