@@ -223,7 +223,7 @@ def _star_and_front(fig):
 def test_the_chosen_plan_is_a_point_of_the_front_as_drawn(tmp_path):
     import matplotlib.pyplot as plt
 
-    from sailor.report.figures import draw_pareto, star_note
+    from sailor.report.figures import draw_pareto
     opts = PlanOptions(max_stages=2, top_k=2)
     result = plan_job(make_context(SMALL_JOB, SMALL_CLUSTER), opts)
     comparison = compare_searches(result, lambda: make_context(SMALL_JOB, SMALL_CLUSTER), opts)
@@ -234,20 +234,19 @@ def test_the_chosen_plan_is_a_point_of_the_front_as_drawn(tmp_path):
         plt.close(fig)
     assert np.isclose(vertices, star, rtol=1e-9, atol=0).all(axis=1).any()  # the star is a vertex of the line
     assert star == pytest.approx((result.estimate.cost_per_iteration_usd, result.estimate.throughput_iters_per_s))
-    assert star_note(comparison) is None
+    assert comparison.chosen_off_front() is None
     write_report(tmp_path, result.plan, result.estimate, SMALL_CLUSTER, title="t", comparison=comparison)
     assert "the chosen plan (the star) is a point of the front" in (tmp_path / "index.html").read_text()
 
 
 def test_a_star_off_the_front_is_explained_on_the_page(tmp_path):
     from sailor.planner.options import Constraints
-    from sailor.report.figures import star_note
     opts = PlanOptions(max_stages=2, top_k=1)
     result = plan_job(make_context(SMALL_JOB, SMALL_CLUSTER), opts)
     t, c = result.estimate.iteration_time_s, result.estimate.cost_per_iteration_usd
     # a closed-form candidate faster and cheaper than the star's event-simulated point
     faster = Comparison(result, opts, (), sorted(result.pareto + [(0.8 * t, 0.99 * c)]))
-    note = star_note(faster)
+    note = faster.chosen_off_front()
     assert note.startswith(f"The chosen plan ({1 / t:.3f} it/s at ${c:.4f}) is not on the drawn Pareto front: 1 point")
     assert "closed-form scores of candidates the planner did not choose" in note and "constraints" not in note
     write_report(tmp_path, result.plan, result.estimate, SMALL_CLUSTER, title="t", comparison=faster)
@@ -255,5 +254,5 @@ def test_a_star_off_the_front_is_explained_on_the_page(tmp_path):
     # the same point at a $/hour above the limit the plan was made under: the constraint is the reason
     rate = c / t * 3600
     capped = PlanOptions(max_stages=2, top_k=1, constraints=Constraints(max_cost_per_hour=rate * 1.1))
-    note = star_note(Comparison(result, capped, (), sorted(result.pareto + [(0.8 * t, 0.99 * c)])))
+    note = Comparison(result, capped, (), sorted(result.pareto + [(0.8 * t, 0.99 * c)])).chosen_off_front()
     assert "1 of them break the constraints" in note and "closed-form scores" not in note

@@ -58,7 +58,7 @@ def write_report(out_dir: str | Path, plan: Plan, est: Estimate, cluster: Cluste
     if comparison is not None:
         paths = figures.pareto_figure(comparison, out / "pareto")
         written += paths
-        off = figures.star_note(comparison)
+        off = comparison.chosen_off_front()
         shown.append(("Throughput against cost", "The Pareto front of the candidates the planner's searches"
                       " scored, in closed form except for the plans marked (the chosen plan, the alternatives and"
                       " the best plans of the paper's and the homogeneous search spaces), which sit where the event"

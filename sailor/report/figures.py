@@ -18,7 +18,6 @@ from sailor.plan.spec import Plan
 from sailor.simulator import Estimate, ReplicaEstimate
 
 if TYPE_CHECKING:
-    from sailor.planner import PlanResult
     from sailor.planner.compare import Comparison
     from sailor.specs.cluster import ClusterSpec
 
@@ -77,72 +76,6 @@ def front_steps(front: list[tuple[float, float]]) -> tuple[np.ndarray, np.ndarra
     return c, 1.0 / t
 
 
-Point = tuple[float, float]  # (iteration time s, $/iteration)
-
-
-def drawn_plans(result: "PlanResult") -> list[tuple[Point | None, Point]]:
-    """The plans of one search the Pareto figure marks (its chosen plan and alternatives), each as
-    (closed-form point or None when unknown, event-simulated point)."""
-    e = result.estimate
-    closed = ((result.best_closed.closed_time_s, result.best_closed.closed_cost_usd)
-              if result.best_closed.plan == result.plan else None)
-    out: list[tuple[Point | None, Point]] = [(closed, (e.iteration_time_s, e.cost_per_iteration_usd))]
-    out += [((a.closed_time_s, a.closed_cost_usd), (a.estimate.iteration_time_s, a.estimate.cost_per_iteration_usd))
-            for a in result.alternatives if a.estimate is not None]
-    return out
-
-
-def drawn_front(front: list[Point], plans: list[tuple[Point | None, Point]]) -> list[Point]:
-    """The Pareto front as the figure draws it: the search's closed-form front (`PlanResult.pareto`)
-    with each marked plan's closed-form point replaced by its event-simulated one (the figure marks
-    plans where the event simulation puts them), then the points no other matches or beats on both
-    (`planner.finalists.pareto_front`), sorted by time."""
-    from sailor.planner.finalists import pareto_front
-
-    replaced = {c for c, _ in plans if c is not None}
-    return pareto_front([p for p in front if p not in replaced] + [e for _, e in plans])
-
-
-def comparison_front(comparison: "Comparison") -> list[Point]:
-    """`drawn_front` of every search of `comparison` together: the front the chosen plan is judged on."""
-    plans = drawn_plans(comparison.main)
-    plans += [p for r in comparison.best_by_space().values() if r is not comparison.main for p in drawn_plans(r)]
-    return drawn_front(comparison.pareto, plans)
-
-
-def beaten_by(point: Point, front: list[Point]) -> list[Point]:
-    """The points of `front` that beat `point`: no slower and no dearer, and not the same point."""
-    t, c = point
-    return [(ft, fc) for ft, fc in front if ft <= t and fc <= c and not (np.isclose(ft, t, rtol=1e-12, atol=0)
-                                                                         and np.isclose(fc, c, rtol=1e-12, atol=0))]
-
-
-def star_note(comparison: "Comparison") -> str | None:
-    """None when the chosen plan is a point of the front the figure draws (`comparison_front`);
-    otherwise one line saying that it is not, the points that beat it, and why the planner did not
-    choose them: outside the constraints, or closed-form scores of candidates that the planner's
-    event simulation (which ranks its finalists, and puts the star where it is) did not confirm."""
-    e = comparison.main.estimate
-    star = (e.iteration_time_s, e.cost_per_iteration_usd)
-    better = beaten_by(star, comparison_front(comparison))
-    if not better:
-        return None
-    ok = comparison.options.constraints.ok
-    outside = [p for p in better if not ok(*p)]
-    inside = [p for p in better if ok(*p)]
-    why = []
-    if outside:
-        why.append(f"{len(outside)} of them break the constraints (budget, rate or throughput floor)")
-    if inside:
-        why.append(f"{len(inside)} of them are closed-form scores of candidates the planner did not choose:"
-                   " it ranks its best few finalists by the event simulation (which puts the star where it is),"
-                   " and these were either outside those few or slower once event-simulated")
-    pts = ", ".join(f"{1 / t:.3f} it/s at ${c:.4f}" for t, c in sorted(better)[:3]) + (", ..." if len(better) > 3
-                                                                                        else "")
-    return (f"The chosen plan ({1 / star[0]:.3f} it/s at ${star[1]:.4f}) is not on the drawn Pareto front:"
-            f" {len(better)} point(s) beat it ({pts}); " + "; ".join(why) + ".")
-
-
 def pareto_figure(comparison: "Comparison", base: Path) -> list[Path]:
     """`draw_pareto`, saved. Returns [png, svg] paths."""
     return _save(draw_pareto(comparison), base)
@@ -152,9 +85,9 @@ def draw_pareto(comparison: "Comparison"):
     """Iterations/s against $/iteration: the Pareto front of every candidate the comparison's searches
     scored, the fronts of the `paper` and `homogeneous` searches, the main search's alternatives, its
     chosen plan and the other spaces' best plans (`Comparison.best_by_space`; a space without a plan
-    is not drawn). Each front is `drawn_front`: marked plans sit where the event simulation puts
-    them, so the chosen plan is a point of the front unless a closed-form point beats it
-    (`star_note` says why, on the page).
+    is not drawn). Each front is drawn as `Comparison.drawn_front` / `space_front` compute it: the
+    marked plans sit where the event simulation puts them, so the chosen plan is a point of the
+    front unless a closed-form point beats it (`Comparison.chosen_off_front` says why, on the page).
 
     Returns:
         the matplotlib Figure (open; `pareto_figure` saves and closes it).
@@ -162,8 +95,8 @@ def draw_pareto(comparison: "Comparison"):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     main, bests = comparison.main, comparison.best_by_space()
-    fronts = [("every search: Pareto front", comparison_front(comparison), "#1f77b4", 1.0)]
-    fronts += [(f"{name} search: Pareto front", drawn_front(r.pareto, drawn_plans(r)), SPACE_STYLE[name][0], 0.5)
+    fronts = [("every search: Pareto front", comparison.drawn_front(), "#1f77b4", 1.0)]
+    fronts += [(f"{name} search: Pareto front", comparison.space_front(r), SPACE_STYLE[name][0], 0.5)
                for name, r in bests.items()]
     for label, front, color, alpha in fronts:
         if front:

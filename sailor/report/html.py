@@ -87,7 +87,7 @@ def write_index(out_dir: Path, *, title: str, plan: Plan, est: Estimate,
     """
     job = job or plan.job
     stages = [[str(i), plan.stage_layers_text(i), str(sum(b - a for a, b in plan.stage_chunks(i))),
-               *memory_cells(plan.stage_memory(i))] for i in range(plan.num_stages)]
+               *memory_cells(plan.memory[i] if plan.memory else StageMemory())] for i in range(plan.num_stages)]
     sched = plan.schedule
     schedule = (f"{est.schedule.label} (kind {sched.kind.value}, virtual stages {sched.virtual_stages}),"
                 f" micro-batch size {plan.micro_batch_size}")
