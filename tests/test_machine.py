@@ -163,7 +163,7 @@ def test_a_real_quick_profile_loads_and_is_cached(tmp_path):
     prof, note = local_profiles(JOB, folder=tmp_path)
     assert "measured this machine" in note
     assert prof.measured("cpu", 1) and prof.layer_times(JOB, "cpu", 1, 2).shape == (6, 2)
-    assert local_profiles(JOB, folder=tmp_path)[1].startswith("profile of this machine from the cache")
+    assert local_profiles(JOB, folder=tmp_path)[1].startswith("profile of this machine at TP 1 from the cache")
 
 
 def test_plan_run_and_replay_predict_the_same_step_time_from_one_machine_profile(monkeypatch, tmp_path, capsys):
