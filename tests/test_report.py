@@ -256,3 +256,23 @@ def test_a_star_off_the_front_is_explained_on_the_page(tmp_path):
     capped = PlanOptions(max_stages=2, top_k=1, constraints=Constraints(max_cost_per_hour=rate * 1.1))
     note = Comparison(result, capped, (), sorted(result.pareto + [(0.8 * t, 0.99 * c)])).chosen_off_front()
     assert "1 of them break the constraints" in note and "closed-form scores" not in note
+
+
+def test_no_two_labels_of_the_other_figures_overlap(monkeypatch):
+    """The timeline, memory and Pareto figures too, on the many-group plan and on PLAN."""
+    import matplotlib.pyplot as plt
+
+    from sailor.report import figures
+    monkeypatch.setattr(figures, "_save", lambda fig, base: fig)  # keep the figure open to measure it
+    many, many_est, _ = _many_group_plan()
+    opts = PlanOptions(max_stages=2, top_k=2)
+    result = plan_job(make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    comparison = compare_searches(result, lambda: make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    est = simulate(PLAN, make_context(JOB, CLUSTER))
+    for fig in (figures.timeline_figure(many, many_est, None), figures.memory_figure(many_est, None),
+                figures.timeline_figure(PLAN, est, None), figures.memory_figure(est, None),
+                figures.pareto_figure(comparison, None)):
+        try:
+            assert overlapping_labels(fig) == []
+        finally:
+            plt.close(fig)
