@@ -215,3 +215,11 @@ def test_plan_run_and_replay_predict_the_same_step_time_from_one_machine_profile
     (tmp_path / "replayed.json").write_text(json.dumps(replayed["plan"]))
     out, _ = sailor("simulate", str(tmp_path / "replayed.json"), *files, "--json")
     assert json.loads(out.strip().splitlines()[-1])["iteration_time_s"] == pytest.approx(t, rel=1e-9)
+
+
+def test_degrees_the_machine_cannot_run_stay_estimated_and_are_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(machine, "max_local_processes", lambda: 2)
+    measure = Counter()
+    prof, note = local_profiles(JOB, tps=(1, 2, 4), processes=4, folder=tmp_path, measure=measure)
+    assert [tp for tp, _ in measure.asked] == [1, 2] and "TP 4 not measured" in note
+    assert prof.measured("cpu", 2) and not prof.measured("cpu", 4)

@@ -102,12 +102,15 @@ def _measure(job: JobSpec, threads: int, tp: int, replicas: int) -> dict[str, An
 
 
 def runnable_tps(job: JobSpec, tps: tuple[int, ...]) -> tuple[int, ...]:
-    """The degrees of `tps` the runtime can run for `job` (they divide its heads, FFN and vocabulary:
-    `profiler.check_options`); the others stay estimated and are labelled so."""
+    """The degrees of `tps` the runtime can run for `job` on this machine (they divide its heads, FFN
+    and vocabulary: `profiler.check_options`; at most `limits.max_local_processes` processes); the
+    others stay estimated and are labelled so."""
     from sailor.runtime.profiler import ProfileOptions, check_options
 
     ok = []
     for t in tps:
+        if t > max_local_processes():
+            continue
         try:
             check_options(ProfileOptions(job=job, device="cpu", tps=(t,), mbs=QUICK_MBS, concurrency=1))
         except SailorInputError as e:
@@ -199,7 +202,8 @@ def local_profiles(job: JobSpec, *, tps: tuple[int, ...] = (1,), processes: int 
                     f" (measured {min(d for _, d in cached)})")
     skipped = [t for t in want if t not in runnable]
     if skipped:
-        said.append(f"TP {_tp_list(skipped)} not measured (the runtime cannot split {job.model.name} that way)")
+        said.append(f"TP {_tp_list(skipped)} not measured (the runtime cannot split {job.model.name} that way, or"
+                    " this machine cannot run that many processes): estimated, and labelled so")
     return prof, "; ".join(said) + "; `sailor profile` measures more carefully, --profiles uses a profile"
 
 
