@@ -164,11 +164,12 @@ def trace_profiles(job_spec, cluster_spec, trace, profiles: Optional[Path], *, j
     """The profiles `sailor run` and `sailor replay` plan with: `--profiles` when given, else what
     `sailor plan` uses on the cluster at the trace's peak availability (`common.machine_profiles`:
     on the local provider the same measured, cached machine profile, so that the same plan gets the
-    same predicted step time from all three), else None (roofline). Returns a path as str, loaded
-    Profiles, or None."""
+    same predicted step time from all three), else None (roofline; also when the trace never offers
+    a GPU). Returns a path as str, loaded Profiles, or None."""
     peak = trace.peak_zones()
-    offered = cluster_spec.with_zones(peak) if any(n > 0 for z in peak.values() for n in z.values()) else cluster_spec
-    prof = machine_profiles(job_spec, offered, profiles, job_source=job_source)
+    if not any(n > 0 for z in peak.values() for n in z.values()):  # nothing to plan on: nothing to measure
+        return str(profiles) if profiles else None
+    prof = machine_profiles(job_spec, cluster_spec.with_zones(peak), profiles, job_source=job_source)
     return str(prof) if isinstance(prof, Path) else prof
 
 
