@@ -508,11 +508,26 @@ def test_a_rank_refusing_its_gpu_is_bad_input_in_one_line(tmp_path, monkeypatch,
     assert err.count("error:") == 1 and "ChildFailedError" not in err, err
 
 
+def _machine_stand_in(monkeypatch) -> None:
+    """`sailor run` on the local provider measures this machine first (`runtime.machine`): a unit
+    test stands in for the measurement (it starts processes) with blocks of 1 ms forward, 2 ms back."""
+    from sailor.runtime import machine
+
+    def measure(job, threads, tp, replicas):
+        n = job.model.num_layers
+        return {"schema": "sailor.profiles/1", "model": job.model.name, "sequence_length": job.seq,
+                "precision": job.precision, "layers": [{"gpu": "cpu", "tp": tp, "mbs": b, "forward_s": [1e-3 * b] * n,
+                                                        "backward_s": [2e-3 * b] * n} for b in machine.QUICK_MBS]}
+
+    monkeypatch.setattr(machine, "_measure", measure)
+
+
 def test_sailor_run_stops_when_a_rank_refuses_its_gpu(tmp_path, monkeypatch, capsys):
     """Every relaunch would be refused the same way: `sailor run` ends with the rank's line, exit 2,
     instead of counting a crash and taking the GPUs away."""
     from sailor.elastic import controller
 
+    _machine_stand_in(monkeypatch)
     monkeypatch.setattr(controller, "launch", _refusing_rank)
     _base(tmp_path)
     code, _, err = _main(["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json",
@@ -559,6 +574,7 @@ def test_run_with_only_damaged_checkpoints_names_its_own_option(tmp_path, monkey
     """`sailor run` resumes from --checkpoint-dir on its own; its line used to name `--resume`, an
     option it does not have."""
     _base(tmp_path)
+    _machine_stand_in(monkeypatch)
     _checkpoint(tmp_path / "ck", 3, JOB, seed=0)
     f = tmp_path / "ck" / "step-00000003" / "rank-00000.bin"
     f.write_bytes(b"\xff" + f.read_bytes()[1:])

@@ -118,17 +118,22 @@ def test_simulate_cli_uses_the_profile(profile_file, tmp_path):
     assert est["estimated"] == []
     assert est["iteration_time_s"] > 0
     # without a profile, on the local provider: the cached quick profile of this machine (seeded
-    # here with the same file, so nothing is measured), never the roofline
+    # here with the same file, one cache file per TP degree for the plan's 3 GPUs, so nothing is
+    # measured), never the roofline
     from sailor.runtime.machine import cache_path
     from sailor.specs.job import JobSpec
     cache = tmp_path / "cache"
-    seeded = cache_path(JobSpec(model="tiny", global_batch_size=8), folder=cache / "profiles")
-    seeded.parent.mkdir(parents=True)
-    seeded.write_text(profile_file.read_text())
+    whole = json.loads(profile_file.read_text())
+    for tp in (1, 2):
+        seeded = cache_path(JobSpec(model="tiny", global_batch_size=8), tp=tp, processes=3, folder=cache / "profiles")
+        seeded.parent.mkdir(parents=True, exist_ok=True)
+        part = whole | {k: [r for r in whole[k] if r["tp"] == tp] for k in ("layers", "memory")}
+        part["runtime"] = {"microbatch_overhead_s": [r for r in whole["runtime"]["microbatch_overhead_s"] if r["tp"] == tp]}
+        seeded.write_text(json.dumps(part))
     out = subprocess.run([sys.executable, "-c", "from sailor.cli import main; main()", "simulate", str(plan),
                           "--json"], capture_output=True, text=True, env={**os.environ, "SAILOR_CACHE_DIR": str(cache)})
     assert out.returncode == 0, out.stderr
-    assert "profile of this machine from the cache" in out.stderr
+    assert "profile of this machine at TP 1,2 from the cache" in out.stderr and "measured this machine" not in out.stderr
     assert not any("roofline" in e for e in json.loads(out.stdout)["estimated"])
 
 

@@ -137,3 +137,142 @@ def test_the_front_is_drawn_as_what_a_budget_buys():
     costs, thr = front_steps([(15.6, 0.505), (22.4, 0.365), (30.0, 0.30)])
     assert costs.tolist() == [0.30, 0.365, 0.505]
     assert thr.tolist() == [1 / 30.0, 1 / 22.4, 1 / 15.6]
+
+
+def test_the_page_holds_everything_needed_to_rebuild_the_plan(tmp_path):
+    """Memory options per stage, schedule, sequence length and precision are on the page, and the
+    plan's JSON there loads back as the same plan."""
+    import html
+    import json
+    import re
+
+    from sailor.plan.spec import Plan
+    job = JobSpec(model="opt-350m", global_batch_size=12, sequence_length=1024, precision="bf16")
+    d = PLAN.to_dict(with_specs=False) | {
+        "schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2},
+        "stages": [[0, 5], [5, 10], [10, 18], [18, 26]],
+        "memory": [{"recompute": "full", "recompute_blocks": 3, "zero": 1},
+                   {"recompute": "selective", "zero": 2, "sequence_parallel": True}]}
+    plan = plan_from_dict(d).with_specs(job, CLUSTER)
+    est = simulate(plan, make_context(job, CLUSTER))
+    write_report(tmp_path, plan, est, CLUSTER, title="rebuild")
+    page = (tmp_path / "index.html").read_text()
+    text = re.sub(r"<[^>]+>", "|", page)
+    for row in ("sequence length (tokens)||1024", "precision||bf16", "optimizer||adam", "global batch (samples)||12",
+                "0||[0, 5) + [10, 18)||13||full (first 3 blocks)||1||off",
+                "1||[5, 10) + [18, 26)||13||selective||2||on"):
+        assert row in text, row
+    assert "interleaved 1F1B (v = 2) (kind interleaved-1f1b, virtual stages 2), micro-batch size 1" in text
+    assert f"opt-350m ({job.model.model_params() / 1e6:,.1f} M parameters, 24 blocks)" in text
+    shown = json.loads(html.unescape(re.search(r"<pre>(.*?)</pre>", page, re.DOTALL).group(1)))
+    back = Plan.model_validate({k: v for k, v in shown.items() if k not in ("job", "cluster")})
+    assert back.to_dict(with_specs=False) == plan.to_dict(with_specs=False)
+    assert shown["job"]["sequence_length"] == 1024 and shown["job"]["precision"] == "bf16"
+
+
+def overlapping_labels(fig) -> list[tuple[str, str]]:
+    """Pairs of visible, non-empty texts of `fig` (tick labels, cell labels, titles, legends...) whose
+    boxes, as matplotlib's renderer lays them out, overlap."""
+    from matplotlib.text import Text
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip()]
+    return [(a, b) for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2) if box_a.overlaps(box_b)]
+
+
+def _many_group_plan():
+    """16 one-replica pipelines over 8 zones in 4 regions on 3 continents and 4 GPU types."""
+    zones = ["us-central1-a", "us-central1-b", "us-west1-a", "us-east1-b", "us-east4-a", "europe-west4-a",
+             "europe-west4-b", "asia-east1-a"]
+    gpus = ["A100-40", "V100-16", "A100-80", "H100-80"]
+    cluster = ClusterSpec(zones={z: {g: 8 + 4 * k for k, g in enumerate(gpus)} for z in zones})
+    job = JobSpec(model="tiny", global_batch_size=16)
+    pipes = [{"microbatches": 1, "replicas": [_rep(0, gpus[k % 4], zones[k % 8], 1 + k % 2)]} for k in range(16)]
+    plan = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 6]], "pipelines": pipes}).with_specs(job, cluster)
+    return plan, simulate(plan, make_context(job, cluster)), cluster
+
+
+def test_no_two_labels_of_the_placement_figure_overlap():
+    import re
+
+    import matplotlib.pyplot as plt
+
+    from sailor.report.figures import draw_placement
+    plan, est, cluster = _many_group_plan()
+    assert len({t.zones for t in est.traffic}) >= 6  # many zone pairs: many bar labels
+    for p, e, c in ((plan, est, cluster), (PLAN, simulate(PLAN, make_context(JOB, CLUSTER)), CLUSTER)):
+        fig = draw_placement(p, e, c)
+        try:
+            labels = [t.get_text() for t in fig.findobj(lambda a: hasattr(a, "get_text"))]
+            cells = sum(n > 0 for z in c.zones.values() for n in z.values())  # the others show "-"
+            assert sum(bool(re.fullmatch(r"\d+ / \d+", t)) for t in labels) == cells
+            assert overlapping_labels(fig) == []
+        finally:
+            plt.close(fig)
+
+
+def _star_and_front(fig):
+    """(star (cost, it/s), vertices of the 'every search' front line) as drawn in the Pareto figure."""
+    ax = fig.axes[0]
+    line = next(ln for ln in ax.get_lines() if ln.get_label() == "every search: Pareto front")
+    star = next(c for c in ax.collections if c.get_label().startswith("chosen plan"))
+    return tuple(star.get_offsets()[0]), np.column_stack([line.get_xdata(), line.get_ydata()])
+
+
+def test_the_chosen_plan_is_a_point_of_the_front_as_drawn(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from sailor.report.figures import draw_pareto
+    opts = PlanOptions(max_stages=2, top_k=2)
+    result = plan_job(make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    comparison = compare_searches(result, lambda: make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    fig = draw_pareto(comparison)
+    try:
+        star, vertices = _star_and_front(fig)
+    finally:
+        plt.close(fig)
+    assert np.isclose(vertices, star, rtol=1e-9, atol=0).all(axis=1).any()  # the star is a vertex of the line
+    assert star == pytest.approx((result.estimate.cost_per_iteration_usd, result.estimate.throughput_iters_per_s))
+    assert comparison.chosen_off_front() is None
+    write_report(tmp_path, result.plan, result.estimate, SMALL_CLUSTER, title="t", comparison=comparison)
+    assert "the chosen plan (the star) is a point of the front" in (tmp_path / "index.html").read_text()
+
+
+def test_a_star_off_the_front_is_explained_on_the_page(tmp_path):
+    from sailor.planner.options import Constraints
+    opts = PlanOptions(max_stages=2, top_k=1)
+    result = plan_job(make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    t, c = result.estimate.iteration_time_s, result.estimate.cost_per_iteration_usd
+    # a closed-form candidate faster and cheaper than the star's event-simulated point
+    faster = Comparison(result, opts, (), sorted(result.pareto + [(0.8 * t, 0.99 * c)]))
+    note = faster.chosen_off_front()
+    assert note.startswith(f"The chosen plan ({1 / t:.3f} it/s at ${c:.4f}) is not on the drawn Pareto front: 1 point")
+    assert "closed-form scores of candidates the planner did not choose" in note and "constraints" not in note
+    write_report(tmp_path, result.plan, result.estimate, SMALL_CLUSTER, title="t", comparison=faster)
+    assert "is not on the drawn Pareto front" in (tmp_path / "index.html").read_text()
+    # the same point at a $/hour above the limit the plan was made under: the constraint is the reason
+    rate = c / t * 3600
+    capped = PlanOptions(max_stages=2, top_k=1, constraints=Constraints(max_cost_per_hour=rate * 1.1))
+    note = Comparison(result, capped, (), sorted(result.pareto + [(0.8 * t, 0.99 * c)])).chosen_off_front()
+    assert "1 of them break the constraints" in note and "closed-form scores" not in note
+
+
+def test_no_two_labels_of_the_other_figures_overlap(monkeypatch):
+    """The timeline, memory and Pareto figures too, on the many-group plan and on PLAN."""
+    import matplotlib.pyplot as plt
+
+    from sailor.report import figures
+    monkeypatch.setattr(figures, "_save", lambda fig, base: fig)  # keep the figure open to measure it
+    many, many_est, _ = _many_group_plan()
+    opts = PlanOptions(max_stages=2, top_k=2)
+    result = plan_job(make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    comparison = compare_searches(result, lambda: make_context(SMALL_JOB, SMALL_CLUSTER), opts)
+    est = simulate(PLAN, make_context(JOB, CLUSTER))
+    for fig in (figures.timeline_figure(many, many_est, None), figures.memory_figure(many_est, None),
+                figures.timeline_figure(PLAN, est, None), figures.memory_figure(est, None),
+                figures.pareto_figure(comparison, None)):
+        try:
+            assert overlapping_labels(fig) == []
+        finally:
+            plt.close(fig)

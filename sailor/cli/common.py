@@ -96,9 +96,14 @@ NOTES_AT_END: list[str] = []  # lines `sailor.cli.main` prints on stderr once a 
 def machine_profiles(job, cluster, profiles, *, job_source: str | None = None):
     """What `resolve_models` should load: `profiles` when given; on the local provider without
     them, a quick profile of this machine (`runtime.machine.local_profiles`: cached, or measured now,
-    saying which on stderr when the command succeeds, so that an error stays one line); else None
-    (the catalog's roofline). Without torch (a plain install) the roofline stays, and stderr says why.
-    A job this machine cannot measure (a precision other than fp32) is refused naming `job_source`."""
+    saying which on stderr when the command succeeds, so that an error stays one line) at every TP
+    degree the planner can choose on `cluster` (`machine.considered_tps`), with as many processes at
+    once as `cluster` offers GPUs; else None (the catalog's roofline). Without torch (a plain
+    install) the roofline stays, and stderr says why. A job this machine cannot measure (a precision
+    other than fp32) is refused naming `job_source`.
+
+    The one way `sailor plan`, `simulate`, `run` and `replay` find the machine's profile: the same
+    job and cluster give the same profile (the same cache files), hence the same predictions."""
     if profiles is not None or cluster.provider != "local":
         return profiles
     import importlib.util
@@ -106,12 +111,12 @@ def machine_profiles(job, cluster, profiles, *, job_source: str | None = None):
     if importlib.util.find_spec("torch") is None:
         NOTES_AT_END.append(f"no profile of this machine: measuring it needs torch ({TRAIN_EXTRA}); roofline estimates")
         return None
-    from sailor.runtime.machine import local_profiles  # imports torch: only on this path
+    from sailor.runtime.machine import considered_tps, local_gpus, local_profiles  # imports torch: only here
 
     from sailor.core.errors import SailorInputError
 
     try:
-        prof, note = local_profiles(job)
+        prof, note = local_profiles(job, tps=considered_tps(job, cluster), processes=local_gpus(cluster))
     except SailorInputError as e:
         raise (e.located(source=job_source) if e.field == "precision" else e) from None
     NOTES_AT_END.append(note)

@@ -7,6 +7,7 @@ after writing a checkpoint; 130 killed by a second interrupt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -16,8 +17,8 @@ import typer
 from rich.console import Console
 
 from sailor.cli.app import app
-from sailor.cli.common import (METRICS_HELP, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt, ProfilesOpt,
-                               SeedOpt, check_number, choice, console, require_torch)
+from sailor.cli.common import (METRICS_HELP, NOTES_AT_END, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt,
+                               ProfilesOpt, SeedOpt, check_number, choice, console, machine_profiles, require_torch)
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
 from sailor.core.limits import MAX_SECONDS, MAX_TRACE_TIME_S
@@ -75,7 +76,7 @@ def run(
     """
     require_torch("run")
     from sailor.elastic.availability import load_trace
-    from sailor.elastic.controller import ClockKind, RunOptions
+    from sailor.elastic.controller import ClockKind, RunOptions, check_run
     from sailor.elastic.controller import run as run_elastic
     from sailor.elastic.remote import HostPool
     from sailor.specs import load_cluster, load_job
@@ -100,15 +101,18 @@ def run(
     err = Console(stderr=True, soft_wrap=True)
     pool = HostPool.load(hosts, cluster_spec, python="python3" if python is None else python,
                          rdzv_port=29500 if rdzv_port is None else rdzv_port) if hosts else None
-    result = run_elastic(RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
-                                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
-                                    events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
-                                    profiles=str(profiles) if profiles else None,
-                                    network=str(network) if network else None, data=data, init_from=init_from,
-                                    log_every=log_every, hosts=pool,
-                                    device=device,
-                                    start_timeout_s=start_timeout_s,
-                                    on_event=lambda ev: _say(err, ev)))
+    options = RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
+                         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
+                         events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
+                         network=str(network) if network else None, data=data, init_from=init_from,
+                         log_every=log_every, hosts=pool, device=device, start_timeout_s=start_timeout_s,
+                         on_event=lambda ev: _say(err, ev))
+    check_run(options)  # bad options are refused before the machine is measured
+    prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
+    for line in NOTES_AT_END:  # where the profile came from: said now, before the run's own lines
+        err.print(line, markup=False, highlight=False)
+    NOTES_AT_END.clear()
+    result = run_elastic(dataclasses.replace(options, profiles=prof))
     if result.status == 2:  # a rank refused its input (ExitStatus.BAD_INPUT): its one line
         print(f"error: {result.message}", file=sys.stderr)
         raise typer.Exit(code=2)
@@ -145,7 +149,8 @@ def replay(
     check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"))
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     trace = load_trace(availability, cluster_spec)
-    result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=str(profiles) if profiles else None,
+    prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
+    result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=prof,
                         network_path=str(network) if network else None, duration_s=duration_s)
     if plot_file:
         plot(result, plot_file)
@@ -153,6 +158,19 @@ def replay(
         print(json.dumps(result.to_dict()))
         return
     _print_replay(result)
+
+
+def trace_profiles(job_spec, cluster_spec, trace, profiles: Optional[Path], *, job_source: str):
+    """The profiles `sailor run` and `sailor replay` plan with: `--profiles` when given, else what
+    `sailor plan` uses on the cluster at the trace's peak availability (`common.machine_profiles`:
+    on the local provider the same measured, cached machine profile, so that the same plan gets the
+    same predicted step time from all three), else None (roofline; also when the trace never offers
+    a GPU). Returns a path as str, loaded Profiles, or None."""
+    peak = trace.peak_zones()
+    if not any(n > 0 for z in peak.values() for n in z.values()):  # nothing to plan on: nothing to measure
+        return str(profiles) if profiles else None
+    prof = machine_profiles(job_spec, cluster_spec.with_zones(peak), profiles, job_source=job_source)
+    return str(prof) if isinstance(prof, Path) else prof
 
 
 def _say(err, ev: dict) -> None:

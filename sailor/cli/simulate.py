@@ -51,7 +51,7 @@ def simulate_command(
     est = simulate(plan, ctx)
     if report:
         from sailor.report import write_report
-        write_report(report, plan, est, cluster_spec,
+        write_report(report, plan, est, cluster_spec, job=job_spec,
                      title=f"sailor simulate: {job_spec.model.name} · {plan_path.name}")
     if as_json:
         print(json.dumps(est.to_dict()))

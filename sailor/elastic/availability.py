@@ -79,6 +79,16 @@ class Trace:
         """Time (s) of the first snapshot strictly after `time_s`, or None when there is none."""
         return next((s.time_s for s in self.snapshots if s.time_s > time_s), None)
 
+    def peak_zones(self) -> Zones:
+        """The most GPUs of each (zone, GPU type) at any snapshot: what a run over this trace can be
+        offered at most (e.g. the machine profile's TP degrees and load are set by it)."""
+        peak: Zones = {}
+        for s in self.snapshots:
+            for zone, gpus in s.zones.items():
+                for gpu, n in gpus.items():
+                    peak.setdefault(zone, {})[gpu] = max(n, peak.get(zone, {}).get(gpu, 0))
+        return peak
+
 
 
 def load_trace(path: str | Path, cluster: ClusterSpec) -> Trace:

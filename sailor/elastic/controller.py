@@ -56,6 +56,7 @@ from sailor.elastic.events import POLL_S, Clock, ClockKind, EventLog
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.remote import HostPool, Machine, NodeLaunch
 from sailor.elastic.replan import Planned, Replanner
+from sailor.perf.profiles import Profiles
 from sailor.plan.placement import rank_layout
 from sailor.runtime.launcher import ExitStatus, Prepared, TrainOptions, TrainResult, launch, prepare
 from sailor.specs.cluster import ClusterSpec
@@ -90,7 +91,9 @@ class RunOptions:
     """What drives trace time: wall seconds, or seconds spent training (`Clock`)."""
     switch_cost_s: float | None = None
     """Assume every switch costs this many seconds instead of measuring (None: measure)."""
-    profiles: str | None = None
+    profiles: str | Profiles | None = None
+    """Profiles file/folder, loaded Profiles (the local machine's: `cli.common.machine_profiles`), or
+    None for roofline estimates (`Replanner`)."""
     network: str | None = None
     data: str | None = None
     init_from: str | None = None
@@ -190,36 +193,48 @@ class Switch:
                 "first_step_s": first_step - loaded}
 
 
+def check_run(o: RunOptions) -> None:
+    """Refuse options `Controller` cannot run, before anything starts (and before `sailor run` measures
+    the machine): a non-local provider without hosts, hosts without a shared checkpoint folder, GPU
+    types the device cannot be, steps out of range, a trace that offers nothing or more processes than
+    this machine runs, hosts that do not cover the trace, bad costs and timeouts.
+
+    Raises:
+        SailorInputError: naming the option or file.
+    """
+    if o.cluster.provider != "local" and o.hosts is None:
+        raise SailorInputError(f"the cluster's provider is {o.cluster.provider!r}: name its machines", source="--cluster",
+                               fix="pass --hosts HOSTS.yaml, or use provider: local (zone local, GPU type cpu)")
+    if o.hosts is not None and not o.checkpoint_dir:
+        raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
+                               source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")
+    catalog.check_device(o.device, (g for _, g in _offered(o.trace)), what="the trace offers")
+    if not 1 <= o.steps <= MAX_STEPS:
+        raise SailorInputError(f"must be between 1 and {MAX_STEPS:,} (limits.MAX_STEPS), got {o.steps}", source="--steps")
+    if not _offered(o.trace):
+        raise SailorInputError("the trace never offers a GPU", source=o.trace.source,
+                               fix="give some zone and GPU type a count above 0")
+    if o.hosts is not None:
+        o.hosts.check_covers(_offered(o.trace))
+    most = max(s.total() for s in o.trace.snapshots)
+    if o.hosts is None and o.device == "cpu" and most > max_local_processes():
+        raise SailorInputError(f"the trace offers up to {most} GPUs, each a process on this machine; it runs at most"
+                               f" {max_local_processes()} (4 per CPU core)", source=o.trace.source,
+                               fix="lower the trace's counts, or run on real machines with --hosts")
+    if o.switch_cost_s is not None and not 0 <= o.switch_cost_s < float("inf"):
+        raise SailorInputError(f"must be a number of seconds >= 0, got {o.switch_cost_s}", source="--switch-cost-s")
+    if not o.start_timeout_s > 0:
+        raise SailorInputError(f"must be > 0, got {o.start_timeout_s}", source="--start-timeout-s")
+    if o.checkpoint_every < 0:
+        raise SailorInputError(f"must be >= 0, got {o.checkpoint_every}", source="--checkpoint-every")
+
+
 class Controller:
     """The `sailor run` loop (module docstring). Use `run(options)`."""
 
     def __init__(self, options: RunOptions) -> None:
+        check_run(options)
         o = options
-        if o.cluster.provider != "local" and o.hosts is None:
-            raise SailorInputError(f"the cluster's provider is {o.cluster.provider!r}: name its machines", source="--cluster",
-                                   fix="pass --hosts HOSTS.yaml, or use provider: local (zone local, GPU type cpu)")
-        if o.hosts is not None and not o.checkpoint_dir:
-            raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
-                                   source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")
-        catalog.check_device(o.device, (g for _, g in _offered(o.trace)), what="the trace offers")
-        if not 1 <= o.steps <= MAX_STEPS:
-            raise SailorInputError(f"must be between 1 and {MAX_STEPS:,} (limits.MAX_STEPS), got {o.steps}", source="--steps")
-        if not _offered(o.trace):
-            raise SailorInputError("the trace never offers a GPU", source=o.trace.source,
-                                   fix="give some zone and GPU type a count above 0")
-        if o.hosts is not None:
-            o.hosts.check_covers(_offered(o.trace))
-        most = max(s.total() for s in o.trace.snapshots)
-        if o.hosts is None and o.device == "cpu" and most > max_local_processes():
-            raise SailorInputError(f"the trace offers up to {most} GPUs, each a process on this machine; it runs at most"
-                                   f" {max_local_processes()} (4 per CPU core)", source=o.trace.source,
-                                   fix="lower the trace's counts, or run on real machines with --hosts")
-        if o.switch_cost_s is not None and not 0 <= o.switch_cost_s < float("inf"):
-            raise SailorInputError(f"must be a number of seconds >= 0, got {o.switch_cost_s}", source="--switch-cost-s")
-        if not o.start_timeout_s > 0:
-            raise SailorInputError(f"must be > 0, got {o.start_timeout_s}", source="--start-timeout-s")
-        if o.checkpoint_every < 0:
-            raise SailorInputError(f"must be >= 0, got {o.checkpoint_every}", source="--checkpoint-every")
         self.o = o
         self.clock = Clock(o.time_scale, o.clock)
         self.log = EventLog(o.events, self.clock, o.on_event)

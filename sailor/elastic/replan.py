@@ -44,21 +44,27 @@ class Replanner:
     Args:
         job: what to train.
         cluster: provider, prices, node sizes and network overrides (its own `zones` are not used).
-        profiles_path: profiles file/folder, or None for roofline estimates.
+        profiles_path: profiles file/folder, loaded Profiles (e.g. the machine profile `sailor plan`
+            measures on the local provider: `cli.common.machine_profiles`), or None for roofline
+            estimates.
         network_path: link file/Sailor network folder, or None for the catalog's links.
         options: planner options (objective, constraints, search space).
     Raises:
         SailorInputError: profiles that cannot be read (from the constructor).
     """
 
-    def __init__(self, job: JobSpec, cluster: ClusterSpec, *, profiles_path: str | None = None,
+    def __init__(self, job: JobSpec, cluster: ClusterSpec, *, profiles_path: str | Profiles | None = None,
                  network_path: str | None = None, options: PlanOptions | None = None) -> None:
         self.job = job
         self.cluster = cluster
         self.options = options or PlanOptions()
         self.network_path = network_path
-        self.profiles: Profiles = load_profiles(profiles_path, job) if profiles_path else roofline_profiles(job)
-        self._static_key = (json.dumps(job.to_dict(), sort_keys=True), _file_key(profiles_path),
+        if isinstance(profiles_path, Profiles):  # held for this Replanner's life: its identity is the key
+            self.profiles, profiles_key = profiles_path, f"profiles object {id(profiles_path)}"
+        else:
+            self.profiles = load_profiles(profiles_path, job) if profiles_path else roofline_profiles(job)
+            profiles_key = _file_key(profiles_path)
+        self._static_key = (json.dumps(job.to_dict(), sort_keys=True), profiles_key,
                             _file_key(network_path), repr(self.options))
         self._plans: dict[Hashable, Planned | InfeasibleError] = {}
         self._contexts: dict[Hashable, SimContext] = {}

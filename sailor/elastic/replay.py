@@ -33,6 +33,7 @@ from sailor.core.units import HOUR_S
 from sailor.elastic.availability import Trace, Zones
 from sailor.elastic.policy import decide, lost_gpus
 from sailor.elastic.replan import Planned, Replanner
+from sailor.perf.profiles import Profiles
 from sailor.planner import PlanOptions, SearchSpace
 from sailor.simulator import Estimate
 from sailor.specs.cluster import ClusterSpec
@@ -142,7 +143,7 @@ class ReplayResult:
 
 
 def replay(job: JobSpec, cluster: ClusterSpec, trace: Trace, *, policy: Policy = Policy.SAILOR,
-           profiles_path: str | None = None, network_path: str | None = None, duration_s: float | None = None,
+           profiles_path: str | Profiles | None = None, network_path: str | None = None, duration_s: float | None = None,
            restart: RestartModel | None = None, options: PlanOptions | None = None) -> ReplayResult:
     """Replay a whole run over `trace` under `policy` (module docstring).
 
@@ -150,7 +151,8 @@ def replay(job: JobSpec, cluster: ClusterSpec, trace: Trace, *, policy: Policy =
         job, cluster: what to train; the cluster gives provider, prices, node sizes and network.
         trace: the availability over time.
         policy: sailor, static or homogeneous.
-        profiles_path, network_path: as for `sailor plan` (None: roofline, catalog links).
+        profiles_path, network_path: as for `sailor plan` (None: roofline, catalog links); profiles
+            may also be loaded Profiles (`Replanner`).
         duration_s: end of the run (s from the trace's start); default in the module docstring.
         restart: the restart model (default: the published breakdown).
         options: planner options (objective, constraints); `search` is set by the policy.

@@ -139,7 +139,7 @@ class Profiles:
         if not measured_tps:
             self.estimates_used.add((gpu, tp, "roofline"))
             return roof
-        near = min(measured_tps, key=lambda t: (abs(np.log2(t / tp)), t))
+        near = self.tp_source(gpu, tp)
         meas = _interpolate(self.times[(gpu, near)], mbs)
         roof_near = roofline_times(job, gpu, near, mbs)
         ratio = np.divide(meas, roof_near, out=np.ones_like(meas), where=roof_near > 0)
@@ -186,11 +186,22 @@ class Profiles:
         per = OPTIMIZER_BYTES_PER_PARAM[(job.optimizer.value, job.precision != "fp32")]
         return params * per / (spec.hbm_bytes_per_s * spec.efficiency.memory)
 
-    def includes_tp_comm(self, gpu: str) -> bool:
-        """True when the layer times of `gpu` come from a measurement with real TP processes (at this
-        TP or, scaled, at another one), so they hold the TP collectives; False for pure roofline
-        estimates, which do not."""
-        return any(g == gpu for g, _ in self.times)
+    def tp_source(self, gpu: str, tp: int) -> int | None:
+        """The TP degree whose measurement gives the layer times of (`gpu`, `tp`): `tp` itself when
+        measured, else the nearest measured TP degree of `gpu` (the one `layer_times` scales from);
+        None when `gpu` was never measured (roofline)."""
+        if (gpu, tp) in self.times:
+            return tp
+        tps = [t for g, t in self.times if g == gpu]
+        return min(tps, key=lambda t: (abs(np.log2(t / tp)), t)) if tps else None
+
+    def includes_tp_comm(self, gpu: str, tp: int) -> bool:
+        """True when the layer times of (`gpu`, `tp`) hold TP collectives: measured with `tp` real TP
+        processes, or scaled from a measurement at another TP degree > 1 (whose all-reduces scale
+        along). False for roofline estimates and for times scaled from TP 1, which ran no collective:
+        the simulator charges those on the intra-node link (`simulator.terms.tp_comm_s`)."""
+        src = self.tp_source(gpu, tp)
+        return src is not None and src > 1
 
     def attention_core_share(self, job: JobSpec, gpu: str, tp: int, mbs: int) -> float:
         """Fraction of a block's forward time spent in the attention core (what selective

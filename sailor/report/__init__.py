@@ -20,13 +20,15 @@ from sailor.core.errors import SailorInputError
 from sailor.plan.spec import Plan
 from sailor.simulator import Estimate
 from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
 
 if TYPE_CHECKING:
     from sailor.planner.compare import Comparison
 
 
 def write_report(out_dir: str | Path, plan: Plan, est: Estimate, cluster: ClusterSpec, *, title: str,
-                 comparison: "Comparison | None" = None, notes: list[str] | None = None) -> list[Path]:
+                 comparison: "Comparison | None" = None, notes: list[str] | None = None,
+                 job: JobSpec | None = None) -> list[Path]:
     """Write the figures and index.html for `plan` into `out_dir` (created if missing).
 
     Args:
@@ -37,6 +39,7 @@ def write_report(out_dir: str | Path, plan: Plan, est: Estimate, cluster: Cluste
             for the Pareto figure; no Pareto figure without it. A search that found no plan is
             named in the notes.
         notes: extra lines for the page.
+        job: what the plan was made for (default `plan.job`), shown on the page.
     Returns:
         every file written (index.html last).
     Raises:
@@ -55,10 +58,14 @@ def write_report(out_dir: str | Path, plan: Plan, est: Estimate, cluster: Cluste
     if comparison is not None:
         paths = figures.pareto_figure(comparison, out / "pareto")
         written += paths
-        shown.append(("Throughput against cost", "The closed-form Pareto front of the candidates the planner's"
-                      " searches scored; the chosen plan, the alternatives and the best plans of the paper's and"
-                      " the homogeneous search spaces are event-simulated.", paths[0]))
+        off = comparison.chosen_off_front()
+        shown.append(("Throughput against cost", "The Pareto front of the candidates the planner's searches"
+                      " scored, in closed form except for the plans marked (the chosen plan, the alternatives and"
+                      " the best plans of the paper's and the homogeneous search spaces), which sit where the event"
+                      " simulation puts them; " + (off if off else "the chosen plan (the star) is a point of the"
+                                                   " front."), paths[0]))
         notes += [f"{o.label}: no plan ({o.reason})" for o in comparison.others if o.result is None]
+        notes += [off] if off else []
     steps = [
         (f"{est.schedule.label} timeline", "One iteration of the chosen plan: one row per pipeline and stage"
          " (identical pipelines share a row); forwards, backwards (and weight-gradient passes, blocking p2p"
@@ -74,5 +81,5 @@ def write_report(out_dir: str | Path, plan: Plan, est: Estimate, cluster: Cluste
         paths = draw()
         written += paths
         shown.append((heading, caption, paths[0]))
-    written.append(write_index(out, title=title, plan=plan, est=est, figures=shown, notes=notes))
+    written.append(write_index(out, title=title, plan=plan, est=est, figures=shown, notes=notes, job=job))
     return written

@@ -77,19 +77,27 @@ def front_steps(front: list[tuple[float, float]]) -> tuple[np.ndarray, np.ndarra
 
 
 def pareto_figure(comparison: "Comparison", base: Path) -> list[Path]:
+    """`draw_pareto`, saved. Returns [png, svg] paths."""
+    return _save(draw_pareto(comparison), base)
+
+
+def draw_pareto(comparison: "Comparison"):
     """Iterations/s against $/iteration: the Pareto front of every candidate the comparison's searches
     scored, the fronts of the `paper` and `homogeneous` searches, the main search's alternatives, its
     chosen plan and the other spaces' best plans (`Comparison.best_by_space`; a space without a plan
-    is not drawn).
+    is not drawn). Each front is drawn as `Comparison.drawn_front` / `space_front` compute it: the
+    marked plans sit where the event simulation puts them, so the chosen plan is a point of the
+    front unless a closed-form point beats it (`Comparison.chosen_off_front` says why, on the page).
 
     Returns:
-        [png, svg] paths.
+        the matplotlib Figure (open; `pareto_figure` saves and closes it).
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     main, bests = comparison.main, comparison.best_by_space()
-    fronts = [("every search: Pareto front (closed form)", comparison.pareto, "#1f77b4", 1.0)]
-    fronts += [(f"{name} search: Pareto front", r.pareto, SPACE_STYLE[name][0], 0.5) for name, r in bests.items()]
+    fronts = [("every search: Pareto front", comparison.drawn_front(), "#1f77b4", 1.0)]
+    fronts += [(f"{name} search: Pareto front", comparison.space_front(r), SPACE_STYLE[name][0], 0.5)
+               for name, r in bests.items()]
     for label, front, color, alpha in fronts:
         if front:
             c, thr = front_steps(front)
@@ -111,7 +119,7 @@ def pareto_figure(comparison: "Comparison", base: Path) -> list[Path]:
     ax.set_title("Plans: throughput against cost (up and left is better)")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    return _save(fig, base)
+    return fig
 
 
 # ---- 2. pipeline timeline ------------------------------------------------------------------------
@@ -255,12 +263,22 @@ def _traffic_by_pair(est: Estimate) -> dict[tuple[str, str], dict[str, float]]:
 
 
 def placement_figure(plan: Plan, est: Estimate, cluster: "ClusterSpec", base: Path) -> list[Path]:
+    """`draw_placement`, saved. Returns [png, svg] paths."""
+    return _save(draw_placement(plan, est, cluster), base)
+
+
+def draw_placement(plan: Plan, est: Estimate, cluster: "ClusterSpec"):
     """Left: zones x GPU types, GPUs used / available (colour: share used). Right: GB per iteration
     crossing each zone pair, pipeline p2p and gradient sync (`Estimate.traffic`), with the pair's
     egress $ and whether it crosses zones, regions or continents.
 
+    No two labels overlap, however many zones, GPU types and zone pairs: the figure grows with
+    them (each column as wide as its widest "used / available" label), GPU-type labels are turned
+    45 degrees, the traffic axis has few ticks, and each traffic bar's figures are written in the
+    axes' right margin (`tests/test_report.py` checks every pair of text boxes).
+
     Returns:
-        [png, svg] paths.
+        the matplotlib Figure (open; `placement_figure` saves and closes it).
     """
     plt = _pyplot()
     use = plan.gpu_usage()
@@ -273,17 +291,19 @@ def placement_figure(plan: Plan, est: Estimate, cluster: "ClusterSpec", base: Pa
             if have:
                 share[a, b] = use.get((z, g), 0) / have
     pairs = sorted(_traffic_by_pair(est).items(), key=lambda kv: -(kv[1]["p2p"] + kv[1]["sync"]))
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.5 * max(len(zones), len(pairs), 3)),
-                                 gridspec_kw={"width_ratios": [1.0, 1.3], "wspace": 0.7})
+    cells = {(z, g): f"{use.get((z, g), 0)} / {cluster.available(z, g)}" if cluster.available(z, g) else "-"
+             for z in zones for g in gpus}
+    cell_w = max(0.8, 0.075 * max(map(len, cells.values())))  # inches per column: its widest label at 8 pt
+    left_w = max(4.0, cell_w * len(gpus) + 2.5)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(left_w + 8.0, 2.0 + 0.5 * max(len(zones), len(pairs), 3)),
+                                 gridspec_kw={"width_ratios": [left_w, 5.0], "wspace": 0.9})
     cmap = plt.get_cmap("Blues").with_extremes(bad="#eeeeee")  # grey: no such GPU in that zone
     # vmax above 1 keeps the darkest cell light enough for its black label
     im = ax.imshow(np.ma.masked_invalid(share), cmap=cmap, vmin=0, vmax=1.3, aspect="auto")
     for a, z in enumerate(zones):
         for b, g in enumerate(gpus):
-            have = cluster.available(z, g)
-            text = f"{use.get((z, g), 0)} / {have}" if have else "-"
-            ax.text(b, a, text, ha="center", va="center", fontsize=9, color="black")
-    ax.set_xticks(range(len(gpus)), gpus)
+            ax.text(b, a, cells[(z, g)], ha="center", va="center", fontsize=8, color="black")
+    ax.set_xticks(range(len(gpus)), gpus, rotation=45, ha="right", rotation_mode="anchor")
     ax.set_yticks(range(len(zones)), zones)
     ax.set_title(f"GPUs used / available ({plan.world_size} used)")
     fig.colorbar(im, ax=ax, fraction=0.05, pad=0.03, label="share used").ax.set_ylim(0, 1)
@@ -295,16 +315,22 @@ def placement_figure(plan: Plan, est: Estimate, cluster: "ClusterSpec", base: Pa
         y = np.arange(len(pairs))
         bx.barh(y, p2p, color=COLOR["p2p"], label="pipeline p2p", height=0.6)
         bx.barh(y, sync, left=p2p, color=COLOR["sync"], label="gradient sync", height=0.6)
-        for k, (_, v) in enumerate(pairs):
-            bx.text(p2p[k] + sync[k], k, f" {p2p[k] + sync[k]:.2f} GB, ${v['usd']:.4f}", va="center", fontsize=8)
-        bx.set_yticks(y, labels)
-        bx.invert_yaxis()
-        bx.set_xlim(0, (p2p + sync).max() * 2.0)  # room on the right for the legend, clear of every bar
-        bx.legend(loc="lower right", fontsize=8)
+        for k, (_, v) in enumerate(pairs):  # in the right margin, one row each, clear of the bars
+            bx.text(1.02, k, f"{p2p[k] + sync[k]:.3g} GB, ${v['usd']:.4f}", va="center", fontsize=8,
+                    transform=bx.get_yaxis_transform())
+        bx.set_yticks(y, labels, fontsize=8)
+        bx.set_ylim(len(pairs) - 0.5, -0.5)  # first pair on top
+        bx.set_xlim(0, (p2p + sync).max() * 1.05)
+        bx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / max(len(pairs), 3)), ncol=2, fontsize=8,
+                  frameon=False)
     else:
         bx.text(0.5, 0.5, "no traffic crosses zones", ha="center", va="center", transform=bx.transAxes)
         bx.set_yticks([])
+    from matplotlib.ticker import MaxNLocator, StrMethodFormatter
+
+    bx.xaxis.set_major_locator(MaxNLocator(nbins=4))  # few ticks, short labels: they never touch
+    bx.xaxis.set_major_formatter(StrMethodFormatter("{x:.3g}"))
     bx.set_xlabel("GB per iteration")
-    bx.set_title(f"Cross-zone traffic: {est.cross_zone_bytes / GB:.2f} GB/iteration,"
-                 f" egress ${est.egress_per_iteration_usd:.4f}/iteration")
-    return _save(fig, base)
+    bx.set_title(f"Cross-zone traffic: {est.cross_zone_bytes / GB:.2f} GB/iteration,\n"
+                 f"egress ${est.egress_per_iteration_usd:.4f}/iteration")
+    return fig

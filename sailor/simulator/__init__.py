@@ -347,8 +347,17 @@ def _recompute_flop(plan: Plan, ctx: SimContext, memory: list[tuple[StageMemory,
 
 def tp_communication(plan: Plan, ctx: SimContext) -> list[str]:
     """One line per (GPU type, TP > 1) of the plan: "A100-80 TP 8: charged (intra-node link)" where
-    the simulator adds the TP collectives to roofline layer times, "... included (measured)" where
-    the measured layer times hold them (only sequence parallelism's extra is charged there)."""
+    the simulator adds the TP collectives to estimated layer times (roofline, or scaled from TP 1),
+    "... included (measured)" where layer times measured at that TP hold them, "... included (scaled
+    from TP 4)" where they are scaled from a measurement at another TP > 1 (only sequence
+    parallelism's extra is charged in either)."""
     pairs = sorted({(r.gpu, r.tp) for p in plan.pipelines for r in p.replicas if r.tp > 1})
-    return [f"{g} TP {t}: " + ("included (measured)" if ctx.tp_comm_included(g, t) else "charged (intra-node link)")
-            for g, t in pairs]
+    return [f"{g} TP {t}: " + _tp_comm_source(ctx, g, t) for g, t in pairs]
+
+
+def _tp_comm_source(ctx: SimContext, gpu: str, tp: int) -> str:
+    """How the TP collectives of (gpu, tp > 1) enter the estimate (`tp_communication`)."""
+    if not ctx.tp_comm_included(gpu, tp):
+        return "charged (intra-node link)"
+    src = ctx.profiles.tp_source(gpu, tp)
+    return "included (measured)" if src == tp else f"included (scaled from TP {src})"

@@ -128,9 +128,10 @@ class SimContext:
 
     def tp_comm_included(self, gpu: str, tp: int) -> bool:
         """True when the layer times of (gpu, tp) already hold the TP collectives (measured with real
-        TP processes, or scaled from such a measurement); False for roofline estimates, to which the
-        simulator adds them (`terms.tp_comm_s`)."""
-        return tp == 1 or self.profiles.includes_tp_comm(gpu)
+        TP processes, or scaled from such a measurement at TP > 1: `Profiles.includes_tp_comm`);
+        False for roofline estimates and times scaled from TP 1, to which the simulator adds them
+        (`terms.tp_comm_s`)."""
+        return tp == 1 or self.profiles.includes_tp_comm(gpu, tp)
 
     def params_cumsum(self, tp: int) -> np.ndarray:
         """Cumulative parameters per GPU over layers at TP `tp`: array (num_layers + 1,)."""
