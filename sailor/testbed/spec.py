@@ -139,7 +139,7 @@ class TestbedSpec(BaseModel):
             except SailorInputError as e:
                 raise e.located(field_prefix=f"{where}.zone") from None
             if region != n.region:
-                raise SailorInputError(f"zone {n.zone} is in region {region}, not {n.region}", field=f"{where}.region")
+                raise SailorInputError(f"zone {n.zone} is in region {region}, not {n.region!r}", field=f"{where}.region")
             if n.device in ranks_of and ranks_of[n.device][0] != n.ranks:
                 raise SailorInputError(f"{n.ranks} ranks, but node {ranks_of[n.device][1]} of device class"
                                        f" {n.device!r} has {ranks_of[n.device][0]}", field=f"{where}.ranks",
