@@ -15,7 +15,8 @@ place, `time_options`:
   1/D of the parameters (ZeRO >= 1); the gradient all-reduce becomes a reduce-scatter of the
   gradients plus an all-gather of the updated weights (ZeRO-1/2, Megatron-LM's distributed
   optimizer) or a reduce-scatter alone (ZeRO-3); under ZeRO-3 each layer's weights are
-  all-gathered on a ring of D replicas like this one, one layer ahead of the compute (the runtime's
+  all-gathered across D replicas like this one packed on nodes as the launcher packs them
+  (`gather_group`), one layer ahead of the compute (the runtime's
   prefetch, `runtime.zero`), so only what a layer's gather takes beyond the previous layer's
   compute shows (`exposed_gathers`): before every forward and backward pass of every micro-batch
   (`zero_gather_s`, `reshard_after_forward` true), or once per iteration, on the first forward
@@ -196,14 +197,22 @@ def tp_comm_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeO
     return float(charged[0]), float(charged[1])
 
 
+def gather_group(ctx: SimContext, slot: Slot, replicas: int) -> list[Group]:
+    """The members of a ZeRO-3 gather across a stage's `replicas` replicas like `slot`, placed as the
+    launcher packs one pool (`plan.placement`): node_size // TP replicas to a node, each node a group
+    (so the gather is hierarchical where a node holds several), the last node holding the rest."""
+    per_node = max(1, ctx.cluster.node_size(slot.gpu) // slot.tp)
+    return [(dataclasses.replace(slot, node=f"zero3-gather/{k}"), min(per_node, replicas - k * per_node))
+            for k in range(-(-replicas // per_node))]
+
+
 def layer_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions) -> np.ndarray:
     """Seconds of the ZeRO-3 all-gather of each layer of [a, e) (one replica's TP shards), array
-    (e - a,), across the stage's D replicas on a ring of D replicas like `slot`, each on a node of its
-    own (the conservative placement)."""
+    (e - a,), across the stage's D replicas like `slot` placed as `gather_group` packs them."""
     t, wb = slot.tp, ctx.job.state_bytes_per_param["weights"]
-    apart = dataclasses.replace(slot, node=None)  # D replicas like this one, each on a node of its own
-    return np.array([collective_s(ctx, [(apart, opts.replicas)], Collective.ALL_GATHER,
-                                  t * ctx.stage_params(t, x, x + 1) * wb, t) for x in range(a, e)])
+    groups = gather_group(ctx, slot, opts.replicas)
+    return np.array([collective_s(ctx, groups, Collective.ALL_GATHER, t * ctx.stage_params(t, x, x + 1) * wb, t)
+                     for x in range(a, e)])
 
 
 def exposed_gathers(gather_s: Sequence[float], compute_s: Sequence[float]) -> float:
