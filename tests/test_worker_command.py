@@ -176,7 +176,8 @@ def test_launch_takes_the_job_of_a_plan_that_carries_none(tmp_path, backend):
     GEO.save(plan)
     job.write_text(yaml.safe_dump(GEO_JOB.to_dict()))
     _register()
-    base = ["launch", str(plan), "--backend", backend.value, "--dry-run", "--remote-plan", "/etc/sailor/plan.json"]
+    base = ["launch", str(plan), "--backend", backend.value, "--dry-run", "--remote-plan", "/etc/sailor/plan.json",
+            "--steps", "10"]
     r = CliRunner().invoke(app, base)  # in-process: `sailor.cli.main` turns this error into one line, exit 2
     assert isinstance(r.exception, SailorInputError) and "the plan carries no job" in str(r.exception)
     r = CliRunner().invoke(app, [*base, "--job", str(job)])

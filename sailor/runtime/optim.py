@@ -1,4 +1,5 @@
-"""Optimizer settings shared by the distributed runtime and the single-process reference."""
+"""Optimizer settings shared by the distributed runtime and the single-process reference, taken from
+the job's recipe (`optim_config`); the learning rate of each step is `specs.recipe.learning_rate`."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sailor.specs.recipe import OptimizerRecipe
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """AdamW with a constant learning rate and global gradient-norm clipping."""
+    """AdamW with global gradient-norm clipping (defaults: `specs.recipe.OptimizerRecipe`'s)."""
 
     lr: float = 1e-3
-    """Learning rate (constant; a schedule would be a function of the step, stored in checkpoints)."""
+    """Peak learning rate; each step's rate is the recipe's schedule of it, passed to the step."""
     betas: tuple[float, float] = (0.9, 0.95)
     """Adam moments; 0.95 for the second as in GPT-3 (Brown et al. 2020, App. B)."""
     eps: float = 1e-8
@@ -22,6 +25,14 @@ class OptimConfig:
     """Decoupled weight decay on matrices only (GPT-3, App. B); biases, norms get none."""
     max_grad_norm: float = 1.0
     """Global L2 norm the gradient is clipped to (GPT-3, App. B)."""
+
+
+def optim_config(recipe: OptimizerRecipe) -> OptimConfig:
+    """The runtime's AdamW settings of a job's `recipe.optimizer` (the runtime trains AdamW only:
+    `validate.check_runtime_options` refuses sgd before this is reached)."""
+    assert recipe.name == "adamw", recipe.name
+    return OptimConfig(lr=recipe.lr, betas=tuple(recipe.betas), eps=recipe.eps, weight_decay=recipe.weight_decay,
+                       max_grad_norm=recipe.grad_clip)
 
 
 def build_optimizer(params: Mapping[str, nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:

@@ -22,9 +22,14 @@ Each step: stop check (all ranks agree) -> `train_step`: the schedule's order ov
 micro-batches (under ZeRO-2/3 as many rounds as the largest share; losses summed on the device;
 each gradient bucket's sample-weighted SUM issued asynchronously once final, `runtime.grad_sync`) ->
 `reduce` (waits for every SUM, then the tied embedding's and LM head's gradients added to each other)
--> global-norm clipping -> AdamW, or under fp16 a skipped step when some gradient overflowed
+-> global-norm clipping -> AdamW at the recipe's learning rate of the step (`specs.recipe.learning_rate`, 1-based
+step numbers, so a resumed run goes on at the rate its step has), or under fp16 a skipped step when some gradient overflowed
 (`runtime.scaler`) -> metrics (loss, read once per step; timings; fp16: "loss_scale" and "skipped")
-to rank 0.
+to rank 0. After every `recipe.eval.every` steps, `evaluate`: the held-out batches through the same
+pipeline, forwards only (the schedule's F ops in their order; no backward, no update), the loss summed
+on each pipeline's last stage as in training; the step's record gets `eval_loss`. Checkpoints every
+`--checkpoint-every` steps (default: the recipe's `checkpoint.every`), at the end and on stop; rank 0
+then deletes all but the newest `recipe.checkpoint.keep` (`checkpoint.prune`).
 
 Its settings come from its command line, read by `command.parse` (`command.WorkerSettings`, the one
 definition every launch path builds commands from). Rank 0 appends each step's record to `--metrics`,
@@ -66,20 +71,20 @@ from sailor.core.fileio import check_output_path
 from sailor.core.process import die_with_parent
 from sailor.model.spec import ModelSpec
 from sailor.plan import load_plan
-from sailor.plan.orders import Op
+from sailor.plan.orders import FWD, Op
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.checkpoint_io import RankWriter, Reader
 from sailor.runtime.command import WorkerSettings, parse
-from sailor.runtime.data import batch_tokens, load_corpus
+from sailor.runtime.data import batch_tokens, eval_tokens, load_corpus
 from sailor.runtime.device import rank_device
 from sailor.runtime.executor import ActivationMeter, StageExecutor
-from sailor.runtime.grad_sync import backwards_per_layer
+from sailor.runtime.grad_sync import SyncTimeline, backwards_per_layer
 from sailor.runtime.groups import create_channel_groups, create_groups, ignore_tags
 from sailor.runtime.messages import ACTIVATION, GRADIENT
 from sailor.runtime.metrics import StepLog, check_tensorboard
 from sailor.runtime.model import GPT, initial_value
-from sailor.runtime.optim import OptimConfig
+from sailor.runtime.optim import optim_config
 from sailor.runtime.pipeline import P2P, StageTimes, build_stage, run_pipeline
 from sailor.runtime.recompute import apply_recompute
 from sailor.runtime.scaler import LossScaler, overflowed
@@ -187,8 +192,8 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     dtype = dtype or compute_dtype(job.precision, device)
     tied = tied_for_rank(spec, plan, derive_topology(plan), role.rank)
     opt = ShardedAdamW(dict(stage.named_parameters()), role, groups, zero=mem.zero,
-                       sequence_parallel=mem.sequence_parallel, cfg=OptimConfig(), dtype=dtype, tied=tied,
-                       device=device, reshard_after_forward=mem.reshard_after_forward)
+                       sequence_parallel=mem.sequence_parallel, cfg=optim_config(job.recipe.optimizer), dtype=dtype,
+                       tied=tied, device=device, reshard_after_forward=mem.reshard_after_forward)
     tp_rank, tp = role.tp_rank, role.tp
     weights = None
     if reader is not None:
@@ -249,11 +254,11 @@ def sync_exposed_s(opt: ShardedAdamW) -> float:
 
 def train_step(rk: RankModel, role: RankRole, p2p: P2P, tok: torch.Tensor, *, mbs: int, loss_scale: float,
                scaler: LossScaler | None, meter: ActivationMeter | None = None,
-               after_backward: Callable[[], None] | None = None) -> StepResult:
+               after_backward: Callable[[], None] | None = None, lr: float | None = None) -> StepResult:
     """One optimizer step of this rank on its (n_local, T + 1) tokens `tok`: the schedule's passes
     (each micro-batch's loss times `loss_scale` and the loss scale S of `scaler`, 1 without one),
     `after_backward()` (the memory event), `reduce`, clipping (gradients divided by S), then the
-    AdamW step, or `skip` when `scaler` is given and the world's gradient norm is not finite (every
+    AdamW step at learning rate `lr` (default: the optimizer's `cfg.lr`), or `skip` when `scaler` is given and the world's gradient norm is not finite (every
     rank sees the same norm, so all skip together), and `scaler.update`. Micro-batch slices are
     copied so that what a micro-batch keeps is its own (B, T) tokens."""
     opt = rk.optimizer
@@ -270,10 +275,34 @@ def train_step(rk: RankModel, role: RankRole, p2p: P2P, tok: torch.Tensor, *, mb
     if skipped:
         opt.skip()
     else:
-        opt.step()
+        opt.step(lr)
     if scaler is not None:
         scaler.update(skipped)
     return StepResult(loss_sum, times, grad_norm, skipped)
+
+
+def evaluate(rk: RankModel, role: RankRole, p2p: P2P, corpus, *, batches: int, mbs: int, seq: int,
+             device: torch.device) -> torch.Tensor:
+    """This pipeline's loss sum (nats, a () fp64 tensor on `device`; 0 off the head's stage) over
+    `batches` held-out global batches (`data.eval_tokens`, this pipeline's share of each): the
+    forwards of the step's order in their order (every stage of every pipeline runs the same F ops,
+    so the transfers match as in training, and ZeRO-3's gathers meet), under `torch.no_grad`: no
+    backward, no gradient, no update. What the forwards keep is dropped after each batch."""
+    order = [op for op in rk.order if op.kind == FWD]
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for k in range(batches):
+            tok = torch.from_numpy(eval_tokens(corpus, batch=k, first=role.first_sample,
+                                               count=role.microbatches * mbs, seq=seq)).to(device)
+            loss_sum, _ = run_pipeline(
+                rk.executors, role, p2p, order=order, inputs=lambda j: tok[j * mbs:(j + 1) * mbs, :-1].contiguous(),
+                targets=lambda j: tok[j * mbs:(j + 1) * mbs, 1:].contiguous(), loss_fn=head_loss(rk.stage),
+                loss_scale=1.0)
+            total += loss_sum
+            for ex in rk.executors:
+                ex.saved.clear()
+    rk.optimizer.timeline = SyncTimeline(device)  # the next step's gradient sync is timed from its own start
+    return total
 
 
 def step_log(s: WorkerSettings, plan: Plan, job: JobSpec) -> StepLog | None:
@@ -347,6 +376,9 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
               channels=channels, tp_group=groups.get(role.tp_group),
               sliced=sliced_edges(rk.stage, role.chunks, sequence_parallel=role.memory.sequence_parallel))
     corpus = load_corpus(args.data)
+    recipe = job.recipe
+    eval_corpus = load_corpus(recipe.eval.data) if recipe.eval is not None else None
+    every = recipe.checkpoint.every if args.checkpoint_every is None else args.checkpoint_every
     meta = ckpt.run_meta(job, args.seed)
     layout = model_layout(spec)
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -389,7 +421,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         scale = scaler.scale if scaler is not None else None  # this step's loss scale
         sent_before = dict(p2p.sent)
         res = train_step(rk, role, p2p, tok, mbs=mbs, loss_scale=1.0 / (gbs * seq), scaler=scaler, meter=meter,
-                         after_backward=backward_done)
+                         after_backward=backward_done, lr=recipe.lr(step + 1))
         times = res.times
         if scaler is not None:
             meta["loss_scaler"] = scaler.state_dict()  # into the manifests of later checkpoints
@@ -413,8 +445,18 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         loss_total = float(stats[1 + P * k: 1 + P * k + D].sum())
         sent = stats[1 + P * k + D:].view(W, 2).tolist()
         step_time = time.perf_counter() - t0
+        eval_loss = None
+        if eval_corpus is not None and (step + 1) % recipe.eval.every == 0:
+            ev_sums = torch.zeros(D, dtype=torch.float64, device=device)
+            ev_sum = evaluate(rk, role, p2p, eval_corpus, batches=recipe.eval.batches, mbs=mbs, seq=seq, device=device)
+            if role.is_last_stage and role.tp_rank == 0:
+                ev_sums[role.pipeline] = ev_sum
+            dist.all_reduce(ev_sums)  # one writer per slot: the sum is that pipeline's loss sum
+            eval_loss = float(ev_sums.sum()) / (recipe.eval.batches * gbs * seq)
         if rank == 0:
-            record = {"step": step + 1, "loss": loss_total / (gbs * seq), "samples": gbs, "tokens": gbs * seq,
+            record = {"step": step + 1, "loss": loss_total / (gbs * seq), "lr": recipe.lr(step + 1),
+                      **({"eval_loss": eval_loss} if eval_loss is not None else {}),
+                      "samples": gbs, "tokens": gbs * seq,
                       "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time,
                       "grad_norm": None if res.skipped else res.grad_norm,
                       "stages": [dict(zip(STAGE_FIELDS, row))
@@ -428,10 +470,11 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
             log.on_step(record)  # adds its MFU
             emit("step", **record)
         done = step + 1
-        if root is not None and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+        if root is not None and (done == args.steps or (every and done % every == 0)):
             path = save_checkpoint(root, done, meta, opt, role, device, layout)
             saved_at = done
             if rank == 0:
+                ckpt.prune(root, keep=recipe.checkpoint.keep)
                 emit("checkpoint", step=done, path=str(path))
     if rank == 0:
         emit("done", step=max(args.steps, start))

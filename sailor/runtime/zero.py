@@ -295,12 +295,14 @@ class ShardedAdamW:
             g.mul_(coef / scale if scale != 1.0 else coef)
         return norm
 
-    def step(self) -> None:
-        """AdamW on every owned range, then the weights rebuilt from the updated shards (module
+    def step(self, lr: float | None = None) -> None:
+        """AdamW at learning rate `lr` (default `cfg.lr`; the worker passes the schedule's rate of
+        this step) on every owned range, then the weights rebuilt from the updated shards (module
         docstring, "The update"): one multi-tensor call per weight-decay setting over a batch of
         buckets (`_step_batches`), then each bucket's all-gather in bucket order."""
         cfg = self.cfg
         assert not self._gathered, f"gathered weights would go stale at the step: layers {sorted(self._gathered)}"
+        lr = cfg.lr if lr is None else lr
         for batch in self._step_batches():
             masters = {i: self.master[i] if self.master[i] is not None else self._own(
                 self.buckets[i], flatten(self.buckets[i], self.params, dtype=FP32, device=self.device,
@@ -313,7 +315,7 @@ class ShardedAdamW:
             for decay, (p, g, m, v) in tensors.items():
                 if p:  # one step tensor per range: the multi-tensor update increments each
                     adamw(p, g, m, v, [], [torch.tensor(float(self.steps)) for _ in p], foreach=True, amsgrad=False,
-                          beta1=cfg.betas[0], beta2=cfg.betas[1], lr=cfg.lr,
+                          beta1=cfg.betas[0], beta2=cfg.betas[1], lr=lr,
                           weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps, maximize=False)
             for i in batch:
                 if self.zero < 3:
