@@ -111,11 +111,11 @@ class JobSpec(BaseModel):
         else:
             opt = recipe.get("optimizer") if isinstance(recipe, dict) else None
             named = opt.get("name") if isinstance(opt, dict) else None
-        if isinstance(named, str) and top is not None and RECIPE_NAME.get(top) != named:
+        if named in RECIPE_NAME.values() and top is not None and RECIPE_NAME.get(top) != named:
             raise SailorInputError(f"{top} disagrees with recipe.optimizer.name {named}", field="optimizer",
                                    fix="give the optimizer once, in the recipe")
-        if isinstance(named, str) and top is None:
-            return {**data, "optimizer": {v: k for k, v in RECIPE_NAME.items()}.get(named, named)}
+        if named in RECIPE_NAME.values() and top is None:
+            return {**data, "optimizer": {v: k for k, v in RECIPE_NAME.items()}[named]}
         if top in RECIPE_NAME and named is None and (recipe is None or isinstance(recipe, dict)):
             recipe = dict(recipe or {})
             recipe["optimizer"] = {**(recipe.get("optimizer") or {}), "name": RECIPE_NAME[top]}
