@@ -39,6 +39,15 @@ TensorboardOpt = typer.Option(None, "--tensorboard", help="Also write TensorBoar
 TimeoutOpt = typer.Option(300.0, "--timeout-s", help="Seconds any collective or transfer may wait before the job fails.")
 
 
+def job_label(job) -> str:
+    """What a plan or simulation is for, in the words of its outputs: model, parameter count (as
+    Hugging Face counts them, `ModelSpec.model_params`), global batch and sequence length, e.g.
+    "opt-350m (331.2M parameters), global batch 1024, sequence 2048"."""
+    n = job.model.model_params()
+    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+    return f"{job.model.name} ({count} parameters), global batch {job.global_batch_size}, sequence {job.seq}"
+
+
 def console():
     """A rich Console; 160 columns wide when output is not a terminal (pipes, CI logs)."""
     from rich.console import Console

@@ -88,7 +88,7 @@ def default_checkpoint_dir(plan: str) -> str:
     import datetime
     from pathlib import Path
 
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     return str(Path(plan).parent / "checkpoints" / f"{Path(plan).stem}-{stamp}")
 
 
