@@ -125,8 +125,12 @@ def test_prune_keeps_the_newest(tmp_path):
 
     for step in (2, 4, 6, 8):
         ckpt.step_dir(tmp_path, step).mkdir()
-    assert [p.name for p in ckpt.prune(tmp_path, keep=2)] == ["step-00000002", "step-00000004"]
+    assert [p.name for p in ckpt.prune(tmp_path, keep=2, upto=8)] == ["step-00000002", "step-00000004"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000008"]
+    # a run that went back to step 6 (step 8 failed its checksums) and just wrote step 7 keeps 7, not 8
+    ckpt.step_dir(tmp_path, 7).mkdir()
+    assert [p.name for p in ckpt.prune(tmp_path, keep=1, upto=7)] == ["step-00000006"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000007", "step-00000008"]
 
 
 def test_interval_line_shows_eval_loss_and_lr():

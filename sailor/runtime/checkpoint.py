@@ -406,12 +406,14 @@ def _step_dirs(root: str | Path) -> list[Path]:
     return [d for _, d in steps]
 
 
-def prune(root: str | Path, *, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` (>= 1) `step-<n>` folders under `root` (the recipe's
-    `checkpoint.keep`; rank 0 calls it after each commit, so the newest is always a committed one);
-    returns the folders deleted, oldest first."""
+def prune(root: str | Path, *, keep: int, upto: int) -> list[Path]:
+    """Delete all but the newest `keep` (>= 1) `step-<n>` folders with n <= `upto`, the step just
+    committed (the recipe's `checkpoint.keep`; rank 0 calls it after each commit, so the one just
+    written is always kept). Folders of later steps are left alone: they exist only when a run went
+    back to an earlier checkpoint because they failed verification (`find_latest`), and the run
+    replaces them as it reaches their steps. Returns the folders deleted, oldest first."""
     assert keep >= 1, keep
-    old = _step_dirs(root)[:-keep]
+    old = [d for d in _step_dirs(root) if int(_STEP_DIR.match(d.name).group(1)) <= upto][:-keep]
     for d in old:
         shutil.rmtree(d, ignore_errors=True)
     return old

@@ -474,7 +474,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
             path = save_checkpoint(root, done, meta, opt, role, device, layout)
             saved_at = done
             if rank == 0:
-                ckpt.prune(root, keep=recipe.checkpoint.keep)
+                ckpt.prune(root, keep=recipe.checkpoint.keep, upto=done)
                 emit("checkpoint", step=done, path=str(path))
     if rank == 0:
         emit("done", step=max(args.steps, start))
