@@ -145,6 +145,8 @@ def test_interval_line_shows_eval_loss_and_lr():
         log.on_step({"step": step, "loss": 3.0, "tokens": 512, "step_time_s": 1.0, "lr": 2.5e-4,
                      **({"eval_loss": 3.25} if step == 2 else {})})
     assert lines and lines[0].startswith("step 2/4  loss 3.0000  eval_loss 3.2500  lr 2.50e-04  tokens/s 512")
+    log.on_step({"step": 3, "loss": 3.0, "tokens": 512, "step_time_s": 1.0, "lr": 2.5e-4, "eval_loss": 3.125})
+    assert lines[1:] == ["step 3/4  eval_loss 3.1250"]  # evaluated between interval lines
 
 
 # ---- sailor launch's defaults ------------------------------------------------------------------------------
@@ -249,17 +251,31 @@ def _same(rows: list[dict], ref: list[dict]) -> None:
             assert r["eval_loss"] == pytest.approx(want["eval_loss"], rel=RTOL), r["step"]
 
 
+def _cpu(stage: int, tp: int) -> dict:
+    return {"stage": stage, "gpu": "cpu", "zone": "local", "tp": tp}
+
+
+EVAL_PLANS = {
+    # pipelined, a TP-2 replica sending to a TP-1 replica (3 ranks)
+    "tp2_to_tp1": {"stages": [[0, 3], [3, 6]], "pipelines": [{"microbatches": 4, "replicas": [_cpu(0, 2), _cpu(1, 1)]}]},
+    # ZeRO-3 over two pipelines with shares 3:1 (2 ranks): the eval's forwards run the rounds of the
+    # larger share, so the smaller one joins every weight gather
+    "zero3_shares_3_1": {"stages": [[0, 6]], "memory": [{"zero": 3}],
+                         "pipelines": [{"microbatches": 3, "replicas": [_cpu(0, 1)]},
+                                       {"microbatches": 1, "replicas": [_cpu(0, 1)]}]},
+}
+
+
 @pytest.mark.integration
-def test_schedule_and_eval_on_a_heterogeneous_pipeline_equal_the_reference(tmp_path):
-    """Stage 0 on a TP-2 replica, stage 1 on a TP-1 replica (3 ranks): each step's loss and learning
-    rate, and the eval loss every 2 steps, as the single-process run has them."""
+@pytest.mark.parametrize("name", list(EVAL_PLANS))
+def test_schedule_and_eval_on_a_heterogeneous_pipeline_equal_the_reference(tmp_path, name):
+    """Each step's loss and learning rate, and the eval loss every 2 steps, as the single-process
+    run has them (AdamW with weight decay, warmup then cosine)."""
     from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 
     job = _job(tmp_path)
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"micro_batch_size": 2, "stages": [[0, 3], [3, 6]], "job": job, "pipelines": [
-        {"microbatches": 4, "replicas": [{"stage": 0, "gpu": "cpu", "zone": "local", "tp": 2},
-                                         {"stage": 1, "gpu": "cpu", "zone": "local", "tp": 1}]}]}))
+    plan.write_text(json.dumps({"micro_batch_size": 2, **EVAL_PLANS[name], "job": job}))
     metrics = tmp_path / "m.jsonl"
     result = launch(prepare(TrainOptions(plan=str(plan), metrics=str(metrics), timeout_s=60,
                                          checkpoint_dir=str(tmp_path / "ck"))), handle_signals=False)

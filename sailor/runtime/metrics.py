@@ -83,7 +83,8 @@ class StepMetrics:
 class IntervalLog:
     """One line per `every` steps: loss, tokens/s and MFU over the interval (total tokens and FLOPs
     over total step time), e.g. `step 20/100  loss 3.2100  lr 3.00e-04  tokens/s 1,234  MFU 2.31 %`, with
-    `eval_loss 3.3000` after the loss when the interval's last step was evaluated."""
+    `eval_loss 3.3000` after the loss when the interval's last step was evaluated; a step evaluated
+    between interval lines gets a line of its own (`step 7/100  eval_loss 3.3000`)."""
 
     def __init__(self, plan: Plan, job: JobSpec, *, every: int, total_steps: int, write: Callable[[str], None]) -> None:
         self.every, self.total, self.write = every, total_steps, write
@@ -101,6 +102,8 @@ class IntervalLog:
             self.write(f"step {ev['step']}/{self.total}  loss {ev['loss']:.4f}{ev_loss}{lr}"
                        f"  tokens/s {self._tokens / self._time:,.0f}  MFU {100 * mfu:.2f} %")
             self._tokens = self._time = self._flop = 0.0
+        elif self.every and ev.get("eval_loss") is not None:  # an evaluation between interval lines: its own line
+            self.write(f"step {ev['step']}/{self.total}  eval_loss {ev['eval_loss']:.4f}")
 
 
 class StepLog:
