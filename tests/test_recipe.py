@@ -258,11 +258,11 @@ def _cpu(stage: int, tp: int) -> dict:
 EVAL_PLANS = {
     # pipelined, a TP-2 replica sending to a TP-1 replica (3 ranks)
     "tp2_to_tp1": {"stages": [[0, 3], [3, 6]], "pipelines": [{"microbatches": 4, "replicas": [_cpu(0, 2), _cpu(1, 1)]}]},
-    # ZeRO-3 over two pipelines with shares 3:1 (2 ranks): the eval's forwards run the rounds of the
-    # larger share, so the smaller one joins every weight gather
-    "zero3_shares_3_1": {"stages": [[0, 6]], "memory": [{"zero": 3}],
-                         "pipelines": [{"microbatches": 3, "replicas": [_cpu(0, 1)]},
-                                       {"microbatches": 1, "replicas": [_cpu(0, 1)]}]},
+    # ZeRO-3 (weights kept from the first gather of a step) over two pipelines with shares 3:1 (2 ranks):
+    # the eval's forwards run the rounds of the larger share, so the smaller one joins every gather
+    "zero3_kept_shares_3_1": {"stages": [[0, 6]], "memory": [{"zero": 3, "reshard_after_forward": False}],
+                              "pipelines": [{"microbatches": 3, "replicas": [_cpu(0, 1)]},
+                                            {"microbatches": 1, "replicas": [_cpu(0, 1)]}]},
 }
 
 
