@@ -310,3 +310,17 @@ def test_killed_rank_leaves_a_default_checkpoint_to_resume_from(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     _same(rows, _reference(job)[4:])
+
+
+def test_a_checkpoint_refuses_a_resume_under_another_recipe():
+    from sailor.runtime import checkpoint as ckpt
+
+    job = JobSpec(model="tiny", global_batch_size=8, recipe={"optimizer": {"lr": 3e-4}})
+    manifest = ckpt.run_meta(job, 0)
+    ckpt.check_compatible(manifest, ckpt.run_meta(job, 0), source="ck/step-00000004")  # the same recipe
+    other = JobSpec(model="tiny", global_batch_size=8, recipe={"optimizer": {"lr": 1e-3}})
+    with pytest.raises(SailorInputError, match="ck/step-00000004: the checkpoint was written by a job with recipe"):
+        ckpt.check_compatible(manifest, ckpt.run_meta(other, 0), source="ck/step-00000004")
+    # a manifest written before the recipe was recorded is compared without it
+    old = {**manifest, "job": {k: v for k, v in manifest["job"].items() if k != "recipe"}}
+    ckpt.check_compatible(old, ckpt.run_meta(other, 0), source="ck/step-00000004")
