@@ -109,15 +109,14 @@ def test_sequence_length_defaults_to_context_up_to_4096():
     assert job.to_dict()["sequence_length"] == 4096  # the plan files made from it say it
 
 
-def test_the_runtime_refuses_sgd_naming_the_field():
-    from sailor.plan import plan_from_dict
-    from sailor.runtime.validate import check_runtime_options
-
-    job = JobSpec(model="tiny", global_batch_size=8, optimizer="sgd")
-    plan = plan_from_dict({"micro_batch_size": 8, "stages": [[0, 6]], "pipelines": [
-        {"microbatches": 1, "replicas": [{"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}]}]})
-    with pytest.raises(SailorInputError, match="recipe.optimizer.name: the runtime trains adamw"):
-        check_runtime_options(plan, job, job_source="job.yaml")
+def test_sgd_momentum_counts_its_buffer():
+    plain = JobSpec(model="tiny", global_batch_size=8, optimizer="sgd")
+    assert plain.state_bytes_per_param == {"weights": 4, "gradients": 4, "optimizer": 0}
+    momentum = JobSpec(model="tiny", global_batch_size=8, recipe={"optimizer": {"name": "sgd", "momentum": 0.9}})
+    assert momentum.state_bytes_per_param == {"weights": 4, "gradients": 4, "optimizer": 4}
+    bf16 = JobSpec(model="tiny", global_batch_size=8, precision="bf16",
+                   recipe={"optimizer": {"name": "sgd", "momentum": 0.9}})
+    assert bf16.state_bytes_per_param == {"weights": 2, "gradients": 4, "optimizer": 8}  # fp32 master + momentum
 
 
 def test_prune_keeps_the_newest(tmp_path):
@@ -266,24 +265,33 @@ EVAL_PLANS = {
 }
 
 
+# SGD with momentum and weight decay, warmup then linear decay, on the two-stage plan (2 ranks)
+SGD = {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3, "grad_clip": 1.0},
+       "schedule": {"warmup_steps": 1, "decay": "linear", "min_lr": 0.005, "total_steps": 6}}
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("name", list(EVAL_PLANS))
-def test_schedule_and_eval_on_a_heterogeneous_pipeline_equal_the_reference(tmp_path, name):
+@pytest.mark.parametrize("name, recipe", [*((n, {}) for n in EVAL_PLANS), ("two_stages_sgd", SGD)])
+def test_schedule_and_eval_on_a_heterogeneous_pipeline_equal_the_reference(tmp_path, name, recipe):
     """Each step's loss and learning rate, and the eval loss every 2 steps, as the single-process
-    run has them (AdamW with weight decay, warmup then cosine)."""
+    run has them (AdamW with weight decay, warmup then cosine; or SGD)."""
     from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 
     job = _job(tmp_path)
+    job["recipe"].update(recipe)
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"micro_batch_size": 2, **EVAL_PLANS[name], "job": job}))
+    layout = EVAL_PLANS.get(name) or {k: v for k, v in CPU_PLAN.items() if k in ("stages", "pipelines")}
+    plan.write_text(json.dumps({"micro_batch_size": 2, **layout, "job": job}))
     metrics = tmp_path / "m.jsonl"
     result = launch(prepare(TrainOptions(plan=str(plan), metrics=str(metrics), timeout_s=60,
                                          checkpoint_dir=str(tmp_path / "ck"))), handle_signals=False)
     assert result.status is ExitStatus.DONE, result.message
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     ref = _reference(job)
-    assert [r["lr"] for r in ref] == pytest.approx([1.5e-3, 3e-3, 3e-4 + 2.7e-3 * (1 + math.cos(math.pi / 4)) / 2,
-                                                    1.65e-3, 3e-4 + 2.7e-3 * (1 + math.cos(3 * math.pi / 4)) / 2, 3e-4])
+    assert [r["lr"] for r in ref] == pytest.approx(
+        [0.05, 0.05 - 0.045 / 5, 0.05 - 2 * 0.045 / 5, 0.05 - 3 * 0.045 / 5, 0.05 - 4 * 0.045 / 5, 0.005] if recipe else
+        [1.5e-3, 3e-3, 3e-4 + 2.7e-3 * (1 + math.cos(math.pi / 4)) / 2, 1.65e-3,
+         3e-4 + 2.7e-3 * (1 + math.cos(3 * math.pi / 4)) / 2, 3e-4])
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4, 6]
     _same(rows, ref)
     # the steps came from the recipe's total_steps; retention kept the newest checkpoint only

@@ -38,15 +38,10 @@ def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None
     - ZeRO-3 under a schedule that splits the backward (zb-h1): the deferred weight-gradient pass of
       a layer would run after later micro-batches' forwards freed the layer's gathered weights
       (full recomputation, which drops what that pass needs, is refused by the plan itself).
-    - an optimizer other than AdamW (`recipe.optimizer.name`, naming the job file).
     Every precision is accepted here (fp16 trains with dynamic loss scaling, `runtime.scaler`); the
     device's support for it is checked where the worker picks its GPU (`check_device_precision`).
     `job_source` is the job file when the job is not the plan's own."""
     model = job.model
-    if job.recipe.optimizer.name != "adamw":
-        raise SailorInputError(f"the runtime trains adamw; {job.recipe.optimizer.name} is for plan and simulate"
-                               " (its memory)", source=job_source or source, field="recipe.optimizer.name",
-                               fix="use adamw to train")
     schedule = runtime_schedule(plan)
     for i in range(plan.num_stages):
         mem = stage_memory(plan, i)

@@ -150,9 +150,13 @@ class JobSpec(BaseModel):
     @property
     def state_bytes_per_param(self) -> dict[str, int]:
         """Bytes per parameter for weights, gradients and optimizer state, unsharded
-        (`STATE_BYTES_PER_PARAM`; fp16 in Sailor's runtime keeps fp32 gradients, as bf16 does)."""
+        (`STATE_BYTES_PER_PARAM`; fp16 in Sailor's runtime keeps fp32 gradients, as bf16 does; SGD with
+        momentum adds its fp32 momentum buffer, 4 bytes, to "optimizer")."""
         precision = "bf16" if self.precision == "fp16" and self.framework is not Framework.MEGATRON else self.precision
-        return STATE_BYTES_PER_PARAM[(precision, self.optimizer)]
+        counts = STATE_BYTES_PER_PARAM[(precision, self.optimizer)]
+        if self.optimizer is Optimizer.SGD and self.recipe.optimizer.momentum:  # one fp32 momentum buffer
+            counts = {**counts, "optimizer": counts["optimizer"] + 4}  # (torch.optim.SGD's momentum_buffer)
+        return counts
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; built-in models are written by name, the default framework and the

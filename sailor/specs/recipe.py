@@ -58,8 +58,8 @@ class OptimizerRecipe(BaseModel):
 
     model_config = SPEC_CONFIG
 
-    name: Literal["adamw", "sgd"] = Field(default="adamw", description="adamw, or sgd (plan and simulate only:"
-                                                                         " the runtime trains adamw).")
+    name: Literal["adamw", "sgd"] = Field(default="adamw", description="adamw, or sgd (torch's SGD, with"
+                                                                         " `momentum`).")
     lr: Real(0.0, 10.0) = Field(default=1e-3, description="Peak learning rate (after the warmup).")
     betas: tuple[Real(0.0, 1.0), Real(0.0, 1.0)] = Field(default=(0.9, 0.95), description="Adam's moment decays.")
     eps: Real(0.0, 1.0) = Field(default=1e-8, description="Adam's denominator epsilon.")
