@@ -89,7 +89,11 @@ def default_checkpoint_dir(plan: str) -> str:
     from pathlib import Path
 
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-    return str(Path(plan).parent / "checkpoints" / f"{Path(plan).stem}-{stamp}")
+    base = Path(plan).parent / "checkpoints" / f"{Path(plan).stem}-{stamp}"
+    path, n = base, 1
+    while path.exists():  # two runs started within one second
+        path, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return str(path)
 
 
 def _layout_table(prep) -> Table:

@@ -25,9 +25,9 @@ each gradient bucket's sample-weighted SUM issued asynchronously once final, `ru
 -> global-norm clipping -> AdamW at the recipe's learning rate of the step (`specs.recipe.learning_rate`, 1-based
 step numbers, so a resumed run goes on at the rate its step has), or under fp16 a skipped step when some gradient overflowed
 (`runtime.scaler`) -> metrics (loss, read once per step; timings; fp16: "loss_scale" and "skipped")
-to rank 0. After every `recipe.eval.every` steps, `evaluate`: the held-out batches through the same
-pipeline, forwards only (the schedule's F ops in their order; no backward, no update), the loss summed
-on each pipeline's last stage as in training; the step's record gets `eval_loss`. Checkpoints every
+to rank 0. After every `recipe.eval.every` steps, `evaluation.eval_loss`: the held-out batches through
+the same pipeline, forwards only, the loss taken on each pipeline's last stage as in training; the
+step's record gets `eval_loss`. Checkpoints every
 `--checkpoint-every` steps (default: the recipe's `checkpoint.every`), at the end and on stop; rank 0
 then deletes all but the newest `recipe.checkpoint.keep` (`checkpoint.prune`).
 
@@ -71,15 +71,16 @@ from sailor.core.fileio import check_output_path
 from sailor.core.process import die_with_parent
 from sailor.model.spec import ModelSpec
 from sailor.plan import load_plan
-from sailor.plan.orders import FWD, Op
+from sailor.plan.orders import Op
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
+from sailor.runtime import evaluation
 from sailor.runtime.checkpoint_io import RankWriter, Reader
 from sailor.runtime.command import WorkerSettings, parse
-from sailor.runtime.data import batch_tokens, eval_tokens, load_corpus
+from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.device import rank_device
 from sailor.runtime.executor import ActivationMeter, StageExecutor
-from sailor.runtime.grad_sync import SyncTimeline, backwards_per_layer
+from sailor.runtime.grad_sync import backwards_per_layer
 from sailor.runtime.groups import create_channel_groups, create_groups, ignore_tags
 from sailor.runtime.messages import ACTIVATION, GRADIENT
 from sailor.runtime.metrics import StepLog, check_tensorboard
@@ -281,30 +282,6 @@ def train_step(rk: RankModel, role: RankRole, p2p: P2P, tok: torch.Tensor, *, mb
     return StepResult(loss_sum, times, grad_norm, skipped)
 
 
-def evaluate(rk: RankModel, role: RankRole, p2p: P2P, corpus, *, batches: int, mbs: int, seq: int,
-             device: torch.device) -> torch.Tensor:
-    """This pipeline's loss sum (nats, a () fp64 tensor on `device`; 0 off the head's stage) over
-    `batches` held-out global batches (`data.eval_tokens`, this pipeline's share of each): the
-    forwards of the step's order in their order (every stage of every pipeline runs the same F ops,
-    so the transfers match as in training, and ZeRO-3's gathers meet), under `torch.no_grad`: no
-    backward, no gradient, no update. What the forwards keep is dropped after each batch."""
-    order = [op for op in rk.order if op.kind == FWD]
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for k in range(batches):
-            tok = torch.from_numpy(eval_tokens(corpus, batch=k, first=role.first_sample,
-                                               count=role.microbatches * mbs, seq=seq)).to(device)
-            loss_sum, _ = run_pipeline(
-                rk.executors, role, p2p, order=order, inputs=lambda j: tok[j * mbs:(j + 1) * mbs, :-1].contiguous(),
-                targets=lambda j: tok[j * mbs:(j + 1) * mbs, 1:].contiguous(), loss_fn=head_loss(rk.stage),
-                loss_scale=1.0)
-            total += loss_sum
-            for ex in rk.executors:
-                ex.saved.clear()
-    rk.optimizer.timeline = SyncTimeline(device)  # the next step's gradient sync is timed from its own start
-    return total
-
-
 def step_log(s: WorkerSettings, plan: Plan, job: JobSpec) -> StepLog | None:
     """Rank 0's StepLog (metrics file, TensorBoard, progress lines), after checking that its outputs
     can be written here (SailorInputError naming the option); None on the other ranks."""
@@ -447,12 +424,9 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         step_time = time.perf_counter() - t0
         eval_loss = None
         if eval_corpus is not None and (step + 1) % recipe.eval.every == 0:
-            ev_sums = torch.zeros(D, dtype=torch.float64, device=device)
-            ev_sum = evaluate(rk, role, p2p, eval_corpus, batches=recipe.eval.batches, mbs=mbs, seq=seq, device=device)
-            if role.is_last_stage and role.tp_rank == 0:
-                ev_sums[role.pipeline] = ev_sum
-            dist.all_reduce(ev_sums)  # one writer per slot: the sum is that pipeline's loss sum
-            eval_loss = float(ev_sums.sum()) / (recipe.eval.batches * gbs * seq)
+            eval_loss = evaluation.eval_loss(rk.executors, rk.order, rk.stage, opt, role, p2p, eval_corpus,
+                                             batches=recipe.eval.batches, mbs=mbs, seq=seq, global_batch=gbs,
+                                             device=device)
         if rank == 0:
             record = {"step": step + 1, "loss": loss_total / (gbs * seq), "lr": recipe.lr(step + 1),
                       **({"eval_loss": eval_loss} if eval_loss is not None else {}),
