@@ -537,10 +537,10 @@ def test_sailor_run_stops_when_a_rank_refuses_its_gpu(tmp_path, monkeypatch, cap
     assert "crash" not in err, err
 
 
-@pytest.mark.parametrize("command", [["train", "cpu_plan.json", "--dry-run"],
-                                     ["launch", "cpu_plan.json", "--backend", "torchrun", "--dry-run"]])
+@pytest.mark.parametrize("command", [["launch", "cpu_plan.json", "--backend", "torchrun", "--dry-run"]])
 def test_checkpoint_every_without_a_folder_is_refused(tmp_path, monkeypatch, capsys, command):
-    """--checkpoint-every without --checkpoint-dir saved nothing and said nothing."""
+    """--checkpoint-every without --checkpoint-dir saved nothing and said nothing (`sailor train` has a
+    default folder: `test_train_checkpoints_by_default`)."""
     _base(tmp_path)
     line = _refused([*command, "--steps", "4", "--checkpoint-every", "2"], tmp_path, monkeypatch, capsys)
     assert line.startswith("error: --checkpoint-every: every 2 steps, but there is no --checkpoint-dir"), line
@@ -725,7 +725,8 @@ def test_hosts_file_node_size_is_used_not_the_plans_tp(tmp_path, monkeypatch, ca
     _base(tmp_path)
     _write(tmp_path, {"h.yaml": {"groups": [{"zone": "local", "gpu": "cpu", "gpus_per_node": 1,
                                              "hosts": ["a", "b", "c"]}]}})
-    code, out, err = _main(["launch", "cpu_plan.json", "--backend", "torchrun", "--hosts", "h.yaml", "--dry-run"],
+    code, out, err = _main(["launch", "cpu_plan.json", "--backend", "torchrun", "--hosts", "h.yaml", "--dry-run",
+                            "--steps", "10"],
                            tmp_path, monkeypatch, capsys)
     assert code == 0, err
     docs = [d for d in yaml.safe_load_all(out) if d]

@@ -133,7 +133,7 @@ def test_sliding_window_limits_the_sequence(tmp_path):
     assert spec.sliding_window == 4096
     assert JobSpec(model=spec, global_batch_size=8, sequence_length=4096).seq == 4096
     with pytest.raises(ValueError, match="exceeds mistral-7b's sliding attention window of 4096"):
-        JobSpec(model=spec, global_batch_size=8)  # the default, the 32768 context
+        JobSpec(model=spec, global_batch_size=8, sequence_length=8192)  # the default (4096) would fit
     # Qwen2 turns the window on only with use_sliding_window (or layer_types), so 0.5B has none.
     assert spec_from_hf(QWEN2_05B, source="c", name="q").sliding_window is None
     on = spec_from_hf(QWEN2_05B | {"use_sliding_window": True, "max_window_layers": 20, "sliding_window": 1024},

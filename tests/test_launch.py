@@ -411,16 +411,17 @@ def test_cli_errors_are_one_line(tmp_path):
         r = _cli("launch", str(one_region if kube else plan), *args)
         assert r.returncode == 2 and match in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     bad = _write_hosts(tmp_path, {"groups": [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["a0", "a1"]}]})
-    r = _cli("launch", str(plan), "--backend", "skypilot", "--out", str(tmp_path / "sky"))
+    r = _cli("launch", str(plan), "--backend", "skypilot", "--out", str(tmp_path / "sky"), "--steps", "10")
     assert r.returncode == 0 and os.access(tmp_path / "sky" / "launch.sh", os.X_OK), r.stderr
     assert sorted(p.name for p in (tmp_path / "sky").iterdir()) == [".skyignore", "0-a100-40-us-central1-a.yaml",
                                                                    "1-v100-16-us-central1-b.yaml",
                                                                    "2-v100-16-us-west1-b.yaml", "launch.sh", "plan.json",
                                                                    "sailor-train"]
     assert not [p for p in (tmp_path / "s1").rglob("*") if p.is_file()]  # refused before anything was written
-    r = _cli("launch", str(plan), "--backend", "skypilot", "--out", str(tmp_path / "sky"))  # stale files would sync
+    r = _cli("launch", str(plan), "--backend", "skypilot", "--out", str(tmp_path / "sky"),  # stale files would sync
+             "--steps", "10")
     assert r.returncode == 2 and "--out: " in r.stderr and "is not empty" in r.stderr, r.stderr
-    r = _cli("launch", str(one_region), "--backend", "kubernetes", "--dry-run", "--namespace", "ml")
+    r = _cli("launch", str(one_region), "--backend", "kubernetes", "--dry-run", "--namespace", "ml", "--steps", "10")
     assert r.returncode == 0 and [d["kind"] for d in yaml.safe_load_all(r.stdout)] == ["ConfigMap", "NetworkPolicy",
                                                                                        "JobSet"], r.stderr
     r = _cli("launch", str(plan), "--backend", "torchrun", "--hosts", str(bad), "--dry-run")
@@ -431,7 +432,7 @@ def test_cli_errors_are_one_line(tmp_path):
                     "pipelines": [{"microbatches": 1, "replicas": [_rep(0, "cpu", "local", 1)]}]}).save(cpu)
     r = _cli("launch", str(cpu), "--backend", "torchrun", "--device", "cuda", "--dry-run")
     assert r.returncode == 2 and "--device: the plan runs on GPU type cpu" in r.stderr, r.stderr
-    r = _cli("launch", str(cpu), "--backend", "torchrun", "--dry-run")
+    r = _cli("launch", str(cpu), "--backend", "torchrun", "--dry-run", "--steps", "10")
     assert r.returncode == 0 and "--device=cpu" in r.stdout and "CUDA_VISIBLE_DEVICES" not in r.stdout, r.stderr
     r = _cli("launch", str(cpu), "--backend", "torchrun", "--dry-run", "--python", "venv/bin/python")
     assert r.returncode == 2 and "--python: 'venv/bin/python' is not an absolute path" in r.stderr, r.stderr

@@ -86,12 +86,12 @@ def test_infeasible_memory_names_the_numbers():
     # one A100-40 per node: TP 1 only, so no SP; the strongest options are then without it
     apart = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}}, gpus_per_node={"A100-40": 1})
     with pytest.raises(InfeasibleError, match=r"GB with full recomputation and ZeRO-3 over 1 replica \(TP 1, 16 stages,"
-                                              r" micro-batch 1\); .* full recomputation and ZeRO-3 over 2 replicas"
+                                              r" micro-batch 1 of 2048 tokens\); .* full recomputation and ZeRO-3 over 2 replicas"
                                               r" \(32 A100-40, TP 1, 16 stages\) would make it fit$"):
         plan_job(make_context(JobSpec(model="opt-30b", global_batch_size=256, precision="fp32"), apart))
     # a head whose logits alone outgrow the GPU: nothing helps
     wide = JobSpec(model={"name": "wide", "num_blocks": 2, "hidden_size": 1024, "num_heads": 16, "vocab_size": 256000,
-                          "max_sequence_length": 65536}, global_batch_size=4)
+                          "max_sequence_length": 65536}, global_batch_size=4, sequence_length=65536)
     with pytest.raises(InfeasibleError, match=r"wide needs .* and no memory option makes it fit"):
         plan_job(make_context(wide, cluster), PlanOptions(max_stages=2))
 

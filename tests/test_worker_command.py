@@ -181,7 +181,7 @@ def test_launch_takes_the_job_of_a_plan_that_carries_none(tmp_path, backend):
     job.write_text(yaml.safe_dump(GEO_JOB.to_dict()))
     _register()
     base = ["launch", str(plan), "--backend", backend.value, "--dry-run", "--remote-plan",
-            "plan.json" if backend is Backend.SKYPILOT else "/etc/sailor/plan.json"]
+            "plan.json" if backend is Backend.SKYPILOT else "/etc/sailor/plan.json", "--steps", "10"]
     if backend is Backend.SKYPILOT:
         base += ["--out", str(tmp_path / "sky")]
     r = CliRunner().invoke(app, base)  # in-process: `sailor.cli.main` turns this error into one line, exit 2

@@ -21,21 +21,32 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of t
 
 # What every rank trains with (`sailor train`, `sailor run`, `sailor launch`; the worker's settings,
 # `sailor.runtime.command.WorkerSettings`).
-StepsOpt = typer.Option(10, "--steps", help="Train until this many optimizer steps in total (a resumed run counts the"
-                        " checkpoint's steps), e.g. 100.")
+StepsOpt = typer.Option(None, "--steps", help="Train until this many optimizer steps in total (a resumed run"
+                        " counts the checkpoint's steps), e.g. 100. Default: the job's recipe.schedule.total_steps"
+                        " (train: else 10; launch: else required).")
 SeedOpt = typer.Option(0, "--seed", min=0, help="Seed of initial weights and data order.")
 DataOpt = typer.Option(None, "--data", help="Token file (.bin as nanoGPT/Megatron write them, .npy; see `sailor data"
                        " prepare`), or a text file or folder of files as byte tokens; default: Python's own pydoc"
                        " topics as bytes.")
 InitFromOpt = typer.Option(None, "--init-from", help="Hugging Face model folder (config.json + safetensors) to start"
                            " from; each rank reads only its own shard.")
-CheckpointEveryOpt = typer.Option(0, "--checkpoint-every", min=0, help="Also checkpoint every N steps (0: only at the end and on a stop).")
+CheckpointEveryOpt = typer.Option(None, "--checkpoint-every", min=0, help="Checkpoint every N steps (0: only at the end"
+                                  " and on a stop). Default: the job's recipe.checkpoint.every (100 unless set).")
 METRICS_HELP = "Append one JSON line per step to this file (.jsonl), written by rank 0."
 MetricsOpt = typer.Option(None, "--metrics", help=METRICS_HELP)
 LogEveryOpt = typer.Option(10, "--log-every", min=0, help="Print loss, tokens/s and MFU every N steps (0: never).")
 TensorboardOpt = typer.Option(None, "--tensorboard", help="Also write TensorBoard event files into this folder (needs"
                               " the tensorboard package).")
 TimeoutOpt = typer.Option(300.0, "--timeout-s", help="Seconds any collective or transfer may wait before the job fails.")
+
+
+def job_label(job) -> str:
+    """What a plan or simulation is for, in the words of its outputs: model, parameter count (as
+    Hugging Face counts them, `ModelSpec.model_params`), global batch and sequence length, e.g.
+    "opt-350m (331.2M parameters), global batch 1024, sequence 2048"."""
+    n = job.model.model_params()
+    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+    return f"{job.model.name} ({count} parameters), global batch {job.global_batch_size}, sequence {job.seq}"
 
 
 def console():

@@ -36,12 +36,15 @@ def run(
     job: Path = JobReq,
     cluster: Path = ClusterReq,
     availability: Path = TraceOpt,
-    steps: int = typer.Option(100, "--steps", help="Train until this many optimizer steps in total, e.g. 200."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Train until this many optimizer steps in total, e.g. 200"
+                                        " (default: the job's recipe.schedule.total_steps, else 100)."),
     seed: int = SeedOpt,
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder (step-<n>/);"
                                                  " resumed from when it holds a checkpoint. Default: a temporary one."),
-    checkpoint_every: int = typer.Option(20, "--checkpoint-every", min=0, help="Also checkpoint every N steps, bounding"
-                                         " what a crash rolls back (0: only at switches and the end)."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=0, help="Also checkpoint every N"
+                                                   " steps, bounding what a crash rolls back (0: only at switches and"
+                                                   " the end; default: the job's recipe.checkpoint.every, 100 unless"
+                                                   " set)."),
     metrics: Optional[str] = typer.Option(None, "--metrics", help=f"{METRICS_HELP} A step redone after a rollback is"
                                           " written again; with --hosts, name a file on the storage every host sees."),
     log_every: int = LogEveryOpt,
@@ -79,6 +82,7 @@ def run(
     from sailor.elastic.controller import ClockKind, RunOptions, check_run
     from sailor.elastic.controller import run as run_elastic
     from sailor.elastic.remote import HostPool
+    from sailor.runtime.command import steps_for
     from sailor.specs import load_cluster, load_job
 
     clock_kind = choice(ClockKind, clock, "--clock", "clock")
@@ -89,6 +93,8 @@ def run(
                                   (events, "--events", False)):
         check_output_path(value, option, folder=folder)
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
+    steps = steps_for(job_spec, steps, fallback=100)
+    checkpoint_every = job_spec.recipe.checkpoint.every if checkpoint_every is None else checkpoint_every
     trace = load_trace(availability, cluster_spec)
     if not hosts and (python is not None or rdzv_port is not None):
         raise SailorInputError("only with --hosts (they start the hosts' processes)",

@@ -42,11 +42,11 @@ def launch_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the commands / YAML instead of starting anything."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the YAML documents to this file"
                                         " (skypilot: a folder of task files and launch.sh)."),
-    steps: int = StepsOpt,
+    steps: Optional[int] = StepsOpt,
     seed: int = SeedOpt,
     data: Optional[str] = DataOpt,
     init_from: Optional[str] = InitFromOpt,
-    checkpoint_every: int = CheckpointEveryOpt,
+    checkpoint_every: Optional[int] = CheckpointEveryOpt,
     metrics: Optional[str] = MetricsOpt,
     log_every: int = LogEveryOpt,
     tensorboard: Optional[str] = TensorboardOpt,
@@ -71,7 +71,10 @@ def launch_command(
     queue: Optional[str] = typer.Option(None, "--queue", help="Kubernetes: Kueue LocalQueue that admits the JobSet all"
                                         " or nothing."),
     max_restarts: int = typer.Option(0, "--max-restarts", help="Kubernetes: times the JobSet restarts as a whole after"
-                                     " a failure (resuming from the newest checkpoint), e.g. 3."),
+                                     " a failure (resuming from the newest checkpoint; needs --checkpoint-dir), e.g. 3."),
+    allow_public_rendezvous: bool = typer.Option(False, "--allow-public-rendezvous", help="torchrun: accept a public IP"
+                                                 " address for node 0 in HOSTS.yaml (its rendezvous store has no"
+                                                 " authentication; refused otherwise)."),
     checkpoint_claim: Optional[str] = typer.Option(None, "--checkpoint-claim", help="Kubernetes: PersistentVolumeClaim"
                                                    " (ReadWriteMany) mounted at --checkpoint-dir."),
     checkpoint_bucket: Optional[str] = typer.Option(None, "--checkpoint-bucket", help="SkyPilot: bucket mounted at"
@@ -88,7 +91,7 @@ def launch_command(
     from sailor.launch import Backend, KubernetesOptions, LaunchOptions, launch, launch_files
     from sailor.launch.skypilot import PLAN_FILE, SkyPilotOptions
     from sailor.plan import load_plan
-    from sailor.runtime.command import WorkerSettings, check_takes_effect
+    from sailor.runtime.command import WorkerSettings, check_takes_effect, steps_for
     from sailor.runtime.validate import check_plan_for_job
     from sailor.specs import load_job
 
@@ -100,6 +103,17 @@ def launch_command(
                        job_source=str(job) if job is not None else None)
     if chosen is not Backend.TORCHRUN and job is not None:  # the ConfigMap / working directory carries the plan
         plan, job = plan.with_specs(job_spec, plan.cluster), None  # now with its job
+    try:  # no silent default length for a cluster run; said after the other checks, which keep their messages
+        steps, no_steps = steps_for(job_spec, steps, fallback=None), None
+    except SailorInputError as e:
+        steps, no_steps = 1, e
+    if max_restarts and not checkpoint_dir:  # a restart without a checkpoint would start over from step 0
+        raise SailorInputError(f"{max_restarts} restarts would each start over from step 0 without a checkpoint",
+                               source="--max-restarts", fix="add --checkpoint-dir DIR on storage every node mounts")
+    every = job_spec.recipe.checkpoint.every if checkpoint_every is None else checkpoint_every
+    no_checkpoints = None if checkpoint_dir else ("warning: no --checkpoint-dir: the run writes no checkpoint and a"
+                                                  " failure loses every step (pass a folder every node mounts; it is"
+                                                  f" then written every {every} steps)")
     default_remote = {Backend.KUBERNETES: "/etc/sailor/plan.json", Backend.SKYPILOT: PLAN_FILE}.get(
         chosen, str(plan_path.resolve()))
     worker = WorkerSettings(plan=remote_plan or default_remote, steps=steps, seed=seed, data=data, init_from=init_from,
@@ -133,15 +147,29 @@ def launch_command(
     if chosen is not Backend.SKYPILOT and (sky != SkyPilotOptions(workdir=sky.workdir) or install_from is not None):
         raise SailorInputError("--checkpoint-bucket, --managed and --install-from are for the skypilot backend",
                                source="--backend")
+    if chosen is Backend.TORCHRUN and hosts is not None:
+        from sailor.launch import layout_for
+        from sailor.launch.hosts import check_rendezvous, load_hosts
+
+        hosts_file = load_hosts(hosts)
+        check_rendezvous(layout_for(plan, hosts_file, str(hosts)), hosts_file, source=str(hosts),
+                         allow_public=allow_public_rendezvous)
     extra = {"sky": sky, "install_from": install_from} if chosen is Backend.SKYPILOT else {}
     files = launch_files(plan, chosen, opts, header=_header(chosen, plan_path, indexed_jobs), hosts_path=hosts,
                          image=image, name=name, k8s=k8s, **extra)
+    if no_steps is not None:
+        raise no_steps
     if out is not None:
         _write(out, files)
+    if no_checkpoints and (dry_run or chosen is not Backend.TORCHRUN):
+        from sailor.cli.common import NOTES_AT_END
+        NOTES_AT_END.append(no_checkpoints)
     if dry_run:
         print("".join(files.values()) if chosen is not Backend.SKYPILOT else
               "".join(files[f] for f in files if f.endswith(".yaml") and "/" not in f), end="")
         return
+    if chosen is Backend.TORCHRUN and no_checkpoints:
+        print(no_checkpoints, file=sys.stderr)
     if chosen is Backend.TORCHRUN:
         status = launch(plan, opts, hosts)
         if status:

@@ -14,7 +14,8 @@ from rich.table import Table
 
 from sailor.api import plan_options
 from sailor.cli.app import app
-from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, machine_profiles,
+from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, job_label,
+                               machine_profiles,
                                memory_label, resolve_models)
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
@@ -87,7 +88,7 @@ def plan_command(
     if out:
         result.plan.save(out)
     if report:
-        title = f"sailor plan: {job_spec.model.name}, global batch {job_spec.global_batch_size}"
+        title = f"sailor plan: {job_label(job_spec)}"
         err = Console(stderr=True)
         with Progress(TextColumn("report: {task.fields[step]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=as_json or not err.is_terminal) as bar:
@@ -97,12 +98,12 @@ def plan_command(
                               progress=lambda name, d, t: bar.update(task, completed=d, total=t, step=name))
     if as_json:
         print(json.dumps({"plan": result.plan.to_dict(), "estimate": result.estimate.to_dict(),
+                          "sequence_length": job_spec.seq, "parameters": job_spec.model.model_params(),
                           "search_time_s": result.search_time_s,
                           "alternatives": [{"plan": c.plan.to_dict(with_specs=False), "estimate": c.estimate.to_dict()}
                                            for c in result.alternatives]}))
         return
-    render_plan_result(result, con, title=f"{job_spec.model.name}, global batch {job_spec.global_batch_size}"
-                       + ("" if job else " (built-in example)"))
+    render_plan_result(result, con, title=job_label(job_spec) + ("" if job else " (built-in example)"))
     if out:
         con.print(f"plan written to {out}")
     if report:

@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor.cli.app import app
-from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, machine_profiles,
+from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, job_label,
+                               machine_profiles,
                                memory_label, resolve_models, resolve_specs)
 from sailor.core.fileio import check_output_path
 from sailor.core.units import GIB
@@ -52,11 +53,12 @@ def simulate_command(
     if report:
         from sailor.report import write_report
         write_report(report, plan, est, cluster_spec, job=job_spec,
-                     title=f"sailor simulate: {job_spec.model.name} · {plan_path.name}")
+                     title=f"sailor simulate: {job_label(job_spec)} · {plan_path.name}")
     if as_json:
-        print(json.dumps(est.to_dict()))
+        print(json.dumps({**est.to_dict(), "sequence_length": job_spec.seq,
+                          "parameters": job_spec.model.model_params()}))
         return
-    render_estimate(est, console(), title=f"{job_spec.model.name} · {plan_path}", plan=plan)
+    render_estimate(est, console(), title=f"{job_label(job_spec)} · {plan_path}", plan=plan)
 
 
 def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan | None = None) -> None:

@@ -22,10 +22,11 @@ def train(
     plan: str = typer.Argument(..., help="Plan file (JSON/YAML; ours or Sailor's plan_config). GPU type 'cpu' and"
                                          " zone 'local' run on this machine's CPU."),
     job: str = typer.Option(None, "--job", help="Job spec file; default: the job carried by the plan."),
-    steps: int = StepsOpt,
-    checkpoint_dir: str = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints (step-<n>/ each);"
-                                                                      " one is written at the end and on stop."),
-    checkpoint_every: int = CheckpointEveryOpt,
+    steps: int | None = StepsOpt,
+    checkpoint_dir: str = typer.Option(None, "--checkpoint-dir", help="Folder for checkpoints (step-<n>/ each):"
+                                       " every --checkpoint-every steps, at the end and on stop. Default: a new"
+                                       " checkpoints/<plan name>-<UTC time>/ beside the plan file."),
+    checkpoint_every: int | None = CheckpointEveryOpt,
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest verified checkpoint in"
                                                         " --checkpoint-dir (any plan)."),
     metrics: str = MetricsOpt,
@@ -45,15 +46,23 @@ def train(
     from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 
     err = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the terminal width
+    chosen_dir = checkpoint_dir is None and not resume
+    if chosen_dir:
+        checkpoint_dir = default_checkpoint_dir(plan)
     prep = prepare(TrainOptions(plan=plan, job=job, steps=steps, checkpoint_dir=checkpoint_dir,
                                 checkpoint_every=checkpoint_every, resume=resume, metrics=metrics, seed=seed,
                                 device=device, data=data, stop_file=stop_file, timeout_s=timeout_s,
                                 init_from=init_from, tensorboard=tensorboard))
     for note in prep.notes:
         err.print(f"[yellow]{note}[/yellow]" if note.startswith("skipped") else note)
+    every = prep.job.recipe.checkpoint.every if checkpoint_every is None else checkpoint_every
+    err.print(f"checkpoints into {checkpoint_dir}: every {every} steps, at the end and on stop (the newest"
+              f" {prep.job.recipe.checkpoint.keep} kept)" if every else
+              f"checkpoints into {checkpoint_dir}: at the end and on stop", markup=False, highlight=False)
     if dry_run:
         Console().print(_layout_table(prep))
         return
+    steps = prep.options.steps  # --steps, or the job's recipe.schedule.total_steps (`command.steps_for`)
     if prep.resume_step >= steps:  # nothing to train: say so instead of starting every rank
         err.print(f"[green]done: the checkpoint is at step {prep.resume_step} (--steps {steps})[/green]")
         return
@@ -66,7 +75,25 @@ def train(
         if result.status is not ExitStatus.BAD_INPUT:  # bad input is the rank's one line alone
             sys.stderr.write(result.stderr_tail[-2000:])
         print(f"error: {result.message}", file=sys.stderr)
+        if result.checkpoint is not None:
+            print(f"to go on from {result.checkpoint}: sailor train {plan} --checkpoint-dir {checkpoint_dir} --resume"
+                  f" --steps {steps}", file=sys.stderr)
     raise typer.Exit(code=int(result.status))
+
+
+def default_checkpoint_dir(plan: str) -> str:
+    """Where `sailor train` checkpoints without --checkpoint-dir: a new folder
+    checkpoints/<plan file's stem>-<UTC yyyymmdd-hhmmss> beside the plan file (a new run never meets
+    an earlier run's checkpoints; --checkpoint-dir DIR --resume continues one)."""
+    import datetime
+    from pathlib import Path
+
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    base = Path(plan).parent / "checkpoints" / f"{Path(plan).stem}-{stamp}"
+    path, n = base, 1
+    while path.exists():  # two runs started within one second
+        path, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return str(path)
 
 
 def _layout_table(prep) -> Table:

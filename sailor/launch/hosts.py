@@ -17,10 +17,17 @@ A group may list more machines than the plan needs (spares stay unused); fewer i
 the group. Hosts are what `ssh` takes: names from ~/.ssh/config or addresses (letters, digits and
 `.-_:%[]`, optionally `user@` first; never starting with `-`, which ssh would read as an option), each
 listed once in the whole file.
+
+The rendezvous store (torchrun's c10d store on node 0's machine, rank 0) takes any connection
+without authentication (torch docs, "torchrun (Elastic Launch)": the store is meant for a trusted
+network). `check_rendezvous` refuses a node 0 given as a public IP address (not private, loopback,
+link-local or shared, Python's `ipaddress.is_global`) unless the caller accepts it
+(`sailor launch --allow-public-rendezvous`); host names are not resolved, so they pass.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 
@@ -150,3 +157,22 @@ def assign_hosts(layout: LaunchLayout, hosts: HostsFile, source: str = "HOSTS.ya
 def bare_host(destination: str) -> str:
     """The host part of an ssh destination ("user@host" -> "host")."""
     return destination.rsplit("@", 1)[-1]
+
+
+def check_rendezvous(layout: LaunchLayout, hosts: HostsFile, *, source: str = "HOSTS.yaml",
+                     allow_public: bool = False) -> None:
+    """Raise SailorInputError naming the host's field when the rendezvous node (`layout.rdzv_node`)
+    is a public IP address and `allow_public` is False (module docstring)."""
+    node = layout.rdzv_node
+    host = bare_host(assign_hosts(layout, hosts, source)[node.name])
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return  # a name: not resolved here
+    if allow_public or not address.is_global:
+        return
+    k = next(k for k, g in enumerate(hosts.groups) if (g.zone, g.gpu) == (node.zone, node.gpu))
+    raise SailorInputError(f"{host} is a public address, and the rendezvous store on it takes connections without"
+                           " authentication", source=source, field=f"groups.{k}.hosts.{node.index}",
+                           fix="list the nodes by their private (VPC) addresses, or pass --allow-public-rendezvous"
+                               " if a firewall guards the port")

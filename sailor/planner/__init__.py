@@ -251,7 +251,7 @@ def _no_fit(ctx: SimContext, opts: PlanOptions) -> str:
             break
     if min(plain[0], strongest[0]) <= cap:  # it fits with more stages or TP than the cluster's GPUs make
         return _too_few_gpus(ctx, opts)
-    where = f"TP {strongest[2]}, {strongest[3]} stage{'s' * (strongest[3] != 1)}, micro-batch 1"
+    where = f"TP {strongest[2]}, {strongest[3]} stage{'s' * (strongest[3] != 1)}, micro-batch 1 of {job.seq} tokens"
     head = (f"{model.name} needs {plain[0] / GB:.1f} GB per GPU at best without memory options and"
             f" {strongest[0] / GB:.1f} GB with {label} over {strongest[4]} replica{'s' * (strongest[4] != 1)} ({where});"
             f" the largest GPU offered ({largest}) has {ctx.memory_capacity(largest) / GB:.1f} GB"

@@ -11,14 +11,16 @@ Modules, one concept each, applied in this order by `worker`:
 - `worker.materialize`: seeded full weights (or a checkpoint's), sharded for the TP rank;
   `hf_weights`: Hugging Face safetensors in (per stage and TP shard) and out (`sailor export`).
 - `zero.ShardedAdamW`: AdamW with ZeRO-0..3 over `buckets` (which ranks sum, shard and update which
-  elements: the sample-weighted gradient sum), global-norm clipping, mixed precision; `tied`: which
-  ranks add which elements of a tied embedding's two copies; `optim`: its settings; `scaler`: fp16's
-  dynamic loss scale (skipped steps on overflow).
+  elements: the sample-weighted gradient sum), global-norm clipping, mixed precision (SGD too, as the
+  job's recipe says); `tied`: which ranks add which elements of a tied embedding's two copies;
+  `optim`: its settings, from the job's recipe (`specs.recipe`; each step's learning rate is
+  `specs.recipe.learning_rate`); `scaler`: fp16's dynamic loss scale (skipped steps on overflow).
 - `pipeline.run_pipeline`: the schedule's op order (1F1B, interleaved 1F1B, ZB-H1) with its
   transfers; `executor`: one stage's layers for one micro-batch, with the optimizer's layer hooks
   (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters) and activation metering.
 - `data`: deterministic samples of byte tokens or memory-mapped token files (`tokens`, made by
-  `dataprep`); `checkpoint`: plan-independent, atomic, checksummed; `metrics`: MFU, TensorBoard.
+  `dataprep`); `checkpoint`: plan-independent, atomic, checksummed, the newest kept; `metrics`: MFU,
+  TensorBoard; `evaluation`: held-out loss through the plan's pipeline, forwards only.
 - `command` (torch-free): the worker's settings and its command line, the one builder every launch
   path uses; `launcher`: validation and torchrun; `reference`: the single-process loop every plan
   must match.

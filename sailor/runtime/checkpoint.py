@@ -364,19 +364,25 @@ def optimizer_steps(manifest: Mapping[str, Any]) -> int:
 def run_meta(job: JobSpec, seed: int) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it (the data order and parameter shapes
     depend on all of it): seed, model, global batch, and the job's sequence length, precision and
-    optimizer. The worker writes it into every manifest; `check_compatible` compares it."""
+    optimizer, and the recipe's optimizer settings and schedule (a resumed run goes on with the same
+    ones). The worker writes it into every manifest; `check_compatible` compares it."""
+    recipe = job.recipe.model_dump(mode="json", include={"optimizer", "schedule"})
     return {"seed": seed, "model": job.model.model_dump(mode="json"), "global_batch_size": job.global_batch_size,
-            "job": {"sequence_length": job.seq, "precision": job.precision, "optimizer": job.optimizer.value}}
+            "job": {"sequence_length": job.seq, "precision": job.precision, "optimizer": job.optimizer.value,
+                    "recipe": recipe}}
 
 
 def check_compatible(manifest: dict[str, Any], want: dict[str, Any], *, source: str) -> None:
     """Raise SailorInputError unless a checkpoint was written by a run with the same `run_meta`
-    (a manifest written before `job` was recorded is compared on seed, model and global batch)."""
+    (a manifest written before `job` was recorded is compared on seed, model and global batch; one
+    written before the recipe was recorded, without it)."""
     fix = "resume with the same job and seed, or use another --checkpoint-dir"
     for key, value in want.items():
         have = manifest.get(key)
         if key == "job" and isinstance(have, dict):
             for k, v in value.items():
+                if k == "recipe" and k not in have:
+                    continue
                 if have.get(k) != v:
                     raise SailorInputError(f"the checkpoint was written by a job with {k} {have.get(k)!r}, this"
                                            f" run's job has {v!r}", source=source, fix=fix)
@@ -398,6 +404,19 @@ def _step_dirs(root: str | Path) -> list[Path]:
     steps = sorted((int(m.group(1)), d) for d in (r.iterdir() if r.is_dir() else [])
                    if (m := _STEP_DIR.match(d.name)) and d.is_dir())
     return [d for _, d in steps]
+
+
+def prune(root: str | Path, *, keep: int, upto: int) -> list[Path]:
+    """Delete all but the newest `keep` (>= 1) `step-<n>` folders with n <= `upto`, the step just
+    committed (the recipe's `checkpoint.keep`; rank 0 calls it after each commit, so the one just
+    written is always kept). Folders of later steps are left alone: they exist only when a run went
+    back to an earlier checkpoint because they failed verification (`find_latest`), and the run
+    replaces them as it reaches their steps. Returns the folders deleted, oldest first."""
+    assert keep >= 1, keep
+    old = [d for d in _step_dirs(root) if int(_STEP_DIR.match(d.name).group(1)) <= upto][:-keep]
+    for d in old:
+        shutil.rmtree(d, ignore_errors=True)
+    return old
 
 
 def newest_step_dir(root: str | Path) -> Path | None:

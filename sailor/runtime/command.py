@@ -59,7 +59,8 @@ class WorkerSettings:
                                 path=True)
     init_from: str | None = _setting(None, help="Hugging Face model folder to start from (safetensors)", path=True)
     checkpoint_dir: str | None = _setting(None, help="checkpoint folder (step-<n>/ each)", path=True)
-    checkpoint_every: int = _setting(0, help="also checkpoint every N steps (0: only at the end and on stop)")
+    checkpoint_every: int | None = _setting(None, help="also checkpoint every N steps (0: only at the end and on stop;"
+                                            " default: the job's recipe.checkpoint.every)")
     resume_from: str | None = _setting(None, help="checkpoint folder (step-<n>) to continue from", path=True)
     metrics: str | None = _setting(None, help="rank 0 appends one JSON line per step to this file", path=True)
     log_every: int = _setting(0, help="rank 0 prints loss, tokens/s and MFU every N steps on stdout (0: never)")
@@ -79,7 +80,7 @@ class WorkerSettings:
         if self.seed < 0:
             raise SailorInputError(f"must be >= 0, got {self.seed}", source="--seed")
         for name in ("checkpoint_every", "log_every"):
-            if not 0 <= getattr(self, name) <= MAX_STEPS:
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_STEPS:
                 raise SailorInputError(f"must be between 0 and {MAX_STEPS:,} (limits.MAX_STEPS), got"
                                        f" {getattr(self, name)}", source=option(name))
         for f in dataclasses.fields(self):  # "" would become the current folder once made absolute
@@ -111,6 +112,28 @@ def check_takes_effect(settings: WorkerSettings) -> None:
         raise SailorInputError(f"every {settings.checkpoint_every} steps, but there is no --checkpoint-dir to save"
                                " them in", source="--checkpoint-every",
                                fix="add --checkpoint-dir DIR, or leave --checkpoint-every out")
+
+
+TRAIN_STEPS = 10  # `sailor train`'s steps when neither --steps nor the job's recipe.schedule.total_steps says
+
+
+def steps_for(job: Any, steps: int | None, *, fallback: int | None) -> int:
+    """The steps a run trains: `steps` (--steps) when given, else the job's
+    `recipe.schedule.total_steps`, else `fallback` (`sailor train`: TRAIN_STEPS; `sailor launch`:
+    None, which refuses: a cluster run of an unsaid length is a mistake).
+
+    Raises:
+        SailorInputError: naming --steps, when there is no number and no fallback.
+    """
+    if steps is not None:
+        return steps
+    total = job.recipe.schedule.total_steps if job is not None else None
+    if total is not None:
+        return total
+    if fallback is None:
+        raise SailorInputError("not given, and the job's recipe sets no schedule.total_steps", source="--steps",
+                               fix="pass --steps N, or set recipe.schedule.total_steps in the job")
+    return fallback
 
 
 def option(name: str) -> str:

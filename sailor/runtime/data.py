@@ -56,14 +56,23 @@ def check_corpus(corpus: np.ndarray | TokenFile, *, seq: int, vocab_size: int, s
                                source=source)
 
 
-def sample_offset(seed: int, step: int, index: int, span: int) -> int:
+def sample_offset(seed: int | str, step: int, index: int, span: int) -> int:
     """Start of sample `index` of step `step` (0-based) in [0, span)."""
     digest = hashlib.blake2b(f"{seed}:{step}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % span
 
 
-def batch_tokens(corpus: np.ndarray | TokenFile, *, seed: int, step: int, first: int, count: int, seq: int) -> np.ndarray:
+def batch_tokens(corpus: np.ndarray | TokenFile, *, seed: int | str, step: int, first: int, count: int, seq: int) -> np.ndarray:
     """Samples first .. first + count - 1 of step `step`: an int64 array (count, seq + 1)."""
     span = len(corpus) - seq
     rows = [corpus[o:o + seq + 1] for o in (sample_offset(seed, step, n, span) for n in range(first, first + count))]
     return np.stack(rows).astype(np.int64)
+
+
+EVAL_SEED = "eval"  # the held-out samples' own stream: the same on every run, whatever its seed
+
+
+def eval_tokens(corpus: np.ndarray | TokenFile, *, batch: int, first: int, count: int, seq: int) -> np.ndarray:
+    """Samples first .. first + count - 1 of held-out batch `batch` (0-based) of an evaluation: an int64
+    array (count, seq + 1), the same at every evaluation of every run (`EVAL_SEED`)."""
+    return batch_tokens(corpus, seed=EVAL_SEED, step=batch, first=first, count=count, seq=seq)

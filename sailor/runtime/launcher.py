@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import enum
 import json
 import os
@@ -46,7 +47,7 @@ from sailor.plan import load_plan
 from sailor.plan.placement import RankInfo, rank_layout
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
-from sailor.runtime.command import WorkerSettings, check_takes_effect
+from sailor.runtime.command import TRAIN_STEPS, WorkerSettings, check_takes_effect, steps_for
 from sailor.runtime.data import check_corpus, load_corpus
 from sailor.runtime.metrics import check_tensorboard
 from sailor.runtime.validate import check_plan_for_job
@@ -77,9 +78,9 @@ class TrainOptions:
 
     plan: str
     job: str | None = None
-    steps: int = 10
+    steps: int | None = None  # None: the job's recipe.schedule.total_steps, else command.TRAIN_STEPS
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
+    checkpoint_every: int | None = None  # None: the job's recipe.checkpoint.every
     resume: bool = False
     metrics: str | None = None
     seed: int = 0
@@ -135,6 +136,10 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
             heads), a memory option or precision the runtime cannot execute, no job is given, bad
             steps/device/data, or an incompatible checkpoint.
     """
+    if options.steps is None:
+        plan = load_plan(options.plan)
+        job = load_job(options.job) if options.job else plan.job
+        options = dataclasses.replace(options, steps=steps_for(job, None, fallback=TRAIN_STEPS))
     check_train_options(options)
     plan = load_plan(options.plan)
     job = load_job(options.job) if options.job else plan.job
@@ -170,6 +175,7 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
                                    " torch, README \"GPU\"), or start it on a cluster with `sailor launch`")
     check_corpus(load_corpus(options.data), seq=job.seq, vocab_size=job.model.vocab_size,
                  source=options.data or "pydoc_data.topics")
+    check_eval_data(job, source=options.job or options.plan)
     notes: list[str] = []
     resume_from, resume_step = None, 0
     held = ckpt.newest_step_dir(options.checkpoint_dir) if options.checkpoint_dir and not options.resume else None
@@ -204,6 +210,18 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         check_init_from(options.init_from, job.model)  # names, shapes and dtypes, before any process starts
     ranks = rank_layout(plan, {r.gpu: plan.world_size for p in plan.pipelines for r in p.replicas})
     return Prepared(options, plan, job, ranks, resume_from, resume_step, tuple(notes))
+
+
+def check_eval_data(job: JobSpec, *, source: str | None) -> None:
+    """Raise SailorInputError naming `source` (the job's file) and recipe.eval.data when the job's
+    held-out tokens cannot be read or do not fit its sequence length and vocabulary."""
+    ev = job.recipe.eval
+    if ev is None:
+        return
+    try:
+        check_corpus(load_corpus(ev.data), seq=job.seq, vocab_size=job.model.vocab_size, source=ev.data)
+    except SailorInputError as e:
+        raise SailorInputError(f"{ev.data}: {e.message}", source=source, field="recipe.eval.data", fix=e.fix) from None
 
 
 def check_resumable(path: Path, manifest: dict[str, Any]) -> None:

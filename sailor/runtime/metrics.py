@@ -25,7 +25,7 @@ from sailor.specs.job import JobSpec
 
 # What TensorBoard gets per step (a key absent or None is left out: an fp16 step skipped for an
 # overflow has no gradient norm; only fp16 runs have a loss scale).
-SCALARS = ("loss", "tokens_per_s", "mfu", "grad_norm", "step_time_s", "loss_scale")
+SCALARS = ("loss", "lr", "eval_loss", "tokens_per_s", "mfu", "grad_norm", "step_time_s", "loss_scale")
 
 
 def model_flop_per_step(job: JobSpec) -> float:
@@ -82,7 +82,9 @@ class StepMetrics:
 
 class IntervalLog:
     """One line per `every` steps: loss, tokens/s and MFU over the interval (total tokens and FLOPs
-    over total step time), e.g. `step 20/100  loss 3.2100  tokens/s 1,234  MFU 2.31 %`."""
+    over total step time), e.g. `step 20/100  loss 3.2100  lr 3.00e-04  tokens/s 1,234  MFU 2.31 %`, with
+    `eval_loss 3.3000` after the loss when the interval's last step was evaluated; a step evaluated
+    between interval lines gets a line of its own (`step 7/100  eval_loss 3.3000`)."""
 
     def __init__(self, plan: Plan, job: JobSpec, *, every: int, total_steps: int, write: Callable[[str], None]) -> None:
         self.every, self.total, self.write = every, total_steps, write
@@ -95,9 +97,13 @@ class IntervalLog:
         self._flop += self.flop_per_step
         if self.every and (ev["step"] % self.every == 0 or ev["step"] == self.total):
             mfu = self._flop / self._time / self.peak
-            self.write(f"step {ev['step']}/{self.total}  loss {ev['loss']:.4f}  tokens/s {self._tokens / self._time:,.0f}"
-                       f"  MFU {100 * mfu:.2f} %")
+            ev_loss = f"  eval_loss {ev['eval_loss']:.4f}" if ev.get("eval_loss") is not None else ""
+            lr = f"  lr {ev['lr']:.2e}" if ev.get("lr") is not None else ""
+            self.write(f"step {ev['step']}/{self.total}  loss {ev['loss']:.4f}{ev_loss}{lr}"
+                       f"  tokens/s {self._tokens / self._time:,.0f}  MFU {100 * mfu:.2f} %")
             self._tokens = self._time = self._flop = 0.0
+        elif self.every and ev.get("eval_loss") is not None:  # an evaluation between interval lines: its own line
+            self.write(f"step {ev['step']}/{self.total}  eval_loss {ev['eval_loss']:.4f}")
 
 
 class StepLog:

@@ -22,9 +22,14 @@ Each step: stop check (all ranks agree) -> `train_step`: the schedule's order ov
 micro-batches (under ZeRO-2/3 as many rounds as the largest share; losses summed on the device;
 each gradient bucket's sample-weighted SUM issued asynchronously once final, `runtime.grad_sync`) ->
 `reduce` (waits for every SUM, then the tied embedding's and LM head's gradients added to each other)
--> global-norm clipping -> AdamW, or under fp16 a skipped step when some gradient overflowed
+-> global-norm clipping -> AdamW at the recipe's learning rate of the step (`specs.recipe.learning_rate`, 1-based
+step numbers, so a resumed run goes on at the rate its step has), or under fp16 a skipped step when some gradient overflowed
 (`runtime.scaler`) -> metrics (loss, read once per step; timings; fp16: "loss_scale" and "skipped")
-to rank 0.
+to rank 0. After every `recipe.eval.every` steps, `evaluation.eval_loss`: the held-out batches through
+the same pipeline, forwards only, the loss taken on each pipeline's last stage as in training; the
+step's record gets `eval_loss`. Checkpoints every
+`--checkpoint-every` steps (default: the recipe's `checkpoint.every`), at the end and on stop; rank 0
+then deletes all but the newest `recipe.checkpoint.keep` (`checkpoint.prune`).
 
 Its settings come from its command line, read by `command.parse` (`command.WorkerSettings`, the one
 definition every launch path builds commands from). Rank 0 appends each step's record to `--metrics`,
@@ -70,6 +75,7 @@ from sailor.plan import load_plan
 from sailor.plan.orders import Op
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
+from sailor.runtime import evaluation
 from sailor.runtime.checkpoint_io import RankWriter, Reader
 from sailor.runtime.command import WorkerSettings, parse
 from sailor.runtime.data import batch_tokens, load_corpus
@@ -80,7 +86,7 @@ from sailor.runtime.groups import create_channel_groups, create_groups, ignore_t
 from sailor.runtime.messages import ACTIVATION, GRADIENT
 from sailor.runtime.metrics import StepLog, check_tensorboard
 from sailor.runtime.model import GPT, initial_value, param_shapes
-from sailor.runtime.optim import OptimConfig
+from sailor.runtime.optim import optim_config
 from sailor.runtime.pipeline import P2P, StageTimes, build_stage, run_pipeline
 from sailor.runtime.recompute import apply_recompute
 from sailor.runtime.scaler import LossScaler, overflowed
@@ -187,8 +193,8 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     dtype = dtype or compute_dtype(job.precision, device)
     tied = tied_for_rank(spec, plan, derive_topology(plan), role.rank)
     opt = ShardedAdamW(dict(stage.named_parameters()), role, groups, zero=mem.zero,
-                       sequence_parallel=mem.sequence_parallel, cfg=OptimConfig(), dtype=dtype, tied=tied,
-                       device=device, reshard_after_forward=mem.reshard_after_forward)
+                       sequence_parallel=mem.sequence_parallel, cfg=optim_config(job.recipe.optimizer), dtype=dtype,
+                       tied=tied, device=device, reshard_after_forward=mem.reshard_after_forward)
     tp_rank, tp = role.tp_rank, role.tp
     weights = None
     if reader is not None:
@@ -249,11 +255,11 @@ def sync_exposed_s(opt: ShardedAdamW) -> float:
 
 def train_step(rk: RankModel, role: RankRole, p2p: P2P, tok: torch.Tensor, *, mbs: int, loss_scale: float,
                scaler: LossScaler | None, meter: ActivationMeter | None = None,
-               after_backward: Callable[[], None] | None = None) -> StepResult:
+               after_backward: Callable[[], None] | None = None, lr: float | None = None) -> StepResult:
     """One optimizer step of this rank on its (n_local, T + 1) tokens `tok`: the schedule's passes
     (each micro-batch's loss times `loss_scale` and the loss scale S of `scaler`, 1 without one),
     `after_backward()` (the memory event), `reduce`, clipping (gradients divided by S), then the
-    AdamW step, or `skip` when `scaler` is given and the world's gradient norm is not finite (every
+    AdamW step at learning rate `lr` (default: the optimizer's `cfg.lr`), or `skip` when `scaler` is given and the world's gradient norm is not finite (every
     rank sees the same norm, so all skip together), and `scaler.update`. Micro-batch slices are
     copied so that what a micro-batch keeps is its own (B, T) tokens."""
     opt = rk.optimizer
@@ -270,7 +276,7 @@ def train_step(rk: RankModel, role: RankRole, p2p: P2P, tok: torch.Tensor, *, mb
     if skipped:
         opt.skip()
     else:
-        opt.step()
+        opt.step(lr)
     if scaler is not None:
         scaler.update(skipped)
     return StepResult(loss_sum, times, grad_norm, skipped)
@@ -347,6 +353,9 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
               channels=channels, tp_group=groups.get(role.tp_group),
               sliced=sliced_edges(rk.stage, role.chunks, sequence_parallel=role.memory.sequence_parallel))
     corpus = load_corpus(args.data)
+    recipe = job.recipe
+    eval_corpus = load_corpus(recipe.eval.data) if recipe.eval is not None else None
+    every = recipe.checkpoint.every if args.checkpoint_every is None else args.checkpoint_every
     meta = ckpt.run_meta(job, args.seed)
     if rank == 0:  # what `sailor export` keeps of the Hugging Face folder the run started from
         record = manifest.get(RECORD_KEY) if args.resume_from else None
@@ -393,7 +402,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         scale = scaler.scale if scaler is not None else None  # this step's loss scale
         sent_before = dict(p2p.sent)
         res = train_step(rk, role, p2p, tok, mbs=mbs, loss_scale=1.0 / (gbs * seq), scaler=scaler, meter=meter,
-                         after_backward=backward_done)
+                         after_backward=backward_done, lr=recipe.lr(step + 1))
         times = res.times
         if scaler is not None:
             meta["loss_scaler"] = scaler.state_dict()  # into the manifests of later checkpoints
@@ -417,8 +426,15 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
         loss_total = float(stats[1 + P * k: 1 + P * k + D].sum())
         sent = stats[1 + P * k + D:].view(W, 2).tolist()
         step_time = time.perf_counter() - t0
+        eval_loss = None
+        if eval_corpus is not None and (step + 1) % recipe.eval.every == 0:
+            eval_loss = evaluation.eval_loss(rk.executors, rk.order, rk.stage, opt, role, p2p, eval_corpus,
+                                             batches=recipe.eval.batches, mbs=mbs, seq=seq, global_batch=gbs,
+                                             device=device)
         if rank == 0:
-            record = {"step": step + 1, "loss": loss_total / (gbs * seq), "samples": gbs, "tokens": gbs * seq,
+            record = {"step": step + 1, "loss": loss_total / (gbs * seq), "lr": recipe.lr(step + 1),
+                      **({"eval_loss": eval_loss} if eval_loss is not None else {}),
+                      "samples": gbs, "tokens": gbs * seq,
                       "step_time_s": step_time, "tokens_per_s": gbs * seq / step_time,
                       "grad_norm": None if res.skipped else res.grad_norm,
                       "stages": [dict(zip(STAGE_FIELDS, row))
@@ -432,10 +448,11 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
             log.on_step(record)  # adds its MFU
             emit("step", **record)
         done = step + 1
-        if root is not None and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+        if root is not None and (done == args.steps or (every and done % every == 0)):
             path = save_checkpoint(root, done, meta, opt, role, device, layout)
             saved_at = done
             if rank == 0:
+                ckpt.prune(root, keep=recipe.checkpoint.keep, upto=done)
                 emit("checkpoint", step=done, path=str(path))
     if rank == 0:
         emit("done", step=max(args.steps, start))

@@ -71,7 +71,11 @@ of the stage for replicated parameters (and for all of a stage's parameters when
 The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`) on the owned flat ranges,
 multi-tensor (foreach=True: one call per weight-decay setting over many ranges, the default of torch's
 AdamW on GPUs), so sharding changes no arithmetic of the update; on CPU it gives the same bits as the
-per-tensor loop (foreach=False; checked by `tests/test_grad_sync.py`). Global-norm
+per-tensor loop (foreach=False; checked by `tests/test_grad_sync.py`). A job whose recipe names sgd
+gets torch's SGD arithmetic (`torch.optim.sgd.sgd`, weight decay added to the gradient, momentum
+without dampening) the same way, its momentum buffer held in `exp_avg` (zeros before the first step,
+which gives torch's first step exactly: 0·m + g = g); `exp_avg_sq` is then kept unused, 4 bytes per
+owned parameter more than the memory model counts for SGD (`specs.job.STATE_BYTES_PER_PARAM`). Global-norm
 clipping adds the squares of the owned gradient elements (each counted once over the world) in fp64.
 
 Tied embeddings (`runtime.tied`): the reduction ends by adding to each held element of the embedding
@@ -89,6 +93,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw
+from torch.optim.sgd import sgd
 
 from sailor.runtime.buckets import (
     Bucket,
@@ -295,12 +300,14 @@ class ShardedAdamW:
             g.mul_(coef / scale if scale != 1.0 else coef)
         return norm
 
-    def step(self) -> None:
-        """AdamW on every owned range, then the weights rebuilt from the updated shards (module
+    def step(self, lr: float | None = None) -> None:
+        """AdamW at learning rate `lr` (default `cfg.lr`; the worker passes the schedule's rate of
+        this step) on every owned range, then the weights rebuilt from the updated shards (module
         docstring, "The update"): one multi-tensor call per weight-decay setting over a batch of
         buckets (`_step_batches`), then each bucket's all-gather in bucket order."""
         cfg = self.cfg
         assert not self._gathered, f"gathered weights would go stale at the step: layers {sorted(self._gathered)}"
+        lr = cfg.lr if lr is None else lr
         for batch in self._step_batches():
             masters = {i: self.master[i] if self.master[i] is not None else self._own(
                 self.buckets[i], flatten(self.buckets[i], self.params, dtype=FP32, device=self.device,
@@ -311,9 +318,12 @@ class ShardedAdamW:
                     for into, t in zip(tensors[decay], (masters[i], self.grad[i], self.exp_avg[i], self.exp_avg_sq[i])):
                         into.append(t[lo:hi])
             for decay, (p, g, m, v) in tensors.items():
-                if p:  # one step tensor per range: the multi-tensor update increments each
+                if p and cfg.name == "sgd":  # the momentum buffer is the first moment's (`exp_avg`)
+                    sgd(p, g, m, foreach=True, weight_decay=cfg.weight_decay if decay else 0.0, momentum=cfg.momentum,
+                        lr=lr, dampening=0.0, nesterov=False, maximize=False)
+                elif p:  # one step tensor per range: the multi-tensor update increments each
                     adamw(p, g, m, v, [], [torch.tensor(float(self.steps)) for _ in p], foreach=True, amsgrad=False,
-                          beta1=cfg.betas[0], beta2=cfg.betas[1], lr=cfg.lr,
+                          beta1=cfg.betas[0], beta2=cfg.betas[1], lr=lr,
                           weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps, maximize=False)
             for i in batch:
                 if self.zero < 3:

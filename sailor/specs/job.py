@@ -11,10 +11,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from sailor.core.errors import SailorInputError, note
 from sailor.core.limits import MAX_GLOBAL_BATCH, MAX_SEQUENCE_LENGTH
 from sailor.core.schema import SPEC_CONFIG, Whole
 from sailor.model.registry import get_model
 from sailor.model.spec import Framework, ModelSpec
+from sailor.specs.recipe import Recipe
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -49,8 +51,20 @@ STATE_BYTES_PER_PARAM: dict[tuple[str, Optimizer], dict[str, int]] = {
 }
 
 
+# Sequence length of a job that sets none: the model's context, but at most this many tokens (Llama-3.1
+# and Qwen2.5 configs say 131,072, which no training job means by default); said on stderr.
+DEFAULT_MAX_SEQUENCE = 4096
+
+# The recipe's optimizer name for each top-level `optimizer` (and back): the one derives from the other.
+RECIPE_NAME = {"adam": "adamw", "sgd": "sgd"}
+
+
 class JobSpec(BaseModel):
-    """What to train. Units: samples (global batch), tokens (sequence length)."""
+    """What to train. Units: samples (global batch), tokens (sequence length).
+
+    `optimizer` and `recipe.optimizer.name` name the same choice: give either (the other follows:
+    adam <-> adamw, sgd <-> sgd); both given and different is an error naming `optimizer`.
+    """
 
     model_config = SPEC_CONFIG
 
@@ -58,9 +72,13 @@ class JobSpec(BaseModel):
     global_batch_size: Whole(1, MAX_GLOBAL_BATCH) = Field(description="Samples per iteration (optimizer step);"
                                                           " at most limits.MAX_GLOBAL_BATCH.")
     sequence_length: Whole(1, MAX_SEQUENCE_LENGTH) | None = Field(
-        default=None, description="Tokens per sample; default the model's context length.")
+        default=None, description="Tokens per sample; default the model's context length, at most"
+                                  " DEFAULT_MAX_SEQUENCE (4096), said on stderr when that cuts it.")
     precision: Precision = Field(default="fp32", description="fp32, or bf16/fp16 mixed precision.")
-    optimizer: Optimizer = Field(default=Optimizer.ADAM, description="adam (AdamW) or sgd.")
+    optimizer: Optimizer = Field(default=Optimizer.ADAM, description="adam (AdamW) or sgd; follows"
+                                 " recipe.optimizer.name when only that is given.")
+    recipe: Recipe = Field(default_factory=Recipe, description="Optimizer settings, learning-rate schedule,"
+                           " evaluation and checkpoints (`specs.recipe`).")
     framework: Framework = Field(default=Framework.SAILOR,
                                  description="Whose layer implementation the job is modelled after (models.Framework):"
                                              " 'sailor' (this project's runtime: memory-efficient attention, no dropout;"
@@ -79,8 +97,37 @@ class JobSpec(BaseModel):
     def _lower(cls, v: Any) -> Any:
         return v.lower() if isinstance(v, str) else v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_optimizer(cls, data: Any) -> Any:
+        """Derive `optimizer` from `recipe.optimizer.name` or the other way round (class docstring)."""
+        if not isinstance(data, dict):
+            return data
+        top = data.get("optimizer")
+        top = top.value if isinstance(top, Optimizer) else top.lower() if isinstance(top, str) else None
+        recipe = data.get("recipe")
+        if isinstance(recipe, Recipe):
+            named = recipe.optimizer.name
+        else:
+            opt = recipe.get("optimizer") if isinstance(recipe, dict) else None
+            named = opt.get("name") if isinstance(opt, dict) else None
+        if named in RECIPE_NAME.values() and top is not None and RECIPE_NAME.get(top) != named:
+            raise SailorInputError(f"{top} disagrees with recipe.optimizer.name {named}", field="optimizer",
+                                   fix="give the optimizer once, in the recipe")
+        if named in RECIPE_NAME.values() and top is None:
+            return {**data, "optimizer": {v: k for k, v in RECIPE_NAME.items()}[named]}
+        if top in RECIPE_NAME and named is None and (recipe is None or isinstance(recipe, dict)):
+            recipe = dict(recipe or {})
+            recipe["optimizer"] = {**(recipe.get("optimizer") or {}), "name": RECIPE_NAME[top]}
+            return {**data, "recipe": recipe}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "JobSpec":
+        assert RECIPE_NAME[self.optimizer.value] == self.recipe.optimizer.name, (self.optimizer, self.recipe)
+        if self.sequence_length is None and self.model.max_sequence_length > DEFAULT_MAX_SEQUENCE:
+            note(f"not set: training {self.model.name} on {DEFAULT_MAX_SEQUENCE} tokens per sample"
+                 f" (its context is {self.model.max_sequence_length:,}); set sequence_length to choose", field="sequence_length")
         if self.sequence_length and self.sequence_length > self.model.max_sequence_length and self.model.learned_positions:
             raise ValueError(f"sequence_length {self.sequence_length} exceeds {self.model.name}'s learned"
                              f" position table of {self.model.max_sequence_length}")
@@ -92,8 +139,8 @@ class JobSpec(BaseModel):
 
     @property
     def seq(self) -> int:
-        """Tokens per sample."""
-        return self.sequence_length or self.model.max_sequence_length
+        """Tokens per sample: `sequence_length`, else the model's context up to DEFAULT_MAX_SEQUENCE."""
+        return self.sequence_length or min(self.model.max_sequence_length, DEFAULT_MAX_SEQUENCE)
 
     @property
     def elem_bytes(self) -> int:
@@ -103,14 +150,23 @@ class JobSpec(BaseModel):
     @property
     def state_bytes_per_param(self) -> dict[str, int]:
         """Bytes per parameter for weights, gradients and optimizer state, unsharded
-        (`STATE_BYTES_PER_PARAM`; fp16 in Sailor's runtime keeps fp32 gradients, as bf16 does)."""
+        (`STATE_BYTES_PER_PARAM`; fp16 in Sailor's runtime keeps fp32 gradients, as bf16 does; SGD with
+        momentum adds its fp32 momentum buffer, 4 bytes, to "optimizer")."""
         precision = "bf16" if self.precision == "fp16" and self.framework is not Framework.MEGATRON else self.precision
-        return STATE_BYTES_PER_PARAM[(precision, self.optimizer)]
+        counts = STATE_BYTES_PER_PARAM[(precision, self.optimizer)]
+        if self.optimizer is Optimizer.SGD and self.recipe.optimizer.momentum:  # one fp32 momentum buffer
+            counts = {**counts, "optimizer": counts["optimizer"] + 4}  # (torch.optim.SGD's momentum_buffer)
+        return counts
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form; built-in models are written by name, the default framework is left out
-        (so job files written before it existed read back the same)."""
+        """JSON-ready form; built-in models are written by name, the default framework and the
+        default recipe are left out (so job files written before they existed read back the same); a
+        sequence length cut to DEFAULT_MAX_SEQUENCE is written (files made from it say it)."""
         d = self.model_dump(mode="json")
+        if self.recipe == Recipe.model_validate({"optimizer": {"name": RECIPE_NAME[self.optimizer.value]}}):
+            del d["recipe"]
+        if self.sequence_length is None and self.seq != self.model.max_sequence_length:
+            d["sequence_length"] = self.seq
         from sailor.model.registry import BUILTIN_MODELS
         if BUILTIN_MODELS.get(self.model.name) == self.model:
             d["model"] = self.model.name
