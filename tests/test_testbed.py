@@ -17,6 +17,7 @@ from sailor.testbed.spec import (
     FRAME_BYTES,
     MSS_BYTES,
     TestbedLink,
+    loopback_payload_bytes_per_s,
     parse_testbed,
     payload_bytes_per_s,
 )
@@ -95,6 +96,24 @@ def test_the_cluster_spec_offers_the_testbed(box):
         payload_bytes_per_s(300))
     assert spec.link(LinkClass.SAME_REGION).flow_bandwidth_bytes_per_s == spec.link(
         LinkClass.SAME_REGION).bandwidth_bytes_per_s  # one flow can fill the shaped class
+
+
+def test_a_shaped_loopback_is_the_same_node_link(box):
+    # examples/testbed.yaml shapes each node's loopback to 1000 Mbit/s: 64 KiB packets, 66 bytes of
+    # headers each, so 125e6 x 65470 / 65536 B/s of payload (124.0e6 measured through a node's quota)
+    assert loopback_payload_bytes_per_s(1000) == pytest.approx(125e6 * 65470 / 65536)
+    spec = sailor.load_cluster(cluster_spec(box))
+    assert spec.link(LinkClass.SAME_NODE).bandwidth_bytes_per_s == pytest.approx(loopback_payload_bytes_per_s(1000))
+    cmds = net.loopback_commands(box, net.Names("sbx0a1f"), "a0")
+    assert [c[5:9] for c in cmds] == [["qdisc", "add", "dev", "lo"], ["class", "add", "dev", "lo"]]
+    assert cmds[1][cmds[1].index("rate") + 1] == "1000000000bit"
+    assert cmds[1][cmds[1].index("burst") + 1] == "131072b"  # two packets (1 ms at the rate is 125,000 B)
+    # without the field the loopback is left alone and the catalog's intra-node link applies
+    data = copy.deepcopy(raw())
+    del data["links"]["same_node_mbit_per_s"]
+    unshaped = parse_testbed(data)
+    assert net.loopback_commands(unshaped, net.Names("sbx0a1f"), "a0") == []
+    assert "same_node" not in cluster_spec(unshaped)["network"]
 
 
 def test_a_slow_nic_caps_the_classes(box):

@@ -288,7 +288,8 @@ def _create(spec: TestbedSpec, state: TestbedState) -> None:
             run(argv)
     for n in state.nodes:
         peers = {p.name: p.address for p in state.nodes if p.name != n.name}
-        for argv in net.egress_commands(spec, names, n.name, peers) + net.ingress_commands(spec, names, n.name):
+        for argv in (net.egress_commands(spec, names, n.name, peers) + net.ingress_commands(spec, names, n.name)
+                     + net.loopback_commands(spec, names, n.name)):
             run(argv)
     for n in state.nodes:
         _write_hosts(n)

@@ -149,6 +149,20 @@ def ingress_commands(spec: TestbedSpec, names: Names, node: str) -> list[list[st
             _htb_class(ns, dev, "1:", "1:1", nic, nic)]
 
 
+def loopback_commands(spec: TestbedSpec, names: Names, node: str) -> list[list[str]]:
+    """Commands shaping `node`'s loopback, the link between its own ranks, to
+    `links.same_node_mbit_per_s` (none when the spec leaves it unset): one htb class whose bucket
+    holds two of the loopback's 64 KiB packets. Both directions of a pair of ranks pass this one
+    queue; its packets carry 0.1 % of headers (66 bytes in 65,536)."""
+    rate = spec.links.same_node_mbit_per_s
+    if rate is None:
+        return []
+    ns, burst = names.netns(node), f"{max(2 * 65536, round(rate * 1e6 / 8 * BURST_S))}b"
+    return [["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "1"],
+            ["ip", "netns", "exec", ns, "tc", "class", "add", "dev", "lo", "parent", "1:", "classid", "1:1", "htb",
+             "rate", _rate(rate), "ceil", _rate(rate), "burst", burst, "cburst", burst, "quantum", "65536"]]
+
+
 def node_link_commands(names: Names, node: str, router_addr: str, node_addr: str) -> list[list[str]]:
     """ip commands creating `node`'s namespace and NIC (the router namespace exists already)."""
     ns, nd, rd = names.netns(node), names.node_veth(node), names.router_veth(node)

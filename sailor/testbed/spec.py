@@ -10,6 +10,7 @@ links:                         # wire rates per link class, Mbit/s (1 Mbit = 1e6
   same_zone_mbit_per_s: 400
   cross_zone_mbit_per_s: 200
   cross_region_mbit_per_s: 50
+  same_node_mbit_per_s: 1000   # optional: a node's loopback (between its own ranks); default unshaped
 nodes:                         # every node: a namespace, one NIC, `ranks` ranks of its device class
   - {name: a0, zone: us-central1-a, region: us-central1, device: fast, ranks: 1, nic_mbit_per_s: 300}
   - {name: b0, zone: us-west1-b, region: us-west1, device: slow, ranks: 2, nic_mbit_per_s: 300}
@@ -76,6 +77,8 @@ class Links(BaseModel):
     same_zone_mbit_per_s: Real(0.1, MAX_MBIT_PER_S)
     cross_zone_mbit_per_s: Real(0.1, MAX_MBIT_PER_S)
     cross_region_mbit_per_s: Real(0.1, MAX_MBIT_PER_S)
+    # inside a node (its loopback, the testbed's NVLink); None: unshaped, the catalog's intra-node link
+    same_node_mbit_per_s: Real(0.1, MAX_MBIT_PER_S) | None = None
 
     def mbit_per_s(self, link: TestbedLink) -> float:
         return float(getattr(self, f"{link.value}_mbit_per_s"))
@@ -208,6 +211,15 @@ def payload_bytes_per_s(mbit_per_s: float) -> float:
     return mbit_per_s * 1e6 / 8 * MSS_BYTES / FRAME_BYTES
 
 
+LOOPBACK_PACKET_BYTES = 65536  # a loopback packet, HEADER_BYTES of it headers
+
+
+def loopback_payload_bytes_per_s(mbit_per_s: float) -> float:
+    """TCP payload bytes/s of a shaped loopback (`net.loopback_commands`) at `mbit_per_s`: 64 KiB
+    packets, HEADER_BYTES of headers each."""
+    return mbit_per_s * 1e6 / 8 * (LOOPBACK_PACKET_BYTES - HEADER_BYTES) / LOOPBACK_PACKET_BYTES
+
+
 def wire_bytes(payload_bytes: float) -> float:
     """Bytes of Ethernet frames, as a veth's tx_bytes + rx_bytes count them (no preamble or FCS), that
     carry `payload_bytes` of TCP payload over one link, both directions together: every MSS_BYTES
@@ -235,8 +247,10 @@ def cluster_spec(spec: TestbedSpec) -> dict[str, Any]:
     offers the testbed to the planner: provider gcp, each device class as its GPU type in its nodes'
     zones, `gpus_per_node` = ranks per node, and per link class a link whose NIC bandwidth and flow
     bandwidth are the payload rate of `class_rates_mbit_per_s` (a same_zone link per zone, capped by
-    that zone's slowest NIC). Inside a node ranks talk over the namespace's loopback (unshaped; the
-    catalog's intra-node link applies)."""
+    that zone's slowest NIC). Inside a node ranks talk over the namespace's loopback: shaped like a
+    NIC to `links.same_node_mbit_per_s` (`net.loopback_commands`), that rate's payload
+    (`loopback_payload_bytes_per_s`: 124.9 MB/s at 1000 Mbit/s, 124.0 measured) as the same_node link; without it unshaped, and the catalog's intra-node link
+    applies."""
     zones: dict[str, dict[str, int]] = {}
     per_node: dict[str, int] = {}
     for n in spec.nodes:
@@ -245,11 +259,13 @@ def cluster_spec(spec: TestbedSpec) -> dict[str, Any]:
         zones[n.zone][gpu] += n.ranks
         per_node[gpu] = n.ranks
 
-    def link(mbit: float) -> dict[str, float]:
-        rate = payload_bytes_per_s(mbit)
+    def link(mbit: float, payload=payload_bytes_per_s) -> dict[str, float]:
+        rate = payload(mbit)
         return {"latency_s": LINK_LATENCY_S, "bandwidth_bytes_per_s": rate, "flow_bandwidth_bytes_per_s": rate}
 
     network = {lc.value: link(mbit) for lc, mbit in class_rates_mbit_per_s(spec).items()}
+    if spec.links.same_node_mbit_per_s is not None:  # the shaped loopback (`net.loopback_commands`)
+        network[LinkClass.SAME_NODE.value] = link(spec.links.same_node_mbit_per_s, loopback_payload_bytes_per_s)
     zone_network = {}
     for zone in zones:
         nic = min(n.nic_mbit_per_s for n in spec.nodes if n.zone == zone)
