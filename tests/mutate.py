@@ -302,6 +302,25 @@ def _valid_job(job) -> None:
     assert 1 <= job.global_batch_size <= MAX_GLOBAL_BATCH and job.seq >= 1 and job.model.num_layers >= 3
 
 
+RECIPE_JOB = TINY_JOB | {"sequence_length": 64, "recipe": {
+    "optimizer": {"name": "adamw", "lr": 3.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1,
+                  "grad_clip": 1.0},
+    "schedule": {"warmup_steps": 10, "decay": "cosine", "min_lr": 3.0e-5, "total_steps": 100},
+    "eval": {"data": "held_out.npy", "every": 20, "batches": 2}, "checkpoint": {"every": 50, "keep": 3}}}
+
+
+def _valid_recipe(job) -> None:
+    """A recipe that is taken gives a finite rate in [0, lr] (min_lr <= it after warmup) at every step."""
+    from sailor.specs.recipe import learning_rate
+    _valid_job(job)
+    r = job.recipe
+    total, warm = r.schedule.total_steps or 1000, r.schedule.warmup_steps
+    steps = {1, warm, warm + 1, total // 2, total, total + 1} | {1 + total * k // 50 for k in range(51)}
+    rates = [learning_rate(r.schedule, r.optimizer.lr, n) for n in sorted(steps) if n >= 1]
+    assert all(math.isfinite(x) and 0.0 <= x <= r.optimizer.lr * (1 + 1e-12) for x in rates)
+    assert r.checkpoint.every >= 1 and r.checkpoint.keep >= 1
+
+
 def _load_cluster(d: Path):
     from sailor.specs import load_cluster
     return load_cluster(next(d.glob("cluster.*")))
@@ -398,7 +417,8 @@ def _valid_runs(runs) -> None:
 
 TESTBED = {"name": "box", "cfs_period_us": 10000,
            "devices": {"fast": {"gpu": "A100-40", "cpu_quota": 0.45}, "slow": {"gpu": "V100-16", "cpu_quota": 0.15}},
-           "links": {"same_zone_mbit_per_s": 400, "cross_zone_mbit_per_s": 200, "cross_region_mbit_per_s": 50},
+           "links": {"same_zone_mbit_per_s": 400, "cross_zone_mbit_per_s": 200, "cross_region_mbit_per_s": 50,
+                     "same_node_mbit_per_s": 1000},
            "nodes": [{"name": "a0", "zone": "us-central1-a", "region": "us-central1", "device": "fast", "ranks": 1,
                       "nic_mbit_per_s": 300},
                      {"name": "b0", "zone": "us-west1-b", "region": "us-west1", "device": "slow", "ranks": 2,
@@ -484,9 +504,11 @@ READERS: list[Reader] = [
     Reader("trace", [{"trace.csv": (TRACE_CSV, "csv")}, {"trace.json": (TRACE_EVENTS, "json")},
                      {"trace_a100.json": (TRACE_A100, "json")}], _load_trace, _valid_trace),
     Reader("hosts", [{"hosts.yaml": (HOSTS, "yaml")}], _load_hosts, _valid_hosts),
-    # readers added since round 2 (issue 31): a testbed file and the cluster it plans with, a hosts
-    # file matched against a plan (zones, node sizes, host counts), Hugging Face configs
+    # readers added since round 2 (issue 31): a testbed file and the cluster it plans with, a job's
+    # training recipe, a hosts file matched against a plan (zones, node sizes, host counts), Hugging
+    # Face configs (mixture-of-experts ones among the mutations)
     Reader("testbed", [{"testbed.yaml": (TESTBED, "yaml")}], _load_testbed, _valid_testbed),
+    Reader("recipe", [{"job.yaml": (RECIPE_JOB, "yaml")}], _load_job, _valid_recipe),
     Reader("hosts_for_plan", [{"hosts.yaml": (HOSTS_FOR_PLAN, "yaml")}], _load_hosts_for_plan, _valid_hosts_for_plan),
     Reader("hf_config", [{"hf/config.json": (HF_LLAMA, "json")}, {"hf/config.json": (HF_GPT2, "json")}],
            _load_hf_config, _valid_hf_config, moe_mutation),
