@@ -76,6 +76,8 @@ def test_step_numbers_start_at_one():
     ({"optimizer": {"name": "lion"}}, "job.yaml: recipe.optimizer.name: Input should be 'adamw' or 'sgd'"),
     ({"optimizer": {"momentum": 0.9}}, "job.yaml: recipe.optimizer.momentum: is an sgd setting"),
     ({"optimizer": {"lr": 1e-4}, "schedule": {"min_lr": 1e-3}}, "job.yaml: recipe.schedule.min_lr: 0.001 is above"),
+    ({"schedule": {"total_steps": 12}, "eval": {"data": "held.npy", "every": 100}},
+     "job.yaml: recipe.eval.every: 100 is beyond the run's 12 steps"),
     ({"eval": {"every": 5}}, "job.yaml: recipe.eval.data: Field required"),
     ({"checkpoint": {"keep": 0}}, "job.yaml: recipe.checkpoint.keep:"),
     ({"checkpoint": {"evry": 5}}, "job.yaml: recipe.checkpoint.evry:"),
@@ -320,6 +322,21 @@ def test_killed_rank_leaves_a_default_checkpoint_to_resume_from(tmp_path):
     _same(rows, _reference(job)[4:])
 
 
+def test_the_resume_command_of_a_failed_run_carries_its_options():
+    import shlex
+
+    from sailor.cli.train import resume_command
+
+    line = resume_command("my plan.json", "ck", 12, job=None, data="train.npy", metrics="m.jsonl", seed=0,
+                          device="cpu", tensorboard=None, checkpoint_every=None, timeout_s=300.0)
+    assert shlex.split(line) == ["sailor", "train", "my plan.json", "--checkpoint-dir", "ck", "--resume", "--steps", "12",
+                                 "--data", "train.npy", "--metrics", "m.jsonl"]
+    line = resume_command("p.json", "ck", 5, job="j.yaml", data=None, metrics=None, seed=3, device="cuda",
+                          tensorboard="tb", checkpoint_every=2, timeout_s=60.0)
+    assert shlex.split(line)[8:] == ["--job", "j.yaml", "--seed", "3", "--device", "cuda", "--tensorboard", "tb",
+                                     "--checkpoint-every", "2", "--timeout-s", "60.0"]
+
+
 def test_a_checkpoint_refuses_a_resume_under_another_recipe():
     from sailor.runtime import checkpoint as ckpt
 
@@ -327,8 +344,12 @@ def test_a_checkpoint_refuses_a_resume_under_another_recipe():
     manifest = ckpt.run_meta(job, 0)
     ckpt.check_compatible(manifest, ckpt.run_meta(job, 0), source="ck/step-00000004")  # the same recipe
     other = JobSpec(model="tiny", global_batch_size=8, recipe={"optimizer": {"lr": 1e-3}})
-    with pytest.raises(SailorInputError, match="ck/step-00000004: the checkpoint was written by a job with recipe"):
+    with pytest.raises(SailorInputError) as e:
         ckpt.check_compatible(manifest, ckpt.run_meta(other, 0), source="ck/step-00000004")
+    # the one setting that differs, not both recipes whole
+    assert e.value.one_line().startswith("ck/step-00000004: the checkpoint was written by a job with"
+                                         " recipe.optimizer.lr 0.0003, this run's job has 0.001")
+    assert len(e.value.one_line()) < 200
     # a manifest written before the recipe was recorded is compared without it
     old = {**manifest, "job": {k: v for k, v in manifest["job"].items() if k != "recipe"}}
     ckpt.check_compatible(old, ckpt.run_meta(other, 0), source="ck/step-00000004")

@@ -76,9 +76,29 @@ def train(
             sys.stderr.write(result.stderr_tail[-2000:])
         print(f"error: {result.message}", file=sys.stderr)
         if result.checkpoint is not None:
-            print(f"to go on from {result.checkpoint}: sailor train {plan} --checkpoint-dir {checkpoint_dir} --resume"
-                  f" --steps {steps}", file=sys.stderr)
+            again = resume_command(plan, checkpoint_dir, steps, job=job, data=data, metrics=metrics, seed=seed,
+                                   device=device, tensorboard=tensorboard, checkpoint_every=checkpoint_every,
+                                   timeout_s=timeout_s)
+            print(f"to go on from {result.checkpoint}: {again}", file=sys.stderr)
     raise typer.Exit(code=int(result.status))
+
+
+def resume_command(plan: str, checkpoint_dir: str, steps: int, *, job: str | None, data: str | None,
+                   metrics: str | None, seed: int, device: str, tensorboard: str | None,
+                   checkpoint_every: int | None, timeout_s: float) -> str:
+    """The `sailor train` command that goes on from a failed run's newest checkpoint: the run's own
+    options (job, data, metrics, seed, device, ...; a resume with other data would train on it
+    silently), with --checkpoint-dir and --resume; --init-from is left out (the checkpoint holds the
+    weights). Shell-quoted."""
+    import shlex
+
+    args = ["sailor", "train", plan, "--checkpoint-dir", checkpoint_dir, "--resume", "--steps", str(steps)]
+    for flag, value, default in (("--job", job, None), ("--data", data, None), ("--metrics", metrics, None),
+                                 ("--seed", seed, 0), ("--device", device, "cpu"), ("--tensorboard", tensorboard, None),
+                                 ("--checkpoint-every", checkpoint_every, None), ("--timeout-s", timeout_s, 300.0)):
+        if value is not None and value != default:  # the defaults as the options declare them
+            args += [flag, str(value)]
+    return shlex.join(args)
 
 
 def default_checkpoint_dir(plan: str) -> str:

@@ -383,12 +383,26 @@ def check_compatible(manifest: dict[str, Any], want: dict[str, Any], *, source: 
             for k, v in value.items():
                 if k == "recipe" and k not in have:
                     continue
+                if k == "recipe" and isinstance(have[k], dict) and have[k] != v:
+                    path, old, new = _first_difference(have[k], v, "recipe")
+                    raise SailorInputError(f"the checkpoint was written by a job with {path} {old!r}, this run's job"
+                                           f" has {new!r}", source=source, fix=fix)
                 if have.get(k) != v:
                     raise SailorInputError(f"the checkpoint was written by a job with {k} {have.get(k)!r}, this"
                                            f" run's job has {v!r}", source=source, fix=fix)
         elif key != "job" and have != value:
             raise SailorInputError(f"the checkpoint was written with {key} {_describe(have)}, this run has"
                                    f" {_describe(value)}", source=source, fix=fix)
+
+
+def _first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any]:
+    """(dotted path, value in `a`, value in `b`) of the first leaf where two nested dicts differ
+    (keys in sorted order); (path, a, b) when they differ at the top."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(a.keys() | b.keys()):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{path}.{k}")
+    return path, a, b
 
 
 def _describe(value: Any) -> str:

@@ -148,6 +148,10 @@ class Recipe(BaseModel):
         if self.schedule.min_lr > self.optimizer.lr:
             raise SailorInputError(f"{self.schedule.min_lr:g} is above the optimizer's lr {self.optimizer.lr:g}",
                                    field="schedule.min_lr")
+        total = self.schedule.total_steps
+        if self.eval is not None and total is not None and self.eval.every > total:
+            raise SailorInputError(f"{self.eval.every} is beyond the run's {total} steps (schedule.total_steps): no"
+                                   f" evaluation would run", field="eval.every", fix=f"at most {total}")
         return self
 
     def lr(self, n: int) -> float:
