@@ -127,7 +127,8 @@ def machine_profiles(job, cluster, profiles, *, job_source: str | None = None):
     from sailor.core.errors import SailorInputError
 
     try:
-        prof, note = local_profiles(job, tps=considered_tps(job, cluster), processes=local_gpus(cluster))
+        prof, note = local_profiles(job, tps=considered_tps(job, cluster), processes=local_gpus(cluster),
+                                    announce=lambda line: print(line, file=sys.stderr, flush=True))
     except SailorInputError as e:
         raise (e.located(source=job_source) if e.field == "precision" else e) from None
     NOTES_AT_END.append(note)

@@ -151,7 +151,8 @@ def _cached(path: Path, job: JobSpec) -> dict[str, Any] | None:
 
 def local_profiles(job: JobSpec, *, tps: tuple[int, ...] = (1,), processes: int = 1, threads: int = 1,
                    folder: Path | None = None,
-                   measure: Callable[[JobSpec, int, int, int], dict[str, Any]] | None = None) -> tuple[Profiles, str]:
+                   measure: Callable[[JobSpec, int, int, int], dict[str, Any]] | None = None,
+                   announce: Callable[[str], None] | None = None) -> tuple[Profiles, str]:
     """Profiles of `job` on this machine's CPU at every TP degree of `tps` the runtime can run
     (`runnable_tps`): each from the cache, else measured now (with `replicas_at_once(tp, processes)`
     TP groups timed together) and cached on its own.
@@ -164,6 +165,8 @@ def local_profiles(job: JobSpec, *, tps: tuple[int, ...] = (1,), processes: int 
         folder: the cache folder (default `cache_dir()`).
         measure: the measurement of one TP degree (default `_measure`; tests pass a stand-in):
             (job, threads, tp, replicas) -> a profile dict in our format.
+        announce: told one line before each measurement starts (it may take minutes at a long
+            sequence), e.g. printed on stderr.
     Returns:
         (profiles, one line saying which TP degrees were measured now, read from the cache, or not
         measured).
@@ -178,6 +181,9 @@ def local_profiles(job: JobSpec, *, tps: tuple[int, ...] = (1,), processes: int 
         path = cache_path(job, tp=tp, processes=processes, threads=threads, folder=folder)
         data = _cached(path, job)
         if data is None:
+            if announce is not None:
+                announce(f"measuring this machine at TP {tp} (sequence {job.seq}; minutes at a long sequence,"
+                         f" a smaller sequence_length in the job is quicker)")
             t0 = time.perf_counter()
             data = (measure or _measure)(job, threads, tp, replicas_at_once(tp, processes))
             took += time.perf_counter() - t0
