@@ -192,6 +192,13 @@ def test_launch_without_a_checkpoint_folder_warns_and_max_restarts_needs_one(tmp
     code, _, err = _main(["launch", "plan.json", "--backend", "torchrun", "--dry-run", "--steps", "5"],
                          monkeypatch, capsys)
     assert code == 0 and "warning: no --checkpoint-dir: the run writes no checkpoint" in err, err
+    # nor is the data copied to the nodes: without --data the ranks would train on built-in text
+    assert "warning: no --data: every rank trains on Python's built-in pydoc text" in err, err
+    job = {**CPU_PLAN["job"], "recipe": {"eval": {"data": "held.npy", "every": 2}}}
+    _launch_files(tmp_path, monkeypatch, {**CPU_PLAN, "job": job})
+    code, _, err = _main(["launch", "plan.json", "--backend", "torchrun", "--dry-run", "--steps", "5", "--data",
+                          "/d/train.npy"], monkeypatch, capsys)
+    assert code == 0 and "no --data" not in err and "recipe.eval.data held.npy is read on the nodes" in err, err
     code, _, err = _main(["launch", "plan.json", "--backend", "kubernetes", "--dry-run", "--steps", "5",
                           "--max-restarts", "3"], monkeypatch, capsys)
     assert code == 2 and err.startswith("error: --max-restarts: 3 restarts would each start over from step 0"), err

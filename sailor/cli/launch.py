@@ -161,15 +161,23 @@ def launch_command(
         raise no_steps
     if out is not None:
         _write(out, files)
-    if no_checkpoints and (dry_run or chosen is not Backend.TORCHRUN):
+    files_on_nodes = [] if data else ["warning: no --data: every rank trains on Python's built-in pydoc text as byte"
+                                      " tokens (pass the token file's path on the nodes)"]
+    if job_spec.recipe.eval is not None:
+        files_on_nodes.append(f"note: recipe.eval.data {job_spec.recipe.eval.data} is read on the nodes, relative to"
+                              f" the ranks' working folder; launch copies no data there")
+    if no_checkpoints:
+        files_on_nodes.append(no_checkpoints)
+    if files_on_nodes and (dry_run or chosen is not Backend.TORCHRUN):
         from sailor.cli.common import NOTES_AT_END
-        NOTES_AT_END.append(no_checkpoints)
+        NOTES_AT_END.extend(files_on_nodes)
     if dry_run:
         print("".join(files.values()) if chosen is not Backend.SKYPILOT else
               "".join(files[f] for f in files if f.endswith(".yaml") and "/" not in f), end="")
         return
-    if chosen is Backend.TORCHRUN and no_checkpoints:
-        print(no_checkpoints, file=sys.stderr)
+    if chosen is Backend.TORCHRUN:
+        for line in files_on_nodes:
+            print(line, file=sys.stderr)
     if chosen is Backend.TORCHRUN:
         status = launch(plan, opts, hosts)
         if status:
