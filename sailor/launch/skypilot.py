@@ -123,8 +123,10 @@ def check_sky_options(layout: LaunchLayout, opts: LaunchOptions, sky: SkyPilotOp
         raise SailorInputError("a checkpoint bucket needs a folder to mount it at", source="--checkpoint-bucket",
                                fix="pass --checkpoint-dir, e.g. /ckpt")
     if bucket and not BUCKET.fullmatch(bucket):
-        raise SailorInputError(f"{bucket!r} is not a gs:// or s3:// bucket URI", source="--checkpoint-bucket",
-                               fix="e.g. gs://my-bucket/sailor/opt350")
+        name = re.match(r"(gs|s3)://([^/]*)", bucket)
+        why = (f"its bucket name {name.group(2)!r} has {len(name.group(2))} characters; bucket names have 3 to 63"
+               if name and not 3 <= len(name.group(2)) <= 63 else "is not a gs:// or s3:// bucket URI")
+        raise SailorInputError(f"{bucket!r}: {why}", source="--checkpoint-bucket", fix="e.g. gs://my-bucket/sailor/opt350")
     if ck and not PurePosixPath(ck).is_absolute():
         raise SailorInputError(f"{ck!r}: a bucket is mounted at an absolute folder", source="--checkpoint-dir",
                                fix="e.g. /ckpt")
