@@ -172,7 +172,7 @@ def test_skypilot_checkpoints_go_to_one_bucket_mounted_on_every_node():
     ({"plan": "../plan.json"}, {}, "on SkyPilot the plan lies in the task's working directory"),
     ({}, {"checkpoint_bucket": "gs://b1/x"}, "--checkpoint-bucket: a checkpoint bucket needs a folder"),
     ({"checkpoint_dir": "/ck"}, {"checkpoint_bucket": "https://b1/x"}, "'https://b1/x': is not a gs:// or s3:// bucket"),
-    ({"checkpoint_dir": "/ck"}, {"checkpoint_bucket": "gs://B1"}, "'gs://B1': is not a gs:// or s3:// bucket"),
+    ({"checkpoint_dir": "/ck"}, {"checkpoint_bucket": "gs://Big-Bucket"}, "'gs://Big-Bucket': is not a gs:// or s3://"),
     ({"checkpoint_dir": "/ck"}, {"checkpoint_bucket": "s3://b/p"},
      "'s3://b/p': its bucket name 'b' has 1 characters; bucket names have 3 to 63"),
     ({"checkpoint_dir": "ck"}, {"checkpoint_bucket": "s3://b12"}, "--checkpoint-dir: 'ck': a bucket is mounted at an"),
