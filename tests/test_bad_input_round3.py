@@ -464,3 +464,47 @@ def test_train_draws_no_progress_bar_off_a_terminal(capsys):
     assert _run_with_progress(prep, launch, Console(stderr=True), log_every=0) == "result"
     out = capsys.readouterr()
     assert (out.out, out.err) == ("", ""), out
+
+
+# ---- an output path that is one of the command's inputs ------------------------------------------
+@pytest.mark.parametrize("args, words", [
+    (["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--out", "job.yaml"], "--out: job.yaml is the --job input"),
+    (["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--out", "./sub/../local.yaml"],
+     "--out: sub/../local.yaml is the --cluster input"),
+    (["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--profiles", "profile.json", "--out", "profile.json"],
+     "--out: profile.json is the --profiles input"),
+    (["launch", "cpu_plan.json", "--backend", "kubernetes", "--out", "cpu_plan.json"],
+     "--out: cpu_plan.json is the PLAN input"),
+    (["launch", "sailor_plan.json", "--job", "job.yaml", "--backend", "kubernetes", "--out", "link.yaml"],
+     "--out: link.yaml is the --job input"),
+])
+def test_an_output_that_is_an_input_is_refused(tmp_path, monkeypatch, capsys, args, words):
+    """The file is named by another path (a relative detour, a symbolic link): still the input."""
+    (tmp_path / "sub").mkdir()
+    _base(tmp_path)
+    (tmp_path / "link.yaml").symlink_to("job.yaml")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    line = _refused(args, tmp_path, monkeypatch, capsys)
+    assert line == f"error: {words}", line
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_check_output_path_compares_with_every_input(tmp_path):
+    from sailor.core.fileio import check_output_path, same_path
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "hard.txt").hardlink_to(tmp_path / "a.txt")
+    assert same_path(tmp_path / "hard.txt", tmp_path / "a.txt")
+    assert same_path(tmp_path / "new" / ".." / "x.npy", tmp_path / "x.npy")  # neither exists: resolved
+    assert not same_path(tmp_path / "b.npy", tmp_path / "a.txt")
+    with pytest.raises(SailorInputError, match=r"hard.txt is the INPUT input"):
+        check_output_path(tmp_path / "hard.txt", "--out", inputs={"INPUT": [tmp_path / "z.txt", tmp_path / "a.txt"]})
+    check_output_path(tmp_path / "b.txt", "--out", inputs={"INPUT": [tmp_path / "a.txt"], "--job": None})
+
+
+def test_data_prepare_refuses_an_output_that_is_an_input(tmp_path):
+    from sailor.runtime.dataprep import prepare_tokens
+    (tmp_path / "docs.npy").write_text("not tokens")
+    with pytest.raises(SailorInputError) as e:
+        prepare_tokens([tmp_path / "docs.npy"], tokenizer=tmp_path / "tok.json", out=tmp_path / "docs.npy")
+    assert e.value.one_line() == f"--out: {tmp_path / 'docs.npy'} is the INPUT input"
+    assert (tmp_path / "docs.npy").read_text() == "not tokens"

@@ -99,7 +99,7 @@ def profile_command(
     check_support()
     spec = load_testbed(file)
     load_job(job)
-    check_output_path(out, "--out")
+    check_output_path(out, "--out", inputs={"FILE": file, "--job": job})
     data = profile_classes(spec, find_state(spec.name, state_dir), job.resolve(), mbs=mbs)
     profiles_from_dict(data, str(out))
     write_json(out, data)
