@@ -508,3 +508,27 @@ def test_data_prepare_refuses_an_output_that_is_an_input(tmp_path):
         prepare_tokens([tmp_path / "docs.npy"], tokenizer=tmp_path / "tok.json", out=tmp_path / "docs.npy")
     assert e.value.one_line() == f"--out: {tmp_path / 'docs.npy'} is the INPUT input"
     assert (tmp_path / "docs.npy").read_text() == "not tokens"
+
+
+# ---- a manifest's invalid model is named field by field, as an inline job model is --------------
+@pytest.mark.parametrize("model, words", [
+    ({"hidden_size": "wide"}, "model.hidden_size: Input should be a valid integer (got 'wide')"),
+    ({"num_blocks": -1}, "model.num_blocks: Input should be greater than 0 (got -1)"),
+    ({"colour": 1}, "model.colour: Extra inputs are not permitted (got 1)"),
+])
+def test_a_manifest_with_an_invalid_model_names_the_field(tmp_path, model, words):
+    from sailor.runtime.checkpoint_io import check_model_matches_tensors
+    from sailor.specs import load_job
+    from test_cli_bad_input import JOB
+    (tmp_path / "job.yaml").write_text(json.dumps(JOB))
+    spec = load_job(tmp_path / "job.yaml").model.model_dump()
+    with pytest.raises(SailorInputError) as e:
+        check_model_matches_tensors(tmp_path, {"model": spec | model, "tensors": {}})
+    line = e.value.one_line()
+    assert line == f"{tmp_path / 'manifest.json'}: {words}", line
+    assert "validation error" not in line
+    # the same model inline in a job is named the same way
+    (tmp_path / "bad.yaml").write_text(json.dumps(JOB | {"model": spec | model}))
+    with pytest.raises(SailorInputError) as inline:
+        load_job(tmp_path / "bad.yaml")
+    assert inline.value.field == e.value.field and inline.value.message == e.value.message
