@@ -532,3 +532,32 @@ def test_a_manifest_with_an_invalid_model_names_the_field(tmp_path, model, words
     with pytest.raises(SailorInputError) as inline:
         load_job(tmp_path / "bad.yaml")
     assert inline.value.field == e.value.field and inline.value.message == e.value.message
+
+
+# ---- a network file of another schema says so ----------------------------------------------------
+@pytest.mark.parametrize("doc, words", [
+    ({"schema": "sailor.network/7"}, "n.json: schema: unknown schema 'sailor.network/7' (this Sailor reads"
+                                     " 'sailor.network/1') (measure again with `sailor profile network`"),
+    ({"schema": "sailor.network/7", "links": []}, "n.json: schema: unknown schema 'sailor.network/7'"),
+    ({"schema": "sailor.profiles/1", "layers": []},
+     "n.json: schema: unknown schema 'sailor.profiles/1' (this Sailor reads 'sailor.network/1') (that names a"
+     " profile file: pass it with --profiles)"),
+    ({"schema": "acme.net/2"}, "n.json: schema: unknown schema 'acme.net/2'"),
+])
+def test_a_network_file_of_another_schema_names_it(tmp_path, monkeypatch, doc, words):
+    from sailor.perf.network import network_for
+    from sailor.specs import load_cluster
+    from test_cli_bad_input import LOCAL
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps(LOCAL))
+    (tmp_path / "n.json").write_text(json.dumps(doc))
+    with pytest.raises(SailorInputError) as e:
+        network_for(load_cluster("c.json"), "n.json")
+    assert e.value.one_line().startswith(words), e.value.one_line()
+
+
+def test_plan_with_a_profile_as_network_names_the_schema(tmp_path, monkeypatch, capsys):
+    _base(tmp_path)
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "gcp.yaml", "--network", "profile.json"],
+                    tmp_path, monkeypatch, capsys)
+    assert line.startswith("error: profile.json: schema: unknown schema 'sailor.profiles/1'"), line
