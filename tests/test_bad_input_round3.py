@@ -44,6 +44,8 @@ def _all_zero(doc) -> None:
 
 @pytest.mark.parametrize("edit, words", [
     (_all_zero, "p.json: layers.0: every forward and backward time is 0 s"),
+    (lambda d: d["layers"][0].update(backward_s=[0] * 6), "p.json: layers.0.backward_s: every backward time is 0 s"),
+    (lambda d: d["layers"][1].update(forward_s=[0.0] * 6), "p.json: layers.1.forward_s: every forward time is 0 s"),
     (lambda d: d["layers"][0].update(forward_s=[1e-3] * 25),
      "p.json: layers.0.forward_s: expected 6 values (one per layer), got 25"),
     (lambda d: d["layers"][0].update(forward_s=[1e-3] * 25, backward_s=[1e-3] * 7),
@@ -74,6 +76,10 @@ def test_a_sailor_profile_whose_times_are_all_zero_is_refused(tmp_path):
     doc["tiny"]["A100-40"]["4"]["1"] = {str(i): [0, 0, 1e-4] for i in range(6)}
     (tmp_path / "profiles_tmp.json").write_text(json.dumps(doc))
     with pytest.raises(SailorInputError, match=r"profiles_tmp.json: tiny.A100-40.4.1: every forward and backward"):
+        load_profiles(tmp_path, JobSpec(model="tiny", global_batch_size=8))
+    doc["tiny"]["A100-40"]["4"]["1"] = {str(i): [1e-3, 0, 1e-4] for i in range(6)}
+    (tmp_path / "profiles_tmp.json").write_text(json.dumps(doc))
+    with pytest.raises(SailorInputError, match=r"profiles_tmp.json: tiny.A100-40.4.1: every backward time is 0 s"):
         load_profiles(tmp_path, JobSpec(model="tiny", global_batch_size=8))
 
 
