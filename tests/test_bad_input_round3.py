@@ -567,3 +567,20 @@ def test_plan_with_a_profile_as_network_names_the_schema(tmp_path, monkeypatch, 
     line = _refused(["plan", "--job", "job.yaml", "--cluster", "gcp.yaml", "--network", "profile.json"],
                     tmp_path, monkeypatch, capsys)
     assert line.startswith("error: profile.json: schema: unknown schema 'sailor.profiles/1'"), line
+
+
+# ---- testbed up: a quota past this machine's cores names the testbed file ------------------------
+def test_testbed_quotas_past_the_machine_name_the_file(tmp_path, monkeypatch, capsys):
+    """examples/testbed.yaml asks 4 x 0.3 + 2 x 0.15 = 1.5 cores; a 1-core machine cannot host it.
+    `check_support` (root, ip, tc) is taken as passed: the refusal comes before anything is made."""
+    import sailor.testbed.host as host
+    from sailor.testbed import load_testbed
+    (tmp_path / "tb.yaml").write_text((ROOT / "examples" / "testbed.yaml").read_text())
+    monkeypatch.setattr(host, "check_support", lambda: None)
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 1)
+    line = _refused(["testbed", "up", "tb.yaml", "--state-dir", str(tmp_path / "state")], tmp_path, monkeypatch,
+                    capsys)
+    assert line == ("error: tb.yaml: devices: the ranks' quotas add up to 1.5 cores, more than the 1 of this"
+                    " machine (smaller cpu_quota or fewer ranks)"), line
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 2)
+    host.check_cores(load_testbed(tmp_path / "tb.yaml"), "tb.yaml")  # 1.5 of 2 cores: accepted

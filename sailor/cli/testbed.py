@@ -29,7 +29,7 @@ def up_command(
     from sailor.testbed import load_testbed, up
     from sailor.testbed.host import as_dict
     spec = load_testbed(file)
-    state = up(spec, state_dir)
+    state = up(spec, state_dir, source=str(file))
     info = as_dict(state)
     if as_json:
         print(json.dumps(info))
