@@ -584,3 +584,45 @@ def test_testbed_quotas_past_the_machine_name_the_file(tmp_path, monkeypatch, ca
                     " machine (smaller cpu_quota or fewer ranks)"), line
     monkeypatch.setattr(host.os, "cpu_count", lambda: 2)
     host.check_cores(load_testbed(tmp_path / "tb.yaml"), "tb.yaml")  # 1.5 of 2 cores: accepted
+
+
+# ---- help into a pipe whose reader has left: status 0, as other output ---------------------------
+class _ReaderGone:
+    """A standard output whose reader has left: every write and flush raises EPIPE (what Python
+    raises on a closed pipe, SIGPIPE being ignored). `fileno` is a scratch file's, for main's dup2."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, text: str) -> int:
+        import errno
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    def flush(self) -> None:
+        self.write("")
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("args", [["--help"], ["plan", "--help"], ["testbed", "up", "--help"], []])
+def test_help_into_a_closed_pipe_ends_quietly_with_status_0(tmp_path, monkeypatch, capsys, args):
+    """`sailor --help | head -1`: rich's own Console would exit 1; typer's help goes through the
+    same ending as `console()` (sailor.cli.common.pipe_safe_help)."""
+    import os
+    import sys
+
+    from sailor.cli import main
+    fd = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)
+    try:
+        monkeypatch.setattr(sys, "argv", ["sailor", *args])
+        monkeypatch.setattr(sys, "stdout", _ReaderGone(fd))
+        with pytest.raises(SystemExit) as e:
+            main()
+    finally:
+        os.close(fd)
+    assert e.value.code == 0
+    assert capsys.readouterr().err == ""
