@@ -403,8 +403,10 @@ def test_a_builtin_name_that_is_also_a_folder_beside_the_job_is_ambiguous(tmp_pa
     (lambda c: c | {"n_layer": 10**6}, "config.json: n_layer: Input should be less than or equal to"),
     (lambda c: c | {"model_type": "mixtral"}, "config.json: model_type: 'mixtral' is a mixture-of-experts model"),
     (lambda c: c | {"model_type": "qwen2_moe"}, "config.json: model_type: 'qwen2_moe' is a mixture-of-experts model"),
-    (lambda c: c | {"num_local_experts": 8}, "config.json: num_local_experts: 'gpt2' is a mixture-of-experts model"),
-    (lambda c: c | {"model_type": "mistral", "num_experts": 8}, "config.json: num_experts: 'mistral' is a mixture-of"),
+    (lambda c: c | {"num_local_experts": 8}, ("config.json: num_local_experts: the config's expert fields"
+                                              " (num_local_experts) make it a mixture-of-experts model; Sailor")),
+    (lambda c: c | {"model_type": "mistral", "num_experts": 8, "num_experts_per_tok": 2},
+     "config.json: num_experts: the config's expert fields (num_experts, num_experts_per_tok) make it a mixture-of"),
 ])
 def test_hf_config_errors_name_the_key_and_the_real_reason(tmp_path, monkeypatch, capsys, edit, words):
     from test_cli_bad_input import _write
@@ -437,7 +439,7 @@ def test_the_moe_mutation_reaches_the_mixture_of_experts_refusal(tmp_path):
         (tmp_path / f"{k}.json").write_text(json.dumps(doc))
         moe = doc["model_type"] in ("mixtral", "qwen2_moe", "qwen3_moe") or set(doc) & set(mutate.MOE_EXTRA)
         if moe:
-            with pytest.raises(SailorInputError, match=rf"^{tmp_path}/{k}.json: \S+: .* is a mixture-of-experts model"):
+            with pytest.raises(SailorInputError, match=rf"^{tmp_path}/{k}.json: \S+: .* (is|make it) a mixture-of-experts model"):
                 load_hf_config(tmp_path / f"{k}.json")
             refused += 1
     assert refused >= 10
@@ -626,3 +628,28 @@ def test_help_into_a_closed_pipe_ends_quietly_with_status_0(tmp_path, monkeypatc
         os.close(fd)
     assert e.value.code == 0
     assert capsys.readouterr().err == ""
+
+
+# ---- wording: expert fields of a dense config, a config without model_type, an empty folder ------
+def test_wording_of_expert_fields_missing_model_type_and_an_empty_profiles_folder(tmp_path):
+    import mutate
+
+    from sailor.model.hf_config import load_hf_config
+    from sailor.perf.profiles import load_profiles
+    from sailor.specs.job import JobSpec
+    (tmp_path / "moe.json").write_text(json.dumps(mutate.HF_LLAMA | {"num_local_experts": 8}))
+    with pytest.raises(SailorInputError) as e:
+        load_hf_config(tmp_path / "moe.json")
+    assert e.value.one_line().startswith(
+        f"{tmp_path}/moe.json: num_local_experts: the config's expert fields (num_local_experts) make it a"
+        " mixture-of-experts model; Sailor builds dense decoders only"), e.value.one_line()
+    assert "'llama'" not in e.value.one_line()
+    (tmp_path / "untyped.json").write_text(json.dumps({k: v for k, v in mutate.HF_LLAMA.items() if k != "model_type"}))
+    with pytest.raises(SailorInputError) as e:
+        load_hf_config(tmp_path / "untyped.json")
+    assert e.value.one_line().startswith(f"{tmp_path}/untyped.json: model_type: missing"), e.value.one_line()
+    assert "None" not in e.value.one_line()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SailorInputError) as e:
+        load_profiles(tmp_path / "empty", JobSpec(model="tiny", global_batch_size=8))
+    assert e.value.one_line() == f"{tmp_path}/empty: folder holds no profiles_tmp.json (Sailor format)"

@@ -290,7 +290,7 @@ def load_profiles(path: str | Path, job: JobSpec) -> Profiles:
     p = Path(path)
     if p.is_dir():
         if not (p / "profiles_tmp.json").exists():
-            raise SailorInputError("folder holds no profiles_tmp.json (Sailor format) ", source=str(p))
+            raise SailorInputError("folder holds no profiles_tmp.json (Sailor format)", source=str(p))
         prof = load_sailor_profiles(p / "profiles_tmp.json", p / "llm_info.json", job)
         src = str(p / "profiles_tmp.json")
     else:
