@@ -44,6 +44,8 @@ def _all_zero(doc) -> None:
 
 @pytest.mark.parametrize("edit, words", [
     (_all_zero, "p.json: layers.0: every forward and backward time is 0 s"),
+    (lambda d: d["layers"][0].update(backward_s=[0] * 6), "p.json: layers.0.backward_s: every backward time is 0 s"),
+    (lambda d: d["layers"][1].update(forward_s=[0.0] * 6), "p.json: layers.1.forward_s: every forward time is 0 s"),
     (lambda d: d["layers"][0].update(forward_s=[1e-3] * 25),
      "p.json: layers.0.forward_s: expected 6 values (one per layer), got 25"),
     (lambda d: d["layers"][0].update(forward_s=[1e-3] * 25, backward_s=[1e-3] * 7),
@@ -74,6 +76,10 @@ def test_a_sailor_profile_whose_times_are_all_zero_is_refused(tmp_path):
     doc["tiny"]["A100-40"]["4"]["1"] = {str(i): [0, 0, 1e-4] for i in range(6)}
     (tmp_path / "profiles_tmp.json").write_text(json.dumps(doc))
     with pytest.raises(SailorInputError, match=r"profiles_tmp.json: tiny.A100-40.4.1: every forward and backward"):
+        load_profiles(tmp_path, JobSpec(model="tiny", global_batch_size=8))
+    doc["tiny"]["A100-40"]["4"]["1"] = {str(i): [1e-3, 0, 1e-4] for i in range(6)}
+    (tmp_path / "profiles_tmp.json").write_text(json.dumps(doc))
+    with pytest.raises(SailorInputError, match=r"profiles_tmp.json: tiny.A100-40.4.1: every backward time is 0 s"):
         load_profiles(tmp_path, JobSpec(model="tiny", global_batch_size=8))
 
 
@@ -293,13 +299,13 @@ def test_round3_cases_are_one_line(tmp_path, monkeypatch, capsys, files, args, w
 
 @pytest.mark.parametrize("files, args", [
     # the --job that the refusal above names is one `sailor launch` takes
-    ({}, ["launch", "sailor_plan.json", "--job", "job.yaml", "--backend", "torchrun", "--dry-run"]),
+    ({}, ["launch", "sailor_plan.json", "--job", "job.yaml", "--backend", "torchrun", "--dry-run", "--steps", "5"]),
     # a spare group in a zone the catalog knows, and a claim that is a DNS-1123 subdomain
     ({"h.yaml": {"groups": [{"zone": "local", "gpu": "cpu", "gpus_per_node": 4, "hosts": ["127.0.0.1"]},
                             {"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["spare"]}]}},
-     ["launch", "cpu_plan.json", "--backend", "torchrun", "--hosts", "h.yaml", "--dry-run"]),
+     ["launch", "cpu_plan.json", "--backend", "torchrun", "--hosts", "h.yaml", "--dry-run", "--steps", "5"]),
     ({}, ["launch", "gcp_plan.json", "--backend", "kubernetes", "--dry-run", "--checkpoint-dir", "/ckpt",
-          "--checkpoint-claim", "ckpt.team-a"]),
+          "--checkpoint-claim", "ckpt.team-a", "--steps", "5"]),
     # a link measured in a zone of the provider that this cluster does not use
     ({"n.json": {"schema": "sailor.network/1", "links": [
         {"src_zone": "us-central1-a", "src_gpu": "A100-40", "dst_zone": "europe-west4-a", "dst_gpu": "A100-40",
@@ -372,7 +378,7 @@ def test_a_folder_beside_the_job_is_read_as_a_path(tmp_path, monkeypatch, capsys
     _hf_folder(tmp_path / "jobs", monkeypatch, capsys, "tiny-hf")
     _write(tmp_path, {"jobs/job.yaml": {"model": "tiny-hf", "global_batch_size": 8}})
     code, out, err = _main(["plan", "--job", "jobs/job.yaml", "--cluster", "gcp.yaml"], tmp_path, monkeypatch, capsys)
-    assert code == 0 and out.startswith("tiny-hf, global batch 8"), (out, err)
+    assert code == 0 and out.startswith("tiny-hf (220,544 parameters), global batch 8"), (out, err)
     # beside the current folder but not beside the job: no "did you mean 'tiny'?", which would train another model
     _write(tmp_path, {"jobs/sub/job.yaml": {"model": "tiny-hf", "global_batch_size": 8}})
     monkeypatch.chdir(tmp_path / "jobs")
@@ -397,8 +403,10 @@ def test_a_builtin_name_that_is_also_a_folder_beside_the_job_is_ambiguous(tmp_pa
     (lambda c: c | {"n_layer": 10**6}, "config.json: n_layer: Input should be less than or equal to"),
     (lambda c: c | {"model_type": "mixtral"}, "config.json: model_type: 'mixtral' is a mixture-of-experts model"),
     (lambda c: c | {"model_type": "qwen2_moe"}, "config.json: model_type: 'qwen2_moe' is a mixture-of-experts model"),
-    (lambda c: c | {"num_local_experts": 8}, "config.json: num_local_experts: 'gpt2' is a mixture-of-experts model"),
-    (lambda c: c | {"model_type": "mistral", "num_experts": 8}, "config.json: num_experts: 'mistral' is a mixture-of"),
+    (lambda c: c | {"num_local_experts": 8}, ("config.json: num_local_experts: the config's expert fields"
+                                              " (num_local_experts) make it a mixture-of-experts model; Sailor")),
+    (lambda c: c | {"model_type": "mistral", "num_experts": 8, "num_experts_per_tok": 2},
+     "config.json: num_experts: the config's expert fields (num_experts, num_experts_per_tok) make it a mixture-of"),
 ])
 def test_hf_config_errors_name_the_key_and_the_real_reason(tmp_path, monkeypatch, capsys, edit, words):
     from test_cli_bad_input import _write
@@ -431,7 +439,7 @@ def test_the_moe_mutation_reaches_the_mixture_of_experts_refusal(tmp_path):
         (tmp_path / f"{k}.json").write_text(json.dumps(doc))
         moe = doc["model_type"] in ("mixtral", "qwen2_moe", "qwen3_moe") or set(doc) & set(mutate.MOE_EXTRA)
         if moe:
-            with pytest.raises(SailorInputError, match=rf"^{tmp_path}/{k}.json: \S+: .* is a mixture-of-experts model"):
+            with pytest.raises(SailorInputError, match=rf"^{tmp_path}/{k}.json: \S+: .* (is|make it) a mixture-of-experts model"):
                 load_hf_config(tmp_path / f"{k}.json")
             refused += 1
     assert refused >= 10
@@ -442,7 +450,8 @@ def test_a_builtin_name_beside_a_folder_that_holds_no_config_is_the_builtin(tmp_
     _base(tmp_path)
     (tmp_path / "tiny").mkdir()
     code, out, err = _main(["plan", "--job", "job.yaml", "--cluster", "gcp.yaml"], tmp_path, monkeypatch, capsys)
-    assert code == 0 and out.startswith("tiny, global batch 8"), err
+    assert code == 0 and out.startswith("tiny ("), (out, err)
+    assert ", global batch 8" in out.splitlines()[0]
 
 
 def test_train_draws_no_progress_bar_off_a_terminal(capsys):
@@ -464,3 +473,184 @@ def test_train_draws_no_progress_bar_off_a_terminal(capsys):
     assert _run_with_progress(prep, launch, Console(stderr=True), log_every=0) == "result"
     out = capsys.readouterr()
     assert (out.out, out.err) == ("", ""), out
+
+
+# ---- an output path that is one of the command's inputs ------------------------------------------
+@pytest.mark.parametrize("args, words", [
+    (["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--out", "job.yaml"], "--out: job.yaml is the --job input"),
+    (["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--out", "./sub/../local.yaml"],
+     "--out: sub/../local.yaml is the --cluster input"),
+    (["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--profiles", "profile.json", "--out", "profile.json"],
+     "--out: profile.json is the --profiles input"),
+    (["launch", "cpu_plan.json", "--backend", "kubernetes", "--out", "cpu_plan.json"],
+     "--out: cpu_plan.json is the PLAN input"),
+    (["launch", "sailor_plan.json", "--job", "job.yaml", "--backend", "kubernetes", "--out", "link.yaml"],
+     "--out: link.yaml is the --job input"),
+])
+def test_an_output_that_is_an_input_is_refused(tmp_path, monkeypatch, capsys, args, words):
+    """The file is named by another path (a relative detour, a symbolic link): still the input."""
+    (tmp_path / "sub").mkdir()
+    _base(tmp_path)
+    (tmp_path / "link.yaml").symlink_to("job.yaml")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    line = _refused(args, tmp_path, monkeypatch, capsys)
+    assert line == f"error: {words}", line
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_check_output_path_compares_with_every_input(tmp_path):
+    from sailor.core.fileio import check_output_path, same_path
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "hard.txt").hardlink_to(tmp_path / "a.txt")
+    assert same_path(tmp_path / "hard.txt", tmp_path / "a.txt")
+    assert same_path(tmp_path / "new" / ".." / "x.npy", tmp_path / "x.npy")  # neither exists: resolved
+    assert not same_path(tmp_path / "b.npy", tmp_path / "a.txt")
+    with pytest.raises(SailorInputError, match=r"hard.txt is the INPUT input"):
+        check_output_path(tmp_path / "hard.txt", "--out", inputs={"INPUT": [tmp_path / "z.txt", tmp_path / "a.txt"]})
+    check_output_path(tmp_path / "b.txt", "--out", inputs={"INPUT": [tmp_path / "a.txt"], "--job": None})
+
+
+def test_data_prepare_refuses_an_output_that_is_an_input(tmp_path):
+    from sailor.runtime.dataprep import prepare_tokens
+    (tmp_path / "docs.npy").write_text("not tokens")
+    with pytest.raises(SailorInputError) as e:
+        prepare_tokens([tmp_path / "docs.npy"], tokenizer=tmp_path / "tok.json", out=tmp_path / "docs.npy")
+    assert e.value.one_line() == f"--out: {tmp_path / 'docs.npy'} is the INPUT input"
+    assert (tmp_path / "docs.npy").read_text() == "not tokens"
+
+
+# ---- a manifest's invalid model is named field by field, as an inline job model is --------------
+@pytest.mark.parametrize("model, words", [
+    ({"hidden_size": "wide"}, "model.hidden_size: Input should be a valid integer (got 'wide')"),
+    ({"num_blocks": -1}, "model.num_blocks: Input should be greater than 0 (got -1)"),
+    ({"colour": 1}, "model.colour: Extra inputs are not permitted (got 1)"),
+])
+def test_a_manifest_with_an_invalid_model_names_the_field(tmp_path, model, words):
+    from sailor.runtime.checkpoint_io import check_model_matches_tensors
+    from sailor.specs import load_job
+    from test_cli_bad_input import JOB
+    (tmp_path / "job.yaml").write_text(json.dumps(JOB))
+    spec = load_job(tmp_path / "job.yaml").model.model_dump()
+    with pytest.raises(SailorInputError) as e:
+        check_model_matches_tensors(tmp_path, {"model": spec | model, "tensors": {}})
+    line = e.value.one_line()
+    assert line == f"{tmp_path / 'manifest.json'}: {words}", line
+    assert "validation error" not in line
+    # the same model inline in a job is named the same way
+    (tmp_path / "bad.yaml").write_text(json.dumps(JOB | {"model": spec | model}))
+    with pytest.raises(SailorInputError) as inline:
+        load_job(tmp_path / "bad.yaml")
+    assert inline.value.field == e.value.field and inline.value.message == e.value.message
+
+
+# ---- a network file of another schema says so ----------------------------------------------------
+@pytest.mark.parametrize("doc, words", [
+    ({"schema": "sailor.network/7"}, "n.json: schema: unknown schema 'sailor.network/7' (this Sailor reads"
+                                     " 'sailor.network/1') (measure again with `sailor profile network`"),
+    ({"schema": "sailor.network/7", "links": []}, "n.json: schema: unknown schema 'sailor.network/7'"),
+    ({"schema": "sailor.profiles/1", "layers": []},
+     "n.json: schema: unknown schema 'sailor.profiles/1' (this Sailor reads 'sailor.network/1') (that names a"
+     " profile file: pass it with --profiles)"),
+    ({"schema": "acme.net/2"}, "n.json: schema: unknown schema 'acme.net/2'"),
+])
+def test_a_network_file_of_another_schema_names_it(tmp_path, monkeypatch, doc, words):
+    from sailor.perf.network import network_for
+    from sailor.specs import load_cluster
+    from test_cli_bad_input import LOCAL
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps(LOCAL))
+    (tmp_path / "n.json").write_text(json.dumps(doc))
+    with pytest.raises(SailorInputError) as e:
+        network_for(load_cluster("c.json"), "n.json")
+    assert e.value.one_line().startswith(words), e.value.one_line()
+
+
+def test_plan_with_a_profile_as_network_names_the_schema(tmp_path, monkeypatch, capsys):
+    _base(tmp_path)
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "gcp.yaml", "--network", "profile.json"],
+                    tmp_path, monkeypatch, capsys)
+    assert line.startswith("error: profile.json: schema: unknown schema 'sailor.profiles/1'"), line
+
+
+# ---- testbed up: a quota past this machine's cores names the testbed file ------------------------
+def test_testbed_quotas_past_the_machine_name_the_file(tmp_path, monkeypatch, capsys):
+    """examples/testbed.yaml asks 4 x 0.3 + 2 x 0.15 = 1.5 cores; a 1-core machine cannot host it.
+    `check_support` (root, ip, tc) is taken as passed: the refusal comes before anything is made."""
+    import sailor.testbed.host as host
+    from sailor.testbed import load_testbed
+    (tmp_path / "tb.yaml").write_text((ROOT / "examples" / "testbed.yaml").read_text())
+    monkeypatch.setattr(host, "check_support", lambda: None)
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 1)
+    line = _refused(["testbed", "up", "tb.yaml", "--state-dir", str(tmp_path / "state")], tmp_path, monkeypatch,
+                    capsys)
+    assert line == ("error: tb.yaml: devices: the ranks' quotas add up to 1.5 cores, more than the 1 of this"
+                    " machine (smaller cpu_quota or fewer ranks)"), line
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 2)
+    host.check_cores(load_testbed(tmp_path / "tb.yaml"), "tb.yaml")  # 1.5 of 2 cores: accepted
+
+
+# ---- help into a pipe whose reader has left: status 0, as other output ---------------------------
+class _ReaderGone:
+    """A standard output whose reader has left: every write and flush raises EPIPE (what Python
+    raises on a closed pipe, SIGPIPE being ignored). `fileno` is a scratch file's, for main's dup2."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, text: str) -> int:
+        import errno
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    def flush(self) -> None:
+        self.write("")
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("args", [["--help"], ["plan", "--help"], ["testbed", "up", "--help"], []])
+def test_help_into_a_closed_pipe_ends_quietly_with_status_0(tmp_path, monkeypatch, capsys, args):
+    """`sailor --help | head -1`: rich's own Console would exit 1; typer's help goes through the
+    same ending as `console()` (sailor.cli.common.pipe_safe_help)."""
+    import os
+    import sys
+
+    from sailor.cli import main
+    fd = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)
+    try:
+        monkeypatch.setattr(sys, "argv", ["sailor", *args])
+        monkeypatch.setattr(sys, "stdout", _ReaderGone(fd))
+        with pytest.raises(SystemExit) as e:
+            main()
+    finally:
+        os.close(fd)
+    assert e.value.code == 0
+    assert capsys.readouterr().err == ""
+
+
+# ---- wording: expert fields of a dense config, a config without model_type, an empty folder ------
+def test_wording_of_expert_fields_missing_model_type_and_an_empty_profiles_folder(tmp_path):
+    import mutate
+
+    from sailor.model.hf_config import load_hf_config
+    from sailor.perf.profiles import load_profiles
+    from sailor.specs.job import JobSpec
+    (tmp_path / "moe.json").write_text(json.dumps(mutate.HF_LLAMA | {"num_local_experts": 8}))
+    with pytest.raises(SailorInputError) as e:
+        load_hf_config(tmp_path / "moe.json")
+    assert e.value.one_line().startswith(
+        f"{tmp_path}/moe.json: num_local_experts: the config's expert fields (num_local_experts) make it a"
+        " mixture-of-experts model; Sailor builds dense decoders only"), e.value.one_line()
+    assert "'llama'" not in e.value.one_line()
+    (tmp_path / "untyped.json").write_text(json.dumps({k: v for k, v in mutate.HF_LLAMA.items() if k != "model_type"}))
+    with pytest.raises(SailorInputError) as e:
+        load_hf_config(tmp_path / "untyped.json")
+    assert e.value.one_line().startswith(f"{tmp_path}/untyped.json: model_type: missing"), e.value.one_line()
+    assert "None" not in e.value.one_line()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SailorInputError) as e:
+        load_profiles(tmp_path / "empty", JobSpec(model="tiny", global_batch_size=8))
+    assert e.value.one_line() == f"{tmp_path}/empty: folder holds no profiles_tmp.json (Sailor format)"

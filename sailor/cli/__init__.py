@@ -34,6 +34,8 @@ def _register() -> None:
     # Importing a command module registers its commands on `app`. Heavy imports (torch) stay inside
     # the command functions so `sailor plan` starts fast.
     from sailor.cli import data, elastic, export, launch, plan, profile, simulate, testbed, train, validate  # noqa: F401
+    from sailor.cli.common import pipe_safe_help
+    pipe_safe_help()  # help into a pipe whose reader left ends as other output does
 
 
 

@@ -64,8 +64,36 @@ def _pipe_console() -> type:
     class PipeConsole(Console):
         def on_broken_pipe(self) -> None:  # rich's documented hook
             self.quiet = True
+            # no errno: typer's own EPIPE handler (exit status 1) lets it through to `sailor.cli.main`
             raise BrokenPipeError("the reader of standard output has gone")
     return PipeConsole
+
+
+def pipe_safe_help() -> None:
+    """Give the consoles typer draws help (`sailor --help`, `sailor plan --help`) with the same
+    broken-pipe ending as `console()`, so `sailor --help | head -1` ends quietly with status 0 as
+    `sailor plan | head -1` does (rich's own Console exits with status 1). Idempotent.
+
+    typer makes those consoles in `typer.rich_utils._get_rich_console` (typer >= 0.12); without it
+    (a typer that draws help otherwise) this does nothing.
+    """
+    import types
+
+    try:
+        from typer import rich_utils
+    except ImportError:  # typer without rich: click prints help, and a BrokenPipeError reaches main
+        return
+    make = getattr(rich_utils, "_get_rich_console", None)
+    if make is None or getattr(make, "sailor_pipe_safe", False):
+        return
+
+    def make_pipe_safe(stderr: bool = False):
+        c = make(stderr=stderr)
+        c.on_broken_pipe = types.MethodType(_pipe_console().on_broken_pipe, c)
+        return c
+
+    make_pipe_safe.sailor_pipe_safe = True  # type: ignore[attr-defined]
+    rich_utils._get_rich_console = make_pipe_safe
 
 
 def progress_bar(*columns, transient: bool = True):

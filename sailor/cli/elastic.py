@@ -91,7 +91,8 @@ def run(
     check_number(start_timeout_s, "--start-timeout-s", lo=0, lo_open=True, hi=MAX_SECONDS)
     for value, option, folder in ((checkpoint_dir, "--checkpoint-dir", True), (metrics, "--metrics", False),
                                   (events, "--events", False)):
-        check_output_path(value, option, folder=folder)
+        check_output_path(value, option, folder=folder, inputs={"--job": job, "--cluster": cluster,
+                                                                "--availability": availability, "--hosts": hosts})
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     steps = steps_for(job_spec, steps, fallback=100)
     checkpoint_every = job_spec.recipe.checkpoint.every if checkpoint_every is None else checkpoint_every
@@ -152,7 +153,9 @@ def replay(
 
     pol = choice(Policy, policy, "--policy", "policy")
     check_number(duration_s, "--duration-s", lo=0, lo_open=True, hi=MAX_TRACE_TIME_S)
-    check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"))
+    check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"),
+                      inputs={"--job": job, "--cluster": cluster, "--availability": availability,
+                              "--profiles": profiles, "--network": network})
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     trace = load_trace(availability, cluster_spec)
     prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))

@@ -32,7 +32,7 @@ def export_command(
     """Write CHECKPOINT's weights as a model transformers loads (`from_pretrained(DIR)`), with the
     token ids, dropout rates, generation config and tokenizer of the folder training started from."""
     require_torch("export", "safetensors")
-    check_output_path(to, "--to", folder=True)
+    check_output_path(to, "--to", folder=True, inputs={"CHECKPOINT": checkpoint, "--source": source})
     from sailor.runtime.hf_weights import export_checkpoint
 
     summary = export_checkpoint(checkpoint, to, max_shard_bytes=int(max_shard_gb * 1e9), source=source)

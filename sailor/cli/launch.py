@@ -96,7 +96,8 @@ def launch_command(
     from sailor.specs import load_job
 
     chosen = choice(Backend, backend, "--backend", "backend")
-    check_output_path(out, "--out", folder=chosen is Backend.SKYPILOT)  # before any work
+    check_output_path(out, "--out", folder=chosen is Backend.SKYPILOT,  # before any work
+                      inputs={"PLAN": plan_path, "--job": job, "--hosts": hosts, "--install-from": install_from})
     plan = load_plan(plan_path)
     job_spec = load_job(job) if job is not None else plan.job
     check_plan_for_job(plan, job_spec, plan.cluster, source=str(plan_path),  # as `sailor train` does

@@ -67,8 +67,9 @@ def plan_command(
     opts = plan_options(objective=objective, search=search, max_cost_per_iteration=max_cost_per_iteration,
                         max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput, max_stages=max_stages,
                         top=top, time_limit=time_limit, memory_margin=memory_margin)
-    check_output_path(out, "--out")
-    check_output_path(report, "--report", folder=True)
+    inputs = {"--job": job, "--cluster": cluster, "--profiles": profiles, "--network": network}
+    check_output_path(out, "--out", inputs=inputs)
+    check_output_path(report, "--report", folder=True, inputs=inputs)
     job_spec = load_job(job) if job else EXAMPLE_JOB
     cluster_spec = load_cluster(cluster) if cluster else EXAMPLE_CLUSTER
     prof, net = resolve_models(job_spec, cluster_spec, machine_profiles(job_spec, cluster_spec, profiles,

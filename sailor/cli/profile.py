@@ -66,7 +66,7 @@ def profile_layers(
     from sailor.specs import load_job
 
     catalog.check_device(device)
-    check_output_path(out, "--out")  # before minutes of measuring
+    check_output_path(out, "--out", inputs={"--job": job})  # before minutes of measuring
     opts = ProfileOptions(job=load_job(job), device=device,  # type: ignore[arg-type]
                           tps=_int_list(tp, "--tp"), mbs=_int_list(mbs, "--mbs"), warmup=warmup, repeats=repeats,
                           threads=threads, concurrency=concurrency)

@@ -34,7 +34,8 @@ def simulate_command(
     as_json: bool = JsonOpt,
 ) -> None:
     """Simulate one training iteration of PLAN: time, memory per GPU, cost."""
-    check_output_path(report, "--report", folder=True)
+    check_output_path(report, "--report", folder=True, inputs={"PLAN": plan_path, "--job": job, "--cluster": cluster,
+                                                               "--profiles": profiles, "--network": network})
     plan = load_plan(plan_path)
     try:
         job_spec, cluster_spec = resolve_specs(plan, job, cluster)

@@ -29,7 +29,7 @@ def up_command(
     from sailor.testbed import load_testbed, up
     from sailor.testbed.host import as_dict
     spec = load_testbed(file)
-    state = up(spec, state_dir)
+    state = up(spec, state_dir, source=str(file))
     info = as_dict(state)
     if as_json:
         print(json.dumps(info))
@@ -99,7 +99,7 @@ def profile_command(
     check_support()
     spec = load_testbed(file)
     load_job(job)
-    check_output_path(out, "--out")
+    check_output_path(out, "--out", inputs={"FILE": file, "--job": job})
     data = profile_classes(spec, find_state(spec.name, state_dir), job.resolve(), mbs=mbs)
     profiles_from_dict(data, str(out))
     write_json(out, data)

@@ -381,9 +381,35 @@ def write_json(path: str | Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
+def same_path(a: str | Path, b: str | Path) -> bool:
+    """Whether paths `a` and `b` name the same file or folder: `os.path.samefile` when both exist (it
+    sees hard links and symbolic links), else the resolved absolute paths are equal."""
+    a, b = Path(a), Path(b)
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
+
+
+InputPaths = dict[str, "str | Path | list[str | Path] | None"]
+
+
+def check_not_an_input(path: str | Path, option: str, inputs: InputPaths) -> None:
+    """Refuse an output `path` that is one of the command's inputs (`inputs`: option or argument
+    name -> its path, or list of paths, or None for one not given): writing it would replace the input.
+
+    Raises:
+        SailorInputError: "<path> is the <name> input", with source `option`.
+    """
+    for name, given in inputs.items():
+        for one in given if isinstance(given, list) else [given]:
+            if one is not None and same_path(path, one):
+                raise SailorInputError(f"{path} is the {name} input", source=option)
+
+
 def check_output_path(path: str | Path | None, option: str, *, folder: bool = False,
-                      suffixes: tuple[str, ...] = ()) -> None:
-    """Refuse an output path before any work starts: a file where a folder is wanted or the reverse,
+                      suffixes: tuple[str, ...] = (), inputs: InputPaths | None = None) -> None:
+    """Refuse an output path before any work starts: one of the command's `inputs` (option or
+    argument name -> path; see `check_not_an_input`), a file where a folder is wanted or the reverse,
     a parent that is a file, a folder this user cannot write (tried: a file is created and removed in
     the nearest existing folder; missing folders below it are created when the output is written),
     or (for files) a suffix outside `suffixes`.
@@ -394,6 +420,7 @@ def check_output_path(path: str | Path | None, option: str, *, folder: bool = Fa
     if path is None:
         return
     p = Path(path)
+    check_not_an_input(p, option, inputs or {})
     if folder and p.exists() and not p.is_dir():
         raise SailorInputError(f"{p} exists and is not a folder", source=option)
     if not folder and p.is_dir():

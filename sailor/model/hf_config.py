@@ -88,7 +88,9 @@ class _Fields:
             if nullable and key in self.data:
                 return None
             if default is ...:
-                raise self.error(key, "missing", fix=f"the {self.data.get('model_type')} config needs it")
+                model_type = self.data.get("model_type")
+                raise self.error(key, "missing",
+                                 fix=f"the {model_type} config needs it" if isinstance(model_type, str) else None)
             return default
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else \
             (isinstance(value, int) and not isinstance(value, bool)) if kind is int else isinstance(value, kind)
@@ -193,12 +195,15 @@ def _refuse_experts(data: dict[str, Any], model_type: str, source: str) -> None:
     """Refuse a mixture-of-experts config first, for that reason: its model_type is often one edit
     away from a dense one (mixtral/mistral, qwen2_moe/qwen2), and "did you mean 'mistral'?" would
     train another model."""
-    key = next((k for k in MOE_KEYS if k in data), None)
-    if model_type in MOE_MODEL_TYPES or key is not None:
-        field = "model_type" if model_type in MOE_MODEL_TYPES else key
-        raise SailorInputError(f"{model_type!r} is a mixture-of-experts model; Sailor builds dense decoders only, not"
-                               " (yet) mixture-of-experts layers", source=source, field=field,
-                               fix=f"dense architectures: {', '.join(SUPPORTED)}")
+    keys = [k for k in MOE_KEYS if k in data]
+    if model_type in MOE_MODEL_TYPES:
+        field, what = "model_type", f"{model_type!r} is a mixture-of-experts model"
+    elif keys:  # a dense model_type (llama) with expert fields: the fields, not the architecture, are MoE
+        field, what = keys[0], f"the config's expert fields ({', '.join(keys)}) make it a mixture-of-experts model"
+    else:
+        return
+    raise SailorInputError(f"{what}; Sailor builds dense decoders only, not (yet) mixture-of-experts layers",
+                           source=source, field=field, fix=f"dense architectures: {', '.join(SUPPORTED)}")
 
 
 # ---- per-architecture readers: config keys -> ModelSpec fields ---------------------------------------

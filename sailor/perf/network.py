@@ -254,6 +254,8 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
     data = load_json(p)
     if isinstance(data, dict) and data.get("schema") == SCHEMA:
         _import_ours(net, data, str(p))
+    elif isinstance(data, dict) and "schema" in data and not isinstance(data["schema"], dict):
+        raise unknown_schema(data["schema"], str(p))  # a zone of a Sailor file holds a mapping, not a name
     elif isinstance(data, dict) and data:
         _import_sailor_multizone(net, p, data)
     else:
@@ -262,6 +264,16 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
     return net
 
 
+
+
+def unknown_schema(schema: Any, source: str) -> SailorInputError:
+    """The error for a file whose "schema" is not `SCHEMA`: another version of ours, or another
+    kind of Sailor file (a profile passed as --network)."""
+    fix = "measure again with `sailor profile network`, or set the schema this file follows"
+    if isinstance(schema, str) and schema.startswith("sailor.profiles/"):
+        fix = "that names a profile file: pass it with --profiles"
+    return SailorInputError(f"unknown schema {show(schema)} (this Sailor reads {SCHEMA!r})", source=source,
+                            field="schema", fix=fix)
 
 
 MAX_FIT_COEFFICIENT = 1e6  # GB/s per log2 unit: |c| above it gives bandwidths past 1 PB/s inside the fit range

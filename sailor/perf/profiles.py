@@ -290,7 +290,7 @@ def load_profiles(path: str | Path, job: JobSpec) -> Profiles:
     p = Path(path)
     if p.is_dir():
         if not (p / "profiles_tmp.json").exists():
-            raise SailorInputError("folder holds no profiles_tmp.json (Sailor format) ", source=str(p))
+            raise SailorInputError("folder holds no profiles_tmp.json (Sailor format)", source=str(p))
         prof = load_sailor_profiles(p / "profiles_tmp.json", p / "llm_info.json", job)
         src = str(p / "profiles_tmp.json")
     else:
@@ -408,12 +408,24 @@ def _blame_count(forward_s: list[float], backward_s: list[float], n: int | None,
                   f" layer{of}", where)
 
 
-def _check_timed(forward_s: Any, backward_s: Any, where: str, c: Checks) -> None:
-    """Refuse a row of layer times that are all 0 (forward and backward, every layer): no pass over a
-    model takes no time, and a plan timed from it would run infinitely many iterations per second.
-    Single zeros stay allowed (a layer can be below the clock's resolution)."""
-    if not (np.any(np.asarray(forward_s) > 0) or np.any(np.asarray(backward_s) > 0)):
+def _check_timed(forward_s: Any, backward_s: Any, where: str, c: Checks, *,
+                 columns: tuple[str, str] | None = ("forward_s", "backward_s")) -> None:
+    """Refuse a row of layer times (seconds, one per layer) whose forward times are all 0, or whose
+    backward times are: no pass over a model takes no time, and a plan timed from it would run
+    infinitely many iterations per second. Single zeros stay allowed (a layer can be below the
+    clock's resolution). `columns`: the fields the two lists are under (named in the error), or
+    None where they have no name of their own (Sailor's [forward, backward, update] per layer).
+
+    Raises:
+        SailorInputError: at `where` when both lists are all 0, else at the all-0 column.
+    """
+    fwd_zero, bwd_zero = not np.any(np.asarray(forward_s) > 0), not np.any(np.asarray(backward_s) > 0)
+    if fwd_zero and bwd_zero:
         raise c.error("every forward and backward time is 0 s; a measured pass takes time (measure again)", where)
+    for zero, name, column in ((fwd_zero, "forward", 0), (bwd_zero, "backward", 1)):
+        if zero:
+            field = f"{where}.{columns[column]}" if columns else where
+            raise c.error(f"every {name} time is 0 s; a measured pass takes time (measure again)", field)
 
 
 def _tp(v: Any, c: Checks, where: str) -> int:
@@ -483,7 +495,7 @@ def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec)
                 tp = c.whole_key(tp_key, where, lo=1, hi=MAX_GPUS_PER_NODE)
                 rows = _layer_entries(layers, n, where, c, job)
                 arr = np.array([_sailor_times(v, f"{where}.{i}", c) for i, v in enumerate(rows)])
-                _check_timed(arr[:, 0], arr[:, 1], where, c)
+                _check_timed(arr[:, 0], arr[:, 1], where, c, columns=None)
                 prof.times.setdefault((gpu, tp), {})[mbs] = arr
     if llm_info_path.exists():
         _load_sailor_llm_info(llm_info_path, job, prof)

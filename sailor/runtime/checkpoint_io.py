@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import torch
 
 from sailor.core.errors import SailorInputError
+from sailor.core.schema import parse_model
 from sailor.model.spec import ModelSpec
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.model import EMBEDDING_WEIGHT, param_shapes, tied_head
@@ -105,11 +106,10 @@ def check_model_matches_tensors(path: str | Path, manifest: Mapping[str, Any]) -
         SailorInputError: naming `path`/manifest.json and the field.
     """
     source = str(Path(path) / "manifest.json")
-    try:
-        spec = ModelSpec.model_validate(manifest.get("model"))
-    except ValueError as e:  # pydantic's ValidationError: a hand-edited or foreign manifest
-        raise SailorInputError(f"not a valid model spec ({str(e).splitlines()[0]})", source=source,
-                               field="model") from None
+    try:  # a hand-edited or foreign manifest: named as an inline job model is (model.hidden_size: ...)
+        spec = parse_model(ModelSpec, manifest.get("model"), source)
+    except SailorInputError as e:
+        raise e.located(field_prefix="model") from None
     want, have = param_shapes(spec), manifest["tensors"]
     layers = {int(n.split(".")[1]) for n in have if n.split(".")[:1] == ["layers"] and n.split(".")[1].isdigit()}
     if layers and max(layers) + 1 != spec.num_layers:

@@ -122,12 +122,13 @@ def prepare_tokens(inputs: list[str | Path], *, tokenizer: str | Path, out: str 
 
     Raises:
         SailorInputError: a missing or unreadable input or tokenizer, a tokenizer vocabulary larger
-            than `model_vocab`, an unknown `eos` token, an output name not ending in .npy or .bin,
+            than `model_vocab`, an unknown `eos` token, an output name not ending in .npy or .bin
+            or naming an input or the tokenizer,
             or no tokens at all. Nothing is left behind on any error.
     """
     t0 = time.perf_counter()
     out = Path(out)
-    check_output_path(out, "--out", suffixes=(".npy", ".bin"))
+    check_output_path(out, "--out", suffixes=(".npy", ".bin"), inputs={"INPUT": list(inputs), "--tokenizer": tokenizer})
     paths = check_inputs(inputs)
     tok = load_tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)

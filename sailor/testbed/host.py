@@ -234,20 +234,31 @@ def _plan_state(spec: TestbedSpec, state_dir: Path) -> TestbedState:
                         nodes=nodes)
 
 
-def up(spec: TestbedSpec, state_dir: str | Path | None = None) -> TestbedState:
-    """Create the testbed `spec` describes (module docstring); removes a previous one of the same name
-    first. On any error, Ctrl-C or SIGTERM it removes what it made and re-raises.
+def check_cores(spec: TestbedSpec, source: str | None = None) -> None:
+    """Refuse a testbed whose ranks' CPU quotas add up to more cores than `os.cpu_count()`.
 
     Raises:
-        TestbedUnsupported: this machine cannot host a testbed.
-        SailorInputError: the ranks' quotas add up to more cores than this machine has.
-        RuntimeError: an ip/tc command failed (everything made so far is removed).
+        SailorInputError: at field `devices` of `source` (the testbed file).
     """
-    check_support()
     cores = os.cpu_count() or 1
     if spec.total_cpu_cores() > cores:
         raise SailorInputError(f"the ranks' quotas add up to {spec.total_cpu_cores():g} cores, more than the"
-                               f" {cores} of this machine", field="devices", fix="smaller cpu_quota or fewer ranks")
+                               f" {cores} of this machine", source=source, field="devices",
+                               fix="smaller cpu_quota or fewer ranks")
+
+
+def up(spec: TestbedSpec, state_dir: str | Path | None = None, *, source: str | None = None) -> TestbedState:
+    """Create the testbed `spec` describes (module docstring); removes a previous one of the same name
+    first. On any error, Ctrl-C or SIGTERM it removes what it made and re-raises. `source`: the
+    testbed file, named in errors about the spec.
+
+    Raises:
+        TestbedUnsupported: this machine cannot host a testbed.
+        SailorInputError: the ranks' quotas add up to more cores than this machine has (`check_cores`).
+        RuntimeError: an ip/tc command failed (everything made so far is removed).
+    """
+    check_support()
+    check_cores(spec, source)
     root = state_root(state_dir)
     for old in live_states(root):
         if old.name == spec.name:
