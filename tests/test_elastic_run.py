@@ -88,17 +88,18 @@ def _no_leftovers(marker: str) -> None:
 
 
 @pytest.mark.integration
-def test_shrink_and_grow_4_2_3(tmp_path, reference_losses):
+def test_shrink_and_grow_4_2_4(tmp_path, reference_losses):
+    # (with global batch 8 a third GPU does not pay: 3 uneven replicas are predicted slower than 2)
     steps = 40
-    opts = RunOptions(job=JOB, cluster=LOCAL, trace=load_trace(_trace(tmp_path, (0, 4), (0.6, 2), (1.2, 3)), LOCAL),
+    opts = RunOptions(job=JOB, cluster=LOCAL, trace=load_trace(_trace(tmp_path, (0, 4), (0.6, 2), (1.2, 4)), LOCAL),
                       steps=steps, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=10,
                       metrics=str(tmp_path / "m.jsonl"), events=str(tmp_path / "e.jsonl"), clock=ClockKind.TRAINING,
                       switch_cost_s=0.0)
     res = run(opts)
     assert res.status is ExitStatus.DONE, res.message
     ev = _lines(tmp_path / "e.jsonl")
-    assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 2, 3]
-    assert [e["zones"]["local"]["cpu"] for e in ev if e["event"] == "availability"] == [4, 2, 3]
+    assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 2, 4]
+    assert [e["zones"]["local"]["cpu"] for e in ev if e["event"] == "availability"] == [4, 2, 4]
     started = [e for e in ev if e["event"] == "switch_started"]
     finished = [e for e in ev if e["event"] == "switch_finished" and not e.get("interrupted")]
     assert [e["reason"] for e in started] == ["lost GPUs", "gain"] and res.switches == 2
@@ -141,7 +142,9 @@ def test_two_sigkills_roll_back_and_continue_on_survivors(tmp_path, reference_lo
     marker = str(tmp_path)
 
     def kill_twice(out: dict) -> None:
-        for kill, world in enumerate((4, 3)):
+        # a crash takes its GPU away: 4 -> 3 GPUs, on which 2 replicas are the best plan (3 uneven
+        # shares of global batch 8 are predicted slower), then 3 -> 2
+        for kill, world in enumerate((4, 2)):
             # Wait until this launch (world ranks) has trained past a checkpoint, then kill a random rank.
             _wait(lambda: sum(1 for e in _lines(events) if e["event"] == "launch") == kill + 1)
             before = len(_lines(metrics))
@@ -155,7 +158,7 @@ def test_two_sigkills_roll_back_and_continue_on_survivors(tmp_path, reference_lo
 
     res = run_disturbed(opts, marker, kill_twice)
     ev = _lines(events)
-    assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 3, 2]
+    assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 2, 2]
     crashes = [e for e in ev if e["event"] == "crash"]
     assert len(crashes) == 2 and all(len(e["ranks"]) == 1 for e in crashes)
     rollbacks = [e for e in ev if e["event"] == "rollback"]
