@@ -1,18 +1,12 @@
 """benchmarks/fsdp_published.py: its model specs and plans say what the published runs ran."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "fsdp_published.py"
+from benchmark_module import load_benchmark
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("fsdp_published", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("fsdp_published")
 
 
 def test_mpt_specs_have_the_published_parameter_counts():

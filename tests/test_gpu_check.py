@@ -1,23 +1,17 @@
 """benchmarks/gpu_check.py on a machine without CUDA: exit 2 with one line, nothing else run."""
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+from benchmark_module import load_benchmark
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu_check")
 
 
 def test_without_cuda_exits_2_with_one_line(monkeypatch, capsys, tmp_path):
