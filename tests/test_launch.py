@@ -405,7 +405,8 @@ def test_cli_errors_are_one_line(tmp_path):
                         (["--backend", "kubernetes", "--dry-run", "--namespace", "ML"], "--namespace: 'ML' is not"),
                         (["--backend", "skypilot", "--dry-run", "--namespace", "ml", "--out", str(tmp_path / "s3")],
                          "are for the kubernetes backend"),
-                        (["--backend", "skypilot", "--out", str(plan)], "exists and is not a folder"),
+                        (["--backend", "skypilot", "--out", str(one_region)], "exists and is not a folder"),
+                        (["--backend", "skypilot", "--out", str(plan)], f"--out: {plan} is the PLAN input"),
                         (["--backend", "kubernetes", "--dry-run"], "--backend: the plan spans regions us-central1,"
                                                                    " us-west1, but a Kubernetes cluster's GPU node pools"
                                                                    " lie in one region")]:
