@@ -438,11 +438,18 @@ class ShardedAdamW:
 
     def _all_gather(self, b: Bucket, own: torch.Tensor) -> torch.Tensor:
         """The padded flat vector of `b` from every member's shard `own`."""
-        if b.shards == 1:
-            return own
-        full = torch.empty(b.shards * b.shard_numel, dtype=own.dtype, device=own.device)
-        dist.all_gather_single(full, own.contiguous(), group=self.groups[b.ranks])
+        work, full = self._all_gather_async(b, own)
+        if work is not None:
+            work.wait()
         return full
+
+    def _all_gather_async(self, b: Bucket, own: torch.Tensor) -> tuple[object | None, torch.Tensor]:
+        """Start gathering the padded flat vector of `b` from every member's shard `own`: (work handle,
+        the vector, valid once the work is waited on); (None, own) when the rank owns all of it."""
+        if b.shards == 1:
+            return None, own
+        full = torch.empty(b.shards * b.shard_numel, dtype=own.dtype, device=own.device)
+        return dist.all_gather_single(full, own.contiguous(), group=self.groups[b.ranks], async_op=True), full
 
     def _reduce_async(self, b: Bucket, flat: torch.Tensor) -> tuple[object | None, torch.Tensor]:
         """Start the SUM over `b`'s members of their padded flat vectors `flat`: (work handle, result)
@@ -478,13 +485,8 @@ class ShardedAdamW:
         bucket)], the full vectors valid once their work is waited on."""
         out = []
         for i in self.layer_buckets[layer]:
-            b, own = self.buckets[i], self.master[i].to(self.dtype)
-            if b.shards == 1:
-                out.append((None, own, own, i))
-                continue
-            full = torch.empty(b.shards * b.shard_numel, dtype=own.dtype, device=own.device)
-            out.append((dist.all_gather_single(full, own.contiguous(), group=self.groups[b.ranks], async_op=True),
-                        full, own, i))
+            own = self.master[i].to(self.dtype)
+            out.append((*self._all_gather_async(self.buckets[i], own), own, i))
         return out
 
     def _free(self, layer: int) -> None:
