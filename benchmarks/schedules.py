@@ -40,12 +40,20 @@ micro-batches (m < p) is where the three schedules' predicted times lie furthest
 from one to the next with this machine's profile; chosen on predictions alone), so that what is
 compared is the schedules, not the noise.
 
+On the testbed (`--testbed examples/testbed.yaml`, root) each stage is a rank of the testbed's first
+device class under its own CPU quota (`sailor testbed`): a stage waiting in the bubble lends its time
+to no other, as on GPUs. Its profile is measured inside that quota (`sailor.testbed.profile`), the
+plans simulated on the testbed's cluster spec and launched through its stand-in ssh
+(`sailor launch --backend torchrun --hosts`), the stages placed on its nodes by the launcher.
+
     python benchmarks/schedules.py [--stages 4|2] [--steps 7] [--skip 2] [--rounds 6] [--microbatches 2] [--out DIR]
+        [--testbed examples/testbed.yaml]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -55,6 +63,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from closed_loop import _load1, _run, _sailor  # noqa: E402  (benchmarks/ is not a package)
+from testbed import _launch  # noqa: E402
 
 MODEL = {"name": "gpt-8x384", "num_blocks": 8, "hidden_size": 384, "num_heads": 6, "vocab_size": 512,
          "max_sequence_length": 128, "tied_embeddings": False}
@@ -68,10 +77,10 @@ SCHEDULES = {"1f1b": {"kind": "1f1b"}, "interleaved-1f1b": {"kind": "interleaved
              "zb-h1": {"kind": "zb-h1"}}
 
 
-def plan_body(name: str, p: int, m: int, mbs: int, job: dict) -> dict:
+def plan_body(name: str, p: int, m: int, mbs: int, job: dict, where: tuple[str, str] = ("cpu", "local")) -> dict:
     stages, chunks = LAYOUTS[p]
     schedule = SCHEDULES[name]
-    reps = [{"stage": i, "gpu": "cpu", "zone": "local", "tp": 1} for i in range(p)]
+    reps = [{"stage": i, "gpu": where[0], "zone": where[1], "tp": 1} for i in range(p)]
     return {"micro_batch_size": mbs, "stages": chunks if schedule["kind"] == "interleaved-1f1b" else stages,
             "schedule": schedule, "pipelines": [{"microbatches": m, "replicas": reps}], "job": job}
 
@@ -98,7 +107,10 @@ def measured(runs: list[list[dict]], relative: list[float]) -> dict:
             "run_step_s": times, "pipeline_s": statistics.median(pipes), "bubble": statistics.median(bubbles)}
 
 
-def run(args: argparse.Namespace, work: Path) -> dict:
+def run(args: argparse.Namespace, work: Path, testbed=None) -> dict:
+    """Profile, simulate and train the three schedules (module docstring). With `testbed` (spec, live
+    state): the device class of the testbed's first node, each stage a rank of that class under its
+    own quota, launched through the stand-in ssh over the testbed's links."""
     sailor = _sailor()
     m, mbs = args.microbatches, args.mbs
     job = {"model": MODEL, "global_batch_size": m * mbs, "sequence_length": args.seq, "precision": "fp32"}
@@ -106,15 +118,27 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     prof, net = work / "profile.json", work / "network.json"
     load = {"profile_before": _load1()}
     print(f"profiling {MODEL['name']} (load {load['profile_before']:.2f}) ...", file=sys.stderr)
-    _run([sailor, "profile", "--job", str(work / "job.json"), "--device", "cpu", "--tp", "1", "--mbs", str(mbs),
-          "--concurrency", str(args.stages), "--repeats", str(args.repeats), "--out", str(prof)])
-    _run([sailor, "profile", "network", "--nproc", "2", "--device", "cpu", "--out", str(net)])
+    if testbed is None:
+        where = ("cpu", "local")
+        _run([sailor, "profile", "--job", str(work / "job.json"), "--device", "cpu", "--tp", "1", "--mbs", str(mbs),
+              "--concurrency", str(args.stages), "--repeats", str(args.repeats), "--out", str(prof)])
+        _run([sailor, "profile", "network", "--nproc", "2", "--device", "cpu", "--out", str(net)])
+        where_args = ["--network", str(net)]
+    else:
+        from sailor.core.fileio import write_json
+        from sailor.testbed.profile import profile_classes
+        spec, state = testbed
+        first = spec.nodes[0]
+        where = (spec.devices[first.device].gpu, first.zone)
+        write_json(prof, profile_classes(spec, state, work / "job.json", mbs=str(mbs), classes=[first.device]))
+        where_args = ["--cluster", str(state.cluster_file), "--job", str(work / "job.json")]
     load["profile_after"] = _load1()
     rows = {}
     for name in SCHEDULES:
         plan = work / f"{name}.json"
-        plan.write_text(json.dumps(plan_body(name, args.stages, m, mbs, job)))
-        est = json.loads(_run([sailor, "simulate", str(plan), "--profiles", str(prof), "--network", str(net), "--json"]))
+        body = plan_body(name, args.stages, m, mbs, job, where)
+        plan.write_text(json.dumps(body if testbed is None else {k: v for k, v in body.items() if k != "job"}))
+        est = json.loads(_run([sailor, "simulate", str(plan), "--profiles", str(prof), *where_args, "--json"]))
         rows[name] = {"predicted": predicted(est, m), "estimated": est["estimated"], "load1": []}
     runs: dict[str, list[list[dict]]] = {name: [] for name in SCHEDULES}
     relative: dict[str, list[float]] = {name: [] for name in SCHEDULES}
@@ -124,7 +148,11 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             metrics = work / f"{name}-{r}.jsonl"
             before = _load1()
             print(f"training {name}, round {r + 1} (load {before:.2f}) ...", file=sys.stderr)
-            _run([sailor, "train", str(work / f"{name}.json"), "--steps", str(args.steps), "--metrics", str(metrics)])
+            if testbed is None:
+                _run([sailor, "train", str(work / f"{name}.json"), "--steps", str(args.steps), "--metrics", str(metrics)])
+            else:
+                metrics.unlink(missing_ok=True)
+                _launch(testbed[1], work / f"{name}.json", work / "job.json", args.steps, metrics, work / f"{name}-{r}.log")
             rows[name]["load1"] += [before, _load1()]
             runs[name].append([json.loads(line) for line in metrics.read_text().splitlines()][args.skip:])
         times = {n: statistics.median(s["step_time_s"] for s in runs[n][-1]) for n in SCHEDULES}
@@ -136,6 +164,28 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         row["measured"] = measured(runs[name], relative[name])
         row["error_pct"] = 100.0 * (row["predicted"]["step_s"] - row["measured"]["step_s"]) / row["measured"]["step_s"]
     return {"rows": rows, "load1": load, "round_orders": round_orders}
+
+
+@contextlib.contextmanager
+def _testbed(path: Path, work: Path):
+    """(spec, state) of the testbed `path` brought up for the block (stages land on its ranks in the
+    launcher's node order), taken down afterwards; raises SystemExit when something is left behind."""
+    from sailor.testbed import down, leftovers, load_testbed, support_problem, up
+
+    problem = support_problem()
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    spec = load_testbed(path)
+    first = spec.nodes[0].device
+    if sum(n.ranks for n in spec.nodes if n.device == first) < 4:
+        raise SystemExit(f"error: {path}: the 4-stage plans need 4 ranks of device class {first!r}")
+    state = up(spec, work / "state")
+    try:
+        yield spec, state
+    finally:
+        down(state)
+        if leftovers(state.prefix):
+            raise SystemExit(f"error: the testbed left {leftovers(state.prefix)}")
 
 
 def main() -> None:
@@ -150,13 +200,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="runs per schedule, taking turns")
     ap.add_argument("--repeats", type=int, default=5, help="profiler repeats")
     ap.add_argument("--out", help="keep profile, plans and metrics in this folder")
+    ap.add_argument("--testbed", type=Path, help="run on this testbed (`sailor testbed`, root): one rank per stage of"
+                                                 " the first node's device class, under per-rank quotas")
     args = ap.parse_args()
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        res = run(args, Path(args.out))
-    else:
-        with tempfile.TemporaryDirectory(prefix="sailor-schedules-") as tmp:
-            res = run(args, Path(tmp))
+    with contextlib.ExitStack() as stack:
+        work = Path(args.out) if args.out else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sailor-schedules-")))
+        work.mkdir(parents=True, exist_ok=True)
+        testbed = stack.enter_context(_testbed(args.testbed, work)) if args.testbed else None
+        res = run(args, work, testbed)
     rows = res["rows"]
     print(f"{'schedule':<18} {'predicted (s)':>14} {'measured (s)':>13} {'error (%)':>10} {'relative':>9}"
           f" {'bubble pred':>12} {'bubble meas':>12} {'runs (s)':>28} {'load1 around runs':>20}")

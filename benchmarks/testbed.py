@@ -11,10 +11,13 @@ shaped links.
    plan's lone-node zone (all its traffic crosses to the other zone) are the difference of the two
    runs' veth counters over the difference of their steps, against `spec.wire_bytes` of the
    simulator's traffic;
-4. take the testbed down and check that nothing is left;
-5. print a table, then one JSON line: `closed_loop_mean_abs_error_pct`, `closed_loop_max_abs_error_pct`,
-   `link_bytes_max_error_pct`, `plans`, the rows (each with the 1-minute load before and after it)
-   and `left_behind`.
+4. elastic (`elastic_row`): `sailor run --hosts` on the testbed while every process of node a1 is
+   SIGKILLed after step ELASTIC_KILL_AT and the node comes back later (the availability trace's
+   fresh count); the per-step losses against the single-process reference give `elastic_loss_gap`;
+5. take the testbed down and check that nothing is left;
+6. print a table, then one JSON line: `closed_loop_mean_abs_error_pct`, `closed_loop_max_abs_error_pct`,
+   `link_bytes_max_error_pct`, `planner_vs_baselines_min_ratio`, `elastic_loss_gap`, `plans`, the
+   rows (each with the 1-minute load before and after it) and `left_behind`.
 
 Plans (the `tiny` model, global batch 12 so that 6, 4, 3 and 2 replicas take equal shares):
   planner          what `sailor.find_plan` picks with the testbed's profile
@@ -37,14 +40,16 @@ and measured (the metrics' `sync_exposed_s`, median over the timed steps of the 
 printed per row.
 
     python benchmarks/testbed.py [--testbed examples/testbed.yaml] [--job examples/tiny_job.yaml]
-        [--steps 8] [--skip 3] [--out DIR] [--no-baselines]
+        [--steps 12] [--skip 3] [--out DIR] [--no-baselines] [--no-elastic] [--only PLAN,PLAN]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -167,14 +172,82 @@ def run_plan(name: str, plan: dict, state, job: Path, profile: Path, out: Path, 
     return row
 
 
+ELASTIC_STEPS = 36
+ELASTIC_KILL_AT = 9  # step after which the victim node's processes are killed
+
+
+def elastic_row(state, spec, job: Path, profile: Path, out: Path, step_s: float, victim: str = "a1") -> dict:
+    """`sailor run --hosts` on the testbed while a node goes down and comes back: after step
+    ELASTIC_KILL_AT every process in node `victim`'s namespace (its torchrun agent and ranks) is
+    SIGKILLed, as when a machine fails; the availability trace (training-clock seconds, in units of
+    `step_s`, the planner's measured step) then reports its zone's GPUs as the rest (at 16 steps) and
+    as all of them again (at 20 steps: the node is back, a fresh count). The run must finish every
+    step; `elastic_loss_gap` is the largest relative difference between its per-step losses and the
+    single-process reference's."""
+    import threading
+
+    from sailor.elastic.availability import load_trace
+    from sailor.elastic.controller import ClockKind, RunOptions, run
+    from sailor.elastic.remote import HostPool
+    from sailor.runtime.data import load_corpus
+    from sailor.runtime.reference import train_reference
+    from sailor.specs import load_cluster, load_job
+    from sailor.testbed import node_processes
+
+    cluster, job_spec = load_cluster(state.cluster_file), load_job(job)
+    node = spec.node(victim)
+    gpu = spec.devices[node.device].gpu
+    counts = [{"time_s": 0, "zone": z, "gpu": g, "count": n} for z, gpus in cluster.zones.items() for g, n in gpus.items()]
+    full = next(c["count"] for c in counts if (c["zone"], c["gpu"]) == (node.zone, gpu))
+    trace_file = out / "elastic-trace.json"
+    write_json(trace_file, counts + [{"time_s": 16 * step_s, "zone": node.zone, "gpu": gpu, "count": full - node.ranks},
+                                     {"time_s": 20 * step_s, "zone": node.zone, "gpu": gpu, "count": full}])
+    metrics, events = out / "elastic-metrics.jsonl", out / "elastic-events.jsonl"
+    for f in (metrics, events):
+        f.unlink(missing_ok=True)
+    pool = HostPool.load(state.hosts_file, cluster, python=sys.executable, ssh=str(state.bin_dir / "ssh"))
+    opts = RunOptions(job=job_spec, cluster=cluster, trace=load_trace(trace_file, cluster), steps=ELASTIC_STEPS,
+                      checkpoint_dir=str(out / "elastic-ck"), checkpoint_every=4, metrics=str(metrics),
+                      events=str(events), clock=ClockKind.TRAINING, switch_cost_s=0.0, profiles=str(profile),
+                      hosts=pool, timeout_s=60.0)
+    load_before = os.getloadavg()[0]
+    done: dict = {}
+    controller = threading.Thread(target=lambda: done.setdefault("res", run(opts)), daemon=True)
+    controller.start()
+    killed = []
+    while controller.is_alive() and not killed:
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+        if rows and rows[-1]["step"] >= ELASTIC_KILL_AT:
+            killed = node_processes(state.node(victim))
+            for pid in killed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    controller.join(timeout=900)
+    res = done.get("res")
+    if res is None or res.status.name != "DONE":
+        raise RuntimeError(f"the elastic run did not finish: {res.message if res else 'still running'}; see {events}")
+    kept = {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())}
+    ref, _ = train_reference(job_spec, steps=ELASTIC_STEPS, seed=0, corpus=load_corpus())
+    ev = [json.loads(x) for x in events.read_text().splitlines()]
+    return {"plan": "elastic", "victim": victim, "killed_processes": len(killed),
+            "launch_world_sizes": [e["world_size"] for e in ev if e["event"] == "launch"],
+            "crashes": sum(e["event"] == "crash" for e in ev), "steps": sorted(kept) == list(range(1, ELASTIC_STEPS + 1)),
+            "steps_rolled_back": res.steps_rolled_back,
+            "elastic_loss_gap": max(abs(kept[s] - ref[s - 1]) / abs(ref[s - 1]) for s in kept),
+            "load_before": load_before, "load_after": os.getloadavg()[0]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--testbed", type=Path, default=ROOT / "examples" / "testbed.yaml")
     ap.add_argument("--job", type=Path, default=ROOT / "examples" / "tiny_job.yaml")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--no-baselines", action="store_true", help="skip the planner-against-alternatives rows")
+    ap.add_argument("--no-elastic", action="store_true", help="skip the node-down-and-back row")
+    ap.add_argument("--only", default=None, help="comma-separated plan names to run (default: all)")
     args = ap.parse_args()
     problem = support_problem()
     if problem:
@@ -187,7 +260,7 @@ def main() -> int:
     job.write_text(yaml.safe_dump({**yaml.safe_load(args.job.read_text()), "global_batch_size": GLOBAL_BATCH}))
     started = time.monotonic()
     state = up(spec, out / "state")
-    rows, others = [], []
+    rows, others, elastic = [], [], None
     try:
         profile = out / "profile.json"
         write_json(profile, profile_classes(spec, state, job, mbs="1,2"))
@@ -199,6 +272,8 @@ def main() -> int:
             extra = {f"baseline:{k}": v for k, v in baselines(cluster, job, profile, ranks).items()}
             others = list(extra)
             plans |= extra
+        if args.only:
+            plans = {k: v for k, v in plans.items() if k in args.only.split(",") or k == "planner"}
         for name, plan in plans.items():
             same = next((r for r in rows if plans[r["plan"]] == plan), None)  # a baseline that is a plan run already
             rows.append({**same, "plan": name, "same_as": same["plan"]} if same else
@@ -209,6 +284,12 @@ def main() -> int:
                   + (f"  link bytes/iter {r['link_measured_bytes']:.0f} vs {r['link_predicted_bytes']:.0f}"
                      f" ({r['link_error_pct']:+.1f} %)" if "link_node" in r else "")
                   + f"  load {r['load_before']:.1f}->{r['load_after']:.1f}", flush=True)
+        if not args.no_elastic:
+            elastic = elastic_row(state, spec, job, profile, out, step_s=rows[0]["measured_s"])
+            print(f"elastic: node {elastic['victim']} down after step {ELASTIC_KILL_AT} and back; launches"
+                  f" {elastic['launch_world_sizes']}, {elastic['steps_rolled_back']} steps redone, largest relative"
+                  f" loss difference {elastic['elastic_loss_gap']:.2e}  load {elastic['load_before']:.1f}->"
+                  f"{elastic['load_after']:.1f}", flush=True)
     finally:
         down(state)
     left = leftovers(state.prefix)
@@ -224,6 +305,7 @@ def main() -> int:
                       "link_bytes_max_error_pct": max(links) if links else None,
                       "planner_vs_baselines_min_ratio": min(ratios.values()) if ratios else None,
                       "planner_vs_baselines": ratios,
+                      "elastic_loss_gap": elastic["elastic_loss_gap"] if elastic else None, "elastic": elastic,
                       "plans": [r["plan"] for r in rows], "rows": rows, "left_behind": left,
                       "seconds": time.monotonic() - started}))
     return 0 if not left else 1

@@ -574,7 +574,8 @@ def test_plan_with_a_profile_as_network_names_the_schema(tmp_path, monkeypatch, 
 
 # ---- testbed up: a quota past this machine's cores names the testbed file ------------------------
 def test_testbed_quotas_past_the_machine_name_the_file(tmp_path, monkeypatch, capsys):
-    """examples/testbed.yaml asks 4 x 0.3 + 2 x 0.15 = 1.5 cores; a 1-core machine cannot host it.
+    """examples/testbed.yaml asks 4 x 0.3 + 2 x 0.15 = 1.5 cores for its ranks (their
+    communication threads have no limit); a 1-core machine cannot host it.
     `check_support` (root, ip, tc) is taken as passed: the refusal comes before anything is made."""
     import sailor.testbed.host as host
     from sailor.testbed import load_testbed
@@ -583,8 +584,8 @@ def test_testbed_quotas_past_the_machine_name_the_file(tmp_path, monkeypatch, ca
     monkeypatch.setattr(host.os, "cpu_count", lambda: 1)
     line = _refused(["testbed", "up", "tb.yaml", "--state-dir", str(tmp_path / "state")], tmp_path, monkeypatch,
                     capsys)
-    assert line == ("error: tb.yaml: devices: the ranks' quotas add up to 1.5 cores, more than the 1 of this"
-                    " machine (smaller cpu_quota or fewer ranks)"), line
+    assert line == ("error: tb.yaml: devices: the quotas of ranks and communication add up to 1.5 cores, more"
+                    " than the 1 of this machine (smaller cpu_quota or comm_cpu_quota, or fewer ranks)"), line
     monkeypatch.setattr(host.os, "cpu_count", lambda: 2)
     host.check_cores(load_testbed(tmp_path / "tb.yaml"), "tb.yaml")  # 1.5 of 2 cores: accepted
 
@@ -654,3 +655,17 @@ def test_wording_of_expert_fields_missing_model_type_and_an_empty_profiles_folde
     with pytest.raises(SailorInputError) as e:
         load_profiles(tmp_path / "empty", JobSpec(model="tiny", global_batch_size=8))
     assert e.value.one_line() == f"{tmp_path}/empty: folder holds no profiles_tmp.json (Sailor format)"
+
+
+# ---- profile network --hosts ---------------------------------------------------------------------
+def test_profile_network_between_hosts_needs_the_cluster_and_two_machines(tmp_path, monkeypatch, capsys):
+    (tmp_path / "hosts.yaml").write_text("groups:\n- {zone: us-central1-a, gpu: A100-40, hosts: [10.0.0.1]}\n")
+    (tmp_path / "c.yaml").write_text("provider: gcp\nzones: {us-central1-a: {A100-40: 1}}\ngpus_per_node: {A100-40: 1}\n")
+    line = _refused(["profile", "network", "--hosts", "hosts.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == "error: --cluster: --hosts needs the cluster spec the machines belong to", line
+    line = _refused(["profile", "network", "--hosts", "hosts.yaml", "--cluster", "c.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == ("error: hosts.yaml: groups: one machine of one GPU per node has no link to measure (list two"
+                    " machines, or machines of two groups)"), line
+    line = _refused(["profile", "network", "--hosts", "hosts.yaml", "--cluster", "c.yaml", "--out", "c.yaml"], tmp_path,
+                    monkeypatch, capsys)
+    assert line == "error: --out: c.yaml is the --cluster input", line

@@ -97,6 +97,27 @@ def test_availability_is_capped_by_usable_machines_until_a_fresh_count(tmp_path,
     assert avail.zones() == {"local": {"cpu": 5}} and not avail.lost_machines
 
 
+def test_cpu_runs_a_gpu_trace_on_named_machines_only(tmp_path):
+    """--device cpu trains GPU types as gloo processes on named machines (the testbed's device
+    classes), as `sailor launch` does; on this machine's local provider only GPU type cpu runs."""
+    from sailor.elastic.controller import check_run
+
+    gcp = ClusterSpec(provider="gcp", zones={"us-central1-a": {"A100-40": 2}}, gpus_per_node={"A100-40": 2})
+    trace = tmp_path / "a100.json"
+    trace.write_text(json.dumps([{"time_s": 0, "zone": "us-central1-a", "gpu": "A100-40", "count": 2}]))
+    opts = RunOptions(job=JOB, cluster=gcp, trace=load_trace(trace, gcp), checkpoint_dir=str(tmp_path / "ck"),
+                      device="cpu", hosts=HostPool.load(_a100_hosts(tmp_path), gcp))
+    check_run(opts)  # accepted
+    with pytest.raises(SailorInputError, match="--device: the trace offers GPU type A100-40, which --device cpu cannot"):
+        check_run(RunOptions(**{**vars(opts), "hosts": None, "cluster": gcp.model_copy(update={"provider": "local"})}))
+
+
+def _a100_hosts(tmp_path: Path) -> Path:
+    hosts = tmp_path / "a100-hosts.yaml"
+    hosts.write_text(yaml.safe_dump({"groups": [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["10.0.0.1"]}]}))
+    return hosts
+
+
 def test_hosts_must_agree_with_the_clusters_node_size(tmp_path):
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text(yaml.safe_dump({"groups": [{"zone": "local", "gpu": "cpu", "gpus_per_node": 4,
@@ -244,7 +265,6 @@ def test_cli_hosts_errors_are_one_line(tmp_path):
                         (["--hosts", str(bad["twice"]), *ck], "groups.0.hosts.1: host a0 is listed twice"),
                         (["--hosts", str(bad["zone"]), *ck], "groups.0.zone: unknown gcp zone 'nowhere'"),
                         (["--hosts", str(bad["other"]), *ck], "other.yaml: groups: no group holds GPUs the trace"),
-                        (["--hosts", str(hosts), *ck, "--device", "cpu"], "--device: the trace offers GPU type"),
                         (["--hosts", str(hosts), *ck, "--device", "tpu"], "--device: unknown device 'tpu'")):
         r = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and want in r.stderr, (extra, r.stderr)

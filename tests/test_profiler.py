@@ -22,7 +22,7 @@ from sailor.core.fileio import write_json
 from sailor.perf.network import network_for
 from sailor.perf.profiles import load_profiles, profiles_from_dict
 from sailor.runtime.netprofile import fit_alpha_beta, profile_network
-from sailor.runtime.profiler import ProfileOptions, check_options, device_gpu_type, pass_scale, profile_job
+from sailor.runtime.profiler import ProfileOptions, _free_port, check_options, device_gpu_type, pass_scale, profile_job
 from sailor.specs.cluster import local_cluster
 from sailor.specs.job import JobSpec
 
@@ -242,3 +242,55 @@ def test_own_processes_lists_this_tests_children_only():
     finally:
         outside.kill()
         outside.wait()
+
+
+def test_link_pairs_of_a_hosts_file():
+    """Testbed-like machines: two 2-GPU A100 machines in one zone, one V100 machine in each of two
+    more zones. Links: inside an A100 machine, between the two A100 machines, and from each group's
+    first machine to every later group's (the model looks links up both ways)."""
+    from sailor.launch.hosts import HostsFile, LinkPair, link_pairs
+
+    hosts = HostsFile.model_validate({"user": "me", "groups": [
+        {"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["10.0.0.1", "10.0.0.2"]},
+        {"zone": "us-central1-b", "gpu": "V100-16", "hosts": ["10.0.0.3"]},
+        {"zone": "us-west1-b", "gpu": "V100-16", "hosts": ["root@10.0.0.4"]}]})
+    a, b, w = ("us-central1-a", "A100-40"), ("us-central1-b", "V100-16"), ("us-west1-b", "V100-16")
+    pairs = link_pairs(hosts, {"A100-40": 2, "V100-16": 1})
+    assert pairs == [LinkPair(a, a, True, ("me@10.0.0.1", "me@10.0.0.1")),
+                     LinkPair(a, a, False, ("me@10.0.0.1", "me@10.0.0.2")),
+                     LinkPair(a, b, False, ("me@10.0.0.1", "me@10.0.0.3")),
+                     LinkPair(a, w, False, ("me@10.0.0.1", "root@10.0.0.4")),
+                     LinkPair(b, w, False, ("me@10.0.0.3", "root@10.0.0.4"))]
+    assert [p.rendezvous for p in pairs] == ["10.0.0.1"] * 4 + ["10.0.0.3"]
+    assert link_pairs(hosts.model_copy(update={"groups": hosts.groups[1:2]}), {"V100-16": 1}) == []
+
+
+@pytest.mark.integration
+def test_network_profile_between_machines_runs_each_pair_where_launch_says(tmp_path):
+    """`profile_pairs` with a `launch` that runs each process here under an env marking its machine
+    (what ssh does on real ones): both ends of the pair ran, the result came back as a rank message,
+    and the file it writes loads, with the measured link for that pair."""
+    from sailor.launch.hosts import LinkPair
+    from sailor.runtime.netprofile import profile_pairs
+
+    seen = tmp_path / "seen"
+    seen.mkdir()
+
+    def launch(dest: str, argv: list[str]) -> list[str]:
+        script = f"import pathlib, runpy, sys; pathlib.Path({str(seen)!r}, {dest!r} + sys.argv[2]).touch()"
+        return [sys.executable, "-c", script + "; sys.argv = ['x', *sys.argv[1:]]; runpy.run_module("
+                "'sailor.runtime.profiler', run_name='__main__')", *argv[2:]]
+
+    pair = LinkPair(("local", "cpu"), ("local", "cpu"), False, ("127.0.0.1", "localhost"))
+    with own_processes() as alive:
+        data = profile_pairs([pair], launch, port=_free_port(), sizes_bytes=(1024, 65536, 1 << 20), repeats=3)
+    assert sorted(p.name for p in seen.iterdir()) == ["127.0.0.10", "localhost1"]  # rank 0 on the first machine
+    path = tmp_path / "net.json"
+    write_json(path, data)
+    net = network_for(local_cluster(2), path)
+    (link,) = data["links"]
+    assert link["same_node"] is False and link["bandwidth_bytes_per_s"] > 0
+    assert net.transfer_time_s("local", "cpu", "local", "cpu", 1 << 20) == pytest.approx(
+        link["latency_s"] + (1 << 20) / link["bandwidth_bytes_per_s"])
+    assert len(data["sweep"]["pairs"][0]["p2p_one_way_s"]) == 3
+    assert not alive()

@@ -40,8 +40,11 @@ def raw():
 # ---- the file ------------------------------------------------------------------------------------
 def test_the_example_reads(box):
     assert [n.name for n in box.nodes] == ["a0", "a1", "b0", "w0"]
-    assert box.cfs_period_us == 10_000
-    assert box.total_cpu_cores() == pytest.approx(2 * 2 * 0.3 + 2 * 0.15)
+    assert box.cfs_period_us is None  # each quota's shortest period: 1 ms of quota in it
+    assert [box.period_us(d.cpu_quota) for d in box.devices.values()] == [3334, 6667]
+    assert net.cpu_quota_us(0.3, 3334) == net.cpu_quota_us(0.15, 6667) == 1000
+    assert box.model_copy(update={"cfs_period_us": 5000}).period_us(0.3) == 5000
+    assert box.total_cpu_cores() == pytest.approx(2 * 2 * 0.3 + 2 * 0.15)  # ranks; communication: no limit
     a0, a1, b0, w0 = box.nodes
     assert box.link_between(a0, a1) is TestbedLink.SAME_ZONE
     assert box.link_between(a0, b0) is TestbedLink.CROSS_ZONE
@@ -56,7 +59,8 @@ def test_the_example_reads(box):
     (lambda d: d["nodes"][0].update(name="toolong7"), "nodes.0.name", "1-6 of a-z 0-9"),
     (lambda d: d["nodes"][1].update(ranks=1), "nodes.1.ranks", "node 0 of device class 'fast' has 2"),
     (lambda d: d["devices"]["slow"].update(gpu="A100-40"), "devices.slow.gpu", "both stand for A100-40"),
-    (lambda d: d["devices"]["slow"].update(cpu_quota=0.05), "devices.slow.cpu_quota", "below the kernel's 1000 µs"),
+    (lambda d: d.update(cfs_period_us=10_000) or d["devices"]["slow"].update(cpu_quota=0.05), "devices.slow.cpu_quota",
+     "below the kernel's 1000 µs"),
     (lambda d: d["links"].update(cross_zone_mbit_per_s=0), "links.cross_zone_mbit_per_s", "greater than or equal"),
     (lambda d: d.update(extra=1), "extra", "Extra inputs"),
     (lambda d: d.update(name="Box!"), "name", "1-12 of a-z"),
@@ -73,6 +77,7 @@ def test_bad_files_name_the_field(edit, field, words):
 def test_the_quota_fix_names_the_period_that_works():
     data = copy.deepcopy(raw())
     data["devices"]["slow"]["cpu_quota"] = 0.05
+    data["cfs_period_us"] = 10_000
     with pytest.raises(SailorInputError, match=r"cfs_period_us >= 20000"):
         parse_testbed(data)
 

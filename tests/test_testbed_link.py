@@ -4,10 +4,12 @@ missing, elsewhere): two nodes joined by one shaped cross-region link, two gloo 
 iteration equal what the simulator says crosses it (`Estimate.traffic`) with the TCP/IP overhead of
 `spec.wire_bytes`, within 5 %; teardown leaves no namespace, link, cgroup, file or process."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from sailor.testbed import (
     support_problem,
     up,
 )
-from sailor.testbed.host import live_states, processes
+from sailor.testbed.host import comm_cgroup, live_states, processes
 from sailor.testbed.spec import parse_testbed, wire_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +55,29 @@ def link_bytes(state) -> int:
     return c["tx_bytes"] + c["rx_bytes"]
 
 
+@contextlib.contextmanager
+def comm_threads_seen(state):
+    """The names of the threads found in the testbed's `comm-threads` cgroup while the block runs
+    (polled every 50 ms)."""
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.wait(0.05):
+            with contextlib.suppress(OSError):
+                for tid in Path(comm_cgroup(state.nodes[0]), "tasks").read_text().split():
+                    with contextlib.suppress(OSError):
+                        seen.add(Path(f"/proc/{tid}/comm").read_text().strip())
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        t.join()
+
+
 def launch(state, plan: Path, job: Path, steps: int, log: Path) -> None:
     env = {**os.environ, "PATH": f"{state.bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
@@ -79,8 +104,11 @@ def test_bytes_on_a_shaped_link_match_the_simulator(tmp_path, layout, kinds):
         moved = []
         for steps in (1, 4):
             before = link_bytes(state)
-            launch(state, plan, job, steps, tmp_path / f"launch{steps}.log")
+            with comm_threads_seen(state) as comm:
+                launch(state, plan, job, steps, tmp_path / f"launch{steps}.log")
             moved.append(link_bytes(state) - before)
+            # gloo's socket loop and work threads ran outside the ranks' quotas (`host.place_ranks`)
+            assert {"gloo_tcp_loop", "pt_gloo_runloop"} <= comm, comm
             for node in state.nodes:  # the rank ran in its own cgroup, under its quota
                 stat = dict(line.split() for line in Path(node.cgroup, "r0", "cpu.stat").read_text().splitlines())
                 assert int(stat["nr_periods"]) > 0, node

@@ -89,22 +89,65 @@ def profile_network_command(
                                                  " concurrent flows)."),
     device: str = DeviceOpt,
     zone: str = typer.Option("local", "--zone", help="Zone name the links are written for."),
-    warmup: int = typer.Option(2, "--warmup", help="Untimed rounds per size."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed rounds per size; the median is kept."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Untimed rounds per size (default 2; 1 with --hosts)."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Timed rounds per size; the median is kept"
+                                                                  " (default 5; 3 with --hosts)."),
+    hosts: Optional[Path] = typer.Option(None, "--hosts", help="HOSTS.yaml: measure the links between these machines"
+                                                               " over ssh instead (one pair per link, 1 KiB..4 MiB)."),
+    cluster: Optional[Path] = typer.Option(None, "--cluster", help="With --hosts: the cluster spec the hosts belong to."),
+    python: str = typer.Option("python3", "--python", help="With --hosts: Python interpreter on the hosts, with"
+                                                           " Sailor installed."),
+    port: int = typer.Option(29500, "--port", help="With --hosts: TCP port of the rendezvous on each pair's first"
+                                                   " machine."),
     out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.network/1)."),
 ) -> None:
-    """p2p and all-reduce over 1 KiB..64 MiB between local processes; fit latency and bandwidth."""
+    """p2p and all-reduce over 1 KiB..64 MiB between local processes (or, with --hosts, p2p between
+    machines); fit latency and bandwidth."""
     require_torch("profile network")
     from sailor.core.fileio import check_output_path, write_json
     from sailor.runtime.netprofile import SIZES_BYTES, profile_network
 
     catalog.check_device(device)
-    check_output_path(out, "--out")
+    check_output_path(out, "--out", inputs={"--hosts": hosts, "--cluster": cluster})
+    if hosts is not None:
+        data = _profile_hosts(hosts, cluster, python, port, device, 1 if warmup is None else warmup,
+                              3 if repeats is None else repeats)
+        write_json(out, data)
+        for link in data["links"]:
+            print(f"{link['src_gpu']} in {link['src_zone']} -> {link['dst_gpu']} in {link['dst_zone']}"
+                  f"{' (same node)' if link['same_node'] else ''}: latency {link['latency_s'] * 1e6:.0f} µs,"
+                  f" bandwidth {link['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s")
+        print(f"{len(data['links'])} links written to {out}")
+        return
     bar, advance = _progress("network", len(SIZES_BYTES))
     with bar:
-        data = profile_network(nproc, device=device, zone=zone, warmup=warmup, repeats=repeats,
-                               progress=advance)
+        data = profile_network(nproc, device=device, zone=zone, warmup=2 if warmup is None else warmup,
+                               repeats=5 if repeats is None else repeats, progress=advance)
     write_json(out, data)
     link = data["classes"]["same_zone"]
     print(f"link: latency {link['latency_s'] * 1e6:.1f} µs, bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s;"
           f" written to {out}")
+
+
+def _profile_hosts(hosts: Path, cluster: Optional[Path], python: str, port: int, device: str, warmup: int,
+                   repeats: int) -> dict:
+    """`profile network --hosts`: every link of `launch.hosts.link_pairs`, measured over ssh."""
+    import shlex
+
+    from sailor.elastic.remote import HostPool
+    from sailor.launch.hosts import link_pairs
+    from sailor.launch.torchrun import ssh_argv
+    from sailor.runtime.netprofile import HOST_SIZES_BYTES, profile_pairs
+    from sailor.specs import load_cluster
+
+    if cluster is None:
+        raise SailorInputError("--hosts needs the cluster spec the machines belong to", field="--cluster")
+    pool = HostPool.load(hosts, load_cluster(cluster), python=python, rdzv_port=port)
+    pairs = link_pairs(pool.hosts, pool.node_size)
+    if not pairs:
+        raise SailorInputError("one machine of one GPU per node has no link to measure", source=str(hosts),
+                               field="groups", fix="list two machines, or machines of two groups")
+    bar, advance = _progress("links", len(pairs) * len(HOST_SIZES_BYTES))
+    with bar:
+        return profile_pairs(pairs, lambda dest, argv: ssh_argv(dest, shlex.join([pool.python, *argv]), pool.ssh),
+                             port=pool.rdzv_port, device=device, warmup=warmup, repeats=repeats, progress=advance)

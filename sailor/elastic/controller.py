@@ -208,7 +208,10 @@ def check_run(o: RunOptions) -> None:
     if o.hosts is not None and not o.checkpoint_dir:
         raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
                                source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")
-    catalog.check_device(o.device, (g for _, g in _offered(o.trace)), what="the trace offers")
+    # On named machines, --device cpu runs a GPU plan's ranks as gloo processes, as `sailor launch`
+    # does (the testbed's device classes stand for GPU types); locally only GPU type cpu runs on cpu.
+    catalog.check_device(o.device, (g for _, g in _offered(o.trace)), what="the trace offers",
+                         cpu_runs_any=o.hosts is not None)
     if not 1 <= o.steps <= MAX_STEPS:
         raise SailorInputError(f"must be between 1 and {MAX_STEPS:,} (limits.MAX_STEPS), got {o.steps}", source="--steps")
     if not _offered(o.trace):

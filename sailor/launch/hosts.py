@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
@@ -147,10 +149,46 @@ def assign_hosts(layout: LaunchLayout, hosts: HostsFile, source: str = "HOSTS.ya
         if len(g.hosts) < len(nodes):
             raise SailorInputError(f"the plan needs {len(nodes)} {gpu} node(s) in {zone} but {len(g.hosts)}"
                                    f" host(s) are listed", source=source, field=f"groups.{zone}/{gpu}.hosts")
-        user = g.user or hosts.user
         for n in nodes:
-            host = g.hosts[n.index]
-            out[n.name] = f"{user}@{host}" if user and "@" not in host else host
+            out[n.name] = destination(hosts, g, n.index)
+    return out
+
+
+def destination(hosts: HostsFile, group: HostGroup, index: int) -> str:
+    """ssh destination ("user@host" or "host") of machine `index` of `group`."""
+    user, host = group.user or hosts.user, group.hosts[index]
+    return f"{user}@{host}" if user and "@" not in host else host
+
+
+@dataclass(frozen=True)
+class LinkPair:
+    """Two machines whose link `sailor profile network --hosts` measures (ssh destinations; one
+    machine twice for a link inside a node), and the (zone, GPU type) ends the link stands for."""
+
+    src: tuple[str, str]
+    dst: tuple[str, str]
+    same_node: bool
+    hosts: tuple[str, str]
+
+    @property
+    def rendezvous(self) -> str:
+        """The first machine's address, where the two processes meet."""
+        return bare_host(self.hosts[0])
+
+
+def link_pairs(hosts: HostsFile, node_size: Mapping[str, int]) -> list[LinkPair]:
+    """The links the network model looks up between the machines of `hosts`, one pair of machines
+    each: inside the first machine of every group whose nodes hold 2 or more GPUs (`node_size` per GPU
+    type), between the first two machines of every group that has two, and between the first machines
+    of every two groups (the model's links are the same both ways, `perf.network`)."""
+    out = []
+    for k, g in enumerate(hosts.groups):
+        end, first = (g.zone, g.gpu), destination(hosts, g, 0)
+        if node_size.get(g.gpu, 1) >= 2:
+            out.append(LinkPair(end, end, True, (first, first)))
+        if len(g.hosts) >= 2:
+            out.append(LinkPair(end, end, False, (first, destination(hosts, g, 1))))
+        out += [LinkPair(end, (h.zone, h.gpu), False, (first, destination(hosts, h, 0))) for h in hosts.groups[k + 1:]]
     return out
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from sailor.perf.network import SCHEMA
 
 SIZES_BYTES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
+HOST_SIZES_BYTES = SIZES_BYTES[:7]  # 1 KiB .. 4 MiB between machines: 4 MiB over 50 Mbit/s is 0.7 s
 
 
 def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
@@ -47,7 +48,9 @@ def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
 
 def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     """One rank of the sweep (run by `sailor.runtime.profiler.run_ranks`); rank 0 writes
-    {"p2p": {flows: [seconds per size]}, "allreduce": [seconds per size]} to `o["out"]`."""
+    {"p2p": {flows: [seconds per size]}, "allreduce": [seconds per size]} to `o["out"]`, or without
+    one sends it as a rank message {"result": ...} (a rank on another machine). The rendezvous is on
+    `o["master_addr"]` (default this machine)."""
     import json
     from pathlib import Path
 
@@ -60,7 +63,7 @@ def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
 
     cuda = o["device"] == "cuda"
     device = rank_device("cuda", rank) if cuda else torch.device("cpu")  # arch check, current device
-    init_rank(rank, world, port, "nccl" if cuda else "gloo", o["timeout_s"])
+    init_rank(rank, world, port, "nccl" if cuda else "gloo", o["timeout_s"], o.get("master_addr", "127.0.0.1"))
     watch = Stopwatch(device)  # CUDA events on the compute stream, which waits for NCCL's
 
     def timed(fn) -> float:
@@ -100,8 +103,10 @@ def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
         result["allreduce"].append(t.item())
         if rank == 0:
             rank_message({"tick": 1})
-    if rank == 0:
+    if rank == 0 and o.get("out"):
         Path(o["out"]).write_text(json.dumps(result))
+    elif rank == 0:
+        rank_message({"result": result})
     dist.barrier()
 
 
@@ -163,3 +168,45 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
             "links": links,
             "sweep": {"sizes_bytes": list(sizes_bytes), "p2p_one_way_s": res["p2p"], "allreduce_s": res["allreduce"]},
             "allreduce": {"processes": nproc, "latency_s": ar_alpha, "bus_bandwidth_bytes_per_s": ar_beta}}
+
+
+def profile_pairs(pairs, launch, *, port: int, device: str = "cpu", warmup: int = 1, repeats: int = 3,
+                  sizes_bytes: tuple[int, ...] = HOST_SIZES_BYTES, timeout_s: float = 300.0,
+                  progress=None) -> dict[str, Any]:
+    """Measure the link of each pair of machines with two processes, one on each, and return our link
+    file as a dict: one `links` entry per pair (one flow), its α–β fitted to the one-way p2p times.
+
+    `pairs`: `sailor.launch.hosts.LinkPair`s (src and dst (zone, GPU type), same_node, the two ssh
+    destinations, the rendezvous address); `launch(destination, argv)`: the command that runs
+    `python argv` on that machine (ssh). The rendezvous is on the first machine, port `port`.
+    `progress(n)` is called as sizes finish (len(sizes_bytes) per pair). Raises RuntimeError (naming
+    the pair) if a process fails or times out.
+    """
+    from sailor.runtime.profiler import run_ranks, versions
+
+    links, sweeps = [], []
+    for pair in pairs:
+        got: dict[str, Any] = {}
+
+        def on_message(m: dict[str, Any]) -> None:
+            if "result" in m:
+                got.update(m["result"])
+            elif progress:
+                progress(m["tick"])
+
+        where = f"{pair.hosts[0]} -> {pair.hosts[1]}"
+        try:
+            run_ranks("sailor.runtime.netprofile:network_rank", 2,
+                      {"device": device, "warmup": warmup, "repeats": repeats, "sizes": list(sizes_bytes),
+                       "timeout_s": timeout_s, "out": None, "master_addr": pair.rendezvous},
+                      timeout_s=timeout_s * 4, port=port, on_message=on_message,
+                      launch=lambda rank, argv: launch(pair.hosts[rank], argv))
+        except RuntimeError as e:
+            raise RuntimeError(f"link {where}: {e}") from None
+        alpha, beta = fit_alpha_beta(sizes_bytes, got["p2p"]["1"])
+        links.append({"src_zone": pair.src[0], "src_gpu": pair.src[1], "dst_zone": pair.dst[0], "dst_gpu": pair.dst[1],
+                      "flows": 1, "latency_s": alpha, "bandwidth_bytes_per_s": beta, "same_node": pair.same_node})
+        sweeps.append({"hosts": list(pair.hosts), "p2p_one_way_s": got["p2p"]["1"], "allreduce_s": got["allreduce"]})
+    return {"schema": SCHEMA, "source": f"sailor profile network --hosts ({len(links)} links, {device})",
+            "versions": versions(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "links": links, "sweep": {"sizes_bytes": list(sizes_bytes), "pairs": sweeps}}

@@ -177,16 +177,19 @@ RANK_MESSAGE = "SAILOR_RANK "  # prefix of a message line a rank prints for the 
 
 
 def run_ranks(target: str, nprocs: int, args: dict[str, Any], *, on_message: Callable[[Any], None] | None = None,
-              timeout_s: float = 600.0) -> None:
+              timeout_s: float = 600.0, port: int | None = None,
+              launch: Callable[[int, list[str]], list[str]] | None = None) -> None:
     """Run `target(rank, world, port, args)` ("module:function") in `nprocs` fresh Python processes
-    on this machine and wait for them.
+    and wait for them: on this machine (`port` None: a free one), or, with `launch`, each as the
+    command `launch(rank, argv)` returns, e.g. over ssh on another machine, where `argv` is what follows
+    `python` (the arguments dict then travels as its last argument, not on stdin).
 
     Each rank is `python -m sailor.runtime.profiler` (no re-import of the caller's main module, so it
     works from scripts, stdin and tests). A rank reports with `rank_message(obj)`; every message is
     handed to `on_message` as it arrives. Raises RuntimeError with the failing rank's last stderr lines
     if any rank fails or `timeout_s` passes; every rank is killed before this returns or raises.
     """
-    port = _free_port()
+    port = _free_port() if port is None else port
     payload = json.dumps(args)
     msgs: _queue.Queue = _queue.Queue()
     procs, errs = [], []
@@ -201,12 +204,14 @@ def run_ranks(target: str, nprocs: int, args: dict[str, Any], *, on_message: Cal
             # TP-2 pass at ~45-50 ms per micro-batch of 4 on the 2-core build machines, against
             # ~30-37 ms in separate sessions (same code, same machine, torchrun's timing): the
             # profile must see the scheduling a run sees.
-            p = subprocess.Popen([sys.executable, "-m", "sailor.runtime.profiler", target, str(rank), str(nprocs),
-                                  str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                 start_new_session=True)
+            argv = ["-m", "sailor.runtime.profiler", target, str(rank), str(nprocs), str(port)]
+            p = subprocess.Popen([sys.executable, *argv] if launch is None else launch(rank, [*argv, payload]),
+                                 stdin=subprocess.PIPE if launch is None else subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
             procs.append(p)
-            p.stdin.write(payload)
-            p.stdin.close()
+            if launch is None:
+                p.stdin.write(payload)
+                p.stdin.close()
             threading.Thread(target=_read_messages, args=(p.stdout, msgs), daemon=True).start()
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
@@ -259,10 +264,10 @@ def _drain(q: _queue.Queue, on_message) -> None:
             on_message(msg)
 
 
-def init_rank(rank: int, world: int, port: int, backend: str, timeout_s: float) -> None:
-    """Join a `world`-process group on this machine (rank `rank`, TCP rendezvous on `port`)."""
+def init_rank(rank: int, world: int, port: int, backend: str, timeout_s: float, addr: str = "127.0.0.1") -> None:
+    """Join a `world`-process group (rank `rank`, TCP rendezvous on `addr`:`port`, rank 0's machine)."""
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=_dt.timedelta(seconds=timeout_s))
 
 
@@ -737,17 +742,17 @@ def _stats(both: list[list[float]]) -> tuple[float, float, float, float]:
 
 
 def _rank_main(argv: list[str]) -> None:
-    """Entry point of one rank: `python -m sailor.runtime.profiler MODULE:FUNCTION RANK WORLD PORT`,
-    the function's argument dict as JSON on stdin."""
+    """Entry point of one rank: `python -m sailor.runtime.profiler MODULE:FUNCTION RANK WORLD PORT [ARGS]`,
+    the function's argument dict as JSON in ARGS, else on stdin."""
     import importlib
 
     from sailor.core.process import die_with_parent
 
     die_with_parent()  # never outlive the driver
-    target, rank, world, port = argv
+    target, rank, world, port = argv[:4]
     module, name = target.split(":")
     fn = getattr(importlib.import_module(module), name)
-    fn(int(rank), int(world), int(port), json.loads(sys.stdin.read()))
+    fn(int(rank), int(world), int(port), json.loads(argv[4] if len(argv) > 4 else sys.stdin.read()))
     sys.stdout.flush()
     os._exit(0)  # skip gloo's teardown at exit (see sailor.runtime.worker.main)
 

@@ -17,10 +17,11 @@ from sailor.testbed.host import (
                                  down_all,
                                  find_state,
                                  leftovers,
+                                 node_processes,
                                  support_problem,
                                  up,
 )
 from sailor.testbed.spec import TestbedSpec, cluster_spec, hosts_spec, load_testbed
 
 __all__ = ["TestbedSpec", "TestbedState", "TestbedUnsupported", "cluster_spec", "counters", "down", "down_all",
-           "find_state", "hosts_spec", "leftovers", "load_testbed", "support_problem", "up"]
+           "find_state", "hosts_spec", "leftovers", "load_testbed", "node_processes", "support_problem", "up"]

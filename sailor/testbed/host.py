@@ -164,17 +164,28 @@ def _write_cgroup(path: str, key: str, value: str | int) -> None:
 
 
 def _create_cgroups(spec: TestbedSpec, state: TestbedState) -> None:
-    """The testbed's cgroup with one child per node, whose quota is ranks × the class's per-rank
-    quota, and below it one child per rank (`r0`, `r1`, ...) with the per-rank quota: a rank waiting
-    for a transfer does not lend its share to the other ranks of its node (the stand-in ssh moves
-    each rank into its own, `place_ranks`); the node's own share covers its torchrun agents too."""
+    """The testbed's cgroup with one child per node, and below it one child per rank (`r0`, `r1`,
+    ...) with its device class's per-rank quota: a rank waiting for a transfer does not lend its share
+    to the other ranks of its node (the stand-in ssh moves each rank into its own, `place_ranks`).
+    The node's own cgroup has no quota: what else runs there (torchrun's agent, `sailor profile
+    network --hosts`, `testbed exec`) is the host's CPU work, not its device's. Beside the nodes,
+    `comm-threads` (`comm_cgroup`) holds every communication thread under the shared
+    `comm_cpu_quota` (no limit without one)."""
     os.mkdir(state.names.cgroup)
     for n, ns in zip(spec.nodes, state.nodes):
-        quota = spec.devices[n.device].cpu_quota
-        for path, cores in [(ns.cgroup, n.ranks * quota)] + [(rank_cgroup(ns, k), quota) for k in range(n.ranks)]:
-            os.mkdir(path)
-            _write_cgroup(path, "cpu.cfs_period_us", spec.cfs_period_us)
-            _write_cgroup(path, "cpu.cfs_quota_us", net.cpu_quota_us(cores, spec.cfs_period_us))
+        _make_cgroup(ns.cgroup, None, spec)
+        for k in range(n.ranks):
+            _make_cgroup(rank_cgroup(ns, k), spec.devices[n.device].cpu_quota, spec)
+    _make_cgroup(comm_cgroup(state.nodes[0]), spec.comm_cpu_quota, spec)
+
+
+def _make_cgroup(path: str, cores: float | None, spec: TestbedSpec) -> None:
+    """A cpu cgroup at `path` with a quota of `cores` per CFS period (`TestbedSpec.period_us`; None:
+    no quota)."""
+    os.mkdir(path)
+    if cores is not None:
+        _write_cgroup(path, "cpu.cfs_period_us", spec.period_us(cores))
+        _write_cgroup(path, "cpu.cfs_quota_us", net.cpu_quota_us(cores, spec.period_us(cores)))
 
 
 def rank_cgroup(node: NodeState, slot: int) -> str:
@@ -195,9 +206,25 @@ def rank_slot(environ: dict[str, str]) -> int | None:
     return int(visible[int(local)]) if int(local) < len(visible) and visible[int(local)].strip().isdigit() else None
 
 
+def comm_cgroup(node: NodeState) -> str:
+    """The cgroup of the communication threads of every rank of `node`'s testbed (one for all nodes;
+    node names cannot hold '-', so it never meets a node's cgroup)."""
+    return f"{os.path.dirname(node.cgroup)}/comm-threads"
+
+
+COMM_THREADS = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")
+"""Name prefixes (`/proc/TID/comm`) of the threads torch.distributed starts to communicate: gloo's
+socket loop (`gloo_tcp_loop`), ProcessGroupGloo's work threads (`pt_gloo_runloop`), the rendezvous
+store's loop (`pt_tcpstore_uv`). Every other thread of a rank (Python's, torch's compute threads)
+computes, under its device's quota."""
+
+
 def place_ranks(node: NodeState) -> int:
-    """Move every rank found directly in `node`'s cgroup into its rank cgroup (`rank_slot`); how many
-    were moved. Processes that end meanwhile are skipped."""
+    """Move every rank found directly in `node`'s cgroup into its rank cgroup (`rank_slot`), and every
+    communication thread (`COMM_THREADS`) of the node's processes into `comm_cgroup`, so a device's
+    quota throttles its compute and not its transfers (testbed file, `comm_cpu_quota`);
+    how many ranks were moved. Processes and threads that end meanwhile are skipped; threads a rank
+    starts later (a new process group) are found on the next call."""
     moved = 0
     for pid in Path(node.cgroup, "cgroup.procs").read_text().split():
         with contextlib.suppress(OSError, ValueError):
@@ -207,6 +234,13 @@ def place_ranks(node: NodeState) -> int:
             if slot is not None and os.path.isdir(rank_cgroup(node, slot)):
                 _write_cgroup(rank_cgroup(node, slot), "cgroup.procs", pid)
                 moved += 1
+    comm = comm_cgroup(node)
+    for folder in [Path(node.cgroup), *Path(node.cgroup).glob("r*")]:
+        with contextlib.suppress(OSError):
+            for tid in Path(folder, "tasks").read_text().split():
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{tid}/comm").read_text().startswith(COMM_THREADS) and os.path.isdir(comm):
+                        _write_cgroup(comm, "tasks", tid)
     return moved
 
 
@@ -235,16 +269,17 @@ def _plan_state(spec: TestbedSpec, state_dir: Path) -> TestbedState:
 
 
 def check_cores(spec: TestbedSpec, source: str | None = None) -> None:
-    """Refuse a testbed whose ranks' CPU quotas add up to more cores than `os.cpu_count()`.
+    """Refuse a testbed whose CPU quotas (its ranks' and their communication threads',
+    `TestbedSpec.total_cpu_cores`) add up to more cores than `os.cpu_count()`.
 
     Raises:
         SailorInputError: at field `devices` of `source` (the testbed file).
     """
     cores = os.cpu_count() or 1
     if spec.total_cpu_cores() > cores:
-        raise SailorInputError(f"the ranks' quotas add up to {spec.total_cpu_cores():g} cores, more than the"
+        raise SailorInputError(f"the quotas of ranks and communication add up to {spec.total_cpu_cores():g} cores, more than the"
                                f" {cores} of this machine", source=source, field="devices",
-                               fix="smaller cpu_quota or fewer ranks")
+                               fix="smaller cpu_quota or comm_cpu_quota, or fewer ranks")
 
 
 def up(spec: TestbedSpec, state_dir: str | Path | None = None, *, source: str | None = None) -> TestbedState:
@@ -254,7 +289,7 @@ def up(spec: TestbedSpec, state_dir: str | Path | None = None, *, source: str | 
 
     Raises:
         TestbedUnsupported: this machine cannot host a testbed.
-        SailorInputError: the ranks' quotas add up to more cores than this machine has (`check_cores`).
+        SailorInputError: the quotas add up to more cores than this machine has (`check_cores`).
         RuntimeError: an ip/tc command failed (everything made so far is removed).
     """
     check_support()
@@ -337,16 +372,28 @@ def _netns_inode(name: str) -> int | None:
 def processes(prefix: str) -> list[int]:
     """Processes inside a testbed's cgroups or network namespaces (never this process)."""
     inodes = {i for i in (_netns_inode(ns) for ns in _netns_names(prefix)) if i is not None}
-    cg = f"/{prefix}"
+    return _processes_in(inodes, f"/{prefix}")
+
+
+def node_processes(node: NodeState) -> list[int]:
+    """Processes inside `node`'s network namespace: its torchrun agent and ranks (never this process)."""
+    inode = _netns_inode(node.netns)
+    return _processes_in({inode} if inode is not None else set(), None)
+
+
+def _processes_in(netns_inodes: set[int], cgroup: str | None) -> list[int]:
+    """Processes in one of the network namespaces `netns_inodes` or (with `cgroup`) in that cpu
+    cgroup or below it."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         with contextlib.suppress(OSError):
-            in_cgroup = any(line.split(":", 2)[2].startswith(cg + "/") or line.split(":", 2)[2] == cg
-                            for line in Path(f"/proc/{entry}/cgroup").read_text().splitlines()
-                            if line.split(":", 2)[1] in ("cpu,cpuacct", "cpu", "cpuacct,cpu"))
-            if in_cgroup or os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
+            in_cgroup = cgroup is not None and any(
+                line.split(":", 2)[2].startswith(cgroup + "/") or line.split(":", 2)[2] == cgroup
+                for line in Path(f"/proc/{entry}/cgroup").read_text().splitlines()
+                if line.split(":", 2)[1] in ("cpu,cpuacct", "cpu", "cpuacct,cpu"))
+            if in_cgroup or os.stat(f"/proc/{entry}/ns/net").st_ino in netns_inodes:
                 found.append(int(entry))
     return found
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +79,10 @@ def profile_command(job: str | Path, out: str | Path, mbs: str, python: str = sy
 
 
 def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, mbs: str = "1,2,4",
-                    timeout_s: float = 1800.0) -> dict[str, Any]:
-    """Measure every device class of the testbed in its first node's rank cgroup `r0` (the node's
-    ranks should not be running meanwhile) and return the merged profile, rows named after each
-    class's GPU type.
+                    timeout_s: float = 1800.0, classes: Sequence[str] | None = None) -> dict[str, Any]:
+    """Measure every device class of the testbed (or those named in `classes`) in its first node's
+    rank cgroup `r0` (the node's ranks should not be running meanwhile) and return the merged
+    profile, rows named after each class's GPU type.
 
     Raises:
         RuntimeError: a `sailor profile` run failed (its last output in the message).
@@ -89,6 +90,8 @@ def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, 
     parts = []
     with tempfile.TemporaryDirectory(prefix="sailor-testbed-profile-") as tmp:
         for name, device in spec.devices.items():
+            if classes is not None and name not in classes:
+                continue
             node = state.node(next(n.name for n in spec.nodes if n.device == name))
             path = Path(tmp) / f"{name}.json"
             cgroup = rank_cgroup(node, 0)

@@ -2,7 +2,8 @@
 
 ```yaml
 name: box                      # 1-12 of a-z 0-9 -; names the state files of this testbed
-cfs_period_us: 10000           # optional; CFS period of every quota (µs), default 10 ms
+cfs_period_us: 10000           # optional; CFS period of every quota (µs); default per quota, below
+comm_cpu_quota: 0.4            # optional; cores all ranks' communication threads share; default: no limit
 devices:                       # device classes: the catalog GPU type each stands for, and its speed
   fast: {gpu: A100-40, cpu_quota: 0.45}     # cores per rank (0.45 = 45 % of one core)
   slow: {gpu: V100-16, cpu_quota: 0.15}
@@ -44,6 +45,7 @@ MAX_NODES = 64  # one /24 per node in the testbed's /16 (sailor.testbed.net.node
 MAX_MBIT_PER_S = 100_000.0  # 100 Gbit/s: far beyond what a veth pair shaped by htb carries here
 NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,11}")
 MIN_QUOTA_US = 1000  # the kernel refuses a smaller cpu.cfs_quota_us (kernel/sched/core.c, min_cfs_quota_period)
+MAX_PERIOD_US = 1_000_000  # the longest cpu.cfs_period_us the kernel takes (kernel/sched/core.c, max_cfs_quota_period)
 NODE_NAME = re.compile(r"[a-z0-9]{1,6}")  # short: it is part of interface names (15 characters at most)
 
 
@@ -110,9 +112,16 @@ class TestbedSpec(BaseModel):
     __test__ = False
     model_config = SPEC_CONFIG
     name: str
-    cfs_period_us: Whole(1000, 1_000_000) = 10_000
-    """CFS period (µs) of every quota: short, so that a throttled rank runs in slices of a few ms
-    and its speed is smooth at the scale of a step; each quota must be >= the kernel's 1 ms."""
+    cfs_period_us: Whole(1000, 1_000_000) | None = None
+    """CFS period (µs) of every quota; each quota must be >= the kernel's 1 ms. None (the default):
+    each quota's shortest period (`period_us`), so that a throttled rank runs in slices of 1 ms and
+    its speed is smooth at the scale of a pass: a rank of 0.3 cores runs 1 ms of every 3.3 ms."""
+    comm_cpu_quota: Real(0.01, 64.0) | None = None
+    """Cores that the communication threads of all ranks share (gloo's socket loop and work threads,
+    the rendezvous store); None (the default): no limit. A device class's quota throttles a rank's
+    compute only, as a GPU's NIC and copy engines move data beside its busy SMs (`host.place_ranks`).
+    A limit is one CFS period for all of them; measured on `examples/testbed.yaml`, 0.3 cores starved
+    a TP 2 plan's per-layer all-reduces (1.59 s per step against 0.27 s with no limit)."""
     devices: dict[str, DeviceClass] = Field(min_length=1)
     links: Links
     nodes: tuple[TestbedNode, ...] = Field(min_length=1, max_length=MAX_NODES)
@@ -150,7 +159,7 @@ class TestbedSpec(BaseModel):
             ranks_of.setdefault(n.device, (n.ranks, i))
         gpus: dict[str, str] = {}
         for name, d in self.devices.items():
-            if d.cpu_quota * self.cfs_period_us < MIN_QUOTA_US:
+            if self.cfs_period_us is not None and d.cpu_quota * self.cfs_period_us < MIN_QUOTA_US:
                 raise SailorInputError(f"a quota of {d.cpu_quota:g} core(s) is {d.cpu_quota * self.cfs_period_us:g} µs"
                                        f" per CFS period of {self.cfs_period_us} µs, below the kernel's"
                                        f" {MIN_QUOTA_US} µs", field=f"devices.{name}.cpu_quota",
@@ -159,9 +168,21 @@ class TestbedSpec(BaseModel):
                 raise SailorInputError(f"device classes {gpus[d.gpu]!r} and {name!r} both stand for {d.gpu}",
                                        field=f"devices.{name}.gpu", fix="one GPU type per device class")
             gpus[d.gpu] = name
+        if (self.comm_cpu_quota is not None and self.cfs_period_us is not None
+                and self.comm_cpu_quota * self.cfs_period_us < MIN_QUOTA_US):
+            raise SailorInputError(f"a quota of {self.comm_cpu_quota:g} core(s) is below the kernel's {MIN_QUOTA_US} µs"
+                                   f" per CFS period of {self.cfs_period_us} µs", field="comm_cpu_quota",
+                                   fix=f"comm_cpu_quota >= {MIN_QUOTA_US / self.cfs_period_us:g}")
         return self
 
     # ---- derived -------------------------------------------------------------------------------
+    def period_us(self, cores: float) -> int:
+        """The CFS period (µs) of a quota of `cores`: `cfs_period_us` where given, else the shortest
+        whose quota is the kernel's minimum of 1 ms (1000 / cores µs, at least 1 ms, at most 1 s)."""
+        if self.cfs_period_us is not None:
+            return self.cfs_period_us
+        return min(MAX_PERIOD_US, max(MIN_QUOTA_US, math.ceil(MIN_QUOTA_US / cores)))
+
     def node(self, name: str) -> TestbedNode:
         for n in self.nodes:
             if n.name == name:
@@ -177,8 +198,9 @@ class TestbedSpec(BaseModel):
         return TestbedLink.CROSS_REGION
 
     def total_cpu_cores(self) -> float:
-        """Cores all ranks may use together: Σ ranks × quota of their class."""
-        return sum(n.ranks * self.devices[n.device].cpu_quota for n in self.nodes)
+        """Cores the testbed's quotas allow together: Σ ranks × quota of their class, plus the
+        communication threads' shared quota where it has one."""
+        return sum(n.ranks * self.devices[n.device].cpu_quota for n in self.nodes) + (self.comm_cpu_quota or 0.0)
 
 
 def load_testbed(path: str | Path) -> TestbedSpec:
@@ -249,8 +271,12 @@ def cluster_spec(spec: TestbedSpec) -> dict[str, Any]:
     bandwidth are the payload rate of `class_rates_mbit_per_s` (a same_zone link per zone, capped by
     that zone's slowest NIC). Inside a node ranks talk over the namespace's loopback: shaped like a
     NIC to `links.same_node_mbit_per_s` (`net.loopback_commands`), that rate's payload
-    (`loopback_payload_bytes_per_s`: 124.9 MB/s at 1000 Mbit/s, 124.0 measured) as the same_node link; without it unshaped, and the catalog's intra-node link
-    applies."""
+    (`loopback_payload_bytes_per_s`: 124.9 MB/s at 1000 Mbit/s, 124.0 measured) as the same_node link;
+    without it unshaped, and the catalog's intra-node link applies. All-reduces are pinned to the
+    flat ring: the testbed's ranks run gloo, whose all-reduce is a ring over the whole group
+    (gloo/allreduce.h, `AllreduceOptions` algorithm UNSPECIFIED unless set, run as RING; torch's
+    ProcessGroupGloo does not set it), never the hierarchical one the simulator's `auto` may pick
+    for NCCL."""
     zones: dict[str, dict[str, int]] = {}
     per_node: dict[str, int] = {}
     for n in spec.nodes:
@@ -271,7 +297,7 @@ def cluster_spec(spec: TestbedSpec) -> dict[str, Any]:
         nic = min(n.nic_mbit_per_s for n in spec.nodes if n.zone == zone)
         zone_network[zone] = {"same_zone": link(min(spec.links.same_zone_mbit_per_s, nic))}
     return {"provider": "gcp", "zones": zones, "gpus_per_node": per_node, "network": network,
-            "zone_network": zone_network}
+            "zone_network": zone_network, "allreduce": "ring"}
 
 
 def hosts_spec(spec: TestbedSpec, addresses: dict[str, str]) -> dict[str, Any]:
