@@ -172,6 +172,33 @@ def test_sources_spread_over_replicas_and_prefer_the_receivers_node():
     check_exact_cover(rp, old)
 
 
+@pytest.mark.parametrize("old", [plan((2,), zero=1), plan((2,), (1,), zero=1), plan((2,), (1,), zero=3),
+                                 plan((1, 2), (2, 1), stages=((0, 3), (3, 6)), zero=2)],
+                         ids=["tp2 zero-1", "tp2+tp1 zero-1", "tp2+tp1 zero-3", "pp2 mixed tp zero-2"])
+def test_the_planned_holdings_are_what_a_live_optimizer_holds(old):
+    """Each rank's optimizer, built (no process group: nothing here communicates) under plans with
+    replicas of different TP degrees, yields from `checkpoint_entries(every_holder=True)` exactly the
+    owned slices `held_by` plans with, and its weights are the TP shards planned as `weights`; a move to
+    a plan with the TP degrees swapped covers every need exactly once."""
+    from sailor.runtime.topology import derive_topology
+    from sailor.runtime.worker import build_rank
+
+    held = held_by(old, SPEC, range(old.world_size), weights_fp32=True)
+    owned = held_by(old, SPEC, range(old.world_size), weights_fp32=False)
+    for role in derive_topology(old).roles:
+        opt = build_rank(old, TINY, role, {}, device=torch.device("cpu"), seed=0).optimizer
+        opt.steps = 1  # the moments are yielded once a step was taken
+        got = {Slice(n, k, d, a, w, lo, lo + flat.numel()) for n, k, d, a, w, lo, flat in
+               opt.checkpoint_entries(every_holder=True)}
+        assert got == set(owned[role.rank]), role.rank
+        weights = {s for s in held[role.rank] if s.weights}
+        assert {s.name: s.hi for s in weights} == ({n: p.numel() for n, p in opt.params.items()}
+                                                   if role.memory.zero < 3 else {})
+    new = plan(*[tuple(3 - t for t in (r.tp for r in p.replicas)) for p in old.pipelines],
+               stages=tuple(tuple(c) for c in old.stages), zero=1)
+    check_exact_cover(plan_reshard(old, new, SPEC, {r: r for r in range(old.world_size)}), old)
+
+
 @pytest.mark.parametrize(("survivors", "match"), [({2: 0}, "not a rank of the old plan"),
                                                   ({0: 1, 1: 1}, "two old ranks map to one process"),
                                                   ({0: -1}, "not a process group rank")])
@@ -189,16 +216,18 @@ META = {"seed": 0, "model": {}, "global_batch_size": 8}
 PP2 = {"stages": ((0, 3), (3, 6))}
 
 
-def _cases() -> dict[str, tuple[Plan, Plan, dict[int, int]]]:
-    """name -> (old plan, new plan, survivors) of the moves the 2 ranks check; the old plans are trained."""
-    tp2, pp2 = plan((2,), zero=1), plan((1, 1), **PP2)
-    return {"tp2 zero-1 -> dp2 zero-2": (tp2, plan((1,), (1,), zero=2), {0: 0, 1: 1}),
-            "pp2 -> pp1, rank 1 lost": (pp2, plan((1,)), {0: 0}),
-            "pp2 -> pp1, rank 1 leaves": (pp2, plan((1,)), {0: 0, 1: 1})}
+def _cases() -> dict[str, tuple[Plan, Plan, dict[int, int], torch.dtype]]:
+    """name -> (old plan, new plan, survivors, compute dtype) of the moves the 2 ranks check; the old
+    plans are trained (fp16: weights in fp16, fp32 master and moments, as on a GPU)."""
+    tp2, pp2, fp16 = plan((2,), zero=1), plan((1, 1), **PP2), plan((2,), zero=0)
+    return {"tp2 zero-1 -> dp2 zero-2": (tp2, plan((1,), (1,), zero=2), {0: 0, 1: 1}, torch.float32),
+            "pp2 -> pp1, rank 1 lost": (pp2, plan((1,)), {0: 0}, torch.float32),
+            "pp2 -> pp1, rank 1 leaves": (pp2, plan((1,)), {0: 0, 1: 1}, torch.float32),
+            "fp16 tp2 zero-0 -> dp2 zero-3": (fp16, plan((1,), (1,), zero=3), {0: 0, 1: 1}, torch.float16)}
 
 
-def _trained(old: Plan, rank: int, timeout: timedelta):
-    """Rank `rank`'s model under `old` after two training steps."""
+def _trained(old: Plan, rank: int, timeout: timedelta, dtype: torch.dtype):
+    """Rank `rank`'s model under `old` after two training steps in `dtype`."""
     from sailor.runtime.data import batch_tokens, load_corpus
     from sailor.runtime.groups import create_channel_groups, create_groups
     from sailor.runtime.pipeline import P2P
@@ -210,8 +239,8 @@ def _trained(old: Plan, rank: int, timeout: timedelta):
     role, cpu = topo.roles[rank], torch.device("cpu")
     groups = create_groups(topo, timeout)
     channels = create_channel_groups(topo, timeout)
-    rk = build_rank(old, TINY, role, groups, device=cpu, seed=0)
-    p2p = P2P(role, shape=(2, TINY.seq, SPEC.hidden_size), device=cpu, timeout=timeout, channels=channels,
+    rk = build_rank(old, TINY, role, groups, device=cpu, seed=0, dtype=dtype)
+    p2p = P2P(role, shape=(2, TINY.seq, SPEC.hidden_size), device=cpu, timeout=timeout, dtype=dtype, channels=channels,
               tp_group=groups.get(role.tp_group), sliced=sliced_edges(rk.stage, role.chunks, sequence_parallel=False))
     for step in range(2):
         tok = torch.from_numpy(batch_tokens(load_corpus(), seed=0, step=step, first=role.first_sample,
@@ -239,9 +268,9 @@ def _move_rank(rank: int, store: str, root: str, out: str) -> None:
     timeout, cpu = timedelta(seconds=60), torch.device("cpu")
     trained: dict[int, tuple] = {}
     rows = {}
-    for name, (old, new, survivors) in _cases().items():
+    for name, (old, new, survivors, dtype) in _cases().items():
         if id(old) not in trained:
-            rk, role = _trained(old, rank, timeout)
+            rk, role = _trained(old, rank, timeout, dtype)
             path = save_checkpoint(Path(root) / str(len(trained)), 2, META, rk.optimizer, role, cpu,
                                    model_layout(SPEC))
             trained[id(old)] = (rk, path)
@@ -249,11 +278,11 @@ def _move_rank(rank: int, store: str, root: str, out: str) -> None:
         topo = derive_topology(new)
         groups = create_groups(topo, timeout)
         reader = Reader(path, ckpt.read_manifest(path, verify=False))
-        want = (build_rank(new, TINY, topo.roles[rank], groups, device=cpu, seed=0, reader=reader, step=2)
-                if rank < new.world_size else None)
-        rp = plan_reshard(old, new, SPEC, survivors)
+        want = (build_rank(new, TINY, topo.roles[rank], groups, device=cpu, seed=0, reader=reader, step=2,
+                           dtype=dtype) if rank < new.world_size else None)
+        rp = plan_reshard(old, new, SPEC, survivors, weights_fp32=dtype == torch.float32)
         got = rebuild_rank(rp, new, TINY, groups, old=rk.optimizer if rank in survivors else None, device=cpu,
-                           checkpoint=reader)
+                           checkpoint=reader, dtype=dtype)
         reader.close()
         row = {"moved": rp.moved_elements(), "built": got is not None, "differ": []}
         if want is not None:
@@ -262,7 +291,10 @@ def _move_rank(rank: int, store: str, root: str, out: str) -> None:
             row["keys"] = sorted({k for e in b.values() for k in e})
             row["differ"] = [f"{n} {k}" for n in a for k in a[n] if not torch.equal(a[n][k], b[n].get(k))]
             got_w = dict(got.stage.named_parameters())
-            row["differ"] += [f"{n} weights" for n, p in want.stage.named_parameters() if not torch.equal(p, got_w[n])]
+            if new.stage_memory(0).zero < 3:  # ZeRO-3 frees the weights between passes: the master is all
+                row["differ"] += [f"{n} weights" for n, p in want.stage.named_parameters()
+                                  if not torch.equal(p, got_w[n])]
+            row["dtype"] = str(next(iter(got_w.values())).dtype)
         rows[name] = row
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
@@ -273,18 +305,19 @@ def _move_rank(rank: int, store: str, root: str, out: str) -> None:
 def test_state_moved_in_memory_equals_a_checkpoint_round_trip(tmp_path, monkeypatch):
     """TP 2 under ZeRO-1 -> 2 data-parallel TP-1 replicas under ZeRO-2 (both ranks survive); 2 stages
     -> 1 with the second stage's rank lost (its layers read from the checkpoint) and leaving (it
-    sends them): weights, fp32 master and both Adam moments and the step count equal, bit for bit,
-    the new plan's load of a checkpoint saved under the old one after 2 training steps."""
+    sends them); fp16 TP 2 under ZeRO-0 -> DP 2 under ZeRO-3 (only fp32 masters are sources): weights,
+    fp32 master and both Adam moments and the step count equal, bit for bit, the new plan's load of a
+    checkpoint saved under the old one after 2 training steps."""
     from spawn import spawn
 
     monkeypatch.setenv("SAILOR_IGNORE_TAGS", "1")
     spawn(_move_rank, 2, str(tmp_path / "store"), str(tmp_path / "ck"), str(tmp_path), timeout_s=180)
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for name, (_, new, _) in _cases().items():
+    for name, (_, new, _, dtype) in _cases().items():
         for r in range(new.world_size):
             row = rows[r][name]
             assert row["built"] and row["differ"] == [] and row["steps"] == [2, 2], (name, r, row)
-            assert row["keys"] == sorted(KEYS)
+            assert row["keys"] == sorted(KEYS) and row["dtype"] == str(dtype), row
         moved = rows[0][name]["moved"]
         assert rows[1][name]["built"] == (new.world_size == 2)
         if "lost" in name:
