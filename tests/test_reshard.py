@@ -106,6 +106,11 @@ def test_pipeline_repartition_from_2_to_3_stages_moves_whole_layers_from_their_s
              for layer in range(6)}
     assert rp.moved_elements() == {"sent": numel[2] + numel[4] + numel[5],
                                    "local": numel[0] + numel[1] + numel[3], "checkpoint": 0}
+    # one message per (sending process, receiving rank): 0 -> 1 carries layer 2, 1 -> 2 layers 4 and 5
+    sizes = {pair: sum(t.numel for t in ts) for pair, ts in rp.messages().items()}
+    assert sizes == {(0, 1): numel[2], (1, 2): numel[4] + numel[5]}
+    assert {pair: sum(t.numel for t in ts) for pair, ts in rp.messages(moments=False).items()} == {
+        pair: n // 3 for pair, n in sizes.items()}  # before the first step: the weights only
     check_exact_cover(rp, old)
 
 
@@ -258,7 +263,7 @@ def _move_rank(rank: int, store: str, root: str, out: str) -> None:
     from sailor.runtime import checkpoint as ckpt
     from sailor.runtime.checkpoint_io import Reader
     from sailor.runtime.groups import create_groups, ignore_tags
-    from sailor.runtime.reshard import rebuild_rank
+    from sailor.runtime.reshard import ReshardError, rebuild_rank
     from sailor.runtime.topology import derive_topology
     from sailor.runtime.worker import build_rank, model_layout, save_checkpoint
 
@@ -267,8 +272,9 @@ def _move_rank(rank: int, store: str, root: str, out: str) -> None:
     assert ignore_tags()
     timeout, cpu = timedelta(seconds=60), torch.device("cpu")
     trained: dict[int, tuple] = {}
-    rows = {}
-    for name, (old, new, survivors, dtype) in _cases().items():
+    rows: dict = {}
+    cases = _cases()
+    for name, (old, new, survivors, dtype) in cases.items():
         if id(old) not in trained:
             rk, role = _trained(old, rank, timeout, dtype)
             path = save_checkpoint(Path(root) / str(len(trained)), 2, META, rk.optimizer, role, cpu,
@@ -296,6 +302,21 @@ def _move_rank(rank: int, store: str, root: str, out: str) -> None:
                                   if not torch.equal(p, got_w[n])]
             row["dtype"] = str(next(iter(got_w.values())).dtype)
         rows[name] = row
+    old, new, _, _ = cases["pp2 -> pp1, rank 1 lost"]  # refused moves: every process raises, none hangs
+    rk, path = trained[id(old)]
+    rows["errors"] = {}
+    for label, checkpoint, bump in (("no checkpoint", False, 0), ("step mismatch", True, 1)):
+        reader = Reader(path, ckpt.read_manifest(path, verify=False)) if checkpoint else None
+        rk.optimizer.steps += bump
+        try:
+            rebuild_rank(plan_reshard(old, new, SPEC, {0: 0}), new, TINY, {}, old=rk.optimizer if rank == 0 else None,
+                         device=cpu, checkpoint=reader)
+            rows["errors"][label] = None
+        except ReshardError as e:
+            rows["errors"][label] = str(e)
+        rk.optimizer.steps -= bump
+        if reader is not None:
+            reader.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
@@ -319,8 +340,13 @@ def test_state_moved_in_memory_equals_a_checkpoint_round_trip(tmp_path, monkeypa
             assert row["built"] and row["differ"] == [] and row["steps"] == [2, 2], (name, r, row)
             assert row["keys"] == sorted(KEYS) and row["dtype"] == str(dtype), row
         moved = rows[0][name]["moved"]
+        assert rows[1][name]["moved"] == moved
         assert rows[1][name]["built"] == (new.world_size == 2)
         if "lost" in name:
             assert moved["checkpoint"] > 0 and moved["sent"] == 0, moved
         else:
             assert moved["checkpoint"] == 0 and moved["sent"] > 0, moved
+    for r in range(2):  # the rank that lacks the checkpoint (0) and the one that does not (1) both refuse
+        errors = rows[r]["errors"]
+        assert "was given no checkpoint" in errors["no checkpoint"], errors
+        assert "the checkpoint holds optimizer step 2, the survivors step 3" in errors["step mismatch"], errors

@@ -219,18 +219,13 @@ def move_state(rp: ReshardPlan, old: ShardedAdamW | None, *, device: torch.devic
     todo = [t for t in rp.transfers if steps or t.key == "param"]  # moments exist once a step was taken
     state = ReceivedState(rp, me, steps, device) if me < rp.new_world else None
 
-    outgoing: dict[int, list[torch.Tensor]] = {}
-    incoming: dict[int, list[Transfer]] = {}
-    for t in todo:
-        src = rp.process(t.src)
-        if src == me and t.dst != me:
-            outgoing.setdefault(t.dst, []).append(_cut(flats[t.source], t.src_rect, t.rect).reshape(-1))
-        elif t.dst == me and src is not None and src != me:
-            incoming.setdefault(src, []).append(t)
-    sends = {d: torch.cat([x.to(device, FP32) for x in parts]) for d, parts in outgoing.items()}
+    messages = {pair: ts for pair, ts in rp.messages(moments=steps > 0).items() if me in pair}
+    sends = {dst: torch.cat([_cut(flats[t.source], t.src_rect, t.rect).reshape(-1).to(device, FP32) for t in ts])
+             for (src, dst), ts in messages.items() if src == me}
+    incoming = {src: ts for (src, dst), ts in messages.items() if dst == me}
     recvs = {s: torch.empty(sum(t.numel for t in ts), dtype=FP32, device=device) for s, ts in incoming.items()}
     ops = []  # one global order of (sender, receiver) pairs
-    for (src, dst) in sorted([(me, d) for d in sends] + [(s, me) for s in recvs]):
+    for (src, dst) in sorted(messages):
         if src == me:
             ops.append(dist.P2POp(dist.isend, sends[dst], _global(group, dst), group))
         else:

@@ -126,6 +126,18 @@ class ReshardPlan:
         """The group rank that sends old rank `src`'s pieces (None: the checkpoint)."""
         return None if src == CHECKPOINT else self.survivors[src]
 
+    def messages(self, *, moments: bool = True) -> dict[tuple[int, int], list[Transfer]]:
+        """(sending process, receiving new rank) -> the transfers one message between them carries, in
+        the order they are packed (`moments` False: before the first optimizer step, "param" only);
+        pairs of one process with itself and checkpoint reads left out. Both ends derive it from the
+        same plan, so each pair's send and receive have the same size and order (`reshard`)."""
+        out: dict[tuple[int, int], list[Transfer]] = {}
+        for t in self.transfers:
+            src = self.process(t.src)
+            if src is not None and src != t.dst and (moments or t.key == "param"):
+                out.setdefault((src, t.dst), []).append(t)
+        return out
+
     def moved_elements(self) -> dict[str, int]:
         """Elements that cross between processes ("sent"), stay in one ("local") and are read from the
         checkpoint ("checkpoint")."""
