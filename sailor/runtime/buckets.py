@@ -119,6 +119,42 @@ def build_buckets(params: Mapping[str, nn.Parameter], role: RankRole, *, zero: i
 
 
 @dataclass(frozen=True)
+class Owned:
+    """The elements of one piece of a bucket that a rank owns (its ZeRO shard of the bucket; under
+    ZeRO-0 all of it): elements [lo, hi) of the piece's row-major flattening, at [at, at + hi - lo)
+    of the rank's owned shard of the bucket."""
+
+    piece: Piece
+    lo: int
+    hi: int
+    at: int
+
+
+def owned_pieces(bucket: Bucket) -> list[Owned]:
+    """What a rank owns of `bucket`, piece by piece (pieces it owns nothing of left out). Pure: the
+    optimizer's checkpoint entries, the tied-gradient transfers and the planner of in-memory
+    resharding (`reshard`) all read ownership from here."""
+    out, offset = [], 0
+    for piece in bucket.pieces:
+        lo, hi = max(offset, bucket.lo), min(offset + piece.numel, bucket.hi)
+        if lo < hi:
+            out.append(Owned(piece, lo - offset, hi - offset, lo - bucket.lo))
+        offset += piece.numel
+    return out
+
+
+def full_slice(piece: Piece, local_shape: Sequence[int], tp_rank: int) -> tuple[int, int]:
+    """(start, width) of `piece` along `piece.dim` in the full (unsharded) tensor, for the rank of TP
+    rank `tp_rank` whose shard of the parameter has shape `local_shape` (its shard starts at
+    tp_rank x the local size along `dim`); (0, 0) for a whole parameter (`dim` None). With `dim`,
+    the piece's elements are the checkpoint's slice [start, start + width) along `dim`
+    (`checkpoint` docstring)."""
+    if piece.dim is None:
+        return 0, 0
+    return tp_rank * local_shape[piece.dim] + piece.start, piece.width
+
+
+@dataclass(frozen=True)
 class Held:
     """Elements [lo, hi) of a parameter, in its full (unsharded) tensor's row-major order, that a rank
     holds after the gradient reduction: at shard-local offset `at` of its bucket number `bucket`."""
@@ -136,14 +172,11 @@ def held_elements(buckets: Sequence[Bucket], name: str, *, first_row: int, row_n
     owns all it holds."""
     out = []
     for i, b in enumerate(buckets):
-        offset = 0
-        for piece in b.pieces:
-            lo, hi = max(offset, b.lo), min(offset + piece.numel, b.hi)
-            if piece.name == name and lo < hi:
-                assert piece.dim in (None, 0), piece
-                base = (first_row + piece.start) * row_numel - offset  # full index of flat offset 0
-                out.append(Held(lo + base, hi + base, i, lo - b.lo))
-            offset += piece.numel
+        for o in owned_pieces(b):
+            if o.piece.name == name:
+                assert o.piece.dim in (None, 0), o.piece
+                base = (first_row + o.piece.start) * row_numel  # full index of the piece's flat element 0
+                out.append(Held(o.lo + base, o.hi + base, i, o.at))
     return out
 
 

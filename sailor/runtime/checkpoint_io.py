@@ -134,8 +134,12 @@ def check_model_matches_tensors(path: str | Path, manifest: Mapping[str, Any]) -
     return spec
 
 
-def _as_2d(shape: list[int], dim: int) -> tuple[int, int, int]:
-    """(rows, cols, dim) of a tensor of `shape` seen as 2-D (a vector as one row)."""
+Rect = tuple[int, int, int, int, int]  # (row0, col0, rows, cols, position in the entry's data)
+
+
+def as_2d(shape: list[int], dim: int) -> tuple[int, int, int]:
+    """(rows, cols, dim) of a tensor of `shape` seen as 2-D (a vector as one row, sliced along its
+    columns)."""
     if len(shape) == 1:
         return 1, shape[0], 1
     if len(shape) == 2:
@@ -143,19 +147,20 @@ def _as_2d(shape: list[int], dim: int) -> tuple[int, int, int]:
     raise ckpt.CheckpointError(f"tensors of {len(shape)} dimensions are not supported")
 
 
-def _rects(entry: Mapping[str, Any], shape: list[int]) -> list[tuple[int, int, int, int, int]]:
-    """The entry's elements as rectangles of the full tensor seen as 2-D: (row0, col0, rows, cols,
-    position in the entry's data); a flat range of a row-major slice is at most a partial first row,
-    whole rows and a partial last row."""
-    _, cols, dim = _as_2d(shape, 0 if entry["dim"] is None else entry["dim"])
-    start, width = (0, shape[0]) if entry["dim"] is None else (entry["start"], entry["width"])
+def entry_rects(dim: int | None, start: int, width: int, lo: int, hi: int, shape: list[int]) -> list[Rect]:
+    """Elements [lo, hi) of the row-major flattening of the slice [start, start + width) along `dim`
+    of a full tensor of `shape` (`dim` None: of the whole tensor; the checkpoint's entries, `checkpoint`
+    docstring) as rectangles of the full tensor seen as 2-D (`as_2d`): (row0, col0, rows, cols,
+    position of the rectangle's first element counted from element `lo`), row by row in flat order. A
+    flat range of a row-major slice is at most a partial first row, whole rows and a partial last row."""
+    _, cols, dim2 = as_2d(shape, 0 if dim is None else dim)
+    start, width = (0, shape[0]) if dim is None else (start, width)
     if len(shape) == 1:
         row_off, col_off, w = 0, start, width
-    elif dim == 0:
+    elif dim2 == 0:
         row_off, col_off, w = start, 0, cols
     else:
         row_off, col_off, w = 0, start, width
-    lo, hi = entry["lo"], entry["hi"]
     out, pos = [], 0
     r, c = divmod(lo, w)
     r_end, c_end = divmod(hi, w)
@@ -226,13 +231,13 @@ class Reader:
         out_shape = list(shape)
         out_shape[dim] = width
         out = torch.empty(out_shape, dtype=FP32)
-        rows, cols, d2 = _as_2d(shape, dim)
+        rows, cols, d2 = as_2d(shape, dim)
         r0, r1, c0, c1 = (start, start + width, 0, cols) if d2 == 0 else (0, rows, start, start + width)
         out2 = out.view(r1 - r0, c1 - c0)
         filled = 0
         for fname, e in self.entries.get((name, key), []):
-            hits = [(a, b, h, w, p) for a, b, h, w, p in _rects(e, shape)
-                    if a < r1 and a + h > r0 and b < c1 and b + w > c0]
+            rects = entry_rects(e["dim"], e["start"], e["width"], e["lo"], e["hi"], shape)
+            hits = [(a, b, h, w, p) for a, b, h, w, p in rects if a < r1 and a + h > r0 and b < c1 and b + w > c0]
             if not hits:
                 continue
             data = self._entry(fname, e)

@@ -159,6 +159,19 @@ def save_checkpoint(root: Path, step: int, meta: dict[str, Any], opt: ShardedAda
     return path
 
 
+def meta_stage(spec: ModelSpec, role: RankRole, tp_group=None) -> nn.Module:
+    """Step 2 of the order of construction up to recompute: `GPT(spec)` on the `meta` device, cut to
+    the role's layer chunks (`build_stage`) and TP-sharded (`apply_tp`, with the stage's sequence
+    parallelism, over `tp_group`). Its parameters are this rank's TP shards by canonical name, in the
+    order the optimizer buckets them; no memory is allocated and no process group is touched (None
+    will do as `tp_group` for shapes only: `reshard` reads a plan's holdings from it)."""
+    with torch.device("meta"):
+        stage = GPT(spec)
+    build_stage(stage, role.chunks)
+    return apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=tp_group,
+                    sequence_parallel=role.memory.sequence_parallel)
+
+
 @dataclass
 class RankModel:
     """One rank's built stage (`build_rank`)."""
@@ -181,14 +194,12 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     the steady state plus one layer. Values from `reader` (a checkpoint, with its Adam moments);
     else `init_from`, a Hugging Face model folder; else the seeded initial weights. `step`: the
     optimizer steps the checkpoint's run took (`checkpoint.optimizer_steps`: fp16's skipped steps
-    do not count), which Adam's bias correction goes on from. `dtype` overrides the compute dtype of
+    do not count), which Adam's bias correction goes on from. `reader` may be any object with the
+    Reader's `shard(name, key, tp_rank, tp)` and `held_keys()` (`reshard.ReceivedState`: pieces
+    received from live ranks). `dtype` overrides the compute dtype of
     `job.precision` on `device` (tests run bf16 on CPU with it)."""
     spec, mem = job.model, role.memory
-    with torch.device("meta"):
-        stage = GPT(spec)
-    build_stage(stage, role.chunks)
-    apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=groups.get(role.tp_group),
-             sequence_parallel=mem.sequence_parallel)
+    stage = meta_stage(spec, role, groups.get(role.tp_group))
     apply_recompute(stage, mem)
     dtype = dtype or compute_dtype(job.precision, device)
     tied = tied_for_rank(spec, plan, derive_topology(plan), role.rank)

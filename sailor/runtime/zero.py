@@ -99,6 +99,8 @@ from sailor.runtime.buckets import (
     Bucket,
     build_buckets,
     flatten,
+    full_slice,
+    owned_pieces,
     piece_view,
     unflatten,
 )
@@ -372,32 +374,28 @@ class ShardedAdamW:
                 unflatten(b, full, tensors)
         return out
 
-    def checkpoint_entries(self):
+    def checkpoint_entries(self, *, every_holder: bool = False):
         """The elements this rank writes into a checkpoint (`checkpoint` docstring): for each bucket it
-        owns a shard of (an unsharded bucket: only its lowest rank), per parameter piece, yields
-        (name, key, dim, start, width, lo, flat): elements [lo, lo + len(flat)) of the flattened slice
-        [start, start + width) along `dim` of the full tensor (`dim` None: the whole tensor), for the
-        fp32 weights and, once a step was taken, both Adam moments. No collective; `flat` is a view
-        of the owned state where it can be (a copy of one piece at most otherwise)."""
+        owns a shard of (an unsharded bucket: only its lowest rank, unless `every_holder`), per
+        parameter piece (`buckets.owned_pieces`), yields (name, key, dim, start, width, lo, flat):
+        elements [lo, lo + len(flat)) of the flattened slice [start, start + width) along `dim` of the
+        full tensor (`dim` None: the whole tensor), for the fp32 weights and, once a step was taken,
+        both Adam moments. No collective; `flat` is a view of the owned state where it can be (a copy
+        of one piece at most otherwise). `every_holder`: every member of an unsharded (ZeRO-0) bucket
+        yields it, as the holder of a copy (`reshard` takes pieces from any of them)."""
         for i, b in enumerate(self.buckets):
-            if b.shards == 1 and b.ranks[0] != self.rank:
+            if b.shards == 1 and b.ranks[0] != self.rank and not every_holder:
                 continue
-            offset = 0
-            for piece in b.pieces:
-                lo, hi = max(offset, b.lo), min(offset + piece.numel, b.hi)
-                if lo < hi:
-                    p = self.params[piece.name]
-                    dim = piece.dim
-                    start = 0 if dim is None else self.tp_rank * p.shape[dim] + piece.start
-                    width = 0 if dim is None else piece.width
-                    a, c = lo - b.lo, hi - b.lo  # in the owned shard
-                    param = (self.master[i][a:c] if self.master[i] is not None
-                             else piece_view(p.data, piece).reshape(-1)[lo - offset:hi - offset])
-                    yield piece.name, "param", dim, start, width, lo - offset, param
-                    if self.steps:
-                        yield piece.name, "exp_avg", dim, start, width, lo - offset, self.exp_avg[i][a:c]
-                        yield piece.name, "exp_avg_sq", dim, start, width, lo - offset, self.exp_avg_sq[i][a:c]
-                offset += piece.numel
+            for o in owned_pieces(b):
+                piece, p = o.piece, self.params[o.piece.name]
+                start, width = full_slice(piece, p.shape, self.tp_rank)
+                a, c = o.at, o.at + o.hi - o.lo  # in the owned shard
+                param = (self.master[i][a:c] if self.master[i] is not None
+                         else piece_view(p.data, piece).reshape(-1)[o.lo:o.hi])
+                yield piece.name, "param", piece.dim, start, width, o.lo, param
+                if self.steps:
+                    yield piece.name, "exp_avg", piece.dim, start, width, o.lo, self.exp_avg[i][a:c]
+                    yield piece.name, "exp_avg_sq", piece.dim, start, width, o.lo, self.exp_avg_sq[i][a:c]
 
     # ---- accounting --------------------------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:
