@@ -14,7 +14,8 @@ place, `time_options`:
 - ZeRO (Rajbhandari et al. 2020) over the stage's D data-parallel replicas: the optimizer steps over
   1/D of the parameters (ZeRO >= 1); the gradient all-reduce becomes a reduce-scatter of the
   gradients plus an all-gather of the updated weights (ZeRO-1/2, Megatron-LM's distributed
-  optimizer) or a reduce-scatter alone (ZeRO-3); under ZeRO-3 each layer's weights are
+  optimizer) or a reduce-scatter alone (ZeRO-3), the reduce-scatter run once per micro-batch under
+  ZeRO-2/3 (`TimeOptions.sync`, counted by `sync.stage_sync`); under ZeRO-3 each layer's weights are
   all-gathered across D replicas like this one packed on nodes as the launcher packs them
   (`gather_group`), one layer ahead of the compute (the runtime's
   prefetch, `runtime.zero`), so only what a layer's gather takes beyond the previous layer's
@@ -70,13 +71,17 @@ class TimeOptions:
         """ZeRO-3 with more than one replica: weights are all-gathered for every micro-batch."""
         return self.zero >= 3 and self.replicas > 1
 
-    def sync(self) -> tuple[tuple[Collective, str], ...]:
-        """Collectives of the end-of-iteration gradient sync, as (collective, which state's bytes)."""
+    def sync(self) -> tuple[tuple[Collective, str, bool], ...]:
+        """Collectives of the gradient sync, as (collective, which state's bytes, once per micro-batch):
+        ZeRO-2/3 reduce-scatter the gradients after every micro-batch's backward (a rank keeps only
+        its shard of the gradient, so it cannot sum the micro-batches' full gradients first:
+        `runtime.zero`, Rajbhandari et al. 2020 §5.2), every other collective runs once per
+        iteration."""
         if self.zero == 0:
-            return ((Collective.ALL_REDUCE, "gradients"),)
+            return ((Collective.ALL_REDUCE, "gradients", False),)
         if self.zero == 3:
-            return ((Collective.REDUCE_SCATTER, "gradients"),)
-        return ((Collective.REDUCE_SCATTER, "gradients"), (Collective.ALL_GATHER, "weights"))
+            return ((Collective.REDUCE_SCATTER, "gradients", True),)
+        return ((Collective.REDUCE_SCATTER, "gradients", self.zero == 2), (Collective.ALL_GATHER, "weights", False))
 
 
 DEFAULT_TIME = TimeOptions()
