@@ -63,7 +63,7 @@ def _slowest_backward(ctx: SimContext, groups: list[Group], mbs: int, layers: Se
     """Per layer of `layers`, the longest backward seconds of one micro-batch among the members'
     GPU types and TP degrees (the layer times; recomputation and TP collectives left out, which only
     shortens the compute a sync can hide under)."""
-    rows = [np.diff(ctx.layer_cumsum(g, t, mbs)[:, 1]) for g, t in {(r.gpu, r.tp) for r, _ in groups}]
+    rows = [ctx.layer_s(g, t, mbs)[:, 1] for g, t in {(r.gpu, r.tp) for r, _ in groups}]
     return np.max(np.vstack(rows), axis=0)[list(layers)]
 
 

@@ -230,25 +230,31 @@ def exposed_gathers(gather_s: Sequence[float], compute_s: Sequence[float]) -> fl
     return float(g[0] + np.maximum(g[1:] - c[:-1], 0.0).sum()) if len(g) else 0.0
 
 
+def _pass_gathers_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions) -> tuple[float, float]:
+    """(forward, backward) seconds a forward and a backward pass of one micro-batch over layers
+    [a, e) wait for their ZeRO-3 gathers (`layer_gather_s`), each prefetched one layer ahead of the
+    layers' own compute (`exposed_gathers`; the backward runs the layers in reverse)."""
+    g = layer_gather_s(ctx, slot, a, e, opts)
+    c = ctx.layer_s(slot.gpu, slot.tp, mbs, a, e)  # (e - a, 2): forward, backward
+    return exposed_gathers(g, c[:, 0]), exposed_gathers(g[::-1], c[::-1, 1])
+
+
 def zero_gather_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions) -> tuple[float, float]:
     """(forward, backward) seconds one micro-batch's passes over layers [a, e) wait for ZeRO-3
     gathers re-done every pass (`reshard` true; module docstring); (0, 0) without ZeRO-3, with one
     replica or with kept weights (`kept_gather_s`)."""
     if not opts.gathers_weights or not opts.reshard:
         return 0.0, 0.0
-    g = layer_gather_s(ctx, slot, a, e, opts)
-    c = np.diff(ctx.layer_cumsum(slot.gpu, slot.tp, mbs)[a:e + 1], axis=0)  # (e - a, 2): forward, backward
-    return exposed_gathers(g, c[:, 0]), exposed_gathers(g[::-1], c[::-1, 1])
+    return _pass_gathers_s(ctx, slot, mbs, a, e, opts)
 
 
 def kept_gather_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions) -> float:
     """Seconds the first forward of an iteration over layers [a, e) waits for ZeRO-3 gathers done
     once per iteration (`reshard` false: the weights are then kept until each layer's last
-    backward); 0 otherwise."""
+    backward): the forward pass's of `_pass_gathers_s`; 0 otherwise."""
     if not opts.gathers_weights or opts.reshard:
         return 0.0
-    c = np.diff(ctx.layer_cumsum(slot.gpu, slot.tp, mbs)[a:e + 1, 0])
-    return exposed_gathers(layer_gather_s(ctx, slot, a, e, opts), c)
+    return _pass_gathers_s(ctx, slot, mbs, a, e, opts)[0]
 
 
 def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float, *,
