@@ -131,6 +131,17 @@ def test_gradient_sync_runs_during_the_backward(tmp_path):
             assert issued[0] < end <= row["waited_s"], row  # a sync started before the backward ended
             assert sum(s < end for s in issued) >= (n - 1 if zero == "0" else 2 * n - 1), row
             assert row["exposed"] == pytest.approx(row["waited_s"] - end)  # the metrics' sync_exposed_s
+            order, finished = [i for i, _ in row["issued_s"]], row["finished_s"]
+            assert [i for i, _ in finished] == order and all(s <= row["waited_s"] for _, s in finished), row
+            if zero != "0":
+                # ZeRO-2/3, one bucket per layer here: each reduce-scatter is waited on once the next
+                # layer's was issued, so it runs under that layer's backward (the last one of a
+                # micro-batch under the next micro-batch's forward and first layer backward), and no
+                # later than the one after it is issued (at most two in flight: one layer's transient)
+                assert n == row["layers"], row
+                for p, (_, s) in enumerate(finished):
+                    assert p + 1 == len(issued) or issued[p + 1] <= s, (p, row)
+                    assert p + 2 >= len(issued) or s <= issued[p + 2], (p, row)
         # ZeRO-3 gathers, L layers, 2 micro-batches: re-sharded after every pass, 2 x 2 passes of L
         # gathers, each issued one layer ahead but the first of its pass; kept, one gather per layer,
         # the forward's first layer on demand

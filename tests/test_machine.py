@@ -204,9 +204,9 @@ def test_plan_run_and_replay_predict_the_same_step_time_from_one_machine_profile
         return controller.RunResult(controller.ExitStatus.DONE, "done", steps=0)
 
     monkeypatch.setattr(controller, "run", fake_run)
-    sailor("run", *files, "--availability", str(tmp_path / "trace.json"), "--steps", "1",
-           "--checkpoint-dir", str(tmp_path / "ck"))
-    assert measure.calls == 3
+    _, err = sailor("run", *files, "--availability", str(tmp_path / "trace.json"), "--steps", "1",
+                    "--checkpoint-dir", str(tmp_path / "ck"))
+    assert measure.calls == 3 and err.count("from the cache") == 1, err  # said once, before the run
     t = planned["estimate"]["iteration_time_s"]
     assert t > 0.1  # 8 samples x 6 layers x 15 ms per sample on 4 processes: the stand-in, not the roofline
     assert replayed["iteration_time_s"] == pytest.approx(t, rel=1e-9)

@@ -159,11 +159,12 @@ def _without_memory_options(plan: Plan) -> Plan:
 
 
 @pytest.mark.parametrize("job, gpu, n", [
-    # on 64 A100-40 the best plan needs no options (2 pipelines of 8 stages at TP 4); on 32, with
-    # DeepSpeed's stage boundaries (every TP rank sends the whole activation), it is 2 pipelines of
-    # 4 TP-4 stages with ZeRO-2, recomputation and SP (with Sailor's scatter-gather boundaries one
-    # pipeline of 8 interleaved TP-4 stages is faster and needs no option)
-    (JobSpec(model="opt-30b", global_batch_size=256, precision="bf16", framework="deepspeed"), "A100-40", 32),
+    # on 32 A100-40 the best plan needs no options (one pipeline of 8 interleaved TP-4 stages; 2
+    # pipelines of 4 TP-4 stages under ZeRO-2 would reduce-scatter after each of their 32
+    # micro-batches, after the pipeline under DeepSpeed); on 16, with DeepSpeed's stage boundaries
+    # (every TP rank sends the whole activation), it is one pipeline of 2 TP-8 stages with ZeRO-2,
+    # full recomputation and SP
+    (JobSpec(model="opt-30b", global_batch_size=256, precision="bf16", framework="deepspeed"), "A100-40", 16),
     (JobSpec(model="llama-3-8b", global_batch_size=64, sequence_length=8192, precision="bf16"), "L4", 16),
     # one pipeline of 2 TP-8 stages fits only under ZeRO-2 (one layer's gradient sync buffer, not the
     # stage's); the planner used to refuse it ("needs at least 23 GPUs") or, with ZeRO dropped from

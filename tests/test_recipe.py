@@ -199,6 +199,22 @@ def test_launch_without_a_checkpoint_folder_warns_and_max_restarts_needs_one(tmp
     code, _, err = _main(["launch", "plan.json", "--backend", "torchrun", "--dry-run", "--steps", "5", "--data",
                           "/d/train.npy"], monkeypatch, capsys)
     assert code == 0 and "no --data" not in err and "recipe.eval.data held.npy is read on the nodes" in err, err
+    # starting the nodes: the same notes, said once, before the nodes run (that path ends in typer.Exit,
+    # which skips the notes said at the end)
+    Path("hosts.yaml").write_text(json.dumps({"groups": [{"zone": "local", "gpu": "cpu",
+                                                          "hosts": ["127.0.0.1", "127.0.0.2"]}]}))
+    said_before = []
+
+    def fake_launch(plan, opts, hosts) -> int:
+        said_before.append(capsys.readouterr().err)
+        return 0
+
+    monkeypatch.setattr("sailor.launch.launch", fake_launch)
+    code, _, err = _main(["launch", "plan.json", "--backend", "torchrun", "--hosts", "hosts.yaml", "--steps", "5"],
+                         monkeypatch, capsys)
+    assert code == 0 and len(said_before) == 1, err
+    assert "warning: no --data" in said_before[0] and "warning: no --checkpoint-dir" in said_before[0], said_before
+    assert "recipe.eval.data held.npy is read on the nodes" in said_before[0] and "warning" not in err, err
     code, _, err = _main(["launch", "plan.json", "--backend", "kubernetes", "--dry-run", "--steps", "5",
                           "--max-restarts", "3"], monkeypatch, capsys)
     assert code == 2 and err.startswith("error: --max-restarts: 3 restarts would each start over from step 0"), err

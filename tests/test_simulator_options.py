@@ -105,6 +105,44 @@ def test_zero_sync_is_reduce_scatter_plus_all_gather_and_the_optimizer_steps_on_
     assert alone.replicas[0].forward_s == pytest.approx(r0.forward_s) and alone.gradient_sync_s == 0.0
 
 
+def test_zero2_and_3_reduce_scatter_once_per_micro_batch():
+    # d = 4 replicas of one 6-layer stage, 4 micro-batches each, fp32 (4 B gradients and weights)
+    job = JobSpec(model="tiny", global_batch_size=32)
+    d, m, n = 4, 4, _ctx(job).stage_params(1, 0, 6)
+    grads = 4 * n
+    plans = {z: _plan([{"zero": z}], d=d, m=m) for z in (1, 2, 3)}
+    assert [p.step_rounds(0) for p in plans.values()] == [m, m, m]  # the runtime's rounds too
+    # DeepSpeed reduces after the backward, nothing hidden: the reduce-scatter (half a ring all-reduce,
+    # (d - 1) steps) once under ZeRO-1, once per micro-batch under ZeRO-2/3; the weights' all-gather once
+    ds = _ctx(job.model_copy(update={"framework": "deepspeed"}))
+    nd = ds.stage_params(1, 0, 6)  # DeepSpeed's stage holds one copy of the tied token matrix
+    rs = ag = (d - 1) * (ALPHA + 4 * nd / d / BETA)  # fp32: the weights as many bytes as the gradients
+    est = {z: simulate(p, ds) for z, p in plans.items()}
+    assert est[1].gradient_sync_s == pytest.approx(rs + ag)
+    assert est[2].gradient_sync_s == pytest.approx(4 * rs + ag)
+    assert est[3].gradient_sync_s == pytest.approx(4 * rs)
+    # Sailor's runtime, on a link slow enough (10 kB/s) that every layer's reduce-scatter outlasts any
+    # layer's 2 s backward: the collectives queue without a gap from the first layer's backward on
+    # (layer 5, 2 s), so past the last backward (at m x 12 s) shows 2 + rounds x sum(per layer) - m x 12
+    beta = 1e4
+    net = NetworkModel(cluster=CLUSTER, class_links={LinkClass.SAME_ZONE: Link(ALPHA, beta)})
+    slow = make_context(job, CLUSTER, _profiles(), net, calibration={})
+
+    def rs_s(nbytes: float) -> float:
+        return (d - 1) * (ALPHA + nbytes / d / beta)
+
+    # each layer's bucket: one collective's latency (a 1-byte one) plus its share of the bytes
+    per = [rs_s(1) + (rs_s(grads) - rs_s(1)) * slow.stage_params(1, x, x + 1) / n for x in range(6)]
+    assert min(per) > 2.0
+    once = 2.0 + sum(per) - 12.0  # ZeRO-1: one reduce-scatter, after the last micro-batch's backward
+    est = {z: simulate(p, slow) for z, p in plans.items()}
+    assert est[1].gradient_sync_s == pytest.approx(once + rs_s(4 * n), rel=1e-9)
+    assert est[3].gradient_sync_s == pytest.approx(2.0 + m * sum(per) - m * 12.0, rel=1e-9)
+    assert est[2].gradient_sync_s == pytest.approx(est[3].gradient_sync_s + rs_s(4 * n), rel=1e-9)
+    # 3 more rounds of reduce-scatters, less the 3 rounds of backward they run under
+    assert est[2].gradient_sync_s - est[1].gradient_sync_s == pytest.approx(3 * sum(per) - 3 * 12.0, rel=1e-9)
+
+
 def test_state_bytes_and_gather_buffer_under_zero():
     ctx = _ctx(JobSpec(model="tiny", global_batch_size=16, precision="bf16"))
     n, d = ctx.stage_params(1, 0, 6), 4
@@ -230,6 +268,13 @@ def test_bucket_syncs_overlap_the_backward_as_a_queue_on_one_link():
     assert exposed_sync_s([0.5, 0.5, 0.5], [1.0, 1.0, 1.0]) == pytest.approx(0.5)
     assert exposed_sync_s([2.0, 2.0, 2.0], [1.0, 1.0, 1.0]) == pytest.approx(7.0 - 3.0)
     assert exposed_sync_s([], []) == 0.0
+    # rounds: the chain again after each round's compute. 2 s collectives, 2 rounds: ends 3, 5, ..., 13
+    # after the last layer at 6; a 3 s and a 0.1 s collective under 1 s and 2 s layers: layers end at
+    # 1, 3, 4, 6, collectives at 4, 4.1, 7.1, 7.2
+    assert exposed_sync_s([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], rounds=2) == pytest.approx(13.0 - 6.0)
+    assert exposed_sync_s([0.5, 0.5, 0.5], [1.0, 1.0, 1.0], rounds=3) == pytest.approx(0.5)
+    assert exposed_sync_s([3.0, 0.1], [1.0, 2.0], rounds=2) == pytest.approx(7.2 - 6.0)
+    assert exposed_sync_s([3.0, 0.1] * 2, [1.0, 2.0] * 2) == pytest.approx(7.2 - 6.0)
 
 
 def test_sailor_sync_is_what_the_backward_cannot_hide_deepspeed_syncs_after_it():

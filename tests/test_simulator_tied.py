@@ -65,6 +65,27 @@ def test_tiny_one_stage_dp2_syncs_both_copies_of_the_token_matrix():
     assert _sync_bytes(plan, "tiny") == [(TrafficKind.SYNC, pytest.approx(2 * 947712))]
 
 
+@pytest.mark.parametrize("shares", [(4, 4), (4, 2)])
+def test_zero2_and_3_reduce_scatter_bytes_cross_once_per_micro_batch_round(shares):
+    # the one-stage tiny of the test above (947712 B of fp32 gradients per rank), a ring of 2 across
+    # the zones. ZeRO-0 all-reduces once: 2 x 947712 B; ZeRO-1 reduce-scatters once (half of that) and
+    # all-gathers the fp32 weights once (the other half). ZeRO-2/3 reduce-scatter after every
+    # micro-batch: 4 rounds (the larger share: the pipeline of 2 runs 2 rounds of collectives alone,
+    # `Plan.step_rounds`), 4 x 947712 B, plus ZeRO-2's all-gather
+    half = 947712
+    for zero, expected in ((0, 2 * half), (1, 2 * half), (2, 4 * half + half), (3, 4 * half)):
+        plan = Plan.model_validate({
+            "micro_batch_size": 4, "stages": [[0, 6]], "memory": [{"zero": zero}],
+            "pipelines": [{"microbatches": m, "replicas": [{"stage": 0, "gpu": "A100-40", "zone": z, "tp": 1}]}
+                          for m, z in zip(shares, (ZA, ZB))]})
+        ctx = make_context(_job("tiny", plan), CLUSTER)
+        est = simulate(plan, ctx)
+        assert [(t.kind, t.moved_bytes) for t in est.traffic] == [(TrafficKind.SYNC, pytest.approx(expected))], zero
+        assert est.cross_zone_bytes == pytest.approx(expected)
+        price = CLUSTER.prov.egress_usd_per_gb[ctx.network.link_class(ZA, ZB)]
+        assert est.egress_per_iteration_usd == pytest.approx(expected / 1e9 * price)
+
+
 def test_tiny_two_stages_exchange_the_token_matrix_only():
     # the first and last stage sum the copies of the 256 x 64 token matrix: 65536 B each way (the
     # 64 x 64 position table stays on stage 0: with it, 81920 B); activations: 2 micro-batches of

@@ -132,6 +132,15 @@ def check_number(value: float | None, option: str, *, lo: float | None = None, h
 NOTES_AT_END: list[str] = []  # lines `sailor.cli.main` prints on stderr once a command has succeeded
 
 
+def say_notes_now() -> None:
+    """Print the notes gathered so far (`NOTES_AT_END`) on stderr now and drop them: for a command
+    about to start something long whose own output should come after them (`sailor launch` starting
+    its nodes), the one way such a command says its notes early."""
+    for line in NOTES_AT_END:
+        print(line, file=sys.stderr, flush=True)
+    NOTES_AT_END.clear()
+
+
 def machine_profiles(job, cluster, profiles, *, job_source: str | None = None):
     """What `resolve_models` should load: `profiles` when given; on the local provider without
     them, a quick profile of this machine (`runtime.machine.local_profiles`: cached, or measured now,

@@ -17,8 +17,8 @@ import typer
 from rich.console import Console
 
 from sailor.cli.app import app
-from sailor.cli.common import (METRICS_HELP, NOTES_AT_END, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt,
-                               ProfilesOpt, SeedOpt, check_number, choice, console, machine_profiles, require_torch)
+from sailor.cli.common import (METRICS_HELP, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt, ProfilesOpt, SeedOpt,
+                               check_number, choice, console, machine_profiles, require_torch, say_notes_now)
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
 from sailor.core.limits import MAX_SECONDS, MAX_TRACE_TIME_S
@@ -116,9 +116,7 @@ def run(
                          on_event=lambda ev: _say(err, ev))
     check_run(options)  # bad options are refused before the machine is measured
     prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
-    for line in NOTES_AT_END:  # where the profile came from: said now, before the run's own lines
-        err.print(line, markup=False, highlight=False)
-    NOTES_AT_END.clear()
+    say_notes_now()  # where the profile came from: said now, before the run's own lines
     result = run_elastic(dataclasses.replace(options, profiles=prof))
     if result.status == 2:  # a rank refused its input (ExitStatus.BAD_INPUT): its one line
         print(f"error: {result.message}", file=sys.stderr)

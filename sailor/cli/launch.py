@@ -24,8 +24,8 @@ from typing import Optional
 import typer
 
 from sailor.cli.app import app
-from sailor.cli.common import (CheckpointEveryOpt, DataOpt, InitFromOpt, LogEveryOpt, MetricsOpt, SeedOpt, StepsOpt,
-                               TensorboardOpt, TimeoutOpt, choice)
+from sailor.cli.common import (NOTES_AT_END, CheckpointEveryOpt, DataOpt, InitFromOpt, LogEveryOpt, MetricsOpt, SeedOpt,
+                               StepsOpt, TensorboardOpt, TimeoutOpt, choice, say_notes_now)
 from sailor.core.errors import SailorInputError
 
 
@@ -162,24 +162,20 @@ def launch_command(
         raise no_steps
     if out is not None:
         _write(out, files)
-    files_on_nodes = [] if data else ["warning: no --data: every rank trains on Python's built-in pydoc text as byte"
-                                      " tokens (pass the token file's path on the nodes)"]
+    if not data:
+        NOTES_AT_END.append("warning: no --data: every rank trains on Python's built-in pydoc text as byte"
+                            " tokens (pass the token file's path on the nodes)")
     if job_spec.recipe.eval is not None:
-        files_on_nodes.append(f"note: recipe.eval.data {job_spec.recipe.eval.data} is read on the nodes, relative to"
-                              f" the ranks' working folder; launch copies no data there")
+        NOTES_AT_END.append(f"note: recipe.eval.data {job_spec.recipe.eval.data} is read on the nodes, relative to"
+                            f" the ranks' working folder; launch copies no data there")
     if no_checkpoints:
-        files_on_nodes.append(no_checkpoints)
-    if files_on_nodes and (dry_run or chosen is not Backend.TORCHRUN):
-        from sailor.cli.common import NOTES_AT_END
-        NOTES_AT_END.extend(files_on_nodes)
+        NOTES_AT_END.append(no_checkpoints)
     if dry_run:
         print("".join(files.values()) if chosen is not Backend.SKYPILOT else
               "".join(files[f] for f in files if f.endswith(".yaml") and "/" not in f), end="")
         return
     if chosen is Backend.TORCHRUN:
-        for line in files_on_nodes:
-            print(line, file=sys.stderr)
-    if chosen is Backend.TORCHRUN:
+        say_notes_now()  # before the nodes' output: the run ends in typer.Exit, which skips the notes at the end
         status = launch(plan, opts, hosts)
         if status:
             print(f"error: a node failed (ssh exit status {status}); all nodes stopped", file=sys.stderr)

@@ -284,6 +284,17 @@ class Plan(BaseModel):
     def world_size(self) -> int:
         return sum(p.gpus for p in self.pipelines)
 
+    def step_rounds(self, pipeline: int) -> int:
+        """Micro-batch rounds pipeline `pipeline` runs per step: the largest pipeline's micro-batch
+        count when some stage reduce-scatters its gradients per micro-batch (ZeRO-2/3: every member of
+        a stage's group meets in a collective for every micro-batch, so the pipelines with fewer run
+        the missing rounds' collectives alone, with zero gradients), else its own. The runtime's
+        rounds (`runtime.schedule.step_rounds`) and the simulator's reduce-scatter count
+        (`simulator.sync`) both read it here."""
+        if any(self.stage_memory(i).zero >= 2 for i in range(self.num_stages)):
+            return max(p.microbatches for p in self.pipelines)
+        return self.pipelines[pipeline].microbatches
+
     def gpu_usage(self) -> Counter:
         """GPUs used per (zone, GPU type)."""
         use: Counter = Counter()

@@ -240,11 +240,12 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
     trade_off = opts.objective is Objective.COST or opts.constraints != Constraints()
 
     def sync(k: int, D: int) -> float:  # D pipelines of kind k, placed as the launcher places them
+        # (ZeRO-2/3 reduce-scatter once per round: the largest share of M split evenly over D)
         key = ("kind-sync", kinds[k].slots, D, fam.partition, fam.memory, fam.mbs)
         if key not in ctx.memo:
             placed = place([list(kinds[k].slots)] * D, ctx.cluster)
             ctx.memo[key] = max(stage_sync(ctx, group_members([p[i] for p in placed]), ((a, e),),
-                                           time_options(fam.memory[i], 2), fam.mbs)[0]
+                                           time_options(fam.memory[i], 2), fam.mbs, rounds=-(-fam.M // D))[0]
                                 for i, (a, e) in enumerate(fam.partition))
         return ctx.memo[key]
 

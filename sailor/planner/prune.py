@@ -85,7 +85,7 @@ def _layer_table(ctx: SimContext, mbs: int) -> list[tuple[str, int, np.ndarray]]
         most = max(ctx.cluster.available(z, g) for z in ctx.cluster.zones)
         for t in ctx.job.model.tp_degrees(ctx.cluster.node_size(g)):
             if t <= most:
-                out.append((g, t, np.diff(ctx.layer_cumsum(g, t, mbs), axis=0).sum(axis=1)))
+                out.append((g, t, ctx.layer_s(g, t, mbs).sum(axis=1)))
     return out
 
 
@@ -222,7 +222,7 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
             per_param = state["weights"] / (n if zero3 else 1) + (state["gradients"] + state["optimizer"]) / n
             if (ctx.stage_params(t, 0, L) * per_param + act) / P + ctx.framework_bytes(g) > ctx.memory_limit(g):
                 continue
-            layers = np.diff(ctx.layer_cumsum(g, t, mbs), axis=0).sum(axis=1)
+            layers = ctx.layer_s(g, t, mbs).sum(axis=1)
             c = ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t) if P > 1 else 0.0
             sends = 0 if P == 1 else (2 if P == 2 else 4)
             fill = float(layers.sum()) + 2 * (P - 1) * c

@@ -146,23 +146,25 @@ class Scorer:
             self._at[D] = [k.at(self.ctx, self.partition, self.mbs, D) for k in self.kinds]
         return self._at[D]
 
-    def sync(self, counts: tuple[int, ...]) -> tuple[float, float]:
+    def sync(self, counts: tuple[int, ...], rounds: int = 1) -> tuple[float, float]:
         """(tied + slowest stage gradient sync seconds, egress $ per iteration) for these counts, as
         `simulate` computes them (`tied_sync`, `stage_sync` with the stages' options at D) on the
         plan `finalists.plan_from_kinds` makes: pipelines in kind order, placed on nodes as the launcher
-        places them (`place`), so replicas that share a node reduce over the intra-node link.
+        places them (`place`), so replicas that share a node reduce over the intra-node link; `rounds`:
+        the largest pipeline's micro-batches (`Plan.step_rounds`), how often ZeRO-2/3 reduce-scatter.
         Memoised in the context by what it depends on (each used kind's slots and count, in order;
-        the partition; the stages' sync options; the micro-batch size, whose backward hides it), so scorers over other kind lists share it."""
-        if counts not in self._sync:
+        the partition; the stages' sync options; the micro-batch size, whose backward hides it; the
+        rounds), so scorers over other kind lists share it."""
+        if (counts, rounds) not in self._sync:
             used = tuple((k.slots, n) for k, n in zip(self.kinds, counts) if n)
-            key = ("counts-sync", used, tuple(self.partition), tuple(self._sync_options), self.mbs)
+            key = ("counts-sync", used, tuple(self.partition), tuple(self._sync_options), self.mbs, rounds)
             if key not in self.ctx.memo:
-                self.ctx.memo[key] = self._sync_of(used)
-            self._sync[counts] = self.ctx.memo[key]
-        return self._sync[counts]
+                self.ctx.memo[key] = self._sync_of(used, rounds)
+            self._sync[(counts, rounds)] = self.ctx.memo[key]
+        return self._sync[(counts, rounds)]
 
-    def _sync_of(self, used: tuple[tuple[tuple[Slot, ...], int], ...]) -> tuple[float, float]:
-        """`sync` of the used kinds' (slots, count), in kind order."""
+    def _sync_of(self, used: tuple[tuple[tuple[Slot, ...], int], ...], rounds: int) -> tuple[float, float]:
+        """`sync` of the used kinds' (slots, count), in kind order, over `rounds` micro-batch rounds."""
         P, D = len(self.partition), sum(n for _, n in used)
         ends = (self._sync_options[0].zero, self._sync_options[-1].zero) if self._sync_options else (0, 0)
         alone = placed_apart(used)
@@ -182,7 +184,7 @@ class Scorer:
                 groups = apart_stage_groups(self.ctx, used, i)
             else:
                 groups = group_members([pipe[i] for pipe in placed])
-            s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i], self.mbs)
+            s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i], self.mbs, rounds=rounds)
             worst = max(worst, s)
             usd += u
         return tied + worst, usd
@@ -212,7 +214,7 @@ class Scorer:
         rate = sum(k.usd_per_hour * n for k, n in zip(kinds, counts))
         if hopeless is not None and hopeless(W + opt, rate * (W + opt) / HOUR_S + egress):
             return None
-        sync_s, sync_usd = self.sync(counts)
+        sync_s, sync_usd = self.sync(counts, max(max(sh) for sh in shares if sh))
         egress += sync_usd
         T = W + sync_s + opt
         return Candidate(iteration_time_s=T, cost_per_iteration_usd=rate * T / HOUR_S + egress,

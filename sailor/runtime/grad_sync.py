@@ -18,6 +18,13 @@ When a bucket's gradients are final:
 - ZeRO-2/3 reduce-scatter every micro-batch's gradients of a layer right after its backward; those are
   issued at once, and waited on one layer later (`InFlight.wait(keep=...)`), so each runs under the
   next layer's backward, or the next micro-batch's compute for the first layer of a micro-batch.
+  Not later: waiting only before a bucket's next use (its layer's backward of the next micro-batch)
+  would let a whole micro-batch of the stage's flat fp32 gradients be in flight at once, 4 bytes a
+  parameter more than the sharded gradients ZeRO-2 exists to save; one layer later bounds the
+  transient to one layer's (`simulator.memory.sync_buffer_bytes` counts it), as FSDP2 bounds its
+  own (its post-backward waits for the previous reduce-scatter before issuing the next). The price:
+  where one layer's reduce-scatter outlasts the next layer's backward, that backward waits for it.
+  `SyncTimeline.finished` records where each collective was waited on.
 Everything is waited on in `ShardedAdamW.reduce`, before the tied embedding's twins, clipping and the
 step.
 
@@ -136,6 +143,7 @@ class SyncTimeline:
         self.clock = PhaseClock(device)
         self.start: object = None  # the step's first forward hook
         self.issued: list[tuple[int, object]] = []  # (bucket, mark) per collective issued
+        self.finished: list[tuple[int, object]] = []  # (bucket, mark) per collective waited on, in wait order
         self.backward_end: object = None  # the last layer's last backward hook of the step
         self.waited: object = None  # every collective waited on (`reduce`)
         self.gathers: list[tuple[int, bool]] = []  # ZeRO-3: (layer, issued ahead by the prefetch) per gather
@@ -144,12 +152,14 @@ class SyncTimeline:
         return self.clock.mark()
 
     def seconds(self) -> dict:
-        """{"issued_s": [(bucket, s)], "backward_end_s": s or None, "waited_s": s or None}, seconds since
-        `start` (on CUDA, waits for the marks). Raises AssertionError when the step never started."""
+        """{"issued_s": [(bucket, s)], "finished_s": [(bucket, s)], "backward_end_s": s or None,
+        "waited_s": s or None}, seconds since `start` (on CUDA, waits for the marks; a finished mark is
+        where the host waited, the device's wait may end later). Raises AssertionError when the step
+        never started."""
         assert self.start is not None, "no step recorded"
 
         def s(m: object) -> float | None:
             return None if m is None else seconds_between(self.start, m)
 
-        return {"issued_s": [(i, s(m)) for i, m in self.issued], "backward_end_s": s(self.backward_end),
-                "waited_s": s(self.waited)}
+        return {"issued_s": [(i, s(m)) for i, m in self.issued], "finished_s": [(i, s(m)) for i, m in self.finished],
+                "backward_end_s": s(self.backward_end), "waited_s": s(self.waited)}

@@ -29,9 +29,7 @@ def runtime_schedule(plan: Plan) -> Schedule:
 
 
 def step_rounds(plan: Plan, role: RankRole) -> int:
-    """Micro-batch rounds `role`'s rank runs per step (module docstring): the largest pipeline's
-    micro-batch count when any stage shards gradients per micro-batch (ZeRO-2/3), else its own
-    pipeline's."""
-    if any(plan.stage_memory(i).zero >= 2 for i in range(plan.num_stages)):
-        return max(p.microbatches for p in plan.pipelines)
-    return role.microbatches
+    """Micro-batch rounds `role`'s rank runs per step (module docstring; `Plan.step_rounds`, the rule
+    the simulator counts the per-micro-batch reduce-scatters by): the largest pipeline's micro-batch
+    count when any stage shards gradients per micro-batch (ZeRO-2/3), else its own pipeline's."""
+    return plan.step_rounds(role.pipeline)

@@ -529,6 +529,8 @@ class ShardedAdamW:
                 own = self._own(b, flat)
                 own.copy_(out)
                 self.grad[i] = own
+            if work is not None:
+                self.timeline.finished.append((i, self.timeline.mark()))
         self._inflight.add(work, finish)
 
     @torch.no_grad()
@@ -543,8 +545,13 @@ class ShardedAdamW:
             work, out = self._reduce_async(b, flat)
             if work is not None:
                 self.timeline.issued.append((i, self.timeline.mark()))
+
             # `flat` stays referenced until the collective is waited on (it reads it until then)
-            self._inflight.add(work, lambda i=i, out=out, flat=flat: self.grad[i].add_(out))
+            def finish(i: int = i, out: torch.Tensor = out, flat: torch.Tensor = flat, work=work) -> None:
+                self.grad[i].add_(out)
+                if work is not None:
+                    self.timeline.finished.append((i, self.timeline.mark()))
+            self._inflight.add(work, finish)
             issued += 1
         for n in self.layer_params[layer]:
             self.params[n].grad = None

@@ -22,8 +22,9 @@ DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, Opt
   with P = 1.
 - sync: each TP rank all-reduces its own gradient shard (params(stage, t) x gradient bytes, norms
   and row-parallel biases included) with its peers of the other D - 1 replicas (ZeRO: reduce-scatter
-  plus all-gather, `sync.stage_sync`): a ring or a hierarchical all-reduce over the links at the
-  GPU type's calibrated all-reduce efficiency (`terms.collective_s`, `collectives`).
+  plus all-gather, the reduce-scatter once per micro-batch round under ZeRO-2/3, `sync.stage_sync`):
+  a ring or a hierarchical all-reduce over the links at the GPU type's calibrated all-reduce
+  efficiency (`terms.collective_s`, `collectives`).
 - optimizer: proportional to the parameters on one GPU (memory-bound; 1/D of them under ZeRO).
 Memory options (`Plan.memory`) are read in one place, `terms.stage_memory`, which `simulate` calls
 once per stage and hands to `terms.time_options` (time) and `memory.replica_memory` (memory, per chunk
@@ -297,13 +298,15 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         egress_usd += eu
         crossings += [(TrafficKind.SYNC, c, 1) for c in tied_sync_crossings(ctx, sl[0], sl[-1], P, ends, D)]
     sync_times = []
+    rounds = max(plan.step_rounds(j) for j in range(D))  # a stage group's rounds: its ZeRO-2/3 reduce-scatters
     for i in range(P):
         groups, chunks = group_members([sl[i] for sl in slots]), plan.stage_chunks(i)
-        t, eb, eu = stage_sync(ctx, groups, chunks, options[i][0], mbs)
+        t, eb, eu = stage_sync(ctx, groups, chunks, options[i][0], mbs, rounds=rounds)
         sync_times.append(t)
         cross_bytes += eb
         egress_usd += eu
-        crossings += [(TrafficKind.SYNC, c, 1) for c in stage_sync_crossings(ctx, groups, chunks, options[i][0])]
+        crossings += [(TrafficKind.SYNC, c, 1)
+                      for c in stage_sync_crossings(ctx, groups, chunks, options[i][0], rounds=rounds)]
     for rep in replicas:
         rep.sync_s = sync_times[rep.stage] + (tied_s if rep.stage in (0, P - 1) else 0.0)
 

@@ -100,6 +100,12 @@ class SimContext:
             self._cum[key] = np.vstack([np.zeros((1, 2)), np.cumsum(t, axis=0)])
         return self._cum[key]
 
+    def layer_s(self, gpu: str, tp: int, mbs: int, a: int = 0, b: int | None = None) -> np.ndarray:
+        """Per-layer (forward, backward) seconds of one micro-batch on layers [a, b) (default: all),
+        as `layer_cumsum` counts them: array (b - a, 2)."""
+        c = self.layer_cumsum(gpu, tp, mbs)
+        return np.diff(c[a:(len(c) - 1 if b is None else b) + 1], axis=0)
+
     def stage_compute_s(self, gpu: str, tp: int, mbs: int, a: int, b: int) -> tuple[float, float]:
         """(forward_s, backward_s) of one micro-batch on layers [a, b) for one replica, without memory
         options: the layers' times plus, on the forward, the runtime's measured per-micro-batch
@@ -117,7 +123,7 @@ class SimContext:
         estimated)."""
         key = (gpu, tp, mbs)
         if key not in self._split:
-            backward = np.diff(self.layer_cumsum(gpu, tp, mbs)[:, 1])
+            backward = self.layer_s(gpu, tp, mbs)[:, 1]
             split = self.profiles.backward_split(self.job, gpu, tp, mbs, backward)
             if self.profiles.split_measured(gpu, tp):
                 split = np.maximum(split - gpu_constant(self.calibration, gpu, "profile_overhead_s", 0.0), 0.0)

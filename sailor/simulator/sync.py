@@ -25,80 +25,107 @@ def _sync_shards(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[in
     return t, t * sum(ctx.stage_params(t, a, e) for a, e in chunks)
 
 
-def _sync_collectives(ctx: SimContext, params: float, opts: TimeOptions) -> list[tuple[Collective, float]]:
-    """[(collective, bytes of one replica's tensor)] of a stage's gradient sync over `params` parameters."""
-    return [(kind, params * ctx.job.state_bytes_per_param[state]) for kind, state in opts.sync()]
+def _sync_collectives(ctx: SimContext, params: float, opts: TimeOptions,
+                      rounds: int) -> list[tuple[Collective, float, int]]:
+    """[(collective, bytes of one replica's tensor, runs per iteration)] of a stage's gradient sync
+    over `params` parameters: a collective `TimeOptions.sync` runs once per micro-batch (the ZeRO-2/3
+    reduce-scatter) runs `rounds` times (`Plan.step_rounds`: the largest pipeline's micro-batches,
+    the rounds the runtime's stage group meets in), every other once. The one place the sync's
+    collectives are counted: `stage_sync` times and prices these, `stage_sync_crossings` itemises them."""
+    return [(kind, params * ctx.job.state_bytes_per_param[state], rounds if per_microbatch else 1)
+            for kind, state, per_microbatch in opts.sync()]
 
 
-def exposed_sync_s(collective_s: Sequence[float], compute_s: Sequence[float]) -> float:
+def exposed_sync_s(collective_s: Sequence[float], compute_s: Sequence[float], rounds: int = 1) -> float:
     """Seconds a chain of bucket collectives runs past the end of the backward that issues them, both
     in the order the backward finishes its layers: bucket k is issued once its layer's backward is
     done (after compute_s[0..k]) and starts when the collective before it has ended (one link, one
     communicator): E_k = max(R_k, E_(k-1)) + collective_s[k], exposed = E_last - R_last. At least the
-    last bucket's collective, at most all of them."""
-    ready = end = 0.0
+    last bucket's collective, at most all of them. `rounds`: the chain `rounds` times in a row (one
+    backward per micro-batch, each reducing its buckets: ZeRO-2/3), each round's compute after the
+    previous round's.
+
+    In O(buckets + rounds): the lag L_k = E_k - R_k follows L_k = max(L_(k-1) - compute_s[k], 0) +
+    collective_s[k] (Lindley's recursion of a single-server queue), and a whole round, a composition
+    of such maps, is L -> max(L + A, B) for L >= 0, with A = sum(collective_s - compute_s) and
+    B = the round's lag from an empty queue."""
+    empty, shift = 0.0, 0.0  # B and A of one round
     for c, t in zip(compute_s, collective_s):
-        ready += c
-        end = max(end, ready) + t
-    return end - ready
+        empty = max(empty - c, 0.0) + t
+        shift += t - c
+    lag = 0.0
+    for _ in range(rounds):
+        lag = max(lag + shift, empty)
+    return lag
 
 
 def _slowest_backward(ctx: SimContext, groups: list[Group], mbs: int, layers: Sequence[int]) -> np.ndarray:
     """Per layer of `layers`, the longest backward seconds of one micro-batch among the members'
     GPU types and TP degrees (the layer times; recomputation and TP collectives left out, which only
     shortens the compute a sync can hide under)."""
-    rows = [np.diff(ctx.layer_cumsum(g, t, mbs)[:, 1]) for g, t in {(r.gpu, r.tp) for r, _ in groups}]
+    rows = [ctx.layer_s(g, t, mbs)[:, 1] for g, t in {(r.gpu, r.tp) for r, _ in groups}]
     return np.max(np.vstack(rows), axis=0)[list(layers)]
 
 
 def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
-               opts: TimeOptions = DEFAULT_TIME, mbs: int | None = None) -> tuple[float, float, float]:
-    """(seconds, bytes crossing zones, egress $) of the gradient sync of the layer ranges `chunks`
-    (one stage's, `Plan.stage_chunks`; reduced together) across the replicas of that stage, given as
-    (Slot, count) groups in ring order (`group_members`): an all-reduce of the gradients, or under
-    ZeRO their reduce-scatter plus (ZeRO-1/2) the all-gather of the updated weights
-    (`TimeOptions.sync`). Each of the t ranks syncs its own shard of params(stage, t) parameters
-    (replicated norms and biases included), t = the finest common sharding's flow count. The bytes
-    and $ are the totals of `stage_sync_crossings`, collective by collective.
+               opts: TimeOptions = DEFAULT_TIME, mbs: int | None = None, *,
+               rounds: int = 1) -> tuple[float, float, float]:
+    """(seconds, bytes crossing zones, egress $) per iteration of the gradient sync of the layer
+    ranges `chunks` (one stage's, `Plan.stage_chunks`; reduced together) across the replicas of that
+    stage, given as (Slot, count) groups in ring order (`group_members`): an all-reduce of the
+    gradients, or under ZeRO their reduce-scatter plus (ZeRO-1/2) the all-gather of the updated
+    weights (`TimeOptions.sync`); under ZeRO-2/3 the reduce-scatter runs once per micro-batch round,
+    `rounds` times (`_sync_collectives`; `Plan.step_rounds`; default 1, which the planner's lower
+    bounds use). Each of the t ranks syncs its own shard of params(stage, t) parameters (replicated
+    norms and biases included), t = the finest common sharding's flow count. The bytes and $ are the
+    totals of `stage_sync_crossings`, collective by collective.
 
     Seconds: DeepSpeed and Megatron-LM (`Framework`, the modelled public runs) reduce after the
-    pipeline's last backward, so every collective counts in full. Sailor's runtime reduces one bucket
-    per layer, issued as soon as the layer's last backward of the iteration is done and overlapping
-    the backward of the layers below (`runtime.grad_sync`); the all-gather of the updated weights
-    follows the optimizer step. So only the part of the gradient collectives the backward cannot
-    hide counts (`exposed_sync_s`), over the stage's layers in backward order, with each layer's
-    collective taking its share of the stage's bytes plus one collective's latency (the time of a
-    1-byte collective) and the compute the slowest member's layer backward of micro-batch size
-    `mbs`. It is measured as each stage's `sync_exposed_s` in the runtime's metrics. It is charged
-    from the stage's own last backward on, although the later stages' last backward ends before the
-    pipeline's (conservative). Without `mbs`: a lower bound of that (the last layer's collective
-    alone), which the planner's bounds use."""
+    pipeline's last backward, so every collective counts in full, each of its runs. Sailor's runtime
+    reduces one bucket per layer, issued as soon as its gradients are final and overlapping the
+    backward of the layers below (`runtime.grad_sync`): under ZeRO-0/1 after the layer's last
+    backward of the iteration, under ZeRO-2/3 after each micro-batch's, the earlier rounds' then
+    hiding under the later micro-batches' backward; the all-gather of the updated weights follows
+    the optimizer step. So only the part of the gradient collectives the backward cannot hide counts
+    (`exposed_sync_s`), over the stage's layers in backward order (repeated for each round), with
+    each layer's collective taking its share of the stage's bytes plus one collective's latency (the
+    time of a 1-byte collective) and the compute the slowest member's layer backward of micro-batch
+    size `mbs` (the forwards between two rounds' backwards left out: conservative). It is measured
+    as each stage's `sync_exposed_s` in the runtime's metrics. It is charged from the stage's own
+    last backward on, although the later stages' last backward ends before the pipeline's
+    (conservative). Without `mbs`: a lower bound of that (the last layer's collective alone), which
+    the planner's bounds use."""
     t, params = _sync_shards(ctx, groups, chunks)
     overlap = ctx.job.framework is Framework.SAILOR and sum(n for _, n in groups) > 1
-    key = ("stage_sync", group_shape(groups), params, opts.sync()) + ((tuple(chunks), mbs) if overlap else ())
+    collectives = _sync_collectives(ctx, params, opts, rounds)
+    key = (("stage_sync", group_shape(groups), params, tuple(collectives))
+           + ((tuple(chunks), mbs) if overlap else ()))
     if key not in ctx.memo:
         seconds, moved, usd = 0.0, 0.0, 0.0
         layers = [x for a, e in sorted(chunks, reverse=True) for x in reversed(range(a, e))]
-        for kind, nbytes in _sync_collectives(ctx, params, opts):
+        for kind, nbytes, runs in collectives:
             mb, mu = ring_egress(groups, nbytes, ctx.network)
             full = collective_s(ctx, groups, kind, nbytes, t)
             if overlap and kind is not Collective.ALL_GATHER:  # the gradients' collective, per layer bucket
                 latency = collective_s(ctx, groups, kind, 1.0, t)
                 per = [latency + (full - latency) * t * ctx.stage_params(t, x, x + 1) / params for x in layers]
-                full = per[-1] if mbs is None else exposed_sync_s(per, _slowest_backward(ctx, groups, mbs, layers))
-            seconds += full
-            moved += RING_SHARE[kind] * mb
-            usd += RING_SHARE[kind] * mu
+                seconds += per[-1] if mbs is None else exposed_sync_s(
+                    per, _slowest_backward(ctx, groups, mbs, layers), rounds=runs)
+            else:
+                seconds += runs * full
+            moved += runs * RING_SHARE[kind] * mb
+            usd += runs * RING_SHARE[kind] * mu
         ctx.memo[key] = (seconds, moved, usd)
     return ctx.memo[key]
 
 
 def stage_sync_crossings(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
-                         opts: TimeOptions = DEFAULT_TIME) -> list[Crossing]:
-    """The zone crossings of `stage_sync` (same arguments): per collective, each ring edge between
-    zones (`collectives.ring_crossings`) at that collective's share of a ring all-reduce's bytes."""
+                         opts: TimeOptions = DEFAULT_TIME, *, rounds: int = 1) -> list[Crossing]:
+    """The zone crossings of `stage_sync` (same arguments) per iteration: per collective, each ring
+    edge between zones (`collectives.ring_crossings`) at that collective's share of a ring
+    all-reduce's bytes, times its runs."""
     _, params = _sync_shards(ctx, groups, chunks)
-    return [c.scaled(RING_SHARE[kind]) for kind, nbytes in _sync_collectives(ctx, params, opts)
+    return [c.scaled(runs * RING_SHARE[kind]) for kind, nbytes, runs in _sync_collectives(ctx, params, opts, rounds)
             for c in ring_crossings(groups, nbytes, ctx.network)]
 
 

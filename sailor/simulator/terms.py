@@ -14,7 +14,8 @@ place, `time_options`:
 - ZeRO (Rajbhandari et al. 2020) over the stage's D data-parallel replicas: the optimizer steps over
   1/D of the parameters (ZeRO >= 1); the gradient all-reduce becomes a reduce-scatter of the
   gradients plus an all-gather of the updated weights (ZeRO-1/2, Megatron-LM's distributed
-  optimizer) or a reduce-scatter alone (ZeRO-3); under ZeRO-3 each layer's weights are
+  optimizer) or a reduce-scatter alone (ZeRO-3), the reduce-scatter run once per micro-batch under
+  ZeRO-2/3 (`TimeOptions.sync`, counted by `sync.stage_sync`); under ZeRO-3 each layer's weights are
   all-gathered across D replicas like this one packed on nodes as the launcher packs them
   (`gather_group`), one layer ahead of the compute (the runtime's
   prefetch, `runtime.zero`), so only what a layer's gather takes beyond the previous layer's
@@ -70,13 +71,17 @@ class TimeOptions:
         """ZeRO-3 with more than one replica: weights are all-gathered for every micro-batch."""
         return self.zero >= 3 and self.replicas > 1
 
-    def sync(self) -> tuple[tuple[Collective, str], ...]:
-        """Collectives of the end-of-iteration gradient sync, as (collective, which state's bytes)."""
+    def sync(self) -> tuple[tuple[Collective, str, bool], ...]:
+        """Collectives of the gradient sync, as (collective, which state's bytes, once per micro-batch):
+        ZeRO-2/3 reduce-scatter the gradients after every micro-batch's backward (a rank keeps only
+        its shard of the gradient, so it cannot sum the micro-batches' full gradients first:
+        `runtime.zero`, Rajbhandari et al. 2020 §5.2), every other collective runs once per
+        iteration."""
         if self.zero == 0:
-            return ((Collective.ALL_REDUCE, "gradients"),)
+            return ((Collective.ALL_REDUCE, "gradients", False),)
         if self.zero == 3:
-            return ((Collective.REDUCE_SCATTER, "gradients"),)
-        return ((Collective.REDUCE_SCATTER, "gradients"), (Collective.ALL_GATHER, "weights"))
+            return ((Collective.REDUCE_SCATTER, "gradients", True),)
+        return ((Collective.REDUCE_SCATTER, "gradients", self.zero == 2), (Collective.ALL_GATHER, "weights", False))
 
 
 DEFAULT_TIME = TimeOptions()
@@ -225,25 +230,31 @@ def exposed_gathers(gather_s: Sequence[float], compute_s: Sequence[float]) -> fl
     return float(g[0] + np.maximum(g[1:] - c[:-1], 0.0).sum()) if len(g) else 0.0
 
 
+def _pass_gathers_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions) -> tuple[float, float]:
+    """(forward, backward) seconds a forward and a backward pass of one micro-batch over layers
+    [a, e) wait for their ZeRO-3 gathers (`layer_gather_s`), each prefetched one layer ahead of the
+    layers' own compute (`exposed_gathers`; the backward runs the layers in reverse)."""
+    g = layer_gather_s(ctx, slot, a, e, opts)
+    c = ctx.layer_s(slot.gpu, slot.tp, mbs, a, e)  # (e - a, 2): forward, backward
+    return exposed_gathers(g, c[:, 0]), exposed_gathers(g[::-1], c[::-1, 1])
+
+
 def zero_gather_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions) -> tuple[float, float]:
     """(forward, backward) seconds one micro-batch's passes over layers [a, e) wait for ZeRO-3
     gathers re-done every pass (`reshard` true; module docstring); (0, 0) without ZeRO-3, with one
     replica or with kept weights (`kept_gather_s`)."""
     if not opts.gathers_weights or not opts.reshard:
         return 0.0, 0.0
-    g = layer_gather_s(ctx, slot, a, e, opts)
-    c = np.diff(ctx.layer_cumsum(slot.gpu, slot.tp, mbs)[a:e + 1], axis=0)  # (e - a, 2): forward, backward
-    return exposed_gathers(g, c[:, 0]), exposed_gathers(g[::-1], c[::-1, 1])
+    return _pass_gathers_s(ctx, slot, mbs, a, e, opts)
 
 
 def kept_gather_s(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions) -> float:
     """Seconds the first forward of an iteration over layers [a, e) waits for ZeRO-3 gathers done
     once per iteration (`reshard` false: the weights are then kept until each layer's last
-    backward); 0 otherwise."""
+    backward): the forward pass's of `_pass_gathers_s`; 0 otherwise."""
     if not opts.gathers_weights or opts.reshard:
         return 0.0
-    c = np.diff(ctx.layer_cumsum(slot.gpu, slot.tp, mbs)[a:e + 1, 0])
-    return exposed_gathers(layer_gather_s(ctx, slot, a, e, opts), c)
+    return _pass_gathers_s(ctx, slot, mbs, a, e, opts)[0]
 
 
 def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float, *,

@@ -72,7 +72,9 @@ class ZoneTraffic:
 
 def tally(items: Iterable[tuple[TrafficKind, Crossing, int]]) -> list[ZoneTraffic]:
     """Crossings added up per (zone pair, kind), each taken `count` times per iteration (a pipeline's
-    boundary transfer once per micro-batch, a sync once); sorted by zone pair, then kind."""
+    boundary transfer once per micro-batch, a sync crossing once: `sync.stage_sync_crossings` already
+    counts each collective's runs, the ZeRO-2/3 reduce-scatter's once per micro-batch round); sorted by
+    zone pair, then kind."""
     sums: dict[tuple[ZonePair, TrafficKind], list[float]] = {}
     for kind, c, count in items:
         acc = sums.setdefault((c.zones, kind), [0.0, 0.0])
