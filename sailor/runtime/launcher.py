@@ -129,7 +129,7 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
     """Check plan, job, data and checkpoint against each other without starting any process.
 
     `local` False: the ranks run on other hosts (`sailor run --hosts`), so this machine's CUDA
-    devices are not counted.
+    devices are not counted, and --device cpu may run GPU types there.
 
     Raises:
         SailorInputError: the plan does not fit the job (layers, global batch, TP not dividing the
@@ -149,8 +149,10 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
     if options.device == "cpu" and job.precision != "fp32":
         raise SailorInputError(f"the runtime trains in fp32 on cpu, the job says {job.precision}",
                                source=options.job or options.plan, field="precision", fix="set precision: fp32")
-    if options.device == "cpu":
+    if options.device == "cpu" and local:
         # A plan for real GPUs would run every rank of a multi-GPU job on this machine's CPU: refuse.
+        # On other hosts (`local` False) --device cpu runs the plan's ranks as gloo processes there,
+        # as `sailor launch --device cpu` does (the testbed's device classes stand for GPU types).
         for j, p in enumerate(plan.pipelines):
             for i, r in enumerate(p.replicas):
                 if r.gpu != "cpu":
