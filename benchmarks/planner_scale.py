@@ -14,7 +14,7 @@ each for OPT-350M (global batch 1024) and GPT-Neo-2.7B (2048), fp32, and
            same job on one region alone, a clear error), so the plan spans regions; its egress and the
            report's placement picture (--report);
   geo-fast OPT-30B on the same three regions: one region holds it, three run it much faster;
-  allzones every GCP zone of the catalog (67) x 6 GPU types (A100-40, A100-80, H100-80, V100-16, L4, T4),
+  allzones every GCP zone of the catalog (97) x 6 GPU types (A100-40, A100-80, H100-80, V100-16, L4, T4),
            32 GPUs each (the issue's target: <= 10 s; reported, not held to it here)
   3clouds  a cluster across GCP, AWS and Azure: 7 zones of 7 regions, 5 GPU types (A100-40, A100-80,
            H100-80, V100-16, V100-32), each where its provider lists it, priced per region from the

@@ -33,7 +33,7 @@ OLD_GCP_ZONES = {"us-central1-a", "us-central1-b", "us-central1-c", "us-central1
 def test_providers_regions_and_zones_are_counted_and_unique():
     counts = {p: (len(catalog.provider(p).region_continent), len(catalog.provider(p).zone_region))
               for p in ("gcp", "aws", "azure")}
-    assert counts == {"gcp": (22, 67), "aws": (13, 43), "azure": (8, 8)}
+    assert counts == {"gcp": (32, 97), "aws": (13, 43), "azure": (8, 8)}
     assert set(catalog.provider_names()) == {"gcp", "aws", "azure", "local"}
     assert OLD_GCP_ZONES <= set(catalog.provider("gcp").zone_region)
     zones = [z for p in catalog.provider_names() for z in catalog.provider(p).zone_region]

@@ -51,9 +51,11 @@ ZONE_LINK_CLASSES = (catalog.LinkClass.SAME_NODE, catalog.LinkClass.SAME_ZONE)
 class ClusterSpec(BaseModel):
     """GPUs that can be had now, per zone and GPU type, with prices and network overrides.
 
+    `provider` is one catalog provider (gcp, aws, azure, local) or the list of clouds the cluster
+    spans, the first the primary (`catalog.Clouds`): every zone must be one of theirs.
     `prices` maps GPU type -> $/GPU-hour, or zone -> {GPU type -> $/GPU-hour}; anything not given is
-    the provider's list price. `network` maps a link class (same_node, same_zone, same_region,
-    same_continent, intercontinental) to a `LinkOverride`: latency, the bandwidth of one node's NIC
+    the provider's list price for the zone's region. `network` maps a link class (same_node, same_zone,
+    same_region, same_continent, intercontinental; pairs across providers included) to a `LinkOverride`: latency, the bandwidth of one node's NIC
     in one direction that all its concurrent flows share, and what one flow reaches (e.g. a DGX A100
     between nodes: eight 200 Gb/s HDR InfiniBand adapters, one per GPU, ~21 GB/s each with GPUDirect
     RDMA: bandwidth 168e9, flow_bandwidth 21e9; inside it 300 GB/s of NVLink per GPU and direction,
