@@ -78,8 +78,8 @@ SKYPILOT_ACCELERATORS = {
     "azure": {"A100-40": "A100", "A100-80": "A100-80GB", "A100-80-PCIe": "A100-80GB", "H100-80": "H100",
               "H100-NVL": "H100", "V100-16": "V100", "V100-32": "V100-32GB", "T4": "T4"},
 }
-# Providers whose VMs SkyPilot places by region only: `infra: <provider>/<region>` (Azure's catalog
-# in SkyPilot has no zone column).
+# Providers whose VMs SkyPilot places by region only: `infra: <provider>/<region>` (SkyPilot's
+# sky/clouds/azure.py: "Azure does not support zones").
 REGION_ONLY = frozenset({"azure"})
 SCRIPT = "launch.sh"
 PLAN_FILE = "plan.json"  # the plan, in the task's working directory

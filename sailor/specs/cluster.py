@@ -55,8 +55,9 @@ class ClusterSpec(BaseModel):
     spans, the first the primary (`catalog.Clouds`): every zone must be one of theirs.
     `prices` maps GPU type -> $/GPU-hour, or zone -> {GPU type -> $/GPU-hour}; anything not given is
     the provider's list price for the zone's region. `network` maps a link class (same_node, same_zone,
-    same_region, same_continent, intercontinental; pairs across providers included) to a `LinkOverride`: latency, the bandwidth of one node's NIC
-    in one direction that all its concurrent flows share, and what one flow reaches (e.g. a DGX A100
+    same_region, same_continent, intercontinental; pairs across providers included) to a
+    `LinkOverride`: latency, the bandwidth of one node's NIC in one direction that all its concurrent
+    flows share, and what one flow reaches (e.g. a DGX A100
     between nodes: eight 200 Gb/s HDR InfiniBand adapters, one per GPU, ~21 GB/s each with GPUDirect
     RDMA: bandwidth 168e9, flow_bandwidth 21e9; inside it 300 GB/s of NVLink per GPU and direction,
     of which NCCL reaches ~65 %). `zone_network` does the same per zone for the links inside it
