@@ -48,7 +48,8 @@ def test_gcp_keeps_its_prices_and_lists_the_zones_of_each_gpu():
     assert gcp.offers("us-east5-a", "A100-80") is True  # a2-ultragpu there
     assert gcp.offers("us-west1-a", "A100-40") is False  # a2-highgpu only in us-west1-b
     assert gcp.offers("europe-west2-b", "H100-80") is True  # a3-edgegpu
-    assert gcp.offers("us-west1-a", "V100-16") is None  # no per-zone list for V100s
+    assert gcp.offers("us-east1-c", "V100-16") is True and gcp.offers("us-east1-b", "V100-16") is False  # N1 GPU rows
+    assert gcp.offers("us-west1-a", "GH200-96") is None  # no per-zone list: unknown
 
 
 def test_aws_and_azure_price_per_region_as_instance_price_over_gpus():
