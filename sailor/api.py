@@ -57,12 +57,14 @@ def resolve_specs(plan: Plan | None, job: Source | JobSpec | None,
         zones: dict[str, dict[str, int]] = {}
         for (zone, gpu), n in plan.gpu_usage().items():
             zones.setdefault(zone, {})[gpu] = n
-        provider = "local" if set(zones) == {"local"} else "gcp"
+        # The providers whose catalogs hold the plan's zones (GCP for a zone no catalog has: its error).
+        names = list(dict.fromkeys(catalog.zone_provider(z) or "gcp" for z in zones)) or ["gcp"]
+        provider = names[0] if len(names) == 1 else names
         # Name the plan's field for an unknown zone (the derived cluster would only name its own).
         for j, p in enumerate(plan.pipelines):
             for i, r in enumerate(p.replicas):
                 try:
-                    catalog.provider(provider).region(r.zone)
+                    catalog.clouds(names).region(r.zone)
                 except SailorInputError as e:
                     raise e.located(field_prefix=f"pipelines.{j}.replicas.{i}.zone") from None
         cluster_spec = parse_model(ClusterSpec, {"provider": provider, "zones": zones}, None)  # one line, no traceback

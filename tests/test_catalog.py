@@ -84,8 +84,8 @@ def test_missing_price_is_an_error_not_zero():
 
 
 def test_unknown_provider():
-    with pytest.raises(SailorInputError, match="unknown provider 'aws'"):
-        catalog.provider("aws")
+    with pytest.raises(SailorInputError, match="unknown provider 'ibm'"):
+        catalog.provider("ibm")
 
 
 def test_link_time_is_alpha_plus_bytes_over_beta():

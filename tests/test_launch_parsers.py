@@ -139,6 +139,39 @@ def test_skypilot_loads_each_task_as_sky_launch_does(tmp_path, sky):
 
 
 @pytest.mark.integration
+def test_skypilot_places_groups_of_three_providers_as_sky_launch_does(tmp_path, sky):
+    """A plan across GCP, AWS and Azure: each task file loads as `sky launch` loads it, on its own
+    cloud, region and zone (Azure: region only, SkyPilot has no Azure zones)."""
+    from sky.client.cli import command
+
+    def rep(stage: int, gpu: str, zone: str) -> dict:
+        return {"stage": stage, "gpu": gpu, "zone": zone, "tp": 8}
+
+    zones = {"us-central1-a": {"A100-40": 16}, "us-east-1a": {"A100-40": 8}, "eastus": {"V100-32": 8}}
+    plan = plan_from_dict({"micro_batch_size": 1, "stages": [[0, 10], [10, 26]], "pipelines": [
+        {"microbatches": 4, "replicas": [rep(0, "A100-40", "us-central1-a"), rep(1, "A100-40", "us-east-1a")]},
+        {"microbatches": 4, "replicas": [rep(0, "A100-40", "us-central1-a"), rep(1, "V100-32", "eastus")]},
+    ], "job": {"model": "opt-350m", "global_batch_size": 8},
+        "cluster": {"provider": ["gcp", "aws", "azure"], "zones": zones}})
+    out = tmp_path / "sky"
+    files = launch_files(plan, Backend.SKYPILOT, _opts("plan.json", steps=3), sky=SkyPilotOptions(workdir=str(out)),
+                         image="example.com/sailor:1")
+    for name, data in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(data)
+    placed = []
+    for k, path in enumerate(sorted(out.glob("*.yaml"))):
+        env = [("SAILOR_RDZV_HOST", "10.128.0.7")] if k else []
+        task = command._make_task_or_dag_from_entrypoint_with_overrides((str(path),), env=env)
+        assert isinstance(task, sky.Task), f"`sky launch` would refuse {path.name}: {task}"
+        (res,) = task.resources
+        placed.append((str(res.cloud), res.region, res.zone, res.accelerators, task.num_nodes))
+    assert placed == [("GCP", "us-central1", "us-central1-a", {"A100": 8}, 2),
+                      ("AWS", "us-east-1", "us-east-1a", {"A100": 8}, 1),
+                      ("Azure", "eastus", None, {"V100-32GB": 8}, 1)]
+
+
+@pytest.mark.integration
 def test_skypilot_managed_job_loads_as_sky_jobs_launch_does(tmp_path, sky):
     from sky.utils import dag_utils
 

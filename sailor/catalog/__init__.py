@@ -1,19 +1,25 @@
 """GPU and cloud catalogs: what each GPU type can do and what each zone charges.
 
-Data lives in `gpus.yaml` and `gcp.yaml` next to this file (every figure cites its source there);
-this module only reads it. Lookup semantics:
+Data lives next to this file (every figure cites its source there): `gpus.yaml` (GPU types),
+`gcp.yaml` (GCP and `local`), `aws.yaml`, `azure.yaml` (providers) and `clouds.yaml` (links between
+providers); this module only reads it. Lookup semantics:
 - GPU types are looked up by canonical name or alias (`GH-96` -> `GH200-96`); an unknown type raises
   `SailorInputError` with a "did you mean".
-- A zone belongs to exactly one region; a region to one continent. An unknown zone raises.
+- A zone belongs to exactly one region, a region to one provider and one continent (zone and region
+  names are unique across providers, so a zone names its provider). An unknown zone raises.
 - Prices: a cluster spec may override per GPU type or per (zone, GPU type); otherwise the provider's
-  list price, the same in every zone. A GPU type with no price raises (never a silent zero).
+  list price for the zone's region, else its provider-wide one. A GPU type with no price raises
+  (never a silent zero).
+- Several providers (`clouds`): pairs inside one provider keep its link classes, links and egress;
+  pairs across providers are same_continent or intercontinental by continent, take the
+  `clouds.yaml` links, and pay the sending provider's internet egress.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from importlib import resources
 from typing import Literal
@@ -112,7 +118,19 @@ class Link:
 
 @dataclass(frozen=True)
 class Provider:
-    """A cloud (or `local`): zones by region, list prices, egress prices and default links."""
+    """A cloud (or `local`): zones by region, list prices, egress prices and default links.
+
+    Attributes:
+        name: "gcp", "aws", "azure" or "local".
+        zone_region: zone -> its region; region_continent: region -> continent (one vocabulary for
+            every provider, so regions of two providers compare).
+        prices_usd_per_gpu_hour: GPU type -> $/GPU-hour in every zone (empty where prices are per region).
+        region_prices: region -> GPU type -> $/GPU-hour there (wins over the provider-wide price).
+        gpu_zones: GPU type -> the zones known to offer it (types absent: unknown, any zone may).
+        egress_usd_per_gb: $/GB per link class between two zones of this provider.
+        internet_egress_usd_per_gb: $/GB of a byte leaving this provider (to another provider).
+        links: default link per class between two nodes of this provider.
+    """
 
     name: str
     zone_region: dict[str, str]
@@ -120,12 +138,25 @@ class Provider:
     prices_usd_per_gpu_hour: dict[str, float]
     egress_usd_per_gb: dict[LinkClass, float]
     links: dict[LinkClass, Link]
+    region_prices: dict[str, dict[str, float]] = field(default_factory=dict)
+    gpu_zones: dict[str, frozenset[str]] = field(default_factory=dict)
+    internet_egress_usd_per_gb: float = 0.0
+
+    @property
+    def providers(self) -> tuple[str, ...]:
+        """The providers this view spans: this one."""
+        return (self.name,)
 
     def region(self, zone: str) -> str:
         """The region of `zone`; raises SailorInputError for an unknown zone."""
         if isinstance(zone, str) and zone in self.zone_region:
             return self.zone_region[zone]
         raise unknown_name(f"{self.name} zone", zone, self.zone_region)
+
+    def provider_of(self, zone: str) -> Provider:
+        """The provider of `zone` (this one); raises SailorInputError for an unknown zone."""
+        self.region(zone)
+        return self
 
     def link_class(self, zone_a: str, zone_b: str) -> LinkClass:
         """Link class between two different nodes in `zone_a` and `zone_b`."""
@@ -137,6 +168,112 @@ class Provider:
         if self.region_continent[ra] == self.region_continent[rb]:
             return LinkClass.SAME_CONTINENT
         return LinkClass.INTERCONTINENTAL
+
+    def price(self, zone: str, gpu_name: str) -> float | None:
+        """List $/GPU-hour of canonical GPU type `gpu_name` in `zone`: the zone's region price, else
+        the provider-wide one; None when neither lists it. Raises SailorInputError for an unknown zone."""
+        listed = self.region_prices.get(self.region(zone), {})
+        return listed.get(gpu_name, self.prices_usd_per_gpu_hour.get(gpu_name))
+
+    def offers(self, zone: str, gpu_name: str) -> bool | None:
+        """Whether `zone` offers canonical GPU type `gpu_name`: from `gpu_zones`, else from the region
+        prices (a region lists what it rents); None when the catalog does not say."""
+        if gpu_name in self.gpu_zones:
+            return zone in self.gpu_zones[gpu_name]
+        if self.region_prices:
+            return gpu_name in self.region_prices.get(self.region(zone), {})
+        return None
+
+    def egress_between(self, src_zone: str, dst_zone: str, link_class: LinkClass) -> float:
+        """$/GB of bytes sent from `src_zone` to `dst_zone`, whose nodes are `link_class` apart."""
+        return self.egress_usd_per_gb[link_class]
+
+    def link_between(self, zone_a: str, zone_b: str, link_class: LinkClass) -> Link | None:
+        """Default link of class `link_class` between nodes in `zone_a` and `zone_b` (None for
+        same_node when the provider has none: the GPU catalog's intra-node link applies)."""
+        return self.links.get(link_class)
+
+
+@dataclass(frozen=True)
+class Clouds:
+    """Several providers seen as one: a cluster spanning clouds (the same interface as `Provider`).
+
+    Zones and regions are unique across the catalog, so each zone names its provider. Two zones of
+    one provider use that provider's classes, egress and links; two zones of different providers are
+    same_continent or intercontinental by their regions' continents, linked by `cross_links`
+    (clouds.yaml), and a byte between them costs the sending provider's internet egress (ingress is
+    free). Provider-wide attributes (`links`, `egress_usd_per_gb`, `prices_usd_per_gpu_hour`) are the
+    first member's: the cluster's primary provider.
+    """
+
+    members: tuple[Provider, ...]
+    cross_links: dict[LinkClass, Link]
+
+    @property
+    def name(self) -> str:
+        return "+".join(p.name for p in self.members)
+
+    @property
+    def providers(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.members)
+
+    @functools.cached_property
+    def zone_region(self) -> dict[str, str]:
+        return {z: r for p in self.members for z, r in p.zone_region.items()}
+
+    @functools.cached_property
+    def region_continent(self) -> dict[str, str]:
+        return {r: c for p in self.members for r, c in p.region_continent.items()}
+
+    @functools.cached_property
+    def _owner(self) -> dict[str, Provider]:
+        return {z: p for p in self.members for z in p.zone_region}
+
+    @property
+    def links(self) -> dict[LinkClass, Link]:
+        return self.members[0].links
+
+    @property
+    def egress_usd_per_gb(self) -> dict[LinkClass, float]:
+        return self.members[0].egress_usd_per_gb
+
+    @property
+    def prices_usd_per_gpu_hour(self) -> dict[str, float]:
+        return self.members[0].prices_usd_per_gpu_hour
+
+    def provider_of(self, zone: str) -> Provider:
+        """The member provider of `zone`; raises SailorInputError for a zone none of them has."""
+        if isinstance(zone, str) and zone in self._owner:
+            return self._owner[zone]
+        raise unknown_name(f"{self.name} zone", zone, self._owner)
+
+    def region(self, zone: str) -> str:
+        return self.provider_of(zone).region(zone)
+
+    def link_class(self, zone_a: str, zone_b: str) -> LinkClass:
+        pa, pb = self.provider_of(zone_a), self.provider_of(zone_b)
+        if pa is pb:
+            return pa.link_class(zone_a, zone_b)
+        same = self.region_continent[self.region(zone_a)] == self.region_continent[self.region(zone_b)]
+        return LinkClass.SAME_CONTINENT if same else LinkClass.INTERCONTINENTAL
+
+    def price(self, zone: str, gpu_name: str) -> float | None:
+        return self.provider_of(zone).price(zone, gpu_name)
+
+    def offers(self, zone: str, gpu_name: str) -> bool | None:
+        return self.provider_of(zone).offers(zone, gpu_name)
+
+    def egress_between(self, src_zone: str, dst_zone: str, link_class: LinkClass) -> float:
+        sender, receiver = self.provider_of(src_zone), self.provider_of(dst_zone)
+        if sender is receiver:
+            return sender.egress_between(src_zone, dst_zone, link_class)
+        return sender.internet_egress_usd_per_gb
+
+    def link_between(self, zone_a: str, zone_b: str, link_class: LinkClass) -> Link | None:
+        pa, pb = self.provider_of(zone_a), self.provider_of(zone_b)
+        if pa is pb:
+            return pa.link_between(zone_a, zone_b, link_class)
+        return self.cross_links.get(link_class)
 
 
 def _load_yaml(name: str) -> dict:
@@ -171,22 +308,55 @@ def _link(v: dict) -> Link:
     return Link(float(v["latency_s"]), float(v["bandwidth_bytes_per_s"]), float(flow) if flow is not None else None)
 
 
+PROVIDER_FILES = ("gcp.yaml", "aws.yaml", "azure.yaml")  # each: schema 1, providers: {name: ...}
+
+
 @functools.cache
 def _providers() -> dict[str, Provider]:
-    raw = _load_yaml("gcp.yaml")
-    assert raw["schema"] == 1
-    out = {}
-    for name, d in raw["providers"].items():
-        zone_region = {z: r for r, rd in d["regions"].items() for z in rd["zones"]}
-        out[name] = Provider(
-            name=name,
-            zone_region=zone_region,
-            region_continent={r: rd["continent"] for r, rd in d["regions"].items()},
-            prices_usd_per_gpu_hour={k: float(v) for k, v in d["prices_usd_per_gpu_hour"].items()},
-            egress_usd_per_gb={LinkClass(k): float(v) for k, v in d["egress_usd_per_gb"].items()},
-            links={LinkClass(k): _link(v) for k, v in d["links"].items()},
-        )
+    out: dict[str, Provider] = {}
+    for file in PROVIDER_FILES:
+        raw = _load_yaml(file)
+        assert raw["schema"] == 1, file
+        for name, d in raw["providers"].items():
+            out[name] = _provider(name, d)
+    _check_unique(out.values())
     return out
+
+
+def _provider(name: str, d: dict) -> Provider:
+    regions = d["regions"]
+    return Provider(
+        name=name,
+        zone_region={z: r for r, rd in regions.items() for z in rd["zones"]},
+        region_continent={r: rd["continent"] for r, rd in regions.items()},
+        prices_usd_per_gpu_hour={k: float(v) for k, v in d.get("prices_usd_per_gpu_hour", {}).items()},
+        egress_usd_per_gb={LinkClass(k): float(v) for k, v in d["egress_usd_per_gb"].items()},
+        links={LinkClass(k): _link(v) for k, v in d["links"].items()},
+        region_prices={r: {canonical_gpu(g): float(v) for g, v in rd.get("prices", {}).items()}
+                       for r, rd in regions.items() if rd.get("prices")},
+        gpu_zones={canonical_gpu(g): frozenset(zs) for g, zs in d.get("gpu_zones", {}).items()},
+        internet_egress_usd_per_gb=float(d["internet_egress_usd_per_gb"]),
+    )
+
+
+def _check_unique(providers: Iterable[Provider]) -> None:
+    """Every zone and every region belongs to one provider (a zone names its provider); a zone of
+    `gpu_zones` is one of the provider's. Raises ValueError naming the duplicate (a catalog bug)."""
+    seen: dict[str, str] = {}
+    for p in providers:
+        for name in set(p.zone_region) | set(p.region_continent):
+            if seen.setdefault(name, p.name) != p.name:
+                raise ValueError(f"catalog: {name!r} is a zone or region of both {seen[name]} and {p.name}")
+        for g, zones in p.gpu_zones.items():
+            if not zones <= set(p.zone_region):
+                raise ValueError(f"catalog: {p.name} gpu_zones.{g} names zones it lacks: {sorted(zones - set(p.zone_region))}")
+
+
+@functools.cache
+def _cross_links() -> dict[LinkClass, Link]:
+    raw = _load_yaml("clouds.yaml")
+    assert raw["schema"] == 1
+    return {LinkClass(k): _link(v) for k, v in raw["cross_provider"]["links"].items()}
 
 
 def gpu_names() -> list[str]:
@@ -221,10 +391,46 @@ def gpu(name: str) -> GpuSpec:
 
 
 def provider(name: str) -> Provider:
-    """The provider named `name` ("gcp" or "local"); raises SailorInputError if unknown."""
+    """The provider named `name` ("gcp", "aws", "azure" or "local"); raises SailorInputError if unknown."""
     if isinstance(name, str) and name in _providers():
         return _providers()[name]
     raise unknown_name("provider", name, _providers())
+
+
+def provider_names() -> list[str]:
+    """Names of the catalogued providers (`local` included)."""
+    return list(_providers())
+
+
+def clouds(names: Iterable[str]) -> Provider | Clouds:
+    """The providers `names` seen as one: the `Provider` itself for one name, else a `Clouds`.
+    Raises SailorInputError for an unknown name, a name given twice, none at all, or `local` (one
+    machine) mixed with a cloud."""
+    names = tuple(names)
+    for n in names:
+        provider(n)
+    if not names or len(set(names)) != len(names):
+        raise SailorInputError(f"providers must be distinct and at least one, got {list(names)}",
+                               fix=f"e.g. [gcp, aws]; known: {', '.join(provider_names())}")
+    if len(names) == 1:
+        return provider(names[0])
+    if "local" in names:
+        raise SailorInputError("provider local (this machine) cannot be combined with a cloud",
+                               fix="give local alone, or clouds only")
+    return _clouds(names)
+
+
+@functools.cache
+def _clouds(names: tuple[str, ...]) -> Clouds:
+    return Clouds(members=tuple(provider(n) for n in names), cross_links=_cross_links())
+
+
+def zone_provider(zone: str) -> str | None:
+    """The provider whose catalog has `zone`, or None (for hints: "that is an aws zone")."""
+    for p in _providers().values():
+        if zone in p.zone_region:
+            return p.name
+    return None
 
 
 def known_zones() -> set[str]:

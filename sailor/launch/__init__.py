@@ -126,7 +126,7 @@ def launch_specs(plan: Plan, backend: Backend, opts: LaunchOptions, *, hosts_pat
         opts = dataclasses.replace(opts, rdzv_timeout_s=CLOUD_RDZV_TIMEOUT_S)
     if backend is Backend.SKYPILOT:
         from sailor.launch.skypilot import task_specs
-        return task_specs(layout, opts, region_of=_region_of(plan), sky=sky, image=image, name=name)
+        return task_specs(layout, opts, place=_place_of(plan), sky=sky, image=image, name=name)
     if sky is not None:
         raise SailorInputError("--checkpoint-bucket, --managed and --install-from are for the skypilot backend",
                                source="--backend")
@@ -162,7 +162,9 @@ def launch_files(plan: Plan, backend: Backend, opts: LaunchOptions, *, header: s
     docs = launch_specs(plan, backend, opts, sky=sky, **kwargs)
     layout = layout_for(plan)
     files: dict[str, str | bytes] = {f: dump_documents([d], header=header) for f, d in zip(task_file_names(layout), docs)}
-    files[SCRIPT] = launch_script(layout, name=kwargs.get("name", "sailor"), managed=sky.managed)
+    place = _place_of(plan)
+    providers = sorted({place(g.zone)[0] for g in layout.groups()})
+    files[SCRIPT] = launch_script(layout, name=kwargs.get("name", "sailor"), managed=sky.managed, providers=providers)
     files[".skyignore"] = SKYIGNORE
     files[opts.worker.plan] = json.dumps(plan.to_dict(), indent=2) + "\n"
     return files | sources
@@ -208,14 +210,19 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
-def _region_of(plan: Plan):
+def _place_of(plan: Plan):
+    """zone -> (provider, region): in the plan's cluster, or, for a plan without one, in the catalog
+    of the provider that has the zone (GCP's for a zone none has: its unknown-zone error)."""
     from sailor import catalog
-    prov = catalog.provider(plan.cluster.provider if plan.cluster else "gcp")
-    return prov.region
+
+    def place(zone: str) -> tuple[str, str]:
+        prov = plan.cluster.prov.provider_of(zone) if plan.cluster else catalog.provider(catalog.zone_provider(zone) or "gcp")
+        return prov.name, prov.region(zone)
+    return place
 
 
 def _known_region_of(plan: Plan):
     """zone -> its region in the provider's catalog, or None for a zone the catalog does not list."""
     from sailor import catalog
-    prov = catalog.provider(plan.cluster.provider if plan.cluster else "gcp")
+    prov = plan.cluster.prov if plan.cluster else catalog.provider("gcp")
     return prov.zone_region.get

@@ -18,6 +18,11 @@ Security: no task asks for `ports`, so SkyPilot opens nothing beyond its ssh por
 rule admits from the VPC's own range only (10.128.0.0/9, `sky/provision/gcp/constants.py`). All
 groups must be in one VPC (SkyPilot's default for a GCP project).
 
+Across providers: each group's `infra:` names its own cloud, region and zone (`infra`; a plan may
+span GCP, AWS and Azure). Their VMs reach rank 0's internal address, and each other's NCCL sockets,
+only where the clouds' networks are joined (a VPN or interconnect routing each cloud's internal
+range), which SkyPilot does not set up: `launch.sh` of such a plan says so.
+
 What every node gets (`SkyPilotOptions`):
 - the task's working directory (`workdir:`, synced by SkyPilot to `~/sky_workdir` on every node, where
   `setup` and `run` start): the folder `sailor launch --out` writes, holding the task files, the plan
@@ -46,6 +51,7 @@ import posixpath
 import re
 import shlex
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -53,7 +59,9 @@ from sailor.core.errors import SailorInputError
 from sailor.launch.common import (RDZV_HOST_VAR, Group, LaunchLayout, LaunchOptions, backend_name, check_image,
                                   node_script, round_up_pow2)
 
-# Our GPU types -> SkyPilot accelerator names (`sky show-gpus`); only types GCP rents.
+# Our GPU types -> SkyPilot accelerator names (`sky show-gpus`), per provider: the types each one
+# rents (the catalog's aws.yaml and azure.yaml list the instances; SkyPilot's own catalogs name an
+# A100 80GB PCIe "A100-80GB" and the H100 NVL of Azure's NC H100 v5 "H100").
 SKYPILOT_ACCELERATOR = {
     "A100-40": "A100",
     "A100-80": "A100-80GB",
@@ -63,6 +71,16 @@ SKYPILOT_ACCELERATOR = {
     "L4": "L4",
     "T4": "T4",
 }
+SKYPILOT_ACCELERATORS = {
+    "gcp": SKYPILOT_ACCELERATOR,
+    "aws": {"A100-40": "A100", "A100-80": "A100-80GB", "H100-80": "H100", "H200-141": "H200", "V100-16": "V100",
+            "V100-32": "V100-32GB", "L4": "L4", "T4": "T4"},
+    "azure": {"A100-40": "A100", "A100-80": "A100-80GB", "A100-80-PCIe": "A100-80GB", "H100-80": "H100",
+              "H100-NVL": "H100", "V100-16": "V100", "V100-32": "V100-32GB", "T4": "T4"},
+}
+# Providers whose VMs SkyPilot places by region only: `infra: <provider>/<region>` (SkyPilot's
+# sky/clouds/azure.py: "Azure does not support zones").
+REGION_ONLY = frozenset({"azure"})
 SCRIPT = "launch.sh"
 PLAN_FILE = "plan.json"  # the plan, in the task's working directory
 SOURCE_DIR = "sailor-train"  # Sailor's source tree, in the task's working directory
@@ -94,9 +112,17 @@ class SkyPilotOptions:
     managed: bool = False
 
 
-def accelerator(gpu: str) -> str:
-    """SkyPilot accelerator name of `gpu`; SailorInputError for a type SkyPilot cannot rent on GCP."""
-    return backend_name(SKYPILOT_ACCELERATOR, gpu, "SkyPilot accelerator on GCP")
+def accelerator(gpu: str, provider: str = "gcp") -> str:
+    """SkyPilot accelerator name of `gpu` on `provider`; SailorInputError for a type SkyPilot cannot
+    rent there (or a provider it has no table for)."""
+    return backend_name(SKYPILOT_ACCELERATORS.get(provider, {}), gpu, f"SkyPilot accelerator on {provider}")
+
+
+def infra(provider: str, region: str, zone: str) -> str:
+    """SkyPilot's `infra:` of a group in `zone` (SkyPilot >= 0.10: `<cloud>/<region>/<zone>`, or
+    `<cloud>/<region>` where the cloud has no zones, REGION_ONLY), e.g. gcp/us-central1/us-central1-a,
+    aws/us-east-1/us-east-1a, azure/eastus."""
+    return f"{provider}/{region}" if provider in REGION_ONLY else f"{provider}/{region}/{zone}"
 
 
 def cluster_names(layout: LaunchLayout, name: str) -> list[str]:
@@ -140,14 +166,15 @@ def check_sky_options(layout: LaunchLayout, opts: LaunchOptions, sky: SkyPilotOp
                                source="--managed", fix="pass --checkpoint-dir /ckpt --checkpoint-bucket gs://BUCKET/PATH")
 
 
-def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, region_of, sky: SkyPilotOptions | None = None,
+def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, place, sky: SkyPilotOptions | None = None,
                image: str | None = None, name: str = "sailor") -> list[dict[str, Any]]:
     """One SkyPilot task dict per (GPU type, zone) group, the rendezvous group first.
 
     Args:
         layout: the plan's nodes and agents.
         opts: worker options (`worker.plan` is the plan's path relative to the working directory).
-        region_of: zone -> region (the cluster's provider).
+        place: zone -> (provider, region) from the cluster's catalog (a plan may span providers:
+            each group goes to its own, `infra`).
         sky: working directory, what setup installs, checkpoint bucket, managed job (default
             SkyPilotOptions()).
         image: a container image with Sailor and torch (`image_id: docker:<image>`); None installs
@@ -165,8 +192,9 @@ def task_specs(layout: LaunchLayout, opts: LaunchOptions, *, region_of, sky: Sky
         opts = dataclasses.replace(opts, resume_newest=True)
     out = []
     for k, g in enumerate(layout.groups()):
-        accel = f"{accelerator(g.gpu)}:{round_up_pow2(g.gpus_per_node_used, g.nodes[0].gpus_per_node)}"
-        resources: dict[str, Any] = {"infra": f"gcp/{region_of(g.zone)}/{g.zone}", "accelerators": accel}
+        provider, region = place(g.zone)
+        accel = f"{accelerator(g.gpu, provider)}:{round_up_pow2(g.gpus_per_node_used, g.nodes[0].gpus_per_node)}"
+        resources: dict[str, Any] = {"infra": infra(provider, region, g.zone), "accelerators": accel}
         if image:
             resources["image_id"] = f"docker:{image}"
         if sky.managed:  # spot VMs; preemptions recovered without limit, a failing run is not retried
@@ -199,10 +227,13 @@ def task_file_names(layout: LaunchLayout) -> list[str]:
     return [f"{k}-{g.name}.yaml" for k, g in enumerate(layout.groups())]
 
 
-def launch_script(layout: LaunchLayout, *, name: str = "sailor", managed: bool = False) -> str:
+def launch_script(layout: LaunchLayout, *, name: str = "sailor", managed: bool = False,
+                  providers: Sequence[str] = ()) -> str:
     """`launch.sh`: the rendezvous group first, its head's internal address, then the other groups
     at once (module docstring); `managed`: `sky jobs launch` of the one group. Run it from anywhere;
-    it reads the task files next to it."""
+    it reads the task files next to it. `providers`: the clouds the groups go to; more than one gets
+    a warning in the script (and on stderr when it runs) that the groups reach rank 0's internal
+    address only where the clouds' networks are joined (module docstring)."""
     files, clusters = task_file_names(layout), cluster_names(layout, name)
     q = shlex.quote
     if managed:
@@ -223,6 +254,10 @@ def launch_script(layout: LaunchLayout, *, name: str = "sailor", managed: bool =
         'cd "$(dirname "$0")"',
         f"sky launch --yes --detach-run --cluster {q(clusters[0])} {q(files[0])}",
     ]
+    if len(providers) > 1:
+        note = (f"this plan spans {', '.join(providers)}: the groups reach rank 0's internal address only if"
+                " these clouds' networks are joined (VPN or interconnect routing each one's internal range)")
+        lines[4:4] = [f"# {note}", f"echo {q('sailor launch: ' + note)} >&2"]
     if len(files) > 1:
         lines += [
             "# rank 0's node: its internal address (the first one; the external address is NAT, not on the VM)",

@@ -13,7 +13,8 @@ preference, the bandwidth of `flows` concurrent flows of x bytes each between tw
 2. a measured α–β link of our link file (`sailor profile network`), per flow count, same rule;
 3. the default link of the class: the network file's classes, else the cluster spec's per-zone and
    per-class overrides, else the provider's catalog link (`catalog.Link`: one NIC per node shared by
-   every flow, an optional per-flow cap). Inside a node without any of these: one direction of
+   every flow, an optional per-flow cap; between two providers the cross-provider link of the class,
+   `catalog.Clouds`). Inside a node without any of these: one direction of
    the GPU catalog's intra-node bandwidth at the share NCCL reaches of it, shared by the flows, and
    5 µs.
 A transfer costs latency + flows·x / aggregate bandwidth (a measured curve already holds the
@@ -132,15 +133,17 @@ class NetworkModel:
     def link_class(self, zone_a: str, zone_b: str, same_node: bool = False) -> LinkClass:
         return LinkClass.SAME_NODE if same_node else self.cluster.prov.link_class(zone_a, zone_b)
 
-    def default_link(self, lc: LinkClass, gpu: str, zone: str | None = None) -> Link:
+    def default_link(self, lc: LinkClass, gpu: str, zone: str | None = None, other: str | None = None) -> Link:
         """The α–β link of a class when nothing measured applies: a measured class link (our link
         file), else the cluster spec's override (per zone for the links inside `zone`, then per
-        class), else the provider's catalog link. Inside a node the last default is one direction
+        class), else the catalog link between `zone` and `other` (across providers: the
+        cross-provider link of the class, `catalog.Clouds`). Inside a node the last default is one direction
         of the GPU's intra-node link (half of the catalog's both-directions figure) at the fraction
         NCCL reaches of it (`catalog.Efficiency.intra_node`), with ~5 µs NVLink/PCIe latency."""
         if lc in self.class_links:
             return self.class_links[lc]
-        link = self.cluster.link(lc, zone if lc in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE) else None)
+        inside = lc in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE)
+        link = self.cluster.link(lc, zone, None if inside else other)
         if link is not None:
             return link
         assert lc is LinkClass.SAME_NODE, lc
@@ -194,7 +197,7 @@ class NetworkModel:
             link, link_flows = self._lookup(self.links, key, flows)
         if link is None:
             slow = min((src_gpu, dst_gpu), key=lambda g: catalog.gpu(g).intra_node_bytes_per_s)
-            link = self.default_link(self.link_class(src_zone, dst_zone, same_node), slow, src_zone)
+            link = self.default_link(self.link_class(src_zone, dst_zone, same_node), slow, src_zone, dst_zone)
         return _Route(fit=fit, fit_flows=got or flows, link=link, link_flows=link_flows)
 
     def hop_latency_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, *, flows: int = 1,

@@ -196,19 +196,20 @@ def tp_collective_time_s(net: NetworkModel, zone: str, gpu: str, tp: int, kind: 
 
 def ring_crossings(groups: list[Group], nbytes: float, net: NetworkModel) -> list[Crossing]:
     """The edges between zones of a flat ring over `groups` (ring order, zones contiguous) in one
-    all-reduce of `nbytes`: each carries 2(D-1)/D x nbytes, at the egress price of its link class.
+    all-reduce of `nbytes`: each edge a -> b carries 2(D-1)/D x nbytes, priced by a's provider for its
+    link class (across providers: a's internet egress, `catalog.Clouds.egress_between`).
     Empty for fewer than two members, no bytes or a single zone."""
     d = sum(n for _, n in groups)
     if d < 2 or nbytes <= 0 or len({m.zone for m, _ in groups}) == 1:
         return []
     per_edge = 2 * (d - 1) / d * nbytes
-    prices = net.cluster.prov.egress_usd_per_gb
+    prov = net.cluster.prov  # a ring edge a -> b carries a's sends: a's provider prices them
     zones = [z for z, _ in groupby(m.zone for m, _ in groups)]  # an edge inside a zone pays nothing
     out = []
     for a, b in zip(zones, zones[1:] + zones[:1]):
         lc = net.link_class(a, b)
         if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
-            out.append(Crossing.between(a, b, per_edge, per_edge / 1e9 * prices[lc]))
+            out.append(Crossing.between(a, b, per_edge, per_edge / 1e9 * prov.egress_between(a, b, lc)))
     return out
 
 

@@ -274,7 +274,7 @@ def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float, *,
     its slice there and gathers nothing (`runtime.tensor_parallel.sliced_edges`). Each transfer takes the intra-node
     link when both replicas sit on one node (`Slot.node`, from `placed_slots`), and pays the
     calibrated fixed cost `p2p_overhead_s` of its slower end (0 by default). Egress: the tensor once
-    each way.
+    each way, each direction at its sender's price (`catalog.Clouds.egress_between`).
 
     DeepSpeed's pipeline engine (`Framework.DEEPSPEED`, the public Sailor runs) instead has every TP
     rank of the sender send the full activation to its peer rank: min(a, b) concurrent flows of the
@@ -295,8 +295,12 @@ def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float, *,
     lc = ctx.network.link_class(src.zone, dst.zone, on_node)
     if lc in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
         return seconds, 0.0, 0.0
-    both = 2.0 * per_flow * flows  # activation forward, gradient backward
-    return seconds, both, both / 1e9 * ctx.cluster.prov.egress_usd_per_gb[lc]
+    one_way = per_flow * flows  # the activation forward, and as many gradient bytes backward
+    prov = ctx.cluster.prov  # each direction pays its sender's price (across providers: internet egress)
+    forward, backward = prov.egress_between(src.zone, dst.zone, lc), prov.egress_between(dst.zone, src.zone, lc)
+    both = 2.0 * one_way
+    usd = both / 1e9 * forward if forward == backward else one_way / 1e9 * (forward + backward)
+    return seconds, both, usd
 
 
 def pipeline_times(ctx: SimContext, slots: Sequence[Slot], stages: Sequence[tuple[int, int]], mbs: int,

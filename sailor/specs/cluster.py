@@ -7,7 +7,7 @@ A frozen pydantic model with `extra="forbid"` (a misspelt field is an error); re
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -51,10 +51,13 @@ ZONE_LINK_CLASSES = (catalog.LinkClass.SAME_NODE, catalog.LinkClass.SAME_ZONE)
 class ClusterSpec(BaseModel):
     """GPUs that can be had now, per zone and GPU type, with prices and network overrides.
 
+    `provider` is one catalog provider (gcp, aws, azure, local) or the list of clouds the cluster
+    spans, the first the primary (`catalog.Clouds`): every zone must be one of theirs.
     `prices` maps GPU type -> $/GPU-hour, or zone -> {GPU type -> $/GPU-hour}; anything not given is
-    the provider's list price. `network` maps a link class (same_node, same_zone, same_region,
-    same_continent, intercontinental) to a `LinkOverride`: latency, the bandwidth of one node's NIC
-    in one direction that all its concurrent flows share, and what one flow reaches (e.g. a DGX A100
+    the provider's list price for the zone's region. `network` maps a link class (same_node, same_zone,
+    same_region, same_continent, intercontinental; pairs across providers included) to a
+    `LinkOverride`: latency, the bandwidth of one node's NIC in one direction that all its concurrent
+    flows share, and what one flow reaches (e.g. a DGX A100
     between nodes: eight 200 Gb/s HDR InfiniBand adapters, one per GPU, ~21 GB/s each with GPUDirect
     RDMA: bandwidth 168e9, flow_bandwidth 21e9; inside it 300 GB/s of NVLink per GPU and direction,
     of which NCCL reaches ~65 %). `zone_network` does the same per zone for the links inside it
@@ -65,7 +68,8 @@ class ClusterSpec(BaseModel):
 
     model_config = SPEC_CONFIG
 
-    provider: Literal["gcp", "local"] = "gcp"
+    provider: str | tuple[str, ...] = Field(default="gcp", description="gcp | aws | azure | local, or the list of"
+                                            " clouds the cluster spans, e.g. [gcp, aws] (the first is the primary).")
     zones: dict[str, dict[str, Whole(0, MAX_GPUS_PER_ZONE)]] = Field(description="zone -> GPU type -> GPUs available now.")
     gpus_per_node: dict[str, Whole(1, MAX_GPUS_PER_NODE)] = Field(default_factory=dict,
                                                                   description="GPU type -> GPUs per node (default: catalog).")
@@ -84,13 +88,14 @@ class ClusterSpec(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        prov = catalog.provider(data.get("provider", "gcp")) if data.get("provider", "gcp") in ("gcp", "local") else None
+        data["provider"] = _provider_names(data.get("provider", "gcp"))
+        names = data["provider"] if isinstance(data["provider"], tuple) else (data["provider"],)
+        prov = _located(lambda: catalog.clouds(names), "provider")
         zones = data.get("zones")
         if isinstance(zones, dict):
             out = {}
             for zone, gpus in zones.items():
-                if prov is not None:
-                    _located(lambda: prov.region(zone), f"zones.{zone}")
+                _located(lambda: _zone_region(prov, zone), f"zones.{zone}")
                 if not isinstance(gpus, dict):
                     raise SailorInputError("expected a mapping of GPU type to count", field=f"zones.{zone}")
                 counts = {}
@@ -110,8 +115,7 @@ class ClusterSpec(BaseModel):
             canon: dict[str, Any] = {}
             for k, v in prices.items():
                 if isinstance(v, dict):
-                    if prov is not None:
-                        _located(lambda: prov.region(k), f"prices.{k}")  # a per-zone price names a zone
+                    _located(lambda: _zone_region(prov, k), f"prices.{k}")  # a per-zone price names a zone
                     canon[k] = _canonical_keys(v, f"prices.{k}", catalog.canonical_gpu)
                 else:
                     canon.update(_canonical_keys({k: v}, "prices", catalog.canonical_gpu, taken=canon))
@@ -125,7 +129,7 @@ class ClusterSpec(BaseModel):
                 if n > 0:  # every GPU on offer needs a price (never a silent zero)
                     _located(lambda: self.price(zone, g), f"zones.{zone}.{g}")
         for zone, links in self.zone_network.items():
-            _located(lambda: self.prov.region(zone), f"zone_network.{zone}")
+            _located(lambda: _zone_region(self.prov, zone), f"zone_network.{zone}")
             for lc in links:
                 if lc not in ZONE_LINK_CLASSES:
                     raise SailorInputError(f"a zone sets only the links inside it, not {lc.value!r}",
@@ -135,8 +139,14 @@ class ClusterSpec(BaseModel):
 
     # ---- lookups ---------------------------------------------------------------------------
     @property
-    def prov(self) -> catalog.Provider:
-        return catalog.provider(self.provider)
+    def providers(self) -> tuple[str, ...]:
+        """The providers the cluster spans (one name for most clusters)."""
+        return (self.provider,) if isinstance(self.provider, str) else tuple(self.provider)
+
+    @property
+    def prov(self) -> catalog.Provider | catalog.Clouds:
+        """Zones, link classes, egress and default links of the cluster's provider(s)."""
+        return catalog.clouds(self.providers)
 
     def node_size(self, gpu: str) -> int:
         """GPUs per node of type `gpu` here (spec override, else catalog)."""
@@ -152,7 +162,14 @@ class ClusterSpec(BaseModel):
         flat = self.prices.get(g)
         if isinstance(flat, (int, float)):
             return float(flat)
-        return catalog.list_price(self.provider, g)
+        listed = self.prov.price(zone, g)
+        if listed is None:
+            where = self.prov.provider_of(zone)
+            listing = _regions_listing(where, g)
+            raise SailorInputError(f"no list price for GPU type {g!r} at provider {where.name!r} in zone {zone!r}"
+                                   + (f" ({where.name} lists it in {listing})" if listing else ""),
+                                   fix="give one in the cluster spec under prices")
+        return listed
 
     def available(self, zone: str, gpu: str) -> int:
         """GPUs of type `gpu` available in `zone` (0 if none listed)."""
@@ -165,18 +182,22 @@ class ClusterSpec(BaseModel):
     def total_gpus(self) -> int:
         return sum(n for z in self.zones.values() for n in z.values())
 
-    def link(self, link_class: catalog.LinkClass, zone: str | None = None) -> catalog.Link | None:
+    def link(self, link_class: catalog.LinkClass, zone: str | None = None,
+             other: str | None = None) -> catalog.Link | None:
         """Default link of a class after the spec's overrides: `zone_network[zone]` (links inside
-        `zone`), then `network`, then the provider's catalog link. On provider local every process
-        shares one machine, so a `same_node` override stands for every class it does not override.
-        None for same_node when neither the spec nor the provider gives one (the GPU catalog's
-        intra-node bandwidth applies)."""
+        `zone`), then `network`, then the catalog link: between `zone` and `other` when both are
+        given (across providers, the cross-provider link of the class), else of `zone`'s provider,
+        else of the primary provider. On provider local every process shares one machine, so a
+        `same_node` override stands for every class it does not override. None for same_node when
+        neither the spec nor the provider gives one (the GPU catalog's intra-node bandwidth applies)."""
         if zone is not None and link_class in self.zone_network.get(zone, {}):
             return self.zone_network[zone][link_class].link()
         same_node = catalog.LinkClass.SAME_NODE
         for lc in (link_class, same_node) if self.provider == "local" else (link_class,):
             if lc in self.network:
                 return self.network[lc].link()
+        if zone is not None:
+            return self.prov.link_between(zone, other if other is not None else zone, link_class)
         return self.prov.links.get(link_class)
 
     def with_zones(self, zones: dict[str, dict[str, int]]) -> "ClusterSpec":
@@ -184,7 +205,8 @@ class ClusterSpec(BaseModel):
         return ClusterSpec.model_validate({**self.model_dump(mode="json"), "zones": zones})
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude_defaults=True) | {"provider": self.provider}
+        provider = self.provider if isinstance(self.provider, str) else list(self.provider)
+        return self.model_dump(mode="json", exclude_defaults=True) | {"provider": provider}
 
 
 
@@ -212,3 +234,31 @@ def _located(fn, field: str):
 def local_cluster(processes: int) -> ClusterSpec:
     """The `local` provider with `processes` CPU 'GPUs' in zone `local`, all on one node."""
     return ClusterSpec(provider="local", zones={"local": {"cpu": processes}}, gpus_per_node={"cpu": max(processes, 1)})
+
+
+
+def _provider_names(value: Any) -> Any:
+    """The `provider` field as given: one name (a list of one is that name) or a tuple of several;
+    anything else is left for pydantic to refuse."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if len(value) == 1 and isinstance(value[0], str) else tuple(value)
+    return value
+
+
+def _zone_region(prov: catalog.Provider | catalog.Clouds, zone: Any) -> str:
+    """The region of `zone` among the cluster's providers; the error for a zone of another
+    catalogued provider says which one to add."""
+    try:
+        return prov.region(zone)
+    except SailorInputError as e:
+        other = catalog.zone_provider(zone) if isinstance(zone, str) else None
+        if other is None or other in prov.providers:
+            raise
+        raise SailorInputError(f"{zone!r} is a zone of provider {other}, which this cluster does not name",
+                               fix=f"provider: [{', '.join(prov.providers + (other,))}]") from e
+
+
+def _regions_listing(prov: catalog.Provider, gpu: str) -> str:
+    """The regions of `prov` listing a price for `gpu`, comma-separated ('' when none or prices
+    are provider-wide)."""
+    return ", ".join(r for r, listed in prov.region_prices.items() if gpu in listed)
