@@ -96,6 +96,14 @@ def test_init_from_on_a_mixed_plan_equals_the_single_process_run(arch, tmp_path)
     assert all(0 < r["mfu"] < 1 for r in rows)
 
 
+@pytest.mark.integration
+def test_a_mixture_of_experts_on_tp_and_stages_equals_the_single_process_run(tmp_path):
+    # Qwen2-MoE: layer 1 (4 experts, a gated shared expert) on a TP 2 stage, layer 2 (dense) on the
+    # next stage; the experts' shards, the one all-reduce of their outputs and the replicated router
+    # train exactly as one process does
+    _train("qwen2_moe", {"pipelines": [{"microbatches": 4, "replicas": [_rep(0, 2), _rep(1, 1)]}]}, tmp_path)
+
+
 # Memory options on every architecture's blocks: sequence parallelism with selective recomputation
 # (the attention core with each RoPE variant) and ZeRO-3 on one stage, full recomputation and ZeRO-1/2
 # on the other; the tied copies sit on stages of different ZeRO stages and TP degrees.
