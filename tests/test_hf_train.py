@@ -149,3 +149,12 @@ def test_memory_options_with_every_architecture_equal_the_single_process_run(arc
     x = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, trained(x), atol=1e-4, rtol=0)
+
+
+@pytest.mark.integration
+def test_a_mixture_of_experts_under_zero_and_recomputation_equals_the_single_process_run(tmp_path):
+    # Mixtral's MoE blocks recomputed (full, then selective) with their experts' weights sharded by
+    # ZeRO-3 and ZeRO-2 over two pipelines: the same losses and weights as one process
+    _train("mixtral", {"memory": [{"recompute": "full", "zero": 3}, {"recompute": "selective", "zero": 2}],
+                       "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 1), _rep(1, 1)]},
+                                     {"microbatches": 1, "replicas": [_rep(0, 1), _rep(1, 1)]}]}, tmp_path)
