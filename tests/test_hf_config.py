@@ -126,9 +126,20 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": Fal
                  "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
                  "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
                  "vocab_size": 151936}
+# allenai/OLMoE-1B-7B-0924 config.json (6.9B parameters, 1.3B active)
+OLMOE_1B_7B = {"architectures": ["OlmoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+               "bos_token_id": None, "clip_qkv": None, "eos_token_id": 50279, "hidden_act": "silu",
+               "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 1024,
+               "max_position_embeddings": 4096, "model_type": "olmoe", "norm_topk_prob": False,
+               "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 16,
+               "num_key_value_heads": 16, "output_router_logits": False, "pad_token_id": 1, "rms_norm_eps": 1e-05,
+               "rope_scaling": None, "rope_theta": 10000.0, "router_aux_loss_coef": 0.01,
+               "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0",
+               "use_cache": True, "vocab_size": 50304}
 PUBLISHED = {"llama-3-8b": LLAMA3_8B, "llama-3.1-8b": LLAMA31_8B, "mistral-7b": MISTRAL_7B,
              "pythia-160m": PYTHIA_160M, "gpt2": GPT2, "opt-125m": OPT_125M, "qwen2-0.5b": QWEN2_05B,
-             "mixtral-8x7b": MIXTRAL_8X7B, "qwen1.5-moe-a2.7b": QWEN15_MOE, "qwen3-30b-a3b": QWEN3_30B_A3B}
+             "mixtral-8x7b": MIXTRAL_8X7B, "qwen1.5-moe-a2.7b": QWEN15_MOE, "qwen3-30b-a3b": QWEN3_30B_A3B,
+             "olmoe-1b-7b": OLMOE_1B_7B}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -197,7 +208,7 @@ BAD = [
     (lambda c: c | {"model_type": "dbrx"}, "model_type", "'dbrx' is a mixture-of-experts model Sailor does not build"),
     (lambda c: c | {"model_type": "deepseek_v3", "kv_lora_rank": 512}, "kv_lora_rank",
      r"MLA attention \(kv_lora_rank\) is not supported"),
-    (lambda c: c | {"model_type": "olmoe"}, "model_type", "OLMoE's q and k norms over all heads"),
+    (lambda c: c | {"model_type": "olmoe", "clip_qkv": 8.0}, "clip_qkv", "clamping q, k and v"),
     (lambda c: c | {"model_type": "mixtral"}, "num_local_experts", "missing"),
     (lambda c: c | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type",
      "rope scaling type 'yarn' is not supported"),

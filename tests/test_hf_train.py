@@ -158,3 +158,9 @@ def test_a_mixture_of_experts_under_zero_and_recomputation_equals_the_single_pro
     _train("mixtral", {"memory": [{"recompute": "full", "zero": 3}, {"recompute": "selective", "zero": 2}],
                        "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 1), _rep(1, 1)]},
                                      {"microbatches": 1, "replicas": [_rep(0, 1), _rep(1, 1)]}]}, tmp_path)
+
+
+@pytest.mark.integration
+def test_olmoe_on_two_pipeline_stages_equals_the_single_process_run(tmp_path):
+    # OLMoE (q and k norms over all heads, so TP 1): a 2-rank pipeline, one block per stage
+    _train("olmoe", {"pipelines": [{"microbatches": 4, "replicas": [_rep(0, 1), _rep(1, 1)]}]}, tmp_path)

@@ -87,7 +87,7 @@ def test_same_logits_on_plans_with_tp_and_stages(plan, models, tmp_path):
 
     x = _tokens(seed=3)
     torch.save(x, tmp_path / "tokens.pt")
-    archs = ARCHS + MOE_ARCHS
+    archs = ARCHS + [a for a in MOE_ARCHS if a != "olmoe"]  # OLMoE's q/k norms over all heads: TP 1 only
     run_plan(PLANS[plan], [(a, str(models[a][0]), str(tmp_path / "tokens.pt")) for a in archs], tmp_path)
     for arch in archs:
         got = torch.load(tmp_path / f"{arch}-p0.pt")

@@ -224,3 +224,15 @@ def test_the_distributed_runtime_refuses_what_it_cannot_run_yet():
     with pytest.raises(SailorInputError, match="mixture-of-experts blocks") as e:
         check_moe(plan(True), job, source="plan.json")
     assert e.value.field == "memory.0.sequence_parallel"
+
+
+def test_q_and_k_norms_over_all_heads_are_tp_1_only():
+    # OLMoE's norms span every head, which a TP split would cut: the planner offers TP 1 only, and a
+    # plan asking for more is refused naming the reason
+    spec = _spec(MoE(num_experts=E, top_k=K, expert_ffn_size=FE), qk_norm=True, qk_norm_span="all")
+    assert spec.tp_degrees(8) == [1] and _spec(qk_norm=True).tp_degrees(8) == [1, 2]
+    with pytest.raises(SailorInputError, match="normalises q and k over all heads"):
+        spec.check_tp(2)
+    # its norms hold a·d + kv·d weights (64 + 32); per-head ones 2·d
+    assert spec.params(1, 1) - _spec(MoE(num_experts=E, top_k=K, expert_ffn_size=FE)).params(1, 1) == 64 + 32
+    assert _spec(qk_norm=True).params(1, 1) - _spec().params(1, 1) == 2 * 16

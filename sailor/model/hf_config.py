@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> ModelSpec, for Llama, Mistral, Qwen2, GPT-NeoX, OPT, GPT-2 and the
-mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (torch-free).
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (torch-free).
 
 `load_hf_config(path)` reads a config file (or the `config.json` in a model folder) and returns the
 ModelSpec that the simulator, planner and runtime use. Every key of the file must be accounted for:
@@ -8,7 +8,7 @@ ModelSpec that the simulator, planner and runtime use. Every key of the file mus
 - keys that cannot change the forward pass or the gradient (token ids, generation settings, labels,
   `dtype`, `initializer_range`...) are listed in `_METADATA`;
 - keys that change the math are read and either supported or refused (`rope_scaling` of an unknown
-  type, a sliding window, router jitter, MoE architectures not built (DeepSeek's MLA, OLMoE...),
+  type, a sliding window, router jitter, MoE architectures not built (DeepSeek's MLA, DBRX...),
   quantization, post-norm OPT...);
 - dropout is the one setting accepted without being applied (Sailor trains without dropout): each
   non-zero rate is reported once on the `sailor` logger.
@@ -63,7 +63,7 @@ _REFUSED = {
     "quantization_config": "quantized weights are not supported (load the unquantized model)",
 }  # mixture-of-experts keys: `_refuse_experts`, before the model_type is looked up
 DENSE_SUPPORTED = ("llama", "mistral", "qwen2", "gpt_neox", "opt", "gpt2")
-MOE_SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 SUPPORTED = DENSE_SUPPORTED + MOE_SUPPORTED
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -181,7 +181,7 @@ _LLAMA_KEYS = {"num_blocks": "num_hidden_layers", "hidden_size": "hidden_size", 
                "vocab_size": "vocab_size", "max_sequence_length": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
 _CONFIG_KEYS = {
     "llama": _LLAMA_KEYS, "mistral": _LLAMA_KEYS, "qwen2": _LLAMA_KEYS, "mixtral": _LLAMA_KEYS, "qwen2_moe": _LLAMA_KEYS,
-    "qwen3_moe": _LLAMA_KEYS,
+    "qwen3_moe": _LLAMA_KEYS, "olmoe": _LLAMA_KEYS,
     "gpt_neox": _LLAMA_KEYS | {"norm_eps": "layer_norm_eps"},
     "opt": _LLAMA_KEYS | {"ffn_hidden_size": "ffn_dim"},
     "gpt2": {"num_blocks": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "ffn_hidden_size": "n_inner",
@@ -198,7 +198,6 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts
 _MOE_REFUSED = {
     "deepseek_v2": ("kv_lora_rank", "MLA attention (kv_lora_rank) is not supported"),
     "deepseek_v3": ("kv_lora_rank", "MLA attention (kv_lora_rank) is not supported"),
-    "olmoe": ("model_type", "OLMoE's q and k norms over all heads at once (q_norm of hidden_size) are not supported"),
 }
 
 
@@ -435,6 +434,15 @@ def _qwen3_moe(f: _Fields) -> dict[str, Any]:
     return out | {"moe": moe | _sparse_layers(f, blocks)}
 
 
+def _olmoe(f: _Fields) -> dict[str, Any]:
+    """OLMoE: Llama attention (attention_bias on q, k, v and o) with one RMSNorm over all q heads and
+    one over all k heads (transformers' OlmoeAttention: q_norm of hidden_size), every block an MoE of
+    num_experts SwiGLU experts of intermediate_size; clip_qkv (clamping q, k, v) is refused."""
+    f.require("clip_qkv", lambda v: v is None, None, "clamping q, k and v", fix="set it to null")
+    out = _llama(f) | {"qk_norm": True, "qk_norm_span": "all"}
+    return out | {"moe": _moe(f, experts_key="num_experts", ffn_key="intermediate_size", norm_topk=None)}
+
+
 def _gpt_neox(f: _Fields) -> dict[str, Any]:
     """GPT-NeoX / Pythia: LayerNorm, partial rotary, parallel residual, biases everywhere, untied."""
     f.dropout("attention_dropout", "hidden_dropout")
@@ -493,7 +501,7 @@ def _gpt2(f: _Fields) -> dict[str, Any]:
 
 _READERS: dict[str, Callable[[_Fields], dict[str, Any]]] = {
     "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gpt_neox": _gpt_neox, "opt": _opt, "gpt2": _gpt2,
-    "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
+    "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}
 
 
 # ---- the inverse: ModelSpec -> config.json (for `sailor export`) ---------------------------------------
@@ -505,17 +513,20 @@ FP32_EPS = 2.0 ** -23  # torch.finfo(torch.float32).eps: RMSNorm's epsilon when 
 def export_model_type(spec: ModelSpec) -> str:
     """The Hugging Face architecture `spec` is written as: its own, else GPT-2 for learned-position
     GPT-style specs (built-ins such as `tiny`), else Llama; a mixture of experts as Qwen3-MoE when
-    it normalises q and k, Qwen2-MoE when it has shared experts, else Mixtral."""
+    it normalises q and k per head (OLMoE over all heads), Qwen2-MoE when it has shared experts, else
+    Mixtral."""
     if spec.hf_model_type:
         return spec.hf_model_type
     if spec.moe is not None:
-        return "qwen3_moe" if spec.qk_norm else "qwen2_moe" if spec.moe.shared_experts else "mixtral"
+        if spec.qk_norm:
+            return "olmoe" if spec.qk_norm_span == "all" else "qwen3_moe"
+        return "qwen2_moe" if spec.moe.shared_experts else "mixtral"
     return "gpt2" if spec.learned_positions else "llama"
 
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 def hf_config_from_spec(spec: ModelSpec) -> dict[str, Any]:
@@ -536,8 +547,10 @@ def hf_config_from_spec(spec: ModelSpec) -> dict[str, Any]:
             "max_position_embeddings": spec.max_sequence_length, "rms_norm_eps": eps,
             "hidden_act": _ACT_NAMES[spec.act], "rope_theta": spec.rope_theta,
             "rope_scaling": _rope_scaling_dict(spec.rope_scaling)}
-        if kind in ("llama", "qwen3_moe"):
+        if kind in ("llama", "qwen3_moe", "olmoe"):
             out["attention_bias"] = spec.has_qkv_bias
+        if kind == "olmoe":
+            out["clip_qkv"] = None
         if kind == "llama":
             out["mlp_bias"] = spec.has_mlp_bias
         if kind in ("mistral", "mixtral"):
@@ -583,6 +596,9 @@ def _moe_config(spec: ModelSpec, kind: str) -> dict[str, Any]:
     if kind == "mixtral":
         return out | {"num_local_experts": moe.num_experts, "intermediate_size": moe.expert_ffn_size,
                       "router_jitter_noise": 0.0}
+    if kind == "olmoe":
+        return out | {"num_experts": moe.num_experts, "intermediate_size": moe.expert_ffn_size,
+                      "norm_topk_prob": moe.norm_topk_prob}
     dense = [j for j in range(spec.num_blocks) if (j + 1) % moe.sparse_step == 0 and not moe.is_sparse(j)]
     out |= {"num_experts": moe.num_experts, "moe_intermediate_size": moe.expert_ffn_size,
             "norm_topk_prob": moe.norm_topk_prob, "decoder_sparse_step": moe.sparse_step, "mlp_only_layers": dense}

@@ -240,9 +240,12 @@ class ModelSpec(BaseModel):
                                                   " Qwen3-30B-A3B, whose h / a is 64).")
     qk_norm: bool = Field(strict=True, default=False, description="RMSNorm over each head of q and k before RoPE"
                           " (Qwen3; d weights each, norm_eps).")
+    qk_norm_span: Literal["head", "all"] = Field(default="head", description="What one q (k) norm spans: each head"
+                                                 " (Qwen3) or all heads at once (OLMoE: a·d and kv·d weights; not"
+                                                 " split over TP ranks, so TP 1 only).")
     moe: MoE | None = Field(default=None, description="Mixture-of-experts MLPs (`MoE`); None: every block dense.")
     hf_model_type: Literal["llama", "mistral", "qwen2", "gpt_neox", "opt", "gpt2", "mixtral", "qwen2_moe",
-                           "qwen3_moe"] | None = Field(
+                           "qwen3_moe", "olmoe"] | None = Field(
         default=None, description="The Hugging Face architecture this spec came from (`sailor.model.hf_config`); export"
                                   " writes that format. None: a built-in or inline spec.")
 
@@ -336,7 +339,10 @@ class ModelSpec(BaseModel):
         return math.ceil(self.vocab_size / m) * m
 
     def tp_degrees(self, max_tp: int) -> list[int]:
-        """TP degrees <= max_tp that divide the attention (and KV) heads."""
+        """TP degrees <= max_tp that divide the attention (and KV) heads; only 1 for q and k norms
+        over all heads (OLMoE), which TP would split."""
+        if self.qk_norm and self.qk_norm_span == "all":
+            return [1]
         return [t for t in range(1, max_tp + 1) if self.num_heads % t == 0 and self.kv_heads % t == 0]
 
     def check_tp(self, tp: int) -> None:
@@ -344,6 +350,9 @@ class ModelSpec(BaseModel):
         if tp < 1 or self.num_heads % tp or self.kv_heads % tp:
             raise SailorInputError(f"TP {tp} does not divide the {self.num_heads} attention heads"
                                    f" ({self.kv_heads} KV heads) of {self.name}")
+        if tp > 1 and self.qk_norm and self.qk_norm_span == "all":
+            raise SailorInputError(f"TP {tp}: {self.name} normalises q and k over all heads at once (OLMoE), which"
+                                   " the runtime does not split over TP ranks", fix="use TP 1")
 
     # ---- per-layer accounting (per GPU of a TP group of size tp) -----------------------------
     def _norm_params(self) -> int:
@@ -365,8 +374,15 @@ class ModelSpec(BaseModel):
         mlp_sharded, mlp_replicated = self._mlp_params(layer)
         sharded = h * (qd + 2 * kvd) + qd * h + mlp_sharded
         sharded_bias = (qd + 2 * kvd) * self.has_qkv_bias
-        replicated = 2 * self._norm_params() + h * self.has_out_bias + mlp_replicated + 2 * self.head_dim * self.qk_norm
+        replicated = 2 * self._norm_params() + h * self.has_out_bias + mlp_replicated + self._qk_norm_params()
         return (sharded + sharded_bias) // tp + replicated
+
+    def _qk_norm_params(self) -> int:
+        """Weights of the q and k norms: d each per head (shared by the heads), or a·d + kv·d over
+        all heads (OLMoE, TP 1 only); 0 without them."""
+        if not self.qk_norm:
+            return 0
+        return 2 * self.head_dim if self.qk_norm_span == "head" else self.attn_width + self.kv_heads * self.head_dim
 
     def _mlp_params(self, layer: int, experts: int | None = None) -> tuple[int, int]:
         """(TP-sharded, replicated) parameters of block `layer`'s MLP. Dense: the matrices and

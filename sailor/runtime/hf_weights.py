@@ -10,7 +10,7 @@ laid out there:
 A tied LM head reads the embedding.
 Mixture-of-experts blocks read the per-expert layout the Hub holds and transformers' `save_pretrained`
 writes (its default `save_original_format`): Mixtral `block_sparse_moe.gate` and
-`block_sparse_moe.experts.<j>.w1|w3|w2`, Qwen2/3-MoE `mlp.gate`, `mlp.experts.<j>.gate_proj|up_proj|down_proj`,
+`block_sparse_moe.experts.<j>.w1|w3|w2`, Qwen2/3-MoE and OLMoE `mlp.gate`, `mlp.experts.<j>.gate_proj|up_proj|down_proj`,
 `mlp.shared_expert.*` and `mlp.shared_expert_gate` (`_moe_source`).
 
 `HFWeights(folder, spec)` opens a model folder (`model.safetensors`, or shards listed in
@@ -52,8 +52,9 @@ _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".atte
                     "rotary_emb.inv_freq")
 # Base-model prefix per architecture: checkpoints of the bare model (e.g. the original `gpt2`) omit it.
 _PREFIX = {"llama": "model.", "mistral": "model.", "qwen2": "model.", "gpt_neox": "gpt_neox.",
-           "opt": "model.", "gpt2": "transformer.", "mixtral": "model.", "qwen2_moe": "model.", "qwen3_moe": "model."}
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
+           "opt": "model.", "gpt2": "transformer.", "mixtral": "model.", "qwen2_moe": "model.", "qwen3_moe": "model.",
+           "olmoe": "model."}
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # Canonical SwiGLU leaf -> its name in an expert of a Hugging Face MoE checkpoint (the per-expert layout
 # transformers writes with save_pretrained's default save_original_format=True, and the Hub holds).
 _EXPERT_LEAVES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"},

@@ -90,8 +90,8 @@ def _rope(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Causal self-attention with separate q, k, v, o projections (grouped-query when nkv < nh); with
-    `qk_norm` (Qwen3) an RMSNorm over each head of q and k (`q_norm`, `k_norm`: d weights each,
-    shared by the heads) before RoPE."""
+    `qk_norm` an RMSNorm over each head of q and k (Qwen3; `q_norm`, `k_norm`: d weights each, shared
+    by the heads) or over all heads at once (OLMoE, `qk_norm_span` "all"; TP 1 only) before RoPE."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -103,19 +103,22 @@ class Attention(nn.Module):
         self.k = nn.Linear(h, spec.kv_heads * hd, bias=spec.has_qkv_bias)
         self.v = nn.Linear(h, spec.kv_heads * hd, bias=spec.has_qkv_bias)
         self.o = nn.Linear(spec.num_heads * hd, h, bias=spec.has_out_bias)
+        self.qk_norm = spec.qk_norm and spec.qk_norm_span  # "head", "all" or False
         if spec.qk_norm:
-            self.q_norm = nn.RMSNorm(hd, eps=spec.norm_eps)
-            self.k_norm = nn.RMSNorm(hd, eps=spec.norm_eps)
-        self.qk_norm = spec.qk_norm
+            whole = spec.qk_norm_span == "all"  # OLMoE: one norm over all q heads, one over all k heads
+            self.q_norm = nn.RMSNorm(spec.num_heads * hd if whole else hd, eps=spec.norm_eps)
+            self.k_norm = nn.RMSNorm(spec.kv_heads * hd if whole else hd, eps=spec.norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, h) -> (B, T, h). Sizes are read from the projections' outputs, not from `x`: under
         sequence parallelism `x` holds a slice of the sequence and the projections return all of it."""
         q, k, v = self.q(x), self.k(x), self.v(x)  # (B, T, nh·hd), (B, T, nkv·hd) x 2
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         B, T = q.shape[0], q.shape[1]
         q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
