@@ -72,15 +72,16 @@ def test_moe_tp_collectives_reduce_every_routed_copy_and_the_shared_output():
 def test_moe_activation_bytes_by_hand():
     # h 4, E 2, top 1, f_e 2, one token, 2-byte elements, no shared experts:
     # router 4·2 (fp32 softmax) + 8·1 (indices) + 4·2 (top-k and its sum) = 24; one routed copy:
-    # 2·2·4 (gathered input, output) + 4·2·2 (SwiGLU) + 2 (weight) + 16 (two indices) = 50
+    # 3·2·4 (gathered input, output, weighted copy) + 4·2·2 (SwiGLU) + 4 (fp32 weight) + 32 (four
+    # int64 indices) = 76
     spec = ModelSpec(name="m", num_blocks=1, hidden_size=4, num_heads=1, vocab_size=8, max_sequence_length=4,
                      gated_mlp=True, learned_positions=False, bias=False, rms_norm=True,
                      moe=MoE(num_experts=2, top_k=1, expert_ffn_size=2))
-    assert moe_mlp_bytes(spec, tp=1, mbs=1, seq=1, e=2) == 74
+    assert moe_mlp_bytes(spec, tp=1, mbs=1, seq=1, e=2) == 100
     dense = spec.model_copy(update={"moe": None})
     mlp_dense = 2 * 16 * 4  # the dense SwiGLU's four (b, s, f) tensors of 2 bytes, f = ffn = 4h = 16
     assert layer_bytes(spec, 1, tp=1, mbs=1, seq=1, elem_bytes=2) == pytest.approx(
-        layer_bytes(dense, 1, tp=1, mbs=1, seq=1, elem_bytes=2) - mlp_dense + 74)
+        layer_bytes(dense, 1, tp=1, mbs=1, seq=1, elem_bytes=2) - mlp_dense + 100)
 
 
 def test_the_builtins_plan_and_simulate():
@@ -236,3 +237,20 @@ def test_q_and_k_norms_over_all_heads_are_tp_1_only():
     # its norms hold a·d + kv·d weights (64 + 32); per-head ones 2·d
     assert spec.params(1, 1) - _spec(MoE(num_experts=E, top_k=K, expert_ffn_size=FE)).params(1, 1) == 64 + 32
     assert _spec(qk_norm=True).params(1, 1) - _spec().params(1, 1) == 2 * 16
+
+
+@pytest.mark.parametrize("shared, renormalise", [(False, True), (True, False)])
+def test_moe_block_activation_bytes_are_what_autograd_saves(shared, renormalise):
+    # The runtime's MoE block at TP 1 (fp32 on CPU: norm statistics in fp32 too) keeps exactly what
+    # `layer_bytes` counts: the saved-tensor hooks of `sailor profile`
+    from sailor.runtime.model import GPT
+    from sailor.runtime.profiler import _saved_bytes
+
+    mlp = _runtime_mlp(shared, renormalise)
+    spec = _spec(MoE(num_experts=E, top_k=K, expert_ffn_size=FE, norm_topk_prob=renormalise,
+                     **({"shared_experts": 1, "shared_ffn_size": 48, "shared_gate": True} if shared else {})))
+    block = GPT(spec).layers["1"]
+    block.mlp = mlp  # random routing weights: tokens spread over the experts
+    x = torch.randn(2, 32, H, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    assert _saved_bytes(block, lambda: block(x)) == layer_bytes(spec, 1, tp=1, mbs=2, seq=32, elem_bytes=4,
+                                                                stats_bytes=4)

@@ -48,8 +48,8 @@ shard of the logits in the compute dtype (e·min(V/t, real vocabulary) per token
 the widest: padding rows give no logits), the fp32 log-sum-exp and the int64 shard-local target
 per token, and the fp32 scaled loss.
 An MoE block keeps `moe_mlp_bytes` in place of its MLP's (router, routed token buffers, experts'
-and shared experts' intermediates): an estimate from the tensors `sailor.runtime.moe` saves, not
-yet checked against the hooks; with `head_size` set, q and the attention output are a·d wide.
+and shared experts' intermediates), as `sailor.runtime.moe` saves them (checked against the hooks
+at TP 1, tests/test_moe.py); with `head_size` set, q and the attention output are a·d wide.
 Dense blocks' bytes are what the runtime's saved-tensor hooks measure (tests/test_runtime_memory.py,
 through `stage_activation_bytes`, the runtime's accounting of one stage) for blocks, embedding and head; the
 runtime's executor also keeps each stage's output until its backward, which `stage_activation_bytes`
@@ -237,22 +237,24 @@ def sailor_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, r
 
 
 def moe_mlp_bytes(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int) -> float:
-    """What an MoE block's MLP keeps for its backward (`sailor.runtime.moe`; both frameworks), an
-    estimate from the tensors its autograd graph saves, per token:
-    - the router: fp32 softmax output 4·E, the int64 top-k indices 8·k, the top-k probabilities
-      and their sum when renormalised 4·(k + 1);
+    """What an MoE block's MLP keeps for its backward (`sailor.runtime.moe`; both frameworks): the
+    tensors its autograd graph saves, per token:
+    - the router: fp32 softmax output 4·E, the int64 top-k indices 8·k, and when `norm_topk_prob`
+      the top-k probabilities and their sum 4·(k + 1);
     - every routed copy of the token (k·c of them, c the capacity factor, 1 dropless: the routed
       token buffers): its gathered input e·h (full width on every TP rank), the expert's SwiGLU
-      intermediates 4·e·f_e/t (as a dense gated MLP's), its output e·h and routing weight e kept
-      for the weighting, and two int64 indices (gather and scatter-add) 16;
+      intermediates 4·e·f_e/t (as a dense gated MLP's), its output e·h and its fp32 routing weight
+      kept for the weighting, the weighted copy e·h the scatter-add keeps, and four int64 indices
+      (the expert's (token, slot) pair, the gathered token and slot ids) 32;
     - the shared experts: SwiGLU intermediates 4·e·f_s/t, their output e·h and the gate's sigmoid
-      output and input 2·e.
+      output e.
+    At TP 1 this is what the saved-tensor hooks measure (tests/test_moe.py).
     The MLP's input (the second norm's output) is counted with the norm."""
     moe, h = m.moe, m.hidden_size
-    router = FP32_BYTES * moe.num_experts + INDEX_BYTES * moe.top_k + FP32_BYTES * (moe.top_k + 1)
-    routed = moe.top_k * (moe.capacity_factor or 1.0) * (2 * e * h + 4 * e * moe.expert_ffn_size / tp + e
-                                                         + 2 * INDEX_BYTES)
-    shared = (4 * e * moe.shared_width / tp + e * h + 2 * e) if moe.shared_experts else 0.0
+    router = FP32_BYTES * moe.num_experts + INDEX_BYTES * moe.top_k + FP32_BYTES * (moe.top_k + 1) * moe.norm_topk_prob
+    routed = moe.top_k * (moe.capacity_factor or 1.0) * (3 * e * h + 4 * e * moe.expert_ffn_size / tp + FP32_BYTES
+                                                         + 4 * INDEX_BYTES)
+    shared = (4 * e * moe.shared_width / tp + e * h + e) if moe.shared_experts else 0.0
     return float(seq * mbs * (router + routed + shared))
 
 
