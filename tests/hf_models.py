@@ -34,10 +34,25 @@ def configs() -> dict[str, object]:
         # GPT-2: Conv1D weights, fused QKV columns, tanh GELU, tied
         "gpt2": T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB, resid_pdrop=0.0,
                              embd_pdrop=0.0, attn_pdrop=0.0),
+        # Mixtral: 4 experts of width 96, top 2, renormalised
+        "mixtral": T.MixtralConfig(**llama, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        # Qwen2-MoE: block 0 MoE (4 experts of 32, top 2, not renormalised, a gated shared expert of 48),
+        # block 1 a dense SwiGLU of 96 (mlp_only_layers)
+        "qwen2_moe": T.Qwen2MoeConfig(**llama, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                      mlp_only_layers=[1]),
+        # Qwen3-MoE: head_dim 32 (not 64 / 4), per-head q and k norms, 4 experts of 32, top 2, renormalised
+        "qwen3_moe": T.Qwen3MoeConfig(**llama, num_key_value_heads=2, head_dim=32, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+        # OLMoE: one q norm over all heads (64 weights), one k norm over both KV heads (32), 4 experts of
+        # width 96, top 2, not renormalised
+        "olmoe": T.OlmoeConfig(**llama, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
     }
 
 
 ARCHS = ["llama3", "llama_bias_tied", "mistral", "qwen2", "gpt_neox", "opt", "gpt2"]
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]  # mixtures of experts (no sequence parallelism yet;
+# OLMoE: TP 1 only)
 
 
 def make_model(name: str, folder: Path, *, seed: int = 0, max_shard_size: str | None = None):

@@ -401,10 +401,12 @@ def test_a_builtin_name_that_is_also_a_folder_beside_the_job_is_ambiguous(tmp_pa
 
 @pytest.mark.parametrize("edit, words", [
     (lambda c: c | {"n_layer": 10**6}, "config.json: n_layer: Input should be less than or equal to"),
-    (lambda c: c | {"model_type": "mixtral"}, "config.json: model_type: 'mixtral' is a mixture-of-experts model"),
-    (lambda c: c | {"model_type": "qwen2_moe"}, "config.json: model_type: 'qwen2_moe' is a mixture-of-experts model"),
+    # a GPT-2 config renamed to a mixture of experts Sailor builds lacks that architecture's keys
+    (lambda c: c | {"model_type": "mixtral"}, "config.json: hidden_size: missing (the mixtral config needs it)"),
+    (lambda c: c | {"model_type": "qwen2_moe"}, "config.json: hidden_size: missing (the qwen2_moe config needs it)"),
+    (lambda c: c | {"model_type": "dbrx"}, "config.json: model_type: 'dbrx' is a mixture-of-experts model Sailor does"),
     (lambda c: c | {"num_local_experts": 8}, ("config.json: num_local_experts: the config's expert fields"
-                                              " (num_local_experts) make it a mixture-of-experts model; Sailor")),
+                                              " (num_local_experts) make it a mixture-of-experts model, which a gpt2")),
     (lambda c: c | {"model_type": "mistral", "num_experts": 8, "num_experts_per_tok": 2},
      "config.json: num_experts: the config's expert fields (num_experts, num_experts_per_tok) make it a mixture-of"),
 ])
@@ -437,9 +439,13 @@ def test_the_moe_mutation_reaches_the_mixture_of_experts_refusal(tmp_path):
     for k in range(40):
         doc = mutate.moe_mutation(mutate.HF_LLAMA, mutate.RandomChooser(random.Random(k)))
         (tmp_path / f"{k}.json").write_text(json.dumps(doc))
-        moe = doc["model_type"] in ("mixtral", "qwen2_moe", "qwen3_moe") or set(doc) & set(mutate.MOE_EXTRA)
-        if moe:
-            with pytest.raises(SailorInputError, match=rf"^{tmp_path}/{k}.json: \S+: .* (is|make it) a mixture-of-experts model"):
+        if doc["model_type"] in ("mixtral", "qwen2_moe", "qwen3_moe"):
+            # a mixture of experts Sailor builds: the dense config lacks its expert count
+            with pytest.raises(SailorInputError, match=rf"^{tmp_path}/{k}.json: num_(local_)?experts: missing"):
+                load_hf_config(tmp_path / f"{k}.json")
+            refused += 1
+        elif set(doc) & set(mutate.MOE_EXTRA):
+            with pytest.raises(SailorInputError, match=rf"^{tmp_path}/{k}.json: \S+: .* make it a mixture-of-experts model"):
                 load_hf_config(tmp_path / f"{k}.json")
             refused += 1
     assert refused >= 10
@@ -644,8 +650,8 @@ def test_wording_of_expert_fields_missing_model_type_and_an_empty_profiles_folde
         load_hf_config(tmp_path / "moe.json")
     assert e.value.one_line().startswith(
         f"{tmp_path}/moe.json: num_local_experts: the config's expert fields (num_local_experts) make it a"
-        " mixture-of-experts model; Sailor builds dense decoders only"), e.value.one_line()
-    assert "'llama'" not in e.value.one_line()
+        " mixture-of-experts model, which a llama config cannot be"), e.value.one_line()
+    assert "mixtral" in e.value.one_line()  # the fix names the architectures that have them
     (tmp_path / "untyped.json").write_text(json.dumps({k: v for k, v in mutate.HF_LLAMA.items() if k != "model_type"}))
     with pytest.raises(SailorInputError) as e:
         load_hf_config(tmp_path / "untyped.json")

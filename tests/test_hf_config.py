@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from hf_models import ARCHS, configs
+from hf_models import ARCHS, MOE_ARCHS, configs
 
 from sailor.core.errors import SailorInputError
-from sailor.model.hf_config import comparable, hf_config_from_spec, load_hf_config, spec_from_hf
+from sailor.model.hf_config import comparable, differences, hf_config_from_spec, load_hf_config, spec_from_hf
 from sailor.model.registry import BUILTIN_MODELS
 from sailor.model.spec import ModelSpec
 from sailor.specs import load_job
@@ -34,7 +34,7 @@ def _save_config(config, folder: Path) -> Path:
     return folder / "config.json"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_tiny_config_becomes_a_spec_with_transformers_parameter_count(arch, tmp_path):
     from sailor.runtime.model import GPT
 
@@ -96,8 +96,50 @@ QWEN2_05B = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "b
              "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": True,
              "torch_dtype": "bfloat16", "transformers_version": "4.40.1", "use_cache": True,
              "use_sliding_window": False, "vocab_size": 151936}
+# mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen3-30B-A3B config.json
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+                "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+                "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+                "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+                "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0", "use_cache": True,
+                "vocab_size": 32000}
+QWEN15_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+              "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+              "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21,
+              "model_type": "qwen2_moe", "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16,
+              "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False,
+              "torch_dtype": "bfloat16", "transformers_version": "4.39.0.dev0", "use_cache": True,
+              "use_sliding_window": False, "vocab_size": 151936, "decoder_sparse_step": 1,
+              "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4,
+              "num_experts": 60, "norm_topk_prob": False, "output_router_logits": False,
+              "router_aux_loss_coef": 0.001}
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                 "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+                 "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+                 "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+                 "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+                 "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+                 "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+                 "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+                 "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                 "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+                 "vocab_size": 151936}
+# allenai/OLMoE-1B-7B-0924 config.json (6.9B parameters, 1.3B active)
+OLMOE_1B_7B = {"architectures": ["OlmoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+               "bos_token_id": None, "clip_qkv": None, "eos_token_id": 50279, "hidden_act": "silu",
+               "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 1024,
+               "max_position_embeddings": 4096, "model_type": "olmoe", "norm_topk_prob": False,
+               "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 16,
+               "num_key_value_heads": 16, "output_router_logits": False, "pad_token_id": 1, "rms_norm_eps": 1e-05,
+               "rope_scaling": None, "rope_theta": 10000.0, "router_aux_loss_coef": 0.01,
+               "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0",
+               "use_cache": True, "vocab_size": 50304}
 PUBLISHED = {"llama-3-8b": LLAMA3_8B, "llama-3.1-8b": LLAMA31_8B, "mistral-7b": MISTRAL_7B,
-             "pythia-160m": PYTHIA_160M, "gpt2": GPT2, "opt-125m": OPT_125M, "qwen2-0.5b": QWEN2_05B}
+             "pythia-160m": PYTHIA_160M, "gpt2": GPT2, "opt-125m": OPT_125M, "qwen2-0.5b": QWEN2_05B,
+             "mixtral-8x7b": MIXTRAL_8X7B, "qwen1.5-moe-a2.7b": QWEN15_MOE, "qwen3-30b-a3b": QWEN3_30B_A3B,
+             "olmoe-1b-7b": OLMOE_1B_7B}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -128,6 +170,26 @@ def test_llama3_config_is_the_builtin_geometry_with_its_rope_base():
     assert (scaled.kind, scaled.factor, scaled.original_max_position_embeddings) == ("llama3", 8.0, 8192)
 
 
+@pytest.mark.parametrize("name, data", [("mixtral-8x7b", MIXTRAL_8X7B), ("qwen3-30b-a3b", QWEN3_30B_A3B)])
+def test_moe_builtins_are_their_published_configs(name, data):
+    # The built-in is the published config.json, layer by layer; its totals are the model cards':
+    # Mixtral 8x7B 46.7B (12.9B active), Qwen3-30B-A3B 30.5B (3.3B activated). Exact counts by hand:
+    # Mixtral per block 4096·(4096 + 2·1024)·2 attention + 8·3·4096·14336 experts + 8·4096 router +
+    # 2·4096 norms = 1,451,270,144; x32 + 2·32000·4096 + 4096 = 46,702,792,704. Qwen3 per block
+    # 2048·(4096 + 2·512) + 4096·2048 attention + 2·128 q/k norms + 128·3·2048·768 experts + 128·2048
+    # router + 2·2048 norms = 623,120,640; x48 + 2·151936·2048 + 2048 = 30,532,122,624.
+    spec, builtin = spec_from_hf(data, source="config.json", name=name), BUILTIN_MODELS[name]
+    assert differences(spec, builtin) == []
+    for layer in range(builtin.num_layers):
+        assert spec.params(layer, 4) == builtin.params(layer, 4)
+        assert spec.forward_flop(layer, tp=4, mbs=1, seq=4096) == builtin.forward_flop(layer, tp=4, mbs=1, seq=4096)
+    total, active = {"mixtral-8x7b": (46_702_792_704, 12_879_925_248),
+                     "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704)}[name]
+    assert (builtin.model_params(), builtin.active_params()) == (total, active)
+    card_total, card_active = {"mixtral-8x7b": (46.7, 12.9), "qwen3-30b-a3b": (30.5, 3.3)}[name]
+    assert abs(total / 1e9 - card_total) < 0.05 and abs(active / 1e9 - card_active) < 0.06  # Qwen3: 3.35
+
+
 def test_sliding_window_limits_the_sequence(tmp_path):
     spec = spec_from_hf(MISTRAL_7B, source="config.json", name="mistral-7b")
     assert spec.sliding_window == 4096
@@ -143,7 +205,11 @@ def test_sliding_window_limits_the_sequence(tmp_path):
 
 BAD = [
     (lambda c: c | {"num_experts_per_tok": 2}, "num_experts_per_tok", "mixture-of-experts"),
-    (lambda c: c | {"model_type": "mixtral"}, "model_type", "'mixtral' is a mixture-of-experts model"),
+    (lambda c: c | {"model_type": "dbrx"}, "model_type", "'dbrx' is a mixture-of-experts model Sailor does not build"),
+    (lambda c: c | {"model_type": "deepseek_v3", "kv_lora_rank": 512}, "kv_lora_rank",
+     r"MLA attention \(kv_lora_rank\) is not supported"),
+    (lambda c: c | {"model_type": "olmoe", "clip_qkv": 8.0}, "clip_qkv", "clamping q, k and v"),
+    (lambda c: c | {"model_type": "mixtral"}, "num_local_experts", "missing"),
     (lambda c: c | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type",
      "rope scaling type 'yarn' is not supported"),
     (lambda c: c | {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta_fast": 32}}, "rope_scaling.beta_fast",
@@ -224,7 +290,7 @@ def test_job_reads_a_config_relative_to_itself_and_the_cli_says_what_is_wrong(tm
     assert "config.json" in lines[0] and "job.yaml" in lines[0]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_export_config_reads_back_as_the_same_model(arch, tmp_path):
     spec = load_hf_config(_save_config(configs()[arch], tmp_path / arch))
     written = hf_config_from_spec(spec)

@@ -96,6 +96,14 @@ def test_init_from_on_a_mixed_plan_equals_the_single_process_run(arch, tmp_path)
     assert all(0 < r["mfu"] < 1 for r in rows)
 
 
+@pytest.mark.integration
+def test_a_mixture_of_experts_on_tp_and_stages_equals_the_single_process_run(tmp_path):
+    # Qwen2-MoE: layer 1 (4 experts, a gated shared expert) on a TP 2 stage, layer 2 (dense) on the
+    # next stage; the experts' shards, the one all-reduce of their outputs and the replicated router
+    # train exactly as one process does
+    _train("qwen2_moe", {"pipelines": [{"microbatches": 4, "replicas": [_rep(0, 2), _rep(1, 1)]}]}, tmp_path)
+
+
 # Memory options on every architecture's blocks: sequence parallelism with selective recomputation
 # (the attention core with each RoPE variant) and ZeRO-3 on one stage, full recomputation and ZeRO-1/2
 # on the other; the tied copies sit on stages of different ZeRO stages and TP degrees.
@@ -141,3 +149,18 @@ def test_memory_options_with_every_architecture_equal_the_single_process_run(arc
     x = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(back(x).logits, trained(x), atol=1e-4, rtol=0)
+
+
+@pytest.mark.integration
+def test_a_mixture_of_experts_under_zero_and_recomputation_equals_the_single_process_run(tmp_path):
+    # Mixtral's MoE blocks recomputed (full, then selective) with their experts' weights sharded by
+    # ZeRO-3 and ZeRO-2 over two pipelines: the same losses and weights as one process
+    _train("mixtral", {"memory": [{"recompute": "full", "zero": 3}, {"recompute": "selective", "zero": 2}],
+                       "pipelines": [{"microbatches": 3, "replicas": [_rep(0, 1), _rep(1, 1)]},
+                                     {"microbatches": 1, "replicas": [_rep(0, 1), _rep(1, 1)]}]}, tmp_path)
+
+
+@pytest.mark.integration
+def test_olmoe_on_two_pipeline_stages_equals_the_single_process_run(tmp_path):
+    # OLMoE (q and k norms over all heads, so TP 1): a 2-rank pipeline, one block per stage
+    _train("olmoe", {"pipelines": [{"microbatches": 4, "replicas": [_rep(0, 1), _rep(1, 1)]}]}, tmp_path)

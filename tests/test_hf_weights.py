@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hf_models import ARCHS, VOCAB, hf_logits, make_model
+from hf_models import ARCHS, MOE_ARCHS, VOCAB, hf_logits, make_model
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
@@ -35,12 +35,12 @@ def models(tmp_path_factory):
     """Every architecture saved once; odd-numbered ones sharded (an index and several files)."""
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for k, arch in enumerate(ARCHS):
+    for k, arch in enumerate(ARCHS + MOE_ARCHS):
         out[arch] = (root / arch, make_model(arch, root / arch, seed=k, max_shard_size="60KB" if k % 2 else None))
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_same_logits_as_transformers_in_one_process(arch, models):
     folder, hf = models[arch]
     x = _tokens()
@@ -87,8 +87,9 @@ def test_same_logits_on_plans_with_tp_and_stages(plan, models, tmp_path):
 
     x = _tokens(seed=3)
     torch.save(x, tmp_path / "tokens.pt")
-    run_plan(PLANS[plan], [(a, str(models[a][0]), str(tmp_path / "tokens.pt")) for a in ARCHS], tmp_path)
-    for arch in ARCHS:
+    archs = ARCHS + [a for a in MOE_ARCHS if a != "olmoe"]  # OLMoE's q/k norms over all heads: TP 1 only
+    run_plan(PLANS[plan], [(a, str(models[a][0]), str(tmp_path / "tokens.pt")) for a in archs], tmp_path)
+    for arch in archs:
         got = torch.load(tmp_path / f"{arch}-p0.pt")
         torch.testing.assert_close(got, hf_logits(models[arch][1], x), atol=ATOL, rtol=0, msg=f"{plan} {arch}")
 
@@ -179,7 +180,7 @@ def _checkpoint_from_hf(folder: Path, root: Path) -> Path:
                             {n: {"param": p.detach().clone()} for n, p in model.named_parameters()})
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_export_loads_back_into_transformers_with_the_same_logits(arch, models, tmp_path):
     import transformers as T
 

@@ -294,3 +294,27 @@ def test_network_profile_between_machines_runs_each_pair_where_launch_says(tmp_p
         link["latency_s"] + (1 << 20) / link["bandwidth_bytes_per_s"])
     assert len(data["sweep"]["pairs"][0]["p2p_one_way_s"]) == 3
     assert not alive()
+
+
+@pytest.mark.integration
+def test_a_model_mixing_dense_and_moe_blocks_profiles_one_of_each(tmp_path):
+    # block 0 (layer 1) is a mixture of experts, block 1 (layer 2) dense: each is timed and measured
+    # itself, and every layer of the profile carries its own kind's figures
+    from sailor.runtime.profiler import layer_kinds
+
+    model = {"name": "moe", "num_blocks": 3, "hidden_size": 64, "num_heads": 4, "vocab_size": 256,
+             "max_sequence_length": 64, "gated_mlp": True, "learned_positions": False, "bias": False,
+             "rms_norm": True, "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_size": 32, "dense_blocks": [1]}}
+    job = JobSpec(model=model, global_batch_size=8, sequence_length=32)
+    assert layer_kinds(job.model) == ["embedding", "block", "other block", "block", "head"]
+    ticks = []
+    with own_processes() as alive:
+        data = profile_job(ProfileOptions(job=job, tps=(1,), mbs=(1,), warmup=1, repeats=2), progress=ticks.append)
+    assert not alive()
+    assert sum(ticks) == 1 * 5 * 1  # embedding, block, other block, head, whole model
+    row = data["layers"][0]
+    act = data["memory"][0]["activation_bytes_per_sample"]
+    assert len(row["forward_s"]) == len(act) == 5 and all(t > 0 for t in row["forward_s"])
+    assert row["forward_s"][1] == row["forward_s"][3] and act[1] == act[3] != act[2]
+    write_json(tmp_path / "p.json", data)
+    assert load_profiles(tmp_path / "p.json", job).activation_bytes[1][2] == act[2]

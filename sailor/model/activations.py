@@ -47,8 +47,11 @@ weight and the scaled loss); under TP the vocab-parallel cross entropy's saved t
 shard of the logits in the compute dtype (e·min(V/t, real vocabulary) per token on the first rank,
 the widest: padding rows give no logits), the fp32 log-sum-exp and the int64 shard-local target
 per token, and the fp32 scaled loss.
-These are what the runtime's saved-tensor hooks measure (tests/test_runtime_memory.py, through
-`stage_activation_bytes`, the runtime's accounting of one stage) for blocks, embedding and head; the
+An MoE block keeps `moe_mlp_bytes` in place of its MLP's (router, routed token buffers, experts'
+and shared experts' intermediates), as `sailor.runtime.moe` saves them (checked against the hooks
+at TP 1, tests/test_moe.py); with `head_size` set, q and the attention output are a·d wide.
+Dense blocks' bytes are what the runtime's saved-tensor hooks measure (tests/test_runtime_memory.py,
+through `stage_activation_bytes`, the runtime's accounting of one stage) for blocks, embedding and head; the
 runtime's executor also keeps each stage's output until its backward, which `stage_activation_bytes`
 adds and `simulator.memory` counts as a buffer.
 
@@ -98,12 +101,12 @@ def layer_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, seq: int, elem
             return megatron_embedding_bytes(m, **args)
         if kind is LayerKind.HEAD:
             return megatron_head_bytes(m, **args)
-        return megatron_block_bytes(m, **args, recompute=recompute, sp=sequence_parallel)
+        return megatron_block_bytes(m, **args, recompute=recompute, sp=sequence_parallel, sparse=m.is_moe_block(layer))
     if kind is LayerKind.EMBEDDING:
         return sailor_embedding_bytes(m, **args)
     if kind is LayerKind.HEAD:
         return sailor_head_bytes(m, **sailor)
-    return sailor_block_bytes(m, **sailor, recompute=recompute, sp=sequence_parallel)
+    return sailor_block_bytes(m, **sailor, recompute=recompute, sp=sequence_parallel, sparse=m.is_moe_block(layer))
 
 
 def recompute_transient_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
@@ -115,7 +118,7 @@ def recompute_transient_bytes(m: "ModelSpec", layer: int, *, tp: int, mbs: int, 
     0 without recomputation and for the embedding and the head."""
     if recompute is Recompute.NONE or m.layer_kind(layer) is not LayerKind.BLOCK:
         return 0.0
-    args = dict(tp=tp, mbs=mbs, seq=seq, e=elem_bytes, sp=sequence_parallel)
+    args = dict(tp=tp, mbs=mbs, seq=seq, e=elem_bytes, sp=sequence_parallel, sparse=m.is_moe_block(layer))
     if framework is Framework.MEGATRON:
         block = megatron_block_bytes
     else:
@@ -144,17 +147,19 @@ def _megatron_core_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int)
 
 
 def megatron_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, recompute: Recompute,
-                         sp: bool) -> float:
-    """One transformer block under Megatron-LM (Korthikanti et al. 2022 Table 2, generalised)."""
+                         sp: bool, sparse: bool = False) -> float:
+    """One transformer block under Megatron-LM (Korthikanti et al. 2022 Table 2, generalised; q and the
+    out-projection input are a·d wide; an MoE block (`sparse`) keeps `moe_mlp_bytes` for its MLP)."""
     s, b, h = seq, mbs, m.hidden_size
     outside_tp = tp if sp else 1
     if recompute is Recompute.FULL:
         return e * s * b * h / outside_tp
     kv = m.kv_heads * m.head_dim
     replicated = s * b * h * (4 * e + 2)
-    sharded = s * b * e * (2 * h + 2 * kv + _mlp_width_megatron(m))
+    mlp = moe_mlp_bytes(m, tp=tp, mbs=mbs, seq=seq, e=e) if sparse else s * b * e * _mlp_width_megatron(m) / tp
+    sharded = s * b * e * (2 * m.attn_width + 2 * kv)
     core = 0.0 if recompute is Recompute.SELECTIVE else _megatron_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=e)
-    return replicated / outside_tp + sharded / tp + core
+    return replicated / outside_tp + sharded / tp + mlp + core
 
 
 def megatron_embedding_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
@@ -186,36 +191,41 @@ def _rope_table_bytes(m: "ModelSpec", *, seq: int, e: int) -> float:
 def _sdpa_copy_width(m: "ModelSpec") -> int:
     """Elements per token (before /t) of the q, k, v that SDPA saves and that are new tensors rather
     than the projections' outputs: RoPE makes new q and k; repeating KV heads makes new k and v."""
-    h, rotary, gqa = m.hidden_size, not m.learned_positions, m.kv_heads < m.num_heads
+    h, rotary, gqa = m.attn_width, not m.learned_positions, m.kv_heads < m.num_heads
     return (h if rotary else 0) + (h if rotary or gqa else 0) + (h if gqa else 0)
 
 
 def _sailor_core_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
     """What the attention core (RoPE + SDPA) saves beyond the q, k, v projections it reads: its new
     q, k, v tensors (`_sdpa_copy_width`), the output, the fp32 log-sum-exp and the RoPE tables."""
-    s, b, h = seq, mbs, m.hidden_size
+    s, b = seq, mbs
     copies = e * s * b * _sdpa_copy_width(m) / tp
-    out = e * s * b * h / tp
+    out = e * s * b * m.attn_width / tp
     lse = STAT_BYTES * b * m.num_heads * s / tp
     return copies + out + lse + _rope_table_bytes(m, seq=seq, e=e)
 
 
 def sailor_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, recompute: Recompute,
-                       sp: bool, sigma: int = STAT_BYTES) -> float:
-    """One transformer block in Sailor's runtime (see the module docstring for every term)."""
+                       sp: bool, sigma: int = STAT_BYTES, sparse: bool = False) -> float:
+    """One transformer block in Sailor's runtime (see the module docstring for every term; an MoE
+    block (`sparse`) keeps `moe_mlp_bytes` for its MLP, q and the attention output are a·d wide, and
+    `qk_norm` keeps each normalised q and k and the norm's output)."""
     s, b, h = seq, mbs, m.hidden_size
     outside_tp = tp if sp else 1
     if recompute is Recompute.FULL:
         return e * s * b * h / outside_tp
     kv = m.kv_heads * m.head_dim
-    local = e * s * b * h / tp  # one (b, s, h/t) tensor
+    local = e * s * b * m.attn_width / tp  # one (b, s, a·d/t) tensor
     # norm1 and norm2 with their outputs; with a parallel residual (GPT-NeoX) both norms read x, kept once
     outside = s * b * (2 * e * h + _norm_bytes_per_token(m, e, sigma)
                        + _norm_bytes_per_token(m, e, sigma, with_input=not m.parallel_residual))
-    mlp = e * s * b * m.ffn * ((1 if m.act == "relu" else 2) + (2 if m.gated_mlp else 0)) / tp
+    mlp = moe_mlp_bytes(m, tp=tp, mbs=mbs, seq=seq, e=e) if sparse else \
+        e * s * b * m.ffn * ((1 if m.act == "relu" else 2) + (2 if m.gated_mlp else 0)) / tp
+    qk_norm = (2 * e * s * b * (m.attn_width + kv) / tp + 2 * sigma * s * b * (m.num_heads + m.kv_heads) / tp
+               if m.qk_norm else 0.0)  # RMSNorm per head: normalised input and output, rstd per head
     if recompute is Recompute.SELECTIVE:
         # the checkpoint keeps its inputs (the q, k, v projections); the out-projection its output
-        core = e * s * b * (h + 2 * kv) / tp + local
+        core = e * s * b * (m.attn_width + 2 * kv) / tp + local
     else:
         # SDPA keeps all-head q, k, v (3h whether they are the projections or new tensors), its
         # output, the log-sum-exp and RoPE's tables; the out-projection's input is a view of SDPA's
@@ -223,7 +233,29 @@ def sailor_block_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int, r
         copies = e * s * b * _sdpa_copy_width(m) / tp
         core = 3 * local + _sailor_core_bytes(m, tp=tp, mbs=mbs, seq=seq, e=e) - copies
         core += 0.0 if m.learned_positions else local
-    return outside / outside_tp + core + mlp
+    return outside / outside_tp + core + mlp + qk_norm
+
+
+def moe_mlp_bytes(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int) -> float:
+    """What an MoE block's MLP keeps for its backward (`sailor.runtime.moe`; both frameworks): the
+    tensors its autograd graph saves, per token:
+    - the router: fp32 softmax output 4·E, the int64 top-k indices 8·k, and when `norm_topk_prob`
+      the top-k probabilities and their sum 4·(k + 1);
+    - every routed copy of the token (k·c of them, c the capacity factor, 1 dropless: the routed
+      token buffers): its gathered input e·h (full width on every TP rank), the expert's SwiGLU
+      intermediates 4·e·f_e/t (as a dense gated MLP's), its output e·h and its fp32 routing weight
+      kept for the weighting, the weighted copy e·h the scatter-add keeps, and four int64 indices
+      (the expert's (token, slot) pair, the gathered token and slot ids) 32;
+    - the shared experts: SwiGLU intermediates 4·e·f_s/t, their output e·h and the gate's sigmoid
+      output e.
+    At TP 1 this is what the saved-tensor hooks measure (tests/test_moe.py).
+    The MLP's input (the second norm's output) is counted with the norm."""
+    moe, h = m.moe, m.hidden_size
+    router = FP32_BYTES * moe.num_experts + INDEX_BYTES * moe.top_k + FP32_BYTES * (moe.top_k + 1) * moe.norm_topk_prob
+    routed = moe.top_k * (moe.capacity_factor or 1.0) * (3 * e * h + 4 * e * moe.expert_ffn_size / tp + FP32_BYTES
+                                                         + 4 * INDEX_BYTES)
+    shared = (4 * e * moe.shared_width / tp + e * h + e) if moe.shared_experts else 0.0
+    return float(seq * mbs * (router + routed + shared))
 
 
 def sailor_embedding_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:

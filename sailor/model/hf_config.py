@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` <-> ModelSpec, for Llama, Mistral, Qwen2, GPT-NeoX, OPT and GPT-2 (torch-free).
+"""Hugging Face `config.json` <-> ModelSpec, for Llama, Mistral, Qwen2, GPT-NeoX, OPT, GPT-2 and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (torch-free).
 
 `load_hf_config(path)` reads a config file (or the `config.json` in a model folder) and returns the
 ModelSpec that the simulator, planner and runtime use. Every key of the file must be accounted for:
@@ -7,7 +8,8 @@ ModelSpec that the simulator, planner and runtime use. Every key of the file mus
 - keys that cannot change the forward pass or the gradient (token ids, generation settings, labels,
   `dtype`, `initializer_range`...) are listed in `_METADATA`;
 - keys that change the math are read and either supported or refused (`rope_scaling` of an unknown
-  type, a sliding window, MoE routers, quantization, post-norm OPT...);
+  type, a sliding window, router jitter, MoE architectures not built (DeepSeek's MLA, DBRX...),
+  quantization, post-norm OPT...);
 - dropout is the one setting accepted without being applied (Sailor trains without dropout): each
   non-zero rate is reported once on the `sailor` logger.
 Anything else is an unknown field and refused, naming it. Both config layouts are read: the one
@@ -60,7 +62,9 @@ _FIXED = {"is_encoder_decoder": False, "add_cross_attention": False, "tie_encode
 _REFUSED = {
     "quantization_config": "quantized weights are not supported (load the unquantized model)",
 }  # mixture-of-experts keys: `_refuse_experts`, before the model_type is looked up
-SUPPORTED = ("llama", "mistral", "qwen2", "gpt_neox", "opt", "gpt2")
+DENSE_SUPPORTED = ("llama", "mistral", "qwen2", "gpt_neox", "opt", "gpt2")
+MOE_SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED = DENSE_SUPPORTED + MOE_SUPPORTED
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                 "relu": "relu", "silu": "silu", "swish": "silu"}
@@ -176,7 +180,8 @@ _LLAMA_KEYS = {"num_blocks": "num_hidden_layers", "hidden_size": "hidden_size", 
                "num_kv_heads": "num_key_value_heads", "ffn_hidden_size": "intermediate_size",
                "vocab_size": "vocab_size", "max_sequence_length": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
 _CONFIG_KEYS = {
-    "llama": _LLAMA_KEYS, "mistral": _LLAMA_KEYS, "qwen2": _LLAMA_KEYS,
+    "llama": _LLAMA_KEYS, "mistral": _LLAMA_KEYS, "qwen2": _LLAMA_KEYS, "mixtral": _LLAMA_KEYS, "qwen2_moe": _LLAMA_KEYS,
+    "qwen3_moe": _LLAMA_KEYS, "olmoe": _LLAMA_KEYS,
     "gpt_neox": _LLAMA_KEYS | {"norm_eps": "layer_norm_eps"},
     "opt": _LLAMA_KEYS | {"ffn_hidden_size": "ffn_dim"},
     "gpt2": {"num_blocks": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "ffn_hidden_size": "n_inner",
@@ -189,21 +194,34 @@ _CONFIG_KEYS = {
 MOE_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe",
                              "phimoe", "granitemoe", "jamba", "jetmoe", "switch_transformers", "nllb_moe"})
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+# What Sailor does not build of a mixture-of-experts architecture it knows: (config key, reason).
+_MOE_REFUSED = {
+    "deepseek_v2": ("kv_lora_rank", "MLA attention (kv_lora_rank) is not supported"),
+    "deepseek_v3": ("kv_lora_rank", "MLA attention (kv_lora_rank) is not supported"),
+}
 
 
 def _refuse_experts(data: dict[str, Any], model_type: str, source: str) -> None:
-    """Refuse a mixture-of-experts config first, for that reason: its model_type is often one edit
-    away from a dense one (mixtral/mistral, qwen2_moe/qwen2), and "did you mean 'mistral'?" would
-    train another model."""
+    """Refuse a mixture-of-experts config Sailor does not build first, for that reason: its
+    model_type is often one edit away from a dense one (mixtral/mistral, qwen2_moe/qwen2), and "did
+    you mean 'mistral'?" would train another model. Mixtral, Qwen2-MoE and Qwen3-MoE pass."""
+    if model_type in MOE_SUPPORTED:
+        return
     keys = [k for k in MOE_KEYS if k in data]
+    if model_type in _MOE_REFUSED:
+        field, what = _MOE_REFUSED[model_type]
+        raise SailorInputError(what, source=source, field=field,
+                               fix=f"mixture-of-experts architectures Sailor builds: {', '.join(MOE_SUPPORTED)}")
     if model_type in MOE_MODEL_TYPES:
-        field, what = "model_type", f"{model_type!r} is a mixture-of-experts model"
+        field, what = "model_type", f"{model_type!r} is a mixture-of-experts model Sailor does not build"
     elif keys:  # a dense model_type (llama) with expert fields: the fields, not the architecture, are MoE
-        field, what = keys[0], f"the config's expert fields ({', '.join(keys)}) make it a mixture-of-experts model"
+        field, what = keys[0], (f"the config's expert fields ({', '.join(keys)}) make it a mixture-of-experts model,"
+                                f" which a {model_type} config cannot be")
     else:
         return
-    raise SailorInputError(f"{what}; Sailor builds dense decoders only, not (yet) mixture-of-experts layers",
-                           source=source, field=field, fix=f"dense architectures: {', '.join(SUPPORTED)}")
+    raise SailorInputError(what, source=source, field=field,
+                           fix=f"mixture-of-experts architectures: {', '.join(MOE_SUPPORTED)}; dense:"
+                               f" {', '.join(DENSE_SUPPORTED)}")
 
 
 # ---- per-architecture readers: config keys -> ModelSpec fields ---------------------------------------
@@ -215,19 +233,34 @@ def _activation(f: _Fields, key: str, default: str) -> str:
     return _ACTIVATIONS[act]
 
 
-def _heads(f: _Fields, hidden_key: str, heads_key: str, kv_key: str | None = None) -> tuple[int, int, int]:
-    """(hidden size, heads, KV heads), checked to split evenly, naming the config's own keys."""
+def _heads(f: _Fields, hidden_key: str, heads_key: str, kv_key: str | None = None,
+           *, free_head_dim: bool = False) -> tuple[int, int, int]:
+    """(hidden size, heads, KV heads), checked to split evenly, naming the config's own keys. With
+    `free_head_dim` (Qwen3) `head_dim` may differ from hidden / heads: read it with `_head_size`."""
     hidden, heads = f.get(hidden_key, int), f.get(heads_key, int)
     kv = f.get(kv_key, int, heads) if kv_key else heads
-    if hidden % heads:
+    if not free_head_dim and hidden % heads:
         raise f.error(heads_key, f"{heads} heads do not divide {hidden_key} {hidden}")
     if heads % kv:
         raise f.error(kv_key, f"{kv} KV heads do not divide the {heads} attention heads")
+    if free_head_dim:
+        return hidden, heads, kv
     hd = f.get("head_dim", int, hidden // heads) if kv_key else hidden // heads
     if hd * heads != hidden:
         raise f.error("head_dim", f"head_dim {hd} x {heads} heads != {hidden_key} {hidden}",
                       fix="Sailor needs head_dim = hidden_size / num_attention_heads")
     return hidden, heads, kv
+
+
+def _head_size(f: _Fields, hidden: int, heads: int) -> dict[str, Any]:
+    """`head_size` from a config whose head_dim may be set apart (Qwen3): {} when it is h / a."""
+    hd = f.get("head_dim", int, None, nullable=True)
+    if hd is None:
+        if hidden % heads:
+            raise f.error("num_attention_heads", f"{heads} heads do not divide hidden_size {hidden}",
+                          fix="or give head_dim")
+        return {}
+    return {} if hd * heads == hidden else {"head_size": hd}
 
 
 def _rope(f: _Fields, *, theta_key: str = "rope_theta", fraction_key: str | None = None) -> dict[str, Any]:
@@ -275,9 +308,12 @@ def _rope(f: _Fields, *, theta_key: str = "rope_theta", fraction_key: str | None
     return out
 
 
-def _llama(f: _Fields) -> dict[str, Any]:
-    """Llama (1-3), and the common part of Mistral and Qwen2 (transformers' LlamaConfig defaults)."""
-    hidden, heads, kv = _heads(f, "hidden_size", "num_attention_heads", "num_key_value_heads")
+def _llama(f: _Fields, *, free_head_dim: bool = False) -> dict[str, Any]:
+    """Llama (1-3), and the common part of Mistral, Qwen2 and their mixtures of experts (transformers'
+    LlamaConfig defaults); `free_head_dim`: head_dim may differ from hidden / heads (Qwen3)."""
+    hidden, heads, kv = _heads(f, "hidden_size", "num_attention_heads", "num_key_value_heads",
+                               free_head_dim=free_head_dim)
+    head = _head_size(f, hidden, heads) if free_head_dim else {}
     f.require("pretraining_tp", lambda v: isinstance(v, int) and v >= 1, 1,
               "a number of matmul slices >= 1", fix="use 1")  # slices a matmul; the sum is the same
     f.dropout("attention_dropout")
@@ -291,7 +327,7 @@ def _llama(f: _Fields) -> dict[str, Any]:
         gated_mlp=True, learned_positions=False, rms_norm=True, bias=False,
         qkv_bias=attention_bias, out_bias=attention_bias, mlp_bias=f.get("mlp_bias", bool, False),
         norm_eps=f.get("rms_norm_eps", float, 1e-6), activation=_activation(f, "hidden_act", "silu"),
-        tied_embeddings=f.get("tie_word_embeddings", bool, False), **_rope(f))
+        tied_embeddings=f.get("tie_word_embeddings", bool, False), **head, **_rope(f))
 
 
 def _mistral(f: _Fields) -> dict[str, Any]:
@@ -311,8 +347,12 @@ def _qwen2(f: _Fields) -> dict[str, Any]:
     if "attention_bias" in f.data:
         raise f.error("attention_bias", "not a field of qwen2 configs (its q, k, v always carry biases)")
     out = _llama(f) | {"qkv_bias": True, "out_bias": False}
-    blocks = out["num_blocks"]
-    window = f.get("sliding_window", int, None, nullable=True)
+    return out | _qwen_window(f, out["num_blocks"])
+
+
+def _qwen_window(f: _Fields, blocks: int) -> dict[str, Any]:
+    """{"sliding_window": w} when the Qwen config slides a window over any layer, else {}."""
+    window = f.get("sliding_window", int, None, nullable=True, positive=False)  # Qwen2-MoE writes 0 for none
     # transformers 4: layers from max_window_layers on slide when use_sliding_window; 5: layer_types.
     first_sliding = f.get("max_window_layers", int, blocks, positive=False)
     layer_types = f.get("layer_types", list, [])
@@ -326,7 +366,81 @@ def _qwen2(f: _Fields) -> dict[str, Any]:
     else:
         sliding = f.get("use_sliding_window", bool, False) and first_sliding < blocks
     f.used.add("use_sliding_window")
-    return out | ({"sliding_window": window} if sliding and window else {})
+    return {"sliding_window": window} if sliding and window else {}
+
+
+def _moe(f: _Fields, *, experts_key: str, ffn_key: str, norm_topk: bool | None) -> dict[str, Any]:
+    """The `MoE` fields every supported family shares: expert count and size, top-k, router
+    normalisation (`norm_topk` None: the config's norm_topk_prob, default false; Mixtral: always),
+    and the load-balancing loss weight: router_aux_loss_coef where output_router_logits is true,
+    else 0, as transformers adds it to the loss only then."""
+    f.require("router_jitter_noise", lambda v: v in (0, 0.0, None), 0.0,
+              "router jitter (random scaling of the router input in training)", fix="set it to 0")
+    coef = f.get("router_aux_loss_coef", float, 0.001, positive=False)
+    if coef < 0:
+        raise f.error("router_aux_loss_coef", f"must be >= 0, got {coef}")
+    applied = f.get("output_router_logits", bool, False)
+    other = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}[experts_key]
+    if experts_key not in f.data and other in f.data:  # transformers maps the one name onto the other
+        experts_key = other
+    return {"num_experts": f.get(experts_key, int), "top_k": f.get("num_experts_per_tok", int),
+            "expert_ffn_size": f.get(ffn_key, int),
+            "norm_topk_prob": f.get("norm_topk_prob", bool, False) if norm_topk is None else norm_topk,
+            "aux_loss_coef": coef if applied else 0.0}
+
+
+def _sparse_layers(f: _Fields, blocks: int) -> dict[str, Any]:
+    """Qwen-MoE's choice of MoE blocks: decoder_sparse_step and mlp_only_layers."""
+    dense = f.get("mlp_only_layers", list, [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < blocks for i in dense):
+        raise f.error("mlp_only_layers", f"expected layer indices in [0, {blocks}), got {dense!r}")
+    return {"sparse_step": f.get("decoder_sparse_step", int, 1), "dense_blocks": tuple(sorted(set(dense)))}
+
+
+def _mixtral(f: _Fields) -> dict[str, Any]:
+    """Mixtral: Mistral whose every MLP is num_local_experts SwiGLU experts of intermediate_size,
+    top num_experts_per_tok, probabilities always renormalised (transformers' MixtralTopKRouter)."""
+    out = _mistral(f)
+    moe = _moe(f, experts_key="num_local_experts", ffn_key="intermediate_size", norm_topk=True)
+    return out | {"moe": moe}
+
+
+def _qwen2_moe(f: _Fields) -> dict[str, Any]:
+    """Qwen2-MoE: Qwen2 attention (q, k, v biases: qkv_bias) and MoE blocks with one shared expert
+    of shared_expert_intermediate_size behind a sigmoid gate; the other blocks dense SwiGLUs of
+    intermediate_size."""
+    f.used.add("attention_bias")
+    if "attention_bias" in f.data:
+        raise f.error("attention_bias", "not a field of qwen2_moe configs (qkv_bias is)")
+    out = _llama(f) | {"qkv_bias": f.get("qkv_bias", bool, True), "out_bias": False}
+    blocks = out["num_blocks"]
+    moe = _moe(f, experts_key="num_experts", ffn_key="moe_intermediate_size", norm_topk=None)
+    moe |= {"shared_experts": 1, "shared_ffn_size": f.get("shared_expert_intermediate_size", int), "shared_gate": True}
+    return out | _qwen_window(f, blocks) | {"moe": moe | _sparse_layers(f, blocks)}
+
+
+def _qwen3_moe(f: _Fields) -> dict[str, Any]:
+    """Qwen3-MoE: Llama attention (attention_bias on q, k, v and o) with head_dim set apart and an
+    RMSNorm over each head of q and k; MoE blocks without shared experts. A sliding window, where
+    use_sliding_window turns it on, covers every layer (max_window_layers is not read by
+    transformers' Qwen3-MoE)."""
+    out = _llama(f, free_head_dim=True) | {"qk_norm": True}
+    blocks = out["num_blocks"]
+    window = f.get("sliding_window", int, None, nullable=True)
+    f.get("max_window_layers", int, blocks, positive=False)
+    if f.get("use_sliding_window", bool, False) and window:
+        out["sliding_window"] = window
+    moe = _moe(f, experts_key="num_experts", ffn_key="moe_intermediate_size", norm_topk=None)
+    return out | {"moe": moe | _sparse_layers(f, blocks)}
+
+
+def _olmoe(f: _Fields) -> dict[str, Any]:
+    """OLMoE: Llama attention (attention_bias on q, k, v and o) with one RMSNorm over all q heads and
+    one over all k heads (transformers' OlmoeAttention: q_norm of hidden_size), every block an MoE of
+    num_experts SwiGLU experts of intermediate_size; clip_qkv (clamping q, k, v) is refused."""
+    f.require("clip_qkv", lambda v: v is None, None, "clamping q, k and v", fix="set it to null")
+    out = _llama(f) | {"qk_norm": True, "qk_norm_span": "all"}
+    return out | {"moe": _moe(f, experts_key="num_experts", ffn_key="intermediate_size", norm_topk=None)}
 
 
 def _gpt_neox(f: _Fields) -> dict[str, Any]:
@@ -386,7 +500,8 @@ def _gpt2(f: _Fields) -> dict[str, Any]:
 
 
 _READERS: dict[str, Callable[[_Fields], dict[str, Any]]] = {
-    "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gpt_neox": _gpt_neox, "opt": _opt, "gpt2": _gpt2}
+    "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gpt_neox": _gpt_neox, "opt": _opt, "gpt2": _gpt2,
+    "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}
 
 
 # ---- the inverse: ModelSpec -> config.json (for `sailor export`) ---------------------------------------
@@ -397,10 +512,21 @@ FP32_EPS = 2.0 ** -23  # torch.finfo(torch.float32).eps: RMSNorm's epsilon when 
 
 def export_model_type(spec: ModelSpec) -> str:
     """The Hugging Face architecture `spec` is written as: its own, else GPT-2 for learned-position
-    GPT-style specs (built-ins such as `tiny`), else Llama."""
+    GPT-style specs (built-ins such as `tiny`), else Llama; a mixture of experts as Qwen3-MoE when
+    it normalises q and k per head (OLMoE over all heads), Qwen2-MoE when it has shared experts, else
+    Mixtral."""
     if spec.hf_model_type:
         return spec.hf_model_type
+    if spec.moe is not None:
+        if spec.qk_norm:
+            return "olmoe" if spec.qk_norm_span == "all" else "qwen3_moe"
+        return "qwen2_moe" if spec.moe.shared_experts else "mixtral"
     return "gpt2" if spec.learned_positions else "llama"
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 def hf_config_from_spec(spec: ModelSpec) -> dict[str, Any]:
@@ -413,22 +539,30 @@ def hf_config_from_spec(spec: ModelSpec) -> dict[str, Any]:
     kind = export_model_type(spec)
     eps = spec.norm_eps or (FP32_EPS if spec.rms_norm else 1e-5)
     common = {"model_type": kind, "vocab_size": spec.vocab_size, "tie_word_embeddings": spec.tied_embeddings}
-    if kind in ("llama", "mistral", "qwen2"):
+    if kind in _ARCHITECTURES:
         out = common | {
-            "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                               "qwen2": "Qwen2ForCausalLM"}[kind]],
+            "architectures": [_ARCHITECTURES[kind]],
             "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn, "num_hidden_layers": spec.num_blocks,
             "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.kv_heads,
             "max_position_embeddings": spec.max_sequence_length, "rms_norm_eps": eps,
             "hidden_act": _ACT_NAMES[spec.act], "rope_theta": spec.rope_theta,
             "rope_scaling": _rope_scaling_dict(spec.rope_scaling)}
+        if kind in ("llama", "qwen3_moe", "olmoe"):
+            out["attention_bias"] = spec.has_qkv_bias
+        if kind == "olmoe":
+            out["clip_qkv"] = None
         if kind == "llama":
-            out |= {"attention_bias": spec.has_qkv_bias, "mlp_bias": spec.has_mlp_bias}
-        if kind == "mistral":
+            out["mlp_bias"] = spec.has_mlp_bias
+        if kind in ("mistral", "mixtral"):
             out["sliding_window"] = spec.sliding_window
-        if kind == "qwen2":
+        if kind in ("qwen2", "qwen2_moe"):
             out |= {"use_sliding_window": spec.sliding_window is not None, "sliding_window": spec.sliding_window,
                     "max_window_layers": 0 if spec.sliding_window else spec.num_blocks}
+        if kind == "qwen3_moe":
+            out |= {"head_dim": spec.head_dim, "use_sliding_window": spec.sliding_window is not None,
+                    "sliding_window": spec.sliding_window}
+        if spec.moe is not None:
+            out |= _moe_config(spec, kind)
     elif kind == "gpt_neox":
         out = common | {
             "architectures": ["GPTNeoXForCausalLM"], "hidden_size": spec.hidden_size,
@@ -454,6 +588,25 @@ def hf_config_from_spec(spec: ModelSpec) -> dict[str, Any]:
     return out
 
 
+def _moe_config(spec: ModelSpec, kind: str) -> dict[str, Any]:
+    """The MoE keys of a `kind` config for `spec` (what it cannot express, `check_round_trip` finds)."""
+    moe = spec.moe
+    out = {"num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_coef,
+           "output_router_logits": moe.aux_loss_coef > 0}
+    if kind == "mixtral":
+        return out | {"num_local_experts": moe.num_experts, "intermediate_size": moe.expert_ffn_size,
+                      "router_jitter_noise": 0.0}
+    if kind == "olmoe":
+        return out | {"num_experts": moe.num_experts, "intermediate_size": moe.expert_ffn_size,
+                      "norm_topk_prob": moe.norm_topk_prob}
+    dense = [j for j in range(spec.num_blocks) if (j + 1) % moe.sparse_step == 0 and not moe.is_sparse(j)]
+    out |= {"num_experts": moe.num_experts, "moe_intermediate_size": moe.expert_ffn_size,
+            "norm_topk_prob": moe.norm_topk_prob, "decoder_sparse_step": moe.sparse_step, "mlp_only_layers": dense}
+    if kind == "qwen2_moe":
+        out |= {"shared_expert_intermediate_size": moe.shared_width or spec.ffn, "qkv_bias": spec.has_qkv_bias}
+    return out
+
+
 def _rope_scaling_dict(scaling: RopeScaling | None) -> dict[str, Any] | None:
     if scaling is None:
         return None
@@ -468,15 +621,28 @@ def comparable(spec: ModelSpec) -> dict[str, Any]:
     """The fields of `spec` that decide the math, with defaults resolved (name and origin dropped):
     two specs with equal `comparable` build the same model."""
     d = spec.model_dump(exclude={"name", "hf_model_type", "num_kv_heads", "ffn_hidden_size", "activation",
-                                 "qkv_bias", "out_bias", "mlp_bias", "norm_eps", "bias"})
+                                 "qkv_bias", "out_bias", "mlp_bias", "norm_eps", "bias", "head_size", "moe"})
     d |= {"kv_heads": spec.kv_heads, "ffn": spec.ffn, "act": spec.act, "qkv_bias": spec.has_qkv_bias,
-          "out_bias": spec.has_out_bias, "mlp_bias": spec.has_mlp_bias,
-          "norm_eps": spec.norm_eps or (FP32_EPS if spec.rms_norm else 1e-5)}
+          "out_bias": spec.has_out_bias, "mlp_bias": spec.has_mlp_bias, "head_dim": spec.head_dim,
+          "norm_eps": spec.norm_eps or (FP32_EPS if spec.rms_norm else 1e-5), "moe": _comparable_moe(spec)}
     if not d["learned_positions"]:
         d["max_sequence_length"] = None  # only sizes a learned table
     else:
         d["rope_theta"] = None  # unused without rotary
+    if spec.moe is not None and all(spec.is_moe_block(i) for i in range(1, spec.num_layers - 1)):
+        d["ffn"] = None  # no dense MLP uses it
     return d
+
+
+def _comparable_moe(spec: ModelSpec) -> dict[str, Any] | None:
+    """The MoE fields that decide the math: which blocks are MoE (however the spec says it), the
+    shared experts as the one SwiGLU they form, and the rest as they are."""
+    if spec.moe is None:
+        return None
+    moe = spec.moe
+    d = moe.model_dump(exclude={"first_dense", "sparse_step", "dense_blocks", "shared_experts", "shared_ffn_size"})
+    return d | {"moe_blocks": tuple(i for i in range(1, spec.num_layers - 1) if spec.is_moe_block(i)),
+                "shared_width": moe.shared_width}
 
 
 def differences(a: ModelSpec, b: ModelSpec) -> list[tuple[str, Any, Any]]:

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from sailor.core.errors import SailorInputError, unknown_name
-from sailor.model.spec import ModelSpec
+from sailor.model.spec import ModelSpec, MoE
 
 # Published configs. OPT: facebook/opt-350m and opt-30b config.json (OPT-350m's 512-wide input/output
 # projections are ignored: the public Sailor profiles model it as a plain 1024-wide GPT). GPT-Neo:
@@ -33,6 +33,27 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
                   max_sequence_length=2048),
         ModelSpec(name="tiny", num_blocks=4, hidden_size=64, num_heads=4, vocab_size=256,
                   max_sequence_length=64),
+        # mistralai/Mixtral-8x7B-v0.1 config.json: hidden_size 4096, intermediate_size 14336, 32 layers,
+        # 32 heads, 8 KV heads, vocab 32000, max_position_embeddings 32768, rms_norm_eps 1e-5,
+        # rope_theta 1e6, num_local_experts 8, num_experts_per_tok 2, router_aux_loss_coef 0.02 with
+        # output_router_logits false (transformers then adds no aux loss: 0 here), untied. The model
+        # card's total: 46.7B parameters (12.9B active per token).
+        ModelSpec(name="mixtral-8x7b", num_blocks=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                  ffn_hidden_size=14336, vocab_size=32000, max_sequence_length=32768, gated_mlp=True,
+                  learned_positions=False, bias=False, rms_norm=True, tied_embeddings=False, rope_theta=1e6,
+                  norm_eps=1e-5, hf_model_type="mixtral",
+                  moe=MoE(num_experts=8, top_k=2, expert_ffn_size=14336, norm_topk_prob=True)),
+        # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, 48 layers, 32 heads of head_dim 128, 4 KV
+        # heads, vocab 151936, max_position_embeddings 40960, rms_norm_eps 1e-6, rope_theta 1e6,
+        # num_experts 128, num_experts_per_tok 8, moe_intermediate_size 768, norm_topk_prob true,
+        # decoder_sparse_step 1, mlp_only_layers [], router_aux_loss_coef 0.001 with output_router_logits
+        # false, intermediate_size 6144 (no dense block uses it), untied. The model card: 30.5B
+        # parameters in total, 3.3B activated.
+        ModelSpec(name="qwen3-30b-a3b", num_blocks=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
+                  head_size=128, ffn_hidden_size=6144, vocab_size=151936, max_sequence_length=40960,
+                  gated_mlp=True, learned_positions=False, bias=False, rms_norm=True, tied_embeddings=False,
+                  rope_theta=1e6, norm_eps=1e-6, qk_norm=True, hf_model_type="qwen3_moe",
+                  moe=MoE(num_experts=128, top_k=8, expert_ffn_size=768, norm_topk_prob=True)),
     ]
 }
 

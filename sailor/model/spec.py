@@ -16,6 +16,10 @@ passed on. Formulas:
   divisible-by 128`); the public Sailor `llm_info.json` parameter counts match this exactly.
 The head holds its own LM-head weights: untied models have them anyway, and tied ones keep a
 duplicate on the last pipeline stage under Megatron's pipelining.
+Mixtures of experts (`MoE`, `ModelSpec.moe`): a block that has one counts all its experts'
+parameters (every rank of a stage holds all of them: expert-parallel degree 1), and per token the
+router, top_k experts and the shared experts' FLOPs; `active_params` counts top_k experts only.
+Qwen3's `head_size` sets the attention width a·d apart from h.
 """
 
 from __future__ import annotations
@@ -124,6 +128,68 @@ class RopeScaling(BaseModel):
         return self
 
 
+class MoE(BaseModel):
+    """Mixture-of-experts MLPs (frozen; unknown fields are an error): in a block that has one, the
+    dense MLP is replaced by a router and `num_experts` SwiGLU experts of width `expert_ffn_size`, of
+    which each token uses `top_k` (Shazeer et al. 2017; Mixtral, Jiang et al. 2024, §2.1), plus
+    optional shared experts every token uses (DeepSeekMoE, Dai et al. 2024, §3.2; Qwen2-MoE's one
+    shared expert with a sigmoid gate).
+
+    Routing (Hugging Face `MixtralSparseMoeBlock` / `Qwen2MoeSparseMoeBlock`): router logits
+    x·Wᵣᵀ (no bias), softmax over the experts in fp32, the top_k probabilities kept, renormalised to
+    sum 1 when `norm_topk_prob` (Mixtral always), each chosen expert's output weighted by its
+    probability; a shared expert's output is added, times sigmoid(x·w_g) when `shared_gate`.
+
+    Which blocks are MoE (block j, 0-based among the blocks): j >= `first_dense` (DeepSeek's
+    first_k_dense_replace), (j + 1) % `sparse_step` == 0 (Qwen2-MoE's decoder_sparse_step) and j
+    not in `dense_blocks` (Qwen2-MoE's mlp_only_layers); the others keep the dense MLP of
+    `ModelSpec.ffn_hidden_size`. `capacity_factor` None is dropless routing (every token reaches its
+    top_k experts, as Hugging Face computes); a number c caps each expert at c·k·T/E of a batch's T
+    tokens (GShard, Lepikhin et al. 2021, §2.2), which the simulator counts as padded buffers and
+    the runtime refuses.
+    """
+
+    model_config = SPEC_CONFIG
+
+    num_experts: Whole(2, MAX_WIDTH) = Field(description="Routed experts E per MoE block.")
+    top_k: Whole(1, MAX_WIDTH) = Field(description="Experts each token is routed to (num_experts_per_tok).")
+    expert_ffn_size: Whole(1, MAX_WIDTH) = Field(description="Width of each routed expert's SwiGLU"
+                                                 " (moe_intermediate_size; Mixtral: intermediate_size).")
+    shared_experts: Whole(0, MAX_WIDTH) = Field(default=0, description="Shared experts every token uses, built as"
+                                                " one SwiGLU of shared_experts x shared_ffn_size (DeepSeek).")
+    shared_ffn_size: Whole(1, MAX_WIDTH) | None = Field(default=None, description="Width of each shared expert;"
+                                                        " default expert_ffn_size.")
+    shared_gate: bool = Field(strict=True, default=False, description="Sigmoid gate on the shared experts'"
+                              " output (Qwen2-MoE shared_expert_gate, h weights).")
+    first_dense: Whole(0, MAX_BLOCKS) = Field(default=0, description="Leading dense blocks (first_k_dense_replace).")
+    sparse_step: Whole(1, MAX_BLOCKS) = Field(default=1, description="Every sparse_step-th block is MoE"
+                                              " (decoder_sparse_step).")
+    dense_blocks: tuple[Whole(0, MAX_BLOCKS), ...] = Field(default=(), description="Blocks (0-based) kept dense"
+                                                           " (mlp_only_layers).")
+    norm_topk_prob: bool = Field(strict=True, default=True, description="Renormalise the top_k probabilities to"
+                                 " sum 1 (Mixtral: always; Qwen-MoE, OLMoE: norm_topk_prob).")
+    aux_loss_coef: float = Field(default=0.0, ge=0, description="Weight of the load-balancing loss added to the"
+                                 " training loss (router_aux_loss_coef; Hugging Face `load_balancing_loss_func`).")
+    capacity_factor: float | None = Field(default=None, gt=0, description="Expert capacity factor; None: dropless.")
+
+    @model_validator(mode="after")
+    def _check(self) -> MoE:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        if self.shared_gate and not self.shared_experts:
+            raise ValueError("shared_gate needs shared_experts >= 1")
+        return self
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the one SwiGLU the shared experts form (0 without shared experts)."""
+        return self.shared_experts * (self.shared_ffn_size or self.expert_ffn_size)
+
+    def is_sparse(self, block: int) -> bool:
+        """Whether block `block` (0-based among the blocks) has the MoE MLP."""
+        return block >= self.first_dense and (block + 1) % self.sparse_step == 0 and block not in self.dense_blocks
+
+
 class ModelSpec(BaseModel):
     """Geometry of a decoder-only transformer (frozen; unknown fields are an error).
 
@@ -169,13 +235,23 @@ class ModelSpec(BaseModel):
                                  " position 0 (OPT: 2); the table has max_sequence_length + offset rows.")
     sliding_window: Whole(1, MAX_SEQUENCE_LENGTH) | None = Field(default=None, description="Attention window (Mistral); the runtime"
                                        " attends to the whole causal prefix, so sequences beyond it are refused.")
-    hf_model_type: Literal["llama", "mistral", "qwen2", "gpt_neox", "opt", "gpt2"] | None = Field(
+    head_size: Whole(1, MAX_WIDTH) | None = Field(default=None, description="Width d of each attention head;"
+                                                  " None: hidden_size / num_heads (Qwen3 sets it apart: 128 in"
+                                                  " Qwen3-30B-A3B, whose h / a is 64).")
+    qk_norm: bool = Field(strict=True, default=False, description="RMSNorm over each head of q and k before RoPE"
+                          " (Qwen3; d weights each, norm_eps).")
+    qk_norm_span: Literal["head", "all"] = Field(default="head", description="What one q (k) norm spans: each head"
+                                                 " (Qwen3) or all heads at once (OLMoE: a·d and kv·d weights; not"
+                                                 " split over TP ranks, so TP 1 only).")
+    moe: MoE | None = Field(default=None, description="Mixture-of-experts MLPs (`MoE`); None: every block dense.")
+    hf_model_type: Literal["llama", "mistral", "qwen2", "gpt_neox", "opt", "gpt2", "mixtral", "qwen2_moe",
+                           "qwen3_moe", "olmoe"] | None = Field(
         default=None, description="The Hugging Face architecture this spec came from (`sailor.model.hf_config`); export"
                                   " writes that format. None: a built-in or inline spec.")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
-        if self.hidden_size % self.num_heads:
+        if self.head_size is None and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.kv_heads}")
@@ -186,6 +262,12 @@ class ModelSpec(BaseModel):
             raise ValueError("rope_scaling and rotary_fraction need rotary positions (learned_positions: false)")
         if self.position_offset and not self.learned_positions:
             raise ValueError("position_offset needs a learned position table (learned_positions: true)")
+        if self.qk_norm and not self.rms_norm:
+            raise ValueError("qk_norm is an RMSNorm per head (Qwen3): it needs rms_norm: true")
+        if self.moe is not None and (not self.gated_mlp or self.has_mlp_bias or self.parallel_residual):
+            raise ValueError("moe needs gated_mlp: true, no MLP biases and no parallel residual (SwiGLU experts)")
+        if self.moe is not None and any(b >= self.num_blocks for b in self.moe.dense_blocks):
+            raise ValueError(f"moe.dense_blocks names a block past the {self.num_blocks} blocks")
         return self
 
     # ---- derived geometry -------------------------------------------------------------------
@@ -199,7 +281,18 @@ class ModelSpec(BaseModel):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
+
+    @property
+    def attn_width(self) -> int:
+        """Width of all query heads a·d (the q projection's output, the out projection's input); h
+        unless `head_size` sets d apart."""
+        return self.num_heads * self.head_dim
+
+    def is_moe_block(self, layer: int) -> bool:
+        """Whether layer `layer` (index into the layer list) is a block with the MoE MLP."""
+        return (self.moe is not None and self.layer_kind(layer) is LayerKind.BLOCK
+                and self.moe.is_sparse(layer - 1))
 
     @property
     def rotary_dim(self) -> int:
@@ -246,7 +339,10 @@ class ModelSpec(BaseModel):
         return math.ceil(self.vocab_size / m) * m
 
     def tp_degrees(self, max_tp: int) -> list[int]:
-        """TP degrees <= max_tp that divide the attention (and KV) heads."""
+        """TP degrees <= max_tp that divide the attention (and KV) heads; only 1 for q and k norms
+        over all heads (OLMoE), which TP would split."""
+        if self.qk_norm and self.qk_norm_span == "all":
+            return [1]
         return [t for t in range(1, max_tp + 1) if self.num_heads % t == 0 and self.kv_heads % t == 0]
 
     def check_tp(self, tp: int) -> None:
@@ -254,6 +350,9 @@ class ModelSpec(BaseModel):
         if tp < 1 or self.num_heads % tp or self.kv_heads % tp:
             raise SailorInputError(f"TP {tp} does not divide the {self.num_heads} attention heads"
                                    f" ({self.kv_heads} KV heads) of {self.name}")
+        if tp > 1 and self.qk_norm and self.qk_norm_span == "all":
+            raise SailorInputError(f"TP {tp}: {self.name} normalises q and k over all heads at once (OLMoE), which"
+                                   " the runtime does not split over TP ranks", fix="use TP 1")
 
     # ---- per-layer accounting (per GPU of a TP group of size tp) -----------------------------
     def _norm_params(self) -> int:
@@ -266,17 +365,37 @@ class ModelSpec(BaseModel):
         (row-parallel), the vocabulary of embedding and LM head. Replicated: norms, row-parallel biases,
         the position table.
         """
-        h, f, kvd = self.hidden_size, self.ffn, self.kv_heads * self.head_dim
+        h, qd, kvd = self.hidden_size, self.attn_width, self.kv_heads * self.head_dim
         kind = self.layer_kind(layer)
         if kind is LayerKind.EMBEDDING:
             return self.padded_vocab(tp) * h // tp + self.position_rows * h
         if kind is LayerKind.HEAD:
             return self._norm_params() + self.padded_vocab(tp) * h // tp
-        mlp_in = 2 if self.gated_mlp else 1  # gate and up projections for SwiGLU
-        sharded = h * (h + 2 * kvd) + h * h + mlp_in * h * f + f * h
-        sharded_bias = (h + 2 * kvd) * self.has_qkv_bias + mlp_in * f * self.has_mlp_bias
-        replicated = 2 * self._norm_params() + h * self.has_out_bias + h * self.has_mlp_bias
+        mlp_sharded, mlp_replicated = self._mlp_params(layer)
+        sharded = h * (qd + 2 * kvd) + qd * h + mlp_sharded
+        sharded_bias = (qd + 2 * kvd) * self.has_qkv_bias
+        replicated = 2 * self._norm_params() + h * self.has_out_bias + mlp_replicated + self._qk_norm_params()
         return (sharded + sharded_bias) // tp + replicated
+
+    def _qk_norm_params(self) -> int:
+        """Weights of the q and k norms: d each per head (shared by the heads), or a·d + kv·d over
+        all heads (OLMoE, TP 1 only); 0 without them."""
+        if not self.qk_norm:
+            return 0
+        return 2 * self.head_dim if self.qk_norm_span == "head" else self.attn_width + self.kv_heads * self.head_dim
+
+    def _mlp_params(self, layer: int, experts: int | None = None) -> tuple[int, int]:
+        """(TP-sharded, replicated) parameters of block `layer`'s MLP. Dense: the matrices and
+        column-parallel biases sharded, the row-parallel bias replicated. MoE (`experts` routed
+        experts, default all): every expert's SwiGLU (3·h·f_e) and the shared experts' (3·h·f_s)
+        sharded like a dense MLP; the router (E·h) and the shared gate (h) replicated."""
+        h = self.hidden_size
+        if self.is_moe_block(layer):
+            moe = self.moe
+            n = moe.num_experts if experts is None else experts
+            return 3 * h * (n * moe.expert_ffn_size + moe.shared_width), moe.num_experts * h + h * moe.shared_gate
+        f, mlp_in = self.ffn, (2 if self.gated_mlp else 1)  # gate and up projections for SwiGLU
+        return mlp_in * h * f + f * h + mlp_in * f * self.has_mlp_bias, h * self.has_mlp_bias
 
     def total_params(self) -> int:
         """Parameters of the whole model at TP 1 (LM head counted separately from the embedding)."""
@@ -292,22 +411,43 @@ class ModelSpec(BaseModel):
         blocks = sum(self.params(i) for i in range(1, self.num_layers - 1))
         return self.params(0) - padding_rows * self.hidden_size + blocks + head
 
+    def active_params(self) -> int:
+        """`model_params` counting, in every MoE block, only the top_k routed experts a token uses
+        (the "activated parameters" of Mixtral's and Qwen3's model cards); = `model_params` for a
+        dense model."""
+        if self.moe is None:
+            return self.model_params()
+        idle = 3 * self.hidden_size * self.moe.expert_ffn_size * (self.moe.num_experts - self.moe.top_k)
+        return self.model_params() - idle * sum(self.is_moe_block(i) for i in range(self.num_layers))
+
     def forward_flop(self, layer: int, *, tp: int, mbs: int, seq: int) -> float:
         """Forward FLOPs of one micro-batch on one GPU of the TP group (SC'21 §5.1: 2 FLOPs per MAC).
 
-        Block: 2·b·s·(h(h+2·kv_dim) + h² + m·h·f) for the matmuls (m = 3 gated, 2 plain) plus
-        4·b·s²·h for QKᵀ and attention·V. Head: 2·b·s·h·V. Embedding: a lookup, 0 FLOPs.
+        Block: 2·b·s·(h(q+2·kv_dim) + q·h + m·h·f) for the matmuls (m = 3 gated, 2 plain; q = a·d, h
+        unless `head_size` is set) plus 4·b·s²·q for QKᵀ and attention·V. An MoE block's MLP instead
+        costs, per token, its router 2·E·h (replicated on every TP rank), top_k experts and the
+        shared experts 2·3·h·(k·f_e·c + f_s) (c the capacity factor: buffers padded to capacity;
+        1 dropless) and the shared gate 2·h. Head: 2·b·s·h·V. Embedding: a lookup, 0 FLOPs.
         """
-        h, f, kvd = self.hidden_size, self.ffn, self.kv_heads * self.head_dim
+        h, qd, kvd = self.hidden_size, self.attn_width, self.kv_heads * self.head_dim
         kind = self.layer_kind(layer)
         if kind is LayerKind.EMBEDDING:
             return 0.0
         if kind is LayerKind.HEAD:
             return 2.0 * mbs * seq * h * self.padded_vocab(tp) / tp
-        m = 3 if self.gated_mlp else 2
-        matmul = 2.0 * mbs * seq * (h * (h + 2 * kvd) + h * h + m * h * f)
-        attention = 4.0 * mbs * seq * seq * h
-        return (matmul + attention) / tp
+        mlp_sharded, mlp_replicated = self._mlp_flop_per_token(layer)
+        matmul = 2.0 * mbs * seq * (h * (qd + 2 * kvd) + qd * h + mlp_sharded)
+        attention = 4.0 * mbs * seq * seq * qd
+        return (matmul + attention) / tp + 2.0 * mbs * seq * mlp_replicated
+
+    def _mlp_flop_per_token(self, layer: int) -> tuple[float, float]:
+        """Multiply-accumulates per token of block `layer`'s MLP: (split over TP, replicated)."""
+        h = self.hidden_size
+        if self.is_moe_block(layer):
+            moe = self.moe
+            routed = moe.top_k * moe.expert_ffn_size * (moe.capacity_factor or 1.0)
+            return 3.0 * h * (routed + moe.shared_width), float(moe.num_experts * h + h * moe.shared_gate)
+        return (3 if self.gated_mlp else 2) * h * self.ffn, 0.0
 
     def backward_flop(self, layer: int, *, tp: int, mbs: int, seq: int) -> float:
         """Backward FLOPs: twice the forward (gradients w.r.t. inputs and weights)."""
@@ -324,7 +464,7 @@ class ModelSpec(BaseModel):
             return 0.0
         if kind is LayerKind.HEAD:
             return self.forward_flop(layer, tp=tp, mbs=mbs, seq=seq)
-        attention = 4.0 * mbs * seq * seq * self.hidden_size / tp
+        attention = 4.0 * mbs * seq * seq * self.attn_width / tp
         return self.forward_flop(layer, tp=tp, mbs=mbs, seq=seq) - attention
 
     def weight_grad_pending_bytes(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int) -> float:
@@ -342,8 +482,12 @@ class ModelSpec(BaseModel):
         if kind is LayerKind.HEAD:
             return s * b * self.padded_vocab(tp) / tp * e
         kvd = self.kv_heads * self.head_dim
-        mlp_in = 2 if self.gated_mlp else 1
-        return s * b * e * ((h + 2 * kvd + mlp_in * self.ffn) / tp + 2 * h)
+        if self.is_moe_block(layer):
+            moe = self.moe
+            mlp_in = 2 * (moe.top_k * moe.expert_ffn_size + moe.shared_width) / tp + moe.num_experts + moe.shared_gate
+        else:
+            mlp_in = (2 if self.gated_mlp else 1) * self.ffn / tp
+        return s * b * e * ((self.attn_width + 2 * kvd) / tp + mlp_in + 2 * h)
 
     def recompute_flop(self, layer: int, *, tp: int, mbs: int, seq: int, recompute: Recompute) -> float:
         """FLOPs one GPU spends in the backward pass re-running forward work of layer `layer` for one
@@ -358,9 +502,7 @@ class ModelSpec(BaseModel):
             return 0.0
         if recompute is Recompute.FULL:
             return self.forward_flop(layer, tp=tp, mbs=mbs, seq=seq)
-        return 4.0 * mbs * seq * seq * self.hidden_size / tp
-
-
+        return 4.0 * mbs * seq * seq * self.attn_width / tp
 
     def tp_collectives(self, layer: int, *, tp: int, mbs: int, seq: int, elem_bytes: int,
                        framework: Framework = Framework.SAILOR, recompute: Recompute = Recompute.NONE,
@@ -380,7 +522,8 @@ class ModelSpec(BaseModel):
         Embedding: one all-reduce of n forward (vocab-parallel lookup). Head: backward one all-reduce
         of n (the gradient into the replicated input); forward, Megatron-LM's vocab-parallel cross
         entropy all-reduces 3 fp32 values per token (max, target logit, sum of exponentials), Sailor's
-        runtime all-gathers the logits (b·s·V·e).
+        runtime all-gathers the logits (b·s·V·e). An MoE block reduces its MLP output before the
+        routing weights apply (`_moe_combined_rows`): its second forward collective moves that many n.
         """
         if tp == 1:
             return [], []
@@ -393,11 +536,21 @@ class ModelSpec(BaseModel):
             if framework is Framework.MEGATRON:
                 return [(AR, 4.0 * mbs * seq)] * 3, [(AR, n)]
             return [(AG, float(mbs * seq * self.padded_vocab(1) * elem_bytes))], [(AR, n)]
-        forward = [(AG, n), (RS, n)] * 2 if sequence_parallel else [(AR, n)] * 2
+        m = n * self._moe_combined_rows(layer)  # the MLP's reduced output: n, or every routed copy in an MoE block
+        forward = [(AG, n), (RS, n), (AG, n), (RS, m)] if sequence_parallel else [(AR, n), (AR, m)]
         backward = [(AG, n), (RS, n), (AG, n)] * 2 if sequence_parallel else [(AR, n)] * 2
         if recompute is Recompute.FULL:
             backward = forward + backward
         return forward, backward
+
+    def _moe_combined_rows(self, layer: int) -> float:
+        """Rows per token of the tensor an MLP's row-parallel output reduces over TP: 1 for a dense
+        block; an MoE block reduces its experts' outputs before weighting them (`runtime.moe`): the
+        top_k routed copies (padded to capacity) plus one for the shared experts."""
+        if not self.is_moe_block(layer):
+            return 1.0
+        moe = self.moe
+        return moe.top_k * (moe.capacity_factor or 1.0) + (1.0 if moe.shared_experts else 0.0)
 
     def output_bytes(self, layer: int, *, mbs: int, seq: int, elem_bytes: int) -> float:
         """Size of the tensor layer `layer` passes to the next one (the full, unsharded activation);

@@ -35,6 +35,9 @@ runtime: over the all-gathered V). Every layer's backward also accumulates its f
 gradients (e bytes per parameter) into the gradient buffer kept across micro-batches (read and
 written at the job's gradient bytes): Megatron-LM's `param.main_grad.add_(param.grad)` hook of its
 DDP wrapper, PyTorch's AccumulateGrad in Sailor's runtime.
+An MoE block (`ModelSpec.is_moe_block`) has `moe_mlp_ops` in place of its MLP, in both frameworks:
+the router GEMM, softmax and top-k, the gather of the routed rows, the experts' GEMMs over those
+rows (every expert's weights read once), the weighting and scatter-add, and the shared experts.
 """
 
 from __future__ import annotations
@@ -96,56 +99,103 @@ def _mem(name: str, nbytes: float, core: bool = False) -> Op:
     return Op(name, OpKind.MEMORY, 0.0, nbytes, core)
 
 
-def megatron_block_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, sp: bool) -> tuple[list[Op], list[Op]]:
-    """(forward, backward) operations of one block under Megatron-LM (module docstring)."""
-    t, o, N, h, s, b = tp, (tp if sp else 1), mbs * seq, m.hidden_size, seq, mbs
-    kv, f = m.kv_heads * m.head_dim, m.ffn
-    f_in = 2 * f if m.gated_mlp else f
-    X = b * m.num_heads / t * s * s  # attention scores per GPU
-    qkv = _gemm("qkv", N, h, (h + 2 * kv) / t, e)
-    qk = Op("scores", OpKind.MATMUL, 2.0 * b * s * s * h / t, e * (N * (h + kv) / t + X), core=True)
-    av = Op("attention-v", OpKind.MATMUL, 2.0 * b * s * s * h / t, e * (X + N * kv / t + N * h / t), core=True)
-    proj, fc1, fc2 = _gemm("proj", N, h / t, h, e), _gemm("fc1", N, h, f_in / t, e), _gemm("fc2", N, f / t, h, e)
-    gemms = [qkv, qk, av, proj, fc1, fc2]
-    norm, bda = _mem("layernorm", 2 * e * N * h / o), _mem("bias-dropout-add", (3 * e + 1) * N * h / o)
-    fwd = [norm, qkv, qk, _mem("softmax", 2 * e * X, True), _mem("dropout", (2 * e + 1) * X, True), av, proj, bda,
-           norm, fc1, _mem("bias-gelu", e * N * (f_in + f) / t), fc2, bda]
-    bwd = [g.scaled(2, g.name + " backward") for g in gemms] + [
-        _mem("softmax backward", 3 * e * X, True), _mem("dropout backward", (2 * e + 1) * X, True),
-        _mem("layernorm backward", 2 * 3 * e * N * h / o), _mem("bias-dropout-add backward", 2 * (5 * e + 1) * N * h / o),
-        _mem("bias-gelu backward", e * N * (2 * f_in + f) / t)]
+def moe_mlp_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int) -> tuple[list[Op], list[Op]]:
+    """(forward, backward) operations of an MoE block's MLP (`sailor.runtime.moe`; both frameworks),
+    with R = k·c·N routed rows (c the capacity factor, 1 dropless) and E experts: the router GEMM
+    (N x h x E, on every TP rank); softmax and top-k over the fp32 logits; the gather of the routed
+    rows; the experts' gate-and-up and down GEMMs over R rows in all, reading every expert's weights
+    once; SiLU and the gating product; the weighting and scatter-add back to the tokens; the shared
+    experts as a dense SwiGLU of width f_s with their sigmoid gate. Backward: every GEMM twice,
+    every memory-bound kernel's traffic twice (its saved input and the incoming gradient read, the
+    outgoing one written)."""
+    moe, t, N, h = m.moe, tp, mbs * seq, m.hidden_size
+    R, E, fe = moe.top_k * (moe.capacity_factor or 1.0) * N, moe.num_experts, moe.expert_ffn_size / tp
+    router = _gemm("router", N, h, E, e)
+    routing = _mem("softmax and top-k", N * E * (e + 3 * FP32))
+    gather = _mem("token gather", 2 * e * R * h)
+    up = Op("experts gate and up", OpKind.MATMUL, 2.0 * R * h * 2 * fe, e * (2 * R * h + E * h * 2 * fe + R * 2 * fe))
+    act = _mem("experts activation", (2 + 3) * e * R * fe)
+    down = Op("experts down", OpKind.MATMUL, 2.0 * R * fe * h, e * (R * fe + E * fe * h + R * h))
+    combine = _mem("weighting and scatter-add", 4 * e * R * h)
+    fwd = [router, routing, gather, up, act, down, combine]
+    gemms = [router, up, down]
+    if moe.shared_experts:
+        fs = moe.shared_width
+        shared = [_gemm("shared in", N, h, 2 * fs / t, e, reads=2), _gemm("shared down", N, fs / t, h, e)]
+        gate = [_gemm("shared gate", N, h, 1, e)] if moe.shared_gate else []
+        fwd += [shared[0], _mem("shared activation", (2 + 3) * e * N * fs / t), shared[1], *gate,
+                _mem("shared add", 3 * e * N * h)]
+        gemms += shared + gate
+    bwd = [g.scaled(2, g.name + " backward") for g in gemms]
+    bwd += [op.scaled(2, op.name + " backward") for op in fwd if op.kind is OpKind.MEMORY]
     return fwd, bwd
 
 
-def sailor_block_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, sp: bool) -> tuple[list[Op], list[Op]]:
-    """(forward, backward) operations of one block in Sailor's runtime (module docstring)."""
+def megatron_block_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, sp: bool,
+                       sparse: bool = False) -> tuple[list[Op], list[Op]]:
+    """(forward, backward) operations of one block under Megatron-LM (module docstring); an MoE
+    block (`sparse`) has `moe_mlp_ops` in place of fc1, bias-GeLU and fc2."""
     t, o, N, h, s, b = tp, (tp if sp else 1), mbs * seq, m.hidden_size, seq, mbs
-    kv, f = m.kv_heads * m.head_dim, m.ffn
+    kv, f, q = m.kv_heads * m.head_dim, m.ffn, m.attn_width
+    f_in = 2 * f if m.gated_mlp else f
+    X = b * m.num_heads / t * s * s  # attention scores per GPU
+    qkv = _gemm("qkv", N, h, (q + 2 * kv) / t, e)
+    qk = Op("scores", OpKind.MATMUL, 2.0 * b * s * s * q / t, e * (N * (q + kv) / t + X), core=True)
+    av = Op("attention-v", OpKind.MATMUL, 2.0 * b * s * s * q / t, e * (X + N * kv / t + N * q / t), core=True)
+    proj, fc1, fc2 = _gemm("proj", N, q / t, h, e), _gemm("fc1", N, h, f_in / t, e), _gemm("fc2", N, f / t, h, e)
+    norm, bda = _mem("layernorm", 2 * e * N * h / o), _mem("bias-dropout-add", (3 * e + 1) * N * h / o)
+    if sparse:
+        mlp, mlp_bwd = moe_mlp_ops(m, tp=tp, mbs=mbs, seq=seq, e=e)
+    else:
+        mlp = [fc1, _mem("bias-gelu", e * N * (f_in + f) / t), fc2]
+        mlp_bwd = [fc1.scaled(2, "fc1 backward"), fc2.scaled(2, "fc2 backward"),
+                   _mem("bias-gelu backward", e * N * (2 * f_in + f) / t)]
+    fwd = [norm, qkv, qk, _mem("softmax", 2 * e * X, True), _mem("dropout", (2 * e + 1) * X, True), av, proj, bda,
+           norm, *mlp, bda]
+    bwd = [g.scaled(2, g.name + " backward") for g in (qkv, qk, av, proj)] + mlp_bwd[:2] + [
+        _mem("softmax backward", 3 * e * X, True), _mem("dropout backward", (2 * e + 1) * X, True),
+        _mem("layernorm backward", 2 * 3 * e * N * h / o), _mem("bias-dropout-add backward", 2 * (5 * e + 1) * N * h / o),
+        *mlp_bwd[2:]]
+    return fwd, bwd
+
+
+def sailor_block_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, sp: bool,
+                     sparse: bool = False) -> tuple[list[Op], list[Op]]:
+    """(forward, backward) operations of one block in Sailor's runtime (module docstring); an MoE
+    block (`sparse`) has `moe_mlp_ops` in place of the MLP linears and activation, and `qk_norm`
+    (Qwen3) adds a per-head RMSNorm pass over q and k."""
+    t, o, N, h, s, b = tp, (tp if sp else 1), mbs * seq, m.hidden_size, seq, mbs
+    kv, f, q = m.kv_heads * m.head_dim, m.ffn, m.attn_width
     mlp_in = 2 if m.gated_mlp else 1
     stats = (FP32 if m.rms_norm else 2 * FP32) * N / o
     norm = _mem("norm", 2 * e * N * h / o + stats)
-    qkv = _gemm("q,k,v", N, h, (h + 2 * kv) / t, e, reads=3)
-    attn_flop = 4.0 * b * s * s * h / t / 2  # causal: the flash kernel skips the masked half
-    sdpa = Op("sdpa", OpKind.ATTENTION, attn_flop, e * 4 * N * h / t + FP32 * b * m.num_heads / t * s, core=True)
-    out = _gemm("out", N, h / t, h, e)
+    qkv = _gemm("q,k,v", N, h, (q + 2 * kv) / t, e, reads=3)
+    attn_flop = 4.0 * b * s * s * q / t / 2  # causal: the flash kernel skips the masked half
+    sdpa = Op("sdpa", OpKind.ATTENTION, attn_flop, e * 4 * N * q / t + FP32 * b * m.num_heads / t * s, core=True)
+    out = _gemm("out", N, q / t, h, e)
     up = _gemm("mlp in", N, h, mlp_in * f / t, e, reads=mlp_in)
     down = _gemm("down", N, f / t, h, e)
     adds = _mem("bias and residual adds", (m.has_out_bias + m.has_mlp_bias + 3) * e * N * h / o)
     act = (2 + 3) * e * N * f / t if m.gated_mlp else 2 * e * N * f / t  # SiLU and the gating product, or GeLU
+    if sparse:
+        mlp, mlp_bwd = moe_mlp_ops(m, tp=tp, mbs=mbs, seq=seq, e=e)
+    else:
+        mlp = [up, _mem("activation", act), down]
+        mlp_bwd = [up.scaled(2, "mlp in backward"), down.scaled(2, "down backward"),
+                   _mem("activation backward", (5 + 3) * e * N * f / t if m.gated_mlp else 3 * e * N * f / t)]
+    qk_norm = [_mem("q, k norm", 3 * e * N * (q + kv) / t)] if m.qk_norm else []
     core: list[Op] = []
     if not m.learned_positions:
-        core.append(_mem("rope", 8 * e * N * (h + kv) / t, True))
+        core.append(_mem("rope", 8 * e * N * (q + kv) / t, True))
     if m.kv_heads < m.num_heads:
-        core.append(_mem("kv repeat", 2 * e * N * (kv + h) / t, True))
+        core.append(_mem("kv repeat", 2 * e * N * (kv + q) / t, True))
     core.append(sdpa)
-    fwd = [norm, qkv, *core, _mem("head merge", 2 * e * N * h / t), out, adds, norm, up,
-           _mem("activation", act), down, adds]
+    fwd = [norm, qkv, *qk_norm, *core, _mem("head merge", 2 * e * N * q / t), out, adds, norm, *mlp, adds]
     core_bwd = [op.scaled(1.0, op.name + " backward") for op in core if op is not sdpa]  # same traffic
-    core_bwd.append(Op("sdpa backward", OpKind.ATTENTION, 2.5 * attn_flop, e * 8 * N * h / t, core=True))
-    bwd = [g.scaled(2, g.name + " backward") for g in (qkv, out, up, down)] + core_bwd + [
-        _mem("head merge backward", 2 * e * N * h / t), _mem("norm backward", 2 * (3 * e * N * h / o + stats)),
-        adds.scaled(2, "adds backward"),
-        _mem("activation backward", (5 + 3) * e * N * f / t if m.gated_mlp else 3 * e * N * f / t)]
+    core_bwd.append(Op("sdpa backward", OpKind.ATTENTION, 2.5 * attn_flop, e * 8 * N * q / t, core=True))
+    bwd = [g.scaled(2, g.name + " backward") for g in (qkv, out)] + mlp_bwd[:2] + core_bwd + [
+        _mem("head merge backward", 2 * e * N * q / t), _mem("norm backward", 2 * (3 * e * N * h / o + stats)),
+        adds.scaled(2, "adds backward"), *[op.scaled(2, op.name + " backward") for op in qk_norm], *mlp_bwd[2:]]
     return fwd, bwd
 
 
@@ -200,7 +250,7 @@ def layer_ops(job: JobSpec, layer: int, tp: int, mbs: int, sp: bool = False) -> 
         fwd, bwd = head_ops(m, **kw, framework=job.framework)
     else:
         ops = megatron_block_ops if job.framework is Framework.MEGATRON else sailor_block_ops
-        fwd, bwd = ops(m, **kw, sp=sp)
+        fwd, bwd = ops(m, **kw, sp=sp, sparse=m.is_moe_block(layer))
     return fwd, bwd + [grad_accumulation_op(job, layer, tp)]
 
 
@@ -208,15 +258,16 @@ def layer_times(job: JobSpec, gpu: str, tp: int, mbs: int) -> np.ndarray:
     """Analytic forward and backward seconds of every layer: array (num_layers, 2). An estimate."""
     spec = catalog.gpu(gpu)
     out = np.zeros((job.model.num_layers, 2))
-    block: tuple[float, float] | None = None
+    blocks: dict[bool, tuple[float, float]] = {}  # dense or MoE block -> its times
     for i in range(job.model.num_layers):
-        if job.model.layer_kind(i) is LayerKind.BLOCK and block is not None:
-            out[i] = block  # every block is the same
+        sparse = job.model.is_moe_block(i)
+        if job.model.layer_kind(i) is LayerKind.BLOCK and sparse in blocks:
+            out[i] = blocks[sparse]  # every block of a kind is the same
             continue
         fwd, bwd = layer_ops(job, i, tp, mbs)
         out[i] = (sum(op_time_s(x, spec, job.precision) for x in fwd), sum(op_time_s(x, spec, job.precision) for x in bwd))
         if job.model.layer_kind(i) is LayerKind.BLOCK:
-            block = (out[i, 0], out[i, 1])
+            blocks[sparse] = (out[i, 0], out[i, 1])
     return out
 
 

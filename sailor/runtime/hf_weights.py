@@ -8,6 +8,10 @@ laid out there:
 - `cols`: one third of GPT-2's fused `c_attn` (Conv1D (h, 3h): q | k | v along the output columns);
 - `heads`: one third of GPT-NeoX's fused `query_key_value` (rows grouped per head as [q | k | v]).
 A tied LM head reads the embedding.
+Mixture-of-experts blocks read the per-expert layout the Hub holds and transformers' `save_pretrained`
+writes (its default `save_original_format`): Mixtral `block_sparse_moe.gate` and
+`block_sparse_moe.experts.<j>.w1|w3|w2`, Qwen2/3-MoE and OLMoE `mlp.gate`, `mlp.experts.<j>.gate_proj|up_proj|down_proj`,
+`mlp.shared_expert.*` and `mlp.shared_expert_gate` (`_moe_source`).
 
 `HFWeights(folder, spec)` opens a model folder (`model.safetensors`, or shards listed in
 `model.safetensors.index.json`), and `check()` verifies every tensor's presence, shape and dtype from
@@ -48,7 +52,13 @@ _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".atte
                     "rotary_emb.inv_freq")
 # Base-model prefix per architecture: checkpoints of the bare model (e.g. the original `gpt2`) omit it.
 _PREFIX = {"llama": "model.", "mistral": "model.", "qwen2": "model.", "gpt_neox": "gpt_neox.",
-           "opt": "model.", "gpt2": "transformer."}
+           "opt": "model.", "gpt2": "transformer.", "mixtral": "model.", "qwen2_moe": "model.", "qwen3_moe": "model.",
+           "olmoe": "model."}
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# Canonical SwiGLU leaf -> its name in an expert of a Hugging Face MoE checkpoint (the per-expert layout
+# transformers writes with save_pretrained's default save_original_format=True, and the Hub holds).
+_EXPERT_LEAVES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
+                  "qwen": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}}
 
 
 @dataclass(frozen=True)
@@ -80,14 +90,17 @@ def _source(arch: str, spec: ModelSpec, name: str) -> Source:
     i = int(index)
     module, leaf = rest.rsplit(".", 1)
     last = spec.num_layers - 1
-    if arch in ("llama", "mistral", "qwen2"):
+    if arch in _LLAMA_LIKE:
         if i == 0:
             return Source("model.embed_tokens.weight", "vocab")
         if i == last:
             return Source("lm_head.weight", "vocab") if module == "lm" else Source("model.norm.weight")
+        if module.startswith(("mlp.router", "mlp.experts.", "mlp.shared")):
+            return Source(f"model.layers.{i - 1}.{_moe_source(arch, module)}.{leaf}")
         block = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm", "attn.q": "self_attn.q_proj",
                  "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj",
-                 "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}[module]
+                 "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj",
+                 "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}[module]
         return Source(f"model.layers.{i - 1}.{block}.{leaf}")
     if arch == "gpt_neox":
         if i == 0:
@@ -122,6 +135,22 @@ def _source(arch: str, spec: ModelSpec, name: str) -> Source:
         return Source(f"{pre}.ln_{module[-1]}.{leaf}")
     conv = {"attn.o": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}[module]
     return Source(f"{pre}.{conv}.{leaf}", "t" if leaf == "weight" else "plain")
+
+
+def _moe_source(arch: str, module: str) -> str:
+    """A block's MoE module in a Hugging Face checkpoint of `arch`: Mixtral's `block_sparse_moe.gate`
+    and `block_sparse_moe.experts.<j>.w1|w3|w2`; Qwen2/3-MoE's `mlp.gate`,
+    `mlp.experts.<j>.gate_proj|up_proj|down_proj`, `mlp.shared_expert.*` and `mlp.shared_expert_gate`."""
+    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    leaves = _EXPERT_LEAVES["mixtral" if arch == "mixtral" else "qwen"]
+    parts = module.split(".")  # mlp.router | mlp.experts.<j>.<leaf> | mlp.shared.<leaf> | mlp.shared_gate
+    if parts[1] == "router":
+        return f"{moe}.gate"
+    if parts[1] == "experts":
+        return f"{moe}.experts.{parts[2]}.{leaves[parts[3]]}"
+    if parts[1] == "shared":
+        return f"{moe}.shared_expert.{leaves[parts[2]]}"
+    return f"{moe}.shared_expert_gate"
 
 
 def hf_shape(src: Source, canonical: tuple[int, ...], spec: ModelSpec) -> tuple[int, ...]:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sailor.model.spec import ModelSpec
+from sailor.runtime.moe import ACTIVATIONS, MoEMLP
 
 INIT_STD = 0.02  # GPT-2 initialisation (Radford et al. 2019); residual projections scaled by 1/sqrt(2N)
 
@@ -39,7 +40,6 @@ def _norm(spec: ModelSpec) -> nn.Module:
     return cls(spec.hidden_size) if spec.norm_eps is None else cls(spec.hidden_size, eps=spec.norm_eps)
 
 
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
 
 
 class Embedding(nn.Module):
@@ -89,7 +89,9 @@ def _rope(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with separate q, k, v, o projections (grouped-query when nkv < nh)."""
+    """Causal self-attention with separate q, k, v, o projections (grouped-query when nkv < nh); with
+    `qk_norm` an RMSNorm over each head of q and k (Qwen3; `q_norm`, `k_norm`: d weights each, shared
+    by the heads) or over all heads at once (OLMoE, `qk_norm_span` "all"; TP 1 only) before RoPE."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -101,14 +103,24 @@ class Attention(nn.Module):
         self.k = nn.Linear(h, spec.kv_heads * hd, bias=spec.has_qkv_bias)
         self.v = nn.Linear(h, spec.kv_heads * hd, bias=spec.has_qkv_bias)
         self.o = nn.Linear(spec.num_heads * hd, h, bias=spec.has_out_bias)
+        self.qk_norm = spec.qk_norm and spec.qk_norm_span  # "head", "all" or False
+        if spec.qk_norm:
+            whole = spec.qk_norm_span == "all"  # OLMoE: one norm over all q heads, one over all k heads
+            self.q_norm = nn.RMSNorm(spec.num_heads * hd if whole else hd, eps=spec.norm_eps)
+            self.k_norm = nn.RMSNorm(spec.kv_heads * hd if whole else hd, eps=spec.norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, h) -> (B, T, h). Sizes are read from the projections' outputs, not from `x`: under
         sequence parallelism `x` holds a slice of the sequence and the projections return all of it."""
         q, k, v = self.q(x), self.k(x), self.v(x)  # (B, T, nh·hd), (B, T, nkv·hd) x 2
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         B, T = q.shape[0], q.shape[1]
-        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         y = self.core(q, k, v)  # (B, nh, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
@@ -134,7 +146,7 @@ class MLP(nn.Module):
         super().__init__()
         h, f, bias = spec.hidden_size, spec.ffn, spec.has_mlp_bias
         self.gated = spec.gated_mlp
-        self.act = _ACTIVATIONS[spec.act]
+        self.act = ACTIVATIONS[spec.act]
         if self.gated:
             self.gate = nn.Linear(h, f, bias=bias)
             self.up = nn.Linear(h, f, bias=bias)
@@ -152,12 +164,14 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)); with a parallel
-    residual (GPT-NeoX) both branches read x: x + attn(norm1(x)) + mlp(norm2(x))."""
+    residual (GPT-NeoX) both branches read x: x + attn(norm1(x)) + mlp(norm2(x)). Layer `layer` of
+    the layer list has the mixture-of-experts MLP (`runtime.moe.MoEMLP`) where
+    `ModelSpec.is_moe_block` says so."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.norm1, self.attn = _norm(spec), Attention(spec)
-        self.norm2, self.mlp = _norm(spec), MLP(spec)
+        self.norm2, self.mlp = _norm(spec), (MoEMLP(spec) if spec.is_moe_block(layer) else MLP(spec))
         self.parallel = spec.parallel_residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,7 +208,7 @@ class GPT(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        layers: list[nn.Module] = [Embedding(spec)] + [Block(spec) for _ in range(spec.num_blocks)] + [Head(spec)]
+        layers: list[nn.Module] = [Embedding(spec)] + [Block(spec, i) for i in range(1, spec.num_blocks + 1)] + [Head(spec)]
         self.layers = nn.ModuleDict({str(i): m for i, m in enumerate(layers)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,10 +236,10 @@ def init_param(name: str, shape: tuple[int, ...], *, seed: int, num_blocks: int)
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "bias":
         return torch.zeros(shape)
-    if ".norm" in name:
+    if "norm" in name.rsplit(".", 2)[-2]:  # norm1, norm2, the head's norm, attn.q_norm, attn.k_norm
         return torch.ones(shape)
     std = INIT_STD
-    if name.endswith(("attn.o.weight", "mlp.fc2.weight", "mlp.down.weight")):
+    if name.endswith(("attn.o.weight", "mlp.fc2.weight", ".down.weight")):  # dense, expert and shared down
         std = INIT_STD / math.sqrt(2 * num_blocks)
     g = torch.Generator().manual_seed(_seed_for(seed, name))
     return torch.randn(shape, generator=g) * std

@@ -3,7 +3,8 @@
 What is measured, for every TP degree t (with t processes, gloo on CPU / NCCL on CUDA) and every
 micro-batch size b:
 - forward and backward seconds of the runtime's embedding (layer 0), one block (layers 1..N all share
-  its geometry, so one block is timed and its figures stand for every block) and the head (final
+  its geometry, so one block is timed and its figures stand for every block; a mixture of experts
+  mixing dense and MoE blocks times one of each, `layer_kinds`) and the head (final
   norm, LM head and the loss, which the runtime's last stage computes inside its forward);
 - on CPU also the whole model as a run trains it: the runtime's own `run_pipeline` over
   RUNTIME_MICROBATCHES micro-batches of a one-stage replica (`_time_pipeline`), its phase timers
@@ -301,6 +302,23 @@ def profile_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     dist.barrier()  # every rank is past its last collective before any exits
 
 
+def layer_kinds(spec) -> list[str]:
+    """The profiled kind whose figures stand for each layer of `spec`: "embedding", "block" (the
+    blocks with the same MLP as block 1), "other block" (in a model mixing dense and MoE blocks,
+    those with the other MLP), "head"."""
+    first = spec.is_moe_block(1)
+    blocks = ["block" if spec.is_moe_block(i) == first else "other block" for i in range(1, spec.num_layers - 1)]
+    return ["embedding", *blocks, "head"]
+
+
+def profiled_layers(spec) -> dict[str, int]:
+    """Kind -> the one layer profiled for it (`layer_kinds`): its first layer."""
+    out: dict[str, int] = {}
+    for i, kind in enumerate(layer_kinds(spec)):
+        out.setdefault(kind, i)
+    return out
+
+
 def _build_layer(job: JobSpec, index: int, tp_rank: int, tp: int, group, device, end: int | None = None):
     """Layer `index` (layers [index, end) when `end` is given) of the runtime's GPT, TP-sharded and
     initialised as a training run does."""
@@ -350,7 +368,7 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
     autocast = _nullcontext  # no autocast: the runtime casts its weights instead
     watch = Stopwatch(device)  # CUDA events on a GPU (`runtime.timing`)
     # kind -> (first layer, end): one layer of each kind.
-    kinds = {"embedding": (0, 1), "block": (1, 2), "head": (spec.num_layers - 1, spec.num_layers)}
+    kinds = {k: (i, i + 1) for k, i in profiled_layers(spec).items()}
     gen = torch.Generator(device="cpu").manual_seed(1234)
     out: dict[str, Any] = {"times": {}, "split": {}, "runtime_overhead_s": {}, "activation_bytes_per_sample": {},
                            "peak_bytes": 0}
@@ -650,7 +668,8 @@ def whole_pass(opts: ProfileOptions) -> bool:
 def profile_steps(opts: ProfileOptions) -> int:
     """Progress ticks `profile_job` reports: one per (TP degree, layer kind or the whole-model run,
     micro-batch size)."""
-    return len(opts.tps) * (4 if whole_pass(opts) else 3) * len(opts.mbs)
+    kinds = len(profiled_layers(opts.job.model))
+    return len(opts.tps) * (kinds + 1 if whole_pass(opts) else kinds) * len(opts.mbs)
 
 
 def pass_scale(layer_s: list[float], whole_s: float) -> float:
@@ -678,7 +697,7 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
     check_options(opts)
     gpu = device_gpu_type(opts.device)
     spec = opts.job.model
-    n_blocks = spec.num_blocks
+    order = layer_kinds(spec)  # the profiled kind standing for each layer
     rows, memory = [], []
     opt_s_per_param = None
     raw = {"job": opts.job.to_dict() | {"model": spec.model_dump(mode="json")},
@@ -692,15 +711,14 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                       timeout_s=opts.timeout_s * 4, on_message=(lambda m: progress(m["tick"])) if progress else None)
             res = json.loads(path.read_text())
             for mbs in sorted(set(opts.mbs)):
-                stats = {k: _stats(res["times"][f"{k}/{mbs}"]) for k in ("embedding", "block", "head")}
-                order = ["embedding"] + ["block"] * n_blocks + ["head"]
+                stats = {k: _stats(res["times"][f"{k}/{mbs}"]) for k in set(order)}
                 fwd, bwd = [stats[k][0] for k in order], [stats[k][1] for k in order]
                 sf = sb = 1.0
                 if whole_pass(opts):
                     whole = _stats(res["times"][f"model/{mbs}"])
                     sf, sb = pass_scale(fwd, whole[0]), pass_scale(bwd, whole[1])
                     scales[f"{tp}/{mbs}"] = [sf, sb]
-                split = {k: _stats(res["split"][f"{k}/{mbs}"]) for k in ("embedding", "block", "head")}
+                split = {k: _stats(res["split"][f"{k}/{mbs}"]) for k in set(order)}
                 rows.append({"gpu": gpu, "tp": tp, "mbs": mbs,
                              "forward_s": [x * sf for x in fwd], "backward_s": [x * sb for x in bwd],
                              "forward_spread_s": [stats[k][2] * sf for k in order],
@@ -714,7 +732,7 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                 overhead_rows.append({"gpu": gpu, "tp": tp, "seconds": statistics.median(by_mbs.values())})
             act = res["activation_bytes_per_sample"]
             memory.append({"gpu": gpu, "tp": tp, "peak_bytes": res["peak_bytes"],
-                           "activation_bytes_per_sample": [act["embedding"]] + [act["block"]] * n_blocks + [act["head"]]})
+                           "activation_bytes_per_sample": [act[k] for k in order]})
             if opt_s_per_param is None:
                 opt_s_per_param = res["optimizer_s_per_param"]
     return {"schema": "sailor.profiles/1", "model": spec.name, "sequence_length": opts.job.seq,

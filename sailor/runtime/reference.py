@@ -15,6 +15,7 @@ import torch
 
 from sailor.runtime.data import batch_tokens, eval_tokens
 from sailor.runtime.model import GPT, init_full_model, lm_loss_sum
+from sailor.runtime.moe import load_balancing_loss, record_router_logits
 from sailor.runtime.optim import OptimConfig, build_optimizer, optim_config
 from sailor.runtime.tokens import TokenFile
 from sailor.specs.job import JobSpec
@@ -46,7 +47,7 @@ def train_reference(job: JobSpec, *, steps: int, seed: int, corpus: np.ndarray |
             group["lr"] = lr
         tokens = torch.from_numpy(batch_tokens(corpus, seed=seed, step=step, first=0,
                                                count=job.global_batch_size, seq=job.seq))
-        loss = lm_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss = training_loss(model, tokens)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt.step()
@@ -59,6 +60,20 @@ def train_reference(job: JobSpec, *, steps: int, seed: int, corpus: np.ndarray |
         if log is not None:
             log.append(record)
     return losses, model
+
+
+def training_loss(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    """The loss one step minimises on a (B, T + 1) token batch: the mean next-token cross-entropy
+    (nats), plus, for a mixture of experts with `moe.aux_loss_coef` > 0, that weight times the
+    load-balancing loss of the whole batch's forward pass (`moe.load_balancing_loss`, as transformers
+    adds it with output_router_logits). () fp32."""
+    moe = model.spec.moe
+    with record_router_logits(model) as router_logits:
+        logits = model(tokens[:, :-1])
+    loss = lm_loss_sum(logits, tokens[:, 1:]) / tokens[:, 1:].numel()
+    if moe is not None and moe.aux_loss_coef > 0:
+        loss = loss + moe.aux_loss_coef * load_balancing_loss(router_logits, moe.num_experts, moe.top_k)
+    return loss
 
 
 @torch.no_grad()

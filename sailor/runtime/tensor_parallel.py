@@ -8,6 +8,10 @@
   (`ParallelLMHead`), and its loss (`head_loss`) the vocab-parallel cross-entropy
   (`vocab_parallel_loss_sum`, Megatron-LM's `vocab_parallel_cross_entropy`): each rank keeps the
   logits of its vocabulary shard only; no rank ever holds all V logits, or an fp32 copy of them.
+- an MoE MLP             -> its experts' and shared experts' SwiGLUs split like the dense MLP, with
+  one copy-in of the input and one all-reduce of all expert outputs (`moe.MoEMLP.shard`); its
+  router and shared gate replicated. Per-head q and k norms (`qk_norm`) are replicated, their
+  gradients partial sums over each rank's heads (`grad_weight`).
 Norms and the position table stay replicated. `shard_dim` is the table of which parameter is split
 along which dimension; checkpoints and gradient sync use the same table.
 
@@ -40,16 +44,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from sailor.runtime.model import Block, Embedding, Head, lm_loss_sum
+from sailor.runtime.moe import MoEMLP
 
 _COLUMN = ("attn.q", "attn.k", "attn.v", "mlp.fc1", "mlp.gate", "mlp.up")
 _ROW = ("attn.o", "mlp.fc2", "mlp.down")
 _BLOCK_PARTS = ("norm1", "attn", "norm2", "mlp")  # submodules of a `Block`
+_EXPERT_PREFIXES = ("mlp.experts.", "mlp.shared.")  # SwiGLUs of a `moe.MoEMLP`
+_PARTIAL = ("attn.q_norm", "attn.k_norm")  # replicated, but each TP rank applies them to its own heads
 
 
 def shard_dim(name: str) -> int | None:
-    """Dimension along which canonical parameter `name` is split over TP ranks (None: replicated)."""
+    """Dimension along which canonical parameter `name` is split over TP ranks (None: replicated).
+    The SwiGLUs of an MoE MLP (`mlp.experts.<j>.*`, `mlp.shared.*`) split like a dense MLP; its
+    router and shared gate are replicated."""
     module, leaf = name.rsplit(".", 1)
     local = module.split(".", 2)[-1]  # strip "layers.<i>."
+    if local.startswith(_EXPERT_PREFIXES):
+        local = "mlp." + local.rsplit(".", 1)[-1]  # mlp.experts.3.gate -> mlp.gate
     if local in _COLUMN:
         return 0
     if local in _ROW:
@@ -62,9 +73,12 @@ def shard_dim(name: str) -> int | None:
 def grad_weight(name: str, tp: int, sequence_parallel: bool) -> float:
     """Weight of this rank's gradient of `name` in the sample-weighted gradient SUM over the ranks
     holding it (`runtime.buckets`): 1 for a TP shard; for a replicated parameter 1/tp when every TP
-    rank holds the same whole gradient, 1 when each holds a partial sum over its sequence slice
-    (replicated parameters inside the blocks of a sequence-parallel stage)."""
+    rank holds the same whole gradient, 1 when each holds a partial sum: over its sequence slice
+    (replicated parameters inside the blocks of a sequence-parallel stage), or over its own heads
+    (the per-head q and k norms of `qk_norm`)."""
     if shard_dim(name) is not None:
+        return 1.0
+    if name.rsplit(".", 1)[0].split(".", 2)[-1] in _PARTIAL:
         return 1.0
     in_block = name.split(".", 2)[-1].split(".", 1)[0] in _BLOCK_PARTS
     return 1.0 if sequence_parallel and in_block else 1.0 / tp
@@ -412,6 +426,9 @@ def apply_tp(stage: nn.Module, *, tp_rank: int, tp: int, group, sequence_paralle
             new = VocabParallelEmbedding(module, tp_rank, tp, group)
         elif isinstance(module, Head):
             new = VocabParallelHead(module, tp_rank, tp, group)
+        elif isinstance(module, MoEMLP):
+            assert not sp, "sequence parallelism with MoE blocks is refused by runtime.validate"
+            module.shard(tp, lambda x: copy_to_tp(x, group), lambda x: reduce_from_tp(x, group))
         if new is not None:
             setattr(parent, child, new)
     if sp:

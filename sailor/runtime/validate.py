@@ -19,12 +19,47 @@ def check_runtime_geometry(plan: Plan, job: JobSpec, *, source: str | None = Non
     vocab = model.padded_vocab(1)
     for j, p in enumerate(plan.pipelines):
         for i, r in enumerate(p.replicas):
-            for what, size in (("attention heads", model.num_heads), ("KV heads", model.kv_heads),
-                               ("MLP width", model.ffn), ("padded vocabulary", vocab)):
+            for what, size in ((("attention heads", model.num_heads), ("KV heads", model.kv_heads),
+                                ("MLP width", model.ffn), ("padded vocabulary", vocab)) + _expert_widths(model)):
                 if size % r.tp:
                     raise SailorInputError(f"TP {r.tp} does not divide the {size} {what} of {model.name}",
                                            source=source, field=f"pipelines.{j}.replicas.{i}.tp",
                                            fix="use a TP degree that divides it")
+
+
+def _expert_widths(model) -> tuple[tuple[str, int], ...]:
+    """The widths TP splits in an MoE model's experts (`runtime.moe`): each expert's and the shared
+    experts' SwiGLU."""
+    if model.moe is None:
+        return ()
+    shared = ((("shared experts' width", model.moe.shared_width),) if model.moe.shared_experts else ())
+    return (("expert width", model.moe.expert_ffn_size),) + shared
+
+
+def check_moe(plan: Plan, job: JobSpec, *, source: str | None = None, job_source: str | None = None) -> None:
+    """Raise SailorInputError for a mixture-of-experts job the distributed runtime cannot train yet:
+    a capacity factor (the runtime routes dropless, as transformers does), a load-balancing loss
+    (`moe.aux_loss_coef` > 0: transformers computes it over all layers of one forward pass, which
+    the single-process reference does; a plan splits that pass into stages and micro-batches), and
+    sequence parallelism on a stage holding an MoE block."""
+    moe = job.model.moe
+    if moe is None:
+        return
+    where = job_source or source
+    if moe.capacity_factor is not None:
+        raise SailorInputError(f"capacity factor {moe.capacity_factor}: the runtime routes every token to its top_k"
+                               " experts (dropless)", source=where, field="model.moe.capacity_factor",
+                               fix="remove it (null: dropless)")
+    if moe.aux_loss_coef > 0:
+        raise SailorInputError(f"load-balancing loss weight {moe.aux_loss_coef}: a distributed plan cannot apply"
+                               " it yet (the single-process reference can)", source=where,
+                               field="model.moe.aux_loss_coef", fix="set it to 0 (output_router_logits: false)")
+    for i in range(plan.num_stages):
+        sparse = any(job.model.is_moe_block(layer) for a, b in plan.stage_chunks(i) for layer in range(a, b))
+        if sparse and stage_memory(plan, i).sequence_parallel:
+            raise SailorInputError(f"stage {i} {plan.stage_layers_text(i)} holds mixture-of-experts blocks, which"
+                                   " the runtime does not run sequence-parallel", source=source,
+                                   field=f"memory.{i}.sequence_parallel", fix="set it to false")
 
 
 def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None,
@@ -64,7 +99,7 @@ def check_plan_for_job(plan: Plan, job: JobSpec | None, cluster: ClusterSpec | N
     a job is known, the plan fits it and its cluster (`Plan.check_against`: layers covered, batch
     arithmetic, TP dividing the heads and within a node, GPU counts), the runtime can shard it
     (`check_runtime_geometry`) and execute its memory options and precision (`check_runtime_options`;
-    `job_source` is the job file when the job is not the plan's own), and, for a worker, torchrun
+    `job_source` is the job file when the job is not the plan's own) and its experts (`check_moe`), and, for a worker, torchrun
     started as many ranks as the plan has.
 
     Returns:
@@ -81,6 +116,7 @@ def check_plan_for_job(plan: Plan, job: JobSpec | None, cluster: ClusterSpec | N
         raise e.located(source=source) from None
     check_runtime_geometry(plan, job, source=source)
     check_runtime_options(plan, job, source=source, job_source=job_source)
+    check_moe(plan, job, source=source, job_source=job_source)
     if world_size is not None and world_size != plan.world_size:
         raise SailorInputError(f"torchrun started {world_size} ranks but the plan has {plan.world_size}",
                                source=source, fix="start one process per GPU of the plan (sailor launch does)")

@@ -208,13 +208,14 @@ def model_from_folder(folder: Path) -> str:
 def model_from_runs(folder: Path, layer_counts: list[int]) -> str:
     """The built-in model whose layer list (embedding, blocks, head) has as many layers as most of
     the folder's runs cover (e.g. 34 -> gpt-neo-2.7b or llama-3-8b), several told apart by the
-    letters of their name in the folder name (`gh200-gptneo` -> gpt-neo-2.7b). Raises
+    letters of their name in the folder name (`gh200-gptneo` -> gpt-neo-2.7b); the public runs are of
+    dense models, so mixtures of experts are not candidates. Raises
     SailorInputError when no count or not exactly one model fits."""
     if not layer_counts:
         raise SailorInputError(f"cannot tell the model from the folder name {folder.name!r} nor from its runs",
                                source=str(folder), fix="pass --model, e.g. --model opt-350m")
     n = max(set(layer_counts), key=layer_counts.count)
-    models = sorted(m for m, spec in BUILTIN_MODELS.items() if spec.num_layers == n)
+    models = sorted(m for m, spec in BUILTIN_MODELS.items() if spec.num_layers == n and spec.moe is None)
     if len(models) > 1:
         named = [m for m in models if re.match(r"[a-z-]*", m).group().replace("-", "") in _norm(folder.name)]
         models = named if len(named) == 1 else models

@@ -164,9 +164,9 @@ def _tp_comm_cumsum(ctx: SimContext, slot: Slot, mbs: int, recompute: Recompute,
     if key not in ctx.memo:
         job, m = ctx.job, ctx.job.model
         rows = np.zeros((m.num_layers + 1, 2))
-        per_kind: dict = {}  # every block has the same collectives
+        per_kind: dict = {}  # every block of a kind (dense or MoE) has the same collectives
         for i in range(m.num_layers):
-            kind = m.layer_kind(i)
+            kind = (m.layer_kind(i), m.is_moe_block(i))
             if kind not in per_kind:
                 fwd, bwd = m.tp_collectives(i, tp=slot.tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes,
                                             framework=job.framework, recompute=recompute, sequence_parallel=sp)
