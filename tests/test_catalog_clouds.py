@@ -4,9 +4,17 @@ each group on its own provider."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import yaml
+from test_planner_geo import (
+    ACT_BYTES,
+    ALPHA_CROSS,
+    BETA_CROSS,
+    C_CROSS,
+    C_ZONE,
+    pipeline_time,
+)
+from test_planner_geo import _ctx as geo_ctx
 
 from sailor import catalog
 from sailor.catalog import Link, LinkClass
@@ -15,14 +23,11 @@ from sailor.launch import Backend, launch_files, launch_specs
 from sailor.launch.common import LaunchOptions
 from sailor.launch.skypilot import SkyPilotOptions
 from sailor.perf.network import NetworkModel
-from sailor.perf.profiles import Profiles
 from sailor.plan import plan_from_dict
 from sailor.planner import PlanOptions, plan_job
 from sailor.runtime.command import WorkerSettings
-from sailor.simulator import make_context
 from sailor.specs import load_cluster
 from sailor.specs.cluster import ClusterSpec
-from sailor.specs.job import JobSpec
 
 # The zones of the first catalog (gcp.yaml before it held every GPU region): all still there.
 OLD_GCP_ZONES = {"us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f", "us-west1-a", "us-west1-b",
@@ -118,34 +123,15 @@ def test_default_links_across_providers_take_the_cross_provider_link():
 
 
 # ---- a plan across two providers, hand-computed (the setting of test_planner_geo.py) ----------------
-MODEL = {"name": "geo4", "num_blocks": 2, "hidden_size": 6144, "num_heads": 48, "vocab_size": 32000,
-         "max_sequence_length": 512, "tied_embeddings": False}
-F, B = 1.1, 2.2  # per stage and micro-batch (s): emb/head 0.1 + 0.2, block 1.0 + 2.0
 ZG, ZA = "us-east4-a", "us-east-1a"  # GCP and AWS, both in Virginia: same_continent across providers
-ACT_BYTES = 12_582_912  # 1 x 512 x 6144 x 4: the activation crossing the boundary (fp32, micro-batch 1)
-NET = {"same_zone": {"latency_s": 0.0, "bandwidth_bytes_per_s": ACT_BYTES / 0.01},
-       "same_continent": {"latency_s": 2.0, "bandwidth_bytes_per_s": ACT_BYTES / 0.1}}  # the class, across clouds too
-C_ZONE, C_CROSS = 0.01, 2.1
-ALPHA_CROSS, BETA_CROSS = 2.0, ACT_BYTES / 0.1
 GCP_OUT, AWS_OUT = 0.12, 0.09  # $/GB each provider charges for bytes leaving it
 V100_GCP, V100_AWS = 2.859998, 24.48 / 8  # GCP's list price, AWS us-east-1 p3.16xlarge / 8
 
 
 def _ctx(global_batch: int, per_zone: int):
-    """One V100-16 holds half the 4-layer model, not all of it; one GPU per node; layer times by
-    hand (test_planner_geo.py); DeepSpeed's whole sync after the pipeline (one ring per stage)."""
-    job = JobSpec(model=MODEL, global_batch_size=global_batch, sequence_length=512, framework="deepspeed")
-    cluster = ClusterSpec(provider=["gcp", "aws"], zones={ZG: {"V100-16": per_zone}, ZA: {"V100-16": per_zone}},
-                          gpus_per_node={"V100-16": 1}, network=NET)
-    layers = np.array([[0.1, 0.2], [1.0, 2.0], [1.0, 2.0], [0.1, 0.2]])
-    prof = Profiles(model="geo4", sequence_length=512, precision="fp32", times={("V100-16", 1): {1: layers}},
-                    optimizer_s_per_param={"V100-16": 0.0}, activation_bytes={1: np.full(4, 1e6)})
-    return make_context(job, cluster, prof, calibration={})
-
-
-def pipeline_time(m: int, c: float) -> float:
-    """1F1B over two uniform stages and a boundary of c seconds (test_planner_geo.py)."""
-    return 2 * (F + B) + 2 * c + (m - 1) * (F + B + 2 * c)
+    """test_planner_geo.py's model, layer times and links (its same_continent class holds across
+    clouds too), with one zone in GCP and one in AWS."""
+    return geo_ctx(global_batch, {ZG: {"V100-16": per_zone}, ZA: {"V100-16": per_zone}}, provider=["gcp", "aws"])
 
 
 def test_a_pipeline_across_two_providers_pays_each_senders_internet_egress():

@@ -37,11 +37,11 @@ ALPHA_CROSS, BETA_CROSS = 2.0, ACT_BYTES / 0.1
 ALPHA_ZONE, BETA_ZONE = 0.0, ACT_BYTES / 0.01
 
 
-def _ctx(global_batch: int, zones: dict, net: dict = NET):
+def _ctx(global_batch: int, zones: dict, net: dict = NET, provider: str | list[str] = "gcp"):
     # DeepSpeed's whole sync after the pipeline (`sync.stage_sync`), so the hand figures below are
     # one ring all-reduce per stage; Sailor's overlapped buckets are checked in test_simulator*.py
     job = JobSpec(model=MODEL, global_batch_size=global_batch, sequence_length=512, framework="deepspeed")
-    cluster = ClusterSpec(zones=zones, gpus_per_node={"V100-16": 1}, network=net)
+    cluster = ClusterSpec(provider=provider, zones=zones, gpus_per_node={"V100-16": 1}, network=net)
     layers = np.array([[0.1, 0.2], [1.0, 2.0], [1.0, 2.0], [0.1, 0.2]])
     prof = Profiles(model="geo4", sequence_length=512, precision="fp32", times={("V100-16", 1): {1: layers}},
                     optimizer_s_per_param={"V100-16": 0.0}, activation_bytes={1: np.full(4, 1e6)})
