@@ -675,3 +675,5 @@ def test_profile_network_between_hosts_needs_the_cluster_and_two_machines(tmp_pa
     line = _refused(["profile", "network", "--hosts", "hosts.yaml", "--cluster", "c.yaml", "--out", "c.yaml"], tmp_path,
                     monkeypatch, capsys)
     assert line == "error: --out: c.yaml is the --cluster input", line
+    line = _refused(["profile", "network", "--port", "29600"], tmp_path, monkeypatch, capsys)
+    assert line == "error: --port: only with --hosts (the links between machines)", line

@@ -95,10 +95,10 @@ def profile_network_command(
     hosts: Optional[Path] = typer.Option(None, "--hosts", help="HOSTS.yaml: measure the links between these machines"
                                                                " over ssh instead (one pair per link, 1 KiB..4 MiB)."),
     cluster: Optional[Path] = typer.Option(None, "--cluster", help="With --hosts: the cluster spec the hosts belong to."),
-    python: str = typer.Option("python3", "--python", help="With --hosts: Python interpreter on the hosts, with"
-                                                           " Sailor installed."),
-    port: int = typer.Option(29500, "--port", help="With --hosts: TCP port of the rendezvous on each pair's first"
-                                                   " machine."),
+    python: Optional[str] = typer.Option(None, "--python", help="With --hosts: Python interpreter on the hosts,"
+                                                                " with Sailor installed (default python3)."),
+    port: Optional[int] = typer.Option(None, "--port", help="With --hosts: TCP port of the rendezvous on each pair's"
+                                                            " first machine (default 29500)."),
     out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.network/1)."),
 ) -> None:
     """p2p and all-reduce over 1 KiB..64 MiB between local processes (or, with --hosts, p2p between
@@ -109,9 +109,12 @@ def profile_network_command(
 
     catalog.check_device(device)
     check_output_path(out, "--out", inputs={"--hosts": hosts, "--cluster": cluster})
+    given = [o for o, v in (("--cluster", cluster), ("--python", python), ("--port", port)) if v is not None]
+    if hosts is None and given:
+        raise SailorInputError("only with --hosts (the links between machines)", field=given[0])
     if hosts is not None:
-        data = _profile_hosts(hosts, cluster, python, port, device, 1 if warmup is None else warmup,
-                              3 if repeats is None else repeats)
+        data = _profile_hosts(hosts, cluster, python or "python3", 29500 if port is None else port, device,
+                              1 if warmup is None else warmup, 3 if repeats is None else repeats)
         write_json(out, data)
         for link in data["links"]:
             print(f"{link['src_gpu']} in {link['src_zone']} -> {link['dst_gpu']} in {link['dst_zone']}"

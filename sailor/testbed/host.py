@@ -277,8 +277,8 @@ def check_cores(spec: TestbedSpec, source: str | None = None) -> None:
     """
     cores = os.cpu_count() or 1
     if spec.total_cpu_cores() > cores:
-        raise SailorInputError(f"the quotas of ranks and communication add up to {spec.total_cpu_cores():g} cores, more than the"
-                               f" {cores} of this machine", source=source, field="devices",
+        raise SailorInputError(f"the quotas of ranks and communication add up to {spec.total_cpu_cores():g} cores,"
+                               f" more than the {cores} of this machine", source=source, field="devices",
                                fix="smaller cpu_quota or comm_cpu_quota, or fewer ranks")
 
 
