@@ -145,3 +145,31 @@ def test_more_gpus_never_make_the_best_plan_worse(pair, objective):
     exact_large, best_large = _best(large, objective)
     assert exact_small and exact_large  # both searched the whole space (<= 32 GPUs, few kinds)
     assert best_large[0] <= best_small[0] * (1 + 1e-9)
+
+
+def test_a_count_vector_scores_the_same_on_a_larger_cluster():
+    # the scorer reads a candidate's own pools only: the same pipelines, placed as the launcher
+    # places them, take the same time and cost whatever else the cluster offers (so a larger
+    # cluster's search ranks the smaller one's candidates as the smaller one's does)
+    from sailor.planner.kinds import make_kinds
+    from sailor.planner.score import Scorer
+    from sailor.planner.space import stage_options
+
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    part, mbs, M = ((0, 13), (13, 26)), 2, 32
+    memory = (DEFAULT_STAGE_MEMORY,) * 2
+    small = ClusterSpec(zones={ZA: {"A100-40": 8, "V100-16": 8}}, gpus_per_node={"A100-40": 4, "V100-16": 4},
+                        network=FAST_NODE)
+    large = ClusterSpec(zones={ZA: {"A100-40": 16, "V100-16": 8, "T4": 8}, ZB: {"A100-40": 8}, ZW: {"V100-16": 8}},
+                        gpus_per_node={"A100-40": 4, "V100-16": 4, "T4": 4}, network=FAST_NODE)
+    got = []
+    for cluster in (small, large):
+        ctx = make_context(job, cluster, calibration={})
+        a = [o for o in stage_options(ctx, "A100-40", part, mbs, M)[0] if o.tp in (1, 2)]
+        v = [o for o in stage_options(ctx, "V100-16", part, mbs, M)[1] if o.tp == 1]
+        specs = [((ZA, ZA), (a[0], a[0])), ((ZA, ZA), (a[-1], a[-1])), ((ZA, ZA), (a[0], v[0]))]
+        kinds = make_kinds(ctx, specs, part, mbs, memory)
+        scorer = Scorer(ctx, part, mbs, kinds, M)
+        got.append([x for n in ((2, 0, 0), (1, 1, 0), (0, 1, 2), (1, 0, 1))
+                    for x in (scorer.score(n).iteration_time_s, scorer.score(n).cost_per_iteration_usd)])
+    assert got[0] == pytest.approx(got[1], rel=1e-12)
