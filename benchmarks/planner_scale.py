@@ -22,6 +22,11 @@ each for OPT-350M (global batch 1024) and GPT-Neo-2.7B (2048), fp32, and
   3clouds-geo  geo's OPT-66B on 24 A100-40 in each of three providers (GCP us-central1-a, AWS
            us-east-1a, Azure eastus): no provider holds it, so the plan spans them and pays each
            sender's internet egress.
+Superset/subset pairs (issue #28: adding GPUs must never make the plan worse), GPT-Neo-2.7B, global
+batch 2048, every zone offering A100-40 32, V100-16 32, H100-80 16, L4 32, T4 32 and A100-80 16:
+  us12 (the 12 US zones of the GCP catalog) against all18 (its 18 zones), and central4 (the 4
+  us-central1 zones) against central4+eu (those and the 3 europe-west4 zones); each pair's ratio of
+  iterations/s, superset over subset, must be >= 0.99 (PAIR_MIN_RATIO).
 Profiles: the public Sailor measurements where they exist (../shared/reference/sailor/profiles and
 network), analytic roofline estimates for the other GPU types, listed per row as "estimated".
 Every scenario runs in its own process (peak memory per run, target <= 1 GB) with the search of
@@ -51,11 +56,19 @@ NODE4 = {"A100-40": 4, "V100-16": 4, "A100-80": 4, "GH200-96": 4}
 EIGHT = ["V100-16", "A100-40", "A100-80", "H100-80", "H200-141", "GH200-96", "L4", "T4"]
 OPT66 = {"name": "opt-66b", "num_blocks": 64, "hidden_size": 9216, "num_heads": 72, "vocab_size": 50272,
          "max_sequence_length": 2048}  # Zhang et al. 2022 (OPT), Table 1: 64 layers, 72 heads, d 9216
+US12 = ["us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f", "us-west1-a", "us-west1-b",
+        "us-east1-b", "us-east1-c", "us-east1-d", "us-east4-a", "us-east4-b", "us-east4-c"]
+EU3 = ["europe-west4-a", "europe-west4-b", "europe-west4-c"]
+ASIA3 = ["asia-east1-a", "asia-east1-b", "asia-east1-c"]  # with US12 and EU3: the GCP catalog's 18 zones
+ZONE_OFFER = {"A100-40": 32, "V100-16": 32, "H100-80": 16, "L4": 32, "T4": 32, "A100-80": 16}
+PAIR_ZONES = {"us12": US12, "all18": US12 + EU3 + ASIA3, "central4": US12[:4], "central4+eu": US12[:4] + EU3}
+PAIRS = [("all18", "us12"), ("central4+eu", "central4")]  # (superset, subset)
+PAIR_MIN_RATIO = 0.99
 BATCH = {"opt-350m": 1024, "gpt-neo-2.7b": 2048, "opt-30b": 256, "opt-66b": 256}
 TARGET_S = {"4x1024": 10.0, "8x128": 10.0, "10zones": 10.0, "paper-f": 2.0, "batch1e9": 10.0, "batchmax": 10.0,
             "geo": None,
             "geo-1region": None, "geo-fast": None, "allzones": None, "3clouds": None,
-            "3clouds-geo": None}
+            "3clouds-geo": None, **{sid: None for sid in PAIR_ZONES}}
 SIX = ["A100-40", "A100-80", "H100-80", "V100-16", "L4", "T4"]
 # provider, zone, {GPU type: count}: every type is one its provider lists in that zone's region
 CLOUDS3 = [("gcp", "us-central1-a", {"A100-40": 64, "A100-80": 32, "H100-80": 32, "V100-16": 64}),
@@ -65,7 +78,8 @@ CLOUDS3 = [("gcp", "us-central1-a", {"A100-40": 64, "A100-80": 32, "H100-80": 32
            ("aws", "us-west-2a", {"A100-80": 32, "V100-32": 32}),
            ("azure", "eastus", {"A100-40": 32, "H100-80": 32, "V100-16": 32}),
            ("azure", "westus2", {"A100-40": 32, "V100-32": 32})]
-GEO_MODEL = {"geo": "opt-66b", "geo-1region": "opt-66b", "geo-fast": "opt-30b", "3clouds-geo": "opt-66b"}
+GEO_MODEL = {"geo": "opt-66b", "geo-1region": "opt-66b", "geo-fast": "opt-30b", "3clouds-geo": "opt-66b",
+             **{sid: "gpt-neo-2.7b" for sid in PAIR_ZONES}}  # scenarios of one model
 PEAK_TARGET_MB = 1000.0
 
 
@@ -91,6 +105,8 @@ def scenario(sid: str, model: str) -> tuple[dict, dict]:
     elif sid in ("geo", "geo-fast"):
         cluster = {"zones": {"us-central1-a": {"A100-40": 24}, "us-west1-b": {"A100-40": 24},
                              "us-east1-b": {"A100-40": 24}}}
+    elif sid in PAIR_ZONES:
+        cluster = {"zones": {z: dict(ZONE_OFFER) for z in PAIR_ZONES[sid]}}
     elif sid == "geo-1region":
         cluster = {"zones": {"us-central1-a": {"A100-40": 24}}}
     elif sid == "allzones":
@@ -182,6 +198,13 @@ def spawn(sid: str, model: str, shared: str, report: str | None, kill_after_s: f
     return json.loads(lines[-1])
 
 
+def pair_ratios(rows: list[dict]) -> dict[str, float]:
+    """"superset / subset" -> the superset's iterations/s over the subset's, for every pair of `PAIRS`
+    whose two rows both found a plan."""
+    thr = {r["scenario"]: r["iters_per_s"] for r in rows if "iters_per_s" in r}
+    return {f"{big} / {small}": thr[big] / thr[small] for big, small in PAIRS if big in thr and small in thr}
+
+
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -235,8 +258,12 @@ def main() -> int:
     con.print(table)
     met = {f"{r['scenario']}/{r['model']}": (TARGET_S[r["scenario"]] is None or r.get("search_time_s", 1e9) <= TARGET_S[r["scenario"]])
            and r.get("peak_rss_mb", 1e9) <= PEAK_TARGET_MB for r in rows}
+    ratios = pair_ratios(rows)
+    for name, ratio in ratios.items():
+        con.print(f"{name}: iterations/s ratio {ratio:.4f} (must be >= {PAIR_MIN_RATIO})")
     con.print(f"load average after: {load()}; targets met: {sum(met.values())}/{len(met)}")
-    print(json.dumps({"rows": rows, "targets_met": met, "load_before": load_before, "load_after": load()}))
+    print(json.dumps({"rows": rows, "targets_met": met, "pair_ratios": ratios, "load_before": load_before,
+                      "load_after": load()}))
     return 0
 
 

@@ -8,7 +8,7 @@ import pytest
 from sailor.core.errors import SailorInputError, SailorWarning
 from sailor.model.spec import Recompute
 from sailor.plan import load_plan, plan_from_dict
-from sailor.plan.placement import pack_replicas, rank_layout
+from sailor.plan.placement import node_blocks, pack_replicas, rank_layout
 from sailor.plan.spec import Plan, StageMemory
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
@@ -99,14 +99,14 @@ def test_truncated_plan_file(tmp_path):
         load_plan(p)
 
 
-def test_rank_layout_packs_tp_groups_on_nodes():
+def test_rank_layout_places_each_pipeline_as_a_block_on_a_node():
     plan = Plan.model_validate(_plan(tps=(4, 2), gpus=("A100-40", "A100-40"), zones=("z", "z")))
     ranks = rank_layout(plan, {"A100-40": 8})
     assert len(ranks) == 12 and [r.rank for r in ranks] == list(range(12))
-    # pipeline 0: stage 0 takes local 0-3, stage 1 local 4-5; pipeline 1: stage 0 local... node 0 has 2 left
+    # each pipeline's two stages (4 + 2 GPUs) are one block: pipeline 0 takes node 0's locals 0-5;
+    # pipeline 1's block of 6 does not fit the 2 left there and opens node 1 (its stages stay together)
     assert [(r.node, r.local_rank) for r in ranks[:6]] == [("z/A100-40/0", k) for k in range(6)]
-    assert {r.node for r in ranks[6:10]} == {"z/A100-40/1"}  # a TP group of 4 never splits
-    assert [(r.node, r.local_rank) for r in ranks[10:]] == [("z/A100-40/0", 6), ("z/A100-40/0", 7)]
+    assert [(r.node, r.local_rank) for r in ranks[6:]] == [("z/A100-40/1", k) for k in range(6)]
 
 
 def test_sailor_plan_config_import():
@@ -279,35 +279,56 @@ def test_zb_h1_refuses_full_recomputation_and_interleaved_counts_blocks_over_chu
         too_many.check_against(JOB)
 
 
-def _first_fit(pipelines, sizes):
-    """Reference placement: for every replica in order, scan the pool's nodes from the first and take
-    the first with room for its TP group, else open a node."""
+def _block_first_fit(pipelines, sizes):
+    """Reference placement: cut each pipeline into blocks (a stage joins the one before when it is in
+    the same pool and the block still fits one node), then, for every block in order, scan the pool's
+    nodes from the first and take the first with room for it, else open a node."""
     free, out = {}, []
     for pipe in pipelines:
-        row = []
-        for zone, gpu, tp in pipe:
-            cap = max(sizes[gpu], tp)
+        blocks = []
+        for i, (zone, gpu, tp) in enumerate(pipe):
+            if i and pipe[i - 1][:2] == (zone, gpu) and sum(pipe[k][2] for k in blocks[-1]) + tp <= sizes[gpu]:
+                blocks[-1].append(i)
+            else:
+                blocks.append([i])
+        row = [None] * len(pipe)
+        for block in blocks:
+            zone, gpu, _ = pipe[block[0]]
+            width = sum(pipe[k][2] for k in block)
+            cap = max(sizes[gpu], width)
             nodes = free.setdefault((zone, gpu), [])
-            idx = next((k for k, f in enumerate(nodes) if f >= tp), None)
+            idx = next((k for k, f in enumerate(nodes) if f >= width), None)
             if idx is None:
                 nodes.append(cap)
                 idx = len(nodes) - 1
-            row.append((f"{zone}/{gpu}/{idx}", cap - nodes[idx]))
-            nodes[idx] -= tp
+            local = cap - nodes[idx]
+            for k in block:
+                row[k] = (f"{zone}/{gpu}/{idx}", local)
+                local += pipe[k][2]
+            nodes[idx] -= width
         out.append(row)
     return out
 
 
-def test_pack_replicas_is_first_fit():
+def test_pack_replicas_is_block_first_fit():
     # mixed TP degrees in shared pools (8 GPUs per node, one type at 4, TP 8 groups opening wider
-    # nodes): the linear-time packing places every replica where the plain first-fit scan does
+    # nodes): the linear-time packing places every replica where the plain block first-fit scan does
     import random
     rng = random.Random(7)
     sizes = {"A100-40": 8, "V100-16": 4}
     for _ in range(200):
         pipes = [[(rng.choice(["z1", "z2"]), rng.choice(list(sizes)), rng.choice([1, 2, 4, 8]))
                   for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 40))]
-        assert pack_replicas(pipes, sizes) == _first_fit(pipes, sizes)
-    # hand case: TP 2, 4, 2 on 4-GPU nodes -> node 0 takes 2 + 2 (first fit), TP 4 opens node 1
+        assert pack_replicas(pipes, sizes) == _block_first_fit(pipes, sizes)
+    # hand cases: TP 2, 4, 2 on 4-GPU nodes -> three blocks (2 + 4 > 4, 4 + 2 > 4); the third fills
+    # node 0 next to the first
     assert pack_replicas([[("z", "V100-16", 2), ("z", "V100-16", 4), ("z", "V100-16", 2)]], sizes) == \
         [[("z/V100-16/0", 0), ("z/V100-16/1", 0), ("z/V100-16/0", 2)]]
+    # TP 2, 2, 2, 4 on 8-GPU nodes: stages 0-2 one block (6 GPUs), stage 3 opens node 1 (6 + 4 > 8)
+    assert node_blocks([("z", "A100-40", t) for t in (2, 2, 2, 4)], sizes.get) == [0, 0, 0, 1]
+    # a second such pipeline: its block of 6 finds no node with 6 free (node 0 has 2, node 1 has 4)
+    two = pack_replicas([[("z", "A100-40", t) for t in (2, 2, 2, 4)]] * 2, sizes)
+    assert two[1] == [("z/A100-40/2", 0), ("z/A100-40/2", 2), ("z/A100-40/2", 4), ("z/A100-40/1", 4)]
+    # a change of zone or GPU type always ends a block
+    assert node_blocks([("z", "A100-40", 1), ("y", "A100-40", 1), ("y", "V100-16", 1), ("y", "V100-16", 1)],
+                       sizes.get) == [0, 1, 2, 2]

@@ -28,12 +28,14 @@ Kinds of a family, by what they mix:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from sailor.plan.placement import same_node_boundaries
 from sailor.plan.spec import StageMemory
 from sailor.planner.space import Memory, Option, Partition, pareto_templates, stage_options
 from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_time, time_options
@@ -139,7 +141,8 @@ def make_kinds(ctx: SimContext, specs: list[tuple[tuple[str, ...], tuple[Option,
         times = [[stage_time(ctx, sl[i], mbs, *partition[i], at_d[d][i]) for i in range(P)] for sl, d in zip(slots, need)]
         f = np.array([[t.forward_s for t in row] for row in times])   # (kinds, P)
         b = np.array([[t.backward_s for t in row] for row in times])
-        links = [[boundary(ctx, sl[i], sl[i + 1], partition[i], partition[i + 1], mbs) for i in range(P - 1)] for sl in slots]
+        links = [[boundary(ctx, sl[i], sl[i + 1], partition[i], partition[i + 1], mbs, on)
+                  for i, on in enumerate(kind_boundaries(ctx, sl))] for sl in slots]
         c = np.array([[x for x, _ in row] for row in links]).reshape(len(todo), P - 1)
         t1, t2, t3 = (np.atleast_1d(closed_form_1f1b(f, b, c, m)) for m in (1, 2, 3))
         steps = [time_options(mem, replicas or most) for mem in memory]
@@ -166,12 +169,26 @@ def _price(ctx: SimContext, pool: Pool) -> float:
     return ctx.memo[key]
 
 
-def boundary(ctx: SimContext, a: Slot, b: Slot, stage_a: tuple[int, int], stage_b: tuple[int, int], mbs: int) -> tuple[float, float]:
-    """(transfer seconds, egress $) per micro-batch between two consecutive stages, from the
-    simulator's `pipeline_arrays` on that pair (memoised: kinds share their boundaries; a transfer
-    does not depend on the stages' memory options)."""
-    key = ("boundary", a, b, stage_a, stage_b, mbs)
+def kind_boundaries(ctx: SimContext, slots: tuple[Slot, ...]) -> tuple[bool, ...]:
+    """Per stage boundary of a pipeline on these slots: whether the launcher's block placement puts
+    both stages on one node (`plan.placement.same_node_boundaries`: the same for every pipeline of a
+    kind, wherever it lands). Memoised per slots."""
+    key = ("kind boundaries", slots)
     if key not in ctx.memo:
+        ctx.memo[key] = same_node_boundaries([(s.zone, s.gpu, s.tp) for s in slots], ctx.cluster.node_size)
+    return ctx.memo[key]
+
+
+def boundary(ctx: SimContext, a: Slot, b: Slot, stage_a: tuple[int, int], stage_b: tuple[int, int], mbs: int,
+             on_node: bool = False) -> tuple[float, float]:
+    """(transfer seconds, egress $) per micro-batch between two consecutive stages, from the
+    simulator's `pipeline_arrays` on that pair, over the intra-node link when `on_node` (both on one
+    node, `kind_boundaries`), else between two nodes of their zones (memoised: kinds share their
+    boundaries; a transfer does not depend on the stages' memory options)."""
+    key = ("boundary", a, b, stage_a, stage_b, mbs, on_node)
+    if key not in ctx.memo:
+        if on_node:
+            a, b = (dataclasses.replace(s, node="boundary") for s in (a, b))
         _, _, c, _, usd = pipeline_arrays(ctx, [a, b], [stage_a, stage_b], mbs)
         ctx.memo[key] = (float(c[0]), usd)
     return ctx.memo[key]

@@ -17,6 +17,7 @@ import numpy as np
 
 from sailor.core.units import HOUR_S
 from sailor.model.spec import Recompute
+from sailor.plan.placement import same_node_boundaries
 from sailor.planner.kinds import Kind, Pool, boundary
 from sailor.planner.options import Objective, PlanOptions
 from sailor.planner.score import apart_stage_groups
@@ -197,9 +198,10 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
     """What uniform pipelines reach with P stages and micro-batch `mbs` (not a bound): per (GPU type,
     zone) and uniform TP t whose average stage fits in memory at the least the memory options allow
     ((states, ZeRO-sharded over the n pipelines, + one micro-batch of activations under full
-    recomputation) / P + framework), n = a // (P·t) pipelines of fill = Σ_layers (f + b) + 2(P - 1)
-    transfers and period = max(Σ / P, the heaviest layer) + the stage's transfers (2 for P = 2, 4
-    beyond); the makespan at which all of them, each kind with its own share, finish the batch, plus
+    recomputation) / P + framework), n = a // (P·t) pipelines of fill = Σ_layers (f + b) + 2 x the
+    P - 1 transfers (each inside a node or between two, as the block placement puts the pipeline,
+    `plan.placement.same_node_boundaries`) and period = max(Σ / P, the heaviest layer) + the stage's
+    transfers (2 for P = 2, 4 beyond, at the slowest boundary's); the makespan at which all of them, each kind with its own share, finish the batch, plus
     the all-reduce of the fastest of those pipelines that cover the batch (each pool at its best TP
     degree at that makespan) over the even partition's stages, and the optimizer step. The best of
     these over TP floors (runs of TP >= t only), as the sync is slower the finer the sharding. For the
@@ -223,10 +225,12 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
             if (ctx.stage_params(t, 0, L) * per_param + act) / P + ctx.framework_bytes(g) > ctx.memory_limit(g):
                 continue
             layers = ctx.layer_s(g, t, mbs).sum(axis=1)
-            c = ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t) if P > 1 else 0.0
+            # each boundary inside a node or between two, as the block placement puts the pipeline
+            c = [ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t, same_node=on)
+                 for on in same_node_boundaries([(z, g, t)] * P, ctx.cluster.node_size)]
             sends = 0 if P == 1 else (2 if P == 2 else 4)
-            fill = float(layers.sum()) + 2 * (P - 1) * c
-            per = max(float(layers.sum()) / P, float(layers.max())) + sends * c
+            fill = float(layers.sum()) + 2 * sum(c)
+            per = max(float(layers.sum()) / P, float(layers.max())) + sends * max(c, default=0.0)
             runs.append((n, fill, per, P * t * ctx.cluster.price(z, g), p))
             tps.append(t)
             opt = min(opt, ctx.profiles.optimizer_time_s(job, g, ctx.stage_params(t, 0, L) / P))
@@ -369,10 +373,12 @@ def family_bound(ctx: SimContext, kinds: list[Kind], free: dict[Pool, int], part
 
 def boundary_floors(ctx: SimContext, table, partition, mbs: int, free: dict[Pool, int], pairs: bool) -> list[float]:
     """Per stage boundary, the fastest transfer (s per micro-batch) between an option of the stage
-    before and one of the stage after (`kinds.boundary`, the simulator's own transfer). With `pairs`
-    every pair of options, each in every zone that has its GPU type (a valid floor); without, an
-    estimate: the two stages on the same GPU type and TP degree in that type's largest zone (a
-    pipeline that changes type, degree or zone pays more, as links go)."""
+    before and one of the stage after (`kinds.boundary`, the simulator's own transfer), between two
+    nodes and, where both ends are in one pool and fit one node together, inside a node (the block
+    placement, `plan.placement.node_blocks`). With `pairs` every pair of options, each in every zone
+    that has its GPU type (a valid floor); without, an estimate: the two stages on the same GPU type
+    and TP degree in that type's largest zone (a pipeline that changes type, degree or zone pays
+    more, as links go)."""
     zones_of: dict[str, list[str]] = {}
     for (z, g), n in sorted(free.items(), key=lambda kv: -kv[1]):
         zones_of.setdefault(g, []).append(z)
@@ -387,6 +393,8 @@ def boundary_floors(ctx: SimContext, table, partition, mbs: int, free: dict[Pool
                 for zb in (zones_of.get(gb, []) if pairs else [za]):
                     a, b = Slot(zone=za, gpu=ga, tp=ta), Slot(zone=zb, gpu=gb, tp=tb)
                     best = min(best, boundary(ctx, a, b, partition[i], partition[i + 1], mbs)[0])
+                    if (za, ga) == (zb, gb) and ta + tb <= ctx.cluster.node_size(ga):  # one block: one node
+                        best = min(best, boundary(ctx, a, b, partition[i], partition[i + 1], mbs, True)[0])
         out.append(0.0 if best == math.inf else best)
     return out
 

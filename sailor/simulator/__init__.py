@@ -31,11 +31,12 @@ once per stage and hands to `terms.time_options` (time) and `memory.replica_memo
 under interleaving); the schedule (`Plan.schedule`) in one, `schedules.pipeline_schedule`, whose
 micro-batches in flight multiply the options' bytes per micro-batch in `replica_memory`. The slowest pipeline sets the pace (straggler);
 the reductions wait for all pipelines. Links follow the launcher's placement (`terms.placed_slots`,
-from `sailor.plan.placement.pack_replicas`, the packing of `rank_layout`): a p2p transfer or ring hop between
-two replicas on one node uses the intra-node link, any other the link between two nodes of their
-zones. The planner's fast path scores each pipeline type before placement (`Slot` without a node:
-every transfer between nodes), so all its pipelines with the same GPU type, zone and TP degrees take
-the same time; its gradient syncs and the event simulation of its finalists follow the placement.
+from `sailor.plan.placement.pack_replicas`, the block placement of `rank_layout`): a p2p transfer or
+ring hop between two replicas on one node uses the intra-node link, any other the link between two
+nodes of their zones. Under that placement whether two consecutive stages of a pipeline share a node
+depends on the pipeline's own stages alone (`sailor.plan.placement.same_node_boundaries`), so the
+planner's fast path times each pipeline type once (`planner.kinds.kind_boundaries`), exactly as every
+pipeline of that type runs; its gradient syncs follow the placement of the whole plan.
 `SimContext` (`context`) holds the job, cluster, profiles and
 network for one simulation or planning call and caches per-(GPU, TP, micro-batch) layer tables; its
 caches are keyed on every input and die with it.

@@ -35,7 +35,7 @@ import numpy as np
 
 from sailor.catalog import LinkClass
 from sailor.model.spec import Collective, Framework, LayerKind, Recompute
-from sailor.plan.placement import FirstFit
+from sailor.plan.placement import BlockFit, node_blocks
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan, StageMemory
 from sailor.simulator.collectives import Group, Member, allreduce_time_s, same_node, tp_collective_time_s
 from sailor.simulator.context import SimContext, stage_blocks
@@ -393,28 +393,29 @@ def group_shape(groups: list[Group]) -> tuple:
 
 
 def place(pipelines: list[list[Slot]], cluster: ClusterSpec) -> list[list[Slot]]:
-    """The same slots, [pipeline][stage], with the node the launcher puts each on (`FirstFit`, the
-    packing of `rank_layout`, with the cluster's GPUs per node): replicas that share a node talk
-    over the intra-node link. Equal placed slots are one object (cheap to count and compare)."""
-    sizes: dict[str, int] = {}  # GPUs per node, filled in before FirstFit first reads a GPU type's
-    fit = FirstFit(sizes)
+    """The same slots, [pipeline][stage], with the node the launcher puts each on (`BlockFit`, the
+    block placement of `rank_layout`, with the cluster's GPUs per node): replicas that share a node
+    talk over the intra-node link. Equal placed slots are one object (cheap to count and compare)."""
+    sizes: dict[str, int] = {}
+
+    def size(gpu: str) -> int:  # GPUs per node, looked up once per GPU type
+        return sizes[gpu] if gpu in sizes else sizes.setdefault(gpu, cluster.node_size(gpu))
+
+    fit = BlockFit(size)
     made: dict[tuple[str, int], Slot] = {}  # (node, TP) -> its placed slot
-    keys: dict[int, list] = {}  # id of a pipeline list (the planner repeats one) -> its replicas
+    keys: dict[int, tuple] = {}  # id of a pipeline list (the planner repeats one) -> its replicas and blocks
     out = []
     for pipe in pipelines:
-        reps = keys.get(id(pipe))
-        if reps is None:
-            reps = keys[id(pipe)] = [(sl, (sl.zone, sl.gpu, sl.tp)) for sl in pipe]
-            for sl in pipe:
-                if sl.gpu not in sizes:
-                    sizes[sl.gpu] = cluster.node_size(sl.gpu)
+        got = keys.get(id(pipe))
+        if got is None:
+            reps = [(sl.zone, sl.gpu, sl.tp) for sl in pipe]
+            got = keys[id(pipe)] = (reps, node_blocks(reps, size))
         row = []
-        for sl, r in reps:
-            node = fit.put(r)[0]
-            got = made.get((node, sl.tp))
-            if got is None:
-                got = made[(node, sl.tp)] = Slot(zone=sl.zone, gpu=sl.gpu, tp=sl.tp, node=node)
-            row.append(got)
+        for sl, (node, _) in zip(pipe, fit.put(*got)):
+            placed = made.get((node, sl.tp))
+            if placed is None:
+                placed = made[(node, sl.tp)] = Slot(zone=sl.zone, gpu=sl.gpu, tp=sl.tp, node=node)
+            row.append(placed)
         out.append(row)
     return out
 
