@@ -26,7 +26,8 @@ from sailor.testbed import (
     support_problem,
     up,
 )
-from sailor.testbed.host import comm_cgroup, live_states, processes
+from sailor.testbed.cgroups import comm_cgroup
+from sailor.testbed.host import live_states, processes
 from sailor.testbed.spec import parse_testbed, wire_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +108,7 @@ def test_bytes_on_a_shaped_link_match_the_simulator(tmp_path, layout, kinds):
             with comm_threads_seen(state) as comm:
                 launch(state, plan, job, steps, tmp_path / f"launch{steps}.log")
             moved.append(link_bytes(state) - before)
-            # gloo's socket loop and work threads ran outside the ranks' quotas (`host.place_ranks`)
+            # gloo's socket loop and work threads ran outside the ranks' quotas (`cgroups.place_ranks`)
             assert {"gloo_tcp_loop", "pt_gloo_runloop"} <= comm, comm
             for node in state.nodes:  # the rank ran in its own cgroup, under its quota
                 stat = dict(line.split() for line in Path(node.cgroup, "r0", "cpu.stat").read_text().splitlines())

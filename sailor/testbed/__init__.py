@@ -5,6 +5,7 @@ speeds as CPU quotas (cgroups), so that a plan runs over real sockets on slow, s
   (HOSTS.yaml);
 - `net`: names, addresses and the ip/tc commands, as data;
 - `host`: bringing it up and down (root), entering a node, reading the link counters;
+- `cgroups`: the cpu cgroups of nodes, ranks and communication threads, and placing ranks in them;
 - `ssh`: the stand-in `ssh` that `sailor launch --backend torchrun` and `sailor run --hosts` start
   ranks with.
 """

@@ -25,7 +25,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,12 @@ import yaml
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import write_atomic
 from sailor.testbed import net
+from sailor.testbed.cgroups import create_cgroups, write_cgroup
 from sailor.testbed.spec import TestbedSpec, cluster_spec, hosts_spec
+from sailor.testbed.state import NodeState, TestbedState
 
 STATE_DIR_ENV = "SAILOR_TESTBED_STATE"
 DEFAULT_STATE_DIR = "/run/sailor-testbed"
-STATE_SCHEMA = "sailor.testbed-state/1"
 KILL_WAIT_S = 5.0  # how long `down` waits for killed processes to be gone
 
 
@@ -47,60 +47,6 @@ class TestbedUnsupported(SailorInputError):
     cgroup v1 cpu controller); the CLI prints it as one line with exit status 2."""
 
     __test__ = False
-
-
-@dataclass(frozen=True)
-class NodeState:
-    name: str
-    netns: str
-    veth: str
-    address: str
-    router_address: str
-    cgroup: str
-
-
-@dataclass(frozen=True)
-class TestbedState:
-    """What one live testbed created: enough to enter its nodes and to remove it all."""
-
-    __test__ = False
-    name: str
-    prefix: str
-    block: int
-    folder: str
-    nodes: tuple[NodeState, ...]
-
-    @property
-    def names(self) -> net.Names:
-        return net.Names(self.prefix)
-
-    def node(self, name: str) -> NodeState:
-        for n in self.nodes:
-            if n.name == name or n.address == name:
-                return n
-        raise SailorInputError(f"testbed {self.name} has no node or address {name!r}",
-                               fix=f"nodes: {', '.join(n.name for n in self.nodes)}")
-
-    @property
-    def cluster_file(self) -> Path:
-        return Path(self.folder) / "cluster.yaml"
-
-    @property
-    def hosts_file(self) -> Path:
-        return Path(self.folder) / "hosts.yaml"
-
-    @property
-    def bin_dir(self) -> Path:
-        return Path(self.folder) / "bin"
-
-    def to_json(self) -> str:
-        return json.dumps({"schema": STATE_SCHEMA, **asdict(self)}, indent=2) + "\n"
-
-    @classmethod
-    def read(cls, path: Path) -> TestbedState:
-        d = json.loads(path.read_text(encoding="utf-8"))
-        assert d.pop("schema") == STATE_SCHEMA, path
-        return cls(**{**d, "nodes": tuple(NodeState(**n) for n in d["nodes"])})
 
 
 def state_root(state_dir: str | Path | None = None) -> Path:
@@ -157,91 +103,6 @@ def _root_networks() -> list[str]:
     for link in json.loads(run(["ip", "-4", "-j", "addr"]) or "[]"):
         out += [f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", [])]
     return out
-
-
-def _write_cgroup(path: str, key: str, value: str | int) -> None:
-    Path(path, key).write_text(str(value))
-
-
-def _create_cgroups(spec: TestbedSpec, state: TestbedState) -> None:
-    """The testbed's cgroup with one child per node, and below it one child per rank (`r0`, `r1`,
-    ...) with its device class's per-rank quota: a rank waiting for a transfer does not lend its share
-    to the other ranks of its node (the stand-in ssh moves each rank into its own, `place_ranks`).
-    The node's own cgroup has no quota: what else runs there (torchrun's agent, `sailor profile
-    network --hosts`, `testbed exec`) is the host's CPU work, not its device's. Beside the nodes,
-    `comm-threads` (`comm_cgroup`) holds every communication thread under the shared
-    `comm_cpu_quota` (no limit without one)."""
-    os.mkdir(state.names.cgroup)
-    for n, ns in zip(spec.nodes, state.nodes):
-        _make_cgroup(ns.cgroup, None, spec)
-        for k in range(n.ranks):
-            _make_cgroup(rank_cgroup(ns, k), spec.devices[n.device].cpu_quota, spec)
-    _make_cgroup(comm_cgroup(state.nodes[0]), spec.comm_cpu_quota, spec)
-
-
-def _make_cgroup(path: str, cores: float | None, spec: TestbedSpec) -> None:
-    """A cpu cgroup at `path` with a quota of `cores` per CFS period (`TestbedSpec.period_us`; None:
-    no quota)."""
-    os.mkdir(path)
-    if cores is not None:
-        _write_cgroup(path, "cpu.cfs_period_us", spec.period_us(cores))
-        _write_cgroup(path, "cpu.cfs_quota_us", net.cpu_quota_us(cores, spec.period_us(cores)))
-
-
-def rank_cgroup(node: NodeState, slot: int) -> str:
-    """The cgroup of the rank on device `slot` of `node`."""
-    return f"{node.cgroup}/r{slot}"
-
-
-def rank_slot(environ: dict[str, str]) -> int | None:
-    """The device index on its node of the rank with environment `environ` (torchrun sets
-    LOCAL_RANK; where the node runs several agents, each sees its own devices through
-    CUDA_VISIBLE_DEVICES, `sailor.launch.common`); None for a process that is not a rank."""
-    local = environ.get("LOCAL_RANK", "")
-    if not local.isdigit() or "TORCHELASTIC_RUN_ID" not in environ:
-        return None
-    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if not visible:
-        return int(local)
-    return int(visible[int(local)]) if int(local) < len(visible) and visible[int(local)].strip().isdigit() else None
-
-
-def comm_cgroup(node: NodeState) -> str:
-    """The cgroup of the communication threads of every rank of `node`'s testbed (one for all nodes;
-    node names cannot hold '-', so it never meets a node's cgroup)."""
-    return f"{os.path.dirname(node.cgroup)}/comm-threads"
-
-
-COMM_THREADS = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")
-"""Name prefixes (`/proc/TID/comm`) of the threads torch.distributed starts to communicate: gloo's
-socket loop (`gloo_tcp_loop`), ProcessGroupGloo's work threads (`pt_gloo_runloop`), the rendezvous
-store's loop (`pt_tcpstore_uv`). Every other thread of a rank (Python's, torch's compute threads)
-computes, under its device's quota."""
-
-
-def place_ranks(node: NodeState) -> int:
-    """Move every rank found directly in `node`'s cgroup into its rank cgroup (`rank_slot`), and every
-    communication thread (`COMM_THREADS`) of the node's processes into `comm_cgroup`, so a device's
-    quota throttles its compute and not its transfers (testbed file, `comm_cpu_quota`);
-    how many ranks were moved. Processes and threads that end meanwhile are skipped; threads a rank
-    starts later (a new process group) are found on the next call."""
-    moved = 0
-    for pid in Path(node.cgroup, "cgroup.procs").read_text().split():
-        with contextlib.suppress(OSError, ValueError):
-            raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            env = dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e)
-            slot = rank_slot(env)
-            if slot is not None and os.path.isdir(rank_cgroup(node, slot)):
-                _write_cgroup(rank_cgroup(node, slot), "cgroup.procs", pid)
-                moved += 1
-    comm = comm_cgroup(node)
-    for folder in [Path(node.cgroup), *Path(node.cgroup).glob("r*")]:
-        with contextlib.suppress(OSError):
-            for tid in Path(folder, "tasks").read_text().split():
-                with contextlib.suppress(OSError):
-                    if Path(f"/proc/{tid}/comm").read_text().startswith(COMM_THREADS) and os.path.isdir(comm):
-                        _write_cgroup(comm, "tasks", tid)
-    return moved
 
 
 def _write_files(spec: TestbedSpec, state: TestbedState) -> None:
@@ -339,7 +200,7 @@ def _create(spec: TestbedSpec, state: TestbedState) -> None:
             run(argv)
     for n in state.nodes:
         _write_hosts(n)
-    _create_cgroups(spec, state)
+    create_cgroups(spec, state)
 
 
 NETNS_ETC = "/etc/netns"  # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc (ip-netns(8))
@@ -521,7 +382,7 @@ def locate(destination: str, state_dir: str | Path | None = None,
 def enter_argv(node: NodeState, argv: list[str]) -> list[str]:
     """Join this process to `node`'s cgroup and return the argv that runs `argv` in its namespace
     (exec it: what it starts stays in the cgroup and the namespace)."""
-    _write_cgroup(node.cgroup, "cgroup.procs", os.getpid())
+    write_cgroup(node.cgroup, "cgroup.procs", os.getpid())
     return ["ip", "netns", "exec", node.netns, *argv]
 
 

@@ -20,7 +20,8 @@ from typing import Any
 
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import load_json
-from sailor.testbed.host import TestbedState, rank_cgroup
+from sailor.testbed.cgroups import rank_cgroup
+from sailor.testbed.host import TestbedState
 from sailor.testbed.spec import TestbedSpec
 
 PROFILED_GPU = "cpu"  # the GPU type `sailor profile --device cpu` writes its rows under

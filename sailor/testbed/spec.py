@@ -119,7 +119,7 @@ class TestbedSpec(BaseModel):
     comm_cpu_quota: Real(0.01, 64.0) | None = None
     """Cores that the communication threads of all ranks share (gloo's socket loop and work threads,
     the rendezvous store); None (the default): no limit. A device class's quota throttles a rank's
-    compute only, as a GPU's NIC and copy engines move data beside its busy SMs (`host.place_ranks`).
+    compute only, as a GPU's NIC and copy engines move data beside its busy SMs (`cgroups.place_ranks`).
     A limit is one CFS period for all of them; measured on `examples/testbed.yaml`, 0.3 cores starved
     a TP 2 plan's per-layer all-reduces (1.59 s per step against 0.27 s with no limit)."""
     devices: dict[str, DeviceClass] = Field(min_length=1)

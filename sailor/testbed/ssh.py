@@ -6,7 +6,7 @@ destination "user@address", then the command). The destination is a node's addre
 lists them) or its name. The command runs in a new session; SIGTERM, SIGINT or SIGHUP to this
 process reach its whole process group (closing a real ssh connection hangs up the remote side), and
 what is still running after a grace period is killed. While it runs, every rank torchrun starts is
-moved into its own cgroup with its device class's per-rank quota (`host.place_ranks`, every 0.1 s).
+moved into its own cgroup with its device class's per-rank quota (`cgroups.place_ranks`, every 0.1 s).
 Its exit status is the command's, 255 when the node is unknown (as ssh's when it cannot connect).
 """
 
@@ -20,7 +20,8 @@ import sys
 
 from sailor.core.errors import SailorInputError
 from sailor.core.process import die_with_parent
-from sailor.testbed.host import enter_argv, locate, place_ranks
+from sailor.testbed.cgroups import place_ranks
+from sailor.testbed.host import enter_argv, locate
 
 GRACE_S = 10.0  # how long the remote command has to end after SIGTERM before SIGKILL
 PLACE_EVERY_S = 0.1  # how often ranks started since are moved into their own cgroups

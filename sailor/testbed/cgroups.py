@@ -1,0 +1,99 @@
+"""A testbed's cpu cgroups (cgroup v1): one per node, one per rank with its device class's quota,
+and one for every rank's communication threads (`create_cgroups`); moving ranks and their
+communication threads into them as torchrun starts them (`place_ranks`, called by the stand-in ssh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from sailor.testbed import net
+from sailor.testbed.spec import TestbedSpec
+from sailor.testbed.state import NodeState, TestbedState
+
+
+def write_cgroup(path: str, key: str, value: str | int) -> None:
+    Path(path, key).write_text(str(value))
+
+
+def create_cgroups(spec: TestbedSpec, state: TestbedState) -> None:
+    """The testbed's cgroup with one child per node, and below it one child per rank (`r0`, `r1`,
+    ...) with its device class's per-rank quota: a rank waiting for a transfer does not lend its share
+    to the other ranks of its node (the stand-in ssh moves each rank into its own, `place_ranks`).
+    The node's own cgroup has no quota: what else runs there (torchrun's agent, `sailor profile
+    network --hosts`, `testbed exec`) is the host's CPU work, not its device's. Beside the nodes,
+    `comm-threads` (`comm_cgroup`) holds every communication thread under the shared
+    `comm_cpu_quota` (no limit without one)."""
+    os.mkdir(state.names.cgroup)
+    for n, ns in zip(spec.nodes, state.nodes):
+        _make_cgroup(ns.cgroup, None, spec)
+        for k in range(n.ranks):
+            _make_cgroup(rank_cgroup(ns, k), spec.devices[n.device].cpu_quota, spec)
+    _make_cgroup(comm_cgroup(state.nodes[0]), spec.comm_cpu_quota, spec)
+
+
+def _make_cgroup(path: str, cores: float | None, spec: TestbedSpec) -> None:
+    """A cpu cgroup at `path` with a quota of `cores` per CFS period (`TestbedSpec.period_us`; None:
+    no quota)."""
+    os.mkdir(path)
+    if cores is not None:
+        write_cgroup(path, "cpu.cfs_period_us", spec.period_us(cores))
+        write_cgroup(path, "cpu.cfs_quota_us", net.cpu_quota_us(cores, spec.period_us(cores)))
+
+
+def rank_cgroup(node: NodeState, slot: int) -> str:
+    """The cgroup of the rank on device `slot` of `node`."""
+    return f"{node.cgroup}/r{slot}"
+
+
+def rank_slot(environ: dict[str, str]) -> int | None:
+    """The device index on its node of the rank with environment `environ` (torchrun sets
+    LOCAL_RANK; where the node runs several agents, each sees its own devices through
+    CUDA_VISIBLE_DEVICES, `sailor.launch.common`); None for a process that is not a rank."""
+    local = environ.get("LOCAL_RANK", "")
+    if not local.isdigit() or "TORCHELASTIC_RUN_ID" not in environ:
+        return None
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return int(local)
+    return int(visible[int(local)]) if int(local) < len(visible) and visible[int(local)].strip().isdigit() else None
+
+
+def comm_cgroup(node: NodeState) -> str:
+    """The cgroup of the communication threads of every rank of `node`'s testbed (one for all nodes;
+    node names cannot hold '-', so it never meets a node's cgroup)."""
+    return f"{os.path.dirname(node.cgroup)}/comm-threads"
+
+
+COMM_THREADS = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")
+"""Name prefixes (`/proc/TID/comm`) of the threads torch.distributed starts to communicate: gloo's
+socket loop (`gloo_tcp_loop`), ProcessGroupGloo's work threads (`pt_gloo_runloop`), the rendezvous
+store's loop (`pt_tcpstore_uv`). Every other thread of a rank (Python's, torch's compute threads)
+computes, under its device's quota."""
+
+
+def place_ranks(node: NodeState) -> int:
+    """Move every rank found directly in `node`'s cgroup into its rank cgroup (`rank_slot`), and every
+    communication thread (`COMM_THREADS`) of the node's processes into `comm_cgroup`, so a device's
+    quota throttles its compute and not its transfers (testbed file, `comm_cpu_quota`);
+    how many ranks were moved. Processes and threads that end meanwhile are skipped; threads a rank
+    starts later (a new process group) are found on the next call."""
+    moved = 0
+    for pid in Path(node.cgroup, "cgroup.procs").read_text().split():
+        with contextlib.suppress(OSError, ValueError):
+            raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            env = dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e)
+            slot = rank_slot(env)
+            if slot is not None and os.path.isdir(rank_cgroup(node, slot)):
+                write_cgroup(rank_cgroup(node, slot), "cgroup.procs", pid)
+                moved += 1
+    comm = comm_cgroup(node)
+    for folder in [Path(node.cgroup), *Path(node.cgroup).glob("r*")]:
+        with contextlib.suppress(OSError):
+            for tid in Path(folder, "tasks").read_text().split():
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{tid}/comm").read_text().startswith(COMM_THREADS) and os.path.isdir(comm):
+                        write_cgroup(comm, "tasks", tid)
+    return moved
