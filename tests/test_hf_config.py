@@ -14,7 +14,8 @@ import pytest
 from hf_models import ARCHS, MOE_ARCHS, configs
 
 from sailor.core.errors import SailorInputError
-from sailor.model.hf_config import comparable, differences, hf_config_from_spec, load_hf_config, spec_from_hf
+from sailor.model.hf_config import load_hf_config, spec_from_hf
+from sailor.model.hf_export import comparable, differences, hf_config_from_spec
 from sailor.model.registry import BUILTIN_MODELS
 from sailor.model.spec import ModelSpec
 from sailor.specs import load_job

@@ -27,7 +27,8 @@ from typing import Any
 
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import load_json
-from sailor.model.hf_config import LOG, differences, export_model_type, load_hf_config
+from sailor.model.hf_config import LOG, load_hf_config
+from sailor.model.hf_export import differences, export_model_type
 from sailor.model.spec import ModelSpec
 
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",

@@ -1,7 +1,7 @@
 """Hugging Face safetensors weights in and out of the runtime's layer list.
 
 `layout(spec)` says where each canonical parameter (`layers.<i>.attn.q.weight`, ...) lives in a
-Hugging Face checkpoint of the spec's architecture (`hf_config.export_model_type`) and how it is
+Hugging Face checkpoint of the spec's architecture (`hf_export.export_model_type`) and how it is
 laid out there:
 - `plain`: the same matrix; `t`: its transpose (GPT-2's Conv1D stores (in, out));
 - `vocab`: the unpadded vocabulary (V, h) of the runtime's padded (V', h) embedding or LM head;
@@ -38,7 +38,8 @@ import torch
 
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import current_umask, load_json
-from sailor.model.hf_config import differences, export_model_type, hf_config_from_spec, load_hf_config
+from sailor.model.hf_config import load_hf_config
+from sailor.model.hf_export import differences, export_model_type, hf_config_from_spec
 from sailor.model.spec import ModelSpec
 from sailor.runtime.model import GPT, param_shapes, share_tied, tied_head
 from sailor.runtime.tensor_parallel import materialize_shards
@@ -380,10 +381,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
             an `out_dir` that is not empty, a model the Hugging Face architectures cannot express, or
             a `source` holding another model.
     """
-    from sailor.model.hf_files import RECORD_KEY, export_extras
-
     from safetensors.torch import save_file
 
+    from sailor.model.hf_files import RECORD_KEY, export_extras
     from sailor.runtime.checkpoint_io import check_model_matches_tensors, load_tensors
 
     path, manifest = _find_checkpoint(Path(checkpoint))
