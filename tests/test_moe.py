@@ -9,8 +9,9 @@ import pytest
 
 from sailor.core.errors import SailorInputError
 from sailor.model.activations import layer_bytes, moe_mlp_bytes
+from sailor.model.moe import MoE
 from sailor.model.registry import BUILTIN_MODELS
-from sailor.model.spec import Collective, ModelSpec, MoE
+from sailor.model.spec import Collective, ModelSpec
 
 H, E, K, FE = 64, 4, 2, 32
 

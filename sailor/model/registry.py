@@ -7,7 +7,8 @@ import os
 from typing import Any
 
 from sailor.core.errors import SailorInputError, unknown_name
-from sailor.model.spec import ModelSpec, MoE
+from sailor.model.moe import MoE
+from sailor.model.spec import ModelSpec
 
 # Published configs. OPT: facebook/opt-350m and opt-30b config.json (OPT-350m's 512-wide input/output
 # projections are ignored: the public Sailor profiles model it as a plain 1024-wide GPT). GPT-Neo:
