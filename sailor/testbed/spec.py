@@ -121,7 +121,8 @@ class TestbedSpec(BaseModel):
     the rendezvous store); None (the default): no limit. A device class's quota throttles a rank's
     compute only, as a GPU's NIC and copy engines move data beside its busy SMs (`cgroups.place_ranks`).
     A limit is one CFS period for all of them; measured on `examples/testbed.yaml`, 0.3 cores starved
-    a TP 2 plan's per-layer all-reduces (1.59 s per step against 0.27 s with no limit)."""
+    a TP 2 plan's per-layer all-reduces (`benchmarks/testbed.py`'s tp2_node: 1.59 s per step, against
+    0.37 s with no limit)."""
     devices: dict[str, DeviceClass] = Field(min_length=1)
     links: Links
     nodes: tuple[TestbedNode, ...] = Field(min_length=1, max_length=MAX_NODES)
