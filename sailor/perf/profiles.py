@@ -73,6 +73,9 @@ SCHEMA = "sailor.profiles/1"
 OPTIMIZER_BYTES_PER_PARAM = {("adam", False): 28, ("adam", True): 30, ("sgd", False): 12, ("sgd", True): 14}
 
 
+SPLIT_FROM_FLOPS = "backward split from FLOPs"  # the estimate `Profiles.backward_split` records
+
+
 @dataclass
 class Profiles:
     """Per-layer timings for one model at one sequence length and precision.
@@ -162,7 +165,7 @@ class Profiles:
         frac = np.ones(m.num_layers)
         for i in range(1, m.num_layers):
             frac[i] = m.weight_grad_flop(i, tp=tp, mbs=mbs, seq=job.seq) / m.backward_flop(i, tp=tp, mbs=mbs, seq=job.seq)
-        self.estimates_used.add((gpu, tp, "backward split from FLOPs"))
+        self.estimates_used.add((gpu, tp, SPLIT_FROM_FLOPS))
         weight = backward_s * frac
         return np.stack([backward_s - weight, weight], axis=1)
 

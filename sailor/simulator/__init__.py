@@ -50,17 +50,51 @@ from typing import Any
 
 from sailor import catalog
 from sailor.core.units import HOUR_S
+from sailor.perf.profiles import SPLIT_FROM_FLOPS
 from sailor.plan.comms import replica_nccl_bytes
 from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator.collectives import group_members
-from sailor.simulator.context import (SimContext, TiedCopies, embedding_params, head_vocab_params, make_context,
-                                      tied_embeddings)
+from sailor.simulator.context import (
+    SimContext,
+    TiedCopies,
+    embedding_params,
+    head_vocab_params,
+    make_context,
+    tied_embeddings,
+)
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
-from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes, pipeline_schedule
-from sailor.simulator.sync import stage_sync, stage_sync_crossings, tied_sync, tied_sync_crossings
-from sailor.simulator.terms import (DEFAULT_TIME, Slot, StageTime, TimeOptions, allreduce_s, collective_s, group_shape,
-                                    kept_gather_s, link_transfer, optimizer_s, pipeline_arrays, pipeline_times, place,
-                                    placed_slots, recomputed_blocks, stage_memory, stage_time, time_options)
+from sailor.simulator.schedules import (
+    ONE_F_ONE_B,
+    PipelineSchedule,
+    PipelineTimes,
+    pipeline_schedule,
+)
+from sailor.simulator.sync import (
+    stage_sync,
+    stage_sync_crossings,
+    tied_sync,
+    tied_sync_crossings,
+)
+from sailor.simulator.terms import (
+    DEFAULT_TIME,
+    Slot,
+    StageTime,
+    TimeOptions,
+    allreduce_s,
+    collective_s,
+    group_shape,
+    kept_gather_s,
+    link_transfer,
+    optimizer_s,
+    pipeline_arrays,
+    pipeline_times,
+    place,
+    placed_slots,
+    recomputed_blocks,
+    stage_memory,
+    stage_time,
+    time_options,
+)
 from sailor.simulator.traffic import Crossing, TrafficKind, ZoneTraffic, tally
 
 __all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", "StageTime", "TiedCopies", "TimeOptions",
@@ -328,8 +362,11 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         global_batch_size=plan.global_batch_size, sequence_length=job.seq, gpus=plan.world_size,
         gpu_cost_per_iteration_usd=gpu_usd_per_hour * iteration / HOUR_S, egress_per_iteration_usd=egress_usd,
         cross_zone_bytes=cross_bytes, model_flop_per_iteration=model_flop, peak_flop_per_s=peak,
+        # the estimates this plan's replicas stand on: a search leaves others in the shared profiles
+        # (a ZB-H1 candidate's split backward, where the plan runs another schedule)
         estimated=sorted(f"{g} TP {t}: {how}" for g, t, how in ctx.profiles.estimates_used
-                         if any(r.gpu == g and r.tp == t for r in replicas)),
+                         if any(r.gpu == g and r.tp == t for r in replicas)
+                         and (how != SPLIT_FROM_FLOPS or plan.schedule.splits_backward)),
         recompute_flop_per_iteration=_recompute_flop(plan, ctx, memory), tp_communication=tp_communication(plan, ctx),
         schedule=sched, pipeline_passes=passes, traffic=tally(crossings), stage_sync_s=sync_times,
     )
