@@ -36,6 +36,11 @@ parallelism), so plans written before these options existed mean what they meant
 interleaving an entry applies to every chunk of its stage (the chunks share the replica's memory
 and optimizer); `recompute_blocks` counts the stage's blocks in layer order over its chunks.
 `Plan.stage_memory(i)` is the one accessor; the simulator and the runtime each read it in one place.
+
+Optional `experts`: one entry per pipeline stage with its expert parallelism (`plan.experts.StageExperts`:
+the EP degree, EP groups carved out of the stage's data-parallel pipelines, and which EP rank holds
+which experts). Absent, EP is 1 everywhere: every rank holds every expert. `Plan.stage_experts(i)`
+is the accessor.
 Validation refuses what cannot run, naming the field: an interleaved plan whose chunk count is not a
 multiple of v or that has a single stage, and zb-h1 with full recomputation (the deferred W passes
 need the activations full recomputation drops). `rank_layout` is the one place where ranks, nodes
@@ -58,6 +63,13 @@ from sailor.core.fileio import write_json
 from sailor.core.limits import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_GPUS_PER_NODE
 from sailor.core.schema import SPEC_CONFIG, Whole
 from sailor.model.spec import Recompute
+from sailor.plan.experts import (
+    DEFAULT_STAGE_EXPERTS,
+    StageExperts,
+    check_experts_for_job,
+    check_plan_experts,
+    experts_to_dict,
+)
 from sailor.plan.orders import Op, ScheduleKind, stage_order
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
@@ -189,6 +201,8 @@ class Plan(BaseModel):
     """Per-stage memory options; empty = defaults everywhere (see the module docstring)."""
     schedule: Schedule = DEFAULT_SCHEDULE
     """Pipeline schedule; 1F1B by default (see the module docstring)."""
+    experts: tuple[StageExperts, ...] = ()
+    """Per-stage expert parallelism; empty = EP 1 everywhere (`sailor.plan.experts`)."""
     job: JobSpec | None = None
     cluster: ClusterSpec | None = None
 
@@ -240,12 +254,17 @@ class Plan(BaseModel):
                 raise SailorInputError(f"zb-h1 defers weight-gradient passes, which need the activations full"
                                        f" recomputation drops (stage {i})", field=f"memory.{i}.recompute",
                                        fix="use recompute none or selective, or schedule 1f1b")
+        check_plan_experts(self)
         return self
 
     # ---- derived ---------------------------------------------------------------------------
     def stage_memory(self, stage: int) -> StageMemory:
         """Memory options of stage `stage` (the defaults when the plan gives none)."""
         return self.memory[stage] if self.memory else DEFAULT_STAGE_MEMORY
+
+    def stage_experts(self, stage: int) -> StageExperts:
+        """Expert parallelism of stage `stage` (EP 1 when the plan gives none)."""
+        return self.experts[stage] if self.experts else DEFAULT_STAGE_EXPERTS
 
     def chunk_memory(self, stage: int) -> tuple[StageMemory, ...]:
         """`stage_memory(stage)` for each of the stage's chunks (`stage_chunks`; one unless
@@ -335,6 +354,7 @@ class Plan(BaseModel):
                         raise SailorInputError(f"sequence parallelism splits the sequence over TP, but {job.seq} tokens"
                                                f" do not divide by TP {p.replicas[i].tp} (replica {i} of pipeline {j})",
                                                field=f"memory.{i}.sequence_parallel")
+        check_experts_for_job(self, model)
         if cluster is None:
             return
         for j, p in enumerate(self.pipelines):
@@ -362,6 +382,8 @@ class Plan(BaseModel):
         }
         if any(not m.is_default for m in self.memory):
             d["memory"] = [m.model_dump(mode="json", exclude_defaults=True) for m in self.memory]
+        if experts_to_dict(self.experts):
+            d["experts"] = experts_to_dict(self.experts)
         if self.schedule != DEFAULT_SCHEDULE:
             d["schedule"] = self.schedule.model_dump(mode="json", exclude_defaults=True)
         if with_specs and self.job is not None:

@@ -11,7 +11,8 @@ when each holds a partial sum over its sequence slice (sequence parallelism) by 
 
 Buckets. The ranks that hold an element come from `topology`: a sharded parameter is cut into the
 L blocks of its stage's finest sharding, block k held by one rank per pipeline (`role.block_groups`);
-replicated parameters are held by every rank of the stage (`role.stage_group`). A *bucket* is the
+replicated parameters are held by every rank of the stage (`role.stage_group`); a routed expert's
+parameters under expert parallelism only by the ranks holding the expert (`role.sync_groups`). A *bucket* is the
 part of one layer that one group holds: for each of a layer's parameters, the block(s) this rank holds
 for that group, flattened and concatenated into one flat vector. Every member builds the same vector
 (the same blocks of the same parameters in the same order; shapes do not depend on the TP degree
@@ -100,12 +101,13 @@ def build_buckets(params: Mapping[str, nn.Parameter], role: RankRole, *, zero: i
         layer = int(name.split(".")[1])
         dim = shard_dim(name) if role.tp > 1 or role.sync_blocks > 1 else None
         decay = p.dim() >= 2
+        stage_group, block_groups = role.sync_groups(name)  # a routed expert's: its expert DP group's
         if dim is None:
             piece = Piece(name, None, 0, 0, p.numel(), grad_weight(name, role.tp, sequence_parallel), decay)
-            pieces.setdefault((layer, role.stage_group), []).append(piece)
+            pieces.setdefault((layer, stage_group), []).append(piece)
             continue
         width = p.shape[dim] // per_rank
-        for b, ranks in enumerate(role.block_groups):
+        for b, ranks in enumerate(block_groups):
             numel = p.numel() // p.shape[dim] * width
             pieces.setdefault((layer, ranks), []).append(Piece(name, dim, b * width, width, numel, 1.0, decay))
     out = []

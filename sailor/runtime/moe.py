@@ -31,14 +31,16 @@ those rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from sailor.model.spec import ModelSpec
+from sailor.runtime.topology import RankRole
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
 """MLP non-linearities by `ModelSpec.act` name (the dense MLP of `runtime.model` uses them too)."""
@@ -98,6 +100,7 @@ class MoEMLP(nn.Module):
         self.enter: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.leave: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.record: list[torch.Tensor] | None = None  # `record_router_logits` collects the logits here
+        self.ep: ExpertParallel | None = None  # the all-to-all under expert parallelism (`apply_ep`)
 
     def shard(self, tp: int, enter: Callable, leave: Callable) -> None:
         """Split every expert over `tp` ranks (module docstring); `enter` / `leave` are the TP
@@ -116,17 +119,11 @@ class MoEMLP(nn.Module):
             self.record.append(logits)
         weights, chosen = route(logits, self.top_k, self.renormalise)  # (N, k) fp32, (N, k) int64
         inp = self.enter(flat)
-        tokens, slots, outs = [], [], []
-        for eid, expert in self.experts.items():
-            token, slot = torch.nonzero(chosen == int(eid), as_tuple=True)  # rows routed to this expert
-            tokens.append(token)
-            slots.append(slot)
-            outs.append(expert(inp[token]))  # (R_e, h), partial over TP
-        n_routed = sum(o.shape[0] for o in outs)
-        if self.shared is not None:
-            outs.append(self.shared(inp))
+        run = self._run_local if self.ep is None else self.ep.run
+        routed, token, slot = run(inp, chosen, self.experts)  # (R, h) partial over TP, (R,), (R,)
+        n_routed = routed.shape[0]
+        outs = [routed] + ([self.shared(inp)] if self.shared is not None else [])
         combined = self.leave(torch.cat(outs))  # (R + N·[shared], h), summed over TP
-        token, slot = torch.cat(tokens), torch.cat(slots)
         routed = combined[:n_routed] * weights[token, slot].unsqueeze(1)  # fp32 weights, as Mixtral
         out = torch.zeros_like(flat).index_add(0, token, routed.to(flat.dtype))
         if self.shared is not None:
@@ -135,6 +132,97 @@ class MoEMLP(nn.Module):
                 shared = torch.sigmoid(self.shared_gate(flat)) * shared
             out = out + shared
         return out.view(shape)
+
+    @staticmethod
+    def _run_local(inp: torch.Tensor, chosen: torch.Tensor,
+                   experts: nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every routed copy through its expert, all experts held here: (N, h), (N, k) expert ids ->
+        outputs (R, h) of the R = N·k routed copies, expert by expert, and their tokens and slots (R,)."""
+        tokens, slots, outs = [], [], []
+        for eid, expert in experts.items():
+            token, slot = torch.nonzero(chosen == int(eid), as_tuple=True)  # rows routed to this expert
+            tokens.append(token)
+            slots.append(slot)
+            outs.append(expert(inp[token]))  # (R_e, h), partial over TP
+        return torch.cat(outs), torch.cat(tokens), torch.cat(slots)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` of rows: rank r sends rows [Σ send[:d], Σ send[:d+1]) of `x` to rank d of
+    `group` and receives recv[s] rows from each rank s, in rank order; backward sends the gradient
+    back the same way reversed (recv and send swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
+                               group=ctx.group)
+        return out, None, None, None
+
+
+class ExpertParallel:
+    """The all-to-all dispatch and combine of one MoE MLP under expert parallelism (`plan.experts`):
+    `placement[q]` are the experts (global ids, sorted) EP rank q of `group` holds; this rank is EP
+    rank `ep_rank`."""
+
+    def __init__(self, placement: Sequence[Sequence[int]], ep_rank: int, group) -> None:
+        self.placement, self.ep_rank, self.group = [list(ids) for ids in placement], ep_rank, group
+        order = [e for ids in self.placement for e in ids]  # experts by (EP rank, id)
+        self.position = torch.empty(len(order), dtype=torch.int64)
+        self.position[torch.tensor(order)] = torch.arange(len(order))
+
+    def run(self, inp: torch.Tensor, chosen: torch.Tensor,
+            experts: nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`MoEMLP._run_local` with the experts spread over the EP group: (N, h) input (this TP rank's
+        copy), (N, k) expert ids -> the outputs (R, h) of this rank's R = N·k routed copies (partial
+        over TP), and their tokens and slots (R,).
+
+        The copies are sorted by their expert's place (EP rank, then id); each EP rank first learns
+        how many rows of each of its experts every rank sends (an all-to-all of counts), then the rows
+        go out (dispatch), each held expert runs on all rows for it, and the outputs return the same
+        way (combine), to the sending rank in its sorted order."""
+        k, ep, mine = chosen.shape[1], len(self.placement), self.placement[self.ep_rank]
+        place = self.position.to(chosen.device)[chosen.reshape(-1)]  # (N·k,)
+        sorted_at = torch.argsort(place, stable=True)  # copy a = token·k + slot
+        token, slot = sorted_at // k, sorted_at % k
+        counts = torch.bincount(place, minlength=self.position.numel())  # (E,) copies per expert, by place
+        widths = [len(ids) for ids in self.placement]
+        got = counts.new_empty(ep * len(mine))  # (ep, len(mine)): rows per (source, expert of mine)
+        dist.all_to_all_single(got, counts, output_split_sizes=[len(mine)] * ep, input_split_sizes=widths,
+                               group=self.group)
+        send = [int(c.sum()) for c in counts.split(widths)]
+        got = got.view(ep, len(mine))
+        recv = got.sum(dim=1).tolist()
+        rows = _AllToAll.apply(inp[token], send, recv, self.group)  # (R', h): by source, then expert
+        expert_of_row = torch.arange(len(mine), device=rows.device).repeat(ep).repeat_interleave(got.reshape(-1))
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        sizes = got.sum(dim=0).tolist()
+        outs = [experts[str(e)](x) for e, x in zip(mine, rows[by_expert].split(sizes))]
+        out = torch.empty_like(rows).index_copy(0, by_expert, torch.cat(outs))  # back to arrival order
+        return _AllToAll.apply(out, recv, send, self.group), token, slot
+
+
+def apply_ep(stage: nn.Module, role: RankRole, num_experts: int, group) -> None:
+    """Expert parallelism on `stage` (a GPT stage before TP, on any device) for `role`'s rank: every
+    MoE MLP keeps only the experts of the rank's EP rank (`StageExperts.held`) and dispatches over
+    `group` (the role's `ep_group`; None will do for shapes only). Nothing changes with EP 1."""
+    ex = role.experts
+    if ex.ep == 1:
+        return
+    placement = [ex.held(q, num_experts) for q in range(ex.ep)]
+    held = {str(e) for e in placement[role.ep_rank]}
+    for m in stage.modules():
+        if isinstance(m, MoEMLP):
+            for eid in [e for e in m.experts if e not in held]:
+                del m.experts[eid]
+            m.ep = ExpertParallel(placement, role.ep_rank, group)
 
 
 @contextmanager

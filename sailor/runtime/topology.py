@@ -22,6 +22,11 @@ Torch-free and pure, so it is tested without any process group. Ranks come from
   Block k is held, in a replica of TP degree t, by TP rank `k // (L / t)`; its group is those D
   ranks, one per pipeline. Replicated parameters (norms, row-parallel biases, position table) are
   held by every rank of the stage: their group is all of them (each rank weighs its copy by 1/t).
+- its expert parallelism (`plan.experts`): its EP rank, the experts it holds, the all-to-all group
+  (the ranks of its own TP rank in the replicas of its EP group, by EP rank) and the sync groups of
+  its experts' parameters, which are those above restricted to the pipelines at its EP rank in every
+  EP group (`expert_block_groups`, `expert_stage_group`; `sync_groups` picks by parameter name). With
+  EP 1 the all-to-all group is the rank alone and the expert groups are the stage's.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from fractions import Fraction
 from typing import NamedTuple
 
 from sailor.plan.comms import boundary_pieces
+from sailor.plan.experts import StageExperts
 from sailor.plan.placement import rank_layout
 from sailor.plan.spec import Plan, StageMemory
 
@@ -71,6 +77,19 @@ class RankRole:
     block_groups: tuple[Ranks, ...]  # sync group of each block this rank holds (L / tp of them, in order)
     stage_group: Ranks  # every rank holding this stage (sync group of replicated parameters)
     memory: StageMemory  # this stage's memory options (`stage_memory`)
+    experts: StageExperts  # this stage's expert parallelism (`Plan.stage_experts`)
+    ep_rank: int  # this replica's EP rank in its EP group (0 with EP 1)
+    ep_group: Ranks  # the all-to-all group: this TP rank of each replica of the EP group, by EP rank
+    expert_block_groups: tuple[Ranks, ...]  # like `block_groups`, for routed experts' parameters
+    expert_stage_group: Ranks  # like `stage_group`, for routed experts' parameters
+
+    def sync_groups(self, name: str) -> tuple[Ranks, tuple[Ranks, ...]]:
+        """(group of a replicated parameter, groups of the blocks of a sharded one) for canonical
+        parameter `name`: the expert groups for a routed expert's (`mlp.experts.<j>.`), else the
+        stage's."""
+        if ".mlp.experts." in name:
+            return self.expert_stage_group, self.expert_block_groups
+        return self.stage_group, self.block_groups
 
     @property
     def is_first_stage(self) -> bool:
@@ -97,7 +116,8 @@ class Topology:
         create torch groups in the same order)."""
         seen: dict[Ranks, None] = {}
         for r in self.roles:
-            for g in (r.tp_group, *r.block_groups, r.stage_group):
+            for g in (r.tp_group, *r.block_groups, r.stage_group, r.ep_group, *r.expert_block_groups,
+                      r.expert_stage_group):
                 if len(g) > 1:
                     seen.setdefault(g, None)
         return sorted(seen, key=lambda g: (len(g), g))
@@ -124,6 +144,15 @@ def derive_topology(plan: Plan) -> Topology:
                                  for j, p in enumerate(plan.pipelines))
                    for i in range(num_stages) for k in range(finest[i])}
     stage_group = {i: tuple(r for j in range(num_pipes) for r in replica[(j, i)]) for i in range(num_stages)}
+    # Expert parallelism: the pipelines at each EP rank of stage i (one per EP group), and the groups
+    # of the experts' blocks and whole parameters among those pipelines' replicas.
+    experts = [plan.stage_experts(i) for i in range(num_stages)]
+    at_ep_rank = {(i, q): [j for j in range(num_pipes) if experts[i].ep_rank(j) == q]
+                  for i in range(num_stages) for q in range(experts[i].ep)}
+    expert_block = {(i, q, k): tuple(replica[(j, i)][k // (finest[i] // plan.pipelines[j].replicas[i].tp)]
+                                     for j in at_ep_rank[(i, q)])
+                    for (i, q) in at_ep_rank for k in range(finest[i])}
+    expert_stage = {(i, q): tuple(r for j in at_ep_rank[(i, q)] for r in replica[(j, i)]) for (i, q) in at_ep_rank}
     first = [0]
     for p in plan.pipelines:
         first.append(first[-1] + p.microbatches * plan.micro_batch_size)
@@ -135,6 +164,9 @@ def derive_topology(plan: Plan) -> Topology:
         prev = replica.get((j, (i - 1) % num_stages)) if i > 0 or wrap else None
         nxt = replica.get((j, (i + 1) % num_stages)) if i < num_stages - 1 or wrap else None
         blocks_per_rank = finest[i] // info.tp
+        ex = experts[i]
+        q, first_pipe = ex.ep_rank(j), j - ex.ep_rank(j)  # EP rank, the EP group's first pipeline
+        mine = range(t * blocks_per_rank, (t + 1) * blocks_per_rank)
         links_in = tuple(Link(prev[s], lo, hi) for s, r, lo, hi in boundary_pieces(len(prev), info.tp)
                          if r == t) if prev else ()
         links_out = tuple(Link(nxt[r], lo, hi) for s, r, lo, hi in boundary_pieces(info.tp, len(nxt))
@@ -145,8 +177,10 @@ def derive_topology(plan: Plan) -> Topology:
             first_sample=first[j], tp_group=tuple(replica[(j, i)]),
             fwd_recv_from=links_in, fwd_send_to=links_out, bwd_recv_from=links_out, bwd_send_to=links_in,
             sync_blocks=finest[i],
-            block_groups=tuple(block_group[(i, k)] for k in range(t * blocks_per_rank, (t + 1) * blocks_per_rank)),
-            stage_group=stage_group[i], memory=stage_memory(plan, i)))
+            block_groups=tuple(block_group[(i, k)] for k in mine),
+            stage_group=stage_group[i], memory=stage_memory(plan, i), experts=ex, ep_rank=q,
+            ep_group=tuple(replica[(first_pipe + e, i)][t] for e in range(ex.ep)),
+            expert_block_groups=tuple(expert_block[(i, q, k)] for k in mine), expert_stage_group=expert_stage[(i, q)]))
 
     assert [r.rank for r in roles] == list(range(plan.world_size))
     assert sorted(x for g in replica.values() for x in g) == list(range(plan.world_size))

@@ -86,6 +86,7 @@ from sailor.runtime.groups import create_channel_groups, create_groups, ignore_t
 from sailor.runtime.messages import ACTIVATION, GRADIENT
 from sailor.runtime.metrics import StepLog, check_tensorboard
 from sailor.runtime.model import GPT, initial_value, param_shapes
+from sailor.runtime.moe import apply_ep
 from sailor.runtime.optim import optim_config
 from sailor.runtime.pipeline import P2P, StageTimes, build_stage, run_pipeline
 from sailor.runtime.recompute import apply_recompute
@@ -159,15 +160,18 @@ def save_checkpoint(root: Path, step: int, meta: dict[str, Any], opt: ShardedAda
     return path
 
 
-def meta_stage(spec: ModelSpec, role: RankRole, tp_group=None) -> nn.Module:
+def meta_stage(spec: ModelSpec, role: RankRole, tp_group=None, ep_group=None) -> nn.Module:
     """Step 2 of the order of construction up to recompute: `GPT(spec)` on the `meta` device, cut to
-    the role's layer chunks (`build_stage`) and TP-sharded (`apply_tp`, with the stage's sequence
-    parallelism, over `tp_group`). Its parameters are this rank's TP shards by canonical name, in the
-    order the optimizer buckets them; no memory is allocated and no process group is touched (None
-    will do as `tp_group` for shapes only: `reshard` reads a plan's holdings from it)."""
+    the role's layer chunks (`build_stage`), its MoE MLPs cut to the experts of the role's EP rank
+    (`moe.apply_ep`, dispatching over `ep_group`) and TP-sharded (`apply_tp`, with the stage's
+    sequence parallelism, over `tp_group`). Its parameters are this rank's TP shards by canonical
+    name, in the order the optimizer buckets them; no memory is allocated and no process group is
+    touched (None will do as either group for shapes only: `reshard` reads a plan's holdings from it)."""
     with torch.device("meta"):
         stage = GPT(spec)
     build_stage(stage, role.chunks)
+    if spec.moe is not None:
+        apply_ep(stage, role, spec.moe.num_experts, ep_group)
     return apply_tp(stage, tp_rank=role.tp_rank, tp=role.tp, group=tp_group,
                     sequence_parallel=role.memory.sequence_parallel)
 
@@ -199,7 +203,7 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     received from live ranks). `dtype` overrides the compute dtype of
     `job.precision` on `device` (tests run bf16 on CPU with it)."""
     spec, mem = job.model, role.memory
-    stage = meta_stage(spec, role, groups.get(role.tp_group))
+    stage = meta_stage(spec, role, groups.get(role.tp_group), groups.get(role.ep_group))
     apply_recompute(stage, mem)
     dtype = dtype or compute_dtype(job.precision, device)
     tied = tied_for_rank(spec, plan, derive_topology(plan), role.rank)
