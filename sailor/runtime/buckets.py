@@ -11,9 +11,9 @@ when each holds a partial sum over its sequence slice (sequence parallelism) by 
 
 Buckets. The ranks that hold an element come from `topology`: a sharded parameter is cut into the
 L blocks of its stage's finest sharding, block k held by one rank per pipeline (`role.block_groups`);
-replicated parameters are held by every rank of the stage (`role.stage_group`); a routed expert's
-parameters under expert parallelism only by the ranks holding the expert (`role.sync_groups`). A *bucket* is the
-part of one layer that one group holds: for each of a layer's parameters, the block(s) this rank holds
+replicated parameters are held by every rank of the stage (`role.stage_group`); under expert
+parallelism a routed expert's parameters only by the ranks holding the expert (`role.sync_groups`).
+A *bucket* is the part of one layer that one group holds: for each of a layer's parameters, the block(s) this rank holds
 for that group, flattened and concatenated into one flat vector. Every member builds the same vector
 (the same blocks of the same parameters in the same order; shapes do not depend on the TP degree
 because a block is a fixed slice of the full tensor), so flat offsets mean the same element on every

@@ -26,9 +26,11 @@ so one communicator and stream per unordered pair, both directions and both kind
 
 Collectives modelled per op (labelled by the op, so any disagreement shows): the TP group's
 all-reduces in a real F or B of a replica of TP > 1 (and the all-gather of the op's input slices
-after its receives, `pipeline.P2P.receive`, which comes first among them), and under ZeRO-2/3 the gathers and
-reduce-scatters of each of the rank's sharding groups (`role.block_groups`, `role.stage_group`) in
-every F, B and W, rounds without a micro-batch included. All collectives of one op are modelled as
+after its receives, `pipeline.P2P.receive`, which comes first among them), the EP group's
+all-to-alls in a real F or B of a stage under expert parallelism (`runtime.moe.ExpertParallel`), and
+under ZeRO-2/3 the gathers and reduce-scatters of each of the rank's sharding groups
+(`role.block_groups`, `role.stage_group`, and its experts' `role.expert_block_groups`,
+`role.expert_stage_group`) in every F, B and W, rounds without a micro-batch included. All collectives of one op are modelled as
 one per group, in a fixed group order, which every member of a stage shares.
 """
 
@@ -76,11 +78,13 @@ def op_collectives(role: RankRole, kind: str, chunk: int, micro_batch: int) -> l
     label = (kind, chunk, micro_batch)
     out = []
     if role.memory.zero >= 2:
-        for g in sorted({*role.block_groups, role.stage_group}):
+        for g in sorted({*role.block_groups, role.stage_group, *role.expert_block_groups, role.expert_stage_group}):
             if len(g) > 1:
                 out.append((g, label))
     if role.tp > 1 and micro_batch < role.microbatches and kind != WGRAD:
         out.append((role.tp_group, label))
+    if len(role.ep_group) > 1 and micro_batch < role.microbatches and kind != WGRAD:
+        out.append((role.ep_group, label))  # the MoE blocks' all-to-alls (forward; backward in B)
     return out
 
 

@@ -2,8 +2,8 @@
 
 `MoEMLP` replaces a block's dense MLP where `ModelSpec.is_moe_block` says so. Its parameters have
 canonical, plan-independent names: `mlp.router.weight` (E, h), `mlp.experts.<j>.{gate,up,down}.weight`
-for expert j (its global id: `experts` is a ModuleDict keyed by id, so a rank may hold a subset of
-them, as expert parallelism will), `mlp.shared.{gate,up,down}.weight` (the shared experts as one
+for expert j (its global id: `experts` is a ModuleDict keyed by id, so a rank holds a subset of
+them under expert parallelism), `mlp.shared.{gate,up,down}.weight` (the shared experts as one
 SwiGLU) and `mlp.shared_gate.weight` (1, h).
 
 Forward for N = B·T tokens (Hugging Face `MixtralSparseMoeBlock`, `Qwen2MoeSparseMoeBlock`,
@@ -21,6 +21,16 @@ columns); the router and the shared gate stay replicated. The experts read the i
 routed rows of every expert and the shared output, concatenated — are summed over the TP group
 in one `leave` (all-reduce) before the routing weights and the shared gate apply, so those
 weights, the router and its input gradient see whole expert outputs on every rank.
+
+Expert parallelism (`apply_ep`, `plan.experts`): a rank keeps only its EP rank's experts and
+`ExpertParallel.run` replaces the local loop: the routed copies, sorted by their expert's place,
+go to the EP ranks holding their experts in one all-to-all (`_AllToAll`, torch.distributed
+`all_to_all_single` with uneven splits, which gloo and NCCL both run; an all-to-all of the per-expert
+counts first), each held expert runs on every row it received, and the outputs come back in a second
+all-to-all, whose backward (and the first's) is the reverse all-to-all of the gradients. Under TP the
+all-to-all pairs equal TP ranks, so what comes back is still partial over TP and the one `leave`
+follows as without EP. The experts' gradients then hold every EP group member's tokens; gradient
+sync sums them over the expert's holders (`topology.RankRole.sync_groups`).
 
 `load_balancing_loss` is Hugging Face's `load_balancing_loss_func` (Switch Transformer, Fedus et
 al. 2022, eq. 4-6, as transformers computes it over the concatenated layers): for router logits of
