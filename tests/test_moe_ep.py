@@ -87,6 +87,21 @@ def test_bad_placement_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
     assert "plan.json" in err[0] and "experts.0.placement.1" in err[0] and "EP rank 1 holds no expert" in err[0]
 
 
+def test_the_simulator_refuses_expert_parallelism_it_does_not_model(tmp_path, monkeypatch, capsys):
+    from sailor.cli import main
+
+    job = {"model": _spec().model_dump(mode="json", exclude_defaults=True), "global_batch_size": 8,
+           "sequence_length": 32}
+    cluster = {"provider": "local", "zones": {"local": {"cpu": 4}}}
+    (tmp_path / "plan.json").write_text(json.dumps(_plan([{"ep": 2}]) | {"job": job, "cluster": cluster}))
+    monkeypatch.setattr(sys, "argv", ["sailor", "simulate", str(tmp_path / "plan.json")])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "plan.json" in err[0] and "experts.0.ep" in err[0] and "does not model expert parallelism" in err[0]
+
+
 def test_defaults_leave_a_plan_unchanged():
     plain = Plan.model_validate(_plan(None, tps=(2, 1)))
     explicit = Plan.model_validate(_plan([{"ep": 1}], tps=(2, 1)))

@@ -18,7 +18,7 @@ from sailor.core.fileio import check_output_path
 from sailor.core.units import GIB
 from sailor.plan import load_plan
 from sailor.plan.spec import Plan
-from sailor.simulator import Estimate, make_context, simulate
+from sailor.simulator import Estimate, check_modelled, make_context, simulate
 from sailor.simulator.schedule import check_pipeline_tasks
 
 
@@ -40,6 +40,7 @@ def simulate_command(
     try:
         job_spec, cluster_spec = resolve_specs(plan, job, cluster)
         plan.check_against(job_spec, cluster_spec)
+        check_modelled(plan)
         for pipe in plan.pipelines:  # before the work (profiling this machine, the simulation)
             check_pipeline_tasks(plan.num_stages, pipe.microbatches, plan.virtual_stages)
     except Exception as e:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sailor import catalog
+from sailor.core.errors import SailorInputError
 from sailor.core.units import HOUR_S
 from sailor.perf.profiles import SPLIT_FROM_FLOPS
 from sailor.plan.comms import replica_nccl_bytes
@@ -264,6 +265,18 @@ def _with_nccl(ctx: SimContext, mem: MemoryBreakdown, plan: Plan, pipeline: int,
     return dataclasses.replace(mem, nccl=nccl)
 
 
+def check_modelled(plan: Plan) -> None:
+    """Raise SailorInputError (naming `experts.<stage>.ep`) for a plan this simulator does not model:
+    expert parallelism above 1 (its all-to-all, the experts' memory per EP rank and their gradient
+    sync over each expert's holders are not modelled yet; EP 1, every expert on every rank, is)."""
+    for i in range(plan.num_stages):
+        ep = plan.stage_experts(i).ep
+        if ep > 1:
+            raise SailorInputError(f"the simulator does not model expert parallelism yet (ep {ep} on stage {i}):"
+                                   " its all-to-all, per-EP-rank expert memory and expert gradient sync",
+                                   field=f"experts.{i}.ep", fix="simulate the plan with ep 1 (sailor train runs it)")
+
+
 def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     """Simulate one iteration of `plan`.
 
@@ -274,7 +287,10 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
             (planner fast path).
     Returns:
         Estimate with times (s), memory per GPU (bytes) and cost ($).
+    Raises:
+        SailorInputError: a plan with expert parallelism (`check_modelled`).
     """
+    check_modelled(plan)
     job, mbs = ctx.job, plan.micro_batch_size
     P, D = plan.num_stages, len(plan.pipelines)
     sched = pipeline_schedule(plan)
