@@ -244,10 +244,21 @@ def test_two_ep_groups_sync_each_experts_gradients_under_zero3(tmp_path):
                             "pipelines": [{"microbatches": 1, "replicas": [_rep()]}] * 4}, tmp_path)
 
 
-@pytest.mark.integration
-def test_ep2_on_both_stages_of_a_zero_bubble_pipeline_equals_the_single_process_run(tmp_path):
+PIPELINED = {
     # Mixtral on 2 stages x 2 pipelines under ZB-H1 (the all-to-all's backward in the input-gradient
     # pass, the experts' weight gradients in the deferred one), EP 2 on each stage, one uneven
-    _train_ep("mixtral", {"schedule": {"kind": "zb-h1"}, "experts": [{"ep": 2, "placement": [[3], [0, 1, 2]]},
-                                                                     {"ep": 2}],
-                          "pipelines": [{"microbatches": 2, "replicas": [_rep(0), _rep(1)]}] * 2}, tmp_path)
+    "zb-h1": ("mixtral", {"schedule": {"kind": "zb-h1"},
+                          "experts": [{"ep": 2, "placement": [[3], [0, 1, 2]]}, {"ep": 2}]}),
+    # Qwen3-MoE interleaved, one layer per chunk (stage 0 holds block 2, stage 1 block 1), ZeRO-1 and 3
+    "interleaved": ("qwen3_moe", {"stages": [[0, 1], [1, 2], [2, 3], [3, 4]],
+                                  "schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2},
+                                  "experts": [{"ep": 2}, {"ep": 2, "placement": [[1, 2, 3], [0]]}],
+                                  "memory": [{"zero": 1}, {"zero": 3}]}),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("schedule", list(PIPELINED))
+def test_ep2_on_both_stages_of_a_pipeline_equals_the_single_process_run(schedule, tmp_path):
+    arch, body = PIPELINED[schedule]
+    _train_ep(arch, body | {"pipelines": [{"microbatches": 2, "replicas": [_rep(0), _rep(1)]}] * 2}, tmp_path)
