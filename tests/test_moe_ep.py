@@ -74,32 +74,32 @@ def test_ep_on_a_dense_model_is_refused():
     _refused(_plan([{"ep": 2}]), "experts.0.ep", "holds no mixture-of-experts block", _spec(sparse=False))
 
 
-def test_bad_placement_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+def _simulate_refused(plan: dict, tmp_path, monkeypatch, capsys) -> str:
+    """`sailor simulate` of `plan` (written to plan.json): exit 2 and one stderr line, returned."""
     from sailor.cli import main
 
-    job = {"model": "tiny", "global_batch_size": 8}
-    (tmp_path / "plan.json").write_text(json.dumps(_plan([{"ep": 2, "placement": [[0, 1], []]}]) | {"job": job}))
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
     monkeypatch.setattr(sys, "argv", ["sailor", "simulate", str(tmp_path / "plan.json")])
     with pytest.raises(SystemExit) as e:
         main()
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
-    assert "plan.json" in err[0] and "experts.0.placement.1" in err[0] and "EP rank 1 holds no expert" in err[0]
+    assert "plan.json" in err[0]
+    return err[0]
+
+
+def test_bad_placement_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+    plan = _plan([{"ep": 2, "placement": [[0, 1], []]}]) | {"job": {"model": "tiny", "global_batch_size": 8}}
+    line = _simulate_refused(plan, tmp_path, monkeypatch, capsys)
+    assert "experts.0.placement.1" in line and "EP rank 1 holds no expert" in line
 
 
 def test_the_simulator_refuses_expert_parallelism_it_does_not_model(tmp_path, monkeypatch, capsys):
-    from sailor.cli import main
-
     job = {"model": _spec().model_dump(mode="json", exclude_defaults=True), "global_batch_size": 8,
            "sequence_length": 32}
     cluster = {"provider": "local", "zones": {"local": {"cpu": 4}}}
-    (tmp_path / "plan.json").write_text(json.dumps(_plan([{"ep": 2}]) | {"job": job, "cluster": cluster}))
-    monkeypatch.setattr(sys, "argv", ["sailor", "simulate", str(tmp_path / "plan.json")])
-    with pytest.raises(SystemExit) as e:
-        main()
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1, err
-    assert "plan.json" in err[0] and "experts.0.ep" in err[0] and "does not model expert parallelism" in err[0]
+    line = _simulate_refused(_plan([{"ep": 2}]) | {"job": job, "cluster": cluster}, tmp_path, monkeypatch, capsys)
+    assert "experts.0.ep" in line and "does not model expert parallelism" in line
 
 
 def test_defaults_leave_a_plan_unchanged():
@@ -262,3 +262,39 @@ PIPELINED = {
 def test_ep2_on_both_stages_of_a_pipeline_equals_the_single_process_run(schedule, tmp_path):
     arch, body = PIPELINED[schedule]
     _train_ep(arch, body | {"pipelines": [{"microbatches": 2, "replicas": [_rep(0), _rep(1)]}] * 2}, tmp_path)
+
+
+@pytest.mark.integration
+def test_a_checkpoint_saved_under_one_placement_resumes_under_another(tmp_path):
+    # Checkpoints name each expert by its global index: two steps under EP 2 (expert 3 alone on EP
+    # rank 0), saved, then two more under EP 4 (each expert on a rank of its own) from that checkpoint
+    # train as one process does for four steps
+    pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
+    import numpy as np
+    from hf_models import VOCAB, make_model
+
+    from sailor.runtime.data import load_corpus
+    from sailor.runtime.hf_weights import load_full_model
+    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+    from sailor.runtime.reference import train_reference
+
+    folder, data, ck = tmp_path / "mixtral", tmp_path / "train.bin", str(tmp_path / "ck")
+    make_model("mixtral", folder)
+    np.random.default_rng(0).integers(0, VOCAB, 20_000).astype(np.uint16).tofile(data)
+    job = {"model": str(folder / "config.json"), "global_batch_size": 8, "sequence_length": 32}
+
+    def run(experts: dict, pipelines: int, steps: int, **kw) -> list[dict]:
+        plan, metrics = tmp_path / f"plan-{steps}.json", tmp_path / f"metrics-{steps}.jsonl"
+        plan.write_text(json.dumps({"micro_batch_size": 2, "stages": [[0, 4]], "job": job, "experts": [experts],
+                                    "pipelines": [{"microbatches": 4 // pipelines, "replicas": [_rep()]}] * pipelines}))
+        result = launch(prepare(TrainOptions(plan=str(plan), steps=steps, data=str(data), metrics=str(metrics),
+                                             checkpoint_dir=ck, timeout_s=60, **kw)), handle_signals=False)
+        assert result.status is ExitStatus.DONE, result.message
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+    rows = run({"ep": 2, "placement": [[3], [0, 1, 2]]}, 2, 2, init_from=str(folder))
+    rows += run({"ep": 4}, 4, 4, resume=True)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    losses, _ = train_reference(JobSpec(**job), steps=4, seed=0, corpus=load_corpus(data),
+                                model=load_full_model(folder))
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-5)

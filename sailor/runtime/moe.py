@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -185,7 +186,7 @@ class ExpertParallel:
     def __init__(self, placement: Sequence[Sequence[int]], ep_rank: int, group) -> None:
         self.placement, self.ep_rank, self.group = [list(ids) for ids in placement], ep_rank, group
         order = [e for ids in self.placement for e in ids]  # experts by (EP rank, id)
-        self.position = torch.empty(len(order), dtype=torch.int64)
+        self.position = torch.empty(len(order), dtype=torch.int64)  # expert id -> its place in `order`
         self.position[torch.tensor(order)] = torch.arange(len(order))
 
     def run(self, inp: torch.Tensor, chosen: torch.Tensor,
@@ -204,16 +205,18 @@ class ExpertParallel:
         token, slot = sorted_at // k, sorted_at % k
         counts = torch.bincount(place, minlength=self.position.numel())  # (E,) copies per expert, by place
         widths = [len(ids) for ids in self.placement]
-        got = counts.new_empty(ep * len(mine))  # (ep, len(mine)): rows per (source, expert of mine)
+        got = counts.new_empty(ep * len(mine))  # (ep·len(mine),): rows per (source, expert of mine)
         dist.all_to_all_single(got, counts, output_split_sizes=[len(mine)] * ep, input_split_sizes=widths,
                                group=self.group)
-        send = [int(c.sum()) for c in counts.split(widths)]
-        got = got.view(ep, len(mine))
-        recv = got.sum(dim=1).tolist()
+        per_place, per_source = counts.tolist(), got.view(ep, len(mine)).tolist()  # the host's copies, once
+        bounds = list(accumulate(widths, initial=0))  # EP rank q's experts are places [bounds[q], bounds[q+1])
+        send = [sum(per_place[a:b]) for a, b in zip(bounds, bounds[1:])]
+        recv = [sum(row) for row in per_source]
+        sizes = [sum(col) for col in zip(*per_source)]  # rows per expert of mine
         rows = _AllToAll.apply(inp[token], send, recv, self.group)  # (R', h): by source, then expert
-        expert_of_row = torch.arange(len(mine), device=rows.device).repeat(ep).repeat_interleave(got.reshape(-1))
+        expert_of_row = torch.arange(len(mine), device=rows.device).repeat(ep).repeat_interleave(
+            got, output_size=sum(recv))  # (R',) which of my experts each arriving row is for
         by_expert = torch.argsort(expert_of_row, stable=True)
-        sizes = got.sum(dim=0).tolist()
         outs = [experts[str(e)](x) for e, x in zip(mine, rows[by_expert].split(sizes))]
         out = torch.empty_like(rows).index_copy(0, by_expert, torch.cat(outs))  # back to arrival order
         return _AllToAll.apply(out, recv, send, self.group), token, slot
