@@ -33,17 +33,13 @@ one EP group must have the same TP degree on the stage and their pipelines the s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, model_validator
 
 from sailor.core.errors import SailorInputError
 from sailor.core.limits import MAX_GLOBAL_BATCH, MAX_WIDTH
 from sailor.core.schema import SPEC_CONFIG, Whole
-
-if TYPE_CHECKING:
-    from sailor.model.spec import ModelSpec
-    from sailor.plan.spec import Plan
+from sailor.model.spec import ModelSpec
 
 
 class StageExperts(BaseModel):
@@ -99,46 +95,50 @@ class StageExperts(BaseModel):
 DEFAULT_STAGE_EXPERTS = StageExperts()
 
 
-def check_plan_experts(plan: "Plan") -> None:
-    """Raise SailorInputError unless `plan.experts` fits the plan itself: none or one entry per
-    stage, ep dividing the pipelines, and within every EP group one TP degree per stage and one
-    micro-batch count (module docstring)."""
-    if not plan.experts:
+def check_plan_experts(experts: Sequence[StageExperts], tp: Sequence[Sequence[int]],
+                       microbatches: Sequence[int]) -> None:
+    """Raise SailorInputError unless a plan's `experts` fit the plan itself (`Plan._check`): none or
+    one entry per stage, ep dividing the pipelines, and within every EP group one TP degree per stage
+    and one micro-batch count (module docstring). `tp[j][i]`: the TP degree of pipeline j's replica
+    of stage i; `microbatches[j]`: pipeline j's micro-batches."""
+    if not experts:
         return
-    P, D = plan.num_stages, len(plan.pipelines)
-    if len(plan.experts) != P:
-        raise SailorInputError(f"{len(plan.experts)} entries for {P} stages (one per stage, or none)", field="experts")
-    for i, ex in enumerate(plan.experts):
+    P, D = len(tp[0]), len(tp)
+    if len(experts) != P:
+        raise SailorInputError(f"{len(experts)} entries for {P} stages (one per stage, or none)", field="experts")
+    for i, ex in enumerate(experts):
         if ex.ep == 1:
             continue
         if D % ex.ep:
             raise SailorInputError(f"ep {ex.ep} does not divide the plan's {D} pipelines (EP groups are ep consecutive"
                                    " pipelines)", field=f"experts.{i}.ep", fix="use a divisor of the pipeline count")
         for group in ex.ep_groups(D):
-            first = plan.pipelines[group[0]]
+            f = group[0]
             for j in group[1:]:
-                p = plan.pipelines[j]
-                if p.replicas[i].tp != first.replicas[i].tp:
-                    raise SailorInputError(f"pipelines {group[0]} and {j} share an EP group on stage {i} but have TP"
-                                           f" {first.replicas[i].tp} and {p.replicas[i].tp} there (the all-to-all pairs"
-                                           " equal TP ranks)", field=f"pipelines.{j}.replicas.{i}.tp")
-                if p.microbatches != first.microbatches:
-                    raise SailorInputError(f"pipelines {group[0]} and {j} share an EP group on stage {i} but run"
-                                           f" {first.microbatches} and {p.microbatches} micro-batches (the all-to-all"
+                if tp[j][i] != tp[f][i]:
+                    raise SailorInputError(f"pipelines {f} and {j} share an EP group on stage {i} but have TP"
+                                           f" {tp[f][i]} and {tp[j][i]} there (the all-to-all pairs equal TP ranks)",
+                                           field=f"pipelines.{j}.replicas.{i}.tp")
+                if microbatches[j] != microbatches[f]:
+                    raise SailorInputError(f"pipelines {f} and {j} share an EP group on stage {i} but run"
+                                           f" {microbatches[f]} and {microbatches[j]} micro-batches (the all-to-all"
                                            " meets every micro-batch)", field=f"pipelines.{j}.microbatches")
 
 
-def check_experts_for_job(plan: "Plan", model: "ModelSpec") -> None:
-    """Raise SailorInputError unless every stage's expert parallelism fits `model`: EP > 1 only on a
-    stage holding mixture-of-experts blocks, ep at most the model's E experts, an even split needing
-    ep to divide E, and a given placement holding each of the E experts once."""
-    for i, ex in enumerate(plan.experts):
+def check_experts_for_job(experts: Sequence[StageExperts], model: ModelSpec,
+                          stages: Sequence[tuple[str, bool]]) -> None:
+    """Raise SailorInputError unless every stage's expert parallelism fits `model`
+    (`Plan.check_against`): EP > 1 only on a stage holding mixture-of-experts blocks, ep at most the
+    model's E experts, an even split needing ep to divide E, and a given placement holding each of
+    the E experts once. `stages[i]`: stage i's layers for people and whether it holds an MoE block."""
+    for i, ex in enumerate(experts):
         if ex.ep == 1:
             continue
         where = f"experts.{i}"
-        if not any(model.is_moe_block(layer) for a, b in plan.stage_chunks(i) for layer in range(a, b)):
-            raise SailorInputError(f"ep {ex.ep} on stage {i} {plan.stage_layers_text(i)}, which holds no"
-                                   f" mixture-of-experts block of {model.name}", field=f"{where}.ep", fix="use ep 1")
+        layers, sparse = stages[i]
+        if not sparse:
+            raise SailorInputError(f"ep {ex.ep} on stage {i} {layers}, which holds no mixture-of-experts block of"
+                                   f" {model.name}", field=f"{where}.ep", fix="use ep 1")
         E = model.moe.num_experts
         if ex.ep > E:
             raise SailorInputError(f"ep {ex.ep} exceeds the {E} experts of {model.name}", field=f"{where}.ep")

@@ -254,7 +254,8 @@ class Plan(BaseModel):
                 raise SailorInputError(f"zb-h1 defers weight-gradient passes, which need the activations full"
                                        f" recomputation drops (stage {i})", field=f"memory.{i}.recompute",
                                        fix="use recompute none or selective, or schedule 1f1b")
-        check_plan_experts(self)
+        check_plan_experts(self.experts, [[r.tp for r in p.replicas] for p in self.pipelines],
+                           [p.microbatches for p in self.pipelines])
         return self
 
     # ---- derived ---------------------------------------------------------------------------
@@ -354,7 +355,9 @@ class Plan(BaseModel):
                         raise SailorInputError(f"sequence parallelism splits the sequence over TP, but {job.seq} tokens"
                                                f" do not divide by TP {p.replicas[i].tp} (replica {i} of pipeline {j})",
                                                field=f"memory.{i}.sequence_parallel")
-        check_experts_for_job(self, model)
+        check_experts_for_job(self.experts, model, [
+            (self.stage_layers_text(i), any(model.is_moe_block(layer) for a, b in self.stage_chunks(i)
+                                            for layer in range(a, b))) for i in range(len(self.experts))])
         if cluster is None:
             return
         for j, p in enumerate(self.pipelines):
