@@ -385,8 +385,9 @@ class Plan(BaseModel):
         }
         if any(not m.is_default for m in self.memory):
             d["memory"] = [m.model_dump(mode="json", exclude_defaults=True) for m in self.memory]
-        if experts_to_dict(self.experts):
-            d["experts"] = experts_to_dict(self.experts)
+        experts = experts_to_dict(self.experts)
+        if experts:
+            d["experts"] = experts
         if self.schedule != DEFAULT_SCHEDULE:
             d["schedule"] = self.schedule.model_dump(mode="json", exclude_defaults=True)
         if with_specs and self.job is not None:
