@@ -5,7 +5,10 @@ N processes (gloo on CPU, NCCL on CUDA) run, for message sizes 1 KiB .. 64 MiB (
 - p2p: ranks 2k and 2k+1 ping-pong (send, then receive the same size back); one-way time = round
   trip / 2. With N >= 4 the N/2 pairs also run at once, which measures N/2 concurrent flows;
 - all-reduce of the message over all N ranks.
-Each point is the median of `repeats` timed rounds after `warmup` untimed ones. A link
+Each point is the mean of `repeats` timed rounds after `warmup` untimed ones: a training step
+pays the mean of its many transfers and collectives, and their times can be two-valued (a process
+under a CPU quota, as on the testbed, starts at once or after the rest of its period's gap; the
+median would keep one of the two). A link
 time(x) = α + x / β is fitted by least squares on relative error (each row divided by its measured
 time, so 1 KiB and 64 MiB count alike), α clipped at 0.
 
@@ -14,6 +17,11 @@ The file holds a `links` entry (zone, GPU type) -> itself per measured flow coun
 `same_node` classes, so `network_for(local_cluster(...), file)` uses it for every pair of local
 processes. The all-reduce sweep and its fit are kept under `allreduce`
 (with the bus bandwidth 2(N-1)/N · x / t), for comparison with the simulator's ring model.
+
+What the all-reduce takes beyond the simulator's ring over the measured links is the backend's
+cost of a collective, the file's `collective` (`fit_collective`: a start-up per call and a
+processing rate per byte, `perf.network.CollectiveCost`), which the simulator charges; between
+machines (`profile_pairs`, two processes per link) it is fitted on all the links' sweeps together.
 """
 
 from __future__ import annotations
@@ -29,21 +37,57 @@ SIZES_BYTES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
 HOST_SIZES_BYTES = SIZES_BYTES[:7]  # 1 KiB .. 4 MiB between machines: 4 MiB over 50 Mbit/s is 0.7 s
 
 
+def _nonnegative_line(x, y, scale) -> tuple[float, float]:
+    """(a, b) >= 0 of y = a + b·x minimising sum(((a + b·x - y) / scale)²) (least squares on error
+    relative to `scale`): the unconstrained solution when both are >= 0, else the better of the
+    fits with a = 0 or b = 0 (each clipped at 0)."""
+    x, y, w = (np.asarray(v, dtype=float) for v in (x, y, scale))
+    (a, b), *_ = np.linalg.lstsq(np.stack([1.0 / w, x / w], axis=1), y / w, rcond=None)
+    if a >= 0 and b >= 0:
+        return float(a), float(b)
+    candidates = [(0.0, max(0.0, float(np.sum(x * y / w**2) / np.sum((x / w) ** 2)))),
+                  (max(0.0, float(np.sum(y / w**2) / np.sum(1.0 / w**2))), 0.0)]
+    return min(candidates, key=lambda ab: float(np.sum(((ab[0] + ab[1] * x - y) / w) ** 2)))
+
+
 def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
     """Fit time = α + bytes / β to measured points; returns (α seconds, β bytes/s).
 
     Least squares on relative error; α is clipped at 0 (β refitted alone then). Raises ValueError
     when the points do not give a positive bandwidth.
     """
-    x, t = np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float)
-    A = np.stack([1.0 / t, x / t], axis=1)  # rows of [α, 1/β] / t against 1
-    (alpha, inv_beta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
-    if alpha < 0:
-        alpha = 0.0
-        inv_beta = float(np.sum(x / t) / np.sum((x / t) ** 2))
+    alpha, inv_beta = _nonnegative_line(sizes_bytes, times_s, times_s)
     if inv_beta <= 0:
         raise ValueError("the sweep does not give a positive bandwidth (time does not grow with size)")
-    return float(alpha), float(1.0 / inv_beta)
+    return alpha, 1.0 / inv_beta
+
+
+def ring_allreduce_model_s(sizes_bytes, processes: int, alpha_s: float, beta_bytes_per_s: float) -> np.ndarray:
+    """Seconds the simulator's ring gives an all-reduce of each size over `processes` members joined
+    by an α–β link (`simulator.collectives.ring_allreduce_s`): 2(N-1)·α + 2(N-1)/N · x / β."""
+    n = processes
+    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * np.asarray(sizes_bytes, dtype=float) / beta_bytes_per_s
+
+
+def fit_collective(flow_bytes, measured_s, ring_s) -> dict[str, Any]:
+    """The backend's cost of a collective beyond its ring (`perf.network.CollectiveCost`) from
+    all-reduce sweeps: measured = α_c + ring + B / ρ, with B the bytes each member sends
+    (2(N-1)/N · x), `ring_s` the ring model's seconds of the same points from the measured
+    point-to-point links (`ring_allreduce_model_s`); α_c and 1/ρ >= 0 fitted on the residual by
+    least squares on error relative to the measured time. Points of several sweeps (links) may be
+    pooled: α_c and ρ are the backend's, not a link's.
+
+    Returns the file's `collective` entry: {"startup_s", "processing_bytes_per_s" (absent when the
+    residual does not grow with the bytes), "fit_relative_error" (mean |model - measured| /
+    measured over the points)}."""
+    b, t, ring = (np.asarray(v, dtype=float) for v in (flow_bytes, measured_s, ring_s))
+    startup, inv_rate = _nonnegative_line(b, t - ring, t)
+    model = ring + startup + b * inv_rate
+    out: dict[str, Any] = {"startup_s": startup}
+    if inv_rate > 0:
+        out["processing_bytes_per_s"] = 1.0 / inv_rate
+    out["fit_relative_error"] = float(np.mean(np.abs(model - t) / t))
+    return out
 
 
 def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
@@ -74,7 +118,7 @@ def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
             watch.start()
             fn()
             out.append(watch.stop())
-        return float(np.median(out[o["warmup"]:]))
+        return float(np.mean(out[o["warmup"]:]))
 
     result: dict[str, Any] = {"p2p": {}, "allreduce": []}
     pair_counts = sorted({1, world // 2})
@@ -160,6 +204,7 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     alpha1, beta1 = fits[1]
     bus = [2 * (nproc - 1) / nproc * x for x in sizes_bytes]
     ar_alpha, ar_beta = fit_alpha_beta(bus, res["allreduce"])
+    collective = fit_collective(bus, res["allreduce"], ring_allreduce_model_s(sizes_bytes, nproc, alpha1, beta1))
     return {"schema": SCHEMA, "source": f"sailor profile network ({gpu}, {nproc} processes)",
             "device": device_description(device), "versions": versions(),  # type: ignore[arg-type]
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -167,7 +212,8 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
                         "same_zone": {"latency_s": alpha1, "bandwidth_bytes_per_s": beta1}},
             "links": links,
             "sweep": {"sizes_bytes": list(sizes_bytes), "p2p_one_way_s": res["p2p"], "allreduce_s": res["allreduce"]},
-            "allreduce": {"processes": nproc, "latency_s": ar_alpha, "bus_bandwidth_bytes_per_s": ar_beta}}
+            "allreduce": {"processes": nproc, "latency_s": ar_alpha, "bus_bandwidth_bytes_per_s": ar_beta},
+            "collective": collective}
 
 
 def profile_pairs(pairs, launch, *, port: int, device: str = "cpu", warmup: int = 1, repeats: int = 3,
@@ -184,7 +230,7 @@ def profile_pairs(pairs, launch, *, port: int, device: str = "cpu", warmup: int 
     """
     from sailor.runtime.profiler import run_ranks, versions
 
-    links, sweeps = [], []
+    links, sweeps, rings = [], [], []
     for pair in pairs:
         got: dict[str, Any] = {}
 
@@ -207,6 +253,9 @@ def profile_pairs(pairs, launch, *, port: int, device: str = "cpu", warmup: int 
         links.append({"src_zone": pair.src[0], "src_gpu": pair.src[1], "dst_zone": pair.dst[0], "dst_gpu": pair.dst[1],
                       "flows": 1, "latency_s": alpha, "bandwidth_bytes_per_s": beta, "same_node": pair.same_node})
         sweeps.append({"hosts": list(pair.hosts), "p2p_one_way_s": got["p2p"]["1"], "allreduce_s": got["allreduce"]})
+        rings.append(ring_allreduce_model_s(sizes_bytes, 2, alpha, beta))
+    collective = fit_collective(list(sizes_bytes) * len(sweeps), [t for sw in sweeps for t in sw["allreduce_s"]],
+                                np.concatenate(rings)) if sweeps else None
     return {"schema": SCHEMA, "source": f"sailor profile network --hosts ({len(links)} links, {device})",
             "versions": versions(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "links": links, "sweep": {"sizes_bytes": list(sizes_bytes), "pairs": sweeps}}
+            "links": links, "sweep": {"sizes_bytes": list(sizes_bytes), "pairs": sweeps}, "collective": collective}
