@@ -5,11 +5,14 @@ shaped links.
 1. bring the testbed up (default `examples/testbed.yaml`: 4 nodes, 3 zones, 2 regions, 2 speeds);
 2. profile each device class inside one rank's quota (`sailor.testbed.profile`), and the links
    between the nodes with `sailor profile network --hosts` (`network.json`: an α–β per link and
-   gloo's cost per collective beyond its ring, `perf.network.CollectiveCost`);
-3. for each plan: `sailor.simulate` with that profile, the testbed's cluster spec and the measured
-   network (predicted iteration time, bytes per zone pair, each stage's exposed sync; also, for
-   comparison, without the network file (`predicted_spec_links_s`: the cluster spec's shaped rates)
-   and with its links but no collective cost (`predicted_links_s`)), then `sailor launch --backend torchrun` through the
+   gloo's cost per collective beyond the simulator's ring over them, `perf.network.CollectiveCost`);
+   `network-collective.json` holds that cost fitted on the same sweeps against the ring over the
+   cluster spec's links (their shaped rates), and no links;
+3. for each plan: `sailor.simulate` with that profile, the testbed's cluster spec and
+   `network-collective.json` (predicted iteration time, bytes per zone pair, each stage's exposed
+   sync; also, for comparison, the spec's links alone as before this cost was modelled
+   (`predicted_spec_links_s`) and `network.json`'s measured links with their cost
+   (`predicted_measured_links_s`)), then `sailor launch --backend torchrun` through the
    stand-in ssh twice, with SHORT_STEPS and --steps steps: the measured step time is the median
    `step_time_s` after --skip steps of the long run; the bytes per iteration on the link of the
    plan's lone-node zone (all its traffic crosses to the other zone) are the difference of the two
@@ -50,6 +53,7 @@ backward_s`).
 
     python benchmarks/testbed.py [--testbed examples/testbed.yaml] [--job examples/tiny_job.yaml]
         [--steps 12] [--skip 3] [--out DIR] [--no-baselines] [--no-elastic] [--only PLAN,PLAN]
+        [--network-repeats 7] [--reuse]
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ sys.path.insert(0, str(ROOT))
 
 import sailor
 from sailor.core.fileio import write_json
+from sailor.perf.network import network_for
+from sailor.runtime.netprofile import collective_of_pairs
+from sailor.specs import load_cluster
 from sailor.testbed import counters, down, leftovers, load_testbed, support_problem, up
 from sailor.testbed.profile import profile_classes
 from sailor.testbed.spec import wire_bytes
@@ -156,8 +163,8 @@ def _link_bytes(state, node: str) -> int:
 
 
 def profile_network(state, out: Path, repeats: int) -> tuple[Path, Path]:
-    """`sailor profile network --hosts` on the testbed: (the link file, a copy without its collective
-    cost)."""
+    """`sailor profile network --hosts` on the testbed: (a file of the collective cost against the
+    cluster spec's links and no links, the measured link file)."""
     net = out / "network.json"
     env = {**os.environ, "PATH": f"{state.bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
     with open(out / "network.log", "w") as log:
@@ -166,9 +173,11 @@ def profile_network(state, out: Path, repeats: int) -> tuple[Path, Path]:
                             "--out", str(net)], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1200, check=False)
     if p.returncode != 0:
         raise RuntimeError(f"sailor profile network failed (exit {p.returncode}); see {out / 'network.log'}")
-    links = out / "network-links.json"
-    write_json(links, {k: v for k, v in json.loads(net.read_text()).items() if k != "collective"})
-    return net, links
+    data = json.loads(net.read_text())
+    cost = out / "network-collective.json"
+    write_json(cost, {"schema": data["schema"], "source": f"{data['source']}, against the cluster spec's links",
+                      "collective": collective_of_pairs(network_for(load_cluster(state.cluster_file)), data)})
+    return cost, net
 
 
 def _passes(est, plan: dict) -> tuple[float, float]:
@@ -189,8 +198,8 @@ def run_plan(name: str, plan: dict, state, job: Path, profile: Path, network: tu
     write_json(plan_file, plan)
     load_before = os.getloadavg()[0]
     est = sailor.simulate(plan_file, job=job, cluster=state.cluster_file, profiles=profile, network=network[0])
-    spec_links, links = (sailor.simulate(plan_file, job=job, cluster=state.cluster_file, profiles=profile, network=n)
-                         for n in (None, network[1]))
+    spec_links, measured_links = (sailor.simulate(plan_file, job=job, cluster=state.cluster_file, profiles=profile,
+                                                  network=n) for n in (None, network[1]))
     node = LONE_NODE.get(name)
     moved = []
     for n in (SHORT_STEPS, steps):
@@ -204,9 +213,10 @@ def run_plan(name: str, plan: dict, state, job: Path, profile: Path, network: tu
     passes, tp_comm = _passes(est, plan)
     row = {"plan": name, "predicted_s": est.iteration_time_s, "measured_s": measured,
            "error_pct": 100 * (est.iteration_time_s - measured) / measured,
-           "predicted_spec_links_s": spec_links.iteration_time_s, "predicted_links_s": links.iteration_time_s,
+           "predicted_spec_links_s": spec_links.iteration_time_s,
+           "predicted_measured_links_s": measured_links.iteration_time_s,
            "error_spec_links_pct": 100 * (spec_links.iteration_time_s - measured) / measured,
-           "error_links_pct": 100 * (links.iteration_time_s - measured) / measured,
+           "error_measured_links_pct": 100 * (measured_links.iteration_time_s - measured) / measured,
            "passes_predicted_s": passes, "tp_comm_predicted_s": tp_comm,
            "passes_measured_s": statistics.median(max(st["forward_s"] + st["backward_s"] for st in r["stages"])
                                                   for r in steps_rows),
@@ -299,6 +309,8 @@ def main() -> int:
     ap.add_argument("--no-elastic", action="store_true", help="skip the node-down-and-back row")
     ap.add_argument("--only", default=None, help="comma-separated plan names to run (default: all)")
     ap.add_argument("--network-repeats", type=int, default=7, help="timed rounds per point of the network sweep")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take the device and network profiles an earlier run left in --out instead of measuring")
     args = ap.parse_args()
     problem = support_problem()
     if problem:
@@ -314,8 +326,12 @@ def main() -> int:
     rows, others, elastic = [], [], None
     try:
         profile = out / "profile.json"
-        write_json(profile, profile_classes(spec, state, job, mbs="1,2"))
-        network = profile_network(state, out, args.network_repeats)
+        if args.reuse and profile.exists() and (out / "network.json").exists():  # an earlier run's, same --out
+            network = (out / "network-collective.json", out / "network.json")
+            print(f"reusing {profile} and {network[0]}", flush=True)
+        else:
+            write_json(profile, profile_classes(spec, state, job, mbs="1,2"))
+            network = profile_network(state, out, args.network_repeats)
         found = sailor.find_plan(job, state.cluster_file, profiles=profile, network=network[0])
         plans = {"planner": found.plan.to_dict(with_specs=False), **PLANS}
         if not args.no_baselines:
@@ -332,8 +348,8 @@ def main() -> int:
                         run_plan(name, plan, state, job, profile, network, out, args.steps, args.skip))
             r = rows[-1]
             print(f"{name:19s} predicted {r['predicted_s']:.4f} s  measured {r['measured_s']:.4f} s"
-                  f"  error {r['error_pct']:+.1f} % (spec links {r['error_spec_links_pct']:+.1f} %, measured links"
-                  f" without collective cost {r['error_links_pct']:+.1f} %)"
+                  f"  error {r['error_pct']:+.1f} % (spec links alone {r['error_spec_links_pct']:+.1f} %,"
+                  f" measured links {r['error_measured_links_pct']:+.1f} %)"
                   f"  sync {r['sync_predicted_s']:.4f} vs {r['sync_measured_s']:.4f} s"
                   f"  passes {r['passes_predicted_s']:.4f} (TP {r['tp_comm_predicted_s']:.4f}) vs"
                   f" {r['passes_measured_s']:.4f} s"

@@ -11,8 +11,13 @@ from test_cli_bad_input import _base, _main, _refused, _write
 
 from sailor.core.errors import SailorInputError
 from sailor.model.spec import Collective
-from sailor.perf.network import CollectiveCost, network_for
-from sailor.runtime.netprofile import fit_collective, ring_allreduce_model_s
+from sailor.perf.network import CollectiveCost, network_for, network_from_ours
+from sailor.runtime.netprofile import (
+    collective_of_pairs,
+    fit_collective,
+    pair_members,
+    simulated_ring_s,
+)
 from sailor.simulator import make_context
 from sailor.simulator.collectives import Member, group_members, tp_collective_time_s
 from sailor.simulator.sync import exposed_sync_s, stage_sync
@@ -95,31 +100,54 @@ def test_each_layer_bucket_of_an_overlapped_sync_pays_a_start_up():
     assert gloo > started  # and the processing of the bytes on top
 
 
+def _pair(src: str, dst: str, same_node: bool = False) -> dict:
+    return {"src_zone": src, "src_gpu": "A100-40", "dst_zone": dst, "dst_gpu": "A100-40", "flows": 1,
+            "latency_s": 1e-3, "bandwidth_bytes_per_s": 6e6, "same_node": same_node}
+
+
+def test_the_ring_a_sweep_is_compared_with_is_the_simulators():
+    # two members on two nodes of one zone: 2 steps of 0.1 ms and x / 1e8; on one node: the node's
+    # link (50 µs, 2e8 B/s); four members: 6 steps, 2 x 3/4 x; a collective cost on the model is left out
+    net = network_for(CLUSTER)
+    net.collective = GLOO
+    sizes = np.array([1024.0, 1 << 20])
+    pair = [Member(zone=ZA, gpu="A100-40", tp=1, node=n) for n in ("a", "b")]
+    assert simulated_ring_s(net, pair, sizes) == pytest.approx(2e-4 + sizes / 1e8)
+    assert simulated_ring_s(net, pair_members(_pair(ZA, ZA, same_node=True)), sizes) == pytest.approx(1e-4 + sizes / 2e8)
+    four = [Member(zone=ZA, gpu="A100-40", tp=1, node=f"n{k}") for k in range(4)]
+    assert simulated_ring_s(net, four, sizes) == pytest.approx(6e-4 + 1.5 * sizes / 1e8)
+
+
 def test_fit_recovers_start_up_and_rate_pooled_over_links():
-    # two links (α–β 0.1 ms / 35 MB/s and 1 ms / 6 MB/s), two processes each: measured =
-    # ring + 2 ms + x / 130 MB/s exactly
-    sizes = np.array([1024 * 4**k for k in range(7)], dtype=float)
-    rings = [ring_allreduce_model_s(sizes, 2, a, b) for a, b in ((1e-4, 35e6), (1e-3, 6e6))]
-    measured = [r + 2e-3 + sizes / 130e6 for r in rings]
-    got = fit_collective(np.concatenate([sizes, sizes]), np.concatenate(measured), np.concatenate(rings))
-    assert got["startup_s"] == pytest.approx(2e-3, rel=1e-9)
-    assert got["processing_bytes_per_s"] == pytest.approx(130e6, rel=1e-9)
-    assert got["fit_relative_error"] == pytest.approx(0.0, abs=1e-12)
-    # 4 processes: each member sends 2 x 3/4 of the message
-    ring4 = ring_allreduce_model_s(sizes, 4, 1e-4, 35e6)
-    assert ring4 == pytest.approx(6e-4 + 1.5 * sizes / 35e6)
+    # a sweep file of two pairs, measured = the simulator's ring over the cluster's links + 2 ms +
+    # x / 130 MB/s exactly: the fit finds both, whichever links the ring runs over
+    sizes = [1024 * 4**k for k in range(7)]
+    links = [_pair(ZA, ZA), _pair(ZA, ZA, same_node=True)]
+    for net in (network_for(CLUSTER), network_from_ours(CLUSTER, {"schema": "sailor.network/1", "links": links}, "x")):
+        rings = [simulated_ring_s(net, pair_members(link), sizes) for link in links]
+        data = {"links": links, "sweep": {"sizes_bytes": sizes, "pairs": [
+            {"allreduce_s": list(r + 2e-3 + np.array(sizes) / 130e6)} for r in rings]}}
+        got = collective_of_pairs(net, data)
+        assert got["startup_s"] == pytest.approx(2e-3, rel=1e-9)
+        assert got["processing_bytes_per_s"] == pytest.approx(130e6, rel=1e-9)
+        assert got["fit_relative_error"] == pytest.approx(0.0, abs=1e-12)
+    assert collective_of_pairs(net, {"links": [], "sweep": {"sizes_bytes": sizes, "pairs": []}}) is None
 
 
 def test_fit_leaves_out_what_the_sweep_does_not_show():
     # measured exactly as the ring: no start-up, no processing rate
     sizes = np.array([1024 * 4**k for k in range(7)], dtype=float)
-    ring = ring_allreduce_model_s(sizes, 2, 1e-4, 35e6)
+    ring = 2e-4 + sizes / 35e6
     got = fit_collective(sizes, ring, ring)
     assert got["startup_s"] == pytest.approx(0.0, abs=1e-12) and "processing_bytes_per_s" not in got
     # faster than the ring by a fixed 0.05 ms (a residual that does not grow with the bytes, and
     # is negative): both clipped at 0, the model then the ring
     got = fit_collective(sizes, ring - 5e-5, ring)
     assert got["startup_s"] == 0.0 and "processing_bytes_per_s" not in got
+    # a residual that only grows with the bytes: a rate, no start-up
+    got = fit_collective(sizes, ring + sizes / 1e8, ring)
+    assert got["startup_s"] == pytest.approx(0.0, abs=1e-12)
+    assert got["processing_bytes_per_s"] == pytest.approx(1e8, rel=1e-9)
 
 
 def _network_file(collective) -> dict:

@@ -288,7 +288,7 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
         return net
     data = load_json(p)
     if isinstance(data, dict) and data.get("schema") == SCHEMA:
-        _import_ours(net, data, str(p))
+        return network_from_ours(cluster, data, str(p))
     elif isinstance(data, dict) and "schema" in data and not isinstance(data["schema"], dict):
         raise unknown_schema(data["schema"], str(p))  # a zone of a Sailor file holds a mapping, not a name
     elif isinstance(data, dict) and data:
@@ -299,6 +299,15 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
     return net
 
 
+
+
+def network_from_ours(cluster: ClusterSpec, data: dict[str, Any], source: str) -> NetworkModel:
+    """The cluster's network with the measurements of our link file's content `data` (checked as
+    `network_for` checks a file; `source` names it in errors)."""
+    net = NetworkModel(cluster=cluster)
+    _import_ours(net, data, source)
+    net.source = source
+    return net
 
 
 def unknown_schema(schema: Any, source: str) -> SailorInputError:

@@ -26,12 +26,13 @@ machines (`profile_pairs`, two processes per link) it is fitted on all the links
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 from typing import Any
 
 import numpy as np
 
-from sailor.perf.network import SCHEMA
+from sailor.perf.network import SCHEMA, CollectiveCost, NetworkModel, network_from_ours
 
 SIZES_BYTES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
 HOST_SIZES_BYTES = SIZES_BYTES[:7]  # 1 KiB .. 4 MiB between machines: 4 MiB over 50 Mbit/s is 0.7 s
@@ -62,18 +63,43 @@ def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
     return alpha, 1.0 / inv_beta
 
 
-def ring_allreduce_model_s(sizes_bytes, processes: int, alpha_s: float, beta_bytes_per_s: float) -> np.ndarray:
-    """Seconds the simulator's ring gives an all-reduce of each size over `processes` members joined
-    by an α–β link (`simulator.collectives.ring_allreduce_s`): 2(N-1)·α + 2(N-1)/N · x / β."""
-    n = processes
-    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * np.asarray(sizes_bytes, dtype=float) / beta_bytes_per_s
+def simulated_ring_s(net: NetworkModel, members: list, sizes_bytes) -> np.ndarray:
+    """Seconds the simulator's flat ring (`simulator.collectives.ring_allreduce_s`) gives an
+    all-reduce of each size over `members` (`simulator.collectives.Member`s: zone, GPU type, node)
+    on `net`'s links, without any collective cost `net` carries: the ring's steps and bytes alone."""
+    from sailor.simulator.collectives import group_members, ring_allreduce_s
+
+    bare = dataclasses.replace(net, collective=CollectiveCost(), _routes={}, _flow_count_index={})
+    groups = group_members(members)
+    return np.array([ring_allreduce_s(groups, float(x), bare) for x in sizes_bytes])
+
+
+def pair_members(link: dict[str, Any]) -> list:
+    """The two members of a measured pair (a `links` entry of `profile_pairs`), on one node or two."""
+    from sailor.simulator.collectives import Member
+
+    return [Member(zone=link["src_zone"], gpu=link["src_gpu"], tp=1, node="src"),
+            Member(zone=link["dst_zone"], gpu=link["dst_gpu"], tp=1, node="src" if link["same_node"] else "dst")]
+
+
+def collective_of_pairs(net: NetworkModel, data: dict[str, Any]) -> dict[str, Any] | None:
+    """`fit_collective` of the all-reduce sweeps of `profile_pairs`' file content `data` (its
+    `sweep.pairs`, each measured between the ends of the `links` entry of the same index) against
+    the ring the simulator runs over `net` for each pair: `net` with the file's links
+    (`perf.network.network_from_ours`) gives the file's own entry; the cluster's spec links alone
+    (`network_for(cluster)`) give the entry for a file that carries no links. None without pairs."""
+    sizes, pairs = data["sweep"]["sizes_bytes"], data["sweep"]["pairs"]
+    if not pairs:
+        return None
+    rings = [simulated_ring_s(net, pair_members(link), sizes) for link in data["links"]]
+    return fit_collective(list(sizes) * len(pairs), [t for p in pairs for t in p["allreduce_s"]], np.concatenate(rings))
 
 
 def fit_collective(flow_bytes, measured_s, ring_s) -> dict[str, Any]:
     """The backend's cost of a collective beyond its ring (`perf.network.CollectiveCost`) from
     all-reduce sweeps: measured = α_c + ring + B / ρ, with B the bytes each member sends
-    (2(N-1)/N · x), `ring_s` the ring model's seconds of the same points from the measured
-    point-to-point links (`ring_allreduce_model_s`); α_c and 1/ρ >= 0 fitted on the residual by
+    (2(N-1)/N · x), `ring_s` the simulator's ring over the links it will use with the file
+    (`simulated_ring_s`); α_c and 1/ρ >= 0 fitted on the residual by
     least squares on error relative to the measured time. Points of several sweeps (links) may be
     pooled: α_c and ρ are the backend's, not a link's.
 
@@ -88,6 +114,16 @@ def fit_collective(flow_bytes, measured_s, ring_s) -> dict[str, Any]:
         out["processing_bytes_per_s"] = 1.0 / inv_rate
     out["fit_relative_error"] = float(np.mean(np.abs(model - t) / t))
     return out
+
+
+def describe_collective(collective: dict[str, Any] | None) -> str:
+    """One line for people about a `fit_collective` entry."""
+    if not collective:
+        return "collective: no all-reduce measured"
+    rate = collective.get("processing_bytes_per_s")
+    return (f"collective: start-up {collective['startup_s'] * 1e3:.2f} ms per call, "
+            + (f"processing {rate / 1e6:.1f} MB/s" if rate else "no per-byte cost beyond the links")
+            + f" (mean error of the fit {100 * collective['fit_relative_error']:.0f} %)")
 
 
 def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
@@ -170,6 +206,9 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     from sailor.core.errors import SailorInputError
     from sailor.core.limits import MAX_PROFILE_PASSES, max_local_processes
     from sailor.runtime.profiler import device_description, device_gpu_type, run_ranks, versions
+    from sailor.catalog import Link, LinkClass
+    from sailor.simulator.collectives import Member
+    from sailor.specs.cluster import local_cluster
 
     if nproc < 2:
         raise SailorInputError(f"need at least 2 processes, got {nproc}", field="--nproc")
@@ -204,23 +243,28 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     alpha1, beta1 = fits[1]
     bus = [2 * (nproc - 1) / nproc * x for x in sizes_bytes]
     ar_alpha, ar_beta = fit_alpha_beta(bus, res["allreduce"])
-    collective = fit_collective(bus, res["allreduce"], ring_allreduce_model_s(sizes_bytes, nproc, alpha1, beta1))
-    return {"schema": SCHEMA, "source": f"sailor profile network ({gpu}, {nproc} processes)",
+    data = {"schema": SCHEMA, "source": f"sailor profile network ({gpu}, {nproc} processes)",
             "device": device_description(device), "versions": versions(),  # type: ignore[arg-type]
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "classes": {"same_node": {"latency_s": alpha1, "bandwidth_bytes_per_s": beta1},
                         "same_zone": {"latency_s": alpha1, "bandwidth_bytes_per_s": beta1}},
             "links": links,
             "sweep": {"sizes_bytes": list(sizes_bytes), "p2p_one_way_s": res["p2p"], "allreduce_s": res["allreduce"]},
-            "allreduce": {"processes": nproc, "latency_s": ar_alpha, "bus_bandwidth_bytes_per_s": ar_beta},
-            "collective": collective}
+            "allreduce": {"processes": nproc, "latency_s": ar_alpha, "bus_bandwidth_bytes_per_s": ar_beta}}
+    # the simulator's ring for these processes: all on one node, over the measured one-flow link
+    net = NetworkModel(cluster=local_cluster(nproc), class_links={LinkClass.SAME_NODE: Link(alpha1, beta1)})
+    members = [Member(zone="local", gpu="cpu", tp=1, node="local")] * nproc
+    data["collective"] = fit_collective(bus, res["allreduce"], simulated_ring_s(net, members, sizes_bytes))
+    return data
 
 
-def profile_pairs(pairs, launch, *, port: int, device: str = "cpu", warmup: int = 1, repeats: int = 3,
+def profile_pairs(pairs, launch, *, cluster, port: int, device: str = "cpu", warmup: int = 1, repeats: int = 3,
                   sizes_bytes: tuple[int, ...] = HOST_SIZES_BYTES, timeout_s: float = 300.0,
                   progress=None) -> dict[str, Any]:
     """Measure the link of each pair of machines with two processes, one on each, and return our link
-    file as a dict: one `links` entry per pair (one flow), its α–β fitted to the one-way p2p times.
+    file as a dict: one `links` entry per pair (one flow), its α–β fitted to the one-way p2p times,
+    and the backend's `collective` cost fitted on the pairs' all-reduce sweeps against the
+    simulator's ring over those links in `cluster` (the machines' cluster spec; `collective_of_pairs`).
 
     `pairs`: `sailor.launch.hosts.LinkPair`s (src and dst (zone, GPU type), same_node, the two ssh
     destinations, the rendezvous address); `launch(destination, argv)`: the command that runs
@@ -230,7 +274,7 @@ def profile_pairs(pairs, launch, *, port: int, device: str = "cpu", warmup: int 
     """
     from sailor.runtime.profiler import run_ranks, versions
 
-    links, sweeps, rings = [], [], []
+    links, sweeps = [], []
     for pair in pairs:
         got: dict[str, Any] = {}
 
@@ -253,9 +297,8 @@ def profile_pairs(pairs, launch, *, port: int, device: str = "cpu", warmup: int 
         links.append({"src_zone": pair.src[0], "src_gpu": pair.src[1], "dst_zone": pair.dst[0], "dst_gpu": pair.dst[1],
                       "flows": 1, "latency_s": alpha, "bandwidth_bytes_per_s": beta, "same_node": pair.same_node})
         sweeps.append({"hosts": list(pair.hosts), "p2p_one_way_s": got["p2p"]["1"], "allreduce_s": got["allreduce"]})
-        rings.append(ring_allreduce_model_s(sizes_bytes, 2, alpha, beta))
-    collective = fit_collective(list(sizes_bytes) * len(sweeps), [t for sw in sweeps for t in sw["allreduce_s"]],
-                                np.concatenate(rings)) if sweeps else None
-    return {"schema": SCHEMA, "source": f"sailor profile network --hosts ({len(links)} links, {device})",
+    data = {"schema": SCHEMA, "source": f"sailor profile network --hosts ({len(links)} links, {device})",
             "versions": versions(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "links": links, "sweep": {"sizes_bytes": list(sizes_bytes), "pairs": sweeps}, "collective": collective}
+            "links": links, "sweep": {"sizes_bytes": list(sizes_bytes), "pairs": sweeps}}
+    data["collective"] = collective_of_pairs(network_from_ours(cluster, data, data["source"]), data)
+    return data
