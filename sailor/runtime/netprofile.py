@@ -69,7 +69,7 @@ def simulated_ring_s(net: NetworkModel, members: list, sizes_bytes) -> np.ndarra
     on `net`'s links, without any collective cost `net` carries: the ring's steps and bytes alone."""
     from sailor.simulator.collectives import group_members, ring_allreduce_s
 
-    bare = dataclasses.replace(net, collective=CollectiveCost(), _routes={}, _flow_count_index={})
+    bare = dataclasses.replace(net, collective=CollectiveCost())  # the same links (and their memo)
     groups = group_members(members)
     return np.array([ring_allreduce_s(groups, float(x), bare) for x in sizes_bytes])
 
@@ -99,15 +99,16 @@ def fit_collective(flow_bytes, measured_s, ring_s) -> dict[str, Any]:
     """The backend's cost of a collective beyond its ring (`perf.network.CollectiveCost`) from
     all-reduce sweeps: measured = α_c + ring + B / ρ, with B the bytes each member sends
     (2(N-1)/N · x), `ring_s` the simulator's ring over the links it will use with the file
-    (`simulated_ring_s`); α_c and 1/ρ >= 0 fitted on the residual by
-    least squares on error relative to the measured time. Points of several sweeps (links) may be
-    pooled: α_c and ρ are the backend's, not a link's.
+    (`simulated_ring_s`); α_c and 1/ρ >= 0 fitted on the residual by least squares on error
+    relative to the ring's time (not the measured one: a point whose rounds happened to be fast
+    would weigh more, and under a CPU quota small points are two-valued). Points of several sweeps
+    (links) may be pooled: α_c and ρ are the backend's, not a link's.
 
     Returns the file's `collective` entry: {"startup_s", "processing_bytes_per_s" (absent when the
     residual does not grow with the bytes), "fit_relative_error" (mean |model - measured| /
     measured over the points)}."""
     b, t, ring = (np.asarray(v, dtype=float) for v in (flow_bytes, measured_s, ring_s))
-    startup, inv_rate = _nonnegative_line(b, t - ring, t)
+    startup, inv_rate = _nonnegative_line(b, t - ring, ring)
     model = ring + startup + b * inv_rate
     out: dict[str, Any] = {"startup_s": startup}
     if inv_rate > 0:
@@ -203,10 +204,10 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     import tempfile
     from pathlib import Path
 
+    from sailor.catalog import Link, LinkClass
     from sailor.core.errors import SailorInputError
     from sailor.core.limits import MAX_PROFILE_PASSES, max_local_processes
     from sailor.runtime.profiler import device_description, device_gpu_type, run_ranks, versions
-    from sailor.catalog import Link, LinkClass
     from sailor.simulator.collectives import Member
     from sailor.specs.cluster import local_cluster
 
