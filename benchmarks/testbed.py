@@ -46,7 +46,7 @@ plan measured 0.171-0.237 s: noise, not a difference). `planner_vs_baselines_min
 least, over them, of the planner's measured throughput over theirs.
 The gradient sync each stage waits for after its last backward, predicted (`Estimate.stage_sync_s`)
 and measured (the metrics' `sync_exposed_s`, median over the timed steps of the largest stage's), is
-printed per row, and so are the passes of the busiest stage per step (forward and backward of all
+printed per row, and so are the passes of the busiest replica per step (forward and backward of all
 its micro-batches, TP collectives included; predicted: micro-batches x the replica's
 `forward_s + backward_s`, of which `tp_comm_s` TP collectives; measured: the metrics' `forward_s +
 backward_s`).
@@ -173,21 +173,24 @@ def profile_network(state, out: Path, repeats: int) -> tuple[Path, Path]:
                             "--out", str(net)], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1200, check=False)
     if p.returncode != 0:
         raise RuntimeError(f"sailor profile network failed (exit {p.returncode}); see {out / 'network.log'}")
+    return collective_file(state, net), net
+
+
+def collective_file(state, net: Path) -> Path:
+    """`network-collective.json` beside the link file `net`: its sweeps' collective cost fitted
+    against the ring over the cluster spec's links, and no links."""
     data = json.loads(net.read_text())
-    cost = out / "network-collective.json"
+    cost = net.parent / "network-collective.json"
     write_json(cost, {"schema": data["schema"], "source": f"{data['source']}, against the cluster spec's links",
                       "collective": collective_of_pairs(network_for(load_cluster(state.cluster_file)), data)})
-    return cost, net
+    return cost
 
 
 def _passes(est, plan: dict) -> tuple[float, float]:
     """(seconds of forward and backward passes, of which TP collectives) per step of the busiest
-    stage: micro-batches x per-micro-batch seconds, the largest over its replicas."""
+    replica: its pipeline's micro-batches x its per-micro-batch seconds."""
     m = [p["microbatches"] for p in plan["pipelines"]]
-    stages = {r.stage for r in est.replicas}
-    busiest = max(stages, key=lambda i: max(m[r.pipeline] * (r.forward_s + r.backward_s)
-                                            for r in est.replicas if r.stage == i))
-    r = max((r for r in est.replicas if r.stage == busiest), key=lambda r: m[r.pipeline] * (r.forward_s + r.backward_s))
+    r = max(est.replicas, key=lambda r: m[r.pipeline] * (r.forward_s + r.backward_s))
     return m[r.pipeline] * (r.forward_s + r.backward_s), m[r.pipeline] * r.tp_comm_s
 
 
@@ -327,8 +330,8 @@ def main() -> int:
     try:
         profile = out / "profile.json"
         if args.reuse and profile.exists() and (out / "network.json").exists():  # an earlier run's, same --out
-            network = (out / "network-collective.json", out / "network.json")
-            print(f"reusing {profile} and {network[0]}", flush=True)
+            network = (collective_file(state, out / "network.json"), out / "network.json")
+            print(f"reusing {profile} and {network[1]}", flush=True)
         else:
             write_json(profile, profile_classes(spec, state, job, mbs="1,2"))
             network = profile_network(state, out, args.network_repeats)
