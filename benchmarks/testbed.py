@@ -3,9 +3,16 @@ and the bytes on the links against the simulator's traffic, for a few plans on u
 shaped links.
 
 1. bring the testbed up (default `examples/testbed.yaml`: 4 nodes, 3 zones, 2 regions, 2 speeds);
-2. profile each device class inside one rank's quota (`sailor.testbed.profile`);
-3. for each plan: `sailor.simulate` with that profile and the testbed's cluster spec (predicted
-   iteration time, bytes per zone pair, each stage's exposed sync), then `sailor launch --backend torchrun` through the
+2. profile each device class inside one rank's quota (`sailor.testbed.profile`), and the links
+   between the nodes with `sailor profile network --hosts` (`network.json`: an α–β per link and
+   gloo's cost per collective beyond the simulator's ring over them, `perf.network.CollectiveCost`);
+   `network-collective.json` holds that cost fitted on the same sweeps against the ring over the
+   cluster spec's links (their shaped rates), and no links;
+3. for each plan: `sailor.simulate` with that profile, the testbed's cluster spec and
+   `network-collective.json` (predicted iteration time, bytes per zone pair, each stage's exposed
+   sync; also, for comparison, the spec's links alone as before this cost was modelled
+   (`predicted_spec_links_s`) and `network.json`'s measured links with their cost
+   (`predicted_measured_links_s`)), then `sailor launch --backend torchrun` through the
    stand-in ssh twice, with SHORT_STEPS and --steps steps: the measured step time is the median
    `step_time_s` after --skip steps of the long run; the bytes per iteration on the link of the
    plan's lone-node zone (all its traffic crosses to the other zone) are the difference of the two
@@ -28,6 +35,8 @@ Plans (the `tiny` model, global batch 12 so that 6, 4, 3 and 2 replicas take equ
   pp_cross_region  a pipeline cut across the cross-region link (slow, slow)
   dp_cross_region  2 slow replicas syncing over the cross-region link
   tp2_node         2 replicas of TP 2, each inside one fast node, syncing across the zone's NICs
+  pp_node          2 pipelines of 2 stages, each inside one fast node (1F1B), syncing across the NICs
+  pp_node_zb       the same under ZB-H1 (split backward)
 The planner against the alternatives a user has (each simulated, then trained and measured the same
 way): `one_class` the fastest device class alone (the planner on a cluster of that class only),
 `ddp_all` every rank a replica with an equal share (what DDP does), `paper` the published search
@@ -37,10 +46,14 @@ plan measured 0.171-0.237 s: noise, not a difference). `planner_vs_baselines_min
 least, over them, of the planner's measured throughput over theirs.
 The gradient sync each stage waits for after its last backward, predicted (`Estimate.stage_sync_s`)
 and measured (the metrics' `sync_exposed_s`, median over the timed steps of the largest stage's), is
-printed per row.
+printed per row, and so are the passes of the busiest replica per step (forward and backward of all
+its micro-batches, TP collectives included; predicted: micro-batches x the replica's
+`forward_s + backward_s`, of which `tp_comm_s` TP collectives; measured: the metrics' `forward_s +
+backward_s`).
 
     python benchmarks/testbed.py [--testbed examples/testbed.yaml] [--job examples/tiny_job.yaml]
         [--steps 12] [--skip 3] [--out DIR] [--no-baselines] [--no-elastic] [--only PLAN,PLAN]
+        [--network-repeats 7] [--reuse]
 """
 
 from __future__ import annotations
@@ -64,6 +77,9 @@ sys.path.insert(0, str(ROOT))
 
 import sailor
 from sailor.core.fileio import write_json
+from sailor.perf.network import network_for
+from sailor.runtime.netprofile import collective_of_pairs
+from sailor.specs import load_cluster
 from sailor.testbed import counters, down, leftovers, load_testbed, support_problem, up
 from sailor.testbed.profile import profile_classes
 from sailor.testbed.spec import wire_bytes
@@ -92,7 +108,10 @@ PLANS = {
     "dp_cross_region": {"micro_batch_size": 2, "stages": [[0, 6]],
                         "pipelines": _pipes(1, 3, [_replica(0, SLOW)]) + _pipes(1, 3, [_replica(0, WEST)])},
     "tp2_node": {"micro_batch_size": 2, "stages": [[0, 6]], "pipelines": _pipes(2, 3, [{**_replica(0, FAST), "tp": 2}])},
+    "pp_node": {"micro_batch_size": 2, "stages": [[0, 3], [3, 6]],
+                "pipelines": _pipes(2, 3, [_replica(0, FAST), _replica(1, FAST)])},
 }
+PLANS["pp_node_zb"] = {**PLANS["pp_node"], "schedule": {"kind": "zb-h1"}}
 LONE_NODE = {"shares": "b0", "pp_mixed": "b0", "pp_cross_region": "w0",
              "dp_cross_region": "w0"}  # its veth carries all crossing bytes
 GLOBAL_BATCH = 12
@@ -105,14 +124,14 @@ def _cluster_only(cluster: dict, keep) -> dict:
             "zone_network": {z: v for z, v in cluster.get("zone_network", {}).items() if zones.get(z)}}
 
 
-def baselines(cluster: dict, job: Path, profile: Path, ranks: list[tuple[str, str]]) -> dict[str, dict]:
+def baselines(cluster: dict, job: Path, profile: Path, network: Path, ranks: list[tuple[str, str]]) -> dict[str, dict]:
     """The alternatives a user has (module docstring), as plans, by name; `ranks` = (GPU type, zone)
     of every rank of the testbed."""
     def best(clusters: list[dict]):
         found = []
         for c in clusters:
             try:
-                found.append(sailor.find_plan(job, c, profiles=profile))
+                found.append(sailor.find_plan(job, c, profiles=profile, network=network))
             except sailor.InfeasibleError:
                 continue
         return min(found, key=lambda r: r.estimate.iteration_time_s).plan.to_dict(with_specs=False)
@@ -122,7 +141,8 @@ def baselines(cluster: dict, job: Path, profile: Path, ranks: list[tuple[str, st
     return {"one_class": best([_cluster_only(cluster, lambda z, g, x=x: g == x) for x in gpus]),
             "ddp_all": {"micro_batch_size": 1, "stages": [[0, 6]],
                         "pipelines": [{"microbatches": each, "replicas": [_replica(0, r)]} for r in ranks]},
-            "paper": sailor.find_plan(job, cluster, profiles=profile, search="paper").plan.to_dict(with_specs=False),
+            "paper": sailor.find_plan(job, cluster, profiles=profile, network=network,
+                                      search="paper").plan.to_dict(with_specs=False),
             "one_zone": best([_cluster_only(cluster, lambda z, g, x=x: z == x) for x in cluster["zones"]])}
 
 
@@ -142,12 +162,47 @@ def _link_bytes(state, node: str) -> int:
     return c["tx_bytes"] + c["rx_bytes"]
 
 
-def run_plan(name: str, plan: dict, state, job: Path, profile: Path, out: Path, steps: int, skip: int) -> dict:
+def profile_network(state, out: Path, repeats: int) -> tuple[Path, Path]:
+    """`sailor profile network --hosts` on the testbed: (a file of the collective cost against the
+    cluster spec's links and no links, the measured link file)."""
+    net = out / "network.json"
+    env = {**os.environ, "PATH": f"{state.bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    with open(out / "network.log", "w") as log:
+        p = subprocess.run([sys.executable, "-m", "sailor", "profile", "network", "--hosts", str(state.hosts_file),
+                            "--cluster", str(state.cluster_file), "--python", sys.executable, "--repeats", str(repeats),
+                            "--out", str(net)], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1200, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"sailor profile network failed (exit {p.returncode}); see {out / 'network.log'}")
+    return collective_file(state, net), net
+
+
+def collective_file(state, net: Path) -> Path:
+    """`network-collective.json` beside the link file `net`: its sweeps' collective cost fitted
+    against the ring over the cluster spec's links, and no links."""
+    data = json.loads(net.read_text())
+    cost = net.parent / "network-collective.json"
+    write_json(cost, {"schema": data["schema"], "source": f"{data['source']}, against the cluster spec's links",
+                      "collective": collective_of_pairs(network_for(load_cluster(state.cluster_file)), data)})
+    return cost
+
+
+def _passes(est, plan: dict) -> tuple[float, float]:
+    """(seconds of forward and backward passes, of which TP collectives) per step of the busiest
+    replica: its pipeline's micro-batches x its per-micro-batch seconds."""
+    m = [p["microbatches"] for p in plan["pipelines"]]
+    r = max(est.replicas, key=lambda r: m[r.pipeline] * (r.forward_s + r.backward_s))
+    return m[r.pipeline] * (r.forward_s + r.backward_s), m[r.pipeline] * r.tp_comm_s
+
+
+def run_plan(name: str, plan: dict, state, job: Path, profile: Path, network: tuple[Path, Path], out: Path,
+             steps: int, skip: int) -> dict:
     """One row: predicted and measured step time, and the lone node's link bytes per iteration."""
     plan_file = out / f"{name}.json"
     write_json(plan_file, plan)
     load_before = os.getloadavg()[0]
-    est = sailor.simulate(plan_file, job=job, cluster=state.cluster_file, profiles=profile)
+    est = sailor.simulate(plan_file, job=job, cluster=state.cluster_file, profiles=profile, network=network[0])
+    spec_links, measured_links = (sailor.simulate(plan_file, job=job, cluster=state.cluster_file, profiles=profile,
+                                                  network=n) for n in (None, network[1]))
     node = LONE_NODE.get(name)
     moved = []
     for n in (SHORT_STEPS, steps):
@@ -158,8 +213,16 @@ def run_plan(name: str, plan: dict, state, job: Path, profile: Path, out: Path, 
         moved.append((_link_bytes(state, node) if node else 0) - before)
     steps_rows = [json.loads(line) for line in metrics.read_text().splitlines() if '"step_time_s"' in line][skip:]
     measured = statistics.median(r["step_time_s"] for r in steps_rows)
+    passes, tp_comm = _passes(est, plan)
     row = {"plan": name, "predicted_s": est.iteration_time_s, "measured_s": measured,
            "error_pct": 100 * (est.iteration_time_s - measured) / measured,
+           "predicted_spec_links_s": spec_links.iteration_time_s,
+           "predicted_measured_links_s": measured_links.iteration_time_s,
+           "error_spec_links_pct": 100 * (spec_links.iteration_time_s - measured) / measured,
+           "error_measured_links_pct": 100 * (measured_links.iteration_time_s - measured) / measured,
+           "passes_predicted_s": passes, "tp_comm_predicted_s": tp_comm,
+           "passes_measured_s": statistics.median(max(st["forward_s"] + st["backward_s"] for st in r["stages"])
+                                                  for r in steps_rows),
            "sync_predicted_s": max(est.stage_sync_s),
            "sync_measured_s": statistics.median(max(st["sync_exposed_s"] for st in r["stages"]) for r in steps_rows),
            "load_before": load_before, "load_after": os.getloadavg()[0]}
@@ -248,6 +311,9 @@ def main() -> int:
     ap.add_argument("--no-baselines", action="store_true", help="skip the planner-against-alternatives rows")
     ap.add_argument("--no-elastic", action="store_true", help="skip the node-down-and-back row")
     ap.add_argument("--only", default=None, help="comma-separated plan names to run (default: all)")
+    ap.add_argument("--network-repeats", type=int, default=7, help="timed rounds per point of the network sweep")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take the device and network profiles an earlier run left in --out instead of measuring")
     args = ap.parse_args()
     problem = support_problem()
     if problem:
@@ -263,13 +329,18 @@ def main() -> int:
     rows, others, elastic = [], [], None
     try:
         profile = out / "profile.json"
-        write_json(profile, profile_classes(spec, state, job, mbs="1,2"))
-        found = sailor.find_plan(job, state.cluster_file, profiles=profile)
+        if args.reuse and profile.exists() and (out / "network.json").exists():  # an earlier run's, same --out
+            network = (collective_file(state, out / "network.json"), out / "network.json")
+            print(f"reusing {profile} and {network[1]}", flush=True)
+        else:
+            write_json(profile, profile_classes(spec, state, job, mbs="1,2"))
+            network = profile_network(state, out, args.network_repeats)
+        found = sailor.find_plan(job, state.cluster_file, profiles=profile, network=network[0])
         plans = {"planner": found.plan.to_dict(with_specs=False), **PLANS}
         if not args.no_baselines:
             ranks = [(spec.devices[n.device].gpu, n.zone) for n in spec.nodes for _ in range(n.ranks)]
             cluster = yaml.safe_load(state.cluster_file.read_text())
-            extra = {f"baseline:{k}": v for k, v in baselines(cluster, job, profile, ranks).items()}
+            extra = {f"baseline:{k}": v for k, v in baselines(cluster, job, profile, network[0], ranks).items()}
             others = list(extra)
             plans |= extra
         if args.only:
@@ -277,10 +348,14 @@ def main() -> int:
         for name, plan in plans.items():
             same = next((r for r in rows if plans[r["plan"]] == plan), None)  # a baseline that is a plan run already
             rows.append({**same, "plan": name, "same_as": same["plan"]} if same else
-                        run_plan(name, plan, state, job, profile, out, args.steps, args.skip))
+                        run_plan(name, plan, state, job, profile, network, out, args.steps, args.skip))
             r = rows[-1]
             print(f"{name:19s} predicted {r['predicted_s']:.4f} s  measured {r['measured_s']:.4f} s"
-                  f"  error {r['error_pct']:+.1f} %  sync {r['sync_predicted_s']:.4f} vs {r['sync_measured_s']:.4f} s"
+                  f"  error {r['error_pct']:+.1f} % (spec links alone {r['error_spec_links_pct']:+.1f} %,"
+                  f" measured links {r['error_measured_links_pct']:+.1f} %)"
+                  f"  sync {r['sync_predicted_s']:.4f} vs {r['sync_measured_s']:.4f} s"
+                  f"  passes {r['passes_predicted_s']:.4f} (TP {r['tp_comm_predicted_s']:.4f}) vs"
+                  f" {r['passes_measured_s']:.4f} s"
                   + (f"  link bytes/iter {r['link_measured_bytes']:.0f} vs {r['link_predicted_bytes']:.0f}"
                      f" ({r['link_error_pct']:+.1f} %)" if "link_node" in r else "")
                   + f"  load {r['load_before']:.1f}->{r['load_after']:.1f}", flush=True)
@@ -302,6 +377,8 @@ def main() -> int:
         print(f"planner / {k}: {v:.3f} (measured throughput)")
     print(json.dumps({"closed_loop_mean_abs_error_pct": statistics.mean(errors),
                       "closed_loop_max_abs_error_pct": max(errors),
+                      "closed_loop_spec_links_mean_abs_error_pct": statistics.mean(abs(r["error_spec_links_pct"])
+                                                                                   for r in loop),
                       "link_bytes_max_error_pct": max(links) if links else None,
                       "planner_vs_baselines_min_ratio": min(ratios.values()) if ratios else None,
                       "planner_vs_baselines": ratios,

@@ -19,7 +19,7 @@ from conftest import own_processes
 
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import write_json
-from sailor.perf.network import network_for
+from sailor.perf.network import CollectiveCost, network_for
 from sailor.perf.profiles import load_profiles, profiles_from_dict
 from sailor.runtime.netprofile import fit_alpha_beta, profile_network
 from sailor.runtime.profiler import ProfileOptions, _free_port, check_options, device_gpu_type, pass_scale, profile_job
@@ -139,8 +139,8 @@ def test_simulate_cli_uses_the_profile(profile_file, tmp_path):
 
 @pytest.mark.integration
 def test_network_profile_two_processes(tmp_path):
-    # Medians of 5 and a 16 MiB point: at 2 repeats one scheduling hiccup on a 1 KiB all-reduce
-    # (4 ms against 2.5 ms for 4 MiB, seen once in CI) made time fall with size and the fit fail.
+    # Means of 5 and a 16 MiB point: at 2 repeats (medians then) one scheduling hiccup on a 1 KiB
+    # all-reduce (4 ms against 2.5 ms for 4 MiB, seen once in CI) made time fall with size and the fit fail.
     with own_processes() as alive:
         data = profile_network(2, warmup=2, repeats=5, sizes_bytes=(1024, 65536, 1 << 20, 16 << 20))
     path = tmp_path / "net.json"
@@ -156,6 +156,10 @@ def test_network_profile_two_processes(tmp_path):
     # puts every local rank
     assert net.transfer_time_s("local", "cpu", "local", "cpu", nbytes, same_node=True) == pytest.approx(want)
     assert all(entry["same_node"] for entry in data["links"])
+    # the all-reduce's cost beyond the ring over that link is the simulator's collective cost
+    fit = data["collective"]
+    assert fit["startup_s"] >= 0 and fit["fit_relative_error"] >= 0
+    assert net.collective == CollectiveCost(fit["startup_s"], fit.get("processing_bytes_per_s"))
     assert not alive()  # none of the ranks this test started is left
 
 
@@ -283,7 +287,8 @@ def test_network_profile_between_machines_runs_each_pair_where_launch_says(tmp_p
 
     pair = LinkPair(("local", "cpu"), ("local", "cpu"), False, ("127.0.0.1", "localhost"))
     with own_processes() as alive:
-        data = profile_pairs([pair], launch, port=_free_port(), sizes_bytes=(1024, 65536, 1 << 20), repeats=3)
+        data = profile_pairs([pair], launch, cluster=local_cluster(2), port=_free_port(),
+                             sizes_bytes=(1024, 65536, 1 << 20), repeats=3)
     assert sorted(p.name for p in seen.iterdir()) == ["127.0.0.10", "localhost1"]  # rank 0 on the first machine
     path = tmp_path / "net.json"
     write_json(path, data)
@@ -293,6 +298,8 @@ def test_network_profile_between_machines_runs_each_pair_where_launch_says(tmp_p
     assert net.transfer_time_s("local", "cpu", "local", "cpu", 1 << 20) == pytest.approx(
         link["latency_s"] + (1 << 20) / link["bandwidth_bytes_per_s"])
     assert len(data["sweep"]["pairs"][0]["p2p_one_way_s"]) == 3
+    assert net.collective == CollectiveCost(data["collective"]["startup_s"],
+                                            data["collective"].get("processing_bytes_per_s"))
     assert not alive()
 
 

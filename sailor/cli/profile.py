@@ -105,7 +105,7 @@ def profile_network_command(
     machines); fit latency and bandwidth."""
     require_torch("profile network")
     from sailor.core.fileio import check_output_path, write_json
-    from sailor.runtime.netprofile import SIZES_BYTES, profile_network
+    from sailor.runtime.netprofile import SIZES_BYTES, describe_collective, profile_network
 
     catalog.check_device(device)
     check_output_path(out, "--out", inputs={"--hosts": hosts, "--cluster": cluster})
@@ -120,6 +120,7 @@ def profile_network_command(
             print(f"{link['src_gpu']} in {link['src_zone']} -> {link['dst_gpu']} in {link['dst_zone']}"
                   f"{' (same node)' if link['same_node'] else ''}: latency {link['latency_s'] * 1e6:.0f} µs,"
                   f" bandwidth {link['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s")
+        print(describe_collective(data["collective"]))
         print(f"{len(data['links'])} links written to {out}")
         return
     bar, advance = _progress("network", len(SIZES_BYTES))
@@ -129,7 +130,7 @@ def profile_network_command(
     write_json(out, data)
     link = data["classes"]["same_zone"]
     print(f"link: latency {link['latency_s'] * 1e6:.1f} µs, bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s;"
-          f" written to {out}")
+          f" {describe_collective(data['collective'])}; written to {out}")
 
 
 def _profile_hosts(hosts: Path, cluster: Optional[Path], python: str, port: int, device: str, warmup: int,
@@ -145,7 +146,8 @@ def _profile_hosts(hosts: Path, cluster: Optional[Path], python: str, port: int,
 
     if cluster is None:
         raise SailorInputError("--hosts needs the cluster spec the machines belong to", field="--cluster")
-    pool = HostPool.load(hosts, load_cluster(cluster), python=python, rdzv_port=port)
+    spec = load_cluster(cluster)
+    pool = HostPool.load(hosts, spec, python=python, rdzv_port=port)
     pairs = link_pairs(pool.hosts, pool.node_size)
     if not pairs:
         raise SailorInputError("one machine of one GPU per node has no link to measure", source=str(hosts),
@@ -153,4 +155,4 @@ def _profile_hosts(hosts: Path, cluster: Optional[Path], python: str, port: int,
     bar, advance = _progress("links", len(pairs) * len(HOST_SIZES_BYTES))
     with bar:
         return profile_pairs(pairs, lambda dest, argv: ssh_argv(dest, shlex.join([pool.python, *argv]), pool.ssh),
-                             port=pool.rdzv_port, device=device, warmup=warmup, repeats=repeats, progress=advance)
+                             cluster=spec, port=pool.rdzv_port, device=device, warmup=warmup, repeats=repeats, progress=advance)

@@ -27,6 +27,9 @@ Our link file (JSON, schema "sailor.network/1"):
               "same_node"?}]}
 `bandwidth_bytes_per_s` of a link entry is the aggregate of its `flows`; `same_node: true` marks a
 link measured between processes of one machine (what `sailor profile network` measures).
+An optional `"collective": {"startup_s", "processing_bytes_per_s"?}` is the communication backend's
+cost of a collective beyond its ring's point-to-point steps (`CollectiveCost`), fitted by
+`sailor profile network` on its all-reduce sweep.
 """
 
 from __future__ import annotations
@@ -52,6 +55,33 @@ FIT_MAX_BYTES = 1 << 30
 INTRA_NODE_LATENCY_S = 5e-6
 
 Key = tuple[str, str, str, str]  # src_zone, src_gpu, dst_zone, dst_gpu
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """What the communication backend adds to a collective beyond the point-to-point steps of its
+    ring (`simulator.collectives`), charged once per collective call:
+        T = startup_s + T_ring(links) + B / processing_bytes_per_s,
+    B = the bytes one flow sends in the collective (2(D-1)/D · S/f of a ring all-reduce).
+    `startup_s` (α_c, s): what a call costs before its first byte moves (the backend's dispatch and
+    the members' wait for each other to enter it). `processing_bytes_per_s` (ρ): the rate of the
+    per-byte work that does not overlap the transfers (copies and the reduction's sums, done on the
+    CPU by gloo, step after step of its ring); None = it overlaps them.
+
+    The default charges nothing beyond the ring: NCCL pipelines its reductions with the transfers
+    in chunks, and its tuning model puts a collective's base latency at 6.6-8.4 µs for the ring
+    algorithm (nccl src/graph/tuning.cc, `baseLat`), below the per-hop latencies the ring already
+    charges. A measured value comes from `sailor profile network` (`runtime.netprofile.fit_collective`).
+    """
+
+    startup_s: float = 0.0
+    processing_bytes_per_s: float | None = None
+
+    def processing_s(self, flow_bytes: float) -> float:
+        """Seconds of the per-byte work of one flow that sends `flow_bytes` in a collective:
+        flow_bytes / processing_bytes_per_s (0 without a rate)."""
+        rate = self.processing_bytes_per_s
+        return flow_bytes / rate if rate else 0.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +147,7 @@ class NetworkModel:
         node_links: same key -> Link measured between processes of one machine.
         intra_fits: (gpu, flows) -> CurveFit inside a node.
         class_links: link class -> Link overriding the cluster defaults.
+        collective: the backend's cost per collective beyond the ring (`CollectiveCost`).
         source: where measurements came from ("defaults" when none).
     """
 
@@ -126,6 +157,7 @@ class NetworkModel:
     node_links: dict[tuple[str, str, str, str, int], Link] = field(default_factory=dict)
     intra_fits: dict[tuple[str, int], CurveFit] = field(default_factory=dict)
     class_links: dict[LinkClass, Link] = field(default_factory=dict)
+    collective: CollectiveCost = CollectiveCost()
     source: str = "defaults"
     _flow_count_index: dict = field(default_factory=dict, repr=False, compare=False)
     _routes: dict = field(default_factory=dict, repr=False, compare=False)
@@ -256,7 +288,7 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
         return net
     data = load_json(p)
     if isinstance(data, dict) and data.get("schema") == SCHEMA:
-        _import_ours(net, data, str(p))
+        return network_from_ours(cluster, data, str(p))
     elif isinstance(data, dict) and "schema" in data and not isinstance(data["schema"], dict):
         raise unknown_schema(data["schema"], str(p))  # a zone of a Sailor file holds a mapping, not a name
     elif isinstance(data, dict) and data:
@@ -267,6 +299,15 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
     return net
 
 
+
+
+def network_from_ours(cluster: ClusterSpec, data: dict[str, Any], source: str) -> NetworkModel:
+    """The cluster's network with the measurements of our link file's content `data` (checked as
+    `network_for` checks a file; `source` names it in errors)."""
+    net = NetworkModel(cluster=cluster)
+    _import_ours(net, data, source)
+    net.source = source
+    return net
 
 
 def unknown_schema(schema: Any, source: str) -> SailorInputError:
@@ -345,7 +386,8 @@ def _link(v: Any, c: Checks, where: str) -> Link:
 
 # The keys of our link file (module docstring; `sailor profile network` adds the measured sweep);
 # any other is refused rather than ignored.
-TOP_KEYS = ("schema", "source", "device", "versions", "date", "classes", "links", "sweep", "allreduce")
+TOP_KEYS = ("schema", "source", "device", "versions", "date", "classes", "links", "sweep", "allreduce", "collective")
+COLLECTIVE_KEYS = ("startup_s", "processing_bytes_per_s", "fit_relative_error")
 LINK_KEYS = ("src_zone", "src_gpu", "dst_zone", "dst_gpu", "flows", "latency_s", "bandwidth_bytes_per_s", "same_node")
 
 
@@ -378,6 +420,21 @@ def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
         if key in table:
             raise c.error("a second link for the same endpoints and flows", where)
         table[key] = link
+    if data.get("collective") is not None:
+        net.collective = _collective(data["collective"], c)
+
+
+def _collective(v: Any, c: Checks) -> CollectiveCost:
+    """`{"startup_s", "processing_bytes_per_s"?}` as a CollectiveCost (`fit_relative_error`, the
+    fit's own figure, is kept in the file for the reader only)."""
+    c.known_keys(c.mapping(v, "collective", "startup_s and processing_bytes_per_s"), "collective", COLLECTIVE_KEYS)
+    if "startup_s" not in v:
+        raise c.error("missing field", "collective.startup_s")
+    rate = v.get("processing_bytes_per_s")
+    return CollectiveCost(
+        c.number(v["startup_s"], "collective.startup_s", lo=0, hi=MAX_SECONDS, unit="seconds"),
+        None if rate is None else c.number(rate, "collective.processing_bytes_per_s", lo=MIN_BANDWIDTH_BYTES_PER_S,
+                                           hi=MAX_BANDWIDTH_BYTES_PER_S, unit="bytes/s"))
 
 
 def _zone(name: Any, c: Checks, where: str, cluster: ClusterSpec) -> str:

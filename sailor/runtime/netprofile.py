@@ -5,7 +5,10 @@ N processes (gloo on CPU, NCCL on CUDA) run, for message sizes 1 KiB .. 64 MiB (
 - p2p: ranks 2k and 2k+1 ping-pong (send, then receive the same size back); one-way time = round
   trip / 2. With N >= 4 the N/2 pairs also run at once, which measures N/2 concurrent flows;
 - all-reduce of the message over all N ranks.
-Each point is the median of `repeats` timed rounds after `warmup` untimed ones. A link
+Each point is the mean of `repeats` timed rounds after `warmup` untimed ones: a training step
+pays the mean of its many transfers and collectives, and their times can be two-valued (a process
+under a CPU quota, as on the testbed, starts at once or after the rest of its period's gap; the
+median would keep one of the two). A link
 time(x) = α + x / β is fitted by least squares on relative error (each row divided by its measured
 time, so 1 KiB and 64 MiB count alike), α clipped at 0.
 
@@ -14,19 +17,38 @@ The file holds a `links` entry (zone, GPU type) -> itself per measured flow coun
 `same_node` classes, so `network_for(local_cluster(...), file)` uses it for every pair of local
 processes. The all-reduce sweep and its fit are kept under `allreduce`
 (with the bus bandwidth 2(N-1)/N · x / t), for comparison with the simulator's ring model.
+
+What the all-reduce takes beyond the simulator's ring over the measured links is the backend's
+cost of a collective, the file's `collective` (`fit_collective`: a start-up per call and a
+processing rate per byte, `perf.network.CollectiveCost`), which the simulator charges; between
+machines (`profile_pairs`, two processes per link) it is fitted on all the links' sweeps together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 from typing import Any
 
 import numpy as np
 
-from sailor.perf.network import SCHEMA
+from sailor.perf.network import SCHEMA, CollectiveCost, NetworkModel, network_from_ours
 
 SIZES_BYTES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
 HOST_SIZES_BYTES = SIZES_BYTES[:7]  # 1 KiB .. 4 MiB between machines: 4 MiB over 50 Mbit/s is 0.7 s
+
+
+def _nonnegative_line(x, y, scale) -> tuple[float, float]:
+    """(a, b) >= 0 of y = a + b·x minimising sum(((a + b·x - y) / scale)²) (least squares on error
+    relative to `scale`): the unconstrained solution when both are >= 0, else the better of the
+    fits with a = 0 or b = 0 (each clipped at 0)."""
+    x, y, w = (np.asarray(v, dtype=float) for v in (x, y, scale))
+    (a, b), *_ = np.linalg.lstsq(np.stack([1.0 / w, x / w], axis=1), y / w, rcond=None)
+    if a >= 0 and b >= 0:
+        return float(a), float(b)
+    candidates = [(0.0, max(0.0, float(np.sum(x * y / w**2) / np.sum((x / w) ** 2)))),
+                  (max(0.0, float(np.sum(y / w**2) / np.sum(1.0 / w**2))), 0.0)]
+    return min(candidates, key=lambda ab: float(np.sum(((ab[0] + ab[1] * x - y) / w) ** 2)))
 
 
 def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
@@ -35,15 +57,74 @@ def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
     Least squares on relative error; α is clipped at 0 (β refitted alone then). Raises ValueError
     when the points do not give a positive bandwidth.
     """
-    x, t = np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float)
-    A = np.stack([1.0 / t, x / t], axis=1)  # rows of [α, 1/β] / t against 1
-    (alpha, inv_beta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
-    if alpha < 0:
-        alpha = 0.0
-        inv_beta = float(np.sum(x / t) / np.sum((x / t) ** 2))
+    alpha, inv_beta = _nonnegative_line(sizes_bytes, times_s, times_s)
     if inv_beta <= 0:
         raise ValueError("the sweep does not give a positive bandwidth (time does not grow with size)")
-    return float(alpha), float(1.0 / inv_beta)
+    return alpha, 1.0 / inv_beta
+
+
+def simulated_ring_s(net: NetworkModel, members: list, sizes_bytes) -> np.ndarray:
+    """Seconds the simulator's flat ring (`simulator.collectives.ring_allreduce_s`) gives an
+    all-reduce of each size over `members` (`simulator.collectives.Member`s: zone, GPU type, node)
+    on `net`'s links, without any collective cost `net` carries: the ring's steps and bytes alone."""
+    from sailor.simulator.collectives import group_members, ring_allreduce_s
+
+    bare = dataclasses.replace(net, collective=CollectiveCost())  # the same links (and their memo)
+    groups = group_members(members)
+    return np.array([ring_allreduce_s(groups, float(x), bare) for x in sizes_bytes])
+
+
+def pair_members(link: dict[str, Any]) -> list:
+    """The two members of a measured pair (a `links` entry of `profile_pairs`), on one node or two."""
+    from sailor.simulator.collectives import Member
+
+    return [Member(zone=link["src_zone"], gpu=link["src_gpu"], tp=1, node="src"),
+            Member(zone=link["dst_zone"], gpu=link["dst_gpu"], tp=1, node="src" if link["same_node"] else "dst")]
+
+
+def collective_of_pairs(net: NetworkModel, data: dict[str, Any]) -> dict[str, Any] | None:
+    """`fit_collective` of the all-reduce sweeps of `profile_pairs`' file content `data` (its
+    `sweep.pairs`, each measured between the ends of the `links` entry of the same index) against
+    the ring the simulator runs over `net` for each pair: `net` with the file's links
+    (`perf.network.network_from_ours`) gives the file's own entry; the cluster's spec links alone
+    (`network_for(cluster)`) give the entry for a file that carries no links. None without pairs."""
+    sizes, pairs = data["sweep"]["sizes_bytes"], data["sweep"]["pairs"]
+    if not pairs:
+        return None
+    rings = [simulated_ring_s(net, pair_members(link), sizes) for link in data["links"]]
+    return fit_collective(list(sizes) * len(pairs), [t for p in pairs for t in p["allreduce_s"]], np.concatenate(rings))
+
+
+def fit_collective(flow_bytes, measured_s, ring_s) -> dict[str, Any]:
+    """The backend's cost of a collective beyond its ring (`perf.network.CollectiveCost`) from
+    all-reduce sweeps: measured = α_c + ring + B / ρ, with B the bytes each member sends
+    (2(N-1)/N · x), `ring_s` the simulator's ring over the links it will use with the file
+    (`simulated_ring_s`); α_c and 1/ρ >= 0 fitted on the residual by least squares on error
+    relative to the ring's time (not the measured one: a point whose rounds happened to be fast
+    would weigh more, and under a CPU quota small points are two-valued). Points of several sweeps
+    (links) may be pooled: α_c and ρ are the backend's, not a link's.
+
+    Returns the file's `collective` entry: {"startup_s", "processing_bytes_per_s" (absent when the
+    residual does not grow with the bytes), "fit_relative_error" (mean |model - measured| /
+    measured over the points)}."""
+    b, t, ring = (np.asarray(v, dtype=float) for v in (flow_bytes, measured_s, ring_s))
+    startup, inv_rate = _nonnegative_line(b, t - ring, ring)
+    model = ring + startup + b * inv_rate
+    out: dict[str, Any] = {"startup_s": startup}
+    if inv_rate > 0:
+        out["processing_bytes_per_s"] = 1.0 / inv_rate
+    out["fit_relative_error"] = float(np.mean(np.abs(model - t) / t))
+    return out
+
+
+def describe_collective(collective: dict[str, Any] | None) -> str:
+    """One line for people about a `fit_collective` entry."""
+    if not collective:
+        return "collective: no all-reduce measured"
+    rate = collective.get("processing_bytes_per_s")
+    return (f"collective: start-up {collective['startup_s'] * 1e3:.2f} ms per call, "
+            + (f"processing {rate / 1e6:.1f} MB/s" if rate else "no per-byte cost beyond the links")
+            + f" (mean error of the fit {100 * collective['fit_relative_error']:.0f} %)")
 
 
 def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
@@ -74,7 +155,7 @@ def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
             watch.start()
             fn()
             out.append(watch.stop())
-        return float(np.median(out[o["warmup"]:]))
+        return float(np.mean(out[o["warmup"]:]))
 
     result: dict[str, Any] = {"p2p": {}, "allreduce": []}
     pair_counts = sorted({1, world // 2})
@@ -123,9 +204,12 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     import tempfile
     from pathlib import Path
 
+    from sailor.catalog import Link, LinkClass
     from sailor.core.errors import SailorInputError
     from sailor.core.limits import MAX_PROFILE_PASSES, max_local_processes
     from sailor.runtime.profiler import device_description, device_gpu_type, run_ranks, versions
+    from sailor.simulator.collectives import Member
+    from sailor.specs.cluster import local_cluster
 
     if nproc < 2:
         raise SailorInputError(f"need at least 2 processes, got {nproc}", field="--nproc")
@@ -160,7 +244,7 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     alpha1, beta1 = fits[1]
     bus = [2 * (nproc - 1) / nproc * x for x in sizes_bytes]
     ar_alpha, ar_beta = fit_alpha_beta(bus, res["allreduce"])
-    return {"schema": SCHEMA, "source": f"sailor profile network ({gpu}, {nproc} processes)",
+    data = {"schema": SCHEMA, "source": f"sailor profile network ({gpu}, {nproc} processes)",
             "device": device_description(device), "versions": versions(),  # type: ignore[arg-type]
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "classes": {"same_node": {"latency_s": alpha1, "bandwidth_bytes_per_s": beta1},
@@ -168,13 +252,20 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
             "links": links,
             "sweep": {"sizes_bytes": list(sizes_bytes), "p2p_one_way_s": res["p2p"], "allreduce_s": res["allreduce"]},
             "allreduce": {"processes": nproc, "latency_s": ar_alpha, "bus_bandwidth_bytes_per_s": ar_beta}}
+    # the simulator's ring for these processes: all on one node, over the measured one-flow link
+    net = NetworkModel(cluster=local_cluster(nproc), class_links={LinkClass.SAME_NODE: Link(alpha1, beta1)})
+    members = [Member(zone="local", gpu="cpu", tp=1, node="local")] * nproc
+    data["collective"] = fit_collective(bus, res["allreduce"], simulated_ring_s(net, members, sizes_bytes))
+    return data
 
 
-def profile_pairs(pairs, launch, *, port: int, device: str = "cpu", warmup: int = 1, repeats: int = 3,
+def profile_pairs(pairs, launch, *, cluster, port: int, device: str = "cpu", warmup: int = 1, repeats: int = 3,
                   sizes_bytes: tuple[int, ...] = HOST_SIZES_BYTES, timeout_s: float = 300.0,
                   progress=None) -> dict[str, Any]:
     """Measure the link of each pair of machines with two processes, one on each, and return our link
-    file as a dict: one `links` entry per pair (one flow), its α–β fitted to the one-way p2p times.
+    file as a dict: one `links` entry per pair (one flow), its α–β fitted to the one-way p2p times,
+    and the backend's `collective` cost fitted on the pairs' all-reduce sweeps against the
+    simulator's ring over those links in `cluster` (the machines' cluster spec; `collective_of_pairs`).
 
     `pairs`: `sailor.launch.hosts.LinkPair`s (src and dst (zone, GPU type), same_node, the two ssh
     destinations, the rendezvous address); `launch(destination, argv)`: the command that runs
@@ -207,6 +298,8 @@ def profile_pairs(pairs, launch, *, port: int, device: str = "cpu", warmup: int 
         links.append({"src_zone": pair.src[0], "src_gpu": pair.src[1], "dst_zone": pair.dst[0], "dst_gpu": pair.dst[1],
                       "flows": 1, "latency_s": alpha, "bandwidth_bytes_per_s": beta, "same_node": pair.same_node})
         sweeps.append({"hosts": list(pair.hosts), "p2p_one_way_s": got["p2p"]["1"], "allreduce_s": got["allreduce"]})
-    return {"schema": SCHEMA, "source": f"sailor profile network --hosts ({len(links)} links, {device})",
+    data = {"schema": SCHEMA, "source": f"sailor profile network --hosts ({len(links)} links, {device})",
             "versions": versions(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "links": links, "sweep": {"sizes_bytes": list(sizes_bytes), "pairs": sweeps}}
+    data["collective"] = collective_of_pairs(network_from_ours(cluster, data, data["source"]), data)
+    return data

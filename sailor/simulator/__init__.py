@@ -352,7 +352,8 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     rounds = max(plan.step_rounds(j) for j in range(D))  # a stage group's rounds: its ZeRO-2/3 reduce-scatters
     for i in range(P):
         groups, chunks = group_members([sl[i] for sl in slots]), plan.stage_chunks(i)
-        t, eb, eu = stage_sync(ctx, groups, chunks, options[i][0], mbs, rounds=rounds)
+        t, eb, eu = stage_sync(ctx, groups, chunks, options[i][0], mbs, rounds=rounds,
+                               split_backward=plan.schedule.splits_backward)
         sync_times.append(t)
         cross_bytes += eb
         egress_usd += eu

@@ -32,6 +32,16 @@ reduce-scatter of gradients plus all-gather of parameters in place of the all-re
 Inside a TP group (one node) the same rings run over the intra-node link (`tp_collective_time_s`):
 an all-reduce of a tensor of n bytes takes 2(t-1) steps of n/t, an all-gather or a reduce-scatter
 t-1 steps.
+
+The backend adds to every collective call what its links do not (`perf.network.CollectiveCost`,
+measured by `sailor profile network`; nothing by default, as for NCCL): a start-up α_c once per
+call (`terms.collective_s`, `tp_collective_time_s`) and, for each flow, its bytes B at the
+processing rate ρ of the work that does not overlap the transfers (gloo's copies and sums on the
+CPU), in every ring phase:
+    T = α_c + T_ring + B / ρ,  B = 2(D-1)/D · S/f for a ring all-reduce.
+gloo on the testbed's links (two ranks, 64 KiB-4 MiB, quiet machine) took a fixed ~2 ms per call
+and 1.27x the bytes' time on a 300 Mbit/s link but 1.03-1.09x on a 50 Mbit/s one: the same
+absolute per-byte cost on both, so a rate beside the link's, not a fraction of its bandwidth.
 """
 
 from __future__ import annotations
@@ -101,7 +111,8 @@ def _ring_phase(groups: list[Group], nbytes: float, net: NetworkModel, *, steps:
     split over its edge's t flows (one per TP rank of the finer replica), while `share` such rings,
     each with its own `nbytes`, leave the sender's node at once: share x t flows of
     fraction x nbytes / t each on the edge's link. Steps x slowest hop latency + slowest edge's
-    streaming / η."""
+    streaming / η + the backend's processing of each flow's bytes (`CollectiveCost.processing_s`,
+    the flows of one edge and of the `share` rings each in a process of its own)."""
     if nbytes <= 0:
         return 0.0
     latency, stream = 0.0, 0.0
@@ -110,7 +121,8 @@ def _ring_phase(groups: list[Group], nbytes: float, net: NetworkModel, *, steps:
         latency = max(latency, net.hop_latency_s(za, ga, zb, gb, flows=t * share, same_node=on_node))
         stream = max(stream, net.stream_time_s(za, ga, zb, gb, fraction * nbytes / t, flows=t * share,
                                                same_node=on_node))
-    return steps * latency + stream / efficiency
+    finest = max(1, min(m.tp for m, _ in groups))  # the edge whose flows carry the most bytes each
+    return steps * latency + stream / efficiency + net.collective.processing_s(fraction * nbytes / finest)
 
 
 def ring_allreduce_s(groups: list[Group], nbytes: float, net: NetworkModel, *, efficiency: float = 1.0,
@@ -187,11 +199,15 @@ RING_STEPS = {Collective.ALL_REDUCE: 2, Collective.ALL_GATHER: 1, Collective.RED
 def tp_collective_time_s(net: NetworkModel, zone: str, gpu: str, tp: int, kind: Collective, nbytes: float) -> float:
     """Seconds of one collective over a TP group of `tp` GPUs inside one node, on the intra-node link
     (`NetworkModel` same-node link: measured intra-node fit, cluster override or catalog): a ring of
-    RING_STEPS[kind]·(tp - 1) steps, each moving nbytes / tp (nbytes = the full tensor). 0 at TP 1."""
+    k = RING_STEPS[kind]·(tp - 1) steps, each moving nbytes / tp (nbytes = the full tensor), plus
+    the backend's cost of one call (`NetworkModel.collective`):
+        T = startup_s + k · transfer(nbytes / tp) + k · (nbytes / tp) / processing_bytes_per_s.
+    0 at TP 1."""
     if tp < 2 or nbytes <= 0:
         return 0.0
+    steps = RING_STEPS[kind] * (tp - 1)
     step = net.transfer_time_s(zone, gpu, zone, gpu, nbytes / tp, same_node=True)
-    return RING_STEPS[kind] * (tp - 1) * step
+    return net.collective.startup_s + steps * step + net.collective.processing_s(steps * nbytes / tp)
 
 
 def ring_crossings(groups: list[Group], nbytes: float, net: NetworkModel) -> list[Crossing]:

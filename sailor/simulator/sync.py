@@ -59,17 +59,25 @@ def exposed_sync_s(collective_s: Sequence[float], compute_s: Sequence[float], ro
     return lag
 
 
-def _slowest_backward(ctx: SimContext, groups: list[Group], mbs: int, layers: Sequence[int]) -> np.ndarray:
+def _slowest_backward(ctx: SimContext, groups: list[Group], mbs: int, layers: Sequence[int],
+                      split: bool = False) -> np.ndarray:
     """Per layer of `layers`, the longest backward seconds of one micro-batch among the members'
     GPU types and TP degrees (the layer times; recomputation and TP collectives left out, which only
-    shortens the compute a sync can hide under)."""
-    rows = [ctx.layer_s(g, t, mbs)[:, 1] for g, t in {(r.gpu, r.tp) for r, _ in groups}]
+    shortens the compute a sync can hide under). `split` (a schedule that splits the backward,
+    ZB-H1): the weight-gradient pass alone (`SimContext.stage_backward_split_s`), since a layer's
+    gradients are final after its last W pass, and a stage's last ops are W passes, each running
+    the stage's layers' weight gradients and nothing else."""
+    members = {(r.gpu, r.tp) for r, _ in groups}
+    if split:
+        rows = [[ctx.stage_backward_split_s(g, t, mbs, x, x + 1)[1] for x in layers] for g, t in members]
+        return np.max(np.array(rows), axis=0)
+    rows = [ctx.layer_s(g, t, mbs)[:, 1] for g, t in members]
     return np.max(np.vstack(rows), axis=0)[list(layers)]
 
 
 def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
                opts: TimeOptions = DEFAULT_TIME, mbs: int | None = None, *,
-               rounds: int = 1) -> tuple[float, float, float]:
+               rounds: int = 1, split_backward: bool = False) -> tuple[float, float, float]:
     """(seconds, bytes crossing zones, egress $) per iteration of the gradient sync of the layer
     ranges `chunks` (one stage's, `Plan.stage_chunks`; reduced together) across the replicas of that
     stage, given as (Slot, count) groups in ring order (`group_members`): an all-reduce of the
@@ -90,7 +98,8 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
     (`exposed_sync_s`), over the stage's layers in backward order (repeated for each round), with
     each layer's collective taking its share of the stage's bytes plus one collective's latency (the
     time of a 1-byte collective) and the compute the slowest member's layer backward of micro-batch
-    size `mbs` (the forwards between two rounds' backwards left out: conservative). It is measured
+    size `mbs` (the forwards between two rounds' backwards left out: conservative), its weight-gradient
+    pass alone under a schedule that splits the backward (`split_backward`, ZB-H1). It is measured
     as each stage's `sync_exposed_s` in the runtime's metrics. It is charged from the stage's own
     last backward on, although the later stages' last backward ends before the pipeline's
     (conservative). Without `mbs`: a lower bound of that (the last layer's collective alone), which
@@ -99,7 +108,7 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
     overlap = ctx.job.framework is Framework.SAILOR and sum(n for _, n in groups) > 1
     collectives = _sync_collectives(ctx, params, opts, rounds)
     key = (("stage_sync", group_shape(groups), params, tuple(collectives))
-           + ((tuple(chunks), mbs) if overlap else ()))
+           + ((tuple(chunks), mbs, split_backward) if overlap else ()))
     if key not in ctx.memo:
         seconds, moved, usd = 0.0, 0.0, 0.0
         layers = [x for a, e in sorted(chunks, reverse=True) for x in reversed(range(a, e))]
@@ -110,7 +119,7 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
                 latency = collective_s(ctx, groups, kind, 1.0, t)
                 per = [latency + (full - latency) * t * ctx.stage_params(t, x, x + 1) / params for x in layers]
                 seconds += per[-1] if mbs is None else exposed_sync_s(
-                    per, _slowest_backward(ctx, groups, mbs, layers), rounds=runs)
+                    per, _slowest_backward(ctx, groups, mbs, layers, split_backward), rounds=runs)
             else:
                 seconds += runs * full
             moved += runs * RING_SHARE[kind] * mb

@@ -371,11 +371,13 @@ def collective_s(ctx: SimContext, groups: list[Group], kind: Collective, nbytes:
     split in `t` shards, one per TP rank: the flows of each ring edge) across `groups`: ring or
     hierarchical over the links (`collectives.allreduce_time_s`, the cluster spec's algorithm) at
     the lowest calibrated all-reduce efficiency of the members, a reduce-scatter or an all-gather
-    taking half of it. 0 for a single member."""
+    taking half of it, plus the backend's start-up of one call (`NetworkModel.collective`). 0 for a
+    single member."""
     if sum(n for _, n in groups) < 2:
         return 0.0
     efficiency = ctx.allreduce_efficiency([r for r, _ in groups])
-    return RING_SHARE[kind] * allreduce_time_s(groups, nbytes, ctx.network, efficiency=efficiency)
+    ring = allreduce_time_s(groups, nbytes, ctx.network, efficiency=efficiency)
+    return RING_SHARE[kind] * ring + (ctx.network.collective.startup_s if ring > 0 else 0.0)
 
 
 def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> float:
