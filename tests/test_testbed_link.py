@@ -152,6 +152,21 @@ def test_up_again_and_down_all_remove_what_a_killed_run_left(tmp_path):
     assert sleeper.wait(timeout=10) == -9  # killed by the sweep
 
 
+def test_down_all_of_one_state_folder_leaves_the_testbeds_of_another_up(tmp_path):
+    # `sailor testbed down --all --state-dir B` once removed every testbed on the machine, A's too
+    other = up(pair_spec(f"ck{os.getpid() % 10000}"), tmp_path / "a")
+    try:
+        subprocess.run(["ip", "netns", "add", "sbxfff1-x"], check=True)  # a stray nobody owns
+        removed = down_all(tmp_path / "b")
+        assert "sbxfff1" in removed and other.prefix not in removed
+        assert leftovers("sbxfff1") == [] and leftovers(other.prefix) != []
+        assert [s.prefix for s in live_states(tmp_path / "a")] == [other.prefix]
+    finally:
+        subprocess.run(["ip", "netns", "del", "sbxfff1-x"], capture_output=True, check=False)
+        down(other)
+    assert leftovers(other.prefix) == []
+
+
 def test_without_the_tools_it_says_so_in_one_line(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": str(ROOT)}  # no ip, no tc
     p = subprocess.run([sys.executable, "-m", "sailor", "testbed", "up", str(ROOT / "examples" / "testbed_pair.yaml")],
