@@ -1,0 +1,111 @@
+"""Bad input on the newest surfaces, as a newcomer met it: `profile network --hosts`, `testbed
+profile`, `run` and `train` output options, `launch` of a local plan to a cloud backend. Each case
+ends in exit status 2 and one line naming the option or file (or, for a failed measurement, exit 1
+and its one line), before any work starts. Commands run in-process through `sailor.cli.main`
+(helpers from tests/test_cli_bad_input.py); none starts a process."""
+
+import pytest
+from test_cli_bad_input import _base, _main, _refused
+
+HOSTS = "groups:\n- {zone: us-central1-a, gpu: A100-40, hosts: [10.0.0.1, 10.0.0.2]}\n"
+CLUSTER = "provider: gcp\nzones: {us-central1-a: {A100-40: 2}}\ngpus_per_node: {A100-40: 1}\n"
+
+
+# ---- profile network --hosts ---------------------------------------------------------------------
+@pytest.mark.parametrize("port, words", [("0", "greater than or equal to 1"), ("70000", "less than or equal to 65535")])
+def test_profile_network_names_its_own_port_option(tmp_path, monkeypatch, capsys, port, words):
+    # it named --rdzv-port, an option of `sailor run` and `sailor launch` that this command does not have
+    (tmp_path / "hosts.yaml").write_text(HOSTS)
+    (tmp_path / "c.yaml").write_text(CLUSTER)
+    line = _refused(["profile", "network", "--hosts", "hosts.yaml", "--cluster", "c.yaml", "--port", port], tmp_path,
+                    monkeypatch, capsys)
+    assert line.startswith("error: Invalid value for '--port': ") and words in line, line
+
+
+def test_profile_network_between_unreachable_hosts_is_one_line_not_an_internal_error(tmp_path, monkeypatch, capsys):
+    from sailor.runtime import netprofile
+
+    def unreachable(pairs, launch, **kw):
+        assert [p.hosts for p in pairs] == [("10.0.0.1", "10.0.0.2")]
+        raise RuntimeError("link 10.0.0.1 -> 10.0.0.2: profiling rank 0 failed: Connection to 10.0.0.1 port 22 timed out")
+    monkeypatch.setattr(netprofile, "profile_pairs", unreachable)
+    (tmp_path / "hosts.yaml").write_text(HOSTS)
+    (tmp_path / "c.yaml").write_text(CLUSTER)
+    code, out, err = _main(["profile", "network", "--hosts", "hosts.yaml", "--cluster", "c.yaml", "--out", "n.json"],
+                           tmp_path, monkeypatch, capsys)
+    assert (code, out) == (1, "")
+    assert err == ("error: link 10.0.0.1 -> 10.0.0.2: profiling rank 0 failed: Connection to 10.0.0.1 port 22 timed"
+                   " out\n"), err
+    assert not (tmp_path / "n.json").exists()
+
+
+# ---- testbed profile ------------------------------------------------------------------------------
+@pytest.mark.parametrize("job, mbs, line", [
+    ("job.yaml", "x", "error: --mbs: expected comma-separated whole numbers, got 'x'"),
+    ("job.yaml", "0,2", "error: --mbs: micro-batch sizes must be >= 1, got [0, 2]"),
+    ("bf16.yaml", "1", "error: bf16.yaml: precision: the runtime trains in fp32 on cpu, the job says bf16 (set"
+                       " precision: fp32 in the job)"),
+])
+def test_testbed_profile_refuses_what_each_class_profile_would_before_measuring(tmp_path, monkeypatch, capsys, job,
+                                                                                mbs, line):
+    # these ended, minutes later, as one class's failed `sailor profile`: an internal error, exit 1
+    from sailor.testbed import host
+    from sailor.testbed import profile as testbed_profile
+
+    monkeypatch.setattr(host, "check_support", lambda: None)
+    monkeypatch.setattr(testbed_profile, "profile_classes", lambda *a, **k: pytest.fail("measured a bad input"))
+    _base(tmp_path)
+    (tmp_path / "bf16.yaml").write_text("model: tiny\nglobal_batch_size: 8\nprecision: bf16\n")
+    (tmp_path / "tb.yaml").write_text(TESTBED)
+    got = _refused(["testbed", "profile", "tb.yaml", "--job", job, "--mbs", mbs, "--out", "out/p.json",
+                    "--state-dir", str(tmp_path / "state")], tmp_path, monkeypatch, capsys)
+    assert got == line
+
+
+TESTBED = """name: nc
+devices: {fast: {gpu: A100-40, cpu_quota: 0.3}}
+links: {same_zone_mbit_per_s: 400, cross_zone_mbit_per_s: 200, cross_region_mbit_per_s: 50}
+nodes:
+  - {name: a0, zone: us-central1-a, region: us-central1, device: fast, ranks: 1, nic_mbit_per_s: 300}
+"""
+
+
+# ---- run and train: two outputs on one path, inputs read before measuring -------------------------
+RUN = ["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json"]
+
+
+@pytest.mark.parametrize("args, line", [
+    (RUN + ["--events", "out/x.jsonl", "--metrics", "out/x.jsonl"],
+     "error: --events: out/x.jsonl is also the --metrics output (name a different file for each)"),
+    (RUN + ["--checkpoint-dir", "out/ck", "--metrics", "out/ck"],
+     "error: --metrics: out/ck is also the --checkpoint-dir output (name a different file for each)"),
+    # checked before the machine is measured (measuring starts processes, which a unit test refuses)
+    (RUN + ["--data", "nosuch.npy"], "error: nosuch.npy: no such file (pass a .bin or .npy token file)"),
+    (RUN + ["--init-from", "nosuch"], "error: --init-from: nosuch is not a folder (pass a Hugging Face model folder)"),
+    (["train", "cpu_plan.json", "--metrics", "out/m.jsonl", "--stop-file", "out/m.jsonl", "--dry-run"],
+     "error: --stop-file: out/m.jsonl is also the --metrics output (name a different file for each)"),
+    (["train", "cpu_plan.json", "--tensorboard", "out/tb", "--checkpoint-dir", "out/tb", "--dry-run"],
+     "error: --tensorboard: out/tb is also the --checkpoint-dir output (name a different file for each)"),
+])
+def test_run_and_train_refuse_before_any_work(tmp_path, monkeypatch, capsys, args, line):
+    _base(tmp_path)
+    assert _refused(args, tmp_path, monkeypatch, capsys) == line
+
+
+def test_distinct_outputs_see_one_path_spelled_two_ways(tmp_path):
+    from sailor.core.fileio import check_distinct_outputs
+
+    # distinct outputs pass; a relative and an absolute spelling of one path do not
+    check_distinct_outputs({"--metrics": tmp_path / "m.jsonl", "--events": tmp_path / "e.jsonl", "--x": None})
+    with pytest.raises(Exception, match="is also the --metrics output"):
+        check_distinct_outputs({"--metrics": tmp_path / "m.jsonl", "--events": tmp_path / "." / "m.jsonl"})
+
+
+# ---- launch of a local plan to a cloud backend ----------------------------------------------------
+@pytest.mark.parametrize("backend, what", [("skypilot", "SkyPilot accelerator on local"),
+                                           ("kubernetes", "GKE accelerator label")])
+def test_launching_a_local_plan_on_a_cloud_backend_names_the_plan(tmp_path, monkeypatch, capsys, backend, what):
+    _base(tmp_path)
+    line = _refused(["launch", "cpu_plan.json", "--backend", backend, "--steps", "5", "--out", "out/x"], tmp_path,
+                    monkeypatch, capsys)
+    assert line.startswith(f"error: cpu_plan.json: pipelines.0.replicas.0.gpu: GPU type cpu has no {what}"), line
