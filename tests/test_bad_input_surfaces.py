@@ -179,3 +179,35 @@ def test_schedules_benchmark_runs_two_stages_on_two_ranks():
     schedules = load_benchmark("schedules")
     assert [n.name for n in schedules.check_args(_bench_args(testbed="pair", stages=2)).nodes] == ["a", "b"]
     assert schedules.check_args(_bench_args(testbed=None)) is None
+
+
+# ---- mixture-of-experts configs name the config's own keys ----------------------------------------
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 256, "max_position_embeddings": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu"}
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+             "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 128,
+             "num_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+             "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+@pytest.mark.parametrize("base, edit, field, words", [
+    # these named the MoE spec's fields (`moe: top_k ...`, `moe.num_experts`), which no config has
+    (MIXTRAL, {"num_experts_per_tok": 9}, "num_experts_per_tok", "top_k 9 exceeds num_experts 4"),
+    (MIXTRAL, {"num_local_experts": 1, "num_experts_per_tok": 1}, "num_local_experts", "greater than 1 (got 1)"),
+    (MIXTRAL, {"num_local_experts": 10**9}, "num_local_experts", "less than or equal to"),
+    (QWEN3_MOE, {"num_experts_per_tok": 9}, "num_experts_per_tok", "top_k 9 exceeds num_experts 8"),
+    (QWEN3_MOE, {"moe_intermediate_size": 10**9}, "moe_intermediate_size", "less than or equal to"),
+    (QWEN3_MOE, {"decoder_sparse_step": 10**9}, "decoder_sparse_step", "less than or equal to"),
+])
+def test_bad_moe_configs_name_the_config_key(base, edit, field, words):
+    from sailor.core.errors import SailorInputError
+    from sailor.model.hf_config import spec_from_hf
+
+    with pytest.raises(SailorInputError) as e:
+        spec_from_hf(base | edit, source="config.json", name="m")
+    assert (e.value.source, e.value.field) == ("config.json", field), e.value.one_line()
+    assert words in e.value.message, e.value.one_line()
+    assert spec_from_hf(base, source="config.json", name="m").moe.num_experts == base.get("num_local_experts", 8)
