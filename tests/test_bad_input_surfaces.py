@@ -211,3 +211,39 @@ def test_bad_moe_configs_name_the_config_key(base, edit, field, words):
     assert (e.value.source, e.value.field) == ("config.json", field), e.value.one_line()
     assert words in e.value.message, e.value.one_line()
     assert spec_from_hf(base, source="config.json", name="m").moe.num_experts == base.get("num_local_experts", 8)
+
+
+# ---- a model too large to measure on this CPU ------------------------------------------------------
+def test_a_model_too_large_for_this_machine_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    # `sailor plan` of mixtral-8x7b on the local provider started measuring it: 4 processes each
+    # building the whole model (348 GiB of fp32 weights and gradients) on a 24 GB machine
+    from sailor.core import limits
+
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: 20 * 2**30)
+    _base(tmp_path)
+    (tmp_path / "mix.yaml").write_text("model: mixtral-8x7b\nglobal_batch_size: 8\nsequence_length: 128\n")
+    line = _refused(["plan", "--job", "mix.yaml", "--cluster", "local.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == ("error: mix.yaml: model: measuring mixtral-8x7b (46.7B parameters) on this CPU needs at least"
+                    " 348.0 GiB (fp32 weights and gradients of 1 model copy measured at once), more than the 20.0 GiB"
+                    " available (pass --profiles with a profile measured where the model fits, or a smaller model)")
+    line = _refused(["profile", "--job", "mix.yaml", "--concurrency", "2", "--out", "out/p.json"], tmp_path,
+                    monkeypatch, capsys)
+    assert line.startswith("error: mix.yaml: model: measuring mixtral-8x7b") and "695.9 GiB (fp32 weights and gradients of 2 model copies" in line, line
+
+
+def test_the_memory_bound_is_eight_bytes_per_parameter_per_copy(monkeypatch):
+    from sailor.core import limits
+    from sailor.core.errors import SailorInputError
+    from sailor.runtime.profiler import ProfileOptions, check_options
+    from sailor.specs.job import JobSpec
+
+    job = JobSpec(model="tiny", global_batch_size=8)
+    need = 3 * job.model.total_params() * 8  # 3 copies at once
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: need)
+    check_options(ProfileOptions(job=job, concurrency=3))  # exactly fits
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: need - 1)
+    with pytest.raises(SailorInputError, match="3 model copies measured at once") as e:
+        check_options(ProfileOptions(job=job, concurrency=3))
+    assert e.value.field == "model"
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: None)  # unknown: not refused
+    check_options(ProfileOptions(job=job, concurrency=3))

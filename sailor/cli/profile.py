@@ -33,7 +33,8 @@ def int_list(text: str, option: str) -> tuple[int, ...]:
 
 def check_profile_options(opts, job: Path) -> None:
     """`runtime.profiler.check_options` of `opts` (a `ProfileOptions`), before any measuring; an error
-    about the job's precision names the job file `job`, as `sailor train` does.
+    about the job's precision or model (too large to measure here) names the job file `job`, as
+    `sailor train` does.
 
     Raises:
         SailorInputError: naming the option, or the job file and its field.
@@ -43,7 +44,7 @@ def check_profile_options(opts, job: Path) -> None:
     try:
         check_options(opts)
     except SailorInputError as e:
-        raise (e.located(source=str(job)) if e.field == "precision" else e) from None
+        raise (e.located(source=str(job)) if e.field in ("precision", "model") else e) from None
 
 
 def _progress(label: str, total: int):
