@@ -156,7 +156,8 @@ def baselines(cluster: dict, job: Path, profile: Path, ranks: list[tuple[str, st
     return {BASELINES[0]: best([_cluster_only(cluster, lambda z, g, x=x: g == x) for x in gpus]),
             BASELINES[1]: {"micro_batch_size": 1, "stages": [[0, 6]],
                         "pipelines": [{"microbatches": each, "replicas": [_replica(0, r)]} for r in ranks]},
-            BASELINES[2]: sailor.find_plan(job, cluster, profiles=profile, search="paper").plan.to_dict(with_specs=False),
+            BASELINES[2]: sailor.find_plan(job, cluster, profiles=profile,
+                                           search="paper").plan.to_dict(with_specs=False),
             BASELINES[3]: best([_cluster_only(cluster, lambda z, g, x=x: z == x) for x in cluster["zones"]])}
 
 

@@ -228,7 +228,8 @@ def test_a_model_too_large_for_this_machine_is_refused_before_measuring(tmp_path
                     " available (pass --profiles with a profile measured where the model fits, or a smaller model)")
     line = _refused(["profile", "--job", "mix.yaml", "--concurrency", "2", "--out", "out/p.json"], tmp_path,
                     monkeypatch, capsys)
-    assert line.startswith("error: mix.yaml: model: measuring mixtral-8x7b") and "695.9 GiB (fp32 weights and gradients of 2 model copies" in line, line
+    assert line.startswith("error: mix.yaml: model: measuring mixtral-8x7b"), line
+    assert "695.9 GiB (fp32 weights and gradients of 2 model copies" in line, line
 
 
 def test_the_memory_bound_is_eight_bytes_per_parameter_per_copy(monkeypatch):

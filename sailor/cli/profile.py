@@ -111,8 +111,8 @@ def profile_network_command(
     cluster: Optional[Path] = typer.Option(None, "--cluster", help="With --hosts: the cluster spec the hosts belong to."),
     python: Optional[str] = typer.Option(None, "--python", help="With --hosts: Python interpreter on the hosts,"
                                                                 " with Sailor installed (default python3)."),
-    port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="With --hosts: TCP port of the rendezvous on each pair's"
-                                                            " first machine (default 29500)."),
+    port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="With --hosts: TCP port of the"
+                                       " rendezvous on each pair's first machine (default 29500)."),
     out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.network/1)."),
 ) -> None:
     """p2p and all-reduce over 1 KiB..64 MiB between local processes (or, with --hosts, p2p between

@@ -246,9 +246,10 @@ def check_resumable(path: Path, manifest: dict[str, Any]) -> None:
 def check_train_options(options: TrainOptions) -> None:
     """Raise SailorInputError for options no run can use: a setting the worker refuses
     (`WorkerSettings`: steps, timeout, seed, intervals, empty paths, device), an output path that
-    cannot be written (checked before any work), two of them naming one path, a stop file that already exists (the run would stop
-    before its first step) or is a folder, --checkpoint-every without --checkpoint-dir
-    (`command.check_takes_effect`), or --tensorboard without the tensorboard package."""
+    cannot be written (checked before any work), two of them naming one path (`check_distinct_outputs`),
+    a stop file that already exists (the run would stop before its first step) or is a folder,
+    --checkpoint-every without --checkpoint-dir (`command.check_takes_effect`), or --tensorboard
+    without the tensorboard package."""
     check_takes_effect(worker_settings(options))
     if options.stop_file is not None and Path(options.stop_file).exists():
         raise SailorInputError(f"{options.stop_file} exists already, so the run would stop before its first step",
