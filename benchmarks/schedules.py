@@ -166,19 +166,42 @@ def run(args: argparse.Namespace, work: Path, testbed=None) -> dict:
     return {"rows": rows, "load1": load, "round_orders": round_orders}
 
 
+def check_args(args: argparse.Namespace):
+    """Refuse settings no run can use, before any work: sizes and counts below 1, fewer than one timed
+    step after --skip, a testbed file that does not read or has fewer ranks of its first node's device
+    class than the plans have stages. Returns the testbed spec (None without --testbed).
+
+    Raises:
+        SailorInputError: naming the option or the testbed file.
+    """
+    from sailor.core.errors import SailorInputError
+
+    for option in ("microbatches", "mbs", "seq", "steps", "rounds", "repeats"):
+        if getattr(args, option) < 1:
+            raise SailorInputError(f"must be >= 1, got {getattr(args, option)}", source=f"--{option}")
+    if not 0 <= args.skip < args.steps:
+        raise SailorInputError(f"need 0 <= --skip < --steps (a timed step), got --skip {args.skip}", source="--skip")
+    if args.testbed is None:
+        return None
+    from sailor.testbed import load_testbed
+
+    spec = load_testbed(args.testbed)
+    first = spec.nodes[0].device
+    if sum(n.ranks for n in spec.nodes if n.device == first) < args.stages:
+        raise SailorInputError(f"the {args.stages}-stage plans need {args.stages} ranks of device class {first!r}",
+                               source=str(args.testbed), field="nodes", fix="or pass --stages 2")
+    return spec
+
+
 @contextlib.contextmanager
-def _testbed(path: Path, work: Path):
-    """(spec, state) of the testbed `path` brought up for the block (stages land on its ranks in the
+def _testbed(spec, work: Path):
+    """(spec, state) of the testbed `spec` brought up for the block (stages land on its ranks in the
     launcher's node order), taken down afterwards; raises SystemExit when something is left behind."""
-    from sailor.testbed import down, leftovers, load_testbed, support_problem, up
+    from sailor.testbed import down, leftovers, support_problem, up
 
     problem = support_problem()
     if problem:
         raise SystemExit(f"error: {problem}")
-    spec = load_testbed(path)
-    first = spec.nodes[0].device
-    if sum(n.ranks for n in spec.nodes if n.device == first) < 4:
-        raise SystemExit(f"error: {path}: the 4-stage plans need 4 ranks of device class {first!r}")
     state = up(spec, work / "state")
     try:
         yield spec, state
@@ -203,10 +226,17 @@ def main() -> None:
     ap.add_argument("--testbed", type=Path, help="run on this testbed (`sailor testbed`, root): one rank per stage of"
                                                  " the first node's device class, under per-rank quotas")
     args = ap.parse_args()
+    from sailor.core.errors import SailorInputError
+
+    try:
+        spec = check_args(args)
+    except SailorInputError as e:  # bad input: one line, exit status 2, before any work
+        print(f"error: {e.one_line()}", file=sys.stderr)
+        raise SystemExit(2) from None
     with contextlib.ExitStack() as stack:
         work = Path(args.out) if args.out else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sailor-schedules-")))
         work.mkdir(parents=True, exist_ok=True)
-        testbed = stack.enter_context(_testbed(args.testbed, work)) if args.testbed else None
+        testbed = stack.enter_context(_testbed(spec, work)) if spec else None
         res = run(args, work, testbed)
     rows = res["rows"]
     print(f"{'schedule':<18} {'predicted (s)':>14} {'measured (s)':>13} {'error (%)':>10} {'relative':>9}"

@@ -124,6 +124,40 @@ def _cluster_only(cluster: dict, keep) -> dict:
             "zone_network": {z: v for z, v in cluster.get("zone_network", {}).items() if zones.get(z)}}
 
 
+BASELINES = ("one_class", "ddp_all", "paper", "one_zone")  # `baselines`' names, in its order
+
+
+def check_args(args: argparse.Namespace, spec) -> list[str] | None:
+    """The --only names (None: all), refused before the testbed comes up when unknown, a baseline's
+    under --no-baselines, or a fixed plan needing a (GPU type, zone) the testbed `spec` lacks (PLANS
+    are written for examples/testbed.yaml); steps with fewer than one timed step after --skip.
+
+    Raises:
+        SailorInputError: naming the option.
+    """
+    from sailor.core.errors import SailorInputError
+
+    if not 0 <= args.skip < args.steps:
+        raise SailorInputError(f"need 0 <= --skip < --steps (a timed step), got --skip {args.skip}, --steps"
+                               f" {args.steps}", source="--steps")
+    only = [n for n in args.only.split(",") if n] if args.only is not None else None
+    known = ["planner", *PLANS] + ([] if args.no_baselines else [f"baseline:{b}" for b in BASELINES])
+    for name in only or []:
+        if name not in known:
+            raise SailorInputError(f"unknown plan {name!r}", source="--only", fix=f"known: {', '.join(known)}")
+    have = {(spec.devices[n.device].gpu, n.zone) for n in spec.nodes}
+    for name, plan in PLANS.items():
+        need = {(r["gpu"], r["zone"]) for p in plan["pipelines"] for r in p["replicas"]} - have
+        if need and (only is None or name in only):
+            raise SailorInputError(f"plan {name} needs {', '.join(f'{g} in {z}' for g, z in sorted(need))}, which the"
+                                   f" testbed has not", source=str(args.testbed),
+                                   fix="run examples/testbed.yaml, or name other plans with --only")
+    if not args.no_elastic and ELASTIC_VICTIM not in {n.name for n in spec.nodes}:
+        raise SailorInputError(f"the elastic row stops node {ELASTIC_VICTIM}, which the testbed has not",
+                               source=str(args.testbed), field="nodes", fix="pass --no-elastic")
+    return only
+
+
 def baselines(cluster: dict, job: Path, profile: Path, network: Path, ranks: list[tuple[str, str]]) -> dict[str, dict]:
     """The alternatives a user has (module docstring), as plans, by name; `ranks` = (GPU type, zone)
     of every rank of the testbed."""
@@ -138,12 +172,12 @@ def baselines(cluster: dict, job: Path, profile: Path, network: Path, ranks: lis
 
     gpus = sorted({g for zone in cluster["zones"].values() for g in zone})
     each = GLOBAL_BATCH // len(ranks)
-    return {"one_class": best([_cluster_only(cluster, lambda z, g, x=x: g == x) for x in gpus]),
-            "ddp_all": {"micro_batch_size": 1, "stages": [[0, 6]],
+    return {BASELINES[0]: best([_cluster_only(cluster, lambda z, g, x=x: g == x) for x in gpus]),
+            BASELINES[1]: {"micro_batch_size": 1, "stages": [[0, 6]],
                         "pipelines": [{"microbatches": each, "replicas": [_replica(0, r)]} for r in ranks]},
-            "paper": sailor.find_plan(job, cluster, profiles=profile, network=network,
-                                      search="paper").plan.to_dict(with_specs=False),
-            "one_zone": best([_cluster_only(cluster, lambda z, g, x=x: z == x) for x in cluster["zones"]])}
+            BASELINES[2]: sailor.find_plan(job, cluster, profiles=profile, network=network,
+                                           search="paper").plan.to_dict(with_specs=False),
+            BASELINES[3]: best([_cluster_only(cluster, lambda z, g, x=x: z == x) for x in cluster["zones"]])}
 
 
 def _launch(state, plan: Path, job: Path, steps: int, metrics: Path, log: Path) -> None:
@@ -237,9 +271,10 @@ def run_plan(name: str, plan: dict, state, job: Path, profile: Path, network: tu
 
 ELASTIC_STEPS = 36
 ELASTIC_KILL_AT = 9  # step after which the victim node's processes are killed
+ELASTIC_VICTIM = "a1"  # the node stopped (examples/testbed.yaml: one of the two fast nodes of us-central1-a)
 
 
-def elastic_row(state, spec, job: Path, profile: Path, out: Path, step_s: float, victim: str = "a1") -> dict:
+def elastic_row(state, spec, job: Path, profile: Path, out: Path, step_s: float, victim: str = ELASTIC_VICTIM) -> dict:
     """`sailor run --hosts` on the testbed while a node goes down and comes back: after step
     ELASTIC_KILL_AT every process in node `victim`'s namespace (its torchrun agent and ranks) is
     SIGKILLed, as when a machine fails; the availability trace (training-clock seconds, in units of
@@ -319,9 +354,18 @@ def main() -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    from sailor.core.errors import SailorInputError
+    from sailor.specs import load_job
+
+    try:  # bad input: one line, exit status 2, before the testbed comes up
+        spec = load_testbed(args.testbed)
+        only = check_args(args, spec)
+        load_job(args.job)
+    except SailorInputError as e:
+        print(f"error: {e.one_line()}", file=sys.stderr)
+        return 2
     out = args.out or Path(tempfile.mkdtemp(prefix="sailor-testbed-bench-"))
     out.mkdir(parents=True, exist_ok=True)
-    spec = load_testbed(args.testbed)
     job = out / "job.yaml"  # the given job at GLOBAL_BATCH
     job.write_text(yaml.safe_dump({**yaml.safe_load(args.job.read_text()), "global_batch_size": GLOBAL_BATCH}))
     started = time.monotonic()
@@ -343,8 +387,9 @@ def main() -> int:
             extra = {f"baseline:{k}": v for k, v in baselines(cluster, job, profile, network[0], ranks).items()}
             others = list(extra)
             plans |= extra
-        if args.only:
-            plans = {k: v for k, v in plans.items() if k in args.only.split(",") or k == "planner"}
+        if only is not None:  # the planner's row stays: the others' ratios are to it
+            plans = {k: v for k, v in plans.items() if k in only or k == "planner"}
+            others = [k for k in others if k in plans]
         for name, plan in plans.items():
             same = next((r for r in rows if plans[r["plan"]] == plan), None)  # a baseline that is a plan run already
             rows.append({**same, "plan": name, "same_as": same["plan"]} if same else

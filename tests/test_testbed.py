@@ -64,6 +64,7 @@ def test_the_example_reads(box):
     (lambda d: d["links"].update(cross_zone_mbit_per_s=0), "links.cross_zone_mbit_per_s", "greater than or equal"),
     (lambda d: d.update(extra=1), "extra", "Extra inputs"),
     (lambda d: d.update(name="Box!"), "name", "1-12 of a-z"),
+    (lambda d: d["devices"]["fast"].update(gpu="cpu"), "devices.fast.gpu", "no gcp price"),
 ])
 def test_bad_files_name_the_field(edit, field, words):
     data = copy.deepcopy(raw())
@@ -234,6 +235,22 @@ def test_the_state_round_trips_and_is_found(tmp_path):
     with pytest.raises(SailorInputError, match="no testbed 'gone' is up"):
         host.find_state("gone", tmp_path)
     assert host.live_states(tmp_path / "none") == []
+
+
+def test_owner_records_tell_a_live_testbed_of_another_state_folder(tmp_path):
+    from sailor.testbed.state import forget_owner, owned, record_owner
+    owners, one = tmp_path / "owners", _state(tmp_path / "a")
+    assert not owned(one.prefix, owners)  # no record: a stray, which `down --all` removes
+    _save(one)
+    record_owner(one, owners)
+    assert owned(one.prefix, owners) and not owned("sbx00bb", owners)
+    (Path(one.folder) / "state.json").unlink()  # its state folder deleted: a stray again
+    assert not owned(one.prefix, owners)
+    (Path(one.folder) / "state.json").write_text(one.to_json())
+    assert owned(one.prefix, owners)
+    forget_owner(one.prefix, owners)
+    forget_owner(one.prefix, owners)  # twice is fine
+    assert not owned(one.prefix, owners)
 
 
 def test_the_state_folder_comes_from_the_environment(monkeypatch, tmp_path):

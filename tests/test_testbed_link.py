@@ -125,11 +125,6 @@ def test_bytes_on_a_shaped_link_match_the_simulator(tmp_path, layout, kinds):
 
 
 def test_up_again_and_down_all_remove_what_a_killed_run_left(tmp_path):
-    # down_all removes every testbed of the machine, another user's too (a shared machine, another
-    # test or benchmark running): only with none there
-    others = leftovers()
-    if others:
-        pytest.skip(f"other testbeds are up on this machine ({others[0]}, ...): down_all would remove them")
     spec = pair_spec(f"cj{os.getpid() % 10000}")
     first = up(spec, tmp_path / "state")
     # a run killed after up (its state file stays): the next `up` of the name removes it first
@@ -155,6 +150,21 @@ def test_up_again_and_down_all_remove_what_a_killed_run_left(tmp_path):
             down(second)
     assert leftovers("sbxfff0") == [] and leftovers(second.prefix) == []
     assert sleeper.wait(timeout=10) == -9  # killed by the sweep
+
+
+def test_down_all_of_one_state_folder_leaves_the_testbeds_of_another_up(tmp_path):
+    # `sailor testbed down --all --state-dir B` once removed every testbed on the machine, A's too
+    other = up(pair_spec(f"ck{os.getpid() % 10000}"), tmp_path / "a")
+    try:
+        subprocess.run(["ip", "netns", "add", "sbxfff1-x"], check=True)  # a stray nobody owns
+        removed = down_all(tmp_path / "b")
+        assert "sbxfff1" in removed and other.prefix not in removed
+        assert leftovers("sbxfff1") == [] and leftovers(other.prefix) != []
+        assert [s.prefix for s in live_states(tmp_path / "a")] == [other.prefix]
+    finally:
+        subprocess.run(["ip", "netns", "del", "sbxfff1-x"], capture_output=True, check=False)
+        down(other)
+    assert leftovers(other.prefix) == []
 
 
 def test_without_the_tools_it_says_so_in_one_line(tmp_path):

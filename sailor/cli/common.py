@@ -148,7 +148,7 @@ def machine_profiles(job, cluster, profiles, *, job_source: str | None = None):
     degree the planner can choose on `cluster` (`machine.considered_tps`), with as many processes at
     once as `cluster` offers GPUs; else None (the catalog's roofline). Without torch (a plain
     install) the roofline stays, and stderr says why. A job this machine cannot measure (a precision
-    other than fp32) is refused naming `job_source`.
+    other than fp32, a model whose weights and gradients exceed its memory) is refused naming `job_source`.
 
     The one way `sailor plan`, `simulate`, `run` and `replay` find the machine's profile: the same
     job and cluster give the same profile (the same cache files), hence the same predictions."""
@@ -167,7 +167,7 @@ def machine_profiles(job, cluster, profiles, *, job_source: str | None = None):
         prof, note = local_profiles(job, tps=considered_tps(job, cluster), processes=local_gpus(cluster),
                                     announce=lambda line: print(line, file=sys.stderr, flush=True))
     except SailorInputError as e:
-        raise (e.located(source=job_source) if e.field == "precision" else e) from None
+        raise (e.located(source=job_source) if e.field in ("precision", "model") else e) from None
     NOTES_AT_END.append(note)
     return prof
 

@@ -20,7 +20,7 @@ from sailor.cli.app import app
 from sailor.cli.common import (METRICS_HELP, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt, ProfilesOpt, SeedOpt,
                                check_number, choice, console, machine_profiles, require_torch, say_notes_now)
 from sailor.core.errors import SailorInputError
-from sailor.core.fileio import check_output_path
+from sailor.core.fileio import check_distinct_outputs, check_output_path
 from sailor.core.limits import MAX_SECONDS, MAX_TRACE_TIME_S
 
 TraceOpt = typer.Option(..., "--availability", help="Availability trace: CSV (Timestamp + <gpu>_<zone> columns),"
@@ -83,6 +83,8 @@ def run(
     from sailor.elastic.controller import run as run_elastic
     from sailor.elastic.remote import HostPool
     from sailor.runtime.command import steps_for
+    from sailor.runtime.hf_weights import check_init_from
+    from sailor.runtime.launcher import check_training_data
     from sailor.specs import load_cluster, load_job
 
     clock_kind = choice(ClockKind, clock, "--clock", "clock")
@@ -93,6 +95,7 @@ def run(
                                   (events, "--events", False)):
         check_output_path(value, option, folder=folder, inputs={"--job": job, "--cluster": cluster,
                                                                 "--availability": availability, "--hosts": hosts})
+    check_distinct_outputs({"--checkpoint-dir": checkpoint_dir, "--metrics": metrics, "--events": events})
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     steps = steps_for(job_spec, steps, fallback=100)
     checkpoint_every = job_spec.recipe.checkpoint.every if checkpoint_every is None else checkpoint_every
@@ -115,6 +118,9 @@ def run(
                          log_every=log_every, hosts=pool, device=device, start_timeout_s=start_timeout_s,
                          on_event=lambda ev: _say(err, ev))
     check_run(options)  # bad options are refused before the machine is measured
+    check_training_data(job_spec, data, source=str(job))  # and so are the tokens, and the weights to start from
+    if init_from and not (checkpoint_dir and Path(checkpoint_dir).is_dir() and any(Path(checkpoint_dir).iterdir())):
+        check_init_from(init_from, job_spec.model)  # (a checkpoint to resume from holds the weights instead)
     prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
     say_notes_now()  # where the profile came from: said now, before the run's own lines
     result = run_elastic(dataclasses.replace(options, profiles=prof))

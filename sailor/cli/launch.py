@@ -88,7 +88,7 @@ def launch_command(
     """Run PLAN with torchrun over ssh, or write its SkyPilot tasks or Kubernetes manifests. Paths of
     --data, --init-from, --checkpoint-dir, --metrics and --tensorboard name files on the nodes."""
     from sailor.core.fileio import check_output_path
-    from sailor.launch import Backend, KubernetesOptions, LaunchOptions, launch, launch_files
+    from sailor.launch import Backend, KubernetesOptions, LaunchOptions, check_backend_gpus, launch, launch_files
     from sailor.launch.skypilot import PLAN_FILE, SkyPilotOptions
     from sailor.plan import load_plan
     from sailor.runtime.command import WorkerSettings, check_takes_effect, steps_for
@@ -156,8 +156,13 @@ def launch_command(
         check_rendezvous(layout_for(plan, hosts_file, str(hosts)), hosts_file, source=str(hosts),
                          allow_public=allow_public_rendezvous)
     extra = {"sky": sky, "install_from": install_from} if chosen is Backend.SKYPILOT else {}
-    files = launch_files(plan, chosen, opts, header=_header(chosen, plan_path, indexed_jobs), hosts_path=hosts,
-                         image=image, name=name, k8s=k8s, **extra)
+    try:
+        files = launch_files(plan, chosen, opts, header=_header(chosen, plan_path, indexed_jobs), hosts_path=hosts,
+                             image=image, name=name, k8s=k8s, **extra)
+    except SailorInputError as e:
+        if e.source is None:  # a GPU type the backend has no name for: name the plan file and replica
+            check_backend_gpus(plan, chosen, source=str(plan_path))
+        raise
     if no_steps is not None:
         raise no_steps
     if out is not None:

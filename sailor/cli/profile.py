@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -12,7 +13,7 @@ import typer
 from sailor import catalog
 from sailor.cli.app import app
 from sailor.cli.common import require_torch
-from sailor.core.errors import SailorInputError, show
+from sailor.core.errors import SailorInputError, one_line, show
 
 profile_app = typer.Typer(no_args_is_help=False, help="Measure this machine: layer times, memory, links.")
 app.add_typer(profile_app, name="profile")
@@ -20,7 +21,7 @@ app.add_typer(profile_app, name="profile")
 DeviceOpt = typer.Option("cpu", "--device", help="cpu (gloo, fp32, one process per TP rank) or cuda (NCCL, bf16).")
 
 
-def _int_list(text: str, option: str) -> tuple[int, ...]:
+def int_list(text: str, option: str) -> tuple[int, ...]:
     parts = [v.strip() for v in text.split(",") if v.strip()]
     if not all(re.fullmatch(r"-?\d{1,9}", v) for v in parts):
         raise SailorInputError(f"expected comma-separated whole numbers, got {show(text)}", field=option)
@@ -28,6 +29,22 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
     if not values:
         raise SailorInputError("give at least one value", field=option)
     return values
+
+
+def check_profile_options(opts, job: Path) -> None:
+    """`runtime.profiler.check_options` of `opts` (a `ProfileOptions`), before any measuring; an error
+    about the job's precision or model (too large to measure here) names the job file `job`, as
+    `sailor train` does.
+
+    Raises:
+        SailorInputError: naming the option, or the job file and its field.
+    """
+    from sailor.runtime.profiler import check_options
+
+    try:
+        check_options(opts)
+    except SailorInputError as e:
+        raise (e.located(source=str(job)) if e.field in ("precision", "model") else e) from None
 
 
 def _progress(label: str, total: int):
@@ -62,18 +79,15 @@ def profile_layers(
     require_torch("profile")
     from sailor.core.fileio import check_output_path, write_json
     from sailor.perf.profiles import profiles_from_dict
-    from sailor.runtime.profiler import ProfileOptions, check_options, profile_job, profile_steps
+    from sailor.runtime.profiler import ProfileOptions, profile_job, profile_steps
     from sailor.specs import load_job
 
     catalog.check_device(device)
     check_output_path(out, "--out", inputs={"--job": job})  # before minutes of measuring
     opts = ProfileOptions(job=load_job(job), device=device,  # type: ignore[arg-type]
-                          tps=_int_list(tp, "--tp"), mbs=_int_list(mbs, "--mbs"), warmup=warmup, repeats=repeats,
+                          tps=int_list(tp, "--tp"), mbs=int_list(mbs, "--mbs"), warmup=warmup, repeats=repeats,
                           threads=threads, concurrency=concurrency)
-    try:
-        check_options(opts)
-    except SailorInputError as e:  # the job's precision: name the job file, as `sailor train` does
-        raise (e.located(source=str(job)) if e.field == "precision" else e) from None
+    check_profile_options(opts, job)
     bar, advance = _progress("profile", profile_steps(opts))
     with bar:
         data = profile_job(opts, progress=advance)
@@ -97,8 +111,8 @@ def profile_network_command(
     cluster: Optional[Path] = typer.Option(None, "--cluster", help="With --hosts: the cluster spec the hosts belong to."),
     python: Optional[str] = typer.Option(None, "--python", help="With --hosts: Python interpreter on the hosts,"
                                                                 " with Sailor installed (default python3)."),
-    port: Optional[int] = typer.Option(None, "--port", help="With --hosts: TCP port of the rendezvous on each pair's"
-                                                            " first machine (default 29500)."),
+    port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="With --hosts: TCP port of the"
+                                       " rendezvous on each pair's first machine (default 29500)."),
     out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.network/1)."),
 ) -> None:
     """p2p and all-reduce over 1 KiB..64 MiB between local processes (or, with --hosts, p2p between
@@ -135,7 +149,9 @@ def profile_network_command(
 
 def _profile_hosts(hosts: Path, cluster: Optional[Path], python: str, port: int, device: str, warmup: int,
                    repeats: int) -> dict:
-    """`profile network --hosts`: every link of `launch.hosts.link_pairs`, measured over ssh."""
+    """`profile network --hosts`: every link of `launch.hosts.link_pairs`, measured over ssh. A link
+    whose measurement fails (ssh cannot reach a machine, a process there fails) ends the command
+    with its one `error:` line and exit status 1."""
     import shlex
 
     from sailor.elastic.remote import HostPool
@@ -153,6 +169,11 @@ def _profile_hosts(hosts: Path, cluster: Optional[Path], python: str, port: int,
         raise SailorInputError("one machine of one GPU per node has no link to measure", source=str(hosts),
                                field="groups", fix="list two machines, or machines of two groups")
     bar, advance = _progress("links", len(pairs) * len(HOST_SIZES_BYTES))
-    with bar:
-        return profile_pairs(pairs, lambda dest, argv: ssh_argv(dest, shlex.join([pool.python, *argv]), pool.ssh),
-                             cluster=spec, port=pool.rdzv_port, device=device, warmup=warmup, repeats=repeats, progress=advance)
+    try:
+        with bar:
+            return profile_pairs(pairs, lambda dest, argv: ssh_argv(dest, shlex.join([pool.python, *argv]), pool.ssh),
+                                 cluster=spec, port=pool.rdzv_port, device=device, warmup=warmup, repeats=repeats,
+                                 progress=advance)
+    except RuntimeError as e:  # a machine unreachable or a measurement failed there: not a bug, exit 1
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        raise typer.Exit(code=1) from None

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import typer
 
 from sailor.cli.app import app
-from sailor.core.errors import SailorInputError
+from sailor.core.errors import SailorInputError, one_line
 
 testbed_app = typer.Typer(no_args_is_help=True, help="A cluster in a box: nodes as network namespaces, shaped"
                                                      " links, CPU quotas as device speeds (needs root).")
@@ -43,7 +44,8 @@ def up_command(
 @testbed_app.command("down")
 def down_command(
     file: str | None = typer.Argument(None, metavar="FILE|NAME", help="Testbed file, or the testbed's name."),
-    all_: bool = typer.Option(False, "--all", help="Remove every testbed, and anything a killed run left."),
+    all_: bool = typer.Option(False, "--all", help="Remove every testbed of the state folder, and anything"
+                              " a killed run left that no live testbed (of any state folder) owns."),
     state_dir: Path | None = StateDirOpt,
 ) -> None:
     """Remove a testbed: its processes, namespaces, links, qdiscs, cgroups and state."""
@@ -89,8 +91,10 @@ def profile_command(
 ) -> None:
     """Measure each device class with `sailor profile` inside one rank's quota; one profile file, its
     rows named after the classes' GPU types (for `sailor plan --profiles`)."""
+    from sailor.cli.profile import check_profile_options, int_list
     from sailor.core.fileio import check_output_path, write_json
     from sailor.perf.profiles import profiles_from_dict
+    from sailor.runtime.profiler import ProfileOptions
     from sailor.specs import load_job
     from sailor.testbed import find_state, load_testbed
     from sailor.testbed.host import check_support
@@ -98,9 +102,15 @@ def profile_command(
 
     check_support()
     spec = load_testbed(file)
-    load_job(job)
+    # what each class's `sailor profile` would refuse (profile_command's settings), refused here first
+    check_profile_options(ProfileOptions(job=load_job(job), device="cpu", tps=(1,), mbs=int_list(mbs, "--mbs"),
+                                         threads=1, concurrency=1), job)
     check_output_path(out, "--out", inputs={"FILE": file, "--job": job})
-    data = profile_classes(spec, find_state(spec.name, state_dir), job.resolve(), mbs=mbs)
+    try:
+        data = profile_classes(spec, find_state(spec.name, state_dir), job.resolve(), mbs=mbs)
+    except RuntimeError as e:  # a class's `sailor profile` failed inside its node: its output, exit 1
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        raise typer.Exit(code=1) from None
     profiles_from_dict(data, str(out))
     write_json(out, data)
     print(f"profile of {', '.join(f'{n} as {d.gpu}' for n, d in spec.devices.items())} written to {out}")

@@ -406,6 +406,21 @@ def check_not_an_input(path: str | Path, option: str, inputs: InputPaths) -> Non
                 raise SailorInputError(f"{path} is the {name} input", source=option)
 
 
+def check_distinct_outputs(outputs: dict[str, str | Path | None]) -> None:
+    """Refuse two of a command's output options (option name -> path, None for one not given) that
+    name the same file or folder (`same_path`): each would overwrite, or append into, the other's.
+
+    Raises:
+        SailorInputError: "<path> is also the <earlier option> output", with source the later option.
+    """
+    given = [(option, path) for option, path in outputs.items() if path is not None]
+    for i, (option, path) in enumerate(given):
+        for earlier, other in given[:i]:
+            if same_path(path, other):
+                raise SailorInputError(f"{path} is also the {earlier} output", source=option,
+                                       fix="name a different file for each")
+
+
 def check_output_path(path: str | Path | None, option: str, *, folder: bool = False,
                       suffixes: tuple[str, ...] = (), inputs: InputPaths | None = None) -> None:
     """Refuse an output path before any work starts: one of the command's `inputs` (option or

@@ -95,6 +95,22 @@ def max_local_processes() -> int:
     (hundreds of MB), so more than a few per core only thrashes the machine."""
     return max(16, 4 * (os.cpu_count() or 1))
 
+
+def available_memory_bytes() -> int | None:
+    """Memory this machine can give new processes without swapping (bytes): /proc/meminfo's
+    MemAvailable (Linux), else free physical pages (`os.sysconf`); None where neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
 # Optimizer steps one `sailor train` or `sailor run` asks for: 10^9 steps of a global batch of even 1
 # sample is far beyond any training run (Llama 3 405B: about 1.2M steps), and the step counter stays
 # an exact integer everywhere (checkpoint names, metrics).

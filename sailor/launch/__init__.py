@@ -210,6 +210,31 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
+def check_backend_gpus(plan: Plan, backend: Backend, *, source: str | None = None) -> None:
+    """Refuse a plan with a GPU type the cloud `backend` has no name for (a SkyPilot accelerator on
+    the zone's provider, a GKE accelerator label; GPU type cpu has neither), naming the first such
+    replica (`pipelines.<j>.replicas.<i>.gpu` of `source`, the plan file). torchrun takes any type.
+
+    Raises:
+        SailorInputError: the backend's message, located at the replica.
+    """
+    if Backend(backend) is Backend.TORCHRUN:
+        return
+    from sailor.launch.kubernetes import gke_accelerator
+    from sailor.launch.skypilot import accelerator
+
+    place = _place_of(plan)
+    for j, p in enumerate(plan.pipelines):
+        for i, r in enumerate(p.replicas):
+            try:
+                if Backend(backend) is Backend.SKYPILOT:
+                    accelerator(r.gpu, place(r.zone)[0])
+                else:
+                    gke_accelerator(r.gpu)
+            except SailorInputError as e:
+                raise e.located(source=source, field_prefix=f"pipelines.{j}.replicas.{i}.gpu") from None
+
+
 def _place_of(plan: Plan):
     """zone -> (provider, region): in the plan's cluster, or, for a plan without one, in the catalog
     of the provider that has the zone (GCP's for a zone none has: its unknown-zone error)."""

@@ -267,7 +267,8 @@ def backend_name(table: dict[str, str], gpu: str, what: str) -> str:
     try:
         return table[gpu]
     except KeyError:
-        raise SailorInputError(f"GPU type {gpu} has no {what}", fix=f"known: {', '.join(sorted(table))}") from None
+        raise SailorInputError(f"GPU type {gpu} has no {what}",
+                               fix=f"known: {', '.join(sorted(table))}" if table else "it has none") from None
 
 
 # An image reference as the OCI distribution spec writes it: [host[:port]/]path[:tag][@algorithm:hex]

@@ -167,7 +167,11 @@ def spec_from_hf(data: dict[str, Any], *, source: str, name: str) -> ModelSpec:
         err = validation_error(e, source)
         # name the key the user wrote (num_hidden_layers, n_embd...), not the ModelSpec field it fills
         head, _, rest = (err.field or "").partition(".")
-        key = _CONFIG_KEYS.get(model_type, _CONFIG_KEYS["llama"]).get(head)
+        if head == "moe":  # a field of the MoE: the first of its config keys the config has
+            sub, _, rest = rest.partition(".")
+            key = next((k for k in _MOE_CONFIG_KEYS.get(sub, ()) if k in data), None)
+        else:
+            key = _CONFIG_KEYS.get(model_type, _CONFIG_KEYS["llama"]).get(head)
         if key is None or key not in data:
             raise err from None
         raise SailorInputError(err.message, source=source, field=key + (f".{rest}" if rest else ""), fix=err.fix) from None
@@ -185,6 +189,14 @@ _CONFIG_KEYS = {
     "gpt2": {"num_blocks": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "ffn_hidden_size": "n_inner",
              "vocab_size": "vocab_size", "max_sequence_length": "n_positions", "norm_eps": "layer_norm_epsilon"},
 }
+
+# MoE field -> the config keys it is read from (`_moe`, `_sparse_layers`; each family has one of them),
+# for messages; "" is the MoE's own check that top_k <= num_experts, about num_experts_per_tok.
+_MOE_CONFIG_KEYS = {"": ("num_experts_per_tok",), "top_k": ("num_experts_per_tok",),
+                    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+                    "expert_ffn_size": ("moe_intermediate_size", "intermediate_size"),
+                    "shared_ffn_size": ("shared_expert_intermediate_size",), "sparse_step": ("decoder_sparse_step",),
+                    "dense_blocks": ("mlp_only_layers",)}
 
 
 # Architectures whose MLPs are mixtures of experts (transformers' model_type); any config with an

@@ -39,7 +39,7 @@ from typing import Any
 
 from sailor import catalog
 from sailor.core.errors import SailorInputError
-from sailor.core.fileio import check_output_path
+from sailor.core.fileio import check_distinct_outputs, check_output_path
 from sailor.core.limits import max_local_processes
 from sailor.core.process import die_with_parent
 from sailor.model.spec import ModelSpec
@@ -175,9 +175,7 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
             raise SailorInputError(f"the plan has {plan.world_size} ranks but this machine has {where}",
                                    source=options.plan, fix="run it on a machine with a GPU per rank (a CUDA build of"
                                    " torch, README \"GPU\"), or start it on a cluster with `sailor launch`")
-    check_corpus(load_corpus(options.data), seq=job.seq, vocab_size=job.model.vocab_size,
-                 source=options.data or "pydoc_data.topics")
-    check_eval_data(job, source=options.job or options.plan)
+    check_training_data(job, options.data, source=options.job or options.plan)
     notes: list[str] = []
     resume_from, resume_step = None, 0
     held = ckpt.newest_step_dir(options.checkpoint_dir) if options.checkpoint_dir and not options.resume else None
@@ -214,6 +212,14 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
     return Prepared(options, plan, job, ranks, resume_from, resume_step, tuple(notes))
 
 
+def check_training_data(job: JobSpec, data: str | None, *, source: str | None) -> None:
+    """Raise SailorInputError when the training tokens `data` (`--data`; None: the built-in text) or
+    the job's held-out tokens (`check_eval_data`, naming `source`, the job's file) cannot be read or
+    do not fit the job's sequence length and vocabulary."""
+    check_corpus(load_corpus(data), seq=job.seq, vocab_size=job.model.vocab_size, source=data or "pydoc_data.topics")
+    check_eval_data(job, source=source)
+
+
 def check_eval_data(job: JobSpec, *, source: str | None) -> None:
     """Raise SailorInputError naming `source` (the job's file) and recipe.eval.data when the job's
     held-out tokens cannot be read or do not fit its sequence length and vocabulary."""
@@ -240,9 +246,10 @@ def check_resumable(path: Path, manifest: dict[str, Any]) -> None:
 def check_train_options(options: TrainOptions) -> None:
     """Raise SailorInputError for options no run can use: a setting the worker refuses
     (`WorkerSettings`: steps, timeout, seed, intervals, empty paths, device), an output path that
-    cannot be written (checked before any work), a stop file that already exists (the run would stop
-    before its first step) or is a folder, --checkpoint-every without --checkpoint-dir
-    (`command.check_takes_effect`), or --tensorboard without the tensorboard package."""
+    cannot be written (checked before any work), two of them naming one path (`check_distinct_outputs`),
+    a stop file that already exists (the run would stop before its first step) or is a folder,
+    --checkpoint-every without --checkpoint-dir (`command.check_takes_effect`), or --tensorboard
+    without the tensorboard package."""
     check_takes_effect(worker_settings(options))
     if options.stop_file is not None and Path(options.stop_file).exists():
         raise SailorInputError(f"{options.stop_file} exists already, so the run would stop before its first step",
@@ -251,6 +258,8 @@ def check_train_options(options: TrainOptions) -> None:
     check_output_path(options.checkpoint_dir, "--checkpoint-dir", folder=True)
     check_output_path(options.metrics, "--metrics")
     check_output_path(options.tensorboard, "--tensorboard", folder=True)
+    check_distinct_outputs({"--checkpoint-dir": options.checkpoint_dir, "--metrics": options.metrics,
+                            "--tensorboard": options.tensorboard, "--stop-file": options.stop_file})
     check_tensorboard(options.tensorboard)
 
 

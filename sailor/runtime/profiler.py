@@ -159,6 +159,8 @@ def check_options(opts: ProfileOptions) -> None:
     if opts.device == "cpu" and opts.job.precision != "fp32":
         raise SailorInputError(f"the runtime trains in fp32 on cpu, the job says {opts.job.precision}",
                                field="precision", fix="set precision: fp32 in the job")
+    if opts.device == "cpu":
+        _check_host_memory(opts)
     if opts.device == "cuda":
         import torch
         device_gpu_type("cuda")
@@ -166,6 +168,30 @@ def check_options(opts: ProfileOptions) -> None:
         if need > torch.cuda.device_count():
             raise SailorInputError(f"the profile needs {need} CUDA devices (TP x replicas at once), this machine"
                                    f" has {torch.cuda.device_count()}", field="--tp")
+
+
+def _check_host_memory(opts: ProfileOptions) -> None:
+    """Refuse a CPU profile whose fp32 weights and gradients alone (8 bytes per parameter) exceed the
+    memory this machine has available (`limits.available_memory_bytes`): at TP degree t, each of
+    t x `replicas(opts, t)` processes holds 1/t of the whole model (`whole_pass`). Activations and
+    the optimizer's moments come on top, so a refused job could never be measured here; without
+    the check it swapped or was killed for memory minutes later (mixtral-8x7b: 374 GB per copy).
+
+    Raises:
+        SailorInputError: at field `model`.
+    """
+    from sailor.core.limits import available_memory_bytes
+
+    have = available_memory_bytes()
+    params = opts.job.model.total_params()
+    copies = max(replicas(opts, t) for t in opts.tps)
+    need = copies * params * 8
+    if have is not None and need > have:
+        raise SailorInputError(f"measuring {opts.job.model.name} ({params / 1e9:.3g}B parameters) on this CPU needs"
+                               f" at least {need / 2**30:,.1f} GiB (fp32 weights and gradients of {copies} model"
+                               f" cop{'y' if copies == 1 else 'ies'} measured at once), more than the"
+                               f" {have / 2**30:,.1f} GiB available", field="model",
+                               fix="pass --profiles with a profile measured where the model fits, or a smaller model")
 
 
 def _free_port() -> int:

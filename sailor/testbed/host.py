@@ -35,7 +35,7 @@ from sailor.core.fileio import write_atomic
 from sailor.testbed import net
 from sailor.testbed.cgroups import create_cgroups, write_cgroup
 from sailor.testbed.spec import TestbedSpec, cluster_spec, hosts_spec
-from sailor.testbed.state import NodeState, TestbedState
+from sailor.testbed.state import NodeState, TestbedState, forget_owner, owned, record_owner
 
 STATE_DIR_ENV = "SAILOR_TESTBED_STATE"
 DEFAULT_STATE_DIR = "/run/sailor-testbed"
@@ -162,6 +162,7 @@ def up(spec: TestbedSpec, state_dir: str | Path | None = None, *, source: str | 
     state = _plan_state(spec, root)
     Path(state.folder).mkdir(parents=True, exist_ok=True)
     write_atomic(Path(state.folder) / "state.json", state.to_json())  # first: whatever happens next, down finds it
+    record_owner(state)  # so that `down --all` of another state folder leaves this testbed alone
     previous = signal.getsignal(signal.SIGTERM) if _main_thread() else None
     try:
         if previous is not None:
@@ -332,11 +333,18 @@ def down(state: TestbedState) -> None:
     if left:
         raise RuntimeError(f"testbed {state.name} ({state.prefix}) could not be removed whole: {', '.join(left)}")
     shutil.rmtree(state.folder, ignore_errors=True)
+    forget_owner(state.prefix)
 
 
 def down_all(state_dir: str | Path | None = None) -> list[str]:
-    """Remove every testbed: those with a state file, then anything else carrying a testbed prefix
-    (a run killed before it wrote its state, or a state folder that was deleted). Returns the prefixes removed."""
+    """Remove every testbed of the state folder `state_dir` (`state_root`), then anything else
+    carrying a testbed prefix that no live testbed owns (`state.owned`: a run killed before it wrote
+    its state, or a state folder that was deleted). Testbeds of other state folders stay up. Returns
+    the prefixes removed.
+
+    Raises:
+        RuntimeError: something of a removed prefix is still there afterwards (named).
+    """
     removed = []
     for s in live_states(state_dir):
         down(s)
@@ -344,10 +352,11 @@ def down_all(state_dir: str | Path | None = None) -> list[str]:
     stray = {n.split("-")[0] for n in _netns_names(None) + _etc_names(None)} | {n[:7] for n in _root_links(None)}
     stray |= {d for d in (os.listdir(net.CGROUP_CPU) if os.path.isdir(net.CGROUP_CPU) else [])
               if net.PREFIX_PATTERN.fullmatch(d)}
-    for prefix in sorted(stray):
+    for prefix in sorted(p for p in stray if not owned(p)):
         remove(prefix)
+        forget_owner(prefix)
         removed.append(prefix)
-    left = leftovers(None)
+    left = [x for prefix in removed for x in leftovers(prefix)]
     if left:
         raise RuntimeError(f"testbeds could not be removed whole: {', '.join(left)}")
     return removed

@@ -69,7 +69,11 @@ class DeviceClass(BaseModel):
     @field_validator("gpu")
     @classmethod
     def _gpu(cls, v: str) -> str:
-        return catalog.canonical_gpu(v)
+        gpu = catalog.canonical_gpu(v)
+        if gpu == "cpu":  # the testbed's cluster spec is a gcp one, which prices (and plans) GPU types only
+            raise ValueError("GPU type cpu has no gcp price, so the testbed's cluster spec could not be planned;"
+                             " name the catalog GPU type the class stands for, e.g. A100-40")
+        return gpu
 
 
 class Links(BaseModel):

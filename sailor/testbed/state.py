@@ -11,6 +11,9 @@ from sailor.core.errors import SailorInputError
 from sailor.testbed import net
 
 STATE_SCHEMA = "sailor.testbed-state/1"
+OWNERS_DIR = Path("/run/sailor-testbed-owners")
+"""One file per live testbed, named by its prefix, holding the path of its state file: the testbeds
+of every state folder on this machine, which `down --all` of one state folder must leave alone."""
 
 
 @dataclass(frozen=True)
@@ -65,3 +68,26 @@ class TestbedState:
         d = json.loads(path.read_text(encoding="utf-8"))
         assert d.pop("schema") == STATE_SCHEMA, path
         return cls(**{**d, "nodes": tuple(NodeState(**n) for n in d["nodes"])})
+
+
+def record_owner(state: TestbedState, owners: Path | None = None) -> None:
+    """Record that testbed `state.prefix` belongs to the state file in `state.folder` (`OWNERS_DIR`)."""
+    folder = owners or OWNERS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / state.prefix).write_text(str(Path(state.folder).resolve() / "state.json"), encoding="utf-8")
+
+
+def forget_owner(prefix: str, owners: Path | None = None) -> None:
+    """Remove testbed `prefix`'s owner record (a missing one is fine)."""
+    (Path(owners or OWNERS_DIR) / prefix).unlink(missing_ok=True)
+
+
+def owned(prefix: str, owners: Path | None = None) -> bool:
+    """Whether testbed `prefix` has an owner record naming a state file that still exists (a live
+    testbed of some state folder); False for one without a record (made before records, or by a run
+    killed before it wrote one) or whose state file is gone (a deleted state folder)."""
+    record = Path(owners or OWNERS_DIR) / prefix
+    try:
+        return Path(record.read_text(encoding="utf-8").strip()).is_file()
+    except (FileNotFoundError, NotADirectoryError):
+        return False

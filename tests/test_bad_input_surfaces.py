@@ -1,0 +1,250 @@
+"""Bad input on the newest surfaces, as a newcomer met it: `profile network --hosts`, `testbed
+profile`, `run` and `train` output options, `launch` of a local plan to a cloud backend. Each case
+ends in exit status 2 and one line naming the option or file (or, for a failed measurement, exit 1
+and its one line), before any work starts. Commands run in-process through `sailor.cli.main`
+(helpers from tests/test_cli_bad_input.py); none starts a process."""
+
+import pytest
+from test_cli_bad_input import _base, _main, _refused
+
+HOSTS = "groups:\n- {zone: us-central1-a, gpu: A100-40, hosts: [10.0.0.1, 10.0.0.2]}\n"
+CLUSTER = "provider: gcp\nzones: {us-central1-a: {A100-40: 2}}\ngpus_per_node: {A100-40: 1}\n"
+
+
+# ---- profile network --hosts ---------------------------------------------------------------------
+@pytest.mark.parametrize("port, words", [("0", "greater than or equal to 1"), ("70000", "less than or equal to 65535")])
+def test_profile_network_names_its_own_port_option(tmp_path, monkeypatch, capsys, port, words):
+    # it named --rdzv-port, an option of `sailor run` and `sailor launch` that this command does not have
+    (tmp_path / "hosts.yaml").write_text(HOSTS)
+    (tmp_path / "c.yaml").write_text(CLUSTER)
+    line = _refused(["profile", "network", "--hosts", "hosts.yaml", "--cluster", "c.yaml", "--port", port], tmp_path,
+                    monkeypatch, capsys)
+    assert line.startswith("error: Invalid value for '--port': ") and words in line, line
+
+
+def test_profile_network_between_unreachable_hosts_is_one_line_not_an_internal_error(tmp_path, monkeypatch, capsys):
+    from sailor.runtime import netprofile
+
+    def unreachable(pairs, launch, **kw):
+        assert [p.hosts for p in pairs] == [("10.0.0.1", "10.0.0.2")]
+        raise RuntimeError("link 10.0.0.1 -> 10.0.0.2: profiling rank 0 failed: Connection to 10.0.0.1 port 22 timed out")
+    monkeypatch.setattr(netprofile, "profile_pairs", unreachable)
+    (tmp_path / "hosts.yaml").write_text(HOSTS)
+    (tmp_path / "c.yaml").write_text(CLUSTER)
+    code, out, err = _main(["profile", "network", "--hosts", "hosts.yaml", "--cluster", "c.yaml", "--out", "n.json"],
+                           tmp_path, monkeypatch, capsys)
+    assert (code, out) == (1, "")
+    assert err == ("error: link 10.0.0.1 -> 10.0.0.2: profiling rank 0 failed: Connection to 10.0.0.1 port 22 timed"
+                   " out\n"), err
+    assert not (tmp_path / "n.json").exists()
+
+
+# ---- testbed profile ------------------------------------------------------------------------------
+@pytest.mark.parametrize("job, mbs, line", [
+    ("job.yaml", "x", "error: --mbs: expected comma-separated whole numbers, got 'x'"),
+    ("job.yaml", "0,2", "error: --mbs: micro-batch sizes must be >= 1, got [0, 2]"),
+    ("bf16.yaml", "1", "error: bf16.yaml: precision: the runtime trains in fp32 on cpu, the job says bf16 (set"
+                       " precision: fp32 in the job)"),
+])
+def test_testbed_profile_refuses_what_each_class_profile_would_before_measuring(tmp_path, monkeypatch, capsys, job,
+                                                                                mbs, line):
+    # these ended, minutes later, as one class's failed `sailor profile`: an internal error, exit 1
+    from sailor.testbed import host
+    from sailor.testbed import profile as testbed_profile
+
+    monkeypatch.setattr(host, "check_support", lambda: None)
+    monkeypatch.setattr(testbed_profile, "profile_classes", lambda *a, **k: pytest.fail("measured a bad input"))
+    _base(tmp_path)
+    (tmp_path / "bf16.yaml").write_text("model: tiny\nglobal_batch_size: 8\nprecision: bf16\n")
+    (tmp_path / "tb.yaml").write_text(TESTBED)
+    got = _refused(["testbed", "profile", "tb.yaml", "--job", job, "--mbs", mbs, "--out", "out/p.json",
+                    "--state-dir", str(tmp_path / "state")], tmp_path, monkeypatch, capsys)
+    assert got == line
+
+
+TESTBED = """name: nc
+devices: {fast: {gpu: A100-40, cpu_quota: 0.3}}
+links: {same_zone_mbit_per_s: 400, cross_zone_mbit_per_s: 200, cross_region_mbit_per_s: 50}
+nodes:
+  - {name: a0, zone: us-central1-a, region: us-central1, device: fast, ranks: 1, nic_mbit_per_s: 300}
+"""
+
+
+# ---- run and train: two outputs on one path, inputs read before measuring -------------------------
+RUN = ["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json"]
+
+
+@pytest.mark.parametrize("args, line", [
+    (RUN + ["--events", "out/x.jsonl", "--metrics", "out/x.jsonl"],
+     "error: --events: out/x.jsonl is also the --metrics output (name a different file for each)"),
+    (RUN + ["--checkpoint-dir", "out/ck", "--metrics", "out/ck"],
+     "error: --metrics: out/ck is also the --checkpoint-dir output (name a different file for each)"),
+    # checked before the machine is measured (measuring starts processes, which a unit test refuses)
+    (RUN + ["--data", "nosuch.npy"], "error: nosuch.npy: no such file (pass a .bin or .npy token file)"),
+    (RUN + ["--init-from", "nosuch"], "error: --init-from: nosuch is not a folder (pass a Hugging Face model folder)"),
+    (["train", "cpu_plan.json", "--metrics", "out/m.jsonl", "--stop-file", "out/m.jsonl", "--dry-run"],
+     "error: --stop-file: out/m.jsonl is also the --metrics output (name a different file for each)"),
+    (["train", "cpu_plan.json", "--tensorboard", "out/tb", "--checkpoint-dir", "out/tb", "--dry-run"],
+     "error: --tensorboard: out/tb is also the --checkpoint-dir output (name a different file for each)"),
+])
+def test_run_and_train_refuse_before_any_work(tmp_path, monkeypatch, capsys, args, line):
+    _base(tmp_path)
+    assert _refused(args, tmp_path, monkeypatch, capsys) == line
+
+
+def test_distinct_outputs_see_one_path_spelled_two_ways(tmp_path):
+    from sailor.core.fileio import check_distinct_outputs
+
+    # distinct outputs pass; a relative and an absolute spelling of one path do not
+    check_distinct_outputs({"--metrics": tmp_path / "m.jsonl", "--events": tmp_path / "e.jsonl", "--x": None})
+    with pytest.raises(Exception, match="is also the --metrics output"):
+        check_distinct_outputs({"--metrics": tmp_path / "m.jsonl", "--events": tmp_path / "." / "m.jsonl"})
+
+
+# ---- launch of a local plan to a cloud backend ----------------------------------------------------
+@pytest.mark.parametrize("backend, what", [("skypilot", "SkyPilot accelerator on local"),
+                                           ("kubernetes", "GKE accelerator label")])
+def test_launching_a_local_plan_on_a_cloud_backend_names_the_plan(tmp_path, monkeypatch, capsys, backend, what):
+    _base(tmp_path)
+    line = _refused(["launch", "cpu_plan.json", "--backend", backend, "--steps", "5", "--out", "out/x"], tmp_path,
+                    monkeypatch, capsys)
+    assert line.startswith(f"error: cpu_plan.json: pipelines.0.replicas.0.gpu: GPU type cpu has no {what}"), line
+
+
+# ---- the testbed benchmarks' flags ----------------------------------------------------------------
+def _bench_args(**kw):
+    import argparse
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    base = {"testbed": examples / "testbed.yaml", "steps": 12, "skip": 3, "only": None, "no_baselines": False,
+            "no_elastic": False, "stages": 4, "microbatches": 2, "mbs": 2, "seq": 128, "rounds": 6, "repeats": 5}
+    if kw.get("testbed") == "pair":
+        kw["testbed"] = examples / "testbed_pair.yaml"
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw, words", [
+    # --only once filtered after the testbed, profile and baselines (minutes): an unknown name ran the
+    # planner alone, and a subset without every baseline ended in a KeyError traceback
+    ({"only": "dp_fast,bogus"}, "--only: unknown plan 'bogus' (known: planner, dp_fast,"),
+    ({"only": "baseline:paper", "no_baselines": True}, "--only: unknown plan 'baseline:paper'"),
+    ({"steps": 3, "skip": 3}, "--steps: need 0 <= --skip < --steps"),
+    ({"testbed": "pair", "no_elastic": True}, "testbed_pair.yaml: plan shares needs V100-16 in us-central1-b"),
+    ({"testbed": "pair", "only": "dp_fast"}, "testbed_pair.yaml: nodes: the elastic row stops node a1"),
+])
+def test_testbed_benchmark_refuses_its_flags_before_the_testbed_comes_up(kw, words):
+    from benchmark_module import load_benchmark
+
+    from sailor.core.errors import SailorInputError
+    from sailor.testbed import load_testbed
+
+    bench, args = load_benchmark("testbed"), _bench_args(**kw)
+    with pytest.raises(SailorInputError) as e:
+        bench.check_args(args, load_testbed(args.testbed))
+    assert words in e.value.one_line(), e.value.one_line()
+
+
+def test_testbed_benchmark_takes_a_subset_that_fits_the_testbed():
+    from benchmark_module import load_benchmark
+
+    from sailor.testbed import load_testbed
+
+    bench = load_benchmark("testbed")
+    args = _bench_args()
+    assert bench.check_args(args, load_testbed(args.testbed)) is None  # every plan
+    args = _bench_args(testbed="pair", only="dp_fast,baseline:one_zone", no_elastic=True)
+    assert bench.check_args(args, load_testbed(args.testbed)) == ["dp_fast", "baseline:one_zone"]
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"testbed": "pair"}, "testbed_pair.yaml: nodes: the 4-stage plans need 4 ranks of device class 'cpu'"),
+    ({"rounds": 0}, "--rounds: must be >= 1, got 0"),
+    ({"steps": 2, "skip": 2}, "--skip: need 0 <= --skip < --steps"),
+])
+def test_schedules_benchmark_refuses_its_flags_before_any_work(kw, words):
+    from benchmark_module import load_benchmark
+
+    from sailor.core.errors import SailorInputError
+
+    with pytest.raises(SailorInputError) as e:
+        load_benchmark("schedules").check_args(_bench_args(**kw))
+    assert words in e.value.one_line(), e.value.one_line()
+
+
+def test_schedules_benchmark_runs_two_stages_on_two_ranks():
+    # "the 4-stage plans need 4 ranks" refused --stages 2 on a testbed of two ranks
+    from benchmark_module import load_benchmark
+
+    schedules = load_benchmark("schedules")
+    assert [n.name for n in schedules.check_args(_bench_args(testbed="pair", stages=2)).nodes] == ["a", "b"]
+    assert schedules.check_args(_bench_args(testbed=None)) is None
+
+
+# ---- mixture-of-experts configs name the config's own keys ----------------------------------------
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 256, "max_position_embeddings": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu"}
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+             "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 128,
+             "num_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+             "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+@pytest.mark.parametrize("base, edit, field, words", [
+    # these named the MoE spec's fields (`moe: top_k ...`, `moe.num_experts`), which no config has
+    (MIXTRAL, {"num_experts_per_tok": 9}, "num_experts_per_tok", "top_k 9 exceeds num_experts 4"),
+    (MIXTRAL, {"num_local_experts": 1, "num_experts_per_tok": 1}, "num_local_experts", "greater than 1 (got 1)"),
+    (MIXTRAL, {"num_local_experts": 10**9}, "num_local_experts", "less than or equal to"),
+    (QWEN3_MOE, {"num_experts_per_tok": 9}, "num_experts_per_tok", "top_k 9 exceeds num_experts 8"),
+    (QWEN3_MOE, {"moe_intermediate_size": 10**9}, "moe_intermediate_size", "less than or equal to"),
+    (QWEN3_MOE, {"decoder_sparse_step": 10**9}, "decoder_sparse_step", "less than or equal to"),
+])
+def test_bad_moe_configs_name_the_config_key(base, edit, field, words):
+    from sailor.core.errors import SailorInputError
+    from sailor.model.hf_config import spec_from_hf
+
+    with pytest.raises(SailorInputError) as e:
+        spec_from_hf(base | edit, source="config.json", name="m")
+    assert (e.value.source, e.value.field) == ("config.json", field), e.value.one_line()
+    assert words in e.value.message, e.value.one_line()
+    assert spec_from_hf(base, source="config.json", name="m").moe.num_experts == base.get("num_local_experts", 8)
+
+
+# ---- a model too large to measure on this CPU ------------------------------------------------------
+def test_a_model_too_large_for_this_machine_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    # `sailor plan` of mixtral-8x7b on the local provider started measuring it: 4 processes each
+    # building the whole model (348 GiB of fp32 weights and gradients) on a 24 GB machine
+    from sailor.core import limits
+
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: 20 * 2**30)
+    _base(tmp_path)
+    (tmp_path / "mix.yaml").write_text("model: mixtral-8x7b\nglobal_batch_size: 8\nsequence_length: 128\n")
+    line = _refused(["plan", "--job", "mix.yaml", "--cluster", "local.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == ("error: mix.yaml: model: measuring mixtral-8x7b (46.7B parameters) on this CPU needs at least"
+                    " 348.0 GiB (fp32 weights and gradients of 1 model copy measured at once), more than the 20.0 GiB"
+                    " available (pass --profiles with a profile measured where the model fits, or a smaller model)")
+    line = _refused(["profile", "--job", "mix.yaml", "--concurrency", "2", "--out", "out/p.json"], tmp_path,
+                    monkeypatch, capsys)
+    assert line.startswith("error: mix.yaml: model: measuring mixtral-8x7b"), line
+    assert "695.9 GiB (fp32 weights and gradients of 2 model copies" in line, line
+
+
+def test_the_memory_bound_is_eight_bytes_per_parameter_per_copy(monkeypatch):
+    from sailor.core import limits
+    from sailor.core.errors import SailorInputError
+    from sailor.runtime.profiler import ProfileOptions, check_options
+    from sailor.specs.job import JobSpec
+
+    job = JobSpec(model="tiny", global_batch_size=8)
+    need = 3 * job.model.total_params() * 8  # 3 copies at once
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: need)
+    check_options(ProfileOptions(job=job, concurrency=3))  # exactly fits
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: need - 1)
+    with pytest.raises(SailorInputError, match="3 model copies measured at once") as e:
+        check_options(ProfileOptions(job=job, concurrency=3))
+    assert e.value.field == "model"
+    monkeypatch.setattr(limits, "available_memory_bytes", lambda: None)  # unknown: not refused
+    check_options(ProfileOptions(job=job, concurrency=3))
