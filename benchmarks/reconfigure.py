@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=4)
     ap.add_argument("--shrink-to", type=int, default=2)
     ap.add_argument("--via-ssh", action="store_true", help="through `sailor run --hosts` and a stand-in ssh")
+    ap.add_argument("--restart", action="store_true", help="switch by restarting every rank from a checkpoint"
+                    " (the default switches live: `sailor run --in-place`)")
     args = ap.parse_args(argv)
     assert 1 <= args.shrink_to < args.processes <= 4, "at most 4 processes on this machine"
 
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run(RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=cluster,
                              trace=load_trace(trace, cluster), steps=args.steps, checkpoint_dir=str(t / "ck"),
                              checkpoint_every=0, events=str(events), clock=ClockKind.TRAINING, switch_cost_s=0.0,
-                             hosts=hosts))
+                             hosts=hosts, in_place=not (args.restart or args.via_ssh)))
         ev = [json.loads(x) for x in events.read_text().splitlines()]
     switches = [e for e in ev if e["event"] == "switch_finished" and not e.get("interrupted")]
     if res.status != 0 or not switches:

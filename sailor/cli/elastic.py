@@ -70,6 +70,9 @@ def run(
                                             " rank 0's host (default 29500)."),
     start_timeout_s: float = typer.Option(300.0, "--start-timeout-s", help="A launch whose ranks have not formed their"
                                           " process groups by then is ended as failed."),
+    in_place: bool = typer.Option(False, "--in-place", help="Switch plans live (local provider): ranks that stay keep"
+                                  " their process and state, which moves in memory; a failure falls back to the"
+                                  " checkpoint written at the switch."),
 ) -> None:
     """Train, keeping the job on the best plan as GPUs come and go (local provider: one process per GPU;
     --hosts: the machines of HOSTS.yaml).
@@ -113,6 +116,7 @@ def run(
                          events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
                          network=str(network) if network else None, data=data, init_from=init_from,
                          log_every=log_every, hosts=pool, device=device, start_timeout_s=start_timeout_s,
+                         in_place=in_place,
                          on_event=lambda ev: _say(err, ev))
     check_run(options)  # bad options are refused before the machine is measured
     prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
