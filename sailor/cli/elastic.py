@@ -52,7 +52,7 @@ def run(
     time_scale: float = typer.Option(1.0, "--time-scale", help="Clock seconds per trace second (0.01: an hour of"
                                      " trace in 36 s)."),
     clock: str = typer.Option("wall", "--clock", help="What drives trace time: wall (seconds since start) or training"
-                              " (seconds spent in training steps; start-up and switches excluded)."),
+                              " (seconds spent in training steps; start-up and switches excluded) or steps (one per training step)."),
     switch_cost_s: Optional[float] = typer.Option(None, "--switch-cost-s", help="Assume each switch costs this many"
                                                   " seconds (default: measured, 11.35 s before the first)."),
     profiles: Optional[Path] = ProfilesOpt,
