@@ -13,7 +13,6 @@ asserted: the traces run on the `steps` clock.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import time
 from pathlib import Path

@@ -146,14 +146,20 @@ def replay(
                                                " (default: last point + the last spacing)."),
     as_json: bool = JsonOpt,
     plot_file: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of GPUs and throughput over time."),
+    switch: str = typer.Option("restart", "--switch", help="How a switch is priced: restart (every rank restarts"
+                               " from a checkpoint: the published 11.25 s) or live (`sailor run --in-place`: from"
+                               " the bytes moved and the links they cross)."),
 ) -> None:
     """Simulate a whole elastic run over an availability trace, without training."""
     from sailor.elastic.availability import load_trace
     from sailor.elastic.replay import Policy, plot
     from sailor.elastic.replay import replay as replay_run
+    from sailor.elastic.switch_cost import LiveSwitchModel
     from sailor.specs import load_cluster, load_job
 
     pol = choice(Policy, policy, "--policy", "policy")
+    if switch not in ("restart", "live"):
+        raise SailorInputError(f"must be restart or live, got {switch!r}", source="--switch")
     check_number(duration_s, "--duration-s", lo=0, lo_open=True, hi=MAX_TRACE_TIME_S)
     check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"),
                       inputs={"--job": job, "--cluster": cluster, "--availability": availability,
@@ -162,7 +168,8 @@ def replay(
     trace = load_trace(availability, cluster_spec)
     prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
     result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=prof,
-                        network_path=str(network) if network else None, duration_s=duration_s)
+                        network_path=str(network) if network else None, duration_s=duration_s,
+                        live=LiveSwitchModel() if switch == "live" else None)
     if plot_file:
         plot(result, plot_file)
     if as_json:

@@ -57,6 +57,7 @@ from sailor.elastic.inplace import InPlaceRun
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.remote import HostPool, Machine, NodeLaunch
 from sailor.elastic.replan import Planned, Replanner
+from sailor.elastic.switch_cost import LiveSwitchModel
 from sailor.perf.profiles import Profiles
 from sailor.plan.placement import rank_layout
 from sailor.runtime.launcher import ExitStatus, Prepared, TrainOptions, TrainResult, launch, prepare
@@ -508,8 +509,10 @@ class Controller:
         old_est = None if lost else self.replanner.score(self.current.plan, zones)
         old_s = old_est.iteration_time_s * self.ratio if old_est is not None else None
         new_s = planned.estimate.iteration_time_s * self.ratio
+        model_s = LiveSwitchModel().seconds(self.replanner.context(zones), self.current.plan, planned.plan) \
+            if isinstance(run, InPlaceRun) else None  # before a live switch was measured
         d = decide(lost=lost, old_iteration_s=old_s, new_iteration_s=new_s,
-                   remaining_iterations=self.o.steps - self.result.steps, switch_cost_s=self.costs.estimate_s())
+                   remaining_iterations=self.o.steps - self.result.steps, switch_cost_s=self.costs.estimate_s(model_s))
         self.log.emit("decision", switch=d.switch, reason=d.reason, gain_s=_finite(d.gain_s), switch_cost_s=d.cost_s,
                       current_iteration_s=old_s, new_iteration_s=new_s, remaining_steps=self.o.steps - self.result.steps)
         if d.switch:
