@@ -108,6 +108,49 @@ def test_a_process_killed_mid_move_falls_back_to_the_switch_checkpoint(tmp_path,
     _check_losses(tmp_path / "m.jsonl", steps, reference_losses)
 
 
+def test_ranks_go_to_the_processes_that_hold_their_gpu_type_then_to_spares(tmp_path):
+    """`assign`: a process keeps its rank when the new plan has it on the same (zone, GPU type);
+    others of the type fill the remaining ranks in old-rank order, then spares; too few is refused."""
+    from sailor.elastic.inplace import assign
+
+    four, two = _plan(tmp_path / "4.json", (1,), (1,), (1,), (1,)), _plan(tmp_path / "2.json", (1,), (1,))
+    assert assign(four, {5: 0, 6: 1, 7: 2, 8: 3}, two, []) == {5: 0, 6: 1}
+    assert assign(four, {5: 3, 6: 0, 7: 2, 8: 1}, two, []) == {6: 0, 8: 1}
+    assert assign(two, {5: 0, 6: 1}, four, [9, 10, 11]) == {5: 0, 6: 1, 9: 2, 10: 3}
+    with pytest.raises(ValueError, match="no process left for rank 3"):
+        assign(two, {5: 0, 6: 1}, four, [9])
+
+
+def test_epoch_files_round_trip(tmp_path):
+    from sailor.runtime import epochs
+
+    assert epochs.read(tmp_path, 1) is None
+    e = epochs.Epoch(1, ["-m", "x", "--steps=3"], {4: 0, 2: 1}, "/p/old.json", {2: 0, 3: 1})
+    path = epochs.publish(tmp_path, e)
+    assert path == epochs.epoch_file(tmp_path, 1) and epochs.read(tmp_path, 1) == e == epochs.wait(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0001.json"]  # no temporary file left
+
+
+def test_live_switch_phases_add_up_to_the_total():
+    from sailor.elastic.controller import Switch
+
+    sw = Switch("gain", began=10.0, replan_s=0.5, stop_requested=10.5, last_step_after_request=11.0, stopped=11.25,
+                launched=11.25, started=11.5, loaded=12.0, in_place=True)
+    assert sw.phases(12.5) == {"replan_s": 0.5, "stop_s": 0.5, "checkpoint_s": 0.25, "rendezvous_s": 0.25,
+                               "move_s": 0.5, "first_step_s": 0.5}
+
+
+def test_the_steps_clock_counts_steps():
+    from sailor.elastic.events import Clock
+
+    clock = Clock(2.0, ClockKind.STEPS)
+    for seconds in (5.0, 0.1, 7.0):
+        clock.add_step(seconds)
+    assert clock.trace_s() == 1.5  # 3 steps at 2 steps per trace second
+    clock.wait_until(4.0, lambda: False)
+    assert clock.trace_s() == 4.0
+
+
 def _plan(path: Path, *pipelines: tuple[int, ...], stages=((0, 6),), zero: int = 0) -> str:
     """A CPU plan file: one tuple of per-stage TP degrees per pipeline, global batch 8 split evenly."""
     from sailor.plan.spec import Plan

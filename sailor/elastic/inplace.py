@@ -62,7 +62,6 @@ class _Proc:
     popen: subprocess.Popen
     tail: collections.deque
     ranked: bool = False  # has had a rank in some epoch (spares have not)
-    killed: bool = False  # the pool killed it
 
 
 def assign(old_plan: str, old_ranks: dict[int, int], new_plan: str, spares: list[int]) -> dict[int, int]:
@@ -137,10 +136,6 @@ class InPlaceRun:
 
     def done(self) -> bool:
         return not self.thread.is_alive()
-
-    def pids(self) -> dict[int, int]:
-        """Rank -> process id of the latest epoch's ranks."""
-        return {r: self._procs[p].popen.pid for p, r in self.ranks.items()}
 
     # ---- the pool's thread ---------------------------------------------------------------------
     def _stop_file(self, k: int) -> str:
@@ -257,8 +252,7 @@ class InPlaceRun:
             records = list(self._records)
         result = TrainResult(ExitStatus.FAILED, "", events=records)
         own = [(pid, code) for pid, code in self._exits if code]
-        rank_of = {p: r for p, r in self.ranks.items()}
-        result.failed = [(str(rank_of.get(pid, "")), str(code)) for pid, code in own]
+        result.failed = [(str(self.ranks.get(pid, "")), str(code)) for pid, code in own]
         tail = "".join(line for pid, _ in own for line in self._procs[pid].tail)
         if own:
             result.failed_process = own[0][0]

@@ -31,6 +31,9 @@ step's record gets `eval_loss`. Checkpoints every
 `--checkpoint-every` steps (default: the recipe's `checkpoint.every`), at the end and on stop; rank 0
 then deletes all but the newest `recipe.checkpoint.keep` (`checkpoint.prune`).
 
+`_train` forms the groups and builds the stage; `run_steps` is the step loop, which
+`runtime.inplace` also runs on the stage it built from state moved in memory (a `Live`).
+
 Its settings come from its command line, read by `command.parse` (`command.WorkerSettings`, the one
 definition every launch path builds commands from). Rank 0 appends each step's record to `--metrics`,
 writes TensorBoard scalars (`--tensorboard`) and prints a progress line every `--log-every` steps on
@@ -346,9 +349,11 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None,
                     init_from=args.init_from, step=ckpt.optimizer_steps(manifest) if reader is not None else 0)
     if reader is not None:
         reader.close()
+    record = None
+    if rank == 0:  # what `sailor export` keeps of the Hugging Face folder the run started from
+        record = manifest.get(RECORD_KEY) or (source_record(args.init_from, job.model) if args.init_from else None)
     live = Live(args, plan, job, topo, groups, rk, device, start=start,
-                saved_at=start if args.resume_from else None, scaler_state=manifest.get("loss_scaler"),
-                record=manifest.get(RECORD_KEY) or (source_record(args.init_from, job.model) if args.init_from else None))
+                saved_at=start if args.resume_from else None, scaler_state=manifest.get("loss_scaler"), record=record)
     run_steps(live, log)
     return live
 
@@ -375,7 +380,7 @@ class Live:
     of a checkpoint that already holds this state (None: none); `scaler_state`: the fp16 loss scaler's
     `state_dict` to go on from (None: a fresh one); `record`: what `sailor export` keeps of the Hugging
     Face folder the run started from (rank 0 writes it into the manifests). `run_steps` sets `stopped`
-    (the step a stop request stopped before) and `scaler`."""
+    (the step a stop request stopped before)."""
 
     args: WorkerSettings
     plan: Plan
@@ -389,7 +394,6 @@ class Live:
     scaler_state: dict | None = None
     record: dict | None = None
     stopped: int | None = None
-    scaler: LossScaler | None = None
 
 
 def run_steps(live: Live, log: StepLog | None) -> None:
@@ -408,7 +412,7 @@ def run_steps(live: Live, log: StepLog | None) -> None:
         emit("loaded", step=start)  # weights and optimizer state in place; step `start` runs next
     opt = rk.optimizer
     # fp16: the loss scale goes on from the checkpoint's (its manifest's "loss_scaler"), if it has one.
-    scaler = live.scaler = LossScaler(**(live.scaler_state or {})) if rk.dtype == torch.float16 else None
+    scaler = LossScaler(**(live.scaler_state or {})) if rk.dtype == torch.float16 else None
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype,
               channels=channels, tp_group=groups.get(role.tp_group),
               sliced=sliced_edges(rk.stage, role.chunks, sequence_parallel=role.memory.sequence_parallel))
