@@ -7,7 +7,8 @@ waiting), up to `processes` in all, each `python -m sailor.runtime.inplace CONTR
 session of its own, and publishes epoch 0 (`runtime.epochs`): the first plan, resumed from the
 prepared checkpoint. A switch (`switch`) publishes the next epoch: the new plan, the new ranks (each
 (zone, GPU type) of the new plan's layout taken first by the processes holding that type now, in
-rank order, keeping their rank where they can; then by spares), and the old ranks; then asks the
+rank order, keeping their rank where they can; then by spares, those past their imports first), and
+the old ranks; then asks the
 current ranks to stop at the step boundary (their stop file). Processes of the old plan without a
 new rank leave once their state is sent (a lost GPU); after the first step under the new plan,
 fresh spares refill the pool to `processes` (started after the move, not during it).
@@ -91,10 +92,13 @@ def assign(old_plan: str, old_ranks: dict[int, int], new_plan: str, spares: list
 class InPlaceRun:
     """A pool of rank processes running `prepared` and the plans it is switched to (module docstring).
     `work`: a folder for its control files; `processes`: how many processes it keeps (ranks and
-    spares, at least the plan's world size). Events arrive on `events` stamped with `time.monotonic()`,
+    spares, at least the plan's world size). The run must have a checkpoint folder (ValueError).
+    Events arrive on `events` stamped with `time.monotonic()`,
     as `controller.Running`'s."""
 
     def __init__(self, prepared: Prepared, work: str, *, processes: int) -> None:
+        if not prepared.options.checkpoint_dir:
+            raise ValueError("a live switch writes a checkpoint at its step boundary: the run needs a checkpoint folder")
         self.prepared, self.nodes = prepared, None
         self.control = Path(tempfile.mkdtemp(dir=work, prefix="inplace-"))
         self.processes = max(processes, prepared.plan.world_size)
@@ -117,6 +121,7 @@ class InPlaceRun:
         self._refill = False  # start spares after the next step
         self._exits: list[tuple[int, int]] = []  # (process id, exit status) in the order seen
         self._records: list[dict[str, Any]] = []
+        self._ready: set[int] = set()  # processes past their imports ("ready" events)
         self.thread = threading.Thread(target=self._run, name="sailor-inplace", daemon=True)
         self.thread.start()
 
@@ -179,11 +184,14 @@ class InPlaceRun:
                             self._ended.append(kind)
                     if kind in ("started", "loaded"):
                         self.started = True
+                    if kind == "ready":
+                        self._ready.add(int(ev["process"]))
                 self.events.put((now, ev))
 
     def _publish_switch(self, plan_file: str) -> None:
-        spares = sorted(p for p in self._procs if p not in self.ranks and self._procs[p].popen.poll() is None
-                        and not self._procs[p].ranked)
+        with self._lock:  # spares past their imports first
+            spares = sorted((p for p in self._procs if p not in self.ranks and self._procs[p].popen.poll() is None
+                             and not self._procs[p].ranked), key=lambda p: (p not in self._ready, p))
         need = load_plan(plan_file).world_size - len(spares) - len(self.ranks)
         if need > 0:
             self._spawn(need)  # newcomers: start-up on the switch's critical path (no spare was ready)

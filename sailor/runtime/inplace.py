@@ -27,13 +27,15 @@ Failure: anything that goes wrong in a switch (a process dies, a collective time
 --timeout-s, `ReshardError`) makes the process report and exit 1; the controller then kills the pool
 and restarts every rank from checkpoint s, which was complete before any state moved (nothing lost).
 
-Events (`worker.emit`, as the worker's, from the epoch's rank 0 unless said): "joined" (every rank
+Events (`worker.emit`, as the worker's, from the epoch's rank 0 unless said): "ready" (every process,
+once its imports are done), "joined" (every rank
 of every epoch: rank, pid, epoch, process), "started" (the first group of the epoch formed: the move
 group of a switch), "loaded", "step", "checkpoint", "stopped", "done", "error" (any process).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -112,9 +114,12 @@ def move_group(e: epochs.Epoch, plan: Plan, job: JobSpec, device: torch.device) 
     return by_rank, rp
 
 
-def switch(control: Path, e: epochs.Epoch, proc: int, live: Live | None) -> Live | None:
+def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live]) -> Live | None:
     """This process's part in switch epoch `e` (module docstring); returns its Live under the new plan,
-    or None when it leaves. `live`: its state under the last epoch (None: a newcomer)."""
+    or None when it leaves. `held`: its state under the last epoch (empty for a newcomer), taken out
+    of the list so that no reference outlives the move: the old stage and optimizer are freed before
+    the new ones are built."""
+    live = held.pop() if held else None
     rank = e.ranks.get(proc)
     args, plan, job = settings(e, rank if rank is not None else -1)
     device = live.device if live is not None else rank_device(args.device)
@@ -138,6 +143,7 @@ def switch(control: Path, e: epochs.Epoch, proc: int, live: Live | None) -> Live
     reader = Reader(path, manifest) if rp.needs_checkpoint and rank is not None else None
     state = move_state(rp, live.rk.optimizer if live is not None else None, device=device, checkpoint=reader)
     live = None  # the old stage and optimizer go before the new ones are built
+    gc.collect()  # (the stage's hooks and the optimizer refer to each other)
     if state is None:
         dist.destroy_process_group()
         return None
@@ -162,6 +168,7 @@ def serve(control: Path, proc: int, first_epoch: int) -> None:
     """The epochs of process `proc` from `first_epoch` on (module docstring); returns when it leaves,
     when the run is done, or when a stop was not a switch."""
     live, k = None, first_epoch
+    emit("ready", process=proc, pid=os.getpid())  # imports done: from here on a switch waits on nothing slow
     while True:
         e = epochs.wait(control, k)
         rank = e.ranks.get(proc)
@@ -181,7 +188,8 @@ def serve(control: Path, proc: int, first_epoch: int) -> None:
                 if log is not None:
                     log.close()
         else:
-            live = switch(control, e, proc, live)
+            held, live = [live] if live is not None else [], None
+            live = switch(control, e, proc, held)
             if live is None:
                 return
             log = step_log(live.args, live.plan, live.job)
