@@ -122,6 +122,8 @@ class InPlaceRun:
         self._exits: list[tuple[int, int]] = []  # (process id, exit status) in the order seen
         self._records: list[dict[str, Any]] = []
         self._ready: set[int] = set()  # processes past their imports ("ready" events)
+        # one OpenMP thread per process unless set, as torchrun gives its ranks (a rank per core or GPU)
+        self._env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
         self.thread = threading.Thread(target=self._run, name="sailor-inplace", daemon=True)
         self.thread.start()
 
@@ -159,8 +161,7 @@ class InPlaceRun:
             pid = len(self._procs)
             popen = subprocess.Popen([sys.executable, "-m", MODULE, str(self.control), str(pid), str(self.epoch)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                     start_new_session=True)
+                                     text=True, env=self._env, start_new_session=True)
             proc = self._procs[pid] = _Proc(popen, collections.deque(maxlen=200))
             for stream in (popen.stdout, popen.stderr):
                 threading.Thread(target=self._read, args=(stream, proc), daemon=True).start()

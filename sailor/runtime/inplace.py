@@ -164,11 +164,20 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live]) -> Live 
                 scaler_state=manifest.get("loss_scaler"), record=manifest.get(RECORD_KEY))
 
 
+def warm_up() -> None:
+    """Pay now what a spare's first switch would otherwise wait for: torch's lazy imports behind the
+    first model built on the meta device (`reshard_plan.plan_reshard` builds the stages' shapes so;
+    seconds on a loaded machine)."""
+    with torch.device("meta"):
+        torch.nn.Embedding(2, 2)
+
+
 def serve(control: Path, proc: int, first_epoch: int) -> None:
     """The epochs of process `proc` from `first_epoch` on (module docstring); returns when it leaves,
     when the run is done, or when a stop was not a switch."""
     live, k = None, first_epoch
-    emit("ready", process=proc, pid=os.getpid())  # imports done: from here on a switch waits on nothing slow
+    warm_up()
+    emit("ready", process=proc, pid=os.getpid())  # from here on a switch waits on nothing slow
     while True:
         e = epochs.wait(control, k)
         rank = e.ranks.get(proc)
