@@ -40,7 +40,7 @@ from pathlib import Path
 RESTART_PHASES = ("replan_s", "stop_s", "checkpoint_s", "teardown_s", "restart_s", "load_s", "first_step_s")
 LIVE_PHASES = ("replan_s", "stop_s", "checkpoint_s", "rendezvous_s", "move_s", "first_step_s")
 RESTART_TARGET_S, LIVE_TARGET_S = 10.0, 2.0
-EVERY = 10  # steps each plan trains (trace seconds on the steps clock)
+EVERY = 20  # steps each plan trains (trace seconds on the steps clock)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,10 +10,13 @@ prepared checkpoint. A switch (`switch`) publishes the next epoch: the new plan,
 rank order, keeping their rank where they can; then by spares, those past their imports first), and
 the old ranks; then asks the
 current ranks to stop at the step boundary (their stop file). Processes of the old plan without a
-new rank leave once their state is sent (a lost GPU); after the first step under the new plan,
-fresh spares refill the pool to `processes` (started after the move, not during it).
+new rank drop their state once it is sent and wait as spares (on the local provider a GPU is a
+process slot; on a cluster the process of a lost GPU would exit); after the first step under the new
+plan, fresh spares replace any process that ended, up to `processes` (started after the move, not
+during it). A grow is fast only when a spare is ready (past its imports, "ready" event): a process
+started for it makes the switch wait for its start-up (`rendezvous_s`).
 
-The run ends (`result`, a `launcher.TrainResult`) when every process that ever had a rank has exited:
+The run ends (`result`, a `launcher.TrainResult`) when every rank of the latest epoch has exited:
 DONE after the "done" event, STOPPED after a stop that was not a switch, FAILED when a process exited
 with an error (`failed` lists (rank, exit status) of those that failed on their own, the first one
 first; the others get `launcher.FAIL_GRACE_S` to report, then every process is killed). The
@@ -62,7 +65,6 @@ MODULE = "sailor.runtime.inplace"
 class _Proc:
     popen: subprocess.Popen
     tail: collections.deque
-    ranked: bool = False  # has had a rank in some epoch (spares have not)
 
 
 def assign(old_plan: str, old_ranks: dict[int, int], new_plan: str, spares: list[int]) -> dict[int, int]:
@@ -191,8 +193,8 @@ class InPlaceRun:
 
     def _publish_switch(self, plan_file: str) -> None:
         with self._lock:  # spares past their imports first
-            spares = sorted((p for p in self._procs if p not in self.ranks and self._procs[p].popen.poll() is None
-                             and not self._procs[p].ranked), key=lambda p: (p not in self._ready, p))
+            spares = sorted((p for p in self._procs if p not in self.ranks and self._procs[p].popen.poll() is None),
+                            key=lambda p: (p not in self._ready, p))
         need = load_plan(plan_file).world_size - len(spares) - len(self.ranks)
         if need > 0:
             self._spawn(need)  # newcomers: start-up on the switch's critical path (no spare was ready)
@@ -200,8 +202,6 @@ class InPlaceRun:
         ranks = assign(self.plan_file, self.ranks, plan_file, spares)
         old_plan, old_ranks = self.plan_file, dict(self.ranks)
         self.plan_file, self.ranks, k = plan_file, ranks, self.epoch + 1
-        for p in ranks:
-            self._procs[p].ranked = True
         epochs.publish(self.control, epochs.Epoch(k, self._argv(k, resume=False), ranks, old_plan, old_ranks))
         old_stop, self.epoch, self.stop_file = self.stop_file, k, self._stop_file(k)
         with self._lock:
@@ -222,8 +222,6 @@ class InPlaceRun:
         self.ranks = {p: p for p in range(world)}
         epochs.publish(self.control, epochs.Epoch(0, self._argv(0, resume=True), self.ranks))
         self._spawn(self.processes)
-        for p in self.ranks:
-            self._procs[p].ranked = True
         failed_at = None
         while not self.abort.is_set():
             with contextlib.suppress(queue.Empty):
@@ -236,9 +234,9 @@ class InPlaceRun:
                         failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > FAIL_GRACE_S:
                 break
-            ranked = [p for p in self._procs.values() if p.ranked]
-            if failed_at is None and all(p.popen.poll() is not None for p in ranked):
-                break  # every rank has exited cleanly
+            if failed_at is None and not self._switching and self._requests.empty() \
+                    and all(self._procs[p].popen.poll() is not None for p in self.ranks):
+                break  # every rank of the latest epoch has exited cleanly
             if self._refill and self._saw_step_since_switch():
                 self._refill = False
                 alive = sum(1 for p in self._procs.values() if p.popen.poll() is None)

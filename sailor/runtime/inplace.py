@@ -3,8 +3,8 @@ started by `sailor.elastic.inplace.InPlaceRun`): it trains as a rank of one plan
 without exiting, following the epoch files of the control folder (`runtime.epochs`).
 
 A process waits for epoch EPOCH, then for each epoch in turn:
-- no rank in it: a spare (never a rank yet) waits for the next epoch; a process that was a rank
-  leaves (after sending its state, below);
+- no rank in it: a spare waits for the next epoch; a process that was a rank sends its state
+  (below), drops it and waits as a spare;
 - a fresh epoch ("old" null): it forms the default group (a FileStore of the epoch), builds its stage
   from the checkpoint of its settings' --resume-from (or the initial weights) as `worker._train`
   does, and trains (`worker.run_steps`);
@@ -116,7 +116,7 @@ def move_group(e: epochs.Epoch, plan: Plan, job: JobSpec, device: torch.device) 
 
 def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live]) -> Live | None:
     """This process's part in switch epoch `e` (module docstring); returns its Live under the new plan,
-    or None when it leaves. `held`: its state under the last epoch (empty for a newcomer), taken out
+    or None when it has no rank in it (its process groups destroyed). `held`: its state under the last epoch (empty for a newcomer), taken out
     of the list so that no reference outlives the move: the old stage and optimizer are freed before
     the new ones are built."""
     live = held.pop() if held else None
@@ -173,8 +173,8 @@ def warm_up() -> None:
 
 
 def serve(control: Path, proc: int, first_epoch: int) -> None:
-    """The epochs of process `proc` from `first_epoch` on (module docstring); returns when it leaves,
-    when the run is done, or when a stop was not a switch."""
+    """The epochs of process `proc` from `first_epoch` on (module docstring); returns when the run is
+    done or a stop was not a switch (a spare waits until the pool ends it)."""
     live, k = None, first_epoch
     warm_up()
     emit("ready", process=proc, pid=os.getpid())  # from here on a switch waits on nothing slow
@@ -199,8 +199,9 @@ def serve(control: Path, proc: int, first_epoch: int) -> None:
         else:
             held, live = [live] if live is not None else [], None
             live = switch(control, e, proc, held)
-            if live is None:
-                return
+            if live is None:  # left the plan: a spare from now on
+                k += 1
+                continue
             log = step_log(live.args, live.plan, live.job)
             try:
                 run_steps(live, log)
@@ -214,7 +215,7 @@ def serve(control: Path, proc: int, first_epoch: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: exits 0 when done, stopped or left, 2 after reporting bad arguments, 1 after
+    """Entry point: exits 0 when done or stopped, 2 after reporting bad arguments, 1 after
     reporting any other error (`worker._report`)."""
     die_with_parent()  # the controller dies: so does this process
     warnings.simplefilter("ignore", SailorWarning)
