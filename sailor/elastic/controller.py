@@ -53,7 +53,7 @@ from sailor.core.errors import InfeasibleError, SailorInputError
 from sailor.core.limits import MAX_STEPS, max_local_processes
 from sailor.elastic.availability import Availability, Trace, Zones
 from sailor.elastic.events import POLL_S, Clock, ClockKind, EventLog
-from sailor.elastic.inplace import InPlaceRun
+from sailor.elastic.inplace import InPlaceRun, RunHandle
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.remote import HostPool, Machine, NodeLaunch
 from sailor.elastic.replan import Planned, Replanner
@@ -129,21 +129,12 @@ class RunResult:
     switch_s: list[float] = field(default_factory=list)
 
 
-class Running:
-    """One launch of a prepared run in a background thread; its events arrive on `events` stamped
-    with `time.monotonic()`. With `nodes` (a host pool's launch) the ranks run on those machines,
-    else on this one."""
+class Running(RunHandle):
+    """One launch of a prepared run in a background thread (`RunHandle`). With `nodes` (a host pool's
+    launch) the ranks run on those machines, else on this one."""
 
     def __init__(self, prepared: Prepared, nodes: NodeLaunch | None = None) -> None:
-        self.prepared, self.nodes = prepared, nodes
-        self.stop_file = prepared.options.stop_file
-        self.launched_at = time.monotonic()
-        self.started = False  # the ranks' process groups are up
-        self.abort = threading.Event()
-        self.killed = ""  # why the controller ended it
-        self.events: queue.Queue[tuple[float, dict[str, Any]]] = queue.Queue()
-        self.result: TrainResult | None = None
-        self.error: BaseException | None = None
+        super().__init__(prepared, prepared.options.stop_file, nodes)
         self.thread = threading.Thread(target=self._run, name="sailor-launch", daemon=True)
         self.thread.start()
 
@@ -154,19 +145,6 @@ class Running:
                                  labels=self.nodes.hosts if self.nodes else None, abort=self.abort)
         except BaseException as e:  # noqa: BLE001 - handed to the controller thread
             self.error = e
-
-    def stop(self) -> None:
-        """Ask the ranks to stop at the next step boundary (checkpoint, then exit)."""
-        Path(self.stop_file).touch()
-
-    def kill(self, why: str) -> None:
-        """End every process of the launch now (nothing to save: no step ran since it loaded)."""
-        self.killed = self.killed or why
-        self.abort.set()
-
-    def done(self) -> bool:
-        """True once the launch has ended (its result or error is set)."""
-        return not self.thread.is_alive()
 
 
 @dataclass

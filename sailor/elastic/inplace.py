@@ -91,7 +91,37 @@ def assign(old_plan: str, old_ranks: dict[int, int], new_plan: str, spares: list
     return out
 
 
-class InPlaceRun:
+class RunHandle:
+    """What the controller watches of the ranks it started, in a background thread (`thread`, set by
+    the subclass): `controller.Running` (one launch) or `InPlaceRun` (a pool across switches). Events
+    arrive on `events` stamped with `time.monotonic()`; `result` or `error` is set once it ended."""
+
+    def __init__(self, prepared: Prepared, stop_file: str | None, nodes=None) -> None:
+        self.prepared, self.nodes, self.stop_file = prepared, nodes, stop_file
+        self.launched_at = time.monotonic()
+        self.started = False  # the ranks' process groups are up
+        self.abort = threading.Event()
+        self.killed = ""  # why the controller ended it
+        self.events: queue.Queue[tuple[float, dict[str, Any]]] = queue.Queue()
+        self.result: TrainResult | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def stop(self) -> None:
+        """Ask the ranks to stop at the next step boundary (checkpoint, then exit)."""
+        Path(self.stop_file).touch()
+
+    def kill(self, why: str) -> None:
+        """End every process now."""
+        self.killed = self.killed or why
+        self.abort.set()
+
+    def done(self) -> bool:
+        """True once it has ended (its result or error is set)."""
+        return not self.thread.is_alive()
+
+
+class InPlaceRun(RunHandle):
     """A pool of rank processes running `prepared` and the plans it is switched to (module docstring).
     `work`: a folder for its control files; `processes`: how many processes it keeps (ranks and
     spares, at least the plan's world size). The run must have a checkpoint folder (ValueError).
@@ -101,20 +131,12 @@ class InPlaceRun:
     def __init__(self, prepared: Prepared, work: str, *, processes: int) -> None:
         if not prepared.options.checkpoint_dir:
             raise ValueError("a live switch writes a checkpoint at its step boundary: the run needs a checkpoint folder")
-        self.prepared, self.nodes = prepared, None
         self.control = Path(tempfile.mkdtemp(dir=work, prefix="inplace-"))
+        super().__init__(prepared, self._stop_file(0))
         self.processes = max(processes, prepared.plan.world_size)
         self.epoch = 0
         self.plan_file = str(Path(prepared.options.plan).resolve())
         self.ranks: dict[int, int] = {}  # process id -> rank, latest epoch
-        self.stop_file = self._stop_file(0)
-        self.launched_at = time.monotonic()
-        self.started = False
-        self.abort = threading.Event()
-        self.killed = ""
-        self.events: queue.Queue[tuple[float, dict[str, Any]]] = queue.Queue()
-        self.result: TrainResult | None = None
-        self.error: BaseException | None = None
         self._requests: queue.Queue[str] = queue.Queue()
         self._procs: dict[int, _Proc] = {}
         self._lock = threading.Lock()
@@ -133,18 +155,6 @@ class InPlaceRun:
     def switch(self, plan_file: str) -> None:
         """Move the run to the plan in `plan_file` at the next step boundary (module docstring)."""
         self._requests.put(str(Path(plan_file).resolve()))
-
-    def stop(self) -> None:
-        """Ask the ranks to stop at the next step boundary (checkpoint, then exit)."""
-        Path(self.stop_file).touch()
-
-    def kill(self, why: str) -> None:
-        """End every process of the pool now."""
-        self.killed = self.killed or why
-        self.abort.set()
-
-    def done(self) -> bool:
-        return not self.thread.is_alive()
 
     # ---- the pool's thread ---------------------------------------------------------------------
     def _stop_file(self, k: int) -> str:
