@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     except SailorInputError as e:
         _report(e, int(os.environ.get("RANK", "-1")))
         code = 2
-    except BaseException as e:  # report which process failed and why, then fail fast
+    except BaseException as e:  # noqa: BLE001 - report which process failed and why, then fail fast
         _report(e, int(os.environ.get("RANK", "-1")))
         code = 1
     _exit(code)
