@@ -18,9 +18,10 @@ once), and builds the stages. Its seconds, planning excluded:
   already holds, and receivers share no sender link in this model).
 - T(link, n): `perf.network.NetworkModel.transfer_time_s` of n bytes between the two GPUs' nodes.
 - fixed_s: forming the move group, building the stages and the new plan's process groups. The
-  default, 1 s, rounds up what `benchmarks/reconfigure.py` measured for the rendezvous and move
-  phases on this machine with the tiny model, whose few MB of state make them fixed cost (0.3 s at a
-  load of 12 on 2 cores, 1.2 s at 29; README, "Elastic"). storage_bytes_per_s: one rank's checkpoint
+  default, 1 s, is what `benchmarks/reconfigure.py` measured for the rendezvous and move phases
+  together on this machine with the tiny model, whose few MB of state make them fixed cost (0.81 s
+  for the shrink and 1.05 s for the grow at a load of 6 on 2 cores, 1.22 and 1.40 s at 15.8; README,
+  "Elastic"). storage_bytes_per_s: one rank's checkpoint
   write; the default, 1 GB/s, is an assumption (a local NVMe disk writes about 2 GB/s, shared storage
   less), not a measurement.
 
