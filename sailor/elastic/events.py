@@ -83,8 +83,8 @@ class Clock:
         self.training_s += 1.0 if self.kind is ClockKind.STEPS else step_time_s
 
     def wait_until(self, trace_s: float, interrupted) -> None:
-        """Let trace time reach `trace_s`: sleep (wall clock) or jump (training clock, where nothing
-        trains while waiting); returns early when `interrupted()` is true."""
+        """Let trace time reach `trace_s`: sleep (wall clock) or jump (training and steps clocks, where
+        nothing trains while waiting); returns early when `interrupted()` is true."""
         if self.kind is not ClockKind.WALL:
             self.training_s = max(self.training_s, trace_s * self.time_scale)
             return
