@@ -104,3 +104,49 @@ def test_cli_json_and_plot(tmp_path):
                           str(TRACES / "gpu_trace_scaled.csv"), "--policy", "greedy"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "unknown policy 'greedy'" in bad.stderr
+
+
+def test_live_switch_cost_from_the_bytes_written_and_moved():
+    """2 data-parallel A100 replicas of the whole model under ZeRO-1 -> one replica: each old rank
+    writes its half of the 12 bytes/param state, and the new rank holds (receives, in the model) all
+    12 bytes/param over the same-zone link; C_live = fixed + written / storage + transfer time."""
+    from sailor.elastic.replan import Replanner
+    from sailor.elastic.switch_cost import STATE_BYTES_PER_PARAM, LiveSwitchModel
+    from sailor.plan.spec import Plan
+
+    zones = {"us-central1-a": {"A100-40": 2}}
+    layers = OPT.model.num_layers
+
+    def plan(pipelines: int) -> Plan:
+        return Plan.model_validate({
+            "micro_batch_size": 1, "stages": [[0, layers]], "memory": [{"zero": 1}],
+            "pipelines": [{"microbatches": 1024 // pipelines, "replicas": [
+                {"stage": 0, "gpu": "A100-40", "zone": "us-central1-a", "tp": 1}]}] * pipelines})
+
+    ctx = Replanner(OPT, ONE_A100_ZONE).context(zones)
+    params = ctx.stage_params(1, 0, layers)
+    assert STATE_BYTES_PER_PARAM == 12 and params > 3e8  # OPT-350m
+    model = LiveSwitchModel(fixed_s=0.5, storage_bytes_per_s=2e9)
+    moved = ctx.network.transfer_time_s("us-central1-a", "A100-40", "us-central1-a", "A100-40", 12 * params)
+    assert moved > 0
+    assert model.seconds(ctx, plan(2), plan(1)) == pytest.approx(0.5 + 6 * params / 2e9 + moved)
+    # the other way, each new rank holds the whole fp32 weights and half the moments (ZeRO-1)
+    half = ctx.network.transfer_time_s("us-central1-a", "A100-40", "us-central1-a", "A100-40", 8 * params)
+    assert model.seconds(ctx, plan(1), plan(2)) == pytest.approx(0.5 + 12 * params / 2e9 + half)
+
+
+def test_live_switches_cost_less_than_restarts_in_a_replay(tmp_path):
+    """The hand trace of `test_interval_accounting_by_hand` replayed with the live model: the same
+    plans are chosen, each switch costs its planning plus the live model's seconds (here less than
+    the restart model's), so more iterations are done for the same $."""
+    from sailor.elastic.switch_cost import LiveSwitchModel
+
+    trace = load_trace(_events(tmp_path, (0, 16), (600, 8), (1200, 8), (1800, 16)), GCP)
+    restart = replay(OPT, GCP, trace, policy=Policy.SAILOR)
+    live = replay(OPT, GCP, trace, policy=Policy.SAILOR, live=LiveSwitchModel())
+    assert [i.plan for i in live.intervals] == [i.plan for i in restart.intervals]
+    assert live.switches == restart.switches >= 2
+    for i in live.intervals:
+        if i.switched:
+            assert i.replan_s < i.switch_s < i.replan_s + RestartModel().total_s
+    assert live.iterations > restart.iterations and live.cost_usd == pytest.approx(restart.cost_usd)

@@ -52,7 +52,7 @@ def run(
     time_scale: float = typer.Option(1.0, "--time-scale", help="Clock seconds per trace second (0.01: an hour of"
                                      " trace in 36 s)."),
     clock: str = typer.Option("wall", "--clock", help="What drives trace time: wall (seconds since start) or training"
-                              " (seconds spent in training steps; start-up and switches excluded)."),
+                              " (seconds spent in training steps; start-up and switches excluded) or steps (one per training step)."),
     switch_cost_s: Optional[float] = typer.Option(None, "--switch-cost-s", help="Assume each switch costs this many"
                                                   " seconds (default: measured, 11.35 s before the first)."),
     profiles: Optional[Path] = ProfilesOpt,
@@ -70,6 +70,9 @@ def run(
                                             " rank 0's host (default 29500)."),
     start_timeout_s: float = typer.Option(300.0, "--start-timeout-s", help="A launch whose ranks have not formed their"
                                           " process groups by then is ended as failed."),
+    in_place: bool = typer.Option(False, "--in-place", help="Switch plans live (local provider): ranks that stay keep"
+                                  " their process and state, which moves in memory; a failure falls back to the"
+                                  " checkpoint written at the switch."),
 ) -> None:
     """Train, keeping the job on the best plan as GPUs come and go (local provider: one process per GPU;
     --hosts: the machines of HOSTS.yaml).
@@ -116,6 +119,7 @@ def run(
                          events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
                          network=str(network) if network else None, data=data, init_from=init_from,
                          log_every=log_every, hosts=pool, device=device, start_timeout_s=start_timeout_s,
+                         in_place=in_place,
                          on_event=lambda ev: _say(err, ev))
     check_run(options)  # bad options are refused before the machine is measured
     check_training_data(job_spec, data, source=str(job))  # and so are the tokens, and the weights to start from
@@ -148,14 +152,20 @@ def replay(
                                                " (default: last point + the last spacing)."),
     as_json: bool = JsonOpt,
     plot_file: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of GPUs and throughput over time."),
+    switch: str = typer.Option("restart", "--switch", help="How a switch is priced: restart (every rank restarts"
+                               " from a checkpoint: the published 11.25 s) or live (`sailor run --in-place`: from"
+                               " the bytes moved and the links they cross)."),
 ) -> None:
     """Simulate a whole elastic run over an availability trace, without training."""
     from sailor.elastic.availability import load_trace
     from sailor.elastic.replay import Policy, plot
     from sailor.elastic.replay import replay as replay_run
+    from sailor.elastic.switch_cost import LiveSwitchModel
     from sailor.specs import load_cluster, load_job
 
     pol = choice(Policy, policy, "--policy", "policy")
+    if switch not in ("restart", "live"):
+        raise SailorInputError(f"must be restart or live, got {switch!r}", source="--switch")
     check_number(duration_s, "--duration-s", lo=0, lo_open=True, hi=MAX_TRACE_TIME_S)
     check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"),
                       inputs={"--job": job, "--cluster": cluster, "--availability": availability,
@@ -164,7 +174,8 @@ def replay(
     trace = load_trace(availability, cluster_spec)
     prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
     result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=prof,
-                        network_path=str(network) if network else None, duration_s=duration_s)
+                        network_path=str(network) if network else None, duration_s=duration_s,
+                        live=LiveSwitchModel() if switch == "live" else None)
     if plot_file:
         plot(result, plot_file)
     if as_json:

@@ -53,9 +53,11 @@ from sailor.core.errors import InfeasibleError, SailorInputError
 from sailor.core.limits import MAX_STEPS, max_local_processes
 from sailor.elastic.availability import Availability, Trace, Zones
 from sailor.elastic.events import POLL_S, Clock, ClockKind, EventLog
+from sailor.elastic.inplace import InPlaceRun, RunHandle
 from sailor.elastic.policy import SwitchCosts, decide, lost_gpus
 from sailor.elastic.remote import HostPool, Machine, NodeLaunch
 from sailor.elastic.replan import Planned, Replanner
+from sailor.elastic.switch_cost import LiveSwitchModel
 from sailor.perf.profiles import Profiles
 from sailor.plan.placement import rank_layout
 from sailor.runtime.launcher import ExitStatus, Prepared, TrainOptions, TrainResult, launch, prepare
@@ -108,6 +110,9 @@ class RunOptions:
     start_timeout_s: float = 300.0
     """Seconds a launch may take to bring up its ranks' process groups before it is ended as failed
     (a host that accepts ssh but never joins would otherwise hang the run)."""
+    in_place: bool = False
+    """Switch plans live (`sailor.elastic.inplace`): the ranks that stay keep their process and state,
+    which moves in memory; local provider only. False: every switch restarts every rank from a checkpoint."""
 
 
 @dataclass
@@ -124,21 +129,12 @@ class RunResult:
     switch_s: list[float] = field(default_factory=list)
 
 
-class Running:
-    """One launch of a prepared run in a background thread; its events arrive on `events` stamped
-    with `time.monotonic()`. With `nodes` (a host pool's launch) the ranks run on those machines,
-    else on this one."""
+class Running(RunHandle):
+    """One launch of a prepared run in a background thread (`RunHandle`). With `nodes` (a host pool's
+    launch) the ranks run on those machines, else on this one."""
 
     def __init__(self, prepared: Prepared, nodes: NodeLaunch | None = None) -> None:
-        self.prepared, self.nodes = prepared, nodes
-        self.stop_file = prepared.options.stop_file
-        self.launched_at = time.monotonic()
-        self.started = False  # the ranks' process groups are up
-        self.abort = threading.Event()
-        self.killed = ""  # why the controller ended it
-        self.events: queue.Queue[tuple[float, dict[str, Any]]] = queue.Queue()
-        self.result: TrainResult | None = None
-        self.error: BaseException | None = None
+        super().__init__(prepared, prepared.options.stop_file, nodes)
         self.thread = threading.Thread(target=self._run, name="sailor-launch", daemon=True)
         self.thread.start()
 
@@ -149,19 +145,6 @@ class Running:
                                  labels=self.nodes.hosts if self.nodes else None, abort=self.abort)
         except BaseException as e:  # noqa: BLE001 - handed to the controller thread
             self.error = e
-
-    def stop(self) -> None:
-        """Ask the ranks to stop at the next step boundary (checkpoint, then exit)."""
-        Path(self.stop_file).touch()
-
-    def kill(self, why: str) -> None:
-        """End every process of the launch now (nothing to save: no step ran since it loaded)."""
-        self.killed = self.killed or why
-        self.abort.set()
-
-    def done(self) -> bool:
-        """True once the launch has ended (its result or error is set)."""
-        return not self.thread.is_alive()
 
 
 @dataclass
@@ -178,6 +161,11 @@ class Switch:
     launched: float | None = None
     started: float | None = None
     loaded: float | None = None
+    in_place: bool = False
+    """Switched live (`inplace`): no process exits or starts; the phases after the checkpoint are the
+    rendezvous of the move group and the move (state sent, stages built)."""
+    pids_before: dict[int, int] = field(default_factory=dict)
+    """Rank -> process id under the plan switched from."""
 
     def phases(self, first_step: float) -> dict[str, float]:
         """Seconds of each phase, in order; they add up to the total from the change to the first step."""
@@ -188,6 +176,9 @@ class Switch:
         launched = self.launched or exited
         started = self.started or launched
         loaded = self.loaded or started
+        if self.in_place:
+            return {"replan_s": req - self.began, "stop_s": boundary - req, "checkpoint_s": stopped - boundary,
+                    "rendezvous_s": started - stopped, "move_s": loaded - started, "first_step_s": first_step - loaded}
         return {"replan_s": req - self.began, "stop_s": boundary - req, "checkpoint_s": stopped - boundary,
                 "teardown_s": exited - stopped, "restart_s": started - exited, "load_s": loaded - started,
                 "first_step_s": first_step - loaded}
@@ -205,6 +196,9 @@ def check_run(o: RunOptions) -> None:
     if o.cluster.provider != "local" and o.hosts is None:
         raise SailorInputError(f"the cluster's provider is {o.cluster.provider!r}: name its machines", source="--cluster",
                                fix="pass --hosts HOSTS.yaml, or use provider: local (zone local, GPU type cpu)")
+    if o.in_place and o.hosts is not None:
+        raise SailorInputError("live switches run on the local provider only; runs on hosts restart at a switch",
+                               source="--in-place", fix="drop --in-place, or --hosts")
     if o.hosts is not None and not o.checkpoint_dir:
         raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
                                source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")
@@ -250,6 +244,10 @@ class Controller:
         self.running: Running | None = None
         self.switch: Switch | None = None
         self.step_times: list[float] = []  # step_time_s of the current launch
+        self.pids: dict[int, int] = {}  # rank -> process id of the running plan's ranks ("joined" events)
+        self.changed = False  # the availability changed during a live switch: look again after it
+        # most processes at once: a live pool keeps that many (ranks and spares)
+        self.most = min(max(s.total() for s in o.trace.snapshots), max_local_processes())
         self.ratio = 1.0  # measured / predicted iteration time, from the last plan that ran
         self.failed_launches = 0
         self.last_step_at = 0.0  # monotonic time of the last step event
@@ -379,7 +377,9 @@ class Controller:
             return self._finish(ExitStatus.DONE, f"done: the checkpoint folder already holds step {prep.resume_step}"
                                                  f" (--steps {self.o.steps}): {prep.resume_from}")
         nodes = self.o.hosts.commands(prep, opts.stop_file, self.avail.lost_machines) if self.o.hosts else None
-        run = self.running = Running(prep, nodes)
+        run = self.running = InPlaceRun(prep, self.work, processes=self.most) if self.o.in_place \
+            else Running(prep, nodes)
+        self.pids = {}
         if self.result.steps > prep.resume_step:
             self.log.emit("rollback", from_step=self.result.steps, to_step=prep.resume_step,
                           steps=self.result.steps - prep.resume_step)
@@ -418,6 +418,8 @@ class Controller:
             except queue.Empty:
                 return
             kind, sw = ev.get("event"), self.switch
+            if kind == "joined" and "pid" in ev:
+                self.pids[int(ev["rank"])] = int(ev["pid"])
             if kind == "step":
                 self.result.steps = ev["step"]
                 self.step_times.append(ev["step_time_s"])
@@ -434,6 +436,9 @@ class Controller:
                     setattr(sw, kind, t)
             elif sw is not None and kind == "stopped":
                 sw.stopped = t
+                if sw.in_place:  # the same processes go on: what follows is the new plan's
+                    sw.launched = t
+                    self.step_times = []
 
     def _switch_done(self, sw: Switch, first_step: float) -> None:
         phases = sw.phases(first_step)
@@ -441,14 +446,25 @@ class Controller:
         if sw.reason != "crash":
             self.costs.record(total)
         self.result.switch_s.append(total)
+        # Ranks of both plans (GPUs kept), and how many of them run in another process than before
+        # (every one after a restart; none when survivors keep their process).
+        kept = len(sw.pids_before.keys() & self.pids.keys()) if sw.pids_before else 0
+        restarted = kept - len(set(sw.pids_before.values()) & set(self.pids.values()))
         self.log.emit("switch_finished", reason=sw.reason, total_s=total, phases_s=phases,
-                      world_size=self.current.plan.world_size, step=self.result.steps)
+                      world_size=self.current.plan.world_size, step=self.result.steps, in_place=sw.in_place,
+                      survivors=kept, survivors_restarted=restarted)
         self.switch = None
+        if self.changed and isinstance(self.running, InPlaceRun):
+            self.changed = False
+            self._on_change(self.running)
 
     def _on_change(self, run: Running) -> None:
         """A new trace snapshot while training: re-plan and maybe switch."""
         began = time.monotonic()
         zones = self._report_availability()
+        if self.switch is not None and self.switch.in_place:
+            self.changed = True  # looked at again once the live switch has its first step
+            return
         if self.switch is not None and self.switch.launched is None:
             return  # a stop is already under way: the relaunch plans for the newest availability
         if self.switch is not None:  # relaunched, but no step yet: this switch's timing ends here
@@ -471,14 +487,34 @@ class Controller:
         old_est = None if lost else self.replanner.score(self.current.plan, zones)
         old_s = old_est.iteration_time_s * self.ratio if old_est is not None else None
         new_s = planned.estimate.iteration_time_s * self.ratio
+        model_s = LiveSwitchModel().seconds(self.replanner.context(zones), self.current.plan, planned.plan) \
+            if isinstance(run, InPlaceRun) else None  # before a live switch was measured
         d = decide(lost=lost, old_iteration_s=old_s, new_iteration_s=new_s,
-                   remaining_iterations=self.o.steps - self.result.steps, switch_cost_s=self.costs.estimate_s())
+                   remaining_iterations=self.o.steps - self.result.steps, switch_cost_s=self.costs.estimate_s(model_s))
         self.log.emit("decision", switch=d.switch, reason=d.reason, gain_s=_finite(d.gain_s), switch_cost_s=d.cost_s,
                       current_iteration_s=old_s, new_iteration_s=new_s, remaining_steps=self.o.steps - self.result.steps)
         if d.switch:
-            self._request_stop(run, Switch("lost GPUs" if lost else "gain", began, replan_s=planned.replan_s))
+            sw = Switch("lost GPUs" if lost else "gain", began, replan_s=planned.replan_s)
+            if isinstance(run, InPlaceRun):
+                return self._switch_live(run, planned, sw)
+            self._request_stop(run, sw)
+
+    def _switch_live(self, run: InPlaceRun, planned: Planned, sw: Switch) -> None:
+        """Switch `run` to `planned` without restarting its ranks (`InPlaceRun.switch`)."""
+        sw.in_place, sw.pids_before = True, dict(self.pids)
+        self.switch = sw
+        sw.stop_requested = time.monotonic()
+        self.log.emit("switch_started", reason=sw.reason, step=self.result.steps,
+                      from_world_size=self.current.plan.world_size, in_place=True)
+        plan_file = os.path.join(self.work, f"plan-{len(self.log.records)}.json")
+        planned.plan.save(plan_file)
+        self.current = planned
+        self.pids = {}
+        self.result.switches += 1
+        run.switch(plan_file)
 
     def _request_stop(self, run: Running, sw: Switch) -> None:
+        sw.pids_before = dict(self.pids)
         self.switch = sw
         sw.stop_requested = time.monotonic()
         self.log.emit("switch_started", reason=sw.reason, step=self.result.steps,

@@ -23,6 +23,7 @@ class ClockKind(str, Enum):
 
     WALL = "wall"          # wall seconds since the controller started
     TRAINING = "training"  # seconds spent in training steps (start-up and switches excluded)
+    STEPS = "steps"        # training steps taken, one "second" each: a trace replayed step by step, whatever the speed
 
 
 class EventLog:
@@ -51,11 +52,14 @@ class EventLog:
 
 
 class Clock:
-    """Wall time since the controller started, and trace time: wall (or training) seconds / time_scale.
+    """Wall time since the controller started, and trace time: wall (or training) seconds, or steps,
+    / time_scale.
 
     The `training` clock replays a trace against the job's own progress, so that start-up and switch
     times of a slow machine do not eat the trace (tests, demos on CPU); it advances by each step's
-    `step_time_s` (steps redone after a rollback count again: they took time).
+    `step_time_s` (steps redone after a rollback count again: they took time). The `steps` clock
+    advances by 1 per step instead, so a change happens after the same steps on any machine, however
+    loaded (tests).
     """
 
     def __init__(self, time_scale: float, kind: ClockKind = ClockKind.WALL) -> None:
@@ -75,13 +79,13 @@ class Clock:
         return (self.wall_s() if self.kind is ClockKind.WALL else self.training_s) / self.time_scale
 
     def add_step(self, step_time_s: float) -> None:
-        """Count one training step of `step_time_s` seconds."""
-        self.training_s += step_time_s
+        """Count one training step of `step_time_s` seconds (the `steps` clock: one)."""
+        self.training_s += 1.0 if self.kind is ClockKind.STEPS else step_time_s
 
     def wait_until(self, trace_s: float, interrupted) -> None:
-        """Let trace time reach `trace_s`: sleep (wall clock) or jump (training clock, where nothing
-        trains while waiting); returns early when `interrupted()` is true."""
-        if self.kind is ClockKind.TRAINING:
+        """Let trace time reach `trace_s`: sleep (wall clock) or jump (training and steps clocks, where
+        nothing trains while waiting); returns early when `interrupted()` is true."""
+        if self.kind is not ClockKind.WALL:
             self.training_s = max(self.training_s, trace_s * self.time_scale)
             return
         while self.trace_s() < trace_s and not interrupted():

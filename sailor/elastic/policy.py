@@ -10,8 +10,9 @@ which is the same as (new throughput - old throughput) x remaining time > C x ne
 throughputs 1/n and 1/o and remaining time R x o. With no current plan (start, or after a crash)
 there is nothing to compare: the new plan is taken.
 
-C comes from `SwitchCosts`: the mean of the switches measured so far in this run, or a default
-estimate before the first one (`DEFAULT_SWITCH_COST_S`).
+C comes from `SwitchCosts`: the mean of the switches measured so far in this run, or before the
+first one an estimate: for live switches the model of `switch_cost.LiveSwitchModel` (bytes moved
+over the links), else the published restart cost (`DEFAULT_SWITCH_COST_S`).
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ class SwitchCosts:
         assert seconds >= 0.0, seconds
         self.measured_s.append(seconds)
 
-    def estimate_s(self) -> float:
-        """Seconds the next switch is expected to cost: fixed, else the measured mean, else the default."""
+    def estimate_s(self, model_s: float | None = None) -> float:
+        """Seconds the next switch is expected to cost: fixed, else the measured mean, else `model_s`
+        (a cost model's estimate for this switch) when given, else the default."""
         if self.fixed_s is not None:
             return self.fixed_s
         if self.measured_s:
             return sum(self.measured_s) / len(self.measured_s)
-        return self.default_s
+        return self.default_s if model_s is None else model_s
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 For each interval of the trace (from one snapshot to the next) a policy picks the plan that runs;
 the simulator gives its iteration time and cost; a switch costs the planner's own (measured) search
-time plus a restart model, during which no iteration is done but the GPUs are paid for.
+time plus a restart model (`RestartModel`), or with `live` the cost of a live switch from the bytes it
+moves (`switch_cost.LiveSwitchModel`: `sailor run --in-place`), during which no iteration is done but
+the GPUs are paid for. A restart after an idle gap costs the restart model either way.
 
 Policies (`Policy`):
 - `sailor`: re-plan with the full planner at every change; switch with the rule of `policy.decide`
@@ -33,6 +35,7 @@ from sailor.core.units import HOUR_S
 from sailor.elastic.availability import Trace, Zones
 from sailor.elastic.policy import decide, lost_gpus
 from sailor.elastic.replan import Planned, Replanner
+from sailor.elastic.switch_cost import LiveSwitchModel
 from sailor.perf.profiles import Profiles
 from sailor.planner import PlanOptions, SearchSpace
 from sailor.simulator import Estimate
@@ -144,7 +147,8 @@ class ReplayResult:
 
 def replay(job: JobSpec, cluster: ClusterSpec, trace: Trace, *, policy: Policy = Policy.SAILOR,
            profiles_path: str | Profiles | None = None, network_path: str | None = None, duration_s: float | None = None,
-           restart: RestartModel | None = None, options: PlanOptions | None = None) -> ReplayResult:
+           restart: RestartModel | None = None, live: LiveSwitchModel | None = None,
+           options: PlanOptions | None = None) -> ReplayResult:
     """Replay a whole run over `trace` under `policy` (module docstring).
 
     Args:
@@ -155,6 +159,7 @@ def replay(job: JobSpec, cluster: ClusterSpec, trace: Trace, *, policy: Policy =
             may also be loaded Profiles (`Replanner`).
         duration_s: end of the run (s from the trace's start); default in the module docstring.
         restart: the restart model (default: the published breakdown).
+        live: price switches between plans as live switches with this model instead (module docstring).
         options: planner options (objective, constraints); `search` is set by the policy.
     Returns:
         ReplayResult with one Interval per snapshot.
@@ -180,14 +185,24 @@ def replay(job: JobSpec, cluster: ClusterSpec, trace: Trace, *, policy: Policy =
             candidate = _plan(planner, zones)
             replan_s = candidate.replan_s if candidate else 0.0
             chosen, note = _choose(planner, policy, current, candidate, lost, zones, remaining_s=end - snap.time_s,
-                                   switch_s=replan_s + restart.total_s)
+                                   switch_s=replan_s + _switch_s(planner, zones, restart, live, current, candidate))
         switched = current is not None and chosen is not None and chosen.plan != current.plan
         restarted = current is None and chosen is not None and k > 0 and out.intervals[-1].plan is None
-        switch_s = replan_s + restart.total_s if (switched or restarted) else 0.0
+        switch_s = replan_s + _switch_s(planner, zones, restart, live, current, chosen) if (switched or restarted) \
+            else 0.0
         out.intervals.append(_interval(planner, chosen, zones, snap.time_s, t1, switch_s, replan_s,
                                        switched or restarted, note))
         current = chosen
     return out
+
+
+def _switch_s(planner: Replanner, zones: Zones, restart: RestartModel, live: LiveSwitchModel | None,
+              old: Planned | None, new: Planned | None) -> float:
+    """Seconds a switch from `old` to `new` costs besides planning: the live model's when given and
+    both plans exist, else the restart model's."""
+    if live is None or old is None or new is None:
+        return restart.total_s
+    return live.seconds(planner.context(zones), old.plan, new.plan)
 
 
 def _end_s(trace: Trace, duration_s: float | None) -> float:

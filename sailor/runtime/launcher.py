@@ -445,11 +445,11 @@ def _result(result: TrainResult, returncode: int, signals: int, stderr_tail: str
         # A rank refused what it was given (its GPU: no kernels in this torch, no bf16; too few GPUs):
         # bad input, exit 2 with the rank's one line, as every check before the start.
         result.status = ExitStatus.BAD_INPUT
-        result.failed = failed_ranks(stderr_tail)
+        result.failed = result.failed or failed_ranks(stderr_tail)
         result.message = refused
     else:
         result.status = ExitStatus.FAILED
-        result.failed = failed_ranks(stderr_tail)
+        result.failed = result.failed or failed_ranks(stderr_tail)
         why = _first_failure(errors, result.failed) or result.process_failure or f"exit status {returncode}"
         if len(why) > 300:
             why = why[:297] + "..."

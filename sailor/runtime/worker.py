@@ -31,6 +31,9 @@ step's record gets `eval_loss`. Checkpoints every
 `--checkpoint-every` steps (default: the recipe's `checkpoint.every`), at the end and on stop; rank 0
 then deletes all but the newest `recipe.checkpoint.keep` (`checkpoint.prune`).
 
+`_train` forms the groups and builds the stage; `run_steps` is the step loop, which
+`runtime.inplace` also runs on the stage it built from state moved in memory (a `Live`).
+
 Its settings come from its command line, read by `command.parse` (`command.WorkerSettings`, the one
 definition every launch path builds commands from). Rank 0 appends each step's record to `--metrics`,
 writes TensorBoard scalars (`--tensorboard`) and prints a progress line every `--log-every` steps on
@@ -326,28 +329,21 @@ def train(args: WorkerSettings) -> None:
             log.close()
 
 
-def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) -> None:
-    """The training loop proper: `train` once the plan, job and rank 0's StepLog are in place."""
-    spec, mbs, seq, gbs = job.model, plan.micro_batch_size, job.seq, job.global_batch_size
+def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None,
+           init: dict[str, Any] | None = None) -> Live:
+    """The training loop proper: `train` once the plan, job and rank 0's StepLog are in place; `init`:
+    the rendezvous arguments of `init_world` (none: torchrun's). Returns the rank's Live as
+    `run_steps` left it."""
     rank = int(os.environ.get("RANK", "0"))
-    timeout = timedelta(seconds=args.timeout_s)
-    cuda = args.device == "cuda"
     device = rank_device(args.device)  # LOCAL_RANK's GPU, refused when this torch has no kernels for it
-    if cuda:
-        check_device_precision(job.precision, torch.cuda.get_device_capability(device),
-                               device_name=torch.cuda.get_device_name(device))
-    # A bound device makes torch create NCCL communicators eagerly, at new_group (`groups`).
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None)
-    ignore_tags()  # SAILOR_IGNORE_TAGS=1: tag 0 everywhere, as under NCCL
+    init_world(args, job, device, **(init or {}))
     topo = derive_topology(plan)
     assert topo.world_size == dist.get_world_size(), (topo.world_size, dist.get_world_size())
     role = topo.roles[rank]
-    groups = create_groups(topo, timeout)
-    channels = create_channel_groups(topo, timeout, device)  # one group per pipeline channel (`pipeline`)
+    groups = create_groups(topo, timedelta(seconds=args.timeout_s))
     if rank == 0:
         emit("started", world_size=topo.world_size)  # process groups are up (the controller times phases)
-
-    start, reader = 0, None
+    start, reader, manifest = 0, None, {}
     if args.resume_from:
         # The launcher verified every file's checksum; each rank checks the entries it reads.
         manifest = ckpt.read_manifest(args.resume_from, verify=False)
@@ -357,13 +353,70 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
                     init_from=args.init_from, step=ckpt.optimizer_steps(manifest) if reader is not None else 0)
     if reader is not None:
         reader.close()
+    record = None
+    if rank == 0:  # what `sailor export` keeps of the Hugging Face folder the run started from
+        record = manifest.get(RECORD_KEY) or (source_record(args.init_from, job.model) if args.init_from else None)
+    live = Live(args, plan, job, topo, groups, rk, device, start=start,
+                saved_at=start if args.resume_from else None, scaler_state=manifest.get("loss_scaler"), record=record)
+    run_steps(live, log)
+    return live
+
+
+def init_world(args: WorkerSettings, job: JobSpec, device: torch.device, **init: Any) -> None:
+    """Form the default process group of this rank (NCCL on CUDA after the precision check, else gloo;
+    collectives time out after `args.timeout_s`; `init`: init_process_group's rendezvous arguments,
+    none: torchrun's environment), then `ignore_tags` (SAILOR_IGNORE_TAGS=1: tag 0 everywhere, as under NCCL)."""
+    cuda = args.device == "cuda"
+    if cuda:
+        check_device_precision(job.precision, torch.cuda.get_device_capability(device),
+                               device_name=torch.cuda.get_device_name(device))
+    # A bound device makes torch create NCCL communicators eagerly, at new_group (`groups`).
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout_s),
+                            device_id=device if cuda else None, **init)
+    ignore_tags()
+
+
+@dataclass
+class Live:
+    """One rank's training under one plan, built and in the default process group (`run_steps`).
+
+    `start`: the step that runs next (0-based; data and learning rate follow it); `saved_at`: the step
+    of a checkpoint that already holds this state (None: none); `scaler_state`: the fp16 loss scaler's
+    `state_dict` to go on from (None: a fresh one); `record`: what `sailor export` keeps of the Hugging
+    Face folder the run started from (rank 0 writes it into the manifests). `run_steps` sets `stopped`
+    (the step a stop request stopped before)."""
+
+    args: WorkerSettings
+    plan: Plan
+    job: JobSpec
+    topo: Any  # topology.Topology
+    groups: dict
+    rk: RankModel
+    device: torch.device
+    start: int = 0
+    saved_at: int | None = None
+    scaler_state: dict | None = None
+    record: dict | None = None
+    stopped: int | None = None
+
+
+def run_steps(live: Live, log: StepLog | None) -> None:
+    """The step loop of `live` from `live.start` to `args.steps`: the pipeline channels, a barrier
+    (every rank's stage is built), the "loaded" event, then the steps (module docstring). On a stop
+    request it writes the checkpoint of the step it stopped before (unless one holds it), emits
+    "stopped" and returns with `live.stopped` set; after the last step it emits "done"."""
+    args, plan, job, rk, device, start = live.args, live.plan, live.job, live.rk, live.device, live.start
+    spec, mbs, seq, gbs = job.model, plan.micro_batch_size, job.seq, job.global_batch_size
+    topo, groups, rank = live.topo, live.groups, dist.get_rank()
+    role = topo.roles[rank]
+    timeout = timedelta(seconds=args.timeout_s)
+    channels = create_channel_groups(topo, timeout, device)  # one group per pipeline channel (`pipeline`)
     barrier(device)  # every rank's stage is built before the first step
     if rank == 0:
         emit("loaded", step=start)  # weights and optimizer state in place; step `start` runs next
     opt = rk.optimizer
     # fp16: the loss scale goes on from the checkpoint's (its manifest's "loss_scaler"), if it has one.
-    resumed = manifest.get("loss_scaler") if args.resume_from else None
-    scaler = LossScaler(**(resumed or {})) if rk.dtype == torch.float16 else None
+    scaler = LossScaler(**(live.scaler_state or {})) if rk.dtype == torch.float16 else None
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype,
               channels=channels, tp_group=groups.get(role.tp_group),
               sliced=sliced_edges(rk.stage, role.chunks, sequence_parallel=role.memory.sequence_parallel))
@@ -372,15 +425,15 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
     eval_corpus = load_corpus(recipe.eval.data) if recipe.eval is not None else None
     every = recipe.checkpoint.every if args.checkpoint_every is None else args.checkpoint_every
     meta = ckpt.run_meta(job, args.seed)
-    if rank == 0:  # what `sailor export` keeps of the Hugging Face folder the run started from
-        record = manifest.get(RECORD_KEY) if args.resume_from else None
-        record = record or (source_record(args.init_from, spec) if args.init_from else None)
-        meta |= {RECORD_KEY: record} if record else {}
+    if rank == 0 and live.record:  # what `sailor export` keeps of the Hugging Face folder the run started from
+        meta |= {RECORD_KEY: live.record}
+    if scaler is not None:
+        meta["loss_scaler"] = scaler.state_dict()
     layout = model_layout(spec)
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     fault = os.environ.get(FAULT_ENV, "")
     n_local = role.microbatches * mbs
-    saved_at = start if args.resume_from else None
+    saved_at = live.saved_at
 
     def stop_requested() -> float:
         return 1.0 if args.stop_file and os.path.exists(args.stop_file) else 0.0
@@ -399,6 +452,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None) 
                     else ckpt.step_dir(root, step)
             if rank == 0:
                 emit("stopped", step=step, checkpoint=str(path) if path else None)
+            live.stopped = step
             return
         if fault == f"{rank}:{step}":
             os._exit(13)
@@ -480,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     # Every rank says it is up before it waits for its peers: a host whose ranks never say so is the
     # one that keeps the process groups from forming (the controller leaves it out).
-    emit("joined", rank=rank)
+    emit("joined", rank=rank, pid=os.getpid())
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
     except SailorInputError as e:

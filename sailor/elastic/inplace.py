@@ -1,0 +1,283 @@
+"""`sailor run --in-place` on the local provider: a pool of rank processes that lives across plan
+switches (`InPlaceRun`, with `controller.Running`'s interface), so the ranks that stay keep their
+process, weights and optimizer state, and the state moves in memory (`sailor.runtime.inplace`).
+
+The pool starts one process per rank of the first plan plus spares (already past their imports,
+waiting), up to `processes` in all, each `python -m sailor.runtime.inplace CONTROL PROC EPOCH` in a
+session of its own, and publishes epoch 0 (`runtime.epochs`): the first plan, resumed from the
+prepared checkpoint. A switch (`switch`) publishes the next epoch: the new plan, the new ranks (each
+(zone, GPU type) of the new plan's layout taken first by the processes holding that type now, in
+rank order, keeping their rank where they can; then by spares, those past their imports first), and
+the old ranks; then asks the
+current ranks to stop at the step boundary (their stop file). Processes of the old plan without a
+new rank drop their state once it is sent and wait as spares (on the local provider a GPU is a
+process slot; on a cluster the process of a lost GPU would exit); after the first step under the new
+plan, fresh spares replace any process that ended, up to `processes` (started after the move, not
+during it). A grow is fast only when a spare is ready (past its imports, "ready" event): a process
+started for it makes the switch wait for its start-up (`rendezvous_s`).
+
+The run ends (`result`, a `launcher.TrainResult`) when every rank of the latest epoch has exited:
+DONE after the "done" event, STOPPED after a stop that was not a switch, FAILED when a process exited
+with an error (`failed` lists (rank, exit status) of those that failed on their own, the first one
+first; the others get `launcher.FAIL_GRACE_S` to report, then every process is killed). The
+controller restarts every rank from the newest checkpoint after a failure, the checkpoint path,
+which for a failure during a switch is the checkpoint the ranks wrote at its step boundary.
+
+No process outlives the pool: every process is started from the pool's thread with
+PR_SET_PDEATHSIG (`core.process.die_with_parent`), and the pool kills every session it started on
+every exit path. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sailor.plan import load_plan
+from sailor.plan.placement import rank_layout
+from sailor.runtime import epochs
+from sailor.runtime.launcher import (
+    EVENT_PREFIX,
+    FAIL_GRACE_S,
+    ExitStatus,
+    Prepared,
+    TrainResult,
+    _kill_groups,
+    _result,
+)
+
+MODULE = "sailor.runtime.inplace"
+
+
+@dataclass
+class _Proc:
+    popen: subprocess.Popen
+    tail: collections.deque
+
+
+def assign(old_plan: str, old_ranks: dict[int, int], new_plan: str, spares: list[int]) -> dict[int, int]:
+    """Process id -> rank under `new_plan`: each new rank's (zone, GPU type) is taken first by the
+    process that had that rank, when it had that type, then by the lowest-ranked other process of
+    the type, then by the first spare (`spares`, in order). Raises ValueError when the spares run out.
+    """
+    old_layout, new_layout = rank_layout(load_plan(old_plan)), rank_layout(load_plan(new_plan))
+    kind = {p: (old_layout[r].zone, old_layout[r].gpu) for p, r in old_ranks.items()}
+    free = sorted(old_ranks, key=old_ranks.get)
+    out: dict[int, int] = {}
+    spare = list(spares)
+    for info in new_layout:
+        want = (info.zone, info.gpu)
+        same = [p for p in free if old_ranks[p] == info.rank and kind[p] == want]
+        pick = same or [p for p in free if kind[p] == want]
+        if pick:
+            free.remove(pick[0])
+            out[pick[0]] = info.rank
+        elif spare:
+            out[spare.pop(0)] = info.rank
+        else:
+            raise ValueError(f"no process left for rank {info.rank} ({want[1]} in {want[0]})")
+    return out
+
+
+class RunHandle:
+    """What the controller watches of the ranks it started, in a background thread (`thread`, set by
+    the subclass): `controller.Running` (one launch) or `InPlaceRun` (a pool across switches). Events
+    arrive on `events` stamped with `time.monotonic()`; `result` or `error` is set once it ended."""
+
+    def __init__(self, prepared: Prepared, stop_file: str | None, nodes=None) -> None:
+        self.prepared, self.nodes, self.stop_file = prepared, nodes, stop_file
+        self.launched_at = time.monotonic()
+        self.started = False  # the ranks' process groups are up
+        self.abort = threading.Event()
+        self.killed = ""  # why the controller ended it
+        self.events: queue.Queue[tuple[float, dict[str, Any]]] = queue.Queue()
+        self.result: TrainResult | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def stop(self) -> None:
+        """Ask the ranks to stop at the next step boundary (checkpoint, then exit)."""
+        Path(self.stop_file).touch()
+
+    def kill(self, why: str) -> None:
+        """End every process now."""
+        self.killed = self.killed or why
+        self.abort.set()
+
+    def done(self) -> bool:
+        """True once it has ended (its result or error is set)."""
+        return not self.thread.is_alive()
+
+
+class InPlaceRun(RunHandle):
+    """A pool of rank processes running `prepared` and the plans it is switched to (module docstring).
+    `work`: a folder for its control files; `processes`: how many processes it keeps (ranks and
+    spares, at least the plan's world size). The run must have a checkpoint folder (ValueError).
+    Events arrive on `events` stamped with `time.monotonic()`,
+    as `controller.Running`'s."""
+
+    def __init__(self, prepared: Prepared, work: str, *, processes: int) -> None:
+        if not prepared.options.checkpoint_dir:
+            raise ValueError("a live switch writes a checkpoint at its step boundary: the run needs a checkpoint folder")
+        self.control = Path(tempfile.mkdtemp(dir=work, prefix="inplace-"))
+        super().__init__(prepared, self._stop_file(0))
+        self.processes = max(processes, prepared.plan.world_size)
+        self.epoch = 0
+        self.plan_file = str(Path(prepared.options.plan).resolve())
+        self.ranks: dict[int, int] = {}  # process id -> rank, latest epoch
+        self._requests: queue.Queue[str] = queue.Queue()
+        self._procs: dict[int, _Proc] = {}
+        self._lock = threading.Lock()
+        self._ended: list[str] = []  # "done" / "stopped" events that ended the run
+        self._switching = 0  # switches published whose old ranks have not stopped yet
+        self._refill = False  # start spares after the next step
+        self._exits: list[tuple[int, int]] = []  # (process id, exit status) in the order seen
+        self._records: list[dict[str, Any]] = []
+        self._ready: set[int] = set()  # processes past their imports ("ready" events)
+        # one OpenMP thread per process unless set, as torchrun gives its ranks (a rank per core or GPU)
+        self._env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
+        self.thread = threading.Thread(target=self._run, name="sailor-inplace", daemon=True)
+        self.thread.start()
+
+    # ---- the controller's side -----------------------------------------------------------------
+    def switch(self, plan_file: str) -> None:
+        """Move the run to the plan in `plan_file` at the next step boundary (module docstring)."""
+        self._requests.put(str(Path(plan_file).resolve()))
+
+    # ---- the pool's thread ---------------------------------------------------------------------
+    def _stop_file(self, k: int) -> str:
+        return str(self.control / f"stop-{k}")
+
+    def _argv(self, k: int, resume: bool) -> list[str]:
+        """The worker settings of epoch `k` (its plan and stop file); `resume` False: a switch, whose
+        state comes from the live ranks, so no checkpoint or Hugging Face folder to start from."""
+        settings = dataclasses.replace(self.prepared.settings(self._stop_file(k)), plan=self.plan_file)
+        if not resume:
+            settings = dataclasses.replace(settings, resume_from=None, init_from=None)
+        return settings.argv()
+
+    def _spawn(self, n: int) -> None:
+        for _ in range(n):
+            pid = len(self._procs)
+            popen = subprocess.Popen([sys.executable, "-m", MODULE, str(self.control), str(pid), str(self.epoch)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=self._env, start_new_session=True)
+            proc = self._procs[pid] = _Proc(popen, collections.deque(maxlen=200))
+            for stream in (popen.stdout, popen.stderr):
+                threading.Thread(target=self._read, args=(stream, proc), daemon=True).start()
+
+    def _read(self, stream, proc: _Proc) -> None:
+        for line in stream:
+            if not line.startswith(EVENT_PREFIX):
+                proc.tail.append(line)
+                continue
+            with contextlib.suppress(ValueError):
+                ev = json.loads(line[len(EVENT_PREFIX):])
+                now = time.monotonic()
+                with self._lock:
+                    kind = ev.get("event")
+                    if kind == "stopped" and self._switching:
+                        self._switching -= 1
+                        self._records.append({**ev, "event": "switch_stop"})
+                    else:
+                        self._records.append(ev)
+                        if kind in ("done", "stopped"):
+                            self._ended.append(kind)
+                    if kind in ("started", "loaded"):
+                        self.started = True
+                    if kind == "ready":
+                        self._ready.add(int(ev["process"]))
+                self.events.put((now, ev))
+
+    def _publish_switch(self, plan_file: str) -> None:
+        with self._lock:  # spares past their imports first
+            spares = sorted((p for p in self._procs if p not in self.ranks and self._procs[p].popen.poll() is None),
+                            key=lambda p: (p not in self._ready, p))
+        need = load_plan(plan_file).world_size - len(spares) - len(self.ranks)
+        if need > 0:
+            self._spawn(need)  # newcomers: start-up on the switch's critical path (no spare was ready)
+            spares += list(range(len(self._procs) - need, len(self._procs)))
+        ranks = assign(self.plan_file, self.ranks, plan_file, spares)
+        old_plan, old_ranks = self.plan_file, dict(self.ranks)
+        self.plan_file, self.ranks, k = plan_file, ranks, self.epoch + 1
+        epochs.publish(self.control, epochs.Epoch(k, self._argv(k, resume=False), ranks, old_plan, old_ranks))
+        old_stop, self.epoch, self.stop_file = self.stop_file, k, self._stop_file(k)
+        with self._lock:
+            self._switching += 1
+        self._refill = True
+        Path(old_stop).touch()  # after the epoch file: a rank that stops finds it
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - handed to the controller thread
+            self.error = e
+        finally:
+            _kill_groups([p.popen for p in self._procs.values()])
+
+    def _serve(self) -> None:
+        world = self.prepared.plan.world_size
+        self.ranks = {p: p for p in range(world)}
+        epochs.publish(self.control, epochs.Epoch(0, self._argv(0, resume=True), self.ranks))
+        self._spawn(self.processes)
+        failed_at = None
+        while not self.abort.is_set():
+            with contextlib.suppress(queue.Empty):
+                self._publish_switch(self._requests.get_nowait())
+            for pid, proc in self._procs.items():
+                code = proc.popen.poll()
+                if code is not None and all(pid != p for p, _ in self._exits):
+                    self._exits.append((pid, code))
+                    if code and failed_at is None:
+                        failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > FAIL_GRACE_S:
+                break
+            if failed_at is None and not self._switching and self._requests.empty() \
+                    and all(self._procs[p].popen.poll() is not None for p in self.ranks):
+                break  # every rank of the latest epoch has exited cleanly
+            if self._refill and self._saw_step_since_switch():
+                self._refill = False
+                alive = sum(1 for p in self._procs.values() if p.popen.poll() is None)
+                self._spawn(max(0, self.processes - alive))
+            time.sleep(0.02)
+        self._finish(failed_at is not None)
+
+    def _saw_step_since_switch(self) -> bool:
+        with self._lock:
+            last = next((e for e in reversed(self._records) if e.get("event") in ("step", "switch_stop")), None)
+        return last is not None and last["event"] == "step"
+
+    def _finish(self, failed: bool) -> None:
+        procs = [p.popen for p in self._procs.values()]
+        _kill_groups(procs)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+        with self._lock:
+            records = list(self._records)
+        result = TrainResult(ExitStatus.FAILED, "", events=records)
+        own = [(pid, code) for pid, code in self._exits if code]
+        result.failed = [(str(self.ranks.get(pid, "")), str(code)) for pid, code in own]
+        tail = "".join(line for pid, _ in own for line in self._procs[pid].tail)
+        if own:
+            result.failed_process = own[0][0]
+            last = next((x.strip() for x in reversed(self._procs[own[0][0]].tail) if x.strip()), "no output")
+            result.process_failure = f"process {own[0][0]} exited with status {own[0][1]}: {last[:200]}"
+        returncode = own[0][1] if own else 0
+        if not failed and self.abort.is_set():
+            returncode, result.process_failure = -9, "aborted"
+        elif not failed and not self._ended:
+            returncode = 1  # every rank exited without saying it was done or stopped
+        self.result = _result(result, returncode, 0, tail)

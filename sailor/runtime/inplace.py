@@ -1,0 +1,237 @@
+"""One process of a live-reconfigured run (`python -m sailor.runtime.inplace CONTROL PROC EPOCH`,
+started by `sailor.elastic.inplace.InPlaceRun`): it trains as a rank of one plan after another
+without exiting, following the epoch files of the control folder (`runtime.epochs`).
+
+A process waits for epoch EPOCH, then for each epoch in turn:
+- no rank in it: a spare waits for the next epoch; a process that was a rank sends its state
+  (below), drops it and waits as a spare;
+- a fresh epoch ("old" null): it forms the default group (a FileStore of the epoch), builds its stage
+  from the checkpoint of its settings' --resume-from (or the initial weights) as `worker._train`
+  does, and trains (`worker.run_steps`);
+- a switch: the epoch's ranks stopped at a step boundary s and wrote checkpoint s (the safety net:
+  `worker.run_steps` writes it on every stop), then each process destroys its process groups. The
+  processes with a rank in the new plan, plus the leaving ones that hold pieces nobody staying holds,
+  form the move group (FileStore `move`): one MAX all-reduce agrees on s (a newcomer does not know
+  it), then `reshard.move_state` gives every new rank its pieces of weights, fp32 master and Adam
+  moments point to point from the live holders, and from checkpoint s only what no process in the
+  group holds. When leavers took part, the new ranks then form a group of their own (FileStore
+  `train`), since the step loop's collectives run over the world. Each builds its stage from what it
+  received (`worker.build_rank`, exactly as a load of checkpoint s under the new plan) and trains on
+  from step s: data indexed by global sample and the learning rate follow the step, so no sample is
+  skipped or repeated.
+Every process computes the same move (`reshard_plan.plan_reshard` over the epoch file's old and new
+ranks, first with the staying processes alone, then, if that needs the checkpoint, with the leavers
+that hold pieces), so the group's membership needs no message.
+
+Failure: anything that goes wrong in a switch (a process dies, a collective times out after
+--timeout-s, `ReshardError`) makes the process report and exit 1; the controller then kills the pool
+and restarts every rank from checkpoint s, which was complete before any state moved (nothing lost).
+
+Events (`worker.emit`, as the worker's, from the epoch's rank 0 unless said): "ready" (every process,
+once its imports are done), "joined" (every rank
+of every epoch: rank, pid, epoch, process), "started" (the first group of the epoch formed: the move
+group of a switch), "loaded", "step", "checkpoint", "stopped", "done", "error" (any process).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sailor.core.errors import SailorInputError, SailorWarning
+from sailor.core.process import die_with_parent
+from sailor.model.hf_files import RECORD_KEY
+from sailor.plan import load_plan
+from sailor.plan.spec import Plan
+from sailor.runtime import checkpoint as ckpt
+from sailor.runtime import epochs
+from sailor.runtime.checkpoint_io import Reader
+from sailor.runtime.command import WorkerSettings, parse
+from sailor.runtime.device import rank_device
+from sailor.runtime.groups import create_groups
+from sailor.runtime.reshard import move_state
+from sailor.runtime.reshard_plan import CHECKPOINT, ReshardPlan, plan_reshard
+from sailor.runtime.sync import barrier
+from sailor.runtime.topology import derive_topology
+from sailor.runtime.validate import check_plan_for_job
+from sailor.runtime.worker import (
+    Live,
+    _exit,
+    _report,
+    _train,
+    build_rank,
+    emit,
+    init_world,
+    run_steps,
+    step_log,
+)
+from sailor.runtime.zero import compute_dtype
+from sailor.specs import load_job
+from sailor.specs.job import JobSpec
+
+FAULT_MOVE_ENV = "SAILOR_FAULT_MOVE"  # test hook: "<process id>:<epoch>": that process dies (exit 13) in that switch
+
+
+def settings(e: epochs.Epoch, rank: int) -> tuple[WorkerSettings, Plan, JobSpec]:
+    """The epoch's worker settings, plan and job (checked as `worker.train` checks them), with this
+    process's RANK, WORLD_SIZE and LOCAL_RANK set for the code that reads them."""
+    args = parse(e.argv[2:] if e.argv[:1] == ["-m"] else e.argv)
+    plan = load_plan(args.plan)
+    job = check_plan_for_job(plan, load_job(args.job) if args.job else plan.job, plan.cluster, source=args.plan,
+                             job_source=args.job, world_size=plan.world_size)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size), LOCAL_RANK=str(rank))
+    return args, plan, job
+
+
+def move_group(e: epochs.Epoch, plan: Plan, job: JobSpec, device: torch.device) -> tuple[list[int], ReshardPlan]:
+    """The processes of epoch `e`'s move group (the new ranks' in rank order, then the leavers that
+    send) and the move (`plan_reshard` with old rank -> group rank), the same on every process. The
+    leavers come in only when the staying processes alone leave pieces to the checkpoint."""
+    old_plan = load_plan(e.old_plan)
+    by_rank = sorted(e.ranks, key=e.ranks.get)
+    weights_fp32 = compute_dtype(job.precision, device) == torch.float32
+
+    def planned(world: list[int]) -> ReshardPlan:
+        survivors = {e.old_ranks[p]: world.index(p) for p in world if p in e.old_ranks}
+        return plan_reshard(old_plan, plan, job.model, survivors, weights_fp32=weights_fp32)
+
+    rp = planned(by_rank)
+    if rp.needs_checkpoint:
+        leavers = sorted((p for p in e.old_ranks if p not in e.ranks), key=e.old_ranks.get)
+        every = planned(by_rank + leavers)
+        sending = {every.process(t.src) for t in every.transfers if t.src != CHECKPOINT}
+        senders = [p for i, p in enumerate(leavers) if len(by_rank) + i in sending]
+        if senders:
+            by_rank += senders
+            rp = planned(by_rank)
+    return by_rank, rp
+
+
+def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live]) -> Live | None:
+    """This process's part in switch epoch `e` (module docstring); returns its Live under the new plan,
+    or None when it has no rank in it (its process groups destroyed). `held`: its state under the last epoch (empty for a newcomer), taken out
+    of the list so that no reference outlives the move: the old stage and optimizer are freed before
+    the new ones are built."""
+    live = held.pop() if held else None
+    rank = e.ranks.get(proc)
+    args, plan, job = settings(e, rank if rank is not None else -1)
+    device = live.device if live is not None else rank_device(args.device)
+    if live is not None:
+        dist.destroy_process_group()  # every group of the last epoch
+    world, rp = move_group(e, plan, job, device)
+    if proc not in world:
+        return None  # a leaver whose pieces others hold
+    me = world.index(proc)
+    init_world(args, job, device, init_method=f"file://{epochs.store_file(control, e.number, 'move')}", rank=me,
+               world_size=len(world))
+    if me == 0:
+        emit("started", world_size=len(world))
+    if os.environ.get(FAULT_MOVE_ENV) == f"{proc}:{e.number}":
+        os._exit(13)
+    step = torch.tensor([-1.0 if live is None else float(live.stopped)], dtype=torch.float64, device=device)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the step the old ranks stopped before
+    start = int(step.item())
+    path = ckpt.step_dir(args.checkpoint_dir, start)
+    manifest = ckpt.read_manifest(path, verify=False)
+    reader = Reader(path, manifest) if rp.needs_checkpoint and rank is not None else None
+    state = move_state(rp, live.rk.optimizer if live is not None else None, device=device, checkpoint=reader)
+    live = None  # the old stage and optimizer go before the new ones are built
+    gc.collect()  # (the stage's hooks and the optimizer refer to each other)
+    if state is None:
+        dist.destroy_process_group()
+        return None
+    if len(world) != plan.world_size:  # leavers took part: the new ranks form a world of their own
+        dist.destroy_process_group()
+        init_world(args, job, device, init_method=f"file://{epochs.store_file(control, e.number, 'train')}",
+                   rank=rank, world_size=plan.world_size)
+    topo = derive_topology(plan)
+    groups = create_groups(topo, timedelta(seconds=args.timeout_s))
+    try:
+        rk = build_rank(plan, job, topo.roles[rank], groups, device=device, seed=args.seed, reader=state,
+                        step=state.steps)
+    finally:
+        state.close()
+        if reader is not None:
+            reader.close()
+    return Live(args, plan, job, topo, groups, rk, device, start=start, saved_at=start,
+                scaler_state=manifest.get("loss_scaler"), record=manifest.get(RECORD_KEY))
+
+
+def warm_up() -> None:
+    """Pay now what a spare's first switch would otherwise wait for: torch's lazy imports behind the
+    first model built on the meta device (`reshard_plan.plan_reshard` builds the stages' shapes so;
+    seconds on a loaded machine)."""
+    with torch.device("meta"):
+        torch.nn.Embedding(2, 2)
+
+
+def serve(control: Path, proc: int, first_epoch: int) -> None:
+    """The epochs of process `proc` from `first_epoch` on (module docstring); returns when the run is
+    done or a stop was not a switch (a spare waits until the pool ends it)."""
+    live, k = None, first_epoch
+    warm_up()
+    emit("ready", process=proc, pid=os.getpid())  # from here on a switch waits on nothing slow
+    while True:
+        e = epochs.wait(control, k)
+        rank = e.ranks.get(proc)
+        if rank is None and proc not in (e.old_ranks or {}):
+            k += 1  # a spare: not needed yet
+            continue
+        if rank is not None:
+            emit("joined", rank=rank, pid=os.getpid(), epoch=k, process=proc)
+        if e.old_plan is None:  # a fresh start from the checkpoint (or the initial weights)
+            args, plan, job = settings(e, rank)
+            log = step_log(args, plan, job)
+            try:
+                store = epochs.store_file(control, e.number, "train")
+                live = _train(args, plan, job, log, init={"init_method": f"file://{store}", "rank": rank,
+                                                          "world_size": plan.world_size})
+            finally:
+                if log is not None:
+                    log.close()
+        else:
+            held, live = [live] if live is not None else [], None
+            live = switch(control, e, proc, held)
+            if live is None:  # left the plan: a spare from now on
+                k += 1
+                continue
+            log = step_log(live.args, live.plan, live.job)
+            try:
+                run_steps(live, log)
+            finally:
+                if log is not None:
+                    log.close()
+        if live.stopped is None or epochs.read(control, k + 1) is None:
+            barrier(live.device)  # every rank is past its last transfer before any exits (`worker.main`)
+            return
+        k += 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: exits 0 when done or stopped, 2 after reporting bad arguments, 1 after
+    reporting any other error (`worker._report`)."""
+    die_with_parent()  # the controller dies: so does this process
+    warnings.simplefilter("ignore", SailorWarning)
+    argv = sys.argv[1:] if argv is None else argv
+    control, proc, first = Path(argv[0]), int(argv[1]), int(argv[2])
+    try:
+        serve(control, proc, first)
+        code = 0
+    except SailorInputError as e:
+        _report(e, int(os.environ.get("RANK", "-1")))
+        code = 2
+    except BaseException as e:  # noqa: BLE001 - report which process failed and why, then fail fast
+        _report(e, int(os.environ.get("RANK", "-1")))
+        code = 1
+    _exit(code)
+
+
+if __name__ == "__main__":
+    main()
