@@ -156,7 +156,8 @@ def main() -> None:
                       "ratio_runs": ratios, "zero3_ratio_runs": zero3_ratios,
                       "boundary_bytes_over_activation": bound[0], "boundary_gradient_bytes_over_activation": bound[1],
                       "steps_timed": args.steps - args.warmup, "repeats": args.repeats, "global_batch": args.gbs,
-                      "micro_batch": args.mbs, "seq": args.seq, "hidden": args.hidden, "blocks": args.blocks, "load": load}))
+                      "micro_batch": args.mbs, "seq": args.seq, "hidden": args.hidden, "blocks": args.blocks,
+                      "load": load}))
 
 
 if __name__ == "__main__":

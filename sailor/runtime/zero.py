@@ -66,21 +66,24 @@ parameter as Megatron-LM counts them (NVIDIA/Megatron-LM,
 docs/api-guide/dist_optimizer.md: bf16 parameters with fp32 gradients 18 without and 6 + 12/d with the
 distributed optimizer; fp32 16 and 8 + 8/d): here bf16 ZeRO-0 2 + 4 + 4 + 8 = 18; ZeRO-1 2 + 4 + 12/d;
 ZeRO-2 2 + 16/d; ZeRO-3 16/d (the bf16 weights then exist only one layer at a time). In fp32 no
-separate master is kept, the weights are the master (updated in place, `_weight_views`): 16 at ZeRO-0, 4 + 4 + 8/d at ZeRO-1, 4 + 12/d
-at ZeRO-2, 16/d at ZeRO-3. d is the group size of the bucket: the pipelines for TP shards, every rank
-of the stage for replicated parameters (and for all of a stage's parameters when no replica shards).
+separate master is kept, the weights are the master (updated in place, `_weight_views`): 16 at
+ZeRO-0, 4 + 4 + 8/d at ZeRO-1, 4 + 12/d at ZeRO-2, 16/d at ZeRO-3. d is the group size of the
+bucket: the pipelines for TP shards, every rank of the stage for replicated parameters (and for all
+of a stage's parameters when no replica shards).
 
 The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`) on the owned flat ranges
 (with fp32 weights outside ZeRO-3, on the weights themselves wherever a piece's owned elements are
 contiguous in its weight: no copy of the weights is made and written back; ZeRO-1 then all-gathers
-a copy of the owned shard), multi-tensor (foreach=True: one call per weight-decay setting over many ranges, the default of torch's
-AdamW on GPUs), so sharding changes no arithmetic of the update; on CPU it gives the same bits as the
-per-tensor loop (foreach=False; checked by `tests/test_grad_sync.py`). A job whose recipe names sgd
+a copy of the owned shard), multi-tensor (foreach=True: one call per weight-decay setting over many
+ranges, the default of torch's AdamW on GPUs), so sharding changes no arithmetic of the update; on
+CPU it gives the same bits as the per-tensor loop (foreach=False; checked by
+`tests/test_grad_sync.py`). A job whose recipe names sgd
 gets torch's SGD arithmetic (`torch.optim.sgd.sgd`, weight decay added to the gradient, momentum
 without dampening) the same way, its momentum buffer held in `exp_avg` (zeros before the first step,
 which gives torch's first step exactly: 0·m + g = g); `exp_avg_sq` is then kept unused, 4 bytes per
 owned parameter more than the memory model counts for SGD (`specs.job.STATE_BYTES_PER_PARAM`). Global-norm
-clipping adds the squares of the owned gradient elements (each counted once over the world) in fp64.
+clipping takes torch's norms (fp32, per range) of the owned gradient elements, each counted once
+over the world (`clip`), and sums their squares in fp64.
 
 Tied embeddings (`runtime.tied`): the reduction ends by adding to each held element of the embedding
 and of the LM head its twin of the other copy, received from the rank that holds it
