@@ -2,10 +2,15 @@
 `torch.nn.parallel.DistributedDataParallel` on the same model, batch, data and optimizer; and the
 same plan under ZeRO-3 against torch's FSDP2 (`zero3_ratio`); torch's runs are `torch_reference.py`.
 
-Both run as 2 gloo ranks under torchrun on this machine; each rank processes its half of the global
-batch in micro-batches (DDP skips the all-reduce on all but the last micro-batch with `no_sync`).
+Both run as 2 gloo ranks under torchrun on this machine, one thread per rank (OMP_NUM_THREADS=1,
+torchrun's default and the launcher's); each rank processes its half of the global batch in
+micro-batches (DDP skips the all-reduce on all but the last micro-batch with `no_sync`), fp32, the
+same AdamW arithmetic (torch's per-tensor loop; the runtime's multi-tensor call gives its bits).
 Throughput = tokens of the timed steps / the sum of their step times, the first `--warmup` steps
-excluded. Targets (issue #26): sailor >= DDP, sailor ZeRO-3 >= 95 % of FSDP2. Prints a table, then one JSON line with the figures.
+excluded. The two sides of a pair run alternately, `--repeats` times (who goes first alternates too),
+so that a machine whose load changes weighs on both alike: each figure is the median over the
+repeats, each ratio the median of the repeats' ratios. Targets (issue #26): sailor >= DDP, sailor
+ZeRO-3 >= 95 % of FSDP2. Prints a table, then one JSON line with the figures.
 
 `boundary_bytes_over_activation`: a second, short `sailor train` run (3 gloo ranks, the same model
 cut into stage 0 at TP 2 and stage 1 at TP 1, `--boundary-steps` steps) reads the bytes stage 0's
@@ -14,7 +19,8 @@ metrics row's `stages`), over micro-batches x one activation (mbs x seq x hidden
 its gradient twin is the stage-1 gradient bytes over the same. Scatter-gather sends each once (1.0);
 the runtime before it sent one whole activation per receiving rank. `--boundary-steps 0` skips it.
 
-    python benchmarks/runtime_overhead.py [--steps 30] [--hidden 128] [--blocks 4] [--seq 64] [--boundary-steps 2]
+    python benchmarks/runtime_overhead.py [--steps 30] [--repeats 3] [--hidden 128] [--blocks 4] [--seq 64]
+        [--boundary-steps 2]
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -89,10 +96,23 @@ def _torch_times(args, mode: str) -> list[float]:
     return torch_reference.run(mode, _model(args), gbs=args.gbs, mbs=args.mbs, seq=args.seq, steps=args.steps)["times"]
 
 
+def alternate(args, pair: tuple[str, str], runs: dict) -> tuple[dict[str, float], list[float]]:
+    """({name: median tokens/s}, [ratio first/second per repeat]) of the pair `pair` (names of
+    `runs`: name -> callable giving step times), run alternately `args.repeats` times (module
+    docstring)."""
+    tokens, tps, ratios = args.gbs * args.seq, {name: [] for name in pair}, []
+    for r in range(args.repeats):
+        for name in pair if r % 2 == 0 else reversed(pair):
+            tps[name].append(_throughput(runs[name](), args.warmup, tokens))
+        ratios.append(tps[pair[0]][-1] / tps[pair[1]][-1])
+    return {name: statistics.median(v) for name, v in tps.items()}, ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating (median)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=4)
@@ -103,23 +123,24 @@ def main() -> None:
     ap.add_argument("--no-zero3", action="store_true", help="skip the ZeRO-3 / FSDP2 pair")
     args = ap.parse_args()
 
-    tokens = args.gbs * args.seq
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
-        tps = {"sailor": _throughput(_sailor_times(args, Path(tmp), "dp", []), args.warmup, tokens),
-               "DDP": _throughput(_torch_times(args, "ddp"), args.warmup, tokens)}
+        runs = {"sailor": lambda: _sailor_times(args, Path(tmp), "dp", []),
+                "DDP": lambda: _torch_times(args, "ddp"),
+                "sailor ZeRO-3": lambda: _sailor_times(args, Path(tmp), "zero3", [{"zero": 3}]),
+                "FSDP2": lambda: _torch_times(args, "fsdp2")}
+        tps, ratios = alternate(args, ("sailor", "DDP"), runs)
+        zero3_ratios = []
         if not args.no_zero3:
-            tps["sailor ZeRO-3"] = _throughput(_sailor_times(args, Path(tmp), "zero3", [{"zero": 3}]), args.warmup,
-                                               tokens)
-            tps["FSDP2"] = _throughput(_torch_times(args, "fsdp2"), args.warmup, tokens)
+            more, zero3_ratios = alternate(args, ("sailor ZeRO-3", "FSDP2"), runs)
+            tps |= more
         bound = boundary_ratios(args, Path(tmp)) if args.boundary_steps > 0 else (None, None)
     load.append(os.getloadavg()[0])
-
-    ratio = tps["sailor"] / tps["DDP"]
-    zero3_ratio = tps["sailor ZeRO-3"] / tps["FSDP2"] if "FSDP2" in tps else None
+    ratio = statistics.median(ratios)
+    zero3_ratio = statistics.median(zero3_ratios) if zero3_ratios else None
     print(f"model: {args.blocks} blocks, hidden {args.hidden}; global batch {args.gbs}, micro-batch {args.mbs},"
-          f" sequence {args.seq}; 2 pipelines x TP 1 (gloo, CPU); {args.steps - args.warmup} timed steps;"
-          f" load {load[0]:.1f} -> {load[1]:.1f}")
+          f" sequence {args.seq}; 2 pipelines x TP 1 (gloo, CPU); {args.steps - args.warmup} timed steps,"
+          f" {args.repeats} alternating runs per side; load {load[0]:.1f} -> {load[1]:.1f}")
     print(f"{'runtime':<16}{'tokens/s':>12}")
     for name, value in tps.items():
         print(f"{name:<16}{value:>12,.0f}")
@@ -132,9 +153,11 @@ def main() -> None:
     print(json.dumps({"sailor_tokens_per_s": tps["sailor"], "ddp_tokens_per_s": tps["DDP"], "ratio": ratio,
                       "zero3_tokens_per_s": tps.get("sailor ZeRO-3"), "fsdp2_tokens_per_s": tps.get("FSDP2"),
                       "zero3_ratio": zero3_ratio,
+                      "ratio_runs": ratios, "zero3_ratio_runs": zero3_ratios,
                       "boundary_bytes_over_activation": bound[0], "boundary_gradient_bytes_over_activation": bound[1],
-                      "steps_timed": args.steps - args.warmup, "global_batch": args.gbs, "micro_batch": args.mbs,
-                      "seq": args.seq, "hidden": args.hidden, "blocks": args.blocks, "load": load}))
+                      "steps_timed": args.steps - args.warmup, "repeats": args.repeats, "global_batch": args.gbs,
+                      "micro_batch": args.mbs, "seq": args.seq, "hidden": args.hidden, "blocks": args.blocks,
+                      "load": load}))
 
 
 if __name__ == "__main__":

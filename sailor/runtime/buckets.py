@@ -194,16 +194,18 @@ def flatten(bucket: Bucket, tensors: Mapping[str, torch.Tensor | None], *, dtype
     tensor counts as zeros), each piece times its weight if `weighted`; `padded`: length
     shards x shard_numel (zero tail)."""
     n = bucket.shards * bucket.shard_numel if padded else bucket.numel
-    flat = torch.zeros(n, dtype=dtype, device=device)
+    flat = torch.empty(n, dtype=dtype, device=device)  # every element written once below
     offset = 0
     for piece in bucket.pieces:
-        t = tensors.get(piece.name)
-        if t is not None:
-            dst = flat[offset:offset + piece.numel]
+        t, dst = tensors.get(piece.name), flat[offset:offset + piece.numel]
+        if t is None:
+            dst.zero_()
+        else:
             dst.copy_(piece_view(t, piece).reshape(-1))
             if weighted and piece.weight != 1.0:
                 dst.mul_(piece.weight)
         offset += piece.numel
+    flat[offset:].zero_()
     return flat
 
 

@@ -44,6 +44,8 @@ layer's backward adds its gradients into and frees them (`_accumulate`; at most 
 exist outside the buffers); the buffer is weighted and all-reduced (ZeRO-0) or reduce-scattered
 (ZeRO-1) in place, as Megatron-LM's contiguous gradient buffer (`main_grad`) is, so no second full
 copy of the gradients is ever made (one made per bucket would add 4 bytes/param at the reduction).
+After the step a buffer is not zeroed: the layer's first backward of the next step writes its
+gradients over it (a copy instead of an add: one pass over the buffer less per step).
 
 Overlap (`runtime.grad_sync`): the collectives are asynchronous. Under ZeRO-0/1 a bucket's is issued
 as soon as its layer's last backward of the step is done (`expect_backwards` tells how many backwards
@@ -64,19 +66,24 @@ parameter as Megatron-LM counts them (NVIDIA/Megatron-LM,
 docs/api-guide/dist_optimizer.md: bf16 parameters with fp32 gradients 18 without and 6 + 12/d with the
 distributed optimizer; fp32 16 and 8 + 8/d): here bf16 ZeRO-0 2 + 4 + 4 + 8 = 18; ZeRO-1 2 + 4 + 12/d;
 ZeRO-2 2 + 16/d; ZeRO-3 16/d (the bf16 weights then exist only one layer at a time). In fp32 no
-separate master is kept, the weights are the master: 16 at ZeRO-0, 4 + 4 + 8/d at ZeRO-1, 4 + 12/d
-at ZeRO-2, 16/d at ZeRO-3. d is the group size of the bucket: the pipelines for TP shards, every rank
-of the stage for replicated parameters (and for all of a stage's parameters when no replica shards).
+separate master is kept, the weights are the master (updated in place, `_weight_views`): 16 at
+ZeRO-0, 4 + 4 + 8/d at ZeRO-1, 4 + 12/d at ZeRO-2, 16/d at ZeRO-3. d is the group size of the
+bucket: the pipelines for TP shards, every rank of the stage for replicated parameters (and for all
+of a stage's parameters when no replica shards).
 
-The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`) on the owned flat ranges,
-multi-tensor (foreach=True: one call per weight-decay setting over many ranges, the default of torch's
-AdamW on GPUs), so sharding changes no arithmetic of the update; on CPU it gives the same bits as the
-per-tensor loop (foreach=False; checked by `tests/test_grad_sync.py`). A job whose recipe names sgd
+The update is torch's own AdamW arithmetic (`torch.optim.adamw.adamw`) on the owned flat ranges
+(with fp32 weights outside ZeRO-3, on the weights themselves wherever a piece's owned elements are
+contiguous in its weight: no copy of the weights is made and written back; ZeRO-1 then all-gathers
+a copy of the owned shard), multi-tensor (foreach=True: one call per weight-decay setting over many
+ranges, the default of torch's AdamW on GPUs), so sharding changes no arithmetic of the update; on
+CPU it gives the same bits as the per-tensor loop (foreach=False; checked by
+`tests/test_grad_sync.py`). A job whose recipe names sgd
 gets torch's SGD arithmetic (`torch.optim.sgd.sgd`, weight decay added to the gradient, momentum
 without dampening) the same way, its momentum buffer held in `exp_avg` (zeros before the first step,
 which gives torch's first step exactly: 0·m + g = g); `exp_avg_sq` is then kept unused, 4 bytes per
 owned parameter more than the memory model counts for SGD (`specs.job.STATE_BYTES_PER_PARAM`). Global-norm
-clipping adds the squares of the owned gradient elements (each counted once over the world) in fp64.
+clipping takes torch's norms (fp32, per range) of the owned gradient elements, each counted once
+over the world (`clip`), and sums their squares in fp64.
 
 Tied embeddings (`runtime.tied`): the reduction ends by adding to each held element of the embedding
 and of the LM head its twin of the other copy, received from the rank that holds it
@@ -174,6 +181,9 @@ class ShardedAdamW:
         # backward adds its gradients into (Megatron-LM's contiguous grad buffer); the only full copy.
         # Made per layer by `adopt`.
         self.grad_buffer: list[torch.Tensor] | None = [None] * n if zero < 2 else None  # type: ignore[list-item]
+        # ZeRO-0/1: the buffer still holds the last step's gradient: the next backward writes over it
+        # instead of adding to it (no pass that zeroes it between steps)
+        self._stale = [False] * n
         # Overlapped reduction (`runtime.grad_sync`): buckets issued in reverse bucket order.
         self._ready = ReadyOrder(list(reversed(range(n))), [b.layer for b in self.buckets])
         self._inflight = InFlight()
@@ -280,26 +290,28 @@ class ShardedAdamW:
     def clip(self, max_norm: float, scale: float = 1.0) -> float:
         """Clip the whole model's gradient (every rank's owned elements together, over the world)
         to L2 norm `max_norm`, as `torch.nn.utils.clip_grad_norm_` does on one model; returns the
-        norm before clipping. Under ZeRO-0 every member of a group holds the whole reduced bucket,
-        so each counts it with weight 1 / members; owned shards are disjoint (weight 1).
+        norm before clipping. Each rank adds up the squares of `norm_ranges` (under ZeRO-0, where
+        every member of a group holds the whole reduced bucket, its 1/members part of it; owned
+        shards are disjoint), one all-reduce sums them. Gradients are multiplied by the clip
+        coefficient only when it is not 1.
 
         `scale`: the loss scale the gradients carry (fp16, `runtime.scaler`); they are divided by it
         in the same pass (the returned norm is the unscaled one). A non-finite norm (an overflow on
         some rank: the all-reduce gives every rank the same value) leaves the gradients as they are;
         the caller then skips the step (`skip`)."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for b, g, counted in zip(self.buckets, self.grad, self.counted):
-            w = 1.0 / len(b.ranks) if b.shards == 1 else 1.0
-            for lo, hi in counted:
-                sq += w * g[lo:hi].double().pow(2).sum()
+        parts = [self.grad[i][lo:hi] for i, lo, hi in self.norm_ranges]
+        # torch's clip arithmetic (`get_total_norm`: fp32 norms per range, multi-tensor), squared and
+        # summed over the world in fp64
+        sq = (torch.nn.utils.get_total_norm(parts, foreach=True).double() ** 2 if parts
+              else torch.zeros((), dtype=torch.float64, device=self.device))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq)
         norm = math.sqrt(sq.item()) / scale
         if not math.isfinite(norm):
             return norm
-        coef = min(1.0, max_norm / (norm + 1e-6))  # the same epsilon as torch's clip_grad_norm_
-        for g in self.grad:
-            g.mul_(coef / scale if scale != 1.0 else coef)
+        coef = min(1.0, max_norm / (norm + 1e-6)) / scale  # the same epsilon as torch's clip_grad_norm_
+        if coef != 1.0:  # times 1 changes no bit
+            torch._foreach_mul_(self.grad, coef)
         return norm
 
     def step(self, lr: float | None = None) -> None:
@@ -311,14 +323,19 @@ class ShardedAdamW:
         assert not self._gathered, f"gathered weights would go stale at the step: layers {sorted(self._gathered)}"
         lr = cfg.lr if lr is None else lr
         for batch in self._step_batches():
-            masters = {i: self.master[i] if self.master[i] is not None else self._own(
-                self.buckets[i], flatten(self.buckets[i], self.params, dtype=FP32, device=self.device,
-                                         padded=True)).clone() for i in batch}
+            masters, views = {}, {}
             tensors: dict[bool, tuple[list, list, list, list]] = {True: ([], [], [], []), False: ([], [], [], [])}
             for i in batch:
-                for lo, hi, decay in self.buckets[i].segments():
-                    for into, t in zip(tensors[decay], (masters[i], self.grad[i], self.exp_avg[i], self.exp_avg_sq[i])):
-                        into.append(t[lo:hi])
+                b = self.buckets[i]
+                ranges = views[i] = None if self._keeps_master else self._weight_views(b)
+                if ranges is None:
+                    masters[i] = self.master[i] if self.master[i] is not None else self._own(
+                        b, flatten(b, self.params, dtype=FP32, device=self.device, padded=True)).clone()
+                    ranges = [(masters[i][lo:hi], lo, hi, decay) for lo, hi, decay in b.segments()]
+                for w, lo, hi, decay in ranges:
+                    for into, t in zip(tensors[decay], (w, self.grad[i][lo:hi], self.exp_avg[i][lo:hi],
+                                                        self.exp_avg_sq[i][lo:hi])):
+                        into.append(t)
             for decay, (p, g, m, v) in tensors.items():
                 if p and cfg.name == "sgd":  # the momentum buffer is the first moment's (`exp_avg`)
                     sgd(p, g, m, foreach=True, weight_decay=cfg.weight_decay if decay else 0.0, momentum=cfg.momentum,
@@ -328,16 +345,35 @@ class ShardedAdamW:
                           beta1=cfg.betas[0], beta2=cfg.betas[1], lr=lr,
                           weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps, maximize=False)
             for i in batch:
-                if self.zero < 3:
-                    b = self.buckets[i]
+                b = self.buckets[i]
+                if self.zero < 3 and i in masters:
                     unflatten(b, self._all_gather(b, masters[i].to(self.dtype)), self.params)
+                elif self.zero < 3 and b.shards > 1:  # the updated weights in place; the others' shards
+                    own = torch.zeros(b.shard_numel, dtype=FP32, device=self.device)
+                    for w, lo, hi, _ in views[i]:
+                        own[lo:hi].copy_(w)
+                    unflatten(b, self._all_gather(b, own), self.params)
                 self._clear_grad(i)
         self.steps += 1
 
+    def _weight_views(self, b: Bucket) -> list[tuple[torch.Tensor, int, int, bool]] | None:
+        """The owned elements of bucket `b` as flat views of the fp32 weights themselves, which `step`
+        then updates in place (the weights are the master: no copy of them is made): [(view, start,
+        end, decay)] with [start, end) in owned-shard offsets, one per owned piece; None when some
+        piece's owned elements are not contiguous in its weight (a slice along a dimension > 0)."""
+        out = []
+        for o in owned_pieces(b):
+            w = piece_view(self.params[o.piece.name].data, o.piece)
+            if not w.is_contiguous():
+                return None
+            out.append((w.view(-1)[o.lo:o.hi], o.at, o.at + o.hi - o.lo, o.piece.decay))
+        return out
+
     def _step_batches(self) -> list[list[int]]:
         """The buckets `step` updates together: all of them where a separate fp32 master is kept
-        (mixed precision, ZeRO-3); otherwise the master is a copy of the weights made at the step, so
-        layer by layer (at most one layer's copy at a time instead of the whole stage's)."""
+        (mixed precision, ZeRO-3); otherwise layer by layer, since a bucket whose weights cannot be
+        updated in place (`_weight_views`) gets a copy of them made at the step (at most one layer's
+        copy at a time instead of the whole stage's)."""
         if self._keeps_master:
             return [list(range(len(self.buckets)))]
         return [self.layer_buckets[layer] for layer in sorted(self.layer_buckets)]
@@ -349,10 +385,10 @@ class ShardedAdamW:
             self._clear_grad(i)
 
     def _clear_grad(self, i: int) -> None:
-        """Bucket `i`'s gradient back to zero for the next step (ZeRO-0/1: its buffer; the owned view
-        is dropped)."""
+        """Bucket `i`'s gradient back to zero for the next step (ZeRO-0/1: its buffer is marked stale,
+        which the next backward writes over, and the owned view is dropped)."""
         if self.grad_buffer is not None:
-            self.grad_buffer[i].zero_()
+            self._stale[i] = True
             self.grad[i] = None
         else:
             self.grad[i].zero_()
@@ -419,6 +455,15 @@ class ShardedAdamW:
         `twins`: each transfer as (send, peer, bucket, start, end) in owned-shard offsets."""
         self.rank = role.rank
         self.counted, self.twins = twin_ranges(self.buckets, self.params, role, tied)
+        # [(bucket, start, end)]: the owned gradient ranges this rank's share of the norm adds up,
+        # every element of the world's gradient counted once: the counted ranges of its shards, and
+        # of an unsharded (ZeRO-0) bucket, which every member holds whole after its all-reduce, the
+        # member's 1/n of each range (n members, member j the j-th part)
+        self.norm_ranges: list[tuple[int, int, int]] = []
+        for i, (b, counted) in enumerate(zip(self.buckets, self.counted)):
+            n, j = (len(b.ranks), b.ranks.index(self.rank)) if b.shards == 1 else (1, 0)
+            self.norm_ranges += [(i, lo + (hi - lo) * j // n, lo + (hi - lo) * (j + 1) // n) for lo, hi in counted
+                                 if (hi - lo) * (j + 1) // n > (hi - lo) * j // n]
 
     def _add_twins(self) -> None:
         """Add to each held element of a tied copy the other copy's (`tied.add_twins`)."""
@@ -499,10 +544,15 @@ class ShardedAdamW:
         for i in self.layer_buckets[layer]:
             b, flat, offset = self.buckets[i], self.grad_buffer[i], 0
             for piece in b.pieces:
-                g = self.params[piece.name].grad
-                if g is not None:
-                    flat[offset:offset + piece.numel].view(piece_view(g, piece).shape).add_(piece_view(g, piece))
+                g, dst = self.params[piece.name].grad, flat[offset:offset + piece.numel]
+                if g is not None and self._stale[i]:
+                    dst.view(piece_view(g, piece).shape).copy_(piece_view(g, piece))
+                elif g is not None:
+                    dst.view(piece_view(g, piece).shape).add_(piece_view(g, piece))
+                elif self._stale[i]:
+                    dst.zero_()
                 offset += piece.numel
+            self._stale[i] = False
         for n in self.layer_params[layer]:
             self.params[n].grad = None
 
@@ -513,6 +563,9 @@ class ShardedAdamW:
         (ZeRO-0) or the own shard written back into its place in the buffer (ZeRO-1: a transient of one
         shard). No copy of the buffer is made; nothing writes to it until `step` clears it."""
         b, flat = self.buckets[i], self.grad_buffer[i]
+        if self._stale[i]:  # no backward of the step reached it
+            flat.zero_()
+            self._stale[i] = False
         offset = 0
         for piece in b.pieces:
             if piece.weight != 1.0:
