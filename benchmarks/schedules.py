@@ -63,7 +63,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from closed_loop import _load1, _run, _sailor  # noqa: E402  (benchmarks/ is not a package)
-from testbed import _launch  # noqa: E402
+from testbed import launch_plan  # noqa: E402
 
 MODEL = {"name": "gpt-8x384", "num_blocks": 8, "hidden_size": 384, "num_heads": 6, "vocab_size": 512,
          "max_sequence_length": 128, "tied_embeddings": False}
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace, work: Path, testbed=None) -> dict:
                 _run([sailor, "train", str(work / f"{name}.json"), "--steps", str(args.steps), "--metrics", str(metrics)])
             else:
                 metrics.unlink(missing_ok=True)
-                _launch(testbed[1], work / f"{name}.json", work / "job.json", args.steps, metrics, work / f"{name}-{r}.log")
+                launch_plan(testbed[1], work / f"{name}.json", work / "job.json", args.steps, metrics, work / f"{name}-{r}.log")
             rows[name]["load1"] += [before, _load1()]
             runs[name].append([json.loads(line) for line in metrics.read_text().splitlines()][args.skip:])
         times = {n: statistics.median(s["step_time_s"] for s in runs[n][-1]) for n in SCHEDULES}

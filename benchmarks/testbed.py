@@ -180,7 +180,7 @@ def baselines(cluster: dict, job: Path, profile: Path, network: Path, ranks: lis
             BASELINES[3]: best([_cluster_only(cluster, lambda z, g, x=x: z == x) for x in cluster["zones"]])}
 
 
-def _launch(state, plan: Path, job: Path, steps: int, metrics: Path, log: Path) -> None:
+def launch_plan(state, plan: Path, job: Path, steps: int, metrics: Path, log: Path) -> None:
     env = {**os.environ, "PATH": f"{state.bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
         p = subprocess.run([sys.executable, "-m", "sailor", "launch", str(plan), "--backend", "torchrun", "--job", str(job),
@@ -243,7 +243,7 @@ def run_plan(name: str, plan: dict, state, job: Path, profile: Path, network: tu
         metrics = out / f"{name}-{n}.jsonl"
         metrics.unlink(missing_ok=True)
         before = _link_bytes(state, node) if node else 0
-        _launch(state, plan_file, job, n, metrics, out / f"{name}-{n}.log")
+        launch_plan(state, plan_file, job, n, metrics, out / f"{name}-{n}.log")
         moved.append((_link_bytes(state, node) if node else 0) - before)
     steps_rows = [json.loads(line) for line in metrics.read_text().splitlines() if '"step_time_s"' in line][skip:]
     measured = statistics.median(r["step_time_s"] for r in steps_rows)

@@ -484,7 +484,7 @@ NO_KERNELS = ("--device: the installed torch has no kernels for Tesla V100-SXM2-
 def _refusing_rank(prep, on_event=None, **kw):
     """A stand-in for `launch`: rank 0 refused its GPU (the error event `worker._report` emits for a
     SailorInputError), rank 1 then lost its peer; torchrun printed its failure report."""
-    from sailor.runtime.launcher import TrainResult, _result
+    from sailor.runtime.launcher import TrainResult, finish_result
 
     events = [{"event": "error", "rank": 1, "error": "DistError: Connection closed by peer", "peer_lost": True},
               {"event": "error", "rank": 0, "error": f"SailorInputError: {NO_KERNELS}", "peer_lost": False}]
@@ -492,7 +492,7 @@ def _refusing_rank(prep, on_event=None, **kw):
         if on_event:
             on_event(ev)
     tail = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\nRoot Cause (first observed failure):\n"
-    return _result(TrainResult(status=None, message="", events=events), 1, 0, tail)
+    return finish_result(TrainResult(status=None, message="", events=events), 1, 0, tail)
 
 
 def test_a_rank_refusing_its_gpu_is_bad_input_in_one_line(tmp_path, monkeypatch, capsys):

@@ -54,8 +54,8 @@ from sailor.runtime.launcher import (
     ExitStatus,
     Prepared,
     TrainResult,
-    _kill_groups,
-    _result,
+    finish_result,
+    kill_groups,
 )
 
 MODULE = "sailor.runtime.inplace"
@@ -225,7 +225,7 @@ class InPlaceRun(RunHandle):
         except BaseException as e:  # noqa: BLE001 - handed to the controller thread
             self.error = e
         finally:
-            _kill_groups([p.popen for p in self._procs.values()])
+            kill_groups([p.popen for p in self._procs.values()])
 
     def _serve(self) -> None:
         world = self.prepared.plan.world_size
@@ -261,7 +261,7 @@ class InPlaceRun(RunHandle):
 
     def _finish(self, failed: bool) -> None:
         procs = [p.popen for p in self._procs.values()]
-        _kill_groups(procs)
+        kill_groups(procs)
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
@@ -280,4 +280,4 @@ class InPlaceRun(RunHandle):
             returncode, result.process_failure = -9, "aborted"
         elif not failed and not self._ended:
             returncode = 1  # every rank exited without saying it was done or stopped
-        self.result = _result(result, returncode, 0, tail)
+        self.result = finish_result(result, returncode, 0, tail)

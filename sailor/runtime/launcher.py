@@ -47,7 +47,12 @@ from sailor.plan import load_plan
 from sailor.plan.placement import RankInfo, rank_layout
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
-from sailor.runtime.command import TRAIN_STEPS, WorkerSettings, check_takes_effect, steps_for
+from sailor.runtime.command import (
+    TRAIN_STEPS,
+    WorkerSettings,
+    check_takes_effect,
+    steps_for,
+)
 from sailor.runtime.data import check_corpus, load_corpus
 from sailor.runtime.metrics import check_tensorboard
 from sailor.runtime.validate import check_plan_for_job
@@ -360,7 +365,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
             if signals["count"] == 1:
                 Path(stop_file).touch()  # ranks agree on it at the next step boundary
             else:
-                _kill_groups(procs)
+                kill_groups(procs)
 
         old = {}
         if handle_signals and threading.current_thread() is threading.main_thread():
@@ -381,7 +386,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-            _kill_groups(procs)
+            kill_groups(procs)
             for t in readers:
                 t.join(timeout=5)
         # The failure report of the process that failed first comes first (its root cause).
@@ -395,7 +400,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
             result.process_failure = f"{name} exited with status {procs[first].returncode}: {last[:200]}"
         elif abort is not None and abort.is_set():
             returncode, result.process_failure = -signal.SIGKILL, "aborted"
-        return _result(result, returncode, signals["count"], stderr_tail)
+        return finish_result(result, returncode, signals["count"], stderr_tail)
 
 
 def _wait_all(procs: list[subprocess.Popen], order: list[int], abort: threading.Event | None,
@@ -417,13 +422,16 @@ def _wait_all(procs: list[subprocess.Popen], order: list[int], abort: threading.
     return next((procs[i].returncode for i in order if procs[i].returncode), 0)
 
 
-def _kill_groups(procs: list[subprocess.Popen]) -> None:
+def kill_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every process group of `procs` (each was started in a session of its own)."""
     for p in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)
 
 
-def _result(result: TrainResult, returncode: int, signals: int, stderr_tail: str) -> TrainResult:
+def finish_result(result: TrainResult, returncode: int, signals: int, stderr_tail: str) -> TrainResult:
+    """`result` completed from its events and how its processes ended: last step, newest checkpoint,
+    and the exit status (`returncode`, `signals` = stop signals received, `stderr_tail` for messages)."""
     steps = [e for e in result.events if e["event"] == "step"]
     result.last_step = steps[-1]["step"] if steps else None
     ckpts = [e for e in result.events if e["event"] in ("checkpoint", "stopped") and e.get("checkpoint", e.get("path"))]
