@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     phases, target = (LIVE_PHASES, LIVE_TARGET_S) if live else (RESTART_PHASES, RESTART_TARGET_S)
 
     from sailor.elastic.availability import load_trace
-    from sailor.elastic.controller import ClockKind, RunOptions, run
+    from sailor.elastic.controller import run
+    from sailor.elastic.events import ClockKind
+    from sailor.elastic.options import RunOptions
     from sailor.specs.cluster import ClusterSpec
     from sailor.specs.job import JobSpec
 

@@ -285,7 +285,9 @@ def elastic_row(state, spec, job: Path, profile: Path, out: Path, step_s: float,
     import threading
 
     from sailor.elastic.availability import load_trace
-    from sailor.elastic.controller import ClockKind, RunOptions, run
+    from sailor.elastic.controller import run
+    from sailor.elastic.events import ClockKind
+    from sailor.elastic.options import RunOptions
     from sailor.elastic.remote import HostPool
     from sailor.runtime.data import load_corpus
     from sailor.runtime.reference import train_reference

@@ -23,7 +23,9 @@ from test_elastic_run import (JOB, SAILOR, _check_trajectory, _lines, _no_leftov
 
 from sailor.core.errors import SailorInputError
 from sailor.elastic.availability import Availability, load_trace
-from sailor.elastic.controller import ClockKind, RunOptions, run
+from sailor.elastic.controller import run
+from sailor.elastic.events import ClockKind
+from sailor.elastic.options import RunOptions
 from sailor.elastic.remote import HostPool
 from sailor.plan import plan_from_dict
 from sailor.runtime.launcher import ExitStatus, TrainOptions, prepare
@@ -100,7 +102,7 @@ def test_availability_is_capped_by_usable_machines_until_a_fresh_count(tmp_path,
 def test_cpu_runs_a_gpu_trace_on_named_machines_only(tmp_path):
     """--device cpu trains GPU types as gloo processes on named machines (the testbed's device
     classes), as `sailor launch` does; on this machine's local provider only GPU type cpu runs."""
-    from sailor.elastic.controller import check_run
+    from sailor.elastic.options import check_run
 
     gcp = ClusterSpec(provider="gcp", zones={"us-central1-a": {"A100-40": 2}}, gpus_per_node={"A100-40": 2})
     trace = tmp_path / "a100.json"

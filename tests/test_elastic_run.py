@@ -26,7 +26,9 @@ import pytest
 from conftest import live_processes
 
 from sailor.elastic.availability import load_trace
-from sailor.elastic.controller import ClockKind, RunOptions, RunResult, run
+from sailor.elastic.controller import run
+from sailor.elastic.events import ClockKind
+from sailor.elastic.options import RunOptions, RunResult
 from sailor.runtime.launcher import ExitStatus
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec

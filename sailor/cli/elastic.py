@@ -82,7 +82,8 @@ def run(
     """
     require_torch("run")
     from sailor.elastic.availability import load_trace
-    from sailor.elastic.controller import ClockKind, RunOptions, check_run
+    from sailor.elastic.events import ClockKind
+    from sailor.elastic.options import RunOptions, check_run
     from sailor.elastic.controller import run as run_elastic
     from sailor.elastic.remote import HostPool
     from sailor.runtime.command import steps_for
