@@ -54,6 +54,13 @@ def _refuse_processes(item) -> list[tuple[object, str, object]]:
     return saved
 
 
+def pytest_sessionstart(session):
+    """matplotlib lists the machine's fonts with `fc-list` (a process) the first time it is imported
+    on a machine without its font cache: build that cache here, before any unit test refuses processes."""
+    with contextlib.suppress(ImportError):
+        import matplotlib.font_manager  # noqa: F401
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Unit tests (no `integration` marker) start no process, in the test or in any fixture it sets
