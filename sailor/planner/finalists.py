@@ -132,14 +132,15 @@ def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, flo
 
 
 def plan_from_kinds(ctx: SimContext, cand: Candidate, partition, mbs: int, memory: tuple[StageMemory, ...] = ()) -> Plan:
-    """The plan of a candidate (its kinds name an option and a zone per stage, `kinds.Kind`): one
-    pipeline per share, with the stages' memory options. Over a single pipeline ZeRO shards nothing:
+    """The plan of a candidate (its kinds name an option and a zone per stage, and the pipeline's
+    cuts between nodes, `kinds.Kind`): one pipeline per share, with the stages' memory options. Over a single pipeline ZeRO shards nothing:
     ZeRO-1 is left out, ZeRO-2/3 become ZeRO-2, which still syncs one layer's gradients at a time
     instead of flattening the stage's (`simulator.memory.sync_buffer_bytes`, what `space.min_replicas`
     counted)."""
     pipelines = []
     for k, shares in zip(cand.scorer.kinds, cand.shares):
-        reps = [{"stage": i, "gpu": s.gpu, "zone": s.zone, "tp": s.tp} for i, s in enumerate(k.slots)]
+        reps = [{"stage": i, "gpu": s.gpu, "zone": s.zone, "tp": s.tp} | ({"node_cut": True} if s.node_cut else {})
+                for i, s in enumerate(k.slots)]
         for m in shares:
             pipelines.append({"microbatches": m, "replicas": reps})
     if len(pipelines) == 1:
