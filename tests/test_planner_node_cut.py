@@ -46,6 +46,48 @@ def test_a_cut_pipeline_puts_each_stage_of_every_pipeline_on_its_own_node():
         [(f"{ZA}/{A100}/0", 2), (f"{ZA}/{A100}/1", 2), (f"{ZA}/{A100}/2", 2)]]
 
 
+def _plain_first_fit(pipes, cuts, sizes):
+    """The placement rule read literally: blocks of `node_blocks`; each block on the first node of its
+    pool with room for it, from node 0, skipping (after a cut) the nodes its pipeline already holds."""
+    free: dict = {}
+    out = []
+    for pipe, cut in zip(pipes, cuts):
+        blocks = node_blocks(pipe, sizes.get, cut)
+        row = [None] * len(pipe)
+        for b in range(blocks[-1] + 1):
+            members = [i for i in range(len(pipe)) if blocks[i] == b]
+            zone, gpu, _ = pipe[members[0]]
+            width = sum(pipe[i][2] for i in members)
+            cap = max(sizes[gpu], width)
+            mine = {row[i][0] for i in range(members[0]) if row[i] is not None} if cut[members[0]] else set()
+            nodes = free.setdefault((zone, gpu), [])
+            idx = next((k for k, f in enumerate(nodes) if f >= width and f"{zone}/{gpu}/{k}" not in mine), None)
+            if idx is None:
+                nodes.append(cap)
+                idx = len(nodes) - 1
+            local = cap - nodes[idx]
+            for i in members:
+                row[i] = (f"{zone}/{gpu}/{idx}", local)
+                local += pipe[i][2]
+            nodes[idx] -= width
+        out.append(row)
+    return out
+
+
+def test_cut_placement_is_the_plain_first_fit_rule():
+    # random pipelines with random cuts over shared pools (the linear-time BlockFit against the rule)
+    import random
+    rng = random.Random(11)
+    sizes = {A100: 8, "V100-16": 4}
+    for _ in range(200):
+        pipes, cuts = [], []
+        for _ in range(rng.randint(1, 30)):
+            P = rng.randint(1, 5)
+            pipes.append([(rng.choice(["z1", "z2"]), rng.choice(list(sizes)), rng.choice([1, 2, 4])) for _ in range(P)])
+            cuts.append([False] + [rng.random() < 0.4 for _ in range(P - 1)])
+        assert pack_replicas(pipes, sizes, cuts) == _plain_first_fit(pipes, cuts, sizes)
+
+
 def test_segment_cuts_split_a_pipeline_by_its_gpus():
     assert segment_cuts((1, 1, 1, 1), 2) == (False, False, True, False)
     assert segment_cuts((1, 1, 1, 1), 4) == (False, True, True, True)
