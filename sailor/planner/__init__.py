@@ -5,8 +5,10 @@ stage options) and `kinds` (the option table of a family, pipeline kinds); (2) s
 a best-first branch and bound over (P, micro-batch) -> partition -> scope (region, or all regions)
 -> count vector of pipeline kinds (`pack`, `geo`), pruned by the bounds of `prune`; every candidate
 is scored with the simulator's closed form and the best integer batch shares (`score.Scorer`);
-(3) scoring — the best `rescore` candidates are simulated again with the 1F1B event simulation and
-the best of them under the objective is returned with its alternatives.
+(3) scoring — the best `rescore` candidates are simulated again with the 1F1B event simulation, each
+of them and the best candidate of each pipeline depth they lack is tried under the other schedules
+and memory options of `schedules` (`_variants`), and the best plan under the objective is returned
+with its alternatives.
 
 Search spaces (`SearchSpace`): `full` (ours: uneven layer partitions, a TP degree per stage and
 replica, GPU types and zones mixed inside a pipeline, pipelines across zones and regions, data
@@ -45,6 +47,7 @@ from sailor.simulator.memory import replica_memory
 __all__ = ["Choice", "Constraints", "Objective", "PlanOptions", "PlanResult", "SearchSpace", "plan_job"]
 
 GB = 1e9
+VARIANT_MARGIN = 0.1  # a variant is event-simulated when its closed form is within 10 % of the best plan's
 
 
 @dataclass
@@ -155,16 +158,10 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     ok = ok or choices[:1]
     ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     if opts.search is SearchSpace.FULL:  # the schedule dimension and kept ZeRO-3 weights, where they pay
-        variants = (schedule_variants(ok[0].plan) if opts.schedules else []) + kept_weight_variants(ok[0].plan)
-        closed = [(simulate(p, ctx, event=False), p) for p in variants]
-        closed = [(e, p) for e, p in closed if fits(e, ctx)]
-        if closed:  # the best variant by its closed form, then event-simulated like every finalist
-            e, plan = min(closed, key=lambda v: key(v[0].iteration_time_s, v[0].cost_per_iteration_usd))
-            est = _event_or_closed(plan, ctx)
-            if opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
-                choices.append(Choice(plan, e.iteration_time_s, e.cost_per_iteration_usd, est))
-                ok.append(choices[-1])
-                ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
+        for variant in _variants(ctx, opts, [c.plan for c in ok] + found.deep, ok[0].estimate):
+            choices.append(variant)
+            ok.append(variant)
+        ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     best = ok[0]
     alternatives = [c for c in choices if c is not best][: opts.top_k]
     for c in alternatives:
@@ -175,6 +172,31 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
                       best_closed=best_closed, search_time_s=time.perf_counter() - t0,
                       points=found.points, candidates=found.candidates, pareto=sorted(found.front),
                       exact=found.exact, timed_out=found.timed_out)
+
+
+def _variants(ctx: SimContext, opts: PlanOptions, plans: list[Plan], best: Estimate) -> list[Choice]:
+    """The schedule dimension searched with the partitions (`planner.schedules`): for each plan (the
+    event-simulated finalists, then the best plan of each pipeline depth they lack, `Found.deep`),
+    its schedule variants and kept ZeRO-3 weights, each closed-form simulated; the plan's best that
+    fits in memory is event-simulated like a finalist where its closed form is within VARIANT_MARGIN
+    of `best` (the best finalist's estimate) under the objective, and returned where it meets the
+    constraints. A partition that ranks low under 1F1B can so win under interleaving or ZB-H1."""
+    key = objective_key(opts.objective)
+    bar = key(best.iteration_time_s * (1 + VARIANT_MARGIN), best.cost_per_iteration_usd * (1 + VARIANT_MARGIN))
+    out = []
+    for plan in plans:
+        variants = (schedule_variants(plan) if opts.schedules else []) + kept_weight_variants(plan)
+        closed = [(simulate(p, ctx, event=False), p) for p in variants]
+        closed = [(e, p) for e, p in closed if fits(e, ctx)]
+        if not closed:
+            continue
+        e, variant = min(closed, key=lambda v: key(v[0].iteration_time_s, v[0].cost_per_iteration_usd))
+        if key(e.iteration_time_s, e.cost_per_iteration_usd)[0] > bar[0]:
+            continue
+        est = _event_or_closed(variant, ctx)
+        if opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
+            out.append(Choice(variant, e.iteration_time_s, e.cost_per_iteration_usd, est))
+    return out
 
 
 def _event_or_closed(plan: Plan, ctx: SimContext) -> Estimate:
