@@ -47,7 +47,8 @@ from sailor.simulator.memory import replica_memory
 __all__ = ["Choice", "Constraints", "Objective", "PlanOptions", "PlanResult", "SearchSpace", "plan_job"]
 
 GB = 1e9
-VARIANT_MARGIN = 0.1  # a variant is event-simulated when its closed form is within 10 % of the best plan's
+VARIANT_MARGIN = 0.1  # another plan's variant is event-simulated when its closed form is within 10 % of the best's
+VARIANT_EVENTS = 3    # and at most this many of them, best closed form first
 
 
 @dataclass
@@ -158,7 +159,9 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     ok = ok or choices[:1]
     ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     if opts.search is SearchSpace.FULL:  # the schedule dimension and kept ZeRO-3 weights, where they pay
-        for variant in _variants(ctx, opts, [c.plan for c in ok] + found.deep, ok[0].estimate):
+        deeper = [(p, simulate(p, ctx, event=False)) for p in found.deep if p.num_stages > ok[0].plan.num_stages]
+        for variant in _variants(ctx, opts, ok[0].plan, [(c.plan, c.estimate) for c in ok[1:]] + deeper,
+                                 ok[0].estimate):
             choices.append(variant)
             ok.append(variant)
         ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
@@ -174,25 +177,45 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
                       exact=found.exact, timed_out=found.timed_out)
 
 
-def _variants(ctx: SimContext, opts: PlanOptions, plans: list[Plan], best: Estimate) -> list[Choice]:
-    """The schedule dimension searched with the partitions (`planner.schedules`): for each plan (the
-    event-simulated finalists, then the best plan of each pipeline depth they lack, `Found.deep`),
-    its schedule variants and kept ZeRO-3 weights, each closed-form simulated; the plan's best that
-    fits in memory is event-simulated like a finalist where its closed form is within VARIANT_MARGIN
-    of `best` (the best finalist's estimate) under the objective, and returned where it meets the
+def _variants(ctx: SimContext, opts: PlanOptions, best_plan: Plan, others: list[tuple[Plan, Estimate]],
+              best: Estimate) -> list[Choice]:
+    """The schedule dimension searched with the partitions (`planner.schedules`): the best finalist
+    `best_plan` (estimate `best`) under the other schedules and with kept ZeRO-3 weights; the other
+    plans, each with its estimate (the other event-simulated finalists, then the best plan of each
+    pipeline depth deeper than the best finalist's that they lack, `Found.deep`: a bubble shrunk by v
+    or by ZB-H1 pays the more, the deeper the pipeline), under the other schedules where even
+    without its 1F1B bubble the plan would beat `best`. Each plan's variants are closed-form
+    simulated and its best that fits in memory kept; the best plan's, then the others' in order of
+    their closed forms while within VARIANT_MARGIN of `best` under the objective (at most
+    VARIANT_EVENTS of them), are event-simulated like a finalist and returned where they meet the
     constraints. A partition that ranks low under 1F1B can so win under interleaving or ZB-H1."""
     key = objective_key(opts.objective)
+
+    def closed_key(e: Estimate) -> tuple[float, float]:
+        return key(e.iteration_time_s, e.cost_per_iteration_usd)
+
+    def no_bubble(plan: Plan, e: Estimate) -> tuple[float, float]:
+        """Objective key of `e` less the 1F1B bubble's share of it, (P - 1) / (m + P - 1) with m the
+        largest share of micro-batches: no schedule of the plan does better (it only moves passes)."""
+        m = max(p.microbatches for p in plan.pipelines)
+        keep = 1 - (plan.num_stages - 1) / (m + plan.num_stages - 1)
+        return key(e.iteration_time_s * keep, e.cost_per_iteration_usd * keep)
+
     bar = key(best.iteration_time_s * (1 + VARIANT_MARGIN), best.cost_per_iteration_usd * (1 + VARIANT_MARGIN))
-    out = []
-    for plan in plans:
-        variants = (schedule_variants(plan) if opts.schedules else []) + kept_weight_variants(plan)
+    picks = []  # (closed estimate, plan, is the best finalist's)
+    for plan, estimate in [(best_plan, best)] + others:
+        if plan is not best_plan and no_bubble(plan, estimate)[0] >= closed_key(best)[0]:
+            continue  # no schedule makes it the best
+        variants = schedule_variants(plan) if opts.schedules else []
+        variants += kept_weight_variants(plan) if plan is best_plan else []
         closed = [(simulate(p, ctx, event=False), p) for p in variants]
         closed = [(e, p) for e, p in closed if fits(e, ctx)]
-        if not closed:
-            continue
-        e, variant = min(closed, key=lambda v: key(v[0].iteration_time_s, v[0].cost_per_iteration_usd))
-        if key(e.iteration_time_s, e.cost_per_iteration_usd)[0] > bar[0]:
-            continue
+        if closed:
+            picks.append((*min(closed, key=lambda v: closed_key(v[0])), plan is best_plan))
+    first = [x for x in picks if x[2]]
+    rest = sorted((x for x in picks if not x[2] and closed_key(x[0])[0] <= bar[0]), key=lambda x: closed_key(x[0]))
+    out = []
+    for e, variant, _ in first + rest[:VARIANT_EVENTS]:
         est = _event_or_closed(variant, ctx)
         if opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
             out.append(Choice(variant, e.iteration_time_s, e.cost_per_iteration_usd, est))

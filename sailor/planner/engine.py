@@ -60,6 +60,7 @@ SPANNING_MAX = 64       # spanning pipelines built per target θ
 REFINE_TOP = 4          # best candidates that get spanning pipelines on the GPUs they leave
 TAU_GRID = 12           # makespan targets of the cost trade-off per packing
 BOUNDARY_STEPS = 12     # bisection steps towards a constraint between two of them
+NODE_GROUP_STEPS = 3    # pipelines cut between nodes offered alone at u, 2u, 4u (`_offer_node_groups`)
 
 
 @dataclass
@@ -240,9 +241,11 @@ def _offer_node_groups(ctx: SimContext, fam: Family, kinds: list[Kind], free: di
                        point: tuple) -> None:
     """Pipelines cut between nodes pay off where their stages' replicas share nodes, which the
     packing (the fastest makespan, so as many pipelines as the batch takes) does not aim for: offer
-    each cut kind alone at D = u, 2u, 4u, ... pipelines (at most as many as fit and as micro-batches),
-    u the pipelines whose segments fill one node each (the fewest node size // segment GPUs over the
-    kind's blocks, `plan.placement.node_blocks`), and at the most that fit."""
+    each cut kind alone at D = u, 2u, 4u pipelines (NODE_GROUP_STEPS; at most as many as fit and as
+    micro-batches), u the pipelines whose segments fill one node each (the fewest node size //
+    segment GPUs over the kind's blocks, `plan.placement.node_blocks`): beyond, a stage's replicas
+    span several nodes however the pipelines are cut, and the packing of the cut kinds has the most
+    that fit."""
     if not kinds:
         return
     scorer = Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
@@ -252,7 +255,7 @@ def _offer_node_groups(ctx: SimContext, fam: Family, kinds: list[Kind], free: di
         widths = [sum(s.tp for s, b in zip(slots, blocks) if b == j) for j in range(blocks[-1] + 1)]
         unit = max(1, min(ctx.cluster.node_size(slots[0].gpu) // w for w in widths))
         most = min(kind.fits(free), fam.M)
-        for D in sorted({unit << j for j in range(most.bit_length()) if unit << j <= most} | {most}):
+        for D in (unit << j for j in range(NODE_GROUP_STEPS) if unit << j <= most):
             counts = [0] * len(kinds)
             counts[k] = D
             _offer(keep, scorer, np.array(counts), point)

@@ -33,9 +33,9 @@ class Found:
     """Plans that phase 3 must event-simulate whatever their closed-form rank (the published
     planner's best, so that the full search is never beaten by it in the simulator)."""
     deep: list[Plan] = field(default_factory=list)
-    """The best plan of each pipeline depth P >= 2 that is not a finalist: phase 3 tries the
-    schedules on them too (`planner.schedules`), as a deeper pipeline can pay only once its bubble
-    shrinks."""
+    """The best plan of each pipeline depth P >= 2 that no finalist has: phase 3 tries the schedules
+    on those deeper than its best finalist too (`planner._variants`), as a deeper pipeline can pay
+    only once its bubble shrinks."""
 
 
 class Finalists:

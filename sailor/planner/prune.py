@@ -256,8 +256,9 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
 def _node_group_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, mbs: int, runs, opt: float) -> Key:
     """`node_estimate` of uniform pipelines cut between nodes before every stage (`plan.placement`),
     for the runs (zone, GPU type, TP t, pipelines n, per-layer seconds) whose uncut pipelines keep a
-    boundary inside a node: D = u, 2u, 4u, ... <= min(n, M) of them, u = node size // t (the
-    pipelines whose stage replicas fill one node each); fill and period as `node_estimate`'s with
+    boundary inside a node: D = u and 2u (at most min(n, M)) of them, u = node size // t (the
+    pipelines whose stage replicas fill one node each, or two: beyond, a stage's replicas span nodes
+    however the pipelines are cut); fill and period as `node_estimate`'s with
     every boundary between two nodes; time fill + (ceil(M / D) - 1)·period + the slowest stage's
     gradient sync of D replicas placed so (`_placed_sync`) + the optimizer step; the best run and D."""
     best = (math.inf, math.inf)
@@ -268,11 +269,10 @@ def _node_group_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, mbs
         per = max(float(layers.sum()) / P, float(layers.max())) + (2 if P == 2 else 4) * c
         unit, most = max(1, ctx.cluster.node_size(g) // t), min(n, M)
         slot = Slot(zone=z, gpu=g, tp=t, node_cut=True)  # a cut before stage 0 places nothing differently
-        D = unit
-        while D <= most:
-            T = fill + (-(-M // D) - 1) * per + (_placed_sync(ctx, [(slot, D)], part) if D > 1 else 0.0) + opt
-            best = min(best, _key(opts, T, D * P * t * ctx.cluster.price(z, g) * T / HOUR_S))
-            D *= 2
+        for D in (unit, 2 * unit):
+            if D <= most:
+                T = fill + (-(-M // D) - 1) * per + (_placed_sync(ctx, [(slot, D)], part) if D > 1 else 0.0) + opt
+                best = min(best, _key(opts, T, D * P * t * ctx.cluster.price(z, g) * T / HOUR_S))
     return best
 
 
