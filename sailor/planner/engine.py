@@ -246,19 +246,15 @@ def _offer_node_groups(ctx: SimContext, fam: Family, kinds: list[Kind], free: di
     segment GPUs over the kind's blocks, `plan.placement.node_blocks`): beyond, a stage's replicas
     span several nodes however the pipelines are cut, and the packing of the cut kinds has the most
     that fit."""
-    if not kinds:
-        return
-    scorer = Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
-    for k, kind in enumerate(kinds):
+    for kind in kinds:
+        scorer = Scorer(ctx, fam.partition, fam.mbs, [kind], fam.M)  # one kind: counts of one entry
         slots = kind.slots
         blocks = node_blocks([(s.zone, s.gpu, s.tp) for s in slots], ctx.cluster.node_size, kind.cuts)
         widths = [sum(s.tp for s, b in zip(slots, blocks) if b == j) for j in range(blocks[-1] + 1)]
         unit = max(1, min(ctx.cluster.node_size(slots[0].gpu) // w for w in widths))
         most = min(kind.fits(free), fam.M)
         for D in (unit << j for j in range(NODE_GROUP_STEPS) if unit << j <= most):
-            counts = [0] * len(kinds)
-            counts[k] = D
-            _offer(keep, scorer, np.array(counts), point)
+            _offer(keep, scorer, np.array([D]), point)
 
 
 def _tp_floors(kinds: list[Kind]) -> list[list[Kind]]:
