@@ -50,7 +50,7 @@ def _check_finalists(job: JobSpec, cluster: ClusterSpec, opts: PlanOptions) -> i
         node = {(r.pipeline, r.stage): r.node for r in ranks}
         for j, p in enumerate(plan.pipelines):
             placed = tuple(node[(j, i)] == node[(j, i + 1)] for i in range(plan.num_stages - 1))
-            slots = tuple(Slot(zone=r.zone, gpu=r.gpu, tp=r.tp) for r in p.replicas)
+            slots = tuple(Slot(zone=r.zone, gpu=r.gpu, tp=r.tp, node_cut=r.node_cut) for r in p.replicas)
             assert placed == kind_boundaries(ctx, slots)
             inside += sum(placed)
     return inside

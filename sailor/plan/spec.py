@@ -78,13 +78,17 @@ Layer = Whole(0, MAX_BLOCKS + 2)  # a layer boundary: 0 .. embedding + blocks + 
 
 
 class Replica(BaseModel):
-    """Stage `stage` of one pipeline on a TP group of `tp` GPUs of type `gpu` in `zone`."""
+    """Stage `stage` of one pipeline on a TP group of `tp` GPUs of type `gpu` in `zone`. `node_cut`:
+    the pipeline is cut between nodes before this stage (never on stage 0): the launcher puts it on a
+    node that holds none of the pipeline's earlier stages, even where it would fit next to the stage
+    before (`plan.placement`); absent (false), the block placement decides."""
 
     model_config = SPEC_CONFIG
     stage: Layer
     gpu: str
     zone: str = Field(max_length=200)
     tp: Whole(1, MAX_GPUS_PER_NODE) = 1
+    node_cut: bool = Field(default=False, strict=True)
 
     @field_validator("gpu")
     @classmethod
@@ -241,6 +245,9 @@ class Plan(BaseModel):
                 if r.stage != i:
                     raise SailorInputError(f"replica {i} of pipeline {j} names stage {r.stage}, expected {i}",
                                            field=f"pipelines.{j}.replicas.{i}.stage")
+            if p.replicas[0].node_cut:
+                raise SailorInputError(f"pipeline {j} is cut between nodes before stage 0; a cut goes before a later stage",
+                                       field=f"pipelines.{j}.replicas.0.node_cut")
         if self.memory and len(self.memory) != P:
             raise SailorInputError(f"{len(self.memory)} entries for {P} stages (one per stage, or none)",
                                    field="memory")
@@ -381,7 +388,8 @@ class Plan(BaseModel):
             "micro_batch_size": self.micro_batch_size,
             "stages": [list(s) for s in self.stages],
             "pipelines": [{"microbatches": p.microbatches,
-                           "replicas": [r.model_dump(mode="json") for r in p.replicas]} for p in self.pipelines],
+                           "replicas": [r.model_dump(mode="json", exclude=None if r.node_cut else {"node_cut"})
+                                        for r in p.replicas]} for p in self.pipelines],
         }
         if any(not m.is_default for m in self.memory):
             d["memory"] = [m.model_dump(mode="json", exclude_defaults=True) for m in self.memory]

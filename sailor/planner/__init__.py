@@ -5,8 +5,10 @@ stage options) and `kinds` (the option table of a family, pipeline kinds); (2) s
 a best-first branch and bound over (P, micro-batch) -> partition -> scope (region, or all regions)
 -> count vector of pipeline kinds (`pack`, `geo`), pruned by the bounds of `prune`; every candidate
 is scored with the simulator's closed form and the best integer batch shares (`score.Scorer`);
-(3) scoring — the best `rescore` candidates are simulated again with the 1F1B event simulation and
-the best of them under the objective is returned with its alternatives.
+(3) scoring — the best `rescore` candidates are simulated again with the 1F1B event simulation, each
+of them and the best candidate of each pipeline depth they lack is tried under the other schedules
+and memory options of `schedules` (`_variants`), and the best plan under the objective is returned
+with its alternatives.
 
 Search spaces (`SearchSpace`): `full` (ours: uneven layer partitions, a TP degree per stage and
 replica, GPU types and zones mixed inside a pipeline, pipelines across zones and regions, data
@@ -45,6 +47,8 @@ from sailor.simulator.memory import replica_memory
 __all__ = ["Choice", "Constraints", "Objective", "PlanOptions", "PlanResult", "SearchSpace", "plan_job"]
 
 GB = 1e9
+VARIANT_MARGIN = 0.1  # another plan's variant is event-simulated when its closed form is within 10 % of the best's
+VARIANT_EVENTS = 3    # and at most this many of them, best closed form first
 
 
 @dataclass
@@ -155,16 +159,12 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     ok = ok or choices[:1]
     ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     if opts.search is SearchSpace.FULL:  # the schedule dimension and kept ZeRO-3 weights, where they pay
-        variants = (schedule_variants(ok[0].plan) if opts.schedules else []) + kept_weight_variants(ok[0].plan)
-        closed = [(simulate(p, ctx, event=False), p) for p in variants]
-        closed = [(e, p) for e, p in closed if fits(e, ctx)]
-        if closed:  # the best variant by its closed form, then event-simulated like every finalist
-            e, plan = min(closed, key=lambda v: key(v[0].iteration_time_s, v[0].cost_per_iteration_usd))
-            est = _event_or_closed(plan, ctx)
-            if opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
-                choices.append(Choice(plan, e.iteration_time_s, e.cost_per_iteration_usd, est))
-                ok.append(choices[-1])
-                ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
+        deeper = [(p, simulate(p, ctx, event=False)) for p in found.deep if p.num_stages > ok[0].plan.num_stages]
+        for variant in _variants(ctx, opts, ok[0].plan, [(c.plan, c.estimate) for c in ok[1:]] + deeper,
+                                 ok[0].estimate):
+            choices.append(variant)
+            ok.append(variant)
+        ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     best = ok[0]
     alternatives = [c for c in choices if c is not best][: opts.top_k]
     for c in alternatives:
@@ -175,6 +175,51 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
                       best_closed=best_closed, search_time_s=time.perf_counter() - t0,
                       points=found.points, candidates=found.candidates, pareto=sorted(found.front),
                       exact=found.exact, timed_out=found.timed_out)
+
+
+def _variants(ctx: SimContext, opts: PlanOptions, best_plan: Plan, others: list[tuple[Plan, Estimate]],
+              best: Estimate) -> list[Choice]:
+    """The schedule dimension searched with the partitions (`planner.schedules`): the best finalist
+    `best_plan` (estimate `best`) under the other schedules and with kept ZeRO-3 weights; the other
+    plans, each with its estimate (the other event-simulated finalists, then the best plan of each
+    pipeline depth deeper than the best finalist's that they lack, `Found.deep`: a bubble shrunk by v
+    or by ZB-H1 pays the more, the deeper the pipeline), under the other schedules where even
+    without its 1F1B bubble the plan would beat `best`. Each plan's variants are closed-form
+    simulated and its best that fits in memory kept; the best plan's, then the others' in order of
+    their closed forms while within VARIANT_MARGIN of `best` under the objective (at most
+    VARIANT_EVENTS of them), are event-simulated like a finalist and returned where they meet the
+    constraints. A partition that ranks low under 1F1B can so win under interleaving or ZB-H1."""
+    key = objective_key(opts.objective)
+
+    def closed_key(e: Estimate) -> tuple[float, float]:
+        return key(e.iteration_time_s, e.cost_per_iteration_usd)
+
+    def no_bubble(plan: Plan, e: Estimate) -> tuple[float, float]:
+        """Objective key of `e` less the 1F1B bubble's share of it, (P - 1) / (m + P - 1) with m the
+        largest share of micro-batches: no schedule of the plan does better (it only moves passes)."""
+        m = max(p.microbatches for p in plan.pipelines)
+        keep = 1 - (plan.num_stages - 1) / (m + plan.num_stages - 1)
+        return key(e.iteration_time_s * keep, e.cost_per_iteration_usd * keep)
+
+    bar = key(best.iteration_time_s * (1 + VARIANT_MARGIN), best.cost_per_iteration_usd * (1 + VARIANT_MARGIN))
+    picks = []  # (closed estimate, plan, is the best finalist's)
+    for plan, estimate in [(best_plan, best)] + others:
+        if plan is not best_plan and no_bubble(plan, estimate)[0] >= closed_key(best)[0]:
+            continue  # no schedule makes it the best
+        variants = schedule_variants(plan) if opts.schedules else []
+        variants += kept_weight_variants(plan) if plan is best_plan else []
+        closed = [(simulate(p, ctx, event=False), p) for p in variants]
+        closed = [(e, p) for e, p in closed if fits(e, ctx)]
+        if closed:
+            picks.append((*min(closed, key=lambda v: closed_key(v[0])), plan is best_plan))
+    first = [x for x in picks if x[2]]
+    rest = sorted((x for x in picks if not x[2] and closed_key(x[0])[0] <= bar[0]), key=lambda x: closed_key(x[0]))
+    out = []
+    for e, variant, _ in first + rest[:VARIANT_EVENTS]:
+        est = _event_or_closed(variant, ctx)
+        if opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
+            out.append(Choice(variant, e.iteration_time_s, e.cost_per_iteration_usd, est))
+    return out
 
 
 def _event_or_closed(plan: Plan, ctx: SimContext) -> Estimate:

@@ -19,7 +19,8 @@ Per family:
   bisection; for the cost objective or under constraints also a grid of makespans, each with its
   most-capacity and its cheapest count vector), pipelines spanning zones and regions on the GPUs
   left over by the best candidates (`geo.build_spanning`, at the end), and spanning pipelines alone
-  where no single zone can hold one.
+  where no single zone can hold one; pipelines cut between nodes (`kinds.node_cut_variants`) are
+  packed apart and also offered alone in node-filling counts (`_offer_node_groups`).
   Node keys take the larger of the bound and `prune.node_estimate` discounted by a margin
   (`prune.node_keys`).
 
@@ -40,6 +41,7 @@ from typing import Callable
 import numpy as np
 
 from sailor.core.units import HOUR_S
+from sailor.plan.placement import node_blocks
 from sailor.planner import paper
 from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds, plan_signature
 from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanning_thetas
@@ -58,6 +60,7 @@ SPANNING_MAX = 64       # spanning pipelines built per target θ
 REFINE_TOP = 4          # best candidates that get spanning pipelines on the GPUs they leave
 TAU_GRID = 12           # makespan targets of the cost trade-off per packing
 BOUNDARY_STEPS = 12     # bisection steps towards a constraint between two of them
+NODE_GROUP_STEPS = 3    # pipelines cut between nodes offered alone at u, 2u, 4u (`_offer_node_groups`)
 
 
 @dataclass
@@ -208,11 +211,13 @@ def _pack(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kind], fr
           keep: Finalists, point: tuple) -> None:
     """The packing candidates of one scope (engine docstring), each scored and offered. The packing
     maximises micro-batches per makespan and does not see the gradient sync, which is slower the
-    finer the TP sharding (each rank all-reduces params/t): so it also runs on the kinds whose every
-    stage has at least TP t, for each t (`_tp_floors`)."""
+    finer the TP sharding (each rank all-reduces params/t) and crosses nodes unless the pipelines are
+    cut between them: so it also runs on the kinds whose every stage has at least TP t, for each t,
+    and on the cut kinds apart (`_placement_groups`)."""
     offered = False
-    for subset in _tp_floors(kinds):
+    for subset in _placement_groups(kinds):
         offered |= _pack_kinds(ctx, opts, fam, subset, free, keep, point)
+    _offer_node_groups(ctx, fam, [k for k in kinds if any(k.cuts)], free, keep, point)
     if not offered:  # no single-zone pipeline: pipelines spanning zones and regions only
         for theta in spanning_thetas(fam.table):
             pipes = build_spanning(ctx, fam.table, free, fam.partition, fam.mbs, fam.memory, theta,
@@ -220,6 +225,36 @@ def _pack(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kind], fr
             for D in sorted({1, len(pipes)} | {2**j for j in range(7) if 2**j < len(pipes)}):
                 if D <= len(pipes):
                     _offer_pipelines(ctx, fam, pipes[:D], keep, point)
+
+
+def _placement_groups(kinds: list[Kind]) -> list[list[Kind]]:
+    """The kind lists the packing runs on: the kinds not cut between nodes and, apart, those cut
+    (`kinds.node_cut_variants`), each by TP floor (`_tp_floors`). A cut pipeline is never faster
+    than its uncut twin (its activations cross nodes), so packed together the cut ones would never be
+    taken; what they win, a gradient sync inside nodes, shows only in the score."""
+    whole = [k for k in kinds if not any(k.cuts)]
+    cut = [k for k in kinds if any(k.cuts)]
+    return _tp_floors(whole) + (_tp_floors(cut) if cut else [])
+
+
+def _offer_node_groups(ctx: SimContext, fam: Family, kinds: list[Kind], free: dict[Pool, int], keep: Finalists,
+                       point: tuple) -> None:
+    """Pipelines cut between nodes pay off where their stages' replicas share nodes, which the
+    packing (the fastest makespan, so as many pipelines as the batch takes) does not aim for: offer
+    each cut kind alone at D = u, 2u, 4u pipelines (NODE_GROUP_STEPS; at most as many as fit and as
+    micro-batches), u the pipelines whose segments fill one node each (the fewest node size //
+    segment GPUs over the kind's blocks, `plan.placement.node_blocks`): beyond, a stage's replicas
+    span several nodes however the pipelines are cut, and the packing of the cut kinds has the most
+    that fit."""
+    for kind in kinds:
+        scorer = Scorer(ctx, fam.partition, fam.mbs, [kind], fam.M)  # one kind: counts of one entry
+        slots = kind.slots
+        blocks = node_blocks([(s.zone, s.gpu, s.tp) for s in slots], ctx.cluster.node_size, kind.cuts)
+        widths = [sum(s.tp for s, b in zip(slots, blocks) if b == j) for j in range(blocks[-1] + 1)]
+        unit = max(1, min(ctx.cluster.node_size(slots[0].gpu) // w for w in widths))
+        most = min(kind.fits(free), fam.M)
+        for D in (unit << j for j in range(NODE_GROUP_STEPS) if unit << j <= most):
+            _offer(keep, scorer, np.array([D]), point)
 
 
 def _tp_floors(kinds: list[Kind]) -> list[list[Kind]]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sailor.plan.spec import Plan, StageMemory
-from sailor.planner.options import PlanOptions, objective_key
+from sailor.planner.options import PlanOptions, SearchSpace, objective_key
 from sailor.planner.score import Candidate
 from sailor.simulator import SimContext
 
@@ -32,6 +32,10 @@ class Found:
     pinned: list[Plan] = field(default_factory=list)
     """Plans that phase 3 must event-simulate whatever their closed-form rank (the published
     planner's best, so that the full search is never beaten by it in the simulator)."""
+    deep: list[Plan] = field(default_factory=list)
+    """The best plan of each pipeline depth P >= 2 that no finalist has: phase 3 tries the schedules
+    on those deeper than its best finalist too (`planner._variants`), as a deeper pipeline can pay
+    only once its bubble shrinks."""
 
 
 class Finalists:
@@ -44,6 +48,7 @@ class Finalists:
         self.best: tuple[float, float] | None = None
         self._kept: dict[tuple, tuple[tuple[float, float], Candidate, tuple]] = {}
         self._cut: tuple[float, float] | None = None  # the keep-th best key at the last trim
+        self._deepest: dict[int, tuple[tuple[float, float], Candidate, tuple]] = {}  # P -> best of that depth
         self.found = Found()
 
     def best0(self) -> float:
@@ -68,6 +73,9 @@ class Finalists:
         sig = (point, tuple(cand.scorer.kinds[i] for i, n in enumerate(cand.counts) if n),
                tuple(n for n in cand.counts if n))
         self._kept[sig] = (k, cand, point)
+        P = len(cand.scorer.partition)
+        if P >= 2 and (P not in self._deepest or k < self._deepest[P][0]):
+            self._deepest[P] = (k, cand, point)
         if self.best is None or k < self.best:
             self.best = k
         if len(self._kept) > 2 * self.keep:
@@ -93,7 +101,7 @@ class Finalists:
     def finish(self, build: Callable[[Candidate, tuple], Plan]) -> Found:
         """The Found with the plans of the best kept candidates built, best first, each plan once: as
         many as phase 3 looks at (`planner._rescore`: max(rescore, top_k + 1)); building a large plan
-        is not cheap."""
+        is not cheap. Also the best plan of each pipeline depth the finalists lack (`Found.deep`)."""
         n = max(self.opts.rescore, self.opts.top_k + 1)
         seen, out = set(), []
         for k, c, p in sorted(self._kept.values(), key=lambda v: v[0]):
@@ -105,6 +113,9 @@ class Finalists:
                 if len(out) == n:
                     break
         self.found.finalists = out
+        depths = {plan.num_stages for *_, plan in out}
+        if self.opts.schedules and self.opts.search is SearchSpace.FULL:
+            self.found.deep = [build(c, p) for P, (_, c, p) in sorted(self._deepest.items()) if P not in depths]
         return self.found
 
 
@@ -132,14 +143,15 @@ def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, flo
 
 
 def plan_from_kinds(ctx: SimContext, cand: Candidate, partition, mbs: int, memory: tuple[StageMemory, ...] = ()) -> Plan:
-    """The plan of a candidate (its kinds name an option and a zone per stage, `kinds.Kind`): one
-    pipeline per share, with the stages' memory options. Over a single pipeline ZeRO shards nothing:
+    """The plan of a candidate (its kinds name an option and a zone per stage, and the pipeline's
+    cuts between nodes, `kinds.Kind`): one pipeline per share, with the stages' memory options. Over a single pipeline ZeRO shards nothing:
     ZeRO-1 is left out, ZeRO-2/3 become ZeRO-2, which still syncs one layer's gradients at a time
     instead of flattening the stage's (`simulator.memory.sync_buffer_bytes`, what `space.min_replicas`
     counted)."""
     pipelines = []
     for k, shares in zip(cand.scorer.kinds, cand.shares):
-        reps = [{"stage": i, "gpu": s.gpu, "zone": s.zone, "tp": s.tp} for i, s in enumerate(k.slots)]
+        reps = [{"stage": i, "gpu": s.gpu, "zone": s.zone, "tp": s.tp} | ({"node_cut": True} if s.node_cut else {})
+                for i, s in enumerate(k.slots)]
         for m in shares:
             pipelines.append({"microbatches": m, "replicas": reps})
     if len(pipelines) == 1:

@@ -7,8 +7,9 @@ data-parallel replicas with which its memory fits (1 unless ZeRO shards what doe
 otherwise). The stages' memory options (recomputation, ZeRO, SP: `plan.spec.StageMemory`, one per stage,
 the same on every replica of a stage as the plan format has them) belong to the family.
 
-A pipeline *kind* is one option and one zone per stage: its pipelines are identical under the
-simulator's model (every transfer is modelled between two nodes of the replicas' zones), so a plan is
+A pipeline *kind* is one option and one zone per stage, and where it is cut between nodes (if
+anywhere): its pipelines are identical under the simulator's model (every transfer runs where the
+block placement puts its two stages, `kind_boundaries`), so a plan is
 a count vector over kinds plus each pipeline's share of the batch. A kind's closed-form `Curve`
 comes from the simulator's own building blocks (`stage_time` per replica under the stage's memory
 options, `pipeline_arrays` for the transfers, `simulator.schedule.closed_form_1f1b` called on all
@@ -18,12 +19,15 @@ holds lower bounds over every D it can run with (gathers at its `min_replicas`, 
 one replica per micro-batch), and `Kind.at(D)` is exact for D, as `simulate` times it.
 
 Kinds of a family, by what they mix:
-- `homogeneous_kinds`: one (GPU type, zone), a TP template over the stages (`space.pareto_templates`);
+- `homogeneous_kinds`: one (GPU type, zone), a TP template over the stages (`space.pareto_templates`),
+  also cut between nodes into segments (`node_cut_variants`: the pipeline cut a slow inter-node link
+  calls for, `plan.placement`);
 - `memory_mixed_kinds`: one zone, a base GPU type, and a helper type on the stages the base cannot
   hold (and, as variants, on the first and/or the last stage: a big-memory GPU where memory forces
   it);
 - spanning kinds (stages in several zones or regions) are built by `geo.build_spanning`;
-- `all_kinds`: every option and zone per stage (the exact mode on small clusters).
+- `all_kinds`: every option and zone per stage, and the cuts of `node_cut_variants` (the exact mode
+  on small clusters).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, sta
 from sailor.simulator.schedule import closed_form_1f1b
 
 Pool = tuple[str, str]  # (zone, GPU type)
+# a pipeline to build a kind of: per stage a zone and an option, and (optional, else none) whether
+# the pipeline is cut between nodes before the stage (`plan.placement`)
+Spec = tuple[tuple[str, ...], tuple[Option, ...]] | tuple[tuple[str, ...], tuple[Option, ...], tuple[bool, ...]]
 
 
 Table = list[list[Option]]  # per stage, the feasible options
@@ -109,11 +116,21 @@ class Kind(Curve):
     def depends_on_replicas(self) -> bool:
         return any(m.zero for m in self.memory)
 
+    @property
+    def cuts(self) -> tuple[bool, ...]:
+        """Per stage, whether the pipeline is cut between nodes before it (`plan.placement`)."""
+        return tuple(s.node_cut for s in self.slots)
+
+    @property
+    def spec(self) -> Spec:
+        """(zones, options, cuts): what `make_kinds` builds this kind from."""
+        return self.zones, self.options, self.cuts
+
     def at(self, ctx: SimContext, partition: Partition, mbs: int, replicas: int) -> "Kind":
         """This kind with constants exact for a plan of `replicas` pipelines."""
         if not self.depends_on_replicas or self.replicas == replicas:
             return self
-        return make_kinds(ctx, [(self.zones, self.options)], partition, mbs, self.memory, replicas)[0]
+        return make_kinds(ctx, [self.spec], partition, mbs, self.memory, replicas)[0]
 
 
 def make_kind(ctx: SimContext, zones: tuple[str, ...], options: tuple[Option, ...], partition: Partition, mbs: int,
@@ -122,20 +139,25 @@ def make_kind(ctx: SimContext, zones: tuple[str, ...], options: tuple[Option, ..
     return make_kinds(ctx, [(zones, options)], partition, mbs, memory)[0]
 
 
-def make_kinds(ctx: SimContext, specs: list[tuple[tuple[str, ...], tuple[Option, ...]]], partition: Partition,
+def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
                mbs: int, memory: Memory, replicas: int | None = None) -> list[Kind]:
-    """Kinds for many (zones, options) at once under the stages' memory options, exact for a plan of
-    `replicas` pipelines or (None) lower bounds over D (module docstring); their curves from one
-    batched call of the closed form (arrays (kinds, P)). Memoised in the context."""
-    keys = [("kind", z, o, partition, mbs, memory, replicas) for z, o in specs]
+    """Kinds for many (zones, options[, cuts]) at once under the stages' memory options, exact for a
+    plan of `replicas` pipelines or (None) lower bounds over D (module docstring); their curves from
+    one batched call of the closed form (arrays (kinds, P)). Memoised in the context."""
+    specs = [sp if len(sp) == 3 and any(sp[2]) else (sp[0], sp[1], ()) for sp in specs]  # no cut: ()
+    keys = [("kind", z, o, c, partition, mbs, memory, replicas) for z, o, c in specs]
     out: list[Kind | None] = [ctx.memo.get(k) for k in keys]
     todo = [j for j, k in enumerate(out) if k is None]
     if todo:
         P = len(partition)
         most = ctx.job.global_batch_size // mbs
-        made: dict[tuple[str, str, int], Slot] = ctx.memo.setdefault("kind slots", {})  # one object per slot
-        slots = [tuple(made.get((z, o.gpu, o.tp)) or made.setdefault((z, o.gpu, o.tp), Slot(zone=z, gpu=o.gpu, tp=o.tp))
-                       for z, o in zip(*specs[j])) for j in todo]
+        made: dict[tuple[str, str, int, bool], Slot] = ctx.memo.setdefault("kind slots", {})  # one object per slot
+        slots = []
+        for j in todo:
+            zones, options, cuts = specs[j]
+            where = [(z, o.gpu, o.tp, bool(cuts and cuts[i])) for i, (z, o) in enumerate(zip(zones, options))]
+            slots.append(tuple(made.get(w) or made.setdefault(w, Slot(zone=w[0], gpu=w[1], tp=w[2], node_cut=w[3]))
+                               for w in where))
         need = [max(o.min_replicas for o in specs[j][1]) for j in todo]
         at_d = {d: [time_options(m, replicas or d) for m in memory] for d in set(need)}
         times = [[stage_time(ctx, sl[i], mbs, *partition[i], at_d[d][i]) for i in range(P)] for sl, d in zip(slots, need)]
@@ -147,7 +169,7 @@ def make_kinds(ctx: SimContext, specs: list[tuple[tuple[str, ...], tuple[Option,
         t1, t2, t3 = (np.atleast_1d(closed_form_1f1b(f, b, c, m)) for m in (1, 2, 3))
         steps = [time_options(mem, replicas or most) for mem in memory]
         for r, j in enumerate(todo):
-            zones, options = specs[j]
+            zones, options, _ = specs[j]
             use: dict[Pool, int] = {}
             for z, o in zip(zones, options):
                 use[(z, o.gpu)] = use.get((z, o.gpu), 0) + o.gpus
@@ -171,11 +193,12 @@ def _price(ctx: SimContext, pool: Pool) -> float:
 
 def kind_boundaries(ctx: SimContext, slots: tuple[Slot, ...]) -> tuple[bool, ...]:
     """Per stage boundary of a pipeline on these slots: whether the launcher's block placement puts
-    both stages on one node (`plan.placement.same_node_boundaries`: the same for every pipeline of a
-    kind, wherever it lands). Memoised per slots."""
+    both stages on one node (`plan.placement.same_node_boundaries`, with the slots' cuts: the same
+    for every pipeline of a kind, wherever it lands). Memoised per slots."""
     key = ("kind boundaries", slots)
     if key not in ctx.memo:
-        ctx.memo[key] = same_node_boundaries([(s.zone, s.gpu, s.tp) for s in slots], ctx.cluster.node_size)
+        ctx.memo[key] = same_node_boundaries([(s.zone, s.gpu, s.tp) for s in slots], ctx.cluster.node_size,
+                                             [s.node_cut for s in slots])
     return ctx.memo[key]
 
 
@@ -201,6 +224,48 @@ def _optimizer(ctx: SimContext, slot: Slot, stage: tuple[int, int], opts) -> flo
     return ctx.memo[key]
 
 
+def segment_cuts(widths: tuple[int, ...], segments: int) -> tuple[bool, ...]:
+    """Per stage, whether a pipeline of these stage widths (GPUs) cut into `segments` contiguous
+    segments of about equal GPUs is cut before it: cut k (1 <= k < segments) before the first stage
+    whose preceding GPUs reach k/segments of the pipeline's (at least one stage per segment).
+    Example: widths 1, 1, 1, 1 in 2 segments -> cut before stage 2."""
+    P, total = len(widths), sum(widths)
+    cuts = [False] * P
+    before, i = 0, 0  # GPUs of stages 0..i-1
+    for k in range(1, segments):
+        i += 1
+        before += widths[i - 1]
+        while i < P - (segments - k) and before * segments < k * total:
+            before += widths[i]
+            i += 1
+        cuts[i] = True
+    return tuple(cuts)
+
+
+def node_cut_variants(ctx: SimContext, specs: list[Spec]) -> list[Spec]:
+    """Pipelines cut between nodes (`plan.placement`): for each spec whose stages are all in one
+    (zone, GPU type) pool and whose block placement keeps some boundary inside a node, the same
+    stages cut into c = 2..P segments of about equal GPUs (`segment_cuts`), each variant that cuts
+    a boundary the blocks keep inside a node, once. Such a pipeline pays the inter-node link for its
+    activations at the cuts, and its stages' replicas share nodes: their gradient all-reduce stays on
+    the intra-node link, where the uncut pipelines' would cross nodes."""
+    out: list[Spec] = []
+    seen: set = set()
+    for zones, options, *_ in specs:
+        if len(options) < 2 or len({(z, o.gpu) for z, o in zip(zones, options)}) > 1:
+            continue
+        inside = same_node_boundaries([(z, o.gpu, o.tp) for z, o in zip(zones, options)], ctx.cluster.node_size)
+        if not any(inside):
+            continue
+        widths = tuple(o.tp for o in options)
+        for c in range(2, len(options) + 1):
+            cuts = segment_cuts(widths, c)
+            if any(cut and on for cut, on in zip(cuts[1:], inside)) and (zones, options, cuts) not in seen:
+                seen.add((zones, options, cuts))
+                out.append((zones, options, cuts))
+    return out
+
+
 def by_gpu(table: Table, gpu: str) -> list[list[Option]]:
     """The table restricted to one GPU type."""
     return [[o for o in stage if o.gpu == gpu] for stage in table]
@@ -208,14 +273,15 @@ def by_gpu(table: Table, gpu: str) -> list[list[Option]]:
 
 def homogeneous_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], partition: Partition, mbs: int,
                       memory: Memory) -> list[Kind]:
-    """Single-zone, single-GPU-type kinds: every pool and every template of its GPU type that fits."""
+    """Single-zone, single-GPU-type kinds: every pool and every template of its GPU type that fits,
+    and those cut between nodes (`node_cut_variants`)."""
     specs = []
     for g in sorted({o.gpu for stage in table for o in stage}):
         tmpls = pareto_templates(by_gpu(table, g))
         for (z, gg), n in sorted(free.items()):
             if gg == g:
                 specs += [((z,) * len(t), t) for t in tmpls if sum(o.gpus for o in t) <= n]
-    return make_kinds(ctx, specs, partition, mbs, memory)
+    return make_kinds(ctx, specs + node_cut_variants(ctx, specs), partition, mbs, memory)
 
 
 def memory_mixed_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], partition: Partition, mbs: int,
@@ -254,8 +320,9 @@ def memory_mixed_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], par
 
 def all_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], partition: Partition, mbs: int,
               memory: Memory, limit: int) -> list[Kind] | None:
-    """Every kind (an option and a zone per stage) whose pipeline fits the free GPUs; None when there
-    would be more than `limit` option-zone sequences to look at."""
+    """Every kind (an option and a zone per stage) whose pipeline fits the free GPUs, and those of one
+    pool cut between nodes (`node_cut_variants`); None when there would be more than `limit`
+    option-zone sequences to look at."""
     per_stage = [[(z, o) for o in stage for (z, g), n in sorted(free.items()) if g == o.gpu and n >= o.gpus]
                  for stage in table]
     if math.prod(len(s) for s in per_stage) > limit:
@@ -267,4 +334,4 @@ def all_kinds(ctx: SimContext, table: Table, free: dict[Pool, int], partition: P
             need[(z, o.gpu)] = need.get((z, o.gpu), 0) + o.gpus
         if all(free.get(p, 0) >= n for p, n in need.items()):
             specs.append((tuple(z for z, _ in combo), tuple(o for _, o in combo)))
-    return make_kinds(ctx, specs, partition, mbs, memory)
+    return make_kinds(ctx, specs + node_cut_variants(ctx, specs), partition, mbs, memory)

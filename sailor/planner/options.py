@@ -68,8 +68,9 @@ class PlanOptions:
     `memory_margin` the fraction of each GPU's memory a plan must leave free (0 <= margin < 1,
     default DEFAULT_MEMORY_MARGIN): a stage fits when its predicted peak is at most
     (1 - margin) x the GPU's memory;
-    `schedules` whether the full search also tries ZB-H1 and interleaved 1F1B on its best plan
-    (`planner.schedules`; the published planner's space is 1F1B only).
+    `schedules` whether the full search also tries ZB-H1 and interleaved 1F1B on its finalists and
+    the best plan of each pipeline depth (`planner.schedules`; the published planner's space is 1F1B
+    only).
     Raises SailorInputError for a margin outside [0, 1)."""
 
     objective: Objective = Objective.THROUGHPUT

@@ -204,13 +204,15 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
     transfers (2 for P = 2, 4 beyond, at the slowest boundary's); the makespan at which all of them, each kind with its own share, finish the batch, plus
     the all-reduce of the fastest of those pipelines that cover the batch (each pool at its best TP
     degree at that makespan) over the even partition's stages, and the optimizer step. The best of
-    these over TP floors (runs of TP >= t only), as the sync is slower the finer the sharding. For the
-    cost objective `_cheapest_estimate` instead."""
+    these over TP floors (runs of TP >= t only), as the sync is slower the finer the sharding, and
+    over the same pipelines cut between nodes (`_node_group_estimate`). For the cost objective
+    `_cheapest_estimate` instead (or the cut pipelines' where cheaper)."""
     job, model = ctx.job, ctx.job.model
     L, M = model.num_layers, job.global_batch_size // mbs
     state = job.state_bytes_per_param
     zero3 = zero3_needed(ctx, opts.max_stages)
     runs = []  # (pipelines, fill, period, $/hour per pipeline, pool index)
+    cut_runs = []  # (zone, GPU type, TP, pipelines, per-layer seconds) of runs that could be cut between nodes
     tps: list[int] = []
     opt = math.inf
     pools = [(z, g, a) for z in sorted(ctx.cluster.zones) for g, a in ctx.cluster.zones[z].items() if a > 0]
@@ -226,24 +228,51 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
                 continue
             layers = ctx.layer_s(g, t, mbs).sum(axis=1)
             # each boundary inside a node or between two, as the block placement puts the pipeline
+            inside = same_node_boundaries([(z, g, t)] * P, ctx.cluster.node_size)
             c = [ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t, same_node=on)
-                 for on in same_node_boundaries([(z, g, t)] * P, ctx.cluster.node_size)]
+                 for on in inside]
             sends = 0 if P == 1 else (2 if P == 2 else 4)
             fill = float(layers.sum()) + 2 * sum(c)
             per = max(float(layers.sum()) / P, float(layers.max())) + sends * max(c, default=0.0)
             runs.append((n, fill, per, P * t * ctx.cluster.price(z, g), p))
             tps.append(t)
             opt = min(opt, ctx.profiles.optimizer_time_s(job, g, ctx.stage_params(t, 0, L) / P))
+            if any(inside):
+                cut_runs.append((z, g, t, n, layers))
     if not runs:
         return (math.inf, math.inf)
+    cut = _node_group_estimate(ctx, opts, P, M, mbs, cut_runs, opt)
     n, fill, per, usd, pool, tp = (np.array(x) for x in zip(*[r + (t,) for r, t in zip(runs, tps)]))
     if opts.objective is Objective.COST:
-        return _cheapest_estimate(ctx, opts, P, M, pools, n, fill, per, usd, pool, tp, opt)
-    best = (math.inf, math.inf)
+        return min(cut, _cheapest_estimate(ctx, opts, P, M, pools, n, fill, per, usd, pool, tp, opt))
+    best = cut
     for floor in sorted(set(tps)):  # sync is slower the finer the sharding: each TP floor on its own
         keep = tp >= floor
         best = min(best, _uniform_estimate(ctx, opts, P, M, pools, n[keep], fill[keep], per[keep], usd[keep],
                                            pool[keep], tp[keep], opt))
+    return best
+
+
+def _node_group_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, mbs: int, runs, opt: float) -> Key:
+    """`node_estimate` of uniform pipelines cut between nodes before every stage (`plan.placement`),
+    for the runs (zone, GPU type, TP t, pipelines n, per-layer seconds) whose uncut pipelines keep a
+    boundary inside a node: D = u and 2u (at most min(n, M)) of them, u = node size // t (the
+    pipelines whose stage replicas fill one node each, or two: beyond, a stage's replicas span nodes
+    however the pipelines are cut); fill and period as `node_estimate`'s with
+    every boundary between two nodes; time fill + (ceil(M / D) - 1)·period + the slowest stage's
+    gradient sync of D replicas placed so (`_placed_sync`) + the optimizer step; the best run and D."""
+    best = (math.inf, math.inf)
+    part = even_partition(ctx.job.model.num_layers, P)
+    for z, g, t, n, layers in runs:
+        c = ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t)
+        fill = float(layers.sum()) + 2 * (P - 1) * c
+        per = max(float(layers.sum()) / P, float(layers.max())) + (2 if P == 2 else 4) * c
+        unit, most = max(1, ctx.cluster.node_size(g) // t), min(n, M)
+        slot = Slot(zone=z, gpu=g, tp=t, node_cut=True)  # a cut before stage 0 places nothing differently
+        for D in (unit, 2 * unit):
+            if D <= most:
+                T = fill + (-(-M // D) - 1) * per + (_placed_sync(ctx, [(slot, D)], part) if D > 1 else 0.0) + opt
+                best = min(best, _key(opts, T, D * P * t * ctx.cluster.price(z, g) * T / HOUR_S))
     return best
 
 

@@ -1,8 +1,10 @@
 """Pipeline schedules for the planner's best plans (the schedule dimension of the search).
 
 The search (engine, paper) builds 1F1B plans: partitions, TP, placement and batch shares do
-not depend on the schedule. On its best finalists `schedule_variants` then tries what the plan
-module offers on the same GPUs (`sailor.plan`, module docstring):
+not depend on the schedule. On every event-simulated finalist, and on the best plan of each deeper
+pipeline depth the finalists lack (`finalists.Found.deep`: a deeper partition can pay only once its
+bubble shrinks), where even without its bubble it would beat the best finalist, `schedule_variants`
+then tries what the plan module offers on the same GPUs (`sailor.plan`, module docstring):
 
 - `zb-h1` (Qi et al., ICLR 2024): the same stages, weight-gradient passes filling the bubble at
   1F1B's activation memory;
@@ -18,9 +20,10 @@ gathers twice per micro-batch. So it can be the fastest wherever it fits.
 
 A variant counts only where the plan validation and `Plan.check_against` take it (e.g. no ZB-H1
 with full recomputation, no chunk without a layer) and it stays inside the memory limit (the
-planner's margin included). `planner._rescore` ranks the variants by their closed forms
-(`simulator.schedules`), event-simulates the best one like every finalist, and keeps it when it is
-better under the objective ("where it pays").
+planner's margin included). `planner._variants` ranks each plan's variants by their closed forms
+(`simulator.schedules`) and event-simulates the best one like every finalist (for plans other than
+the best finalist, the few whose closed forms come within `planner.VARIANT_MARGIN` of its estimate);
+`planner._rescore` keeps it when it is better under the objective ("where it pays").
 """
 
 from __future__ import annotations

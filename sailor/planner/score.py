@@ -141,7 +141,7 @@ class Scorer:
         if D not in self._at:
             todo = [k for k in self.kinds if k.depends_on_replicas and k.replicas != D]
             for memory in dict.fromkeys(k.memory for k in todo):  # batched calls (`Kind.at` builds one by one)
-                make_kinds(self.ctx, [(k.zones, k.options) for k in todo if k.memory == memory], self.partition,
+                make_kinds(self.ctx, [k.spec for k in todo if k.memory == memory], self.partition,
                            self.mbs, memory, D)
             self._at[D] = [k.at(self.ctx, self.partition, self.mbs, D) for k in self.kinds]
         return self._at[D]

@@ -62,12 +62,15 @@ class Member:
     """Where one replica runs (and so how it takes part in a stage's all-reduce).
 
     `node` names the machine (`sailor.plan.placement.RankInfo.node`); None = a node of its own, shared with no
-    other member (what the planner assumes before placement)."""
+    other member (what the planner assumes before placement). `node_cut`, before placement only: the
+    replica's pipeline is cut between nodes before it (`sailor.plan.spec.Replica.node_cut`), which
+    the placement reads; placed members have it False."""
 
     zone: str
     gpu: str
     tp: int
     node: str | None = None
+    node_cut: bool = False
 
 
 Group = tuple[Member, int]  # a member kind and how many replicas of that kind take part

@@ -396,7 +396,8 @@ def group_shape(groups: list[Group]) -> tuple:
 
 def place(pipelines: list[list[Slot]], cluster: ClusterSpec) -> list[list[Slot]]:
     """The same slots, [pipeline][stage], with the node the launcher puts each on (`BlockFit`, the
-    block placement of `rank_layout`, with the cluster's GPUs per node): replicas that share a node
+    block placement of `rank_layout`, cut between nodes where a slot's `node_cut` says, with the
+    cluster's GPUs per node; the placed slots carry their node and no cut): replicas that share a node
     talk over the intra-node link. Equal placed slots are one object (cheap to count and compare)."""
     sizes: dict[str, int] = {}
 
@@ -411,7 +412,8 @@ def place(pipelines: list[list[Slot]], cluster: ClusterSpec) -> list[list[Slot]]
         got = keys.get(id(pipe))
         if got is None:
             reps = [(sl.zone, sl.gpu, sl.tp) for sl in pipe]
-            got = keys[id(pipe)] = (reps, node_blocks(reps, size))
+            cuts = [sl.node_cut for sl in pipe] if any(sl.node_cut for sl in pipe) else None
+            got = keys[id(pipe)] = (reps, node_blocks(reps, size, cuts), cuts)
         row = []
         for sl, (node, _) in zip(pipe, fit.put(*got)):
             placed = made.get((node, sl.tp))
@@ -424,4 +426,5 @@ def place(pipelines: list[list[Slot]], cluster: ClusterSpec) -> list[list[Slot]]
 
 def placed_slots(plan: Plan, cluster: ClusterSpec) -> list[list[Slot]]:
     """Slots of every replica of `plan`, [pipeline][stage], placed on nodes (`place`)."""
-    return place([[Slot(zone=r.zone, gpu=r.gpu, tp=r.tp) for r in p.replicas] for p in plan.pipelines], cluster)
+    return place([[Slot(zone=r.zone, gpu=r.gpu, tp=r.tp, node_cut=r.node_cut) for r in p.replicas]
+                  for p in plan.pipelines], cluster)
