@@ -279,15 +279,19 @@ def test_zb_h1_refuses_full_recomputation_and_interleaved_counts_blocks_over_chu
         too_many.check_against(JOB)
 
 
-def _block_first_fit(pipelines, sizes):
+def _block_first_fit(pipelines, sizes, cuts=None):
     """Reference placement: cut each pipeline into blocks (a stage joins the one before when it is in
-    the same pool and the block still fits one node), then, for every block in order, scan the pool's
-    nodes from the first and take the first with room for it, else open a node."""
+    the same pool, is not cut from it (`cuts`: per pipeline, per stage; none by default) and the block
+    still fits one node), then, for every block in order, scan the pool's nodes from the first and take
+    the first with room for it, else open a node; a block after a cut skips the nodes its pipeline
+    already holds."""
     free, out = {}, []
-    for pipe in pipelines:
+    for j, pipe in enumerate(pipelines):
+        cut = cuts[j] if cuts else [False] * len(pipe)
         blocks = []
         for i, (zone, gpu, tp) in enumerate(pipe):
-            if i and pipe[i - 1][:2] == (zone, gpu) and sum(pipe[k][2] for k in blocks[-1]) + tp <= sizes[gpu]:
+            if (i and not cut[i] and pipe[i - 1][:2] == (zone, gpu)
+                    and sum(pipe[k][2] for k in blocks[-1]) + tp <= sizes[gpu]):
                 blocks[-1].append(i)
             else:
                 blocks.append([i])
@@ -296,8 +300,9 @@ def _block_first_fit(pipelines, sizes):
             zone, gpu, _ = pipe[block[0]]
             width = sum(pipe[k][2] for k in block)
             cap = max(sizes[gpu], width)
+            held = {row[k][0] for k in range(block[0]) if row[k] is not None} if cut[block[0]] else set()
             nodes = free.setdefault((zone, gpu), [])
-            idx = next((k for k, f in enumerate(nodes) if f >= width), None)
+            idx = next((k for k, f in enumerate(nodes) if f >= width and f"{zone}/{gpu}/{k}" not in held), None)
             if idx is None:
                 nodes.append(cap)
                 idx = len(nodes) - 1

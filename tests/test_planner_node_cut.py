@@ -13,10 +13,16 @@ The two placements compared, 4 GPUs on two nodes of 2, two pipelines of two TP-1
 from __future__ import annotations
 
 import pytest
+from test_plan import _block_first_fit
 
 from sailor.core.errors import SailorInputError
 from sailor.plan import plan_from_dict
-from sailor.plan.placement import node_blocks, pack_replicas, rank_layout, same_node_boundaries
+from sailor.plan.placement import (
+    node_blocks,
+    pack_replicas,
+    rank_layout,
+    same_node_boundaries,
+)
 from sailor.plan.spec import Plan
 from sailor.planner import PlanOptions, SearchSpace, plan_job
 from sailor.planner.kinds import segment_cuts
@@ -46,34 +52,6 @@ def test_a_cut_pipeline_puts_each_stage_of_every_pipeline_on_its_own_node():
         [(f"{ZA}/{A100}/0", 2), (f"{ZA}/{A100}/1", 2), (f"{ZA}/{A100}/2", 2)]]
 
 
-def _plain_first_fit(pipes, cuts, sizes):
-    """The placement rule read literally: blocks of `node_blocks`; each block on the first node of its
-    pool with room for it, from node 0, skipping (after a cut) the nodes its pipeline already holds."""
-    free: dict = {}
-    out = []
-    for pipe, cut in zip(pipes, cuts):
-        blocks = node_blocks(pipe, sizes.get, cut)
-        row = [None] * len(pipe)
-        for b in range(blocks[-1] + 1):
-            members = [i for i in range(len(pipe)) if blocks[i] == b]
-            zone, gpu, _ = pipe[members[0]]
-            width = sum(pipe[i][2] for i in members)
-            cap = max(sizes[gpu], width)
-            mine = {row[i][0] for i in range(members[0]) if row[i] is not None} if cut[members[0]] else set()
-            nodes = free.setdefault((zone, gpu), [])
-            idx = next((k for k, f in enumerate(nodes) if f >= width and f"{zone}/{gpu}/{k}" not in mine), None)
-            if idx is None:
-                nodes.append(cap)
-                idx = len(nodes) - 1
-            local = cap - nodes[idx]
-            for i in members:
-                row[i] = (f"{zone}/{gpu}/{idx}", local)
-                local += pipe[i][2]
-            nodes[idx] -= width
-        out.append(row)
-    return out
-
-
 def test_cut_placement_is_the_plain_first_fit_rule():
     # random pipelines with random cuts over shared pools (the linear-time BlockFit against the rule)
     import random
@@ -85,7 +63,7 @@ def test_cut_placement_is_the_plain_first_fit_rule():
             P = rng.randint(1, 5)
             pipes.append([(rng.choice(["z1", "z2"]), rng.choice(list(sizes)), rng.choice([1, 2, 4])) for _ in range(P)])
             cuts.append([False] + [rng.random() < 0.4 for _ in range(P - 1)])
-        assert pack_replicas(pipes, sizes, cuts) == _plain_first_fit(pipes, cuts, sizes)
+        assert pack_replicas(pipes, sizes, cuts) == _block_first_fit(pipes, sizes, cuts)
 
 
 def test_segment_cuts_split_a_pipeline_by_its_gpus():
