@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import os
 import queue
 import subprocess
@@ -56,6 +55,7 @@ from sailor.runtime.launcher import (
     TrainResult,
     finish_result,
     kill_groups,
+    parse_event,
 )
 
 MODULE = "sailor.runtime.inplace"
@@ -183,8 +183,8 @@ class InPlaceRun(RunHandle):
             if not line.startswith(EVENT_PREFIX):
                 proc.tail.append(line)
                 continue
-            with contextlib.suppress(ValueError):
-                ev = json.loads(line[len(EVENT_PREFIX):])
+            ev = parse_event(line)
+            if ev is not None:
                 now = time.monotonic()
                 with self._lock:
                     kind = ev.get("event")

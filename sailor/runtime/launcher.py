@@ -347,8 +347,8 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
                 if stream is not None:
                     stream.write(line)
                 return
-            with contextlib.suppress(ValueError):
-                ev = json.loads(line[len(EVENT_PREFIX):])
+            ev = parse_event(line)
+            if ev is not None:
                 with lock:
                     result.events.append(ev)
                     if ev.get("event") in ("done", "stopped"):
@@ -420,6 +420,17 @@ def _wait_all(procs: list[subprocess.Popen], order: list[int], abort: threading.
             break
         time.sleep(0.1)
     return next((procs[i].returncode for i in order if procs[i].returncode), 0)
+
+
+def parse_event(line: str) -> dict[str, Any] | None:
+    """The event of a worker's event line (`EVENT_PREFIX` + JSON, `worker.emit`); None for a line
+    that is not one or whose JSON is cut or broken."""
+    if not line.startswith(EVENT_PREFIX):
+        return None
+    try:
+        return json.loads(line[len(EVENT_PREFIX):])
+    except ValueError:
+        return None
 
 
 def kill_groups(procs: list[subprocess.Popen]) -> None:

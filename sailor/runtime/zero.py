@@ -451,16 +451,16 @@ class ShardedAdamW:
 
     # ---- tied embeddings ---------------------------------------------------------------------
     def _tied_setup(self, role: RankRole, tied: Tied | None) -> None:
-        """`counted`: per bucket, the owned ranges the norm counts (all but the tied head's);
-        `twins`: each transfer as (send, peer, bucket, start, end) in owned-shard offsets."""
+        """`twins`: each transfer as (send, peer, bucket, start, end) in owned-shard offsets;
+        `norm_ranges` from the owned ranges the norm counts (all but the tied head's, `twin_ranges`)."""
         self.rank = role.rank
-        self.counted, self.twins = twin_ranges(self.buckets, self.params, role, tied)
+        counted_ranges, self.twins = twin_ranges(self.buckets, self.params, role, tied)
         # [(bucket, start, end)]: the owned gradient ranges this rank's share of the norm adds up,
         # every element of the world's gradient counted once: the counted ranges of its shards, and
         # of an unsharded (ZeRO-0) bucket, which every member holds whole after its all-reduce, the
         # member's 1/n of each range (n members, member j the j-th part)
         self.norm_ranges: list[tuple[int, int, int]] = []
-        for i, (b, counted) in enumerate(zip(self.buckets, self.counted)):
+        for i, (b, counted) in enumerate(zip(self.buckets, counted_ranges)):
             n, j = (len(b.ranks), b.ranks.index(self.rank)) if b.shards == 1 else (1, 0)
             self.norm_ranges += [(i, lo + (hi - lo) * j // n, lo + (hi - lo) * (j + 1) // n) for lo, hi in counted
                                  if (hi - lo) * (j + 1) // n > (hi - lo) * j // n]
