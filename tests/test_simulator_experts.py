@@ -14,7 +14,7 @@ from sailor.model.spec import ModelSpec
 from sailor.perf.roofline import expert_ops, ops_time_s
 from sailor.plan.spec import Plan
 from sailor.simulator import check_modelled, make_context, placed_slots, simulate
-from sailor.simulator.collectives import Member, all_to_all_time_s
+from sailor.simulator.collectives import all_to_all_time_s
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
