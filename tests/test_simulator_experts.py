@@ -5,6 +5,8 @@ and EP 1 leaving predictions exactly as they were."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sailor.core.errors import SailorInputError
@@ -15,6 +17,8 @@ from sailor.perf.roofline import expert_ops, ops_time_s
 from sailor.plan.spec import Plan
 from sailor.simulator import check_modelled, make_context, placed_slots, simulate
 from sailor.simulator.collectives import all_to_all_time_s
+from sailor.simulator.experts import stage_ep_ranks
+from sailor.simulator.terms import layer_gather_s, time_options
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -136,13 +140,32 @@ def test_all_to_all_bytes_between_zones_are_traffic():
     assert a2a[0].egress_usd == pytest.approx(a2a[0].moved_bytes / 1e9 * price)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(zero=3), "with ZeRO-3"),
-    (dict(framework="deepspeed"), "DeepSpeed"),
-])
-def test_what_is_not_modelled_is_refused_naming_the_field(kw, match):
-    with pytest.raises(SailorInputError, match=match) as e:
-        _run([{"ep": 2}], **kw)
+def test_under_zero3_experts_shard_and_gather_among_their_holders():
+    # 4 pipelines, EP 2, ZeRO-3, one GPU a node: dense weights sharded over 4, each rank's 2 experts
+    # per block over their 2 holders; per layer an all-gather of the dense part over 4, then of the
+    # experts over 2, on the ZONE link (a ring all-gather: half a ring all-reduce's time)
+    est, _, _ = _run([{"ep": 2}], pipelines=4, per_node=1, zero=3)
+    ep1, _, _ = _run(None, pipelines=4, per_node=1, zero=3)
+    spec = _spec()
+    every = sum(spec.params(i) for i in range(spec.num_layers))
+    dense, held = every - BLOCKS * E * EXPERT, BLOCKS * (E // 2) * EXPERT
+    assert ep1.replicas[0].memory.weights == pytest.approx(every * 2 / 4)
+    assert est.replicas[0].memory.weights == pytest.approx(dense * 2 / 4 + held * 2 / 2)
+    block = spec.params(1)  # layer 1, an MoE block
+    _, plan, cluster = _run([{"ep": 2}], pipelines=4, per_node=1, zero=3)
+    ctx = make_context(JobSpec(model=spec, global_batch_size=16, sequence_length=SEQ, precision="bf16"), cluster,
+                       calibration={})
+    slots = placed_slots(plan, cluster)
+    rank = stage_ep_ranks(ctx, plan.stage_experts(0), [sl[0] for sl in slots], MBS)[0]
+    opts = time_options(plan.stage_memory(0), 4)
+    ep2 = layer_gather_s(ctx, slots[0][0], 1, 2, dataclasses.replace(opts, experts=rank))[0]
+    assert ep2 == pytest.approx(_ring_s(4, (block - E * EXPERT) * 2) / 2 + _ring_s(2, (E // 2) * EXPERT * 2) / 2)
+    assert layer_gather_s(ctx, slots[0][0], 1, 2, opts)[0] == pytest.approx(_ring_s(4, block * 2) / 2)
+
+
+def test_what_is_not_modelled_is_refused_naming_the_field():
+    with pytest.raises(SailorInputError, match="DeepSpeed") as e:
+        _run([{"ep": 2}], framework="deepspeed")
     assert e.value.field == "experts.0.ep"
 
 

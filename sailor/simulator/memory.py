@@ -68,7 +68,7 @@ from sailor.model.spec import Framework, Recompute
 from sailor.perf.calibration import gpu_constant
 from sailor.plan.comms import uniform_nccl_bytes
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, StageMemory, split_recompute_blocks
-from sailor.simulator.context import ALL_PARAMS, ParamShare, stage_blocks
+from sailor.simulator.context import ALL_PARAMS, ParamShare, held_layer_params, stage_blocks
 from sailor.simulator.experts import DENSE_ONLY, EPRank, expert_activation_bytes, moe_blocks, token_buffer_bytes
 from sailor.simulator.schedules import ONE_F_ONE_B, InFlight, PipelineSchedule
 
@@ -189,7 +189,8 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Seque
     # one gradient arriving from the next stage at a time, or the head's logits gradient
     buffers += max(ctx.boundary_bytes(b, mbs) if b < n_layers else logits_grad_bytes(ctx, tp, mbs) for _, b in chunks)
     if memory.zero >= 3 and replicas > 1:
-        buffers += gathered_weights_bytes(ctx, tp, chunks, memory.reshard_after_forward)
+        buffers += gathered_weights_bytes(ctx, tp, chunks, memory.reshard_after_forward,
+                                          ALL_PARAMS if experts is None else experts.share)
     if experts is not None and any(moe_blocks(ctx, a, b) for a, b in chunks):
         buffers += token_buffer_bytes(ctx, tp, mbs, experts)
     reserve = (activations + buffers) * gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0)
@@ -201,14 +202,16 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Seque
             tp, stage, num_stages, replicas, interleaved=schedule.virtual_stages > 1))
 
 
-def gathered_weights_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, int]], reshard: bool) -> float:
+def gathered_weights_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, int]], reshard: bool,
+                           share: ParamShare = ALL_PARAMS) -> float:
     """Peak bytes of full (gathered) weights a ZeRO-3 replica holding the layer ranges `chunks` at TP
     `tp` has on one GPU (`runtime.zero`): re-sharded after every pass (`reshard`), the layer being
     computed and the next one of its pass being prefetched, so the largest two adjacent layers of a
     chunk (or its one layer); kept for the iteration, every layer of the stage plus one layer's
-    gather buffer as it is filled in."""
+    gather buffer as it is filled in. Under expert parallelism only the experts the replica holds
+    (`share`)."""
     m, wb = ctx.job.model, ctx.job.state_bytes_per_param["weights"]
-    sizes = [[m.params(i, tp) for i in range(a, b)] for a, b in chunks]
+    sizes = [[held_layer_params(m, i, tp, share) for i in range(a, b)] for a, b in chunks]
     if not reshard:
         return (sum(map(sum, sizes)) + max(map(max, sizes))) * wb
     return max(max(x + y for x, y in zip(c, c[1:])) if len(c) > 1 else c[0] for c in sizes) * wb
@@ -225,7 +228,5 @@ def sync_buffer_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, in
         return 0.0
     grad = ctx.job.state_bytes_per_param["gradients"]
     if zero >= 2:
-        m = ctx.job.model  # a layer's gradients: its routed experts' only as far as the replica holds them
-        return max(m.params(i, tp) - (1.0 - share.experts) * m.routed_expert_params(i, tp)
-                   for a, b in chunks for i in range(a, b)) * grad
+        return max(held_layer_params(ctx.job.model, i, tp, share) for a, b in chunks for i in range(a, b)) * grad
     return sum(ctx.stage_params(tp, a, b, share) for a, b in chunks) * grad
