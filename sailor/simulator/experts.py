@@ -36,7 +36,8 @@ over the stage's D replicas as without EP; each EP rank's experts over its exper
 q of every EP group (D/ep members), the ep groups at once (the slowest counts).
 
 Memory (`memory.replica_memory`): the dense parameters and n_q experts' weights, gradients and
-optimizer states (ZeRO shards the experts over their D/ep holders); the experts' kept activations
+optimizer states (ZeRO shards the experts over their D/ep holders, and ZeRO-3 gathers them among
+those holders, `terms.layer_gather_s`); the experts' kept activations
 for ρ_q·R rows in place of R (`expert_activation_bytes`); the token buffers of one MoE block at a
 time (`token_buffer_bytes`).
 """

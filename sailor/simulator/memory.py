@@ -19,6 +19,8 @@
           + ZeRO-3 gather buffer                              (the largest layer's full weights)
           + gradient sync buffer                              (a flat copy of the gradients the sync
                                                                reduces at once)
+          + expert-parallel token buffers                     (EP > 1: one MoE block's dispatched and
+                                                               arrived rows, `experts.token_buffer_bytes`)
           + allocator reserve                                 (reserve_fraction x the transient tensors)
           + framework                                         (CUDA context and kernels; per GPU type)
           + NCCL buffers                                      (per communicator the rank opens,
@@ -188,16 +190,16 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Seque
     buffers = sum((h + q) * x for h, q, x in zip(held.held, held.pending, inputs))
     # one gradient arriving from the next stage at a time, or the head's logits gradient
     buffers += max(ctx.boundary_bytes(b, mbs) if b < n_layers else logits_grad_bytes(ctx, tp, mbs) for _, b in chunks)
+    held = ALL_PARAMS if experts is None else experts.share
     if memory.zero >= 3 and replicas > 1:
-        buffers += gathered_weights_bytes(ctx, tp, chunks, memory.reshard_after_forward,
-                                          ALL_PARAMS if experts is None else experts.share)
+        buffers += gathered_weights_bytes(ctx, tp, chunks, memory.reshard_after_forward, held)
     if experts is not None and any(moe_blocks(ctx, a, b) for a, b in chunks):
         buffers += token_buffer_bytes(ctx, tp, mbs, experts)
     reserve = (activations + buffers) * gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0)
     return MemoryBreakdown(
         weights=state["weights"], gradients=state["gradients"], optimizer=state["optimizer"],
         activations=activations, buffers=buffers, reserve=reserve, framework=ctx.framework_bytes(gpu),
-        sync_buffer=sync_buffer_bytes(ctx, tp, chunks, memory.zero, ALL_PARAMS if experts is None else experts.share),
+        sync_buffer=sync_buffer_bytes(ctx, tp, chunks, memory.zero, held),
         nccl=0.0 if ctx.framework_calibrated(gpu) else uniform_nccl_bytes(
             tp, stage, num_stages, replicas, interleaved=schedule.virtual_stages > 1))
 
