@@ -78,6 +78,17 @@ def test_all_to_all_across_nodes_takes_the_link_between_them():
     assert est.replicas[0].forward_s - ep1.replicas[0].forward_s > 2 * BLOCKS * one * 0.99
 
 
+def test_members_of_one_node_share_its_link_to_the_others():
+    # EP 4 over 2 nodes of 2 GPUs: each member sends a quarter of its rows to each peer; the two
+    # members of a node send 2 x 2 quarters off the node at once, over its one ZONE link
+    est, plan, cluster = _run([{"ep": 4}], pipelines=4, per_node=2)
+    nodes = [sl[0].node for sl in placed_slots(plan, cluster)]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
+    off_node = 2 * 2 * DISPATCH / 4
+    one = ZONE["latency_s"] + off_node / ZONE["bandwidth_bytes_per_s"]  # slower than the NVLink quarter
+    assert est.replicas[0].all_to_all_s == pytest.approx(4 * BLOCKS * one)
+
+
 def test_the_routed_experts_weights_halve_at_ep2_and_token_buffers_appear():
     ep1, _, _ = _run(None)
     ep2, _, _ = _run([{"ep": 2}])
