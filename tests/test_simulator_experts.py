@@ -40,7 +40,7 @@ def _spec() -> ModelSpec:
 
 
 def _run(experts: list[dict] | None, *, pipelines: int = 2, per_node: int = 8, zones: tuple[str, ...] = (A,),
-         framework: str = "sailor", zero: int = 0):
+         framework: str = "sailor", zero: int = 0, recompute: str | None = None):
     """(estimate, plan, cluster) of `pipelines` one-stage TP-1 H100 replicas of the tiny MoE model,
     2 micro-batches each, `per_node` GPUs a node, pipeline j in zone zones[j % len(zones)], links
     NODE inside a node and ZONE between nodes, no calibration."""
@@ -48,7 +48,8 @@ def _run(experts: list[dict] | None, *, pipelines: int = 2, per_node: int = 8, z
                   framework=framework)
     cluster = ClusterSpec(zones={z: {"H100-80": pipelines} for z in zones}, gpus_per_node={"H100-80": per_node},
                           network={"same_node": NODE, "same_zone": ZONE})
-    body = {"micro_batch_size": MBS, "stages": [[0, 4]], "memory": [{"zero": zero}],
+    memory = {"zero": zero} | ({"recompute": recompute} if recompute else {})
+    body = {"micro_batch_size": MBS, "stages": [[0, 4]], "memory": [memory],
             "pipelines": [{"microbatches": 2, "replicas": [{"stage": 0, "gpu": "H100-80", "zone": zones[j % len(zones)],
                                                             "tp": 1}]} for j in range(pipelines)]}
     plan = Plan.model_validate(body | ({"experts": experts} if experts is not None else {}))
@@ -129,6 +130,18 @@ def test_an_uneven_placement_loads_the_rank_with_more_experts_and_every_member_w
     assert big.memory.buffers - small.memory.buffers == pytest.approx(1.0 * R * H * 2)
     even, _, _ = _run([{"ep": 2}])
     assert big.forward_s > even.replicas[0].forward_s  # 1.5 R rows through 3 experts' weights
+
+
+def test_full_recomputation_keeps_no_expert_rows_and_rebuilds_one_blocks():
+    flat, _, _ = _run([{"ep": 2}], recompute="full")
+    hot, _, _ = _run([{"ep": 2, "imbalance": 2.0}], recompute="full")
+    # twice the rows arrive; both blocks recomputed: only the one block being rebuilt holds them
+    assert hot.replicas[0].memory.activations - flat.replicas[0].memory.activations == pytest.approx(
+        (2.0 - 1.0) * R * (2 * H + 4 * 2 * FE))
+    kept, _, _ = _run([{"ep": 2, "imbalance": 2.0}])  # without recomputation both blocks keep them
+    base, _, _ = _run([{"ep": 2}])
+    assert kept.replicas[0].memory.activations - base.replicas[0].memory.activations == pytest.approx(
+        BLOCKS * (2.0 - 1.0) * R * (2 * H + 4 * 2 * FE))
 
 
 def test_the_imbalance_factor_charges_the_busiest_ranks_rows():

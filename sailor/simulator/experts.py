@@ -158,14 +158,18 @@ def all_to_all_runs(ctx: SimContext, a: int, e: int, recompute: Recompute, recom
     return 4 * moe_blocks(ctx, a, e) + 2 * _recomputed_moe(ctx, recompute, recomputed)
 
 
-def expert_activation_bytes(ctx: SimContext, tp: int, mbs: int, a: int, e: int, x: EPRank) -> float:
-    """Bytes one micro-batch's MoE blocks in [a, e) keep under EP beyond the EP-1 activations:
-    the experts' inputs and SwiGLU intermediates (`activations.expert_row_bytes`) for ρ_q·R arrived
-    rows in place of R own rows (negative when the rank receives fewer)."""
+def expert_activation_bytes(ctx: SimContext, tp: int, mbs: int, a: int, e: int, x: EPRank,
+                            recompute: Recompute, recomputed: tuple[int, int]) -> tuple[float, float]:
+    """(kept per micro-batch, recomputation transient) bytes the MoE blocks in [a, e) hold under
+    EP beyond the EP-1 activations: the experts' inputs and SwiGLU intermediates
+    (`activations.expert_row_bytes`) for ρ_q·R arrived rows in place of R own rows (negative when
+    the rank receives fewer). A block full recomputation re-runs (arguments as `ep_time_s`) keeps
+    none of them and rebuilds them during its backward, one block at a time (the transient)."""
     job = ctx.job
     R = routed_rows(job.model, mbs=mbs, seq=job.seq)
-    per_row = expert_row_bytes(job.model, tp=tp, e=job.elem_bytes)
-    return moe_blocks(ctx, a, e) * (x.rows(x.held) - 1.0) * R * per_row
+    block = (x.rows(x.held) - 1.0) * R * expert_row_bytes(job.model, tp=tp, e=job.elem_bytes)
+    again = _recomputed_moe(ctx, recompute, recomputed)
+    return (moe_blocks(ctx, a, e) - again) * block, block if again else 0.0
 
 
 def token_buffer_bytes(ctx: SimContext, tp: int, mbs: int, x: EPRank) -> float:

@@ -73,6 +73,7 @@ from sailor.plan.spec import DEFAULT_STAGE_MEMORY, StageMemory, split_recompute_
 from sailor.simulator.context import ALL_PARAMS, ParamShare, held_layer_params, stage_blocks
 from sailor.simulator.experts import DENSE_ONLY, EPRank, expert_activation_bytes, moe_blocks, token_buffer_bytes
 from sailor.simulator.schedules import ONE_F_ONE_B, InFlight, PipelineSchedule
+from sailor.simulator.terms import recomputed_blocks
 
 if TYPE_CHECKING:
     from sailor.simulator.context import SimContext
@@ -176,11 +177,14 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Seque
         d_state = state_bytes(job.state_bytes_per_param, dense, memory.zero, replicas)
         e_state = state_bytes(job.state_bytes_per_param, own, memory.zero, experts.expert_replicas)
         state = {k: d_state[k] + e_state[k] for k in d_state}
-    per_chunk = [stage_activation_bytes(ctx, tp, mbs, a, b, mem)
-                 for (a, b), mem in zip(chunks, split_recompute_blocks(memory, chunks, n_layers))]
+    chunk_memory = split_recompute_blocks(memory, chunks, n_layers)
+    per_chunk = [stage_activation_bytes(ctx, tp, mbs, a, b, mem) for (a, b), mem in zip(chunks, chunk_memory)]
+    if experts is not None:  # the rows its experts receive in place of its own (`experts`)
+        more = [expert_activation_bytes(ctx, tp, mbs, a, b, experts, mem.recompute,
+                                        recomputed_blocks(ctx, a, b, mem.recompute, mem.recompute_blocks))
+                for (a, b), mem in zip(chunks, chunk_memory)]
+        per_chunk = [(kept + dk, transient + dt) for (kept, transient), (dk, dt) in zip(per_chunk, more)]
     acts = [kept for kept, _ in per_chunk]
-    if experts is not None:
-        acts = [x + expert_activation_bytes(ctx, tp, mbs, a, b, experts) for x, (a, b) in zip(acts, chunks)]
     inputs = [ctx.boundary_bytes(a, mbs) if a > 0 else 0.0 for a, _ in chunks]  # received, kept for backward
     pending = [sum(job.model.weight_grad_pending_bytes(x, tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes)
                    for x in range(a, b)) if schedule.splits_backward else 0.0 for a, b in chunks]
