@@ -9,7 +9,8 @@ holds n_q of the E routed experts (R = k·c·N routed copies of its own tokens, 
 - Routed rows. Under uniform routing each expert gets k·N/E rows from each of the ep ranks, so the
   experts of rank q receive ρ_q·R rows, ρ_q = f · ep · n_q / E (1 for the even split with f = 1).
   f is the load-balance assumption (`StageExperts.imbalance`): the rows the busiest rank receives
-  over its uniform share. Its default, 1, is the balanced load: Megatron-Bridge's published MoE
+  over its uniform share, charged to every rank (any rank can be the busiest in a step: its time
+  is the slowest rank's anyway, its memory must hold that many rows). Its default, 1, is the balanced load: Megatron-Bridge's published MoE
   benchmarks force-balance the token distribution among experts (NVIDIA-NeMo/Megatron-Bridge,
   docs/performance-summary.md, the note under each container's tables: "we force-balance the token
   distribution among experts and all benchmarks are token-dropless"), and Megatron-Core reports
@@ -37,9 +38,8 @@ q of every EP group (D/ep members), the ep groups at once (the slowest counts).
 
 Memory (`memory.replica_memory`): the dense parameters and n_q experts' weights, gradients and
 optimizer states (ZeRO shards the experts over their D/ep holders, and ZeRO-3 gathers them among
-those holders, `terms.layer_gather_s`); the experts' kept activations
-for ρ_q·R rows in place of R (`expert_activation_bytes`); the token buffers of one MoE block at a
-time (`token_buffer_bytes`).
+those holders, `terms.layer_gather_s`); the experts' kept activations for ρ_q·R rows in place of
+R (`expert_activation_bytes`); the token buffers of one MoE block at a time (`token_buffer_bytes`).
 """
 
 from __future__ import annotations
