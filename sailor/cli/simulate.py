@@ -40,7 +40,7 @@ def simulate_command(
     try:
         job_spec, cluster_spec = resolve_specs(plan, job, cluster)
         plan.check_against(job_spec, cluster_spec)
-        check_modelled(plan)
+        check_modelled(plan, job_spec.framework)
         for pipe in plan.pipelines:  # before the work (profiling this machine, the simulation)
             check_pipeline_tasks(plan.num_stages, pipe.microbatches, plan.virtual_stages)
     except Exception as e:

@@ -258,6 +258,13 @@ def moe_mlp_bytes(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int) -> float
     return float(seq * mbs * (router + routed + shared))
 
 
+def expert_row_bytes(m: ModelSpec, *, tp: int, e: int) -> float:
+    """Bytes an MoE block's experts keep per routed row they process (part of `moe_mlp_bytes`'s
+    per-copy term, the part that stays with the expert when expert parallelism sends the row to
+    another rank): its input e·h and the SwiGLU intermediates 4·e·f_e/t."""
+    return e * m.hidden_size + 4 * e * m.moe.expert_ffn_size / tp
+
+
 def sailor_embedding_bytes(m: "ModelSpec", *, tp: int, mbs: int, seq: int, e: int) -> float:
     """Embedding in Sailor's runtime: the int64 token ids (under TP also the shifted local ids and a
     bool mask of ids outside this rank's rows) and, for learned positions, the int64 position ids."""

@@ -336,6 +336,15 @@ class ModelSpec(BaseModel):
         f, mlp_in = self.ffn, (2 if self.gated_mlp else 1)  # gate and up projections for SwiGLU
         return mlp_in * h * f + f * h + mlp_in * f * self.has_mlp_bias, h * self.has_mlp_bias
 
+    def routed_expert_params(self, layer: int, tp: int = 1, experts: int | None = None) -> int:
+        """Parameters one GPU of a TP group holds of `experts` routed experts (default all E) of
+        block `layer`: 3·h·f_e each, TP-sharded (`_mlp_params`); 0 for a dense layer. The part of
+        `params` that expert parallelism splits among the EP ranks."""
+        if not self.is_moe_block(layer):
+            return 0
+        n = self.moe.num_experts if experts is None else experts
+        return 3 * self.hidden_size * n * self.moe.expert_ffn_size // tp
+
     def total_params(self) -> int:
         """Parameters of the whole model at TP 1 (LM head counted separately from the embedding)."""
         return sum(self.params(i) for i in range(self.num_layers))

@@ -109,13 +109,11 @@ def moe_mlp_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int) -> tuple[l
     every memory-bound kernel's traffic twice (its saved input and the incoming gradient read, the
     outgoing one written)."""
     moe, t, N, h = m.moe, tp, mbs * seq, m.hidden_size
-    R, E, fe = moe.top_k * (moe.capacity_factor or 1.0) * N, moe.num_experts, moe.expert_ffn_size / tp
+    R, E = routed_rows(m, mbs=mbs, seq=seq), moe.num_experts
     router = _gemm("router", N, h, E, e)
     routing = _mem("softmax and top-k", N * E * (e + 3 * FP32))
     gather = _mem("token gather", 2 * e * R * h)
-    up = Op("experts gate and up", OpKind.MATMUL, 2.0 * R * h * 2 * fe, e * (2 * R * h + E * h * 2 * fe + R * 2 * fe))
-    act = _mem("experts activation", (2 + 3) * e * R * fe)
-    down = Op("experts down", OpKind.MATMUL, 2.0 * R * fe * h, e * (R * fe + E * fe * h + R * h))
+    up, act, down = _expert_kernels(m, tp=tp, e=e, rows=R, experts=E)
     combine = _mem("weighting and scatter-add", 4 * e * R * h)
     fwd = [router, routing, gather, up, act, down, combine]
     gemms = [router, up, down]
@@ -129,6 +127,48 @@ def moe_mlp_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int) -> tuple[l
     bwd = [g.scaled(2, g.name + " backward") for g in gemms]
     bwd += [op.scaled(2, op.name + " backward") for op in fwd if op.kind is OpKind.MEMORY]
     return fwd, bwd
+
+
+def routed_rows(m: ModelSpec, *, mbs: int, seq: int) -> float:
+    """Routed copies R = k·c·N of one micro-batch's N = mbs·seq tokens in an MoE block (c the
+    capacity factor: buffers padded to capacity; 1 dropless)."""
+    return m.moe.top_k * (m.moe.capacity_factor or 1.0) * mbs * seq
+
+
+def _expert_kernels(m: ModelSpec, *, tp: int, e: int, rows: float, experts: int) -> tuple[Op, Op, Op]:
+    """The experts' gate-and-up GEMMs, SiLU and gating product, and down GEMMs over `rows` routed
+    rows in all, reading the weights of `experts` experts once (their TP shards, f_e / t wide)."""
+    h, fe, R = m.hidden_size, m.moe.expert_ffn_size / tp, rows
+    up = Op("experts gate and up", OpKind.MATMUL, 2.0 * R * h * 2 * fe,
+            e * (2 * R * h + experts * h * 2 * fe + R * 2 * fe))
+    act = _mem("experts activation", (2 + 3) * e * R * fe)
+    down = Op("experts down", OpKind.MATMUL, 2.0 * R * fe * h, e * (R * fe + experts * fe * h + R * h))
+    return up, act, down
+
+
+def expert_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, experts: int | None = None,
+               rows: float = 1.0, ep: bool = False) -> tuple[list[Op], list[Op]]:
+    """(forward, backward) operations of the routed experts alone of one MoE block (the part of
+    `moe_mlp_ops` expert parallelism changes) on an EP rank holding `experts` experts (default all E)
+    that processes `rows` x R routed rows (R of its own micro-batch, `routed_rows`); under expert
+    parallelism (`ep`) also the runtime's sort of the arrived rows by expert and the copy of the
+    outputs back to arrival order (`runtime.moe.ExpertParallel.run`: 2·e·h bytes per row each).
+    Backward: each GEMM twice, each memory-bound kernel's traffic twice."""
+    R = rows * routed_rows(m, mbs=mbs, seq=seq)
+    up, act, down = _expert_kernels(m, tp=tp, e=e, rows=R, experts=m.moe.num_experts if experts is None else experts)
+    fwd = [up, act, down]
+    if ep:
+        fwd += [_mem("arrived rows by expert", 2 * e * R * m.hidden_size),
+                _mem("outputs to arrival order", 2 * e * R * m.hidden_size)]
+    bwd = [up.scaled(2, up.name + " backward"), down.scaled(2, down.name + " backward")]
+    bwd += [op.scaled(2, op.name + " backward") for op in fwd if op.kind is OpKind.MEMORY]
+    return fwd, bwd
+
+
+def ops_time_s(ops: list[Op], gpu: str, precision: str) -> float:
+    """Seconds of running `ops` one after another on one GPU of type `gpu` (`op_time_s`)."""
+    spec = catalog.gpu(gpu)
+    return sum(op_time_s(op, spec, precision) for op in ops)
 
 
 def megatron_block_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, sp: bool,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from sailor.core.errors import SailorInputError
 from sailor.core.limits import MAX_GLOBAL_BATCH, MAX_WIDTH
@@ -49,11 +49,16 @@ class StageExperts(BaseModel):
         ep: EP degree: pipelines per EP group, among which the stage's routed experts are split.
         placement: per EP rank (0..ep-1), the global ids of the experts it holds; None: the even
             split of the model's experts in id order.
+        imbalance: the simulator's load-balance assumption (`sailor.simulator.experts`): the
+            routed rows the busiest EP rank receives over its share under uniform routing (>= 1;
+            1 = every expert gets k·N/E of a batch's N tokens). The runtime routes as the router
+            says and does not read it.
     """
 
     model_config = SPEC_CONFIG
     ep: Whole(1, MAX_GLOBAL_BATCH) = 1
     placement: tuple[tuple[Whole(0, MAX_WIDTH - 1), ...], ...] | None = None
+    imbalance: float = Field(default=1.0, ge=1.0, le=MAX_WIDTH)
 
     @model_validator(mode="after")
     def _check(self) -> "StageExperts":

@@ -26,6 +26,11 @@ DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, Opt
   a ring or a hierarchical all-reduce over the links at the GPU type's calibrated all-reduce
   efficiency (`terms.collective_s`, `collectives`).
 - optimizer: proportional to the parameters on one GPU (memory-bound; 1/D of them under ZeRO).
+- expert parallelism (`Plan.experts`, EP > 1 on a stage; `experts`): each replica's EP rank goes
+  into its stage's time options (its experts' work, the slowest EP rank of its group, and the
+  all-to-alls in its passes), its memory (its experts' states, the rows it receives, token
+  buffers) and the stage's sync (dense parameters over all D replicas, each EP rank's experts over
+  its D/ep holders); the all-to-alls' bytes between zones are traffic of their own kind.
 Memory options (`Plan.memory`) are read in one place, `terms.stage_memory`, which `simulate` calls
 once per stage and hands to `terms.time_options` (time) and `memory.replica_memory` (memory, per chunk
 under interleaving); the schedule (`Plan.schedule`) in one, `schedules.pipeline_schedule`, whose
@@ -51,11 +56,13 @@ from typing import Any
 from sailor import catalog
 from sailor.core.errors import SailorInputError
 from sailor.core.units import HOUR_S
+from sailor.model.spec import Framework
 from sailor.perf.profiles import SPLIT_FROM_FLOPS
 from sailor.plan.comms import replica_nccl_bytes
 from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator.collectives import group_members
 from sailor.simulator.context import (
+    ALL_PARAMS,
     SimContext,
     TiedCopies,
     embedding_params,
@@ -63,6 +70,7 @@ from sailor.simulator.context import (
     make_context,
     tied_embeddings,
 )
+from sailor.simulator.experts import DENSE_ONLY, all_to_all_runs, stage_ep_crossings, stage_ep_ranks
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.schedules import (
     ONE_F_ONE_B,
@@ -106,8 +114,9 @@ __all__ = ["DEFAULT_TIME", "Estimate", "ReplicaEstimate", "SimContext", "Slot", 
 
 @dataclass
 class ReplicaEstimate:
-    """Replica (stage i of pipeline j): per-micro-batch compute (summed over its chunks) and p2p
-    (its outgoing transfers), per-iteration sync and optimizer seconds, and memory per GPU (bytes).
+    """Replica (stage i of pipeline j): per-micro-batch compute (summed over its chunks; with
+    expert parallelism its all-to-alls, also given alone as `all_to_all_s`) and p2p (its outgoing
+    transfers), per-iteration sync and optimizer seconds, and memory per GPU (bytes).
     `layers` spans the first to the last layer it holds; `chunks` are its ranges (several under
     interleaving)."""
 
@@ -128,6 +137,7 @@ class ReplicaEstimate:
     recompute_s: float = 0.0
     tp_comm_s: float = 0.0
     gather_s: float = 0.0
+    all_to_all_s: float = 0.0
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -143,6 +153,7 @@ class ReplicaEstimate:
                 "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "p2p_s": self.p2p_s, "sync_s": self.sync_s, "optimizer_s": self.optimizer_s,
                 "recompute_s": self.recompute_s, "tp_comm_s": self.tp_comm_s, "zero_gather_s": self.gather_s,
+                **({"all_to_all_s": self.all_to_all_s} if self.all_to_all_s else {}),
                 "peak_memory_bytes": int(self.peak_memory_bytes), "memory_capacity_bytes": self.memory_capacity_bytes,
                 "memory_breakdown_bytes": self.memory.to_dict(), "out_of_memory": self.oom}
 
@@ -265,16 +276,16 @@ def _with_nccl(ctx: SimContext, mem: MemoryBreakdown, plan: Plan, pipeline: int,
     return dataclasses.replace(mem, nccl=nccl)
 
 
-def check_modelled(plan: Plan) -> None:
+def check_modelled(plan: Plan, framework: Framework | None = None) -> None:
     """Raise SailorInputError (naming `experts.<stage>.ep`) for a plan this simulator does not model:
-    expert parallelism above 1 (its all-to-all, the experts' memory per EP rank and their gradient
-    sync over each expert's holders are not modelled yet; EP 1, every expert on every rank, is)."""
+    expert parallelism above 1 under DeepSpeed's pipeline engine (`framework`; its MoE layers are
+    not what `simulator.experts` models). Every other EP plan is modelled (`simulator.experts`)."""
     for i in range(plan.num_stages):
         ep = plan.stage_experts(i).ep
-        if ep > 1:
-            raise SailorInputError(f"the simulator does not model expert parallelism yet (ep {ep} on stage {i}):"
-                                   " its all-to-all, per-EP-rank expert memory and expert gradient sync",
-                                   field=f"experts.{i}.ep", fix="simulate the plan with ep 1 (sailor train runs it)")
+        if ep > 1 and framework is Framework.DEEPSPEED:
+            raise SailorInputError(f"the simulator does not model expert parallelism under DeepSpeed's pipeline engine"
+                                   f" (ep {ep} on stage {i})", field=f"experts.{i}.ep",
+                                   fix="use framework sailor or megatron-lm, or ep 1")
 
 
 def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
@@ -288,9 +299,9 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     Returns:
         Estimate with times (s), memory per GPU (bytes) and cost ($).
     Raises:
-        SailorInputError: a plan with expert parallelism (`check_modelled`).
+        SailorInputError: a plan this simulator does not model (`check_modelled`).
     """
-    check_modelled(plan)
+    check_modelled(plan, ctx.job.framework)
     job, mbs = ctx.job, plan.micro_batch_size
     P, D = plan.num_stages, len(plan.pipelines)
     sched = pipeline_schedule(plan)
@@ -303,14 +314,19 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     egress_usd, cross_bytes = 0.0, 0.0
     crossings: list[tuple[TrafficKind, Crossing, int]] = []  # what the two totals add up, itemised
     slots = placed_slots(plan, ctx.cluster)
+    # expert parallelism: each replica's EP rank (`experts`), in its stage's time options
+    eps = {i: stage_ep_ranks(ctx, plan.stage_experts(i), [sl[i] for sl in slots], mbs)
+           for i in range(P) if plan.stage_experts(i).ep > 1}
     # pipelines of one shape (slots alike but for which nodes they sit on, `group_shape`) share their
     # pass times: `pipeline_times` reads a node only to tell whether two stages share one
     arrays: dict[tuple, PipelineTimes] = {}
     for j, pipe in enumerate(plan.pipelines):
         m = pipe.microbatches
-        shape = group_shape([(sl, 1) for sl in slots[j]])
+        opts = [tuple(dataclasses.replace(o, experts=eps[i][j]) for o in options[i]) if i in eps else options[i]
+                for i in range(P)]
+        shape = (group_shape([(sl, 1) for sl in slots[j]]), tuple(eps[i][j] for i in eps))
         if shape not in arrays:
-            arrays[shape] = pipeline_times(ctx, slots[j], plan.stages, mbs, options, sched)
+            arrays[shape] = pipeline_times(ctx, slots[j], plan.stages, mbs, opts, sched)
         times = arrays[shape]
         passes.append(times)
         cross_bytes += times.cross_zone_bytes * m
@@ -321,24 +337,25 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
             cache[key] = sched.time_s(times, m, event=event)
         # kept ZeRO-3 weights are gathered once, on each stage's first forward: the fill waits for each
         fill = sum(kept_gather_s(ctx, slots[j][i], mbs, a, e, o) for i in range(P)
-                   for (a, e), o in zip(plan.stage_chunks(i), options[i]))
+                   for (a, e), o in zip(plan.stage_chunks(i), opts[i]))
         pipeline_times_s.append(cache[key] + fill)
         fwd, bwd = times.forward_s.sum(axis=1).tolist(), (times.backward_s + times.weight_s).sum(axis=1).tolist()
         sends = [float(times.transfer_s[i::P].sum()) for i in range(P)]  # outgoing, per micro-batch
         for i, r in enumerate(pipe.replicas):
             chunks = plan.stage_chunks(i)
-            parts = [stage_time(ctx, slots[j][i], mbs, a, e, o) for (a, e), o in zip(chunks, options[i])]
-            mkey = ("replica_memory", r.gpu, r.tp, mbs, chunks, i, P, m, memory[i][0], D, sched)
+            parts = [stage_time(ctx, slots[j][i], mbs, a, e, o) for (a, e), o in zip(chunks, opts[i])]
+            ep_rank = eps[i][j] if i in eps else None
+            mkey = ("replica_memory", r.gpu, r.tp, mbs, chunks, i, P, m, memory[i][0], D, sched, ep_rank)
             if mkey not in ctx.memo:  # identical replicas of other pipelines have the same memory
                 ctx.memo[mkey] = replica_memory(ctx, r.gpu, r.tp, mbs, chunks, stage=i, num_stages=P, microbatches=m,
-                                                memory=memory[i][0], replicas=D, schedule=sched)
+                                                memory=memory[i][0], replicas=D, schedule=sched, experts=ep_rank)
             replicas.append(ReplicaEstimate(
                 pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(chunks[0][0], chunks[-1][1]),
                 chunks=chunks, forward_s=fwd[i], backward_s=bwd[i], p2p_s=sends[i], sync_s=0.0,
-                optimizer_s=sum(optimizer_s(ctx, slots[j][i], a, e, o) for (a, e), o in zip(chunks, options[i])),
+                optimizer_s=sum(optimizer_s(ctx, slots[j][i], a, e, o) for (a, e), o in zip(chunks, opts[i])),
                 memory=_with_nccl(ctx, ctx.memo[mkey], plan, j, i, r.gpu), memory_capacity_bytes=ctx.memory_capacity(r.gpu),
                 recompute_s=sum(st.recompute_s for st in parts), tp_comm_s=sum(st.tp_comm_s for st in parts),
-                gather_s=sum(st.gather_s for st in parts)))
+                gather_s=sum(st.gather_s for st in parts), all_to_all_s=sum(st.all_to_all_s for st in parts)))
 
     tied_s = 0.0
     ends = (memory[0][0].zero, memory[-1][0].zero)  # ZeRO levels of the stages holding the tied copies
@@ -351,14 +368,34 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     sync_times = []
     rounds = max(plan.step_rounds(j) for j in range(D))  # a stage group's rounds: its ZeRO-2/3 reduce-scatters
     for i in range(P):
-        groups, chunks = group_members([sl[i] for sl in slots]), plan.stage_chunks(i)
-        t, eb, eu = stage_sync(ctx, groups, chunks, options[i][0], mbs, rounds=rounds,
-                               split_backward=plan.schedule.splits_backward)
-        sync_times.append(t)
-        cross_bytes += eb
-        egress_usd += eu
-        crossings += [(TrafficKind.SYNC, c, 1)
-                      for c in stage_sync_crossings(ctx, groups, chunks, options[i][0], rounds=rounds)]
+        chunks = plan.stage_chunks(i)
+        # (members, the share of the stage's parameters they sync): every replica, all of them; under
+        # EP every replica the dense ones, then EP rank q of every group its experts (`experts`)
+        syncs = [([sl[i] for sl in slots], ALL_PARAMS if i not in eps else DENSE_ONLY)]
+        if i in eps:
+            ep = plan.stage_experts(i).ep
+            syncs += [([sl[i] for sl in slots[q::ep]], eps[i][q].experts_share) for q in range(ep)]
+        times = []
+        for members, share in syncs:
+            groups = group_members(members)
+            t, eb, eu = stage_sync(ctx, groups, chunks, options[i][0], mbs, rounds=rounds,
+                                   split_backward=plan.schedule.splits_backward, share=share)
+            times.append(t)
+            cross_bytes += eb
+            egress_usd += eu
+            crossings += [(TrafficKind.SYNC, c, 1)
+                          for c in stage_sync_crossings(ctx, groups, chunks, options[i][0], rounds=rounds, share=share)]
+        sync_times.append(times[0] + max(times[1:], default=0.0))  # the expert DP groups sync at once
+        if i in eps:  # the all-to-alls' bytes between zones
+            mem = memory[i][1]
+            runs = sum(all_to_all_runs(ctx, a, e, c.recompute, recomputed_blocks(ctx, a, e, c.recompute,
+                                                                                   c.recompute_blocks))
+                       for (a, e), c in zip(chunks, mem))
+            for c, count in stage_ep_crossings(ctx, plan.stage_experts(i), [sl[i] for sl in slots], mbs,
+                                               [p.microbatches for p in plan.pipelines], runs):
+                cross_bytes += c.moved_bytes * count
+                egress_usd += c.egress_usd * count
+                crossings.append((TrafficKind.ALL_TO_ALL, c, count))
     for rep in replicas:
         rep.sync_s = sync_times[rep.stage] + (tied_s if rep.stage in (0, P - 1) else 0.0)
 

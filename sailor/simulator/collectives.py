@@ -29,6 +29,10 @@ A ring all-reduce is a reduce-scatter followed by an all-gather (Patarasuk & Yua
 Rabenseifner 2004), each taking half of its steps and bytes (`simulator.terms.collective_s`; ZeRO:
 reduce-scatter of gradients plus all-gather of parameters in place of the all-reduce).
 
+Expert parallelism's all-to-all (`all_to_all_time_s`) is no ring: every member sends its share to
+every other at once, over its own intra-node link to the members on its node and over the node's
+shared links to the rest; the slowest member sets the time.
+
 Inside a TP group (one node) the same rings run over the intra-node link (`tp_collective_time_s`):
 an all-reduce of a tensor of n bytes takes 2(t-1) steps of n/t, an all-gather or a reduce-scatter
 t-1 steps.
@@ -47,6 +51,7 @@ absolute per-byte cost on both, so a rate beside the link's, not a fraction of i
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -235,3 +240,56 @@ def ring_crossings(groups: list[Group], nbytes: float, net: NetworkModel) -> lis
 def ring_egress(groups: list[Group], nbytes: float, net: NetworkModel) -> tuple[float, float]:
     """(bytes crossing zones, egress $) per all-reduce: the totals of `ring_crossings`."""
     return totals(ring_crossings(groups, nbytes, net))
+
+
+def all_to_all_time_s(net: NetworkModel, members: Sequence[Member], nbytes: float, shares: Sequence[float]) -> float:
+    """Seconds of one all-to-all among `members` (an EP group's replicas, in EP-rank order) in which
+    each TP rank of member j sends nbytes x shares[q] to the same TP rank of every other member q
+    (each TP rank runs its own all-to-all among equal TP ranks, `runtime.moe`), all at once:
+
+        T = startup_s + max_j max(T_node(j), T_out(j))
+        T_node(j) = transfer(sum of j's bytes to the members on its node)  over the intra-node link
+        T_out(j)  = transfer(F flows of B / F bytes)  over the slowest link from j's node to another
+                    member's, F = k·t·(members off the node) flows leaving the node at once,
+                    B = their bytes (k members of the group on j's node, t TP ranks each)
+
+    The intra-node part goes over each GPU's own link (one flow, as the TP rings of
+    `tp_collective_time_s`), the rest shares the node's links with every flow that leaves it
+    (`catalog.Link`: the NIC divided among its flows), so a group spanning a slow link is charged
+    that link for all of its off-node bytes. 0 for fewer than two members or no bytes."""
+    if len(members) < 2 or nbytes <= 0:
+        return 0.0
+    worst = 0.0
+    for j, src in enumerate(members):
+        near = [q for q, m in enumerate(members) if q != j and same_node(src, m)]
+        far = [q for q, m in enumerate(members) if q != j and not same_node(src, m)]
+        t_node = net.transfer_time_s(src.zone, src.gpu, src.zone, src.gpu, sum(nbytes * shares[q] for q in near),
+                                     same_node=True)
+        t_out = 0.0
+        if far:
+            k = 1 + len(near)
+            flows = k * src.tp * len(far)
+            per_flow = k * src.tp * sum(nbytes * shares[q] for q in far) / flows
+            t_out = max(net.transfer_time_s(src.zone, src.gpu, members[q].zone, members[q].gpu, per_flow, flows=flows)
+                        for q in far)
+        worst = max(worst, t_node, t_out)
+    return net.collective.startup_s + worst
+
+
+def all_to_all_crossings(net: NetworkModel, members: Sequence[Member], nbytes: float,
+                         shares: Sequence[float]) -> list[Crossing]:
+    """The bytes between zones of one all-to-all of `all_to_all_time_s` (same arguments): per
+    ordered pair j -> q of members in different zones, its t TP ranks' nbytes x shares[q], priced
+    by j's provider for the pair's link class (`catalog.Clouds.egress_between`)."""
+    prov = net.cluster.prov
+    out = []
+    for j, src in enumerate(members):
+        for q, dst in enumerate(members):
+            if q == j or src.zone == dst.zone:
+                continue
+            lc = net.link_class(src.zone, dst.zone)
+            if lc in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
+                continue
+            moved = src.tp * nbytes * shares[q]
+            out.append(Crossing.between(src.zone, dst.zone, moved, moved / 1e9 * prov.egress_between(src.zone, dst.zone, lc)))
+    return out

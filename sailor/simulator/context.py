@@ -54,6 +54,27 @@ class TiedCopies(str, Enum):
     MODULE = "module"
 
 
+@dataclass(frozen=True)
+class ParamShare:
+    """Which of a stage's parameters one GPU holds, as expert parallelism splits them: `dense`, the
+    parameters every replica of the stage holds (all but the routed experts), and `experts`, the
+    fraction of every MoE block's routed experts it holds (EP rank q: its experts / E)."""
+
+    dense: bool = True
+    experts: float = 1.0
+
+
+ALL_PARAMS = ParamShare()
+"""Every parameter of the stage (expert parallelism 1)."""
+
+
+def held_layer_params(model: ModelSpec, layer: int, tp: int, share: ParamShare = ALL_PARAMS) -> float:
+    """Parameters one GPU holds of layer `layer` at TP `tp` (`ModelSpec.params`), of its routed
+    experts only the fraction `share.experts` (the dense ones always: what a replica holds)."""
+    n = model.params(layer, tp)
+    return n if share == ALL_PARAMS else n - (1.0 - share.experts) * model.routed_expert_params(layer, tp)
+
+
 def stage_blocks(model: ModelSpec, a: int, e: int) -> tuple[int, int]:
     """(first block's layer index, number of blocks) of the stage holding layers [a, e)."""
     first, end = max(a, 1), min(e, model.num_blocks + 1)
@@ -83,6 +104,7 @@ class SimContext:
     _split: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict, repr=False)
     _act: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
     _params: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    _routed: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     memo: dict[tuple, Any] = field(default_factory=dict, repr=False)
     """Results of pure functions of this context (all-reduce times, pipeline constants), keyed on
     every argument: the planner asks for the same ones many times within one call."""
@@ -152,14 +174,24 @@ class SimContext:
         `deepspeed` (the public Sailor runs, `simulator.fidelity`) -> `module`."""
         return TiedCopies.RUNTIME if self.job.framework is Framework.SAILOR else TiedCopies.MODULE
 
-    def stage_params(self, tp: int, a: int, b: int) -> float:
+    def routed_cumsum(self, tp: int) -> np.ndarray:
+        """Cumulative routed-expert parameters per GPU over layers at TP `tp`
+        (`ModelSpec.routed_expert_params`): array (num_layers + 1,)."""
+        if tp not in self._routed:
+            m = self.job.model
+            self._routed[tp] = np.concatenate([[0], np.cumsum([m.routed_expert_params(i, tp)
+                                                               for i in range(m.num_layers)])])
+        return self._routed[tp]
+
+    def stage_params(self, tp: int, a: int, b: int, share: ParamShare = ALL_PARAMS) -> float:
         """Parameters per GPU of a replica holding layers [a, b) at TP `tp`: `ModelSpec.params` of
         each layer (the head with its LM-head matrix), with a tied embedding held as `tied` says
         (`TiedCopies`): `runtime` holds exactly the layers' parameters (the head's copy even on a
         stage that also holds the embedding: that stage's gradient buckets hold both,
         `runtime.buckets.build_buckets`); `module` counts the head's vocab matrix once on a stage
         holding both ends, and on a last stage without the embedding the whole embedding module
-        (word and position tables) in place of the head's matrix."""
+        (word and position tables) in place of the head's matrix. `share`: only the part of them
+        one GPU holds under expert parallelism (`ParamShare`; default all)."""
         c = self.params_cumsum(tp)
         n = float(c[b] - c[a])
         m = self.job.model
@@ -167,7 +199,11 @@ class SimContext:
             n -= head_vocab_params(m, tp)
             if a > 0:
                 n += embedding_params(m, tp)
-        return n
+        if share == ALL_PARAMS:
+            return n
+        r = self.routed_cumsum(tp)
+        routed = float(r[b] - r[a])
+        return (n - routed) * share.dense + routed * share.experts
 
     def tied_copy_params(self, tp: int) -> int:
         """Parameters per GPU at TP `tp` of the tied copy whose gradient a pipeline's first and last

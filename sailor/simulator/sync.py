@@ -13,16 +13,18 @@ import numpy as np
 
 from sailor.model.spec import Collective, Framework
 from sailor.simulator.collectives import Group, group_members, ring_crossings, ring_egress
-from sailor.simulator.context import SimContext, TiedCopies, tied_embeddings
+from sailor.simulator.context import ALL_PARAMS, ParamShare, SimContext, TiedCopies, tied_embeddings
 from sailor.simulator.terms import DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_s, group_shape
 from sailor.simulator.traffic import Crossing
 
 
-def _sync_shards(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]]) -> tuple[int, float]:
+def _sync_shards(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
+                 share: ParamShare = ALL_PARAMS) -> tuple[int, float]:
     """(t, parameters one replica syncs) of a stage's gradient sync (`stage_sync`): t = the finest
-    common sharding's flow count, parameters = t x params(stage, t)."""
+    common sharding's flow count, parameters = t x params(stage, t) (the `share` of them the
+    members hold and sync together under expert parallelism, `context.ParamShare`)."""
     t = min(r.tp for r, _ in groups)
-    return t, t * sum(ctx.stage_params(t, a, e) for a, e in chunks)
+    return t, t * sum(ctx.stage_params(t, a, e, share) for a, e in chunks)
 
 
 def _sync_collectives(ctx: SimContext, params: float, opts: TimeOptions,
@@ -77,7 +79,8 @@ def _slowest_backward(ctx: SimContext, groups: list[Group], mbs: int, layers: Se
 
 def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
                opts: TimeOptions = DEFAULT_TIME, mbs: int | None = None, *,
-               rounds: int = 1, split_backward: bool = False) -> tuple[float, float, float]:
+               rounds: int = 1, split_backward: bool = False,
+               share: ParamShare = ALL_PARAMS) -> tuple[float, float, float]:
     """(seconds, bytes crossing zones, egress $) per iteration of the gradient sync of the layer
     ranges `chunks` (one stage's, `Plan.stage_chunks`; reduced together) across the replicas of that
     stage, given as (Slot, count) groups in ring order (`group_members`): an all-reduce of the
@@ -103,12 +106,14 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
     as each stage's `sync_exposed_s` in the runtime's metrics. It is charged from the stage's own
     last backward on, although the later stages' last backward ends before the pipeline's
     (conservative). Without `mbs`: a lower bound of that (the last layer's collective alone), which
-    the planner's bounds use."""
-    t, params = _sync_shards(ctx, groups, chunks)
+    the planner's bounds use. `share`: only that part of the stage's parameters
+    (`context.ParamShare`; expert parallelism syncs the dense ones over every replica and each
+    EP rank's experts over its expert DP group, `simulator.experts`)."""
+    t, params = _sync_shards(ctx, groups, chunks, share)
     overlap = ctx.job.framework is Framework.SAILOR and sum(n for _, n in groups) > 1
     collectives = _sync_collectives(ctx, params, opts, rounds)
     key = (("stage_sync", group_shape(groups), params, tuple(collectives))
-           + ((tuple(chunks), mbs, split_backward) if overlap else ()))
+           + ((tuple(chunks), mbs, split_backward, share) if overlap else ()))
     if key not in ctx.memo:
         seconds, moved, usd = 0.0, 0.0, 0.0
         layers = [x for a, e in sorted(chunks, reverse=True) for x in reversed(range(a, e))]
@@ -117,7 +122,7 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
             full = collective_s(ctx, groups, kind, nbytes, t)
             if overlap and kind is not Collective.ALL_GATHER:  # the gradients' collective, per layer bucket
                 latency = collective_s(ctx, groups, kind, 1.0, t)
-                per = [latency + (full - latency) * t * ctx.stage_params(t, x, x + 1) / params for x in layers]
+                per = [latency + (full - latency) * t * ctx.stage_params(t, x, x + 1, share) / params for x in layers]
                 seconds += per[-1] if mbs is None else exposed_sync_s(
                     per, _slowest_backward(ctx, groups, mbs, layers, split_backward), rounds=runs)
             else:
@@ -129,11 +134,12 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
 
 
 def stage_sync_crossings(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
-                         opts: TimeOptions = DEFAULT_TIME, *, rounds: int = 1) -> list[Crossing]:
+                         opts: TimeOptions = DEFAULT_TIME, *, rounds: int = 1,
+                         share: ParamShare = ALL_PARAMS) -> list[Crossing]:
     """The zone crossings of `stage_sync` (same arguments) per iteration: per collective, each ring
     edge between zones (`collectives.ring_crossings`) at that collective's share of a ring
     all-reduce's bytes, times its runs."""
-    _, params = _sync_shards(ctx, groups, chunks)
+    _, params = _sync_shards(ctx, groups, chunks, share)
     return [c.scaled(runs * RING_SHARE[kind]) for kind, nbytes, runs in _sync_collectives(ctx, params, opts, rounds)
             for c in ring_crossings(groups, nbytes, ctx.network)]
 

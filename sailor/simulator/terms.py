@@ -38,7 +38,8 @@ from sailor.model.spec import Collective, Framework, LayerKind, Recompute
 from sailor.plan.placement import BlockFit, node_blocks
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan, StageMemory
 from sailor.simulator.collectives import Group, Member, allreduce_time_s, same_node, tp_collective_time_s
-from sailor.simulator.context import SimContext, stage_blocks
+from sailor.simulator.context import ALL_PARAMS, SimContext, stage_blocks
+from sailor.simulator.experts import DENSE_ONLY, EPRank, ep_time_s
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes
 from sailor.simulator.traffic import Crossing
 from sailor.specs.cluster import ClusterSpec
@@ -60,11 +61,18 @@ class TimeOptions:
     zero: int = 0
     replicas: int = 1
     reshard: bool = True  # ZeRO-3: gathered weights freed after every pass (`StageMemory.reshard_after_forward`)
+    experts: EPRank | None = None  # expert parallelism of this replica (`simulator.experts`); None: EP 1
 
     @property
     def optimizer_shards(self) -> int:
         """Parts the optimizer step is split into (ZeRO >= 1: one per replica)."""
         return self.replicas if self.zero >= 1 else 1
+
+    @property
+    def expert_shards(self) -> int:
+        """Parts the optimizer step over this replica's experts is split into under EP (ZeRO >= 1:
+        one per replica of its expert DP group)."""
+        return self.experts.expert_replicas if self.experts is not None and self.zero >= 1 else 1
 
     @property
     def gathers_weights(self) -> bool:
@@ -117,20 +125,22 @@ def recomputed_blocks(ctx: SimContext, a: int, e: int, recompute: Recompute, rec
 @dataclass(frozen=True)
 class StageTime:
     """One replica's seconds per micro-batch: forward_s and backward_s (totals, every term below
-    included) and the parts the memory options and TP add: recompute_s (in the backward),
+    included) and the parts the memory options, TP and EP add: recompute_s (in the backward),
     tp_comm_s (forward + backward TP collectives charged here), gather_s (ZeRO-3 weight all-gathers,
-    forward + backward)."""
+    forward + backward), all_to_all_s (EP dispatch and combine, forward + backward)."""
 
     forward_s: float
     backward_s: float
     recompute_s: float = 0.0
     tp_comm_s: float = 0.0
     gather_s: float = 0.0
+    all_to_all_s: float = 0.0
 
 
 def stage_time(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: TimeOptions = DEFAULT_TIME) -> StageTime:
     """Per-micro-batch forward and backward seconds of one replica holding layers [a, e): the layer
-    times (`SimContext.stage_compute_s`) plus recomputation, TP collectives and ZeRO-3 gathers."""
+    times (`SimContext.stage_compute_s`) plus recomputation, TP collectives, ZeRO-3 gathers and
+    expert parallelism (`experts.ep_time_s`: the experts' work on the EP rank and the all-to-alls)."""
     if opts is DEFAULT_TIME and ctx.tp_comm_included(slot.gpu, slot.tp):
         f, b = ctx.stage_compute_s(slot.gpu, slot.tp, mbs, a, e)  # nothing to add: the common case
         return StageTime(forward_s=f, backward_s=b)
@@ -140,8 +150,12 @@ def stage_time(ctx: SimContext, slot: Slot, mbs: int, a: int, e: int, opts: Time
         rec = recompute_s(ctx, slot, mbs, a, e, opts)
         cf, cb = tp_comm_s(ctx, slot, mbs, a, e, opts)
         gf, gb = zero_gather_s(ctx, slot, mbs, a, e, opts)
-        ctx.memo[key] = StageTime(forward_s=f + cf + gf, backward_s=b + rec + cb + gb, recompute_s=rec,
-                                  tp_comm_s=cf + cb, gather_s=gf + gb)
+        ef, eb, a2a = 0.0, 0.0, 0.0
+        if opts.experts is not None:
+            rec_blocks = recomputed_blocks(ctx, a, e, opts.recompute, opts.recompute_blocks)
+            ef, eb, a2a = ep_time_s(ctx, slot.gpu, slot.tp, mbs, a, e, opts.experts, opts.recompute, rec_blocks)
+        ctx.memo[key] = StageTime(forward_s=f + cf + gf + ef, backward_s=b + rec + cb + gb + eb, recompute_s=rec,
+                                  tp_comm_s=cf + cb, gather_s=gf + gb, all_to_all_s=a2a)
     return ctx.memo[key]
 
 
@@ -213,11 +227,18 @@ def gather_group(ctx: SimContext, slot: Slot, replicas: int) -> list[Group]:
 
 def layer_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions) -> np.ndarray:
     """Seconds of the ZeRO-3 all-gather of each layer of [a, e) (one replica's TP shards), array
-    (e - a,), across the stage's D replicas like `slot` placed as `gather_group` packs them."""
+    (e - a,), across the stage's D replicas like `slot` placed as `gather_group` packs them; under
+    expert parallelism the dense parameters so, then the replica's experts across its D/ep expert
+    DP group (`experts`), one after the other."""
     t, wb = slot.tp, ctx.job.state_bytes_per_param["weights"]
-    groups = gather_group(ctx, slot, opts.replicas)
-    return np.array([collective_s(ctx, groups, Collective.ALL_GATHER, t * ctx.stage_params(t, x, x + 1) * wb, t)
-                     for x in range(a, e)])
+    parts = [(opts.replicas, ALL_PARAMS)] if opts.experts is None else \
+        [(opts.replicas, DENSE_ONLY), (opts.experts.expert_replicas, opts.experts.experts_share)]
+    out = np.zeros(e - a)
+    for replicas, share in parts:
+        groups = gather_group(ctx, slot, replicas)
+        out += np.array([collective_s(ctx, groups, Collective.ALL_GATHER, t * ctx.stage_params(t, x, x + 1, share) * wb, t)
+                         for x in range(a, e)])
+    return out
 
 
 def exposed_gathers(gather_s: Sequence[float], compute_s: Sequence[float]) -> float:
@@ -362,8 +383,13 @@ def pipeline_arrays(ctx: SimContext, slots: list[Slot], stages, mbs: int,
 
 def optimizer_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions = DEFAULT_TIME) -> float:
     """Optimizer-step seconds of one replica holding layers [a, e): over 1/D of its parameters under
-    ZeRO >= 1 (linear in the parameters, so a stage's chunks add up)."""
-    return ctx.profiles.optimizer_time_s(ctx.job, slot.gpu, ctx.stage_params(slot.tp, a, e) / opts.optimizer_shards)
+    ZeRO >= 1 (linear in the parameters, so a stage's chunks add up); under expert parallelism over
+    its dense parameters and its own experts, these over 1/(D/ep) under ZeRO >= 1."""
+    if opts.experts is None:
+        return ctx.profiles.optimizer_time_s(ctx.job, slot.gpu, ctx.stage_params(slot.tp, a, e) / opts.optimizer_shards)
+    params = (ctx.stage_params(slot.tp, a, e, DENSE_ONLY) / opts.optimizer_shards
+              + ctx.stage_params(slot.tp, a, e, opts.experts.experts_share) / opts.expert_shards)
+    return ctx.profiles.optimizer_time_s(ctx.job, slot.gpu, params)
 
 
 def collective_s(ctx: SimContext, groups: list[Group], kind: Collective, nbytes: float, t: int) -> float:

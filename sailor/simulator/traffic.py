@@ -1,8 +1,9 @@
 """Bytes crossing zones, itemised per zone pair and kind: what the simulator charges as egress.
 
 The terms that charge a transfer name each crossing as they charge it: a pipeline's boundary
-transfer (`terms.link_transfer`, kept per micro-batch in `PipelineTimes.crossings`) and each edge
-of a gradient-sync ring between two zones (`collectives.ring_crossings`). Their totals are the
+transfer (`terms.link_transfer`, kept per micro-batch in `PipelineTimes.crossings`), each edge
+of a gradient-sync ring between two zones (`collectives.ring_crossings`) and each pair of an
+expert-parallel all-to-all in two zones (`collectives.all_to_all_crossings`). Their totals are the
 simulator's bytes across zones and egress $ (`totals`), and `simulate` adds them up per zone pair
 and kind into `Estimate.traffic` (`tally`), so the pairs add up to `Estimate.cross_zone_bytes` and
 `Estimate.egress_per_iteration_usd`.
@@ -26,6 +27,8 @@ class TrafficKind(str, Enum):
     """Activations and their gradients between consecutive stages (chunks) of a pipeline."""
     SYNC = "sync"
     """Gradient reductions across pipelines: each stage's sync and the tied-embedding all-reduce."""
+    ALL_TO_ALL = "all-to-all"
+    """Expert parallelism's dispatch and combine among the replicas of an EP group (`simulator.experts`)."""
 
 
 @dataclass(frozen=True)
