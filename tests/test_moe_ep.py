@@ -98,9 +98,9 @@ def test_the_simulator_refuses_expert_parallelism_it_does_not_model(tmp_path, mo
     job = {"model": _spec().model_dump(mode="json", exclude_defaults=True), "global_batch_size": 8,
            "sequence_length": 32}
     cluster = {"provider": "local", "zones": {"local": {"cpu": 4}}}
-    plan = _plan([{"ep": 2}]) | {"memory": [{"zero": 3}], "job": job, "cluster": cluster}
+    plan = _plan([{"ep": 2}]) | {"job": job | {"framework": "deepspeed"}, "cluster": cluster}
     line = _simulate_refused(plan, tmp_path, monkeypatch, capsys)
-    assert "experts.0.ep" in line and "does not model expert parallelism with ZeRO-3" in line
+    assert "experts.0.ep" in line and "does not model expert parallelism under DeepSpeed" in line
 
 
 def test_defaults_leave_a_plan_unchanged():

@@ -5,6 +5,8 @@ and EP 1 leaving predictions exactly as they were."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sailor.core.errors import SailorInputError
@@ -15,6 +17,8 @@ from sailor.perf.roofline import expert_ops, ops_time_s
 from sailor.plan.spec import Plan
 from sailor.simulator import check_modelled, make_context, placed_slots, simulate
 from sailor.simulator.collectives import all_to_all_time_s
+from sailor.simulator.experts import stage_ep_ranks
+from sailor.simulator.terms import layer_gather_s, time_options
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -36,7 +40,7 @@ def _spec() -> ModelSpec:
 
 
 def _run(experts: list[dict] | None, *, pipelines: int = 2, per_node: int = 8, zones: tuple[str, ...] = (A,),
-         framework: str = "sailor", zero: int = 0):
+         framework: str = "sailor", zero: int = 0, recompute: str | None = None):
     """(estimate, plan, cluster) of `pipelines` one-stage TP-1 H100 replicas of the tiny MoE model,
     2 micro-batches each, `per_node` GPUs a node, pipeline j in zone zones[j % len(zones)], links
     NODE inside a node and ZONE between nodes, no calibration."""
@@ -44,7 +48,8 @@ def _run(experts: list[dict] | None, *, pipelines: int = 2, per_node: int = 8, z
                   framework=framework)
     cluster = ClusterSpec(zones={z: {"H100-80": pipelines} for z in zones}, gpus_per_node={"H100-80": per_node},
                           network={"same_node": NODE, "same_zone": ZONE})
-    body = {"micro_batch_size": MBS, "stages": [[0, 4]], "memory": [{"zero": zero}],
+    memory = {"zero": zero} | ({"recompute": recompute} if recompute else {})
+    body = {"micro_batch_size": MBS, "stages": [[0, 4]], "memory": [memory],
             "pipelines": [{"microbatches": 2, "replicas": [{"stage": 0, "gpu": "H100-80", "zone": zones[j % len(zones)],
                                                             "tp": 1}]} for j in range(pipelines)]}
     plan = Plan.model_validate(body | ({"experts": experts} if experts is not None else {}))
@@ -72,6 +77,17 @@ def test_all_to_all_across_nodes_takes_the_link_between_them():
     # the all-to-alls add to the passes: EP 2's forward is longer than EP 1's by at least its two
     ep1, _, _ = _run(None, per_node=1)
     assert est.replicas[0].forward_s - ep1.replicas[0].forward_s > 2 * BLOCKS * one * 0.99
+
+
+def test_members_of_one_node_share_its_link_to_the_others():
+    # EP 4 over 2 nodes of 2 GPUs: each member sends a quarter of its rows to each peer; the two
+    # members of a node send 2 x 2 quarters off the node at once, over its one ZONE link
+    est, plan, cluster = _run([{"ep": 4}], pipelines=4, per_node=2)
+    nodes = [sl[0].node for sl in placed_slots(plan, cluster)]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
+    off_node = 2 * 2 * DISPATCH / 4
+    one = ZONE["latency_s"] + off_node / ZONE["bandwidth_bytes_per_s"]  # slower than the NVLink quarter
+    assert est.replicas[0].all_to_all_s == pytest.approx(4 * BLOCKS * one)
 
 
 def test_the_routed_experts_weights_halve_at_ep2_and_token_buffers_appear():
@@ -116,6 +132,18 @@ def test_an_uneven_placement_loads_the_rank_with_more_experts_and_every_member_w
     assert big.forward_s > even.replicas[0].forward_s  # 1.5 R rows through 3 experts' weights
 
 
+def test_full_recomputation_keeps_no_expert_rows_and_rebuilds_one_blocks():
+    flat, _, _ = _run([{"ep": 2}], recompute="full")
+    hot, _, _ = _run([{"ep": 2, "imbalance": 2.0}], recompute="full")
+    # twice the rows arrive; both blocks recomputed: only the one block being rebuilt holds them
+    assert hot.replicas[0].memory.activations - flat.replicas[0].memory.activations == pytest.approx(
+        (2.0 - 1.0) * R * (2 * H + 4 * 2 * FE))
+    kept, _, _ = _run([{"ep": 2, "imbalance": 2.0}])  # without recomputation both blocks keep them
+    base, _, _ = _run([{"ep": 2}])
+    assert kept.replicas[0].memory.activations - base.replicas[0].memory.activations == pytest.approx(
+        BLOCKS * (2.0 - 1.0) * R * (2 * H + 4 * 2 * FE))
+
+
 def test_the_imbalance_factor_charges_the_busiest_ranks_rows():
     flat, _, _ = _run([{"ep": 2}])
     hot, _, _ = _run([{"ep": 2, "imbalance": 2.0}])
@@ -136,13 +164,32 @@ def test_all_to_all_bytes_between_zones_are_traffic():
     assert a2a[0].egress_usd == pytest.approx(a2a[0].moved_bytes / 1e9 * price)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(zero=3), "with ZeRO-3"),
-    (dict(framework="deepspeed"), "DeepSpeed"),
-])
-def test_what_is_not_modelled_is_refused_naming_the_field(kw, match):
-    with pytest.raises(SailorInputError, match=match) as e:
-        _run([{"ep": 2}], **kw)
+def test_under_zero3_experts_shard_and_gather_among_their_holders():
+    # 4 pipelines, EP 2, ZeRO-3, one GPU a node: dense weights sharded over 4, each rank's 2 experts
+    # per block over their 2 holders; per layer an all-gather of the dense part over 4, then of the
+    # experts over 2, on the ZONE link (a ring all-gather: half a ring all-reduce's time)
+    est, _, _ = _run([{"ep": 2}], pipelines=4, per_node=1, zero=3)
+    ep1, _, _ = _run(None, pipelines=4, per_node=1, zero=3)
+    spec = _spec()
+    every = sum(spec.params(i) for i in range(spec.num_layers))
+    dense, held = every - BLOCKS * E * EXPERT, BLOCKS * (E // 2) * EXPERT
+    assert ep1.replicas[0].memory.weights == pytest.approx(every * 2 / 4)
+    assert est.replicas[0].memory.weights == pytest.approx(dense * 2 / 4 + held * 2 / 2)
+    block = spec.params(1)  # layer 1, an MoE block
+    _, plan, cluster = _run([{"ep": 2}], pipelines=4, per_node=1, zero=3)
+    ctx = make_context(JobSpec(model=spec, global_batch_size=16, sequence_length=SEQ, precision="bf16"), cluster,
+                       calibration={})
+    slots = placed_slots(plan, cluster)
+    rank = stage_ep_ranks(ctx, plan.stage_experts(0), [sl[0] for sl in slots], MBS)[0]
+    opts = time_options(plan.stage_memory(0), 4)
+    ep2 = layer_gather_s(ctx, slots[0][0], 1, 2, dataclasses.replace(opts, experts=rank))[0]
+    assert ep2 == pytest.approx(_ring_s(4, (block - E * EXPERT) * 2) / 2 + _ring_s(2, (E // 2) * EXPERT * 2) / 2)
+    assert layer_gather_s(ctx, slots[0][0], 1, 2, opts)[0] == pytest.approx(_ring_s(4, block * 2) / 2)
+
+
+def test_what_is_not_modelled_is_refused_naming_the_field():
+    with pytest.raises(SailorInputError, match="DeepSpeed") as e:
+        _run([{"ep": 2}], framework="deepspeed")
     assert e.value.field == "experts.0.ep"
 
 

@@ -278,19 +278,11 @@ def _with_nccl(ctx: SimContext, mem: MemoryBreakdown, plan: Plan, pipeline: int,
 
 def check_modelled(plan: Plan, framework: Framework | None = None) -> None:
     """Raise SailorInputError (naming `experts.<stage>.ep`) for a plan this simulator does not model:
-    expert parallelism above 1 on a stage under ZeRO-3 (the experts' weights gathered over their
-    expert DP group is not modelled), or under DeepSpeed's pipeline engine (`framework`; its MoE
-    layers are not what `simulator.experts` models). Every other EP plan is modelled
-    (`simulator.experts`)."""
+    expert parallelism above 1 under DeepSpeed's pipeline engine (`framework`; its MoE layers are
+    not what `simulator.experts` models). Every other EP plan is modelled (`simulator.experts`)."""
     for i in range(plan.num_stages):
         ep = plan.stage_experts(i).ep
-        if ep == 1:
-            continue
-        if plan.stage_memory(i).zero >= 3:
-            raise SailorInputError(f"the simulator does not model expert parallelism with ZeRO-3 (ep {ep} on stage"
-                                   f" {i}): the experts' weight gathers over their expert DP group",
-                                   field=f"experts.{i}.ep", fix="use ZeRO-1/2 on that stage, or ep 1 (sailor train runs it)")
-        if framework is Framework.DEEPSPEED:
+        if ep > 1 and framework is Framework.DEEPSPEED:
             raise SailorInputError(f"the simulator does not model expert parallelism under DeepSpeed's pipeline engine"
                                    f" (ep {ep} on stage {i})", field=f"experts.{i}.ep",
                                    fix="use framework sailor or megatron-lm, or ep 1")

@@ -68,6 +68,13 @@ ALL_PARAMS = ParamShare()
 """Every parameter of the stage (expert parallelism 1)."""
 
 
+def held_layer_params(model: ModelSpec, layer: int, tp: int, share: ParamShare = ALL_PARAMS) -> float:
+    """Parameters one GPU holds of layer `layer` at TP `tp` (`ModelSpec.params`), of its routed
+    experts only the fraction `share.experts` (the dense ones always: what a replica holds)."""
+    n = model.params(layer, tp)
+    return n if share == ALL_PARAMS else n - (1.0 - share.experts) * model.routed_expert_params(layer, tp)
+
+
 def stage_blocks(model: ModelSpec, a: int, e: int) -> tuple[int, int]:
     """(first block's layer index, number of blocks) of the stage holding layers [a, e)."""
     first, end = max(a, 1), min(e, model.num_blocks + 1)

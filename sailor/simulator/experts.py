@@ -9,7 +9,8 @@ holds n_q of the E routed experts (R = k·c·N routed copies of its own tokens, 
 - Routed rows. Under uniform routing each expert gets k·N/E rows from each of the ep ranks, so the
   experts of rank q receive ρ_q·R rows, ρ_q = f · ep · n_q / E (1 for the even split with f = 1).
   f is the load-balance assumption (`StageExperts.imbalance`): the rows the busiest rank receives
-  over its uniform share. Its default, 1, is the balanced load: Megatron-Bridge's published MoE
+  over its uniform share, charged to every rank (any rank can be the busiest in a step: its time
+  is the slowest rank's anyway, its memory must hold that many rows). Its default, 1, is the balanced load: Megatron-Bridge's published MoE
   benchmarks force-balance the token distribution among experts (NVIDIA-NeMo/Megatron-Bridge,
   docs/performance-summary.md, the note under each container's tables: "we force-balance the token
   distribution among experts and all benchmarks are token-dropless"), and Megatron-Core reports
@@ -36,9 +37,9 @@ over the stage's D replicas as without EP; each EP rank's experts over its exper
 q of every EP group (D/ep members), the ep groups at once (the slowest counts).
 
 Memory (`memory.replica_memory`): the dense parameters and n_q experts' weights, gradients and
-optimizer states (ZeRO shards the experts over their D/ep holders); the experts' kept activations
-for ρ_q·R rows in place of R (`expert_activation_bytes`); the token buffers of one MoE block at a
-time (`token_buffer_bytes`).
+optimizer states (ZeRO shards the experts over their D/ep holders, and ZeRO-3 gathers them among
+those holders, `terms.layer_gather_s`); the experts' kept activations for ρ_q·R rows in place of
+R (`expert_activation_bytes`); the token buffers of one MoE block at a time (`token_buffer_bytes`).
 """
 
 from __future__ import annotations
@@ -157,14 +158,18 @@ def all_to_all_runs(ctx: SimContext, a: int, e: int, recompute: Recompute, recom
     return 4 * moe_blocks(ctx, a, e) + 2 * _recomputed_moe(ctx, recompute, recomputed)
 
 
-def expert_activation_bytes(ctx: SimContext, tp: int, mbs: int, a: int, e: int, x: EPRank) -> float:
-    """Bytes one micro-batch's MoE blocks in [a, e) keep under EP beyond the EP-1 activations:
-    the experts' inputs and SwiGLU intermediates (`activations.expert_row_bytes`) for ρ_q·R arrived
-    rows in place of R own rows (negative when the rank receives fewer)."""
+def expert_activation_bytes(ctx: SimContext, tp: int, mbs: int, a: int, e: int, x: EPRank,
+                            recompute: Recompute, recomputed: tuple[int, int]) -> tuple[float, float]:
+    """(kept per micro-batch, recomputation transient) bytes the MoE blocks in [a, e) hold under
+    EP beyond the EP-1 activations: the experts' inputs and SwiGLU intermediates
+    (`activations.expert_row_bytes`) for ρ_q·R arrived rows in place of R own rows (negative when
+    the rank receives fewer). A block full recomputation re-runs (arguments as `ep_time_s`) keeps
+    none of them and rebuilds them during its backward, one block at a time (the transient)."""
     job = ctx.job
     R = routed_rows(job.model, mbs=mbs, seq=job.seq)
-    per_row = expert_row_bytes(job.model, tp=tp, e=job.elem_bytes)
-    return moe_blocks(ctx, a, e) * (x.rows(x.held) - 1.0) * R * per_row
+    block = (x.rows(x.held) - 1.0) * R * expert_row_bytes(job.model, tp=tp, e=job.elem_bytes)
+    again = _recomputed_moe(ctx, recompute, recomputed)
+    return (moe_blocks(ctx, a, e) - again) * block, block if again else 0.0
 
 
 def token_buffer_bytes(ctx: SimContext, tp: int, mbs: int, x: EPRank) -> float:

@@ -19,6 +19,8 @@
           + ZeRO-3 gather buffer                              (the largest layer's full weights)
           + gradient sync buffer                              (a flat copy of the gradients the sync
                                                                reduces at once)
+          + expert-parallel token buffers                     (EP > 1: one MoE block's dispatched and
+                                                               arrived rows, `experts.token_buffer_bytes`)
           + allocator reserve                                 (reserve_fraction x the transient tensors)
           + framework                                         (CUDA context and kernels; per GPU type)
           + NCCL buffers                                      (per communicator the rank opens,
@@ -68,9 +70,10 @@ from sailor.model.spec import Framework, Recompute
 from sailor.perf.calibration import gpu_constant
 from sailor.plan.comms import uniform_nccl_bytes
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, StageMemory, split_recompute_blocks
-from sailor.simulator.context import ALL_PARAMS, ParamShare, stage_blocks
+from sailor.simulator.context import ALL_PARAMS, ParamShare, held_layer_params, stage_blocks
 from sailor.simulator.experts import DENSE_ONLY, EPRank, expert_activation_bytes, moe_blocks, token_buffer_bytes
 from sailor.simulator.schedules import ONE_F_ONE_B, InFlight, PipelineSchedule
+from sailor.simulator.terms import recomputed_blocks
 
 if TYPE_CHECKING:
     from sailor.simulator.context import SimContext
@@ -174,11 +177,14 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Seque
         d_state = state_bytes(job.state_bytes_per_param, dense, memory.zero, replicas)
         e_state = state_bytes(job.state_bytes_per_param, own, memory.zero, experts.expert_replicas)
         state = {k: d_state[k] + e_state[k] for k in d_state}
-    per_chunk = [stage_activation_bytes(ctx, tp, mbs, a, b, mem)
-                 for (a, b), mem in zip(chunks, split_recompute_blocks(memory, chunks, n_layers))]
+    chunk_memory = split_recompute_blocks(memory, chunks, n_layers)
+    per_chunk = [stage_activation_bytes(ctx, tp, mbs, a, b, mem) for (a, b), mem in zip(chunks, chunk_memory)]
+    if experts is not None:  # the rows its experts receive in place of its own (`experts`)
+        more = [expert_activation_bytes(ctx, tp, mbs, a, b, experts, mem.recompute,
+                                        recomputed_blocks(ctx, a, b, mem.recompute, mem.recompute_blocks))
+                for (a, b), mem in zip(chunks, chunk_memory)]
+        per_chunk = [(kept + dk, transient + dt) for (kept, transient), (dk, dt) in zip(per_chunk, more)]
     acts = [kept for kept, _ in per_chunk]
-    if experts is not None:
-        acts = [x + expert_activation_bytes(ctx, tp, mbs, a, b, experts) for x, (a, b) in zip(acts, chunks)]
     inputs = [ctx.boundary_bytes(a, mbs) if a > 0 else 0.0 for a, _ in chunks]  # received, kept for backward
     pending = [sum(job.model.weight_grad_pending_bytes(x, tp=tp, mbs=mbs, seq=job.seq, elem_bytes=job.elem_bytes)
                    for x in range(a, b)) if schedule.splits_backward else 0.0 for a, b in chunks]
@@ -188,27 +194,30 @@ def replica_memory(ctx: "SimContext", gpu: str, tp: int, mbs: int, chunks: Seque
     buffers = sum((h + q) * x for h, q, x in zip(held.held, held.pending, inputs))
     # one gradient arriving from the next stage at a time, or the head's logits gradient
     buffers += max(ctx.boundary_bytes(b, mbs) if b < n_layers else logits_grad_bytes(ctx, tp, mbs) for _, b in chunks)
+    held = ALL_PARAMS if experts is None else experts.share
     if memory.zero >= 3 and replicas > 1:
-        buffers += gathered_weights_bytes(ctx, tp, chunks, memory.reshard_after_forward)
+        buffers += gathered_weights_bytes(ctx, tp, chunks, memory.reshard_after_forward, held)
     if experts is not None and any(moe_blocks(ctx, a, b) for a, b in chunks):
         buffers += token_buffer_bytes(ctx, tp, mbs, experts)
     reserve = (activations + buffers) * gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0)
     return MemoryBreakdown(
         weights=state["weights"], gradients=state["gradients"], optimizer=state["optimizer"],
         activations=activations, buffers=buffers, reserve=reserve, framework=ctx.framework_bytes(gpu),
-        sync_buffer=sync_buffer_bytes(ctx, tp, chunks, memory.zero, ALL_PARAMS if experts is None else experts.share),
+        sync_buffer=sync_buffer_bytes(ctx, tp, chunks, memory.zero, held),
         nccl=0.0 if ctx.framework_calibrated(gpu) else uniform_nccl_bytes(
             tp, stage, num_stages, replicas, interleaved=schedule.virtual_stages > 1))
 
 
-def gathered_weights_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, int]], reshard: bool) -> float:
+def gathered_weights_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, int]], reshard: bool,
+                           share: ParamShare = ALL_PARAMS) -> float:
     """Peak bytes of full (gathered) weights a ZeRO-3 replica holding the layer ranges `chunks` at TP
     `tp` has on one GPU (`runtime.zero`): re-sharded after every pass (`reshard`), the layer being
     computed and the next one of its pass being prefetched, so the largest two adjacent layers of a
     chunk (or its one layer); kept for the iteration, every layer of the stage plus one layer's
-    gather buffer as it is filled in."""
+    gather buffer as it is filled in. Under expert parallelism only the experts the replica holds
+    (`share`)."""
     m, wb = ctx.job.model, ctx.job.state_bytes_per_param["weights"]
-    sizes = [[m.params(i, tp) for i in range(a, b)] for a, b in chunks]
+    sizes = [[held_layer_params(m, i, tp, share) for i in range(a, b)] for a, b in chunks]
     if not reshard:
         return (sum(map(sum, sizes)) + max(map(max, sizes))) * wb
     return max(max(x + y for x, y in zip(c, c[1:])) if len(c) > 1 else c[0] for c in sizes) * wb
@@ -225,7 +234,5 @@ def sync_buffer_bytes(ctx: "SimContext", tp: int, chunks: Sequence[tuple[int, in
         return 0.0
     grad = ctx.job.state_bytes_per_param["gradients"]
     if zero >= 2:
-        m = ctx.job.model  # a layer's gradients: its routed experts' only as far as the replica holds them
-        return max(m.params(i, tp) - (1.0 - share.experts) * m.routed_expert_params(i, tp)
-                   for a, b in chunks for i in range(a, b)) * grad
+        return max(held_layer_params(ctx.job.model, i, tp, share) for a, b in chunks for i in range(a, b)) * grad
     return sum(ctx.stage_params(tp, a, b, share) for a, b in chunks) * grad

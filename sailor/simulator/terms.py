@@ -38,7 +38,7 @@ from sailor.model.spec import Collective, Framework, LayerKind, Recompute
 from sailor.plan.placement import BlockFit, node_blocks
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan, StageMemory
 from sailor.simulator.collectives import Group, Member, allreduce_time_s, same_node, tp_collective_time_s
-from sailor.simulator.context import SimContext, stage_blocks
+from sailor.simulator.context import ALL_PARAMS, SimContext, stage_blocks
 from sailor.simulator.experts import DENSE_ONLY, EPRank, ep_time_s
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes
 from sailor.simulator.traffic import Crossing
@@ -227,11 +227,18 @@ def gather_group(ctx: SimContext, slot: Slot, replicas: int) -> list[Group]:
 
 def layer_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions) -> np.ndarray:
     """Seconds of the ZeRO-3 all-gather of each layer of [a, e) (one replica's TP shards), array
-    (e - a,), across the stage's D replicas like `slot` placed as `gather_group` packs them."""
+    (e - a,), across the stage's D replicas like `slot` placed as `gather_group` packs them; under
+    expert parallelism the dense parameters so, then the replica's experts across its D/ep expert
+    DP group (`experts`), one after the other."""
     t, wb = slot.tp, ctx.job.state_bytes_per_param["weights"]
-    groups = gather_group(ctx, slot, opts.replicas)
-    return np.array([collective_s(ctx, groups, Collective.ALL_GATHER, t * ctx.stage_params(t, x, x + 1) * wb, t)
-                     for x in range(a, e)])
+    parts = [(opts.replicas, ALL_PARAMS)] if opts.experts is None else \
+        [(opts.replicas, DENSE_ONLY), (opts.experts.expert_replicas, opts.experts.experts_share)]
+    out = np.zeros(e - a)
+    for replicas, share in parts:
+        groups = gather_group(ctx, slot, replicas)
+        out += np.array([collective_s(ctx, groups, Collective.ALL_GATHER, t * ctx.stage_params(t, x, x + 1, share) * wb, t)
+                         for x in range(a, e)])
+    return out
 
 
 def exposed_gathers(gather_s: Sequence[float], compute_s: Sequence[float]) -> float:
