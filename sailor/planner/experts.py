@@ -6,7 +6,7 @@ mixture-of-experts blocks, `expert_variants` then tries, on every plan whose sch
 tried (`planner._variants`: the event-simulated finalists and the deeper plans), each EP degree e in
 `ep_degrees` on every stage that holds an MoE block, where the plan allows it
 (`plan.experts.check_plan_experts`: e divides the pipelines, one TP degree and micro-batch count per
-EP group; not with ZeRO-3, which the simulator does not model with EP):
+EP group):
 
 - EP trades the experts' memory and gradient sync (each rank holds E/e experts, synced over D/e
   holders) for two all-to-alls each way per MoE block and micro-batch, among the e consecutive
@@ -38,7 +38,7 @@ from sailor.simulator.terms import placed_slots
 
 # ZeRO levels a reshaped plan is also tried at (above its own): EP spreads the experts but leaves the
 # dense parameters and every expert's optimizer state on its D/ep holders; ZeRO-1/2 shard those
-# (ZeRO-3 with EP is not simulated).
+# (a plan's own ZeRO-3 stays ZeRO-3).
 SHARDINGS = (1, 2)
 
 
@@ -116,12 +116,12 @@ def expert_variants(plan: Plan, ctx: SimContext) -> list[Plan]:
     GPUs without it); each shape also with every stage at least at ZeRO-1 and at ZeRO-2
     (`SHARDINGS`: more replicas to shard over); evenly placed and, where the EP ranks' GPU types differ, placed by speed
     (module docstring); each valid for its job and cluster (`schedules.checked_variant`). Empty for
-    a dense model, a plan that already sets EP, or a ZeRO-3 stage holding MoE blocks."""
+    a dense model or a plan that already sets EP."""
     model = ctx.job.model
     if model.moe is None or plan.experts:
         return []
     sparse = _sparse_stages(plan, ctx)
-    if not sparse or any(plan.stage_memory(i).zero == 3 for i in sparse):
+    if not sparse:
         return []
     widest = max(r.tp for p in plan.pipelines for r in p.replicas)
     shapes = [(f, d) for f in _powers_of_two(widest) if (d := narrower_tp(plan, f)) is not None]
@@ -204,7 +204,7 @@ def explain(chosen: Plan, ctx: SimContext, best_flat: float | None = None) -> li
         fit = [(p, _rate(p, ctx)) for p in expert_variants(chosen, ctx) if fits(simulate(p, ctx, event=False), ctx)]
         if not fit:
             lines.append("  why: no expert-parallel variant of this plan fits in memory or applies (EP groups need ep"
-                         " | pipelines, one TP degree and micro-batch count per group, no ZeRO-3)")
+                         " | pipelines, one TP degree and micro-batch count per group)")
             return lines
         best, rate = max(fit, key=lambda v: v[1])
         ep = max(e.ep for e in best.experts)
