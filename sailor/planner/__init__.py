@@ -36,6 +36,7 @@ from sailor.core.errors import InfeasibleError
 from sailor.core.limits import MAX_PIPELINE_TASKS
 from sailor.plan.spec import Plan, StageMemory
 from sailor.planner import engine, paper
+from sailor.planner.experts import expert_variants
 from sailor.planner.finalists import Found, plan_signature
 from sailor.planner.geo import free_pools, scopes
 from sailor.planner.options import Constraints, Objective, PlanOptions, SearchSpace, objective_key
@@ -80,6 +81,9 @@ class PlanResult:
     clusters, every part searched exhaustively or pruned by valid bounds)."""
     timed_out: bool = False
     """True when `PlanOptions.time_limit_s` stopped the search before it finished."""
+    best_without_experts: Choice | None = None
+    """For a mixture-of-experts model whose best plan uses expert parallelism: the best plan
+    evaluated at EP 1 (event-simulated), what EP is measured against (`planner.experts.explain`)."""
 
 
 def plan_job(ctx: SimContext, options: PlanOptions | None = None,
@@ -166,6 +170,7 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
             ok.append(variant)
         ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     best = ok[0]
+    flat = [c for c in ok if not c.plan.experts] if best.plan.experts else []
     alternatives = [c for c in choices if c is not best][: opts.top_k]
     for c in alternatives:
         if c.estimate is None:
@@ -174,7 +179,7 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     return PlanResult(plan=best.plan, estimate=best.estimate, alternatives=alternatives,
                       best_closed=best_closed, search_time_s=time.perf_counter() - t0,
                       points=found.points, candidates=found.candidates, pareto=sorted(found.front),
-                      exact=found.exact, timed_out=found.timed_out)
+                      exact=found.exact, timed_out=found.timed_out, best_without_experts=flat[0] if flat else None)
 
 
 def _variants(ctx: SimContext, opts: PlanOptions, best_plan: Plan, others: list[tuple[Plan, Estimate]],
@@ -188,7 +193,12 @@ def _variants(ctx: SimContext, opts: PlanOptions, best_plan: Plan, others: list[
     simulated and its best that fits in memory kept; the best plan's, then the others' in order of
     their closed forms while within VARIANT_MARGIN of `best` under the objective (at most
     VARIANT_EVENTS of them), are event-simulated like a finalist and returned where they meet the
-    constraints. A partition that ranks low under 1F1B can so win under interleaving or ZB-H1."""
+    constraints. A partition that ranks low under 1F1B can so win under interleaving or ZB-H1. For a
+    mixture-of-experts model every plan also gets its expert-parallel variants
+    (`planner.experts.expert_variants`: EP degrees at its TP and at narrower TP on the same GPUs),
+    also on its best other schedule, and the best of them that fits its other schedules; the bubble
+    bound does not apply to them
+    (EP changes the passes, not only their order)."""
     key = objective_key(opts.objective)
 
     def closed_key(e: Estimate) -> tuple[float, float]:
@@ -204,14 +214,27 @@ def _variants(ctx: SimContext, opts: PlanOptions, best_plan: Plan, others: list[
     bar = key(best.iteration_time_s * (1 + VARIANT_MARGIN), best.cost_per_iteration_usd * (1 + VARIANT_MARGIN))
     picks = []  # (closed estimate, plan, is the best finalist's)
     for plan, estimate in [(best_plan, best)] + others:
-        if plan is not best_plan and no_bubble(plan, estimate)[0] >= closed_key(best)[0]:
+        experts = expert_variants(plan, ctx)
+        if plan is not best_plan and not experts and no_bubble(plan, estimate)[0] >= closed_key(best)[0]:
             continue  # no schedule makes it the best
         variants = schedule_variants(plan) if opts.schedules else []
         variants += kept_weight_variants(plan) if plan is best_plan else []
-        closed = [(simulate(p, ctx, event=False), p) for p in variants]
+        closed = [(simulate(p, ctx, event=False), p) for p in variants + experts]
         closed = [(e, p) for e, p in closed if fits(e, ctx)]
+        if experts and opts.schedules:  # EP on the best other schedule, other schedules on the best EP shape
+            best_of = lambda cands: min(cands, key=lambda v: closed_key(v[0]))[1]  # noqa: E731
+            reshaped = {id(p) for p in experts}
+            scheduled = [(e, p) for e, p in closed if id(p) not in reshaped and p.schedule != plan.schedule]
+            ep_fit = [(e, p) for e, p in closed if id(p) in reshaped]
+            more = expert_variants(best_of(scheduled), ctx) if scheduled else []
+            more += schedule_variants(best_of(ep_fit)) if ep_fit else []
+            closed += [(e, p) for e, p in ((simulate(p, ctx, event=False), p) for p in more) if fits(e, ctx)]
         if closed:
-            picks.append((*min(closed, key=lambda v: closed_key(v[0])), plan is best_plan))
+            top = min(closed, key=lambda v: closed_key(v[0]))
+            picks.append((*top, plan is best_plan))
+            flat = [v for v in closed if not v[1].experts]
+            if top[1].experts and flat and plan is best_plan:  # EP's yardstick: the best at EP 1 too
+                picks.append((*min(flat, key=lambda v: closed_key(v[0])), True))
     first = [x for x in picks if x[2]]
     rest = sorted((x for x in picks if not x[2] and closed_key(x[0])[0] <= bar[0]), key=lambda x: closed_key(x[0]))
     out = []

@@ -36,7 +36,7 @@ from sailor.simulator.context import SimContext
 VIRTUAL_STAGES = (2, 3, 4, 6)
 
 
-def _checked(fields: dict) -> Plan | None:
+def checked_variant(fields: dict) -> Plan | None:
     """The plan of `fields` (`Plan.to_dict` form) when the plan validation and, where it carries its
     job and cluster, `Plan.check_against` take it; None when either refuses it (module docstring)."""
     try:
@@ -51,7 +51,7 @@ def _checked(fields: dict) -> Plan | None:
 def schedule_variants(plan: Plan) -> list[Plan]:
     """The plans that run `plan` (a 1F1B plan carrying its job and cluster) under another schedule:
     ZB-H1, and interleaved 1F1B for each v in VIRTUAL_STAGES at most every stage's layer count; each
-    valid for its job and cluster (`_checked`). Empty for a single stage or a plan that already names
+    valid for its job and cluster (`checked_variant`). Empty for a single stage or a plan that already names
     a schedule."""
     if plan.num_stages < 2 or plan.schedule != DEFAULT_SCHEDULE:
         return []
@@ -60,14 +60,14 @@ def schedule_variants(plan: Plan) -> list[Plan]:
     tries = [({"kind": ScheduleKind.ZB_H1.value}, plan.stages)]
     tries += [({"kind": ScheduleKind.INTERLEAVED.value, "virtual_stages": v}, interleave_partition(plan.stages, v))
               for v in VIRTUAL_STAGES if v <= smallest]
-    made = (_checked(base | {"schedule": schedule, "stages": [list(s) for s in stages]}) for schedule, stages in tries)
+    made = (checked_variant(base | {"schedule": schedule, "stages": [list(s) for s in stages]}) for schedule, stages in tries)
     return [p for p in made if p is not None]
 
 
 def kept_weight_variants(plan: Plan) -> list[Plan]:
     """`plan` with every ZeRO-3 stage keeping its gathered weights for the iteration, and `plan` with
     every ZeRO-2 or ZeRO-3 stage turned into ZeRO-3 keeping them; each where it differs from `plan`
-    and is valid for its job and cluster (`_checked`; module docstring). Empty for a plan of one
+    and is valid for its job and cluster (`checked_variant`; module docstring). Empty for a plan of one
     pipeline (ZeRO shards nothing there)."""
     if len(plan.pipelines) < 2:
         return []
@@ -76,7 +76,7 @@ def kept_weight_variants(plan: Plan) -> list[Plan]:
         memory = [plan.stage_memory(i) for i in range(plan.num_stages)]
         memory = [m.model_copy(update={"zero": 3, "reshard_after_forward": False}) if m.zero >= lowest else m
                   for m in memory]
-        p = _checked(plan.to_dict() | {"memory": [m.model_dump(mode="json") for m in memory]})
+        p = checked_variant(plan.to_dict() | {"memory": [m.model_dump(mode="json") for m in memory]})
         if p is not None and p.model_dump_json() not in seen:
             seen.add(p.model_dump_json())
             out.append(p)
