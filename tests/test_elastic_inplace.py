@@ -1,5 +1,5 @@
-"""Live switches (`sailor run --in-place`: `elastic.inplace`, `runtime.inplace`) on CPU: tiny model,
-global batch 8, <= 4 gloo processes, tags ignored as under NCCL.
+"""Live switches (`sailor run`'s default on the local provider: `elastic.inplace`, `runtime.inplace`)
+on CPU: tiny model, global batch 8, <= 4 gloo processes, tags ignored as under NCCL.
 
 Through the controller: a trace that shrinks 4 -> 2 and grows back to 4 switches twice without
 restarting a surviving rank; a process killed in the middle of a move makes the run fall back to the
@@ -58,8 +58,8 @@ def _options(tmp: Path, steps: int, *counts: tuple[float, int]) -> RunOptions:
     trace.write_text(json.dumps([{"time_s": t, "zone": "local", "gpu": "cpu", "count": n} for t, n in counts]))
     return RunOptions(job=JOB, cluster=LOCAL, trace=load_trace(trace, LOCAL), steps=steps,
                       checkpoint_dir=str(tmp / "ck"), checkpoint_every=0, metrics=str(tmp / "m.jsonl"),
-                      events=str(tmp / "e.jsonl"), clock=ClockKind.STEPS, switch_cost_s=0.0, timeout_s=30.0,
-                      in_place=True)
+                      events=str(tmp / "e.jsonl"), clock=ClockKind.STEPS, switch_cost_s=0.0, timeout_s=30.0)
+    # (in_place left as its default: live on the local provider)
 
 
 @pytest.mark.integration

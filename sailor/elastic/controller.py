@@ -1,7 +1,8 @@
 """`sailor run`: keep a training job running, on the best plan, while GPUs come and go.
 
 The loop (`run`), on the `local` provider (every "GPU" is a process of `sailor train`'s runtime on
-this machine; the runtime is driven through `sailor.runtime.launcher`, which runs torchrun), or with
+this machine: a pool of processes that live across switches, `sailor.elastic.inplace`, or with
+`--restart` one torchrun launch per plan through `sailor.runtime.launcher`), or with
 `hosts` on the machines of HOSTS.yaml (one ssh session per node running its torchrun agents, see
 `sailor.elastic.remote`; a crash takes the dead rank's machine out too):
 
@@ -9,8 +10,11 @@ this machine; the runtime is driven through `sailor.runtime.launcher`, which run
    from the newest checkpoint in the checkpoint folder that passes its checksums.
 2. While it trains, watch the trace clock. On a change, re-plan (`Replanner`, cached) and apply the
    switch rule (`policy.decide`): always when the running plan lost GPUs, else when the expected gain
-   over the remaining steps beats the measured switch cost. To switch: create the stop file; the
-   ranks finish the step, write a checkpoint and exit; relaunch with the new plan and resume.
+   over the remaining steps beats the measured switch cost. To switch on the local provider (by
+   default, `RunOptions.switches_live`): hand the new plan to the live pool (`inplace.InPlaceRun`),
+   whose ranks stop at the step boundary and move their state in memory to the new plan's ranks,
+   keeping their processes. Else (`--restart`, `--hosts`): create the stop file; the ranks finish the
+   step, write a checkpoint and exit; relaunch with the new plan and resume.
 3. When the job fails (a rank died: SIGKILL, a fault), the launcher returns within about a second
    (torchrun's monitor); the dead ranks' GPUs are treated as gone until the trace reports a
    different count for their (zone, GPU type); re-plan on the survivors and resume from the last
@@ -276,7 +280,7 @@ class Controller:
             return self._finish(ExitStatus.DONE, f"done: the checkpoint folder already holds step {prep.resume_step}"
                                                  f" (--steps {self.o.steps}): {prep.resume_from}")
         nodes = self.o.hosts.commands(prep, opts.stop_file, self.avail.lost_machines) if self.o.hosts else None
-        run = self.running = InPlaceRun(prep, self.work, processes=self.most) if self.o.in_place \
+        run = self.running = InPlaceRun(prep, self.work, processes=self.most) if self.o.switches_live \
             else Running(prep, nodes)
         self.pids = {}
         if self.result.steps > prep.resume_step:

@@ -1,6 +1,7 @@
-"""`sailor run --in-place` on the local provider: a pool of rank processes that lives across plan
-switches (`InPlaceRun`, with `controller.Running`'s interface), so the ranks that stay keep their
-process, weights and optimizer state, and the state moves in memory (`sailor.runtime.inplace`).
+"""`sailor run`'s live switches (`--in-place`, the default on the local provider): a pool of rank
+processes that lives across plan switches (`InPlaceRun`, with `controller.Running`'s interface), so
+the ranks that stay keep their process, weights and optimizer state, and the state moves in memory
+(`sailor.runtime.inplace`).
 
 The pool starts one process per rank of the first plan plus spares (already past their imports,
 waiting), up to `processes` in all, each `python -m sailor.runtime.inplace CONTROL PROC EPOCH` in a
