@@ -41,10 +41,10 @@ def run(
     seed: int = SeedOpt,
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder (step-<n>/);"
                                                  " resumed from when it holds a checkpoint. Default: a temporary one."),
-    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=0, help="Also checkpoint every N"
-                                                   " steps, bounding what a crash rolls back (0: only at switches and"
-                                                   " the end; default: the job's recipe.checkpoint.every, 100 unless"
-                                                   " set)."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=0, help="Checkpoint every N"
+                                                   " steps, bounding what a crash rolls back (a live switch then writes"
+                                                   " none; 0: only at switches and the end; default: the job's"
+                                                   " recipe.checkpoint.every, 100 unless set)."),
     metrics: Optional[str] = typer.Option(None, "--metrics", help=f"{METRICS_HELP} A step redone after a rollback is"
                                           " written again; with --hosts, name a file on the storage every host sees."),
     log_every: int = LogEveryOpt,

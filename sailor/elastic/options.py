@@ -35,7 +35,8 @@ class RunOptions:
     checkpoint_dir: str | None = None
     """Checkpoints (step-<n>/); a temporary folder when None. An existing folder is resumed from."""
     checkpoint_every: int = 20
-    """Also checkpoint every N steps, so a crash rolls back at most N - 1 steps (0: only at switches)."""
+    """Checkpoint every N steps, so a crash rolls back at most N - 1 steps; a live switch then writes
+    none (`sailor.runtime.inplace`). 0: only at switches (and the end)."""
     metrics: str | None = None
     """Rank 0 appends one JSON line per step here (with `hosts`: on storage every host sees)."""
     log_every: int = 0
