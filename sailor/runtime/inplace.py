@@ -37,10 +37,10 @@ uninterrupted run trains, and a rollback of fewer than --checkpoint-every steps 
 writing the whole state at every switch.
 
 Events (`worker.emit`, as the worker's, from the epoch's rank 0 unless said): "ready" (every process,
-once its imports are done), "joined" (every rank
-of every epoch: rank, pid, epoch, process), "started" (the first group of the epoch formed: the move
-group of a switch, with the state bytes its move sends between processes, keeps in place and reads
-from the checkpoint: sent_bytes, local_bytes, checkpoint_bytes), "loaded", "step", "checkpoint", "stopped", "done", "error" (any process).
+once its imports are done), "joined" (every rank of every epoch: rank, pid, epoch, process),
+"started" (the first group of the epoch formed: the move group of a switch, with the state bytes its
+move sends between processes, keeps in place and reads from the checkpoint: sent_bytes, local_bytes,
+checkpoint_bytes), "loaded", "step", "checkpoint", "stopped", "done", "error" (any process).
 """
 
 from __future__ import annotations
