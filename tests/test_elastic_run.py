@@ -78,7 +78,7 @@ def _wait(cond, timeout_s: float = 120.0) -> None:
 
 
 def _no_leftovers(alive) -> None:
-    """`alive`: `conftest.own_processes`' lister of the test's processes."""
+    """Wait until no process of the test is left (`alive`: `run_processes`' lister)."""
     _wait(lambda: not alive(), 15.0)
 
 

@@ -31,8 +31,8 @@ kept trajectory has every step 1..N exactly once with the same samples as an uni
 
 Events (`--events`, one JSON line each, all with `time_s` since the controller started and
 `trace_time_s`): start, machines (with hosts), availability, plan, launch, decision, switch_started,
-switch_finished (seconds of each phase; a live switch's state bytes moved), crash (with hosts: the machines), rollback,
-checkpoint_skipped, waiting, start_timeout, done / stopped / killed / failed.
+switch_finished (seconds of each phase; a live switch's state bytes moved), crash (with hosts: the
+machines), rollback, checkpoint_skipped, waiting, start_timeout, done / stopped / killed / failed.
 
 This module never imports torch: the runtime runs in other processes.
 """

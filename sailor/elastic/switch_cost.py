@@ -2,11 +2,12 @@
 bytes it moves and the links they cross, for the switch rule before a switch was measured
 (`controller`) and for `sailor replay`.
 
-A live switch (`runtime.inplace`) stops at a step boundary, writes a checkpoint there (every rank its
-owned state, in parallel) when periodic checkpoints are off or some piece has no living holder (the
-W term below, left out with `writes_checkpoint` False), forms the move group, sends every new rank the pieces of fp32 weights and
-Adam moments it needs from the ranks that hold them (`runtime.reshard`, point to point, all pairs at
-once), and builds the stages. Its seconds, planning excluded:
+A live switch (`runtime.inplace`) stops at a step boundary, writes a checkpoint there (every rank
+its owned state, in parallel) when periodic checkpoints are off or some piece has no living holder
+(the W term below, left out with `writes_checkpoint` False), forms the move group, sends every new
+rank the pieces of fp32 weights and Adam moments it needs from the ranks that hold them
+(`runtime.reshard`, point to point, all pairs at once), and builds the stages. Its seconds, planning
+excluded:
 
     C_live = fixed_s + [writes_checkpoint] max_r W_r / storage_bytes_per_s + max_q T(link_q, R_q)
 
