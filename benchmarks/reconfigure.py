@@ -7,10 +7,12 @@ trace that shrinks 4 -> 2 processes (the running plan loses GPUs: a forced switc
 the `steps` clock (one trace second per training step), so each plan trains the same steps whatever
 the machine's load.
 
-By default the switches are live (`sailor run --in-place`): the surviving ranks keep their process and
-state. Phases: replan (planner, cached or not), stop (to the step boundary), checkpoint (the safety
-checkpoint the ranks write at the boundary), rendezvous (the move group formed), move (state sent
-point to point, stages built), first step. Target: <= 2 s for the shrink and for the grow.
+By default the switches are live (as `sailor run`'s on the local provider): the surviving ranks keep
+their process and state. Phases: replan (planner, cached or not), stop (to the step boundary),
+checkpoint (at the boundary: the move planned, and a checkpoint written only when it needs one, so
+none here; below), rendezvous
+(the move group formed), move (state sent point to point, stages built), first step. Target: <= 2 s
+for the shrink and for the grow.
 
 `--restart` measures the restart path instead (every rank stops, checkpoints, exits; a fresh torchrun
 loads the checkpoint). Phases: replan, stop, checkpoint, teardown (processes gone), restart (torchrun,
@@ -25,7 +27,21 @@ Prints a table, then one JSON line: `switches` (each with `total_s` and its phas
 `survivors_restarted`: over all switches, the ranks present in both plans (GPUs kept) whose process
 id changed (measured: every rank reports its pid when it joins a plan; 0 when survivors stay alive).
 
+`--large` measures instead one change of a 117.6 M-parameter model (inline: 8 blocks, hidden 1024,
+16 heads, FFN 4096, vocabulary 8192, untied; fp32 on CPU, global batch 2 of 32 tokens; 1.41 GB of
+fp32 weights and Adam moments): the trace shrinks 2 -> 1 processes after `LARGE_STEPS` steps (the
+planner's plans: TP 2, then one rank), once live and once by restarting, each run training
+2 x `LARGE_STEPS` steps. Its table and JSON line ("measurement": "large") give each path's total
+and phases and the state bytes it moved: live, those sent between processes, kept in place and read
+from the checkpoint (the move group's own count, `runtime.inplace`); restart, the size of the
+checkpoint every rank wrote and the new ranks read.
+
+Both measurements checkpoint every `recipe.checkpoint.every` steps (100), as `sailor run` does by
+default, so a live switch writes no checkpoint at its boundary (`runtime.inplace`; the restart path
+always writes one).
+
     python benchmarks/reconfigure.py [--steps 40] [--processes 4] [--shrink-to 2] [--restart | --via-ssh]
+    python benchmarks/reconfigure.py --large
 """
 
 from __future__ import annotations
@@ -41,6 +57,9 @@ RESTART_PHASES = ("replan_s", "stop_s", "checkpoint_s", "teardown_s", "restart_s
 LIVE_PHASES = ("replan_s", "stop_s", "checkpoint_s", "rendezvous_s", "move_s", "first_step_s")
 RESTART_TARGET_S, LIVE_TARGET_S = 10.0, 2.0
 EVERY = 20  # steps each plan trains (trace seconds on the steps clock)
+LARGE_MODEL = {"name": "bench-118m", "num_blocks": 8, "hidden_size": 1024, "num_heads": 16, "ffn_hidden_size": 4096,
+               "vocab_size": 8192, "max_sequence_length": 64, "tied_embeddings": False}
+LARGE_STEPS = 2  # steps each plan of the large measurement trains
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,34 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shrink-to", type=int, default=2)
     ap.add_argument("--via-ssh", action="store_true", help="through `sailor run --hosts` and a stand-in ssh")
     ap.add_argument("--restart", action="store_true", help="switch by restarting every rank from a checkpoint"
-                    " (the default switches live: `sailor run --in-place`)")
+                    " (the default switches live, as `sailor run` does on the local provider)")
+    ap.add_argument("--large", action="store_true", help="one shrink of a 117.6 M-parameter model, live and by"
+                    " restarting (module docstring)")
     args = ap.parse_args(argv)
+    if args.large:
+        return _large()
     assert 1 <= args.shrink_to < args.processes <= 4, "at most 4 processes on this machine"
     live = not (args.restart or args.via_ssh)
     phases, target = (LIVE_PHASES, LIVE_TARGET_S) if live else (RESTART_PHASES, RESTART_TARGET_S)
-
-    from sailor.elastic.availability import load_trace
-    from sailor.elastic.controller import run
-    from sailor.elastic.events import ClockKind
-    from sailor.elastic.options import RunOptions
-    from sailor.specs.cluster import ClusterSpec
     from sailor.specs.job import JobSpec
 
-    with tempfile.TemporaryDirectory(prefix="sailor-reconfigure-") as tmp:
-        t = Path(tmp)
-        cluster = ClusterSpec(provider="local", zones={"local": {"cpu": args.processes}},
-                              gpus_per_node={"cpu": 2} if args.via_ssh else {})
-        hosts = _stand_in_hosts(t, cluster) if args.via_ssh else None
-        trace = t / "trace.json"
-        trace.write_text(json.dumps([{"time_s": s, "zone": "local", "gpu": "cpu", "count": n}
-                                     for s, n in ((0, args.processes), (EVERY, args.shrink_to),
-                                                  (2 * EVERY, args.processes))]))
-        events = t / "events.jsonl"
-        res = run(RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=cluster,
-                             trace=load_trace(trace, cluster), steps=args.steps, checkpoint_dir=str(t / "ck"),
-                             checkpoint_every=0, events=str(events), clock=ClockKind.STEPS, switch_cost_s=0.0,
-                             hosts=hosts, in_place=live))
-        ev = [json.loads(x) for x in events.read_text().splitlines()]
+    res, ev = _run(JobSpec(model="tiny", global_batch_size=8), args.processes,
+                   ((0, args.processes), (EVERY, args.shrink_to), (2 * EVERY, args.processes)), args.steps,
+                   live=live, via_ssh=args.via_ssh)
     switches = [e for e in ev if e["event"] == "switch_finished" and not e.get("interrupted")]
     if res.status != 0 or not switches:
         print(f"run did not complete its switches: {res.message}", file=sys.stderr)
@@ -94,15 +99,93 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target <= {target:g} s for every switch: {'met' if met else 'missed'}; surviving ranks restarted:"
           f" {restarted} of {sum(e['survivors'] for e in switches)}"
           + ("" if live else "; published Sailor about 11 s on 16 V100 (before rollback)"))
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     print(json.dumps({"benchmark": "reconfigure", "path": "ssh stand-in" if args.via_ssh else "local",
-                      "switch": "live" if live else "restart", "load_1min": load,
+                      "switch": "live" if live else "restart", "load_1min": _load(),
                       "switches": [{"reason": e["reason"], "to_processes": e["world_size"], "total_s": e["total_s"],
                                     "survivors": e["survivors"], "survivors_restarted": e["survivors_restarted"],
                                     **e["phases_s"]} for e in switches],
                       "survivors_restarted": restarted, "mean_total_s": total, "mean_phases_s": mean,
                       "target_s": target, "target_met": met}))
     return 0
+
+
+def _run(job, processes: int, counts, steps: int, *, live: bool, via_ssh: bool = False,
+         sizes: bool = False) -> tuple:
+    """`sailor run` of `job` on the local provider (`processes` "GPUs" of type cpu) over the trace of
+    (trace second, count) `counts` on the steps clock, the switch cost set to 0. Returns its RunResult
+    and its events; with `sizes`, each "launch" event that resumed from a checkpoint gets that
+    checkpoint's bytes on disk ("checkpoint_bytes", measured before the run's folder goes)."""
+    from sailor.elastic.availability import load_trace
+    from sailor.elastic.controller import run
+    from sailor.elastic.events import ClockKind
+    from sailor.elastic.options import RunOptions
+    from sailor.specs.cluster import ClusterSpec
+
+    with tempfile.TemporaryDirectory(prefix="sailor-reconfigure-") as tmp:
+        t = Path(tmp)
+        cluster = ClusterSpec(provider="local", zones={"local": {"cpu": processes}},
+                              gpus_per_node={"cpu": 2} if via_ssh else {})
+        hosts = _stand_in_hosts(t, cluster) if via_ssh else None
+        trace = t / "trace.json"
+        trace.write_text(json.dumps([{"time_s": s, "zone": "local", "gpu": "cpu", "count": n} for s, n in counts]))
+        events = t / "events.jsonl"
+        res = run(RunOptions(job=job, cluster=cluster, trace=load_trace(trace, cluster), steps=steps,
+                             checkpoint_dir=str(t / "ck"), checkpoint_every=job.recipe.checkpoint.every,
+                             events=str(events), clock=ClockKind.STEPS, switch_cost_s=0.0, hosts=hosts, in_place=live))
+        ev = [json.loads(x) for x in events.read_text().splitlines()]
+        for e in ev:
+            if sizes and e["event"] == "launch" and e["checkpoint"]:
+                e["checkpoint_bytes"] = sum(f.stat().st_size for f in Path(e["checkpoint"]).iterdir())
+    return res, ev
+
+
+def _large() -> int:
+    """The --large measurement (module docstring)."""
+    from sailor.specs.job import JobSpec
+
+    job = JobSpec(model=LARGE_MODEL, global_batch_size=2, sequence_length=32)
+    out = {}
+    for path in ("live", "restart"):
+        res, ev = _run(job, 2, ((0, 2), (LARGE_STEPS, 1)), 2 * LARGE_STEPS, live=path == "live", sizes=True)
+        done = [e for e in ev if e["event"] == "switch_finished" and not e.get("interrupted")]
+        if res.status != 0 or len(done) != 1:
+            print(f"{path}: the run did not complete its switch: {res.message}", file=sys.stderr)
+            return 1
+        e = done[0]
+        plans = [_describe(p["plan"]) for p in ev if p["event"] == "plan" and p["feasible"]]
+        plans = [p for i, p in enumerate(plans) if i == 0 or p != plans[i - 1]]  # (a relaunch plans again)
+        moved = {k: e[k] for k in ("sent_bytes", "local_bytes", "checkpoint_bytes") if k in e}
+        if path == "restart":
+            moved["checkpoint_bytes"] = [x for x in ev if x["event"] == "launch"][-1]["checkpoint_bytes"]
+        out[path] = {"total_s": e["total_s"], **e["phases_s"], "survivors": e["survivors"],
+                     "survivors_restarted": e["survivors_restarted"], "plans": plans, **moved}
+    params = job.model.total_params()
+    print(f"{job.model.name}: {params / 1e6:.1f} M parameters, fp32 on CPU ({12 * params / 1e9:.2f} GB of weights"
+          f" and Adam moments); shrink {' -> '.join(out['live']['plans'])}")
+    for path, phases in (("live", LIVE_PHASES), ("restart", RESTART_PHASES)):
+        r = out[path]
+        print(f"{path:<8} {r['total_s']:>7.2f} s  " + ", ".join(f"{p[:-2]} {r[p]:.2f}" for p in phases))
+        gb = {k: r.get(k, 0) / 1e9 for k in ("sent_bytes", "local_bytes", "checkpoint_bytes")}
+        print(f"{'':<8} moved: {gb['sent_bytes']:.2f} GB sent between processes, {gb['local_bytes']:.2f} GB kept in"
+              f" place, {gb['checkpoint_bytes']:.2f} GB through the checkpoint; surviving ranks restarted:"
+              f" {r['survivors_restarted']} of {r['survivors']}")
+    print(json.dumps({"benchmark": "reconfigure", "measurement": "large", "path": "local", "load_1min": _load(),
+                      "model": LARGE_MODEL, "params": params, "global_batch_size": job.global_batch_size,
+                      "sequence_length": job.seq, "steps_per_plan": LARGE_STEPS, **out}))
+    return 0
+
+
+def _describe(plan: dict) -> str:
+    """"<ranks> x TP <tp>" of a plan dict (one stage per pipeline) or "<ranks> ranks" otherwise."""
+    reps = [r for p in plan["pipelines"] for r in p["replicas"]]
+    ranks = sum(r["tp"] for r in reps)
+    if len(plan["stages"]) == 1:
+        return f"{len(reps)} x TP {reps[0]['tp']}" if len({r["tp"] for r in reps}) == 1 else f"{ranks} ranks"
+    return f"{ranks} ranks in {len(plan['stages'])} stages"
+
+
+def _load() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def _stand_in_hosts(t: Path, cluster):

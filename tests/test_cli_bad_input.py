@@ -524,14 +524,15 @@ def _machine_stand_in(monkeypatch) -> None:
 
 def test_sailor_run_stops_when_a_rank_refuses_its_gpu(tmp_path, monkeypatch, capsys):
     """Every relaunch would be refused the same way: `sailor run` ends with the rank's line, exit 2,
-    instead of counting a crash and taking the GPUs away."""
+    instead of counting a crash and taking the GPUs away. (On the restart path, whose launches are
+    stood in for here: a unit test starts no process.)"""
     from sailor.elastic import controller
 
     _machine_stand_in(monkeypatch)
     monkeypatch.setattr(controller, "launch", _refusing_rank)
     _base(tmp_path)
     code, _, err = _main(["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json",
-                          "--steps", "2", "--events", "out/ev.jsonl"], tmp_path, monkeypatch, capsys)
+                          "--steps", "2", "--events", "out/ev.jsonl", "--restart"], tmp_path, monkeypatch, capsys)
     assert code == 2, err
     assert err.splitlines()[-1] == f"error: rank 0: {NO_KERNELS}", err
     assert "crash" not in err, err

@@ -27,7 +27,8 @@ def usage_entries() -> dict[str, set[str]]:
             path.append(w)
         if path:
             out[" ".join(path)] = (set(re.findall(r"--[a-z][a-z0-9-]*", entry)),
-                                   {o for p in command.params for o in p.opts if o.startswith("--")} - GLOBAL)
+                                   {o for p in command.params for o in (*p.opts, *p.secondary_opts)  # a flag's off form too
+                                    if o.startswith("--")} - GLOBAL)
     return out
 
 

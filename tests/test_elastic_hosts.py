@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import live_processes
 from test_elastic_run import (JOB, SAILOR, _check_trajectory, _lines, _no_leftovers, _trace, _wait, interrupt_controller,
-                              ranks_alive, run_disturbed)
+                              ranks_alive, run_disturbed, run_processes)
 
 from sailor.core.errors import SailorInputError
 from sailor.elastic.availability import Availability, load_trace
@@ -114,6 +113,24 @@ def test_cpu_runs_a_gpu_trace_on_named_machines_only(tmp_path):
         check_run(RunOptions(**{**vars(opts), "hosts": None, "cluster": gcp.model_copy(update={"provider": "local"})}))
 
 
+def test_switches_are_live_by_default_where_supported(tmp_path, monkeypatch):
+    """`RunOptions.in_place`: None switches live on the local provider and by restarts on hosts; False
+    restarts anywhere; True on hosts is refused, naming --in-place."""
+    from sailor.elastic.options import check_run
+
+    trace = load_trace(_trace(tmp_path, (0, 4)), CLUSTER)
+    local = RunOptions(job=JOB, cluster=CLUSTER, trace=trace, checkpoint_dir=str(tmp_path / "ck"))
+    on_hosts = RunOptions(**{**vars(local), "hosts": _setup(tmp_path, monkeypatch)})
+    assert local.switches_live and not on_hosts.switches_live
+    assert not RunOptions(**{**vars(local), "in_place": False}).switches_live
+    assert RunOptions(**{**vars(local), "in_place": True}).switches_live
+    check_run(local)
+    check_run(on_hosts)
+    check_run(RunOptions(**{**vars(on_hosts), "in_place": False}))
+    with pytest.raises(SailorInputError, match="--in-place: live switches run on the local provider only"):
+        check_run(RunOptions(**{**vars(on_hosts), "in_place": True}))
+
+
 def _a100_hosts(tmp_path: Path) -> Path:
     hosts = tmp_path / "a100-hosts.yaml"
     hosts.write_text(yaml.safe_dump({"groups": [{"zone": "us-central1-a", "gpu": "A100-40", "hosts": ["10.0.0.1"]}]}))
@@ -140,17 +157,16 @@ def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
     opts = RunOptions(job=JOB, cluster=CLUSTER, trace=trace, steps=steps, checkpoint_dir=str(tmp_path / "ck"),
                       checkpoint_every=5, metrics=str(metrics), events=str(events), clock=ClockKind.TRAINING,
                       switch_cost_s=0.0, hosts=pool, timeout_s=30.0)
-    marker = str(tmp_path)
 
-    def kill_rank_3_after_the_regrowth(out: dict) -> None:
+    def kill_rank_3_after_the_regrowth(out: dict, alive) -> None:
         _wait(lambda: sum(1 for e in _lines(events) if e["event"] == "launch") == 3 or "res" in out)
         before = len(_lines(metrics))
         _wait(lambda: len(_lines(metrics)) >= before + 3 or "res" in out)
         assert "res" not in out, out["res"].message
-        _wait(lambda: 3 in ranks_alive(marker), 30)
-        os.kill(ranks_alive(marker)[3], signal.SIGKILL)
+        _wait(lambda: 3 in ranks_alive(alive), 30)
+        os.kill(ranks_alive(alive)[3], signal.SIGKILL)
 
-    res = run_disturbed(opts, marker, kill_rank_3_after_the_regrowth)
+    res = run_disturbed(opts, str(tmp_path), kill_rank_3_after_the_regrowth)
     ev = _lines(events)
     assert [e["world_size"] for e in ev if e["event"] == "launch"] == [4, 2, 4, 4]
     assert _launches(tmp_path) == [HOSTS[:2], HOSTS[:1], HOSTS[:2], [HOSTS[0], HOSTS[2]]]
@@ -159,7 +175,6 @@ def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
     assert len(crash) == 1 and crash[0]["ranks"] == [3] and crash[0]["hosts"] == [HOSTS[1]]
     assert next(e for e in reversed(ev) if e["event"] == "availability")["machines_lost"] == [HOSTS[1]]
     _check_trajectory(metrics, steps, reference_losses, rolled_back=res.steps_rolled_back)
-    _no_leftovers(marker)
 
 
 def _run_opts(tmp_path: Path, pool: HostPool, steps: int, **kw) -> RunOptions:
@@ -176,7 +191,9 @@ def test_unreachable_host_is_left_out_and_a_spare_used(tmp_path, monkeypatch, re
               "    sys.stderr.write('ssh: connect to host ' + sys.argv[-2] + ' port 22: Connection refused\\n')\n"
               "    sys.exit(255)\n")
     pool = _setup(tmp_path, monkeypatch, refuse + RUN_HERE)
-    res = run(_run_opts(tmp_path, pool, steps=8))
+    with run_processes(str(tmp_path)) as alive:
+        res = run(_run_opts(tmp_path, pool, steps=8))
+        _no_leftovers(alive)
     assert res.status is ExitStatus.DONE, res.message
     ev = _lines(tmp_path / "e.jsonl")
     crash = [e for e in ev if e["event"] == "crash"]
@@ -185,7 +202,6 @@ def test_unreachable_host_is_left_out_and_a_spare_used(tmp_path, monkeypatch, re
         in crash[0]["message"]
     assert _launches(tmp_path) == [HOSTS[:2], [HOSTS[0], HOSTS[2]]]
     _check_trajectory(tmp_path / "m.jsonl", 8, reference_losses, rolled_back=0)
-    _no_leftovers(str(tmp_path))
 
 
 @pytest.mark.integration
@@ -195,22 +211,20 @@ def test_a_machine_that_goes_down_whole_is_left_out(tmp_path, monkeypatch, refer
     127.0.0.2 is left out and the job goes on with 4 GPUs on 127.0.0.1 and 127.0.0.3."""
     pool = _setup(tmp_path, monkeypatch)
     metrics, events = tmp_path / "m.jsonl", tmp_path / "e.jsonl"
-    marker = str(tmp_path)
 
-    def kill_machine_1(out: dict) -> None:
+    def kill_machine_1(out: dict, alive) -> None:
         _wait(lambda: len(_lines(metrics)) >= 7 or "res" in out)
         assert "res" not in out, out["res"].message
-        ranks = ranks_alive(marker)
-        node = [pid for pid, cmd in live_processes(marker) if "--node-rank 1 " in cmd and pid not in ranks.values()]
+        ranks = ranks_alive(alive)
+        node = [pid for pid, cmd in alive() if "--node-rank 1 " in cmd and pid not in ranks.values()]
         for pgid in dict.fromkeys(os.getpgid(pid) for pid in (*node, ranks[2], ranks[3])):  # the node's session first
             os.killpg(pgid, signal.SIGKILL)
 
-    res = run_disturbed(_run_opts(tmp_path, pool, steps=30), marker, kill_machine_1)
+    res = run_disturbed(_run_opts(tmp_path, pool, steps=30), str(tmp_path), kill_machine_1)
     crash = [e for e in _lines(events) if e["event"] == "crash"]
     assert len(crash) == 1 and crash[0]["ranks"] == [] and crash[0]["hosts"] == [HOSTS[1]]
     assert _launches(tmp_path) == [HOSTS[:2], [HOSTS[0], HOSTS[2]]]
     _check_trajectory(metrics, 30, reference_losses, rolled_back=res.steps_rolled_back)
-    _no_leftovers(marker)
 
 
 @pytest.mark.integration
@@ -220,7 +234,9 @@ def test_a_host_that_never_runs_the_command_is_left_out_after_the_start_timeout(
     launch is ended after --start-timeout-s, the host whose node never said it was up is left out,
     and the job runs on 127.0.0.1 and the spare 127.0.0.3."""
     pool = _setup(tmp_path, monkeypatch, f"if sys.argv[-2] == {HOSTS[1]!r}:\n    time.sleep(600)\n" + RUN_HERE)
-    res = run(_run_opts(tmp_path, pool, steps=8, start_timeout_s=20.0))
+    with run_processes(str(tmp_path)) as alive:
+        res = run(_run_opts(tmp_path, pool, steps=8, start_timeout_s=20.0))
+        _no_leftovers(alive)
     assert res.status is ExitStatus.DONE, res.message
     ev = _lines(tmp_path / "e.jsonl")
     timeouts = [e for e in ev if e["event"] == "start_timeout"]
@@ -229,7 +245,6 @@ def test_a_host_that_never_runs_the_command_is_left_out_after_the_start_timeout(
     assert len(crash) == 1 == res.crashes and crash[0]["hosts"] == [HOSTS[1]]
     assert _launches(tmp_path) == [HOSTS[:2], [HOSTS[0], HOSTS[2]]]
     _check_trajectory(tmp_path / "m.jsonl", 8, reference_losses, rolled_back=0)
-    _no_leftovers(str(tmp_path))
 
 
 @pytest.mark.integration
@@ -267,7 +282,8 @@ def test_cli_hosts_errors_are_one_line(tmp_path):
                         (["--hosts", str(bad["twice"]), *ck], "groups.0.hosts.1: host a0 is listed twice"),
                         (["--hosts", str(bad["zone"]), *ck], "groups.0.zone: unknown gcp zone 'nowhere'"),
                         (["--hosts", str(bad["other"]), *ck], "other.yaml: groups: no group holds GPUs the trace"),
-                        (["--hosts", str(hosts), *ck, "--device", "tpu"], "--device: unknown device 'tpu'")):
+                        (["--hosts", str(hosts), *ck, "--device", "tpu"], "--device: unknown device 'tpu'"),
+                        (["--hosts", str(hosts), *ck, "--in-place"], "--in-place: live switches run on the local")):
         r = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and want in r.stderr, (extra, r.stderr)
 

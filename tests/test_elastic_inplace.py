@@ -1,5 +1,5 @@
-"""Live switches (`sailor run --in-place`: `elastic.inplace`, `runtime.inplace`) on CPU: tiny model,
-global batch 8, <= 4 gloo processes, tags ignored as under NCCL.
+"""Live switches (`sailor run`'s default on the local provider: `elastic.inplace`, `runtime.inplace`)
+on CPU: tiny model, global batch 8, <= 4 gloo processes, tags ignored as under NCCL.
 
 Through the controller: a trace that shrinks 4 -> 2 and grows back to 4 switches twice without
 restarting a surviving rank; a process killed in the middle of a move makes the run fall back to the
@@ -37,10 +37,12 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _check_losses(metrics: Path, steps: int, losses: list[float]) -> None:
-    """Steps 1..steps each written once with the whole global batch, losses as the reference's."""
+def _check_losses(metrics: Path, steps: int, losses: list[float], redone: int = 0) -> None:
+    """Steps 1..steps each written with the whole global batch, losses as the reference's; `redone`
+    steps (trained again after a rollback) written twice, in order."""
     rows = _lines(metrics)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert len(rows) == steps + redone and sorted({r["step"] for r in rows}) == list(range(1, steps + 1))
+    assert all(b["step"] == a["step"] + 1 or b["step"] <= a["step"] for a, b in zip(rows, rows[1:]))
     for r in rows:
         assert r["samples"] == JOB.global_batch_size
         assert r["loss"] == pytest.approx(losses[r["step"] - 1], rel=RTOL), r["step"]
@@ -53,13 +55,13 @@ def _gone(alive, timeout_s: float = 15.0) -> bool:
     return not alive()
 
 
-def _options(tmp: Path, steps: int, *counts: tuple[float, int]) -> RunOptions:
+def _options(tmp: Path, steps: int, *counts: tuple[float, int], every: int = 0) -> RunOptions:
     trace = tmp / "trace.json"
     trace.write_text(json.dumps([{"time_s": t, "zone": "local", "gpu": "cpu", "count": n} for t, n in counts]))
     return RunOptions(job=JOB, cluster=LOCAL, trace=load_trace(trace, LOCAL), steps=steps,
-                      checkpoint_dir=str(tmp / "ck"), checkpoint_every=0, metrics=str(tmp / "m.jsonl"),
-                      events=str(tmp / "e.jsonl"), clock=ClockKind.STEPS, switch_cost_s=0.0, timeout_s=30.0,
-                      in_place=True)
+                      checkpoint_dir=str(tmp / "ck"), checkpoint_every=every, metrics=str(tmp / "m.jsonl"),
+                      events=str(tmp / "e.jsonl"), clock=ClockKind.STEPS, switch_cost_s=0.0, timeout_s=30.0)
+    # (in_place left as its default: live on the local provider)
 
 
 @pytest.mark.integration
@@ -77,6 +79,9 @@ def test_shrink_and_grow_in_place_keep_the_survivors_processes(tmp_path, referen
                                                                                  ("gain", 4, True)]
     for e in finished:  # 2 GPUs in both plans each time, both still in their process
         assert (e["survivors"], e["survivors_restarted"]) == (2, 0), e
+        # every piece from a living process (none from the checkpoint), the survivors keeping theirs;
+        # the grow's newcomers are sent theirs
+        assert e["checkpoint_bytes"] == 0 and e["local_bytes"] > 0 and (e["sent_bytes"] > 0 or e["world_size"] == 2), e
         assert set(e["phases_s"]) == {"replan_s", "stop_s", "checkpoint_s", "rendezvous_s", "move_s",
                                       "first_step_s"}
         assert sum(e["phases_s"].values()) == pytest.approx(e["total_s"], abs=1e-6)
@@ -85,16 +90,20 @@ def test_shrink_and_grow_in_place_keep_the_survivors_processes(tmp_path, referen
 
 
 @pytest.mark.integration
-def test_a_process_killed_mid_move_falls_back_to_the_switch_checkpoint(tmp_path, reference_losses, monkeypatch):
+@pytest.mark.parametrize("every", [0, 2])
+def test_a_process_killed_mid_move_falls_back_to_a_checkpoint(tmp_path, reference_losses, monkeypatch, every):
     """Process 1 (old rank 1, staying as new rank 1) dies after the move group formed, before any
-    state moved: every process of the pool ends, the run restarts from the checkpoint the ranks wrote
-    at the switch's step boundary on the GPU left (its GPU counts as lost), and no step is lost or
-    trained twice."""
+    state moved: every process of the pool ends and the run restarts on the GPU left (its GPU counts
+    as lost) from the newest checkpoint. With --checkpoint-every 0 that is the one the ranks wrote at
+    the switch's step boundary: no step is trained twice. With --checkpoint-every 2 the switch wrote
+    none (the survivors held every piece): the restart resumes from the newest periodic checkpoint
+    and trains the steps after it again, on the same samples; the kept trajectory is the
+    reference's either way."""
     monkeypatch.setenv("SAILOR_IGNORE_TAGS", "1")
     monkeypatch.setenv("SAILOR_FAULT_MOVE", "1:1")
     steps = 10
     with own_processes() as alive:
-        res = run(_options(tmp_path, steps, (0, 4), (3, 2)))
+        res = run(_options(tmp_path, steps, (0, 4), (3, 2), every=every))
         assert _gone(alive), alive()
     assert res.status is ExitStatus.DONE, res.message
     ev = _lines(tmp_path / "e.jsonl")
@@ -103,12 +112,17 @@ def test_a_process_killed_mid_move_falls_back_to_the_switch_checkpoint(tmp_path,
     assert len(crashes) == 1 and crashes[0]["ranks"] == [1], crashes
     launches = [e for e in ev if e["event"] == "launch"]
     assert [e["world_size"] for e in launches] == [4, 1]
-    # the restart resumes at the switch's boundary (its checkpoint), after the steps the controller had
-    # seen when it asked (the ranks may have gone on a few steps before they saw the request)
-    boundary = launches[1]["resume_step"]
-    assert boundary >= switch_step and launches[1]["checkpoint"].endswith(f"step-{boundary:08d}")
-    assert res.crashes == 1 and res.steps_rolled_back == 0 and not [e for e in ev if e["event"] == "rollback"]
-    _check_losses(tmp_path / "m.jsonl", steps, reference_losses)
+    # the ranks stopped at the boundary after the steps the controller had seen when it asked (they
+    # may have gone on a few steps before they saw the request); no step ran after it
+    boundary = crashes[0]["last_step"]
+    assert boundary >= switch_step
+    # the newest checkpoint (any written at the boundary would be it)
+    resumed = boundary - boundary % every if every else boundary
+    assert launches[1]["resume_step"] == resumed
+    assert (launches[1]["checkpoint"] or "").endswith(f"step-{resumed:08d}" if resumed else "")
+    assert res.crashes == 1 and res.steps_rolled_back == boundary - resumed
+    assert [e["steps"] for e in ev if e["event"] == "rollback"] == ([boundary - resumed] if boundary > resumed else [])
+    _check_losses(tmp_path / "m.jsonl", steps, reference_losses, redone=boundary - resumed)
 
 
 def test_ranks_go_to_the_processes_that_hold_their_gpu_type_then_to_spares(tmp_path):
@@ -122,6 +136,30 @@ def test_ranks_go_to_the_processes_that_hold_their_gpu_type_then_to_spares(tmp_p
     assert assign(two, {5: 0, 6: 1}, four, [9, 10, 11]) == {5: 0, 6: 1, 9: 2, 10: 3}
     with pytest.raises(ValueError, match="no process left for rank 3"):
         assign(two, {5: 0, 6: 1}, four, [9])
+
+
+def test_a_switch_keeps_the_state_without_a_checkpoint_only_when_every_piece_has_a_living_holder(tmp_path):
+    """`runtime.inplace.state_kept`: no next epoch (a plain stop) -> False; a shrink from 2 pipeline
+    stages to one whose old ranks both live (the leaver sends its stage) -> True, with the move kept
+    for the switch; the same switch with the second stage's rank gone -> False (its layers come from
+    the checkpoint)."""
+    from sailor.runtime import epochs
+    from sailor.runtime.command import WorkerSettings
+    from sailor.runtime.inplace import state_kept
+
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"model": "tiny", "global_batch_size": 8}))
+    two = _plan(tmp_path / "pp2.json", (1, 1), stages=((0, 3), (3, 6)))
+    one = _plan(tmp_path / "one.json", (1,))
+    argv = WorkerSettings(plan=one, job=str(job), steps=4).argv()
+    moves: dict = {}
+    assert not state_kept(tmp_path, 0, moves) and not moves
+    epochs.publish(tmp_path, epochs.Epoch(1, argv, {5: 0}, two, {5: 0, 6: 1}))
+    assert state_kept(tmp_path, 0, moves)
+    world, rp = moves[1]
+    assert world == [5, 6] and not rp.needs_checkpoint and rp.moved_elements()["sent"] > 0
+    epochs.publish(tmp_path, epochs.Epoch(2, argv, {5: 0}, two, {5: 0}))
+    assert not state_kept(tmp_path, 1, moves) and moves[2][1].needs_checkpoint
 
 
 def test_epoch_files_round_trip(tmp_path):
@@ -170,7 +208,9 @@ def _plan(path: Path, *pipelines: tuple[int, ...], stages=((0, 6),), zero: int =
 def test_tp_pipeline_and_zero_changes_in_place(tmp_path, reference_losses, monkeypatch):
     """On 2 processes: TP 2 (ZeRO-0) -> 2 data-parallel replicas under ZeRO-1 -> 2 pipeline stages
     (layers 0-2 | 3-5) -> 2 replicas under ZeRO-3, each switch asked for after every third step. The
-    pool keeps its 2 processes throughout, and the losses are the reference's."""
+    pool keeps its 2 processes throughout, and the losses are the reference's. Checkpoints every 5
+    steps: a switch writes none at its boundary (the two processes hold every piece) unless a
+    periodic one falls there."""
     from sailor.elastic.inplace import InPlaceRun
     from sailor.runtime.launcher import TrainOptions, prepare
 
@@ -180,12 +220,13 @@ def test_tp_pipeline_and_zero_changes_in_place(tmp_path, reference_losses, monke
     plans = [_plan(tmp_path / "p0.json", (2,)), _plan(tmp_path / "p1.json", (1,), (1,), zero=1),
              _plan(tmp_path / "p2.json", (1, 1), stages=((0, 3), (3, 6))),
              _plan(tmp_path / "p3.json", (1,), (1,), zero=3)]
-    steps, every = 12, 3
+    steps, every, checkpoint_every = 12, 3, 5
     prep = prepare(TrainOptions(plan=plans[0], job=str(job), steps=steps, checkpoint_dir=str(tmp_path / "ck"),
-                                checkpoint_every=0, metrics=str(tmp_path / "m.jsonl"), timeout_s=30.0))
+                                checkpoint_every=checkpoint_every, metrics=str(tmp_path / "m.jsonl"), timeout_s=30.0))
     with own_processes() as alive:
         pool = InPlaceRun(prep, str(tmp_path), processes=2)
         joined: list[dict] = []
+        stopped: list[dict] = []
         switched = 0
         while not pool.done():
             try:
@@ -193,6 +234,7 @@ def test_tp_pipeline_and_zero_changes_in_place(tmp_path, reference_losses, monke
             except queue.Empty:
                 continue
             joined += [ev] if ev["event"] == "joined" else []
+            stopped += [ev] if ev["event"] == "stopped" else []
             if ev["event"] == "step" and ev["step"] % every == 0 and ev["step"] < steps:
                 switched += 1
                 pool.switch(plans[switched])
@@ -203,4 +245,6 @@ def test_tp_pipeline_and_zero_changes_in_place(tmp_path, reference_losses, monke
     pids = {(e["epoch"], e["rank"]): e["pid"] for e in joined}
     assert sorted(pids) == [(k, r) for k in range(4) for r in range(2)]
     assert len(set(pids.values())) == 2  # the same two processes all along
+    assert len(stopped) == 3 and all((e["checkpoint"] is None) == (e["step"] % checkpoint_every != 0)
+                                     for e in stopped), stopped
     _check_losses(tmp_path / "m.jsonl", steps, reference_losses)

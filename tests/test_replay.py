@@ -133,6 +133,9 @@ def test_live_switch_cost_from_the_bytes_written_and_moved():
     # the other way, each new rank holds the whole fp32 weights and half the moments (ZeRO-1)
     half = ctx.network.transfer_time_s("us-central1-a", "A100-40", "us-central1-a", "A100-40", 8 * params)
     assert model.seconds(ctx, plan(1), plan(2)) == pytest.approx(0.5 + 12 * params / 2e9 + half)
+    # without the safety checkpoint (periodic checkpoints on, every piece with a living holder)
+    kept = LiveSwitchModel(fixed_s=0.5, storage_bytes_per_s=2e9, writes_checkpoint=False)
+    assert kept.seconds(ctx, plan(2), plan(1)) == pytest.approx(0.5 + moved)
 
 
 def test_live_switches_cost_less_than_restarts_in_a_replay(tmp_path):

@@ -41,10 +41,10 @@ def run(
     seed: int = SeedOpt,
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder (step-<n>/);"
                                                  " resumed from when it holds a checkpoint. Default: a temporary one."),
-    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=0, help="Also checkpoint every N"
-                                                   " steps, bounding what a crash rolls back (0: only at switches and"
-                                                   " the end; default: the job's recipe.checkpoint.every, 100 unless"
-                                                   " set)."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=0, help="Checkpoint every N"
+                                                   " steps, bounding what a crash rolls back (a live switch then writes"
+                                                   " none; 0: only at switches and the end; default: the job's"
+                                                   " recipe.checkpoint.every, 100 unless set)."),
     metrics: Optional[str] = typer.Option(None, "--metrics", help=f"{METRICS_HELP} A step redone after a rollback is"
                                           " written again; with --hosts, name a file on the storage every host sees."),
     log_every: int = LogEveryOpt,
@@ -70,9 +70,11 @@ def run(
                                             " rank 0's host (default 29500)."),
     start_timeout_s: float = typer.Option(300.0, "--start-timeout-s", help="A launch whose ranks have not formed their"
                                           " process groups by then is ended as failed."),
-    in_place: bool = typer.Option(False, "--in-place", help="Switch plans live (local provider): ranks that stay keep"
-                                  " their process and state, which moves in memory; a failure falls back to the"
-                                  " checkpoint written at the switch."),
+    in_place: Optional[bool] = typer.Option(None, "--in-place/--restart", help="How a switch runs. --in-place (default"
+                                            " on the local provider, the only one it runs on): live, the ranks that stay"
+                                            " keep their process and state, which moves in memory; a failure during the"
+                                            " move falls back to a checkpoint. --restart (the default with --hosts):"
+                                            " every rank stops, checkpoints and restarts from the checkpoint."),
 ) -> None:
     """Train, keeping the job on the best plan as GPUs come and go (local provider: one process per GPU;
     --hosts: the machines of HOSTS.yaml).

@@ -1,7 +1,8 @@
 """`sailor run`: keep a training job running, on the best plan, while GPUs come and go.
 
 The loop (`run`), on the `local` provider (every "GPU" is a process of `sailor train`'s runtime on
-this machine; the runtime is driven through `sailor.runtime.launcher`, which runs torchrun), or with
+this machine: a pool of processes that live across switches, `sailor.elastic.inplace`, or with
+`--restart` one torchrun launch per plan through `sailor.runtime.launcher`), or with
 `hosts` on the machines of HOSTS.yaml (one ssh session per node running its torchrun agents, see
 `sailor.elastic.remote`; a crash takes the dead rank's machine out too):
 
@@ -9,8 +10,11 @@ this machine; the runtime is driven through `sailor.runtime.launcher`, which run
    from the newest checkpoint in the checkpoint folder that passes its checksums.
 2. While it trains, watch the trace clock. On a change, re-plan (`Replanner`, cached) and apply the
    switch rule (`policy.decide`): always when the running plan lost GPUs, else when the expected gain
-   over the remaining steps beats the measured switch cost. To switch: create the stop file; the
-   ranks finish the step, write a checkpoint and exit; relaunch with the new plan and resume.
+   over the remaining steps beats the measured switch cost. To switch on the local provider (by
+   default, `RunOptions.switches_live`): hand the new plan to the live pool (`inplace.InPlaceRun`),
+   whose ranks stop at the step boundary and move their state in memory to the new plan's ranks,
+   keeping their processes. Else (`--restart`, `--hosts`): create the stop file; the ranks finish the
+   step, write a checkpoint and exit; relaunch with the new plan and resume.
 3. When the job fails (a rank died: SIGKILL, a fault), the launcher returns within about a second
    (torchrun's monitor); the dead ranks' GPUs are treated as gone until the trace reports a
    different count for their (zone, GPU type); re-plan on the survivors and resume from the last
@@ -27,8 +31,8 @@ kept trajectory has every step 1..N exactly once with the same samples as an uni
 
 Events (`--events`, one JSON line each, all with `time_s` since the controller started and
 `trace_time_s`): start, machines (with hosts), availability, plan, launch, decision, switch_started,
-switch_finished (seconds of each phase), crash (with hosts: the machines), rollback,
-checkpoint_skipped, waiting, start_timeout, done / stopped / killed / failed.
+switch_finished (seconds of each phase; a live switch's state bytes moved), crash (with hosts: the
+machines), rollback, checkpoint_skipped, waiting, start_timeout, done / stopped / killed / failed.
 
 This module never imports torch: the runtime runs in other processes.
 """
@@ -107,6 +111,9 @@ class Switch:
     rendezvous of the move group and the move (state sent, stages built)."""
     pids_before: dict[int, int] = field(default_factory=dict)
     """Rank -> process id under the plan switched from."""
+    moved: dict[str, int] = field(default_factory=dict)
+    """A live switch's state bytes sent between processes, kept in place, read from the checkpoint
+    (the move group's "started" event: sent_bytes, local_bytes, checkpoint_bytes)."""
 
     def phases(self, first_step: float) -> dict[str, float]:
         """Seconds of each phase, in order; they add up to the total from the change to the first step."""
@@ -276,7 +283,7 @@ class Controller:
             return self._finish(ExitStatus.DONE, f"done: the checkpoint folder already holds step {prep.resume_step}"
                                                  f" (--steps {self.o.steps}): {prep.resume_from}")
         nodes = self.o.hosts.commands(prep, opts.stop_file, self.avail.lost_machines) if self.o.hosts else None
-        run = self.running = InPlaceRun(prep, self.work, processes=self.most) if self.o.in_place \
+        run = self.running = InPlaceRun(prep, self.work, processes=self.most) if self.o.switches_live \
             else Running(prep, nodes)
         self.pids = {}
         if self.result.steps > prep.resume_step:
@@ -333,6 +340,7 @@ class Controller:
                 run.started = True
                 if sw is not None and sw.launched is not None:
                     setattr(sw, kind, t)
+                    sw.moved = {k: v for k, v in ev.items() if k.endswith("_bytes")} or sw.moved
             elif sw is not None and kind == "stopped":
                 sw.stopped = t
                 if sw.in_place:  # the same processes go on: what follows is the new plan's
@@ -351,7 +359,7 @@ class Controller:
         restarted = kept - len(set(sw.pids_before.values()) & set(self.pids.values()))
         self.log.emit("switch_finished", reason=sw.reason, total_s=total, phases_s=phases,
                       world_size=self.current.plan.world_size, step=self.result.steps, in_place=sw.in_place,
-                      survivors=kept, survivors_restarted=restarted)
+                      survivors=kept, survivors_restarted=restarted, **sw.moved)
         self.switch = None
         if self.changed and isinstance(self.running, InPlaceRun):
             self.changed = False
@@ -386,7 +394,8 @@ class Controller:
         old_est = None if lost else self.replanner.score(self.current.plan, zones)
         old_s = old_est.iteration_time_s * self.ratio if old_est is not None else None
         new_s = planned.estimate.iteration_time_s * self.ratio
-        model_s = LiveSwitchModel().seconds(self.replanner.context(zones), self.current.plan, planned.plan) \
+        live = LiveSwitchModel(writes_checkpoint=self.o.checkpoint_every == 0)  # as `runtime.inplace` does
+        model_s = live.seconds(self.replanner.context(zones), self.current.plan, planned.plan) \
             if isinstance(run, InPlaceRun) else None  # before a live switch was measured
         d = decide(lost=lost, old_iteration_s=old_s, new_iteration_s=new_s,
                    remaining_iterations=self.o.steps - self.result.steps, switch_cost_s=self.costs.estimate_s(model_s))

@@ -1,6 +1,7 @@
-"""`sailor run --in-place` on the local provider: a pool of rank processes that lives across plan
-switches (`InPlaceRun`, with `controller.Running`'s interface), so the ranks that stay keep their
-process, weights and optimizer state, and the state moves in memory (`sailor.runtime.inplace`).
+"""`sailor run`'s live switches (`--in-place`, the default on the local provider): a pool of rank
+processes that lives across plan switches (`InPlaceRun`, with `controller.Running`'s interface), so
+the ranks that stay keep their process, weights and optimizer state, and the state moves in memory
+(`sailor.runtime.inplace`).
 
 The pool starts one process per rank of the first plan plus spares (already past their imports,
 waiting), up to `processes` in all, each `python -m sailor.runtime.inplace CONTROL PROC EPOCH` in a
@@ -21,7 +22,9 @@ DONE after the "done" event, STOPPED after a stop that was not a switch, FAILED 
 with an error (`failed` lists (rank, exit status) of those that failed on their own, the first one
 first; the others get `launcher.FAIL_GRACE_S` to report, then every process is killed). The
 controller restarts every rank from the newest checkpoint after a failure, the checkpoint path,
-which for a failure during a switch is the checkpoint the ranks wrote at its step boundary.
+which for a failure during a switch is the checkpoint the ranks wrote at its step boundary, or, when
+they wrote none there (the survivors held every piece and periodic checkpoints are on), the newest
+periodic one (`sailor.runtime.inplace`, "Failure").
 
 No process outlives the pool: every process is started from the pool's thread with
 PR_SET_PDEATHSIG (`core.process.die_with_parent`), and the pool kills every session it started on
@@ -130,7 +133,7 @@ class InPlaceRun(RunHandle):
 
     def __init__(self, prepared: Prepared, work: str, *, processes: int) -> None:
         if not prepared.options.checkpoint_dir:
-            raise ValueError("a live switch writes a checkpoint at its step boundary: the run needs a checkpoint folder")
+            raise ValueError("a live switch falls back to a checkpoint when it fails: the run needs a checkpoint folder")
         self.control = Path(tempfile.mkdtemp(dir=work, prefix="inplace-"))
         super().__init__(prepared, self._stop_file(0))
         self.processes = max(processes, prepared.plan.world_size)

@@ -35,7 +35,8 @@ class RunOptions:
     checkpoint_dir: str | None = None
     """Checkpoints (step-<n>/); a temporary folder when None. An existing folder is resumed from."""
     checkpoint_every: int = 20
-    """Also checkpoint every N steps, so a crash rolls back at most N - 1 steps (0: only at switches)."""
+    """Checkpoint every N steps, so a crash rolls back at most N - 1 steps; a live switch then writes
+    none (`sailor.runtime.inplace`). 0: only at switches (and the end)."""
     metrics: str | None = None
     """Rank 0 appends one JSON line per step here (with `hosts`: on storage every host sees)."""
     log_every: int = 0
@@ -64,9 +65,16 @@ class RunOptions:
     start_timeout_s: float = 300.0
     """Seconds a launch may take to bring up its ranks' process groups before it is ended as failed
     (a host that accepts ssh but never joins would otherwise hang the run)."""
-    in_place: bool = False
+    in_place: bool | None = None
     """Switch plans live (`sailor.elastic.inplace`): the ranks that stay keep their process and state,
-    which moves in memory; local provider only. False: every switch restarts every rank from a checkpoint."""
+    which moves in memory; local provider only (True with `hosts` is refused by `check_run`). False:
+    every switch restarts every rank from a checkpoint (`sailor run --restart`). None (the default):
+    live where it is supported, i.e. without `hosts` (`switches_live`)."""
+
+    @property
+    def switches_live(self) -> bool:
+        """Whether a switch is live (`in_place`, None resolved: live on the local provider)."""
+        return self.hosts is None if self.in_place is None else self.in_place
 
 
 @dataclass
@@ -97,7 +105,7 @@ def check_run(o: RunOptions) -> None:
                                fix="pass --hosts HOSTS.yaml, or use provider: local (zone local, GPU type cpu)")
     if o.in_place and o.hosts is not None:
         raise SailorInputError("live switches run on the local provider only; runs on hosts restart at a switch",
-                               source="--in-place", fix="drop --in-place, or --hosts")
+                               source="--in-place", fix="drop --in-place (with --hosts every switch restarts)")
     if o.hosts is not None and not o.checkpoint_dir:
         raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
                                source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")

@@ -1,12 +1,15 @@
-"""The cost of a live switch (`sailor run --in-place`) from the bytes it moves and the links they
-cross, for the switch rule before a switch was measured (`controller`) and for `sailor replay`.
+"""The cost of a live switch (`sailor run`'s default on the local provider, `--in-place`) from the
+bytes it moves and the links they cross, for the switch rule before a switch was measured
+(`controller`) and for `sailor replay`.
 
-A live switch (`runtime.inplace`) stops at a step boundary, writes a checkpoint there (every rank its
-owned state, in parallel), forms the move group, sends every new rank the pieces of fp32 weights and
-Adam moments it needs from the ranks that hold them (`runtime.reshard`, point to point, all pairs at
-once), and builds the stages. Its seconds, planning excluded:
+A live switch (`runtime.inplace`) stops at a step boundary, writes a checkpoint there (every rank
+its owned state, in parallel) when periodic checkpoints are off or some piece has no living holder
+(the W term below, left out with `writes_checkpoint` False), forms the move group, sends every new
+rank the pieces of fp32 weights and Adam moments it needs from the ranks that hold them
+(`runtime.reshard`, point to point, all pairs at once), and builds the stages. Its seconds, planning
+excluded:
 
-    C_live = fixed_s + max_r W_r / storage_bytes_per_s + max_q T(link_q, R_q)
+    C_live = fixed_s + [writes_checkpoint] max_r W_r / storage_bytes_per_s + max_q T(link_q, R_q)
 
 - W_r: state bytes old rank r writes: 12 bytes per parameter of its stage at its TP degree (fp32
   weights and two Adam moments, `STATE_BYTES_PER_PARAM`) that it owns: all of them under ZeRO-0
@@ -24,6 +27,10 @@ once), and builds the stages. Its seconds, planning excluded:
   "Elastic"). storage_bytes_per_s: one rank's checkpoint
   write; the default, 1 GB/s, is an assumption (a local NVMe disk writes about 2 GB/s, shared storage
   less), not a measurement.
+
+The controller sets `writes_checkpoint` as `sailor run` does (True only with --checkpoint-every 0:
+every old rank is alive at a switch, so the survivors hold every piece); `sailor replay --switch live`
+keeps the default True, an upper bound for a run with periodic checkpoints.
 
 The restart path's cost model is `replay.RestartModel` (published breakdown, plan-independent).
 """
@@ -44,6 +51,7 @@ class LiveSwitchModel:
 
     fixed_s: float = 1.0
     storage_bytes_per_s: float = 1e9
+    writes_checkpoint: bool = True
 
     def seconds(self, ctx: SimContext, old: Plan, new: Plan) -> float:
         """C_live of switching from `old` to `new` on the cluster and network of `ctx`."""
@@ -53,7 +61,7 @@ class LiveSwitchModel:
         move = max(ctx.network.transfer_time_s((s := src.get(r.zone, first)).zone, s.gpu, r.zone, r.gpu,
                                                _held_bytes(ctx, new, i, r.tp))
                    for p in new.pipelines for r in p.replicas for i in (r.stage,))
-        return self.fixed_s + write / self.storage_bytes_per_s + move
+        return self.fixed_s + (write / self.storage_bytes_per_s if self.writes_checkpoint else 0.0) + move
 
 
 def _params(ctx: SimContext, plan: Plan, stage: int, tp: int) -> float:

@@ -330,10 +330,10 @@ def train(args: WorkerSettings) -> None:
 
 
 def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None,
-           init: dict[str, Any] | None = None) -> Live:
+           init: dict[str, Any] | None = None, stop_keeps_state: Callable[[], bool] | None = None) -> Live:
     """The training loop proper: `train` once the plan, job and rank 0's StepLog are in place; `init`:
-    the rendezvous arguments of `init_world` (none: torchrun's). Returns the rank's Live as
-    `run_steps` left it."""
+    the rendezvous arguments of `init_world` (none: torchrun's); `stop_keeps_state`: `Live`'s. Returns
+    the rank's Live as `run_steps` left it."""
     rank = int(os.environ.get("RANK", "0"))
     device = rank_device(args.device)  # LOCAL_RANK's GPU, refused when this torch has no kernels for it
     init_world(args, job, device, **(init or {}))
@@ -353,11 +353,12 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None,
                     init_from=args.init_from, step=ckpt.optimizer_steps(manifest) if reader is not None else 0)
     if reader is not None:
         reader.close()
-    record = None
-    if rank == 0:  # what `sailor export` keeps of the Hugging Face folder the run started from
-        record = manifest.get(RECORD_KEY) or (source_record(args.init_from, job.model) if args.init_from else None)
+    # what `sailor export` keeps of the Hugging Face folder the run started from (rank 0 writes it; every
+    # rank holds it, so that any can hand it on in a live switch)
+    record = manifest.get(RECORD_KEY) or (source_record(args.init_from, job.model) if args.init_from else None)
     live = Live(args, plan, job, topo, groups, rk, device, start=start,
-                saved_at=start if args.resume_from else None, scaler_state=manifest.get("loss_scaler"), record=record)
+                saved_at=start if args.resume_from else None, scaler_state=manifest.get("loss_scaler"), record=record,
+                stop_keeps_state=stop_keeps_state)
     run_steps(live, log)
     return live
 
@@ -383,8 +384,12 @@ class Live:
     `start`: the step that runs next (0-based; data and learning rate follow it); `saved_at`: the step
     of a checkpoint that already holds this state (None: none); `scaler_state`: the fp16 loss scaler's
     `state_dict` to go on from (None: a fresh one); `record`: what `sailor export` keeps of the Hugging
-    Face folder the run started from (rank 0 writes it into the manifests). `run_steps` sets `stopped`
-    (the step a stop request stopped before)."""
+    Face folder the run started from (every rank holds it; rank 0 writes it into the manifests);
+    `stop_keeps_state`: asked (on every rank, the answers agreed by a MIN all-reduce) at a stop request
+    when periodic checkpoints are on (--checkpoint-every > 0): True when the state lives on without a
+    checkpoint (a live switch whose ranks hold every piece the new plan needs, `inplace`), and the stop
+    then writes none; None: every stop writes one. `run_steps` sets `stopped` (the step a stop request
+    stopped before) and keeps `saved_at` and `scaler_state` current."""
 
     args: WorkerSettings
     plan: Plan
@@ -397,14 +402,16 @@ class Live:
     saved_at: int | None = None
     scaler_state: dict | None = None
     record: dict | None = None
+    stop_keeps_state: Callable[[], bool] | None = None
     stopped: int | None = None
 
 
 def run_steps(live: Live, log: StepLog | None) -> None:
     """The step loop of `live` from `live.start` to `args.steps`: the pipeline channels, a barrier
     (every rank's stage is built), the "loaded" event, then the steps (module docstring). On a stop
-    request it writes the checkpoint of the step it stopped before (unless one holds it), emits
-    "stopped" and returns with `live.stopped` set; after the last step it emits "done"."""
+    request it writes the checkpoint of the step it stopped before (unless one holds it, or
+    `live.stop_keeps_state` says none is needed), emits "stopped" and returns with `live.stopped` set;
+    after the last step it emits "done"."""
     args, plan, job, rk, device, start = live.args, live.plan, live.job, live.rk, live.device, live.start
     spec, mbs, seq, gbs = job.model, plan.micro_batch_size, job.seq, job.global_batch_size
     topo, groups, rank = live.topo, live.groups, dist.get_rank()
@@ -433,7 +440,6 @@ def run_steps(live: Live, log: StepLog | None) -> None:
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     fault = os.environ.get(FAULT_ENV, "")
     n_local = role.microbatches * mbs
-    saved_at = live.saved_at
 
     def stop_requested() -> float:
         return 1.0 if args.stop_file and os.path.exists(args.stop_file) else 0.0
@@ -447,12 +453,14 @@ def run_steps(live: Live, log: StepLog | None) -> None:
         t0 = time.perf_counter()
         if stop:
             path = None
-            if root is not None:
-                path = save_checkpoint(root, step, meta, opt, role, device, layout) if saved_at != step \
-                    else ckpt.step_dir(root, step)
+            if root is not None and live.saved_at == step:
+                path = ckpt.step_dir(root, step)
+            elif root is not None and not (every and _state_kept(live, device)):
+                path = save_checkpoint(root, step, meta, opt, role, device, layout)
+                live.saved_at = step
             if rank == 0:
                 emit("stopped", step=step, checkpoint=str(path) if path else None)
-            live.stopped = step
+            live.stopped, live.scaler_state = step, meta.get("loss_scaler")
             return
         if fault == f"{rank}:{step}":
             os._exit(13)
@@ -519,12 +527,22 @@ def run_steps(live: Live, log: StepLog | None) -> None:
         done = step + 1
         if root is not None and (done == args.steps or (every and done % every == 0)):
             path = save_checkpoint(root, done, meta, opt, role, device, layout)
-            saved_at = done
+            live.saved_at = done
             if rank == 0:
                 ckpt.prune(root, keep=recipe.checkpoint.keep, upto=done)
                 emit("checkpoint", step=done, path=str(path))
     if rank == 0:
         emit("done", step=max(args.steps, start))
+
+
+def _state_kept(live: Live, device: torch.device) -> bool:
+    """`live.stop_keeps_state()` agreed over the world (True only when every rank says so: a rank that
+    read the control files a moment earlier may not have seen the switch yet)."""
+    if live.stop_keeps_state is None:
+        return False
+    kept = torch.tensor([float(live.stop_keeps_state())], device=device)
+    dist.all_reduce(kept, op=dist.ReduceOp.MIN)
+    return kept.item() > 0
 
 
 def main(argv: list[str] | None = None) -> None:
