@@ -319,12 +319,40 @@ def test_class_profiles_become_one_profile_of_their_gpu_types():
         merge([retag(fast, "A100-40"), retag(other, "V100-16")])
 
 
-def test_a_class_is_profiled_as_one_rank():
+def test_a_class_is_profiled_one_replica_at_a_time():
     from sailor.testbed.profile import profile_command
     argv = profile_command("job.yaml", "/tmp/p.json", "1,2", python="/py")
     assert argv[:4] == ["/py", "-m", "sailor", "profile"]
     assert argv[argv.index("--tp") + 1] == "1" and argv[argv.index("--threads") + 1] == "1"
     assert argv[argv.index("--concurrency") + 1] == "1" and argv[argv.index("--mbs") + 1] == "1,2"
+    argv = profile_command("job.yaml", "/tmp/p.json", "2", python="/py", tps=[1, 2])
+    assert argv[argv.index("--tp") + 1] == "1,2"
+
+
+def test_a_profiling_rank_runs_on_the_device_of_its_rank(monkeypatch):
+    import subprocess
+    import sys
+
+    from sailor.runtime import profiler
+    from sailor.testbed.profile import profile_rank_slot
+
+    launched = []  # the argv `profiler.run_ranks` starts each rank with, caught before anything runs
+
+    def refuse(argv, **kw):
+        launched.append(argv)
+        raise OSError("not started")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    with pytest.raises(OSError):
+        profiler.run_ranks("sailor.runtime.profiler:profile_rank", 2, {}, port=1234)
+    monkeypatch.undo()
+    assert launched == [[sys.executable, "-m", "sailor.runtime.profiler", "sailor.runtime.profiler:profile_rank",
+                         "0", "2", "1234"]]
+    assert profile_rank_slot(launched[0]) == 0
+    assert profile_rank_slot([*launched[0][:4], "1", "2", "1234"]) == 1
+    assert profile_rank_slot(["/py", "-m", "sailor.runtime.profiler", "sailor.runtime.netprofile:network_rank", "0", "2", "9"]) is None
+    assert profile_rank_slot(["/py", "-m", "sailor", "profile", "--tp", "2"]) is None  # the driver
+    assert profile_rank_slot(launched[0][:4]) is None
 
 
 # ---- the command line on bad input (in-process: nothing is created, no process starts) ------------
