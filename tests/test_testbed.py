@@ -203,6 +203,25 @@ def test_links_turn_segmentation_offload_off():
     assert add.count("gso_max_segs") == 2  # both ends
 
 
+def test_the_cgroups_weigh_the_testbed_above_other_tasks_and_cap_each_rank(tmp_path, monkeypatch, box):
+    prefix = "sbx00aa"
+    monkeypatch.setattr(net, "CGROUP_CPU", str(tmp_path))  # plain folders stand in for the cgroup files
+    nodes = tuple(host.NodeState(name=n.name, netns=f"{prefix}-{n.name}", veth=f"{prefix}n{n.name}", address="",
+                                 router_address="", cgroup=f"{tmp_path}/{prefix}/{n.name}") for n in box.nodes)
+    state = host.TestbedState(name="box", prefix=prefix, block=200, folder=str(tmp_path / "state"), nodes=nodes)
+    cgroups.create_cgroups(box, state)
+    top = tmp_path / prefix
+    assert (top / "cpu.shares").read_text() == "262144"  # the kernel's largest weight
+    for n in box.nodes:
+        assert not (top / n.name / "cpu.cfs_quota_us").exists()  # the node's own: no quota
+        for k in range(n.ranks):  # fast 0.3 cores: 1000 of 3334 µs; slow 0.15: 1000 of 6667 µs
+            rank = top / n.name / f"r{k}"
+            period = {"fast": "3334", "slow": "6667"}[n.device]
+            assert (rank / "cpu.cfs_period_us").read_text() == period and (rank / "cpu.cfs_quota_us").read_text() == "1000"
+        assert not (top / n.name / f"r{n.ranks}").exists()
+    assert not (top / "comm-threads" / "cpu.cfs_quota_us").exists()  # no comm_cpu_quota: no limit
+
+
 def test_cpu_quota():
     assert net.cpu_quota_us(0.45, 10_000) == 4500
     assert net.cpu_quota_us(2 * 0.3, 5000) == 3000

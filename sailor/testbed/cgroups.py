@@ -20,15 +20,28 @@ def write_cgroup(path: str, key: str, value: str | int) -> None:
     Path(path, key).write_text(str(value))
 
 
+TESTBED_SHARES = 262144
+"""cpu.shares of a testbed's own cgroup: the kernel's largest weight (MAX_SHARES, 1 << 18,
+kernel/sched/sched.h). Under CFS group scheduling the whole testbed is one entity weighing its
+shares against every other runnable task of the machine (1024 each), and its ranks split that
+weight among them: with the default 1024, a testbed of 6 ranks got ~5 % of the two cores when 20
+other tasks were runnable (load 20: each rank ran 50 ms per second and waited ~950 ms in the run
+queue, where its quota allows 300), and a single profiling rank fared better than several ranks of a
+run, so the passes of ranks sharing a node, or any node, exceeded the profile. The device quotas cap
+what this weight can take (`TestbedSpec.total_cpu_cores` is kept under the machine's cores), so a
+rank now gets its quota whatever else runs."""
+
+
 def create_cgroups(spec: TestbedSpec, state: TestbedState) -> None:
-    """The testbed's cgroup with one child per node, and below it one child per rank (`r0`, `r1`,
-    ...) with its device class's per-rank quota: a rank waiting for a transfer does not lend its share
-    to the other ranks of its node (the stand-in ssh moves each rank into its own, `place_ranks`).
-    The node's own cgroup has no quota: what else runs there (torchrun's agent, `sailor profile
-    network --hosts`, `testbed exec`) is the host's CPU work, not its device's. Beside the nodes,
-    `comm-threads` (`comm_cgroup`) holds every communication thread under the shared
-    `comm_cpu_quota` (no limit without one)."""
+    """The testbed's cgroup (weight TESTBED_SHARES) with one child per node, and below it one child
+    per rank (`r0`, `r1`, ...) with its device class's per-rank quota: a rank waiting for a transfer
+    does not lend its share to the other ranks of its node (the stand-in ssh moves each rank into its
+    own, `place_ranks`). The node's own cgroup has no quota: what else runs there (torchrun's agent,
+    `sailor profile network --hosts`, `testbed exec`) is the host's CPU work, not its device's.
+    Beside the nodes, `comm-threads` (`comm_cgroup`) holds every communication thread under the
+    shared `comm_cpu_quota` (no limit without one)."""
     os.mkdir(state.names.cgroup)
+    write_cgroup(state.names.cgroup, "cpu.shares", TESTBED_SHARES)
     for n, ns in zip(spec.nodes, state.nodes):
         _make_cgroup(ns.cgroup, None, spec)
         for k in range(n.ranks):
