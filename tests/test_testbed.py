@@ -338,8 +338,13 @@ def test_class_profiles_become_one_profile_of_their_gpu_types():
         merge([retag(fast, "A100-40"), retag(other, "V100-16")])
 
 
-def test_a_class_is_profiled_one_replica_at_a_time():
-    from sailor.testbed.profile import profile_command
+def test_a_class_is_profiled_one_replica_at_a_time(box):
+    from sailor.model.registry import get_model
+    from sailor.testbed.profile import class_tps, profile_command
+    # a TP group inside one node: fast nodes hold 2 ranks, slow ones 1; the tiny model's 4 heads
+    assert class_tps(box, get_model("tiny")) == {"fast": [1, 2], "slow": [1]}
+    three = box.model_copy(update={"nodes": tuple(n.model_copy(update={"ranks": 3}) for n in box.nodes)})
+    assert class_tps(three, get_model("tiny")) == {"fast": [1, 2], "slow": [1, 2]}  # 3 does not divide 4 heads
     argv = profile_command("job.yaml", "/tmp/p.json", "1,2", python="/py")
     assert argv[:4] == ["/py", "-m", "sailor", "profile"]
     assert argv[argv.index("--tp") + 1] == "1" and argv[argv.index("--threads") + 1] == "1"

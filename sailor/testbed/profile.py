@@ -2,15 +2,15 @@
 its rows named after the GPU type the class stands for, all classes in one file (`sailor testbed
 profile`), which `sailor plan --profiles` and `sailor simulate --profiles` read as usual.
 
-Each class is measured at every TP degree its nodes have ranks for (`ModelSpec.tp_degrees` of the
-node's ranks), one replica at a time with one thread per process (`--threads 1 --concurrency 1`),
+Each class is measured at every TP degree its nodes have ranks for (`class_tps`), one replica at a time with one thread per process (`--threads 1 --concurrency 1`),
 inside the first node of the class as a run there is: in its network namespace (the TP collectives
 cross its loopback, shaped like a run's), each TP rank in its own rank cgroup (`r0`, `r1`, ...) under
 its quota and gloo's threads outside the quotas (`cgroups.place_ranks`), so the layer times are
 those of the class's ranks, their TP collectives included. A TP-2 replica's passes are not a TP-1
 pass's halves plus the collectives' bytes: each rank's quota runs in its own CFS periods, so a
-per-layer all-reduce also waits for the partner's next slice of its quota (`examples/testbed.yaml`,
-load 2.7: measured 0.475 s of passes per step, where times scaled from TP 1 predicted 0.185 s).
+per-layer all-reduce also waits for the partner's next slice of its quota (one TP-2 replica of the
+`tiny` model on a node of two 0.3-core ranks, 6 micro-batches of 2, load 2.7: 0.475 s of passes
+per step measured, 0.185 s predicted from times scaled from TP 1).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import load_json
+from sailor.model.spec import ModelSpec
 from sailor.specs import load_job
 from sailor.testbed.cgroups import PLACE_EVERY_S, place_ranks
 from sailor.testbed.host import TestbedState
@@ -140,6 +141,12 @@ def _run_placed(argv: list[str], node: NodeState, env: dict[str, str], timeout_s
         return p.returncode, log.read()
 
 
+def class_tps(spec: TestbedSpec, model: ModelSpec) -> dict[str, list[int]]:
+    """Device class -> the TP degrees it is profiled at: those of `model` (`ModelSpec.tp_degrees`)
+    up to the ranks of one of its nodes (a TP group lives inside one node)."""
+    return {name: model.tp_degrees(next(n.ranks for n in spec.nodes if n.device == name)) for name in spec.devices}
+
+
 def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, mbs: str = "1,2,4",
                     timeout_s: float = 1800.0, classes: Sequence[str] | None = None) -> dict[str, Any]:
     """Measure every device class of the testbed (or those named in `classes`) in its first node
@@ -149,7 +156,7 @@ def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, 
     Raises:
         RuntimeError: a `sailor profile` run failed (its last output in the message) or ran past `timeout_s`.
     """
-    model = load_job(job).model
+    tps = class_tps(spec, load_job(job).model)
     parts = []
     with tempfile.TemporaryDirectory(prefix="sailor-testbed-profile-") as tmp:
         for name, device in spec.devices.items():
@@ -159,7 +166,7 @@ def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, 
             path = Path(tmp) / f"{name}.json"
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(
                 [str(Path(__file__).resolve().parents[2])] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-            argv = profile_command(Path(job).resolve(), path, mbs, tps=model.tp_degrees(first.ranks))
+            argv = profile_command(Path(job).resolve(), path, mbs, tps=tps[name])
             code, output = _run_placed(argv, state.node(first.name), env, timeout_s)
             if code != 0:
                 raise RuntimeError(f"profiling device class {name} failed: {output.strip()[-500:]}")
