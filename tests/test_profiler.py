@@ -22,7 +22,15 @@ from sailor.core.fileio import write_json
 from sailor.perf.network import CollectiveCost, network_for
 from sailor.perf.profiles import load_profiles, profiles_from_dict
 from sailor.runtime.netprofile import fit_alpha_beta, profile_network
-from sailor.runtime.profiler import ProfileOptions, _free_port, check_options, device_gpu_type, pass_scale, profile_job
+from sailor.runtime.profiler import (
+    ProfileOptions,
+    _free_port,
+    check_options,
+    device_gpu_type,
+    layer_row,
+    pass_scale,
+    profile_job,
+)
 from sailor.specs.cluster import local_cluster
 from sailor.specs.job import JobSpec
 
@@ -65,7 +73,7 @@ def test_profile_file_loads_with_every_measurement(profile_file):
     assert not prof.estimates_used
     # layer times were scaled to the whole model's single pass, for every (TP, micro-batch)
     assert sorted(raw["settings"]["pass_scale"]) == ["1/1", "1/2", "2/1", "2/2"]
-    assert all(0 < f < 10 and 0 < b < 10 for f, b in raw["settings"]["pass_scale"].values())
+    assert all(len(x) == 4 and all(0 < f < 10 for f in x) for x in raw["settings"]["pass_scale"].values())
     # the runtime's time outside the passes, one figure per (GPU type, TP), kept by a save and load
     rows = raw["runtime"]["microbatch_overhead_s"]
     assert [(r["gpu"], r["tp"]) for r in rows] == [("cpu", 1), ("cpu", 2)]
@@ -102,6 +110,24 @@ def test_pass_scale_spreads_the_per_pass_overhead():
     assert sum(x * scale for x in layers) == pytest.approx(2.30)
     with pytest.raises(AssertionError):
         pass_scale([0.0], 1.0)
+
+
+def test_layer_row_scales_each_pass_by_its_own_whole_run():
+    # 3 layers timed alone (ms): forward, backward, their spreads; input- and weight-gradient passes
+    stats = [(0.1, 0.2, 0.01, 0.02), (1.0, 2.0, 0.1, 0.2), (0.4, 0.8, 0.0, 0.04)]
+    split = [(0.0, 0.2), (1.0, 0.5), (0.5, 0.1)]
+    # whole model per micro-batch: forward 3.0, backward 6.0 (1F1B); input 4.5, weight 4.0 (ZB-H1)
+    row, scales = layer_row(stats, split, (3.0, 6.0, 4.5, 4.0))
+    assert scales == pytest.approx([3.0 / 1.5, 6.0 / 3.0, 4.5 / 1.5, 4.0 / 0.8])
+    assert row["forward_s"] == pytest.approx([0.2, 2.0, 0.8]) and row["backward_s"] == pytest.approx([0.4, 4.0, 1.6])
+    assert row["forward_spread_s"] == pytest.approx([0.02, 0.2, 0.0])
+    assert row["backward_spread_s"] == pytest.approx([0.04, 0.4, 0.08])
+    # the split sums to its own whole passes, not to the 1F1B backward's factor (which gave 0, 2, 1 and 0.4, 1, 0.2)
+    assert row["backward_input_s"] == pytest.approx([0.0, 3.0, 1.5]) and sum(row["backward_input_s"]) == pytest.approx(4.5)
+    assert row["backward_weight_s"] == pytest.approx([1.0, 2.5, 0.5])
+    # no whole pass (CUDA): the times as measured
+    row, scales = layer_row(stats, split, None)
+    assert scales == [1.0] * 4 and row["backward_input_s"] == [0.0, 1.0, 0.5] and row["forward_s"] == [0.1, 1.0, 0.4]
 
 
 @pytest.mark.integration

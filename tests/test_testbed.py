@@ -203,6 +203,25 @@ def test_links_turn_segmentation_offload_off():
     assert add.count("gso_max_segs") == 2  # both ends
 
 
+def test_the_cgroups_weigh_the_testbed_above_other_tasks_and_cap_each_rank(tmp_path, monkeypatch, box):
+    prefix = "sbx00aa"
+    monkeypatch.setattr(net, "CGROUP_CPU", str(tmp_path))  # plain folders stand in for the cgroup files
+    nodes = tuple(host.NodeState(name=n.name, netns=f"{prefix}-{n.name}", veth=f"{prefix}n{n.name}", address="",
+                                 router_address="", cgroup=f"{tmp_path}/{prefix}/{n.name}") for n in box.nodes)
+    state = host.TestbedState(name="box", prefix=prefix, block=200, folder=str(tmp_path / "state"), nodes=nodes)
+    cgroups.create_cgroups(box, state)
+    top = tmp_path / prefix
+    assert (top / "cpu.shares").read_text() == "262144"  # the kernel's largest weight
+    for n in box.nodes:
+        assert not (top / n.name / "cpu.cfs_quota_us").exists()  # the node's own: no quota
+        for k in range(n.ranks):  # fast 0.3 cores: 1000 of 3334 µs; slow 0.15: 1000 of 6667 µs
+            rank = top / n.name / f"r{k}"
+            period = {"fast": "3334", "slow": "6667"}[n.device]
+            assert (rank / "cpu.cfs_period_us").read_text() == period and (rank / "cpu.cfs_quota_us").read_text() == "1000"
+        assert not (top / n.name / f"r{n.ranks}").exists()
+    assert not (top / "comm-threads" / "cpu.cfs_quota_us").exists()  # no comm_cpu_quota: no limit
+
+
 def test_cpu_quota():
     assert net.cpu_quota_us(0.45, 10_000) == 4500
     assert net.cpu_quota_us(2 * 0.3, 5000) == 3000
@@ -319,12 +338,45 @@ def test_class_profiles_become_one_profile_of_their_gpu_types():
         merge([retag(fast, "A100-40"), retag(other, "V100-16")])
 
 
-def test_a_class_is_profiled_as_one_rank():
-    from sailor.testbed.profile import profile_command
+def test_a_class_is_profiled_one_replica_at_a_time(box):
+    from sailor.model.registry import get_model
+    from sailor.testbed.profile import class_tps, profile_command
+    # a TP group inside one node: fast nodes hold 2 ranks, slow ones 1; the tiny model's 4 heads
+    assert class_tps(box, get_model("tiny")) == {"fast": [1, 2], "slow": [1]}
+    three = box.model_copy(update={"nodes": tuple(n.model_copy(update={"ranks": 3}) for n in box.nodes)})
+    assert class_tps(three, get_model("tiny")) == {"fast": [1, 2], "slow": [1, 2]}  # 3 does not divide 4 heads
     argv = profile_command("job.yaml", "/tmp/p.json", "1,2", python="/py")
     assert argv[:4] == ["/py", "-m", "sailor", "profile"]
     assert argv[argv.index("--tp") + 1] == "1" and argv[argv.index("--threads") + 1] == "1"
     assert argv[argv.index("--concurrency") + 1] == "1" and argv[argv.index("--mbs") + 1] == "1,2"
+    argv = profile_command("job.yaml", "/tmp/p.json", "2", python="/py", tps=[1, 2])
+    assert argv[argv.index("--tp") + 1] == "1,2"
+
+
+def test_a_profiling_rank_runs_on_the_device_of_its_rank(monkeypatch):
+    import subprocess
+    import sys
+
+    from sailor.runtime import profiler
+    from sailor.testbed.profile import profile_rank_slot
+
+    launched = []  # the argv `profiler.run_ranks` starts each rank with, caught before anything runs
+
+    def refuse(argv, **kw):
+        launched.append(argv)
+        raise OSError("not started")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    with pytest.raises(OSError):
+        profiler.run_ranks("sailor.runtime.profiler:profile_rank", 2, {}, port=1234)
+    monkeypatch.undo()
+    assert launched == [[sys.executable, "-m", "sailor.runtime.profiler", "sailor.runtime.profiler:profile_rank",
+                         "0", "2", "1234"]]
+    assert profile_rank_slot(launched[0]) == 0
+    assert profile_rank_slot([*launched[0][:4], "1", "2", "1234"]) == 1
+    assert profile_rank_slot(["/py", "-m", "sailor.runtime.profiler", "sailor.runtime.netprofile:network_rank", "0", "2", "9"]) is None
+    assert profile_rank_slot(["/py", "-m", "sailor", "profile", "--tp", "2"]) is None  # the driver
+    assert profile_rank_slot(launched[0][:4]) is None
 
 
 # ---- the command line on bad input (in-process: nothing is created, no process starts) ------------

@@ -89,8 +89,9 @@ def profile_command(
                              help="Profile file to write (JSON, sailor.profiles/1)."),
     state_dir: Path | None = StateDirOpt,
 ) -> None:
-    """Measure each device class with `sailor profile` inside one rank's quota; one profile file, its
-    rows named after the classes' GPU types (for `sailor plan --profiles`)."""
+    """Measure each device class with `sailor profile` inside a node of the class, each TP rank under
+    its own quota, at every TP degree the node's ranks allow; one profile file, its rows named after
+    the classes' GPU types (for `sailor plan --profiles`)."""
     from sailor.cli.profile import check_profile_options, int_list
     from sailor.core.fileio import check_output_path, write_json
     from sailor.perf.profiles import profiles_from_dict
@@ -98,12 +99,13 @@ def profile_command(
     from sailor.specs import load_job
     from sailor.testbed import find_state, load_testbed
     from sailor.testbed.host import check_support
-    from sailor.testbed.profile import profile_classes
+    from sailor.testbed.profile import class_tps, profile_classes
 
     check_support()
     spec = load_testbed(file)
     # what each class's `sailor profile` would refuse (profile_command's settings), refused here first
-    check_profile_options(ProfileOptions(job=load_job(job), device="cpu", tps=(1,), mbs=int_list(mbs, "--mbs"),
+    tps = sorted({t for degrees in class_tps(spec, load_job(job).model).values() for t in degrees})
+    check_profile_options(ProfileOptions(job=load_job(job), device="cpu", tps=tuple(tps), mbs=int_list(mbs, "--mbs"),
                                          threads=1, concurrency=1), job)
     check_output_path(out, "--out", inputs={"FILE": file, "--job": job})
     try:

@@ -84,6 +84,7 @@ class StageTimes:
     forward_s: float = 0.0
     backward_s: float = 0.0
     wait_s: float = 0.0  # blocked on receives from neighbour stages
+    weight_s: float = 0.0  # of backward_s: the weight-gradient passes (W ops) of a split backward
 
 
 @dataclass
@@ -215,7 +216,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
     activations. Returns the unscaled loss sum over this pipeline's tokens, a () fp64 tensor on
     `p2p.device` (0 except on the stage holding the head; summed on the device, so no micro-batch
     waits for the host: the caller reads it once per step), and the time spent per phase (W passes
-    count as backward).
+    count as backward, and apart as `weight_s`).
     """
     clock = PhaseClock(p2p.device)  # CUDA events on a GPU (`runtime.timing`), read once at the end
     loss_sum = torch.zeros((), dtype=torch.float64, device=p2p.device)
@@ -258,6 +259,9 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
             t1 = t0
             ex.backward_weight(k)
         clock.add("wait_s", t0, t1)
-        clock.add("forward_s" if kind == FWD else "backward_s", t1, clock.mark())
+        t2 = clock.mark()
+        clock.add("forward_s" if kind == FWD else "backward_s", t1, t2)
+        if kind not in (FWD, BWD):
+            clock.add("weight_s", t1, t2)
     p2p.finish()
     return loss_sum, StageTimes(**clock.totals())

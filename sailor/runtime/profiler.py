@@ -22,9 +22,11 @@ micro-batch size b:
   (`torch.autograd.grad` w.r.t. the layer's input, keeping the graph and the gradients reaching the
   weights' matmuls) and then the weight-gradient pass (`torch.autograd.grad` w.r.t. the weights from
   those gradients), each timed on its own with `torch.distributed.pipelining`'s `stage_backward_input`
-  / `stage_backward_weight` (`backward_input_s`, `backward_weight_s`; scaled like the backward), in
-  the same repeats as the forward and backward, so a drifting load moves all of them alike. The
-  embedding has no input gradient (its input is token ids): its whole backward is the weight pass;
+  / `stage_backward_weight` (`backward_input_s`, `backward_weight_s`), in the same repeats as the
+  forward and backward, so a drifting load moves all of them alike; on CPU each is scaled by the
+  whole model's pass of its kind in the runtime's own `run_pipeline` under ZB-H1 (`layer_row`), as
+  the forward and backward are by the 1F1B run. The embedding has no input gradient (its input is
+  token ids): its whole backward is the weight pass;
 - activation bytes kept for backward per sample and layer (a saved-tensors hook sums the distinct
   tensors autograd keeps, parameters excluded), and the peak bytes allocated (CUDA) or the peak
   resident set of the process (CPU);
@@ -462,14 +464,21 @@ def _measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, devic
         out["activation_bytes_per_sample"][kind] = saved / mbs
         del layer
     if o.get("whole_pass"):
+        from sailor.plan.orders import ScheduleKind
+        from sailor.plan.spec import DEFAULT_SCHEDULE, Schedule
+
         model = _build_layer(job, 0, rank % tp, tp, group, device, spec.num_layers)
         for mbs in o["mbs"]:
-            runs = torch.tensor(_time_pipeline(model, job, o, rank, tp, world, mbs, device, autocast, sync),
-                                dtype=torch.float64, device=device)  # (repeats, 3): forward, backward, rest per micro-batch
+            # (repeats, 4) each: forward, backward (W passes included), W passes, rest per micro-batch
+            runs, split = (torch.tensor(_time_pipeline(model, job, o, rank, tp, world, mbs, device, autocast, sync, s),
+                                        dtype=torch.float64, device=device)
+                           for s in (DEFAULT_SCHEDULE, Schedule(kind=ScheduleKind.ZB_H1)))
             if world > 1:
                 dist.all_reduce(runs, op=dist.ReduceOp.MAX)
+                dist.all_reduce(split, op=dist.ReduceOp.MAX)
             out["times"][f"model/{mbs}"] = runs[:, :2].T.tolist()
-            out["runtime_overhead_s"][str(mbs)] = runs[:, 2].tolist()
+            out["runtime_overhead_s"][str(mbs)] = runs[:, 3].tolist()
+            out["split"][f"model/{mbs}"] = [(split[:, 1] - split[:, 2]).tolist(), split[:, 2].tolist()]  # B, W
             if rank == 0:
                 rank_message({"tick": 1})
         del model
@@ -523,21 +532,24 @@ fixed costs inside `run_pipeline` are spread as in a run."""
 
 
 def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int, mbs: int, device, autocast,
-                   sync) -> list[list[float]]:
-    """Time the runtime's own training pass: `run_pipeline` over RUNTIME_MICROBATCHES micro-batches of
-    `mbs` samples on a one-stage replica holding the whole `model` (this rank's TP shard of it).
+                   sync, schedule) -> list[list[float]]:
+    """Time the runtime's own training pass: `run_pipeline` in the order of `schedule` (a
+    `plan.spec.Schedule` of one chunk: 1F1B, or ZB-H1 and its split backward) over
+    RUNTIME_MICROBATCHES micro-batches of `mbs` samples on a one-stage replica holding the whole
+    `model` (this rank's TP shard of it).
 
-    Returns one row per timed repeat: [forward_s, backward_s, rest_s] per micro-batch, where forward
-    and backward are the runtime's own phase timers (`StageTimes`, what `sailor train --metrics`
-    reports per stage) and rest is the call's wall time outside them: the 1F1B loop's Python
-    bookkeeping, input and target slicing, saving and popping micro-batch state, the final wait on
-    sends. The replicas of a TP-1 profile run side by side without any collective between them, and
+    Returns one row per timed repeat: [forward_s, backward_s, weight_s, rest_s] per micro-batch,
+    where forward, backward (W passes included) and weight (the W passes alone, 0 unless the
+    schedule splits the backward) are the runtime's own phase timers (`StageTimes`, what `sailor
+    train --metrics` reports per stage) and rest is the call's wall time outside them: the loop's
+    Python bookkeeping, input and target slicing, saving and popping micro-batch state, the final
+    wait on sends. The replicas of a TP-1 profile run side by side without any collective between them, and
     the ranks of a TP group meet only in the model's own all-reduces: one barrier per call, none
     per pass, as in a training step.
     """
     import torch
 
-    from sailor.plan.spec import DEFAULT_SCHEDULE, Pipeline, Plan, Replica
+    from sailor.plan.spec import Pipeline, Plan, Replica
     from sailor.runtime.executor import NoHooks, StageExecutor
     from sailor.runtime.pipeline import P2P, run_pipeline
     from sailor.runtime.tensor_parallel import head_loss
@@ -558,7 +570,7 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
         sync()
         t0 = time.perf_counter()
         with autocast():
-            _, times = run_pipeline([executor], role, p2p, order=DEFAULT_SCHEDULE.order(0, 1, m),
+            _, times = run_pipeline([executor], role, p2p, order=schedule.order(0, 1, m),
                                     inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1],
                                     targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:], loss_fn=head_loss(model),
                                     loss_scale=1.0 / (m * mbs * seq))
@@ -567,7 +579,7 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
         wall = time.perf_counter() - t0
         if r >= o["warmup"]:
             rest = wall - times.forward_s - times.backward_s  # >= 0: the phases lie inside the call
-            rows.append([times.forward_s / m, times.backward_s / m, rest / m])
+            rows.append([times.forward_s / m, times.backward_s / m, times.weight_s / m, rest / m])
     return rows
 
 
@@ -713,6 +725,37 @@ def pass_scale(layer_s: list[float], whole_s: float) -> float:
     return whole_s / total
 
 
+def layer_row(stats: list[tuple[float, float, float, float]], split: list[tuple[float, float]],
+              whole: tuple[float, float, float, float] | None) -> tuple[dict[str, list[float]], list[float]]:
+    """The times of one (TP, micro-batch) row of the profile (seconds per layer) and the four factors
+    that scaled them: [forward, backward, input-gradient, weight-gradient].
+
+    `stats[l]` = (forward, backward, forward spread, backward spread) of layer l timed alone
+    (`_stats`), `split[l]` = its input- and weight-gradient passes timed alone
+    (`_time_backward_split`), `whole` = the whole model's (forward, backward, input-gradient,
+    weight-gradient) seconds per micro-batch inside the runtime's own `run_pipeline`, the first two
+    under 1F1B, the last two under ZB-H1 (`_time_pipeline`); None (no whole pass): factors 1.
+
+    Each kind of pass is scaled by its own whole pass (`pass_scale`): the split passes by the split
+    backward as ZB-H1 runs it, never by the fused backward's factor. The two differ on a CPU quota
+    (a testbed's device class, `sailor.testbed`): a pass shorter than the quota's CFS period runs at
+    the full core's speed when the period's quota is not yet spent, and one throttled period longer
+    when it is, so the medians of the short passes timed alone fall on either side by chance (one
+    class's profile at 0.3 cores: input plus weight passes 0.38x the backward at micro-batch 1 and
+    3.2x at micro-batch 2), while a whole run over several micro-batches meets the quota at its
+    average rate.
+    """
+    sf = sb = si = sw = 1.0
+    fwd, bwd = [s[0] for s in stats], [s[1] for s in stats]
+    bi, bw = [s[0] for s in split], [s[1] for s in split]
+    if whole is not None:
+        sf, sb, si, sw = (pass_scale(layers, w) for layers, w in zip((fwd, bwd, bi, bw), whole))
+    row = {"forward_s": [x * sf for x in fwd], "backward_s": [x * sb for x in bwd],
+           "forward_spread_s": [s[2] * sf for s in stats], "backward_spread_s": [s[3] * sb for s in stats],
+           "backward_input_s": [x * si for x in bi], "backward_weight_s": [x * sw for x in bw]}
+    return row, [sf, sb, si, sw]
+
+
 def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Measure the runtime's layers for `opts` (module docstring) and return the profile as a dict in
     our format ("sailor.profiles/1"), ready for `write_json` and `profiles_from_dict`.
@@ -738,19 +781,15 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
             res = json.loads(path.read_text())
             for mbs in sorted(set(opts.mbs)):
                 stats = {k: _stats(res["times"][f"{k}/{mbs}"]) for k in set(order)}
-                fwd, bwd = [stats[k][0] for k in order], [stats[k][1] for k in order]
-                sf = sb = 1.0
-                if whole_pass(opts):
-                    whole = _stats(res["times"][f"model/{mbs}"])
-                    sf, sb = pass_scale(fwd, whole[0]), pass_scale(bwd, whole[1])
-                    scales[f"{tp}/{mbs}"] = [sf, sb]
                 split = {k: _stats(res["split"][f"{k}/{mbs}"]) for k in set(order)}
-                rows.append({"gpu": gpu, "tp": tp, "mbs": mbs,
-                             "forward_s": [x * sf for x in fwd], "backward_s": [x * sb for x in bwd],
-                             "forward_spread_s": [stats[k][2] * sf for k in order],
-                             "backward_spread_s": [stats[k][3] * sb for k in order],
-                             "backward_input_s": [split[k][0] * sb for k in order],
-                             "backward_weight_s": [split[k][1] * sb for k in order]})
+                whole = None
+                if whole_pass(opts):
+                    fused, zb = _stats(res["times"][f"model/{mbs}"]), _stats(res["split"][f"model/{mbs}"])
+                    whole = (fused[0], fused[1], zb[0], zb[1])
+                row, scale = layer_row([stats[k] for k in order], [split[k][:2] for k in order], whole)
+                rows.append({"gpu": gpu, "tp": tp, "mbs": mbs, **row})
+                if whole is not None:
+                    scales[f"{tp}/{mbs}"] = scale
             if whole_pass(opts):
                 # One figure per (GPU type, TP): the bookkeeping does not grow with the micro-batch.
                 by_mbs = {mbs: statistics.median(res["runtime_overhead_s"][str(mbs)]) for mbs in sorted(set(opts.mbs))}
@@ -768,7 +807,8 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
             "settings": {"warmup": opts.warmup, "repeats": opts.repeats, "threads": opts.threads,
                          "replicas_at_once": {str(t): replicas(opts, t) for t in sorted(set(opts.tps))},
                          "statistic": "median", "spread": "interquartile range",
-                         # "tp/mbs" -> [forward, backward] factor applied to the layer times (`pass_scale`)
+                         # "tp/mbs" -> [forward, backward, input-gradient, weight-gradient] factors
+                         # applied to the layer times (`layer_row`; all 1 without a whole pass)
                          "pass_scale": scales,
                          "runtime_microbatches": RUNTIME_MICROBATCHES,
                          # "tp" -> "mbs" -> seconds per micro-batch outside the passes (median per size)

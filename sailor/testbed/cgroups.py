@@ -1,12 +1,14 @@
 """A testbed's cpu cgroups (cgroup v1): one per node, one per rank with its device class's quota,
 and one for every rank's communication threads (`create_cgroups`); moving ranks and their
-communication threads into them as torchrun starts them (`place_ranks`, called by the stand-in ssh).
+communication threads into them as they start (`place_ranks`: torchrun's ranks, called by the
+stand-in ssh; `sailor profile`'s ranks, by `testbed.profile`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from sailor.testbed import net
@@ -18,15 +20,28 @@ def write_cgroup(path: str, key: str, value: str | int) -> None:
     Path(path, key).write_text(str(value))
 
 
+TESTBED_SHARES = 262144
+"""cpu.shares of a testbed's own cgroup: the kernel's largest weight (MAX_SHARES, 1 << 18,
+kernel/sched/sched.h). Under CFS group scheduling the whole testbed is one entity weighing its
+shares against every other runnable task of the machine (1024 each), and its ranks split that
+weight among them: with the default 1024, a testbed of 6 ranks got ~5 % of the two cores when 20
+other tasks were runnable (load 20: each rank ran 50 ms per second and waited ~950 ms in the run
+queue, where its quota allows 300), and a single profiling rank fared better than several ranks of a
+run, so the passes of ranks sharing a node, or any node, exceeded the profile. The device quotas cap
+what this weight can take (`TestbedSpec.total_cpu_cores` is kept under the machine's cores), so a
+rank now gets its quota whatever else runs."""
+
+
 def create_cgroups(spec: TestbedSpec, state: TestbedState) -> None:
-    """The testbed's cgroup with one child per node, and below it one child per rank (`r0`, `r1`,
-    ...) with its device class's per-rank quota: a rank waiting for a transfer does not lend its share
-    to the other ranks of its node (the stand-in ssh moves each rank into its own, `place_ranks`).
-    The node's own cgroup has no quota: what else runs there (torchrun's agent, `sailor profile
-    network --hosts`, `testbed exec`) is the host's CPU work, not its device's. Beside the nodes,
-    `comm-threads` (`comm_cgroup`) holds every communication thread under the shared
-    `comm_cpu_quota` (no limit without one)."""
+    """The testbed's cgroup (weight TESTBED_SHARES) with one child per node, and below it one child
+    per rank (`r0`, `r1`, ...) with its device class's per-rank quota: a rank waiting for a transfer
+    does not lend its share to the other ranks of its node (the stand-in ssh moves each rank into its
+    own, `place_ranks`). The node's own cgroup has no quota: what else runs there (torchrun's agent,
+    `sailor profile network --hosts`, `testbed exec`) is the host's CPU work, not its device's.
+    Beside the nodes, `comm-threads` (`comm_cgroup`) holds every communication thread under the
+    shared `comm_cpu_quota` (no limit without one)."""
     os.mkdir(state.names.cgroup)
+    write_cgroup(state.names.cgroup, "cpu.shares", TESTBED_SHARES)
     for n, ns in zip(spec.nodes, state.nodes):
         _make_cgroup(ns.cgroup, None, spec)
         for k in range(n.ranks):
@@ -67,6 +82,8 @@ def comm_cgroup(node: NodeState) -> str:
     return f"{os.path.dirname(node.cgroup)}/comm-threads"
 
 
+PLACE_EVERY_S = 0.1  # how often `place_ranks` is called while ranks start (the stand-in ssh, `testbed.profile`)
+
 COMM_THREADS = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")
 """Name prefixes (`/proc/TID/comm`) of the threads torch.distributed starts to communicate: gloo's
 socket loop (`gloo_tcp_loop`), ProcessGroupGloo's work threads (`pt_gloo_runloop`), the rendezvous
@@ -74,18 +91,24 @@ store's loop (`pt_tcpstore_uv`). Every other thread of a rank (Python's, torch's
 computes, under its device's quota."""
 
 
-def place_ranks(node: NodeState) -> int:
-    """Move every rank found directly in `node`'s cgroup into its rank cgroup (`rank_slot`), and every
-    communication thread (`COMM_THREADS`) of the node's processes into `comm_cgroup`, so a device's
-    quota throttles its compute and not its transfers (testbed file, `comm_cpu_quota`);
-    how many ranks were moved. Processes and threads that end meanwhile are skipped; threads a rank
-    starts later (a new process group) are found on the next call."""
+def torchrun_slot(pid: str) -> int | None:
+    """The device index on its node of process `pid` when torchrun started it as a rank (`rank_slot`
+    of its environment), else None. Raises OSError when the process is gone."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return rank_slot(dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e))
+
+
+def place_ranks(node: NodeState, slot_of: Callable[[str], int | None] = torchrun_slot) -> int:
+    """Move every rank found directly in `node`'s cgroup into its rank cgroup (`slot_of(pid)`, the
+    rank's device index on the node, None for a process that is not a rank: by default torchrun's
+    ranks, `torchrun_slot`), and every communication thread (`COMM_THREADS`) of the node's processes
+    into `comm_cgroup`, so a device's quota throttles its compute and not its transfers (testbed
+    file, `comm_cpu_quota`); how many ranks were moved. Processes and threads that end meanwhile are
+    skipped; threads a rank starts later (a new process group) are found on the next call."""
     moved = 0
     for pid in Path(node.cgroup, "cgroup.procs").read_text().split():
         with contextlib.suppress(OSError, ValueError):
-            raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            env = dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e)
-            slot = rank_slot(env)
+            slot = slot_of(pid)
             if slot is not None and os.path.isdir(rank_cgroup(node, slot)):
                 write_cgroup(rank_cgroup(node, slot), "cgroup.procs", pid)
                 moved += 1

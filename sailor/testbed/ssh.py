@@ -20,11 +20,10 @@ import sys
 
 from sailor.core.errors import SailorInputError
 from sailor.core.process import die_with_parent
-from sailor.testbed.cgroups import place_ranks
+from sailor.testbed.cgroups import PLACE_EVERY_S, place_ranks
 from sailor.testbed.host import enter_argv, locate
 
 GRACE_S = 10.0  # how long the remote command has to end after SIGTERM before SIGKILL
-PLACE_EVERY_S = 0.1  # how often ranks started since are moved into their own cgroups
 SSH_UNREACHABLE = 255  # ssh's exit status when it cannot connect
 
 
