@@ -73,13 +73,20 @@ class PoolPacking:
     n_j = (free - n_k·G_k) // G_j); `best` takes the best of them in every pool.
 
     Attributes: arrays over all (pool, k, j) triples, grouped by pool; `starts` the first triple of
-    each pool (for np.maximum.reduceat)."""
+    each pool (for np.maximum.reduceat). `capacity` needs only the best kind of each GPU count:
+    n_k and the GPUs left depend on k through G_k alone, so the best (k, j) of a pool takes, for
+    its (G_k, G_j), the kinds of most micro-batches among those of G_k GPUs and of G_j GPUs; the
+    `by_size` arrays hold those (pool, G, G') rows (`order`, `groups`: the kinds in (pool, G) groups,
+    and where each group starts; `first`, `n_first`, `then`, `n_then`: a row's two groups and
+    counts; `row_starts`: each pool's first row)."""
 
     main: np.ndarray
     n_main: np.ndarray
     second: np.ndarray
     n_second: np.ndarray
     starts: np.ndarray
+    kinds: list[int]  # the kinds of some row
+    by_size: tuple[np.ndarray, ...]
 
     @classmethod
     def build(cls, single: list[tuple[int, Pool, int]], free: dict[Pool, int]) -> "PoolPacking | None":
@@ -88,24 +95,44 @@ class PoolPacking:
         for k, p, g in single:
             if free.get(p, 0) >= g:
                 by_pool.setdefault(p, []).append((k, g))
-        rows: list[tuple[int, int, int, int]] = []
-        starts = []
-        for p in sorted(by_pool):
-            starts.append(len(rows))
-            a = free[p]
-            for k, g in by_pool[p]:
-                n = a // g
-                rest = a - n * g
-                for j, g2 in by_pool[p]:
-                    rows.append((k, n, j, rest // g2))
-        if not rows:
+        if not by_pool:
             return None
-        arr = np.array(rows, dtype=np.int64)
-        return cls(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], np.array(starts, dtype=np.int64))
+        parts: list[list[np.ndarray]] = [[], [], [], []]
+        sized: list[list] = [[], [], [], [], [], []]  # order, groups, first, n_first, then, n_then
+        starts, row_starts, rows, n_groups, n_kinds = [], [], 0, 0, 0
+        for p in sorted(by_pool):
+            a = free[p]
+            ks = np.array([k for k, _ in by_pool[p]], dtype=np.int64)
+            gs = np.array([g for _, g in by_pool[p]], dtype=np.int64)
+            n, m = a // gs, len(ks)
+            starts.append(rows)
+            rows += m * m
+            for part, x in zip(parts, (np.repeat(ks, m), np.repeat(n, m), np.tile(ks, m),
+                                       ((a - n * gs)[:, None] // gs[None, :]).ravel())):
+                part.append(x)
+            sizes = np.unique(gs)  # each GPU count: the group of its kinds
+            sized[0].append(ks[np.argsort(gs, kind="stable")])
+            sized[1].append(n_kinds + np.searchsorted(np.sort(gs), sizes))
+            ids = n_groups + np.arange(len(sizes))
+            row_starts.append(sum(len(x) for x in sized[2]))
+            sized[2].append(np.repeat(ids, len(sizes)))
+            sized[3].append(np.repeat(a // sizes, len(sizes)))
+            sized[4].append(np.tile(ids, len(sizes)))
+            sized[5].append(((a - (a // sizes) * sizes)[:, None] // sizes[None, :]).ravel())
+            n_groups += len(sizes)
+            n_kinds += m
+        main, n_main, second, n_second = (np.concatenate(x) for x in parts)
+        by_size = tuple(np.concatenate(x) for x in sized) + (np.array(row_starts, dtype=np.int64),)
+        return cls(main, n_main, second, n_second, np.array(starts, dtype=np.int64),
+                   np.unique(main).tolist(), by_size)
 
     def capacity(self, caps: np.ndarray) -> int:
-        vals = self.n_main * caps[self.main] + self.n_second * caps[self.second]
-        return int(np.maximum.reduceat(vals, self.starts).sum())
+        """Most micro-batches the pools' packings finish at these per-kind capacities (the best
+        row of each pool summed), from the best kind of each GPU count (class docstring)."""
+        order, groups, first, n_first, then, n_then, row_starts = self.by_size
+        best = np.maximum.reduceat(caps[order], groups)   # per (pool, GPU count) group
+        vals = n_first * best[first] + n_then * best[then]
+        return int(np.maximum.reduceat(vals, row_starts).sum())
 
     def counts(self, caps: np.ndarray, n_kinds: int) -> np.ndarray:
         vals = self.n_main * caps[self.main] + self.n_second * caps[self.second]
@@ -170,7 +197,7 @@ class Packer:
             caps = self.caps(tau)
             return int((base * caps).sum()) + (pack.capacity(caps) if pack else 0)
 
-        usable = sorted({int(i) for i in np.nonzero(base)[0]} | ({int(k) for k in pack.main} if pack else set()))
+        usable = sorted({int(i) for i in np.nonzero(base)[0]} | (set(pack.kinds) if pack else set()))
         if not usable:
             return None
         lo = float(self.fill[usable].min())
