@@ -8,7 +8,9 @@ it replaces, run here as the reference.
 - `pack.PoolPacking.capacity` from the best kind of each GPU count, against every (main, second)
   row of the pools;
 - `kinds.make_kinds` computing what a cut does not change once per uncut twin, against each kind
-  built alone in a fresh context.
+  built alone in a fresh context;
+- `simulator.terms.collective_s` memoised by the groups' shape, against the collective computed
+  afresh.
 The first three together: `plan_job` returns the same plan, estimate, alternatives, candidate count
 and Pareto front with the references patched in, on clusters where they come into play (pipelines cut
 between nodes over a slow link, ZeRO, several zones, the cost objective).
@@ -28,7 +30,10 @@ from sailor.planner.finalists import plan_signature
 from sailor.planner.kinds import homogeneous_kinds, make_kinds, option_table
 from sailor.planner.pack import PoolPacking
 from sailor.planner.space import candidate_partitions, memory_candidates
+from sailor.model.spec import Collective
 from sailor.simulator import make_context
+from sailor.simulator.collectives import Member, allreduce_time_s, group_members
+from sailor.simulator.terms import RING_SHARE, collective_s
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -139,3 +144,37 @@ def test_plans_are_those_of_the_reference_search(case, monkeypatch):
     fast = _result(job, cluster, opts)
     _reference(monkeypatch)
     assert _result(job, cluster, opts) == fast
+
+
+def test_a_collective_is_memoised_only_across_equally_placed_groups():
+    # `terms.collective_s` memoised by `group_shape`: groups that differ only in their nodes' names
+    # share a value, which is the collective computed afresh for each; other placements do not share
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 16}, ZB: {"A100-40": 16, "V100-16": 8}},
+                          gpus_per_node={"A100-40": 4, "V100-16": 4})
+    ctx = make_context(job, cluster, calibration={"V100-16": {"allreduce_efficiency": 0.7}})
+
+    def groups(names: list[str | None], zones: list[str], gpu: str = "A100-40") -> list:
+        return group_members([Member(zone=z, gpu=gpu, tp=2, node=n) for n, z in zip(names, zones)])
+
+    def fresh(g: list, kind: Collective, nbytes: float) -> float:
+        ring = allreduce_time_s(g, nbytes, ctx.network, efficiency=ctx.allreduce_efficiency([m for m, _ in g]))
+        return RING_SHARE[kind] * ring + (ctx.network.collective.startup_s if ring > 0 else 0.0)
+
+    cases = [
+        (["a", "a", "b", "b"], [ZA] * 4, "A100-40"),        # two nodes of two replicas
+        (["x", "x", "y", "y"], [ZA] * 4, "A100-40"),        # the same, other names
+        (["a", "b", "c", "d"], [ZA] * 4, "A100-40"),        # four nodes
+        ([None] * 4, [ZA] * 4, "A100-40"),                  # not placed
+        (["a", "a", "b", "b"], [ZA, ZA, ZB, ZB], "A100-40"),  # across zones
+        (["a", "a", "b", "b"], [ZB] * 4, "V100-16"),        # another GPU type, its efficiency
+    ]
+    seen = set()
+    for kind in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER):
+        for nbytes in (1.0, 4e8):
+            for names, zones, gpu in cases:
+                g = groups(names, zones, gpu)
+                value = collective_s(ctx, g, kind, nbytes, 2)
+                assert value == fresh(g, kind, nbytes)
+                seen.add(value)
+    assert len(seen) >= 2 * 2 * 4  # the differently placed groups do not share a value

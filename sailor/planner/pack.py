@@ -97,34 +97,24 @@ class PoolPacking:
                 by_pool.setdefault(p, []).append((k, g))
         if not by_pool:
             return None
-        parts: list[list[np.ndarray]] = [[], [], [], []]
-        sized: list[list] = [[], [], [], [], [], []]  # order, groups, first, n_first, then, n_then
-        starts, row_starts, rows, n_groups, n_kinds = [], [], 0, 0, 0
-        for p in sorted(by_pool):
-            a = free[p]
-            ks = np.array([k for k, _ in by_pool[p]], dtype=np.int64)
-            gs = np.array([g for _, g in by_pool[p]], dtype=np.int64)
-            n, m = a // gs, len(ks)
-            starts.append(rows)
-            rows += m * m
-            for part, x in zip(parts, (np.repeat(ks, m), np.repeat(n, m), np.tile(ks, m),
-                                       ((a - n * gs)[:, None] // gs[None, :]).ravel())):
-                part.append(x)
-            sizes = np.unique(gs)  # each GPU count: the group of its kinds
-            sized[0].append(ks[np.argsort(gs, kind="stable")])
-            sized[1].append(n_kinds + np.searchsorted(np.sort(gs), sizes))
-            ids = n_groups + np.arange(len(sizes))
-            row_starts.append(sum(len(x) for x in sized[2]))
-            sized[2].append(np.repeat(ids, len(sizes)))
-            sized[3].append(np.repeat(a // sizes, len(sizes)))
-            sized[4].append(np.tile(ids, len(sizes)))
-            sized[5].append(((a - (a // sizes) * sizes)[:, None] // sizes[None, :]).ravel())
-            n_groups += len(sizes)
-            n_kinds += m
-        main, n_main, second, n_second = (np.concatenate(x) for x in parts)
-        by_size = tuple(np.concatenate(x) for x in sized) + (np.array(row_starts, dtype=np.int64),)
-        return cls(main, n_main, second, n_second, np.array(starts, dtype=np.int64),
-                   np.unique(main).tolist(), by_size)
+        pools = sorted(by_pool)
+        ks = np.array([k for p in pools for k, _ in by_pool[p]], dtype=np.int64)  # by pool, in kind order
+        gs = np.array([g for p in pools for _, g in by_pool[p]], dtype=np.int64)
+        owner = np.repeat(np.arange(len(pools)), [len(by_pool[p]) for p in pools])
+        avail = np.array([free[p] for p in pools], dtype=np.int64)[owner]
+        n = avail // gs
+        first, second, starts = _pairs(np.bincount(owner, minlength=len(pools)))
+        # the (pool, GPU count) groups: kinds sorted by pool, then GPUs (stable)
+        order = np.lexsort((gs, owner))
+        change = np.ones(len(order), dtype=bool)
+        change[1:] = (owner[order][1:] != owner[order][:-1]) | (gs[order][1:] != gs[order][:-1])
+        groups = np.nonzero(change)[0]
+        size, room = gs[order][groups], avail[order][groups]
+        g1, g2, row_starts = _pairs(np.bincount(owner[order][groups], minlength=len(pools)))
+        by_size = (ks[order], groups, g1, (room // size)[g1], g2, (room - (room // size) * size)[g1] // size[g2],
+                   row_starts)
+        return cls(ks[first], n[first], ks[second], (avail - n * gs)[first] // gs[second], starts,
+                   np.unique(ks).tolist(), by_size)
 
     def capacity(self, caps: np.ndarray) -> int:
         """Most micro-batches the pools' packings finish at these per-kind capacities (the best
@@ -144,6 +134,19 @@ class PoolPacking:
                 out[self.main[r]] += self.n_main[r]
                 out[self.second[r]] += self.n_second[r]
         return out
+
+
+def _pairs(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every ordered pair of items inside each group, for items numbered group by group (`sizes`
+    items in each): (first item, second item) arrays, the first item outer and the second inner,
+    group by group, and the first pair of each group."""
+    begin = np.cumsum(sizes) - sizes
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    reps = sizes[owner]                                   # each item pairs with every item of its group
+    first = np.repeat(np.arange(len(owner)), reps)
+    row = np.cumsum(reps) - reps
+    second = np.repeat(begin[owner], reps) + np.arange(len(first)) - np.repeat(row, reps)
+    return first, second, np.cumsum(sizes * sizes) - sizes * sizes
 
 
 class Packer:
