@@ -191,7 +191,7 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
             for z, o in zip(zones, options):
                 use[(z, o.gpu)] = use.get((z, o.gpu), 0) + o.gpus
             shared[r] = (sum(o.gpus for o in options), tuple(sorted(use.items())),
-                         sum(n * _price(ctx, p) for p, n in use.items()), kind_optimizer_s(ctx, plain[r], partition, steps))
+                         sum(n * pool_price(ctx, p) for p, n in use.items()), kind_optimizer_s(ctx, plain[r], partition, steps))
         gpus, use_, usd, opt = shared[r]
         kind = Kind(fill_s=float(t1[q]), two_s=float(t2[q]), period_s=float(t3[q] - t2[q]), zones=zones,
                     options=options, memory=memory, gpus=gpus, use=use_, usd_per_hour=usd, optimizer_s=opt,
@@ -202,7 +202,8 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     return out  # type: ignore[return-value]
 
 
-def _price(ctx: SimContext, pool: Pool) -> float:
+def pool_price(ctx: SimContext, pool: Pool) -> float:
+    """$/GPU-hour of a (zone, GPU type) pool (`ClusterSpec.price`, memoised in the context)."""
     key = ("price", pool)
     if key not in ctx.memo:
         ctx.memo[key] = ctx.cluster.price(*pool)

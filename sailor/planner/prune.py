@@ -18,7 +18,7 @@ import numpy as np
 from sailor.core.units import HOUR_S
 from sailor.model.spec import Recompute
 from sailor.plan.placement import same_node_boundaries
-from sailor.planner.kinds import Kind, Pool, boundary
+from sailor.planner.kinds import Kind, Pool, boundary, pool_price
 from sailor.planner.options import Objective, PlanOptions
 from sailor.planner.score import apart_stage_groups
 from sailor.planner.space import even_partition, mbs_candidates, zero3_needed
@@ -183,7 +183,7 @@ def node_bound(ctx: SimContext, P: int, mbs: int, opts: PlanOptions, sync_s: flo
         return (math.inf, math.inf)
     per_layer = np.min([r for _, _, r in rows], axis=0)
     work_layer = np.min([t * r for _, t, r in rows], axis=0)
-    price = {g: min(ctx.cluster.price(z, g) for z in ctx.cluster.zones if ctx.cluster.available(z, g))
+    price = {g: min(pool_price(ctx, (z, g)) for z in ctx.cluster.zones if ctx.cluster.available(z, g))
              for g in ctx.cluster.gpu_types()}
     usd_layer = np.min([price[g] * t * r for g, t, r in rows], axis=0)
     fill, work = float(per_layer.sum()), float(work_layer.sum())
@@ -239,7 +239,7 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
             sends = 0 if P == 1 else (2 if P == 2 else 4)
             fill = total + 2 * sum(c)
             per = max(total / P, heaviest) + sends * max(c, default=0.0)
-            runs.append((n, fill, per, P * t * ctx.cluster.price(z, g), p))
+            runs.append((n, fill, per, P * t * pool_price(ctx, (z, g)), p))
             tps.append(t)
             opt = min(opt, ctx.profiles.optimizer_time_s(job, g, params / P))
             if any(inside):
@@ -280,7 +280,7 @@ def _node_group_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, mbs
             if D <= most:
                 def key(sync: float) -> Key:
                     T = fill + (-(-M // D) - 1) * per + sync + opt
-                    return _key(opts, T, D * P * t * ctx.cluster.price(z, g) * T / HOUR_S)
+                    return _key(opts, T, D * P * t * pool_price(ctx, (z, g)) * T / HOUR_S)
 
                 if D > 1 and key(0.0) >= best:
                     continue
@@ -461,7 +461,7 @@ def table_bound(ctx: SimContext, table, partition, memory, M: int, opts: PlanOpt
     for two or more pipelines); the optimizer step at least max_i of stage i's smallest (under ZeRO at
     one replica per micro-batch). Cost: M·Σ u_i."""
     N = ctx.cluster.total_gpus()
-    price = {g: min(ctx.cluster.price(z, g) for z in ctx.cluster.zones if ctx.cluster.available(z, g))
+    price = {g: min(pool_price(ctx, (z, g)) for z in ctx.cluster.zones if ctx.cluster.available(z, g))
              for g in ctx.cluster.gpu_types()}
     P = len(table)
     k = [2 * ((links[i - 1] if i > 0 else 0.0) + (links[i] if i < P - 1 else 0.0)) for i in range(P)]
