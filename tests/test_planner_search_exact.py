@@ -25,12 +25,12 @@ import random
 import numpy as np
 import pytest
 
+from sailor.model.spec import Collective
 from sailor.planner import Objective, PlanOptions, engine, plan_job, prune
 from sailor.planner.finalists import plan_signature
 from sailor.planner.kinds import homogeneous_kinds, make_kinds, option_table
 from sailor.planner.pack import PoolPacking
 from sailor.planner.space import candidate_partitions, memory_candidates
-from sailor.model.spec import Collective
 from sailor.simulator import make_context
 from sailor.simulator.collectives import Member, allreduce_time_s, group_members
 from sailor.simulator.terms import RING_SHARE, collective_s
