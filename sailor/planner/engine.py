@@ -45,7 +45,8 @@ from sailor.plan.placement import node_blocks
 from sailor.planner import paper
 from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds, plan_signature
 from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanning_thetas
-from sailor.planner.kinds import Kind, Pool, Table, all_kinds, homogeneous_kinds, memory_mixed_kinds, option_table
+from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, homogeneous_kinds, kind_optimizer_s, memory_mixed_kinds,
+                                  option_table)
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.pack import Packer, count_vectors, node_unit, round_to_nodes
 from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
@@ -247,14 +248,45 @@ def _offer_node_groups(ctx: SimContext, fam: Family, kinds: list[Kind], free: di
     span several nodes however the pipelines are cut, and the packing of the cut kinds has the most
     that fit."""
     for kind in kinds:
-        scorer = Scorer(ctx, fam.partition, fam.mbs, [kind], fam.M)  # one kind: counts of one entry
-        slots = kind.slots
-        blocks = node_blocks([(s.zone, s.gpu, s.tp) for s in slots], ctx.cluster.node_size, kind.cuts)
-        widths = [sum(s.tp for s, b in zip(slots, blocks) if b == j) for j in range(blocks[-1] + 1)]
-        unit = max(1, min(ctx.cluster.node_size(slots[0].gpu) // w for w in widths))
+        scorer = None  # built for the first D whose lower bound `_hopeless_alone` does not rule out
+        unit = _node_group_unit(ctx, kind.slots)
         most = min(kind.fits(free), fam.M)
         for D in (unit << j for j in range(NODE_GROUP_STEPS) if unit << j <= most):
+            if _hopeless_alone(ctx, keep, fam, kind, D):
+                continue
+            scorer = scorer or Scorer(ctx, fam.partition, fam.mbs, [kind], fam.M)  # one kind: counts of one entry
             _offer(keep, scorer, np.array([D]), point)
+
+
+def _node_group_unit(ctx: SimContext, slots: tuple) -> int:
+    """`_offer_node_groups`' u for a cut kind's slots: the fewest node size // segment GPUs over its
+    blocks (`plan.placement.node_blocks`), at least 1 (memoised per slots: families share them)."""
+    key = ("node-group unit", slots)
+    if key not in ctx.memo:
+        blocks = node_blocks([(s.zone, s.gpu, s.tp) for s in slots], ctx.cluster.node_size, [s.node_cut for s in slots])
+        widths = [sum(s.tp for s, b in zip(slots, blocks) if b == j) for j in range(blocks[-1] + 1)]
+        ctx.memo[key] = max(1, min(ctx.cluster.node_size(slots[0].gpu) // w for w in widths))
+    return ctx.memo[key]
+
+
+def _hopeless_alone(ctx: SimContext, keep: Finalists, fam: Family, kind: Kind, D: int) -> bool:
+    """True when `Scorer.score` of D pipelines of this one kind would return None for too few
+    replicas or by `keep.hopeless`, told without building the scorer (most node groups end so).
+    Without ZeRO-3 the kind's curve is the same at every D (only ZeRO-3's weight gathers depend on
+    D, `simulator.terms.zero_gather_s`), so the makespan is at least time(ceil(M / D)) (some pipeline
+    runs that many micro-batches), and with the optimizer step at D (`kinds.kind_optimizer_s`, what
+    `Kind.at` puts there) the time and cost without the sync are those of `score`, by the same
+    expressions; `hopeless` is monotone in both. A ZeRO-3 kind is left to the scorer."""
+    M = fam.M
+    if D < kind.min_replicas:
+        return True
+    if D > M or any(m.zero >= 3 for m in kind.memory):
+        return False
+    opt = kind.optimizer_s
+    if kind.depends_on_replicas and kind.replicas != D:
+        opt = kind_optimizer_s(ctx, kind.slots, fam.partition, [time_options(m, D) for m in kind.memory])
+    lb = kind.time_s(-(-M // D)) + opt
+    return keep.hopeless(lb, kind.usd_per_hour * D * lb / HOUR_S + kind.egress_usd_per_mb * M)
 
 
 def _tp_floors(kinds: list[Kind]) -> list[list[Kind]]:

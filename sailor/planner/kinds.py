@@ -143,48 +143,67 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
                mbs: int, memory: Memory, replicas: int | None = None) -> list[Kind]:
     """Kinds for many (zones, options[, cuts]) at once under the stages' memory options, exact for a
     plan of `replicas` pipelines or (None) lower bounds over D (module docstring); their curves from
-    one batched call of the closed form (arrays (kinds, P)). Memoised in the context."""
+    one batched call of the closed form (arrays (kinds, P)). Memoised in the context. A pipeline cut
+    between nodes differs from its uncut twin (the same zones and options) only in which transfers
+    cross nodes, so what the cuts do not change (stage times, optimizer step, pools, price, the
+    transfer over each boundary inside a node and between two) is computed once per twin."""
     specs = [sp if len(sp) == 3 and any(sp[2]) else (sp[0], sp[1], ()) for sp in specs]  # no cut: ()
     keys = [("kind", z, o, c, partition, mbs, memory, replicas) for z, o, c in specs]
     out: list[Kind | None] = [ctx.memo.get(k) for k in keys]
     todo = [j for j, k in enumerate(out) if k is None]
-    if todo:
-        P = len(partition)
-        most = ctx.job.global_batch_size // mbs
-        made: dict[tuple[str, str, int, bool], Slot] = ctx.memo.setdefault("kind slots", {})  # one object per slot
-        slots = []
-        for j in todo:
-            zones, options, cuts = specs[j]
-            where = [(z, o.gpu, o.tp, bool(cuts and cuts[i])) for i, (z, o) in enumerate(zip(zones, options))]
-            slots.append(tuple(made.get(w) or made.setdefault(w, Slot(zone=w[0], gpu=w[1], tp=w[2], node_cut=w[3]))
-                               for w in where))
-        need = [max(o.min_replicas for o in specs[j][1]) for j in todo]
-        at_d = {d: [time_options(m, replicas or d) for m in memory] for d in set(need)}
-        times = [[stage_time(ctx, sl[i], mbs, *partition[i], at_d[d][i]) for i in range(P)] for sl, d in zip(slots, need)]
-        f = np.array([[t.forward_s for t in row] for row in times])   # (kinds, P)
-        b = np.array([[t.backward_s for t in row] for row in times])
-        links = [[boundary(ctx, sl[i], sl[i + 1], partition[i], partition[i + 1], mbs, on)
-                  for i, on in enumerate(kind_boundaries(ctx, sl))] for sl in slots]
-        c = np.array([[x for x, _ in row] for row in links]).reshape(len(todo), P - 1)
-        t1, t2, t3 = (np.atleast_1d(closed_form_1f1b(f, b, c, m)) for m in (1, 2, 3))
-        steps = [time_options(mem, replicas or most) for mem in memory]
-        for r, j in enumerate(todo):
-            zones, options, _ = specs[j]
+    if not todo:
+        return out  # type: ignore[return-value]
+    P = len(partition)
+    most = ctx.job.global_batch_size // mbs
+    made: dict[tuple[str, str, int, bool], Slot] = ctx.memo.setdefault("kind slots", {})  # one object per slot
+
+    def slots_of(zones: tuple[str, ...], options: tuple[Option, ...], cuts: tuple[bool, ...]) -> tuple[Slot, ...]:
+        where = [(z, o.gpu, o.tp, bool(cuts and cuts[i])) for i, (z, o) in enumerate(zip(zones, options))]
+        return tuple(made.get(w) or made.setdefault(w, Slot(zone=w[0], gpu=w[1], tp=w[2], node_cut=w[3]))
+                     for w in where)
+
+    twins = list(dict.fromkeys(specs[j][:2] for j in todo))  # (zones, options) of the kinds to build
+    twin_of = {tw: r for r, tw in enumerate(twins)}
+    plain = [slots_of(zones, options, ()) for zones, options in twins]  # each twin's slots without cuts
+    need = [max(o.min_replicas for o in options) for _, options in twins]
+    at_d = {d: [time_options(m, replicas or d) for m in memory] for d in set(need)}
+    times = [[stage_time(ctx, sl[i], mbs, *partition[i], at_d[d][i]) for i in range(P)] for sl, d in zip(plain, need)]
+    f = np.array([[t.forward_s for t in row] for row in times])   # (twins, P)
+    b = np.array([[t.backward_s for t in row] for row in times])
+    links: dict[tuple[int, int, bool], tuple[float, float]] = {}  # (twin, boundary, on one node) -> boundary
+
+    def link(r: int, i: int, on: bool) -> tuple[float, float]:
+        if (r, i, on) not in links:  # the transfer reads where the ends sit, not the cut flags
+            links[(r, i, on)] = boundary(ctx, plain[r][i], plain[r][i + 1], partition[i], partition[i + 1], mbs, on)
+        return links[(r, i, on)]
+
+    rows = [twin_of[specs[j][:2]] for j in todo]
+    slots = [plain[r] if not specs[j][2] else slots_of(*specs[j]) for r, j in zip(rows, todo)]
+    edges = [[link(r, i, on) for i, on in enumerate(kind_boundaries(ctx, sl))] for r, sl in zip(rows, slots)]
+    c = np.array([[x for x, _ in row] for row in edges]).reshape(len(todo), P - 1)
+    t1, t2, t3 = (np.atleast_1d(closed_form_1f1b(f[rows], b[rows], c, m)) for m in (1, 2, 3))
+    steps = [time_options(mem, replicas or most) for mem in memory]
+    shared: dict[int, tuple] = {}  # twin -> (GPUs, use, $/hour, optimizer s)
+    for q, (r, j) in enumerate(zip(rows, todo)):
+        zones, options, _ = specs[j]
+        if r not in shared:
             use: dict[Pool, int] = {}
             for z, o in zip(zones, options):
                 use[(z, o.gpu)] = use.get((z, o.gpu), 0) + o.gpus
-            kind = Kind(fill_s=float(t1[r]), two_s=float(t2[r]), period_s=float(t3[r] - t2[r]), zones=zones,
-                        options=options, memory=memory, gpus=sum(o.gpus for o in options), use=tuple(sorted(use.items())),
-                        usd_per_hour=sum(n * _price(ctx, p) for p, n in use.items()),
-                        optimizer_s=max(_optimizer(ctx, sl, stage, st) for sl, stage, st in zip(slots[r], partition, steps)),
-                        egress_usd_per_mb=sum(u for _, u in links[r]), min_replicas=need[r], replicas=replicas,
-                        slots=slots[r])
-            ctx.memo[keys[j]] = kind
-            out[j] = kind
+            shared[r] = (sum(o.gpus for o in options), tuple(sorted(use.items())),
+                         sum(n * pool_price(ctx, p) for p, n in use.items()), kind_optimizer_s(ctx, plain[r], partition, steps))
+        gpus, use_, usd, opt = shared[r]
+        kind = Kind(fill_s=float(t1[q]), two_s=float(t2[q]), period_s=float(t3[q] - t2[q]), zones=zones,
+                    options=options, memory=memory, gpus=gpus, use=use_, usd_per_hour=usd, optimizer_s=opt,
+                    egress_usd_per_mb=sum(u for _, u in edges[q]), min_replicas=need[r], replicas=replicas,
+                    slots=slots[q])
+        ctx.memo[keys[j]] = kind
+        out[j] = kind
     return out  # type: ignore[return-value]
 
 
-def _price(ctx: SimContext, pool: Pool) -> float:
+def pool_price(ctx: SimContext, pool: Pool) -> float:
+    """$/GPU-hour of a (zone, GPU type) pool (`ClusterSpec.price`, memoised in the context)."""
     key = ("price", pool)
     if key not in ctx.memo:
         ctx.memo[key] = ctx.cluster.price(*pool)
@@ -215,6 +234,12 @@ def boundary(ctx: SimContext, a: Slot, b: Slot, stage_a: tuple[int, int], stage_
         _, _, c, _, usd = pipeline_arrays(ctx, [a, b], [stage_a, stage_b], mbs)
         ctx.memo[key] = (float(c[0]), usd)
     return ctx.memo[key]
+
+
+def kind_optimizer_s(ctx: SimContext, slots: tuple[Slot, ...], partition: Partition, steps: list) -> float:
+    """Seconds of the slowest stage's optimizer step of a pipeline on these slots, `steps` the stages'
+    `time_options` at the plan's D (ZeRO >= 1 splits the step over D), as `Kind.optimizer_s` holds it."""
+    return max(_optimizer(ctx, sl, stage, st) for sl, stage, st in zip(slots, partition, steps))
 
 
 def _optimizer(ctx: SimContext, slot: Slot, stage: tuple[int, int], opts) -> float:

@@ -73,13 +73,20 @@ class PoolPacking:
     n_j = (free - n_k·G_k) // G_j); `best` takes the best of them in every pool.
 
     Attributes: arrays over all (pool, k, j) triples, grouped by pool; `starts` the first triple of
-    each pool (for np.maximum.reduceat)."""
+    each pool (for np.maximum.reduceat). `capacity` needs only the best kind of each GPU count:
+    n_k and the GPUs left depend on k through G_k alone, so the best (k, j) of a pool takes, for
+    its (G_k, G_j), the kinds of most micro-batches among those of G_k GPUs and of G_j GPUs; the
+    `by_size` arrays hold those (pool, G, G') rows (`order`, `groups`: the kinds in (pool, G) groups,
+    and where each group starts; `first`, `n_first`, `then`, `n_then`: a row's two groups and
+    counts; `row_starts`: each pool's first row)."""
 
     main: np.ndarray
     n_main: np.ndarray
     second: np.ndarray
     n_second: np.ndarray
     starts: np.ndarray
+    kinds: list[int]  # the kinds of some row
+    by_size: tuple[np.ndarray, ...]
 
     @classmethod
     def build(cls, single: list[tuple[int, Pool, int]], free: dict[Pool, int]) -> "PoolPacking | None":
@@ -88,24 +95,34 @@ class PoolPacking:
         for k, p, g in single:
             if free.get(p, 0) >= g:
                 by_pool.setdefault(p, []).append((k, g))
-        rows: list[tuple[int, int, int, int]] = []
-        starts = []
-        for p in sorted(by_pool):
-            starts.append(len(rows))
-            a = free[p]
-            for k, g in by_pool[p]:
-                n = a // g
-                rest = a - n * g
-                for j, g2 in by_pool[p]:
-                    rows.append((k, n, j, rest // g2))
-        if not rows:
+        if not by_pool:
             return None
-        arr = np.array(rows, dtype=np.int64)
-        return cls(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], np.array(starts, dtype=np.int64))
+        pools = sorted(by_pool)
+        ks = np.array([k for p in pools for k, _ in by_pool[p]], dtype=np.int64)  # by pool, in kind order
+        gs = np.array([g for p in pools for _, g in by_pool[p]], dtype=np.int64)
+        owner = np.repeat(np.arange(len(pools)), [len(by_pool[p]) for p in pools])
+        avail = np.array([free[p] for p in pools], dtype=np.int64)[owner]
+        n = avail // gs
+        first, second, starts = _pairs(np.bincount(owner, minlength=len(pools)))
+        # the (pool, GPU count) groups: kinds sorted by pool, then GPUs (stable)
+        order = np.lexsort((gs, owner))
+        change = np.ones(len(order), dtype=bool)
+        change[1:] = (owner[order][1:] != owner[order][:-1]) | (gs[order][1:] != gs[order][:-1])
+        groups = np.nonzero(change)[0]
+        size, room = gs[order][groups], avail[order][groups]
+        g1, g2, row_starts = _pairs(np.bincount(owner[order][groups], minlength=len(pools)))
+        by_size = (ks[order], groups, g1, (room // size)[g1], g2, (room - (room // size) * size)[g1] // size[g2],
+                   row_starts)
+        return cls(ks[first], n[first], ks[second], (avail - n * gs)[first] // gs[second], starts,
+                   np.unique(ks).tolist(), by_size)
 
     def capacity(self, caps: np.ndarray) -> int:
-        vals = self.n_main * caps[self.main] + self.n_second * caps[self.second]
-        return int(np.maximum.reduceat(vals, self.starts).sum())
+        """Most micro-batches the pools' packings finish at these per-kind capacities (the best
+        row of each pool summed), from the best kind of each GPU count (class docstring)."""
+        order, groups, first, n_first, then, n_then, row_starts = self.by_size
+        best = np.maximum.reduceat(caps[order], groups)   # per (pool, GPU count) group
+        vals = n_first * best[first] + n_then * best[then]
+        return int(np.maximum.reduceat(vals, row_starts).sum())
 
     def counts(self, caps: np.ndarray, n_kinds: int) -> np.ndarray:
         vals = self.n_main * caps[self.main] + self.n_second * caps[self.second]
@@ -117,6 +134,19 @@ class PoolPacking:
                 out[self.main[r]] += self.n_main[r]
                 out[self.second[r]] += self.n_second[r]
         return out
+
+
+def _pairs(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every ordered pair of items inside each group, for items numbered group by group (`sizes`
+    items in each): (first item, second item) arrays, the first item outer and the second inner,
+    group by group, and the first pair of each group."""
+    begin = np.cumsum(sizes) - sizes
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    reps = sizes[owner]                                   # each item pairs with every item of its group
+    first = np.repeat(np.arange(len(owner)), reps)
+    row = np.cumsum(reps) - reps
+    second = np.repeat(begin[owner], reps) + np.arange(len(first)) - np.repeat(row, reps)
+    return first, second, np.cumsum(sizes * sizes) - sizes * sizes
 
 
 class Packer:
@@ -170,7 +200,7 @@ class Packer:
             caps = self.caps(tau)
             return int((base * caps).sum()) + (pack.capacity(caps) if pack else 0)
 
-        usable = sorted({int(i) for i in np.nonzero(base)[0]} | ({int(k) for k in pack.main} if pack else set()))
+        usable = sorted({int(i) for i in np.nonzero(base)[0]} | (set(pack.kinds) if pack else set()))
         if not usable:
             return None
         lo = float(self.fill[usable].min())

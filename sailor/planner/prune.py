@@ -18,7 +18,7 @@ import numpy as np
 from sailor.core.units import HOUR_S
 from sailor.model.spec import Recompute
 from sailor.plan.placement import same_node_boundaries
-from sailor.planner.kinds import Kind, Pool, boundary
+from sailor.planner.kinds import Kind, Pool, boundary, pool_price
 from sailor.planner.options import Objective, PlanOptions
 from sailor.planner.score import apart_stage_groups
 from sailor.planner.space import even_partition, mbs_candidates, zero3_needed
@@ -183,7 +183,7 @@ def node_bound(ctx: SimContext, P: int, mbs: int, opts: PlanOptions, sync_s: flo
         return (math.inf, math.inf)
     per_layer = np.min([r for _, _, r in rows], axis=0)
     work_layer = np.min([t * r for _, t, r in rows], axis=0)
-    price = {g: min(ctx.cluster.price(z, g) for z in ctx.cluster.zones if ctx.cluster.available(z, g))
+    price = {g: min(pool_price(ctx, (z, g)) for z in ctx.cluster.zones if ctx.cluster.available(z, g))
              for g in ctx.cluster.gpu_types()}
     usd_layer = np.min([price[g] * t * r for g, t, r in rows], axis=0)
     fill, work = float(per_layer.sum()), float(work_layer.sum())
@@ -216,52 +216,59 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
     tps: list[int] = []
     opt = math.inf
     pools = [(z, g, a) for z in sorted(ctx.cluster.zones) for g, a in ctx.cluster.zones[z].items() if a > 0]
+    nbytes = ctx.boundary_bytes(1, mbs)
+    per_type: dict[tuple[str, int], tuple] = {}  # (GPU type, TP) -> what every zone's pool of it shares
     for p, (z, g, a) in enumerate(pools):
         for t in model.tp_degrees(ctx.cluster.node_size(g)):
             n = a // (P * t)
             if n == 0:
                 continue
+            if (g, t) not in per_type:
+                layers = ctx.layer_s(g, t, mbs).sum(axis=1)
+                # each boundary inside a node or between two, as the block placement puts the pipeline
+                per_type[(g, t)] = (ctx.act_cumsum(t, mbs, Recompute.FULL)[-1], ctx.stage_params(t, 0, L), layers,
+                                    float(layers.sum()), float(layers.max()),
+                                    same_node_boundaries([(z, g, t)] * P, ctx.cluster.node_size))
+            act, params, layers, total, heaviest, inside = per_type[(g, t)]
             # the least the average stage can hold: full recomputation, ZeRO over the n replicas
-            act = ctx.act_cumsum(t, mbs, Recompute.FULL)[-1]
             per_param = state["weights"] / (n if zero3 else 1) + (state["gradients"] + state["optimizer"]) / n
-            if (ctx.stage_params(t, 0, L) * per_param + act) / P + ctx.framework_bytes(g) > ctx.memory_limit(g):
+            if (params * per_param + act) / P + ctx.framework_bytes(g) > ctx.memory_limit(g):
                 continue
-            layers = ctx.layer_s(g, t, mbs).sum(axis=1)
-            # each boundary inside a node or between two, as the block placement puts the pipeline
-            inside = same_node_boundaries([(z, g, t)] * P, ctx.cluster.node_size)
-            c = [ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t, same_node=on)
-                 for on in inside]
+            link = {on: ctx.network.transfer_time_s(z, g, z, g, nbytes, flows=t, same_node=on) for on in set(inside)}
+            c = [link[on] for on in inside]
             sends = 0 if P == 1 else (2 if P == 2 else 4)
-            fill = float(layers.sum()) + 2 * sum(c)
-            per = max(float(layers.sum()) / P, float(layers.max())) + sends * max(c, default=0.0)
-            runs.append((n, fill, per, P * t * ctx.cluster.price(z, g), p))
+            fill = total + 2 * sum(c)
+            per = max(total / P, heaviest) + sends * max(c, default=0.0)
+            runs.append((n, fill, per, P * t * pool_price(ctx, (z, g)), p))
             tps.append(t)
-            opt = min(opt, ctx.profiles.optimizer_time_s(job, g, ctx.stage_params(t, 0, L) / P))
+            opt = min(opt, ctx.profiles.optimizer_time_s(job, g, params / P))
             if any(inside):
                 cut_runs.append((z, g, t, n, layers))
     if not runs:
         return (math.inf, math.inf)
-    cut = _node_group_estimate(ctx, opts, P, M, mbs, cut_runs, opt)
     n, fill, per, usd, pool, tp = (np.array(x) for x in zip(*[r + (t,) for r, t in zip(runs, tps)]))
     if opts.objective is Objective.COST:
-        return min(cut, _cheapest_estimate(ctx, opts, P, M, pools, n, fill, per, usd, pool, tp, opt))
-    best = cut
-    for floor in sorted(set(tps)):  # sync is slower the finer the sharding: each TP floor on its own
-        keep = tp >= floor
-        best = min(best, _uniform_estimate(ctx, opts, P, M, pools, n[keep], fill[keep], per[keep], usd[keep],
-                                           pool[keep], tp[keep], opt))
-    return best
+        best = _cheapest_estimate(ctx, opts, P, M, pools, n, fill, per, usd, pool, tp, opt)
+    else:
+        best = (math.inf, math.inf)
+        for floor in sorted(set(tps)):  # sync is slower the finer the sharding: each TP floor on its own
+            keep = tp >= floor
+            best = _uniform_estimate(ctx, opts, P, M, pools, n[keep], fill[keep], per[keep], usd[keep],
+                                     pool[keep], tp[keep], opt, best)
+    return _node_group_estimate(ctx, opts, P, M, mbs, cut_runs, opt, best)
 
 
-def _node_group_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, mbs: int, runs, opt: float) -> Key:
+def _node_group_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, mbs: int, runs, opt: float,
+                         best: Key = (math.inf, math.inf)) -> Key:
     """`node_estimate` of uniform pipelines cut between nodes before every stage (`plan.placement`),
     for the runs (zone, GPU type, TP t, pipelines n, per-layer seconds) whose uncut pipelines keep a
     boundary inside a node: D = u and 2u (at most min(n, M)) of them, u = node size // t (the
     pipelines whose stage replicas fill one node each, or two: beyond, a stage's replicas span nodes
     however the pipelines are cut); fill and period as `node_estimate`'s with
     every boundary between two nodes; time fill + (ceil(M / D) - 1)·period + the slowest stage's
-    gradient sync of D replicas placed so (`_placed_sync`) + the optimizer step; the best run and D."""
-    best = (math.inf, math.inf)
+    gradient sync of D replicas placed so (`_placed_sync`) + the optimizer step; the best run and D,
+    or `best` where that is better (the sync, the costly part, is left out where the rest alone does
+    not beat the best so far: the key only grows with it)."""
     part = even_partition(ctx.job.model.num_layers, P)
     for z, g, t, n, layers in runs:
         c = ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t)
@@ -271,8 +278,13 @@ def _node_group_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, mbs
         slot = Slot(zone=z, gpu=g, tp=t, node_cut=True)  # a cut before stage 0 places nothing differently
         for D in (unit, 2 * unit):
             if D <= most:
-                T = fill + (-(-M // D) - 1) * per + (_placed_sync(ctx, [(slot, D)], part) if D > 1 else 0.0) + opt
-                best = min(best, _key(opts, T, D * P * t * ctx.cluster.price(z, g) * T / HOUR_S))
+                def key(sync: float) -> Key:
+                    T = fill + (-(-M // D) - 1) * per + sync + opt
+                    return _key(opts, T, D * P * t * pool_price(ctx, (z, g)) * T / HOUR_S)
+
+                if D > 1 and key(0.0) >= best:
+                    continue
+                best = min(best, key(_placed_sync(ctx, [(slot, D)], part) if D > 1 else 0.0))
     return best
 
 
@@ -308,8 +320,9 @@ def _cheapest_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools
 
 
 def _uniform_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools, n, fill, per, usd, pool, tp,
-                      opt: float) -> Key:
-    """`node_estimate` for one set of runs (arrays over (pool, TP) runs)."""
+                      opt: float, best: Key = (math.inf, math.inf)) -> Key:
+    """`node_estimate` for one set of runs (arrays over (pool, TP) runs), or `best` where that is
+    better (the sync is left out where the rest alone does not beat it)."""
     n_pools = len(pools)
 
     def best_per_pool(tau: float) -> tuple[np.ndarray, np.ndarray]:
@@ -335,10 +348,13 @@ def _uniform_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools,
         need -= take * each
         if need <= 0:
             break
-    L = ctx.job.model.num_layers
-    sync = _placed_sync(ctx, groups, even_partition(L, P)) if D > 1 else 0.0
-    T = tau + sync + opt
-    return _key(opts, T, D * float(usd.min()) * T / HOUR_S)
+    def key(sync: float) -> Key:
+        T = tau + sync + opt
+        return _key(opts, T, D * float(usd.min()) * T / HOUR_S)
+
+    if D > 1 and key(0.0) >= best:
+        return best
+    return min(best, key(_placed_sync(ctx, groups, even_partition(ctx.job.model.num_layers, P)) if D > 1 else 0.0))
 
 
 def _placed_sync(ctx: SimContext, groups: list[tuple[Slot, int]], partition) -> float:
@@ -445,7 +461,7 @@ def table_bound(ctx: SimContext, table, partition, memory, M: int, opts: PlanOpt
     for two or more pipelines); the optimizer step at least max_i of stage i's smallest (under ZeRO at
     one replica per micro-batch). Cost: M·Σ u_i."""
     N = ctx.cluster.total_gpus()
-    price = {g: min(ctx.cluster.price(z, g) for z in ctx.cluster.zones if ctx.cluster.available(z, g))
+    price = {g: min(pool_price(ctx, (z, g)) for z in ctx.cluster.zones if ctx.cluster.available(z, g))
              for g in ctx.cluster.gpu_types()}
     P = len(table)
     k = [2 * ((links[i - 1] if i > 0 else 0.0) + (links[i] if i < P - 1 else 0.0)) for i in range(P)]

@@ -398,12 +398,16 @@ def collective_s(ctx: SimContext, groups: list[Group], kind: Collective, nbytes:
     hierarchical over the links (`collectives.allreduce_time_s`, the cluster spec's algorithm) at
     the lowest calibrated all-reduce efficiency of the members, a reduce-scatter or an all-gather
     taking half of it, plus the backend's start-up of one call (`NetworkModel.collective`). 0 for a
-    single member."""
+    single member. Memoised by the groups' shape (`group_shape`: all the collectives read of them),
+    so the stages of a plan that sync equal bytes over equally placed replicas share one."""
     if sum(n for _, n in groups) < 2:
         return 0.0
-    efficiency = ctx.allreduce_efficiency([r for r, _ in groups])
-    ring = allreduce_time_s(groups, nbytes, ctx.network, efficiency=efficiency)
-    return RING_SHARE[kind] * ring + (ctx.network.collective.startup_s if ring > 0 else 0.0)
+    key = ("collective", group_shape(groups), kind, nbytes)
+    if key not in ctx.memo:
+        efficiency = ctx.allreduce_efficiency([r for r, _ in groups])
+        ring = allreduce_time_s(groups, nbytes, ctx.network, efficiency=efficiency)
+        ctx.memo[key] = RING_SHARE[kind] * ring + (ctx.network.collective.startup_s if ring > 0 else 0.0)
+    return ctx.memo[key]
 
 
 def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> float:

@@ -1,0 +1,180 @@
+"""The search's shortcuts change no result (issue #28, scale): each is checked against the computation
+it replaces, run here as the reference.
+
+- `engine._hopeless_alone` (node groups told hopeless before a scorer is built) against scoring
+  every node group;
+- `prune._uniform_estimate` and `prune._node_group_estimate` leaving out the sync where the rest
+  cannot beat the best estimate so far, against computing every sync;
+- `pack.PoolPacking.capacity` from the best kind of each GPU count, against every (main, second)
+  row of the pools;
+- `kinds.make_kinds` computing what a cut does not change once per uncut twin, against each kind
+  built alone in a fresh context;
+- `simulator.terms.collective_s` memoised by the groups' shape, against the collective computed
+  afresh.
+The first three together: `plan_job` returns the same plan, estimate, alternatives, candidate count
+and Pareto front with the references patched in, on clusters where they come into play (pipelines cut
+between nodes over a slow link, ZeRO, several zones, the cost objective).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import numpy as np
+import pytest
+
+from sailor.model.spec import Collective
+from sailor.planner import Objective, PlanOptions, engine, plan_job, prune
+from sailor.planner.finalists import plan_signature
+from sailor.planner.kinds import homogeneous_kinds, make_kinds, option_table
+from sailor.planner.pack import PoolPacking
+from sailor.planner.space import candidate_partitions, memory_candidates
+from sailor.simulator import make_context
+from sailor.simulator.collectives import Member, allreduce_time_s, group_members
+from sailor.simulator.terms import RING_SHARE, collective_s
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
+
+ZA, ZB = "us-central1-a", "us-central1-b"
+SLOW_NET = {"same_node": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e11},
+            "same_zone": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 3.125e9}}
+WIDE = {"name": "wide", "num_blocks": 4, "hidden_size": 3072, "num_heads": 3, "vocab_size": 8192,
+        "max_sequence_length": 1024, "tied_embeddings": False}
+
+
+def _rows_capacity(single, free, caps: np.ndarray) -> int:
+    """The pools' best packing by every (main, second) row, as `PoolPacking` first computed it."""
+    by_pool: dict = {}
+    for k, p, g in single:
+        if free.get(p, 0) >= g:
+            by_pool.setdefault(p, []).append((k, g))
+    total = 0
+    for p, ks in by_pool.items():
+        a = free[p]
+        total += max((a // g) * caps[k] + ((a - (a // g) * g) // g2) * caps[j] for k, g in ks for j, g2 in ks)
+    return int(total)
+
+
+def test_pool_packing_capacity_equals_the_best_row_of_every_pool():
+    rng = random.Random(5)
+    for _ in range(400):
+        pools = list(dict.fromkeys((f"z{rng.randint(0, 3)}", f"g{rng.randint(0, 2)}") for _ in range(4)))
+        free = {p: rng.randint(0, 40) for p in pools}
+        single = [(k, rng.choice(pools), rng.choice([1, 2, 3, 4, 6, 8])) for k in range(rng.randint(1, 12))]
+        pack = PoolPacking.build(single, free)
+        if pack is None:
+            assert all(free[p] < g for _, p, g in single)
+            continue
+        assert pack.kinds == sorted({k for k, p, g in single if free[p] >= g})
+        for _ in range(5):
+            caps = np.array([rng.randint(0, 30) for _ in single], dtype=np.int64)
+            assert pack.capacity(caps) == _rows_capacity(single, free, caps)
+
+
+def test_cut_kinds_built_together_equal_each_built_alone():
+    # 48 GPUs on 8-GPU nodes: the homogeneous kinds and their cuts, built in one batch (twins share
+    # stage times and transfers), against each kind's spec built alone in a context of its own
+    job = JobSpec(model=WIDE, global_batch_size=16, framework="megatron-lm")
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 48}}, gpus_per_node={"A100-40": 8}, network=SLOW_NET)
+    ctx = make_context(job, cluster, calibration={})
+    gpus, free = cluster.gpu_types(), {(ZA, "A100-40"): 48}
+    checked = 0
+    for mbs in (1, 2):
+        M = job.global_batch_size // mbs
+        for part in candidate_partitions(ctx, 3, mbs, gpus)[:2]:
+            memory = memory_candidates(ctx, gpus, part, mbs, M, 2, 1)[0]
+            table = option_table(ctx, gpus, part, mbs, M, memory)
+            kinds = homogeneous_kinds(ctx, table, free, part, mbs, memory)
+            assert any(any(k.cuts) for k in kinds)
+            for kind in kinds:
+                alone = make_kinds(make_context(job, cluster, calibration={}), [kind.spec], part, mbs, memory)[0]
+                assert dataclasses.astuple(alone) == dataclasses.astuple(kind)
+                assert alone.slots == kind.slots
+                checked += 1
+    assert checked > 20
+
+
+def _reference(monkeypatch) -> None:
+    """Patch in the computations the shortcuts replace."""
+    monkeypatch.setattr(engine, "_hopeless_alone", lambda *args: False)
+    for name in ("_uniform_estimate", "_node_group_estimate"):
+        fast = getattr(prune, name)
+
+        def every_sync(*args, _fast=fast):  # the callers pass the best so far last
+            *rest, best = args
+            return min(best, _fast(*rest, (math.inf, math.inf)))
+        monkeypatch.setattr(prune, name, every_sync)
+    monkeypatch.setattr(PoolPacking, "capacity",
+                        lambda self, caps: int(np.maximum.reduceat(
+                            self.n_main * caps[self.main] + self.n_second * caps[self.second], self.starts).sum()))
+
+
+def _result(job: JobSpec, cluster: ClusterSpec, opts: PlanOptions) -> tuple:
+    r = plan_job(make_context(job, cluster, calibration={}), opts)
+    return (plan_signature(r.plan), r.estimate.iteration_time_s, r.estimate.cost_per_iteration_usd,
+            [plan_signature(c.plan) for c in r.alternatives], r.candidates, r.points, r.pareto)
+
+
+CASES = {
+    # pipelines cut between nodes over a slow link (node groups, cut kinds packed apart); and the
+    # same for the cost objective
+    "cut": (JobSpec(model=WIDE, global_batch_size=16, framework="megatron-lm"),
+            ClusterSpec(zones={ZA: {"A100-40": 48}}, gpus_per_node={"A100-40": 8}, network=SLOW_NET),
+            PlanOptions(max_stages=4, max_mbs=2)),
+    # two GPU types in two zones, 4-GPU nodes
+    "zones": (JobSpec(model="opt-350m", global_batch_size=64),
+              ClusterSpec(zones={ZA: {"A100-40": 24, "V100-16": 16}, ZB: {"A100-40": 16}},
+                          gpus_per_node={"A100-40": 4, "V100-16": 4}),
+              PlanOptions(max_stages=4, max_mbs=4)),
+    "cost": (JobSpec(model=WIDE, global_batch_size=16, framework="megatron-lm"),
+             ClusterSpec(zones={ZA: {"A100-40": 48}}, gpus_per_node={"A100-40": 8}, network=SLOW_NET),
+             PlanOptions(objective=Objective.COST, max_stages=4, max_mbs=2)),
+    # a model that needs ZeRO on 16 GB GPUs (kinds whose constants depend on D)
+    "zero": (JobSpec(model="gpt-neo-2.7b", global_batch_size=64, precision="fp32"),
+             ClusterSpec(zones={ZA: {"V100-16": 48}}, gpus_per_node={"V100-16": 8}),
+             PlanOptions(max_stages=4, max_mbs=2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_plans_are_those_of_the_reference_search(case, monkeypatch):
+    job, cluster, opts = CASES[case]
+    fast = _result(job, cluster, opts)
+    _reference(monkeypatch)
+    assert _result(job, cluster, opts) == fast
+
+
+def test_a_collective_is_memoised_only_across_equally_placed_groups():
+    # `terms.collective_s` memoised by `group_shape`: groups that differ only in their nodes' names
+    # share a value, which is the collective computed afresh for each; other placements do not share
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 16}, ZB: {"A100-40": 16, "V100-16": 8}},
+                          gpus_per_node={"A100-40": 4, "V100-16": 4})
+    ctx = make_context(job, cluster, calibration={"V100-16": {"allreduce_efficiency": 0.7}})
+
+    def groups(names: list[str | None], zones: list[str], gpu: str = "A100-40") -> list:
+        return group_members([Member(zone=z, gpu=gpu, tp=2, node=n) for n, z in zip(names, zones)])
+
+    def fresh(g: list, kind: Collective, nbytes: float) -> float:
+        ring = allreduce_time_s(g, nbytes, ctx.network, efficiency=ctx.allreduce_efficiency([m for m, _ in g]))
+        return RING_SHARE[kind] * ring + (ctx.network.collective.startup_s if ring > 0 else 0.0)
+
+    cases = [
+        (["a", "a", "b", "b"], [ZA] * 4, "A100-40"),        # two nodes of two replicas
+        (["x", "x", "y", "y"], [ZA] * 4, "A100-40"),        # the same, other names
+        (["a", "b", "c", "d"], [ZA] * 4, "A100-40"),        # four nodes
+        ([None] * 4, [ZA] * 4, "A100-40"),                  # not placed
+        (["a", "a", "b", "b"], [ZA, ZA, ZB, ZB], "A100-40"),  # across zones
+        (["a", "a", "b", "b"], [ZB] * 4, "V100-16"),        # another GPU type, its efficiency
+    ]
+    seen = set()
+    for kind in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER):
+        for nbytes in (1.0, 4e8):
+            for names, zones, gpu in cases:
+                g = groups(names, zones, gpu)
+                value = collective_s(ctx, g, kind, nbytes, 2)
+                assert value == fresh(g, kind, nbytes)
+                seen.add(value)
+    assert len(seen) >= 2 * 2 * 4  # the differently placed groups do not share a value
