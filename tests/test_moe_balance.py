@@ -11,16 +11,13 @@ import json
 import pytest
 import torch
 
-from sailor.core.errors import SailorInputError
 from sailor.model.moe import MoE
 from sailor.model.spec import ModelSpec
-from sailor.plan.spec import Plan
 from sailor.runtime.balance import load_balancing
 from sailor.runtime.executor import NoHooks, StageExecutor
 from sailor.runtime.model import init_full_model, lm_loss_sum
 from sailor.runtime.moe import load_balancing_loss, record_router_logits
 from sailor.runtime.reference import training_loss
-from sailor.runtime.validate import check_moe
 from sailor.specs.job import JobSpec
 
 E, K, COEF = 4, 2, 0.5
@@ -97,17 +94,6 @@ def test_two_chunks_micro_batch_by_micro_batch_give_the_reference_loss_and_gradi
     assert not torch.allclose(dict(without.named_parameters())[router].grad, dict(model.named_parameters())[router].grad)
 
 
-def test_other_schedules_are_refused_naming_the_field():
-    job = JobSpec(model=_spec(), global_batch_size=8, sequence_length=16)
-    plan = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 3], [3, 6]], "schedule": {"kind": "zb-h1"},
-                                "pipelines": [{"microbatches": 8, "replicas": [
-                                    {"stage": i, "gpu": "cpu", "zone": "local", "tp": 1} for i in (0, 1)]}]})
-    with pytest.raises(SailorInputError, match="1f1b only, not zb-h1") as e:
-        check_moe(plan, job, source="plan.json")
-    assert e.value.field == "schedule.kind"
-    check_moe(Plan.model_validate(plan.to_dict() | {"schedule": {"kind": "1f1b"}}), job, source="plan.json")
-
-
 # ---- training (integration) ---------------------------------------------------------------------------
 
 STEPS, RTOL = 3, 1e-5
@@ -162,3 +148,21 @@ def test_ep2_on_two_stages_of_two_pipelines_equals_the_single_process_run(tmp_pa
     # experts' rows travel over the all-to-all; each pipeline's micro-batches carry their own statistics
     _train({"stages": [[0, 3], [3, 6]], "experts": [{"ep": 2}, {"ep": 2}], "memory": [{"zero": 2}, {}],
             "pipelines": [{"microbatches": 2, "replicas": [_rep(0), _rep(1)]}] * 2}, tmp_path)
+
+
+SCHEDULES = {
+    # ZB-H1: the gradient vector is added in the input-gradient pass, the router's weight gradient
+    # follows in the deferred weight pass
+    "zb-h1": {"stages": [[0, 3], [3, 6]], "schedule": {"kind": "zb-h1"},
+              "pipelines": [{"microbatches": 4, "replicas": [_rep(0), _rep(1)]}]},
+    # interleaved 1F1B, 2 chunks per stage: statistics go 0 -> 1 -> 0 -> 1 and back, chunk by chunk
+    "interleaved": {"stages": [[0, 2], [2, 3], [3, 5], [5, 6]],
+                    "schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2},
+                    "pipelines": [{"microbatches": 4, "replicas": [_rep(0), _rep(1)]}]},
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_other_schedules_equal_the_single_process_run(schedule, tmp_path):
+    _train(SCHEDULES[schedule], tmp_path)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from sailor.model.spec import ModelSpec
+from sailor.runtime.messages import ACTIVATION, GRADIENT
 from sailor.runtime.moe import MoEMLP, router_statistics
 
 
@@ -109,8 +110,6 @@ class LoadBalancing:
     def side_sizes(self) -> dict[str, int]:
         """Elements (fp64) of the side message of each transfer kind: (counts, probability sums)
         forward, g backward."""
-        from sailor.runtime.messages import ACTIVATION, GRADIENT
-
         return {ACTIVATION: 2 * self.num_experts, GRADIENT: self.num_experts}
 
     def _tap(self, logits: torch.Tensor) -> torch.Tensor:

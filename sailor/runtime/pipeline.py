@@ -239,8 +239,8 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
     activations. `balance` (a mixture of experts with a load-balancing loss) adds that loss
     (`runtime.balance`): its statistics ride forward with the activations and its gradient back with
     theirs, as side messages (this call sets `P2P.side_sizes` to its `side_sizes`, or none), and each
-    micro-batch's coef · N · aux joins the loss sum. Returns the unscaled loss sum over this pipeline's tokens, a () fp64 tensor on
-    `p2p.device` (0 except on the stage holding the head; summed on the device, so no micro-batch
+    micro-batch's coef · N · aux joins the loss sum. Returns the unscaled loss sum over this
+    pipeline's tokens, a () fp64 tensor on `p2p.device` (0 except on the stage holding the head; summed on the device, so no micro-batch
     waits for the host: the caller reads it once per step), and the time spent per phase (W passes
     count as backward).
     """

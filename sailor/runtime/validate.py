@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from sailor.core.errors import SailorInputError
-from sailor.plan.orders import ScheduleKind
 from sailor.plan.spec import Plan
 from sailor.runtime.schedule import runtime_schedule
 from sailor.runtime.topology import stage_memory
@@ -39,10 +38,9 @@ def _expert_widths(model) -> tuple[tuple[str, int], ...]:
 
 def check_moe(plan: Plan, job: JobSpec, *, source: str | None = None, job_source: str | None = None) -> None:
     """Raise SailorInputError for a mixture-of-experts job the distributed runtime cannot train yet:
-    a capacity factor (the runtime routes dropless, as transformers does), a load-balancing loss
-    (`moe.aux_loss_coef` > 0, applied per micro-batch by `runtime.balance`) under a schedule other
-    than 1F1B (the interleaved and zero-bubble orders are not tested with it), and sequence
-    parallelism on a stage holding an MoE block."""
+    a capacity factor (the runtime routes dropless, as transformers does) and sequence parallelism on
+    a stage holding an MoE block. A load-balancing loss (`moe.aux_loss_coef` > 0) is applied under
+    every plan, per micro-batch (`runtime.balance`)."""
     moe = job.model.moe
     if moe is None:
         return
@@ -51,11 +49,6 @@ def check_moe(plan: Plan, job: JobSpec, *, source: str | None = None, job_source
         raise SailorInputError(f"capacity factor {moe.capacity_factor}: the runtime routes every token to its top_k"
                                " experts (dropless)", source=where, field="model.moe.capacity_factor",
                                fix="remove it (null: dropless)")
-    kind = runtime_schedule(plan).kind
-    if moe.aux_loss_coef > 0 and kind is not ScheduleKind.ONE_F_ONE_B:
-        raise SailorInputError(f"the runtime applies the load-balancing loss (weight {moe.aux_loss_coef}) under"
-                               f" schedule 1f1b only, not {kind.value}", source=source, field="schedule.kind",
-                               fix="use schedule 1f1b, or set model.moe.aux_loss_coef to 0")
     for i in range(plan.num_stages):
         sparse = any(job.model.is_moe_block(layer) for a, b in plan.stage_chunks(i) for layer in range(a, b))
         if sparse and stage_memory(plan, i).sequence_parallel:
