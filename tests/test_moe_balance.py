@@ -129,7 +129,7 @@ def _train(body: dict, tmp_path) -> None:
     dense = spec.model_copy(update={"model": _spec().model_copy(update={"moe": _spec().moe.model_copy(
         update={"aux_loss_coef": 0.0})})})
     without, _ = train_reference(dense, steps=1, seed=0, corpus=load_corpus())
-    assert rows[0]["loss"] - without[0] > 100 * RTOL * rows[0]["loss"]  # about COEF · k (aux >= k at best)
+    assert rows[0]["loss"] - without[0] > 100 * RTOL * rows[0]["loss"]  # COEF · aux, aux near k = 2 at first
     assert not live_processes(str(tmp_path))
 
 
