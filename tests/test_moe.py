@@ -215,8 +215,7 @@ def test_the_distributed_runtime_refuses_what_it_cannot_run_yet():
                                         {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 2}]}]})
 
     moe = MoE(num_experts=E, top_k=K, expert_ffn_size=FE)
-    for change, field in (({"aux_loss_coef": 0.01}, "model.moe.aux_loss_coef"),
-                          ({"capacity_factor": 1.25}, "model.moe.capacity_factor")):
+    for change, field in (({"capacity_factor": 1.25}, "model.moe.capacity_factor"),):
         job = JobSpec(model=_spec(moe.model_copy(update=change)), global_batch_size=8, sequence_length=32)
         with pytest.raises(SailorInputError) as e:
             check_moe(plan(False), job, source="plan.json", job_source="job.yaml")

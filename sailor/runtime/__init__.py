@@ -17,7 +17,8 @@ Modules, one concept each, applied in this order by `worker`:
   `specs.recipe.learning_rate`); `scaler`: fp16's dynamic loss scale (skipped steps on overflow).
 - `pipeline.run_pipeline`: the schedule's op order (1F1B, interleaved 1F1B, ZB-H1) with its
   transfers; `executor`: one stage's layers for one micro-batch, with the optimizer's layer hooks
-  (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters) and activation metering.
+  (ZeRO-3 gathers, ZeRO-2/3 reduce-scatters) and activation metering; `moe`: mixture-of-experts
+  MLPs (TP, EP all-to-all); `balance`: their load-balancing loss, per micro-batch across stages.
 - `data`: deterministic samples of byte tokens or memory-mapped token files (`tokens`, made by
   `dataprep`); `checkpoint`: plan-independent, atomic, checksummed, the newest kept; `metrics`: MFU,
   TensorBoard; `evaluation`: held-out loss through the plan's pipeline, forwards only.

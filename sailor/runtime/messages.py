@@ -28,6 +28,10 @@ receives its slice from one or more ranks of the neighbour replica, one transfer
 with the same message, and sends slices to one or more. Each channel still carries one kind between
 two fixed ranks, so the argument above holds on each of them.
 
+With a load-balancing loss (`runtime.balance`) every transfer is followed on its channel by a small
+side message (`pipeline.P2P.side_sizes`), which both ends post right after the transfer: each
+channel's order is still the op order.
+
 Receives are posted one op ahead (`rank_program`): at the start of op j the rank posts op j's
 receive (if not yet posted) and op j + 1's, so the next input can arrive during op j's compute; on
 each channel that is still the op order, so the property above is unchanged.

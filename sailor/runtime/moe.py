@@ -112,6 +112,9 @@ class MoEMLP(nn.Module):
         self.leave: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.record: list[torch.Tensor] | None = None  # `record_router_logits` collects the logits here
         self.ep: ExpertParallel | None = None  # the all-to-all under expert parallelism (`apply_ep`)
+        # the load-balancing loss of a distributed run (`runtime.balance.LoadBalancing`): sees the
+        # router logits (N, E) and returns them, adding the loss's gradient in the backward
+        self.balance: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def shard(self, tp: int, enter: Callable, leave: Callable) -> None:
         """Split every expert over `tp` ranks (module docstring); `enter` / `leave` are the TP
@@ -128,6 +131,8 @@ class MoEMLP(nn.Module):
         logits = self.router(flat)  # (N, E)
         if self.record is not None:
             self.record.append(logits)
+        if self.balance is not None:
+            logits = self.balance(logits)
         weights, chosen = route(logits, self.top_k, self.renormalise)  # (N, k) fp32, (N, k) int64
         inp = self.enter(flat)
         run = self._run_local if self.ep is None else self.ep.run
@@ -253,20 +258,31 @@ def record_router_logits(model: nn.Module) -> Iterator[list[torch.Tensor]]:
             m.record = None
 
 
+def router_statistics(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MoE layer's share of the load-balancing loss, from its router logits (N, E): the number of
+    top-k choices of each expert (E,) fp32 (no gradient) and the sum of each expert's softmax
+    probability over the N rows (E,) fp32 (differentiable)."""
+    probs = F.softmax(logits.float(), dim=-1)
+    chosen = torch.topk(probs, top_k, dim=-1).indices
+    return torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1]).float(), probs.sum(dim=0)
+
+
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
     """Hugging Face `load_balancing_loss_func` (no attention mask) of the router logits of every MoE
     layer over the same N tokens, each (N, E): E · Σ_e (c_e / R) · (p_e / R), with R = L·N rows,
     c_e the number of top-k choices of expert e over all layers and p_e the sum of e's softmax
-    probabilities over all rows. () fp32; 0 without logits."""
+    probabilities over all rows (`router_statistics` per layer). () fp32; 0 without logits.
+
+    Only p_e carries a gradient, and it is a sum over layers, so d/dθ = (E / R²) Σ_e c_e · dp_e/dθ: a
+    pipeline stage gets its layers' exact share once it knows the c_e of the whole forward pass
+    (`runtime.balance`)."""
     if not router_logits:
         return torch.zeros(())
     counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
     probs_sum = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
     rows = 0
     for logits in router_logits:
-        probs = F.softmax(logits.float(), dim=-1)
-        chosen = torch.topk(probs, top_k, dim=-1).indices
-        counts = counts + torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
-        probs_sum = probs_sum + probs.sum(dim=0)
-        rows += probs.shape[0]
+        c, p = router_statistics(logits, top_k)
+        counts, probs_sum = counts + c, probs_sum + p
+        rows += logits.shape[0]
     return num_experts * torch.sum((counts / rows) * (probs_sum / rows))

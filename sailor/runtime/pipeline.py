@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sailor.plan.orders import BWD, FWD, Op
+from sailor.runtime.balance import LoadBalancing
 from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.messages import ACTIVATION, Channel, Transfer, rank_program
 from sailor.runtime.timing import PhaseClock
@@ -109,6 +110,10 @@ class P2P:
     posted: dict = field(default_factory=dict)  # Transfer -> work of a receive posted, not yet taken
     slices: dict = field(default_factory=dict)  # Message -> this rank's slice buffer, filled by `posted`
     sent: dict = field(default_factory=dict)  # kind -> bytes this rank has sent (ACTIVATION, GRADIENT)
+    # kind -> elements (fp64) of the side message every transfer of that kind is followed by on its
+    # channel (`balance.LoadBalancing.side_sizes`, set by `run_pipeline`; none when empty)
+    side_sizes: Mapping[str, int] = field(default_factory=dict)
+    side_posted: dict = field(default_factory=dict)  # Transfer -> (work, buffer) of a side receive
 
     def _span(self, link: Link) -> tuple[int, int]:
         """[start, end) in elements of the flattened (T, B, h) tensor of `link`'s slice."""
@@ -146,6 +151,16 @@ class P2P:
         a, b = self._span(self._link(t, receiving=True))
         base = r * (n // tp)  # this rank's slice starts there
         self.posted[t] = dist.irecv(buf[a - base:b - base], t.channel.src, group=self.channels[t.channel])
+        size = self.side_sizes.get(t.channel.kind)
+        if size:  # posted right after the slice on the same channel: the sender's order
+            side = torch.empty(size, dtype=torch.float64, device=self.device)
+            self.side_posted[t] = (dist.irecv(side, t.channel.src, group=self.channels[t.channel]), side)
+
+    def _wait(self, t: Transfer, work) -> None:
+        if self.device.type == "cuda":
+            work.wait()
+        elif not work.wait(self.timeout):
+            raise TimeoutError(f"rank {self.role.rank}: no data from rank {t.channel.src} within {self.timeout}")
 
     def receive(self, transfers: Sequence[Transfer]) -> torch.Tensor:
         """The (B, T, h) tensor whose slices `transfers` (one message) bring (posted now if they were
@@ -156,11 +171,7 @@ class P2P:
             if t not in self.posted:
                 self.post(t)
         for t in transfers:
-            work = self.posted.pop(t)
-            if self.device.type == "cuda":
-                work.wait()
-            elif not work.wait(self.timeout):
-                raise TimeoutError(f"rank {self.role.rank}: no data from rank {t.channel.src} within {self.timeout}")
+            self._wait(t, self.posted.pop(t))
         mine = self.slices.pop(transfers[0].message)
         B, T, h = self.shape
         if self._sliced(transfers[0], receiving=True):  # this rank's tokens: (T/t, B, h) -> (B, T/t, h)
@@ -172,9 +183,19 @@ class P2P:
             full = mine
         return full.view(T, B, h).transpose(0, 1).contiguous()  # (T, B, h) -> (B, T, h)
 
-    def send(self, x: torch.Tensor, transfers: Sequence[Transfer]) -> None:
+    def receive_side(self, transfers: Sequence[Transfer]) -> torch.Tensor:
+        """The side message that followed `transfers` (one message, already `receive`d), from the first
+        sender (every sender sends the same)."""
+        sides = []
+        for t in transfers:
+            work, side = self.side_posted.pop(t)
+            self._wait(t, work)
+            sides.append(side)
+        return sides[0]
+
+    def send(self, x: torch.Tensor, transfers: Sequence[Transfer], side: torch.Tensor | None = None) -> None:
         """Send each transfer's slice of `x` ((B, T, h), or this rank's (B, T/t, h) where the edge is
-        sliced, in `dtype`) on its channel."""
+        sliced, in `dtype`) on its channel, each followed there by `side` (fp64, `side_sizes`) if given."""
         # Sends that completed free their tensors now, not at the end of the step.
         self.pending = [(w, y) for w, y in self.pending if not w.is_completed()]
         if not transfers:
@@ -186,12 +207,14 @@ class P2P:
         for t in transfers:
             a, b = self._span(self._link(t, receiving=False))
             piece = flat[a - base:b - base]
-            self.pending.append((dist.isend(piece, t.channel.dst, group=self.channels[t.channel]), piece))
-            self.sent[t.channel.kind] = self.sent.get(t.channel.kind, 0) + piece.numel() * piece.element_size()
+            for y in (piece,) if side is None else (piece, side):  # one channel: the side right after
+                self.pending.append((dist.isend(y, t.channel.dst, group=self.channels[t.channel]), y))
+                self.sent[t.channel.kind] = self.sent.get(t.channel.kind, 0) + y.numel() * y.element_size()
 
     def finish(self) -> None:
         """Wait for every send posted this step; every posted receive must have been taken."""
         assert not self.posted, f"rank {self.role.rank}: receives posted but not taken: {list(self.posted)}"
+        assert not self.side_posted, f"rank {self.role.rank}: side messages never taken: {list(self.side_posted)}"
         assert not self.slices, f"rank {self.role.rank}: slices never gathered: {list(self.slices)}"
         for work, _ in self.pending:
             work.wait(self.timeout)
@@ -201,7 +224,8 @@ class P2P:
 def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *, order: Sequence[Op],
                  inputs: Callable[[int], torch.Tensor], targets: Callable[[int], torch.Tensor],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], loss_scale: float,
-                 meter: ActivationMeter | None = None) -> tuple[torch.Tensor, StageTimes]:
+                 meter: ActivationMeter | None = None,
+                 balance: LoadBalancing | None = None) -> tuple[torch.Tensor, StageTimes]:
     """Run this rank's `order` (`plan.spec.Schedule.order`): F, B and W ops of its chunks.
 
     `executors[c]` runs chunk c (`role.chunks[c]`, virtual stage u = c·p + i); a forward of virtual
@@ -213,21 +237,27 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
     loss is multiplied by `loss_scale` before backward, so gradients accumulate as a weighted sum.
     Ops of micro-batches k >= `role.microbatches` (rounds of a longer order, `schedule` module
     docstring) skip the compute but not the layer hooks. `meter` measures micro-batch 0's kept
-    activations. Returns the unscaled loss sum over this pipeline's tokens, a () fp64 tensor on
-    `p2p.device` (0 except on the stage holding the head; summed on the device, so no micro-batch
+    activations. `balance` (a mixture of experts with a load-balancing loss) adds that loss
+    (`runtime.balance`): its statistics ride forward with the activations and its gradient back with
+    theirs, as side messages (this call sets `P2P.side_sizes` to its `side_sizes`, or none), and each
+    micro-batch's coef · N · aux joins the loss sum. Returns the unscaled loss sum over this
+    pipeline's tokens, a () fp64 tensor on `p2p.device` (0 except on the stage holding the head; summed on the device, so no micro-batch
     waits for the host: the caller reads it once per step), and the time spent per phase (W passes
     count as backward, and apart as `weight_s`).
     """
+    p2p.side_sizes = balance.side_sizes if balance is not None else {}
     clock = PhaseClock(p2p.device)  # CUDA events on a GPU (`runtime.timing`), read once at the end
     loss_sum = torch.zeros((), dtype=torch.float64, device=p2p.device)
     p = role.num_stages
     last = p * len(executors) - 1
     split = any(op.kind not in (FWD, BWD) for op in order)
 
-    def loss(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def loss(c: int, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def apply(logits: torch.Tensor) -> torch.Tensor:
             value = loss_fn(logits, targets(k))
             loss_sum.add_(value.detach())
+            if balance is not None:
+                loss_sum.add_(balance.finish(c, k, loss_scale))
             return value * loss_scale
         return apply
 
@@ -247,14 +277,18 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
             t1 = t0
         elif kind == FWD:
             x = p2p.receive(step.recv) if step.recv else inputs(k)
+            if balance is not None:
+                balance.begin_forward(c, k, p2p.receive_side(step.recv) if step.recv else None)
             t1 = clock.mark()
-            out = ex.forward(k, x, loss=loss(k) if u == last else None, meter=meter if k == 0 else None)
-            p2p.send(out, step.sends)
+            out = ex.forward(k, x, loss=loss(c, k) if u == last else None, meter=meter if k == 0 else None)
+            p2p.send(out, step.sends, balance.end_forward(c, k) if balance is not None else None)
         elif kind == BWD:
             grad = p2p.receive(step.recv) if step.recv else None
+            if balance is not None:
+                balance.begin_backward(c, k, p2p.receive_side(step.recv) if step.recv else None)
             t1 = clock.mark()
             grad_in = ex.backward_input(k, grad) if split else ex.backward(k, grad)
-            p2p.send(grad_in, step.sends)
+            p2p.send(grad_in, step.sends, balance.end_backward(c, k) if balance is not None else None)
         else:
             t1 = t0
             ex.backward_weight(k)

@@ -24,7 +24,8 @@ from sailor.specs.job import JobSpec
 def train_reference(job: JobSpec, *, steps: int, seed: int, corpus: np.ndarray | TokenFile,
                     cfg: OptimConfig | None = None, model: GPT | None = None,
                     eval_corpus: np.ndarray | TokenFile | None = None,
-                    log: list[dict[str, Any]] | None = None) -> tuple[list[float], GPT]:
+                    log: list[dict[str, Any]] | None = None,
+                    micro_batch_size: int | None = None) -> tuple[list[float], GPT]:
     """Train `job.model` for `steps` steps from its seeded initial weights (or from `model`, e.g.
     `hf_weights.load_full_model`, trained in place) on CPU in fp32, with `job.recipe` (`cfg`
     overrides its optimizer settings; each step's learning rate is `job.recipe.lr(step)`).
@@ -32,6 +33,7 @@ def train_reference(job: JobSpec, *, steps: int, seed: int, corpus: np.ndarray |
     With `job.recipe.eval` and `eval_corpus` (its held-out tokens), evaluates after every
     `eval.every` steps (`evaluate`). `log`, when given, gets one dict per step: {"step" (1-based),
     "loss", "lr"}, plus "eval_loss" where evaluated, as the runtime's metrics lines have them.
+    `micro_batch_size` splits the batch for the load-balancing loss only (`training_loss`).
 
     Returns the loss of each step (mean next-token cross-entropy over the global batch, nats) and the
     trained model (canonical parameter names).
@@ -47,7 +49,7 @@ def train_reference(job: JobSpec, *, steps: int, seed: int, corpus: np.ndarray |
             group["lr"] = lr
         tokens = torch.from_numpy(batch_tokens(corpus, seed=seed, step=step, first=0,
                                                count=job.global_batch_size, seq=job.seq))
-        loss = training_loss(model, tokens)
+        loss = training_loss(model, tokens, micro_batch_size)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt.step()
@@ -62,17 +64,26 @@ def train_reference(job: JobSpec, *, steps: int, seed: int, corpus: np.ndarray |
     return losses, model
 
 
-def training_loss(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+def training_loss(model: GPT, tokens: torch.Tensor, micro_batch_size: int | None = None) -> torch.Tensor:
     """The loss one step minimises on a (B, T + 1) token batch: the mean next-token cross-entropy
     (nats), plus, for a mixture of experts with `moe.aux_loss_coef` > 0, that weight times the
-    load-balancing loss of the whole batch's forward pass (`moe.load_balancing_loss`, as transformers
-    adds it with output_router_logits). () fp32."""
+    load-balancing loss (`moe.load_balancing_loss`, as transformers adds it with
+    output_router_logits) of the whole batch's forward pass, or, with `micro_batch_size` b, the mean
+    of that loss over the consecutive b-sample micro-batches (each over its own rows of every layer's
+    router logits), as a distributed run with micro-batches of b samples applies it (`runtime.balance`;
+    one micro-batch: the whole batch). () fp32. Raises ValueError when b does not divide B."""
     moe = model.spec.moe
     with record_router_logits(model) as router_logits:
         logits = model(tokens[:, :-1])
     loss = lm_loss_sum(logits, tokens[:, 1:]) / tokens[:, 1:].numel()
     if moe is not None and moe.aux_loss_coef > 0:
-        loss = loss + moe.aux_loss_coef * load_balancing_loss(router_logits, moe.num_experts, moe.top_k)
+        samples, seq = tokens.shape[0], tokens.shape[1] - 1
+        b = micro_batch_size or samples
+        if samples % b:
+            raise ValueError(f"micro-batches of {b} samples do not divide a batch of {samples}")
+        aux = [load_balancing_loss([x[m * b * seq:(m + 1) * b * seq] for x in router_logits], moe.num_experts,
+                                   moe.top_k) for m in range(samples // b)]  # rows are (sample, position)
+        loss = loss + moe.aux_loss_coef * torch.stack(aux).mean()
     return loss
 
 

@@ -38,10 +38,9 @@ def _expert_widths(model) -> tuple[tuple[str, int], ...]:
 
 def check_moe(plan: Plan, job: JobSpec, *, source: str | None = None, job_source: str | None = None) -> None:
     """Raise SailorInputError for a mixture-of-experts job the distributed runtime cannot train yet:
-    a capacity factor (the runtime routes dropless, as transformers does), a load-balancing loss
-    (`moe.aux_loss_coef` > 0: transformers computes it over all layers of one forward pass, which
-    the single-process reference does; a plan splits that pass into stages and micro-batches), and
-    sequence parallelism on a stage holding an MoE block."""
+    a capacity factor (the runtime routes dropless, as transformers does) and sequence parallelism on
+    a stage holding an MoE block. A load-balancing loss (`moe.aux_loss_coef` > 0) is applied under
+    every plan, per micro-batch (`runtime.balance`)."""
     moe = job.model.moe
     if moe is None:
         return
@@ -50,10 +49,6 @@ def check_moe(plan: Plan, job: JobSpec, *, source: str | None = None, job_source
         raise SailorInputError(f"capacity factor {moe.capacity_factor}: the runtime routes every token to its top_k"
                                " experts (dropless)", source=where, field="model.moe.capacity_factor",
                                fix="remove it (null: dropless)")
-    if moe.aux_loss_coef > 0:
-        raise SailorInputError(f"load-balancing loss weight {moe.aux_loss_coef}: a distributed plan cannot apply"
-                               " it yet (the single-process reference can)", source=where,
-                               field="model.moe.aux_loss_coef", fix="set it to 0 (output_router_logits: false)")
     for i in range(plan.num_stages):
         sparse = any(job.model.is_moe_block(layer) for a, b in plan.stage_chunks(i) for layer in range(a, b))
         if sparse and stage_memory(plan, i).sequence_parallel:

@@ -79,6 +79,7 @@ from sailor.plan.orders import Op
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime import evaluation
+from sailor.runtime.balance import LoadBalancing, load_balancing
 from sailor.runtime.checkpoint_io import RankWriter, Reader
 from sailor.runtime.command import WorkerSettings, parse
 from sailor.runtime.data import batch_tokens, load_corpus
@@ -273,19 +274,21 @@ def sync_exposed_s(opt: ShardedAdamW) -> float:
 
 def train_step(rk: RankModel, role: RankRole, p2p: P2P, tok: torch.Tensor, *, mbs: int, loss_scale: float,
                scaler: LossScaler | None, meter: ActivationMeter | None = None,
-               after_backward: Callable[[], None] | None = None, lr: float | None = None) -> StepResult:
+               after_backward: Callable[[], None] | None = None, lr: float | None = None,
+               balance: LoadBalancing | None = None) -> StepResult:
     """One optimizer step of this rank on its (n_local, T + 1) tokens `tok`: the schedule's passes
     (each micro-batch's loss times `loss_scale` and the loss scale S of `scaler`, 1 without one),
     `after_backward()` (the memory event), `reduce`, clipping (gradients divided by S), then the
     AdamW step at learning rate `lr` (default: the optimizer's `cfg.lr`), or `skip` when `scaler` is given and the world's gradient norm is not finite (every
     rank sees the same norm, so all skip together), and `scaler.update`. Micro-batch slices are
-    copied so that what a micro-batch keeps is its own (B, T) tokens."""
+    copied so that what a micro-batch keeps is its own (B, T) tokens. `balance`: the MoE
+    load-balancing loss (`runtime.balance.load_balancing`), added per micro-batch."""
     opt = rk.optimizer
     scale = scaler.scale if scaler is not None else 1.0
     loss_sum, times = run_pipeline(
         rk.executors, role, p2p, order=rk.order, inputs=lambda k: tok[k * mbs:(k + 1) * mbs, :-1].contiguous(),
         targets=lambda k: tok[k * mbs:(k + 1) * mbs, 1:].contiguous(), loss_fn=head_loss(rk.stage),
-        loss_scale=loss_scale * scale, meter=meter)
+        loss_scale=loss_scale * scale, meter=meter, balance=balance)
     if after_backward is not None:
         after_backward()
     opt.reduce()
@@ -427,6 +430,7 @@ def run_steps(live: Live, log: StepLog | None) -> None:
     p2p = P2P(role, shape=(mbs, seq, spec.hidden_size), device=device, timeout=timeout, dtype=rk.dtype,
               channels=channels, tp_group=groups.get(role.tp_group),
               sliced=sliced_edges(rk.stage, role.chunks, sequence_parallel=role.memory.sequence_parallel))
+    balance = load_balancing(rk.stage, spec, mbs * seq, device)  # MoE load-balancing loss, if any
     corpus = load_corpus(args.data)
     recipe = job.recipe
     eval_corpus = load_corpus(recipe.eval.data) if recipe.eval is not None else None
@@ -479,7 +483,7 @@ def run_steps(live: Live, log: StepLog | None) -> None:
         scale = scaler.scale if scaler is not None else None  # this step's loss scale
         sent_before = dict(p2p.sent)
         res = train_step(rk, role, p2p, tok, mbs=mbs, loss_scale=1.0 / (gbs * seq), scaler=scaler, meter=meter,
-                         after_backward=backward_done, lr=recipe.lr(step + 1))
+                         after_backward=backward_done, lr=recipe.lr(step + 1), balance=balance)
         times = res.times
         if scaler is not None:
             meta["loss_scaler"] = scaler.state_dict()  # into the manifests of later checkpoints
