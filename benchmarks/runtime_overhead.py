@@ -35,13 +35,14 @@ sailor's launch gives each node, `sailor.launch.common.torchrun_command`); the s
 every rank of either side in its node's per-rank quota. The testbed is taken down on exit, error,
 Ctrl-C or SIGTERM, and the run fails if anything of it is left (`testbed.live_testbed`). The
 boundary run stays on this machine's loopback (it counts bytes, not time). Defaults there:
-`--steps 12 --warmup 2` (a ZeRO-3 step moves ~300 MB each way at 400 Mbit/s). More keys in the JSON:
+`--steps 12 --warmup 2` (a ZeRO-3 step moves ~400 MB each way: ~9 s at 400 Mbit/s). More keys in the JSON:
 `testbed` (file or null for the built-in pair, nodes, zones, link class, cores per rank), `link_mbit`
 (the rate one flow between the two nodes reaches: min(link class, both NICs)), `link_bytes` (per
 side: the median over its runs of the bytes the first node's veth counted during a run, tx + rx,
 Ethernet frames, rendezvous and start-up included), `link_bytes_per_step` (that / `--steps`) and
-`link_bytes_runs` (every run's); all null on loopback. Quiet re-measurement (about 30-40 minutes
-on an idle 2-core machine):
+`link_bytes_runs` (every run's); all null on loopback. Quiet re-measurement (estimated 20-30
+minutes on an idle 2-core machine from those bytes at the link's rate plus the loopback compute;
+`--repeats 1` took 26 minutes at 1-minute load 4.5-13.6):
 
     python benchmarks/runtime_overhead.py --hidden 512 --blocks 8 --testbed
 
@@ -193,7 +194,7 @@ def testbed_runs(args, tmp: Path, spec, state) -> tuple[dict, dict[str, list[int
     job = tmp / "job.json"
     job.write_text(json.dumps(_job(args)))
     hosts = [state.node(n.name).address for n in (a, b)]
-    timeout_s = 600 + 60 * args.steps  # a hang, not a slow step: a ZeRO-3 step at 400 Mbit/s is ~7 s
+    timeout_s = 600 + 60 * args.steps  # a hang, not a slow step: a ZeRO-3 step took 37 s at load 17
     moved: dict[str, list[int]] = {}
 
     def sailor(name: str, memory: list[dict]) -> list[float]:
