@@ -63,7 +63,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from closed_loop import _load1, _run, _sailor  # noqa: E402  (benchmarks/ is not a package)
-from testbed import launch_plan  # noqa: E402
+from testbed import launch_plan, live_testbed  # noqa: E402
 
 MODEL = {"name": "gpt-8x384", "num_blocks": 8, "hidden_size": 384, "num_heads": 6, "vocab_size": 512,
          "max_sequence_length": 128, "tied_embeddings": False}
@@ -193,24 +193,6 @@ def check_args(args: argparse.Namespace):
     return spec
 
 
-@contextlib.contextmanager
-def _testbed(spec, work: Path):
-    """(spec, state) of the testbed `spec` brought up for the block (stages land on its ranks in the
-    launcher's node order), taken down afterwards; raises SystemExit when something is left behind."""
-    from sailor.testbed import down, leftovers, support_problem, up
-
-    problem = support_problem()
-    if problem:
-        raise SystemExit(f"error: {problem}")
-    state = up(spec, work / "state")
-    try:
-        yield spec, state
-    finally:
-        down(state)
-        if leftovers(state.prefix):
-            raise SystemExit(f"error: the testbed left {leftovers(state.prefix)}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", type=int, choices=sorted(LAYOUTS), default=4,
@@ -236,7 +218,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         work = Path(args.out) if args.out else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sailor-schedules-")))
         work.mkdir(parents=True, exist_ok=True)
-        testbed = stack.enter_context(_testbed(spec, work)) if spec else None
+        testbed = stack.enter_context(live_testbed(spec, work)) if spec else None
         res = run(args, work, testbed)
     rows = res["rows"]
     print(f"{'schedule':<18} {'predicted (s)':>14} {'measured (s)':>13} {'error (%)':>10} {'relative':>9}"

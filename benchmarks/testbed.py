@@ -180,20 +180,51 @@ def baselines(cluster: dict, job: Path, profile: Path, network: Path, ranks: lis
             BASELINES[3]: best([_cluster_only(cluster, lambda z, g, x=x: z == x) for x in cluster["zones"]])}
 
 
-def launch_plan(state, plan: Path, job: Path, steps: int, metrics: Path, log: Path) -> None:
+def launch_plan(state, plan: Path, job: Path, steps: int, metrics: Path, log: Path, timeout_s: float = 600) -> None:
+    """`sailor launch --backend torchrun` of `plan` (with `job`) for `steps` steps on the live testbed
+    `state`, through its stand-in ssh, on CPU (gloo); metrics to `metrics`, output to `log`.
+
+    Raises:
+        RuntimeError: the launch failed (naming `log`).
+        subprocess.TimeoutExpired: it ran past `timeout_s`.
+    """
     env = {**os.environ, "PATH": f"{state.bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
         p = subprocess.run([sys.executable, "-m", "sailor", "launch", str(plan), "--backend", "torchrun", "--job", str(job),
                             "--hosts", str(state.hosts_file), "--python", sys.executable, "--steps", str(steps),
                             "--device", "cpu", "--log-every", "0", "--metrics", str(metrics), "--timeout-s", "120"],
-                           env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600, check=False)
+                           env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
     if p.returncode != 0:
         raise RuntimeError(f"launch of {plan.name} failed (exit {p.returncode}); see {log}")
 
 
-def _link_bytes(state, node: str) -> int:
+def link_bytes(state, node: str) -> int:
+    """Bytes `node`'s veth of the live testbed `state` has counted so far, both directions (tx + rx)."""
     c = counters(state.node(node))
     return c["tx_bytes"] + c["rx_bytes"]
+
+
+@contextlib.contextmanager
+def live_testbed(spec, work: Path):
+    """(spec, state) of the testbed `spec` brought up (state under `work`) for the block, taken down
+    afterwards, also on an error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt inside the block);
+    raises SystemExit when this machine cannot host it or something is left behind."""
+    problem = support_problem()
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    state = up(spec, work / "state")
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield spec, state
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        down(state)
+        if leftovers(state.prefix):
+            raise SystemExit(f"error: the testbed left {leftovers(state.prefix)}")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def profile_network(state, out: Path, repeats: int) -> tuple[Path, Path]:
@@ -242,9 +273,9 @@ def run_plan(name: str, plan: dict, state, job: Path, profile: Path, network: tu
     for n in (SHORT_STEPS, steps):
         metrics = out / f"{name}-{n}.jsonl"
         metrics.unlink(missing_ok=True)
-        before = _link_bytes(state, node) if node else 0
+        before = link_bytes(state, node) if node else 0
         launch_plan(state, plan_file, job, n, metrics, out / f"{name}-{n}.log")
-        moved.append((_link_bytes(state, node) if node else 0) - before)
+        moved.append((link_bytes(state, node) if node else 0) - before)
     steps_rows = [json.loads(line) for line in metrics.read_text().splitlines() if '"step_time_s"' in line][skip:]
     measured = statistics.median(r["step_time_s"] for r in steps_rows)
     passes, tp_comm = _passes(est, plan)

@@ -11,11 +11,13 @@ as `sailor train`, and all-reduce the loss each step as the runtime does. `--dev
 with one GPU per rank (LOCAL_RANK) and, in bf16, autocast (DDP) or bf16 parameters with fp32
 gradient reduction (FSDP2's `MixedPrecisionPolicy`); `cpu` runs gloo in fp32.
 
-`run(...)` starts `--nproc` ranks under torchrun and returns rank 0's step times (and on CUDA its
-peak allocated bytes); this file is also the rank's entry point:
+`run(...)` starts `--nproc` ranks under torchrun (here, or on each of `hosts` over ssh, e.g. a
+testbed's nodes) and returns rank 0's step times (and on CUDA its peak allocated bytes), which rank 0
+writes to `--out` (printed as `TORCH_REFERENCE {json}` without it); this file is also the rank's
+entry point:
 
     python -m torch.distributed.run --standalone --nproc-per-node N benchmarks/torch_reference.py \\
-        --mode ddp|fsdp2 --model JSON --gbs G --mbs B --seq S --steps K [--device cpu|cuda] [--bf16]
+        --mode ddp|fsdp2 --model JSON --gbs G --mbs B --seq S --steps K [--device cpu|cuda] [--bf16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -26,28 +28,63 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+RDZV_PORT = 29500  # the static rendezvous on the first host (torchrun's default port)
+RDZV_TIMEOUT_S = 120  # how long the first host's agent waits for the others
 
 
 def run(mode: str, model: dict | str, *, gbs: int, mbs: int, seq: int, steps: int, nproc: int = 2,
-        device: str = "cpu", bf16: bool = False, timeout_s: float = 600) -> dict[str, Any]:
+        device: str = "cpu", bf16: bool = False, timeout_s: float = 600, hosts: list[str] | None = None,
+        ssh: str = "ssh", log: Path | None = None) -> dict[str, Any]:
     """Rank 0's {"times": [step seconds], "peak_bytes": CUDA peak allocated or None} of `mode` (ddp or
-    fsdp2) on `nproc` ranks. Raises subprocess.CalledProcessError when torchrun fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), __file__,
-           "--mode", mode, "--model", json.dumps(model), "--gbs", str(gbs), "--mbs", str(mbs), "--seq", str(seq),
-           "--steps", str(steps), "--device", device] + (["--bf16"] if bf16 else [])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=timeout_s, env=env).stdout
-    line = next(x for x in out.splitlines() if x.startswith("TORCH_REFERENCE "))
-    return json.loads(line[len("TORCH_REFERENCE "):])
+    fsdp2) on `nproc` ranks here, or, with `hosts` (ssh destinations), `nproc` ranks on each of them,
+    started by `ssh` (`node_commands`), their output to `log` (default: this process's).
+
+    Raises:
+        subprocess.CalledProcessError: torchrun failed here.
+        RuntimeError: a host's torchrun failed (its ssh exit status).
+        TimeoutError, subprocess.TimeoutExpired: the ranks ran past `timeout_s`.
+    """
+    with tempfile.TemporaryDirectory(prefix="sailor-torch-reference-") as tmp:
+        out = Path(tmp) / "rank0.json"
+        entry = [__file__, "--mode", mode, "--model", json.dumps(model), "--gbs", str(gbs), "--mbs", str(mbs),
+                 "--seq", str(seq), "--steps", str(steps), "--device", device, "--out", str(out)] + (["--bf16"] if bf16 else [])
+        if hosts is None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                            *entry], capture_output=True, text=True, check=True, timeout=timeout_s, env=env)
+        else:
+            from sailor.launch.torchrun import run_over_ssh
+
+            with open(log, "w") if log else contextlib.nullcontext() as f:
+                status = run_over_ssh(node_commands(hosts, entry, nproc), ssh=ssh, log=f, timeout_s=timeout_s)
+            if status:
+                raise RuntimeError(f"torch's {mode} on {', '.join(hosts)} failed (ssh exit status {status})"
+                                   + (f"; see {log}" if log else ""))
+        return json.loads(out.read_text())
+
+
+def node_commands(hosts: list[str], entry: list[str], nproc: int, python: str = sys.executable) -> list:
+    """One `sailor.launch.torchrun.NodeCommand` per host (ssh destination): a torchrun agent of
+    `nproc` ranks running `entry` (this file and its options), node rank = the host's index, the
+    static rendezvous on the first host's address, port RDZV_PORT (`launch.common.torchrun_command`,
+    the command sailor's own launch runs on each node)."""
+    from sailor.launch.common import torchrun_command
+    from sailor.launch.hosts import bare_host
+    from sailor.launch.torchrun import NodeCommand
+
+    return [NodeCommand(node=h, destination=h, script=torchrun_command(
+        python, entry, nnodes=len(hosts), node_rank=k, nproc=nproc, rdzv_host=bare_host(hosts[0]), rdzv_port=RDZV_PORT,
+        rdzv_timeout_s=RDZV_TIMEOUT_S)) for k, h in enumerate(hosts)]
 
 
 def _rank(args: argparse.Namespace) -> None:
-    """One rank (module docstring); rank 0 prints TORCH_REFERENCE and its JSON."""
+    """One rank (module docstring); rank 0 writes its JSON to --out, or prints TORCH_REFERENCE and it."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -107,8 +144,11 @@ def _rank(args: argparse.Namespace) -> None:
         loss_sum.item()  # the step ends when its loss is known (the runtime's step time ends there too)
         times.append(time.perf_counter() - t0)
     if rank == 0:
-        peak = torch.cuda.max_memory_allocated(device) if cuda else None
-        print("TORCH_REFERENCE " + json.dumps({"times": times, "peak_bytes": peak}), flush=True)
+        result = json.dumps({"times": times, "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None})
+        if args.out:
+            Path(args.out).write_text(result)
+        else:
+            print("TORCH_REFERENCE " + result, flush=True)
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # see sailor.runtime.worker.main: skip the process group's teardown at exit
@@ -122,6 +162,7 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, required=True)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--out", help="rank 0 writes its JSON here (default: printed)")
     _rank(ap.parse_args())
 
 

@@ -489,6 +489,23 @@ def test_a_failing_node_stops_the_others(tmp_path):
     assert _running(str(tmp_path / "bin" / "ssh")) == []
 
 
+@pytest.mark.integration
+def test_nodes_output_goes_to_the_log_and_nodes_past_the_timeout_are_ended(tmp_path):
+    from sailor.launch.torchrun import NodeCommand, run_over_ssh
+
+    env = _fake_ssh(tmp_path, "import time\nprint('up on', sys.argv[-2], flush=True)\n"
+                              "time.sleep(600 if sys.argv[-1].endswith('sleep') else 0)\n")
+    ssh = str(Path(env["PATH"].split(os.pathsep)[0]) / "ssh")
+    nodes = [NodeCommand("a", "h1", "true"), NodeCommand("b", "h2", "true")]
+    log = tmp_path / "nodes.log"
+    with open(log, "w") as f:
+        assert run_over_ssh(nodes, ssh=ssh, log=f, timeout_s=120) == 0
+    assert sorted(log.read_text().splitlines()) == ["up on h1", "up on h2"]
+    with pytest.raises(TimeoutError, match="past 1 s"):
+        run_over_ssh([NodeCommand(n.node, n.destination, "sleep") for n in nodes], ssh=ssh, timeout_s=1)
+    assert _running(ssh) == []
+
+
 def _running(needle: str) -> list[int]:
     """Live (not zombie) processes whose command line contains `needle`."""
     out = []

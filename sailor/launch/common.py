@@ -188,25 +188,37 @@ def launch_layout(plan: Plan, gpus_per_node: dict[str, int] | None = None) -> La
 
 def agent_command(agent: Agent, layout: LaunchLayout, opts: LaunchOptions, rdzv_host: str) -> str:
     """The shell command that starts `agent`: `env CUDA_VISIBLE_DEVICES=.. python -m sailor.runtime.launcher ...`
-    (torchrun, made to end when the shell that started it ends, so no agent outlives its ssh session).
+    running the worker (`torchrun_command`; CUDA_VISIBLE_DEVICES on cuda only).
 
     `rdzv_host` is put in literally, except a string starting with `$` (a shell variable), which
     is left for the shell to expand.
     """
-    host = f"${{{rdzv_host[1:]}}}" if rdzv_host.startswith("$") else shlex.quote(rdzv_host)
-    env = {"OMP_NUM_THREADS": "1"}  # torchrun's default too, said explicitly so every rank gets it
-    if opts.worker.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, agent.local_gpus))
-    torchrun = [opts.python, "-m", "sailor.runtime.launcher", "--nnodes", str(len(layout.agents)),
-                "--node-rank", str(agent.agent_rank), "--nproc-per-node", str(len(agent.ranks)),
-                "--rdzv-backend", "static", "--max-restarts", "0"]
-    if opts.rdzv_timeout_s is not None:
-        torchrun += ["--rdzv-conf", f"timeout={opts.rdzv_timeout_s}"]
-    parts = ["env", *(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, torchrun),
-             "--rdzv-endpoint", f"{host}:{opts.rdzv_port}", *map(shlex.quote, opts.worker.argv())]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, agent.local_gpus))} if opts.worker.device == "cuda" else {}
+    cmd = torchrun_command(opts.python, opts.worker.argv(), nnodes=len(layout.agents), node_rank=agent.agent_rank,
+                           nproc=len(agent.ranks), rdzv_host=rdzv_host, rdzv_port=opts.rdzv_port,
+                           rdzv_timeout_s=opts.rdzv_timeout_s, env=env)
     if _resumes(opts):  # set by node_script; no checkpoint yet: no --resume-from
-        parts.append(f'${{{RESUME_VAR}:+"{option("resume_from")}=${RESUME_VAR}"}}')
-    return " ".join(parts)
+        cmd += f' ${{{RESUME_VAR}:+"{option("resume_from")}=${RESUME_VAR}"}}'
+    return cmd
+
+
+def torchrun_command(python: str, entry: list[str], *, nnodes: int, node_rank: int, nproc: int, rdzv_host: str,
+                     rdzv_port: int, rdzv_timeout_s: int | None = None, env: dict[str, str] | None = None) -> str:
+    """The shell command of one torchrun agent of a static rendezvous on `rdzv_host`:`rdzv_port`:
+    `env OMP_NUM_THREADS=1 [env] python -m sailor.runtime.launcher --nnodes N --node-rank K
+    --nproc-per-node P --rdzv-backend static --max-restarts 0 [--rdzv-conf timeout=T] --rdzv-endpoint
+    HOST:PORT ENTRY...` (torchrun, made to end when the shell that started it ends, so no agent
+    outlives its ssh session). `entry`: what torchrun runs (`-m MODULE ARGS` or `SCRIPT ARGS`).
+    `rdzv_host` is put in literally, except a string starting with `$` (a shell variable), which is
+    left for the shell to expand."""
+    host = f"${{{rdzv_host[1:]}}}" if rdzv_host.startswith("$") else shlex.quote(rdzv_host)
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}  # torchrun's default too, said explicitly so every rank gets it
+    torchrun = [python, "-m", "sailor.runtime.launcher", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+                "--nproc-per-node", str(nproc), "--rdzv-backend", "static", "--max-restarts", "0"]
+    if rdzv_timeout_s is not None:
+        torchrun += ["--rdzv-conf", f"timeout={rdzv_timeout_s}"]
+    return " ".join(["env", *(f"{k}={v}" for k, v in env.items()), *map(shlex.quote, torchrun),
+                     "--rdzv-endpoint", f"{host}:{rdzv_port}", *map(shlex.quote, entry)])
 
 
 RESUME_VAR = "SAILOR_RESUME"  # shell variable: the newest checkpoint folder, or empty

@@ -13,7 +13,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from sailor.launch.common import RDZV_HOST_VAR, LaunchLayout, LaunchOptions, node_script, ranks_doc
 from sailor.launch.hosts import HostsFile, assign_hosts, bare_host
@@ -68,8 +68,11 @@ def ssh_argv(destination: str, script: str, ssh: str = "ssh") -> list[str]:
     return [ssh, *SSH_OPTIONS, "-tt", "--", destination, "bash -c " + shlex.quote(script)]
 
 
-def run_over_ssh(commands: Sequence[NodeCommand], ssh: str = "ssh", poll_s: float = 0.2) -> int:
-    """Start every node's script over ssh at once and wait for all of them.
+def run_over_ssh(commands: Sequence[NodeCommand], ssh: str = "ssh", poll_s: float = 0.2, log: IO | None = None,
+                 timeout_s: float | None = None) -> int:
+    """Start every node's script over ssh at once and wait for all of them (at most `timeout_s`
+    seconds: then TimeoutError); their output goes to `log` (an open file: stdout and stderr
+    together), else to this process's.
 
     The first node to fail ends the others (SIGTERM, then SIGKILL after TERMINATE_GRACE_S); so does
     an exception or Ctrl-C here, so no ssh session outlives this call.
@@ -80,14 +83,18 @@ def run_over_ssh(commands: Sequence[NodeCommand], ssh: str = "ssh", poll_s: floa
     assert all(c.destination for c in commands), "run_over_ssh needs a host for every node"
     procs: list[subprocess.Popen] = []
     status = 0
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         for c in commands:
-            procs.append(subprocess.Popen(ssh_argv(c.destination, c.script, ssh), stdin=subprocess.DEVNULL))
+            procs.append(subprocess.Popen(ssh_argv(c.destination, c.script, ssh), stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=None if log is None else subprocess.STDOUT))
         while any(p.poll() is None for p in procs):
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed:
                 status = failed[0]
                 break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the nodes' commands ran past {timeout_s:g} s")
             time.sleep(poll_s)
         if not status:
             status = next((p.returncode for p in procs if p.returncode), 0)
