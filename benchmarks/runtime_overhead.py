@@ -40,9 +40,9 @@ boundary run stays on this machine's loopback (it counts bytes, not time). Defau
 (the rate one flow between the two nodes reaches: min(link class, both NICs)), `link_bytes` (per
 side: the median over its runs of the bytes the first node's veth counted during a run, tx + rx,
 Ethernet frames, rendezvous and start-up included), `link_bytes_per_step` (that / `--steps`) and
-`link_bytes_runs` (every run's); all null on loopback. Quiet re-measurement (estimated 20-30
+`link_bytes_runs` (every run's); all null on loopback. Quiet re-measurement (estimated 25-35
 minutes on an idle 2-core machine from those bytes at the link's rate plus the loopback compute;
-`--repeats 1` took 26 minutes at 1-minute load 4.5-13.6):
+it took 57 minutes at 1-minute load 11 falling to 3, and `--repeats 1` 26 minutes at 4.5-13.6):
 
     python benchmarks/runtime_overhead.py --hidden 512 --blocks 8 --testbed
 
