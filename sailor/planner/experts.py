@@ -82,7 +82,8 @@ def _stage_speeds(plan: Plan, ctx: SimContext, stage: int, ep: int) -> list[floa
     by_rank = [{kinds[j] for j in range(q, len(kinds), ep)} for q in range(ep)]
     if any(len(s) != 1 for s in by_rank) or len({next(iter(s)) for s in by_rank}) == 1:
         return None
-    return [1.0 / sum(float(ctx.layer_s(gpu, tp, plan.micro_batch_size, a, b).sum()) for a, b in plan.stage_chunks(stage))
+    chunks = plan.stage_chunks(stage)
+    return [1.0 / sum(float(ctx.layer_s(gpu, tp, plan.micro_batch_size, a, b).sum()) for a, b in chunks)
             for gpu, tp in (next(iter(s)) for s in by_rank)]
 
 
@@ -114,9 +115,9 @@ def expert_variants(plan: Plan, ctx: SimContext) -> list[Plan]:
     (`narrower_tp`: the experts EP spreads no longer need TP to fit, and the dense layers trade TP
     for data parallelism; each narrower shape also at EP 1, so that EP is weighed against the same
     GPUs without it); each shape also with every stage at least at ZeRO-1 and at ZeRO-2
-    (`SHARDINGS`: more replicas to shard over); evenly placed and, where the EP ranks' GPU types differ, placed by speed
-    (module docstring); each valid for its job and cluster (`schedules.checked_variant`). Empty for
-    a dense model or a plan that already sets EP."""
+    (`SHARDINGS`: more replicas to shard over); evenly placed and, where the EP ranks' GPU types
+    differ, placed by speed (module docstring); each valid for its job and cluster
+    (`schedules.checked_variant`). Empty for a dense model or a plan that already sets EP."""
     model = ctx.job.model
     if model.moe is None or plan.experts:
         return []
@@ -125,10 +126,10 @@ def expert_variants(plan: Plan, ctx: SimContext) -> list[Plan]:
         return []
     widest = max(r.tp for p in plan.pipelines for r in p.replicas)
     shapes = [(f, d) for f in _powers_of_two(widest) if (d := narrower_tp(plan, f)) is not None]
-    out = []
     lowest = min(plan.stage_memory(i).zero for i in range(plan.num_stages))
     shapes = [(f, d | {"memory": [m | {"zero": max(m.get("zero", 0), z)} for m in _memory(d, plan.num_stages)]}
                if z else d) for f, d in shapes for z in [0] + [z for z in SHARDINGS if z > lowest]]
+    out = []
     for f, base in shapes:
         shaped = checked_variant(base)
         if shaped is None:
