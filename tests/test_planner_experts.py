@@ -17,6 +17,7 @@ from sailor.plan.spec import Plan
 from sailor.planner import PlanOptions, plan_job
 from sailor.planner.experts import _span, ep_degrees, expert_variants, explain, narrower_tp, speed_placement
 from sailor.planner.schedules import fits
+from sailor.planner.space import sp_possible
 from sailor.simulator import make_context, simulate
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
@@ -115,6 +116,18 @@ def test_an_ep_group_across_zones_spans_the_zone_link():
     a, b = simulate(across[0], ctx, event=False), simulate(inside[0], ctx, event=False)
     assert a.pipeline_s > 5 * b.pipeline_s
     assert b.gradient_sync_s > 5 * a.gradient_sync_s
+
+
+def test_no_sequence_parallelism_offered_on_moe_blocks():
+    # the runtime refuses SP on a stage holding an MoE block (runtime.validate): the planner's test
+    ctx = _ctx()
+    moe = [layer for layer in range(ctx.job.model.num_layers) if ctx.job.model.is_moe_block(layer)]
+    assert moe  # blocks 1..4 are layers 1..4
+    assert not sp_possible(ctx, 2, 0, 3) and not sp_possible(ctx, 2)
+    assert sp_possible(ctx, 2, 0, 1) and sp_possible(ctx, 2, 5, 6)  # the embedding, the head
+    assert not sp_possible(ctx, 1, 0, 1)  # SP needs TP > 1
+    dense = _ctx(_moe().model_copy(update={"moe": None}))
+    assert sp_possible(dense, 2, 0, 3) and sp_possible(dense, 2)
 
 
 @pytest.fixture(scope="module")

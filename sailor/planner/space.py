@@ -140,9 +140,15 @@ def home_zone(ctx: SimContext, gpu: str) -> str:
     return max(sorted(ctx.cluster.zones), key=lambda z: ctx.cluster.available(z, gpu))
 
 
-def sp_possible(ctx: SimContext, tp: int) -> bool:
-    """Sequence parallelism needs TP > 1 and a sequence the TP degree divides."""
-    return tp > 1 and ctx.job.seq % tp == 0
+def sp_possible(ctx: SimContext, tp: int, a: int = 0, b: int | None = None) -> bool:
+    """Sequence parallelism of a stage of layers [a, b) (the whole model when b is None) needs TP > 1,
+    a sequence the TP degree divides, and no mixture-of-experts block among the layers: the runtime
+    does not run MoE blocks sequence-parallel (`runtime.validate`, which refuses such a plan)."""
+    model = ctx.job.model
+    if tp < 2 or ctx.job.seq % tp:
+        return False
+    end = model.num_layers if b is None else b
+    return model.moe is None or not any(model.is_moe_block(layer) for layer in range(a, end))
 
 
 def option_time_s(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, memory: StageMemory,
@@ -214,7 +220,7 @@ def stage_options(ctx: SimContext, gpu: str, partition: Partition, mbs: int, mic
         opts = []
         for tp in ctx.job.model.tp_degrees(ctx.cluster.node_size(gpu)):
             mem = memory[i]
-            if mem.sequence_parallel and not sp_possible(ctx, tp):
+            if mem.sequence_parallel and not sp_possible(ctx, tp, a, b):
                 continue
             d = min_replicas(ctx, gpu, tp, mbs, a, b, stage=i, num_stages=P, microbatches=microbatches, memory=mem)
             if d is not None:
@@ -241,7 +247,7 @@ def _fitting_options(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: in
     if key not in ctx.memo:
         out = []
         for rank, (recompute, sp) in enumerate(_RECOMPUTE_SP):
-            if sp and not sp_possible(ctx, tp):
+            if sp and not sp_possible(ctx, tp, a, b):
                 continue
             fits = {}
             for zero in (2, 1, 0):  # from the most sharding down: stop where it no longer fits
@@ -338,7 +344,7 @@ def _holds(ctx: SimContext, gpu: str, tps: list[int], partition: Partition, mbs:
     every stage fits with as many replicas as they make pipelines of P stages."""
     P = len(partition)
     return any(gpus // (t * P) >= 1 and all(
-        not (m.sequence_parallel and not sp_possible(ctx, t))
+        not (m.sequence_parallel and not sp_possible(ctx, t, a, b))
         and min_replicas(ctx, gpu, t, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=m,
                          most=gpus // (t * P)) is not None
         for i, ((a, b), m) in enumerate(zip(partition, memory))) for t in tps)
@@ -397,7 +403,7 @@ def zero3_needed(ctx: SimContext, max_stages: int) -> bool:
             most = n // (t * P)  # replicas the cluster has the GPUs for
             return most >= 1 and all(
                 any(min_replicas(ctx, g, t, 1, a, b, stage=i, num_stages=P, microbatches=M, memory=mem, most=most)
-                    is not None for mem in _CONFIGS[2] if not mem.sequence_parallel or sp_possible(ctx, t))
+                    is not None for mem in _CONFIGS[2] if not mem.sequence_parallel or sp_possible(ctx, t, a, b))
                 for i, (a, b) in enumerate(even_partition(L, P)))
 
         ctx.memo[key] = not any(holds(g, t, P) for g in ctx.cluster.gpu_types()
