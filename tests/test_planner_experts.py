@@ -18,7 +18,7 @@ from sailor.planner import PlanOptions, plan_job
 from sailor.planner.experts import _span, ep_degrees, expert_variants, explain, narrower_tp, speed_placement
 from sailor.planner.schedules import fits
 from sailor.planner.space import sp_possible
-from sailor.simulator import make_context, simulate
+from sailor.simulator import make_context, placed_slots, simulate
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -108,8 +108,8 @@ def test_an_ep_group_across_zones_spans_the_zone_link():
               if max(e.ep for e in p.experts) == 2 and len(p.pipelines) == 4]
     across = [p for p in expert_variants(_plan(ctx, tp=1, zones=(A, B), pipelines=4, microbatches=2), ctx)
               if max(e.ep for e in p.experts) == 2 and len(p.pipelines) == 4]
-    assert _span(inside[0], ctx, 0, 2) is LinkClass.SAME_NODE
-    assert _span(across[0], ctx, 0, 2) is LinkClass.SAME_REGION
+    assert _span(placed_slots(inside[0], ctx.cluster), ctx, 0, 2) is LinkClass.SAME_NODE
+    assert _span(placed_slots(across[0], ctx.cluster), ctx, 0, 2) is LinkClass.SAME_REGION
     # the simulator charges the zone link where the all-to-all crosses it (the pipeline's passes), and
     # where the experts' gradient sync crosses it (EP rank q of the groups in A and in B): the planner
     # weighs the two

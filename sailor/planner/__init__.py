@@ -197,12 +197,15 @@ def _variants(ctx: SimContext, opts: PlanOptions, best_plan: Plan, others: list[
     mixture-of-experts model every plan also gets its expert-parallel variants
     (`planner.experts.expert_variants`: EP degrees at its TP and at narrower TP on the same GPUs),
     also on its best other schedule, and the best of them that fits its other schedules; the bubble
-    bound does not apply to them
-    (EP changes the passes, not only their order)."""
+    bound does not apply to them (EP changes the passes, not only their order)."""
     key = objective_key(opts.objective)
 
     def closed_key(e: Estimate) -> tuple[float, float]:
         return key(e.iteration_time_s, e.cost_per_iteration_usd)
+
+    def best_of(cands: list[tuple[Estimate, Plan]]) -> tuple[Estimate, Plan]:
+        """The (closed estimate, plan) of `cands` best under the objective (the first of equals)."""
+        return min(cands, key=lambda v: closed_key(v[0]))
 
     def no_bubble(plan: Plan, e: Estimate) -> tuple[float, float]:
         """Objective key of `e` less the 1F1B bubble's share of it, (P - 1) / (m + P - 1) with m the
@@ -222,19 +225,18 @@ def _variants(ctx: SimContext, opts: PlanOptions, best_plan: Plan, others: list[
         closed = [(simulate(p, ctx, event=False), p) for p in variants + experts]
         closed = [(e, p) for e, p in closed if fits(e, ctx)]
         if experts and opts.schedules:  # EP on the best other schedule, other schedules on the best EP shape
-            best_of = lambda cands: min(cands, key=lambda v: closed_key(v[0]))[1]  # noqa: E731
             reshaped = {id(p) for p in experts}
             scheduled = [(e, p) for e, p in closed if id(p) not in reshaped and p.schedule != plan.schedule]
             ep_fit = [(e, p) for e, p in closed if id(p) in reshaped]
-            more = expert_variants(best_of(scheduled), ctx) if scheduled else []
-            more += schedule_variants(best_of(ep_fit)) if ep_fit else []
+            more = expert_variants(best_of(scheduled)[1], ctx) if scheduled else []
+            more += schedule_variants(best_of(ep_fit)[1]) if ep_fit else []
             closed += [(e, p) for e, p in ((simulate(p, ctx, event=False), p) for p in more) if fits(e, ctx)]
         if closed:
-            top = min(closed, key=lambda v: closed_key(v[0]))
+            top = best_of(closed)
             picks.append((*top, plan is best_plan))
             flat = [v for v in closed if not v[1].experts]
             if top[1].experts and flat and plan is best_plan:  # EP's yardstick: the best at EP 1 too
-                picks.append((*min(flat, key=lambda v: closed_key(v[0])), True))
+                picks.append((*best_of(flat), True))
     first = [x for x in picks if x[2]]
     rest = sorted((x for x in picks if not x[2] and closed_key(x[0])[0] <= bar[0]), key=lambda x: closed_key(x[0]))
     out = []

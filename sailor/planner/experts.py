@@ -164,12 +164,12 @@ def _powers_of_two(n: int) -> list[int]:
     return [1 << k for k in range(n.bit_length()) if 1 << k <= n]
 
 
-def _span(plan: Plan, ctx: SimContext, stage: int, ep: int) -> LinkClass:
-    """The slowest link class (`catalog.LinkClass`) an EP group of the stage spans in the launcher's
-    placement (`simulator.terms.placed_slots`): SAME_NODE when every group sits on one node."""
+def _span(slots: list[list], ctx: SimContext, stage: int, ep: int) -> LinkClass:
+    """The slowest link class (`catalog.LinkClass`) an EP group of the stage spans, given the plan's
+    placed slots `slots` ([pipeline][stage], `simulator.terms.placed_slots`: the launcher's
+    placement): SAME_NODE when every group sits on one node."""
     order = list(LinkClass)
-    slots = placed_slots(plan, ctx.cluster)
-    members = [slots[j][stage] for j in range(len(plan.pipelines))]
+    members = [pipeline[stage] for pipeline in slots]
     worst = LinkClass.SAME_NODE
     for g in range(0, len(members), ep):
         first = members[g]
@@ -209,14 +209,15 @@ def explain(chosen: Plan, ctx: SimContext, best_flat: float | None = None) -> li
             return lines
         best, rate = max(fit, key=lambda v: v[1])
         ep = max(e.ep for e in best.experts)
+        span = _span(placed_slots(best, ctx.cluster), ctx, _sparse_stages(best, ctx)[0], ep)
         lines.append(f"  why: its best expert-parallel variant, EP {ep} at TP {best.pipelines[0].replicas[0].tp} over"
-                     f" {_LINK_WORDS[_span(best, ctx, _sparse_stages(best, ctx)[0], ep)]}, runs {rate:.4g} it/s"
+                     f" {_LINK_WORDS[span]}, runs {rate:.4g} it/s"
                      f" against {_rate(chosen, ctx):.4g} (closed form): its all-to-alls cost more than it saves")
         return lines
-    lines, runs = [], []
+    lines, runs, slots = [], [], placed_slots(chosen, ctx.cluster)
     for i, ex in enumerate(chosen.experts):
         gpus = [chosen.pipelines[q].replicas[i].gpu for q in range(ex.ep)]
-        what = (ex.ep, tuple((len(ex.held(q, E)), g) for q, g in enumerate(gpus)), _span(chosen, ctx, i, ex.ep))
+        what = (ex.ep, tuple((len(ex.held(q, E)), g) for q, g in enumerate(gpus)), _span(slots, ctx, i, ex.ep))
         if runs and runs[-1][1] == what:
             runs[-1][0].append(i)
         else:
