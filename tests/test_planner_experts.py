@@ -119,7 +119,7 @@ def test_an_ep_group_across_zones_spans_the_zone_link():
 
 
 def test_no_sequence_parallelism_offered_on_moe_blocks():
-    # the runtime refuses SP on a stage holding an MoE block (runtime.validate): the planner's test
+    # a plan with SP on a stage holding an MoE block is refused (Plan.check_against): the planner's test
     ctx = _ctx()
     moe = [layer for layer in range(ctx.job.model.num_layers) if ctx.job.model.is_moe_block(layer)]
     assert moe  # blocks 1..4 are layers 1..4

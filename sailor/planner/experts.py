@@ -89,9 +89,7 @@ def _stage_speeds(plan: Plan, ctx: SimContext, stage: int, ep: int) -> list[floa
 
 def _sparse_stages(plan: Plan, ctx: SimContext) -> list[int]:
     """Pipeline stages of `plan` holding at least one MoE block (all of a stage's chunks counted)."""
-    model = ctx.job.model
-    return [i for i in range(plan.num_stages)
-            if any(model.is_moe_block(layer) for a, b in plan.stage_chunks(i) for layer in range(a, b))]
+    return [i for i in range(plan.num_stages) if ctx.job.model.holds_moe_block(plan.stage_chunks(i))]
 
 
 def narrower_tp(plan: Plan, factor: int) -> dict | None:
