@@ -56,6 +56,7 @@ def _refused(plan: dict, field: str, match: str, model: ModelSpec | None = None)
     (_plan([{"ep": 2}], tps=(1, 1, 1), mbs=(2, 1, 1)), "experts.0.ep", "ep 2 does not divide the plan's 3 pipelines"),
     (_plan([{"ep": 2}], tps=(1, 2)), "pipelines.1.replicas.0.tp", "have TP 1 and 2 there"),
     (_plan([{"ep": 2}], mbs=(3, 1)), "pipelines.1.microbatches", "run 3 and 1 micro-batches"),
+    (_plan([{"imbalance": 1.5}]), "experts.0.imbalance", "imbalance 1.5 with ep 1"),
     (_plan([{"ep": 2, "placement": [[0, 1, 2, 3]]}]), "experts.0.placement", "1 EP ranks placed for ep 2"),
     (_plan([{"ep": 2, "placement": [[0, 1, 2, 3], []]}]), "experts.0.placement.1", "EP rank 1 holds no expert"),
     (_plan([{"ep": 2, "placement": [[0, 1], [1, 2, 3]]}]), "experts.0.placement.1", "expert 1 is placed twice"),
@@ -93,6 +94,14 @@ def test_bad_placement_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
     plan = _plan([{"ep": 2, "placement": [[0, 1], []]}]) | {"job": {"model": "tiny", "global_batch_size": 8}}
     line = _simulate_refused(plan, tmp_path, monkeypatch, capsys)
     assert "experts.0.placement.1" in line and "EP rank 1 holds no expert" in line
+
+
+def test_an_imbalance_at_ep_1_exits_2_with_one_line_and_its_default_is_accepted(tmp_path, monkeypatch, capsys):
+    plan = _plan([{"ep": 1, "imbalance": 2.0}]) | {"job": {"model": "tiny", "global_batch_size": 8}}
+    line = _simulate_refused(plan, tmp_path, monkeypatch, capsys)
+    assert "plan.json: experts.0.imbalance: imbalance 2.0 with ep 1" in line, line
+    assert Plan.model_validate(_plan([{"ep": 1, "imbalance": 1.0}])).stage_experts(0).is_default
+    assert Plan.model_validate(_plan([{"ep": 2, "imbalance": 2.0}])).stage_experts(0).imbalance == 2.0
 
 
 def test_the_simulator_refuses_expert_parallelism_it_does_not_model(tmp_path, monkeypatch, capsys):
