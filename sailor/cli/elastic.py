@@ -70,11 +70,11 @@ def run(
                                             " rank 0's host (default 29500)."),
     start_timeout_s: float = typer.Option(300.0, "--start-timeout-s", help="A launch whose ranks have not formed their"
                                           " process groups by then is ended as failed."),
-    in_place: Optional[bool] = typer.Option(None, "--in-place/--restart", help="How a switch runs. --in-place (default"
-                                            " on the local provider, the only one it runs on): live, the ranks that stay"
-                                            " keep their process and state, which moves in memory; a failure during the"
-                                            " move falls back to a checkpoint. --restart (the default with --hosts):"
-                                            " every rank stops, checkpoints and restarts from the checkpoint."),
+    in_place: bool = typer.Option(False, "--in-place", help="Switch live (the default on the local provider, the only"
+                                  " one it runs on): the ranks that stay keep their process and state, which moves in"
+                                  " memory; a failure during the move falls back to a checkpoint."),
+    restart: bool = typer.Option(False, "--restart", help="Switch by restarting (the default with --hosts): every rank"
+                                 " stops, checkpoints and restarts from the checkpoint. Not with --in-place."),
 ) -> None:
     """Train, keeping the job on the best plan as GPUs come and go (local provider: one process per GPU;
     --hosts: the machines of HOSTS.yaml).
@@ -93,6 +93,9 @@ def run(
     from sailor.runtime.launcher import check_training_data
     from sailor.specs import load_cluster, load_job
 
+    if in_place and restart:  # (one typer flag pair would let the last of them win silently)
+        raise SailorInputError("given with --restart; a switch runs either live or by restarting", source="--in-place",
+                               fix="pass one of them, or neither for the provider's default")
     clock_kind = choice(ClockKind, clock, "--clock", "clock")
     check_number(time_scale, "--time-scale", lo=0, lo_open=True, hi=1e9)
     check_number(switch_cost_s, "--switch-cost-s", lo=0, hi=MAX_SECONDS)
@@ -122,7 +125,7 @@ def run(
                          events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
                          network=str(network) if network else None, data=data, init_from=init_from,
                          log_every=log_every, hosts=pool, device=device, start_timeout_s=start_timeout_s,
-                         in_place=in_place,
+                         in_place=True if in_place else (False if restart else None),
                          on_event=lambda ev: _say(err, ev))
     check_run(options)  # bad options are refused before the machine is measured
     check_training_data(job_spec, data, source=str(job))  # and so are the tokens, and the weights to start from
