@@ -28,9 +28,10 @@ excluded:
   write; the default, 1 GB/s, is an assumption (a local NVMe disk writes about 2 GB/s, shared storage
   less), not a measurement.
 
-The controller sets `writes_checkpoint` as `sailor run` does (True only with --checkpoint-every 0:
-every old rank is alive at a switch, so the survivors hold every piece); `sailor replay --switch live`
-keeps the default True, an upper bound for a run with periodic checkpoints.
+`LiveSwitchModel.for_run` sets `writes_checkpoint` as `sailor run` does (True only with
+--checkpoint-every 0: every old rank is alive at a switch, so the living ranks hold every piece); the
+controller and `sailor replay --switch live` (which takes the same --checkpoint-every, with the same
+default) both build the model with it.
 
 The restart path's cost model is `replay.RestartModel` (published breakdown, plan-independent).
 """
@@ -52,6 +53,12 @@ class LiveSwitchModel:
     fixed_s: float = 1.0
     storage_bytes_per_s: float = 1e9
     writes_checkpoint: bool = True
+
+    @classmethod
+    def for_run(cls, checkpoint_every: int) -> "LiveSwitchModel":
+        """The model of a `sailor run` checkpointing every `checkpoint_every` steps: a live switch
+        writes a checkpoint only when periodic ones are off (0), as `runtime.inplace` decides."""
+        return cls(writes_checkpoint=checkpoint_every == 0)
 
     def seconds(self, ctx: SimContext, old: Plan, new: Plan) -> float:
         """C_live of switching from `old` to `new` on the cluster and network of `ctx`."""
