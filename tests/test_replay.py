@@ -138,6 +138,33 @@ def test_live_switch_cost_from_the_bytes_written_and_moved():
     assert kept.seconds(ctx, plan(2), plan(1)) == pytest.approx(0.5 + moved)
 
 
+def test_live_switch_cost_counts_every_chunk_of_an_interleaved_stage():
+    """One pipeline of 2 stages x 2 chunks (interleaved; stage 0 holds [0, 5) and [13, 20)) -> one
+    stage holding the whole model, ZeRO-0, no checkpoint: the new rank holds 12 bytes of every
+    parameter; the other way, the busiest new rank holds 12 bytes of each of its two chunks'."""
+    from sailor.elastic.replan import Replanner
+    from sailor.elastic.switch_cost import LiveSwitchModel
+    from sailor.plan.spec import Plan
+
+    layers = OPT.model.num_layers
+    rep = {"gpu": "A100-40", "zone": "us-central1-a", "tp": 1}
+    one = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, layers]],
+                               "pipelines": [{"microbatches": 1024, "replicas": [rep | {"stage": 0}]}]})
+    chunks = [[0, 5], [5, 13], [13, 20], [20, layers]]
+    inter = Plan.model_validate({"micro_batch_size": 1, "stages": chunks,
+                                 "schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2},
+                                 "pipelines": [{"microbatches": 1024, "replicas": [rep | {"stage": i} for i in (0, 1)]}]})
+    ctx = Replanner(OPT, ONE_A100_ZONE).context({"us-central1-a": {"A100-40": 2}})
+    model = LiveSwitchModel(fixed_s=0.0, writes_checkpoint=False)
+
+    def t(n: float) -> float:
+        return ctx.network.transfer_time_s("us-central1-a", "A100-40", "us-central1-a", "A100-40", 12 * n)
+
+    p = [ctx.stage_params(1, a, b) for a, b in chunks]
+    assert model.seconds(ctx, inter, one) == pytest.approx(t(ctx.stage_params(1, 0, layers)))
+    assert model.seconds(ctx, one, inter) == pytest.approx(t(max(p[0] + p[2], p[1] + p[3])))
+
+
 def test_live_switches_cost_less_than_restarts_in_a_replay(tmp_path):
     """The hand trace of `test_interval_accounting_by_hand` replayed with the live model: the same
     plans are chosen, each switch costs its planning plus the live model's seconds (here less than
@@ -190,8 +217,8 @@ def test_replay_prices_the_live_switch_sailor_run_would_make(tmp_path, monkeypat
     ctx = make_context(OPT, GCP.with_zones({"us-central1-a": {"A100-40": 16}}))
 
     def state(plan: Plan, stage: int, tp: int) -> tuple[float, float]:  # (bytes written, bytes held) by one rank
-        (a, b), zero, d = plan.stages[stage], plan.stage_memory(stage).zero, len(plan.pipelines)
-        n = ctx.stage_params(tp, a, b)
+        zero, d = plan.stage_memory(stage).zero, len(plan.pipelines)
+        n = sum(ctx.stage_params(tp, a, b) for a, b in plan.stage_chunks(stage))
         return 12 * n / (d if zero else 1), 4 * n / (d if zero >= 3 else 1) + 8 * n / (d if zero else 1)
 
     switched = 0

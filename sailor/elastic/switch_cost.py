@@ -72,8 +72,9 @@ class LiveSwitchModel:
 
 
 def _params(ctx: SimContext, plan: Plan, stage: int, tp: int) -> float:
-    a, b = plan.stages[stage]
-    return ctx.stage_params(tp, a, b)
+    """Parameters one rank of pipeline stage `stage` at TP `tp` holds: all of its chunks' layers
+    (`Plan.stage_chunks`; several under interleaving)."""
+    return sum(ctx.stage_params(tp, a, b) for a, b in plan.stage_chunks(stage))
 
 
 def _owned_bytes(ctx: SimContext, plan: Plan, stage: int, tp: int) -> float:
