@@ -306,6 +306,7 @@ class ExpertsExplanation:
 
 
 def _rate(est: Estimate) -> float:
+    """Iterations/s of an estimate."""
     return 1.0 / est.iteration_time_s
 
 
