@@ -255,6 +255,11 @@ BAD = [
     ({}, ["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--max-cost-per-hour", "nan"], "--max-cost-per-hour"),
     ({}, ["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json", "--time-scale", "inf"],
      "--time-scale: expected a finite number"),
+    # a flag pair where the last would win silently
+    ({}, ["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json", "--in-place",
+          "--restart"], "--in-place: given with --restart"),
+    ({}, ["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json", "--restart",
+          "--in-place"], "--in-place: given with --restart"),
     ({"t.csv": "Timestamp,cpu_local\n0,4\n60,nan\n"},
      ["replay", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "t.csv"], "line 3.cpu_local"),
     # deep nesting, odd keys, odd encodings, duplicate keys in a trace

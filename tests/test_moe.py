@@ -205,26 +205,17 @@ def test_the_reference_adds_the_weighted_load_balancing_loss():
 
 
 def test_the_distributed_runtime_refuses_what_it_cannot_run_yet():
-    from sailor.plan.spec import Plan
+    # (sequence parallelism on an MoE stage is the plan's refusal, for every caller: test_moe_ep)
     from sailor.runtime.validate import check_moe
     from sailor.specs.job import JobSpec
 
-    def plan(sp: bool) -> Plan:
-        return Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 6]], "memory": [{"sequence_parallel": sp}],
-                                    "pipelines": [{"microbatches": 8, "replicas": [
-                                        {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 2}]}]})
-
     moe = MoE(num_experts=E, top_k=K, expert_ffn_size=FE)
-    for change, field in (({"capacity_factor": 1.25}, "model.moe.capacity_factor"),):
-        job = JobSpec(model=_spec(moe.model_copy(update=change)), global_batch_size=8, sequence_length=32)
-        with pytest.raises(SailorInputError) as e:
-            check_moe(plan(False), job, source="plan.json", job_source="job.yaml")
-        assert (e.value.field, e.value.source) == (field, "job.yaml")
-    job = JobSpec(model=_spec(moe), global_batch_size=8, sequence_length=32)
-    check_moe(plan(False), job, source="plan.json")
-    with pytest.raises(SailorInputError, match="mixture-of-experts blocks") as e:
-        check_moe(plan(True), job, source="plan.json")
-    assert e.value.field == "memory.0.sequence_parallel"
+    job = JobSpec(model=_spec(moe.model_copy(update={"capacity_factor": 1.25})), global_batch_size=8,
+                  sequence_length=32)
+    with pytest.raises(SailorInputError, match="dropless") as e:
+        check_moe(job, source="plan.json", job_source="job.yaml")
+    assert (e.value.field, e.value.source) == ("model.moe.capacity_factor", "job.yaml")
+    check_moe(JobSpec(model=_spec(moe), global_batch_size=8, sequence_length=32), source="plan.json")
 
 
 def test_q_and_k_norms_over_all_heads_are_tp_1_only():

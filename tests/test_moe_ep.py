@@ -56,6 +56,7 @@ def _refused(plan: dict, field: str, match: str, model: ModelSpec | None = None)
     (_plan([{"ep": 2}], tps=(1, 1, 1), mbs=(2, 1, 1)), "experts.0.ep", "ep 2 does not divide the plan's 3 pipelines"),
     (_plan([{"ep": 2}], tps=(1, 2)), "pipelines.1.replicas.0.tp", "have TP 1 and 2 there"),
     (_plan([{"ep": 2}], mbs=(3, 1)), "pipelines.1.microbatches", "run 3 and 1 micro-batches"),
+    (_plan([{"imbalance": 1.5}]), "experts.0.imbalance", "imbalance 1.5 with ep 1"),
     (_plan([{"ep": 2, "placement": [[0, 1, 2, 3]]}]), "experts.0.placement", "1 EP ranks placed for ep 2"),
     (_plan([{"ep": 2, "placement": [[0, 1, 2, 3], []]}]), "experts.0.placement.1", "EP rank 1 holds no expert"),
     (_plan([{"ep": 2, "placement": [[0, 1], [1, 2, 3]]}]), "experts.0.placement.1", "expert 1 is placed twice"),
@@ -74,12 +75,13 @@ def test_ep_on_a_dense_model_is_refused():
     _refused(_plan([{"ep": 2}]), "experts.0.ep", "holds no mixture-of-experts block", _spec(sparse=False))
 
 
-def _simulate_refused(plan: dict, tmp_path, monkeypatch, capsys) -> str:
-    """`sailor simulate` of `plan` (written to plan.json): exit 2 and one stderr line, returned."""
+def _simulate_refused(plan: dict, tmp_path, monkeypatch, capsys, command: tuple[str, ...] = ("simulate",)) -> str:
+    """`sailor simulate` (or `command`: the command, then options after the plan) of `plan` (written to
+    plan.json): exit 2 and one stderr line, returned."""
     from sailor.cli import main
 
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    monkeypatch.setattr(sys, "argv", ["sailor", "simulate", str(tmp_path / "plan.json")])
+    monkeypatch.setattr(sys, "argv", ["sailor", command[0], str(tmp_path / "plan.json"), *command[1:]])
     with pytest.raises(SystemExit) as e:
         main()
     err = capsys.readouterr().err.strip().splitlines()
@@ -94,6 +96,14 @@ def test_bad_placement_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
     assert "experts.0.placement.1" in line and "EP rank 1 holds no expert" in line
 
 
+def test_an_imbalance_at_ep_1_exits_2_with_one_line_and_its_default_is_accepted(tmp_path, monkeypatch, capsys):
+    plan = _plan([{"ep": 1, "imbalance": 2.0}]) | {"job": {"model": "tiny", "global_batch_size": 8}}
+    line = _simulate_refused(plan, tmp_path, monkeypatch, capsys)
+    assert "plan.json: experts.0.imbalance: imbalance 2.0 with ep 1" in line, line
+    assert Plan.model_validate(_plan([{"ep": 1, "imbalance": 1.0}])).stage_experts(0).is_default
+    assert Plan.model_validate(_plan([{"ep": 2, "imbalance": 2.0}])).stage_experts(0).imbalance == 2.0
+
+
 def test_the_simulator_refuses_expert_parallelism_it_does_not_model(tmp_path, monkeypatch, capsys):
     job = {"model": _spec().model_dump(mode="json", exclude_defaults=True), "global_batch_size": 8,
            "sequence_length": 32}
@@ -101,6 +111,29 @@ def test_the_simulator_refuses_expert_parallelism_it_does_not_model(tmp_path, mo
     plan = _plan([{"ep": 2}]) | {"job": job | {"framework": "deepspeed"}, "cluster": cluster}
     line = _simulate_refused(plan, tmp_path, monkeypatch, capsys)
     assert "experts.0.ep" in line and "does not model expert parallelism under DeepSpeed" in line
+
+
+def test_sequence_parallelism_on_an_moe_stage_is_refused_by_the_plan():
+    # stage 0 [0, 2) holds block 0 (MoE); stage 1 [2, 4) block 1 (dense) and the head
+    two = {"stages": [[0, 2], [2, 4]], "pipelines": [{"microbatches": 2, "replicas": [_rep(0, 2), _rep(1, 2)]}] * 2}
+    sparse_sp = _plan(None) | two | {"memory": [{"sequence_parallel": True}, {}]}
+    _refused(sparse_sp, "memory.0.sequence_parallel", r"stage 0 \[0, 2\) holds mixture-of-experts blocks",
+             _spec(dense_blocks=(1,)))
+    dense_sp = _plan(None) | two | {"memory": [{}, {"sequence_parallel": True}]}
+    parse_model(Plan, dense_sp, "plan.json").check_against(JobSpec(model=_spec(dense_blocks=(1,)), global_batch_size=8,
+                                                                   sequence_length=32))
+
+
+@pytest.mark.parametrize("command", [("simulate",), ("train", "--dry-run"),
+                                     ("launch", "--backend", "torchrun", "--dry-run")])
+def test_every_command_refuses_sequence_parallelism_on_an_moe_stage_in_one_line(tmp_path, monkeypatch, capsys,
+                                                                                  command):
+    job = {"model": _spec().model_dump(mode="json", exclude_defaults=True), "global_batch_size": 8,
+           "sequence_length": 32}
+    plan = _plan(None, tps=(2, 2)) | {"memory": [{"sequence_parallel": True}], "job": job,
+                                      "cluster": {"provider": "local", "zones": {"local": {"cpu": 4}}}}
+    line = _simulate_refused(plan, tmp_path, monkeypatch, capsys, command)
+    assert "memory.0.sequence_parallel" in line and "holds mixture-of-experts blocks" in line, line
 
 
 def test_defaults_leave_a_plan_unchanged():

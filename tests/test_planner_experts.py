@@ -5,6 +5,8 @@ model (EP weighed against the best plan at EP 1), and what `sailor plan` says ab
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -119,7 +121,7 @@ def test_an_ep_group_across_zones_spans_the_zone_link():
 
 
 def test_no_sequence_parallelism_offered_on_moe_blocks():
-    # the runtime refuses SP on a stage holding an MoE block (runtime.validate): the planner's test
+    # a plan with SP on a stage holding an MoE block is refused (Plan.check_against): the planner's test
     ctx = _ctx()
     moe = [layer for layer in range(ctx.job.model.num_layers) if ctx.job.model.is_moe_block(layer)]
     assert moe  # blocks 1..4 are layers 1..4
@@ -150,8 +152,75 @@ def test_the_planner_weighs_ep_against_the_best_plan_at_ep1(mixtral):
 
 def test_sailor_plan_says_where_the_experts_sit_and_why(mixtral):
     ctx, res = mixtral
-    lines = explain(res.plan, ctx, 1.0 / res.best_without_experts.estimate.iteration_time_s)
+    x = explain(res.plan, ctx, 1.0 / res.best_without_experts.estimate.iteration_time_s)
+    lines = x.lines()
     ep = max(e.ep for e in res.plan.experts)
     assert lines[0].startswith(f"experts: stages 0-{res.plan.num_stages - 1} EP {ep}: {8 // ep} on H100-80 per EP rank")
     assert "one node" in lines[0]  # EP groups of consecutive pipelines sit on one 8-GPU node
     assert f"the best plan found at EP 1 runs {1.0 / res.best_without_experts.estimate.iteration_time_s:.4g}" in lines[1]
+    # the same in fields: every stage at EP ep, EP rank q holding the even split's 8/ep experts
+    assert [(stage.ep, stage.link) for stage in x.stages] == [(ep, LinkClass.SAME_NODE)] * res.plan.num_stages
+    assert [r.expert_ids for r in x.stages[0].ranks] == [tuple(range(q * 8 // ep, (q + 1) * 8 // ep)) for q in range(ep)]
+    assert (x.flat_iters_per_s is None) != (x.flat_oom is None) and x.best_variant is None
+
+
+def test_the_explanation_of_an_uneven_placement_on_two_gpu_types():
+    # pipeline 0 on H100-80, pipeline 1 on A100-80: one EP group of 2, EP rank 0 (H100) holding
+    # experts 0-5, EP rank 1 (A100) experts 6 and 7; the two types sit on different nodes of zone A
+    ctx = make_context(JobSpec(model=_moe(), global_batch_size=8, sequence_length=512, precision="bf16"),
+                       ClusterSpec(zones={A: {"H100-80": 8, "A100-80": 8}}, gpus_per_node={"H100-80": 8, "A100-80": 8}))
+    body = {"micro_batch_size": 1, "stages": [[0, 3], [3, 6]],
+            "experts": [{"ep": 2, "placement": [[0, 1, 2, 3, 4, 5], [6, 7]]}] * 2,
+            "pipelines": [{"microbatches": 4, "replicas": [{"stage": i, "gpu": g, "zone": A, "tp": 1} for i in range(2)]}
+                          for g in ("H100-80", "A100-80")]}
+    plan = Plan.model_validate(body).with_specs(ctx.job, ctx.cluster)
+    x = explain(plan, ctx, 100.0)
+    got = json.loads(json.dumps(x.to_dict()))
+    assert got["num_experts"] == 8
+    assert got["stages"][1] == {"stage": 1, "ep": 2, "all_to_all_link": "same_zone", "ranks": [
+        {"ep_rank": 0, "experts": 6, "expert_ids": [0, 1, 2, 3, 4, 5], "gpus": ["H100-80"]},
+        {"ep_rank": 1, "experts": 2, "expert_ids": [6, 7], "gpus": ["A100-80"]}]}
+    flat = Plan.model_validate({k: v for k, v in body.items() if k != "experts"})
+    assert got["iters_per_s"] == pytest.approx(1.0 / simulate(plan, ctx, event=False).iteration_time_s, rel=1e-12)
+    assert got["ep1"] == {"best_found_iters_per_s": 100.0, "same_shape_oom": None, "same_shape_iters_per_s":
+                          pytest.approx(1.0 / simulate(flat, ctx, event=False).iteration_time_s, rel=1e-12)}
+    assert got["best_ep_variant"] is None
+    assert x.lines()[0] == ("experts: stages 0-1 EP 2: 2 on A100-80, 6 on H100-80 per EP rank; each EP group of 2"
+                            " replicas sits on nodes of one zone")
+
+
+def test_the_explanation_of_a_plan_at_ep1_names_its_best_ep_variant():
+    ctx = _ctx()
+    plan = _plan(ctx)  # TP 2 x 2 pipelines at EP 1
+    x = explain(plan, ctx)
+    assert [(stage.ep, stage.link, len(stage.ranks[0].expert_ids)) for stage in x.stages] == [(1, None, 8)] * 2
+    rates = [1.0 / e.iteration_time_s for p in expert_variants(plan, ctx)
+             if fits(e := simulate(p, ctx, event=False), ctx)]
+    v = x.to_dict()["best_ep_variant"]
+    assert rates and v["iters_per_s"] == max(rates)
+    assert v["ep"] in (2, 4) and v["tp"] in (1, 2) and v["all_to_all_link"] == "same_node"  # 8 GPUs a node
+    assert x.to_dict()["ep1"]["same_shape_iters_per_s"] is None  # the plan is its own EP-1 shape
+
+
+def test_sailor_plan_json_carries_the_explanation_in_fields(tmp_path, monkeypatch, capsys):
+    from sailor.cli import main
+    ctx = _ctx(gpus=4)
+    (tmp_path / "job.json").write_text(json.dumps(ctx.job.to_dict()))
+    (tmp_path / "cluster.json").write_text(json.dumps(ctx.cluster.to_dict()))
+    monkeypatch.setattr(sys, "argv", ["sailor", "plan", "--job", str(tmp_path / "job.json"), "--cluster",
+                                      str(tmp_path / "cluster.json"), "--json"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    out = json.loads(capsys.readouterr().out)
+    assert e.value.code == 0
+    plan, x = Plan.model_validate(out["plan"]), out["expert_parallelism"]
+    assert [stage["ep"] for stage in x["stages"]] == [plan.stage_experts(i).ep for i in range(plan.num_stages)]
+    for i, stage in enumerate(x["stages"]):
+        ex = plan.stage_experts(i)
+        assert [r["expert_ids"] for r in stage["ranks"]] == [list(ex.held(q, 8)) for q in range(ex.ep)]
+        assert all(r["gpus"] == ["H100-80"] for r in stage["ranks"])
+        assert stage["all_to_all_link"] == ("same_node" if ex.ep > 1 else None)  # 4 GPUs, one 8-GPU node
+    assert x["iters_per_s"] == pytest.approx(1.0 / simulate(plan, ctx, event=False).iteration_time_s, rel=1e-9)
+    margin = dataclasses.replace(ctx, memory_margin=PlanOptions().memory_margin, memo={})  # as `sailor plan` judges
+    assert out["experts"] == explain(plan, margin, x["ep1"]["best_found_iters_per_s"]).lines()  # the text beside them
+    assert max(stage["ep"] for stage in x["stages"]) > 1  # (EP pays here as on 8 GPUs)

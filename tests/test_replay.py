@@ -138,6 +138,33 @@ def test_live_switch_cost_from_the_bytes_written_and_moved():
     assert kept.seconds(ctx, plan(2), plan(1)) == pytest.approx(0.5 + moved)
 
 
+def test_live_switch_cost_counts_every_chunk_of_an_interleaved_stage():
+    """One pipeline of 2 stages x 2 chunks (interleaved; stage 0 holds [0, 5) and [13, 20)) -> one
+    stage holding the whole model, ZeRO-0, no checkpoint: the new rank holds 12 bytes of every
+    parameter; the other way, the busiest new rank holds 12 bytes of each of its two chunks'."""
+    from sailor.elastic.replan import Replanner
+    from sailor.elastic.switch_cost import LiveSwitchModel
+    from sailor.plan.spec import Plan
+
+    layers = OPT.model.num_layers
+    rep = {"gpu": "A100-40", "zone": "us-central1-a", "tp": 1}
+    one = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, layers]],
+                               "pipelines": [{"microbatches": 1024, "replicas": [rep | {"stage": 0}]}]})
+    chunks = [[0, 5], [5, 13], [13, 20], [20, layers]]
+    inter = Plan.model_validate({"micro_batch_size": 1, "stages": chunks,
+                                 "schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2},
+                                 "pipelines": [{"microbatches": 1024, "replicas": [rep | {"stage": i} for i in (0, 1)]}]})
+    ctx = Replanner(OPT, ONE_A100_ZONE).context({"us-central1-a": {"A100-40": 2}})
+    model = LiveSwitchModel(fixed_s=0.0, writes_checkpoint=False)
+
+    def t(n: float) -> float:
+        return ctx.network.transfer_time_s("us-central1-a", "A100-40", "us-central1-a", "A100-40", 12 * n)
+
+    p = [ctx.stage_params(1, a, b) for a, b in chunks]
+    assert model.seconds(ctx, inter, one) == pytest.approx(t(ctx.stage_params(1, 0, layers)))
+    assert model.seconds(ctx, one, inter) == pytest.approx(t(max(p[0] + p[2], p[1] + p[3])))
+
+
 def test_live_switches_cost_less_than_restarts_in_a_replay(tmp_path):
     """The hand trace of `test_interval_accounting_by_hand` replayed with the live model: the same
     plans are chosen, each switch costs its planning plus the live model's seconds (here less than
@@ -153,3 +180,63 @@ def test_live_switches_cost_less_than_restarts_in_a_replay(tmp_path):
         if i.switched:
             assert i.replan_s < i.switch_s < i.replan_s + RestartModel().total_s
     assert live.iterations > restart.iterations and live.cost_usd == pytest.approx(restart.cost_usd)
+
+
+def _replay_cli(tmp_path, monkeypatch, capsys, *options: str) -> tuple[int, str, str]:
+    """`sailor replay` in-process on OPT and GCP over the hand trace of `test_interval_accounting_by_hand`:
+    (exit status, stdout, stderr)."""
+    from sailor.cli import main
+
+    (tmp_path / "job.json").write_text(json.dumps({"model": "opt-350m", "global_batch_size": 1024}))
+    (tmp_path / "c.json").write_text(json.dumps(GCP.to_dict()))
+    trace = _events(tmp_path, (0, 16), (600, 8), (1200, 8), (1800, 16))
+    monkeypatch.setattr(sys, "argv", ["sailor", "replay", "--job", str(tmp_path / "job.json"), "--cluster",
+                                      str(tmp_path / "c.json"), "--availability", str(trace), *options])
+    with pytest.raises(SystemExit) as e:
+        main()
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_replay_prices_the_live_switch_sailor_run_would_make(tmp_path, monkeypatch, capsys):
+    """With periodic checkpoints (the job's recipe: every 100 steps, `sailor run`'s default) a live
+    switch writes no checkpoint, with --checkpoint-every 0 it does. By hand, from the plans the
+    replay chose: C = 1 s + [0] max over old ranks of 12 bytes x its stage's parameters at its TP
+    (/D under ZeRO) / 1 GB/s + the same-zone transfer of the most state a new rank holds (fp32
+    weights 4 bytes/param, /D under ZeRO-3, Adam moments 8, /D under ZeRO)."""
+    from sailor.plan.spec import Plan
+    from sailor.simulator import make_context
+
+    runs = {}
+    for options in ((), ("--checkpoint-every", "0")):
+        code, out, err = _replay_cli(tmp_path, monkeypatch, capsys, "--switch", "live", "--json", *options)
+        assert code == 0, err
+        runs[options] = json.loads(out)["intervals"]
+    periodic, at_switch = runs.values()
+    assert [i["plan"] for i in periodic] == [i["plan"] for i in at_switch]
+    ctx = make_context(OPT, GCP.with_zones({"us-central1-a": {"A100-40": 16}}))
+
+    def state(plan: Plan, stage: int, tp: int) -> tuple[float, float]:  # (bytes written, bytes held) by one rank
+        zero, d = plan.stage_memory(stage).zero, len(plan.pipelines)
+        n = sum(ctx.stage_params(tp, a, b) for a, b in plan.stage_chunks(stage))
+        return 12 * n / (d if zero else 1), 4 * n / (d if zero >= 3 else 1) + 8 * n / (d if zero else 1)
+
+    switched = 0
+    for k in range(1, len(periodic)):
+        if not periodic[k]["switched"]:
+            continue
+        switched += 1
+        old, new = Plan.model_validate(periodic[k - 1]["plan"]), Plan.model_validate(periodic[k]["plan"])
+        written = max(state(old, r.stage, r.tp)[0] for p in old.pipelines for r in p.replicas)
+        held = max(state(new, r.stage, r.tp)[1] for p in new.pipelines for r in p.replicas)
+        move = ctx.network.transfer_time_s("us-central1-a", "A100-40", "us-central1-a", "A100-40", held)
+        assert written > 1e9  # OPT-350m: seconds of writing at 1 GB/s
+        for run, checkpoint in ((periodic, 0.0), (at_switch, written / 1e9)):
+            assert run[k]["switch_s"] - run[k]["replan_s"] == pytest.approx(1.0 + checkpoint + move, rel=1e-9)
+    assert switched == 2  # the shrink to 8 and the grow back to 16
+
+
+def test_checkpoint_every_prices_live_switches_only(tmp_path, monkeypatch, capsys):
+    code, _, err = _replay_cli(tmp_path, monkeypatch, capsys, "--checkpoint-every", "0")
+    assert code == 2 and err.strip() == ("error: --checkpoint-every: only with --switch live (a restart always writes"
+                                         " its checkpoint) (add --switch live, or leave --checkpoint-every out)"), err

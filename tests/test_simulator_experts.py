@@ -237,3 +237,26 @@ def test_ep1_predictions_equal_mains(model, body, framework, job, time_s, peaks)
     assert BUILTIN_MODELS[model].num_layers == body["stages"][-1][1]
     got_s, got_peaks = _h100_a100(model, body, framework, **job)
     assert got_s == time_s and got_peaks == peaks
+
+
+def _table_rows(est, plan, moe: bool) -> list[dict[str, str]]:
+    """`sailor simulate`'s replica table of `est` as {column: cell} rows."""
+    from rich.console import Console
+
+    from sailor.cli.simulate import render_estimate
+    con = Console(record=True, width=400)
+    render_estimate(est, con, plan=plan, moe=moe)
+    lines = [ln for ln in con.export_text().splitlines() if ln.startswith(("┃", "│"))]
+    header, *rows = [[c.strip() for c in ln.strip("┃│").split("┃" if ln[0] == "┃" else "│")] for ln in lines]
+    return [dict(zip(header, r)) for r in rows]
+
+
+def test_the_simulate_table_shows_ep_and_the_all_to_all_time():
+    # two nodes: the 8 all-to-alls of a micro-batch each take the zone link, ZONE latency + half the
+    # 16384 dispatch bytes at 1e8 B/s: 8 x (1e-4 + 8.192e-5) = 0.00146 s
+    est, plan, _ = _run([{"ep": 2}], per_node=1)
+    rows = _table_rows(est, plan, moe=True)
+    assert [(r["EP"], r["a2a/mb (s)"]) for r in rows] == [("2", "0.0015")] * 2
+    ep1, plan1, _ = _run(None, per_node=1)
+    assert [(r["EP"], r["a2a/mb (s)"]) for r in _table_rows(ep1, plan1, moe=True)] == [("1", "0.0000")] * 2
+    assert "EP" not in _table_rows(ep1, plan1, moe=False)[0]  # a dense model's table is as it was

@@ -29,6 +29,9 @@ TraceOpt = typer.Option(..., "--availability", help="Availability trace: CSV (Ti
 JobReq = typer.Option(..., "--job", help="Job spec (YAML/JSON): model, global_batch_size, precision, optimizer.")
 ClusterReq = typer.Option(..., "--cluster", help="Cluster spec (YAML/JSON): provider, prices, node sizes (its zones"
                           " are replaced by the trace's).")
+RunCheckpointEveryOpt = typer.Option(None, "--checkpoint-every", min=0, help="Checkpoint every N steps, bounding what a"
+                                     " crash rolls back (a live switch then writes none; 0: only at switches and the"
+                                     " end; default: the job's recipe.checkpoint.every, 100 unless set).")
 
 
 @app.command()
@@ -41,10 +44,7 @@ def run(
     seed: int = SeedOpt,
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Checkpoint folder (step-<n>/);"
                                                  " resumed from when it holds a checkpoint. Default: a temporary one."),
-    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=0, help="Checkpoint every N"
-                                                   " steps, bounding what a crash rolls back (a live switch then writes"
-                                                   " none; 0: only at switches and the end; default: the job's"
-                                                   " recipe.checkpoint.every, 100 unless set)."),
+    checkpoint_every: Optional[int] = RunCheckpointEveryOpt,
     metrics: Optional[str] = typer.Option(None, "--metrics", help=f"{METRICS_HELP} A step redone after a rollback is"
                                           " written again; with --hosts, name a file on the storage every host sees."),
     log_every: int = LogEveryOpt,
@@ -70,11 +70,11 @@ def run(
                                             " rank 0's host (default 29500)."),
     start_timeout_s: float = typer.Option(300.0, "--start-timeout-s", help="A launch whose ranks have not formed their"
                                           " process groups by then is ended as failed."),
-    in_place: Optional[bool] = typer.Option(None, "--in-place/--restart", help="How a switch runs. --in-place (default"
-                                            " on the local provider, the only one it runs on): live, the ranks that stay"
-                                            " keep their process and state, which moves in memory; a failure during the"
-                                            " move falls back to a checkpoint. --restart (the default with --hosts):"
-                                            " every rank stops, checkpoints and restarts from the checkpoint."),
+    in_place: bool = typer.Option(False, "--in-place", help="Switch live (the default on the local provider, the only"
+                                  " one it runs on): the ranks that stay keep their process and state, which moves in"
+                                  " memory; a failure during the move falls back to a checkpoint."),
+    restart: bool = typer.Option(False, "--restart", help="Switch by restarting (the default with --hosts): every rank"
+                                 " stops, checkpoints and restarts from the checkpoint. Not with --in-place."),
 ) -> None:
     """Train, keeping the job on the best plan as GPUs come and go (local provider: one process per GPU;
     --hosts: the machines of HOSTS.yaml).
@@ -88,11 +88,14 @@ def run(
     from sailor.elastic.options import RunOptions, check_run
     from sailor.elastic.controller import run as run_elastic
     from sailor.elastic.remote import HostPool
-    from sailor.runtime.command import steps_for
+    from sailor.runtime.command import checkpoint_every_for, steps_for
     from sailor.runtime.hf_weights import check_init_from
     from sailor.runtime.launcher import check_training_data
     from sailor.specs import load_cluster, load_job
 
+    if in_place and restart:  # (one typer flag pair would let the last of them win silently)
+        raise SailorInputError("given with --restart; a switch runs either live or by restarting", source="--in-place",
+                               fix="pass one of them, or neither for the provider's default")
     clock_kind = choice(ClockKind, clock, "--clock", "clock")
     check_number(time_scale, "--time-scale", lo=0, lo_open=True, hi=1e9)
     check_number(switch_cost_s, "--switch-cost-s", lo=0, hi=MAX_SECONDS)
@@ -104,7 +107,7 @@ def run(
     check_distinct_outputs({"--checkpoint-dir": checkpoint_dir, "--metrics": metrics, "--events": events})
     job_spec, cluster_spec = load_job(job), load_cluster(cluster)
     steps = steps_for(job_spec, steps, fallback=100)
-    checkpoint_every = job_spec.recipe.checkpoint.every if checkpoint_every is None else checkpoint_every
+    checkpoint_every = checkpoint_every_for(job_spec, checkpoint_every)
     trace = load_trace(availability, cluster_spec)
     if not hosts and (python is not None or rdzv_port is not None):
         raise SailorInputError("only with --hosts (they start the hosts' processes)",
@@ -122,7 +125,7 @@ def run(
                          events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
                          network=str(network) if network else None, data=data, init_from=init_from,
                          log_every=log_every, hosts=pool, device=device, start_timeout_s=start_timeout_s,
-                         in_place=in_place,
+                         in_place=True if in_place else (False if restart else None),
                          on_event=lambda ev: _say(err, ev))
     check_run(options)  # bad options are refused before the machine is measured
     check_training_data(job_spec, data, source=str(job))  # and so are the tokens, and the weights to start from
@@ -158,17 +161,24 @@ def replay(
     switch: str = typer.Option("restart", "--switch", help="How a switch is priced: restart (every rank restarts"
                                " from a checkpoint: the published 11.25 s) or live (`sailor run --in-place`: from"
                                " the bytes moved and the links they cross)."),
+    checkpoint_every: Optional[int] = RunCheckpointEveryOpt,
 ) -> None:
-    """Simulate a whole elastic run over an availability trace, without training."""
+    """Simulate a whole elastic run over an availability trace, without training. With --switch live a
+    switch is priced as `sailor run` with the same --checkpoint-every would switch (a checkpoint
+    written at the switch only with 0)."""
     from sailor.elastic.availability import load_trace
     from sailor.elastic.replay import Policy, plot
     from sailor.elastic.replay import replay as replay_run
     from sailor.elastic.switch_cost import LiveSwitchModel
+    from sailor.runtime.command import checkpoint_every_for
     from sailor.specs import load_cluster, load_job
 
     pol = choice(Policy, policy, "--policy", "policy")
     if switch not in ("restart", "live"):
         raise SailorInputError(f"must be restart or live, got {switch!r}", source="--switch")
+    if switch == "restart" and checkpoint_every is not None:  # the restart model is the published breakdown
+        raise SailorInputError("only with --switch live (a restart always writes its checkpoint)",
+                               source="--checkpoint-every", fix="add --switch live, or leave --checkpoint-every out")
     check_number(duration_s, "--duration-s", lo=0, lo_open=True, hi=MAX_TRACE_TIME_S)
     check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"),
                       inputs={"--job": job, "--cluster": cluster, "--availability": availability,
@@ -178,7 +188,8 @@ def replay(
     prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
     result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=prof,
                         network_path=str(network) if network else None, duration_s=duration_s,
-                        live=LiveSwitchModel() if switch == "live" else None)
+                        live=LiveSwitchModel.for_run(checkpoint_every_for(job_spec, checkpoint_every))
+                        if switch == "live" else None)
     if plot_file:
         plot(result, plot_file)
     if as_json:

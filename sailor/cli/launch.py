@@ -91,7 +91,7 @@ def launch_command(
     from sailor.launch import Backend, KubernetesOptions, LaunchOptions, check_backend_gpus, launch, launch_files
     from sailor.launch.skypilot import PLAN_FILE, SkyPilotOptions
     from sailor.plan import load_plan
-    from sailor.runtime.command import WorkerSettings, check_takes_effect, steps_for
+    from sailor.runtime.command import WorkerSettings, check_takes_effect, checkpoint_every_for, steps_for
     from sailor.runtime.validate import check_plan_for_job
     from sailor.specs import load_job
 
@@ -111,7 +111,7 @@ def launch_command(
     if max_restarts and not checkpoint_dir:  # a restart without a checkpoint would start over from step 0
         raise SailorInputError(f"{max_restarts} restarts would each start over from step 0 without a checkpoint",
                                source="--max-restarts", fix="add --checkpoint-dir DIR on storage every node mounts")
-    every = job_spec.recipe.checkpoint.every if checkpoint_every is None else checkpoint_every
+    every = checkpoint_every_for(job_spec, checkpoint_every)
     no_checkpoints = None if checkpoint_dir else ("warning: no --checkpoint-dir: the run writes no checkpoint and a"
                                                   " failure loses every step (pass a folder every node mounts; it is"
                                                   f" then written every {every} steps)")

@@ -24,7 +24,7 @@ from sailor.core.units import GIB
 from sailor.plan.spec import Plan
 from sailor.planner import Objective, PlanOptions, PlanResult, SearchSpace, plan_job
 from sailor.planner.compare import compare_searches
-from sailor.planner.experts import explain
+from sailor.planner.experts import ExpertsExplanation, explain
 from sailor.planner.options import DEFAULT_MEMORY_MARGIN
 from sailor.simulator import SimContext, make_context
 from sailor.specs import EXAMPLE_CLUSTER, EXAMPLE_JOB, load_cluster, load_job
@@ -99,15 +99,17 @@ def plan_command(
             write_plan_report(report, result, lambda: make_context(job_spec, cluster_spec, prof, net), opts,
                               cluster_spec, title=title,
                               progress=lambda name, d, t: bar.update(task, completed=d, total=t, step=name))
+    experts = explain_experts(result, ctx, opts)  # mixture-of-experts models: where the experts sit, and why
     if as_json:
         print(json.dumps({"plan": result.plan.to_dict(), "estimate": result.estimate.to_dict(),
                           "sequence_length": job_spec.seq, "parameters": job_spec.model.model_params(),
-                          "search_time_s": result.search_time_s, "experts": explain_experts(result, ctx, opts),
+                          "search_time_s": result.search_time_s, "experts": experts.lines() if experts else [],
+                          "expert_parallelism": experts.to_dict() if experts else None,
                           "alternatives": [{"plan": c.plan.to_dict(with_specs=False), "estimate": c.estimate.to_dict()}
                                            for c in result.alternatives]}))
         return
     render_plan_result(result, con, title=job_label(job_spec) + ("" if job else " (built-in example)"))
-    for line in explain_experts(result, ctx, opts):  # mixture-of-experts models: where the experts sit, and why
+    for line in experts.lines() if experts else []:
         con.print(line)
     if out:
         con.print(f"plan written to {out}")
@@ -115,9 +117,9 @@ def plan_command(
         con.print(f"report written to {report / 'index.html'}")
 
 
-def explain_experts(result: PlanResult, ctx: SimContext, opts: PlanOptions) -> list[str]:
+def explain_experts(result: PlanResult, ctx: SimContext, opts: PlanOptions) -> ExpertsExplanation | None:
     """`planner.experts.explain` of the chosen plan against the best plan found at EP 1, memory
-    judged with the planner's margin (`opts.memory_margin`)."""
+    judged with the planner's margin (`opts.memory_margin`); None for a dense model."""
     flat = result.best_without_experts
     ctx = dataclasses.replace(ctx, memory_margin=opts.memory_margin, memo={})
     return explain(result.plan, ctx, 1.0 / flat.estimate.iteration_time_s if flat and flat.estimate else None)

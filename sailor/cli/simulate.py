@@ -60,20 +60,27 @@ def simulate_command(
         print(json.dumps({**est.to_dict(), "sequence_length": job_spec.seq,
                           "parameters": job_spec.model.model_params()}))
         return
-    render_estimate(est, console(), title=f"{job_label(job_spec)} · {plan_path}", plan=plan)
+    render_estimate(est, console(), title=f"{job_label(job_spec)} · {plan_path}", plan=plan,
+                    moe=job_spec.model.moe is not None)
 
 
-def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan | None = None) -> None:
-    """Rich tables: one row per replica (with its stage's memory options when `plan` is given), then
-    totals and whether TP collectives were charged or measured."""
+def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan | None = None,
+                    moe: bool = False) -> None:
+    """Rich tables: one row per replica (with its stage's memory options when `plan` is given; for a
+    mixture-of-experts model, `moe`, its stage's EP degree and its all-to-all seconds per
+    micro-batch, "a2a", part of fwd+bwd), then totals and whether TP collectives were charged or
+    measured."""
     t = Table(title=title or None, show_lines=False)
-    for col in ("stage", "pipe", "GPU", "zone", "TP", "layers", "options", "fwd+bwd/mb (s)", "recompute/mb (s)",
-                "TP comm/mb (s)", "p2p/mb (s)", "sync (s)", "memory (GiB)", "OOM"):
+    experts = ("EP", "a2a/mb (s)") if moe else ()
+    for col in ("stage", "pipe", "GPU", "zone", "TP", *experts[:1], "layers", "options", "fwd+bwd/mb (s)",
+                *experts[1:], "recompute/mb (s)", "TP comm/mb (s)", "p2p/mb (s)", "sync (s)", "memory (GiB)", "OOM"):
         t.add_column(col, justify="right" if col not in ("GPU", "zone", "options") else "left")
     for r in sorted(est.replicas, key=lambda r: (r.stage, r.pipeline)):
-        t.add_row(str(r.stage), str(r.pipeline), r.gpu, r.zone, str(r.tp), " + ".join(f"[{a},{b})" for a, b in r.chunks),
-                  memory_label(plan, r.stage) if plan else "",
-                  f"{r.forward_s + r.backward_s:.4f}", f"{r.recompute_s:.4f}", f"{r.tp_comm_s:.4f}",
+        ep = (str(plan.stage_experts(r.stage).ep) if plan else "",) if moe else ()
+        a2a = (f"{r.all_to_all_s:.4f}",) if moe else ()
+        t.add_row(str(r.stage), str(r.pipeline), r.gpu, r.zone, str(r.tp), *ep,
+                  " + ".join(f"[{a},{b})" for a, b in r.chunks), memory_label(plan, r.stage) if plan else "",
+                  f"{r.forward_s + r.backward_s:.4f}", *a2a, f"{r.recompute_s:.4f}", f"{r.tp_comm_s:.4f}",
                   f"{r.p2p_s:.4f}", f"{r.sync_s:.4f}",
                   f"{r.peak_memory_bytes / GIB:.1f} / {r.memory_capacity_bytes / GIB:.1f}",
                   "[red]yes[/red]" if r.oom else "no")

@@ -43,6 +43,7 @@ def train(
 ) -> None:
     """Train a plan exactly: tensor, pipeline (its schedule) and data parallelism as the plan says."""
     require_torch("train")
+    from sailor.runtime.command import checkpoint_every_for
     from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
 
     err = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the terminal width
@@ -55,7 +56,7 @@ def train(
                                 init_from=init_from, tensorboard=tensorboard))
     for note in prep.notes:
         err.print(f"[yellow]{note}[/yellow]" if note.startswith("skipped") else note)
-    every = prep.job.recipe.checkpoint.every if checkpoint_every is None else checkpoint_every
+    every = checkpoint_every_for(prep.job, checkpoint_every)
     err.print(f"checkpoints into {checkpoint_dir}: every {every} steps, at the end and on stop (the newest"
               f" {prep.job.recipe.checkpoint.keep} kept)" if every else
               f"checkpoints into {checkpoint_dir}: at the end and on stop", markup=False, highlight=False)

@@ -394,7 +394,7 @@ class Controller:
         old_est = None if lost else self.replanner.score(self.current.plan, zones)
         old_s = old_est.iteration_time_s * self.ratio if old_est is not None else None
         new_s = planned.estimate.iteration_time_s * self.ratio
-        live = LiveSwitchModel(writes_checkpoint=self.o.checkpoint_every == 0)  # as `runtime.inplace` does
+        live = LiveSwitchModel.for_run(self.o.checkpoint_every)
         model_s = live.seconds(self.replanner.context(zones), self.current.plan, planned.plan) \
             if isinstance(run, InPlaceRun) else None  # before a live switch was measured
         d = decide(lost=lost, old_iteration_s=old_s, new_iteration_s=new_s,

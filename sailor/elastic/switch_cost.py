@@ -28,9 +28,10 @@ excluded:
   write; the default, 1 GB/s, is an assumption (a local NVMe disk writes about 2 GB/s, shared storage
   less), not a measurement.
 
-The controller sets `writes_checkpoint` as `sailor run` does (True only with --checkpoint-every 0:
-every old rank is alive at a switch, so the survivors hold every piece); `sailor replay --switch live`
-keeps the default True, an upper bound for a run with periodic checkpoints.
+`LiveSwitchModel.for_run` sets `writes_checkpoint` as `sailor run` does (True only with
+--checkpoint-every 0: every old rank is alive at a switch, so the living ranks hold every piece); the
+controller and `sailor replay --switch live` (which takes the same --checkpoint-every, with the same
+default) both build the model with it.
 
 The restart path's cost model is `replay.RestartModel` (published breakdown, plan-independent).
 """
@@ -53,6 +54,12 @@ class LiveSwitchModel:
     storage_bytes_per_s: float = 1e9
     writes_checkpoint: bool = True
 
+    @classmethod
+    def for_run(cls, checkpoint_every: int) -> "LiveSwitchModel":
+        """The model of a `sailor run` checkpointing every `checkpoint_every` steps: a live switch
+        writes a checkpoint only when periodic ones are off (0), as `runtime.inplace` decides."""
+        return cls(writes_checkpoint=checkpoint_every == 0)
+
     def seconds(self, ctx: SimContext, old: Plan, new: Plan) -> float:
         """C_live of switching from `old` to `new` on the cluster and network of `ctx`."""
         write = max(_owned_bytes(ctx, old, i, r.tp) for p in old.pipelines for r in p.replicas for i in (r.stage,))
@@ -65,8 +72,9 @@ class LiveSwitchModel:
 
 
 def _params(ctx: SimContext, plan: Plan, stage: int, tp: int) -> float:
-    a, b = plan.stages[stage]
-    return ctx.stage_params(tp, a, b)
+    """Parameters one rank of pipeline stage `stage` at TP `tp` holds: all of its chunks' layers
+    (`Plan.stage_chunks`; several under interleaving)."""
+    return sum(ctx.stage_params(tp, a, b) for a, b in plan.stage_chunks(stage))
 
 
 def _owned_bytes(ctx: SimContext, plan: Plan, stage: int, tp: int) -> float:

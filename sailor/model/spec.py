@@ -25,6 +25,7 @@ Qwen3's `head_size` sets the attention width a·d apart from h.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from enum import Enum
 from typing import Literal
 
@@ -232,6 +233,10 @@ class ModelSpec(BaseModel):
         """Whether layer `layer` (index into the layer list) is a block with the MoE MLP."""
         return (self.moe is not None and self.layer_kind(layer) is LayerKind.BLOCK
                 and self.moe.is_sparse(layer - 1))
+
+    def holds_moe_block(self, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Whether any of the half-open layer ranges `ranges` (e.g. a stage's chunks) holds an MoE block."""
+        return self.moe is not None and any(self.is_moe_block(layer) for a, b in ranges for layer in range(a, b))
 
     @property
     def rotary_dim(self) -> int:

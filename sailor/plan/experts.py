@@ -51,8 +51,10 @@ class StageExperts(BaseModel):
             split of the model's experts in id order.
         imbalance: the simulator's load-balance assumption (`sailor.simulator.experts`): the
             routed rows the busiest EP rank receives over its share under uniform routing (>= 1;
-            1 = every expert gets k·N/E of a batch's N tokens). The runtime routes as the router
-            says and does not read it.
+            1 = every expert gets k·N/E of a batch's N tokens). Only with ep > 1: at EP 1 every
+            rank runs all experts on its own tokens, whatever their spread, and the simulator
+            charges no EP rank (a value other than 1 there is refused, not ignored). The runtime
+            routes as the router says and does not read it.
     """
 
     model_config = SPEC_CONFIG
@@ -62,6 +64,10 @@ class StageExperts(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "StageExperts":
+        if self.ep == 1 and self.imbalance != 1.0:
+            raise SailorInputError(f"imbalance {self.imbalance} with ep 1: it is the busiest EP rank's share of the"
+                                   " all-to-all's rows, and at EP 1 every rank runs every expert on its own tokens",
+                                   field="imbalance", fix="remove it, or set ep > 1")
         if self.placement is None:
             return self
         if len(self.placement) != self.ep:

@@ -331,8 +331,12 @@ class Plan(BaseModel):
         return use
 
     def check_against(self, job: JobSpec, cluster: ClusterSpec | None = None) -> None:
-        """Raise SailorInputError unless this plan fits `job` (layers, batch, TP) and `cluster`
-        (zones, GPU counts, TP within a node)."""
+        """Raise SailorInputError unless this plan fits `job` (layers, batch, TP; memory options:
+        recompute_blocks within the stage's blocks, sequence parallelism on a sequence every TP
+        degree divides and on no stage holding a mixture-of-experts block, which the runtime does not
+        run sequence-parallel; expert parallelism, `check_experts_for_job`) and `cluster` (zones, GPU
+        counts, TP within a node). The one plan-against-job check of `sailor simulate`, `train`,
+        `launch`, the workers and the planner."""
         model = job.model
         if self.num_layers != model.num_layers:
             raise SailorInputError(f"stages cover layers [0, {self.num_layers}) but {model.name} has"
@@ -357,14 +361,17 @@ class Plan(BaseModel):
                 raise SailorInputError(f"recompute_blocks {mem.recompute_blocks} but stage {i} holds {blocks}"
                                        " transformer blocks", field=f"memory.{i}.recompute_blocks")
             if mem.sequence_parallel:
+                if model.holds_moe_block(self.stage_chunks(i)):
+                    raise SailorInputError(f"stage {i} {self.stage_layers_text(i)} holds mixture-of-experts blocks,"
+                                           " which the runtime does not run sequence-parallel",
+                                           field=f"memory.{i}.sequence_parallel", fix="set it to false")
                 for j, p in enumerate(self.pipelines):
                     if job.seq % p.replicas[i].tp:
                         raise SailorInputError(f"sequence parallelism splits the sequence over TP, but {job.seq} tokens"
                                                f" do not divide by TP {p.replicas[i].tp} (replica {i} of pipeline {j})",
                                                field=f"memory.{i}.sequence_parallel")
-        check_experts_for_job(self.experts, model, [
-            (self.stage_layers_text(i), any(model.is_moe_block(layer) for a, b in self.stage_chunks(i)
-                                            for layer in range(a, b))) for i in range(len(self.experts))])
+        check_experts_for_job(self.experts, model, [(self.stage_layers_text(i), model.holds_moe_block(self.stage_chunks(i)))
+                                                    for i in range(len(self.experts))])
         if cluster is None:
             return
         for j, p in enumerate(self.pipelines):

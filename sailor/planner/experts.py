@@ -27,11 +27,16 @@ over which links, and what EP gained or why EP 1 stayed.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
 from sailor.catalog import LinkClass
+from sailor.core.units import GIB
 from sailor.plan.experts import StageExperts
 from sailor.plan.spec import Plan
 from sailor.planner.schedules import checked_variant, fits
-from sailor.simulator import simulate
+from sailor.simulator import Estimate, simulate
 from sailor.simulator.collectives import same_node
 from sailor.simulator.context import SimContext
 from sailor.simulator.terms import placed_slots
@@ -89,9 +94,7 @@ def _stage_speeds(plan: Plan, ctx: SimContext, stage: int, ep: int) -> list[floa
 
 def _sparse_stages(plan: Plan, ctx: SimContext) -> list[int]:
     """Pipeline stages of `plan` holding at least one MoE block (all of a stage's chunks counted)."""
-    model = ctx.job.model
-    return [i for i in range(plan.num_stages)
-            if any(model.is_moe_block(layer) for a, b in plan.stage_chunks(i) for layer in range(a, b))]
+    return [i for i in range(plan.num_stages) if ctx.job.model.holds_moe_block(plan.stage_chunks(i))]
 
 
 def narrower_tp(plan: Plan, factor: int) -> dict | None:
@@ -184,63 +187,163 @@ _LINK_WORDS = {LinkClass.SAME_NODE: "one node (NVLink-class links)", LinkClass.S
                LinkClass.INTERCONTINENTAL: "continents"}
 
 
-def _rate(plan: Plan, ctx: SimContext) -> float:
-    """Closed-form iterations/s of `plan` (`simulate(event=False)`)."""
-    return 1.0 / simulate(plan, ctx, event=False).iteration_time_s
+@dataclass(frozen=True)
+class RankExperts:
+    """The routed experts one EP rank of a stage holds (`StageExperts.held`), and the GPU types of
+    the replicas that are that EP rank (one in each EP group)."""
+
+    ep_rank: int
+    expert_ids: tuple[int, ...]
+    gpus: tuple[str, ...]
 
 
-def explain(chosen: Plan, ctx: SimContext, best_flat: float | None = None) -> list[str]:
-    """Lines for `sailor plan` on a mixture-of-experts model (empty for a dense one): for each run of
-    stages with one expert parallelism, its EP degree, the experts each EP rank holds and on which
-    GPU type, and the slowest link its EP groups span (`_span`); then why: the iterations/s of the
-    best plan the search found at EP 1 (`best_flat`, when given) and whether the chosen shape fits at
-    EP 1 at all, or, when `chosen` keeps EP 1, the best EP variant tried on it (`expert_variants`,
-    closed form) and what it lacked."""
+@dataclass(frozen=True)
+class StageChoice:
+    """Expert parallelism of one stage of the chosen plan: its EP degree, what each EP rank holds
+    (one rank holding all E at EP 1) and the slowest link its EP groups' all-to-alls cross (`_span`;
+    None at EP 1, which runs none)."""
+
+    stage: int
+    ep: int
+    ranks: tuple[RankExperts, ...]
+    link: LinkClass | None
+
+
+@dataclass(frozen=True)
+class EPVariant:
+    """The best expert-parallel variant of an EP-1 plan that fits (`expert_variants`): EP degree,
+    TP degree of its first replica, the slowest link its EP groups span, closed-form iterations/s."""
+
+    ep: int
+    tp: int
+    link: LinkClass
+    iters_per_s: float
+
+
+@dataclass(frozen=True)
+class ExpertsExplanation:
+    """Where the chosen plan's experts sit and why (`explain`); `lines()` for people, `to_dict()`
+    for `sailor plan --json`.
+
+    Attributes:
+        num_experts: the model's routed experts E.
+        stages: each pipeline stage's `StageChoice`.
+        iters_per_s: the chosen plan's iterations/s (closed form, `simulate(event=False)`).
+        best_flat_iters_per_s: iterations/s of the best plan the search found at EP 1
+            (event-simulated; the caller's figure, None when not given).
+        flat_iters_per_s: the chosen shape at EP 1 (the `experts` dropped), closed form; None when
+            the chosen plan keeps EP 1, or when that shape does not fit (`flat_oom`).
+        flat_oom: (GPU type, bytes needed, bytes allowed) of the fullest GPU of the chosen shape at
+            EP 1 when it does not fit in memory, else None.
+        best_variant: when the chosen plan keeps EP 1, its best expert-parallel variant that fits
+            (None when none does).
+    """
+
+    num_experts: int
+    stages: tuple[StageChoice, ...]
+    iters_per_s: float
+    best_flat_iters_per_s: float | None = None
+    flat_iters_per_s: float | None = None
+    flat_oom: tuple[str, float, float] | None = None
+    best_variant: EPVariant | None = None
+
+    @property
+    def uses_ep(self) -> bool:
+        return any(s.ep > 1 for s in self.stages)
+
+    def lines(self) -> list[str]:
+        """`sailor plan`'s lines: stages with one expert parallelism grouped, then why."""
+        E = self.num_experts
+        if not self.uses_ep:
+            lines = [f"experts: EP 1, every replica holds all {E} experts of every MoE block"]
+            v = self.best_variant
+            if v is None:
+                return lines + ["  why: no expert-parallel variant of this plan fits in memory or applies (EP groups"
+                                " need ep | pipelines, one TP degree and micro-batch count per group)"]
+            return lines + [f"  why: its best expert-parallel variant, EP {v.ep} at TP {v.tp} over {_LINK_WORDS[v.link]},"
+                            f" runs {v.iters_per_s:.4g} it/s against {self.iters_per_s:.4g} (closed form): its"
+                            " all-to-alls cost more than it saves"]
+        runs: list[tuple[list[int], tuple]] = []
+        for st in self.stages:
+            what = (st.ep, tuple(sorted({(len(r.expert_ids), "+".join(r.gpus)) for r in st.ranks})), st.link)
+            if runs and runs[-1][1] == what:
+                runs[-1][0].append(st.stage)
+            else:
+                runs.append(([st.stage], what))
+        lines = []
+        for stages, (ep, per, link) in runs:
+            name = f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}-{stages[-1]}"
+            if ep == 1:
+                lines.append(f"experts: {name} EP 1 (every replica holds all {E})")
+                continue
+            lines.append(f"experts: {name} EP {ep}: {', '.join(f'{n} on {g}' for n, g in per)} per EP rank; each EP"
+                         f" group of {ep} replicas sits on {_LINK_WORDS[link]}")
+        why = "  why: fewer experts per GPU to hold, compute and sync, for two all-to-alls each way per MoE block"
+        if self.best_flat_iters_per_s is not None:
+            why += f"; the best plan found at EP 1 runs {self.best_flat_iters_per_s:.4g} it/s"
+        if self.flat_oom is not None:
+            gpu, need, limit = self.flat_oom
+            why += f"; this shape at EP 1 would need {need / GIB:.1f} GiB on a {gpu} (limit {limit / GIB:.1f})"
+        else:
+            why += (f"; in closed form this plan runs {self.iters_per_s:.4g} it/s, the same shape at EP 1"
+                    f" {self.flat_iters_per_s:.4g}")
+        return lines + [why]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: the fields above, links as `LinkClass` values, memory in bytes."""
+        v, oom = self.best_variant, self.flat_oom
+        return {
+            "num_experts": self.num_experts, "iters_per_s": self.iters_per_s,
+            "stages": [{"stage": st.stage, "ep": st.ep, "all_to_all_link": st.link.value if st.link else None,
+                        "ranks": [{"ep_rank": r.ep_rank, "experts": len(r.expert_ids), "expert_ids": list(r.expert_ids),
+                                   "gpus": list(r.gpus)} for r in st.ranks]} for st in self.stages],
+            "ep1": {"best_found_iters_per_s": self.best_flat_iters_per_s,
+                    "same_shape_iters_per_s": self.flat_iters_per_s,
+                    "same_shape_oom": {"gpu": oom[0], "need_bytes": oom[1], "limit_bytes": oom[2]} if oom else None},
+            "best_ep_variant": {"ep": v.ep, "tp": v.tp, "all_to_all_link": v.link.value,
+                                "iters_per_s": v.iters_per_s} if v else None,
+        }
+
+
+def _rate(est: Estimate) -> float:
+    """Iterations/s of an estimate."""
+    return 1.0 / est.iteration_time_s
+
+
+def _stage_choices(plan: Plan, ctx: SimContext) -> tuple[StageChoice, ...]:
+    """Each stage's `StageChoice` under `plan`, its EP groups placed as the launcher places them."""
+    E, slots = ctx.job.model.moe.num_experts, placed_slots(plan, ctx.cluster)
+    out = []
+    for i in range(plan.num_stages):
+        ex = plan.stage_experts(i)
+        ranks = tuple(RankExperts(q, ex.held(q, E), tuple(sorted({p.replicas[i].gpu for p in plan.pipelines[q::ex.ep]})))
+                      for q in range(ex.ep))
+        out.append(StageChoice(i, ex.ep, ranks, _span(slots, ctx, i, ex.ep) if ex.ep > 1 else None))
+    return tuple(out)
+
+
+def explain(chosen: Plan, ctx: SimContext, best_flat: float | None = None) -> ExpertsExplanation | None:
+    """Where the experts of `chosen` (a plan `plan_job` returned) sit and why, for `sailor plan`; None
+    for a dense model. Each stage's EP degree, the experts each EP rank holds and on which GPU types,
+    and the slowest link its EP groups span (`_span`); then why: the iterations/s of the best plan
+    the search found at EP 1 (`best_flat`, when given) and of the same shape at EP 1, or the memory
+    that shape would need where it does not fit; or, when `chosen` keeps EP 1, the best EP variant
+    tried on it (`expert_variants`, closed form). Memory is judged with `ctx`'s margin."""
     model = ctx.job.model
     if model.moe is None:
-        return []
-    E = model.moe.num_experts
-    if not chosen.experts or all(e.ep == 1 for e in chosen.experts):
-        lines = [f"experts: EP 1, every replica holds all {E} experts of every MoE block"]
-        fit = [(p, _rate(p, ctx)) for p in expert_variants(chosen, ctx) if fits(simulate(p, ctx, event=False), ctx)]
+        return None
+    est = simulate(chosen, ctx, event=False)
+    x = ExpertsExplanation(model.moe.num_experts, _stage_choices(chosen, ctx), _rate(est), best_flat)
+    if not x.uses_ep:
+        fit = [(p, _rate(e)) for p in expert_variants(chosen, ctx) if fits(e := simulate(p, ctx, event=False), ctx)]
         if not fit:
-            lines.append("  why: no expert-parallel variant of this plan fits in memory or applies (EP groups need ep"
-                         " | pipelines, one TP degree and micro-batch count per group)")
-            return lines
+            return x
         best, rate = max(fit, key=lambda v: v[1])
         ep = max(e.ep for e in best.experts)
         span = _span(placed_slots(best, ctx.cluster), ctx, _sparse_stages(best, ctx)[0], ep)
-        lines.append(f"  why: its best expert-parallel variant, EP {ep} at TP {best.pipelines[0].replicas[0].tp} over"
-                     f" {_LINK_WORDS[span]}, runs {rate:.4g} it/s"
-                     f" against {_rate(chosen, ctx):.4g} (closed form): its all-to-alls cost more than it saves")
-        return lines
-    lines, runs, slots = [], [], placed_slots(chosen, ctx.cluster)
-    for i, ex in enumerate(chosen.experts):
-        gpus = [chosen.pipelines[q].replicas[i].gpu for q in range(ex.ep)]
-        what = (ex.ep, tuple((len(ex.held(q, E)), g) for q, g in enumerate(gpus)), _span(slots, ctx, i, ex.ep))
-        if runs and runs[-1][1] == what:
-            runs[-1][0].append(i)
-        else:
-            runs.append(([i], what))
-    for stages, (ep, held, span) in runs:
-        name = f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}-{stages[-1]}"
-        if ep == 1:
-            lines.append(f"experts: {name} EP 1 (every replica holds all {E})")
-            continue
-        per = sorted({h for h in held})
-        per_rank = ", ".join(f"{n} on {g}" for n, g in per) if len(per) > 1 else f"{per[0][0]} on {per[0][1]}"
-        lines.append(f"experts: {name} EP {ep}: {per_rank} per EP rank; each EP group of {ep} replicas sits on"
-                     f" {_LINK_WORDS[span]}")
-    flat = checked_variant({k: v for k, v in chosen.to_dict().items() if k != "experts"})
-    flat_est = simulate(flat, ctx, event=False)
-    why = "  why: fewer experts per GPU to hold, compute and sync, for two all-to-alls each way per MoE block"
-    if best_flat is not None:
-        why += f"; the best plan found at EP 1 runs {best_flat:.4g} it/s"
-    if not fits(flat_est, ctx):
-        worst = max(flat_est.replicas, key=lambda r: r.peak_memory_bytes / ctx.memory_limit(r.gpu))
-        why += (f"; this shape at EP 1 would need {worst.peak_memory_bytes / 2**30:.1f} GiB on a {worst.gpu}"
-                f" (limit {ctx.memory_limit(worst.gpu) / 2**30:.1f})")
-    else:
-        why += (f"; in closed form this plan runs {_rate(chosen, ctx):.4g} it/s, the same shape at EP 1"
-                f" {1.0 / flat_est.iteration_time_s:.4g}")
-    return lines + [why]
+        return dataclasses.replace(x, best_variant=EPVariant(ep, best.pipelines[0].replicas[0].tp, span, rate))
+    flat = simulate(checked_variant({k: v for k, v in chosen.to_dict().items() if k != "experts"}), ctx, event=False)
+    if fits(flat, ctx):
+        return dataclasses.replace(x, flat_iters_per_s=_rate(flat))
+    worst = max(flat.replicas, key=lambda r: r.peak_memory_bytes / ctx.memory_limit(r.gpu))
+    return dataclasses.replace(x, flat_oom=(worst.gpu, worst.peak_memory_bytes, ctx.memory_limit(worst.gpu)))

@@ -142,13 +142,12 @@ def home_zone(ctx: SimContext, gpu: str) -> str:
 
 def sp_possible(ctx: SimContext, tp: int, a: int = 0, b: int | None = None) -> bool:
     """Sequence parallelism of a stage of layers [a, b) (the whole model when b is None) needs TP > 1,
-    a sequence the TP degree divides, and no mixture-of-experts block among the layers: the runtime
-    does not run MoE blocks sequence-parallel (`runtime.validate`, which refuses such a plan)."""
+    a sequence the TP degree divides, and no mixture-of-experts block among the layers
+    (`Plan.check_against`'s rules: the runtime does not run MoE blocks sequence-parallel)."""
     model = ctx.job.model
     if tp < 2 or ctx.job.seq % tp:
         return False
-    end = model.num_layers if b is None else b
-    return model.moe is None or not any(model.is_moe_block(layer) for layer in range(a, end))
+    return not model.holds_moe_block([(a, model.num_layers if b is None else b)])
 
 
 def option_time_s(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, memory: StageMemory,

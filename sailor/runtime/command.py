@@ -136,6 +136,12 @@ def steps_for(job: Any, steps: int | None, *, fallback: int | None) -> int:
     return fallback
 
 
+def checkpoint_every_for(job: Any, every: int | None) -> int:
+    """Steps between periodic checkpoints of a run: `every` (--checkpoint-every) when given, else the
+    job's `recipe.checkpoint.every` (0: only at the end, on a stop and, for `sailor run`, at switches)."""
+    return job.recipe.checkpoint.every if every is None else every
+
+
 def option(name: str) -> str:
     """The worker's flag for field `name` of WorkerSettings, e.g. "--checkpoint-dir"."""
     return "--" + name.replace("_", "-")

@@ -427,7 +427,7 @@ def apply_tp(stage: nn.Module, *, tp_rank: int, tp: int, group, sequence_paralle
         elif isinstance(module, Head):
             new = VocabParallelHead(module, tp_rank, tp, group)
         elif isinstance(module, MoEMLP):
-            assert not sp, "sequence parallelism with MoE blocks is refused by runtime.validate"
+            assert not sp, "sequence parallelism with MoE blocks is refused by Plan.check_against"
             module.shard(tp, lambda x: copy_to_tp(x, group), lambda x: reduce_from_tp(x, group))
         if new is not None:
             setattr(parent, child, new)

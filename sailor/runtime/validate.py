@@ -36,11 +36,12 @@ def _expert_widths(model) -> tuple[tuple[str, int], ...]:
     return (("expert width", model.moe.expert_ffn_size),) + shared
 
 
-def check_moe(plan: Plan, job: JobSpec, *, source: str | None = None, job_source: str | None = None) -> None:
+def check_moe(job: JobSpec, *, source: str | None = None, job_source: str | None = None) -> None:
     """Raise SailorInputError for a mixture-of-experts job the distributed runtime cannot train yet:
-    a capacity factor (the runtime routes dropless, as transformers does) and sequence parallelism on
-    a stage holding an MoE block. A load-balancing loss (`moe.aux_loss_coef` > 0) is applied under
-    every plan, per micro-batch (`runtime.balance`)."""
+    a capacity factor (the runtime routes dropless, as transformers does). Sequence parallelism on a
+    stage holding an MoE block is `Plan.check_against`'s refusal (the simulator's too). A
+    load-balancing loss (`moe.aux_loss_coef` > 0) is applied under every plan, per micro-batch
+    (`runtime.balance`)."""
     moe = job.model.moe
     if moe is None:
         return
@@ -49,12 +50,6 @@ def check_moe(plan: Plan, job: JobSpec, *, source: str | None = None, job_source
         raise SailorInputError(f"capacity factor {moe.capacity_factor}: the runtime routes every token to its top_k"
                                " experts (dropless)", source=where, field="model.moe.capacity_factor",
                                fix="remove it (null: dropless)")
-    for i in range(plan.num_stages):
-        sparse = any(job.model.is_moe_block(layer) for a, b in plan.stage_chunks(i) for layer in range(a, b))
-        if sparse and stage_memory(plan, i).sequence_parallel:
-            raise SailorInputError(f"stage {i} {plan.stage_layers_text(i)} holds mixture-of-experts blocks, which"
-                                   " the runtime does not run sequence-parallel", source=source,
-                                   field=f"memory.{i}.sequence_parallel", fix="set it to false")
 
 
 def check_runtime_options(plan: Plan, job: JobSpec, *, source: str | None = None,
@@ -92,10 +87,11 @@ def check_plan_for_job(plan: Plan, job: JobSpec | None, cluster: ClusterSpec | N
                        job_source: str | None = None, world_size: int | None = None) -> JobSpec:
     """The one check `sailor train`, `sailor launch` and every worker run before anything trains:
     a job is known, the plan fits it and its cluster (`Plan.check_against`: layers covered, batch
-    arithmetic, TP dividing the heads and within a node, GPU counts), the runtime can shard it
-    (`check_runtime_geometry`) and execute its memory options and precision (`check_runtime_options`;
-    `job_source` is the job file when the job is not the plan's own) and its experts (`check_moe`), and, for a worker, torchrun
-    started as many ranks as the plan has.
+    arithmetic, TP dividing the heads and within a node, memory options and expert parallelism
+    against the model, GPU counts), the runtime can shard it (`check_runtime_geometry`) and execute
+    its memory options and precision (`check_runtime_options`; `job_source` is the job file when the
+    job is not the plan's own) and its MoE routing (`check_moe`), and, for a worker, torchrun started
+    as many ranks as the plan has.
 
     Returns:
         the job (for the caller's convenience).
@@ -111,7 +107,7 @@ def check_plan_for_job(plan: Plan, job: JobSpec | None, cluster: ClusterSpec | N
         raise e.located(source=source) from None
     check_runtime_geometry(plan, job, source=source)
     check_runtime_options(plan, job, source=source, job_source=job_source)
-    check_moe(plan, job, source=source, job_source=job_source)
+    check_moe(job, source=source, job_source=job_source)
     if world_size is not None and world_size != plan.world_size:
         raise SailorInputError(f"torchrun started {world_size} ranks but the plan has {plan.world_size}",
                                source=source, fix="start one process per GPU of the plan (sailor launch does)")

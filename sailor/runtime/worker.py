@@ -81,7 +81,7 @@ from sailor.runtime import checkpoint as ckpt
 from sailor.runtime import evaluation
 from sailor.runtime.balance import LoadBalancing, load_balancing
 from sailor.runtime.checkpoint_io import RankWriter, Reader
-from sailor.runtime.command import WorkerSettings, parse
+from sailor.runtime.command import WorkerSettings, checkpoint_every_for, parse
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.device import rank_device
 from sailor.runtime.executor import ActivationMeter, StageExecutor
@@ -434,7 +434,7 @@ def run_steps(live: Live, log: StepLog | None) -> None:
     corpus = load_corpus(args.data)
     recipe = job.recipe
     eval_corpus = load_corpus(recipe.eval.data) if recipe.eval is not None else None
-    every = recipe.checkpoint.every if args.checkpoint_every is None else args.checkpoint_every
+    every = checkpoint_every_for(job, args.checkpoint_every)
     meta = ckpt.run_meta(job, args.seed)
     if rank == 0 and live.record:  # what `sailor export` keeps of the Hugging Face folder the run started from
         meta |= {RECORD_KEY: live.record}
