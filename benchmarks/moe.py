@@ -189,9 +189,8 @@ def plan_for(m: ModelSpec, row: Row) -> Plan:
 def _simulate(row: Row, framework: str):
     m = BUILTIN_MODELS[row.model]
     job = JobSpec(model=m, global_batch_size=row.gbs, sequence_length=row.seq, precision="bf16", framework=framework)
-    # no zone lists GB200/GB300 prices; the benchmark reports no cost, so it gives 0 $/GPU-hour
-    cluster = node_cluster(row.gpu, row.gpus, row.node, row.nic_bytes_per_s,
-                           price=0.0 if row.nic_bytes_per_s is not None else None)
+    # the benchmark reports no cost; a price is needed where no zone lists one (GB200, GB300)
+    cluster = node_cluster(row.gpu, row.gpus, row.node, row.nic_bytes_per_s, price=0.0)
     plan = plan_for(m, row)
     plan.check_against(job, cluster)
     return simulate(plan, make_context(job, cluster))
