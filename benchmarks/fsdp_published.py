@@ -187,14 +187,19 @@ def llama_model(name: str) -> ModelSpec:
                      learned_positions=False, bias=False, rms_norm=True, tied_embeddings=False)
 
 
-def node_cluster(gpu: str, gpus: int) -> ClusterSpec:
-    """`gpus` GPUs of type `gpu` in one zone, 8 per node, links of the module docstring."""
+def node_cluster(gpu: str, gpus: int, per_node: int = 8, per_gpu: float | None = None,
+                 price: float | None = None) -> ClusterSpec:
+    """`gpus` GPUs of type `gpu` in one zone, `per_node` per node (NVLink inside it at the catalog's
+    NCCL share), one adapter per GPU between nodes reaching `per_gpu` bytes/s (default
+    INTER_NODE_BYTES_PER_S[gpu]), the node's adapters shared by its flows (module docstring);
+    `price` $/GPU-hour for a GPU type the zone lists none for (None: the catalog's)."""
     spec = catalog.gpu(gpu)
     nvlink = spec.intra_node_bytes_per_s / 2 * spec.efficiency.intra_node
-    per_gpu = INTER_NODE_BYTES_PER_S[gpu]
-    return ClusterSpec(zones={ZONE: {gpu: gpus}}, gpus_per_node={gpu: 8},
+    per_gpu = INTER_NODE_BYTES_PER_S[gpu] if per_gpu is None else per_gpu
+    return ClusterSpec(zones={ZONE: {gpu: gpus}}, gpus_per_node={gpu: per_node},
+                       prices={} if price is None else {gpu: price},
                        network={"same_node": {"latency_s": LINK_LATENCY_S, "bandwidth_bytes_per_s": nvlink},
-                                "same_zone": {"latency_s": LINK_LATENCY_S, "bandwidth_bytes_per_s": 8 * per_gpu,
+                                "same_zone": {"latency_s": LINK_LATENCY_S, "bandwidth_bytes_per_s": per_node * per_gpu,
                                               "flow_bandwidth_bytes_per_s": per_gpu}})
 
 

@@ -7,7 +7,7 @@ from sailor.catalog import Link, LinkClass
 from sailor.core.errors import SailorInputError
 
 EXPECTED_GPUS = {"V100-16", "V100-32", "A100-40", "A100-80", "A100-80-PCIe", "H100-80", "H100-PCIe", "H100-NVL",
-                 "H200-141", "GH200-96", "L4", "T4", "RTX-3090", "RTX-2080", "Titan-RTX", "cpu"}
+                 "H200-141", "GH200-96", "GB200-186", "GB300-279", "L4", "T4", "RTX-3090", "RTX-2080", "Titan-RTX", "cpu"}
 
 
 def test_catalog_lists_exactly_the_issue_gpus():
@@ -34,6 +34,20 @@ def test_datasheet_figures_are_dense_and_in_si_units():
     assert catalog.gpu("H100-PCIE").peak("bf16") == 756.5e12 and catalog.gpu("H100-PCIe").hbm_bytes_per_s == 2.0e12
     assert catalog.gpu("H100-NVL").memory_bytes == 94e9 and catalog.gpu("H100-NVL").peak("bf16") == 835.5e12
     assert catalog.gpu("A100-80-PCIe").hbm_bytes_per_s == 1935e9 and catalog.gpu("A100-80-PCIe").efficiency.matmul == 0.811
+
+
+def test_blackwell_rack_gpus_are_the_nvl72_figures_per_gpu():
+    # NVIDIA's NVL72 pages give rack totals for 72 GPUs: 360 PFLOPS BF16 with sparsity, 576 TB/s HBM,
+    # 130 TB/s NVLink; 13.4 TB (GB200) and 20 TB (GB300) of HBM3e (gpus.yaml)
+    for name, rack_hbm in (("GB200", 13.4e12), ("GB300", 20e12)):
+        g = catalog.gpu(name)
+        assert g.peak("bf16") == g.peak("fp16") == 360e15 / 72 / 2  # dense: half the sparse figure
+        assert g.hbm_bytes_per_s == 576e12 / 72
+        assert g.intra_node_bytes_per_s == pytest.approx(130e12 / 72, rel=0.02)  # 1.8 TB/s per GPU
+        assert abs(g.memory_bytes - rack_hbm / 72) / g.memory_bytes < 0.005
+        assert g.gpus_per_node == 4  # a compute tray: 2 superchips of 2 GPUs
+        defaults = catalog._load_yaml("gpus.yaml")["efficiency_defaults"]
+        assert g.efficiency == catalog.Efficiency(**defaults)  # nothing measured on Blackwell
 
 
 def test_missing_dtype_falls_back_to_fp32():

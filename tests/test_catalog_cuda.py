@@ -29,6 +29,8 @@ REAL = [
     ("NVIDIA H100 NVL", 95830, "H100-NVL"),
     ("NVIDIA H200", 143771, "H200-141"),
     ("NVIDIA GH200 480GB", 97871, "GH200-96"),
+    ("NVIDIA GB200", 186e9 / MIB, "GB200-186"),  # 186 GB, the MLCommons system description's figure
+    ("NVIDIA GB300", 256703, "GB300-279"),  # as nvidia-smi reports a DGX Station GB300
     ("NVIDIA L4", 23034, "L4"),
     ("Tesla T4", 15360, "T4"),
     ("NVIDIA GeForce RTX 3090", 24268, "RTX-3090"),
@@ -77,4 +79,9 @@ def test_check_arch_names_the_build_to_install():
     assert check_arch((9, 0), ["sm_80", "sm_90"]) is None
     msg = check_arch((7, 0), ["sm_75", "sm_80"], "Tesla V100-SXM2-16GB")
     assert "sm_70" in msg and BUILD_FOR_VOLTA in msg and "\n" not in msg
+    cu126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+    assert arch_supported(CAPABILITY["H100-80"], cu126) and not arch_supported(CAPABILITY["GB300-279"], cu126)
+    blackwell = check_arch(CAPABILITY["GB200-186"], cu126, "NVIDIA GB200")
+    assert "sm_100" in blackwell and "cu126" not in blackwell  # the cu126 build has no Blackwell kernels
+    assert check_arch(CAPABILITY["GB300-279"], ["sm_90", "sm_100"]) is None  # sm_100 cubins run on 10.3
     assert "cu126" in BUILD_FOR_VOLTA

@@ -127,6 +127,9 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": Fal
                  "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
                  "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
                  "vocab_size": 151936}
+# Qwen/Qwen3-235B-A22B config.json: the 30B-A3B's keys at its own sizes
+QWEN3_235B_A22B = QWEN3_30B_A3B | {"hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 94,
+                                   "moe_intermediate_size": 1536, "num_attention_heads": 64, "num_hidden_layers": 94}
 # allenai/OLMoE-1B-7B-0924 config.json (6.9B parameters, 1.3B active)
 OLMOE_1B_7B = {"architectures": ["OlmoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
                "bos_token_id": None, "clip_qkv": None, "eos_token_id": 50279, "hidden_act": "silu",
@@ -140,7 +143,7 @@ OLMOE_1B_7B = {"architectures": ["OlmoeForCausalLM"], "attention_bias": False, "
 PUBLISHED = {"llama-3-8b": LLAMA3_8B, "llama-3.1-8b": LLAMA31_8B, "mistral-7b": MISTRAL_7B,
              "pythia-160m": PYTHIA_160M, "gpt2": GPT2, "opt-125m": OPT_125M, "qwen2-0.5b": QWEN2_05B,
              "mixtral-8x7b": MIXTRAL_8X7B, "qwen1.5-moe-a2.7b": QWEN15_MOE, "qwen3-30b-a3b": QWEN3_30B_A3B,
-             "olmoe-1b-7b": OLMOE_1B_7B}
+             "qwen3-235b-a22b": QWEN3_235B_A22B, "olmoe-1b-7b": OLMOE_1B_7B}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -171,24 +174,31 @@ def test_llama3_config_is_the_builtin_geometry_with_its_rope_base():
     assert (scaled.kind, scaled.factor, scaled.original_max_position_embeddings) == ("llama3", 8.0, 8192)
 
 
-@pytest.mark.parametrize("name, data", [("mixtral-8x7b", MIXTRAL_8X7B), ("qwen3-30b-a3b", QWEN3_30B_A3B)])
+@pytest.mark.parametrize("name, data", [("mixtral-8x7b", MIXTRAL_8X7B), ("qwen3-30b-a3b", QWEN3_30B_A3B),
+                                        ("qwen3-235b-a22b", QWEN3_235B_A22B)])
 def test_moe_builtins_are_their_published_configs(name, data):
     # The built-in is the published config.json, layer by layer; its totals are the model cards':
     # Mixtral 8x7B 46.7B (12.9B active), Qwen3-30B-A3B 30.5B (3.3B activated). Exact counts by hand:
     # Mixtral per block 4096·(4096 + 2·1024)·2 attention + 8·3·4096·14336 experts + 8·4096 router +
     # 2·4096 norms = 1,451,270,144; x32 + 2·32000·4096 + 4096 = 46,702,792,704. Qwen3 per block
     # 2048·(4096 + 2·512) + 4096·2048 attention + 2·128 q/k norms + 128·3·2048·768 experts + 128·2048
-    # router + 2·2048 norms = 623,120,640; x48 + 2·151936·2048 + 2048 = 30,532,122,624.
+    # router + 2·2048 norms = 623,120,640; x48 + 2·151936·2048 + 2048 = 30,532,122,624. Qwen3-235B per
+    # block 4096·(8192 + 2·512) + 8192·4096 + 2·128 + 128·3·4096·1536 + 128·4096 + 2·4096 = 2,487,755,008;
+    # x94 + 2·151936·4096 + 4096 = 235,093,634,560 (transformers' num_parameters() on the meta device
+    # says the same, test_published_configs); active: 8 experts of 128.
     spec, builtin = spec_from_hf(data, source="config.json", name=name), BUILTIN_MODELS[name]
     assert differences(spec, builtin) == []
     for layer in range(builtin.num_layers):
         assert spec.params(layer, 4) == builtin.params(layer, 4)
         assert spec.forward_flop(layer, tp=4, mbs=1, seq=4096) == builtin.forward_flop(layer, tp=4, mbs=1, seq=4096)
     total, active = {"mixtral-8x7b": (46_702_792_704, 12_879_925_248),
-                     "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704)}[name]
+                     "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
+                     "qwen3-235b-a22b": (235_093_634_560, 22_190_763_520)}[name]
     assert (builtin.model_params(), builtin.active_params()) == (total, active)
-    card_total, card_active = {"mixtral-8x7b": (46.7, 12.9), "qwen3-30b-a3b": (30.5, 3.3)}[name]
-    assert abs(total / 1e9 - card_total) < 0.05 and abs(active / 1e9 - card_active) < 0.06  # Qwen3: 3.35
+    # the cards' figures and their last digit: "235B in total and 22B activated" for Qwen3-235B-A22B
+    card_total, card_active, digit = {"mixtral-8x7b": (46.7, 12.9, 0.1), "qwen3-30b-a3b": (30.5, 3.3, 0.1),
+                                      "qwen3-235b-a22b": (235, 22, 1)}[name]
+    assert abs(total / 1e9 - card_total) < digit / 2 and abs(active / 1e9 - card_active) < 0.6 * digit  # Qwen3: 3.35
 
 
 def test_sliding_window_limits_the_sequence(tmp_path):

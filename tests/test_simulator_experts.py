@@ -9,11 +9,12 @@ import dataclasses
 
 import pytest
 
+from sailor import catalog
 from sailor.core.errors import SailorInputError
 from sailor.model.moe import MoE
 from sailor.model.registry import BUILTIN_MODELS
 from sailor.model.spec import ModelSpec
-from sailor.perf.roofline import expert_ops, ops_time_s
+from sailor.perf.roofline import expert_ops, grad_accumulation_op, ops_time_s
 from sailor.plan.spec import Plan
 from sailor.simulator import check_modelled, make_context, placed_slots, simulate
 from sailor.simulator.collectives import all_to_all_time_s
@@ -152,6 +153,27 @@ def test_the_imbalance_factor_charges_the_busiest_ranks_rows():
              for ops1, ops2 in zip(expert_ops(_spec(), **kw, rows=1.0), expert_ops(_spec(), **kw, rows=2.0))]
     assert hot.replicas[0].forward_s - flat.replicas[0].forward_s == pytest.approx(BLOCKS * extra[0])
     assert hot.replicas[0].backward_s - flat.replicas[0].backward_s == pytest.approx(BLOCKS * extra[1])
+
+
+def test_an_ep_rank_accumulates_the_gradients_of_its_own_experts_alone():
+    # The layer times accumulate every expert's weight gradients per micro-batch (bf16 read, the
+    # fp32 buffer read and written: 2 + 2·4 bytes a parameter); an EP-2 rank holds E/2 experts a
+    # block, so its backward sheds that traffic for the other E/2, beside the expert kernels EP
+    # changes and the two backward all-to-alls it adds.
+    job = JobSpec(model=_spec(), global_batch_size=8, sequence_length=SEQ, precision="bf16")
+    kw = dict(tp=1, mbs=MBS, seq=SEQ, e=2)
+    every = expert_ops(_spec(), **kw, grad_bytes=4)[1][-1]
+    assert every.bytes == E * EXPERT * (2 + 2 * 4)
+    assert grad_accumulation_op(job, 1, 1).bytes - every.bytes == (_spec().params(1) - E * EXPERT) * (2 + 2 * 4)
+    ep1, _, _ = _run(None)
+    ep2, _, _ = _run([{"ep": 2}])
+    h100 = catalog.gpu("H100-80")
+    shed = (E - E // 2) * EXPERT * (2 + 2 * 4) / (h100.hbm_bytes_per_s * h100.efficiency.memory)
+    kernels = (ops_time_s(expert_ops(_spec(), **kw, experts=E // 2, ep=True)[1], "H100-80", "bf16")
+               - ops_time_s(expert_ops(_spec(), **kw)[1], "H100-80", "bf16"))
+    two_all_to_alls = ep2.replicas[0].all_to_all_s / 2
+    assert ep2.replicas[0].backward_s - ep1.replicas[0].backward_s == pytest.approx(
+        BLOCKS * (kernels - shed) + two_all_to_alls)
 
 
 def test_all_to_all_bytes_between_zones_are_traffic():

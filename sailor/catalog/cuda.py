@@ -25,7 +25,9 @@ is removed, and CUDA 13 needs driver 580 or newer; PyTorch's install matrix,
 https://pytorch.org/get-started/locally/ and https://download.pytorch.org/whl/): the default
 Linux wheel of torch 2.13 on PyPI is built with CUDA 13, so it runs Turing and newer (sm_75+) with
 driver >= 580 and cannot run a V100; the CUDA 12.6 wheels on PyTorch's own index (cu126) still carry
-sm_70 kernels and run every catalog GPU (driver >= 560). `BUILD_FOR_VOLTA` is that install line.
+sm_70 kernels and run every catalog GPU up to Hopper (driver >= 560); Blackwell (GB200 10.0, GB300
+10.3) needs CUDA 12.8 or newer (CUDA 12.8 release notes), so only the CUDA 13 wheel, whose sm_100
+cubins run on 10.x. `BUILD_FOR_VOLTA` is that install line.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ BUILD_FOR_VOLTA = f"pip install torch=={TORCH_VERSION} --index-url {CU126_INDEX}
 BUILD_DEFAULT = f"pip install torch=={TORCH_VERSION}"
 CUDA13_MIN_CAPABILITY = (7, 5)  # CUDA 13 dropped sm_50..sm_72 (release notes, module docstring)
 CUDA13_MIN_DRIVER = 580
+CU126_MAX_CAPABILITY = (9, 0)  # Blackwell (sm_100) needs CUDA 12.8 or newer (CUDA 12.8 release notes)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ CUDA_NAMES: tuple[CudaName, ...] = (
     CudaName("NVIDIA H100 NVL", "H100-NVL", 87.0, 95.0),
     CudaName("NVIDIA H200", "H200-141", 130.0, 141.0),
     CudaName("NVIDIA GH200 480GB", "GH200-96", 90.0, 96.5),
+    # Blackwell: bands below the datasheet's HBM (GB300: 288 GB of stacks, 279 GB in NVIDIA's rack figure;
+    # a DGX Station GB300 reports 256,703 MiB = 250.7 GiB), as the driver reserves more on these parts.
+    CudaName("NVIDIA GB200", "GB200-186", 170.0, 186.0),
+    CudaName("NVIDIA GB300", "GB300-279", 245.0, 280.0),
     CudaName("NVIDIA L4", "L4", 21.0, 23.0),
     CudaName("Tesla T4", "T4", 14.5, 16.0),
     CudaName("NVIDIA GeForce RTX 3090", "RTX-3090", 23.0, 24.5),
@@ -76,11 +83,13 @@ CUDA_NAMES: tuple[CudaName, ...] = (
 )
 
 # Compute capability of each catalog type (NVIDIA, "CUDA GPUs - Compute Capability",
-# https://developer.nvidia.com/cuda-gpus): Volta 7.0, Turing 7.5, Ampere 8.0 / 8.6, Ada 8.9, Hopper 9.0.
+# https://developer.nvidia.com/cuda-gpus): Volta 7.0, Turing 7.5, Ampere 8.0 / 8.6, Ada 8.9, Hopper 9.0,
+# Blackwell GB200 10.0, Blackwell Ultra GB300 10.3.
 CAPABILITY: dict[str, tuple[int, int]] = {
     "V100-16": (7, 0), "V100-32": (7, 0), "T4": (7, 5), "RTX-2080": (7, 5), "Titan-RTX": (7, 5),
     "A100-40": (8, 0), "A100-80": (8, 0), "A100-80-PCIe": (8, 0), "RTX-3090": (8, 6), "L4": (8, 9),
     "H100-80": (9, 0), "H100-PCIe": (9, 0), "H100-NVL": (9, 0), "H200-141": (9, 0), "GH200-96": (9, 0),
+    "GB200-186": (10, 0), "GB300-279": (10, 3),
 }
 
 
@@ -137,6 +146,8 @@ def build_for(capability: tuple[int, int]) -> str:
     """The torch install line for a device of `capability` (module docstring)."""
     if capability < CUDA13_MIN_CAPABILITY:
         return BUILD_FOR_VOLTA
+    if capability > CU126_MAX_CAPABILITY:
+        return f"{BUILD_DEFAULT} (CUDA 13, driver >= {CUDA13_MIN_DRIVER})"
     return f"{BUILD_DEFAULT} (CUDA 13, driver >= {CUDA13_MIN_DRIVER}; or {BUILD_FOR_VOLTA} for older drivers)"
 
 

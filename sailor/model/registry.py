@@ -55,6 +55,17 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
                   gated_mlp=True, learned_positions=False, bias=False, rms_norm=True, tied_embeddings=False,
                   rope_theta=1e6, norm_eps=1e-6, qk_norm=True, hf_model_type="qwen3_moe",
                   moe=MoE(num_experts=128, top_k=8, expert_ffn_size=768, norm_topk_prob=True)),
+        # Qwen/Qwen3-235B-A22B config.json: hidden_size 4096, 94 layers, 64 heads of head_dim 128, 4 KV
+        # heads, vocab 151936, max_position_embeddings 40960, rms_norm_eps 1e-6, rope_theta 1e6,
+        # num_experts 128, num_experts_per_tok 8, moe_intermediate_size 1536, norm_topk_prob true,
+        # decoder_sparse_step 1, mlp_only_layers [], router_aux_loss_coef 0.001 with output_router_logits
+        # false, intermediate_size 12288 (no dense block uses it), untied. The model card: 235B
+        # parameters in total, 22B activated.
+        ModelSpec(name="qwen3-235b-a22b", num_blocks=94, hidden_size=4096, num_heads=64, num_kv_heads=4,
+                  head_size=128, ffn_hidden_size=12288, vocab_size=151936, max_sequence_length=40960,
+                  gated_mlp=True, learned_positions=False, bias=False, rms_norm=True, tied_embeddings=False,
+                  rope_theta=1e6, norm_eps=1e-6, qk_norm=True, hf_model_type="qwen3_moe",
+                  moe=MoE(num_experts=128, top_k=8, expert_ffn_size=1536, norm_topk_prob=True)),
     ]
 }
 

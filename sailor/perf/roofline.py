@@ -147,21 +147,28 @@ def _expert_kernels(m: ModelSpec, *, tp: int, e: int, rows: float, experts: int)
 
 
 def expert_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, experts: int | None = None,
-               rows: float = 1.0, ep: bool = False) -> tuple[list[Op], list[Op]]:
+               rows: float = 1.0, ep: bool = False, grad_bytes: int = 0) -> tuple[list[Op], list[Op]]:
     """(forward, backward) operations of the routed experts alone of one MoE block (the part of
-    `moe_mlp_ops` expert parallelism changes) on an EP rank holding `experts` experts (default all E)
-    that processes `rows` x R routed rows (R of its own micro-batch, `routed_rows`); under expert
-    parallelism (`ep`) also the runtime's sort of the arrived rows by expert and the copy of the
-    outputs back to arrival order (`runtime.moe.ExpertParallel.run`: 2·e·h bytes per row each).
-    Backward: each GEMM twice, each memory-bound kernel's traffic twice."""
+    `moe_mlp_ops` and `grad_accumulation_op` expert parallelism changes) on an EP rank holding
+    `experts` experts (default all E) that processes `rows` x R routed rows (R of its own
+    micro-batch, `routed_rows`); under expert parallelism (`ep`) also the runtime's sort of the
+    arrived rows by expert and the copy of the outputs back to arrival order
+    (`runtime.moe.ExpertParallel.run`: 2·e·h bytes per row each). Backward: each GEMM twice, each
+    memory-bound kernel's traffic twice, and with `grad_bytes` (the job's gradient bytes per
+    parameter) the accumulation of the held experts' weight gradients into the gradient buffer
+    (their share of `grad_accumulation_op`: 3·h·f_e/t parameters per expert)."""
     R = rows * routed_rows(m, mbs=mbs, seq=seq)
-    up, act, down = _expert_kernels(m, tp=tp, e=e, rows=R, experts=m.moe.num_experts if experts is None else experts)
+    n = m.moe.num_experts if experts is None else experts
+    up, act, down = _expert_kernels(m, tp=tp, e=e, rows=R, experts=n)
     fwd = [up, act, down]
     if ep:
         fwd += [_mem("arrived rows by expert", 2 * e * R * m.hidden_size),
                 _mem("outputs to arrival order", 2 * e * R * m.hidden_size)]
     bwd = [up.scaled(2, up.name + " backward"), down.scaled(2, down.name + " backward")]
     bwd += [op.scaled(2, op.name + " backward") for op in fwd if op.kind is OpKind.MEMORY]
+    if grad_bytes:
+        bwd.append(_accumulation("experts gradient accumulation", n * 3 * m.hidden_size * m.moe.expert_ffn_size / tp,
+                                 e, grad_bytes))
     return fwd, bwd
 
 
@@ -272,11 +279,17 @@ def head_ops(m: ModelSpec, *, tp: int, mbs: int, seq: int, e: int, framework: Fr
     return [norm, lm, loss], [loss_bwd, lm.scaled(2, "lm head backward"), _mem("norm backward", 3 * e * N * h)]
 
 
+def _accumulation(name: str, params: float, e: int, grad: int) -> Op:
+    """Adding one micro-batch's weight gradients of `params` parameters (e bytes each) into the
+    gradient buffer (read and written at `grad` bytes per parameter)."""
+    return _mem(name, params * (e + 2 * grad))
+
+
 def grad_accumulation_op(job: JobSpec, layer: int, tp: int) -> Op:
-    """Adding one micro-batch's weight gradients of `layer` (e bytes per parameter) into the
-    gradient buffer (read and written at the job's gradient bytes per parameter)."""
-    grad = job.state_bytes_per_param["gradients"]
-    return _mem("gradient accumulation", job.model.params(layer, tp) * (job.elem_bytes + 2 * grad))
+    """Adding one micro-batch's weight gradients of `layer` (every parameter one GPU of its TP group
+    holds at EP 1) into the gradient buffer (`_accumulation` at the job's gradient bytes)."""
+    return _accumulation("gradient accumulation", job.model.params(layer, tp), job.elem_bytes,
+                         job.state_bytes_per_param["gradients"])
 
 
 def layer_ops(job: JobSpec, layer: int, tp: int, mbs: int, sp: bool = False) -> tuple[list[Op], list[Op]]:

@@ -19,7 +19,8 @@ holds n_q of the E routed experts (R = k·c·N routed copies of its own tokens, 
   A plan sets f > 1 for a router whose load it knows (e.g. measured max/mean token counts).
 - Expert compute (`expert_block_s`). Rank q runs its experts' GEMMs over ρ_q·R rows reading n_q
   experts' weights, plus the runtime's sort of the arrived rows by expert and the copy of the
-  outputs back to arrival order (`roofline.expert_ops`). The all-to-alls make every member wait
+  outputs back to arrival order, and accumulates the weight gradients of its n_q experts alone
+  into its gradient buffer (`roofline.expert_ops`). The all-to-alls make every member wait
   for the slowest EP rank of its group, so each member is charged max_q T_experts(q) in place of
   the EP-1 experts' work its layer times hold (the difference is taken from the roofline, also
   on measured layer times). The router, the shared experts and the attention stay per replica:
@@ -112,7 +113,8 @@ def _experts_s(ctx: SimContext, gpu: str, tp: int, mbs: int, held: int, rows: fl
     key = ("experts_s", gpu, tp, mbs, held, rows, ep)
     if key not in ctx.memo:
         job = ctx.job
-        fwd, bwd = expert_ops(job.model, tp=tp, mbs=mbs, seq=job.seq, e=job.elem_bytes, experts=held, rows=rows, ep=ep)
+        fwd, bwd = expert_ops(job.model, tp=tp, mbs=mbs, seq=job.seq, e=job.elem_bytes, experts=held, rows=rows, ep=ep,
+                              grad_bytes=job.state_bytes_per_param["gradients"])
         ctx.memo[key] = (ops_time_s(fwd, gpu, job.precision), ops_time_s(bwd, gpu, job.precision))
     return ctx.memo[key]
 
