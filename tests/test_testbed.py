@@ -374,7 +374,7 @@ class _FakePlaced:
     fail: set[str] = set()
 
     def __init__(self, argv, node, env):
-        self.argv, self.node, self.left = argv, node, self.polls[argv[0]]
+        self.argv, self.left = argv, self.polls[argv[0]]
         self.proc = self
         self.returncode = None
         self.started.append(argv)

@@ -138,7 +138,7 @@ class _Placed:
         def enter() -> None:  # in the child, before exec
             Path(node.cgroup, "cgroup.procs").write_text(str(os.getpid()))
 
-        self.argv, self.node, self.env = argv, node, env
+        self.node = node
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(["ip", "netns", "exec", node.netns, *argv], preexec_fn=enter, env=env,  # noqa: PLW1509
                                      stdout=self.log, stderr=subprocess.STDOUT, text=True)
@@ -176,9 +176,11 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
         RuntimeError: a busy command failed (its last output in the message), or the measured ones
             ran longer than `timeout_s`; everything started is stopped first.
     """
-    running = {n: _Placed(argv, state.node(n), env) for n, argv in {**measured, **busy}.items()}
+    running: dict[str, _Placed] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        for n, argv in {**measured, **busy}.items():
+            running[n] = _Placed(argv, state.node(n), env)
         while any(running[n].proc.poll() is None for n in measured):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"`sailor profile` did not finish within {timeout_s:.0f} s")
