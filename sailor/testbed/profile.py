@@ -24,8 +24,9 @@ backward per micro-batch of 1 and 2; 1-minute load 0.2 rising to 9 from other wo
 27.3 ms with the rank alone, 44.0 / 57.5 and 39.9 / 62.6 ms in the two nodes of the class with every
 rank busy; a quiet data-parallel run of four ranks of the class (`benchmarks/testbed.py`'s dp_fast)
 measured 33.7 ms per micro-batch of 1 where the profile taken alone had said 25.0. Under heavy
-load from other work (1-minute load 10-22) the two profiles came out alike (other work then
-slows a lone rank as much). Not the caches: a quota'd transformer layer's passes per CPU-second
+load from other work (1-minute load 10-30) the two profiles of TP 1 came out alike (other work then
+slows a lone rank as much), while a TP-2 group measured 104-135 ms per micro-batch of 2 busy against
+75-79 ms alone, and a TP-2 run's passes 0.387 s per step, predicted 0.313 s busy and 0.237 s alone. Not the caches: a quota'd transformer layer's passes per CPU-second
 did not change with a busy process beside it on the same or the other core; what else slows a
 quota'd rank when the cores are busy (their run queues at each refill of its quota) was not isolated.
 """
