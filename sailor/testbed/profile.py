@@ -239,7 +239,7 @@ def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, 
     job = Path(job).resolve()
     parts: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="sailor-testbed-profile-") as tmp:
-        for k, nodes in enumerate(profile_rounds(spec, tps, classes)):
+        for nodes in profile_rounds(spec, tps, classes):
             measured, busy = {}, {}
             for node in spec.nodes:
                 if nodes[node.name] is None:  # the load: its own class's TP-1 profile, every rank busy
