@@ -3,9 +3,10 @@ and the bytes on the links against the simulator's traffic, for a few plans on u
 shaped links.
 
 1. bring the testbed up (default `examples/testbed.yaml`: 4 nodes, 3 zones, 2 regions, 2 speeds);
-2. profile each device class inside one rank's quota (`sailor.testbed.profile`), and the links
-   between the nodes with `sailor profile network --hosts` (`network.json`: an α–β per link and
-   gloo's cost per collective beyond the simulator's ring over them, `perf.network.CollectiveCost`);
+2. profile each device class inside its ranks' quotas while every rank of the testbed is busy, as in
+   a run (`sailor.testbed.profile`), and the links between the nodes with `sailor profile network
+   --hosts` (`network.json`: an α–β per link and gloo's cost per collective beyond the simulator's
+   ring over them, `perf.network.CollectiveCost`);
    `network-collective.json` holds that cost fitted on the same sweeps against the ring over the
    cluster spec's links (their shaped rates), and no links;
 3. for each plan: `sailor.simulate` with that profile, the testbed's cluster spec and

@@ -351,3 +351,31 @@ def test_a_model_mixing_dense_and_moe_blocks_profiles_one_of_each(tmp_path):
     assert row["forward_s"][1] == row["forward_s"][3] and act[1] == act[3] != act[2]
     write_json(tmp_path / "p.json", data)
     assert load_profiles(tmp_path / "p.json", job).activation_bytes[1][2] == act[2]
+
+
+def test_run_ranks_keeps_the_last_message_a_rank_printed_before_it_exited(monkeypatch):
+    """A rank's last line can still be in its pipe when the process has exited (a loaded machine:
+    `sailor profile network --hosts` lost a pair's result, KeyError 'p2p'); run_ranks reads it."""
+    import io
+
+    from sailor.runtime import profiler
+
+    class LatePipe:  # the rank's stdout: its one line comes after the process has exited
+        def __iter__(self):
+            time.sleep(0.3)
+            yield profiler.RANK_MESSAGE + json.dumps({"result": {"p2p": 1}}) + "\n"
+
+    class Exited:  # stands in for subprocess.Popen: the rank has already exited with 0
+        def __init__(self, argv, **kw):
+            self.stdin, self.stdout, self.returncode = io.StringIO(), LatePipe(), 0
+
+        def poll(self):
+            return 0
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Exited)
+    got = []
+    profiler.run_ranks("sailor.runtime.profiler:profile_rank", 1, {}, on_message=got.append, port=1)
+    assert got == [{"result": {"p2p": 1}}]

@@ -338,7 +338,7 @@ def test_class_profiles_become_one_profile_of_their_gpu_types():
         merge([retag(fast, "A100-40"), retag(other, "V100-16")])
 
 
-def test_a_class_is_profiled_one_replica_at_a_time(box):
+def test_a_class_is_profiled_with_every_rank_of_its_node(box):
     from sailor.model.registry import get_model
     from sailor.testbed.profile import class_tps, profile_command
     # a TP group inside one node: fast nodes hold 2 ranks, slow ones 1; the tiny model's 4 heads
@@ -349,8 +349,77 @@ def test_a_class_is_profiled_one_replica_at_a_time(box):
     assert argv[:4] == ["/py", "-m", "sailor", "profile"]
     assert argv[argv.index("--tp") + 1] == "1" and argv[argv.index("--threads") + 1] == "1"
     assert argv[argv.index("--concurrency") + 1] == "1" and argv[argv.index("--mbs") + 1] == "1,2"
-    argv = profile_command("job.yaml", "/tmp/p.json", "2", python="/py", tps=[1, 2])
-    assert argv[argv.index("--tp") + 1] == "1,2"
+    argv = profile_command("job.yaml", "/tmp/p.json", "2", python="/py", tps=[1, 2], replicas=2)
+    assert argv[argv.index("--tp") + 1] == "1,2" and argv[argv.index("--concurrency") + 1] == "2"
+
+
+def test_each_round_measures_a_class_per_tp_degree_while_the_other_nodes_are_busy(box):
+    from sailor.testbed.profile import profile_rounds
+
+    tps = {"fast": [1, 2], "slow": [1]}
+    # examples/testbed.yaml: a0, a1 fast; b0, w0 slow. TP 1: both classes in their first nodes at once
+    assert profile_rounds(box, tps) == [{"a0": ("fast", 1), "a1": None, "b0": ("slow", 1), "w0": None},
+                                        {"a0": ("fast", 2), "a1": None, "b0": None, "w0": None}]
+    assert profile_rounds(box, tps, classes=["slow"]) == [{"a0": None, "a1": None, "b0": ("slow", 1), "w0": None}]
+    assert profile_rounds(box, {"fast": [2], "slow": [1]}, classes=["fast"]) == [
+        {"a0": ("fast", 2), "a1": None, "b0": None, "w0": None}]
+    assert profile_rounds(box, tps, classes=[]) == []
+
+
+class _FakePlaced:
+    """Stands in for `profile._Placed`: a command that ends (exit 0, or `fail`) after `polls` polls."""
+    started: list[list[str]] = []
+    stopped: list[list[str]] = []
+    polls = {"measure": 3, "busy": 1}
+    fail: set[str] = set()
+
+    def __init__(self, argv, node, env):
+        self.argv, self.left = argv, self.polls[argv[0]]
+        self.proc = self
+        self.returncode = None
+        self.started.append(argv)
+
+    def poll(self):
+        self.left -= 1
+        if self.left < 0 and self.returncode is None:
+            self.returncode = 1 if self.argv[0] in self.fail else 0
+        return self.returncode
+
+    def output(self):
+        return f"output of {self.argv[1]}"
+
+    def stop(self):
+        self.stopped.append(self.argv)
+
+
+def test_a_round_keeps_its_busy_nodes_busy_until_the_measured_ones_end(box, monkeypatch, tmp_path):
+    from sailor.testbed import profile
+
+    prefix = "sbx00ab"
+    state = host.TestbedState(name="box", prefix=prefix, block=200, folder=str(tmp_path / "box"), nodes=tuple(
+        host.NodeState(name=n, netns=f"{prefix}-{n}", veth=f"{prefix}n{n}", address=f"10.200.{i + 1}.2",
+                       router_address=f"10.200.{i + 1}.1", cgroup=f"/sys/fs/cgroup/cpu/{prefix}/{n}")
+        for i, n in enumerate(["a0", "a1", "w0"])))
+    placed = []
+    monkeypatch.setattr(profile, "_Placed", _FakePlaced)
+    monkeypatch.setattr(profile, "place_ranks", lambda node, slot_of: placed.append(node.name))
+    monkeypatch.setattr(profile, "PLACE_EVERY_S", 0.0)
+    _FakePlaced.started, _FakePlaced.stopped, _FakePlaced.fail = [], [], set()
+    res = profile._run_round({"a0": ["measure", "a0"]}, {"a1": ["busy", "a1"], "w0": ["busy", "w0"]}, state, {}, 60)
+    assert res == {"a0": (0, "output of a0")}
+    # the measured command polled 4 times (ends at the 4th); each busy one ended after 2 polls and was
+    # started again, and every command was stopped at the end or when it ended
+    assert _FakePlaced.started.count(["busy", "a1"]) == 2 and _FakePlaced.started.count(["measure", "a0"]) == 1
+    assert len(_FakePlaced.stopped) == len(_FakePlaced.started)
+    assert set(placed) == {"a0", "a1", "w0"}
+    _FakePlaced.started, _FakePlaced.stopped, _FakePlaced.fail = [], [], {"busy"}
+    with pytest.raises(RuntimeError, match="the load of node a1 failed: output of a1"):
+        profile._run_round({"a0": ["measure", "a0"]}, {"a1": ["busy", "a1"]}, state, {}, 60)
+    assert len(_FakePlaced.stopped) == len(_FakePlaced.started) == 2
+    _FakePlaced.started, _FakePlaced.stopped, _FakePlaced.fail = [], [], set()
+    with pytest.raises(RuntimeError, match="did not finish within -1 s"):
+        profile._run_round({"a0": ["measure", "a0"]}, {}, state, {}, -1)
+    assert _FakePlaced.stopped == [["measure", "a0"]]
 
 
 def test_a_profiling_rank_runs_on_the_device_of_its_rank(monkeypatch):

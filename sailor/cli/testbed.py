@@ -89,9 +89,10 @@ def profile_command(
                              help="Profile file to write (JSON, sailor.profiles/1)."),
     state_dir: Path | None = StateDirOpt,
 ) -> None:
-    """Measure each device class with `sailor profile` inside a node of the class, each TP rank under
-    its own quota, at every TP degree the node's ranks allow; one profile file, its rows named after
-    the classes' GPU types (for `sailor plan --profiles`)."""
+    """Measure each device class with `sailor profile` inside a node of the class, each rank under
+    its own quota, at every TP degree the node's ranks allow, while every other rank of the testbed
+    runs a profile too (as a run keeps them busy); one profile file, its rows named after the
+    classes' GPU types (for `sailor plan --profiles`)."""
     from sailor.cli.profile import check_profile_options, int_list
     from sailor.core.fileio import check_output_path, write_json
     from sailor.perf.profiles import profiles_from_dict

@@ -203,6 +203,7 @@ def _free_port() -> int:
 
 
 RANK_MESSAGE = "SAILOR_RANK "  # prefix of a message line a rank prints for the driver
+READER_JOIN_S = 30.0  # how long `run_ranks` waits, once its ranks have exited, for their last lines
 
 
 def run_ranks(target: str, nprocs: int, args: dict[str, Any], *, on_message: Callable[[Any], None] | None = None,
@@ -221,7 +222,7 @@ def run_ranks(target: str, nprocs: int, args: dict[str, Any], *, on_message: Cal
     port = _free_port() if port is None else port
     payload = json.dumps(args)
     msgs: _queue.Queue = _queue.Queue()
-    procs, errs = [], []
+    procs, errs, readers = [], [], []
     try:
         for rank in range(nprocs):
             err = tempfile.TemporaryFile(mode="w+")
@@ -241,7 +242,8 @@ def run_ranks(target: str, nprocs: int, args: dict[str, Any], *, on_message: Cal
             if launch is None:
                 p.stdin.write(payload)
                 p.stdin.close()
-            threading.Thread(target=_read_messages, args=(p.stdout, msgs), daemon=True).start()
+            readers.append(threading.Thread(target=_read_messages, args=(p.stdout, msgs), daemon=True))
+            readers[-1].start()
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             _drain(msgs, on_message)
@@ -253,6 +255,8 @@ def run_ranks(target: str, nprocs: int, args: dict[str, Any], *, on_message: Cal
             time.sleep(0.05)
         for p in procs:
             p.wait()
+        for t in readers:  # a rank's last lines may still be in its pipe when it has exited
+            t.join(timeout=READER_JOIN_S)
         _drain(msgs, on_message)
         failed = [r for r, p in enumerate(procs) if p.returncode != 0]
         if failed:

@@ -2,15 +2,33 @@
 its rows named after the GPU type the class stands for, all classes in one file (`sailor testbed
 profile`), which `sailor plan --profiles` and `sailor simulate --profiles` read as usual.
 
-Each class is measured at every TP degree its nodes have ranks for (`class_tps`), one replica at a time with one thread per process (`--threads 1 --concurrency 1`),
-inside the first node of the class as a run there is: in its network namespace (the TP collectives
-cross its loopback, shaped like a run's), each TP rank in its own rank cgroup (`r0`, `r1`, ...) under
-its quota and gloo's threads outside the quotas (`cgroups.place_ranks`), so the layer times are
-those of the class's ranks, their TP collectives included. A TP-2 replica's passes are not a TP-1
-pass's halves plus the collectives' bytes: each rank's quota runs in its own CFS periods, so a
-per-layer all-reduce also waits for the partner's next slice of its quota (one TP-2 replica of the
-`tiny` model on a node of two 0.3-core ranks, 6 micro-batches of 2, load 2.7: 0.475 s of passes
+Each class is measured at every TP degree its nodes have ranks for (`class_tps`), one thread per
+process, inside the first node of the class as a run there is: in its network namespace (the TP
+collectives cross its loopback, shaped like a run's), each rank in its own rank cgroup (`r0`, `r1`,
+...) under its quota and gloo's threads outside the quotas (`cgroups.place_ranks`), so the layer
+times are those of the class's ranks, their TP collectives included. A TP-2 replica's passes are
+not a TP-1 pass's halves plus the collectives' bytes: each rank's quota runs in its own CFS periods,
+so a per-layer all-reduce also waits for the partner's next slice of its quota (one TP-2 replica of
+the `tiny` model on a node of two 0.3-core ranks, 6 micro-batches of 2, load 2.7: 0.475 s of passes
 per step measured, 0.185 s predicted from times scaled from TP 1).
+
+Every rank of the testbed is busy meanwhile, as the ranks of a plan's run are (`profile_rounds`):
+one round per TP degree, in which each class measured at that degree fills its first node with
+replicas (node ranks / TP of them, timed together as `sailor profile --concurrency` does), and
+every other node runs its own class's TP-1 profile over all its ranks, started again until the
+round's measurements end. This is `sailor profile`'s own rule on a CPU (every core busy, as in a
+multi-process run) applied to the testbed's devices: a quota is a ceiling per CFS period, not a
+share of a core kept for the rank, and a rank of a class ran slower when the testbed's other ranks
+ran too. Measured on the 2-core build machine (`tiny`, fast class at 0.3 cores, TP 1, forward +
+backward per micro-batch of 1 and 2; 1-minute load 0.2 rising to 9 from other work): 19.9 and
+27.3 ms with the rank alone, 44.0 / 57.5 and 39.9 / 62.6 ms in the two nodes of the class with every
+rank busy; a quiet data-parallel run of four ranks of the class (`benchmarks/testbed.py`'s dp_fast)
+measured 33.7 ms per micro-batch of 1 where the profile taken alone had said 25.0. Under heavy
+load from other work (1-minute load 10-30) the two profiles of TP 1 came out alike (other work then
+slows a lone rank as much), while a TP-2 group measured 104-135 ms per micro-batch of 2 busy against
+75-79 ms alone, and a TP-2 run's passes 0.387 s per step, predicted 0.313 s busy and 0.237 s alone. Not the caches: a quota'd transformer layer's passes per CPU-second
+did not change with a busy process beside it on the same or the other core; what else slows a
+quota'd rank when the cores are busy (their run queues at each refill of its quota) was not isolated.
 """
 
 from __future__ import annotations
@@ -18,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +50,7 @@ from sailor.core.fileio import load_json
 from sailor.model.spec import ModelSpec
 from sailor.specs import load_job
 from sailor.testbed.cgroups import PLACE_EVERY_S, place_ranks
-from sailor.testbed.host import TestbedState
+from sailor.testbed.host import TestbedState, node_processes
 from sailor.testbed.spec import TestbedSpec
 from sailor.testbed.state import NodeState
 
@@ -85,10 +104,11 @@ def merge(profiles: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def profile_command(job: str | Path, out: str | Path, mbs: str, python: str = sys.executable,
-                    tps: Sequence[int] = (1,)) -> list[str]:
-    """`sailor profile` of one device class: TP degrees `tps`, one thread per process, one replica at a time."""
+                    tps: Sequence[int] = (1,), replicas: int = 1) -> list[str]:
+    """`sailor profile` of one device class: TP degrees `tps`, one thread per process, `replicas` TP
+    groups timed at once."""
     return [python, "-m", "sailor", "profile", "--job", str(job), "--device", "cpu", "--tp", ",".join(map(str, tps)),
-            "--mbs", mbs, "--threads", "1", "--concurrency", "1", "--out", str(out)]
+            "--mbs", mbs, "--threads", "1", "--concurrency", str(replicas), "--out", str(out)]
 
 
 PROFILE_RANK = ("-m", "sailor.runtime.profiler", "sailor.runtime.profiler:profile_rank")
@@ -98,8 +118,8 @@ sailor.runtime.profiler:profile_rank RANK WORLD PORT`."""
 
 def profile_rank_slot(argv: Sequence[str]) -> int | None:
     """The device index on its node of a `sailor profile` rank with command line `argv` (PROFILE_RANK):
-    its rank, since one replica is measured at a time (its TP ranks 0..t-1); None for any other
-    process."""
+    its rank, since the replicas measured in a node are as many as fit its ranks (`profile_classes`);
+    None for any other process."""
     n = len(PROFILE_RANK)
     for i in range(len(argv) - n):
         if tuple(argv[i:i + n]) == PROFILE_RANK and argv[i + n].isdigit():
@@ -112,33 +132,73 @@ def _profile_slot(pid: str) -> int | None:
     return profile_rank_slot(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"))
 
 
-def _run_placed(argv: list[str], node: NodeState, env: dict[str, str], timeout_s: float) -> tuple[int, str]:
-    """Run `argv` in `node`'s network namespace and cgroup, moving its profiling ranks into their
-    rank cgroups while it runs (`place_ranks`); (exit status, output).
+class _Placed:
+    """`argv` running in `node`'s network namespace and cgroup, its output kept in a temporary file."""
+
+    def __init__(self, argv: list[str], node: NodeState, env: dict[str, str]) -> None:
+        def enter() -> None:  # in the child, before exec
+            Path(node.cgroup, "cgroup.procs").write_text(str(os.getpid()))
+
+        self.node = node
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(["ip", "netns", "exec", node.netns, *argv], preexec_fn=enter, env=env,  # noqa: PLW1509
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        """End it (SIGINT first, so that `sailor profile` ends its ranks) and every process left in the node."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in node_processes(self.node):  # ranks run in sessions of their own (`profiler.run_ranks`)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.log.close()
+
+
+STOP_WAIT_S = 10.0  # how long a stopped `sailor profile` may take to end its ranks before it is killed
+
+
+def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state: TestbedState, env: dict[str, str],
+               timeout_s: float) -> dict[str, tuple[int, str]]:
+    """Run the commands `measured` and `busy` (node name -> argv) at once, each in its node
+    (`_Placed`), moving their profiling ranks into their rank cgroups while they run (`place_ranks`),
+    each busy one started again whenever it ends, until every measured one has ended; then stop the
+    busy ones. Node name -> (exit status, output) of the measured ones.
 
     Raises:
-        RuntimeError: it ran longer than `timeout_s` (it is killed first).
+        RuntimeError: a busy command failed (its last output in the message), or the measured ones
+            ran longer than `timeout_s`; everything started is stopped first.
     """
-    def enter() -> None:  # in the child, before exec
-        Path(node.cgroup, "cgroup.procs").write_text(str(os.getpid()))
-
-    with tempfile.TemporaryFile("w+") as log:
-        p = subprocess.Popen(["ip", "netns", "exec", node.netns, *argv], preexec_fn=enter, env=env,  # noqa: PLW1509
-                             stdout=log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while p.poll() is None:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"`sailor profile` did not finish within {timeout_s:.0f} s")
+    running: dict[str, _Placed] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for n, argv in {**measured, **busy}.items():
+            running[n] = _Placed(argv, state.node(n), env)
+        while any(running[n].proc.poll() is None for n in measured):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"`sailor profile` did not finish within {timeout_s:.0f} s")
+            for n in busy:
+                if running[n].proc.poll() is not None:
+                    if running[n].proc.returncode != 0:
+                        raise RuntimeError(f"the load of node {n} failed: {running[n].output().strip()[-500:]}")
+                    running[n].stop()
+                    running[n] = _Placed(busy[n], state.node(n), env)
+            for n in running:
                 with contextlib.suppress(OSError):
-                    place_ranks(node, _profile_slot)
-                time.sleep(PLACE_EVERY_S)
-        finally:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        log.seek(0)
-        return p.returncode, log.read()
+                    place_ranks(state.node(n), _profile_slot)
+            time.sleep(PLACE_EVERY_S)
+        return {n: (running[n].proc.returncode, running[n].output()) for n in measured}
+    finally:
+        for r in running.values():
+            r.stop()
 
 
 def class_tps(spec: TestbedSpec, model: ModelSpec) -> dict[str, list[int]]:
@@ -147,28 +207,52 @@ def class_tps(spec: TestbedSpec, model: ModelSpec) -> dict[str, list[int]]:
     return {name: model.tp_degrees(next(n.ranks for n in spec.nodes if n.device == name)) for name in spec.devices}
 
 
+def profile_rounds(spec: TestbedSpec, tps: dict[str, list[int]],
+                   classes: Sequence[str] | None = None) -> list[dict[str, tuple[str, int] | None]]:
+    """The rounds in which the device classes (all, or those named in `classes`) are measured at
+    their TP degrees `tps` (`class_tps`): one per TP degree, in increasing order, mapping every node
+    of the testbed to (device class, TP degree) where the round measures that class at that degree
+    (the class's first node), else to None (the node is kept busy: `profile_classes`)."""
+    chosen = [c for c in spec.devices if classes is None or c in classes]
+    rounds = []
+    for t in sorted({t for c in chosen for t in tps[c]}):
+        first = {next(n.name for n in spec.nodes if n.device == c): c for c in chosen if t in tps[c]}
+        rounds.append({n.name: (first[n.name], t) if n.name in first else None for n in spec.nodes})
+    return rounds
+
+
 def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, mbs: str = "1,2,4",
                     timeout_s: float = 1800.0, classes: Sequence[str] | None = None) -> dict[str, Any]:
-    """Measure every device class of the testbed (or those named in `classes`) in its first node
-    (module docstring; the node's ranks should not be running meanwhile) at every TP degree the
-    node's ranks allow, and return the merged profile, rows named after each class's GPU type.
+    """Measure every device class of the testbed (or those named in `classes`) in its first node at
+    every TP degree the node's ranks allow, with every rank of the testbed busy (module docstring;
+    nothing else should run on the testbed meanwhile), and return the merged profile, rows named
+    after each class's GPU type.
 
     Raises:
         RuntimeError: a `sailor profile` run failed (its last output in the message) or ran past `timeout_s`.
     """
+    from sailor.runtime.machine import merge_profile_dicts
+
     tps = class_tps(spec, load_job(job).model)
-    parts = []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2])] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    job = Path(job).resolve()
+    parts: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="sailor-testbed-profile-") as tmp:
-        for name, device in spec.devices.items():
-            if classes is not None and name not in classes:
-                continue
-            first = next(n for n in spec.nodes if n.device == name)
-            path = Path(tmp) / f"{name}.json"
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-                [str(Path(__file__).resolve().parents[2])] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-            argv = profile_command(Path(job).resolve(), path, mbs, tps=tps[name])
-            code, output = _run_placed(argv, state.node(first.name), env, timeout_s)
-            if code != 0:
-                raise RuntimeError(f"profiling device class {name} failed: {output.strip()[-500:]}")
-            parts.append(retag(load_json(path), device.gpu))
-    return merge(parts)
+        for nodes in profile_rounds(spec, tps, classes):
+            measured, busy = {}, {}
+            for node in spec.nodes:
+                if nodes[node.name] is None:  # the load: its own class's TP-1 profile, every rank busy
+                    busy[node.name] = profile_command(job, Path(tmp) / f"busy-{node.name}.json", mbs,
+                                                      replicas=node.ranks)
+                else:
+                    name, t = nodes[node.name]
+                    measured[node.name] = profile_command(job, Path(tmp) / f"{name}-tp{t}.json", mbs, tps=[t],
+                                                          replicas=node.ranks // t)
+            for node, (code, output) in _run_round(measured, busy, state, env, timeout_s).items():
+                name, t = nodes[node]
+                if code != 0:
+                    raise RuntimeError(f"profiling device class {name} at TP {t} failed: {output.strip()[-500:]}")
+                parts.setdefault(name, []).append(load_json(Path(tmp) / f"{name}-tp{t}.json"))
+    return merge([retag(merge_profile_dicts(parts[name]), spec.devices[name].gpu)
+                  for name in spec.devices if name in parts])
