@@ -8,7 +8,8 @@ the `steps` clock (one trace second per training step), so each plan trains the 
 the machine's load.
 
 By default the switches are live (as `sailor run`'s on the local provider): the surviving ranks keep
-their process and state. Phases: replan (planner, cached or not), stop (to the step boundary),
+their process and state. Phases: replan (planner, cached or not), start (the processes the new plan
+lacks start while the old plan trains on; 0 when spares are ready), stop (to the step boundary),
 checkpoint (at the boundary: the move planned, and a checkpoint written only when it needs one, so
 none here; below), rendezvous
 (the move group formed), move (state sent point to point, stages built), first step. Target: <= 2 s
@@ -29,11 +30,16 @@ ssh: the built-in pair of `runtime_overhead.py --testbed` (nodes a and b, one ra
 core's quota, zones us-central1-a and us-central1-b, a 400 Mbit/s cross-zone link) or a file's first
 two nodes (one rank each, `runtime_overhead.load_spec`). The trace offers both nodes' GPUs, then
 only the first node's after EVERY steps (node b's process leaves), then both again after 2 x EVERY
-(a fresh process starts on node b and gets its state over the link). The testbed is taken down on
+(a fresh process starts on node b, the old plan training on, and gets its state over the link; the
+run trains TESTBED_STEPS steps, so that the grow happens before the end). The planner plans with this
+machine's quick profile (`sailor.runtime.machine.local_profiles`, one thread per rank as under the
+quota) named after the nodes' GPU types (`testbed.profile.retag`): with the catalog's roofline an
+A100 runs the tiny model so fast that a second one never pays. The testbed is taken down on
 exit, error, Ctrl-C or SIGTERM, and the run fails if anything of it is left (`testbed.live_testbed`).
 Its JSON line adds `testbed` (file or null, nodes, zones, the link's Mbit/s).
 
-Prints a table, then one JSON line: `switches` (each with `total_s` and its phases), the means, and
+Prints a table, then one JSON line: `switches` (each with `total_s`, its phases and `paused_s`, the
+seconds in which no step ran: the total less the start phase), the means, and
 `survivors_restarted`: over all switches, the ranks present in both plans (GPUs kept) whose process
 id changed (measured: every rank reports its pid when it joins a plan; 0 when survivors stay alive).
 
@@ -51,7 +57,7 @@ default, so a live switch writes no checkpoint at its boundary (`runtime.inplace
 always writes one).
 
     python benchmarks/reconfigure.py [--steps 40] [--processes 4] [--shrink-to 2] [--restart | --via-ssh]
-    python benchmarks/reconfigure.py --testbed [SPEC.yaml] [--restart] [--steps 80]
+    python benchmarks/reconfigure.py --testbed [SPEC.yaml] [--restart] [--steps 500]
     python benchmarks/reconfigure.py --large
 """
 
@@ -67,17 +73,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 RESTART_PHASES = ("replan_s", "stop_s", "checkpoint_s", "teardown_s", "restart_s", "load_s", "first_step_s")
-LIVE_PHASES = ("replan_s", "stop_s", "checkpoint_s", "rendezvous_s", "move_s", "first_step_s")
+LIVE_PHASES = ("replan_s", "start_s", "stop_s", "checkpoint_s", "rendezvous_s", "move_s", "first_step_s")
 RESTART_TARGET_S, LIVE_TARGET_S = 10.0, 2.0
 EVERY = 20  # steps each plan trains (trace seconds on the steps clock)
 LARGE_MODEL = {"name": "bench-118m", "num_blocks": 8, "hidden_size": 1024, "num_heads": 16, "ffn_hidden_size": 4096,
                "vocab_size": 8192, "max_sequence_length": 64, "tied_embeddings": False}
 LARGE_STEPS = 2  # steps each plan of the large measurement trains
+TESTBED_STEPS = 25 * EVERY  # on the testbed: the grow's new process starts while the old plan trains on (tens of s loaded)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4 * EVERY)
+    ap.add_argument("--steps", type=int, default=None, help=f"steps of the run (default {4 * EVERY}; on the testbed"
+                    f" {TESTBED_STEPS})")
     ap.add_argument("--processes", type=int, default=4)
     ap.add_argument("--shrink-to", type=int, default=2)
     ap.add_argument("--via-ssh", action="store_true", help="through `sailor run --hosts` and a stand-in ssh")
@@ -96,23 +104,27 @@ def main(argv: list[str] | None = None) -> int:
     from sailor.specs.job import JobSpec
 
     job = JobSpec(model="tiny", global_batch_size=8)
+    steps = args.steps or (TESTBED_STEPS if args.testbed is not None else 4 * EVERY)
     where: dict = {"path": "ssh stand-in" if args.via_ssh else "local"}
     if args.testbed is not None:
-        res, ev, where = _on_testbed(args.testbed, job, args.steps, live)
+        res, ev, where = _on_testbed(args.testbed, job, steps, live)
     else:
         assert 1 <= args.shrink_to < args.processes <= 4, "at most 4 processes on this machine"
         cluster = _local_cluster(args.processes, args.via_ssh)
         res, ev = _run(job, cluster, _local_trace(((0, args.processes), (EVERY, args.shrink_to),
                                                    (2 * EVERY, args.processes))),
-                       args.steps, live=live, hosts=_stand_in_hosts if args.via_ssh else None)
+                       steps, live=live, hosts=_stand_in_hosts if args.via_ssh else None)
     switches = [e for e in ev if e["event"] == "switch_finished" and not e.get("interrupted")]
     if res.status != 0 or not switches:
         print(f"run did not complete its switches: {res.message}", file=sys.stderr)
         return 1
-    print(f"{'switch':<22}" + "".join(f"{p[:-2]:>13}" for p in phases) + f"{'total':>10}")
+    for e in switches:  # the seconds no step ran: all but the new processes' start (the old plan trained on)
+        e["paused_s"] = e["total_s"] - e["phases_s"].get("start_s", 0.0)
+    print(f"{'switch':<22}" + "".join(f"{p[:-2]:>13}" for p in phases) + f"{'total':>10}{'paused':>10}")
     for e in switches:
         label = f"{e['reason']} -> {e['world_size']} procs"
-        print(f"{label:<22}" + "".join(f"{e['phases_s'][p]:>13.3f}" for p in phases) + f"{e['total_s']:>10.2f}")
+        print(f"{label:<22}" + "".join(f"{e['phases_s'][p]:>13.3f}" for p in phases)
+              + f"{e['total_s']:>10.2f}{e['paused_s']:>10.2f}")
     mean = {p: sum(e["phases_s"][p] for e in switches) / len(switches) for p in phases}
     total = sum(e["total_s"] for e in switches) / len(switches)
     print(f"{'mean':<22}" + "".join(f"{mean[p]:>13.3f}" for p in phases) + f"{total:>10.2f}")
@@ -123,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
           + ("" if live else "; published Sailor about 11 s on 16 V100 (before rollback)"))
     print(json.dumps({"benchmark": "reconfigure", **where, "switch": "live" if live else "restart", "load_1min": _load(),
                       "switches": [{"reason": e["reason"], "to_processes": e["world_size"], "total_s": e["total_s"],
-                                    "survivors": e["survivors"], "survivors_restarted": e["survivors_restarted"],
+                                    "paused_s": e["paused_s"], "survivors": e["survivors"], "survivors_restarted": e["survivors_restarted"],
                                     **e["phases_s"]} for e in switches],
                       "survivors_restarted": restarted, "mean_total_s": total, "mean_phases_s": mean,
                       "target_s": target, "target_met": met}))
@@ -142,9 +154,10 @@ def _local_trace(counts) -> list[dict]:
     return [{"time_s": s, "zone": "local", "gpu": "cpu", "count": n} for s, n in counts]
 
 
-def _run(job, cluster, rows: list[dict], steps: int, *, live: bool, hosts=None, sizes: bool = False) -> tuple:
+def _run(job, cluster, rows: list[dict], steps: int, *, live: bool, hosts=None, profiles: str | None = None,
+         sizes: bool = False) -> tuple:
     """`sailor run` of `job` on `cluster` over the trace `rows` on the steps clock, the switch cost set
-    to 0; with `hosts` (called with a temporary folder and the cluster, giving a `HostPool`) on those
+    to 0, planned with `profiles` (None: as `sailor run` without --profiles); with `hosts` (called with a temporary folder and the cluster, giving a `HostPool`) on those
     machines. Returns its RunResult and its events; with `sizes`, each "launch" event that resumed
     from a checkpoint gets that checkpoint's bytes on disk ("checkpoint_bytes", measured before the
     run's folder goes)."""
@@ -161,7 +174,8 @@ def _run(job, cluster, rows: list[dict], steps: int, *, live: bool, hosts=None, 
         events = t / "events.jsonl"
         res = run(RunOptions(job=job, cluster=cluster, trace=load_trace(trace, cluster), steps=steps,
                              checkpoint_dir=str(t / "ck"), checkpoint_every=job.recipe.checkpoint.every,
-                             events=str(events), clock=ClockKind.STEPS, switch_cost_s=0.0, hosts=pool, in_place=live))
+                             events=str(events), clock=ClockKind.STEPS, switch_cost_s=0.0, hosts=pool, in_place=live,
+                             profiles=profiles))
         ev = [json.loads(x) for x in events.read_text().splitlines()]
         for e in ev:
             if sizes and e["event"] == "launch" and e["checkpoint"]:
@@ -215,8 +229,11 @@ def _on_testbed(testbed: str, job, steps: int, live: bool) -> tuple:
     from testbed import live_testbed
 
     from sailor.core.errors import SailorInputError
+    from sailor.core.fileio import load_json, write_json
     from sailor.elastic.remote import HostPool
+    from sailor.runtime.machine import cache_path, local_profiles
     from sailor.specs import load_cluster
+    from sailor.testbed.profile import merge, retag
 
     try:
         spec, source = load_spec(testbed)
@@ -231,12 +248,17 @@ def _on_testbed(testbed: str, job, steps: int, live: bool) -> tuple:
             counts[(n.zone, spec.devices[n.device].gpu)] += n.ranks
         return [{"time_s": time_s, "zone": z, "gpu": g, "count": c} for (z, g), c in counts.items()]
 
+    local_profiles(job, processes=2, announce=lambda line: print(line, file=sys.stderr, flush=True))
+    measured = load_json(cache_path(job, processes=2))
     with tempfile.TemporaryDirectory(prefix="sailor-reconfigure-testbed-") as tmp:
+        profile = Path(tmp) / "profile.json"
+        write_json(profile, merge([retag(measured, g) for g in sorted({spec.devices[n.device].gpu for n in (a, b)})]))
         with live_testbed(spec, Path(tmp)) as (_, state):
             cluster = load_cluster(state.cluster_file)
             res, ev = _run(job, cluster, rows(0, (a, b)) + rows(EVERY, (a,)) + rows(2 * EVERY, (a, b)), steps,
-                           live=live, hosts=lambda t, c: HostPool.load(state.hosts_file, c, python=sys.executable,
-                                                                       ssh=str(state.bin_dir / "ssh")))
+                           live=live, profiles=str(profile),
+                           hosts=lambda t, c: HostPool.load(state.hosts_file, c, python=sys.executable,
+                                                            ssh=str(state.bin_dir / "ssh")))
     return res, ev, {"path": "testbed", "testbed": {"file": testbed or None, "nodes": [a.name, b.name],
                                                      "zones": [a.zone, b.zone], "link_mbit": mbit}}
 

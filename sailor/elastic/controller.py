@@ -108,8 +108,11 @@ class Switch:
     started: float | None = None
     loaded: float | None = None
     in_place: bool = False
-    """Switched live (`inplace`): no process exits or starts; the phases after the checkpoint are the
-    rendezvous of the move group and the move (state sent, stages built)."""
+    """Switched live (`inplace`): no process exits; the phases are the start of the processes the new
+    plan lacks (the old plan training on), the stop, the checkpoint, the rendezvous of the move group
+    and the move (state sent, stages built)."""
+    published: float | None = None
+    """A live switch's epoch published (its new processes ready)."""
     pids_before: dict[int, int] = field(default_factory=dict)
     """Rank -> process id under the plan switched from."""
     moved: dict[str, int] = field(default_factory=dict)
@@ -126,8 +129,12 @@ class Switch:
         started = self.started or launched
         loaded = self.loaded or started
         if self.in_place:
-            return {"replan_s": req - self.began, "stop_s": boundary - req, "checkpoint_s": stopped - boundary,
-                    "rendezvous_s": started - stopped, "move_s": loaded - started, "first_step_s": first_step - loaded}
+            published = max(req, self.published or req)
+            boundary = max(boundary, published)
+            stopped = max(stopped, boundary)
+            return {"replan_s": req - self.began, "start_s": published - req, "stop_s": boundary - published,
+                    "checkpoint_s": stopped - boundary, "rendezvous_s": started - stopped, "move_s": loaded - started,
+                    "first_step_s": first_step - loaded}
         return {"replan_s": req - self.began, "stop_s": boundary - req, "checkpoint_s": stopped - boundary,
                 "teardown_s": exited - stopped, "restart_s": started - exited, "load_s": loaded - started,
                 "first_step_s": first_step - loaded}
@@ -345,6 +352,8 @@ class Controller:
                 if sw is not None and sw.launched is not None:
                     setattr(sw, kind, t)
                     sw.moved = {k: v for k, v in ev.items() if k.endswith("_bytes")} or sw.moved
+            elif sw is not None and kind == "switch_published":
+                sw.published = t
             elif sw is not None and kind == "stopped":
                 sw.stopped = t
                 if sw.in_place:  # the same processes go on: what follows is the new plan's
@@ -354,8 +363,8 @@ class Controller:
     def _switch_done(self, sw: Switch, first_step: float) -> None:
         phases = sw.phases(first_step)
         total = first_step - sw.began
-        if sw.reason != "crash":
-            self.costs.record(total)
+        if sw.reason != "crash":  # (the old plan trained on while a live switch's new processes started)
+            self.costs.record(total - phases.get("start_s", 0.0))
         self.result.switch_s.append(total)
         # Ranks of both plans (GPUs kept), and how many of them run in another process than before
         # (every one after a restart; none when survivors keep their process).

@@ -6,16 +6,16 @@ the ranks that stay keep their process, weights and optimizer state, and the sta
 The pool starts one process per rank of the first plan plus spares (already past their imports,
 waiting), up to `processes` in all, each `python -m sailor.runtime.inplace CONTROL PROC EPOCH` in a
 session of its own, and publishes epoch 0 (`runtime.epochs`): the first plan, resumed from the
-prepared checkpoint. A switch (`switch`) publishes the next epoch: the new plan, the new ranks (each
-(zone, GPU type) of the new plan's layout taken first by the processes holding that type now, in
-rank order, keeping their rank where they can; then by spares, those past their imports first), and
-the old ranks; then asks the
-current ranks to stop at the step boundary (their stop file). Processes of the old plan without a
-new rank drop their state once it is sent and wait as spares (on the local provider a GPU is a
-process slot; on a cluster the process of a lost GPU would exit); after the first step under the new
-plan, fresh spares replace any process that ended, up to `processes` (started after the move, not
-during it). A grow is fast only when a spare is ready (past its imports, "ready" event): a process
-started for it makes the switch wait for its start-up (`rendezvous_s`).
+prepared checkpoint. A switch (`switch`) assigns the new plan's ranks (each (zone, GPU type) of the
+new plan's layout taken first by the processes holding that type now, in rank order, keeping their
+rank where they can; then by spares, those past their imports first) and starts the processes it
+still lacks; once those are past their imports ("ready" events; the old ranks train on meanwhile)
+it publishes the next epoch (the new plan, the new ranks and the old ones; a "switch_published"
+event on `events`), then asks the current ranks to stop at the step boundary (their stop file).
+Processes of the old plan without a new rank drop their state once it is sent and wait as spares
+(on the local provider a GPU is a process slot); after the first step under the new plan, fresh
+spares replace any process that ended, up to `processes` (started after the move, not during it),
+so a grow rarely waits for a start-up.
 
 On named machines (`sailor run --hosts`, `remote.HostPool`) each process is an ssh session of its
 own (`HostPool.process_command`, started through `launcher.EXEC`, so it hangs up when the controller
@@ -23,7 +23,7 @@ dies) on the machine of its rank's node (`HostPool.place`: the machines that hol
 in a device slot of that machine (`epochs.SLOT_ENV`), and the epoch files carry each process's host
 (its groups meet on rank 0's machine). A process belongs to its machine: the ranks of a machine's
 node go to the processes on that machine (keeping their rank where they can), a machine without one
-gets fresh processes (their start-up is on the switch's critical path), and the processes of a
+gets fresh processes (the switch is published once they are ready), and the processes of a
 machine the new plan does not use leave once they have sent their state (exit; the machine is given
 back). No spares are started there; the control folder lives in the shared `control/` folder and is
 removed when the pool ends. `nodes` (`remote.NodeLaunch`, one "node" per process: its command,
@@ -209,6 +209,7 @@ class InPlaceRun(RunHandle):
         self._exits: list[tuple[int, int]] = []  # (process id, exit status) in the order seen
         self._records: list[dict[str, Any]] = []
         self._ready: set[int] = set()  # processes past their imports ("ready" events)
+        self._pending: tuple | None = None  # a switch prepared, its new processes not ready yet
         # one OpenMP thread per process unless set, as torchrun gives its ranks (a rank per core or GPU)
         self._env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
         if hosts is None:
@@ -311,19 +312,27 @@ class InPlaceRun(RunHandle):
                         self._ready.add(int(ev["process"]))
                 self.events.put((now, ev))
 
-    def _publish_switch(self, plan_file: str) -> None:
+    def _prepare_switch(self, plan_file: str) -> None:
+        """Assign the ranks of the plan in `plan_file` and start the processes it lacks; the switch is
+        published (`_publish_switch`) once they are past their imports, the old ranks training on
+        meanwhile."""
         with self._lock:  # spares past their imports first
             spares = sorted((p for p in self._procs if p not in self.ranks and self._procs[p].alive()),
                             key=lambda p: (p not in self._ready, p))
         leave: list[int] = []
+        before = len(self._procs)
         if self.hosts is not None:
             ranks, leave = self._place(load_plan(plan_file), spares)
         else:
             need = load_plan(plan_file).world_size - len(spares) - len(self.ranks)
-            if need > 0:  # newcomers: start-up on the switch's critical path (no spare was ready)
+            if need > 0:  # newcomers (no spare was ready)
                 spares += self._add(need)
             ranks = assign(self.plan_file, self.ranks, plan_file, spares)
         self._start()
+        self._pending = (plan_file, ranks, leave, set(range(before, len(self._procs))))
+
+    def _publish_switch(self, plan_file: str, ranks: dict[int, int], leave: list[int]) -> None:
+        self.events.put((time.monotonic(), {"event": "switch_published", "epoch": self.epoch + 1}))
         old_plan, old_ranks = self.plan_file, dict(self.ranks)
         self.plan_file, self.ranks, k = plan_file, ranks, self.epoch + 1
         epochs.publish(self.control, epochs.Epoch(k, self._argv(k, resume=False), ranks, old_plan, old_ranks,
@@ -353,8 +362,14 @@ class InPlaceRun(RunHandle):
         self._start()
         failed_at = None
         while not self.abort.is_set():
-            with contextlib.suppress(queue.Empty):
-                self._publish_switch(self._requests.get_nowait())
+            if self._pending is None:
+                with contextlib.suppress(queue.Empty):
+                    self._prepare_switch(self._requests.get_nowait())
+            with self._lock:
+                ready = self._pending is not None and self._pending[3] <= self._ready
+            if ready:
+                self._publish_switch(*self._pending[:3])
+                self._pending = None
             for pid, proc in self._procs.items():
                 code = proc.popen.poll()
                 if code is not None and all(pid != p for p, _ in self._exits):
