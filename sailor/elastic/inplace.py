@@ -27,7 +27,7 @@ gets fresh processes (the switch is published once they are ready), and the proc
 machine the new plan does not use leave once they have sent their state (exit; the machine is given
 back). No spares are started there; the control folder lives in the shared `control/` folder and is
 removed when the pool ends. `nodes` (`remote.NodeLaunch`, one "node" per process: its command,
-host and machine, and each rank's machine in the latest epoch) tells the controller which machines
+host and machine, and each rank's machine in the latest epoch; it grows as processes start) tells the controller which machines
 to leave out after a failure (`controller._failed_machines`).
 
 The run ends (`result`, a `launcher.TrainResult`) when every rank of the latest epoch has exited:
@@ -66,6 +66,7 @@ from sailor.elastic.remote import HostPool, Machine, NodeLaunch
 from sailor.launch.hosts import bare_host
 from sailor.plan import load_plan
 from sailor.plan.placement import rank_layout
+from sailor.plan.spec import Plan
 from sailor.runtime import epochs
 from sailor.runtime.launcher import (
     EVENT_PREFIX,
@@ -120,7 +121,7 @@ def match(old: dict[int, tuple[int, Hashable]], new: list[tuple[int, Hashable]],
     return out
 
 
-def on_machines(pool: HostPool, plan, lost: set[Machine], old: dict[int, tuple[int, Machine]],
+def on_machines(pool: HostPool, plan: Plan, lost: set[Machine], old: dict[int, tuple[int, Machine]],
                 spares: list[tuple[int, Machine]], next_id: int) -> tuple[dict[int, int], list[Machine], list[int]]:
     """A live pool's ranks of `plan` on named machines (module docstring): (process id -> rank, the
     machine of each process to start, ids `next_id`, `next_id` + 1, ..., the processes that leave).
@@ -214,9 +215,9 @@ class InPlaceRun(RunHandle):
         self._env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
         if hosts is None:
             self._add(self.processes)
-            self.ranks = {p: p for p in range(world)}
+            self._set_ranks({p: p for p in range(world)})
         else:
-            self.ranks = self._place(prepared.plan, [])[0]
+            self._set_ranks(self._place(prepared.plan, [])[0])
         self.thread = threading.Thread(target=self._run, name="sailor-inplace", daemon=True)
         self.thread.start()
 
@@ -268,7 +269,7 @@ class InPlaceRun(RunHandle):
                 for stream in (proc.popen.stdout, proc.popen.stderr):
                     threading.Thread(target=self._read, args=(stream, proc), daemon=True).start()
 
-    def _place(self, plan, spares: list[int]) -> tuple[dict[int, int], list[int]]:
+    def _place(self, plan: Plan, spares: list[int]) -> tuple[dict[int, int], list[int]]:
         """On named machines: (process id -> rank under `plan`, processes that leave) by `on_machines`,
         the processes it asks for added; the latest epoch's ranks are `self.ranks`, the other live
         processes `spares`."""
@@ -277,10 +278,16 @@ class InPlaceRun(RunHandle):
                                         [(p, at[p]) for p in spares], len(self._procs))
         for m in new:
             self._add(1, m)
-        with self._lock:
-            self.nodes.rank_machine.clear()
-            self.nodes.rank_machine.update({r: self._procs[p].machine for p, r in ranks.items()})
         return ranks, leave
+
+    def _set_ranks(self, ranks: dict[int, int]) -> None:
+        """`ranks` (process id -> rank) are the latest epoch's; on named machines `nodes` says where
+        each rank runs."""
+        self.ranks = ranks
+        if self.nodes is not None:
+            with self._lock:
+                self.nodes.rank_machine.clear()
+                self.nodes.rank_machine.update({r: self._procs[p].machine for p, r in ranks.items()})
 
     def _hosts(self) -> dict[int, str] | None:
         """Process id -> host of every process on named machines (epoch files), None on this machine."""
@@ -332,9 +339,11 @@ class InPlaceRun(RunHandle):
         self._pending = (plan_file, ranks, leave, set(range(before, len(self._procs))))
 
     def _publish_switch(self, plan_file: str, ranks: dict[int, int], leave: list[int]) -> None:
+        """Publish the prepared switch (`_prepare_switch`): the next epoch, then the old ranks' stop request."""
         self.events.put((time.monotonic(), {"event": "switch_published", "epoch": self.epoch + 1}))
         old_plan, old_ranks = self.plan_file, dict(self.ranks)
-        self.plan_file, self.ranks, k = plan_file, ranks, self.epoch + 1
+        self.plan_file, k = plan_file, self.epoch + 1
+        self._set_ranks(ranks)
         epochs.publish(self.control, epochs.Epoch(k, self._argv(k, resume=False), ranks, old_plan, old_ranks,
                                                   self._hosts(), self._port(), tuple(leave)))
         old_stop, self.epoch, self.stop_file = self.stop_file, k, self._stop_file(k)
