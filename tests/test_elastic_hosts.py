@@ -1,4 +1,6 @@
-"""`sailor run --hosts`: the controller driving torchrun on named machines over ssh.
+"""`sailor run --hosts`: the controller driving torchrun on named machines over ssh (`--restart`: the
+launches and failures below; the interrupt test runs the default, live switches, whose own tests are
+in test_elastic_live_hosts.py).
 
 The `ssh` on PATH is a stand-in that runs the remote command on this machine (as sshd would, under
 `sh -c`) and records its destination, so the whole path runs here: per-node torchrun agents with a
@@ -113,22 +115,22 @@ def test_cpu_runs_a_gpu_trace_on_named_machines_only(tmp_path):
         check_run(RunOptions(**{**vars(opts), "hosts": None, "cluster": gcp.model_copy(update={"provider": "local"})}))
 
 
-def test_switches_are_live_by_default_where_supported(tmp_path, monkeypatch):
-    """`RunOptions.in_place`: None switches live on the local provider and by restarts on hosts; False
-    restarts anywhere; True on hosts is refused, naming --in-place."""
+def test_switches_are_live_by_default(tmp_path, monkeypatch):
+    """`RunOptions.in_place`: None switches live on the local provider and on hosts; False restarts
+    anywhere; True is accepted on both."""
     from sailor.elastic.options import check_run
 
     trace = load_trace(_trace(tmp_path, (0, 4)), CLUSTER)
     local = RunOptions(job=JOB, cluster=CLUSTER, trace=trace, checkpoint_dir=str(tmp_path / "ck"))
     on_hosts = RunOptions(**{**vars(local), "hosts": _setup(tmp_path, monkeypatch)})
-    assert local.switches_live and not on_hosts.switches_live
+    assert local.switches_live and on_hosts.switches_live
     assert not RunOptions(**{**vars(local), "in_place": False}).switches_live
     assert RunOptions(**{**vars(local), "in_place": True}).switches_live
     check_run(local)
     check_run(on_hosts)
     check_run(RunOptions(**{**vars(on_hosts), "in_place": False}))
-    with pytest.raises(SailorInputError, match="--in-place: live switches run on the local provider only"):
-        check_run(RunOptions(**{**vars(on_hosts), "in_place": True}))
+    check_run(RunOptions(**{**vars(on_hosts), "in_place": True}))
+    assert not RunOptions(**{**vars(on_hosts), "in_place": False}).switches_live
 
 
 def _a100_hosts(tmp_path: Path) -> Path:
@@ -156,7 +158,7 @@ def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
     trace = load_trace(_trace(tmp_path, (0, 4), (0.6, 2), (1.2, 4)), CLUSTER)
     opts = RunOptions(job=JOB, cluster=CLUSTER, trace=trace, steps=steps, checkpoint_dir=str(tmp_path / "ck"),
                       checkpoint_every=5, metrics=str(metrics), events=str(events), clock=ClockKind.TRAINING,
-                      switch_cost_s=0.0, hosts=pool, timeout_s=30.0)
+                      switch_cost_s=0.0, hosts=pool, timeout_s=30.0, in_place=False)
 
     def kill_rank_3_after_the_regrowth(out: dict, alive) -> None:
         _wait(lambda: sum(1 for e in _lines(events) if e["event"] == "launch") == 3 or "res" in out)
@@ -180,7 +182,8 @@ def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
 def _run_opts(tmp_path: Path, pool: HostPool, steps: int, **kw) -> RunOptions:
     return RunOptions(job=JOB, cluster=CLUSTER, trace=load_trace(_trace(tmp_path, (0, 4)), CLUSTER), steps=steps,
                       checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5, metrics=str(tmp_path / "m.jsonl"),
-                      events=str(tmp_path / "e.jsonl"), clock=ClockKind.TRAINING, hosts=pool, timeout_s=30.0, **kw)
+                      events=str(tmp_path / "e.jsonl"), clock=ClockKind.TRAINING, hosts=pool, timeout_s=30.0,
+                      in_place=False, **kw)
 
 
 @pytest.mark.integration
@@ -282,8 +285,7 @@ def test_cli_hosts_errors_are_one_line(tmp_path):
                         (["--hosts", str(bad["twice"]), *ck], "groups.0.hosts.1: host a0 is listed twice"),
                         (["--hosts", str(bad["zone"]), *ck], "groups.0.zone: unknown gcp zone 'nowhere'"),
                         (["--hosts", str(bad["other"]), *ck], "other.yaml: groups: no group holds GPUs the trace"),
-                        (["--hosts", str(hosts), *ck, "--device", "tpu"], "--device: unknown device 'tpu'"),
-                        (["--hosts", str(hosts), *ck, "--in-place"], "--in-place: live switches run on the local")):
+                        (["--hosts", str(hosts), *ck, "--device", "tpu"], "--device: unknown device 'tpu'")):
         r = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and want in r.stderr, (extra, r.stderr)
 

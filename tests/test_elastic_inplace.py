@@ -82,7 +82,7 @@ def test_shrink_and_grow_in_place_keep_the_survivors_processes(tmp_path, referen
         # every piece from a living process (none from the checkpoint), the survivors keeping theirs;
         # the grow's newcomers are sent theirs
         assert e["checkpoint_bytes"] == 0 and e["local_bytes"] > 0 and (e["sent_bytes"] > 0 or e["world_size"] == 2), e
-        assert set(e["phases_s"]) == {"replan_s", "stop_s", "checkpoint_s", "rendezvous_s", "move_s",
+        assert set(e["phases_s"]) == {"replan_s", "start_s", "stop_s", "checkpoint_s", "rendezvous_s", "move_s",
                                       "first_step_s"}
         assert sum(e["phases_s"].values()) == pytest.approx(e["total_s"], abs=1e-6)
     assert res.switches == 2 and res.crashes == 0 and res.steps_rolled_back == 0
@@ -177,8 +177,12 @@ def test_live_switch_phases_add_up_to_the_total():
 
     sw = Switch("gain", began=10.0, replan_s=0.5, stop_requested=10.5, last_step_after_request=11.0, stopped=11.25,
                 launched=11.25, started=11.5, loaded=12.0, in_place=True)
-    assert sw.phases(12.5) == {"replan_s": 0.5, "stop_s": 0.5, "checkpoint_s": 0.25, "rendezvous_s": 0.25,
-                               "move_s": 0.5, "first_step_s": 0.5}
+    assert sw.phases(12.5) == {"replan_s": 0.5, "start_s": 0.0, "stop_s": 0.5, "checkpoint_s": 0.25,
+                               "rendezvous_s": 0.25, "move_s": 0.5, "first_step_s": 0.5}
+    # a newcomer ready 0.25 s after the request: the epoch is published then, the old plan training on
+    sw.published = 10.75
+    assert sw.phases(12.5) == {"replan_s": 0.5, "start_s": 0.25, "stop_s": 0.25, "checkpoint_s": 0.25,
+                               "rendezvous_s": 0.25, "move_s": 0.5, "first_step_s": 0.5}
 
 
 def test_the_steps_clock_counts_steps():

@@ -60,21 +60,22 @@ def run(
     data: Optional[str] = DataOpt,
     init_from: Optional[str] = InitFromOpt,
     hosts: Optional[Path] = typer.Option(None, "--hosts", help="HOSTS.yaml: run the ranks on these machines over ssh"
-                                         " (torchrun per node; needs --checkpoint-dir on storage they all mount)."),
+                                         " (one session per rank, or with --restart torchrun per node; needs"
+                                         " --checkpoint-dir on storage they all mount)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu (gloo) or cuda (NCCL); default: cpu for"
                                          " provider local, else cuda."),
     python: Optional[str] = typer.Option(None, "--python", help="With --hosts: Python interpreter on the hosts, with"
                                          " Sailor installed: an absolute path or a command on their PATH"
                                          " (default python3)."),
     rdzv_port: Optional[int] = typer.Option(None, "--rdzv-port", help="With --hosts: port of the rendezvous store on"
-                                            " rank 0's host (default 29500)."),
+                                            " rank 0's host (default 29500; live switches use the 31 above it too)."),
     start_timeout_s: float = typer.Option(300.0, "--start-timeout-s", help="A launch whose ranks have not formed their"
                                           " process groups by then is ended as failed."),
-    in_place: bool = typer.Option(False, "--in-place", help="Switch live (the default on the local provider, the only"
-                                  " one it runs on): the ranks that stay keep their process and state, which moves in"
-                                  " memory; a failure during the move falls back to a checkpoint."),
-    restart: bool = typer.Option(False, "--restart", help="Switch by restarting (the default with --hosts): every rank"
-                                 " stops, checkpoints and restarts from the checkpoint. Not with --in-place."),
+    in_place: bool = typer.Option(False, "--in-place", help="Switch live (the default, locally and with --hosts):"
+                                  " the ranks that stay keep their process and state, which moves in memory; a"
+                                  " failure during the move falls back to a checkpoint."),
+    restart: bool = typer.Option(False, "--restart", help="Switch by restarting: every rank stops, checkpoints and"
+                                 " restarts from the checkpoint. Not with --in-place."),
 ) -> None:
     """Train, keeping the job on the best plan as GPUs come and go (local provider: one process per GPU;
     --hosts: the machines of HOSTS.yaml).

@@ -1,20 +1,21 @@
 """`sailor run`: keep a training job running, on the best plan, while GPUs come and go.
 
 The loop (`run`), on the `local` provider (every "GPU" is a process of `sailor train`'s runtime on
-this machine: a pool of processes that live across switches, `sailor.elastic.inplace`, or with
-`--restart` one torchrun launch per plan through `sailor.runtime.launcher`), or with
-`hosts` on the machines of HOSTS.yaml (one ssh session per node running its torchrun agents, see
-`sailor.elastic.remote`; a crash takes the dead rank's machine out too):
+this machine) or with `hosts` on the machines of HOSTS.yaml (`sailor.elastic.remote`; a crash takes
+the dead rank's machine out too): a pool of rank processes that live across switches
+(`sailor.elastic.inplace`; on machines one ssh session per rank), or with `--restart` one launch per
+plan (`sailor.runtime.launcher`: a local torchrun, or one ssh session per node running its torchrun
+agents):
 
 1. Plan for the availability now (trace snapshot, minus GPUs lost to crashes) and launch, resuming
    from the newest checkpoint in the checkpoint folder that passes its checksums.
 2. While it trains, watch the trace clock. On a change, re-plan (`Replanner`, cached) and apply the
    switch rule (`policy.decide`): always when the running plan lost GPUs, else when the expected gain
-   over the remaining steps beats the measured switch cost. To switch on the local provider (by
-   default, `RunOptions.switches_live`): hand the new plan to the live pool (`inplace.InPlaceRun`),
-   whose ranks stop at the step boundary and move their state in memory to the new plan's ranks,
-   keeping their processes. Else (`--restart`, `--hosts`): create the stop file; the ranks finish the
-   step, write a checkpoint and exit; relaunch with the new plan and resume.
+   over the remaining steps beats the measured switch cost. To switch (by default,
+   `RunOptions.switches_live`): hand the new plan to the live pool (`inplace.InPlaceRun`), whose
+   ranks stop at the step boundary and move their state in memory to the new plan's ranks, keeping
+   their processes. Else (`--restart`): create the stop file; the ranks finish the step, write a
+   checkpoint and exit; relaunch with the new plan and resume.
 3. When the job fails (a rank died: SIGKILL, a fault), the launcher returns within about a second
    (torchrun's monitor); the dead ranks' GPUs are treated as gone until the trace reports a
    different count for their (zone, GPU type); re-plan on the survivors and resume from the last
@@ -107,8 +108,11 @@ class Switch:
     started: float | None = None
     loaded: float | None = None
     in_place: bool = False
-    """Switched live (`inplace`): no process exits or starts; the phases after the checkpoint are the
-    rendezvous of the move group and the move (state sent, stages built)."""
+    """Switched live (`inplace`): no process exits; the phases are the start of the processes the new
+    plan lacks (the old plan training on), the stop, the checkpoint, the rendezvous of the move group
+    and the move (state sent, stages built)."""
+    published: float | None = None
+    """A live switch's epoch published (its new processes ready)."""
     pids_before: dict[int, int] = field(default_factory=dict)
     """Rank -> process id under the plan switched from."""
     moved: dict[str, int] = field(default_factory=dict)
@@ -125,8 +129,12 @@ class Switch:
         started = self.started or launched
         loaded = self.loaded or started
         if self.in_place:
-            return {"replan_s": req - self.began, "stop_s": boundary - req, "checkpoint_s": stopped - boundary,
-                    "rendezvous_s": started - stopped, "move_s": loaded - started, "first_step_s": first_step - loaded}
+            published = max(req, self.published or req)
+            boundary = max(boundary, published)
+            stopped = max(stopped, boundary)
+            return {"replan_s": req - self.began, "start_s": published - req, "stop_s": boundary - published,
+                    "checkpoint_s": stopped - boundary, "rendezvous_s": started - stopped, "move_s": loaded - started,
+                    "first_step_s": first_step - loaded}
         return {"replan_s": req - self.began, "stop_s": boundary - req, "checkpoint_s": stopped - boundary,
                 "teardown_s": exited - stopped, "restart_s": started - exited, "load_s": loaded - started,
                 "first_step_s": first_step - loaded}
@@ -282,9 +290,12 @@ class Controller:
             self.result.steps = prep.resume_step
             return self._finish(ExitStatus.DONE, f"done: the checkpoint folder already holds step {prep.resume_step}"
                                                  f" (--steps {self.o.steps}): {prep.resume_from}")
-        nodes = self.o.hosts.commands(prep, opts.stop_file, self.avail.lost_machines) if self.o.hosts else None
-        run = self.running = InPlaceRun(prep, self.work, processes=self.most) if self.o.switches_live \
-            else Running(prep, nodes)
+        if self.o.switches_live:
+            run = InPlaceRun(prep, self.work, processes=self.most, hosts=self.o.hosts, lost=self.avail.lost_machines)
+        else:
+            run = Running(prep, self.o.hosts.commands(prep, opts.stop_file, self.avail.lost_machines)
+                          if self.o.hosts else None)
+        self.running = run
         self.pids = {}
         if self.result.steps > prep.resume_step:
             self.log.emit("rollback", from_step=self.result.steps, to_step=prep.resume_step,
@@ -293,7 +304,7 @@ class Controller:
         self.result.steps = prep.resume_step
         self.log.emit("launch", world_size=prep.plan.world_size, resume_step=prep.resume_step,
                       checkpoint=str(prep.resume_from) if prep.resume_from else None,
-                      **({"hosts": nodes.hosts} if nodes else {}))
+                      **({"hosts": run.nodes.hosts} if run.nodes else {}))
         self.step_times = []
         if self.signals:
             run.stop()
@@ -304,7 +315,7 @@ class Controller:
                 if not self.step_times:  # nothing trained since the checkpoint it loaded: end it now
                     run.kill(f"while starting, before step {self.result.steps + 1}")
             elif not run.started and not run.killed and time.monotonic() - run.launched_at > self.o.start_timeout_s:
-                on = f" on {', '.join(run.nodes.hosts)}" if run.nodes else ""
+                on = f" on {', '.join(dict.fromkeys(run.nodes.hosts))}" if run.nodes else ""
                 run.kill(f"{START_TIMEOUT} within {self.o.start_timeout_s:g} s{on}")
                 self.log.emit("start_timeout", message=run.killed)
             elif self.avail.advance(self.clock.trace_s()):
@@ -341,6 +352,8 @@ class Controller:
                 if sw is not None and sw.launched is not None:
                     setattr(sw, kind, t)
                     sw.moved = {k: v for k, v in ev.items() if k.endswith("_bytes")} or sw.moved
+            elif sw is not None and kind == "switch_published":
+                sw.published = t
             elif sw is not None and kind == "stopped":
                 sw.stopped = t
                 if sw.in_place:  # the same processes go on: what follows is the new plan's
@@ -350,8 +363,8 @@ class Controller:
     def _switch_done(self, sw: Switch, first_step: float) -> None:
         phases = sw.phases(first_step)
         total = first_step - sw.began
-        if sw.reason != "crash":
-            self.costs.record(total)
+        if sw.reason != "crash":  # (the old plan trained on while a live switch's new processes started)
+            self.costs.record(total - phases.get("start_s", 0.0))
         self.result.switch_s.append(total)
         # Ranks of both plans (GPUs kept), and how many of them run in another process than before
         # (every one after a restart; none when survivors keep their process).

@@ -67,14 +67,13 @@ class RunOptions:
     (a host that accepts ssh but never joins would otherwise hang the run)."""
     in_place: bool | None = None
     """Switch plans live (`sailor.elastic.inplace`): the ranks that stay keep their process and state,
-    which moves in memory; local provider only (True with `hosts` is refused by `check_run`). False:
-    every switch restarts every rank from a checkpoint (`sailor run --restart`). None (the default):
-    live where it is supported, i.e. without `hosts` (`switches_live`)."""
+    which moves in memory, on the local provider and on `hosts` alike. False: every switch restarts
+    every rank from a checkpoint (`sailor run --restart`). None (the default): live (`switches_live`)."""
 
     @property
     def switches_live(self) -> bool:
-        """Whether a switch is live (`in_place`, None resolved: live on the local provider)."""
-        return self.hosts is None if self.in_place is None else self.in_place
+        """Whether a switch is live (`in_place`, None resolved: live)."""
+        return self.in_place is not False
 
 
 @dataclass
@@ -103,9 +102,6 @@ def check_run(o: RunOptions) -> None:
     if o.cluster.provider != "local" and o.hosts is None:
         raise SailorInputError(f"the cluster's provider is {o.cluster.provider!r}: name its machines", source="--cluster",
                                fix="pass --hosts HOSTS.yaml, or use provider: local (zone local, GPU type cpu)")
-    if o.in_place and o.hosts is not None:
-        raise SailorInputError("live switches run on the local provider only; runs on hosts restart at a switch",
-                               source="--in-place", fix="drop --in-place (with --hosts every switch restarts)")
     if o.hosts is not None and not o.checkpoint_dir:
         raise SailorInputError("runs on other hosts need a checkpoint folder they all see at the same path",
                                source="--checkpoint-dir", fix="pass --checkpoint-dir on shared storage")

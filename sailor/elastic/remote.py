@@ -10,6 +10,12 @@ type (a fresh observation, as for a lost GPU on the local provider), when one of
 it went down whole, when ssh could not reach it, or when its node never started before the launch's
 start timeout (`controller._failed_machines` says how each is told).
 
+With live switches (the default, `sailor.elastic.inplace`) every rank is a process of its own, one
+ssh session each (`process_command`), started on the machine `place` gives its node: the machines
+that hold the run's processes first, so that the ranks that stay keep their process; the ranks'
+process groups meet on rank 0's machine (`sailor.runtime.epochs`, ports `rdzv_port` .. +
+`epochs.PORTS` - 1 there).
+
 Every host, and the controller's machine, must see the checkpoint folder at the same path (shared
 storage): the ranks write and read checkpoints there, and the controller puts each launch's plan and
 the stop file in its `control/` subfolder (on NFS, attribute caching can delay a stop by the cache's
@@ -22,13 +28,17 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from sailor.core.errors import SailorInputError
 from sailor.launch.common import LaunchOptions, check_python, launch_layout
-from sailor.launch.hosts import HostGroup, HostsFile, bare_host, load_hosts
+from sailor.launch.hosts import HostGroup, HostsFile, bare_host, destination, load_hosts
 from sailor.launch.torchrun import node_commands, ssh_argv
+from sailor.plan.placement import rank_layout
+from sailor.plan.spec import Plan
+from sailor.runtime.epochs import PORTS
 from sailor.runtime.launcher import EVENT_PREFIX, Prepared
 from sailor.specs.cluster import ClusterSpec
 
@@ -55,7 +65,8 @@ class HostPool:
         source: its path (for messages).
         node_size: GPUs per machine per GPU type (the cluster's, which the planner placed TP groups by).
         python: the interpreter on the hosts.
-        rdzv_port: TCP port of the rendezvous store on rank 0's machine.
+        rdzv_port: TCP port of the rendezvous store on rank 0's machine (live switches: the first of
+            `epochs.PORTS`).
         ssh: the ssh client to run.
     """
 
@@ -89,8 +100,9 @@ class HostPool:
                                        source=str(path), field=f"groups.{k}.gpus_per_node",
                                        fix=f"make them agree (cluster gpus_per_node: {{{g.gpu}: ...}})")
         check_python(python)
-        if not 0 < rdzv_port < 65536:
-            raise SailorInputError(f"must be a TCP port (1-65535), got {rdzv_port}", source="--rdzv-port")
+        if not 0 < rdzv_port <= 65536 - PORTS:
+            raise SailorInputError(f"must be a TCP port from 1 to {65536 - PORTS} (live switches also use the"
+                                   f" {PORTS - 1} above it), got {rdzv_port}", source="--rdzv-port")
         sizes = {g.gpu: cluster.node_size(g.gpu) for g in hosts.groups}
         return cls(hosts=hosts, source=str(path), node_size=sizes, python=python, rdzv_port=rdzv_port, ssh=ssh)
 
@@ -133,13 +145,44 @@ class HostPool:
             zone, gpu, index = node.rsplit("/", 2)
             return zone, gpu, usable[(zone, gpu)][int(index)]
 
-        # Each node first says it is up (before torchrun's rendezvous, which waits for every node):
-        # after a start timeout, the nodes that never said so are the ones that hung.
-        up = [shlex.quote(EVENT_PREFIX + json.dumps({"event": "node_up", "node": k})) for k in range(len(cmds))]
-        return NodeLaunch(commands=[ssh_argv(c.destination, f"echo {u}; {c.script}", self.ssh) for c, u in zip(cmds, up)],
+        return NodeLaunch(commands=[ssh_argv(c.destination, f"{_say_up(k)}{c.script}", self.ssh)
+                                    for k, c in enumerate(cmds)],
                           hosts=[bare_host(c.destination) for c in cmds], node_machine=[machine(c.node) for c in cmds],
                           rank_machine={info.rank: machine(info.node) for info in layout.ranks})
+
+    def place(self, plan: Plan, lost: set[Machine], held: Counter[Machine]) -> dict[str, Machine]:
+        """The machine of each node of `plan` (`rank_layout`'s node names) for a live pool: the nodes
+        with the most ranks first, each on the usable machine of its (zone, GPU type) that holds the
+        most of the pool's live processes (`held`), the first in file order among equals.
+
+        Raises:
+            SailorInputError: the usable machines cannot hold the plan (a bug: plans follow `capacity`).
+        """
+        nodes: dict[str, list[int]] = {}
+        for info in rank_layout(plan, self.node_size):
+            nodes.setdefault(info.node, []).append(info.rank)
+        out: dict[str, Machine] = {}
+        for name in sorted(nodes, key=lambda n: (-len(nodes[n]), nodes[n][0])):
+            zone, gpu, _ = name.rsplit("/", 2)
+            free = [m for m in ((zone, gpu, i) for i in self.usable(zone, gpu, lost)) if m not in out.values()]
+            if not free:
+                raise SailorInputError(f"the plan needs more {gpu} machines in {zone} than are usable",
+                                       source=self.source, field="groups")
+            out[name] = max(free, key=lambda m: held[m])  # (max keeps the first of equals)
+        return out
+
+    def process_command(self, m: Machine, argv: list[str], env: dict[str, str], node: int) -> list[str]:
+        """The ssh command running `argv` (`env` set) on machine `m` in place of the login shell, after
+        saying that node `node` is up (the `node_up` event, as `commands`' nodes do)."""
+        script = " ".join(["exec", "env", *(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, argv)])
+        return ssh_argv(destination(self.hosts, self._group(m[0], m[1]), m[2]), _say_up(node) + script, self.ssh)
 
     def host(self, m: Machine) -> str:
         """The host name of machine `m`."""
         return self._group(m[0], m[1]).hosts[m[2]]
+
+
+def _say_up(node: int) -> str:
+    """Shell words printing node `node`'s `node_up` event, said first (before any rendezvous, which
+    waits for every node): after a start timeout, the nodes that never said so are the ones that hung."""
+    return f"echo {shlex.quote(EVENT_PREFIX + json.dumps({'event': 'node_up', 'node': node}))}; "

@@ -1,4 +1,4 @@
-"""The cost of a live switch (`sailor run`'s default on the local provider, `--in-place`) from the
+"""The cost of a live switch (`sailor run`'s default, `--in-place`) from the
 bytes it moves and the links they cross, for the switch rule before a switch was measured
 (`controller`) and for `sailor replay`.
 

@@ -4,8 +4,9 @@ without exiting, following the epoch files of the control folder (`runtime.epoch
 
 A process waits for epoch EPOCH, then for each epoch in turn:
 - no rank in it: a spare waits for the next epoch; a process that was a rank sends its state
-  (below), drops it and waits as a spare;
-- a fresh epoch ("old" null): it forms the default group (a FileStore of the epoch), builds its stage
+  (below), drops it and waits as a spare; either exits instead when the epoch says it leaves (its
+  machine is given back);
+- a fresh epoch ("old" null): it forms the default group (the epoch's "train" store), builds its stage
   from the checkpoint of its settings' --resume-from (or the initial weights) as `worker._train`
   does, and trains (`worker.run_steps`);
 - a switch: the epoch's ranks stopped at a step boundary s (`worker.run_steps`), then each process
@@ -13,18 +14,19 @@ A process waits for epoch EPOCH, then for each epoch in turn:
   (`state_kept`: some piece has no living holder), or when periodic checkpoints are off
   (--checkpoint-every 0: the switch's checkpoint is then the only one). The processes with a rank in
   the new plan, plus the leaving ones that hold pieces nobody staying holds, form the move group
-  (FileStore `move`): the first process of the old plan in it hands on what the old ranks know (s,
+  (store "move"): the first process of the old plan in it hands on what the old ranks know (s,
   the newest checkpoint's step, the fp16 loss scaler, the Hugging Face record; one broadcast: a
   newcomer knows none of it), then `reshard.move_state` gives every new rank its pieces of weights,
   fp32 master and Adam moments point to point from the live holders, and from checkpoint s only what
   no process in the group holds. When leavers took part, the new ranks then form a group of their
-  own (FileStore `train`), since the step loop's collectives run over the world. Each builds its
+  own (store "train"), since the step loop's collectives run over the world. Each builds its
   stage from what it received (`worker.build_rank`, exactly as a load of checkpoint s under the new
   plan) and trains on from step s: data indexed by global sample and the learning rate follow the
   step, so no sample is skipped or repeated.
 Every process computes the same move (`reshard_plan.plan_reshard` over the epoch file's old and new
 ranks, first with the staying processes alone, then, if that needs the checkpoint, with the leavers
-that hold pieces), so the group's membership needs no message.
+that hold pieces), so the group's membership needs no message. The stores are files in the control folder on this
+machine, TCP stores on the host of the group's first process on named machines (`epochs.init_method`).
 
 Failure: anything that goes wrong in a switch (a process dies, a collective times out after
 --timeout-s, `ReshardError`) makes the process report and exit 1; the controller then kills the pool
@@ -92,13 +94,15 @@ FAULT_MOVE_ENV = "SAILOR_FAULT_MOVE"  # test hook: "<process id>:<epoch>": that 
 def settings(e: epochs.Epoch, rank: int | None = None) -> tuple[WorkerSettings, Plan, JobSpec]:
     """The epoch's worker settings, plan and job (checked as `worker.train` checks them), with this
     process's RANK, WORLD_SIZE and LOCAL_RANK set for the code that reads them (`rank` None: left as
-    they are)."""
+    they are; LOCAL_RANK, the device index, is the process's slot on its machine where it has one,
+    `epochs.SLOT_ENV`, else the rank)."""
     args = parse(e.argv[2:] if e.argv[:1] == ["-m"] else e.argv)
     plan = load_plan(args.plan)
     job = check_plan_for_job(plan, load_job(args.job) if args.job else plan.job, plan.cluster, source=args.plan,
                              job_source=args.job, world_size=plan.world_size)
     if rank is not None:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size), LOCAL_RANK=str(rank))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size),
+                          LOCAL_RANK=os.environ.get(epochs.SLOT_ENV, str(rank)))
     return args, plan, job
 
 
@@ -160,7 +164,7 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live],
     if proc not in world:
         return None  # a leaver whose pieces others hold
     me = world.index(proc)
-    init_world(args, job, device, init_method=f"file://{epochs.store_file(control, e.number, 'move')}", rank=me,
+    init_world(args, job, device, init_method=epochs.init_method(control, e, "move", world[0]), rank=me,
                world_size=len(world))
     if me == 0:  # (bytes: fp32 elements, moments included: `ReshardPlan.moved_elements`)
         emit("started", world_size=len(world), **{f"{k}_bytes": 4 * n for k, n in rp.moved_elements().items()})
@@ -187,8 +191,8 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live],
         return None
     if len(world) != plan.world_size:  # leavers took part: the new ranks form a world of their own
         dist.destroy_process_group()
-        init_world(args, job, device, init_method=f"file://{epochs.store_file(control, e.number, 'train')}",
-                   rank=rank, world_size=plan.world_size)
+        init_world(args, job, device, init_method=epochs.init_method(control, e, "train", e.first), rank=rank,
+                   world_size=plan.world_size)
     topo = derive_topology(plan)
     groups = create_groups(topo, timedelta(seconds=args.timeout_s))
     try:
@@ -212,7 +216,7 @@ def warm_up() -> None:
 
 def serve(control: Path, proc: int, first_epoch: int) -> None:
     """The epochs of process `proc` from `first_epoch` on (module docstring); returns when the run is
-    done or a stop was not a switch (a spare waits until the pool ends it)."""
+    done, a stop was not a switch, or an epoch says it leaves (a spare waits until the pool ends it)."""
     live, k = None, first_epoch
     moves: dict[int, tuple[list[int], ReshardPlan]] = {}  # `state_kept`'s moves, for `switch`
     warm_up()
@@ -221,6 +225,8 @@ def serve(control: Path, proc: int, first_epoch: int) -> None:
         e = epochs.wait(control, k)
         rank = e.ranks.get(proc)
         if rank is None and proc not in (e.old_ranks or {}):
+            if proc in e.leave:
+                return  # a spare on a machine given back
             k += 1  # a spare: not needed yet
             continue
         if rank is not None:
@@ -229,9 +235,9 @@ def serve(control: Path, proc: int, first_epoch: int) -> None:
             args, plan, job = settings(e, rank)
             log = step_log(args, plan, job)
             try:
-                store = epochs.store_file(control, e.number, "train")
-                live = _train(args, plan, job, log, init={"init_method": f"file://{store}", "rank": rank,
-                                                          "world_size": plan.world_size},
+                init = {"init_method": epochs.init_method(control, e, "train", e.first), "rank": rank,
+                        "world_size": plan.world_size}
+                live = _train(args, plan, job, log, init=init,
                               stop_keeps_state=functools.partial(state_kept, control, k, moves))
             finally:
                 if log is not None:
@@ -239,7 +245,9 @@ def serve(control: Path, proc: int, first_epoch: int) -> None:
         else:
             held, live = [live] if live is not None else [], None
             live = switch(control, e, proc, held, moves)
-            if live is None:  # left the plan: a spare from now on
+            if live is None:  # left the plan: a spare from now on, or gone with its machine
+                if proc in e.leave:
+                    return
                 k += 1
                 continue
             live.stop_keeps_state = functools.partial(state_kept, control, k, moves)

@@ -1,7 +1,7 @@
 """A testbed's cpu cgroups (cgroup v1): one per node, one per rank with its device class's quota,
 and one for every rank's communication threads (`create_cgroups`); moving ranks and their
-communication threads into them as they start (`place_ranks`: torchrun's ranks, called by the
-stand-in ssh; `sailor profile`'s ranks, by `testbed.profile`).
+communication threads into them as they start (`place_ranks`: torchrun's ranks and a live pool's
+processes, called by the stand-in ssh; `sailor profile`'s ranks, by `testbed.profile`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from sailor.runtime.epochs import SLOT_ENV
 from sailor.testbed import net
 from sailor.testbed.spec import TestbedSpec
 from sailor.testbed.state import NodeState, TestbedState
@@ -66,7 +67,10 @@ def rank_cgroup(node: NodeState, slot: int) -> str:
 def rank_slot(environ: dict[str, str]) -> int | None:
     """The device index on its node of the rank with environment `environ` (torchrun sets
     LOCAL_RANK; where the node runs several agents, each sees its own devices through
-    CUDA_VISIBLE_DEVICES, `sailor.launch.common`); None for a process that is not a rank."""
+    CUDA_VISIBLE_DEVICES, `sailor.launch.common`; a live pool's process has its slot,
+    `epochs.SLOT_ENV`); None for a process that is not a rank."""
+    if environ.get(SLOT_ENV, "").isdigit():
+        return int(environ[SLOT_ENV])
     local = environ.get("LOCAL_RANK", "")
     if not local.isdigit() or "TORCHELASTIC_RUN_ID" not in environ:
         return None

@@ -1,0 +1,179 @@
+"""Live switches on named machines (`sailor run --hosts`, `elastic.inplace` with a `remote.HostPool`).
+
+Unit tests (no process): where a pool's ranks go on the machines (`HostPool.place`,
+`inplace.on_machines`), the epoch file's hosts and rendezvous (`runtime.epochs`), the ssh command of
+one pool process, the testbed's slot of one, and the options (live is the default with hosts too).
+
+One integration test on the testbed (root, network namespaces; skipped, saying which is missing,
+elsewhere): a live shrink from two nodes to one, through the testbed's stand-in ssh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import own_processes
+
+from sailor.core.errors import SailorInputError
+from sailor.elastic.remote import HostPool
+from sailor.plan.spec import Plan
+from sailor.runtime import epochs
+from sailor.specs.cluster import ClusterSpec
+from sailor.testbed import support_problem
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBLEM = support_problem()
+CLUSTER = ClusterSpec(provider="local", zones={"local": {"cpu": 6}}, gpus_per_node={"cpu": 2})
+HOSTS = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+
+
+def _pool(tmp_path: Path) -> HostPool:
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump({"groups": [{"zone": "local", "gpu": "cpu", "hosts": HOSTS, "user": "me"}]}))
+    return HostPool.load(hosts, CLUSTER, python="/opt/py/bin/python", rdzv_port=29100)
+
+
+def _dp(ranks: int) -> Plan:
+    """`ranks` data-parallel replicas of the tiny model on GPU type cpu (nodes of 2 ranks)."""
+    return Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 6]], "pipelines": [
+        {"microbatches": 1, "replicas": [{"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}]}] * ranks})
+
+
+def m(i: int) -> tuple[str, str, int]:
+    return ("local", "cpu", i)
+
+
+def test_nodes_go_to_the_machines_holding_the_most_processes(tmp_path):
+    """`HostPool.place`: the fuller node first, on the usable machine with the most live processes;
+    among equals the first in file order; lost machines never; too few usable machines refused."""
+    pool = _pool(tmp_path)
+    three = _dp(3)  # node local/cpu/0 holds ranks 0, 1; node 1 holds rank 2
+    assert pool.place(three, set(), Counter()) == {"local/cpu/0": m(0), "local/cpu/1": m(1)}
+    assert pool.place(three, set(), Counter({m(2): 2, m(1): 1})) == {"local/cpu/0": m(2), "local/cpu/1": m(1)}
+    assert pool.place(three, {m(2)}, Counter({m(2): 2, m(1): 1})) == {"local/cpu/0": m(1), "local/cpu/1": m(0)}
+    with pytest.raises(SailorInputError, match="more cpu machines in local than are usable"):
+        pool.place(_dp(4), {m(0), m(2)}, Counter())
+
+
+def test_survivors_keep_their_process_newcomers_start_on_their_machine_and_a_given_back_machine_leaves(tmp_path):
+    """`inplace.on_machines` for a shrink 4 -> 2 (machine 0 keeps both its ranks, machine 1's two
+    processes leave), a grow 2 -> 4 (machine 0's processes stay ranks 0 and 1, two fresh processes
+    start on machine 1), and a change where a lost machine's ranks come back on a spare machine."""
+    from sailor.elastic.inplace import on_machines
+
+    pool = _pool(tmp_path)
+    four = {0: (0, m(0)), 1: (1, m(0)), 2: (2, m(1)), 3: (3, m(1))}
+    assert on_machines(pool, _dp(2), set(), four, [], 4) == ({0: 0, 1: 1}, [], [2, 3])
+    two = {0: (0, m(0)), 1: (1, m(0))}
+    assert on_machines(pool, _dp(4), set(), two, [], 4) == ({0: 0, 1: 1, 4: 2, 5: 3}, [m(1), m(1)], [])
+    # machine 1 holds two processes: it gets the fuller node (ranks 0 and 1, taken in old-rank order)
+    moved = {5: (0, m(2)), 7: (1, m(1)), 8: (2, m(1))}
+    assert on_machines(pool, _dp(3), set(), moved, [], 9) == ({7: 0, 8: 1, 5: 2}, [], [])
+    # a spare on a machine in use takes a rank there before a fresh process would start
+    assert on_machines(pool, _dp(4), set(), two, [(2, m(1))], 3) == ({0: 0, 1: 1, 2: 2, 3: 3}, [m(1)], [])
+    # machine 1 lost: the plan's second node goes to machine 2, fresh
+    assert on_machines(pool, _dp(4), {m(1)}, two, [], 4)[1] == [m(2), m(2)]
+
+
+def test_an_epoch_on_named_machines_says_where_each_group_meets(tmp_path):
+    """The epoch file keeps hosts, port and leavers; a group's store is a FileStore in the control
+    folder on this machine, else a TCP store on the host of its first process, a fresh port for each
+    store until the ports run round (`epochs.PORTS`)."""
+    e = epochs.Epoch(3, ["--steps=3"], {4: 1, 2: 0}, "/p/old.json", {2: 0, 3: 1}, {2: "10.0.0.1", 4: "::1", 3: "b"},
+                     29100, (3,))
+    epochs.publish(tmp_path, e)
+    assert epochs.read(tmp_path, 3) == e and e.first == 2
+    assert epochs.init_method(tmp_path, e, "move", 4) == f"tcp://[::1]:{29100 + 7}"
+    assert epochs.init_method(tmp_path, e, "train", e.first) == f"tcp://10.0.0.1:{29100 + 6}"
+    local = epochs.Epoch(3, [], {0: 0})
+    assert epochs.init_method(tmp_path, local, "move", 0) == f"file://{tmp_path / 'epoch-0003.move'}"
+    ports = [epochs.store_port(29100, k, name) for k in range(epochs.PORTS // 2) for name in epochs.STORES]
+    assert sorted(ports) == list(range(29100, 29100 + epochs.PORTS))
+    assert epochs.store_port(29100, epochs.PORTS // 2, "train") == 29100
+
+
+def test_a_pool_process_runs_in_place_of_the_login_shell_with_its_slot(tmp_path):
+    from sailor.launch.torchrun import ssh_argv
+    from sailor.runtime.launcher import EVENT_PREFIX
+
+    pool = _pool(tmp_path)
+    argv = pool.process_command(m(1), ["/opt/py/bin/python", "-m", "sailor.runtime.inplace", "/ck/control/x", "5", "2"],
+                                {"SAILOR_SLOT": "1"}, 5)
+    event = shlex.quote(EVENT_PREFIX + json.dumps({"event": "node_up", "node": 5}))
+    assert argv == ssh_argv("me@10.0.0.2", f"echo {event}; exec env SAILOR_SLOT=1 /opt/py/bin/python -m"
+                                           f" sailor.runtime.inplace /ck/control/x 5 2")
+    with pytest.raises(SailorInputError, match="--rdzv-port: must be a TCP port from 1 to 65504"):
+        HostPool.load(pool.source, CLUSTER, rdzv_port=65505)
+
+
+def test_the_testbed_puts_a_pool_process_under_its_slots_quota():
+    from sailor.testbed.cgroups import rank_slot
+
+    assert rank_slot({epochs.SLOT_ENV: "1", "LOCAL_RANK": "3"}) == 1
+    assert rank_slot({"LOCAL_RANK": "3"}) is None  # not started by torchrun, no slot: not a rank
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(PROBLEM is not None, reason=f"the testbed needs {PROBLEM}")
+def test_a_live_shrink_across_two_testbed_nodes(tmp_path, reference_losses, monkeypatch):
+    """examples/testbed_pair.yaml (node a in us-central1-a, node b in us-west1-b, 100 Mbit/s apart, one
+    A100-40 each, run as gloo processes; a profile whose passes take 20 and 40 ms per sample and
+    layer, so that the planner uses both): the trace offers both, then only a's after 4 steps. The
+    switch is live: rank 0 keeps its process on node a, node b's process sends what only it holds
+    and leaves; the losses equal the single-process reference within 1e-5, each step once; then no
+    process of the run and nothing of the testbed is left."""
+    from test_elastic_inplace import _check_losses, _gone, _lines
+
+    from sailor.elastic.availability import load_trace
+    from sailor.elastic.controller import run
+    from sailor.elastic.events import ClockKind
+    from sailor.elastic.options import RunOptions
+    from sailor.runtime.launcher import ExitStatus
+    from sailor.specs import load_cluster
+    from sailor.specs.job import JobSpec
+    from sailor.testbed import down, leftovers, up
+    from sailor.testbed.spec import parse_testbed
+
+    monkeypatch.setenv("SAILOR_IGNORE_TAGS", "1")
+    data = yaml.safe_load((ROOT / "examples" / "testbed_pair.yaml").read_text())
+    state = up(parse_testbed({**data, "name": f"lh{os.getpid() % 10000}"}), tmp_path / "state")
+    try:
+        cluster = load_cluster(state.cluster_file)
+        trace = tmp_path / "trace.json"
+        trace.write_text(json.dumps([{"time_s": t, "zone": z, "gpu": "A100-40", "count": n} for t, z, n in (
+            (0, "us-central1-a", 1), (0, "us-west1-b", 1), (4, "us-west1-b", 0))]))
+        pool = HostPool.load(state.hosts_file, cluster, python=sys.executable, ssh=str(state.bin_dir / "ssh"))
+        profile = tmp_path / "profile.json"
+        profile.write_text(json.dumps({
+            "schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32", "device": "cpu",
+            "layers": [{"gpu": "A100-40", "tp": 1, "mbs": m, "forward_s": [0.02 * m] * 6, "backward_s": [0.04 * m] * 6}
+                       for m in (1, 2, 4)],
+            "optimizer": {"A100-40": {"seconds_per_param": 1e-9}},
+            "memory": [{"gpu": "A100-40", "tp": 1, "activation_bytes_per_sample": [1000.0] * 6}]}))
+        steps = 8
+        with own_processes() as alive:
+            res = run(RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=cluster,
+                                 trace=load_trace(trace, cluster), steps=steps, checkpoint_dir=str(tmp_path / "ck"),
+                                 checkpoint_every=4, metrics=str(tmp_path / "m.jsonl"), events=str(tmp_path / "e.jsonl"),
+                                 clock=ClockKind.STEPS, switch_cost_s=0.0, hosts=pool, timeout_s=60.0,
+                                 profiles=str(profile)))
+            assert _gone(alive), alive()
+    finally:
+        down(state)
+    assert leftovers(state.prefix) == []
+    assert res.status is ExitStatus.DONE, res.message
+    ev = _lines(tmp_path / "e.jsonl")
+    launches = [e for e in ev if e["event"] == "launch"]
+    assert [(e["world_size"], sorted(e["hosts"])) for e in launches] == [(2, sorted(n.address for n in state.nodes))]
+    (finished,) = [e for e in ev if e["event"] == "switch_finished"]
+    assert (finished["reason"], finished["world_size"], finished["in_place"]) == ("lost GPUs", 1, True)
+    assert (finished["survivors"], finished["survivors_restarted"]) == (1, 0)
+    assert res.switches == 1 and res.crashes == 0 and res.steps_rolled_back == 0
+    _check_losses(tmp_path / "m.jsonl", steps, reference_losses)
