@@ -1,7 +1,8 @@
 """Overlapped gradient reduction (`sailor.runtime.grad_sync`): which backward makes a layer's
 gradients final under each schedule, the fixed issue order, and a 2-rank data-parallel step whose
-timeline shows bucket collectives issued while the backward still runs (gloo, CPU); and the
-optimizer's multi-tensor AdamW step against torch's per-parameter AdamW, bit for bit."""
+timeline shows bucket collectives issued while the backward still runs (gloo, CPU), also spread over
+lanes (`groups.create_sync_lanes`) with the same bits; and the optimizer's multi-tensor AdamW step
+against torch's per-parameter AdamW, bit for bit."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from spawn import spawn
 
 from sailor.plan.orders import interleaved_order, one_f_one_b_order, zb_h1_order
 from sailor.plan.spec import Plan
-from sailor.runtime.grad_sync import InFlight, ReadyOrder, backwards_per_layer
+from sailor.runtime.grad_sync import InFlight, Lanes, ReadyOrder, backwards_per_layer
+from sailor.runtime.groups import GLOO_SYNC_LANES
 from sailor.specs.job import JobSpec
 
 TINY = JobSpec(model="tiny", global_batch_size=8)
@@ -70,6 +72,36 @@ def test_in_flight_waits_oldest_first_and_keeps_the_newest():
     assert done == [0, 1, 2] and not f.items
 
 
+def test_a_groups_reductions_take_its_lanes_in_turn_whatever_other_groups_do():
+    lanes = Lanes({(0, 1): "g01", (0, 2): "g02"}, {(0, 1): ("g01", "a", "b")})
+    picked = [lanes.next(r) for r in [(0, 1), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)]]
+    assert picked == ["g01", "g02", "a", "b", "g02", "g01"]  # (0, 2) has no lanes: its own group
+    assert lanes.issued == {(0, 1): 4}
+    with pytest.raises(KeyError):
+        lanes.next((1, 2))
+
+
+@pytest.mark.parametrize("case", ["mixed tp", "experts"])
+def test_the_sync_groups_are_exactly_the_groups_of_every_ranks_buckets(case):
+    from test_moe_ep import _plan, _spec
+    from test_runtime_memory import PLAN_C
+
+    from sailor.runtime.buckets import build_buckets
+    from sailor.runtime.topology import derive_topology
+    from sailor.runtime.worker import meta_stage
+
+    if case == "mixed tp":  # 2 stages, TP 2 + TP 1 replicas: block groups of 2, stage groups of 3
+        plan, spec = Plan.model_validate(PLAN_C), TINY.model
+    else:  # 4 pipelines, EP 2: expert groups of 2 beside the stage group of 4
+        plan, spec = Plan.model_validate(_plan([{"ep": 2, "placement": [[3], [0, 1, 2]]}], tps=(1, 1, 1, 1))), _spec()
+    topo = derive_topology(plan)
+    held = {b.ranks for role in topo.roles
+            for b in build_buckets(dict(meta_stage(spec, role).named_parameters()), role, zero=1,
+                                   sequence_parallel=False) if len(b.ranks) > 1}
+    assert set(topo.sync_groups()) == held and len(held) >= 3
+    assert [g for g in topo.groups() if g in held] == topo.sync_groups()  # one creation order
+
+
 # ---- 2 ranks: the step's timeline ------------------------------------------------------------------
 DP2 = {"micro_batch_size": 2, "stages": [[0, 6]],
        "pipelines": [{"microbatches": 2, "replicas": [{"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}]}] * 2}
@@ -82,7 +114,7 @@ def _timeline_rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from sailor.runtime.data import batch_tokens, load_corpus
-    from sailor.runtime.groups import create_groups
+    from sailor.runtime.groups import create_groups, create_sync_lanes
     from sailor.runtime.pipeline import P2P
     from sailor.runtime.topology import derive_topology
     from sailor.runtime.worker import build_rank, sync_exposed_s, train_step
@@ -90,12 +122,14 @@ def _timeline_rank(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     rows = {}
-    for zero, reshard in ((0, True), (2, True), (3, True), (3, False)):
+    for zero, reshard, lanes in ((0, True, False), (2, True, False), (3, True, False), (3, False, False),
+                                 (0, True, True), (1, True, True), (2, True, True)):
         plan = Plan.model_validate({**DP2, "memory": [{"zero": zero, "reshard_after_forward": reshard}]})
         topo = derive_topology(plan)
         role = topo.roles[rank]
-        rk = build_rank(plan, TINY, role, create_groups(topo, timedelta(seconds=60)), device=torch.device("cpu"),
-                        seed=0)
+        groups = create_groups(topo, timedelta(seconds=60))
+        rk = build_rank(plan, TINY, role, groups, device=torch.device("cpu"), seed=0,
+                        lanes=create_sync_lanes(topo, groups, timedelta(seconds=60)) if lanes else None)
         p2p = P2P(role, shape=(2, TINY.seq, 64), device=torch.device("cpu"), timeout=timedelta(seconds=60))
         for step in range(2):
             tok = torch.from_numpy(batch_tokens(load_corpus(), seed=0, step=step, first=role.first_sample, count=4,
@@ -103,10 +137,12 @@ def _timeline_rank(rank: int, store: str, out: str) -> None:
             res = train_step(rk, role, p2p, tok, mbs=2, loss_scale=1.0 / (8 * TINY.seq), scaler=None)
         total = res.loss_sum.reshape(1).clone()
         dist.all_reduce(total)
-        rows[f"{zero}{'' if reshard else ' kept'}"] = {
+        rows[f"{zero}{'' if reshard else ' kept'}{' lanes' if lanes else ''}"] = {
             **rk.optimizer.last_timeline.seconds(), "buckets": len(rk.optimizer.buckets),
             "layers": len(rk.optimizer.layer_params), "gathers": rk.optimizer.last_timeline.gathers,
-            "loss": total.item() / (8 * TINY.seq), "exposed": sync_exposed_s(rk.optimizer)}
+            "loss": total.item() / (8 * TINY.seq), "exposed": sync_exposed_s(rk.optimizer),
+            "lane_issued": list(rk.optimizer._lanes.issued.items()),
+            "weights": [p.detach().flatten()[:64].tolist() for p in rk.optimizer.params.values()] if zero < 3 else None}
     Path(out).joinpath(f"rank{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
@@ -117,23 +153,35 @@ def test_gradient_sync_runs_during_the_backward(tmp_path):
     spawn(_timeline_rank, 2, str(tmp_path / "store"), str(tmp_path))
     for r in range(2):
         rows = json.loads((tmp_path / f"rank{r}.json").read_text())
+        # lanes (gloo: GLOO_SYNC_LANES groups of ranks (0, 1) taking the reductions in turn): the same
+        # weights bit for bit as one group, and every reduction went out through them
+        assert GLOO_SYNC_LANES >= 2
+        for zero in ("0", "2"):
+            assert rows[f"{zero} lanes"]["weights"] == rows[zero]["weights"], zero
+            assert rows[f"{zero} lanes"]["loss"] == rows[zero]["loss"], zero
+            assert rows[zero]["lane_issued"] == []
+        for zero in ("0", "1", "2"):
+            row = rows[f"{zero} lanes"]
+            assert row["lane_issued"] == [[[0, 1], len(row["issued_s"]) * 2]], row  # 2 steps
+        assert rows["1 lanes"]["loss"] == pytest.approx(rows["0"]["loss"], rel=1e-6)
+        rows = {k: v for k, v in rows.items() if "lanes" not in k or k == "0 lanes"}
         for zero, row in rows.items():
             issued = [s for _, s in row["issued_s"]]
             n = row["buckets"]
             assert n >= 2, row
             # ZeRO-0: one all-reduce per bucket per step, in reverse bucket order; ZeRO-2/3: one
             # reduce-scatter per bucket per micro-batch (2), in the layers' backward order
-            assert len(issued) == (n if zero == "0" else 2 * n), row
-            if zero == "0":
+            assert len(issued) == (n if zero.startswith("0") else 2 * n), row
+            if zero.startswith("0"):
                 assert [i for i, _ in row["issued_s"]] == list(reversed(range(n)))
             assert issued == sorted(issued)
             end = row["backward_end_s"]
             assert issued[0] < end <= row["waited_s"], row  # a sync started before the backward ended
-            assert sum(s < end for s in issued) >= (n - 1 if zero == "0" else 2 * n - 1), row
+            assert sum(s < end for s in issued) >= (n - 1 if zero.startswith("0") else 2 * n - 1), row
             assert row["exposed"] == pytest.approx(row["waited_s"] - end)  # the metrics' sync_exposed_s
             order, finished = [i for i, _ in row["issued_s"]], row["finished_s"]
             assert [i for i, _ in finished] == order and all(s <= row["waited_s"] for _, s in finished), row
-            if zero != "0":
+            if not zero.startswith("0"):
                 # ZeRO-2/3, one bucket per layer here: each reduce-scatter is waited on once the next
                 # layer's was issued, so it runs under that layer's backward (the last one of a
                 # micro-batch under the next micro-batch's forward and first layer backward), and no

@@ -44,6 +44,11 @@ communicator; gloo matches collectives by a per-group sequence number, so it nee
   collectives interleave identically on both.
 - ZeRO-2/3: issued in the executor's layer-hook order, as before (`executor` module docstring): every
   member runs the same rounds (`schedule.step_rounds`), so the same hooks in the same order.
+- Lanes (`groups.create_sync_lanes`, under gloo): a group's reductions go out on its lanes in turn,
+  the k-th reduction of the group on lane k mod lanes (`Lanes`); k counts the group's reductions
+  on this rank, which is the same sequence on every member by the two points above, so every lane
+  sees one order on all its members too. Other collectives of the group (the ZeRO-1 all-gathers,
+  checkpoints) stay on its lane 0, the group itself, in their fixed places between the reductions.
 `comm_check` models the pipeline's point-to-point transfers, not collectives: this ordering argument is
 what covers them.
 
@@ -61,6 +66,7 @@ import torch
 
 from sailor.plan.orders import BWD, WGRAD, Op
 from sailor.runtime.timing import PhaseClock, seconds_between
+from sailor.runtime.topology import Ranks
 
 
 def backwards_per_layer(order: Sequence[Op], chunks: Sequence[tuple[int, int]]) -> dict[int, int]:
@@ -134,6 +140,26 @@ class InFlight:
             if work is not None:
                 work.wait()  # type: ignore[attr-defined]
             finish()
+
+
+class Lanes:
+    """The process group each gradient reduction of a group goes out on (module docstring): in turn
+    over `lanes[ranks]` (the group's lanes, `groups.create_sync_lanes`), or `groups[ranks]` for a
+    group without lanes."""
+
+    def __init__(self, groups: Mapping[Ranks, object], lanes: Mapping[Ranks, Sequence[object]]) -> None:
+        self.groups, self.lanes = groups, lanes
+        self.issued: dict[Ranks, int] = {}  # reductions handed out per group with lanes
+
+    def next(self, ranks: Ranks) -> object:
+        """The group the next reduction over `ranks` goes out on. Raises KeyError for a group this
+        rank has neither lanes nor a group of."""
+        lanes = self.lanes.get(ranks)
+        if not lanes:
+            return self.groups[ranks]
+        k = self.issued.get(ranks, 0)
+        self.issued[ranks] = k + 1
+        return lanes[k % len(lanes)]
 
 
 class SyncTimeline:

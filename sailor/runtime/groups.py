@@ -12,6 +12,19 @@ both hosts until both arrive; so `create_channel_groups` also sends one element 
 each rank through its own channels in the one sorted order. That order cannot deadlock: the smallest
 channel not yet connected has both its ranks waiting at it, each being done with all smaller ones.
 
+`create_sync_lanes`: under gloo, each gradient-sync group gets GLOO_SYNC_LANES - 1 more groups of the
+same ranks, its *lanes*, which the optimizer issues its bucket reductions on in turn
+(`grad_sync.Lanes`). A gloo group has one TCP connection per pair of ranks and two worker threads;
+its all-reduces, one after another over that connection, carried the testbed's 400 Mbit/s
+cross-zone link at about half its rate during the step's gradient sync (its counters sampled every
+20 ms: 25-30 MB/s each way of 50, the two directions taking turns), for sailor's per-layer buckets
+and for DDP's 25 MB ones alike (`benchmarks/runtime_overhead.py --testbed`, README "Runtime"). Lanes
+keep several reductions moving at once over their own connections and threads, as NCCL's socket
+transport opens several sockets per peer for the same reason (NCCL environment variables,
+`NCCL_SOCKET_NTHREADS`, `NCCL_NSOCKS_PERTHREAD`); NCCL groups get no lanes. Every member issues the
+same reductions on a group in the same order (`grad_sync` module docstring), and `Lanes` picks the
+lane from that order alone, so each lane also sees one order on every member.
+
 `ignore_tags` (`SAILOR_IGNORE_TAGS=1`): every point-to-point tag becomes 0, so gloo, which matches a
 pair's messages by tag, matches them in posting order as NCCL does (NCCL ignores tags: torch's
 `isend` docstring, "tag is not supported with the NCCL backend"). The CPU tests run the runtime so.
@@ -44,6 +57,26 @@ def create_groups(topology: Topology, timeout: timedelta) -> dict[Ranks, dist.Pr
         group = dist.new_group(list(ranks), timeout=timeout)
         if me in ranks:
             mine[ranks] = group
+    return mine
+
+
+GLOO_SYNC_LANES = 4  # groups per gradient-sync group under gloo (module docstring)
+
+
+def create_sync_lanes(topology: Topology, groups: dict[Ranks, dist.ProcessGroup],
+                      timeout: timedelta) -> dict[Ranks, tuple[dist.ProcessGroup, ...]]:
+    """Under gloo, for every gradient-sync group of `topology` (`Topology.sync_groups`) this rank
+    belongs to: (its group in `groups`, then GLOO_SYNC_LANES - 1 new groups of the same ranks), the
+    new ones created collectively by all ranks in one order; {} under any other backend (module
+    docstring). Collectives in them time out after `timeout`."""
+    if dist.get_backend() != dist.Backend.GLOO:
+        return {}
+    me = dist.get_rank()
+    mine = {}
+    for ranks in topology.sync_groups():
+        extra = [dist.new_group(list(ranks), timeout=timeout) for _ in range(GLOO_SYNC_LANES - 1)]
+        if me in ranks:
+            mine[ranks] = (groups[ranks], *extra)
     return mine
 
 

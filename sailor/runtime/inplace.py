@@ -67,7 +67,7 @@ from sailor.runtime import epochs
 from sailor.runtime.checkpoint_io import Reader
 from sailor.runtime.command import WorkerSettings, parse
 from sailor.runtime.device import rank_device
-from sailor.runtime.groups import create_groups
+from sailor.runtime.groups import create_groups, create_sync_lanes
 from sailor.runtime.reshard import ReshardError, move_state
 from sailor.runtime.reshard_plan import CHECKPOINT, ReshardPlan, plan_reshard
 from sailor.runtime.sync import barrier
@@ -195,9 +195,10 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live],
                    world_size=plan.world_size)
     topo = derive_topology(plan)
     groups = create_groups(topo, timedelta(seconds=args.timeout_s))
+    lanes = create_sync_lanes(topo, groups, timedelta(seconds=args.timeout_s))
     try:
         rk = build_rank(plan, job, topo.roles[rank], groups, device=device, seed=args.seed, reader=state,
-                        step=state.steps)
+                        step=state.steps, lanes=lanes)
     finally:
         state.close()
         if reader is not None:

@@ -114,12 +114,19 @@ class Topology:
     def groups(self) -> list[Ranks]:
         """Every distinct group of two or more ranks, in one deterministic order (all ranks must
         create torch groups in the same order)."""
-        seen: dict[Ranks, None] = {}
-        for r in self.roles:
-            for g in (r.tp_group, *r.block_groups, r.stage_group, r.ep_group, *r.expert_block_groups,
-                      r.expert_stage_group):
-                if len(g) > 1:
-                    seen.setdefault(g, None)
+        return self._distinct(lambda r: (r.tp_group, *r.block_groups, r.stage_group, r.ep_group,
+                                         *r.expert_block_groups, r.expert_stage_group))
+
+    def sync_groups(self) -> list[Ranks]:
+        """The groups of two or more ranks that gradients are reduced in (`RankRole.sync_groups` of
+        every parameter: the buckets' groups, `runtime.buckets`), in `groups`' order."""
+        return self._distinct(lambda r: (*r.block_groups, r.stage_group, *r.expert_block_groups,
+                                         r.expert_stage_group))
+
+    def _distinct(self, of) -> list[Ranks]:
+        """The distinct groups of two or more ranks among `of(role)` over every role, sorted by
+        (size, ranks)."""
+        seen = dict.fromkeys(g for r in self.roles for g in of(r) if len(g) > 1)
         return sorted(seen, key=lambda g: (len(g), g))
 
 

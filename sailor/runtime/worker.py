@@ -3,8 +3,9 @@
 Order of construction (fixed; each step is its own function; steps 2-5 are `build_rank`, which reads
 this stage's memory options `mem = role.memory` (`topology.stage_memory`, the runtime's one reader of them), and
 the schedule, `schedule.runtime_schedule(plan)`, the runtime's one reader of it):
-1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups; `create_channel_groups`: one
-   2-rank group per pipeline channel (`messages`).
+1. `derive_topology(plan)`: this rank's role; `create_groups`: the torch groups; `create_sync_lanes`: under
+   gloo, the gradient-sync groups' lanes; `create_channel_groups`: one 2-rank group per pipeline channel
+   (`messages`).
 2. `GPT(spec)` on the `meta` device -> `build_stage` (keep this stage's layers: its chunks under
    interleaving) -> `apply_tp` (with `mem.sequence_parallel`) -> `apply_recompute` (`mem.recompute`,
    `mem.recompute_blocks`, counted over the stage's blocks in layer order).
@@ -86,7 +87,7 @@ from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.device import rank_device
 from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.grad_sync import backwards_per_layer
-from sailor.runtime.groups import create_channel_groups, create_groups, ignore_tags
+from sailor.runtime.groups import create_channel_groups, create_groups, create_sync_lanes, ignore_tags
 from sailor.runtime.messages import ACTIVATION, GRADIENT
 from sailor.runtime.metrics import StepLog, check_tensorboard
 from sailor.runtime.model import GPT, initial_value, param_shapes
@@ -194,7 +195,7 @@ class RankModel:
 
 def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device: torch.device, seed: int,
                reader: Reader | None = None, init_from: str | None = None, step: int = 0,
-               dtype: torch.dtype | None = None) -> RankModel:
+               dtype: torch.dtype | None = None, lanes: dict | None = None) -> RankModel:
     """Steps 2-5 of the order of construction (module docstring) for this rank's stage, layer by
     layer: each layer's parameters are materialised on `device` in fp32 (this TP rank's shards),
     handed to the optimizer (`ShardedAdamW.adopt`: fp32 master and moments of the owned ranges, the
@@ -205,7 +206,8 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     do not count), which Adam's bias correction goes on from. `reader` may be any object with the
     Reader's `shard(name, key, tp_rank, tp)` and `held_keys()` (`reshard.ReceivedState`: pieces
     received from live ranks). `dtype` overrides the compute dtype of
-    `job.precision` on `device` (tests run bf16 on CPU with it)."""
+    `job.precision` on `device` (tests run bf16 on CPU with it). `lanes`: the gradient-sync groups'
+    lanes (`groups.create_sync_lanes`; None: none)."""
     spec, mem = job.model, role.memory
     stage = meta_stage(spec, role, groups.get(role.tp_group), groups.get(role.ep_group))
     apply_recompute(stage, mem)
@@ -213,7 +215,7 @@ def build_rank(plan: Plan, job: JobSpec, role: RankRole, groups: dict, *, device
     tied = tied_for_rank(spec, plan, derive_topology(plan), role.rank)
     opt = ShardedAdamW(dict(stage.named_parameters()), role, groups, zero=mem.zero,
                        sequence_parallel=mem.sequence_parallel, cfg=optim_config(job.recipe.optimizer), dtype=dtype,
-                       tied=tied, device=device, reshard_after_forward=mem.reshard_after_forward)
+                       tied=tied, device=device, reshard_after_forward=mem.reshard_after_forward, lanes=lanes)
     tp_rank, tp = role.tp_rank, role.tp
     weights = None
     if reader is not None:
@@ -344,6 +346,7 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None,
     assert topo.world_size == dist.get_world_size(), (topo.world_size, dist.get_world_size())
     role = topo.roles[rank]
     groups = create_groups(topo, timedelta(seconds=args.timeout_s))
+    lanes = create_sync_lanes(topo, groups, timedelta(seconds=args.timeout_s))
     if rank == 0:
         emit("started", world_size=topo.world_size)  # process groups are up (the controller times phases)
     start, reader, manifest = 0, None, {}
@@ -353,7 +356,8 @@ def _train(args: WorkerSettings, plan: Plan, job: JobSpec, log: StepLog | None,
         start = manifest["step"]
         reader = Reader(args.resume_from, manifest)
     rk = build_rank(plan, job, role, groups, device=device, seed=args.seed, reader=reader,
-                    init_from=args.init_from, step=ckpt.optimizer_steps(manifest) if reader is not None else 0)
+                    init_from=args.init_from, step=ckpt.optimizer_steps(manifest) if reader is not None else 0,
+                    lanes=lanes)
     if reader is not None:
         reader.close()
     # what `sailor export` keeps of the Hugging Face folder the run started from (rank 0 writes it; every

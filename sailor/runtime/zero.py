@@ -54,7 +54,9 @@ in one fixed bucket order on every rank; under ZeRO-2/3 each layer's reduce-scat
 is issued after its backward and waited on after the next layer's. Transients this adds over the
 sequential rule: ZeRO-1, each in-flight reduce-scatter's output shard until `reduce` (at most 4/d
 bytes per parameter); ZeRO-2/3, one more layer's flat fp32 gradient and shard. `reduce` waits for
-everything; the step's `timeline` records when each was issued and when the backward ended.
+everything; the step's `timeline` records when each was issued and when the backward ended. Under
+gloo the reductions of a group go out on its lanes in turn (`lanes`, `groups.create_sync_lanes`), so
+several move at once over their own connections.
 
 Mixed precision (CUDA only; on CPU `dtype` is fp32 unless a test asks for a half dtype): the model
 runs in bf16 or fp16, gradients accumulate in the fp32 buffers, and the fp32 master weights and fp32
@@ -94,7 +96,7 @@ left out of the norm.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,7 +113,7 @@ from sailor.runtime.buckets import (
     piece_view,
     unflatten,
 )
-from sailor.runtime.grad_sync import InFlight, ReadyOrder, SyncTimeline
+from sailor.runtime.grad_sync import InFlight, Lanes, ReadyOrder, SyncTimeline
 from sailor.runtime.optim import OptimConfig
 from sailor.runtime.tied import Tied, add_twins, twin_ranges
 from sailor.runtime.topology import RankRole, Ranks
@@ -145,12 +147,14 @@ class ShardedAdamW:
         device: where the state lives (default: the parameters' device; needed for meta parameters).
         reshard_after_forward: ZeRO-3 only: free gathered weights after every pass (True) or keep
             them for the step (False; module docstring).
+        lanes: the groups each gradient-sync group's reductions go out on in turn, by its rank tuple
+            (`groups.create_sync_lanes`); a group without lanes reduces on `groups`' own.
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], role: RankRole, groups: Mapping[Ranks, object], *,
                  zero: int, sequence_parallel: bool, cfg: OptimConfig, dtype: torch.dtype = FP32,
                  tied: Tied | None = None, device: torch.device | None = None,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, lanes: Mapping[Ranks, Sequence[object]] | None = None) -> None:
         assert 0 <= zero <= 3, zero
         self.params, self.zero, self.cfg, self.dtype = dict(params), zero, cfg, dtype
         self.reshard = reshard_after_forward
@@ -187,6 +191,7 @@ class ShardedAdamW:
         # Overlapped reduction (`runtime.grad_sync`): buckets issued in reverse bucket order.
         self._ready = ReadyOrder(list(reversed(range(n))), [b.layer for b in self.buckets])
         self._inflight = InFlight()
+        self._lanes = Lanes(groups, lanes or {})
         self.timeline = SyncTimeline(self.device)  # the step in progress
         self.last_timeline: SyncTimeline | None = None  # the last step `reduce` finished
         if not any(p.is_meta for p in self.params.values()):
@@ -497,14 +502,15 @@ class ShardedAdamW:
     def _reduce_async(self, b: Bucket, flat: torch.Tensor) -> tuple[object | None, torch.Tensor]:
         """Start the SUM over `b`'s members of their padded flat vectors `flat`: (work handle, result)
         with the result all of `flat` under ZeRO-0 (all-reduce, in place) and a new tensor for this
-        rank's shard otherwise (reduce-scatter); valid once the work is waited on. A group of one
-        rank: (None, flat)."""
+        rank's shard otherwise (reduce-scatter); valid once the work is waited on. It goes out on the
+        group's next lane (`grad_sync.Lanes`). A group of one rank: (None, flat)."""
         if len(b.ranks) == 1:
             return None, flat
+        group = self._lanes.next(b.ranks)
         if b.shards == 1:
-            return dist.all_reduce(flat, group=self.groups[b.ranks], async_op=True), flat
+            return dist.all_reduce(flat, group=group, async_op=True), flat
         out = torch.empty(b.shard_numel, dtype=flat.dtype, device=flat.device)
-        return dist.reduce_scatter_single(out, flat, group=self.groups[b.ranks], async_op=True), out
+        return dist.reduce_scatter_single(out, flat, group=group, async_op=True), out
 
     def _gather(self, layer: int, upcoming: int | None) -> None:
         """ZeRO-3: put `layer`'s full weights in place (waiting for its prefetch, or gathering now),
