@@ -232,6 +232,19 @@ class NetworkModel:
             link = self.default_link(self.link_class(src_zone, dst_zone, same_node), slow, src_zone, dst_zone)
         return _Route(fit=fit, fit_flows=got or flows, link=link, link_flows=link_flows)
 
+    def zone_class(self, zone: str, gpu: str) -> tuple:
+        """What collectives and pipeline transfers among nodes of GPU type `gpu` inside `zone` read of
+        the zone: its routes (measured curve and α–β link) between two of its nodes and inside one at
+        every flow count up to the node size (a ring edge or a transfer carries at most a node's GPUs
+        in flows), with no zone names. Pools of one class take the same time in every such collective
+        and transfer; zones the model tells apart by nothing are one class. Memoised with the routes."""
+        self._route(zone, gpu, zone, gpu, 1, False)  # drops the memo when a table has grown
+        key = ("zone-class", zone, gpu)
+        if key not in self._routes:
+            self._routes[key] = (gpu, tuple(self._route(zone, gpu, zone, gpu, f, on)
+                                            for f in range(1, self.cluster.node_size(gpu) + 1) for on in (False, True)))
+        return self._routes[key]
+
     def hop_latency_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, *, flows: int = 1,
                       same_node: bool = False) -> float:
         """One-way latency (s) of one message between the two GPUs' nodes, paid once per ring step:

@@ -165,9 +165,14 @@ def hierarchical_allreduce_s(groups: list[Group], nbytes: float, net: NetworkMod
     if islands is None:
         return None
     sizes = [sum(n for _, n in isl) for isl in islands]
-    # islands of the same members on other nodes reduce alike: each kind of island once
-    alike = {tuple((m.zone, m.gpu, m.tp, n, m.node is not None) for m, n in isl): (isl, k)
-             for isl, k in zip(islands, sizes) if k > 1}
+    # islands of the same members on other nodes, or in zones of one class (`NetworkModel.zone_class`;
+    # an island of one GPU type reads only those links), reduce alike: each kind of island once
+    alike = {}
+    for isl, k in zip(islands, sizes):
+        if k > 1:
+            one = len({m.gpu for m, _ in isl}) == 1
+            where = net.zone_class(isl[0][0].zone, isl[0][0].gpu) if one else isl[0][0].zone
+            alike.setdefault((where, tuple((m.gpu, m.tp, n, m.node is not None) for m, n in isl)), (isl, k))
     rs = max((_ring_phase(isl, nbytes, net, steps=k - 1, fraction=(k - 1) / k, efficiency=efficiency)
               for isl, k in alike.values()), default=0.0)
     shard = nbytes / min(sizes)
