@@ -38,8 +38,12 @@ from sailor.planner.kinds import homogeneous_kinds, make_kinds, option_table
 from sailor.planner.pack import PoolPacking
 from sailor.planner.space import candidate_partitions, memory_candidates
 from sailor.simulator import Slot, make_context
-from sailor.simulator.collectives import (Member, allreduce_time_s, group_members,
-                                          hierarchical_allreduce_s)
+from sailor.simulator.collectives import (
+    Member,
+    allreduce_time_s,
+    group_members,
+    hierarchical_allreduce_s,
+)
 from sailor.simulator.terms import RING_SHARE, collective_s
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
