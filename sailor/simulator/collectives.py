@@ -69,13 +69,23 @@ class Member:
     `node` names the machine (`sailor.plan.placement.RankInfo.node`); None = a node of its own, shared with no
     other member (what the planner assumes before placement). `node_cut`, before placement only: the
     replica's pipeline is cut between nodes before it (`sailor.plan.spec.Replica.node_cut`), which
-    the placement reads; placed members have it False."""
+    the placement reads; placed members have it False. Hashed once, when made (the planner's memo
+    keys hold many), to the value the dataclass's own hash of its fields gives."""
 
     zone: str
     gpu: str
     tp: int
     node: str | None = None
     node_cut: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.zone, self.gpu, self.tp, self.node, self.node_cut)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # rebuilt from its fields: another process hashes strings its own way
+        return Member, (self.zone, self.gpu, self.tp, self.node, self.node_cut)
 
 
 Group = tuple[Member, int]  # a member kind and how many replicas of that kind take part
