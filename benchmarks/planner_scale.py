@@ -16,6 +16,10 @@ each for OPT-350M (global batch 1024) and GPT-Neo-2.7B (2048), fp32, and
   geo-fast OPT-30B on the same three regions: one region holds it, three run it much faster;
   allzones every GCP zone of the catalog (97) x 6 GPU types (A100-40, A100-80, H100-80, V100-16, L4, T4),
            32 GPUs each (the issue's target: <= 10 s; reported, not held to it here)
+  10k      10,000 GPUs of the 8 types in 30 zones of GCP, AWS and Azure: the 30 zones offering the most
+           of them (ties by name; a type counts where its provider offers it or does not say), every
+           offered type in each (145 pools), 64 GPUs a pool and 72 in the first 90 (whole 8-GPU
+           nodes) (the issue's target: <= 30 s; reported, not held to it here)
   3clouds  a cluster across GCP, AWS and Azure: 7 zones of 7 regions, 5 GPU types (A100-40, A100-80,
            H100-80, V100-16, V100-32), each where its provider lists it, priced per region from the
            catalog (aws.yaml, azure.yaml), links and egress across providers from clouds.yaml;
@@ -67,7 +71,7 @@ PAIR_MIN_RATIO = 0.99
 BATCH = {"opt-350m": 1024, "gpt-neo-2.7b": 2048, "opt-30b": 256, "opt-66b": 256}
 TARGET_S = {"4x1024": 10.0, "8x128": 10.0, "10zones": 10.0, "paper-f": 2.0, "batch1e9": 10.0, "batchmax": 10.0,
             "geo": None,
-            "geo-1region": None, "geo-fast": None, "allzones": None, "3clouds": None,
+            "geo-1region": None, "geo-fast": None, "allzones": None, "10k": None, "3clouds": None,
             "3clouds-geo": None, **{sid: None for sid in PAIR_ZONES}}
 SIX = ["A100-40", "A100-80", "H100-80", "V100-16", "L4", "T4"]
 # provider, zone, {GPU type: count}: every type is one its provider lists in that zone's region
@@ -81,6 +85,25 @@ CLOUDS3 = [("gcp", "us-central1-a", {"A100-40": 64, "A100-80": 32, "H100-80": 32
 GEO_MODEL = {"geo": "opt-66b", "geo-1region": "opt-66b", "geo-fast": "opt-30b", "3clouds-geo": "opt-66b",
              **{sid: "gpt-neo-2.7b" for sid in PAIR_ZONES}}  # scenarios of one model
 PEAK_TARGET_MB = 1000.0
+TEN_K_CLOUDS = ("gcp", "aws", "azure")
+
+
+def ten_k_zones() -> dict[str, dict[str, int]]:
+    """The 10k row's zones: zone -> {GPU type: count}, 10,000 GPUs in all (see the module docstring)."""
+    from sailor import catalog
+
+    offered = []
+    for name in TEN_K_CLOUDS:
+        prov = catalog.provider(name)
+        offered += [(z, [g for g in EIGHT if prov.offers(z, g) is not False]) for z in prov.zone_region]
+    offered = sorted(offered, key=lambda x: (-len(x[1]), x[0]))[:30]
+    pools = [(z, g) for z, gs in offered for g in gs]
+    extra = (10_000 - 64 * len(pools)) // 8  # pools given a 9th node
+    zones: dict[str, dict[str, int]] = {}
+    for i, (z, g) in enumerate(pools):
+        zones.setdefault(z, {})[g] = 72 if i < extra else 64
+    assert sum(n for gs in zones.values() for n in gs.values()) == 10_000, "the 10k row must offer 10,000 GPUs"
+    return zones
 
 
 def scenario(sid: str, model: str) -> tuple[dict, dict]:
@@ -112,6 +135,8 @@ def scenario(sid: str, model: str) -> tuple[dict, dict]:
     elif sid == "allzones":
         from sailor import catalog
         cluster = {"zones": {z: {g: 32 for g in SIX} for z in catalog.provider("gcp").zone_region}}
+    elif sid == "10k":
+        cluster = {"provider": list(TEN_K_CLOUDS), "zones": ten_k_zones()}
     elif sid == "3clouds":
         cluster = {"provider": ["gcp", "aws", "azure"], "zones": {z: gpus for _, z, gpus in CLOUDS3}}
     elif sid == "3clouds-geo":

@@ -10,8 +10,13 @@ it replaces, run here as the reference.
 - `kinds.make_kinds` computing what a cut does not change once per uncut twin, against each kind
   built alone in a fresh context;
 - `simulator.terms.collective_s` memoised by the groups' shape, against the collective computed
-  afresh.
-The first three together: `plan_job` returns the same plan, estimate, alternatives, candidate count
+  afresh;
+- `NetworkModel.zone_class` (zones whose links are alike computed once: the two-replica sync
+  bounds' slots, `prune.alike_slots`, the estimates' transfers and node groups, the hierarchical
+  all-reduce's zone islands) against every zone apart;
+- `prune.NodeKeys` (a node's estimate computed when the node comes up) against every node's key
+  computed first.
+All but the fourth together: `plan_job` returns the same plan, estimate, alternatives, candidate count
 and Pareto front with the references patched in, on clusters where they come into play (pipelines cut
 between nodes over a slow link, ZeRO, several zones, the cost objective).
 """
@@ -26,13 +31,19 @@ import numpy as np
 import pytest
 
 from sailor.model.spec import Collective
-from sailor.planner import Objective, PlanOptions, engine, plan_job, prune
+from sailor.perf.network import NetworkModel
+from sailor.planner import Objective, PlanOptions, engine, paper, plan_job, prune
 from sailor.planner.finalists import plan_signature
 from sailor.planner.kinds import homogeneous_kinds, make_kinds, option_table
 from sailor.planner.pack import PoolPacking
 from sailor.planner.space import candidate_partitions, memory_candidates
-from sailor.simulator import make_context
-from sailor.simulator.collectives import Member, allreduce_time_s, group_members
+from sailor.simulator import Slot, make_context
+from sailor.simulator.collectives import (
+    Member,
+    allreduce_time_s,
+    group_members,
+    hierarchical_allreduce_s,
+)
 from sailor.simulator.terms import RING_SHARE, collective_s
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
@@ -99,6 +110,16 @@ def test_cut_kinds_built_together_equal_each_built_alone():
 def _reference(monkeypatch) -> None:
     """Patch in the computations the shortcuts replace."""
     monkeypatch.setattr(engine, "_hopeless_alone", lambda *args: False)
+    monkeypatch.setattr(NetworkModel, "zone_class", lambda self, zone, gpu: (zone, gpu))  # every zone apart
+    every_key = prune.node_keys
+
+    def keyed_first(ctx, opts, exact_mode):
+        nodes = every_key(ctx, opts, exact_mode)
+        for bound, P, mbs in nodes.bounds:
+            nodes.key(bound, P, mbs)
+        return nodes
+    for module in (engine, paper):
+        monkeypatch.setattr(module, "node_keys", keyed_first)
     for name in ("_uniform_estimate", "_node_group_estimate"):
         fast = getattr(prune, name)
 
@@ -132,6 +153,12 @@ CASES = {
              ClusterSpec(zones={ZA: {"A100-40": 48}}, gpus_per_node={"A100-40": 8}, network=SLOW_NET),
              PlanOptions(objective=Objective.COST, max_stages=4, max_mbs=2)),
     # a model that needs ZeRO on 16 GB GPUs (kinds whose constants depend on D)
+    # four zones, three alike and one with links of its own, pipelines cut between nodes
+    "alike-zones": (JobSpec(model=WIDE, global_batch_size=16, framework="megatron-lm"),
+                    ClusterSpec(zones={z: {"A100-40": 16} for z in (ZA, ZB, "us-central1-c", "us-west1-a")},
+                                gpus_per_node={"A100-40": 8}, network=SLOW_NET,
+                                zone_network={ZB: {"same_zone": {"latency_s": 2e-5, "bandwidth_bytes_per_s": 2e10}}}),
+                    PlanOptions(max_stages=4, max_mbs=2)),
     "zero": (JobSpec(model="gpt-neo-2.7b", global_batch_size=64, precision="fp32"),
              ClusterSpec(zones={ZA: {"V100-16": 48}}, gpus_per_node={"V100-16": 8}),
              PlanOptions(max_stages=4, max_mbs=2)),
@@ -178,3 +205,44 @@ def test_a_collective_is_memoised_only_across_equally_placed_groups():
                 assert value == fresh(g, kind, nbytes)
                 seen.add(value)
     assert len(seen) >= 2 * 2 * 4  # the differently placed groups do not share a value
+
+
+def test_alike_slots_leave_the_two_replica_syncs_as_every_slot_gives_them(monkeypatch):
+    # four zones of one provider, one of them with a faster link of its own between nodes
+    # (`zone_network`, so the bounds take its slots): its slots stay apart, the other zones' fold into one per (GPU type, TP); the sync floors and the
+    # two-replica syncs are those over every slot
+    zones = [ZA, ZB, "us-central1-c", "us-west1-a"]
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    cluster = ClusterSpec(zones={z: {"A100-40": 16, "V100-16": 8} for z in zones},
+                          gpus_per_node={"A100-40": 4, "V100-16": 4},
+                          zone_network={zones[2]: {"same_zone": {"latency_s": 1e-6, "bandwidth_bytes_per_s": 1e12}}})
+    slots = [Slot(zone=z, gpu=g, tp=t) for z in zones for g in ("A100-40", "V100-16") for t in (1, 2, 4)]
+
+    def syncs(ctx) -> list[float]:
+        floors = [prune.sync_floor(ctx, P, pairs=False) for P in (1, 2, 5)]
+        return floors + [prune.two_replica_sync(ctx, slots[k:], (2, 9), pairs=False) for k in (0, 12, 18)]
+
+    ctx = make_context(job, cluster, calibration={"V100-16": {"allreduce_efficiency": 0.7}})
+    kept = prune.alike_slots(ctx, slots)
+    assert [s.zone for s in kept] == [ZA] * 6 + [zones[2]] * 6
+    fast = syncs(ctx)
+    assert all(x > 0 for x in fast)
+    monkeypatch.setattr(NetworkModel, "zone_class", lambda self, zone, gpu: (zone, gpu))  # every zone apart
+    assert syncs(make_context(job, cluster, calibration={"V100-16": {"allreduce_efficiency": 0.7}})) == fast
+
+
+def test_a_hierarchical_allreduce_reduces_alike_zone_islands_once_with_the_same_time(monkeypatch):
+    # islands in zones of one class (`NetworkModel.zone_class`) reduced once, against every island
+    # reduced: four zones, one with a slower link of its own between nodes, mixed GPU types in one
+    zones = [ZA, ZB, "us-central1-c", "us-west1-a"]
+    cluster = ClusterSpec(zones={z: {"A100-40": 16, "V100-16": 8} for z in zones},
+                          gpus_per_node={"A100-40": 4, "V100-16": 4},
+                          zone_network={zones[1]: {"same_zone": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9}}})
+    ctx = make_context(JobSpec(model="opt-350m", global_batch_size=64), cluster, calibration={})
+    members = [Member(zone=z, gpu="A100-40", tp=2, node=f"{z}/{k // 2}") for z in zones for k in range(4)]
+    cases = [group_members(members), group_members(members[:12] + [Member(zone=zones[3], gpu="V100-16", tp=1)] * 3),
+             group_members([Member(zone=z, gpu="V100-16", tp=1) for z in zones for _ in range(3)])]
+    fast = [hierarchical_allreduce_s(g, 4e8, ctx.network) for g in cases]
+    monkeypatch.setattr(NetworkModel, "zone_class", lambda self, zone, gpu: (zone, gpu))
+    assert [hierarchical_allreduce_s(g, 4e8, ctx.network) for g in cases] == fast
+    assert None not in fast and len(set(fast)) == 3

@@ -205,15 +205,19 @@ class NetworkModel:
             cache[id(table)] = (len(table), index)
         return cache[id(table)][1]
 
+    def _check_routes(self) -> None:
+        """Drop the memoised routes when a table has grown since they were found."""
+        sizes = (len(self.fits), len(self.links), len(self.node_links), len(self.intra_fits), len(self.class_links))
+        if self._routes.get("sizes") != sizes:
+            self._routes.clear()
+            self._routes["sizes"] = sizes
+
     def _route(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, flows: int, same_node: bool) -> "_Route":
         """What moves bytes between the two GPUs' nodes: a measured curve if any, and the α–β link
         behind it (measured for this pair, else the class default). Memoised: the tables are filled
         when the model is loaded and not changed afterwards (a table that grows drops the memo)."""
-        sizes = (len(self.fits), len(self.links), len(self.node_links), len(self.intra_fits), len(self.class_links))
         memo_key = (src_zone, src_gpu, dst_zone, dst_gpu, flows, same_node)
-        if self._routes.get("sizes") != sizes:
-            self._routes.clear()
-            self._routes["sizes"] = sizes
+        self._check_routes()
         if memo_key not in self._routes:
             self._routes[memo_key] = self._find_route(src_zone, src_gpu, dst_zone, dst_gpu, flows, same_node)
         return self._routes[memo_key]
@@ -231,6 +235,22 @@ class NetworkModel:
             slow = min((src_gpu, dst_gpu), key=lambda g: catalog.gpu(g).intra_node_bytes_per_s)
             link = self.default_link(self.link_class(src_zone, dst_zone, same_node), slow, src_zone, dst_zone)
         return _Route(fit=fit, fit_flows=got or flows, link=link, link_flows=link_flows)
+
+    def zone_class(self, zone: str, gpu: str) -> int:
+        """What collectives and pipeline transfers among nodes of GPU type `gpu` inside `zone` read of
+        the zone: its routes (measured curve and α–β link) between two of its nodes and inside one at
+        every flow count up to the node size (a ring edge or a transfer carries at most a node's GPUs
+        in flows), with no zone names. Pools of one class take the same time in every such collective
+        and transfer; zones the model tells apart by nothing are one class. The class's number (equal
+        numbers, equal classes), memoised with the routes."""
+        self._check_routes()
+        key = ("zone-class", zone, gpu)
+        if key not in self._routes:
+            links = (gpu, tuple(self._route(zone, gpu, zone, gpu, f, on)
+                                for f in range(1, self.cluster.node_size(gpu) + 1) for on in (False, True)))
+            numbers = self._routes.setdefault("zone-classes", {})
+            self._routes[key] = numbers.setdefault(links, len(numbers))
+        return self._routes[key]
 
     def hop_latency_s(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, *, flows: int = 1,
                       same_node: bool = False) -> float:

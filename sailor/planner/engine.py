@@ -22,7 +22,7 @@ Per family:
   where no single zone can hold one; pipelines cut between nodes (`kinds.node_cut_variants`) are
   packed apart and also offered alone in node-filling counts (`_offer_node_groups`).
   Node keys take the larger of the bound and `prune.node_estimate` discounted by a margin
-  (`prune.node_keys`).
+  (`prune.node_keys`), each computed when its node comes up (`prune.NodeKeys`).
 
 The work per family is polynomial: kinds are O(zones x GPU types x templates), a packing step is
 linear in the kinds of each pool (squared), and the number of bisection steps is fixed
@@ -97,7 +97,7 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
     total = P_max * len(mbs_candidates(job.global_batch_size, opts.max_mbs))
     if progress:
         progress(0, total)
-    nodes, sync = node_keys(ctx, opts, exact_mode)
+    nodes = node_keys(ctx, opts, exact_mode)
     # The published planner's space first (it is small): its best plan is the first incumbent and a
     # finalist of phase 3 whatever its rank, so it can never beat the result in the simulator.
     # (its best plan only: top_k 0, rescore 1)
@@ -110,23 +110,26 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
     all_scopes = scopes(ctx)
     if exact_mode:
         all_scopes = all_scopes[-1:]  # the widest scope: its count vectors include every region's
-    nodes = [(key, 0, n, (P, mbs)) for n, (key, P, mbs) in enumerate(nodes)]
+    # each node held at its bound until it comes up, then at its key (`prune.NodeKeys`): the same order
+    heap = [(bound, 0, n, (P, mbs, False)) for n, (bound, P, mbs) in enumerate(nodes.bounds)]
     done = 0
-    assert len(nodes) == total
-    heap = list(nodes)
+    assert len(heap) == total
     heapq.heapify(heap)
-    counter = len(nodes)
+    counter = len(heap)
     while heap:
         if deadline is not None and time.perf_counter() > deadline:
             found.timed_out = True
             found.exact = False
             break
-        key, level, _, item = heapq.heappop(heap)
+        key, level, tie, item = heapq.heappop(heap)
         if key[0] >= keep.best0() or key[0] == math.inf:
             break  # ordered by key: nothing left can win (or fit)
+        if level == 0 and not item[2]:  # a node at its bound: to its key
+            heapq.heappush(heap, (nodes.key(key, *item[:2]), 0, tie, (*item[:2], True)))
+            continue
         counter += 1
         if level == 0:  # a node: its families, keyed by their option tables' bounds
-            for fam in _families(ctx, opts, *item, free, all_scopes, sync[item[0]], exact_mode):
+            for fam in _families(ctx, opts, *item[:2], free, all_scopes, nodes.sync[item[0]], exact_mode):
                 heapq.heappush(heap, (max(key, fam.key), 1, counter, fam))
                 counter += 1
             done += 1

@@ -35,25 +35,24 @@ from sailor.planner.finalists import Finalists, Found, plan_from_kinds
 from sailor.planner.geo import free_pools, scopes
 from sailor.planner.kinds import Pool, make_kind, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
-from sailor.planner.prune import node_keys
+from sailor.planner.prune import NodeKeys, in_key_order, node_keys
 from sailor.planner.score import Candidate, Scorer
 from sailor.planner.space import Memory, Option, even_partition, memory_candidates, memory_rank, zero3_needed
 from sailor.simulator import SimContext
 
 
 def search(ctx: SimContext, opts: PlanOptions, progress=None, deadline: float | None = None,
-           nodes: list | None = None) -> Found:
+           nodes: NodeKeys | None = None) -> Found:
     """The best plans of the published space (or, with `opts.search` HOMOGENEOUS, of the homogeneous
     one) under the closed form; see the module docstring. (P, micro-batch) nodes are taken in order
-    of their keys (`prune.node_keys`, or `nodes` when the caller has them) until a key cannot beat
-    the best plan found."""
+    of their keys (`prune.node_keys`, or `nodes` when the caller has them; `prune.in_key_order`) until
+    a key cannot beat the best plan found."""
     keep = Finalists(opts)
     keep.found.exact = False
     job = ctx.job
     L = job.model.num_layers
     if nodes is None:
-        nodes = node_keys(ctx, opts, ctx.cluster.total_gpus() <= EXACT_MAX_GPUS)[0]
-    order = sorted(nodes)
+        nodes = node_keys(ctx, opts, ctx.cluster.total_gpus() <= EXACT_MAX_GPUS)
     homogeneous = opts.search is SearchSpace.HOMOGENEOUS
     gpus = ctx.cluster.gpu_types()
     zero_max = 3 if zero3_needed(ctx, opts.max_stages) else 2
@@ -68,7 +67,7 @@ def search(ctx: SimContext, opts: PlanOptions, progress=None, deadline: float | 
                 by_zone.setdefault(z, {})[(z, g)] = n
             groups += [by_zone[z] for z in sorted(by_zone) if by_zone[z] not in groups]
     held_by = [sum(pools.values()) for pools in groups]  # GPUs of each group
-    for done, (key, P, mbs) in enumerate(order, 1):
+    for done, (key, P, mbs) in enumerate(in_key_order(nodes), 1):
         if deadline is not None and time.perf_counter() > deadline:
             keep.found.timed_out = True
             break
@@ -93,9 +92,9 @@ def search(ctx: SimContext, opts: PlanOptions, progress=None, deadline: float | 
                     keep.found.points += 1
                     _scan(ctx, opts, keep, partition, mbs, M, memory, table, tps, pools)
         if progress:
-            progress(done, len(order))
+            progress(done, len(nodes.bounds))
     if progress:
-        progress(len(order), len(order))
+        progress(len(nodes.bounds), len(nodes.bounds))
     return keep.finish(lambda cand, point: plan_from_kinds(ctx, cand, *point))
 
 

@@ -10,6 +10,7 @@ reach; the heuristic mode on large clusters orders and prunes nodes by the large
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 
@@ -29,27 +30,63 @@ Key = tuple[float, float]
 ESTIMATE_MARGIN = 0.1  # heuristic mode: a node is pruned when its estimate is 10 % above the best plan
 
 
-def node_keys(ctx: SimContext, opts: PlanOptions, exact_mode: bool) -> tuple[list[tuple[Key, int, int]], dict[int, float]]:
-    """(key, P, micro-batch) for every node of the search, and the sync floor per P (`sync_floor` times
-    the least share of an all-reduce a stage's sync takes under the memory options the search may
-    use, `zero_sync_share`). The key is
-    `node_bound`; outside exact mode the larger of that and `node_estimate` discounted by
-    ESTIMATE_MARGIN (the estimate assumes the even split and one TP degree; the best plan of a node
-    has been seen up to 5 % below it), so that estimates prune only clear losers; where no zone holds
-    a uniform pipeline (pipelines must span zones or regions) the estimate says nothing and the bound
-    stands."""
+@dataclasses.dataclass
+class NodeKeys:
+    """The search's (P, micro-batch) nodes with their keys, each key computed when first asked for.
+
+    `bounds`: (`node_bound`, P, micro-batch) per node; `sync`: the sync floor per P (`sync_floor`
+    times the least share of an all-reduce a stage's sync takes under the memory options the search
+    may use, `zero_sync_share`). A node's key (`key`) is its bound in exact mode; outside, the larger
+    of that and `node_estimate` discounted by ESTIMATE_MARGIN (the estimate assumes the even split
+    and one TP degree; the best plan of a node has been seen up to 5 % below it), so that estimates
+    prune only clear losers; where no zone holds a uniform pipeline (pipelines must span zones or
+    regions) the estimate says nothing and the bound stands. The key is never below the bound, so a
+    search that takes nodes in key order may hold a node at its bound until it comes up and only
+    then ask for its key (`in_key_order`): the order is the same, and the estimates of the nodes
+    never reached are not computed."""
+
+    ctx: SimContext
+    opts: PlanOptions
+    exact_mode: bool
+    bounds: list[tuple[Key, int, int]]
+    sync: dict[int, float]
+    _keys: dict[tuple[int, int], Key] = dataclasses.field(default_factory=dict)
+
+    def key(self, bound: Key, P: int, mbs: int) -> Key:
+        """The key of node (P, mbs) whose bound is `bound` (computed once)."""
+        if (P, mbs) not in self._keys:
+            key = bound
+            est = None if self.exact_mode else node_estimate(self.ctx, P, mbs, self.opts)
+            if est is not None and est[0] < math.inf:  # none when no zone holds a uniform pipeline
+                key = max(key, (est[0] / (1 + ESTIMATE_MARGIN), est[1]))
+            self._keys[(P, mbs)] = key
+        return self._keys[(P, mbs)]
+
+
+def node_keys(ctx: SimContext, opts: PlanOptions, exact_mode: bool) -> NodeKeys:
+    """Every node of the search with its bound, and the sync floor per P (`NodeKeys`)."""
     job = ctx.job
-    nodes, sync = [], {}
+    bounds, sync = [], {}
     share = zero_sync_share(ctx, opts)  # the least share of an all-reduce a stage's sync can take
     for P in range(1, min(job.model.num_layers, opts.max_stages) + 1):
         sync[P] = share * sync_floor(ctx, P, pairs=exact_mode)
         for mbs in mbs_candidates(job.global_batch_size, opts.max_mbs):
-            key = node_bound(ctx, P, mbs, opts, sync[P])
-            est = None if exact_mode else node_estimate(ctx, P, mbs, opts)
-            if est is not None and est[0] < math.inf:  # none when no zone holds a uniform pipeline
-                key = max(key, (est[0] / (1 + ESTIMATE_MARGIN), est[1]))
-            nodes.append((key, P, mbs))
-    return nodes, sync
+            bounds.append((node_bound(ctx, P, mbs, opts, sync[P]), P, mbs))
+    return NodeKeys(ctx, opts, exact_mode, bounds, sync)
+
+
+def in_key_order(nodes: NodeKeys):
+    """(key, P, micro-batch) of every node in order of (key, P, micro-batch), as sorting the keyed
+    nodes gives them; a node's key is computed when its bound comes up (`NodeKeys`), so a caller
+    that stops early leaves the later nodes' estimates uncomputed."""
+    heap = [(bound, P, mbs, False) for bound, P, mbs in nodes.bounds]
+    heapq.heapify(heap)
+    while heap:
+        bound, P, mbs, keyed = heapq.heappop(heap)
+        if keyed:
+            yield bound, P, mbs
+        else:
+            heapq.heappush(heap, (nodes.key(bound, P, mbs), P, mbs, True))
 
 
 def zero_sync_share(ctx: SimContext, opts: PlanOptions) -> float:
@@ -137,8 +174,11 @@ def two_replica_groups(ctx: SimContext, slots: list[Slot], pairs: bool) -> list[
     `two_replica_sync`): two replicas of each slot, on two nodes and on one node where two fit (the
     launcher co-locates replicas, `simulator.place`, and the intra-node link is usually the faster);
     with `pairs` also one replica each of two different slots, on two nodes and, when they share a
-    zone and GPU type and fit one node together, on one."""
+    zone and GPU type and fit one node together, on one. Without `pairs`, one slot of each class of
+    `alike_slots` (the others' groups take the same times)."""
     groups = []
+    if not pairs:
+        slots = alike_slots(ctx, slots)
     for s in slots:
         groups.append([(s, 2)])
         if 2 * s.tp <= ctx.cluster.node_size(s.gpu):
@@ -151,6 +191,20 @@ def two_replica_groups(ctx: SimContext, slots: list[Slot], pairs: bool) -> list[
                 node = f"{x.zone}/{x.gpu}/bound"
                 groups.append([(dataclasses.replace(x, node=node), 1), (dataclasses.replace(y, node=node), 1)])
     return groups
+
+
+def alike_slots(ctx: SimContext, slots: list[Slot]) -> list[Slot]:
+    """`slots` without those alike an earlier one: the same GPU type, TP degree, node and cut in a
+    zone of the same class (`NetworkModel.zone_class`). Two replicas of alike slots, on two nodes or
+    on one, take the same time in every collective, so zones the network model tells apart by
+    nothing give one slot per GPU type and TP degree."""
+    seen, out = set(), []
+    for s in slots:
+        key = (dataclasses.replace(s, zone=""), ctx.network.zone_class(s.zone, s.gpu))
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
 
 
 def two_replica_sync(ctx: SimContext, slots: list[Slot], stage: tuple[int, int], pairs: bool,
@@ -218,6 +272,7 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
     pools = [(z, g, a) for z in sorted(ctx.cluster.zones) for g, a in ctx.cluster.zones[z].items() if a > 0]
     nbytes = ctx.boundary_bytes(1, mbs)
     per_type: dict[tuple[str, int], tuple] = {}  # (GPU type, TP) -> what every zone's pool of it shares
+    per_class: dict[tuple, tuple[float, float]] = {}  # (zone class, TP) -> (fill, period) of its pools' runs
     for p, (z, g, a) in enumerate(pools):
         for t in model.tp_degrees(ctx.cluster.node_size(g)):
             n = a // (P * t)
@@ -225,23 +280,28 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
                 continue
             if (g, t) not in per_type:
                 layers = ctx.layer_s(g, t, mbs).sum(axis=1)
+                params = ctx.stage_params(t, 0, L)
                 # each boundary inside a node or between two, as the block placement puts the pipeline
-                per_type[(g, t)] = (ctx.act_cumsum(t, mbs, Recompute.FULL)[-1], ctx.stage_params(t, 0, L), layers,
+                per_type[(g, t)] = (ctx.act_cumsum(t, mbs, Recompute.FULL)[-1], params, layers,
                                     float(layers.sum()), float(layers.max()),
-                                    same_node_boundaries([(z, g, t)] * P, ctx.cluster.node_size))
-            act, params, layers, total, heaviest, inside = per_type[(g, t)]
+                                    same_node_boundaries([(z, g, t)] * P, ctx.cluster.node_size),
+                                    (ctx.framework_bytes(g), ctx.memory_limit(g)),
+                                    ctx.profiles.optimizer_time_s(job, g, params / P))
+            act, params, layers, total, heaviest, inside, (framework, limit), step = per_type[(g, t)]
             # the least the average stage can hold: full recomputation, ZeRO over the n replicas
             per_param = state["weights"] / (n if zero3 else 1) + (state["gradients"] + state["optimizer"]) / n
-            if (params * per_param + act) / P + ctx.framework_bytes(g) > ctx.memory_limit(g):
+            if (params * per_param + act) / P + framework > limit:
                 continue
-            link = {on: ctx.network.transfer_time_s(z, g, z, g, nbytes, flows=t, same_node=on) for on in set(inside)}
-            c = [link[on] for on in inside]
-            sends = 0 if P == 1 else (2 if P == 2 else 4)
-            fill = total + 2 * sum(c)
-            per = max(total / P, heaviest) + sends * max(c, default=0.0)
+            cls = (ctx.network.zone_class(z, g), t)  # the zone's links are all the transfers read of it
+            if cls not in per_class:
+                link = {on: ctx.network.transfer_time_s(z, g, z, g, nbytes, flows=t, same_node=on) for on in set(inside)}
+                c = [link[on] for on in inside]
+                sends = 0 if P == 1 else (2 if P == 2 else 4)
+                per_class[cls] = (total + 2 * sum(c), max(total / P, heaviest) + sends * max(c, default=0.0))
+            fill, per = per_class[cls]
             runs.append((n, fill, per, P * t * pool_price(ctx, (z, g)), p))
             tps.append(t)
-            opt = min(opt, ctx.profiles.optimizer_time_s(job, g, params / P))
+            opt = min(opt, step)
             if any(inside):
                 cut_runs.append((z, g, t, n, layers))
     if not runs:
@@ -268,9 +328,15 @@ def _node_group_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, mbs
     every boundary between two nodes; time fill + (ceil(M / D) - 1)·period + the slowest stage's
     gradient sync of D replicas placed so (`_placed_sync`) + the optimizer step; the best run and D,
     or `best` where that is better (the sync, the costly part, is left out where the rest alone does
-    not beat the best so far: the key only grows with it)."""
+    not beat the best so far: the key only grows with it). A run alike one before (a zone of its
+    class, `NetworkModel.zone_class`, the same TP, count and price) has its keys, and is skipped."""
     part = even_partition(ctx.job.model.num_layers, P)
+    seen = set()
     for z, g, t, n, layers in runs:
+        alike = (ctx.network.zone_class(z, g), t, n, pool_price(ctx, (z, g)))  # the same keys as a run seen
+        if alike in seen:
+            continue
+        seen.add(alike)
         c = ctx.network.transfer_time_s(z, g, z, g, ctx.boundary_bytes(1, mbs), flows=t)
         fill = float(layers.sum()) + 2 * (P - 1) * c
         per = max(float(layers.sum()) / P, float(layers.max())) + (2 if P == 2 else 4) * c

@@ -69,13 +69,23 @@ class Member:
     `node` names the machine (`sailor.plan.placement.RankInfo.node`); None = a node of its own, shared with no
     other member (what the planner assumes before placement). `node_cut`, before placement only: the
     replica's pipeline is cut between nodes before it (`sailor.plan.spec.Replica.node_cut`), which
-    the placement reads; placed members have it False."""
+    the placement reads; placed members have it False. Hashed once, when made (the planner's memo
+    keys hold many), to the value the dataclass's own hash of its fields gives."""
 
     zone: str
     gpu: str
     tp: int
     node: str | None = None
     node_cut: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.zone, self.gpu, self.tp, self.node, self.node_cut)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # rebuilt from its fields: another process hashes strings its own way
+        return Member, (self.zone, self.gpu, self.tp, self.node, self.node_cut)
 
 
 Group = tuple[Member, int]  # a member kind and how many replicas of that kind take part
@@ -165,9 +175,14 @@ def hierarchical_allreduce_s(groups: list[Group], nbytes: float, net: NetworkMod
     if islands is None:
         return None
     sizes = [sum(n for _, n in isl) for isl in islands]
-    # islands of the same members on other nodes reduce alike: each kind of island once
-    alike = {tuple((m.zone, m.gpu, m.tp, n, m.node is not None) for m, n in isl): (isl, k)
-             for isl, k in zip(islands, sizes) if k > 1}
+    # islands of the same members on other nodes, or in zones of one class (`NetworkModel.zone_class`;
+    # an island of one GPU type reads only those links), reduce alike: each kind of island once
+    alike = {}
+    for isl, k in zip(islands, sizes):
+        if k > 1:
+            one = len({m.gpu for m, _ in isl}) == 1
+            where = net.zone_class(isl[0][0].zone, isl[0][0].gpu) if one else isl[0][0].zone
+            alike.setdefault((where, tuple((m.gpu, m.tp, n, m.node is not None) for m, n in isl)), (isl, k))
     rs = max((_ring_phase(isl, nbytes, net, steps=k - 1, fraction=(k - 1) / k, efficiency=efficiency)
               for isl, k in alike.values()), default=0.0)
     shard = nbytes / min(sizes)
