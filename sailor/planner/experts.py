@@ -101,8 +101,9 @@ def narrower_tp(plan: Plan, factor: int, *, split_micro_batch: bool = False) -> 
     """`plan` (`Plan.to_dict` form) on the same GPUs with every replica's TP degree divided by
     `factor`: each pipeline becomes `factor` consecutive pipelines with the same stages, zones and
     GPU types, each running 1/factor of its micro-batches, or, with `split_micro_batch`, all of its
-    micro-batches at 1/factor of the micro-batch size; the global batch is unchanged either way. None where some TP degree, or the micro-batch
-    count (the micro-batch size with `split_micro_batch`), is not a multiple of `factor`."""
+    micro-batches at 1/factor of the micro-batch size; the global batch is unchanged either way.
+    None where some TP degree, or the micro-batch count (the micro-batch size with
+    `split_micro_batch`), is not a multiple of `factor`."""
     d = plan.to_dict()
     split = d["micro_batch_size"] if split_micro_batch else None
     if any(r["tp"] % factor for p in d["pipelines"] for r in p["replicas"]) or \
