@@ -87,6 +87,24 @@ def test_narrower_tp_keeps_the_gpus_and_the_batch():
     assert narrower_tp(plan, 8) is None  # TP 4 does not divide by 8
 
 
+def test_narrower_tp_can_split_the_micro_batch_instead():
+    # TP 4, micro-batch 2, 8 micro-batches -> two pipelines at TP 2, each 8 micro-batches of 1
+    ctx = _ctx(batch=16)
+    body = _plan(ctx, tp=4, pipelines=1, microbatches=8).to_dict() | {"micro_batch_size": 2}
+    plan = Plan.model_validate(body).with_specs(ctx.job, ctx.cluster)
+    d = narrower_tp(plan, 2, split_micro_batch=True)
+    assert d["micro_batch_size"] == 1 and [p["microbatches"] for p in d["pipelines"]] == [8, 8]
+    assert [[r["tp"] for r in p["replicas"]] for p in d["pipelines"]] == [[2, 2], [2, 2]]
+    shaped = Plan.model_validate(d)
+    assert shaped.world_size == plan.world_size and shaped.global_batch_size == plan.global_batch_size == 16
+    assert narrower_tp(plan, 4, split_micro_batch=True) is None  # micro-batch 2 does not split in 4
+    # expert_variants offers both shapes at TP 2: micro-batch 2 (2 pipelines x 4) and 1 (2 x 8); at TP 1
+    # only micro-batch 2 (4 pipelines x 2)
+    got = {(p.pipelines[0].replicas[0].tp, len(p.pipelines), p.micro_batch_size, p.pipelines[0].microbatches)
+           for p in expert_variants(plan, ctx)}
+    assert got == {(2, 2, 2, 4), (2, 2, 1, 8), (1, 4, 2, 2)}  # 1 pipeline at TP 4: no EP group
+
+
 def test_expert_variants_of_a_plan():
     ctx = _ctx()
     plan = _plan(ctx)  # TP 2, two pipelines

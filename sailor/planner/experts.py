@@ -97,25 +97,29 @@ def _sparse_stages(plan: Plan, ctx: SimContext) -> list[int]:
     return [i for i in range(plan.num_stages) if ctx.job.model.holds_moe_block(plan.stage_chunks(i))]
 
 
-def narrower_tp(plan: Plan, factor: int) -> dict | None:
+def narrower_tp(plan: Plan, factor: int, *, split_micro_batch: bool = False) -> dict | None:
     """`plan` (`Plan.to_dict` form) on the same GPUs with every replica's TP degree divided by
     `factor`: each pipeline becomes `factor` consecutive pipelines with the same stages, zones and
-    GPU types, each running 1/factor of its micro-batches (so the global batch is unchanged). None
-    where some TP degree or micro-batch count is not a multiple of `factor`."""
+    GPU types, each running 1/factor of its micro-batches, or, with `split_micro_batch`, all of its
+    micro-batches at 1/factor of the micro-batch size; the global batch is unchanged either way.
+    None where some TP degree, or the micro-batch count (the micro-batch size with
+    `split_micro_batch`), is not a multiple of `factor`."""
     d = plan.to_dict()
+    split = d["micro_batch_size"] if split_micro_batch else None
     if any(r["tp"] % factor for p in d["pipelines"] for r in p["replicas"]) or \
-            any(p["microbatches"] % factor for p in d["pipelines"]):
+            (split % factor if split else any(p["microbatches"] % factor for p in d["pipelines"])):
         return None
-    pipes = [{"microbatches": p["microbatches"] // factor,
+    pipes = [{"microbatches": p["microbatches"] if split else p["microbatches"] // factor,
               "replicas": [r | {"tp": r["tp"] // factor} for r in p["replicas"]]}
              for p in d["pipelines"] for _ in range(factor)]
-    return d | {"pipelines": pipes}
+    return d | {"pipelines": pipes} | ({"micro_batch_size": split // factor} if split else {})
 
 
 def expert_variants(plan: Plan, ctx: SimContext) -> list[Plan]:
     """`plan` (EP 1, carrying its job and cluster) with EP e on every stage holding an MoE block,
     for each e of `ep_degrees`, at the plan's TP degrees and at each narrower TP on the same GPUs
-    (`narrower_tp`: the experts EP spreads no longer need TP to fit, and the dense layers trade TP
+    (`narrower_tp`, with the micro-batches split among the new pipelines and, apart, with the
+    micro-batch split: the experts EP spreads no longer need TP to fit, and the dense layers trade TP
     for data parallelism; each narrower shape also at EP 1, so that EP is weighed against the same
     GPUs without it); each shape also with every stage at least at ZeRO-1 and at ZeRO-2
     (`SHARDINGS`: more replicas to shard over); evenly placed and, where the EP ranks' GPU types
@@ -128,7 +132,8 @@ def expert_variants(plan: Plan, ctx: SimContext) -> list[Plan]:
     if not sparse:
         return []
     widest = max(r.tp for p in plan.pipelines for r in p.replicas)
-    shapes = [(f, d) for f in _powers_of_two(widest) if (d := narrower_tp(plan, f)) is not None]
+    shapes = [(f, d) for f in _powers_of_two(widest) for split in ((False, True) if f > 1 else (False,))
+              if (d := narrower_tp(plan, f, split_micro_batch=split)) is not None]
     lowest = min(plan.stage_memory(i).zero for i in range(plan.num_stages))
     shapes = [(f, d | {"memory": [m | {"zero": max(m.get("zero", 0), z)} for m in _memory(d, plan.num_stages)]}
                if z else d) for f, d in shapes for z in [0] + [z for z in SHARDINGS if z > lowest]]
