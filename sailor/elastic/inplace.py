@@ -83,6 +83,18 @@ from sailor.runtime.launcher import (
 MODULE = "sailor.runtime.inplace"
 
 
+@dataclass(frozen=True)
+class _PendingSwitch:
+    """A switch prepared (`InPlaceRun._prepare_switch`) and not published yet: its plan file, process
+    id -> rank, the processes that leave, and the processes started for it (published once all are
+    past their imports)."""
+
+    plan_file: str
+    ranks: dict[int, int]
+    leave: list[int]
+    started: set[int]
+
+
 @dataclass
 class _Proc:
     argv: list[str]
@@ -210,7 +222,7 @@ class InPlaceRun(RunHandle):
         self._exits: list[tuple[int, int]] = []  # (process id, exit status) in the order seen
         self._records: list[dict[str, Any]] = []
         self._ready: set[int] = set()  # processes past their imports ("ready" events)
-        self._pending: tuple | None = None  # a switch prepared, its new processes not ready yet
+        self._pending: _PendingSwitch | None = None
         # one OpenMP thread per process unless set, as torchrun gives its ranks (a rank per core or GPU)
         self._env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
         if hosts is None:
@@ -336,10 +348,11 @@ class InPlaceRun(RunHandle):
                 spares += self._add(need)
             ranks = assign(self.plan_file, self.ranks, plan_file, spares)
         self._start()
-        self._pending = (plan_file, ranks, leave, set(range(before, len(self._procs))))
+        self._pending = _PendingSwitch(plan_file, ranks, leave, set(range(before, len(self._procs))))
 
-    def _publish_switch(self, plan_file: str, ranks: dict[int, int], leave: list[int]) -> None:
+    def _publish_switch(self, pending: _PendingSwitch) -> None:
         """Publish the prepared switch (`_prepare_switch`): the next epoch, then the old ranks' stop request."""
+        plan_file, ranks, leave = pending.plan_file, pending.ranks, pending.leave
         self.events.put((time.monotonic(), {"event": "switch_published", "epoch": self.epoch + 1}))
         old_plan, old_ranks = self.plan_file, dict(self.ranks)
         self.plan_file, k = plan_file, self.epoch + 1
@@ -375,9 +388,9 @@ class InPlaceRun(RunHandle):
                 with contextlib.suppress(queue.Empty):
                     self._prepare_switch(self._requests.get_nowait())
             with self._lock:
-                ready = self._pending is not None and self._pending[3] <= self._ready
+                ready = self._pending is not None and self._pending.started <= self._ready
             if ready:
-                self._publish_switch(*self._pending[:3])
+                self._publish_switch(self._pending)
                 self._pending = None
             for pid, proc in self._procs.items():
                 code = proc.popen.poll()
