@@ -210,7 +210,8 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live],
 def warm_up() -> None:
     """Pay now, before the "ready" event, what a process's first switch or step would otherwise wait
     for: the split backward's module (`executor.StageExecutor.backward_input`, ZB-H1 schedules), whose
-    package imports torch._dynamo (0.9 s of a fresh process on an idle core here, seconds under load).
+    package imports torch._dynamo (1.1 s of CPU in a fresh process here at load 7, 2 s in a testbed
+    rank starting during a grow).
     Building models on the meta device no longer imports it (`model.on_meta`)."""
     import torch.distributed.pipelining._backward  # noqa: F401
 

@@ -273,9 +273,10 @@ def on_meta() -> Iterator[None]:
     """Build modules on the `meta` device (shapes only, no memory), as `with torch.device("meta")`,
     without running the modules' default random initialisers there. On a meta tensor they compute
     nothing, but their Python decompositions (`torch._refs`) import torch._dynamo on first use: 0.9 s
-    of a fresh process on an idle core of this machine (1.7 s in a testbed rank starting during a
-    grow), which a rank that never compiles anything does not otherwise import. Every weight of a
-    meta-built module is set later (`materialize`, a checkpoint, a live move), so nothing is lost."""
+    of a fresh process on this machine at load 4 (1.7 s in a testbed rank starting during a grow, load
+    2 to 3), which a rank needs otherwise only when its schedule splits backwards (ZB-H1,
+    `runtime.inplace.warm_up`). Every weight of a meta-built module is set later (`materialize`, a
+    checkpoint, a live move), so nothing is lost."""
     with torch.device("meta"), _SkipRandomInitOnMeta():
         yield
 
