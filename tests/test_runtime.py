@@ -17,7 +17,7 @@ from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.checkpoint_io import load_tensors, write_checkpoint
 from sailor.runtime.data import batch_tokens, load_corpus
-from sailor.runtime.model import GPT, init_full_model, init_param
+from sailor.runtime.model import GPT, init_full_model, init_param, on_meta
 from sailor.runtime.pipeline import build_stage
 from sailor.runtime.tensor_parallel import shard, shard_dim
 from sailor.runtime.tied import Transfer, holdings, twin_transfers
@@ -171,6 +171,35 @@ def test_init_is_per_name_and_stage_keeps_global_names():
     assert all(n.split(".")[1] in ("3", "4", "5") for n in names)
     full = dict(init_full_model(job.model, 0).named_parameters())
     assert torch.equal(full["layers.3.attn.q.weight"], a)
+
+
+def test_on_meta_builds_the_same_shapes_and_skips_only_meta_initialisers():
+    spec = JobSpec(model="tiny", global_batch_size=8).model
+    with torch.device("meta"):
+        plain = {n: (tuple(p.shape), p.dtype) for n, p in GPT(spec).named_parameters()}
+    ran = []
+
+    def uniform_(tensor):  # an initialiser dispatching as torch.nn.init's do, recording where it ran
+        if torch.overrides.has_torch_function_variadic(tensor):
+            return torch.overrides.handle_torch_function(uniform_, (tensor,), tensor)
+        ran.append(tensor.device.type)
+        return tensor
+
+    with on_meta():
+        built = GPT(spec)
+        meta = torch.empty(4, 4)
+        assert uniform_(meta) is meta
+        cpu = uniform_(torch.zeros(2, device="cpu"))
+        # a tensor on a real device is still initialised, exactly as outside
+        drawn = torch.nn.init.normal_(torch.zeros(3, 5, device="cpu"), std=2.0,
+                                      generator=torch.Generator().manual_seed(7))
+    assert ran == ["cpu"] and cpu.device.type == "cpu" and meta.is_meta
+    with torch.device("meta"):  # the plain meta device runs it
+        uniform_(torch.empty(1))
+    assert ran == ["cpu", "meta"]
+    assert {n: (tuple(p.shape), p.dtype) for n, p in built.named_parameters()} == plain
+    assert all(p.is_meta for p in built.parameters())
+    assert torch.equal(drawn, torch.zeros(3, 5).normal_(0.0, 2.0, generator=torch.Generator().manual_seed(7)))
 
 
 def test_runtime_geometry_rejects_tp_not_dividing_the_vocabulary():

@@ -41,7 +41,7 @@ from sailor.core.fileio import current_umask, load_json
 from sailor.model.hf_config import load_hf_config
 from sailor.model.hf_export import differences, export_model_type, hf_config_from_spec
 from sailor.model.spec import ModelSpec
-from sailor.runtime.model import GPT, param_shapes, share_tied, tied_head
+from sailor.runtime.model import GPT, on_meta, param_shapes, share_tied, tied_head
 from sailor.runtime.tensor_parallel import materialize_shards
 
 INDEX = "model.safetensors.index.json"
@@ -324,7 +324,7 @@ def load_full_model(folder: str | Path, spec: ModelSpec | None = None) -> GPT:
     """The whole model of a Hugging Face folder as one runtime GPT on CPU (TP 1), a tied head sharing
     the embedding's Parameter as in `model.init_full_model`: the single-process reference."""
     spec = spec or load_hf_config(folder)
-    with torch.device("meta"):
+    with on_meta():
         model = GPT(spec)
     weights = HFWeights(folder, spec)
     weights.check()

@@ -208,11 +208,12 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live],
 
 
 def warm_up() -> None:
-    """Pay now what a spare's first switch would otherwise wait for: torch's lazy imports behind the
-    first model built on the meta device (`reshard_plan.plan_reshard` builds the stages' shapes so;
-    seconds on a loaded machine)."""
-    with torch.device("meta"):
-        torch.nn.Embedding(2, 2)
+    """Pay now, before the "ready" event, what a process's first switch or step would otherwise wait
+    for: the split backward's module (`executor.StageExecutor.backward_input`, ZB-H1 schedules), whose
+    package imports torch._dynamo (1.1 s of CPU in a fresh process here at load 7, 2 s in a testbed
+    rank starting during a grow).
+    Building models on the meta device no longer imports it (`model.on_meta`)."""
+    import torch.distributed.pipelining._backward  # noqa: F401
 
 
 def serve(control: Path, proc: int, first_epoch: int) -> None:

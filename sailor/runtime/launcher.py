@@ -63,8 +63,8 @@ EVENT_PREFIX = "SAILOR_EVENT "  # the worker's event lines (sailor.runtime.worke
 MONITOR_INTERVAL_S = 0.2  # how often torchrun checks its ranks: a crash is noticed within this
 FAIL_GRACE_S = 3.0  # after one process fails, how long the others (other nodes) get to end on their own
 EXIT_GRACE_S = 30.0  # after rank 0 reports the end (done, stopped), how long the processes get to exit
-# Runs a command that gets SIGTERM when the launcher dies (`_main`): what no launcher may leave behind.
-EXEC = (sys.executable, "-m", "sailor.runtime.launcher", "--exec")
+# Runs a command that gets SIGTERM when the launcher dies (`core.process`): what no launcher may leave behind.
+EXEC = (sys.executable, "-m", "sailor.core.process")
 
 
 class ExitStatus(enum.IntEnum):
@@ -517,11 +517,9 @@ def _first_failure(errors: list[dict[str, Any]], failures: list[tuple[str, str]]
 
 
 def _main(argv: list[str]) -> None:
-    # Made to receive SIGTERM when the launcher dies (Linux; kept across exec), then either torchrun
-    # (it stops its ranks) or, after `--exec`, another program (an ssh session, which hangs up).
+    # Made to receive SIGTERM when the launcher dies (Linux; kept across exec), then torchrun (it stops
+    # its ranks).
     die_with_parent(signal.SIGTERM)
-    if argv[:1] == ["--exec"]:
-        os.execvp(argv[1], argv[1:])
     from torch.distributed.run import main
 
     main(argv)

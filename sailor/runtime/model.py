@@ -15,12 +15,15 @@ plan starts from exactly the same model.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from sailor.model.spec import ModelSpec
 from sailor.runtime.moe import ACTIVATIONS, MoEMLP
@@ -247,11 +250,41 @@ def init_param(name: str, shape: tuple[int, ...], *, seed: int, num_blocks: int)
 
 EMBEDDING_WEIGHT = "layers.0.tok.weight"
 
+RANDOM_INITS = frozenset({"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                          "xavier_normal_", "trunc_normal_", "orthogonal_"})
+"""The in-place random initialisers (`torch.nn.init`'s and the Tensor methods they call) that `on_meta`
+skips on meta tensors."""
+
+
+class _SkipRandomInitOnMeta(TorchFunctionMode):
+    """Returns a meta tensor unchanged from a `RANDOM_INITS` call; every other call runs as usual."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in RANDOM_INITS:
+            tensor = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on the `meta` device (shapes only, no memory), as `with torch.device("meta")`,
+    without running the modules' default random initialisers there. On a meta tensor they compute
+    nothing, but their Python decompositions (`torch._refs`) import torch._dynamo on first use: 0.9 s
+    of a fresh process on this machine at load 4 (1.7 s in a testbed rank starting during a grow, load
+    2 to 3), which a rank needs otherwise only when its schedule splits backwards (ZB-H1,
+    `runtime.inplace.warm_up`). Every weight of a meta-built module is set later (`materialize`, a
+    checkpoint, a live move), so nothing is lost."""
+    with torch.device("meta"), _SkipRandomInitOnMeta():
+        yield
+
 
 def param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Canonical name -> full (unsharded) shape of every parameter `GPT(spec)` holds, built on the
-    `meta` device (no memory). A tied LM head is listed under its own name too."""
-    with torch.device("meta"):
+    `meta` device (no memory, `on_meta`). A tied LM head is listed under its own name too."""
+    with on_meta():
         return {n: tuple(p.shape) for n, p in GPT(spec).named_parameters(remove_duplicate=False)}
 
 

@@ -356,13 +356,13 @@ def _build_layer(job: JobSpec, index: int, tp_rank: int, tp: int, group, device,
     initialised as a training run does."""
     import torch
 
-    from sailor.runtime.model import GPT, init_param
+    from sailor.runtime.model import GPT, init_param, on_meta
     from sailor.runtime.pipeline import build_stage
     from sailor.runtime.tensor_parallel import apply_tp
     from sailor.runtime.worker import materialize
 
     spec = job.model
-    with torch.device("meta"):
+    with on_meta():
         stage = GPT(spec)
     build_stage(stage, ((index, index + 1 if end is None else end),))
     apply_tp(stage, tp_rank=tp_rank, tp=tp, group=group)

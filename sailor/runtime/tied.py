@@ -33,7 +33,7 @@ import torch.distributed as dist
 from sailor.model.spec import ModelSpec
 from sailor.plan.spec import Plan
 from sailor.runtime.buckets import Bucket, build_buckets, held_elements
-from sailor.runtime.model import EMBEDDING_WEIGHT, Embedding, Head, tied_head
+from sailor.runtime.model import EMBEDDING_WEIGHT, Embedding, Head, on_meta, tied_head
 from sailor.runtime.tensor_parallel import shard_dim
 from sailor.runtime.topology import RankRole, Topology
 
@@ -81,7 +81,7 @@ def _copy_params(spec: ModelSpec, role: RankRole) -> dict[str, torch.Tensor]:
     for index, layer in ((0, Embedding), (last, Head)):
         if not any(a <= index < b for a, b in role.chunks):
             continue
-        with torch.device("meta"):
+        with on_meta():
             module = layer(spec)
         for local, p in module.named_parameters():
             name = f"layers.{index}.{local}"

@@ -90,7 +90,7 @@ from sailor.runtime.grad_sync import backwards_per_layer
 from sailor.runtime.groups import create_channel_groups, create_groups, create_sync_lanes, ignore_tags
 from sailor.runtime.messages import ACTIVATION, GRADIENT
 from sailor.runtime.metrics import StepLog, check_tensorboard
-from sailor.runtime.model import GPT, initial_value, param_shapes
+from sailor.runtime.model import GPT, initial_value, on_meta, param_shapes
 from sailor.runtime.moe import apply_ep
 from sailor.runtime.optim import optim_config
 from sailor.runtime.pipeline import P2P, StageTimes, build_stage, run_pipeline
@@ -166,13 +166,13 @@ def save_checkpoint(root: Path, step: int, meta: dict[str, Any], opt: ShardedAda
 
 
 def meta_stage(spec: ModelSpec, role: RankRole, tp_group=None, ep_group=None) -> nn.Module:
-    """Step 2 of the order of construction up to recompute: `GPT(spec)` on the `meta` device, cut to
+    """Step 2 of the order of construction up to recompute: `GPT(spec)` on the `meta` device (`on_meta`), cut to
     the role's layer chunks (`build_stage`), its MoE MLPs cut to the experts of the role's EP rank
     (`moe.apply_ep`, dispatching over `ep_group`) and TP-sharded (`apply_tp`, with the stage's
     sequence parallelism, over `tp_group`). Its parameters are this rank's TP shards by canonical
     name, in the order the optimizer buckets them; no memory is allocated and no process group is
     touched (None will do as either group for shapes only: `reshard` reads a plan's holdings from it)."""
-    with torch.device("meta"):
+    with on_meta():
         stage = GPT(spec)
     build_stage(stage, role.chunks)
     if spec.moe is not None:
