@@ -55,11 +55,15 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
-import torch
+from sailor.core.process import die_with_parent
+
+if __name__ == "__main__":  # a pool process: it ends with its parent even when that dies during torch's imports
+    die_with_parent()
+
+import torch  # noqa: E402 - after the line above
 import torch.distributed as dist
 
 from sailor.core.errors import SailorInputError, SailorWarning
-from sailor.core.process import die_with_parent
 from sailor.plan import load_plan
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
@@ -267,7 +271,6 @@ def serve(control: Path, proc: int, first_epoch: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: exits 0 when done or stopped, 2 after reporting bad arguments, 1 after
     reporting any other error (`worker._report`)."""
-    die_with_parent()  # the controller dies: so does this process
     warnings.simplefilter("ignore", SailorWarning)
     argv = sys.argv[1:] if argv is None else argv
     control, proc, first = Path(argv[0]), int(argv[1]), int(argv[2])
