@@ -113,6 +113,81 @@ def test_a_pool_process_runs_in_place_of_the_login_shell_with_its_slot(tmp_path)
         HostPool.load(pool.source, CLUSTER, rdzv_port=65505)
 
 
+def test_a_pool_process_gets_its_environment_and_the_fault_hook_in_its_command(tmp_path):
+    """ssh forwards no environment: a pool process's slot, one OpenMP thread and the move's fault hook
+    (when the controller has it set) travel in its command; nothing else of the controller's does."""
+    from sailor.elastic.inplace import remote_env
+
+    base = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", epochs.SLOT_ENV: "1"}
+    assert remote_env(1, {"PATH": "/bin", "OMP_NUM_THREADS": "8"}) == base
+    assert remote_env(1, {"PATH": "/bin", epochs.FAULT_MOVE_ENV: "3:2"}) == {**base, epochs.FAULT_MOVE_ENV: "3:2"}
+    argv = _pool(tmp_path).process_command(m(0), ["python"], remote_env(0, {epochs.FAULT_MOVE_ENV: "3:2"}), 3)
+    assert f"{epochs.FAULT_MOVE_ENV}=3:2" in argv[-1] and "PATH" not in argv[-1]
+
+
+def _ended(nodes, events=(), failed=(), first=None, killed=""):
+    """A live pool on the machines that ended (what `controller._ended` reads of it)."""
+    from types import SimpleNamespace
+
+    from sailor.elastic.remote import NodeLaunch
+    from sailor.runtime.launcher import ExitStatus, TrainResult
+
+    machines, rank_machine = nodes
+    launch = NodeLaunch(commands=[[]] * len(machines), hosts=[HOSTS[x[2]] for x in machines],
+                        node_machine=list(machines), rank_machine=rank_machine)
+    result = TrainResult(ExitStatus.FAILED, "", events=[{"event": "node_up", "node": n} if isinstance(n, int) else n
+                                                        for n in events], failed=list(failed), failed_process=first)
+    return SimpleNamespace(nodes=launch, result=result, killed=killed)
+
+
+def test_a_failure_on_the_live_path_leaves_out_the_machine_that_failed():
+    """`controller._failed_machines` for a live pool (one "node" per process, ranks of the latest
+    epoch): 2 processes, 0 on machine 0 (rank 0), 1 on machine 1."""
+    from sailor.elastic.controller import START_TIMEOUT, _dead_ranks, _failed_machines
+
+    def left_out(run) -> set:
+        return _failed_machines(run, _dead_ranks(run.result))
+
+    both = ([m(0), m(1)], {0: m(0), 1: m(1)})
+    # ssh could not reach machine 1 at the start: its process exits 255 without saying it is up
+    assert left_out(_ended(both, [0], failed=[("1", "255")], first=1)) == {m(1)}
+    # machine 1 accepts ssh but never runs the command: the start timeout ends the pool
+    timeout = f"{START_TIMEOUT} within 20 s on 10.0.0.1, 10.0.0.2"
+    assert left_out(_ended(both, [0, {"event": "joined", "rank": 0}], killed=timeout)) == {m(1)}
+    # the same at a grow from machine 0 to both: process 1 started for the switch, no rank yet
+    grow = ([m(0), m(1)], {0: m(0)})
+    assert left_out(_ended(grow, [0, {"event": "joined", "rank": 0}], killed=timeout)) == {m(1)}
+    # ... or it exits 255 (unreachable) before the switch is published
+    assert left_out(_ended(grow, [0, {"event": "joined", "rank": 0}], failed=[("", "255")], first=1)) == {m(1)}
+    # a shrink to machine 0: process 1, which leaves and sends its state, dies during the move; rank 0
+    # reports the lost peer
+    lost_peer = {"event": "error", "rank": 0, "peer_lost": True}
+    assert left_out(_ended(grow, [0, 1, lost_peer], failed=[("", "13"), ("0", "1")], first=1)) == {m(1)}
+    # machine 1 goes down whole mid-run (its two ranks killed), machine 0's ranks report the lost peer
+    four = ([m(0), m(0), m(1), m(1)], {0: m(0), 1: m(0), 2: m(1), 3: m(1)})
+    down = [0, 1, 2, 3, {**lost_peer, "rank": 0}, {**lost_peer, "rank": 1}]
+    assert left_out(_ended(four, down, failed=[("2", "-9"), ("3", "-9"), ("0", "1"), ("1", "1")], first=2)) == {m(1)}
+
+
+def test_the_start_timeout_covers_a_launch_and_a_live_switchs_new_processes():
+    """`controller._starting_since`: a launch until its process groups form; a live switch from its
+    request until its epoch is published; a restart-path switch's stop and a published live switch
+    are not starts."""
+    from types import SimpleNamespace
+
+    from sailor.elastic.controller import Switch, _starting_since
+
+    run = SimpleNamespace(started=False, launched_at=5.0)
+    assert _starting_since(run, None) == 5.0
+    run.started = True
+    assert _starting_since(run, None) is None
+    live = Switch("gain", began=9.0, stop_requested=10.0, in_place=True)
+    assert _starting_since(run, live) == 10.0
+    live.published = 12.0
+    assert _starting_since(run, live) is None
+    assert _starting_since(run, Switch("gain", began=9.0, stop_requested=10.0)) is None
+
+
 def test_the_testbed_puts_a_pool_process_under_its_slots_quota():
     from sailor.testbed.cgroups import rank_slot
 

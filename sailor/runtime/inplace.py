@@ -92,8 +92,6 @@ from sailor.runtime.zero import compute_dtype
 from sailor.specs import load_job
 from sailor.specs.job import JobSpec
 
-FAULT_MOVE_ENV = "SAILOR_FAULT_MOVE"  # test hook: "<process id>:<epoch>": that process dies (exit 13) in that switch
-
 
 def settings(e: epochs.Epoch, rank: int | None = None) -> tuple[WorkerSettings, Plan, JobSpec]:
     """The epoch's worker settings, plan and job (checked as `worker.train` checks them), with this
@@ -172,7 +170,7 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live],
                world_size=len(world))
     if me == 0:  # (bytes: fp32 elements, moments included: `ReshardPlan.moved_elements`)
         emit("started", world_size=len(world), **{f"{k}_bytes": 4 * n for k, n in rp.moved_elements().items()})
-    if os.environ.get(FAULT_MOVE_ENV) == f"{proc}:{e.number}":
+    if os.environ.get(epochs.FAULT_MOVE_ENV) == f"{proc}:{e.number}":
         os._exit(13)
     # What the old ranks know of the run (a newcomer does not), from the first of them in the group:
     # the step they stopped before, the step of the newest checkpoint, the fp16 loss scaler's state and
