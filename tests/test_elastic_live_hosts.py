@@ -195,35 +195,31 @@ def test_the_testbed_puts_a_pool_process_under_its_slots_quota():
     assert rank_slot({"LOCAL_RANK": "3"}) is None  # not started by torchrun, no slot: not a rank
 
 
-@pytest.mark.integration
-@pytest.mark.skipif(PROBLEM is not None, reason=f"the testbed needs {PROBLEM}")
-def test_a_live_shrink_across_two_testbed_nodes(tmp_path, reference_losses, monkeypatch):
-    """examples/testbed_pair.yaml (node a in us-central1-a, node b in us-west1-b, 100 Mbit/s apart, one
-    A100-40 each, run as gloo processes; a profile whose passes take 20 and 40 ms per sample and
-    layer, so that the planner uses both): the trace offers both, then only a's after 4 steps. The
-    switch is live: rank 0 keeps its process on node a, node b's process sends what only it holds
-    and leaves; the losses equal the single-process reference within 1e-5, each step once; then no
-    process of the run and nothing of the testbed is left."""
-    from test_elastic_inplace import _check_losses, _gone, _lines
+def _on_the_testbed_pair(tmp_path: Path, steps: int, checkpoint_every: int, b_offered: tuple[int, int]):
+    """Run `steps` steps of the tiny model (global batch 8) on examples/testbed_pair.yaml (node a in
+    us-central1-a, node b in us-west1-b, 100 Mbit/s apart, one A100-40 each, run as gloo processes;
+    a profile whose passes take 20 and 40 ms per sample and layer, so that the planner uses both)
+    through the testbed's stand-in ssh, the trace offering a's GPU throughout and b's
+    `b_offered[0]`, then `b_offered[1]` after 4 steps. Checks that no process of the run and nothing
+    of the testbed is left; returns (RunResult, events, node a's address, node b's)."""
+    from test_elastic_inplace import _gone, _lines
 
     from sailor.elastic.availability import load_trace
     from sailor.elastic.controller import run
     from sailor.elastic.events import ClockKind
     from sailor.elastic.options import RunOptions
-    from sailor.runtime.launcher import ExitStatus
     from sailor.specs import load_cluster
     from sailor.specs.job import JobSpec
     from sailor.testbed import down, leftovers, up
     from sailor.testbed.spec import parse_testbed
 
-    monkeypatch.setenv("SAILOR_IGNORE_TAGS", "1")
     data = yaml.safe_load((ROOT / "examples" / "testbed_pair.yaml").read_text())
     state = up(parse_testbed({**data, "name": f"lh{os.getpid() % 10000}"}), tmp_path / "state")
     try:
         cluster = load_cluster(state.cluster_file)
         trace = tmp_path / "trace.json"
         trace.write_text(json.dumps([{"time_s": t, "zone": z, "gpu": "A100-40", "count": n} for t, z, n in (
-            (0, "us-central1-a", 1), (0, "us-west1-b", 1), (4, "us-west1-b", 0))]))
+            (0, "us-central1-a", 1), (0, "us-west1-b", b_offered[0]), (4, "us-west1-b", b_offered[1]))]))
         pool = HostPool.load(state.hosts_file, cluster, python=sys.executable, ssh=str(state.bin_dir / "ssh"))
         profile = tmp_path / "profile.json"
         profile.write_text(json.dumps({
@@ -232,23 +228,72 @@ def test_a_live_shrink_across_two_testbed_nodes(tmp_path, reference_losses, monk
                        for m in (1, 2, 4)],
             "optimizer": {"A100-40": {"seconds_per_param": 1e-9}},
             "memory": [{"gpu": "A100-40", "tp": 1, "activation_bytes_per_sample": [1000.0] * 6}]}))
-        steps = 8
         with own_processes() as alive:
             res = run(RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=cluster,
                                  trace=load_trace(trace, cluster), steps=steps, checkpoint_dir=str(tmp_path / "ck"),
-                                 checkpoint_every=4, metrics=str(tmp_path / "m.jsonl"), events=str(tmp_path / "e.jsonl"),
-                                 clock=ClockKind.STEPS, switch_cost_s=0.0, hosts=pool, timeout_s=60.0,
-                                 profiles=str(profile)))
+                                 checkpoint_every=checkpoint_every, metrics=str(tmp_path / "m.jsonl"),
+                                 events=str(tmp_path / "e.jsonl"), clock=ClockKind.STEPS, switch_cost_s=0.0, hosts=pool,
+                                 timeout_s=60.0, profiles=str(profile)))
             assert _gone(alive), alive()
     finally:
         down(state)
     assert leftovers(state.prefix) == []
+    a, b = (next(n.address for n in state.nodes if n.name == name) for name in ("a", "b"))
+    return res, _lines(tmp_path / "e.jsonl"), a, b
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(PROBLEM is not None, reason=f"the testbed needs {PROBLEM}")
+def test_a_live_shrink_across_two_testbed_nodes(tmp_path, reference_losses, monkeypatch):
+    """`_on_the_testbed_pair`, b's GPU taken away: the switch is live: rank 0 keeps its process on
+    node a, node b's process leaves; the losses equal the single-process reference within 1e-5,
+    each step once."""
+    from test_elastic_inplace import _check_losses
+
+    from sailor.runtime.launcher import ExitStatus
+
+    monkeypatch.setenv("SAILOR_IGNORE_TAGS", "1")
+    steps = 8
+    res, ev, a, b = _on_the_testbed_pair(tmp_path, steps, checkpoint_every=4, b_offered=(1, 0))
     assert res.status is ExitStatus.DONE, res.message
-    ev = _lines(tmp_path / "e.jsonl")
     launches = [e for e in ev if e["event"] == "launch"]
-    assert [(e["world_size"], sorted(e["hosts"])) for e in launches] == [(2, sorted(n.address for n in state.nodes))]
+    assert [(e["world_size"], sorted(e["hosts"])) for e in launches] == [(2, sorted([a, b]))]
     (finished,) = [e for e in ev if e["event"] == "switch_finished"]
     assert (finished["reason"], finished["world_size"], finished["in_place"]) == ("lost GPUs", 1, True)
     assert (finished["survivors"], finished["survivors_restarted"]) == (1, 0)
     assert res.switches == 1 and res.crashes == 0 and res.steps_rolled_back == 0
     _check_losses(tmp_path / "m.jsonl", steps, reference_losses)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(PROBLEM is not None, reason=f"the testbed needs {PROBLEM}")
+def test_a_process_dying_mid_move_across_testbed_nodes_falls_back_to_a_checkpoint(tmp_path, reference_losses,
+                                                                                     monkeypatch):
+    """`_on_the_testbed_pair`, b's GPU offered after 4 steps: the live grow starts process 1 on node b
+    (new rank 1), which dies once the switch's move group has formed, before it has received its
+    state from node a (the fault hook reaches it in its ssh command). The pool ends, rank 1's
+    machine b is left out (node a's rank reported the lost peer) and the run restarts on node a from
+    the newest checkpoint; the kept trajectory is the reference's, the steps after that checkpoint
+    trained again on the same samples."""
+    from test_elastic_inplace import _check_losses
+
+    from sailor.runtime.launcher import ExitStatus
+    from sailor.runtime.worker import SLOW_WRITER_ENV
+
+    monkeypatch.setenv("SAILOR_IGNORE_TAGS", "1")
+    monkeypatch.setenv(epochs.FAULT_MOVE_ENV, "1:1")
+    # Node a trains on while b's process starts (seconds): its checkpoints, every 2 steps, are slowed so
+    # that the run does not end first (the testbed's ssh passes the environment on, as real ssh does not)
+    monkeypatch.setenv(SLOW_WRITER_ENV, "0:0.6")
+    steps, every = 60, 2
+    res, ev, a, b = _on_the_testbed_pair(tmp_path, steps, checkpoint_every=every, b_offered=(0, 1))
+    assert res.status is ExitStatus.DONE, res.message
+    (crash,) = [e for e in ev if e["event"] == "crash"]
+    assert (crash["ranks"], crash["hosts"]) == ([1], [b]) and "exited with status 13" in crash["message"], crash
+    launches = [e for e in ev if e["event"] == "launch"]
+    assert [(e["world_size"], e["hosts"]) for e in launches] == [(1, [a]), (1, [a])]
+    boundary = crash["last_step"]
+    resumed = boundary - boundary % every
+    assert launches[1]["resume_step"] == resumed and res.steps_rolled_back == boundary - resumed
+    assert res.crashes == 1
+    _check_losses(tmp_path / "m.jsonl", steps, reference_losses, redone=boundary - resumed)
