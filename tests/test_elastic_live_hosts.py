@@ -144,6 +144,7 @@ def test_a_failure_on_the_live_path_leaves_out_the_machine_that_failed():
     """`controller._failed_machines` for a live pool (one "node" per process, ranks of the latest
     epoch): 2 processes, 0 on machine 0 (rank 0), 1 on machine 1."""
     from sailor.elastic.controller import START_TIMEOUT, _dead_ranks, _failed_machines
+    from sailor.runtime.launcher import finish_result
 
     def left_out(run) -> set:
         return _failed_machines(run, _dead_ranks(run.result))
@@ -159,6 +160,11 @@ def test_a_failure_on_the_live_path_leaves_out_the_machine_that_failed():
     assert left_out(_ended(grow, [0, {"event": "joined", "rank": 0}], killed=timeout)) == {m(1)}
     # ... or it exits 255 (unreachable) before the switch is published
     assert left_out(_ended(grow, [0, {"event": "joined", "rank": 0}], failed=[("", "255")], first=1)) == {m(1)}
+    # (the message names the process and its host, which has no rank yet)
+    unreachable = _ended(grow, failed=[("", "255")], first=1).result
+    unreachable.process_failure = "process 1 on 10.0.0.2 exited with status 255: ssh: connect to host 10.0.0.2"
+    assert finish_result(unreachable, 255, 0, "").message == f"training failed ({unreachable.process_failure});" \
+                                                              " all ranks stopped"
     # a shrink to machine 0: process 1, which leaves and sends its state, dies during the move; rank 0
     # reports the lost peer
     lost_peer = {"event": "error", "rank": 0, "peer_lost": True}
@@ -297,3 +303,58 @@ def test_a_process_dying_mid_move_across_testbed_nodes_falls_back_to_a_checkpoin
     assert launches[1]["resume_step"] == resumed and res.steps_rolled_back == boundary - resumed
     assert res.crashes == 1
     _check_losses(tmp_path / "m.jsonl", steps, reference_losses, redone=boundary - resumed)
+
+
+@pytest.mark.integration
+def test_a_live_grow_onto_an_unreachable_host_falls_back_without_it(tmp_path, monkeypatch, reference_losses):
+    """test_elastic_hosts' stand-in ssh (127.0.0.x, 2 GPUs each), which cannot connect to 127.0.0.2
+    (exit 255, as ssh): the run starts on 127.0.0.1 with 2 GPUs; when 4 are offered, the live grow
+    starts its new processes on 127.0.0.2, whose ssh fails before the switch is published. The pool
+    ends and the run restarts from the newest checkpoint with 4 GPUs on 127.0.0.1 and the spare
+    127.0.0.3; the kept trajectory is the reference's and no process is left."""
+    from test_elastic_hosts import CLUSTER as LOCAL_PAIRS
+    from test_elastic_hosts import HOSTS as LOOPBACK
+    from test_elastic_hosts import RUN_HERE, _setup
+    from test_elastic_run import (
+        _check_trajectory,
+        _lines,
+        _no_leftovers,
+        _trace,
+        run_processes,
+    )
+
+    from sailor.elastic.availability import load_trace
+    from sailor.elastic.controller import run
+    from sailor.elastic.events import ClockKind
+    from sailor.elastic.options import RunOptions
+    from sailor.runtime.launcher import ExitStatus
+    from sailor.runtime.worker import SLOW_WRITER_ENV
+    from sailor.specs.job import JobSpec
+
+    refuse = (f"if sys.argv[-2] == {LOOPBACK[1]!r}:\n"
+              "    sys.stderr.write('ssh: connect to host ' + sys.argv[-2] + ' port 22: Connection refused\\n')\n"
+              "    sys.exit(255)\n")
+    pool = _setup(tmp_path, monkeypatch, refuse + RUN_HERE)
+    monkeypatch.setenv("SAILOR_IGNORE_TAGS", "1")
+    monkeypatch.setenv(SLOW_WRITER_ENV, "0:0.6")  # the old plan must not finish during the failed start
+    steps = 30
+    opts = RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=LOCAL_PAIRS,
+                      trace=load_trace(_trace(tmp_path, (0, 2), (4, 4)), LOCAL_PAIRS), steps=steps,
+                      checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, metrics=str(tmp_path / "m.jsonl"),
+                      events=str(tmp_path / "e.jsonl"), clock=ClockKind.STEPS, switch_cost_s=0.0, hosts=pool,
+                      timeout_s=30.0)
+    with run_processes(str(tmp_path)) as alive:
+        res = run(opts)
+        _no_leftovers(alive)
+        assert not alive(), alive()
+    assert res.status is ExitStatus.DONE, res.message
+    ev = _lines(tmp_path / "e.jsonl")
+    assert [(e["world_size"], sorted(set(e["hosts"]))) for e in ev if e["event"] == "launch"] == \
+        [(2, LOOPBACK[:1]), (4, [LOOPBACK[0], LOOPBACK[2]])]
+    assert [e["switch"] for e in ev if e["event"] == "decision"][:1] == [True]
+    (crash,) = [e for e in ev if e["event"] == "crash"]
+    assert (crash["ranks"], crash["hosts"]) == ([], [LOOPBACK[1]]), crash
+    assert f"on {LOOPBACK[1]} exited with status 255: ssh: connect to host {LOOPBACK[1]} port 22: Connection refused" \
+        in crash["message"], crash
+    assert res.crashes == 1 and res.switches == 1
+    _check_trajectory(tmp_path / "m.jsonl", steps, reference_losses, rolled_back=res.steps_rolled_back)
