@@ -2,10 +2,13 @@
 
 Unit tests (no process): where a pool's ranks go on the machines (`HostPool.place`,
 `inplace.on_machines`), the epoch file's hosts and rendezvous (`runtime.epochs`), the ssh command of
-one pool process, the testbed's slot of one, and the options (live is the default with hosts too).
+one pool process and the environment it carries, the testbed's slot of one, the machine each
+failure on the live path leaves out, and what the start timeout covers.
 
-One integration test on the testbed (root, network namespaces; skipped, saying which is missing,
-elsewhere): a live shrink from two nodes to one, through the testbed's stand-in ssh.
+Integration tests on the testbed (root, network namespaces; skipped, saying which is missing,
+elsewhere), through its stand-in ssh: a live shrink from two nodes to one, and a live grow whose
+newcomer on the second node dies mid-move (the checkpoint fallback, without that node). With
+test_elastic_hosts' stand-in ssh on 127.0.0.x: a live grow onto a host ssh cannot reach.
 """
 
 from __future__ import annotations
