@@ -235,15 +235,17 @@ def test_a_host_that_never_runs_the_command_is_left_out_after_the_start_timeout(
                                                                                reference_losses):
     """ssh to 127.0.0.2 connects but its command never starts, so no process group can form: the
     launch is ended after --start-timeout-s, the host whose node never said it was up is left out,
-    and the job runs on 127.0.0.1 and the spare 127.0.0.3."""
+    and the job runs on 127.0.0.1 and the spare 127.0.0.3. (The limit leaves the relaunch's 4 ranks
+    time to import torch on a loaded machine: 20 s did not, now and then.)"""
     pool = _setup(tmp_path, monkeypatch, f"if sys.argv[-2] == {HOSTS[1]!r}:\n    time.sleep(600)\n" + RUN_HERE)
     with run_processes(str(tmp_path)) as alive:
-        res = run(_run_opts(tmp_path, pool, steps=8, start_timeout_s=20.0))
+        res = run(_run_opts(tmp_path, pool, steps=8, start_timeout_s=45.0))
         _no_leftovers(alive)
+        assert not alive(), alive()
     assert res.status is ExitStatus.DONE, res.message
     ev = _lines(tmp_path / "e.jsonl")
     timeouts = [e for e in ev if e["event"] == "start_timeout"]
-    assert len(timeouts) == 1 and "did not form within 20 s on 127.0.0.1, 127.0.0.2" in timeouts[0]["message"]
+    assert len(timeouts) == 1 and "did not form within 45 s on 127.0.0.1, 127.0.0.2" in timeouts[0]["message"]
     crash = [e for e in ev if e["event"] == "crash"]
     assert len(crash) == 1 == res.crashes and crash[0]["hosts"] == [HOSTS[1]]
     assert _launches(tmp_path) == [HOSTS[:2], [HOSTS[0], HOSTS[2]]]

@@ -20,7 +20,8 @@ agents):
    (torchrun's monitor); the dead ranks' GPUs are treated as gone until the trace reports a
    different count for their (zone, GPU type); re-plan on the survivors and resume from the last
    checkpoint: the steps after it are rolled back and trained again (and written to the metrics
-   again). A launch whose process groups do not form within `start_timeout_s` is ended as failed.
+   again). A launch whose process groups do not form within `start_timeout_s`, or a live switch whose
+   new processes are not all started by then, is ended as failed.
 4. SIGTERM/SIGINT: stop at a step boundary with a checkpoint, exit 3 (at once while a launch is
    still starting: it has nothing new to save); a second signal kills the job, exit 130.
 
@@ -314,7 +315,8 @@ class Controller:
                 run.stop()
                 if not self.step_times:  # nothing trained since the checkpoint it loaded: end it now
                     run.kill(f"while starting, before step {self.result.steps + 1}")
-            elif not run.started and not run.killed and time.monotonic() - run.launched_at > self.o.start_timeout_s:
+            elif not run.killed and (since := _starting_since(run, self.switch)) is not None \
+                    and time.monotonic() - since > self.o.start_timeout_s:
                 on = f" on {', '.join(dict.fromkeys(run.nodes.hosts))}" if run.nodes else ""
                 run.kill(f"{START_TIMEOUT} within {self.o.start_timeout_s:g} s{on}")
                 self.log.emit("start_timeout", message=run.killed)
@@ -505,6 +507,19 @@ def run(options: RunOptions) -> RunResult:
             job or seed.
     """
     return Controller(options).run()
+
+
+def _starting_since(run: RunHandle, sw: Switch | None) -> float | None:
+    """Since when (monotonic s) the controller waits for processes to start, None when it waits for
+    none: a launch's, until its ranks' process groups form; a live switch's new processes, from the
+    switch's request until its epoch is published (the old plan trains on meanwhile). Past
+    `start_timeout_s` the run is ended as failed: a live switch then falls back to the checkpoint
+    path, without the machines that never started (`_failed_machines`)."""
+    if not run.started:
+        return run.launched_at
+    if sw is not None and sw.in_place and sw.published is None:
+        return sw.stop_requested
+    return None
 
 
 def _dead_ranks(res: TrainResult) -> set[int]:

@@ -26,7 +26,8 @@ node go to the processes on that machine (keeping their rank where they can), a 
 gets fresh processes (the switch is published once they are ready), and the processes of a
 machine the new plan does not use leave once they have sent their state (exit; the machine is given
 back). No spares are started there; the control folder lives in the shared `control/` folder and is
-removed when the pool ends. `nodes` (`remote.NodeLaunch`, one "node" per process: its command,
+removed when the pool ends. A process there gets its environment in its command (`remote_env`: ssh
+forwards none). `nodes` (`remote.NodeLaunch`, one "node" per process: its command,
 host and machine, and each rank's machine in the latest epoch; it grows as processes start) tells the controller which machines
 to leave out after a failure (`controller._failed_machines`).
 
@@ -155,6 +156,14 @@ def on_machines(pool: HostPool, plan: Plan, lost: set[Machine], old: dict[int, t
     return ranks, new, [p for p, m in at.items() if m not in placed.values()]
 
 
+def remote_env(slot: int, environ: dict[str, str]) -> dict[str, str]:
+    """The environment a pool process on a named machine gets in its command (ssh forwards none): its
+    device slot (`epochs.SLOT_ENV`), one OpenMP thread, unbuffered output, and the move's fault hook
+    when `environ` (the controller's) sets it (`epochs.FAULT_MOVE_ENV`, for tests)."""
+    hook = {epochs.FAULT_MOVE_ENV: environ[epochs.FAULT_MOVE_ENV]} if epochs.FAULT_MOVE_ENV in environ else {}
+    return {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", epochs.SLOT_ENV: str(slot), **hook}
+
+
 def assign(old_plan: str, old_ranks: dict[int, int], new_plan: str, spares: list[int]) -> dict[int, int]:
     """Process id -> rank under `new_plan` on the local provider (`match`, "where" a rank runs being
     its (zone, GPU type); spares fit anywhere). Raises ValueError when the spares run out."""
@@ -262,8 +271,8 @@ class InPlaceRun(RunHandle):
             else:
                 used = {p.slot for p in self._procs.values() if p.machine == machine and p.alive()}
                 slot = min(set(range(self.hosts.node_size[machine[1]])) - used)
-                env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", epochs.SLOT_ENV: str(slot)}
-                argv = [*EXEC, *self.hosts.process_command(machine, [self.hosts.python, *argv[1:]], env, pid)]
+                argv = [*EXEC, *self.hosts.process_command(machine, [self.hosts.python, *argv[1:]],
+                                                           remote_env(slot, self._env), pid)]
                 self._procs[pid] = _Proc(argv, machine, slot)
                 with self._lock:
                     self.nodes.commands.append(argv)

@@ -38,6 +38,10 @@ SLOT_ENV = "SAILOR_SLOT"
 """Environment variable of a pool process on a named machine: its device index there (a GPU is a
 slot), fixed for the process's life; the rank's LOCAL_RANK (`runtime.inplace.settings`) and the
 testbed's per-rank quota (`testbed.cgroups.rank_slot`) follow it."""
+FAULT_MOVE_ENV = "SAILOR_FAULT_MOVE"
+"""Test hook: "<process id>:<epoch>" makes that pool process die (exit 13) in that switch, once its
+move group has formed (`runtime.inplace.switch`). The pool passes the controller's value on in each
+process's command on named machines (`elastic.inplace`), since ssh forwards no environment."""
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,15 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
-import torch
+from sailor.core.process import die_with_parent
+
+if __name__ == "__main__":  # a pool process: it ends with its parent even when that dies during torch's imports
+    die_with_parent()
+
+import torch  # noqa: E402 - after the line above
 import torch.distributed as dist
 
 from sailor.core.errors import SailorInputError, SailorWarning
-from sailor.core.process import die_with_parent
 from sailor.plan import load_plan
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
@@ -87,8 +91,6 @@ from sailor.runtime.worker import (
 from sailor.runtime.zero import compute_dtype
 from sailor.specs import load_job
 from sailor.specs.job import JobSpec
-
-FAULT_MOVE_ENV = "SAILOR_FAULT_MOVE"  # test hook: "<process id>:<epoch>": that process dies (exit 13) in that switch
 
 
 def settings(e: epochs.Epoch, rank: int | None = None) -> tuple[WorkerSettings, Plan, JobSpec]:
@@ -168,7 +170,7 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live],
                world_size=len(world))
     if me == 0:  # (bytes: fp32 elements, moments included: `ReshardPlan.moved_elements`)
         emit("started", world_size=len(world), **{f"{k}_bytes": 4 * n for k, n in rp.moved_elements().items()})
-    if os.environ.get(FAULT_MOVE_ENV) == f"{proc}:{e.number}":
+    if os.environ.get(epochs.FAULT_MOVE_ENV) == f"{proc}:{e.number}":
         os._exit(13)
     # What the old ranks know of the run (a newcomer does not), from the first of them in the group:
     # the step they stopped before, the step of the newest checkpoint, the fp16 loss scaler's state and
@@ -268,7 +270,6 @@ def serve(control: Path, proc: int, first_epoch: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: exits 0 when done or stopped, 2 after reporting bad arguments, 1 after
     reporting any other error (`worker._report`)."""
-    die_with_parent()  # the controller dies: so does this process
     warnings.simplefilter("ignore", SailorWarning)
     argv = sys.argv[1:] if argv is None else argv
     control, proc, first = Path(argv[0]), int(argv[1]), int(argv[2])

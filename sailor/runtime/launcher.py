@@ -503,12 +503,14 @@ def _refused_input(errors: list[dict[str, Any]]) -> str | None:
 
 def _first_failure(errors: list[dict[str, Any]], failures: list[tuple[str, str]]) -> str | None:
     """The most likely cause: a rank's own error; else a rank that died without one (not one torchrun
-    stopped with SIGTERM); else an error of a rank that only lost contact with a peer."""
+    stopped with SIGTERM); else an error of a rank that only lost contact with a peer. A failed
+    process without a rank (rank "": a live pool's process started for a switch not yet published)
+    is left to the caller's `process_failure`, which names its host."""
     own = [e for e in errors if not e.get("peer_lost")]
     if own:
         return f"rank {own[0]['rank']} failed: {own[0]['error']}"
     reported = {str(e["rank"]) for e in errors}
-    silent = [(r, c) for r, c in failures if r not in reported and c != "-15"]
+    silent = [(r, c) for r, c in failures if r and r not in reported and c != "-15"]
     if silent:
         return f"rank {silent[0][0]} exited with status {silent[0][1]}"
     if errors:

@@ -66,13 +66,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
+from sailor.core.process import die_with_parent
+
+if __name__ == "__main__":  # a rank: it ends with torchrun even when torchrun dies during torch's imports (seconds)
+    die_with_parent()
+
+import torch  # noqa: E402 - after the line above
 import torch.distributed as dist
 from torch import nn
 
 from sailor.core.errors import SailorInputError, SailorWarning
 from sailor.core.fileio import check_output_path
-from sailor.core.process import die_with_parent
 from sailor.model.hf_files import RECORD_KEY, source_record
 from sailor.model.spec import ModelSpec
 from sailor.plan import load_plan
@@ -555,7 +559,6 @@ def _state_kept(live: Live, device: torch.device) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one rank: exits 2 after reporting bad arguments, 1 after reporting any other error."""
-    die_with_parent()  # torchrun dies: so does this rank
     warnings.simplefilter("ignore", SailorWarning)  # the command that started the ranks said it already
     rank = int(os.environ.get("RANK", "0"))
     # Every rank says it is up before it waits for its peers: a host whose ranks never say so is the
