@@ -77,9 +77,13 @@ def _wait(cond, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def _no_leftovers(alive) -> None:
-    """Wait until no process of the test is left (`alive`: `run_processes`' lister)."""
-    _wait(lambda: not alive(), 15.0)
+def _no_leftovers(alive, timeout_s: float = 15.0) -> None:
+    """Wait until no process of the test is left (`alive`: `run_processes`' lister); fails naming
+    those still alive after `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while (left := alive()) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {left}"
 
 
 @contextlib.contextmanager
