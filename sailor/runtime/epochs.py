@@ -38,6 +38,11 @@ SLOT_ENV = "SAILOR_SLOT"
 """Environment variable of a pool process on a named machine: its device index there (a GPU is a
 slot), fixed for the process's life; the rank's LOCAL_RANK (`runtime.inplace.settings`) and the
 testbed's per-rank quota (`testbed.cgroups.rank_slot`) follow it."""
+AGENT_SLOTS_ENV = "SAILOR_AGENT_SLOTS"
+"""Environment variable of a torchrun agent (`launch.common.agent_command`), on every device: the
+device indices on its node of its ranks, comma-separated, in LOCAL_RANK order (on CUDA the same list
+as its CUDA_VISIBLE_DEVICES). A node may run several agents, each with LOCAL_RANK from 0, so a rank's
+device on the node is this list's LOCAL_RANK-th entry (`testbed.cgroups.rank_slot`)."""
 
 
 @dataclass(frozen=True)
