@@ -24,12 +24,13 @@ from sailor.core.errors import SailorInputError
 from sailor.launch import (DEFAULT_IMAGE, Backend, KubernetesOptions, LaunchOptions, dump_documents, launch,
                            launch_files, launch_specs)
 from sailor.launch import skypilot
-from sailor.launch.common import launch_layout
+from sailor.launch.common import agent_command, launch_layout
 from sailor.launch.skypilot import SkyPilotOptions, source_files
 from sailor.plan import plan_from_dict
 from sailor.plan.placement import rank_layout
 from sailor.plan.spec import Plan
 from sailor.runtime.command import WorkerSettings
+from sailor.runtime.epochs import AGENT_SLOTS_ENV
 from sailor.specs.job import JobSpec
 
 SAILOR = Path(sys.executable).with_name("sailor")
@@ -104,6 +105,26 @@ def test_layout_matches_rank_layout_and_splits_noncontiguous_nodes():
         for rank, gpu in zip(a.ranks, a.local_gpus):
             assert infos[rank].node == a.node and infos[rank].local_rank == gpu
     assert layout.rdzv_node.name == "us-central1-a/A100-40/0"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_each_agent_of_a_node_names_its_own_device_slots(device):
+    """Two agents on one node both count LOCAL_RANK from 0: on every device each names the node's
+    device indices of its ranks (the testbed's per-rank quota needs them on CPU too)."""
+    from sailor.testbed.cgroups import rank_slot
+
+    layout = launch_layout(GEO)
+    agents = [a for a in layout.agents if a.node == "us-central1-a/A100-40/0"]
+    assert [a.local_gpus for a in agents] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    for a in agents:
+        cmd = agent_command(a, layout, _opts("/data/plan.json", device=device), "a0")
+        slots = ",".join(map(str, a.local_gpus))
+        assert f"{AGENT_SLOTS_ENV}={slots} " in cmd
+        assert (f"CUDA_VISIBLE_DEVICES={slots} " in cmd) == (device == "cuda")
+        # what torchrun's rank k of this agent sees: the testbed puts it under device slot a.local_gpus[k]
+        env = dict(w.split("=", 1) for w in cmd.split(" -m ")[0].split()[1:] if "=" in w)
+        for k, gpu in enumerate(a.local_gpus):
+            assert rank_slot({**env, "TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": str(k)}) == gpu
 
 
 def test_torchrun_dry_run_documents(tmp_path):

@@ -12,6 +12,7 @@ from sailor.catalog import LinkClass
 from sailor.core.errors import SailorInputError
 from sailor.core.schema import parse_model
 from sailor.launch.hosts import HostsFile
+from sailor.runtime.epochs import AGENT_SLOTS_ENV
 from sailor.testbed import cgroups, cluster_spec, host, hosts_spec, load_testbed, net
 from sailor.testbed.spec import (
     FRAME_BYTES,
@@ -299,11 +300,13 @@ def test_the_rank_slot_of_a_process():
     run = {"TORCHELASTIC_RUN_ID": "x"}
     assert cgroups.rank_slot({**run, "LOCAL_RANK": "1"}) == 1
     # a node with two agents: the second agent's local rank 0 is the node's device 2
-    assert cgroups.rank_slot({**run, "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "2,3"}) == 2
-    assert cgroups.rank_slot({**run, "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "2,3"}) == 3
+    assert cgroups.rank_slot({**run, "LOCAL_RANK": "0", AGENT_SLOTS_ENV: "2,3"}) == 2
+    assert cgroups.rank_slot({**run, "LOCAL_RANK": "1", AGENT_SLOTS_ENV: "2,3"}) == 3
+    # on CPU no CUDA_VISIBLE_DEVICES: the agent's slots alone decide
+    assert cgroups.rank_slot({**run, "LOCAL_RANK": "0", AGENT_SLOTS_ENV: "1", "CUDA_VISIBLE_DEVICES": "0"}) == 1
     assert cgroups.rank_slot({"LOCAL_RANK": "0"}) is None  # not started by torchrun
     assert cgroups.rank_slot({**run}) is None  # the agent itself
-    assert cgroups.rank_slot({**run, "LOCAL_RANK": "4", "CUDA_VISIBLE_DEVICES": "0"}) is None
+    assert cgroups.rank_slot({**run, "LOCAL_RANK": "4", AGENT_SLOTS_ENV: "0"}) is None
 
 
 # ---- profiles of the device classes ---------------------------------------------------------------

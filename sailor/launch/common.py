@@ -12,8 +12,10 @@ stage 0 share a node while pipeline 0's stage 1 sits elsewhere). Hence:
 - agents are numbered (torchrun `--node-rank`) by their first rank, so torchrun's global ranks equal
   the plan's ranks exactly and the worker needs no change;
 - a node with several agents runs them side by side, each with `CUDA_VISIBLE_DEVICES` set to its
-  GPUs, so torchrun's `LOCAL_RANK` k is the k-th of them (the worker picks `cuda:LOCAL_RANK`). A TP
-  group is consecutive ranks on one node, so it never spans two agents.
+  GPUs, so torchrun's `LOCAL_RANK` k is the k-th of them (the worker picks `cuda:LOCAL_RANK`), and on
+  every device with `epochs.AGENT_SLOTS_ENV` listing the same device indices (the testbed gives each
+  rank its device's CPU quota by it). A TP group is consecutive ranks on one node, so it never spans
+  two agents.
 - the static rendezvous store is hosted by agent 0 (it holds rank 0), so the rendezvous endpoint
   is the host of rank 0's node.
 Every node also needs the plan file at the same path (`LaunchOptions.worker.plan`) and Sailor
@@ -33,6 +35,7 @@ from sailor.core.errors import SailorInputError
 from sailor.plan.placement import RankInfo, rank_layout
 from sailor.plan.spec import Plan
 from sailor.runtime.command import WorkerSettings, option
+from sailor.runtime.epochs import AGENT_SLOTS_ENV
 
 RDZV_HOST_VAR = "SAILOR_RDZV_HOST"  # shell variable holding the rendezvous host where none is known yet
 
@@ -187,13 +190,15 @@ def launch_layout(plan: Plan, gpus_per_node: dict[str, int] | None = None) -> La
 
 
 def agent_command(agent: Agent, layout: LaunchLayout, opts: LaunchOptions, rdzv_host: str) -> str:
-    """The shell command that starts `agent`: `env CUDA_VISIBLE_DEVICES=.. python -m sailor.runtime.launcher ...`
-    running the worker (`torchrun_command`; CUDA_VISIBLE_DEVICES on cuda only).
+    """The shell command that starts `agent`: `env SAILOR_AGENT_SLOTS=.. [CUDA_VISIBLE_DEVICES=..] python -m
+    sailor.runtime.launcher ...` running the worker (`torchrun_command`; both list the agent's
+    device indices on its node, `epochs.AGENT_SLOTS_ENV`; CUDA_VISIBLE_DEVICES on cuda only).
 
     `rdzv_host` is put in literally, except a string starting with `$` (a shell variable), which
     is left for the shell to expand.
     """
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, agent.local_gpus))} if opts.worker.device == "cuda" else {}
+    slots = ",".join(map(str, agent.local_gpus))
+    env = {AGENT_SLOTS_ENV: slots, **({"CUDA_VISIBLE_DEVICES": slots} if opts.worker.device == "cuda" else {})}
     cmd = torchrun_command(opts.python, opts.worker.argv(), nnodes=len(layout.agents), node_rank=agent.agent_rank,
                            nproc=len(agent.ranks), rdzv_host=rdzv_host, rdzv_port=opts.rdzv_port,
                            rdzv_timeout_s=opts.rdzv_timeout_s, env=env)

@@ -42,6 +42,11 @@ FAULT_MOVE_ENV = "SAILOR_FAULT_MOVE"
 """Test hook: "<process id>:<epoch>" makes that pool process die (exit 13) in that switch, once its
 move group has formed (`runtime.inplace.switch`). The pool passes the controller's value on in each
 process's command on named machines (`elastic.inplace`), since ssh forwards no environment."""
+AGENT_SLOTS_ENV = "SAILOR_AGENT_SLOTS"
+"""Environment variable of a torchrun agent (`launch.common.agent_command`), on every device: the
+device indices on its node of its ranks, comma-separated, in LOCAL_RANK order (on CUDA the same list
+as its CUDA_VISIBLE_DEVICES). A node may run several agents, each with LOCAL_RANK from 0, so a rank's
+device on the node is this list's LOCAL_RANK-th entry (`testbed.cgroups.rank_slot`)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from sailor.runtime.epochs import SLOT_ENV
+from sailor.runtime.epochs import AGENT_SLOTS_ENV, SLOT_ENV
 from sailor.testbed import net
 from sailor.testbed.spec import TestbedSpec
 from sailor.testbed.state import NodeState, TestbedState
@@ -66,15 +66,15 @@ def rank_cgroup(node: NodeState, slot: int) -> str:
 
 def rank_slot(environ: dict[str, str]) -> int | None:
     """The device index on its node of the rank with environment `environ` (torchrun sets
-    LOCAL_RANK; where the node runs several agents, each sees its own devices through
-    CUDA_VISIBLE_DEVICES, `sailor.launch.common`; a live pool's process has its slot,
-    `epochs.SLOT_ENV`); None for a process that is not a rank."""
+    LOCAL_RANK; where the node runs several agents, each lists its own devices in
+    `epochs.AGENT_SLOTS_ENV`, `sailor.launch.common`, on every device; a live pool's process has
+    its slot, `epochs.SLOT_ENV`); None for a process that is not a rank."""
     if environ.get(SLOT_ENV, "").isdigit():
         return int(environ[SLOT_ENV])
     local = environ.get("LOCAL_RANK", "")
     if not local.isdigit() or "TORCHELASTIC_RUN_ID" not in environ:
         return None
-    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = [d for d in environ.get(AGENT_SLOTS_ENV, "").split(",") if d.strip()]
     if not visible:
         return int(local)
     return int(visible[int(local)]) if int(local) < len(visible) and visible[int(local)].strip().isdigit() else None
