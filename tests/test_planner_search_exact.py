@@ -9,14 +9,18 @@ it replaces, run here as the reference.
   row of the pools;
 - `kinds.make_kinds` computing what a cut does not change once per uncut twin, against each kind
   built alone in a fresh context;
+- `kinds.make_kinds` sharing a curve among the kinds of one pool class (`kinds.pool_class`: zones
+  whose links are alike), against each kind built with every zone apart;
 - `simulator.terms.collective_s` memoised by the groups' shape, against the collective computed
   afresh;
+- `collectives._ring_phase` reading each ring's latency and routes once (`NetworkModel.ring_links`)
+  against every edge kind's latency and stream looked up at each call;
 - `NetworkModel.zone_class` (zones whose links are alike computed once: the two-replica sync
   bounds' slots, `prune.alike_slots`, the estimates' transfers and node groups, the hierarchical
   all-reduce's zone islands) against every zone apart;
 - `prune.NodeKeys` (a node's estimate computed when the node comes up) against every node's key
   computed first.
-All but the fourth together: `plan_job` returns the same plan, estimate, alternatives, candidate count
+All but the fourth together (with each ring's edges looked up afresh): `plan_job` returns the same plan, estimate, alternatives, candidate count
 and Pareto front with the references patched in, on clusters where they come into play (pipelines cut
 between nodes over a slow link, ZeRO, several zones, the cost objective).
 """
@@ -38,6 +42,7 @@ from sailor.planner.kinds import homogeneous_kinds, make_kinds, option_table
 from sailor.planner.pack import PoolPacking
 from sailor.planner.space import candidate_partitions, memory_candidates
 from sailor.simulator import Slot, make_context
+from sailor.simulator import collectives
 from sailor.simulator.collectives import (
     Member,
     allreduce_time_s,
@@ -107,6 +112,77 @@ def test_cut_kinds_built_together_equal_each_built_alone():
     assert checked > 20
 
 
+def test_kinds_of_alike_zones_share_a_curve_equal_to_each_built_with_every_zone_apart(monkeypatch):
+    # three zones, two alike and one with a slower link of its own between nodes (and ZeRO on 16 GB
+    # GPUs, kinds rebuilt at a D): the kinds built together share one curve per pool class, each
+    # equal to the kind built in a context where every zone is a class of its own
+    zones = [ZA, ZB, "us-central1-c"]
+    job = JobSpec(model="gpt-neo-2.7b", global_batch_size=64, precision="fp32")
+    cluster = ClusterSpec(zones={z: {"V100-16": 32} for z in zones}, gpus_per_node={"V100-16": 8},
+                          zone_network={ZB: {"same_zone": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9}}})
+    ctx = make_context(job, cluster, calibration={})
+    gpus, free = cluster.gpu_types(), {(z, g): n for z in zones for g, n in cluster.zones[z].items()}
+    built = []
+    for P, mbs in ((1, 2), (2, 1), (4, 2)):
+        M = job.global_batch_size // mbs
+        part = candidate_partitions(ctx, P, mbs, gpus)[0]
+        for memory in memory_candidates(ctx, gpus, part, mbs, M, 2, 3):
+            table = option_table(ctx, gpus, part, mbs, M, memory)
+            kinds = homogeneous_kinds(ctx, table, free, part, mbs, memory)
+            at_d = make_kinds(ctx, [k.spec for k in kinds], part, mbs, memory, 8)
+            built += [(k, part, mbs, memory, r) for ks, r in ((kinds, None), (at_d, 8)) for k in ks]
+    curves = [k for k in ctx.memo if k[0] == "kind curve"]
+    assert any(k.memory and any(m.zero for m in k.memory) for k, *_ in built)
+    assert {k.zones[0] for k, *_ in built} == set(zones)
+    assert len(curves) < len(built)  # some kinds took the curve of an alike zone's
+    monkeypatch.setattr(NetworkModel, "zone_class", lambda self, zone, gpu: (zone, gpu))  # every zone apart
+    apart = make_context(job, cluster, calibration={})
+    for kind, part, mbs, memory, replicas in built:
+        alone = make_kinds(apart, [kind.spec], part, mbs, memory, replicas)[0]
+        assert dataclasses.astuple(alone) == dataclasses.astuple(kind)
+    slow = [k for k, *_ in built if k.zones[0] == ZB]
+    fast = {(k.options, k.cuts, k.replicas): k for k, *_ in built if k.zones[0] == ZA}
+    assert any(fast[(k.options, k.cuts, k.replicas)].fill_s != k.fill_s for k in slow if any(k.cuts) or len(k.options) > 1)
+
+
+def _ring_phase_every_edge(groups, nbytes, net, *, steps, fraction, efficiency, share=1) -> float:
+    """`collectives._ring_phase` as first written: each edge kind's latency and stream looked up."""
+    if nbytes <= 0:
+        return 0.0
+    latency, stream = 0.0, 0.0
+    for za, ga, ta, zb, gb, tb, on_node in collectives._edge_kinds(groups):
+        t = max(1, min(ta, tb))
+        latency = max(latency, net.hop_latency_s(za, ga, zb, gb, flows=t * share, same_node=on_node))
+        stream = max(stream, net.stream_time_s(za, ga, zb, gb, fraction * nbytes / t, flows=t * share,
+                                               same_node=on_node))
+    finest = max(1, min(m.tp for m, _ in groups))
+    return steps * latency + stream / efficiency + net.collective.processing_s(fraction * nbytes / finest)
+
+
+def test_a_ring_phase_from_its_memoised_links_equals_every_edge_looked_up():
+    # random rings over four zones (one with links of its own), two GPU types, TP 1-4, named nodes
+    # or none, the measured network of the reference data where it applies; several byte counts and
+    # shares on each ring (the memo is per ring and share, the bytes vary)
+    zones = [ZA, ZB, "us-west1-a", "europe-west4-a"]
+    cluster = ClusterSpec(zones={z: {"A100-40": 32, "V100-16": 32} for z in zones},
+                          gpus_per_node={"A100-40": 4, "V100-16": 8},
+                          zone_network={ZB: {"same_zone": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9}}})
+    net = make_context(JobSpec(model="opt-350m", global_batch_size=64), cluster, calibration={}).network
+    rng = random.Random(11)
+    checked = set()
+    for _ in range(300):
+        members = [Member(zone=rng.choice(zones), gpu=rng.choice(["A100-40", "V100-16"]), tp=rng.choice([1, 2, 4]),
+                          node=rng.choice([None, "n0", "n1", "n2"])) for _ in range(rng.randint(2, 12))]
+        groups = group_members(members)
+        for nbytes in (1.0, 3e6, 4e8):
+            for share in (1, 2):
+                args = dict(steps=rng.randint(1, 20), fraction=rng.choice([0.5, 1.5]), efficiency=0.8, share=share)
+                got = collectives._ring_phase(groups, nbytes, net, **args)
+                assert got == _ring_phase_every_edge(groups, nbytes, net, **args)
+                checked.add(got)
+    assert len(checked) > 500
+
+
 def _reference(monkeypatch) -> None:
     """Patch in the computations the shortcuts replace."""
     monkeypatch.setattr(engine, "_hopeless_alone", lambda *args: False)
@@ -127,6 +203,7 @@ def _reference(monkeypatch) -> None:
             *rest, best = args
             return min(best, _fast(*rest, (math.inf, math.inf)))
         monkeypatch.setattr(prune, name, every_sync)
+    monkeypatch.setattr(collectives, "_ring_phase", _ring_phase_every_edge)
     monkeypatch.setattr(PoolPacking, "capacity",
                         lambda self, caps: int(np.maximum.reduceat(
                             self.n_main * caps[self.main] + self.n_second * caps[self.second], self.starts).sum()))
