@@ -169,13 +169,14 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     need = [max(o.min_replicas for o in options) for _, options in twins]
     rows = [twin_of[specs[j][:2]] for j in todo]
     slots = [plain[r] if not specs[j][2] else slots_of(*specs[j]) for r, j in zip(rows, todo)]
-    # a kind in one pool has the curve and egress of every kind of its pool class (`pool_class`) with
-    # its cuts: computed for the first of them, memoised for the others
-    classes = [pool_class(ctx, *tw) for tw in twins]
-    curve_keys = [None if classes[r] is None else ("kind curve", classes[r], specs[j][2], partition, mbs, memory, replicas)
-                  for r, j in zip(rows, todo)]
+    # a kind's curve and egress are those of every kind with its cuts, options and, for a kind in one
+    # pool, pool class (`pool_class`; else its zones), at any D unless a stage gathers ZeRO-3 weights
+    # (the only D its stage times read): computed for the first of them, memoised for the others
+    where = [pool_class(ctx, *tw) or tw for tw in twins]
+    curve_d = replicas if any(m.zero >= 3 for m in memory) else None
+    curve_keys = [("kind curve", where[r], specs[j][2], partition, mbs, memory, curve_d) for r, j in zip(rows, todo)]
     first: dict[tuple, int] = {}
-    build = [q for q, k in enumerate(curve_keys) if k is None or (k not in ctx.memo and first.setdefault(k, q) == q)]
+    build = [q for q, k in enumerate(curve_keys) if k not in ctx.memo and first.setdefault(k, q) == q]
     curves: dict[int, tuple[float, float, float, float]] = {}  # build position -> (fill, two, period, egress $)
     if build:
         at_d = {d: [time_options(m, replicas or d) for m in memory] for d in {need[rows[q]] for q in build}}
@@ -195,8 +196,7 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
         t1, t2, t3 = (np.atleast_1d(closed_form_1f1b(f, b, c, m)) for m in (1, 2, 3))
         for x, q in enumerate(build):
             curves[q] = (float(t1[x]), float(t2[x]), float(t3[x] - t2[x]), sum(u for _, u in edges[x]))
-            if curve_keys[q] is not None:
-                ctx.memo[curve_keys[q]] = curves[q]
+            ctx.memo[curve_keys[q]] = curves[q]
     steps = [time_options(mem, replicas or most) for mem in memory]
     shared: dict[int, tuple] = {}  # twin -> (GPUs, use, $/hour, optimizer s)
     for q, (r, j) in enumerate(zip(rows, todo)):
