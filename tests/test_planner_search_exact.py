@@ -15,6 +15,8 @@ it replaces, run here as the reference.
   afresh;
 - `collectives._ring_phase` reading each ring's latency and routes once (`NetworkModel.ring_links`)
   against every edge kind's latency and stream looked up at each call;
+- `score.apart_stage_groups` joining the kinds' groups one after the other where their ring keys
+  do not overlap, against sorting all of them;
 - `NetworkModel.zone_class` (zones whose links are alike computed once: the two-replica sync
   bounds' slots, `prune.alike_slots`, the estimates' transfers and node groups, the hierarchical
   all-reduce's zone islands) against every zone apart;
@@ -28,6 +30,7 @@ between nodes over a slow link, ZeRO, several zones, the cost objective).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 
@@ -36,10 +39,11 @@ import pytest
 
 from sailor.model.spec import Collective
 from sailor.perf.network import NetworkModel
-from sailor.planner import Objective, PlanOptions, engine, paper, plan_job, prune
+from sailor.planner import Objective, PlanOptions, engine, paper, plan_job, prune, score
 from sailor.planner.finalists import plan_signature
 from sailor.planner.kinds import homogeneous_kinds, make_kinds, option_table
 from sailor.planner.pack import PoolPacking
+from sailor.planner.score import placed_alone
 from sailor.planner.space import candidate_partitions, memory_candidates
 from sailor.simulator import Slot, make_context
 from sailor.simulator import collectives
@@ -48,6 +52,7 @@ from sailor.simulator.collectives import (
     allreduce_time_s,
     group_members,
     hierarchical_allreduce_s,
+    ring_key,
 )
 from sailor.simulator.terms import RING_SHARE, collective_s
 from sailor.specs.cluster import ClusterSpec
@@ -183,6 +188,30 @@ def test_a_ring_phase_from_its_memoised_links_equals_every_edge_looked_up():
     assert len(checked) > 500
 
 
+def _apart_sorted(ctx, used, i: int) -> list:
+    """`score.apart_stage_groups` as first written: every kind's groups sorted together."""
+    parts = [[(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed_alone(ctx, slots, n)])]
+             for slots, n in used]
+    return [g for _, g in sorted(itertools.chain.from_iterable(parts))]
+
+
+def test_stage_groups_of_kinds_apart_are_all_of_them_sorted():
+    # kinds in up to six pools of three zones (4- and 8-GPU nodes, TP 1-4, pipelines cut between
+    # nodes or not), each stage's groups: joined where the kinds' ring keys do not overlap
+    zones = [ZA, ZB, "us-west1-a"]
+    cluster = ClusterSpec(zones={z: {"A100-40": 64, "V100-16": 64} for z in zones},
+                          gpus_per_node={"A100-40": 8, "V100-16": 4})
+    ctx = make_context(JobSpec(model="opt-350m", global_batch_size=64), cluster, calibration={})
+    rng = random.Random(3)
+    pools = [(z, g) for z in zones for g in ("A100-40", "V100-16")]
+    for _ in range(200):
+        P = rng.randint(1, 4)
+        used = tuple((tuple(Slot(zone=z, gpu=g, tp=rng.choice([1, 2, 4]), node_cut=rng.random() < 0.3) for _ in range(P)),
+                      rng.randint(1, 9)) for z, g in rng.sample(pools, rng.randint(1, len(pools))))
+        for i in range(P):
+            assert score.apart_stage_groups(ctx, used, i) == _apart_sorted(ctx, used, i)
+
+
 def _reference(monkeypatch) -> None:
     """Patch in the computations the shortcuts replace."""
     monkeypatch.setattr(engine, "_hopeless_alone", lambda *args: False)
@@ -204,6 +233,8 @@ def _reference(monkeypatch) -> None:
             return min(best, _fast(*rest, (math.inf, math.inf)))
         monkeypatch.setattr(prune, name, every_sync)
     monkeypatch.setattr(collectives, "_ring_phase", _ring_phase_every_edge)
+    for module in (score, prune):
+        monkeypatch.setattr(module, "apart_stage_groups", _apart_sorted)
     monkeypatch.setattr(PoolPacking, "capacity",
                         lambda self, caps: int(np.maximum.reduceat(
                             self.n_main * caps[self.main] + self.n_second * caps[self.second], self.starts).sum()))
