@@ -10,7 +10,8 @@ it replaces, run here as the reference.
 - `kinds.make_kinds` computing what a cut does not change once per uncut twin, against each kind
   built alone in a fresh context;
 - `kinds.make_kinds` sharing a curve among the kinds of one pool class (`kinds.pool_class`: zones
-  whose links are alike), against each kind built with every zone apart;
+  whose links are alike) and, without ZeRO-3, among every D, against each kind built alone with
+  every zone apart;
 - `simulator.terms.collective_s` memoised by the groups' shape, against the collective computed
   afresh;
 - `collectives._ring_phase` reading each ring's latency and routes once (`NetworkModel.ring_links`)
@@ -22,7 +23,7 @@ it replaces, run here as the reference.
   all-reduce's zone islands) against every zone apart;
 - `prune.NodeKeys` (a node's estimate computed when the node comes up) against every node's key
   computed first.
-All but the fourth together (with each ring's edges looked up afresh): `plan_job` returns the same plan, estimate, alternatives, candidate count
+All but the fourth together: `plan_job` returns the same plan, estimate, alternatives, candidate count
 and Pareto front with the references patched in, on clusters where they come into play (pipelines cut
 between nodes over a slow link, ZeRO, several zones, the cost objective).
 """
@@ -147,7 +148,8 @@ def test_kinds_of_alike_zones_share_a_curve_equal_to_each_built_with_every_zone_
         assert dataclasses.astuple(alone) == dataclasses.astuple(kind)
     slow = [k for k, *_ in built if k.zones[0] == ZB]
     fast = {(k.options, k.cuts, k.replicas): k for k, *_ in built if k.zones[0] == ZA}
-    assert any(fast[(k.options, k.cuts, k.replicas)].fill_s != k.fill_s for k in slow if any(k.cuts) or len(k.options) > 1)
+    assert any(fast[(k.options, k.cuts, k.replicas)].fill_s != k.fill_s
+               for k in slow if any(k.cuts) or len(k.options) > 1)  # the slow zone's links: its own curves
 
 
 def _ring_phase_every_edge(groups, nbytes, net, *, steps, fraction, efficiency, share=1) -> float:
@@ -206,8 +208,9 @@ def test_stage_groups_of_kinds_apart_are_all_of_them_sorted():
     pools = [(z, g) for z in zones for g in ("A100-40", "V100-16")]
     for _ in range(200):
         P = rng.randint(1, 4)
-        used = tuple((tuple(Slot(zone=z, gpu=g, tp=rng.choice([1, 2, 4]), node_cut=rng.random() < 0.3) for _ in range(P)),
-                      rng.randint(1, 9)) for z, g in rng.sample(pools, rng.randint(1, len(pools))))
+        used = tuple((tuple(Slot(zone=z, gpu=g, tp=rng.choice([1, 2, 4]), node_cut=rng.random() < 0.3)
+                            for _ in range(P)), rng.randint(1, 9))
+                     for z, g in rng.sample(pools, rng.randint(1, len(pools))))
         for i in range(P):
             assert score.apart_stage_groups(ctx, used, i) == _apart_sorted(ctx, used, i)
 

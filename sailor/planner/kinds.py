@@ -146,13 +146,14 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     one batched call of the closed form (arrays (kinds, P)). Memoised in the context. A pipeline cut
     between nodes differs from its uncut twin (the same zones and options) only in which transfers
     cross nodes, so what the cuts do not change (stage times, optimizer step, pools, price, the
-    transfer over each boundary inside a node and between two) is computed once per twin; the kinds of one pool whose zones' links are alike (`pool_class`)
-    share their curve and egress, computed once in the planning call."""
+    transfer over each boundary inside a node and between two) is computed once per twin; a curve
+    and egress once per planning call for the kinds of one pool class (`pool_class`: pools whose
+    zones' links are alike) or zones, options and cuts, and without ZeRO-3 for every D."""
     specs = [sp if len(sp) == 3 and any(sp[2]) else (sp[0], sp[1], ()) for sp in specs]  # no cut: ()
     # the memory options in the memo keys as a number, looked up once: hashing them is slow (models)
     numbers = ctx.memo.setdefault("memory numbers", {})
-    mem = numbers.setdefault(memory, len(numbers))
-    keys = [("kind", z, o, c, partition, mbs, mem, replicas) for z, o, c in specs]
+    memory_id = numbers.setdefault(memory, len(numbers))
+    keys = [("kind", z, o, c, partition, mbs, memory_id, replicas) for z, o, c in specs]
     out: list[Kind | None] = [ctx.memo.get(k) for k in keys]
     todo = [j for j, k in enumerate(out) if k is None]
     if not todo:
@@ -177,7 +178,7 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     # (the only D its stage times read): computed for the first of them, memoised for the others
     where = [pool_class(ctx, *tw) or tw for tw in twins]
     curve_d = replicas if any(m.zero >= 3 for m in memory) else None
-    curve_keys = [("kind curve", where[r], specs[j][2], partition, mbs, mem, curve_d) for r, j in zip(rows, todo)]
+    curve_keys = [("kind curve", where[r], specs[j][2], partition, mbs, memory_id, curve_d) for r, j in zip(rows, todo)]
     first: dict[tuple, int] = {}
     build = [q for q, k in enumerate(curve_keys) if k not in ctx.memo and first.setdefault(k, q) == q]
     curves: dict[int, tuple[float, float, float, float]] = {}  # build position -> (fill, two, period, egress $)
