@@ -22,7 +22,8 @@ Per family:
   where no single zone can hold one; pipelines cut between nodes (`kinds.node_cut_variants`) are
   packed apart and also offered alone in node-filling counts (`_offer_node_groups`).
   Node keys take the larger of the bound and `prune.node_estimate` discounted by a margin
-  (`prune.node_keys`), each computed when its node comes up (`prune.NodeKeys`).
+  (`prune.node_keys`), each computed when its node comes up (`prune.NodeKeys`); on clusters of many
+  pools a forked child computes them from the last node on meanwhile (`aside`: the same keys).
 
 The work per family is polynomial: kinds are O(zones x GPU types x templates), a packing step is
 linear in the kinds of each pool (squared), and the number of bisection steps is fixed
