@@ -9,8 +9,15 @@ it replaces, run here as the reference.
   row of the pools;
 - `kinds.make_kinds` computing what a cut does not change once per uncut twin, against each kind
   built alone in a fresh context;
+- `kinds.make_kinds` sharing a curve among the kinds of one pool class (`kinds.pool_class`: zones
+  whose links are alike) and, without ZeRO-3, among every D, against each kind built alone with
+  every zone apart;
 - `simulator.terms.collective_s` memoised by the groups' shape, against the collective computed
   afresh;
+- `collectives._ring_phase` reading each ring's latency and routes once (`NetworkModel.ring_links`)
+  against every edge kind's latency and stream looked up at each call;
+- `score.apart_stage_groups` joining the kinds' groups one after the other where their ring keys
+  do not overlap, against sorting all of them;
 - `NetworkModel.zone_class` (zones whose links are alike computed once: the two-replica sync
   bounds' slots, `prune.alike_slots`, the estimates' transfers and node groups, the hierarchical
   all-reduce's zone islands) against every zone apart;
@@ -24,6 +31,7 @@ between nodes over a slow link, ZeRO, several zones, the cost objective).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 
@@ -32,17 +40,20 @@ import pytest
 
 from sailor.model.spec import Collective
 from sailor.perf.network import NetworkModel
-from sailor.planner import Objective, PlanOptions, engine, paper, plan_job, prune
+from sailor.planner import Objective, PlanOptions, engine, paper, plan_job, prune, score
 from sailor.planner.finalists import plan_signature
 from sailor.planner.kinds import homogeneous_kinds, make_kinds, option_table
 from sailor.planner.pack import PoolPacking
+from sailor.planner.score import placed_alone
 from sailor.planner.space import candidate_partitions, memory_candidates
 from sailor.simulator import Slot, make_context
+from sailor.simulator import collectives
 from sailor.simulator.collectives import (
     Member,
     allreduce_time_s,
     group_members,
     hierarchical_allreduce_s,
+    ring_key,
 )
 from sailor.simulator.terms import RING_SHARE, collective_s
 from sailor.specs.cluster import ClusterSpec
@@ -107,6 +118,103 @@ def test_cut_kinds_built_together_equal_each_built_alone():
     assert checked > 20
 
 
+def test_kinds_of_alike_zones_share_a_curve_equal_to_each_built_with_every_zone_apart(monkeypatch):
+    # three zones, two alike and one with a slower link of its own between nodes (and ZeRO on 16 GB
+    # GPUs, kinds rebuilt at a D: without ZeRO-3 at the curve built without D): the kinds built
+    # together share one curve per pool class, each equal to the kind built alone in a context where
+    # every zone is a class of its own
+    zones = [ZA, ZB, "us-central1-c"]
+    job = JobSpec(model="opt-30b", global_batch_size=64, precision="fp16")
+    cluster = ClusterSpec(zones={z: {"V100-16": 32} for z in zones}, gpus_per_node={"V100-16": 8},
+                          zone_network={ZB: {"same_zone": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9}}})
+    ctx = make_context(job, cluster, calibration={})
+    gpus, free = cluster.gpu_types(), {(z, g): n for z in zones for g, n in cluster.zones[z].items()}
+    built = []
+    for P, mbs in ((2, 1), (4, 2)):
+        M = job.global_batch_size // mbs
+        part = candidate_partitions(ctx, P, mbs, gpus)[0]
+        for memory in memory_candidates(ctx, gpus, part, mbs, M, 3, 6):
+            table = option_table(ctx, gpus, part, mbs, M, memory)
+            kinds = homogeneous_kinds(ctx, table, free, part, mbs, memory)
+            at_d = make_kinds(ctx, [k.spec for k in kinds], part, mbs, memory, 8)
+            built += [(k, part, mbs, memory, r) for ks, r in ((kinds, None), (at_d, 8)) for k in ks]
+    curves = [k for k in ctx.memo if k[0] == "kind curve"]
+    assert {max(m.zero for m in k.memory) for k, *_ in built} >= {1, 3}  # ZeRO-3: curves that depend on D
+    assert {k.zones[0] for k, *_ in built} == set(zones)
+    assert len(curves) < len(built)  # some kinds took the curve of an alike zone's
+    monkeypatch.setattr(NetworkModel, "zone_class", lambda self, zone, gpu: (zone, gpu))  # every zone apart
+    for kind, part, mbs, memory, replicas in built:  # each alone, in a context of its own
+        alone = make_kinds(make_context(job, cluster, calibration={}), [kind.spec], part, mbs, memory, replicas)[0]
+        assert dataclasses.astuple(alone) == dataclasses.astuple(kind)
+    slow = [k for k, *_ in built if k.zones[0] == ZB]
+    fast = {(k.options, k.cuts, k.replicas): k for k, *_ in built if k.zones[0] == ZA}
+    assert any(fast[(k.options, k.cuts, k.replicas)].fill_s != k.fill_s
+               for k in slow if any(k.cuts) or len(k.options) > 1)  # the slow zone's links: its own curves
+
+
+def _ring_phase_every_edge(groups, nbytes, net, *, steps, fraction, efficiency, share=1) -> float:
+    """`collectives._ring_phase` as first written: each edge kind's latency and stream looked up."""
+    if nbytes <= 0:
+        return 0.0
+    latency, stream = 0.0, 0.0
+    for za, ga, ta, zb, gb, tb, on_node in collectives._edge_kinds(groups):
+        t = max(1, min(ta, tb))
+        latency = max(latency, net.hop_latency_s(za, ga, zb, gb, flows=t * share, same_node=on_node))
+        stream = max(stream, net.stream_time_s(za, ga, zb, gb, fraction * nbytes / t, flows=t * share,
+                                               same_node=on_node))
+    finest = max(1, min(m.tp for m, _ in groups))
+    return steps * latency + stream / efficiency + net.collective.processing_s(fraction * nbytes / finest)
+
+
+def test_a_ring_phase_from_its_memoised_links_equals_every_edge_looked_up():
+    # random rings over four zones (one with links of its own), two GPU types, TP 1-4, named nodes
+    # or none, the measured network of the reference data where it applies; several byte counts and
+    # shares on each ring (the memo is per ring and share, the bytes vary)
+    zones = [ZA, ZB, "us-west1-a", "europe-west4-a"]
+    cluster = ClusterSpec(zones={z: {"A100-40": 32, "V100-16": 32} for z in zones},
+                          gpus_per_node={"A100-40": 4, "V100-16": 8},
+                          zone_network={ZB: {"same_zone": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9}}})
+    net = make_context(JobSpec(model="opt-350m", global_batch_size=64), cluster, calibration={}).network
+    rng = random.Random(11)
+    checked = set()
+    for _ in range(300):
+        members = [Member(zone=rng.choice(zones), gpu=rng.choice(["A100-40", "V100-16"]), tp=rng.choice([1, 2, 4]),
+                          node=rng.choice([None, "n0", "n1", "n2"])) for _ in range(rng.randint(2, 12))]
+        groups = group_members(members)
+        for nbytes in (1.0, 3e6, 4e8):
+            for share in (1, 2):
+                args = dict(steps=rng.randint(1, 20), fraction=rng.choice([0.5, 1.5]), efficiency=0.8, share=share)
+                got = collectives._ring_phase(groups, nbytes, net, **args)
+                assert got == _ring_phase_every_edge(groups, nbytes, net, **args)
+                checked.add(got)
+    assert len(checked) > 500
+
+
+def _apart_sorted(ctx, used, i: int) -> list:
+    """`score.apart_stage_groups` as first written: every kind's groups sorted together."""
+    parts = [[(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed_alone(ctx, slots, n)])]
+             for slots, n in used]
+    return [g for _, g in sorted(itertools.chain.from_iterable(parts))]
+
+
+def test_stage_groups_of_kinds_apart_are_all_of_them_sorted():
+    # kinds in up to six pools of three zones (4- and 8-GPU nodes, TP 1-4, pipelines cut between
+    # nodes or not), each stage's groups: joined where the kinds' ring keys do not overlap
+    zones = [ZA, ZB, "us-west1-a"]
+    cluster = ClusterSpec(zones={z: {"A100-40": 64, "V100-16": 64} for z in zones},
+                          gpus_per_node={"A100-40": 8, "V100-16": 4})
+    ctx = make_context(JobSpec(model="opt-350m", global_batch_size=64), cluster, calibration={})
+    rng = random.Random(3)
+    pools = [(z, g) for z in zones for g in ("A100-40", "V100-16")]
+    for _ in range(200):
+        P = rng.randint(1, 4)
+        used = tuple((tuple(Slot(zone=z, gpu=g, tp=rng.choice([1, 2, 4]), node_cut=rng.random() < 0.3)
+                            for _ in range(P)), rng.randint(1, 9))
+                     for z, g in rng.sample(pools, rng.randint(1, len(pools))))
+        for i in range(P):
+            assert score.apart_stage_groups(ctx, used, i) == _apart_sorted(ctx, used, i)
+
+
 def _reference(monkeypatch) -> None:
     """Patch in the computations the shortcuts replace."""
     monkeypatch.setattr(engine, "_hopeless_alone", lambda *args: False)
@@ -127,6 +235,9 @@ def _reference(monkeypatch) -> None:
             *rest, best = args
             return min(best, _fast(*rest, (math.inf, math.inf)))
         monkeypatch.setattr(prune, name, every_sync)
+    monkeypatch.setattr(collectives, "_ring_phase", _ring_phase_every_edge)
+    for module in (score, prune):
+        monkeypatch.setattr(module, "apart_stage_groups", _apart_sorted)
     monkeypatch.setattr(PoolPacking, "capacity",
                         lambda self, caps: int(np.maximum.reduceat(
                             self.n_main * caps[self.main] + self.n_second * caps[self.second], self.starts).sum()))

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from sailor import catalog
 from sailor.catalog import Link, LinkClass
@@ -211,6 +211,25 @@ class NetworkModel:
         if self._routes.get("sizes") != sizes:
             self._routes.clear()
             self._routes["sizes"] = sizes
+
+    def ring_links(self, key: tuple, edges: Callable[[], Iterable[tuple[str, str, int, str, str, int, bool]]],
+                   share: int = 1) -> tuple[float, tuple[tuple["_Route", int], ...]]:
+        """For a ring's edges (sender zone, GPU, TP, receiver zone, GPU, TP, same node), each carrying
+        t = max(1, min(TP)) flows per ring and `share` rings at once: (the slowest edge's
+        `hop_latency_s`, the distinct (route, t) they stream over: `stream_time_s` of any edge is its
+        route's `bytes_time`). Memoised under `key` (what determines the edges; `edges` lists them
+        on a miss) with the routes."""
+        self._check_routes()
+        memo = self._routes.setdefault("rings", {})
+        if (key, share) not in memo:
+            latency, links = 0.0, {}
+            for za, ga, ta, zb, gb, tb, on_node in edges():
+                t = max(1, min(ta, tb))
+                route = self._route(za, ga, zb, gb, t * share, on_node)
+                latency = max(latency, route.link.latency_s)
+                links.setdefault((id(route), t), (route, t))
+            memo[(key, share)] = (latency, tuple(links.values()))
+        return memo[(key, share)]
 
     def _route(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, flows: int, same_node: bool) -> "_Route":
         """What moves bytes between the two GPUs' nodes: a measured curve if any, and the α–β link

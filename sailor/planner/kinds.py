@@ -146,9 +146,14 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     one batched call of the closed form (arrays (kinds, P)). Memoised in the context. A pipeline cut
     between nodes differs from its uncut twin (the same zones and options) only in which transfers
     cross nodes, so what the cuts do not change (stage times, optimizer step, pools, price, the
-    transfer over each boundary inside a node and between two) is computed once per twin."""
+    transfer over each boundary inside a node and between two) is computed once per twin; a curve
+    and egress once per planning call for the kinds of one pool class (`pool_class`: pools whose
+    zones' links are alike) or zones, options and cuts, and without ZeRO-3 for every D."""
     specs = [sp if len(sp) == 3 and any(sp[2]) else (sp[0], sp[1], ()) for sp in specs]  # no cut: ()
-    keys = [("kind", z, o, c, partition, mbs, memory, replicas) for z, o, c in specs]
+    # the memory options in the memo keys as a number, looked up once: hashing them is slow (models)
+    numbers = ctx.memo.setdefault("memory numbers", {})
+    memory_id = numbers.setdefault(memory, len(numbers))
+    keys = [("kind", z, o, c, partition, mbs, memory_id, replicas) for z, o, c in specs]
     out: list[Kind | None] = [ctx.memo.get(k) for k in keys]
     todo = [j for j, k in enumerate(out) if k is None]
     if not todo:
@@ -166,22 +171,36 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     twin_of = {tw: r for r, tw in enumerate(twins)}
     plain = [slots_of(zones, options, ()) for zones, options in twins]  # each twin's slots without cuts
     need = [max(o.min_replicas for o in options) for _, options in twins]
-    at_d = {d: [time_options(m, replicas or d) for m in memory] for d in set(need)}
-    times = [[stage_time(ctx, sl[i], mbs, *partition[i], at_d[d][i]) for i in range(P)] for sl, d in zip(plain, need)]
-    f = np.array([[t.forward_s for t in row] for row in times])   # (twins, P)
-    b = np.array([[t.backward_s for t in row] for row in times])
-    links: dict[tuple[int, int, bool], tuple[float, float]] = {}  # (twin, boundary, on one node) -> boundary
-
-    def link(r: int, i: int, on: bool) -> tuple[float, float]:
-        if (r, i, on) not in links:  # the transfer reads where the ends sit, not the cut flags
-            links[(r, i, on)] = boundary(ctx, plain[r][i], plain[r][i + 1], partition[i], partition[i + 1], mbs, on)
-        return links[(r, i, on)]
-
     rows = [twin_of[specs[j][:2]] for j in todo]
     slots = [plain[r] if not specs[j][2] else slots_of(*specs[j]) for r, j in zip(rows, todo)]
-    edges = [[link(r, i, on) for i, on in enumerate(kind_boundaries(ctx, sl))] for r, sl in zip(rows, slots)]
-    c = np.array([[x for x, _ in row] for row in edges]).reshape(len(todo), P - 1)
-    t1, t2, t3 = (np.atleast_1d(closed_form_1f1b(f[rows], b[rows], c, m)) for m in (1, 2, 3))
+    # a kind's curve and egress are those of every kind with its cuts, options and, for a kind in one
+    # pool, pool class (`pool_class`; else its zones), at any D unless a stage gathers ZeRO-3 weights
+    # (the only D its stage times read): computed for the first of them, memoised for the others
+    where = [pool_class(ctx, *tw) or tw for tw in twins]
+    curve_d = replicas if any(m.zero >= 3 for m in memory) else None
+    curve_keys = [("kind curve", where[r], specs[j][2], partition, mbs, memory_id, curve_d) for r, j in zip(rows, todo)]
+    first: dict[tuple, int] = {}
+    build = [q for q, k in enumerate(curve_keys) if k not in ctx.memo and first.setdefault(k, q) == q]
+    curves: dict[int, tuple[float, float, float, float]] = {}  # build position -> (fill, two, period, egress $)
+    if build:
+        at_d = {d: [time_options(m, replicas or d) for m in memory] for d in {need[rows[q]] for q in build}}
+        times = {r: [stage_time(ctx, plain[r][i], mbs, *partition[i], at_d[need[r]][i]) for i in range(P)]
+                 for r in dict.fromkeys(rows[q] for q in build)}
+        f = np.array([[t.forward_s for t in times[rows[q]]] for q in build])   # (built kinds, P)
+        b = np.array([[t.backward_s for t in times[rows[q]]] for q in build])
+        links: dict[tuple[int, int, bool], tuple[float, float]] = {}  # (twin, boundary, on one node) -> boundary
+
+        def link(r: int, i: int, on: bool) -> tuple[float, float]:
+            if (r, i, on) not in links:  # the transfer reads where the ends sit, not the cut flags
+                links[(r, i, on)] = boundary(ctx, plain[r][i], plain[r][i + 1], partition[i], partition[i + 1], mbs, on)
+            return links[(r, i, on)]
+
+        edges = [[link(rows[q], i, on) for i, on in enumerate(kind_boundaries(ctx, slots[q]))] for q in build]
+        c = np.array([[x for x, _ in row] for row in edges]).reshape(len(build), P - 1)
+        t1, t2, t3 = (np.atleast_1d(closed_form_1f1b(f, b, c, m)) for m in (1, 2, 3))
+        for x, q in enumerate(build):
+            curves[q] = (float(t1[x]), float(t2[x]), float(t3[x] - t2[x]), sum(u for _, u in edges[x]))
+            ctx.memo[curve_keys[q]] = curves[q]
     steps = [time_options(mem, replicas or most) for mem in memory]
     shared: dict[int, tuple] = {}  # twin -> (GPUs, use, $/hour, optimizer s)
     for q, (r, j) in enumerate(zip(rows, todo)):
@@ -193,13 +212,26 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
             shared[r] = (sum(o.gpus for o in options), tuple(sorted(use.items())),
                          sum(n * pool_price(ctx, p) for p, n in use.items()), kind_optimizer_s(ctx, plain[r], partition, steps))
         gpus, use_, usd, opt = shared[r]
-        kind = Kind(fill_s=float(t1[q]), two_s=float(t2[q]), period_s=float(t3[q] - t2[q]), zones=zones,
-                    options=options, memory=memory, gpus=gpus, use=use_, usd_per_hour=usd, optimizer_s=opt,
-                    egress_usd_per_mb=sum(u for _, u in edges[q]), min_replicas=need[r], replicas=replicas,
-                    slots=slots[q])
+        fill, two, period, egress = curves[q] if q in curves else ctx.memo[curve_keys[q]]
+        kind = Kind(fill_s=fill, two_s=two, period_s=period, zones=zones, options=options, memory=memory, gpus=gpus,
+                    use=use_, usd_per_hour=usd, optimizer_s=opt, egress_usd_per_mb=egress, min_replicas=need[r],
+                    replicas=replicas, slots=slots[q])
         ctx.memo[keys[j]] = kind
         out[j] = kind
     return out  # type: ignore[return-value]
+
+
+def pool_class(ctx: SimContext, zones: tuple[str, ...], options: tuple[Option, ...]) -> tuple | None:
+    """What a pipeline's stage times and transfers read of where it runs, when all its stages are in
+    one (zone, GPU type) pool: that pool's zone class (`NetworkModel.zone_class`: the routes inside a
+    node and between two nodes of the zone, all that TP collectives, ZeRO-3 gathers and transfers
+    inside one zone read; nothing inside a zone pays egress) with the options; None for a pipeline
+    over several pools (its transfers between two GPU types or zones read routes the class leaves
+    out). Pipelines of one class have equal stage times and transfers (`make_kinds`)."""
+    z, g = zones[0], options[0].gpu
+    if any(x != z for x in zones) or any(o.gpu != g for o in options):
+        return None
+    return ctx.network.zone_class(z, g), options
 
 
 def pool_price(ctx: SimContext, pool: Pool) -> float:

@@ -257,15 +257,21 @@ def _tied_terms(ctx: SimContext, slots: tuple[Slot, ...], n: int, zero: tuple[in
 def apart_stage_groups(ctx: SimContext, used: tuple[tuple[tuple[Slot, ...], int], ...], i: int) -> list[Group]:
     """Stage i's replicas as `group_members` orders them, for kinds ((slots, count) each) placed
     apart (`placed_apart`): each kind's groups are found and sorted once (memoised per kind and
-    count), then merged in ring order (their members differ, so the ring keys do)."""
+    count), then merged in ring order (their members differ, so the ring keys do): where the kinds'
+    ranges of ring keys do not overlap (each pool's nodes are named apart, `simulator.place`), the
+    kinds' groups one after the other, ordered by their first keys, are that order."""
     parts = []
     for slots, n in used:
         key = ("placed-stage", slots, n, i)
         if key not in ctx.memo:
             ctx.memo[key] = [(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed_alone(ctx, slots, n)])]
-        parts.append(ctx.memo[key])
+        if ctx.memo[key]:
+            parts.append(ctx.memo[key])
     if len(parts) == 1:
         return [g for _, g in parts[0]]
+    parts.sort(key=lambda part: part[0][0])
+    if all(a[-1][0] < b[0][0] for a, b in zip(parts, parts[1:])):
+        return [g for part in parts for _, g in part]
     return [g for _, g in sorted(itertools.chain.from_iterable(parts))]
 
 

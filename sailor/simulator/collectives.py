@@ -133,12 +133,10 @@ def _ring_phase(groups: list[Group], nbytes: float, net: NetworkModel, *, steps:
     the flows of one edge and of the `share` rings each in a process of its own)."""
     if nbytes <= 0:
         return 0.0
-    latency, stream = 0.0, 0.0
-    for za, ga, ta, zb, gb, tb, on_node in _edge_kinds(groups):
-        t = max(1, min(ta, tb))
-        latency = max(latency, net.hop_latency_s(za, ga, zb, gb, flows=t * share, same_node=on_node))
-        stream = max(stream, net.stream_time_s(za, ga, zb, gb, fraction * nbytes / t, flows=t * share,
-                                               same_node=on_node))
+    # the edges' latencies and routes, once per ring (`NetworkModel.ring_links`): a ring of many
+    # zones has as many edge kinds, over a few distinct routes
+    latency, links = net.ring_links(tuple(groups), lambda: _edge_kinds(groups), share)
+    stream = max((route.bytes_time(fraction * nbytes / t, t * share)[0] for route, t in links), default=0.0)
     finest = max(1, min(m.tp for m, _ in groups))  # the edge whose flows carry the most bytes each
     return steps * latency + stream / efficiency + net.collective.processing_s(fraction * nbytes / finest)
 
