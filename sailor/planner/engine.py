@@ -22,8 +22,7 @@ Per family:
   where no single zone can hold one; pipelines cut between nodes (`kinds.node_cut_variants`) are
   packed apart and also offered alone in node-filling counts (`_offer_node_groups`).
   Node keys take the larger of the bound and `prune.node_estimate` discounted by a margin
-  (`prune.node_keys`), each computed when its node comes up (`prune.NodeKeys`); on clusters of many
-  pools a forked child computes them from the last node on meanwhile (`aside`: the same keys).
+  (`prune.node_keys`), each computed when its node comes up (`prune.NodeKeys`).
 
 The work per family is polynomial: kinds are O(zones x GPU types x templates), a packing step is
 linear in the kinds of each pool (squared), and the number of bisection steps is fixed
@@ -44,14 +43,13 @@ import numpy as np
 from sailor.core.units import HOUR_S
 from sailor.plan.placement import node_blocks
 from sailor.planner import paper
-from sailor.planner.aside import keys_aside
 from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds, plan_signature
 from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanning_thetas
 from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, homogeneous_kinds, kind_optimizer_s, memory_mixed_kinds,
                                   option_table)
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.pack import Packer, count_vectors, node_unit, round_to_nodes
-from sailor.planner.prune import NodeKeys, boundary_floors, family_bound, node_keys, table_bound
+from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
 from sailor.planner.score import Candidate, Scorer
 from sailor.planner.space import Memory, candidate_partitions, mbs_candidates, memory_candidates, zero3_needed
 from sailor.simulator import SimContext, place, stage_sync, time_options
@@ -92,14 +90,6 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
         deadline: time.perf_counter() value after which the search stops with what it found.
     """
     exact_mode = ctx.cluster.total_gpus() <= EXACT_MAX_GPUS
-    # on large clusters a second core computes node keys from the last (`aside`): the same keys
-    with keys_aside(node_keys(ctx, opts, exact_mode), len(free_pools(ctx))) as nodes:
-        return _search(ctx, opts, nodes, exact_mode, progress, deadline)
-
-
-def _search(ctx: SimContext, opts: PlanOptions, nodes: NodeKeys, exact_mode: bool,
-            progress: Callable[[int, int], None] | None, deadline: float | None) -> Found:
-    """`search` with its nodes and their keys."""
     keep = Finalists(opts)
     found = keep.found
     job = ctx.job
@@ -107,6 +97,7 @@ def _search(ctx: SimContext, opts: PlanOptions, nodes: NodeKeys, exact_mode: boo
     total = P_max * len(mbs_candidates(job.global_batch_size, opts.max_mbs))
     if progress:
         progress(0, total)
+    nodes = node_keys(ctx, opts, exact_mode)
     # The published planner's space first (it is small): its best plan is the first incumbent and a
     # finalist of phase 3 whatever its rank, so it can never beat the result in the simulator.
     # (its best plan only: top_k 0, rescore 1)
