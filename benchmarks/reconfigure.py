@@ -29,8 +29,9 @@ two nodes (network namespaces) of a testbed through `sailor run --hosts` and the
 ssh: the built-in pair of `runtime_overhead.py --testbed` (nodes a and b, one rank each under one
 core's quota, zones us-central1-a and us-central1-b, a 400 Mbit/s cross-zone link) or a file's first
 two nodes (one rank each, `runtime_overhead.load_spec`). The trace offers both nodes' GPUs, then
-only the first node's after EVERY steps (node b's process leaves), then both again after 2 x EVERY
-(a fresh process starts on node b, the old plan training on, and gets its state over the link; the
+only the first node's after EVERY steps (node b's process sends its state and stays there as a
+spare), then both again after 2 x EVERY (node b's spare takes the new rank and gets its state over
+the link; the
 run trains TESTBED_STEPS steps, so that the grow happens before the end). The planner plans with this
 machine's quick profile (`sailor.runtime.machine.local_profiles`, one thread per rank as under the
 quota) named after the nodes' GPU types (`testbed.profile.retag`): with the catalog's roofline an
@@ -42,6 +43,8 @@ Prints a table, then one JSON line: `switches` (each with `total_s`, its phases 
 seconds in which no step ran: the total less the start phase), the means, and
 `survivors_restarted`: over all switches, the ranks present in both plans (GPUs kept) whose process
 id changed (measured: every rank reports its pid when it joins a plan; 0 when survivors stay alive).
+Each switch also gives `spares_used`: its new ranks handed to spares, processes already running
+(the shrink's leavers, `sailor.elastic.inplace`), which start nothing.
 
 `--large` measures instead one change of a 117.6 M-parameter model (inline: 8 blocks, hidden 1024,
 16 heads, FFN 4096, vocabulary 8192, untied; fp32 on CPU, global batch 2 of 32 tokens; 1.41 GB of
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"benchmark": "reconfigure", **where, "switch": "live" if live else "restart", "load_1min": _load(),
                       "switches": [{"reason": e["reason"], "to_processes": e["world_size"], "total_s": e["total_s"],
                                     "paused_s": e["paused_s"], "survivors": e["survivors"], "survivors_restarted": e["survivors_restarted"],
+                                    "spares_used": e.get("spares_used", 0),
                                     **e["phases_s"]} for e in switches],
                       "survivors_restarted": restarted, "mean_total_s": total, "mean_phases_s": mean,
                       "target_s": target, "target_met": met}))

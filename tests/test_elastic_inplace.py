@@ -67,6 +67,9 @@ def _options(tmp: Path, steps: int, *counts: tuple[float, int], every: int = 0) 
 
 @pytest.mark.integration
 def test_shrink_and_grow_in_place_keep_the_survivors_processes(tmp_path, reference_losses, monkeypatch):
+    """4 -> 2 -> 4 processes, live: the survivors keep their process, the shrink's leavers wait as
+    spares and take the grow's new ranks (same process ids), the losses are the reference's, no
+    process is left."""
     monkeypatch.setenv("SAILOR_IGNORE_TAGS", "1")
     steps = 16
     with own_processes() as alive:
@@ -86,6 +89,9 @@ def test_shrink_and_grow_in_place_keep_the_survivors_processes(tmp_path, referen
         assert set(e["phases_s"]) == {"replan_s", "start_s", "stop_s", "checkpoint_s", "rendezvous_s", "move_s",
                                       "first_step_s"}
         assert sum(e["phases_s"].values()) == pytest.approx(e["total_s"], abs=1e-6)
+    # the shrink's leavers stayed as spares: the grow hands them ranks 2 and 3, no process starts
+    assert [e["spares_used"] for e in finished] == [0, 2]
+    assert finished[1]["pids"] == finished[0]["pids_before"] and len(set(finished[1]["pids"].values())) == 4
     assert res.switches == 2 and res.crashes == 0 and res.steps_rolled_back == 0
     _check_losses(tmp_path / "m.jsonl", steps, reference_losses)
 

@@ -65,15 +65,23 @@ def test_nodes_go_to_the_machines_holding_the_most_processes(tmp_path):
         pool.place(_dp(4), {m(0), m(2)}, Counter())
 
 
-def test_survivors_keep_their_process_newcomers_start_on_their_machine_and_a_given_back_machine_leaves(tmp_path):
+def test_survivors_keep_their_process_newcomers_start_on_their_machine_and_leavers_stay_as_spares(tmp_path):
     """`inplace.on_machines` for a shrink 4 -> 2 (machine 0 keeps both its ranks, machine 1's two
-    processes leave), a grow 2 -> 4 (machine 0's processes stay ranks 0 and 1, two fresh processes
-    start on machine 1), and a change where a lost machine's ranks come back on a spare machine."""
+    processes stay there as spares; they leave only when machine 1 is lost), the grow back 2 -> 4
+    (machine 1's spares take ranks 2 and 3: no process starts), a grow 2 -> 4 without spares (two
+    fresh processes start on machine 1), and a change where a lost machine's ranks come back on a
+    spare machine."""
     from sailor.elastic.inplace import on_machines
 
     pool = _pool(tmp_path)
     four = {0: (0, m(0)), 1: (1, m(0)), 2: (2, m(1)), 3: (3, m(1))}
-    assert on_machines(pool, _dp(2), set(), four, [], 4) == ({0: 0, 1: 1}, [], [2, 3])
+    assert on_machines(pool, _dp(2), set(), four, [], 4) == ({0: 0, 1: 1}, [], [])
+    assert on_machines(pool, _dp(2), {m(1)}, four, [], 4) == ({0: 0, 1: 1}, [], [2, 3])
+    kept = {0: (0, m(0)), 1: (1, m(0))}
+    # the spares' machine holds more processes than machine 2: the second node goes there, to them in order
+    assert on_machines(pool, _dp(4), set(), kept, [(3, m(1)), (2, m(1))], 4) == ({0: 0, 1: 1, 3: 2, 2: 3}, [], [])
+    # one spare left on machine 1 (the other died, dropped): it takes rank 2, one fresh process rank 3
+    assert on_machines(pool, _dp(4), set(), kept, [(2, m(1))], 4) == ({0: 0, 1: 1, 2: 2, 4: 3}, [m(1)], [])
     two = {0: (0, m(0)), 1: (1, m(0))}
     assert on_machines(pool, _dp(4), set(), two, [], 4) == ({0: 0, 1: 1, 4: 2, 5: 3}, [m(1), m(1)], [])
     # machine 1 holds two processes: it gets the fuller node (ranks 0 and 1, taken in old-rank order)
@@ -83,6 +91,19 @@ def test_survivors_keep_their_process_newcomers_start_on_their_machine_and_a_giv
     assert on_machines(pool, _dp(4), set(), two, [(2, m(1))], 3) == ({0: 0, 1: 1, 2: 2, 3: 3}, [m(1)], [])
     # machine 1 lost: the plan's second node goes to machine 2, fresh
     assert on_machines(pool, _dp(4), {m(1)}, two, [], 4)[1] == [m(2), m(2)]
+
+
+def test_a_spare_that_exits_is_dropped_but_a_rank_or_a_leaver_mid_move_fails_the_run():
+    """`inplace.busy`: the processes whose exit fails the run. Processes 0..3; the latest epoch's ranks
+    are processes 0 and 1."""
+    from sailor.elastic.inplace import busy
+
+    latest = {0: 0, 1: 1}
+    assert busy(latest, {}, {}) == {0, 1}  # 2 and 3 are spares: their exit drops them
+    # a shrink 4 -> 2 under way (no step under the new plan yet): 2 and 3 may still send their state
+    assert busy(latest, {0: 0, 1: 1, 2: 2, 3: 3}, {}) == {0, 1, 2, 3}
+    # a grow prepared, not published: spare 3 was handed rank 2
+    assert busy(latest, {}, {0: 0, 1: 1, 3: 2}) == {0, 1, 3}
 
 
 def test_an_epoch_on_named_machines_says_where_each_group_meets(tmp_path):
@@ -255,8 +276,9 @@ def _on_the_testbed_pair(tmp_path: Path, steps: int, checkpoint_every: int, b_of
 @pytest.mark.skipif(PROBLEM is not None, reason=f"the testbed needs {PROBLEM}")
 def test_a_live_shrink_across_two_testbed_nodes(tmp_path, reference_losses, monkeypatch):
     """`_on_the_testbed_pair`, b's GPU taken away: the switch is live: rank 0 keeps its process on
-    node a, node b's process leaves; the losses equal the single-process reference within 1e-5,
-    each step once."""
+    node a, node b's process sends its state and stays there as a spare until the run ends (no
+    process left: `_on_the_testbed_pair`); the losses equal the single-process reference within
+    1e-5, each step once."""
     from test_elastic_inplace import _check_losses
 
     from sailor.runtime.launcher import ExitStatus
@@ -269,7 +291,7 @@ def test_a_live_shrink_across_two_testbed_nodes(tmp_path, reference_losses, monk
     assert [(e["world_size"], sorted(e["hosts"])) for e in launches] == [(2, sorted([a, b]))]
     (finished,) = [e for e in ev if e["event"] == "switch_finished"]
     assert (finished["reason"], finished["world_size"], finished["in_place"]) == ("lost GPUs", 1, True)
-    assert (finished["survivors"], finished["survivors_restarted"]) == (1, 0)
+    assert (finished["survivors"], finished["survivors_restarted"], finished["spares_used"]) == (1, 0, 0)
     assert res.switches == 1 and res.crashes == 0 and res.steps_rolled_back == 0
     _check_losses(tmp_path / "m.jsonl", steps, reference_losses)
 

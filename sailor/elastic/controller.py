@@ -33,7 +33,8 @@ kept trajectory has every step 1..N exactly once with the same samples as an uni
 
 Events (`--events`, one JSON line each, all with `time_s` since the controller started and
 `trace_time_s`): start, machines (with hosts), availability, plan, launch, decision, switch_started,
-switch_finished (seconds of each phase; a live switch's state bytes moved), crash (with hosts: the
+switch_finished (seconds of each phase; a live switch's state bytes moved and `spares_used`, its new
+ranks handed to spares; `pids_before` and `pids`, rank -> process id under each plan), crash (with hosts: the
 machines), rollback, checkpoint_skipped, waiting, start_timeout, done / stopped / killed / failed.
 
 This module never imports torch: the runtime runs in other processes.
@@ -116,6 +117,8 @@ class Switch:
     """A live switch's epoch published (its new processes ready)."""
     pids_before: dict[int, int] = field(default_factory=dict)
     """Rank -> process id under the plan switched from."""
+    spares_used: int = 0
+    """A live switch's new ranks handed to spares, processes already running (`inplace`)."""
     moved: dict[str, int] = field(default_factory=dict)
     """A live switch's state bytes sent between processes, kept in place, read from the checkpoint
     (the move group's "started" event: sent_bytes, local_bytes, checkpoint_bytes)."""
@@ -355,7 +358,7 @@ class Controller:
                     setattr(sw, kind, t)
                     sw.moved = {k: v for k, v in ev.items() if k.endswith("_bytes")} or sw.moved
             elif sw is not None and kind == "switch_published":
-                sw.published = t
+                sw.published, sw.spares_used = t, ev.get("spares_used", 0)
             elif sw is not None and kind == "stopped":
                 sw.stopped = t
                 if sw.in_place:  # the same processes go on: what follows is the new plan's
@@ -374,7 +377,8 @@ class Controller:
         restarted = kept - len(set(sw.pids_before.values()) & set(self.pids.values()))
         self.log.emit("switch_finished", reason=sw.reason, total_s=total, phases_s=phases,
                       world_size=self.current.plan.world_size, step=self.result.steps, in_place=sw.in_place,
-                      survivors=kept, survivors_restarted=restarted, **sw.moved)
+                      survivors=kept, survivors_restarted=restarted, spares_used=sw.spares_used,
+                      pids_before=sw.pids_before, pids=self.pids, **sw.moved)
         self.switch = None
         if self.changed and isinstance(self.running, InPlaceRun):
             self.changed = False

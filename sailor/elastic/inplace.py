@@ -23,13 +23,19 @@ dies) on the machine of its rank's node (`HostPool.place`: the machines that hol
 in a device slot of that machine (`epochs.SLOT_ENV`), and the epoch files carry each process's host
 (its groups meet on rank 0's machine). A process belongs to its machine: the ranks of a machine's
 node go to the processes on that machine (keeping their rank where they can), a machine without one
-gets fresh processes (the switch is published once they are ready), and the processes of a
-machine the new plan does not use leave once they have sent their state (exit; the machine is given
-back). No spares are started there; the control folder lives in the shared `control/` folder and is
-removed when the pool ends. A process there gets its environment in its command (`remote_env`: ssh
+gets fresh processes (the switch is published once they are ready). A process of a machine the new
+plan does not use stays there as a spare once it has sent its state (in its device slot, its state
+dropped: `runtime.inplace`), so that a later grow onto that machine hands it a rank instead of
+starting a process; only the processes of a lost machine (`lost`) leave (exit). No fresh spares are
+started there; the control folder lives in the shared `control/` folder and is removed when the pool
+ends. A process there gets its environment in its command (`remote_env`: ssh
 forwards none). `nodes` (`remote.NodeLaunch`, one "node" per process: its command,
 host and machine, and each rank's machine in the latest epoch; it grows as processes start) tells the controller which machines
 to leave out after a failure (`controller._failed_machines`).
+
+A spare (a process with no rank in the latest epoch, none in a switch under way: `busy`) that
+exits, whatever its status (killed, its machine lost), is dropped from the pool and fails nothing;
+a later switch starts a fresh process where it needs one.
 
 The run ends (`result`, a `launcher.TrainResult`) when every rank of the latest epoch has exited:
 DONE after the "done" event, STOPPED after a stop that was not a switch, FAILED when a process exited
@@ -42,7 +48,9 @@ periodic one (`sailor.runtime.inplace`, "Failure").
 
 No process outlives the pool: every process is started from the pool's thread with
 PR_SET_PDEATHSIG (`core.process.die_with_parent`), and the pool kills every session it started on
-every exit path. This module never imports torch.
+every exit path, the spares included: a spare never outlives its run. After a failure the
+controller ends the pool (spares too) and starts a new one from the checkpoint; `--restart` has no
+pool. This module never imports torch.
 """
 
 from __future__ import annotations
@@ -87,13 +95,14 @@ MODULE = "sailor.runtime.inplace"
 @dataclass(frozen=True)
 class _PendingSwitch:
     """A switch prepared (`InPlaceRun._prepare_switch`) and not published yet: its plan file, process
-    id -> rank, the processes that leave, and the processes started for it (published once all are
-    past their imports)."""
+    id -> rank, the processes that leave, the processes started for it (published once all are past
+    their imports), and how many of its ranks went to spares already running."""
 
     plan_file: str
     ranks: dict[int, int]
     leave: list[int]
     started: set[int]
+    spares_used: int = 0
 
 
 @dataclass
@@ -143,7 +152,8 @@ def on_machines(pool: HostPool, plan: Plan, lost: set[Machine], old: dict[int, t
     machine) of the other live processes, in order of preference. The plan's nodes go where
     `HostPool.place` puts them (the machines holding the most of these processes first, none of
     `lost`); a machine gets as many new processes as its node has ranks beyond the processes it
-    holds; the processes of a machine no node uses leave.
+    holds (its spares first); the processes of a machine no node uses stay as spares, those of a
+    lost machine leave.
     """
     at = {p: m for p, (_, m) in old.items()} | dict(spares)
     placed = pool.place(plan, lost, collections.Counter(at.values()))
@@ -153,7 +163,15 @@ def on_machines(pool: HostPool, plan: Plan, lost: set[Machine], old: dict[int, t
         new += [m] * max(0, n - sum(1 for x in at.values() if x == m))
     fresh = list(enumerate(new, start=next_id))
     ranks = match(old, [(i.rank, placed[i.node]) for i in layout], [*spares, *fresh])
-    return ranks, new, [p for p, m in at.items() if m not in placed.values()]
+    return ranks, new, [p for p, m in at.items() if m in lost]
+
+
+def busy(ranks: dict[int, int], moving_from: dict[int, int], pending: dict[int, int]) -> set[int]:
+    """The pool processes whose exit fails the run: the ranks of the latest epoch (`ranks`), those of
+    the epoch a switch is moving from until its first step (`moving_from`: a leaver may still send
+    state), and those a prepared switch assigned (`pending`). Any other process is a spare, dropped
+    when it exits (module docstring). Arguments map process id -> rank."""
+    return set(ranks) | set(moving_from) | set(pending)
 
 
 def remote_env(slot: int, environ: dict[str, str]) -> dict[str, str]:
@@ -228,6 +246,8 @@ class InPlaceRun(RunHandle):
         self._ended: list[str] = []  # "done" / "stopped" events that ended the run
         self._switching = 0  # switches published whose old ranks have not stopped yet
         self._refill = False  # start spares after the next step
+        self._moving_from: dict[int, int] = {}  # the last switch's old ranks, until its first step
+        self._dropped: set[int] = set()  # spares that exited
         self._exits: list[tuple[int, int]] = []  # (process id, exit status) in the order seen
         self._records: list[dict[str, Any]] = []
         self._ready: set[int] = set()  # processes past their imports ("ready" events)
@@ -357,13 +377,16 @@ class InPlaceRun(RunHandle):
                 spares += self._add(need)
             ranks = assign(self.plan_file, self.ranks, plan_file, spares)
         self._start()
-        self._pending = _PendingSwitch(plan_file, ranks, leave, set(range(before, len(self._procs))))
+        self._pending = _PendingSwitch(plan_file, ranks, leave, set(range(before, len(self._procs))),
+                                       sum(1 for p in ranks if p in spares and p < before))
 
     def _publish_switch(self, pending: _PendingSwitch) -> None:
         """Publish the prepared switch (`_prepare_switch`): the next epoch, then the old ranks' stop request."""
         plan_file, ranks, leave = pending.plan_file, pending.ranks, pending.leave
-        self.events.put((time.monotonic(), {"event": "switch_published", "epoch": self.epoch + 1}))
+        self.events.put((time.monotonic(), {"event": "switch_published", "epoch": self.epoch + 1,
+                                            "spares_used": pending.spares_used}))
         old_plan, old_ranks = self.plan_file, dict(self.ranks)
+        self._moving_from = old_ranks
         self.plan_file, k = plan_file, self.epoch + 1
         self._set_ranks(ranks)
         epochs.publish(self.control, epochs.Epoch(k, self._argv(k, resume=False), ranks, old_plan, old_ranks,
@@ -401,22 +424,29 @@ class InPlaceRun(RunHandle):
             if ready:
                 self._publish_switch(self._pending)
                 self._pending = None
+            working = busy(self.ranks, self._moving_from, self._pending.ranks if self._pending else {})
             for pid, proc in self._procs.items():
                 code = proc.popen.poll()
-                if code is not None and all(pid != p for p, _ in self._exits):
-                    self._exits.append((pid, code))
-                    if code and failed_at is None:
-                        failed_at = time.monotonic()
+                if code is None or pid in self._dropped or any(pid == p for p, _ in self._exits):
+                    continue
+                if pid not in working:
+                    self._dropped.add(pid)  # a spare: gone from the pool, nothing lost
+                    continue
+                self._exits.append((pid, code))
+                if code and failed_at is None:
+                    failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > FAIL_GRACE_S:
                 break
             if failed_at is None and not self._switching and self._requests.empty() \
                     and all(not self._procs[p].alive() for p in self.ranks):
                 break  # every rank of the latest epoch has exited cleanly
-            if self._refill and self._saw_step_since_switch():
-                self._refill = False
-                alive = sum(1 for p in self._procs.values() if p.alive())
-                self._add(max(0, self.processes - alive))
-                self._start()
+            if self._moving_from and not self._switching and self._saw_step_since_switch():
+                self._moving_from = {}  # the switch is over: its leavers are spares now
+                if self._refill:
+                    self._refill = False
+                    alive = sum(1 for p in self._procs.values() if p.alive())
+                    self._add(max(0, self.processes - alive))
+                    self._start()
             time.sleep(0.02)
         self._finish(failed_at is not None)
 

@@ -4,8 +4,9 @@ without exiting, following the epoch files of the control folder (`runtime.epoch
 
 A process waits for epoch EPOCH, then for each epoch in turn:
 - no rank in it: a spare waits for the next epoch; a process that was a rank sends its state
-  (below), drops it and waits as a spare; either exits instead when the epoch says it leaves (its
-  machine is given back);
+  (below), drops it (`drop_state`) and waits as a spare, in its device slot, for a later epoch that
+  gives it a rank (it then joins as a newcomer does, past its imports already); either exits instead
+  when the epoch says it leaves (its machine is lost);
 - a fresh epoch ("old" null): it forms the default group (the epoch's "train" store), builds its stage
   from the checkpoint of its settings' --resume-from (or the initial weights) as `worker._train`
   does, and trains (`worker.run_steps`);
@@ -163,8 +164,10 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live],
     if live is not None:
         dist.destroy_process_group()  # every group of the last epoch
     world, rp = moves.pop(e.number, None) or move_group(e, plan, job, device)
-    if proc not in world:
-        return None  # a leaver whose pieces others hold
+    if proc not in world:  # a leaver whose pieces others hold
+        live = None
+        drop_state(device)
+        return None
     me = world.index(proc)
     init_world(args, job, device, init_method=epochs.init_method(control, e, "move", world[0]), rank=me,
                world_size=len(world))
@@ -190,6 +193,7 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live],
     gc.collect()  # (the stage's hooks and the optimizer refer to each other)
     if state is None:
         dist.destroy_process_group()
+        drop_state(device)
         return None
     if len(world) != plan.world_size:  # leavers took part: the new ranks form a world of their own
         dist.destroy_process_group()
@@ -207,6 +211,17 @@ def switch(control: Path, e: epochs.Epoch, proc: int, held: list[Live],
             reader.close()
     return Live(args, plan, job, topo, groups, rk, device, start=start, saved_at=saved_at,
                 scaler_state=scaler_state, record=record)
+
+
+def drop_state(device: torch.device) -> None:
+    """Free what a process that left the plan held (a spare's): its stage, optimizer and groups are
+    unreferenced by then; the collection frees their reference cycles (the stage's hooks and the
+    optimizer refer to each other) and, on CUDA, the caching allocator gives its blocks back to the
+    device. The CUDA context itself stays (a few hundred MB of device memory): a spare keeps its
+    device for the rank it may be handed."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def warm_up() -> None:
@@ -230,7 +245,7 @@ def serve(control: Path, proc: int, first_epoch: int) -> None:
         rank = e.ranks.get(proc)
         if rank is None and proc not in (e.old_ranks or {}):
             if proc in e.leave:
-                return  # a spare on a machine given back
+                return  # a spare on a lost machine
             k += 1  # a spare: not needed yet
             continue
         if rank is not None:
