@@ -164,6 +164,20 @@ def _ended(nodes, events=(), failed=(), first=None, killed=""):
     return SimpleNamespace(nodes=launch, result=result, killed=killed)
 
 
+def test_a_rank_that_exits_without_an_error_is_named_with_its_process_last_line():
+    """A live pool's rank 0 on a host ssh cannot resolve exits 255 without an error event: the
+    message names the rank and carries ssh's own line (it said only "rank 0 exited with status 255")."""
+    from sailor.runtime.launcher import TrainResult, finish_result
+
+    ssh = "process 0 on nc.invalid exited with status 255: ssh: Could not resolve hostname nc.invalid"
+    res = TrainResult(status=None, message="", failed=[("0", "255")], process_failure=ssh)
+    assert finish_result(res, 255, 0, "").message == f"training failed (rank 0 exited with status 255: {ssh});" \
+                                                       " all ranks stopped"
+    # aborted (no process of its own failed): the rank alone
+    res = TrainResult(status=None, message="", failed=[("0", "255")], process_failure="aborted")
+    assert finish_result(res, 255, 0, "").message == "training failed (rank 0 exited with status 255); all ranks stopped"
+
+
 def test_a_failure_on_the_live_path_leaves_out_the_machine_that_failed():
     """`controller._failed_machines` for a live pool (one "node" per process, ranks of the latest
     epoch): 2 processes, 0 on machine 0 (rank 0), 1 on machine 1."""

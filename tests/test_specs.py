@@ -113,6 +113,12 @@ def test_local_cluster():
     ("zones: {us-central1-a: {A100-40: 8}}\nnetwork: {same_zone: {latency_s: 0, bandwidth_bytes_per_s: 0}}",
      r"network\.same_zone\.bandwidth_bytes_per_s: Input should be greater than or equal to 1"),
     ("zones: [a, b]", r"zones: Input should be a valid dictionary"),
+    # a per-zone price: the union's mapping member names the GPU type, not "should be a valid number"
+    ("zones: {us-central1-a: {A100-40: 8}}\nprices: {us-central1-a: {A100-40: -1}}",
+     r"prices\.us-central1-a\.A100-40: Input should be greater than or equal to 0 \(got -1\)$"),
+    ("zones: {us-central1-a: {A100-40: 8}}\nprices: {us-central1-a: {A100-40: x}}",
+     r"prices\.us-central1-a\.A100-40: Input should be a valid number \(got 'x'\)$"),
+    ("zones: {us-central1-a: {A100-40: 8}}\nprices: {A100-40: cheap}", r"prices\.A100-40: Input should be a valid number \(got 'cheap'\)$"),
 ])
 def test_bad_cluster_names_file_and_field(tmp_path, text, match):
     p = tmp_path / "cluster.yaml"

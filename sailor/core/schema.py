@@ -132,11 +132,27 @@ _PYDANTIC_TAG = re.compile(r"^(constrained-)?(float|int|str|bool|none|dict|list|
 
 
 
+def _field(error: dict) -> str | None:
+    """The dotted field a pydantic error is at, without the names of union members' validators."""
+    return ".".join(str(p) for p in error.get("loc", ()) if not _PYDANTIC_TAG.match(str(p))) or None
+
+
+
 def validation_error(err: ValidationError, source: str | None) -> SailorInputError:
     """The first problem of a pydantic ValidationError as one SailorInputError line (a SailorInputError
-    raised inside a validator keeps its own message and field, under the field pydantic was at)."""
-    first = err.errors()[0]
-    field = ".".join(str(p) for p in first.get("loc", ()) if not _PYDANTIC_TAG.match(str(p))) or None
+    raised inside a validator keeps its own message and field, under the field pydantic was at).
+
+    A union field reports one error per member; of those at the first error's field, the one that
+    got deepest names the problem (`prices: {zone: {gpu: -1}}`: the mapping member's
+    `prices.zone.gpu`, not the number member's "should be a valid number")."""
+    errors = err.errors()
+    field = _field(errors[0])
+    if field:
+        members = [e for e in errors if _field(e) == field or (_field(e) or "").startswith(field + ".")]
+        first = max(members, key=lambda e: _field(e).count("."))  # the earliest of the deepest
+        field = _field(first)
+    else:
+        first = errors[0]
     inner = (first.get("ctx") or {}).get("error")
     if isinstance(inner, SailorInputError):
         return inner.located(source=source, field_prefix=field)

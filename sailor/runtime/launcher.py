@@ -469,7 +469,8 @@ def finish_result(result: TrainResult, returncode: int, signals: int, stderr_tai
     else:
         result.status = ExitStatus.FAILED
         result.failed = result.failed or failed_ranks(stderr_tail)
-        why = _first_failure(errors, result.failed) or result.process_failure or f"exit status {returncode}"
+        why = _first_failure(errors, result.failed, result.process_failure) or result.process_failure \
+            or f"exit status {returncode}"
         if len(why) > 300:
             why = why[:297] + "..."
         result.message = f"training failed ({why}); all ranks stopped"
@@ -501,18 +502,22 @@ def _refused_input(errors: list[dict[str, Any]]) -> str | None:
     return f"rank {own[0]['rank']}: {own[0]['error'][len(prefix):]}" if own else None
 
 
-def _first_failure(errors: list[dict[str, Any]], failures: list[tuple[str, str]]) -> str | None:
+def _first_failure(errors: list[dict[str, Any]], failures: list[tuple[str, str]],
+                   process_failure: str = "") -> str | None:
     """The most likely cause: a rank's own error; else a rank that died without one (not one torchrun
-    stopped with SIGTERM); else an error of a rank that only lost contact with a peer. A failed
-    process without a rank (rank "": a live pool's process started for a switch not yet published)
-    is left to the caller's `process_failure`, which names its host."""
+    stopped with SIGTERM), followed by `process_failure` (the first failed process's last line: ssh's
+    "Could not resolve hostname" for a live pool's rank on an unreachable host); else an error of a
+    rank that only lost contact with a peer. A failed process without a rank (rank "": a live pool's
+    process started for a switch not yet published) is left to the caller's `process_failure`, which
+    names its host."""
     own = [e for e in errors if not e.get("peer_lost")]
     if own:
         return f"rank {own[0]['rank']} failed: {own[0]['error']}"
     reported = {str(e["rank"]) for e in errors}
     silent = [(r, c) for r, c in failures if r and r not in reported and c != "-15"]
     if silent:
-        return f"rank {silent[0][0]} exited with status {silent[0][1]}"
+        why = f"rank {silent[0][0]} exited with status {silent[0][1]}"
+        return f"{why}: {process_failure}" if process_failure and process_failure != "aborted" else why
     if errors:
         return f"rank {errors[0]['rank']} failed: {errors[0]['error']}"
     return None
