@@ -232,6 +232,29 @@ def test_the_start_timeout_covers_a_launch_and_a_live_switchs_new_processes():
     assert _starting_since(run, Switch("gain", began=9.0, stop_requested=10.0)) is None
 
 
+def test_a_switch_still_under_way_when_the_job_ends_is_reported_interrupted():
+    """`Controller._finish`: the job's last step came before a live switch's first step; the switch
+    ends with an interrupted `switch_finished` before the final event, and a run without one gets
+    none."""
+    from types import SimpleNamespace
+
+    from sailor.elastic.controller import Controller, Switch
+    from sailor.elastic.events import EventLog
+    from sailor.elastic.options import ExitStatus, RunResult
+
+    clock = SimpleNamespace(wall_s=lambda: 1.0, trace_s=lambda: 2.0)
+    for switch, expected in ((Switch("lost GPUs", began=1.0, in_place=True), ["switch_finished", "done"]),
+                             (None, ["done"])):
+        me = SimpleNamespace(switch=switch, log=EventLog(None, clock),
+                             result=RunResult(ExitStatus.FAILED, "", steps=60, switches=1))
+        me._interrupt_switch = lambda me=me: Controller._interrupt_switch(me)
+        assert Controller._finish(me, ExitStatus.DONE, "done: 60 steps") is True
+        assert [r["event"] for r in me.log.records] == expected
+        assert me.switch is None and me.result.status is ExitStatus.DONE and me.result.switches == 1
+        if switch is not None:
+            assert me.log.records[0]["interrupted"] is True and me.log.records[0]["reason"] == "lost GPUs"
+
+
 def test_the_testbed_puts_a_pool_process_under_its_slots_quota():
     from sailor.testbed.cgroups import rank_slot
 

@@ -394,8 +394,7 @@ class Controller:
         if self.switch is not None and self.switch.launched is None:
             return  # a stop is already under way: the relaunch plans for the newest availability
         if self.switch is not None:  # relaunched, but no step yet: this switch's timing ends here
-            self.log.emit("switch_finished", reason=self.switch.reason, interrupted=True)
-            self.switch = None
+            self._interrupt_switch()
         planned = self._plan(zones)
         lost = lost_gpus(self.current.plan.gpu_usage(), zones)
         if planned is None:
@@ -479,8 +478,7 @@ class Controller:
                 if 0 <= r < len(layout):
                     self.avail.lost[(layout[r].zone, layout[r].gpu)] += 1
         self.result.crashes += 1
-        if self.switch is not None:  # a switch under way ends with the crash
-            self.log.emit("switch_finished", reason=self.switch.reason, interrupted=True)
+        self._interrupt_switch()  # a switch under way ends with the crash
         where = {"hosts": sorted(self.o.hosts.host(m) for m in machines)} if self.o.hosts else {}
         self.log.emit("crash", ranks=sorted(dead), message=message, last_step=self.result.steps,
                       since_last_step_s=now - self.last_step_at if self.step_times else None, **where)
@@ -493,7 +491,17 @@ class Controller:
         self.switch.exited = now
         return None
 
+    def _interrupt_switch(self) -> None:
+        """End the switch under way, if any, without a first step under its plan: its
+        `switch_finished` event says `interrupted` (and has no phases)."""
+        if self.switch is not None:
+            self.log.emit("switch_finished", reason=self.switch.reason, interrupted=True)
+            self.switch = None
+
     def _finish(self, status: ExitStatus, message: str) -> bool:
+        """End the run with `status`: a switch still under way (the job's last step came first, a stop,
+        a failure) ends interrupted, then the final event. Returns True (the loop's "ended")."""
+        self._interrupt_switch()
         self.result.status, self.result.message = status, message
         name = {ExitStatus.DONE: "done", ExitStatus.STOPPED: "stopped", ExitStatus.KILLED: "killed"}.get(status, "failed")
         self.log.emit(name, message=message, steps=self.result.steps, switches=self.result.switches,
