@@ -63,7 +63,6 @@ def test_time_gpus_form_maps_onto_the_clusters_one_pair(tmp_path):
     ("t.json", "[{\"time_s\": 0, \"zone\": \"local\"", "invalid JSON at line 1"),
     ("t.json", "[]", "non-empty list"),
     ("t.json", _events((3, 4), (1, 2)), "time goes backwards"),
-    ("t.json", _events((0, 4), (0, 2)), "two counts"),
     ("t.json", _events((0, -1)), "whole number >= 0"),
     ("t.json", '[{"time_s": 0, "zone": "mars", "gpu": "cpu", "count": 1}]', "unknown local zone 'mars'"),
     ("t.json", '[{"time_s": 0, "zone": "local", "gpu": "tpu9", "count": 1}]', "unknown GPU type 'tpu9'"),
@@ -76,6 +75,44 @@ def test_bad_traces_raise_one_clear_error(tmp_path, name, text, match):
     with pytest.raises(SailorInputError, match=match) as e:
         load_trace(_write(tmp_path, name, text), LOCAL)
     assert "\n" not in str(e.value) and name in str(e.value)
+
+
+A100_LOCAL = ("no list price for GPU type 'A100-40' at provider 'local' in zone 'local' (give one in the cluster spec"
+              " under prices)")
+
+
+@pytest.mark.parametrize("name,text,line", [
+    # two counts for one (zone, GPU type) at one time: the second entry, with the first's
+    ("t.json", _events((0, 4), (5, 2), (5, 3)),
+     "[2]: a second count for cpu in local at 5 s: 3 here, 2 at [1] (give one count per zone and GPU type at"
+     " each time)"),
+    ("t.csv", "Timestamp,cpu_local\n100,4\n\n100,2\n",
+     "line 4.cpu_local: a second count for cpu in local at 0 s: 2 here, 4 at line 2.cpu_local (give one"
+     " count per zone and GPU type at each time)"),
+    ("t.json", '[{"Time": 0, "GPUs": 4}, {"Time": 0, "GPUs": 3}]',
+     "[1]: a second count for cpu in local at 0 s: 3 here, 4 at [0] (give one count per zone and GPU type"
+     " at each time)"),
+    ("t.csv", "Timestamp,cpu_local,H100-PCIe_local,H100-PCIE_local\n0,4,0,0\n",  # an alias: the same pair
+     "header.H100-PCIE_local: a second column for H100-PCIe in local (the first: column 3, 'H100-PCIe_local')"
+     " (keep one column per GPU type and zone)"),
+    # a (zone, GPU type) offered without a price: the first entry offering it
+    ("t.json", json.dumps([{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 4},
+                           {"time_s": 0, "zone": "local", "gpu": "A100-40", "count": 0},
+                           {"time_s": 7, "zone": "local", "gpu": "A100-40", "count": 2}]),
+     f"[2]: offered at 7 s, but {A100_LOCAL}"),
+    ("t.csv", "Timestamp,cpu_local,A100-40_local\n10,4,0\n19.5,4,1\n",
+     f"line 3.A100-40_local: offered at 9.5 s, but {A100_LOCAL}"),
+])
+def test_trace_errors_name_the_entry(tmp_path, name, text, line):
+    with pytest.raises(SailorInputError) as e:
+        load_trace(_write(tmp_path, name, text), LOCAL)
+    assert str(e.value) == f"{tmp_path / name}: {line}"
+
+
+def test_a_pair_never_offered_needs_no_price(tmp_path):
+    # A100-40 has no price on provider local; a count of 0 offers nothing, so nothing is priced
+    tr = load_trace(_write(tmp_path, "t.csv", "Timestamp,cpu_local,A100-40_local\n0,4,0\n5,2,0\n"), LOCAL)
+    assert [s.zones for s in tr.snapshots] == [{"local": {"cpu": 4, "A100-40": 0}}, {"local": {"cpu": 2, "A100-40": 0}}]
 
 
 def test_missing_trace_file(tmp_path):
@@ -93,7 +130,7 @@ def test_cli_bad_trace_exits_2_with_one_line(tmp_path):
                             "--availability", str(trace)], capture_output=True, text=True, timeout=60)
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
-        assert len(lines) == 1 and "t.csv" in lines[0] and "A100-40 in local" in lines[0], p.stderr
+        assert lines == [f"error: {trace}: line 2.A100-40_local: offered at 0 s, but {A100_LOCAL}"], p.stderr
 
 
 @pytest.mark.integration
