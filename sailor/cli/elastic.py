@@ -84,7 +84,6 @@ def run(
     (SIGTERM/SIGINT) after a checkpoint; 130 killed by a second interrupt.
     """
     require_torch("run")
-    from sailor.elastic.availability import load_trace
     from sailor.elastic.events import ClockKind
     from sailor.elastic.options import RunOptions, check_run
     from sailor.elastic.controller import run as run_elastic
@@ -92,7 +91,6 @@ def run(
     from sailor.runtime.command import checkpoint_every_for, steps_for
     from sailor.runtime.hf_weights import check_init_from
     from sailor.runtime.launcher import check_training_data
-    from sailor.specs import load_cluster, load_job
 
     if in_place and restart:  # (one typer flag pair would let the last of them win silently)
         raise SailorInputError("given with --restart; a switch runs either live or by restarting", source="--in-place",
@@ -106,10 +104,9 @@ def run(
         check_output_path(value, option, folder=folder, inputs={"--job": job, "--cluster": cluster,
                                                                 "--availability": availability, "--hosts": hosts})
     check_distinct_outputs({"--checkpoint-dir": checkpoint_dir, "--metrics": metrics, "--events": events})
-    job_spec, cluster_spec = load_job(job), load_cluster(cluster)
+    job_spec, cluster_spec, trace = load_inputs(job, cluster, availability)
     steps = steps_for(job_spec, steps, fallback=100)
     checkpoint_every = checkpoint_every_for(job_spec, checkpoint_every)
-    trace = load_trace(availability, cluster_spec)
     if not hosts and (python is not None or rdzv_port is not None):
         raise SailorInputError("only with --hosts (they start the hosts' processes)",
                                source="--python" if python is not None else "--rdzv-port",
@@ -167,12 +164,10 @@ def replay(
     """Simulate a whole elastic run over an availability trace, without training. With --switch live a
     switch is priced as `sailor run` with the same --checkpoint-every would switch (a checkpoint
     written at the switch only with 0)."""
-    from sailor.elastic.availability import load_trace
     from sailor.elastic.replay import Policy, plot
     from sailor.elastic.replay import replay as replay_run
     from sailor.elastic.switch_cost import LiveSwitchModel
     from sailor.runtime.command import checkpoint_every_for
-    from sailor.specs import load_cluster, load_job
 
     pol = choice(Policy, policy, "--policy", "policy")
     if switch not in ("restart", "live"):
@@ -184,8 +179,7 @@ def replay(
     check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"),
                       inputs={"--job": job, "--cluster": cluster, "--availability": availability,
                               "--profiles": profiles, "--network": network})
-    job_spec, cluster_spec = load_job(job), load_cluster(cluster)
-    trace = load_trace(availability, cluster_spec)
+    job_spec, cluster_spec, trace = load_inputs(job, cluster, availability)
     prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
     result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=prof,
                         network_path=str(network) if network else None, duration_s=duration_s,
@@ -197,6 +191,22 @@ def replay(
         print(json.dumps(result.to_dict()))
         return
     _print_replay(result)
+
+
+def load_inputs(job: Path, cluster: Path, availability: Path):
+    """The job, the cluster and the availability trace of `sailor run` and `replay`: the trace
+    replaces the cluster's zones, so the cluster's zone links and per-zone prices must name what the
+    trace offers (`ClusterSpec.check_offered`). Returns (JobSpec, ClusterSpec, Trace)."""
+    from sailor.elastic.availability import load_trace
+    from sailor.specs import load_cluster, load_job
+
+    job_spec, cluster_spec = load_job(job), load_cluster(cluster, zones_from_trace=True)
+    trace = load_trace(availability, cluster_spec)
+    try:
+        cluster_spec.check_offered(trace.peak_zones(), by=f"the trace {trace.source}")
+    except SailorInputError as e:
+        raise e.located(source=str(cluster)) from None
+    return job_spec, cluster_spec, trace
 
 
 def trace_profiles(job_spec, cluster_spec, trace, profiles: Optional[Path], *, job_source: str):
