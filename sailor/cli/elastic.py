@@ -19,7 +19,7 @@ from rich.console import Console
 from sailor.cli.app import app
 from sailor.cli.common import (METRICS_HELP, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt, ProfilesOpt, SeedOpt,
                                check_number, choice, console, machine_profiles, require_torch, say_notes_now)
-from sailor.core.errors import SailorInputError
+from sailor.core.errors import SailorInputError, counted
 from sailor.core.fileio import check_distinct_outputs, check_output_path
 from sailor.core.limits import MAX_SECONDS, MAX_TRACE_TIME_S
 
@@ -135,9 +135,9 @@ def run(
     if result.status == 2:  # a rank refused its input (ExitStatus.BAD_INPUT): its one line
         print(f"error: {result.message}", file=sys.stderr)
         raise typer.Exit(code=2)
-    summary = (f"{result.message} ({_count(result.switches, 'switch', 'switches')},"
-               f" {_count(result.crashes, 'crash', 'crashes')},"
-               f" {_count(result.steps_rolled_back, 'step', 'steps')} rolled back)")
+    summary = (f"{result.message} ({counted(result.switches, 'switch', 'switches')},"
+               f" {counted(result.crashes, 'crash', 'crashes')},"
+               f" {counted(result.steps_rolled_back, 'step')} rolled back)")
     err.print(summary, markup=False, highlight=False)
     raise typer.Exit(code=int(result.status))
 
@@ -226,21 +226,17 @@ def _say(err, ev: dict) -> None:
     """One line on stderr for the events a user watches (all are in --events)."""
     kind, on = ev["event"], f" on {', '.join(ev['hosts'])}" if ev.get("hosts") else ""
     line = {
-        "launch": lambda: f"launch: {ev['world_size']} ranks from step {ev['resume_step']}{on}",
+        "launch": lambda: f"launch: {counted(ev['world_size'], 'rank')} from step {ev['resume_step']}{on}",
         "switch_started": lambda: f"switch ({ev['reason']}) after step {ev['step']}",
         "switch_finished": lambda: None if ev.get("interrupted") else f"switched in {ev['total_s']:.1f} s",
         "crash": lambda: f"crash: {ev['message']}" + (f"; left out: {', '.join(ev['hosts'])}" if ev.get("hosts") else ""),
-        "rollback": lambda: f"rolled back {ev['steps']} steps to step {ev['to_step']}",
+        "rollback": lambda: f"rolled back {counted(ev['steps'], 'step')} to step {ev['to_step']}",
         "start_timeout": lambda: ev["message"],
         "checkpoint_skipped": lambda: ev["reason"],
         "waiting": lambda: f"no plan fits: waiting for trace time {ev['until_trace_time_s']:g} s",
     }.get(kind, lambda: None)()
     if line:
         err.print(line, markup=False, highlight=False)
-
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
 
 
 def _print_replay(result) -> None:
