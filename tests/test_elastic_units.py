@@ -204,3 +204,38 @@ def test_replanner_cache_is_keyed_on_every_input():
     assert not other.plan({"local": {"cpu": 4}}).cached
     assert rp.score(a.plan, {"local": {"cpu": 2}}) is None  # a plan on 4 does not fit on 2
     assert rp.score(c.plan, {"local": {"cpu": 4}}) is not None
+
+
+def test_an_events_file_holding_events_is_not_appended_to_unasked(tmp_path):
+    # a second run's events went after the first's, in one file, without a word
+    from sailor.elastic.options import RunOptions, check_run
+
+    trace = load_trace(_write(tmp_path, "t.json", _events((0, 2))), LOCAL)
+    events = tmp_path / "e.jsonl"
+    check_run(RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=LOCAL, trace=trace,
+                         events=str(events)))  # no file yet
+    events.write_text("")
+    opts = RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=LOCAL, trace=trace, events=str(events))
+    check_run(opts)  # an empty file holds nothing to mix with
+    events.write_text('{"event": "start"}\n')
+    with pytest.raises(SailorInputError) as e:
+        check_run(opts)
+    assert str(e.value) == (f"--events: {events} holds events already (an earlier run's?); this run's would be mixed"
+                            " into them (name a new file, or pass --append-events to add this run's after them)")
+    check_run(RunOptions(**{**opts.__dict__, "append_events": True}))  # asked for
+    with pytest.raises(SailorInputError, match="^--append-events: only with --events"):
+        check_run(RunOptions(**{**opts.__dict__, "events": None, "append_events": True}))
+
+
+def test_the_lines_a_user_watches_take_the_number_of_their_count(capsys):
+    # "launch: 1 ranks from step 0" was printed for a one-GPU plan
+    from rich.console import Console
+
+    from sailor.cli.elastic import _say
+
+    err = Console(stderr=True, soft_wrap=True)
+    for ev in ({"event": "launch", "world_size": 1, "resume_step": 0}, {"event": "rollback", "steps": 1, "to_step": 5},
+               {"event": "launch", "world_size": 4, "resume_step": 5}, {"event": "rollback", "steps": 0, "to_step": 5}):
+        _say(err, ev)
+    assert capsys.readouterr().err.splitlines() == ["launch: 1 rank from step 0", "rolled back 1 step to step 5",
+                                                    "launch: 4 ranks from step 5", "rolled back 0 steps to step 5"]

@@ -48,7 +48,11 @@ def run(
     metrics: Optional[str] = typer.Option(None, "--metrics", help=f"{METRICS_HELP} A step redone after a rollback is"
                                           " written again; with --hosts, name a file on the storage every host sees."),
     log_every: int = LogEveryOpt,
-    events: Optional[str] = typer.Option(None, "--events", help="Append one JSON line per controller event here."),
+    events: Optional[str] = typer.Option(None, "--events", help="Write one JSON line per controller event to this"
+                                         " file (.jsonl); one that holds events already is refused without"
+                                         " --append-events."),
+    append_events: bool = typer.Option(False, "--append-events", help="Add this run's events after those already in"
+                                       " --events (e.g. a run resumed from --checkpoint-dir)."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Clock seconds per trace second (0.01: an hour of"
                                      " trace in 36 s)."),
     clock: str = typer.Option("wall", "--clock", help="What drives trace time: wall (seconds since start) or training"
@@ -120,10 +124,10 @@ def run(
                          rdzv_port=29500 if rdzv_port is None else rdzv_port) if hosts else None
     options = RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
-                         events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
-                         network=str(network) if network else None, data=data, init_from=init_from,
-                         log_every=log_every, hosts=pool, device=device, start_timeout_s=start_timeout_s,
-                         in_place=True if in_place else (False if restart else None),
+                         events=events, append_events=append_events, time_scale=time_scale, clock=clock_kind,
+                         switch_cost_s=switch_cost_s, network=str(network) if network else None, data=data,
+                         init_from=init_from, log_every=log_every, hosts=pool, device=device,
+                         start_timeout_s=start_timeout_s, in_place=True if in_place else (False if restart else None),
                          on_event=lambda ev: _say(err, ev))
     check_run(options)  # bad options are refused before the machine is measured
     check_training_data(job_spec, data, source=str(job))  # and so are the tokens, and the weights to start from
