@@ -260,4 +260,5 @@ def _print_replay(result) -> None:
     tot = result.totals()
     per = f"${tot['usd_per_iteration']:.4f}/iteration" if tot["usd_per_iteration"] is not None else "no iteration"
     out.print(f"total: {tot['iterations']:,.0f} iterations, ${tot['cost_usd']:,.2f} ({per}),"
-              f" {tot['switches']} switches losing {tot['switch_time_s']:.1f} s, planner {tot['planning_s']:.2f} s")
+              f" {counted(tot['switches'], 'switch', 'switches')} losing {tot['switch_time_s']:.1f} s (modelled);"
+              f" the planner ran {tot['planning_s']:.2f} s here (not charged: it plans while the job trains)")
