@@ -92,6 +92,28 @@ def test_run_and_train_refuse_before_any_work(tmp_path, monkeypatch, capsys, arg
     assert _refused(args, tmp_path, monkeypatch, capsys) == line
 
 
+def test_run_refuses_an_events_file_holding_an_earlier_runs_events(tmp_path, monkeypatch, capsys):
+    # a second run appended its events to the first's without a word
+    _base(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "e.jsonl").write_text('{"event": "done"}\n')
+    assert _refused(RUN + ["--events", "out/e.jsonl"], tmp_path, monkeypatch, capsys) == (
+        "error: --events: out/e.jsonl holds events already (an earlier run's?); this run's would be mixed into them"
+        " (name a new file, or pass --append-events to add this run's after them)")
+
+
+def test_replay_refuses_cluster_settings_for_what_the_trace_never_offers(tmp_path, monkeypatch, capsys):
+    # the trace replaces the cluster's zones: a price for a GPU type it never offers was ignored without a word
+    _base(tmp_path)
+    (tmp_path / "c.yaml").write_text("provider: local\nzones: {local: {cpu: 4, A100-40: 0}}\n"
+                                     "prices: {local: {A100-40: 1.5}}\n")
+    line = _refused(["replay", "--job", "job.yaml", "--cluster", "c.yaml", "--availability", "trace.json"], tmp_path,
+                    monkeypatch, capsys)
+    assert line == ("error: c.yaml: prices.local.A100-40: the trace trace.json offers no A100-40 in zone 'local' (it"
+                    " lists cpu there), so this price would never be used (remove the price, or offer that GPU type"
+                    " there)")
+
+
 def test_distinct_outputs_see_one_path_spelled_two_ways(tmp_path):
     from sailor.core.fileio import check_distinct_outputs
 

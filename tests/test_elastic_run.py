@@ -190,7 +190,7 @@ def test_corrupt_checkpoint_is_never_loaded(tmp_path, reference_losses):
         data = bytearray(stage.read_bytes())
         data[len(data) // 2] ^= 0xFF
         stage.write_bytes(bytes(data))
-        res = run(RunOptions(steps=8, **base))
+        res = run(RunOptions(steps=8, append_events=True, **base))  # the events of both runs in one file
         _no_leftovers(alive)
     assert res.status is ExitStatus.DONE, res.message
     ev = _lines(events)

@@ -63,7 +63,6 @@ def test_time_gpus_form_maps_onto_the_clusters_one_pair(tmp_path):
     ("t.json", "[{\"time_s\": 0, \"zone\": \"local\"", "invalid JSON at line 1"),
     ("t.json", "[]", "non-empty list"),
     ("t.json", _events((3, 4), (1, 2)), "time goes backwards"),
-    ("t.json", _events((0, 4), (0, 2)), "two counts"),
     ("t.json", _events((0, -1)), "whole number >= 0"),
     ("t.json", '[{"time_s": 0, "zone": "mars", "gpu": "cpu", "count": 1}]', "unknown local zone 'mars'"),
     ("t.json", '[{"time_s": 0, "zone": "local", "gpu": "tpu9", "count": 1}]', "unknown GPU type 'tpu9'"),
@@ -76,6 +75,44 @@ def test_bad_traces_raise_one_clear_error(tmp_path, name, text, match):
     with pytest.raises(SailorInputError, match=match) as e:
         load_trace(_write(tmp_path, name, text), LOCAL)
     assert "\n" not in str(e.value) and name in str(e.value)
+
+
+A100_LOCAL = ("no list price for GPU type 'A100-40' at provider 'local' in zone 'local' (give one in the cluster spec"
+              " under prices)")
+
+
+@pytest.mark.parametrize("name,text,line", [
+    # two counts for one (zone, GPU type) at one time: the second entry, with the first's
+    ("t.json", _events((0, 4), (5, 2), (5, 3)),
+     "[2]: a second count for cpu in local at 5 s: 3 here, 2 at [1] (give one count per zone and GPU type at"
+     " each time)"),
+    ("t.csv", "Timestamp,cpu_local\n100,4\n\n100,2\n",
+     "line 4.cpu_local: a second count for cpu in local at 0 s: 2 here, 4 at line 2.cpu_local (give one"
+     " count per zone and GPU type at each time)"),
+    ("t.json", '[{"Time": 0, "GPUs": 4}, {"Time": 0, "GPUs": 3}]',
+     "[1]: a second count for cpu in local at 0 s: 3 here, 4 at [0] (give one count per zone and GPU type"
+     " at each time)"),
+    ("t.csv", "Timestamp,cpu_local,H100-PCIe_local,H100-PCIE_local\n0,4,0,0\n",  # an alias: the same pair
+     "header.H100-PCIE_local: a second column for H100-PCIe in local (the first: column 3, 'H100-PCIe_local')"
+     " (keep one column per GPU type and zone)"),
+    # a (zone, GPU type) offered without a price: the first entry offering it
+    ("t.json", json.dumps([{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 4},
+                           {"time_s": 0, "zone": "local", "gpu": "A100-40", "count": 0},
+                           {"time_s": 7, "zone": "local", "gpu": "A100-40", "count": 2}]),
+     f"[2]: offered at 7 s, but {A100_LOCAL}"),
+    ("t.csv", "Timestamp,cpu_local,A100-40_local\n10,4,0\n19.5,4,1\n",
+     f"line 3.A100-40_local: offered at 9.5 s, but {A100_LOCAL}"),
+])
+def test_trace_errors_name_the_entry(tmp_path, name, text, line):
+    with pytest.raises(SailorInputError) as e:
+        load_trace(_write(tmp_path, name, text), LOCAL)
+    assert str(e.value) == f"{tmp_path / name}: {line}"
+
+
+def test_a_pair_never_offered_needs_no_price(tmp_path):
+    # A100-40 has no price on provider local; a count of 0 offers nothing, so nothing is priced
+    tr = load_trace(_write(tmp_path, "t.csv", "Timestamp,cpu_local,A100-40_local\n0,4,0\n5,2,0\n"), LOCAL)
+    assert [s.zones for s in tr.snapshots] == [{"local": {"cpu": 4, "A100-40": 0}}, {"local": {"cpu": 2, "A100-40": 0}}]
 
 
 def test_missing_trace_file(tmp_path):
@@ -93,7 +130,7 @@ def test_cli_bad_trace_exits_2_with_one_line(tmp_path):
                             "--availability", str(trace)], capture_output=True, text=True, timeout=60)
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
-        assert len(lines) == 1 and "t.csv" in lines[0] and "A100-40 in local" in lines[0], p.stderr
+        assert lines == [f"error: {trace}: line 2.A100-40_local: offered at 0 s, but {A100_LOCAL}"], p.stderr
 
 
 @pytest.mark.integration
@@ -167,3 +204,38 @@ def test_replanner_cache_is_keyed_on_every_input():
     assert not other.plan({"local": {"cpu": 4}}).cached
     assert rp.score(a.plan, {"local": {"cpu": 2}}) is None  # a plan on 4 does not fit on 2
     assert rp.score(c.plan, {"local": {"cpu": 4}}) is not None
+
+
+def test_an_events_file_holding_events_is_not_appended_to_unasked(tmp_path):
+    # a second run's events went after the first's, in one file, without a word
+    from sailor.elastic.options import RunOptions, check_run
+
+    trace = load_trace(_write(tmp_path, "t.json", _events((0, 2))), LOCAL)
+    events = tmp_path / "e.jsonl"
+    check_run(RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=LOCAL, trace=trace,
+                         events=str(events)))  # no file yet
+    events.write_text("")
+    opts = RunOptions(job=JobSpec(model="tiny", global_batch_size=8), cluster=LOCAL, trace=trace, events=str(events))
+    check_run(opts)  # an empty file holds nothing to mix with
+    events.write_text('{"event": "start"}\n')
+    with pytest.raises(SailorInputError) as e:
+        check_run(opts)
+    assert str(e.value) == (f"--events: {events} holds events already (an earlier run's?); this run's would be mixed"
+                            " into them (name a new file, or pass --append-events to add this run's after them)")
+    check_run(RunOptions(**{**opts.__dict__, "append_events": True}))  # asked for
+    with pytest.raises(SailorInputError, match="^--append-events: only with --events"):
+        check_run(RunOptions(**{**opts.__dict__, "events": None, "append_events": True}))
+
+
+def test_the_lines_a_user_watches_take_the_number_of_their_count(capsys):
+    # "launch: 1 ranks from step 0" was printed for a one-GPU plan
+    from rich.console import Console
+
+    from sailor.cli.elastic import _say
+
+    err = Console(stderr=True, soft_wrap=True)
+    for ev in ({"event": "launch", "world_size": 1, "resume_step": 0}, {"event": "rollback", "steps": 1, "to_step": 5},
+               {"event": "launch", "world_size": 4, "resume_step": 5}, {"event": "rollback", "steps": 0, "to_step": 5}):
+        _say(err, ev)
+    assert capsys.readouterr().err.splitlines() == ["launch: 1 rank from step 0", "rolled back 1 step to step 5",
+                                                    "launch: 4 ranks from step 5", "rolled back 0 steps to step 5"]

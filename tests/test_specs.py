@@ -127,6 +127,35 @@ def test_bad_cluster_names_file_and_field(tmp_path, text, match):
         load_cluster(p)
 
 
+LINK = "{same_node: {latency_s: 1.0e-6, bandwidth_bytes_per_s: 1.0e11}}"
+
+
+@pytest.mark.parametrize("text, line", [
+    (f"zones: {{us-central1-a: {{A100-40: 8}}}}\nzone_network: {{us-central1-b: {LINK}}}",
+     "zone_network.us-central1-b: the cluster offers no GPUs in zone 'us-central1-b' (its zones: us-central1-a), so"
+     " these links would never be used (remove the entry, or offer GPUs there)"),
+    ("zones: {us-central1-a: {A100-40: 8}}\nprices: {us-west1-b: {A100-40: 2.0}}",
+     "prices.us-west1-b: the cluster offers no GPUs in zone 'us-west1-b' (its zones: us-central1-a), so these prices"
+     " would never be used (remove the entry, or offer GPUs there)"),
+    ("zones: {us-central1-a: {A100-40: 8, V100-16: 0}}\nprices: {us-central1-a: {V100-16: 1.0, A100-80: 2.0}}",
+     "prices.us-central1-a.A100-80: the cluster offers no A100-80 in zone 'us-central1-a' (it lists A100-40, V100-16"
+     " there), so this price would never be used (remove the price, or offer that GPU type there)"),
+])
+def test_settings_for_what_the_cluster_does_not_offer_are_refused(tmp_path, text, line):
+    # they were ignored without a word; a zone or GPU type listed at 0 GPUs is offered (V100-16 above)
+    p = tmp_path / "cluster.yaml"
+    p.write_text(text + "\n")
+    with pytest.raises(SailorInputError) as e:
+        load_cluster(p)
+    assert str(e.value) == f"{p}: {line}"
+    spec = load_cluster(p, zones_from_trace=True)  # `sailor run` and `replay`: checked against the trace
+    with pytest.raises(SailorInputError) as e:
+        spec.check_offered(spec.zones, by="the trace t.json")
+    assert str(e.value) == line.replace("the cluster", "the trace t.json")
+    spec.check_offered({"us-central1-a": {"A100-40": 0, "V100-16": 3, "A100-80": 0}, "us-central1-b": {},
+                        "us-west1-b": {"A100-40": 1}})  # a trace that offers them all
+
+
 def test_bad_yaml_names_line(tmp_path):
     p = tmp_path / "cluster.yaml"
     p.write_text("zones:\n  us-central1-a: {A100-40: 8\n")

@@ -19,7 +19,7 @@ from rich.console import Console
 from sailor.cli.app import app
 from sailor.cli.common import (METRICS_HELP, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt, ProfilesOpt, SeedOpt,
                                check_number, choice, console, machine_profiles, require_torch, say_notes_now)
-from sailor.core.errors import SailorInputError
+from sailor.core.errors import SailorInputError, counted
 from sailor.core.fileio import check_distinct_outputs, check_output_path
 from sailor.core.limits import MAX_SECONDS, MAX_TRACE_TIME_S
 
@@ -48,7 +48,11 @@ def run(
     metrics: Optional[str] = typer.Option(None, "--metrics", help=f"{METRICS_HELP} A step redone after a rollback is"
                                           " written again; with --hosts, name a file on the storage every host sees."),
     log_every: int = LogEveryOpt,
-    events: Optional[str] = typer.Option(None, "--events", help="Append one JSON line per controller event here."),
+    events: Optional[str] = typer.Option(None, "--events", help="Write one JSON line per controller event to this"
+                                         " file (.jsonl); one that holds events already is refused without"
+                                         " --append-events."),
+    append_events: bool = typer.Option(False, "--append-events", help="Add this run's events after those already in"
+                                       " --events (e.g. a run resumed from --checkpoint-dir)."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Clock seconds per trace second (0.01: an hour of"
                                      " trace in 36 s)."),
     clock: str = typer.Option("wall", "--clock", help="What drives trace time: wall (seconds since start) or training"
@@ -84,7 +88,6 @@ def run(
     (SIGTERM/SIGINT) after a checkpoint; 130 killed by a second interrupt.
     """
     require_torch("run")
-    from sailor.elastic.availability import load_trace
     from sailor.elastic.events import ClockKind
     from sailor.elastic.options import RunOptions, check_run
     from sailor.elastic.controller import run as run_elastic
@@ -92,7 +95,6 @@ def run(
     from sailor.runtime.command import checkpoint_every_for, steps_for
     from sailor.runtime.hf_weights import check_init_from
     from sailor.runtime.launcher import check_training_data
-    from sailor.specs import load_cluster, load_job
 
     if in_place and restart:  # (one typer flag pair would let the last of them win silently)
         raise SailorInputError("given with --restart; a switch runs either live or by restarting", source="--in-place",
@@ -106,10 +108,9 @@ def run(
         check_output_path(value, option, folder=folder, inputs={"--job": job, "--cluster": cluster,
                                                                 "--availability": availability, "--hosts": hosts})
     check_distinct_outputs({"--checkpoint-dir": checkpoint_dir, "--metrics": metrics, "--events": events})
-    job_spec, cluster_spec = load_job(job), load_cluster(cluster)
+    job_spec, cluster_spec, trace = load_inputs(job, cluster, availability)
     steps = steps_for(job_spec, steps, fallback=100)
     checkpoint_every = checkpoint_every_for(job_spec, checkpoint_every)
-    trace = load_trace(availability, cluster_spec)
     if not hosts and (python is not None or rdzv_port is not None):
         raise SailorInputError("only with --hosts (they start the hosts' processes)",
                                source="--python" if python is not None else "--rdzv-port",
@@ -123,10 +124,10 @@ def run(
                          rdzv_port=29500 if rdzv_port is None else rdzv_port) if hosts else None
     options = RunOptions(job=job_spec, cluster=cluster_spec, trace=trace, steps=steps, seed=seed,
                          checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, metrics=metrics,
-                         events=events, time_scale=time_scale, clock=clock_kind, switch_cost_s=switch_cost_s,
-                         network=str(network) if network else None, data=data, init_from=init_from,
-                         log_every=log_every, hosts=pool, device=device, start_timeout_s=start_timeout_s,
-                         in_place=True if in_place else (False if restart else None),
+                         events=events, append_events=append_events, time_scale=time_scale, clock=clock_kind,
+                         switch_cost_s=switch_cost_s, network=str(network) if network else None, data=data,
+                         init_from=init_from, log_every=log_every, hosts=pool, device=device,
+                         start_timeout_s=start_timeout_s, in_place=True if in_place else (False if restart else None),
                          on_event=lambda ev: _say(err, ev))
     check_run(options)  # bad options are refused before the machine is measured
     check_training_data(job_spec, data, source=str(job))  # and so are the tokens, and the weights to start from
@@ -138,9 +139,9 @@ def run(
     if result.status == 2:  # a rank refused its input (ExitStatus.BAD_INPUT): its one line
         print(f"error: {result.message}", file=sys.stderr)
         raise typer.Exit(code=2)
-    summary = (f"{result.message} ({_count(result.switches, 'switch', 'switches')},"
-               f" {_count(result.crashes, 'crash', 'crashes')},"
-               f" {_count(result.steps_rolled_back, 'step', 'steps')} rolled back)")
+    summary = (f"{result.message} ({counted(result.switches, 'switch', 'switches')},"
+               f" {counted(result.crashes, 'crash', 'crashes')},"
+               f" {counted(result.steps_rolled_back, 'step')} rolled back)")
     err.print(summary, markup=False, highlight=False)
     raise typer.Exit(code=int(result.status))
 
@@ -167,12 +168,10 @@ def replay(
     """Simulate a whole elastic run over an availability trace, without training. With --switch live a
     switch is priced as `sailor run` with the same --checkpoint-every would switch (a checkpoint
     written at the switch only with 0)."""
-    from sailor.elastic.availability import load_trace
     from sailor.elastic.replay import Policy, plot
     from sailor.elastic.replay import replay as replay_run
     from sailor.elastic.switch_cost import LiveSwitchModel
     from sailor.runtime.command import checkpoint_every_for
-    from sailor.specs import load_cluster, load_job
 
     pol = choice(Policy, policy, "--policy", "policy")
     if switch not in ("restart", "live"):
@@ -184,8 +183,7 @@ def replay(
     check_output_path(plot_file, "--plot", suffixes=(".png", ".svg", ".pdf"),
                       inputs={"--job": job, "--cluster": cluster, "--availability": availability,
                               "--profiles": profiles, "--network": network})
-    job_spec, cluster_spec = load_job(job), load_cluster(cluster)
-    trace = load_trace(availability, cluster_spec)
+    job_spec, cluster_spec, trace = load_inputs(job, cluster, availability)
     prof = trace_profiles(job_spec, cluster_spec, trace, profiles, job_source=str(job))
     result = replay_run(job_spec, cluster_spec, trace, policy=pol, profiles_path=prof,
                         network_path=str(network) if network else None, duration_s=duration_s,
@@ -197,6 +195,22 @@ def replay(
         print(json.dumps(result.to_dict()))
         return
     _print_replay(result)
+
+
+def load_inputs(job: Path, cluster: Path, availability: Path):
+    """The job, the cluster and the availability trace of `sailor run` and `replay`: the trace
+    replaces the cluster's zones, so the cluster's zone links and per-zone prices must name what the
+    trace offers (`ClusterSpec.check_offered`). Returns (JobSpec, ClusterSpec, Trace)."""
+    from sailor.elastic.availability import load_trace
+    from sailor.specs import load_cluster, load_job
+
+    job_spec, cluster_spec = load_job(job), load_cluster(cluster, zones_from_trace=True)
+    trace = load_trace(availability, cluster_spec)
+    try:
+        cluster_spec.check_offered(trace.peak_zones(), by=f"the trace {trace.source}")
+    except SailorInputError as e:
+        raise e.located(source=str(cluster)) from None
+    return job_spec, cluster_spec, trace
 
 
 def trace_profiles(job_spec, cluster_spec, trace, profiles: Optional[Path], *, job_source: str):
@@ -216,21 +230,17 @@ def _say(err, ev: dict) -> None:
     """One line on stderr for the events a user watches (all are in --events)."""
     kind, on = ev["event"], f" on {', '.join(ev['hosts'])}" if ev.get("hosts") else ""
     line = {
-        "launch": lambda: f"launch: {ev['world_size']} ranks from step {ev['resume_step']}{on}",
+        "launch": lambda: f"launch: {counted(ev['world_size'], 'rank')} from step {ev['resume_step']}{on}",
         "switch_started": lambda: f"switch ({ev['reason']}) after step {ev['step']}",
         "switch_finished": lambda: None if ev.get("interrupted") else f"switched in {ev['total_s']:.1f} s",
         "crash": lambda: f"crash: {ev['message']}" + (f"; left out: {', '.join(ev['hosts'])}" if ev.get("hosts") else ""),
-        "rollback": lambda: f"rolled back {ev['steps']} steps to step {ev['to_step']}",
+        "rollback": lambda: f"rolled back {counted(ev['steps'], 'step')} to step {ev['to_step']}",
         "start_timeout": lambda: ev["message"],
         "checkpoint_skipped": lambda: ev["reason"],
         "waiting": lambda: f"no plan fits: waiting for trace time {ev['until_trace_time_s']:g} s",
     }.get(kind, lambda: None)()
     if line:
         err.print(line, markup=False, highlight=False)
-
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
 
 
 def _print_replay(result) -> None:
@@ -250,4 +260,5 @@ def _print_replay(result) -> None:
     tot = result.totals()
     per = f"${tot['usd_per_iteration']:.4f}/iteration" if tot["usd_per_iteration"] is not None else "no iteration"
     out.print(f"total: {tot['iterations']:,.0f} iterations, ${tot['cost_usd']:,.2f} ({per}),"
-              f" {tot['switches']} switches losing {tot['switch_time_s']:.1f} s, planner {tot['planning_s']:.2f} s")
+              f" {counted(tot['switches'], 'switch', 'switches')} losing {tot['switch_time_s']:.1f} s (modelled);"
+              f" the planner ran {tot['planning_s']:.2f} s here (not charged: it plans while the job trains)")

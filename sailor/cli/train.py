@@ -15,6 +15,7 @@ from rich.table import Table
 from sailor.cli.app import app
 from sailor.cli.common import (CheckpointEveryOpt, DataOpt, InitFromOpt, LogEveryOpt, MetricsOpt, SeedOpt, StepsOpt,
                                TensorboardOpt, TimeoutOpt, require_torch)
+from sailor.core.errors import counted
 
 
 @app.command()
@@ -118,7 +119,8 @@ def default_checkpoint_dir(plan: str) -> str:
 
 
 def _layout_table(prep) -> Table:
-    t = Table(title=f"{prep.plan.world_size} ranks, {prep.job.model.name}, global batch {prep.job.global_batch_size}")
+    t = Table(title=f"{counted(prep.plan.world_size, 'rank')}, {prep.job.model.name},"
+                    f" global batch {prep.job.global_batch_size}")
     for col in ("rank", "pipeline", "stage", "layers", "tp rank", "gpu", "zone", "microbatches"):
         t.add_column(col)
     for r in prep.ranks:

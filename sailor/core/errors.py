@@ -103,3 +103,9 @@ def show(value: Any, limit: int = 60) -> str:
     except (ValueError, RecursionError):
         return f"a {type(value).__name__}"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def counted(n: int, one: str, many: str | None = None) -> str:
+    """`n` and the noun in the number it takes: counted(1, "rank") is "1 rank", counted(2, "rank")
+    "2 ranks", counted(3, "switch", "switches") "3 switches" (`many`: the plural, default `one` + "s")."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"

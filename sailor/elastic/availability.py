@@ -13,8 +13,10 @@ Three file formats are read (detected from the content):
 Every format becomes a `Trace`: a list of `Snapshot`s (time, full availability), one per point in
 time where something changed. A (zone, GPU type) pair has 0 GPUs before the trace first mentions it.
 Zones and GPU types are checked against the cluster's provider, the GPU catalog (aliases are
-mapped to canonical names) and the prices (a GPU type the provider does not offer has none).
-Every problem raises `SailorInputError` naming the file and the row.
+mapped to canonical names) and the prices: a (zone, GPU type) the trace offers (a count above 0)
+needs one, from the cluster spec or the provider's list (a GPU type the provider does not offer in
+that zone has none). Every problem raises `SailorInputError` naming the file and the entry (a JSON
+item `[3]`, a CSV cell `line 4.A100-40_us-central1-a`, or the field in it).
 
 `Availability` is what a running `sailor run` may use now: the snapshot in force, minus GPUs (and,
 with `--hosts`, machines) lost to crashes, capped by the machines listed.
@@ -28,7 +30,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sailor import catalog
 from sailor.core.errors import SailorInputError, show
@@ -102,9 +104,10 @@ def load_trace(path: str | Path, cluster: ClusterSpec) -> Trace:
         The trace, with canonical GPU names and times in seconds from its start.
     Raises:
         SailorInputError: unreadable file, a syntax error, a key given twice, missing or unknown
-            columns or fields, an unknown zone or GPU type, a negative, fractional or too large
-            count, a time that is not finite or goes backwards, more than MAX_TRACE_POINTS points,
-            or an empty trace.
+            columns or fields, two CSV columns for one (zone, GPU type), an unknown zone or GPU type,
+            a (zone, GPU type) offered without a price, a negative, fractional or too large count,
+            two counts for one (zone, GPU type) at one time, a time that is not finite or goes
+            backwards, more than MAX_TRACE_POINTS points, or an empty trace.
     """
     src = str(path)
     text = read_text(path)
@@ -121,9 +124,8 @@ def _from_json(data: Any, cluster: ClusterSpec, src: str) -> Trace:
     _check_points(len(data), src)
     if all(isinstance(e, dict) and set(e) == {"Time", "GPUs"} for e in data):
         pair = _single_pair(cluster, src)
-        events = [(_time(e["Time"], src, f"[{i}].Time"), *pair, _count(e["GPUs"], src, f"[{i}].GPUs"))
-                  for i, e in enumerate(data)]
-        return _build(events, src, cluster, [f"[{i}].Time" for i in range(len(data))])
+        return _build([_Event(_time(e["Time"], src, f"[{i}].Time"), *pair, _count(e["GPUs"], src, f"[{i}].GPUs"),
+                              f"[{i}]", f"[{i}].Time") for i, e in enumerate(data)], src, cluster)
     events = []
     for i, e in enumerate(data):
         if not isinstance(e, dict):
@@ -136,8 +138,9 @@ def _from_json(data: Any, cluster: ClusterSpec, src: str) -> Trace:
             raise SailorInputError(f"{what} (an event has time_s, zone, gpu, count)", source=src, field=f"[{i}]")
         zone = _zone(e["zone"], cluster, src, f"[{i}].zone")
         gpu = _gpu(e["gpu"], src, f"[{i}].gpu")
-        events.append((_time(e["time_s"], src, f"[{i}].time_s"), zone, gpu, _count(e["count"], src, f"[{i}].count")))
-    return _build(events, src, cluster, [f"[{i}].time_s" for i in range(len(data))])
+        t = _time(e["time_s"], src, f"[{i}].time_s")
+        events.append(_Event(t, zone, gpu, _count(e["count"], src, f"[{i}].count"), f"[{i}]", f"[{i}].time_s"))
+    return _build(events, src, cluster)
 
 
 def _check_points(n: int, src: str) -> None:
@@ -167,52 +170,80 @@ def _from_csv(text: str, cluster: ClusterSpec, src: str) -> Trace:
     for k, name in enumerate(header):
         if k == t_col or (k == 0 and name == ""):
             continue  # the unnamed pandas index column (any other column must name its GPU type and zone)
-        columns.append((k, *_split_column(name, cluster, src)))
+        zone, gpu = _split_column(name, cluster, src)
+        twin = next((j for j, z, g in columns if (z, g) == (zone, gpu)), None)
+        if twin is not None:  # e.g. A100_us-central1-a beside A100-40_us-central1-a
+            raise SailorInputError(f"a second column for {gpu} in {zone} (the first: column {twin + 1},"
+                                   f" {header[twin]!r})", source=src, field=f"header.{name}",
+                                   fix="keep one column per GPU type and zone")
+        columns.append((k, zone, gpu))
     if not columns:
         raise SailorInputError("no <gpu>_<zone> column", source=src, field="header")
     if len(rows) < 2:
         raise SailorInputError("no data row", source=src)
     _check_points(len(rows) - 1, src)
-    events, wheres, t0 = [], [], None
+    events, t0 = [], None
     for line, row in zip(lines[1:], rows[1:]):
         if len(row) != len(header):
             raise SailorInputError(f"{len(row)} fields, the header has {len(header)}", source=src, field=f"line {line}")
         t = _time(_number(row[t_col], src, f"line {line}.Timestamp"), src, f"line {line}.Timestamp", relative=True)
         t0 = t if t0 is None else t0
         for k, zone, gpu in columns:
-            events.append((t - t0, zone, gpu, _count(_number(row[k], src, f"line {line}.{header[k]}"), src,
-                                                      f"line {line}.{header[k]}")))
-            wheres.append(f"line {line}.Timestamp")
-    return _build(events, src, cluster, wheres)
+            cell = f"line {line}.{header[k]}"
+            events.append(_Event(t - t0, zone, gpu, _count(_number(row[k], src, cell), src, cell), cell,
+                                 f"line {line}.Timestamp"))
+    return _build(events, src, cluster)
 
 
-def _build(events: list[tuple[float, str, str, int]], src: str, cluster: ClusterSpec, wheres: list[str]) -> Trace:
-    """Snapshots from (time_s, zone, gpu, count) events given in file order; `wheres[k]` names the
-    field event k's time came from (a CSV line, a JSON item), for messages."""
-    for z, g in sorted({(e[1], e[2]) for e in events}):
-        try:
-            cluster.price(z, g)  # a GPU type the provider does not offer has no price
-        except SailorInputError as e:
-            raise SailorInputError(f"{g} in {z}: {e.message}", source=src, fix=e.fix) from None
-    for k in range(1, len(events)):
-        if events[k][0] < events[k - 1][0]:
-            raise SailorInputError(f"time goes backwards: {events[k][0]:g} s after {events[k - 1][0]:g} s"
-                                   f" ({wheres[k - 1]})", source=src, field=wheres[k], fix="list events in time order")
-    seen: dict[tuple[float, str, str], int] = {}
-    for t, z, g, n in events:
-        if seen.get((t, z, g), n) != n:
-            raise SailorInputError(f"two counts ({seen[(t, z, g)]} and {n}) for {g} in {z} at {t:g} s", source=src)
-        seen[(t, z, g)] = n
+class _Event(NamedTuple):
+    """One count read from a trace file: `count` GPUs of type `gpu` in `zone` from `time_s` (seconds
+    from the trace's start) on; `entry` names it in the file (a JSON item "[3]", a CSV cell
+    "line 4.A100-40_us-central1-a") and `time_field` where its time came from, for messages."""
+
+    time_s: float
+    zone: str
+    gpu: str
+    count: int
+    entry: str
+    time_field: str
+
+
+def _build(events: list[_Event], src: str, cluster: ClusterSpec) -> Trace:
+    """Snapshots from `events` given in file order.
+
+    Raises:
+        SailorInputError: naming the entry: a time earlier than the one before, two counts for one
+            (zone, GPU type) at one time, a (zone, GPU type) offered (count > 0) without a price.
+    """
+    for prev, e in zip(events, events[1:]):
+        if e.time_s < prev.time_s:
+            raise SailorInputError(f"time goes backwards: {e.time_s:g} s after {prev.time_s:g} s ({prev.time_field})",
+                                   source=src, field=e.time_field, fix="list events in time order")
+    seen: dict[tuple[float, str, str], _Event] = {}
+    priced: set[tuple[str, str]] = set()
+    for e in events:
+        first = seen.setdefault((e.time_s, e.zone, e.gpu), e)
+        if first.count != e.count:
+            raise SailorInputError(f"a second count for {e.gpu} in {e.zone} at {e.time_s:g} s: {e.count} here,"
+                                   f" {first.count} at {first.entry}", source=src, field=e.entry,
+                                   fix="give one count per zone and GPU type at each time")
+        if e.count > 0 and (e.zone, e.gpu) not in priced:
+            try:
+                cluster.price(e.zone, e.gpu)  # a GPU type the provider does not offer there has no price
+            except SailorInputError as err:
+                raise SailorInputError(f"offered at {e.time_s:g} s, but {err.message}",
+                                       source=src, field=e.entry, fix=err.fix) from None
+            priced.add((e.zone, e.gpu))
     snapshots: list[Snapshot] = []
     state: Zones = {}
-    for k, (t, z, g, n) in enumerate(events):
-        state.setdefault(z, {})[g] = n
-        last_at_t = k + 1 == len(events) or events[k + 1][0] != t
+    for k, e in enumerate(events):
+        state.setdefault(e.zone, {})[e.gpu] = e.count
+        last_at_t = k + 1 == len(events) or events[k + 1].time_s != e.time_s
         if last_at_t:
             zones = {zone: dict(gpus) for zone, gpus in state.items()}
             if not snapshots or snapshots[-1].zones != zones:
-                snapshots.append(Snapshot(t, zones))
-    times = sorted({e[0] for e in events})
+                snapshots.append(Snapshot(e.time_s, zones))
+    times = sorted({e.time_s for e in events})
     return Trace(tuple(snapshots), src, times[-1], times[-1] - times[-2] if len(times) > 1 else None)
 
 

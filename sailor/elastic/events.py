@@ -27,7 +27,8 @@ class ClockKind(str, Enum):
 
 
 class EventLog:
-    """Appends controller events as JSON lines (`path` None: kept in memory only) and hands each
+    """Appends controller events as JSON lines to `path` (None: kept in memory only; a file that
+    holds events already is refused before, by `options.check_run`, unless asked) and hands each
     record to `echo` (the CLI prints the notable ones)."""
 
     def __init__(self, path: str | None, clock: "Clock", echo: Callable[[dict[str, Any]], None] | None = None) -> None:

@@ -6,6 +6,7 @@ This module never imports torch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,10 @@ class RunOptions:
     log_every: int = 0
     """Rank 0 prints loss, tokens/s and MFU every N steps on stdout (0: never)."""
     events: str | None = None
+    """One JSON line per controller event is appended here (`events.EventLog`); a file that exists and
+    is not empty is refused unless `append_events` (two runs' events would be mixed)."""
+    append_events: bool = False
+    """Add this run's events after those already in `events` (e.g. a run resumed from its checkpoint)."""
     time_scale: float = 1.0
     """Clock seconds per trace second (0.01 replays an hour of trace in 36 s)."""
     clock: ClockKind = ClockKind.WALL
@@ -94,7 +99,8 @@ def check_run(o: RunOptions) -> None:
     """Refuse options `Controller` cannot run, before anything starts (and before `sailor run` measures
     the machine): a non-local provider without hosts, hosts without a shared checkpoint folder, GPU
     types the device cannot be, steps out of range, a trace that offers nothing or more processes than
-    this machine runs, hosts that do not cover the trace, bad costs and timeouts.
+    this machine runs, hosts that do not cover the trace, bad costs and timeouts, an events file that
+    holds events already (without `append_events`) or `append_events` without one.
 
     Raises:
         SailorInputError: naming the option or file.
@@ -127,6 +133,13 @@ def check_run(o: RunOptions) -> None:
         raise SailorInputError(f"must be > 0, got {o.start_timeout_s}", source="--start-timeout-s")
     if o.checkpoint_every < 0:
         raise SailorInputError(f"must be >= 0, got {o.checkpoint_every}", source="--checkpoint-every")
+    if o.append_events and o.events is None:
+        raise SailorInputError("only with --events (the file to add this run's events to)", source="--append-events",
+                               fix="pass --events FILE, or leave --append-events out")
+    if o.events is not None and not o.append_events and os.path.isfile(o.events) and os.path.getsize(o.events) > 0:
+        raise SailorInputError(f"{o.events} holds events already (an earlier run's?); this run's would be mixed into"
+                               " them", source="--events",
+                               fix="name a new file, or pass --append-events to add this run's after them")
 
 
 def offered(trace: Trace) -> set[tuple[str, str]]:

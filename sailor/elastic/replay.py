@@ -1,10 +1,17 @@
 """`sailor replay`: a trace-driven simulation of a whole elastic run, without training.
 
 For each interval of the trace (from one snapshot to the next) a policy picks the plan that runs;
-the simulator gives its iteration time and cost; a switch costs the planner's own (measured) search
-time plus a restart model (`RestartModel`), or with `live` the cost of a live switch from the bytes it
-moves (`switch_cost.LiveSwitchModel`: `sailor run --in-place`), during which no iteration is done but
-the GPUs are paid for. A restart after an idle gap costs the restart model either way.
+the simulator gives its iteration time and cost; a switch costs what the restart model says
+(`RestartModel`), or with `live` the cost of a live switch from the bytes it moves
+(`switch_cost.LiveSwitchModel`: `sailor run --in-place`), during which no iteration is done but the
+GPUs are paid for. A restart after an idle gap costs the restart model either way.
+
+The planner's search is not charged: `sailor run` plans while the running plan trains on (its
+switch's `replan_s` phase ends where the stop is requested), and a switch is decided once the new
+plan is known, so the search costs the same whether it switches or not. Its wall-clock seconds in
+this process are reported apart (`Interval.replan_s`, `planning_s` in the totals): they depend on
+this machine and its load, and on the plan cache (an availability seen before is planned in no
+time), so charging them would make the replayed iterations and $ differ from run to run.
 
 Policies (`Policy`):
 - `sailor`: re-plan with the full planner at every change; switch with the rule of `policy.decide`
@@ -84,8 +91,8 @@ class Interval:
     cost_per_hour_usd: float
     cost_per_iteration_usd: float | None
     switched: bool
-    switch_s: float          # seconds lost to the switch at the start of this interval
-    replan_s: float          # planner time spent at the start of this interval
+    switch_s: float          # seconds lost to the switch at the start of this interval (modelled)
+    replan_s: float          # planner wall-clock seconds at its start, measured here: reported, not charged
     iterations: float
     cost_usd: float
     note: str
@@ -126,7 +133,7 @@ class ReplayResult:
 
     @property
     def planning_s(self) -> float:
-        """Seconds spent in the planner."""
+        """Wall-clock seconds spent in the planner by this process (not charged: module docstring)."""
         return sum(i.replan_s for i in self.intervals)
 
     @property
@@ -185,11 +192,10 @@ def replay(job: JobSpec, cluster: ClusterSpec, trace: Trace, *, policy: Policy =
             candidate = _plan(planner, zones)
             replan_s = candidate.replan_s if candidate else 0.0
             chosen, note = _choose(planner, policy, current, candidate, lost, zones, remaining_s=end - snap.time_s,
-                                   switch_s=replan_s + _switch_s(planner, zones, restart, live, current, candidate))
+                                   switch_s=_switch_s(planner, zones, restart, live, current, candidate))
         switched = current is not None and chosen is not None and chosen.plan != current.plan
         restarted = current is None and chosen is not None and k > 0 and out.intervals[-1].plan is None
-        switch_s = replan_s + _switch_s(planner, zones, restart, live, current, chosen) if (switched or restarted) \
-            else 0.0
+        switch_s = _switch_s(planner, zones, restart, live, current, chosen) if (switched or restarted) else 0.0
         out.intervals.append(_interval(planner, chosen, zones, snap.time_s, t1, switch_s, replan_s,
                                        switched or restarted, note))
         current = chosen
@@ -198,8 +204,8 @@ def replay(job: JobSpec, cluster: ClusterSpec, trace: Trace, *, policy: Policy =
 
 def _switch_s(planner: Replanner, zones: Zones, restart: RestartModel, live: LiveSwitchModel | None,
               old: Planned | None, new: Planned | None) -> float:
-    """Seconds a switch from `old` to `new` costs besides planning: the live model's when given and
-    both plans exist, else the restart model's."""
+    """Seconds a switch from `old` to `new` costs (planning not charged: module docstring): the live
+    model's when given and both plans exist, else the restart model's."""
     if live is None or old is None or new is None:
         return restart.total_s
     return live.seconds(planner.context(zones), old.plan, new.plan)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sailor import catalog
-from sailor.core.errors import SailorInputError
+from sailor.core.errors import SailorInputError, counted
 from sailor.core.fileio import check_distinct_outputs, check_output_path
 from sailor.core.limits import max_local_processes
 from sailor.core.process import die_with_parent
@@ -176,8 +176,8 @@ def prepare(options: TrainOptions, *, local: bool = True) -> Prepared:
         if plan.world_size > have:
             # (a plan of GPU type cpu was refused above, so --device cpu is no way out here)
             where = ("no CUDA device (or this torch is a CPU build)" if have == 0
-                     else f"{have} CUDA device{'s' if have > 1 else ''}")
-            raise SailorInputError(f"the plan has {plan.world_size} ranks but this machine has {where}",
+                     else counted(have, "CUDA device"))
+            raise SailorInputError(f"the plan has {counted(plan.world_size, 'rank')} but this machine has {where}",
                                    source=options.plan, fix="run it on a machine with a GPU per rank (a CUDA build of"
                                    " torch, README \"GPU\"), or start it on a cluster with `sailor launch`")
     check_training_data(job, options.data, source=options.job or options.plan)

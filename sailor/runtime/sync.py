@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from sailor.core.errors import counted
+
 
 def barrier(device: torch.device, group=None) -> None:
     """Block until every rank of `group` (default: the world) has called it.
@@ -30,4 +32,4 @@ def barrier(device: torch.device, group=None) -> None:
     dist.all_reduce(one, group=group)
     got, want = int(one.item()), dist.get_world_size(group)
     if got != want:
-        raise RuntimeError(f"barrier: {got} of {want} ranks arrived")
+        raise RuntimeError(f"barrier: {got} of {counted(want, 'rank')} arrived")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sailor.core.errors import SailorInputError
+from sailor.core.errors import SailorInputError, counted
 from sailor.plan.spec import Plan
 from sailor.runtime.schedule import runtime_schedule
 from sailor.runtime.topology import stage_memory
@@ -109,7 +109,7 @@ def check_plan_for_job(plan: Plan, job: JobSpec | None, cluster: ClusterSpec | N
     check_runtime_options(plan, job, source=source, job_source=job_source)
     check_moe(job, source=source, job_source=job_source)
     if world_size is not None and world_size != plan.world_size:
-        raise SailorInputError(f"torchrun started {world_size} ranks but the plan has {plan.world_size}",
+        raise SailorInputError(f"torchrun started {counted(world_size, 'rank')} but the plan has {plan.world_size}",
                                source=source, fix="start one process per GPU of the plan (sailor launch does)")
     return job
 

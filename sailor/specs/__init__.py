@@ -56,16 +56,28 @@ def model_relative_to(job: Any, file: str | None) -> Any:
     return job
 
 
-def load_cluster(source: str | Path | dict[str, Any] | ClusterSpec) -> ClusterSpec:
+def load_cluster(source: str | Path | dict[str, Any] | ClusterSpec, *, zones_from_trace: bool = False) -> ClusterSpec:
     """A validated cluster from a YAML/JSON path, a dict of the cluster file's fields, or a
     ClusterSpec (returned as is): the one cluster loader, used by the CLI and the API.
 
+    A file's or dict's `zone_network` and per-zone prices must name what its `zones` offer
+    (`ClusterSpec.check_offered`), unless `zones_from_trace`: `sailor run` and `replay` replace
+    `zones` by an availability trace's and check them against the trace instead.
+
     Raises:
-        SailorInputError: unreadable file, unknown GPU type or zone, a bad field (named with the file).
+        SailorInputError: unreadable file, unknown GPU type or zone, a bad field, a setting for a
+            zone or GPU type the cluster does not offer (named with the file).
     """
     if isinstance(source, ClusterSpec):
         return source
-    return parse_model(ClusterSpec, *mapping_from(source, "ClusterSpec"))
+    data, name = mapping_from(source, "ClusterSpec")
+    spec = parse_model(ClusterSpec, data, name)
+    if not zones_from_trace:
+        try:
+            spec.check_offered()
+        except SailorInputError as e:
+            raise e.located(source=name) from None
+    return spec
 
 
 # Built-in example for `sailor plan` without --job/--cluster: OPT-350M with the paper's global batch

@@ -63,7 +63,9 @@ class ClusterSpec(BaseModel):
     of which NCCL reaches ~65 %). `zone_network` does the same per zone for the links inside it
     (same_node: a fast link inside a node, same_zone: a slower one between its nodes), which wins
     over `network`. `allreduce` pins the all-reduce algorithm. Counts, node sizes and prices are
-    bounded by `sailor.core.limits`.
+    bounded by `sailor.core.limits`. A `zone_network` entry or a per-zone price for a zone or GPU
+    type nothing offers would never be used: `check_offered` refuses them (`load_cluster` against
+    `zones`; `sailor run` and `replay`, whose trace replaces `zones`, against the trace).
     """
 
     model_config = SPEC_CONFIG
@@ -136,6 +138,34 @@ class ClusterSpec(BaseModel):
                                            field=f"zone_network.{zone}.{lc.value}",
                                            fix="same_node or same_zone; set links between zones under network")
         return self
+
+    def check_offered(self, offered: dict[str, dict[str, int]] | None = None, *, by: str = "the cluster") -> None:
+        """Refuse settings for what `offered` (zone -> GPU type -> count; a listed pair counts even
+        at 0; default: this spec's `zones`) never offers, which would be ignored without a word: a
+        `zone_network` entry for a zone it does not list, a per-zone price (`prices.<zone>`) for such
+        a zone or for a GPU type it does not list in that zone. `by` names what offers, for the
+        message ("the cluster", "the trace t.json"). A flat price (`prices.<GPU type>`) may name
+        any type: it reads as a price list, as `gpus_per_node` does.
+
+        Raises:
+            SailorInputError: naming the field (`zone_network.<zone>`, `prices.<zone>[.<GPU type>]`).
+        """
+        offered = self.zones if offered is None else offered
+        zones = ", ".join(sorted(offered)) or "none"
+        for field, zone, what in ([(f"zone_network.{z}", z, "these links") for z in self.zone_network]
+                                  + [(f"prices.{z}", z, "these prices") for z, v in self.prices.items()
+                                     if isinstance(v, dict)]):
+            if zone not in offered:
+                raise SailorInputError(f"{by} offers no GPUs in zone {zone!r} (its zones: {zones}), so {what} would"
+                                       " never be used", field=field,
+                                       fix="remove the entry, or offer GPUs there")
+        for zone, prices in self.prices.items():
+            for g in prices if isinstance(prices, dict) else ():
+                if g not in offered[zone]:
+                    listed = ", ".join(sorted(offered[zone])) or "no GPU type"
+                    raise SailorInputError(f"{by} offers no {g} in zone {zone!r} (it lists {listed} there), so this"
+                                           " price would never be used", field=f"prices.{zone}.{g}",
+                                           fix="remove the price, or offer that GPU type there")
 
     # ---- lookups ---------------------------------------------------------------------------
     @property
