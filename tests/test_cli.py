@@ -155,24 +155,23 @@ def test_console_script_bad_input_is_one_line_without_traceback(tmp_path):
     assert r.stderr.startswith("error: plan.json: invalid JSON at line 1") and r.stderr.count("\n") == 1
 
 
-@pytest.mark.integration
-def test_tp_larger_than_a_node_names_the_plan(tmp_path):
+def test_tp_larger_than_a_node_names_the_plan(tmp_path, monkeypatch, capsys):
     (tmp_path / "job.yaml").write_text(JOB)
     (tmp_path / "cluster.yaml").write_text(CLUSTER + "gpus_per_node: {A100-40: 1}\n")
     (tmp_path / "plan.json").write_text(json.dumps(PLAN))
-    r = _run("simulate", "plan.json", "--job", "job.yaml", "--cluster", "cluster.yaml", cwd=tmp_path)
-    assert r.returncode == 2
-    assert r.stderr.strip() == ("error: plan.json: pipelines.0.replicas.0.tp: TP 2 is larger than one A100-40 node"
-                                " (1 GPUs); TP never crosses a node")
+    code, err = _run_in_process(["simulate", "plan.json", "--job", "job.yaml", "--cluster", "cluster.yaml"], tmp_path,
+                                monkeypatch, capsys)
+    assert code == 2
+    assert err.strip() == ("error: plan.json: pipelines.0.replicas.0.tp: TP 2 is larger than one A100-40 node"
+                           " (1 GPUs); TP never crosses a node")
 
 
-@pytest.mark.integration
-def test_missing_file_and_missing_job(tmp_path):
+def test_missing_file_and_missing_job(tmp_path, monkeypatch, capsys):
     (tmp_path / "plan.json").write_text(json.dumps(PLAN))
-    r = _run("simulate", "plan.json", "--job", "nope.yaml", cwd=tmp_path)
-    assert (r.returncode, r.stderr.strip()) == (2, "error: nope.yaml: no such file")
-    r = _run("simulate", "plan.json", cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.strip().startswith("error: plan.json: no job")
+    code, err = _run_in_process(["simulate", "plan.json", "--job", "nope.yaml"], tmp_path, monkeypatch, capsys)
+    assert (code, err.strip()) == (2, "error: nope.yaml: no such file")
+    code, err = _run_in_process(["simulate", "plan.json"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and err.strip().startswith("error: plan.json: no job")
 
 
 @pytest.mark.integration

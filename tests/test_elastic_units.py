@@ -121,28 +121,33 @@ def test_missing_trace_file(tmp_path):
 
 
 @pytest.mark.integration
-def test_cli_bad_trace_exits_2_with_one_line(tmp_path):
+def test_cli_bad_trace_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+    """`sailor run` through the console command (a process of its own: its whole stderr), `sailor
+    replay` through `sailor.cli.main` in this process (the same entry point, one start-up fewer)."""
+    from test_cli_bad_input import _main
+
     job = _write(tmp_path, "job.json", '{"model": "tiny", "global_batch_size": 8}')
     cluster = _write(tmp_path, "c.json", '{"provider": "local", "zones": {"local": {"cpu": 4}}}')
     trace = _write(tmp_path, "t.csv", "Timestamp,A100-40_local\n0,4\n")
-    for cmd in ("run", "replay"):
-        p = subprocess.run([*SAILOR, cmd, "--job", str(job), "--cluster", str(cluster),
-                            "--availability", str(trace)], capture_output=True, text=True, timeout=60)
-        assert p.returncode == 2, p.stderr
-        lines = p.stderr.strip().splitlines()
-        assert lines == [f"error: {trace}: line 2.A100-40_local: offered at 0 s, but {A100_LOCAL}"], p.stderr
+    args = ["--job", str(job), "--cluster", str(cluster), "--availability", str(trace)]
+    p = subprocess.run([*SAILOR, "run", *args], capture_output=True, text=True, timeout=60)
+    replay_code, _, replay_err = _main(["replay", *args], tmp_path, monkeypatch, capsys)
+    for code, err in ((p.returncode, p.stderr), (replay_code, replay_err)):
+        assert code == 2, err
+        lines = err.strip().splitlines()
+        assert lines == [f"error: {trace}: line 2.A100-40_local: offered at 0 s, but {A100_LOCAL}"], err
 
 
-@pytest.mark.integration
-def test_cli_run_on_a_trace_that_never_offers_a_gpu_exits_2(tmp_path):
+def test_cli_run_on_a_trace_that_never_offers_a_gpu_exits_2(tmp_path, monkeypatch, capsys):
+    from test_cli_bad_input import _main
+
     job = _write(tmp_path, "job.json", '{"model": "tiny", "global_batch_size": 8}')
     cluster = _write(tmp_path, "c.json", '{"provider": "local", "zones": {"local": {"cpu": 4}}}')
     trace = _write(tmp_path, "t.json", '[{"time_s": 0, "zone": "local", "gpu": "cpu", "count": 0}]')
-    p = subprocess.run([*SAILOR, "run", "--job", str(job), "--cluster", str(cluster), "--availability", str(trace)],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"error: {trace}: the trace never offers a GPU"
-                                                                     " (give some zone and GPU type a count above 0)"], \
-        p.stderr
+    code, _, err = _main(["run", "--job", str(job), "--cluster", str(cluster), "--availability", str(trace)], tmp_path,
+                         monkeypatch, capsys)
+    assert code == 2 and err.strip().splitlines() == [f"error: {trace}: the trace never offers a GPU"
+                                                      " (give some zone and GPU type a count above 0)"], err
 
 
 def test_switch_rule():
