@@ -35,6 +35,16 @@ Transfers follow NCCL's rules (checked on CPU by `comm_check`, over the tests' p
   sends the orders are deadlock-free (Narayanan et al., SC'21, §2.2; the interleaved and ZB-H1 orders
   are checked by their event simulation, `simulator.schedule_orders`), and on separate channels an
   NCCL send blocks only its own channel's stream, not the compute (`comm_check` models both).
+- Who posts: on CUDA the rank's thread calls `isend`/`irecv`, which only enqueue the transfer on its
+  channel's NCCL stream (the compute goes on: the device's NIC and copy engines move the bytes). On
+  CPU (gloo) the calling thread would itself write the message into the socket and post each
+  receive's notification, so the rank's compute thread would pay every transfer's network stack
+  work, and a testbed's device quota would throttle transfers as compute. There every `isend` and
+  `irecv` of `P2P` is posted instead by the process's post thread (`post_thread.PostThread`, named
+  for the testbed's communication cgroup), in the order `P2P` submits them: one thread with one FIFO
+  queue, so each channel's posting order is the rank's program order, as above. The rank keeps each
+  post's Future and waits on its Work (`P2P.receive`, `P2P.finish`); what posting raised is raised in
+  the rank, and a post the thread does not make within `timeout` raises TimeoutError.
 - On CUDA a receive is waited on by the stream (`Work.wait()` makes the current stream wait for it;
   the host goes on); a transfer that hangs fails after the group's timeout (NCCL's watchdog). On
   CPU (gloo) the host waits, at most `timeout`.
@@ -49,19 +59,23 @@ Transfers follow NCCL's rules (checked on CPU by `comm_check`, over the tests' p
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import Work
 
 from sailor.plan.orders import BWD, FWD, Op
 from sailor.runtime.balance import LoadBalancing
 from sailor.runtime.executor import ActivationMeter, StageExecutor
 from sailor.runtime.messages import ACTIVATION, Channel, Transfer, rank_program
+from sailor.runtime.post_thread import PostThread, shared_post_thread
 from sailor.runtime.timing import PhaseClock
 from sailor.runtime.topology import Link, RankRole
 
@@ -106,14 +120,41 @@ class P2P:
     tp_group: dist.ProcessGroup | None = None
     # per chunk, (input, output) cross as this rank's sequence slice (`tensor_parallel.sliced_edges`)
     sliced: tuple[tuple[bool, bool], ...] = ()
-    pending: list = field(default_factory=list)  # (work, tensor): kept alive until the send completes
-    posted: dict = field(default_factory=dict)  # Transfer -> work of a receive posted, not yet taken
+    pending: list = field(default_factory=list)  # (post, tensor): kept alive until the send completes
+    posted: dict = field(default_factory=dict)  # Transfer -> post of a receive posted, not yet taken
     slices: dict = field(default_factory=dict)  # Message -> this rank's slice buffer, filled by `posted`
     sent: dict = field(default_factory=dict)  # kind -> bytes this rank has sent (ACTIVATION, GRADIENT)
     # kind -> elements (fp64) of the side message every transfer of that kind is followed by on its
     # channel (`balance.LoadBalancing.side_sizes`, set by `run_pipeline`; none when empty)
     side_sizes: Mapping[str, int] = field(default_factory=dict)
-    side_posted: dict = field(default_factory=dict)  # Transfer -> (work, buffer) of a side receive
+    side_posted: dict = field(default_factory=dict)  # Transfer -> (post, buffer) of a side receive
+    # A *post* is the Work of an isend/irecv, or on CPU the Future of it from the post thread.
+    _poster: PostThread | None = field(default=None, init=False, repr=False)
+
+    def _post(self, fn: Callable, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> Work | Future:
+        """fn(tensor, peer, group=group) (`dist.isend` or `dist.irecv`): on CPU posted by this process's
+        post thread (`post_thread`, module docstring; a Future of the Work), on CUDA here (the Work)."""
+        if self.device.type == "cuda":
+            return fn(tensor, peer, group=group)
+        if self._poster is None:
+            self._poster = shared_post_thread()
+        return self._poster.submit(functools.partial(fn, group=group), tensor, peer)
+
+    def _work(self, post: Work | Future) -> Work:
+        """The Work of `post`, waiting at most `timeout` for the post thread to post it; raises what
+        posting raised, or TimeoutError."""
+        if not isinstance(post, Future):
+            return post
+        try:
+            return post.result(self.timeout.total_seconds())
+        except TimeoutError:
+            if post.done():  # what posting raised
+                raise
+            raise TimeoutError(f"rank {self.role.rank}: the post thread posted no transfer within {self.timeout}") from None
+
+    def _done(self, post: Work | Future) -> bool:
+        """Whether `post` is posted and its transfer complete (raises what posting raised)."""
+        return (not isinstance(post, Future) or post.done()) and self._work(post).is_completed()
 
     def _span(self, link: Link) -> tuple[int, int]:
         """[start, end) in elements of the flattened (T, B, h) tensor of `link`'s slice."""
@@ -150,16 +191,17 @@ class P2P:
             buf = self.slices[t.message] = torch.empty(n // tp, dtype=self.dtype, device=self.device)
         a, b = self._span(self._link(t, receiving=True))
         base = r * (n // tp)  # this rank's slice starts there
-        self.posted[t] = dist.irecv(buf[a - base:b - base], t.channel.src, group=self.channels[t.channel])
+        group = self.channels[t.channel]
+        self.posted[t] = self._post(dist.irecv, buf[a - base:b - base], t.channel.src, group)
         size = self.side_sizes.get(t.channel.kind)
         if size:  # posted right after the slice on the same channel: the sender's order
             side = torch.empty(size, dtype=torch.float64, device=self.device)
-            self.side_posted[t] = (dist.irecv(side, t.channel.src, group=self.channels[t.channel]), side)
+            self.side_posted[t] = (self._post(dist.irecv, side, t.channel.src, group), side)
 
-    def _wait(self, t: Transfer, work) -> None:
+    def _wait(self, t: Transfer, post: Work | Future) -> None:
         if self.device.type == "cuda":
-            work.wait()
-        elif not work.wait(self.timeout):
+            post.wait()
+        elif not self._work(post).wait(self.timeout):
             raise TimeoutError(f"rank {self.role.rank}: no data from rank {t.channel.src} within {self.timeout}")
 
     def receive(self, transfers: Sequence[Transfer]) -> torch.Tensor:
@@ -197,7 +239,7 @@ class P2P:
         """Send each transfer's slice of `x` ((B, T, h), or this rank's (B, T/t, h) where the edge is
         sliced, in `dtype`) on its channel, each followed there by `side` (fp64, `side_sizes`) if given."""
         # Sends that completed free their tensors now, not at the end of the step.
-        self.pending = [(w, y) for w, y in self.pending if not w.is_completed()]
+        self.pending = [(w, y) for w, y in self.pending if not self._done(w)]
         if not transfers:
             return
         flat = x.detach().to(self.dtype).transpose(0, 1).contiguous().view(-1)  # sequence-major (T, B, h)
@@ -208,16 +250,17 @@ class P2P:
             a, b = self._span(self._link(t, receiving=False))
             piece = flat[a - base:b - base]
             for y in (piece,) if side is None else (piece, side):  # one channel: the side right after
-                self.pending.append((dist.isend(y, t.channel.dst, group=self.channels[t.channel]), y))
+                self.pending.append((self._post(dist.isend, y, t.channel.dst, self.channels[t.channel]), y))
                 self.sent[t.channel.kind] = self.sent.get(t.channel.kind, 0) + y.numel() * y.element_size()
 
     def finish(self) -> None:
-        """Wait for every send posted this step; every posted receive must have been taken."""
+        """Wait for every send posted this step (on CPU, at most `timeout` for the post thread to post
+        it, and raises what posting raised); every posted receive must have been taken."""
         assert not self.posted, f"rank {self.role.rank}: receives posted but not taken: {list(self.posted)}"
         assert not self.side_posted, f"rank {self.role.rank}: side messages never taken: {list(self.side_posted)}"
         assert not self.slices, f"rank {self.role.rank}: slices never gathered: {list(self.slices)}"
-        for work, _ in self.pending:
-            work.wait(self.timeout)
+        for post, _ in self.pending:
+            self._work(post).wait(self.timeout)
         self.pending.clear()
 
 

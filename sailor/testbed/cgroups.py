@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sailor.runtime.epochs import AGENT_SLOTS_ENV, SLOT_ENV
+from sailor.runtime.post_thread import THREAD_NAME
 from sailor.testbed import net
 from sailor.testbed.spec import TestbedSpec
 from sailor.testbed.state import NodeState, TestbedState
@@ -88,11 +89,12 @@ def comm_cgroup(node: NodeState) -> str:
 
 PLACE_EVERY_S = 0.1  # how often `place_ranks` is called while ranks start (the stand-in ssh, `testbed.profile`)
 
-COMM_THREADS = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")
-"""Name prefixes (`/proc/TID/comm`) of the threads torch.distributed starts to communicate: gloo's
+COMM_THREADS = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl", THREAD_NAME)
+"""Name prefixes (`/proc/TID/comm`) of the threads that communicate: torch.distributed's, gloo's
 socket loop (`gloo_tcp_loop`), ProcessGroupGloo's work threads (`pt_gloo_runloop`), the rendezvous
-store's loop (`pt_tcpstore_uv`). Every other thread of a rank (Python's, torch's compute threads)
-computes, under its device's quota."""
+store's loop (`pt_tcpstore_uv`), and the runtime's own that posts the pipeline's point-to-point
+transfers on CPU (`runtime.post_thread`: gloo writes a send's bytes from the thread that posts it).
+Every other thread of a rank (Python's, torch's compute threads) computes, under its device's quota."""
 
 
 def torchrun_slot(pid: str) -> int | None:

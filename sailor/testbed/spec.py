@@ -122,7 +122,7 @@ class TestbedSpec(BaseModel):
     its speed is smooth at the scale of a pass: a rank of 0.3 cores runs 1 ms of every 3.3 ms."""
     comm_cpu_quota: Real(0.01, 64.0) | None = None
     """Cores that the communication threads of all ranks share (gloo's socket loop and work threads,
-    the rendezvous store); None (the default): no limit. A device class's quota throttles a rank's
+    the rendezvous store, the runtime's thread posting pipeline transfers); None (the default): no limit. A device class's quota throttles a rank's
     compute only, as a GPU's NIC and copy engines move data beside its busy SMs (`cgroups.place_ranks`).
     A limit is one CFS period for all of them; measured on `examples/testbed.yaml`, 0.3 cores starved
     a TP 2 plan's per-layer all-reduces (`benchmarks/testbed.py`'s tp2_node: 1.59 s per step, against
