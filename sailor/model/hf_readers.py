@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from sailor.core.errors import SailorInputError
 from sailor.core.schema import validation_error
-from sailor.model.spec import RopeScaling
+from sailor.model.geometry import RopeScaling
 
 LOG = logging.getLogger("sailor")
 
