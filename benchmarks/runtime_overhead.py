@@ -86,7 +86,8 @@ def _job(args) -> dict:
 def boundary_ratios(args, tmp: Path) -> tuple[float, float]:
     """(activation, gradient) bytes crossing the TP-2 -> TP-1 boundary per micro-batch over one
     activation, worst step, from a short 3-rank `sailor train` run (module docstring)."""
-    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+    from sailor.runtime.launcher import ExitStatus, launch
+    from sailor.runtime.prepare import TrainOptions, prepare
     from sailor.specs.job import JobSpec
 
     job = _job(args)
@@ -124,7 +125,8 @@ def _step_times(metrics: Path) -> list[float]:
 def _sailor_times(args, tmp: Path, name: str, memory: list[dict]) -> list[float]:
     """Step times of `sailor train` on 2 data-parallel pipelines of the whole model on this machine,
     stage memory options `memory`."""
-    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+    from sailor.runtime.launcher import ExitStatus, launch
+    from sailor.runtime.prepare import TrainOptions, prepare
 
     plan = tmp / f"{name}.json"
     rep = {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}

@@ -29,7 +29,8 @@ from sailor.elastic.events import ClockKind
 from sailor.elastic.options import RunOptions
 from sailor.elastic.remote import HostPool
 from sailor.plan import plan_from_dict
-from sailor.runtime.launcher import ExitStatus, TrainOptions, prepare
+from sailor.runtime.launcher import ExitStatus
+from sailor.runtime.prepare import TrainOptions, prepare
 from sailor.specs.cluster import ClusterSpec
 
 CLUSTER = ClusterSpec(provider="local", zones={"local": {"cpu": 4}}, gpus_per_node={"cpu": 2})

@@ -223,7 +223,7 @@ def test_tp_pipeline_and_zero_changes_in_place(tmp_path, reference_losses, monke
     steps: a switch writes none at its boundary (the two processes hold every piece) unless a
     periodic one falls there."""
     from sailor.elastic.inplace import InPlaceRun
-    from sailor.runtime.launcher import TrainOptions, prepare
+    from sailor.runtime.prepare import TrainOptions, prepare
 
     monkeypatch.setenv("SAILOR_IGNORE_TAGS", "1")
     job = tmp_path / "job.json"

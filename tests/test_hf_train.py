@@ -23,8 +23,9 @@ from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.checkpoint_io import load_tensors  # noqa: E402
 from sailor.runtime.data import batch_tokens, load_corpus  # noqa: E402
 from sailor.runtime.hf_weights import export_checkpoint, load_full_model  # noqa: E402
-from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare  # noqa: E402
+from sailor.runtime.launcher import ExitStatus, launch  # noqa: E402
 from sailor.runtime.model import GPT  # noqa: E402
+from sailor.runtime.prepare import TrainOptions, prepare  # noqa: E402
 from sailor.runtime.reference import train_reference  # noqa: E402
 from sailor.specs.job import JobSpec  # noqa: E402
 

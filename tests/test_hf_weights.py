@@ -229,7 +229,7 @@ def test_export_refuses_a_folder_in_use_and_a_missing_checkpoint(models, tmp_pat
 
 def test_a_checkpoint_written_before_the_new_model_fields_still_matches_its_job():
     from sailor.model.registry import BUILTIN_MODELS
-    from sailor.runtime.launcher import _current_model_fields
+    from sailor.runtime.prepare import _current_model_fields
 
     tiny = BUILTIN_MODELS["tiny"]
     old = {k: v for k, v in tiny.model_dump(mode="json").items()

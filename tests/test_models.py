@@ -7,8 +7,9 @@ import pytest
 
 from sailor.core.errors import SailorInputError
 from sailor.model.activations import layer_bytes, recompute_transient_bytes
+from sailor.model.geometry import LayerKind
 from sailor.model.registry import BUILTIN_MODELS, canonical_model_name, get_model
-from sailor.model.spec import Collective, Framework, LayerKind, ModelSpec, Recompute
+from sailor.model.spec import Collective, Framework, ModelSpec, Recompute
 
 
 def test_layer_counts():

@@ -235,7 +235,7 @@ def test_moe_block_activation_bytes_are_what_autograd_saves(shared, renormalise)
     # The runtime's MoE block at TP 1 (fp32 on CPU: norm statistics in fp32 too) keeps exactly what
     # `layer_bytes` counts: the saved-tensor hooks of `sailor profile`
     from sailor.runtime.model import GPT
-    from sailor.runtime.profiler import _saved_bytes
+    from sailor.runtime.profile_measure import _saved_bytes
 
     mlp = _runtime_mlp(shared, renormalise)
     spec = _spec(MoE(num_experts=E, top_k=K, expert_ffn_size=FE, norm_topk_prob=renormalise,

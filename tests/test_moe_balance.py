@@ -111,7 +111,8 @@ def _train(body: dict, tmp_path) -> None:
 
     from sailor.runtime.data import load_corpus
     from sailor.runtime.groups import IGNORE_TAGS_ENV
-    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+    from sailor.runtime.launcher import ExitStatus, launch
+    from sailor.runtime.prepare import TrainOptions, prepare
     from sailor.runtime.reference import train_reference
 
     job = {"model": _spec().model_dump(mode="json"), "global_batch_size": 8, "sequence_length": 16}

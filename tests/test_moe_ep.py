@@ -309,7 +309,8 @@ def test_a_checkpoint_saved_under_one_placement_resumes_under_another(tmp_path):
 
     from sailor.runtime.data import load_corpus
     from sailor.runtime.hf_weights import load_full_model
-    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+    from sailor.runtime.launcher import ExitStatus, launch
+    from sailor.runtime.prepare import TrainOptions, prepare
     from sailor.runtime.reference import train_reference
 
     folder, data, ck = tmp_path / "mixtral", tmp_path / "train.bin", str(tmp_path / "ck")

@@ -24,13 +24,13 @@ from sailor.perf.profiles import load_profiles, profiles_from_dict
 from sailor.runtime.netprofile import fit_alpha_beta, profile_network
 from sailor.runtime.profiler import (
     ProfileOptions,
-    _free_port,
     check_options,
     device_gpu_type,
     layer_row,
     pass_scale,
     profile_job,
 )
+from sailor.runtime.ranks import _free_port
 from sailor.specs.cluster import local_cluster
 from sailor.specs.job import JobSpec
 
@@ -231,7 +231,7 @@ def test_split_backward_gives_the_full_backwards_gradients():
     import torch
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    from sailor.runtime.profiler import _build_layer
+    from sailor.runtime.profile_measure import _build_layer
 
     for first, end in ((1, None), (1, 5)):
         layer = _build_layer(JOB, first, 0, 1, None, torch.device("cpu"), end)
@@ -334,7 +334,7 @@ def test_network_profile_between_machines_runs_each_pair_where_launch_says(tmp_p
 def test_a_model_mixing_dense_and_moe_blocks_profiles_one_of_each(tmp_path):
     # block 0 (layer 1) is a mixture of experts, block 1 (layer 2) dense: each is timed and measured
     # itself, and every layer of the profile carries its own kind's figures
-    from sailor.runtime.profiler import layer_kinds
+    from sailor.runtime.profile_measure import layer_kinds
 
     model = {"name": "moe", "num_blocks": 3, "hidden_size": 64, "num_heads": 4, "vocab_size": 256,
              "max_sequence_length": 64, "gated_mlp": True, "learned_positions": False, "bias": False,
@@ -359,12 +359,12 @@ def test_run_ranks_keeps_the_last_message_a_rank_printed_before_it_exited(monkey
     `sailor profile network --hosts` lost a pair's result, KeyError 'p2p'); run_ranks reads it."""
     import io
 
-    from sailor.runtime import profiler
+    from sailor.runtime import ranks
 
     class LatePipe:  # the rank's stdout: its one line comes after the process has exited
         def __iter__(self):
             time.sleep(0.3)
-            yield profiler.RANK_MESSAGE + json.dumps({"result": {"p2p": 1}}) + "\n"
+            yield ranks.RANK_MESSAGE + json.dumps({"result": {"p2p": 1}}) + "\n"
 
     class Exited:  # stands in for subprocess.Popen: the rank has already exited with 0
         def __init__(self, argv, **kw):
@@ -378,5 +378,5 @@ def test_run_ranks_keeps_the_last_message_a_rank_printed_before_it_exited(monkey
 
     monkeypatch.setattr(subprocess, "Popen", Exited)
     got = []
-    profiler.run_ranks("sailor.runtime.profiler:profile_rank", 1, {}, on_message=got.append, port=1)
+    ranks.run_ranks("sailor.runtime.profiler:profile_rank", 1, {}, on_message=got.append, port=1)
     assert got == [{"result": {"p2p": 1}}]

@@ -300,7 +300,8 @@ SGD = {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay":
 def test_schedule_and_eval_on_a_heterogeneous_pipeline_equal_the_reference(tmp_path, name, recipe):
     """Each step's loss and learning rate, and the eval loss every 2 steps, as the single-process
     run has them (AdamW with weight decay, warmup then cosine; or SGD)."""
-    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+    from sailor.runtime.launcher import ExitStatus, launch
+    from sailor.runtime.prepare import TrainOptions, prepare
 
     job = _job(tmp_path)
     job["recipe"].update(recipe)

@@ -14,8 +14,8 @@ from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.checkpoint_io import Reader
 from sailor.runtime.data import batch_tokens, load_corpus
-from sailor.runtime.launcher import check_resumable
 from sailor.runtime.pipeline import P2P
+from sailor.runtime.prepare import check_resumable
 from sailor.runtime.scaler import LossScaler
 from sailor.runtime.topology import derive_topology
 from sailor.runtime.worker import build_rank, model_layout, save_checkpoint, train_step

@@ -257,7 +257,7 @@ def test_plan_level_modules_stay_torch_free():
 ])
 def test_train_refuses_an_empty_path_before_any_process(tmp_path, option, value, match):
     # "" would pass every "was it given?" check, then become the current folder on every rank
-    from sailor.runtime.launcher import TrainOptions, prepare
+    from sailor.runtime.prepare import TrainOptions, prepare
     plan = tmp_path / "plan.json"
     Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 6]], "pipelines": [{"microbatches": 8, "replicas": [
         {"stage": 0, "gpu": "cpu", "zone": "local", "tp": 1}]}]}).with_specs(JobSpec(model="tiny", global_batch_size=8),
@@ -267,7 +267,7 @@ def test_train_refuses_an_empty_path_before_any_process(tmp_path, option, value,
 
 
 def test_train_refuses_a_stop_file_that_exists_or_is_a_folder(tmp_path):
-    from sailor.runtime.launcher import TrainOptions, check_train_options
+    from sailor.runtime.prepare import TrainOptions, check_train_options
     (tmp_path / "dir").mkdir()
     (tmp_path / "stop").touch()
     with pytest.raises(SailorInputError, match="exists already, so the run would stop before its first step"):

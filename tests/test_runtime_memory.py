@@ -19,9 +19,9 @@ from sailor.plan.spec import Plan, StageMemory
 from sailor.runtime.buckets import build_buckets
 from sailor.runtime.data import batch_tokens, load_corpus
 from sailor.runtime.executor import ActivationMeter
-from sailor.runtime.launcher import TrainOptions, prepare
 from sailor.runtime.model import GPT, lm_loss_sum
 from sailor.runtime.pipeline import build_stage
+from sailor.runtime.prepare import TrainOptions, prepare
 from sailor.runtime.reference import train_reference
 from sailor.runtime.tensor_parallel import apply_tp
 from sailor.runtime.topology import derive_topology

@@ -27,7 +27,8 @@ from sailor.runtime import checkpoint as ckpt
 from sailor.runtime.checkpoint_io import load_tensors
 from sailor.runtime.data import load_corpus
 from sailor.runtime.groups import IGNORE_TAGS_ENV
-from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+from sailor.runtime.launcher import ExitStatus, launch
+from sailor.runtime.prepare import TrainOptions, prepare
 from sailor.runtime.reference import train_reference
 from sailor.runtime.schedule import runtime_schedule
 from sailor.runtime.topology import derive_topology

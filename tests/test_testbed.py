@@ -429,10 +429,10 @@ def test_a_profiling_rank_runs_on_the_device_of_its_rank(monkeypatch):
     import subprocess
     import sys
 
-    from sailor.runtime import profiler
+    from sailor.runtime import ranks
     from sailor.testbed.profile import profile_rank_slot
 
-    launched = []  # the argv `profiler.run_ranks` starts each rank with, caught before anything runs
+    launched = []  # the argv `ranks.run_ranks` starts each rank with, caught before anything runs
 
     def refuse(argv, **kw):
         launched.append(argv)
@@ -440,7 +440,7 @@ def test_a_profiling_rank_runs_on_the_device_of_its_rank(monkeypatch):
 
     monkeypatch.setattr(subprocess, "Popen", refuse)
     with pytest.raises(OSError):
-        profiler.run_ranks("sailor.runtime.profiler:profile_rank", 2, {}, port=1234)
+        ranks.run_ranks("sailor.runtime.profiler:profile_rank", 2, {}, port=1234)
     monkeypatch.undo()
     assert launched == [[sys.executable, "-m", "sailor.runtime.profiler", "sailor.runtime.profiler:profile_rank",
                          "0", "2", "1234"]]

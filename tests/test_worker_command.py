@@ -23,7 +23,7 @@ from sailor.launch import Backend, KubernetesOptions, launch_specs
 from sailor.launch.common import RESUME_VAR, launch_layout
 from sailor.launch.skypilot import SkyPilotOptions
 from sailor.runtime.command import WorkerSettings, parse
-from sailor.runtime.launcher import TrainOptions, worker_settings
+from sailor.runtime.prepare import TrainOptions, worker_settings
 
 SHELL_OPERATORS = {"&", "&&", ";", ";;", "|", "||"}
 LAUNCHER = ["-m", "sailor.runtime.launcher"]

@@ -94,7 +94,7 @@ def run(
     from sailor.elastic.remote import HostPool
     from sailor.runtime.command import checkpoint_every_for, steps_for
     from sailor.runtime.hf_weights import check_init_from
-    from sailor.runtime.launcher import check_training_data
+    from sailor.runtime.prepare import check_training_data
 
     if in_place and restart:  # (one typer flag pair would let the last of them win silently)
         raise SailorInputError("given with --restart; a switch runs either live or by restarting", source="--in-place",

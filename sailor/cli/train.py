@@ -45,7 +45,8 @@ def train(
     """Train a plan exactly: tensor, pipeline (its schedule) and data parallelism as the plan says."""
     require_torch("train")
     from sailor.runtime.command import checkpoint_every_for
-    from sailor.runtime.launcher import ExitStatus, TrainOptions, launch, prepare
+    from sailor.runtime.launcher import ExitStatus, launch
+    from sailor.runtime.prepare import TrainOptions, prepare
 
     err = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the terminal width
     chosen_dir = checkpoint_dir is None and not resume

@@ -64,14 +64,8 @@ from sailor.elastic.remote import Machine, NodeLaunch
 from sailor.elastic.replan import Planned, Replanner
 from sailor.elastic.switch_cost import LiveSwitchModel
 from sailor.plan.placement import rank_layout
-from sailor.runtime.launcher import (
-    ExitStatus,
-    Prepared,
-    TrainOptions,
-    TrainResult,
-    launch,
-    prepare,
-)
+from sailor.runtime.launcher import ExitStatus, TrainResult, launch
+from sailor.runtime.prepare import Prepared, TrainOptions, prepare
 
 MAX_FAILED_LAUNCHES = 3  # launches in a row that fail before completing a step: then give up
 START_TIMEOUT = "the ranks' process groups did not form"  # how a start timeout's message begins

@@ -82,12 +82,12 @@ from sailor.runtime.launcher import (
     EXEC,
     FAIL_GRACE_S,
     ExitStatus,
-    Prepared,
     TrainResult,
     finish_result,
     kill_groups,
     parse_event,
 )
+from sailor.runtime.prepare import Prepared
 
 MODULE = "sailor.runtime.inplace"
 

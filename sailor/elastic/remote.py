@@ -39,7 +39,8 @@ from sailor.launch.torchrun import node_commands, ssh_argv
 from sailor.plan.placement import rank_layout
 from sailor.plan.spec import Plan
 from sailor.runtime.epochs import PORTS
-from sailor.runtime.launcher import EVENT_PREFIX, Prepared
+from sailor.runtime.launcher import EVENT_PREFIX
+from sailor.runtime.prepare import Prepared
 from sailor.specs.cluster import ClusterSpec
 
 Machine = tuple[str, str, int]

@@ -71,7 +71,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from sailor.model.spec import Framework, LayerKind, ModelSpec, Recompute
+from sailor.model.geometry import LayerKind
+from sailor.model.spec import Framework, ModelSpec, Recompute
 
 INDEX_BYTES = 8  # int64 token, target and position ids
 STAT_BYTES = 4  # fp32 normalisation statistics and log-sum-exp

@@ -12,8 +12,9 @@ import math
 from typing import Any
 
 from sailor.core.errors import SailorInputError
+from sailor.model.geometry import RopeScaling
 from sailor.model.hf_config import spec_from_hf
-from sailor.model.spec import ModelSpec, RopeScaling
+from sailor.model.spec import ModelSpec
 
 # ---- the inverse: ModelSpec -> config.json (for `sailor export`) ---------------------------------------
 

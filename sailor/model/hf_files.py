@@ -27,14 +27,15 @@ from typing import Any
 
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import load_json
-from sailor.model.hf_config import LOG, load_hf_config
+from sailor.model.hf_config import load_hf_config
 from sailor.model.hf_export import differences, export_model_type
+from sailor.model.hf_readers import LOG
 from sailor.model.spec import ModelSpec
 
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
                  "forced_bos_token_id", "forced_eos_token_id")
 KEPT_KEYS = (*TOKEN_ID_KEYS, "tokenizer_class")
-# The dropout rates each architecture's config reads (`hf_config`'s readers); Sailor trains without
+# The dropout rates each architecture's config reads (`hf_readers`); Sailor trains without
 # dropout, but a model fine-tuned further with transformers uses them.
 DROPOUT_KEYS = {"llama": ("attention_dropout",), "mistral": ("attention_dropout",), "qwen2": ("attention_dropout",),
                 "gpt_neox": ("attention_dropout", "hidden_dropout"),

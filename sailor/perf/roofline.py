@@ -48,7 +48,8 @@ from enum import Enum
 import numpy as np
 
 from sailor import catalog
-from sailor.model.spec import Framework, LayerKind, ModelSpec
+from sailor.model.geometry import LayerKind
+from sailor.model.spec import Framework, ModelSpec
 from sailor.specs.job import JobSpec
 
 FP32 = 4

@@ -95,7 +95,7 @@ def check_model_matches_tensors(path: str | Path, manifest: Mapping[str, Any]) -
     """The model spec of checkpoint `path`'s manifest, after checking that it describes the tensors
     the manifest lists: the manifest is not hashed, so a hand-edited `model` (say hidden_size 128 over
     64-wide weights) would otherwise build, resume or export a model its own tensors do not fit. Every
-    user of a checkpoint's model goes through here: resume (`launcher.prepare`) and `sailor export`.
+    user of a checkpoint's model goes through here: resume (`prepare.prepare`) and `sailor export`.
 
     Checked: the canonical parameter names of `GPT(spec)` (`model.param_shapes`) are those listed (a
     tied head may be absent), and, in format 2 (which records full shapes), each shape. The field

@@ -18,7 +18,7 @@ that reach the weights' operations), and later, per layer in the same order, the
 pass from those (`stage_backward_weight`) and `hooks.after_backward(l)`: the hooks see a layer's
 gradients when they exist, after its W pass. The embedding's input is token ids, so its input pass
 is empty and its whole backward runs as its weight pass. The profiler times the two passes the same
-way (`runtime.profiler`).
+way (`runtime.profile_measure`).
 
 `skip_forward` / `skip_backward` / `skip_weight` run only the hooks: a round of the schedule for
 which this pipeline has no micro-batch (uneven shares) still joins its stage's ZeRO collectives.

@@ -65,7 +65,7 @@ class Embedding(nn.Module):
 
 def rope_inv_freq(spec: ModelSpec, device=None) -> torch.Tensor:
     """RoPE's inverse frequencies θ^(-2i/d) for i < d/2, d = `spec.rotary_dim` (RoFormer, Su et al.
-    2021), rescaled by `spec.rope_scaling` (see `sailor.model.spec.RopeScaling`): (d/2,) fp32."""
+    2021), rescaled by `spec.rope_scaling` (see `sailor.model.geometry.RopeScaling`): (d/2,) fp32."""
     d = spec.rotary_dim
     inv = 1.0 / spec.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
     sc = spec.rope_scaling

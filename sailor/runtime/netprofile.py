@@ -128,7 +128,7 @@ def describe_collective(collective: dict[str, Any] | None) -> str:
 
 
 def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
-    """One rank of the sweep (run by `sailor.runtime.profiler.run_ranks`); rank 0 writes
+    """One rank of the sweep (run by `sailor.runtime.ranks.run_ranks`); rank 0 writes
     {"p2p": {flows: [seconds per size]}, "allreduce": [seconds per size]} to `o["out"]`, or without
     one sends it as a rank message {"result": ...} (a rank on another machine). The rendezvous is on
     `o["master_addr"]` (default this machine)."""
@@ -139,7 +139,7 @@ def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from sailor.runtime.device import rank_device, synchronize
-    from sailor.runtime.profiler import init_rank, rank_message
+    from sailor.runtime.ranks import init_rank, rank_message
     from sailor.runtime.timing import Stopwatch
 
     cuda = o["device"] == "cuda"
@@ -207,7 +207,8 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     from sailor.catalog import Link, LinkClass
     from sailor.core.errors import SailorInputError
     from sailor.core.limits import MAX_PROFILE_PASSES, max_local_processes
-    from sailor.runtime.profiler import device_description, device_gpu_type, run_ranks, versions
+    from sailor.runtime.profiler import device_description, device_gpu_type, versions
+    from sailor.runtime.ranks import run_ranks
     from sailor.simulator.collectives import Member
     from sailor.specs.cluster import local_cluster
 
@@ -273,7 +274,8 @@ def profile_pairs(pairs, launch, *, cluster, port: int, device: str = "cpu", war
     `progress(n)` is called as sizes finish (len(sizes_bytes) per pair). Raises RuntimeError (naming
     the pair) if a process fails or times out.
     """
-    from sailor.runtime.profiler import run_ranks, versions
+    from sailor.runtime.profiler import versions
+    from sailor.runtime.ranks import run_ranks
 
     links, sweeps = [], []
     for pair in pairs:

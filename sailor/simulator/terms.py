@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sailor.catalog import LinkClass
-from sailor.model.spec import Collective, Framework, LayerKind, Recompute
+from sailor.model.geometry import LayerKind
+from sailor.model.spec import Collective, Framework, Recompute
 from sailor.plan.placement import BlockFit, node_blocks
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan, StageMemory
 from sailor.simulator.collectives import Group, Member, allreduce_time_s, same_node, tp_collective_time_s

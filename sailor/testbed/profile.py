@@ -112,7 +112,7 @@ def profile_command(job: str | Path, out: str | Path, mbs: str, python: str = sy
 
 
 PROFILE_RANK = ("-m", "sailor.runtime.profiler", "sailor.runtime.profiler:profile_rank")
-"""How a rank of `sailor profile` is started (`profiler.run_ranks`): `python -m sailor.runtime.profiler
+"""How a rank of `sailor profile` is started (`ranks.run_ranks`): `python -m sailor.runtime.profiler
 sailor.runtime.profiler:profile_rank RANK WORLD PORT`."""
 
 
@@ -157,7 +157,7 @@ class _Placed:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for pid in node_processes(self.node):  # ranks run in sessions of their own (`profiler.run_ranks`)
+        for pid in node_processes(self.node):  # ranks run in sessions of their own (`ranks.run_ranks`)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.log.close()
