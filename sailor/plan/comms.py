@@ -90,12 +90,12 @@ def communicator_bytes(n: int) -> int:
     return NCCL_BUFFSIZE * 2 * CHANNELS * min(2, n - 1) if n > 1 else 0
 
 
-StageGroup = tuple[int, int, int]
+_StageGroup = tuple[int, int, int]
 """(pipelines, ranks, finest sharding L) of one stage: what its ranks' gradient-sync communicators
 depend on beyond their own replica (`_stage_group`)."""
 
 
-def _stage_group(plan: Plan, stage: int) -> StageGroup:
+def _stage_group(plan: Plan, stage: int) -> _StageGroup:
     """(pipelines D, ranks holding the stage = the sum of its TP degrees, L = lcm of its TP degrees)
     of stage `stage` of `plan`."""
     tps = [p.replicas[stage].tp for p in plan.pipelines]
@@ -124,7 +124,7 @@ def _pieces_per_rank(a: int, b: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(sends), tuple(receives)
 
 
-def _communicators(world: int, group: StageGroup, t: int, neighbours: tuple[int | None, int | None],
+def _communicators(world: int, group: _StageGroup, t: int, neighbours: tuple[int | None, int | None],
                    tp_rank: int) -> Communicators:
     """The communicators of TP rank `tp_rank` of a replica of TP `t` in a plan of `world` ranks, its
     stage's `_stage_group` and its `_neighbour_tps` (module docstring)."""
@@ -149,7 +149,7 @@ def rank_communicators(plan: Plan, pipeline: int, stage: int, tp_rank: int) -> C
     return _communicators(plan.world_size, _stage_group(plan, stage), t, _neighbour_tps(plan, pipeline, stage), tp_rank)
 
 
-def _replica_bytes(world: int, group: StageGroup, t: int, neighbours: tuple[int | None, int | None]) -> float:
+def _replica_bytes(world: int, group: _StageGroup, t: int, neighbours: tuple[int | None, int | None]) -> float:
     """The most NCCL buffer bytes any of the `t` ranks of a replica holds (`_communicators`' arguments)."""
     return max(_communicators(world, group, t, neighbours, r).bytes for r in range(t))
 

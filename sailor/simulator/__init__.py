@@ -70,7 +70,7 @@ from sailor.simulator.context import (
     make_context,
     tied_embeddings,
 )
-from sailor.simulator.experts import DENSE_ONLY, all_to_all_runs, stage_ep_crossings, stage_ep_ranks
+from sailor.simulator.experts import DENSE_ONLY, EPRank, all_to_all_runs, stage_ep_crossings, stage_ep_ranks
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.schedules import (
     ONE_F_ONE_B,
@@ -277,11 +277,12 @@ def _with_nccl(ctx: SimContext, mem: MemoryBreakdown, nccl_bytes: float, gpu: st
 
 def _replica_rows(ctx: SimContext, plan: Plan, slots: list[Slot], times: PipelineTimes,
                   opts: list[tuple[TimeOptions, ...]], m: int, memory: list[tuple[StageMemory, tuple[StageMemory, ...]]],
-                  sched: PipelineSchedule, ep_ranks: list[Any], nccl: list[float]) -> list[dict[str, Any]]:
+                  sched: PipelineSchedule, ep_ranks: list[EPRank | None], nccl: list[float]) -> list[dict[str, Any]]:
     """Per stage, the `ReplicaEstimate` fields but `pipeline` of one pipeline placed on `slots`, with
     pass times `times`, time options `opts` [stage][chunk], `m` micro-batches, the stages' memory
     options (`terms.stage_memory`), EP rank per stage (None: EP 1) and NCCL buffer bytes per stage
-    (`plan.comms.plan_nccl_bytes`); `sync_s` 0 (`simulate` adds it)."""
+    (`plan.comms.plan_nccl_bytes`); `sync_s` 0 (`simulate` adds it). `simulate` builds the replicas
+    of every pipeline of this kind from these rows, so they share one `memory` object (read only)."""
     P, D, mbs = plan.num_stages, len(plan.pipelines), plan.micro_batch_size
     fwd, bwd = times.forward_s.sum(axis=1).tolist(), (times.backward_s + times.weight_s).sum(axis=1).tolist()
     sends = [float(times.transfer_s[i::P].sum()) for i in range(P)]  # outgoing, per micro-batch
