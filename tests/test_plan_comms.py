@@ -5,16 +5,20 @@ import math
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sailor.plan.comms import (
     CHANNELS,
     NCCL_BUFFSIZE,
     boundary_pieces,
     communicator_bytes,
+    plan_nccl_bytes,
     rank_communicators,
     replica_nccl_bytes,
     uniform_nccl_bytes,
 )
+from sailor.plan.placement import rank_layout
 from sailor.plan.spec import Plan
 
 MIB = 2**20
@@ -104,3 +108,64 @@ def test_count_is_within_the_issue_range_for_a_dp_tp_pp_rank(tp):
     plan = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 2], [2, 4], [4, 6]], "pipelines": [
         {"microbatches": 4, "replicas": [_rep(0, tp), _rep(1, tp), _rep(2, tp)]}] * 2})
     assert 4 <= rank_communicators(plan, 0, 1, 0).count <= 9
+
+
+
+def _reference_communicators(plan, pipeline, stage, tp_rank):
+    """(world, tp, sync, p2p) of one rank as the module docstring defines them, counted over the
+    ranks of `rank_layout` one by one (the straightforward reference `rank_communicators` and
+    `plan_nccl_bytes` must agree with)."""
+    ranks = rank_layout(plan)
+    me = next(x for x in ranks if (x.pipeline, x.stage, x.tp_rank) == (pipeline, stage, tp_rank))
+    holders = [x for x in ranks if x.stage == stage]
+    tps = [x.tp for x in holders if x.tp_rank == 0]  # one per pipeline
+    sync = [len(holders)] if len(holders) > 1 else []
+    if len(tps) > 1 and any(t > 1 for t in tps):  # block groups, unless they equal the stage group
+        sync += [len(tps)] * (math.lcm(*tps) // me.tp)
+    P = plan.num_stages
+    wrap = plan.virtual_stages > 1 and P > 1
+    peers = 0
+    for other in (stage - 1, stage + 1):
+        if not (0 <= other < P or wrap):
+            continue
+        u = next(x.tp for x in ranks if x.pipeline == pipeline and x.stage == other % P)
+        # the neighbour's TP ranks whose slice [q/u, (q+1)/u) overlaps mine [r/t, (r+1)/t)
+        lo, hi = Fraction(tp_rank, me.tp), Fraction(tp_rank + 1, me.tp)
+        peers += sum(1 for q in range(u) if Fraction(q, u) < hi and lo < Fraction(q + 1, u))
+    return ((len(ranks),) if len(ranks) > 1 else (), (me.tp,) if me.tp > 1 else (), tuple(sync),
+            (2,) * (2 * peers))  # one channel each way per peer
+
+
+def _check_against_reference(plan):
+    table = plan_nccl_bytes(plan)
+    assert [len(row) for row in table] == [plan.num_stages] * len(plan.pipelines)
+    for j, p in enumerate(plan.pipelines):
+        for i, r in enumerate(p.replicas):
+            ref = [_reference_communicators(plan, j, i, k) for k in range(r.tp)]
+            for k in range(r.tp):
+                c = rank_communicators(plan, j, i, k)
+                assert (c.world, c.tp, c.sync, c.p2p) == ref[k], (j, i, k)
+            most = max(float(sum(communicator_bytes(n) for part in x for n in part)) for x in ref)
+            assert replica_nccl_bytes(plan, j, i) == most and table[j][i] == most, (j, i)
+
+
+def test_plan_table_on_the_mixed_plan():
+    # the README plan (hand-checked above): V100 stage 1 at TP 2 holds the most, 9 communicators
+    _check_against_reference(MIXED)
+    assert plan_nccl_bytes(MIXED)[1][1] == (32 + 16 + 32 + 16 + 16 + 4 * 16) * MIB
+
+
+_TPS = st.sampled_from([1, 2, 3, 4, 8])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.booleans(), st.lists(st.tuples(st.integers(1, 3), st.data()), min_size=1, max_size=4))
+def test_communicators_equal_the_rank_by_rank_reference(P, interleaved, pipes):
+    interleaved = interleaved and P > 1
+    v = 2 if interleaved else 1
+    # pipelines repeat so that the table's per-(stage, TP, neighbours) pricing is shared
+    pipelines = [{"microbatches": m, "replicas": [_rep(i, data.draw(_TPS)) for i in range(P)]} for m, data in pipes]
+    plan = Plan.model_validate({"micro_batch_size": 1, "stages": [[k, k + 1] for k in range(P * v)],
+                                **({"schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2}} if interleaved else {}),
+                                "pipelines": pipelines + pipelines[:1]})
+    _check_against_reference(plan)

@@ -2,6 +2,7 @@
 hypothesis properties (faster GPU or link never slower, memory grows with micro-batch size, closed
 form = event simulation on uniform pipelines)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -165,6 +166,25 @@ def test_memory_by_hand():
     assert est.replicas[2].memory.activations == pytest.approx(5000)
     assert est.fits_in_memory
 
+
+
+@pytest.mark.parametrize("event", [True, False])
+def test_pipelines_of_one_kind_share_their_figures_and_no_others_do(event):
+    # four pipelines, two of them alike (zone a, m = 3): simulate prices each kind of pipeline once
+    # (`_replica_rows`), so reversing the pipelines must move every replica's figures with its
+    # pipeline, the m = 1 pipeline in zone a keeping its own (one micro-batch in flight, not two)
+    micro, zones = (3, 1, 3, 1), (ZA, ZB, ZA, ZA)
+    est = simulate(_plan(micro, zones=zones), _ctx(), event=event)
+    back = simulate(_plan(micro[::-1], zones=zones[::-1]), _ctx(), event=event)
+    assert est.pipeline_times_s == back.pipeline_times_s[::-1]
+    for r in est.replicas:
+        twin = back.replicas[2 * (3 - r.pipeline) + r.stage]
+        assert dataclasses.replace(twin, pipeline=r.pipeline) == r
+    by_pipe = [[r for r in est.replicas if r.pipeline == j] for j in range(4)]
+    assert [r.memory.activations for r in by_pipe[0]] == [r.memory.activations for r in by_pipe[2]] == [2 * 5000, 7000]
+    assert by_pipe[3][0].memory.activations == 5000  # the m = 1 pipeline of zone a: one micro-batch
+    # the world of 8 ranks, the stage's sync group of 4, one activation out and one gradient in
+    assert {r.memory.nccl for r in est.replicas} == {(32 + 32 + 16 + 16) * 2**20}
 
 def test_closed_form_path_agrees_on_this_uniform_plan():
     ctx = _ctx()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 
 from sailor.plan.spec import Plan
 
@@ -89,34 +90,93 @@ def communicator_bytes(n: int) -> int:
     return NCCL_BUFFSIZE * 2 * CHANNELS * min(2, n - 1) if n > 1 else 0
 
 
-def rank_communicators(plan: Plan, pipeline: int, stage: int, tp_rank: int) -> Communicators:
-    """The communicators of the rank at (`pipeline`, `stage`, `tp_rank`) of `plan` (module docstring)."""
-    pipes = plan.pipelines
-    tps = [p.replicas[stage].tp for p in pipes]
-    t, world = tps[pipeline], plan.world_size
-    finest = math.lcm(*tps)
-    stage_members = sum(tps)
+_StageGroup = tuple[int, int, int]
+"""(pipelines, ranks, finest sharding L) of one stage: what its ranks' gradient-sync communicators
+depend on beyond their own replica (`_stage_group`)."""
+
+
+def _stage_group(plan: Plan, stage: int) -> _StageGroup:
+    """(pipelines D, ranks holding the stage = the sum of its TP degrees, L = lcm of its TP degrees)
+    of stage `stage` of `plan`."""
+    tps = [p.replicas[stage].tp for p in plan.pipelines]
+    return len(tps), sum(tps), math.lcm(*tps)
+
+
+def _neighbour_tps(plan: Plan, pipeline: int, stage: int) -> tuple[int | None, int | None]:
+    """TP degrees of the replicas replica (`pipeline`, `stage`) exchanges activations with: (the one
+    it receives from, the one it sends to), None where there is none (the first and last stage, but
+    interleaved schedules wrap round)."""
+    reps = plan.pipelines[pipeline].replicas
+    P, wrap = len(reps), plan.virtual_stages > 1 and len(reps) > 1
+    before = reps[(stage - 1) % P].tp if stage > 0 or wrap else None
+    after = reps[(stage + 1) % P].tp if stage < P - 1 or wrap else None
+    return before, after
+
+
+@lru_cache(maxsize=None)
+def _pieces_per_rank(a: int, b: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(pieces each sending TP rank of `a` sends, pieces each receiving TP rank of `b` receives) of
+    `boundary_pieces(a, b)`: the peers each rank has across that boundary."""
+    sends, receives = [0] * a, [0] * b
+    for s, r, _, _ in boundary_pieces(a, b):
+        sends[s] += 1
+        receives[r] += 1
+    return tuple(sends), tuple(receives)
+
+
+def _communicators(world: int, group: _StageGroup, t: int, neighbours: tuple[int | None, int | None],
+                   tp_rank: int) -> Communicators:
+    """The communicators of TP rank `tp_rank` of a replica of TP `t` in a plan of `world` ranks, its
+    stage's `_stage_group` and its `_neighbour_tps` (module docstring)."""
+    pipes, stage_members, finest = group
     sync: list[int] = [stage_members] if stage_members > 1 else []
-    if len(pipes) > 1 and not (finest == 1 and len(pipes) == stage_members):
-        sync += [len(pipes)] * (finest // t)  # one block group per block held, one rank per pipeline
+    if pipes > 1 and not (finest == 1 and pipes == stage_members):
+        sync += [pipes] * (finest // t)  # one block group per block held, one rank per pipeline
+    # the u-ranks whose slice overlaps this rank's (`boundary_pieces`), one channel each way
+    before, after = neighbours
     p2p = 0
-    P, wrap = plan.num_stages, plan.virtual_stages > 1
-    for side, exists in ((-1, stage > 0), (1, stage < P - 1)):
-        if exists or (wrap and P > 1):
-            u = pipes[pipeline].replicas[(stage + side) % P].tp
-            # the u-ranks whose slice overlaps this rank's (`boundary_pieces`), one channel each way
-            if side == 1:  # this rank sends activations to them
-                p2p += 2 * sum(1 for s, _, _, _ in boundary_pieces(t, u) if s == tp_rank)
-            else:  # this rank receives activations from them
-                p2p += 2 * sum(1 for _, r, _, _ in boundary_pieces(u, t) if r == tp_rank)
+    if before is not None:  # this rank receives activations from them
+        p2p += 2 * _pieces_per_rank(before, t)[1][tp_rank]
+    if after is not None:  # this rank sends activations to them
+        p2p += 2 * _pieces_per_rank(t, after)[0][tp_rank]
     return Communicators(world=(world,) if world > 1 else (), tp=(t,) if t > 1 else (), sync=tuple(sync),
                          p2p=(2,) * p2p)
 
 
+def rank_communicators(plan: Plan, pipeline: int, stage: int, tp_rank: int) -> Communicators:
+    """The communicators of the rank at (`pipeline`, `stage`, `tp_rank`) of `plan` (module docstring)."""
+    t = plan.pipelines[pipeline].replicas[stage].tp
+    return _communicators(plan.world_size, _stage_group(plan, stage), t, _neighbour_tps(plan, pipeline, stage), tp_rank)
+
+
+def _replica_bytes(world: int, group: _StageGroup, t: int, neighbours: tuple[int | None, int | None]) -> float:
+    """The most NCCL buffer bytes any of the `t` ranks of a replica holds (`_communicators`' arguments)."""
+    return max(_communicators(world, group, t, neighbours, r).bytes for r in range(t))
+
+
 def replica_nccl_bytes(plan: Plan, pipeline: int, stage: int) -> float:
     """The most NCCL buffer bytes any rank of replica (`pipeline`, `stage`) holds."""
-    tp = plan.pipelines[pipeline].replicas[stage].tp
-    return max(rank_communicators(plan, pipeline, stage, r).bytes for r in range(tp))
+    t = plan.pipelines[pipeline].replicas[stage].tp
+    return _replica_bytes(plan.world_size, _stage_group(plan, stage), t, _neighbour_tps(plan, pipeline, stage))
+
+
+def plan_nccl_bytes(plan: Plan) -> list[list[float]]:
+    """`replica_nccl_bytes` of every replica of `plan`, [pipeline][stage], in O(pipelines x stages):
+    the world size and each stage's `_stage_group` counted once, and each (stage, TP, neighbours' TP)
+    priced once."""
+    world = plan.world_size
+    groups = [_stage_group(plan, i) for i in range(plan.num_stages)]
+    priced: dict[tuple, float] = {}
+    out = []
+    for j, p in enumerate(plan.pipelines):
+        row = []
+        for i, r in enumerate(p.replicas):
+            key = (i, r.tp, _neighbour_tps(plan, j, i))
+            if key not in priced:
+                priced[key] = _replica_bytes(world, groups[i], r.tp, key[2])
+            row.append(priced[key])
+        out.append(row)
+    return out
 
 
 def uniform_nccl_bytes(tp: int, stage: int, num_stages: int, replicas: int, interleaved: bool = False) -> float:

@@ -58,7 +58,7 @@ from sailor.core.errors import SailorInputError
 from sailor.core.units import HOUR_S
 from sailor.model.spec import Framework
 from sailor.perf.profiles import SPLIT_FROM_FLOPS
-from sailor.plan.comms import replica_nccl_bytes
+from sailor.plan.comms import plan_nccl_bytes
 from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator.collectives import group_members
 from sailor.simulator.context import (
@@ -70,7 +70,7 @@ from sailor.simulator.context import (
     make_context,
     tied_embeddings,
 )
-from sailor.simulator.experts import DENSE_ONLY, all_to_all_runs, stage_ep_crossings, stage_ep_ranks
+from sailor.simulator.experts import DENSE_ONLY, EPRank, all_to_all_runs, stage_ep_crossings, stage_ep_ranks
 from sailor.simulator.memory import MemoryBreakdown, replica_memory
 from sailor.simulator.schedules import (
     ONE_F_ONE_B,
@@ -268,12 +268,40 @@ class Estimate:
 
 
 # ---- the simulation -------------------------------------------------------------------------------
-def _with_nccl(ctx: SimContext, mem: MemoryBreakdown, plan: Plan, pipeline: int, stage: int,
-               gpu: str) -> MemoryBreakdown:
-    """A copy of a replica's memory with the NCCL buffers of the communicators its ranks open in
-    this plan (`plan.comms`: exact where `replica_memory` assumed equal TP degrees everywhere)."""
-    nccl = 0.0 if ctx.framework_calibrated(gpu) else replica_nccl_bytes(plan, pipeline, stage)
-    return dataclasses.replace(mem, nccl=nccl)
+def _with_nccl(ctx: SimContext, mem: MemoryBreakdown, nccl_bytes: float, gpu: str) -> MemoryBreakdown:
+    """A copy of a replica's memory with `nccl_bytes`, the NCCL buffers of the communicators its
+    ranks open in this plan (`plan.comms.plan_nccl_bytes`: exact where `replica_memory` assumed
+    equal TP degrees everywhere); none where the GPU type's framework memory is calibrated."""
+    return dataclasses.replace(mem, nccl=0.0 if ctx.framework_calibrated(gpu) else nccl_bytes)
+
+
+def _replica_rows(ctx: SimContext, plan: Plan, slots: list[Slot], times: PipelineTimes,
+                  opts: list[tuple[TimeOptions, ...]], m: int, memory: list[tuple[StageMemory, tuple[StageMemory, ...]]],
+                  sched: PipelineSchedule, ep_ranks: list[EPRank | None], nccl: list[float]) -> list[dict[str, Any]]:
+    """Per stage, the `ReplicaEstimate` fields but `pipeline` of one pipeline placed on `slots`, with
+    pass times `times`, time options `opts` [stage][chunk], `m` micro-batches, the stages' memory
+    options (`terms.stage_memory`), EP rank per stage (None: EP 1) and NCCL buffer bytes per stage
+    (`plan.comms.plan_nccl_bytes`); `sync_s` 0 (`simulate` adds it). `simulate` builds the replicas
+    of every pipeline of this kind from these rows, so they share one `memory` object (read only)."""
+    P, D, mbs = plan.num_stages, len(plan.pipelines), plan.micro_batch_size
+    fwd, bwd = times.forward_s.sum(axis=1).tolist(), (times.backward_s + times.weight_s).sum(axis=1).tolist()
+    sends = [float(times.transfer_s[i::P].sum()) for i in range(P)]  # outgoing, per micro-batch
+    rows = []
+    for i, sl in enumerate(slots):
+        chunks = plan.stage_chunks(i)
+        parts = [stage_time(ctx, sl, mbs, a, e, o) for (a, e), o in zip(chunks, opts[i])]
+        mkey = ("replica_memory", sl.gpu, sl.tp, mbs, chunks, i, P, m, memory[i][0], D, sched, ep_ranks[i])
+        if mkey not in ctx.memo:  # identical replicas of other pipelines have the same memory
+            ctx.memo[mkey] = replica_memory(ctx, sl.gpu, sl.tp, mbs, chunks, stage=i, num_stages=P, microbatches=m,
+                                            memory=memory[i][0], replicas=D, schedule=sched, experts=ep_ranks[i])
+        rows.append(dict(
+            stage=i, gpu=sl.gpu, zone=sl.zone, tp=sl.tp, layers=(chunks[0][0], chunks[-1][1]),
+            chunks=chunks, forward_s=fwd[i], backward_s=bwd[i], p2p_s=sends[i], sync_s=0.0,
+            optimizer_s=sum(optimizer_s(ctx, sl, a, e, o) for (a, e), o in zip(chunks, opts[i])),
+            memory=_with_nccl(ctx, ctx.memo[mkey], nccl[i], sl.gpu), memory_capacity_bytes=ctx.memory_capacity(sl.gpu),
+            recompute_s=sum(st.recompute_s for st in parts), tp_comm_s=sum(st.tp_comm_s for st in parts),
+            gather_s=sum(st.gather_s for st in parts), all_to_all_s=sum(st.all_to_all_s for st in parts)))
+    return rows
 
 
 def check_modelled(plan: Plan, framework: Framework | None = None) -> None:
@@ -318,44 +346,37 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     eps = {i: stage_ep_ranks(ctx, plan.stage_experts(i), [sl[i] for sl in slots], mbs)
            for i in range(P) if plan.stage_experts(i).ep > 1}
     # pipelines of one shape (slots alike but for which nodes they sit on, `group_shape`) share their
-    # pass times: `pipeline_times` reads a node only to tell whether two stages share one
+    # pass times: `pipeline_times` reads a node only to tell whether two stages share one; with the
+    # same micro-batch count and NCCL buffers they also share every replica's figures (`_replica_rows`)
     arrays: dict[tuple, PipelineTimes] = {}
+    kinds: dict[tuple, tuple[float, list[dict[str, Any]]]] = {}
+    nccl = plan_nccl_bytes(plan)  # [pipeline][stage]
     for j, pipe in enumerate(plan.pipelines):
         m = pipe.microbatches
-        opts = [tuple(dataclasses.replace(o, experts=eps[i][j]) for o in options[i]) if i in eps else options[i]
-                for i in range(P)]
         shape = (group_shape([(sl, 1) for sl in slots[j]]), tuple(eps[i][j] for i in eps))
-        if shape not in arrays:
-            arrays[shape] = pipeline_times(ctx, slots[j], plan.stages, mbs, opts, sched)
+        kind = (shape, m, tuple(nccl[j]))
+        if kind not in kinds:
+            opts = [tuple(dataclasses.replace(o, experts=eps[i][j]) for o in options[i]) if i in eps else options[i]
+                    for i in range(P)]
+            if shape not in arrays:
+                arrays[shape] = pipeline_times(ctx, slots[j], plan.stages, mbs, opts, sched)
+            times = arrays[shape]
+            key = (times.key, m, event)
+            if key not in cache:
+                cache[key] = sched.time_s(times, m, event=event)
+            # kept ZeRO-3 weights are gathered once, on each stage's first forward: the fill waits for each
+            fill = sum(kept_gather_s(ctx, slots[j][i], mbs, a, e, o) for i in range(P)
+                       for (a, e), o in zip(plan.stage_chunks(i), opts[i]))
+            kinds[kind] = (cache[key] + fill, _replica_rows(ctx, plan, slots[j], times, opts, m, memory, sched,
+                                                            [eps[i][j] if i in eps else None for i in range(P)], nccl[j]))
         times = arrays[shape]
         passes.append(times)
         cross_bytes += times.cross_zone_bytes * m
         egress_usd += times.egress_usd * m
         crossings += [(TrafficKind.P2P, c, m) for c in times.crossings]
-        key = (times.key, m, event)
-        if key not in cache:
-            cache[key] = sched.time_s(times, m, event=event)
-        # kept ZeRO-3 weights are gathered once, on each stage's first forward: the fill waits for each
-        fill = sum(kept_gather_s(ctx, slots[j][i], mbs, a, e, o) for i in range(P)
-                   for (a, e), o in zip(plan.stage_chunks(i), opts[i]))
-        pipeline_times_s.append(cache[key] + fill)
-        fwd, bwd = times.forward_s.sum(axis=1).tolist(), (times.backward_s + times.weight_s).sum(axis=1).tolist()
-        sends = [float(times.transfer_s[i::P].sum()) for i in range(P)]  # outgoing, per micro-batch
-        for i, r in enumerate(pipe.replicas):
-            chunks = plan.stage_chunks(i)
-            parts = [stage_time(ctx, slots[j][i], mbs, a, e, o) for (a, e), o in zip(chunks, opts[i])]
-            ep_rank = eps[i][j] if i in eps else None
-            mkey = ("replica_memory", r.gpu, r.tp, mbs, chunks, i, P, m, memory[i][0], D, sched, ep_rank)
-            if mkey not in ctx.memo:  # identical replicas of other pipelines have the same memory
-                ctx.memo[mkey] = replica_memory(ctx, r.gpu, r.tp, mbs, chunks, stage=i, num_stages=P, microbatches=m,
-                                                memory=memory[i][0], replicas=D, schedule=sched, experts=ep_rank)
-            replicas.append(ReplicaEstimate(
-                pipeline=j, stage=i, gpu=r.gpu, zone=r.zone, tp=r.tp, layers=(chunks[0][0], chunks[-1][1]),
-                chunks=chunks, forward_s=fwd[i], backward_s=bwd[i], p2p_s=sends[i], sync_s=0.0,
-                optimizer_s=sum(optimizer_s(ctx, slots[j][i], a, e, o) for (a, e), o in zip(chunks, opts[i])),
-                memory=_with_nccl(ctx, ctx.memo[mkey], plan, j, i, r.gpu), memory_capacity_bytes=ctx.memory_capacity(r.gpu),
-                recompute_s=sum(st.recompute_s for st in parts), tp_comm_s=sum(st.tp_comm_s for st in parts),
-                gather_s=sum(st.gather_s for st in parts), all_to_all_s=sum(st.all_to_all_s for st in parts)))
+        pipeline_s, rows = kinds[kind]
+        pipeline_times_s.append(pipeline_s)
+        replicas += [ReplicaEstimate(pipeline=j, **row) for row in rows]
 
     tied_s = 0.0
     ends = (memory[0][0].zero, memory[-1][0].zero)  # ZeRO levels of the stages holding the tied copies

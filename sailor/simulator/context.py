@@ -256,7 +256,7 @@ class SimContext:
     def allreduce_efficiency(self, members: list[Member]) -> float:
         """Fraction of the p2p link bandwidth a gradient all-reduce reaches among `members`
         (calibrated per GPU type, 1 by default; the lowest member's value; see calibration.py)."""
-        return min(gpu_constant(self.calibration, mb.gpu, "allreduce_efficiency", 1.0) for mb in members)
+        return min(gpu_constant(self.calibration, g, "allreduce_efficiency", 1.0) for g in {mb.gpu for mb in members})
 
     def p2p_overhead_s(self, gpu_a: str, gpu_b: str) -> float:
         """Fixed seconds each pipeline transfer pays on top of its bytes (calibrated, 0 by default;

@@ -112,16 +112,17 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
     t, params = _sync_shards(ctx, groups, chunks, share)
     overlap = ctx.job.framework is Framework.SAILOR and sum(n for _, n in groups) > 1
     collectives = _sync_collectives(ctx, params, opts, rounds)
-    key = (("stage_sync", group_shape(groups), params, tuple(collectives))
+    shape = group_shape(groups)
+    key = (("stage_sync", shape, params, tuple(collectives))
            + ((tuple(chunks), mbs, split_backward, share) if overlap else ()))
     if key not in ctx.memo:
         seconds, moved, usd = 0.0, 0.0, 0.0
         layers = [x for a, e in sorted(chunks, reverse=True) for x in reversed(range(a, e))]
         for kind, nbytes, runs in collectives:
             mb, mu = ring_egress(groups, nbytes, ctx.network)
-            full = collective_s(ctx, groups, kind, nbytes, t)
+            full = collective_s(ctx, groups, kind, nbytes, t, shape)
             if overlap and kind is not Collective.ALL_GATHER:  # the gradients' collective, per layer bucket
-                latency = collective_s(ctx, groups, kind, 1.0, t)
+                latency = collective_s(ctx, groups, kind, 1.0, t, shape)
                 per = [latency + (full - latency) * t * ctx.stage_params(t, x, x + 1, share) / params for x in layers]
                 seconds += per[-1] if mbs is None else exposed_sync_s(
                     per, _slowest_backward(ctx, groups, mbs, layers, split_backward), rounds=runs)

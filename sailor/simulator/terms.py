@@ -237,8 +237,9 @@ def layer_gather_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOption
     out = np.zeros(e - a)
     for replicas, share in parts:
         groups = gather_group(ctx, slot, replicas)
-        out += np.array([collective_s(ctx, groups, Collective.ALL_GATHER, t * ctx.stage_params(t, x, x + 1, share) * wb, t)
-                         for x in range(a, e)])
+        shape = group_shape(groups)
+        out += np.array([collective_s(ctx, groups, Collective.ALL_GATHER, t * ctx.stage_params(t, x, x + 1, share) * wb, t,
+                                      shape) for x in range(a, e)])
     return out
 
 
@@ -393,17 +394,19 @@ def optimizer_s(ctx: SimContext, slot: Slot, a: int, e: int, opts: TimeOptions =
     return ctx.profiles.optimizer_time_s(ctx.job, slot.gpu, params)
 
 
-def collective_s(ctx: SimContext, groups: list[Group], kind: Collective, nbytes: float, t: int) -> float:
+def collective_s(ctx: SimContext, groups: list[Group], kind: Collective, nbytes: float, t: int,
+                 shape: tuple | None = None) -> float:
     """Seconds of one all-reduce, reduce-scatter or all-gather of `nbytes` (a replica's full tensor,
     split in `t` shards, one per TP rank: the flows of each ring edge) across `groups`: ring or
     hierarchical over the links (`collectives.allreduce_time_s`, the cluster spec's algorithm) at
     the lowest calibrated all-reduce efficiency of the members, a reduce-scatter or an all-gather
     taking half of it, plus the backend's start-up of one call (`NetworkModel.collective`). 0 for a
     single member. Memoised by the groups' shape (`group_shape`: all the collectives read of them),
-    so the stages of a plan that sync equal bytes over equally placed replicas share one."""
+    so the stages of a plan that sync equal bytes over equally placed replicas share one; `shape`:
+    `group_shape(groups)` where the caller has it."""
     if sum(n for _, n in groups) < 2:
         return 0.0
-    key = ("collective", group_shape(groups), kind, nbytes)
+    key = ("collective", group_shape(groups) if shape is None else shape, kind, nbytes)
     if key not in ctx.memo:
         efficiency = ctx.allreduce_efficiency([r for r, _ in groups])
         ring = allreduce_time_s(groups, nbytes, ctx.network, efficiency=efficiency)
