@@ -196,7 +196,7 @@ def measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, device
             if rank == 0:
                 rank_message({"tick": 1})
         mbs = max(o["mbs"])
-        saved = _saved_bytes(layer, lambda: forward_for(layer, kind, job, mbs, device, autocast))
+        saved = _saved_bytes(layer, lambda bound=layer: forward_for(bound, kind, job, mbs, device, autocast))
         out["activation_bytes_per_sample"][kind] = saved / mbs
         del layer
     if o.get("whole_pass"):
