@@ -197,6 +197,7 @@ def _search_family(ctx: SimContext, opts: PlanOptions, fam: Family, free: dict[P
     """Offer the family's candidates to `keep`; True when the family was searched exhaustively."""
     point = (fam.partition, fam.mbs, fam.memory)
     exhaustive = fam.exhaustive
+    alone: set[int] = set()  # ids of the cut kinds offered alone so far (`_pack`)
     for scope in fam.scopes:
         sfree = scope.free(free)
         kinds = [k for k in fam.kinds if all(p in scope.pools for p, _ in k.use)]
@@ -207,21 +208,26 @@ def _search_family(ctx: SimContext, opts: PlanOptions, fam: Family, free: dict[P
                 _offer_all(opts, scorer, vectors, keep, point)
                 continue
             exhaustive = False
-        _pack(ctx, opts, fam, kinds, sfree, keep, point)
+        _pack(ctx, opts, fam, kinds, sfree, keep, point, alone)
     return exhaustive
 
 
 def _pack(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kind], free: dict[Pool, int],
-          keep: Finalists, point: tuple) -> None:
+          keep: Finalists, point: tuple, alone: set[int]) -> None:
     """The packing candidates of one scope (engine docstring), each scored and offered. The packing
     maximises micro-batches per makespan and does not see the gradient sync, which is slower the
     finer the TP sharding (each rank all-reduces params/t) and crosses nodes unless the pipelines are
     cut between them: so it also runs on the kinds whose every stage has at least TP t, for each t,
-    and on the cut kinds apart (`_placement_groups`)."""
+    and on the cut kinds apart (`_placement_groups`). Cut kinds are offered alone
+    (`_offer_node_groups`) in the first scope that holds them, their ids added to `alone`: a cut
+    kind sits in one pool, which every scope holding it offers in full, so a later scope would score
+    the same candidates again."""
     offered = False
     for subset in _placement_groups(kinds):
         offered |= _pack_kinds(ctx, opts, fam, subset, free, keep, point)
-    _offer_node_groups(ctx, fam, [k for k in kinds if any(k.cuts)], free, keep, point)
+    cut = [k for k in kinds if any(k.cuts) and id(k) not in alone]
+    alone.update(map(id, cut))
+    _offer_node_groups(ctx, fam, cut, free, keep, point)
     if not offered:  # no single-zone pipeline: pipelines spanning zones and regions only
         for theta in spanning_thetas(fam.table):
             pipes = build_spanning(ctx, fam.table, free, fam.partition, fam.mbs, fam.memory, theta,

@@ -134,17 +134,23 @@ class Scorer:
         self._sync_options = [time_options(m, 2) for m in memory]
         self._d_dependent = any(k.depends_on_replicas for k in self.kinds)
 
-    def kinds_at(self, D: int) -> list[Kind]:
-        """The kinds with constants exact for D pipelines (`Kind.at`), cached per D."""
+    def kinds_at(self, D: int, counts: tuple[int, ...]) -> list[Kind]:
+        """The kinds with constants exact for D pipelines (`Kind.at`) where `counts` uses them, the
+        others as they are (`score` reads nothing of an unused kind: a scorer holds every kind of
+        a packing, a count vector uses a few); cached per D and kind."""
         if not self._d_dependent:
             return self.kinds
-        if D not in self._at:
-            todo = [k for k in self.kinds if k.depends_on_replicas and k.replicas != D]
+        at, done = self._at.setdefault(D, (list(self.kinds), set()))
+        want = [j for j, n in enumerate(counts) if n and j not in done]
+        if want:
+            todo = [self.kinds[j] for j in want if self.kinds[j].depends_on_replicas and self.kinds[j].replicas != D]
             for memory in dict.fromkeys(k.memory for k in todo):  # batched calls (`Kind.at` builds one by one)
                 make_kinds(self.ctx, [k.spec for k in todo if k.memory == memory], self.partition,
                            self.mbs, memory, D)
-            self._at[D] = [k.at(self.ctx, self.partition, self.mbs, D) for k in self.kinds]
-        return self._at[D]
+            for j in want:
+                at[j] = self.kinds[j].at(self.ctx, self.partition, self.mbs, D)
+            done.update(want)
+        return at
 
     def sync(self, counts: tuple[int, ...], rounds: int = 1) -> tuple[float, float]:
         """(tied + slowest stage gradient sync seconds, egress $ per iteration) for these counts, as
@@ -198,7 +204,7 @@ class Scorer:
         D = sum(counts)
         if D == 0 or D < max((k.min_replicas for k, n in zip(self.kinds, counts) if n), default=1):
             return None
-        kinds = self.kinds_at(D)
+        kinds = self.kinds_at(D, counts)
         if self.equal_shares:
             if self.M % D:
                 return None
