@@ -514,7 +514,9 @@ def test_a_failing_node_stops_the_others(tmp_path):
 def test_nodes_output_goes_to_the_log_and_nodes_past_the_timeout_are_ended(tmp_path):
     from sailor.launch.torchrun import NodeCommand, run_over_ssh
 
-    env = _fake_ssh(tmp_path, "import time\nprint('up on', sys.argv[-2], flush=True)\n"
+    # each node writes its line in two pieces, 0.3 s apart: the log must still hold whole lines
+    env = _fake_ssh(tmp_path, "import time\nsys.stdout.write('up on'); sys.stdout.flush(); time.sleep(0.3)\n"
+                              "print('', sys.argv[-2], flush=True)\n"
                               "time.sleep(600 if sys.argv[-1].endswith('sleep') else 0)\n")
     ssh = str(Path(env["PATH"].split(os.pathsep)[0]) / "ssh")
     nodes = [NodeCommand("a", "h1", "true"), NodeCommand("b", "h2", "true")]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import shlex
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,8 +73,8 @@ def ssh_argv(destination: str, script: str, ssh: str = "ssh") -> list[str]:
 def run_over_ssh(commands: Sequence[NodeCommand], ssh: str = "ssh", poll_s: float = 0.2, log: IO | None = None,
                  timeout_s: float | None = None) -> int:
     """Start every node's script over ssh at once and wait for all of them (at most `timeout_s`
-    seconds: then TimeoutError); their output goes to `log` (an open file: stdout and stderr
-    together), else to this process's.
+    seconds: then TimeoutError); their output goes to `log` (an open text file: stdout and stderr
+    together), else to this process's stdout and stderr, a whole line at a time (`_forward_lines`).
 
     The first node to fail ends the others (SIGTERM, then SIGKILL after TERMINATE_GRACE_S); so does
     an exception or Ctrl-C here, so no ssh session outlives this call.
@@ -82,12 +84,20 @@ def run_over_ssh(commands: Sequence[NodeCommand], ssh: str = "ssh", poll_s: floa
     """
     assert all(c.destination for c in commands), "run_over_ssh needs a host for every node"
     procs: list[subprocess.Popen] = []
+    copiers: list[threading.Thread] = []
+    lock = threading.Lock()
+    out, err = (log, log) if log is not None else (sys.stdout, sys.stderr)
     status = 0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         for c in commands:
-            procs.append(subprocess.Popen(ssh_argv(c.destination, c.script, ssh), stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=None if log is None else subprocess.STDOUT))
+            p = subprocess.Popen(ssh_argv(c.destination, c.script, ssh), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT if log is not None else subprocess.PIPE)
+            procs.append(p)
+            for src, dst in ((p.stdout, out), (p.stderr, err)):
+                if src is not None:
+                    copiers.append(threading.Thread(target=_forward_lines, args=(src, dst, lock), daemon=True))
+                    copiers[-1].start()
         while any(p.poll() is None for p in procs):
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed:
@@ -100,7 +110,21 @@ def run_over_ssh(commands: Sequence[NodeCommand], ssh: str = "ssh", poll_s: floa
             status = next((p.returncode for p in procs if p.returncode), 0)
     finally:
         _end_all(procs)
+        for t in copiers:  # the pipes end with the sessions (a process they left holding one: not waited for)
+            t.join(timeout=TERMINATE_GRACE_S)
     return status
+
+
+def _forward_lines(src: IO[bytes], dst: IO[str], lock: threading.Lock) -> None:
+    """Copy `src`'s lines to `dst` until its end, each whole and under `lock`. Nodes writing straight
+    into one file interleave within a line: an unbuffered Python (the ranks run with
+    PYTHONUNBUFFERED) writes a print's pieces one by one, and two nodes' "up on h1" and "up on h2"
+    came out as "up onup on  h1h2"."""
+    with src:
+        for line in iter(src.readline, b""):
+            with lock:
+                dst.write(line.decode(errors="replace"))
+                dst.flush()
 
 
 def _end_all(procs: list[subprocess.Popen]) -> None:
