@@ -15,7 +15,6 @@ from sailor.plan.comms import (
     communicator_bytes,
     plan_nccl_bytes,
     rank_communicators,
-    replica_nccl_bytes,
     uniform_nccl_bytes,
 )
 from sailor.plan.placement import rank_layout
@@ -53,7 +52,7 @@ def test_mixed_tp_plan_by_hand():
     # gradient's quarter comes back from it: 2 channels.
     c = rank_communicators(MIXED, 1, 0, 2)
     assert (c.world, c.tp, c.sync, c.p2p) == ((14,), (4,), (8, 2), (2, 2))
-    assert replica_nccl_bytes(MIXED, 1, 0) == (32 + 32 + 32 + 16 + 2 * 16) * MIB  # every TP rank: 2 channels
+    assert plan_nccl_bytes(MIXED)[1][0] == (32 + 32 + 32 + 16 + 2 * 16) * MIB  # every TP rank: 2 channels
 
 
 @pytest.mark.parametrize("a", range(1, 9))
@@ -89,7 +88,7 @@ def test_uniform_plan_equals_the_planners_bound():
             **({"schedule": {"kind": "interleaved-1f1b", "virtual_stages": 2}} if v == 2 else {}),
             "pipelines": [{"microbatches": 4, "replicas": [_rep(0, tp), _rep(1, tp)]}] * pipes})
         for i in range(2):
-            assert replica_nccl_bytes(plan, 0, i) == uniform_nccl_bytes(tp, i, 2, pipes, interleaved=v > 1), (v, tp, pipes)
+            assert plan_nccl_bytes(plan)[0][i] == uniform_nccl_bytes(tp, i, 2, pipes, interleaved=v > 1), (v, tp, pipes)
 
 
 def test_interleaving_wraps_round():
@@ -100,7 +99,7 @@ def test_interleaving_wraps_round():
     assert rank_communicators(plan, 0, 0, 0).p2p == (2, 2, 2, 2)
     single = Plan.model_validate({"micro_batch_size": 1, "stages": [[0, 8]],
                                   "pipelines": [{"microbatches": 4, "replicas": [_rep(0, 1)]}]})
-    assert rank_communicators(single, 0, 0, 0).count == 0 and replica_nccl_bytes(single, 0, 0) == 0
+    assert rank_communicators(single, 0, 0, 0).count == 0 and plan_nccl_bytes(single)[0][0] == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -146,7 +145,7 @@ def _check_against_reference(plan):
                 c = rank_communicators(plan, j, i, k)
                 assert (c.world, c.tp, c.sync, c.p2p) == ref[k], (j, i, k)
             most = max(float(sum(communicator_bytes(n) for part in x for n in part)) for x in ref)
-            assert replica_nccl_bytes(plan, j, i) == most and table[j][i] == most, (j, i)
+            assert table[j][i] == most, (j, i)
 
 
 def test_plan_table_on_the_mixed_plan():

@@ -154,14 +154,9 @@ def _replica_bytes(world: int, group: _StageGroup, t: int, neighbours: tuple[int
     return max(_communicators(world, group, t, neighbours, r).bytes for r in range(t))
 
 
-def replica_nccl_bytes(plan: Plan, pipeline: int, stage: int) -> float:
-    """The most NCCL buffer bytes any rank of replica (`pipeline`, `stage`) holds."""
-    t = plan.pipelines[pipeline].replicas[stage].tp
-    return _replica_bytes(plan.world_size, _stage_group(plan, stage), t, _neighbour_tps(plan, pipeline, stage))
-
-
 def plan_nccl_bytes(plan: Plan) -> list[list[float]]:
-    """`replica_nccl_bytes` of every replica of `plan`, [pipeline][stage], in O(pipelines x stages):
+    """The most NCCL buffer bytes any rank of each replica of `plan` holds, [pipeline][stage], in
+    O(pipelines x stages):
     the world size and each stage's `_stage_group` counted once, and each (stage, TP, neighbours' TP)
     priced once."""
     world = plan.world_size
@@ -182,7 +177,7 @@ def plan_nccl_bytes(plan: Plan) -> list[list[float]]:
 def uniform_nccl_bytes(tp: int, stage: int, num_stages: int, replicas: int, interleaved: bool = False) -> float:
     """NCCL buffer bytes of a rank of a plan whose `replicas` pipelines all run stage `stage` (of
     `num_stages`) at TP `tp` (what the planner knows before it has a plan; equal to
-    `replica_nccl_bytes` for such a plan)."""
+    `plan_nccl_bytes` for such a plan)."""
     world = tp * num_stages * replicas
     n = [world] if world > 1 else []
     n += [tp] if tp > 1 else []
