@@ -221,6 +221,7 @@ def test_the_cgroups_weigh_the_testbed_above_other_tasks_and_cap_each_rank(tmp_p
             assert (rank / "cpu.cfs_period_us").read_text() == period and (rank / "cpu.cfs_quota_us").read_text() == "1000"
         assert not (top / n.name / f"r{n.ranks}").exists()
     assert not (top / "comm-threads" / "cpu.cfs_quota_us").exists()  # no comm_cpu_quota: no limit
+    assert (top / "comm-threads" / "cpu.shares").read_text() == "262144"  # outweighs every node's ranks
 
 
 def test_cpu_quota():
