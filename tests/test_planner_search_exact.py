@@ -16,8 +16,8 @@ it replaces, run here as the reference.
   afresh;
 - `collectives._ring_phase` reading each ring's latency and routes once (`NetworkModel.ring_links`)
   against every edge kind's latency and stream looked up at each call;
-- `score.apart_stage_groups` joining the kinds' groups one after the other where their ring keys
-  do not overlap, against sorting all of them;
+- `score.apart_groups` joining the kinds' groups one after the other where their ring keys do not
+  overlap, against sorting all of them;
 - `NetworkModel.zone_class` (zones whose links are alike computed once: the two-replica sync
   bounds' slots, `prune.alike_slots`, the estimates' transfers and node groups, the hierarchical
   all-reduce's zone islands) against every zone apart;
@@ -191,7 +191,7 @@ def test_a_ring_phase_from_its_memoised_links_equals_every_edge_looked_up():
 
 
 def _apart_sorted(ctx, used, i: int) -> list:
-    """`score.apart_stage_groups` as first written: every kind's groups sorted together."""
+    """Stage i of `score.apart_groups` as first written: every kind's groups sorted together."""
     parts = [[(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed_alone(ctx, slots, n)])]
              for slots, n in used]
     return [g for _, g in sorted(itertools.chain.from_iterable(parts))]
@@ -211,8 +211,7 @@ def test_stage_groups_of_kinds_apart_are_all_of_them_sorted():
         used = tuple((tuple(Slot(zone=z, gpu=g, tp=rng.choice([1, 2, 4]), node_cut=rng.random() < 0.3)
                             for _ in range(P)), rng.randint(1, 9))
                      for z, g in rng.sample(pools, rng.randint(1, len(pools))))
-        for i in range(P):
-            assert score.apart_stage_groups(ctx, used, i) == _apart_sorted(ctx, used, i)
+        assert score.apart_groups(ctx, used) == [_apart_sorted(ctx, used, i) for i in range(P)]
 
 
 def _reference(monkeypatch) -> None:
@@ -237,7 +236,8 @@ def _reference(monkeypatch) -> None:
         monkeypatch.setattr(prune, name, every_sync)
     monkeypatch.setattr(collectives, "_ring_phase", _ring_phase_every_edge)
     for module in (score, prune):
-        monkeypatch.setattr(module, "apart_stage_groups", _apart_sorted)
+        monkeypatch.setattr(module, "apart_groups",
+                            lambda ctx, used: [_apart_sorted(ctx, used, i) for i in range(len(used[0][0]))])
     monkeypatch.setattr(PoolPacking, "capacity",
                         lambda self, caps: int(np.maximum.reduceat(
                             self.n_main * caps[self.main] + self.n_second * caps[self.second], self.starts).sum()))
