@@ -279,7 +279,7 @@ def _reference(monkeypatch) -> None:
                                        self.starts).sum()) for row in rows]
         return got[0] if caps.ndim == 1 else np.array(got)
     monkeypatch.setattr(PoolPacking, "capacity", every_row)
-    monkeypatch.setattr(pack, "BATCH_LEVELS", 1)  # the bisection one step at a time
+    monkeypatch.setattr(pack, "BATCH_LEVELS", ())  # the bisection one step at a time
 
 
 def _result(job: JobSpec, cluster: ClusterSpec, opts: PlanOptions) -> tuple:

@@ -29,8 +29,10 @@ import numpy as np
 from sailor.planner.kinds import Kind, Pool
 
 BISECTION_STEPS = 60  # at most; the bisection stops at a relative precision of 1e-9 in τ
-BATCH_LEVELS = 4      # bisection steps asked at once (`bisect`) where the kinds are at most
-BATCH_KINDS = 256     # this many (beyond, the work per τ outweighs the cost of a call)
+# (at most this many kinds, bisection steps asked at once, `bisect`); more kinds: one at a time. Per
+# step, a call over 2^levels - 1 makespans against one call per step (2-core machine): 4 pay most
+# up to ~60 kinds, 3 up to ~160; beyond ~200 the work per makespan outweighs the cost of a call
+BATCH_LEVELS = ((64, 4), (160, 3))
 
 
 def count_vectors(kinds: list[Kind], free: dict[Pool, int], limit: int) -> list[tuple[int, ...]] | None:
@@ -247,8 +249,8 @@ class Packer:
             return None
         if capacity(lo) >= self.M:
             hi = lo
-        lo, hi = bisect(lambda taus: capacity(taus[:, None]) >= self.M, lo, hi,
-                        BATCH_LEVELS if len(self.kinds) <= BATCH_KINDS else 1)
+        levels = next((n for most, n in BATCH_LEVELS if len(self.kinds) <= most), 1)
+        lo, hi = bisect(lambda taus: capacity(taus[:, None]) >= self.M, lo, hi, levels)
         caps = self.caps(hi)
         counts = base + (pack.counts(caps, len(self.kinds)) if pack else 0)
         return hi, trim(counts, caps, self.M, key=lambda i: caps[i])
