@@ -158,11 +158,11 @@ def _pairs(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def bisect(enough: Callable[[np.ndarray], np.ndarray], lo: float, hi: float, levels: int) -> tuple[float, float]:
     """(lo, hi) after the bisection `while hi - lo > 1e-9·hi: mid = (lo + hi) / 2; hi = mid if
-    enough(mid) else lo = mid`, at most BISECTION_STEPS steps, `enough` non-decreasing in τ and
-    vectorised ((T,) -> (T,) of bools). It is asked `levels` steps at a time, at every midpoint
-    the next `levels` steps could reach (2^levels - 1 of them, found by the same arithmetic), so
-    the result is the step-by-step bisection's, in fewer calls (a call over many τ costs about
-    what one over a single τ does where the kinds are few)."""
+    enough(mid) else lo = mid`, at most BISECTION_STEPS steps, `enough` vectorised ((T,) -> (T,) of
+    bools). It is asked `levels` steps at a time, at every midpoint the next `levels` steps could
+    reach (2^levels - 1 of them, found by the same arithmetic), so the result is the step-by-step
+    bisection's, in fewer calls (a call over many τ costs about what one over a single τ does where
+    the kinds are few)."""
     steps = 0
     while steps < BISECTION_STEPS and hi - lo > 1e-9 * hi:
         depth = min(levels, BISECTION_STEPS - steps)

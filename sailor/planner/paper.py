@@ -237,6 +237,6 @@ def _score(ctx: SimContext, partition, mbs: int, M: int, memory: Memory, assignm
     for j in range(D):
         key = tuple(stage[j] for stage in assignment)
         pipes[key] = pipes.get(key, 0) + 1
-    kinds = make_kinds(ctx, [(tuple(p[0] for p in key), tuple(opt_of[(i, p[1])] for i, p in enumerate(key))) for key in pipes],
-                       partition, mbs, memory)
+    specs = [(tuple(p[0] for p in key), tuple(opt_of[(i, p[1])] for i, p in enumerate(key))) for key in pipes]
+    kinds = make_kinds(ctx, specs, partition, mbs, memory)
     return Scorer(ctx, partition, mbs, kinds, M, equal_shares=True).score(tuple(pipes.values()))
