@@ -24,7 +24,7 @@ it replaces, run here as the reference.
   all-reduce's zone islands) against every zone apart;
 - `prune.NodeKeys` (a node's estimate computed when the node comes up) against every node's key
   computed first.
-All but the fourth together: `plan_job` returns the same plan, estimate, alternatives, candidate count
+All but the fifth together: `plan_job` returns the same plan, estimate, alternatives, candidate count
 and Pareto front with the references patched in, on clusters where they come into play (pipelines cut
 between nodes over a slow link, ZeRO, several zones, the cost objective).
 """
@@ -273,6 +273,7 @@ def _reference(monkeypatch) -> None:
     for module in (score, prune):
         monkeypatch.setattr(module, "apart_groups",
                             lambda ctx, used: [_apart_sorted(ctx, used, i) for i in range(len(used[0][0]))])
+
     def every_row(self, caps):  # caps (kinds,) or (T, kinds), as `PoolPacking.capacity` takes them
         rows = np.atleast_2d(caps)
         got = [int(np.maximum.reduceat(self.n_main * row[self.main] + self.n_second * row[self.second],
