@@ -7,6 +7,7 @@ it replaces, run here as the reference.
   cannot beat the best estimate so far, against computing every sync;
 - `pack.PoolPacking.capacity` from the best kind of each GPU count, against every (main, second)
   row of the pools;
+- `pack.bisect` asking several steps' midpoints at once, against one step at a time;
 - `kinds.make_kinds` computing what a cut does not change once per uncut twin, against each kind
   built alone in a fresh context;
 - `kinds.make_kinds` sharing a curve among the kinds of one pool class (`kinds.pool_class`: zones
@@ -16,14 +17,14 @@ it replaces, run here as the reference.
   afresh;
 - `collectives._ring_phase` reading each ring's latency and routes once (`NetworkModel.ring_links`)
   against every edge kind's latency and stream looked up at each call;
-- `score.apart_stage_groups` joining the kinds' groups one after the other where their ring keys
-  do not overlap, against sorting all of them;
+- `score.apart_groups` joining the kinds' groups one after the other where their ring keys do not
+  overlap, against sorting all of them;
 - `NetworkModel.zone_class` (zones whose links are alike computed once: the two-replica sync
   bounds' slots, `prune.alike_slots`, the estimates' transfers and node groups, the hierarchical
   all-reduce's zone islands) against every zone apart;
 - `prune.NodeKeys` (a node's estimate computed when the node comes up) against every node's key
   computed first.
-All but the fourth together: `plan_job` returns the same plan, estimate, alternatives, candidate count
+All but the fifth together: `plan_job` returns the same plan, estimate, alternatives, candidate count
 and Pareto front with the references patched in, on clusters where they come into play (pipelines cut
 between nodes over a slow link, ZeRO, several zones, the cost objective).
 """
@@ -40,10 +41,10 @@ import pytest
 
 from sailor.model.spec import Collective
 from sailor.perf.network import NetworkModel
-from sailor.planner import Objective, PlanOptions, engine, paper, plan_job, prune, score
+from sailor.planner import Objective, PlanOptions, engine, pack, paper, plan_job, prune, score
 from sailor.planner.finalists import plan_signature
 from sailor.planner.kinds import homogeneous_kinds, make_kinds, option_table
-from sailor.planner.pack import PoolPacking
+from sailor.planner.pack import BISECTION_STEPS, PoolPacking
 from sailor.planner.score import placed_alone
 from sailor.planner.space import candidate_partitions, memory_candidates
 from sailor.simulator import Slot, make_context
@@ -85,14 +86,48 @@ def test_pool_packing_capacity_equals_the_best_row_of_every_pool():
         pools = list(dict.fromkeys((f"z{rng.randint(0, 3)}", f"g{rng.randint(0, 2)}") for _ in range(4)))
         free = {p: rng.randint(0, 40) for p in pools}
         single = [(k, rng.choice(pools), rng.choice([1, 2, 3, 4, 6, 8])) for k in range(rng.randint(1, 12))]
-        pack = PoolPacking.build(single, free)
-        if pack is None:
+        packing = PoolPacking.build(single, free)
+        if packing is None:
             assert all(free[p] < g for _, p, g in single)
             continue
-        assert pack.kinds == sorted({k for k, p, g in single if free[p] >= g})
+        assert packing.kinds == sorted({k for k, p, g in single if free[p] >= g})
         for _ in range(5):
             caps = np.array([rng.randint(0, 30) for _ in single], dtype=np.int64)
-            assert pack.capacity(caps) == _rows_capacity(single, free, caps)
+            assert packing.capacity(caps) == _rows_capacity(single, free, caps)
+        rows = np.array([[rng.randint(0, 30) for _ in single] for _ in range(3)], dtype=np.int64)
+        assert packing.capacity(rows).tolist() == [_rows_capacity(single, free, row) for row in rows]
+
+
+def _bisect_step_by_step(enough, lo: float, hi: float) -> tuple[tuple[float, float], int]:
+    """`pack.bisect` as first written (one midpoint asked per step): (lo, hi) and the steps taken."""
+    steps = 0
+    for _ in range(BISECTION_STEPS):
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if enough(mid):
+            hi = mid
+        else:
+            lo = mid
+        steps += 1
+    return (lo, hi), steps
+
+
+def test_a_bisection_asked_several_steps_at_once_ends_where_one_step_at_a_time_does():
+    rng = random.Random(8)
+    for _ in range(300):
+        lo = rng.choice([0.0, rng.uniform(0, 10)])
+        hi = lo + rng.choice([1e-12, 1e-8, 1.0, 1e3]) * rng.random()
+        threshold = rng.uniform(lo - 1, hi + 1)
+        want, steps = _bisect_step_by_step(lambda t: t >= threshold, lo, hi)
+        for levels in (1, 2, 3, 4, 6):
+            calls = []
+
+            def enough(taus):
+                calls.append(len(taus))
+                return taus >= threshold
+            assert pack.bisect(enough, lo, hi, levels) == want
+            assert len(calls) == -(-steps // levels) and max(calls, default=0) < 2 ** levels
 
 
 def test_cut_kinds_built_together_equal_each_built_alone():
@@ -191,7 +226,7 @@ def test_a_ring_phase_from_its_memoised_links_equals_every_edge_looked_up():
 
 
 def _apart_sorted(ctx, used, i: int) -> list:
-    """`score.apart_stage_groups` as first written: every kind's groups sorted together."""
+    """Stage i of `score.apart_groups` as first written: every kind's groups sorted together."""
     parts = [[(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed_alone(ctx, slots, n)])]
              for slots, n in used]
     return [g for _, g in sorted(itertools.chain.from_iterable(parts))]
@@ -211,8 +246,7 @@ def test_stage_groups_of_kinds_apart_are_all_of_them_sorted():
         used = tuple((tuple(Slot(zone=z, gpu=g, tp=rng.choice([1, 2, 4]), node_cut=rng.random() < 0.3)
                             for _ in range(P)), rng.randint(1, 9))
                      for z, g in rng.sample(pools, rng.randint(1, len(pools))))
-        for i in range(P):
-            assert score.apart_stage_groups(ctx, used, i) == _apart_sorted(ctx, used, i)
+        assert score.apart_groups(ctx, used) == [_apart_sorted(ctx, used, i) for i in range(P)]
 
 
 def _reference(monkeypatch) -> None:
@@ -237,10 +271,16 @@ def _reference(monkeypatch) -> None:
         monkeypatch.setattr(prune, name, every_sync)
     monkeypatch.setattr(collectives, "_ring_phase", _ring_phase_every_edge)
     for module in (score, prune):
-        monkeypatch.setattr(module, "apart_stage_groups", _apart_sorted)
-    monkeypatch.setattr(PoolPacking, "capacity",
-                        lambda self, caps: int(np.maximum.reduceat(
-                            self.n_main * caps[self.main] + self.n_second * caps[self.second], self.starts).sum()))
+        monkeypatch.setattr(module, "apart_groups",
+                            lambda ctx, used: [_apart_sorted(ctx, used, i) for i in range(len(used[0][0]))])
+
+    def every_row(self, caps):  # caps (kinds,) or (T, kinds), as `PoolPacking.capacity` takes them
+        rows = np.atleast_2d(caps)
+        got = [int(np.maximum.reduceat(self.n_main * row[self.main] + self.n_second * row[self.second],
+                                       self.starts).sum()) for row in rows]
+        return got[0] if caps.ndim == 1 else np.array(got)
+    monkeypatch.setattr(PoolPacking, "capacity", every_row)
+    monkeypatch.setattr(pack, "BATCH_LEVELS", ())  # the bisection one step at a time
 
 
 def _result(job: JobSpec, cluster: ClusterSpec, opts: PlanOptions) -> tuple:

@@ -198,14 +198,14 @@ def _search_family(ctx: SimContext, opts: PlanOptions, fam: Family, free: dict[P
     point = (fam.partition, fam.mbs, fam.memory)
     exhaustive = fam.exhaustive
     alone: set[int] = set()  # ids of the cut kinds offered alone so far (`_pack`)
+    uses = [tuple(p for p, _ in k.use) for k in fam.kinds]  # each kind's pools
     for scope in fam.scopes:
         sfree = scope.free(free)
-        kinds = [k for k in fam.kinds if all(p in scope.pools for p, _ in k.use)]
-        scorer = Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
+        kinds = [k for k, pools in zip(fam.kinds, uses) if scope.pools.issuperset(pools)]
         if exhaustive:
             vectors = count_vectors(kinds, sfree, EXHAUSTIVE_COUNTS)
             if vectors is not None:
-                _offer_all(opts, scorer, vectors, keep, point)
+                _offer_all(opts, Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M), vectors, keep, point)
                 continue
             exhaustive = False
         _pack(ctx, opts, fam, kinds, sfree, keep, point, alone)

@@ -29,6 +29,10 @@ import numpy as np
 from sailor.planner.kinds import Kind, Pool
 
 BISECTION_STEPS = 60  # at most; the bisection stops at a relative precision of 1e-9 in τ
+# (at most this many kinds, bisection steps asked at once, `bisect`); more kinds: one at a time. Per
+# step, a call over 2^levels - 1 makespans against one call per step (2-core machine): 4 pay most
+# up to ~60 kinds, 3 up to ~160; beyond ~200 the work per makespan outweighs the cost of a call
+BATCH_LEVELS = ((64, 4), (160, 3))
 
 
 def count_vectors(kinds: list[Kind], free: dict[Pool, int], limit: int) -> list[tuple[int, ...]] | None:
@@ -60,9 +64,10 @@ def count_vectors(kinds: list[Kind], free: dict[Pool, int], limit: int) -> list[
     return [tuple(int(x) for x in v) for v in vecs if v.any()]
 
 
-def caps_at(fill: np.ndarray, two: np.ndarray, period: np.ndarray, tau: float) -> np.ndarray:
-    """`Curve.cap` of every kind at τ, vectorised (the same rounding)."""
-    eps = 1e-12 * max(1.0, abs(tau))
+def caps_at(fill: np.ndarray, two: np.ndarray, period: np.ndarray, tau: float | np.ndarray) -> np.ndarray:
+    """`Curve.cap` of every kind at τ, vectorised (the same rounding): (kinds,) for a number τ, (T, kinds)
+    for τ of shape (T, 1)."""
+    eps = 1e-12 * np.maximum(1.0, np.abs(tau))
     steady = 2 + np.floor((tau - two) / period + 1e-9)
     return np.where(tau < fill - eps, 0, np.where(tau < two - eps, 1, steady)).astype(np.int64)
 
@@ -116,13 +121,15 @@ class PoolPacking:
         return cls(ks[first], n[first], ks[second], (avail - n * gs)[first] // gs[second], starts,
                    np.unique(ks).tolist(), by_size)
 
-    def capacity(self, caps: np.ndarray) -> int:
+    def capacity(self, caps: np.ndarray) -> int | np.ndarray:
         """Most micro-batches the pools' packings finish at these per-kind capacities (the best
-        row of each pool summed), from the best kind of each GPU count (class docstring)."""
+        row of each pool summed), from the best kind of each GPU count (class docstring); caps
+        (kinds,) give a number, caps (T, kinds) one per row, (T,)."""
         order, groups, first, n_first, then, n_then, row_starts = self.by_size
-        best = np.maximum.reduceat(caps[order], groups)   # per (pool, GPU count) group
-        vals = n_first * best[first] + n_then * best[then]
-        return int(np.maximum.reduceat(vals, row_starts).sum())
+        best = np.maximum.reduceat(caps[..., order], groups, axis=-1)   # per (pool, GPU count) group
+        vals = n_first * best[..., first] + n_then * best[..., then]
+        out = np.maximum.reduceat(vals, row_starts, axis=-1).sum(axis=-1)
+        return int(out) if caps.ndim == 1 else out
 
     def counts(self, caps: np.ndarray, n_kinds: int) -> np.ndarray:
         vals = self.n_main * caps[self.main] + self.n_second * caps[self.second]
@@ -147,6 +154,39 @@ def _pairs(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     row = np.cumsum(reps) - reps
     second = np.repeat(begin[owner], reps) + np.arange(len(first)) - np.repeat(row, reps)
     return first, second, np.cumsum(sizes * sizes) - sizes * sizes
+
+
+def bisect(enough: Callable[[np.ndarray], np.ndarray], lo: float, hi: float, levels: int) -> tuple[float, float]:
+    """(lo, hi) after the bisection `while hi - lo > 1e-9·hi: mid = (lo + hi) / 2; hi = mid if
+    enough(mid) else lo = mid`, at most BISECTION_STEPS steps, `enough` vectorised ((T,) -> (T,) of
+    bools). It is asked `levels` steps at a time, at every midpoint the next `levels` steps could
+    reach (2^levels - 1 of them, found by the same arithmetic), so the result is the step-by-step
+    bisection's, in fewer calls (a call over many τ costs about what one over a single τ does where
+    the kinds are few)."""
+    steps = 0
+    while steps < BISECTION_STEPS and hi - lo > 1e-9 * hi:
+        depth = min(levels, BISECTION_STEPS - steps)
+        mids: list[float] = []
+        level = [(lo, hi)]
+        for _ in range(depth):  # the midpoints each path of `depth` steps may take, level by level
+            nxt = []
+            for a, b in level:
+                if b - a > 1e-9 * b:
+                    mid = 0.5 * (a + b)
+                    mids.append(mid)
+                    nxt += [(a, mid), (mid, b)]
+            level = nxt
+        ok = dict(zip(mids, enough(np.array(mids)).tolist()))
+        for _ in range(depth):
+            if hi - lo <= 1e-9 * hi:
+                break
+            mid = 0.5 * (lo + hi)
+            if ok[mid]:
+                hi = mid
+            else:
+                lo = mid
+            steps += 1
+    return lo, hi
 
 
 class Packer:
@@ -196,9 +236,9 @@ class Packer:
         finish M micro-batches, and those counts; None when no τ does."""
         _, pack = self._rest(base)
 
-        def capacity(tau: float) -> int:
+        def capacity(tau: float | np.ndarray) -> int | np.ndarray:  # a number, or (T, 1) -> (T,)
             caps = self.caps(tau)
-            return int((base * caps).sum()) + (pack.capacity(caps) if pack else 0)
+            return (base * caps).sum(axis=-1) + (pack.capacity(caps) if pack else 0)
 
         usable = sorted({int(i) for i in np.nonzero(base)[0]} | (set(pack.kinds) if pack else set()))
         if not usable:
@@ -209,14 +249,8 @@ class Packer:
             return None
         if capacity(lo) >= self.M:
             hi = lo
-        for _ in range(BISECTION_STEPS):
-            if hi - lo <= 1e-9 * hi:
-                break
-            mid = 0.5 * (lo + hi)
-            if capacity(mid) >= self.M:
-                hi = mid
-            else:
-                lo = mid
+        levels = next((n for most, n in BATCH_LEVELS if len(self.kinds) <= most), 1)
+        lo, hi = bisect(lambda taus: capacity(taus[:, None]) >= self.M, lo, hi, levels)
         caps = self.caps(hi)
         counts = base + (pack.counts(caps, len(self.kinds)) if pack else 0)
         return hi, trim(counts, caps, self.M, key=lambda i: caps[i])

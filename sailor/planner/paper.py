@@ -33,7 +33,7 @@ import numpy as np
 
 from sailor.planner.finalists import Finalists, Found, plan_from_kinds
 from sailor.planner.geo import free_pools, scopes
-from sailor.planner.kinds import Pool, make_kind, option_table
+from sailor.planner.kinds import Pool, make_kinds, option_table
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.prune import NodeKeys, in_key_order, node_keys
 from sailor.planner.score import Candidate, Scorer
@@ -237,6 +237,6 @@ def _score(ctx: SimContext, partition, mbs: int, M: int, memory: Memory, assignm
     for j in range(D):
         key = tuple(stage[j] for stage in assignment)
         pipes[key] = pipes.get(key, 0) + 1
-    kinds = [make_kind(ctx, tuple(p[0] for p in key), tuple(opt_of[(i, p[1])] for i, p in enumerate(key)), partition, mbs,
-                       memory) for key in pipes]
+    specs = [(tuple(p[0] for p in key), tuple(opt_of[(i, p[1])] for i, p in enumerate(key))) for key in pipes]
+    kinds = make_kinds(ctx, specs, partition, mbs, memory)
     return Scorer(ctx, partition, mbs, kinds, M, equal_shares=True).score(tuple(pipes.values()))

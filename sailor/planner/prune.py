@@ -21,7 +21,7 @@ from sailor.model.spec import Recompute
 from sailor.plan.placement import same_node_boundaries
 from sailor.planner.kinds import Kind, Pool, boundary, pool_price
 from sailor.planner.options import Objective, PlanOptions
-from sailor.planner.score import apart_stage_groups
+from sailor.planner.score import apart_groups
 from sailor.planner.space import even_partition, mbs_candidates, zero3_needed
 from sailor.simulator import (DEFAULT_TIME, SimContext, Slot, TimeOptions, allreduce_s, optimizer_s, stage_sync,
                               time_options)
@@ -399,11 +399,14 @@ def _uniform_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools,
 
     tau = smallest_time(lambda x: best_per_pool(x)[0].sum() >= M, float(fill.min()), float((fill + M * per).max()))
     _, cap = best_per_pool(tau * (1 + 1e-9))
+    top: dict[int, int] = {}  # pool -> its run of most micro-batches by τ (the first of equals)
+    for r, p in enumerate(pool.tolist()):
+        if p not in top or cap[r] > cap[top[p]]:
+            top[p] = r
     chosen = []  # (micro-batches each by τ, pipelines, slot): each pool's best TP degree at τ
-    for p in range(n_pools):
-        mine = np.nonzero(pool == p)[0]
-        if len(mine) and cap[mine].max() > 0:
-            r = int(mine[np.argmax(cap[mine])])
+    for p in sorted(top):
+        r = top[p]
+        if cap[r] > 0:
             z, g, _ = pools[p]
             chosen.append((cap[r] / n[r], int(n[r]), Slot(zone=z, gpu=g, tp=int(tp[r]))))
     groups, D, need = [], 0, M  # the fastest pipelines until the batch is covered
@@ -426,13 +429,13 @@ def _uniform_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools,
 def _placed_sync(ctx: SimContext, groups: list[tuple[Slot, int]], partition) -> float:
     """The slowest stage's gradient sync of uniform pipelines (`count` of each slot on every stage;
     the slots in different pools), placed on nodes as the launcher places them, as the scorer
-    computes it (`score.apart_stage_groups`, placements shared with it)."""
+    computes it (`score.apart_groups`, placements shared with it)."""
     P = len(partition)
     key = ("placed-sync", tuple(groups), tuple(partition))
     if key not in ctx.memo:
         used = tuple(((slot,) * P, count) for slot, count in groups)
-        ctx.memo[key] = max(stage_sync(ctx, apart_stage_groups(ctx, used, i), ((a, e),))[0]
-                            for i, (a, e) in enumerate(partition))
+        stages = apart_groups(ctx, used)
+        ctx.memo[key] = max(stage_sync(ctx, stages[i], ((a, e),))[0] for i, (a, e) in enumerate(partition))
     return ctx.memo[key]
 
 

@@ -185,11 +185,9 @@ class Scorer:
             tied = max(tied, s)
             usd += n * u
         worst = 0.0
+        stages = apart_groups(self.ctx, used) if alone else None
         for i, (a, e) in enumerate(self.partition):
-            if alone:
-                groups = apart_stage_groups(self.ctx, used, i)
-            else:
-                groups = group_members([pipe[i] for pipe in placed])
+            groups = stages[i] if alone else group_members([pipe[i] for pipe in placed])
             s, _, u = stage_sync(self.ctx, groups, ((a, e),), self._sync_options[i], self.mbs, rounds=rounds)
             worst = max(worst, s)
             usd += u
@@ -260,19 +258,29 @@ def _tied_terms(ctx: SimContext, slots: tuple[Slot, ...], n: int, zero: tuple[in
     return ctx.memo[key]
 
 
-def apart_stage_groups(ctx: SimContext, used: tuple[tuple[tuple[Slot, ...], int], ...], i: int) -> list[Group]:
-    """Stage i's replicas as `group_members` orders them, for kinds ((slots, count) each) placed
-    apart (`placed_apart`): each kind's groups are found and sorted once (memoised per kind and
-    count), then merged in ring order (their members differ, so the ring keys do): where the kinds'
-    ranges of ring keys do not overlap (each pool's nodes are named apart, `simulator.place`), the
-    kinds' groups one after the other, ordered by their first keys, are that order."""
-    parts = []
+def apart_groups(ctx: SimContext, used: tuple[tuple[tuple[Slot, ...], int], ...]) -> list[list[Group]]:
+    """Each stage's replicas as `group_members` orders them, [stage][group], for kinds ((slots, count)
+    each, all of P stages) placed apart (`placed_apart`): each kind's groups of every stage are found
+    and sorted once (memoised per kind and count, one look-up per kind for all P stages: its slots'
+    tuple is hashed anew at each look-up), then merged in ring order (their members differ, so the
+    ring keys do): where the kinds' ranges of ring keys do not overlap (each pool's nodes are named
+    apart, `simulator.place`), the kinds' groups one after the other, ordered by their first keys,
+    are that order."""
+    per_kind = []
     for slots, n in used:
-        key = ("placed-stage", slots, n, i)
-        if key not in ctx.memo:
-            ctx.memo[key] = [(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed_alone(ctx, slots, n)])]
-        if ctx.memo[key]:
-            parts.append(ctx.memo[key])
+        key = ("placed-stages", slots, n)
+        stages = ctx.memo.get(key)
+        if stages is None:
+            placed = placed_alone(ctx, slots, n)
+            stages = ctx.memo[key] = [[(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed])]
+                                      for i in range(len(slots))]
+        per_kind.append(stages)
+    return [_merge_ring_parts([stages[i] for stages in per_kind if stages[i]]) for i in range(len(used[0][0]))]
+
+
+def _merge_ring_parts(parts: list[list[tuple[tuple, Group]]]) -> list[Group]:
+    """The groups of `parts` (each a list of (ring key, group) in ring order, the parts' members
+    apart) in ring order (`apart_groups`)."""
     if len(parts) == 1:
         return [g for _, g in parts[0]]
     parts.sort(key=lambda part: part[0][0])
