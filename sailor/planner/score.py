@@ -36,7 +36,6 @@ pools are placed as if alone, which lets their placements be memoised per kind (
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -265,20 +264,23 @@ def apart_stage_groups(ctx: SimContext, used: tuple[tuple[tuple[Slot, ...], int]
     apart (`placed_apart`): each kind's groups are found and sorted once (memoised per kind and
     count), then merged in ring order (their members differ, so the ring keys do): where the kinds'
     ranges of ring keys do not overlap (each pool's nodes are named apart, `simulator.place`), the
-    kinds' groups one after the other, ordered by their first keys, are that order."""
-    parts = []
+    kinds' groups one after the other, ordered by their first keys, are that order. A kind's groups
+    are memoised with the ring keys of the first and last only (the merge reads no others): the
+    memo holds the groups of many kinds and counts."""
+    parts = []  # (first ring key, last ring key, groups) of each kind
     for slots, n in used:
         key = ("placed-stage", slots, n, i)
         if key not in ctx.memo:
-            ctx.memo[key] = [(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed_alone(ctx, slots, n)])]
+            groups = group_members([pipe[i] for pipe in placed_alone(ctx, slots, n)])
+            ctx.memo[key] = (ring_key(groups[0]), ring_key(groups[-1]), groups) if groups else None
         if ctx.memo[key]:
             parts.append(ctx.memo[key])
     if len(parts) == 1:
-        return [g for _, g in parts[0]]
-    parts.sort(key=lambda part: part[0][0])
-    if all(a[-1][0] < b[0][0] for a, b in zip(parts, parts[1:])):
-        return [g for part in parts for _, g in part]
-    return [g for _, g in sorted(itertools.chain.from_iterable(parts))]
+        return list(parts[0][2])
+    parts.sort(key=lambda part: part[0])
+    if all(a[1] < b[0] for a, b in zip(parts, parts[1:])):
+        return [g for part in parts for g in part[2]]
+    return [g for _, g in sorted((ring_key(g), g) for part in parts for g in part[2])]
 
 
 @dataclass
