@@ -45,8 +45,8 @@ from sailor.plan.placement import node_blocks
 from sailor.planner import paper
 from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds, plan_signature
 from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanning_thetas
-from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, homogeneous_kinds, kind_optimizer_s, memory_mixed_kinds,
-                                  option_table)
+from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, forget_kinds, homogeneous_kinds, kind_optimizer_s,
+                                  memory_mixed_kinds, option_table)
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.pack import Packer, count_vectors, node_unit, round_to_nodes
 from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
@@ -145,6 +145,7 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
             found.points += 1
             if not _search_family(ctx, opts, item, free, keep, exact_mode):
                 found.exact = False
+            forget_kinds(ctx, item.partition, item.mbs, item.memory)
     _refine_with_spanning(ctx, keep, free)
     if progress:
         progress(total, total)

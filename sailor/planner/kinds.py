@@ -143,8 +143,8 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
                mbs: int, memory: Memory, replicas: int | None = None) -> list[Kind]:
     """Kinds for many (zones, options[, cuts]) at once under the stages' memory options, exact for a
     plan of `replicas` pipelines or (None) lower bounds over D (module docstring); their curves from
-    one batched call of the closed form (arrays (kinds, P)). Memoised in the context. A pipeline cut
-    between nodes differs from its uncut twin (the same zones and options) only in which transfers
+    one batched call of the closed form (arrays (kinds, P)). Memoised in the context per family
+    (`forget_kinds` drops a family's). A pipeline cut between nodes differs from its uncut twin (the same zones and options) only in which transfers
     cross nodes, so what the cuts do not change (stage times, optimizer step, pools, price, the
     transfer over each boundary inside a node and between two) is computed once per twin; a curve
     and egress once per planning call for the kinds of one pool class (`pool_class`: pools whose
@@ -153,8 +153,9 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     # the memory options in the memo keys as a number, looked up once: hashing them is slow (models)
     numbers = ctx.memo.setdefault("memory numbers", {})
     memory_id = numbers.setdefault(memory, len(numbers))
-    keys = [("kind", z, o, c, partition, mbs, memory_id, replicas) for z, o, c in specs]
-    out: list[Kind | None] = [ctx.memo.get(k) for k in keys]
+    cache = ctx.memo.setdefault(("kinds", partition, mbs, memory_id), {})  # this family's (`forget_kinds`)
+    keys = [(z, o, c, replicas) for z, o, c in specs]
+    out: list[Kind | None] = [cache.get(k) for k in keys]
     todo = [j for j, k in enumerate(out) if k is None]
     if not todo:
         return out  # type: ignore[return-value]
@@ -216,9 +217,20 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
         kind = Kind(fill_s=fill, two_s=two, period_s=period, zones=zones, options=options, memory=memory, gpus=gpus,
                     use=use_, usd_per_hour=usd, optimizer_s=opt, egress_usd_per_mb=egress, min_replicas=need[r],
                     replicas=replicas, slots=slots[q])
-        ctx.memo[keys[j]] = kind
+        cache[keys[j]] = kind
         out[j] = kind
     return out  # type: ignore[return-value]
+
+
+def forget_kinds(ctx: SimContext, partition: Partition, mbs: int, memory: Memory) -> None:
+    """Drop the memoised kinds of the family (partition, mbs, memory) (`make_kinds`, every D), once
+    the search is done with it: each family builds about a thousand kinds and almost none is asked
+    for again, so kept until the end of the planning call they would hold most of its memory (over
+    100 MB on the 10zones scenario of `benchmarks/planner_scale.py`). Kinds asked for again later
+    are built again, equal (their curves stay memoised)."""
+    memory_id = ctx.memo.get("memory numbers", {}).get(memory)
+    if memory_id is not None:
+        ctx.memo.pop(("kinds", partition, mbs, memory_id), None)
 
 
 def pool_class(ctx: SimContext, zones: tuple[str, ...], options: tuple[Option, ...]) -> tuple | None:

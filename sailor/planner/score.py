@@ -36,7 +36,6 @@ pools are placed as if alone, which lets their placements be memoised per kind (
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -265,28 +264,35 @@ def apart_groups(ctx: SimContext, used: tuple[tuple[tuple[Slot, ...], int], ...]
     tuple is hashed anew at each look-up), then merged in ring order (their members differ, so the
     ring keys do): where the kinds' ranges of ring keys do not overlap (each pool's nodes are named
     apart, `simulator.place`), the kinds' groups one after the other, ordered by their first keys,
-    are that order."""
+    are that order. A kind's groups of a stage are memoised with the ring keys of the first and last
+    only (the merge reads no others): the memo holds the groups of many kinds and counts."""
     per_kind = []
     for slots, n in used:
         key = ("placed-stages", slots, n)
         stages = ctx.memo.get(key)
         if stages is None:
             placed = placed_alone(ctx, slots, n)
-            stages = ctx.memo[key] = [[(ring_key(g), g) for g in group_members([pipe[i] for pipe in placed])]
+            stages = ctx.memo[key] = [_ring_part(group_members([pipe[i] for pipe in placed]))
                                       for i in range(len(slots))]
         per_kind.append(stages)
     return [_merge_ring_parts([stages[i] for stages in per_kind if stages[i]]) for i in range(len(used[0][0]))]
 
 
-def _merge_ring_parts(parts: list[list[tuple[tuple, Group]]]) -> list[Group]:
-    """The groups of `parts` (each a list of (ring key, group) in ring order, the parts' members
-    apart) in ring order (`apart_groups`)."""
+def _ring_part(groups: list[Group]) -> tuple[tuple, tuple, list[Group]] | None:
+    """(first group's ring key, last group's ring key, the groups) of one kind's groups of a stage in
+    ring order; None for none."""
+    return (ring_key(groups[0]), ring_key(groups[-1]), groups) if groups else None
+
+
+def _merge_ring_parts(parts: list[tuple[tuple, tuple, list[Group]]]) -> list[Group]:
+    """The groups of `parts` (`_ring_part`s of kinds whose members are apart) in ring order
+    (`apart_groups`)."""
     if len(parts) == 1:
-        return [g for _, g in parts[0]]
-    parts.sort(key=lambda part: part[0][0])
-    if all(a[-1][0] < b[0][0] for a, b in zip(parts, parts[1:])):
-        return [g for part in parts for _, g in part]
-    return [g for _, g in sorted(itertools.chain.from_iterable(parts))]
+        return list(parts[0][2])
+    parts.sort(key=lambda part: part[0])
+    if all(a[1] < b[0] for a, b in zip(parts, parts[1:])):
+        return [g for part in parts for g in part[2]]
+    return [g for _, g in sorted((ring_key(g), g) for part in parts for g in part[2])]
 
 
 @dataclass

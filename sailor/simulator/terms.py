@@ -422,10 +422,23 @@ def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> 
 def group_shape(groups: list[Group]) -> tuple:
     """`groups` with each node name replaced by its rank of first appearance: the collectives read a
     member's node only to tell whether two members share one (`collectives.same_node`, the islands of
-    a hierarchical all-reduce), so groups of one shape take the same time and egress (a memo key)."""
+    a hierarchical all-reduce), so groups of one shape take the same time and egress (a memo key).
+    Run-length coded, as tuples (zone, GPU type, TP, first node's rank or None, count, run length):
+    a run is consecutive groups alike but for their nodes, each on the node ranked after the one
+    before it (or all on none). A stage's replicas mostly sit one per node, so a key of hundreds of
+    groups is a few runs; the planner's memo holds tens of thousands of such keys."""
     ids: dict[str, int] = {}
-    return tuple((m.zone, m.gpu, m.tp, None if m.node is None else ids.setdefault(m.node, len(ids)), n)
-                 for m, n in groups)
+    runs: list[list] = []
+    run: list = [None, None, None, None, None, 0]
+    for m, n in groups:
+        node = None if m.node is None else ids.setdefault(m.node, len(ids))
+        if (m.zone == run[0] and m.gpu == run[1] and m.tp == run[2] and n == run[4]
+                and (node is None if run[3] is None else node == run[3] + run[5])):
+            run[5] += 1
+        else:
+            run = [m.zone, m.gpu, m.tp, node, n, 1]
+            runs.append(run)
+    return tuple(map(tuple, runs))
 
 
 def place(pipelines: list[list[Slot]], cluster: ClusterSpec) -> list[list[Slot]]:

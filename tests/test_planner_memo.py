@@ -1,0 +1,112 @@
+"""The planner's memo holds what later steps read, compactly: a family's kinds are dropped once the
+search is done with it (`kinds.forget_kinds`), and group shapes are run-length coded
+(`simulator.terms.group_shape`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sailor.plan.spec import DEFAULT_STAGE_MEMORY
+from sailor.planner import PlanOptions, engine
+from sailor.planner.kinds import Kind, forget_kinds, make_kinds
+from sailor.planner.space import stage_options
+from sailor.simulator import make_context
+from sailor.simulator.collectives import Member, group_members
+from sailor.simulator.terms import group_shape
+from sailor.specs.cluster import ClusterSpec
+from sailor.specs.job import JobSpec
+
+ZA, ZB = "us-central1-a", "us-central1-b"
+
+
+def test_forgotten_kinds_are_built_again_equal():
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    part, mbs, M = ((0, 13), (13, 26)), 2, 32
+    memory = (DEFAULT_STAGE_MEMORY,) * 2
+    ctx = make_context(job, ClusterSpec(zones={ZA: {"A100-40": 8, "V100-16": 8}},
+                                        gpus_per_node={"A100-40": 4, "V100-16": 4}), calibration={})
+    a = stage_options(ctx, "A100-40", part, mbs, M)[0]
+    v = stage_options(ctx, "V100-16", part, mbs, M)[1]
+    specs = [((ZA, ZA), (a[0], a[0])), ((ZA, ZA), (a[-1], v[0]))]
+    first = make_kinds(ctx, specs, part, mbs, memory)
+    assert all(x is y for x, y in zip(make_kinds(ctx, specs, part, mbs, memory), first))  # memoised
+    forget_kinds(ctx, part, mbs, memory)
+    again = make_kinds(ctx, specs, part, mbs, memory)
+    assert again == first and all(x is not y for x, y in zip(again, first))
+    other = ((0, 10), (10, 26))  # another family's kinds are not dropped
+    kept = make_kinds(ctx, specs, other, mbs, memory)
+    forget_kinds(ctx, part, mbs, memory)
+    assert all(x is y for x, y in zip(make_kinds(ctx, specs, other, mbs, memory), kept))
+
+
+def _memo_kinds(memo: dict) -> list[Kind]:
+    """The kinds the memo holds, as values or in dicts of values."""
+    out = []
+    for v in memo.values():
+        for x in (v.values() if isinstance(v, dict) else (v,)):
+            if isinstance(x, Kind):
+                out.append(x)
+    return out
+
+
+def test_the_search_drops_the_kinds_of_the_families_it_searched(monkeypatch):
+    job = JobSpec(model="opt-350m", global_batch_size=128)
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 64, "V100-16": 64}, ZB: {"A100-40": 64}},
+                          gpus_per_node={"A100-40": 4, "V100-16": 4})
+    opts = PlanOptions(max_stages=4, max_mbs=2)
+    ctx = make_context(job, cluster, calibration={})
+    ctx = dataclasses.replace(ctx, memory_margin=opts.memory_margin)
+    searched: list[Kind] = []  # the searched families' kinds (held, so that no id is reused)
+    at_end: list[Kind] = []
+    search_family, refine = engine._search_family, engine._refine_with_spanning
+
+    def spy_search(ctx_, opts_, fam, *a):
+        searched.extend(fam.kinds)
+        return search_family(ctx_, opts_, fam, *a)
+
+    def spy_refine(ctx_, *a):
+        at_end.extend(_memo_kinds(ctx_.memo))  # the memo when the families' loop ends
+        return refine(ctx_, *a)
+
+    monkeypatch.setattr(engine, "_search_family", spy_search)
+    monkeypatch.setattr(engine, "_refine_with_spanning", spy_refine)
+    engine.search(ctx, opts)
+    assert len(searched) > 100
+    assert not {id(k) for k in searched} & {id(k) for k in at_end}
+
+
+def _plain_shape(groups: list) -> tuple:
+    """The shape without run-length coding: per group (zone, GPU type, TP, node rank, count)."""
+    ids: dict[str, int] = {}
+    return tuple((m.zone, m.gpu, m.tp, None if m.node is None else ids.setdefault(m.node, len(ids)), n)
+                 for m, n in groups)
+
+
+def _expand(shape: tuple) -> tuple:
+    return tuple((z, g, t, None if r is None else r + j, n) for z, g, t, r, n, length in shape for j in range(length))
+
+
+def test_a_stage_of_one_replica_per_node_is_one_run():
+    members = [Member(zone=ZA, gpu="A100-40", tp=4, node=f"n{j}") for j in range(300)]
+    assert group_shape(group_members(members)) == ((ZA, "A100-40", 4, 0, 1, 300),)
+    two = members[:3] + [Member(zone=ZA, gpu="A100-40", tp=4, node="n2")] + members[3:5]  # n2 holds two
+    assert group_shape(group_members(two)) == ((ZA, "A100-40", 4, 0, 1, 2), (ZA, "A100-40", 4, 2, 2, 1),
+                                               (ZA, "A100-40", 4, 3, 1, 2))
+    unplaced = [Member(zone=z, gpu="V100-16", tp=1) for z in (ZA, ZB, ZB)]
+    assert group_shape(group_members(unplaced)) == ((ZA, "V100-16", 1, None, 1, 1), (ZB, "V100-16", 1, None, 2, 1))
+
+
+member = st.builds(Member, zone=st.sampled_from([ZA, ZB]), gpu=st.sampled_from(["A100-40", "V100-16"]),
+                   tp=st.sampled_from([1, 2]), node=st.sampled_from([None, "a", "b", "c", "d", "e"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(member, st.integers(1, 3)), max_size=12),
+       st.lists(st.tuples(member, st.integers(1, 3)), max_size=12))
+def test_run_length_shapes_are_equal_exactly_when_the_shapes_are(x, y):
+    # the coding loses nothing (it expands back) and so keys the memo as the plain shape does
+    assert _expand(group_shape(x)) == _plain_shape(x)
+    assert (group_shape(x) == group_shape(y)) == (_plain_shape(x) == _plain_shape(y))
