@@ -94,11 +94,13 @@ def test_availability_is_capped_by_usable_machines_until_a_fresh_count(tmp_path,
     assert avail.zones() == {"local": {"cpu": 6}}  # 8 offered, 3 machines x 2
     avail.lost[("local", "cpu")] += 1
     avail.lost_machines.add(("local", "cpu", 2))
+    held = avail.lost_machines  # as a live in-place run holds it (`InPlaceRun(lost=...)`)
     assert avail.zones() == {"local": {"cpu": 4}}
     avail.advance(10)  # the same count again: no fresh observation, the machine stays out
     assert avail.zones() == {"local": {"cpu": 4}}
     avail.advance(20)  # a new count: the deductions end
     assert avail.zones() == {"local": {"cpu": 5}} and not avail.lost_machines
+    assert held is avail.lost_machines and not held  # the run's placement sees the machine back too
 
 
 def test_cpu_runs_a_gpu_trace_on_named_machines_only(tmp_path):

@@ -341,7 +341,9 @@ class Availability:
                  if old.get(z, {}).get(g) != new.get(z, {}).get(g)}
         for pair in fresh & set(self.lost):
             del self.lost[pair]
-        self.lost_machines = {m for m in self.lost_machines if m[:2] not in fresh}
+        # in place: a live in-place run holds this very set (`InPlaceRun(lost=...)`) and reads it at
+        # each switch, so a machine back in the trace must leave it there too
+        self.lost_machines.difference_update([m for m in self.lost_machines if m[:2] in fresh])
         self.index = k
         return True
 
