@@ -344,7 +344,14 @@ def elastic_row(state, spec, job: Path, profile: Path, out: Path, step_s: float,
                       hosts=pool, timeout_s=60.0)
     load_before = os.getloadavg()[0]
     done: dict = {}
-    controller = threading.Thread(target=lambda: done.setdefault("res", run(opts)), daemon=True)
+
+    def control() -> None:
+        try:
+            done["res"] = run(opts)
+        except Exception as e:  # noqa: BLE001 - reported below, with the events file
+            done["error"] = e
+
+    controller = threading.Thread(target=control, daemon=True)
     controller.start()
     killed = []
     while controller.is_alive() and not killed:
@@ -358,7 +365,8 @@ def elastic_row(state, spec, job: Path, profile: Path, out: Path, step_s: float,
     controller.join(timeout=900)
     res = done.get("res")
     if res is None or res.status.name != "DONE":
-        raise RuntimeError(f"the elastic run did not finish: {res.message if res else 'still running'}; see {events}")
+        why = res.message if res else repr(done["error"]) if "error" in done else "still running"
+        raise RuntimeError(f"the elastic run did not finish: {why}; see {events}")
     kept = {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())}
     ref, _ = train_reference(job_spec, steps=ELASTIC_STEPS, seed=0, corpus=load_corpus())
     ev = [json.loads(x) for x in events.read_text().splitlines()]
