@@ -144,11 +144,12 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     """Kinds for many (zones, options[, cuts]) at once under the stages' memory options, exact for a
     plan of `replicas` pipelines or (None) lower bounds over D (module docstring); their curves from
     one batched call of the closed form (arrays (kinds, P)). Memoised in the context per family
-    (`forget_kinds` drops a family's). A pipeline cut between nodes differs from its uncut twin (the same zones and options) only in which transfers
-    cross nodes, so what the cuts do not change (stage times, optimizer step, pools, price, the
-    transfer over each boundary inside a node and between two) is computed once per twin; a curve
-    and egress once per planning call for the kinds of one pool class (`pool_class`: pools whose
-    zones' links are alike) or zones, options and cuts, and without ZeRO-3 for every D."""
+    (`forget_kinds` drops a family's). A pipeline cut between nodes differs from its uncut twin (the
+    same zones and options) only in which transfers cross nodes, so what the cuts do not change
+    (stage times, optimizer step, pools, price, the transfer over each boundary inside a node and
+    between two) is computed once per twin; a curve and egress once per planning call for the kinds
+    of one pool class (`pool_class`: pools whose zones' links are alike) or zones, options and cuts,
+    and without ZeRO-3 for every D."""
     specs = [sp if len(sp) == 3 and any(sp[2]) else (sp[0], sp[1], ()) for sp in specs]  # no cut: ()
     # the memory options in the memo keys as a number, looked up once: hashing them is slow (models)
     numbers = ctx.memo.setdefault("memory numbers", {})

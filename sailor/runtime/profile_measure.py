@@ -207,8 +207,8 @@ def measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, device
         model = _build_layer(job, 0, rank % tp, tp, group, device, spec.num_layers)
         for mbs in o["mbs"]:
             # (repeats, 4) each: forward, backward (W passes included), W passes, rest per micro-batch
-            runs, split = (torch.tensor(_time_pipeline(model, job, o, rank, tp, world, mbs, device, autocast, sync, s, group),
-                                        dtype=torch.float64, device=device)
+            runs, split = (torch.tensor(_time_pipeline(model, job, o, rank, tp, world, mbs, device, autocast, sync, s,
+                                                       group), dtype=torch.float64, device=device)
                            for s in (DEFAULT_SCHEDULE, Schedule(kind=ScheduleKind.ZB_H1)))
             if world > 1:
                 dist.all_reduce(runs, op=dist.ReduceOp.MAX)
