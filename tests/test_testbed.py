@@ -472,3 +472,38 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys
     assert _cli(["testbed", "down", "--state-dir", str(tmp_path / "s")], monkeypatch, capsys) == (
         2, ["error: sailor testbed down: give FILE|NAME or --all (one of them)"])
     assert not (tmp_path / "s").exists()
+
+
+# ---- device speed as a deadline reservation -------------------------------------------------------
+def test_the_deadline_reservation_is_the_quota_of_its_period():
+    import struct
+
+    from sailor.testbed import deadline
+
+    # struct sched_attr, version 0: size, policy, flags, nice, priority, runtime, deadline, period
+    size, policy, flags, nice, prio, runtime, dl, period = struct.unpack("=IIQiIQQQ", deadline.sched_attr(0.3, 500))
+    assert (size, policy, flags, nice, prio) == (48, 6, 1, 0, 0)  # SCHED_DEADLINE, reset on fork
+    assert (runtime, dl, period) == (150_000, 500_000, 500_000)  # 0.3 of 500 µs, in ns
+    assert struct.unpack("=IIQiIQQQ", deadline.sched_attr(0.15))[5:] == (75_000, 500_000, 500_000)
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="0 < cores <= 1"):
+            deadline.sched_attr(bad)
+
+
+def test_a_rank_cgroup_quota_in_cores(tmp_path):
+    (tmp_path / "cpu.cfs_quota_us").write_text("1000\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("3334\n")
+    assert cgroups.quota_cores(str(tmp_path)) == pytest.approx(0.29994)
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroups.quota_cores(str(tmp_path)) is None
+
+
+def test_reservations_beyond_the_kernels_deadline_bandwidth_are_refused(box, monkeypatch):
+    from sailor.testbed import deadline
+
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(deadline, "bandwidth_limit", lambda cpus=None: 0.95 * cpus)
+    host.check_cores(box)  # 4 x 0.3 + 2 x 0.15 = 1.5 of 1.9: admitted
+    monkeypatch.setattr(deadline, "bandwidth_limit", lambda cpus=None: 1.4)
+    with pytest.raises(SailorInputError, match="add up to 1.5 cores, more than the 1.4"):
+        host.check_cores(box)

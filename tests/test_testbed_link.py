@@ -28,6 +28,7 @@ from sailor.testbed import (
     up,
 )
 from sailor.testbed.cgroups import comm_cgroup
+from sailor.testbed.deadline import is_deadline
 from sailor.testbed.host import live_states, processes
 from sailor.testbed.spec import parse_testbed, wire_bytes
 
@@ -58,10 +59,11 @@ def link_bytes(state) -> int:
 
 
 @contextlib.contextmanager
-def comm_threads_seen(state):
-    """The names of the threads found in the testbed's `comm-threads` cgroup while the block runs
-    (polled every 50 ms)."""
+def threads_seen(state):
+    """(the names of the threads found in the testbed's `comm-threads` cgroup, the nodes whose rank
+    cgroup `r0` held a thread under SCHED_DEADLINE) while the block runs (polled every 50 ms)."""
     seen: set[str] = set()
+    reserved: set[str] = set()
     done = threading.Event()
 
     def poll() -> None:
@@ -70,11 +72,17 @@ def comm_threads_seen(state):
                 for tid in Path(comm_cgroup(state.nodes[0]), "tasks").read_text().split():
                     with contextlib.suppress(OSError):
                         seen.add(Path(f"/proc/{tid}/comm").read_text().strip())
+            for node in state.nodes:
+                with contextlib.suppress(OSError):
+                    for tid in Path(node.cgroup, "r0", "tasks").read_text().split():
+                        with contextlib.suppress(OSError):
+                            if is_deadline(int(tid)):
+                                reserved.add(node.name)
 
     t = threading.Thread(target=poll, daemon=True)
     t.start()
     try:
-        yield seen
+        yield seen, reserved
     finally:
         done.set()
         t.join()
@@ -106,11 +114,13 @@ def test_bytes_on_a_shaped_link_match_the_simulator(tmp_path, layout, kinds):
         moved, posters = [], set()
         for steps in (1, 4):
             before = link_bytes(state)
-            with comm_threads_seen(state) as comm:
+            with threads_seen(state) as (comm, reserved):
                 launch(state, plan, job, steps, tmp_path / f"launch{steps}.log")
             moved.append(link_bytes(state) - before)
             # gloo's socket loop and work threads ran outside the ranks' quotas (`cgroups.place_ranks`)
             assert {"gloo_tcp_loop", "pt_gloo_runloop"} <= comm, comm
+            # each rank's compute thread ran under its device's deadline reservation (`testbed.deadline`)
+            assert reserved == {n.name for n in state.nodes}, reserved
             posters |= comm & {THREAD_NAME}
             for node in state.nodes:  # the rank ran in its own cgroup, under its quota
                 stat = dict(line.split() for line in Path(node.cgroup, "r0", "cpu.stat").read_text().splitlines())

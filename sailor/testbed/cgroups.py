@@ -1,19 +1,21 @@
 """A testbed's cpu cgroups (cgroup v1): one per node, one per rank with its device class's quota,
 and one for every rank's communication threads (`create_cgroups`); moving ranks and their
-communication threads into them as they start (`place_ranks`: torchrun's ranks and a live pool's
-processes, called by the stand-in ssh; `sailor profile`'s ranks, by `testbed.profile`).
+communication threads into them as they start, and giving each rank's compute thread its device's
+speed as a deadline reservation (`place_ranks`, `testbed.deadline`: torchrun's ranks and a live
+pool's processes, called by the stand-in ssh; `sailor profile`'s ranks, by `testbed.profile`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from sailor.runtime.epochs import AGENT_SLOTS_ENV, SLOT_ENV
 from sailor.runtime.post_thread import THREAD_NAME
-from sailor.testbed import net
+from sailor.testbed import deadline, net
 from sailor.testbed.spec import TestbedSpec
 from sailor.testbed.state import NodeState, TestbedState
 
@@ -89,6 +91,29 @@ def rank_slot(environ: dict[str, str]) -> int | None:
     return int(visible[int(local)]) if int(local) < len(visible) and visible[int(local)].strip().isdigit() else None
 
 
+def quota_cores(cgroup: str) -> float | None:
+    """Cores per CFS period the cpu cgroup `cgroup` allows (cpu.cfs_quota_us over cpu.cfs_period_us);
+    None without a quota. Raises OSError when the cgroup is gone."""
+    quota = int(Path(cgroup, "cpu.cfs_quota_us").read_text())
+    return None if quota < 0 else quota / int(Path(cgroup, "cpu.cfs_period_us").read_text())
+
+
+def reserve(tid: int, cgroup: str) -> None:
+    """Give thread `tid` its rank cgroup `cgroup`'s quota as a deadline reservation
+    (`deadline.set_deadline`), where the quota is under one core (a full core needs none). Where
+    the kernel refuses, the rank keeps its CFS quota alone, and one line on stderr says so. Raises
+    OSError when the thread or the cgroup is gone."""
+    cores = quota_cores(cgroup)
+    if cores is None or cores >= 1:
+        return
+    try:
+        deadline.set_deadline(tid, cores)
+    except OSError as e:
+        if not Path(f"/proc/{tid}").exists():
+            raise
+        print(f"testbed: rank thread {tid} keeps its CFS quota alone ({e})", file=sys.stderr, flush=True)
+
+
 def comm_cgroup(node: NodeState) -> str:
     """The cgroup of the communication threads of every rank of `node`'s testbed (one for all nodes;
     node names cannot hold '-', so it never meets a node's cgroup)."""
@@ -117,8 +142,10 @@ def place_ranks(node: NodeState, slot_of: Callable[[str], int | None] = torchrun
     rank's device index on the node, None for a process that is not a rank: by default torchrun's
     ranks, `torchrun_slot`), and every communication thread (`COMM_THREADS`) of the node's processes
     into `comm_cgroup`, so a device's quota throttles its compute and not its transfers (testbed
-    file, `comm_cpu_quota`); how many ranks were moved. Processes and threads that end meanwhile are
-    skipped; threads a rank starts later (a new process group) are found on the next call."""
+    file, `comm_cpu_quota`); how many ranks were moved. A moved rank's main thread, which computes,
+    gets its rank cgroup's quota as a deadline reservation (`reserve`). Processes and threads that
+    end meanwhile are skipped; threads a rank starts later (a new process group) are found on the
+    next call."""
     moved = 0
     for pid in Path(node.cgroup, "cgroup.procs").read_text().split():
         with contextlib.suppress(OSError, ValueError):
@@ -126,6 +153,7 @@ def place_ranks(node: NodeState, slot_of: Callable[[str], int | None] = torchrun
             if slot is not None and os.path.isdir(rank_cgroup(node, slot)):
                 write_cgroup(rank_cgroup(node, slot), "cgroup.procs", pid)
                 moved += 1
+                reserve(int(pid), rank_cgroup(node, slot))
     comm = comm_cgroup(node)
     for folder in [Path(node.cgroup), *Path(node.cgroup).glob("r*")]:
         with contextlib.suppress(OSError):

@@ -32,7 +32,7 @@ import yaml
 
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import write_atomic
-from sailor.testbed import net
+from sailor.testbed import deadline, net
 from sailor.testbed.cgroups import create_cgroups, write_cgroup
 from sailor.testbed.spec import TestbedSpec, cluster_spec, hosts_spec
 from sailor.testbed.state import NodeState, TestbedState, forget_owner, owned, record_owner
@@ -131,7 +131,9 @@ def _plan_state(spec: TestbedSpec, state_dir: Path) -> TestbedState:
 
 def check_cores(spec: TestbedSpec, source: str | None = None) -> None:
     """Refuse a testbed whose CPU quotas (its ranks' and their communication threads',
-    `TestbedSpec.total_cpu_cores`) add up to more cores than `os.cpu_count()`.
+    `TestbedSpec.total_cpu_cores`) add up to more cores than `os.cpu_count()`, or whose ranks'
+    deadline reservations (each rank's quota under one core, `cgroups.reserve`) add up to more than
+    the kernel admits (`deadline.bandwidth_limit`: 0.95 of every core by default).
 
     Raises:
         SailorInputError: at field `devices` of `source` (the testbed file).
@@ -141,6 +143,13 @@ def check_cores(spec: TestbedSpec, source: str | None = None) -> None:
         raise SailorInputError(f"the quotas of ranks and communication add up to {spec.total_cpu_cores():g} cores,"
                                f" more than the {cores} of this machine", source=source, field="devices",
                                fix="smaller cpu_quota or comm_cpu_quota, or fewer ranks")
+    reserved = sum(n.ranks * spec.devices[n.device].cpu_quota for n in spec.nodes
+                   if spec.devices[n.device].cpu_quota < 1)
+    if reserved > deadline.bandwidth_limit(cores):
+        raise SailorInputError(f"the ranks' quotas under one core add up to {reserved:g} cores, more than the"
+                               f" {deadline.bandwidth_limit(cores):g} this kernel lets deadline tasks reserve"
+                               f" (kernel.sched_rt_runtime_us)", source=source, field="devices",
+                               fix="smaller cpu_quota, or fewer ranks")
 
 
 def up(spec: TestbedSpec, state_dir: str | Path | None = None, *, source: str | None = None) -> TestbedState:
