@@ -411,6 +411,7 @@ def main() -> int:
     job = out / "job.yaml"  # the given job at GLOBAL_BATCH
     job.write_text(yaml.safe_dump({**yaml.safe_load(args.job.read_text()), "global_batch_size": GLOBAL_BATCH}))
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, _interrupt)  # `finally` below takes the testbed down on SIGTERM too
     state = up(spec, out / "state")
     rows, others, elastic = [], [], None
     try:

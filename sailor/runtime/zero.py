@@ -214,6 +214,14 @@ class ShardedAdamW(ZeroLayerHooks):
         return self.zero == 3 or self.dtype != FP32
 
     # ---- the step ------------------------------------------------------------------------------
+    def owned_norm_sq(self) -> torch.Tensor:
+        """The squared L2 norm of this rank's part of the gradient (`norm_ranges`), a 0-d fp64 tensor:
+        torch's clip arithmetic (`get_total_norm`: fp32 norms per range, multi-tensor), squared in
+        fp64. `clip` sums it over the world."""
+        parts = [self.grad[i][lo:hi] for i, lo, hi in self.norm_ranges]
+        return (torch.nn.utils.get_total_norm(parts, foreach=True).double() ** 2 if parts
+                else torch.zeros((), dtype=torch.float64, device=self.device))
+
     def clip(self, max_norm: float, scale: float = 1.0) -> float:
         """Clip the whole model's gradient (every rank's owned elements together, over the world)
         to L2 norm `max_norm`, as `torch.nn.utils.clip_grad_norm_` does on one model; returns the
@@ -226,11 +234,7 @@ class ShardedAdamW(ZeroLayerHooks):
         in the same pass (the returned norm is the unscaled one). A non-finite norm (an overflow on
         some rank: the all-reduce gives every rank the same value) leaves the gradients as they are;
         the caller then skips the step (`skip`)."""
-        parts = [self.grad[i][lo:hi] for i, lo, hi in self.norm_ranges]
-        # torch's clip arithmetic (`get_total_norm`: fp32 norms per range, multi-tensor), squared and
-        # summed over the world in fp64
-        sq = (torch.nn.utils.get_total_norm(parts, foreach=True).double() ** 2 if parts
-              else torch.zeros((), dtype=torch.float64, device=self.device))
+        sq = self.owned_norm_sq()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq)
         norm = math.sqrt(sq.item()) / scale
