@@ -118,8 +118,10 @@ class TestbedSpec(BaseModel):
     name: str
     cfs_period_us: Whole(1000, 1_000_000) | None = None
     """CFS period (µs) of every quota; each quota must be >= the kernel's 1 ms. None (the default):
-    each quota's shortest period (`period_us`), so that a throttled rank runs in slices of 1 ms and
-    its speed is smooth at the scale of a pass: a rank of 0.3 cores runs 1 ms of every 3.3 ms."""
+    each quota's shortest period (`period_us`): a rank of 0.3 cores runs 1 ms of every 3.3 ms. The
+    quota caps a rank's threads but its compute thread, which runs under a deadline reservation of
+    the same share in periods of 500 µs (`testbed.deadline`: a quota's unspent budget let a rank
+    that waited compute at a full core)."""
     comm_cpu_quota: Real(0.01, 64.0) | None = None
     """Cores that the communication threads of all ranks share (gloo's socket loop and work threads,
     the rendezvous store, the runtime's thread posting pipeline transfers); None (the default): no limit. A device class's quota throttles a rank's
