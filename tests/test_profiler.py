@@ -45,7 +45,8 @@ def profile_file(tmp_path_factory) -> Path:
         data = profile_job(ProfileOptions(job=JOB, tps=(1, 2), mbs=(1, 2), warmup=1, repeats=3),
                            progress=ticks.append)
     write_json(path, data)
-    assert sum(ticks) == 2 * 4 * 2  # (TP, layer kind or whole model, micro-batch) measurements
+    # (TP, layer kind, the whole model or the fixed cost per stage pass, micro-batch) measurements
+    assert sum(ticks) == 2 * 5 * 2
     assert not alive()  # none of the ranks this fixture started is left
     return path
 
@@ -80,6 +81,12 @@ def test_profile_file_loads_with_every_measurement(profile_file):
     assert all(0 <= r["seconds"] < 0.1 for r in rows)
     assert prof.microbatch_overhead_s == {("cpu", r["tp"]): r["seconds"] for r in rows}
     assert profiles_from_dict(prof.to_dict()).microbatch_overhead_s == prof.microbatch_overhead_s
+    # the fixed cost of one stage pass, from 2-stage pipelines (2 and 4 processes), each direction
+    rows = raw["runtime"]["pass_overhead_s"]
+    assert [(r["gpu"], r["tp"]) for r in rows] == [("cpu", 1), ("cpu", 2)]
+    assert all(0 <= r[k] < 0.05 for r in rows for k in ("forward_s", "backward_s"))
+    assert prof.pass_overhead_s == {("cpu", r["tp"]): (r["forward_s"], r["backward_s"]) for r in rows}
+    assert sorted(raw["settings"]["pass_overhead_s_by_mbs"]) == ["1", "2"]
     # the backward's input- and weight-gradient passes, timed apart: the embedding has no input gradient
     for tp in (1, 2):
         assert prof.split_measured("cpu", tp)
@@ -125,6 +132,12 @@ def test_layer_row_scales_each_pass_by_its_own_whole_run():
     # the split sums to its own whole passes, not to the 1F1B backward's factor (which gave 0, 2, 1 and 0.4, 1, 0.2)
     assert row["backward_input_s"] == pytest.approx([0.0, 3.0, 1.5]) and sum(row["backward_input_s"]) == pytest.approx(4.5)
     assert row["backward_weight_s"] == pytest.approx([1.0, 2.5, 0.5])
+    # the runtime's fixed cost per stage pass (0.3 forward, 0.6 backward) is taken out of the whole
+    # passes first (the simulator charges it per chunk pass), the backward's from the input-gradient pass
+    row, scales = layer_row(stats, split, (3.0, 6.0, 4.5, 4.0), (0.3, 0.6))
+    assert scales == pytest.approx([2.7 / 1.5, 5.4 / 3.0, 3.9 / 1.5, 4.0 / 0.8])
+    assert sum(row["forward_s"]) == pytest.approx(2.7) and sum(row["backward_s"]) == pytest.approx(5.4)
+    assert sum(row["backward_input_s"]) == pytest.approx(3.9) and sum(row["backward_weight_s"]) == pytest.approx(4.0)
     # no whole pass (CUDA): the times as measured
     row, scales = layer_row(stats, split, None)
     assert scales == [1.0] * 4 and row["backward_input_s"] == [0.0, 1.0, 0.5] and row["forward_s"] == [0.1, 1.0, 0.4]
@@ -345,7 +358,9 @@ def test_a_model_mixing_dense_and_moe_blocks_profiles_one_of_each(tmp_path):
     with own_processes() as alive:
         data = profile_job(ProfileOptions(job=job, tps=(1,), mbs=(1,), warmup=1, repeats=2), progress=ticks.append)
     assert not alive()
-    assert sum(ticks) == 1 * 5 * 1  # embedding, block, other block, head, whole model
+    # embedding, block, other block, head, whole model, fixed cost per stage pass (5 layers: v = 2)
+    assert sum(ticks) == 1 * 6 * 1
+    assert [r["tp"] for r in data["runtime"]["pass_overhead_s"]] == [1]
     row = data["layers"][0]
     act = data["memory"][0]["activation_bytes_per_sample"]
     assert len(row["forward_s"]) == len(act) == 5 and all(t > 0 for t in row["forward_s"])

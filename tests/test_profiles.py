@@ -91,6 +91,35 @@ def test_our_format_round_trip(tmp_path):
     assert q.activation_bytes[1] == pytest.approx(np.ones(6))
 
 
+def test_the_runtime_pass_overhead_is_optional_and_kept_by_a_round_trip():
+    head = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32",
+            "layers": [_row()]}
+    # files written before the fixed cost per stage pass was measured: without it, or without any
+    # runtime section, every pass pays 0 s (documented default), the per-micro-batch overhead as given
+    mb_rows = [{"gpu": "A100-40", "tp": 1, "seconds": 1e-4}]
+    old = profiles_from_dict(head | {"runtime": {"microbatch_overhead_s": mb_rows}})
+    assert old.pass_overhead_s == {} and old.pass_overhead("A100-40", 1) == (0.0, 0.0)
+    assert old.microbatch_overhead("A100-40", 1) == 1e-4 and "pass_overhead_s" not in old.to_dict()["runtime"]
+    assert profiles_from_dict(head).pass_overhead("A100-40", 1) == (0.0, 0.0)
+    new = profiles_from_dict(head | {"runtime": {"microbatch_overhead_s": [],
+                                                 "pass_overhead_s": [{"gpu": "A100-40", "tp": 2, "forward_s": 1e-4,
+                                                                      "backward_s": 3e-4}]}})
+    assert new.pass_overhead_s == {("A100-40", 2): (1e-4, 3e-4)} and new.pass_overhead("A100-40", 1) == (1e-4, 3e-4)
+    assert profiles_from_dict(new.to_dict()).pass_overhead_s == new.pass_overhead_s
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([{"gpu": "A100-40", "tp": 1, "forward_s": 1e-4}], r"runtime\.pass_overhead_s\.0: expected a mapping with gpu, tp and forward_s and backward_s"),
+    ([{"gpu": "A100-40", "tp": 1, "forward_s": 1e-4, "backward_s": -1.0}], r"runtime\.pass_overhead_s\.0\.backward_s: must be >= 0"),
+    ({"A100-40": 1e-4}, r"runtime: expected a mapping"),
+])
+def test_bad_pass_overhead_rows(rows, match):
+    d = {"schema": "sailor.profiles/1", "model": "tiny", "sequence_length": 64, "precision": "fp32", "layers": [_row()],
+         "runtime": {"pass_overhead_s": rows}}
+    with pytest.raises(SailorInputError, match=match):
+        profiles_from_dict(d, "p.json")
+
+
 def _row(**kw):
     return {"gpu": "A100-40", "tp": 1, "mbs": 1, "forward_s": [1.0] * 6, "backward_s": [2.0] * 6} | kw
 

@@ -7,7 +7,7 @@ import pytest
 
 from sailor.perf.calibration import fit_memory
 from sailor.perf.profiles import Profiles
-from sailor.plan.orders import one_f_one_b_order
+from sailor.plan.orders import ScheduleKind, one_f_one_b_order
 from sailor.plan.spec import Plan, Schedule
 from sailor.simulator import TiedCopies, head_vocab_params, make_context, simulate, tied_embeddings
 from sailor.simulator.memory import in_flight, logits_grad_bytes
@@ -211,3 +211,37 @@ def test_gradient_sync_buffer_by_framework_and_zero():
     assert sync_buffer_bytes(meg, 4, ((0, 13),)) == 0.0
     est = simulate(_plan([[0, 13], [13, 26]], m=4, mbs=2), ctx)
     assert est.replicas[0].memory.sync_buffer == pytest.approx(ctx.stage_params(4, 0, 13) * grad)
+
+
+def test_an_interleaved_stage_pays_the_pass_overhead_once_per_chunk_pass():
+    # tiny (6 layers), every layer f = 1 s, b = 2 s at micro-batch 2; the runtime's fixed cost of a
+    # stage pass (`runtime.pass_overhead_s`) 0.25 s forward, 0.5 s backward, its per-micro-batch
+    # overhead 0.125 s (forward): a pass of a chunk of n layers takes n + 0.375 forward, 2n + 0.5 backward.
+    from sailor.simulator import Slot, pipeline_times
+    from sailor.simulator.schedules import PipelineSchedule
+
+    job = JobSpec(model="tiny", global_batch_size=8)
+    n = job.model.num_layers
+    prof = Profiles(model="tiny", sequence_length=job.seq, precision=job.precision,
+                    times={("A100-40", 1): {2: np.tile([1.0, 2.0], (n, 1))}},
+                    microbatch_overhead_s={("A100-40", 1): 0.125}, pass_overhead_s={("A100-40", 1): (0.25, 0.5)})
+    ctx = make_context(job, CLUSTER, prof)
+    slots = [Slot(zone="us-central1-a", gpu="A100-40", tp=1)] * 2
+    # 1F1B over stages [0, 3) and [3, 6): one pass per micro-batch and direction, 3 layers each
+    one = pipeline_times(ctx, slots, [(0, 3), (3, 6)], 2)
+    assert one.forward_s[:, 0] == pytest.approx([3.375] * 2) and one.backward_s[:, 0] == pytest.approx([6.5] * 2)
+    # interleaved, v = 3 one-layer chunks per stage: the same 3 layers per stage, 3 passes per
+    # micro-batch and direction, each paying the fixed costs: 3 x 1.375 = 4.125 forward, 3 x 2.5 = 7.5 backward
+    inter = PipelineSchedule(kind=ScheduleKind.INTERLEAVED, virtual_stages=3)
+    t = pipeline_times(ctx, slots, [(i, i + 1) for i in range(6)], 2, schedule=inter)
+    assert t.forward_s == pytest.approx(np.full((2, 3), 1.375)) and t.backward_s == pytest.approx(np.full((2, 3), 2.5))
+    assert t.forward_s.sum(axis=1) - one.forward_s[:, 0] == pytest.approx([2 * 0.375] * 2)  # v - 1 more of each
+    assert t.backward_s.sum(axis=1) - one.backward_s[:, 0] == pytest.approx([2 * 0.5] * 2)
+    # ZB-H1 splits the backward: the input-gradient pass (which sends) pays the backward's fixed cost, W none
+    zb = pipeline_times(ctx, slots, [(0, 3), (3, 6)], 2, schedule=PipelineSchedule(kind=ScheduleKind.ZB_H1))
+    bi, bw = ctx.stage_backward_split_s("A100-40", 1, 2, 0, 3)
+    assert bi + bw == pytest.approx(6.5) and zb.backward_s[0, 0] == pytest.approx(bi) and zb.weight_s[0, 0] == pytest.approx(bw)
+    split = prof.backward_split(job, "A100-40", 1, 2, np.full(n, 2.0))  # the layers' split by FLOPs
+    assert bi == pytest.approx(split[:3, 0].sum() + 0.5) and bw == pytest.approx(split[:3, 1].sum())
+    # a TP degree without its own figure takes the nearest measured one's; another GPU type pays none
+    assert prof.pass_overhead("A100-40", 2) == (0.25, 0.5) and prof.pass_overhead("V100-16", 1) == (0.0, 0.0)

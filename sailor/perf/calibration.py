@@ -58,7 +58,8 @@ CALIBRATION: dict[str, dict[str, float]] = {
     # cpu: no constants. `sailor profile` times the layers as a run executes them (1 thread per
     # process, ranks in their own sessions as torchrun starts them, every core busy, the per-pass
     # overhead removed by `sailor.runtime.profiler.pass_scale`, the runtime's per-micro-batch overhead
-    # measured), and benchmarks/closed_loop.py compares runs with that profile directly.
+    # and fixed cost per stage pass measured), and benchmarks/closed_loop.py compares runs with that
+    # profile directly.
 }
 
 

@@ -17,12 +17,18 @@ Our file format (JSON, schema "sailor.profiles/1"):
                "backward_input_s"?: [per layer], "backward_weight_s"?: [per layer]}],
    "optimizer": {gpu: {"seconds_per_param": float}},
    "memory": [{"gpu"?, "tp", "activation_bytes_per_sample": [per layer], "peak_bytes"?: ...}],
-   "runtime"?: {"microbatch_overhead_s": [{"gpu", "tp", "seconds"}]}}
+   "runtime"?: {"microbatch_overhead_s": [{"gpu", "tp", "seconds"}],
+                "pass_overhead_s"?: [{"gpu", "tp", "forward_s", "backward_s"}]}}
 `runtime.microbatch_overhead_s` (optional): seconds a training stage spends per micro-batch outside
 its layers' forward and backward passes (the runtime's 1F1B bookkeeping, input slicing, saving
 micro-batch state), measured by `sailor profile` on the runtime's own `run_pipeline`; the simulator
 adds it to every stage's micro-batch. Absent: 0. A TP degree without a row uses the nearest
 measured TP degree of its GPU type (the same rule as layer times).
+`runtime.pass_overhead_s` (optional): the runtime's fixed seconds per stage pass beyond its layers,
+forward and backward (`sailor.runtime.profile_passes`: an interleaved 2-stage pipeline against a
+1F1B one over the same layers); the simulator charges them once per chunk pass and direction, and
+the layer times hold none of them. Absent (files written before it was measured): 0 s, the layer
+times then holding their share of the whole pass's fixed cost as before. Nearest TP as above.
 `backward_input_s` / `backward_weight_s` (optional, both or neither): the backward split into the
 input-gradient pass and the weight-gradient pass that zero-bubble schedules run apart, measured by
 `sailor profile` (each pass timed on its own). Absent (older files, the Sailor importer, the
@@ -89,6 +95,8 @@ class Profiles:
         activation_bytes: tp -> array (num_layers,) of measured activation bytes kept per sample.
         microbatch_overhead_s: (gpu, tp) -> measured runtime seconds per stage and micro-batch
             beyond the layers' passes (`runtime.microbatch_overhead_s` of the file format).
+        pass_overhead_s: (gpu, tp) -> measured (forward, backward) seconds of the runtime's fixed
+            cost of one stage pass (`runtime.pass_overhead_s` of the file format).
         backward_split_s: (gpu, tp) -> {mbs: array (num_layers, 2)} of measured input-gradient and
             weight-gradient seconds (`backward_input_s`, `backward_weight_s` of the file format).
         source: where the data came from (for outputs).
@@ -102,6 +110,7 @@ class Profiles:
     optimizer_s_per_param: dict[str, float] = field(default_factory=dict)
     activation_bytes: dict[int, np.ndarray] = field(default_factory=dict)
     microbatch_overhead_s: dict[tuple[str, int], float] = field(default_factory=dict)
+    pass_overhead_s: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
     backward_split_s: dict[tuple[str, int], dict[int, np.ndarray]] = field(default_factory=dict)
     source: str = "roofline"
     meta: dict[str, Any] = field(default_factory=dict)
@@ -172,12 +181,13 @@ class Profiles:
     def microbatch_overhead(self, gpu: str, tp: int) -> float:
         """Seconds per micro-batch a stage on a replica of `tp` GPUs of type `gpu` spends outside its
         layers' passes: measured at this TP, else at the nearest measured TP of the GPU type, else 0."""
-        if (gpu, tp) in self.microbatch_overhead_s:
-            return self.microbatch_overhead_s[(gpu, tp)]
-        tps = [t for g, t in self.microbatch_overhead_s if g == gpu]
-        if not tps:
-            return 0.0
-        return self.microbatch_overhead_s[(gpu, min(tps, key=lambda t: (abs(np.log2(t / tp)), t)))]
+        return _nearest_tp(self.microbatch_overhead_s, gpu, tp, 0.0)
+
+    def pass_overhead(self, gpu: str, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds the runtime spends per stage pass beyond the pass's layers, on a
+        replica of `tp` GPUs of type `gpu` (`runtime.pass_overhead_s` of the file format): measured
+        at this TP, else at the nearest measured TP of the GPU type, else (0, 0)."""
+        return _nearest_tp(self.pass_overhead_s, gpu, tp, (0.0, 0.0))
 
     def optimizer_time_s(self, job: JobSpec, gpu: str, params: float) -> float:
         """Seconds of one optimizer step over `params` parameters held by one GPU of type `gpu`:
@@ -249,9 +259,16 @@ class Profiles:
                 "optimizer": {g: {"seconds_per_param": v} for g, v in self.optimizer_s_per_param.items()},
                 "memory": [{"tp": tp, "activation_bytes_per_sample": arr.tolist()}
                            for tp, arr in sorted(self.activation_bytes.items())],
-                **({"runtime": {"microbatch_overhead_s": [{"gpu": g, "tp": t, "seconds": v} for (g, t), v
-                                                          in sorted(self.microbatch_overhead_s.items())]}}
-                   if self.microbatch_overhead_s else {})}
+                **({"runtime": self._runtime_dict()} if self.microbatch_overhead_s or self.pass_overhead_s else {})}
+
+    def _runtime_dict(self) -> dict[str, Any]:
+        """The `runtime` section of our format (module docstring)."""
+        out: dict[str, Any] = {"microbatch_overhead_s": [{"gpu": g, "tp": t, "seconds": v}
+                                                         for (g, t), v in sorted(self.microbatch_overhead_s.items())]}
+        if self.pass_overhead_s:
+            out["pass_overhead_s"] = [{"gpu": g, "tp": t, "forward_s": f, "backward_s": b}
+                                      for (g, t), (f, b) in sorted(self.pass_overhead_s.items())]
+        return out
 
     def save(self, path: str | Path) -> None:
         """Write our JSON format atomically."""
@@ -443,22 +460,39 @@ def _located(fn, c: Checks, field: str):
         raise e.located(source=c.source, field_prefix=field) from None
 
 
+def _nearest_tp(table: dict[tuple[str, int], Any], gpu: str, tp: int, default: Any) -> Any:
+    """`table[(gpu, tp)]`, else the entry of `gpu` at the nearest TP degree (in log2, the lower on a
+    tie), else `default`."""
+    if (gpu, tp) in table:
+        return table[(gpu, tp)]
+    tps = [t for g, t in table if g == gpu]
+    if not tps:
+        return default
+    return table[(gpu, min(tps, key=lambda t: (abs(np.log2(t / tp)), t)))]
+
+
+RUNTIME_ROWS = {"microbatch_overhead_s": ("seconds",), "pass_overhead_s": ("forward_s", "backward_s")}
+"""The lists of the `runtime` section of our format and the seconds each row holds besides gpu and tp."""
+
+
 def _parse_runtime(runtime: Any, prof: Profiles, c: Checks) -> None:
-    """Fill `prof.microbatch_overhead_s` from the optional `runtime` section of our format."""
+    """Fill `prof.microbatch_overhead_s` and `prof.pass_overhead_s` from the optional `runtime`
+    section of our format (each list optional: absent, nothing is measured)."""
     if runtime is None:
         return
-    rows = runtime.get("microbatch_overhead_s", []) if isinstance(runtime, dict) else None
-    if not isinstance(rows, list):
-        raise c.error("expected a mapping with microbatch_overhead_s: [{gpu, tp, seconds}]", "runtime")
-    c.known_keys(runtime, "runtime", ("microbatch_overhead_s",))
-    for k, row in enumerate(rows):
-        where = f"runtime.microbatch_overhead_s.{k}"
-        if not isinstance(row, dict) or not {"gpu", "tp", "seconds"} <= row.keys():
-            raise c.error("expected a mapping with gpu, tp and seconds", where)
-        c.known_keys(row, where, ("gpu", "tp", "seconds"))
-        gpu = _located(lambda: catalog.canonical_gpu(row["gpu"]), c, f"{where}.gpu")
-        prof.microbatch_overhead_s[(gpu, _tp(row["tp"], c, f"{where}.tp"))] = c.number(
-            row["seconds"], f"{where}.seconds", lo=0, hi=MAX_SECONDS, unit="seconds")
+    if not isinstance(runtime, dict) or not all(isinstance(runtime.get(k, []), list) for k in RUNTIME_ROWS):
+        raise c.error("expected a mapping with microbatch_overhead_s: [{gpu, tp, seconds}] and optionally"
+                      " pass_overhead_s: [{gpu, tp, forward_s, backward_s}]", "runtime")
+    c.known_keys(runtime, "runtime", tuple(RUNTIME_ROWS))
+    for key, names in RUNTIME_ROWS.items():
+        for k, row in enumerate(runtime.get(key, [])):
+            where = f"runtime.{key}.{k}"
+            if not isinstance(row, dict) or not {"gpu", "tp", *names} <= row.keys():
+                raise c.error(f"expected a mapping with gpu, tp and {' and '.join(names)}", where)
+            c.known_keys(row, where, ("gpu", "tp", *names))
+            gpu = _located(lambda: catalog.canonical_gpu(row["gpu"]), c, f"{where}.gpu")
+            values = tuple(c.number(row[n], f"{where}.{n}", lo=0, hi=MAX_SECONDS, unit="seconds") for n in names)
+            getattr(prof, key)[(gpu, _tp(row["tp"], c, f"{where}.tp"))] = values[0] if len(values) == 1 else values
 
 
 def load_sailor_profiles(profiles_path: Path, llm_info_path: Path, job: JobSpec) -> Profiles:

@@ -36,7 +36,7 @@ from typing import Any
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import write_json
 from sailor.core.limits import max_local_processes
-from sailor.perf.profiles import Profiles, profiles_from_dict
+from sailor.perf.profiles import RUNTIME_ROWS, Profiles, profiles_from_dict
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -130,9 +130,9 @@ def merge_profile_dicts(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out = {k: v for k, v in parts[0].items() if k not in ("layers", "memory", "runtime", "settings")}
     out["layers"] = [row for d in parts for row in d.get("layers", [])]
     out["memory"] = [row for d in parts for row in d.get("memory", [])]
-    overhead = [row for d in parts for row in d.get("runtime", {}).get("microbatch_overhead_s", [])]
-    if overhead:
-        out["runtime"] = {"microbatch_overhead_s": overhead}
+    runtime = {key: [row for d in parts for row in d.get("runtime", {}).get(key, [])] for key in RUNTIME_ROWS}
+    if any(runtime.values()):
+        out["runtime"] = {key: rows for key, rows in runtime.items() if rows}
     out["settings"] = {"by_tp": {str(d["layers"][0]["tp"]): d.get("settings", {}) for d in parts if d.get("layers")}}
     return out
 

@@ -11,8 +11,9 @@ micro-batch size b:
   RUNTIME_MICROBATCHES micro-batches of a one-stage replica (`_time_pipeline`), with the
   optimizer's layer hooks a training step runs inside its backward (`pass_optimizer`), its phase timers
   giving the whole model's forward and backward per micro-batch. Every layer time is scaled by that
-  whole pass over the sum of the separate ones (`profiler.pass_scale`, recorded under
-  settings.pass_scale): a stage of a run pays the per-pass overhead once per micro-batch, not once per layer, and a TP
+  whole pass, less the runtime's fixed cost of a stage pass (measured apart, `runtime.profile_passes`,
+  and charged by the simulator per chunk pass), over the sum of the separate ones (`profiler.pass_scale`,
+  recorded under settings.pass_scale): a stage of a run pays the per-pass overhead once per micro-batch, not once per layer, and a TP
   replica's ranks meet only in the model's all-reduces, never in a barrier per pass. The call's wall
   time outside its phases (the 1F1B loop's bookkeeping) is the runtime's per-micro-batch overhead,
   `runtime.microbatch_overhead_s`, which the simulator adds to every stage's micro-batch. The
@@ -81,7 +82,13 @@ def profiled_layers(spec) -> dict[str, int]:
 
 def _build_layer(job: JobSpec, index: int, tp_rank: int, tp: int, group, device, end: int | None = None):
     """Layer `index` (layers [index, end) when `end` is given) of the runtime's GPT, TP-sharded and
-    initialised as a training run does."""
+    initialised as a training run does (`build_layers`)."""
+    return build_layers(job, ((index, index + 1 if end is None else end),), tp_rank, tp, group, device)
+
+
+def build_layers(job: JobSpec, chunks, tp_rank: int, tp: int, group, device):
+    """The layers of `chunks` (half-open layer ranges) of the runtime's GPT, TP-sharded, initialised
+    as a training run does and cast to the profile's dtype (`profile_dtype`)."""
     import torch
 
     from sailor.runtime.model import GPT, init_param, on_meta
@@ -92,7 +99,7 @@ def _build_layer(job: JobSpec, index: int, tp_rank: int, tp: int, group, device,
     spec = job.model
     with on_meta():
         stage = GPT(spec)
-    build_stage(stage, ((index, index + 1 if end is None else end),))
+    build_stage(stage, tuple(chunks))
     apply_tp(stage, tp_rank=tp_rank, tp=tp, group=group)
     materialize(stage, lambda n, s: init_param(n, s, seed=0, num_blocks=spec.num_blocks),
                 tp_rank=tp_rank, tp=tp, device=device)

@@ -4,9 +4,11 @@ The driver checks the options (`check_options`), then for every TP degree t star
 each replica measured at once (`runtime.ranks.run_ranks`), each running `profile_rank`, which joins
 the process group and measures what `runtime.profile_measure` lists: layer forward and backward times
 and the split backward, on CPU the whole model's pass in the runtime's `run_pipeline`, activation
-bytes, peak memory and the optimizer step. `profile_job` turns their repeats into the profile's
-rows: medians and interquartile ranges (`_stats`), layer times scaled by the whole pass
-(`layer_row`, `pass_scale`) and the runtime's per-micro-batch overhead.
+bytes, peak memory and the optimizer step. On CPU it also starts 2·t processes that measure the
+runtime's fixed cost of one stage pass (`runtime.profile_passes`, `measure_pass_overhead`).
+`profile_job` turns their repeats into the profile's rows: medians and interquartile ranges
+(`_stats`), layer times scaled by the whole pass less its fixed cost (`layer_row`, `pass_scale`),
+the runtime's per-micro-batch overhead and its fixed cost per stage pass.
 
 Load: on CPU every profiling process uses `threads` intra-op threads (default 1), as torchrun gives
 each rank of a multi-process `sailor train` run (it sets OMP_NUM_THREADS=1), and `concurrency`
@@ -45,6 +47,7 @@ from sailor.runtime.profile_measure import (
     measure,
     profiled_layers,
 )
+from sailor.runtime.profile_passes import MIN_LAYERS, pass_overhead_s, pass_plans
 from sailor.runtime.ranks import init_rank, rank_main, run_ranks
 from sailor.specs.job import JobSpec
 
@@ -220,10 +223,40 @@ def whole_pass(opts: ProfileOptions) -> bool:
 
 
 def profile_steps(opts: ProfileOptions) -> int:
-    """Progress ticks `profile_job` reports: one per (TP degree, layer kind or the whole-model run,
-    micro-batch size)."""
+    """Progress ticks `profile_job` reports: one per (TP degree, layer kind, the whole-model run or
+    the fixed cost per stage pass where measured, micro-batch size)."""
     kinds = len(profiled_layers(opts.job.model))
-    return len(opts.tps) * (kinds + 1 if whole_pass(opts) else kinds) * len(opts.mbs)
+    per_tp = [(kinds + (1 if whole_pass(opts) else 0) + (1 if measures_pass_overhead(opts, t) else 0)) * len(opts.mbs)
+              for t in opts.tps]
+    return sum(per_tp)
+
+
+def measures_pass_overhead(opts: ProfileOptions, tp: int) -> bool:
+    """Whether the fixed cost of a stage pass is measured at TP `tp` (`runtime.profile_passes`): on
+    CPU (with the whole pass it is taken out of), for a model of at least `MIN_LAYERS` layers, when
+    this machine can run the 2·`tp` processes of its 2-stage pipeline (`max_local_processes`)."""
+    return whole_pass(opts) and opts.job.model.num_layers >= MIN_LAYERS and 2 * tp <= max_local_processes()
+
+
+def measure_pass_overhead(opts: ProfileOptions, raw: dict[str, Any], tp: int,
+                          progress: Callable[[int], None] | None = None) -> dict[int, tuple[float, float]]:
+    """{micro-batch size: (forward, backward) seconds} of the runtime's fixed cost of one stage pass
+    at TP `tp` (`runtime.profile_passes`: 2·`tp` processes, options `raw` as the profile's ranks get
+    them), each the median over the repeats of `pass_overhead_s`; {} where it is not measured
+    (`measures_pass_overhead`). Raises RuntimeError if a rank fails."""
+    if not measures_pass_overhead(opts, tp):
+        return {}
+    got: dict[str, list[list[float]]] = {}
+    run_ranks("sailor.runtime.profile_passes:rank_pass_overhead", 2 * tp, raw,
+              timeout_s=opts.timeout_s * 4, on_message=lambda m: got.update(m["pass_overhead"]))
+    if progress:
+        progress(len(opts.mbs))
+    v = pass_plans(opts.job.model.num_layers, tp=tp, mbs=1, microbatches=RUNTIME_MICROBATCHES, gpu="cpu")[2]
+    out = {}
+    for mbs, rows in got.items():  # rows: [1F1B forward, 1F1B backward, interleaved forward, interleaved backward]
+        out[int(mbs)] = tuple(statistics.median(pass_overhead_s(r[d], r[2 + d], v, RUNTIME_MICROBATCHES) for r in rows)
+                              for d in (0, 1))
+    return out
 
 
 def pass_scale(layer_s: list[float], whole_s: float) -> float:
@@ -242,7 +275,8 @@ def pass_scale(layer_s: list[float], whole_s: float) -> float:
 
 
 def layer_row(stats: list[tuple[float, float, float, float]], split: list[tuple[float, float]],
-              whole: tuple[float, float, float, float] | None) -> tuple[dict[str, list[float]], list[float]]:
+              whole: tuple[float, float, float, float] | None,
+              fixed: tuple[float, float] = (0.0, 0.0)) -> tuple[dict[str, list[float]], list[float]]:
     """The times of one (TP, micro-batch) row of the profile (seconds per layer) and the four factors
     that scaled them: [forward, backward, input-gradient, weight-gradient].
 
@@ -251,6 +285,10 @@ def layer_row(stats: list[tuple[float, float, float, float]], split: list[tuple[
     (`_time_backward_split`), `whole` = the whole model's (forward, backward, input-gradient,
     weight-gradient) seconds per micro-batch inside the runtime's own `run_pipeline`, the first two
     under 1F1B, the last two under ZB-H1 (`_time_pipeline`); None (no whole pass): factors 1.
+    `fixed`: the runtime's fixed cost of one forward and one backward stage pass
+    (`runtime.profile_passes`), which the simulator charges once per chunk pass: the whole pass's
+    forward, backward and input-gradient pass (where ZB-H1 charges it) are taken less it before
+    scaling, so the layers hold none of it.
 
     Each kind of pass is scaled by its own whole pass (`pass_scale`): the split passes by the split
     backward as ZB-H1 runs it, never by the fused backward's factor. The two differ on a CPU quota
@@ -265,7 +303,8 @@ def layer_row(stats: list[tuple[float, float, float, float]], split: list[tuple[
     fwd, bwd = [s[0] for s in stats], [s[1] for s in stats]
     bi, bw = [s[0] for s in split], [s[1] for s in split]
     if whole is not None:
-        sf, sb, si, sw = (pass_scale(layers, w) for layers, w in zip((fwd, bwd, bi, bw), whole))
+        less = (whole[0] - fixed[0], whole[1] - fixed[1], whole[2] - fixed[1], whole[3])
+        sf, sb, si, sw = (pass_scale(layers, w) for layers, w in zip((fwd, bwd, bi, bw), less))
     row = {"forward_s": [x * sf for x in fwd], "backward_s": [x * sb for x in bwd],
            "forward_spread_s": [s[2] * sf for s in stats], "backward_spread_s": [s[3] * sb for s in stats],
            "backward_input_s": [x * si for x in bi], "backward_weight_s": [x * sw for x in bw]}
@@ -288,13 +327,18 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
     raw = {"job": opts.job.to_dict() | {"model": spec.model_dump(mode="json")},
            **{k: v for k, v in asdict(opts).items() if k != "job"}, "whole_pass": whole_pass(opts), "gpu": gpu}
     scales: dict[str, list[float]] = {}
-    overhead_rows, overhead_by_mbs = [], {}
+    overhead_rows, overhead_by_mbs, pass_rows, pass_by_mbs = [], {}, [], {}
     with tempfile.TemporaryDirectory(prefix="sailor-profile-") as tmp:
         for tp in sorted(set(opts.tps)):
             path = Path(tmp) / f"tp{tp}.json"
             run_ranks("sailor.runtime.profiler:profile_rank", tp * replicas(opts, tp), {**raw, "tp": tp, "out": str(path)},
                       timeout_s=opts.timeout_s * 4, on_message=(lambda m: progress(m["tick"])) if progress else None)
             res = json.loads(path.read_text())
+            fixed = measure_pass_overhead(opts, {**raw, "tp": tp}, tp, progress)
+            if fixed:
+                pass_by_mbs[str(tp)] = {str(b): list(f) for b, f in sorted(fixed.items())}
+                pass_rows.append({"gpu": gpu, "tp": tp, **{f"{d}_s": statistics.median(f[i] for f in fixed.values())
+                                                          for i, d in enumerate(("forward", "backward"))}})
             for mbs in sorted(set(opts.mbs)):
                 stats = {k: _stats(res["times"][f"{k}/{mbs}"]) for k in set(order)}
                 split = {k: _stats(res["split"][f"{k}/{mbs}"]) for k in set(order)}
@@ -302,7 +346,8 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                 if whole_pass(opts):
                     fused, zb = _stats(res["times"][f"model/{mbs}"]), _stats(res["split"][f"model/{mbs}"])
                     whole = (fused[0], fused[1], zb[0], zb[1])
-                row, scale = layer_row([stats[k] for k in order], [split[k][:2] for k in order], whole)
+                row, scale = layer_row([stats[k] for k in order], [split[k][:2] for k in order], whole,
+                                       fixed.get(mbs, (0.0, 0.0)))
                 rows.append({"gpu": gpu, "tp": tp, "mbs": mbs, **row})
                 if whole is not None:
                     scales[f"{tp}/{mbs}"] = scale
@@ -328,9 +373,12 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                          "pass_scale": scales,
                          "runtime_microbatches": RUNTIME_MICROBATCHES,
                          # "tp" -> "mbs" -> seconds per micro-batch outside the passes (median per size)
-                         "microbatch_overhead_s_by_mbs": overhead_by_mbs},
+                         "microbatch_overhead_s_by_mbs": overhead_by_mbs,
+                         # "tp" -> "mbs" -> [forward, backward] seconds of a stage pass's fixed cost
+                         "pass_overhead_s_by_mbs": pass_by_mbs},
             "layers": rows, "optimizer": {gpu: {"seconds_per_param": opt_s_per_param}}, "memory": memory,
-            **({"runtime": {"microbatch_overhead_s": overhead_rows}} if overhead_rows else {})}
+            **({"runtime": {"microbatch_overhead_s": overhead_rows,
+                            **({"pass_overhead_s": pass_rows} if pass_rows else {})}} if overhead_rows else {})}
 
 
 def _stats(both: list[list[float]]) -> tuple[float, float, float, float]:

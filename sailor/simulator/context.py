@@ -129,20 +129,28 @@ class SimContext:
         return np.diff(c[a:(len(c) - 1 if b is None else b) + 1], axis=0)
 
     def stage_compute_s(self, gpu: str, tp: int, mbs: int, a: int, b: int) -> tuple[float, float]:
-        """(forward_s, backward_s) of one micro-batch on layers [a, b) for one replica, without memory
-        options: the layers' times plus, on the forward, the runtime's measured per-micro-batch
-        overhead of a stage (`Profiles.microbatch_overhead`: 1F1B bookkeeping outside the passes; 0
-        when not profiled), which a stage pays once per micro-batch whatever its layers."""
+        """(forward_s, backward_s) of one micro-batch's pass over the chunk of layers [a, b) of one
+        replica, without memory options: the layers' times, plus the runtime's measured fixed cost of
+        a stage pass in each direction (`Profiles.pass_overhead`: the executor, the send and the
+        transfers' threads beyond the layers, measured by `sailor profile` as an interleaved
+        pipeline against a 1F1B one, `runtime.profile_passes`; 0 when not profiled), plus, on the
+        forward, its per-micro-batch overhead (`Profiles.microbatch_overhead`: 1F1B bookkeeping
+        outside the passes; 0 when not profiled). Each chunk pass pays both whatever its layers, so
+        an interleaved stage of v chunks pays them v times per micro-batch."""
         c = self.layer_cumsum(gpu, tp, mbs)
         f, bw = c[b] - c[a]
-        return float(f) + self.profiles.microbatch_overhead(gpu, tp), float(bw)
+        pf, pb = self.profiles.pass_overhead(gpu, tp)
+        return float(f) + pf + self.profiles.microbatch_overhead(gpu, tp), float(bw) + pb
 
     def stage_backward_split_s(self, gpu: str, tp: int, mbs: int, a: int, b: int) -> tuple[float, float]:
         """(input_gradient_s, weight_gradient_s) of the layers' backward of one micro-batch on layers
         [a, b), the two passes a zero-bubble schedule runs apart: the profile's measured split less
         the profiler's per-pass gap (as `layer_cumsum`), else the layers' backward
         (`stage_compute_s`) split by the FLOP fraction (`Profiles.backward_split`, labelled
-        estimated)."""
+        estimated). The input-gradient pass, which sends the gradient as the whole backward does,
+        also pays the fixed cost of a backward stage pass (`Profiles.pass_overhead`); the weight
+        pass none (the profile takes the cost out of the input-gradient pass alone,
+        `runtime.profiler.layer_row`)."""
         key = (gpu, tp, mbs)
         if key not in self._split:
             backward = self.layer_s(gpu, tp, mbs)[:, 1]
@@ -152,7 +160,7 @@ class SimContext:
             self._split[key] = np.vstack([np.zeros((1, 2)), np.cumsum(split, axis=0)])
         c = self._split[key]
         bi, bw = c[b] - c[a]
-        return float(bi), float(bw)
+        return float(bi) + self.profiles.pass_overhead(gpu, tp)[1], float(bw)
 
     def tp_comm_included(self, gpu: str, tp: int) -> bool:
         """True when the layer times of (gpu, tp) already hold the TP collectives (measured with real

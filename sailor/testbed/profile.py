@@ -48,6 +48,7 @@ from typing import Any
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import load_json
 from sailor.model.spec import ModelSpec
+from sailor.perf.profiles import RUNTIME_ROWS
 from sailor.specs import load_job
 from sailor.testbed.cgroups import PLACE_EVERY_S, place_ranks
 from sailor.testbed.host import TestbedState, node_processes
@@ -70,7 +71,7 @@ def retag(profile: dict[str, Any], gpu: str) -> dict[str, Any]:
         raise SailorInputError(f"expected a profile of GPU type {PROFILED_GPU!r}, got {sorted(got)}",
                                field="optimizer")
     out["optimizer"] = {gpu: out["optimizer"][PROFILED_GPU]}
-    rows = out["layers"] + out.get("memory", []) + out.get("runtime", {}).get("microbatch_overhead_s", [])
+    rows = out["layers"] + out.get("memory", []) + [row for key in RUNTIME_ROWS for row in out.get("runtime", {}).get(key, [])]
     for row in rows:
         if row.get("gpu", PROFILED_GPU) == PROFILED_GPU and "gpu" in row:
             row["gpu"] = gpu
@@ -97,9 +98,10 @@ def merge(profiles: list[dict[str, Any]]) -> dict[str, Any]:
         out["layers"] += p["layers"]
         out["optimizer"].update(p["optimizer"])
         out["memory"] = out.get("memory", []) + p.get("memory", [])
-        extra = p.get("runtime", {}).get("microbatch_overhead_s", [])
-        if extra:
-            out.setdefault("runtime", {}).setdefault("microbatch_overhead_s", []).extend(extra)
+        for key in RUNTIME_ROWS:
+            extra = p.get("runtime", {}).get(key, [])
+            if extra:
+                out.setdefault("runtime", {}).setdefault(key, []).extend(extra)
     return out
 
 
