@@ -405,11 +405,12 @@ def test_a_round_keeps_its_busy_nodes_busy_until_the_measured_ones_end(box, monk
                        router_address=f"10.200.{i + 1}.1", cgroup=f"/sys/fs/cgroup/cpu/{prefix}/{n}")
         for i, n in enumerate(["a0", "a1", "w0"])))
     placed = []
+    ranks = {"a0": 2, "a1": 2, "w0": 1}
     monkeypatch.setattr(profile, "_Placed", _FakePlaced)
     monkeypatch.setattr(profile, "place_ranks", lambda node, slot_of: placed.append(node.name))
     monkeypatch.setattr(profile, "PLACE_EVERY_S", 0.0)
     _FakePlaced.started, _FakePlaced.stopped, _FakePlaced.fail = [], [], set()
-    res = profile._run_round({"a0": ["measure", "a0"]}, {"a1": ["busy", "a1"], "w0": ["busy", "w0"]}, state, {}, 60)
+    res = profile._run_round({"a0": ["measure", "a0"]}, {"a1": ["busy", "a1"], "w0": ["busy", "w0"]}, state, {}, 60, ranks)
     assert res == {"a0": (0, "output of a0")}
     # the measured command polled 4 times (ends at the 4th); each busy one ended after 2 polls and was
     # started again, and every command was stopped at the end or when it ended
@@ -418,11 +419,11 @@ def test_a_round_keeps_its_busy_nodes_busy_until_the_measured_ones_end(box, monk
     assert set(placed) == {"a0", "a1", "w0"}
     _FakePlaced.started, _FakePlaced.stopped, _FakePlaced.fail = [], [], {"busy"}
     with pytest.raises(RuntimeError, match="the load of node a1 failed: output of a1"):
-        profile._run_round({"a0": ["measure", "a0"]}, {"a1": ["busy", "a1"]}, state, {}, 60)
+        profile._run_round({"a0": ["measure", "a0"]}, {"a1": ["busy", "a1"]}, state, {}, 60, ranks)
     assert len(_FakePlaced.stopped) == len(_FakePlaced.started) == 2
     _FakePlaced.started, _FakePlaced.stopped, _FakePlaced.fail = [], [], set()
     with pytest.raises(RuntimeError, match="did not finish within -1 s"):
-        profile._run_round({"a0": ["measure", "a0"]}, {}, state, {}, -1)
+        profile._run_round({"a0": ["measure", "a0"]}, {}, state, {}, -1, ranks)
     assert _FakePlaced.stopped == [["measure", "a0"]]
 
 
@@ -447,6 +448,10 @@ def test_a_profiling_rank_runs_on_the_device_of_its_rank(monkeypatch):
                          "0", "2", "1234"]]
     assert profile_rank_slot(launched[0]) == 0
     assert profile_rank_slot([*launched[0][:4], "1", "2", "1234"]) == 1
+    # the 2 x TP ranks of the stage pass's fixed cost: on a node of one rank both share its cgroup
+    passes = [*launched[0][:3], "sailor.runtime.profile_passes:rank_pass_overhead"]
+    assert [profile_rank_slot([*passes, str(r), "2", "9"], 1) for r in (0, 1)] == [0, 0]
+    assert [profile_rank_slot([*passes, str(r), "4", "9"], 2) for r in range(4)] == [0, 1, 0, 1]
     assert profile_rank_slot(["/py", "-m", "sailor.runtime.profiler", "sailor.runtime.netprofile:network_rank", "0", "2", "9"]) is None
     assert profile_rank_slot(["/py", "-m", "sailor", "profile", "--tp", "2"]) is None  # the driver
     assert profile_rank_slot(launched[0][:4]) is None

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,25 +113,32 @@ def profile_command(job: str | Path, out: str | Path, mbs: str, python: str = sy
             "--mbs", mbs, "--threads", "1", "--concurrency", str(replicas), "--out", str(out)]
 
 
-PROFILE_RANK = ("-m", "sailor.runtime.profiler", "sailor.runtime.profiler:profile_rank")
+RANK_LAUNCHER = ("-m", "sailor.runtime.profiler")
 """How a rank of `sailor profile` is started (`ranks.run_ranks`): `python -m sailor.runtime.profiler
-sailor.runtime.profiler:profile_rank RANK WORLD PORT`."""
+TARGET RANK WORLD PORT`, TARGET one of PROFILE_TARGETS for the ranks that time the device."""
+PROFILE_TARGETS = ("sailor.runtime.profiler:profile_rank", "sailor.runtime.profile_passes:rank_pass_overhead")
+"""The layers' ranks, and those of the fixed cost of a stage pass (2 x TP of them,
+`runtime.profile_passes`); the network sweep's ranks are not a device's."""
 
 
-def profile_rank_slot(argv: Sequence[str]) -> int | None:
-    """The device index on its node of a `sailor profile` rank with command line `argv` (PROFILE_RANK):
-    its rank, since the replicas measured in a node are as many as fit its ranks (`profile_classes`);
-    None for any other process."""
-    n = len(PROFILE_RANK)
-    for i in range(len(argv) - n):
-        if tuple(argv[i:i + n]) == PROFILE_RANK and argv[i + n].isdigit():
-            return int(argv[i + n])
+def profile_rank_slot(argv: Sequence[str], ranks: int | None = None) -> int | None:
+    """The device index on its node of a `sailor profile` rank with command line `argv`
+    (RANK_LAUNCHER, one of PROFILE_TARGETS): its rank, modulo the node's `ranks` where given (the
+    replicas measured in a node are as many as fit its ranks, `profile_classes`, but the 2 x TP ranks
+    of the stage pass's cost may be more: two share a rank cgroup, each with its own deadline
+    reservation of the class's speed, `cgroups.reserve`); None for any other process."""
+    n = len(RANK_LAUNCHER)
+    for i in range(len(argv) - n - 1):
+        if tuple(argv[i:i + n]) == RANK_LAUNCHER and argv[i + n] in PROFILE_TARGETS and argv[i + n + 1].isdigit():
+            return int(argv[i + n + 1]) % (ranks or int(argv[i + n + 1]) + 1)
     return None
 
 
-def _profile_slot(pid: str) -> int | None:
-    """`profile_rank_slot` of process `pid`. Raises OSError when the process is gone."""
-    return profile_rank_slot(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"))
+def _profile_slot(node_ranks: int) -> Callable[[str], int | None]:
+    """`profile_rank_slot` of a process, by pid, on a node of `node_ranks` ranks (raises OSError when
+    the process is gone)."""
+    return lambda pid: profile_rank_slot(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"),
+                                         node_ranks)
 
 
 class _Placed:
@@ -169,9 +176,10 @@ STOP_WAIT_S = 10.0  # how long a stopped `sailor profile` may take to end its ra
 
 
 def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state: TestbedState, env: dict[str, str],
-               timeout_s: float) -> dict[str, tuple[int, str]]:
+               timeout_s: float, ranks: dict[str, int]) -> dict[str, tuple[int, str]]:
     """Run the commands `measured` and `busy` (node name -> argv) at once, each in its node
-    (`_Placed`), moving their profiling ranks into their rank cgroups while they run (`place_ranks`),
+    (`_Placed`), moving their profiling ranks into their rank cgroups while they run (`place_ranks`;
+    `ranks`: node name -> its ranks, `profile_rank_slot`),
     each busy one started again whenever it ends, until every measured one has ended; then stop the
     busy ones. Node name -> (exit status, output) of the measured ones.
 
@@ -180,6 +188,7 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
             ran longer than `timeout_s`; everything started is stopped first.
     """
     running: dict[str, _Placed] = {}
+    slot_of = {n: _profile_slot(ranks[n]) for n in {**measured, **busy}}
     deadline = time.monotonic() + timeout_s
     try:
         for n, argv in {**measured, **busy}.items():
@@ -195,7 +204,7 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
                     running[n] = _Placed(busy[n], state.node(n), env)
             for n in running:
                 with contextlib.suppress(OSError):
-                    place_ranks(state.node(n), _profile_slot)
+                    place_ranks(state.node(n), slot_of[n])
             time.sleep(PLACE_EVERY_S)
         return {n: (running[n].proc.returncode, running[n].output()) for n in measured}
     finally:
@@ -251,7 +260,8 @@ def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, 
                     name, t = nodes[node.name]
                     measured[node.name] = profile_command(job, Path(tmp) / f"{name}-tp{t}.json", mbs, tps=[t],
                                                           replicas=node.ranks // t)
-            for node, (code, output) in _run_round(measured, busy, state, env, timeout_s).items():
+            for node, (code, output) in _run_round(measured, busy, state, env, timeout_s,
+                                                   {n.name: n.ranks for n in spec.nodes}).items():
                 name, t = nodes[node]
                 if code != 0:
                     raise RuntimeError(f"profiling device class {name} at TP {t} failed: {output.strip()[-500:]}")
