@@ -212,7 +212,7 @@ def test_the_cgroups_weigh_the_testbed_above_other_tasks_and_cap_each_rank(tmp_p
     state = host.TestbedState(name="box", prefix=prefix, block=200, folder=str(tmp_path / "state"), nodes=nodes)
     cgroups.create_cgroups(box, state)
     top = tmp_path / prefix
-    assert (top / "cpu.shares").read_text() == "262144"  # the kernel's largest weight
+    assert (top / "cpu.shares").read_text() == "10240"  # ten tasks' weight, not enough to starve kernel threads
     for n in box.nodes:
         assert not (top / n.name / "cpu.cfs_quota_us").exists()  # the node's own: no quota
         for k in range(n.ranks):  # fast 0.3 cores: 1000 of 3334 µs; slow 0.15: 1000 of 6667 µs
@@ -512,3 +512,15 @@ def test_reservations_beyond_the_kernels_deadline_bandwidth_are_refused(box, mon
     monkeypatch.setattr(deadline, "bandwidth_limit", lambda cpus=None: 1.4)
     with pytest.raises(SailorInputError, match="add up to 1.5 cores, more than the 1.4"):
         host.check_cores(box)
+
+
+def test_a_testbed_profile_keeps_the_stage_pass_cost_of_tp_1_only():
+    from sailor.testbed.profile import tp1_pass_overhead
+
+    rows = [{"gpu": "A100-40", "tp": 1, "forward_s": 2.5e-4, "backward_s": 4e-5},
+            {"gpu": "A100-40", "tp": 2, "forward_s": 0.0, "backward_s": 4e-3},
+            {"gpu": "V100-16", "tp": 1, "forward_s": 2.2e-4, "backward_s": 1.2e-4}]
+    out = tp1_pass_overhead({"runtime": {"pass_overhead_s": rows, "microbatch_overhead_s": [{"gpu": "A100-40", "tp": 2}]}})
+    assert out["runtime"]["pass_overhead_s"] == [rows[0], rows[2]]
+    assert out["runtime"]["microbatch_overhead_s"] == [{"gpu": "A100-40", "tp": 2}]  # other rows stay
+    assert tp1_pass_overhead({"layers": []}) == {"layers": []}

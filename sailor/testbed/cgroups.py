@@ -24,16 +24,23 @@ def write_cgroup(path: str, key: str, value: str | int) -> None:
     Path(path, key).write_text(str(value))
 
 
-TESTBED_SHARES = 262144
-"""cpu.shares of a testbed's own cgroup: the kernel's largest weight (MAX_SHARES, 1 << 18,
-kernel/sched/sched.h). Under CFS group scheduling the whole testbed is one entity weighing its
-shares against every other runnable task of the machine (1024 each), and its ranks split that
-weight among them: with the default 1024, a testbed of 6 ranks got ~5 % of the two cores when 20
-other tasks were runnable (load 20: each rank ran 50 ms per second and waited ~950 ms in the run
-queue, where its quota allows 300), and a single profiling rank fared better than several ranks of a
-run, so the passes of ranks sharing a node, or any node, exceeded the profile. The device quotas cap
-what this weight can take (`TestbedSpec.total_cpu_cores` is kept under the machine's cores), so a
-rank now gets its quota whatever else runs."""
+COMM_SHARES = 262144
+"""cpu.shares of the `comm-threads` cgroup inside the testbed's: the kernel's largest weight
+(MAX_SHARES, 1 << 18, kernel/sched/sched.h), against the nodes' 1024 each, so that a
+communication thread woken by its socket takes a core from the nodes' other threads at once."""
+
+TESTBED_SHARES = 10240
+"""cpu.shares of a testbed's own cgroup: ten ordinary tasks' weight against every other runnable
+task of the machine (1024 each; under CFS group scheduling the whole testbed is one entity). The
+ranks' compute does not need it (each compute thread runs under its deadline reservation,
+`testbed.deadline`), its communication threads do: with the default 1024 a testbed counted as one
+task (at load 20 each of its 6 ranks ran 50 ms per second where its quota allowed 300, before the
+reservations). It was the kernel's largest weight (262144) until that starved the kernel's own
+threads (softirq and workqueue workers, 1024 each) whenever threads of the testbed kept a core
+busy: the kernel reported "workqueue lockup" on both CPUs for 33-86 s while a 4-rank interleaved
+run of `benchmarks/testbed.py` hung until its 2-minute timeout (2026-12-05; gloo's socket loop
+polls in a busy loop while a posting thread holds the pair's lock, `runtime.post_thread`, and the
+softirq work that moves the veths' packets waits in such a worker when it is deferred)."""
 
 
 def create_cgroups(spec: TestbedSpec, state: TestbedState) -> None:
@@ -43,7 +50,7 @@ def create_cgroups(spec: TestbedSpec, state: TestbedState) -> None:
     own, `place_ranks`). The node's own cgroup has no quota: what else runs there (torchrun's agent,
     `sailor profile network --hosts`, `testbed exec`) is the host's CPU work, not its device's.
     Beside the nodes, `comm-threads` (`comm_cgroup`) holds every communication thread under the
-    shared `comm_cpu_quota` (no limit without one), weighing TESTBED_SHARES against the nodes'
+    shared `comm_cpu_quota` (no limit without one), weighing COMM_SHARES against the nodes'
     1024 each: a collective's thread woken by its socket takes a core from a rank's compute at once,
     as a GPU's transfers never wait for its kernels. With the default weight it waited its turn
     among the nodes' ranks; measured on the 2-core build machine, `benchmarks/testbed.py` (quiet,
@@ -58,7 +65,7 @@ def create_cgroups(spec: TestbedSpec, state: TestbedState) -> None:
         for k in range(n.ranks):
             _make_cgroup(rank_cgroup(ns, k), spec.devices[n.device].cpu_quota, spec)
     _make_cgroup(comm_cgroup(state.nodes[0]), spec.comm_cpu_quota, spec)
-    write_cgroup(comm_cgroup(state.nodes[0]), "cpu.shares", TESTBED_SHARES)
+    write_cgroup(comm_cgroup(state.nodes[0]), "cpu.shares", COMM_SHARES)
 
 
 def _make_cgroup(path: str, cores: float | None, spec: TestbedSpec) -> None:
