@@ -110,3 +110,57 @@ def test_run_length_shapes_are_equal_exactly_when_the_shapes_are(x, y):
     # the coding loses nothing (it expands back) and so keys the memo as the plain shape does
     assert _expand(group_shape(x)) == _plain_shape(x)
     assert (group_shape(x) == group_shape(y)) == (_plain_shape(x) == _plain_shape(y))
+
+
+def test_forgotten_kinds_take_their_curves_with_them():
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    part, mbs, M = ((0, 13), (13, 26)), 2, 32
+    memory = (DEFAULT_STAGE_MEMORY,) * 2
+    ctx = make_context(job, ClusterSpec(zones={ZA: {"A100-40": 8}, ZB: {"A100-40": 8}},
+                                        gpus_per_node={"A100-40": 4}), calibration={})
+    a = stage_options(ctx, "A100-40", part, mbs, M)[0]
+    specs = [((z, z), (o, o)) for z in (ZA, ZB) for o in a]
+    first = make_kinds(ctx, specs, part, mbs, memory)
+    curves = [k for k in ctx.memo if k[0] == "kind curves"]
+    assert len(curves) == 1 and 0 < len(ctx.memo[curves[0]]) < len(specs)  # alike zones share a curve
+    forget_kinds(ctx, part, mbs, memory)
+    assert not [k for k in ctx.memo if k[0] in ("kinds", "kind curves")]
+    again = make_kinds(ctx, list(reversed(specs)), part, mbs, memory)[::-1]  # built in another batch
+    assert [dataclasses.astuple(k) for k in again] == [dataclasses.astuple(k) for k in first]
+
+
+def test_node_group_units_are_shared_by_pools_alike_and_equal_to_their_own():
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 16}, ZB: {"A100-40": 16}}, gpus_per_node={"A100-40": 8})
+    ctx = make_context(job, cluster, calibration={})
+
+    def slots(zones, tps, cuts):
+        return tuple(Member(zone=z, gpu="A100-40", tp=t, node_cut=c) for z, t, c in zip(zones, tps, cuts))
+
+    one = [slots((z, z, z), (2, 2, 4), (False, True, False)) for z in (ZA, ZB)]
+    two = slots((ZA, ZA, ZB), (2, 2, 4), (False, True, False))  # a new pool at stage 2: a block of its own
+    units = [engine._node_group_unit(ctx, s) for s in one + [two]]
+    assert units[0] == units[1] == 1 and units[2] == 2  # blocks of 2, 2 + 4 GPUs: 8 // 6; of 2, 2, 4: 8 // 4
+    assert len([k for k in ctx.memo if k[0] == "node-group unit"]) == 2
+    for s, u in zip(one + [two], units):  # each alone, in a context of its own
+        assert engine._node_group_unit(make_context(job, cluster, calibration={}), s) == u
+
+
+def test_a_full_ring_memo_is_emptied_and_answers_as_before(monkeypatch):
+    from sailor.perf import network
+    from sailor.simulator.collectives import _edge_kinds
+
+    monkeypatch.setattr(network, "RING_MEMO_MAX", 3)
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 64}, ZB: {"A100-40": 64}}, gpus_per_node={"A100-40": 4})
+    bounded = make_context(JobSpec(model="opt-350m", global_batch_size=64), cluster, calibration={}).network
+    rings = [tuple(group_members([Member(zone=ZA if j % k else ZB, gpu="A100-40", tp=1 + j % 2, node=f"n{j}")
+                                  for j in range(k + 2)])) for k in range(1, 9)]
+    got = []
+    for ring in rings + rings[:2]:
+        got.append(bounded.ring_links(ring, lambda: _edge_kinds(list(ring))))
+        assert len(bounded._routes["rings"]) <= 3
+    monkeypatch.setattr(network, "RING_MEMO_MAX", 10**6)
+    fresh = make_context(JobSpec(model="opt-350m", global_batch_size=64), cluster, calibration={}).network
+    want = [fresh.ring_links(ring, lambda: _edge_kinds(list(ring))) for ring in rings + rings[:2]]
+    assert [(lat, [(r.link, t) for r, t in links]) for lat, links in got] == \
+        [(lat, [(r.link, t) for r, t in links]) for lat, links in want]

@@ -53,6 +53,7 @@ FIT_MAX_BYTES = 1 << 30
 # Inside a node without a measurement: NVLink/PCIe peer-to-peer latency, ~5 µs (NCCL's own tuning
 # table puts intra-node LL/Simple latencies at 0.6-6 µs per hop; nccl src/graph/tuning.cc).
 INTRA_NODE_LATENCY_S = 5e-6
+RING_MEMO_MAX = 4096  # rings `NetworkModel.ring_links` keeps (a planning call asks for ~40k on 7 zones)
 
 Key = tuple[str, str, str, str]  # src_zone, src_gpu, dst_zone, dst_gpu
 
@@ -218,10 +219,14 @@ class NetworkModel:
         t = max(1, min(TP)) flows per ring and `share` rings at once: (the slowest edge's
         `hop_latency_s`, the distinct (route, t) they stream over: `stream_time_s` of any edge is its
         route's `bytes_time`). Memoised under `key` (what determines the edges; `edges` lists them
-        on a miss) with the routes."""
+        on a miss) with the routes, at most RING_MEMO_MAX rings: a full memo is emptied (a key holds
+        a ring's every group, and the planner asks for tens of thousands of rings, each again only
+        soon after: the collectives of one stage's sync)."""
         self._check_routes()
         memo = self._routes.setdefault("rings", {})
         if (key, share) not in memo:
+            if len(memo) >= RING_MEMO_MAX:
+                memo.clear()
             latency, links = 0.0, {}
             for za, ga, ta, zb, gb, tb, on_node in edges():
                 t = max(1, min(ta, tb))

@@ -270,8 +270,13 @@ def _offer_node_groups(ctx: SimContext, fam: Family, kinds: list[Kind], free: di
 
 def _node_group_unit(ctx: SimContext, slots: tuple) -> int:
     """`_offer_node_groups`' u for a cut kind's slots: the fewest node size // segment GPUs over its
-    blocks (`plan.placement.node_blocks`), at least 1 (memoised per slots: families share them)."""
-    key = ("node-group unit", slots)
+    blocks (`plan.placement.node_blocks`), at least 1. Memoised by what the blocks read of the slots
+    (each one's GPU type, TP, cut, and whether it is in the previous one's pool), so that families
+    and pools share it: keyed by the slots, the memo held some 570k of them on the us12 row of
+    `benchmarks/planner_scale.py`."""
+    pools = [(s.zone, s.gpu) for s in slots]
+    key = ("node-group unit", tuple((s.gpu, s.tp, s.node_cut, j > 0 and pools[j] == pools[j - 1])
+                                    for j, s in enumerate(slots)))
     if key not in ctx.memo:
         blocks = node_blocks([(s.zone, s.gpu, s.tp) for s in slots], ctx.cluster.node_size, [s.node_cut for s in slots])
         widths = [sum(s.tp for s, b in zip(slots, blocks) if b == j) for j in range(blocks[-1] + 1)]

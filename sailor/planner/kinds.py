@@ -143,11 +143,11 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
                mbs: int, memory: Memory, replicas: int | None = None) -> list[Kind]:
     """Kinds for many (zones, options[, cuts]) at once under the stages' memory options, exact for a
     plan of `replicas` pipelines or (None) lower bounds over D (module docstring); their curves from
-    one batched call of the closed form (arrays (kinds, P)). Memoised in the context per family
-    (`forget_kinds` drops a family's). A pipeline cut between nodes differs from its uncut twin (the
+    one batched call of the closed form (arrays (kinds, P)). Memoised in the context per family, with
+    the curves (`forget_kinds` drops a family's). A pipeline cut between nodes differs from its uncut twin (the
     same zones and options) only in which transfers cross nodes, so what the cuts do not change
     (stage times, optimizer step, pools, price, the transfer over each boundary inside a node and
-    between two) is computed once per twin; a curve and egress once per planning call for the kinds
+    between two) is computed once per twin; a curve and egress once per family for the kinds
     of one pool class (`pool_class`: pools whose zones' links are alike) or zones, options and cuts,
     and without ZeRO-3 for every D."""
     specs = [sp if len(sp) == 3 and any(sp[2]) else (sp[0], sp[1], ()) for sp in specs]  # no cut: ()
@@ -178,11 +178,13 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     # a kind's curve and egress are those of every kind with its cuts, options and, for a kind in one
     # pool, pool class (`pool_class`; else its zones), at any D unless a stage gathers ZeRO-3 weights
     # (the only D its stage times read): computed for the first of them, memoised for the others
+    # with the family's kinds (`forget_kinds` drops both)
     where = [pool_class(ctx, *tw) or tw for tw in twins]
     curve_d = replicas if any(m.zero >= 3 for m in memory) else None
-    curve_keys = [("kind curve", where[r], specs[j][2], partition, mbs, memory_id, curve_d) for r, j in zip(rows, todo)]
+    known = ctx.memo.setdefault(("kind curves", partition, mbs, memory_id), {})
+    curve_keys = [(where[r], specs[j][2], curve_d) for r, j in zip(rows, todo)]
     first: dict[tuple, int] = {}
-    build = [q for q, k in enumerate(curve_keys) if k not in ctx.memo and first.setdefault(k, q) == q]
+    build = [q for q, k in enumerate(curve_keys) if k not in known and first.setdefault(k, q) == q]
     curves: dict[int, tuple[float, float, float, float]] = {}  # build position -> (fill, two, period, egress $)
     if build:
         at_d = {d: [time_options(m, replicas or d) for m in memory] for d in {need[rows[q]] for q in build}}
@@ -202,7 +204,7 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
         t1, t2, t3 = (np.atleast_1d(closed_form_1f1b(f, b, c, m)) for m in (1, 2, 3))
         for x, q in enumerate(build):
             curves[q] = (float(t1[x]), float(t2[x]), float(t3[x] - t2[x]), sum(u for _, u in edges[x]))
-            ctx.memo[curve_keys[q]] = curves[q]
+            known[curve_keys[q]] = curves[q]
     steps = [time_options(mem, replicas or most) for mem in memory]
     shared: dict[int, tuple] = {}  # twin -> (GPUs, use, $/hour, optimizer s)
     for q, (r, j) in enumerate(zip(rows, todo)):
@@ -214,7 +216,7 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
             shared[r] = (sum(o.gpus for o in options), tuple(sorted(use.items())),
                          sum(n * pool_price(ctx, p) for p, n in use.items()), kind_optimizer_s(ctx, plain[r], partition, steps))
         gpus, use_, usd, opt = shared[r]
-        fill, two, period, egress = curves[q] if q in curves else ctx.memo[curve_keys[q]]
+        fill, two, period, egress = curves[q] if q in curves else known[curve_keys[q]]
         kind = Kind(fill_s=fill, two_s=two, period_s=period, zones=zones, options=options, memory=memory, gpus=gpus,
                     use=use_, usd_per_hour=usd, optimizer_s=opt, egress_usd_per_mb=egress, min_replicas=need[r],
                     replicas=replicas, slots=slots[q])
@@ -224,14 +226,16 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
 
 
 def forget_kinds(ctx: SimContext, partition: Partition, mbs: int, memory: Memory) -> None:
-    """Drop the memoised kinds of the family (partition, mbs, memory) (`make_kinds`, every D), once
-    the search is done with it: each family builds about a thousand kinds and almost none is asked
-    for again, so kept until the end of the planning call they would hold most of its memory (over
-    100 MB on the 10zones scenario of `benchmarks/planner_scale.py`). Kinds asked for again later
-    are built again, equal (their curves stay memoised)."""
+    """Drop the memoised kinds of the family (partition, mbs, memory) (`make_kinds`, every D) and
+    their curves, once the search is done with it: each family builds about a thousand kinds and
+    almost none is asked for again, so kept until the end of the planning call they would hold most
+    of its memory (over 100 MB on the 10zones scenario of `benchmarks/planner_scale.py`; the curves
+    alone some 250 MB on its us12 row). Kinds asked for again later are built again, equal (a curve
+    is the same closed form of the same stage times, whichever kinds it is computed with)."""
     memory_id = ctx.memo.get("memory numbers", {}).get(memory)
     if memory_id is not None:
         ctx.memo.pop(("kinds", partition, mbs, memory_id), None)
+        ctx.memo.pop(("kind curves", partition, mbs, memory_id), None)
 
 
 def pool_class(ctx: SimContext, zones: tuple[str, ...], options: tuple[Option, ...]) -> tuple | None:
