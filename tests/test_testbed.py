@@ -524,3 +524,16 @@ def test_a_testbed_profile_keeps_the_stage_pass_cost_of_tp_1_only():
     assert out["runtime"]["pass_overhead_s"] == [rows[0], rows[2]]
     assert out["runtime"]["microbatch_overhead_s"] == [{"gpu": "A100-40", "tp": 2}]  # other rows stay
     assert tp1_pass_overhead({"layers": []}) == {"layers": []}
+
+
+def test_a_state_folder_that_is_a_file_is_refused_in_one_line(tmp_path, monkeypatch):
+    afile = tmp_path / "state.yaml"
+    afile.write_text("x")
+    with pytest.raises(SailorInputError, match="is not a folder") as e:
+        host.state_root(afile)
+    assert e.value.one_line().startswith("--state-dir: ")
+    monkeypatch.setenv(host.STATE_DIR_ENV, str(afile))
+    with pytest.raises(SailorInputError) as e:
+        host.state_root()
+    assert e.value.one_line().startswith(f"{host.STATE_DIR_ENV}: ")
+    assert host.state_root(tmp_path / "new") == tmp_path / "new"  # missing: made by `up`

@@ -50,8 +50,16 @@ class TestbedUnsupported(SailorInputError):
 
 
 def state_root(state_dir: str | Path | None = None) -> Path:
-    """The folder of all testbeds' state: `state_dir`, else $SAILOR_TESTBED_STATE, else /run/sailor-testbed."""
-    return Path(state_dir or os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
+    """The folder of all testbeds' state: `state_dir`, else $SAILOR_TESTBED_STATE, else /run/sailor-testbed.
+
+    Raises:
+        SailorInputError: the path is there but not a folder (naming --state-dir or the variable).
+    """
+    root = Path(state_dir or os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
+    if root.exists() and not root.is_dir():
+        where = "--state-dir" if state_dir else STATE_DIR_ENV if os.environ.get(STATE_DIR_ENV) else None
+        raise SailorInputError(f"{root} is not a folder", source=where, fix="name a folder; a missing one is made")
+    return root
 
 
 def live_states(state_dir: str | Path | None = None) -> list[TestbedState]:
