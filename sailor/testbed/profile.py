@@ -130,7 +130,8 @@ def profile_rank_slot(argv: Sequence[str], ranks: int | None = None) -> int | No
     n = len(RANK_LAUNCHER)
     for i in range(len(argv) - n - 1):
         if tuple(argv[i:i + n]) == RANK_LAUNCHER and argv[i + n] in PROFILE_TARGETS and argv[i + n + 1].isdigit():
-            return int(argv[i + n + 1]) % (ranks or int(argv[i + n + 1]) + 1)
+            rank = int(argv[i + n + 1])
+            return rank % ranks if ranks else rank
     return None
 
 
