@@ -82,6 +82,7 @@ from sailor.perf.network import network_for
 from sailor.runtime.netprofile import collective_of_pairs
 from sailor.specs import load_cluster
 from sailor.testbed import counters, down, leftovers, load_testbed, support_problem, up
+from sailor.testbed.guard import STARVED_LINE
 from sailor.testbed.profile import profile_classes
 from sailor.testbed.spec import wire_bytes
 
@@ -291,7 +292,10 @@ def run_plan(name: str, plan: dict, state, job: Path, profile: Path, network: tu
                                                   for r in steps_rows),
            "sync_predicted_s": max(est.stage_sync_s),
            "sync_measured_s": statistics.median(max(st["sync_exposed_s"] for st in r["stages"]) for r in steps_rows),
-           "load_before": load_before, "load_after": os.getloadavg()[0]}
+           "load_before": load_before, "load_after": os.getloadavg()[0],
+           # a guard saw ordinary threads starve and returned the ranks to their CFS quotas (`testbed.guard`)
+           "reservations_handed_back": any(STARVED_LINE in (out / f"{name}-{n}.log").read_text(errors="replace")
+                                           for n in (SHORT_STEPS, steps))}
     if node:
         payload = sum(t.moved_bytes for t in est.traffic)
         per_iter = (moved[1] - moved[0]) / (steps - SHORT_STEPS)
@@ -446,7 +450,8 @@ def main() -> int:
                   f" {r['passes_measured_s']:.4f} s"
                   + (f"  link bytes/iter {r['link_measured_bytes']:.0f} vs {r['link_predicted_bytes']:.0f}"
                      f" ({r['link_error_pct']:+.1f} %)" if "link_node" in r else "")
-                  + f"  load {r['load_before']:.1f}->{r['load_after']:.1f}", flush=True)
+                  + f"  load {r['load_before']:.1f}->{r['load_after']:.1f}"
+                  + ("  (reservations handed back: testbed.guard)" if r["reservations_handed_back"] else ""), flush=True)
         if not args.no_elastic:
             elastic = elastic_row(state, spec, job, profile, out, step_s=rows[0]["measured_s"])
             print(f"elastic: node {elastic['victim']} down after step {ELASTIC_KILL_AT} and back; launches"

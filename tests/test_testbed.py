@@ -3,6 +3,7 @@ addresses, the tc commands, the state bookkeeping and the stand-in ssh's argumen
 process is started here (tests/test_testbed_link.py brings a testbed up)."""
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -409,9 +410,24 @@ def test_a_round_keeps_its_busy_nodes_busy_until_the_measured_ones_end(box, monk
     monkeypatch.setattr(profile, "_Placed", _FakePlaced)
     monkeypatch.setattr(profile, "place_ranks", lambda node, slot_of: placed.append(node.name))
     monkeypatch.setattr(profile, "PLACE_EVERY_S", 0.0)
+    guards = []
+
+    class FakeGuard:  # `guard.start`: watches this process while the round runs
+        def __init__(self, pid, cgroups):
+            self.pid, self.ended = pid, False
+            guards.append(self)
+
+        def kill(self):
+            self.ended = True
+
+        def wait(self):
+            assert self.ended
+
+    monkeypatch.setattr(profile.guard, "start", FakeGuard)
     _FakePlaced.started, _FakePlaced.stopped, _FakePlaced.fail = [], [], set()
     res = profile._run_round({"a0": ["measure", "a0"]}, {"a1": ["busy", "a1"], "w0": ["busy", "w0"]}, state, {}, 60, ranks)
     assert res == {"a0": (0, "output of a0")}
+    assert [(g.pid, g.ended) for g in guards] == [(os.getpid(), True)]
     # the measured command polled 4 times (ends at the 4th); each busy one ended after 2 polls and was
     # started again, and every command was stopped at the end or when it ended
     assert _FakePlaced.started.count(["busy", "a1"]) == 2 and _FakePlaced.started.count(["measure", "a0"]) == 1
@@ -425,6 +441,7 @@ def test_a_round_keeps_its_busy_nodes_busy_until_the_measured_ones_end(box, monk
     with pytest.raises(RuntimeError, match="did not finish within -1 s"):
         profile._run_round({"a0": ["measure", "a0"]}, {}, state, {}, -1, ranks)
     assert _FakePlaced.stopped == [["measure", "a0"]]
+    assert len(guards) == 3 and all(g.ended for g in guards)  # ended on failure too
 
 
 def test_a_profiling_rank_runs_on_the_device_of_its_rank(monkeypatch):
@@ -508,9 +525,9 @@ def test_reservations_beyond_the_kernels_deadline_bandwidth_are_refused(box, mon
 
     monkeypatch.setattr(host.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(deadline, "bandwidth_limit", lambda cpus=None: 0.95 * cpus)
-    host.check_cores(box)  # 4 x 0.3 + 2 x 0.15 = 1.5 of 1.9: admitted
-    monkeypatch.setattr(deadline, "bandwidth_limit", lambda cpus=None: 1.4)
-    with pytest.raises(SailorInputError, match="add up to 1.5 cores, more than the 1.4"):
+    host.check_cores(box)  # 4 x 0.3 + 2 x 0.15 = 1.5, and 4 nodes' guards of 0.02: 1.58 of 1.9: admitted
+    monkeypatch.setattr(deadline, "bandwidth_limit", lambda cpus=None: 1.55)  # the ranks fit, with the guards not
+    with pytest.raises(SailorInputError, match="add up to 1.58 cores, more than the 1.55"):
         host.check_cores(box)
 
 

@@ -6,6 +6,8 @@ speeds as CPU quotas (cgroups), so that a plan runs over real sockets on slow, s
 - `net`: names, addresses and the ip/tc commands, as data;
 - `host`: bringing it up and down (root), entering a node, reading the link counters;
 - `cgroups`: the cpu cgroups of nodes, ranks and communication threads, and placing ranks in them;
+- `deadline`: a rank's compute thread's deadline reservation, its device's speed;
+- `guard`: handing those reservations back when the kernel stops running ordinary threads;
 - `ssh`: the stand-in `ssh` that `sailor launch --backend torchrun` and `sailor run --hosts` start
   ranks with.
 """

@@ -82,6 +82,11 @@ def rank_cgroup(node: NodeState, slot: int) -> str:
     return f"{node.cgroup}/r{slot}"
 
 
+def rank_cgroups(node: NodeState) -> list[str]:
+    """The rank cgroups of `node` (`rank_cgroup` of each of its slots), in slot order."""
+    return sorted((str(p) for p in Path(node.cgroup).glob("r[0-9]*")), key=lambda p: int(p.rsplit("/r", 1)[1]))
+
+
 def rank_slot(environ: dict[str, str]) -> int | None:
     """The device index on its node of the rank with environment `environ` (torchrun sets
     LOCAL_RANK; where the node runs several agents, each lists its own devices in

@@ -37,7 +37,12 @@ DEADLINE_PERIOD_US = 500
 against a pass (the `tiny` model's block takes 2-3 ms of CPU per micro-batch of 2). The kernel takes
 periods down to `kernel.sched_deadline_period_min_us` (100 µs by default)."""
 
-SCHED_DEADLINE = 6  # include/uapi/linux/sched.h
+GUARD_CORES = 0.02
+"""The reservation of each `testbed.guard` (cores; 200 µs every GUARD_PERIOD_US): one check reads a
+few small /proc files, ~0.1 ms of CPU."""
+GUARD_PERIOD_US = 10_000
+
+SCHED_OTHER, SCHED_DEADLINE = 0, 6  # include/uapi/linux/sched.h
 SCHED_FLAG_RESET_ON_FORK = 0x01
 SCHED_ATTR_SIZE = 48  # SCHED_ATTR_SIZE_VER0: size, policy, flags, nice, priority, runtime, deadline, period
 SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # arch/x86/entry/syscalls/syscall_64.tbl; asm-generic/unistd.h
@@ -55,21 +60,31 @@ def sched_attr(cores: float, period_us: int = DEADLINE_PERIOD_US) -> bytes:
 
 
 def set_deadline(tid: int, cores: float, period_us: int = DEADLINE_PERIOD_US) -> None:
-    """Give thread `tid` a deadline reservation of `cores` per `period_us` (`sched_attr`).
+    """Give thread `tid` (0: the calling thread) a deadline reservation of `cores` per `period_us`
+    (`sched_attr`).
 
     Raises:
         OSError: the kernel refused (EBUSY: the machine's deadline bandwidth is taken; EPERM: not
             root, or the thread is pinned to fewer CPUs than the machine's; ENOSYS/unknown machine:
             no sched_setattr).
     """
+    _sched_setattr(tid, sched_attr(cores, period_us), f"SCHED_DEADLINE, {cores:g} cores")
+
+
+def clear_deadline(tid: int) -> None:
+    """Return thread `tid` to SCHED_OTHER at nice 0 (what a thread has before `set_deadline`).
+    Raises OSError as `set_deadline` does (ESRCH: the thread is gone)."""
+    _sched_setattr(tid, struct.pack("=IIQiIQQQ", SCHED_ATTR_SIZE, SCHED_OTHER, 0, 0, 0, 0, 0, 0), "SCHED_OTHER")
+
+
+def _sched_setattr(tid: int, attr: bytes, what: str) -> None:
     number = SYS_SCHED_SETATTR.get(platform.machine())
     if number is None:
         raise OSError(f"sched_setattr's system call number on {platform.machine()} is not known here")
     libc = ctypes.CDLL(None, use_errno=True)
-    attr = ctypes.create_string_buffer(sched_attr(cores, period_us))
-    if libc.syscall(number, ctypes.c_int(tid), attr, ctypes.c_uint(0)) != 0:
+    if libc.syscall(number, ctypes.c_int(tid), ctypes.create_string_buffer(attr), ctypes.c_uint(0)) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"sched_setattr(SCHED_DEADLINE, {cores:g} cores) of thread {tid}: {os.strerror(err)}")
+        raise OSError(err, f"sched_setattr({what}) of thread {tid}: {os.strerror(err)}")
 
 
 def is_deadline(tid: int) -> bool:

@@ -140,8 +140,9 @@ def _plan_state(spec: TestbedSpec, state_dir: Path) -> TestbedState:
 def check_cores(spec: TestbedSpec, source: str | None = None) -> None:
     """Refuse a testbed whose CPU quotas (its ranks' and their communication threads',
     `TestbedSpec.total_cpu_cores`) add up to more cores than `os.cpu_count()`, or whose ranks'
-    deadline reservations (each rank's quota under one core, `cgroups.reserve`) add up to more than
-    the kernel admits (`deadline.bandwidth_limit`: 0.95 of every core by default).
+    deadline reservations (each rank's quota under one core, `cgroups.reserve`, and one
+    `deadline.GUARD_CORES` per node, `testbed.guard`) add up to more than the kernel admits (`deadline.bandwidth_limit`:
+    0.95 of every core by default).
 
     Raises:
         SailorInputError: at field `devices` of `source` (the testbed file).
@@ -152,9 +153,10 @@ def check_cores(spec: TestbedSpec, source: str | None = None) -> None:
                                f" more than the {cores} of this machine", source=source, field="devices",
                                fix="smaller cpu_quota or comm_cpu_quota, or fewer ranks")
     reserved = sum(n.ranks * spec.devices[n.device].cpu_quota for n in spec.nodes
-                   if spec.devices[n.device].cpu_quota < 1)
+                   if spec.devices[n.device].cpu_quota < 1) + deadline.GUARD_CORES * len(spec.nodes)
     if reserved > deadline.bandwidth_limit(cores):
-        raise SailorInputError(f"the ranks' quotas under one core add up to {reserved:g} cores, more than the"
+        raise SailorInputError(f"the ranks' quotas under one core and the nodes' guards add up to {reserved:g}"
+                               f" cores, more than the"
                                f" {deadline.bandwidth_limit(cores):g} this kernel lets deadline tasks reserve"
                                f" (kernel.sched_rt_runtime_us)", source=source, field="devices",
                                fix="smaller cpu_quota, or fewer ranks")

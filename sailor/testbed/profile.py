@@ -50,7 +50,8 @@ from sailor.core.fileio import load_json
 from sailor.model.spec import ModelSpec
 from sailor.perf.profiles import RUNTIME_ROWS
 from sailor.specs import load_job
-from sailor.testbed.cgroups import PLACE_EVERY_S, place_ranks
+from sailor.testbed import guard
+from sailor.testbed.cgroups import PLACE_EVERY_S, place_ranks, rank_cgroups
 from sailor.testbed.host import TestbedState, node_processes
 from sailor.testbed.spec import TestbedSpec
 from sailor.testbed.state import NodeState
@@ -180,7 +181,7 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
                timeout_s: float, ranks: dict[str, int]) -> dict[str, tuple[int, str]]:
     """Run the commands `measured` and `busy` (node name -> argv) at once, each in its node
     (`_Placed`), moving their profiling ranks into their rank cgroups while they run (`place_ranks`;
-    `ranks`: node name -> its ranks, `profile_rank_slot`),
+    `ranks`: node name -> its ranks, `profile_rank_slot`; `testbed.guard` watches this process),
     each busy one started again whenever it ends, until every measured one has ended; then stop the
     busy ones. Node name -> (exit status, output) of the measured ones.
 
@@ -191,6 +192,7 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
     running: dict[str, _Placed] = {}
     slot_of = {n: _profile_slot(ranks[n]) for n in {**measured, **busy}}
     deadline = time.monotonic() + timeout_s
+    watch = guard.start(os.getpid(), [c for n in slot_of for c in rank_cgroups(state.node(n))])
     try:
         for n, argv in {**measured, **busy}.items():
             running[n] = _Placed(argv, state.node(n), env)
@@ -211,6 +213,8 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
     finally:
         for r in running.values():
             r.stop()
+        watch.kill()
+        watch.wait()
 
 
 def class_tps(spec: TestbedSpec, model: ModelSpec) -> dict[str, list[int]]:

@@ -6,7 +6,9 @@ destination "user@address", then the command). The destination is a node's addre
 lists them) or its name. The command runs in a new session; SIGTERM, SIGINT or SIGHUP to this
 process reach its whole process group (closing a real ssh connection hangs up the remote side), and
 what is still running after a grace period is killed. While it runs, every rank torchrun starts is
-moved into its own cgroup with its device class's per-rank quota (`cgroups.place_ranks`, every 0.1 s).
+moved into its own cgroup with its device class's per-rank quota (`cgroups.place_ranks`, every 0.1 s),
+and `testbed.guard` watches that this process is still being run (else it hands the ranks' deadline
+reservations back).
 Its exit status is the command's, 255 when the node is unknown (as ssh's when it cannot connect).
 """
 
@@ -20,7 +22,8 @@ import sys
 
 from sailor.core.errors import SailorInputError
 from sailor.core.process import die_with_parent
-from sailor.testbed.cgroups import PLACE_EVERY_S, place_ranks
+from sailor.testbed import guard
+from sailor.testbed.cgroups import PLACE_EVERY_S, place_ranks, rank_cgroups
 from sailor.testbed.host import enter_argv, locate
 
 GRACE_S = 10.0  # how long the remote command has to end after SIGTERM before SIGKILL
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return SSH_UNREACHABLE
     child = subprocess.Popen(enter_argv(node, ["sh", "-c", command]), start_new_session=True,
                              preexec_fn=die_with_parent)  # noqa: PLW1509 - no thread here
+    guard.start(os.getpid(), rank_cgroups(node))  # ends with this process
 
     def hang_up(signum, frame) -> None:
         with contextlib.suppress(ProcessLookupError):
