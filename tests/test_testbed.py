@@ -408,7 +408,7 @@ def test_a_round_keeps_its_busy_nodes_busy_until_the_measured_ones_end(box, monk
     placed = []
     ranks = {"a0": 2, "a1": 2, "w0": 1}
     monkeypatch.setattr(profile, "_Placed", _FakePlaced)
-    monkeypatch.setattr(profile, "place_ranks", lambda node, slot_of: placed.append(node.name))
+    monkeypatch.setattr(profile, "place_ranks", lambda node, slot_of, reserve_ranks: placed.append((node.name, reserve_ranks)))
     monkeypatch.setattr(profile, "PLACE_EVERY_S", 0.0)
     guards = []
 
@@ -432,7 +432,7 @@ def test_a_round_keeps_its_busy_nodes_busy_until_the_measured_ones_end(box, monk
     # started again, and every command was stopped at the end or when it ended
     assert _FakePlaced.started.count(["busy", "a1"]) == 2 and _FakePlaced.started.count(["measure", "a0"]) == 1
     assert len(_FakePlaced.stopped) == len(_FakePlaced.started)
-    assert set(placed) == {"a0", "a1", "w0"}
+    assert set(placed) == {("a0", True), ("a1", False), ("w0", False)}  # only the measured node's ranks are reserved
     _FakePlaced.started, _FakePlaced.stopped, _FakePlaced.fail = [], [], {"busy"}
     with pytest.raises(RuntimeError, match="the load of node a1 failed: output of a1"):
         profile._run_round({"a0": ["measure", "a0"]}, {"a1": ["busy", "a1"]}, state, {}, 60, ranks)

@@ -149,15 +149,17 @@ def torchrun_slot(pid: str) -> int | None:
     return rank_slot(dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e))
 
 
-def place_ranks(node: NodeState, slot_of: Callable[[str], int | None] = torchrun_slot) -> int:
+def place_ranks(node: NodeState, slot_of: Callable[[str], int | None] = torchrun_slot, *,
+                reserve_ranks: bool = True) -> int:
     """Move every rank found directly in `node`'s cgroup into its rank cgroup (`slot_of(pid)`, the
     rank's device index on the node, None for a process that is not a rank: by default torchrun's
     ranks, `torchrun_slot`), and every communication thread (`COMM_THREADS`) of the node's processes
     into `comm_cgroup`, so a device's quota throttles its compute and not its transfers (testbed
     file, `comm_cpu_quota`); how many ranks were moved. A moved rank's main thread, which computes,
-    gets its rank cgroup's quota as a deadline reservation (`reserve`). Processes and threads that
-    end meanwhile are skipped; threads a rank starts later (a new process group) are found on the
-    next call."""
+    gets its rank cgroup's quota as a deadline reservation (`reserve`) unless `reserve_ranks` is
+    False (a rank that only loads the machine keeps its CFS quota). Processes and threads that end
+    meanwhile are skipped; threads a rank starts later (a new process group) are found on the next
+    call."""
     moved = 0
     for pid in Path(node.cgroup, "cgroup.procs").read_text().split():
         with contextlib.suppress(OSError, ValueError):
@@ -165,7 +167,8 @@ def place_ranks(node: NodeState, slot_of: Callable[[str], int | None] = torchrun
             if slot is not None and os.path.isdir(rank_cgroup(node, slot)):
                 write_cgroup(rank_cgroup(node, slot), "cgroup.procs", pid)
                 moved += 1
-                reserve(int(pid), rank_cgroup(node, slot))
+                if reserve_ranks:
+                    reserve(int(pid), rank_cgroup(node, slot))
     comm = comm_cgroup(node)
     for folder in [Path(node.cgroup), *Path(node.cgroup).glob("r*")]:
         with contextlib.suppress(OSError):

@@ -181,7 +181,11 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
                timeout_s: float, ranks: dict[str, int]) -> dict[str, tuple[int, str]]:
     """Run the commands `measured` and `busy` (node name -> argv) at once, each in its node
     (`_Placed`), moving their profiling ranks into their rank cgroups while they run (`place_ranks`;
-    `ranks`: node name -> its ranks, `profile_rank_slot`; `testbed.guard` watches this process),
+    `ranks`: node name -> its ranks, `profile_rank_slot`; `testbed.guard` watches this process): the
+    measured ones with their deadline reservations, the busy ones on their CFS quotas alone (with
+    reservations, a TP-2 round's 4 stage-pass ranks of 0.3 cores beside the other nodes' loads asked
+    for more than the kernel's 1.9 cores, and it refused some: 2-3 measured or busy ranks per
+    profile, 2026-12-05),
     each busy one started again whenever it ends, until every measured one has ended; then stop the
     busy ones. Node name -> (exit status, output) of the measured ones.
 
@@ -207,7 +211,7 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
                     running[n] = _Placed(busy[n], state.node(n), env)
             for n in running:
                 with contextlib.suppress(OSError):
-                    place_ranks(state.node(n), slot_of[n])
+                    place_ranks(state.node(n), slot_of[n], reserve_ranks=n in measured)
             time.sleep(PLACE_EVERY_S)
         return {n: (running[n].proc.returncode, running[n].output()) for n in measured}
     finally:
