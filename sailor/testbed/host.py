@@ -16,6 +16,7 @@ cluster spec, `spec.cluster_spec`), `hosts.yaml` (`spec.hosts_spec`, the nodes' 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -310,9 +311,19 @@ def remove(prefix: str) -> None:
         subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
     for ns in _etc_names(prefix):
         shutil.rmtree(Path(NETNS_ETC, ns), ignore_errors=True)
+    deadline = time.monotonic() + KILL_WAIT_S
     for d in _cgroup_dirs(f"{net.CGROUP_CPU}/{prefix}"):
-        with contextlib.suppress(FileNotFoundError):
-            os.rmdir(d)
+        while True:  # a killed task leaves its cgroup a moment after it is gone from /proc (EBUSY until then)
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+                continue
+            break
 
 
 def _etc_names(prefix: str | None) -> list[str]:

@@ -136,11 +136,15 @@ def profile_rank_slot(argv: Sequence[str], ranks: int | None = None) -> int | No
     return None
 
 
+def _cmdline(pid: int | str) -> list[str]:
+    """The command line of process `pid` (raises OSError when it is gone)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+
+
 def _profile_slot(node_ranks: int) -> Callable[[str], int | None]:
     """`profile_rank_slot` of a process, by pid, on a node of `node_ranks` ranks (raises OSError when
     the process is gone)."""
-    return lambda pid: profile_rank_slot(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"),
-                                         node_ranks)
+    return lambda pid: profile_rank_slot(_cmdline(pid), node_ranks)
 
 
 HOST = ""
@@ -169,7 +173,9 @@ class _Placed:
         return self.log.read()
 
     def stop(self) -> None:
-        """End it (SIGINT first, so that `sailor profile` ends its ranks) and every process left in the node."""
+        """End it (SIGINT first, so that `sailor profile` ends its ranks) and every `sailor profile` rank
+        left in its node (they run in sessions of their own, `ranks.run_ranks`; what else runs in the
+        node, `sailor profile network`'s ranks under `under_load`, is left alone)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -177,9 +183,10 @@ class _Placed:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for pid in node_processes(self.node) if self.node is not None else ():  # ranks run in sessions of
-            with contextlib.suppress(ProcessLookupError):                       # their own (`ranks.run_ranks`)
-                os.kill(pid, signal.SIGKILL)
+        for pid in node_processes(self.node) if self.node is not None else ():
+            with contextlib.suppress(OSError):
+                if profile_rank_slot(_cmdline(pid)) is not None:
+                    os.kill(pid, signal.SIGKILL)
         self.log.close()
 
 
