@@ -5,9 +5,8 @@ shaped links.
 1. bring the testbed up (default `examples/testbed.yaml`: 4 nodes, 3 zones, 2 regions, 2 speeds);
 2. profile each device class inside its ranks' quotas while every rank of the testbed is busy, as in
    a run (`sailor.testbed.profile`), and the links between the nodes with `sailor profile network
-   --hosts` while every rank computes, as in a run (`testbed.profile.under_load`; `network.json`:
-   an α–β per link and gloo's cost per collective beyond the simulator's ring over them,
-   `perf.network.CollectiveCost`);
+   --hosts` (`network.json`: an α–β per link and gloo's cost per collective beyond the simulator's
+   ring over them, `perf.network.CollectiveCost`);
    `network-collective.json` holds that cost fitted on the same sweeps against the ring over the
    cluster spec's links (their shaped rates), and no links;
 3. for each plan: `sailor.simulate` with that profile, the testbed's cluster spec and
@@ -84,7 +83,7 @@ from sailor.runtime.netprofile import collective_of_pairs
 from sailor.specs import load_cluster
 from sailor.testbed import counters, down, leftovers, load_testbed, support_problem, up
 from sailor.testbed.guard import STARVED_LINE
-from sailor.testbed.profile import profile_classes, under_load
+from sailor.testbed.profile import profile_classes
 from sailor.testbed.spec import wire_bytes
 
 SHORT_STEPS = 2
@@ -230,18 +229,17 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def profile_network(spec, state, job: Path, out: Path, repeats: int) -> tuple[Path, Path]:
-    """`sailor profile network --hosts` on the testbed while its ranks compute (`testbed.profile.
-    under_load`): (a file of the collective cost against the cluster spec's links and no links, the
-    measured link file)."""
+def profile_network(state, out: Path, repeats: int) -> tuple[Path, Path]:
+    """`sailor profile network --hosts` on the testbed: (a file of the collective cost against the
+    cluster spec's links and no links, the measured link file)."""
     net = out / "network.json"
     env = {**os.environ, "PATH": f"{state.bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
-    code, output = under_load(spec, state, job, [
-        sys.executable, "-m", "sailor", "profile", "network", "--hosts", str(state.hosts_file), "--cluster",
-        str(state.cluster_file), "--python", sys.executable, "--repeats", str(repeats), "--out", str(net)], env)
-    (out / "network.log").write_text(output)
-    if code != 0:
-        raise RuntimeError(f"sailor profile network failed (exit {code}); see {out / 'network.log'}")
+    with open(out / "network.log", "w") as log:
+        p = subprocess.run([sys.executable, "-m", "sailor", "profile", "network", "--hosts", str(state.hosts_file),
+                            "--cluster", str(state.cluster_file), "--python", sys.executable, "--repeats", str(repeats),
+                            "--out", str(net)], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1200, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"sailor profile network failed (exit {p.returncode}); see {out / 'network.log'}")
     return collective_file(state, net), net
 
 
@@ -427,7 +425,7 @@ def main() -> int:
             print(f"reusing {profile} and {network[1]}", flush=True)
         else:
             write_json(profile, profile_classes(spec, state, job, mbs="1,2"))
-            network = profile_network(spec, state, job, out, args.network_repeats)
+            network = profile_network(state, out, args.network_repeats)
         found = sailor.find_plan(job, state.cluster_file, profiles=profile, network=network[0])
         plans = {"planner": found.plan.to_dict(with_specs=False), **PLANS}
         if not args.no_baselines:

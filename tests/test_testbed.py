@@ -520,25 +520,6 @@ def test_a_rank_cgroup_quota_in_cores(tmp_path):
     assert cgroups.quota_cores(str(tmp_path)) is None
 
 
-def test_links_are_measured_with_every_rank_of_the_testbed_computing_under_its_reservation(box, monkeypatch, tmp_path):
-    from sailor.testbed import profile
-
-    seen = {}
-
-    def fake_round(measured, busy, state, env, timeout_s, ranks, *, reserve_busy=False):
-        seen.update(measured=measured, busy=busy, ranks=ranks, reserve_busy=reserve_busy)
-        return {profile.HOST: (0, "swept")}
-
-    monkeypatch.setattr(profile, "_run_round", fake_round)
-    job = tmp_path / "job.yaml"
-    assert profile.under_load(box, None, job, ["sailor", "profile", "network"], {}) == (0, "swept")
-    assert seen["measured"] == {profile.HOST: ["sailor", "profile", "network"]} and seen["reserve_busy"]
-    assert seen["ranks"] == {"a0": 2, "a1": 2, "b0": 1, "w0": 1}
-    for node, n in seen["ranks"].items():  # each node's own class's TP-1 profile over all its ranks
-        argv = seen["busy"][node]
-        assert argv[argv.index("--concurrency") + 1] == str(n) and argv[argv.index("--tp") + 1] == "1"
-
-
 def test_reservations_beyond_the_kernels_deadline_bandwidth_are_refused(box, monkeypatch):
     from sailor.testbed import deadline
 

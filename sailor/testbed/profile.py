@@ -136,46 +136,31 @@ def profile_rank_slot(argv: Sequence[str], ranks: int | None = None) -> int | No
     return None
 
 
-def _cmdline(pid: int | str) -> list[str]:
-    """The command line of process `pid` (raises OSError when it is gone)."""
-    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-
-
 def _profile_slot(node_ranks: int) -> Callable[[str], int | None]:
     """`profile_rank_slot` of a process, by pid, on a node of `node_ranks` ranks (raises OSError when
     the process is gone)."""
-    return lambda pid: profile_rank_slot(_cmdline(pid), node_ranks)
-
-
-HOST = ""
-"""The key of a command `_run_round` runs on this machine itself, outside the testbed's nodes (`sailor
-profile network --hosts`, which reaches the nodes through the stand-in ssh)."""
+    return lambda pid: profile_rank_slot(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"),
+                                         node_ranks)
 
 
 class _Placed:
-    """`argv` running in `node`'s network namespace and cgroup (None: on this machine as it is), its
-    output kept in a temporary file."""
+    """`argv` running in `node`'s network namespace and cgroup, its output kept in a temporary file."""
 
-    def __init__(self, argv: list[str], node: NodeState | None, env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], node: NodeState, env: dict[str, str]) -> None:
         def enter() -> None:  # in the child, before exec
             Path(node.cgroup, "cgroup.procs").write_text(str(os.getpid()))
 
         self.node = node
         self.log = tempfile.TemporaryFile("w+")
-        if node is None:
-            self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        else:
-            self.proc = subprocess.Popen(["ip", "netns", "exec", node.netns, *argv], preexec_fn=enter, env=env,  # noqa: PLW1509
-                                         stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(["ip", "netns", "exec", node.netns, *argv], preexec_fn=enter, env=env,  # noqa: PLW1509
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
 
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read()
 
     def stop(self) -> None:
-        """End it (SIGINT first, so that `sailor profile` ends its ranks) and every `sailor profile` rank
-        left in its node (they run in sessions of their own, `ranks.run_ranks`; what else runs in the
-        node, `sailor profile network`'s ranks under `under_load`, is left alone)."""
+        """End it (SIGINT first, so that `sailor profile` ends its ranks) and every process left in the node."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -183,10 +168,9 @@ class _Placed:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for pid in node_processes(self.node) if self.node is not None else ():
-            with contextlib.suppress(OSError):
-                if profile_rank_slot(_cmdline(pid)) is not None:
-                    os.kill(pid, signal.SIGKILL)
+        for pid in node_processes(self.node):  # ranks run in sessions of their own (`ranks.run_ranks`)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.log.close()
 
 
@@ -194,28 +178,28 @@ STOP_WAIT_S = 10.0  # how long a stopped `sailor profile` may take to end its ra
 
 
 def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state: TestbedState, env: dict[str, str],
-               timeout_s: float, ranks: dict[str, int], *, reserve_busy: bool = False) -> dict[str, tuple[int, str]]:
-    """Run the commands `measured` and `busy` (node name, or HOST for this machine -> argv) at once,
-    each in its node (`_Placed`), moving their profiling ranks into their rank cgroups while they run
-    (`place_ranks`; `ranks`: node name -> its ranks, `profile_rank_slot`; `testbed.guard` watches this
-    process): the measured ones with their deadline reservations, the busy ones too where
-    `reserve_busy`, else on their CFS quotas alone (with reservations, a TP-2 round's 4 stage-pass
-    ranks of 0.3 cores beside the other nodes' loads asked for more than the kernel's 1.9 cores, and
-    it refused some: 2-3 measured or busy ranks per profile, 2026-12-05),
+               timeout_s: float, ranks: dict[str, int]) -> dict[str, tuple[int, str]]:
+    """Run the commands `measured` and `busy` (node name -> argv) at once, each in its node
+    (`_Placed`), moving their profiling ranks into their rank cgroups while they run (`place_ranks`;
+    `ranks`: node name -> its ranks, `profile_rank_slot`; `testbed.guard` watches this process): the
+    measured ones with their deadline reservations, the busy ones on their CFS quotas alone (with
+    reservations, a TP-2 round's 4 stage-pass ranks of 0.3 cores beside the other nodes' loads asked
+    for more than the kernel's 1.9 cores, and it refused some: 2-3 measured or busy ranks per
+    profile, 2026-12-05),
     each busy one started again whenever it ends, until every measured one has ended; then stop the
-    busy ones. Node name (or HOST) -> (exit status, output) of the measured ones.
+    busy ones. Node name -> (exit status, output) of the measured ones.
 
     Raises:
         RuntimeError: a busy command failed (its last output in the message), or the measured ones
             ran longer than `timeout_s`; everything started is stopped first.
     """
     running: dict[str, _Placed] = {}
-    slot_of = {n: _profile_slot(ranks[n]) for n in {**measured, **busy} if n != HOST}
+    slot_of = {n: _profile_slot(ranks[n]) for n in {**measured, **busy}}
     deadline = time.monotonic() + timeout_s
     watch = guard.start(os.getpid(), [c for n in slot_of for c in rank_cgroups(state.node(n))])
     try:
         for n, argv in {**measured, **busy}.items():
-            running[n] = _Placed(argv, state.node(n) if n != HOST else None, env)
+            running[n] = _Placed(argv, state.node(n), env)
         while any(running[n].proc.poll() is None for n in measured):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"`sailor profile` did not finish within {timeout_s:.0f} s")
@@ -225,9 +209,9 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
                         raise RuntimeError(f"the load of node {n} failed: {running[n].output().strip()[-500:]}")
                     running[n].stop()
                     running[n] = _Placed(busy[n], state.node(n), env)
-            for n in slot_of:
+            for n in running:
                 with contextlib.suppress(OSError):
-                    place_ranks(state.node(n), slot_of[n], reserve_ranks=reserve_busy or n in measured)
+                    place_ranks(state.node(n), slot_of[n], reserve_ranks=n in measured)
             time.sleep(PLACE_EVERY_S)
         return {n: (running[n].proc.returncode, running[n].output()) for n in measured}
     finally:
@@ -257,27 +241,6 @@ def profile_rounds(spec: TestbedSpec, tps: dict[str, list[int]],
     return rounds
 
 
-def _load(job: Path, folder: Path, mbs: str, node: str, ranks: int) -> list[str]:
-    """What keeps `node`'s `ranks` ranks busy: its own class's TP-1 profile over all of them (written
-    into `folder`, not read)."""
-    return profile_command(job, folder / f"busy-{node}.json", mbs, replicas=ranks)
-
-
-def under_load(spec: TestbedSpec, state: TestbedState, job: str | Path, argv: list[str], env: dict[str, str], *,
-               mbs: str = "1,2", timeout_s: float = 1200.0) -> tuple[int, str]:
-    """Run `argv` on this machine (HOST) while every rank of the testbed computes under its deadline
-    reservation (`_load`, started again whenever it ends): (exit status, output). For `sailor profile
-    network --hosts`: on the testbed a transfer's CPU work (the posting thread, gloo's socket loop,
-    the loopback's and veths' packets) gets a core only where no reserved compute thread holds it, so
-    links measured between idle ranks are faster than a run's, as a device measured alone is faster
-    than in a run (module docstring). Raises RuntimeError as `_run_round` does."""
-    job = Path(job).resolve()
-    with tempfile.TemporaryDirectory(prefix="sailor-testbed-load-") as tmp:
-        busy = {n.name: _load(job, Path(tmp), mbs, n.name, n.ranks) for n in spec.nodes}
-        return _run_round({HOST: argv}, busy, state, env, timeout_s, {n.name: n.ranks for n in spec.nodes},
-                          reserve_busy=True)[HOST]
-
-
 def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, mbs: str = "1,2,4",
                     timeout_s: float = 1800.0, classes: Sequence[str] | None = None) -> dict[str, Any]:
     """Measure every device class of the testbed (or those named in `classes`) in its first node at
@@ -299,8 +262,9 @@ def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, 
         for nodes in profile_rounds(spec, tps, classes):
             measured, busy = {}, {}
             for node in spec.nodes:
-                if nodes[node.name] is None:
-                    busy[node.name] = _load(job, Path(tmp), mbs, node.name, node.ranks)
+                if nodes[node.name] is None:  # the load: its own class's TP-1 profile, every rank busy
+                    busy[node.name] = profile_command(job, Path(tmp) / f"busy-{node.name}.json", mbs,
+                                                      replicas=node.ranks)
                 else:
                     name, t = nodes[node.name]
                     measured[node.name] = profile_command(job, Path(tmp) / f"{name}-tp{t}.json", mbs, tps=[t],
