@@ -408,7 +408,7 @@ def test_a_round_keeps_its_busy_nodes_busy_until_the_measured_ones_end(box, monk
     placed = []
     ranks = {"a0": 2, "a1": 2, "w0": 1}
     monkeypatch.setattr(profile, "_Placed", _FakePlaced)
-    monkeypatch.setattr(profile, "place_ranks", lambda node, slot_of, reserve_ranks: placed.append((node.name, reserve_ranks)))
+    monkeypatch.setattr(profile, "place_ranks", lambda node, slot_of: placed.append(node.name))
     monkeypatch.setattr(profile, "PLACE_EVERY_S", 0.0)
     guards = []
 
@@ -432,7 +432,7 @@ def test_a_round_keeps_its_busy_nodes_busy_until_the_measured_ones_end(box, monk
     # started again, and every command was stopped at the end or when it ended
     assert _FakePlaced.started.count(["busy", "a1"]) == 2 and _FakePlaced.started.count(["measure", "a0"]) == 1
     assert len(_FakePlaced.stopped) == len(_FakePlaced.started)
-    assert set(placed) == {("a0", True), ("a1", False), ("w0", False)}  # only the measured node's ranks are reserved
+    assert set(placed) == {"a0", "a1", "w0"}
     _FakePlaced.started, _FakePlaced.stopped, _FakePlaced.fail = [], [], {"busy"}
     with pytest.raises(RuntimeError, match="the load of node a1 failed: output of a1"):
         profile._run_round({"a0": ["measure", "a0"]}, {"a1": ["busy", "a1"]}, state, {}, 60, ranks)
@@ -554,3 +554,17 @@ def test_a_state_folder_that_is_a_file_is_refused_in_one_line(tmp_path, monkeypa
         host.state_root()
     assert e.value.one_line().startswith(f"{host.STATE_DIR_ENV}: ")
     assert host.state_root(tmp_path / "new") == tmp_path / "new"  # missing: made by `up`
+
+
+def test_a_device_holds_one_reservation_however_many_ranks_share_it(tmp_path, monkeypatch):
+    node = host.NodeState(name="a0", netns="sbx00ab-a0", veth="sbx00aban0", address="10.200.1.2",
+                          router_address="10.200.1.1", cgroup=str(tmp_path / "a0"))
+    for d in ("a0", "a0/r0", "a0/r1"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "a0" / "cgroup.procs").write_text("101\n102\n103\n")
+    reserved: dict[str, list[int]] = {}
+    monkeypatch.setattr(cgroups, "reserve", lambda tid, cg: reserved.setdefault(cg, []).append(tid))
+    monkeypatch.setattr(cgroups, "reserved_threads", lambda cgs: [t for cg in cgs for t in reserved.get(cg, [])])
+    slots = {"101": 0, "102": 0, "103": 1}  # two ranks on device 0 (a stage pass's 2·TP ranks at TP 2)
+    assert cgroups.place_ranks(node, slots.get) == 3
+    assert reserved == {cgroups.rank_cgroup(node, 0): [101], cgroups.rank_cgroup(node, 1): [103]}

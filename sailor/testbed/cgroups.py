@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from sailor.runtime.epochs import AGENT_SLOTS_ENV, SLOT_ENV
@@ -126,6 +126,23 @@ def reserve(tid: int, cgroup: str) -> None:
         print(f"testbed: rank thread {tid} keeps its CFS quota alone ({e})", file=sys.stderr, flush=True)
 
 
+def reserved_threads(cgroups: Iterable[str]) -> list[int]:
+    """The threads of `cgroups` (cgroup folders; those gone are skipped) under SCHED_DEADLINE."""
+    out = []
+    for cg in cgroups:
+        try:
+            tids = Path(cg, "tasks").read_text().split()
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                if deadline.is_deadline(int(tid)):
+                    out.append(int(tid))
+            except OSError:
+                continue
+    return out
+
+
 def comm_cgroup(node: NodeState) -> str:
     """The cgroup of the communication threads of every rank of `node`'s testbed (one for all nodes;
     node names cannot hold '-', so it never meets a node's cgroup)."""
@@ -149,17 +166,20 @@ def torchrun_slot(pid: str) -> int | None:
     return rank_slot(dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e))
 
 
-def place_ranks(node: NodeState, slot_of: Callable[[str], int | None] = torchrun_slot, *,
-                reserve_ranks: bool = True) -> int:
+def place_ranks(node: NodeState, slot_of: Callable[[str], int | None] = torchrun_slot) -> int:
     """Move every rank found directly in `node`'s cgroup into its rank cgroup (`slot_of(pid)`, the
     rank's device index on the node, None for a process that is not a rank: by default torchrun's
     ranks, `torchrun_slot`), and every communication thread (`COMM_THREADS`) of the node's processes
     into `comm_cgroup`, so a device's quota throttles its compute and not its transfers (testbed
     file, `comm_cpu_quota`); how many ranks were moved. A moved rank's main thread, which computes,
-    gets its rank cgroup's quota as a deadline reservation (`reserve`) unless `reserve_ranks` is
-    False (a rank that only loads the machine keeps its CFS quota). Processes and threads that end
-    meanwhile are skipped; threads a rank starts later (a new process group) are found on the next
-    call."""
+    gets its rank cgroup's quota as a deadline reservation (`reserve`) where no thread of that cgroup
+    holds one yet: one reservation per device, so the testbed never reserves more than `up` admitted
+    (`host.check_cores`). A second rank placed on a busy device (`testbed.profile`: the 2·TP ranks of
+    the stage pass's cost outnumber a node's ranks from TP 2 on) shares its cgroup's CFS quota; with
+    a reservation each, a TP-2 profiling round asked for more than the kernel's 1.9 cores and it
+    refused 2-3 ranks per profile at random, measured or busy (2026-12-05). Processes and threads
+    that end meanwhile are skipped; threads a rank starts later (a new process group) are found on
+    the next call."""
     moved = 0
     for pid in Path(node.cgroup, "cgroup.procs").read_text().split():
         with contextlib.suppress(OSError, ValueError):
@@ -167,7 +187,7 @@ def place_ranks(node: NodeState, slot_of: Callable[[str], int | None] = torchrun
             if slot is not None and os.path.isdir(rank_cgroup(node, slot)):
                 write_cgroup(rank_cgroup(node, slot), "cgroup.procs", pid)
                 moved += 1
-                if reserve_ranks:
+                if not reserved_threads([rank_cgroup(node, slot)]):  # one reservation per device
                     reserve(int(pid), rank_cgroup(node, slot))
     comm = comm_cgroup(node)
     for folder in [Path(node.cgroup), *Path(node.cgroup).glob("r*")]:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from sailor.core.process import die_with_parent
 from sailor.testbed import deadline
+from sailor.testbed.cgroups import reserved_threads
 
 CHECK_EVERY_S = 0.1
 STARVED_S = 1.0
@@ -59,23 +60,6 @@ def is_stopped(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] in "tT"
-
-
-def reserved_threads(cgroups: Iterable[str]) -> list[int]:
-    """The threads of `cgroups` (cgroup folders; those gone are skipped) under SCHED_DEADLINE."""
-    out = []
-    for cg in cgroups:
-        try:
-            tids = Path(cg, "tasks").read_text().split()
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                if deadline.is_deadline(int(tid)):
-                    out.append(int(tid))
-            except OSError:
-                continue
-    return out
 
 
 def hand_back(cgroups: Iterable[str]) -> int:

@@ -126,8 +126,9 @@ def profile_rank_slot(argv: Sequence[str], ranks: int | None = None) -> int | No
     """The device index on its node of a `sailor profile` rank with command line `argv`
     (RANK_LAUNCHER, one of PROFILE_TARGETS): its rank, modulo the node's `ranks` where given (the
     replicas measured in a node are as many as fit its ranks, `profile_classes`, but the 2 x TP ranks
-    of the stage pass's cost may be more: two share a rank cgroup, each with its own deadline
-    reservation of the class's speed, `cgroups.reserve`); None for any other process."""
+    of the stage pass's cost may be more: two share a rank cgroup, the first placed under its deadline
+    reservation, the second under the cgroup's CFS quota, `cgroups.place_ranks`); None for any other
+    process."""
     n = len(RANK_LAUNCHER)
     for i in range(len(argv) - n - 1):
         if tuple(argv[i:i + n]) == RANK_LAUNCHER and argv[i + n] in PROFILE_TARGETS and argv[i + n + 1].isdigit():
@@ -181,11 +182,7 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
                timeout_s: float, ranks: dict[str, int]) -> dict[str, tuple[int, str]]:
     """Run the commands `measured` and `busy` (node name -> argv) at once, each in its node
     (`_Placed`), moving their profiling ranks into their rank cgroups while they run (`place_ranks`;
-    `ranks`: node name -> its ranks, `profile_rank_slot`; `testbed.guard` watches this process): the
-    measured ones with their deadline reservations, the busy ones on their CFS quotas alone (with
-    reservations, a TP-2 round's 4 stage-pass ranks of 0.3 cores beside the other nodes' loads asked
-    for more than the kernel's 1.9 cores, and it refused some: 2-3 measured or busy ranks per
-    profile, 2026-12-05),
+    `ranks`: node name -> its ranks, `profile_rank_slot`; `testbed.guard` watches this process),
     each busy one started again whenever it ends, until every measured one has ended; then stop the
     busy ones. Node name -> (exit status, output) of the measured ones.
 
@@ -211,7 +208,7 @@ def _run_round(measured: dict[str, list[str]], busy: dict[str, list[str]], state
                     running[n] = _Placed(busy[n], state.node(n), env)
             for n in running:
                 with contextlib.suppress(OSError):
-                    place_ranks(state.node(n), slot_of[n], reserve_ranks=n in measured)
+                    place_ranks(state.node(n), slot_of[n])
             time.sleep(PLACE_EVERY_S)
         return {n: (running[n].proc.returncode, running[n].output()) for n in measured}
     finally:
@@ -283,9 +280,10 @@ def tp1_pass_overhead(profile: dict[str, Any]) -> dict[str, Any]:
     """`profile` with the fixed cost of a stage pass (`runtime.pass_overhead_s`) at TP 1 only; the
     simulator takes it for every TP degree (the nearest measured). At TP t its measurement runs 2·t
     ranks of the class in one node (`runtime.profile_passes`), which at t >= 2 outnumber a node's
-    ranks and, beside the other nodes kept busy, exceed the deadline bandwidth the kernel admits on
-    this 2-core machine: refused ranks ran under their CFS quota alone (`cgroups.reserve`) and the
-    figure came out as 0 forward and 4.0 ms backward where TP 1's was 0.25 and 0.04 ms (2026-12-05)."""
+    ranks: the ranks beyond them share a device's cgroup without a reservation of their own
+    (`cgroups.place_ranks`; before, with one each beside the other nodes kept busy, they exceeded
+    the deadline bandwidth the kernel admits on this 2-core machine, and the figure came out as 0
+    forward and 4.0 ms backward where TP 1's was 0.25 and 0.04 ms, 2026-12-05)."""
     runtime = profile.get("runtime", {})
     if "pass_overhead_s" in runtime:
         runtime["pass_overhead_s"] = [r for r in runtime["pass_overhead_s"] if r["tp"] == 1]
