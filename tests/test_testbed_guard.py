@@ -1,6 +1,6 @@
-"""`testbed.guard`: the starvation test on hand-made run counts (unit), and, as root with cgroup v1
-(skipped, saying which is missing, elsewhere), a real guard handing a reserved thread back to
-SCHED_OTHER when the process it watches is not run for `STARVED_S`."""
+"""`testbed.guard`: the starvation test and the guard's loop on hand-made run counts, its refusal of
+bad arguments (unit), and, as root with cgroup v1 (skipped, saying which is missing, elsewhere), the
+loop handing a real reserved process back to SCHED_OTHER."""
 
 import os
 import subprocess
@@ -18,20 +18,28 @@ from sailor.testbed.host import support_problem
 
 def test_a_process_not_run_for_the_limit_is_starved_once_then_watched_again():
     w = guard.Watch(starved_s=1.0)
-    assert not w.step(0.0, 5, stopped=False)
-    assert not w.step(0.5, 7, stopped=False)  # it ran: the clock restarts at 0.5
-    assert not w.step(1.4, 7, stopped=False)  # 0.9 s unrun
-    assert w.step(1.5, 7, stopped=False)  # 1.0 s unrun
-    assert not w.step(2.0, 7, stopped=False)  # the clock restarted at 1.5
-    assert w.step(2.5, 7, stopped=False)
+    assert not w.step(0.0, 5, runnable=True)
+    assert not w.step(0.5, 7, runnable=True)  # it ran: the clock restarts at 0.5
+    assert not w.step(1.4, 7, runnable=True)  # 0.9 s unrun
+    assert w.step(1.5, 7, runnable=True)  # 1.0 s unrun
+    assert not w.step(2.0, 7, runnable=True)  # the clock restarted at 1.5
+    assert w.step(2.5, 7, runnable=True)
 
 
-def test_a_stopped_process_is_not_starved():
+def test_a_process_that_does_not_ask_to_run_is_not_starved():
     w = guard.Watch(starved_s=1.0)
-    w.step(0.0, 3, stopped=False)
-    assert not w.step(5.0, 3, stopped=True)  # SIGSTOP: nobody lets it run, the scheduler is not at fault
-    assert not w.step(5.9, 3, stopped=False)
-    assert w.step(6.0, 3, stopped=False)
+    w.step(0.0, 3, runnable=True)
+    assert not w.step(5.0, 3, runnable=False)  # asleep, stopped or a zombie: the scheduler is not at fault
+    assert not w.step(5.9, 3, runnable=True)
+    assert w.step(6.0, 3, runnable=True)
+
+
+def test_the_guard_refuses_a_missing_process_or_cgroup(tmp_path, capsys):
+    assert guard.main([]) == 2 and guard.main(["abc", "cg"]) == 2 and guard.main(["12"]) == 2
+    assert guard.main(["999999999", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "guard: no process 999999999"
+    assert guard.main([str(os.getpid()), str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"guard: {tmp_path / 'nope'} is not a cgroup (no tasks file)"
 
 
 def test_the_guard_hands_back_each_time_and_ends_with_the_watched_process(monkeypatch, capsys):
@@ -39,7 +47,7 @@ def test_the_guard_hands_back_each_time_and_ends_with_the_watched_process(monkey
     now = [0.0]
     handed: list[list[str]] = []
     monkeypatch.setattr(guard, "run_count", lambda pid: next(counts))
-    monkeypatch.setattr(guard, "is_stopped", lambda pid: False)
+    monkeypatch.setattr(guard, "is_runnable", lambda pid: True)
     monkeypatch.setattr(guard, "hand_back", lambda cgroups: handed.append(list(cgroups)) or 2)
 
     def sleep(s):
@@ -57,10 +65,10 @@ PROBLEM = support_problem()
 
 @pytest.mark.integration
 @pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
-def test_a_real_guard_returns_a_reserved_thread_to_sched_other():
+def test_a_real_guard_returns_a_reserved_thread_to_sched_other(monkeypatch, capsys):
     cg = Path(f"/sys/fs/cgroup/cpu/sailor-guard-test-{uuid.uuid4().hex[:8]}")
     cg.mkdir()
-    rank = watched = watch = None
+    rank = None
     try:
         rank = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
                                  "from sailor.testbed.deadline import set_deadline\n"
@@ -69,20 +77,19 @@ def test_a_real_guard_returns_a_reserved_thread_to_sched_other():
         assert rank.stdout.readline().strip() == "reserved"
         (cg / "cgroup.procs").write_text(str(rank.pid))
         assert is_deadline(rank.pid)
-        watched = subprocess.Popen(["sleep", "60"])  # never run again: what a starved process looks like
-        watch = subprocess.Popen([sys.executable, "-m", "sailor.testbed.guard", str(watched.pid), str(cg)],
-                                 stderr=subprocess.PIPE, text=True)
-        line = watch.stderr.readline()
+        # a watched process that stays runnable and is never run (what the kernel's fault looked
+        # like), then ends
+        counts = iter([7] * 12 + [None])
+        monkeypatch.setattr(guard, "run_count", lambda pid: next(counts))
+        monkeypatch.setattr(guard, "is_runnable", lambda pid: True)
+        assert guard.guard(42, [str(cg)], starved_s=1.0, sleep=lambda s: time.sleep(0.1)) == 1
+        assert not is_deadline(rank.pid)  # handed back for real
+        line = capsys.readouterr().err.strip()
         assert line.startswith(guard.STARVED_LINE) and "1 rank thread(s)" in line, line
-        assert not is_deadline(rank.pid)
-        watched.kill()
-        watched.wait()
-        assert watch.wait(timeout=5) == 0  # it ends with the process it watches
     finally:
-        for p in (rank, watched, watch):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        if rank is not None:
+            rank.kill()
+            rank.wait()
         for _ in range(50):
             try:
                 cg.rmdir()

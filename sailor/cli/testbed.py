@@ -23,7 +23,7 @@ StateDirOpt = typer.Option(None, "--state-dir", help="Folder of the testbeds' st
 @testbed_app.command("up")
 def up_command(
     file: Path = typer.Argument(..., metavar="FILE", help="Testbed file (YAML): devices, links, nodes."),  # noqa: B008
-    state_dir: Path | None = StateDirOpt,
+    state_dir: str | None = StateDirOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of lines."),
 ) -> None:
     """Create the testbed FILE describes (removing a previous one of its name first)."""
@@ -46,7 +46,7 @@ def down_command(
     file: str | None = typer.Argument(None, metavar="FILE|NAME", help="Testbed file, or the testbed's name."),
     all_: bool = typer.Option(False, "--all", help="Remove every testbed of the state folder, and anything"
                               " a killed run left that no live testbed (of any state folder) owns."),
-    state_dir: Path | None = StateDirOpt,
+    state_dir: str | None = StateDirOpt,
 ) -> None:
     """Remove a testbed: its processes, namespaces, links, qdiscs, cgroups and state."""
     from sailor.testbed import down, down_all, find_state
@@ -68,7 +68,7 @@ def down_command(
 def exec_command(
     node: str = typer.Argument(..., metavar="NODE", help="Node name or address (in any live testbed)."),
     command: list[str] = typer.Argument(..., metavar="-- CMD...", help="Command to run inside the node."),  # noqa: B008
-    state_dir: Path | None = StateDirOpt,
+    state_dir: str | None = StateDirOpt,
 ) -> None:
     """Run CMD inside NODE's network namespace and cgroup (replaces this process). Options go before
     NODE: everything after it is the command."""
@@ -87,7 +87,7 @@ def profile_command(
     mbs: str = typer.Option("1,2,4", "--mbs", help="Micro-batch sizes (samples), comma-separated, e.g. 1,2,4."),
     out: Path = typer.Option(Path("profile.json"), "--out",  # noqa: B008
                              help="Profile file to write (JSON, sailor.profiles/1)."),
-    state_dir: Path | None = StateDirOpt,
+    state_dir: str | None = StateDirOpt,
 ) -> None:
     """Measure each device class with `sailor profile` inside a node of the class, each rank under
     its own quota, at every TP degree the node's ranks allow, while every other rank of the testbed

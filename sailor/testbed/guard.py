@@ -13,15 +13,16 @@ kind were fixed upstream in 2026, e.g. "sched/deadline: Fix 'stuck' dl_server", 
 ended each time the reserved threads ended.
 
 What it does. The guard is a process of its own with one thread (no interpreter lock shared with
-what it watches), under a small reservation of its own (`deadline.GUARD_CORES`), so it runs while ordinary
-threads starve. Every CHECK_EVERY_S it reads how often a watched ordinary process has been run
-(`/proc/PID/schedstat`, third field): the stand-in ssh or the profiling driver, which wake at least
-ten times a second (`cgroups.PLACE_EVERY_S`). When that count stands still for STARVED_S while the
-process is not stopped, it returns every deadline thread of the given cgroups (`RANK_CGROUP/tasks`)
-to SCHED_OTHER, where their rank cgroups' CFS quotas still hold them to their device's speed (the
-emulation without reservations: a pass after a wait runs faster, `testbed.deadline`), and writes one
-line on stderr starting with STARVED_LINE. It keeps watching (a rank placed later is reserved again,
-and handed back again if it happens again) until the watched process ends.
+what it watches), under a small reservation of its own (`deadline.GUARD_CORES`), so it runs while
+ordinary threads starve. Every CHECK_EVERY_S it reads how often a watched ordinary process has been
+run (`/proc/PID/schedstat`, third field): the stand-in ssh or the profiling driver, which wake at
+least ten times a second (`cgroups.PLACE_EVERY_S`). When that count stands still for STARVED_S while
+the process is runnable (state R: woken, waiting for a CPU), it returns every deadline thread of the
+given cgroups (`RANK_CGROUP/tasks`) to SCHED_OTHER, where their rank cgroups' CFS quotas still hold
+them to their device's speed (the emulation without reservations: a pass after a wait runs faster,
+`testbed.deadline`), and writes one line on stderr starting with STARVED_LINE. It keeps watching (a
+rank placed later is reserved again, and handed back again if it happens again) until the watched
+process ends.
 """
 
 from __future__ import annotations
@@ -52,14 +53,15 @@ def run_count(pid: int) -> int | None:
         return None
 
 
-def is_stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped (SIGSTOP, a tracer): not run because nobody lets it, which is not
-    starvation. False when it is gone."""
+def is_runnable(pid: int) -> bool:
+    """Whether process `pid`'s main thread is runnable (state R in `/proc/PID/stat`): waiting for a CPU
+    or on one. A sleeping, stopped or dead process is not run because it does not ask to be, which is
+    not starvation. False when it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2] in "tT"
+    return stat[stat.rindex(")") + 2] == "R"
 
 
 def hand_back(cgroups: Iterable[str]) -> int:
@@ -83,11 +85,11 @@ class Watch:
         self.count: int | None = None
         self.since = 0.0  # when `count` was first seen
 
-    def step(self, now: float, count: int, stopped: bool) -> bool:
-        """Whether the process has gone unrun for `starved_s` at time `now` (s), given its run count
-        then and whether it is stopped (a stopped process restarts the clock). After a True, the
-        clock restarts."""
-        if stopped or count != self.count:
+    def step(self, now: float, count: int, runnable: bool) -> bool:
+        """Whether the process has gone unrun for `starved_s` while runnable, at time `now` (s), given
+        its run count then and whether it is runnable (one that is not, or that ran, restarts the
+        clock). After a True, the clock restarts."""
+        if not runnable or count != self.count:
             self.count, self.since = count, now
             return False
         if now - self.since >= self.starved_s:
@@ -102,7 +104,7 @@ def guard(pid: int, cgroups: list[str], *, starved_s: float = STARVED_S, clock: 
     unrun for `starved_s` (module docstring); how many times it did."""
     watch, fired = Watch(starved_s), 0
     while (count := run_count(pid)) is not None:
-        if watch.step(clock(), count, is_stopped(pid)):
+        if watch.step(clock(), count, is_runnable(pid)):
             fired += 1
             n = hand_back(cgroups)
             print(f"{STARVED_LINE}: process {pid} was not run for {watch.starved_s:g} s; {n} rank thread(s)"
@@ -121,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 2 or not args[0].isdigit():
         print("usage: python -m sailor.testbed.guard WATCHED_PID CGROUP...", file=sys.stderr)
+        return 2
+    if run_count(int(args[0])) is None:
+        print(f"guard: no process {args[0]}", file=sys.stderr)
+        return 2
+    missing = [c for c in args[1:] if not Path(c, "tasks").is_file()]
+    if missing:
+        print(f"guard: {missing[0]} is not a cgroup (no tasks file)", file=sys.stderr)
         return 2
     die_with_parent()
     try:

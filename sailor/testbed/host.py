@@ -54,11 +54,14 @@ def state_root(state_dir: str | Path | None = None) -> Path:
     """The folder of all testbeds' state: `state_dir`, else $SAILOR_TESTBED_STATE, else /run/sailor-testbed.
 
     Raises:
-        SailorInputError: the path is there but not a folder (naming --state-dir or the variable).
+        SailorInputError: the path is empty, or there but not a folder (naming --state-dir or the
+            variable).
     """
+    where = "--state-dir" if state_dir is not None else STATE_DIR_ENV if os.environ.get(STATE_DIR_ENV) else None
+    if state_dir is not None and not str(state_dir):
+        raise SailorInputError("an empty path", source=where, fix="name a folder; a missing one is made")
     root = Path(state_dir or os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR)
     if root.exists() and not root.is_dir():
-        where = "--state-dir" if state_dir else STATE_DIR_ENV if os.environ.get(STATE_DIR_ENV) else None
         raise SailorInputError(f"{root} is not a folder", source=where, fix="name a folder; a missing one is made")
     return root
 
@@ -160,7 +163,7 @@ def check_cores(spec: TestbedSpec, source: str | None = None) -> None:
                                f" cores, more than the"
                                f" {deadline.bandwidth_limit(cores):g} this kernel lets deadline tasks reserve"
                                f" (kernel.sched_rt_runtime_us)", source=source, field="devices",
-                               fix="smaller cpu_quota, or fewer ranks")
+                               fix="smaller cpu_quota, or fewer ranks or nodes")
 
 
 def up(spec: TestbedSpec, state_dir: str | Path | None = None, *, source: str | None = None) -> TestbedState:
@@ -170,7 +173,8 @@ def up(spec: TestbedSpec, state_dir: str | Path | None = None, *, source: str | 
 
     Raises:
         TestbedUnsupported: this machine cannot host a testbed.
-        SailorInputError: the quotas add up to more cores than this machine has (`check_cores`).
+        SailorInputError: the quotas add up to more cores than this machine has (`check_cores`), or
+            the state folder is empty or cannot be made.
         RuntimeError: an ip/tc command failed (everything made so far is removed).
     """
     check_support()
@@ -180,7 +184,12 @@ def up(spec: TestbedSpec, state_dir: str | Path | None = None, *, source: str | 
         if old.name == spec.name:
             down(old)
     state = _plan_state(spec, root)
-    Path(state.folder).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(state.folder).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        where = "--state-dir" if state_dir is not None else STATE_DIR_ENV if os.environ.get(STATE_DIR_ENV) else None
+        raise SailorInputError(f"{state.folder} cannot be made ({e.strerror})", source=where,
+                               fix="name a folder this user can write") from None
     write_atomic(Path(state.folder) / "state.json", state.to_json())  # first: whatever happens next, down finds it
     record_owner(state)  # so that `down --all` of another state folder leaves this testbed alone
     previous = signal.getsignal(signal.SIGTERM) if _main_thread() else None

@@ -34,12 +34,14 @@ def parse(argv: list[str]) -> tuple[str | None, str, str]:
     """(state folder or None, destination, command) from an ssh argv (without the program name).
 
     Raises:
-        SailorInputError: no destination or no command.
+        SailorInputError: no destination or no command, or --state-dir without a folder.
     """
     state_dir = None
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
         if argv[i] == "--state-dir":
+            if i + 1 >= len(argv):
+                raise SailorInputError("--state-dir needs a folder", source="ssh")
             state_dir, i = argv[i + 1], i + 2
         elif argv[i] in ("-o", "-p", "-l", "-i", "-F"):
             i += 2  # an option with a value
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         state_dir, destination, command = parse(sys.argv[1:] if argv is None else argv)
         _, node = locate(destination, state_dir)
     except SailorInputError as e:
-        print(f"ssh: {e.one_line()}", file=sys.stderr)
+        print(e.one_line() if e.source else f"ssh: {e.one_line()}", file=sys.stderr)
         return SSH_UNREACHABLE
     child = subprocess.Popen(enter_argv(node, ["sh", "-c", command]), start_new_session=True,
                              preexec_fn=die_with_parent)  # noqa: PLW1509 - no thread here
