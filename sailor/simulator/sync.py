@@ -12,9 +12,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from sailor.model.spec import Collective, Framework
-from sailor.simulator.collectives import Group, group_members, ring_crossings, ring_egress
+from sailor.simulator.collectives import Group, RingEdges, group_members, ring_crossings, ring_egress
 from sailor.simulator.context import ALL_PARAMS, ParamShare, SimContext, TiedCopies, tied_embeddings
-from sailor.simulator.terms import DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_s, group_shape
+from sailor.simulator.terms import (DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_s,
+                                   group_shape, shape_memo)
 from sailor.simulator.traffic import Crossing
 
 
@@ -68,13 +69,18 @@ def _slowest_backward(ctx: SimContext, groups: list[Group], mbs: int, layers: Se
     shortens the compute a sync can hide under). `split` (a schedule that splits the backward,
     ZB-H1): the weight-gradient pass alone (`SimContext.stage_backward_split_s`), since a layer's
     gradients are final after its last W pass, and a stage's last ops are W passes, each running
-    the stage's layers' weight gradients and nothing else."""
-    members = {(r.gpu, r.tp) for r, _ in groups}
-    if split:
-        rows = [[ctx.stage_backward_split_s(g, t, mbs, x, x + 1)[1] for x in layers] for g, t in members]
-        return np.max(np.array(rows), axis=0)
-    rows = [ctx.layer_s(g, t, mbs)[:, 1] for g, t in members]
-    return np.max(np.vstack(rows), axis=0)[list(layers)]
+    the stage's layers' weight gradients and nothing else. Memoised in the context by the members'
+    (GPU type, TP) pairs, micro-batch size, layers and `split` (the caller must not change it)."""
+    members = frozenset((r.gpu, r.tp) for r, _ in groups)
+    key = ("slowest backward", members, mbs, tuple(layers), split)
+    if key not in ctx.memo:
+        if split:
+            rows = [[ctx.stage_backward_split_s(g, t, mbs, x, x + 1)[1] for x in layers] for g, t in members]
+            ctx.memo[key] = np.max(np.array(rows), axis=0)
+        else:
+            rows = [ctx.layer_s(g, t, mbs)[:, 1] for g, t in members]
+            ctx.memo[key] = np.max(np.vstack(rows), axis=0)[list(layers)]
+    return ctx.memo[key]
 
 
 def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],
@@ -118,8 +124,12 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
     if key not in ctx.memo:
         seconds, moved, usd = 0.0, 0.0, 0.0
         layers = [x for a, e in sorted(chunks, reverse=True) for x in reversed(range(a, e))]
+        edges_of = shape_memo(ctx, "ring edges")  # the egress reads the zones in ring order, as the shape has them
+        if shape not in edges_of:
+            edges_of[shape] = RingEdges.of(groups, ctx.network)
+        edges = edges_of[shape]
         for kind, nbytes, runs in collectives:
-            mb, mu = ring_egress(groups, nbytes, ctx.network)
+            mb, mu = edges.egress(nbytes)
             full = collective_s(ctx, groups, kind, nbytes, t, shape)
             if overlap and kind is not Collective.ALL_GATHER:  # the gradients' collective, per layer bucket
                 latency = collective_s(ctx, groups, kind, 1.0, t, shape)
