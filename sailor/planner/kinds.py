@@ -33,6 +33,7 @@ Kinds of a family, by what they mix:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -116,9 +117,10 @@ class Kind(Curve):
     def depends_on_replicas(self) -> bool:
         return any(m.zero for m in self.memory)
 
-    @property
+    @functools.cached_property
     def cuts(self) -> tuple[bool, ...]:
-        """Per stage, whether the pipeline is cut between nodes before it (`plan.placement`)."""
+        """Per stage, whether the pipeline is cut between nodes before it (`plan.placement`); found
+        once per kind (the search asks each kind at every scope and TP floor)."""
         return tuple(s.node_cut for s in self.slots)
 
     @property
