@@ -33,7 +33,6 @@ Kinds of a family, by what they mix:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -117,10 +116,9 @@ class Kind(Curve):
     def depends_on_replicas(self) -> bool:
         return any(m.zero for m in self.memory)
 
-    @functools.cached_property
+    @property
     def cuts(self) -> tuple[bool, ...]:
-        """Per stage, whether the pipeline is cut between nodes before it (`plan.placement`); found
-        once per kind (the search asks each kind at every scope and TP floor)."""
+        """Per stage, whether the pipeline is cut between nodes before it (`plan.placement`)."""
         return tuple(s.node_cut for s in self.slots)
 
     @property
