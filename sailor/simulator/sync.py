@@ -69,18 +69,13 @@ def _slowest_backward(ctx: SimContext, groups: list[Group], mbs: int, layers: Se
     shortens the compute a sync can hide under). `split` (a schedule that splits the backward,
     ZB-H1): the weight-gradient pass alone (`SimContext.stage_backward_split_s`), since a layer's
     gradients are final after its last W pass, and a stage's last ops are W passes, each running
-    the stage's layers' weight gradients and nothing else. Memoised in the context by the members'
-    (GPU type, TP) pairs, micro-batch size, layers and `split` (the caller must not change it)."""
-    members = frozenset((r.gpu, r.tp) for r, _ in groups)
-    key = ("slowest backward", members, mbs, tuple(layers), split)
-    if key not in ctx.memo:
-        if split:
-            rows = [[ctx.stage_backward_split_s(g, t, mbs, x, x + 1)[1] for x in layers] for g, t in members]
-            ctx.memo[key] = np.max(np.array(rows), axis=0)
-        else:
-            rows = [ctx.layer_s(g, t, mbs)[:, 1] for g, t in members]
-            ctx.memo[key] = np.max(np.vstack(rows), axis=0)[list(layers)]
-    return ctx.memo[key]
+    the stage's layers' weight gradients and nothing else."""
+    members = {(r.gpu, r.tp) for r, _ in groups}
+    if split:
+        rows = [[ctx.stage_backward_split_s(g, t, mbs, x, x + 1)[1] for x in layers] for g, t in members]
+        return np.max(np.array(rows), axis=0)
+    rows = [ctx.layer_s(g, t, mbs)[:, 1] for g, t in members]
+    return np.max(np.vstack(rows), axis=0)[list(layers)]
 
 
 def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int, int]],

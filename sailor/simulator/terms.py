@@ -47,7 +47,7 @@ from sailor.specs.cluster import ClusterSpec
 
 Slot = Member  # where one replica runs: zone, GPU type, TP degree, and (once placed) its node
 
-SHAPE_MEMO_MAX = 1024  # shapes of groups each `shape_memo` keeps
+SHAPE_MEMO_MAX = 512  # shapes of groups each `shape_memo` keeps
 # Share of a ring all-reduce's time (and of its bytes crossing zones) that each collective takes.
 RING_SHARE = {Collective.ALL_REDUCE: 1.0, Collective.REDUCE_SCATTER: 0.5, Collective.ALL_GATHER: 0.5}
 
