@@ -1,6 +1,7 @@
 """The planner's memo holds what later steps read, compactly: a family's kinds are dropped once the
-search is done with it (`kinds.forget_kinds`), and group shapes are run-length coded
-(`simulator.terms.group_shape`)."""
+search is done with it (`kinds.forget_kinds`), group shapes are run-length coded
+(`simulator.terms.group_shape`), and the memos of rings and of each shape's rings are emptied when
+full (`NetworkModel.ring_links`, `simulator.terms.shape_memo`)."""
 
 from __future__ import annotations
 
@@ -164,3 +165,31 @@ def test_a_full_ring_memo_is_emptied_and_answers_as_before(monkeypatch):
     want = [fresh.ring_links(ring, lambda: _edge_kinds(list(ring))) for ring in rings + rings[:2]]
     assert [(lat, [(r.link, t) for r, t in links]) for lat, links in got] == \
         [(lat, [(r.link, t) for r, t in links]) for lat, links in want]
+
+
+def test_a_full_shape_memo_is_emptied_and_the_syncs_are_as_before(monkeypatch):
+    # `terms.shape_memo` (each shape's rings and ring edges) held to 3 shapes: the collectives and
+    # the syncs' seconds and egress over groups of many shapes, each asked twice, are those of an
+    # unbounded memo
+    from sailor.model.spec import Collective
+    from sailor.simulator import stage_sync, terms
+
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 64}, ZB: {"A100-40": 64}, "europe-west4-a": {"A100-40": 64}},
+                          gpus_per_node={"A100-40": 4})
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    zones = [ZA, ZB, "europe-west4-a"]
+    cases = [group_members([Member(zone=zones[j % z], gpu="A100-40", tp=1 + j % 2, node=f"n{j // 2}")
+                            for j in range(k + 2)]) for k in range(1, 9) for z in (1, 3)]
+
+    def run(ctx) -> list:
+        return [(terms.collective_s(ctx, g, kind, nbytes, 1), stage_sync(ctx, g, ((2, 9),)))
+                for g in cases + cases for kind in (Collective.ALL_REDUCE, Collective.ALL_GATHER)
+                for nbytes in (1.0, 3e8)]
+
+    monkeypatch.setattr(terms, "SHAPE_MEMO_MAX", 3)
+    bounded = make_context(job, cluster, calibration={})
+    got = run(bounded)
+    assert 0 < len(bounded.memo["allreduce rings"]) <= 3 and 0 < len(bounded.memo["ring edges"]) <= 3
+    monkeypatch.setattr(terms, "SHAPE_MEMO_MAX", 10**6)
+    assert got == run(make_context(job, cluster, calibration={}))
+    assert len({x for x, _ in got}) > 8 and any(e[2] > 0 for _, e in got)  # many times, some egress

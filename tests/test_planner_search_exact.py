@@ -13,9 +13,10 @@ it replaces, run here as the reference.
 - `kinds.make_kinds` sharing a curve among the kinds of one pool class (`kinds.pool_class`: zones
   whose links are alike) and, without ZeRO-3, among every D, against each kind built alone with
   every zone apart;
-- `simulator.terms.collective_s` memoised by the groups' shape, against the collective computed
-  afresh;
-- `collectives._ring_phase` reading each ring's latency and routes once (`NetworkModel.ring_links`)
+- `simulator.terms.collective_s` memoised by the groups' shape (and its rings,
+  `collectives.AllreduceRings`, timed for each byte count), and `simulator.sync.stage_sync`'s ring
+  egress per shape (`collectives.RingEdges`), against the collective and the egress computed afresh;
+- `collectives.Ring` reading each ring's latency and routes once (`NetworkModel.ring_links`)
   against every edge kind's latency and stream looked up at each call;
 - `score.apart_groups` joining the kinds' groups one after the other where their ring keys do not
   overlap, against sorting all of them;
@@ -47,16 +48,19 @@ from sailor.planner.kinds import homogeneous_kinds, make_kinds, option_table
 from sailor.planner.pack import BISECTION_STEPS, PoolPacking
 from sailor.planner.score import placed_alone
 from sailor.planner.space import candidate_partitions, memory_candidates
-from sailor.simulator import Slot, make_context
+from sailor.simulator import Slot, make_context, stage_sync
 from sailor.simulator import collectives
 from sailor.simulator.collectives import (
+    Hierarchy,
     Member,
     allreduce_time_s,
     group_members,
-    hierarchical_allreduce_s,
+    ring_crossings,
+    ring_egress,
     ring_key,
 )
 from sailor.simulator.terms import RING_SHARE, collective_s
+from sailor.simulator.traffic import totals
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -188,7 +192,7 @@ def test_kinds_of_alike_zones_share_a_curve_equal_to_each_built_with_every_zone_
 
 
 def _ring_phase_every_edge(groups, nbytes, net, *, steps, fraction, efficiency, share=1) -> float:
-    """`collectives._ring_phase` as first written: each edge kind's latency and stream looked up."""
+    """A ring phase as first written: each edge kind's latency and stream looked up."""
     if nbytes <= 0:
         return 0.0
     latency, stream = 0.0, 0.0
@@ -199,6 +203,26 @@ def _ring_phase_every_edge(groups, nbytes, net, *, steps, fraction, efficiency, 
                                                same_node=on_node))
     finest = max(1, min(m.tp for m, _ in groups))
     return steps * latency + stream / efficiency + net.collective.processing_s(fraction * nbytes / finest)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingEveryEdge:
+    """`collectives.Ring` as first written: each phase looks up every edge kind's latency and stream
+    (`_ring_phase_every_edge`)."""
+
+    groups: list
+    net: NetworkModel
+    share: int = 1
+
+    @classmethod
+    def of(cls, groups, net, share: int = 1) -> "_RingEveryEdge":
+        return cls(list(groups), net, share)
+
+    def phase_s(self, nbytes, *, steps, fraction, efficiency) -> float:
+        return _ring_phase_every_edge(self.groups, nbytes, self.net, steps=steps, fraction=fraction,
+                                      efficiency=efficiency, share=self.share)
+
+    allreduce_s = collectives.Ring.allreduce_s  # 2(D-1) steps of 2(D-1)/D, over `phase_s`
 
 
 def test_a_ring_phase_from_its_memoised_links_equals_every_edge_looked_up():
@@ -219,8 +243,9 @@ def test_a_ring_phase_from_its_memoised_links_equals_every_edge_looked_up():
         for nbytes in (1.0, 3e6, 4e8):
             for share in (1, 2):
                 args = dict(steps=rng.randint(1, 20), fraction=rng.choice([0.5, 1.5]), efficiency=0.8, share=share)
-                got = collectives._ring_phase(groups, nbytes, net, **args)
-                assert got == _ring_phase_every_edge(groups, nbytes, net, **args)
+                share = args.pop("share")
+                got = collectives.Ring.of(groups, net, share).phase_s(nbytes, **args)
+                assert got == _ring_phase_every_edge(groups, nbytes, net, share=share, **args)
                 checked.add(got)
     assert len(checked) > 500
 
@@ -269,7 +294,7 @@ def _reference(monkeypatch) -> None:
             *rest, best = args
             return min(best, _fast(*rest, (math.inf, math.inf)))
         monkeypatch.setattr(prune, name, every_sync)
-    monkeypatch.setattr(collectives, "_ring_phase", _ring_phase_every_edge)
+    monkeypatch.setattr(collectives, "Ring", _RingEveryEdge)
     for module in (score, prune):
         monkeypatch.setattr(module, "apart_groups",
                             lambda ctx, used: [_apart_sorted(ctx, used, i) for i in range(len(used[0][0]))])
@@ -330,7 +355,8 @@ def test_a_collective_is_memoised_only_across_equally_placed_groups():
     job = JobSpec(model="opt-350m", global_batch_size=64)
     cluster = ClusterSpec(zones={ZA: {"A100-40": 16}, ZB: {"A100-40": 16, "V100-16": 8}},
                           gpus_per_node={"A100-40": 4, "V100-16": 4})
-    ctx = make_context(job, cluster, calibration={"V100-16": {"allreduce_efficiency": 0.7}})
+    calibration = {"V100-16": {"allreduce_efficiency": 0.7}}
+    ctx = make_context(job, cluster, calibration=calibration)
 
     def groups(names: list[str | None], zones: list[str], gpu: str = "A100-40") -> list:
         return group_members([Member(zone=z, gpu=gpu, tp=2, node=n) for n, z in zip(names, zones)])
@@ -356,6 +382,18 @@ def test_a_collective_is_memoised_only_across_equally_placed_groups():
                 assert value == fresh(g, kind, nbytes)
                 seen.add(value)
     assert len(seen) >= 2 * 2 * 4  # the differently placed groups do not share a value
+    # the syncs' egress: each shape's ring edges (`collectives.RingEdges`, the first groups' of the
+    # shape) priced for each stage's bytes, as for the groups alone in a context of their own; the
+    # edges' totals are those of their crossings
+    egress = set()
+    for chunks in (((0, 5),), ((5, 12),)):
+        for names, zones, gpu in cases:
+            g = groups(names, zones, gpu)
+            got = stage_sync(ctx, g, chunks)
+            assert got == stage_sync(make_context(job, cluster, calibration=calibration), g, chunks)
+            assert ring_egress(g, 4e8, ctx.network) == totals(ring_crossings(g, 4e8, ctx.network))
+            egress.add(got[2])
+    assert len(egress - {0.0}) == 2  # across zones, both stages' bytes
 
 
 def test_alike_slots_leave_the_two_replica_syncs_as_every_slot_gives_them(monkeypatch):
@@ -393,7 +431,7 @@ def test_a_hierarchical_allreduce_reduces_alike_zone_islands_once_with_the_same_
     members = [Member(zone=z, gpu="A100-40", tp=2, node=f"{z}/{k // 2}") for z in zones for k in range(4)]
     cases = [group_members(members), group_members(members[:12] + [Member(zone=zones[3], gpu="V100-16", tp=1)] * 3),
              group_members([Member(zone=z, gpu="V100-16", tp=1) for z in zones for _ in range(3)])]
-    fast = [hierarchical_allreduce_s(g, 4e8, ctx.network) for g in cases]
+    fast = [Hierarchy.of(g, ctx.network).allreduce_s(4e8, 1.0) for g in cases]
     monkeypatch.setattr(NetworkModel, "zone_class", lambda self, zone, gpu: (zone, gpu))
-    assert [hierarchical_allreduce_s(g, 4e8, ctx.network) for g in cases] == fast
+    assert [Hierarchy.of(g, ctx.network).allreduce_s(4e8, 1.0) for g in cases] == fast
     assert None not in fast and len(set(fast)) == 3

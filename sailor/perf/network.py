@@ -242,8 +242,9 @@ class NetworkModel:
         when the model is loaded and not changed afterwards (a table that grows drops the memo)."""
         memo_key = (src_zone, src_gpu, dst_zone, dst_gpu, flows, same_node)
         self._check_routes()
-        if memo_key not in self._routes:
-            self._routes[memo_key] = self._find_route(src_zone, src_gpu, dst_zone, dst_gpu, flows, same_node)
+        if memo_key not in self._routes:  # equal routes are one object (`ring_links` tells them apart by id)
+            route = self._find_route(src_zone, src_gpu, dst_zone, dst_gpu, flows, same_node)
+            self._routes[memo_key] = self._routes.setdefault(("route", route), route)
         return self._routes[memo_key]
 
     def _find_route(self, src_zone: str, src_gpu: str, dst_zone: str, dst_gpu: str, flows: int,

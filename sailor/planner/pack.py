@@ -235,12 +235,14 @@ class Packer:
         """(τ, counts): the smallest τ (by bisection) at which `base` plus the pools' best packing
         finish M micro-batches, and those counts; None when no τ does."""
         _, pack = self._rest(base)
+        fixed = np.nonzero(base)[0]
 
         def capacity(tau: float | np.ndarray) -> int | np.ndarray:  # a number, or (T, 1) -> (T,)
             caps = self.caps(tau)
-            return (base * caps).sum(axis=-1) + (pack.capacity(caps) if pack else 0)
+            total = pack.capacity(caps) if pack else 0
+            return total + (base[fixed] * caps[..., fixed]).sum(axis=-1) if len(fixed) else total
 
-        usable = sorted({int(i) for i in np.nonzero(base)[0]} | (set(pack.kinds) if pack else set()))
+        usable = sorted({int(i) for i in fixed} | (set(pack.kinds) if pack else set()))
         if not usable:
             return None
         lo = float(self.fill[usable].min())

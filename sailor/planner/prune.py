@@ -266,7 +266,7 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
     state = job.state_bytes_per_param
     zero3 = zero3_needed(ctx, opts.max_stages)
     runs = []  # (pipelines, fill, period, $/hour per pipeline, pool index)
-    cut_runs = []  # (zone, GPU type, TP, pipelines, per-layer seconds) of runs that could be cut between nodes
+    cut_runs = []  # (zone, GPU type, TP, pipelines, per-layer s, zone class, price) of runs that could be cut
     tps: list[int] = []
     opt = math.inf
     pools = [(z, g, a) for z in sorted(ctx.cluster.zones) for g, a in ctx.cluster.zones[z].items() if a > 0]
@@ -274,6 +274,7 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
     per_type: dict[tuple[str, int], tuple] = {}  # (GPU type, TP) -> what every zone's pool of it shares
     per_class: dict[tuple, tuple[float, float]] = {}  # (zone class, TP) -> (fill, period) of its pools' runs
     for p, (z, g, a) in enumerate(pools):
+        zone_class, price = ctx.network.zone_class(z, g), pool_price(ctx, (z, g))
         for t in model.tp_degrees(ctx.cluster.node_size(g)):
             n = a // (P * t)
             if n == 0:
@@ -292,18 +293,18 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
             per_param = state["weights"] / (n if zero3 else 1) + (state["gradients"] + state["optimizer"]) / n
             if (params * per_param + act) / P + framework > limit:
                 continue
-            cls = (ctx.network.zone_class(z, g), t)  # the zone's links are all the transfers read of it
+            cls = (zone_class, t)  # the zone's links are all the transfers read of it
             if cls not in per_class:
                 link = {on: ctx.network.transfer_time_s(z, g, z, g, nbytes, flows=t, same_node=on) for on in set(inside)}
                 c = [link[on] for on in inside]
                 sends = 0 if P == 1 else (2 if P == 2 else 4)
                 per_class[cls] = (total + 2 * sum(c), max(total / P, heaviest) + sends * max(c, default=0.0))
             fill, per = per_class[cls]
-            runs.append((n, fill, per, P * t * pool_price(ctx, (z, g)), p))
+            runs.append((n, fill, per, P * t * price, p))
             tps.append(t)
             opt = min(opt, step)
             if any(inside):
-                cut_runs.append((z, g, t, n, layers))
+                cut_runs.append((z, g, t, n, layers, zone_class, price))
     if not runs:
         return (math.inf, math.inf)
     n, fill, per, usd, pool, tp = (np.array(x) for x in zip(*[r + (t,) for r, t in zip(runs, tps)]))
@@ -321,19 +322,19 @@ def node_estimate(ctx: SimContext, P: int, mbs: int, opts: PlanOptions) -> Key:
 def _node_group_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, mbs: int, runs, opt: float,
                          best: Key = (math.inf, math.inf)) -> Key:
     """`node_estimate` of uniform pipelines cut between nodes before every stage (`plan.placement`),
-    for the runs (zone, GPU type, TP t, pipelines n, per-layer seconds) whose uncut pipelines keep a
-    boundary inside a node: D = u and 2u (at most min(n, M)) of them, u = node size // t (the
-    pipelines whose stage replicas fill one node each, or two: beyond, a stage's replicas span nodes
-    however the pipelines are cut); fill and period as `node_estimate`'s with
-    every boundary between two nodes; time fill + (ceil(M / D) - 1)·period + the slowest stage's
-    gradient sync of D replicas placed so (`_placed_sync`) + the optimizer step; the best run and D,
-    or `best` where that is better (the sync, the costly part, is left out where the rest alone does
-    not beat the best so far: the key only grows with it). A run alike one before (a zone of its
-    class, `NetworkModel.zone_class`, the same TP, count and price) has its keys, and is skipped."""
+    for the runs (zone, GPU type, TP t, pipelines n, per-layer seconds, the zone's class
+    `NetworkModel.zone_class`, $/GPU-hour) whose uncut pipelines keep a boundary inside a node: D = u
+    and 2u (at most min(n, M)) of them, u = node size // t (the pipelines whose stage replicas fill
+    one node each, or two: beyond, a stage's replicas span nodes however the pipelines are cut); fill
+    and period as `node_estimate`'s with every boundary between two nodes; time fill + (ceil(M / D)
+    - 1)·period + the slowest stage's gradient sync of D replicas placed so (`_placed_sync`) + the
+    optimizer step; the best run and D, or `best` where that is better (the sync, the costly part, is
+    left out where the rest alone does not beat the best so far: the key only grows with it). A run
+    alike one before (a zone of its class, the same TP, count and price) has its keys, and is skipped."""
     part = even_partition(ctx.job.model.num_layers, P)
     seen = set()
-    for z, g, t, n, layers in runs:
-        alike = (ctx.network.zone_class(z, g), t, n, pool_price(ctx, (z, g)))  # the same keys as a run seen
+    for z, g, t, n, layers, zone_class, price in runs:
+        alike = (zone_class, t, n, price)  # the same keys as a run seen
         if alike in seen:
             continue
         seen.add(alike)
@@ -346,7 +347,7 @@ def _node_group_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, mbs
             if D <= most:
                 def key(sync: float) -> Key:
                     T = fill + (-(-M // D) - 1) * per + sync + opt
-                    return _key(opts, T, D * P * t * pool_price(ctx, (z, g)) * T / HOUR_S)
+                    return _key(opts, T, D * P * t * price * T / HOUR_S)
 
                 if D > 1 and key(0.0) >= best:
                     continue
@@ -387,32 +388,31 @@ def _cheapest_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools
 
 def _uniform_estimate(ctx: SimContext, opts: PlanOptions, P: int, M: int, pools, n, fill, per, usd, pool, tp,
                       opt: float, best: Key = (math.inf, math.inf)) -> Key:
-    """`node_estimate` for one set of runs (arrays over (pool, TP) runs), or `best` where that is
-    better (the sync is left out where the rest alone does not beat it)."""
-    n_pools = len(pools)
+    """`node_estimate` for one set of runs (arrays over (pool, TP) runs, pool by pool), or `best` where
+    that is better (the sync is left out where the rest alone does not beat it)."""
+    starts = np.flatnonzero(np.r_[True, pool[1:] != pool[:-1]])  # each pool's first run
 
-    def best_per_pool(tau: float) -> tuple[np.ndarray, np.ndarray]:
-        cap = np.where(tau >= fill, 1 + np.floor((tau - fill) / per + 1e-9), 0) * n
-        best = np.zeros(n_pools)
-        np.maximum.at(best, pool, cap)
-        return best, cap
+    def runs_cap(tau: float) -> np.ndarray:  # micro-batches by τ of each run's pipelines: whole numbers
+        return np.where(tau >= fill, 1 + np.floor((tau - fill) / per + 1e-9), 0) * n
 
-    tau = smallest_time(lambda x: best_per_pool(x)[0].sum() >= M, float(fill.min()), float((fill + M * per).max()))
-    _, cap = best_per_pool(tau * (1 + 1e-9))
+    def enough(tau: float) -> bool:  # each pool's best run (TP degree) by τ together finish the batch
+        return np.maximum.reduceat(runs_cap(tau), starts).sum() >= M
+
+    tau = smallest_time(enough, float(fill.min()), float((fill + M * per).max()))
+    cap = runs_cap(tau * (1 + 1e-9)).tolist()  # Python numbers: read one by one below
     top: dict[int, int] = {}  # pool -> its run of most micro-batches by τ (the first of equals)
     for r, p in enumerate(pool.tolist()):
         if p not in top or cap[r] > cap[top[p]]:
             top[p] = r
-    chosen = []  # (micro-batches each by τ, pipelines, slot): each pool's best TP degree at τ
+    chosen = []  # (micro-batches each by τ, pipelines, pool, run): each pool's best TP degree at τ
     for p in sorted(top):
         r = top[p]
         if cap[r] > 0:
-            z, g, _ = pools[p]
-            chosen.append((cap[r] / n[r], int(n[r]), Slot(zone=z, gpu=g, tp=int(tp[r]))))
+            chosen.append((cap[r] / n[r], int(n[r]), p, r))
     groups, D, need = [], 0, M  # the fastest pipelines until the batch is covered
-    for each, count, slot in sorted(chosen, key=lambda c: -c[0]):
+    for each, count, p, r in sorted(chosen, key=lambda c: -c[0]):
         take = min(count, max(1, int(-(-need // each))))
-        groups.append((slot, take))
+        groups.append((Slot(zone=pools[p][0], gpu=pools[p][1], tp=int(tp[r])), take))
         D += take
         need -= take * each
         if need <= 0:

@@ -139,7 +139,9 @@ class Scorer:
         a packing, a count vector uses a few); cached per D and kind."""
         if not self._d_dependent:
             return self.kinds
-        at, done = self._at.setdefault(D, (list(self.kinds), set()))
+        if D not in self._at:
+            self._at[D] = (list(self.kinds), set())
+        at, done = self._at[D]
         want = [j for j, n in enumerate(counts) if n and j not in done]
         if want:
             todo = [self.kinds[j] for j in want if self.kinds[j].depends_on_replicas and self.kinds[j].replicas != D]

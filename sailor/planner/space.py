@@ -136,8 +136,25 @@ Memory = tuple[StageMemory, ...]  # one StageMemory per stage
 
 def home_zone(ctx: SimContext, gpu: str) -> str:
     """The zone with the most GPUs of type `gpu` (where stage options are timed: TP collectives and
-    ZeRO-3 gathers run on that zone's links; the count search times every zone exactly)."""
-    return max(sorted(ctx.cluster.zones), key=lambda z: ctx.cluster.available(z, gpu))
+    ZeRO-3 gathers run on that zone's links; the count search times every zone exactly); memoised
+    in the context with `gpus_of_type`."""
+    return _type_totals(ctx, gpu)[0]
+
+
+def gpus_of_type(ctx: SimContext, gpu: str) -> int:
+    """GPUs of type `gpu` in the whole cluster (memoised in the context with `home_zone`)."""
+    return _type_totals(ctx, gpu)[1]
+
+
+def _type_totals(ctx: SimContext, gpu: str) -> tuple[str, int]:
+    """(`home_zone`, `gpus_of_type`) of `gpu`, found once per planning call: every stage option and
+    ZeRO feasibility check asks for them, and a cluster may have a hundred zones."""
+    key = ("type totals", gpu)
+    if key not in ctx.memo:
+        zones = ctx.cluster.zones
+        ctx.memo[key] = (max(sorted(zones), key=lambda z: ctx.cluster.available(z, gpu)),
+                         sum(ctx.cluster.available(z, gpu) for z in zones))
+    return ctx.memo[key]
 
 
 def sp_possible(ctx: SimContext, tp: int, a: int = 0, b: int | None = None) -> bool:
@@ -161,8 +178,7 @@ def option_time_s(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, 
 def replica_cap(ctx: SimContext, gpu: str, tp: int, microbatches: int) -> int:
     """Most data-parallel replicas a stage on `gpu` at TP `tp` could have: every GPU of the type in
     the cluster holding one replica, and no more replicas than micro-batches."""
-    total = sum(ctx.cluster.available(z, gpu) for z in ctx.cluster.zones)
-    return max(1, min(microbatches, total // tp))
+    return max(1, min(microbatches, gpus_of_type(ctx, gpu) // tp))
 
 
 def min_replicas(ctx: SimContext, gpu: str, tp: int, mbs: int, a: int, b: int, *, stage: int, num_stages: int,
@@ -309,7 +325,7 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
     # count allows) also gets the lightest it can hold alone: 16 A100-40 hold one OPT-30B pipeline
     # (TP 8, 2 stages), whose ZeRO-2 shards nothing, next to V100-16s that cannot hold it at all.
     for g in gpus:
-        alone = min(n, sum(ctx.cluster.available(z, g) for z in ctx.cluster.zones))
+        alone = min(n, gpus_of_type(ctx, g))
         if not any(_holds(ctx, g, tps[g], partition, mbs, M, v, alone) for v in out):
             own = sorted(_vectors(ctx, [g], tps, partition, mbs, M, zero_max, alone), key=memory_rank)
             if own and own[0] not in out:

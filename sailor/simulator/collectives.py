@@ -57,8 +57,8 @@ from itertools import groupby
 
 from sailor.catalog import LinkClass
 from sailor.model.spec import Collective
-from sailor.perf.network import NetworkModel
-from sailor.simulator.traffic import Crossing, totals
+from sailor.perf.network import CollectiveCost, NetworkModel
+from sailor.simulator.traffic import Crossing
 from sailor.specs.cluster import AllreduceAlgorithm
 
 
@@ -123,22 +123,48 @@ def _edge_kinds(groups: list[Group]) -> set[tuple[str, str, int, str, str, int, 
     return out
 
 
-def _ring_phase(groups: list[Group], nbytes: float, net: NetworkModel, *, steps: int, fraction: float,
-                efficiency: float, share: int = 1) -> float:
-    """Seconds of `steps` ring steps over `groups` in which each member streams `fraction` x `nbytes`
-    split over its edge's t flows (one per TP rank of the finer replica), while `share` such rings,
-    each with its own `nbytes`, leave the sender's node at once: share x t flows of
-    fraction x nbytes / t each on the edge's link. Steps x slowest hop latency + slowest edge's
-    streaming / η + the backend's processing of each flow's bytes (`CollectiveCost.processing_s`,
-    the flows of one edge and of the `share` rings each in a process of its own)."""
-    if nbytes <= 0:
-        return 0.0
-    # the edges' latencies and routes, once per ring (`NetworkModel.ring_links`): a ring of many
-    # zones has as many edge kinds, over a few distinct routes
-    latency, links = net.ring_links(tuple(groups), lambda: _edge_kinds(groups), share)
-    stream = max((route.bytes_time(fraction * nbytes / t, t * share)[0] for route, t in links), default=0.0)
-    finest = max(1, min(m.tp for m, _ in groups))  # the edge whose flows carry the most bytes each
-    return steps * latency + stream / efficiency + net.collective.processing_s(fraction * nbytes / finest)
+@dataclass(frozen=True)
+class Ring:
+    """What the seconds of a ring phase read of its members, without the bytes: the slowest edge's
+    one-way latency and the distinct (route, t) its edges stream over, t = max(1, min(TP)) flows per
+    ring (`NetworkModel.ring_links`), the finest TP degree among the members (the edge whose flows
+    carry the most bytes each), `share` such rings leaving the sender's node at once, and the
+    backend's cost per collective (`NetworkModel.collective`)."""
+
+    latency_s: float
+    links: tuple
+    finest: int
+    share: int
+    cost: CollectiveCost
+
+    @classmethod
+    def of(cls, groups: list[Group], net: NetworkModel, share: int = 1) -> "Ring":
+        """The ring over `groups` (ring order): its latency and routes once per ring and share
+        (`NetworkModel.ring_links`: a ring of many zones has as many edge kinds, over a few
+        distinct routes)."""
+        latency, links = net.ring_links(tuple(groups), lambda: _edge_kinds(groups), share)
+        return cls(latency, links, max(1, min(m.tp for m, _ in groups)), share, net.collective)
+
+    def phase_s(self, nbytes: float, *, steps: int, fraction: float, efficiency: float) -> float:
+        """Seconds of `steps` ring steps in which each member streams `fraction` x `nbytes` split over
+        its edge's t flows (one per TP rank of the finer replica), while `share` such rings, each with
+        its own `nbytes`, leave the sender's node at once: share x t flows of fraction x nbytes / t
+        each on the edge's link. Steps x slowest hop latency + slowest edge's streaming / η + the
+        backend's processing of each flow's bytes (`CollectiveCost.processing_s`, the flows of one
+        edge and of the `share` rings each in a process of its own)."""
+        if nbytes <= 0:
+            return 0.0
+        stream = max((route.bytes_time(fraction * nbytes / t, t * self.share)[0] for route, t in self.links),
+                     default=0.0)
+        return steps * self.latency_s + stream / efficiency + self.cost.processing_s(fraction * nbytes / self.finest)
+
+    def allreduce_s(self, members: int, nbytes: float, efficiency: float) -> float:
+        """Seconds of a flat ring all-reduce of `nbytes` (one replica's gradient) over this ring of
+        `members` replicas: 2(D-1) steps, each member streaming 2(D-1)/D of the bytes."""
+        if members < 2:
+            return 0.0
+        return self.phase_s(nbytes, steps=2 * (members - 1), fraction=2 * (members - 1) / members,
+                            efficiency=efficiency)
 
 
 def ring_allreduce_s(groups: list[Group], nbytes: float, net: NetworkModel, *, efficiency: float = 1.0,
@@ -147,8 +173,7 @@ def ring_allreduce_s(groups: list[Group], nbytes: float, net: NetworkModel, *, e
     d = sum(n for _, n in groups)
     if d < 2:
         return 0.0
-    return _ring_phase(groups, nbytes, net, steps=2 * (d - 1), fraction=2 * (d - 1) / d, efficiency=efficiency,
-                       share=share)
+    return Ring.of(groups, net, share).allreduce_s(d, nbytes, efficiency)
 
 
 def _islands(groups: list[Group]) -> list[list[Group]] | None:
@@ -165,37 +190,84 @@ def _islands(groups: list[Group]) -> list[list[Group]] | None:
     return None
 
 
-def hierarchical_allreduce_s(groups: list[Group], nbytes: float, net: NetworkModel, *,
-                             efficiency: float = 1.0) -> float | None:
-    """Seconds of reduce-scatter inside islands, all-reduce across them, all-gather inside them
-    (module docstring); None when the members form a single island."""
-    islands = _islands(groups)
-    if islands is None:
-        return None
-    sizes = [sum(n for _, n in isl) for isl in islands]
-    # islands of the same members on other nodes, or in zones of one class (`NetworkModel.zone_class`;
-    # an island of one GPU type reads only those links), reduce alike: each kind of island once
-    alike = {}
-    for isl, k in zip(islands, sizes):
-        if k > 1:
-            one = len({m.gpu for m, _ in isl}) == 1
-            where = net.zone_class(isl[0][0].zone, isl[0][0].gpu) if one else isl[0][0].zone
-            alike.setdefault((where, tuple((m.gpu, m.tp, n, m.node is not None) for m, n in isl)), (isl, k))
-    rs = max((_ring_phase(isl, nbytes, net, steps=k - 1, fraction=(k - 1) / k, efficiency=efficiency)
-              for isl, k in alike.values()), default=0.0)
-    shard = nbytes / min(sizes)
-    # one ring per shard across islands; a node island's shards all leave through its NIC
-    leaders = [isl[0][0] for isl in islands]
-    share = min(sizes) if all(m.node is not None for m in leaders) and len({m.zone for m in leaders}) == 1 else 1
-    cross = ring_allreduce_s([(m, 1) for m in leaders], shard, net, efficiency=efficiency, share=share)
-    return 2 * rs + cross
+@dataclass(frozen=True)
+class Hierarchy:
+    """The rings of a hierarchical all-reduce over islands (module docstring), without the bytes:
+    (ring, members k) of each kind of island of k > 1 members (islands of the same members on other
+    nodes, or in zones of one class, `NetworkModel.zone_class`, reduce alike: each kind once), the
+    fewest members of an island (the shard each crosses with), and the ring across the islands'
+    leaders with its members."""
+
+    islands: tuple[tuple[Ring, int], ...]
+    smallest: int
+    cross: Ring
+    leaders: int
+
+    @classmethod
+    def of(cls, groups: list[Group], net: NetworkModel) -> "Hierarchy | None":
+        """The hierarchy of `groups` (ring order); None when the members form a single island."""
+        islands = _islands(groups)
+        if islands is None:
+            return None
+        sizes = [sum(n for _, n in isl) for isl in islands]
+        alike = {}  # an island of one GPU type reads only the links of its zone's class
+        for isl, k in zip(islands, sizes):
+            if k > 1:
+                one = len({m.gpu for m, _ in isl}) == 1
+                where = net.zone_class(isl[0][0].zone, isl[0][0].gpu) if one else isl[0][0].zone
+                alike.setdefault((where, tuple((m.gpu, m.tp, n, m.node is not None) for m, n in isl)), (isl, k))
+        # one ring per shard across islands; a node island's shards all leave through its NIC
+        leaders = [isl[0][0] for isl in islands]
+        share = min(sizes) if all(m.node is not None for m in leaders) and len({m.zone for m in leaders}) == 1 else 1
+        return cls(tuple((Ring.of(isl, net), k) for isl, k in alike.values()), min(sizes),
+                   Ring.of([(m, 1) for m in leaders], net, share), len(leaders))
+
+    def allreduce_s(self, nbytes: float, efficiency: float) -> float:
+        """Seconds of reduce-scatter inside the islands, all-reduce of the shards across them,
+        all-gather inside them: 2·T_rs + T_cross."""
+        rs = max((ring.phase_s(nbytes, steps=k - 1, fraction=(k - 1) / k, efficiency=efficiency)
+                  for ring, k in self.islands), default=0.0)
+        return 2 * rs + self.cross.allreduce_s(self.leaders, nbytes / self.smallest, efficiency)
+
+
+@dataclass(frozen=True)
+class AllreduceRings:
+    """An all-reduce over some groups without its bytes: the flat ring over its `members` replicas,
+    the hierarchy (None for a single island; not built where `algorithm` pins the ring) and the
+    algorithm (`allreduce_time_s`). Built once, timed for any bytes (`time_s`):
+    `simulator.terms.collective_s` keeps one per shape of groups."""
+
+    members: int
+    ring: Ring
+    hierarchy: Hierarchy | None
+    algorithm: AllreduceAlgorithm
+
+    @classmethod
+    def of(cls, groups: list[Group], net: NetworkModel,
+           algorithm: AllreduceAlgorithm | None = None) -> "AllreduceRings":
+        """The rings of an all-reduce over `groups` (from `group_members`) under `algorithm` (default: the
+        cluster spec's `allreduce`)."""
+        algorithm = net.cluster.allreduce if algorithm is None else algorithm
+        hierarchy = None if algorithm is AllreduceAlgorithm.RING else Hierarchy.of(groups, net)
+        return cls(sum(n for _, n in groups), Ring.of(groups, net), hierarchy, algorithm)
+
+    def time_s(self, nbytes: float, efficiency: float = 1.0) -> float:
+        """Seconds to all-reduce `nbytes` (one replica's full gradient): the ring or the hierarchical
+        algorithm, the cheaper unless `algorithm` pins one; 0 for a single member or no bytes."""
+        if self.members < 2 or nbytes <= 0:
+            return 0.0
+        ring = self.ring.allreduce_s(self.members, nbytes, efficiency)
+        if self.hierarchy is None:
+            return ring
+        hier = self.hierarchy.allreduce_s(nbytes, efficiency)
+        return hier if self.algorithm is AllreduceAlgorithm.HIERARCHICAL else min(ring, hier)
 
 
 def allreduce_time_s(groups: list[Group], nbytes: float, net: NetworkModel, *, efficiency: float = 1.0,
                      algorithm: AllreduceAlgorithm | None = None) -> float:
     """Seconds to all-reduce `nbytes` (one replica's full gradient) across the members `groups`
     (from `group_members`): the ring or the hierarchical algorithm, the cheaper unless `algorithm`
-    (default: the cluster spec's `allreduce`) pins one. 0 for a single member.
+    (default: the cluster spec's `allreduce`) pins one (`AllreduceRings`). 0 for a single member.
 
     Args:
         efficiency: η in (0, 1], the fraction of the links' bandwidth reached (module docstring).
@@ -203,14 +275,7 @@ def allreduce_time_s(groups: list[Group], nbytes: float, net: NetworkModel, *, e
     d = sum(n for _, n in groups)
     if d < 2 or nbytes <= 0:
         return 0.0
-    algorithm = net.cluster.allreduce if algorithm is None else algorithm
-    ring = ring_allreduce_s(groups, nbytes, net, efficiency=efficiency)
-    if algorithm is AllreduceAlgorithm.RING:
-        return ring
-    hier = hierarchical_allreduce_s(groups, nbytes, net, efficiency=efficiency)
-    if hier is None:
-        return ring
-    return hier if algorithm is AllreduceAlgorithm.HIERARCHICAL else min(ring, hier)
+    return AllreduceRings.of(groups, net, algorithm).time_s(nbytes, efficiency)
 
 
 RING_STEPS = {Collective.ALL_REDUCE: 2, Collective.ALL_GATHER: 1, Collective.REDUCE_SCATTER: 1}
@@ -231,28 +296,63 @@ def tp_collective_time_s(net: NetworkModel, zone: str, gpu: str, tp: int, kind: 
     return net.collective.startup_s + steps * step + net.collective.processing_s(steps * nbytes / tp)
 
 
+@dataclass(frozen=True)
+class RingEdges:
+    """The edges between zones of a flat ring (ring order, zones contiguous: an edge inside a zone
+    pays nothing) without its bytes: `fraction` = 2(D-1)/D, the share of a replica's bytes each edge
+    carries in an all-reduce, and per edge a -> b (a's sends) the zones and the $/GB a's provider
+    charges for their link class (across providers: a's internet egress,
+    `catalog.Clouds.egress_between`). Built once, priced for any bytes: `simulator.sync.stage_sync`
+    keeps one per shape of groups."""
+
+    fraction: float
+    edges: tuple[tuple[str, str, float], ...]
+
+    @classmethod
+    def of(cls, groups: list[Group], net: NetworkModel) -> "RingEdges":
+        """The edges between zones of the ring over `groups`; none for fewer than two members or a
+        single zone."""
+        d = sum(n for _, n in groups)
+        if d < 2 or len({m.zone for m, _ in groups}) == 1:
+            return cls(0.0, ())
+        prov = net.cluster.prov
+        zones = [z for z, _ in groupby(m.zone for m, _ in groups)]
+        edges = []
+        for a, b in zip(zones, zones[1:] + zones[:1]):
+            lc = net.link_class(a, b)
+            if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
+                edges.append((a, b, prov.egress_between(a, b, lc)))
+        return cls(2 * (d - 1) / d, tuple(edges))
+
+    def crossings(self, nbytes: float) -> list[Crossing]:
+        """Each edge's crossing in one all-reduce of `nbytes`: fraction x nbytes, at its $/GB."""
+        if nbytes <= 0:
+            return []
+        per_edge = self.fraction * nbytes
+        return [Crossing.between(a, b, per_edge, per_edge / 1e9 * usd_per_gb) for a, b, usd_per_gb in self.edges]
+
+    def egress(self, nbytes: float) -> tuple[float, float]:
+        """(bytes crossing zones, egress $) of one all-reduce of `nbytes`: the totals of `crossings`,
+        added in their order (`traffic.totals`), without making them."""
+        moved, usd = 0.0, 0.0
+        if nbytes > 0:
+            per_edge = self.fraction * nbytes
+            for _, _, usd_per_gb in self.edges:
+                moved += per_edge
+                usd += per_edge / 1e9 * usd_per_gb
+        return moved, usd
+
+
 def ring_crossings(groups: list[Group], nbytes: float, net: NetworkModel) -> list[Crossing]:
     """The edges between zones of a flat ring over `groups` (ring order, zones contiguous) in one
     all-reduce of `nbytes`: each edge a -> b carries 2(D-1)/D x nbytes, priced by a's provider for its
-    link class (across providers: a's internet egress, `catalog.Clouds.egress_between`).
-    Empty for fewer than two members, no bytes or a single zone."""
-    d = sum(n for _, n in groups)
-    if d < 2 or nbytes <= 0 or len({m.zone for m, _ in groups}) == 1:
-        return []
-    per_edge = 2 * (d - 1) / d * nbytes
-    prov = net.cluster.prov  # a ring edge a -> b carries a's sends: a's provider prices them
-    zones = [z for z, _ in groupby(m.zone for m, _ in groups)]  # an edge inside a zone pays nothing
-    out = []
-    for a, b in zip(zones, zones[1:] + zones[:1]):
-        lc = net.link_class(a, b)
-        if lc not in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
-            out.append(Crossing.between(a, b, per_edge, per_edge / 1e9 * prov.egress_between(a, b, lc)))
-    return out
+    link class (`RingEdges`). Empty for fewer than two members, no bytes or a single zone."""
+    return RingEdges.of(groups, net).crossings(nbytes)
 
 
 def ring_egress(groups: list[Group], nbytes: float, net: NetworkModel) -> tuple[float, float]:
     """(bytes crossing zones, egress $) per all-reduce: the totals of `ring_crossings`."""
-    return totals(ring_crossings(groups, nbytes, net))
+    return RingEdges.of(groups, net).egress(nbytes)
 
 
 def all_to_all_time_s(net: NetworkModel, members: Sequence[Member], nbytes: float, shares: Sequence[float]) -> float:

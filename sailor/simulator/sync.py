@@ -12,9 +12,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from sailor.model.spec import Collective, Framework
-from sailor.simulator.collectives import Group, group_members, ring_crossings, ring_egress
+from sailor.simulator.collectives import Group, RingEdges, group_members, ring_crossings, ring_egress
 from sailor.simulator.context import ALL_PARAMS, ParamShare, SimContext, TiedCopies, tied_embeddings
-from sailor.simulator.terms import DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_s, group_shape
+from sailor.simulator.terms import (DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_s,
+                                   group_shape, shape_memo)
 from sailor.simulator.traffic import Crossing
 
 
@@ -118,8 +119,12 @@ def stage_sync(ctx: SimContext, groups: list[Group], chunks: Sequence[tuple[int,
     if key not in ctx.memo:
         seconds, moved, usd = 0.0, 0.0, 0.0
         layers = [x for a, e in sorted(chunks, reverse=True) for x in reversed(range(a, e))]
+        edges_of = shape_memo(ctx, "ring edges")  # the egress reads the zones in ring order, as the shape has them
+        if shape not in edges_of:
+            edges_of[shape] = RingEdges.of(groups, ctx.network)
+        edges = edges_of[shape]
         for kind, nbytes, runs in collectives:
-            mb, mu = ring_egress(groups, nbytes, ctx.network)
+            mb, mu = edges.egress(nbytes)
             full = collective_s(ctx, groups, kind, nbytes, t, shape)
             if overlap and kind is not Collective.ALL_GATHER:  # the gradients' collective, per layer bucket
                 latency = collective_s(ctx, groups, kind, 1.0, t, shape)

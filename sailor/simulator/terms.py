@@ -38,7 +38,7 @@ from sailor.model.geometry import LayerKind
 from sailor.model.spec import Collective, Framework, Recompute
 from sailor.plan.placement import BlockFit, node_blocks
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan, StageMemory
-from sailor.simulator.collectives import Group, Member, allreduce_time_s, same_node, tp_collective_time_s
+from sailor.simulator.collectives import AllreduceRings, Group, Member, same_node, tp_collective_time_s
 from sailor.simulator.context import ALL_PARAMS, SimContext, stage_blocks
 from sailor.simulator.experts import DENSE_ONLY, EPRank, ep_time_s
 from sailor.simulator.schedules import ONE_F_ONE_B, PipelineSchedule, PipelineTimes
@@ -47,6 +47,7 @@ from sailor.specs.cluster import ClusterSpec
 
 Slot = Member  # where one replica runs: zone, GPU type, TP degree, and (once placed) its node
 
+SHAPE_MEMO_MAX = 512  # shapes of groups each `shape_memo` keeps
 # Share of a ring all-reduce's time (and of its bytes crossing zones) that each collective takes.
 RING_SHARE = {Collective.ALL_REDUCE: 1.0, Collective.REDUCE_SCATTER: 0.5, Collective.ALL_GATHER: 0.5}
 
@@ -402,16 +403,34 @@ def collective_s(ctx: SimContext, groups: list[Group], kind: Collective, nbytes:
     the lowest calibrated all-reduce efficiency of the members, a reduce-scatter or an all-gather
     taking half of it, plus the backend's start-up of one call (`NetworkModel.collective`). 0 for a
     single member. Memoised by the groups' shape (`group_shape`: all the collectives read of them),
-    so the stages of a plan that sync equal bytes over equally placed replicas share one; `shape`:
+    so the stages of a plan that sync equal bytes over equally placed replicas share one; the rings
+    and the efficiency, which do not depend on the bytes, once per shape (`collectives.AllreduceRings`,
+    `shape_memo`), so collectives of other bytes over groups of that shape only time them. `shape`:
     `group_shape(groups)` where the caller has it."""
     if sum(n for _, n in groups) < 2:
         return 0.0
-    key = ("collective", group_shape(groups) if shape is None else shape, kind, nbytes)
+    shape = group_shape(groups) if shape is None else shape
+    key = ("collective", shape, kind, nbytes)
     if key not in ctx.memo:
-        efficiency = ctx.allreduce_efficiency([r for r, _ in groups])
-        ring = allreduce_time_s(groups, nbytes, ctx.network, efficiency=efficiency)
+        rings_of = shape_memo(ctx, "allreduce rings")
+        if shape not in rings_of:
+            rings_of[shape] = (AllreduceRings.of(groups, ctx.network), ctx.allreduce_efficiency([r for r, _ in groups]))
+        rings, efficiency = rings_of[shape]
+        ring = rings.time_s(nbytes, efficiency)
         ctx.memo[key] = RING_SHARE[kind] * ring + (ctx.network.collective.startup_s if ring > 0 else 0.0)
     return ctx.memo[key]
+
+
+def shape_memo(ctx: SimContext, name: str) -> dict:
+    """The context's memo `name` of what collectives read of groups of one shape without their bytes
+    (`collective_s`' rings, `sync.stage_sync`'s ring edges), keyed by `group_shape`, emptied when it
+    holds SHAPE_MEMO_MAX shapes: they are asked for again soon after (the other collectives of one
+    stage's sync, the other stages of one plan), and a search meets many thousands of shapes, each
+    entry as large as its ring."""
+    memo = ctx.memo.setdefault(name, {})
+    if len(memo) >= SHAPE_MEMO_MAX:
+        memo.clear()
+    return memo
 
 
 def allreduce_s(ctx: SimContext, groups: list[Group], nbytes: float, t: int) -> float:

@@ -6,6 +6,7 @@ A frozen pydantic model with `extra="forbid"` (a misspelt field is an error); re
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
 from typing import Any
 
@@ -176,7 +177,7 @@ class ClusterSpec(BaseModel):
     @property
     def prov(self) -> catalog.Provider | catalog.Clouds:
         """Zones, link classes, egress and default links of the cluster's provider(s)."""
-        return catalog.clouds(self.providers)
+        return _clouds_of(self.providers)
 
     def node_size(self, gpu: str) -> int:
         """GPUs per node of type `gpu` here (spec override, else catalog)."""
@@ -265,6 +266,13 @@ def local_cluster(processes: int) -> ClusterSpec:
     """The `local` provider with `processes` CPU 'GPUs' in zone `local`, all on one node."""
     return ClusterSpec(provider="local", zones={"local": {"cpu": processes}}, gpus_per_node={"cpu": max(processes, 1)})
 
+
+
+@functools.cache
+def _clouds_of(names: tuple[str, ...]) -> catalog.Provider | catalog.Clouds:
+    """`catalog.clouds` of a spec's providers, looked up once per set of them (the catalog is read
+    once per process; the planner asks for a cluster's providers at every ring edge it prices)."""
+    return catalog.clouds(names)
 
 
 def _provider_names(value: Any) -> Any:
