@@ -27,8 +27,7 @@ from sailor.testbed import (
     support_problem,
     up,
 )
-from sailor.testbed.cgroups import comm_cgroup
-from sailor.testbed.deadline import is_deadline
+from sailor.testbed.cgroups import comm_cgroup, rank_cgroup, reserved_threads
 from sailor.testbed.host import live_states, processes
 from sailor.testbed.spec import parse_testbed, wire_bytes
 
@@ -72,12 +71,7 @@ def threads_seen(state):
                 for tid in Path(comm_cgroup(state.nodes[0]), "tasks").read_text().split():
                     with contextlib.suppress(OSError):
                         seen.add(Path(f"/proc/{tid}/comm").read_text().strip())
-            for node in state.nodes:
-                with contextlib.suppress(OSError):
-                    for tid in Path(node.cgroup, "r0", "tasks").read_text().split():
-                        with contextlib.suppress(OSError):
-                            if is_deadline(int(tid)):
-                                reserved.add(node.name)
+            reserved.update(node.name for node in state.nodes if reserved_threads([rank_cgroup(node, 0)]))
 
     t = threading.Thread(target=poll, daemon=True)
     t.start()
