@@ -18,11 +18,13 @@ ZA = "us-central1-a"
 
 
 def test_a_deeper_pipeline_that_wins_only_interleaved_is_found():
-    # 12 blocks of h = 2560 on four T4s, one per node, global batch 4: under 1F1B the best plan is
-    # shallow (a deeper pipeline's bubble, (P - 1) of P + m - 1 slots, costs more than it saves);
-    # interleaved, the bubble of the 4-stage pipeline shrinks by v and it wins
-    job = JobSpec(model={"name": "m", "num_blocks": 12, "hidden_size": 2560, "num_heads": 16, "vocab_size": 32000,
-                         "max_sequence_length": 2048}, global_batch_size=4)
+    # 24 blocks of h = 1024 on four T4s, one per node, global batch 8: under 1F1B the best plan is
+    # data-parallel (a pipeline's bubble, (P - 1) of P + m - 1 slots, costs more than it saves);
+    # interleaved, the bubble of a 2-stage pipeline shrinks by v and it wins (the runtime's 1F1B,
+    # sends never blocking: with DeepSpeed's blocking ones the same held for 12 blocks of h = 2560
+    # and global batch 4)
+    job = JobSpec(model={"name": "m", "num_blocks": 24, "hidden_size": 1024, "num_heads": 16, "vocab_size": 32000,
+                         "max_sequence_length": 2048}, global_batch_size=8)
     cluster = ClusterSpec(zones={ZA: {"T4": 4}}, gpus_per_node={"T4": 1})
     ctx = make_context(job, cluster)
     res = plan_job(ctx, PlanOptions(max_stages=8, max_mbs=4))

@@ -87,6 +87,15 @@ def test_profile_file_loads_with_every_measurement(profile_file):
     assert all(0 <= r[k] < 0.05 for r in rows for k in ("forward_s", "backward_s"))
     assert prof.pass_overhead_s == {("cpu", r["tp"]): (r["forward_s"], r["backward_s"]) for r in rows}
     assert sorted(raw["settings"]["pass_overhead_s_by_mbs"]) == ["1", "2"]
+    # what a run adds to a pipeline transfer: run and idle latencies measured (> 0), their difference
+    rows = raw["runtime"]["p2p_overhead_s"]
+    assert [(r["gpu"], r["tp"]) for r in rows] == [("cpu", 1), ("cpu", 2)]
+    by_mbs = raw["settings"]["p2p_overhead_s_by_mbs"]
+    for tp in ("1", "2"):
+        for extra, run, idle in by_mbs[tp].values():
+            assert run > 0 and idle > 0 and extra == pytest.approx(max(0.0, run - idle))
+    assert prof.p2p_overhead_s == {("cpu", r["tp"]): r["seconds"] for r in rows}
+    assert profiles_from_dict(prof.to_dict()).p2p_overhead_s == prof.p2p_overhead_s
     # the backward's input- and weight-gradient passes, timed apart: the embedding has no input gradient
     for tp in (1, 2):
         assert prof.split_measured("cpu", tp)

@@ -3,6 +3,8 @@ the plan's `schedule` field as the simulator reads it, and the timeline picture.
 
 from __future__ import annotations
 
+from sailor.model.spec import Framework
+
 import itertools
 
 import numpy as np
@@ -266,7 +268,10 @@ def test_simulate_reads_the_plans_schedule():
     ctx = make_context(JOB, CLUSTER)
     plain, zb = simulate(_plan(FOUR), ctx), simulate(_plan(FOUR, {"kind": "zb-h1"}), ctx)
     inter = simulate(_plan(EIGHT, {"kind": "interleaved-1f1b", "virtual_stages": 2}), ctx)
-    assert pipeline_schedule(_plan(FOUR)) == ONE_F_ONE_B and zb.schedule == ZB_H1
+    assert pipeline_schedule(_plan(FOUR), Framework.DEEPSPEED) == ONE_F_ONE_B and zb.schedule == ZB_H1
+    # a job of Sailor's runtime times 1F1B as the runtime runs it: its op order, sends never blocking
+    assert plain.schedule == pipeline_schedule(_plan(FOUR)) and not plain.schedule.sends_block
+    assert plain.schedule.runtime_difference is None and ONE_F_ONE_B.runtime_difference is not None
     assert zb.pipeline_s < plain.pipeline_s  # the W passes fill the bubble
     assert zb.replicas[0].forward_s == pytest.approx(plain.replicas[0].forward_s)
     assert zb.replicas[0].backward_s == pytest.approx(plain.replicas[0].backward_s)  # B + W = backward (FLOP split)

@@ -240,8 +240,15 @@ def test_closed_form_equals_event_simulation_on_uniform_pipelines_with_options(P
     plan = _plan([mem] * P, stages=stages, d=d, tp=tp, m=m)
     ctx = _ctx(profiles=_profiles(embed_head_s=0.0))
     event, closed = simulate(plan, ctx), simulate(plan, ctx, event=False)
-    assert closed.pipeline_s == pytest.approx(event.pipeline_s, rel=1e-12)
-    assert closed.iteration_time_s == pytest.approx(event.iteration_time_s, rel=1e-12)
+    if P == 1:  # nothing is sent: the runtime's 1F1B and DeepSpeed's closed form agree
+        assert closed.pipeline_s == pytest.approx(event.pipeline_s, rel=1e-12)
+        assert closed.iteration_time_s == pytest.approx(event.iteration_time_s, rel=1e-12)
+    else:  # the closed form charges each transfer to both stages: never less than the runtime's order
+        assert closed.pipeline_s >= event.pipeline_s * (1 - 1e-12)
+    # a Megatron-LM job (DeepSpeed's blocking 1F1B in the event simulation too) agrees everywhere
+    mega = _ctx(JobSpec(model="tiny", global_batch_size=16, framework="megatron-lm"),
+                profiles=_profiles(embed_head_s=0.0))
+    assert simulate(plan, mega, event=False).pipeline_s == pytest.approx(simulate(plan, mega).pipeline_s, rel=1e-12)
 
 
 def test_kept_zero3_weights_beat_zero2_where_its_post_step_all_gather_shows():

@@ -531,14 +531,17 @@ def test_reservations_beyond_the_kernels_deadline_bandwidth_are_refused(box, mon
         host.check_cores(box)
 
 
-def test_a_testbed_profile_keeps_the_stage_pass_cost_of_tp_1_only():
+def test_a_testbed_profile_keeps_the_stage_pass_and_transfer_costs_of_tp_1_only():
     from sailor.testbed.profile import tp1_pass_overhead
 
     rows = [{"gpu": "A100-40", "tp": 1, "forward_s": 2.5e-4, "backward_s": 4e-5},
             {"gpu": "A100-40", "tp": 2, "forward_s": 0.0, "backward_s": 4e-3},
             {"gpu": "V100-16", "tp": 1, "forward_s": 2.2e-4, "backward_s": 1.2e-4}]
-    out = tp1_pass_overhead({"runtime": {"pass_overhead_s": rows, "microbatch_overhead_s": [{"gpu": "A100-40", "tp": 2}]}})
+    p2p = [{"gpu": "A100-40", "tp": 2, "seconds": 9e-3}, {"gpu": "A100-40", "tp": 1, "seconds": 2e-3}]
+    out = tp1_pass_overhead({"runtime": {"pass_overhead_s": rows, "p2p_overhead_s": p2p,
+                                         "microbatch_overhead_s": [{"gpu": "A100-40", "tp": 2}]}})
     assert out["runtime"]["pass_overhead_s"] == [rows[0], rows[2]]
+    assert out["runtime"]["p2p_overhead_s"] == [p2p[1]]
     assert out["runtime"]["microbatch_overhead_s"] == [{"gpu": "A100-40", "tp": 2}]  # other rows stay
     assert tp1_pass_overhead({"layers": []}) == {"layers": []}
 

@@ -18,7 +18,8 @@ Our file format (JSON, schema "sailor.profiles/1"):
    "optimizer": {gpu: {"seconds_per_param": float}},
    "memory": [{"gpu"?, "tp", "activation_bytes_per_sample": [per layer], "peak_bytes"?: ...}],
    "runtime"?: {"microbatch_overhead_s": [{"gpu", "tp", "seconds"}],
-                "pass_overhead_s"?: [{"gpu", "tp", "forward_s", "backward_s"}]}}
+                "pass_overhead_s"?: [{"gpu", "tp", "forward_s", "backward_s"}],
+                "p2p_overhead_s"?: [{"gpu", "tp", "seconds"}]}}
 `runtime.microbatch_overhead_s` (optional): seconds a training stage spends per micro-batch outside
 its layers' forward and backward passes (the runtime's 1F1B bookkeeping, input slicing, saving
 micro-batch state), measured by `sailor profile` on the runtime's own `run_pipeline`; the simulator
@@ -29,6 +30,11 @@ forward and backward (`sailor.runtime.profile_passes`: an interleaved 2-stage pi
 1F1B one over the same layers); the simulator charges them once per chunk pass and direction, and
 the layer times hold none of them. Absent (files written before it was measured): 0 s, the layer
 times then holding their share of the whole pass's fixed cost as before. Nearest TP as above.
+`runtime.p2p_overhead_s` (optional): seconds a run adds to every pipeline transfer sent or received by
+a replica of the class beyond the same transfer between idle ranks (`sailor.runtime.profile_passes`:
+the mean latency of a message to a waiting receiver in a 2-stage run less that of one between idle
+ranks); the simulator adds it to each pipeline transfer, the larger of its two ends'. Absent: 0.
+Nearest TP as above.
 `backward_input_s` / `backward_weight_s` (optional, both or neither): the backward split into the
 input-gradient pass and the weight-gradient pass that zero-bubble schedules run apart, measured by
 `sailor profile` (each pass timed on its own). Absent (older files, the Sailor importer, the
@@ -97,6 +103,8 @@ class Profiles:
             beyond the layers' passes (`runtime.microbatch_overhead_s` of the file format).
         pass_overhead_s: (gpu, tp) -> measured (forward, backward) seconds of the runtime's fixed
             cost of one stage pass (`runtime.pass_overhead_s` of the file format).
+        p2p_overhead_s: (gpu, tp) -> measured seconds a run adds to each pipeline transfer
+            (`runtime.p2p_overhead_s` of the file format).
         backward_split_s: (gpu, tp) -> {mbs: array (num_layers, 2)} of measured input-gradient and
             weight-gradient seconds (`backward_input_s`, `backward_weight_s` of the file format).
         source: where the data came from (for outputs).
@@ -111,6 +119,7 @@ class Profiles:
     activation_bytes: dict[int, np.ndarray] = field(default_factory=dict)
     microbatch_overhead_s: dict[tuple[str, int], float] = field(default_factory=dict)
     pass_overhead_s: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    p2p_overhead_s: dict[tuple[str, int], float] = field(default_factory=dict)
     backward_split_s: dict[tuple[str, int], dict[int, np.ndarray]] = field(default_factory=dict)
     source: str = "roofline"
     meta: dict[str, Any] = field(default_factory=dict)
@@ -189,6 +198,12 @@ class Profiles:
         at this TP, else at the nearest measured TP of the GPU type, else (0, 0)."""
         return _nearest_tp(self.pass_overhead_s, gpu, tp, (0.0, 0.0))
 
+    def p2p_overhead(self, gpu: str, tp: int) -> float:
+        """Seconds a run adds to each pipeline transfer at a replica of `tp` GPUs of type `gpu`
+        (`runtime.p2p_overhead_s` of the file format): measured at this TP, else at the nearest
+        measured TP of the GPU type, else 0."""
+        return _nearest_tp(self.p2p_overhead_s, gpu, tp, 0.0)
+
     def optimizer_time_s(self, job: JobSpec, gpu: str, params: float) -> float:
         """Seconds of one optimizer step over `params` parameters held by one GPU of type `gpu`:
         measured seconds/param if profiled, else memory-bound roofline over the achievable HBM
@@ -259,7 +274,8 @@ class Profiles:
                 "optimizer": {g: {"seconds_per_param": v} for g, v in self.optimizer_s_per_param.items()},
                 "memory": [{"tp": tp, "activation_bytes_per_sample": arr.tolist()}
                            for tp, arr in sorted(self.activation_bytes.items())],
-                **({"runtime": self._runtime_dict()} if self.microbatch_overhead_s or self.pass_overhead_s else {})}
+                **({"runtime": self._runtime_dict()} if self.microbatch_overhead_s or self.pass_overhead_s
+                   or self.p2p_overhead_s else {})}
 
     def _runtime_dict(self) -> dict[str, Any]:
         """The `runtime` section of our format (module docstring)."""
@@ -268,6 +284,8 @@ class Profiles:
         if self.pass_overhead_s:
             out["pass_overhead_s"] = [{"gpu": g, "tp": t, "forward_s": f, "backward_s": b}
                                       for (g, t), (f, b) in sorted(self.pass_overhead_s.items())]
+        if self.p2p_overhead_s:
+            out["p2p_overhead_s"] = [{"gpu": g, "tp": t, "seconds": v} for (g, t), v in sorted(self.p2p_overhead_s.items())]
         return out
 
     def save(self, path: str | Path) -> None:
@@ -471,18 +489,20 @@ def _nearest_tp(table: dict[tuple[str, int], Any], gpu: str, tp: int, default: A
     return table[(gpu, min(tps, key=lambda t: (abs(np.log2(t / tp)), t)))]
 
 
-RUNTIME_ROWS = {"microbatch_overhead_s": ("seconds",), "pass_overhead_s": ("forward_s", "backward_s")}
+RUNTIME_ROWS = {"microbatch_overhead_s": ("seconds",), "pass_overhead_s": ("forward_s", "backward_s"),
+                "p2p_overhead_s": ("seconds",)}
 """The lists of the `runtime` section of our format and the seconds each row holds besides gpu and tp."""
 
 
 def _parse_runtime(runtime: Any, prof: Profiles, c: Checks) -> None:
-    """Fill `prof.microbatch_overhead_s` and `prof.pass_overhead_s` from the optional `runtime`
-    section of our format (each list optional: absent, nothing is measured)."""
+    """Fill `prof.microbatch_overhead_s`, `prof.pass_overhead_s` and `prof.p2p_overhead_s` from the
+    optional `runtime` section of our format (each list optional: absent, nothing is measured)."""
     if runtime is None:
         return
     if not isinstance(runtime, dict) or not all(isinstance(runtime.get(k, []), list) for k in RUNTIME_ROWS):
         raise c.error("expected a mapping with microbatch_overhead_s: [{gpu, tp, seconds}] and optionally"
-                      " pass_overhead_s: [{gpu, tp, forward_s, backward_s}]", "runtime")
+                      " pass_overhead_s: [{gpu, tp, forward_s, backward_s}], p2p_overhead_s: [{gpu, tp, seconds}]",
+                      "runtime")
     c.known_keys(runtime, "runtime", tuple(RUNTIME_ROWS))
     for key, names in RUNTIME_ROWS.items():
         for k, row in enumerate(runtime.get(key, [])):

@@ -32,9 +32,10 @@ Orders (one list per stage, executed in sequence):
 
 The orders say nothing about transfers. The runtime posts its sends without blocking (`isend`), so a
 stage waits only for the inputs of its own next op; under that rule these orders never deadlock
-(tested on their event simulation). The simulator times interleaved 1F1B and ZB-H1 under the same
-rule, and 1F1B under DeepSpeed's blocking send/receive pairs (`simulator.schedule`), which it says
-in its output (`PipelineSchedule.runtime_difference`).
+(tested on their event simulation). The simulator times every order of a job of Sailor's runtime
+under the same rule, and 1F1B of a DeepSpeed or Megatron-LM job under DeepSpeed's blocking
+send/receive pairs (`simulator.schedule`), which it says in its output
+(`PipelineSchedule.runtime_difference`).
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,22 @@ class StageTimes:
     backward_s: float = 0.0
     wait_s: float = 0.0  # blocked on receives from neighbour stages
     weight_s: float = 0.0  # of backward_s: the weight-gradient passes (W ops) of a split backward
+
+
+class OpTrace(NamedTuple):
+    """One op of `run_pipeline` on the CPU: its kind (F, B, W), chunk, micro-batch, whether it received
+    its input from a neighbour stage, and three points of the host's monotonic clock (seconds,
+    `time.perf_counter`, shared by every process of the machine): the op began (its receives
+    posted), its input was there (the receive taken; = start without one), its pass and its sends'
+    posts ended."""
+
+    kind: str
+    chunk: int
+    micro_batch: int
+    received: bool
+    start_s: float
+    ready_s: float
+    end_s: float
 
 
 @dataclass
@@ -268,7 +285,8 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
                  inputs: Callable[[int], torch.Tensor], targets: Callable[[int], torch.Tensor],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], loss_scale: float,
                  meter: ActivationMeter | None = None,
-                 balance: LoadBalancing | None = None) -> tuple[torch.Tensor, StageTimes]:
+                 balance: LoadBalancing | None = None,
+                 trace: list[OpTrace] | None = None) -> tuple[torch.Tensor, StageTimes]:
     """Run this rank's `order` (`plan.spec.Schedule.order`): F, B and W ops of its chunks.
 
     `executors[c]` runs chunk c (`role.chunks[c]`, virtual stage u = c·p + i); a forward of virtual
@@ -286,8 +304,11 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
     micro-batch's coef · N · aux joins the loss sum. Returns the unscaled loss sum over this
     pipeline's tokens, a () fp64 tensor on `p2p.device` (0 except on the stage holding the head; summed on the device, so no micro-batch
     waits for the host: the caller reads it once per step), and the time spent per phase (W passes
-    count as backward, and apart as `weight_s`).
+    count as backward, and apart as `weight_s`). `trace` (CPU only: host clock; raises ValueError on
+    another device) gets one `OpTrace` per op, in execution order (mutated).
     """
+    if trace is not None and p2p.device.type != "cpu":
+        raise ValueError(f"an op trace reads the host clock; on {p2p.device.type} it would time the launches, not the ops")
     p2p.side_sizes = balance.side_sizes if balance is not None else {}
     clock = PhaseClock(p2p.device)  # CUDA events on a GPU (`runtime.timing`), read once at the end
     loss_sum = torch.zeros((), dtype=torch.float64, device=p2p.device)
@@ -340,5 +361,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
         clock.add("forward_s" if kind == FWD else "backward_s", t1, t2)
         if kind not in (FWD, BWD):
             clock.add("weight_s", t1, t2)
+        if trace is not None:
+            trace.append(OpTrace(kind, c, k, bool(step.recv), float(t0), float(t1), float(t2)))  # type: ignore[arg-type]
     p2p.finish()
     return loss_sum, StageTimes(**clock.totals())

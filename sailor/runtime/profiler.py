@@ -47,7 +47,7 @@ from sailor.runtime.profile_measure import (
     measure,
     profiled_layers,
 )
-from sailor.runtime.profile_passes import MIN_LAYERS, pass_overhead_s, pass_plans
+from sailor.runtime.profile_passes import MIN_LAYERS, p2p_overhead_s, pass_overhead_s, pass_plans
 from sailor.runtime.ranks import init_rank, rank_main, run_ranks
 from sailor.specs.job import JobSpec
 
@@ -239,24 +239,31 @@ def measures_pass_overhead(opts: ProfileOptions, tp: int) -> bool:
 
 
 def measure_pass_overhead(opts: ProfileOptions, raw: dict[str, Any], tp: int,
-                          progress: Callable[[int], None] | None = None) -> dict[int, tuple[float, float]]:
-    """{micro-batch size: (forward, backward) seconds} of the runtime's fixed cost of one stage pass
-    at TP `tp` (`runtime.profile_passes`: 2·`tp` processes, options `raw` as the profile's ranks get
-    them), each the median over the repeats of `pass_overhead_s`; {} where it is not measured
-    (`measures_pass_overhead`). Raises RuntimeError if a rank fails."""
+                          progress: Callable[[int], None] | None = None
+                          ) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float, float]]]:
+    """The runtime's fixed costs at TP `tp` (`runtime.profile_passes`: 2·`tp` processes, options `raw`
+    as the profile's ranks get them): {micro-batch size: (forward, backward) seconds of one stage
+    pass}, each the median over the repeats of `pass_overhead_s`, and {micro-batch size: (seconds
+    a run adds to a pipeline transfer, `p2p_overhead_s`; mean latency in a run; mean latency between
+    idle ranks)}; both {} where not measured (`measures_pass_overhead`). Raises RuntimeError if a
+    rank fails."""
     if not measures_pass_overhead(opts, tp):
-        return {}
-    got: dict[str, list[list[float]]] = {}
+        return {}, {}
+    got: dict[str, Any] = {}
     run_ranks("sailor.runtime.profile_passes:rank_pass_overhead", 2 * tp, raw,
-              timeout_s=opts.timeout_s * 4, on_message=lambda m: got.update(m["pass_overhead"]))
+              timeout_s=opts.timeout_s * 4, on_message=got.update)
     if progress:
         progress(len(opts.mbs))
     v = pass_plans(opts.job.model.num_layers, tp=tp, mbs=1, microbatches=RUNTIME_MICROBATCHES, gpu="cpu")[2]
-    out = {}
-    for mbs, rows in got.items():  # rows: [1F1B forward, 1F1B backward, interleaved forward, interleaved backward]
-        out[int(mbs)] = tuple(statistics.median(pass_overhead_s(r[d], r[2 + d], v, RUNTIME_MICROBATCHES) for r in rows)
-                              for d in (0, 1))
-    return out
+    passes, p2p = {}, {}
+    for mbs, rows in got["pass_overhead"].items():  # rows: [1F1B forward, 1F1B backward, interleaved forward, interleaved backward]
+        passes[int(mbs)] = tuple(statistics.median(pass_overhead_s(r[d], r[2 + d], v, RUNTIME_MICROBATCHES) for r in rows)
+                                 for d in (0, 1))
+    for mbs, lat in got["p2p_latency"].items():
+        run, idle = lat["run"], lat["idle"]
+        p2p[int(mbs)] = (p2p_overhead_s(run, idle), statistics.fmean(run) if run else 0.0,
+                         statistics.fmean(idle) if idle else 0.0)
+    return passes, p2p
 
 
 def pass_scale(layer_s: list[float], whole_s: float) -> float:
@@ -327,18 +334,21 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
     raw = {"job": opts.job.to_dict() | {"model": spec.model_dump(mode="json")},
            **{k: v for k, v in asdict(opts).items() if k != "job"}, "whole_pass": whole_pass(opts), "gpu": gpu}
     scales: dict[str, list[float]] = {}
-    overhead_rows, overhead_by_mbs, pass_rows, pass_by_mbs = [], {}, [], {}
+    overhead_rows, overhead_by_mbs, pass_rows, pass_by_mbs, p2p_rows, p2p_by_mbs = [], {}, [], {}, [], {}
     with tempfile.TemporaryDirectory(prefix="sailor-profile-") as tmp:
         for tp in sorted(set(opts.tps)):
             path = Path(tmp) / f"tp{tp}.json"
             run_ranks("sailor.runtime.profiler:profile_rank", tp * replicas(opts, tp), {**raw, "tp": tp, "out": str(path)},
                       timeout_s=opts.timeout_s * 4, on_message=(lambda m: progress(m["tick"])) if progress else None)
             res = json.loads(path.read_text())
-            fixed = measure_pass_overhead(opts, {**raw, "tp": tp}, tp, progress)
+            fixed, p2p = measure_pass_overhead(opts, {**raw, "tp": tp}, tp, progress)
             if fixed:
                 pass_by_mbs[str(tp)] = {str(b): list(f) for b, f in sorted(fixed.items())}
                 pass_rows.append({"gpu": gpu, "tp": tp, **{f"{d}_s": statistics.median(f[i] for f in fixed.values())
                                                           for i, d in enumerate(("forward", "backward"))}})
+            if p2p:  # one figure per (GPU type, TP), as the other fixed costs
+                p2p_by_mbs[str(tp)] = {str(b): list(x) for b, x in sorted(p2p.items())}
+                p2p_rows.append({"gpu": gpu, "tp": tp, "seconds": statistics.median(x[0] for x in p2p.values())})
             for mbs in sorted(set(opts.mbs)):
                 stats = {k: _stats(res["times"][f"{k}/{mbs}"]) for k in set(order)}
                 split = {k: _stats(res["split"][f"{k}/{mbs}"]) for k in set(order)}
@@ -375,10 +385,13 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                          # "tp" -> "mbs" -> seconds per micro-batch outside the passes (median per size)
                          "microbatch_overhead_s_by_mbs": overhead_by_mbs,
                          # "tp" -> "mbs" -> [forward, backward] seconds of a stage pass's fixed cost
-                         "pass_overhead_s_by_mbs": pass_by_mbs},
+                         "pass_overhead_s_by_mbs": pass_by_mbs,
+                         # "tp" -> "mbs" -> [p2p overhead, mean latency in a run, between idle ranks] (s)
+                         "p2p_overhead_s_by_mbs": p2p_by_mbs},
             "layers": rows, "optimizer": {gpu: {"seconds_per_param": opt_s_per_param}}, "memory": memory,
             **({"runtime": {"microbatch_overhead_s": overhead_rows,
-                            **({"pass_overhead_s": pass_rows} if pass_rows else {})}} if overhead_rows else {})}
+                            **({"pass_overhead_s": pass_rows} if pass_rows else {}),
+                            **({"p2p_overhead_s": p2p_rows} if p2p_rows else {})}} if overhead_rows else {})}
 
 
 def _stats(both: list[list[float]]) -> tuple[float, float, float, float]:

@@ -252,7 +252,7 @@ class Estimate:
             "fits_in_memory": self.fits_in_memory,
             # only when not the default, so 1F1B output is what it was before schedules existed
             **({"schedule": {"kind": self.schedule.kind.value, "virtual_stages": self.schedule.virtual_stages}}
-               if self.schedule != ONE_F_ONE_B else {}),
+               if self.schedule.kind is not ONE_F_ONE_B.kind else {}),
             "gpus": self.gpus,
             "mfu": self.mfu,
             "flop_per_s_per_gpu_with_recompute": self.flop_per_s_per_gpu,
@@ -332,7 +332,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
     check_modelled(plan, ctx.job.framework)
     job, mbs = ctx.job, plan.micro_batch_size
     P, D = plan.num_stages, len(plan.pipelines)
-    sched = pipeline_schedule(plan)
+    sched = pipeline_schedule(plan, ctx.job.framework)
     memory = [stage_memory(plan, i) for i in range(P)]
     options = [tuple(time_options(mem, D) for mem in chunk_memory) for _, chunk_memory in memory]
     replicas: list[ReplicaEstimate] = []

@@ -266,10 +266,14 @@ class SimContext:
         (calibrated per GPU type, 1 by default; the lowest member's value; see calibration.py)."""
         return min(gpu_constant(self.calibration, g, "allreduce_efficiency", 1.0) for g in {mb.gpu for mb in members})
 
-    def p2p_overhead_s(self, gpu_a: str, gpu_b: str) -> float:
-        """Fixed seconds each pipeline transfer pays on top of its bytes (calibrated, 0 by default;
-        the larger of the two ends)."""
-        return max(gpu_constant(self.calibration, g, "p2p_overhead_s", 0.0) for g in (gpu_a, gpu_b))
+    def p2p_overhead_s(self, a: tuple[str, int], b: tuple[str, int]) -> float:
+        """Fixed seconds a pipeline transfer between replicas a and b ((GPU type, TP) each) pays on top
+        of its bytes: per end, the calibrated constant (`perf.calibration`, fitted to the public
+        DeepSpeed runs; 0 by default) plus what a run of the runtime adds to a transfer, as
+        `sailor profile` measured it (`Profiles.p2p_overhead`; 0 when not profiled); the larger of
+        the two ends."""
+        return max(gpu_constant(self.calibration, g, "p2p_overhead_s", 0.0) + self.profiles.p2p_overhead(g, tp)
+                   for g, tp in (a, b))
 
     def memory_capacity(self, gpu: str) -> int:
         return catalog.gpu(gpu).memory_bytes

@@ -4,9 +4,14 @@ micro-batches each stage holds at its memory peak.
 
 `pipeline_schedule(plan)` is the one place the simulator reads `Plan.schedule`; everything else takes
 the `PipelineSchedule` it returns, whose methods dispatch on the schedule in one table (`_MODELS`):
-- `1f1b`: the runtime's order (`plan.orders.one_f_one_b_order`) with DeepSpeed's blocking transfers
-  (`schedule.simulate_1f1b`, `closed_form_1f1b`), where the runtime's sends do not block
-  (`PipelineSchedule.runtime_difference` says so in the output);
+- `1f1b`: for jobs of Sailor's runtime (`Framework.SAILOR`, `pipeline_schedule(plan, framework)`),
+  the runtime's order (`plan.orders.one_f_one_b_order`) simulated as the other orders are, with
+  non-blocking sends, and DeepSpeed's closed form (`closed_form_1f1b`, the planner's fast path: it
+  charges each transfer to both stages, so it is at least the event simulation's time on uniform
+  stages, equal without transfers); for DeepSpeed and Megatron-LM jobs
+  DeepSpeed's blocking transfers (`schedule.simulate_1f1b`, `closed_form_1f1b`), which the public
+  Sailor runs used (`PipelineSchedule.blocking_1f1b`; `PipelineSchedule.runtime_difference` names
+  it where a plan of the runtime is timed so);
 - `interleaved-1f1b` and `zb-h1`: the orders of `plan.orders` (the ones the runtime executes),
   simulated with non-blocking sends
   (`schedule_orders.run_orders`), and the closed forms `closed_form_interleaved` / `closed_form_zb_h1`.
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sailor.plan.orders import Op, ScheduleKind, stage_order
+from sailor.model.spec import Framework
 from sailor.plan.spec import Plan, Schedule
 from sailor.simulator.schedule import check_pipeline_tasks, closed_form_1f1b, simulate_1f1b, timeline_1f1b
 from sailor.simulator.schedule import in_flight as in_flight_1f1b
@@ -196,8 +202,10 @@ def _ordered_model(kind: ScheduleKind, closed: Callable[[PipelineTimes, int], fl
     return _Model(event, closed, timeline, sends_block=False)
 
 
+_BLOCKING_1F1B = _Model(_event_1f1b, _closed_1f1b, _timeline_1f1b, sends_block=True)
 _MODELS: dict[ScheduleKind, _Model] = {
-    ScheduleKind.ONE_F_ONE_B: _Model(_event_1f1b, _closed_1f1b, _timeline_1f1b, sends_block=True),
+    # the runtime's 1F1B: its op order; the closed form stays DeepSpeed's (the planner's, `planner.kinds`)
+    ScheduleKind.ONE_F_ONE_B: _ordered_model(ScheduleKind.ONE_F_ONE_B, _closed_1f1b),
     ScheduleKind.INTERLEAVED: _ordered_model(ScheduleKind.INTERLEAVED, closed_form_interleaved),
     ScheduleKind.ZB_H1: _ordered_model(ScheduleKind.ZB_H1, closed_form_zb_h1),
 }
@@ -205,13 +213,28 @@ _MODELS: dict[ScheduleKind, _Model] = {
 
 class PipelineSchedule(Schedule):
     """The plan's schedule (`plan.spec.Schedule`: kind, virtual stages, op orders) with what the
-    simulator computes under it."""
+    simulator computes under it.
+
+    Attributes:
+        blocking_1f1b: 1F1B is timed with DeepSpeed's blocking send/receive pairs (True: DeepSpeed and
+            Megatron-LM jobs, and the default) or as the runtime runs it (False: its op order with
+            sends that never block, `Framework.SAILOR`); True on the other schedules, which it does
+            not change.
+    """
+
+    blocking_1f1b: bool = True
+
+    @property
+    def _model(self) -> _Model:
+        if self.kind is ScheduleKind.ONE_F_ONE_B and self.blocking_1f1b:
+            return _BLOCKING_1F1B
+        return _MODELS[self.kind]
 
     @property
     def sends_block(self) -> bool:
-        """Whether the event simulation keeps a stage busy while it sends (1F1B: DeepSpeed's
-        blocking transfers); False for the op-order schedules, whose sends never block."""
-        return _MODELS[self.kind].sends_block
+        """Whether the event simulation keeps a stage busy while it sends (`blocking_1f1b` 1F1B:
+        DeepSpeed's blocking transfers); False for the op-order schedules, whose sends never block."""
+        return self._model.sends_block
 
     @property
     def runtime_difference(self) -> str | None:
@@ -219,8 +242,8 @@ class PipelineSchedule(Schedule):
         output; None where it times the runtime's own op order and transfer rule."""
         if not self.sends_block:
             return None
-        return (f"{self.label} timed with DeepSpeed's blocking send/receive pairs; the runtime runs the same op order"
-                " with non-blocking sends (sailor.plan.orders)")
+        return (f"{self.label} timed with DeepSpeed's blocking send/receive pairs (the job's framework); Sailor's runtime"
+                " runs the same op order with non-blocking sends (sailor.plan.orders)")
 
     @property
     def label(self) -> str:
@@ -231,13 +254,13 @@ class PipelineSchedule(Schedule):
     def time_s(self, times: PipelineTimes, m: int, *, event: bool = True) -> float:
         """Seconds of one pipeline's m micro-batches (compute and p2p; no sync or optimizer): the
         event simulation, or the closed form (`closed_form_s`) when `event` is False."""
-        model = _MODELS[self.kind]
+        model = self._model
         return model.event(times, m) if event else model.closed(times, m)
 
     def closed_form_s(self, times: PipelineTimes, m: int) -> float:
         """The closed form of this schedule (the planner's fast path; see each closed form for where
         it equals the event simulation)."""
-        return _MODELS[self.kind].closed(times, m)
+        return self._model.closed(times, m)
 
     def affine_from(self, num_stages: int) -> int:
         """The smallest m from which `closed_form_s` is affine in m: 2 under 1F1B (one micro-batch
@@ -256,7 +279,7 @@ class PipelineSchedule(Schedule):
     def timeline(self, times: PipelineTimes, m: int) -> list[list[TimedOp]]:
         """Per-stage ops of the event simulation in execution order (same events and makespan as
         `time_s`); kinds F, B, W, and for 1F1B also the blocking transfers SA, RA, SG, RG."""
-        return _MODELS[self.kind].timeline(times, m)
+        return self._model.timeline(times, m)
 
     def in_flight(self, stage: int, num_stages: int, m: int, held_bytes: Sequence[float] | None = None,
                   pending_bytes: Sequence[float] | None = None) -> InFlight:
@@ -281,9 +304,12 @@ class PipelineSchedule(Schedule):
 ONE_F_ONE_B = PipelineSchedule()
 
 
-def pipeline_schedule(plan: Plan) -> PipelineSchedule:
-    """The schedule of `plan`: the one place the simulator reads `Plan.schedule`."""
-    return PipelineSchedule(kind=plan.schedule.kind, virtual_stages=plan.schedule.virtual_stages)
+def pipeline_schedule(plan: Plan, framework: Framework = Framework.SAILOR) -> PipelineSchedule:
+    """The schedule of `plan` as a job of `framework` runs it (`PipelineSchedule.blocking_1f1b`):
+    the one place the simulator reads `Plan.schedule`."""
+    kind = plan.schedule.kind
+    return PipelineSchedule(kind=kind, virtual_stages=plan.schedule.virtual_stages,
+                            blocking_1f1b=kind is not ScheduleKind.ONE_F_ONE_B or framework is not Framework.SAILOR)
 
 
 def bubble_ratio(schedule: PipelineSchedule, times: PipelineTimes, m: int, *, event: bool = True) -> float:

@@ -296,8 +296,8 @@ def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float, *,
     both directions, so it takes the larger of the two gathers. An end whose chunk runs sequence
     parallelism with a block at that edge (`sliced`: sender's output, receiver's input) holds only
     its slice there and gathers nothing (`runtime.tensor_parallel.sliced_edges`). Each transfer takes the intra-node
-    link when both replicas sit on one node (`Slot.node`, from `placed_slots`), and pays the
-    calibrated fixed cost `p2p_overhead_s` of its slower end (0 by default). Egress: the tensor once
+    link when both replicas sit on one node (`Slot.node`, from `placed_slots`), and pays the fixed
+    cost of its slower end (`SimContext.p2p_overhead_s`: calibrated and profiled, 0 by default). Egress: the tensor once
     each way, each direction at its sender's price (`catalog.Clouds.egress_between`).
 
     DeepSpeed's pipeline engine (`Framework.DEEPSPEED`, the public Sailor runs) instead has every TP
@@ -315,7 +315,7 @@ def link_transfer(ctx: SimContext, src: Slot, dst: Slot, nbytes: float, *,
                      for end, cut in zip((src, dst), sliced))
     seconds = (ctx.network.transfer_time_s(src.zone, src.gpu, dst.zone, dst.gpu, per_flow, flows=flows,
                                            same_node=on_node)
-               + ctx.p2p_overhead_s(src.gpu, dst.gpu) + gather)
+               + ctx.p2p_overhead_s((src.gpu, src.tp), (dst.gpu, dst.tp)) + gather)
     lc = ctx.network.link_class(src.zone, dst.zone, on_node)
     if lc in (LinkClass.SAME_NODE, LinkClass.SAME_ZONE):
         return seconds, 0.0, 0.0

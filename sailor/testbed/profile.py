@@ -277,14 +277,16 @@ def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, 
 
 
 def tp1_pass_overhead(profile: dict[str, Any]) -> dict[str, Any]:
-    """`profile` with the fixed cost of a stage pass (`runtime.pass_overhead_s`) at TP 1 only; the
-    simulator takes it for every TP degree (the nearest measured). At TP t its measurement runs 2·t
+    """`profile` with the fixed costs of a stage pass and of a pipeline transfer
+    (`runtime.pass_overhead_s`, `runtime.p2p_overhead_s`) at TP 1 only; the simulator takes them for
+    every TP degree (the nearest measured). At TP t its measurement runs 2·t
     ranks of the class in one node (`runtime.profile_passes`), which at t >= 2 outnumber a node's
     ranks: the ranks beyond them share a device's cgroup without a reservation of their own
     (`cgroups.place_ranks`; before, with one each beside the other nodes kept busy, they exceeded
     the deadline bandwidth the kernel admits on this 2-core machine, and the figure came out as 0
     forward and 4.0 ms backward where TP 1's was 0.25 and 0.04 ms, 2026-12-05)."""
     runtime = profile.get("runtime", {})
-    if "pass_overhead_s" in runtime:
-        runtime["pass_overhead_s"] = [r for r in runtime["pass_overhead_s"] if r["tp"] == 1]
+    for key in ("pass_overhead_s", "p2p_overhead_s"):
+        if key in runtime:
+            runtime[key] = [r for r in runtime[key] if r["tp"] == 1]
     return profile
