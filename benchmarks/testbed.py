@@ -82,6 +82,7 @@ from sailor.perf.network import network_for
 from sailor.runtime.netprofile import collective_of_pairs
 from sailor.specs import load_cluster
 from sailor.testbed import counters, down, leftovers, load_testbed, support_problem, up
+from sailor.testbed.cgroups import REFUSED_LINE
 from sailor.testbed.guard import STARVED_LINE
 from sailor.testbed.profile import profile_classes
 from sailor.testbed.spec import wire_bytes
@@ -295,7 +296,9 @@ def run_plan(name: str, plan: dict, state, job: Path, profile: Path, network: tu
            "load_before": load_before, "load_after": os.getloadavg()[0],
            # a guard saw ordinary threads starve and returned the ranks to their CFS quotas (`testbed.guard`)
            "reservations_handed_back": any(STARVED_LINE in (out / f"{name}-{n}.log").read_text(errors="replace")
-                                           for n in (SHORT_STEPS, steps))}
+                                           for n in (SHORT_STEPS, steps)),
+           # ranks whose reservation the kernel refused ran on their CFS quota alone (`cgroups.reserve`)
+           "reservations_refused": (out / f"{name}-{steps}.log").read_text(errors="replace").count(REFUSED_LINE)}
     if node:
         payload = sum(t.moved_bytes for t in est.traffic)
         per_iter = (moved[1] - moved[0]) / (steps - SHORT_STEPS)
@@ -451,7 +454,9 @@ def main() -> int:
                   + (f"  link bytes/iter {r['link_measured_bytes']:.0f} vs {r['link_predicted_bytes']:.0f}"
                      f" ({r['link_error_pct']:+.1f} %)" if "link_node" in r else "")
                   + f"  load {r['load_before']:.1f}->{r['load_after']:.1f}"
-                  + ("  (reservations handed back: testbed.guard)" if r["reservations_handed_back"] else ""), flush=True)
+                  + ("  (reservations handed back: testbed.guard)" if r["reservations_handed_back"] else "")
+                  + (f"  ({r['reservations_refused']} reservation(s) refused)" if r["reservations_refused"] else ""),
+                  flush=True)
         if not args.no_elastic:
             elastic = elastic_row(state, spec, job, profile, out, step_s=rows[0]["measured_s"])
             print(f"elastic: node {elastic['victim']} down after step {ELASTIC_KILL_AT} and back; launches"

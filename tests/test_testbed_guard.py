@@ -60,6 +60,32 @@ def test_the_guard_hands_back_each_time_and_ends_with_the_watched_process(monkey
     assert len(err) == 2 and all(line.startswith(guard.STARVED_LINE) and "2 rank thread(s)" in line for line in err)
 
 
+def test_a_hand_back_has_the_kernel_count_its_deadline_bandwidth_anew(monkeypatch):
+    rebuilt, cleared = [], []
+    monkeypatch.setattr(guard, "reserved_threads", lambda cgroups: [11, 12])
+    monkeypatch.setattr(guard.deadline, "clear_deadline", cleared.append)
+    assert guard.hand_back(["cg"], rebuild=lambda: rebuilt.append(1) or True) == 2
+    assert cleared == [11, 12] and rebuilt == [1]
+    monkeypatch.setattr(guard, "reserved_threads", lambda cgroups: [])  # nothing handed back: nothing to count
+    assert guard.hand_back(["cg"], rebuild=lambda: rebuilt.append(1) or True) == 0 and rebuilt == [1]
+
+
+def test_rebuilding_the_accounting_toggles_the_root_cpusets_balance_flag(tmp_path, monkeypatch):
+    from sailor.testbed import deadline
+
+    flag = tmp_path / "cpuset.sched_load_balance"
+    writes = []
+    real = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, text, *a, **k: writes.append(text) or real(self, text, *a, **k))
+    flag.write_text("1\n")
+    writes.clear()
+    assert deadline.rebuild_accounting(flag) and writes == ["0", "1"] and flag.read_text() == "1"
+    flag.write_text("0\n")  # the host turned balancing off: left alone
+    writes.clear()
+    assert not deadline.rebuild_accounting(flag) and writes == []
+    assert not deadline.rebuild_accounting(tmp_path / "absent")  # no cgroup v1 cpuset
+
+
 PROBLEM = support_problem()
 
 

@@ -110,6 +110,10 @@ def quota_cores(cgroup: str) -> float | None:
     return None if quota < 0 else quota / int(Path(cgroup, "cpu.cfs_period_us").read_text())
 
 
+REFUSED_LINE = "testbed: reservation refused"
+"""How the line `reserve` prints where the kernel refuses a reservation begins."""
+
+
 def reserve(tid: int, cgroup: str) -> None:
     """Give thread `tid` its rank cgroup `cgroup`'s quota as a deadline reservation
     (`deadline.set_deadline`), where the quota is under one core (a full core needs none). Where
@@ -123,7 +127,7 @@ def reserve(tid: int, cgroup: str) -> None:
     except OSError as e:
         if not Path(f"/proc/{tid}").exists():
             raise
-        print(f"testbed: rank thread {tid} keeps its CFS quota alone ({e})", file=sys.stderr, flush=True)
+        print(f"{REFUSED_LINE}: rank thread {tid} keeps its CFS quota alone ({e})", file=sys.stderr, flush=True)
 
 
 def reserved_threads(cgroups: Iterable[str]) -> list[int]:

@@ -96,6 +96,35 @@ def is_deadline(tid: int) -> bool:
     return False
 
 
+ROOT_CPUSET_BALANCE = "/sys/fs/cgroup/cpuset/cpuset.sched_load_balance"
+"""The root cpuset's load-balance flag (cgroup v1), the one control whose change makes the kernel
+rebuild its scheduling domains (`rebuild_accounting`)."""
+
+
+def rebuild_accounting(flag: str | Path = ROOT_CPUSET_BALANCE) -> bool:
+    """Have the kernel count the deadline bandwidth of its root domain anew from the deadline tasks
+    that exist: the root cpuset's `sched_load_balance` set to 0 and back to 1 rebuilds the scheduling
+    domains, and with them the root domain's sum of admitted reservations (the kernel's
+    `dl_rebuild_rd_accounting`, Linux 6.x). Whether it was done: False without a cgroup v1 cpuset
+    root, or where the flag is not 1 (the host balances as it chose; left alone).
+
+    Why: this kernel (6.18) lost the bandwidth of reservations the starvation guard had handed back
+    (`guard.hand_back`). After it returned two 0.3-core rank threads to SCHED_OTHER (2026-12-05
+    21:39), the machine admitted 1.2 cores of new reservations instead of 1.8 (1.9 less the fair
+    servers' 0.1), until this rebuild gave the 1.8 back, and each later row of that run had one
+    0.3-core rank refused (EBUSY) and left on its CFS quota. Raises OSError when the flag cannot be
+    written (not root)."""
+    path = Path(flag)
+    try:
+        if path.read_text().strip() != "1":
+            return False
+    except OSError:
+        return False
+    path.write_text("0")
+    path.write_text("1")
+    return True
+
+
 def bandwidth_limit(cpus: int | None = None) -> float:
     """Cores the deadline (and real-time) tasks of this machine may reserve in all:
     `cpus` (default `os.cpu_count()`) x kernel.sched_rt_runtime_us / kernel.sched_rt_period_us

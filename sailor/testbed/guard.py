@@ -27,6 +27,7 @@ process ends.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -64,9 +65,11 @@ def is_runnable(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] == "R"
 
 
-def hand_back(cgroups: Iterable[str]) -> int:
+def hand_back(cgroups: Iterable[str], rebuild: Callable[[], bool] = deadline.rebuild_accounting) -> int:
     """Return every deadline thread of `cgroups` to SCHED_OTHER (`deadline.clear_deadline`); how many
-    were (threads that end meanwhile are skipped)."""
+    were (threads that end meanwhile are skipped). Then, where any was, have the kernel count its
+    deadline bandwidth anew (`rebuild`, default `deadline.rebuild_accounting`: this kernel lost the
+    bandwidth of the threads handed back, so that later runs' reservations were refused)."""
     n = 0
     for tid in reserved_threads(cgroups):
         try:
@@ -74,6 +77,9 @@ def hand_back(cgroups: Iterable[str]) -> int:
             n += 1
         except OSError:
             continue
+    if n:
+        with contextlib.suppress(OSError):
+            rebuild()
     return n
 
 
