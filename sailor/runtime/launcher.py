@@ -30,7 +30,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sailor.core.process import die_with_parent
+from sailor.core.scratch import scratch_dir
 from sailor.runtime.prepare import Prepared
 
 EVENT_PREFIX = "SAILOR_EVENT "  # the worker's event lines (sailor.runtime.worker.emit)
@@ -106,7 +106,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
     """
     o = prep.options
     assert commands is None or o.stop_file, "commands of a run must watch its stop file"
-    with tempfile.TemporaryDirectory(prefix="sailor-train-") as tmp:
+    with scratch_dir("sailor-train-") as tmp:
         stop_file = o.stop_file or os.path.join(tmp, "stop")
         argvs = [[*EXEC, *c] for c in commands] if commands else [worker_command(prep, stop_file)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -47,6 +47,7 @@ from typing import Any
 
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import load_json
+from sailor.core.scratch import scratch_dir
 from sailor.model.spec import ModelSpec
 from sailor.perf.profiles import RUNTIME_ROWS
 from sailor.specs import load_job
@@ -255,7 +256,7 @@ def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, 
         [str(Path(__file__).resolve().parents[2])] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     job = Path(job).resolve()
     parts: dict[str, list[dict[str, Any]]] = {}
-    with tempfile.TemporaryDirectory(prefix="sailor-testbed-profile-") as tmp:
+    with scratch_dir("sailor-testbed-profile-") as tmp:
         for nodes in profile_rounds(spec, tps, classes):
             measured, busy = {}, {}
             for node in spec.nodes:
