@@ -72,9 +72,11 @@ class TrainResult:
     failed_process: int | None = None  # index of the command (node) that failed first
     process_failure: str = ""  # "<label> exited with status <n>: <its last line>", or "aborted"
 
-def worker_command(prep: Prepared, stop_file: str) -> list[str]:
-    """The local torchrun command line (through `_main`): every rank on this machine."""
-    return [sys.executable, "-m", "sailor.runtime.launcher", "--standalone",
+def worker_command(prep: Prepared, stop_file: str, log_dir: str) -> list[str]:
+    """The local torchrun command line (through `_main`): every rank on this machine. torchrun keeps
+    its logs under `log_dir` (the launch's scratch folder): by default it makes a torchelastic_XXXX
+    folder in the temp folder and never removes it."""
+    return [sys.executable, "-m", "sailor.runtime.launcher", "--standalone", "--log-dir", log_dir,
             "--nproc-per-node", str(prep.plan.world_size), "--monitor-interval", str(MONITOR_INTERVAL_S),
             *prep.settings(stop_file).argv()]
 
@@ -108,7 +110,7 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
     assert commands is None or o.stop_file, "commands of a run must watch its stop file"
     with scratch_dir("sailor-train-") as tmp:
         stop_file = o.stop_file or os.path.join(tmp, "stop")
-        argvs = [[*EXEC, *c] for c in commands] if commands else [worker_command(prep, stop_file)]
+        argvs = [[*EXEC, *c] for c in commands] if commands else [worker_command(prep, stop_file, os.path.join(tmp, "torchrun"))]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         result = TrainResult(ExitStatus.FAILED, "")
         lock = threading.Lock()
