@@ -252,7 +252,17 @@ BAD = [
      ["plan", "--job", "job.yaml", "--cluster", "c.yaml"], ".nan is not a finite number"),
     ({"c.json": '{"provider": "local", "zones": {"local": {"cpu": 4}}, "prices": {"cpu": Infinity}}'},
      ["plan", "--job", "job.yaml", "--cluster", "c.json"], "Infinity is not a number JSON allows"),
-    ({}, ["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--max-cost-per-hour", "nan"], "--max-cost-per-hour"),
+    ({}, ["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--max-cost-per-hour", "nan"],
+     "--max-cost-per-hour: must be a finite positive number, got nan"),
+    ({}, ["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--max-cost-per-hour", "0"],
+     "--max-cost-per-hour: must be a finite positive number, got 0"),
+    ({}, ["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--max-cost-per-iteration", "-1"],
+     "--max-cost-per-iteration: must be a finite positive number, got -1"),
+    ({}, ["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--min-throughput", "-inf"],
+     "--min-throughput: must be a finite non-negative number, got -inf"),
+    # the option's name, not the planner's field (time_limit_s)
+    ({}, ["plan", "--job", "job.yaml", "--cluster", "local.yaml", "--time-limit", "0"],
+     "error: --time-limit: must be a finite positive number, got 0"),
     ({}, ["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json", "--time-scale", "inf"],
      "--time-scale: expected a finite number"),
     # a flag pair where the last would win silently
