@@ -15,7 +15,7 @@ from rich.table import Table
 
 from sailor.api import plan_options
 from sailor.cli.app import app
-from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, job_label,
+from sailor.cli.common import (MAKES_FOLDERS, ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, job_label,
                                machine_profiles,
                                memory_label, resolve_models)
 from sailor.core.errors import SailorInputError
@@ -57,10 +57,11 @@ def plan_command(
                                              f" (default {DEFAULT_MEMORY_MARGIN}: the simulator's memory error"
                                              " on measured runs plus unmeasured framework memory)."),
     top: int = typer.Option(3, "--top", min=0, help="Alternatives to show."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the plan (with its job and cluster) to this JSON file."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the plan (with its job and cluster) to this JSON file."
+                                                + MAKES_FOLDERS),
     report: Optional[Path] = typer.Option(None, "--report", help="Write figures (PNG, SVG) and index.html to this"
                                           " folder, e.g. report/ (also runs the paper and homogeneous searches and"
-                                          " the search for the other objective)."),
+                                          " the search for the other objective)." + MAKES_FOLDERS),
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the best plan for JOB on the GPUs CLUSTER offers (built-in example when both are omitted)."""

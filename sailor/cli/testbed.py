@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from sailor.cli.app import app
+from sailor.cli.common import MAKES_FOLDERS
 from sailor.core.errors import SailorInputError, one_line
 
 testbed_app = typer.Typer(no_args_is_help=True, help="A cluster in a box: nodes as network namespaces, shaped"
@@ -98,7 +99,7 @@ def profile_command(
     job: Path = typer.Option(..., "--job", help="Job spec (YAML/JSON): model, sequence length, precision."),  # noqa: B008
     mbs: str = typer.Option("1,2,4", "--mbs", help="Micro-batch sizes (samples), comma-separated, e.g. 1,2,4."),
     out: Path = typer.Option(Path("profile.json"), "--out",  # noqa: B008
-                             help="Profile file to write (JSON, sailor.profiles/1)."),
+                             help="Profile file to write (JSON, sailor.profiles/1)." + MAKES_FOLDERS),
     state_dir: str | None = StateDirOpt,
 ) -> None:
     """Measure each device class with `sailor profile` inside a node of the class, each rank under
