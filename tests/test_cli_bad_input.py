@@ -265,6 +265,10 @@ BAD = [
      "error: --time-limit: must be a finite positive number, got 0"),
     ({}, ["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json", "--time-scale", "inf"],
      "--time-scale: expected a finite number"),
+    # a node size for a GPU type no zone offers (ignored without a word before)
+    ({"c.yaml": "provider: local\nzones: {local: {cpu: 4}}\ngpus_per_node: {cpu: 4, V100-16: 8}\n"},
+     ["plan", "--job", "job.yaml", "--cluster", "c.yaml"],
+     "c.yaml: gpus_per_node.V100-16: the cluster offers no V100-16 in any zone (its GPU types: cpu)"),
     # a flag pair where the last would win silently
     ({}, ["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json", "--in-place",
           "--restart"], "--in-place: given with --restart"),
