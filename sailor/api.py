@@ -15,12 +15,13 @@ file's format, or the object itself. Nothing here imports torch.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from pathlib import Path
 from typing import Callable, TypeVar, Union
 
 from sailor import catalog
-from sailor.core.errors import InfeasibleError, SailorInputError
+from sailor.core.errors import InfeasibleError, SailorInputError, show
 from sailor.core.limits import MAX_BLOCKS
 from sailor.core.schema import Checks, parse_model
 from sailor.perf.network import NetworkModel, network_for
@@ -109,13 +110,14 @@ def plan_options(*, objective: Objective | str = Objective.THROUGHPUT, search: S
                  min_throughput: float | None = None, max_stages: int = 16, top: int = 3,
                  time_limit: float | None = None, memory_margin: float = DEFAULT_MEMORY_MARGIN) -> PlanOptions:
     """PlanOptions from `sailor plan`'s settings (see `find_plan`), checked the same for the API and
-    the CLI. Raises SailorInputError (named as `sailor plan`'s option) for a constraint or time limit
-    that is not a finite number >= 0, a `max_stages` that is not a whole number from 1 to
-    MAX_BLOCKS + 2, a `top` that is not a whole number >= 0, or a memory margin outside [0, 1)."""
+    the CLI. Raises SailorInputError (named as `sailor plan`'s option) for a budget or time limit that
+    is not a finite positive number (0 would refuse every plan), a throughput floor that is not a
+    finite number >= 0, a `max_stages` that is not a whole number from 1 to MAX_BLOCKS + 2, a `top`
+    that is not a whole number >= 0, or a memory margin outside [0, 1)."""
     for name, value in (("max_cost_per_iteration", max_cost_per_iteration), ("max_cost_per_hour", max_cost_per_hour),
                         ("min_throughput", min_throughput), ("time_limit", time_limit)):
         if value is not None:
-            Checks("--" + name.replace("_", "-")).number(value, "", lo=0)
+            _finite_number(value, "--" + name.replace("_", "-"), zero=name == "min_throughput")
     Checks("--max-stages").whole(max_stages, "", lo=1, hi=MAX_BLOCKS + 2)
     Checks("--top").whole(top, "", lo=0)
     return PlanOptions(objective=choice(Objective, objective, "objective", "objective"),
@@ -123,6 +125,14 @@ def plan_options(*, objective: Objective | str = Objective.THROUGHPUT, search: S
                        max_stages=max_stages, top_k=top, time_limit_s=time_limit, memory_margin=memory_margin,
                        constraints=Constraints(max_cost_per_iteration=max_cost_per_iteration,
                                                max_cost_per_hour=max_cost_per_hour, min_throughput=min_throughput))
+
+
+def _finite_number(value: object, option: str, *, zero: bool) -> None:
+    """Raise SailorInputError naming `option` unless `value` is a finite number > 0 (>= 0 with `zero`)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and (value > 0 or zero and value == 0)):
+        raise SailorInputError(f"must be a finite {'non-negative' if zero else 'positive'} number, got {show(value)}",
+                               source=option)
 
 
 def find_plan(job: Source | JobSpec, cluster: Source | ClusterSpec, *, profiles: str | Path | Profiles | None = None,

@@ -3,16 +3,19 @@ the folder the SAILOR_REFERENCE environment variable names), and the two test ti
 
 Tiers: a unit test starts no process; a test that starts one (torchrun ranks, the CLI in a
 subprocess, ssh stand-ins, namespaces) carries `@pytest.mark.integration`. The rule is enforced: in
-a test without the marker, starting a process raises (`_unit_tests_start_no_process`). The unit
-tier alone is `pytest -m "not integration"`."""
+a test without the marker, starting a process raises (`_unit_tests_start_no_process`), and a scratch
+folder (`core.scratch`) gets no watcher process. The unit tier alone is `pytest -m "not integration"`."""
 
 import contextlib
+import io
 import os
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
+
+from sailor.core import scratch
 
 SAILOR_REF = Path(os.environ.get("SAILOR_REFERENCE")
                   or Path(__file__).resolve().parents[2] / "shared" / "reference" / "sailor")
@@ -35,6 +38,17 @@ class ProcessInUnitTest(RuntimeError):
     """A test without the `integration` marker tried to start a process."""
 
 
+class _NoWatcher:
+    """Stands in for `core.scratch.start_watcher`'s process in unit tests: the folder is removed by
+    the block's end alone (`test_scratch` runs the real watcher)."""
+
+    def __init__(self, path: str) -> None:
+        self.stdin = io.BytesIO()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
 def _refuse_processes(item) -> list[tuple[object, str, object]]:
     """Make Popen (subprocess.run and check_output use it), fork and posix_spawn raise
     ProcessInUnitTest; returns what to put back."""
@@ -45,8 +59,9 @@ def _refuse_processes(item) -> list[tuple[object, str, object]]:
         def __init__(self, *args, **kwargs):
             refuse()
 
-    saved = [(subprocess, "Popen", subprocess.Popen)]
+    saved = [(subprocess, "Popen", subprocess.Popen), (scratch, "start_watcher", scratch.start_watcher)]
     subprocess.Popen = NoPopen
+    scratch.start_watcher = _NoWatcher  # a scratch folder's watcher is a process: integration tests have it
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
         if hasattr(os, name):
             saved.append((os, name, getattr(os, name)))

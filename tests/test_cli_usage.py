@@ -37,3 +37,40 @@ def test_usage_names_every_option_of_every_command():
     assert {"plan", "simulate", "train", "run", "launch", "profile network"} <= set(entries)
     wrong = {name: (sorted(real - doc), sorted(doc - real)) for name, (doc, real) in entries.items() if doc != real}
     assert wrong == {}  # {command: (options missing from README, options README names that do not exist)}
+
+
+# Options that write a file or folder (a missing folder on their path is created: the help says so).
+OUTPUTS = {"--out", "--report", "--metrics", "--events"}
+
+
+def _commands(command, path=()):
+    """(command path, click command) of `command` and every command below it (a group such as
+    `profile` takes options of its own)."""
+    yield " ".join(path), command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_every_output_option_says_it_creates_missing_folders():
+    _register()
+    outputs = {(name, o): " ".join((p.help or "").split()) for name, command in _commands(typer.main.get_command(app))
+               for p in command.params for o in p.opts if o in OUTPUTS}
+    assert {("plan", "--out"), ("profile", "--out"), ("run", "--events"), ("train", "--metrics")} <= set(outputs)
+    silent = sorted(k for k, text in outputs.items() if "Missing folders on its path are created." not in text)
+    assert silent == []
+
+
+def test_plan_out_creates_its_missing_folders(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from sailor.cli import main
+
+    out = tmp_path / "runs" / "exp3" / "plan.json"
+    monkeypatch.setattr(sys, "argv", ["sailor", "plan", "--job", str(README.parent / "examples" / "tiny_job.yaml"),
+                                      "--cluster", str(README.parent / "examples" / "two_zones.yaml"), "--out", str(out),
+                                      "--json"])
+    try:
+        main()
+    except SystemExit as e:
+        assert e.code == 0, capsys.readouterr().err
+    assert out.exists()

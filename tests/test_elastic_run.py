@@ -230,12 +230,15 @@ def interrupt_controller(args: list[str], tmp: Path, how: str, world_size: int) 
     """Run `sailor run ARGS --steps 100000` with metrics, events and checkpoints in `tmp`; once 3 steps
     are done on `world_size` ranks, SIGINT it (exit 3, the last step checkpointed, a `stopped` event),
     SIGINT it twice (exit 130: killed, or 3 when the ranks had already stopped) or SIGKILL it. No process
-    of the run may be left either way."""
-    metrics, ck = tmp / "m.jsonl", tmp / "ck"
+    of the run may be left either way, nor any of its scratch folders (`core.scratch`) or torchrun's
+    logs in its temp folder (TMPDIR)."""
+    metrics, ck, scratch = tmp / "m.jsonl", tmp / "ck", tmp / "tmpdir"
+    scratch.mkdir()
     with run_processes(str(tmp)) as alive:
         proc = subprocess.Popen([*SAILOR, "run", *args, "--steps", "100000", "--checkpoint-dir", str(ck),
                                  "--metrics", str(metrics), "--events", str(tmp / "e.jsonl")],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, TMPDIR=str(scratch)))
         try:
             _wait(lambda: len(_lines(metrics)) >= 3 or proc.poll() is not None)
             assert proc.poll() is None, proc.communicate()
@@ -256,7 +259,8 @@ def interrupt_controller(args: list[str], tmp: Path, how: str, world_size: int) 
             else:
                 proc.kill()
                 proc.wait(timeout=10)
-            _no_leftovers(alive)
+            _no_leftovers(alive)  # (a folder's watcher is one of the run's processes: it has done its work)
+            assert sorted(f.name for pattern in ("sailor-*", "torchelastic_*") for f in scratch.glob(pattern)) == []
         finally:
             if proc.poll() is None:
                 proc.kill()

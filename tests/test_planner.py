@@ -250,8 +250,10 @@ def test_time_limit_is_a_clear_error_when_nothing_was_found():
     cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 64}})
     job = JobSpec(model="opt-350m", global_batch_size=256)
     for space in (SearchSpace.FULL, SearchSpace.PAPER):
-        with pytest.raises(InfeasibleError, match=r"no plan found within the time limit of 0 s"):
+        with pytest.raises(InfeasibleError, match=r"no plan found within the time limit of 0 s") as e:
             plan_job(make_context(job, cluster), PlanOptions(search=space, time_limit_s=0.0))
+        # named as the option a user gives, not as the field of PlanOptions
+        assert e.value.one_line() == "--time-limit: no plan found within the time limit of 0 s (allow more time)"
 
 
 def test_progress_counts_nodes_on_a_large_cluster():

@@ -140,6 +140,9 @@ LINK = "{same_node: {latency_s: 1.0e-6, bandwidth_bytes_per_s: 1.0e11}}"
     ("zones: {us-central1-a: {A100-40: 8, V100-16: 0}}\nprices: {us-central1-a: {V100-16: 1.0, A100-80: 2.0}}",
      "prices.us-central1-a.A100-80: the cluster offers no A100-80 in zone 'us-central1-a' (it lists A100-40, V100-16"
      " there), so this price would never be used (remove the price, or offer that GPU type there)"),
+    ("zones: {us-central1-a: {A100-40: 8}}\ngpus_per_node: {A100-40: 4, A100-80: 8}",
+     "gpus_per_node.A100-80: the cluster offers no A100-80 in any zone (its GPU types: A100-40), so this node size"
+     " would never be used (remove the entry, or offer that GPU type in a zone)"),
 ])
 def test_settings_for_what_the_cluster_does_not_offer_are_refused(tmp_path, text, line):
     # they were ignored without a word; a zone or GPU type listed at 0 GPUs is offered (V100-16 above)

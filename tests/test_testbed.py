@@ -496,6 +496,40 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys
     assert not (tmp_path / "s").exists()
 
 
+def test_down_of_a_testbed_that_is_not_up_says_so_and_succeeds(tmp_path, monkeypatch, capsys):
+    """`sailor testbed down` run twice: the second finds nothing to remove, which is what was asked
+    (exit 0, one line naming the state folder and what is up there); a --state-dir that does not
+    exist names no testbed at all (exit 2). Only a temporary state folder: taking a testbed down is
+    stood in for (it removes the state file last), and the machine's support is not asked."""
+    import sys
+
+    from sailor import testbed
+    from sailor.cli import main
+
+    def down(state):
+        Path(state.folder, "state.json").unlink()
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["sailor", "testbed", "down", *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        out, err = capsys.readouterr()
+        return e.value.code, out.splitlines(), err.splitlines()
+
+    monkeypatch.setattr(host, "check_support", lambda: None)
+    monkeypatch.setattr(testbed, "down", down)
+    state = tmp_path / "s"
+    _save(_state(state))
+    _save(_state(state, "pair", "sbx00bb", 201))
+    assert run("box", "--state-dir", str(state)) == (0, ["removed testbed box (sbx00aa)"], [])
+    assert run("box", "--state-dir", str(state)) == (
+        0, [f"testbed box is not up (state in {state}): nothing to remove; up there: pair"], [])
+    assert [s.name for s in host.live_states(state)] == ["pair"]
+    assert run("box", "--state-dir", str(tmp_path / "typo")) == (
+        2, [], [f"error: --state-dir: {tmp_path / 'typo'} does not exist: no testbed was ever up there (name the"
+                " folder `sailor testbed up` was given)"])
+
+
 # ---- device speed as a deadline reservation -------------------------------------------------------
 def test_the_deadline_reservation_is_the_quota_of_its_period():
     import struct

@@ -10,16 +10,24 @@ the user on stderr (`main`):
 - a reader that leaves early (`sailor plan | head -1`): nothing more, exit status 0. The reader took
   what it wanted; 0 keeps `set -o pipefail` scripts going (the shell's own 141, a death by SIGPIPE,
   would fail them, and Python ignores SIGPIPE, so the write raises BrokenPipeError instead);
+- Ctrl-C (SIGINT) or SIGTERM: the command unwinds as from an exception (`Interrupted`: its ranks
+  ended, its scratch folders removed), then one line, exit status 130 (SIGINT) or 143 (SIGTERM),
+  the shell's figures for a death by those signals. `sailor train` and `sailor run` install their
+  own stop protocol instead while they run. A signal ignored when the process started stays ignored
+  (SIGINT in a script's background job);
 - anything else (a bug): one `error: internal error ...` line naming a file that holds the
   traceback, exit status 1. Never a bare traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -49,7 +57,7 @@ def main() -> None:
     # typer bundles its own copy of click; its exception base class lives there.
     from typer.core import _click
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _signals_unwind():
         warnings.simplefilter("always", SailorWarning)  # every file's note, not only the first
         warnings.showwarning = _show_warning
         try:
@@ -70,8 +78,12 @@ def main() -> None:
             message = " ".join(e.format_message().replace("Value error, ", "").split())
             print(f"error: {one_line(message)} (see --help)", file=sys.stderr)
             sys.exit(e.exit_code)
+        except Interrupted as e:
+            name = signal.Signals(e.signum).name
+            print(f"{'interrupted' if e.signum == signal.SIGINT else 'terminated'} ({name})", file=sys.stderr)
+            sys.exit(128 + e.signum)
         except (typer.Abort, KeyboardInterrupt):
-            print("aborted", file=sys.stderr)
+            print("interrupted", file=sys.stderr)
             sys.exit(130)
         except (SystemExit, typer.Exit):
             raise
@@ -86,6 +98,42 @@ def main() -> None:
         except BaseException as e:  # a bug: one line, the traceback in a file
             _internal_error(e)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM, raised in the main thread while `main` runs (`_signals_unwind`). A
+    BaseException, as KeyboardInterrupt is, so that `except Exception` lets it through and every
+    `finally` and context manager on the way runs (ranks ended, scratch folders removed); not a
+    KeyboardInterrupt, which typer turns into a silent exit status 130."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """While the block runs, SIGINT and SIGTERM raise `Interrupted` in the main thread, instead of a
+    KeyboardInterrupt and of an end with no cleanup at all. A signal ignored when the process started
+    stays ignored (SIGINT in a script's background job), one handled already stays handled; the
+    previous handlers come back after the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    default = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    previous = {s: signal.getsignal(s) for s in default}
+    mine = [s for s in default if previous[s] is default[s]]
+    for s in mine:
+        signal.signal(s, _raise_interrupted)
+    try:
+        yield
+    finally:
+        for s in mine:
+            signal.signal(s, previous[s])
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted(signum)
 
 
 # A write that failed for want of room or a device (the output on a full disk, `> /dev/full`): no bug.

@@ -18,6 +18,9 @@ ProfilesOpt = typer.Option(None, "--profiles", help="Profile file (ours) or a fo
                            " and llm_info.json. Default: roofline estimates from the GPU catalog.")
 NetworkOpt = typer.Option(None, "--network", help="Link file (ours) or a Sailor network folder. Default: catalog links.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
+# Said by every output option: a path such as runs/exp3/plan.json works without a `mkdir -p` first
+# (`core.fileio.check_output_path` refuses a parent that is a file or cannot be written, before any work).
+MAKES_FOLDERS = " Missing folders on its path are created."
 
 # What every rank trains with (`sailor train`, `sailor run`, `sailor launch`; the worker's settings,
 # `sailor.runtime.command.WorkerSettings`).
@@ -32,7 +35,7 @@ InitFromOpt = typer.Option(None, "--init-from", help="Hugging Face model folder 
                            " from; each rank reads only its own shard.")
 CheckpointEveryOpt = typer.Option(None, "--checkpoint-every", min=0, help="Checkpoint every N steps (0: only at the end"
                                   " and on a stop). Default: the job's recipe.checkpoint.every (100 unless set).")
-METRICS_HELP = "Append one JSON line per step to this file (.jsonl), written by rank 0."
+METRICS_HELP = "Append one JSON line per step to this file (.jsonl), written by rank 0." + MAKES_FOLDERS
 MetricsOpt = typer.Option(None, "--metrics", help=METRICS_HELP)
 LogEveryOpt = typer.Option(10, "--log-every", min=0, help="Print loss, tokens/s and MFU every N steps (0: never).")
 TensorboardOpt = typer.Option(None, "--tensorboard", help="Also write TensorBoard event files into this folder (needs"

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from sailor.cli.app import app
-from sailor.cli.common import JsonOpt, console, progress_bar
+from sailor.cli.common import MAKES_FOLDERS, JsonOpt, console, progress_bar
 
 data_app = typer.Typer(no_args_is_help=True, help="Training data: tokenize text into token files.")
 app.add_typer(data_app, name="data")
@@ -21,7 +21,7 @@ def prepare_command(
                                                                       " files (one document per line)."),
     tokenizer: Path = typer.Option(..., "--tokenizer", help="Hugging Face tokenizer.json (the `tokenizers` format)."),
     out: Path = typer.Option(..., "--out", help="Token file to write: NAME.npy, or NAME.bin (flat ids, as nanoGPT);"
-                                                " its metadata goes to NAME.npy.json / NAME.bin.json."),
+                                                " its metadata goes to NAME.npy.json / NAME.bin.json." + MAKES_FOLDERS),
     text_field: str = typer.Option("text", "--text-field", help="Field of each JSONL record holding its text."),
     eos: Optional[str] = typer.Option(None, "--eos", help="Token appended after every document, e.g. '</s>'."),
     job: Optional[Path] = typer.Option(None, "--job", help="Job spec: refuse a tokenizer whose vocabulary is larger"

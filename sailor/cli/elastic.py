@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from sailor.cli.app import app
-from sailor.cli.common import (METRICS_HELP, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt, ProfilesOpt, SeedOpt,
+from sailor.cli.common import (MAKES_FOLDERS, METRICS_HELP, DataOpt, InitFromOpt, JsonOpt, LogEveryOpt, NetworkOpt, ProfilesOpt, SeedOpt,
                                check_number, choice, console, machine_profiles, require_torch, say_notes_now)
 from sailor.core.errors import SailorInputError, counted
 from sailor.core.fileio import check_distinct_outputs, check_output_path
@@ -50,7 +50,7 @@ def run(
     log_every: int = LogEveryOpt,
     events: Optional[str] = typer.Option(None, "--events", help="Write one JSON line per controller event to this"
                                          " file (.jsonl); one that holds events already is refused without"
-                                         " --append-events."),
+                                         " --append-events." + MAKES_FOLDERS),
     append_events: bool = typer.Option(False, "--append-events", help="Add this run's events after those already in"
                                        " --events (e.g. a run resumed from --checkpoint-dir)."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Clock seconds per trace second (0.01: an hour of"

@@ -24,7 +24,7 @@ from typing import Optional
 import typer
 
 from sailor.cli.app import app
-from sailor.cli.common import (NOTES_AT_END, CheckpointEveryOpt, DataOpt, InitFromOpt, LogEveryOpt, MetricsOpt, SeedOpt,
+from sailor.cli.common import (MAKES_FOLDERS, NOTES_AT_END, CheckpointEveryOpt, DataOpt, InitFromOpt, LogEveryOpt, MetricsOpt, SeedOpt,
                                StepsOpt, TensorboardOpt, TimeoutOpt, choice, say_notes_now)
 from sailor.core.errors import SailorInputError
 
@@ -41,7 +41,7 @@ def launch_command(
                                                                " (torchrun backend)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the commands / YAML instead of starting anything."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the YAML documents to this file"
-                                        " (skypilot: a folder of task files and launch.sh)."),
+                                        " (skypilot: a folder of task files and launch.sh)." + MAKES_FOLDERS),
     steps: Optional[int] = StepsOpt,
     seed: int = SeedOpt,
     data: Optional[str] = DataOpt,

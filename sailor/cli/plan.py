@@ -15,7 +15,7 @@ from rich.table import Table
 
 from sailor.api import plan_options
 from sailor.cli.app import app
-from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, job_label,
+from sailor.cli.common import (MAKES_FOLDERS, ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, job_label,
                                machine_profiles,
                                memory_label, resolve_models)
 from sailor.core.errors import SailorInputError
@@ -39,17 +39,17 @@ def plan_command(
     network: Optional[Path] = NetworkOpt,
     objective: Objective = typer.Option(Objective.THROUGHPUT, "--objective",
                                         help="throughput: max iterations/s; cost: min $/iteration."),
-    max_cost_per_iteration: Optional[float] = typer.Option(None, "--max-cost-per-iteration", min=0,
+    max_cost_per_iteration: Optional[float] = typer.Option(None, "--max-cost-per-iteration",
                                                            help="Budget in $ per iteration, e.g. 1.2."),
-    max_cost_per_hour: Optional[float] = typer.Option(None, "--max-cost-per-hour", min=0,
+    max_cost_per_hour: Optional[float] = typer.Option(None, "--max-cost-per-hour",
                                                       help="Spending rate limit in $/hour, e.g. 500."),
-    min_throughput: Optional[float] = typer.Option(None, "--min-throughput", min=0,
+    min_throughput: Optional[float] = typer.Option(None, "--min-throughput",
                                                    help="Floor in iterations/s, e.g. 0.2."),
     search: SearchSpace = typer.Option(SearchSpace.FULL, "--search",
                                        help="full (ours), paper (published space) or homogeneous (one GPU type,"
                                             " one zone)."),
     max_stages: int = typer.Option(16, "--max-stages", min=1, help="Largest pipeline depth P tried."),
-    time_limit: Optional[float] = typer.Option(None, "--time-limit", min=0,
+    time_limit: Optional[float] = typer.Option(None, "--time-limit",
                                                help="Stop searching after this many seconds and take the best plan"
                                                     " found so far, e.g. 10 (an error if none was found)."),
     memory_margin: float = typer.Option(DEFAULT_MEMORY_MARGIN, "--memory-margin",
@@ -57,10 +57,11 @@ def plan_command(
                                              f" (default {DEFAULT_MEMORY_MARGIN}: the simulator's memory error"
                                              " on measured runs plus unmeasured framework memory)."),
     top: int = typer.Option(3, "--top", min=0, help="Alternatives to show."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the plan (with its job and cluster) to this JSON file."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the plan (with its job and cluster) to this JSON file."
+                                                + MAKES_FOLDERS),
     report: Optional[Path] = typer.Option(None, "--report", help="Write figures (PNG, SVG) and index.html to this"
                                           " folder, e.g. report/ (also runs the paper and homogeneous searches and"
-                                          " the search for the other objective)."),
+                                          " the search for the other objective)." + MAKES_FOLDERS),
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the best plan for JOB on the GPUs CLUSTER offers (built-in example when both are omitted)."""

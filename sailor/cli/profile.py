@@ -12,7 +12,7 @@ import typer
 
 from sailor import catalog
 from sailor.cli.app import app
-from sailor.cli.common import require_torch
+from sailor.cli.common import MAKES_FOLDERS, require_torch
 from sailor.core.errors import SailorInputError, one_line, show
 
 profile_app = typer.Typer(no_args_is_help=False, help="Measure this machine: layer times, memory, links.")
@@ -69,7 +69,8 @@ def profile_layers(
     threads: int = typer.Option(1, "--threads", help="CPU threads per process (torchrun gives each rank 1)."),
     concurrency: int = typer.Option(0, "--concurrency", help="Replicas timed at once, e.g. 2; 0: enough to keep"
                                                              " every CPU core busy, as in a multi-process run (1 on cuda)."),
-    out: Path = typer.Option(Path("profile.json"), "--out", help="Profile file to write (JSON, sailor.profiles/1)."),
+    out: Path = typer.Option(Path("profile.json"), "--out", help="Profile file to write (JSON, sailor.profiles/1)."
+                                                                   + MAKES_FOLDERS),
 ) -> None:
     """Time the runtime's embedding, block and head layers and the optimizer step on this machine."""
     if ctx.invoked_subcommand is not None:
@@ -113,7 +114,8 @@ def profile_network_command(
                                                                 " with Sailor installed (default python3)."),
     port: Optional[int] = typer.Option(None, "--port", min=1, max=65535, help="With --hosts: TCP port of the"
                                        " rendezvous on each pair's first machine (default 29500)."),
-    out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.network/1)."),
+    out: Path = typer.Option(Path("network.json"), "--out", help="Link file to write (JSON, sailor.network/1)."
+                                                                   + MAKES_FOLDERS),
 ) -> None:
     """p2p and all-reduce over 1 KiB..64 MiB between local processes (or, with --hosts, p2p between
     machines); fit latency and bandwidth."""

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor.cli.app import app
-from sailor.cli.common import (ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, job_label,
+from sailor.cli.common import (MAKES_FOLDERS, ClusterOpt, JobOpt, JsonOpt, NetworkOpt, ProfilesOpt, console, job_label,
                                machine_profiles,
                                memory_label, resolve_models, resolve_specs)
 from sailor.core.fileio import check_output_path
@@ -30,7 +30,7 @@ def simulate_command(
     profiles: Optional[Path] = ProfilesOpt,
     network: Optional[Path] = NetworkOpt,
     report: Optional[Path] = typer.Option(None, "--report", help="Write figures (PNG, SVG) and index.html to this"
-                                          " folder, e.g. report/."),
+                                          " folder, e.g. report/." + MAKES_FOLDERS),
     as_json: bool = JsonOpt,
 ) -> None:
     """Simulate one training iteration of PLAN: time, memory per GPU, cost."""

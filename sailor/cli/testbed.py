@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from sailor.cli.app import app
+from sailor.cli.common import MAKES_FOLDERS
 from sailor.core.errors import SailorInputError, one_line
 
 testbed_app = typer.Typer(no_args_is_help=True, help="A cluster in a box: nodes as network namespaces, shaped"
@@ -48,18 +49,30 @@ def down_command(
                               " a killed run left that no live testbed (of any state folder) owns."),
     state_dir: str | None = StateDirOpt,
 ) -> None:
-    """Remove a testbed: its processes, namespaces, links, qdiscs, cgroups and state."""
-    from sailor.testbed import down, down_all, find_state
-    from sailor.testbed.host import check_support
+    """Remove a testbed: its processes, namespaces, links, qdiscs, cgroups and state. A testbed that
+    is not up is nothing to remove (exit 0, saying so); a --state-dir that does not exist is refused
+    (with FILE|NAME: it names no testbed)."""
+    from sailor.testbed import down, down_all
+    from sailor.testbed.host import check_support, live_states, state_root, testbed_name
 
     if (file is None) == (not all_):
         raise SailorInputError("give FILE|NAME or --all (one of them)", source="sailor testbed down")
     check_support()
-    if all_:
+    if all_:  # (strays of killed runs too, with or without a state folder)
         removed = down_all(state_dir)
         print(f"removed {len(removed)} testbed(s){': ' + ', '.join(removed) if removed else ''}")
         return
-    state = find_state(file, state_dir)
+    root = state_root(state_dir)
+    if state_dir is not None and not root.exists():  # (the default folder is missing until a first `up`)
+        raise SailorInputError(f"{root} does not exist: no testbed was ever up there", source="--state-dir",
+                               fix="name the folder `sailor testbed up` was given")
+    name = testbed_name(file)
+    states = live_states(state_dir)
+    state = next((s for s in states if s.name == name), None)
+    if state is None:  # taking down what is down leaves it as asked: a success, said in a line
+        others = f"; up there: {', '.join(s.name for s in states)}" if states else ""
+        print(f"testbed {name} is not up (state in {root}): nothing to remove{others}")
+        return
     down(state)
     print(f"removed testbed {state.name} ({state.prefix})")
 
@@ -86,7 +99,7 @@ def profile_command(
     job: Path = typer.Option(..., "--job", help="Job spec (YAML/JSON): model, sequence length, precision."),  # noqa: B008
     mbs: str = typer.Option("1,2,4", "--mbs", help="Micro-batch sizes (samples), comma-separated, e.g. 1,2,4."),
     out: Path = typer.Option(Path("profile.json"), "--out",  # noqa: B008
-                             help="Profile file to write (JSON, sailor.profiles/1)."),
+                             help="Profile file to write (JSON, sailor.profiles/1)." + MAKES_FOLDERS),
     state_dir: str | None = StateDirOpt,
 ) -> None:
     """Measure each device class with `sailor profile` inside a node of the class, each rank under

@@ -46,7 +46,6 @@ import contextlib
 import os
 import queue
 import signal
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -55,6 +54,7 @@ from pathlib import Path
 
 from sailor.core.errors import InfeasibleError, SailorInputError
 from sailor.core.limits import max_local_processes
+from sailor.core.scratch import scratch_dir
 from sailor.elastic.availability import Availability, Zones
 from sailor.elastic.events import POLL_S, Clock, EventLog
 from sailor.elastic.inplace import InPlaceRun, RunHandle
@@ -178,10 +178,10 @@ class Controller:
         if threading.current_thread() is threading.main_thread():
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         with contextlib.ExitStack() as stack:
-            ckpt_dir = self.o.checkpoint_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="sailor-ckpt-"))
+            ckpt_dir = self.o.checkpoint_dir or stack.enter_context(scratch_dir("sailor-ckpt-"))
             self.ckpt_dir = str(Path(ckpt_dir).resolve())
             if self.o.hosts is None:
-                self.work = stack.enter_context(tempfile.TemporaryDirectory(prefix="sailor-run-"))
+                self.work = stack.enter_context(scratch_dir("sailor-run-"))
             else:  # the plan and the stop file must be where every host sees them
                 self.work = os.path.join(self.ckpt_dir, "control")
                 os.makedirs(self.work, exist_ok=True)

@@ -135,7 +135,7 @@ def _plan_job(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int],
     if not found.finalists:
         if found.timed_out:
             raise InfeasibleError(f"no plan found within the time limit of {opts.time_limit_s:g} s",
-                                  field="time_limit_s", fix="allow more time (--time-limit)")
+                                  source="--time-limit", fix="allow more time")
         raise InfeasibleError(_why_infeasible(ctx, opts, found.any_family))
     return _rescore(ctx, opts, found, t0)
 

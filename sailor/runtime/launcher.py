@@ -30,7 +30,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sailor.core.process import die_with_parent
+from sailor.core.scratch import scratch_dir
 from sailor.runtime.prepare import Prepared
 
 EVENT_PREFIX = "SAILOR_EVENT "  # the worker's event lines (sailor.runtime.worker.emit)
@@ -72,9 +72,11 @@ class TrainResult:
     failed_process: int | None = None  # index of the command (node) that failed first
     process_failure: str = ""  # "<label> exited with status <n>: <its last line>", or "aborted"
 
-def worker_command(prep: Prepared, stop_file: str) -> list[str]:
-    """The local torchrun command line (through `_main`): every rank on this machine."""
-    return [sys.executable, "-m", "sailor.runtime.launcher", "--standalone",
+def worker_command(prep: Prepared, stop_file: str, log_dir: str) -> list[str]:
+    """The local torchrun command line (through `_main`): every rank on this machine. torchrun keeps
+    its logs under `log_dir` (the launch's scratch folder): by default it makes a torchelastic_XXXX
+    folder in the temp folder and never removes it."""
+    return [sys.executable, "-m", "sailor.runtime.launcher", "--standalone", "--log-dir", log_dir,
             "--nproc-per-node", str(prep.plan.world_size), "--monitor-interval", str(MONITOR_INTERVAL_S),
             *prep.settings(stop_file).argv()]
 
@@ -106,9 +108,9 @@ def launch(prep: Prepared, *, on_event: Callable[[dict[str, Any]], None] | None 
     """
     o = prep.options
     assert commands is None or o.stop_file, "commands of a run must watch its stop file"
-    with tempfile.TemporaryDirectory(prefix="sailor-train-") as tmp:
+    with scratch_dir("sailor-train-") as tmp:
         stop_file = o.stop_file or os.path.join(tmp, "stop")
-        argvs = [[*EXEC, *c] for c in commands] if commands else [worker_command(prep, stop_file)]
+        argvs = [[*EXEC, *c] for c in commands] if commands else [worker_command(prep, stop_file, os.path.join(tmp, "torchrun"))]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         result = TrainResult(ExitStatus.FAILED, "")
         lock = threading.Lock()

@@ -201,12 +201,12 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     fails.
     """
     import json
-    import tempfile
     from pathlib import Path
 
     from sailor.catalog import Link, LinkClass
     from sailor.core.errors import SailorInputError
     from sailor.core.limits import MAX_PROFILE_PASSES, max_local_processes
+    from sailor.core.scratch import scratch_dir
     from sailor.runtime.profiler import device_description, device_gpu_type, versions
     from sailor.runtime.ranks import run_ranks
     from sailor.simulator.collectives import Member
@@ -228,7 +228,7 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
         if torch.cuda.device_count() < nproc:
             raise SailorInputError(f"{nproc} processes need {nproc} CUDA devices, this machine has"
                                    f" {torch.cuda.device_count()}", field="--nproc")
-    with tempfile.TemporaryDirectory(prefix="sailor-netprofile-") as tmp:
+    with scratch_dir("sailor-netprofile-") as tmp:
         out = Path(tmp) / "net.json"
         run_ranks("sailor.runtime.netprofile:network_rank", nproc,
                   {"device": device, "warmup": warmup, "repeats": repeats, "sizes": list(sizes_bytes),

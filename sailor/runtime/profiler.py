@@ -33,7 +33,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any, Literal
 
 from sailor.core.errors import SailorInputError
 from sailor.core.limits import MAX_PROFILE_MBS, MAX_PROFILE_PASSES, max_local_processes
+from sailor.core.scratch import scratch_dir
 from sailor.runtime.profile_measure import (
     RUNTIME_MICROBATCHES,
     layer_kinds,
@@ -335,7 +335,7 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
            **{k: v for k, v in asdict(opts).items() if k != "job"}, "whole_pass": whole_pass(opts), "gpu": gpu}
     scales: dict[str, list[float]] = {}
     overhead_rows, overhead_by_mbs, pass_rows, pass_by_mbs, p2p_rows, p2p_by_mbs = [], {}, [], {}, [], {}
-    with tempfile.TemporaryDirectory(prefix="sailor-profile-") as tmp:
+    with scratch_dir("sailor-profile-") as tmp:
         for tp in sorted(set(opts.tps)):
             path = Path(tmp) / f"tp{tp}.json"
             run_ranks("sailor.runtime.profiler:profile_rank", tp * replicas(opts, tp), {**raw, "tp": tp, "out": str(path)},

@@ -65,7 +65,8 @@ class ClusterSpec(BaseModel):
     (same_node: a fast link inside a node, same_zone: a slower one between its nodes), which wins
     over `network`. `allreduce` pins the all-reduce algorithm. Counts, node sizes and prices are
     bounded by `sailor.core.limits`. A `zone_network` entry or a per-zone price for a zone or GPU
-    type nothing offers would never be used: `check_offered` refuses them (`load_cluster` against
+    type nothing offers, or a `gpus_per_node` entry for a GPU type no zone offers, would never be used:
+    `check_offered` refuses them (`load_cluster` against
     `zones`; `sailor run` and `replay`, whose trace replaces `zones`, against the trace).
     """
 
@@ -144,12 +145,13 @@ class ClusterSpec(BaseModel):
         """Refuse settings for what `offered` (zone -> GPU type -> count; a listed pair counts even
         at 0; default: this spec's `zones`) never offers, which would be ignored without a word: a
         `zone_network` entry for a zone it does not list, a per-zone price (`prices.<zone>`) for such
-        a zone or for a GPU type it does not list in that zone. `by` names what offers, for the
-        message ("the cluster", "the trace t.json"). A flat price (`prices.<GPU type>`) may name
-        any type: it reads as a price list, as `gpus_per_node` does.
+        a zone or for a GPU type it does not list in that zone, a `gpus_per_node` entry for a GPU
+        type it lists in no zone. `by` names what offers, for the message ("the cluster", "the trace
+        t.json"). A flat price (`prices.<GPU type>`) may name any type: it reads as a price list.
 
         Raises:
-            SailorInputError: naming the field (`zone_network.<zone>`, `prices.<zone>[.<GPU type>]`).
+            SailorInputError: naming the field (`zone_network.<zone>`, `prices.<zone>[.<GPU type>]`,
+                `gpus_per_node.<GPU type>`).
         """
         offered = self.zones if offered is None else offered
         zones = ", ".join(sorted(offered)) or "none"
@@ -167,6 +169,13 @@ class ClusterSpec(BaseModel):
                     raise SailorInputError(f"{by} offers no {g} in zone {zone!r} (it lists {listed} there), so this"
                                            " price would never be used", field=f"prices.{zone}.{g}",
                                            fix="remove the price, or offer that GPU type there")
+        types = {g for gpus in offered.values() for g in gpus}
+        for g in self.gpus_per_node:
+            if g not in types:
+                listed = ", ".join(sorted(types)) or "none"
+                raise SailorInputError(f"{by} offers no {g} in any zone (its GPU types: {listed}), so this node size"
+                                       " would never be used", field=f"gpus_per_node.{g}",
+                                       fix="remove the entry, or offer that GPU type in a zone")
 
     # ---- lookups ---------------------------------------------------------------------------
     @property

@@ -404,16 +404,23 @@ def down_all(state_dir: str | Path | None = None) -> list[str]:
 
 
 def find_state(name_or_file: str, state_dir: str | Path | None = None) -> TestbedState:
-    """The live testbed named `name_or_file` (its name, or the testbed file that describes it)."""
-    name = name_or_file
-    if name_or_file.endswith((".yaml", ".yml", ".json")) or os.sep in name_or_file:
-        from sailor.testbed.spec import load_testbed
-        name = load_testbed(name_or_file).name
+    """The live testbed named `name_or_file` (its name, or the testbed file that describes it);
+    raises SailorInputError when none is (`testbed_name`, `live_states`)."""
+    name = testbed_name(name_or_file)
     for s in live_states(state_dir):
         if s.name == name:
             return s
     raise SailorInputError(f"no testbed {name!r} is up", source=name_or_file,
                            fix=f"sailor testbed up FILE (state in {state_root(state_dir)})")
+
+
+def testbed_name(name_or_file: str) -> str:
+    """The testbed's name: `name_or_file` itself, or the name in the testbed file it is (a path, or a
+    name ending in .yaml/.yml/.json; SailorInputError when that file is bad)."""
+    if name_or_file.endswith((".yaml", ".yml", ".json")) or os.sep in name_or_file:
+        from sailor.testbed.spec import load_testbed
+        return load_testbed(name_or_file).name
+    return name_or_file
 
 
 # ---- entering a node -----------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from typing import Any
 
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import load_json
+from sailor.core.scratch import scratch_dir
 from sailor.model.spec import ModelSpec
 from sailor.perf.profiles import RUNTIME_ROWS
 from sailor.specs import load_job
@@ -150,6 +151,9 @@ class _Placed:
     def __init__(self, argv: list[str], node: NodeState, env: dict[str, str]) -> None:
         def enter() -> None:  # in the child, before exec
             Path(node.cgroup, "cgroup.procs").write_text(str(os.getpid()))
+            # `stop` must reach it even when this process started with SIGTERM ignored, which a child
+            # inherits (SIGINT, ignored in a script's background job, never reached it: killed 10 s later)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
         self.node = node
         self.log = tempfile.TemporaryFile("w+")
@@ -161,9 +165,10 @@ class _Placed:
         return self.log.read()
 
     def stop(self) -> None:
-        """End it (SIGINT first, so that `sailor profile` ends its ranks) and every process left in the node."""
+        """End it (SIGTERM first, on which `sailor profile` ends its ranks and removes its folder) and
+        every process left in the node."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=STOP_WAIT_S)
             except subprocess.TimeoutExpired:
@@ -255,7 +260,7 @@ def profile_classes(spec: TestbedSpec, state: TestbedState, job: str | Path, *, 
         [str(Path(__file__).resolve().parents[2])] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     job = Path(job).resolve()
     parts: dict[str, list[dict[str, Any]]] = {}
-    with tempfile.TemporaryDirectory(prefix="sailor-testbed-profile-") as tmp:
+    with scratch_dir("sailor-testbed-profile-") as tmp:
         for nodes in profile_rounds(spec, tps, classes):
             measured, busy = {}, {}
             for node in spec.nodes:
