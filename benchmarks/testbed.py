@@ -121,10 +121,14 @@ GLOBAL_BATCH = 12
 
 
 def _cluster_only(cluster: dict, keep) -> dict:
-    """`cluster` (the testbed's cluster spec) with only the (zone, GPU type) entries `keep(zone, gpu)`."""
+    """`cluster` (the testbed's cluster spec) with only the (zone, GPU type) entries `keep(zone, gpu)`,
+    and the zone links and node sizes of what is left (the cluster reader refuses them for zones and
+    GPU types nothing offers)."""
     zones = {z: {g: n for g, n in gpus.items() if keep(z, g)} for z, gpus in cluster["zones"].items()}
+    types = {g for gpus in zones.values() for g in gpus}
     return {**cluster, "zones": {z: g for z, g in zones.items() if g},
-            "zone_network": {z: v for z, v in cluster.get("zone_network", {}).items() if zones.get(z)}}
+            "zone_network": {z: v for z, v in cluster.get("zone_network", {}).items() if zones.get(z)},
+            "gpus_per_node": {g: n for g, n in cluster.get("gpus_per_node", {}).items() if g in types}}
 
 
 BASELINES = ("one_class", "ddp_all", "paper", "one_zone")  # `baselines`' names, in its order

@@ -167,6 +167,24 @@ def test_testbed_benchmark_refuses_its_flags_before_the_testbed_comes_up(kw, wor
     assert words in e.value.one_line(), e.value.one_line()
 
 
+def test_the_testbed_benchmarks_sub_clusters_are_clusters_the_reader_takes():
+    # the baselines plan on the testbed's cluster cut to one device class or one zone; the reader
+    # refuses node sizes and zone links for GPU types and zones nothing offers (session 13: the cut
+    # kept gpus_per_node of the class it dropped, and the benchmark ended in that error)
+    from benchmark_module import load_benchmark
+
+    from sailor.specs import load_cluster
+    from sailor.testbed import cluster_spec, load_testbed
+
+    bench = load_benchmark("testbed")
+    cluster = cluster_spec(load_testbed(_bench_args().testbed))
+    for gpu in ("A100-40", "V100-16"):
+        cut = load_cluster(bench._cluster_only(cluster, lambda z, g, x=gpu: g == x))
+        assert set(cut.gpus_per_node) == {gpu} and {g for gs in cut.zones.values() for g in gs} == {gpu}
+    cut = load_cluster(bench._cluster_only(cluster, lambda z, g: z == "us-west1-b"))
+    assert list(cut.zones) == ["us-west1-b"] and set(cut.gpus_per_node) == {"V100-16"}
+
+
 def test_testbed_benchmark_takes_a_subset_that_fits_the_testbed():
     from benchmark_module import load_benchmark
 
