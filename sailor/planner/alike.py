@@ -2,12 +2,13 @@
 them share what the search computes.
 
 A cluster over every zone of a cloud holds many regions whose zones offer the same GPUs at the same
-prices over the same default links (on GCP, 30 of the 32 regions with GPUs). Two such regions are
-*alike* when, their zones sorted by name and paired rank by rank, every figure the gradient sync
-reads of a zone or of a pair of zones is equal (`_region_signature`): the GPUs offered and their
-prices, the link class, egress price and default links (each GPU type, between two nodes and inside
-one) of every ordered pair of zones, each zone's class (`NetworkModel.zone_class`), and no measured
-route touches a zone of either (a measured table names its zones; such a region is alike no other).
+prices over the same default links (the allzones row of `benchmarks/planner_scale.py`: 30 of its 32
+regions, 3 zones each). Two regions are *alike* when, their zones sorted by name and paired rank by
+rank, every figure the gradient sync and the pipelines' curves read of a zone or of a pair of zones
+is equal (`_region_signature`): the GPUs offered and their prices, the link class, egress price and
+default links (each GPU type, between two nodes and inside one) of every ordered pair of zones, each
+zone's class (`NetworkModel.zone_class`), and no measured route touches a zone of either (a
+measured table names its zones; such a region is alike no other).
 
 Renaming the zones of a plan inside one region to their ranks' zones in an alike region (the
 *canonical* region: the first alike one, regions by name) then changes nothing the sync computes:
@@ -46,8 +47,8 @@ def canonical_zones(ctx: SimContext) -> dict[str, tuple[str, str]]:
 
 
 def _region_signature(ctx: SimContext, zones: list[str]) -> tuple:
-    """What the sync reads of a region's zones (sorted by name), without their names (module
-    docstring); a region with a measured route gets its zone names, alike no other."""
+    """What the sync and the curves read of a region's zones (sorted by name), without their names
+    (module docstring); a region with a measured route gets its zone names, alike no other."""
     net, cluster = ctx.network, ctx.cluster
     measured = {k[0] for t in (net.fits, net.links, net.node_links) for k in t} | {
         k[2] for t in (net.fits, net.links, net.node_links) for k in t}
