@@ -48,7 +48,7 @@ from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanni
 from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, forget_kinds, homogeneous_kinds, kind_optimizer_s,
                                   memory_mixed_kinds, option_table)
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
-from sailor.planner.pack import Packer, count_vectors, node_unit, round_to_nodes
+from sailor.planner.pack import Packer, count_vectors, fastest_packings, node_unit, packing_key
 from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
 from sailor.planner.score import Candidate, Scorer
 from sailor.planner.space import Memory, candidate_partitions, mbs_candidates, memory_candidates, zero3_needed
@@ -79,6 +79,7 @@ class Family:
     exhaustive: bool
     key: tuple[float, float] = (0.0, 0.0)
     scopes: list[Scope] = field(default_factory=list)
+    packings: dict = field(default_factory=dict)  # `pack.packing_key` -> `pack.fastest_packings` (`_pack_kinds`)
 
 
 def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], None] | None = None,
@@ -199,10 +200,18 @@ def _search_family(ctx: SimContext, opts: PlanOptions, fam: Family, free: dict[P
     point = (fam.partition, fam.mbs, fam.memory)
     exhaustive = fam.exhaustive
     alone: set[int] = set()  # ids of the cut kinds offered alone so far (`_pack`)
-    uses = [tuple(p for p, _ in k.use) for k in fam.kinds]  # each kind's pools
+    region = ctx.cluster.prov.region
+    every = [(k, tuple(p for p, _ in k.use)) for k in fam.kinds]  # each kind with its pools
+    by_region: dict[str | None, list[tuple[Kind, tuple]]] = {}  # the kinds of each region, in order
+    for k, pools in every:
+        regions = {region(z) for z in k.zones}
+        by_region.setdefault(regions.pop() if len(regions) == 1 else None, []).append((k, pools))
     for scope in fam.scopes:
         sfree = scope.free(free)
-        kinds = [k for k, pools in zip(fam.kinds, uses) if scope.pools.issuperset(pools)]
+        regions = {region(z) for z, _ in scope.pools}
+        # a kind outside the scope's one region has a pool outside the scope: only that region's are tried
+        tried = by_region.get(regions.pop(), []) if len(regions) == 1 else every
+        kinds = [k for k, pools in tried if scope.pools.issuperset(pools)]
         if exhaustive:
             vectors = count_vectors(kinds, sfree, EXHAUSTIVE_COUNTS)
             if vectors is not None:
@@ -331,16 +340,19 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
                                 for i, (a, e) in enumerate(fam.partition))
         return ctx.memo[key]
 
-    packer = Packer(kinds, free, fam.M, sync if trade_off else None)
-    units = [node_unit(k, ctx.cluster.node_size) for k in kinds]
     scorer = Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
-    for base in packer.variants():
-        got = packer.fastest(base)
-        if got is None:
-            continue
-        tau, counts = got
+    if trade_off:
+        packer = Packer(kinds, free, fam.M, sync)
+        packings = fastest_packings(packer, [node_unit(k, ctx.cluster.node_size) for k in kinds])
+    else:  # the packings read no zone (`pack.packing_key`): scopes alike (regions whose zones offer
+        # the same GPUs, with kinds of the same curves) share them within the family
+        key = packing_key(kinds, free, fam.M)
+        if key not in fam.packings:
+            fam.packings[key] = fastest_packings(Packer(kinds, free, fam.M),
+                                                 [node_unit(k, ctx.cluster.node_size) for k in kinds])
+        packings = fam.packings[key]
+    for base, tau, counts, whole in packings:
         offered |= _offer(keep, scorer, counts, point)
-        whole = round_to_nodes(counts, units, kinds, free)
         if (whole != counts).any():  # the same packing on whole nodes (`pack.round_to_nodes`)
             _offer(keep, scorer, whole, point)
         if trade_off:

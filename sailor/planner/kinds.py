@@ -41,6 +41,7 @@ import numpy as np
 
 from sailor.plan.placement import same_node_boundaries
 from sailor.plan.spec import StageMemory
+from sailor.planner.alike import canonical_zones_of
 from sailor.planner.space import Memory, Option, Partition, pareto_templates, stage_options
 from sailor.simulator import SimContext, Slot, optimizer_s, pipeline_arrays, stage_time, time_options
 from sailor.simulator.schedule import closed_form_1f1b
@@ -148,8 +149,8 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     same zones and options) only in which transfers cross nodes, so what the cuts do not change
     (stage times, optimizer step, pools, price, the transfer over each boundary inside a node and
     between two) is computed once per twin; a curve and egress once per family for the kinds
-    of one pool class (`pool_class`: pools whose zones' links are alike) or zones, options and cuts,
-    and without ZeRO-3 for every D."""
+    of one pool class (`pool_class`: pools whose zones' links are alike) or zones (those of an alike
+    region, `alike.canonical_zones_of`), options and cuts, and without ZeRO-3 for every D."""
     specs = [sp if len(sp) == 3 and any(sp[2]) else (sp[0], sp[1], ()) for sp in specs]  # no cut: ()
     # the memory options in the memo keys as a number, looked up once: hashing them is slow (models)
     numbers = ctx.memo.setdefault("memory numbers", {})
@@ -176,10 +177,11 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     rows = [twin_of[specs[j][:2]] for j in todo]
     slots = [plain[r] if not specs[j][2] else slots_of(*specs[j]) for r, j in zip(rows, todo)]
     # a kind's curve and egress are those of every kind with its cuts, options and, for a kind in one
-    # pool, pool class (`pool_class`; else its zones), at any D unless a stage gathers ZeRO-3 weights
+    # pool, pool class (`pool_class`; else its zones, renamed alike in alike regions,
+    # `alike.canonical_zones_of`), at any D unless a stage gathers ZeRO-3 weights
     # (the only D its stage times read): computed for the first of them, memoised for the others
     # with the family's kinds (`forget_kinds` drops both)
-    where = [pool_class(ctx, *tw) or tw for tw in twins]
+    where = [pool_class(ctx, *tw) or (canonical_zones_of(ctx, tw[0]), tw[1]) for tw in twins]
     curve_d = replicas if any(m.zero >= 3 for m in memory) else None
     known = ctx.memo.setdefault(("kind curves", partition, mbs, memory_id), {})
     curve_keys = [(where[r], specs[j][2], curve_d) for r, j in zip(rows, todo)]

@@ -312,6 +312,34 @@ def trim(counts: np.ndarray, caps: np.ndarray, M: int, key) -> np.ndarray:
     return counts
 
 
+def fastest_packings(packer: Packer, units: list[int]) -> list[tuple[np.ndarray, float, np.ndarray, np.ndarray]]:
+    """For each base of `packer.variants()` that has a packing: (base, τ, counts of `Packer.fastest`,
+    those counts on whole nodes, `round_to_nodes` with the kinds' `node_unit`s `units`)."""
+    out = []
+    for base in packer.variants():
+        got = packer.fastest(base)
+        if got is not None:
+            tau, counts = got
+            out.append((base, tau, counts, round_to_nodes(counts, units, packer.kinds, packer.free)))
+    return out
+
+
+def packing_key(kinds: list[Kind], free: dict[Pool, int], M: int) -> tuple:
+    """All that `fastest_packings` reads of its packer (over `kinds`, `free`, M micro-batches, no
+    sync) with each zone replaced by its rank among the zones of `free` by name: M, the free GPUs per
+    pool and, per kind in order, its curve, GPUs and GPUs per pool. The packing reads numbers and the
+    order of pools (sorted by name: by rank, then GPU type), never a zone's name, so two scopes of
+    one key (e.g. regions whose zones offer the same GPUs with kinds of the same curves) have equal
+    packings, as count vectors over their kind lists."""
+    rank = {z: j for j, z in enumerate(sorted({z for z, _ in free}))}
+
+    def pools(use) -> tuple:
+        return tuple(((rank.get(z, z), g), n) for (z, g), n in use)
+
+    return (M, pools(sorted(free.items())),
+            tuple((k.fill_s, k.two_s, k.period_s, k.gpus, pools(k.use)) for k in kinds))
+
+
 def node_unit(kind: Kind, node_size: Callable[[str], int]) -> int:
     """Fewest pipelines of `kind` whose GPUs fill whole nodes in every pool they use
     (`node_size(gpu)` GPUs per node): e.g. 2 for one-stage TP-2 pipelines on 4-GPU nodes."""

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sailor.core.units import HOUR_S
+from sailor.planner.alike import canonical_used
 from sailor.planner.kinds import Kind, make_kinds
 from sailor.simulator import SimContext, Slot, place, stage_sync, tied_sync, time_options
 from sailor.simulator.collectives import Group, group_members, ring_key
@@ -159,12 +160,14 @@ class Scorer:
         plan `finalists.plan_from_kinds` makes: pipelines in kind order, placed on nodes as the launcher
         places them (`place`), so replicas that share a node reduce over the intra-node link; `rounds`:
         the largest pipeline's micro-batches (`Plan.step_rounds`), how often ZeRO-2/3 reduce-scatter.
-        Memoised in the context by what it depends on (each used kind's slots and count, in order;
-        the partition; the stages' sync options; the micro-batch size, whose backward hides it; the
-        rounds), so scorers over other kind lists share it."""
+        Memoised in the context by what it depends on (each used kind's slots and count, in order,
+        zones renamed to those of an alike region, `alike.canonical_used`; the partition; the stages'
+        sync options; the micro-batch size, whose backward hides it; the rounds), so scorers over
+        other kind lists, and over the same pipelines in an alike region, share it."""
         if (counts, rounds) not in self._sync:
             used = tuple((k.slots, n) for k, n in zip(self.kinds, counts) if n)
-            key = ("counts-sync", used, tuple(self.partition), tuple(self._sync_options), self.mbs, rounds)
+            key = ("counts-sync", canonical_used(self.ctx, used), tuple(self.partition), tuple(self._sync_options),
+                   self.mbs, rounds)
             if key not in self.ctx.memo:
                 self.ctx.memo[key] = self._sync_of(used, rounds)
             self._sync[(counts, rounds)] = self.ctx.memo[key]
