@@ -106,18 +106,25 @@ def ten_k_zones() -> dict[str, dict[str, int]]:
     return zones
 
 
+def _node_sizes(zones: dict[str, dict[str, int]]) -> dict[str, int]:
+    """NODE4's node sizes of the GPU types `zones` offer (the cluster reader refuses the others)."""
+    offered = {g for gs in zones.values() for g in gs}
+    return {g: n for g, n in NODE4.items() if g in offered}
+
+
 def scenario(sid: str, model: str) -> tuple[dict, dict]:
     """(job, cluster) specs of a scenario, as dicts."""
     job = {"model": OPT66 if model == "opt-66b" else model, "global_batch_size": BATCH[model], "precision": "fp32"}
-    f_cluster = {"zones": {"us-central1-a": {"A100-40": 256, "V100-16": 256, "A100-80": 256}},
-                 "gpus_per_node": NODE4, "prices": PAPER_PRICES}
+    f_zones = {"us-central1-a": {"A100-40": 256, "V100-16": 256, "A100-80": 256}}
+    f_cluster = {"zones": f_zones, "gpus_per_node": _node_sizes(f_zones), "prices": PAPER_PRICES}
     if sid == "4x1024":
-        cluster = {"zones": {"us-central1-a": {g: 1024 for g in ["A100-40", "A100-80", "V100-16", "GH200-96"]}},
-                   "gpus_per_node": NODE4}
+        zones = {"us-central1-a": {g: 1024 for g in ["A100-40", "A100-80", "V100-16", "GH200-96"]}}
+        cluster = {"zones": zones, "gpus_per_node": _node_sizes(zones)}
     elif sid == "8x128":
         cluster = {"zones": {"us-central1-a": {g: 128 for g in EIGHT}}}
     elif sid == "10zones":
-        cluster = {"zones": {z: {"A100-40": 256, "V100-16": 256} for z in ZONES10}, "gpus_per_node": NODE4}
+        zones = {z: {"A100-40": 256, "V100-16": 256} for z in ZONES10}
+        cluster = {"zones": zones, "gpus_per_node": _node_sizes(zones)}
     elif sid == "paper-f":
         cluster = f_cluster
     elif sid == "batch1e9":
