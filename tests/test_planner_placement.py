@@ -19,7 +19,8 @@ from sailor.core.errors import InfeasibleError
 from sailor.plan.placement import rank_layout, same_node_boundaries
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY
 from sailor.planner import Objective, PlanOptions, engine, plan_job
-from sailor.planner.kinds import kind_boundaries, make_kind
+from sailor.planner.kinds import Kind, kind_boundaries, make_kind
+from sailor.planner.pack import Packer
 from sailor.planner.space import Option
 from sailor.simulator import Slot, make_context, simulate
 from sailor.specs.cluster import ClusterSpec
@@ -173,3 +174,53 @@ def test_a_count_vector_scores_the_same_on_a_larger_cluster():
         got.append([x for n in ((2, 0, 0), (1, 1, 0), (0, 1, 2), (1, 0, 1))
                     for x in (scorer.score(n).iteration_time_s, scorer.score(n).cost_per_iteration_usd)])
     assert got[0] == pytest.approx(got[1], rel=1e-12)
+
+
+@st.composite
+def _packers(draw):
+    """(kinds of a cluster, its free GPUs, kinds of the same cluster with one zone more, its free
+    GPUs, M): one-pool kinds of hand-drawn curves and prices, the new zone's kinds last."""
+    def kinds_in(zone, pools):
+        out = []
+        for gpu in pools:
+            for _ in range(draw(st.integers(1, 2))):
+                per = draw(st.floats(0.5, 3.0))
+                width = draw(st.sampled_from([1, 2, 4]))
+                out.append(Kind(fill_s=3 * per, two_s=4 * per, period_s=per, zones=(zone,), gpus=width,
+                                use=(((zone, gpu), width),), usd_per_hour=width * draw(st.floats(1.0, 4.0))))
+        return out
+
+    small_kinds, free = [], {}
+    for zone in draw(st.lists(st.sampled_from([ZA, ZB, ZW]), min_size=1, max_size=3, unique=True)):
+        pools = draw(st.lists(st.sampled_from(["A100-40", "V100-16"]), min_size=1, max_size=2, unique=True))
+        small_kinds += kinds_in(zone, pools)
+        free.update({(zone, g): draw(st.integers(0, 12)) for g in pools})
+    new = "us-east1-b"
+    pools = draw(st.lists(st.sampled_from(["A100-40", "V100-16"]), min_size=1, max_size=2, unique=True))
+    large_free = {**free, **{(new, g): draw(st.integers(1, 12)) for g in pools}}
+    return small_kinds, free, small_kinds + kinds_in(new, pools), large_free, draw(st.integers(1, 40))
+
+
+class _Vectors:
+    """A stand-in scorer: a count vector scores as itself."""
+
+    def score(self, counts):
+        return counts
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(case=_packers(), where=st.floats(0.0, 1.0))
+def test_a_zone_more_keeps_the_cheapest_vectors_of_the_cluster_without_it(case, where):
+    # heuristic mode, cost objective or constraints (`engine._trade_off`): at every makespan the
+    # cheapest count vector of the cluster without the new zone is among the larger cluster's
+    # candidates, whether or not the larger one's own cheapest vector spreads over the new zone
+    small_kinds, free, large_kinds, large_free, M = case
+    small, large = Packer(small_kinds, free, M), Packer(large_kinds, large_free, M)
+    lo = min(k.fill_s for k in small_kinds)
+    hi = max(k.time_s(M) for k in small_kinds)
+    tau = lo + where * (hi - lo)
+    want = small.cheapest(tau)
+    if want is None or not want.any():
+        return
+    want = tuple(int(x) for x in want) + (0,) * (len(large_kinds) - len(small_kinds))
+    assert want in engine._cheapest_variants(large, _Vectors(), tau)

@@ -366,15 +366,21 @@ def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarr
     on a geometric grid of makespans the most-capacity and the cheapest count vectors; then, for
     each constraint, the makespan where the cheapest count vector crosses it, by bisection between
     grid points (the time of the cheapest vector rises with the makespan allowed, its $/iteration and
-    $/hour fall)."""
-    grid = packer.tau_grid(tau, TAU_GRID)
-    cheap: dict[float, Candidate | None] = {}
+    $/hour fall).
 
-    def cheapest(t: float) -> Candidate | None:
+    The cheapest count vector (`Packer.cheapest`) does not see egress: a zone more with GPUs as cheap
+    can make it spread the batch over that zone too and pay egress the plan without it would not.
+    So the cheapest vectors without each zone it uses are scored too (`_cheapest_variants`), and a
+    makespan meets a constraint when one of them does: a zone added to a cluster leaves the vectors
+    of the cluster without it among the candidates, so adding a zone does not lose them."""
+    grid = packer.tau_grid(tau, TAU_GRID)
+    cheap: dict[float, list[Candidate]] = {}
+
+    def cheapest(t: float) -> list[Candidate]:
         if t not in cheap:
-            counts = packer.cheapest(t)
-            cheap[t] = scorer.score(tuple(int(x) for x in counts)) if counts is not None and counts.any() else None
-            keep.offer(cheap[t], point)
+            cheap[t] = _cheapest_variants(packer, scorer, t)
+            for x in cheap[t]:
+                keep.offer(x, point)
         return cheap[t]
 
     for t in grid:
@@ -389,7 +395,7 @@ def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarr
     if c.max_cost_per_hour is not None:
         tests.append((False, lambda x: x.cost_per_hour_usd <= c.max_cost_per_hour))
     for small, test in tests:
-        ok = [t for t in grid if cheapest(t) is not None and test(cheapest(t))]
+        ok = [t for t in grid if any(map(test, cheapest(t)))]
         if not ok or len(ok) == len(grid):
             continue
         edge = max(ok) if small else min(ok)  # the last grid point that holds, and the next that does not
@@ -399,11 +405,33 @@ def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarr
         lo, hi = sorted((edge, grid[j]))
         for _ in range(BOUNDARY_STEPS):
             mid = math.sqrt(lo * hi)
-            x = cheapest(mid)
-            if (x is not None and test(x)) == small:
+            if any(map(test, cheapest(mid))) == small:
                 lo = mid
             else:
                 hi = mid
+
+
+def _cheapest_variants(packer: Packer, scorer: Scorer, tau: float) -> list[Candidate]:
+    """The scored cheapest count vectors at makespan τ: `Packer.cheapest`'s over all kinds and over
+    the kinds outside each zone it uses, each vector once; [] when none fits. For a cluster with a
+    zone more, the vector without that zone is the one the cluster without it gets (the greedy takes
+    the other kinds in the same order), whether or not its cheapest vector uses the new zone."""
+    out: list[Candidate] = []
+    seen: set[tuple[int, ...]] = set()
+
+    def add(counts: np.ndarray | None) -> tuple[int, ...]:
+        vec = tuple(int(x) for x in counts) if counts is not None else ()
+        if any(vec) and vec not in seen:
+            seen.add(vec)
+            cand = scorer.score(vec)
+            if cand is not None:
+                out.append(cand)
+        return vec
+
+    vec = add(packer.cheapest(tau))
+    for z in sorted({z for k, n in zip(packer.kinds, vec) if n for z in k.zones}):
+        add(packer.cheapest(tau, frozenset((z,))))
+    return out
 
 
 def _offer_all(opts: PlanOptions, scorer: Scorer, vectors: list[tuple[int, ...]], keep: Finalists,
