@@ -211,7 +211,7 @@ class _Vectors:
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(case=_packers(), where=st.floats(0.0, 1.0))
 def test_a_zone_more_keeps_the_cheapest_vectors_of_the_cluster_without_it(case, where):
-    # heuristic mode, cost objective or constraints (`engine._trade_off`): at every makespan the
+    # heuristic mode, cost objective or constraints (`engine._trade_off`): at every makespan every
     # cheapest count vector of the cluster without the new zone is among the larger cluster's
     # candidates, whether or not the larger one's own cheapest vector spreads over the new zone
     small_kinds, free, large_kinds, large_free, M = case
@@ -219,8 +219,18 @@ def test_a_zone_more_keeps_the_cheapest_vectors_of_the_cluster_without_it(case, 
     lo = min(k.fill_s for k in small_kinds)
     hi = max(k.time_s(M) for k in small_kinds)
     tau = lo + where * (hi - lo)
-    want = small.cheapest(tau)
-    if want is None or not want.any():
-        return
-    want = tuple(int(x) for x in want) + (0,) * (len(large_kinds) - len(small_kinds))
-    assert want in engine._cheapest_variants(large, _Vectors(), tau)
+    pad = (0,) * (len(large_kinds) - len(small_kinds))
+    want = {tuple(v) + pad for v in engine._cheapest_variants(small, _Vectors(), tau)}
+    assert want <= set(engine._cheapest_variants(large, _Vectors(), tau))
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(case=_packers(), start=st.floats(0.05, 5.0), sooner=st.floats(0.2, 1.0))
+def test_a_zone_more_keeps_the_makespan_grid_of_the_cluster_without_it(case, start, sooner):
+    # the trade-off's makespans (`Packer.tau_grid`) lie on one lattice: a larger cluster, whose
+    # fastest packing is no slower and whose kinds include the smaller one's, tries every makespan
+    # strictly inside the smaller one's grid
+    small_kinds, free, large_kinds, large_free, M = case
+    small = Packer(small_kinds, free, M).tau_grid(start)
+    large = set(Packer(large_kinds, large_free, M).tau_grid(start * sooner))
+    assert set(small[1:-1]) <= large

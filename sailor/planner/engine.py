@@ -59,7 +59,7 @@ EXHAUSTIVE_KINDS = 512
 EXHAUSTIVE_COUNTS = 4096
 SPANNING_MAX = 64       # spanning pipelines built per target θ
 REFINE_TOP = 4          # best candidates that get spanning pipelines on the GPUs they leave
-TAU_GRID = 12           # makespan targets of the cost trade-off per packing
+VARIANTS_MAX = 16       # cheapest count vectors per makespan of the cost trade-off (`_cheapest_variants`)
 BOUNDARY_STEPS = 12     # bisection steps towards a constraint between two of them
 NODE_GROUP_STEPS = 3    # pipelines cut between nodes offered alone at u, 2u, 4u (`_offer_node_groups`)
 
@@ -362,18 +362,18 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
 
 def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarray, tau: float,
                keep: Finalists, point: tuple) -> None:
-    """Candidates between the fastest packing (makespan τ) and one pipeline doing the whole batch:
-    on a geometric grid of makespans the most-capacity and the cheapest count vectors; then, for
-    each constraint, the makespan where the cheapest count vector crosses it, by bisection between
-    grid points (the time of the cheapest vector rises with the makespan allowed, its $/iteration and
-    $/hour fall).
+    """Candidates between the fastest packing (makespan τ) and the slowest kind doing the whole
+    batch alone: on a grid of makespans (`Packer.tau_grid`, on a lattice shared by every cluster)
+    the most-capacity and the cheapest count vectors; then, for each constraint, the makespan where
+    the cheapest count vectors cross it, by bisection between grid points (the time of the cheapest
+    vector rises with the makespan allowed, its $/iteration and $/hour fall).
 
     The cheapest count vector (`Packer.cheapest`) does not see egress: a zone more with GPUs as cheap
     can make it spread the batch over that zone too and pay egress the plan without it would not.
-    So the cheapest vectors without each zone it uses are scored too (`_cheapest_variants`), and a
-    makespan meets a constraint when one of them does: a zone added to a cluster leaves the vectors
-    of the cluster without it among the candidates, so adding a zone does not lose them."""
-    grid = packer.tau_grid(tau, TAU_GRID)
+    So the cheapest vectors without the zones it uses are scored too (`_cheapest_variants`), and a
+    makespan meets a constraint when one of them does: at every makespan of the grid, a cluster
+    with a zone more has the vectors of the cluster without it among its candidates."""
+    grid = packer.tau_grid(tau)
     cheap: dict[float, list[Candidate]] = {}
 
     def cheapest(t: float) -> list[Candidate]:
@@ -412,25 +412,34 @@ def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarr
 
 
 def _cheapest_variants(packer: Packer, scorer: Scorer, tau: float) -> list[Candidate]:
-    """The scored cheapest count vectors at makespan τ: `Packer.cheapest`'s over all kinds and over
-    the kinds outside each zone it uses, each vector once; [] when none fits. For a cluster with a
-    zone more, the vector without that zone is the one the cluster without it gets (the greedy takes
-    the other kinds in the same order), whether or not its cheapest vector uses the new zone."""
+    """The scored cheapest count vectors at makespan τ (`Packer.cheapest`), each once: over all kinds
+    and, recursively, over the kinds outside each zone the vector found uses, fewest zones left out
+    first, at most VARIANTS_MAX greedy runs; [] when none fits.
+
+    Why it holds a smaller cluster's: for a cluster with a zone more, the vector without that zone
+    is the smaller cluster's (the greedy takes the other kinds in the same order), and when the
+    vector does not use the new zone it is the smaller cluster's vector itself; by induction over
+    the zones left out, every vector of the smaller cluster's recursion is in the larger one's
+    (within VARIANTS_MAX)."""
     out: list[Candidate] = []
     seen: set[tuple[int, ...]] = set()
-
-    def add(counts: np.ndarray | None) -> tuple[int, ...]:
-        vec = tuple(int(x) for x in counts) if counts is not None else ()
-        if any(vec) and vec not in seen:
+    tried: set[frozenset[str]] = set()
+    todo = [frozenset()]
+    while todo and len(tried) < VARIANTS_MAX:
+        without = todo.pop(0)
+        if without in tried:
+            continue
+        tried.add(without)
+        counts = packer.cheapest(tau, without)
+        if counts is None or not counts.any():
+            continue
+        vec = tuple(int(x) for x in counts)
+        if vec not in seen:
             seen.add(vec)
             cand = scorer.score(vec)
             if cand is not None:
                 out.append(cand)
-        return vec
-
-    vec = add(packer.cheapest(tau))
-    for z in sorted({z for k, n in zip(packer.kinds, vec) if n for z in k.zones}):
-        add(packer.cheapest(tau, frozenset((z,))))
+        todo += [without | {z} for z in sorted({z for k, n in zip(packer.kinds, vec) if n for z in k.zones})]
     return out
 
 

@@ -13,7 +13,7 @@ bases: a greedy count of them first, the pools' packing on what they leave (`Pac
 - throughput: the smallest τ whose packing reaches M, found by bisection on τ (a number of steps
   that depends on the precision wanted, log2 of the range of τ: not on the global batch beyond
   that logarithm), then pipelines the batch does not need are dropped (`trim`);
-- cost: at each τ of a geometric grid, the cheapest cover of M (pipelines taken in order of $ per
+- cost: at each τ of a geometric grid (`Packer.tau_grid`), the cheapest cover of M (pipelines taken in order of $ per
   micro-batch finished by τ), trimmed likewise: the trade-off curve between time and $/iteration.
 Each count vector found is scored exactly (`score.Scorer`) by the caller.
 """
@@ -33,6 +33,7 @@ BISECTION_STEPS = 60  # at most; the bisection stops at a relative precision of 
 # step, a call over 2^levels - 1 makespans against one call per step (2-core machine): 4 pay most
 # up to ~60 kinds, 3 up to ~160; beyond ~200 the work per makespan outweighs the cost of a call
 BATCH_LEVELS = ((64, 4), (160, 3))
+GRID_PER_DOUBLING = 2  # makespan targets of the cost trade-off per doubling of the makespan (`Packer.tau_grid`)
 
 
 def count_vectors(kinds: list[Kind], free: dict[Pool, int], limit: int) -> list[tuple[int, ...]] | None:
@@ -289,13 +290,17 @@ class Packer:
             return None
         return trim(counts, caps, self.M, key=lambda i: (-self.kinds[i].usd_per_hour / caps[i], -tie[i]))
 
-    def tau_grid(self, lo: float, points: int) -> list[float]:
-        """`points` makespan targets from `lo` up to one pipeline running the whole batch, geometric."""
-        hi = float(min(k.time_s(self.M) for k in self.kinds))
+    def tau_grid(self, lo: float) -> list[float]:
+        """Makespan targets from `lo` (s) up to the slowest kind running the whole batch alone: `lo`,
+        the points 2^(j/GRID_PER_DOUBLING) s between (one lattice for every cluster and family), and
+        that end. A cluster with more GPUs packs no slower (`lo`) and has every kind of the smaller
+        one (the end), so its grid holds every lattice point of the smaller one's."""
+        hi = float(max(k.time_s(self.M) for k in self.kinds))
         if hi <= lo:
             return [lo]
-        r = (hi / lo) ** (1.0 / max(points - 1, 1))
-        return [lo * r**j for j in range(points)]
+        first = math.floor(GRID_PER_DOUBLING * math.log2(lo)) + 1
+        last = math.ceil(GRID_PER_DOUBLING * math.log2(hi)) - 1
+        return [lo] + [2.0 ** (j / GRID_PER_DOUBLING) for j in range(first, last + 1)] + [hi]
 
 
 def trim(counts: np.ndarray, caps: np.ndarray, M: int, key) -> np.ndarray:
