@@ -32,8 +32,8 @@ Nearest TP as above.
 `backward_input_s` / `backward_weight_s` (optional, both or neither): the backward split into the
 input-gradient pass and the weight-gradient pass that zero-bubble schedules run apart, measured by
 `sailor profile` (each pass timed on its own). Absent (older files, the Sailor importer, the
-roofline), `Profiles.backward_split` estimates the split from the FLOPs (`ModelSpec.weight_grad_flop`) and
-labels it estimated.
+roofline), `Profiles.backward_split` estimates the split from the FLOPs
+(`ModelSpec.weight_grad_flop`) and labels it estimated.
 """
 
 from __future__ import annotations
