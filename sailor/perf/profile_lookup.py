@@ -176,7 +176,7 @@ class Profiles:
         if (gpu, tp) in self.times:
             return tp
         tps = [t for g, t in self.times if g == gpu]
-        return min(tps, key=lambda t: (abs(np.log2(t / tp)), t)) if tps else None
+        return _nearest(tps, tp) if tps else None
 
     def includes_tp_comm(self, gpu: str, tp: int) -> bool:
         """True when the layer times of (`gpu`, `tp`) hold TP collectives: measured with `tp` real TP
@@ -277,11 +277,16 @@ def roofline_profiles(job: JobSpec) -> Profiles:
 
 
 def _nearest_tp(table: dict[tuple[str, int], Any], gpu: str, tp: int, default: Any) -> Any:
-    """`table[(gpu, tp)]`, else the entry of `gpu` at the nearest TP degree (in log2, the lower on a
-    tie), else `default`."""
+    """`table[(gpu, tp)]`, else the entry of `gpu` at the nearest TP degree (`_nearest`), else
+    `default`."""
     if (gpu, tp) in table:
         return table[(gpu, tp)]
     tps = [t for g, t in table if g == gpu]
     if not tps:
         return default
-    return table[(gpu, min(tps, key=lambda t: (abs(np.log2(t / tp)), t)))]
+    return table[(gpu, _nearest(tps, tp))]
+
+
+def _nearest(tps: list[int], tp: int) -> int:
+    """The TP degree of `tps` nearest `tp` in log2, the lower on a tie."""
+    return min(tps, key=lambda t: (abs(np.log2(t / tp)), t))
