@@ -187,7 +187,7 @@ def run_one(sid: str, model: str, ref: Path, report: str | None) -> dict:
 
     job_d, cluster_d = scenario(sid, model)
     from sailor.core.errors import SailorInputError
-    from sailor.perf.profiles import roofline_profiles
+    from sailor.perf.profile_lookup import roofline_profiles
 
     t0, c0 = time.perf_counter(), time.process_time()
     row: dict = {"scenario": sid, "model": model}

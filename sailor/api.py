@@ -25,7 +25,8 @@ from sailor.core.errors import InfeasibleError, SailorInputError, show
 from sailor.core.limits import MAX_BLOCKS
 from sailor.core.schema import Checks, parse_model
 from sailor.perf.network import NetworkModel, network_for
-from sailor.perf.profiles import Profiles, load_profiles, roofline_profiles
+from sailor.perf.profile_lookup import Profiles, roofline_profiles
+from sailor.perf.profiles import load_profiles
 from sailor.plan import load_plan
 from sailor.plan.spec import Plan
 from sailor.planner import Constraints, Objective, PlanOptions, PlanResult, SearchSpace, plan_job

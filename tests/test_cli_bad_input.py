@@ -545,10 +545,10 @@ def test_sailor_run_stops_when_a_rank_refuses_its_gpu(tmp_path, monkeypatch, cap
     """Every relaunch would be refused the same way: `sailor run` ends with the rank's line, exit 2,
     instead of counting a crash and taking the GPUs away. (On the restart path, whose launches are
     stood in for here: a unit test starts no process.)"""
-    from sailor.elastic import controller
+    from sailor.elastic import launches
 
     _machine_stand_in(monkeypatch)
-    monkeypatch.setattr(controller, "launch", _refusing_rank)
+    monkeypatch.setattr(launches, "launch", _refusing_rank)
     _base(tmp_path)
     code, _, err = _main(["run", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json",
                           "--steps", "2", "--events", "out/ev.jsonl", "--restart"], tmp_path, monkeypatch, capsys)

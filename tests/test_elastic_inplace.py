@@ -180,7 +180,7 @@ def test_epoch_files_round_trip(tmp_path):
 
 
 def test_live_switch_phases_add_up_to_the_total():
-    from sailor.elastic.controller import Switch
+    from sailor.elastic.launches import Switch
 
     sw = Switch("gain", began=10.0, replan_s=0.5, stop_requested=10.5, last_step_after_request=11.0, stopped=11.25,
                 launched=11.25, started=11.5, loaded=12.0, in_place=True)

@@ -179,13 +179,13 @@ def test_a_rank_that_exits_without_an_error_is_named_with_its_process_last_line(
 
 
 def test_a_failure_on_the_live_path_leaves_out_the_machine_that_failed():
-    """`controller._failed_machines` for a live pool (one "node" per process, ranks of the latest
+    """`launches.failed_machines` for a live pool (one "node" per process, ranks of the latest
     epoch): 2 processes, 0 on machine 0 (rank 0), 1 on machine 1."""
-    from sailor.elastic.controller import START_TIMEOUT, _dead_ranks, _failed_machines
+    from sailor.elastic.launches import START_TIMEOUT, dead_ranks, failed_machines
     from sailor.runtime.launcher import finish_result
 
     def left_out(run) -> set:
-        return _failed_machines(run, _dead_ranks(run.result))
+        return failed_machines(run, dead_ranks(run.result))
 
     both = ([m(0), m(1)], {0: m(0), 1: m(1)})
     # ssh could not reach machine 1 at the start: its process exits 255 without saying it is up
@@ -214,22 +214,22 @@ def test_a_failure_on_the_live_path_leaves_out_the_machine_that_failed():
 
 
 def test_the_start_timeout_covers_a_launch_and_a_live_switchs_new_processes():
-    """`controller._starting_since`: a launch until its process groups form; a live switch from its
+    """`launches.starting_since`: a launch until its process groups form; a live switch from its
     request until its epoch is published; a restart-path switch's stop and a published live switch
     are not starts."""
     from types import SimpleNamespace
 
-    from sailor.elastic.controller import Switch, _starting_since
+    from sailor.elastic.launches import Switch, starting_since
 
     run = SimpleNamespace(started=False, launched_at=5.0)
-    assert _starting_since(run, None) == 5.0
+    assert starting_since(run, None) == 5.0
     run.started = True
-    assert _starting_since(run, None) is None
+    assert starting_since(run, None) is None
     live = Switch("gain", began=9.0, stop_requested=10.0, in_place=True)
-    assert _starting_since(run, live) == 10.0
+    assert starting_since(run, live) == 10.0
     live.published = 12.0
-    assert _starting_since(run, live) is None
-    assert _starting_since(run, Switch("gain", began=9.0, stop_requested=10.0)) is None
+    assert starting_since(run, live) is None
+    assert starting_since(run, Switch("gain", began=9.0, stop_requested=10.0)) is None
 
 
 def test_a_switch_still_under_way_when_the_job_ends_is_reported_interrupted():
@@ -238,8 +238,9 @@ def test_a_switch_still_under_way_when_the_job_ends_is_reported_interrupted():
     none."""
     from types import SimpleNamespace
 
-    from sailor.elastic.controller import Controller, Switch
+    from sailor.elastic.controller import Controller
     from sailor.elastic.events import EventLog
+    from sailor.elastic.launches import Switch
     from sailor.elastic.options import ExitStatus, RunResult
 
     clock = SimpleNamespace(wall_s=lambda: 1.0, trace_s=lambda: 2.0)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from sailor.catalog import LinkClass
-from sailor.perf.profiles import Profiles
+from sailor.perf.profile_lookup import Profiles
 from sailor.planner import PlanOptions, SearchSpace, plan_job
 from sailor.simulator import make_context
 from sailor.specs.cluster import ClusterSpec

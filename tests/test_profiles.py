@@ -9,7 +9,8 @@ import pytest
 from sailor import catalog
 from sailor.core.errors import SailorInputError
 from sailor.model.activations import layer_bytes
-from sailor.perf.profiles import Profiles, load_profiles, profiles_from_dict, roofline_profiles, roofline_times
+from sailor.perf.profile_lookup import Profiles, roofline_profiles, roofline_times
+from sailor.perf.profiles import load_profiles, profiles_from_dict
 from sailor.specs.job import JobSpec
 
 JOB = JobSpec(model="tiny", global_batch_size=8)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from sailor.catalog import Link, LinkClass
 from sailor.perf.network import NetworkModel
-from sailor.perf.profiles import Profiles
+from sailor.perf.profile_lookup import Profiles
 from sailor.plan.spec import Plan
 from sailor.simulator import TrafficKind, make_context, simulate
 from sailor.simulator.schedule import closed_form_1f1b, simulate_1f1b

@@ -11,7 +11,7 @@ from sailor.catalog import Link, LinkClass
 from sailor.model.activations import layer_bytes, recompute_transient_bytes
 from sailor.model.spec import Collective, Recompute
 from sailor.perf.network import NetworkModel
-from sailor.perf.profiles import Profiles
+from sailor.perf.profile_lookup import Profiles
 from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator import Slot, make_context, simulate, stage_time, time_options
 from sailor.simulator.collectives import tp_collective_time_s

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sailor.perf.calibration import fit_memory
-from sailor.perf.profiles import Profiles
+from sailor.perf.profile_lookup import Profiles
 from sailor.plan.orders import ScheduleKind, one_f_one_b_order
 from sailor.plan.spec import Plan, Schedule
 from sailor.simulator import TiedCopies, head_vocab_params, make_context, simulate, tied_embeddings

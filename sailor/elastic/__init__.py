@@ -9,6 +9,8 @@
   left out).
 - `controller`: `sailor run`, which drives the runtime's launcher (stop, checkpoint, relaunch, resume;
   crash detection and rollback).
+- `launches`: one launch as the controller watches it (the launch thread, a switch's timestamps,
+  the start timeout, whom a failed launch blames).
 - `replay`: `sailor replay`, a trace-driven simulation of a whole run under a policy.
 
 Nothing here imports torch; the runtime runs in its own processes.

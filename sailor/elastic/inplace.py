@@ -1,5 +1,5 @@
 """`sailor run`'s live switches (`--in-place`, the default): a pool of rank
-processes that lives across plan switches (`InPlaceRun`, with `controller.Running`'s interface), so
+processes that lives across plan switches (`InPlaceRun`, with `launches.Running`'s interface), so
 the ranks that stay keep their process, weights and optimizer state, and the state moves in memory
 (`sailor.runtime.inplace`).
 
@@ -31,7 +31,7 @@ started there; the control folder lives in the shared `control/` folder and is r
 ends. A process there gets its environment in its command (`remote_env`: ssh
 forwards none). `nodes` (`remote.NodeLaunch`, one "node" per process: its command,
 host and machine, and each rank's machine in the latest epoch; it grows as processes start) tells the controller which machines
-to leave out after a failure (`controller._failed_machines`).
+to leave out after a failure (`launches.failed_machines`).
 
 A spare (a process with no rank in the latest epoch, none in a switch under way: `busy`) that
 exits, whatever its status (killed, its machine lost), is dropped from the pool and fails nothing;
@@ -192,7 +192,7 @@ def assign(old_plan: str, old_ranks: dict[int, int], new_plan: str, spares: list
 
 class RunHandle:
     """What the controller watches of the ranks it started, in a background thread (`thread`, set by
-    the subclass): `controller.Running` (one launch) or `InPlaceRun` (a pool across switches). Events
+    the subclass): `launches.Running` (one launch) or `InPlaceRun` (a pool across switches). Events
     arrive on `events` stamped with `time.monotonic()`; `result` or `error` is set once it ended."""
 
     def __init__(self, prepared: Prepared, stop_file: str | None, nodes=None) -> None:
@@ -225,7 +225,7 @@ class InPlaceRun(RunHandle):
     `work`: a folder for its control files; `processes`: how many processes it keeps on this machine
     (ranks and spares, at least the plan's world size); `hosts`: run them on these machines instead,
     none of `lost` (the controller's set, read at each switch). The run must have a checkpoint folder
-    (ValueError). Events arrive on `events` stamped with `time.monotonic()`, as `controller.Running`'s."""
+    (ValueError). Events arrive on `events` stamped with `time.monotonic()`, as `launches.Running`'s."""
 
     def __init__(self, prepared: Prepared, work: str, *, processes: int, hosts: HostPool | None = None,
                  lost: set[Machine] | None = None) -> None:

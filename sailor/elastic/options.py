@@ -17,7 +17,7 @@ from sailor.core.limits import MAX_STEPS, max_local_processes
 from sailor.elastic.availability import Trace
 from sailor.elastic.events import ClockKind
 from sailor.elastic.remote import HostPool
-from sailor.perf.profiles import Profiles
+from sailor.perf.profile_lookup import Profiles
 from sailor.runtime.launcher import ExitStatus
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec

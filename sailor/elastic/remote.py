@@ -8,7 +8,7 @@ session per node running that node's torchrun agents against the static rendezvo
 machine. A machine is unusable, until the trace reports a different count for its zone and GPU
 type (a fresh observation, as for a lost GPU on the local provider), when one of its ranks died, when
 it went down whole, when ssh could not reach it, or when its node never started before the launch's
-start timeout (`controller._failed_machines` says how each is told).
+start timeout (`launches.failed_machines` says how each is told).
 
 With live switches (the default, `sailor.elastic.inplace`) every rank is a process of its own, one
 ssh session each (`process_command`), started on the machine `place` gives its node: the machines

@@ -19,7 +19,8 @@ from pathlib import Path
 from sailor.core.errors import InfeasibleError, SailorInputError
 from sailor.elastic.availability import Zones
 from sailor.perf.network import network_for
-from sailor.perf.profiles import Profiles, load_profiles, roofline_profiles
+from sailor.perf.profile_lookup import Profiles, roofline_profiles
+from sailor.perf.profiles import load_profiles
 from sailor.plan.spec import Plan
 from sailor.planner import PlanOptions, plan_job
 from sailor.simulator import Estimate, SimContext, make_context, simulate

@@ -43,7 +43,7 @@ from sailor.elastic.availability import Trace, Zones
 from sailor.elastic.policy import decide, lost_gpus
 from sailor.elastic.replan import Planned, Replanner
 from sailor.elastic.switch_cost import LiveSwitchModel
-from sailor.perf.profiles import Profiles
+from sailor.perf.profile_lookup import Profiles
 from sailor.planner import PlanOptions, SearchSpace
 from sailor.simulator import Estimate
 from sailor.specs.cluster import ClusterSpec

@@ -36,7 +36,8 @@ from typing import Any
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import write_json
 from sailor.core.limits import max_local_processes
-from sailor.perf.profiles import RUNTIME_ROWS, Profiles, profiles_from_dict
+from sailor.perf.profile_lookup import Profiles
+from sailor.perf.profiles import RUNTIME_ROWS, profiles_from_dict
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 

@@ -111,13 +111,18 @@ def transfer_latencies(stages: Sequence[Sequence[Sequence[Any]]], v: int) -> lis
     return out
 
 
-def p2p_overhead_s(run: Sequence[float], idle: Sequence[float]) -> float:
-    """Seconds a run adds to each pipeline transfer: mean of the `run` latencies less the mean of the
-    `idle` ones (`transfer_latencies`); 0 when negative (noise) or when either is empty. The mean,
+def mean_latency_s(latencies: Sequence[float]) -> float:
+    """Mean of transfer latencies in seconds (`transfer_latencies`), 0 when there are none. The mean,
     not the median: the schedule pays every transfer's delay, and the latencies are skewed."""
+    return statistics.fmean(latencies) if latencies else 0.0
+
+
+def p2p_overhead_s(run: Sequence[float], idle: Sequence[float]) -> float:
+    """Seconds a run adds to each pipeline transfer: the `mean_latency_s` of the `run` latencies less
+    that of the `idle` ones; 0 when negative (noise) or when either is empty."""
     if not run or not idle:
         return 0.0
-    return max(0.0, statistics.fmean(run) - statistics.fmean(idle))
+    return max(0.0, mean_latency_s(run) - mean_latency_s(idle))
 
 
 def pass_overhead_s(one: list[float], interleaved: list[float], v: int, microbatches: int) -> float:

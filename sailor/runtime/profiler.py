@@ -47,7 +47,7 @@ from sailor.runtime.profile_measure import (
     measure,
     profiled_layers,
 )
-from sailor.runtime.profile_passes import MIN_LAYERS, p2p_overhead_s, pass_overhead_s, pass_plans
+from sailor.runtime.profile_passes import MIN_LAYERS, mean_latency_s, p2p_overhead_s, pass_overhead_s, pass_plans
 from sailor.runtime.ranks import init_rank, rank_main, run_ranks
 from sailor.specs.job import JobSpec
 
@@ -245,7 +245,7 @@ def measure_pass_overhead(opts: ProfileOptions, raw: dict[str, Any], tp: int,
     as the profile's ranks get them): {micro-batch size: (forward, backward) seconds of one stage
     pass}, each the median over the repeats of `pass_overhead_s`, and {micro-batch size: (seconds
     a run adds to a pipeline transfer, `p2p_overhead_s`; mean latency in a run; mean latency between
-    idle ranks)}; both {} where not measured (`measures_pass_overhead`). Raises RuntimeError if a
+    idle ranks, both `mean_latency_s`)}; both {} where not measured (`measures_pass_overhead`). Raises RuntimeError if a
     rank fails."""
     if not measures_pass_overhead(opts, tp):
         return {}, {}
@@ -261,8 +261,7 @@ def measure_pass_overhead(opts: ProfileOptions, raw: dict[str, Any], tp: int,
                                  for d in (0, 1))
     for mbs, lat in got["p2p_latency"].items():
         run, idle = lat["run"], lat["idle"]
-        p2p[int(mbs)] = (p2p_overhead_s(run, idle), statistics.fmean(run) if run else 0.0,
-                         statistics.fmean(idle) if idle else 0.0)
+        p2p[int(mbs)] = (p2p_overhead_s(run, idle), mean_latency_s(run), mean_latency_s(idle))
     return passes, p2p
 
 

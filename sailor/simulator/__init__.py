@@ -57,7 +57,7 @@ from sailor import catalog
 from sailor.core.errors import SailorInputError
 from sailor.core.units import HOUR_S
 from sailor.model.spec import Framework
-from sailor.perf.profiles import SPLIT_FROM_FLOPS
+from sailor.perf.profile_lookup import SPLIT_FROM_FLOPS
 from sailor.plan.comms import plan_nccl_bytes
 from sailor.plan.spec import Plan, StageMemory
 from sailor.simulator.collectives import group_members

@@ -17,7 +17,7 @@ from sailor.model import activations
 from sailor.model.spec import Framework, ModelSpec, Recompute
 from sailor.perf.calibration import gpu_constant
 from sailor.perf.network import NetworkModel, network_for
-from sailor.perf.profiles import Profiles, roofline_profiles
+from sailor.perf.profile_lookup import Profiles, roofline_profiles
 from sailor.simulator.collectives import Member
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec

@@ -40,7 +40,7 @@ from sailor.model.registry import BUILTIN_MODELS, MODEL_ALIASES, canonical_model
 from sailor.model.spec import Framework
 from sailor.perf.calibration import default_calibration, fit_memory
 from sailor.perf.network import NetworkModel, network_for
-from sailor.perf.profiles import Profiles
+from sailor.perf.profile_lookup import Profiles
 from sailor.plan import plan_from_dict
 from sailor.plan.sailor_config import sailor_gpus_per_node
 from sailor.plan.spec import Plan
