@@ -107,8 +107,9 @@ class OpTrace(NamedTuple):
     """One op of `run_pipeline` on the CPU: its kind (F, B, W), chunk, micro-batch, whether it received
     its input from a neighbour stage, and three points of the host's monotonic clock (seconds,
     `time.perf_counter`, shared by every process of the machine): the op began (its receives
-    posted), its input was there (the receive taken; = start without one), its pass and its sends'
-    posts ended."""
+    posted), its input was there (the receive taken; = start without one), its pass ended (read
+    before its sends are posted, so that on the shared clock every message arrives after its
+    sender's end: a read after the posts could come later than the receiver's)."""
 
     kind: str
     chunk: int
@@ -329,6 +330,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
         kind, c, k = step.op
         ex, u = executors[c], c * p + role.stage
         t0 = clock.mark()
+        sent = None  # the trace's end of an op that sends: before its sends are posted
         for t in step.post:
             p2p.post(t)
         if k >= role.microbatches:
@@ -345,6 +347,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
                 balance.begin_forward(c, k, p2p.receive_side(step.recv) if step.recv else None)
             t1 = clock.mark()
             out = ex.forward(k, x, loss=loss(c, k) if u == last else None, meter=meter if k == 0 else None)
+            sent = clock.mark() if trace is not None else None
             p2p.send(out, step.sends, balance.end_forward(c, k) if balance is not None else None)
         elif kind == BWD:
             grad = p2p.receive(step.recv) if step.recv else None
@@ -352,6 +355,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
                 balance.begin_backward(c, k, p2p.receive_side(step.recv) if step.recv else None)
             t1 = clock.mark()
             grad_in = ex.backward_input(k, grad) if split else ex.backward(k, grad)
+            sent = clock.mark() if trace is not None else None
             p2p.send(grad_in, step.sends, balance.end_backward(c, k) if balance is not None else None)
         else:
             t1 = t0
@@ -362,6 +366,7 @@ def run_pipeline(executors: Sequence[StageExecutor], role: RankRole, p2p: P2P, *
         if kind not in (FWD, BWD):
             clock.add("weight_s", t1, t2)
         if trace is not None:
-            trace.append(OpTrace(kind, c, k, bool(step.recv), float(t0), float(t1), float(t2)))  # type: ignore[arg-type]
+            end = t2 if sent is None else sent
+            trace.append(OpTrace(kind, c, k, bool(step.recv), float(t0), float(t1), float(end)))  # type: ignore[arg-type]
     p2p.finish()
     return loss_sum, StageTimes(**clock.totals())

@@ -88,7 +88,9 @@ def transfer_latencies(stages: Sequence[Sequence[Sequence[Any]]], v: int) -> lis
         was sent: its `ready_s` less the send, the last `end_s` of the matching op among the sending
         stage's ranks (a forward of virtual stage u receives from u - 1's forward of the same
         micro-batch, a backward from u + 1's backward). Receivers that began later waited for their
-        own turn, not for the transfer, and are left out.
+        own turn, not for the transfer, and are left out. Every latency of a real trace is positive:
+        a sender reads its `end_s` before posting its sends, and a receiver its `ready_s` once it
+        has its input from every rank of the sending stage (its slice, then the TP gather).
     """
     p = len(stages)
     ends: dict[tuple[int, str, int, int], float] = {}
