@@ -53,11 +53,12 @@ def test_the_whole_pass_leaves_the_gradient_sum_in_the_buffers(kind):
 
 def test_the_profile_times_the_pass_with_the_hooks():
     # `_time_pipeline` (what `sailor profile` times on CPU) runs the hooks: no gradient is left in the
-    # parameters (without the hooks autograd leaves every one there), and one row per timed repeat
-    from sailor.runtime.profile_measure import _nullcontext, _time_pipeline
+    # parameters (without the hooks autograd leaves every one there), and one row per timed repeat,
+    # WHOLE_PASS_REPEATS of them per repeat of a layer
+    from sailor.runtime.profile_measure import WHOLE_PASS_REPEATS, _nullcontext, _time_pipeline
 
     model = _build_layer(JOB, 0, 0, 1, None, CPU, JOB.model.num_layers)
     o = {"gpu": "cpu", "warmup": 1, "repeats": 2, "timeout_s": 10}
     rows = _time_pipeline(model, JOB, o, 0, 1, 1, 1, CPU, _nullcontext, lambda: None, Schedule())
-    assert len(rows) == 2 and all(len(r) == 4 and r[0] > 0 and r[1] > 0 for r in rows)
+    assert len(rows) == 2 * WHOLE_PASS_REPEATS and all(len(r) == 4 and r[0] > 0 and r[1] > 0 for r in rows)
     assert all(p.grad is None for p in model.parameters())

@@ -29,6 +29,7 @@ from sailor.runtime.profiler import (
     layer_row,
     pass_scale,
     profile_job,
+    whole_stats,
 )
 from sailor.runtime.ranks import _free_port
 from sailor.specs.cluster import local_cluster
@@ -150,6 +151,33 @@ def test_layer_row_scales_each_pass_by_its_own_whole_run():
     # no whole pass (CUDA): the times as measured
     row, scales = layer_row(stats, split, None)
     assert scales == [1.0] * 4 and row["backward_input_s"] == [0.0, 1.0, 0.5] and row["forward_s"] == [0.1, 1.0, 0.4]
+
+
+def test_whole_stats_are_trimmed_means_that_add_up_to_the_mean_sum():
+    # 10 repeats of the whole pass (ms): the sum of both phases is steady (9, 10 or 11), the split
+    # between them is not; one repeat slowed as a whole (30) and one sped up (2)
+    fwd = [2.0, 5.0, 3.0, 6.0, 4.0, 3.5, 5.5, 2.5, 20.0, 1.0]
+    bwd = [8.0, 5.0, 7.0, 4.0, 6.0, 5.5, 5.5, 6.5, 10.0, 1.0]
+    f, b = whole_stats([fwd, bwd])  # 10 % trimmed at each end: the 30 and the 2 are left out
+    assert f == pytest.approx(31.5 / 8) and b == pytest.approx(47.5 / 8)
+    assert f + b == pytest.approx(79.0 / 8)  # the mean of the kept sums; the medians gave 4.5 + 5.75
+    assert whole_stats([fwd, bwd], trim=0.0) == pytest.approx((52.5 / 10, 58.5 / 10))
+    assert whole_stats([[1.0], [2.0]]) == (1.0, 2.0)  # too few repeats to trim: all kept
+
+
+def test_the_slowest_ranks_row_is_kept_whole():
+    import torch
+
+    from sailor.runtime.profile_measure import slowest_rows, whole_pass_repeats
+    # 2 replicas x 3 repeats x (forward, backward, weight, rest): each repeat keeps the row of the
+    # replica whose call (forward + backward + rest) took longest, never one's forward and the
+    # other's backward (their column maxima: 5 + 6 in the first repeat, which neither replica took)
+    rows = torch.tensor([[[5.0, 3.0, 0.0, 1.0], [2.0, 6.0, 0.0, 0.5], [4.0, 4.0, 1.0, 0.0]],
+                         [[2.0, 6.0, 0.0, 0.5], [3.0, 4.0, 0.0, 0.5], [4.0, 4.0, 2.0, 0.1]]], dtype=torch.float64)
+    got = slowest_rows(rows)
+    assert got.tolist() == [[5.0, 3.0, 0.0, 1.0], [2.0, 6.0, 0.0, 0.5], [4.0, 4.0, 2.0, 0.1]]
+    assert slowest_rows(rows[:1]).tolist() == rows[0].tolist()  # one rank: its rows
+    assert whole_pass_repeats(10) == 30 and whole_pass_repeats(1) == 3
 
 
 @pytest.mark.integration

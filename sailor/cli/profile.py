@@ -65,7 +65,7 @@ def profile_layers(
     tp: str = typer.Option("1", "--tp", help="TP degrees, comma-separated, e.g. 1,2,4 (degree t runs t processes)."),
     mbs: str = typer.Option("1,2,4,8", "--mbs", help="Micro-batch sizes (samples), comma-separated, e.g. 1,2,4,8."),
     warmup: int = typer.Option(3, "--warmup", help="Untimed passes before timing, e.g. 3."),
-    repeats: int = typer.Option(10, "--repeats", help="Timed passes per layer and size; the median is kept, e.g. 10."),
+    repeats: int = typer.Option(10, "--repeats", help="Timed passes per layer and size; the median is kept (the whole model's pass: 3x as many, their trimmed mean), e.g. 10."),
     threads: int = typer.Option(1, "--threads", help="CPU threads per process (torchrun gives each rank 1)."),
     concurrency: int = typer.Option(0, "--concurrency", help="Replicas timed at once, e.g. 2; 0: enough to keep"
                                                              " every CPU core busy, as in a multi-process run (1 on cuda)."),

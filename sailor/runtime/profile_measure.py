@@ -20,7 +20,9 @@ micro-batch size b:
   separate layers are timed with their all-reduces, every rank starting together after a barrier, and the
   slowest rank's time kept (the others wait for it in a real run too);
 - `warmup` untimed passes, then `repeats` timed ones: the median is the profile, the interquartile
-  range its spread (`forward_spread_s`, `backward_spread_s`);
+  range its spread (`forward_spread_s`, `backward_spread_s`); the whole pass, which scales every
+  layer, is timed `WHOLE_PASS_REPEATS` times as often, each repeat the slowest rank's row
+  (`slowest_rows`), and its trimmed mean kept (`profiler.whole_stats`);
 - the backward split as zero-bubble schedules run it (`_time_backward_split`): the input-gradient pass
   (`torch.autograd.grad` w.r.t. the layer's input, keeping the graph and the gradients reaching the
   weights' matmuls) and then the weight-gradient pass (`torch.autograd.grad` w.r.t. the weights from
@@ -124,7 +126,8 @@ def profile_dtype(precision: str, device) -> Any:
 def measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, device) -> dict[str, Any]:
     """Everything rank `rank` of a `world`-process profile measures (module docstring), its TP group
     `group` of `tp` consecutive ranks, options `o` as `profiler.profile_rank` receives them: times
-    keyed "kind/mbs" (and "model/mbs" for the whole pass), each the slowest rank's per repeat, with
+    keyed "kind/mbs" (and "model/mbs" for the whole pass: the row of the rank whose call took
+    longest, `slowest_rows`), each the slowest rank's per repeat, with
     the whole pass's per-micro-batch overhead, activation bytes per sample by kind, the peak bytes
     and the optimizer's seconds per parameter."""
     import torch
@@ -218,8 +221,7 @@ def measure(job: JobSpec, o: dict, rank: int, tp: int, group, world: int, device
                                                        group), dtype=torch.float64, device=device)
                            for s in (DEFAULT_SCHEDULE, Schedule(kind=ScheduleKind.ZB_H1)))
             if world > 1:
-                dist.all_reduce(runs, op=dist.ReduceOp.MAX)
-                dist.all_reduce(split, op=dist.ReduceOp.MAX)
+                runs, split = (slowest_rows(torch.stack(_all_gather(rows, world))) for rows in (runs, split))
             out["times"][f"model/{mbs}"] = runs[:, :2].T.tolist()
             out["runtime_overhead_s"][str(mbs)] = runs[:, 3].tolist()
             out["split"][f"model/{mbs}"] = [(split[:, 1] - split[:, 2]).tolist(), split[:, 2].tolist()]  # B, W
@@ -285,7 +287,8 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
     RUNTIME_MICROBATCHES micro-batches of `mbs` samples on a one-stage replica holding the whole
     `model` (this rank's TP shard of it).
 
-    Returns one row per timed repeat: [forward_s, backward_s, weight_s, rest_s] per micro-batch,
+    Returns one row per timed repeat (`whole_pass_repeats` of `o["repeats"]`): [forward_s,
+    backward_s, weight_s, rest_s] per micro-batch,
     where forward, backward (W passes included) and weight (the W passes alone, 0 unless the
     schedule splits the backward) are the runtime's own phase timers (`StageTimes`, what `sailor
     train --metrics` reports per stage) and rest is the call's wall time outside them: the loop's
@@ -315,7 +318,7 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
     gen = torch.Generator(device="cpu").manual_seed(4321)
     tok = torch.randint(0, spec.vocab_size, (m * mbs, seq + 1), generator=gen).to(device)  # (m·mbs, seq + 1)
     rows = []
-    for r in range(o["warmup"] + o["repeats"]):
+    for r in range(o["warmup"] + whole_pass_repeats(o["repeats"])):
         model.zero_grad(set_to_none=True)  # as the optimizer leaves it at the end of a step
         sync()
         t0 = time.perf_counter()
@@ -332,6 +335,51 @@ def _time_pipeline(model, job: JobSpec, o: dict, rank: int, tp: int, world: int,
             rest = wall - times.forward_s - times.backward_s  # >= 0: the phases lie inside the call
             rows.append([times.forward_s / m, times.backward_s / m, times.weight_s / m, rest / m])
     return rows
+
+
+WHOLE_PASS_REPEATS = 3
+"""Timed repeats of the whole pass (`_time_pipeline`) per repeat of a layer: the whole pass scales
+every layer time of its row (`profiler.layer_row`), and one repeat's split between its forward and
+backward phases moves far more than their sum does. On the testbed (`sailor.testbed`: `tiny`, the
+0.3- and 0.15-core classes at TP 1, micro-batches 1 and 2, 2026-12-06) one repeat's forward per
+micro-batch varied by 14-43 % (coefficient of variation over a profile's repeats), its backward by
+4-20 %, their sum by 2-10 % (one process at full speed, without a quota: 2-9 %, each alike); with the
+median of 10 repeats the model's forward at micro-batch 2 came out 7.7-10.4 ms (0.3 cores) and
+17.0-21.9 ms (0.15 cores) in four profiles, with the trimmed mean of 30 (`profiler.whole_stats`)
+7.5-8.8 and 17.3-17.8 ms in three."""
+
+
+def whole_pass_repeats(repeats: int) -> int:
+    """Timed repeats of the whole pass for `repeats` per layer (`WHOLE_PASS_REPEATS`)."""
+    return WHOLE_PASS_REPEATS * repeats
+
+
+def slowest_rows(rows):
+    """The rows of the slowest rank, repeat by repeat: `rows` (ranks, repeats, 4) of `_time_pipeline`
+    (forward, backward, weight, rest per micro-batch) -> (repeats, 4), each repeat the row of the
+    rank whose call took longest (forward + backward + rest). Replicas of a TP-1 profile never wait
+    for each other, and in a run only their whole steps meet (the gradient sync): a run waits for the
+    slowest replica's step, not for one replica's forward and another's backward. Taking each column's
+    maximum instead added the chance split of a repeat's time between its phases to both (one rank's
+    slow forward, the other's slow backward): on the testbed's 0.3-core class (two replicas, five
+    profiles) the column maxima's mean was 5-24 % above the slowest rank's forward, 1-10 % above
+    its backward and 3-10 % above its sum. The ranks of a TP group wait for each other in every
+    layer, so their rows are alike."""
+    import torch
+
+    total = rows[..., 0] + rows[..., 1] + rows[..., 3]  # (ranks, repeats)
+    slowest = total.argmax(dim=0)  # (repeats,)
+    return rows[slowest, torch.arange(rows.shape[1])]
+
+
+def _all_gather(t, world: int) -> list:
+    """`t` of every rank of the world, in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    every = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(every, t)
+    return every
 
 
 def pass_optimizer(model, role, order, tp_group=None):

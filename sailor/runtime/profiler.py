@@ -7,7 +7,8 @@ and the split backward, on CPU the whole model's pass in the runtime's `run_pipe
 bytes, peak memory and the optimizer step. On CPU it also starts 2·t processes that measure the
 runtime's fixed cost of one stage pass (`runtime.profile_passes`, `measure_pass_overhead`).
 `profile_job` turns their repeats into the profile's rows: medians and interquartile ranges
-(`_stats`), layer times scaled by the whole pass less its fixed cost (`layer_row`, `pass_scale`),
+(`_stats`), layer times scaled by the whole pass (the trimmed mean of its repeats, `whole_stats`)
+less its fixed cost (`layer_row`, `pass_scale`),
 the runtime's per-micro-batch overhead and its fixed cost per stage pass.
 
 Load: on CPU every profiling process uses `threads` intra-op threads (default 1), as torchrun gives
@@ -46,6 +47,7 @@ from sailor.runtime.profile_measure import (
     layer_kinds,
     measure,
     profiled_layers,
+    whole_pass_repeats,
 )
 from sailor.runtime.profile_passes import MIN_LAYERS, mean_latency_s, p2p_overhead_s, pass_overhead_s, pass_plans
 from sailor.runtime.ranks import init_rank, rank_main, run_ranks
@@ -68,7 +70,8 @@ class ProfileOptions:
     warmup: int = 3
     """Untimed passes before timing (allocator, caches, lazy init)."""
     repeats: int = 10
-    """Timed passes per layer and micro-batch size; the median is kept."""
+    """Timed passes per layer and micro-batch size; the median is kept (the whole model's pass:
+    `profile_measure.WHOLE_PASS_REPEATS` times as many, their trimmed mean, `whole_stats`)."""
     threads: int = 1
     """CPU intra-op threads per process (torchrun's default for multi-process runs)."""
     concurrency: int = 0
@@ -353,7 +356,7 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
                 split = {k: _stats(res["split"][f"{k}/{mbs}"]) for k in set(order)}
                 whole = None
                 if whole_pass(opts):
-                    fused, zb = _stats(res["times"][f"model/{mbs}"]), _stats(res["split"][f"model/{mbs}"])
+                    fused, zb = whole_stats(res["times"][f"model/{mbs}"]), whole_stats(res["split"][f"model/{mbs}"])
                     whole = (fused[0], fused[1], zb[0], zb[1])
                 row, scale = layer_row([stats[k] for k in order], [split[k][:2] for k in order], whole,
                                        fixed.get(mbs, (0.0, 0.0)))
@@ -377,6 +380,9 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
             "settings": {"warmup": opts.warmup, "repeats": opts.repeats, "threads": opts.threads,
                          "replicas_at_once": {str(t): replicas(opts, t) for t in sorted(set(opts.tps))},
                          "statistic": "median", "spread": "interquartile range",
+                         # the whole pass (`pass_scale`): more repeats, their mean (`whole_stats`)
+                         "whole_pass": {"repeats": whole_pass_repeats(opts.repeats), "statistic": "mean",
+                                        "trimmed_each_end": WHOLE_PASS_TRIM},
                          # "tp/mbs" -> [forward, backward, input-gradient, weight-gradient] factors
                          # applied to the layer times (`layer_row`; all 1 without a whole pass)
                          "pass_scale": scales,
@@ -391,6 +397,29 @@ def profile_job(opts: ProfileOptions, *, progress: Callable[[int], None] | None 
             **({"runtime": {"microbatch_overhead_s": overhead_rows,
                             **({"pass_overhead_s": pass_rows} if pass_rows else {}),
                             **({"p2p_overhead_s": p2p_rows} if p2p_rows else {})}} if overhead_rows else {})}
+
+
+WHOLE_PASS_TRIM = 0.1
+"""Share of the whole pass's repeats left out at each end (by their time in both phases) before
+the mean, `whole_stats`."""
+
+
+def whole_stats(both: list[list[float]], trim: float = WHOLE_PASS_TRIM) -> tuple[float, float]:
+    """(mean first phase, mean second phase) of the whole pass's repeats
+    `both` = [first phase per repeat, second phase per repeat] (forward and backward, or input- and
+    weight-gradient passes), seconds, the repeats whose sum of both phases is among the `trim`
+    shortest or longest left out of the means.
+
+    The mean, not the median: a run's step is the sum of its passes, and one repeat's time moves
+    between its phases by chance far more than their sum does (`profile_measure.WHOLE_PASS_REPEATS`),
+    so the two means add up to the mean of the sums, where two medians need not. Trimmed by the sum,
+    so a repeat slowed or sped up as a whole (a process starting beside it) is left out of both."""
+    import numpy as np
+    f, b = np.asarray(both[0]), np.asarray(both[1])
+    order = np.argsort(f + b, kind="stable")
+    cut = int(len(order) * trim)
+    keep = order[cut:len(order) - cut]
+    return float(f[keep].mean()), float(b[keep].mean())
 
 
 def _stats(both: list[list[float]]) -> tuple[float, float, float, float]:
