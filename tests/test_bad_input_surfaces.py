@@ -133,6 +133,17 @@ def test_launching_a_local_plan_on_a_cloud_backend_names_the_plan(tmp_path, monk
     assert line.startswith(f"error: cpu_plan.json: pipelines.0.replicas.0.gpu: GPU type cpu has no {what}"), line
 
 
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_skypilot_without_out_names_the_out_option(tmp_path, monkeypatch, capsys, dry_run):
+    # it blamed --backend, though the backend was right and --out was what was missing
+    _base(tmp_path)
+    line = _refused(["launch", "gcp_plan.json", "--backend", "skypilot", "--steps", "5", *dry_run], tmp_path,
+                    monkeypatch, capsys)
+    assert line == ("error: --out: the skypilot backend needs a new folder to write the tasks' working directory into"
+                    " (task files, launch.sh, the plan and Sailor, synced to every node) (pass --out DIR; with"
+                    " --dry-run it also prints the task files)")
+
+
 # ---- the testbed benchmarks' flags ----------------------------------------------------------------
 def _bench_args(**kw):
     import argparse

@@ -414,7 +414,7 @@ def test_cli_errors_are_one_line(tmp_path):
     GEO_K8S.with_specs(GEO_JOB, None).save(one_region)
     for args, match in [(["--backend", "slurm", "--dry-run"], "unknown backend 'slurm'"),
                         (["--backend", "torchrun"], "needs --hosts"),
-                        (["--backend", "skypilot", "--dry-run"], "--backend: the skypilot backend writes a folder"),
+                        (["--backend", "skypilot", "--dry-run"], "--out: the skypilot backend needs a new folder"),
                         (["--backend", "skypilot", "--out", str(tmp_path / "s1"), "--checkpoint-dir", "/ck"],
                          "--checkpoint-dir: each SkyPilot VM has its own disk"),
                         (["--backend", "torchrun", "--dry-run", "--checkpoint-bucket", "gs://abc"],
