@@ -123,6 +123,21 @@ def test_distinct_outputs_see_one_path_spelled_two_ways(tmp_path):
         check_distinct_outputs({"--metrics": tmp_path / "m.jsonl", "--events": tmp_path / "." / "m.jsonl"})
 
 
+# ---- --profiles of every command that takes it -----------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ["plan", "--job", "job.yaml", "--cluster", "local.yaml"],
+    ["simulate", "cpu_plan.json"],
+    RUN,
+    ["replay", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json"],
+    ["validate", "runs-tiny"],
+])
+def test_a_missing_profiles_path_names_the_option(tmp_path, monkeypatch, capsys, args):
+    # it said "error: nosuch: no such file", naming neither --profiles nor that it was the profiles
+    _base(tmp_path)
+    line = _refused([*args, "--profiles", "nosuch"], tmp_path, monkeypatch, capsys)
+    assert line == "error: Invalid value for '--profiles': path 'nosuch' does not exist. (see --help)"
+
+
 # ---- launch of a local plan to a cloud backend ----------------------------------------------------
 @pytest.mark.parametrize("backend, what", [("skypilot", "SkyPilot accelerator on local"),
                                            ("kubernetes", "GKE accelerator label")])
