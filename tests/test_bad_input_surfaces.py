@@ -123,6 +123,18 @@ def test_distinct_outputs_see_one_path_spelled_two_ways(tmp_path):
         check_distinct_outputs({"--metrics": tmp_path / "m.jsonl", "--events": tmp_path / "." / "m.jsonl"})
 
 
+@pytest.mark.parametrize("zone, hint", [
+    ("mars-1a", "known: 140 zones of gcp and aws, e.g. us-central1-a, us-east-1a"),
+    ("us-centrall-a", "did you mean 'us-central1-a'?"),
+])
+def test_an_unknown_zone_of_two_providers_is_a_short_line(tmp_path, monkeypatch, capsys, zone, hint):
+    # the line listed all 140 zones of gcp and aws (over 2,000 characters) when none was close
+    _base(tmp_path)
+    (tmp_path / "c.yaml").write_text(f"provider: [gcp, aws]\nzones: {{{zone}: {{A100-40: 8}}}}\n")
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "c.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == f"error: c.yaml: zones.{zone}: unknown gcp+aws zone '{zone}' ({hint})"
+
+
 # ---- --profiles of every command that takes it -----------------------------------------------------
 @pytest.mark.parametrize("args", [
     ["plan", "--job", "job.yaml", "--cluster", "local.yaml"],

@@ -151,7 +151,7 @@ class Provider:
         """The region of `zone`; raises SailorInputError for an unknown zone."""
         if isinstance(zone, str) and zone in self.zone_region:
             return self.zone_region[zone]
-        raise unknown_name(f"{self.name} zone", zone, self.zone_region)
+        raise unknown_name(f"{self.name} zone", zone, self.zone_region, known=_zones_in_short((self,)))
 
     def provider_of(self, zone: str) -> Provider:
         """The provider of `zone` (this one); raises SailorInputError for an unknown zone."""
@@ -245,7 +245,7 @@ class Clouds:
         """The member provider of `zone`; raises SailorInputError for a zone none of them has."""
         if isinstance(zone, str) and zone in self._owner:
             return self._owner[zone]
-        raise unknown_name(f"{self.name} zone", zone, self._owner)
+        raise unknown_name(f"{self.name} zone", zone, self._owner, known=_zones_in_short(self.members))
 
     def region(self, zone: str) -> str:
         return self.provider_of(zone).region(zone)
@@ -274,6 +274,21 @@ class Clouds:
         if pa is pb:
             return pa.link_between(zone_a, zone_b, link_class)
         return self.cross_links.get(link_class)
+
+
+MAX_ZONES_LISTED = 12  # an unknown zone's error lists every known zone up to this many (local: 1; gcp: 97)
+
+
+def _zones_in_short(members: Iterable[Provider]) -> str | None:
+    """What an unknown zone's error says of the known ones when there are too many to list on one
+    line: how many, and the first zone of each provider (None: few enough to list them all)."""
+    members = tuple(members)
+    count = sum(len(p.zone_region) for p in members)
+    if count <= MAX_ZONES_LISTED:
+        return None
+    names = [p.name for p in members]
+    names = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
+    return f"known: {count} zones of {names}, e.g. {', '.join(next(iter(p.zone_region)) for p in members)}"
 
 
 def _load_yaml(name: str) -> dict:
