@@ -135,6 +135,33 @@ def test_an_unknown_zone_of_two_providers_is_a_short_line(tmp_path, monkeypatch,
     assert line == f"error: c.yaml: zones.{zone}: unknown gcp+aws zone '{zone}' ({hint})"
 
 
+# ---- a price of .nan ------------------------------------------------------------------------------
+@pytest.mark.parametrize("prices, field", [("{A100-40: .nan}", "prices.A100-40"),
+                                           ("{us-central1-a: {A100-40: .nan}}", "prices.us-central1-a.A100-40")])
+def test_a_nan_price_names_its_field(tmp_path, monkeypatch, capsys, prices, field):
+    # it said "c.yaml: invalid YAML at line 3: .nan is not a finite number", naming no field
+    _base(tmp_path)
+    (tmp_path / "c.yaml").write_text(f"provider: gcp\nzones: {{us-central1-a: {{A100-40: 8}}}}\nprices: {prices}\n")
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "c.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == f"error: c.yaml: {field}: must be a finite number, got .nan (line 3)"
+
+
+def test_a_nan_in_the_catalog_names_its_file_and_field(monkeypatch):
+    # the catalog's own files were read by yaml.safe_load: a .nan price became a silent NaN
+    import types
+
+    from sailor import catalog
+    from sailor.core.errors import SailorInputError
+
+    text = "schema: 1\nproviders:\n  gcp:\n    prices_usd_per_gpu_hour:\n      A100-40: .nan\n"
+    files = types.SimpleNamespace(joinpath=lambda name: types.SimpleNamespace(read_text=lambda encoding: text))
+    monkeypatch.setattr(catalog.resources, "files", lambda package: files)
+    with pytest.raises(SailorInputError) as e:
+        catalog._load_yaml("gcp.yaml")
+    assert str(e.value) == ("sailor/catalog/gcp.yaml: providers.gcp.prices_usd_per_gpu_hour.A100-40: must be a finite"
+                            " number, got .nan (line 5)")
+
+
 # ---- --profiles of every command that takes it -----------------------------------------------------
 @pytest.mark.parametrize("args", [
     ["plan", "--job", "job.yaml", "--cluster", "local.yaml"],

@@ -24,9 +24,8 @@ from enum import Enum
 from importlib import resources
 from typing import Literal
 
-import yaml
-
 from sailor.core.errors import SailorInputError, unknown_name
+from sailor.core.fileio import parse_yaml
 
 Dtype = Literal["fp32", "fp16", "bf16"]
 
@@ -292,7 +291,10 @@ def _zones_in_short(members: Iterable[Provider]) -> str | None:
 
 
 def _load_yaml(name: str) -> dict:
-    return yaml.safe_load(resources.files(__package__).joinpath(name).read_text(encoding="utf-8"))
+    """A catalog file, read by the rules of user files (`core.fileio`): a `.nan` price, a key given
+    twice, is an error naming the file and field, not a silent NaN or a silent choice of one."""
+    return parse_yaml(resources.files(__package__).joinpath(name).read_text(encoding="utf-8"),
+                      f"sailor/catalog/{name}")
 
 
 @functools.cache
