@@ -123,6 +123,18 @@ def test_distinct_outputs_see_one_path_spelled_two_ways(tmp_path):
         check_distinct_outputs({"--metrics": tmp_path / "m.jsonl", "--events": tmp_path / "." / "m.jsonl"})
 
 
+# ---- a cluster offering a GPU type where its provider has none ------------------------------------
+def test_plan_refuses_a_gpu_type_the_zone_does_not_offer(tmp_path, monkeypatch, capsys):
+    # it planned 8 A100-40 in europe-west1-b, where GCP rents none (no a2-highgpu machines there)
+    _base(tmp_path)
+    (tmp_path / "c.yaml").write_text("provider: gcp\nzones: {europe-west1-b: {A100-40: 8}}\n")
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "c.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == ("error: c.yaml: zones.europe-west1-b.A100-40: gcp does not offer A100-40 in zone 'europe-west1-b'"
+                    " (it offers H100-80, H200-141, L4, T4 there) (use a zone that does, e.g. europe-west4-a,"
+                    " asia-northeast1-a, asia-northeast3-a; or, if yours does, give its price there under"
+                    " prices.europe-west1-b.A100-40)")
+
+
 @pytest.mark.parametrize("zone, hint", [
     ("mars-1a", "known: 140 zones of gcp and aws, e.g. us-central1-a, us-east-1a"),
     ("us-centrall-a", "did you mean 'us-central1-a'?"),

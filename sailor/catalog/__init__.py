@@ -10,6 +10,10 @@ providers); this module only reads it. Lookup semantics:
 - Prices: a cluster spec may override per GPU type or per (zone, GPU type); otherwise the provider's
   list price for the zone's region, else its provider-wide one. A GPU type with no price raises
   (never a silent zero).
+- Offers (`Provider.offers`): gcp lists the zones of each GPU type (`gpu_zones`), aws and azure the
+  types each region prices; a type neither lists is unknown, which any zone may offer. A cluster
+  spec offering a type in a zone known not to offer it is refused, unless it prices the type in
+  that zone (`ClusterSpec.check_catalog_offers`: the user knows better than this catalog).
 - Several providers (`clouds`): pairs inside one provider keep its link classes, links and egress;
   pairs across providers are same_continent or intercontinental by continent, take the
   `clouds.yaml` links, and pay the sending provider's internet egress.
@@ -182,6 +186,14 @@ class Provider:
         if self.region_prices:
             return gpu_name in self.region_prices.get(self.region(zone), {})
         return None
+
+    def offered_in(self, zone: str) -> list[str]:
+        """The canonical GPU types `zone` is known to offer (`offers` True), sorted."""
+        return [g for g in gpu_names() if self.offers(zone, g)]
+
+    def zones_offering(self, gpu_name: str) -> list[str]:
+        """The zones known to offer canonical GPU type `gpu_name` (`offers` True), sorted."""
+        return sorted(z for z in self.zone_region if self.offers(z, gpu_name))
 
     def egress_between(self, src_zone: str, dst_zone: str, link_class: LinkClass) -> float:
         """$/GB of bytes sent from `src_zone` to `dst_zone`, whose nodes are `link_class` apart."""
