@@ -142,13 +142,14 @@ def one_gpu_plan(gpu: str, job: dict[str, Any], mbs: int, microbatches: int) -> 
 
 def predict(gpu: str, plan_path: Path) -> dict[str, Any]:
     """`sailor simulate`'s memory of the one-GPU plan (bytes per GPU), on a cluster of one `gpu` in
-    ZONE priced at 0 $/hour: the check reads memory only, and V100-32, A100-80-PCIe, H100-PCIe,
-    H100-NVL and the RTX/Titan cards have no GCP list price, without which simulate refuses the plan.
+    ZONE priced at 0 $/hour there: the check reads memory only, and V100-32, A100-80-PCIe, H100-PCIe,
+    H100-NVL and the RTX/Titan cards have no GCP list price, without which simulate refuses the plan
+    (a price in the zone also takes a type GCP does not rent in ZONE, such as H200-141).
     The figure without the sync buffer is given too: the model's sync buffer is DeepSpeed's flat
     gradient copy (simulator.memory); this runtime reduces its ZeRO-0/1 gradient buffers in place."""
     import sailor as api
 
-    cluster = {"provider": "gcp", "zones": {ZONE: {gpu: 1}}, "prices": {gpu: 0.0}}
+    cluster = {"provider": "gcp", "zones": {ZONE: {gpu: 1}}, "prices": {ZONE: {gpu: 0.0}}}
     mem = api.simulate(str(plan_path), cluster=cluster).replicas[0].memory
     return {"predicted_bytes": mem.total, "predicted": mem.to_dict(),
             "predicted_without_sync_buffer_bytes": mem.total - mem.sync_buffer}
@@ -224,7 +225,7 @@ def against_torch(gpu: str, n: int, args: argparse.Namespace, folder: Path) -> d
     precision = "bf16" if args.bf16 else "fp16"
     gbs, tokens = n * args.mbs * args.microbatches, n * args.mbs * args.microbatches * args.seq
     job = {"model": args.model, "global_batch_size": gbs, "sequence_length": args.seq, "precision": precision}
-    cluster = {"provider": "gcp", "zones": {ZONE: {gpu: n}}, "prices": {gpu: 0.0}, "gpus_per_node": {gpu: n}}
+    cluster = {"provider": "gcp", "zones": {ZONE: {gpu: n}}, "prices": {ZONE: {gpu: 0.0}}, "gpus_per_node": {gpu: n}}
     out: dict[str, Any] = {"gpus": n, "precision": precision}
     for zero in (0, 3):
         plan = {**one_gpu_plan(gpu, job, args.mbs, args.microbatches), "memory": [{"zero": zero}] if n > 1 else []}

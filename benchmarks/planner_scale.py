@@ -121,6 +121,24 @@ def _node_sizes(zones: dict[str, dict[str, int]]) -> dict[str, int]:
     return {g: n for g, n in NODE4.items() if g in offered}
 
 
+def _priced_everywhere(cluster: dict) -> dict:
+    """`cluster` with a per-zone price for every GPU type it offers in a zone the catalog says lacks
+    it (`catalog.Provider.offers`), at the price the zone had before (its flat price, else the list
+    price): the scale rows put every type in every zone on purpose, and the cluster reader refuses
+    such a type unless the zone prices it."""
+    from sailor import catalog
+
+    names = cluster.get("provider", "gcp")
+    prov = catalog.clouds([names] if isinstance(names, str) else names)
+    prices = dict(cluster.get("prices", {}))
+    for z, gpus in cluster["zones"].items():
+        p = prov.provider_of(z)
+        for g in gpus:
+            if p.offers(z, g) is False:
+                prices[z] = {**prices.get(z, {}), g: cluster.get("prices", {}).get(g, p.price(z, g))}
+    return {**cluster, "prices": prices} if prices else cluster
+
+
 def scenario(sid: str, model: str) -> tuple[dict, dict]:
     """(job, cluster) specs of a scenario, as dicts."""
     job = {"model": OPT66 if model == "opt-66b" else model, "global_batch_size": BATCH[model], "precision": "fp32"}
@@ -162,7 +180,7 @@ def scenario(sid: str, model: str) -> tuple[dict, dict]:
                    "zones": {"us-central1-a": {"A100-40": 24}, "us-east-1a": {"A100-40": 24}, "eastus": {"A100-40": 24}}}
     else:
         raise SystemExit(f"unknown scenario {sid!r}")
-    return job, cluster
+    return job, _priced_everywhere(cluster)
 
 
 def describe(plan) -> str:

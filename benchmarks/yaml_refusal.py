@@ -4,7 +4,7 @@ what libyaml's C parser buys on the largest YAML input that is still read (1 MiB
 Three timings, each the median of `--repeats` runs in this process:
 - `refuse 4 MiB`: `sailor plan --job big.yaml` through `sailor.cli.main` (in-process; the command's
   own imports are warm), on a 4 MiB job of small values (the slowest kind of YAML to read);
-- `read 1 MiB (C)` / `read 1 MiB (Python)`: `sailor.core.fileio._parse_yaml` of a 1 MiB file of the
+- `read 1 MiB (C)` / `read 1 MiB (Python)`: `sailor.core.fileio.parse_yaml` of a 1 MiB file of the
   same kind with the C-backed loader and with the pure-Python one (the same rules).
 Prints one line per figure, then one JSON line.
 
@@ -72,8 +72,8 @@ def main() -> None:
         (folder / "local.yaml").write_text("provider: local\nzones: {local: {cpu: 4}}\n")
         small = _job_text(2**20 - 1)
         fig = {"refuse_4mib_s": _median(lambda: _refuse(folder), args.repeats),
-               "read_1mib_c_s": _median(lambda: fileio._parse_yaml(small, "x.yaml", fileio._Loader), args.repeats),
-               "read_1mib_python_s": _median(lambda: fileio._parse_yaml(small, "x.yaml", fileio._PyLoader),
+               "read_1mib_c_s": _median(lambda: fileio.parse_yaml(small, "x.yaml", fileio._Loader), args.repeats),
+               "read_1mib_python_s": _median(lambda: fileio.parse_yaml(small, "x.yaml", fileio._PyLoader),
                                              args.repeats)}
     print(f"refuse a 4 MiB job:    {fig['refuse_4mib_s']:.3f} s (target < {TARGET_S:g} s)")
     print(f"read 1 MiB, C parser:  {fig['read_1mib_c_s']:.3f} s ({fileio._Loader.__mro__[2].__name__})")

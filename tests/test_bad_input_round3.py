@@ -100,7 +100,7 @@ def test_c_and_python_yaml_loaders_apply_the_same_rules(text):
 
     def outcome(loader):
         try:
-            return ("ok", fileio._parse_yaml(text, "f.yaml", loader))
+            return ("ok", fileio.parse_yaml(text, "f.yaml", loader))
         except SailorInputError as e:
             return ("refused", e.one_line())
     assert fileio._Loader.__mro__[2] is (yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader)

@@ -123,6 +123,72 @@ def test_distinct_outputs_see_one_path_spelled_two_ways(tmp_path):
         check_distinct_outputs({"--metrics": tmp_path / "m.jsonl", "--events": tmp_path / "." / "m.jsonl"})
 
 
+# ---- a cluster offering a GPU type where its provider has none ------------------------------------
+def test_plan_refuses_a_gpu_type_the_zone_does_not_offer(tmp_path, monkeypatch, capsys):
+    # it planned 8 A100-40 in europe-west1-b, where GCP rents none (no a2-highgpu machines there)
+    _base(tmp_path)
+    (tmp_path / "c.yaml").write_text("provider: gcp\nzones: {europe-west1-b: {A100-40: 8}}\n")
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "c.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == ("error: c.yaml: zones.europe-west1-b.A100-40: gcp does not offer A100-40 in zone 'europe-west1-b'"
+                    " (it offers H100-80, H200-141, L4, T4 there) (use a zone that does, e.g. europe-west4-a,"
+                    " asia-northeast1-a, asia-northeast3-a; or, if yours does, give its price there under"
+                    " prices.europe-west1-b.A100-40)")
+
+
+@pytest.mark.parametrize("zone, hint", [
+    ("mars-1a", "known: 140 zones of gcp and aws, e.g. us-central1-a, us-east-1a"),
+    ("us-centrall-a", "did you mean 'us-central1-a'?"),
+])
+def test_an_unknown_zone_of_two_providers_is_a_short_line(tmp_path, monkeypatch, capsys, zone, hint):
+    # the line listed all 140 zones of gcp and aws (over 2,000 characters) when none was close
+    _base(tmp_path)
+    (tmp_path / "c.yaml").write_text(f"provider: [gcp, aws]\nzones: {{{zone}: {{A100-40: 8}}}}\n")
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "c.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == f"error: c.yaml: zones.{zone}: unknown gcp+aws zone '{zone}' ({hint})"
+
+
+# ---- a price of .nan ------------------------------------------------------------------------------
+@pytest.mark.parametrize("prices, field", [("{A100-40: .nan}", "prices.A100-40"),
+                                           ("{us-central1-a: {A100-40: .nan}}", "prices.us-central1-a.A100-40")])
+def test_a_nan_price_names_its_field(tmp_path, monkeypatch, capsys, prices, field):
+    # it said "c.yaml: invalid YAML at line 3: .nan is not a finite number", naming no field
+    _base(tmp_path)
+    (tmp_path / "c.yaml").write_text(f"provider: gcp\nzones: {{us-central1-a: {{A100-40: 8}}}}\nprices: {prices}\n")
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "c.yaml"], tmp_path, monkeypatch, capsys)
+    assert line == f"error: c.yaml: {field}: must be a finite number, got .nan (line 3)"
+
+
+def test_a_nan_in_the_catalog_names_its_file_and_field(monkeypatch):
+    # the catalog's own files were read by yaml.safe_load: a .nan price became a silent NaN
+    import types
+
+    from sailor import catalog
+    from sailor.core.errors import SailorInputError
+
+    text = "schema: 1\nproviders:\n  gcp:\n    prices_usd_per_gpu_hour:\n      A100-40: .nan\n"
+    files = types.SimpleNamespace(joinpath=lambda name: types.SimpleNamespace(read_text=lambda encoding: text))
+    monkeypatch.setattr(catalog.resources, "files", lambda package: files)
+    with pytest.raises(SailorInputError) as e:
+        catalog._load_yaml("gcp.yaml")
+    assert str(e.value) == ("sailor/catalog/gcp.yaml: providers.gcp.prices_usd_per_gpu_hour.A100-40: must be a finite"
+                            " number, got .nan (line 5)")
+
+
+# ---- --profiles of every command that takes it -----------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ["plan", "--job", "job.yaml", "--cluster", "local.yaml"],
+    ["simulate", "cpu_plan.json"],
+    RUN,
+    ["replay", "--job", "job.yaml", "--cluster", "local.yaml", "--availability", "trace.json"],
+    ["validate", "runs-tiny"],
+])
+def test_a_missing_profiles_path_names_the_option(tmp_path, monkeypatch, capsys, args):
+    # it said "error: nosuch: no such file", naming neither --profiles nor that it was the profiles
+    _base(tmp_path)
+    line = _refused([*args, "--profiles", "nosuch"], tmp_path, monkeypatch, capsys)
+    assert line == "error: Invalid value for '--profiles': path 'nosuch' does not exist. (see --help)"
+
+
 # ---- launch of a local plan to a cloud backend ----------------------------------------------------
 @pytest.mark.parametrize("backend, what", [("skypilot", "SkyPilot accelerator on local"),
                                            ("kubernetes", "GKE accelerator label")])
@@ -131,6 +197,17 @@ def test_launching_a_local_plan_on_a_cloud_backend_names_the_plan(tmp_path, monk
     line = _refused(["launch", "cpu_plan.json", "--backend", backend, "--steps", "5", "--out", "out/x"], tmp_path,
                     monkeypatch, capsys)
     assert line.startswith(f"error: cpu_plan.json: pipelines.0.replicas.0.gpu: GPU type cpu has no {what}"), line
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_skypilot_without_out_names_the_out_option(tmp_path, monkeypatch, capsys, dry_run):
+    # it blamed --backend, though the backend was right and --out was what was missing
+    _base(tmp_path)
+    line = _refused(["launch", "gcp_plan.json", "--backend", "skypilot", "--steps", "5", *dry_run], tmp_path,
+                    monkeypatch, capsys)
+    assert line == ("error: --out: the skypilot backend needs a new folder to write the tasks' working directory into"
+                    " (task files, launch.sh, the plan and Sailor, synced to every node) (pass --out DIR; with"
+                    " --dry-run it also prints the task files)")
 
 
 # ---- the testbed benchmarks' flags ----------------------------------------------------------------

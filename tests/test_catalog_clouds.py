@@ -68,17 +68,54 @@ def test_aws_and_azure_price_per_region_as_instance_price_over_gpus():
     assert azure.price("eastus", "H100-NVL") == 6.98 and azure.price("northcentralus", "A100-40") is None
     c = ClusterSpec(provider="aws", zones={"us-east-1a": {"H100-80": 8}})
     assert c.price("us-east-1a", "H100-80") == pytest.approx(12.29) and c.prov is aws
-    with pytest.raises(ValueError, match=r"no list price for GPU type 'A100-40' at provider 'aws' in zone 'us-west-1a'"
-                                         r" \(aws lists it in us-east-1, us-east-2, us-west-2, eu-west-1"):
-        ClusterSpec(provider="aws", zones={"us-west-1a": {"A100-40": 8}})
-    assert ClusterSpec(provider="aws", zones={"us-west-1a": {"A100-40": 8}}, prices={"A100-40": 5.0}).price(
-        "us-west-1a", "A100-40") == 5.0  # the spec's own price wins
+    assert ClusterSpec(provider="aws", zones={"us-east-1a": {"A100-40": 8}}, prices={"A100-40": 5.0}).price(
+        "us-east-1a", "A100-40") == 5.0  # the spec's own price wins
+
+
+# us-west-1 (N. California) prices only p5 (H100-80): no A100-40 there; the nearest regions that have it
+NO_A100_AWS = ("aws does not offer A100-40 in zone 'us-west-1a' (it offers H100-80 there) (use a zone that does, e.g."
+               " us-east-1a, us-east-2a, us-west-2a; or, if yours does, give its price there under"
+               " prices.us-west-1a.A100-40)")
+
+
+@pytest.mark.parametrize("prices", [{}, {"A100-40": 5.0}])
+def test_a_gpu_type_the_zone_does_not_offer_is_refused(prices):
+    # it was planned without a word (a flat price, which reads as a price list, made it pass on aws too)
+    with pytest.raises(SailorInputError) as e:
+        load_cluster({"provider": "aws", "zones": {"us-west-1a": {"A100-40": 8}}, "prices": prices})
+    assert str(e.value) == f"zones.us-west-1a.A100-40: {NO_A100_AWS}"
+    # gcp lists the zones of each type: europe-west1-b has no a2-highgpu machines; its region's
+    # zones come first, then its continent's, one zone per region
+    with pytest.raises(SailorInputError) as e:
+        load_cluster({"provider": ["gcp", "aws"],
+                      "zones": {"europe-west1-b": {"A100-40": 8}, "us-east-1a": {"V100-16": 8}}})
+    assert str(e.value) == (
+        "zones.europe-west1-b.A100-40: gcp does not offer A100-40 in zone 'europe-west1-b' (it offers H100-80,"
+        " H200-141, L4, T4 there) (use a zone that does, e.g. europe-west4-a, asia-northeast1-a, asia-northeast3-a;"
+        " or, if yours does, give its price there under prices.europe-west1-b.A100-40)")
+    with pytest.raises(SailorInputError, match=r"zones\.us-central1-a\.H200-141: gcp does not offer H200-141 in"
+                                               r" zone 'us-central1-a' .*e\.g\. us-central1-b, "):
+        load_cluster({"zones": {"us-central1-a": {"H200-141": 8}}})
+
+
+def test_a_price_in_the_zone_says_it_offers_the_type_after_all():
+    # the catalog may lag what a zone rents: the user's own price for the zone is taken as its word
+    c = load_cluster({"provider": "aws", "zones": {"us-west-1a": {"A100-40": 8}},
+                      "prices": {"us-west-1a": {"A100-40": 5.5}}})
+    assert c.price("us-west-1a", "A100-40") == 5.5
+    # a type the catalog has no zone list for (GH200-96 on gcp) may be anywhere; 0 GPUs ask nothing
+    anywhere = load_cluster({"zones": {"us-west1-a": {"GH200-96": 8, "A100-40": 0}}})
+    assert anywhere.price("us-west1-a", "GH200-96") == 11.06
+    gcp = catalog.provider("gcp")
+    assert gcp.offered_in("us-south1-a") == [] and gcp.zones_offering("A100-80") == [
+        "asia-southeast1-c", "europe-west4-a", "us-central1-a", "us-central1-c", "us-east4-c", "us-east5-a",
+        "us-east5-b"]
 
 
 def test_cluster_provider_field():
     assert ClusterSpec(zones={"us-central1-a": {"A100-40": 4}}).to_dict()["provider"] == "gcp"  # default unchanged
     assert ClusterSpec(provider=["aws"], zones={}).provider == "aws"  # a list of one is that name
-    multi = ClusterSpec(provider=["gcp", "aws"], zones={"us-east4-a": {"A100-40": 8}, "us-east-1a": {"A100-40": 8}})
+    multi = ClusterSpec(provider=["gcp", "aws"], zones={"us-east1-b": {"A100-40": 8}, "us-east-1a": {"A100-40": 8}})
     assert multi.providers == ("gcp", "aws") and multi.prov.name == "gcp+aws"
     again = load_cluster(yaml.safe_load(yaml.safe_dump(multi.to_dict())))  # a plan file carries it
     assert again.providers == ("gcp", "aws") and again.zones == multi.zones

@@ -244,3 +244,18 @@ def test_the_lines_a_user_watches_take_the_number_of_their_count(capsys):
         _say(err, ev)
     assert capsys.readouterr().err.splitlines() == ["launch: 1 rank from step 0", "rolled back 1 step to step 5",
                                                     "launch: 4 ranks from step 5", "rolled back 0 steps to step 5"]
+
+
+def test_a_trace_offering_a_gpu_type_the_zone_lacks_names_its_entry(tmp_path):
+    # the trace's zones replace the cluster's: they are held to the catalog as the cluster's are
+    gcp = ClusterSpec(provider="gcp", zones={"us-central1-a": {"A100-40": 1}}, prices={"A100-40": 3.0})
+    text = json.dumps([{"time_s": 0, "zone": "us-central1-a", "gpu": "A100-40", "count": 4},
+                       {"time_s": 9, "zone": "europe-west1-b", "gpu": "A100-40", "count": 2}])
+    with pytest.raises(SailorInputError) as e:
+        load_trace(_write(tmp_path, "t.json", text), gcp)
+    assert str(e.value).endswith(
+        "t.json: [1]: offered at 9 s, but gcp does not offer A100-40 in zone 'europe-west1-b' (it offers H100-80,"
+        " H200-141, L4, T4 there) (use a zone that does, e.g. europe-west4-a, asia-northeast1-a, asia-northeast3-a;"
+        " or, if yours does, give its price there under prices.europe-west1-b.A100-40)")
+    priced = gcp.model_copy(update={"prices": {"A100-40": 3.0, "europe-west1-b": {"A100-40": 3.5}}})
+    assert load_trace(tmp_path / "t.json", priced).snapshots[-1].zones["europe-west1-b"] == {"A100-40": 2}

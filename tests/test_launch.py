@@ -127,6 +127,43 @@ def test_each_agent_of_a_node_names_its_own_device_slots(device):
             assert rank_slot({**env, "TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": str(k)}) == gpu
 
 
+def test_every_agents_torchrun_logs_into_a_scratch_folder_it_removes(tmp_path, monkeypatch):
+    """torchrun given no --log-dir makes a torchelastic_XXXX folder in each node's temp folder and
+    never removes it: the launcher a node's agent command runs gives it a scratch folder instead,
+    removed when it ends; the local launch's own --log-dir (its scratch folder) is kept."""
+    import contextlib
+    import shlex
+
+    import torch.distributed.run as torchrun
+
+    from sailor.runtime import launcher
+
+    made: list[Path] = []
+
+    @contextlib.contextmanager
+    def scratch(prefix):  # core.scratch without its watcher process (test_scratch covers that one)
+        made.append(tmp_path / f"{prefix}{len(made)}")
+        made[-1].mkdir()
+        yield str(made[-1])
+        shutil.rmtree(made[-1])
+
+    got: list[list[str]] = []
+    monkeypatch.setattr(launcher, "die_with_parent", lambda sig: None)
+    monkeypatch.setattr(launcher, "scratch_dir", scratch)
+    monkeypatch.setattr(torchrun, "main", lambda argv: got.append(argv))
+    layout = launch_layout(GEO)
+    for a in layout.agents:
+        words = shlex.split(agent_command(a, layout, OPTS, "a0"))
+        argv = words[words.index("sailor.runtime.launcher") + 1:]
+        launcher._main(argv)
+        assert got[-1] == ["--log-dir", str(made[-1]), *argv]  # the folder scratch() made, then removed
+        assert torchrun.parse_args(got[-1]).log_dir == str(made[-1])
+    assert len(made) == len(layout.agents) and not any(p.exists() for p in made)  # one each, all removed
+    local = ["--standalone", "--log-dir", "/run/scratch/torchrun", "--nproc-per-node", "2", *OPTS.worker.argv()]
+    launcher._main(local)
+    assert got[-1] == local and len(made) == len(layout.agents)
+
+
 def test_torchrun_dry_run_documents(tmp_path):
     docs = launch_specs(GEO, Backend.TORCHRUN, OPTS, hosts_path=_write_hosts(tmp_path))
     parsed = list(yaml.safe_load_all(dump_documents(docs, header="test")))
@@ -414,7 +451,7 @@ def test_cli_errors_are_one_line(tmp_path):
     GEO_K8S.with_specs(GEO_JOB, None).save(one_region)
     for args, match in [(["--backend", "slurm", "--dry-run"], "unknown backend 'slurm'"),
                         (["--backend", "torchrun"], "needs --hosts"),
-                        (["--backend", "skypilot", "--dry-run"], "--backend: the skypilot backend writes a folder"),
+                        (["--backend", "skypilot", "--dry-run"], "--out: the skypilot backend needs a new folder"),
                         (["--backend", "skypilot", "--out", str(tmp_path / "s1"), "--checkpoint-dir", "/ck"],
                          "--checkpoint-dir: each SkyPilot VM has its own disk"),
                         (["--backend", "torchrun", "--dry-run", "--checkpoint-bucket", "gs://abc"],

@@ -10,6 +10,10 @@ providers); this module only reads it. Lookup semantics:
 - Prices: a cluster spec may override per GPU type or per (zone, GPU type); otherwise the provider's
   list price for the zone's region, else its provider-wide one. A GPU type with no price raises
   (never a silent zero).
+- Offers (`Provider.offers`): gcp lists the zones of each GPU type (`gpu_zones`), aws and azure the
+  types each region prices; a type neither lists is unknown, which any zone may offer. A cluster
+  spec offering a type in a zone known not to offer it is refused, unless it prices the type in
+  that zone (`ClusterSpec.check_catalog_offers`: the user knows better than this catalog).
 - Several providers (`clouds`): pairs inside one provider keep its link classes, links and egress;
   pairs across providers are same_continent or intercontinental by continent, take the
   `clouds.yaml` links, and pay the sending provider's internet egress.
@@ -24,9 +28,8 @@ from enum import Enum
 from importlib import resources
 from typing import Literal
 
-import yaml
-
 from sailor.core.errors import SailorInputError, unknown_name
+from sailor.core.fileio import parse_yaml
 
 Dtype = Literal["fp32", "fp16", "bf16"]
 
@@ -151,7 +154,7 @@ class Provider:
         """The region of `zone`; raises SailorInputError for an unknown zone."""
         if isinstance(zone, str) and zone in self.zone_region:
             return self.zone_region[zone]
-        raise unknown_name(f"{self.name} zone", zone, self.zone_region)
+        raise unknown_name(f"{self.name} zone", zone, self.zone_region, known=_zones_in_short((self,)))
 
     def provider_of(self, zone: str) -> Provider:
         """The provider of `zone` (this one); raises SailorInputError for an unknown zone."""
@@ -183,6 +186,14 @@ class Provider:
         if self.region_prices:
             return gpu_name in self.region_prices.get(self.region(zone), {})
         return None
+
+    def offered_in(self, zone: str) -> list[str]:
+        """The canonical GPU types `zone` is known to offer (`offers` True), sorted."""
+        return [g for g in gpu_names() if self.offers(zone, g)]
+
+    def zones_offering(self, gpu_name: str) -> list[str]:
+        """The zones known to offer canonical GPU type `gpu_name` (`offers` True), sorted."""
+        return sorted(z for z in self.zone_region if self.offers(z, gpu_name))
 
     def egress_between(self, src_zone: str, dst_zone: str, link_class: LinkClass) -> float:
         """$/GB of bytes sent from `src_zone` to `dst_zone`, whose nodes are `link_class` apart."""
@@ -245,7 +256,7 @@ class Clouds:
         """The member provider of `zone`; raises SailorInputError for a zone none of them has."""
         if isinstance(zone, str) and zone in self._owner:
             return self._owner[zone]
-        raise unknown_name(f"{self.name} zone", zone, self._owner)
+        raise unknown_name(f"{self.name} zone", zone, self._owner, known=_zones_in_short(self.members))
 
     def region(self, zone: str) -> str:
         return self.provider_of(zone).region(zone)
@@ -276,8 +287,26 @@ class Clouds:
         return self.cross_links.get(link_class)
 
 
+MAX_ZONES_LISTED = 12  # an unknown zone's error lists every known zone up to this many (local: 1; gcp: 97)
+
+
+def _zones_in_short(members: Iterable[Provider]) -> str | None:
+    """What an unknown zone's error says of the known ones when there are too many to list on one
+    line: how many, and the first zone of each provider (None: few enough to list them all)."""
+    members = tuple(members)
+    count = sum(len(p.zone_region) for p in members)
+    if count <= MAX_ZONES_LISTED:
+        return None
+    names = [p.name for p in members]
+    names = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
+    return f"known: {count} zones of {names}, e.g. {', '.join(next(iter(p.zone_region)) for p in members)}"
+
+
 def _load_yaml(name: str) -> dict:
-    return yaml.safe_load(resources.files(__package__).joinpath(name).read_text(encoding="utf-8"))
+    """A catalog file, read by the rules of user files (`core.fileio`): a `.nan` price, a key given
+    twice, is an error naming the file and field, not a silent NaN or a silent choice of one."""
+    return parse_yaml(resources.files(__package__).joinpath(name).read_text(encoding="utf-8"),
+                      f"sailor/catalog/{name}")
 
 
 @functools.cache

@@ -14,7 +14,9 @@ from sailor.plan.spec import Plan
 
 JobOpt = typer.Option(None, "--job", help="Job spec (YAML/JSON): model, global_batch_size, precision, optimizer.")
 ClusterOpt = typer.Option(None, "--cluster", help="Cluster spec (YAML/JSON): GPUs available per zone and type, prices.")
-ProfilesOpt = typer.Option(None, "--profiles", help="Profile file (ours) or a folder with Sailor's profiles_tmp.json"
+# exists=True: a missing path is refused while the options are read, naming --profiles (the loader's
+# "no such file" would name only the path, after the job and cluster were read).
+ProfilesOpt = typer.Option(None, "--profiles", exists=True, help="Profile file (ours) or a folder with Sailor's profiles_tmp.json"
                            " and llm_info.json. Default: roofline estimates from the GPU catalog.")
 NetworkOpt = typer.Option(None, "--network", help="Link file (ours) or a Sailor network folder. Default: catalog links.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of tables.")

@@ -129,9 +129,9 @@ def launch_command(
         raise SailorInputError("starting nodes needs --hosts HOSTS.yaml", source="--hosts",
                                fix="or pass --dry-run to print the commands")
     if chosen is Backend.SKYPILOT and out is None:
-        raise SailorInputError("the skypilot backend writes a folder (the tasks' working directory: task files, launch.sh,"
-                               " the plan and Sailor, synced to every node)", source="--backend",
-                               fix="pass --out DIR (with --dry-run it also prints the task files)")
+        raise SailorInputError("the skypilot backend needs a new folder to write the tasks' working directory into"
+                               " (task files, launch.sh, the plan and Sailor, synced to every node)", source="--out",
+                               fix="pass --out DIR; with --dry-run it also prints the task files")
     if chosen is Backend.SKYPILOT and out.exists() and any(out.iterdir()):
         raise SailorInputError(f"{out} is not empty; every file in it would be synced to the nodes", source="--out",
                                fix="name a new folder")

@@ -26,7 +26,7 @@ def validate_command(
                                          " ../shared/reference/sailor/validation/gh200-opt350."),
     held_out: list[Path] = typer.Option([], "--held-out", metavar="DIR", help="A folder predicted but never fitted"
                                         " on (repeatable), e.g. .../validation/gh200-gptneo."),
-    profiles: Optional[Path] = typer.Option(None, "--profiles", help="Sailor profiles folder (profiles_tmp.json,"
+    profiles: Optional[Path] = typer.Option(None, "--profiles", exists=True, help="Sailor profiles folder (profiles_tmp.json,"
                                             " llm_info.json) or our profile file. Default: DIR/../../profiles."),
     network: Optional[Path] = typer.Option(None, "--network", help="Sailor network folder or our link file."
                                            " Default: DIR/../../network."),

@@ -82,14 +82,16 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str | None:
     return f"did you mean {close[0]!r}?" if close else None
 
 
-def unknown_name(kind: str, name: str, choices: Iterable[str], **where: str | None) -> SailorInputError:
-    """An error for an unknown GPU type, zone, model... listing the known ones or the closest."""
+def unknown_name(kind: str, name: str, choices: Iterable[str], *, known: str | None = None,
+                 **where: str | None) -> SailorInputError:
+    """An error for an unknown GPU type, zone, model... naming the closest known one, else listing
+    them all, or saying `known` instead where they are too many for one line (140 zones)."""
     choices = sorted(choices)
+    known = known or f"known: {', '.join(choices)}"
     if not isinstance(name, str):
         return SailorInputError(f"expected a {kind} name, got {type(name).__name__} {str(name)[:40]!r}",
-                                fix=f"known: {', '.join(choices)}", **where)
-    fix = did_you_mean(name, choices) or f"known: {', '.join(choices)}"
-    return SailorInputError(f"unknown {kind} {name[:80]!r}", fix=fix, **where)
+                                fix=known, **where)
+    return SailorInputError(f"unknown {kind} {name[:80]!r}", fix=did_you_mean(name, choices) or known, **where)
 
 
 # ---- messages ----------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ Parsing (text -> plain data):
   / `Infinity`, a number that overflows a float, an integer of more than `MAX_INT_DIGITS` digits
   and nesting deeper than `MAX_DEPTH` are errors (Python's json accepts the first four silently and
   raises RecursionError on the last).
-- `load_mapping(path)`: JSON or YAML with a mapping at the top. YAML gets the same rules, plus: keys
+- `load_mapping(path)` / `parse_yaml(text, source)`: JSON or YAML with a mapping at the top (YAML
+  text of any shape). YAML gets the same rules, plus: keys
   are plain strings (a complex key `? [a, b]`, or an unquoted `1:` / `yes:` that YAML reads as a
-  number or a boolean, is an error saying to quote it), `.nan` / `.inf` are errors, and alias
+  number or a boolean, is an error saying to quote it), `.nan` / `.inf` are errors naming their
+  field (as are the other values these rules refuse), and alias
   expansion is bounded (`check_tree`). YAML is read by libyaml's C parser where PyYAML has it (the
   same rules, `_Rules`), and a YAML file over `limits.MAX_YAML_BYTES` is refused before it is read.
 - `check_tree(data, source)`: nesting depth <= `MAX_DEPTH` and at most `MAX_NODES` values, counting
@@ -217,7 +219,8 @@ class _Rules:
         value = super().construct_yaml_float(node)
         self._yaml11_only(node, value)
         if not math.isfinite(value):
-            raise yaml.constructor.ConstructorError(None, None, f"{node.value} is not a finite number", node.start_mark)
+            raise yaml.constructor.ConstructorError(None, None, f"must be a finite number, got {node.value}",
+                                                    node.start_mark)
         return value
 
     def construct_yaml_int(self, node):  # noqa: D102 - PyYAML hook
@@ -248,20 +251,55 @@ for _loader in {_PyLoader, _Loader}:
     _loader.add_constructor("tag:yaml.org,2002:int", _Rules.construct_yaml_int)
 
 
-def _parse_yaml(text: str, src: str, loader: type | None = None) -> Any:
-    """The YAML document in `text` read by `loader` (default: the C-backed one where present)."""
+def parse_yaml(text: str, src: str, loader: type | None = None) -> Any:
+    """The YAML document in `text` read by the rules of the module docstring, with `loader`
+    (default: the C-backed one where present); raises SailorInputError naming `src`."""
+    loader = loader or _Loader
     try:
-        data = yaml.load(text, Loader=loader or _Loader)
+        data = yaml.load(text, Loader=loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or e
+        field = _value_field(text, loader, mark) if isinstance(e, yaml.constructor.ConstructorError) else None
+        if field is not None:  # a value the rules refuse (`.nan`, `010`): its field says what it is
+            raise SailorInputError(f"{problem} (line {mark.line + 1})", source=src, field=field) from None
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise SailorInputError(f"invalid YAML{where}: {getattr(e, 'problem', None) or e}", source=src) from None
+        raise SailorInputError(f"invalid YAML{where}: {problem}", source=src) from None
     except RecursionError:
         raise SailorInputError(f"nested deeper than {MAX_DEPTH} levels", source=src) from None
     except (ValueError, OverflowError, TypeError) as e:  # e.g. a timestamp PyYAML cannot build
         raise SailorInputError(f"invalid YAML: {e}", source=src) from None
     check_tree(data, src)
     return data
+
+
+def _value_field(text: str, loader: type, mark: Any) -> str | None:
+    """The dotted field (`prices.A100-40`, `nodes.0.zone`) of the scalar value at `mark` in the YAML
+    document `text`, found in its node tree (composing builds no value, so the refused one is not
+    built again); None when `mark` is no such value (a key, the top level) or the text does not
+    compose."""
+    if mark is None:
+        return None
+    try:
+        root = yaml.compose(text, Loader=loader)
+    except yaml.YAMLError:
+        return None
+    stack: list[tuple[Any, tuple[str, ...]]] = [(root, ())]
+    seen: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if node is None or id(node) in seen:  # an alias is the node it names: walked once
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            if path and (node.start_mark.line, node.start_mark.column) == (mark.line, mark.column):
+                return ".".join(path)
+        elif isinstance(node, yaml.MappingNode):
+            # reversed: popped in document order, so an aliased value is named where it is first written
+            stack.extend((v, (*path, str(k.value))) for k, v in reversed(node.value) if isinstance(k, yaml.ScalarNode))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, (*path, str(i))) for i, v in reversed(list(enumerate(node.value))))
+    return None
 
 
 def load_mapping(path: str | Path) -> dict[str, Any]:
@@ -283,7 +321,7 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     text = read_text(path)
     if not text.strip():
         raise SailorInputError("the file is empty", source=src)
-    data = parse_json(text, src) if is_json else _parse_yaml(text, src)
+    data = parse_json(text, src) if is_json else parse_yaml(text, src)
     if data is None:
         raise SailorInputError("the file holds no data, only comments or blank lines", source=src)
     if not isinstance(data, dict):

@@ -14,9 +14,10 @@ Every format becomes a `Trace`: a list of `Snapshot`s (time, full availability),
 time where something changed. A (zone, GPU type) pair has 0 GPUs before the trace first mentions it.
 Zones and GPU types are checked against the cluster's provider, the GPU catalog (aliases are
 mapped to canonical names) and the prices: a (zone, GPU type) the trace offers (a count above 0)
-needs one, from the cluster spec or the provider's list (a GPU type the provider does not offer in
-that zone has none). Every problem raises `SailorInputError` naming the file and the entry (a JSON
-item `[3]`, a CSV cell `line 4.A100-40_us-central1-a`, or the field in it).
+needs one, from the cluster spec or the provider's list, and a zone the catalog does not know to
+lack the type, or a price for it in that zone in the cluster spec (`ClusterSpec.check_catalog_offers`).
+Every problem raises `SailorInputError` naming the file and the entry (a JSON item `[3]`, a CSV
+cell `line 4.A100-40_us-central1-a`, or the field in it).
 
 `Availability` is what a running `sailor run` may use now: the snapshot in force, minus GPUs (and,
 with `--hosts`, machines) lost to crashes, capped by the machines listed.
@@ -229,7 +230,8 @@ def _build(events: list[_Event], src: str, cluster: ClusterSpec) -> Trace:
                                    fix="give one count per zone and GPU type at each time")
         if e.count > 0 and (e.zone, e.gpu) not in priced:
             try:
-                cluster.price(e.zone, e.gpu)  # a GPU type the provider does not offer there has no price
+                cluster.price(e.zone, e.gpu)
+                cluster.check_catalog_offers(e.zone, e.gpu)
             except SailorInputError as err:
                 raise SailorInputError(f"offered at {e.time_s:g} s, but {err.message}",
                                        source=src, field=e.entry, fix=err.fix) from None

@@ -213,7 +213,8 @@ def torchrun_command(python: str, entry: list[str], *, nnodes: int, node_rank: i
     `env OMP_NUM_THREADS=1 [env] python -m sailor.runtime.launcher --nnodes N --node-rank K
     --nproc-per-node P --rdzv-backend static --max-restarts 0 [--rdzv-conf timeout=T] --rdzv-endpoint
     HOST:PORT ENTRY...` (torchrun, made to end when the shell that started it ends, so no agent
-    outlives its ssh session). `entry`: what torchrun runs (`-m MODULE ARGS` or `SCRIPT ARGS`).
+    outlives its ssh session; it keeps torchrun's logs in a scratch folder of its own on the node,
+    removed when it ends, `runtime.launcher._main`). `entry`: what torchrun runs (`-m MODULE ARGS` or `SCRIPT ARGS`).
     `rdzv_host` is put in literally, except a string starting with `$` (a shell variable), which is
     left for the shell to expand."""
     host = f"${{{rdzv_host[1:]}}}" if rdzv_host.startswith("$") else shlex.quote(rdzv_host)

@@ -74,8 +74,7 @@ class TrainResult:
 
 def worker_command(prep: Prepared, stop_file: str, log_dir: str) -> list[str]:
     """The local torchrun command line (through `_main`): every rank on this machine. torchrun keeps
-    its logs under `log_dir` (the launch's scratch folder): by default it makes a torchelastic_XXXX
-    folder in the temp folder and never removes it."""
+    its logs under `log_dir` (the launch's scratch folder)."""
     return [sys.executable, "-m", "sailor.runtime.launcher", "--standalone", "--log-dir", log_dir,
             "--nproc-per-node", str(prep.plan.world_size), "--monitor-interval", str(MONITOR_INTERVAL_S),
             *prep.settings(stop_file).argv()]
@@ -304,12 +303,21 @@ def _first_failure(errors: list[dict[str, Any]], failures: list[tuple[str, str]]
 
 
 def _main(argv: list[str]) -> None:
+    """torchrun with arguments `argv` (what `python -m sailor.runtime.launcher` runs: the local
+    `worker_command`, and every node's agents, `launch.common.torchrun_command`). Unless `argv` (or
+    torchrun's PET_LOG_DIR) names a log folder, torchrun keeps its logs in a scratch folder of this
+    process (`core.scratch`), removed when it ends however it ends: left to itself, torchrun makes a
+    torchelastic_XXXX folder in the temp folder of each node and never removes it."""
     # Made to receive SIGTERM when the launcher dies (Linux; kept across exec), then torchrun (it stops
     # its ranks).
     die_with_parent(signal.SIGTERM)
-    from torch.distributed.run import main
+    from torch.distributed.run import main, parse_args
 
-    main(argv)
+    if parse_args(argv).log_dir is not None:
+        main(argv)
+        return
+    with scratch_dir("sailor-torchrun-") as tmp:
+        main(["--log-dir", tmp, *argv])
 
 
 if __name__ == "__main__":

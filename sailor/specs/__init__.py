@@ -60,19 +60,27 @@ def load_cluster(source: str | Path | dict[str, Any] | ClusterSpec, *, zones_fro
     """A validated cluster from a YAML/JSON path, a dict of the cluster file's fields, or a
     ClusterSpec (returned as is): the one cluster loader, used by the CLI and the API.
 
-    A file's or dict's `zone_network` and per-zone prices must name what its `zones` offer
+    A file's or dict's `zones` must offer only GPU types the catalog does not know to be missing
+    there, or that `prices` prices there (`ClusterSpec.check_catalog_offers`), and its
+    `zone_network` and per-zone prices must name what its `zones` offer
     (`ClusterSpec.check_offered`), unless `zones_from_trace`: `sailor run` and `replay` replace
     `zones` by an availability trace's and check them against the trace instead.
 
     Raises:
-        SailorInputError: unreadable file, unknown GPU type or zone, a bad field, a setting for a
-            zone or GPU type the cluster does not offer (named with the file).
+        SailorInputError: unreadable file, unknown GPU type or zone, a bad field, a GPU type a zone
+            does not offer, a setting for a zone or GPU type the cluster does not offer (named
+            with the file).
     """
     if isinstance(source, ClusterSpec):
         return source
     data, name = mapping_from(source, "ClusterSpec")
     spec = parse_model(ClusterSpec, data, name)
     if not zones_from_trace:
+        for zone, g in ((z, g) for z, gpus in spec.zones.items() for g, n in gpus.items() if n > 0):
+            try:
+                spec.check_catalog_offers(zone, g)
+            except SailorInputError as e:
+                raise e.located(source=name, field_prefix=f"zones.{zone}.{g}") from None
         try:
             spec.check_offered()
         except SailorInputError as e:

@@ -64,8 +64,11 @@ class ClusterSpec(BaseModel):
     of which NCCL reaches ~65 %). `zone_network` does the same per zone for the links inside it
     (same_node: a fast link inside a node, same_zone: a slower one between its nodes), which wins
     over `network`. `allreduce` pins the all-reduce algorithm. Counts, node sizes and prices are
-    bounded by `sailor.core.limits`. A `zone_network` entry or a per-zone price for a zone or GPU
-    type nothing offers, or a `gpus_per_node` entry for a GPU type no zone offers, would never be used:
+    bounded by `sailor.core.limits`. A GPU type offered in a zone that the catalog says does not
+    offer it (`catalog.Provider.offers`) is refused unless `prices` gives its price in that zone
+    (`check_catalog_offers`, by `load_cluster`). A `zone_network` entry or a per-zone price for a
+    zone or GPU type nothing offers, or a `gpus_per_node` entry for a GPU type no zone offers, would
+    never be used:
     `check_offered` refuses them (`load_cluster` against
     `zones`; `sailor run` and `replay`, whose trace replaces `zones`, against the trace).
     """
@@ -194,7 +197,9 @@ class ClusterSpec(BaseModel):
         return self.gpus_per_node.get(g) or catalog.gpu(g).gpus_per_node
 
     def price(self, zone: str, gpu: str) -> float:
-        """$/GPU-hour of `gpu` in `zone`; raises SailorInputError when no price is known."""
+        """$/GPU-hour of `gpu` in `zone`: the spec's price for the zone, else its flat price, else
+        the list price. Raises SailorInputError when none is known (saying so when the catalog
+        knows that the zone does not offer the type, `check_catalog_offers`)."""
         g = catalog.canonical_gpu(gpu)
         zone_prices = self.prices.get(zone)
         if isinstance(zone_prices, dict) and g in zone_prices:
@@ -204,12 +209,25 @@ class ClusterSpec(BaseModel):
             return float(flat)
         listed = self.prov.price(zone, g)
         if listed is None:
-            where = self.prov.provider_of(zone)
-            listing = _regions_listing(where, g)
-            raise SailorInputError(f"no list price for GPU type {g!r} at provider {where.name!r} in zone {zone!r}"
-                                   + (f" ({where.name} lists it in {listing})" if listing else ""),
-                                   fix="give one in the cluster spec under prices")
+            self.check_catalog_offers(zone, g)
+            raise SailorInputError(f"no list price for GPU type {g!r} at provider {self.prov.provider_of(zone).name!r}"
+                                   f" in zone {zone!r}", fix="give one in the cluster spec under prices")
         return listed
+
+    def check_catalog_offers(self, zone: str, gpu: str) -> None:
+        """Refuse GPU type `gpu` in `zone` when the catalog knows the zone does not offer it
+        (`catalog.Provider.offers`) and `prices` does not price it in that zone (the user's word
+        that it does: the catalog may lag what a zone rents). `load_cluster` checks each type
+        offered in `zones`, an availability trace each it offers; a spec built in code is not.
+
+        Raises:
+            SailorInputError: naming what the zone offers and the nearest zones offering `gpu`.
+        """
+        g = catalog.canonical_gpu(gpu)
+        zone_prices = self.prices.get(zone)
+        where = self.prov.provider_of(zone)
+        if not (isinstance(zone_prices, dict) and g in zone_prices) and where.offers(zone, g) is False:
+            raise _not_offered(where, zone, g)
 
     def available(self, zone: str, gpu: str) -> int:
         """GPUs of type `gpu` available in `zone` (0 if none listed)."""
@@ -305,7 +323,22 @@ def _zone_region(prov: catalog.Provider | catalog.Clouds, zone: Any) -> str:
                                fix=f"provider: [{', '.join(prov.providers + (other,))}]") from e
 
 
-def _regions_listing(prov: catalog.Provider, gpu: str) -> str:
-    """The regions of `prov` listing a price for `gpu`, comma-separated ('' when none or prices
-    are provider-wide)."""
-    return ", ".join(r for r, listed in prov.region_prices.items() if gpu in listed)
+def _not_offered(prov: catalog.Provider, zone: str, gpu: str) -> SailorInputError:
+    """The error for GPU type `gpu` in a `zone` of `prov` that the catalog says lacks it: what the
+    zone offers, and up to three zones that offer the type, nearest first (the zone's region, then
+    its continent; one zone per other region)."""
+    region = prov.region(zone)
+    continent = prov.region_continent[region]
+    near: list[str] = []
+    regions: set[str] = set()
+    for z in sorted(prov.zones_offering(gpu), key=lambda z: (prov.region(z) != region,
+                                                              prov.region_continent[prov.region(z)] != continent, z)):
+        if prov.region(z) not in regions or prov.region(z) == region:
+            near.append(z)
+            regions.add(prov.region(z))
+        if len(near) == 3:
+            break
+    here = ", ".join(prov.offered_in(zone)) or "none of the catalog's GPU types"
+    use = f"use a zone that does, e.g. {', '.join(near)}; or, " if near else ""
+    return SailorInputError(f"{prov.name} does not offer {gpu} in zone {zone!r} (it offers {here} there)",
+                            fix=f"{use}if yours does, give its price there under prices.{zone}.{gpu}")
