@@ -318,7 +318,7 @@ def _valid_recipe(job) -> None:
     steps = {1, warm, warm + 1, total // 2, total, total + 1} | {1 + total * k // 50 for k in range(51)}
     rates = [learning_rate(r.schedule, r.optimizer.lr, n) for n in sorted(steps) if n >= 1]
     assert all(math.isfinite(x) and 0.0 <= x <= r.optimizer.lr * (1 + 1e-12) for x in rates)
-    assert r.checkpoint.every >= 1 and r.checkpoint.keep >= 1
+    assert r.checkpoint.every >= 0 and r.checkpoint.keep >= 1  # every 0: only at the end and on stop
 
 
 def _load_cluster(d: Path):
