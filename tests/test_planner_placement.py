@@ -178,8 +178,9 @@ def test_a_count_vector_scores_the_same_on_a_larger_cluster():
 
 @st.composite
 def _packers(draw):
-    """(kinds of a cluster, its free GPUs, kinds of the same cluster with one zone more, its free
-    GPUs, M): one-pool kinds of hand-drawn curves and prices, the new zone's kinds last."""
+    """(kinds of a cluster, its free GPUs, kinds of the same cluster with one (zone, GPU type) pool
+    more, its free GPUs, M): one-pool kinds of hand-drawn curves and prices, the new pool's kinds
+    last; the new pool is in a new zone or a new GPU type in a zone the cluster has."""
     def kinds_in(zone, pools):
         out = []
         for gpu in pools:
@@ -191,14 +192,14 @@ def _packers(draw):
         return out
 
     small_kinds, free = [], {}
-    for zone in draw(st.lists(st.sampled_from([ZA, ZB, ZW]), min_size=1, max_size=3, unique=True)):
+    zones = draw(st.lists(st.sampled_from([ZA, ZB, ZW]), min_size=1, max_size=3, unique=True))
+    for zone in zones:
         pools = draw(st.lists(st.sampled_from(["A100-40", "V100-16"]), min_size=1, max_size=2, unique=True))
         small_kinds += kinds_in(zone, pools)
         free.update({(zone, g): draw(st.integers(0, 12)) for g in pools})
-    new = "us-east1-b"
-    pools = draw(st.lists(st.sampled_from(["A100-40", "V100-16"]), min_size=1, max_size=2, unique=True))
-    large_free = {**free, **{(new, g): draw(st.integers(1, 12)) for g in pools}}
-    return small_kinds, free, small_kinds + kinds_in(new, pools), large_free, draw(st.integers(1, 40))
+    new = (draw(st.sampled_from(["us-east1-b", *zones])), "T4")
+    large_free = {**free, new: draw(st.integers(1, 12))}
+    return small_kinds, free, small_kinds + kinds_in(new[0], [new[1]]), large_free, draw(st.integers(1, 40))
 
 
 class _Vectors:
@@ -210,10 +211,11 @@ class _Vectors:
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(case=_packers(), where=st.floats(0.0, 1.0))
-def test_a_zone_more_keeps_the_cheapest_vectors_of_the_cluster_without_it(case, where):
+def test_a_pool_more_keeps_the_cheapest_vectors_of_the_cluster_without_it(case, where):
     # heuristic mode, cost objective or constraints (`engine._trade_off`): at every makespan every
-    # cheapest count vector of the cluster without the new zone is among the larger cluster's
-    # candidates, whether or not the larger one's own cheapest vector spreads over the new zone
+    # cheapest count vector of the cluster without the new pool (a zone, or a GPU type in a zone)
+    # is among the larger cluster's candidates, whether or not the larger one's own cheapest
+    # vector uses the new pool
     small_kinds, free, large_kinds, large_free, M = case
     small, large = Packer(small_kinds, free, M), Packer(large_kinds, large_free, M)
     lo = min(k.fill_s for k in small_kinds)
@@ -226,7 +228,7 @@ def test_a_zone_more_keeps_the_cheapest_vectors_of_the_cluster_without_it(case, 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(case=_packers(), start=st.floats(0.05, 5.0), sooner=st.floats(0.2, 1.0))
-def test_a_zone_more_keeps_the_makespan_grid_of_the_cluster_without_it(case, start, sooner):
+def test_a_pool_more_keeps_the_makespan_grid_of_the_cluster_without_it(case, start, sooner):
     # the trade-off's makespans (`Packer.tau_grid`) lie on one lattice: a larger cluster, whose
     # fastest packing is no slower and whose kinds include the smaller one's, tries every makespan
     # strictly inside the smaller one's grid

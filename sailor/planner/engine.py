@@ -59,7 +59,7 @@ EXHAUSTIVE_KINDS = 512
 EXHAUSTIVE_COUNTS = 4096
 SPANNING_MAX = 64       # spanning pipelines built per target θ
 REFINE_TOP = 4          # best candidates that get spanning pipelines on the GPUs they leave
-VARIANTS_MAX = 16       # cheapest count vectors per makespan of the cost trade-off (`_cheapest_variants`)
+VARIANTS_MAX = 64       # cheapest count vectors per makespan of the cost trade-off (`_cheapest_variants`)
 BOUNDARY_STEPS = 12     # bisection steps towards a constraint between two of them
 NODE_GROUP_STEPS = 3    # pipelines cut between nodes offered alone at u, 2u, 4u (`_offer_node_groups`)
 
@@ -368,11 +368,12 @@ def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarr
     the cheapest count vectors cross it, by bisection between grid points (the time of the cheapest
     vector rises with the makespan allowed, its $/iteration and $/hour fall).
 
-    The cheapest count vector (`Packer.cheapest`) does not see egress: a zone more with GPUs as cheap
-    can make it spread the batch over that zone too and pay egress the plan without it would not.
-    So the cheapest vectors without the zones it uses are scored too (`_cheapest_variants`), and a
-    makespan meets a constraint when one of them does: at every makespan of the grid, a cluster
-    with a zone more has the vectors of the cluster without it among its candidates."""
+    The cheapest count vector (`Packer.cheapest`) does not see egress: a pool more (a zone, or a GPU
+    type in a zone) with GPUs as cheap can make it spread the batch over that pool too and pay
+    egress, or lose a schedule the plan without it would gain. So the cheapest vectors without the
+    pools it uses are scored too (`_cheapest_variants`), and a makespan meets a constraint when one
+    of them does: at every makespan of the grid, a cluster with a pool more has the vectors of the
+    cluster without it among its candidates."""
     grid = packer.tau_grid(tau)
     cheap: dict[float, list[Candidate]] = {}
 
@@ -413,18 +414,18 @@ def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarr
 
 def _cheapest_variants(packer: Packer, scorer: Scorer, tau: float) -> list[Candidate]:
     """The scored cheapest count vectors at makespan τ (`Packer.cheapest`), each once: over all kinds
-    and, recursively, over the kinds outside each zone the vector found uses, fewest zones left out
-    first, at most VARIANTS_MAX greedy runs; [] when none fits.
+    and, recursively, over the kinds outside each (zone, GPU type) pool the vector found uses,
+    fewest pools left out first, at most VARIANTS_MAX greedy runs; [] when none fits.
 
-    Why it holds a smaller cluster's: for a cluster with a zone more, the vector without that zone
+    Why it holds a smaller cluster's: for a cluster with a pool more, the vector without that pool
     is the smaller cluster's (the greedy takes the other kinds in the same order), and when the
-    vector does not use the new zone it is the smaller cluster's vector itself; by induction over
-    the zones left out, every vector of the smaller cluster's recursion is in the larger one's
+    vector does not use the new pool it is the smaller cluster's vector itself; by induction over
+    the pools left out, every vector of the smaller cluster's recursion is in the larger one's
     (within VARIANTS_MAX)."""
     out: list[Candidate] = []
     seen: set[tuple[int, ...]] = set()
-    tried: set[frozenset[str]] = set()
-    todo = [frozenset()]
+    tried: set[frozenset[Pool]] = set()
+    todo: list[frozenset[Pool]] = [frozenset()]
     while todo and len(tried) < VARIANTS_MAX:
         without = todo.pop(0)
         if without in tried:
@@ -439,7 +440,7 @@ def _cheapest_variants(packer: Packer, scorer: Scorer, tau: float) -> list[Candi
             cand = scorer.score(vec)
             if cand is not None:
                 out.append(cand)
-        todo += [without | {z} for z in sorted({z for k, n in zip(packer.kinds, vec) if n for z in k.zones})]
+        todo += [without | {p} for p in sorted({p for k, n in zip(packer.kinds, vec) if n for p, _ in k.use})]
     return out
 
 

@@ -265,17 +265,18 @@ class Packer:
         counts = base + (pack.counts(caps, len(self.kinds)) if pack else 0)
         return trim(counts, caps, self.M, key=lambda i: caps[i])
 
-    def cheapest(self, tau: float, without: frozenset[str] = frozenset()) -> np.ndarray | None:
+    def cheapest(self, tau: float, without: frozenset[Pool] = frozenset()) -> np.ndarray | None:
         """Fewest $/hour of pipelines that finish M micro-batches by τ: kinds in order of $/hour per
         micro-batch finished by τ, each as many as needed and fit; None if the GPUs cannot. Kinds
-        with a stage in a zone of `without` are left out (`engine._trade_off`: the greedy does not
-        see egress, which a zone more can add)."""
+        with GPUs in a (zone, GPU type) pool of `without` are left out (`engine._trade_off`: the
+        greedy does not see egress, which a pool more in another zone can add, nor the schedules
+        tried later)."""
         caps = self.caps(tau)
         left = dict(self.free)
         counts = np.zeros(len(self.kinds), dtype=np.int64)
         need = self.M
         tie = {i: self.sync(i, -(-self.M // int(caps[i]))) for i in range(len(self.kinds))
-               if caps[i] > 0 and not without.intersection(self.kinds[i].zones)}
+               if caps[i] > 0 and not any(p in without for p, _ in self.kinds[i].use)}
         order = sorted(tie, key=lambda i: (self.kinds[i].usd_per_hour / caps[i], tie[i]))
         for i in order:
             if need <= 0:
