@@ -17,7 +17,7 @@ Per family:
   per GPU type), memory-mixed kinds where a GPU type cannot hold every stage
   (`kinds.memory_mixed_kinds`), the packing of `pack` per scope (the smallest makespan by
   bisection; for the cost objective or under constraints also a grid of makespans, each with its
-  most-capacity and its cheapest count vector), pipelines spanning zones and regions on the GPUs
+  most-capacity and its cheapest count vectors, `_trade_off`), pipelines spanning zones and regions on the GPUs
   left over by the best candidates (`geo.build_spanning`, at the end), and spanning pipelines alone
   where no single zone can hold one; pipelines cut between nodes (`kinds.node_cut_variants`) are
   packed apart and also offered alone in node-filling counts (`_offer_node_groups`).
