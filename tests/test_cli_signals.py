@@ -46,10 +46,16 @@ def test_sigint_unwinds_the_command_and_exits_130_with_one_line(monkeypatch, cap
         finally:
             unwound.append(True)
 
-    before = signal.getsignal(signal.SIGINT)
-    code, err = _main_with(command, monkeypatch, capsys)
+    # Python's own SIGINT handler, as an interactive shell starts it: a test run started as a
+    # background job inherits SIGINT ignored, which `main` keeps (the next test)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code, err = _main_with(command, monkeypatch, capsys)
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert (code, err, unwound) == (130, ["interrupted (SIGINT)"], [True])
-    assert signal.getsignal(signal.SIGINT) is before  # handed back after the command
+    assert after is signal.default_int_handler  # handed back after the command
 
 
 def test_a_sigint_ignored_at_start_stays_ignored(monkeypatch, capsys):
