@@ -201,9 +201,9 @@ class ClusterSpec(BaseModel):
         the list price. Raises SailorInputError when none is known (saying so when the catalog
         knows that the zone does not offer the type, `check_catalog_offers`)."""
         g = catalog.canonical_gpu(gpu)
-        zone_prices = self.prices.get(zone)
-        if isinstance(zone_prices, dict) and g in zone_prices:
-            return float(zone_prices[g])
+        mine = self._zone_price(zone, g)
+        if mine is not None:
+            return mine
         flat = self.prices.get(g)
         if isinstance(flat, (int, float)):
             return float(flat)
@@ -224,10 +224,14 @@ class ClusterSpec(BaseModel):
             SailorInputError: naming what the zone offers and the nearest zones offering `gpu`.
         """
         g = catalog.canonical_gpu(gpu)
-        zone_prices = self.prices.get(zone)
         where = self.prov.provider_of(zone)
-        if not (isinstance(zone_prices, dict) and g in zone_prices) and where.offers(zone, g) is False:
+        if self._zone_price(zone, g) is None and where.offers(zone, g) is False:
             raise _not_offered(where, zone, g)
+
+    def _zone_price(self, zone: str, g: str) -> float | None:
+        """$/GPU-hour the spec gives canonical GPU type `g` in `zone` (`prices.<zone>.<g>`), or None."""
+        zone_prices = self.prices.get(zone)
+        return float(zone_prices[g]) if isinstance(zone_prices, dict) and g in zone_prices else None
 
     def available(self, zone: str, gpu: str) -> int:
         """GPUs of type `gpu` available in `zone` (0 if none listed)."""
