@@ -106,6 +106,40 @@ def test_infeasible_constraint_names_the_binding_limit():
         plan_job(make_context(job, cluster), PlanOptions(constraints=Constraints(min_throughput=1e6)))
 
 
+def test_a_finalist_the_event_simulation_breaks_is_not_returned(monkeypatch):
+    """Every finalist meets the constraints in the closed form; where the event simulation of the
+    first `rescore` of them breaks a throughput floor, phase 3 takes the next finalist that meets it,
+    and raises when none does (it returned the best closed-form plan without a word before)."""
+    import dataclasses
+
+    import sailor.planner as planner
+
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8, "V100-16": 8}})
+    job = JobSpec(model="opt-350m", global_batch_size=256)
+    opts = PlanOptions(max_stages=4, rescore=2, top_k=4)
+    floor = plan_job(make_context(job, cluster), opts).estimate.throughput_iters_per_s / 4
+    real = planner._event_or_closed
+    calls = []
+
+    def slowed(plan, ctx, broken):
+        e = real(plan, ctx)
+        calls.append(plan)
+        return dataclasses.replace(e, iteration_time_s=e.iteration_time_s * 100) if len(calls) <= broken else e
+
+    floored = PlanOptions(max_stages=4, rescore=2, top_k=4, constraints=Constraints(min_throughput=floor))
+    monkeypatch.setattr(planner, "_event_or_closed", lambda plan, ctx: slowed(plan, ctx, 2))
+    result = plan_job(make_context(job, cluster), floored)
+    assert result.estimate.throughput_iters_per_s >= floor
+    assert len(calls) >= 3 and all(result.plan is not p for p in calls[:2])
+    calls.clear()
+    monkeypatch.setattr(planner, "_event_or_closed", lambda plan, ctx: slowed(plan, ctx, 10**6))
+    # the plans phase 3 has: max(rescore, top_k + 1) = 5 finalists and the published space's best
+    with pytest.raises(InfeasibleError, match=r"^no plan meets at least [0-9.e+-]+ iterations/s in the event simulation: the"
+                                              r" 6 plans that meet it in the closed form miss it there; the closed form's"
+                                              r" best reaches [0-9.]+ iterations/s"):
+        plan_job(make_context(job, cluster), floored)
+
+
 def test_no_gpus_is_infeasible():
     cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 0}})
     with pytest.raises(InfeasibleError, match="no GPUs"):

@@ -145,7 +145,9 @@ _SEARCHES = {SearchSpace.FULL: engine.search, SearchSpace.PAPER: paper.search, S
 
 def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> PlanResult:
     """Phase 3: event-simulate the best `rescore` finalists (and every pinned plan) and return the
-    best of them under the objective and constraints, with the alternatives."""
+    best of them under the objective and constraints, with the alternatives. Where none of them meets
+    the constraints, the next finalists in closed-form order are event-simulated until one does
+    (`_first_meeting`; InfeasibleError when none does)."""
     key = objective_key(opts.objective)
     ranked = sorted(found.finalists, key=lambda v: v[0])
     choices = [Choice(plan, t, c) for _, t, c, plan in ranked[: max(opts.rescore, opts.top_k + 1)]]
@@ -159,8 +161,7 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
             scored.append(pin)
     for ch in scored:
         ch.estimate = _event_or_closed(ch.plan, ctx)
-    ok = [c for c in scored if opts.constraints.ok(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd)]
-    ok = ok or choices[:1]
+    ok = [c for c in scored if _meets(opts.constraints, c.estimate)] or _first_meeting(ctx, opts.constraints, choices)
     ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     if opts.search is SearchSpace.FULL:  # the schedule dimension and kept ZeRO-3 weights, where they pay
         deeper = [(p, simulate(p, ctx, event=False)) for p in found.deep if p.num_stages > ok[0].plan.num_stages]
@@ -242,9 +243,43 @@ def _variants(ctx: SimContext, opts: PlanOptions, best_plan: Plan, others: list[
     out = []
     for e, variant, _ in first + rest[:VARIANT_EVENTS]:
         est = _event_or_closed(variant, ctx)
-        if opts.constraints.ok(est.iteration_time_s, est.cost_per_iteration_usd):
+        if _meets(opts.constraints, est):
             out.append(Choice(variant, e.iteration_time_s, e.cost_per_iteration_usd, est))
     return out
+
+
+def _meets(c: Constraints, e: Estimate) -> bool:
+    """Whether estimate `e` meets the constraints `c`."""
+    return c.ok(e.iteration_time_s, e.cost_per_iteration_usd)
+
+
+def _first_meeting(ctx: SimContext, c: Constraints, choices: list[Choice]) -> list[Choice]:
+    """[the first of `choices` (closed-form order) whose event simulation meets `c`], for when none of
+    the event-simulated finalists does: each finalist met `c` in the closed form, which the event
+    simulation can undo. Raises InfeasibleError naming the constraints and the closest finalist when
+    no finalist meets them."""
+    for ch in choices:
+        if ch.estimate is None:
+            ch.estimate = _event_or_closed(ch.plan, ctx)
+        if _meets(c, ch.estimate):
+            return [ch]
+    e = choices[0].estimate
+    raise InfeasibleError(f"no plan meets {_constraint_words(c)} in the event simulation: the"
+                          f" {len(choices)} plans that meet it in the closed form miss it there; the closed"
+                          f" form's best reaches {e.throughput_iters_per_s:.3g} iterations/s at"
+                          f" ${e.cost_per_iteration_usd:.3g}/iteration (${e.cost_per_hour_usd:.3g}/hour) there")
+
+
+def _constraint_words(c: Constraints) -> str:
+    """The constraints `c` in words, e.g. 'at least 2 iterations/s and at most $40/hour'."""
+    parts = []
+    if c.min_throughput is not None:
+        parts.append(f"at least {c.min_throughput:g} iterations/s")
+    if c.max_cost_per_iteration is not None:
+        parts.append(f"at most ${c.max_cost_per_iteration:g}/iteration")
+    if c.max_cost_per_hour is not None:
+        parts.append(f"at most ${c.max_cost_per_hour:g}/hour")
+    return " and ".join(parts)
 
 
 def _event_or_closed(plan: Plan, ctx: SimContext) -> Estimate:
@@ -262,20 +297,13 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
     c = opts.constraints
     if c == Constraints():
         return _too_few_gpus(ctx, opts)
-    parts = []
-    if c.min_throughput is not None:
-        parts.append(f"at least {c.min_throughput:g} iterations/s")
-    if c.max_cost_per_iteration is not None:
-        parts.append(f"at most ${c.max_cost_per_iteration:g}/iteration")
-    if c.max_cost_per_hour is not None:
-        parts.append(f"at most ${c.max_cost_per_hour:g}/hour")
     # Without constraints the search either succeeds or fails for a reason that is not a constraint
     # (InfeasibleError propagates): no recursion back here.
     free = dict(search=opts.search, max_stages=opts.max_stages, max_mbs=opts.max_mbs, top_k=1, rescore=1,
                 memory_margin=opts.memory_margin)
     fastest = plan_job(ctx, PlanOptions(objective=Objective.THROUGHPUT, **free)).estimate
     cheapest = plan_job(ctx, PlanOptions(objective=Objective.COST, **free)).estimate
-    return (f"no plan meets {' and '.join(parts)}: the fastest plan reaches"
+    return (f"no plan meets {_constraint_words(c)}: the fastest plan reaches"
             f" {fastest.throughput_iters_per_s:.3g} iterations/s at ${fastest.cost_per_iteration_usd:.3g}/iteration"
             f" (${fastest.cost_per_hour_usd:.3g}/hour); the cheapest costs"
             f" ${cheapest.cost_per_iteration_usd:.3g}/iteration at {cheapest.throughput_iters_per_s:.3g} iterations/s")
