@@ -57,6 +57,8 @@ def test_the_example_reads(box):
     (lambda d: d["nodes"][2].update(device="medium"), "nodes.2.device", "unknown device class 'medium'"),
     (lambda d: d["nodes"][3].update(region="us-central1"), "nodes.3.region", "us-west1-b is in region us-west1"),
     (lambda d: d["nodes"][0].update(zone="mars-1a"), "nodes.0.zone", "mars-1a"),
+    (lambda d: d["devices"]["fast"].update(gpu="A100-80") or d["nodes"][0].update(zone="us-west1-b", region="us-west1"),
+     "nodes.0.zone", "gcp does not offer A100-80 in zone 'us-west1-b' (it offers A100-40, H100-80"),
     (lambda d: d["nodes"][1].update(name="a0"), "nodes.1.name", "listed twice"),
     (lambda d: d["nodes"][0].update(name="toolong7"), "nodes.0.name", "1-6 of a-z 0-9"),
     (lambda d: d["nodes"][1].update(ranks=1), "nodes.1.ranks", "node 0 of device class 'fast' has 2"),

@@ -226,7 +226,7 @@ class ClusterSpec(BaseModel):
         g = catalog.canonical_gpu(gpu)
         where = self.prov.provider_of(zone)
         if self._zone_price(zone, g) is None and where.offers(zone, g) is False:
-            raise _not_offered(where, zone, g)
+            raise not_offered(where, zone, g)
 
     def _zone_price(self, zone: str, g: str) -> float | None:
         """$/GPU-hour the spec gives canonical GPU type `g` in `zone` (`prices.<zone>.<g>`), or None."""
@@ -327,10 +327,12 @@ def _zone_region(prov: catalog.Provider | catalog.Clouds, zone: Any) -> str:
                                fix=f"provider: [{', '.join(prov.providers + (other,))}]") from e
 
 
-def _not_offered(prov: catalog.Provider, zone: str, gpu: str) -> SailorInputError:
+def not_offered(prov: catalog.Provider, zone: str, gpu: str,
+                otherwise: str | None = "if yours does, give its price there under prices.{zone}.{gpu}") -> SailorInputError:
     """The error for GPU type `gpu` in a `zone` of `prov` that the catalog says lacks it: what the
     zone offers, and up to three zones that offer the type, nearest first (the zone's region, then
-    its continent; one zone per other region)."""
+    its continent; one zone per other region); `otherwise` (formatted with zone and gpu) ends the fix
+    (a cluster file's: price it; None where no other way exists, e.g. a testbed's node)."""
     region = prov.region(zone)
     continent = prov.region_continent[region]
     near: list[str] = []
@@ -343,6 +345,7 @@ def _not_offered(prov: catalog.Provider, zone: str, gpu: str) -> SailorInputErro
         if len(near) == 3:
             break
     here = ", ".join(prov.offered_in(zone)) or "none of the catalog's GPU types"
-    use = f"use a zone that does, e.g. {', '.join(near)}; or, " if near else ""
+    fix = [f"use a zone that does, e.g. {', '.join(near)}"] if near else []
+    fix += [otherwise.format(zone=zone, gpu=gpu)] if otherwise else []
     return SailorInputError(f"{prov.name} does not offer {gpu} in zone {zone!r} (it offers {here} there)",
-                            fix=f"{use}if yours does, give its price there under prices.{zone}.{gpu}")
+                            fix="; or, ".join(fix) or None)

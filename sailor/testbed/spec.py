@@ -40,6 +40,7 @@ from sailor.catalog import LinkClass
 from sailor.core.errors import SailorInputError, show
 from sailor.core.fileio import load_mapping
 from sailor.core.schema import SPEC_CONFIG, Real, Whole, parse_model
+from sailor.specs.cluster import not_offered
 
 MAX_NODES = 64  # one /24 per node in the testbed's /16 (sailor.testbed.net.node_addresses)
 MAX_MBIT_PER_S = 100_000.0  # 100 Gbit/s: far beyond what a veth pair shaped by htb carries here
@@ -159,6 +160,8 @@ class TestbedSpec(BaseModel):
                 raise e.located(field_prefix=f"{where}.zone") from None
             if region != n.region:
                 raise SailorInputError(f"zone {n.zone} is in region {region}, not {n.region!r}", field=f"{where}.region")
+            if gcp.offers(n.zone, self.devices[n.device].gpu) is False:  # its cluster spec would be refused
+                raise not_offered(gcp, n.zone, self.devices[n.device].gpu, None).located(field_prefix=f"{where}.zone")
             if n.device in ranks_of and ranks_of[n.device][0] != n.ranks:
                 raise SailorInputError(f"{n.ranks} ranks, but node {ranks_of[n.device][1]} of device class"
                                        f" {n.device!r} has {ranks_of[n.device][0]}", field=f"{where}.ranks",
