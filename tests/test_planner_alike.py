@@ -68,8 +68,8 @@ def test_alike_regions_have_one_packing_key_and_equal_packings():
     got1, got4 = (fastest_packings(Packer(k, f, 32), [node_unit(x, ctx.cluster.node_size) for x in k])
                   for k, f in ((kinds1, free1), (kinds4, free4)))
     assert len(got1) == len(got4) >= 1
-    for (b1, t1, c1, w1), (b4, t4, c4, w4) in zip(got1, got4):
-        assert t1 == t4 and (c1 == c4).all() and (w1 == w4).all() and (b1 == b4).all() and c1.any()
+    for (b1, t1, c1, w1, d1), (b4, t4, c4, w4, d4) in zip(got1, got4):
+        assert t1 == t4 and d1 == d4 and (c1 == c4).all() and (w1 == w4).all() and (b1 == b4).all() and c1.any()
 
 
 def test_the_packing_key_changes_with_every_figure_the_packing_reads():

@@ -11,6 +11,8 @@ its best plan worse (item 2).
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,7 +22,8 @@ from sailor.plan.placement import rank_layout, same_node_boundaries
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY
 from sailor.planner import Objective, PlanOptions, engine, plan_job
 from sailor.planner.kinds import Kind, kind_boundaries, make_kind
-from sailor.planner.pack import Packer
+from sailor.planner import pack
+from sailor.planner.pack import Packer, fastest_packings
 from sailor.planner.space import Option
 from sailor.simulator import Slot, make_context, simulate
 from sailor.specs.cluster import ClusterSpec
@@ -236,3 +239,38 @@ def test_a_pool_more_keeps_the_makespan_grid_of_the_cluster_without_it(case, sta
     small = Packer(small_kinds, free, M).tau_grid(start)
     large = set(Packer(large_kinds, large_free, M).tau_grid(start * sooner))
     assert set(small[1:-1]) <= large
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(case=_packers())
+def test_a_pool_more_keeps_the_fastest_packings_of_the_cluster_without_it(case):
+    # heuristic mode, throughput objective (`pack.fastest_packings`): every fastest packing of the
+    # cluster without the new pool (a zone, or a GPU type in a zone), its own and those leaving out
+    # pools it uses, is among the larger cluster's, whether or not the larger one's own fastest
+    # packing uses the new pool (the recursion's budget lifted: what it keeps within the budget)
+    small_kinds, free, large_kinds, large_free, M = case
+    pad = (0,) * (len(large_kinds) - len(small_kinds))
+    with mock.patch.object(pack, "FASTEST_RUNS", 10**6, create=True):
+        want = {tuple(p[2]) + pad for p in fastest_packings(Packer(small_kinds, free, M), [1] * len(small_kinds))}
+        got = {tuple(p[2]) for p in fastest_packings(Packer(large_kinds, large_free, M), [1] * len(large_kinds))}
+    assert want <= got
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(case=_packers())
+def test_a_pool_more_keeps_the_fastest_packing_of_the_cluster_without_it_within_the_budget(case):
+    # at the budget the planner runs with (`pack.FASTEST_RUNS`): the smaller cluster's own fastest
+    # packing is among the larger one's when the larger one's fastest packing does not use the new
+    # pool, or leaves it out within the budget (`pack.drop_order`: pools in the zones that hold the
+    # fewest of its pipelines first)
+    small_kinds, free, large_kinds, large_free, M = case
+    pad = (0,) * (len(large_kinds) - len(small_kinds))
+    small = fastest_packings(Packer(small_kinds, free, M), [1] * len(small_kinds))
+    large = fastest_packings(Packer(large_kinds, large_free, M), [1] * len(large_kinds))
+    if not small:
+        return
+    new = set(large_free) - set(free)
+    first = tuple(int(x) for x in large[0].counts)
+    if new & set(pack.drop_order(large_kinds, [first])[: pack.FASTEST_RUNS - 1]) or not new & {
+            p for k, n in zip(large_kinds, first) if n for p, _ in k.use}:
+        assert tuple(int(x) for x in small[0].counts) + pad in {tuple(int(x) for x in p.counts) for p in large}

@@ -6,7 +6,8 @@ it replaces, run here as the reference.
 - `prune._uniform_estimate` and `prune._node_group_estimate` leaving out the sync where the rest
   cannot beat the best estimate so far, against computing every sync;
 - `pack.PoolPacking.capacity` from the best kind of each GPU count, against every (main, second)
-  row of the pools;
+  row of the pools; `pack.PoolPacking.counts` taking each pool's best row for all pools at once,
+  against one pool at a time (both with pools left out, `pack.fastest_packings`);
 - `pack.bisect` asking several steps' midpoints at once, against one step at a time;
 - `kinds.make_kinds` computing what a cut does not change once per uncut twin, against each kind
   built alone in a fresh context;
@@ -299,12 +300,24 @@ def _reference(monkeypatch) -> None:
         monkeypatch.setattr(module, "apart_groups",
                             lambda ctx, used: [_apart_sorted(ctx, used, i) for i in range(len(used[0][0]))])
 
-    def every_row(self, caps):  # caps (kinds,) or (T, kinds), as `PoolPacking.capacity` takes them
+    def every_row(self, caps, keep=None):  # caps (kinds,) or (T, kinds), as `PoolPacking.capacity` takes them
         rows = np.atleast_2d(caps)
-        got = [int(np.maximum.reduceat(self.n_main * row[self.main] + self.n_second * row[self.second],
-                                       self.starts).sum()) for row in rows]
+        kept = np.ones(len(self.pools), dtype=bool) if keep is None else keep
+        got = [int((np.maximum.reduceat(self.n_main * row[self.main] + self.n_second * row[self.second],
+                                        self.starts) * kept).sum()) for row in rows]
         return got[0] if caps.ndim == 1 else np.array(got)
     monkeypatch.setattr(PoolPacking, "capacity", every_row)
+
+    def pool_by_pool(self, caps, n_kinds, keep=None):  # `PoolPacking.counts`, one pool at a time
+        vals = self.n_main * caps[self.main] + self.n_second * caps[self.second]
+        out = np.zeros(n_kinds, dtype=np.int64)
+        for j, (s, e) in enumerate(zip(self.starts, list(self.starts[1:]) + [len(vals)])):
+            r = s + int(np.argmax(vals[s:e]))
+            if vals[r] > 0 and (keep is None or keep[j]):
+                out[self.main[r]] += self.n_main[r]
+                out[self.second[r]] += self.n_second[r]
+        return out
+    monkeypatch.setattr(PoolPacking, "counts", pool_by_pool)
     monkeypatch.setattr(pack, "BATCH_LEVELS", ())  # the bisection one step at a time
 
 

@@ -16,17 +16,31 @@ Per family:
 - otherwise (or past those limits): single-zone kinds (`kinds.homogeneous_kinds`, Pareto templates
   per GPU type), memory-mixed kinds where a GPU type cannot hold every stage
   (`kinds.memory_mixed_kinds`), the packing of `pack` per scope (the smallest makespan by
-  bisection; for the cost objective or under constraints also a grid of makespans, each with its
-  most-capacity and its cheapest count vectors, `_trade_off`), pipelines spanning zones and regions on the GPUs
+  bisection, and for the throughput objective the same without the (zone, GPU type) pools it
+  uses, `pack.fastest_packings`; for the cost objective or under constraints also a grid of
+  makespans, each with its most-capacity and its cheapest count vectors, `_trade_off`), pipelines
+  spanning zones and regions on the GPUs
   left over by the best candidates (`geo.build_spanning`, at the end), and spanning pipelines alone
   where no single zone can hold one; pipelines cut between nodes (`kinds.node_cut_variants`) are
   packed apart and also offered alone in node-filling counts (`_offer_node_groups`).
   Node keys take the larger of the bound and `prune.node_estimate` discounted by a margin
   (`prune.node_keys`), each computed when its node comes up (`prune.NodeKeys`).
 
+A pool more keeps the smaller cluster's candidates by the search's structure: the packings and
+cheapest covers see neither the gradient sync nor egress, so a pool more (a zone, or a GPU type in
+a zone) can turn them into plans that score worse; so those without each pool they use are found
+and scored too, recursively (`pack.leave_pools_out`), and the ones of a cluster with a pool more
+without that pool are the smaller cluster's. A cluster with a pool more thus has among its
+candidates every cheapest cover of the cluster without it (`_cheapest_variants`, within
+VARIANTS_MAX greedy runs), and its fastest packing where the new pool is unused or among the first
+`pack.FASTEST_RUNS` - 1 pools that `pack.drop_order` leaves out (pools in the zones holding the
+fewest of the packing's pipelines first; the budget leaves out one pool at a time, the smaller
+cluster's packings without pools are kept within it only).
+
 The work per family is polynomial: kinds are O(zones x GPU types x templates), a packing step is
 linear in the kinds of each pool (squared), and the number of bisection steps is fixed
-(`pack.BISECTION_STEPS`); nothing loops over the global batch.
+(`pack.BISECTION_STEPS`), as are the packings without pools (`pack.FASTEST_RUNS`); nothing loops
+over the global batch.
 """
 
 from __future__ import annotations
@@ -48,7 +62,7 @@ from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanni
 from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, forget_kinds, homogeneous_kinds, kind_optimizer_s,
                                   memory_mixed_kinds, option_table)
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
-from sailor.planner.pack import Packer, count_vectors, fastest_packings, node_unit, packing_key
+from sailor.planner.pack import Packer, count_vectors, fastest_packings, leave_pools_out, node_unit, packing_key
 from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
 from sailor.planner.score import Candidate, Scorer
 from sailor.planner.space import Memory, candidate_partitions, mbs_candidates, memory_candidates, zero3_needed
@@ -321,10 +335,11 @@ def _tp_floors(kinds: list[Kind]) -> list[list[Kind]]:
 
 def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kind], free: dict[Pool, int],
                 keep: Finalists, point: tuple) -> bool:
-    """Packings of `kinds`: the fastest for each base of multi-pool kinds (and the same rounded up to
-    whole nodes, `pack.round_to_nodes`), with spanning pipelines on the GPUs left; for the cost
-    objective or under constraints also the grid of makespans. True when some count vector was
-    offered."""
+    """Packings of `kinds`: the fastest for each base of multi-pool kinds and, for the throughput
+    objective, those without the pools they use while they could beat the best plan (`_wanted`,
+    `pack.fastest_packings`), each also rounded up to whole nodes (`pack.round_to_nodes`); for the
+    cost objective or under constraints also the grid of makespans from the fastest. True when
+    some count vector was offered."""
     if not kinds:
         return False
     offered = False
@@ -341,23 +356,39 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
         return ctx.memo[key]
 
     scorer = Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
+    units = [node_unit(k, ctx.cluster.node_size) for k in kinds]
+    wanted = _wanted(opts, kinds, keep)
     if trade_off:
         packer = Packer(kinds, free, fam.M, sync)
-        packings = fastest_packings(packer, [node_unit(k, ctx.cluster.node_size) for k in kinds])
+        packings = fastest_packings(packer, units, wanted)
     else:  # the packings read no zone (`pack.packing_key`): scopes alike (regions whose zones offer
-        # the same GPUs, with kinds of the same curves) share them within the family
+        # the same GPUs, with kinds of the same curves) share them within the family (a later
+        # scope's `wanted` would drop no more: the best plan only gets better)
         key = packing_key(kinds, free, fam.M)
         if key not in fam.packings:
-            fam.packings[key] = fastest_packings(Packer(kinds, free, fam.M),
-                                                 [node_unit(k, ctx.cluster.node_size) for k in kinds])
+            fam.packings[key] = fastest_packings(Packer(kinds, free, fam.M), units, wanted)
         packings = fam.packings[key]
-    for base, tau, counts, whole in packings:
-        offered |= _offer(keep, scorer, counts, point)
-        if (whole != counts).any():  # the same packing on whole nodes (`pack.round_to_nodes`)
-            _offer(keep, scorer, whole, point)
-        if trade_off:
-            _trade_off(opts, packer, scorer, base, tau, keep, point)
+    for packing in packings:
+        if packing.dropped and not wanted(packing.tau):
+            continue
+        offered |= _offer(keep, scorer, packing.counts, point, packing.tau * (1 - 1e-9))
+        if (packing.whole != packing.counts).any():  # the same packing on whole nodes (`pack.round_to_nodes`)
+            _offer(keep, scorer, packing.whole, point)
+        if trade_off and not packing.dropped:  # the cheapest covers leave pools out on their own
+            _trade_off(opts, packer, scorer, packing.base, packing.tau, keep, point)
     return offered
+
+
+def _wanted(opts: PlanOptions, kinds: list[Kind], keep: Finalists) -> Callable[[float], bool]:
+    """`pack.fastest_packings`' `expand`: whether a count vector of makespan τ or more over `kinds`
+    could still beat the best plan found (as the search's keys do, `search`); such vectors are not
+    scored either. Its iteration time is at least τ (the packing's kinds are lower bounds over the
+    pipelines' count, `kinds.Kind.replicas`) plus the fastest optimizer step. Under the cost
+    objective none is wanted: the cheapest covers leave pools out there (`_cheapest_variants`)."""
+    if opts.objective is not Objective.THROUGHPUT:
+        return lambda tau: False
+    step = min(k.optimizer_s for k in kinds)
+    return lambda tau: tau * (1 - 1e-9) + step < keep.best0()
 
 
 def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarray, tau: float,
@@ -415,33 +446,16 @@ def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarr
 def _cheapest_variants(packer: Packer, scorer: Scorer, tau: float) -> list[Candidate]:
     """The scored cheapest count vectors at makespan τ (`Packer.cheapest`), each once: over all kinds
     and, recursively, over the kinds outside each (zone, GPU type) pool the vector found uses,
-    fewest pools left out first, at most VARIANTS_MAX greedy runs; [] when none fits.
-
-    Why it holds a smaller cluster's: for a cluster with a pool more, the vector without that pool
-    is the smaller cluster's (the greedy takes the other kinds in the same order), and when the
-    vector does not use the new pool it is the smaller cluster's vector itself; by induction over
-    the pools left out, every vector of the smaller cluster's recursion is in the larger one's
-    (within VARIANTS_MAX)."""
-    out: list[Candidate] = []
-    seen: set[tuple[int, ...]] = set()
-    tried: set[frozenset[Pool]] = set()
-    todo: list[frozenset[Pool]] = [frozenset()]
-    while todo and len(tried) < VARIANTS_MAX:
-        without = todo.pop(0)
-        if without in tried:
-            continue
-        tried.add(without)
+    fewest pools left out first, at most VARIANTS_MAX greedy runs (`pack.leave_pools_out`); [] when
+    none fits. A cluster with a pool more has the smaller cluster's among them (within
+    VARIANTS_MAX): the vector without that pool is the smaller cluster's (the greedy takes the
+    other kinds in the same order)."""
+    def find(without: frozenset[Pool]) -> list[np.ndarray]:
         counts = packer.cheapest(tau, without)
-        if counts is None or not counts.any():
-            continue
-        vec = tuple(int(x) for x in counts)
-        if vec not in seen:
-            seen.add(vec)
-            cand = scorer.score(vec)
-            if cand is not None:
-                out.append(cand)
-        todo += [without | {p} for p in sorted({p for k, n in zip(packer.kinds, vec) if n for p, _ in k.use})]
-    return out
+        return [] if counts is None or not counts.any() else [counts]
+
+    found = leave_pools_out(packer.kinds, find, lambda counts: counts, VARIANTS_MAX)
+    return [c for c in (scorer.score(tuple(int(x) for x in counts)) for _, counts in found) if c is not None]
 
 
 def _offer_all(opts: PlanOptions, scorer: Scorer, vectors: list[tuple[int, ...]], keep: Finalists,
@@ -470,11 +484,13 @@ def _offer_all(opts: PlanOptions, scorer: Scorer, vectors: list[tuple[int, ...]]
         keep.offer(scorer.score(vectors[j], keep.hopeless), point)
 
 
-def _offer(keep: Finalists, scorer: Scorer, counts: np.ndarray, point: tuple) -> bool:
+def _offer(keep: Finalists, scorer: Scorer, counts: np.ndarray, point: tuple, floor_s: float = 0.0) -> bool:
+    """Score and offer a count vector (`floor_s`: a makespan it cannot beat, `Scorer.score`); False
+    when it is all zeros."""
     vec = tuple(int(x) for x in counts)
     if not any(vec):
         return False
-    keep.offer(scorer.score(vec, keep.hopeless), point)
+    keep.offer(scorer.score(vec, keep.hopeless, floor_s), point)
     return True
 
 

@@ -12,7 +12,8 @@ bases: a greedy count of them first, the pools' packing on what they leave (`Pac
 
 - throughput: the smallest τ whose packing reaches M, found by bisection on τ (a number of steps
   that depends on the precision wanted, log2 of the range of τ: not on the global batch beyond
-  that logarithm), then pipelines the batch does not need are dropped (`trim`);
+  that logarithm), then pipelines the batch does not need are dropped (`trim`); and the same
+  without pools it uses (`fastest_packings`, `leave_pools_out`);
 - cost: at each τ of a geometric grid (`Packer.tau_grid`), the cheapest cover of M (pipelines taken in order of $ per
   micro-batch finished by τ), trimmed likewise: the trade-off curve between time and $/iteration.
 Each count vector found is scored exactly (`score.Scorer`) by the caller.
@@ -21,8 +22,10 @@ Each count vector found is scored exactly (`score.Scorer`) by the caller.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -34,6 +37,11 @@ BISECTION_STEPS = 60  # at most; the bisection stops at a relative precision of 
 # up to ~60 kinds, 3 up to ~160; beyond ~200 the work per makespan outweighs the cost of a call
 BATCH_LEVELS = ((64, 4), (160, 3))
 GRID_PER_DOUBLING = 2  # makespan targets of the cost trade-off per doubling of the makespan (`Packer.tau_grid`)
+# left-out pool sets `fastest_packings` tries (none, then one pool at a time, `drop_order`): each a
+# packing to find and score; 4 keeps `benchmarks/planner_scale.py`'s allzones row within its target
+FASTEST_RUNS = 4
+
+T = TypeVar("T")
 
 
 def count_vectors(kinds: list[Kind], free: dict[Pool, int], limit: int) -> list[tuple[int, ...]] | None:
@@ -79,7 +87,9 @@ class PoolPacking:
     n_j = (free - n_k·G_k) // G_j); `best` takes the best of them in every pool.
 
     Attributes: arrays over all (pool, k, j) triples, grouped by pool; `starts` the first triple of
-    each pool (for np.maximum.reduceat). `capacity` needs only the best kind of each GPU count:
+    each pool (for np.maximum.reduceat), `owner` each triple's pool (its index in `pools`, sorted).
+    The pools' packings are independent, so leaving pools out (`keep`, a bool per pool) drops their
+    terms and nothing else. `capacity` needs only the best kind of each GPU count:
     n_k and the GPUs left depend on k through G_k alone, so the best (k, j) of a pool takes, for
     its (G_k, G_j), the kinds of most micro-batches among those of G_k GPUs and of G_j GPUs; the
     `by_size` arrays hold those (pool, G, G') rows (`order`, `groups`: the kinds in (pool, G) groups,
@@ -91,6 +101,8 @@ class PoolPacking:
     second: np.ndarray
     n_second: np.ndarray
     starts: np.ndarray
+    owner: np.ndarray
+    pools: list[Pool]
     kinds: list[int]  # the kinds of some row
     by_size: tuple[np.ndarray, ...]
 
@@ -119,29 +131,37 @@ class PoolPacking:
         g1, g2, row_starts = _pairs(np.bincount(owner[order][groups], minlength=len(pools)))
         by_size = (ks[order], groups, g1, (room // size)[g1], g2, (room - (room // size) * size)[g1] // size[g2],
                    row_starts)
-        return cls(ks[first], n[first], ks[second], (avail - n * gs)[first] // gs[second], starts,
-                   np.unique(ks).tolist(), by_size)
+        return cls(ks[first], n[first], ks[second], (avail - n * gs)[first] // gs[second], starts, owner[first],
+                   pools, np.unique(ks).tolist(), by_size)
 
-    def capacity(self, caps: np.ndarray) -> int | np.ndarray:
-        """Most micro-batches the pools' packings finish at these per-kind capacities (the best
-        row of each pool summed), from the best kind of each GPU count (class docstring); caps
-        (kinds,) give a number, caps (T, kinds) one per row, (T,)."""
+    def keep(self, without: frozenset[Pool]) -> np.ndarray | None:
+        """A bool per pool, false for those of `without`; None when it leaves none out."""
+        if not without:
+            return None
+        return np.array([p not in without for p in self.pools])
+
+    def capacity(self, caps: np.ndarray, keep: np.ndarray | None = None) -> int | np.ndarray:
+        """Most micro-batches the pools' packings (those `keep` keeps) finish at these per-kind
+        capacities (the best row of each pool summed), from the best kind of each GPU count (class
+        docstring); caps (kinds,) give a number, caps (T, kinds) one per row, (T,)."""
         order, groups, first, n_first, then, n_then, row_starts = self.by_size
         best = np.maximum.reduceat(caps[..., order], groups, axis=-1)   # per (pool, GPU count) group
         vals = n_first * best[..., first] + n_then * best[..., then]
-        out = np.maximum.reduceat(vals, row_starts, axis=-1).sum(axis=-1)
+        per_pool = np.maximum.reduceat(vals, row_starts, axis=-1)
+        out = (per_pool if keep is None else per_pool * keep).sum(axis=-1)
         return int(out) if caps.ndim == 1 else out
 
-    def counts(self, caps: np.ndarray, n_kinds: int) -> np.ndarray:
+    def counts(self, caps: np.ndarray, n_kinds: int, keep: np.ndarray | None = None) -> np.ndarray:
+        """The counts of the best row of each pool (`keep` keeps; the first of equal rows) that
+        finishes something, at these per-kind capacities (kinds,)."""
         vals = self.n_main * caps[self.main] + self.n_second * caps[self.second]
-        out = np.zeros(n_kinds, dtype=np.int64)
-        ends = list(self.starts[1:]) + [len(vals)]
-        for s, e in zip(self.starts, ends):
-            r = s + int(np.argmax(vals[s:e]))
-            if vals[r] > 0:
-                out[self.main[r]] += self.n_main[r]
-                out[self.second[r]] += self.n_second[r]
-        return out
+        best = np.maximum.reduceat(vals, self.starts)[self.owner]
+        at = np.flatnonzero(vals == best)
+        rows = at[np.unique(self.owner[at], return_index=True)[1]]  # each pool's first best row
+        rows = rows[(vals[rows] > 0) & (True if keep is None else keep[self.owner[rows]])]
+        out = np.bincount(self.main[rows], weights=self.n_main[rows], minlength=n_kinds)
+        out += np.bincount(self.second[rows], weights=self.n_second[rows], minlength=n_kinds)
+        return out.astype(np.int64)
 
 
 def _pairs(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -204,19 +224,25 @@ class Packer:
         self.period = np.array([k.period_s for k in kinds])
         self.single = [(i, k.use[0][0], k.use[0][1]) for i, k in enumerate(kinds) if len(k.use) == 1]
         self.multi = [i for i, k in enumerate(kinds) if len(k.use) > 1]
+        self._packs: dict[bytes, PoolPacking | None] = {}  # `_rest` per base
 
     def caps(self, tau: float) -> np.ndarray:
         return caps_at(self.fill, self.two, self.period, tau)
 
-    def variants(self) -> Iterator[np.ndarray]:
-        """Fixed bases of multi-pool kinds: none, and as many as fit greedily (kinds in order of
-        micro-batches per GPU at their own single-pipeline time for M)."""
+    def _outside(self, i: int, without: frozenset[Pool]) -> bool:
+        """Kind i has no GPUs in a pool of `without`."""
+        return not any(p in without for p, _ in self.kinds[i].use)
+
+    def variants(self, without: frozenset[Pool] = frozenset()) -> Iterator[np.ndarray]:
+        """Fixed bases of multi-pool kinds with no GPUs in a pool of `without`: none, and as many as
+        fit greedily (kinds in order of micro-batches per GPU at their own single-pipeline time for M)."""
         yield np.zeros(len(self.kinds), dtype=np.int64)
-        if not self.multi:
+        multi = [i for i in self.multi if self._outside(i, without)]
+        if not multi:
             return
         base = np.zeros(len(self.kinds), dtype=np.int64)
         left = dict(self.free)
-        order = sorted(self.multi, key=lambda i: self.kinds[i].period_s * self.kinds[i].gpus)
+        order = sorted(multi, key=lambda i: self.kinds[i].period_s * self.kinds[i].gpus)
         for i in order:
             n = self.kinds[i].fits(left)
             if n:
@@ -225,25 +251,33 @@ class Packer:
                     left[p] -= g * n
         yield base
 
-    def _rest(self, base: np.ndarray) -> tuple[dict[Pool, int], PoolPacking | None]:
-        left = dict(self.free)
-        for i in np.nonzero(base)[0]:
-            for p, g in self.kinds[i].use:
-                left[p] -= g * int(base[i])
-        return left, PoolPacking.build(self.single, left)
+    def _rest(self, base: np.ndarray) -> PoolPacking | None:
+        """The pools' packing on the GPUs `base` leaves (memoised per base)."""
+        key = base.tobytes()
+        if key not in self._packs:
+            left = dict(self.free)
+            for i in np.nonzero(base)[0]:
+                for p, g in self.kinds[i].use:
+                    left[p] -= g * int(base[i])
+            self._packs[key] = PoolPacking.build(self.single, left)
+        return self._packs[key]
 
-    def fastest(self, base: np.ndarray) -> tuple[float, np.ndarray] | None:
+    def fastest(self, base: np.ndarray, without: frozenset[Pool] = frozenset()) -> tuple[float, np.ndarray] | None:
         """(τ, counts): the smallest τ (by bisection) at which `base` plus the pools' best packing
-        finish M micro-batches, and those counts; None when no τ does."""
-        _, pack = self._rest(base)
+        finish M micro-batches, and those counts; None when no τ does. Kinds with GPUs in a (zone,
+        GPU type) pool of `without` are left out (`fastest_packings`: the packing does not see the
+        gradient sync, which a pool more in another zone can slow down); `base` has none of them."""
+        pack = self._rest(base)
+        keep = pack.keep(without) if pack else None
         fixed = np.nonzero(base)[0]
 
         def capacity(tau: float | np.ndarray) -> int | np.ndarray:  # a number, or (T, 1) -> (T,)
             caps = self.caps(tau)
-            total = pack.capacity(caps) if pack else 0
+            total = pack.capacity(caps, keep) if pack else 0
             return total + (base[fixed] * caps[..., fixed]).sum(axis=-1) if len(fixed) else total
 
-        usable = sorted({int(i) for i in fixed} | (set(pack.kinds) if pack else set()))
+        single = {i for i in pack.kinds if self._outside(i, without)} if pack else set()
+        usable = sorted({int(i) for i in fixed} | single)
         if not usable:
             return None
         lo = float(self.fill[usable].min())
@@ -255,12 +289,12 @@ class Packer:
         levels = next((n for most, n in BATCH_LEVELS if len(self.kinds) <= most), 1)
         lo, hi = bisect(lambda taus: capacity(taus[:, None]) >= self.M, lo, hi, levels)
         caps = self.caps(hi)
-        counts = base + (pack.counts(caps, len(self.kinds)) if pack else 0)
+        counts = base + (pack.counts(caps, len(self.kinds), keep) if pack else 0)
         return hi, trim(counts, caps, self.M, key=lambda i: caps[i])
 
     def max_capacity(self, base: np.ndarray, tau: float) -> np.ndarray:
         """Counts of the pools' best packing at τ on top of `base`, trimmed to what M needs."""
-        _, pack = self._rest(base)
+        pack = self._rest(base)
         caps = self.caps(tau)
         counts = base + (pack.counts(caps, len(self.kinds)) if pack else 0)
         return trim(counts, caps, self.M, key=lambda i: caps[i])
@@ -276,7 +310,7 @@ class Packer:
         counts = np.zeros(len(self.kinds), dtype=np.int64)
         need = self.M
         tie = {i: self.sync(i, -(-self.M // int(caps[i]))) for i in range(len(self.kinds))
-               if caps[i] > 0 and not any(p in without for p, _ in self.kinds[i].use)}
+               if caps[i] > 0 and self._outside(i, without)}
         order = sorted(tie, key=lambda i: (self.kinds[i].usd_per_hour / caps[i], tie[i]))
         for i in order:
             if need <= 0:
@@ -321,16 +355,91 @@ def trim(counts: np.ndarray, caps: np.ndarray, M: int, key) -> np.ndarray:
     return counts
 
 
-def fastest_packings(packer: Packer, units: list[int]) -> list[tuple[np.ndarray, float, np.ndarray, np.ndarray]]:
-    """For each base of `packer.variants()` that has a packing: (base, τ, counts of `Packer.fastest`,
-    those counts on whole nodes, `round_to_nodes` with the kinds' `node_unit`s `units`)."""
-    out = []
-    for base in packer.variants():
-        got = packer.fastest(base)
-        if got is not None:
-            tau, counts = got
-            out.append((base, tau, counts, round_to_nodes(counts, units, packer.kinds, packer.free)))
+def leave_pools_out(kinds: list[Kind], find: Callable[[frozenset[Pool]], Iterable[T]],
+                    counts_of: Callable[[T], np.ndarray], runs: int,
+                    expand: Callable[[T], bool] | None = None) -> list[tuple[frozenset[Pool], T]]:
+    """(pools left out, item) for the items `find(without)` returns with no pool left out and,
+    recursively, with `without` plus each (zone, GPU type) pool that the count vectors of its items
+    (`counts_of(item)`, over `kinds`) use, where `expand(item)` (when given) is true: left-out sets
+    with fewest pools first, then in `drop_order`, at most `runs` calls of `find`, the first item of
+    each count vector kept.
+
+    Why a cluster with a pool q more keeps the items of the cluster without it (within `runs`), when
+    `find` over kinds with none in the pools of W ∪ {q} is the smaller cluster's `find(W)` and an
+    item that uses no pool of q is the smaller cluster's item too (`Packer.cheapest`,
+    `Packer.fastest`): each set the smaller cluster tries is tried by the larger one, as it is or
+    with q, by induction over the pools left out."""
+    out: list[tuple[frozenset[Pool], T]] = []
+    seen: set[tuple[int, ...]] = set()
+    tried: set[frozenset[Pool]] = set()
+    todo: deque[frozenset[Pool]] = deque([frozenset()])
+    while todo and len(tried) < runs:
+        without = todo.popleft()
+        if without in tried:
+            continue
+        tried.add(without)
+        grown: list[tuple[int, ...]] = []  # the vectors whose pools are left out next
+        for item in find(without):
+            vec = tuple(int(x) for x in counts_of(item))
+            if expand is None or expand(item):
+                grown.append(vec)
+            if vec not in seen:
+                seen.add(vec)
+                out.append((without, item))
+        todo.extend(without | {p} for p in drop_order(kinds, grown))
     return out
+
+
+def drop_order(kinds: list[Kind], vecs: list[tuple[int, ...]]) -> list[Pool]:
+    """The (zone, GPU type) pools the count vectors `vecs` (over `kinds`) use, in the order
+    `leave_pools_out` leaves them out: fewest of their pipelines in the pool's zone first (a zone
+    that holds few of them adds a link to their gradient sync and little capacity), then fewest
+    in the pool, then by name. Reads zones only through which pools share one, so alike regions
+    (`packing_key`) get the same order."""
+    in_pool: dict[Pool, int] = {}
+    in_zone: dict[str, int] = {}
+    for vec in vecs:
+        for k, n in zip(kinds, vec):
+            if n:
+                for z in set(k.zones):
+                    in_zone[z] = in_zone.get(z, 0) + n
+                for p, _ in k.use:
+                    in_pool[p] = in_pool.get(p, 0) + n
+    return sorted(in_pool, key=lambda p: (in_zone[p[0]], in_pool[p], p))
+
+
+class Packing(NamedTuple):
+    """A fastest packing (`fastest_packings`)."""
+
+    base: np.ndarray      # (kinds,) the fixed counts of multi-pool kinds (`Packer.variants`)
+    tau: float            # its makespan target (s)
+    counts: np.ndarray    # (kinds,) `Packer.fastest`'s counts
+    whole: np.ndarray     # (kinds,) those on whole nodes (`round_to_nodes`)
+    dropped: int          # (zone, GPU type) pools left out
+
+
+def fastest_packings(packer: Packer, units: list[int], expand: Callable[[float], bool] | None = None) -> list[Packing]:
+    """The fastest packings of `packer` (`Packer.fastest`, for each base of `Packer.variants` that
+    has one) with no pool left out and, recursively, without each pool they use (`leave_pools_out`,
+    at most FASTEST_RUNS left-out sets), each count vector once; on whole nodes with the kinds'
+    `node_unit`s `units`. The packing does not see the gradient sync: a pool more (a zone, or a GPU
+    type in a zone) can give a faster makespan whose sync is slower, and the packing without it is
+    then the smaller cluster's, so a cluster with a pool more has the packings of the cluster
+    without it among its own within FASTEST_RUNS; at FASTEST_RUNS 4, its fastest packing where the
+    new pool is unused or among the first three that `drop_order` leaves out.
+
+    `expand(τ)`, when given, false: no packing of makespan τ or more is wanted, so the pools of a
+    packing of makespan τ are not left out (a packing leaving out more pools is no faster)."""
+    def find(without: frozenset[Pool]) -> Iterator[tuple[np.ndarray, float, np.ndarray]]:
+        for base in packer.variants(without):
+            got = packer.fastest(base, without)
+            if got is not None:
+                yield (base, *got)
+
+    found = leave_pools_out(packer.kinds, find, lambda x: x[2], FASTEST_RUNS,
+                            None if expand is None else lambda x: expand(x[1]))
+    return [Packing(base, tau, counts, round_to_nodes(counts, units, packer.kinds, packer.free), len(without))
+            for without, (base, tau, counts) in found]
 
 
 def packing_key(kinds: list[Kind], free: dict[Pool, int], M: int) -> tuple:

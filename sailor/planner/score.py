@@ -197,15 +197,24 @@ class Scorer:
             usd += u
         return tied + worst, usd
 
-    def score(self, counts: tuple[int, ...],
-              hopeless: Callable[[float, float], bool] | None = None) -> "Candidate | None":
+    def score(self, counts: tuple[int, ...], hopeless: Callable[[float, float], bool] | None = None,
+              floor_s: float = 0.0) -> "Candidate | None":
         """The candidate of these counts (None when its pipelines outnumber the micro-batches, when
         equal shares do not divide M, or when some option needs more data-parallel replicas). With
         `hopeless` (`Finalists.hopeless`), also None when it is true of (seconds, $/iteration)
-        without the gradient sync, a lower bound on both, and the sync is not computed."""
+        without the gradient sync, a lower bound on both, and the sync is not computed; or when it
+        is true of the bounds that `floor_s`, a makespan the counts cannot beat (a packing's τ,
+        `pack.Packer.fastest`), gives with the kinds' lower bounds over D (`kinds.make_kinds`) and
+        the cheapest egress, and then the batch shares are not computed either."""
         D = sum(counts)
         if D == 0 or D < max((k.min_replicas for k, n in zip(self.kinds, counts) if n), default=1):
             return None
+        if hopeless is not None and floor_s > 0:
+            used = [(k, n) for k, n in zip(self.kinds, counts) if n]
+            t = floor_s + max(k.optimizer_s for k, _ in used)
+            usd = sum(k.usd_per_hour * n for k, n in used) * t / HOUR_S + self.M * min(k.egress_usd_per_mb for k, _ in used)
+            if hopeless(t, usd):
+                return None
         kinds = self.kinds_at(D, counts)
         if self.equal_shares:
             if self.M % D:
