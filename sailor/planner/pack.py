@@ -38,8 +38,8 @@ BISECTION_STEPS = 60  # at most; the bisection stops at a relative precision of 
 BATCH_LEVELS = ((64, 4), (160, 3))
 GRID_PER_DOUBLING = 2  # makespan targets of the cost trade-off per doubling of the makespan (`Packer.tau_grid`)
 # left-out pool sets `fastest_packings` tries (none, then one pool at a time, `drop_order`): each a
-# packing to find and score; 4 keeps `benchmarks/planner_scale.py`'s allzones row within its target
-FASTEST_RUNS = 4
+# packing to find and score; 2 (one pool left out) keeps us12 under 1.1 GB and allzones within its target
+FASTEST_RUNS = 2
 
 T = TypeVar("T")
 
@@ -425,8 +425,9 @@ def fastest_packings(packer: Packer, units: list[int], expand: Callable[[float],
     `node_unit`s `units`. The packing does not see the gradient sync: a pool more (a zone, or a GPU
     type in a zone) can give a faster makespan whose sync is slower, and the packing without it is
     then the smaller cluster's, so a cluster with a pool more has the packings of the cluster
-    without it among its own within FASTEST_RUNS; at FASTEST_RUNS 4, its fastest packing where the
-    new pool is unused or among the first three that `drop_order` leaves out.
+    without it among its own within FASTEST_RUNS; at FASTEST_RUNS 2, its fastest packing where the
+    new pool is unused or the first that `drop_order` leaves out (a pool in the zone holding the
+    fewest of the packing's pipelines).
 
     `expand(τ)`, when given, false: no packing of makespan τ or more is wanted, so the pools of a
     packing of makespan τ are not left out (a packing leaving out more pools is no faster)."""
