@@ -62,6 +62,16 @@ def test_objectives_and_constraints_are_respected():
     assert floored.cost_per_iteration_usd >= cheap.cost_per_iteration_usd
 
 
+def test_a_throughput_floor_of_zero_is_no_floor():
+    """--min-throughput 0 passes validation (finite, non-negative) and must plan as without it (the
+    cost trade-off divided by it: ZeroDivisionError)."""
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8, "V100-16": 8}})
+    job = JobSpec(model="opt-350m", global_batch_size=256)
+    free = plan_job(make_context(job, cluster), PlanOptions(max_stages=2)).estimate
+    floored = plan_job(make_context(job, cluster), PlanOptions(max_stages=2, constraints=Constraints(min_throughput=0.0)))
+    assert floored.estimate.iteration_time_s == pytest.approx(free.iteration_time_s, rel=1e-12)
+
+
 def test_no_state_leaks_between_calls():
     job = JobSpec(model="opt-350m", global_batch_size=256)
     big = ClusterSpec(zones={"us-central1-a": {"A100-40": 32}})

@@ -421,7 +421,7 @@ def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarr
     c = opts.constraints
     tests = []  # (holds at small makespans?, test)
     if c.min_throughput is not None:
-        tests.append((True, lambda x: x.iteration_time_s <= 1.0 / c.min_throughput))
+        tests.append((True, lambda x: x.iteration_time_s * c.min_throughput <= 1.0))  # a floor of 0 holds always
     if c.max_cost_per_iteration is not None:
         tests.append((False, lambda x: x.cost_per_iteration_usd <= c.max_cost_per_iteration))
     if c.max_cost_per_hour is not None:
