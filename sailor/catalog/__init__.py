@@ -154,6 +154,10 @@ class Provider:
         """The region of `zone`; raises SailorInputError for an unknown zone."""
         if isinstance(zone, str) and zone in self.zone_region:
             return self.zone_region[zone]
+        if isinstance(zone, str) and zone in self.region_continent:  # a region where a zone belongs
+            zones = sorted(z for z, r in self.zone_region.items() if r == zone)
+            raise SailorInputError(f"{zone!r} is a {self.name} region, not a zone",
+                                   fix=f"name one of its zones: {', '.join(zones)}")
         raise unknown_name(f"{self.name} zone", zone, self.zone_region, known=_zones_in_short((self,)))
 
     def provider_of(self, zone: str) -> Provider:

@@ -77,9 +77,13 @@ class InfeasibleError(SailorInputError):
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str | None:
-    """A 'did you mean X?' hint for a misspelt name, or None when nothing is close."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}?" if close else None
+    """A 'did you mean X?' hint for a misspelt name (letter case aside: 'US-WEST1-B' finds
+    'us-west1-b'), or None when nothing is close."""
+    by_lower: dict[str, str] = {}
+    for c in choices:
+        by_lower.setdefault(c.lower(), c)
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f"did you mean {by_lower[close[0]]!r}?" if close else None
 
 
 def unknown_name(kind: str, name: str, choices: Iterable[str], *, known: str | None = None,
