@@ -313,7 +313,7 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
 @pytest.mark.parametrize("base, edit, field, words", [
     # these named the MoE spec's fields (`moe: top_k ...`, `moe.num_experts`), which no config has
     (MIXTRAL, {"num_experts_per_tok": 9}, "num_experts_per_tok", "top_k 9 exceeds num_experts 4"),
-    (MIXTRAL, {"num_local_experts": 1, "num_experts_per_tok": 1}, "num_local_experts", "greater than 1 (got 1)"),
+    (MIXTRAL, {"num_local_experts": 1, "num_experts_per_tok": 1}, "num_local_experts", "greater than or equal to 2 (got 1)"),
     (MIXTRAL, {"num_local_experts": 10**9}, "num_local_experts", "less than or equal to"),
     (QWEN3_MOE, {"num_experts_per_tok": 9}, "num_experts_per_tok", "top_k 9 exceeds num_experts 8"),
     (QWEN3_MOE, {"moe_intermediate_size": 10**9}, "moe_intermediate_size", "less than or equal to"),

@@ -116,6 +116,25 @@ def test_infeasible_constraint_names_the_binding_limit():
         plan_job(make_context(job, cluster), PlanOptions(constraints=Constraints(min_throughput=1e6)))
 
 
+def test_infeasible_constraints_name_the_one_that_binds():
+    """Of two constraints, the message names the one no plan can meet alone (a floor above the fastest
+    plan's throughput), and quotes the cheapest plan's $/hour too; where neither binds alone, both
+    together."""
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8, "V100-16": 8}})
+    job = JobSpec(model="opt-350m", global_batch_size=256)
+    with pytest.raises(InfeasibleError, match=r"no plan meets at least 1e\+06 iterations/s: the fastest plan reaches"
+                                              r" .*; the cheapest costs \$[0-9.]+/iteration \(\$[0-9.]+/hour\) at"):
+        plan_job(make_context(job, cluster), PlanOptions(max_stages=2, constraints=Constraints(min_throughput=1e6, max_cost_per_iteration=1e6)))
+    fastest = plan_job(make_context(job, cluster), PlanOptions(max_stages=2)).estimate
+    cheapest = plan_job(make_context(job, cluster), PlanOptions(max_stages=2, objective=Objective.COST)).estimate
+    assert fastest.cost_per_iteration_usd > cheapest.cost_per_iteration_usd * 1.01  # room between the two
+    both = Constraints(min_throughput=fastest.throughput_iters_per_s * 0.999,
+                       max_cost_per_iteration=cheapest.cost_per_iteration_usd * 1.001)
+    with pytest.raises(InfeasibleError, match=r"no plan meets at least [0-9.]+ iterations/s and at most \$[0-9.]+/iteration"
+                                              r" together: the fastest"):
+        plan_job(make_context(job, cluster), PlanOptions(max_stages=2, constraints=both))
+
+
 def test_a_finalist_the_event_simulation_breaks_is_not_returned(monkeypatch):
     """Every finalist meets the constraints in the closed form; where the event simulation of the
     first `rescore` of them breaks a throughput floor, phase 3 takes the next finalist that meets it,

@@ -72,6 +72,9 @@ def test_the_example_reads(box):
     (lambda d: d.update(extra=1), "extra", "Extra inputs"),
     (lambda d: d.update(name="Box!"), "name", "1-12 of a-z"),
     (lambda d: d["devices"]["fast"].update(gpu="cpu"), "devices.fast.gpu", "no gcp price"),
+    (lambda d: d.update(nodes=[]), "nodes", "must list at least 1 entry, got none"),  # was pydantic's "Tuple should ..."
+    (lambda d: d.update(nodes=d["nodes"] * 17), "nodes", "must list at most 64 entries, got 68"),
+    (lambda d: d.update(cfs_period_us=0), "cfs_period_us", "greater than or equal to 1000 (got 0)"),  # was "than 999"
 ])
 def test_bad_files_name_the_field(edit, field, words):
     data = copy.deepcopy(raw())

@@ -114,8 +114,8 @@ SPEC_CONFIG = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 def Whole(lo: int | None = None, hi: int | None = None):  # noqa: N802 - a type factory
     """A strict int field type in [lo, hi]: `true`, `4.0`, `4.7` and `"4"` are refused."""
-    if lo is not None and lo > 0:  # "greater than 0" reads better than "greater than or equal to 1"
-        return Annotated[int, Field(strict=True, gt=lo - 1, le=hi)]
+    if lo == 1:  # "greater than 0" reads better than "greater than or equal to 1"
+        return Annotated[int, Field(strict=True, gt=0, le=hi)]
     return Annotated[int, Field(strict=True, ge=lo, le=hi)]
 
 
@@ -157,6 +157,14 @@ def validation_error(err: ValidationError, source: str | None) -> SailorInputErr
     if isinstance(inner, SailorInputError):
         return inner.located(source=source, field_prefix=field)
     msg = first.get("msg", "invalid value")
+    ctx = first.get("ctx") or {}
+    if first.get("type") in ("too_short", "too_long"):  # pydantic's "Tuple should have at least 1 item after validation"
+        most = first["type"] == "too_long"
+        n = ctx["max_length" if most else "min_length"]
+        got = ctx.get("actual_length")
+        msg = (f"must list at {'most' if most else 'least'} {n} {'entry' if n == 1 else 'entries'}, got"
+               f" {got if got else 'none'}" if got is not None else msg)
+        return SailorInputError(msg, source=source, field=field)
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     if first.get("type") != "value_error" and "input" in first and not isinstance(first["input"], (dict, list)):

@@ -132,7 +132,7 @@ def _plan_job(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int],
         raise InfeasibleError("the cluster offers no GPUs", field="zones")
     deadline = t0 + opts.time_limit_s if opts.time_limit_s is not None else None
     found = _SEARCHES[opts.search](ctx, opts, progress, deadline)
-    if not found.finalists:
+    if not found.finalists and not found.near:
         if found.timed_out:
             raise InfeasibleError(f"no plan found within the time limit of {opts.time_limit_s:g} s",
                                   source="--time-limit", fix="allow more time")
@@ -147,11 +147,12 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     """Phase 3: event-simulate the best `rescore` finalists (and every pinned plan) and return the
     best of them under the objective and constraints, with the alternatives. Where none of them meets
     the constraints, the next finalists in closed-form order are event-simulated until one does
-    (`_first_meeting`; InfeasibleError when none does)."""
+    (`_first_meeting`). The near misses that could beat that plan are event-simulated too, and
+    compete where they meet the constraints there (`_near_meeting`). InfeasibleError when no plan
+    meets them."""
     key = objective_key(opts.objective)
     ranked = sorted(found.finalists, key=lambda v: v[0])
     choices = [Choice(plan, t, c) for _, t, c, plan in ranked[: max(opts.rescore, opts.top_k + 1)]]
-    best_closed = choices[0]
     scored = choices[: opts.rescore]
     for plan in found.pinned:
         if plan_signature(plan) not in {plan_signature(c.plan) for c in choices}:
@@ -162,6 +163,13 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     for ch in scored:
         ch.estimate = _event_or_closed(ch.plan, ctx)
     ok = [c for c in scored if _meets(opts.constraints, c.estimate)] or _first_meeting(ctx, opts.constraints, choices)
+    near = _near_meeting(ctx, opts, found.near, ok, choices)
+    if not ok and not near:
+        raise InfeasibleError(_missed(opts.constraints, choices) if choices else
+                              _why_infeasible(ctx, opts, found.any_family))
+    best_closed = (choices or near)[0]
+    choices += near
+    ok += near
     ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     if opts.search is SearchSpace.FULL:  # the schedule dimension and kept ZeRO-3 weights, where they pay
         deeper = [(p, simulate(p, ctx, event=False)) for p in found.deep if p.num_stages > ok[0].plan.num_stages]
@@ -254,20 +262,47 @@ def _meets(c: Constraints, e: Estimate) -> bool:
 
 
 def _first_meeting(ctx: SimContext, c: Constraints, choices: list[Choice]) -> list[Choice]:
-    """[the first of `choices` (closed-form order) whose event simulation meets `c`], for when none of
-    the event-simulated finalists does: each finalist met `c` in the closed form, which the event
-    simulation can undo. Raises InfeasibleError naming the constraints and the closest finalist when
-    no finalist meets them."""
+    """[the first of `choices` (closed-form order) whose event simulation meets `c`] ([] when none
+    does), for when none of the event-simulated finalists does: each finalist met `c` in the closed
+    form, which the event simulation can undo."""
     for ch in choices:
         if ch.estimate is None:
             ch.estimate = _event_or_closed(ch.plan, ctx)
         if _meets(c, ch.estimate):
             return [ch]
+    return []
+
+
+def _near_meeting(ctx: SimContext, opts: PlanOptions, near: list[tuple[tuple[float, float], float, float, Plan]],
+                  ok: list[Choice], choices: list[Choice]) -> list[Choice]:
+    """The near misses (`Found.near`: plans that miss the constraints in the closed form but meet
+    them at the event simulation's lower bound) whose event simulation meets the constraints: those
+    whose objective key at the bound beats the best of `ok` (every one when `ok` is empty) and that
+    `choices` lack are event-simulated, in order of that key."""
+    key = objective_key(opts.objective)
+    bar = min((key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd) for c in ok), default=None)
+    have = {plan_signature(c.plan) for c in choices}
+    out = []
+    for k, t, usd, plan in near:
+        if bar is not None and k >= bar:
+            break
+        if plan_signature(plan) in have:
+            continue
+        have.add(plan_signature(plan))
+        ch = Choice(plan, t, usd, _event_or_closed(plan, ctx))
+        if _meets(opts.constraints, ch.estimate):
+            out.append(ch)
+    return out
+
+
+def _missed(c: Constraints, choices: list[Choice]) -> str:
+    """Why no plan was returned although the search found `choices` that meet `c` in the closed form:
+    each missed it in the event simulation (the first, the closed form's best, is quoted)."""
     e = choices[0].estimate
-    raise InfeasibleError(f"no plan meets {_constraint_words(c)} in the event simulation: the"
-                          f" {len(choices)} plans that meet it in the closed form miss it there; the closed"
-                          f" form's best reaches {e.throughput_iters_per_s:.3g} iterations/s at"
-                          f" ${e.cost_per_iteration_usd:.3g}/iteration (${e.cost_per_hour_usd:.3g}/hour) there")
+    return (f"no plan meets {_constraint_words(c)} in the event simulation: the {len(choices)} plans that"
+            f" meet it in the closed form miss it there; the closed form's best reaches"
+            f" {e.throughput_iters_per_s:.3g} iterations/s at ${e.cost_per_iteration_usd:.3g}/iteration"
+            f" (${e.cost_per_hour_usd:.3g}/hour) there")
 
 
 def _constraint_words(c: Constraints) -> str:
@@ -303,10 +338,18 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
                 memory_margin=opts.memory_margin)
     fastest = plan_job(ctx, PlanOptions(objective=Objective.THROUGHPUT, **free)).estimate
     cheapest = plan_job(ctx, PlanOptions(objective=Objective.COST, **free)).estimate
-    return (f"no plan meets {_constraint_words(c)}: the fastest plan reaches"
+    # a floor above the fastest plan's throughput, or a cap below the cheapest plan's $/iteration, binds alone
+    alone = Constraints(
+        min_throughput=c.min_throughput if c.min_throughput and fastest.throughput_iters_per_s < c.min_throughput else None,
+        max_cost_per_iteration=(c.max_cost_per_iteration if c.max_cost_per_iteration is not None
+                                and cheapest.cost_per_iteration_usd > c.max_cost_per_iteration else None))
+    several = sum(x is not None for x in (c.min_throughput, c.max_cost_per_iteration, c.max_cost_per_hour)) > 1
+    words = _constraint_words(alone) if alone != Constraints() else _constraint_words(c) + (" together" if several else "")
+    return (f"no plan meets {words}: the fastest plan reaches"
             f" {fastest.throughput_iters_per_s:.3g} iterations/s at ${fastest.cost_per_iteration_usd:.3g}/iteration"
             f" (${fastest.cost_per_hour_usd:.3g}/hour); the cheapest costs"
-            f" ${cheapest.cost_per_iteration_usd:.3g}/iteration at {cheapest.throughput_iters_per_s:.3g} iterations/s")
+            f" ${cheapest.cost_per_iteration_usd:.3g}/iteration (${cheapest.cost_per_hour_usd:.3g}/hour) at"
+            f" {cheapest.throughput_iters_per_s:.3g} iterations/s")
 
 
 # No memory options, and the ones that save the most (the infeasibility message compares them).

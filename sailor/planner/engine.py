@@ -172,6 +172,8 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
         for p in seed.front:
             pareto_add(out.front, p)
         out.candidates += seed.candidates
+    if seed.near:  # the published space's near misses compete with the full search's
+        out.near = sorted(out.near + seed.near, key=lambda v: v[0])[: opts.rescore]
     out.any_family |= seed.any_family
     return out
 

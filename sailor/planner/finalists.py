@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from sailor.core.units import HOUR_S
 from sailor.plan.spec import Plan, StageMemory
 from sailor.planner.options import PlanOptions, SearchSpace, objective_key
 from sailor.planner.score import Candidate
@@ -32,6 +33,11 @@ class Found:
     pinned: list[Plan] = field(default_factory=list)
     """Plans that phase 3 must event-simulate whatever their closed-form rank (the published
     planner's best, so that the full search is never beaten by it in the simulator)."""
+    near: list[tuple[tuple[float, float], float, float, Plan]] = field(default_factory=list)
+    """Near misses, best first as (objective key at the event simulation's lower bound, closed-form
+    time s, closed-form $/iteration, plan): candidates that miss a floor on throughput or a cap on
+    $/iteration in the closed form but meet it at the lower bound (`Finalists.offer`); phase 3
+    event-simulates those that could beat its best plan (`planner._near_meeting`)."""
     deep: list[Plan] = field(default_factory=list)
     """The best plan of each pipeline depth P >= 2 that no finalist has: phase 3 tries the schedules
     on those deeper than its best finalist too (`planner._variants`), as a deeper pipeline can pay
@@ -39,7 +45,8 @@ class Found:
 
 
 class Finalists:
-    """Keeps the best `2·max(top_k, rescore)` candidates under the objective and the constraints."""
+    """Keeps the best `2·max(top_k, rescore)` candidates under the objective and the constraints, and
+    as many near misses (`offer`)."""
 
     def __init__(self, opts: PlanOptions) -> None:
         self.opts = opts
@@ -49,6 +56,7 @@ class Finalists:
         self._kept: dict[tuple, tuple[tuple[float, float], Candidate, tuple]] = {}
         self._cut: tuple[float, float] | None = None  # the keep-th best key at the last trim
         self._deepest: dict[int, tuple[tuple[float, float], Candidate, tuple]] = {}  # P -> best of that depth
+        self._near: dict[tuple, tuple[tuple[float, float], Candidate, tuple]] = {}
         self.found = Found()
 
     def best0(self) -> float:
@@ -67,11 +75,12 @@ class Finalists:
             return None
         self.found.candidates += 1
         pareto_add(self.found.front, (cand.iteration_time_s, cand.cost_per_iteration_usd))
-        if not self.opts.constraints.ok(cand.iteration_time_s, cand.cost_per_iteration_usd):
-            return None
-        k = self.key(cand.iteration_time_s, cand.cost_per_iteration_usd)
         sig = (point, tuple(cand.scorer.kinds[i] for i, n in enumerate(cand.counts) if n),
                tuple(n for n in cand.counts if n))
+        if not self.opts.constraints.ok(cand.iteration_time_s, cand.cost_per_iteration_usd):
+            self._offer_near(cand, point, sig)
+            return None
+        k = self.key(cand.iteration_time_s, cand.cost_per_iteration_usd)
         self._kept[sig] = (k, cand, point)
         P = len(cand.scorer.partition)
         if P >= 2 and (P not in self._deepest or k < self._deepest[P][0]):
@@ -84,6 +93,28 @@ class Finalists:
                 del self._kept[s]
             self._cut = self._kept[ranked[self.keep - 1]][0]
         return k
+
+    def _offer_near(self, cand: Candidate, point: tuple, sig: tuple) -> None:
+        """Keep `cand`, which misses the constraints in the closed form, among the near misses when
+        its plan could meet them in the event simulation: at the event simulation's lower bound on
+        its iteration time (`Scorer.event_floor_s`, and the $/iteration that time gives) it meets the
+        throughput floor and the $/iteration cap, and its closed form meets the $/hour cap (which a
+        shorter iteration only raises: a plan over it in the closed form is kept only if the event
+        simulation runs slower, which this does not chase). The best `keep` by the objective at the
+        bound are kept; they never prune (`best`), as the bound can be far below the plan's time."""
+        c = self.opts.constraints
+        if c.min_throughput is None and c.max_cost_per_iteration is None:
+            return
+        if c.max_cost_per_hour is not None and cand.cost_per_hour_usd > c.max_cost_per_hour:
+            return
+        t = cand.scorer.event_floor_s(cand)
+        usd = cand.cost_per_iteration_usd - cand.usd_per_hour_gpus * (cand.iteration_time_s - t) / HOUR_S
+        if not replace(c, max_cost_per_hour=None).ok(t, usd):
+            return
+        self._near[sig] = (self.key(t, usd), cand, point)
+        if len(self._near) > 2 * self.keep:
+            for s in sorted(self._near, key=lambda s: self._near[s][0])[self.keep:]:
+                del self._near[s]
 
     def hopeless(self, seconds: float, usd: float) -> bool:
         """True when a candidate at least `seconds` per iteration and `usd` per iteration can change
@@ -113,6 +144,8 @@ class Finalists:
                 if len(out) == n:
                     break
         self.found.finalists = out
+        self.found.near = [(k, c.iteration_time_s, c.cost_per_iteration_usd, build(c, p))
+                           for k, c, p in sorted(self._near.values(), key=lambda v: v[0])[:self.opts.rescore]]
         depths = {plan.num_stages for *_, plan in out}
         if self.opts.schedules and self.opts.search is SearchSpace.FULL:
             self.found.deep = [build(c, p) for P, (_, c, p) in sorted(self._deepest.items()) if P not in depths]

@@ -41,10 +41,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from sailor.core.units import HOUR_S
 from sailor.planner.alike import canonical_used
 from sailor.planner.kinds import Kind, make_kinds
-from sailor.simulator import SimContext, Slot, place, stage_sync, tied_sync, time_options
+from sailor.simulator import SimContext, Slot, place, stage_sync, stage_time, tied_sync, time_options
 from sailor.simulator.collectives import Group, group_members, ring_key
 
 
@@ -127,6 +129,7 @@ class Scorer:
     equal_shares: bool = False  # the published space: every pipeline gets M / D micro-batches
     _sync: dict = field(default_factory=dict)
     _at: dict = field(default_factory=dict)
+    _passes: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         memory = self.kinds[0].memory if self.kinds else ()
@@ -235,7 +238,45 @@ class Scorer:
         egress += sync_usd
         T = W + sync_s + opt
         return Candidate(iteration_time_s=T, cost_per_iteration_usd=rate * T / HOUR_S + egress,
-                         usd_per_hour_gpus=rate, counts=counts, shares=shares, scorer=self)
+                         usd_per_hour_gpus=rate, counts=counts, shares=shares, scorer=self, makespan_s=W)
+
+    def event_floor_s(self, cand: "Candidate") -> float:
+        """A lower bound on the iteration time the event simulation gives `cand`'s plan (seconds):
+        its closed form with the makespan W replaced by the largest `pipeline_floor_s` over the used
+        kinds at their largest share. The closed form's pipeline times are an estimate
+        (`simulator.schedule.closed_form_1f1b`), which the event simulation can undercut; the sync
+        and the optimizer step are the same in both (`simulate`)."""
+        D = sum(cand.counts)
+        kinds = self.kinds_at(D, cand.counts)
+        W = 0.0
+        for j, (kind, shares) in enumerate(zip(kinds, cand.shares)):
+            if shares:
+                if (j, D) not in self._passes:
+                    options = [time_options(mem, D) for mem in kind.memory]
+                    self._passes[(j, D)] = _stage_passes(self.ctx, kind.slots, self.partition, self.mbs, options)
+                W = max(W, pipeline_floor_s(*self._passes[(j, D)], max(shares)))
+        return cand.iteration_time_s - cand.makespan_s + W
+
+
+def _stage_passes(ctx: SimContext, slots: tuple[Slot, ...], partition, mbs: int,
+                  options: list) -> tuple[np.ndarray, np.ndarray]:
+    """(lead, busy), arrays (P,) of seconds for a pipeline on `slots`: busy[s] = f_s + b_s, one
+    micro-batch's forward and backward on stage s (`stage_time` under the stage's time options), and
+    lead[s] = Σ_{i<s} busy[i]."""
+    times = [stage_time(ctx, slot, mbs, a, e, o) for slot, (a, e), o in zip(slots, partition, options)]
+    busy = np.array([t.forward_s + t.backward_s for t in times])
+    return np.concatenate(([0.0], np.cumsum(busy)[:-1])), busy
+
+
+def pipeline_floor_s(lead: np.ndarray, busy: np.ndarray, m: int) -> float:
+    """A lower bound on one pipeline's 1F1B time for m micro-batches in any simulation whose stages
+    run their passes one at a time and whose transfers take no negative time (the event simulation):
+        max_s  lead[s] + m·busy[s]
+    (`_stage_passes`). Stage s cannot start its first forward before every earlier stage has run
+    one, runs its m forwards and m backwards one after another, and after its last backward every
+    earlier stage runs one more; the earlier stages' forward and backward of one micro-batch add up
+    to lead[s]."""
+    return float(np.max(lead + m * busy))
 
 
 def placed_apart(used: tuple[tuple[tuple[Slot, ...], int], ...]) -> bool:
@@ -319,6 +360,7 @@ class Candidate:
     counts: tuple[int, ...]
     shares: list[list[int]]
     scorer: Scorer
+    makespan_s: float = 0.0  # W: the slowest pipeline's closed-form time under its share
 
     @property
     def throughput(self) -> float:
