@@ -35,7 +35,7 @@ batch 2048, every zone offering A100-40 32, V100-16 32, H100-80 16, L4 32, T4 32
   -b: A100-40 8, V100-16 16; -c: V100-16 16) against capped3+f (those and us-central1-f: A100-40 8),
   the pair a newcomer found worse with the zone more (0.0228 against 0.0235 it/s on roofline
   profiles; 0.0595 against 0.0650 on this benchmark's, before the cheapest count vectors without
-  each (zone, GPU type) pool were searched too, `planner.engine._cheapest_variants`).
+  each (zone, GPU type) pool were searched too, `planner.tradeoff.cheapest_variants`).
 Profiles: the public Sailor measurements where they exist (../shared/reference/sailor/profiles and
 network), analytic roofline estimates for the other GPU types, listed per row as "estimated".
 Every scenario runs in its own process (peak memory per run, target <= 1 GB) with the search of

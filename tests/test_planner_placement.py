@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from sailor.core.errors import InfeasibleError
 from sailor.plan.placement import rank_layout, same_node_boundaries
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY
-from sailor.planner import Objective, PlanOptions, engine, plan_job
+from sailor.planner import Objective, PlanOptions, engine, plan_job, tradeoff
 from sailor.planner.kinds import Kind, kind_boundaries, make_kind
 from sailor.planner import pack
 from sailor.planner.pack import Packer, fastest_packings
@@ -215,7 +215,7 @@ class _Vectors:
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(case=_packers(), where=st.floats(0.0, 1.0))
 def test_a_pool_more_keeps_the_cheapest_vectors_of_the_cluster_without_it(case, where):
-    # heuristic mode, cost objective or constraints (`engine._trade_off`): at every makespan every
+    # heuristic mode, cost objective or constraints (`tradeoff.trade_off`): at every makespan every
     # cheapest count vector of the cluster without the new pool (a zone, or a GPU type in a zone)
     # is among the larger cluster's candidates, whether or not the larger one's own cheapest
     # vector uses the new pool
@@ -225,8 +225,8 @@ def test_a_pool_more_keeps_the_cheapest_vectors_of_the_cluster_without_it(case, 
     hi = max(k.time_s(M) for k in small_kinds)
     tau = lo + where * (hi - lo)
     pad = (0,) * (len(large_kinds) - len(small_kinds))
-    want = {tuple(v) + pad for v in engine._cheapest_variants(small, _Vectors(), tau)}
-    assert want <= set(engine._cheapest_variants(large, _Vectors(), tau))
+    want = {tuple(v) + pad for v in tradeoff.cheapest_variants(small, _Vectors(), tau)}
+    assert want <= set(tradeoff.cheapest_variants(large, _Vectors(), tau))
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)

@@ -18,7 +18,7 @@ Per family:
   (`kinds.memory_mixed_kinds`), the packing of `pack` per scope (the smallest makespan by
   bisection, and for the throughput objective the same without the (zone, GPU type) pools it
   uses, `pack.fastest_packings`; for the cost objective or under constraints also a grid of
-  makespans, each with its most-capacity and its cheapest count vectors, `_trade_off`), pipelines
+  makespans, each with its most-capacity and its cheapest count vectors, `tradeoff.trade_off`), pipelines
   spanning zones and regions on the GPUs
   left over by the best candidates (`geo.build_spanning`, at the end), and spanning pipelines alone
   where no single zone can hold one; pipelines cut between nodes (`kinds.node_cut_variants`) are
@@ -31,8 +31,8 @@ cheapest covers see neither the gradient sync nor egress, so a pool more (a zone
 a zone) can turn them into plans that score worse; so those without each pool they use are found
 and scored too, recursively (`pack.leave_pools_out`), and the ones of a cluster with a pool more
 without that pool are the smaller cluster's. A cluster with a pool more thus has among its
-candidates every cheapest cover of the cluster without it (`_cheapest_variants`, within
-VARIANTS_MAX greedy runs), and its fastest packing where the new pool is unused or among the first
+candidates every cheapest cover of the cluster without it (`tradeoff.cheapest_variants`, within
+`tradeoff.VARIANTS_MAX` greedy runs), and its fastest packing where the new pool is unused or among the first
 `pack.FASTEST_RUNS` - 1 pools that `pack.drop_order` leaves out (pools in the zones holding the
 fewest of the packing's pipelines first; the budget leaves out one pool at a time, the smaller
 cluster's packings without pools are kept within it only).
@@ -62,9 +62,10 @@ from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanni
 from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, forget_kinds, homogeneous_kinds, kind_optimizer_s,
                                   memory_mixed_kinds, option_table)
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
-from sailor.planner.pack import Packer, count_vectors, fastest_packings, leave_pools_out, node_unit, packing_key
+from sailor.planner.pack import Packer, count_vectors, fastest_packings, node_unit, packing_key
 from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
-from sailor.planner.score import Candidate, Scorer
+from sailor.planner.score import Scorer
+from sailor.planner.tradeoff import trade_off
 from sailor.planner.space import Memory, candidate_partitions, mbs_candidates, memory_candidates, zero3_needed
 from sailor.simulator import SimContext, place, stage_sync, time_options
 from sailor.simulator.collectives import group_members
@@ -73,8 +74,6 @@ EXHAUSTIVE_KINDS = 512
 EXHAUSTIVE_COUNTS = 4096
 SPANNING_MAX = 64       # spanning pipelines built per target θ
 REFINE_TOP = 4          # best candidates that get spanning pipelines on the GPUs they leave
-VARIANTS_MAX = 64       # cheapest count vectors per makespan of the cost trade-off (`_cheapest_variants`)
-BOUNDARY_STEPS = 12     # bisection steps towards a constraint between two of them
 NODE_GROUP_STEPS = 3    # pipelines cut between nodes offered alone at u, 2u, 4u (`_offer_node_groups`)
 
 
@@ -290,7 +289,7 @@ def _offer_node_groups(ctx: SimContext, fam: Family, kinds: list[Kind], free: di
             if _hopeless_alone(ctx, keep, fam, kind, D):
                 continue
             scorer = scorer or Scorer(ctx, fam.partition, fam.mbs, [kind], fam.M)  # one kind: counts of one entry
-            _offer(keep, scorer, np.array([D]), point)
+            keep.offer_counts(scorer, np.array([D]), point)
 
 
 def _node_group_unit(ctx: SimContext, slots: tuple) -> int:
@@ -345,7 +344,7 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
     if not kinds:
         return False
     offered = False
-    trade_off = opts.objective is Objective.COST or opts.constraints != Constraints()
+    costed = opts.objective is Objective.COST or opts.constraints != Constraints()
 
     def sync(k: int, D: int) -> float:  # D pipelines of kind k, placed as the launcher places them
         # (ZeRO-2/3 reduce-scatter once per round: the largest share of M split evenly over D)
@@ -360,7 +359,7 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
     scorer = Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
     units = [node_unit(k, ctx.cluster.node_size) for k in kinds]
     wanted = _wanted(opts, kinds, keep)
-    if trade_off:
+    if costed:
         packer = Packer(kinds, free, fam.M, sync)
         packings = fastest_packings(packer, units, wanted)
     else:  # the packings read no zone (`pack.packing_key`): scopes alike (regions whose zones offer
@@ -373,11 +372,11 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
     for packing in packings:
         if packing.dropped and not wanted(packing.tau):
             continue
-        offered |= _offer(keep, scorer, packing.counts, point, packing.tau * (1 - 1e-9))
+        offered |= keep.offer_counts(scorer, packing.counts, point, packing.tau * (1 - 1e-9))
         if (packing.whole != packing.counts).any():  # the same packing on whole nodes (`pack.round_to_nodes`)
-            _offer(keep, scorer, packing.whole, point)
-        if trade_off and not packing.dropped:  # the cheapest covers leave pools out on their own
-            _trade_off(opts, packer, scorer, packing.base, packing.tau, keep, point)
+            keep.offer_counts(scorer, packing.whole, point)
+        if costed and not packing.dropped:  # the cheapest covers leave pools out on their own
+            trade_off(opts, packer, scorer, packing.base, packing.tau, keep, point)
     return offered
 
 
@@ -386,78 +385,11 @@ def _wanted(opts: PlanOptions, kinds: list[Kind], keep: Finalists) -> Callable[[
     could still beat the best plan found (as the search's keys do, `search`); such vectors are not
     scored either. Its iteration time is at least τ (the packing's kinds are lower bounds over the
     pipelines' count, `kinds.Kind.replicas`) plus the fastest optimizer step. Under the cost
-    objective none is wanted: the cheapest covers leave pools out there (`_cheapest_variants`)."""
+    objective none is wanted: the cheapest covers leave pools out there (`tradeoff.cheapest_variants`)."""
     if opts.objective is not Objective.THROUGHPUT:
         return lambda tau: False
     step = min(k.optimizer_s for k in kinds)
     return lambda tau: tau * (1 - 1e-9) + step < keep.best0()
-
-
-def _trade_off(opts: PlanOptions, packer: Packer, scorer: Scorer, base: np.ndarray, tau: float,
-               keep: Finalists, point: tuple) -> None:
-    """Candidates between the fastest packing (makespan τ) and the slowest kind doing the whole
-    batch alone: on a grid of makespans (`Packer.tau_grid`, on a lattice shared by every cluster)
-    the most-capacity and the cheapest count vectors; then, for each constraint, the makespan where
-    the cheapest count vectors cross it, by bisection between grid points (the time of the cheapest
-    vector rises with the makespan allowed, its $/iteration and $/hour fall).
-
-    The cheapest count vector (`Packer.cheapest`) does not see egress: a pool more (a zone, or a GPU
-    type in a zone) with GPUs as cheap can make it spread the batch over that pool too and pay
-    egress, or lose a schedule the plan without it would gain. So the cheapest vectors without the
-    pools it uses are scored too (`_cheapest_variants`), and a makespan meets a constraint when one
-    of them does: at every makespan of the grid, a cluster with a pool more has the vectors of the
-    cluster without it among its candidates."""
-    grid = packer.tau_grid(tau)
-    cheap: dict[float, list[Candidate]] = {}
-
-    def cheapest(t: float) -> list[Candidate]:
-        if t not in cheap:
-            cheap[t] = _cheapest_variants(packer, scorer, t)
-            for x in cheap[t]:
-                keep.offer(x, point)
-        return cheap[t]
-
-    for t in grid:
-        _offer(keep, scorer, packer.max_capacity(base, t), point)
-        cheapest(t)
-    c = opts.constraints
-    tests = []  # (holds at small makespans?, test)
-    if c.min_throughput is not None:
-        tests.append((True, lambda x: x.iteration_time_s * c.min_throughput <= 1.0))  # a floor of 0 holds always
-    if c.max_cost_per_iteration is not None:
-        tests.append((False, lambda x: x.cost_per_iteration_usd <= c.max_cost_per_iteration))
-    if c.max_cost_per_hour is not None:
-        tests.append((False, lambda x: x.cost_per_hour_usd <= c.max_cost_per_hour))
-    for small, test in tests:
-        ok = [t for t in grid if any(map(test, cheapest(t)))]
-        if not ok or len(ok) == len(grid):
-            continue
-        edge = max(ok) if small else min(ok)  # the last grid point that holds, and the next that does not
-        j = grid.index(edge) + (1 if small else -1)
-        if not 0 <= j < len(grid):
-            continue
-        lo, hi = sorted((edge, grid[j]))
-        for _ in range(BOUNDARY_STEPS):
-            mid = math.sqrt(lo * hi)
-            if any(map(test, cheapest(mid))) == small:
-                lo = mid
-            else:
-                hi = mid
-
-
-def _cheapest_variants(packer: Packer, scorer: Scorer, tau: float) -> list[Candidate]:
-    """The scored cheapest count vectors at makespan τ (`Packer.cheapest`), each once: over all kinds
-    and, recursively, over the kinds outside each (zone, GPU type) pool the vector found uses,
-    fewest pools left out first, at most VARIANTS_MAX greedy runs (`pack.leave_pools_out`); [] when
-    none fits. A cluster with a pool more has the smaller cluster's among them (within
-    VARIANTS_MAX): the vector without that pool is the smaller cluster's (the greedy takes the
-    other kinds in the same order)."""
-    def find(without: frozenset[Pool]) -> list[np.ndarray]:
-        counts = packer.cheapest(tau, without)
-        return [] if counts is None or not counts.any() else [counts]
-
-    found = leave_pools_out(packer.kinds, find, lambda counts: counts, VARIANTS_MAX)
-    return [c for c in (scorer.score(tuple(int(x) for x in counts)) for _, counts in found) if c is not None]
 
 
 def _offer_all(opts: PlanOptions, scorer: Scorer, vectors: list[tuple[int, ...]], keep: Finalists,
@@ -484,16 +416,6 @@ def _offer_all(opts: PlanOptions, scorer: Scorer, vectors: list[tuple[int, ...]]
         if lb[j] >= keep.best0():
             break
         keep.offer(scorer.score(vectors[j], keep.hopeless), point)
-
-
-def _offer(keep: Finalists, scorer: Scorer, counts: np.ndarray, point: tuple, floor_s: float = 0.0) -> bool:
-    """Score and offer a count vector (`floor_s`: a makespan it cannot beat, `Scorer.score`); False
-    when it is all zeros."""
-    vec = tuple(int(x) for x in counts)
-    if not any(vec):
-        return False
-    keep.offer(scorer.score(vec, keep.hopeless, floor_s), point)
-    return True
 
 
 def _offer_pipelines(ctx: SimContext, fam: Family, pipes: list[Kind], keep: Finalists, point: tuple) -> None:

@@ -8,10 +8,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import numpy as np
+
 from sailor.core.units import HOUR_S
 from sailor.plan.spec import Plan, StageMemory
 from sailor.planner.options import PlanOptions, SearchSpace, objective_key
-from sailor.planner.score import Candidate
+from sailor.planner.score import Candidate, Scorer
 from sailor.simulator import SimContext
 
 
@@ -93,6 +95,15 @@ class Finalists:
                 del self._kept[s]
             self._cut = self._kept[ranked[self.keep - 1]][0]
         return k
+
+    def offer_counts(self, scorer: Scorer, counts: np.ndarray, point: tuple, floor_s: float = 0.0) -> bool:
+        """Score the count vector `counts` over `scorer`'s kinds and offer it (`floor_s`: a makespan it
+        cannot beat, `Scorer.score`); False when it is all zeros."""
+        vec = tuple(int(x) for x in counts)
+        if not any(vec):
+            return False
+        self.offer(scorer.score(vec, self.hopeless, floor_s), point)
+        return True
 
     def _offer_near(self, cand: Candidate, point: tuple, sig: tuple) -> None:
         """Keep `cand`, which misses the constraints in the closed form, among the near misses when

@@ -302,7 +302,7 @@ class Packer:
     def cheapest(self, tau: float, without: frozenset[Pool] = frozenset()) -> np.ndarray | None:
         """Fewest $/hour of pipelines that finish M micro-batches by τ: kinds in order of $/hour per
         micro-batch finished by τ, each as many as needed and fit; None if the GPUs cannot. Kinds
-        with GPUs in a (zone, GPU type) pool of `without` are left out (`engine._trade_off`: the
+        with GPUs in a (zone, GPU type) pool of `without` are left out (`tradeoff.trade_off`: the
         greedy does not see egress, which a pool more in another zone can add, nor the schedules
         tried later)."""
         caps = self.caps(tau)
