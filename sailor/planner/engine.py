@@ -60,7 +60,7 @@ from sailor.planner import paper
 from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds, plan_signature
 from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanning_thetas
 from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, forget_kinds, homogeneous_kinds, kind_optimizer_s,
-                                  memory_mixed_kinds, option_table)
+                                  memory_mixed_kinds, memory_number, option_table, pool_class)
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.pack import Packer, count_vectors, fastest_packings, node_unit, packing_key
 from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
@@ -346,15 +346,25 @@ def _pack_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, kinds: list[Kin
     offered = False
     costed = opts.objective is Objective.COST or opts.constraints != Constraints()
 
+    memory_id = memory_number(ctx, fam.memory)
+    syncs: dict[tuple[int, int], float] = {}
+
     def sync(k: int, D: int) -> float:  # D pipelines of kind k, placed as the launcher places them
-        # (ZeRO-2/3 reduce-scatter once per round: the largest share of M split evenly over D)
-        key = ("kind-sync", kinds[k].slots, D, fam.partition, fam.memory, fam.mbs)
-        if key not in ctx.memo:
-            placed = place([list(kinds[k].slots)] * D, ctx.cluster)
-            ctx.memo[key] = max(stage_sync(ctx, group_members([p[i] for p in placed]), ((a, e),),
-                                           time_options(fam.memory[i], 2), fam.mbs, rounds=-(-fam.M // D))[0]
-                                for i, (a, e) in enumerate(fam.partition))
-        return ctx.memo[key]
+        # (ZeRO-2/3 reduce-scatter once per round: the largest share of M split evenly over D).
+        # Memoised in the context by what it reads: for a kind in one pool its pool class and cuts
+        # (`kinds.pool_class`: the sync's rings run over the routes of one zone, and the placement
+        # reads the GPUs per node only), else its slots; the packer asks for most kinds at every τ
+        if (k, D) not in syncs:
+            kind = kinds[k]
+            where = pool_class(ctx, kind.zones, kind.options)
+            key = ("kind-sync", (where, kind.cuts) if where else kind.slots, D, fam.partition, memory_id, fam.mbs)
+            if key not in ctx.memo:
+                placed = place([list(kind.slots)] * D, ctx.cluster)
+                ctx.memo[key] = max(stage_sync(ctx, group_members([p[i] for p in placed]), ((a, e),),
+                                               time_options(fam.memory[i], 2), fam.mbs, rounds=-(-fam.M // D))[0]
+                                    for i, (a, e) in enumerate(fam.partition))
+            syncs[(k, D)] = ctx.memo[key]
+        return syncs[(k, D)]
 
     scorer = Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M)
     units = [node_unit(k, ctx.cluster.node_size) for k in kinds]

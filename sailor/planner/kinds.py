@@ -152,9 +152,7 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
     of one pool class (`pool_class`: pools whose zones' links are alike) or zones (those of an alike
     region, `alike.canonical_zones_of`), options and cuts, and without ZeRO-3 for every D."""
     specs = [sp if len(sp) == 3 and any(sp[2]) else (sp[0], sp[1], ()) for sp in specs]  # no cut: ()
-    # the memory options in the memo keys as a number, looked up once: hashing them is slow (models)
-    numbers = ctx.memo.setdefault("memory numbers", {})
-    memory_id = numbers.setdefault(memory, len(numbers))
+    memory_id = memory_number(ctx, memory)
     cache = ctx.memo.setdefault(("kinds", partition, mbs, memory_id), {})  # this family's (`forget_kinds`)
     keys = [(z, o, c, replicas) for z, o, c in specs]
     out: list[Kind | None] = [cache.get(k) for k in keys]
@@ -225,6 +223,13 @@ def make_kinds(ctx: SimContext, specs: list[Spec], partition: Partition,
         cache[keys[j]] = kind
         out[j] = kind
     return out  # type: ignore[return-value]
+
+
+def memory_number(ctx: SimContext, memory: Memory) -> int:
+    """A family's memory options as a number for memo keys (equal options, equal numbers), looked up
+    once per call site: hashing the options is slow (pydantic models)."""
+    numbers = ctx.memo.setdefault("memory numbers", {})
+    return numbers.setdefault(memory, len(numbers))
 
 
 def forget_kinds(ctx: SimContext, partition: Partition, mbs: int, memory: Memory) -> None:
