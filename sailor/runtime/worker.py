@@ -80,6 +80,7 @@ from sailor.core.fileio import check_output_path
 from sailor.model.hf_files import RECORD_KEY, source_record
 from sailor.model.spec import ModelSpec
 from sailor.plan import load_plan
+from sailor.plan.comms import STAGE_FIELDS, step_statistics_elements
 from sailor.plan.orders import Op
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
@@ -263,9 +264,6 @@ class StepResult:
     times: StageTimes
     grad_norm: float  # the world's unscaled gradient norm before clipping (inf or NaN on an overflow)
     skipped: bool  # fp16 overflow: no update was made
-
-
-STAGE_FIELDS = ("forward_s", "backward_s", "wait_s", "sync_update_s", "sync_exposed_s")  # per stage, per step
 
 
 def sync_exposed_s(opt: ShardedAdamW) -> float:
@@ -499,9 +497,10 @@ def run_steps(live: Live, log: StepLog | None) -> None:
         # One MAX all-reduce per step carries: the stop request, each stage's timings (MAX over its
         # ranks), each pipeline's loss sum in its own slot (only its last stage's TP rank 0 writes
         # it, and losses are >= 0, so MAX picks it out; rank 0 adds the slots), and each rank's bytes
-        # sent across stage boundaries this step, activations and gradients, in its own two slots.
+        # sent across stage boundaries this step, activations and gradients, in its own two slots
+        # (`plan.comms.step_statistics_elements`; the simulator prices it, `simulator.sync.step_allreduces_s`).
         P, D, W, k = role.num_stages, role.num_pipelines, topo.world_size, len(STAGE_FIELDS)
-        stats = torch.zeros(1 + P * k + D + 2 * W, dtype=torch.float64, device=device)
+        stats = torch.zeros(step_statistics_elements(P, D, W), dtype=torch.float64, device=device)
         stats[0] = stop_requested()
         stats[1 + role.stage * k: 1 + (role.stage + 1) * k] = torch.tensor(
             [times.forward_s, times.backward_s, times.wait_s, t2 - t1, sync_exposed_s(opt)], dtype=torch.float64)
