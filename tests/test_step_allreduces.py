@@ -1,10 +1,14 @@
 """The step's two all-reduces over every rank (`simulator.sync.step_allreduces_s`): their bytes
 (`plan.comms.step_allreduce_bytes`), their seconds by hand on small plans with a backend start-up
-and processing rate (`perf.network.CollectiveCost`), what they add to `simulate`'s iteration, and
+and processing rate (`perf.network.CollectiveCost`), NCCL's tree across nodes against gloo's ring
+(`simulator.collectives.tree_allreduce_s`), what they add to `simulate`'s iteration, and
 the planner's closed form charging the same (`planner.score.Scorer.step_collectives`)."""
+
+import dataclasses
 
 import pytest
 
+from sailor.model.spec import Collective
 from sailor.perf.network import CollectiveCost
 from sailor.plan.comms import step_allreduce_bytes, step_statistics_elements
 from sailor.plan.spec import DEFAULT_STAGE_MEMORY, Plan
@@ -12,7 +16,9 @@ from sailor.planner.kinds import make_kind
 from sailor.planner.score import Scorer
 from sailor.planner.space import Option
 from sailor.simulator import make_context, placed_slots, simulate
+from sailor.simulator.collectives import tree_allreduce_s
 from sailor.simulator.sync import step_allreduces_s, world_groups
+from sailor.simulator.terms import collective_s
 from sailor.specs.cluster import ClusterSpec
 from sailor.specs.job import JobSpec
 
@@ -23,7 +29,7 @@ JOB = JobSpec(model="tiny", global_batch_size=8)
 LINKS = {"same_zone": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e8},
          "same_node": {"latency_s": 5e-5, "bandwidth_bytes_per_s": 2e8},
          "same_region": {"latency_s": 1e-2, "bandwidth_bytes_per_s": 1e7}}
-GLOO = CollectiveCost(startup_s=2e-3, processing_bytes_per_s=1e8)  # gloo-like: 2 ms a call, sums at 100 MB/s
+GLOO = CollectiveCost(startup_s=2e-3, processing_bytes_per_s=1e8, backend="gloo")  # 2 ms a call, sums at 100 MB/s
 
 
 def _ctx(gpus_per_node: int, cost: CollectiveCost = GLOO, zones=(ZA,)):
@@ -121,3 +127,27 @@ def test_the_planners_closed_form_charges_what_simulate_does(zones):
     cand = scorer.score(counts)
     assert cand.shares == [[2, 2], [2, 2]]
     assert cand.iteration_time_s == pytest.approx(est.iteration_time_s, rel=1e-9)
+
+
+def test_nccl_takes_the_tree_across_nodes_where_it_is_cheaper_and_gloo_the_ring():
+    # 4 pipelines of one TP-2 stage, 2 GPUs per node: W = 8 ranks on N = 4 nodes, r = 2 on each. NCCL's
+    # tree: 2·((r - 1)·(50 µs + S/200 MB/s) + ⌈log2 4⌉·(1 ms + S/100 MB/s)) = 4.1 ms + ...; its ring:
+    # 14 steps of 1 ms, and the hierarchy over the nodes 2 x 1 step inside a node + 6 steps of 1 ms
+    # across them: both dearer, so the tree. Gloo (no tree) pays its ring or hierarchy
+    plan = _plan([(ZA, [2])] * 4)
+    tree = [2 * ((5e-5 + s / 2e8) + 2 * (1e-3 + s / 1e8)) for s in step_allreduce_bytes(1, 4, 8)]
+    nccl = _ctx(gpus_per_node=2, cost=CollectiveCost())
+    world = world_groups(sl for pipe in placed_slots(plan, nccl.cluster) for sl in pipe)
+    assert sorted(n for _, n in world) == [2, 2, 2, 2]
+    assert tree_allreduce_s(world, 8, nccl.network) == pytest.approx(tree[0], rel=1e-12)
+    assert step_allreduces_s(nccl, world, 1, 4) == pytest.approx(sum(tree), rel=1e-12)
+    assert simulate(plan, nccl).step_collectives_s == pytest.approx(sum(tree), rel=1e-12)
+    gloo = _ctx(gpus_per_node=2, cost=dataclasses.replace(CollectiveCost(), backend="gloo"))
+    rings = sum(collective_s(gloo, world, Collective.ALL_REDUCE, s, 1) for s in step_allreduce_bytes(1, 4, 8))
+    assert step_allreduces_s(gloo, world, 1, 4) == pytest.approx(rings, rel=1e-12)
+    assert rings > sum(tree) + 3e-3  # at least the 2 x 2 more hops of 1 ms, less what the tree's bytes add
+    # on one node the tree is the chain through its ranks: no cheaper than the ring, which NCCL keeps
+    one = _plan([(ZA, [2])] * 2)
+    inside = _ctx(gpus_per_node=4, cost=CollectiveCost())
+    ranks = world_groups(sl for pipe in placed_slots(one, inside.cluster) for sl in pipe)
+    assert tree_allreduce_s(ranks, 8, inside.network) == pytest.approx(2 * 3 * (5e-5 + 8 / 2e8), rel=1e-12)

@@ -79,6 +79,7 @@ from sailor.core.errors import SailorInputError, SailorWarning
 from sailor.core.fileio import check_output_path
 from sailor.model.hf_files import RECORD_KEY, source_record
 from sailor.model.spec import ModelSpec
+from sailor.perf.network import backend_for
 from sailor.plan import load_plan
 from sailor.plan.comms import STAGE_FIELDS, step_statistics_elements
 from sailor.plan.orders import Op
@@ -381,7 +382,7 @@ def init_world(args: WorkerSettings, job: JobSpec, device: torch.device, **init:
         check_device_precision(job.precision, torch.cuda.get_device_capability(device),
                                device_name=torch.cuda.get_device_name(device))
     # A bound device makes torch create NCCL communicators eagerly, at new_group (`groups`).
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout_s),
+    dist.init_process_group(backend_for("cuda" if cuda else "cpu"), timeout=timedelta(seconds=args.timeout_s),
                             device_id=device if cuda else None, **init)
     ignore_tags()
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from sailor.model.spec import Collective, Framework
 from sailor.plan.comms import step_allreduce_bytes
-from sailor.simulator.collectives import Group, Member, RingEdges, group_members, ring_crossings, ring_egress, ring_key
+from sailor.simulator.collectives import (Group, Member, RingEdges, group_members, ring_crossings, ring_egress, ring_key,
+                                          tree_allreduce_s)
 from sailor.simulator.context import ALL_PARAMS, ParamShare, SimContext, TiedCopies, tied_embeddings
 from sailor.simulator.terms import (DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_s,
                                    group_shape, shape_memo)
@@ -233,7 +234,10 @@ def step_allreduces_s(ctx: SimContext, world: list[Group], num_stages: int, pipe
     (`collectives.AllreduceRings`, or the one the cluster spec pins), the ring
         T_ring(S) = 2(W-1)·α + stream(2(W-1)/W·S)/η + processing(2(W-1)/W·S),
     α the slowest edge's one-way latency: with so few bytes nearly all of it is the 2(W-1) hop
-    latencies (the hierarchy: those of its islands' rings and of the ring across them). So
+    latencies (the hierarchy: those of its islands' rings and of the ring across them). Under NCCL
+    (`CollectiveCost.backend`) the tree where it is cheaper (`collectives.tree_allreduce_s`, α_c
+    added): 2·⌈log2 N⌉ hops over N nodes, as NCCL picks its algorithm by its cost model; gloo runs
+    the ring. So
         T = T(S_1) + T(S_2).
     Their bytes between zones (16 KiB per step at W = 1000) are left out of the plan's traffic and egress.
     These are Sailor's runtime's collectives: 0 for a job modelled after DeepSpeed or Megatron-LM
@@ -242,5 +246,11 @@ def step_allreduces_s(ctx: SimContext, world: list[Group], num_stages: int, pipe
         return 0.0
     W = sum(n for _, n in world)
     shape = group_shape(world)
-    return sum(collective_s(ctx, world, Collective.ALL_REDUCE, nbytes, 1, shape)
-               for nbytes in step_allreduce_bytes(num_stages, pipelines, W))
+    cost = ctx.network.collective
+    total = 0.0
+    for nbytes in step_allreduce_bytes(num_stages, pipelines, W):
+        t = collective_s(ctx, world, Collective.ALL_REDUCE, nbytes, 1, shape)
+        if cost.backend == "nccl" and W > 1:
+            t = min(t, cost.startup_s + tree_allreduce_s(world, nbytes, ctx.network))
+        total += t
+    return total
