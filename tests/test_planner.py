@@ -416,3 +416,33 @@ def test_a_gpu_type_too_few_for_the_clusters_zero_still_gets_its_own_memory_opti
     r = plan_job(make_context(job, mixed))
     assert r.estimate.iteration_time_s <= alone.estimate.iteration_time_s * (1 + 1e-9)
     assert {g for _, g in r.plan.gpu_usage()} == {"A100-40"}
+
+
+def test_figures_in_messages_print_on_their_side_of_the_limit():
+    from sailor.planner import _figure
+
+    assert _figure(0.143761, 0.144) == "0.1438"  # 3 figures would read 0.144, as if it met the floor
+    assert _figure(0.113088, 0.113) == "0.1131"  # a cost over a cap of 0.113 must not print as 0.113
+    assert _figure(3.673385, 3.67) == "3.673"
+    assert _figure(0.0913, 0.2) == "0.0913" and _figure(0.0913, None) == "0.0913"
+
+
+def test_alternatives_meet_the_constraints_and_differ_from_the_plan():
+    """A newcomer's run: with a $/hour cap, alternatives over the cap were listed (taken from every
+    finalist), and the first alternative was often the chosen plan itself."""
+    from sailor.planner.finalists import plan_signature
+
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}})
+    job = JobSpec(model="opt-350m", global_batch_size=256)
+    free = plan_job(make_context(job, cluster), PlanOptions(search=SearchSpace.PAPER, top_k=3))
+    # below the unconstrained plan's $/hour and its dearest alternative's (the newcomer's cap: 84.2)
+    cap = min(free.estimate.cost_per_hour_usd, max(a.estimate.cost_per_hour_usd for a in free.alternatives)) * 0.995
+    assert sum(a.estimate.cost_per_hour_usd > cap for a in [free] + free.alternatives) >= 2
+    capped = plan_job(make_context(job, cluster), PlanOptions(search=SearchSpace.PAPER, top_k=3,
+                                                               constraints=Constraints(max_cost_per_hour=cap)))
+    assert capped.alternatives
+    seen = {plan_signature(capped.plan)}
+    for a in capped.alternatives:
+        assert a.estimate.cost_per_hour_usd <= cap * (1 + 1e-9)
+        assert plan_signature(a.plan) not in seen
+        seen.add(plan_signature(a.plan))

@@ -75,6 +75,7 @@ def test_the_example_reads(box):
     (lambda d: d.update(nodes=[]), "nodes", "must list at least 1 entry, got none"),  # was pydantic's "Tuple should ..."
     (lambda d: d.update(nodes=d["nodes"] * 17), "nodes", "must list at most 64 entries, got 68"),
     (lambda d: d.update(cfs_period_us=0), "cfs_period_us", "greater than or equal to 1000 (got 0)"),  # was "than 999"
+    (lambda d: d["devices"].update({"": d["devices"]["slow"]}), "devices", "device class name '' is not 1-32"),
 ])
 def test_bad_files_name_the_field(edit, field, words):
     data = copy.deepcopy(raw())

@@ -180,10 +180,18 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
         ok.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     best = ok[0]
     flat = [c for c in ok if not c.plan.experts] if best.plan.experts else []
-    alternatives = [c for c in choices if c is not best][: opts.top_k]
-    for c in alternatives:
+    alternatives: list[Choice] = []  # the next plans in closed-form order that meet the constraints, each once
+    seen = {plan_signature(best.plan)}
+    for c in choices:
+        if len(alternatives) == opts.top_k:
+            break
+        if plan_signature(c.plan) in seen:
+            continue
+        seen.add(plan_signature(c.plan))
         if c.estimate is None:
             c.estimate = _event_or_closed(c.plan, ctx)
+        if _meets(opts.constraints, c.estimate):
+            alternatives.append(c)
     alternatives.sort(key=lambda c: key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd))
     return PlanResult(plan=best.plan, estimate=best.estimate, alternatives=alternatives,
                       best_closed=best_closed, search_time_s=time.perf_counter() - t0,
@@ -298,11 +306,9 @@ def _near_meeting(ctx: SimContext, opts: PlanOptions, near: list[tuple[tuple[flo
 def _missed(c: Constraints, choices: list[Choice]) -> str:
     """Why no plan was returned although the search found `choices` that meet `c` in the closed form:
     each missed it in the event simulation (the first, the closed form's best, is quoted)."""
-    e = choices[0].estimate
     return (f"no plan meets {_constraint_words(c)} in the event simulation: the {len(choices)} plans that"
             f" meet it in the closed form miss it there; the closed form's best reaches"
-            f" {e.throughput_iters_per_s:.3g} iterations/s at ${e.cost_per_iteration_usd:.3g}/iteration"
-            f" (${e.cost_per_hour_usd:.3g}/hour) there")
+            f" {_quoted(choices[0].estimate, c)} there")
 
 
 def _constraint_words(c: Constraints) -> str:
@@ -345,11 +351,30 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
                                 and cheapest.cost_per_iteration_usd > c.max_cost_per_iteration else None))
     several = sum(x is not None for x in (c.min_throughput, c.max_cost_per_iteration, c.max_cost_per_hour)) > 1
     words = _constraint_words(alone) if alone != Constraints() else _constraint_words(c) + (" together" if several else "")
-    return (f"no plan meets {words}: the fastest plan reaches"
-            f" {fastest.throughput_iters_per_s:.3g} iterations/s at ${fastest.cost_per_iteration_usd:.3g}/iteration"
-            f" (${fastest.cost_per_hour_usd:.3g}/hour); the cheapest costs"
-            f" ${cheapest.cost_per_iteration_usd:.3g}/iteration (${cheapest.cost_per_hour_usd:.3g}/hour) at"
-            f" {cheapest.throughput_iters_per_s:.3g} iterations/s")
+    space = "" if opts.search is SearchSpace.FULL else f" in the {opts.search.value} search space"
+    return (f"no plan meets {words}{space}: the fastest plan reaches {_quoted(fastest, c)}; the cheapest costs"
+            f" ${_figure(cheapest.cost_per_iteration_usd, c.max_cost_per_iteration)}/iteration"
+            f" (${_figure(cheapest.cost_per_hour_usd, c.max_cost_per_hour)}/hour) at"
+            f" {_figure(cheapest.throughput_iters_per_s, c.min_throughput)} iterations/s")
+
+
+def _quoted(e: Estimate, c: Constraints) -> str:
+    """'X iterations/s at $Y/iteration ($Z/hour)' for estimate `e`, each figure on its side of the
+    constraint of its kind in `c` (`_figure`)."""
+    return (f"{_figure(e.throughput_iters_per_s, c.min_throughput)} iterations/s at"
+            f" ${_figure(e.cost_per_iteration_usd, c.max_cost_per_iteration)}/iteration"
+            f" (${_figure(e.cost_per_hour_usd, c.max_cost_per_hour)}/hour)")
+
+
+def _figure(value: float, limit: float | None) -> str:
+    """`value` to 3 significant figures, or as many more as it takes to print it on its side of
+    `limit` (a figure that misses a limit must not read as meeting it: 0.143761 against a floor of
+    0.144 prints 0.14376, not 0.144)."""
+    for digits in range(3, 18):
+        text = f"{value:.{digits}g}"
+        if limit is None or value == limit or (float(text) < limit) == (value < limit) and float(text) != limit:
+            return text
+    return repr(value)
 
 
 # No memory options, and the ones that save the most (the infeasibility message compares them).

@@ -31,6 +31,9 @@ class SearchSpace(str, Enum):
     HOMOGENEOUS = "homogeneous"
 
 
+LIMIT_TOLERANCE = 1e-9  # relative; `Constraints.ok`
+
+
 @dataclass(frozen=True)
 class Constraints:
     """Limits a plan must respect (None = no limit). Units: $/iteration, $/hour, iterations/s."""
@@ -40,11 +43,14 @@ class Constraints:
     min_throughput: float | None = None
 
     def ok(self, time_s: float, cost_usd: float) -> bool:
-        if self.max_cost_per_iteration is not None and cost_usd > self.max_cost_per_iteration:
+        """Whether an iteration of `time_s` seconds and `cost_usd` $ meets every limit, within a
+        relative LIMIT_TOLERANCE: the closed form and the event simulation of one plan can differ in
+        their last bits, and a limit copied from a printed figure is that figure."""
+        if self.max_cost_per_iteration is not None and cost_usd > self.max_cost_per_iteration * (1 + LIMIT_TOLERANCE):
             return False
-        if self.max_cost_per_hour is not None and cost_usd * HOUR_S / time_s > self.max_cost_per_hour:
+        if self.max_cost_per_hour is not None and cost_usd * HOUR_S / time_s > self.max_cost_per_hour * (1 + LIMIT_TOLERANCE):
             return False
-        if self.min_throughput is not None and 1.0 / time_s < self.min_throughput:
+        if self.min_throughput is not None and 1.0 / time_s < self.min_throughput * (1 - LIMIT_TOLERANCE):
             return False
         return True
 

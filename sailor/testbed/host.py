@@ -178,9 +178,9 @@ def up(spec: TestbedSpec, state_dir: str | Path | None = None, *, source: str | 
         RuntimeError: an ip/tc command failed (everything made so far is removed).
     """
     check_support()
+    check_cores(spec, source)  # before anything on the host is touched
     with contextlib.suppress(OSError):  # a bandwidth the kernel lost before (`deadline.rebuild_accounting`)
         deadline.rebuild_accounting()
-    check_cores(spec, source)
     root = state_root(state_dir)
     for old in live_states(root):
         if old.name == spec.name:

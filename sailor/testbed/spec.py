@@ -47,6 +47,7 @@ MAX_MBIT_PER_S = 100_000.0  # 100 Gbit/s: far beyond what a veth pair shaped by 
 NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,11}")
 MIN_QUOTA_US = 1000  # the kernel refuses a smaller cpu.cfs_quota_us (kernel/sched/core.c, min_cfs_quota_period)
 MAX_PERIOD_US = 1_000_000  # the longest cpu.cfs_period_us the kernel takes (kernel/sched/core.c, max_cfs_quota_period)
+DEVICE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")  # a device class: named in messages and plans' notes
 NODE_NAME = re.compile(r"[a-z0-9]{1,6}")  # short: it is part of interface names (15 characters at most)
 
 
@@ -169,6 +170,9 @@ class TestbedSpec(BaseModel):
             ranks_of.setdefault(n.device, (n.ranks, i))
         gpus: dict[str, str] = {}
         for name, d in self.devices.items():
+            if not DEVICE_NAME.fullmatch(name):
+                raise SailorInputError(f"device class name {show(name)} is not 1-32 of A-Z a-z 0-9 _ . -",
+                                       field="devices")
             if self.cfs_period_us is not None and d.cpu_quota * self.cfs_period_us < MIN_QUOTA_US:
                 raise SailorInputError(f"a quota of {d.cpu_quota:g} core(s) is {d.cpu_quota * self.cfs_period_us:g} µs"
                                        f" per CFS period of {self.cfs_period_us} µs, below the kernel's"
