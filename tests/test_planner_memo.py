@@ -147,6 +147,45 @@ def test_node_group_units_are_shared_by_pools_alike_and_equal_to_their_own():
         assert engine._node_group_unit(make_context(job, cluster, calibration={}), s) == u
 
 
+def test_kind_boundaries_are_shared_by_pools_alike_and_equal_to_the_placement():
+    from sailor.plan.placement import same_node_boundaries
+    from sailor.planner.kinds import block_key, kind_boundaries
+
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 16}, ZB: {"A100-40": 16}}, gpus_per_node={"A100-40": 8})
+    ctx = make_context(job, cluster, calibration={})
+
+    def slots(zones, tps, cuts):
+        return tuple(Member(zone=z, gpu="A100-40", tp=t, node_cut=c) for z, t, c in zip(zones, tps, cuts))
+
+    cases = [slots((z, z, z, z), (2, 2, 4, 2), (False, False, False, c)) for z in (ZA, ZB) for c in (False, True)]
+    cases.append(slots((ZA, ZA, ZB, ZB), (2, 2, 4, 2), (False,) * 4))  # a new pool at stage 2
+    got = [kind_boundaries(ctx, s) for s in cases]
+    want = [same_node_boundaries([(m.zone, m.gpu, m.tp) for m in s], cluster.node_size, [m.node_cut for m in s])
+            for s in cases]
+    assert got == want
+    assert got[0] == (True, True, False) and got[1] == (True, True, False) and got[4] == (True, False, True)
+    assert len([k for k in ctx.memo if k[0] == "kind boundaries"]) == 3  # ZA and ZB share theirs
+    assert all(x is y for x, y in zip(block_key(ctx, cases[0]), block_key(ctx, cases[2])))  # one object per slot
+
+
+def test_placed_groups_and_renamed_pipelines_are_one_object_each():
+    from sailor.planner.alike import canonical_used
+    from sailor.planner.score import apart_groups, placed_alone
+
+    job = JobSpec(model="opt-350m", global_batch_size=64)
+    cluster = ClusterSpec(zones={ZA: {"A100-40": 32}, ZB: {"A100-40": 32}}, gpus_per_node={"A100-40": 4})
+    ctx = make_context(job, cluster, calibration={})
+    kind = (Member(zone=ZA, gpu="A100-40", tp=2), Member(zone=ZA, gpu="A100-40", tp=1))
+    few, more = apart_groups(ctx, ((kind, 3),)), apart_groups(ctx, ((kind, 6),))
+    for n, stages in ((3, few), (6, more)):  # as group_members gives them
+        assert stages == [group_members([p[i] for p in placed_alone(ctx, kind, n)]) for i in range(2)]
+    assert more[0][0] == few[0][0] and more[0][0] is few[0][0]  # the first pipelines' groups, shared
+    used = ((tuple(dataclasses.replace(m, zone=ZB) for m in kind), 2),)
+    a, b = canonical_used(ctx, used), canonical_used(ctx, tuple((tuple(s), n) for s, n in used))
+    assert a == b and a[0][0] is b[0][0]
+
+
 def test_a_full_ring_memo_is_emptied_and_answers_as_before(monkeypatch):
     from sailor.perf import network
     from sailor.simulator.collectives import _edge_kinds

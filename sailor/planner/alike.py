@@ -84,10 +84,15 @@ def canonical_used(ctx: SimContext, used: tuple[tuple[tuple[Slot, ...], int], ..
     if len({canon[s.zone][0] for slots, _ in used for s in slots}) != 1:
         return used
     renamed = ctx.memo.setdefault("canonical slots", {})  # one object per renamed slot
+    tuples = ctx.memo.setdefault("canonical slot tuples", {})  # and per renamed pipeline: the keys share them
 
     def rename(s: Slot) -> Slot:
         if s not in renamed:
             renamed[s] = dataclasses.replace(s, zone=canon[s.zone][1])
         return renamed[s]
 
-    return tuple((tuple(map(rename, slots)), n) for slots, n in used)
+    def rename_all(slots: tuple[Slot, ...]) -> tuple[Slot, ...]:
+        out = tuple(map(rename, slots))
+        return tuples.get(out) or tuples.setdefault(out, out)
+
+    return tuple((rename_all(slots), n) for slots, n in used)

@@ -59,8 +59,8 @@ from sailor.plan.placement import node_blocks
 from sailor.planner import paper
 from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kinds, plan_signature
 from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanning_thetas
-from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, forget_kinds, homogeneous_kinds, kind_optimizer_s,
-                                  memory_mixed_kinds, memory_number, option_table, pool_class)
+from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, block_key, forget_kinds, homogeneous_kinds,
+                                  kind_optimizer_s, memory_mixed_kinds, memory_number, option_table, pool_class)
 from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
 from sailor.planner.pack import Packer, count_vectors, fastest_packings, node_unit, packing_key
 from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
@@ -314,11 +314,8 @@ def _node_group_unit(ctx: SimContext, slots: tuple) -> int:
     """`_offer_node_groups`' u for a cut kind's slots: the fewest node size // segment GPUs over its
     blocks (`plan.placement.node_blocks`), at least 1. Memoised by what the blocks read of the slots
     (each one's GPU type, TP, cut, and whether it is in the previous one's pool), so that families
-    and pools share it: keyed by the slots, the memo held some 570k of them on the us12 row of
-    `benchmarks/planner_scale.py`."""
-    pools = [(s.zone, s.gpu) for s in slots]
-    key = ("node-group unit", tuple((s.gpu, s.tp, s.node_cut, j > 0 and pools[j] == pools[j - 1])
-                                    for j, s in enumerate(slots)))
+    and pools share it (`kinds.block_key`)."""
+    key = ("node-group unit", block_key(ctx, slots))
     if key not in ctx.memo:
         blocks = node_blocks([(s.zone, s.gpu, s.tp) for s in slots], ctx.cluster.node_size, [s.node_cut for s in slots])
         widths = [sum(s.tp for s, b in zip(slots, blocks) if b == j) for j in range(blocks[-1] + 1)]

@@ -266,11 +266,26 @@ def pool_price(ctx: SimContext, pool: Pool) -> float:
     return ctx.memo[key]
 
 
+def block_key(ctx: SimContext, slots: tuple[Slot, ...]) -> tuple:
+    """What the launcher's block placement (`plan.placement.node_blocks`) reads of a pipeline's
+    slots: per slot its GPU type, TP and cut, and whether it is in the previous slot's (zone, GPU
+    type) pool; never a zone's name. Pipelines of one key have the same blocks, so it is the memo key
+    of what the blocks give (`kind_boundaries`, `engine._node_group_unit`): a search meets hundreds
+    of thousands of slot tuples and a few tens of thousands of keys. Each slot's entry is one object
+    per value (memoised in the context), so a key costs a pointer per stage."""
+    made = ctx.memo.setdefault("block slots", {})
+    out = []
+    for j, s in enumerate(slots):
+        x = (s.gpu, s.tp, s.node_cut, j > 0 and s.zone == slots[j - 1].zone and s.gpu == slots[j - 1].gpu)
+        out.append(made.get(x) or made.setdefault(x, x))
+    return tuple(out)
+
+
 def kind_boundaries(ctx: SimContext, slots: tuple[Slot, ...]) -> tuple[bool, ...]:
     """Per stage boundary of a pipeline on these slots: whether the launcher's block placement puts
     both stages on one node (`plan.placement.same_node_boundaries`, with the slots' cuts: the same
-    for every pipeline of a kind, wherever it lands). Memoised per slots."""
-    key = ("kind boundaries", slots)
+    for every pipeline of a kind, wherever it lands). Memoised per `block_key`."""
+    key = ("kind boundaries", block_key(ctx, slots))
     if key not in ctx.memo:
         ctx.memo[key] = same_node_boundaries([(s.zone, s.gpu, s.tp) for s in slots], ctx.cluster.node_size,
                                              [s.node_cut for s in slots])

@@ -316,14 +316,15 @@ def placed_apart(used: tuple[tuple[tuple[Slot, ...], int], ...]) -> bool:
     return sum(map(len, pools)) == len(set().union(*pools))
 
 
-def placed_alone(ctx: SimContext, slots: tuple[Slot, ...], n: int) -> list[list[Slot]]:
-    """n pipelines of these slots placed on nodes alone (`simulator.place`). The launcher places
-    pipelines in order, so n of them sit where the first n of more do: one placement per kind,
-    the longest asked for (grown by doubling), serves every count (memoised in the context)."""
+def placed_alone(ctx: SimContext, slots: tuple[Slot, ...], n: int) -> list[tuple[Slot, ...]]:
+    """n pipelines of these slots placed on nodes alone (`simulator.place`), each a tuple (smaller
+    than a list: the memo holds tens of thousands of placements). The launcher places pipelines in
+    order, so n of them sit where the first n of more do: one placement per kind, the longest asked
+    for (grown by doubling), serves every count (memoised in the context)."""
     key = ("placed", slots)
     have = ctx.memo.get(key)
     if have is None or len(have) < n:
-        have = place([list(slots)] * max(n, 2 * len(have or ())), ctx.cluster)
+        have = [tuple(p) for p in place([list(slots)] * max(n, 2 * len(have or ())), ctx.cluster)]
         ctx.memo[key] = have
     return have[:n]
 
@@ -367,15 +368,19 @@ def apart_groups(ctx: SimContext, used: tuple[tuple[tuple[Slot, ...], int], ...]
     ring keys do): where the kinds' ranges of ring keys do not overlap (each pool's nodes are named
     apart, `simulator.place`), the kinds' groups one after the other, ordered by their first keys,
     are that order. A kind's groups of a stage are memoised with the ring keys of the first and last
-    only (the merge reads no others): the memo holds the groups of many kinds and counts."""
+    only (the merge reads no others): the memo holds the groups of many kinds and counts, each group
+    one object however many entries hold it (n pipelines of a kind sit where the first n of more
+    do, `placed_alone`, so the entries of one kind at several counts hold mostly the same groups)."""
     per_kind = []
+    shared = ctx.memo.setdefault("placed groups", {})  # one object per group
     for slots, n in used:
         key = ("placed-stages", slots, n)
         stages = ctx.memo.get(key)
         if stages is None:
             placed = placed_alone(ctx, slots, n)
-            stages = ctx.memo[key] = [_ring_part(group_members([pipe[i] for pipe in placed]))
-                                      for i in range(len(slots))]
+            stages = ctx.memo[key] = [
+                _ring_part([shared.get(g) or shared.setdefault(g, g) for g in group_members([pipe[i] for pipe in placed])])
+                for i in range(len(slots))]
         per_kind.append(stages)
     return [_merge_ring_parts([stages[i] for stages in per_kind if stages[i]]) for i in range(len(used[0][0]))]
 

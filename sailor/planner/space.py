@@ -201,19 +201,21 @@ def _min_replicas(ctx: SimContext, key: tuple, gpu: str, tp: int, mbs: int, a: i
     """`min_replicas` without `most` (memoised there under `key`)."""
     # at D = 1 nothing is sharded: the same for every ZeRO level but for the gradient sync's flat
     # buffer (`simulator.memory.sync_buffer_bytes`: the stage's gradients, one layer's under ZeRO-2/3)
+    # (memoised as the four numbers read here: the breakdown object is some 4 times their size)
     one_key = ("memory at D = 1", *key[1:-2], memory.zero >= 2)
     if one_key not in ctx.memo:
-        ctx.memo[one_key] = replica_memory(ctx, gpu, tp, mbs, ((a, b),), stage=stage, num_stages=num_stages,
-                                           microbatches=microbatches, memory=memory, replicas=1)
-    one = ctx.memo[one_key]
+        one = replica_memory(ctx, gpu, tp, mbs, ((a, b),), stage=stage, num_stages=num_stages,
+                             microbatches=microbatches, memory=memory, replicas=1)
+        ctx.memo[one_key] = (one.total, one.optimizer, one.gradients, one.weights)
+    total, optimizer, gradients, weights = ctx.memo[one_key]
     cap, top = ctx.memory_limit(gpu), replica_cap(ctx, gpu, tp, microbatches)  # within the memory margin
-    if one.total <= cap:
+    if total <= cap:
         d = 1
     elif memory.zero == 0 or top == 1:
         d = None
     else:
-        sharded = one.optimizer + (one.gradients if memory.zero >= 2 else 0.0) + (one.weights if memory.zero >= 3 else 0.0)
-        rest = one.total - sharded
+        sharded = optimizer + (gradients if memory.zero >= 2 else 0.0) + (weights if memory.zero >= 3 else 0.0)
+        rest = total - sharded
         if memory.zero >= 3:  # the gathered weights (`simulator.memory.gathered_weights_bytes`), and their reserve
             gathered = gathered_weights_bytes(ctx, tp, ((a, b),), memory.reshard_after_forward)
             rest += gathered * (1 + gpu_constant(ctx.calibration, gpu, "reserve_fraction", 0.0))
