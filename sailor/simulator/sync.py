@@ -18,8 +18,8 @@ from sailor.plan.comms import step_allreduce_bytes
 from sailor.simulator.collectives import (Group, Member, RingEdges, group_members, ring_crossings, ring_egress, ring_key,
                                           tree_allreduce_s)
 from sailor.simulator.context import ALL_PARAMS, ParamShare, SimContext, TiedCopies, tied_embeddings
-from sailor.simulator.terms import (DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_s,
-                                   group_shape, shape_memo)
+from sailor.simulator.terms import (DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_rings,
+                                   collective_s, group_shape, shape_memo, timed_collective_s)
 from sailor.simulator.traffic import Crossing
 
 
@@ -245,12 +245,14 @@ def step_allreduces_s(ctx: SimContext, world: list[Group], num_stages: int, pipe
     if ctx.job.framework is not Framework.SAILOR:
         return 0.0
     W = sum(n for _, n in world)
-    shape = group_shape(world)
+    if W < 2:
+        return 0.0
+    rings = collective_rings(ctx, world)  # not memoised by the world's shape: one per plan (callers memoise)
     cost = ctx.network.collective
     total = 0.0
     for nbytes in step_allreduce_bytes(num_stages, pipelines, W):
-        t = collective_s(ctx, world, Collective.ALL_REDUCE, nbytes, 1, shape)
-        if cost.backend == "nccl" and W > 1:
+        t = timed_collective_s(ctx, *rings, Collective.ALL_REDUCE, nbytes)
+        if cost.backend == "nccl":
             t = min(t, cost.startup_s + tree_allreduce_s(world, nbytes, ctx.network))
         total += t
     return total
