@@ -130,16 +130,23 @@ def test_forgotten_kinds_take_their_curves_with_them():
     assert [dataclasses.astuple(k) for k in again] == [dataclasses.astuple(k) for k in first]
 
 
+def _two_zones() -> tuple[JobSpec, ClusterSpec]:
+    """OPT-350M at batch 64 on two zones of 16 A100-40, 8 per node."""
+    return (JobSpec(model="opt-350m", global_batch_size=64),
+            ClusterSpec(zones={ZA: {"A100-40": 16}, ZB: {"A100-40": 16}}, gpus_per_node={"A100-40": 8}))
+
+
+def _slots(zones, tps, cuts) -> tuple[Member, ...]:
+    """A100-40 slots of these zones, TP degrees and node cuts, stage by stage."""
+    return tuple(Member(zone=z, gpu="A100-40", tp=t, node_cut=c) for z, t, c in zip(zones, tps, cuts))
+
+
 def test_node_group_units_are_shared_by_pools_alike_and_equal_to_their_own():
-    job = JobSpec(model="opt-350m", global_batch_size=64)
-    cluster = ClusterSpec(zones={ZA: {"A100-40": 16}, ZB: {"A100-40": 16}}, gpus_per_node={"A100-40": 8})
+    job, cluster = _two_zones()
     ctx = make_context(job, cluster, calibration={})
 
-    def slots(zones, tps, cuts):
-        return tuple(Member(zone=z, gpu="A100-40", tp=t, node_cut=c) for z, t, c in zip(zones, tps, cuts))
-
-    one = [slots((z, z, z), (2, 2, 4), (False, True, False)) for z in (ZA, ZB)]
-    two = slots((ZA, ZA, ZB), (2, 2, 4), (False, True, False))  # a new pool at stage 2: a block of its own
+    one = [_slots((z, z, z), (2, 2, 4), (False, True, False)) for z in (ZA, ZB)]
+    two = _slots((ZA, ZA, ZB), (2, 2, 4), (False, True, False))  # a new pool at stage 2: a block of its own
     units = [engine._node_group_unit(ctx, s) for s in one + [two]]
     assert units[0] == units[1] == 1 and units[2] == 2  # blocks of 2, 2 + 4 GPUs: 8 // 6; of 2, 2, 4: 8 // 4
     assert len([k for k in ctx.memo if k[0] == "node-group unit"]) == 2
@@ -151,15 +158,11 @@ def test_kind_boundaries_are_shared_by_pools_alike_and_equal_to_the_placement():
     from sailor.plan.placement import same_node_boundaries
     from sailor.planner.kinds import block_key, kind_boundaries
 
-    job = JobSpec(model="opt-350m", global_batch_size=64)
-    cluster = ClusterSpec(zones={ZA: {"A100-40": 16}, ZB: {"A100-40": 16}}, gpus_per_node={"A100-40": 8})
+    job, cluster = _two_zones()
     ctx = make_context(job, cluster, calibration={})
 
-    def slots(zones, tps, cuts):
-        return tuple(Member(zone=z, gpu="A100-40", tp=t, node_cut=c) for z, t, c in zip(zones, tps, cuts))
-
-    cases = [slots((z, z, z, z), (2, 2, 4, 2), (False, False, False, c)) for z in (ZA, ZB) for c in (False, True)]
-    cases.append(slots((ZA, ZA, ZB, ZB), (2, 2, 4, 2), (False,) * 4))  # a new pool at stage 2
+    cases = [_slots((z, z, z, z), (2, 2, 4, 2), (False, False, False, c)) for z in (ZA, ZB) for c in (False, True)]
+    cases.append(_slots((ZA, ZA, ZB, ZB), (2, 2, 4, 2), (False,) * 4))  # a new pool at stage 2
     got = [kind_boundaries(ctx, s) for s in cases]
     want = [same_node_boundaries([(m.zone, m.gpu, m.tp) for m in s], cluster.node_size, [m.node_cut for m in s])
             for s in cases]

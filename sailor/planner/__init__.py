@@ -369,7 +369,7 @@ def _quoted(e: Estimate, c: Constraints) -> str:
 def _figure(value: float, limit: float | None) -> str:
     """`value` to 3 significant figures, or as many more as it takes to print it on its side of
     `limit` (a figure that misses a limit must not read as meeting it: 0.143761 against a floor of
-    0.144 prints 0.14376, not 0.144)."""
+    0.144 prints 0.1438, not 0.144)."""
     for digits in range(3, 18):
         text = f"{value:.{digits}g}"
         if limit is None or value == limit or (float(text) < limit) == (value < limit) and float(text) != limit:
