@@ -273,8 +273,8 @@ class Scorer:
         """A lower bound on the iteration time the event simulation gives `cand`'s plan (seconds):
         its closed form with the makespan W replaced by the largest `pipeline_floor_s` over the used
         kinds at their largest share. The closed form's pipeline times are an estimate
-        (`simulator.schedule.closed_form_1f1b`), which the event simulation can undercut; the sync
-        and the optimizer step are the same in both (`simulate`)."""
+        (`simulator.schedule.closed_form_1f1b`), which the event simulation can undercut; the sync,
+        the optimizer step and the step's all-reduces are the same in both (`simulate`)."""
         D = sum(cand.counts)
         kinds = self.kinds_at(D, cand.counts)
         W = 0.0

@@ -229,7 +229,7 @@ def step_allreduces_s(ctx: SimContext, world: list[Group], num_stages: int, pipe
     every rank's backward and gradient sync (`runtime.zero.ShardedAdamW.clip`), and the step's
     statistics, S_2 = 8·(1 + P·k + D + 2·W) bytes, after the update (`runtime.worker.run_steps`);
     `world` = the plan's ranks (`world_groups`, W of them), P = `num_stages`, D = `pipelines`.
-    Each is a collective of its own over one group (`terms.collective_s`): the backend's start-up
+    Each is a collective of its own over one group (`terms.timed_collective_s`): the backend's start-up
     α_c (`perf.network.CollectiveCost`) plus the cheaper of the ring and the hierarchical all-reduce
     (`collectives.AllreduceRings`, or the one the cluster spec pins), the ring
         T_ring(S) = 2(W-1)·α + stream(2(W-1)/W·S)/η + processing(2(W-1)/W·S),
