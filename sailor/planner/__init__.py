@@ -286,15 +286,13 @@ def _near_meeting(ctx: SimContext, opts: PlanOptions, near: list[tuple[tuple[flo
     """The near misses (`Found.near`: plans that miss the constraints in the closed form but meet
     them at the event simulation's lower bound) whose event simulation meets the constraints: those
     whose objective key at the bound beats the best of `ok` (every one when `ok` is empty) and that
-    `choices` lack are event-simulated, in order of that key."""
+    `choices` lack are event-simulated, in closed-form order."""
     key = objective_key(opts.objective)
     bar = min((key(c.estimate.iteration_time_s, c.estimate.cost_per_iteration_usd) for c in ok), default=None)
     have = {plan_signature(c.plan) for c in choices}
     out = []
     for k, t, usd, plan in near:
-        if bar is not None and k >= bar:
-            break
-        if plan_signature(plan) in have:
+        if (bar is not None and k >= bar) or plan_signature(plan) in have:
             continue
         have.add(plan_signature(plan))
         ch = Choice(plan, t, usd, _event_or_closed(plan, ctx))

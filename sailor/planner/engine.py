@@ -61,7 +61,7 @@ from sailor.planner.finalists import Finalists, Found, pareto_add, plan_from_kin
 from sailor.planner.geo import Scope, build_spanning, free_pools, scopes, spanning_thetas
 from sailor.planner.kinds import (Kind, Pool, Table, all_kinds, block_key, forget_kinds, homogeneous_kinds,
                                   kind_optimizer_s, memory_mixed_kinds, memory_number, option_table, pool_class)
-from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace
+from sailor.planner.options import EXACT_MAX_GPUS, Constraints, Objective, PlanOptions, SearchSpace, objective_key
 from sailor.planner.pack import Packer, count_vectors, fastest_packings, node_unit, packing_key
 from sailor.planner.prune import boundary_floors, family_bound, node_keys, table_bound
 from sailor.planner.score import Scorer
@@ -172,7 +172,7 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
             pareto_add(out.front, p)
         out.candidates += seed.candidates
     if seed.near:  # the published space's near misses compete with the full search's
-        out.near = sorted(out.near + seed.near, key=lambda v: v[0])[: opts.rescore]
+        out.near = sorted(out.near + seed.near, key=lambda v: objective_key(opts.objective)(v[1], v[2]))[: opts.rescore]
     out.any_family |= seed.any_family
     return out
 

@@ -36,8 +36,8 @@ class Found:
     """Plans that phase 3 must event-simulate whatever their closed-form rank (the published
     planner's best, so that the full search is never beaten by it in the simulator)."""
     near: list[tuple[tuple[float, float], float, float, Plan]] = field(default_factory=list)
-    """Near misses, best first as (objective key at the event simulation's lower bound, closed-form
-    time s, closed-form $/iteration, plan): candidates that miss a floor on throughput or a cap on
+    """Near misses, best in the closed form first, as (objective key at the event simulation's lower
+    bound, closed-form time s, closed-form $/iteration, plan): candidates that miss a floor on throughput or a cap on
     $/iteration in the closed form but meet it at the lower bound (`Finalists.offer`); phase 3
     event-simulates those that could beat its best plan (`planner._near_meeting`)."""
     deep: list[Plan] = field(default_factory=list)
@@ -58,7 +58,7 @@ class Finalists:
         self._kept: dict[tuple, tuple[tuple[float, float], Candidate, tuple]] = {}
         self._cut: tuple[float, float] | None = None  # the keep-th best key at the last trim
         self._deepest: dict[int, tuple[tuple[float, float], Candidate, tuple]] = {}  # P -> best of that depth
-        self._near: dict[tuple, tuple[tuple[float, float], Candidate, tuple]] = {}
+        self._near: dict[tuple, tuple[tuple[float, float], tuple[float, float], Candidate, tuple]] = {}  # closed, bound keys
         self.found = Found()
 
     def best0(self) -> float:
@@ -111,8 +111,10 @@ class Finalists:
         its iteration time (`Scorer.event_floor_s`, and the $/iteration that time gives) it meets the
         throughput floor and the $/iteration cap, and its closed form meets the $/hour cap (which a
         shorter iteration only raises: a plan over it in the closed form is kept only if the event
-        simulation runs slower, which this does not chase). The best `keep` by the objective at the
-        bound are kept; they never prune (`best`), as the bound can be far below the plan's time."""
+        simulation runs slower, which this does not chase). The best `keep` by the objective in the
+        closed form are kept (at the bound, plans whose transfers dominate would crowd out those
+        that miss by a hair: a newcomer's floor at 0.99999 of the unconstrained plan's figure found
+        nothing); they never prune (`best`), as the bound can be far below the plan's time."""
         c = self.opts.constraints
         if c.min_throughput is None and c.max_cost_per_iteration is None:
             return
@@ -122,7 +124,7 @@ class Finalists:
         usd = cand.cost_per_iteration_usd - cand.usd_per_hour_gpus * (cand.iteration_time_s - t) / HOUR_S
         if not replace(c, max_cost_per_hour=None).ok(t, usd):
             return
-        self._near[sig] = (self.key(t, usd), cand, point)
+        self._near[sig] = (self.key(cand.iteration_time_s, cand.cost_per_iteration_usd), self.key(t, usd), cand, point)
         if len(self._near) > 2 * self.keep:
             for s in sorted(self._near, key=lambda s: self._near[s][0])[self.keep:]:
                 del self._near[s]
@@ -155,8 +157,8 @@ class Finalists:
                 if len(out) == n:
                     break
         self.found.finalists = out
-        self.found.near = [(k, c.iteration_time_s, c.cost_per_iteration_usd, build(c, p))
-                           for k, c, p in sorted(self._near.values(), key=lambda v: v[0])[:self.opts.rescore]]
+        self.found.near = [(bound, c.iteration_time_s, c.cost_per_iteration_usd, build(c, p))
+                           for _, bound, c, p in sorted(self._near.values(), key=lambda v: v[0])[:self.opts.rescore]]
         depths = {plan.num_stages for *_, plan in out}
         if self.opts.schedules and self.opts.search is SearchSpace.FULL:
             self.found.deep = [build(c, p) for P, (_, c, p) in sorted(self._deepest.items()) if P not in depths]
