@@ -30,7 +30,7 @@ ZA = "us-central1-a"
 CLUSTER = ClusterSpec(zones={ZA: {"A100-40": 8}}, allreduce="ring",
                       network={"same_zone": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e8},
                                "same_node": {"latency_s": 5e-5, "bandwidth_bytes_per_s": 2e8}})
-GLOO = CollectiveCost(startup_s=2e-3, processing_bytes_per_s=1e8)
+GLOO = CollectiveCost(startup_s=2e-3, processing_bytes_per_s=1e8, backend="gloo")
 
 
 def _context(cost: CollectiveCost | None):
@@ -161,7 +161,12 @@ def test_the_link_file_carries_the_collective_cost(tmp_path):
                                               "fit_relative_error": 0.04})))
     assert network_for(CLUSTER, path).collective == CollectiveCost(2e-3, 1.3e8)
     path.write_text(json.dumps(_network_file({"startup_s": 1e-3})))
-    assert network_for(CLUSTER, path).collective == CollectiveCost(1e-3, None)
+    assert network_for(CLUSTER, path).collective == CollectiveCost(1e-3, None, "nccl")  # the default backend
+    path.write_text(json.dumps(_network_file({"startup_s": 1e-3, "backend": "gloo"})))
+    assert network_for(CLUSTER, path).collective == CollectiveCost(1e-3, None, "gloo")
+    # the fit writes the backend it was given (`sailor profile network`: the one it measured with)
+    assert fit_collective([1e6, 2e6], [2e-3, 3e-3], [1e-3, 2e-3], "gloo")["backend"] == "gloo"
+    assert "backend" not in fit_collective([1e6, 2e6], [2e-3, 3e-3], [1e-3, 2e-3])
 
 
 @pytest.mark.parametrize("collective, words", [
@@ -171,6 +176,7 @@ def test_the_link_file_carries_the_collective_cost(tmp_path):
     ({"processing_bytes_per_s": 1e8}, "collective.startup_s: missing field"),
     ({"startup_s": 1e-3, "efficiency": 0.8}, "collective.efficiency: unknown field 'efficiency'"),
     ([1e-3], "collective: expected a mapping"),
+    ({"startup_s": 1e-3, "backend": "mpi"}, "collective.backend: unknown backend 'mpi'"),
 ])
 def test_bad_collective_costs_are_refused(tmp_path, monkeypatch, capsys, collective, words):
     path = tmp_path / "n.json"

@@ -158,9 +158,11 @@ def test_shrink_then_sigkill_on_hosts(tmp_path, monkeypatch, reference_losses):
     pool = _setup(tmp_path, monkeypatch)
     steps = 60
     metrics, events = tmp_path / "m.jsonl", tmp_path / "e.jsonl"
-    trace = load_trace(_trace(tmp_path, (0, 4), (0.6, 2), (1.2, 4)), CLUSTER)
+    # The steps clock: the changes come after steps 8 and 16 whatever a step takes (on the training clock
+    # a launch's first step, 1.8 s with a pipeline's warm-up, jumped past both changes at once).
+    trace = load_trace(_trace(tmp_path, (0, 4), (8, 2), (16, 4)), CLUSTER)
     opts = RunOptions(job=JOB, cluster=CLUSTER, trace=trace, steps=steps, checkpoint_dir=str(tmp_path / "ck"),
-                      checkpoint_every=5, metrics=str(metrics), events=str(events), clock=ClockKind.TRAINING,
+                      checkpoint_every=5, metrics=str(metrics), events=str(events), clock=ClockKind.STEPS,
                       switch_cost_s=0.0, hosts=pool, timeout_s=30.0, in_place=False)
 
     def kill_rank_3_after_the_regrowth(out: dict, alive) -> None:

@@ -235,7 +235,7 @@ def test_network_profile_two_processes(tmp_path):
     # the all-reduce's cost beyond the ring over that link is the simulator's collective cost
     fit = data["collective"]
     assert fit["startup_s"] >= 0 and fit["fit_relative_error"] >= 0
-    assert net.collective == CollectiveCost(fit["startup_s"], fit.get("processing_bytes_per_s"))
+    assert net.collective == CollectiveCost(fit["startup_s"], fit.get("processing_bytes_per_s"), "gloo")  # measured on CPU
     assert not alive()  # none of the ranks this test started is left
 
 
@@ -376,7 +376,7 @@ def test_network_profile_between_machines_runs_each_pair_where_launch_says(tmp_p
         link["latency_s"] + (1 << 20) / link["bandwidth_bytes_per_s"])
     assert len(data["sweep"]["pairs"][0]["p2p_one_way_s"]) == 3
     assert net.collective == CollectiveCost(data["collective"]["startup_s"],
-                                            data["collective"].get("processing_bytes_per_s"))
+                                            data["collective"].get("processing_bytes_per_s"), "gloo")
     assert not alive()
 
 

@@ -48,6 +48,15 @@ def _plan(micro=(3, 1), mbs=1, stages=((0, 3), (3, 6)), zones=(ZA, ZB)) -> Plan:
     return Plan.model_validate({"micro_batch_size": mbs, "stages": [list(s) for s in stages], "pipelines": pipes})
 
 
+# _plan's step all-reduces over its 4 ranks (one per node, two nodes per zone), of S = 8 B (the
+# gradient norm) and 8 x (1 + P·5 + D + 2·W) = 8 x (1 + 10 + 2 + 8) = 168 B (the statistics):
+# hierarchical by zone, a reduce-scatter in each zone (1 step of 0.25 s + S/2 / 65536 B/s), an
+# all-reduce of S/2 across the two zones (2 steps of 0.5 s + S/2 / 1e6 B/s), an all-gather:
+# 2 x (0.25 + S / 131072) + 1 + S / 2e6, cheaper than the flat ring's 6 steps of 0.5 s; no start-up
+# (the default backend)
+STEP_S = sum(1.5 + s / 65536 + s / 2e6 for s in (8, 168))
+
+
 def _ctx(profiles=None, network=None, job=JOB):
     return make_context(job, CLUSTER, profiles or _profiles(), network or _network(), calibration={})
 
@@ -89,7 +98,8 @@ def test_full_iteration_time_by_hand():
     # optimizer: 1e-6 s/param x 120448 = 0.120448 s (stage 0, the larger)
     assert [r.optimizer_s for r in est.replicas[:2]] == pytest.approx([0.120448, 0.11648])
     assert est.gradient_sync_s == pytest.approx(1.5 + 2.46592)
-    assert est.iteration_time_s == pytest.approx(14.0 + 1.5 + 2.46592 + 0.120448)
+    assert est.step_collectives_s == pytest.approx(STEP_S, rel=1e-12)
+    assert est.iteration_time_s == pytest.approx(14.0 + 1.5 + 2.46592 + 0.120448 + STEP_S)
     assert est.replicas[0].sync_s == pytest.approx(1.5 + 1.981792)
     assert est.replicas[1].sync_s == pytest.approx(1.5 + 2.46592)
 
@@ -110,7 +120,7 @@ def test_a_profiled_transfer_cost_adds_to_every_pipeline_transfer():
 
 def test_cost_by_hand():
     est = simulate(_plan(), _ctx())
-    t = 14.0 + 1.5 + 2.46592 + 0.120448
+    t = 14.0 + 1.5 + 2.46592 + 0.120448 + STEP_S
     # 4 GPUs x $3.6/h = $0.004/s
     assert est.gpu_cost_per_iteration_usd == pytest.approx(0.004 * t)
     # only the stage syncs cross zones: each of the 2 ring edges carries 2(D-1)/D x bytes = bytes

@@ -223,13 +223,15 @@ def test_ep1_given_or_not_is_the_same_prediction():
 
 
 def _h100_a100(model: str, body: dict, framework: str, **job) -> tuple[float, list[int]]:
+    """(iteration seconds without the step's world all-reduces, which the simulator did not model at
+    99382a2 and which EP does not change, peak bytes of the first three replicas)."""
     spec = BUILTIN_MODELS[model]
     j = JobSpec(model=spec, framework=framework, precision="bf16", **job)
     cluster = ClusterSpec(zones={A: {"H100-80": 32, "A100-40": 32}}, gpus_per_node={"H100-80": 8, "A100-40": 8})
     plan = Plan.model_validate(body)
     plan.check_against(j, cluster)
     est = simulate(plan, make_context(j, cluster))
-    return est.iteration_time_s, [int(r.peak_memory_bytes) for r in est.replicas[:3]]
+    return est.iteration_time_s - est.step_collectives_s, [int(r.peak_memory_bytes) for r in est.replicas[:3]]
 
 
 def _rep(i: int, gpu: str = "H100-80", tp: int = 1) -> dict:
@@ -260,7 +262,7 @@ def _rep(i: int, gpu: str = "H100-80", tp: int = 1) -> dict:
 def test_ep1_predictions_equal_mains(model, body, framework, job, time_s, peaks):
     assert BUILTIN_MODELS[model].num_layers == body["stages"][-1][1]
     got_s, got_peaks = _h100_a100(model, body, framework, **job)
-    assert got_s == time_s and got_peaks == peaks
+    assert got_s == pytest.approx(time_s, rel=1e-14, abs=0.0) and got_peaks == peaks
 
 
 def _table_rows(est, plan, moe: bool) -> list[dict[str, str]]:

@@ -194,7 +194,8 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
     s.add_column(justify="right")
     for k, v in [("iterations/s", f"{est.throughput_iters_per_s:.4f}"),
                  ("iteration time (s)", f"{est.iteration_time_s:.3f} (pipeline {est.pipeline_s:.3f},"
-                                        f" sync {est.gradient_sync_s:.3f}, optimizer {est.optimizer_s:.3f})"),
+                                        f" sync {est.gradient_sync_s:.3f}, optimizer {est.optimizer_s:.3f},"
+                                        f" step all-reduces {est.step_collectives_s:.3f})"),
                  ("tokens/s", f"{est.tokens_per_s:,.0f}"),
                  ("$/iteration", f"{est.cost_per_iteration_usd:.4f}" + (
                      f" (egress {est.egress_per_iteration_usd:.4f}, {est.cross_zone_bytes / 1e9:,.1f} GB across zones)"

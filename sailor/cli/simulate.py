@@ -93,6 +93,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan
         (f"  pipeline ({est.schedule.label}, slowest) (s)", f"{est.pipeline_s:.4f}"),
         ("  gradient sync (s)", f"{est.gradient_sync_s:.4f}"),
         ("  optimizer (s)", f"{est.optimizer_s:.4f}"),
+        ("  step all-reduces (s)", f"{est.step_collectives_s:.4f}"),
         ("iterations/s", f"{est.throughput_iters_per_s:.4f}"),
         ("samples/s", f"{est.samples_per_s:.1f}"),
         ("tokens/s", f"{est.tokens_per_s:,.0f}"),

@@ -77,6 +77,10 @@ class CollectiveCost:
 
     startup_s: float = 0.0
     processing_bytes_per_s: float | None = None
+    backend: str = "nccl"
+    """The backend measured ("nccl" or "gloo", `BACKENDS`): NCCL runs a small all-reduce as a tree
+    where that is cheaper than its ring (`simulator.collectives.tree_allreduce_s`); gloo runs its
+    ring whatever the size (`gloo::allreduce`'s default algorithm)."""
 
     def processing_s(self, flow_bytes: float) -> float:
         """Seconds of the per-byte work of one flow that sends `flow_bytes` in a collective:
@@ -432,7 +436,14 @@ def _link(v: Any, c: Checks, where: str) -> Link:
 # The keys of our link file (module docstring; `sailor profile network` adds the measured sweep);
 # any other is refused rather than ignored.
 TOP_KEYS = ("schema", "source", "device", "versions", "date", "classes", "links", "sweep", "allreduce", "collective")
-COLLECTIVE_KEYS = ("startup_s", "processing_bytes_per_s", "fit_relative_error")
+COLLECTIVE_KEYS = ("startup_s", "processing_bytes_per_s", "backend", "fit_relative_error")
+BACKENDS = ("nccl", "gloo")  # torch.distributed's backends of Sailor's runtime: CUDA devices, CPU
+
+
+def backend_for(device: str) -> str:
+    """The torch.distributed backend of Sailor's runtime on `device` ("cuda" or "cpu"): what every
+    rank's process group is made with (`runtime.worker`, `runtime.profiler`, `runtime.netprofile`)."""
+    return BACKENDS[0] if device == "cuda" else BACKENDS[1]
 LINK_KEYS = ("src_zone", "src_gpu", "dst_zone", "dst_gpu", "flows", "latency_s", "bandwidth_bytes_per_s", "same_node")
 
 
@@ -470,16 +481,19 @@ def _import_ours(net: NetworkModel, data: dict[str, Any], source: str) -> None:
 
 
 def _collective(v: Any, c: Checks) -> CollectiveCost:
-    """`{"startup_s", "processing_bytes_per_s"?}` as a CollectiveCost (`fit_relative_error`, the
+    """`{"startup_s", "processing_bytes_per_s"?, "backend"? (default nccl)}` as a CollectiveCost (`fit_relative_error`, the
     fit's own figure, is kept in the file for the reader only)."""
     c.known_keys(c.mapping(v, "collective", "startup_s and processing_bytes_per_s"), "collective", COLLECTIVE_KEYS)
     if "startup_s" not in v:
         raise c.error("missing field", "collective.startup_s")
     rate = v.get("processing_bytes_per_s")
+    backend = v.get("backend", "nccl")
+    if backend not in BACKENDS:
+        raise c.error(f"unknown backend {show(backend)}", "collective.backend", fix=" or ".join(BACKENDS))
     return CollectiveCost(
         c.number(v["startup_s"], "collective.startup_s", lo=0, hi=MAX_SECONDS, unit="seconds"),
         None if rate is None else c.number(rate, "collective.processing_bytes_per_s", lo=MIN_BANDWIDTH_BYTES_PER_S,
-                                           hi=MAX_BANDWIDTH_BYTES_PER_S, unit="bytes/s"))
+                                           hi=MAX_BANDWIDTH_BYTES_PER_S, unit="bytes/s"), backend)
 
 
 def _zone(name: Any, c: Checks, where: str, cluster: ClusterSpec) -> str:

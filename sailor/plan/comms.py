@@ -2,7 +2,7 @@
 
 Communicators of the rank at TP rank r of stage i in pipeline j (TP degree t; `runtime.topology` and
 `runtime.groups` make them; a group of one rank opens none, equal member sets are one group):
-- the world: 1 (the step's statistics all-reduce and the global gradient norm);
+- the world: 1 (the step's statistics all-reduce and the global gradient norm, `step_allreduce_bytes`);
 - its TP group: 1 when t > 1;
 - gradient sync: the stage group (every rank holding stage i, for replicated parameters) when it has
   two or more members, plus its block groups (one rank per pipeline holding the same block of the
@@ -40,6 +40,26 @@ from sailor.plan.spec import Plan
 
 NCCL_BUFFSIZE = 4 * 2**20  # bytes; NCCL's default (module docstring)
 CHANNELS = 2
+STAGE_FIELDS = ("forward_s", "backward_s", "wait_s", "sync_update_s", "sync_exposed_s")
+"""The timings each stage reports per step in the world's statistics all-reduce (`runtime.worker`,
+`step_allreduce_bytes`)."""
+STEP_ELEMENT_BYTES = 8  # both world all-reduces carry float64 elements (`step_allreduce_bytes`)
+
+
+def step_statistics_elements(num_stages: int, pipelines: int, world_size: int) -> int:
+    """Elements of the step's statistics vector (`runtime.worker.run_steps`): 1 + P·k + D + 2·W, the
+    stop request, k = len(STAGE_FIELDS) timings per stage, each pipeline's loss and each rank's two
+    byte counts sent across stage boundaries; P = `num_stages`, D = `pipelines`, W = `world_size`."""
+    return 1 + num_stages * len(STAGE_FIELDS) + pipelines + 2 * world_size
+
+
+def step_allreduce_bytes(num_stages: int, pipelines: int, world_size: int) -> tuple[int, int]:
+    """(bytes, bytes) of the two all-reduces over every rank of the world that the runtime runs once
+    per training step, in their order: the gradient norm's (`runtime.zero.ShardedAdamW.clip`), a
+    SUM of one 0-d float64 tensor (each rank's squared norm of its owned gradient) after the gradient
+    sync and before the update; the step's statistics (`runtime.worker.run_steps`), a MAX of the
+    float64 vector of `step_statistics_elements` after the update."""
+    return STEP_ELEMENT_BYTES, STEP_ELEMENT_BYTES * step_statistics_elements(num_stages, pipelines, world_size)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ extra micro-batch), a time for m micro-batches (`kinds.Curve`)
 
 and uses G_k GPUs. A candidate is a count vector n (n_k pipelines of kind k). Its iteration time is
 
-    T(n) = W(n) + max_i S_i(n) + O(n)
+    T(n) = W(n) + max_i S_i(n) + O(n) + C(n)
 
 with W the pipeline makespan under the best integer batch shares, S_i the all-reduce of stage i over
-the D = Σ n_k replicas, and O the slowest optimizer step. The stages' memory options are the same
+the D = Σ n_k replicas, O the slowest optimizer step and C the step's two all-reduces over every
+rank (`simulator.sync.step_allreduces_s`). The stages' memory options are the same
 for every kind of a family (one StageMemory per stage); a count vector is feasible only when D
 reaches every used kind's `min_replicas` (ZeRO options fit from some D on). Under ZeRO the optimizer
 step (and under ZeRO-3 the per-micro-batch weight gathers) depend on D, so the scorer rebuilds those
@@ -29,9 +30,10 @@ split; under the cost objective it is the best split that keeps the makespan min
 rule: batch shares never trade makespan for egress). The published space (`paper`) gives every
 pipeline M / D micro-batches instead (`Scorer.equal_shares`).
 
-Gradient sync: as `simulate` computes it on the plan `finalists.plan_from_kinds` builds, pipelines
-placed on nodes as the launcher places them (`simulator.place`); kinds in different (zone, GPU type)
-pools are placed as if alone, which lets their placements be memoised per kind (`placed_apart`).
+Gradient sync and the step's all-reduces: as `simulate` computes them on the plan
+`finalists.plan_from_kinds` builds, pipelines placed on nodes as the launcher places them
+(`simulator.place`); kinds in different (zone, GPU type) pools are placed as if alone, which lets
+their placements be memoised per kind (`placed_apart`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from sailor.planner.alike import canonical_used
 from sailor.planner.kinds import Kind, make_kinds
 from sailor.simulator import SimContext, Slot, place, stage_sync, stage_time, tied_sync, time_options
 from sailor.simulator.collectives import Group, group_members, ring_key
+from sailor.simulator.sync import step_allreduces_s, world_groups
 
 
 def min_makespan(kinds: list[Kind], counts: tuple[int, ...], M: int) -> float | None:
@@ -119,7 +122,7 @@ def waterfill(kinds: list[Kind], counts: tuple[int, ...], M: int) -> tuple[float
 @dataclass
 class Scorer:
     """Scores count vectors over `kinds` (all with the family's memory options) for one
-    (P, mbs, partition, memory) family; caches sync per count vector."""
+    (P, mbs, partition, memory) family; caches the sync and the step's all-reduces per count vector."""
 
     ctx: SimContext
     partition: tuple
@@ -128,6 +131,8 @@ class Scorer:
     M: int
     equal_shares: bool = False  # the published space: every pipeline gets M / D micro-batches
     _sync: dict = field(default_factory=dict)
+    _step: dict = field(default_factory=dict)
+    _canonical: dict = field(default_factory=dict)
     _at: dict = field(default_factory=dict)
     _passes: dict = field(default_factory=dict)
 
@@ -157,6 +162,15 @@ class Scorer:
             done.update(want)
         return at
 
+    def _used(self, counts: tuple[int, ...]) -> tuple[tuple, tuple]:
+        """(each used kind's (slots, count), in kind order; the same with zones renamed to those of an
+        alike region, `alike.canonical_used`) of these counts: what `sync` and `step_collectives`
+        memoise their terms by (cached per count vector)."""
+        if counts not in self._canonical:
+            used = tuple((k.slots, n) for k, n in zip(self.kinds, counts) if n)
+            self._canonical[counts] = used, canonical_used(self.ctx, used)
+        return self._canonical[counts]
+
     def sync(self, counts: tuple[int, ...], rounds: int = 1) -> tuple[float, float]:
         """(tied + slowest stage gradient sync seconds, egress $ per iteration) for these counts, as
         `simulate` computes them (`tied_sync`, `stage_sync` with the stages' options at D) on the
@@ -168,9 +182,8 @@ class Scorer:
         sync options; the micro-batch size, whose backward hides it; the rounds), so scorers over
         other kind lists, and over the same pipelines in an alike region, share it."""
         if (counts, rounds) not in self._sync:
-            used = tuple((k.slots, n) for k, n in zip(self.kinds, counts) if n)
-            key = ("counts-sync", canonical_used(self.ctx, used), tuple(self.partition), tuple(self._sync_options),
-                   self.mbs, rounds)
+            used, canonical = self._used(counts)
+            key = ("counts-sync", canonical, tuple(self.partition), tuple(self._sync_options), self.mbs, rounds)
             if key not in self.ctx.memo:
                 self.ctx.memo[key] = self._sync_of(used, rounds)
             self._sync[(counts, rounds)] = self.ctx.memo[key]
@@ -199,6 +212,22 @@ class Scorer:
             worst = max(worst, s)
             usd += u
         return tied + worst, usd
+
+    def step_collectives(self, counts: tuple[int, ...]) -> float:
+        """Seconds of the step's two all-reduces over every rank (`simulator.sync.step_allreduces_s`)
+        of the plan these counts make, placed as `sync` places it. They read the pipelines' stage
+        count, their number and where their ranks sit, nothing of the partition, micro-batch size or
+        memory options: memoised in the context by each used kind's slots and count, in order, zones
+        renamed to those of an alike region (`alike.canonical_used`), so every family's scorers over
+        these pipelines share it."""
+        if counts not in self._step:
+            used, canonical = self._used(counts)
+            key = ("counts-step", canonical)
+            if key not in self.ctx.memo:
+                self.ctx.memo[key] = step_allreduces_s(self.ctx, _world_of(self.ctx, used), len(used[0][0]),
+                                                       sum(n for _, n in used))
+            self._step[counts] = self.ctx.memo[key]
+        return self._step[counts]
 
     def score(self, counts: tuple[int, ...], hopeless: Callable[[float, float], bool] | None = None,
               floor_s: float = 0.0) -> "Candidate | None":
@@ -236,7 +265,7 @@ class Scorer:
             return None
         sync_s, sync_usd = self.sync(counts, max(max(sh) for sh in shares if sh))
         egress += sync_usd
-        T = W + sync_s + opt
+        T = W + sync_s + opt + self.step_collectives(counts)
         return Candidate(iteration_time_s=T, cost_per_iteration_usd=rate * T / HOUR_S + egress,
                          usd_per_hour_gpus=rate, counts=counts, shares=shares, scorer=self, makespan_s=W)
 
@@ -244,8 +273,8 @@ class Scorer:
         """A lower bound on the iteration time the event simulation gives `cand`'s plan (seconds):
         its closed form with the makespan W replaced by the largest `pipeline_floor_s` over the used
         kinds at their largest share. The closed form's pipeline times are an estimate
-        (`simulator.schedule.closed_form_1f1b`), which the event simulation can undercut; the sync
-        and the optimizer step are the same in both (`simulate`)."""
+        (`simulator.schedule.closed_form_1f1b`), which the event simulation can undercut; the sync,
+        the optimizer step and the step's all-reduces are the same in both (`simulate`)."""
         D = sum(cand.counts)
         kinds = self.kinds_at(D, cand.counts)
         W = 0.0
@@ -298,6 +327,24 @@ def placed_alone(ctx: SimContext, slots: tuple[Slot, ...], n: int) -> list[tuple
         have = [tuple(p) for p in place([list(slots)] * max(n, 2 * len(have or ())), ctx.cluster)]
         ctx.memo[key] = have
     return have[:n]
+
+
+def _world_of(ctx: SimContext, used: tuple[tuple[tuple[Slot, ...], int], ...]) -> list[Group]:
+    """Every rank of the pipelines of `used` ((slots, count) per kind, in order) placed as
+    `Scorer.sync` places them, as ring groups (`simulator.sync.world_groups`). Kinds placed apart
+    (`placed_apart`): each kind's ranks found once (memoised per kind and count), merged in ring
+    order as `apart_groups` merges a stage's."""
+    if not placed_apart(used):
+        return world_groups(sl for pipe in place([pipe for slots, n in used for pipe in [list(slots)] * n],
+                                                 ctx.cluster) for sl in pipe)
+    parts = []
+    for slots, n in used:
+        key = ("placed-world", slots, n)
+        part = ctx.memo.get(key)
+        if part is None:
+            part = ctx.memo[key] = _ring_part(world_groups(sl for pipe in placed_alone(ctx, slots, n) for sl in pipe))
+        parts.append(part)
+    return _merge_ring_parts(parts)
 
 
 def _tied_terms(ctx: SimContext, slots: tuple[Slot, ...], n: int, zero: tuple[int, int],

@@ -30,7 +30,7 @@ SPACE_STYLE = {"paper": ("#2ca02c", "s"), "homogeneous": ("#ff7f0e", "^")}
 
 # Colours (matplotlib's tab10), one per activity, the same in every figure.
 COLOR = {"forward": "#1f77b4", "backward": "#ff7f0e", "weight gradient": "#17becf", "p2p": "#9467bd", "sync": "#d62728",
-         "optimizer": "#8c564b", "idle": "#e8e8e8",
+         "optimizer": "#8c564b", "step all-reduces": "#e377c2", "idle": "#e8e8e8",
          "weights": "#1f77b4", "gradients": "#ff7f0e", "optimizer states": "#2ca02c",
          "activations": "#9467bd", "buffers & reserve": "#bcbd22", "framework": "#7f7f7f"}
 
@@ -149,7 +149,8 @@ def timeline_figure(plan: Plan, est: Estimate, base: Path) -> list[Path]:
     """The chosen plan's iteration as a Gantt chart: one row per (pipeline, stage), the passes of its
     schedule as the event simulation ran them (`PipelineSchedule.timeline`: forwards, backwards, ZB-H1's
     weight-gradient passes, 1F1B's blocking p2p transfers; under interleaving later chunks are drawn
-    lighter), then gradient sync and the optimizer step as the simulator orders them; idle time
+    lighter), then gradient sync, the optimizer step and the step's all-reduces over every rank as the
+    simulator orders them; idle time
     (bubbles, waits for a peer or for the slowest pipeline) in grey. Identical pipelines share one row
     block; at most MAX_TIMELINE_ROWS rows, slowest first (the fastest kind is kept when some are left
     out).
@@ -183,6 +184,10 @@ def timeline_figure(plan: Plan, est: Estimate, base: Path) -> list[Path]:
         ax.broken_barh([(end_pipe, r.sync_s)], (y - 0.4, 0.8), color=COLOR["sync"], linewidth=0)
         ax.broken_barh([(end_pipe + est.gradient_sync_s, r.optimizer_s)], (y - 0.4, 0.8),
                        color=COLOR["optimizer"], linewidth=0)
+        # the gradient norm's all-reduce runs before the update, the statistics' after it: drawn
+        # together at the iteration's end (each a few ms)
+        ax.broken_barh([(est.iteration_time_s - est.step_collectives_s, est.step_collectives_s)], (y - 0.4, 0.8),
+                       color=COLOR["step all-reduces"], linewidth=0)
         labels.append(f"{_pipes_label(js)} · stage {r.stage} · {r.gpu} TP{r.tp}")
     ax.set_yticks(range(len(rows)), labels)
     ax.invert_yaxis()
@@ -199,6 +204,7 @@ def timeline_figure(plan: Plan, est: Estimate, base: Path) -> list[Path]:
               if k in drawn]
     legend += [Patch(color=COLOR["sync"], label=f"gradient sync ({est.gradient_sync_s:.3f} s)"),
                Patch(color=COLOR["optimizer"], label=f"optimizer ({est.optimizer_s:.3f} s)"),
+               Patch(color=COLOR["step all-reduces"], label=f"step all-reduces ({est.step_collectives_s:.3f} s)"),
                Patch(color=COLOR["idle"], label="idle (bubble / wait)")]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.45 / max(len(rows), 1) - 0.12),
               ncol=len(legend), fontsize=8, frameon=False)

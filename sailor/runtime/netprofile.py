@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from sailor.perf.network import SCHEMA, CollectiveCost, NetworkModel, network_from_ours
+from sailor.perf.network import SCHEMA, CollectiveCost, NetworkModel, backend_for, network_from_ours
 
 SIZES_BYTES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
 HOST_SIZES_BYTES = SIZES_BYTES[:7]  # 1 KiB .. 4 MiB between machines: 4 MiB over 50 Mbit/s is 0.7 s
@@ -92,10 +92,11 @@ def collective_of_pairs(net: NetworkModel, data: dict[str, Any]) -> dict[str, An
     if not pairs:
         return None
     rings = [simulated_ring_s(net, pair_members(link), sizes) for link in data["links"]]
-    return fit_collective(list(sizes) * len(pairs), [t for p in pairs for t in p["allreduce_s"]], np.concatenate(rings))
+    return fit_collective(list(sizes) * len(pairs), [t for p in pairs for t in p["allreduce_s"]], np.concatenate(rings),
+                          data["sweep"].get("backend"))
 
 
-def fit_collective(flow_bytes, measured_s, ring_s) -> dict[str, Any]:
+def fit_collective(flow_bytes, measured_s, ring_s, backend: str | None = None) -> dict[str, Any]:
     """The backend's cost of a collective beyond its ring (`perf.network.CollectiveCost`) from
     all-reduce sweeps: measured = α_c + ring + B / ρ, with B the bytes each member sends
     (2(N-1)/N · x), `ring_s` the simulator's ring over the links it will use with the file
@@ -105,14 +106,16 @@ def fit_collective(flow_bytes, measured_s, ring_s) -> dict[str, Any]:
     (links) may be pooled: α_c and ρ are the backend's, not a link's.
 
     Returns the file's `collective` entry: {"startup_s", "processing_bytes_per_s" (absent when the
-    residual does not grow with the bytes), "fit_relative_error" (mean |model - measured| /
-    measured over the points)}."""
+    residual does not grow with the bytes), "backend" (the backend measured, `perf.network.backend_for`; absent
+    when not given), "fit_relative_error" (mean |model - measured| / measured over the points)}."""
     b, t, ring = (np.asarray(v, dtype=float) for v in (flow_bytes, measured_s, ring_s))
     startup, inv_rate = _nonnegative_line(b, t - ring, ring)
     model = ring + startup + b * inv_rate
     out: dict[str, Any] = {"startup_s": startup}
     if inv_rate > 0:
         out["processing_bytes_per_s"] = 1.0 / inv_rate
+    if backend is not None:
+        out["backend"] = backend
     out["fit_relative_error"] = float(np.mean(np.abs(model - t) / t))
     return out
 
@@ -144,7 +147,7 @@ def network_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
 
     cuda = o["device"] == "cuda"
     device = rank_device("cuda", rank) if cuda else torch.device("cpu")  # arch check, current device
-    init_rank(rank, world, port, "nccl" if cuda else "gloo", o["timeout_s"], o.get("master_addr", "127.0.0.1"))
+    init_rank(rank, world, port, backend_for(o["device"]), o["timeout_s"], o.get("master_addr", "127.0.0.1"))
     watch = Stopwatch(device)  # CUDA events on the compute stream, which waits for NCCL's
 
     def timed(fn) -> float:
@@ -256,7 +259,8 @@ def profile_network(nproc: int, *, device: str = "cpu", zone: str = "local", war
     # the simulator's ring for these processes: all on one node, over the measured one-flow link
     net = NetworkModel(cluster=local_cluster(nproc), class_links={LinkClass.SAME_NODE: Link(alpha1, beta1)})
     members = [Member(zone="local", gpu="cpu", tp=1, node="local")] * nproc
-    data["collective"] = fit_collective(bus, res["allreduce"], simulated_ring_s(net, members, sizes_bytes))
+    data["collective"] = fit_collective(bus, res["allreduce"], simulated_ring_s(net, members, sizes_bytes),
+                                        backend_for(device))
     return data
 
 
@@ -302,6 +306,6 @@ def profile_pairs(pairs, launch, *, cluster, port: int, device: str = "cpu", war
         sweeps.append({"hosts": list(pair.hosts), "p2p_one_way_s": got["p2p"]["1"], "allreduce_s": got["allreduce"]})
     data = {"schema": SCHEMA, "source": f"sailor profile network --hosts ({len(links)} links, {device})",
             "versions": versions(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "links": links, "sweep": {"sizes_bytes": list(sizes_bytes), "pairs": sweeps}}
+            "links": links, "sweep": {"sizes_bytes": list(sizes_bytes), "backend": backend_for(device), "pairs": sweeps}}
     data["collective"] = collective_of_pairs(network_from_ours(cluster, data, data["source"]), data)
     return data

@@ -42,6 +42,7 @@ from typing import Any, Literal
 from sailor.core.errors import SailorInputError
 from sailor.core.limits import MAX_PROFILE_MBS, MAX_PROFILE_PASSES, max_local_processes
 from sailor.core.scratch import scratch_dir
+from sailor.perf.network import backend_for
 from sailor.runtime.profile_measure import (
     RUNTIME_MICROBATCHES,
     layer_kinds,
@@ -185,7 +186,7 @@ def profile_rank(rank: int, world: int, port: int, o: dict[str, Any]) -> None:
     device = rank_device("cuda", rank) if cuda else torch.device("cpu")  # arch check, current device
     if not cuda:
         torch.set_num_threads(o["threads"])
-    init_rank(rank, world, port, "nccl" if cuda else "gloo", o["timeout_s"])
+    init_rank(rank, world, port, backend_for(o["device"]), o["timeout_s"])
     tp = o["tp"]
     # TP groups of consecutive ranks; every rank must take part in creating every group.
     groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(world // tp)]

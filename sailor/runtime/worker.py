@@ -79,7 +79,9 @@ from sailor.core.errors import SailorInputError, SailorWarning
 from sailor.core.fileio import check_output_path
 from sailor.model.hf_files import RECORD_KEY, source_record
 from sailor.model.spec import ModelSpec
+from sailor.perf.network import backend_for
 from sailor.plan import load_plan
+from sailor.plan.comms import STAGE_FIELDS, step_statistics_elements
 from sailor.plan.orders import Op
 from sailor.plan.spec import Plan
 from sailor.runtime import checkpoint as ckpt
@@ -265,9 +267,6 @@ class StepResult:
     skipped: bool  # fp16 overflow: no update was made
 
 
-STAGE_FIELDS = ("forward_s", "backward_s", "wait_s", "sync_update_s", "sync_exposed_s")  # per stage, per step
-
-
 def sync_exposed_s(opt: ShardedAdamW) -> float:
     """Seconds of the last step's gradient sync that did not hide under the backward: from the end of
     the stage's last backward to every collective waited on (`grad_sync.SyncTimeline`); 0 when the
@@ -383,7 +382,7 @@ def init_world(args: WorkerSettings, job: JobSpec, device: torch.device, **init:
         check_device_precision(job.precision, torch.cuda.get_device_capability(device),
                                device_name=torch.cuda.get_device_name(device))
     # A bound device makes torch create NCCL communicators eagerly, at new_group (`groups`).
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout_s),
+    dist.init_process_group(backend_for("cuda" if cuda else "cpu"), timeout=timedelta(seconds=args.timeout_s),
                             device_id=device if cuda else None, **init)
     ignore_tags()
 
@@ -499,9 +498,10 @@ def run_steps(live: Live, log: StepLog | None) -> None:
         # One MAX all-reduce per step carries: the stop request, each stage's timings (MAX over its
         # ranks), each pipeline's loss sum in its own slot (only its last stage's TP rank 0 writes
         # it, and losses are >= 0, so MAX picks it out; rank 0 adds the slots), and each rank's bytes
-        # sent across stage boundaries this step, activations and gradients, in its own two slots.
+        # sent across stage boundaries this step, activations and gradients, in its own two slots
+        # (`plan.comms.step_statistics_elements`; the simulator prices it, `simulator.sync.step_allreduces_s`).
         P, D, W, k = role.num_stages, role.num_pipelines, topo.world_size, len(STAGE_FIELDS)
-        stats = torch.zeros(1 + P * k + D + 2 * W, dtype=torch.float64, device=device)
+        stats = torch.zeros(step_statistics_elements(P, D, W), dtype=torch.float64, device=device)
         stats[0] = stop_requested()
         stats[1 + role.stage * k: 1 + (role.stage + 1) * k] = torch.tensor(
             [times.forward_s, times.backward_s, times.wait_s, t2 - t1, sync_exposed_s(opt)], dtype=torch.float64)

@@ -4,9 +4,10 @@
 in the order of DeepSpeed's pipeline engine, `schedule`; interleaved 1F1B and ZB-H1, `schedule_orders`
 over the op orders of `sailor.plan.orders`)
 for every distinct pipeline, then the gradient reductions, then the optimizer step, in the order
-DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, OptimizerStep):
+DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, OptimizerStep), and the
+step's two all-reduces over the whole world:
 
-    iteration_time = max_j pipeline_j + tied + max_i sync_i + max_{replicas} optimizer
+    iteration_time = max_j pipeline_j + tied + max_i sync_i + max_{replicas} optimizer + step
 
 - pipeline: per micro-batch, each replica's forward and backward (`terms.stage_time`: layer times,
   recomputation, TP collectives where the profile lacks them, ZeRO-3 gathers) and the transfers
@@ -26,6 +27,9 @@ DeepSpeed's `TrainSchedule` ends an iteration (ReduceTiedGrads, ReduceGrads, Opt
   a ring or a hierarchical all-reduce over the links at the GPU type's calibrated all-reduce
   efficiency (`terms.collective_s`, `collectives`).
 - optimizer: proportional to the parameters on one GPU (memory-bound; 1/D of them under ZeRO).
+- step: Sailor's runtime's all-reduce of the gradient norm before the update and of the step's
+  statistics after it, each over every rank of the plan (`sync.step_allreduces_s`): latency-bound,
+  a few bytes and 2(W-1) hop latencies on a ring of W ranks.
 - expert parallelism (`Plan.experts`, EP > 1 on a stage; `experts`): each replica's EP rank goes
   into its stage's time options (its experts' work, the slowest EP rank of its group, and the
   all-to-alls in its passes), its memory (its experts' states, the rows it receives, token
@@ -81,8 +85,10 @@ from sailor.simulator.schedules import (
 from sailor.simulator.sync import (
     stage_sync,
     stage_sync_crossings,
+    step_allreduces_s,
     tied_sync,
     tied_sync_crossings,
+    world_groups,
 )
 from sailor.simulator.terms import (
     DEFAULT_TIME,
@@ -191,6 +197,9 @@ class Estimate:
     stage_sync_s: list[float] = field(default_factory=list)
     """Per stage, the seconds of its gradient sync charged after its last backward (`sync.stage_sync`;
     the tied embedding's exchange not included): what the runtime's `sync_exposed_s` measures."""
+    step_collectives_s: float = 0.0
+    """Seconds of the step's two all-reduces over every rank, the gradient norm's and the statistics'
+    (`sync.step_allreduces_s`), part of `iteration_time_s`."""
 
     @property
     def throughput_iters_per_s(self) -> float:
@@ -258,7 +267,7 @@ class Estimate:
             "flop_per_s_per_gpu_with_recompute": self.flop_per_s_per_gpu,
             "tp_communication": self.tp_communication or [],
             "breakdown": {"pipeline": self.pipeline_s, "gradient_sync": self.gradient_sync_s,
-                          "optimizer": self.optimizer_s},
+                          "optimizer": self.optimizer_s, "step_collectives": self.step_collectives_s},
             "pipeline_times_s": self.pipeline_times_s,
             **({"schedule_timing": self.schedule_timing} if self.schedule_timing else {}),
             "estimated": self.estimated,
@@ -421,7 +430,8 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
         rep.sync_s = sync_times[rep.stage] + (tied_s if rep.stage in (0, P - 1) else 0.0)
 
     sync_s = tied_s + max(sync_times)
-    iteration = max(pipeline_times_s) + sync_s + max(r.optimizer_s for r in replicas)
+    step_s = step_allreduces_s(ctx, world_groups(sl for pipe in slots for sl in pipe), P, D)
+    iteration = max(pipeline_times_s) + sync_s + max(r.optimizer_s for r in replicas) + step_s
     gpus: dict[tuple[str, str], int] = {}  # GPUs per (zone, GPU type)
     for p in plan.pipelines:
         for r in p.replicas:
@@ -444,6 +454,7 @@ def simulate(plan: Plan, ctx: SimContext, *, event: bool = True) -> Estimate:
                          and (how != SPLIT_FROM_FLOPS or plan.schedule.splits_backward)),
         recompute_flop_per_iteration=_recompute_flop(plan, ctx, memory), tp_communication=tp_communication(plan, ctx),
         schedule=sched, pipeline_passes=passes, traffic=tally(crossings), stage_sync_s=sync_times,
+        step_collectives_s=step_s,
     )
 
 

@@ -50,6 +50,7 @@ absolute per-byte cost on both, so a rate beside the link's, not a fraction of i
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -276,6 +277,44 @@ def allreduce_time_s(groups: list[Group], nbytes: float, net: NetworkModel, *, e
     if d < 2 or nbytes <= 0:
         return 0.0
     return AllreduceRings.of(groups, net, algorithm).time_s(nbytes, efficiency)
+
+
+def tree_allreduce_s(groups: list[Group], nbytes: float, net: NetworkModel) -> float:
+    """Seconds of NCCL's tree all-reduce of `nbytes` over `groups` (from `group_members`), the
+    algorithm NCCL takes for small messages across nodes: a chain through the ranks of each node and
+    a binary tree over the N nodes, the bytes reduced up it and broadcast down:
+        T = 2·((r - 1)·h_node + ⌈log2 N⌉·h),
+    r the most members on one node, h_node one message of `nbytes` between two of them (the slowest
+    such link: latency + streaming), h the same between two nodes (the slowest pair of the members'
+    (zone, GPU type)s). NCCL's tuning model prices the tree's latency so (nccl src/graph/tuning.cc,
+    `ncclTopoTuneModel`: baseLat + 2·((nRanks/nNodes - 1)·intraLat + log2(nNodes)·interLat)); the
+    bytes of a small message move in one chunk per hop. Members without a node are a node each; no
+    backend cost (`CollectiveCost`) is added. 0 for a single member."""
+    per_node: Counter[str] = Counter()
+    kinds: dict[tuple[str, str], int] = {}  # (zone, GPU type) -> nodes of it
+    alone = 0
+    for m, n in groups:
+        if m.node is None:
+            alone += n
+            kinds[(m.zone, m.gpu)] = kinds.get((m.zone, m.gpu), 0) + n
+        else:
+            kinds.setdefault((m.zone, m.gpu), 0)
+            if per_node[m.node] == 0:
+                kinds[(m.zone, m.gpu)] += 1
+            per_node[m.node] += n
+    nodes = len(per_node) + alone
+    r = max(per_node.values(), default=1)
+    if nodes + r < 3:  # a single member
+        return 0.0
+
+    def hop(a: tuple[str, str], b: tuple[str, str], on_node: bool) -> float:
+        return (net.hop_latency_s(*a, *b, same_node=on_node)
+                + net.stream_time_s(*a, *b, nbytes, same_node=on_node))
+
+    inside = max((hop((m.zone, m.gpu), (m.zone, m.gpu), True) for m, _ in groups
+                  if m.node is not None and per_node[m.node] > 1), default=0.0)
+    between = max((hop(a, b, False) for a in kinds for b in kinds if a != b or kinds[a] > 1), default=0.0)
+    return 2.0 * ((r - 1) * inside + math.ceil(math.log2(nodes)) * between)
 
 
 RING_STEPS = {Collective.ALL_REDUCE: 2, Collective.ALL_GATHER: 1, Collective.REDUCE_SCATTER: 1}

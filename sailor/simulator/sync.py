@@ -1,21 +1,25 @@
 """The simulator's gradient-sync terms: each stage's gradient sync across its data-parallel replicas
 (`stage_sync`: the collectives its ZeRO level runs, and under Sailor's runtime only the part its
-backward cannot hide, `exposed_sync_s`) and the tied embedding's exchange between a pipeline's first
-and last stage (`tied_sync`), with the bytes each puts across zones; shared with the planner so that
+backward cannot hide, `exposed_sync_s`), the tied embedding's exchange between a pipeline's first
+and last stage (`tied_sync`), with the bytes each puts across zones, and the step's two small
+all-reduces over every rank of the world (`step_allreduces_s`); shared with the planner so that
 both score plans the same way. Per-micro-batch terms are in `terms`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from sailor.model.spec import Collective, Framework
-from sailor.simulator.collectives import Group, RingEdges, group_members, ring_crossings, ring_egress
+from sailor.plan.comms import step_allreduce_bytes
+from sailor.simulator.collectives import (Group, Member, RingEdges, group_members, ring_crossings, ring_egress, ring_key,
+                                          tree_allreduce_s)
 from sailor.simulator.context import ALL_PARAMS, ParamShare, SimContext, TiedCopies, tied_embeddings
-from sailor.simulator.terms import (DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_s,
-                                   group_shape, shape_memo)
+from sailor.simulator.terms import (DEFAULT_TIME, RING_SHARE, Slot, TimeOptions, allreduce_s, collective_rings,
+                                   collective_s, group_shape, shape_memo, timed_collective_s)
 from sailor.simulator.traffic import Crossing
 
 
@@ -205,3 +209,50 @@ def tied_sync_crossings(ctx: SimContext, first: Slot, last: Slot, num_stages: in
         return []
     groups, nbytes, _ = _tied_allreduce(ctx, first, last, tied_share(ctx, zero, replicas))
     return ring_crossings(groups, nbytes, ctx.network)
+
+
+def world_groups(slots: Iterable[Slot]) -> list[Group]:
+    """Every rank of a plan as ring groups (ring order, `collectives.ring_key`), from its placed
+    replicas' slots (`terms.place`; each slot once per replica): a replica of TP degree t is t ranks
+    on its node, each a member of TP 1 (one flow per ring edge, as one rank in one communicator);
+    the ranks of one GPU type on one node are one group."""
+    ranks: Counter[Member] = Counter()
+    for sl, n in Counter(slots).items():
+        assert sl.node is not None, f"world ranks need placed slots, got {sl}"
+        ranks[Member(sl.zone, sl.gpu, 1, sl.node)] += n * sl.tp
+    return sorted(ranks.items(), key=ring_key)
+
+
+def step_allreduces_s(ctx: SimContext, world: list[Group], num_stages: int, pipelines: int) -> float:
+    """Seconds per iteration of the two all-reduces the runtime runs over every rank of the world once
+    per step (`plan.comms.step_allreduce_bytes`): the gradient norm's, S_1 = 8 bytes, which waits for
+    every rank's backward and gradient sync (`runtime.zero.ShardedAdamW.clip`), and the step's
+    statistics, S_2 = 8·(1 + P·k + D + 2·W) bytes, after the update (`runtime.worker.run_steps`);
+    `world` = the plan's ranks (`world_groups`, W of them), P = `num_stages`, D = `pipelines`.
+    Each is a collective of its own over one group (`terms.timed_collective_s`): the backend's start-up
+    α_c (`perf.network.CollectiveCost`) plus the cheaper of the ring and the hierarchical all-reduce
+    (`collectives.AllreduceRings`, or the one the cluster spec pins), the ring
+        T_ring(S) = 2(W-1)·α + stream(2(W-1)/W·S)/η + processing(2(W-1)/W·S),
+    α the slowest edge's one-way latency: with so few bytes nearly all of it is the 2(W-1) hop
+    latencies (the hierarchy: those of its islands' rings and of the ring across them). Under NCCL
+    (`CollectiveCost.backend`) the tree where it is cheaper (`collectives.tree_allreduce_s`, α_c
+    added): 2·⌈log2 N⌉ hops over N nodes, as NCCL picks its algorithm by its cost model; gloo runs
+    the ring. So
+        T = T(S_1) + T(S_2).
+    Their bytes between zones (16 KiB per step at W = 1000) are left out of the plan's traffic and egress.
+    These are Sailor's runtime's collectives: 0 for a job modelled after DeepSpeed or Megatron-LM
+    (`model.spec.Framework`), whose own per-step reductions (gradient norm, loss) are not modelled."""
+    if ctx.job.framework is not Framework.SAILOR:
+        return 0.0
+    W = sum(n for _, n in world)
+    if W < 2:
+        return 0.0
+    rings = collective_rings(ctx, world)  # not memoised by the world's shape: one per plan (callers memoise)
+    cost = ctx.network.collective
+    total = 0.0
+    for nbytes in step_allreduce_bytes(num_stages, pipelines, W):
+        t = timed_collective_s(ctx, *rings, Collective.ALL_REDUCE, nbytes)
+        if cost.backend == "nccl":
+            t = min(t, cost.startup_s + tree_allreduce_s(world, nbytes, ctx.network))
+        total += t
+    return total

@@ -414,11 +414,24 @@ def collective_s(ctx: SimContext, groups: list[Group], kind: Collective, nbytes:
     if key not in ctx.memo:
         rings_of = shape_memo(ctx, "allreduce rings")
         if shape not in rings_of:
-            rings_of[shape] = (AllreduceRings.of(groups, ctx.network), ctx.allreduce_efficiency([r for r, _ in groups]))
-        rings, efficiency = rings_of[shape]
-        ring = rings.time_s(nbytes, efficiency)
-        ctx.memo[key] = RING_SHARE[kind] * ring + (ctx.network.collective.startup_s if ring > 0 else 0.0)
+            rings_of[shape] = collective_rings(ctx, groups)
+        ctx.memo[key] = timed_collective_s(ctx, *rings_of[shape], kind, nbytes)
     return ctx.memo[key]
+
+
+def collective_rings(ctx: SimContext, groups: list[Group]) -> tuple[AllreduceRings, float]:
+    """(the rings of a collective over `groups`, `collectives.AllreduceRings`; the members' lowest
+    calibrated all-reduce efficiency): what `collective_s` reads of the groups, for any bytes."""
+    return AllreduceRings.of(groups, ctx.network), ctx.allreduce_efficiency([r for r, _ in groups])
+
+
+def timed_collective_s(ctx: SimContext, rings: AllreduceRings, efficiency: float, kind: Collective,
+                       nbytes: float) -> float:
+    """Seconds of one collective of `kind` and `nbytes` over `rings` (`collective_rings`), not
+    memoised: a reduce-scatter or an all-gather half the all-reduce, plus the backend's start-up of
+    one call (`collective_s`)."""
+    ring = rings.time_s(nbytes, efficiency)
+    return RING_SHARE[kind] * ring + (ctx.network.collective.startup_s if ring > 0 else 0.0)
 
 
 def shape_memo(ctx: SimContext, name: str) -> dict:
