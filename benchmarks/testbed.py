@@ -448,9 +448,16 @@ def main() -> int:
             others = [k for k in others if k in plans]
         for name, plan in plans.items():
             same = next((r for r in rows if plans[r["plan"]] == plan), None)  # a baseline that is a plan run already
-            rows.append({**same, "plan": name, "same_as": same["plan"]} if same else
-                        run_plan(name, plan, state, job, profile, network, out, args.steps, args.skip))
-            r = rows[-1]
+            r = {**same, "plan": name, "same_as": same["plan"]} if same else \
+                run_plan(name, plan, state, job, profile, network, out, args.steps, args.skip)
+            if not same and r["reservations_handed_back"]:
+                # the kernel starved ordinary threads (`testbed.guard`): a fault of the emulation, not of
+                # the plan; run the row once more and keep the first try's figures beside the second's
+                print(f"{name:19s} reservations handed back (measured {r['measured_s']:.4f} s): once more", flush=True)
+                first = {k: r[k] for k in ("measured_s", "passes_measured_s", "sync_measured_s", "load_before",
+                                           "load_after")}
+                r = run_plan(name, plan, state, job, profile, network, out, args.steps, args.skip) | {"first_try": first}
+            rows.append(r)
             print(f"{name:19s} predicted {r['predicted_s']:.4f} s  measured {r['measured_s']:.4f} s"
                   f"  error {r['error_pct']:+.1f} % (spec links alone {r['error_spec_links_pct']:+.1f} %,"
                   f" measured links {r['error_measured_links_pct']:+.1f} %)"
