@@ -433,7 +433,10 @@ def main() -> int:
             network = (collective_file(state, out / "network.json"), out / "network.json")
             print(f"reusing {profile} and {network[1]}", flush=True)
         else:
-            write_json(profile, profile_classes(spec, state, job, mbs="1,2"))
+            # micro-batches of 4 too: the planner's plan at GLOBAL_BATCH on three fast ranks takes one of 4,
+            # and outside the measured sizes a lookup scales proportionally (`perf.profile_lookup`): from
+            # 1 and 2 it priced the passes 59.7 ms where they took 48.2 (2026-12-06, session 17)
+            write_json(profile, profile_classes(spec, state, job, mbs="1,2,4"))
             network = profile_network(state, out, args.network_repeats)
         found = sailor.find_plan(job, state.cluster_file, profiles=profile, network=network[0])
         plans = {"planner": found.plan.to_dict(with_specs=False), **PLANS}
