@@ -365,3 +365,27 @@ def test_simulate_prints_parts_that_add_up_to_the_printed_iteration(tmp_path):
     render_plan_result(result, con, title="t")
     assert "15.031 (pipeline 14.462, sync 0.562, optimizer 0.007)" in con.export_text()
 
+
+def test_simulate_reads_what_plan_json_prints(tmp_path, monkeypatch, capsys):
+    """A newcomer's finding: `sailor simulate` given `sailor plan --json`'s output said
+    "micro_batch_size: Field required". It simulates the chosen plan it holds (job and cluster
+    included), as it simulates the plan file of `--out`; a bad plan inside is named under "plan"."""
+    from test_cli_bad_input import _main, _refused
+    (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    code, out, err = _main(["plan", "--job", "job.yaml", "--cluster", "cluster.yaml", "--json", "--out", "plan.json"],
+                           tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    (tmp_path / "printed.json").write_text(out)
+    assert "micro_batch_size" not in json.loads(out) and "estimate" in json.loads(out)
+    runs = []
+    for name in ("plan.json", "printed.json"):
+        code, out, err = _main(["simulate", name, "--json"], tmp_path, monkeypatch, capsys)
+        assert code == 0, err
+        runs.append(json.loads(out))
+    assert runs[0] == runs[1]
+    bad = json.loads((tmp_path / "printed.json").read_text())
+    bad["plan"]["micro_batch_size"] = 0
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    line = _refused(["simulate", "bad.json"], tmp_path, monkeypatch, capsys)
+    assert line == "error: bad.json: plan.micro_batch_size: Input should be greater than 0 (got 0)", line
