@@ -612,6 +612,26 @@ def test_plan_with_a_link_file_without_schema_names_the_file(tmp_path, monkeypat
     assert line.startswith("error: n.json: no \"schema\" field, but our link file's fields"), line
 
 
+# ---- a bad value is quoted as the file spells it (a newcomer's finding: None, True) -------------
+@pytest.mark.parametrize("value, words", [(None, "got null"), (True, "got true"), (False, "got false"),
+                                          ([None, True], "got [null, true]"), ({"s": None}, "got {'s': null}")])
+def test_bad_values_are_quoted_as_json_spells_them(tmp_path, monkeypatch, value, words):
+    """The collective entry of a link file (where the backend's figures sit) quoted JSON's null and
+    true as Python's None and True; `core.errors.show`, which every such message uses, spells them
+    as the file does."""
+    from sailor.core.errors import show
+    from sailor.perf.network import network_for
+    from sailor.specs import load_cluster
+    from test_cli_bad_input import LOCAL
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps(LOCAL))
+    (tmp_path / "n.json").write_text(json.dumps({"schema": "sailor.network/1", "collective": {"startup_s": value}}))
+    with pytest.raises(SailorInputError) as e:
+        network_for(load_cluster("c.json"), "n.json")
+    assert e.value.one_line() == f"n.json: collective.startup_s: expected a number of seconds, {words}"
+    assert (show(1), show(0), show("null"), show(1.5)) == ("1", "0", "'null'", "1.5")  # only null, true, false change
+
+
 def test_plan_with_a_profile_as_network_names_the_schema(tmp_path, monkeypatch, capsys):
     _base(tmp_path)
     line = _refused(["plan", "--job", "job.yaml", "--cluster", "gcp.yaml", "--network", "profile.json"],
