@@ -573,6 +573,65 @@ def test_a_network_file_of_another_schema_names_it(tmp_path, monkeypatch, doc, w
     assert e.value.one_line().startswith(words), e.value.one_line()
 
 
+# ---- a network file without its schema line says so (a newcomer's finding) -----------------------
+_LINKS = {"classes": {"same_zone": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9}},
+          "collective": {"startup_s": 1e-4}}
+_ACCEPTED = ("--network takes our link file with \"schema\": \"sailor.network/1\" (`sailor profile network` writes"
+             " it), a Sailor multizone_bandwidths*.json file (zone -> GPU type -> count -> ...) or a Sailor network"
+             " folder")
+
+
+@pytest.mark.parametrize("doc, line", [
+    # our link file that lost its schema line: read as the published format, it was refused as
+    # "classes: expected a mapping of GPU type -> count -> ..."
+    (_LINKS, "n.json: no \"schema\" field, but our link file's fields (classes, collective) (add \"schema\":"
+             " \"sailor.network/1\" as `sailor profile network` writes it)"),
+    ({"local": {"cpu": 3}}, "n.json: not our link file (no \"schema\" field) and not a Sailor bandwidth file (local.cpu:"
+                            f" expected a mapping of count -> zone -> ..., got int 3) ({_ACCEPTED})"),
+    ([], f"n.json: not a network file ({_ACCEPTED})"),
+])
+def test_a_network_file_without_its_schema_line_says_so(tmp_path, monkeypatch, doc, line):
+    from sailor.perf.network import network_for
+    from sailor.specs import load_cluster
+    from test_cli_bad_input import LOCAL
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps(LOCAL))
+    (tmp_path / "n.json").write_text(json.dumps(doc))
+    with pytest.raises(SailorInputError) as e:
+        network_for(load_cluster("c.json"), "n.json")
+    assert e.value.one_line() == line, e.value.one_line()
+    (tmp_path / "ok.json").write_text(json.dumps({"schema": "sailor.network/1", **_LINKS}))
+    assert network_for(load_cluster("c.json"), "ok.json").collective.startup_s == 1e-4  # with the line: read
+
+
+def test_plan_with_a_link_file_without_schema_names_the_file(tmp_path, monkeypatch, capsys):
+    _base(tmp_path)
+    (tmp_path / "n.json").write_text(json.dumps(_LINKS))
+    line = _refused(["plan", "--job", "job.yaml", "--cluster", "gcp.yaml", "--network", "n.json"],
+                    tmp_path, monkeypatch, capsys)
+    assert line.startswith("error: n.json: no \"schema\" field, but our link file's fields"), line
+
+
+# ---- a bad value is quoted as the file spells it (a newcomer's finding: None, True) -------------
+@pytest.mark.parametrize("value, words", [(None, "got null"), (True, "got true"), (False, "got false"),
+                                          ([None, True], "got [null, true]"), ({"s": None}, "got {'s': null}")])
+def test_bad_values_are_quoted_as_json_spells_them(tmp_path, monkeypatch, value, words):
+    """The collective entry of a link file (where the backend's figures sit) quoted JSON's null and
+    true as Python's None and True; `core.errors.show`, which every such message uses, spells them
+    as the file does."""
+    from sailor.core.errors import show
+    from sailor.perf.network import network_for
+    from sailor.specs import load_cluster
+    from test_cli_bad_input import LOCAL
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps(LOCAL))
+    (tmp_path / "n.json").write_text(json.dumps({"schema": "sailor.network/1", "collective": {"startup_s": value}}))
+    with pytest.raises(SailorInputError) as e:
+        network_for(load_cluster("c.json"), "n.json")
+    assert e.value.one_line() == f"n.json: collective.startup_s: expected a number of seconds, {words}"
+    assert (show(1), show(0), show("null"), show(1.5)) == ("1", "0", "'null'", "1.5")  # only null, true, false change
+
+
 def test_plan_with_a_profile_as_network_names_the_schema(tmp_path, monkeypatch, capsys):
     _base(tmp_path)
     line = _refused(["plan", "--job", "job.yaml", "--cluster", "gcp.yaml", "--network", "profile.json"],

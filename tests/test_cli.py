@@ -2,6 +2,7 @@
 traceback) and `sailor simulate` on a reference plan. Runs the real console script."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -320,3 +321,71 @@ def test_plan_report_runs_the_comparisons_then_draws(tmp_path):
     assert written[-1] == tmp_path / "index.html" and (tmp_path / "pareto.png") in written
     svg = (tmp_path / "pareto.svg").read_text()
     assert "best paper plan" in svg and "best homogeneous plan" in svg
+
+
+# the parts of the opt-350m plan of examples/ on two_zones.yaml (`sailor simulate --json`): each
+# printed alone to 4 decimals they add to 15.0314, the iteration prints as 15.0315
+PARTS = {"pipeline_s": 14.462239002348591, "gradient_sync_s": 0.5620047071223092, "optimizer_s": 0.0072464135757575755}
+
+
+def _estimate_with_parts(tmp_path):
+    """An Estimate of PLAN whose iteration time and parts are PARTS (everything else as simulated)."""
+    import dataclasses
+
+    from sailor.plan import load_plan
+    from sailor.simulator import make_context, simulate
+    from sailor.specs import load_cluster, load_job
+    (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    plan = load_plan(PLAN)
+    est = simulate(plan, make_context(load_job(tmp_path / "job.yaml"), load_cluster(tmp_path / "cluster.yaml")))
+    return plan, dataclasses.replace(est, iteration_time_s=sum(PARTS.values()), **PARTS)
+
+
+def test_simulate_prints_parts_that_add_up_to_the_printed_iteration(tmp_path):
+    """A newcomer's finding: the parts printed beside the iteration time added to 20.3500 and the
+    iteration read 20.3499; they add up to it now (`sailor plan` prints them in one row, 3 decimals)."""
+    from rich.console import Console
+
+    from sailor.cli.plan import render_plan_result
+    from sailor.cli.simulate import render_estimate
+    from sailor.planner import Choice, PlanResult
+    plan, est = _estimate_with_parts(tmp_path)
+    con = Console(record=True, width=200)
+    render_estimate(est, con, plan=plan)
+    rows = dict(re.match(r"\s*(.*?)\s{2,}(\S+)\s*$", ln).groups() for ln in con.export_text().splitlines()
+                if "(s)" in ln and not any(c in ln for c in "┃│┏┡└"))
+    parts = [rows["pipeline (1F1B, slowest) (s)"], rows["gradient sync (s)"], rows["optimizer (s)"]]
+    assert rows["iteration time (s)"] == "15.0315"
+    assert parts == ["14.4622", "0.5620", "0.0073"]
+    assert sum(round(float(p) * 1e4) for p in parts) == 150315
+    con = Console(record=True, width=200)
+    result = PlanResult(plan=plan, estimate=est, alternatives=[], best_closed=Choice(plan, 1.0, 1.0), search_time_s=1.0,
+                        points=1, candidates=1)
+    render_plan_result(result, con, title="t")
+    assert "15.031 (pipeline 14.462, sync 0.562, optimizer 0.007)" in con.export_text()
+
+
+def test_simulate_reads_what_plan_json_prints(tmp_path, monkeypatch, capsys):
+    """A newcomer's finding: `sailor simulate` given `sailor plan --json`'s output said
+    "micro_batch_size: Field required". It simulates the chosen plan it holds (job and cluster
+    included), as it simulates the plan file of `--out`; a bad plan inside is named under "plan"."""
+    from test_cli_bad_input import _main, _refused
+    (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    code, out, err = _main(["plan", "--job", "job.yaml", "--cluster", "cluster.yaml", "--json", "--out", "plan.json"],
+                           tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    (tmp_path / "printed.json").write_text(out)
+    assert "micro_batch_size" not in json.loads(out) and "estimate" in json.loads(out)
+    runs = []
+    for name in ("plan.json", "printed.json"):
+        code, out, err = _main(["simulate", name, "--json"], tmp_path, monkeypatch, capsys)
+        assert code == 0, err
+        runs.append(json.loads(out))
+    assert runs[0] == runs[1]
+    bad = json.loads((tmp_path / "printed.json").read_text())
+    bad["plan"]["micro_batch_size"] = 0
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    line = _refused(["simulate", "bad.json"], tmp_path, monkeypatch, capsys)
+    assert line == "error: bad.json: plan.micro_batch_size: Input should be greater than 0 (got 0)", line

@@ -138,7 +138,7 @@ def test_sailor_plan_config_import():
       "tmp_per_stage": [[[[["GH-96", 4, "z"]], 4]], [[[["GH200-96", 8, "z"]], 4]]]},
      r"pipeline_list\.0\.tmp_per_stage\.1\.0\.0\.0\.1: GH200-96 nodes of 8 GPUs here but of 4 elsewhere"),
     ({"layers_per_stage": [[0, 1, 2], [3, 4, True]], "dp": [1, 1], "tmp_per_stage": []},
-     r"pipeline_list\.0\.layers_per_stage\.1\.2: expected a whole number, got True"),
+     r"pipeline_list\.0\.layers_per_stage\.1\.2: expected a whole number, got true"),  # as JSON spells it
     ({"layers_per_stage": [[0, 1, 2], [3, 4, 5]], "dp": [1, 1],
       "tmp_per_stage": [[[[["GH-96", 4.0, "z"]], 4]], [[[["GH-96", 4, "z"]], 4]]]},
      r"pipeline_list\.0\.tmp_per_stage\.0\.0\.0\.0\.1: expected a whole number, got 4\.0"),

@@ -459,3 +459,21 @@ def test_a_zone_more_keeps_the_vectors_a_cluster_without_it_scores_all():
     got = [plan_job(make_context(job, ClusterSpec(zones=zones)), opts).estimate.cost_per_iteration_usd
            for zones in (small, {**small, "us-central1-c": {"V100-16": 8}})]
     assert got[1] <= got[0] * (1 + 1e-9)
+
+
+def test_an_hourly_cap_no_plan_meets_quotes_the_lowest_hourly_rate_found():
+    """A newcomer's finding: under a $/hour cap the message quoted the cheapest plan per iteration
+    (one A100, $3.67/hour) as if nothing cost less per hour, while one V100 runs at its own price
+    per hour, lower. The lowest $/hour of the plans found is quoted, and a cap below it binds alone."""
+    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}})
+    ctx = make_context(TINY, cluster)
+    v100 = cluster.price("us-central1-b", "V100-16")  # $/hour of one V100: no plan runs on less
+    cheapest = plan_job(make_context(TINY, cluster), PlanOptions(objective=Objective.COST, top_k=1)).estimate
+    assert cheapest.cost_per_hour_usd > v100 * 1.1  # the cheapest plan per iteration is not the cheapest per hour
+    with pytest.raises(InfeasibleError) as e:
+        plan_job(ctx, PlanOptions(constraints=Constraints(max_cost_per_hour=v100 / 2, min_throughput=1.0)))
+    line = str(e.value)
+    assert "\n" not in line
+    assert line.startswith(f"no plan meets at most ${v100 / 2:g}/hour:"), line  # the cap binds alone, not the floor
+    quoted = line.split("; the lowest $/hour of the plans found is $")[1]
+    assert float(quoted.split("/hour")[0]) == pytest.approx(v100, rel=1e-2), line

@@ -20,6 +20,7 @@ from sailor.cli.common import (MAKES_FOLDERS, ClusterOpt, JobOpt, JsonOpt, Netwo
                                memory_label, resolve_models)
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import check_output_path
+from sailor.core.rounding import parts_adding_up
 from sailor.core.units import GIB
 from sailor.plan.spec import Plan
 from sailor.planner import Objective, PlanOptions, PlanResult, SearchSpace, plan_job
@@ -192,10 +193,11 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
     s = Table(show_header=False, box=None)
     s.add_column()
     s.add_column(justify="right")
+    iteration, (pipeline, sync, optimizer, step) = parts_adding_up(  # printed parts add up to the printed total
+        est.iteration_time_s, (est.pipeline_s, est.gradient_sync_s, est.optimizer_s, est.step_collectives_s), 3)
     for k, v in [("iterations/s", f"{est.throughput_iters_per_s:.4f}"),
-                 ("iteration time (s)", f"{est.iteration_time_s:.3f} (pipeline {est.pipeline_s:.3f},"
-                                        f" sync {est.gradient_sync_s:.3f}, optimizer {est.optimizer_s:.3f},"
-                                        f" step all-reduces {est.step_collectives_s:.3f})"),
+                 ("iteration time (s)", f"{iteration} (pipeline {pipeline}, sync {sync}, optimizer {optimizer},"
+                                        f" step all-reduces {step})"),
                  ("tokens/s", f"{est.tokens_per_s:,.0f}"),
                  ("$/iteration", f"{est.cost_per_iteration_usd:.4f}" + (
                      f" (egress {est.egress_per_iteration_usd:.4f}, {est.cross_zone_bytes / 1e9:,.1f} GB across zones)"

@@ -15,6 +15,7 @@ from sailor.cli.common import (MAKES_FOLDERS, ClusterOpt, JobOpt, JsonOpt, Netwo
                                machine_profiles,
                                memory_label, resolve_models, resolve_specs)
 from sailor.core.fileio import check_output_path
+from sailor.core.rounding import parts_adding_up
 from sailor.core.units import GIB
 from sailor.plan import load_plan
 from sailor.plan.spec import Plan
@@ -69,7 +70,9 @@ def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan
     """Rich tables: one row per replica (with its stage's memory options when `plan` is given; for a
     mixture-of-experts model, `moe`, its stage's EP degree and its all-to-all seconds per
     micro-batch, "a2a", part of fwd+bwd), then totals and whether TP collectives were charged or
-    measured."""
+    measured. The iteration's parts (pipeline, gradient sync, optimizer, step all-reduces) are printed
+    so that they add up to the printed iteration time (`core.rounding.parts_adding_up`: largest
+    remainder)."""
     t = Table(title=title or None, show_lines=False)
     experts = ("EP", "a2a/mb (s)") if moe else ()
     for col in ("stage", "pipe", "GPU", "zone", "TP", *experts[:1], "layers", "options", "fwd+bwd/mb (s)",
@@ -88,12 +91,14 @@ def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan
     s = Table(show_header=False, box=None)
     s.add_column(justify="left")
     s.add_column(justify="right")
+    iteration, (pipeline, sync, optimizer, step) = parts_adding_up(
+        est.iteration_time_s, (est.pipeline_s, est.gradient_sync_s, est.optimizer_s, est.step_collectives_s), 4)
     rows = [
-        ("iteration time (s)", f"{est.iteration_time_s:.4f}"),
-        (f"  pipeline ({est.schedule.label}, slowest) (s)", f"{est.pipeline_s:.4f}"),
-        ("  gradient sync (s)", f"{est.gradient_sync_s:.4f}"),
-        ("  optimizer (s)", f"{est.optimizer_s:.4f}"),
-        ("  step all-reduces (s)", f"{est.step_collectives_s:.4f}"),
+        ("iteration time (s)", iteration),
+        (f"  pipeline ({est.schedule.label}, slowest) (s)", pipeline),
+        ("  gradient sync (s)", sync),
+        ("  optimizer (s)", optimizer),
+        ("  step all-reduces (s)", step),
         ("iterations/s", f"{est.throughput_iters_per_s:.4f}"),
         ("samples/s", f"{est.samples_per_s:.1f}"),
         ("tokens/s", f"{est.tokens_per_s:,.0f}"),

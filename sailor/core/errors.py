@@ -100,15 +100,28 @@ def unknown_name(kind: str, name: str, choices: Iterable[str], *, known: str | N
 
 # ---- messages ----------------------------------------------------------------------------------
 def show(value: Any, limit: int = 60) -> str:
-    """`repr(value)` cut to about `limit` characters, for one-line messages (an int too large to
-    print, or a megabyte-long string, would otherwise fill the screen or raise)."""
+    """A value read from an input file as its author wrote it, cut to about `limit` characters, for
+    one-line messages: `repr(value)`, except that null, true and false are spelt as in JSON and
+    YAML, also inside lists and mappings (Python's None and True are no file's words). An int too
+    large to print, or a megabyte-long string, would otherwise fill the screen or raise."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
         return f"a number of about {int(value.bit_length() * math.log10(2)) + 1} digits"
     try:
-        text = repr(value)
+        text = _spelt(value)
     except (ValueError, RecursionError):
         return f"a {type(value).__name__}"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _spelt(value: Any) -> str:
+    """`repr(value)` with None, True and False spelt null, true and false (in lists and mappings too)."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_spelt(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_spelt(k)}: {_spelt(v)}" for k, v in value.items()) + "}"
+    return repr(value)
 
 
 def counted(n: int, one: str, many: str | None = None) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sailor.core.errors import SailorInputError
+from sailor.core.errors import SailorInputError, show
 from sailor.core.fileio import load_json
 from sailor.model.hf_config import load_hf_config
 from sailor.model.hf_export import differences, export_model_type
@@ -75,9 +75,9 @@ def kept_config(config: dict[str, Any], model_type: str, *, source: str) -> dict
             continue
         for i in ids if isinstance(ids, list) else [ids]:
             if not isinstance(i, int) or isinstance(i, bool) or i < 0:
-                raise SailorInputError(f"a token id is an integer >= 0, got {i!r}", source=source, field=k)
+                raise SailorInputError(f"a token id is an integer >= 0, got {show(i)}", source=source, field=k)
     if "tokenizer_class" in out and not isinstance(out["tokenizer_class"], str):
-        raise SailorInputError(f"expected a string, got {out['tokenizer_class']!r}", source=source,
+        raise SailorInputError(f"expected a string, got {show(out['tokenizer_class'])}", source=source,
                                field="tokenizer_class")
     return out
 

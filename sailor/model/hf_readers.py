@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sailor.core.errors import SailorInputError
+from sailor.core.errors import SailorInputError, show
 from sailor.core.schema import validation_error
 from sailor.model.geometry import RopeScaling
 
@@ -71,9 +71,9 @@ class ConfigFields:
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else \
             (isinstance(value, int) and not isinstance(value, bool)) if kind is int else isinstance(value, kind)
         if not ok:
-            raise self.error(key, f"expected {kind.__name__}, got {value!r}")
+            raise self.error(key, f"expected {kind.__name__}, got {show(value)}")
         if kind in (int, float) and positive and value <= 0:
-            raise self.error(key, f"must be > 0, got {value!r}")
+            raise self.error(key, f"must be > 0, got {show(value)}")
         return float(value) if kind is float else value
 
     def require(self, key: str, allowed: Callable[[Any], bool], default: Any, why: str, fix: str) -> Any:

@@ -341,13 +341,33 @@ def network_for(cluster: ClusterSpec, path: str | Path | None = None) -> Network
     elif isinstance(data, dict) and "schema" in data and not isinstance(data["schema"], dict):
         raise unknown_schema(data["schema"], str(p))  # a zone of a Sailor file holds a mapping, not a name
     elif isinstance(data, dict) and data:
-        _import_sailor_multizone(net, p, data)
+        _import_unmarked(net, p, data)
     else:
-        raise SailorInputError(f"not a network file (expected schema {SCHEMA!r} or a Sailor bandwidth file)", source=str(p))
+        raise SailorInputError("not a network file", source=str(p), fix=ACCEPTED)
     net.source = str(p)
     return net
 
 
+# What --network takes, said by every error about a file that is none of them.
+ACCEPTED = (f"--network takes our link file with \"schema\": \"{SCHEMA}\" (`sailor profile network` writes it), a"
+            " Sailor multizone_bandwidths*.json file (zone -> GPU type -> count -> ...) or a Sailor network folder")
+
+
+def _import_unmarked(net: NetworkModel, path: Path, data: dict[str, Any]) -> None:
+    """A file without a "schema" field, read as a Sailor bandwidth file (`_import_sailor_multizone`).
+    Its errors say that the file has no schema line and what --network takes: a field of the
+    published format alone would mislead the author of a link file that lost its schema line (one
+    with our link file's top-level fields is told so, and to add the line)."""
+    ours = [k for k in data if k in TOP_KEYS]
+    if ours:
+        raise SailorInputError(f"no \"schema\" field, but our link file's fields ({', '.join(ours)})", source=str(path),
+                               fix=f"add \"schema\": \"{SCHEMA}\" as `sailor profile network` writes it")
+    try:
+        _import_sailor_multizone(net, path, data)
+    except SailorInputError as e:
+        inner = ": ".join(x for x in (e.field, e.message) if x)
+        raise SailorInputError(f"not our link file (no \"schema\" field) and not a Sailor bandwidth file ({inner})",
+                               source=str(path), fix=ACCEPTED) from None
 
 
 def network_from_ours(cluster: ClusterSpec, data: dict[str, Any], source: str) -> NetworkModel:

@@ -136,7 +136,7 @@ def _plan_job(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int],
         if found.timed_out:
             raise InfeasibleError(f"no plan found within the time limit of {opts.time_limit_s:g} s",
                                   source="--time-limit", fix="allow more time")
-        raise InfeasibleError(_why_infeasible(ctx, opts, found.any_family))
+        raise InfeasibleError(_why_infeasible(ctx, opts, found))
     return _rescore(ctx, opts, found, t0)
 
 
@@ -165,8 +165,7 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
     ok = [c for c in scored if _meets(opts.constraints, c.estimate)] or _first_meeting(ctx, opts.constraints, choices)
     near = _near_meeting(ctx, opts, found.near, ok, choices)
     if not ok and not near:
-        raise InfeasibleError(_missed(opts.constraints, choices) if choices else
-                              _why_infeasible(ctx, opts, found.any_family))
+        raise InfeasibleError(_missed(opts.constraints, choices) if choices else _why_infeasible(ctx, opts, found))
     best_closed = (choices or near)[0]
     choices += near
     ok += near
@@ -329,9 +328,13 @@ def _event_or_closed(plan: Plan, ctx: SimContext) -> Estimate:
     return simulate(plan, ctx, event=tasks <= MAX_PIPELINE_TASKS)
 
 
-def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
-    """The binding reason no plan was found, with numbers."""
-    if not any_fit:
+def _why_infeasible(ctx: SimContext, opts: PlanOptions, found: Found) -> str:
+    """The binding reason no plan was found by the search that gave `found`, with numbers: the
+    fastest and the cheapest plan per iteration without the constraints and, under a $/hour cap, the
+    lowest $/hour among the plans found (those two and the candidates the search scored,
+    `Found.least_hourly`, in the closed form). A floor above the fastest plan's throughput, or a cap
+    below the cheapest figure of its kind, is named alone as the binding one."""
+    if not found.any_family:
         return _no_fit(ctx, opts)
     c = opts.constraints
     if c == Constraints():
@@ -342,18 +345,25 @@ def _why_infeasible(ctx: SimContext, opts: PlanOptions, any_fit: bool) -> str:
                 memory_margin=opts.memory_margin)
     fastest = plan_job(ctx, PlanOptions(objective=Objective.THROUGHPUT, **free)).estimate
     cheapest = plan_job(ctx, PlanOptions(objective=Objective.COST, **free)).estimate
-    # a floor above the fastest plan's throughput, or a cap below the cheapest plan's $/iteration, binds alone
+    # (the lowest $/hour, iterations/s there, whether in the closed form) among the plans found
+    hourly = min([(e.cost_per_hour_usd, e.throughput_iters_per_s, False) for e in (fastest, cheapest)]
+                 + ([(*found.least_hourly, True)] if found.least_hourly else []))
+    # a floor above the fastest plan's throughput, or a cap below the cheapest figure of its kind, binds alone
     alone = Constraints(
         min_throughput=c.min_throughput if c.min_throughput and fastest.throughput_iters_per_s < c.min_throughput else None,
         max_cost_per_iteration=(c.max_cost_per_iteration if c.max_cost_per_iteration is not None
-                                and cheapest.cost_per_iteration_usd > c.max_cost_per_iteration else None))
+                                and cheapest.cost_per_iteration_usd > c.max_cost_per_iteration else None),
+        max_cost_per_hour=c.max_cost_per_hour if c.max_cost_per_hour is not None and hourly[0] > c.max_cost_per_hour else None)
     several = sum(x is not None for x in (c.min_throughput, c.max_cost_per_iteration, c.max_cost_per_hour)) > 1
     words = _constraint_words(alone) if alone != Constraints() else _constraint_words(c) + (" together" if several else "")
     space = "" if opts.search is SearchSpace.FULL else f" in the {opts.search.value} search space"
+    lowest = ("" if c.max_cost_per_hour is None else
+              f"; the lowest $/hour of the plans found is ${_figure(hourly[0], c.max_cost_per_hour)}/hour at"
+              f" {_figure(hourly[1], c.min_throughput)} iterations/s{' (closed form)' if hourly[2] else ''}")
     return (f"no plan meets {words}{space}: the fastest plan reaches {_quoted(fastest, c)}; the cheapest costs"
             f" ${_figure(cheapest.cost_per_iteration_usd, c.max_cost_per_iteration)}/iteration"
             f" (${_figure(cheapest.cost_per_hour_usd, c.max_cost_per_hour)}/hour) at"
-            f" {_figure(cheapest.throughput_iters_per_s, c.min_throughput)} iterations/s")
+            f" {_figure(cheapest.throughput_iters_per_s, c.min_throughput)} iterations/s{lowest}")
 
 
 def _quoted(e: Estimate, c: Constraints) -> str:

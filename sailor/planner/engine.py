@@ -171,6 +171,7 @@ def search(ctx: SimContext, opts: PlanOptions, progress: Callable[[int, int], No
         for p in seed.front:
             pareto_add(out.front, p)
         out.candidates += seed.candidates
+    out.least_hourly = min(filter(None, (out.least_hourly, seed.least_hourly)), default=None)  # the lower $/hour
     if seed.near:  # the published space's near misses compete with the full search's
         out.near = sorted(out.near + seed.near, key=lambda v: objective_key(opts.objective)(v[1], v[2]))[: opts.rescore]
     out.any_family |= seed.any_family

@@ -44,6 +44,10 @@ class Found:
     """The best plan of each pipeline depth P >= 2 that no finalist has: phase 3 tries the schedules
     on those deeper than its best finalist too (`planner._variants`), as a deeper pipeline can pay
     only once its bubble shrinks."""
+    least_hourly: tuple[float, float] | None = None
+    """(closed-form $/hour, iterations/s) of the scored candidate with the lowest $/hour, constraints
+    not applied (None before any): what a $/hour cap that no plan meets is told it would need
+    (`planner._why_infeasible`)."""
 
 
 class Finalists:
@@ -77,6 +81,9 @@ class Finalists:
             return None
         self.found.candidates += 1
         pareto_add(self.found.front, (cand.iteration_time_s, cand.cost_per_iteration_usd))
+        least = self.found.least_hourly
+        if least is None or cand.cost_per_hour_usd < least[0]:
+            self.found.least_hourly = (cand.cost_per_hour_usd, cand.throughput)
         sig = (point, tuple(cand.scorer.kinds[i] for i, n in enumerate(cand.counts) if n),
                tuple(n for n in cand.counts if n))
         if not self.opts.constraints.ok(cand.iteration_time_s, cand.cost_per_iteration_usd):

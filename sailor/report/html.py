@@ -8,6 +8,7 @@ import html
 import json
 from pathlib import Path
 
+from sailor.core.rounding import parts_adding_up
 from sailor.core.units import GIB
 from sailor.model.spec import Recompute
 from sailor.plan.spec import Plan, StageMemory
@@ -93,12 +94,14 @@ def write_index(out_dir: Path, *, title: str, plan: Plan, est: Estimate,
                 f" micro-batch size {plan.micro_batch_size}")
     plan_json = json.dumps(plan.to_dict(), indent=1)  # with its job and cluster when it carries them
     pipes = [[g, z, t, str(n), m] for g, z, t, n, m in plan_rows(plan)]
+    iteration, (pipeline, sync, optimizer, step) = parts_adding_up(  # printed parts add up to the printed total
+        est.iteration_time_s, (est.pipeline_s, est.gradient_sync_s, est.optimizer_s, est.step_collectives_s), 4)
     summary = [
-        ["iteration time (s)", f"{est.iteration_time_s:.4f}"],
-        [f"  pipeline, {est.schedule.label} slowest (s)", f"{est.pipeline_s:.4f}"],
-        ["  gradient sync (s)", f"{est.gradient_sync_s:.4f}"],
-        ["  optimizer (s)", f"{est.optimizer_s:.4f}"],
-        ["  step all-reduces (s)", f"{est.step_collectives_s:.4f}"],
+        ["iteration time (s)", iteration],
+        [f"  pipeline, {est.schedule.label} slowest (s)", pipeline],
+        ["  gradient sync (s)", sync],
+        ["  optimizer (s)", optimizer],
+        ["  step all-reduces (s)", step],
         ["iterations/s", f"{est.throughput_iters_per_s:.4f}"],
         ["tokens/s", f"{est.tokens_per_s:,.0f}"],
         ["GPUs", str(est.gpus)],

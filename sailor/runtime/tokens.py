@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from sailor.core.errors import SailorInputError
+from sailor.core.errors import SailorInputError, show
 
 TOKEN_SUFFIXES = (".npy", ".bin")
 SIDECAR_FORMAT = "sailor-tokens-1"
@@ -172,7 +172,7 @@ def _bin_dtype(p: Path, meta: dict[str, Any]) -> np.dtype:
         try:
             return np.dtype(meta["dtype"])
         except TypeError:
-            raise SailorInputError(f"unknown dtype {meta['dtype']!r}", source=str(sidecar(p)), field="dtype") from None
+            raise SailorInputError(f"unknown dtype {show(meta['dtype'])}", source=str(sidecar(p)), field="dtype") from None
     idx = p.with_suffix(".idx")
     if idx.exists():
         with open(idx, "rb") as f:
