@@ -325,7 +325,8 @@ def test_plan_report_runs_the_comparisons_then_draws(tmp_path):
 
 # the parts of the opt-350m plan of examples/ on two_zones.yaml (`sailor simulate --json`): each
 # printed alone to 4 decimals they add to 15.0314, the iteration prints as 15.0315
-PARTS = {"pipeline_s": 14.462239002348591, "gradient_sync_s": 0.5620047071223092, "optimizer_s": 0.0072464135757575755}
+PARTS = {"pipeline_s": 14.462239002348591, "gradient_sync_s": 0.5620047071223092, "optimizer_s": 0.0072464135757575755,
+         "step_collectives_s": 0.0000426}
 
 
 def _estimate_with_parts(tmp_path):
@@ -355,15 +356,16 @@ def test_simulate_prints_parts_that_add_up_to_the_printed_iteration(tmp_path):
     render_estimate(est, con, plan=plan)
     rows = dict(re.match(r"\s*(.*?)\s{2,}(\S+)\s*$", ln).groups() for ln in con.export_text().splitlines()
                 if "(s)" in ln and not any(c in ln for c in "┃│┏┡└"))
-    parts = [rows["pipeline (1F1B, slowest) (s)"], rows["gradient sync (s)"], rows["optimizer (s)"]]
+    parts = [rows["pipeline (1F1B, slowest) (s)"], rows["gradient sync (s)"], rows["optimizer (s)"],
+             rows["step all-reduces (s)"]]
     assert rows["iteration time (s)"] == "15.0315"
-    assert parts == ["14.4622", "0.5620", "0.0073"]
+    assert parts == ["14.4622", "0.5620", "0.0073", "0.0000"]
     assert sum(round(float(p) * 1e4) for p in parts) == 150315
     con = Console(record=True, width=200)
     result = PlanResult(plan=plan, estimate=est, alternatives=[], best_closed=Choice(plan, 1.0, 1.0), search_time_s=1.0,
                         points=1, candidates=1)
     render_plan_result(result, con, title="t")
-    assert "15.031 (pipeline 14.462, sync 0.562, optimizer 0.007)" in con.export_text()
+    assert "15.032 (pipeline 14.462, sync 0.562, optimizer 0.008, step all-reduces 0.000)" in con.export_text()
 
 
 def test_simulate_reads_what_plan_json_prints(tmp_path, monkeypatch, capsys):
