@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sailor.core.errors import InfeasibleError
-from sailor.perf.network import network_for
+from sailor.perf.network_files import network_for
 from sailor.perf.profiles import load_profiles
 from sailor.planner import Constraints, Objective, PlanOptions, SearchSpace, plan_job
 from sailor.simulator import make_context

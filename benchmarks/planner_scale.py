@@ -198,7 +198,7 @@ def run_one(sid: str, model: str, ref: Path, report: str | None) -> dict:
     """Plan one scenario in this process; a dict for the parent (JSON on stdout)."""
     from sailor.api import load_cluster, load_job
     from sailor.core.errors import InfeasibleError
-    from sailor.perf.network import network_for
+    from sailor.perf.network_files import network_for
     from sailor.perf.profiles import load_profiles
     from sailor.planner import Constraints, PlanOptions, plan_job
     from sailor.simulator import make_context

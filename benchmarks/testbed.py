@@ -80,7 +80,7 @@ sys.path.insert(0, str(ROOT))
 
 import sailor
 from sailor.core.fileio import write_json
-from sailor.perf.network import network_for
+from sailor.perf.network_files import network_for
 from sailor.runtime.netprofile import collective_of_pairs
 from sailor.specs import load_cluster
 from sailor.testbed import counters, down, leftovers, load_testbed, support_problem, up

@@ -24,7 +24,8 @@ from sailor import catalog
 from sailor.core.errors import InfeasibleError, SailorInputError, show
 from sailor.core.limits import MAX_BLOCKS
 from sailor.core.schema import Checks, parse_model
-from sailor.perf.network import NetworkModel, network_for
+from sailor.perf.network import NetworkModel
+from sailor.perf.network_files import network_for
 from sailor.perf.profile_lookup import Profiles, roofline_profiles
 from sailor.perf.profiles import load_profiles
 from sailor.plan import load_plan

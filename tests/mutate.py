@@ -390,7 +390,7 @@ def _valid_profiles(p) -> None:
 
 
 def _load_network(d: Path):
-    from sailor.perf.network import network_for
+    from sailor.perf.network_files import network_for
     from sailor.specs.cluster import ClusterSpec
     path = d / "network.json" if (d / "network.json").exists() else d
     return network_for(ClusterSpec(zones={"us-central1-a": {"A100-40": 8}, "us-central1-b": {"V100-16": 8}}), path)

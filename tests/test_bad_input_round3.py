@@ -562,7 +562,7 @@ def test_a_manifest_with_an_invalid_model_names_the_field(tmp_path, model, words
     ({"schema": "acme.net/2"}, "n.json: schema: unknown schema 'acme.net/2'"),
 ])
 def test_a_network_file_of_another_schema_names_it(tmp_path, monkeypatch, doc, words):
-    from sailor.perf.network import network_for
+    from sailor.perf.network_files import network_for
     from sailor.specs import load_cluster
     from test_cli_bad_input import LOCAL
     monkeypatch.chdir(tmp_path)
@@ -591,7 +591,7 @@ _ACCEPTED = ("--network takes our link file with \"schema\": \"sailor.network/1\
     ([], f"n.json: not a network file ({_ACCEPTED})"),
 ])
 def test_a_network_file_without_its_schema_line_says_so(tmp_path, monkeypatch, doc, line):
-    from sailor.perf.network import network_for
+    from sailor.perf.network_files import network_for
     from sailor.specs import load_cluster
     from test_cli_bad_input import LOCAL
     monkeypatch.chdir(tmp_path)
@@ -620,7 +620,7 @@ def test_bad_values_are_quoted_as_json_spells_them(tmp_path, monkeypatch, value,
     true as Python's None and True; `core.errors.show`, which every such message uses, spells them
     as the file does."""
     from sailor.core.errors import show
-    from sailor.perf.network import network_for
+    from sailor.perf.network_files import network_for
     from sailor.specs import load_cluster
     from test_cli_bad_input import LOCAL
     monkeypatch.chdir(tmp_path)

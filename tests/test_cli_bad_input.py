@@ -152,7 +152,7 @@ def _read_profile(p):
 
 
 def _read_network(p):
-    from sailor.perf.network import network_for
+    from sailor.perf.network_files import network_for
     from sailor.specs.cluster import ClusterSpec
     network_for(ClusterSpec.model_validate(mutate.GCP), p)
 

@@ -11,7 +11,8 @@ from test_cli_bad_input import _base, _main, _refused, _write
 
 from sailor.core.errors import SailorInputError
 from sailor.model.spec import Collective
-from sailor.perf.network import CollectiveCost, network_for, network_from_ours
+from sailor.perf.network import CollectiveCost
+from sailor.perf.network_files import network_for, network_from_ours
 from sailor.runtime.netprofile import (
     collective_of_pairs,
     fit_collective,

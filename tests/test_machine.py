@@ -139,7 +139,7 @@ def test_tp_communication_is_labelled_by_what_was_measured(tmp_path):
     from sailor.plan.spec import Plan
     from sailor.simulator import make_context, simulate
     from sailor.specs.cluster import ClusterSpec
-    from sailor.perf.network import network_for
+    from sailor.perf.network_files import network_for
     cluster = ClusterSpec(provider="local", zones={"local": {"cpu": 4}})
     plan = Plan.model_validate({"micro_batch_size": 4, "stages": [[0, 6]], "pipelines": [
         {"microbatches": 1, "replicas": [{"stage": 0, "gpu": "cpu", "zone": "local", "tp": 2}]},

@@ -8,7 +8,8 @@ import pytest
 
 from sailor.catalog import Link, LinkClass
 from sailor.core.errors import SailorInputError
-from sailor.perf.network import FIT_MAX_BYTES, FIT_MIN_BYTES, CurveFit, NetworkModel, network_for
+from sailor.perf.network import FIT_MAX_BYTES, FIT_MIN_BYTES, CurveFit, NetworkModel
+from sailor.perf.network_files import network_for
 from sailor.plan.spec import Plan
 from sailor.simulator import make_context, simulate
 from sailor.simulator.collectives import Member, allreduce_time_s, group_members, ring_crossings, ring_egress

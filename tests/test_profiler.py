@@ -19,7 +19,8 @@ from conftest import own_processes
 
 from sailor.core.errors import SailorInputError
 from sailor.core.fileio import write_json
-from sailor.perf.network import CollectiveCost, network_for
+from sailor.perf.network import CollectiveCost
+from sailor.perf.network_files import network_for
 from sailor.perf.profiles import load_profiles, profiles_from_dict
 from sailor.runtime.netprofile import fit_alpha_beta, profile_network
 from sailor.runtime.profiler import (

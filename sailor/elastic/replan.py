@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sailor.core.errors import InfeasibleError, SailorInputError
 from sailor.elastic.availability import Zones
-from sailor.perf.network import network_for
+from sailor.perf.network_files import network_for
 from sailor.perf.profile_lookup import Profiles, roofline_profiles
 from sailor.perf.profiles import load_profiles
 from sailor.plan.spec import Plan

@@ -1,5 +1,5 @@
 """`sailor profile network`: point-to-point and all-reduce sweeps between local processes, fitted
-to α–β links and written as our link file ("sailor.network/1", see `sailor.perf.network`).
+to α–β links and written as our link file ("sailor.network/1", see `sailor.perf.network_files`).
 
 N processes (gloo on CPU, NCCL on CUDA) run, for message sizes 1 KiB .. 64 MiB (powers of 4):
 - p2p: ranks 2k and 2k+1 ping-pong (send, then receive the same size back); one-way time = round
@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from sailor.perf.network import SCHEMA, CollectiveCost, NetworkModel, backend_for, network_from_ours
+from sailor.perf.network import SCHEMA, CollectiveCost, NetworkModel, backend_for
+from sailor.perf.network_files import network_from_ours
 
 SIZES_BYTES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
 HOST_SIZES_BYTES = SIZES_BYTES[:7]  # 1 KiB .. 4 MiB between machines: 4 MiB over 50 Mbit/s is 0.7 s
@@ -86,7 +87,7 @@ def collective_of_pairs(net: NetworkModel, data: dict[str, Any]) -> dict[str, An
     """`fit_collective` of the all-reduce sweeps of `profile_pairs`' file content `data` (its
     `sweep.pairs`, each measured between the ends of the `links` entry of the same index) against
     the ring the simulator runs over `net` for each pair: `net` with the file's links
-    (`perf.network.network_from_ours`) gives the file's own entry; the cluster's spec links alone
+    (`perf.network_files.network_from_ours`) gives the file's own entry; the cluster's spec links alone
     (`network_for(cluster)`) give the entry for a file that carries no links. None without pairs."""
     sizes, pairs = data["sweep"]["sizes_bytes"], data["sweep"]["pairs"]
     if not pairs:

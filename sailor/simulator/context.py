@@ -16,7 +16,8 @@ from sailor import catalog
 from sailor.model import activations
 from sailor.model.spec import Framework, ModelSpec, Recompute
 from sailor.perf.calibration import gpu_constant
-from sailor.perf.network import NetworkModel, network_for
+from sailor.perf.network import NetworkModel
+from sailor.perf.network_files import network_for
 from sailor.perf.profile_lookup import Profiles, roofline_profiles
 from sailor.simulator.collectives import Member
 from sailor.specs.cluster import ClusterSpec

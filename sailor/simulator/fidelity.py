@@ -39,7 +39,8 @@ from sailor.core.schema import Checks, parse_model
 from sailor.model.registry import BUILTIN_MODELS, MODEL_ALIASES, canonical_model_name
 from sailor.model.spec import Framework
 from sailor.perf.calibration import default_calibration, fit_memory
-from sailor.perf.network import NetworkModel, network_for
+from sailor.perf.network import NetworkModel
+from sailor.perf.network_files import network_for
 from sailor.perf.profile_lookup import Profiles
 from sailor.plan import plan_from_dict
 from sailor.plan.sailor_config import sailor_gpus_per_node
