@@ -5,10 +5,13 @@ another schedule is found."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from sailor.plan.spec import ScheduleKind
-from sailor.planner import PlanOptions, plan_job
+from sailor.plan.spec import Plan, ScheduleKind
+from sailor.planner import Constraints, Objective, PlanOptions, _variants, plan_job
+from sailor.planner.options import DEFAULT_MEMORY_MARGIN
 from sailor.planner.schedules import fits, kept_weight_variants, schedule_variants
 from sailor.simulator import make_context, simulate
 from sailor.specs.cluster import ClusterSpec
@@ -38,3 +41,61 @@ def test_a_deeper_pipeline_that_wins_only_interleaved_is_found():
     alone = [e.iteration_time_s for e in alone if fits(e, ctx)] + [simulate(best_1f1b, ctx).iteration_time_s]
     assert res.estimate.iteration_time_s < min(alone) * 0.95
     assert res.estimate.iteration_time_s == pytest.approx(simulate(res.plan, ctx).iteration_time_s, rel=1e-9)
+
+
+# OPT-350M at batch 256 on four A100-40 of one node: micro-batch 8 at TP 1 fits the memory limit
+# (40 GiB less the 10 % margin) only with ZeRO-2 or ZeRO-3 (simulated peaks: none 41.8 GB, ZeRO-2
+# 36.7 GB, ZeRO-3 with kept weights 37.4 GB), and ZeRO-3 keeping its gathered weights is the
+# fastest and cheapest of them (0.045619 it/s, $0.08946958 per iteration, against 0.045608 for
+# ZeRO-2 and 0.045547 for micro-batch 4 without ZeRO)
+OPT = JobSpec(model="opt-350m", global_batch_size=256)
+FOUR_A100 = ClusterSpec(zones={ZA: {"A100-40": 4}}, gpus_per_node={"A100-40": 4})
+A100_V100 = ClusterSpec(zones={ZA: {"A100-40": 4, "V100-16": 4}}, gpus_per_node={"A100-40": 4, "V100-16": 4})
+
+
+def _data_parallel(ctx, mbs: int, memory: dict) -> Plan:
+    """OPT-350M as four one-stage pipelines on the four A100-40, micro-batch `mbs`."""
+    rep = [{"stage": 0, "gpu": "A100-40", "zone": ZA, "tp": 1}]
+    return Plan.model_validate({"micro_batch_size": mbs, "stages": [[0, 26]],
+                                "pipelines": [{"microbatches": 64 // mbs, "replicas": rep}] * 4,
+                                "memory": [memory] if memory else [], "job": OPT.to_dict(),
+                                "cluster": ctx.cluster.to_dict()})
+
+
+def test_kept_weights_are_tried_on_a_finalist_below_the_best():
+    # the best plan (micro-batch 4, no ZeRO) has no kept-weight variant; the next one (micro-batch 8,
+    # ZeRO-2) has, and it beats both: found from the plan below the best, not only from the best
+    ctx = dataclasses.replace(make_context(OPT, FOUR_A100), memory_margin=DEFAULT_MEMORY_MARGIN)
+    best_plan, other = _data_parallel(ctx, 4, {}), _data_parallel(ctx, 8, {"zero": 2})
+    assert kept_weight_variants(best_plan) == []
+    out = _variants(ctx, PlanOptions(), best_plan, [(other, simulate(other, ctx))], simulate(best_plan, ctx))
+    assert [c.plan for c in out] == [_data_parallel(ctx, 8, {"zero": 3, "reshard_after_forward": False})]
+    assert out[0].estimate.throughput_iters_per_s == pytest.approx(0.045619, abs=1e-6)
+    assert out[0].estimate.iteration_time_s < simulate(other, ctx).iteration_time_s
+
+
+def test_a_floor_never_finds_a_cheaper_plan_than_no_floor():
+    # a newcomer's pair on 4 A100-40 + 4 V100-16: the cost search without a floor returned
+    # $0.08947219/iteration (micro-batch 8, ZeRO-2 on two A100-40), with a floor of 0.045 it/s
+    # $0.08946958 (the kept-weight plan on four): the floor changed which finalist ranked best, and
+    # kept weights were tried on that one only
+    free = plan_job(make_context(OPT, A100_V100), PlanOptions(objective=Objective.COST))
+    floored = plan_job(make_context(OPT, A100_V100),
+                       PlanOptions(objective=Objective.COST, constraints=Constraints(min_throughput=0.045)))
+    assert free.estimate.cost_per_iteration_usd <= floored.estimate.cost_per_iteration_usd
+    assert not free.plan.stage_memory(0).reshard_after_forward
+    assert free.estimate.cost_per_iteration_usd == pytest.approx(0.08946958, rel=1e-6)
+
+
+@pytest.mark.parametrize("objective", list(Objective))
+def test_four_a100_find_the_kept_weight_plan_a_cluster_with_v100_more_finds(objective):
+    # a newcomer's pair: the kept-weight plan on four A100-40 (0.045619 it/s, $0.08946958 per
+    # iteration) was found with 4 V100-16 more, not on the four alone (0.045547 it/s for throughput,
+    # $0.08957914 for cost):
+    # they searched micro-batch 8 without ZeRO only (TP 2 holds it as it is), and kept weights were
+    # tried on the best finalist only
+    alone = plan_job(make_context(OPT, FOUR_A100), PlanOptions(objective=objective))
+    mixed = plan_job(make_context(OPT, A100_V100), PlanOptions(objective=Objective.COST))
+    assert alone.plan.model_dump(exclude={"job", "cluster"}) == mixed.plan.model_dump(exclude={"job", "cluster"})
+    assert alone.estimate.throughput_iters_per_s == pytest.approx(0.045619, abs=1e-6)
+    assert alone.estimate.cost_per_iteration_usd == pytest.approx(0.08946958, rel=1e-6)

@@ -201,19 +201,24 @@ def _rescore(ctx: SimContext, opts: PlanOptions, found: Found, t0: float) -> Pla
 def _variants(ctx: SimContext, opts: PlanOptions, best_plan: Plan, others: list[tuple[Plan, Estimate]],
               best: Estimate) -> list[Choice]:
     """The schedule dimension searched with the partitions (`planner.schedules`): the best finalist
-    `best_plan` (estimate `best`) under the other schedules and with kept ZeRO-3 weights; the other
-    plans, each with its estimate (the other event-simulated finalists, then the best plan of each
-    pipeline depth deeper than the best finalist's that they lack, `Found.deep`: a bubble shrunk by v
-    or by ZB-H1 pays the more, the deeper the pipeline), under the other schedules where even
-    without its 1F1B bubble the plan would beat `best`. Each plan's variants are closed-form
-    simulated and its best that fits in memory kept; the best plan's, then the others' in order of
-    their closed forms while within VARIANT_MARGIN of `best` under the objective (at most
-    VARIANT_EVENTS of them), are event-simulated like a finalist and returned where they meet the
-    constraints. A partition that ranks low under 1F1B can so win under interleaving or ZB-H1. For a
-    mixture-of-experts model every plan also gets its expert-parallel variants
-    (`planner.experts.expert_variants`: EP degrees at its TP and at narrower TP on the same GPUs),
-    also on its best other schedule, and the best of them that fits its other schedules; the bubble
-    bound does not apply to them (EP changes the passes, not only their order)."""
+    `best_plan` (estimate `best`) and the other plans, each with its estimate (the other
+    event-simulated finalists, then the best plan of each pipeline depth deeper than the best
+    finalist's that they lack, `Found.deep`), with kept ZeRO-3 weights, and under the other schedules
+    where the plan is the best finalist or even without its 1F1B bubble it would beat `best` (a
+    bubble shrunk by v or by ZB-H1 pays the more, the deeper the pipeline). Kept weights are tried on
+    every plan, as they change the passes, not only their order (their gathers and the ZeRO-2
+    all-gather they drop are not in the bubble), so the bubble bound does not hold for them; which
+    plan ranks best before the variants must not decide whether a kept-weight plan is found. They
+    cost at most two closed forms per plan with a ZeRO-2 or ZeRO-3 stage (none for the others,
+    `kept_weight_variants`). Each plan's variants are closed-form simulated and its best that fits
+    in memory kept; the best plan's, then the others' in order of their closed forms while within
+    VARIANT_MARGIN of `best` under the objective (at most VARIANT_EVENTS of them), are
+    event-simulated like a finalist and returned where they meet the constraints. A partition that
+    ranks low under 1F1B can so win under interleaving or ZB-H1, and a finalist that ranks below the
+    best with kept weights. For a mixture-of-experts model every plan also gets its expert-parallel
+    variants (`planner.experts.expert_variants`: EP degrees at its TP and at narrower TP on the same
+    GPUs), also on its best other schedule, and the best of them that fits its other schedules; the
+    bubble bound does not apply to them either (EP changes the passes, not only their order)."""
     key = objective_key(opts.objective)
 
     def closed_key(e: Estimate) -> tuple[float, float]:
@@ -234,10 +239,9 @@ def _variants(ctx: SimContext, opts: PlanOptions, best_plan: Plan, others: list[
     picks = []  # (closed estimate, plan, is the best finalist's)
     for plan, estimate in [(best_plan, best)] + others:
         experts = expert_variants(plan, ctx)
-        if plan is not best_plan and not experts and no_bubble(plan, estimate)[0] >= closed_key(best)[0]:
-            continue  # no schedule makes it the best
-        variants = schedule_variants(plan) if opts.schedules else []
-        variants += kept_weight_variants(plan) if plan is best_plan else []
+        scheduled = plan is best_plan or bool(experts) or no_bubble(plan, estimate)[0] < closed_key(best)[0]
+        variants = schedule_variants(plan) if opts.schedules and scheduled else []
+        variants += kept_weight_variants(plan)
         closed = [(simulate(p, ctx, event=False), p) for p in variants + experts]
         closed = [(e, p) for e, p in closed if fits(e, ctx)]
         if experts and opts.schedules:  # EP on the best other schedule, other schedules on the best EP shape

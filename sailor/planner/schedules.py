@@ -12,7 +12,8 @@ then tries what the plan module offers on the same GPUs (`sailor.plan`, module d
   cut into v chunks (`plan.spec.interleave_partition`, so a stage keeps the layers it had), which divides
   the bubble by v and costs v times the point-to-point transfers and more activations in flight.
 
-`kept_weight_variants` does the same for one memory option the search does not weigh, ZeRO-3 with
+`kept_weight_variants` tries, on each of those plans without the bubble condition (the option
+changes the passes, not their order), one memory option the search does not weigh, ZeRO-3 with
 its gathered weights kept for the iteration (`StageMemory.reshard_after_forward` false): it holds
 ZeRO-2's weights during the iteration, but gathers once, prefetched under the first forward, where
 ZeRO-2 all-gathers the updated weights after the step on the critical path, and ZeRO-3 re-sharded
@@ -68,15 +69,15 @@ def kept_weight_variants(plan: Plan) -> list[Plan]:
     """`plan` with every ZeRO-3 stage keeping its gathered weights for the iteration, and `plan` with
     every ZeRO-2 or ZeRO-3 stage turned into ZeRO-3 keeping them; each where it differs from `plan`
     and is valid for its job and cluster (`checked_variant`; module docstring). Empty for a plan of one
-    pipeline (ZeRO shards nothing there)."""
-    if len(plan.pipelines) < 2:
+    pipeline (ZeRO shards nothing there) or without a ZeRO-2 or ZeRO-3 stage."""
+    memory = [plan.stage_memory(i) for i in range(plan.num_stages)]
+    if len(plan.pipelines) < 2 or all(m.zero < 2 for m in memory):
         return []
     out, seen = [], {plan.model_dump_json()}
     for lowest in (3, 2):
-        memory = [plan.stage_memory(i) for i in range(plan.num_stages)]
-        memory = [m.model_copy(update={"zero": 3, "reshard_after_forward": False}) if m.zero >= lowest else m
-                  for m in memory]
-        p = checked_variant(plan.to_dict() | {"memory": [m.model_dump(mode="json") for m in memory]})
+        kept = [m.model_copy(update={"zero": 3, "reshard_after_forward": False}) if m.zero >= lowest else m
+                for m in memory]
+        p = checked_variant(plan.to_dict() | {"memory": [m.model_dump(mode="json") for m in kept]})
         if p is not None and p.model_dump_json() not in seen:
             seen.add(p.model_dump_json())
             out.append(p)
