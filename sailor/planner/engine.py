@@ -35,7 +35,11 @@ candidates every cheapest cover of the cluster without it (`tradeoff.cheapest_va
 `tradeoff.VARIANTS_MAX` greedy runs), and its fastest packing where the new pool is unused or among the first
 `pack.FASTEST_RUNS` - 1 pools that `pack.drop_order` leaves out (pools in the zones holding the
 fewest of the packing's pipelines first; the budget leaves out one pool at a time, the smaller
-cluster's packings without pools are kept within it only).
+cluster's packings without pools are kept within it only). In exact mode, where a family's kinds or
+count vectors outgrow EXHAUSTIVE_KINDS or EXHAUSTIVE_COUNTS, every kind and count vector of the
+cluster without each pool is built and scored where those are few enough
+(`_and_kinds_without_a_pool`, `_offer_all_without_a_pool`): a cluster without that pool would score
+them all.
 
 The work per family is polynomial: kinds are O(zones x GPU types x templates), a packing step is
 linear in the kinds of each pool (squared), and the number of bisection steps is fixed
@@ -205,9 +209,32 @@ def _build_kinds(ctx: SimContext, opts: PlanOptions, fam: Family, free: dict[Poo
     fam.exhaustive = kinds is not None
     if kinds is None:
         kinds = homogeneous_kinds(*args) + memory_mixed_kinds(*args)
+        if exact_mode:
+            kinds = _and_kinds_without_a_pool(ctx, fam, free, kinds)
     fam.kinds = kinds
     if kinds:
         fam.key = max(fam.key, family_bound(ctx, kinds, free, fam.partition, fam.M, opts, pairs=exact_mode))
+
+
+def _and_kinds_without_a_pool(ctx: SimContext, fam: Family, free: dict[Pool, int], kinds: list[Kind]) -> list[Kind]:
+    """`kinds` and, where the family's option-zone sequences are too many to build every kind (more
+    than EXHAUSTIVE_KINDS), every kind of the cluster without each (zone, GPU type) pool wherever
+    those are few enough (`kinds.all_kinds`), each kind once: a cluster without that pool builds
+    them all, so one with it has them too (a newcomer's pair: OPT-350M at batch 64 on 4 A100-40 in
+    us-central1-a and 4 V100-16 in -b, `--objective cost --min-throughput 0.25`, found
+    $0.04891/iteration with a 3-stage pipeline over both zones; with 4 V100-16 more in -c its
+    3-stage families had too many sequences, only single-zone kinds were built, $0.06324).
+    `_search_family` then scores their count vectors without each pool (`_offer_all_without_a_pool`)."""
+    have = {(k.zones, k.options, k.cuts) for k in kinds}
+    out = list(kinds)
+    pools = [p for p, n in free.items() if n]
+    for pool in pools if len(pools) > 1 else ():
+        sub = {p: n for p, n in free.items() if p != pool}
+        for k in all_kinds(ctx, fam.table, sub, fam.partition, fam.mbs, fam.memory, EXHAUSTIVE_KINDS) or ():
+            if (k.zones, k.options, k.cuts) not in have:
+                have.add((k.zones, k.options, k.cuts))
+                out.append(k)
+    return out
 
 
 def _search_family(ctx: SimContext, opts: PlanOptions, fam: Family, free: dict[Pool, int], keep: Finalists,
@@ -234,6 +261,7 @@ def _search_family(ctx: SimContext, opts: PlanOptions, fam: Family, free: dict[P
                 _offer_all(opts, Scorer(ctx, fam.partition, fam.mbs, kinds, fam.M), vectors, keep, point)
                 continue
             exhaustive = False
+        if exact_mode:
             _offer_all_without_a_pool(ctx, opts, fam, kinds, sfree, keep, point)
         _pack(ctx, opts, fam, kinds, sfree, keep, point, alone)
     return exhaustive
