@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sailor.core.errors import InfeasibleError, SailorInputError
-from sailor.plan.spec import Plan, StageMemory
+from sailor.plan.spec import Plan
 from sailor.planner import Constraints, Objective, PlanOptions, SearchSpace, plan_job
 from sailor.planner.schedules import fits
 from sailor.simulator import make_context, simulate
@@ -492,22 +492,3 @@ def test_an_hourly_cap_no_plan_meets_quotes_the_lowest_hourly_rate_found():
     quoted = line.split("; the lowest $/hour of the plans found is $")[1]
     assert float(quoted.split("/hour")[0]) == pytest.approx(v100, rel=1e-2), line
 
-
-def test_memory_options_a_tp_degree_needs_are_candidates_where_another_degree_needs_none():
-    """OPT-350M at micro-batch 8 on A100-40 (40 GiB less the 10 % margin): at TP 2 the stage fits as it
-    is, at TP 1 only with ZeRO (simulated peak 41.8 GB without, 36.7 GB with ZeRO-2 over four
-    replicas). TP 1 with ZeRO-2 is the faster plan on four GPUs, so both are candidates; with the
-    defaults alone the four A100-40 never found it although a cluster with V100-16 more did (the
-    V100-16 need options, so the A100-40's were searched there too)."""
-    import dataclasses
-
-    from sailor.planner.options import DEFAULT_MEMORY_MARGIN
-    from sailor.planner.space import memory_candidates
-
-    job = JobSpec(model="opt-350m", global_batch_size=256)
-    cluster = ClusterSpec(zones={"us-central1-a": {"A100-40": 4}}, gpus_per_node={"A100-40": 4})
-    ctx = dataclasses.replace(make_context(job, cluster), memory_margin=DEFAULT_MEMORY_MARGIN)
-    got = memory_candidates(ctx, ["A100-40"], ((0, 26),), 8, 32, 2, 2)
-    assert [[m.zero for m in v] for v in got] == [[0], [2]]
-    assert all(m.recompute.value == "none" and not m.sequence_parallel for v in got for m in v)
-    assert memory_candidates(ctx, ["A100-40"], ((0, 26),), 4, 64, 2, 2) == [(StageMemory(),)]  # TP 1 holds it

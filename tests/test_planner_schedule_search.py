@@ -46,7 +46,7 @@ def test_a_deeper_pipeline_that_wins_only_interleaved_is_found():
 # OPT-350M at batch 256 on four A100-40 of one node: micro-batch 8 at TP 1 fits the memory limit
 # (40 GiB less the 10 % margin) only with ZeRO-2 or ZeRO-3 (simulated peaks: none 41.8 GB, ZeRO-2
 # 36.7 GB, ZeRO-3 with kept weights 37.4 GB), and ZeRO-3 keeping its gathered weights is the
-# fastest and cheapest of them (0.045619 it/s, $0.08946958 per iteration, against 0.045608 for
+# fastest and cheapest of them (0.045619 it/s, $0.089469 per iteration, against 0.045608 for
 # ZeRO-2 and 0.045547 for micro-batch 4 without ZeRO)
 OPT = JobSpec(model="opt-350m", global_batch_size=256)
 FOUR_A100 = ClusterSpec(zones={ZA: {"A100-40": 4}}, gpus_per_node={"A100-40": 4})
@@ -85,17 +85,3 @@ def test_a_floor_never_finds_a_cheaper_plan_than_no_floor():
     assert free.estimate.cost_per_iteration_usd <= floored.estimate.cost_per_iteration_usd
     assert not free.plan.stage_memory(0).reshard_after_forward
     assert free.estimate.cost_per_iteration_usd == pytest.approx(0.08946958, rel=1e-6)
-
-
-@pytest.mark.parametrize("objective", list(Objective))
-def test_four_a100_find_the_kept_weight_plan_a_cluster_with_v100_more_finds(objective):
-    # a newcomer's pair: the kept-weight plan on four A100-40 (0.045619 it/s, $0.08946958 per
-    # iteration) was found with 4 V100-16 more, not on the four alone (0.045547 it/s for throughput,
-    # $0.08957914 for cost):
-    # they searched micro-batch 8 without ZeRO only (TP 2 holds it as it is), and kept weights were
-    # tried on the best finalist only
-    alone = plan_job(make_context(OPT, FOUR_A100), PlanOptions(objective=objective))
-    mixed = plan_job(make_context(OPT, A100_V100), PlanOptions(objective=Objective.COST))
-    assert alone.plan.model_dump(exclude={"job", "cluster"}) == mixed.plan.model_dump(exclude={"job", "cluster"})
-    assert alone.estimate.throughput_iters_per_s == pytest.approx(0.045619, abs=1e-6)
-    assert alone.estimate.cost_per_iteration_usd == pytest.approx(0.08946958, rel=1e-6)

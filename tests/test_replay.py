@@ -258,7 +258,7 @@ def test_replay_prices_the_live_switch_sailor_run_would_make(tmp_path, monkeypat
         written = max(state(old, r.stage, r.tp)[0] for p in old.pipelines for r in p.replicas)
         held = max(state(new, r.stage, r.tp)[1] for p in new.pipelines for r in p.replicas)
         move = ctx.network.transfer_time_s("us-central1-a", "A100-40", "us-central1-a", "A100-40", held)
-        assert written > 1e8  # OPT-350m: a tenth of a second or more at 1 GB/s (ZeRO shards it over D)
+        assert written > 1e9  # OPT-350m: seconds of writing at 1 GB/s
         for run, checkpoint in ((periodic, 0.0), (at_switch, written / 1e9)):
             assert run[k]["switch_s"] == pytest.approx(1.0 + checkpoint + move, rel=1e-9)
     assert switched == 2  # the shrink to 8 and the grow back to 16

@@ -301,9 +301,8 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
                       zero_max: int = 2, lightest: int | None = None,
                       gpus_offered: int | None = None) -> list[Memory]:
     """Memory options for the stages of `partition` (one StageMemory per stage) the planner tries:
-    the defaults alone when every GPU type holds every stage as it is at every TP degree (options are
-    searched where they are needed: a TP degree that holds a stage only with them can be the fastest,
-    e.g. ZeRO-2 at TP 1 against the defaults at TP 2); else, for every GPU type and uniform TP degree t, and every ZeRO
+    the defaults alone when every GPU type holds every stage as it is at some TP degree (options are
+    searched where they are needed); else, for every GPU type and uniform TP degree t, and every ZeRO
     ceiling z <= zero_max, each stage takes its cheapest options that fit (`cheapest_fit`): none
     where the stage fits as it is (no recomputation when it fits), else the SP, recomputation and
     ZeRO level that cost it the least time per micro-batch. ZeRO-1/2 cost nothing per micro-batch; ZeRO-3's gathers do, and the
@@ -317,9 +316,9 @@ def memory_candidates(ctx: SimContext, gpus: list[str], partition: Partition, mb
     P = len(partition)
     base = (DEFAULT_STAGE_MEMORY,) * P
     tps = {g: ctx.job.model.tp_degrees(ctx.cluster.node_size(g)) for g in gpus}
-    if all(min_replicas(ctx, g, t, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=DEFAULT_STAGE_MEMORY) == 1
-           for g in gpus for t in tps[g] for i, (a, b) in enumerate(partition)):
-        return [base]  # every GPU type holds every stage as it is at every TP degree: nothing is needed
+    if all(any(min_replicas(ctx, g, t, mbs, a, b, stage=i, num_stages=P, microbatches=M, memory=DEFAULT_STAGE_MEMORY) == 1
+               for t in tps[g]) for g in gpus for i, (a, b) in enumerate(partition)):
+        return [base]  # every GPU type holds every stage as it is at some TP degree: nothing is needed
     n = ctx.cluster.total_gpus() if gpus_offered is None else gpus_offered
     seen = sorted(_vectors(ctx, gpus, tps, partition, mbs, M, zero_max, n), key=memory_rank)
     out = seen if lightest is None or len(seen) <= lightest else [
