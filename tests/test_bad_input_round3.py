@@ -561,7 +561,8 @@ def test_a_manifest_with_an_invalid_model_names_the_field(tmp_path, model, words
      " profile file: pass it with --profiles)"),
     ({"schema": "acme.net/2"}, "n.json: schema: unknown schema 'acme.net/2'"),
 ])
-def test_a_network_file_of_another_schema_names_it(tmp_path, monkeypatch, doc, words):
+def _network_refusal(tmp_path, monkeypatch, doc) -> str:
+    """The one line `network_for` refuses `doc` with, written as n.json beside the local cluster c.json."""
     from sailor.perf.network_files import network_for
     from sailor.specs import load_cluster
     from test_cli_bad_input import LOCAL
@@ -570,7 +571,12 @@ def test_a_network_file_of_another_schema_names_it(tmp_path, monkeypatch, doc, w
     (tmp_path / "n.json").write_text(json.dumps(doc))
     with pytest.raises(SailorInputError) as e:
         network_for(load_cluster("c.json"), "n.json")
-    assert e.value.one_line().startswith(words), e.value.one_line()
+    return e.value.one_line()
+
+
+def test_a_network_file_of_another_schema_names_it(tmp_path, monkeypatch, doc, words):
+    line = _network_refusal(tmp_path, monkeypatch, doc)
+    assert line.startswith(words), line
 
 
 # ---- a network file without its schema line says so (a newcomer's finding) -----------------------
@@ -593,13 +599,8 @@ _ACCEPTED = ("--network takes our link file with \"schema\": \"sailor.network/1\
 def test_a_network_file_without_its_schema_line_says_so(tmp_path, monkeypatch, doc, line):
     from sailor.perf.network_files import network_for
     from sailor.specs import load_cluster
-    from test_cli_bad_input import LOCAL
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "c.json").write_text(json.dumps(LOCAL))
-    (tmp_path / "n.json").write_text(json.dumps(doc))
-    with pytest.raises(SailorInputError) as e:
-        network_for(load_cluster("c.json"), "n.json")
-    assert e.value.one_line() == line, e.value.one_line()
+    got = _network_refusal(tmp_path, monkeypatch, doc)
+    assert got == line, got
     (tmp_path / "ok.json").write_text(json.dumps({"schema": "sailor.network/1", **_LINKS}))
     assert network_for(load_cluster("c.json"), "ok.json").collective.startup_s == 1e-4  # with the line: read
 
