@@ -552,15 +552,6 @@ def test_a_manifest_with_an_invalid_model_names_the_field(tmp_path, model, words
 
 
 # ---- a network file of another schema says so ----------------------------------------------------
-@pytest.mark.parametrize("doc, words", [
-    ({"schema": "sailor.network/7"}, "n.json: schema: unknown schema 'sailor.network/7' (this Sailor reads"
-                                     " 'sailor.network/1') (measure again with `sailor profile network`"),
-    ({"schema": "sailor.network/7", "links": []}, "n.json: schema: unknown schema 'sailor.network/7'"),
-    ({"schema": "sailor.profiles/1", "layers": []},
-     "n.json: schema: unknown schema 'sailor.profiles/1' (this Sailor reads 'sailor.network/1') (that names a"
-     " profile file: pass it with --profiles)"),
-    ({"schema": "acme.net/2"}, "n.json: schema: unknown schema 'acme.net/2'"),
-])
 def _network_refusal(tmp_path, monkeypatch, doc) -> str:
     """The one line `network_for` refuses `doc` with, written as n.json beside the local cluster c.json."""
     from sailor.perf.network_files import network_for
@@ -574,6 +565,15 @@ def _network_refusal(tmp_path, monkeypatch, doc) -> str:
     return e.value.one_line()
 
 
+@pytest.mark.parametrize("doc, words", [
+    ({"schema": "sailor.network/7"}, "n.json: schema: unknown schema 'sailor.network/7' (this Sailor reads"
+                                     " 'sailor.network/1') (measure again with `sailor profile network`"),
+    ({"schema": "sailor.network/7", "links": []}, "n.json: schema: unknown schema 'sailor.network/7'"),
+    ({"schema": "sailor.profiles/1", "layers": []},
+     "n.json: schema: unknown schema 'sailor.profiles/1' (this Sailor reads 'sailor.network/1') (that names a"
+     " profile file: pass it with --profiles)"),
+    ({"schema": "acme.net/2"}, "n.json: schema: unknown schema 'acme.net/2'"),
+])
 def test_a_network_file_of_another_schema_names_it(tmp_path, monkeypatch, doc, words):
     line = _network_refusal(tmp_path, monkeypatch, doc)
     assert line.startswith(words), line
