@@ -194,7 +194,7 @@ def render_plan_result(result: PlanResult, con, title: str) -> None:
     s.add_column()
     s.add_column(justify="right")
     iteration, (pipeline, sync, optimizer, step) = parts_adding_up(  # printed parts add up to the printed total
-        est.iteration_time_s, (est.pipeline_s, est.gradient_sync_s, est.optimizer_s, est.step_collectives_s), 3)
+        est.iteration_time_s, est.iteration_parts, 3)
     for k, v in [("iterations/s", f"{est.throughput_iters_per_s:.4f}"),
                  ("iteration time (s)", f"{iteration} (pipeline {pipeline}, sync {sync}, optimizer {optimizer},"
                                         f" step all-reduces {step})"),

@@ -92,7 +92,7 @@ def render_estimate(est: Estimate, console: Console, title: str = "", plan: Plan
     s.add_column(justify="left")
     s.add_column(justify="right")
     iteration, (pipeline, sync, optimizer, step) = parts_adding_up(
-        est.iteration_time_s, (est.pipeline_s, est.gradient_sync_s, est.optimizer_s, est.step_collectives_s), 4)
+        est.iteration_time_s, est.iteration_parts, 4)
     rows = [
         ("iteration time (s)", iteration),
         (f"  pipeline ({est.schedule.label}, slowest) (s)", pipeline),

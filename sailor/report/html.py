@@ -95,7 +95,7 @@ def write_index(out_dir: Path, *, title: str, plan: Plan, est: Estimate,
     plan_json = json.dumps(plan.to_dict(), indent=1)  # with its job and cluster when it carries them
     pipes = [[g, z, t, str(n), m] for g, z, t, n, m in plan_rows(plan)]
     iteration, (pipeline, sync, optimizer, step) = parts_adding_up(  # printed parts add up to the printed total
-        est.iteration_time_s, (est.pipeline_s, est.gradient_sync_s, est.optimizer_s, est.step_collectives_s), 4)
+        est.iteration_time_s, est.iteration_parts, 4)
     summary = [
         ["iteration time (s)", iteration],
         [f"  pipeline, {est.schedule.label} slowest (s)", pipeline],

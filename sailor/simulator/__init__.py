@@ -202,6 +202,12 @@ class Estimate:
     (`sync.step_allreduces_s`), part of `iteration_time_s`."""
 
     @property
+    def iteration_parts(self) -> tuple[float, float, float, float]:
+        """The parts `iteration_time_s` is the sum of (seconds): the slowest pipeline, the gradient
+        sync, the optimizer step and the step's all-reduces, in that order."""
+        return self.pipeline_s, self.gradient_sync_s, self.optimizer_s, self.step_collectives_s
+
+    @property
     def throughput_iters_per_s(self) -> float:
         return 1.0 / self.iteration_time_s
 
