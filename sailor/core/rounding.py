@@ -25,7 +25,7 @@ def parts_adding_up(total: float, parts: Sequence[float], decimals: int) -> tupl
     assert 0 <= missing <= len(parts), f"parts {list(parts)} do not add up to {total}"
     by_remainder = sorted(range(len(parts)), key=lambda i: (-(parts[i] * scale - floors[i]), i))
     units = list(floors)
-    for i in by_remainder[:max(missing, 0)]:
+    for i in by_remainder[:missing]:
         units[i] += 1
     return total_text, [_text(u, decimals) for u in units]
 
